@@ -1,0 +1,108 @@
+"""PageAllocator: a free list over a fixed range of page ids (pure numpy, no jax).
+
+Batched alloc and free cost O(k) for k pages. Every id is exactly one of free / allocated;
+freeing an id that is free (double free), out of range (foreign) or repeated within one call
+raises ``HiCacheError`` and changes nothing.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from hicache_jax.errors import HiCacheError, OutOfPagesError
+
+
+def as_page_ids(ids, name: str = "page_ids") -> np.ndarray:
+    """Validate a 1-D integer sequence of page ids and return it as int32 numpy (a copy).
+
+    Raises:
+        TypeError: not integers.
+        ValueError: not 1-D, or negative.
+    """
+    arr = np.asarray(ids)
+    if arr.ndim != 1:
+        raise ValueError(f"{name} must be 1-D, got shape {arr.shape}")
+    if arr.size == 0:
+        return np.zeros(0, np.int32)
+    if arr.dtype == np.bool_ or not np.issubdtype(arr.dtype, np.integer):
+        raise TypeError(f"{name} must hold integers, got dtype {arr.dtype}")
+    if arr.min() < 0:
+        raise ValueError(f"{name} has negative ids (min {arr.min()})")
+    if arr.max() > np.iinfo(np.int32).max:
+        raise ValueError(f"{name} has ids beyond int32 (max {arr.max()})")
+    return arr.astype(np.int32, copy=True)
+
+
+class PageAllocator:
+    """Free list of page ids ``0 .. num_pages-1``.
+
+    Args:
+        num_pages: ids managed (0 allowed: an empty pool).
+        name: used in error messages ("device", "host").
+    """
+
+    __slots__ = ("num_pages", "name", "_stack", "_top", "_allocated")
+
+    def __init__(self, num_pages: int, name: str = "pool") -> None:
+        if num_pages < 0:
+            raise ValueError(f"num_pages={num_pages} must be >= 0")
+        self.num_pages = int(num_pages)
+        self.name = name
+        # Free ids live in _stack[:_top]; popping from the end hands out low ids first.
+        self._stack = np.arange(self.num_pages - 1, -1, -1, dtype=np.int32)
+        self._top = self.num_pages
+        self._allocated = np.zeros(self.num_pages, dtype=np.bool_)
+
+    @property
+    def num_free(self) -> int:
+        return self._top
+
+    @property
+    def num_used(self) -> int:
+        return self.num_pages - self._top
+
+    def alloc(self, n: int) -> np.ndarray:
+        """Take ``n`` free ids (int32, distinct). Raises ``OutOfPagesError`` if fewer are free."""
+        if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 0:
+            raise ValueError(f"n={n!r} must be an int >= 0")
+        if n > self._top:
+            raise OutOfPagesError(
+                f"{self.name} pool: {n} pages needed, {self._top} free",
+                needed=int(n), free=self._top)
+        ids = self._stack[self._top - n:self._top][::-1].copy()
+        self._top -= n
+        self._allocated[ids] = True
+        return ids
+
+    def check_allocated(self, ids, name: str = "page_ids") -> np.ndarray:
+        """Validate that ``ids`` are distinct, in range and currently allocated; return int32."""
+        arr = as_page_ids(ids, name)
+        if arr.size == 0:
+            return arr
+        if arr.max() >= self.num_pages:
+            raise HiCacheError(
+                f"{name} has ids outside the {self.name} pool [0, {self.num_pages}): max {arr.max()}")
+        if np.unique(arr).size != arr.size:
+            raise HiCacheError(f"{name} has duplicate ids")
+        if not self._allocated[arr].all():
+            bad = arr[~self._allocated[arr]][:8]
+            raise HiCacheError(f"{name}: {self.name} pages {bad.tolist()} are not allocated (double free?)")
+        return arr
+
+    def free(self, ids) -> None:
+        """Return ``ids`` to the free list; all-or-nothing validation first."""
+        arr = self.check_allocated(ids)
+        k = arr.size
+        self._allocated[arr] = False
+        self._stack[self._top:self._top + k] = arr[::-1]
+        self._top += k
+
+    def is_allocated(self, ids) -> np.ndarray:
+        """Boolean mask: which of ``ids`` (in range) are currently allocated."""
+        return self._allocated[np.asarray(ids, dtype=np.int64)]
+
+    def reset(self) -> None:
+        """Mark every id free again."""
+        self._stack[:] = np.arange(self.num_pages - 1, -1, -1, dtype=np.int32)
+        self._top = self.num_pages
+        self._allocated[:] = False

@@ -1,0 +1,107 @@
+"""Eviction priority keys (pure Python; no jax import).
+
+A strategy maps a tree node to a sort key; the node with the *smallest* key is the least
+valuable and is evicted first. Selection is a heap over the tree's evictable set, so picking
+k victims costs O(n + k log n) for n evictable leaves, and parents that become evictable while
+an eviction runs are pushed onto the same heap (see :class:`VictimHeap`).
+
+Nodes are duck-typed: any object with ``id``, ``last_access``, ``created``, ``hit_count`` and
+``priority`` attributes works (the tree's ``TreeNode`` has them).
+"""
+
+from __future__ import annotations
+
+import enum
+import heapq
+from typing import Any, Callable, Iterable, Protocol
+
+
+class _Rankable(Protocol):
+    id: int
+    last_access: float
+    created: float
+    hit_count: int
+    priority: int
+
+
+class EvictionPolicy(str, enum.Enum):
+    """Which node to evict first. A ``str`` enum: ``EvictionPolicy.LRU == "lru"``."""
+
+    LRU = "lru"        # least recently used
+    LFU = "lfu"        # least frequently used, ties by recency
+    FIFO = "fifo"      # oldest node first
+    MRU = "mru"        # most recently used first
+    FILO = "filo"      # newest node first
+    PRIORITY = "priority"  # lowest request priority first, ties by recency
+    SLRU = "slru"      # segmented LRU: probationary (hit_count < 2) before protected
+
+    @classmethod
+    def parse(cls, value: "str | EvictionPolicy") -> "EvictionPolicy":
+        """Turn a user string into the enum, with an error that lists the choices."""
+        try:
+            return cls(value)
+        except ValueError:
+            choices = ", ".join(p.value for p in cls)
+            raise ValueError(f"eviction={value!r} is not one of: {choices}") from None
+
+
+#: hit_count at which an SLRU node moves from the probationary to the protected segment.
+SLRU_PROTECTED_HITS = 2
+
+_KEYS: dict[EvictionPolicy, Callable[[Any], tuple]] = {
+    EvictionPolicy.LRU: lambda n: (n.last_access,),
+    EvictionPolicy.LFU: lambda n: (n.hit_count, n.last_access),
+    EvictionPolicy.FIFO: lambda n: (n.created,),
+    EvictionPolicy.MRU: lambda n: (-n.last_access,),
+    EvictionPolicy.FILO: lambda n: (-n.created,),
+    EvictionPolicy.PRIORITY: lambda n: (n.priority, n.last_access),
+    EvictionPolicy.SLRU: lambda n: (int(n.hit_count >= SLRU_PROTECTED_HITS), n.last_access),
+}
+
+
+def priority_key(policy: "str | EvictionPolicy") -> Callable[[_Rankable], tuple]:
+    """Return ``key(node) -> tuple``; smaller keys are evicted first.
+
+    The node id is *not* part of the key; :class:`VictimHeap` appends it as the tie-break so
+    that the order is deterministic for equal keys (older node ids first).
+    """
+    return _KEYS[EvictionPolicy.parse(policy)]
+
+
+class VictimHeap:
+    """Min-heap of eviction candidates under one strategy.
+
+    Args:
+        policy: the eviction strategy.
+        nodes: initial candidates (typically the tree's evictable set).
+
+    Keys are computed at push time; a caller that mutates a node after pushing it must check
+    the node is still eligible when it pops it (eviction loops do: a popped node may have been
+    locked or removed in the meantime).
+    """
+
+    __slots__ = ("_key", "_heap")
+
+    def __init__(self, policy: "str | EvictionPolicy", nodes: Iterable[_Rankable] = ()) -> None:
+        self._key = priority_key(policy)
+        self._heap = [(self._key(n), n.id, n) for n in nodes]
+        heapq.heapify(self._heap)
+
+    def push(self, node: _Rankable) -> None:
+        heapq.heappush(self._heap, (self._key(node), node.id, node))
+
+    def pop(self) -> _Rankable:
+        """Remove and return the least valuable node; IndexError when empty."""
+        return heapq.heappop(self._heap)[2]
+
+    def __len__(self) -> int:
+        return len(self._heap)
+
+    def __bool__(self) -> bool:
+        return bool(self._heap)
+
+
+def select_victims(policy: "str | EvictionPolicy", nodes: Iterable[_Rankable], k: int) -> list:
+    """The k least valuable of ``nodes`` (fewer if there are fewer), least valuable first."""
+    key = priority_key(policy)
+    return [n for _, _, n in heapq.nsmallest(k, ((key(n), n.id, n) for n in nodes))]

@@ -1,0 +1,236 @@
+"""KVSpec (what one page holds) and HiCacheConfig (sizes, policies, thresholds).
+
+Both are frozen dataclasses validated at construction: a bad field raises ``ValueError`` /
+``TypeError`` naming the field. Policy strings are resolved once into ``str`` enums here, so
+``cfg.write_policy == "write_back"`` still reads naturally while the code dispatches on enums.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import hashlib
+from typing import Any
+
+import numpy as np
+import jax.numpy as jnp
+
+from hicache_jax.eviction import EvictionPolicy
+
+#: KV dtypes the pools accept -> the unsigned integer of the same width the pools store.
+_BITS_DTYPE = {
+    "bfloat16": np.uint16,
+    "float16": np.uint16,
+    "float32": np.uint32,
+    "float8_e4m3fn": np.uint8,
+    "int8": np.uint8,
+}
+SUPPORTED_DTYPES = tuple(_BITS_DTYPE)
+
+
+def _enum_parse(cls: type[enum.Enum], field: str, value: Any) -> Any:
+    try:
+        return cls(value)
+    except ValueError:
+        choices = ", ".join(repr(m.value) for m in cls)
+        raise ValueError(f"{field}={value!r} is not one of: {choices}") from None
+
+
+class WritePolicy(str, enum.Enum):
+    """When device pages are backed up to host (SGLang HiCache semantics)."""
+
+    WRITE_THROUGH = "write_through"                      # once hit_count >= threshold (default 1)
+    WRITE_THROUGH_SELECTIVE = "write_through_selective"  # same, default threshold 2
+    WRITE_BACK = "write_back"                            # only when evicted from device
+
+
+class HostLayout(str, enum.Enum):
+    """Layout of the host pool buffer."""
+
+    LAYER_FIRST = "layer_first"  # [num_layers, kv, num_pages, page_size, heads, dim]
+    PAGE_FIRST = "page_first"    # [num_pages, num_layers, kv, page_size, heads, dim]
+
+
+class CopyBackend(str, enum.Enum):
+    """How the device pool moves pages: XLA scatter/gather, or Pallas kernels."""
+
+    AUTO = "auto"
+    XLA = "xla"
+    PALLAS = "pallas"
+
+
+class PrefetchPolicy(str, enum.Enum):
+    """How match_prefix treats an L3 prefetch still in flight."""
+
+    BEST_EFFORT = "best_effort"
+    WAIT_COMPLETE = "wait_complete"
+    TIMEOUT = "timeout"
+
+
+def _check_int(name: str, value: Any, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{name}={value!r} must be an int")
+    if value < minimum:
+        raise ValueError(f"{name}={value!r} must be >= {minimum}")
+
+
+@dataclasses.dataclass(frozen=True)
+class KVSpec:
+    """Shape and dtype of the KV cache of one model.
+
+    Args:
+        num_layers: transformer layers.
+        num_kv_heads: KV heads (1 for an MLA latent cache).
+        head_dim: head dimension (the latent width for MLA).
+        dtype: one of ``SUPPORTED_DTYPES``.
+        page_size: tokens per page.
+        mla: K and V are one tensor (a latent cache); the KV axis then has size 1.
+
+    The KV of ``n`` pages, as every public API takes and returns it, has shape
+    ``kv_shape(n) = (num_layers, kv_factor, n, page_size, num_kv_heads, head_dim)``.
+    """
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str = "bfloat16"
+    page_size: int = 16
+    mla: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("num_layers", "num_kv_heads", "head_dim", "page_size"):
+            _check_int(name, getattr(self, name), 1)
+        dtype = self.dtype
+        if not isinstance(dtype, str):
+            dtype = np.dtype(dtype).name  # accept jnp.bfloat16 / np.float16 too
+        if dtype not in _BITS_DTYPE:
+            raise ValueError(f"dtype={self.dtype!r} is not one of: {', '.join(SUPPORTED_DTYPES)}")
+        object.__setattr__(self, "dtype", dtype)
+        if not isinstance(self.mla, bool):
+            raise TypeError(f"mla={self.mla!r} must be a bool")
+        if self.mla and self.num_kv_heads != 1:
+            raise ValueError(f"mla=True needs num_kv_heads=1 (one latent 'head'), got {self.num_kv_heads}")
+
+    @property
+    def kv_factor(self) -> int:
+        """2 (K and V) or 1 (MLA latent)."""
+        return 1 if self.mla else 2
+
+    @property
+    def jnp_dtype(self) -> np.dtype:
+        """The compute dtype (``jnp.bfloat16`` etc.)."""
+        return jnp.dtype(self.dtype)
+
+    @property
+    def bits_dtype(self) -> np.dtype:
+        """Unsigned integer of the dtype's width: what the pools store (DESIGN rule 1)."""
+        return np.dtype(_BITS_DTYPE[self.dtype])
+
+    @property
+    def itemsize(self) -> int:
+        return self.bits_dtype.itemsize
+
+    def kv_shape(self, num_pages: int) -> tuple[int, int, int, int, int, int]:
+        """Shape of the KV of ``num_pages`` pages: [layers, kv, pages, page_size, heads, dim]."""
+        return (self.num_layers, self.kv_factor, num_pages, self.page_size,
+                self.num_kv_heads, self.head_dim)
+
+    @property
+    def page_elems(self) -> int:
+        """Elements of one page across all layers and K/V."""
+        return self.num_layers * self.kv_factor * self.page_size * self.num_kv_heads * self.head_dim
+
+    @property
+    def page_bytes(self) -> int:
+        """Bytes of one page across all layers and K/V."""
+        return self.page_elems * self.itemsize
+
+    @property
+    def chunk_bytes(self) -> int:
+        """Bytes of one page of one layer and one of K/V (contiguous in every layout)."""
+        return self.page_size * self.num_kv_heads * self.head_dim * self.itemsize
+
+    def fingerprint(self) -> str:
+        """Stable short hash of everything that makes two caches' bytes incompatible."""
+        text = (f"L{self.num_layers}/H{self.num_kv_heads}/D{self.head_dim}/{self.dtype}"
+                f"/P{self.page_size}/mla{int(self.mla)}")
+        return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+@dataclasses.dataclass(frozen=True)
+class HiCacheConfig:
+    """Sizes and policies of one HiCache.
+
+    Args:
+        device_pages: pages in the device pool (L1).
+        host_pages: pages in the host pool (L2); None -> ``round(host_ratio * device_pages)``.
+        host_ratio: used only when ``host_pages`` is None.
+        write_policy: "write_through" | "write_through_selective" | "write_back".
+        write_through_threshold: backup once ``hit_count >= threshold``; None -> 1 for
+            write_through, 2 for write_through_selective (unused by write_back).
+        eviction: "lru" | "lfu" | "fifo" | "mru" | "filo" | "priority" | "slru".
+        load_back_threshold: tokens; host hits shorter than this are recomputed instead.
+        load_back_quota: tokens; host hits longer than this are declined (None: unlimited).
+        host_layout: "layer_first" | "page_first".
+        copy_backend: "auto" | "xla" | "pallas" (device pool page movement).
+        mesh: optional ``jax.sharding.Mesh``; the device pool is sharded over kv heads on
+            ``shard_axis`` of it.
+        shard_axis: mesh axis name; defaults to the mesh's first axis.
+        storage: L3 URL ("file:///dir", "mooncake://host:port") or None.
+        prefetch_policy: "best_effort" | "wait_complete" | "timeout".
+        prefetch_timeout_s: base deadline of the "timeout" policy (grows with size).
+        storage_write_policy: "write_through" (backed-up host pages also go to L3) |
+            "write_back" (only host pages evicted from L2 go to L3).
+    """
+
+    device_pages: int
+    host_pages: int | None = None
+    host_ratio: float = 4.0
+    write_policy: WritePolicy | str = WritePolicy.WRITE_THROUGH
+    write_through_threshold: int | None = None
+    eviction: EvictionPolicy | str = EvictionPolicy.LRU
+    load_back_threshold: int = 16
+    load_back_quota: int | None = None
+    host_layout: HostLayout | str = HostLayout.LAYER_FIRST
+    copy_backend: CopyBackend | str = CopyBackend.AUTO
+    mesh: Any = None
+    shard_axis: str | None = None
+    storage: str | None = None
+    prefetch_policy: PrefetchPolicy | str = PrefetchPolicy.BEST_EFFORT
+    prefetch_timeout_s: float = 1.0
+    storage_write_policy: WritePolicy | str = WritePolicy.WRITE_THROUGH
+
+    def __post_init__(self) -> None:
+        _check_int("device_pages", self.device_pages, 1)
+        set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731
+        if self.host_pages is None:
+            if not isinstance(self.host_ratio, (int, float)) or self.host_ratio < 0:
+                raise ValueError(f"host_ratio={self.host_ratio!r} must be a number >= 0")
+            set_("host_pages", int(round(self.host_ratio * self.device_pages)))
+        _check_int("host_pages", self.host_pages, 0)
+        set_("write_policy", _enum_parse(WritePolicy, "write_policy", self.write_policy))
+        set_("eviction", EvictionPolicy.parse(self.eviction))
+        set_("host_layout", _enum_parse(HostLayout, "host_layout", self.host_layout))
+        set_("copy_backend", _enum_parse(CopyBackend, "copy_backend", self.copy_backend))
+        set_("prefetch_policy", _enum_parse(PrefetchPolicy, "prefetch_policy", self.prefetch_policy))
+        set_("storage_write_policy", _enum_parse(
+            WritePolicy, "storage_write_policy", self.storage_write_policy))
+        if self.write_through_threshold is None:
+            default = 2 if self.write_policy is WritePolicy.WRITE_THROUGH_SELECTIVE else 1
+            set_("write_through_threshold", default)
+        _check_int("write_through_threshold", self.write_through_threshold, 1)
+        _check_int("load_back_threshold", self.load_back_threshold, 0)
+        if self.load_back_quota is not None:
+            _check_int("load_back_quota", self.load_back_quota, 0)
+        if self.storage is not None and not isinstance(self.storage, str):
+            raise TypeError(f"storage={self.storage!r} must be a URL string or None")
+        if not isinstance(self.prefetch_timeout_s, (int, float)) or self.prefetch_timeout_s <= 0:
+            raise ValueError(f"prefetch_timeout_s={self.prefetch_timeout_s!r} must be > 0")
+        if self.shard_axis is not None and self.mesh is None:
+            raise ValueError(f"shard_axis={self.shard_axis!r} given without a mesh")
+        if self.mesh is not None:
+            names = tuple(self.mesh.axis_names)
+            axis = self.shard_axis if self.shard_axis is not None else names[0]
+            if axis not in names:
+                raise ValueError(f"shard_axis={axis!r} is not an axis of the mesh {names}")
+            set_("shard_axis", axis)
