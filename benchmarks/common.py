@@ -1,0 +1,102 @@
+"""Shared helpers of the benchmark scripts: timing, the memcpy limit, environment record, tables.
+
+Every benchmark prints its figure beside the limit it is judged against, as a ratio measured in
+the same run, and writes the raw figures as JSON with :func:`env_info` so tables from a CPU, a GPU
+and a TPU can be put side by side.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import statistics
+import time
+from typing import Any, Callable, Iterable, Sequence
+
+import numpy as np
+
+
+def env_info() -> dict[str, Any]:
+    """Backend, device kind and count, versions, date: recorded in every JSON."""
+    import jax
+    import jaxlib
+
+    dev = jax.devices()[0]
+    return {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "backend": jax.default_backend(),
+        "device_kind": getattr(dev, "device_kind", str(dev)),
+        "device_count": jax.device_count(),
+        "jax": jax.__version__,
+        "jaxlib": jaxlib.__version__,
+        "numpy": np.__version__,
+        "python": platform.python_version(),
+        "machine": platform.machine(),
+        "cpu_count": os.cpu_count(),
+    }
+
+
+def median_time(fn: Callable[[], Any], *, repeats: int = 7, warmup: int = 1,
+                setup: Callable[[], Any] | None = None) -> float:
+    """Median wall seconds of ``fn()`` over ``repeats`` runs (``setup()`` untimed before each).
+
+    ``fn`` must block until its work is done (call ``block_until_ready`` inside it).
+    """
+    for _ in range(warmup):
+        if setup is not None:
+            setup()
+        fn()
+    times = []
+    for _ in range(repeats):
+        if setup is not None:
+            setup()
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def memcpy_seconds(nbytes: int, *, repeats: int = 7) -> float:
+    """Median seconds of ``numpy.copyto`` of ``nbytes`` contiguous bytes (the CPU limit)."""
+    src = np.random.default_rng(0).integers(0, 255, size=nbytes, dtype=np.uint8)
+    dst = np.empty_like(src)
+    return median_time(lambda: np.copyto(dst, src), repeats=repeats, warmup=2)
+
+
+def gbps(nbytes: int, seconds: float) -> float:
+    return nbytes / seconds / 1e9 if seconds > 0 else float("inf")
+
+
+def print_table(headers: Sequence[str], rows: Iterable[Sequence[Any]], title: str | None = None) -> str:
+    """Print (and return) a plain-text table; floats get 3 significant digits."""
+
+    def fmt(v: Any) -> str:
+        if isinstance(v, float):
+            return f"{v:.3g}" if abs(v) < 1e4 else f"{v:,.0f}"
+        return str(v)
+
+    body = [[fmt(v) for v in r] for r in rows]
+    widths = [max(len(h), *(len(r[i]) for r in body)) if body else len(h)
+              for i, h in enumerate(headers)]
+    lines = []
+    if title:
+        lines.append(title)
+    lines.append("  ".join(h.rjust(w) for h, w in zip(headers, widths)))
+    lines.append("  ".join("-" * w for w in widths))
+    lines.extend("  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in body)
+    text = "\n".join(lines)
+    print(text, flush=True)
+    return text
+
+
+def write_json(path: str | None, name: str, config: dict[str, Any], results: Any) -> None:
+    """Write ``{"benchmark", "env", "config", "results"}`` to ``path`` (skip when None)."""
+    if not path:
+        return
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump({"benchmark": name, "env": env_info(), "config": config, "results": results},
+                  f, indent=2, default=str)
+    print(f"wrote {path}")
