@@ -1,0 +1,694 @@
+"""Page-granular radix tree of cached token prefixes over two tiers (pure Python + numpy; no jax).
+
+A node's ``key`` is a whole number of pages of tokens. ``value`` holds the node's device page
+ids (one int32 per page; ``None`` once evicted from device) and ``host_value`` its host page ids
+(``None`` until backed up). Keys are compared page by page with numpy (one ``memcmp`` per node,
+``argmin`` only on a mismatch), never token by token in Python. Only whole pages are cached: a
+trailing partial page is ignored by :meth:`RadixTree.match` and :meth:`RadixTree.insert`.
+
+Children are keyed by the tuple of their first page's tokens; the root's children by
+``(extra_key, first page)``, so equal tokens under different ``extra_key`` never share a node.
+
+Shape of the two tiers (kept by every method, checked by :meth:`RadixTree.check_invariants`):
+
+* Device residency is prefix-closed: a node with ``value`` has a parent with ``value`` (or the
+  root). Evicting from device only takes nodes none of whose children hold device pages, and
+  loading back (:meth:`RadixTree.set_value`) or reviving by insert goes root-first.
+* ``value`` and ``host_value`` are never both ``None`` (root aside): a node that loses its last
+  copy is deleted (:meth:`RadixTree.delete_leaf`).
+* A device (host) page id is held by at most one node and one position; :meth:`insert`,
+  :meth:`set_value`, :meth:`set_host_value` refuse ids the tree already holds.
+* ``evictable_device`` = nodes that are unlocked, hold device pages and have no child holding
+  device pages. ``evictable_host`` = nodes that are unlocked, host-only and childless. Both sets,
+  and the token counts, are maintained incrementally (O(1) per changed node, no scans).
+
+Semantics of :meth:`RadixTree.insert` over nodes that already exist:
+
+* positions held on device with the caller's own page: nothing happens;
+* positions held on device with a different page: the tree keeps its page and the caller's page
+  is returned in ``duplicate_pages`` for the caller to free;
+* positions held on host only: the node takes the caller's pages and is device-resident again,
+  keeping its host copy (``revived_nodes``), which is how a declined load-back is recomputed;
+* every existing node on the path gets ``hit_count += 1`` (not when ``chunked=True``: a chunked
+  prefill inserts the same prefix once per chunk and must not count as repeated use),
+  ``priority = max(old, priority)`` and ``last_access = now``.
+
+A split (in :meth:`match` or :meth:`insert`, always at a page boundary) creates a new parent
+holding the first part of key, value, host_value and page_hashes, with lock_ref, hit_count,
+last_access, created and priority copied; the original node object keeps the tail, so handles held
+elsewhere (a lock, an in-flight backup) still name the node that holds the tail, and lock walks
+cover the new parent. :meth:`lock` on a host-only node is allowed: it protects it from host
+eviction (e.g. while a load-back is in flight).
+
+Errors: malformed arguments raise ``TypeError`` / ``ValueError``; misuse of state (unlock below
+zero, evicting a locked node, page ids the tree already holds) raises ``HiCacheError``. Every
+check runs before any change: a call that raises leaves the tree exactly as it was
+(:meth:`RadixTree.snapshot` compares equal).
+
+Threading: the tree is not thread-safe; only the thread that owns the cache touches it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Hashable, Iterator
+
+import numpy as np
+
+from hicache_jax.errors import HiCacheError
+
+_EMPTY_I32 = np.zeros(0, np.int32)
+_EMPTY_U64 = np.zeros(0, np.uint64)
+
+
+# ----------------------------------------------------------------------------- page hashes
+
+def namespace_hash(extra_key: Hashable) -> int:
+    """Seed of the hash chain of a namespace: blake2b of ``repr(extra_key)`` (stable for None,
+    str, int and tuples of those; not Python's salted ``hash()``)."""
+    digest = hashlib.blake2b(b"hicache-ns:" + repr(extra_key).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little")
+
+
+def chain_hashes(prev: int, pages: np.ndarray) -> np.ndarray:
+    """``h_i = blake2b(h_{i-1} || tokens of page i)`` as uint64, one per row of ``pages``.
+
+    Args:
+        prev: hash of the page before the first row (or :func:`namespace_hash`).
+        pages: int64 ``[num_pages, page_size]``.
+    """
+    out = np.empty(pages.shape[0], np.uint64)
+    rows = np.ascontiguousarray(pages, dtype="<i8")
+    for i in range(rows.shape[0]):  # one hash per page, not per token
+        d = hashlib.blake2b(prev.to_bytes(8, "little") + rows[i].tobytes(), digest_size=8).digest()
+        prev = int.from_bytes(d, "little")
+        out[i] = prev
+    return out
+
+
+# ----------------------------------------------------------------------------- nodes / results
+
+@dataclass(slots=True, eq=False)
+class TreeNode:
+    """One run of whole pages of one cached prefix. Identity-hashed (``eq=False``).
+
+    Attributes:
+        id: per-tree counter (the eviction tie-break: older ids first).
+        key: int64 ``[num_pages * page_size]`` tokens of this node (empty for the root).
+        parent: ``None`` for the root and for nodes deleted from the tree.
+        children: first-page tuple (``(extra_key, tuple)`` under the root) -> child.
+        value: int32 ``[num_pages]`` device page ids, or ``None`` when evicted from device.
+        host_value: int32 ``[num_pages]`` host page ids, or ``None`` when not backed up.
+        lock_ref: locks on this node or a descendant (locks walk to the root).
+        hit_count, last_access, created, priority: eviction keys (see ``eviction.py``).
+        page_hashes: uint64 ``[num_pages]`` chained hashes of the prefix ending at each page.
+        extra_key: the namespace.
+        device_children: how many children hold device pages (keeps evictability O(1)).
+    """
+
+    id: int
+    key: np.ndarray
+    parent: "TreeNode | None"
+    children: dict = field(default_factory=dict)
+    value: "np.ndarray | None" = None
+    host_value: "np.ndarray | None" = None
+    lock_ref: int = 0
+    hit_count: int = 0
+    last_access: float = 0.0
+    created: float = 0.0
+    priority: int = 0
+    page_hashes: np.ndarray = field(default_factory=lambda: _EMPTY_U64)
+    extra_key: Any = None
+    device_children: int = 0
+
+    @property
+    def num_pages(self) -> int:
+        return self.page_hashes.shape[0]
+
+    @property
+    def num_tokens(self) -> int:
+        return self.key.shape[0]
+
+    @property
+    def evicted(self) -> bool:
+        """No device pages (host-only)."""
+        return self.value is None
+
+    @property
+    def backed_up(self) -> bool:
+        return self.host_value is not None
+
+    @property
+    def is_root(self) -> bool:
+        return self.parent is None and self.key.shape[0] == 0
+
+    def __repr__(self) -> str:
+        return (f"TreeNode(id={self.id}, tokens={self.num_tokens}, device={self.value is not None}, "
+                f"host={self.host_value is not None}, lock_ref={self.lock_ref})")
+
+
+@dataclass(frozen=True)
+class TreeMatch:
+    """Result of :meth:`RadixTree.match`.
+
+    Attributes:
+        device_pages: int32 ``[device_len // page_size]`` device page ids, root first (a copy).
+        device_len: tokens matched on device.
+        host_len: further tokens matched on host only.
+        host_nodes: root-first chain of host-only nodes after the device part.
+        last_device_node: deepest device-resident matched node (the root if none).
+        node: deepest matched node (the root if nothing matched).
+    """
+
+    device_pages: np.ndarray
+    device_len: int
+    host_len: int
+    host_nodes: tuple
+    last_device_node: TreeNode
+    node: TreeNode
+
+
+@dataclass(frozen=True)
+class InsertResult:
+    """Result of :meth:`RadixTree.insert`.
+
+    Attributes:
+        prefix_len: tokens already cached (on either tier) before the call.
+        duplicate_pages: int32 caller pages at positions the tree already held on device with a
+            different page; the caller still owns them and frees them.
+        existing_nodes: root-first nodes that already existed along the path.
+        revived_nodes: host-only nodes that took the caller's pages (device-resident again).
+        last_node: deepest node of the inserted prefix (the root if no whole page).
+    """
+
+    prefix_len: int
+    duplicate_pages: np.ndarray
+    existing_nodes: list
+    revived_nodes: list
+    last_node: TreeNode
+
+
+class _HeldPages:
+    """Which page ids of one tier the tree holds: a growable bool mask (O(k) per batch)."""
+
+    __slots__ = ("mask", "count")
+
+    def __init__(self) -> None:
+        self.mask = np.zeros(1024, np.bool_)
+        self.count = 0
+
+    def any_held(self, ids: np.ndarray) -> bool:
+        ids = ids[ids < self.mask.shape[0]]
+        return bool(ids.size and self.mask[ids].any())
+
+    def add(self, ids: np.ndarray) -> None:
+        if ids.size and ids.max() >= self.mask.shape[0]:
+            grown = np.zeros(max(2 * self.mask.shape[0], int(ids.max()) + 1), np.bool_)
+            grown[: self.mask.shape[0]] = self.mask
+            self.mask = grown
+        self.mask[ids] = True
+        self.count += ids.size
+
+    def remove(self, ids: np.ndarray) -> None:
+        self.mask[ids] = False
+        self.count -= ids.size
+
+
+# ----------------------------------------------------------------------------- validation
+
+def _as_tokens(tokens: Any) -> np.ndarray:
+    """1-D non-negative integer sequence -> int64 numpy (no copy when already int64)."""
+    arr = np.asarray(tokens)
+    if arr.ndim != 1:
+        raise ValueError(f"tokens must be 1-D, got shape {arr.shape}")
+    if arr.size == 0:
+        return np.zeros(0, np.int64)
+    if arr.dtype == np.bool_ or not np.issubdtype(arr.dtype, np.integer):
+        raise TypeError(f"tokens must hold integers, got dtype {arr.dtype}")
+    if arr.dtype == np.uint64 and arr.max() > np.iinfo(np.int64).max:
+        raise ValueError("tokens has values beyond int64")
+    if arr.min() < 0:
+        raise ValueError(f"tokens must be >= 0 (min {arr.min()})")
+    return arr.astype(np.int64, copy=False)
+
+
+def _as_ids(ids: Any, n: int, name: str) -> np.ndarray:
+    """1-D distinct non-negative integer page ids of length ``n`` -> int32 copy."""
+    arr = np.asarray(ids)
+    if arr.ndim != 1:
+        raise ValueError(f"{name} must be 1-D, got shape {arr.shape}")
+    if arr.size and (arr.dtype == np.bool_ or not np.issubdtype(arr.dtype, np.integer)):
+        raise TypeError(f"{name} must hold integers, got dtype {arr.dtype}")
+    if arr.shape[0] != n:
+        raise ValueError(f"{name} has {arr.shape[0]} ids, expected {n} (one per whole page)")
+    if n == 0:
+        return _EMPTY_I32
+    if arr.min() < 0 or arr.max() > np.iinfo(np.int32).max:
+        raise ValueError(f"{name} must be in [0, 2**31): min {arr.min()}, max {arr.max()}")
+    out = arr.astype(np.int32)
+    if n > 1 and np.unique(out).size != n:
+        raise ValueError(f"{name} has duplicate ids")
+    return out
+
+
+def _check_extra_key(extra_key: Any) -> None:
+    try:
+        hash(extra_key)
+    except TypeError:
+        raise TypeError(f"extra_key must be hashable, got {type(extra_key).__name__}") from None
+
+
+# ----------------------------------------------------------------------------- the tree
+
+class RadixTree:
+    """Radix tree of page-aligned token prefixes with device/host page ids per node.
+
+    Args:
+        page_size: tokens per page (>= 1).
+        clock: returns the current time (float); injected so tests order events without sleep.
+
+    Attributes:
+        root: the root node (no key, never evicted).
+        evictable_device: set of device-evictable nodes (see module docstring).
+        evictable_host: set of host-evictable nodes.
+        device_tokens / evictable_device_tokens / protected_device_tokens: tokens held on device
+            in all / unlocked / locked nodes (evictable + protected = device).
+        host_tokens: tokens held on host.
+    """
+
+    def __init__(self, page_size: int, clock: Callable[[], float] = time.monotonic) -> None:
+        if isinstance(page_size, bool) or not isinstance(page_size, (int, np.integer)) or page_size < 1:
+            raise ValueError(f"page_size={page_size!r} must be an int >= 1")
+        self.page_size = int(page_size)
+        self._clock = clock
+        self._next_id = 0
+        self.reset()
+
+    # -- bookkeeping -------------------------------------------------------------------------
+
+    def reset(self) -> None:
+        """Forget every node (the caller frees the pages it knew the tree held)."""
+        self.root = self._new_node(np.zeros(0, np.int64), None, _EMPTY_U64, None, 0.0)
+        self.root.value = _EMPTY_I32
+        self.root.lock_ref = 1  # the root is never evictable
+        self.evictable_device: set[TreeNode] = set()
+        self.evictable_host: set[TreeNode] = set()
+        self.device_tokens = 0
+        self.evictable_device_tokens = 0
+        self.protected_device_tokens = 0
+        self.host_tokens = 0
+        self._device_held = _HeldPages()
+        self._host_held = _HeldPages()
+
+    def _new_node(self, key, parent, hashes, extra_key, now) -> TreeNode:
+        node = TreeNode(id=self._next_id, key=key, parent=parent, page_hashes=hashes,
+                        extra_key=extra_key, last_access=now, created=now)
+        self._next_id += 1
+        return node
+
+    def _child_key(self, parent: TreeNode, page: np.ndarray, extra_key: Any) -> Hashable:
+        first = tuple(page.tolist())
+        return (extra_key, first) if parent is self.root else first
+
+    def _refresh(self, node: TreeNode) -> None:
+        """Recompute ``node``'s membership of both evictable sets from its O(1) fields."""
+        if node is self.root:
+            return
+        free = node.lock_ref == 0
+        if free and node.value is not None and node.device_children == 0:
+            self.evictable_device.add(node)
+        else:
+            self.evictable_device.discard(node)
+        if free and node.value is None and node.host_value is not None and not node.children:
+            self.evictable_host.add(node)
+        else:
+            self.evictable_host.discard(node)
+
+    def _account_device(self, node: TreeNode, sign: int) -> None:
+        n = sign * node.num_tokens
+        self.device_tokens += n
+        if node.lock_ref:
+            self.protected_device_tokens += n
+        else:
+            self.evictable_device_tokens += n
+
+    def _attach_value(self, node: TreeNode, ids: np.ndarray) -> None:
+        """Give an evicted node device pages (load-back or revive); parent already resident."""
+        node.value = ids
+        self._device_held.add(ids)
+        self._account_device(node, +1)
+        node.parent.device_children += 1
+        self._refresh(node)
+        self._refresh(node.parent)
+
+    def _check_member(self, node: TreeNode) -> None:
+        """A non-root node of this tree (O(depth) walk), else TypeError / HiCacheError."""
+        if not isinstance(node, TreeNode):
+            raise TypeError(f"node must be a TreeNode, got {type(node).__name__}")
+        top = node
+        while top.parent is not None:
+            top = top.parent
+        if node is self.root or top is not self.root:
+            raise HiCacheError(f"{node!r} is not a non-root node of this tree")
+
+    # -- walking and splitting ---------------------------------------------------------------
+
+    def _walk(self, tokens: np.ndarray, extra_key: Any) -> tuple[list, int]:
+        """Read-only descent: nodes matched (the last may match only partly) and tokens matched."""
+        ps, n = self.page_size, tokens.shape[0]
+        path, pos, node = [], 0, self.root
+        while pos < n:
+            child = node.children.get(self._child_key(node, tokens[pos:pos + ps], extra_key))
+            if child is None:
+                break
+            m = min(child.num_tokens, n - pos)
+            if child.key[:m].tobytes() == tokens[pos:pos + m].tobytes():
+                matched = m
+            else:  # first differing token, rounded down to its page
+                diff = child.key[:m] != tokens[pos:pos + m]
+                matched = int(np.argmax(diff)) // ps * ps
+            path.append(child)
+            pos += matched
+            if matched < child.num_tokens:
+                break
+            node = child
+        return path, pos
+
+    def _split(self, node: TreeNode, ntok: int) -> TreeNode:
+        """Split ``node`` after ``ntok`` tokens (a page multiple); return the new upper part."""
+        p = ntok // self.page_size
+        parent = node.parent
+        upper = self._new_node(node.key[:ntok], parent, node.page_hashes[:p], node.extra_key,
+                               node.last_access)
+        upper.created, upper.lock_ref = node.created, node.lock_ref
+        upper.hit_count, upper.priority = node.hit_count, node.priority
+        if node.value is not None:
+            upper.value, node.value = node.value[:p], node.value[p:]
+            upper.device_children = 1
+        if node.host_value is not None:
+            upper.host_value, node.host_value = node.host_value[:p], node.host_value[p:]
+        # The first page is unchanged, so the grandparent's dict key is unchanged.
+        parent.children[self._child_key(parent, node.key[: self.page_size], node.extra_key)] = upper
+        node.key, node.page_hashes, node.parent = node.key[ntok:], node.page_hashes[p:], upper
+        upper.children[self._child_key(upper, node.key[: self.page_size], node.extra_key)] = node
+        return upper  # in neither evictable set: it has a child on its own tier
+
+    def _materialize(self, path: list, pos: int) -> list:
+        """Split the last node of ``path`` where the match ends inside it; return full nodes."""
+        # The dict lookup already matched the last node's first page, so at least one page of
+        # it matched and a split never produces an empty part.
+        if path:
+            end = sum(n.num_tokens for n in path[:-1])
+            if pos - end < path[-1].num_tokens:
+                path = path[:-1] + [self._split(path[-1], pos - end)]
+        return path
+
+    # -- public API ----------------------------------------------------------------------------
+
+    def match(self, tokens: Any, extra_key: Hashable = None) -> TreeMatch:
+        """Longest cached whole-page prefix of ``tokens``, on device then on host.
+
+        Args:
+            tokens: 1-D non-negative integer sequence; a trailing partial page is ignored.
+            extra_key: namespace (hashable).
+
+        Returns:
+            A :class:`TreeMatch`. Splits a node where the match ends inside it and sets
+            ``last_access`` of every matched node (hit counts are left to :meth:`insert`).
+        """
+        arr = _as_tokens(tokens)
+        _check_extra_key(extra_key)
+        arr = arr[: arr.shape[0] // self.page_size * self.page_size]
+        path = self._materialize(*self._walk(arr, extra_key))
+        now = self._clock()
+        device, host = [], []
+        for node in path:
+            node.last_access = now
+            (device if node.value is not None else host).append(node)
+        dev_len = sum(n.num_tokens for n in device)
+        pages = np.concatenate([n.value for n in device]) if device else _EMPTY_I32
+        return TreeMatch(device_pages=pages, device_len=dev_len,
+                         host_len=sum(n.num_tokens for n in host), host_nodes=tuple(host),
+                         last_device_node=device[-1] if device else self.root,
+                         node=path[-1] if path else self.root)
+
+    def insert(self, tokens: Any, page_ids: Any, extra_key: Hashable = None, *,
+               priority: int = 0, chunked: bool = False) -> InsertResult:
+        """Cache the whole pages of ``tokens`` with the caller's device pages.
+
+        Args:
+            tokens: 1-D non-negative integer sequence; a trailing partial page is ignored.
+            page_ids: 1-D int ``[len(tokens) // page_size]`` device pages, one per whole page.
+                Ownership passes to the tree for new and revived positions; duplicates stay the
+                caller's (see module docstring).
+            extra_key: namespace (hashable).
+            priority: request priority (for the ``priority`` eviction strategy).
+            chunked: do not count a hit on existing nodes (one prefill split into chunks).
+
+        Raises:
+            TypeError / ValueError: malformed tokens, page_ids or extra_key.
+            HiCacheError: a page the tree must take (or hand back as a duplicate) is already held
+                by the tree at another position.
+        """
+        arr = _as_tokens(tokens)
+        _check_extra_key(extra_key)
+        npages = arr.shape[0] // self.page_size
+        ids = _as_ids(page_ids, npages, "page_ids")
+        arr = arr[: npages * self.page_size]
+        path, pos = self._walk(arr, extra_key)
+        dup_mask = self._check_insert_pages(path, pos, ids)
+        path = self._materialize(path, pos)
+        now = self._clock()
+        revived = []
+        p0 = 0
+        for node in path:  # root-first, so a revived node's parent is already resident
+            if node.value is None:
+                self._attach_value(node, ids[p0:p0 + node.num_pages].copy())
+                revived.append(node)
+            p0 += node.num_pages
+            if not chunked:
+                node.hit_count += 1
+            node.priority = max(node.priority, priority)
+            node.last_access = now
+        last = path[-1] if path else self.root
+        if pos < arr.shape[0]:
+            last = self._add_leaf(last, arr[pos:], ids[pos // self.page_size:], extra_key,
+                                  priority, now)
+        return InsertResult(prefix_len=pos, duplicate_pages=ids[dup_mask],
+                            existing_nodes=path, revived_nodes=revived, last_node=last)
+
+    def _check_insert_pages(self, path: list, pos: int, ids: np.ndarray) -> np.ndarray:
+        """Before any change: which caller pages are duplicates; refuse ids the tree holds."""
+        tree = np.full(ids.shape[0], -1, np.int32)
+        p0 = 0
+        for node in path:
+            k = min(node.num_pages, pos // self.page_size - p0)
+            if node.value is not None:
+                tree[p0:p0 + k] = node.value[:k]
+            p0 += k
+        dup = (tree >= 0) & (tree != ids)
+        if self._device_held.any_held(ids[tree != ids]):
+            raise HiCacheError("page_ids has pages the tree already holds at other positions "
+                               "(pass the tree's own page for a cached position, or a fresh one)")
+        return dup
+
+    def _add_leaf(self, parent: TreeNode, key: np.ndarray, ids: np.ndarray, extra_key: Any,
+                  priority: int, now: float) -> TreeNode:
+        prev = namespace_hash(extra_key) if parent is self.root else int(parent.page_hashes[-1])
+        hashes = chain_hashes(prev, key.reshape(-1, self.page_size))
+        leaf = self._new_node(key.copy(), parent, hashes, extra_key, now)
+        leaf.priority = priority
+        parent.children[self._child_key(parent, key[: self.page_size], extra_key)] = leaf
+        self._attach_value(leaf, ids.copy())
+        return leaf
+
+    def lock(self, node: TreeNode) -> None:
+        """Protect ``node`` and its ancestors from eviction (device and host). Root: no-op."""
+        chain = self._lock_chain(node)
+        for n in chain:
+            n.lock_ref += 1
+            if n.lock_ref == 1:
+                if n.value is not None:
+                    self.evictable_device_tokens -= n.num_tokens
+                    self.protected_device_tokens += n.num_tokens
+                self._refresh(n)
+
+    def unlock(self, node: TreeNode) -> None:
+        """Undo one :meth:`lock`. Raises ``HiCacheError`` (no change) if not locked."""
+        chain = self._lock_chain(node)
+        if any(n.lock_ref <= 0 for n in chain):
+            raise HiCacheError(f"unlock of {node!r} below zero (not locked)")
+        for n in chain:
+            n.lock_ref -= 1
+            if n.lock_ref == 0:
+                if n.value is not None:
+                    self.protected_device_tokens -= n.num_tokens
+                    self.evictable_device_tokens += n.num_tokens
+                self._refresh(n)
+
+    def _lock_chain(self, node: TreeNode) -> list:
+        if not isinstance(node, TreeNode):
+            raise TypeError(f"node must be a TreeNode, got {type(node).__name__}")
+        chain = []
+        while node.parent is not None:
+            chain.append(node)
+            node = node.parent
+        if node is not self.root:
+            raise HiCacheError("node is not in this tree (deleted, or from another tree)")
+        return chain
+
+    def evict_device(self, node: TreeNode) -> np.ndarray:
+        """Drop ``node``'s device pages, keeping it as a host-only node.
+
+        ``node`` must be in ``evictable_device`` and backed up. Returns its int32 device page ids;
+        ownership passes to the caller (who frees them).
+        """
+        if node not in self.evictable_device:
+            raise HiCacheError(f"{node!r} is not device-evictable (locked, evicted, has device "
+                               "children, or not in the tree)")
+        if node.host_value is None:
+            raise HiCacheError(f"{node!r} has no host copy: back it up or delete_leaf it")
+        ids = node.value
+        self._account_device(node, -1)
+        self._device_held.remove(ids)
+        node.value = None
+        node.parent.device_children -= 1
+        self._refresh(node)
+        self._refresh(node.parent)
+        return ids
+
+    def delete_leaf(self, node: TreeNode) -> tuple:
+        """Remove a childless unlocked node; return ``(value, host_value)`` for the caller to free.
+
+        Either may be ``None`` (the tier did not hold the node). Ownership passes to the caller.
+        """
+        if node.children or not (node in self.evictable_device or node in self.evictable_host):
+            raise HiCacheError(f"{node!r} is not a deletable leaf (has children, locked, or not "
+                               "in the tree)")
+        parent = node.parent
+        del parent.children[self._child_key(parent, node.key[: self.page_size], node.extra_key)]
+        self.evictable_device.discard(node)
+        self.evictable_host.discard(node)
+        if node.value is not None:
+            self._account_device(node, -1)
+            self._device_held.remove(node.value)
+            parent.device_children -= 1
+        if node.host_value is not None:
+            self.host_tokens -= node.num_tokens
+            self._host_held.remove(node.host_value)
+        node.parent = None
+        self._refresh(parent)
+        return node.value, node.host_value
+
+    def set_host_value(self, node: TreeNode, host_ids: Any) -> None:
+        """Record a host backup of a device-resident, not yet backed-up node.
+
+        Args:
+            host_ids: 1-D int ``[node.num_pages]`` distinct host page ids; the tree takes them.
+        """
+        self._check_member(node)
+        ids = _as_ids(host_ids, node.num_pages, "host_ids")
+        if node.value is None or node.host_value is not None:
+            raise HiCacheError(f"{node!r} must hold device pages and no host copy yet")
+        if self._host_held.any_held(ids):
+            raise HiCacheError("host_ids has pages the tree already holds")
+        node.host_value = ids
+        self._host_held.add(ids)
+        self.host_tokens += node.num_tokens
+        self._refresh(node)
+
+    def set_value(self, node: TreeNode, device_ids: Any) -> None:
+        """Load-back: give a host-only node device pages. Go root-first: the parent must be
+        device-resident (or the root).
+
+        Args:
+            device_ids: 1-D int ``[node.num_pages]`` distinct device page ids; the tree takes them.
+        """
+        self._check_member(node)
+        ids = _as_ids(device_ids, node.num_pages, "device_ids")
+        if node.value is not None:
+            raise HiCacheError(f"{node!r} already holds device pages")
+        if node.parent.value is None:
+            raise HiCacheError(f"parent of {node!r} is not on device: load back root-first")
+        if self._device_held.any_held(ids):
+            raise HiCacheError("device_ids has pages the tree already holds")
+        self._attach_value(node, ids)
+
+    def nodes(self) -> Iterator[TreeNode]:
+        """Every non-root node (depth-first, iterative)."""
+        stack = list(self.root.children.values())
+        while stack:
+            node = stack.pop()
+            yield node
+            stack.extend(node.children.values())
+
+    def path_tokens(self, node: TreeNode) -> np.ndarray:
+        """int64 tokens of the whole prefix ending at ``node`` (root-first concatenation)."""
+        parts = []
+        while node.parent is not None:
+            parts.append(node.key)
+            node = node.parent
+        return np.concatenate(parts[::-1]) if parts else np.zeros(0, np.int64)
+
+    def snapshot(self) -> frozenset:
+        """Hashable plain-value description of the whole tree, for "unchanged" assertions.
+
+        Each node is ``(extra_key, key, value, host_value, lock_ref, hit_count, priority,
+        children)`` with tuples of ints and ``children`` a frozenset of the same; timestamps are
+        left out (a match moves them).
+        """
+        order, stack = [], [self.root]
+        while stack:  # iterative: paths can be deeper than Python's recursion limit
+            node = stack.pop()
+            order.append(node)
+            stack.extend(node.children.values())
+        done: dict[int, tuple] = {}
+        tup = lambda a: None if a is None else tuple(a.tolist())  # noqa: E731
+        for node in reversed(order):  # children before parents
+            kids = frozenset(done.pop(id(c)) for c in node.children.values())
+            done[id(node)] = (node.extra_key, tup(node.key), tup(node.value), tup(node.host_value),
+                              node.lock_ref, node.hit_count, node.priority, kids)
+        return done[id(self.root)][-1]
+
+    def check_invariants(self) -> None:
+        """Full-scan recomputation of every invariant (for tests); raises AssertionError."""
+        ps, root = self.page_size, self.root
+        assert root.parent is None and root.key.size == 0 and root.lock_ref == 1
+        ev_dev, ev_host, dev, host = set(), set(), [], []
+        tok = {"device": 0, "evictable": 0, "protected": 0, "host": 0}
+        assert root.device_children == sum(c.value is not None for c in root.children.values())
+        for node in self.nodes():
+            parent, kids = node.parent, list(node.children.values())
+            assert parent is not None and not node.is_root
+            assert parent.children.get(self._child_key(parent, node.key[:ps], node.extra_key)) is node
+            assert node.num_tokens > 0 and node.num_tokens == node.num_pages * ps, "whole pages"
+            assert node.key.dtype == np.int64 and node.page_hashes.dtype == np.uint64
+            assert parent is root or node.extra_key == parent.extra_key
+            assert node.value is not None or node.host_value is not None, "no copy left"
+            for arr in (node.value, node.host_value):
+                assert arr is None or (arr.dtype == np.int32 and arr.shape == (node.num_pages,))
+            assert node.value is None or parent.value is not None, "device not prefix-closed"
+            assert node.device_children == sum(c.value is not None for c in kids)
+            assert node.lock_ref >= sum(c.lock_ref for c in kids) and node.lock_ref >= 0
+            prev = namespace_hash(node.extra_key) if parent is root else int(parent.page_hashes[-1])
+            assert np.array_equal(node.page_hashes, chain_hashes(prev, node.key.reshape(-1, ps)))
+            if node.value is not None:
+                dev.append(node.value)
+                tok["device"] += node.num_tokens
+                tok["protected" if node.lock_ref else "evictable"] += node.num_tokens
+                if node.lock_ref == 0 and all(c.value is None for c in kids):
+                    ev_dev.add(node)
+            if node.host_value is not None:
+                host.append(node.host_value)
+                tok["host"] += node.num_tokens
+                if node.value is None and node.lock_ref == 0 and not kids:
+                    ev_host.add(node)
+        assert self.evictable_device == ev_dev and self.evictable_host == ev_host
+        assert (self.device_tokens, self.evictable_device_tokens, self.protected_device_tokens,
+                self.host_tokens) == (tok["device"], tok["evictable"], tok["protected"], tok["host"])
+        for held, parts in ((self._device_held, dev), (self._host_held, host)):
+            ids = np.sort(np.concatenate(parts)) if parts else _EMPTY_I32
+            assert np.unique(ids).size == ids.size, "a page held twice"
+            assert np.array_equal(np.flatnonzero(held.mask), ids) and held.count == ids.size
