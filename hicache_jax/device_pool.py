@@ -16,6 +16,7 @@ Layout (fixed; see DESIGN.md and the interfaces doc)::
   batch size (DESIGN rule 3); padded rows write to and read from the scratch page only.
 * **Sharding** (optional mesh + axis): ``PartitionSpec(None, None, None, None, axis, None)``;
   each device holds its heads' slice of every page, so page movement is local to each device.
+  An MLA latent cache (one "head") is replicated over the mesh instead.
 
 Every update is a module-level jitted function with the pool donated; the pool object holds the
 only reference and rebinds it after each call (DESIGN rule 2). Page ids are validated in numpy
@@ -138,7 +139,8 @@ class DevicePagePool:
     Args:
         spec: what one page holds.
         num_pages: allocatable pages (the array holds one more: the scratch page).
-        mesh: optional ``jax.sharding.Mesh``; the pool is then sharded over kv heads.
+        mesh: optional ``jax.sharding.Mesh`` (Auto or Explicit axes); the pool is then sharded
+            over kv heads (replicated for MLA). num_kv_heads must divide by the axis size.
         axis: mesh axis name to shard heads over (default: the mesh's first axis).
         copy_backend: "auto" | "xla" | "pallas", resolved once here.
 
@@ -146,7 +148,7 @@ class DevicePagePool:
         array: ``spec.bits_dtype[L, kvf, num_pages + 1, ps, H, D]``; this object holds the only
             reference. Do not keep it across a ``write`` or ``run``: it is donated there.
         allocator: ``PageAllocator(num_pages, "device")``; the pool itself never allocates.
-        sharding: the ``NamedSharding`` of ``array``, or None when unsharded.
+        sharding: the ``NamedSharding`` of ``array``, or None without a mesh.
         copy_backend: the resolved ``CopyBackend`` (never AUTO).
     """
 
@@ -281,7 +283,7 @@ class DevicePagePool:
         old = self.array
         result = fn(old, *args)
         new, out = self._check_result(result)
-        if new.sharding != self._array_sharding:
+        if not new.sharding.is_equivalent_to(self._array_sharding, len(self.shape)):
             self.array = jax.device_put(new, self._array_sharding)
             raise ValueError(f"fn returned the pool with sharding {new.sharding}, expected "
                              f"{self._array_sharding}: set out_shardings (the pool was resharded)")
@@ -313,6 +315,10 @@ def _head_sharding(spec: KVSpec, mesh: Mesh | None, axis: str | None) -> NamedSh
     axis = names[0] if axis is None else axis
     if axis not in names:
         raise ValueError(f"axis={axis!r} is not an axis of the mesh {names}")
+    if spec.mla:
+        # One latent "head": nothing to split. Every device keeps the whole latent cache, as
+        # tensor-parallel MLA serving does.
+        return NamedSharding(mesh, PartitionSpec())
     size = mesh.shape[axis]
     if spec.num_kv_heads % size:
         raise ValueError(f"num_kv_heads={spec.num_kv_heads} is not divisible by the size {size} "

@@ -1,0 +1,322 @@
+"""DevicePagePool: bit-exact round trips, donation, bounded compiles, validation, run(), sharding."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import AxisType, NamedSharding, PartitionSpec
+
+from hicache_jax import device_pool as dp
+from hicache_jax.device_pool import DevicePagePool, bucket_size
+from hicache_jax.spec import CopyBackend, KVSpec
+
+DTYPES = ("bfloat16", "float16", "float32", "float8_e4m3fn", "int8")
+
+#: Poison bit pattern per dtype: a NaN for the floats (so a stray read shows in any arithmetic),
+#: the most negative value for int8. Random page data below never takes this value.
+POISON = {"bfloat16": 0x7FC1, "float16": 0x7E01, "float32": 0x7FC00001,
+          "float8_e4m3fn": 0x7F, "int8": 0x80}
+
+
+def make_mesh(axis_type=AxisType.Auto):
+    return jax.make_mesh((4,), ("tp",), axis_types=(axis_type,))
+
+
+def random_bits(spec: KVSpec, n: int, seed: int) -> np.ndarray:
+    """Random page bits, never zero and never the poison pattern."""
+    rng = np.random.default_rng(seed)
+    hi = np.iinfo(spec.bits_dtype).max
+    bits = rng.integers(1, hi, size=spec.kv_shape(n), dtype=np.uint64, endpoint=True)
+    bits = bits.astype(spec.bits_dtype)
+    bits[bits == POISON[spec.dtype]] = 1
+    return bits
+
+
+def poisoned_pool(spec: KVSpec, num_pages: int, **kw) -> DevicePagePool:
+    """A pool whose every page (scratch included) holds the poison pattern."""
+    pool = DevicePagePool(spec, num_pages, **kw)
+    poison = np.full(pool.shape, POISON[spec.dtype], spec.bits_dtype)
+    # A device_put, not pool.write: one compile less per test spec (compiles dominate run time).
+    pool.array = jax.device_put(poison, pool.array.sharding)
+    return pool
+
+
+def pool_bits(pool: DevicePagePool) -> np.ndarray:
+    """Host copy of the allocatable pages (scratch page excluded)."""
+    return np.asarray(pool.array)[:, :, :pool.num_pages]
+
+
+def shard_pointers(arr: jax.Array) -> list[int]:
+    return [s.data.unsafe_buffer_pointer() for s in arr.addressable_shards]
+
+
+def check_round_trip(pool: DevicePagePool, seed: int) -> None:
+    """Write random pages (numpy bits padded to a bucket; jax in the spec dtype), read them back
+    bit-exactly in another order, and check every other page still holds the poison."""
+    spec = pool.spec
+    rng = np.random.default_rng(seed)
+    ids = rng.permutation(pool.num_pages)[:9]
+    first, second = random_bits(spec, 5, seed), random_bits(spec, 4, seed + 1)
+    pool.write(ids[:5], first)                                      # bucket 8: 3 padded rows
+    pool.write(ids[5:], jnp.asarray(second.view(spec.jnp_dtype)))   # bitcast inside the jit
+    order = rng.permutation(9)
+    out = pool.read(ids[order])                                     # bucket 16: 7 padded rows
+    assert out.dtype == spec.jnp_dtype and out.shape == spec.kv_shape(9)
+    expect = np.concatenate([first, second], axis=2)[:, :, order]
+    np.testing.assert_array_equal(np.asarray(out).view(spec.bits_dtype), expect)
+    rest = np.setdiff1d(np.arange(pool.num_pages), ids)
+    assert (pool_bits(pool)[:, :, rest] == POISON[spec.dtype]).all()
+
+
+@pytest.mark.parametrize("dtype, page_size", [(d, 16) for d in DTYPES] + [
+    ("bfloat16", 1), ("bfloat16", 64), ("float32", 1), ("float8_e4m3fn", 64)])
+def test_round_trip_every_dtype_and_page_size(dtype, page_size):
+    spec = KVSpec(num_layers=2, num_kv_heads=2, head_dim=8, dtype=dtype, page_size=page_size)
+    check_round_trip(poisoned_pool(spec, 24), seed=page_size)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_round_trip_sharded(dtype):
+    spec = KVSpec(num_layers=2, num_kv_heads=8, head_dim=4, dtype=dtype, page_size=4)
+    pool = poisoned_pool(spec, 20, mesh=make_mesh())
+    check_round_trip(pool, seed=7)
+    assert pool.array.sharding == NamedSharding(pool.sharding.mesh, PartitionSpec(
+        None, None, None, None, "tp", None))
+    # Each device holds its 2 heads of every page, scratch page included.
+    assert {s.data.shape for s in pool.array.addressable_shards} == {(2, 2, 21, 4, 2, 4)}
+    assert len(pool.array.addressable_shards) == 4
+
+
+@pytest.mark.parametrize("page_size", [1, 64])
+def test_round_trip_sharded_page_sizes_explicit_mesh(page_size):
+    spec = KVSpec(num_layers=1, num_kv_heads=4, head_dim=8, page_size=page_size)
+    pool = poisoned_pool(spec, 16, mesh=make_mesh(AxisType.Explicit))
+    check_round_trip(pool, seed=3)
+    assert pool.array.sharding.spec == PartitionSpec(None, None, None, None, "tp", None)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float8_e4m3fn"])
+@pytest.mark.parametrize("sharded", [False, True])
+def test_round_trip_mla(dtype, sharded):
+    spec = KVSpec(num_layers=3, num_kv_heads=1, head_dim=32, dtype=dtype, page_size=16, mla=True)
+    pool = poisoned_pool(spec, 16, mesh=make_mesh() if sharded else None)
+    assert pool.array.shape == (3, 1, 17, 16, 1, 32)
+    check_round_trip(pool, seed=11)
+    if sharded:  # one latent head cannot be split: replicated on every device
+        assert pool.array.sharding.is_fully_replicated
+
+
+@pytest.mark.parametrize("sharded", [False, True])
+def test_write_and_read_donate_and_keep_the_buffer(sharded, recwarn):
+    spec = KVSpec(num_layers=2, num_kv_heads=4, head_dim=16, page_size=8)
+    pool = DevicePagePool(spec, 32, mesh=make_mesh() if sharded else None)
+    ptrs = shard_pointers(pool.array)
+    for n, kv in ((3, random_bits(spec, 3, 0)),  # numpy, padded on the host
+                  (3, jnp.asarray(random_bits(spec, 3, 1)).view(jnp.bfloat16)),  # jax, padded
+                  (16, jnp.asarray(random_bits(spec, 16, 2)).view(jnp.bfloat16))):  # bitcast in jit
+        old = pool.array
+        pool.write(np.arange(n), kv)
+        assert old.is_deleted()
+        assert shard_pointers(pool.array) == ptrs
+    old = pool.array
+    pool.read([0, 1, 2])
+    assert pool.array is old and not old.is_deleted()  # reads never donate
+    # filterwarnings=error already turns "Some donated buffers were not usable" into an error;
+    # recwarn makes sure no other warning slipped through a filter.
+    assert not [w for w in recwarn if "donated" in str(w.message)]
+
+
+def test_bounded_compiles_across_batch_sizes():
+    """The pool-sized scatter and gather are traced once per power-of-two bucket (and input
+    dtype), however many batch sizes go through them."""
+    traces = {"scatter": 0, "gather": 0}
+
+    def counting(kind, fn):
+        def traced(*args):
+            traces[kind] += 1  # runs at trace time only
+            return fn(*args)
+        return traced
+
+    spec = KVSpec(num_layers=1, num_kv_heads=1, head_dim=8, page_size=2)
+    pool = DevicePagePool(spec, 64)
+    pool._scatter = counting("scatter", dp._xla_scatter)
+    pool._gather = counting("gather", dp._xla_gather)
+    rng = np.random.default_rng(0)
+    expect = np.zeros(spec.kv_shape(64), spec.bits_dtype)
+    for n in range(1, 65):  # numpy input: padded on the host, bits dtype
+        ids = rng.permutation(64)[:n]
+        bits = random_bits(spec, n, n)
+        pool.write(ids, bits)
+        expect[:, :, ids] = bits
+    for n in (1, 3, 16):  # jax input: bfloat16 at a bucket, padded bits otherwise
+        ids = rng.permutation(64)[:n]
+        bits = random_bits(spec, n, n)
+        pool.write(ids, jnp.asarray(bits).view(jnp.bfloat16))
+        expect[:, :, ids] = bits
+    for n in (1, 3, 4, 17, 64):
+        ids = rng.permutation(64)[:n]
+        np.testing.assert_array_equal(np.asarray(pool.read_bits(ids)), expect[:, :, ids])
+    buckets = {bucket_size(n) for n in range(1, 65)}
+    assert len(buckets) == 7
+    assert traces["scatter"] == len(buckets) + 2  # + bfloat16 at buckets 1 and 16
+    assert traces["gather"] == 4  # buckets 1, 4, 32, 64
+
+
+def test_bucket_size():
+    assert [bucket_size(n) for n in (0, 1, 2, 3, 4, 5, 16, 17, 1000)] == [
+        1, 1, 2, 4, 4, 8, 16, 32, 1024]
+
+
+@pytest.fixture
+def filled_pool():
+    spec = KVSpec(num_layers=2, num_kv_heads=2, head_dim=4, page_size=4)
+    pool = DevicePagePool(spec, 8)
+    pool.write(np.arange(8), random_bits(spec, 8, 0))
+    return pool
+
+
+BAD_WRITES = [
+    ([8], None, ValueError, "outside the device pool"),
+    ([-1], None, ValueError, "negative"),
+    ([1, 2, 1], None, ValueError, "duplicate"),
+    ([[1, 2]], None, ValueError, "1-D"),
+    ([1.0], None, TypeError, "integers"),
+    ([True], None, TypeError, "integers"),
+    ([1, 2], (2, 2, 3, 4, 2, 4), ValueError, r"kv.shape=.*kv_shape\(2\)"),
+    ([1, 2], (2, 2, 2, 4, 2), ValueError, "kv.shape"),
+    ([1, 2], "float32", TypeError, "kv.dtype=float32"),
+    ([1, 2], "int16", TypeError, "kv.dtype=int16"),
+    ([1, 2], "list", TypeError, "kv must be a jax.Array or numpy"),
+]
+
+
+@pytest.mark.parametrize("ids, kv_kind, err, match", BAD_WRITES)
+@pytest.mark.parametrize("as_jax", [False, True])
+def test_bad_write_raises_before_dispatch(filled_pool, ids, kv_kind, err, match, as_jax):
+    pool, spec = filled_pool, filled_pool.spec
+    n = np.asarray(ids).size if kv_kind is None else 2
+    kv = random_bits(spec, n, 1)
+    if isinstance(kv_kind, tuple):
+        kv = np.ones(kv_kind, spec.bits_dtype)
+    elif kv_kind in ("float32", "int16"):
+        kv = kv.astype(kv_kind)
+    if as_jax and kv_kind != "list":
+        kv = jnp.asarray(kv)
+    if kv_kind == "list":
+        kv = kv.tolist()
+    before_array, before = pool.array, pool_bits(pool)
+    with pytest.raises(err, match=match):
+        pool.write(ids, kv)
+    assert pool.array is before_array and not before_array.is_deleted()  # nothing dispatched
+    np.testing.assert_array_equal(pool_bits(pool), before)
+
+
+@pytest.mark.parametrize("ids, err, match", [
+    ([8], ValueError, "outside"), ([0, 0], ValueError, "duplicate"),
+    (np.zeros((1, 1), int), ValueError, "1-D"), (["a"], TypeError, "integers")])
+def test_bad_read_raises(filled_pool, ids, err, match):
+    with pytest.raises(err, match=match):
+        filled_pool.read(ids)
+
+
+def test_validate_ids_and_empty_calls(filled_pool):
+    pool = filled_pool
+    ids = pool.validate_ids(np.array([7, 0, 3], np.int64))
+    assert ids.dtype == np.int32 and ids.tolist() == [7, 0, 3]
+    before = pool.array
+    pool.write([], np.zeros(pool.spec.kv_shape(0), pool.spec.bits_dtype))
+    assert pool.array is before  # nothing to move: no dispatch
+    out = pool.read([])
+    assert out.shape == pool.spec.kv_shape(0) and out.dtype == jnp.bfloat16
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def _step_write_page0(pool, k_layer0):
+    """A caller's forward in miniature: write K of layer 0, page 0, return a reduction."""
+    bits = jax.lax.bitcast_convert_type(k_layer0, pool.dtype)
+    pool = pool.at[0, 0, 0].set(bits)
+    return pool, jnp.sum(k_layer0.astype(jnp.float32))
+
+
+@pytest.mark.parametrize("sharded", [False, True])
+def test_run_caller_step(sharded):
+    spec = KVSpec(num_layers=2, num_kv_heads=4, head_dim=4, page_size=2)
+    pool = DevicePagePool(spec, 4, mesh=make_mesh() if sharded else None)
+    ptrs = shard_pointers(pool.array)
+    k = jnp.arange(1, 33, dtype=jnp.bfloat16).reshape(2, 4, 4)
+    old = pool.array
+    out = pool.run(_step_write_page0, k)
+    assert float(out) == float(np.arange(1, 33).sum())
+    assert old.is_deleted() and shard_pointers(pool.array) == ptrs
+    np.testing.assert_array_equal(np.asarray(pool.read([0]))[0, 0, 0], np.asarray(k))
+
+
+def test_run_rejects_wrong_shape_before_dispatch(filled_pool):
+    pool = filled_pool
+    bad = jax.jit(lambda p: (p[:, :, :3], 0), donate_argnums=0)
+    before_array, before = pool.array, pool_bits(pool)
+    with pytest.raises(ValueError, match="fn returned a pool of shape"):
+        pool.run(bad)
+    assert pool.array is before_array and not before_array.is_deleted()
+    np.testing.assert_array_equal(pool_bits(pool), before)
+    with pytest.raises(ValueError, match="must return"):
+        pool.run(jax.jit(lambda p: p, donate_argnums=0))
+
+
+def test_run_rejects_a_step_that_does_not_donate(filled_pool):
+    pool = filled_pool
+    copy_step = jax.jit(lambda p: (p.at[0, 0, 1].set(7), None))
+    with pytest.raises(ValueError, match="did not donate"):
+        pool.run(copy_step)
+    assert (pool_bits(pool)[0, 0, 1] == 7).all()  # the step ran; the pool holds its result
+
+
+def test_run_reshards_a_wrongly_sharded_result():
+    mesh = make_mesh()
+    spec = KVSpec(num_layers=1, num_kv_heads=4, head_dim=4, page_size=2)
+    pool = DevicePagePool(spec, 4, mesh=mesh)
+    replicated = jax.jit(lambda p: (p + 1, None), donate_argnums=0,
+                         out_shardings=(NamedSharding(mesh, PartitionSpec()), None))
+    # A replicated output cannot reuse the sharded buffers: JAX warns, run() then raises.
+    with pytest.warns(UserWarning, match="donated buffers were not usable"):
+        with pytest.raises(ValueError, match="sharding"):
+            pool.run(replicated)
+    assert pool.array.sharding.is_equivalent_to(pool.sharding, 6)
+    assert (pool_bits(pool) == 1).all()
+
+
+def test_construction_errors():
+    spec = KVSpec(num_layers=1, num_kv_heads=6, head_dim=4)
+    with pytest.raises(ValueError, match="num_pages=0"):
+        DevicePagePool(spec, 0)
+    with pytest.raises(TypeError, match="num_pages"):
+        DevicePagePool(spec, True)
+    with pytest.raises(TypeError, match="spec"):
+        DevicePagePool("spec", 4)
+    with pytest.raises(ValueError, match="without a mesh"):
+        DevicePagePool(spec, 4, axis="tp")
+    with pytest.raises(ValueError, match="not an axis"):
+        DevicePagePool(spec, 4, mesh=make_mesh(), axis="dp")
+    with pytest.raises(ValueError, match="num_kv_heads=6 is not divisible"):
+        DevicePagePool(spec, 4, mesh=make_mesh())
+    with pytest.raises(ValueError, match="copy_backend='pallas' is not available yet"):
+        DevicePagePool(spec, 4, copy_backend="pallas")
+    with pytest.raises(ValueError, match="copy_backend='cuda'"):
+        DevicePagePool(spec, 4, copy_backend="cuda")
+
+
+def test_layout_and_backend():
+    spec = KVSpec(num_layers=3, num_kv_heads=2, head_dim=8, dtype="float32", page_size=4)
+    pool = DevicePagePool(spec, 5, copy_backend=CopyBackend.XLA)
+    assert pool.array.shape == (3, 2, 6, 4, 2, 8) and pool.array.dtype == np.uint32
+    assert pool.scratch_page == 5 and pool.nbytes == pool.array.nbytes
+    assert pool.allocator.num_pages == 5 and pool.allocator.name == "device"
+    assert DevicePagePool(spec, 5).copy_backend is CopyBackend.XLA  # auto -> xla
+    # Attention of layer l reads pool[l, 0] / pool[l, 1] as [pages, page_size, heads, dim].
+    bits = random_bits(spec, 1, 5)
+    pool.write([2], bits)
+    np.testing.assert_array_equal(np.asarray(pool.array)[1, 1, 2], bits[1, 1, 0])
