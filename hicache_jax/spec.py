@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import hashlib
+import math
 from typing import Any
 
 import numpy as np
@@ -102,7 +103,11 @@ class KVSpec:
             _check_int(name, getattr(self, name), 1)
         dtype = self.dtype
         if not isinstance(dtype, str):
-            dtype = np.dtype(dtype).name  # accept jnp.bfloat16 / np.float16 too
+            try:
+                dtype = np.dtype(dtype).name  # accept jnp.bfloat16 / np.float16 too
+            except TypeError:
+                raise TypeError(f"dtype={self.dtype!r} is not a dtype; use one of: "
+                                f"{', '.join(SUPPORTED_DTYPES)}") from None
         if dtype not in _BITS_DTYPE:
             raise ValueError(f"dtype={self.dtype!r} is not one of: {', '.join(SUPPORTED_DTYPES)}")
         object.__setattr__(self, "dtype", dtype)
@@ -204,8 +209,10 @@ class HiCacheConfig:
         _check_int("device_pages", self.device_pages, 1)
         set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731
         if self.host_pages is None:
-            if not isinstance(self.host_ratio, (int, float)) or self.host_ratio < 0:
-                raise ValueError(f"host_ratio={self.host_ratio!r} must be a number >= 0")
+            ratio = self.host_ratio
+            if (isinstance(ratio, bool) or not isinstance(ratio, (int, float))
+                    or not math.isfinite(ratio) or ratio < 0):
+                raise ValueError(f"host_ratio={self.host_ratio!r} must be a finite number >= 0")
             set_("host_pages", int(round(self.host_ratio * self.device_pages)))
         _check_int("host_pages", self.host_pages, 0)
         set_("write_policy", _enum_parse(WritePolicy, "write_policy", self.write_policy))
@@ -224,7 +231,9 @@ class HiCacheConfig:
             _check_int("load_back_quota", self.load_back_quota, 0)
         if self.storage is not None and not isinstance(self.storage, str):
             raise TypeError(f"storage={self.storage!r} must be a URL string or None")
-        if not isinstance(self.prefetch_timeout_s, (int, float)) or self.prefetch_timeout_s <= 0:
+        timeout = self.prefetch_timeout_s
+        if (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
+                or math.isnan(timeout) or timeout <= 0):
             raise ValueError(f"prefetch_timeout_s={self.prefetch_timeout_s!r} must be > 0")
         if self.shard_axis is not None and self.mesh is None:
             raise ValueError(f"shard_axis={self.shard_axis!r} given without a mesh")
