@@ -1,0 +1,142 @@
+"""Tests of hicache_jax/eviction.py: priority keys, VictimHeap, and eviction order over a RadixTree."""
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from hicache_jax.eviction import (SLRU_PROTECTED_HITS, EvictionPolicy, VictimHeap, priority_key,
+                                  select_victims)
+from hicache_jax.radix import RadixTree
+
+PAGE_SIZES = [1, 16, 64]
+
+# Four leaves A, B, C, D built by _four_leaves; their eviction keys are
+#   A: created 1, last_access 7, hit_count 0, priority 3
+#   B: created 2, last_access 6, hit_count 2, priority 1
+#   C: created 3, last_access 8, hit_count 1, priority 2
+#   D: created 4, last_access 4, hit_count 0, priority 0
+EXPECTED_ORDER = {
+    "lru": "DBAC",       # oldest last_access first
+    "lfu": "DACB",       # fewest hits, ties by last_access
+    "fifo": "ABCD",      # oldest created first
+    "mru": "CABD",       # newest last_access first
+    "filo": "DCBA",      # newest created first
+    "priority": "DBCA",  # lowest priority first
+    "slru": "DACB",      # probationary (hits < 2) by last_access, then protected B
+}
+
+
+def _pages(ps, first):
+    return np.full(2 * ps, first, np.int64)
+
+
+def _four_leaves(ps, clock):
+    tree = RadixTree(ps, clock=clock)
+    nodes = {}
+    for i, (name, prio) in enumerate(zip("ABCD", (3, 1, 2, 0))):
+        clock.tick()
+        nodes[name] = tree.insert(_pages(ps, i), [2 * i, 2 * i + 1], priority=prio).last_node
+    clock.tick()                                   # t=5
+    tree.insert(_pages(ps, 1), [2, 3])             # B: hit 1
+    clock.tick()                                   # t=6
+    tree.insert(_pages(ps, 1), [2, 3])             # B: hit 2
+    clock.tick()                                   # t=7
+    tree.match(_pages(ps, 0))                      # A: touched, no hit
+    clock.tick()                                   # t=8
+    tree.insert(_pages(ps, 2), [4, 5])             # C: hit 1
+    return tree, nodes
+
+
+def _name(nodes, node):
+    return next(k for k, v in nodes.items() if v is node)
+
+
+@pytest.mark.parametrize("ps", PAGE_SIZES)
+@pytest.mark.parametrize("policy", list(EvictionPolicy))
+def test_device_eviction_order(ps, policy, clock):
+    tree, nodes = _four_leaves(ps, clock)
+    assert [(n.created, n.last_access, n.hit_count, n.priority) for n in nodes.values()] == [
+        (1, 7, 0, 3), (2, 6, 2, 1), (3, 8, 1, 2), (4, 4, 0, 0)]
+    heap = VictimHeap(policy, tree.evictable_device)
+    order = []
+    while heap:
+        node = heap.pop()
+        value, host = tree.delete_leaf(node)
+        assert host is None and value.size == 2
+        order.append(_name(nodes, node))
+    assert "".join(order) == EXPECTED_ORDER[policy.value]
+    assert tree.device_tokens == 0 and list(tree.nodes()) == []
+    tree.check_invariants()
+
+
+@pytest.mark.parametrize("ps", PAGE_SIZES)
+@pytest.mark.parametrize("policy", list(EvictionPolicy))
+def test_host_eviction_order_and_lock(ps, policy, clock):
+    """Backed-up leaves evicted from device, then dropped from host in policy order; a lock holds one."""
+    tree, nodes = _four_leaves(ps, clock)
+    for i, node in enumerate(nodes.values()):
+        tree.set_host_value(node, [10 + 2 * i, 11 + 2 * i])
+        tree.evict_device(node)
+    assert tree.device_tokens == 0 and tree.host_tokens == 8 * ps
+    want = EXPECTED_ORDER[policy.value]
+    tree.lock(nodes[want[0]])
+    order = [_name(nodes, n) for n in select_victims(policy, tree.evictable_host, 4)]
+    assert "".join(order) == want[1:]
+    for node in (nodes[k] for k in order):
+        assert tree.delete_leaf(node)[0] is None
+    tree.unlock(nodes[want[0]])
+    assert tree.evictable_host == {nodes[want[0]]}
+    tree.check_invariants()
+
+
+@pytest.mark.parametrize("ps", PAGE_SIZES)
+def test_parent_becomes_victim_during_eviction(ps, clock):
+    """Evicting a chain leaf-first: the parent joins the heap once its child is gone."""
+    tree = RadixTree(ps, clock=clock)
+    toks = np.arange(3 * ps, dtype=np.int64) % 7 + 1
+    clock.tick()
+    tree.insert(toks[:ps], [0])
+    clock.tick()
+    tree.insert(toks[: 2 * ps], [0, 1])
+    clock.tick()
+    leaf = tree.insert(toks, [0, 1, 2]).last_node
+    clock.tick()
+    other = tree.insert(np.zeros(ps, np.int64), [3]).last_node  # newest: evicted last under lru
+    tree.lock(leaf)
+    assert tree.evictable_device == {other}
+    tree.unlock(leaf)
+    heap = VictimHeap("lru", tree.evictable_device)
+    freed = []
+    while heap:
+        node = heap.pop()
+        parent = node.parent
+        freed.extend(tree.delete_leaf(node)[0].tolist())
+        if parent in tree.evictable_device:
+            heap.push(parent)
+    # The chain's last_access is 3 for every node (insert touches the whole path).
+    assert freed == [2, 1, 0, 3]
+    tree.check_invariants()
+
+
+def test_keys_and_ties():
+    mk = lambda i, la, cr, hc, pr: SimpleNamespace(id=i, last_access=la, created=cr,  # noqa: E731
+                                                   hit_count=hc, priority=pr)
+    a, b = mk(0, 5.0, 1.0, SLRU_PROTECTED_HITS, 0), mk(1, 5.0, 1.0, 0, 0)
+    assert priority_key("slru")(a) > priority_key("slru")(b)
+    assert priority_key(EvictionPolicy.LFU)(b) < priority_key("lfu")(a)
+    # Equal keys: the older id goes first, deterministically.
+    c = mk(2, 5.0, 1.0, 0, 0)
+    assert select_victims("lru", [c, b], 1) == [b]
+    heap = VictimHeap("fifo", [c, b])
+    assert [heap.pop().id, heap.pop().id] == [1, 2]
+    with pytest.raises(IndexError):
+        heap.pop()
+    assert select_victims("mru", [a, b, c], 10) == [a, b, c]
+
+
+def test_unknown_policy():
+    with pytest.raises(ValueError, match="eviction='lru2' is not one of: lru, lfu"):
+        EvictionPolicy.parse("lru2")
+    with pytest.raises(ValueError, match="not one of"):
+        VictimHeap("random", [])
