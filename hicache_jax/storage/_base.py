@@ -1,0 +1,295 @@
+"""Shared machinery of the L3 backends: host page views, handles, the two I/O lanes, counters.
+
+Threads: each backend owns two worker threads, a *get* lane and a *put* lane, so a long
+write-through never delays a prefetch. Workers touch only host numpy memory (the host pool
+buffer the backend was opened on, and the backend's own staging/header buffers), never a JAX
+array. The caller (the cache's thread) must not free or reuse the host pages of a request until
+its handle is ``done()``: a get writes into them, a put reads them. Counters are guarded by a lock.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import threading
+import time
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+from hicache_jax.errors import HiCacheError
+from hicache_jax.spec import HostLayout, KVSpec
+from hicache_jax.storage.format import EntryCodec, check_keys
+
+
+class StorageError(HiCacheError):
+    """Misuse of a storage backend (closed backend, bad host buffer)."""
+
+
+class StorageUnavailableError(StorageError):
+    """The L3 store cannot be reached or set up; the message names the address."""
+
+
+class HostPages:
+    """Views of single pages of a host pool buffer, in ``page_first`` byte order.
+
+    Args:
+        spec: KV spec.
+        buffer: the host pool array, bits dtype, C-contiguous; ``(P, L, kvf, ps, H, D)`` for
+            page_first, ``(L, kvf, P, ps, H, D)`` for layer_first. Borrowed, never reallocated.
+        layout: its ``HostLayout``.
+    """
+
+    def __init__(self, spec: KVSpec, buffer: np.ndarray, layout: HostLayout | str) -> None:
+        layout = HostLayout(layout)
+        if not isinstance(buffer, np.ndarray):
+            raise TypeError(f"host_buffer must be a numpy array, got {type(buffer).__name__}")
+        if buffer.dtype != spec.bits_dtype:
+            raise ValueError(f"host_buffer.dtype={buffer.dtype} must be {spec.bits_dtype}")
+        if not buffer.flags.c_contiguous or not buffer.flags.writeable:
+            raise ValueError("host_buffer must be C-contiguous and writeable")
+        tail = (spec.page_size, spec.num_kv_heads, spec.head_dim)
+        if layout is HostLayout.PAGE_FIRST:
+            ok = buffer.ndim == 6 and buffer.shape[1:] == (spec.num_layers, spec.kv_factor) + tail
+            num_pages = buffer.shape[0] if buffer.ndim == 6 else 0
+        else:
+            ok = (buffer.ndim == 6 and buffer.shape[:2] == (spec.num_layers, spec.kv_factor)
+                  and buffer.shape[3:] == tail)
+            num_pages = buffer.shape[2] if buffer.ndim == 6 else 0
+        if not ok or num_pages < 1:
+            raise ValueError(f"host_buffer.shape={buffer.shape} does not match the {layout.value} "
+                             f"host layout of {spec}")
+        self.spec, self.buffer, self.layout, self.num_pages = spec, buffer, layout, num_pages
+        self.base = buffer.ctypes.data
+        self.nbytes = buffer.nbytes
+        self._flat = buffer.reshape(-1).view(np.uint8)
+        self._chunks = spec.num_layers * spec.kv_factor
+        # byte strides: where chunk c of page p starts
+        if layout is HostLayout.PAGE_FIRST:
+            self._page_stride, self._chunk_stride = spec.page_bytes, spec.chunk_bytes
+        else:
+            self._page_stride, self._chunk_stride = spec.chunk_bytes, num_pages * spec.chunk_bytes
+
+    @property
+    def contiguous(self) -> bool:
+        """Whether one page is one contiguous run of bytes (page_first)."""
+        return self.layout is HostLayout.PAGE_FIRST
+
+    def parts(self, page: int) -> list[np.ndarray]:
+        """uint8 views whose concatenation is ``page`` in page_first order (writeable)."""
+        start = int(page) * self._page_stride
+        if self.contiguous:
+            return [self._flat[start:start + self.spec.page_bytes]]
+        cb = self.spec.chunk_bytes
+        return [self._flat[start + c * self._chunk_stride:start + c * self._chunk_stride + cb]
+                for c in range(self._chunks)]
+
+    def address(self, page: int) -> int:
+        """Address of a page_first page (contiguous layouts only)."""
+        return self.base + int(page) * self._page_stride
+
+    def gather(self, ids: np.ndarray, out: np.ndarray) -> None:
+        """Copy pages ``ids`` into ``out`` (uint8 ``[n, page_bytes]``) in page_first order."""
+        n = len(ids)
+        if self.contiguous:
+            np.take(self.buffer, ids, axis=0, out=out[:n].view(self.buffer.dtype).reshape(
+                (n,) + self.buffer.shape[1:]))
+        else:
+            dst = out[:n].view(self.buffer.dtype).reshape(
+                (n, self.spec.num_layers, self.spec.kv_factor) + self.buffer.shape[3:])
+            dst[:] = np.moveaxis(self.buffer[:, :, ids], 2, 0)
+
+    def scatter(self, ids: np.ndarray, src: np.ndarray) -> None:
+        """Copy page_first rows ``src`` (uint8 ``[n, page_bytes]``) into host pages ``ids``."""
+        n = len(ids)
+        rows = src[:n].view(self.buffer.dtype)
+        if self.contiguous:
+            self.buffer[ids] = rows.reshape((n,) + self.buffer.shape[1:])
+        else:
+            self.buffer[:, :, ids] = np.moveaxis(rows.reshape(
+                (n, self.spec.num_layers, self.spec.kv_factor) + self.buffer.shape[3:]), 0, 2)
+
+    def check_ids(self, host_ids: Any, n: int) -> np.ndarray:
+        """Validate ``host_ids`` (1-D ints, ``n`` of them, unique, in range) -> int64 copy."""
+        ids = np.asarray(host_ids)
+        if ids.ndim != 1 or not (ids.size == 0 or np.issubdtype(ids.dtype, np.integer)):
+            raise ValueError(f"host_ids must be 1-D integers, got shape {ids.shape} dtype {ids.dtype}")
+        if ids.shape[0] != n:
+            raise ValueError(f"len(host_ids)={ids.shape[0]} must equal len(keys)={n}")
+        ids = ids.astype(np.int64)
+        if ids.size and (ids.min() < 0 or ids.max() >= self.num_pages):
+            raise ValueError(f"host_ids must be in [0, {self.num_pages}), got "
+                             f"[{ids.min()}, {ids.max()}]")
+        if np.unique(ids).size != ids.size:
+            raise ValueError("host_ids must be unique")
+        return ids
+
+
+class StorageHandle:
+    """One batched get or put in flight.
+
+    ``ok`` (after ``done()``) is a bool mask over the keys: for a get, page i landed in host page
+    ``host_ids[i]`` and passed the header check; for a put, page i is in the store (stored now or
+    already there). Pages are processed in sub-batches in key order; ``landed()`` is the mask so
+    far, so a best-effort reader can use a prefix early.
+    """
+
+    def __init__(self, kind: str, keys: tuple[str, ...], host_ids: np.ndarray, page_bytes: int):
+        self.kind = kind
+        self.keys = keys
+        self.host_ids = host_ids
+        self.nbytes = len(keys) * page_bytes
+        self.seconds: float | None = None
+        self._ok = np.zeros(len(keys), dtype=bool)
+        self._event = threading.Event()
+        self._cancelled = False
+        self._error: BaseException | None = None
+        self._t0 = time.perf_counter()
+
+    def done(self) -> bool:
+        return self._event.is_set()
+
+    def wait(self, timeout: float | None = None) -> np.ndarray:
+        """Block until done (or ``timeout`` seconds: ``TimeoutError``); returns ``ok``."""
+        if not self._event.wait(timeout):
+            raise TimeoutError(f"storage {self.kind} of {len(self.keys)} pages not done "
+                               f"after {timeout} s")
+        if self._error is not None:
+            raise StorageError(f"storage {self.kind} worker failed") from self._error
+        return self._ok.copy()
+
+    @property
+    def ok(self) -> np.ndarray:
+        if not self.done():
+            raise StorageError(f"storage {self.kind} still in flight; wait() or poll done()")
+        return self.wait(0)
+
+    def landed(self) -> np.ndarray:
+        """Snapshot of the pages completed and verified so far (bool mask)."""
+        return self._ok.copy()
+
+    def cancel(self) -> None:
+        """Skip the sub-batches not started yet (their pages stay ``False``)."""
+        self._cancelled = True
+
+    def _finish(self, error: BaseException | None = None) -> None:
+        self._error = error
+        self.seconds = time.perf_counter() - self._t0
+        self._event.set()
+
+
+BatchFn = Callable[[tuple[str, ...], np.ndarray], np.ndarray]
+
+
+class BackendBase:
+    """Validation, lanes, sub-batching and counters shared by the backends.
+
+    Subclasses implement ``_exists(keys) -> bool mask``, ``_get(keys, ids) -> ok mask`` and
+    ``_put(keys, ids) -> ok mask`` (run on the lanes, never raise for I/O failures: they count
+    them and return False) and ``_close()``.
+    """
+
+    url: str
+
+    def __init__(self, spec: KVSpec, host_buffer: np.ndarray, layout: HostLayout | str, *,
+                 batch_pages: int = 32) -> None:
+        if not isinstance(spec, KVSpec):
+            raise TypeError(f"spec must be a KVSpec, got {type(spec).__name__}")
+        if isinstance(batch_pages, bool) or not isinstance(batch_pages, int) or batch_pages < 1:
+            raise ValueError(f"batch_pages={batch_pages!r} must be an int >= 1")
+        self.spec = spec
+        self.host = HostPages(spec, host_buffer, layout)
+        self.codec = EntryCodec(spec)
+        self.batch_pages = batch_pages
+        self._lock = threading.Lock()
+        self._counters: collections.Counter[str] = collections.Counter()
+        self._lanes = {kind: concurrent.futures.ThreadPoolExecutor(
+            1, thread_name_prefix=f"hicache-l3-{kind}") for kind in ("get", "put")}
+        self._closed = False
+
+    # ---- public protocol -------------------------------------------------------------------
+    def exists(self, keys: Sequence[str]) -> np.ndarray:
+        """Bool mask: which keys the store holds now (a later get may still miss)."""
+        keys = self._check_open_keys(keys)
+        if not keys:
+            return np.zeros(0, dtype=bool)
+        return np.asarray(self._exists(keys), dtype=bool)
+
+    def get_into(self, keys: Sequence[str], host_ids: Any) -> StorageHandle:
+        """Start reading ``keys`` into host pages ``host_ids`` (one each); returns a handle."""
+        return self._submit("get", keys, host_ids, self._get)
+
+    def put_from(self, keys: Sequence[str], host_ids: Any) -> StorageHandle:
+        """Start storing host pages ``host_ids`` under ``keys``; returns a handle.
+
+        Keys are write-once: a key already present is left as is and counts as stored.
+        """
+        return self._submit("put", keys, host_ids, self._put)
+
+    def stats(self) -> dict[str, int]:
+        """Counters: pages got/missed/corrupt, puts stored/dropped, bytes, backend errors."""
+        with self._lock:
+            return dict(self._counters)
+
+    def close(self) -> None:
+        """Wait for work in flight, then release the backend. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        for lane in self._lanes.values():
+            lane.shutdown(wait=True)
+        self._close()
+
+    def __enter__(self) -> "BackendBase":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    # ---- helpers ---------------------------------------------------------------------------
+    def _count(self, **deltas: int) -> None:
+        with self._lock:
+            for name, value in deltas.items():
+                if value:
+                    self._counters[name] += value
+
+    def _check_open_keys(self, keys: Sequence[str]) -> tuple[str, ...]:
+        if self._closed:
+            raise StorageError(f"storage backend {self.url} is closed")
+        return check_keys(keys)
+
+    def _submit(self, kind: str, keys: Sequence[str], host_ids: Any, fn: BatchFn) -> StorageHandle:
+        keys = self._check_open_keys(keys)
+        ids = self.host.check_ids(host_ids, len(keys))
+        handle = StorageHandle(kind, keys, ids, self.spec.page_bytes)
+        if not keys:
+            handle._finish()
+            return handle
+        self._lanes[kind].submit(self._run, handle, fn)
+        return handle
+
+    def _run(self, handle: StorageHandle, fn: BatchFn) -> None:
+        error = None
+        try:
+            for start in range(0, len(handle.keys), self.batch_pages):
+                if handle._cancelled:
+                    break
+                stop = start + self.batch_pages
+                ok = np.asarray(fn(handle.keys[start:stop], handle.host_ids[start:stop]), dtype=bool)
+                handle._ok[start:stop] = ok
+        except BaseException as e:  # a bug, not an I/O failure: surfaced by wait()
+            error = e
+        finally:
+            handle._finish(error)
+
+    def _exists(self, keys: tuple[str, ...]) -> np.ndarray:
+        raise NotImplementedError
+
+    def _get(self, keys: tuple[str, ...], ids: np.ndarray) -> np.ndarray:
+        raise NotImplementedError
+
+    def _put(self, keys: tuple[str, ...], ids: np.ndarray) -> np.ndarray:
+        raise NotImplementedError
+
+    def _close(self) -> None:
+        raise NotImplementedError

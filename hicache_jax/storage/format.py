@@ -1,0 +1,135 @@
+"""L3 keys and the on-store entry format (header + page bytes). Pure Python + numpy.
+
+Key: ``hcj1_<spec fingerprint>_<namespace>_<page hash>`` where the page hash is the chained hash
+of the radix tree (parent hash + page tokens, stable across processes), the namespace is a digest
+of ``extra_key`` and the fingerprint, and the fingerprint is :meth:`KVSpec.fingerprint`. Two
+models, or two ``extra_key`` namespaces, never share an entry.
+
+Entry: a 64-byte header followed by one page in ``page_first`` order
+(``[num_layers, kv_factor, page_size, num_kv_heads, head_dim]`` of the bits dtype)::
+
+    magic "HCKV" | version u16 | header bytes u16 | fingerprint 8 B | key digest 8 B |
+    payload bytes u64 | crc32 of payload u32 | reserved
+
+A value whose header, length, key digest or checksum does not match is a miss (never data).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import struct
+import zlib
+from typing import Any, Sequence
+
+import numpy as np
+
+from hicache_jax.spec import KVSpec
+
+KEY_PREFIX = "hcj1"
+HEADER_BYTES = 64
+_MAGIC = b"HCKV"
+_VERSION = 1
+# magic, version, header bytes, fingerprint, key digest, payload bytes, crc32; padded to 64.
+_HEADER = struct.Struct("<4sHH8s8sQI")
+_KEY_RE = re.compile(r"^[A-Za-z0-9_.\-]{1,200}$")
+
+
+def namespace(spec: KVSpec, extra_key: Any = None) -> str:
+    """16 hex chars naming (spec, extra_key); ``extra_key`` is None, str, bytes or int."""
+    if extra_key is None:
+        tag = b"n:"
+    elif isinstance(extra_key, str):
+        tag = b"s:" + extra_key.encode()
+    elif isinstance(extra_key, bytes):
+        tag = b"b:" + extra_key
+    elif isinstance(extra_key, (int, np.integer)) and not isinstance(extra_key, bool):
+        tag = b"i:" + str(int(extra_key)).encode()
+    else:
+        raise TypeError(f"extra_key={extra_key!r} must be None, str, bytes or int "
+                        "(it must hash the same in every process)")
+    return hashlib.blake2b(spec.fingerprint().encode() + b"|" + tag, digest_size=8).hexdigest()
+
+
+def page_keys(spec: KVSpec, page_hashes: Any, extra_key: Any = None) -> list[str]:
+    """L3 keys of pages, one per chained page hash.
+
+    Args:
+        spec: the KV spec (its fingerprint namespaces the keys).
+        page_hashes: 1-D uint64-compatible ints, root first (``TreeNode.page_hashes``).
+        extra_key: the tree namespace (None, str, bytes or int).
+
+    Returns:
+        ``len(page_hashes)`` key strings.
+    """
+    hashes = np.asarray(page_hashes)
+    if hashes.ndim != 1 or not (hashes.size == 0 or np.issubdtype(hashes.dtype, np.integer)):
+        raise ValueError(f"page_hashes must be 1-D integers, got shape {hashes.shape} "
+                         f"dtype {hashes.dtype}")
+    if hashes.size and np.issubdtype(hashes.dtype, np.signedinteger) and hashes.min() < 0:
+        raise ValueError("page_hashes must be >= 0 (uint64 hashes)")
+    prefix = f"{KEY_PREFIX}_{spec.fingerprint()}_{namespace(spec, extra_key)}_"
+    return [f"{prefix}{int(h):016x}" for h in hashes.astype(np.uint64)]
+
+
+def check_keys(keys: Any) -> tuple[str, ...]:
+    """Validate a batch of keys: a sequence of unique, filename-safe strings."""
+    if isinstance(keys, (str, bytes)) or not isinstance(keys, Sequence):
+        raise TypeError(f"keys must be a list/tuple of str, got {type(keys).__name__}")
+    out = tuple(keys)
+    for k in out:
+        if not isinstance(k, str) or not _KEY_RE.match(k):
+            raise ValueError(f"key {k!r} must be 1-200 chars of [A-Za-z0-9_.-]")
+    if len(set(out)) != len(out):
+        raise ValueError("keys must be unique within one call")
+    return out
+
+
+def _key_digest(key: str) -> bytes:
+    return hashlib.blake2b(key.encode(), digest_size=8).digest()
+
+
+class EntryCodec:
+    """Packs and checks entry headers for one spec.
+
+    ``payload`` arguments are sequences of uint8 numpy arrays (or buffers) whose concatenation is
+    the page in ``page_first`` order: one part for a page_first host pool, ``L * kv_factor``
+    chunks for a layer_first one. The checksum is computed over the parts in order, so no
+    contiguous copy is needed.
+    """
+
+    def __init__(self, spec: KVSpec) -> None:
+        self.spec = spec
+        self.payload_bytes = spec.page_bytes
+        self.entry_bytes = HEADER_BYTES + spec.page_bytes
+        self._fp = bytes.fromhex(spec.fingerprint())[:8]
+
+    def pack_into(self, header: np.ndarray, key: str, payload: Sequence[Any]) -> None:
+        """Write the header of ``key`` / ``payload`` into ``header`` (uint8[64], owned by caller)."""
+        crc = 0
+        for part in payload:
+            crc = zlib.crc32(part, crc)
+        header[:] = 0
+        _HEADER.pack_into(header, 0, _MAGIC, _VERSION, HEADER_BYTES, self._fp, _key_digest(key),
+                          self.payload_bytes, crc)
+
+    def verify(self, header: np.ndarray, key: str, payload: Sequence[Any],
+               nbytes: int | None = None) -> bool:
+        """True iff ``header`` + ``payload`` are a valid entry of ``key`` for this spec.
+
+        Args:
+            header: uint8[64] as read from the store.
+            key: the key it was read under.
+            payload: the parts the page was read into.
+            nbytes: total bytes the store returned (None: not known to the caller).
+        """
+        if nbytes is not None and nbytes != self.entry_bytes:
+            return False
+        magic, version, hbytes, fp, kd, length, crc = _HEADER.unpack_from(header, 0)
+        if (magic != _MAGIC or version != _VERSION or hbytes != HEADER_BYTES or fp != self._fp
+                or kd != _key_digest(key) or length != self.payload_bytes):
+            return False
+        actual = 0
+        for part in payload:
+            actual = zlib.crc32(part, actual)
+        return actual == crc
