@@ -1,0 +1,350 @@
+"""HostPagePool: the host (L2) page pool, one preallocated buffer of every layer's K and V pages.
+
+Layouts (``HiCacheConfig.host_layout``), raw bits (``spec.bits_dtype``) like the device pool::
+
+    layer_first: bits[num_layers, kv_factor, num_pages, page_size, num_kv_heads, head_dim]
+    page_first:  bits[num_pages, num_layers, kv_factor, page_size, num_kv_heads, head_dim]
+
+``layer_first`` keeps each layer's pages together (layer-by-layer load-back reads one layer's
+rows); ``page_first`` makes each page one contiguous run across layers (large transfers, a
+storage tier). The kv-head axis is axis 4 in both, as in the device pool.
+
+The buffer is a ``jax.Array`` in host memory:
+
+* GPU/TPU: memory kind ``pinned_host`` (DMA-able), allocated from XLA's host allocator.
+* CPU: the CPU device's own memory, which *is* host RAM (64-byte aligned by XLA). We keep a
+  ``jax.Array`` rather than a numpy array so that every access -- page copies, reads, writes --
+  is an XLA computation ordered by data dependencies: a copy in flight can never race a later
+  write of the same pages, and the copy path is the same code on every backend.
+* Sharded device pool (mesh over kv heads): the host buffer is sharded the same way, one
+  contiguous host buffer per shard (its heads of every page), so each device copies only to and
+  from its own host shard; nothing crosses devices (see benchmarks/RESULTS.md for the measure).
+
+Page copies are :func:`copy_pages`: one jitted ``fori_loop`` of per-page ``dynamic_slice`` /
+``dynamic_update_slice`` with the destination donated. Each byte is moved once (no staging
+buffer); on XLA:CPU this ran at about 0.8x ``numpy.copyto`` where a vectorised
+``.at[ids].set(src[ids])`` ran at 0.13-0.3x (element-wise scatter/gather loops). The trip count is
+a traced scalar, so index arrays are padded to power-of-two buckets only for compile reuse and
+padding is never read.
+
+Threading: one thread (the cache's dispatching thread, DESIGN rule 4) touches the pool.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
+
+from hicache_jax.allocator import PageAllocator, as_page_ids
+from hicache_jax.spec import HostLayout, KVSpec, _enum_parse
+
+#: kv-head axis of every pool layout (the sharded one).
+HEAD_AXIS = 4
+
+
+def bucket_size(n: int) -> int:
+    """Smallest power of two >= n (1 for n <= 1): padded length of an index array."""
+    return 1 if n <= 1 else 1 << (int(n) - 1).bit_length()
+
+
+def pad_ids(ids: np.ndarray, size: int | None = None) -> np.ndarray:
+    """``ids`` (int32) zero-padded to ``size`` (default: its bucket). Padding is never used."""
+    size = bucket_size(ids.size) if size is None else size
+    out = np.zeros(size, np.int32)
+    out[:ids.size] = ids
+    return out
+
+
+def _slice_page(arr: jax.Array, layout: HostLayout, page: jax.Array, layer: jax.Array,
+                num_layers: int) -> jax.Array:
+    """One page's rows of ``num_layers`` layers from ``layer``: [nl, kvf, 1, ps, H, D]."""
+    zero = jnp.zeros((), jnp.int32)
+    if layout is HostLayout.PAGE_FIRST:
+        _, _, kvf, ps, heads, dim = arr.shape
+        # [1, nl, kvf, ps, H, D] -> [nl, kvf, 1, ps, H, D]: moving a size-1 axis is a reshape.
+        chunk = lax.dynamic_slice(arr, (page, layer, zero, zero, zero, zero),
+                                  (1, num_layers, kvf, ps, heads, dim))
+        return chunk.reshape(num_layers, kvf, 1, ps, heads, dim)
+    _, kvf, _, ps, heads, dim = arr.shape
+    return lax.dynamic_slice(arr, (layer, zero, page, zero, zero, zero),
+                             (num_layers, kvf, 1, ps, heads, dim))
+
+
+def _to_layout(chunk: jax.Array, layout: HostLayout) -> jax.Array:
+    """A [nl, kvf, 1, ps, H, D] chunk in the shape one page of ``layout`` takes."""
+    if layout is HostLayout.PAGE_FIRST:
+        nl, kvf, _, ps, heads, dim = chunk.shape
+        return chunk.reshape(1, nl, kvf, ps, heads, dim)
+    return chunk
+
+
+def _update_page(arr: jax.Array, layout: HostLayout, page: jax.Array, layer: jax.Array,
+                 chunk: jax.Array) -> jax.Array:
+    zero = jnp.zeros((), jnp.int32)
+    if layout is HostLayout.PAGE_FIRST:
+        return lax.dynamic_update_slice(arr, chunk, (page, layer, zero, zero, zero, zero))
+    return lax.dynamic_update_slice(arr, chunk, (layer, zero, page, zero, zero, zero))
+
+
+_STATIC = ("dst_layout", "src_layout", "num_layers", "src_put", "dst_put")
+
+
+def _copy_loop(dst: jax.Array, src: jax.Array, dst_ids: jax.Array, src_ids: jax.Array,
+               n: jax.Array, layer: jax.Array, *, dst_layout: HostLayout, src_layout: HostLayout,
+               num_layers: int, src_put: jax.sharding.Sharding | None,
+               dst_put: jax.sharding.Sharding | None) -> tuple[jax.Array, jax.Array]:
+    """``dst[dst_ids[i]] = src[src_ids[i]]`` for ``i < n``, layers ``[layer, layer + num_layers)``.
+
+    Args:
+        dst: bits pool in ``dst_layout`` (donated; the caller rebinds to the result).
+        src: bits pool in ``src_layout`` (read only).
+        dst_ids, src_ids: int32[B] page ids, validated on the host; entries ``>= n`` are padding
+            and never read (the trip count is ``n``).
+        n: int32 scalar, pages to copy (<= B).
+        layer: int32 scalar, first layer copied.
+        dst_layout, src_layout: page axis placement (the device pool is ``LAYER_FIRST``).
+        num_layers: layers copied per page (static: all of them, or 1 for a layer-wise load).
+        src_put: sharding (with memory kind) to move each chunk to right after it is sliced from
+            a pool in another memory space (host -> device), or None.
+        dst_put: likewise right before it is written into ``dst`` (device -> host), or None.
+
+    Returns:
+        ``(dst, count)``: the updated pool and an int32 scalar that becomes ready only when the
+        whole copy is done (a small completion token to poll: the pool itself is donated by the
+        next call, so it cannot be held).
+    """
+
+    def body(i, carry):
+        count, out = carry
+        # [nl, kvf, 1, ps, H, D]; each slice/update is a run of contiguous chunk copies.
+        chunk = _slice_page(src, src_layout, src_ids[i], layer, num_layers)
+        if src_put is not None:
+            chunk = jax.device_put(chunk, src_put)
+        chunk = _to_layout(chunk, dst_layout)
+        if dst_put is not None:
+            chunk = jax.device_put(chunk, dst_put)
+        return count + 1, _update_page(out, dst_layout, dst_ids[i], layer, chunk)
+
+    count, dst = lax.fori_loop(0, n, body, (jnp.zeros((), jnp.int32), dst))
+    return dst, count
+
+
+#: The page copy every transfer uses: :func:`_copy_loop` jitted with ``dst`` donated.
+copy_pages = jax.jit(_copy_loop, donate_argnums=0, static_argnames=_STATIC)
+
+
+@functools.partial(jax.jit, static_argnames=("size", "out_sharding") + _STATIC[1:])
+def _gather_pages(src: jax.Array, src_ids: jax.Array, n: jax.Array, *, size: int,
+                  out_sharding: jax.sharding.Sharding, src_layout: HostLayout, num_layers: int,
+                  src_put: jax.sharding.Sharding | None, dst_put: None) -> jax.Array:
+    """Pages ``src_ids[:n]`` of ``src`` into a new [L, kvf, size, ps, H, D] array (rows >= n: 0)."""
+    kv = _slice_page(src, src_layout, jnp.zeros((), jnp.int32), jnp.zeros((), jnp.int32),
+                     num_layers)
+    shape = kv.shape[:2] + (size,) + kv.shape[3:]
+    out = lax.with_sharding_constraint(jnp.zeros(shape, src.dtype), out_sharding)
+    dst_ids = jnp.arange(size, dtype=jnp.int32)
+    return _copy_loop(out, src, dst_ids, src_ids, n, jnp.zeros((), jnp.int32),
+                      dst_layout=HostLayout.LAYER_FIRST, src_layout=src_layout,
+                      num_layers=num_layers, src_put=src_put, dst_put=dst_put)[0]
+
+
+def resolve_memory_kind(device: jax.Device, memory_kind: str) -> str:
+    """``"auto"`` -> ``pinned_host`` on accelerators that have it, else the device's default.
+
+    On CPU the device's default memory already is host RAM; ``pinned_host`` there is accepted
+    (it exercises the accelerator code path in tests) but buys nothing.
+    """
+    kinds = [m.kind for m in device.addressable_memories()]
+    if memory_kind == "auto":
+        if device.platform != "cpu" and "pinned_host" in kinds:
+            return "pinned_host"
+        return device.default_memory().kind
+    if memory_kind not in kinds:
+        raise ValueError(f"memory_kind={memory_kind!r} is not a memory of {device}: {kinds}")
+    return memory_kind
+
+
+def head_sharding(mesh: Mesh | None, axis: str | None, num_kv_heads: int) -> jax.sharding.Sharding:
+    """Sharding over kv heads (axis 4 of every layout), or device 0 without a mesh."""
+    if mesh is None:
+        if axis is not None:
+            raise ValueError(f"axis={axis!r} given without a mesh")
+        return SingleDeviceSharding(jax.devices()[0])
+    if not isinstance(mesh, Mesh):
+        raise TypeError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
+    names = tuple(mesh.axis_names)
+    axis = names[0] if axis is None else axis
+    if axis not in names:
+        raise ValueError(f"axis={axis!r} is not an axis of the mesh {names}")
+    if num_kv_heads % mesh.shape[axis]:
+        raise ValueError(f"num_kv_heads={num_kv_heads} is not divisible by the size "
+                         f"{mesh.shape[axis]} of mesh axis {axis!r}")
+    return NamedSharding(mesh, PartitionSpec(None, None, None, None, axis, None))
+
+
+def _allocate(shape: tuple[int, ...], dtype: np.dtype, sharding: jax.sharding.Sharding,
+              on_default_memory: bool) -> jax.Array:
+    """Zeroed buffer placed directly with ``sharding``.
+
+    In the device's default memory a jitted ``zeros`` allocates in place. In a host memory kind
+    of an accelerator that jit would build the zeros in device memory first (the host pool can be
+    larger than the device), so the shards are copied from a ``np.zeros`` (calloc: its untouched
+    pages cost no RAM). (``make_array_from_callback`` loses the host memory space of the aval in
+    jax 0.10.)
+    """
+    if on_default_memory:
+        return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)()
+    return jax.device_put(np.zeros(shape, dtype), sharding)
+
+
+class HostPagePool:
+    """The host (L2) page pool: one preallocated host buffer (per shard) plus its allocator.
+
+    Args:
+        spec: what one page holds.
+        num_pages: allocatable pages (0 allowed: an empty tier).
+        layout: "layer_first" | "page_first" (see the module docstring).
+        mesh, axis: the device pool's mesh and head axis; the buffer is then sharded the same way.
+        memory_kind: "auto" (pinned_host on GPU/TPU, the device's own memory on CPU) or an
+            explicit memory kind of the device.
+
+    Attributes:
+        buffer: ``spec.bits_dtype`` array of ``shape``; this object holds the only reference and
+            rebinds it after each donated update (do not keep it across ``write`` / ``run``).
+        shape: ``(L, kvf, num_pages, ps, H, D)`` or ``(num_pages, L, kvf, ps, H, D)``.
+        sharding: the buffer's sharding (with its memory kind).
+        device_sharding: the same placement in the device's default memory (where pages read
+            back to, and what the device pool uses).
+        allocator: ``PageAllocator(num_pages, "host")``; the pool itself never allocates.
+    """
+
+    def __init__(self, spec: KVSpec, num_pages: int, layout: HostLayout | str = "layer_first", *,
+                 mesh: Mesh | None = None, axis: str | None = None,
+                 memory_kind: str = "auto") -> None:
+        if not isinstance(spec, KVSpec):
+            raise TypeError(f"spec must be a KVSpec, got {type(spec).__name__}")
+        if isinstance(num_pages, bool) or not isinstance(num_pages, (int, np.integer)):
+            raise TypeError(f"num_pages={num_pages!r} must be an int")
+        if num_pages < 0:
+            raise ValueError(f"num_pages={num_pages!r} must be >= 0")
+        self.spec = spec
+        self.num_pages = int(num_pages)
+        self.layout = _enum_parse(HostLayout, "layout", layout)
+        placement = head_sharding(mesh, axis, spec.num_kv_heads)
+        device = next(iter(placement.device_set))
+        self.memory_kind = resolve_memory_kind(device, memory_kind)
+        default_kind = device.default_memory().kind
+        self.device_sharding = placement.with_memory_kind(default_kind)
+        self.sharding = placement.with_memory_kind(self.memory_kind)
+        self.on_device_memory = self.memory_kind == default_kind
+        kv = spec.kv_shape(self.num_pages)
+        self.shape = kv if self.layout is HostLayout.LAYER_FIRST else (kv[2], *kv[:2], *kv[3:])
+        self.allocator = PageAllocator(self.num_pages, "host")
+        self.buffer: jax.Array = _allocate(self.shape, spec.bits_dtype, self.sharding,
+                                           self.on_device_memory)
+
+    @property
+    def nbytes(self) -> int:
+        return self.num_pages * self.spec.page_bytes
+
+    def validate_ids(self, page_ids: Any, name: str = "host_ids") -> np.ndarray:
+        """Check ids are 1-D ints in ``[0, num_pages)`` and distinct; return an int32 copy.
+
+        Raises:
+            TypeError: not integers.  ValueError: not 1-D, out of range, or repeated.
+        """
+        ids = as_page_ids(page_ids, name)
+        if ids.size and ids.max() >= self.num_pages:
+            raise ValueError(f"{name} has ids outside the host pool [0, {self.num_pages}): "
+                             f"max {ids.max()}")
+        if ids.size > 1 and np.unique(ids).size != ids.size:
+            raise ValueError(f"{name} has duplicate ids")
+        return ids
+
+    def run(self, fn: Callable[..., tuple[jax.Array, Any]], *args: Any) -> Any:
+        """``new_buffer, out = fn(self.buffer, *args)`` with the buffer donated; rebinds it.
+
+        ``fn`` must be jitted with ``donate_argnums=0`` and return a buffer of the same shape,
+        dtype and sharding. A ``jax.jit`` function's result shape is checked with
+        ``eval_shape`` before dispatch (a mismatch raises ``ValueError``, buffer untouched);
+        a sharding mismatch or a missing donation is found after the step ran and raises too.
+        """
+        if hasattr(fn, "eval_shape"):
+            self._check_shape(fn.eval_shape(self.buffer, *args)[0])
+        old = self.buffer
+        new, out = fn(old, *args)
+        self._check_shape(new)
+        if not new.sharding.is_equivalent_to(self.sharding, len(self.shape)) or \
+                new.sharding.memory_kind != self.memory_kind:
+            raise ValueError(f"fn returned a host buffer with sharding {new.sharding}, "
+                             f"expected {self.sharding}")
+        self.buffer = new
+        if not old.is_deleted():
+            raise ValueError("fn did not donate the host buffer (jit it with donate_argnums=0)")
+        return out
+
+    def _check_shape(self, new: Any) -> None:
+        if tuple(new.shape) != self.shape or new.dtype != self.spec.bits_dtype:
+            raise ValueError(f"fn returned a host buffer of shape {tuple(new.shape)} dtype "
+                             f"{new.dtype}, expected {self.shape} {self.spec.bits_dtype}")
+
+    def write(self, host_ids: Any, kv: np.ndarray | jax.Array) -> None:
+        """Store the KV of ``n`` pages at ``host_ids`` (tests, the storage tier).
+
+        Args:
+            host_ids: n distinct ids in ``[0, num_pages)``.
+            kv: ``spec.kv_shape(n)`` in ``spec.bits_dtype`` or ``spec.dtype``; a jax array is
+                fetched to host first. Not consumed.
+
+        Raises:
+            TypeError / ValueError: bad ids, shape or dtype, before anything changes.
+        """
+        ids = self.validate_ids(host_ids)
+        bits = self._check_kv(kv, ids.size)
+        n = ids.size
+        if n == 0:
+            return
+        size = bucket_size(n)
+        staged = np.empty(self.spec.kv_shape(size), self.spec.bits_dtype)
+        staged[:, :, :n] = bits  # padding rows are never read (trip count n)
+        src = jax.device_put(staged, self.device_sharding)
+        self.run(functools.partial(
+            copy_pages, dst_layout=self.layout, src_layout=HostLayout.LAYER_FIRST,
+            num_layers=self.spec.num_layers, src_put=None,
+            dst_put=None if self.on_device_memory else self.sharding),
+            src, pad_ids(ids, size), np.arange(size, dtype=np.int32), np.int32(n), np.int32(0))
+
+    def read(self, host_ids: Any) -> np.ndarray:
+        """Return the KV bits of ``host_ids``: a new ``spec.kv_shape(n)`` numpy array.
+
+        Blocks until every update of those pages dispatched before has landed.
+        """
+        ids = self.validate_ids(host_ids)
+        n = ids.size
+        if n == 0:
+            return np.zeros(self.spec.kv_shape(0), self.spec.bits_dtype)
+        size = bucket_size(n)
+        pages = _gather_pages(
+            self.buffer, pad_ids(ids, size), np.int32(n), size=size,
+            out_sharding=self.device_sharding, src_layout=self.layout,
+            num_layers=self.spec.num_layers,
+            src_put=None if self.on_device_memory else self.device_sharding, dst_put=None)
+        return np.ascontiguousarray(np.asarray(pages)[:, :, :n])
+
+    def _check_kv(self, kv: Any, n: int) -> np.ndarray:
+        if not isinstance(kv, (jax.Array, np.ndarray)):
+            raise TypeError(f"kv must be a jax.Array or numpy array, got {type(kv).__name__}")
+        want = self.spec.kv_shape(n)
+        if tuple(kv.shape) != want:
+            raise ValueError(f"kv.shape={tuple(kv.shape)} must be spec.kv_shape({n})={want} "
+                             "[layers, kv, pages, page_size, heads, dim]")
+        if kv.dtype not in (self.spec.jnp_dtype, self.spec.bits_dtype):
+            raise TypeError(f"kv.dtype={kv.dtype} must be {self.spec.jnp_dtype} (spec dtype) "
+                            f"or {self.spec.bits_dtype} (raw bits)")
+        return np.asarray(kv).view(self.spec.bits_dtype)

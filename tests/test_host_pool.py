@@ -1,0 +1,207 @@
+"""HostPagePool: layouts, placement, bit-exact write/read, validation before any change."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh
+
+from hicache_jax.host_pool import HostPagePool, _gather_pages, bucket_size, copy_pages
+from hicache_jax.spec import SUPPORTED_DTYPES, HostLayout, KVSpec
+
+LAYOUTS = ("layer_first", "page_first")
+POISON = 0xA5
+
+
+def _mesh() -> Mesh:
+    return Mesh(np.array(jax.devices()[:4]), ("heads",))
+
+
+def _random_bits(rng: np.random.Generator, spec: KVSpec, n: int) -> np.ndarray:
+    info = np.iinfo(spec.bits_dtype)
+    # Never zero, never the poison byte pattern: a stray zero or poison read shows.
+    bits = rng.integers(1, info.max, size=spec.kv_shape(n), dtype=spec.bits_dtype)
+    return np.where(bits == _poison_value(spec), 1, bits).astype(spec.bits_dtype)
+
+
+def _poison_value(spec: KVSpec) -> int:
+    return int.from_bytes(bytes([POISON]) * spec.itemsize, "little")
+
+
+def _poisoned(spec: KVSpec, num_pages: int, layout: str = "layer_first", **kw) -> HostPagePool:
+    pool = HostPagePool(spec, num_pages, layout, **kw)
+    pool.write(np.arange(num_pages), np.full(spec.kv_shape(num_pages), _poison_value(spec),
+                                             spec.bits_dtype))
+    return pool
+
+
+def _snapshot(pool: HostPagePool) -> np.ndarray:
+    return np.array(pool.buffer)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_shapes_and_default_placement(layout):
+    spec = KVSpec(3, 2, 8, "float16", page_size=4)
+    pool = HostPagePool(spec, 5, layout)
+    want = (3, 2, 5, 4, 2, 8) if layout == "layer_first" else (5, 3, 2, 4, 2, 8)
+    assert pool.shape == want and pool.buffer.shape == want
+    assert pool.buffer.dtype == np.uint16
+    assert pool.layout is HostLayout(layout)
+    # CPU: "auto" keeps the buffer in the CPU device's own memory (host RAM).
+    assert pool.memory_kind == jax.devices()[0].default_memory().kind
+    assert pool.on_device_memory
+    assert pool.allocator.num_pages == 5 and pool.allocator.num_free == 5
+    assert pool.nbytes == 5 * spec.page_bytes
+
+
+def test_mla_and_empty_pool():
+    spec = KVSpec(2, 1, 16, "bfloat16", page_size=2, mla=True)
+    pool = HostPagePool(spec, 3, "page_first")
+    assert pool.shape == (3, 2, 1, 2, 1, 16)
+    empty = HostPagePool(spec, 0)
+    assert empty.read([]).shape == spec.kv_shape(0)
+    with pytest.raises(ValueError, match="outside the host pool"):
+        empty.read([0])
+
+
+@pytest.mark.parametrize("kwargs, err, match", [
+    (dict(num_pages=-1), ValueError, "num_pages"),
+    (dict(num_pages=2.0), TypeError, "num_pages"),
+    (dict(layout="rows"), ValueError, "layout"),
+    (dict(memory_kind="hbm"), ValueError, "memory_kind"),
+    (dict(axis="heads"), ValueError, "without a mesh"),
+])
+def test_bad_construction(kwargs, err, match):
+    args = dict(num_pages=4) | kwargs
+    spec = KVSpec(1, 4, 8)
+    with pytest.raises(err, match=match):
+        HostPagePool(spec, args.pop("num_pages"), **args)
+
+
+def test_bad_mesh_axis_and_heads():
+    with pytest.raises(ValueError, match="not an axis"):
+        HostPagePool(KVSpec(1, 4, 8), 2, mesh=_mesh(), axis="x")
+    with pytest.raises(ValueError, match="divisible"):
+        HostPagePool(KVSpec(1, 2, 8), 2, mesh=_mesh())
+    with pytest.raises(TypeError, match="KVSpec"):
+        HostPagePool("spec", 2)
+
+
+# Every dtype in both layouts; page sizes 1/16/64 cycle through them (a full cross product
+# only multiplies compiles: the copy depends on the bits width, the layout and the shape).
+CASES = [(dtype, layout, (1, 16, 64)[(i + j) % 3])
+         for i, dtype in enumerate(SUPPORTED_DTYPES) for j, layout in enumerate(LAYOUTS)]
+
+
+@pytest.mark.parametrize("dtype, layout, page_size", CASES)
+def test_write_read_bit_exact(dtype, layout, page_size):
+    spec = KVSpec(2, 2, 4, dtype, page_size=page_size)
+    rng = np.random.default_rng(hash((dtype, layout, page_size)) % 2**32)
+    pool = _poisoned(spec, 12, layout)
+    ids = np.array([9, 2, 5])
+    kv = _random_bits(rng, spec, 3)
+    pool.write(ids, kv)
+    np.testing.assert_array_equal(pool.read(ids), kv)
+    np.testing.assert_array_equal(pool.read([5, 9]), kv[:, :, [2, 0]])
+    others = np.setdiff1d(np.arange(12), ids)
+    assert (pool.read(others) == _poison_value(spec)).all()
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("memory_kind", ["auto", "pinned_host"])
+def test_sharded_write_read(layout, memory_kind):
+    spec = KVSpec(2, 8, 4, "bfloat16", page_size=2)
+    pool = _poisoned(spec, 6, layout, mesh=_mesh(), memory_kind=memory_kind)
+    assert pool.buffer.sharding.spec[4] == "heads"
+    assert pool.buffer.sharding.memory_kind == pool.memory_kind
+    # Each device holds 2 of the 8 heads of every page: a contiguous buffer per shard.
+    assert {s.data.shape[4] for s in pool.buffer.addressable_shards} == {2}
+    kv = _random_bits(np.random.default_rng(1), spec, 2)
+    pool.write([4, 0], kv)
+    np.testing.assert_array_equal(pool.read([4, 0]), kv)
+    assert (pool.read([1, 2, 3, 5]) == _poison_value(spec)).all()
+    assert pool.buffer.sharding.memory_kind == pool.memory_kind
+
+
+def test_pinned_host_unsharded_round_trip():
+    spec = KVSpec(2, 2, 8, "float32", page_size=3)
+    pool = _poisoned(spec, 4, "page_first", memory_kind="pinned_host")
+    assert pool.buffer.sharding.memory_kind == "pinned_host" and not pool.on_device_memory
+    kv = _random_bits(np.random.default_rng(2), spec, 1)
+    pool.write([3], kv)
+    np.testing.assert_array_equal(pool.read([3]), kv)
+
+
+def test_write_accepts_spec_dtype_and_jax_arrays():
+    spec = KVSpec(1, 2, 4, "bfloat16", page_size=2)
+    pool = _poisoned(spec, 4)
+    kv = jnp.asarray(np.random.default_rng(4).standard_normal(spec.kv_shape(2)), jnp.bfloat16)
+    pool.write([1, 3], kv)
+    np.testing.assert_array_equal(pool.read([1, 3]), np.asarray(kv).view(np.uint16))
+    pool.write([0], np.asarray(kv)[:, :, :1])
+    np.testing.assert_array_equal(pool.read([0]), np.asarray(kv)[:, :, :1].view(np.uint16))
+
+
+@pytest.mark.parametrize("ids, kv_pages, dtype, err, match", [
+    ([0, 4], 2, np.uint16, ValueError, "outside the host pool"),
+    ([1, 1], 2, np.uint16, ValueError, "duplicate"),
+    ([-1], 1, np.uint16, ValueError, "negative"),
+    ([[0]], 1, np.uint16, ValueError, "1-D"),
+    ([0.5], 1, np.uint16, TypeError, "integers"),
+    ([0, 1], 3, np.uint16, ValueError, "kv.shape"),
+    ([0], 1, np.uint32, TypeError, "kv.dtype"),
+    ([0], 1, np.float32, TypeError, "kv.dtype"),
+])
+def test_bad_write_changes_nothing(ids, kv_pages, dtype, err, match):
+    spec = KVSpec(1, 2, 4, "float16", page_size=2)
+    pool = _poisoned(spec, 4, "page_first")
+    before = _snapshot(pool)
+    kv = np.ones(spec.kv_shape(kv_pages), dtype)
+    with pytest.raises(err, match=match):
+        pool.write(ids, kv)
+    with pytest.raises(TypeError, match="kv must be"):
+        pool.write([0], [[1]])
+    np.testing.assert_array_equal(_snapshot(pool), before)
+
+
+def test_donation_keeps_buffer_and_rebinds():
+    spec = KVSpec(2, 2, 8, "bfloat16", page_size=4)
+    pool = HostPagePool(spec, 8)
+    old = pool.buffer
+    ptr = old.unsafe_buffer_pointer()
+    pool.write([2], np.ones(spec.kv_shape(1), np.uint16))
+    assert old.is_deleted()
+    assert pool.buffer.unsafe_buffer_pointer() == ptr  # in place: no pool-sized copy
+
+
+def test_run_rejects_a_step_that_does_not_donate():
+    spec = KVSpec(1, 2, 4, page_size=2)
+    pool = HostPagePool(spec, 4)
+    step = jax.jit(lambda buf: (buf + 1, jnp.int32(0)))
+    with pytest.raises(ValueError, match="did not donate"):
+        pool.run(step)
+    bad_shape = jax.jit(lambda buf: (buf[:, :1], jnp.int32(0)), donate_argnums=0)
+    before = _snapshot(pool)
+    with pytest.raises(ValueError, match="shape"):
+        pool.run(bad_shape)
+    assert not pool.buffer.is_deleted()  # checked before dispatch
+    np.testing.assert_array_equal(_snapshot(pool), before)
+
+
+def test_compiles_bounded_by_buckets():
+    spec = KVSpec(1, 2, 4, "int8", page_size=2)
+    pool = HostPagePool(spec, 64, "page_first")
+    rng = np.random.default_rng(3)
+    sizes = (1, 2, 3, 4, 5, 7, 8, 9, 13, 16, 17, 31, 32)
+    before = copy_pages._cache_size(), _gather_pages._cache_size()
+    for n in sizes:
+        ids = rng.permutation(64)[:n]
+        kv = _random_bits(rng, spec, n)
+        pool.write(ids, kv)
+        np.testing.assert_array_equal(pool.read(ids), kv)
+    buckets = len({bucket_size(n) for n in sizes})
+    # one write and one read variant per bucket, nothing per batch size
+    assert copy_pages._cache_size() - before[0] <= buckets
+    assert _gather_pages._cache_size() - before[1] <= buckets
