@@ -6,8 +6,8 @@ ids (one int32 per page; ``None`` once evicted from device) and ``host_value`` i
 ``argmin`` only on a mismatch), never token by token in Python. Only whole pages are cached: a
 trailing partial page is ignored by :meth:`RadixTree.match` and :meth:`RadixTree.insert`.
 
-Children are keyed by the tuple of their first page's tokens; the root's children by
-``(extra_key, first page)``, so equal tokens under different ``extra_key`` never share a node.
+Children are keyed by their first page's tokens (the int64 bytes of the page, an exact and
+cheaper-to-hash encoding than a tuple); the root's children by ``(extra_key, first page)``, so equal tokens under different ``extra_key`` never share a node.
 
 Shape of the two tiers (kept by every method, checked by :meth:`RadixTree.check_invariants`):
 
@@ -61,6 +61,7 @@ from hicache_jax.errors import HiCacheError
 
 _EMPTY_I32 = np.zeros(0, np.int32)
 _EMPTY_U64 = np.zeros(0, np.uint64)
+_MEMCMP_MAX = 2048  # tokens; see _common_len
 
 
 # ----------------------------------------------------------------------------- page hashes
@@ -79,13 +80,14 @@ def chain_hashes(prev: int, pages: np.ndarray) -> np.ndarray:
         prev: hash of the page before the first row (or :func:`namespace_hash`).
         pages: int64 ``[num_pages, page_size]``.
     """
-    out = np.empty(pages.shape[0], np.uint64)
     rows = np.ascontiguousarray(pages, dtype="<i8")
-    for i in range(rows.shape[0]):  # one hash per page, not per token
-        d = hashlib.blake2b(prev.to_bytes(8, "little") + rows[i].tobytes(), digest_size=8).digest()
-        prev = int.from_bytes(d, "little")
-        out[i] = prev
-    return out
+    digest, step = prev.to_bytes(8, "little"), rows.shape[1] * 8
+    data, out = rows.tobytes(), []
+    blake2b = hashlib.blake2b
+    for start in range(0, len(data), step):  # one hash per page, not per token
+        digest = blake2b(digest + data[start:start + step], digest_size=8).digest()
+        out.append(digest)
+    return np.frombuffer(b"".join(out), dtype="<u8").astype(np.uint64)
 
 
 # ----------------------------------------------------------------------------- nodes / results
@@ -98,7 +100,8 @@ class TreeNode:
         id: per-tree counter (the eviction tie-break: older ids first).
         key: int64 ``[num_pages * page_size]`` tokens of this node (empty for the root).
         parent: ``None`` for the root and for nodes deleted from the tree.
-        children: first-page tuple (``(extra_key, tuple)`` under the root) -> child.
+        children: first-page key -> child: the page's int64 token bytes (``(extra_key, bytes)``
+            under the root).
         value: int32 ``[num_pages]`` device page ids, or ``None`` when evicted from device.
         host_value: int32 ``[num_pages]`` host page ids, or ``None`` when not backed up.
         lock_ref: locks on this node or a descendant (locks walk to the root).
@@ -248,9 +251,23 @@ def _as_ids(ids: Any, n: int, name: str) -> np.ndarray:
     if arr.min() < 0 or arr.max() > np.iinfo(np.int32).max:
         raise ValueError(f"{name} must be in [0, 2**31): min {arr.min()}, max {arr.max()}")
     out = arr.astype(np.int32)
-    if n > 1 and np.unique(out).size != n:
+    srt = np.sort(out)  # sort + neighbour compare: numpy 2's hash-based unique is ~20x slower
+    if (srt[1:] == srt[:-1]).any():
         raise ValueError(f"{name} has duplicate ids")
     return out
+
+
+def _common_len(a: np.ndarray, b: np.ndarray) -> int:
+    """Length of the common prefix of two equal-length int64 arrays (no Python loop)."""
+    # Short runs: one memcmp of the bytes is cheapest. Long runs: an elementwise compare, since
+    # copying hundreds of KiB out with tobytes() can cost page faults on every call.
+    if a.shape[0] <= _MEMCMP_MAX:
+        if a.tobytes() == b.tobytes():
+            return a.shape[0]
+        return int(np.argmax(a != b))
+    diff = a != b
+    k = int(np.argmax(diff))
+    return k if diff[k] else a.shape[0]
 
 
 def _check_extra_key(extra_key: Any) -> None:
@@ -309,7 +326,9 @@ class RadixTree:
         return node
 
     def _child_key(self, parent: TreeNode, page: np.ndarray, extra_key: Any) -> Hashable:
-        first = tuple(page.tolist())
+        # The raw int64 bytes of the page: an exact encoding of its tokens that is ~5x cheaper
+        # to build and hash than a tuple of Python ints (it is on the match hot path).
+        first = page.tobytes()
         return (extra_key, first) if parent is self.root else first
 
     def _refresh(self, node: TreeNode) -> None:
@@ -364,11 +383,7 @@ class RadixTree:
             if child is None:
                 break
             m = min(child.num_tokens, n - pos)
-            if child.key[:m].tobytes() == tokens[pos:pos + m].tobytes():
-                matched = m
-            else:  # first differing token, rounded down to its page
-                diff = child.key[:m] != tokens[pos:pos + m]
-                matched = int(np.argmax(diff)) // ps * ps
+            matched = _common_len(child.key[:m], tokens[pos:pos + m]) // ps * ps
             path.append(child)
             pos += matched
             if matched < child.num_tokens:

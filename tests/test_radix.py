@@ -526,3 +526,16 @@ class TreeMachine(RuleBasedStateMachine):
 
 TreeMachine.TestCase.settings = settings(max_examples=60, stateful_step_count=40)
 TestTreeMachine = TreeMachine.TestCase
+
+
+@pytest.mark.parametrize("where", [0, 17, 2047, 2048, 3000, 4095])
+def test_long_node_mismatch_positions(where):
+    """Both compare paths (memcmp for short runs, elementwise for long ones) round to pages."""
+    t = RadixTree(16)
+    toks = np.arange(4096, dtype=np.int64)
+    t.insert(toks, np.arange(256))
+    q = toks.copy()
+    q[where] = 10**6
+    assert t.match(q).device_len == where // 16 * 16
+    assert t.match(toks[:2500]).device_len == 2496
+    t.check_invariants()
