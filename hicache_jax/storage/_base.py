@@ -41,7 +41,11 @@ class HostPages:
     """
 
     def __init__(self, spec: KVSpec, buffer: np.ndarray, layout: HostLayout | str) -> None:
-        layout = HostLayout(layout)
+        try:
+            layout = HostLayout(layout)
+        except ValueError:
+            raise ValueError(f"layout={layout!r} is not one of: "
+                             f"{', '.join(m.value for m in HostLayout)}") from None
         if not isinstance(buffer, np.ndarray):
             raise TypeError(f"host_buffer must be a numpy array, got {type(buffer).__name__}")
         if buffer.dtype != spec.bits_dtype:

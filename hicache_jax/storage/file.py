@@ -62,15 +62,16 @@ class FileStorage(BackendBase):
                              f"entry ({entry} bytes)")
         if not isinstance(fsync, bool):
             raise TypeError(f"fsync={fsync!r} must be a bool")
+        super().__init__(spec, host_buffer, layout, batch_pages=batch_pages)
+        self.url = f"file://{os.path.abspath(root)}"
+        self.root = root
         try:
             os.makedirs(os.path.join(root, _TMP), exist_ok=True)
             for i in range(256):
                 os.makedirs(os.path.join(root, f"{i:02x}"), exist_ok=True)
         except OSError as e:
+            self.close()
             raise StorageUnavailableError(f"file storage directory {root!r} is not usable: {e}") from e
-        super().__init__(spec, host_buffer, layout, batch_pages=batch_pages)
-        self.url = f"file://{os.path.abspath(root)}"
-        self.root = root
         self.capacity_bytes = capacity_bytes
         self.fsync = fsync
         self._headers = {kind: np.zeros(HEADER_BYTES, np.uint8) for kind in ("get", "put")}

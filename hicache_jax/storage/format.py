@@ -62,7 +62,14 @@ def page_keys(spec: KVSpec, page_hashes: Any, extra_key: Any = None) -> list[str
     Returns:
         ``len(page_hashes)`` key strings.
     """
-    hashes = np.asarray(page_hashes)
+    if not isinstance(page_hashes, np.ndarray):  # python ints up to 2**64 - 1
+        values = list(page_hashes)
+        if any(isinstance(h, bool) or not isinstance(h, (int, np.integer)) for h in values):
+            raise ValueError("page_hashes must be 1-D integers")
+        if any(h < 0 for h in values):
+            raise ValueError("page_hashes must be >= 0 (uint64 hashes)")
+        page_hashes = np.array(values, dtype=np.uint64)
+    hashes = page_hashes
     if hashes.ndim != 1 or not (hashes.size == 0 or np.issubdtype(hashes.dtype, np.integer)):
         raise ValueError(f"page_hashes must be 1-D integers, got shape {hashes.shape} "
                          f"dtype {hashes.dtype}")

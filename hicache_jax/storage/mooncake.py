@@ -14,9 +14,9 @@ Transfers (zero-copy where the layout allows it):
 Known behaviour of the store, and what this module does about it:
 - ``setup()`` holds the GIL and retries for minutes while the master is unreachable (20 tries,
   30 s RPC timeout each when the port accepts but does not answer). We first open a TCP
-  connection to the master (bounded by ``setup_timeout_s``) and, unless already set in the
-  environment, set ``MC_STORE_CLIENT_SETUP_RETRIES=1`` and ``MC_RPC_TIMEOUT_MS`` /
-  ``MC_RPC_CONNECT_TIMEOUT_MS`` from ``setup_timeout_s`` (they are read at setup, process-wide).
+  connection to the master (bounded by ``setup_timeout_s``) and, unless the user exported them,
+  set ``MC_STORE_CLIENT_SETUP_RETRIES=1`` and ``MC_RPC_TIMEOUT_MS`` / ``MC_RPC_CONNECT_TIMEOUT_MS``
+  from ``setup_timeout_s`` (process-wide environment, read by each ``setup()``).
   Failure raises ``StorageUnavailableError`` naming the address.
 - Keys are write-once (a put on an existing key is a no-op returning success): fine for
   content-addressed keys. An entry that fails its check is removed with ``force=True`` (reads
@@ -53,6 +53,17 @@ OBJECT_NOT_FOUND = -704
 TRANSFER_FAIL = -800
 RPC_FAIL = -900
 _TRANSPORT_DOWN = (TRANSFER_FAIL, RPC_FAIL, -901)
+
+
+# Mooncake reads these at setup(); values the user exported before we were imported win.
+_USER_ENV = {name: os.environ.get(name) for name in (
+    "MC_STORE_CLIENT_SETUP_RETRIES", "MC_RPC_TIMEOUT_MS", "MC_RPC_CONNECT_TIMEOUT_MS")}
+
+
+def _set_env(values: dict[str, str]) -> None:
+    for name, value in values.items():
+        if _USER_ENV.get(name) is None:
+            os.environ[name] = value
 
 
 def import_store_class() -> type:
@@ -171,9 +182,9 @@ class MooncakeStorage(BackendBase):
             raise StorageUnavailableError(
                 f"Mooncake master {master} is unreachable ({reason}); start mooncake_master "
                 f"there or fix the storage URL")
-        os.environ.setdefault("MC_STORE_CLIENT_SETUP_RETRIES", "1")
-        os.environ.setdefault("MC_RPC_TIMEOUT_MS", str(int(timeout_s * 1000)))
-        os.environ.setdefault("MC_RPC_CONNECT_TIMEOUT_MS", str(int(min(timeout_s, 2.0) * 1000)))
+        _set_env({"MC_STORE_CLIENT_SETUP_RETRIES": "1",
+                  "MC_RPC_TIMEOUT_MS": str(int(timeout_s * 1000)),
+                  "MC_RPC_CONNECT_TIMEOUT_MS": str(int(min(timeout_s, 2.0) * 1000))})
         store = store_cls()
         rc = store.setup(hostname, "P2PHANDSHAKE", 0, 0, protocol, devices, master)
         if rc != 0:

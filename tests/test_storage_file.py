@@ -1,0 +1,362 @@
+"""File backend of the L3 tier (and the shared protocol pieces: keys, header, handles)."""
+
+import os
+import shutil
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from hicache_jax.errors import HiCacheError
+from hicache_jax.spec import KVSpec
+from hicache_jax.storage import (
+    HEADER_BYTES, StorageBackend, StorageError, StorageUnavailableError, open_storage, page_keys)
+from hicache_jax.storage.file import FileStorage
+
+SPEC = KVSpec(num_layers=2, num_kv_heads=2, head_dim=8, dtype="bfloat16", page_size=4)
+NUM_PAGES = 16
+
+
+def host_buffer(spec, layout, num_pages=NUM_PAGES, seed=0):
+    if layout == "page_first":
+        shape = (num_pages, spec.num_layers, spec.kv_factor, spec.page_size,
+                 spec.num_kv_heads, spec.head_dim)
+    else:
+        shape = (spec.num_layers, spec.kv_factor, num_pages, spec.page_size,
+                 spec.num_kv_heads, spec.head_dim)
+    info = np.iinfo(spec.bits_dtype)
+    return np.random.default_rng(seed).integers(0, info.max, shape, dtype=spec.bits_dtype,
+                                                endpoint=True)
+
+
+def pages(buf, layout, ids):
+    """Pages ``ids`` of a host buffer as [n, L, kvf, ps, H, D] (a copy)."""
+    ids = np.asarray(ids)
+    return buf[ids].copy() if layout == "page_first" else np.moveaxis(buf[:, :, ids], 2, 0).copy()
+
+
+def keys_for(n, start=0, spec=SPEC, extra_key=None):
+    return page_keys(spec, np.arange(start, start + n, dtype=np.uint64) * 7919 + 1, extra_key)
+
+
+@pytest.fixture
+def root(tmp_path):
+    return str(tmp_path / "l3")
+
+
+def open_file(root, layout="page_first", seed=0, spec=SPEC, **kw):
+    buf = host_buffer(spec, layout, seed=seed)
+    return open_storage(f"file://{root}", spec, buf, layout, **kw), buf
+
+
+# ---- keys and header ---------------------------------------------------------------------------
+def test_page_keys_are_namespaced_by_spec_and_extra_key():
+    hashes = np.array([1, 2, 2**64 - 1], dtype=np.uint64)
+    base = page_keys(SPEC, hashes)
+    assert base == page_keys(SPEC, hashes.tolist())  # stable, input-type independent
+    assert base[2].endswith("_ffffffffffffffff") and base[0].startswith("hcj1_" + SPEC.fingerprint())
+    other_spec = KVSpec(num_layers=3, num_kv_heads=2, head_dim=8, dtype="bfloat16", page_size=4)
+    for other in (page_keys(SPEC, hashes, "lora-1"), page_keys(SPEC, hashes, 1),
+                  page_keys(SPEC, hashes, b"lora-1"), page_keys(other_spec, hashes)):
+        assert not set(other) & set(base)
+    assert page_keys(SPEC, hashes, "x") == page_keys(SPEC, hashes, "x")
+    with pytest.raises(TypeError, match="extra_key"):
+        page_keys(SPEC, hashes, extra_key=("a", 1))
+    with pytest.raises(ValueError, match="page_hashes"):
+        page_keys(SPEC, np.zeros((2, 2), np.uint64))
+    with pytest.raises(ValueError, match=">= 0"):
+        page_keys(SPEC, np.array([-1]))
+
+
+@pytest.mark.parametrize("layout", ["page_first", "layer_first"])
+@pytest.mark.parametrize("dtype,page_size,mla", [("bfloat16", 4, False), ("float32", 1, False),
+                                                 ("float8_e4m3fn", 16, False), ("float16", 4, True)])
+def test_round_trip_bit_exact(root, layout, dtype, page_size, mla):
+    spec = KVSpec(num_layers=3, num_kv_heads=1 if mla else 2, head_dim=8, dtype=dtype,
+                  page_size=page_size, mla=mla)
+    src, buf = open_file(root, layout, spec=spec)
+    assert isinstance(src, StorageBackend)
+    keys = keys_for(6, spec=spec)
+    assert src.put_from(keys, [3, 0, 7, 1, 15, 9]).wait(10).all()
+    dst, dbuf = open_file(root, layout, seed=1, spec=spec)
+    before = dbuf.copy()
+    h = dst.get_into(keys, [10, 11, 12, 13, 14, 2])
+    assert h.wait(10).all() and h.done() and h.ok.all() and h.seconds > 0
+    np.testing.assert_array_equal(pages(dbuf, layout, [10, 11, 12, 13, 14, 2]),
+                                  pages(buf, layout, [3, 0, 7, 1, 15, 9]))
+    untouched = [i for i in range(NUM_PAGES) if i not in (10, 11, 12, 13, 14, 2)]
+    np.testing.assert_array_equal(pages(dbuf, layout, untouched), pages(before, layout, untouched))
+    assert os.path.getsize(src.path(keys[0])) == HEADER_BYTES + spec.page_bytes
+    assert src.stats()["put_pages"] == 6 and dst.stats()["get_pages"] == 6
+    src.close(), dst.close()
+
+
+def test_entries_are_layout_independent(root):
+    src, buf = open_file(root, "layer_first")
+    keys = keys_for(4)
+    src.put_from(keys, [0, 1, 2, 3]).wait(10)
+    dst, dbuf = open_file(root, "page_first", seed=1)
+    assert dst.get_into(keys, [4, 5, 6, 7]).wait(10).all()
+    np.testing.assert_array_equal(dbuf[4:8], pages(buf, "layer_first", [0, 1, 2, 3]))
+
+
+def test_exists_and_misses(root):
+    store, buf = open_file(root)
+    keys = keys_for(4)
+    store.put_from(keys[:2], [0, 1]).wait(10)
+    np.testing.assert_array_equal(store.exists(keys), [True, True, False, False])
+    before = buf.copy()
+    ok = store.get_into([keys[2], keys[0], keys[3]], [5, 6, 7]).wait(10)
+    np.testing.assert_array_equal(ok, [False, True, False])
+    np.testing.assert_array_equal(buf[6], buf[0])
+    assert store.stats()["get_misses"] == 2
+    np.testing.assert_array_equal(buf[5], before[5])  # a miss leaves an absent file's page alone
+    assert store.exists([]).shape == (0,) and store.get_into([], []).wait(1).shape == (0,)
+
+
+def test_write_once_keeps_first_value(root):
+    store, buf = open_file(root)
+    key = keys_for(1)
+    store.put_from(key, [0]).wait(10)
+    first = Path(store.path(key[0])).read_bytes()
+    assert store.put_from(key, [1]).wait(10).all()       # present: counts as stored
+    assert Path(store.path(key[0])).read_bytes() == first
+    assert store.stats()["put_existing"] == 1
+
+
+# ---- atomicity, corruption ---------------------------------------------------------------------
+def test_failed_write_leaves_no_entry_and_no_temp(root, monkeypatch):
+    store, _ = open_file(root)
+    keys = keys_for(2)
+
+    def failing_replace(src, dst):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "replace", failing_replace)
+    ok = store.put_from(keys, [0, 1]).wait(10)
+    monkeypatch.undo()
+    assert not ok.any() and store.stats()["puts_dropped"] == 2
+    assert not store.exists(keys).any()
+    assert os.listdir(os.path.join(root, ".tmp")) == []
+
+
+def test_readers_never_see_partial_entries(root):
+    writer, wbuf = open_file(root, seed=3)
+    reader, rbuf = open_file(root, seed=4)
+    keys = keys_for(NUM_PAGES)
+    stop = threading.Event()
+    seen = []
+
+    def read_loop():
+        while not stop.is_set():
+            ok = reader.get_into(keys, np.arange(NUM_PAGES)).wait(10)
+            seen.append(int(ok.sum()))
+            np.testing.assert_array_equal(rbuf[ok], wbuf[ok])
+
+    t = threading.Thread(target=read_loop)
+    t.start()
+    for i in range(NUM_PAGES):
+        writer.put_from([keys[i]], [i]).wait(10)
+    stop.set()
+    t.join()
+    assert reader.stats().get("corrupt", 0) == 0 and seen
+    assert reader.get_into(keys, np.arange(NUM_PAGES)).wait(10).all()
+
+
+@pytest.mark.parametrize("where", ["payload", "header", "truncate", "extend", "renamed"])
+def test_corrupt_or_truncated_entry_is_a_miss_and_is_removed(root, where):
+    store, buf = open_file(root)
+    keys = keys_for(3)
+    store.put_from(keys, [0, 1, 2]).wait(10)
+    path = store.path(keys[1])
+    data = bytearray(Path(path).read_bytes())
+    if where == "payload":
+        data[HEADER_BYTES + 17] ^= 0x40
+    elif where == "header":
+        data[9] ^= 0x01  # inside the spec fingerprint
+    elif where == "truncate":
+        data = data[:-5]
+    elif where == "extend":
+        data += b"\0"
+    if where == "renamed":  # a valid entry of another key under this name
+        shutil.copyfile(store.path(keys[2]), path)
+    else:
+        Path(path).write_bytes(bytes(data))
+    ok = store.get_into(keys, [5, 6, 7]).wait(10)
+    np.testing.assert_array_equal(ok, [True, False, True])
+    assert store.stats()["corrupt"] == 1 and not os.path.exists(path)
+    assert store.put_from([keys[1]], [1]).wait(10).all()   # repaired by the next put
+    assert store.get_into([keys[1]], [6]).wait(10).all()
+    np.testing.assert_array_equal(buf[6], buf[1])
+
+
+# ---- capacity / LRU ----------------------------------------------------------------------------
+def test_capacity_evicts_least_recently_used(root):
+    entry = HEADER_BYTES + SPEC.page_bytes
+    store, buf = open_file(root, capacity_bytes=10 * entry)
+    keys = keys_for(14)
+    store.put_from(keys[:8], np.arange(8)).wait(10)
+    for i, k in enumerate(keys[:8]):  # make the age order explicit: key 0 oldest
+        os.utime(store.path(k), ns=(10**9 * (i + 1), 10**9 * (i + 1)))
+    assert store.get_into(keys[:2], [8, 9]).wait(10).all()   # hits: 0 and 1 become youngest
+    store.put_from(keys[8:14], np.arange(8, 14)).wait(10)     # 14 entries > 10: evict to 9
+    present = store.exists(keys)
+    assert present[:2].all(), "recently read entries must survive"
+    assert not present[2:7].any() and present[7:].all()
+    assert store.usage_bytes() <= 10 * entry and store.stats()["evictions"] == 5
+
+
+def test_capacity_is_shared_by_instances(root):
+    entry = HEADER_BYTES + SPEC.page_bytes
+    a, _ = open_file(root, capacity_bytes=8 * entry)
+    b, _ = open_file(root, seed=1, capacity_bytes=8 * entry)
+    a.put_from(keys_for(6), np.arange(6)).wait(10)
+    b.put_from(keys_for(6, start=100), np.arange(6)).wait(10)  # b scans a's files too
+    assert b.usage_bytes() <= 8 * entry
+
+
+# ---- concurrency -------------------------------------------------------------------------------
+def test_concurrent_instances_share_the_directory(root):
+    stores = [open_file(root, seed=0) for _ in range(3)]  # same content for the same key
+    keys = keys_for(NUM_PAGES)
+    handles = [s.put_from(keys[i::2] + keys[1 - i::2], np.r_[np.arange(NUM_PAGES)[i::2],
+                                                              np.arange(NUM_PAGES)[1 - i::2]])
+               for i, (s, _) in enumerate(stores[:2])]
+    code = (f"import numpy as np, sys; sys.path.insert(0, {os.path.dirname(__file__)!r});"
+            f"from test_storage_file import open_file, keys_for, NUM_PAGES;"
+            f"s, _ = open_file({root!r}); "
+            f"assert s.put_from(keys_for(NUM_PAGES), np.arange(NUM_PAGES)).wait(30).all()")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert all(h.wait(10).all() for h in handles)
+    reader, rbuf = stores[2]
+    rbuf[:] = 0
+    assert reader.get_into(keys, np.arange(NUM_PAGES)).wait(10).all()
+    np.testing.assert_array_equal(rbuf, stores[0][1])
+    assert os.listdir(os.path.join(root, ".tmp")) == []
+
+
+# ---- faults, handles, validation ---------------------------------------------------------------
+def test_directory_gone_mid_run_gives_misses_and_dropped_puts(root):
+    store, buf = open_file(root)
+    keys = keys_for(4)
+    store.put_from(keys[:2], [0, 1]).wait(10)
+    shutil.rmtree(root)
+    assert not store.get_into(keys[:2], [4, 5]).wait(10).any()
+    assert not store.put_from(keys[2:], [2, 3]).wait(10).any()
+    assert store.stats()["puts_dropped"] == 2
+
+
+def test_handle_progress_cancel_and_timeout(root):
+    store, buf = open_file(root, batch_pages=1)
+    keys = keys_for(4)
+    store.put_from(keys, np.arange(4)).wait(10)
+    gate, entered = threading.Event(), threading.Event()
+    real_get = store._get
+
+    def gated(k, ids):
+        entered.set()
+        gate.wait(10)
+        return real_get(k, ids)
+
+    store._get = gated
+    h = store.get_into(keys, [8, 9, 10, 11])
+    entered.wait(10)
+    with pytest.raises(TimeoutError, match="not done"):
+        h.wait(0.01)
+    with pytest.raises(StorageError, match="in flight"):
+        h.ok
+    assert not h.done() and not h.landed().any()
+    h.cancel()
+    gate.set()
+    ok = h.wait(10)
+    assert ok[0] and not ok[1:].any()  # the running sub-batch finished, the rest were skipped
+
+
+def test_worker_bug_is_raised_by_wait(root):
+    store, _ = open_file(root)
+
+    def broken(k, ids):
+        raise ZeroDivisionError("bug")
+
+    store._put = broken
+    h = store.put_from(keys_for(1), [0])
+    with pytest.raises(StorageError, match="worker failed"):
+        h.wait(10)
+
+
+def test_bad_arguments_raise_before_any_state_change(root):
+    store, buf = open_file(root)
+    keys = keys_for(3)
+    snapshot = buf.copy()
+    cases = [
+        ((keys, [0, 1]), ValueError, "len"),
+        ((keys, [0, 1, 16]), ValueError, r"\[0, 16\)"),
+        ((keys, [0, 1, -1]), ValueError, r"\[0, 16\)"),
+        ((keys, [0, 0, 1]), ValueError, "unique"),
+        ((keys, np.zeros((3, 1), int)), ValueError, "1-D"),
+        ((keys, [0.0, 1.0, 2.0]), ValueError, "1-D integers"),
+        (([keys[0], keys[0]], [0, 1]), ValueError, "unique"),
+        ((["a/b"], [0]), ValueError, "key"),
+        ((keys[0], [0]), TypeError, "keys"),
+        (([1], [0]), ValueError, "key"),
+    ]
+    for method in (store.put_from, store.get_into):
+        for args, err, match in cases:
+            with pytest.raises(err, match=match):
+                method(*args)
+    with pytest.raises(TypeError, match="keys"):
+        store.exists("abc")
+    np.testing.assert_array_equal(buf, snapshot)
+    assert store.stats() == {} and not store.exists(keys).any()
+
+
+def test_bad_open_arguments(root, tmp_path):
+    buf = host_buffer(SPEC, "page_first")
+    with pytest.raises(ValueError, match="scheme"):
+        open_storage("s3://bucket", SPEC, buf)
+    with pytest.raises(ValueError, match="unknown option"):
+        open_storage(f"file://{root}?capacity=3", SPEC, buf)
+    with pytest.raises(ValueError, match="bad value"):
+        open_storage(f"file://{root}?capacity_bytes=lots", SPEC, buf)
+    with pytest.raises(ValueError, match="capacity_bytes"):
+        open_storage(f"file://{root}?capacity_bytes=10", SPEC, buf)
+    with pytest.raises(ValueError, match="local path"):
+        open_storage("file://host/dir", SPEC, buf)
+    with pytest.raises(ValueError, match="dtype"):
+        open_storage(f"file://{root}", SPEC, buf.astype(np.uint32))
+    with pytest.raises(ValueError, match="layer_first"):
+        open_storage(f"file://{root}", SPEC, buf, "layer_first")
+    with pytest.raises(ValueError, match="contiguous"):
+        open_storage(f"file://{root}", SPEC, buf[::2])
+    with pytest.raises(TypeError, match="numpy"):
+        open_storage(f"file://{root}", SPEC, buf.tolist())
+    with pytest.raises(ValueError, match="layout"):
+        open_storage(f"file://{root}", SPEC, buf, "row_major")
+    assert not os.path.exists(root)
+    blocker = tmp_path / "a_file"
+    blocker.write_bytes(b"x")
+    with pytest.raises(StorageUnavailableError, match="a_file"):
+        open_storage(f"file://{blocker}", SPEC, buf)
+    store = open_storage(f"file://{root}?capacity_bytes=100000&fsync=true", SPEC, buf)
+    assert isinstance(store, FileStorage) and store.fsync and store.capacity_bytes == 100000
+    assert store.put_from(keys_for(1), [0]).wait(10).all()
+    store.close()
+    store.close()
+    with pytest.raises(StorageError, match="closed"):
+        store.put_from(keys_for(1), [0])
+    assert issubclass(StorageError, HiCacheError)
+
+
+def test_stale_temp_files_are_removed_at_open(root):
+    store, _ = open_file(root)
+    stale = os.path.join(root, ".tmp", "leftover")
+    Path(stale).write_bytes(b"partial")
+    os.utime(stale, (1, 1))
+    fresh = os.path.join(root, ".tmp", "in-progress")
+    Path(fresh).write_bytes(b"partial")
+    open_file(root)
+    assert not os.path.exists(stale) and os.path.exists(fresh)
