@@ -1,0 +1,666 @@
+"""HiCache: the public facade over the radix tree, the two page pools and the transfer engine.
+
+Semantics follow SGLang's HiCache (``hiradix_cache.py``):
+
+* **write_backup(node)** copies a node's device pages to fresh host pages. The node is "backing
+  up" until the copy is acknowledged: it is locked (so eviction cannot take it) and its
+  ``host_value`` is recorded only at the acknowledgement. A node split meanwhile keeps its tail
+  under the same object; the acknowledgement walks up from it and gives every part its slice of
+  the host pages, so both halves end up backed up. Write-through modes back up only when the
+  parent is backed up or backing up (a continuous prefix from the root); acknowledgements are
+  applied in dispatch order, so a parent is always backed up before its child.
+* **evict(num_tokens)** pops the least valuable device leaves: backed up -> free the device
+  pages, keep the node host-only; not backed up -> delete it (write-through modes) or back it up
+  first and free it once the copy is acknowledged at the end of the call (write-back).
+* **evict_host(num_tokens)** deletes host-only unlocked leaves; nodes with a transfer in flight
+  are locked or device-resident, so it never reaches them.
+* **load_back(match)** moves the chain of host-only nodes above the match's node back to device
+  pages (threshold / quota first), protected by an internal lock until the copy lands.
+
+Page ownership (checked by :meth:`HiCache._check_invariants` in the tests): every device page is
+free, owned by a caller (``alloc_pages`` .. ``insert``/``free_pages``) or held by one tree node;
+every host page is free, held by one node, or the target of a backup in flight.
+
+Threading: one thread (the one that owns the cache) calls every method; transfer completion is
+detected by polling the engine at the start of the public methods, never by callbacks.
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Hashable
+
+import numpy as np
+
+from hicache_jax.allocator import PageAllocator, as_page_ids
+from hicache_jax.device_pool import DevicePagePool
+from hicache_jax.errors import HiCacheError, OutOfPagesError
+from hicache_jax.events import EventLog, KVEvent, Medium
+from hicache_jax.eviction import VictimHeap
+from hicache_jax.host_pool import HostPagePool
+from hicache_jax.radix import RadixTree, TreeNode, _as_tokens, _check_extra_key
+from hicache_jax.spec import HiCacheConfig, KVSpec, WritePolicy
+from hicache_jax.transfer import TransferEngine
+
+# Owner of a device page (one int8 per page): the allocator says free/used, this says by whom.
+_FREE, _CALLER, _TREE = 0, 1, 2
+
+
+@dataclass(frozen=True)
+class Match:
+    """Result of :meth:`HiCache.match_prefix` / :meth:`HiCache.load_back`.
+
+    Attributes:
+        device_pages: int32 ``[device_len // page_size]`` device page ids of the L1 part, root
+            first (a copy).
+        device_len: tokens covered on device (a multiple of page_size).
+        host_len: further tokens available on host only (a multiple of page_size).
+        node: deepest matched node (opaque handle for lock / unlock / load_back).
+        load_handle: set only by ``load_back(m, layerwise=True)``: the transfer handle whose
+            ``wait_layer(l)`` returns once layer ``l`` of the loaded pages is on device (the
+            caller's forward waits per layer). ``None`` otherwise.
+    """
+
+    device_pages: np.ndarray
+    device_len: int
+    host_len: int
+    node: TreeNode
+    load_handle: Any = None
+
+
+@dataclass(frozen=True)
+class _WriteStrategy:
+    """A write policy resolved once: when to back up, and whether the prefix must be continuous."""
+
+    backup_on_hit: bool
+    backup_on_evict: bool
+    continuous_prefix: bool
+
+
+_WRITE_STRATEGIES = {
+    WritePolicy.WRITE_THROUGH: _WriteStrategy(True, False, True),
+    WritePolicy.WRITE_THROUGH_SELECTIVE: _WriteStrategy(True, False, True),
+    WritePolicy.WRITE_BACK: _WriteStrategy(False, True, False),
+}
+
+
+@dataclass(frozen=True)
+class _Tier:
+    """What the single evict-and-retry path (:meth:`HiCache._take_pages`) needs of one tier."""
+
+    allocator: PageAllocator
+    evict: Callable[[int], int]          # tokens -> tokens freed
+    evictable_pages: Callable[[], int]   # upper bound of pages eviction could free
+
+
+@dataclass
+class _Op:
+    """A transfer in flight: a backup of ``node`` or a load-back ending at ``node`` (locked)."""
+
+    seq: int
+    kind: str
+    handle: Any
+    node: TreeNode
+    device_ids: np.ndarray
+    host_ids: np.ndarray
+
+
+def _check_int(name: str, value: Any, minimum: int = 0) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{name}={value!r} must be an int")
+    if value < minimum:
+        raise ValueError(f"{name}={value!r} must be >= {minimum}")
+    return int(value)
+
+
+def _prepare_tokens(tokens: Any, extra_key: Any, page_size: int) -> np.ndarray:
+    """Validate tokens (1-D ints >= 0) and extra_key (hashable); return the whole-page int64 part."""
+    arr = _as_tokens(tokens)
+    _check_extra_key(extra_key)
+    return arr[: arr.shape[0] // page_size * page_size]
+
+
+def _check_bool(name: str, value: Any) -> None:
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name}={value!r} must be a bool")
+
+
+class HiCache:
+    """Hierarchical KV page cache: device pool (L1), host pool (L2), radix tree of prefixes.
+
+    Args:
+        spec: what one page holds.
+        cfg: sizes and policies.
+        clock: time source of the tree's access stamps (tests inject a manual clock).
+    """
+
+    def __init__(self, spec: KVSpec, cfg: HiCacheConfig, *,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        if not isinstance(spec, KVSpec):
+            raise TypeError(f"spec must be a KVSpec, got {type(spec).__name__}")
+        if not isinstance(cfg, HiCacheConfig):
+            raise TypeError(f"cfg must be a HiCacheConfig, got {type(cfg).__name__}")
+        self.spec, self.cfg = spec, cfg
+        self._ps = spec.page_size
+        self._write = _WRITE_STRATEGIES[cfg.write_policy]
+        self._tree = RadixTree(spec.page_size, clock)
+        self._device = DevicePagePool(spec, cfg.device_pages, mesh=cfg.mesh, axis=cfg.shard_axis,
+                                      copy_backend=cfg.copy_backend)
+        self._host = HostPagePool(spec, cfg.host_pages, layout=cfg.host_layout, mesh=cfg.mesh,
+                                  axis=cfg.shard_axis)
+        self._engine = TransferEngine(self._device, self._host)
+        self._dev_tier = _Tier(self._device.allocator, self._evict_device,
+                               lambda: self._tree.evictable_device_tokens // self._ps)
+        # Host eviction runs only inside a backup, which never fails for lack of pages: no
+        # pre-check needed, so the bound is simply every used page.
+        self._host_tier = _Tier(self._host.allocator, self._evict_host,
+                                lambda: self._host.allocator.num_used)
+        self._events = EventLog()
+        self._init_state()
+
+    def _init_state(self) -> None:
+        self._owner = np.zeros(self.cfg.device_pages, np.int8)
+        self._backing = np.zeros(self.cfg.device_pages, np.bool_)   # pages of backups in flight
+        self._loading = np.zeros(self.cfg.device_pages, np.bool_)   # pages of loads in flight
+        self._ops: collections.deque[_Op] = collections.deque()
+        self._caller_locks: dict[TreeNode, int] = {}
+        self._n: collections.Counter[str] = collections.Counter()
+        self._seq = -1  # seq of the last transfer dispatched
+
+    def _next_seq(self) -> int:
+        self._seq += 1
+        return self._seq
+
+    # -- validation --------------------------------------------------------------------------
+
+    def _check_node(self, node: Any) -> TreeNode:
+        if not isinstance(node, TreeNode):
+            raise TypeError(f"node must be a Match.node (TreeNode), got {type(node).__name__}")
+        top = node
+        while top.parent is not None:
+            top = top.parent
+        if top is not self._tree.root:
+            raise HiCacheError(f"{node!r} is not in this cache (evicted and deleted since the "
+                               "match, or from another cache): match again")
+        return node
+
+    def _check_match(self, match: Any) -> Match:
+        if not isinstance(match, Match):
+            raise TypeError(f"match must be a Match from match_prefix, got {type(match).__name__}")
+        self._check_node(match.node)
+        return match
+
+    def _check_pages(self, pages: Any, allowed: tuple[int, ...], what: str) -> np.ndarray:
+        ids = self._device.validate_ids(pages, "pages")
+        if ids.size and not np.isin(self._owner[ids], allowed).all():
+            bad = ids[~np.isin(self._owner[ids], allowed)][:8].tolist()
+            raise HiCacheError(f"pages {bad} are not {what}")
+        return ids
+
+    # -- public API --------------------------------------------------------------------------
+
+    def match_prefix(self, tokens: Any, extra_key: Hashable = None) -> Match:
+        """Longest cached whole-page prefix of ``tokens`` on device, then on host.
+
+        Args:
+            tokens: 1-D non-negative int sequence; a trailing partial page is ignored.
+            extra_key: hashable namespace (LoRA id, tenant salt).
+
+        Returns:
+            A :class:`Match`; its ``device_pages`` stay valid while ``node`` is locked.
+        """
+        _prepare_tokens(tokens, extra_key, self._ps)  # validate before polling
+        self._complete()
+        tm = self._tree.match(tokens, extra_key)
+        self._n["match_tokens"] += len(tokens) // self._ps * self._ps
+        self._n["device_hit_tokens"] += tm.device_len
+        self._n["host_hit_tokens"] += tm.host_len
+        return Match(tm.device_pages, tm.device_len, tm.host_len, tm.node)
+
+    def load_back(self, match: Match, *, layerwise: bool = False) -> Match:
+        """Copy the host-only part of ``match`` back to device pages.
+
+        Args:
+            match: from :meth:`match_prefix` (its node still in the cache).
+            layerwise: return before the copy completes, with ``Match.load_handle`` set so the
+                forward can ``wait_layer(l)`` per layer.
+
+        Returns:
+            A new :class:`Match` with ``device_len`` grown and ``host_len == 0``, or ``match``
+            itself when nothing is on host or the load is declined: fewer host tokens than
+            ``cfg.load_back_threshold``, more than ``cfg.load_back_quota``, or no device pages
+            even after eviction. Leaves no lock for the caller (lock the result's node).
+        """
+        self._check_match(match)
+        _check_bool("layerwise", layerwise)
+        self._complete()
+        chain, node = [], match.node
+        while node.parent is not None and node.value is None:
+            chain.append(node)
+            node = node.parent
+        chain.reverse()
+        ntok = sum(n.num_tokens for n in chain)
+        quota = self.cfg.load_back_quota
+        if not chain or ntok < self.cfg.load_back_threshold or (quota is not None and ntok > quota):
+            self._n["load_backs_declined"] += bool(chain)
+            return match
+        # The lock walks to the root: the chain cannot be host-evicted and its device ancestors
+        # cannot be device-evicted while we allocate (write-back eviction may evict_host).
+        self._tree.lock(match.node)
+        try:
+            ids = self._take_pages(self._dev_tier, ntok // self._ps)
+        except OutOfPagesError:
+            self._tree.unlock(match.node)
+            self._n["load_backs_declined"] += 1
+            return match
+        host_ids = np.concatenate([n.host_value for n in chain])
+        handle = self._engine.load(host_ids, ids, layerwise=bool(layerwise))
+        off = 0
+        for n in chain:  # root-first, as set_value requires
+            self._tree.set_value(n, ids[off:off + n.num_pages])
+            self._events.stored(n, Medium.DEVICE)
+            off += n.num_pages
+        self._owner[ids] = _TREE
+        self._loading[ids] = True
+        self._ops.append(_Op(self._next_seq(), "load", handle, match.node, ids, host_ids))  # keeps the lock
+        self._n["load_backs"] += 1
+        self._n["load_back_tokens"] += ntok
+        pages = self._path_pages(match.node)
+        return Match(pages, pages.size * self._ps, 0, match.node,
+                     handle if layerwise else None)
+
+    def lock(self, node: TreeNode) -> None:
+        """Protect ``node`` and its ancestors from eviction on both tiers (counted)."""
+        self._check_node(node)
+        self._tree.lock(node)
+        self._caller_locks[node] = self._caller_locks.get(node, 0) + 1
+
+    def unlock(self, node: TreeNode) -> None:
+        """Undo one :meth:`lock` of ``node``. ``HiCacheError`` if the caller holds none."""
+        self._check_node(node)
+        held = self._caller_locks.get(node, 0)
+        if held == 0:
+            raise HiCacheError(f"unlock of {node!r} without a matching lock")
+        self._tree.unlock(node)
+        if held == 1:
+            del self._caller_locks[node]
+        else:
+            self._caller_locks[node] = held - 1
+
+    def alloc_pages(self, n: int) -> np.ndarray:
+        """Take ``n`` device pages for the caller, evicting as needed.
+
+        Returns:
+            int32 ``[n]`` page ids, owned by the caller until :meth:`insert` or
+            :meth:`free_pages`.
+
+        Raises:
+            OutOfPagesError: not enough free + evictable pages (raised before evicting
+                anything); ``needed``, ``free``, ``evictable``, ``locked`` say why.
+        """
+        n = _check_int("n", n)
+        self._complete()
+        ids = self._take_pages(self._dev_tier, n)
+        self._owner[ids] = _CALLER
+        return ids
+
+    def free_pages(self, pages: Any) -> None:
+        """Give back caller-owned pages that were never inserted."""
+        ids = self._check_pages(pages, (_CALLER,), "caller-owned (from alloc_pages, not inserted)")
+        self._device.allocator.free(ids)
+        self._owner[ids] = _FREE
+
+    def write_kv(self, pages: Any, kv: Any) -> None:
+        """Write KV into caller-owned pages.
+
+        Args:
+            pages: n caller-owned device page ids.
+            kv: ``spec.kv_shape(n)`` = [num_layers, kv, n, page_size, heads, head_dim] in
+                ``spec.dtype`` or its raw-bits dtype; jax or numpy. Not consumed.
+        """
+        ids = self._check_pages(pages, (_CALLER,), "caller-owned (cached pages are read-only)")
+        self._device.write(ids, kv)
+
+    def read_kv(self, pages: Any) -> Any:
+        """KV of allocated device pages: ``spec.kv_shape(n)`` in ``spec.dtype`` (a new array)."""
+        ids = self._check_pages(pages, (_CALLER, _TREE), "allocated")
+        if self._loading[ids].any():  # a layer-wise load may still be writing these pages
+            last = [op for op in self._ops if op.kind == "load"
+                    and np.isin(op.device_ids, ids).any()][-1]
+            self._complete(upto=last.seq)
+        return self._device.read(ids)
+
+    def insert(self, tokens: Any, pages: Any, extra_key: Hashable = None, *,
+               chunked: bool = False, priority: int = 0) -> int:
+        """Cache the whole pages of ``tokens`` with ``pages`` (see DESIGN.md).
+
+        Args:
+            tokens: 1-D non-negative int sequence; a trailing partial page is ignored.
+            pages: int ``[len(tokens) // page_size]``: the tree's own page for a position it
+                holds on device, or a caller-owned page. Caller pages at positions the tree
+                already holds are freed; the others become the tree's.
+            extra_key: namespace.
+            chunked: one chunk of a chunked prefill: no hit is counted on existing nodes.
+            priority: request priority (``eviction="priority"``).
+
+        Returns:
+            Tokens already cached (either tier) before the call.
+        """
+        _check_bool("chunked", chunked)
+        _check_int("priority", priority, -(2**62))
+        ntok = _prepare_tokens(tokens, extra_key, self._ps).shape[0]
+        ids = self._check_pages(pages, (_CALLER, _TREE), "caller-owned or cached")
+        if ids.size != ntok // self._ps:
+            raise ValueError(f"pages has {ids.size} ids, expected {ntok // self._ps} "
+                             "(one per whole page of tokens)")
+        # No polling here: the tree's own checks below must see the state the caller saw.
+        res = self._tree.insert(tokens, ids, extra_key, priority=int(priority),
+                                chunked=bool(chunked))
+        dup = res.duplicate_pages
+        if dup.size:
+            self._device.allocator.free(dup)
+            self._owner[dup] = _FREE
+            self._n["duplicate_pages_freed"] += dup.size
+        kept = ids[self._owner[ids] == _CALLER]
+        self._owner[kept] = _TREE
+        for node in res.revived_nodes:
+            self._events.stored(node, Medium.DEVICE)
+        if res.last_node.parent is not None and res.last_node not in res.existing_nodes:
+            self._events.stored(res.last_node, Medium.DEVICE)
+        if self._write.backup_on_hit and not chunked:
+            for node in res.existing_nodes:  # root-first: parents dispatch before children
+                if node.hit_count >= self.cfg.write_through_threshold:
+                    self._write_backup(node)
+        return res.prefix_len
+
+    def evict(self, num_tokens: int) -> int:
+        """Free at least ``num_tokens`` device tokens if possible; returns tokens freed."""
+        num_tokens = _check_int("num_tokens", num_tokens)
+        self._complete()
+        return self._evict_device(num_tokens)
+
+    def evict_host(self, num_tokens: int) -> int:
+        """Delete host-only leaves worth ``num_tokens``; returns tokens freed on host."""
+        num_tokens = _check_int("num_tokens", num_tokens)
+        self._complete()
+        return self._evict_host(num_tokens)
+
+    def flush(self) -> None:
+        """Wait for every transfer in flight and apply its completion."""
+        self._complete(upto=self._seq)
+        self._engine.wait_all()
+
+    def take_events(self) -> list[KVEvent]:
+        """KV events (BlockStored / BlockRemoved / AllBlocksCleared) since the last call."""
+        return self._events.take()
+
+    def reset(self) -> None:
+        """Wait for transfers, then forget everything: tree, caller pages and locks, counters."""
+        self.flush()
+        self._tree.reset()
+        self._device.allocator.reset()
+        self._host.allocator.reset()
+        self._init_state()
+        self._events.cleared()
+
+    def stats(self) -> dict[str, Any]:
+        """Counters and occupancy of both tiers (pure: does not poll transfers)."""
+        dev, host, tree, ps = self._device.allocator, self._host.allocator, self._tree, self._ps
+        n = self._n
+        seconds = n["seconds_to_host"] + n["seconds_to_device"]
+        moved = n["bytes_to_host"] + n["bytes_to_device"]
+        return {
+            "device_pages": dev.num_pages, "device_free_pages": dev.num_free,
+            "device_used_pages": dev.num_used,
+            "device_caller_pages": int((self._owner == _CALLER).sum()),
+            "device_cached_tokens": tree.device_tokens,
+            "device_evictable_pages": tree.evictable_device_tokens // ps,
+            "device_protected_pages": tree.protected_device_tokens // ps,
+            "host_pages": host.num_pages, "host_free_pages": host.num_free,
+            "host_used_pages": host.num_used, "host_cached_tokens": tree.host_tokens,
+            "host_evictable_leaves": len(tree.evictable_host),
+            "match_tokens": n["match_tokens"], "device_hit_tokens": n["device_hit_tokens"],
+            "host_hit_tokens": n["host_hit_tokens"],
+            "backups": n["backups"], "backup_tokens": n["backup_tokens"],
+            "backups_skipped": n["backups_skipped"],
+            "load_backs": n["load_backs"], "load_back_tokens": n["load_back_tokens"],
+            "load_backs_declined": n["load_backs_declined"],
+            "evictions": n["evictions"], "evicted_tokens": n["evicted_tokens"],
+            "deleted_tokens": n["deleted_tokens"],
+            "host_evictions": n["host_evictions"], "host_evicted_tokens": n["host_evicted_tokens"],
+            "duplicate_pages_freed": n["duplicate_pages_freed"],
+            "bytes_to_host": n["bytes_to_host"], "bytes_to_device": n["bytes_to_device"],
+            "transfer_seconds": seconds,
+            "mean_transfer_gbps": moved / seconds / 1e9 if seconds > 0 else 0.0,
+            "transfers_in_flight": len(self._ops),
+        }
+
+    # -- internals: allocation and eviction --------------------------------------------------
+
+    def _take_pages(self, tier: _Tier, n: int) -> np.ndarray:
+        """The one evict-and-retry path: free pages, else evict the shortfall once, else raise.
+
+        Raises before evicting anything when even full eviction could not cover ``n``.
+        """
+        alloc = tier.allocator
+        if n > alloc.num_free + tier.evictable_pages() and self._ops:
+            self._complete(upto=self._seq)  # copies in flight hold locks; their acks release them
+        short = n - alloc.num_free
+        if short > 0 and short <= tier.evictable_pages():
+            tier.evict(short * self._ps)
+        if n > alloc.num_free:
+            evictable = tier.evictable_pages()
+            raise OutOfPagesError(
+                f"{alloc.name} pool: {n} pages needed, {alloc.num_free} free, {evictable} "
+                "evictable: unlock finished requests or free caller pages",
+                needed=n, free=alloc.num_free, evictable=evictable,
+                locked=alloc.num_used - evictable)
+        return alloc.alloc(n)
+
+    def _evict_device(self, num_tokens: int) -> int:
+        """Evict rounds until ``num_tokens`` are freed or a round frees nothing."""
+        freed = 0
+        while freed < num_tokens:
+            got = self._evict_round(num_tokens - freed)
+            if got == 0:
+                break
+            freed += got
+        return freed
+
+    def _evict_round(self, num_tokens: int) -> int:
+        """One pass over the evictable leaves (see module doc). Write-back nodes are backed up
+        in the pass and freed at its end, once acknowledged; their parents wait for the next
+        round, as in SGLang (one wait for all acknowledgements, not one per node)."""
+        tree = self._tree
+        heap = VictimHeap(self.cfg.eviction, tree.evictable_device)
+        freed, promised, pending, pending_seq = 0, 0, [], -1
+        while freed + promised < num_tokens and heap:
+            node = heap.pop()
+            if node not in tree.evictable_device:
+                continue  # stale heap entry: locked, evicted or deleted meanwhile
+            parent = node.parent
+            if node.backed_up:
+                freed += self._drop_device(node)
+            elif self._write.backup_on_evict and (op := self._write_backup(node)) is not None:
+                pending.append(node)  # freed below, once its copy is acknowledged
+                pending_seq = op.seq
+                promised += node.num_tokens
+                continue
+            elif node.children:
+                continue  # host-only children and no host room for this node: cannot go
+            else:
+                freed += self._delete(node)
+            if parent in tree.evictable_device:
+                heap.push(parent)
+        if pending:
+            self._complete(upto=pending_seq)
+            for node in pending:
+                if node in tree.evictable_device and node.backed_up:
+                    freed += self._drop_device(node)
+        return freed
+
+    def _evict_host(self, num_tokens: int) -> int:
+        tree = self._tree
+        heap = VictimHeap(self.cfg.eviction, tree.evictable_host)
+        freed = 0
+        while freed < num_tokens and heap:
+            node = heap.pop()
+            if node not in tree.evictable_host:
+                continue
+            if self._engine.busy_host_pages(node.host_value).any():
+                continue  # a copy still reads these pages (defence in depth: such nodes are locked)
+            parent = node.parent
+            freed += self._delete(node)
+            if parent in tree.evictable_host:
+                heap.push(parent)
+        return freed
+
+    def _drop_device(self, node: TreeNode) -> int:
+        """Free a backed-up node's device pages; it stays as a host-only node."""
+        ids = self._tree.evict_device(node)
+        self._device.allocator.free(ids)
+        self._owner[ids] = _FREE
+        self._events.removed(node, Medium.DEVICE)
+        self._n["evictions"] += 1
+        self._n["evicted_tokens"] += node.num_tokens
+        return node.num_tokens
+
+    def _delete(self, node: TreeNode) -> int:
+        """Delete a leaf from the tree, freeing its pages on both tiers; returns its tokens."""
+        value, host_value = self._tree.delete_leaf(node)
+        if value is not None:
+            self._device.allocator.free(value)
+            self._owner[value] = _FREE
+            self._events.removed(node, Medium.DEVICE)
+            self._n["evictions"] += 1
+            self._n["evicted_tokens"] += node.num_tokens
+            self._n["deleted_tokens"] += node.num_tokens
+        if host_value is not None:
+            self._host.allocator.free(host_value)
+            self._events.removed(node, Medium.HOST)
+            if value is None:
+                self._n["host_evictions"] += 1
+                self._n["host_evicted_tokens"] += node.num_tokens
+        return node.num_tokens
+
+    # -- internals: transfers ----------------------------------------------------------------
+
+    def _write_backup(self, node: TreeNode) -> _Op | None:
+        """Start copying ``node``'s device pages to host; None when skipped (see module doc)."""
+        if node.value is None or node.backed_up or self._backing[node.value].any():
+            return None
+        if self._write.continuous_prefix:
+            parent = node.parent
+            if not (parent.parent is None or parent.backed_up
+                    or (parent.value is not None and self._backing[parent.value].any())):
+                return None
+        try:
+            host_ids = self._take_pages(self._host_tier, node.num_pages)
+        except OutOfPagesError:
+            self._n["backups_skipped"] += 1
+            return None
+        handle = self._engine.backup(node.value, host_ids)
+        self._tree.lock(node)
+        self._backing[node.value] = True
+        op = _Op(self._next_seq(), "backup", handle, node, node.value.copy(), host_ids)
+        self._ops.append(op)
+        return op
+
+    def _complete(self, upto: int = -1) -> None:
+        """Apply finished transfers in dispatch order, first waiting for those with seq <= upto.
+
+        Dispatch order keeps a parent's backup acknowledged before its child's.
+        """
+        self._engine.poll()
+        while self._ops:
+            op = self._ops[0]
+            if not op.handle.done():
+                if op.seq > upto:
+                    return
+                op.handle.wait()
+            self._ops.popleft()
+            self._apply(op)
+
+    def _apply(self, op: _Op) -> None:
+        seconds = float(op.handle.seconds or 0.0)
+        if op.kind == "load":
+            self._loading[op.device_ids] = False
+            self._n["bytes_to_device"] += op.handle.nbytes
+            self._n["seconds_to_device"] += seconds
+        else:
+            self._finish_backup(op)
+            self._n["bytes_to_host"] += op.handle.nbytes
+            self._n["seconds_to_host"] += seconds
+        self._tree.unlock(op.node)
+
+    def _finish_backup(self, op: _Op) -> None:
+        """Record host pages on ``op.node`` and on the parents split off it meanwhile."""
+        pos = {d: i for i, d in enumerate(op.device_ids.tolist())}
+        parts, node = [], op.node
+        while (node.parent is not None and node.value is not None and node.host_value is None
+               and all(d in pos for d in node.value.tolist())):
+            parts.append(node)
+            node = node.parent
+        used = np.zeros(op.host_ids.size, np.bool_)
+        for part in reversed(parts):  # root-first: a parent is backed up before its child
+            idx = np.fromiter((pos[d] for d in part.value.tolist()), np.int64, part.num_pages)
+            self._tree.set_host_value(part, op.host_ids[idx])
+            self._events.stored(part, Medium.HOST)
+            used[idx] = True
+        if not used.all():  # unreachable while the lock holds; keeps host accounting exact
+            self._host.allocator.free(op.host_ids[~used])
+        self._backing[op.device_ids] = False
+        self._n["backups"] += 1
+        self._n["backup_tokens"] += int(used.sum()) * self._ps
+
+    def _path_pages(self, node: TreeNode) -> np.ndarray:
+        parts = []
+        while node.parent is not None:
+            parts.append(node.value)
+            node = node.parent
+        return np.concatenate(parts[::-1]).astype(np.int32) if parts else np.zeros(0, np.int32)
+
+    # -- test support ------------------------------------------------------------------------
+
+    def _check_invariants(self) -> None:
+        """Full scan of DESIGN.md's invariants and exact page accounting (tests; O(cache))."""
+        tree = self._tree
+        tree.check_invariants()
+        nodes = list(tree.nodes())
+        dev_held = [n.value for n in nodes if n.value is not None]
+        held = np.concatenate(dev_held) if dev_held else np.zeros(0, np.int32)
+        assert np.unique(held).size == held.size, "a device page is held twice"
+        owner = np.zeros_like(self._owner)
+        owner[held] = _TREE
+        caller = self._owner == _CALLER
+        assert not (caller & (owner == _TREE)).any(), "a caller page is also the tree's"
+        owner[caller] = _CALLER
+        assert (owner == self._owner).all(), "device owner map disagrees with the tree"
+        dev_alloc = self._device.allocator.is_allocated(np.arange(self.cfg.device_pages))
+        assert (dev_alloc == (owner != _FREE)).all(), "device allocator disagrees with owners"
+        host_parts = [n.host_value for n in nodes if n.host_value is not None]
+        host_parts += [op.host_ids for op in self._ops if op.kind == "backup"]
+        hheld = np.concatenate(host_parts) if host_parts else np.zeros(0, np.int32)
+        assert np.unique(hheld).size == hheld.size, "a host page is held twice"
+        host_alloc = self._host.allocator.is_allocated(np.arange(self.cfg.host_pages))
+        assert host_alloc.sum() == hheld.size and host_alloc[hheld].all(), "host accounting"
+        expected_locks: collections.Counter = collections.Counter()
+        sources = [(n, k) for n, k in self._caller_locks.items()]
+        sources += [(op.node, 1) for op in self._ops]
+        for node, k in sources:
+            while node.parent is not None:
+                expected_locks[node] += k
+                node = node.parent
+        for n in nodes:
+            assert n.value is not None or n.host_value is not None, f"{n!r} holds no pages"
+            assert n.lock_ref == expected_locks[n], f"{n!r} lock_ref {n.lock_ref} != " \
+                f"{expected_locks[n]} (caller locks + transfers in flight)"
+            if self._write.continuous_prefix and n.host_value is not None:
+                assert n.parent.parent is None or n.parent.host_value is not None, \
+                    f"{n!r} backed up under a parent that is not (gap in the host prefix)"
+            dev_child = any(c.value is not None for c in n.children.values())
+            assert (n in tree.evictable_device) == (
+                n.lock_ref == 0 and n.value is not None and not dev_child), f"{n!r} evictable set"
+        assert all(n.parent is not None for n in self._caller_locks if n is not tree.root)
