@@ -2,12 +2,13 @@
 
 A node's ``key`` is a whole number of pages of tokens. ``value`` holds the node's device page
 ids (one int32 per page; ``None`` once evicted from device) and ``host_value`` its host page ids
-(``None`` until backed up). Keys are compared page by page with numpy (one ``memcmp`` per node,
-``argmin`` only on a mismatch), never token by token in Python. Only whole pages are cached: a
+(``None`` until backed up). Keys are compared with numpy (one ``memcmp`` or vector compare per
+node, rounded down to a page boundary), never token by token in Python. Only whole pages are cached: a
 trailing partial page is ignored by :meth:`RadixTree.match` and :meth:`RadixTree.insert`.
 
 Children are keyed by their first page's tokens (the int64 bytes of the page, an exact and
-cheaper-to-hash encoding than a tuple); the root's children by ``(extra_key, first page)``, so equal tokens under different ``extra_key`` never share a node.
+cheaper-to-hash encoding than a tuple); the root's children by ``(extra_key, first page)``, so
+equal tokens under different ``extra_key`` never share a node.
 
 Shape of the two tiers (kept by every method, checked by :meth:`RadixTree.check_invariants`):
 
@@ -459,7 +460,7 @@ class RadixTree:
                 Ownership passes to the tree for new and revived positions; duplicates stay the
                 caller's (see module docstring).
             extra_key: namespace (hashable).
-            priority: request priority (for the ``priority`` eviction strategy).
+            priority: int request priority (``priority`` eviction strategy: lower goes first).
             chunked: do not count a hit on existing nodes (one prefill split into chunks).
 
         Raises:
@@ -469,6 +470,9 @@ class RadixTree:
         """
         arr = _as_tokens(tokens)
         _check_extra_key(extra_key)
+        if isinstance(priority, bool) or not isinstance(priority, (int, np.integer)):
+            raise TypeError(f"priority must be an int, got {type(priority).__name__}")
+        priority = int(priority)
         npages = arr.shape[0] // self.page_size
         ids = _as_ids(page_ids, npages, "page_ids")
         arr = arr[: npages * self.page_size]

@@ -286,6 +286,8 @@ def test_bad_other_arguments():
     before = t.snapshot()
     with pytest.raises(TypeError, match="extra_key must be hashable"):
         t.insert(seq(4, [1]), [9], extra_key=["unhashable"])
+    with pytest.raises(TypeError, match="priority must be an int"):
+        t.insert(seq(4, [1]), [9], priority=1.5)
     with pytest.raises(TypeError, match="TreeNode"):
         t.lock("node")
     with pytest.raises(HiCacheError, match="not in this tree"):
