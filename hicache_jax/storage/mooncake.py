@@ -49,10 +49,12 @@ INSTALL_HINT = ("pip install mooncake-transfer-engine-non-cuda (the import also 
 
 # ErrorCode values of mooncake-store (types.h)
 NO_AVAILABLE_HANDLE = -200   # no space in any mounted segment
+INVALID_PARAMS = -600        # e.g. the object does not fit the buffers given
 OBJECT_NOT_FOUND = -704
 TRANSFER_FAIL = -800
 RPC_FAIL = -900
-_TRANSPORT_DOWN = (TRANSFER_FAIL, RPC_FAIL, -901)
+RPC_TIMEOUT = -901
+_TRANSPORT_DOWN = (TRANSFER_FAIL, RPC_FAIL, RPC_TIMEOUT)
 
 
 # Mooncake reads these at setup(); values the user exported before we were imported win.
@@ -224,27 +226,37 @@ class MooncakeStorage(BackendBase):
         else:
             ptrs = [buf.ctypes.data + i * self.codec.entry_bytes for i in range(n)]
             codes = self._store.batch_get_into(list(keys), ptrs, [self.codec.entry_bytes] * n)
-        bad = []
+        bad, down, errors = [], 0, 0
         for i, (key, page, code) in enumerate(zip(keys, ids, codes)):
-            if code < 0:
+            if code >= 0:
+                if self.zero_copy:
+                    header, parts = buf[i, :HEADER_BYTES], self.host.parts(int(page))
+                else:
+                    header, parts = buf[i, :HEADER_BYTES], [buf[i, HEADER_BYTES:]]
+                ok[i] = self.codec.verify(header, key, parts, code)
+                if not ok[i]:
+                    bad.append(key)
+            elif code == OBJECT_NOT_FOUND:
                 continue
-            if self.zero_copy:
-                header, parts = buf[i, :HEADER_BYTES], self.host.parts(int(page))
+            elif code in (TRANSFER_FAIL, INVALID_PARAMS) and self._wrong_size(key):
+                bad.append(key)  # the store refuses to move an object of another size
+            elif code in _TRANSPORT_DOWN:
+                down += 1
             else:
-                header, parts = buf[i, :HEADER_BYTES], [buf[i, HEADER_BYTES:]]
-            ok[i] = self.codec.verify(header, key, parts, code)
-            if not ok[i]:
-                bad.append(key)
+                errors += 1
         if not self.zero_copy and ok.any():
             self.host.scatter(ids[ok], buf[:n][ok][:, HEADER_BYTES:])
-        self._after(codes)
+        self._health(codes, down, ok.any())
         for key in bad:  # force: our own read just took a lease on it
             self._store.remove(key, True)
         hits = int(ok.sum())
-        errors = sum(1 for c in codes if c < 0 and c != OBJECT_NOT_FOUND)
-        self._count(get_pages=hits, get_misses=n - hits, corrupt=len(bad), get_errors=errors,
-                    bytes_read=hits * self.spec.page_bytes)
+        self._count(get_pages=hits, get_misses=n - hits, corrupt=len(bad),
+                    get_errors=errors + down, bytes_read=hits * self.spec.page_bytes)
         return ok
+
+    def _wrong_size(self, key: str) -> bool:
+        size = self._store.get_size(key)
+        return size >= 0 and size != self.codec.entry_bytes
 
     def _put(self, keys: tuple[str, ...], ids: np.ndarray) -> np.ndarray:
         n = len(keys)
@@ -265,16 +277,18 @@ class MooncakeStorage(BackendBase):
                 self.codec.pack_into(buf[i, :HEADER_BYTES], key, [buf[i, HEADER_BYTES:]])
             ptrs = [buf.ctypes.data + i * self.codec.entry_bytes for i in range(n)]
             codes = self._store.batch_put_from(list(keys), ptrs, [self.codec.entry_bytes] * n)
-        self._after(codes)
         ok = np.asarray([c == 0 for c in codes], dtype=bool)
+        self._health(codes, sum(1 for c in codes if c in _TRANSPORT_DOWN), ok.any())
         stored = int(ok.sum())
         self._count(put_pages=stored, puts_dropped=n - stored,
                     puts_no_space=sum(1 for c in codes if c == NO_AVAILABLE_HANDLE),
                     bytes_written=stored * self.spec.page_bytes)
         return ok
 
-    def _after(self, codes: list[int]) -> None:
-        if any(c in _TRANSPORT_DOWN for c in codes):
+    def _health(self, codes: list[int], down: int, any_ok: bool) -> None:
+        """Trip the breaker when the master is unreachable, or when transfers fail and none
+        of the batch succeeded (a holder gone); a per-object failure does not trip it."""
+        if any(c == RPC_FAIL or c == RPC_TIMEOUT for c in codes) or (down and not any_ok):
             self._breaker.trip()
             self._count(backend_errors=1)
         else:

@@ -1,0 +1,182 @@
+"""Mooncake backend against real servers (mooncake_master + mooncake_client holder on 127.0.0.1).
+
+Skipped, with the reason, only when the Mooncake package cannot be imported here; CI installs it
+(``pip install mooncake-transfer-engine-non-cuda``, ``apt-get install -y libibverbs1``).
+"""
+
+import socket
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from storage_servers import MooncakeServers, mooncake_fixture, mooncake_skip_reason, running_mooncake
+from test_storage_file import NUM_PAGES, SPEC, host_buffer, keys_for, pages
+
+from hicache_jax.spec import KVSpec
+from hicache_jax.storage import HEADER_BYTES, StorageUnavailableError, open_storage
+
+pytestmark = pytest.mark.skipif(mooncake_skip_reason() is not None,
+                                reason=str(mooncake_skip_reason()))
+
+servers = mooncake_fixture("module")
+BIG = KVSpec(num_layers=2, num_kv_heads=4, head_dim=64, dtype="bfloat16", page_size=16)  # 32 KiB
+
+
+def open_mc(servers, layout="page_first", seed=0, spec=SPEC, **kw):
+    buf = host_buffer(spec, layout, seed=seed)
+    return open_storage(servers.url, spec, buf, layout, **kw), buf
+
+
+def unique_keys(n, spec=SPEC):
+    return keys_for(n, start=int(time.monotonic_ns() % 10**12), spec=spec)
+
+
+@pytest.mark.parametrize("layout,zero_copy", [("page_first", None), ("page_first", False),
+                                              ("layer_first", None)])
+def test_round_trip_bit_exact_across_clients(servers, layout, zero_copy):
+    src, buf = open_mc(servers, layout, zero_copy=zero_copy, spec=BIG)
+    dst, dbuf = open_mc(servers, layout, seed=1, zero_copy=zero_copy, spec=BIG, batch_pages=4)
+    assert src.zero_copy == (layout == "page_first" and zero_copy is None)
+    keys = unique_keys(10, spec=BIG)
+    src_ids, dst_ids = [3, 0, 7, 1, 15, 9, 2, 4, 5, 6], [10, 11, 12, 13, 14, 8, 0, 1, 3, 7]
+    assert src.put_from(keys, src_ids).wait(20).all()
+    np.testing.assert_array_equal(dst.exists(keys + ["absent"]), [True] * 10 + [False])
+    before = dbuf.copy()
+    h = dst.get_into(keys, dst_ids)
+    assert h.wait(20).all()
+    np.testing.assert_array_equal(pages(dbuf, layout, dst_ids), pages(buf, layout, src_ids))
+    rest = sorted(set(range(NUM_PAGES)) - set(dst_ids))
+    np.testing.assert_array_equal(pages(dbuf, layout, rest), pages(before, layout, rest))
+    assert dst.stats()["get_pages"] == 10 and src.stats()["put_pages"] == 10
+    src.close(), dst.close()
+
+
+def test_misses_and_write_once(servers):
+    store, buf = open_mc(servers)
+    keys = unique_keys(3)
+    assert store.put_from(keys[:1], [0]).wait(20).all()
+    assert store.put_from(keys[:1], [1]).wait(20).all()   # write-once: no-op, reported stored
+    ok = store.get_into(keys, [4, 5, 6]).wait(20)
+    np.testing.assert_array_equal(ok, [True, False, False])
+    np.testing.assert_array_equal(buf[4], buf[0])          # the first value stays
+    assert store.stats()["get_misses"] == 2 and "get_errors" not in store.stats()
+    store.close()
+
+
+@pytest.mark.parametrize("damage", ["payload", "fingerprint", "short", "long"])
+def test_corrupt_or_truncated_entry_is_a_miss_and_is_removed(servers, damage):
+    store, buf = open_mc(servers)
+    keys = unique_keys(2)
+    entry = np.zeros(HEADER_BYTES + SPEC.page_bytes + 8, np.uint8)
+    store.codec.pack_into(entry[:HEADER_BYTES], keys[1], [buf[1].view(np.uint8).reshape(-1)])
+    entry[HEADER_BYTES:HEADER_BYTES + SPEC.page_bytes] = buf[1].view(np.uint8).reshape(-1)
+    size = HEADER_BYTES + SPEC.page_bytes
+    if damage == "payload":
+        entry[HEADER_BYTES + 3] ^= 1
+    elif damage == "fingerprint":
+        entry[9] ^= 1
+    else:
+        size += -7 if damage == "short" else 8
+    raw = store._store  # the client's own API: write a damaged entry under a valid key
+    assert raw.register_buffer(entry.ctypes.data, entry.nbytes) == 0
+    assert raw.batch_put_from([keys[1]], [entry.ctypes.data], [size]) == [0]
+    raw.unregister_buffer(entry.ctypes.data)
+    store.put_from(keys[:1], [0]).wait(20)
+    ok = store.get_into(keys, [8, 9]).wait(20)
+    np.testing.assert_array_equal(ok, [True, False])
+    assert store.stats()["corrupt"] == 1 and not store.exists(keys[1:]).any()   # removed
+    assert store.put_from(keys[1:], [1]).wait(20).all()                           # repairable
+    assert store.get_into(keys[1:], [9]).wait(20).all()
+    np.testing.assert_array_equal(buf[9], buf[1])
+    store.close()
+
+
+def test_unreachable_master_fails_fast_naming_the_address():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    buf = host_buffer(SPEC, "page_first")
+    t0 = time.monotonic()
+    with pytest.raises(StorageUnavailableError, match=f"127.0.0.1:{port}.*unreachable"):
+        open_storage(f"mooncake://127.0.0.1:{port}", SPEC, buf, setup_timeout_s=2.0)
+    assert time.monotonic() - t0 < 3.0
+
+
+def test_silent_master_setup_is_bounded():
+    """A port that accepts but never answers made setup() retry for ~10 minutes."""
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(8)
+        addr = "127.0.0.1:%d" % listener.getsockname()[1]
+        t0 = time.monotonic()
+        with pytest.raises(StorageUnavailableError, match=f"{addr}.*did not answer"):
+            open_storage(f"mooncake://{addr}", SPEC, host_buffer(SPEC, "page_first"),
+                         setup_timeout_s=1.0)
+        assert time.monotonic() - t0 < 8.0
+
+
+def test_bad_mooncake_arguments():
+    buf = host_buffer(SPEC, "layer_first")
+    with pytest.raises(ValueError, match="host:port"):
+        open_storage("mooncake://nohost", SPEC, buf, "layer_first")
+    with pytest.raises(ValueError, match="zero_copy"):
+        open_storage("mooncake://127.0.0.1:1", SPEC, buf, "layer_first", zero_copy=True)
+    with pytest.raises(ValueError, match="setup_timeout_s"):
+        open_storage("mooncake://127.0.0.1:1?setup_timeout_s=0", SPEC, buf, "layer_first")
+
+
+def test_holder_dying_mid_run_gives_misses_dropped_puts_and_recovers():
+    with running_mooncake(client_ttl_s=2) as own:
+        store, buf = open_mc(own)
+        keys = unique_keys(8)
+        assert store.put_from(keys[:4], [0, 1, 2, 3]).wait(20).all()
+        kept = buf.copy()
+        own.kill_holder()
+        t0 = time.monotonic()
+        got = store.get_into(keys[:4], [8, 9, 10, 11])
+        put = store.put_from(keys[4:], [4, 5, 6, 7])
+        assert not got.wait(20).any() and not put.wait(20).any()
+        # the breaker is open now: further calls return at once
+        t1 = time.monotonic()
+        assert not store.put_from(keys[4:], [4, 5, 6, 7]).wait(5).any()
+        assert not store.get_into(keys[:2], [8, 9]).wait(5).any()
+        assert time.monotonic() - t1 < 0.5 and time.monotonic() - t0 < 15
+        stats = store.stats()
+        assert stats["puts_dropped"] >= 8 and stats["get_skipped"] >= 2
+        untouched = [i for i in range(NUM_PAGES) if i not in (8, 9, 10, 11)]
+        np.testing.assert_array_equal(buf[untouched], kept[untouched])   # L2 not corrupted
+        own.start_holder()            # memory back (the old entries are gone with it)
+        deadline = time.monotonic() + 20
+        while not store.put_from(keys[4:], [4, 5, 6, 7]).wait(20).all():
+            assert time.monotonic() < deadline, store.stats()
+            time.sleep(0.5)
+        assert store.get_into(keys[4:], [12, 13, 14, 15]).wait(20).all()
+        np.testing.assert_array_equal(buf[12:16], buf[4:8])
+        store.close()
+
+
+def test_master_dying_mid_run_does_not_block_the_caller():
+    with running_mooncake() as own:
+        store, buf = open_mc(own)
+        keys = unique_keys(4)
+        assert store.put_from(keys[:2], [0, 1]).wait(20).all()
+        own.kill_master()
+        t0 = time.monotonic()
+        got = store.get_into(keys[:2], [8, 9])
+        put = store.put_from(keys[2:], [2, 3])
+        assert time.monotonic() - t0 < 0.1       # dispatch never waits on the store
+        assert not got.wait(30).any() and not put.wait(30).any()
+        t1 = time.monotonic()
+        assert not store.exists(keys).any() and not store.get_into(keys, [8, 9, 10, 11]).wait(5).any()
+        assert time.monotonic() - t1 < 1.0
+        closer = threading.Thread(target=store.close)
+        closer.start()
+        closer.join(30)
+        assert not closer.is_alive()
+
+
+def test_servers_helper_lists_the_holder_segment(servers):
+    assert isinstance(servers, MooncakeServers) and servers.segments()
+    assert servers.master.poll() is None and servers.holder.poll() is None
