@@ -375,22 +375,30 @@ class RadixTree:
 
     # -- walking and splitting ---------------------------------------------------------------
 
-    def _walk(self, tokens: np.ndarray, extra_key: Any) -> tuple[list, int]:
-        """Read-only descent: nodes matched (the last may match only partly) and tokens matched."""
-        ps, n = self.page_size, tokens.shape[0]
-        path, pos, node = [], 0, self.root
+    def _walk(self, tokens: np.ndarray, extra_key: Any) -> tuple[list, int, int]:
+        """Read-only descent: nodes matched (the last may match only partly), tokens matched,
+        and where the last node starts. The hot loop of match and insert: kept flat on purpose."""
+        ps, n, root = self.page_size, tokens.shape[0], self.root
+        path, pos, start, node, children = [], 0, 0, root, root.children
         while pos < n:
-            child = node.children.get(self._child_key(node, tokens[pos:pos + ps], extra_key))
+            first = tokens[pos:pos + ps].tobytes()  # same encoding as _child_key
+            child = children.get((extra_key, first) if node is root else first)
             if child is None:
                 break
-            m = min(child.num_tokens, n - pos)
-            matched = _common_len(child.key[:m], tokens[pos:pos + m]) // ps * ps
+            key = child.key
+            size = key.shape[0]
+            m = min(size, n - pos)
+            a, b = key[:m], tokens[pos:pos + m]
+            if m <= _MEMCMP_MAX and a.tobytes() == b.tobytes():
+                matched = m
+            else:
+                matched = _common_len(a, b) // ps * ps
             path.append(child)
-            pos += matched
-            if matched < child.num_tokens:
+            start, pos = pos, pos + matched
+            if matched < size:
                 break
-            node = child
-        return path, pos
+            node, children = child, child.children
+        return path, pos, start
 
     def _split(self, node: TreeNode, ntok: int) -> TreeNode:
         """Split ``node`` after ``ntok`` tokens (a page multiple); return the new upper part."""
@@ -411,14 +419,12 @@ class RadixTree:
         upper.children[self._child_key(upper, node.key[: self.page_size], node.extra_key)] = node
         return upper  # in neither evictable set: it has a child on its own tier
 
-    def _materialize(self, path: list, pos: int) -> list:
+    def _materialize(self, path: list, pos: int, start: int) -> list:
         """Split the last node of ``path`` where the match ends inside it; return full nodes."""
         # The dict lookup already matched the last node's first page, so at least one page of
         # it matched and a split never produces an empty part.
-        if path:
-            end = sum(n.num_tokens for n in path[:-1])
-            if pos - end < path[-1].num_tokens:
-                path = path[:-1] + [self._split(path[-1], pos - end)]
+        if path and pos - start < path[-1].key.shape[0]:
+            path[-1] = self._split(path[-1], pos - start)
         return path
 
     # -- public API ----------------------------------------------------------------------------
@@ -439,14 +445,19 @@ class RadixTree:
         arr = arr[: arr.shape[0] // self.page_size * self.page_size]
         path = self._materialize(*self._walk(arr, extra_key))
         now = self._clock()
-        device, host = [], []
+        values, host = [], []
         for node in path:
             node.last_access = now
-            (device if node.value is not None else host).append(node)
-        dev_len = sum(n.num_tokens for n in device)
-        pages = np.concatenate([n.value for n in device]) if device else _EMPTY_I32
+            if node.value is not None:  # device residency is prefix-closed: device part first
+                values.append(node.value)
+            else:
+                host.append(node)
+        dev_len = sum(v.shape[0] for v in values) * self.page_size
+        pages = np.concatenate(values) if values else _EMPTY_I32
+        device = path[: len(values)]
         return TreeMatch(device_pages=pages, device_len=dev_len,
-                         host_len=sum(n.num_tokens for n in host), host_nodes=tuple(host),
+                         host_len=sum(n.key.shape[0] for n in host),
+                         host_nodes=tuple(host),
                          last_device_node=device[-1] if device else self.root,
                          node=path[-1] if path else self.root)
 
@@ -476,9 +487,9 @@ class RadixTree:
         npages = arr.shape[0] // self.page_size
         ids = _as_ids(page_ids, npages, "page_ids")
         arr = arr[: npages * self.page_size]
-        path, pos = self._walk(arr, extra_key)
+        path, pos, start = self._walk(arr, extra_key)
         dup_mask = self._check_insert_pages(path, pos, ids)
-        path = self._materialize(path, pos)
+        path = self._materialize(path, pos, start)
         now = self._clock()
         revived = []
         p0 = 0
