@@ -1,0 +1,251 @@
+"""TransferEngine: bit-exact round trips, layer-wise loads, poll order, validation, in-flight guard."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import Mesh
+
+from hicache_jax.device_pool import DevicePagePool
+from hicache_jax.errors import HiCacheError
+from hicache_jax.host_pool import HostPagePool
+from hicache_jax.spec import SUPPORTED_DTYPES, KVSpec
+from hicache_jax.transfer import TransferEngine, TransferHandle
+
+LAYOUTS = ("layer_first", "page_first")
+POISON = 0x5A
+# One spec and pool size for the tests that are not about dtypes or shapes: compiles are shared.
+SPEC = KVSpec(2, 2, 8, "bfloat16", page_size=4)
+
+
+def _poison(spec: KVSpec) -> int:
+    return int.from_bytes(bytes([POISON]) * spec.itemsize, "little")
+
+
+def _random_bits(rng: np.random.Generator, spec: KVSpec, n: int) -> np.ndarray:
+    bits = rng.integers(1, np.iinfo(spec.bits_dtype).max, size=spec.kv_shape(n),
+                        dtype=spec.bits_dtype)
+    return np.where(bits == _poison(spec), 1, bits).astype(spec.bits_dtype)
+
+
+def _setup(spec: KVSpec, layout: str = "layer_first", *, device_pages: int = 8,
+           host_pages: int = 10, sharded: bool = False, memory_kind: str = "auto"):
+    """Pools with every page poisoned and allocated, and their engine."""
+    mesh = Mesh(np.array(jax.devices()[:4]), ("heads",)) if sharded else None
+    dev = DevicePagePool(spec, device_pages, mesh=mesh)
+    host = HostPagePool(spec, host_pages, layout, mesh=mesh, memory_kind=memory_kind)
+    poison = _poison(spec)
+    dev.write(np.arange(device_pages), np.full(spec.kv_shape(device_pages), poison,
+                                               spec.bits_dtype))
+    host.write(np.arange(host_pages), np.full(spec.kv_shape(host_pages), poison,
+                                              spec.bits_dtype))
+    dev.allocator.alloc(device_pages)
+    host.allocator.alloc(host_pages)
+    return dev, host, TransferEngine(dev, host)
+
+
+def _dev_bits(dev: DevicePagePool, ids) -> np.ndarray:
+    return np.asarray(dev.read_bits(ids))
+
+
+def _snapshots(dev: DevicePagePool, host: HostPagePool) -> tuple[np.ndarray, np.ndarray]:
+    return np.array(dev.array), np.array(host.buffer)
+
+
+def _round_trip(spec, layout, sharded, memory_kind="auto", seed=0):
+    dev, host, eng = _setup(spec, layout, host_pages=8, sharded=sharded, memory_kind=memory_kind)
+    rng = np.random.default_rng(seed)
+    kv = _random_bits(rng, spec, 3)
+    dev.write([6, 1, 3], kv)
+    backup = eng.backup([6, 1, 3], [2, 7, 4], tag="node")
+    assert isinstance(backup, TransferHandle) and backup.nbytes == 3 * spec.page_bytes
+    dev.write([6, 1, 3], _random_bits(rng, spec, 3))  # overwrite while the backup may be in flight
+    load = eng.load([7, 2, 4], [0, 5, 7])
+    assert [h.tag for h in eng.wait_all()] == ["node", None]
+    assert backup.done() and load.done() and eng.in_flight == 0
+    # Whole pools read back (one read each): the copied pages hold kv, every other page of
+    # the host pool and the untouched device pages are still poison.
+    want_host = np.full(spec.kv_shape(8), _poison(spec), spec.bits_dtype)
+    want_host[:, :, [2, 7, 4]] = kv
+    np.testing.assert_array_equal(host.read(np.arange(8)), want_host)
+    got_dev = _dev_bits(dev, np.arange(8))
+    np.testing.assert_array_equal(got_dev[:, :, [5, 0, 7]], kv)
+    assert (got_dev[:, :, [2, 4]] == _poison(spec)).all()
+
+
+# Every dtype; each layout sharded and not; each page size 1/16/64 (a full cross product only
+# multiplies compiles: the copy depends on the bits width, the layout and the shapes).
+CASES = [
+    ("bfloat16", "layer_first", 16, False),
+    ("bfloat16", "page_first", 16, True),
+    ("float16", "page_first", 1, False),
+    ("float32", "layer_first", 64, True),
+    ("float8_e4m3fn", "layer_first", 1, True),
+    ("int8", "page_first", 64, False),
+]
+assert {c[0] for c in CASES} == set(SUPPORTED_DTYPES)
+
+
+@pytest.mark.parametrize("dtype, layout, page_size, sharded", CASES)
+def test_round_trip_bit_exact(dtype, layout, page_size, sharded):
+    heads = 4 if sharded else 2
+    _round_trip(KVSpec(2, heads, 8, dtype, page_size=page_size), layout, sharded)
+
+
+@pytest.mark.parametrize("layout, sharded", [("page_first", True), ("layer_first", False)])
+def test_round_trip_pinned_host(layout, sharded):
+    # The accelerator code path (chunks moved between memory kinds inside the copy loop).
+    _round_trip(KVSpec(2, 4, 8, "bfloat16", page_size=4), layout, sharded, "pinned_host")
+
+
+def test_mla_round_trip():
+    _round_trip(KVSpec(2, 1, 8, "bfloat16", page_size=4, mla=True), "page_first", False)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_layerwise_load(layout):
+    spec = SPEC
+    dev, host, eng = _setup(spec, layout)
+    kv = _random_bits(np.random.default_rng(1), spec, 2)
+    host.write([3, 8], kv)
+    handle = eng.load([3, 8], [4, 0], layerwise=True)
+    assert handle.layerwise and eng.in_flight == 1
+    for layer in range(spec.num_layers):
+        handle.wait_layer(layer)
+    assert handle.done() and handle.seconds is not None and handle.seconds >= 0
+    np.testing.assert_array_equal(_dev_bits(dev, [4, 0]), kv)
+    assert (_dev_bits(dev, [1, 2, 3, 5, 6, 7]) == _poison(spec)).all()
+    with pytest.raises(ValueError, match="layer"):
+        handle.wait_layer(spec.num_layers)
+    with pytest.raises(ValueError, match="layer"):
+        eng.load([3], [4]).wait_layer(-1)
+    with pytest.raises(TypeError, match="layerwise"):
+        eng.load([3], [4], layerwise=1)
+
+
+def test_wait_layer_on_a_whole_load_waits_for_everything():
+    spec = SPEC
+    dev, host, eng = _setup(spec)
+    kv = _random_bits(np.random.default_rng(2), spec, 1)
+    host.write([5], kv)
+    handle = eng.load([5], [2])
+    handle.wait_layer(0)
+    assert handle.done()
+    np.testing.assert_array_equal(_dev_bits(dev, [2]), kv)
+
+
+def test_poll_returns_each_handle_once_in_completion_order():
+    spec = SPEC
+    dev, host, eng = _setup(spec, "page_first")
+    handles = [eng.backup([i], [i], tag=i) for i in range(4)]
+    handles.append(eng.load([0, 1], [6, 7], layerwise=True, tag=4))
+    assert eng.in_flight + len(eng._finished) == 5
+    seen = []
+    while len(seen) < 5:
+        seen.extend(eng.poll())
+    assert [h.tag for h in seen] == [0, 1, 2, 3, 4]  # one device: completion = dispatch order
+    assert eng.poll() == [] and eng.in_flight == 0
+    assert all(h.done() and h.seconds >= 0 for h in handles)
+    # A zero-page transfer dispatches nothing and completes at once.
+    empty = eng.load([], [], tag="empty")
+    assert empty.done() and empty.nbytes == 0 and eng.poll() == [empty]
+    # Completed by wait(): still reported by the next poll, once.
+    h = eng.backup([5], [5], tag="waited").wait()
+    assert eng.poll() == [h] and eng.poll() == []
+
+
+@pytest.mark.parametrize("call, args, err, match", [
+    ("backup", ([0, 8], [0, 1]), ValueError, "device_ids has ids outside"),
+    ("backup", ([0, 1], [0, 10]), ValueError, "host_ids has ids outside"),
+    ("backup", ([2, 2], [0, 1]), ValueError, "device_ids has duplicate"),
+    ("load", ([3, 3], [0, 1]), ValueError, "host_ids has duplicate"),
+    ("load", ([0, 1, 2], [0, 1]), ValueError, "same length"),
+    ("load", ([0], [-1]), ValueError, "negative"),
+    ("backup", ([[0]], [[0]]), ValueError, "1-D"),
+    ("backup", ([0.0], [0]), TypeError, "integers"),
+    ("backup", ([0, 1], [7, 6]), HiCacheError, r"device_ids \[0\] are not allocated"),
+    ("load", ([9, 1], [3, 4]), HiCacheError, r"host_ids \[9\] are not allocated"),
+])
+def test_bad_input_raises_before_dispatch(call, args, err, match):
+    spec = SPEC
+    dev, host, eng = _setup(spec, "page_first")
+    dev.allocator.free([0])
+    host.allocator.free([9])
+    rng = np.random.default_rng(3)
+    dev.write(np.arange(8), _random_bits(rng, spec, 8))
+    host.write(np.arange(10), _random_bits(rng, spec, 10))
+    before = _snapshots(dev, host)
+    with pytest.raises(err, match=match):
+        getattr(eng, call)(*args)
+    assert eng.in_flight == 0 and eng.poll() == []
+    after = _snapshots(dev, host)
+    np.testing.assert_array_equal(after[0], before[0])
+    np.testing.assert_array_equal(after[1], before[1])
+
+
+def test_mismatched_pools_are_rejected():
+    spec = KVSpec(2, 4, 8)
+    mesh = Mesh(np.array(jax.devices()[:4]), ("heads",))
+    with pytest.raises(ValueError, match="spec"):
+        TransferEngine(DevicePagePool(spec, 2), HostPagePool(KVSpec(2, 4, 8, "float16"), 2))
+    with pytest.raises(ValueError, match="placement"):
+        TransferEngine(DevicePagePool(spec, 2, mesh=mesh), HostPagePool(spec, 2))
+
+
+def test_donation_keeps_both_buffers_in_place():
+    spec = SPEC
+    dev, host, eng = _setup(spec)
+    dev_ptr, host_ptr = dev.array.unsafe_buffer_pointer(), host.buffer.unsafe_buffer_pointer()
+    old_dev, old_host = dev.array, host.buffer
+    eng.backup([1, 2], [3, 4])
+    eng.load([3, 4], [5, 6], layerwise=True)
+    eng.load([3], [7])
+    eng.wait_all()
+    assert old_dev.is_deleted() and old_host.is_deleted()
+    assert dev.array.unsafe_buffer_pointer() == dev_ptr
+    assert host.buffer.unsafe_buffer_pointer() == host_ptr
+
+
+def test_in_flight_host_pages_are_not_reused():
+    spec = SPEC
+    dev, host, eng = _setup(spec)
+    rng = np.random.default_rng(4)
+    old = _random_bits(rng, spec, 2)
+    host.write([1, 4], old)
+    free_before = host.allocator.num_free
+    load = eng.load([1, 4], [2, 3])
+    backup = eng.backup([0], [5])
+    assert eng.busy_host_pages([0, 1, 4, 5]).tolist() == [False, True, True, True]
+    # Freeing pages a transfer still uses defers them; an idle page is freed at once.
+    assert eng.free_host_pages([0, 1, 4]) == 2
+    assert host.allocator.num_free == free_before + 1
+    assert host.allocator.is_allocated([1, 4]).all()
+    with pytest.raises(HiCacheError, match="already freed"):
+        eng.free_host_pages([1])
+    with pytest.raises(HiCacheError, match="freed"):
+        eng.backup([6], [4])
+    # The new owner of a page gets only pages nobody copies: the deferred ones stay out.
+    assert set(host.allocator.alloc(host.allocator.num_free).tolist()) == {0}
+    # Writing new bytes into a page a load still reads does not change what the load copies
+    # (XLA orders the write after the read).
+    host.write([1], _random_bits(rng, spec, 1))
+    eng.wait_all()
+    assert load.done() and backup.done()
+    np.testing.assert_array_equal(_dev_bits(dev, [2, 3]), old)
+    assert not eng.busy_host_pages([1, 4]).any()
+    assert not host.allocator.is_allocated([1, 4]).any()  # released on completion
+    with pytest.raises(HiCacheError, match="not allocated"):
+        eng.free_host_pages([1])
+
+
+def test_device_write_after_backup_does_not_change_the_backup():
+    spec = SPEC
+    dev, host, eng = _setup(spec)
+    rng = np.random.default_rng(5)
+    kv = _random_bits(rng, spec, 8)
+    dev.write(np.arange(8), kv)
+    handle = eng.backup(np.arange(8), np.arange(8)[::-1])
+    dev.write(np.arange(8), _random_bits(rng, spec, 8))  # donates the pool the backup reads
+    handle.wait()
+    np.testing.assert_array_equal(host.read(np.arange(8)[::-1]), kv)
