@@ -200,6 +200,16 @@ def main(argv: list[str] | None = None) -> None:
                   s["match_us"], s["match_us_per_page"], s["insert_cached_us"],
                   s["insert_new_us"], s["insert_new_us_per_page"]] for s in scale],
                 title="\nScaling with prefix length (fully cached prefix; medians)")
+    by = {(s["page_size"], s["prefix_tokens"], s["shape"]): s for s in scale}
+    for shape in ("1 insert", "1K turns"):
+        lo, hi = by[(16, 1024, shape)], by[(16, 32768, shape)]
+        print(f"page 16, {shape}: 32x the tokens (32x the pages) costs "
+              f"{hi['match_us'] / lo['match_us']:.1f}x to match, "
+              f"{hi['insert_new_us'] / lo['insert_new_us']:.1f}x to insert new")
+    p1, p64 = by[(1, 32768, "1 insert")], by[(64, 32768, "1 insert")]
+    print(f"32K tokens in one node: page 1 ({p1['pages']} pages) matches in {p1['match_us']:.0f} µs, "
+          f"page 64 ({p64['pages']} pages) in {p64['match_us']:.0f} µs; inserting new pages costs "
+          f"~{by[(16, 32768, '1 insert')]['insert_new_us_per_page']:.1f} µs/page (one blake2b per page)")
     tgt = [s for s in scale if s["page_size"] == 16 and s["prefix_tokens"] == 32768]
     print("\nTarget: match of a fully cached 32K-token prompt, page_size 16, < "
           f"{TARGET_MS} ms")
