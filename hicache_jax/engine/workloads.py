@@ -1,0 +1,228 @@
+"""Seeded request workloads with a prefix structure, and their infinite-cache hit ratio.
+
+A workload is a set of sessions played in rounds: round ``t`` sends turn ``t`` of every session
+that has one (like the concurrent clients of SGLang's ``bench_multiturn``), and the serving
+function returns each request's generated tokens before the next round starts. A session's
+prompt for turn ``t`` is its history followed by that turn's new segment; whether the answer
+is appended to the history depends on the workload:
+
+* :func:`multiturn_chat` — N clients x M turns over one shared system prompt; each turn is the
+  whole conversation so far plus a new question, and the answer is appended.
+* :func:`document_qa` — many questions over a few long shared documents; each prompt is one
+  document plus one question (answers are not carried over).
+* :func:`agent_loop` — a few agents whose context grows every step by a tool observation and
+  the model's own action.
+
+Everything is numpy and pure Python; prompts depend only on the seed and the answers served.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Sequence
+
+import numpy as np
+
+#: Token id 0 is never drawn, so a padded bucket of zeros cannot look like a prompt.
+_LOW = 1
+
+Serve = Callable[[list[np.ndarray]], Sequence[np.ndarray]]
+
+
+@dataclasses.dataclass(frozen=True)
+class Session:
+    """One client / document reader / agent.
+
+    Attributes:
+        base: int32 tokens every prompt of the session starts with (system prompt, document).
+        segments: int32 tokens appended at each turn (question, observation).
+        keep_answers: the answer of turn t becomes part of the history of turn t+1.
+    """
+
+    base: np.ndarray
+    segments: tuple[np.ndarray, ...]
+    keep_answers: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class Request:
+    """One prompt of a round: session index, turn index, int32 prompt tokens."""
+
+    session: int
+    turn: int
+    prompt: np.ndarray
+
+
+@dataclasses.dataclass(frozen=True)
+class Workload:
+    """A named set of sessions played in rounds, with ``max_new_tokens`` per request."""
+
+    name: str
+    sessions: tuple[Session, ...]
+    max_new_tokens: int
+
+    @property
+    def num_rounds(self) -> int:
+        return max(len(s.segments) for s in self.sessions)
+
+    @property
+    def num_requests(self) -> int:
+        return sum(len(s.segments) for s in self.sessions)
+
+    def run(self, serve: Serve) -> list[tuple[Request, np.ndarray]]:
+        """Play every round through ``serve`` (prompts -> generated tokens, same order).
+
+        Returns:
+            ``(request, output tokens)`` for every request, in the order served.
+
+        Raises:
+            ValueError: ``serve`` returned the wrong number of outputs.
+        """
+        history = [s.base.copy() for s in self.sessions]
+        served: list[tuple[Request, np.ndarray]] = []
+        for t in range(self.num_rounds):
+            batch = [Request(i, t, np.concatenate([history[i], s.segments[t]]))
+                     for i, s in enumerate(self.sessions) if t < len(s.segments)]
+            outputs = serve([r.prompt for r in batch])
+            if len(outputs) != len(batch):
+                raise ValueError(f"serve returned {len(outputs)} outputs for {len(batch)} prompts")
+            for req, out in zip(batch, outputs):
+                out = np.asarray(out, np.int32)
+                if self.sessions[req.session].keep_answers:
+                    history[req.session] = np.concatenate([req.prompt, out])
+                served.append((req, out))
+        return served
+
+    def placeholder_run(self) -> list[tuple[Request, np.ndarray]]:
+        """A run whose answers are distinct placeholder tokens (ids >= 2**30, never in a prompt
+        segment), for structure-only figures such as the infinite-cache hit ratio."""
+        counter = iter(range(2**30, 2**31))
+
+        def serve(prompts: list[np.ndarray]) -> list[np.ndarray]:
+            return [np.fromiter((next(counter) for _ in range(self.max_new_tokens)), np.int32,
+                                count=self.max_new_tokens) for _ in prompts]
+
+        return self.run(serve)
+
+    def infinite_cache_hit_ratio(self, page_size: int = 1,
+                                 served: list[tuple[Request, np.ndarray]] | None = None) -> float:
+        """Fraction of prompt tokens an unbounded page cache would serve from cache.
+
+        Counted as the engine does: a prompt is matched on all but its last token (the last
+        token is always computed, for its logits), only whole pages hit, and after each request
+        the whole pages of prompt + answer minus its last token (whose K/V is never computed)
+        are cached. Uses the given ``served`` run (real answers) or :meth:`placeholder_run`.
+        """
+        served = self.placeholder_run() if served is None else served
+        cached: set[int] = set()
+        hits = total = 0
+        for req, out in served:
+            hits += _match_pages(cached, req.prompt[:-1], page_size) * page_size
+            total += len(req.prompt)
+            _insert_pages(cached, np.concatenate([req.prompt, out])[:-1], page_size)
+        return hits / total if total else 0.0
+
+    def total_prompt_tokens(self) -> int:
+        return sum(len(r.prompt) for r, _ in self.placeholder_run())
+
+
+def _page_keys(tokens: np.ndarray, page_size: int):
+    """Chained hashes of the whole pages of tokens (hash of page i covers pages 0..i)."""
+    h = 0
+    for i in range(len(tokens) // page_size):
+        h = hash((h, tokens[i * page_size:(i + 1) * page_size].tobytes()))
+        yield h
+
+
+def _match_pages(cached: set[int], tokens: np.ndarray, page_size: int) -> int:
+    n = 0
+    for key in _page_keys(np.asarray(tokens, np.int64), page_size):
+        if key not in cached:
+            break
+        n += 1
+    return n
+
+
+def _insert_pages(cached: set[int], tokens: np.ndarray, page_size: int) -> None:
+    cached.update(_page_keys(np.asarray(tokens, np.int64), page_size))
+
+
+def _tokens(rng: np.random.Generator, n: int, vocab_size: int) -> np.ndarray:
+    return rng.integers(_LOW, vocab_size, size=int(n), dtype=np.int32)
+
+
+def _lengths(rng: np.random.Generator, mean: int, n: int) -> list[int]:
+    """Lengths around ``mean`` (uniform in [mean/2, 3*mean/2]), at least 1."""
+    lo, hi = max(1, mean // 2), max(1, mean + mean // 2)
+    return [int(x) for x in rng.integers(lo, hi + 1, size=n)]
+
+
+def _check_sizes(**sizes: int) -> None:
+    for name, value in sizes.items():
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+            raise ValueError(f"{name}={value!r} must be an int >= 1")
+
+
+def multiturn_chat(*, num_clients: int = 8, num_turns: int = 4, system_tokens: int = 256,
+                   question_tokens: int = 48, max_new_tokens: int = 16, vocab_size: int = 512,
+                   seed: int = 0) -> Workload:
+    """N clients x M turns sharing one system prompt (SGLang ``bench_multiturn`` shape).
+
+    Turn t of client c: system prompt + every earlier question and answer + a new question of
+    about ``question_tokens`` tokens (lengths vary by +-50%).
+    """
+    _check_sizes(num_clients=num_clients, num_turns=num_turns, system_tokens=system_tokens,
+                 question_tokens=question_tokens, max_new_tokens=max_new_tokens,
+                 vocab_size=vocab_size)
+    rng = np.random.default_rng(seed)
+    system = _tokens(rng, system_tokens, vocab_size)
+    sessions = tuple(
+        Session(system, tuple(_tokens(rng, n, vocab_size)
+                              for n in _lengths(rng, question_tokens, num_turns)), True)
+        for _ in range(num_clients))
+    return Workload("chat", sessions, max_new_tokens)
+
+
+def document_qa(*, num_documents: int = 2, questions_per_document: int = 8,
+                document_tokens: int = 1024, question_tokens: int = 32, max_new_tokens: int = 8,
+                vocab_size: int = 512, seed: int = 0) -> Workload:
+    """Many questions over a few long documents: each prompt = one document + one question.
+
+    One session per document; turn t asks question t about it (answers are not carried over),
+    so a round sends one question about every document, interleaving the documents.
+    """
+    _check_sizes(num_documents=num_documents, questions_per_document=questions_per_document,
+                 document_tokens=document_tokens, question_tokens=question_tokens,
+                 max_new_tokens=max_new_tokens, vocab_size=vocab_size)
+    rng = np.random.default_rng(seed)
+    docs = [_tokens(rng, document_tokens, vocab_size) for _ in range(num_documents)]
+    sessions = tuple(
+        Session(doc, tuple(_tokens(rng, n, vocab_size)
+                           for n in _lengths(rng, question_tokens, questions_per_document)), False)
+        for doc in docs)
+    return Workload("docqa", sessions, max_new_tokens)
+
+
+def agent_loop(*, num_agents: int = 2, num_steps: int = 12, prompt_tokens: int = 256,
+               observation_tokens: int = 96, max_new_tokens: int = 16, vocab_size: int = 512,
+               seed: int = 0) -> Workload:
+    """Agents whose context grows every step by a tool observation and their own action.
+
+    Each agent starts from its own task prompt (agents share nothing); step t's prompt is the
+    whole trajectory so far plus a new observation of about ``observation_tokens`` tokens.
+    """
+    _check_sizes(num_agents=num_agents, num_steps=num_steps, prompt_tokens=prompt_tokens,
+                 observation_tokens=observation_tokens, max_new_tokens=max_new_tokens,
+                 vocab_size=vocab_size)
+    rng = np.random.default_rng(seed)
+    sessions = tuple(
+        Session(_tokens(rng, prompt_tokens, vocab_size),
+                tuple(_tokens(rng, n, vocab_size)
+                      for n in _lengths(rng, observation_tokens, num_steps)), True)
+        for _ in range(num_agents))
+    return Workload("agent", sessions, max_new_tokens)
+
+
+WORKLOADS: dict[str, Callable[..., Workload]] = {
+    "chat": multiturn_chat, "docqa": document_qa, "agent": agent_loop,
+}

@@ -1,0 +1,213 @@
+"""The paged decoder against its dense reference: chunking, page sizes, mid-page starts, decode,
+the per-layer path, donation, poisoned pages, bounded compiles, weight files, bad input."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from hicache_jax.device_pool import DevicePagePool
+from hicache_jax.engine.model import (DecoderModel, ModelConfig, bucket, compiled_step_count,
+                                      init_params, load_params, reference_logits, save_params)
+
+CFG = ModelConfig(vocab_size=97, num_layers=2, d_model=32, num_heads=4, num_kv_heads=2,
+                  head_dim=8, ffn_dim=48)
+TOL = dict(rtol=1e-5, atol=1e-5)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return DecoderModel(CFG, seed=1)
+
+
+@pytest.fixture(scope="module")
+def prompt():
+    return np.random.default_rng(7).integers(0, CFG.vocab_size, 45).astype(np.int32)
+
+
+@pytest.fixture(scope="module")
+def ref(model, prompt):
+    return np.asarray(reference_logits(CFG, model.params, prompt))
+
+
+def _poisoned_pool(page_size, num_pages=64):
+    """A pool whose every page (scratch included) holds NaN bits, so stray reads show."""
+    pool = DevicePagePool(CFG.kv_spec(page_size), num_pages)
+    nan_bits = np.float32(np.nan).view(np.uint32)
+    pool.array = jnp.full(pool.shape, nan_bits, pool.array.dtype)
+    return pool
+
+
+def _pages(n, num_pages=64, seed=0):
+    return np.random.default_rng(seed).permutation(num_pages)[:n].astype(np.int32)
+
+
+class _Waiter:
+    def __init__(self, pool):
+        self.pool, self.calls = pool, []
+
+    def wait_layer(self, layer):
+        self.calls.append(layer)
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("splits", [(), (5, 21, 37)])
+def test_chunked_prefill_matches_dense_reference(model, prompt, ref, page_size, splits):
+    # Chunk boundaries at arbitrary positions (mid-page for page_size 4 and 16).
+    pool = _poisoned_pool(page_size)
+    pages = _pages(-(-len(prompt) // page_size))
+    bounds = [0, *splits, len(prompt)]
+    for a, b in zip(bounds[:-1], bounds[1:]):
+        logits = model.forward(pool, prompt[a:b], a, pages, min_bucket=16)
+        np.testing.assert_allclose(np.asarray(logits), ref[b - 1], **TOL)
+
+
+def test_decode_steps_match_reference_rows(model, prompt, ref):
+    pool = _poisoned_pool(16)
+    pages = _pages(3)
+    model.forward(pool, prompt[:30], 0, pages, min_bucket=16)
+    for pos in range(30, len(prompt)):
+        tok = jnp.asarray(prompt[pos:pos + 1])  # a device token, as the engine feeds it
+        np.testing.assert_allclose(np.asarray(model.forward(pool, tok, pos, pages)), ref[pos], **TOL)
+
+
+def test_untouched_pages_stay_poisoned(model, prompt):
+    pool = _poisoned_pool(16)
+    pages = _pages(3)
+    model.forward(pool, prompt, 0, pages, min_bucket=16)
+    bits = np.asarray(pool.array)
+    others = np.setdiff1d(np.arange(pool.num_pages), pages)
+    assert np.isnan(bits[:, :, others].view(np.float32)).all()
+    written = bits[:, :, pages].view(np.float32).reshape(2, 2, 48, 2, 8)  # position order
+    assert not np.isnan(written[:, :, :len(prompt)]).any()
+    assert np.isnan(written[:, :, len(prompt):]).all()
+
+
+def test_layerwise_path_waits_per_layer_and_matches_fused(model, prompt, ref):
+    pool = _poisoned_pool(16)
+    pages = _pages(3)
+    waiter = _Waiter(pool)
+    model.forward(pool, prompt[:20], 0, pages, waiter=waiter, min_bucket=16)
+    logits = model.forward(pool, prompt[20:], 20, pages, waiter=waiter, min_bucket=16)
+    assert waiter.calls == [0, 1, 0, 1]
+    np.testing.assert_allclose(np.asarray(logits), ref[-1], **TOL)
+
+
+def test_layerwise_waits_before_each_layer_dispatch(model, prompt):
+    # The waiter sees the pool array before layer l runs: layers < l have written, l has not.
+    pool = DevicePagePool(CFG.kv_spec(16), 64)
+    pages = np.array([2, 5, 6], np.int32)
+    seen = []
+
+    class Probe:
+        def wait_layer(self, layer):
+            written = np.asarray(pool.array)[:, 0, pages].any(axis=(1, 2, 3, 4))
+            seen.append((layer, written.tolist()))
+
+    model.forward(pool, prompt, 0, pages, waiter=Probe(), min_bucket=16)
+    assert seen == [(0, [False, False]), (1, [True, False])]
+
+
+def test_pool_is_donated_in_place(model, prompt):
+    pool = DevicePagePool(CFG.kv_spec(16), 64)
+    old = pool.array
+    ptr = old.unsafe_buffer_pointer()
+    model.forward(pool, prompt[:10], 0, np.array([3], np.int32), min_bucket=16)
+    assert old.is_deleted()
+    assert pool.array.unsafe_buffer_pointer() == ptr
+
+
+def test_compiles_bounded_by_buckets():
+    cfg = ModelConfig(**{**CFG.__dict__, "num_layers": 1})
+    model = DecoderModel(cfg, seed=2)
+    pool = DevicePagePool(cfg.kv_spec(16), 64)
+    pages = _pages(4)
+    tokens = np.arange(1, 64, dtype=np.int32)
+    lengths = range(1, 64, 4)  # 16 lengths
+    buckets = {(bucket(n, 16), bucket(-(-n // 16))) for n in lengths}
+    before = compiled_step_count()
+    for n in lengths:
+        model.forward(pool, tokens[:n], 0, pages, min_bucket=16)
+    # One compile per (token bucket, page-table bucket), not per length.
+    assert compiled_step_count() - before == len(buckets) == 3
+
+
+def test_bfloat16_model_runs_on_uint16_pool(prompt):
+    cfg = ModelConfig(**{**CFG.__dict__, "dtype": "bfloat16"})
+    model = DecoderModel(cfg, seed=1)
+    pool = DevicePagePool(cfg.kv_spec(16), 8)
+    assert pool.array.dtype == np.uint16
+    logits = np.asarray(model.forward(pool, prompt, 0, _pages(3, 8), min_bucket=16))
+    ref = np.asarray(reference_logits(cfg, model.params, prompt))[-1]
+    np.testing.assert_allclose(logits, ref, rtol=0.05, atol=0.05)
+
+
+def test_seeded_weights_are_deterministic():
+    a, b, c = init_params(CFG, 3), init_params(CFG, 3), init_params(CFG, 4)
+    assert all(np.array_equal(x, y) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+    assert not np.array_equal(a["embed"], c["embed"])
+
+
+def test_weights_roundtrip_npz(tmp_path, model, prompt, ref):
+    path = str(tmp_path / "w.npz")
+    save_params(model.params, path)
+    loaded = DecoderModel(CFG, load_params(CFG, path))
+    np.testing.assert_array_equal(np.asarray(reference_logits(CFG, loaded.params, prompt)), ref)
+
+
+def test_weight_file_errors(tmp_path, model):
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        load_params(CFG, str(tmp_path / "missing.npz"))
+    bad = str(tmp_path / "w.bin")
+    open(bad, "wb").close()
+    with pytest.raises(ValueError, match="extension"):
+        load_params(CFG, bad)
+    path = str(tmp_path / "w.npz")
+    save_params(model.params, path)
+    bigger = ModelConfig(**{**CFG.__dict__, "d_model": 64})
+    with pytest.raises(ValueError, match="'embed' has shape"):
+        load_params(bigger, path)
+    flat = dict(np.load(path))
+    del flat["lm_head"]
+    np.savez(path, **flat)
+    with pytest.raises(ValueError, match="missing \\['lm_head'\\]"):
+        load_params(CFG, path)
+
+
+def test_safetensors_without_package_is_a_clear_error(tmp_path):
+    pytest.importorskip("jax")  # keeps the skip reason below explicit
+    try:
+        import safetensors  # noqa: F401
+        pytest.skip("safetensors is installed")
+    except ImportError:
+        pass
+    path = tmp_path / "w.safetensors"
+    path.write_bytes(b"")
+    with pytest.raises(ImportError, match="pip install safetensors"):
+        load_params(CFG, str(path))
+
+
+@pytest.mark.parametrize("field,value,match", [
+    ("num_heads", 3, "multiple of num_kv_heads"),
+    ("head_dim", 7, "even"),
+    ("dtype", "int8", "float32, bfloat16 or float16"),
+    ("num_layers", 0, ">= 1"),
+])
+def test_config_validation(field, value, match):
+    with pytest.raises(ValueError, match=match):
+        ModelConfig(**{**CFG.__dict__, field: value})
+
+
+def test_bad_forward_input_leaves_pool_untouched(model, prompt):
+    pool = DevicePagePool(CFG.kv_spec(16), 8)
+    before = pool.array
+    with pytest.raises(ValueError, match="need 3 pages"):
+        model.forward(pool, prompt, 0, np.array([1, 2], np.int32))
+    with pytest.raises(ValueError, match="need >= 1 token"):
+        model.forward(pool, prompt[:0], 0, np.array([1], np.int32))
+    assert pool.array is before and not before.is_deleted()
+
+
+def test_bucket():
+    assert [bucket(n) for n in (0, 1, 2, 3, 16, 17)] == [1, 1, 2, 4, 16, 32]
+    assert bucket(3, 16) == 16
