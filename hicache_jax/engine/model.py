@@ -386,7 +386,8 @@ class DecoderModel:
         return self.cfg.kv_spec(page_size)
 
     def forward(self, pool: PoolLike, tokens, start: int, page_ids, *,
-                waiter: LayerWaiter | None = None, min_bucket: int = 1) -> jax.Array:
+                waiter: LayerWaiter | None = None, min_bucket: int = 1,
+                min_pages: int = 1) -> jax.Array:
         """Run one chunk: write its K/V into its pages and return the last token's logits.
 
         Args:
@@ -400,6 +401,7 @@ class DecoderModel:
             waiter: a layer-wise load handle: run layer by layer, waiting for layer ``l``'s pages
                 before layer ``l``; None -> the fused single-jit step.
             min_bucket: smallest token bucket (prefill uses e.g. 16 to limit compiles; decode 1).
+            min_pages: smallest page-table bucket (fewer compiles for short contexts).
 
         Returns:
             float32 [vocab] logits of the last token (a jax array, not synchronized).
@@ -413,7 +415,7 @@ class DecoderModel:
         if page_ids.ndim != 1 or page_ids.shape[0] < used:
             raise ValueError(f"page_ids has shape {page_ids.shape}; positions 0..{start + n - 1} "
                              f"need {used} pages of {ps} tokens")
-        table = np.full(bucket(used), pool.num_pages, np.int32)
+        table = np.full(bucket(used, min_pages), pool.num_pages, np.int32)
         table[:used] = page_ids[:used]
         tb = bucket(n, min_bucket)
         if isinstance(tokens, np.ndarray):

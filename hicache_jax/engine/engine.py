@@ -1,0 +1,260 @@
+"""Engine: a reference request loop over HiCache and the paged decoder.
+
+For every request, in order (the loop is **serial**: one request at a time, prefill then decode
+with a batch of one; it shows the cache's job, not a batching scheduler):
+
+1. ``match_prefix`` on the prompt minus its last token (the last token is always computed, for
+   the logits of the first generated token);
+2. ``load_back`` of the host-only part (layer-wise when enabled: the forward waits for layer
+   ``l``'s pages just before running layer ``l``);
+3. ``lock`` the matched prefix; ``alloc_pages`` for every position the request will compute
+   (prompt suffix + generated tokens but the last, whose K/V is never computed);
+4. prefill only the uncached suffix, in chunks of ``chunk_size`` tokens; greedy decode;
+5. ``insert`` the whole pages of prompt + output (minus its last token), free the trailing
+   partial page, ``unlock``.
+
+Three modes: ``none`` (no prefix cache: pages are allocated and freed per request), ``device``
+(radix cache in device memory only: HiCache with ``host_pages=0``), ``hicache`` (L1 + L2).
+
+Threading: an Engine and its cache belong to the thread that calls ``generate``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import time
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from hicache_jax.device_pool import DevicePagePool
+from hicache_jax.hicache import HiCache
+from hicache_jax.spec import HiCacheConfig
+from hicache_jax.engine.model import DecoderModel, bucket
+
+
+class CacheMode(str, enum.Enum):
+    """What the engine caches between requests."""
+
+    NONE = "none"        # recompute every prompt
+    DEVICE = "device"    # radix cache in L1 only
+    HICACHE = "hicache"  # L1 + L2
+
+
+@dataclasses.dataclass(frozen=True)
+class RequestRecord:
+    """Per-request figures (tokens are counts; seconds wall clock on the engine's thread).
+
+    Attributes:
+        prompt_tokens: prompt length.
+        device_hit_tokens: prompt tokens found in L1.
+        host_hit_tokens: prompt tokens loaded back from L2.
+        host_declined_tokens: prompt tokens on L2 that were recomputed (load-back declined).
+        recomputed_tokens: prompt tokens prefilled (prompt_tokens - hits).
+        output_tokens: generated tokens.
+        ttft_s: request start -> first generated token on host.
+        latency_s: request start -> last generated token on host (pages inserted).
+    """
+
+    prompt_tokens: int
+    device_hit_tokens: int
+    host_hit_tokens: int
+    host_declined_tokens: int
+    recomputed_tokens: int
+    output_tokens: int
+    ttft_s: float
+    latency_s: float
+
+
+@dataclasses.dataclass(frozen=True)
+class Generation:
+    """Result of one request.
+
+    Attributes:
+        tokens: int32 [max_new_tokens] greedy tokens.
+        first_logits: float32 [vocab] logits of the first generated token.
+        record: its :class:`RequestRecord`.
+    """
+
+    tokens: np.ndarray
+    first_logits: np.ndarray
+    record: RequestRecord
+
+
+@jax.jit
+def _argmax(logits: jax.Array) -> jax.Array:
+    return jnp.argmax(logits).astype(jnp.int32).reshape(1)
+
+
+def _device_pool(cache: HiCache) -> DevicePagePool:
+    """The cache's device pool: the model's jitted steps write K/V into it in place.
+
+    HiCache's public contract has no pool accessor; a serving integration needs one (the
+    DESIGN.md request flow lets "the model's own jitted prefill write them in place").
+    """
+    pool = getattr(cache, "device_pool", None)
+    return pool if pool is not None else cache._device
+
+
+class Engine:
+    """Serve prompts with a :class:`DecoderModel` over a :class:`HiCache`.
+
+    Args:
+        model: the decoder; its KV layout must match ``cache.spec``.
+        cache: the page cache (also the page allocator in mode ``none``).
+        mode: "none" | "device" | "hicache" (``none`` never matches or inserts).
+        chunk_size: prefill chunk in tokens (a power of two; long prompts take several).
+        layerwise: load back layer by layer, overlapping the copy of later layers with the
+            forward of earlier ones.
+        prefill_bucket: smallest prefill token bucket (a power of two; bounds compiles).
+        table_bucket: smallest page-table bucket in pages (a power of two; bounds compiles).
+
+    Raises:
+        ValueError: model and cache disagree on layers / heads / head_dim / dtype, or a bad size.
+    """
+
+    def __init__(self, model: DecoderModel, cache: HiCache, *, mode: CacheMode | str = "hicache",
+                 chunk_size: int = 512, layerwise: bool = True, prefill_bucket: int = 16,
+                 table_bucket: int = 1) -> None:
+        self.mode = _parse_mode(mode)
+        spec = cache.spec
+        want = model.kv_spec(spec.page_size)
+        if (spec.num_layers, spec.num_kv_heads, spec.head_dim, spec.dtype, spec.mla) != (
+                want.num_layers, want.num_kv_heads, want.head_dim, want.dtype, want.mla):
+            raise ValueError(f"cache.spec {spec} does not hold this model's K/V (needs {want})")
+        for name, value in (("chunk_size", chunk_size), ("prefill_bucket", prefill_bucket),
+                            ("table_bucket", table_bucket)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1 \
+                    or bucket(value) != value:
+                raise ValueError(f"{name}={value!r} must be a power of two >= 1")
+        self.model, self.cache = model, cache
+        self.pool = _device_pool(cache)
+        self.chunk_size, self.prefill_bucket = chunk_size, min(prefill_bucket, chunk_size)
+        self.table_bucket = table_bucket
+        self.layerwise = bool(layerwise)
+        self.records: list[RequestRecord] = []
+
+    @classmethod
+    def create(cls, model: DecoderModel, mode: CacheMode | str, *, page_size: int = 16,
+               device_pages: int = 1024, host_pages: int | None = None,
+               write_policy: str = "write_through", **engine_kwargs: Any) -> "Engine":
+        """Build the cache for ``mode`` and the engine over it.
+
+        ``host_pages`` (default ``4 * device_pages``) is used in mode ``hicache`` only; the
+        other modes get ``host_pages=0``. ``load_back_threshold`` is one page.
+        """
+        mode = _parse_mode(mode)
+        if mode is not CacheMode.HICACHE:
+            host_pages = 0
+        elif host_pages is None:
+            host_pages = 4 * device_pages
+        cfg = HiCacheConfig(device_pages=device_pages, host_pages=host_pages,
+                            write_policy=write_policy, load_back_threshold=page_size)
+        return cls(model, HiCache(model.kv_spec(page_size), cfg), mode=mode, **engine_kwargs)
+
+    def generate(self, prompts: Sequence[Any], max_new_tokens: int) -> list[Generation]:
+        """Greedy-decode ``max_new_tokens`` tokens for each prompt, serially, in order.
+
+        Args:
+            prompts: 1-D int sequences of token ids in ``[0, vocab)``, each non-empty.
+            max_new_tokens: >= 1.
+
+        Returns:
+            One :class:`Generation` per prompt (also appended to ``self.records``).
+
+        Raises:
+            ValueError / TypeError: a malformed prompt or size (checked for every prompt before
+                any request is served).
+            OutOfPagesError: a request needs more device pages than can be freed; the requests
+                before it are served and cached, its own pages are released.
+        """
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)) \
+                or max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens={max_new_tokens!r} must be an int >= 1")
+        checked = [self._check_prompt(p, i) for i, p in enumerate(prompts)]
+        return [self._serve(p, int(max_new_tokens)) for p in checked]
+
+    def _check_prompt(self, prompt: Any, i: int) -> np.ndarray:
+        arr = np.asarray(prompt)
+        if arr.ndim != 1 or arr.size == 0:
+            raise ValueError(f"prompts[{i}] must be a non-empty 1-D sequence, got shape {arr.shape}")
+        if arr.dtype == np.bool_ or not np.issubdtype(arr.dtype, np.integer):
+            raise TypeError(f"prompts[{i}] must hold integer token ids, got dtype {arr.dtype}")
+        vocab = self.model.cfg.vocab_size
+        if arr.min() < 0 or arr.max() >= vocab:
+            raise ValueError(f"prompts[{i}] has token ids outside [0, {vocab}): "
+                             f"min {arr.min()}, max {arr.max()}")
+        return arr.astype(np.int32)
+
+    def _serve(self, prompt: np.ndarray, max_new: int) -> Generation:
+        t0 = time.perf_counter()
+        cache, ps, n = self.cache, self.cache.spec.page_size, prompt.shape[0]
+        match = None
+        l1 = l2 = declined = 0
+        prefix = np.zeros(0, np.int32)
+        if self.mode is not CacheMode.NONE:
+            match = cache.match_prefix(prompt[:n - 1])
+            l1 = match.device_len
+            if match.host_len:
+                match = cache.load_back(match, layerwise=self.layerwise)
+            l2, declined = match.device_len - l1, match.host_len
+            prefix = match.device_pages
+            cache.lock(match.node)
+        try:
+            cached = prefix.shape[0] * ps
+            # Positions with K/V: the prompt and every generated token but the last.
+            kv_len = n + max_new - 1
+            new = cache.alloc_pages(-(-kv_len // ps) - prefix.shape[0])
+            pages = np.concatenate([prefix, new])
+            try:
+                tokens, first_logits, ttft = self._run(prompt, cached, pages, max_new, match, t0)
+            except BaseException:
+                # Nothing inserted yet: the request's own pages go back to the free list.
+                cache.free_pages(new)
+                raise
+            if self.mode is CacheMode.NONE:
+                cache.free_pages(new)
+            else:
+                full = kv_len // ps
+                cache.insert(np.concatenate([prompt, tokens])[:full * ps], pages[:full])
+                cache.free_pages(pages[full:])
+        finally:
+            if match is not None:
+                cache.unlock(match.node)
+        record = RequestRecord(n, l1, l2, declined, n - cached, max_new, ttft,
+                               time.perf_counter() - t0)
+        self.records.append(record)
+        return Generation(tokens, first_logits, record)
+
+    def _run(self, prompt: np.ndarray, cached: int, pages: np.ndarray, max_new: int,
+             match: Any, t0: float) -> tuple[np.ndarray, np.ndarray, float]:
+        """Prefill ``prompt[cached:]`` in chunks, then decode; returns tokens, logits, TTFT."""
+        waiter = getattr(match, "load_handle", None)
+        for c0 in range(cached, prompt.shape[0], self.chunk_size):
+            chunk = prompt[c0:c0 + self.chunk_size]
+            logits = self.model.forward(self.pool, chunk, c0, pages, waiter=waiter,
+                                        min_bucket=self.prefill_bucket,
+                                        min_pages=self.table_bucket)
+            waiter = None  # every layer has been waited for once: later chunks run fused
+        first_logits = np.asarray(logits)
+        tok = _argmax(logits)
+        out = [tok]
+        ttft = time.perf_counter() - t0
+        pos = prompt.shape[0]
+        for _ in range(max_new - 1):
+            tok = _argmax(self.model.forward(self.pool, tok, pos, pages,
+                                             min_pages=self.table_bucket))
+            out.append(tok)
+            pos += 1
+        return np.asarray(jnp.concatenate(out)), first_logits, ttft
+
+
+def _parse_mode(mode: CacheMode | str) -> CacheMode:
+    try:
+        return CacheMode(mode)
+    except ValueError:
+        raise ValueError(f"mode={mode!r} is not one of: "
+                         f"{', '.join(repr(m.value) for m in CacheMode)}") from None
