@@ -13,7 +13,7 @@ import collections
 import concurrent.futures
 import threading
 import time
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -68,6 +68,7 @@ class HostPages:
         self.nbytes = buffer.nbytes
         self._flat = buffer.reshape(-1).view(np.uint8)
         self._chunks = spec.num_layers * spec.kv_factor
+        self._row_shape = (self._chunks, spec.chunk_bytes)
         # byte strides: where chunk c of page p starts
         if layout is HostLayout.PAGE_FIRST:
             self._page_stride, self._chunk_stride = spec.page_bytes, spec.chunk_bytes
@@ -93,25 +94,22 @@ class HostPages:
         return self.base + int(page) * self._page_stride
 
     def gather(self, ids: np.ndarray, out: np.ndarray) -> None:
-        """Copy pages ``ids`` into ``out`` (uint8 ``[n, page_bytes]``) in page_first order."""
-        n = len(ids)
-        if self.contiguous:
-            np.take(self.buffer, ids, axis=0, out=out[:n].view(self.buffer.dtype).reshape(
-                (n,) + self.buffer.shape[1:]))
-        else:
-            dst = out[:n].view(self.buffer.dtype).reshape(
-                (n, self.spec.num_layers, self.spec.kv_factor) + self.buffer.shape[3:])
-            dst[:] = np.moveaxis(self.buffer[:, :, ids], 2, 0)
+        """Copy pages ``ids`` into the rows of ``out`` (uint8 ``[>= n, page_bytes]``, rows may be
+        strided) in page_first order: one memcpy-like copy per page, no temporaries."""
+        for row, page in zip(out, ids):
+            np.copyto(row.reshape(self._row_shape), self._page_view(int(page)))
 
     def scatter(self, ids: np.ndarray, src: np.ndarray) -> None:
-        """Copy page_first rows ``src`` (uint8 ``[n, page_bytes]``) into host pages ``ids``."""
-        n = len(ids)
-        rows = src[:n].view(self.buffer.dtype)
-        if self.contiguous:
-            self.buffer[ids] = rows.reshape((n,) + self.buffer.shape[1:])
-        else:
-            self.buffer[:, :, ids] = np.moveaxis(rows.reshape(
-                (n, self.spec.num_layers, self.spec.kv_factor) + self.buffer.shape[3:]), 0, 2)
+        """Copy page_first rows ``src`` (uint8 ``[>= n, page_bytes]``) into host pages ``ids``."""
+        for row, page in zip(src, ids):
+            np.copyto(self._page_view(int(page)), row.reshape(self._row_shape))
+
+    def _page_view(self, page: int) -> np.ndarray:
+        """uint8 view ``[L * kvf, chunk_bytes]`` of one page (strided for layer_first)."""
+        start = page * self._page_stride
+        return np.lib.stride_tricks.as_strided(
+            self._flat[start:], shape=self._row_shape, strides=(self._chunk_stride, 1),
+            writeable=True)
 
     def check_ids(self, host_ids: Any, n: int) -> np.ndarray:
         """Validate ``host_ids`` (1-D ints, ``n`` of them, unique, in range) -> int64 copy."""
@@ -182,15 +180,13 @@ class StorageHandle:
         self._event.set()
 
 
-BatchFn = Callable[[tuple[str, ...], np.ndarray], np.ndarray]
-
-
 class BackendBase:
     """Validation, lanes, sub-batching and counters shared by the backends.
 
     Subclasses implement ``_exists(keys) -> bool mask``, ``_get(keys, ids) -> ok mask`` and
     ``_put(keys, ids) -> ok mask`` (run on the lanes, never raise for I/O failures: they count
-    them and return False) and ``_close()``.
+    them and return False) and ``_close()``; or override ``_run(handle)`` to schedule a
+    handle's sub-batches themselves (the Mooncake backend pipelines them).
     """
 
     url: str
@@ -221,14 +217,14 @@ class BackendBase:
 
     def get_into(self, keys: Sequence[str], host_ids: Any) -> StorageHandle:
         """Start reading ``keys`` into host pages ``host_ids`` (one each); returns a handle."""
-        return self._submit("get", keys, host_ids, self._get)
+        return self._submit("get", keys, host_ids)
 
     def put_from(self, keys: Sequence[str], host_ids: Any) -> StorageHandle:
         """Start storing host pages ``host_ids`` under ``keys``; returns a handle.
 
         Keys are write-once: a key already present is left as is and counts as stored.
         """
-        return self._submit("put", keys, host_ids, self._put)
+        return self._submit("put", keys, host_ids)
 
     def stats(self) -> dict[str, int]:
         """Counters: pages got/missed/corrupt, puts stored/dropped, bytes, backend errors."""
@@ -262,17 +258,19 @@ class BackendBase:
             raise StorageError(f"storage backend {self.url} is closed")
         return check_keys(keys)
 
-    def _submit(self, kind: str, keys: Sequence[str], host_ids: Any, fn: BatchFn) -> StorageHandle:
+    def _submit(self, kind: str, keys: Sequence[str], host_ids: Any) -> StorageHandle:
         keys = self._check_open_keys(keys)
         ids = self.host.check_ids(host_ids, len(keys))
         handle = StorageHandle(kind, keys, ids, self.spec.page_bytes)
         if not keys:
             handle._finish()
             return handle
-        self._lanes[kind].submit(self._run, handle, fn)
+        self._lanes[kind].submit(self._run, handle)
         return handle
 
-    def _run(self, handle: StorageHandle, fn: BatchFn) -> None:
+    def _run(self, handle: StorageHandle) -> None:
+        """Runs on the lane: the handle's sub-batches in key order (a backend may override)."""
+        fn = self._get if handle.kind == "get" else self._put
         error = None
         try:
             for start in range(0, len(handle.keys), self.batch_pages):

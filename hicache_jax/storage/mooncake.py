@@ -4,12 +4,14 @@ This process is a client only (``global_segment_size=0``): the memory is mounted
 holder (``mooncake_client --global_segment_size=...``) or by other clients; the metadata lives in
 ``mooncake_master``; no etcd (``P2PHANDSHAKE``), TCP transport by default.
 
-Transfers (zero-copy where the layout allows it):
-- page_first host pool: ``batch_put_from_multi_buffers`` / ``batch_get_into_multi_buffers`` with
-  two buffers per key, the 64-byte header (a registered buffer of this backend) and the page
-  itself in the registered host pool;
-- layer_first host pool (or ``zero_copy=False``): pages are gathered into a registered staging
-  buffer next to their headers and moved with ``batch_put_from`` / ``batch_get_into``.
+Transfers: each page is staged with its 64-byte header in a registered buffer of this backend
+(one memcpy, then ``batch_put_from`` / ``batch_get_into`` of one contiguous entry per key; the
+store moves it without another copy on our side). ``zero_copy=True`` (page_first host pools)
+instead passes two buffers per key, the header and the page in the registered host pool
+(``batch_put_from_multi_buffers`` / ``batch_get_into_multi_buffers``): no memcpy, but with
+Mooncake 0.3.13 over TCP it measured slower, so it is off by default. A handle of several
+sub-batches runs as a two-stage pipeline (store call of one sub-batch on a mover thread while
+the lane checks or stages the next).
 
 Known behaviour of the store, and what this module does about it:
 - ``setup()`` holds the GIL and retries for minutes while the master is unreachable (20 tries,
@@ -19,19 +21,27 @@ Known behaviour of the store, and what this module does about it:
   from ``setup_timeout_s`` (process-wide environment, read by each ``setup()``).
   Failure raises ``StorageUnavailableError`` naming the address.
 - Keys are write-once (a put on an existing key is a no-op returning success): fine for
-  content-addressed keys. An entry that fails its check is removed with ``force=True`` (reads
-  take a lease that would otherwise block the removal) so a later put can repair it.
-- A dead master makes every call take seconds (RPC_FAIL, -900), a dead holder fails transfers
-  (TRANSFER_FAIL, -800). After either, the backend stops calling the store for a backoff
-  (1 s doubling to 30 s; then a TCP probe of the master first): gets are misses
-  (``get_skipped``), puts are dropped (``puts_dropped``). Calls run on the lanes, so the
-  cache's thread never waits on them unless it waits on a handle.
+  content-addressed keys. An entry that fails its check (or has the wrong size, which the store
+  reports as a failed transfer) is removed with ``force=True`` so a later put can repair it.
+- Reads and ``exists`` take a lease (master ``--default_kv_lease_ttl``, 10 s by default): a
+  leased object is neither removed without ``force`` nor evicted, so a store full of recently
+  read entries refuses puts (``NO_AVAILABLE_HANDLE``: counted in ``puts_no_space``, dropped).
+  A read slower than the lease may be torn by an eviction; the checksum turns that into a miss.
+- A dead master makes calls take seconds (RPC_FAIL, -900); a dead holder fails its transfers
+  (TRANSFER_FAIL, -800) until the master drops its segment (``--client_ttl``), then its keys
+  are gone. When the master fails, or every transfer of a call fails, the backend stops calling
+  the store for a backoff (1 s doubling to 30 s, then a TCP probe of the master first): gets are
+  misses (``get_skipped``), puts are dropped (``puts_dropped``), ``exists`` is all False. Calls
+  run on the lanes, so the cache's thread never waits on the store unless it waits on a handle.
 
-Threads: the lanes of ``BackendBase``; each lane has its own registered header/staging buffers.
+Threads: the lanes of ``BackendBase`` plus one mover thread per lane; each lane has two
+registered staging (or header) slots, one per pipeline stage.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
+import math
 import os
 import socket
 import threading
@@ -41,7 +51,7 @@ from typing import Any
 import numpy as np
 
 from hicache_jax.spec import HostLayout, KVSpec
-from hicache_jax.storage._base import BackendBase, StorageUnavailableError
+from hicache_jax.storage._base import BackendBase, StorageHandle, StorageUnavailableError
 from hicache_jax.storage.format import HEADER_BYTES
 
 INSTALL_HINT = ("pip install mooncake-transfer-engine-non-cuda (the import also needs the system "
@@ -141,22 +151,25 @@ class MooncakeStorage(BackendBase):
         protocol: Mooncake transport ("tcp"; "rdma" where the hardware has it).
         device_names: RDMA device list ("" for TCP).
         setup_timeout_s: bound on reaching the master at setup.
-        zero_copy: multi-buffer transfers straight from/into the host pool (page_first only);
-            None: whenever the layout allows it.
+        zero_copy: multi-buffer transfers straight from/into the host pool (page_first only).
+            Off by default: with Mooncake 0.3.13 over TCP the two-buffer calls measured slower
+            than one registered staging buffer plus a memcpy (benchmarks/bench_storage.py).
         batch_pages: pages per store call (sub-batch of a handle).
     """
 
     def __init__(self, spec: KVSpec, host_buffer: np.ndarray, layout: HostLayout | str,
                  master: str, *, local_hostname: str = "127.0.0.1", protocol: str = "tcp",
                  device_names: str = "", setup_timeout_s: float = 10.0,
-                 zero_copy: bool | None = None, batch_pages: int = 32) -> None:
+                 zero_copy: bool = False, batch_pages: int = 32) -> None:
         parse_address(master)
         if not isinstance(setup_timeout_s, (int, float)) or setup_timeout_s <= 0:
             raise ValueError(f"setup_timeout_s={setup_timeout_s!r} must be > 0")
         super().__init__(spec, host_buffer, layout, batch_pages=batch_pages)
         if zero_copy and not self.host.contiguous:
             raise ValueError("zero_copy=True needs a page_first host pool")
-        self.zero_copy = self.host.contiguous if zero_copy is None else bool(zero_copy)
+        if not isinstance(zero_copy, bool):
+            raise TypeError(f"zero_copy={zero_copy!r} must be a bool")
+        self.zero_copy = zero_copy
         self.master = master
         self.url = f"mooncake://{master}"
         self._store: Any = None
@@ -165,11 +178,15 @@ class MooncakeStorage(BackendBase):
             self._store = self._setup(master, local_hostname, protocol, device_names,
                                       float(setup_timeout_s))
             self._register(self.host.base, self.host.nbytes)
-            # per lane: headers [batch, 64] (+ staging rows [batch, entry] without zero-copy)
+            # per lane, two slots (one in transfer, one being checked/filled): headers
+            # [batch, 64], or staging rows [batch, entry] without zero-copy
             width = HEADER_BYTES if self.zero_copy else self.codec.entry_bytes
-            self._bufs = {kind: np.zeros((batch_pages, width), np.uint8) for kind in ("get", "put")}
+            self._bufs = {(kind, slot): np.zeros((batch_pages, width), np.uint8)
+                          for kind in ("get", "put") for slot in (0, 1)}
             for buf in self._bufs.values():
                 self._register(buf.ctypes.data, buf.nbytes)
+            self._movers = {kind: concurrent.futures.ThreadPoolExecutor(
+                1, thread_name_prefix=f"hicache-l3-{kind}-mover") for kind in ("get", "put")}
         except BaseException:
             self.close()
             raise
@@ -211,21 +228,86 @@ class MooncakeStorage(BackendBase):
             self._breaker.trip()
         return np.asarray([c == 1 for c in codes], dtype=bool)
 
-    def _get(self, keys: tuple[str, ...], ids: np.ndarray) -> np.ndarray:
+    # Each handle runs as a two-stage pipeline: the mover thread runs the store call of
+    # sub-batch k+1 (it releases the GIL) while the lane checks / prepares sub-batch k.
+    def _run(self, handle: StorageHandle) -> None:
+        error = None
+        try:
+            n = len(handle.keys)
+            size = min(self.batch_pages, max(8, math.ceil(n / 4)))
+            chunks = [slice(i, min(i + size, n)) for i in range(0, n, size)]
+            if len(chunks) == 1:  # nothing to overlap: save the hop to the mover
+                sl = chunks[0]
+                if handle.kind == "get":
+                    codes = self._get_transfer(handle, sl, 0)
+                    if codes is not None:
+                        handle._ok[sl] = self._get_check(handle.keys, handle.host_ids, 0, codes)
+                else:
+                    self._put_prepare(handle, sl, 0)
+                    handle._ok[sl] = self._put_transfer(handle, sl, 0)
+            elif handle.kind == "get":
+                self._run_get(handle, chunks)
+            else:
+                self._run_put(handle, chunks)
+        except BaseException as e:  # a bug, not an I/O failure: surfaced by wait()
+            error = e
+        finally:
+            handle._finish(error)
+
+    def _run_get(self, handle: StorageHandle, chunks: list[slice]) -> None:
+        mover = self._movers["get"]
+        pending = mover.submit(self._get_transfer, handle, chunks[0], 0)
+        try:
+            for k, sl in enumerate(chunks):
+                codes, pending = pending.result(), None
+                if k + 1 < len(chunks) and not handle._cancelled:
+                    pending = mover.submit(self._get_transfer, handle, chunks[k + 1], (k + 1) % 2)
+                if codes is not None:
+                    handle._ok[sl] = self._get_check(handle.keys[sl], handle.host_ids[sl], k % 2,
+                                                     codes)
+                if pending is None:
+                    break
+        finally:  # never finish a handle while a transfer may still write its host pages
+            if pending is not None:
+                concurrent.futures.wait([pending])
+
+    def _run_put(self, handle: StorageHandle, chunks: list[slice]) -> None:
+        mover = self._movers["put"]
+        self._put_prepare(handle, chunks[0], 0)
+        pending = mover.submit(self._put_transfer, handle, chunks[0], 0)
+        try:
+            for k, sl in enumerate(chunks):
+                more = k + 1 < len(chunks) and not handle._cancelled
+                if more:
+                    self._put_prepare(handle, chunks[k + 1], (k + 1) % 2)  # overlaps transfer k
+                handle._ok[sl], pending = pending.result(), None
+                if not more:
+                    break
+                pending = mover.submit(self._put_transfer, handle, chunks[k + 1], (k + 1) % 2)
+        finally:
+            if pending is not None:
+                concurrent.futures.wait([pending])
+
+    def _get_transfer(self, handle: StorageHandle, sl: slice, slot: int) -> list[int] | None:
+        keys, ids = list(handle.keys[sl]), handle.host_ids[sl]
         n = len(keys)
-        ok = np.zeros(n, dtype=bool)
         if not self._breaker.allow():
-            self._count(get_skipped=n)
-            return ok
-        buf = self._bufs["get"]
+            self._count(get_skipped=n, get_misses=n)
+            return None
+        buf = self._bufs["get", slot]
         if self.zero_copy:
             ptrs = [[buf.ctypes.data + i * HEADER_BYTES, self.host.address(p)]
                     for i, p in enumerate(ids)]
-            codes = self._store.batch_get_into_multi_buffers(
-                list(keys), ptrs, [[HEADER_BYTES, self.spec.page_bytes]] * n)
-        else:
-            ptrs = [buf.ctypes.data + i * self.codec.entry_bytes for i in range(n)]
-            codes = self._store.batch_get_into(list(keys), ptrs, [self.codec.entry_bytes] * n)
+            return self._store.batch_get_into_multi_buffers(
+                keys, ptrs, [[HEADER_BYTES, self.spec.page_bytes]] * n)
+        ptrs = [buf.ctypes.data + i * self.codec.entry_bytes for i in range(n)]
+        return self._store.batch_get_into(keys, ptrs, [self.codec.entry_bytes] * n)
+
+    def _get_check(self, keys: tuple[str, ...], ids: np.ndarray, slot: int,
+                   codes: list[int]) -> np.ndarray:
+        n = len(keys)
+        ok = np.zeros(n, dtype=bool)
+        buf = self._bufs["get", slot]
         bad, down, errors = [], 0, 0
         for i, (key, page, code) in enumerate(zip(keys, ids, codes)):
             if code >= 0:
@@ -244,8 +326,9 @@ class MooncakeStorage(BackendBase):
                 down += 1
             else:
                 errors += 1
-        if not self.zero_copy and ok.any():
-            self.host.scatter(ids[ok], buf[:n][ok][:, HEADER_BYTES:])
+        if not self.zero_copy:
+            self.host.scatter(ids[ok], buf[:n, HEADER_BYTES:][ok] if not ok.all()
+                              else buf[:n, HEADER_BYTES:])
         self._health(codes, down, ok.any())
         for key in bad:  # force: our own read just took a lease on it
             self._store.remove(key, True)
@@ -258,25 +341,33 @@ class MooncakeStorage(BackendBase):
         size = self._store.get_size(key)
         return size >= 0 and size != self.codec.entry_bytes
 
-    def _put(self, keys: tuple[str, ...], ids: np.ndarray) -> np.ndarray:
-        n = len(keys)
-        if not self._breaker.allow():
-            self._count(puts_dropped=n)
-            return np.zeros(n, dtype=bool)
-        buf = self._bufs["put"]
+    def _put_prepare(self, handle: StorageHandle, sl: slice, slot: int) -> None:
+        """Headers (and staged pages) of a sub-batch into its slot."""
+        buf = self._bufs["put", slot]
+        keys, ids = handle.keys[sl], handle.host_ids[sl]
         if self.zero_copy:
             for i, (key, page) in enumerate(zip(keys, ids)):
                 self.codec.pack_into(buf[i, :HEADER_BYTES], key, self.host.parts(int(page)))
-            ptrs = [[buf.ctypes.data + i * HEADER_BYTES, self.host.address(p)]
-                    for i, p in enumerate(ids)]
-            codes = self._store.batch_put_from_multi_buffers(
-                list(keys), ptrs, [[HEADER_BYTES, self.spec.page_bytes]] * n)
         else:
             self.host.gather(ids, buf[:, HEADER_BYTES:])
             for i, key in enumerate(keys):
                 self.codec.pack_into(buf[i, :HEADER_BYTES], key, [buf[i, HEADER_BYTES:]])
+
+    def _put_transfer(self, handle: StorageHandle, sl: slice, slot: int) -> np.ndarray:
+        keys, ids = list(handle.keys[sl]), handle.host_ids[sl]
+        n = len(keys)
+        if not self._breaker.allow():
+            self._count(puts_dropped=n)
+            return np.zeros(n, dtype=bool)
+        buf = self._bufs["put", slot]
+        if self.zero_copy:
+            ptrs = [[buf.ctypes.data + i * HEADER_BYTES, self.host.address(p)]
+                    for i, p in enumerate(ids)]
+            codes = self._store.batch_put_from_multi_buffers(
+                keys, ptrs, [[HEADER_BYTES, self.spec.page_bytes]] * n)
+        else:
             ptrs = [buf.ctypes.data + i * self.codec.entry_bytes for i in range(n)]
-            codes = self._store.batch_put_from(list(keys), ptrs, [self.codec.entry_bytes] * n)
+            codes = self._store.batch_put_from(keys, ptrs, [self.codec.entry_bytes] * n)
         ok = np.asarray([c == 0 for c in codes], dtype=bool)
         self._health(codes, sum(1 for c in codes if c in _TRANSPORT_DOWN), ok.any())
         stored = int(ok.sum())
@@ -295,6 +386,8 @@ class MooncakeStorage(BackendBase):
             self._breaker.reset()
 
     def _close(self) -> None:
+        for mover in getattr(self, "_movers", {}).values():
+            mover.shutdown(wait=True)
         if self._store is None:
             return
         for ptr in self._registered:

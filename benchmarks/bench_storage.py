@@ -1,0 +1,220 @@
+"""L3 backends: put/get GB/s of batches of 1, 16, 128 pages through hicache_jax's backends against
+the backend's own raw batch calls on the same bytes, in the same run (target >= 80% of raw).
+
+- mooncake: ``MooncakeStorage.put_from/get_into`` (+ wait) against a second, plain
+  ``MooncakeDistributedStore`` client doing ``batch_put_from`` / ``batch_get_into`` of the bare
+  pages from a registered buffer, one call per batch (no header, no checksum, no thread hop).
+  Servers: a master and a holder started on 127.0.0.1 (or ``--mooncake host:port``).
+- file: ``FileStorage`` against plain ``open/write`` and ``open/readinto`` of the bare pages,
+  one file each (no header, checksum, temp file or rename).
+
+Puts use fresh keys every repeat (keys are write-once); gets read the keys of the first put.
+Ours and raw run alternately, repeat by repeat, so load from other processes hits both alike.
+Page: 4 layers x 2 (K, V) x 16 tokens x 8 heads x 64 dims, bfloat16 = 128 KiB.
+
+    python benchmarks/bench_storage.py [--quick] [--json PATH] [--backends file,mooncake]
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "tests"))
+
+from benchmarks.common import gbps, memcpy_seconds, print_table, write_json  # noqa: E402
+from hicache_jax.spec import KVSpec  # noqa: E402
+from hicache_jax.storage import open_storage, page_keys  # noqa: E402
+
+SPEC = KVSpec(num_layers=4, num_kv_heads=8, head_dim=64, dtype="bfloat16", page_size=16)
+BATCHES = (1, 16, 128)
+_serial = itertools.count()
+
+
+def fresh_keys(n: int) -> list[str]:
+    base = (time.time_ns() % 10**12) * 1000 + next(_serial) * 200
+    return page_keys(SPEC, np.arange(base, base + n, dtype=np.uint64))
+
+
+def host_buffer(layout: str, num_pages: int) -> np.ndarray:
+    shape = ((num_pages,) + SPEC.kv_shape(1)[:2] + SPEC.kv_shape(1)[3:] if layout == "page_first"
+             else SPEC.kv_shape(num_pages))
+    return np.random.default_rng(0).integers(0, 2**16, shape, dtype=np.uint16)
+
+
+def interleaved(pairs: dict[str, tuple], repeats: int) -> dict[str, float]:
+    """Median seconds of each ``(fn, setup)`` in ``pairs``, run alternately rep by rep so that
+    load from other processes hits ours and raw alike."""
+    times: dict[str, list[float]] = {name: [] for name in pairs}
+    for rep in range(repeats + 1):
+        for name, (fn, setup) in pairs.items():
+            arg = setup()
+            t0 = time.perf_counter()
+            fn(arg)
+            if rep:  # the first round warms up
+                times[name].append(time.perf_counter() - t0)
+    return {name: statistics.median(v) for name, v in times.items()}
+
+
+def ours_calls(store, n: int) -> dict[str, tuple]:
+    """put_from+wait (fresh keys each call) and get_into+wait of n pages through our backend."""
+    ids, get_ids = np.arange(n), np.arange(n) + 128
+    first = fresh_keys(n)
+    assert store.put_from(first, ids).wait(60).all(), store.stats()
+
+    def get(_):
+        assert store.get_into(first, get_ids).wait(60).all(), store.stats()
+
+    return {"put": (lambda keys: store.put_from(keys, ids).wait(60), lambda: fresh_keys(n)),
+            "get": (get, lambda: None)}
+
+
+class RawMooncake:
+    """A plain client: batch_put_from / batch_get_into of bare pages from a registered buffer."""
+
+    def __init__(self, address: str, buf: np.ndarray) -> None:
+        from mooncake.store import MooncakeDistributedStore
+
+        self.store = MooncakeDistributedStore()
+        assert self.store.setup("127.0.0.1", "P2PHANDSHAKE", 0, 0, "tcp", "", address) == 0
+        self.buf = buf
+        assert self.store.register_buffer(buf.ctypes.data, buf.nbytes) == 0
+
+    def calls(self, n: int) -> dict[str, tuple]:
+        page, base = SPEC.page_bytes, self.buf.ctypes.data
+        src = [base + i * page for i in range(n)]
+        dst = [base + (128 + i) * page for i in range(n)]
+        first = fresh_keys(n)
+        assert self.store.batch_put_from(first, src, [page] * n) == [0] * n
+
+        def put(keys):
+            assert self.store.batch_put_from(keys, src, [page] * n) == [0] * n
+
+        def get(_):
+            assert self.store.batch_get_into(first, dst, [page] * n) == [page] * n
+
+        return {"raw put": (put, lambda: fresh_keys(n)), "raw get": (get, lambda: None)}
+
+    def close(self) -> None:
+        self.store.unregister_buffer(self.buf.ctypes.data)
+        self.store.close()
+
+
+class RawFile:
+    """Plain files: open/write and open/readinto of bare pages, one file per key."""
+
+    def __init__(self, root: str, buf: np.ndarray) -> None:
+        os.makedirs(root, exist_ok=True)
+        self.root, self.flat = root, buf.reshape(buf.shape[0], -1).view(np.uint8)
+
+    def calls(self, n: int) -> dict[str, tuple]:
+        def put(keys):
+            for i, k in enumerate(keys):
+                with open(os.path.join(self.root, k), "wb") as f:
+                    f.write(self.flat[i])
+
+        first = fresh_keys(n)
+        put(first)
+
+        def get(_):
+            for i, k in enumerate(first):
+                with open(os.path.join(self.root, k), "rb") as f:
+                    f.readinto(self.flat[128 + i])
+
+        return {"raw put": (put, lambda: fresh_keys(n)), "raw get": (get, lambda: None)}
+
+    def close(self) -> None:
+        return None
+
+
+def measure(backend: str, mode: str, store, raw, repeats: int) -> list[dict]:
+    rows = []
+    for n in BATCHES:
+        t = interleaved(ours_calls(store, n) | raw.calls(n), repeats)
+        nbytes = n * SPEC.page_bytes
+        rows.append({"backend": backend, "mode": mode, "pages": n,
+                     "put_gbps": gbps(nbytes, t["put"]), "raw_put_gbps": gbps(nbytes, t["raw put"]),
+                     "put_ratio": t["raw put"] / t["put"], "get_gbps": gbps(nbytes, t["get"]),
+                     "raw_get_gbps": gbps(nbytes, t["raw get"]), "get_ratio": t["raw get"] / t["get"]})
+    return rows
+
+
+def bench_mooncake(address: str | None, repeats: int, batch_pages: int) -> list[dict]:
+    from storage_servers import MooncakeServers
+
+    servers = None
+    if address is None:
+        servers = MooncakeServers.start(segment_bytes=3 << 30)
+        address = servers.address
+    raw = None
+    try:
+        raw = RawMooncake(address, host_buffer("page_first", 256))
+        rows = []
+        for layout, zero_copy in (("page_first", True), ("page_first", False),
+                                  ("layer_first", False)):
+            with open_storage(f"mooncake://{address}", SPEC, host_buffer(layout, 256), layout,
+                              zero_copy=zero_copy, batch_pages=batch_pages) as store:
+                mode = f"{layout}{' zero-copy' if zero_copy else ' staged'}"
+                rows += measure("mooncake", mode, store, raw, repeats)
+        return rows
+    finally:
+        if raw is not None:
+            raw.close()
+        if servers is not None:
+            servers.stop()
+
+
+def bench_file(repeats: int, batch_pages: int) -> list[dict]:
+    tmp = tempfile.mkdtemp(prefix="bench-storage-")
+    try:
+        raw = RawFile(os.path.join(tmp, "raw"), host_buffer("page_first", 256))
+        rows = []
+        for layout in ("page_first", "layer_first"):
+            with open_storage(f"file://{tmp}/{layout}", SPEC, host_buffer(layout, 256), layout,
+                              batch_pages=batch_pages) as store:
+                rows += measure("file", layout, store, raw, repeats)
+        return rows
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="3 repeats instead of 7")
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--backends", default="file,mooncake")
+    ap.add_argument("--mooncake", default=None, help="host:port of a running master")
+    ap.add_argument("--batch-pages", type=int, default=32, help="pages per backend call")
+    args = ap.parse_args()
+    repeats = 3 if args.quick else 7
+    rows = []
+    backends = args.backends.split(",")
+    if "file" in backends:
+        rows += bench_file(repeats, args.batch_pages)
+    if "mooncake" in backends:
+        rows += bench_mooncake(args.mooncake, repeats, args.batch_pages)
+    memcpy = gbps(128 * SPEC.page_bytes, memcpy_seconds(128 * SPEC.page_bytes))
+    headers = ["backend", "mode", "pages", "put GB/s", "raw put", "put/raw", "get GB/s",
+               "raw get", "get/raw"]
+    print_table(headers, [[r["backend"], r["mode"], r["pages"], r["put_gbps"], r["raw_put_gbps"],
+                           r["put_ratio"], r["get_gbps"], r["raw_get_gbps"], r["get_ratio"]]
+                          for r in rows],
+                title=f"L3 put/get, {SPEC.page_bytes // 1024} KiB pages, medians of {repeats}; "
+                      f"memcpy of 128 pages: {memcpy:.2f} GB/s; target ratio >= 0.8")
+    write_json(args.json, "bench_storage", {"spec": str(SPEC), "batches": BATCHES,
+                                            "batch_pages": args.batch_pages,
+                                            "repeats": repeats, "memcpy_gbps": memcpy}, rows)
+
+
+if __name__ == "__main__":
+    main()
