@@ -194,6 +194,8 @@ def test_evict_device_then_parent_becomes_evictable(ps, clock):
     assert t.evictable_device == {a} and t.evictable_host == {b}
     with pytest.raises(HiCacheError, match="deletable"):
         t.delete_leaf(a)  # has a (host-only) child
+    with pytest.raises(HiCacheError, match="no host copy"):
+        t.evict_device(a)  # ... and no host copy of its own: back it up first
     assert t.delete_leaf(b)[1].tolist() == [5]
     assert t.evictable_device == {a}
     value, host = t.delete_leaf(a)
@@ -444,7 +446,16 @@ class TreeMachine(RuleBasedStateMachine):
             return
         node = heap.pop()
         keys = self.node_keys(node)
-        if node.backed_up:
+        if not node.backed_up and node.children:
+            # Host-only children but no host copy of its own: neither tier transition applies
+            # (a cache backs it up first); deleting it would orphan the children.
+            before = self.tree.snapshot()
+            with pytest.raises(HiCacheError, match="deletable"):
+                self.tree.delete_leaf(node)
+            with pytest.raises(HiCacheError, match="no host copy"):
+                self.tree.evict_device(node)
+            assert self.tree.snapshot() == before
+        elif node.backed_up:
             ids = self.tree.evict_device(node)
             for key, page in zip(keys, ids.tolist()):
                 assert self.model[key]["dev"] == page
