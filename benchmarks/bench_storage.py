@@ -10,6 +10,11 @@ the backend's own raw batch calls on the same bytes, in the same run (target >= 
 
 Puts use fresh keys every repeat (keys are write-once); gets read the keys of the first put.
 Ours and raw run alternately, repeat by repeat, so load from other processes hits both alike.
+Two figures per operation: one batch submitted and waited for (latency-bound: it includes the
+hop to the backend's worker thread and back), and "x4": four batches submitted back to back and
+then waited for, as a cache with queued work keeps them (throughput), against four raw calls.
+Modes: host layout, ``zero-copy`` (Mooncake two-buffer calls) or staged, entry checksum (crc32;
+xxh3 when the xxhash package is installed).
 Page: 4 layers x 2 (K, V) x 16 tokens x 8 heads x 64 dims, bfloat16 = 128 KiB.
 
     python benchmarks/bench_storage.py [--quick] [--json PATH] [--backends file,mooncake]
@@ -35,9 +40,18 @@ sys.path.insert(0, os.path.join(ROOT, "tests"))
 from benchmarks.common import gbps, memcpy_seconds, print_table, write_json  # noqa: E402
 from hicache_jax.spec import KVSpec  # noqa: E402
 from hicache_jax.storage import open_storage, page_keys  # noqa: E402
+from hicache_jax.storage.format import xxhash_available  # noqa: E402
 
 SPEC = KVSpec(num_layers=4, num_kv_heads=8, head_dim=64, dtype="bfloat16", page_size=16)
 BATCHES = (1, 16, 128)
+QUEUE = 4  # "x4" columns: 4 batches submitted back to back, then waited (throughput)
+_XXH3 = ("xxh3",) if xxhash_available() else ()
+CONFIGS = {  # file: (layout, checksum); mooncake: (layout, zero_copy, checksum)
+    "file": [("page_first", "crc32")] + [("page_first", c) for c in _XXH3]
+    + [("layer_first", "crc32")],
+    "mooncake": [("page_first", False, "crc32")] + [("page_first", False, c) for c in _XXH3]
+    + [("page_first", True, "crc32"), ("layer_first", False, "crc32")],
+}
 _serial = itertools.count()
 
 
@@ -75,8 +89,36 @@ def ours_calls(store, n: int) -> dict[str, tuple]:
     def get(_):
         assert store.get_into(first, get_ids).wait(60).all(), store.stats()
 
+    def put_q(key_sets):  # QUEUE handles in flight, as a cache with work queued keeps them
+        for h in [store.put_from(keys, ids) for keys in key_sets]:
+            h.wait(60)
+
+    def get_q(_):
+        for h in [store.get_into(first, get_ids) for _ in range(QUEUE)]:
+            assert h.wait(60).all()
+
     return {"put": (lambda keys: store.put_from(keys, ids).wait(60), lambda: fresh_keys(n)),
-            "get": (get, lambda: None)}
+            "get": (get, lambda: None),
+            "put q": (put_q, lambda: [fresh_keys(n) for _ in range(QUEUE)]),
+            "get q": (get_q, lambda: None)}
+
+
+def with_queue(raw: dict[str, tuple], n: int) -> dict[str, tuple]:
+    """Add the raw counterparts of QUEUE batches: QUEUE calls in a row (a raw client is
+    synchronous)."""
+    put, _ = raw["raw put"]
+    get, _ = raw["raw get"]
+
+    def put_q(key_sets):
+        for keys in key_sets:
+            put(keys)
+
+    def get_q(_):
+        for _ in range(QUEUE):
+            get(None)
+
+    return raw | {"raw put q": (put_q, lambda: [fresh_keys(n) for _ in range(QUEUE)]),
+                  "raw get q": (get_q, lambda: None)}
 
 
 class RawMooncake:
@@ -103,7 +145,7 @@ class RawMooncake:
         def get(_):
             assert self.store.batch_get_into(first, dst, [page] * n) == [page] * n
 
-        return {"raw put": (put, lambda: fresh_keys(n)), "raw get": (get, lambda: None)}
+        return with_queue({"raw put": (put, lambda: fresh_keys(n)), "raw get": (get, lambda: None)}, n)
 
     def close(self) -> None:
         self.store.unregister_buffer(self.buf.ctypes.data)
@@ -131,7 +173,7 @@ class RawFile:
                 with open(os.path.join(self.root, k), "rb") as f:
                     f.readinto(self.flat[128 + i])
 
-        return {"raw put": (put, lambda: fresh_keys(n)), "raw get": (get, lambda: None)}
+        return with_queue({"raw put": (put, lambda: fresh_keys(n)), "raw get": (get, lambda: None)}, n)
 
     def close(self) -> None:
         return None
@@ -142,10 +184,15 @@ def measure(backend: str, mode: str, store, raw, repeats: int) -> list[dict]:
     for n in BATCHES:
         t = interleaved(ours_calls(store, n) | raw.calls(n), repeats)
         nbytes = n * SPEC.page_bytes
-        rows.append({"backend": backend, "mode": mode, "pages": n,
-                     "put_gbps": gbps(nbytes, t["put"]), "raw_put_gbps": gbps(nbytes, t["raw put"]),
-                     "put_ratio": t["raw put"] / t["put"], "get_gbps": gbps(nbytes, t["get"]),
-                     "raw_get_gbps": gbps(nbytes, t["raw get"]), "get_ratio": t["raw get"] / t["get"]})
+        row = {"backend": backend, "mode": mode, "pages": n}
+        for op in ("put", "get"):
+            row[f"{op}_gbps"] = gbps(nbytes, t[op])
+            row[f"raw_{op}_gbps"] = gbps(nbytes, t[f"raw {op}"])
+            row[f"{op}_ratio"] = t[f"raw {op}"] / t[op]
+            row[f"{op}_q_gbps"] = gbps(QUEUE * nbytes, t[f"{op} q"])
+            row[f"raw_{op}_q_gbps"] = gbps(QUEUE * nbytes, t[f"raw {op} q"])
+            row[f"{op}_q_ratio"] = t[f"raw {op} q"] / t[f"{op} q"]
+        rows.append(row)
     return rows
 
 
@@ -160,11 +207,11 @@ def bench_mooncake(address: str | None, repeats: int, batch_pages: int) -> list[
     try:
         raw = RawMooncake(address, host_buffer("page_first", 256))
         rows = []
-        for layout, zero_copy in (("page_first", True), ("page_first", False),
-                                  ("layer_first", False)):
+        for layout, zero_copy, checksum in CONFIGS["mooncake"]:
             with open_storage(f"mooncake://{address}", SPEC, host_buffer(layout, 256), layout,
-                              zero_copy=zero_copy, batch_pages=batch_pages) as store:
-                mode = f"{layout}{' zero-copy' if zero_copy else ' staged'}"
+                              zero_copy=zero_copy, batch_pages=batch_pages,
+                              checksum=checksum) as store:
+                mode = f"{layout}{' zero-copy' if zero_copy else ''} {checksum}"
                 rows += measure("mooncake", mode, store, raw, repeats)
         return rows
     finally:
@@ -179,10 +226,10 @@ def bench_file(repeats: int, batch_pages: int) -> list[dict]:
     try:
         raw = RawFile(os.path.join(tmp, "raw"), host_buffer("page_first", 256))
         rows = []
-        for layout in ("page_first", "layer_first"):
-            with open_storage(f"file://{tmp}/{layout}", SPEC, host_buffer(layout, 256), layout,
-                              batch_pages=batch_pages) as store:
-                rows += measure("file", layout, store, raw, repeats)
+        for layout, checksum in CONFIGS["file"]:
+            with open_storage(f"file://{tmp}/{layout}-{checksum}", SPEC, host_buffer(layout, 256),
+                              layout, batch_pages=batch_pages, checksum=checksum) as store:
+                rows += measure("file", f"{layout} {checksum}", store, raw, repeats)
         return rows
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -204,10 +251,11 @@ def main() -> None:
     if "mooncake" in backends:
         rows += bench_mooncake(args.mooncake, repeats, args.batch_pages)
     memcpy = gbps(128 * SPEC.page_bytes, memcpy_seconds(128 * SPEC.page_bytes))
-    headers = ["backend", "mode", "pages", "put GB/s", "raw put", "put/raw", "get GB/s",
-               "raw get", "get/raw"]
-    print_table(headers, [[r["backend"], r["mode"], r["pages"], r["put_gbps"], r["raw_put_gbps"],
-                           r["put_ratio"], r["get_gbps"], r["raw_get_gbps"], r["get_ratio"]]
+    headers = ["backend", "mode", "pages", "put GB/s", "raw", "ratio", f"put x{QUEUE}", "raw",
+               "ratio", "get GB/s", "raw", "ratio", f"get x{QUEUE}", "raw", "ratio"]
+    cols = ["put_gbps", "raw_put_gbps", "put_ratio", "put_q_gbps", "raw_put_q_gbps", "put_q_ratio",
+            "get_gbps", "raw_get_gbps", "get_ratio", "get_q_gbps", "raw_get_q_gbps", "get_q_ratio"]
+    print_table(headers, [[r["backend"], r["mode"], r["pages"]] + [r[c] for c in cols]
                           for r in rows],
                 title=f"L3 put/get, {SPEC.page_bytes // 1024} KiB pages, medians of {repeats}; "
                       f"memcpy of 128 pages: {memcpy:.2f} GB/s; target ratio >= 0.8")

@@ -360,3 +360,41 @@ def test_stale_temp_files_are_removed_at_open(root):
     Path(fresh).write_bytes(b"partial")
     open_file(root)
     assert not os.path.exists(stale) and os.path.exists(fresh)
+
+
+# ---- checksums ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("writer_sum,reader_sum", [("crc32", "xxh3"), ("xxh3", "crc32")])
+def test_checksums_interoperate_and_detect_damage(root, writer_sum, reader_sum):
+    pytest.importorskip("xxhash", reason="xxh3 checksums need the xxhash package")
+    writer, buf = open_file(root, checksum=writer_sum)
+    reader, rbuf = open_file(root, seed=1, checksum=reader_sum)
+    keys = keys_for(3)
+    assert writer.put_from(keys, [0, 1, 2]).wait(10).all()
+    data = bytearray(Path(writer.path(keys[1])).read_bytes())
+    data[-1] ^= 0x80
+    Path(writer.path(keys[1])).write_bytes(bytes(data))
+    np.testing.assert_array_equal(reader.get_into(keys, [3, 4, 5]).wait(10), [True, False, True])
+    np.testing.assert_array_equal(rbuf[[3, 5]], buf[[0, 2]])
+    assert reader.stats()["corrupt"] == 1
+
+
+def test_entry_with_an_uncomputable_checksum_is_a_miss_left_in_place(root, monkeypatch):
+    pytest.importorskip("xxhash", reason="xxh3 checksums need the xxhash package")
+    from hicache_jax.storage import format as fmt
+
+    writer, _ = open_file(root, checksum="xxh3")
+    keys = keys_for(1)
+    writer.put_from(keys, [0]).wait(10)
+    monkeypatch.setattr(fmt, "xxhash_available", lambda: False)
+    reader, _ = open_file(root, seed=1)
+    assert not reader.get_into(keys, [3]).wait(10).any()
+    assert reader.stats() == {"uncheckable": 1, "get_misses": 1}
+    assert os.path.exists(writer.path(keys[0]))
+    with pytest.raises(ValueError, match="xxhash"):
+        open_file(root, checksum="xxh3")
+
+
+def test_unknown_checksum_is_rejected(root):
+    with pytest.raises(ValueError, match="checksum"):
+        open_file(root, checksum="md5")
+    assert not os.path.exists(root)

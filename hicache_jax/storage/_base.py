@@ -192,14 +192,14 @@ class BackendBase:
     url: str
 
     def __init__(self, spec: KVSpec, host_buffer: np.ndarray, layout: HostLayout | str, *,
-                 batch_pages: int = 32) -> None:
+                 batch_pages: int = 32, checksum: str = "crc32") -> None:
         if not isinstance(spec, KVSpec):
             raise TypeError(f"spec must be a KVSpec, got {type(spec).__name__}")
         if isinstance(batch_pages, bool) or not isinstance(batch_pages, int) or batch_pages < 1:
             raise ValueError(f"batch_pages={batch_pages!r} must be an int >= 1")
         self.spec = spec
         self.host = HostPages(spec, host_buffer, layout)
-        self.codec = EntryCodec(spec)
+        self.codec = EntryCodec(spec, checksum)
         self.batch_pages = batch_pages
         self._lock = threading.Lock()
         self._counters: collections.Counter[str] = collections.Counter()

@@ -28,7 +28,7 @@ import numpy as np
 
 from hicache_jax.spec import HostLayout, KVSpec
 from hicache_jax.storage._base import BackendBase, StorageUnavailableError
-from hicache_jax.storage.format import HEADER_BYTES
+from hicache_jax.storage.format import HEADER_BYTES, Verdict
 
 _TMP = ".tmp"
 _STALE_TMP_S = 600.0       # temp files older than this are leftovers of a crashed writer
@@ -48,11 +48,12 @@ class FileStorage(BackendBase):
         capacity_bytes: optional bound on the bytes of all entries in ``root`` (LRU removal).
         fsync: make each put durable before it counts as stored.
         batch_pages: pages per sub-batch of a handle.
+        checksum: "crc32" or "xxh3" (needs the xxhash package), written into new entries.
     """
 
     def __init__(self, spec: KVSpec, host_buffer: np.ndarray, layout: HostLayout | str,
                  root: str | os.PathLike, *, capacity_bytes: int | None = None,
-                 fsync: bool = False, batch_pages: int = 32) -> None:
+                 fsync: bool = False, batch_pages: int = 32, checksum: str = "crc32") -> None:
         root = os.fspath(root)
         entry = HEADER_BYTES + spec.page_bytes
         if capacity_bytes is not None and (isinstance(capacity_bytes, bool)
@@ -62,7 +63,7 @@ class FileStorage(BackendBase):
                              f"entry ({entry} bytes)")
         if not isinstance(fsync, bool):
             raise TypeError(f"fsync={fsync!r} must be a bool")
-        super().__init__(spec, host_buffer, layout, batch_pages=batch_pages)
+        super().__init__(spec, host_buffer, layout, batch_pages=batch_pages, checksum=checksum)
         self.url = f"file://{os.path.abspath(root)}"
         self.root = root
         try:
@@ -112,7 +113,8 @@ class FileStorage(BackendBase):
             parts = self.host.parts(page)
             size = os.fstat(fd).st_size
             nread = self._readv(fd, [header] + parts) if size == self.codec.entry_bytes else size
-            if self.codec.verify(header, key, parts, nread):
+            verdict = self.codec.verify(header, key, parts, nread)
+            if verdict is Verdict.VALID:
                 os.utime(fd)  # LRU: a hit makes the entry young for every instance
                 return True
         except OSError:
@@ -120,6 +122,9 @@ class FileStorage(BackendBase):
             return False
         finally:
             os.close(fd)
+        if verdict is Verdict.UNCHECKABLE:
+            self._count(uncheckable=1)
+            return False
         self._count(corrupt=1)
         self._unlink(path)
         return False

@@ -9,13 +9,18 @@ Entry: a 64-byte header followed by one page in ``page_first`` order
 (``[num_layers, kv_factor, page_size, num_kv_heads, head_dim]`` of the bits dtype)::
 
     magic "HCKV" | version u16 | header bytes u16 | fingerprint 8 B | key digest 8 B |
-    payload bytes u64 | crc32 of payload u32 | reserved
+    payload bytes u64 | checksum algorithm u16 | reserved u16 | checksum of payload u64 | zeros
 
 A value whose header, length, key digest or checksum does not match is a miss (never data).
+Checksums: ``crc32`` (zlib, the default: no dependency) or ``xxh3`` (64-bit XXH3 from the
+``xxhash`` package, several times cheaper per byte). Readers check whichever algorithm the
+header names; an entry whose algorithm this process cannot compute is a miss.
 """
 
 from __future__ import annotations
 
+import enum
+import functools
 import hashlib
 import re
 import struct
@@ -30,8 +35,41 @@ KEY_PREFIX = "hcj1"
 HEADER_BYTES = 64
 _MAGIC = b"HCKV"
 _VERSION = 1
-# magic, version, header bytes, fingerprint, key digest, payload bytes, crc32; padded to 64.
-_HEADER = struct.Struct("<4sHH8s8sQI")
+# magic, version, header bytes, fingerprint, key digest, payload bytes, checksum algorithm,
+# reserved, checksum; zero-padded to 64 bytes.
+_HEADER = struct.Struct("<4sHH8s8sQHHQ")
+
+
+def _crc32(parts: Sequence[Any]) -> int:
+    crc = 0
+    for part in parts:
+        crc = zlib.crc32(part, crc)
+    return crc
+
+
+def _xxh3(parts: Sequence[Any]) -> int:
+    import xxhash
+
+    if len(parts) == 1:
+        return xxhash.xxh3_64_intdigest(parts[0])
+    h = xxhash.xxh3_64()
+    for part in parts:
+        h.update(part)
+    return h.intdigest()
+
+
+#: checksum name -> (id stored in the header, function of the payload parts)
+CHECKSUMS = {"crc32": (1, _crc32), "xxh3": (2, _xxh3)}
+_BY_ID = {algo_id: fn for algo_id, fn in CHECKSUMS.values()}
+
+
+@functools.cache
+def xxhash_available() -> bool:
+    try:
+        import xxhash  # noqa: F401
+    except ImportError:
+        return False
+    return True
 _KEY_RE = re.compile(r"^[A-Za-z0-9_.\-]{1,200}$")
 
 
@@ -96,6 +134,14 @@ def _key_digest(key: str) -> bytes:
     return hashlib.blake2b(key.encode(), digest_size=8).digest()
 
 
+class Verdict(enum.Enum):
+    """Outcome of checking an entry read from a store."""
+
+    VALID = "valid"
+    INVALID = "invalid"
+    UNCHECKABLE = "uncheckable"
+
+
 class EntryCodec:
     """Packs and checks entry headers for one spec.
 
@@ -105,38 +151,47 @@ class EntryCodec:
     contiguous copy is needed.
     """
 
-    def __init__(self, spec: KVSpec) -> None:
+    def __init__(self, spec: KVSpec, checksum: str = "crc32") -> None:
+        if checksum not in CHECKSUMS:
+            raise ValueError(f"checksum={checksum!r} is not one of: {', '.join(CHECKSUMS)}")
+        if checksum == "xxh3" and not xxhash_available():
+            raise ValueError("checksum='xxh3' needs the xxhash package (pip install xxhash)")
         self.spec = spec
+        self.checksum = checksum
+        self._algo, self._fn = CHECKSUMS[checksum]
         self.payload_bytes = spec.page_bytes
         self.entry_bytes = HEADER_BYTES + spec.page_bytes
         self._fp = bytes.fromhex(spec.fingerprint())[:8]
 
     def pack_into(self, header: np.ndarray, key: str, payload: Sequence[Any]) -> None:
         """Write the header of ``key`` / ``payload`` into ``header`` (uint8[64], owned by caller)."""
-        crc = 0
-        for part in payload:
-            crc = zlib.crc32(part, crc)
         header[:] = 0
         _HEADER.pack_into(header, 0, _MAGIC, _VERSION, HEADER_BYTES, self._fp, _key_digest(key),
-                          self.payload_bytes, crc)
+                          self.payload_bytes, self._algo, 0, self._fn(payload))
 
     def verify(self, header: np.ndarray, key: str, payload: Sequence[Any],
-               nbytes: int | None = None) -> bool:
-        """True iff ``header`` + ``payload`` are a valid entry of ``key`` for this spec.
+               nbytes: int | None = None) -> "Verdict":
+        """Whether ``header`` + ``payload`` are a valid entry of ``key`` for this spec.
 
         Args:
             header: uint8[64] as read from the store.
             key: the key it was read under.
             payload: the parts the page was read into.
             nbytes: total bytes the store returned (None: not known to the caller).
+
+        Returns:
+            ``VALID``; ``INVALID`` (damaged: the caller may remove it); ``UNCHECKABLE`` (written
+            with a checksum this process cannot compute: a miss, but leave it for others).
         """
         if nbytes is not None and nbytes != self.entry_bytes:
-            return False
-        magic, version, hbytes, fp, kd, length, crc = _HEADER.unpack_from(header, 0)
+            return Verdict.INVALID
+        magic, version, hbytes, fp, kd, length, algo, _, checksum = _HEADER.unpack_from(header, 0)
         if (magic != _MAGIC or version != _VERSION or hbytes != HEADER_BYTES or fp != self._fp
                 or kd != _key_digest(key) or length != self.payload_bytes):
-            return False
-        actual = 0
-        for part in payload:
-            actual = zlib.crc32(part, actual)
-        return actual == crc
+            return Verdict.INVALID
+        fn = self._fn if algo == self._algo else _BY_ID.get(algo)
+        if fn is None:
+            return Verdict.INVALID
+        if fn is _xxh3 and not xxhash_available():
+            return Verdict.UNCHECKABLE
+        return Verdict.VALID if fn(payload) == checksum else Verdict.INVALID

@@ -52,7 +52,7 @@ import numpy as np
 
 from hicache_jax.spec import HostLayout, KVSpec
 from hicache_jax.storage._base import BackendBase, StorageHandle, StorageUnavailableError
-from hicache_jax.storage.format import HEADER_BYTES
+from hicache_jax.storage.format import HEADER_BYTES, Verdict
 
 INSTALL_HINT = ("pip install mooncake-transfer-engine-non-cuda (the import also needs the system "
                 "library libibverbs.so.1: apt-get install -y libibverbs1)")
@@ -155,16 +155,17 @@ class MooncakeStorage(BackendBase):
             Off by default: with Mooncake 0.3.13 over TCP the two-buffer calls measured slower
             than one registered staging buffer plus a memcpy (benchmarks/bench_storage.py).
         batch_pages: pages per store call (sub-batch of a handle).
+        checksum: "crc32" or "xxh3" (needs the xxhash package), written into new entries.
     """
 
     def __init__(self, spec: KVSpec, host_buffer: np.ndarray, layout: HostLayout | str,
                  master: str, *, local_hostname: str = "127.0.0.1", protocol: str = "tcp",
                  device_names: str = "", setup_timeout_s: float = 10.0,
-                 zero_copy: bool = False, batch_pages: int = 32) -> None:
+                 zero_copy: bool = False, batch_pages: int = 32, checksum: str = "crc32") -> None:
         parse_address(master)
         if not isinstance(setup_timeout_s, (int, float)) or setup_timeout_s <= 0:
             raise ValueError(f"setup_timeout_s={setup_timeout_s!r} must be > 0")
-        super().__init__(spec, host_buffer, layout, batch_pages=batch_pages)
+        super().__init__(spec, host_buffer, layout, batch_pages=batch_pages, checksum=checksum)
         if zero_copy and not self.host.contiguous:
             raise ValueError("zero_copy=True needs a page_first host pool")
         if not isinstance(zero_copy, bool):
@@ -315,9 +316,12 @@ class MooncakeStorage(BackendBase):
                     header, parts = buf[i, :HEADER_BYTES], self.host.parts(int(page))
                 else:
                     header, parts = buf[i, :HEADER_BYTES], [buf[i, HEADER_BYTES:]]
-                ok[i] = self.codec.verify(header, key, parts, code)
-                if not ok[i]:
+                verdict = self.codec.verify(header, key, parts, code)
+                ok[i] = verdict is Verdict.VALID
+                if verdict is Verdict.INVALID:
                     bad.append(key)
+                elif verdict is Verdict.UNCHECKABLE:
+                    self._count(uncheckable=1)
             elif code == OBJECT_NOT_FOUND:
                 continue
             elif code in (TRANSFER_FAIL, INVALID_PARAMS) and self._wrong_size(key):
