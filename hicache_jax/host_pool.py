@@ -53,9 +53,22 @@ def bucket_size(n: int) -> int:
     return 1 if n <= 1 else 1 << (int(n) - 1).bit_length()
 
 
+#: Minimum length of the index arrays of a copy. Two reasons: XLA:CPU runs an executable whose
+#: estimated cost is under 1000 flops inline, in the calling thread (PjRt CPU client,
+#: "cheap_computation"); a copy loop has no flops, so the completion token sums the index
+#: arrays (~2 flops per entry) to make every copy asynchronous. And up to 1024 pages, every copy
+#: of a given pair of layouts shares one compile (the trip count is a traced scalar anyway).
+MIN_INDEX_LEN = 1024
+
+
+def index_len(n: int) -> int:
+    """Padded length of the index arrays of an ``n``-page copy."""
+    return max(MIN_INDEX_LEN, bucket_size(n))
+
+
 def pad_ids(ids: np.ndarray, size: int | None = None) -> np.ndarray:
-    """``ids`` (int32) zero-padded to ``size`` (default: its bucket). Padding is never used."""
-    size = bucket_size(ids.size) if size is None else size
+    """``ids`` (int32) zero-padded to ``size`` (default ``index_len``). Padding is never read."""
+    size = index_len(ids.size) if size is None else size
     out = np.zeros(size, np.int32)
     out[:ids.size] = ids
     return out
@@ -132,7 +145,9 @@ def _copy_loop(dst: jax.Array, src: jax.Array, dst_ids: jax.Array, src_ids: jax.
         return count + 1, _update_page(out, dst_layout, dst_ids[i], layer, chunk)
 
     count, dst = lax.fori_loop(0, n, body, (jnp.zeros((), jnp.int32), dst))
-    return dst, count
+    # The token's value means nothing; the sum gives the executable enough estimated flops
+    # to be dispatched asynchronously on XLA:CPU (see MIN_INDEX_LEN).
+    return dst, count + jnp.sum(dst_ids + src_ids)
 
 
 #: The page copy every transfer uses: :func:`_copy_loop` jitted with ``dst`` donated.
@@ -318,7 +333,7 @@ class HostPagePool:
             copy_pages, dst_layout=self.layout, src_layout=HostLayout.LAYER_FIRST,
             num_layers=self.spec.num_layers, src_put=None,
             dst_put=None if self.on_device_memory else self.sharding),
-            src, pad_ids(ids, size), np.arange(size, dtype=np.int32), np.int32(n), np.int32(0))
+            src, pad_ids(ids), pad_ids(np.arange(n, dtype=np.int32)), np.int32(n), np.int32(0))
 
     def read(self, host_ids: Any) -> np.ndarray:
         """Return the KV bits of ``host_ids``: a new ``spec.kv_shape(n)`` numpy array.

@@ -10,7 +10,12 @@ rebound (the device pool through ``DevicePagePool.run``, the host pool through
 Ordering and safety come from XLA, not from locks: every access to a pool is a computation on
 its single array, so a copy in flight is ordered before any later update of the same array (a
 donating update waits for earlier readers). Completion is detected by polling a small per-call
-token (``is_ready()``); no worker thread ever touches a pool (DESIGN rule 4).
+token (``is_ready()``); no worker thread ever touches a pool (DESIGN rule 4). Each transfer
+depends on all earlier ones (it donates one pool and reads the other), so transfers complete in
+dispatch order, and a handle seen complete completes every earlier handle too.
+
+On XLA:CPU the copy runs on XLA's own execution thread, not in the caller: see
+``host_pool.MIN_INDEX_LEN`` for what makes it asynchronous there.
 
 Host pages in flight: ``busy_host_pages(ids)`` says which pages a pending transfer reads or
 writes, and ``free_host_pages(ids)`` frees the idle ones at once and defers the busy ones until
@@ -43,7 +48,7 @@ import numpy as np
 
 from hicache_jax.device_pool import DevicePagePool
 from hicache_jax.errors import HiCacheError
-from hicache_jax.host_pool import HostPagePool, bucket_size, copy_pages, pad_ids
+from hicache_jax.host_pool import HostPagePool, copy_pages, pad_ids
 from hicache_jax.spec import HostLayout
 
 
@@ -167,9 +172,8 @@ class TransferEngine:
         d, h = self._validate(device_ids, host_ids)
         handle = TransferHandle(self, TransferKind.BACKUP, d, h, tag, layerwise=False)
         if d.size:
-            size = bucket_size(d.size)
             handle._tokens.append(self.host_pool.run(
-                self._backup_fn, self.device_pool.array, pad_ids(h, size), pad_ids(d, size),
+                self._backup_fn, self.device_pool.array, pad_ids(h), pad_ids(d),
                 np.int32(d.size), np.int32(0)))
         return self._track(handle)
 
@@ -188,8 +192,7 @@ class TransferEngine:
         d, h = self._validate(device_ids, host_ids)
         handle = TransferHandle(self, TransferKind.LOAD, d, h, tag, layerwise=layerwise)
         if d.size:
-            size = bucket_size(d.size)
-            args = (self.host_pool.buffer, pad_ids(d, size), pad_ids(h, size), np.int32(d.size))
+            args = (self.host_pool.buffer, pad_ids(d), pad_ids(h), np.int32(d.size))
             if layerwise:
                 # One execution per layer: each has its own completion token. The host pool
                 # buffer is read, never donated, so all layers read the same array.
@@ -227,27 +230,40 @@ class TransferEngine:
 
     # --------------------------------------------------------------------------- completion
     def _finish(self, handle: TransferHandle) -> None:
-        """Apply a completion (once): timing, busy counts, deferred frees, poll queue."""
-        handle.seconds = time.perf_counter() - handle._t0
-        handle._complete = True
-        handle._tokens = []
-        self._in_flight.remove(handle)
-        h = handle.host_ids
-        self._busy[h] -= 1
-        release = h[(self._busy[h] == 0) & self._free_pending[h]]
-        if release.size:
-            self._free_pending[release] = False
-            self.host_pool.allocator.free(release)
-        self._finished.append(handle)
+        """Apply the completion of ``handle`` and of every transfer dispatched before it.
+
+        Every transfer depends on all earlier ones: it donates one pool and reads the other,
+        both the outputs of the previous transfers (and a donating update waits for earlier
+        readers). So once a handle's token is ready, the earlier transfers have landed too --
+        even if their own tokens are not yet marked ready (XLA:CPU was seen to mark a later
+        execution's outputs ready before an earlier one's token). Completion order is therefore
+        dispatch order.
+        """
+        now = time.perf_counter()
+        upto = self._in_flight.index(handle) + 1
+        done, self._in_flight = self._in_flight[:upto], self._in_flight[upto:]
+        for item in done:
+            item.seconds = now - item._t0
+            item._complete = True
+            item._tokens = []
+            h = item.host_ids
+            self._busy[h] -= 1
+            release = h[(self._busy[h] == 0) & self._free_pending[h]]
+            if release.size:
+                self._free_pending[release] = False
+                self.host_pool.allocator.free(release)
+        self._finished.extend(done)
 
     def poll(self) -> list[TransferHandle]:
         """Handles finished since the last ``poll`` / ``wait_all``, in completion order.
 
-        Handles found finished by this call are ordered by dispatch (XLA runs them in that order
-        on each device); ``seconds`` is an upper bound (dispatch to observation).
+        Completion order is dispatch order (see ``_finish``); a zero-page transfer completes at
+        dispatch. ``seconds`` is an upper bound: dispatch to observation.
         """
-        for handle in list(self._in_flight):
-            handle.done()
+        for handle in reversed(self._in_flight):  # the latest finished one finishes the rest
+            if all(t.is_ready() for t in handle._tokens):
+                self._finish(handle)
+                break
         out, self._finished = self._finished, []
         return out
 

@@ -144,9 +144,14 @@ def test_poll_returns_each_handle_once_in_completion_order():
     seen = []
     while len(seen) < 5:
         seen.extend(eng.poll())
-    assert [h.tag for h in seen] == [0, 1, 2, 3, 4]  # one device: completion = dispatch order
+    assert [h.tag for h in seen] == [0, 1, 2, 3, 4], [h.tag for h in seen]
     assert eng.poll() == [] and eng.in_flight == 0
     assert all(h.done() and h.seconds >= 0 for h in handles)
+    # Waiting for the last transfer completes every earlier one (each depends on the previous).
+    later = [eng.backup([i], [i + 4], tag=i) for i in range(3)]
+    later[-1].wait()
+    assert all(h.done() for h in later) and eng.in_flight == 0
+    assert [h.tag for h in eng.poll()] == [0, 1, 2]
     # A zero-page transfer dispatches nothing and completes at once.
     empty = eng.load([], [], tag="empty")
     assert empty.done() and empty.nbytes == 0 and eng.poll() == [empty]

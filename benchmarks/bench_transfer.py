@@ -1,0 +1,221 @@
+"""Backup (device -> host) and load (host -> device) of scattered pages vs numpy.copyto.
+
+Page: 4 layers x 2 (K, V) x 16 tokens x 8 heads x 64 dims, bfloat16 = 128 KiB (the issue's
+example "8 heads x 128 dims" is 256 KiB: ``--head-dim 128``). For k = 1, 16,
+128, 1024 scattered pages (random device ids, random host ids), each direction is timed through
+the real ``TransferEngine`` (dispatch + wait) and compared, round by round, with
+``numpy.copyto`` of the same number of contiguous bytes: the limit of a host memory copy on this
+machine. Rounds interleave the two so a noisy neighbour hits both; medians of per-round ratios.
+
+Layer-wise load: time from dispatch until ``wait_layer(0)`` returns vs until the whole load is
+done (and the plain load of the same pages).
+
+Sharding section (``--devices 4``, CPU only): the device pool sharded over kv heads on 4 devices
+and the host pool sharded the same way (one host buffer per shard), against moving the same
+pages into a single host buffer on one device (gather to one device first).
+
+Usage: python benchmarks/bench_transfer.py [--quick] [--json out.json] [--devices 4]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+
+def _parse() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--quick", action="store_true", help="fewer sizes and repeats (smoke run)")
+    p.add_argument("--json", default=None, help="write raw figures here")
+    p.add_argument("--devices", type=int, default=1,
+                   help="CPU devices for the sharding section (needs XLA before import; 1 = skip)")
+    p.add_argument("--layouts", default="layer_first,page_first")
+    p.add_argument("--head-dim", type=int, default=64, help="64: 128 KiB pages, 128: 256 KiB")
+    return p.parse_args()
+
+
+ARGS = _parse() if __name__ == "__main__" else None
+if ARGS is not None and ARGS.devices > 1:
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                               f" --xla_force_host_platform_device_count={ARGS.devices}")
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+from jax.sharding import Mesh  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks.common import env_info, gbps, print_table, write_json  # noqa: E402
+from hicache_jax.device_pool import DevicePagePool  # noqa: E402
+from hicache_jax.host_pool import HostPagePool  # noqa: E402
+from hicache_jax.spec import KVSpec  # noqa: E402
+from hicache_jax.transfer import TransferEngine  # noqa: E402
+
+SPEC = KVSpec(num_layers=4, num_kv_heads=8, head_dim=ARGS.head_dim if ARGS else 64,
+              dtype="bfloat16", page_size=16)
+
+
+def interleaved(fns: dict, repeats: int, warmup: int = 1) -> dict[str, list[float]]:
+    """Run each fn once per round (in order), ``repeats`` rounds; seconds per fn per round."""
+    for _ in range(warmup):
+        for fn in fns.values():
+            fn()
+    out = {k: [] for k in fns}
+    for _ in range(repeats):
+        for k, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            out[k].append(time.perf_counter() - t0)
+    return out
+
+
+def _memcpy_fn(nbytes: int):
+    src = np.random.default_rng(0).integers(0, 255, size=nbytes, dtype=np.uint8)
+    dst = np.empty_like(src)
+    return lambda: np.copyto(dst, src)
+
+
+def bench_directions(eng: TransferEngine, sizes, repeats: int, layout: str) -> list[dict]:
+    rng = np.random.default_rng(1)
+    dev, host = eng.device_pool, eng.host_pool
+    rows = []
+    for n in sizes:
+        d = rng.permutation(dev.num_pages)[:n]
+        h = rng.permutation(host.num_pages)[:n]
+        nbytes = n * SPEC.page_bytes
+        dispatch = {"backup": [], "load": []}
+
+        def timed(kind):
+            def run():
+                t0 = time.perf_counter()
+                handle = eng.backup(d, h) if kind == "backup" else eng.load(h, d)
+                dispatch[kind].append(time.perf_counter() - t0)
+                handle.wait()
+            return run
+
+        reps = repeats if n >= 128 else 3 * repeats
+        t = interleaved({"memcpy": _memcpy_fn(nbytes), "backup": timed("backup"),
+                         "load": timed("load")}, reps)
+        eng.poll()
+        for kind in ("backup", "load"):
+            ratios = [m / x for m, x in zip(t["memcpy"], t[kind])]
+            rows.append(dict(layout=layout, direction=kind, pages=n, mib=nbytes / 2**20,
+                             memcpy_gbps=gbps(nbytes, statistics.median(t["memcpy"])),
+                             gbps=gbps(nbytes, statistics.median(t[kind])),
+                             ratio=statistics.median(ratios),
+                             dispatch_us=1e6 * statistics.median(dispatch[kind])))
+    return rows
+
+
+def bench_layerwise(eng: TransferEngine, sizes, repeats: int, layout: str) -> list[dict]:
+    rng = np.random.default_rng(2)
+    dev, host = eng.device_pool, eng.host_pool
+    rows = []
+    for n in sizes:
+        d = rng.permutation(dev.num_pages)[:n]
+        h = rng.permutation(host.num_pages)[:n]
+        first, whole, plain = [], [], []
+        for i in range(repeats + 1):
+            t0 = time.perf_counter()
+            handle = eng.load(h, d, layerwise=True)
+            handle.wait_layer(0)
+            t1 = time.perf_counter()
+            handle.wait()
+            t2 = time.perf_counter()
+            eng.load(h, d).wait()
+            t3 = time.perf_counter()
+            if i:  # first round warms the compiles
+                first.append(t1 - t0)
+                whole.append(t2 - t0)
+                plain.append(t3 - t2)
+        eng.poll()
+        rows.append(dict(layout=layout, pages=n, layer0_ms=1e3 * statistics.median(first),
+                         layerwise_all_ms=1e3 * statistics.median(whole),
+                         plain_load_ms=1e3 * statistics.median(plain),
+                         layer0_fraction=statistics.median(f / w for f, w in zip(first, whole))))
+    return rows
+
+
+def bench_sharding(num_devices: int, n: int, repeats: int) -> list[dict]:
+    """Per-shard host buffers (what HostPagePool does) vs one host buffer on one device."""
+    mesh = Mesh(np.array(jax.devices()[:num_devices]), ("heads",))
+    dev = DevicePagePool(SPEC, 2 * n, mesh=mesh)
+    host = HostPagePool(SPEC, 2 * n, "layer_first", mesh=mesh)
+    single = HostPagePool(SPEC, 2 * n, "layer_first")  # device 0 only, all heads
+    single_eng = TransferEngine(DevicePagePool(SPEC, 2 * n), single)
+    dev.allocator.alloc(2 * n)
+    host.allocator.alloc(2 * n)
+    single_eng.device_pool.allocator.alloc(2 * n)
+    single.allocator.alloc(2 * n)
+    eng = TransferEngine(dev, host)
+    rng = np.random.default_rng(3)
+    d = rng.permutation(2 * n)[:n]
+    h = rng.permutation(2 * n)[:n]
+    nbytes = n * SPEC.page_bytes
+    one = jax.devices()[0]
+
+    def gathered():
+        # The single-buffer design: the pages' heads from every device onto one device first
+        # (a cross-device gather), then the same one-pass copy into that device's host buffer.
+        pages = jax.device_put(dev.read_bits(d), one)
+        single_eng.device_pool.write(np.arange(n), pages)
+        single_eng.backup(np.arange(n), h).wait()
+
+    t = interleaved({"memcpy": _memcpy_fn(nbytes),
+                     "per_shard": lambda: eng.backup(d, h).wait(),
+                     "single_buffer": gathered}, repeats)
+    eng.poll()
+    single_eng.poll()
+    return [dict(design=k, devices=num_devices, pages=n, gbps=gbps(nbytes, statistics.median(v)),
+                 ratio=statistics.median(m / x for m, x in zip(t["memcpy"], v)))
+            for k, v in t.items() if k != "memcpy"]
+
+
+def main(args: argparse.Namespace) -> dict:
+    sizes = (1, 16, 128) if args.quick else (1, 16, 128, 1024)
+    repeats = 3 if args.quick else 7
+    max_n = max(sizes)
+    results = {"directions": [], "layerwise": [], "sharding": []}
+    for layout in args.layouts.split(","):
+        dev = DevicePagePool(SPEC, 2 * max_n)
+        host = HostPagePool(SPEC, 4 * max_n, layout)
+        dev.allocator.alloc(dev.num_pages)
+        host.allocator.alloc(host.num_pages)
+        eng = TransferEngine(dev, host)
+        results["directions"] += bench_directions(eng, sizes, repeats, layout)
+        results["layerwise"] += bench_layerwise(eng, [n for n in sizes if n >= 16], repeats,
+                                                layout)
+        del eng, dev, host
+    rows = results["directions"]
+    print_table(["layout", "direction", "pages", "MiB", "memcpy GB/s", "GB/s", "ratio",
+                 "dispatch us"],
+                [[r["layout"], r["direction"], r["pages"], r["mib"], r["memcpy_gbps"], r["gbps"],
+                  r["ratio"], r["dispatch_us"]] for r in rows],
+                title=f"backup / load of scattered {SPEC.page_bytes // 1024} KiB pages vs "
+                      "numpy.copyto of the same bytes (ratio = median of per-round ratios)")
+    print_table(["layout", "pages", "layer 0 ms", "all layers ms", "plain load ms",
+                 "layer0 / all"],
+                [[r["layout"], r["pages"], r["layer0_ms"], r["layerwise_all_ms"],
+                  r["plain_load_ms"], r["layer0_fraction"]] for r in results["layerwise"]],
+                title="layer-wise load: time until layer 0 is on the device vs the whole load")
+    if args.devices > 1:
+        results["sharding"] = bench_sharding(args.devices, 128, repeats)
+        print_table(["design", "devices", "pages", "GB/s", "ratio"],
+                    [[r["design"], r["devices"], r["pages"], r["gbps"], r["ratio"]]
+                     for r in results["sharding"]],
+                    title="sharded backup: host buffer per shard vs one host buffer (vs memcpy)")
+    big = [r for r in rows if r["pages"] >= 128]
+    if big:
+        print(f"target >= 0.70 of memcpy for >= 128 pages: worst ratio "
+              f"{min(r['ratio'] for r in big):.2f}")
+    write_json(args.json, "bench_transfer",
+               dict(spec=str(SPEC), page_bytes=SPEC.page_bytes, sizes=sizes, repeats=repeats,
+                    quick=args.quick, devices=args.devices, layouts=args.layouts), results)
+    return results
+
+
+if __name__ == "__main__":
+    print(env_info())
+    main(ARGS)
