@@ -4,7 +4,10 @@ Skipped, with the reason, only when the Mooncake package cannot be imported here
 (``pip install mooncake-transfer-engine-non-cuda``, ``apt-get install -y libibverbs1``).
 """
 
+import os
 import socket
+import subprocess
+import sys
 import threading
 import time
 
@@ -51,6 +54,25 @@ def test_round_trip_bit_exact_across_clients(servers, layout, zero_copy):
     np.testing.assert_array_equal(pages(dbuf, layout, rest), pages(before, layout, rest))
     assert dst.stats()["get_pages"] == 10 and src.stats()["put_pages"] == 10
     src.close(), dst.close()
+
+
+def test_another_process_reads_what_this_one_stored(servers):
+    """Cross-instance reuse at the backend level: a second process (a second client) gets the
+    pages this process put, bit-exact."""
+    store, buf = open_mc(servers, "layer_first", seed=7)
+    keys = unique_keys(8)
+    assert store.put_from(keys, np.arange(8)).wait(20).all()
+    code = ("import sys, numpy as np; sys.path.insert(0, {tests!r});"
+            "from test_storage_mooncake import *; from test_storage_file import pages;"
+            "from storage_servers import MooncakeServers;"
+            "s, b = open_mc(MooncakeServers({port}, 0, ''), 'page_first', seed=1);"
+            "assert s.get_into({keys!r}, np.arange(8) + 8).wait(20).all();"
+            "ref = pages(host_buffer(SPEC, 'layer_first', seed=7), 'layer_first', np.arange(8));"
+            "np.testing.assert_array_equal(b[8:16], ref); s.close(); print('bit-exact')"
+            ).format(tests=os.path.dirname(__file__), port=servers.rpc_port, keys=keys)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=90)
+    assert proc.returncode == 0 and "bit-exact" in proc.stdout, proc.stderr[-3000:]
+    store.close()
 
 
 def test_misses_and_write_once(servers):

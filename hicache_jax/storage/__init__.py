@@ -10,10 +10,16 @@ h.done(); ok = h.wait(timeout)                          # ok: bool [n]; h.landed
 store.stats(); store.close()
 ```
 
-An entry is a 64-byte header (spec fingerprint, key digest, length, crc32) and the page in
-``page_first`` order; a corrupted or truncated entry is a miss. Backends never touch JAX arrays:
-they read and write the host pool's numpy buffer on their own worker threads, so the caller must
-keep a request's host pages (neither freed nor reused) until its handle is done.
+An entry is a 64-byte header (spec fingerprint, key digest, length, checksum) and the page in
+``page_first`` order; a corrupted or truncated entry is a miss.
+
+``host_buffer`` is a *numpy* array the caller owns for the backend's lifetime, laid out like a
+host pool (``page_first`` or ``layer_first``; ``host_ids`` index its pages). Backends never touch
+JAX arrays: their worker threads read and write this buffer, so the caller must keep a request's
+pages (neither freed, reused nor read) until its handle is done. ``HostPagePool.buffer`` is a
+donated ``jax.Array``, so it cannot be this buffer: the cache keeps a numpy staging pool
+(``page_first`` is the natural layout: one contiguous run per page) and moves pages between it
+and the host pool with ``HostPagePool.read`` / ``write`` on its own thread.
 """
 
 from __future__ import annotations
@@ -57,14 +63,15 @@ _MOONCAKE_OPTIONS = {"local_hostname": str, "protocol": str, "device_names": str
 
 def open_storage(url: str, spec: KVSpec, host_buffer: np.ndarray,
                  layout: HostLayout | str = HostLayout.PAGE_FIRST, **options: Any) -> StorageBackend:
-    """Open the L3 backend named by ``url`` over the host pool ``host_buffer``.
+    """Open the L3 backend named by ``url`` over the numpy page buffer ``host_buffer``.
 
     Args:
         url: ``file:///dir`` or ``mooncake://host:port``; options may also come as a query
             string (``file:///dir?capacity_bytes=1000000000``); keyword ``options`` win.
         spec: KV spec (its fingerprint namespaces and checks every entry).
-        host_buffer: the host pool array, borrowed for the backend's lifetime.
-        layout: host pool layout.
+        host_buffer: a numpy buffer of pages in ``layout`` (a staging pool the caller owns),
+            borrowed for the backend's lifetime.
+        layout: layout of ``host_buffer``.
         **options: backend options (``FileStorage`` / ``MooncakeStorage`` keyword arguments).
 
     Raises:

@@ -1,7 +1,7 @@
 """Shared machinery of the L3 backends: host page views, handles, the two I/O lanes, counters.
 
 Threads: each backend owns two worker threads, a *get* lane and a *put* lane, so a long
-write-through never delays a prefetch. Workers touch only host numpy memory (the host pool
+write-through never delays a prefetch. Workers touch only host numpy memory (the numpy page
 buffer the backend was opened on, and the backend's own staging/header buffers), never a JAX
 array. The caller (the cache's thread) must not free or reuse the host pages of a request until
 its handle is ``done()``: a get writes into them, a put reads them. Counters are guarded by a lock.
@@ -31,11 +31,11 @@ class StorageUnavailableError(StorageError):
 
 
 class HostPages:
-    """Views of single pages of a host pool buffer, in ``page_first`` byte order.
+    """Views of single pages of a numpy page buffer (host-pool layout), in page_first byte order.
 
     Args:
         spec: KV spec.
-        buffer: the host pool array, bits dtype, C-contiguous; ``(P, L, kvf, ps, H, D)`` for
+        buffer: numpy array, bits dtype, C-contiguous; ``(P, L, kvf, ps, H, D)`` for
             page_first, ``(L, kvf, P, ps, H, D)`` for layer_first. Borrowed, never reallocated.
         layout: its ``HostLayout``.
     """

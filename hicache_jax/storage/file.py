@@ -1,7 +1,7 @@
 """File backend: one file per page entry in a local directory (the NVMe case).
 
 Layout: ``<root>/<last 2 hex of the key>/<key>``, temporary files in ``<root>/.tmp``. A put writes
-the header and the page with one ``writev`` straight from the host pool into a temp file, then
+the header and the page with one ``writev`` straight from the page buffer into a temp file, then
 ``os.replace``s it into place, so a reader sees a whole entry or none; a get ``readv``s header and
 page straight into the host page and checks them (bad header, short file or checksum mismatch:
 a miss, and the broken file is removed so a later put can repair it). No fsync by default
@@ -42,7 +42,7 @@ class FileStorage(BackendBase):
 
     Args:
         spec: KV spec of the entries.
-        host_buffer: the host pool array (see ``HostPages``); pages are read from / written to it.
+        host_buffer: numpy page buffer (see ``HostPages``); pages are read from / written to it.
         layout: its host layout.
         root: directory (created if missing).
         capacity_bytes: optional bound on the bytes of all entries in ``root`` (LRU removal).

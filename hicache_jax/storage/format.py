@@ -146,7 +146,7 @@ class EntryCodec:
     """Packs and checks entry headers for one spec.
 
     ``payload`` arguments are sequences of uint8 numpy arrays (or buffers) whose concatenation is
-    the page in ``page_first`` order: one part for a page_first host pool, ``L * kv_factor``
+    the page in ``page_first`` order: one part for a page_first buffer, ``L * kv_factor``
     chunks for a layer_first one. The checksum is computed over the parts in order, so no
     contiguous copy is needed.
     """

@@ -6,8 +6,8 @@ holder (``mooncake_client --global_segment_size=...``) or by other clients; the 
 
 Transfers: each page is staged with its 64-byte header in a registered buffer of this backend
 (one memcpy, then ``batch_put_from`` / ``batch_get_into`` of one contiguous entry per key; the
-store moves it without another copy on our side). ``zero_copy=True`` (page_first host pools)
-instead passes two buffers per key, the header and the page in the registered host pool
+store moves it without another copy on our side). ``zero_copy=True`` (page_first buffers)
+instead passes two buffers per key, the header and the page in the registered page buffer
 (``batch_put_from_multi_buffers`` / ``batch_get_into_multi_buffers``): no memcpy, but with
 Mooncake 0.3.13 over TCP it measured slower, so it is off by default. A handle of several
 sub-batches runs as a two-stage pipeline (store call of one sub-batch on a mover thread while
@@ -144,14 +144,14 @@ class MooncakeStorage(BackendBase):
 
     Args:
         spec: KV spec of the entries.
-        host_buffer: the host pool array (registered with the store for zero-copy transfers).
+        host_buffer: numpy page buffer (registered with the store: see ``zero_copy``).
         layout: its host layout.
         master: ``"host:port"`` of ``mooncake_master``.
         local_hostname: this client's address as other nodes reach it.
         protocol: Mooncake transport ("tcp"; "rdma" where the hardware has it).
         device_names: RDMA device list ("" for TCP).
         setup_timeout_s: bound on reaching the master at setup.
-        zero_copy: multi-buffer transfers straight from/into the host pool (page_first only).
+        zero_copy: multi-buffer transfers straight from/into ``host_buffer`` (page_first only).
             Off by default: with Mooncake 0.3.13 over TCP the two-buffer calls measured slower
             than one registered staging buffer plus a memcpy (benchmarks/bench_storage.py).
         batch_pages: pages per store call (sub-batch of a handle).
@@ -167,7 +167,7 @@ class MooncakeStorage(BackendBase):
             raise ValueError(f"setup_timeout_s={setup_timeout_s!r} must be > 0")
         super().__init__(spec, host_buffer, layout, batch_pages=batch_pages, checksum=checksum)
         if zero_copy and not self.host.contiguous:
-            raise ValueError("zero_copy=True needs a page_first host pool")
+            raise ValueError("zero_copy=True needs a page_first host_buffer")
         if not isinstance(zero_copy, bool):
             raise TypeError(f"zero_copy={zero_copy!r} must be a bool")
         self.zero_copy = zero_copy
