@@ -210,6 +210,7 @@ BAD_WRITES = [
     ([8], None, ValueError, "outside the device pool"),
     ([-1], None, ValueError, "negative"),
     ([1, 2, 1], None, ValueError, "duplicate"),
+    ([0, 3, 5, 7, 6, 4, 2, 1, 3], None, ValueError, "duplicate"),
     ([[1, 2]], None, ValueError, "1-D"),
     ([1.0], None, TypeError, "integers"),
     ([True], None, TypeError, "integers"),

@@ -1,0 +1,176 @@
+"""Device pool page movement: scatter (write) and gather (read) of k scattered pages.
+
+Limit: ``numpy.copyto`` of the same bytes, measured in the same run. Targets (issue 3):
+scatter cost flat in pool size (2 GiB pool / 256 MiB pool <= 1.2) and <= 1.5x memcpy. A
+bfloat16-typed pool row (the same donated scatter on a pool stored as bfloat16 instead of raw
+bits) shows why the pool stores bits (DESIGN rule 1).
+
+Page: 4 layers x 2 (K, V) x 16 tokens x 8 heads x 128 dims, bfloat16 = 256 KiB.
+
+    python benchmarks/bench_pool.py [--quick] [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import gc
+import os
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks.common import (env_info, gbps, median_time, memcpy_seconds,  # noqa: E402
+                               print_table, write_json)
+from hicache_jax.device_pool import DevicePagePool  # noqa: E402
+from hicache_jax.spec import KVSpec  # noqa: E402
+
+MiB = 1 << 20
+SPEC = KVSpec(num_layers=4, num_kv_heads=8, head_dim=128, dtype="bfloat16", page_size=16)
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def _typed_scatter(pool, page_ids, pages):
+    """The naive pool: bfloat16 storage, the same donated ``.at[].set`` (comparison only)."""
+    return pool.at[:, :, page_ids].set(pages)
+
+
+def _pages(k: int, seed: int) -> jax.Array:
+    rng = np.random.default_rng(seed)
+    bits = rng.integers(1, 2**16, size=SPEC.kv_shape(k), dtype=np.uint16)
+    return jnp.asarray(bits.view(jnp.bfloat16))  # what a forward hands over: a bf16 device array
+
+
+def paired_times(fn, nbytes: int, repeats: int) -> tuple[float, float, float]:
+    """Median seconds of ``fn``, of ``numpy.copyto`` of ``nbytes``, and median of their ratio.
+
+    Each round times the memcpy right before ``fn``, so both see the same load: on a machine
+    shared with other jobs a memcpy figure taken once, earlier, drifts by 2-5x.
+    """
+    src = np.random.default_rng(0).integers(0, 255, size=nbytes, dtype=np.uint8)
+    dst = np.empty_like(src)
+    for _ in range(2):
+        np.copyto(dst, src)
+        fn()
+    ts, ms = [], []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        np.copyto(dst, src)
+        t1 = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t1)
+        ms.append(t1 - t0)
+    ratio = statistics.median(t / m for t, m in zip(ts, ms))
+    return statistics.median(ts), statistics.median(ms), ratio
+
+
+def alloc_seconds(k: int, repeats: int) -> float:
+    """A fresh k-page device buffer (what every read returns): page faults on first touch."""
+    return median_time(lambda: jnp.zeros(SPEC.kv_shape(k), jnp.uint16).block_until_ready(),
+                       repeats=repeats, warmup=1)
+
+
+def bench_pool(pool_mib: int, ks: list[int], repeats: int) -> list[dict]:
+    """Scatter and gather rows for one pool size; the pool is freed on return."""
+    num_pages = pool_mib * MiB // SPEC.page_bytes
+    pool = DevicePagePool(SPEC, num_pages)
+    rng = np.random.default_rng(pool_mib)
+    rows = []
+    for k in ks:
+        ids = rng.choice(num_pages, size=k, replace=False).astype(np.int32)
+        kv = _pages(k, k)
+
+        def write():
+            pool.write(ids, kv)
+            pool.array.block_until_ready()
+
+        def read():
+            pool.read(ids).block_until_ready()
+
+        for op, fn in (("scatter", write), ("gather", read)):
+            nbytes = k * SPEC.page_bytes
+            t, m, ratio = paired_times(fn, nbytes, repeats)
+            rows.append(dict(op=op, pool="bits", pool_mib=pool_mib, k=k, bytes=nbytes,
+                             seconds=t, memcpy_seconds=m, gbps=gbps(nbytes, t), vs_memcpy=ratio))
+        check = np.asarray(pool.read(ids)).view(np.uint16)
+        assert np.array_equal(check, np.asarray(kv).view(np.uint16)), "round trip mismatch"
+    del pool
+    gc.collect()
+    return rows
+
+
+def bench_typed_pool(pool_mib: int, k: int, repeats: int) -> dict:
+    """The same scatter into a bfloat16-typed pool (what rule 1 forbids)."""
+    num_pages = pool_mib * MiB // SPEC.page_bytes
+    state = {"pool": jnp.zeros(SPEC.kv_shape(num_pages + 1), jnp.bfloat16)}
+    ids = jnp.asarray(np.random.default_rng(1).choice(num_pages, size=k, replace=False),
+                      jnp.int32)
+    kv = _pages(k, k)
+
+    def write():
+        state["pool"] = _typed_scatter(state["pool"], ids, kv)
+        state["pool"].block_until_ready()
+
+    nbytes = k * SPEC.page_bytes
+    t = median_time(write, repeats=repeats, warmup=1)
+    m = memcpy_seconds(nbytes, repeats=7)
+    del state["pool"]
+    gc.collect()
+    return dict(op="scatter", pool="bfloat16", pool_mib=pool_mib, k=k, bytes=nbytes, seconds=t,
+                memcpy_seconds=m, gbps=gbps(nbytes, t), vs_memcpy=t / m)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="small pools, fewer repeats")
+    ap.add_argument("--json", default=None, help="write raw figures to this path")
+    args = ap.parse_args(argv)
+    pools = [32, 256] if args.quick else [256, 2048]
+    ks = [1, 16] if args.quick else [1, 16, 128]
+    repeats = 7 if args.quick else 21
+    config = dict(spec=repr(SPEC), page_bytes=SPEC.page_bytes, pools_mib=pools, ks=ks,
+                  repeats=repeats, typed_row=dict(pool_mib=pools[0], k=16))
+    print(f"page {SPEC.page_bytes // 1024} KiB ({SPEC}); {env_info()['backend']} "
+          f"jax {jax.__version__}", flush=True)
+
+    alloc = {k: alloc_seconds(k, repeats) for k in ks}
+    rows = []
+    for mib in pools:
+        rows += bench_pool(mib, ks, repeats)
+    typed = bench_typed_pool(pools[0], 16, 3)
+    rows.append(typed)
+
+    for r in rows:
+        r["fresh_buffer_seconds"] = alloc[r["k"]]
+    print_table(
+        ["op", "pool", "pool MiB", "k", "MiB moved", "us", "GB/s", "memcpy us", "x memcpy",
+         "fresh buf us"],
+        [[r["op"], r["pool"], r["pool_mib"], r["k"], r["bytes"] / MiB, r["seconds"] * 1e6,
+          r["gbps"], r["memcpy_seconds"] * 1e6, r["vs_memcpy"], alloc[r["k"]] * 1e6]
+         for r in rows],
+        title="Device pool page movement (median; limit: numpy.copyto of the same bytes; "
+              "fresh buf: allocating the k-page array a read returns)")
+
+    by = {(r["op"], r["pool"], r["pool_mib"], r["k"]): r for r in rows}
+    small, large = pools
+    # Flatness compares each size's ratio to memcpy (both measured under the same load).
+    ratios = [[op, k, by[(op, "bits", large, k)]["vs_memcpy"] / by[(op, "bits", small, k)]["vs_memcpy"],
+               by[(op, "bits", small, k)]["vs_memcpy"], by[(op, "bits", large, k)]["vs_memcpy"]]
+              for op in ("scatter", "gather") for k in ks]
+    print_table(["op", "k", f"{large}/{small} MiB pool", f"x memcpy ({small} MiB)",
+                 f"x memcpy ({large} MiB)"], ratios,
+                title="Targets: flat in pool size (<= 1.2), <= 1.5x memcpy")
+    bits16 = by[("scatter", "bits", small, 16)]["seconds"]
+    print(f"bfloat16-typed pool, {small} MiB, k=16: {typed['seconds'] * 1e3:.1f} ms = "
+          f"{typed['seconds'] / bits16:.0f}x the raw-bits pool", flush=True)
+    write_json(args.json, "bench_pool", config, rows)
+
+
+if __name__ == "__main__":
+    main()
