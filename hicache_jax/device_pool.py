@@ -222,6 +222,8 @@ class DevicePagePool:
             # O(k) duplicate check (np.unique sorts): write each position at its id; with a
             # repeated id the last write wins and an earlier position reads back another value.
             pos = self._positions[:ids.size]
+            if ids.size > self.num_pages:  # more ids than pages: some must repeat
+                raise ValueError(f"{name} has duplicate ids")
             self._slot[ids] = pos
             if not np.array_equal(self._slot[ids], pos):
                 raise ValueError(f"{name} has duplicate ids")
