@@ -1,6 +1,11 @@
 """hicache_jax: a hierarchical KV page cache (device pool L1, pinned host pool L2) for JAX."""
 
 from hicache_jax.errors import HiCacheError, OutOfPagesError
+from hicache_jax.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent, Medium
+from hicache_jax.hicache import HiCache, Match
 from hicache_jax.spec import HiCacheConfig, KVSpec
 
-__all__ = ["HiCacheConfig", "HiCacheError", "KVSpec", "OutOfPagesError"]
+__all__ = [
+    "AllBlocksCleared", "BlockRemoved", "BlockStored", "HiCache", "HiCacheConfig", "HiCacheError",
+    "KVEvent", "KVSpec", "Match", "Medium", "OutOfPagesError",
+]
