@@ -331,8 +331,6 @@ def test_construction_errors():
         DevicePagePool(spec, 4, mesh=make_mesh(), axis="dp")
     with pytest.raises(ValueError, match="num_kv_heads=6 is not divisible"):
         DevicePagePool(spec, 4, mesh=make_mesh())
-    with pytest.raises(ValueError, match="copy_backend='pallas' is not available yet"):
-        DevicePagePool(spec, 4, copy_backend="pallas")
     with pytest.raises(ValueError, match="copy_backend='cuda'"):
         DevicePagePool(spec, 4, copy_backend="cuda")
 
