@@ -84,20 +84,20 @@ def ours_calls(store, n: int) -> dict[str, tuple]:
     """put_from+wait (fresh keys each call) and get_into+wait of n pages through our backend."""
     ids, get_ids = np.arange(n), np.arange(n) + 128
     first = fresh_keys(n)
-    assert store.put_from(first, ids).wait(60).all(), store.stats()
+    assert store.put_from(first, ids).wait().all(), store.stats()
 
     def get(_):
-        assert store.get_into(first, get_ids).wait(60).all(), store.stats()
+        assert store.get_into(first, get_ids).wait().all(), store.stats()
 
     def put_q(key_sets):  # QUEUE handles in flight, as a cache with work queued keeps them
         for h in [store.put_from(keys, ids) for keys in key_sets]:
-            h.wait(60)
+            h.wait()
 
     def get_q(_):
         for h in [store.get_into(first, get_ids) for _ in range(QUEUE)]:
-            assert h.wait(60).all()
+            assert h.wait().all()
 
-    return {"put": (lambda keys: store.put_from(keys, ids).wait(60), lambda: fresh_keys(n)),
+    return {"put": (lambda keys: store.put_from(keys, ids).wait(), lambda: fresh_keys(n)),
             "get": (get, lambda: None),
             "put q": (put_q, lambda: [fresh_keys(n) for _ in range(QUEUE)]),
             "get q": (get_q, lambda: None)}

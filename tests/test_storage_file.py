@@ -276,6 +276,29 @@ def test_handle_progress_cancel_and_timeout(root):
     assert ok[0] and not ok[1:].any()  # the running sub-batch finished, the rest were skipped
 
 
+def test_wait_without_timeout_runs_a_queued_handle_inline(root):
+    store, buf = open_file(root)
+    keys = keys_for(2)
+    store.put_from(keys, [0, 1]).wait(10)
+    gate, runners = threading.Event(), []
+    real_get = store._get
+
+    def gated(k, ids):
+        runners.append(threading.current_thread())
+        if len(runners) == 1:
+            gate.wait(10)
+        return real_get(k, ids)
+
+    store._get = gated
+    first = store.get_into(keys[:1], [8])            # occupies the get lane's worker
+    second = store.get_into(keys[1:], [9])           # queued behind it
+    threading.Timer(0.2, gate.set).start()
+    assert second.wait().all() and first.wait(10).all()   # no deadlock, both exact
+    assert runners[0] is not threading.current_thread()
+    assert runners[1] is threading.current_thread()  # the waiter ran it, after the lane freed
+    np.testing.assert_array_equal(buf[8:10], buf[0:2])
+
+
 def test_worker_bug_is_raised_by_wait(root):
     store, _ = open_file(root)
 

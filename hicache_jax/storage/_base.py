@@ -1,7 +1,9 @@
 """Shared machinery of the L3 backends: host page views, handles, the two I/O lanes, counters.
 
 Threads: each backend owns two worker threads, a *get* lane and a *put* lane, so a long
-write-through never delays a prefetch. Workers touch only host numpy memory (the numpy page
+write-through never delays a prefetch. ``wait()`` without a timeout on a handle not started yet
+runs it on the waiting thread instead (same lane lock, same buffers), saving two thread switches
+on a busy machine. Workers touch only host numpy memory (the numpy page
 buffer the backend was opened on, and the backend's own staging/header buffers), never a JAX
 array. The caller (the cache's thread) must not free or reuse the host pages of a request until
 its handle is ``done()``: a get writes into them, a put reads them. Counters are guarded by a lock.
@@ -145,6 +147,9 @@ class StorageHandle:
         self._ok = np.zeros(len(keys), dtype=bool)
         self._event = threading.Event()
         self._cancelled = False
+        self._claimed = False
+        self._claim_lock = threading.Lock()
+        self._inline: Any = None  # backend callback that runs this handle in the caller
         self._error: BaseException | None = None
         self._t0 = time.perf_counter()
 
@@ -152,7 +157,13 @@ class StorageHandle:
         return self._event.is_set()
 
     def wait(self, timeout: float | None = None) -> np.ndarray:
-        """Block until done (or ``timeout`` seconds: ``TimeoutError``); returns ``ok``."""
+        """Block until done (or ``timeout`` seconds: ``TimeoutError``); returns ``ok``.
+
+        Without a timeout, a handle its worker has not started yet is run by the waiting thread
+        itself (when its lane is free): the result is the same, minus two thread switches.
+        """
+        if timeout is None and self._inline is not None and not self._event.is_set():
+            self._inline(self)
         if not self._event.wait(timeout):
             raise TimeoutError(f"storage {self.kind} of {len(self.keys)} pages not done "
                                f"after {timeout} s")
@@ -173,6 +184,14 @@ class StorageHandle:
     def cancel(self) -> None:
         """Skip the sub-batches not started yet (their pages stay ``False``)."""
         self._cancelled = True
+
+    def _claim(self) -> bool:
+        """True for the one thread (worker or waiter) that gets to run this handle."""
+        with self._claim_lock:
+            if self._claimed:
+                return False
+            self._claimed = True
+            return True
 
     def _finish(self, error: BaseException | None = None) -> None:
         self._error = error
@@ -205,6 +224,9 @@ class BackendBase:
         self._counters: collections.Counter[str] = collections.Counter()
         self._lanes = {kind: concurrent.futures.ThreadPoolExecutor(
             1, thread_name_prefix=f"hicache-l3-{kind}") for kind in ("get", "put")}
+        # held while a handle runs, by the lane's worker or by a waiter running it inline:
+        # a lane's buffers serve one handle at a time
+        self._lane_locks = {kind: threading.Lock() for kind in ("get", "put")}
         self._closed = False
 
     # ---- public protocol -------------------------------------------------------------------
@@ -265,8 +287,14 @@ class BackendBase:
         if not keys:
             handle._finish()
             return handle
-        self._lanes[kind].submit(self._run, handle)
+        handle._inline = self._run_claimed
+        self._lanes[kind].submit(self._run_claimed, handle)
         return handle
+
+    def _run_claimed(self, handle: StorageHandle) -> None:
+        if handle._claim():
+            with self._lane_locks[handle.kind]:
+                self._run(handle)
 
     def _run(self, handle: StorageHandle) -> None:
         """Runs on the lane: the handle's sub-batches in key order (a backend may override)."""
