@@ -1,0 +1,419 @@
+"""HiCache unit and regression tests: the request flow, policies, thresholds, and one test per
+failure class SGLang's HiCache has had, plus bad input on every public method (typed error,
+cache unchanged). The random-workload property test is in test_hicache_state_machine.py."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from hicache_jax import HiCache, HiCacheConfig, HiCacheError, KVSpec, Match, OutOfPagesError
+from hicache_jax.events import replay
+from test_hicache_state_machine import (KVModel, bits, check_bytes, gate, snapshot,
+                                        tree_pages)
+
+POLICIES = ["write_through", "write_through_selective", "write_back"]
+
+
+def make(policy="write_through", *, device=16, host=32, ps=1, threshold=None, **kw):
+    spec = KVSpec(num_layers=2, num_kv_heads=2, head_dim=4, dtype="bfloat16", page_size=ps)
+    cfg = HiCacheConfig(device_pages=device, host_pages=host, write_policy=policy,
+                        write_through_threshold=threshold, load_back_threshold=kw.pop("lbt", ps),
+                        **kw)
+    return HiCache(spec, cfg), KVModel(spec)
+
+
+def request(cache, kv, tokens, *, load=True, extra_key=None):
+    """The DESIGN.md request flow; returns the match used (after load_back)."""
+    tokens = np.asarray(tokens, np.int64)
+    ps = cache.spec.page_size
+    m = cache.match_prefix(tokens, extra_key)
+    if load:
+        m = cache.load_back(m)
+    np.testing.assert_array_equal(bits(cache.read_kv(m.device_pages)),
+                                  kv.pages(extra_key, tokens, 0, m.device_pages.size))
+    cache.lock(m.node)
+    n_new = tokens.size // ps - m.device_pages.size
+    new = cache.alloc_pages(n_new)
+    cache.write_kv(new, kv.pages(extra_key, tokens, m.device_pages.size, tokens.size // ps))
+    cache.insert(tokens, np.concatenate([m.device_pages, new]), extra_key)
+    cache.unlock(m.node)
+    return m
+
+
+def check(cache, kv):
+    cache._check_invariants()
+    check_bytes(cache, kv)
+
+
+def node_of(cache, tokens):
+    m = cache.match_prefix(np.asarray(tokens))
+    return m.node
+
+
+# ----------------------------------------------------------------------------- the contract
+
+def test_request_flow_device_then_host_hit():
+    cache, kv = make("write_through", device=8, host=32)
+    t = np.arange(8)
+    request(cache, kv, t)
+    request(cache, kv, t)          # second access: backed up (threshold 1)
+    cache.flush()
+    assert cache.stats()["backups"] == 1 and cache.stats()["host_cached_tokens"] == 8
+    assert cache.evict(8) == 8     # backed up: device freed, node kept on host
+    m = cache.match_prefix(t)
+    assert (m.device_len, m.host_len) == (0, 8)
+    m2 = cache.load_back(m)
+    assert (m2.device_len, m2.host_len) == (8, 0) and m2.node is m.node
+    np.testing.assert_array_equal(bits(cache.read_kv(m2.device_pages)), kv.pages(None, t, 0, 8))
+    assert cache.stats()["load_backs"] == 1
+    check(cache, kv)
+
+
+def test_insert_returns_prefix_and_frees_duplicates():
+    cache, kv = make()
+    t = np.arange(6)
+    a = cache.alloc_pages(6)
+    b = cache.alloc_pages(6)
+    cache.write_kv(a, kv.pages(None, t, 0, 6))
+    cache.write_kv(b, kv.pages(None, t, 0, 6))
+    assert cache.insert(t, a) == 0
+    free = cache.stats()["device_free_pages"]
+    assert cache.insert(t, b) == 6                          # b duplicates a: freed
+    assert cache.stats()["device_free_pages"] == free + 6
+    assert cache.stats()["device_caller_pages"] == 0
+    assert cache.insert(t, a) == 6                          # the tree's own pages: no-op
+    check(cache, kv)
+
+
+@pytest.mark.parametrize("policy,backs_up_at", [("write_through", 2), ("write_through_selective", 3),
+                                                ("write_back", None)])
+def test_write_through_threshold(policy, backs_up_at):
+    cache, kv = make(policy)
+    t = np.arange(4)
+    for access in range(1, 5):
+        request(cache, kv, t)
+        cache.flush()
+        backed = cache.stats()["backups"] > 0
+        assert backed == (backs_up_at is not None and access >= backs_up_at), access
+
+
+def test_chunked_insert_counts_no_hit():
+    cache, kv = make("write_through")
+    t = np.arange(4)
+    request(cache, kv, t)
+    m = cache.match_prefix(t)
+    cache.insert(t, m.device_pages, chunked=True)
+    cache.flush()
+    assert cache.stats()["backups"] == 0 and m.node.hit_count == 0
+
+
+def test_continuous_prefix_guard_skips_child_of_unbacked_parent():
+    # Host pool of 2 pages: the 3-page parent can never be backed up, so its 1-page child,
+    # which would fit, must not be (a gap in the host prefix).
+    cache, kv = make("write_through", host=2)
+    request(cache, kv, np.arange(3))
+    request(cache, kv, np.arange(4))
+    request(cache, kv, np.arange(4))
+    cache.flush()
+    assert cache.stats()["backups"] == 0 and cache.stats()["host_used_pages"] == 0
+    check(cache, kv)
+
+
+def test_write_back_backs_up_on_evict_then_loads_back():
+    cache, kv = make("write_back", device=8)
+    t = np.arange(8)
+    request(cache, kv, t)
+    assert cache.stats()["backups"] == 0
+    assert cache.evict(8) == 8
+    assert cache.stats()["backups"] == 1 and cache.stats()["host_cached_tokens"] == 8
+    m = cache.load_back(cache.match_prefix(t))
+    assert m.device_len == 8
+    check(cache, kv)
+
+
+def test_write_through_evicts_unbacked_nodes_by_deleting_them():
+    cache, kv = make("write_through")
+    request(cache, kv, np.arange(5))
+    assert cache.evict(100) == 5
+    m = cache.match_prefix(np.arange(5))
+    assert (m.device_len, m.host_len) == (0, 0) and cache.stats()["deleted_tokens"] == 5
+
+
+def test_load_back_threshold_and_quota_decline():
+    for kw in (dict(lbt=8), dict(load_back_quota=3)):
+        cache, kv = make("write_back", **kw)
+        t = np.arange(4)
+        request(cache, kv, t)
+        cache.evict(4)
+        m = cache.match_prefix(t)
+        assert m.host_len == 4
+        assert cache.load_back(m) is m
+        assert cache.stats()["load_backs_declined"] == 1
+        # Declined: the caller recomputes; insert revives the host-only node with its pages.
+        request(cache, kv, t, load=False)
+        assert cache.match_prefix(t).device_len == 4 and cache.stats()["host_cached_tokens"] == 4
+        check(cache, kv)
+
+
+def test_layerwise_load_back_handle():
+    cache, kv = make("write_back", ps=16, device=8)
+    t = np.arange(64)
+    request(cache, kv, t)
+    cache.evict(64)
+    m = cache.load_back(cache.match_prefix(t), layerwise=True)
+    assert m.device_len == 64 and m.load_handle is not None
+    for layer in range(cache.spec.num_layers):
+        m.load_handle.wait_layer(layer)
+    np.testing.assert_array_equal(bits(cache.read_kv(m.device_pages)), kv.pages(None, t, 0, 4))
+    assert cache.load_back(cache.match_prefix(t)).load_handle is None
+    check(cache, kv)
+
+
+def test_alloc_pages_out_of_pages_counts_and_unchanged():
+    cache, kv = make("write_through", device=8)
+    request(cache, kv, np.arange(3))
+    node = node_of(cache, np.arange(3))
+    cache.lock(node)
+    mine = cache.alloc_pages(2)
+    before = snapshot(cache)
+    with pytest.raises(OutOfPagesError) as e:
+        cache.alloc_pages(4)
+    assert (e.value.needed, e.value.free, e.value.evictable, e.value.locked) == (4, 3, 0, 5)
+    assert snapshot(cache) == before
+    cache.free_pages(mine)
+    cache.unlock(node)
+    assert cache.alloc_pages(8).size == 8   # everything evictable again
+
+
+def test_reset_forgets_everything():
+    cache, kv = make("write_back")
+    request(cache, kv, np.arange(6))
+    cache.evict(3)
+    cache.reset()
+    s = cache.stats()
+    assert s["device_free_pages"] == 16 and s["host_free_pages"] == 32
+    assert cache.match_prefix(np.arange(6)).device_len == 0
+    check(cache, kv)
+
+
+# ----------------------------------------------------------------------------- regressions
+
+def test_node_split_while_write_through_copy_in_flight():
+    cache, kv = make("write_through")
+    eng = gate(cache)
+    t = np.arange(8)
+    request(cache, kv, t)
+    request(cache, kv, t)                      # backup dispatched, held in flight
+    assert cache.stats()["transfers_in_flight"] == 1
+    m = cache.match_prefix(t[:3])              # splits the node mid-copy
+    upper = m.node
+    assert upper.num_tokens == 3 and upper.host_value is None
+    check(cache, kv)
+    eng.release()
+    cache.flush()
+    lower = node_of(cache, t)
+    assert upper.host_value is not None and lower.host_value is not None
+    assert lower.parent is upper and cache.stats()["host_cached_tokens"] == 8
+    check(cache, kv)                           # host bytes of both halves are right
+    cache.evict(8)
+    m = cache.load_back(cache.match_prefix(t))
+    np.testing.assert_array_equal(bits(cache.read_kv(m.device_pages)), kv.pages(None, t, 0, 8))
+
+
+def _host_only(cache, kv, tokens):
+    request(cache, kv, tokens)
+    n = node_of(cache, tokens)
+    cache.lock(n)
+    cache.evict(1000)            # everything else goes first
+    cache.unlock(n)
+    cache.evict(1000)
+    m = cache.match_prefix(tokens)
+    assert m.device_len == 0 and m.host_len == len(tokens)
+    return m
+
+
+def test_evict_host_reaching_node_whose_load_back_is_in_flight():
+    # write_back: allocating device pages evicts, which backs up, which needs host pages,
+    # which evicts host nodes. The node being loaded is the least recently used one: it must
+    # be neither device-evicted (its pages are the copy's destination) nor host-evicted.
+    cache, kv = make("write_back", device=8, host=6)
+    a, b = np.arange(4), np.arange(300, 302)
+    request(cache, kv, a)
+    request(cache, kv, b)
+    cache.evict(1000)                          # both backed up and host-only: host is full
+    eng = gate(cache)
+    m = cache.load_back(cache.match_prefix(a))
+    loaded, hv = m.device_pages.copy(), m.node.host_value.copy()
+    assert cache.stats()["transfers_in_flight"] == 1
+    request(cache, kv, np.arange(100, 102))    # fits
+    request(cache, kv, np.arange(200, 204))    # evict -> backup -> evict_host
+    assert cache.stats()["host_evictions"] >= 1 and cache.match_prefix(b).host_len == 0
+    assert m.node.parent is not None and np.array_equal(m.node.value, loaded)
+    assert np.array_equal(m.node.host_value, hv) and cache._host.allocator.is_allocated(hv).all()
+    check(cache, kv)
+    eng.release()
+    cache.flush()
+    np.testing.assert_array_equal(bits(cache.read_kv(loaded)), kv.pages(None, a, 0, 4))
+    check(cache, kv)
+
+
+def test_host_pages_released_before_async_load_finished():
+    cache, kv = make("write_back", device=8, host=8)
+    eng = gate(cache)
+    a = np.arange(4)
+    m = cache.load_back(_host_only(cache, kv, a))
+    hv = m.node.host_value.copy()
+    cache.evict(1000)                          # locked by the load: stays on device
+    cache.evict_host(1000)                     # and its host pages stay allocated
+    assert cache._host.allocator.is_allocated(hv).all()
+    assert m.node.value is not None and np.array_equal(m.node.host_value, hv)
+    eng.release()
+    cache.flush()
+    np.testing.assert_array_equal(bits(cache.read_kv(m.device_pages)), kv.pages(None, a, 0, 4))
+    check(cache, kv)
+
+
+def test_evict_host_without_progress_returns():
+    cache, kv = make("write_back", device=4, host=4)
+    m = _host_only(cache, kv, np.arange(4))
+    cache.lock(m.node)                         # the only host node is protected
+    assert cache.evict_host(1000) == 0
+    # A backup that needs host pages: evict_host makes no progress, the backup is skipped
+    # and the request still succeeds (its node is deleted instead of backed up).
+    request(cache, kv, np.arange(50, 52))
+    request(cache, kv, np.arange(60, 64))
+    assert cache.stats()["backups_skipped"] >= 1
+    cache.unlock(m.node)
+    check(cache, kv)
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_eviction_when_everything_is_locked(policy):
+    cache, kv = make(policy, device=8)
+    request(cache, kv, np.arange(8))
+    node = node_of(cache, np.arange(8))
+    cache.lock(node)
+    assert cache.evict(100) == 0
+    assert cache.evict_host(100) == 0
+    before = snapshot(cache)
+    with pytest.raises(OutOfPagesError, match="pages needed"):
+        cache.alloc_pages(1)
+    assert snapshot(cache) == before
+    cache.unlock(node)
+    check(cache, kv)
+
+
+@pytest.mark.parametrize("host", [0, 3])
+@pytest.mark.parametrize("policy", POLICIES)
+def test_host_pool_smaller_than_device_pool(policy, host):
+    cache, kv = make(policy, device=12, host=host, threshold=1)
+    rng = np.random.default_rng(1)
+    for _ in range(40):
+        conv = int(rng.integers(0, 4))
+        t = np.arange(int(rng.integers(1, 8))) + 100 * conv
+        request(cache, kv, t)
+        check(cache, kv)
+    cache.flush()
+    s = cache.stats()
+    assert s["evictions"] > 0 and s["host_used_pages"] <= host
+    if host == 0:
+        assert s["backups"] == 0
+    check(cache, kv)
+
+
+def test_host_page_freed_and_reused_while_copy_into_it_in_flight():
+    cache, kv = make("write_through", device=16, host=4)
+    eng = gate(cache)
+    t = np.arange(4)
+    request(cache, kv, t)
+    request(cache, kv, t)                      # backup into all 4 host pages, in flight
+    inflight = [op.host_ids for op in cache._ops]
+    assert len(inflight) == 1 and inflight[0].size == 4
+    assert cache.evict_host(1000) == 0         # nothing host-only to delete
+    for base in (100, 200):                    # more backups want host pages: none free
+        request(cache, kv, np.arange(base, base + 2))
+        request(cache, kv, np.arange(base, base + 2))
+    assert cache._host.allocator.is_allocated(inflight[0]).all()
+    held = [n.host_value for n in cache._tree.nodes() if n.host_value is not None]
+    assert not held                            # not handed to any node meanwhile
+    eng.release()
+    cache.flush()
+    assert np.array_equal(np.sort(node_of(cache, t).host_value), np.sort(inflight[0]))
+    check(cache, kv)
+
+
+# ----------------------------------------------------------------------------- bad input
+
+def _bad_calls(cache, kv, tree_page, mine, node):
+    other, _ = make()
+    foreign = other.match_prefix([1]).node
+    L, ps = cache.spec.num_layers, cache.spec.page_size
+    good = cache.match_prefix([1])
+    return [
+        (ValueError, lambda: cache.match_prefix(np.zeros((2, 2), np.int64))),
+        (TypeError, lambda: cache.match_prefix(np.array([1.5, 2.0]))),
+        (ValueError, lambda: cache.match_prefix([-1, 2])),
+        (TypeError, lambda: cache.match_prefix([1, 2], extra_key=[1])),
+        (TypeError, lambda: cache.load_back("match")),
+        (HiCacheError, lambda: cache.load_back(Match(np.zeros(0, np.int32), 0, 0, foreign))),
+        (TypeError, lambda: cache.load_back(good, layerwise="yes")),
+        (TypeError, lambda: cache.lock("node")),
+        (HiCacheError, lambda: cache.lock(foreign)),
+        (HiCacheError, lambda: cache.unlock(node)),          # not locked by the caller
+        (ValueError, lambda: cache.alloc_pages(-1)),
+        (TypeError, lambda: cache.alloc_pages(2.0)),
+        (TypeError, lambda: cache.alloc_pages(True)),
+        (HiCacheError, lambda: cache.free_pages([tree_page])),
+        (ValueError, lambda: cache.free_pages([mine[0], mine[0]])),
+        (ValueError, lambda: cache.free_pages([10_000])),
+        (ValueError, lambda: cache.free_pages(np.zeros((1, 1), np.int32))),
+        (HiCacheError, lambda: cache.write_kv([tree_page], kv.pages(None, np.arange(ps), 0, 1))),
+        (ValueError, lambda: cache.write_kv(mine[:1], np.zeros((L, 2, 2, ps, 2, 4), np.uint16))),
+        (TypeError, lambda: cache.write_kv(mine[:1], np.zeros((L, 2, 1, ps, 2, 4), np.int32))),
+        (HiCacheError, lambda: cache.read_kv([cache.stats()["device_pages"] - 1])),
+        (ValueError, lambda: cache.read_kv([10_000])),
+        (ValueError, lambda: cache.insert(np.arange(3 * ps), mine[:1])),
+        (HiCacheError, lambda: cache.insert(np.arange(ps) + 500, [tree_page])),
+        (HiCacheError, lambda: cache.insert(np.arange(ps) + 500,
+                                            [cache.stats()["device_pages"] - 1])),
+        (TypeError, lambda: cache.insert(np.arange(ps), mine[:1], chunked=1)),
+        (TypeError, lambda: cache.insert(np.arange(ps), mine[:1], priority=1.5)),
+        (ValueError, lambda: cache.insert(np.arange(ps) - 5, mine[:1])),
+        (ValueError, lambda: cache.evict(-1)),
+        (TypeError, lambda: cache.evict(1.0)),
+        (ValueError, lambda: cache.evict_host(-3)),
+        (TypeError, lambda: cache.evict_host("x")),
+    ]
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_bad_input_typed_error_and_cache_unchanged(policy):
+    cache, kv = make(policy, device=16, host=8)
+    t = np.arange(6)
+    request(cache, kv, t)
+    request(cache, kv, t)
+    cache.flush()
+    node = node_of(cache, t)
+    tree_page = int(node.value[0])
+    mine = cache.alloc_pages(3)
+    calls = _bad_calls(cache, kv, tree_page, mine, node)
+    for err, call in calls:
+        before = snapshot(cache)
+        events_before = tree_pages(cache)
+        with pytest.raises(err):
+            call()
+        assert snapshot(cache) == before, call
+        assert tree_pages(cache) == events_before
+    router = replay(cache.take_events())
+    assert router == tree_pages(cache)
+    cache.free_pages(mine)
+    check(cache, kv)
+
+
+def test_constructor_rejects_bad_arguments():
+    spec = KVSpec(2, 2, 4, page_size=1)
+    with pytest.raises(TypeError, match="KVSpec"):
+        HiCache("spec", HiCacheConfig(device_pages=4))
+    with pytest.raises(TypeError, match="HiCacheConfig"):
+        HiCache(spec, {"device_pages": 4})
