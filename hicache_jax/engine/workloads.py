@@ -122,6 +122,15 @@ class Workload:
             _insert_pages(cached, np.concatenate([req.prompt, out])[:-1], page_size)
         return hits / total if total else 0.0
 
+    def working_set_tokens(self, page_size: int = 1,
+                           served: list[tuple[Request, np.ndarray]] | None = None) -> int:
+        """Distinct tokens (whole pages) an unbounded cache ends up holding for the workload."""
+        served = self.placeholder_run() if served is None else served
+        cached: set[int] = set()
+        for req, out in served:
+            _insert_pages(cached, np.concatenate([req.prompt, out])[:-1], page_size)
+        return len(cached) * page_size
+
     def total_prompt_tokens(self) -> int:
         return sum(len(r.prompt) for r, _ in self.placeholder_run())
 
@@ -188,19 +197,20 @@ def document_qa(*, num_documents: int = 2, questions_per_document: int = 8,
                 vocab_size: int = 512, seed: int = 0) -> Workload:
     """Many questions over a few long documents: each prompt = one document + one question.
 
-    One session per document; turn t asks question t about it (answers are not carried over),
-    so a round sends one question about every document, interleaving the documents.
+    Every question is its own one-turn session (answers are not carried over), and the
+    questions arrive in a seeded random order over the documents, so the reuse distance of a
+    document varies (a strict round robin would make LRU thrash whenever the pool holds fewer
+    documents than there are).
     """
     _check_sizes(num_documents=num_documents, questions_per_document=questions_per_document,
                  document_tokens=document_tokens, question_tokens=question_tokens,
                  max_new_tokens=max_new_tokens, vocab_size=vocab_size)
     rng = np.random.default_rng(seed)
     docs = [_tokens(rng, document_tokens, vocab_size) for _ in range(num_documents)]
-    sessions = tuple(
-        Session(doc, tuple(_tokens(rng, n, vocab_size)
-                           for n in _lengths(rng, question_tokens, questions_per_document)), False)
-        for doc in docs)
-    return Workload("docqa", sessions, max_new_tokens)
+    sessions = [Session(doc, (_tokens(rng, n, vocab_size),), False)
+                for doc in docs for n in _lengths(rng, question_tokens, questions_per_document)]
+    order = rng.permutation(len(sessions))
+    return Workload("docqa", tuple(sessions[i] for i in order), max_new_tokens)
 
 
 def agent_loop(*, num_agents: int = 2, num_steps: int = 12, prompt_tokens: int = 256,

@@ -1,0 +1,292 @@
+"""``hicache-jax bench``: a workload through three cache configurations, one comparison table.
+
+Configurations (same model, same device pool size, same workload; fresh cache each):
+
+* ``no cache``      every prompt is prefilled from scratch;
+* ``device radix``  a radix prefix cache in device memory only (HiCache with ``host_pages=0``);
+* ``hicache``       L1 + L2 (host pool ``--host-ratio`` x the device pool), ``--policy``.
+
+Each configuration first plays the workload once untimed (so compiles are not charged to
+whichever configuration happens to run first), then once timed with a fresh cache. The table
+gives prompt tokens, tokens recomputed, hit tokens by tier, TTFT p50/p90, end-to-end tokens/s
+((prompt + generated tokens) / wall time) and bytes moved each way, then checks that every
+configuration generated exactly the same tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+import time
+from typing import Any, Sequence
+
+import numpy as np
+
+from hicache_jax.engine.engine import Engine, Generation
+from hicache_jax.engine.model import DecoderModel, ModelConfig, load_params
+from hicache_jax.engine.workloads import WORKLOADS, Workload
+
+CONFIGS = (("no cache", "none"), ("device radix", "device"), ("hicache", "hicache"))
+
+# --sessions / --turns / --base-tokens / --segment-tokens mean, per workload:
+_SIZE_NAMES = {
+    "chat": ("num_clients", "num_turns", "system_tokens", "question_tokens"),
+    "docqa": ("num_documents", "questions_per_document", "document_tokens", "question_tokens"),
+    "agent": ("num_agents", "num_steps", "prompt_tokens", "observation_tokens"),
+}
+# Defaults sized so that the whole default run (chat) takes about a minute on 2 CPU cores.
+_SIZE_DEFAULTS = {
+    "chat": (8, 5, 256, 32),
+    "docqa": (3, 8, 768, 32),
+    "agent": (2, 8, 192, 64),
+}
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="hicache-jax", description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    b = sub.add_parser("bench", help="run a workload through no cache / device radix / HiCache",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    w = b.add_argument_group("workload")
+    w.add_argument("--workload", choices=sorted(WORKLOADS), default="chat")
+    w.add_argument("--sessions", type=int, help="clients / documents / agents")
+    w.add_argument("--turns", type=int, help="turns / questions per document / steps")
+    w.add_argument("--base-tokens", type=int, help="system prompt / document / task tokens")
+    w.add_argument("--segment-tokens", type=int, help="question / observation tokens (mean)")
+    w.add_argument("--max-new-tokens", type=int, default=16)
+    w.add_argument("--seed", type=int, default=0, help="workload and weight seed")
+    m = b.add_argument_group("model")
+    m.add_argument("--layers", type=int, default=4)
+    m.add_argument("--d-model", type=int, default=256)
+    m.add_argument("--heads", type=int, default=8)
+    m.add_argument("--kv-heads", type=int, default=2)
+    m.add_argument("--head-dim", type=int, default=32)
+    m.add_argument("--ffn-dim", type=int, default=768)
+    m.add_argument("--vocab", type=int, default=512)
+    m.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    m.add_argument("--weights", help=".npz / .safetensors weights matching the model flags")
+    c = b.add_argument_group("cache")
+    c.add_argument("--page-size", type=int, default=16)
+    c.add_argument("--device-pages", type=int,
+                   help="default: 5/8 of the workload's distinct tokens (at least what the "
+                        "longest request needs)")
+    c.add_argument("--host-ratio", type=float, default=4.0, help="host pages / device pages")
+    c.add_argument("--policy", default="write_through",
+                   choices=["write_through", "write_through_selective", "write_back"])
+    c.add_argument("--chunk-size", type=int, default=256, help="prefill chunk (power of two)")
+    c.add_argument("--no-layerwise", action="store_true", help="plain (not layer-wise) load-back")
+    c.add_argument("--no-warmup", action="store_true", help="skip the untimed first pass")
+    o = b.add_argument_group("output")
+    o.add_argument("--json", metavar="PATH", help="write every figure and record as JSON")
+    o.add_argument("--plot", metavar="PATH", help="hit ratio and TTFT per turn (needs matplotlib)")
+    o.add_argument("--quiet", action="store_true", help="no progress bars")
+    b.set_defaults(func=bench)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Console entry point (``hicache-jax``, ``python -m hicache_jax``)."""
+    args = _parser().parse_args(argv)
+    return args.func(args)
+
+
+def build_workload(args: argparse.Namespace) -> Workload:
+    names, defaults = _SIZE_NAMES[args.workload], _SIZE_DEFAULTS[args.workload]
+    given = (args.sessions, args.turns, args.base_tokens, args.segment_tokens)
+    sizes = {n: d if g is None else g for n, g, d in zip(names, given, defaults)}
+    return WORKLOADS[args.workload](**sizes, max_new_tokens=args.max_new_tokens,
+                                    vocab_size=args.vocab, seed=args.seed)
+
+
+def _default_device_pages(workload: Workload, page_size: int) -> int:
+    """5/8 of the workload's distinct tokens, but at least what the longest request needs (plus
+    a page of slack): the device tier alone cannot hold the working set, L1 + L2 can."""
+    served = workload.placeholder_run()
+    working = workload.working_set_tokens(page_size, served)
+    longest = max(len(r.prompt) for r, _ in served) + workload.max_new_tokens
+    return max(working * 5 // 8 // page_size, -(-longest // page_size) + 1)
+
+
+def _play(engine: Engine, workload: Workload, bar: Any) -> tuple[list[Generation], float]:
+    gens: list[Generation] = []
+
+    def serve(prompts: list[np.ndarray]) -> list[np.ndarray]:
+        out = []
+        for p in prompts:
+            gens.extend(engine.generate([p], workload.max_new_tokens))
+            out.append(gens[-1].tokens)
+            if bar is not None:
+                bar.update(1)
+        return out
+
+    t0 = time.perf_counter()
+    workload.run(serve)
+    engine.cache.flush()
+    return gens, time.perf_counter() - t0
+
+
+def _progress(total: int, desc: str, quiet: bool) -> Any:
+    if quiet:
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=desc, unit="req", file=sys.stderr, leave=True)
+
+
+def _summary(gens: list[Generation], wall: float, stats: dict[str, Any]) -> dict[str, Any]:
+    recs = [g.record for g in gens]
+    ttft = np.array([r.ttft_s for r in recs])
+    prompt = sum(r.prompt_tokens for r in recs)
+    generated = sum(r.output_tokens for r in recs)
+    return {
+        "requests": len(recs), "prompt_tokens": prompt,
+        "recomputed_tokens": sum(r.recomputed_tokens for r in recs),
+        "l1_hit_tokens": sum(r.device_hit_tokens for r in recs),
+        "l2_hit_tokens": sum(r.host_hit_tokens for r in recs),
+        "l2_declined_tokens": sum(r.host_declined_tokens for r in recs),
+        "ttft_p50_ms": float(np.percentile(ttft, 50) * 1e3),
+        "ttft_p90_ms": float(np.percentile(ttft, 90) * 1e3),
+        "tokens_per_s": (prompt + generated) / wall, "wall_s": wall,
+        "bytes_to_host": stats["bytes_to_host"], "bytes_to_device": stats["bytes_to_device"],
+    }
+
+
+def _table(summaries: dict[str, dict[str, Any]]) -> str:
+    cols = [("config", None), ("prompt tok", "prompt_tokens"), ("recomputed", "recomputed_tokens"),
+            ("L1 hit", "l1_hit_tokens"), ("L2 hit", "l2_hit_tokens"),
+            ("TTFT p50 ms", "ttft_p50_ms"), ("TTFT p90 ms", "ttft_p90_ms"),
+            ("tok/s", "tokens_per_s"), ("MB to host", "bytes_to_host"),
+            ("MB to device", "bytes_to_device")]
+    rows = []
+    for name, s in summaries.items():
+        row = [name]
+        for _, key in cols[1:]:
+            v = s[key]
+            row.append(f"{v / 2**20:.2f}" if key.startswith("bytes") else
+                       f"{v:.1f}" if isinstance(v, float) else str(v))
+        rows.append(row)
+    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, (h, _) in enumerate(cols)]
+    lines = ["  ".join(h.rjust(w) for (h, _), w in zip(cols, widths)),
+             "  ".join("-" * w for w in widths)]
+    lines += ["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in rows]
+    return "\n".join(lines)
+
+
+def _env() -> dict[str, Any]:
+    import jax
+
+    dev = jax.devices()[0]
+    return {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "backend": jax.default_backend(), "device_kind": getattr(dev, "device_kind", str(dev)),
+            "device_count": jax.device_count(), "jax": jax.__version__}
+
+
+def bench(args: argparse.Namespace) -> int:
+    if args.plot:  # fail before minutes of work, not after
+        _require_matplotlib()
+    workload = build_workload(args)
+    cfg = ModelConfig(vocab_size=args.vocab, num_layers=args.layers, d_model=args.d_model,
+                      num_heads=args.heads, num_kv_heads=args.kv_heads, head_dim=args.head_dim,
+                      ffn_dim=args.ffn_dim, dtype=args.dtype)
+    params = load_params(cfg, args.weights) if args.weights else None
+    model = DecoderModel(cfg, params, seed=args.seed)
+    ps = args.page_size
+    device_pages = args.device_pages or _default_device_pages(workload, ps)
+    host_pages = int(round(args.host_ratio * device_pages))
+    infinite = workload.infinite_cache_hit_ratio(ps)
+    print(f"workload {workload.name}: {workload.num_requests} requests in {workload.num_rounds} "
+          f"rounds, {workload.max_new_tokens} new tokens each; infinite-cache hit ratio "
+          f"{infinite:.3f} (page {ps})")
+    print(f"model {cfg.num_layers}L d{cfg.d_model} {cfg.num_heads}/{cfg.num_kv_heads} heads "
+          f"{cfg.dtype}; device pool {device_pages} pages ({device_pages * ps} tokens), "
+          f"host pool {host_pages} pages; policy {args.policy}; serial engine", flush=True)
+
+    def engine(mode: str) -> Engine:
+        return Engine.create(model, mode, page_size=ps, device_pages=device_pages,
+                             host_pages=host_pages, write_policy=args.policy,
+                             chunk_size=args.chunk_size, layerwise=not args.no_layerwise,
+                             prefill_bucket=min(64, args.chunk_size),
+                             table_bucket=max(1, min(32, 512 // ps)))
+
+    summaries, outputs, per_request = {}, {}, {}
+    for name, mode in CONFIGS:
+        if not args.no_warmup:
+            _play(engine(mode), workload, _progress(workload.num_requests, f"{name} (warm-up)",
+                                                    args.quiet))
+        eng = engine(mode)
+        gens, wall = _play(eng, workload, _progress(workload.num_requests, name, args.quiet))
+        summaries[name] = _summary(gens, wall, eng.cache.stats())
+        outputs[name] = [g.tokens for g in gens]
+        per_request[name] = [dict(vars(g.record)) for g in gens]
+    first = outputs[CONFIGS[0][0]]
+    identical = all(len(o) == len(first) and all(np.array_equal(a, b) for a, b in zip(o, first))
+                    for o in outputs.values())
+    print(_table(summaries))
+    hits = {n: (s["l1_hit_tokens"] + s["l2_hit_tokens"]) / s["prompt_tokens"]
+            for n, s in summaries.items()}
+    print("hit ratio / infinite-cache hit ratio: " + ", ".join(
+        f"{n} {h / infinite:.2f}" if infinite else f"{n} -" for n, h in hits.items()))
+    print(f"outputs identical across configurations: {'yes' if identical else 'no'}", flush=True)
+    turns = [(r.session, r.turn) for r, _ in workload.placeholder_run()]
+    if args.json:
+        _write_json(args.json, {
+            "benchmark": "hicache-jax bench", "env": _env(),
+            "config": {**{k: v for k, v in vars(args).items() if k != "func"},
+                       "device_pages": device_pages, "host_pages": host_pages,
+                       "model": vars(cfg)},
+            "infinite_cache_hit_ratio": infinite, "outputs_identical": identical,
+            "summary": summaries,
+            "requests": {n: [{"session": s, "turn": t, **rec} for (s, t), rec in zip(turns, recs)]
+                         for n, recs in per_request.items()}})
+    if args.plot:
+        _plot(args.plot, turns, per_request)
+    return 0 if identical else 1
+
+
+def _write_json(path: str, payload: dict[str, Any]) -> None:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(payload, f, indent=2, default=str)
+    print(f"wrote {path}")
+
+
+def _require_matplotlib() -> None:
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise SystemExit("--plot needs matplotlib: pip install 'hicache-jax[plot]' "
+                         "(or pip install matplotlib)") from None
+
+
+def _plot(path: str, turns: list[tuple[int, int]], per_request: dict[str, list[dict]]) -> None:
+    """Two panels, one line per configuration: prompt-token hit ratio and mean TTFT per turn
+    (per request when the workload has a single round, e.g. docqa)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    by_turn = len({t for _, t in turns}) > 1
+    keys = [t for _, t in turns] if by_turn else list(range(len(turns)))
+    xs = sorted(set(keys))
+    fig, (ax_hit, ax_ttft) = plt.subplots(1, 2, figsize=(11, 4))
+    for name, recs in per_request.items():
+        hit, ttft = [], []
+        for x in xs:
+            sel = [r for k, r in zip(keys, recs) if k == x]
+            prompt = sum(r["prompt_tokens"] for r in sel)
+            hit.append(sum(r["device_hit_tokens"] + r["host_hit_tokens"] for r in sel) / prompt)
+            ttft.append(1e3 * float(np.mean([r["ttft_s"] for r in sel])))
+        ax_hit.plot(xs, hit, marker="o", label=name)
+        ax_ttft.plot(xs, ttft, marker="o", label=name)
+    xlabel = "turn" if by_turn else "request"
+    ax_hit.set(xlabel=xlabel, ylabel="prompt tokens served from cache", ylim=(0, 1))
+    ax_ttft.set(xlabel=xlabel, ylabel="mean TTFT (ms)")
+    ax_hit.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    print(f"wrote {path}")
