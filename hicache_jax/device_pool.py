@@ -86,13 +86,53 @@ def _xla_gather(pool: jax.Array, page_ids: jax.Array) -> jax.Array:
     return pool.at[:, :, page_ids].get(mode="promise_in_bounds")
 
 
-def _resolve_backend(copy_backend: CopyBackend | str,
-                     platform: str) -> tuple[CopyBackend, ScatterFn, GatherFn]:
+#: Platforms where copy_backend="auto" picks the Pallas kernels. Empty until
+#: benchmarks/gpu_kernels.py (and a TPU run) show them beating XLA on real hardware.
+_AUTO_PALLAS_PLATFORMS: frozenset[str] = frozenset()
+
+
+@functools.cache
+def _pallas_copy_fns(impl: Any, sharding: NamedSharding | None) -> tuple[ScatterFn, GatherFn]:
+    """pallas_kernels scatter/gather for ``impl``; per device shard (shard_map) when sharded.
+
+    Cached so every pool with the same impl and sharding passes the same static functions to
+    the jitted helpers (one compile, not one per pool).
+    """
+    import pallas_kernels as pk  # optional top-level package, imported only when chosen
+
+    def scatter(pool, page_ids, pages):
+        return pk.scatter_pages(pool, page_ids, _as_bits(pages, pool.dtype), impl=impl)
+
+    def gather(pool, page_ids):
+        return pk.gather_pages(pool, page_ids, impl=impl)
+
+    if sharding is None:
+        return scatter, gather
+    # A kernel is opaque to the partitioner: run it on each device's heads, ids replicated.
+    spec, ids = sharding.spec, PartitionSpec()
+    shard = functools.partial(jax.shard_map, mesh=sharding.mesh, check_vma=False)
+    return (shard(scatter, in_specs=(spec, ids, spec), out_specs=spec),
+            shard(gather, in_specs=(spec, ids), out_specs=spec))
+
+
+def _resolve_backend(copy_backend: CopyBackend | str, platform: str,
+                     sharding: NamedSharding | None = None
+                     ) -> tuple[CopyBackend, ScatterFn, GatherFn]:
     """Map a backend choice (and the pool's platform) to its copy functions, once."""
     backend = _enum_parse(CopyBackend, "copy_backend", copy_backend)
+    if backend is CopyBackend.AUTO:
+        backend = CopyBackend.PALLAS if platform in _AUTO_PALLAS_PLATFORMS else CopyBackend.XLA
     if backend is CopyBackend.PALLAS:
-        raise ValueError("copy_backend='pallas' is not available yet")
-    # AUTO resolves to XLA until the Pallas kernels exist for the current platform.
+        import pallas_kernels as pk
+
+        device = sharding.mesh.devices.flat[0] if sharding is not None else jax.devices()[0]
+        impl = pk.compiled_impl(device)
+        if impl is None and platform != "cpu":
+            raise ValueError(f"copy_backend='pallas' has no kernels for {device.device_kind} "
+                             f"(needs a TPU or an sm_90+ GPU); use 'xla'")
+        # On CPU: the generic kernels in Pallas' interpreter (correct, slow: for tests).
+        return (CopyBackend.PALLAS,
+                *_pallas_copy_fns(impl or pk.Impl.INTERPRET, sharding))
     scatter = _xla_scatter_loop if platform == "cpu" else _xla_scatter
     return CopyBackend.XLA, scatter, _xla_gather
 
@@ -190,7 +230,8 @@ class DevicePagePool:
         self.num_pages = int(num_pages)
         self.sharding = _head_sharding(spec, mesh, axis)
         platform = (mesh.devices.flat[0] if mesh is not None else jax.devices()[0]).platform
-        self.copy_backend, self._scatter, self._gather = _resolve_backend(copy_backend, platform)
+        self.copy_backend, self._scatter, self._gather = _resolve_backend(
+            copy_backend, platform, self.sharding)
         self.shape = spec.kv_shape(self.num_pages + 1)
         self.scratch_page = self.num_pages
         # Resolved once: these sit on the per-call path (write of one page is ~20 us of dispatch).

@@ -17,7 +17,8 @@ one for a device, or the generic interpreter where there is none):
 
 * ``TPU``: HBM-to-HBM DMAs, page ids scalar-prefetched (:mod:`pallas_kernels.tpu`);
 * ``MOSAIC_GPU``: TMA bulk copies through an SMEM ring, Hopper or newer (:mod:`pallas_kernels.gpu`);
-* ``INTERPRET``: backend-neutral kernels in Pallas' generic interpreter (:mod:`pallas_kernels.generic`);
+* ``INTERPRET``: backend-neutral kernels in Pallas' generic interpreter
+  (:mod:`pallas_kernels.generic`);
 * ``TPU_INTERPRET`` / ``MOSAIC_GPU_INTERPRET``: the device kernels in JAX's TPU / GPU
   interpreters on any platform (tests; the GPU interpreter is a private JAX API).
 

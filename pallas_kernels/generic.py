@@ -1,4 +1,4 @@
-"""Backend-neutral Pallas page-copy kernels, run in Pallas' generic interpreter (``interpret=True``).
+"""Backend-neutral Pallas page-copy kernels for Pallas' generic interpreter (``interpret=True``).
 
 These exist so the page-copy logic runs everywhere, CPU included: they are what
 ``copy_backend="pallas"`` uses on a platform without a compiled Pallas path, and what the tests

@@ -83,7 +83,8 @@ def _tile_elems(chunk_elems: int, itemsize: int, max_tile_bytes: int) -> int:
         raise ValueError(f"chunk bytes (page_size*heads*dim*itemsize = {chunk_elems * itemsize}) "
                          f"must be a multiple of {_ALIGN} for TMA copies; use the XLA path")
     tile = chunk_elems
-    while tile * itemsize > max_tile_bytes and tile % 2 == 0 and (tile // 2) * itemsize % _ALIGN == 0:
+    while (tile * itemsize > max_tile_bytes and tile % 2 == 0
+           and (tile // 2) * itemsize % _ALIGN == 0):
         tile //= 2
     return tile
 

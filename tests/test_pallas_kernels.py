@@ -186,7 +186,8 @@ def _bad_calls(impl, pool, ids, pages):
         (ValueError, "pages.shape", lambda: scatter(pool, ids, pages[:, :, :2])),
         (TypeError, "must equal", lambda: scatter(pool, ids, pages.astype(jnp.uint32))),
         (ValueError, "pages.shape", lambda: scatter_layer(pool, 0, ids, pages)),
-        (ValueError, r"layer=2 must lie in \[0, 2\)", lambda: scatter_layer(pool, 2, ids, pages[0])),
+        (ValueError, r"layer=2 must lie in \[0, 2\)",
+         lambda: scatter_layer(pool, 2, ids, pages[0])),
         (TypeError, "layer", lambda: scatter_layer(pool, 1.0, ids, pages[0])),
         (TypeError, "layer", lambda: scatter_layer(pool, True, ids, pages[0])),
     ]
