@@ -18,7 +18,6 @@ import gc
 import os
 import statistics
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
@@ -47,27 +46,22 @@ def _pages(k: int, seed: int) -> jax.Array:
     return jnp.asarray(bits.view(jnp.bfloat16))  # what a forward hands over: a bf16 device array
 
 
-def paired_times(fn, nbytes: int, repeats: int) -> tuple[float, float, float]:
-    """Median seconds of ``fn``, of ``numpy.copyto`` of ``nbytes``, and median of their ratio.
+def paired_times(fn, nbytes: int, repeats: int, blocks: int = 5) -> tuple[float, float, float]:
+    """Median seconds of ``fn``, of ``numpy.copyto`` of ``nbytes``, and their ratio.
 
-    Each round times the memcpy right before ``fn``, so both see the same load: on a machine
-    shared with other jobs a memcpy figure taken once, earlier, drifts by 2-5x.
+    The two alternate in blocks of ``repeats`` back-to-back calls, so both see the same load
+    (on a machine shared with other jobs a memcpy figure taken once drifts by 2-5x) while each
+    runs in steady state (interleaving single calls made each one evict the other's caches
+    and wake XLA's worker threads from sleep).
     """
     src = np.random.default_rng(0).integers(0, 255, size=nbytes, dtype=np.uint8)
     dst = np.empty_like(src)
-    for _ in range(2):
-        np.copyto(dst, src)
-        fn()
     ts, ms = [], []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        np.copyto(dst, src)
-        t1 = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t1)
-        ms.append(t1 - t0)
-    ratio = statistics.median(t / m for t, m in zip(ts, ms))
-    return statistics.median(ts), statistics.median(ms), ratio
+    for _ in range(blocks):
+        ms.append(median_time(lambda: np.copyto(dst, src), repeats=repeats, warmup=2))
+        ts.append(median_time(fn, repeats=repeats, warmup=2))
+    t, m = statistics.median(ts), statistics.median(ms)
+    return t, m, t / m
 
 
 def alloc_seconds(k: int, repeats: int) -> float:
@@ -133,9 +127,10 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     pools = [32, 256] if args.quick else [256, 2048]
     ks = [1, 16] if args.quick else [1, 16, 128]
-    repeats = 7 if args.quick else 21
+    repeats = 5 if args.quick else 11
     config = dict(spec=repr(SPEC), page_bytes=SPEC.page_bytes, pools_mib=pools, ks=ks,
-                  repeats=repeats, typed_row=dict(pool_mib=pools[0], k=16))
+                  repeats=repeats, typed_row=dict(pool_mib=pools[0], k=16),
+                  loadavg_start=os.getloadavg())
     print(f"page {SPEC.page_bytes // 1024} KiB ({SPEC}); {env_info()['backend']} "
           f"jax {jax.__version__}", flush=True)
 
@@ -169,6 +164,9 @@ def main(argv: list[str] | None = None) -> None:
     bits16 = by[("scatter", "bits", small, 16)]["seconds"]
     print(f"bfloat16-typed pool, {small} MiB, k=16: {typed['seconds'] * 1e3:.1f} ms = "
           f"{typed['seconds'] / bits16:.0f}x the raw-bits pool", flush=True)
+    config["loadavg_end"] = os.getloadavg()
+    print(f"load average (1, 5, 15 min): start {config['loadavg_start']}, end {config['loadavg_end']}"
+          f" on {os.cpu_count()} cores")
     write_json(args.json, "bench_pool", config, rows)
 
 

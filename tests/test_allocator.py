@@ -192,5 +192,5 @@ TestAllocatorMachine = AllocatorMachine.TestCase
 # A small pool saturates quickly: a few dozen runs cover it in the CI profile; the "long"
 # profile (HICACHE_HYPOTHESIS_PROFILE=long) keeps its own, larger budget.
 if settings.default.max_examples <= 100:
-    TestAllocatorMachine.settings = settings(settings.default, max_examples=20,
-                                             stateful_step_count=30)
+    TestAllocatorMachine.settings = settings(settings.default, max_examples=12,
+                                             stateful_step_count=25)
