@@ -161,6 +161,10 @@ def test_bad_mooncake_arguments():
         open_storage("mooncake://127.0.0.1:1", SPEC, buf, "layer_first", zero_copy=True)
     with pytest.raises(ValueError, match="setup_timeout_s"):
         open_storage("mooncake://127.0.0.1:1?setup_timeout_s=0", SPEC, buf, "layer_first")
+    with pytest.raises(ValueError, match="exists_timeout_s"):
+        open_storage("mooncake://127.0.0.1:1", SPEC, buf, "layer_first", exists_timeout_s=-1)
+    with pytest.raises(ValueError, match="checksum"):
+        open_storage("mooncake://127.0.0.1:1", SPEC, buf, "layer_first", checksum="sha1")
 
 
 def test_holder_dying_mid_run_gives_misses_dropped_puts_and_recovers():
@@ -203,10 +207,13 @@ def test_master_dying_mid_run_does_not_block_the_caller():
         got = store.get_into(keys[:2], [8, 9])
         put = store.put_from(keys[2:], [2, 3])
         assert time.monotonic() - t0 < 0.1       # dispatch never waits on the store
-        assert not got.wait(30).any() and not put.wait(30).any()
         t1 = time.monotonic()
+        assert not store.exists(keys).any()      # synchronous but bounded (exists_timeout_s=2)
+        assert time.monotonic() - t1 < 3.5
+        assert not got.wait(30).any() and not put.wait(30).any()
+        t2 = time.monotonic()
         assert not store.exists(keys).any() and not store.get_into(keys, [8, 9, 10, 11]).wait(5).any()
-        assert time.monotonic() - t1 < 1.0
+        assert time.monotonic() - t2 < 1.0
         closer = threading.Thread(target=store.close)
         closer.start()
         closer.join(30)

@@ -57,7 +57,8 @@ class StorageBackend(Protocol):
 _FILE_OPTIONS = {"capacity_bytes": int, "fsync": lambda v: v.lower() in ("1", "true", "yes"),
                  "batch_pages": int, "checksum": str}
 _MOONCAKE_OPTIONS = {"local_hostname": str, "protocol": str, "device_names": str,
-                     "setup_timeout_s": float, "batch_pages": int, "checksum": str,
+                     "setup_timeout_s": float, "exists_timeout_s": float, "batch_pages": int,
+                     "checksum": str,
                      "zero_copy": lambda v: v.lower() in ("1", "true", "yes")}
 
 

@@ -34,8 +34,8 @@ Known behaviour of the store, and what this module does about it:
   misses (``get_skipped``), puts are dropped (``puts_dropped``), ``exists`` is all False. Calls
   run on the lanes, so the cache's thread never waits on the store unless it waits on a handle.
 
-Threads: the lanes of ``BackendBase`` plus one mover thread per lane; each lane has two
-registered staging (or header) slots, one per pipeline stage.
+Threads: the lanes of ``BackendBase`` plus one mover thread per lane and one for ``exists``;
+each lane has two registered staging (or header) slots, one per pipeline stage.
 """
 
 from __future__ import annotations
@@ -156,15 +156,20 @@ class MooncakeStorage(BackendBase):
             than one registered staging buffer plus a memcpy (benchmarks/bench_storage.py).
         batch_pages: pages per store call (sub-batch of a handle).
         checksum: "crc32" or "xxh3" (needs the xxhash package), written into new entries.
+        exists_timeout_s: bound on ``exists()`` (then all False, and the backend backs off).
     """
 
     def __init__(self, spec: KVSpec, host_buffer: np.ndarray, layout: HostLayout | str,
                  master: str, *, local_hostname: str = "127.0.0.1", protocol: str = "tcp",
                  device_names: str = "", setup_timeout_s: float = 10.0,
-                 zero_copy: bool = False, batch_pages: int = 32, checksum: str = "crc32") -> None:
+                 zero_copy: bool = False, batch_pages: int = 32, checksum: str = "crc32",
+                 exists_timeout_s: float = 2.0) -> None:
         parse_address(master)
-        if not isinstance(setup_timeout_s, (int, float)) or setup_timeout_s <= 0:
-            raise ValueError(f"setup_timeout_s={setup_timeout_s!r} must be > 0")
+        for name, value in (("setup_timeout_s", setup_timeout_s),
+                            ("exists_timeout_s", exists_timeout_s)):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+                raise ValueError(f"{name}={value!r} must be > 0")
+        self.exists_timeout_s = float(exists_timeout_s)
         super().__init__(spec, host_buffer, layout, batch_pages=batch_pages, checksum=checksum)
         if zero_copy and not self.host.contiguous:
             raise ValueError("zero_copy=True needs a page_first host_buffer")
@@ -187,7 +192,7 @@ class MooncakeStorage(BackendBase):
             for buf in self._bufs.values():
                 self._register(buf.ctypes.data, buf.nbytes)
             self._movers = {kind: concurrent.futures.ThreadPoolExecutor(
-                1, thread_name_prefix=f"hicache-l3-{kind}-mover") for kind in ("get", "put")}
+                1, thread_name_prefix=f"hicache-l3-{kind}-mover") for kind in ("get", "put", "exists")}
         except BaseException:
             self.close()
             raise
@@ -224,7 +229,15 @@ class MooncakeStorage(BackendBase):
         if not self._breaker.allow():
             self._count(exists_skipped=len(keys))
             return np.zeros(len(keys), dtype=bool)
-        codes = self._store.batch_is_exist(list(keys))
+        # on its own thread, bounded: a master that just died makes this call take
+        # seconds, and exists() is synchronous for the cache's thread
+        pending = self._movers["exists"].submit(self._store.batch_is_exist, list(keys))
+        try:
+            codes = pending.result(timeout=self.exists_timeout_s)
+        except concurrent.futures.TimeoutError:
+            self._breaker.trip()
+            self._count(exists_timeouts=1)
+            return np.zeros(len(keys), dtype=bool)
         if any(c in _TRANSPORT_DOWN for c in codes):
             self._breaker.trip()
         return np.asarray([c == 1 for c in codes], dtype=bool)
