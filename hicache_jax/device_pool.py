@@ -181,9 +181,11 @@ def _read_pages(pool: jax.Array, page_ids: jax.Array, *, gather: GatherFn, dtype
     return lax.bitcast_convert_type(pages, dtype)
 
 
-# The two helpers below move only the pages of one call (never the pool). They work on bits:
-# XLA:CPU pads and slices bfloat16 through float32 and canonicalizes NaN payloads, which would
-# break bit-exact round trips.
+# The two helpers below move only the pages of one call (never the pool). Their output has n
+# pages, so they compile once per distinct n (small compiles; the pool-sized ones stay bounded):
+# numpy input is padded on the host instead, and a caller that writes jax arrays of power-of-two
+# page counts never needs them. They work on bits: XLA:CPU pads and slices bfloat16 through
+# float32 and canonicalizes NaN payloads, which would break bit-exact round trips.
 @functools.partial(jax.jit, static_argnames=("n", "dtype"))
 def _take_first(pages: jax.Array, n: int, dtype: np.dtype) -> jax.Array:
     """First ``n`` pages (drops the bucket padding of a read), viewed as ``dtype``."""
