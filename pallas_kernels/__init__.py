@@ -137,17 +137,22 @@ def gather_pages(pool, page_ids, *, impl: Impl | str | None = None):
 
 
 HOST_KERNEL_NOTE = """\
-No zero-copy host->device kernel (a kernel reading pinned host memory directly): not buildable
-on JAX's Pallas backends as of jax 0.10/0.11.
-* Mosaic GPU kernels take GMEM refs only (plgpu.MemorySpace: GMEM, SMEM, TMEM, REGS): operands
-  are device buffers XLA passes to the custom call. A jax.Array in memory_kind "pinned_host" is
-  not accepted as a kernel operand on GPU, and no API maps host memory into the device address
-  space (cuMemHostGetDevicePointer) for a kernel; XLA moves pinned_host arrays with copies
-  (jax.device_put / memory-kind transfers), which is what the transfer engine already uses.
-* Pallas TPU has pltpu.HBM/VMEM/SMEM/... and pl.ANY; JAX documents host offloading for TPU
-  through memory kinds and device_put, and tpu-inference moved its host-offload path from Pallas
-  DMA kernels back to jax.device_put (see /work/shared/notes/transfer-paths.md). pl.HOST exists
-  in jax.experimental.pallas but no backend here lowers a kernel reading it on the device side.
-So the analogue of SGLang's "kernel" IO backend would need a custom CUDA FFI call outside
-Pallas; host->device loads stay on jax.device_put of a pinned_host array plus scatter_pages.
+No zero-copy host->device kernel (a kernel reading pinned host memory, SGLang's "kernel" IO
+backend). What was found (jax 0.10.2 installed here; jax main of 2026-08 read for 0.11):
+* Mosaic GPU: memory spaces are GMEM, SMEM, TMEM, REGS (jax/_src/pallas/mosaic_gpu/core.py);
+  there is no host space and no API maps pinned host memory into a kernel's address space. A
+  "pinned_host" jax.Array passed to the kernel: in the GPU interpreter it becomes a Host-space
+  Ref that the TMA copies reject ("src must be a GMEM reference", _check_ref in
+  jax/_src/pallas/mosaic_gpu/primitives.py, same at jax main); compiled, it lowers (for CUDA,
+  checked here) as a plain operand of the mosaic_gpu custom call. What XLA:GPU then does (refuse
+  it, copy the whole host pool to the device, or hand the kernel a host pointer) needs a GPU to
+  tell: benchmarks/gpu_kernels.py (host_operand_probe) records it, a gather of 16 pages that
+  takes about as long as a device_put of the whole pool meaning a copy. Not measured yet.
+* Pallas TPU: pl.HOST operands do lower (#tpu.memory_space<host>; a pinned_host pool DMA'd
+  straight into the pool lowers for TPU here), but the TPU interpreter cannot run a pinned_host
+  operand in jax 0.10.2 (lowering fails in mlir.lower_jaxpr_to_fun, safe_zip of memory kinds),
+  so such a kernel could not be tested on CPU; and tpu-inference moved its host offload from
+  Pallas DMA kernels back to jax.device_put after crashes on TPU
+  (/work/shared/notes/transfer-paths.md). Not shipped untested.
+Host->device loads therefore stay on jax.device_put of pinned_host rows plus scatter_pages.
 """
