@@ -26,8 +26,9 @@ from typing import Any, Sequence
 import numpy as np
 
 from hicache_jax.engine.engine import Engine, Generation
-from hicache_jax.engine.model import DecoderModel, ModelConfig, load_params
+from hicache_jax.engine.model import DecoderModel, ModelConfig, bucket, load_params
 from hicache_jax.engine.workloads import WORKLOADS, Workload
+from hicache_jax.spec import HiCacheConfig
 
 CONFIGS = (("no cache", "none"), ("device radix", "device"), ("hicache", "hicache"))
 
@@ -89,8 +90,9 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Console entry point (``hicache-jax``, ``python -m hicache_jax``)."""
-    args = _parser().parse_args(argv)
-    return args.func(args)
+    parser = _parser()
+    args = parser.parse_args(argv)
+    return args.func(args, parser)
 
 
 def build_workload(args: argparse.Namespace) -> Workload:
@@ -184,18 +186,26 @@ def _env() -> dict[str, Any]:
             "device_count": jax.device_count(), "jax": jax.__version__}
 
 
-def bench(args: argparse.Namespace) -> int:
+def bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if args.plot:  # fail before minutes of work, not after
         _require_matplotlib()
-    workload = build_workload(args)
-    cfg = ModelConfig(vocab_size=args.vocab, num_layers=args.layers, d_model=args.d_model,
-                      num_heads=args.heads, num_kv_heads=args.kv_heads, head_dim=args.head_dim,
-                      ffn_dim=args.ffn_dim, dtype=args.dtype)
-    params = load_params(cfg, args.weights) if args.weights else None
+    try:  # bad sizes or weights: a usage error naming the problem, not a traceback
+        workload = build_workload(args)
+        cfg = ModelConfig(vocab_size=args.vocab, num_layers=args.layers, d_model=args.d_model,
+                          num_heads=args.heads, num_kv_heads=args.kv_heads,
+                          head_dim=args.head_dim, ffn_dim=args.ffn_dim, dtype=args.dtype)
+        params = load_params(cfg, args.weights) if args.weights else None
+        ps = args.page_size
+        device_pages = args.device_pages or _default_device_pages(workload, ps)
+        host_pages = int(round(args.host_ratio * device_pages))
+        HiCacheConfig(device_pages=device_pages, host_pages=host_pages,
+                      write_policy=args.policy)  # validates the sizes
+        cfg.kv_spec(ps)  # validates the page size
+        if bucket(args.chunk_size) != args.chunk_size:
+            raise ValueError(f"--chunk-size {args.chunk_size} must be a power of two")
+    except (ValueError, TypeError, FileNotFoundError, ImportError) as exc:
+        parser.exit(2, f"hicache-jax bench: error: {exc}\n")
     model = DecoderModel(cfg, params, seed=args.seed)
-    ps = args.page_size
-    device_pages = args.device_pages or _default_device_pages(workload, ps)
-    host_pages = int(round(args.host_ratio * device_pages))
     infinite = workload.infinite_cache_hit_ratio(ps)
     print(f"workload {workload.name}: {workload.num_requests} requests in {workload.num_rounds} "
           f"rounds, {workload.max_new_tokens} new tokens each; infinite-cache hit ratio "

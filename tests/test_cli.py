@@ -1,0 +1,75 @@
+"""`hicache-jax bench` end to end on a tiny model: table, identical-output check, JSON, flags."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from hicache_jax.engine import cli
+
+TINY = ["--quiet", "--no-warmup", "--layers", "1", "--d-model", "16", "--heads", "2",
+        "--kv-heads", "1", "--head-dim", "8", "--ffn-dim", "16", "--vocab", "64",
+        "--sessions", "3", "--turns", "3", "--base-tokens", "40", "--segment-tokens", "8",
+        "--max-new-tokens", "3", "--page-size", "4", "--device-pages", "24",
+        "--chunk-size", "64"]
+
+
+def test_bench_table_identical_outputs_and_json(tmp_path, capsys):
+    path = tmp_path / "out" / "bench.json"
+    assert cli.main(["bench", *TINY, "--json", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "outputs identical across configurations: yes" in out
+    for header in ("prompt tok", "recomputed", "L1 hit", "L2 hit", "TTFT p50 ms", "TTFT p90 ms",
+                   "tok/s", "MB to host", "MB to device"):
+        assert header in out
+    data = json.loads(path.read_text())
+    assert data["outputs_identical"] is True
+    assert set(data["summary"]) == {"no cache", "device radix", "hicache"}
+    none, radix, hi = (data["summary"][k] for k in ("no cache", "device radix", "hicache"))
+    assert none["recomputed_tokens"] == none["prompt_tokens"] > 0
+    assert none["l1_hit_tokens"] == none["bytes_to_host"] == 0
+    assert radix["l1_hit_tokens"] > 0 and radix["bytes_to_host"] == 0
+    assert hi["recomputed_tokens"] <= radix["recomputed_tokens"]
+    assert hi["bytes_to_host"] > 0  # write_through backs pages up
+    assert len(data["requests"]["hicache"]) == 9
+    assert data["env"]["backend"] == "cpu"
+
+
+def test_plot_needs_matplotlib_or_writes(tmp_path, capsys):
+    path = tmp_path / "p.png"
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        with pytest.raises(SystemExit, match="pip install"):
+            cli.main(["bench", *TINY, "--plot", str(path)])
+        assert not path.exists()
+        return
+    assert cli.main(["bench", *TINY, "--workload", "docqa", "--plot", str(path)]) == 0
+    assert path.stat().st_size > 0
+
+
+@pytest.mark.parametrize("argv", [["bench", "--workload", "nope"], ["bench", "--policy", "x"],
+                                  ["bench", "--sessions", "two"], []])
+def test_bad_flags_exit_with_usage(argv, capsys):
+    with pytest.raises(SystemExit) as exc:
+        cli.main(argv)
+    assert exc.value.code == 2
+    assert "usage" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flags,match", [
+    (["--sessions", "0"], "num_clients=0"), (["--heads", "3", "--kv-heads", "2"], "multiple of num_kv_heads"),
+    (["--chunk-size", "48"], "power of two"), (["--page-size", "0"], "page_size=0"),
+    (["--weights", "/nonexistent.npz"], "does not exist")])
+def test_bad_sizes_are_usage_errors(flags, match, capsys):
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["bench", *TINY, *flags])
+    assert exc.value.code == 2
+    assert match in capsys.readouterr().err
+
+
+def test_python_dash_m_entry_point():
+    res = subprocess.run([sys.executable, "-m", "hicache_jax", "bench", "--help"],
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0 and "--workload" in res.stdout and "--plot" in res.stdout
