@@ -171,10 +171,10 @@ class MooncakeStorage(BackendBase):
                 raise ValueError(f"{name}={value!r} must be > 0")
         self.exists_timeout_s = float(exists_timeout_s)
         super().__init__(spec, host_buffer, layout, batch_pages=batch_pages, checksum=checksum)
-        if zero_copy and not self.host.contiguous:
-            raise ValueError("zero_copy=True needs a page_first host_buffer")
         if not isinstance(zero_copy, bool):
             raise TypeError(f"zero_copy={zero_copy!r} must be a bool")
+        if zero_copy and not self.host.contiguous:
+            raise ValueError("zero_copy=True needs a page_first host_buffer")
         self.zero_copy = zero_copy
         self.master = master
         self.url = f"mooncake://{master}"
@@ -192,7 +192,8 @@ class MooncakeStorage(BackendBase):
             for buf in self._bufs.values():
                 self._register(buf.ctypes.data, buf.nbytes)
             self._movers = {kind: concurrent.futures.ThreadPoolExecutor(
-                1, thread_name_prefix=f"hicache-l3-{kind}-mover") for kind in ("get", "put", "exists")}
+                1, thread_name_prefix=f"hicache-l3-{kind}-mover")
+                for kind in ("get", "put", "exists")}
         except BaseException:
             self.close()
             raise
