@@ -45,10 +45,6 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceShardin
 from hicache_jax.allocator import PageAllocator, as_page_ids
 from hicache_jax.spec import HostLayout, KVSpec, _enum_parse
 
-#: kv-head axis of every pool layout (the sharded one).
-HEAD_AXIS = 4
-
-
 def bucket_size(n: int) -> int:
     """Smallest power of two >= n (1 for n <= 1): padded length of an index array."""
     return 1 if n <= 1 else 1 << (int(n) - 1).bit_length()
@@ -94,7 +90,7 @@ def _merged_sharding(sharding: jax.sharding.Sharding | None) -> jax.sharding.Sha
 
 def _slice_page(arr: jax.Array, layout: HostLayout, page: jax.Array, layer: jax.Array,
                 num_layers: int) -> jax.Array:
-    """One page's rows of ``num_layers`` layers from ``layer`` (merged view): [nl, kvf, 1, ps, HD]."""
+    """One page, layers ``[layer, layer + num_layers)``, of a merged view: [nl, kvf, 1, ps, HD]."""
     zero = jnp.zeros((), jnp.int32)
     if layout is HostLayout.PAGE_FIRST:
         _, _, kvf, ps, row = arr.shape
@@ -349,6 +345,8 @@ class HostPagePool:
         size = bucket_size(n)
         staged = np.empty(self.spec.kv_shape(size), self.spec.bits_dtype)
         staged[:, :, :n] = bits  # padding rows are never read (trip count n)
+        # Staged in device memory even when the buffer is pinned_host: a device computation can
+        # move chunks device -> host, not update host memory from host memory.
         src = jax.device_put(staged, self.device_sharding)
         self.run(functools.partial(
             copy_pages, dst_layout=self.layout, src_layout=HostLayout.LAYER_FIRST,

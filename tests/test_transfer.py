@@ -1,4 +1,4 @@
-"""TransferEngine: bit-exact round trips, layer-wise loads, poll order, validation, in-flight guard."""
+"""TransferEngine: bit-exact round trips, layer-wise loads, poll order, validation, reuse guard."""
 
 from __future__ import annotations
 
