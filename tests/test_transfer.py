@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import functools
+
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import Mesh
 
 from hicache_jax.device_pool import DevicePagePool
 from hicache_jax.errors import HiCacheError
-from hicache_jax.host_pool import HostPagePool
+from hicache_jax.host_pool import HostPagePool, copy_pages, pad_ids
 from hicache_jax.spec import SUPPORTED_DTYPES, KVSpec
 from hicache_jax.transfer import TransferEngine, TransferHandle
 
@@ -254,3 +257,34 @@ def test_device_write_after_backup_does_not_change_the_backup():
     dev.write(np.arange(8), _random_bits(rng, spec, 8))  # donates the pool the backup reads
     handle.wait()
     np.testing.assert_array_equal(host.read(np.arange(8)[::-1]), kv)
+
+
+def test_copies_are_dispatched_asynchronously():
+    spec = SPEC
+    dev, host, eng = _setup(spec)
+    # XLA:CPU runs executables under 1000 estimated flops inline in the caller; the copy's
+    # token makes it cost more than that, so it goes to XLA's execution thread.
+    kw = dict(dst_layout=host.layout, src_layout=host.layout, num_layers=spec.num_layers,
+              src_put=None, dst_put=None)
+    ids = pad_ids(np.arange(2, dtype=np.int32))
+    compiled = copy_pages.lower(host.buffer, host.buffer, ids, ids, np.int32(2), np.int32(0),
+                                **kw).compile()
+    assert compiled.cost_analysis()["flops"] >= 1000
+
+    # Behaviour: a backup that reads a pool still being computed returns at once, unfinished.
+    @functools.partial(jax.jit, donate_argnums=0)
+    def slow_step(pool, x):
+        y = jax.lax.fori_loop(0, 6, lambda i, y: jnp.tanh(y @ y), x)
+        # The pool update depends on the slow result (scratch page: no test data touched).
+        mark = (y.sum() > -1).astype(pool.dtype)
+        return pool.at[0, 0, -1, 0, 0, 0].set(mark), y.sum()
+
+    x = jnp.ones((768, 768), jnp.float32) / 768
+    # Compile both outside the window (a compile would let the slow step finish first).
+    slow_step(dev.array.copy(), x)[1].block_until_ready()
+    eng.backup([1], [1]).wait()
+    out = dev.run(slow_step, x)
+    handle = eng.backup([1], [1])
+    assert not handle.done() and not out.is_ready()
+    handle.wait()
+    assert out.is_ready()
