@@ -417,3 +417,23 @@ def test_constructor_rejects_bad_arguments():
         HiCache("spec", HiCacheConfig(device_pages=4))
     with pytest.raises(TypeError, match="HiCacheConfig"):
         HiCache(spec, {"device_pages": 4})
+
+
+@pytest.mark.parametrize("policy", ["write_through", "write_back"])
+def test_sharded_pools_round_trip(policy):
+    # Pools sharded over kv heads on 2 of the 4 CPU devices: backup, evict and load_back keep
+    # every byte (each device moves only its heads).
+    import jax
+    from jax.sharding import Mesh
+
+    mesh = Mesh(np.array(jax.devices()[:2]), ("heads",))
+    cache, kv = make(policy, device=8, host=16, mesh=mesh)
+    t = np.arange(6)
+    request(cache, kv, t)
+    request(cache, kv, t)
+    cache.evict(100)
+    m = cache.load_back(cache.match_prefix(t))
+    assert m.device_len == 6
+    np.testing.assert_array_equal(bits(cache.read_kv(m.device_pages)), kv.pages(None, t, 0, 6))
+    cache.flush()
+    check(cache, kv)
