@@ -71,51 +71,48 @@ def pad_ids(ids: np.ndarray, size: int | None = None) -> np.ndarray:
     return out
 
 
-# The copy works on views of the pools with the two minor axes merged, [..., ps, H * D]: one
-# token row of all heads is one contiguous run, so XLA:CPU's per-page slice/update copies long
-# vectorised rows. Measured (XLA:CPU, 128 KiB pages): rows of H*D used about the CPU time of
-# numpy.copyto per byte, rows of D (no merge) about 1.4x. Merging keeps the head sharding (the
-# sharded H is the major part of the merged axis), and is a free reshape in row-major layout.
+# Between pools in the same memory space, the copy works on views with the two minor axes
+# merged, [..., ps, H * D]: one token row of all heads is one contiguous run, so XLA:CPU's
+# per-page slice/update copies long vectorised rows. Measured (XLA:CPU, 128 KiB pages): rows of
+# H*D used about the CPU time of numpy.copyto per byte, rows of D (no merge) about 1.4x. Merging
+# keeps the head sharding (the sharded H is the major part of the merged axis) and is a free
+# reshape in row-major layout. Across memory spaces (an accelerator's pinned_host pool) the
+# arrays are left as they are: XLA's host offloading handles slices and updates of host
+# buffers, and a reshape of one is not worth the risk for a DMA that does not care about rows.
 def _merge_minor(x: jax.Array) -> jax.Array:
     return x.reshape(*x.shape[:-2], x.shape[-2] * x.shape[-1])
 
 
-def _merged_sharding(sharding: jax.sharding.Sharding | None) -> jax.sharding.Sharding | None:
-    """A pool sharding (heads on axis 4 of 6) for the merged 5-D view (heads*dim on axis 4)."""
-    if not isinstance(sharding, NamedSharding):
-        return sharding
-    spec = tuple(sharding.spec) + (None,) * (6 - len(sharding.spec))
-    return NamedSharding(sharding.mesh, PartitionSpec(*spec[:5]), memory_kind=sharding.memory_kind)
-
-
 def _slice_page(arr: jax.Array, layout: HostLayout, page: jax.Array, layer: jax.Array,
                 num_layers: int) -> jax.Array:
-    """One page, layers ``[layer, layer + num_layers)``, of a merged view: [nl, kvf, 1, ps, HD]."""
+    """One page, layers ``[layer, layer + num_layers)``: [nl, kvf, 1, *row] (row: ps, H, D or
+    ps, H*D in a merged view)."""
     zero = jnp.zeros((), jnp.int32)
+    row_zeros = (zero,) * (arr.ndim - 3)
     if layout is HostLayout.PAGE_FIRST:
-        _, _, kvf, ps, row = arr.shape
-        # [1, nl, kvf, ps, HD] -> [nl, kvf, 1, ps, HD]: moving a size-1 axis is a reshape.
-        chunk = lax.dynamic_slice(arr, (page, layer, zero, zero, zero),
-                                  (1, num_layers, kvf, ps, row))
-        return chunk.reshape(num_layers, kvf, 1, ps, row)
-    _, kvf, _, ps, row = arr.shape
-    return lax.dynamic_slice(arr, (layer, zero, page, zero, zero), (num_layers, kvf, 1, ps, row))
+        kvf, row = arr.shape[2], arr.shape[3:]
+        # [1, nl, kvf, *row] -> [nl, kvf, 1, *row]: moving a size-1 axis is a reshape.
+        chunk = lax.dynamic_slice(arr, (page, layer, zero, *row_zeros),
+                                  (1, num_layers, kvf, *row))
+        return chunk.reshape(num_layers, kvf, 1, *row)
+    kvf, row = arr.shape[1], arr.shape[3:]
+    return lax.dynamic_slice(arr, (layer, zero, page, *row_zeros), (num_layers, kvf, 1, *row))
 
 
 def _to_layout(chunk: jax.Array, layout: HostLayout) -> jax.Array:
-    """A [nl, kvf, 1, ps, HD] chunk in the shape one page of ``layout`` takes."""
+    """A [nl, kvf, 1, *row] chunk in the shape one page of ``layout`` takes."""
     if layout is HostLayout.PAGE_FIRST:
-        nl, kvf, _, ps, row = chunk.shape
-        return chunk.reshape(1, nl, kvf, ps, row)
+        return chunk.reshape(1, *chunk.shape[:2], *chunk.shape[3:])
     return chunk
 
 
 def _update_page(arr: jax.Array, layout: HostLayout, page: jax.Array, layer: jax.Array,
                  chunk: jax.Array) -> jax.Array:
     zero = jnp.zeros((), jnp.int32)
+    row_zeros = (zero,) * (arr.ndim - 3)
     if layout is HostLayout.PAGE_FIRST:
-        return lax.dynamic_update_slice(arr, chunk, (page, layer, zero, zero, zero))
-    return lax.dynamic_update_slice(arr, chunk, (layer, zero, page, zero, zero))
+        return lax.dynamic_update_slice(arr, chunk, (page, layer, zero, *row_zeros))
+    return lax.dynamic_update_slice(arr, chunk, (layer, zero, page, *row_zeros))
 
 
 _STATIC = ("dst_layout", "src_layout", "num_layers", "src_put", "dst_put")
@@ -146,11 +143,11 @@ def _copy_loop(dst: jax.Array, src: jax.Array, dst_ids: jax.Array, src_ids: jax.
         call, so it cannot be held). The token's value means nothing.
     """
     shape = dst.shape
-    src_m, dst_m = _merge_minor(src), _merge_minor(dst)
-    src_put, dst_put = _merged_sharding(src_put), _merged_sharding(dst_put)
+    merge = src_put is None and dst_put is None  # same memory space: see _merge_minor
+    src_m, dst_m = (_merge_minor(src), _merge_minor(dst)) if merge else (src, dst)
 
     def body(i, out):
-        # [nl, kvf, 1, ps, H*D]: one slice and one in-place update, fused into one pass.
+        # [nl, kvf, 1, *row]: one slice and one in-place update, fused into one pass.
         chunk = _slice_page(src_m, src_layout, src_ids[i], layer, num_layers)
         if src_put is not None:
             chunk = jax.device_put(chunk, src_put)
