@@ -17,7 +17,7 @@ Semantics follow SGLang's HiCache (``hiradix_cache.py``):
 * **load_back(match)** moves the chain of host-only nodes above the match's node back to device
   pages (threshold / quota first), protected by an internal lock until the copy lands.
 
-Page ownership (checked by :meth:`HiCache._check_invariants` in the tests): every device page is
+Page ownership (checked after every step of tests/test_hicache_state_machine.py): every device page is
 free, owned by a caller (``alloc_pages`` .. ``insert``/``free_pages``) or held by one tree node;
 every host page is free, held by one node, or the target of a backup in flight.
 
@@ -621,46 +621,3 @@ class HiCache:
             parts.append(node.value)
             node = node.parent
         return np.concatenate(parts[::-1]).astype(np.int32) if parts else np.zeros(0, np.int32)
-
-    # -- test support ------------------------------------------------------------------------
-
-    def _check_invariants(self) -> None:
-        """Full scan of DESIGN.md's invariants and exact page accounting (tests; O(cache))."""
-        tree = self._tree
-        tree.check_invariants()
-        nodes = list(tree.nodes())
-        dev_held = [n.value for n in nodes if n.value is not None]
-        held = np.concatenate(dev_held) if dev_held else np.zeros(0, np.int32)
-        assert np.unique(held).size == held.size, "a device page is held twice"
-        owner = np.zeros_like(self._owner)
-        owner[held] = _TREE
-        caller = self._owner == _CALLER
-        assert not (caller & (owner == _TREE)).any(), "a caller page is also the tree's"
-        owner[caller] = _CALLER
-        assert (owner == self._owner).all(), "device owner map disagrees with the tree"
-        dev_alloc = self._device.allocator.is_allocated(np.arange(self.cfg.device_pages))
-        assert (dev_alloc == (owner != _FREE)).all(), "device allocator disagrees with owners"
-        host_parts = [n.host_value for n in nodes if n.host_value is not None]
-        host_parts += [op.host_ids for op in self._ops if op.kind == "backup"]
-        hheld = np.concatenate(host_parts) if host_parts else np.zeros(0, np.int32)
-        assert np.unique(hheld).size == hheld.size, "a host page is held twice"
-        host_alloc = self._host.allocator.is_allocated(np.arange(self.cfg.host_pages))
-        assert host_alloc.sum() == hheld.size and host_alloc[hheld].all(), "host accounting"
-        expected_locks: collections.Counter = collections.Counter()
-        sources = [(n, k) for n, k in self._caller_locks.items()]
-        sources += [(op.node, 1) for op in self._ops]
-        for node, k in sources:
-            while node.parent is not None:
-                expected_locks[node] += k
-                node = node.parent
-        for n in nodes:
-            assert n.value is not None or n.host_value is not None, f"{n!r} holds no pages"
-            assert n.lock_ref == expected_locks[n], f"{n!r} lock_ref {n.lock_ref} != " \
-                f"{expected_locks[n]} (caller locks + transfers in flight)"
-            if self._write.continuous_prefix and n.host_value is not None:
-                assert n.parent.parent is None or n.parent.host_value is not None, \
-                    f"{n!r} backed up under a parent that is not (gap in the host prefix)"
-            dev_child = any(c.value is not None for c in n.children.values())
-            assert (n in tree.evictable_device) == (
-                n.lock_ref == 0 and n.value is not None and not dev_child), f"{n!r} evictable set"
-        assert all(n.parent is not None for n in self._caller_locks if n is not tree.root)

@@ -9,8 +9,8 @@ import pytest
 
 from hicache_jax import HiCache, HiCacheConfig, HiCacheError, KVSpec, Match, OutOfPagesError
 from hicache_jax.events import replay
-from test_hicache_state_machine import (KVModel, bits, check_bytes, gate, snapshot,
-                                        tree_pages)
+from test_hicache_state_machine import (KVModel, bits, check_bytes, check_invariants, gate,
+                                        snapshot, tree_pages)
 
 POLICIES = ["write_through", "write_through_selective", "write_back"]
 
@@ -42,7 +42,7 @@ def request(cache, kv, tokens, *, load=True, extra_key=None):
 
 
 def check(cache, kv):
-    cache._check_invariants()
+    check_invariants(cache)
     check_bytes(cache, kv)
 
 

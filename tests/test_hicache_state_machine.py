@@ -31,6 +31,9 @@ from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, p
 
 from hicache_jax import HiCacheConfig, HiCacheError, KVSpec, OutOfPagesError
 from hicache_jax.events import Medium, replay
+from hicache_jax.hicache import _CALLER as _CALLER_OWNED
+from hicache_jax.hicache import _FREE as _FREE_PAGE
+from hicache_jax.hicache import _TREE as _TREE_OWNED
 from hicache_jax.hicache import HiCache
 from hicache_jax.radix import RadixTree
 
@@ -172,6 +175,48 @@ def check_bytes(cache: HiCache, model: KVModel) -> None:
     if host_ids:
         got = bits(cache._host.read(np.concatenate(host_ids)))
         np.testing.assert_array_equal(got, np.concatenate(host_want, axis=2), "host bytes")
+
+
+def check_invariants(cache: HiCache) -> None:
+    """Full scan of DESIGN.md's invariants and exact page accounting on both tiers (O(cache))."""
+    tree = cache._tree
+    tree.check_invariants()
+    nodes = list(tree.nodes())
+    dev_held = [n.value for n in nodes if n.value is not None]
+    held = np.concatenate(dev_held) if dev_held else np.zeros(0, np.int32)
+    assert np.unique(held).size == held.size, "a device page is held twice"
+    owner = np.zeros_like(cache._owner)
+    owner[held] = _TREE_OWNED
+    caller = cache._owner == _CALLER_OWNED
+    assert not (caller & (owner == _TREE_OWNED)).any(), "a caller page is also the tree's"
+    owner[caller] = _CALLER_OWNED
+    assert (owner == cache._owner).all(), "device owner map disagrees with the tree"
+    dev_alloc = cache._device.allocator.is_allocated(np.arange(cache.cfg.device_pages))
+    assert (dev_alloc == (owner != _FREE_PAGE)).all(), "device allocator disagrees with owners"
+    host_parts = [n.host_value for n in nodes if n.host_value is not None]
+    host_parts += [op.host_ids for op in cache._ops if op.kind == "backup"]
+    hheld = np.concatenate(host_parts) if host_parts else np.zeros(0, np.int32)
+    assert np.unique(hheld).size == hheld.size, "a host page is held twice"
+    host_alloc = cache._host.allocator.is_allocated(np.arange(cache.cfg.host_pages))
+    assert host_alloc.sum() == hheld.size and host_alloc[hheld].all(), "host accounting"
+    expected_locks: collections.Counter = collections.Counter()
+    sources = [(n, k) for n, k in cache._caller_locks.items()]
+    sources += [(op.node, 1) for op in cache._ops]
+    for node, k in sources:
+        while node.parent is not None:
+            expected_locks[node] += k
+            node = node.parent
+    for n in nodes:
+        assert n.value is not None or n.host_value is not None, f"{n!r} holds no pages"
+        assert n.lock_ref == expected_locks[n], f"{n!r} lock_ref {n.lock_ref} != " \
+            f"{expected_locks[n]} (caller locks + transfers in flight)"
+        if cache._write.continuous_prefix and n.host_value is not None:
+            assert n.parent.parent is None or n.parent.host_value is not None, \
+                f"{n!r} backed up under a parent that is not (gap in the host prefix)"
+        dev_child = any(c.value is not None for c in n.children.values())
+        assert (n in tree.evictable_device) == (
+            n.lock_ref == 0 and n.value is not None and not dev_child), f"{n!r} evictable set"
+    assert all(n.parent is not None for n in cache._caller_locks if n is not tree.root)
 
 
 def snapshot(cache: HiCache):
@@ -406,7 +451,7 @@ class HiCacheMachine(RuleBasedStateMachine):
         if self.cache is None:
             return
         COVERAGE["steps"] += 1
-        self.cache._check_invariants()
+        check_invariants(self.cache)
         self.router = replay(self.cache.take_events(), self.router)
         assert self.router == tree_pages(self.cache), "KV events disagree with the cache"
         check_bytes(self.cache, self.kv)
