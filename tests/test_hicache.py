@@ -156,6 +156,23 @@ def test_load_back_threshold_and_quota_decline():
         check(cache, kv)
 
 
+def test_load_back_never_evicts_the_chains_ancestors():
+    cache, kv = make("write_back", device=6, host=16)
+    p, c = np.arange(4), np.arange(6)
+    request(cache, kv, p)
+    request(cache, kv, c)                      # child node [4, 5] under [0..3]
+    assert cache.evict(2) == 2                 # the child: backed up, host-only
+    held = cache.alloc_pages(2)                # no free device page left
+    m = cache.match_prefix(c)
+    assert (m.device_len, m.host_len) == (4, 2)
+    # The only evictable device node is the chain's parent: decline instead of evicting it.
+    assert cache.load_back(m) is m
+    assert cache.match_prefix(p).device_len == 4 and cache.stats()["load_backs_declined"] == 1
+    cache.free_pages(held)
+    assert cache.load_back(cache.match_prefix(c)).device_len == 6
+    check(cache, kv)
+
+
 def test_layerwise_load_back_handle():
     cache, kv = make("write_back", ps=16, device=8)
     t = np.arange(64)
