@@ -297,8 +297,9 @@ class HiCache:
             :meth:`free_pages`.
 
         Raises:
-            OutOfPagesError: not enough free + evictable pages (raised before evicting
-                anything); ``needed``, ``free``, ``evictable``, ``locked`` say why.
+            OutOfPagesError: not enough free + evictable pages; ``needed``, ``free``,
+                ``evictable``, ``locked`` say why. Raised before evicting anything; copies in
+                flight (whose locks may be what holds the pages) are waited for first.
         """
         n = _check_int("n", n)
         self._complete()
