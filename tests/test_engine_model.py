@@ -43,8 +43,8 @@ def _pages(n, num_pages=64, seed=0):
 
 
 class _Waiter:
-    def __init__(self, pool):
-        self.pool, self.calls = pool, []
+    def __init__(self):
+        self.calls = []
 
     def wait_layer(self, layer):
         self.calls.append(layer)
@@ -86,7 +86,7 @@ def test_untouched_pages_stay_poisoned(model, prompt):
 def test_layerwise_path_waits_per_layer_and_matches_fused(model, prompt, ref):
     pool = _poisoned_pool(16)
     pages = _pages(3)
-    waiter = _Waiter(pool)
+    waiter = _Waiter()
     model.forward(pool, prompt[:20], 0, pages, waiter=waiter, min_bucket=16)
     logits = model.forward(pool, prompt[20:], 20, pages, waiter=waiter, min_bucket=16)
     assert waiter.calls == [0, 1, 0, 1]
@@ -175,7 +175,6 @@ def test_weight_file_errors(tmp_path, model):
 
 
 def test_safetensors_without_package_is_a_clear_error(tmp_path):
-    pytest.importorskip("jax")  # keeps the skip reason below explicit
     try:
         import safetensors  # noqa: F401
         pytest.skip("safetensors is installed")
