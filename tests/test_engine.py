@@ -2,8 +2,10 @@
 loaded back from L2 (both write policies, page sizes 1 and 16, plain and layer-wise load-back,
 a cached prefix ending mid-page); records; page accounting; bad input; out of pages."""
 
+import jax
 import numpy as np
 import pytest
+from jax.sharding import Mesh
 
 from hicache_jax import HiCacheConfig, OutOfPagesError
 from hicache_jax.hicache import HiCache
@@ -178,11 +180,11 @@ def test_bad_sizes_and_mismatched_model(model):
 
 def test_out_of_pages_releases_everything(model):
     first, _ = _prompts()
-    eng = _engine(model, 1, mode="device")
+    eng = _engine(model, 16, mode="device")
     eng.generate([first[:20]], MAX_NEW)
-    long = np.concatenate([first[:20], np.arange(1, 60, dtype=np.int32)])
+    long = np.concatenate([first[:20], np.arange(1, 1030, dtype=np.int32) % CFG.vocab_size])
     with pytest.raises(OutOfPagesError):
-        eng.generate([long], MAX_NEW)  # 82 positions need 82 pages of 1: the pool has 64
+        eng.generate([long], MAX_NEW)  # 1052 positions need 66 pages of 16: the pool has 64
     _no_leaks(eng)
     eng.generate([first[:20]], MAX_NEW)  # still serves afterwards
 
@@ -191,3 +193,19 @@ def test_create_builds_each_mode(model):
     for mode, host in (("none", 0), ("device", 0), ("hicache", 32)):
         eng = Engine.create(model, mode, page_size=16, device_pages=8, **BUCKETS)
         assert eng.mode is CacheMode(mode) and eng.cache.cfg.host_pages == host
+
+
+def test_pool_sharded_over_kv_heads_matches(model, baseline):
+    # The model's step keeps the pool's NamedSharding (DevicePagePool.run checks it).
+    first, second = _prompts()
+    mesh = Mesh(np.array(jax.devices()[:2]), ("kv",))
+    cache = HiCache(model.kv_spec(16), HiCacheConfig(
+        device_pages=DEVICE_PAGES, host_pages=4 * DEVICE_PAGES, write_policy="write_back",
+        load_back_threshold=1, mesh=mesh))
+    eng = Engine(model, cache, **BUCKETS)
+    eng.generate([first], MAX_NEW)
+    cache.evict(DEVICE_PAGES * 16)
+    gen = eng.generate([second], MAX_NEW)[0]
+    _same(gen, baseline)
+    assert gen.record.host_hit_tokens == 32
+    assert eng.pool.array.sharding.spec[4] == "kv"
