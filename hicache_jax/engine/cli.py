@@ -278,6 +278,7 @@ def _plot(path: str, turns: list[tuple[int, int]], per_request: dict[str, list[d
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
 
     by_turn = len({t for _, t in turns}) > 1
     keys = [t for _, t in turns] if by_turn else list(range(len(turns)))
@@ -295,6 +296,8 @@ def _plot(path: str, turns: list[tuple[int, int]], per_request: dict[str, list[d
     xlabel = "turn" if by_turn else "request"
     ax_hit.set(xlabel=xlabel, ylabel="prompt tokens served from cache", ylim=(0, 1))
     ax_ttft.set(xlabel=xlabel, ylabel="mean TTFT (ms)")
+    for ax in (ax_hit, ax_ttft):
+        ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
     ax_hit.legend()
     fig.tight_layout()
     fig.savefig(path)
