@@ -107,8 +107,10 @@ class Engine:
         cache: the page cache (also the page allocator in mode ``none``).
         mode: "none" | "device" | "hicache" (``none`` never matches or inserts).
         chunk_size: prefill chunk in tokens (a power of two; long prompts take several).
-        layerwise: load back layer by layer, overlapping the copy of later layers with the
-            forward of earlier ones.
+        layerwise: load back layer by layer; the forward waits for layer ``l``'s pages just
+            before layer ``l`` (one jit per layer). The copies of later layers can overlap the
+            forward of earlier ones only where the backend runs them concurrently; on XLA:CPU
+            they run in order and this only adds dispatches (benchmarks/RESULTS.md).
         prefill_bucket: smallest prefill token bucket (a power of two; bounds compiles).
         table_bucket: smallest page-table bucket in pages (a power of two; bounds compiles).
 
