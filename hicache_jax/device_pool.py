@@ -409,7 +409,12 @@ def _head_sharding(spec: KVSpec, mesh: Mesh | None, axis: str | None) -> NamedSh
 
 
 def _zeros(shape: tuple[int, ...], dtype: np.dtype, sharding: NamedSharding | None) -> jax.Array:
-    """Allocate the pool directly with its final sharding (no full-size host copy)."""
+    """Allocate the pool directly with its final sharding (no full-size host copy).
+
+    Without a mesh the pool is still *committed* to the default device: an uncommitted array
+    becomes committed after its first donated update, and every caller's jitted step would
+    then compile twice (once per commitment state).
+    """
     if sharding is None:
-        return jnp.zeros(shape, dtype)
+        sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)()
