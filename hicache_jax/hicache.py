@@ -34,7 +34,7 @@ from typing import Any, Callable, Hashable
 
 import numpy as np
 
-from hicache_jax.allocator import PageAllocator, as_page_ids
+from hicache_jax.allocator import PageAllocator
 from hicache_jax.device_pool import DevicePagePool
 from hicache_jax.errors import HiCacheError, OutOfPagesError
 from hicache_jax.events import EventLog, KVEvent, Medium
@@ -387,6 +387,13 @@ class HiCache:
         num_tokens = _check_int("num_tokens", num_tokens)
         self._complete()
         return self._evict_host(num_tokens)
+
+    @property
+    def device_pool(self) -> DevicePagePool:
+        """The device pool (L1). A serving stack's jitted forward writes K/V of pages it
+        allocated straight into it with ``device_pool.run(step, ...)`` (pool donated); the pool
+        object holds the only reference to the array, so do not keep ``device_pool.array``."""
+        return self._device
 
     def flush(self) -> None:
         """Wait for every transfer in flight and apply its completion."""

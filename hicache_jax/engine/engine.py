@@ -30,7 +30,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from hicache_jax.device_pool import DevicePagePool
 from hicache_jax.hicache import HiCache
 from hicache_jax.spec import HiCacheConfig
 from hicache_jax.engine.model import DecoderModel, bucket
@@ -89,16 +88,6 @@ def _argmax(logits: jax.Array) -> jax.Array:
     return jnp.argmax(logits).astype(jnp.int32).reshape(1)
 
 
-def _device_pool(cache: HiCache) -> DevicePagePool:
-    """The cache's device pool: the model's jitted steps write K/V into it in place.
-
-    HiCache's public contract has no pool accessor; a serving integration needs one (the
-    DESIGN.md request flow lets "the model's own jitted prefill write them in place").
-    """
-    pool = getattr(cache, "device_pool", None)
-    return pool if pool is not None else cache._device
-
-
 class Engine:
     """Serve prompts with a :class:`DecoderModel` over a :class:`HiCache`.
 
@@ -133,7 +122,7 @@ class Engine:
                     or bucket(value) != value:
                 raise ValueError(f"{name}={value!r} must be a power of two >= 1")
         self.model, self.cache = model, cache
-        self.pool = _device_pool(cache)
+        self.pool = cache.device_pool
         self.chunk_size, self.prefill_bucket = chunk_size, min(prefill_bucket, chunk_size)
         self.table_bucket = table_bucket
         self.layerwise = bool(layerwise)
