@@ -40,6 +40,7 @@ from hicache_jax.errors import HiCacheError, OutOfPagesError
 from hicache_jax.events import EventLog, KVEvent, Medium
 from hicache_jax.eviction import VictimHeap
 from hicache_jax.host_pool import HostPagePool
+from hicache_jax.l3 import L3Tier, PrefetchHandle
 from hicache_jax.radix import RadixTree, TreeNode, _as_tokens, _check_extra_key
 from hicache_jax.spec import HiCacheConfig, KVSpec, WritePolicy
 from hicache_jax.transfer import TransferEngine
@@ -159,6 +160,7 @@ class HiCache:
                                 lambda: self._host.allocator.num_used)
         self._events = EventLog()
         self._init_state()
+        self._l3 = L3Tier(self) if cfg.storage is not None else None  # L3: see l3.py
 
     def _init_state(self) -> None:
         self._owner = np.zeros(self.cfg.device_pages, np.int8)
@@ -211,13 +213,28 @@ class HiCache:
         Returns:
             A :class:`Match`; its ``device_pages`` stay valid while ``node`` is locked.
         """
-        _prepare_tokens(tokens, extra_key, self._ps)  # validate before polling
+        arr = _prepare_tokens(tokens, extra_key, self._ps)  # validate before polling
         self._complete()
+        if self._l3 is not None:
+            self._l3.before_match(arr, extra_key)
         tm = self._tree.match(tokens, extra_key)
         self._n["match_tokens"] += len(tokens) // self._ps * self._ps
         self._n["device_hit_tokens"] += tm.device_len
         self._n["host_hit_tokens"] += tm.host_len
         return Match(tm.device_pages, tm.device_len, tm.host_len, tm.node)
+
+    def prefetch(self, tokens: Any, extra_key: Hashable = None) -> PrefetchHandle | None:
+        """Start fetching from L3, into host pages, the pages of ``tokens`` beyond L1 + L2.
+
+        Returns:
+            A :class:`~hicache_jax.l3.PrefetchHandle` (``done()``, ``wait()``, ``pages_found``)
+            or None: no storage, nothing beyond L1 + L2, or L3 holds none of the next pages.
+            Fetched pages appear to :meth:`match_prefix` as host-only nodes per
+            ``cfg.prefetch_policy``.
+        """
+        arr = _prepare_tokens(tokens, extra_key, self._ps)
+        self._complete()
+        return None if self._l3 is None else self._l3.prefetch(arr, extra_key)
 
     def load_back(self, match: Match, *, layerwise: bool = False) -> Match:
         """Copy the host-only part of ``match`` back to device pages.
@@ -396,9 +413,17 @@ class HiCache:
         return self._device
 
     def flush(self) -> None:
-        """Wait for every transfer in flight and apply its completion."""
+        """Wait for every transfer in flight (L3 puts and prefetches too) and apply it."""
         self._complete(upto=self._seq)
         self._engine.wait_all()
+        if self._l3 is not None:
+            self._l3.flush()
+
+    def close(self) -> None:
+        """Flush, then release the L3 backend (its threads, connections). Idempotent."""
+        self.flush()
+        if self._l3 is not None:
+            self._l3.close()
 
     def take_events(self) -> list[KVEvent]:
         """KV events (BlockStored / BlockRemoved / AllBlocksCleared) since the last call."""
@@ -443,7 +468,7 @@ class HiCache:
             "transfer_seconds": seconds,
             "mean_transfer_gbps": moved / seconds / 1e9 if seconds > 0 else 0.0,
             "transfers_in_flight": len(self._ops),
-        }
+        } | ({} if self._l3 is None else self._l3.stats())
 
     # -- internals: allocation and eviction --------------------------------------------------
 
@@ -546,6 +571,8 @@ class HiCache:
             self._n["evicted_tokens"] += node.num_tokens
             self._n["deleted_tokens"] += node.num_tokens
         if host_value is not None:
+            if value is None and self._l3 is not None:
+                self._l3.on_host_evict(node, host_value)  # write_back: to L3 before the free
             self._host.allocator.free(host_value)
             self._events.removed(node, Medium.HOST)
             if value is None:
@@ -582,6 +609,8 @@ class HiCache:
         Dispatch order keeps a parent's backup acknowledged before its child's.
         """
         self._engine.poll()
+        if self._l3 is not None:
+            self._l3.poll()
         while self._ops:
             op = self._ops[0]
             if not op.handle.done():
@@ -617,6 +646,8 @@ class HiCache:
             self._tree.set_host_value(part, op.host_ids[idx])
             self._events.stored(part, Medium.HOST)
             used[idx] = True
+        if self._l3 is not None:
+            self._l3.on_backup(parts)
         if not used.all():  # unreachable while the lock holds; keeps host accounting exact
             self._host.allocator.free(op.host_ids[~used])
         self._backing[op.device_ids] = False

@@ -1,0 +1,401 @@
+"""L3Tier: the storage tier of a HiCache (prefetch from L3 into host pages, write to L3).
+
+Owned by one :class:`~hicache_jax.hicache.HiCache` and driven from its thread only:
+
+* **write** (L2 -> L3): ``storage_write_policy="write_through"`` (and ``write_through_selective``)
+  puts a node's pages once its device -> host backup has landed; ``write_back`` puts host-only
+  pages when L2 evicts them. Pages are first copied from the host pool (a donated ``jax.Array``)
+  into a numpy *staging* pool with ``HostPagePool.read`` on the cache's thread; the backend's
+  workers read only the staging pool. A put that finds no free staging page is skipped (counted).
+* **prefetch** (L3 -> L2): the pages of a prompt beyond what L1 + L2 hold, up to the first page
+  L3 does not hold, are read into staging pages; host pages are reserved at once (host eviction
+  first, never pages being loaded: reserved pages are in no tree node). Pages that land are
+  copied into their host pages and attached to the tree as host-only nodes under the matched
+  prefix (locked meanwhile, so L2 eviction cannot remove the attach point). A page that misses
+  or fails its check ends the usable run: the rest is recomputed by the caller.
+* **policies** at ``match_prefix``: ``best_effort`` attaches what has landed so far,
+  ``wait_complete`` waits for the prefetches on the request's path, ``timeout`` waits up to
+  ``issued + prefetch_timeout_s * (1 + tokens / 1024)`` then keeps what landed and cancels the rest.
+
+Keys: :func:`hicache_jax.storage.page_keys` of the tree's chained page hashes (namespaced by
+``extra_key`` and the spec fingerprint), so instances sharing a store share entries.
+
+URL options handled here (stripped before the backend sees the URL): ``optional=1`` runs without
+L3 when the store is unreachable at start (logged; ``stats()["l3_available"] == 0``) instead of
+raising ``StorageUnavailableError``; ``staging_pages=N`` sizes the staging pool (default
+``max(16, host_pages // 2)``).
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import time
+import urllib.parse
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from hicache_jax.allocator import PageAllocator
+from hicache_jax.errors import OutOfPagesError
+from hicache_jax.events import Medium
+from hicache_jax.radix import TreeNode, chain_hashes, namespace_hash
+from hicache_jax.spec import PrefetchPolicy, WritePolicy
+from hicache_jax.storage import StorageError, StorageUnavailableError, open_storage, page_keys
+
+if TYPE_CHECKING:
+    from hicache_jax.hicache import HiCache
+
+log = logging.getLogger(__name__)
+
+_TIMEOUT_TOKENS = 1024  # the timeout policy's deadline grows by prefetch_timeout_s per this many
+
+
+def _truthy(value: str) -> bool:
+    if value.lower() in ("1", "true", "yes"):
+        return True
+    if value.lower() in ("0", "false", "no", ""):
+        return False
+    raise ValueError(value)
+
+
+def split_url(url: str) -> tuple[str, dict[str, Any]]:
+    """Remove this module's options (``optional``, ``staging_pages``) from a storage URL.
+
+    Returns:
+        The URL for ``open_storage`` and ``{"optional": bool, "staging_pages": int | None}``.
+    """
+    parts = urllib.parse.urlsplit(url)
+    keep, opts = [], {"optional": False, "staging_pages": None}
+    for name, value in urllib.parse.parse_qsl(parts.query, keep_blank_values=True):
+        try:
+            if name == "optional":
+                opts["optional"] = _truthy(value)
+            elif name == "staging_pages":
+                opts["staging_pages"] = int(value)
+                if opts["staging_pages"] < 1:
+                    raise ValueError(value)
+            else:
+                keep.append((name, value))
+        except ValueError:
+            raise ValueError(f"storage url={url!r}: bad value {value!r} for {name}") from None
+    return urllib.parse.urlunsplit(parts._replace(query=urllib.parse.urlencode(keep))), opts
+
+
+def _leading(mask: np.ndarray) -> int:
+    """Length of the leading run of True."""
+    return int(mask.size if mask.all() else np.argmin(mask))
+
+
+@dataclass(eq=False)
+class PrefetchHandle:
+    """A prefetch in flight (returned by ``HiCache.prefetch``).
+
+    Attributes:
+        pages_found: pages L3 held (leading run) when the prefetch started, and being fetched.
+        start: tokens of the prompt L1 + L2 already held (where fetched pages attach).
+        tokens: int64 tokens of the prompt up to the end of the fetched pages.
+    """
+
+    pages_found: int
+    start: int
+    tokens: np.ndarray
+    extra_key: Any
+    _get: Any
+    _node: TreeNode
+    _host_ids: np.ndarray
+    _staging_ids: np.ndarray
+    _deadline: float
+    _applied: int = 0          # pages attached to the tree (or given up) so far
+    _closed: bool = False      # finished and its pages accounted for
+    _cancelled: bool = field(default=False)
+
+    def done(self) -> bool:
+        """Whether the storage read has finished (pages are attached at the cache's next call)."""
+        return self._get.done()
+
+    def wait(self, timeout: float | None = None) -> int:
+        """Block until the read finishes (``TimeoutError`` after ``timeout`` s); returns the
+        pages that arrived intact (leading run)."""
+        try:
+            ok = self._get.wait(timeout)
+        except StorageError:
+            return 0
+        return _leading(ok)
+
+
+class L3Tier:
+    """The L3 side of a HiCache (see the module docstring). Built by ``HiCache.__init__``.
+
+    Args:
+        cache: the owning cache; this class uses its tree, host pool, event log and host-page
+            allocation path (``_take_pages``), always on the cache's thread.
+
+    Raises:
+        ValueError: ``host_pages == 0`` or a malformed URL / option (before anything opens).
+        StorageUnavailableError: the store is unreachable (message names the address), unless
+            the URL says ``optional=1``.
+    """
+
+    def __init__(self, cache: "HiCache") -> None:
+        cfg, spec = cache.cfg, cache.spec
+        if cfg.host_pages == 0:
+            raise ValueError("storage needs a host pool (host_pages > 0): L3 pages move via L2")
+        url, opts = split_url(cfg.storage)
+        self._cache = cache
+        self.url = url
+        self.policy = PrefetchPolicy(cfg.prefetch_policy)
+        self.write_back = cfg.storage_write_policy is WritePolicy.WRITE_BACK
+        n_staging = opts["staging_pages"] or max(16, cfg.host_pages // 2)
+        self._staging = np.zeros((n_staging, spec.num_layers, spec.kv_factor, spec.page_size,
+                                  spec.num_kv_heads, spec.head_dim), spec.bits_dtype)
+        self._staging_alloc = PageAllocator(n_staging, "l3 staging")
+        self._n: collections.Counter[str] = collections.Counter()
+        self._puts: collections.deque = collections.deque()   # (StorageHandle, staging ids)
+        self._gets: list[PrefetchHandle] = []
+        try:
+            self.backend = open_storage(url, spec, self._staging, "page_first")
+        except StorageUnavailableError as e:
+            if not opts["optional"]:
+                raise
+            log.warning("running without L3 storage: %s", e)
+            self.backend = None
+
+    @property
+    def available(self) -> bool:
+        return self.backend is not None
+
+    # -- keys ---------------------------------------------------------------------------------
+
+    def _keys(self, hashes: np.ndarray, extra_key: Any) -> list[str] | None:
+        try:
+            return page_keys(self._cache.spec, hashes, extra_key)
+        except TypeError:  # an extra_key without a process-stable encoding: not shareable
+            self._n["l3_unkeyable_pages"] += hashes.size
+            return None
+
+    # -- writes -------------------------------------------------------------------------------
+
+    def on_backup(self, nodes: list[TreeNode]) -> None:
+        """Backups of ``nodes`` landed (host_value set): put them (write-through policies)."""
+        if self.backend is None or self.write_back:
+            return
+        for node in nodes:
+            self._put(node.page_hashes, node.extra_key, node.host_value)
+
+    def on_host_evict(self, node: TreeNode, host_ids: np.ndarray) -> None:
+        """``node``'s host pages are about to be freed: put them first (write_back policy)."""
+        if self.backend is not None and self.write_back:
+            self._put(node.page_hashes, node.extra_key, host_ids)
+
+    def _put(self, hashes: np.ndarray, extra_key: Any, host_ids: np.ndarray) -> None:
+        keys = self._keys(hashes, extra_key)
+        if keys is None:
+            return
+        n = len(keys)
+        if n > self._staging_alloc.num_free:
+            self.poll()
+        if n > self._staging_alloc.num_free:
+            self._n["l3_puts_skipped"] += n  # staging full: L3 is behind; drop, never block
+            return
+        sids = self._staging_alloc.alloc(n)
+        self._staging[sids] = np.moveaxis(self._cache._host.read(host_ids), 2, 0)
+        self._puts.append((self.backend.put_from(keys, sids), sids))
+        self._n["l3_put_pages"] += n
+
+    # -- prefetch -----------------------------------------------------------------------------
+
+    def prefetch(self, tokens: np.ndarray, extra_key: Any) -> PrefetchHandle | None:
+        """Start fetching the pages of ``tokens`` (whole pages, validated) beyond L1 + L2."""
+        if self.backend is None:
+            return None
+        cache, ps = self._cache, self._cache.spec.page_size
+        tm = cache._tree.match(tokens, extra_key)
+        start = tm.device_len + tm.host_len
+        for h in self._gets:  # the same path already in flight: hand out that prefetch
+            if (not h._closed and h.extra_key == extra_key and h.start == start
+                    and h.tokens.size <= tokens.size
+                    and np.array_equal(h.tokens[:start + ps], tokens[:start + ps])):
+                return h
+        rest = tokens[start:]
+        if rest.size == 0:
+            return None
+        prev = namespace_hash(extra_key) if tm.node.parent is None else int(tm.node.page_hashes[-1])
+        keys = self._keys(chain_hashes(prev, rest.reshape(-1, ps)), extra_key)
+        if keys is None:
+            return None
+        found = _leading(self.backend.exists(keys))
+        self._n["l3_lookup_pages"] += len(keys)
+        k = min(found, self._staging_alloc.num_free)
+        if k == 0:
+            self._n["l3_prefetch_skipped_pages"] += found
+            return None
+        cache._tree.lock(tm.node)  # the attach point survives host eviction, ours included
+        try:
+            host_ids = cache._take_pages(cache._host_tier, k)
+        except OutOfPagesError:
+            k = min(k, cache._host.allocator.num_free)
+            host_ids = cache._host.allocator.alloc(k)
+        if k == 0:
+            cache._tree.unlock(tm.node)
+            self._n["l3_prefetch_skipped_pages"] += found
+            return None
+        sids = self._staging_alloc.alloc(k)
+        get = self.backend.get_into(keys[:k], sids)
+        ntok = start + k * ps
+        deadline = time.monotonic() + self._cache.cfg.prefetch_timeout_s * (
+            1 + k * ps / _TIMEOUT_TOKENS)
+        handle = PrefetchHandle(k, start, tokens[:ntok].copy(), extra_key, get, tm.node,
+                                host_ids, sids, deadline)
+        self._gets.append(handle)
+        self._n["l3_prefetches"] += 1
+        self._n["l3_prefetch_pages"] += k
+        return handle
+
+    def before_match(self, tokens: np.ndarray, extra_key: Any) -> None:
+        """Apply the prefetch policy to prefetches on the path of ``tokens``."""
+        for h in list(self._gets):
+            if h._closed or h.extra_key != extra_key or tokens.size <= h.start or not \
+                    np.array_equal(h.tokens[:h.start + 1], tokens[:h.start + 1]):
+                continue
+            if self.policy is PrefetchPolicy.WAIT_COMPLETE:
+                h.wait()
+            elif self.policy is PrefetchPolicy.TIMEOUT and not h.done():
+                try:
+                    h.wait(max(0.0, h._deadline - time.monotonic()))
+                except TimeoutError:
+                    h._get.cancel()  # keep what landed; the rest is recomputed
+                    self._n["l3_prefetch_timeouts"] += 1
+            self._advance(h)
+        self.poll()
+
+    def poll(self) -> None:
+        """Finish completed puts and prefetches (cache thread; cheap when nothing is done)."""
+        while self._puts and self._puts[0][0].done():
+            self._finish_put(*self._puts.popleft())
+        if self._gets:
+            for h in self._gets:
+                if h.done():
+                    self._advance(h)
+            self._gets = [h for h in self._gets if not h._closed]
+
+    def flush(self) -> None:
+        """Wait for every put and prefetch in flight and apply them."""
+        while self._puts:
+            handle, sids = self._puts.popleft()
+            try:
+                handle.wait()
+            except StorageError:
+                pass
+            self._finish_put(handle, sids)
+        for h in self._gets:
+            h.wait()
+            self._advance(h)
+        self._gets = []
+
+    def _finish_put(self, handle: Any, sids: np.ndarray) -> None:
+        try:
+            ok = handle.wait(0)
+        except StorageError:
+            ok = np.zeros(len(handle.keys), bool)
+        stored = int(ok.sum())
+        self._n["l3_put_pages_stored"] += stored
+        self._n["l3_puts_dropped"] += ok.size - stored
+        self._staging_alloc.free(sids)
+
+    def _advance(self, h: PrefetchHandle) -> None:
+        """Attach the pages of ``h`` that landed since the last call; close it once done."""
+        if h._closed:
+            return
+        done = h.done()
+        try:
+            ok = h._get.wait(0) if done else h._get.landed()
+        except StorageError:
+            ok = np.zeros(h.pages_found, bool)
+        ready = _leading(ok)
+        if ready > h._applied:
+            self._attach(h, ready)
+        if done:
+            rest = h._host_ids[h._applied:]
+            self._cache._host.allocator.free(rest)
+            self._n["l3_prefetch_missed_pages"] += rest.size
+            self._staging_alloc.free(h._staging_ids)
+            self._cache._tree.unlock(h._node)
+            h._applied, h._closed = h.pages_found, True
+
+    def _attach(self, h: PrefetchHandle, ready: int) -> None:
+        """Pages ``[h._applied, ready)`` landed: copy them into their host pages and hang the
+        positions the tree does not hold yet under the matched prefix as one host-only node."""
+        cache, ps = self._cache, self._cache.spec.page_size
+        tree, lo = cache._tree, h._applied
+        end = h.start + ready * ps
+        tm = tree.match(h.tokens[:end], h.extra_key)
+        covered = tm.device_len + tm.host_len
+        if covered < h.start + lo * ps:
+            # Pages we attached earlier were evicted meanwhile: a gap we cannot hang pages under.
+            self._give_up(h, lo, ready)
+            return
+        first = (covered - h.start) // ps  # positions before it are held by the tree already
+        if first > lo:
+            cache._host.allocator.free(h._host_ids[lo:first])
+            self._n["l3_prefetch_duplicate_pages"] += first - lo
+        if first < ready:
+            host_ids = h._host_ids[first:ready]
+            cache._host.write(host_ids, np.moveaxis(self._staging[h._staging_ids[first:ready]], 0, 2))
+            leaf = _attach_host_leaf(tree, tm.node, h.tokens[covered:end], host_ids, h.extra_key)
+            cache._events.stored(leaf, Medium.HOST)
+            self._n["l3_prefetch_hit_pages"] += ready - first
+        h._applied = ready
+
+    def _give_up(self, h: PrefetchHandle, lo: int, ready: int) -> None:
+        self._cache._host.allocator.free(h._host_ids[lo:ready])
+        self._n["l3_prefetch_dropped_pages"] += ready - lo
+        h._applied = ready
+        h._get.cancel()
+
+    # -- misc ---------------------------------------------------------------------------------
+
+    def stats(self) -> dict[str, Any]:
+        names = ("l3_lookup_pages", "l3_prefetches", "l3_prefetch_pages", "l3_prefetch_hit_pages",
+                 "l3_prefetch_missed_pages", "l3_prefetch_duplicate_pages",
+                 "l3_prefetch_dropped_pages", "l3_prefetch_skipped_pages", "l3_prefetch_timeouts",
+                 "l3_put_pages", "l3_put_pages_stored", "l3_puts_dropped", "l3_puts_skipped",
+                 "l3_unkeyable_pages")
+        out: dict[str, Any] = {name: self._n[name] for name in names}
+        out["l3_available"] = int(self.backend is not None)
+        out["l3_staging_free_pages"] = self._staging_alloc.num_free
+        out["l3_in_flight"] = len(self._puts) + len(self._gets)
+        if self.backend is not None:
+            out.update({f"l3_store_{k}": v for k, v in self.backend.stats().items()})
+        return out
+
+    def close(self) -> None:
+        """Flush, then close the backend (idempotent)."""
+        if self.backend is not None:
+            self.flush()
+            self.backend.close()
+            self.backend = None
+
+
+def _attach_host_leaf(tree: Any, parent: TreeNode, key: np.ndarray, host_ids: np.ndarray,
+                      extra_key: Any) -> TreeNode:
+    """Add a host-only leaf under ``parent`` (whose prefix ends exactly where ``key`` starts).
+
+    RadixTree has no public insert for host-only pages (every other path creates device pages
+    first), so this does what ``RadixTree._add_leaf`` + ``set_host_value`` do together, through
+    the same internal helpers, keeping the tree's counters and evictable sets exact
+    (``check_invariants`` verifies them in the tests).
+    """
+    ps = tree.page_size
+    prev = namespace_hash(extra_key) if parent is tree.root else int(parent.page_hashes[-1])
+    hashes = chain_hashes(prev, key.reshape(-1, ps))
+    now = tree._clock()
+    leaf = tree._new_node(key.copy(), parent, hashes, extra_key, now)
+    parent.children[tree._child_key(parent, key[:ps], extra_key)] = leaf
+    leaf.host_value = np.asarray(host_ids, np.int32).copy()
+    tree._host_held.add(leaf.host_value)
+    tree.host_tokens += leaf.num_tokens
+    tree._refresh(leaf)
+    tree._refresh(parent)
+    return leaf

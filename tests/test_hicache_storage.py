@@ -1,0 +1,375 @@
+"""HiCache with an L3 storage tier (hicache_jax/l3.py): write-through to L3 after backups land,
+prefetch into host pages per policy, faults (unreachable store, dead holder, corrupted entry, full
+host pool), cross-instance reuse in two processes (file and Mooncake), and the reference engine's
+outputs unchanged when the prefix comes from L3."""
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from storage_servers import free_port, mooncake_skip_reason, running_mooncake
+
+from hicache_jax import HiCacheConfig, KVSpec
+from hicache_jax.hicache import HiCache
+from hicache_jax.radix import chain_hashes, namespace_hash
+from hicache_jax.storage import StorageUnavailableError
+
+SPEC = KVSpec(num_layers=2, num_kv_heads=2, head_dim=8, dtype="float32", page_size=4)
+PS = SPEC.page_size
+HELPER = os.path.join(os.path.dirname(__file__), "l3_instance.py")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+needs_mooncake = pytest.mark.skipif(mooncake_skip_reason() is not None,
+                                    reason=str(mooncake_skip_reason()))
+
+
+def make(url, device_pages=32, host_pages=64, **kw):
+    cfg = HiCacheConfig(device_pages=device_pages, host_pages=host_pages, storage=url,
+                        write_through_threshold=1, load_back_threshold=PS, **kw)
+    return HiCache(SPEC, cfg)
+
+
+def tokens_kv(seed, npages):
+    rng = np.random.default_rng(seed)
+    toks = rng.integers(0, 50_000, npages * PS)
+    kv = rng.standard_normal(SPEC.kv_shape(npages)).astype(np.float32)
+    return toks, kv
+
+
+def compute(cache, toks, kv):
+    """A request that computes every page of ``toks``, then a hit on it (the hit backs it up)."""
+    pages = cache.alloc_pages(len(toks) // PS)
+    cache.write_kv(pages, kv)
+    cache.insert(toks, pages)
+    cache.insert(toks, cache.match_prefix(toks).device_pages)
+
+
+def read_prefix(cache, toks):
+    """match + load_back; returns (L3/L2 host tokens matched, bits of every matched page)."""
+    m = cache.match_prefix(toks)
+    host = m.host_len
+    m = cache.load_back(m)
+    return host, m.device_len, np.asarray(cache.read_kv(m.device_pages)).view(np.uint32)
+
+
+def bits(kv):
+    return kv.view(np.uint32)
+
+
+def l3(cache):
+    return {k: v for k, v in cache.stats().items() if k.startswith("l3_")}
+
+
+@pytest.fixture
+def url(tmp_path):
+    return f"file://{tmp_path}/store"
+
+
+# -- round trips and write policies ------------------------------------------------------------
+
+@pytest.mark.parametrize("host_layout", ["layer_first", "page_first"])
+def test_round_trip_through_l3_bit_exact(url, host_layout):
+    a, b = make(url, host_layout=host_layout), make(url, prefetch_policy="wait_complete")
+    toks, kv = tokens_kv(0, 8)
+    compute(a, toks, kv)
+    a.flush()
+    s = l3(a)
+    assert s["l3_put_pages"] == s["l3_put_pages_stored"] == 8 and s["l3_puts_dropped"] == 0
+    assert b.match_prefix(toks).host_len == 0  # nothing local: only L3 has it
+    h = b.prefetch(toks)
+    assert h.pages_found == 8
+    host, dev, got = read_prefix(b, toks)  # wait_complete: no explicit wait needed
+    assert host == dev == 8 * PS
+    np.testing.assert_array_equal(got, bits(kv))
+    assert b.prefetch(toks) is None  # everything is local now
+    b._tree.check_invariants()
+    assert l3(b)["l3_prefetch_hit_pages"] == 8
+    a.close(), b.close()
+
+
+def test_prefetch_only_fetches_beyond_l1_l2_and_stops_at_first_miss(url):
+    a, b = make(url), make(url, prefetch_policy="wait_complete")
+    toks, kv = tokens_kv(1, 10)
+    compute(a, toks[:6 * PS], kv[:, :, :6])  # L3 holds pages 0..5
+    a.flush()
+    compute(b, toks[:2 * PS], kv[:, :, :2])   # b holds pages 0..1 itself
+    b.flush()
+    h = b.prefetch(toks)                      # pages 2..5 from L3, 6..9 nowhere
+    assert h.pages_found == 4 and h.start == 2 * PS
+    assert h.wait() == 4
+    host, dev, got = read_prefix(b, toks)
+    assert host == 4 * PS and dev == 6 * PS
+    np.testing.assert_array_equal(got, bits(kv[:, :, :6]))
+    assert b.prefetch(np.concatenate([toks[:2 * PS], toks[2 * PS:] + 1])) is None
+    a.close(), b.close()
+
+
+def test_storage_write_back_puts_only_on_host_eviction(url):
+    a = make(url, storage_write_policy="write_back")
+    toks, kv = tokens_kv(2, 4)
+    compute(a, toks, kv)
+    a.flush()
+    assert l3(a)["l3_put_pages"] == 0
+    a.evict(10**6)
+    assert a.evict_host(10**6) == 4 * PS
+    a.flush()
+    assert l3(a)["l3_put_pages_stored"] == 4
+    b = make(url, prefetch_policy="wait_complete")
+    b.prefetch(toks)
+    np.testing.assert_array_equal(read_prefix(b, toks)[2], bits(kv))
+    a.close(), b.close()
+
+
+def test_no_storage_is_unchanged_and_prefetch_is_none():
+    cache = make(None)
+    toks, kv = tokens_kv(3, 2)
+    compute(cache, toks, kv)
+    assert cache.prefetch(toks) is None
+    assert not any(k.startswith("l3_") for k in cache.stats())
+    with pytest.raises(TypeError):
+        cache.prefetch(np.zeros((2, 4), np.int64).tolist()[0] + [1.5])
+
+
+# -- policies ----------------------------------------------------------------------------------
+
+def _slow_gets(cache, seconds):
+    """Make every sub-batch of the backend's reads take ``seconds`` (one page per sub-batch)."""
+    backend = cache._l3.backend
+    inner = backend._get
+
+    def slow(keys, ids):
+        time.sleep(seconds)
+        return inner(keys, ids)
+    backend._get = slow
+
+
+def _seed_store(url, seed, npages):
+    a = make(url)
+    toks, kv = tokens_kv(seed, npages)
+    compute(a, toks, kv)
+    a.close()
+    return toks, kv
+
+
+def test_best_effort_uses_what_arrived_then_the_rest(url):
+    toks, kv = _seed_store(url, 4, 6)
+    b = make(url + "?batch_pages=1", prefetch_policy="best_effort")
+    _slow_gets(b, 0.15)
+    h = b.prefetch(toks)
+    first = b.match_prefix(toks).host_len  # does not wait
+    assert first < 6 * PS
+    h.wait()
+    host, _, got = read_prefix(b, toks)
+    assert first + host == 6 * PS  # the rest appears once landed (match loads back only its part)
+    np.testing.assert_array_equal(got, bits(kv))
+    b._tree.check_invariants()
+    b.close()
+
+
+def test_timeout_keeps_what_landed_and_cancels_the_rest(url):
+    toks, kv = _seed_store(url, 5, 8)
+    b = make(url + "?batch_pages=1", prefetch_policy="timeout", prefetch_timeout_s=0.05)
+    _slow_gets(b, 0.1)
+    b.prefetch(toks)
+    t0 = time.monotonic()
+    m = b.match_prefix(toks)
+    waited = time.monotonic() - t0
+    assert 0.04 < waited < 0.6  # base 0.05 s, grown by 32 tokens / 1024
+    assert m.host_len < 8 * PS
+    b.flush()
+    s = l3(b)
+    assert s["l3_prefetch_timeouts"] == 1
+    assert s["l3_prefetch_hit_pages"] + s["l3_prefetch_missed_pages"] == 8
+    assert s["l3_prefetch_missed_pages"] > 0
+    host, dev, got = read_prefix(b, toks)
+    np.testing.assert_array_equal(got, bits(kv[:, :, :dev // PS]))
+    assert b.stats()["host_free_pages"] == 64 - dev // PS  # cancelled pages went back
+    b.close()
+
+
+def test_flush_waits_for_prefetches_and_puts(url):
+    toks, kv = _seed_store(url, 6, 4)
+    b = make(url, prefetch_policy="best_effort")
+    _slow_gets(b, 0.2)
+    h = b.prefetch(toks)
+    b.flush()
+    assert h.done() and l3(b)["l3_in_flight"] == 0
+    assert b.match_prefix(toks).host_len == 4 * PS
+    b.close()
+
+
+# -- faults ------------------------------------------------------------------------------------
+
+def test_unreachable_store_at_start_names_the_address_or_runs_without(tmp_path):
+    blocker = tmp_path / "not_a_dir"
+    blocker.write_text("x")
+    with pytest.raises(StorageUnavailableError, match="not_a_dir"):
+        make(f"file://{blocker}/store")
+    cache = make(f"file://{blocker}/store?optional=1")
+    assert l3(cache)["l3_available"] == 0
+    toks, kv = tokens_kv(7, 2)
+    compute(cache, toks, kv)
+    assert cache.prefetch(toks) is None
+    with pytest.raises(ValueError, match="optional"):
+        make(f"file://{tmp_path}/s?optional=maybe")
+    with pytest.raises(ValueError, match="host_pages"):
+        make(f"file://{tmp_path}/s", host_pages=0)
+
+
+@needs_mooncake
+def test_mooncake_unreachable_names_the_address():
+    addr = f"127.0.0.1:{free_port()}"
+    t0 = time.monotonic()
+    with pytest.raises(StorageUnavailableError, match=addr):
+        make(f"mooncake://{addr}?setup_timeout_s=2")
+    assert time.monotonic() - t0 < 10
+    assert l3(make(f"mooncake://{addr}?setup_timeout_s=1&optional=true"))["l3_available"] == 0
+
+
+def test_corrupted_entry_is_a_miss_and_the_rest_is_recomputed(url, tmp_path):
+    toks, kv = _seed_store(url, 8, 6)
+    b = make(url, prefetch_policy="wait_complete")
+    keys = b._l3._keys(chain_hashes(namespace_hash(None), toks.reshape(-1, PS)), None)
+    path = b._l3.backend.path(keys[3])
+    with open(path, "r+b") as f:  # flip payload bytes of page 3
+        f.seek(200)
+        f.write(bytes(x ^ 0xFF for x in f.read(8)))
+    h = b.prefetch(toks)
+    assert h.pages_found == 6 and h.wait() == 3
+    host, dev, got = read_prefix(b, toks)
+    assert host == dev == 3 * PS
+    np.testing.assert_array_equal(got, bits(kv[:, :, :3]))
+    assert l3(b)["l3_store_corrupt"] == 1 and not os.path.exists(path)
+    # the request recomputes pages 3..5; its backup repairs the entry in L3
+    compute(b, toks, kv)
+    b.flush()
+    assert os.path.exists(path)
+    b._tree.check_invariants()
+    b.close()
+
+
+def test_host_pool_full_during_prefetch_evicts_host_pages_not_loading_ones(url):
+    toks, kv = _seed_store(url, 9, 6)
+    other, okv = tokens_kv(10, 6)
+    b = make(url + "?batch_pages=1", device_pages=16, host_pages=8,
+             prefetch_policy="best_effort")
+    compute(b, other, okv)  # 6 host pages held by `other`, evictable once off device
+    b.flush()
+    b.evict(10**6)
+    assert b.stats()["host_free_pages"] == 2
+    _slow_gets(b, 0.05)
+    h = b.prefetch(toks)
+    assert h.pages_found == 6  # host eviction made room: `other`'s leaf went
+    assert b.stats()["host_evicted_tokens"] == 6 * PS and b.stats()["host_free_pages"] == 2
+    # more host pressure while it loads: the reserved pages are in no node, never evicted
+    assert b.evict_host(10**6) == 0
+    h2 = b.prefetch(other)  # L3 has `other` (b wrote it through): only the 2 free pages
+    assert h2.pages_found == 2
+    b.flush()
+    host, _, got = read_prefix(b, toks)
+    assert host == 6 * PS
+    np.testing.assert_array_equal(got, bits(kv))
+    np.testing.assert_array_equal(read_prefix(b, other)[2], bits(okv[:, :, :2]))
+    b._tree.check_invariants()
+    b.close()
+
+
+@needs_mooncake
+def test_mooncake_round_trip_and_holder_killed_mid_run():
+    with running_mooncake(segment_bytes=64 << 20, client_ttl_s=2) as servers:
+        a, b = make(servers.url), make(servers.url, prefetch_policy="wait_complete")
+        toks, kv = tokens_kv(11, 8)
+        compute(a, toks, kv)
+        a.flush()
+        assert l3(a)["l3_put_pages_stored"] == 8
+        b.prefetch(toks)
+        host, _, got = read_prefix(b, toks)
+        assert host == 8 * PS
+        np.testing.assert_array_equal(got, bits(kv))
+
+        servers.kill_holder()
+        t0 = time.monotonic()
+        toks2, kv2 = tokens_kv(12, 8)
+        compute(a, toks2, kv2)  # its write-through to L3 fails: dropped, counted
+        a.flush()
+        c = make(servers.url, prefetch_policy="wait_complete")
+        h = c.prefetch(toks)   # gets become misses: recompute
+        assert h is None or h.wait(30) == 0
+        assert c.match_prefix(toks).host_len == 0
+        c.flush()
+        assert time.monotonic() - t0 < 30  # no hang
+        s = l3(a)
+        assert s["l3_puts_dropped"] == 8 and s["l3_put_pages_stored"] == 8
+        for t, k in ((toks, kv), (toks2, kv2)):  # L1/L2 untouched
+            np.testing.assert_array_equal(read_prefix(a, t)[2], bits(k))
+        a.evict(10**6)
+        np.testing.assert_array_equal(read_prefix(a, toks2)[2], bits(kv2))
+        a._tree.check_invariants()
+        for cache in (a, b, c):
+            cache.close()
+
+
+# -- cross-instance reuse: two processes -------------------------------------------------------
+
+def _run_instance(url, role, seed, npages):
+    out = subprocess.run([sys.executable, HELPER, url, role, str(seed), str(npages)],
+                         capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": os.pathsep.join(
+                             [ROOT, os.path.dirname(HELPER), os.environ.get("PYTHONPATH", "")])})
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def _cross_instance(url):
+    wrote = _run_instance(url, "write", 21, 12)
+    assert wrote["l3_put_pages_stored"] == 12
+    read = _run_instance(url, "read", 21, 12)
+    assert read["pages_found"] == 12 and read["host_len"] == 12 * PS
+    assert read["bit_exact"] and read["l3_prefetch_hit_pages"] == 12
+
+
+def test_cross_instance_reuse_two_processes_file(url):
+    _cross_instance(url)
+
+
+@needs_mooncake
+def test_cross_instance_reuse_two_processes_mooncake():
+    with running_mooncake(segment_bytes=64 << 20) as servers:
+        _cross_instance(servers.url)
+
+
+# -- the reference engine ----------------------------------------------------------------------
+
+def test_engine_outputs_identical_with_prefix_from_l3(url):
+    from hicache_jax.engine.engine import Engine
+    from hicache_jax.engine.model import DecoderModel, ModelConfig
+
+    cfg = ModelConfig(vocab_size=97, num_layers=2, d_model=32, num_heads=4, num_kv_heads=2,
+                      head_dim=8, ffn_dim=48)
+    model = DecoderModel(cfg, seed=3)
+    spec = model.kv_spec(16)
+    buckets = dict(chunk_size=64, prefill_bucket=64, table_bucket=32, layerwise=False)
+    prompt = np.random.default_rng(0).integers(1, 97, 40).astype(np.int32)
+
+    def engine(storage, mode="hicache"):
+        c = HiCacheConfig(device_pages=64, host_pages=0 if mode == "none" else 256,
+                          storage=storage, write_through_threshold=1, load_back_threshold=1,
+                          prefetch_policy="wait_complete")
+        return Engine(model, HiCache(spec, c), mode=mode, **buckets)
+
+    ref = engine(None, "none").generate([prompt], 4)[0]
+    first = engine(url)
+    first.generate([prompt, prompt], 4)  # the second request's hit backs the prefix up
+    first.cache.close()
+    second = engine(url)
+    h = second.cache.prefetch(prompt[:-1])
+    assert h is not None and h.pages_found == 2
+    gen = second.generate([prompt], 4)[0]
+    assert gen.record.host_hit_tokens == 32  # both pages came from L3, via L2
+    np.testing.assert_array_equal(gen.tokens, ref.tokens)
+    np.testing.assert_allclose(gen.first_logits, ref.first_logits, rtol=1e-5, atol=1e-6)
+    second.cache.close()
