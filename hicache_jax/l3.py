@@ -194,8 +194,8 @@ class L3Tier:
         if keys is None:
             return
         n = len(keys)
-        if n > self._staging_alloc.num_free:
-            self.poll()
+        # No poll here (we may be inside an eviction loop): completed puts free their staging
+        # pages at the cache's next poll.
         if n > self._staging_alloc.num_free:
             self._n["l3_puts_skipped"] += n  # staging full: L3 is behind; drop, never block
             return

@@ -4,7 +4,11 @@ Configurations (same model, same device pool size, same workload; fresh cache ea
 
 * ``no cache``      every prompt is prefilled from scratch;
 * ``device radix``  a radix prefix cache in device memory only (HiCache with ``host_pages=0``);
-* ``hicache``       L1 + L2 (host pool ``--host-ratio`` x the device pool), ``--policy``.
+* ``hicache``       L1 + L2 (host pool ``--host-ratio`` x the device pool), ``--policy``;
+* ``hicache+L3``    with ``--storage URL`` only: the same plus an L3 store; each request first
+                    ``prefetch``es its prompt (policy ``wait_complete``). A ``file://`` store gets
+                    a fresh subdirectory per run (one instance's own reuse); a Mooncake store keeps
+                    what earlier runs (the warm-up) stored, so its hits include theirs.
 
 Each configuration first plays the workload once untimed (so compiles are not charged to
 whichever configuration happens to run first), then once timed with a fresh cache. The table
@@ -28,7 +32,9 @@ import numpy as np
 from hicache_jax.engine.engine import Engine, Generation
 from hicache_jax.engine.model import DecoderModel, ModelConfig, bucket, load_params
 from hicache_jax.engine.workloads import WORKLOADS, Workload
+from hicache_jax.hicache import HiCache
 from hicache_jax.spec import HiCacheConfig
+from hicache_jax.storage import StorageError
 
 CONFIGS = (("no cache", "none"), ("device radix", "device"), ("hicache", "hicache"))
 
@@ -78,6 +84,8 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--policy", default="write_through",
                    choices=["write_through", "write_through_selective", "write_back"])
     c.add_argument("--chunk-size", type=int, default=256, help="prefill chunk (power of two)")
+    c.add_argument("--storage", metavar="URL",
+                   help="L3 store (file:///dir, mooncake://host:port): adds a 'hicache+L3' run")
     c.add_argument("--no-layerwise", action="store_true", help="plain (not layer-wise) load-back")
     c.add_argument("--no-warmup", action="store_true", help="skip the untimed first pass")
     o = b.add_argument_group("output")
@@ -114,10 +122,13 @@ def _default_device_pages(workload: Workload, page_size: int) -> int:
 
 def _play(engine: Engine, workload: Workload, bar: Any) -> tuple[list[Generation], float]:
     gens: list[Generation] = []
+    l3 = engine.cache.cfg.storage is not None
 
     def serve(prompts: list[np.ndarray]) -> list[np.ndarray]:
         out = []
         for p in prompts:
+            if l3:  # the engine matches the prompt minus its last token: fetch that from L3
+                engine.cache.prefetch(p[:-1])
             gens.extend(engine.generate([p], workload.max_new_tokens))
             out.append(gens[-1].tokens)
             if bar is not None:
@@ -153,6 +164,8 @@ def _summary(gens: list[Generation], wall: float, stats: dict[str, Any]) -> dict
         "ttft_p90_ms": float(np.percentile(ttft, 90) * 1e3),
         "tokens_per_s": (prompt + generated) / wall, "wall_s": wall,
         "bytes_to_host": stats["bytes_to_host"], "bytes_to_device": stats["bytes_to_device"],
+        "l3_fetched_pages": stats.get("l3_prefetch_hit_pages", 0),
+        "l3_stored_pages": stats.get("l3_put_pages_stored", 0),
     }
 
 
@@ -161,7 +174,8 @@ def _table(summaries: dict[str, dict[str, Any]]) -> str:
             ("L1 hit", "l1_hit_tokens"), ("L2 hit", "l2_hit_tokens"),
             ("TTFT p50 ms", "ttft_p50_ms"), ("TTFT p90 ms", "ttft_p90_ms"),
             ("tok/s", "tokens_per_s"), ("MB to host", "bytes_to_host"),
-            ("MB to device", "bytes_to_device")]
+            ("MB to device", "bytes_to_device"), ("L3 fetched pg", "l3_fetched_pages"),
+            ("L3 stored pg", "l3_stored_pages")]
     rows = []
     for name, s in summaries.items():
         row = [name]
@@ -199,7 +213,7 @@ def bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         device_pages = args.device_pages or _default_device_pages(workload, ps)
         host_pages = int(round(args.host_ratio * device_pages))
         HiCacheConfig(device_pages=device_pages, host_pages=host_pages,
-                      write_policy=args.policy)  # validates the sizes
+                      write_policy=args.policy, storage=args.storage)  # validates the sizes
         cfg.kv_spec(ps)  # validates the page size
         if bucket(args.chunk_size) != args.chunk_size:
             raise ValueError(f"--chunk-size {args.chunk_size} must be a power of two")
@@ -214,21 +228,38 @@ def bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
           f"{cfg.dtype}; device pool {device_pages} pages ({device_pages * ps} tokens), "
           f"host pool {host_pages} pages; policy {args.policy}; serial engine", flush=True)
 
-    def engine(mode: str) -> Engine:
-        return Engine.create(model, mode, page_size=ps, device_pages=device_pages,
-                             host_pages=host_pages, write_policy=args.policy,
-                             chunk_size=args.chunk_size, layerwise=not args.no_layerwise,
-                             prefill_bucket=min(64, args.chunk_size),
-                             table_bucket=max(1, min(32, 512 // ps)))
+    knobs = dict(chunk_size=args.chunk_size, layerwise=not args.no_layerwise,
+                 prefill_bucket=min(64, args.chunk_size), table_bucket=max(1, min(32, 512 // ps)))
+    runs = iter(range(1 << 30))
 
+    def engine(mode: str) -> Engine:
+        if mode != "hicache+L3":
+            return Engine.create(model, mode, page_size=ps, device_pages=device_pages,
+                                 host_pages=host_pages, write_policy=args.policy, **knobs)
+        url = args.storage
+        if url.startswith("file://"):  # a fresh store per run: this instance's reuse only
+            base, _, query = url.partition("?")
+            url = f"{base.rstrip('/')}/run-{os.getpid()}-{next(runs)}" + (f"?{query}" if query else "")
+        hc = HiCacheConfig(device_pages=device_pages, host_pages=host_pages,
+                           write_policy=args.policy, load_back_threshold=ps, storage=url,
+                           prefetch_policy="wait_complete")
+        try:
+            cache = HiCache(cfg.kv_spec(ps), hc)
+        except (StorageError, ValueError) as exc:
+            parser.exit(2, f"hicache-jax bench: error: --storage: {exc}\n")
+        return Engine(model, cache, mode="hicache", **knobs)
+
+    configs = CONFIGS + ((("hicache+L3", "hicache+L3"),) if args.storage else ())
     summaries, outputs, per_request = {}, {}, {}
-    for name, mode in CONFIGS:
+    for name, mode in configs:
         if not args.no_warmup:
-            _play(engine(mode), workload, _progress(workload.num_requests, f"{name} (warm-up)",
-                                                    args.quiet))
+            warm = engine(mode)
+            _play(warm, workload, _progress(workload.num_requests, f"{name} (warm-up)", args.quiet))
+            warm.cache.close()
         eng = engine(mode)
         gens, wall = _play(eng, workload, _progress(workload.num_requests, name, args.quiet))
         summaries[name] = _summary(gens, wall, eng.cache.stats())
+        eng.cache.close()
         outputs[name] = [g.tokens for g in gens]
         per_request[name] = [dict(vars(g.record)) for g in gens]
     first = outputs[CONFIGS[0][0]]
