@@ -17,7 +17,16 @@ Modes: host layout, ``zero-copy`` (Mooncake two-buffer calls) or staged, entry c
 xxh3 when the xxhash package is installed).
 Page: 4 layers x 2 (K, V) x 16 tokens x 8 heads x 64 dims, bfloat16 = 128 KiB.
 
+Second part (``--part cache``, default ``all``): HiCache with L3 on bench_tree's multi-turn trace
+(real KV bytes, the DESIGN.md request flow, ``prefetch`` with ``wait_complete`` before each
+match). The device pool holds 25% of the working set and the host pool 2x the device pool
+(``--host-ratio``), so L1 + L2 (75%) are too small for it: hit ratio without L3, with a file L3, with a Mooncake L3, each against
+the infinite-cache hit ratio of the same trace (target: L3 brings it to >= 95% of it). Then two
+instances sharing one store: instance A serves the first half of the trace, a fresh instance B
+the second half; B's hits from L3 are prefixes only A computed (B alone, without L3, beside it).
+
     python benchmarks/bench_storage.py [--quick] [--json PATH] [--backends file,mooncake]
+        [--part raw|cache|all]
 """
 
 from __future__ import annotations
@@ -235,6 +244,124 @@ def bench_file(repeats: int, batch_pages: int) -> list[dict]:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+# ---- part 2: HiCache with L3 on the multi-turn trace ------------------------------------------
+
+CACHE_TARGET = 0.95  # hit ratio with L3 / infinite-cache hit ratio
+
+
+def serve_trace(trace, spec: KVSpec, cfg, *, cache=None, prefetch: bool = True) -> dict:
+    """Serve ``trace`` (prefetch, match, load_back, lock, alloc, write_kv, insert, unlock) through
+    ``cache`` (or a fresh HiCache of ``cfg``); hit tokens by source, seconds, L3 counters."""
+    from hicache_jax import HiCache
+
+    cache = cache if cache is not None else HiCache(spec, cfg)
+    ps = spec.page_size
+    longest = max(p.shape[0] + r.shape[0] for p, r in trace) // ps
+    kv = np.random.default_rng(0).integers(0, 0x3F80, spec.kv_shape(longest), dtype=np.uint16)
+    dev_hit = host_hit = prompt = 0
+    l3_before = cache.stats().get("l3_prefetch_hit_pages", 0)
+    t0 = time.perf_counter()
+    for p, r in trace:
+        seq = np.concatenate([p, r])
+        if prefetch:
+            cache.prefetch(p)
+        m = cache.match_prefix(p)
+        m2 = cache.load_back(m)
+        cache.lock(m2.node)
+        new = cache.alloc_pages(seq.shape[0] // ps - m2.device_pages.shape[0])
+        cache.write_kv(new, kv[:, :, :new.shape[0]])
+        cache.insert(seq, np.concatenate([m2.device_pages, new]))
+        cache.unlock(m2.node)
+        dev_hit += m.device_len
+        host_hit += m2.device_len - m.device_len
+        prompt += p.shape[0]
+    cache.flush()
+    s = cache.stats()
+    return {"prompt_tokens": prompt, "device_hit_tokens": dev_hit, "host_hit_tokens": host_hit,
+            "hit_ratio": (dev_hit + host_hit) / prompt, "seconds": time.perf_counter() - t0,
+            "l3_fetched_tokens": (s.get("l3_prefetch_hit_pages", 0) - l3_before) * ps,
+            "l3_stored_pages": s.get("l3_put_pages_stored", 0),
+            "l3_puts_dropped": s.get("l3_puts_dropped", 0) + s.get("l3_puts_skipped", 0),
+            "host_evictions": s["host_evictions"], "backups_skipped": s["backups_skipped"]}
+
+
+def bench_cache(args, backends: list[str]) -> tuple[list[dict], dict]:
+    """Hit ratio without / with L3 vs the infinite cache, and the two-instance run."""
+    from benchmarks.bench_tree import make_trace, replay
+    from hicache_jax import HiCache, HiCacheConfig
+
+    targs = argparse.Namespace(seed=0, system_prompts=4, system_tokens=512, user_tokens=256,
+                               reply_tokens=256, conversations=24 if args.quick else 48,
+                               concurrency=8 if args.quick else 16, turns=4 if args.quick else 5)
+    ps = 16
+    spec = KVSpec(4, 2, 64, "bfloat16", page_size=ps)
+    trace = make_trace(targs)
+    total = sum(p.shape[0] + r.shape[0] for p, r in trace) // ps + 1
+    inf = replay(trace, ps, total, "lru")
+    inf_ratio = inf["hit_tokens"] / inf["prompt_tokens"]
+    working = inf["device_tokens_end"] // ps
+    longest = max(p.shape[0] + r.shape[0] for p, r in trace) // ps
+    device = max(working // 4, 2 * longest)
+    host = int(device * args.host_ratio)
+    print(f"\nmulti-turn trace: {len(trace)} requests, working set {working} pages; device "
+          f"{device} pages, host {host} pages ({(device + host) / working:.0%} of the working set "
+          f"together); page {spec.page_bytes // 1024} KiB; infinite-cache hit ratio {inf_ratio:.3f}")
+    base = dict(device_pages=device, host_pages=host, load_back_threshold=ps,
+                prefetch_policy="wait_complete")
+    tmp = tempfile.mkdtemp(prefix="bench-l3-")
+    servers = None
+    runs: dict[str, dict] = {}
+    try:
+        urls = {"file": f"file://{tmp}/store"} if "file" in backends else {}
+        if "mooncake" in backends:
+            from storage_servers import MooncakeServers
+
+            if args.mooncake is None:
+                servers = MooncakeServers.start(segment_bytes=2 << 30)
+            urls["mooncake"] = f"mooncake://{args.mooncake or servers.address}"
+        serve_trace(trace[:8], spec, HiCacheConfig(**base))  # untimed: jit compiles
+        runs["L1+L2, no L3"] = serve_trace(trace, spec, HiCacheConfig(**base))
+        # control: the same L3 writes (new leaves backed up too) but never read back
+        cache = HiCache(spec, HiCacheConfig(storage=f"file://{tmp}/control", **base))
+        runs["L1+L2, L3 written not read"] = serve_trace(trace, spec, None, cache=cache,
+                                                          prefetch=False)
+        cache.close()
+        for name, url in urls.items():
+            cache = HiCache(spec, HiCacheConfig(storage=url, **base))
+            runs[f"L1+L2+L3 {name}"] = serve_trace(trace, spec, None, cache=cache)
+            cache.close()
+        # two instances, one store (a fresh file store: only A's pages are in it)
+        half = len(trace) // 2
+        url2 = f"file://{tmp}/shared"
+        a = HiCache(spec, HiCacheConfig(storage=url2, **base))
+        runs["instance A (1st half)"] = serve_trace(trace[:half], spec, None, cache=a)
+        a.close()
+        b = HiCache(spec, HiCacheConfig(storage=url2, **base))
+        runs["instance B (2nd half)"] = serve_trace(trace[half:], spec, None, cache=b)
+        b.close()
+        runs["B alone, no L3"] = serve_trace(trace[half:], spec, HiCacheConfig(**base))
+    finally:
+        if servers is not None:
+            servers.stop()
+        shutil.rmtree(tmp, ignore_errors=True)
+    rows = [{"run": name, **r, "vs_infinite": r["hit_ratio"] / inf_ratio}
+            for name, r in runs.items()]
+    print_table(["run", "hit ratio", "vs infinite", "L1 hit tok", "L2 hit tok", "from L3 tok",
+                 "L3 stored pg", "L3 dropped", "host evictions", "backups skipped", "seconds"],
+                [[r["run"], r["hit_ratio"], r["vs_infinite"], r["device_hit_tokens"],
+                  r["host_hit_tokens"], r["l3_fetched_tokens"], r["l3_stored_pages"],
+                  r["l3_puts_dropped"], r["host_evictions"], r["backups_skipped"], r["seconds"]]
+                 for r in rows],
+                title=f"HiCache + L3, host pool too small (target with L3: vs infinite >= "
+                      f"{CACHE_TARGET}; instance rows: vs the whole trace's infinite ratio)")
+    ok = all(r["vs_infinite"] >= CACHE_TARGET for r in rows if r["run"].startswith("L1+L2+L3"))
+    print(f"target with L3 >= {CACHE_TARGET} of infinite: {'met' if ok else 'NOT met'}; "
+          f"instance B got {runs['instance B (2nd half)']['l3_fetched_tokens']} tokens from L3 "
+          f"that only A computed")
+    return rows, {"device_pages": device, "host_pages": host, "working_set_pages": working,
+                  "infinite_hit_ratio": inf_ratio, "trace": vars(targs)}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="3 repeats instead of 7")
@@ -242,10 +369,18 @@ def main() -> None:
     ap.add_argument("--backends", default="file,mooncake")
     ap.add_argument("--mooncake", default=None, help="host:port of a running master")
     ap.add_argument("--batch-pages", type=int, default=32, help="pages per backend call")
+    ap.add_argument("--part", default="all", choices=["raw", "cache", "all"])
+    ap.add_argument("--host-ratio", type=float, default=2.0,
+                    help="cache part: host pages / device pages (device: 25%% of the working set)")
     args = ap.parse_args()
     repeats = 3 if args.quick else 7
-    rows = []
     backends = args.backends.split(",")
+    if args.part != "raw":
+        cache_rows, cache_cfg = bench_cache(args, backends)
+        if args.part == "cache":
+            write_json(args.json, "bench_storage_cache", cache_cfg, cache_rows)
+            return
+    rows = []
     if "file" in backends:
         rows += bench_file(repeats, args.batch_pages)
     if "mooncake" in backends:
@@ -259,9 +394,11 @@ def main() -> None:
                           for r in rows],
                 title=f"L3 put/get, {SPEC.page_bytes // 1024} KiB pages, medians of {repeats}; "
                       f"memcpy of 128 pages: {memcpy:.2f} GB/s; target ratio >= 0.8")
-    write_json(args.json, "bench_storage", {"spec": str(SPEC), "batches": BATCHES,
-                                            "batch_pages": args.batch_pages,
-                                            "repeats": repeats, "memcpy_gbps": memcpy}, rows)
+    config = {"spec": str(SPEC), "batches": BATCHES, "batch_pages": args.batch_pages,
+              "repeats": repeats, "memcpy_gbps": memcpy}
+    if args.part == "all":
+        config, rows = config | {"cache": cache_cfg}, {"raw": rows, "cache": cache_rows}
+    write_json(args.json, "bench_storage", config, rows)
 
 
 if __name__ == "__main__":

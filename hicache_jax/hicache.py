@@ -391,6 +391,9 @@ class HiCache:
             for node in res.existing_nodes:  # root-first: parents dispatch before children
                 if node.hit_count >= self.cfg.write_through_threshold:
                     self._write_backup(node)
+            if self._l3 is not None and self._l3.back_up_new and res.last_node not in \
+                    res.existing_nodes and res.last_node.parent is not None:
+                self._write_backup(res.last_node)  # L3 write-through: computed pages go down now
         return res.prefix_len
 
     def evict(self, num_tokens: int) -> int:

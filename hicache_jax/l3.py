@@ -2,9 +2,10 @@
 
 Owned by one :class:`~hicache_jax.hicache.HiCache` and driven from its thread only:
 
-* **write** (L2 -> L3): ``storage_write_policy="write_through"`` (and ``write_through_selective``)
-  puts a node's pages once its device -> host backup has landed; ``write_back`` puts host-only
-  pages when L2 evicts them. Pages are first copied from the host pool (a donated ``jax.Array``)
+* **write** (L2 -> L3): ``storage_write_policy="write_through"`` backs up newly inserted leaves
+  too (L1 -> L2 write-through alone waits for a reuse) and puts a node's pages once its
+  device -> host backup has landed; ``write_through_selective`` puts backed-up pages without
+  the extra backups; ``write_back`` puts host-only pages when L2 evicts them. Pages are first copied from the host pool (a donated ``jax.Array``)
   into a numpy *staging* pool with ``HostPagePool.read`` on the cache's thread; the backend's
   workers read only the staging pool. A put that finds no free staging page is skipped (counted).
 * **prefetch** (L3 -> L2): the pages of a prompt beyond what L1 + L2 hold, up to the first page
@@ -23,7 +24,7 @@ Keys: :func:`hicache_jax.storage.page_keys` of the tree's chained page hashes (n
 URL options handled here (stripped before the backend sees the URL): ``optional=1`` runs without
 L3 when the store is unreachable at start (logged; ``stats()["l3_available"] == 0``) instead of
 raising ``StorageUnavailableError``; ``staging_pages=N`` sizes the staging pool (default
-``max(16, host_pages // 2)``).
+``max(128, host_pages // 2)``; it bounds the L3 pages in flight).
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 _TIMEOUT_TOKENS = 1024  # the timeout policy's deadline grows by prefetch_timeout_s per this many
+_PUT_WAIT_S = 1.0        # longest a put waits for staging pages held by earlier puts
 
 
 def _truthy(value: str) -> bool:
@@ -147,7 +149,11 @@ class L3Tier:
         self.url = url
         self.policy = PrefetchPolicy(cfg.prefetch_policy)
         self.write_back = cfg.storage_write_policy is WritePolicy.WRITE_BACK
-        n_staging = opts["staging_pages"] or max(16, cfg.host_pages // 2)
+        # write_through to L3 also backs up newly computed leaves at insert (not only on reuse,
+        # as L1 -> L2 write-through does): a leaf evicted from L1 before its reuse would
+        # otherwise be deleted unseen by L3, which is exactly what L3 is there to keep.
+        self.back_up_new = cfg.storage_write_policy is WritePolicy.WRITE_THROUGH
+        n_staging = opts["staging_pages"] or max(128, cfg.host_pages // 2)
         self._staging = np.zeros((n_staging, spec.num_layers, spec.kv_factor, spec.page_size,
                                   spec.num_kv_heads, spec.head_dim), spec.bits_dtype)
         self._staging_alloc = PageAllocator(n_staging, "l3 staging")
@@ -194,10 +200,10 @@ class L3Tier:
         if keys is None:
             return
         n = len(keys)
-        # No poll here (we may be inside an eviction loop): completed puts free their staging
-        # pages at the cache's next poll.
         if n > self._staging_alloc.num_free:
-            self._n["l3_puts_skipped"] += n  # staging full: L3 is behind; drop, never block
+            self._drain_puts(n)
+        if n > self._staging_alloc.num_free:
+            self._n["l3_puts_skipped"] += n  # staging still full: L3 is too slow; drop
             return
         sids = self._staging_alloc.alloc(n)
         self._staging[sids] = np.moveaxis(self._cache._host.read(host_ids), 2, 0)
@@ -293,6 +299,21 @@ class L3Tier:
             h.wait()
             self._advance(h)
         self._gets = []
+
+    def _drain_puts(self, n: int) -> None:
+        """Backpressure: wait (oldest first, ``_PUT_WAIT_S`` in all) for puts in flight until
+        ``n`` staging pages are free. Touches no tree state (safe inside an eviction loop)."""
+        deadline = time.monotonic() + _PUT_WAIT_S
+        while self._puts and n > self._staging_alloc.num_free:
+            handle, sids = self._puts[0]
+            try:
+                handle.wait(max(0.0, deadline - time.monotonic()))
+            except TimeoutError:
+                return
+            except StorageError:
+                pass
+            self._puts.popleft()
+            self._finish_put(handle, sids)
 
     def _finish_put(self, handle: Any, sids: np.ndarray) -> None:
         try:
