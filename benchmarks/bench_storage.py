@@ -19,9 +19,11 @@ Page: 4 layers x 2 (K, V) x 16 tokens x 8 heads x 64 dims, bfloat16 = 128 KiB.
 
 Second part (``--part cache``, default ``all``): HiCache with L3 on bench_tree's multi-turn trace
 (real KV bytes, the DESIGN.md request flow, ``prefetch`` with ``wait_complete`` before each
-match). The device pool holds 25% of the working set and the host pool 2x the device pool
-(``--host-ratio``), so L1 + L2 (75%) are too small for it: hit ratio without L3, with a file L3, with a Mooncake L3, each against
-the infinite-cache hit ratio of the same trace (target: L3 brings it to >= 95% of it). Then two
+match). The device pool holds 15% of the working set (``--device-fraction``) and the host pool
+2x the device pool (``--host-ratio``), so L1 + L2 (45%) are too small for it: hit ratio without L3, with a file L3, with a Mooncake L3, each against
+the infinite-cache hit ratio of the same trace (target: L3 brings it to >= 95% of it), and a
+control that writes L3 (write_through to L3 also backs up new leaves) but never prefetches, which
+separates the effect of reading L3 from that of the extra backups. Then two
 instances sharing one store: instance A serves the first half of the trace, a fresh instance B
 the second half; B's hits from L3 are prefixes only A computed (B alone, without L3, beside it).
 
@@ -301,7 +303,7 @@ def bench_cache(args, backends: list[str]) -> tuple[list[dict], dict]:
     inf_ratio = inf["hit_tokens"] / inf["prompt_tokens"]
     working = inf["device_tokens_end"] // ps
     longest = max(p.shape[0] + r.shape[0] for p, r in trace) // ps
-    device = max(working // 4, 2 * longest)
+    device = max(int(working * args.device_fraction), 2 * longest)
     host = int(device * args.host_ratio)
     print(f"\nmulti-turn trace: {len(trace)} requests, working set {working} pages; device "
           f"{device} pages, host {host} pages ({(device + host) / working:.0%} of the working set "
@@ -370,8 +372,10 @@ def main() -> None:
     ap.add_argument("--mooncake", default=None, help="host:port of a running master")
     ap.add_argument("--batch-pages", type=int, default=32, help="pages per backend call")
     ap.add_argument("--part", default="all", choices=["raw", "cache", "all"])
+    ap.add_argument("--device-fraction", type=float, default=0.15,
+                    help="cache part: device pages / working-set pages")
     ap.add_argument("--host-ratio", type=float, default=2.0,
-                    help="cache part: host pages / device pages (device: 25%% of the working set)")
+                    help="cache part: host pages / device pages")
     args = ap.parse_args()
     repeats = 3 if args.quick else 7
     backends = args.backends.split(",")

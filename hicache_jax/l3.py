@@ -33,7 +33,7 @@ import collections
 import logging
 import time
 import urllib.parse
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -111,7 +111,6 @@ class PrefetchHandle:
     _deadline: float
     _applied: int = 0          # pages attached to the tree (or given up) so far
     _closed: bool = False      # finished and its pages accounted for
-    _cancelled: bool = field(default=False)
 
     def done(self) -> bool:
         """Whether the storage read has finished (pages are attached at the cache's next call)."""
