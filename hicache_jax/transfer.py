@@ -48,7 +48,7 @@ import numpy as np
 
 from hicache_jax.device_pool import DevicePagePool
 from hicache_jax.errors import HiCacheError
-from hicache_jax.host_pool import HostPagePool, copy_pages, pad_ids
+from hicache_jax.host_pool import HostPagePool, PLAN_META, copy_pages, copy_plan
 from hicache_jax.spec import HostLayout
 
 
@@ -173,8 +173,7 @@ class TransferEngine:
         handle = TransferHandle(self, TransferKind.BACKUP, d, h, tag, layerwise=False)
         if d.size:
             handle._tokens.append(self.host_pool.run(
-                self._backup_fn, self.device_pool.array, pad_ids(h), pad_ids(d),
-                np.int32(d.size), np.int32(0)))
+                self._backup_fn, self.device_pool.array, copy_plan(h, d)))
         return self._track(handle)
 
     def load(self, host_ids: Any, device_ids: Any, *, layerwise: bool = False,
@@ -192,15 +191,18 @@ class TransferEngine:
         d, h = self._validate(device_ids, host_ids)
         handle = TransferHandle(self, TransferKind.LOAD, d, h, tag, layerwise=layerwise)
         if d.size:
-            args = (self.host_pool.buffer, pad_ids(d), pad_ids(h), np.int32(d.size))
+            plan = copy_plan(d, h)
             if layerwise:
                 # One execution per layer: each has its own completion token. The host pool
                 # buffer is read, never donated, so all layers read the same array.
-                handle._tokens.extend(self.device_pool.run(self._load_layer_fn, *args,
-                                                           np.int32(layer))
-                                      for layer in range(self.spec.num_layers))
+                for layer in range(self.spec.num_layers):
+                    layer_plan = plan.copy()
+                    layer_plan[PLAN_META, 1] = layer
+                    handle._tokens.append(self.device_pool.run(
+                        self._load_layer_fn, self.host_pool.buffer, layer_plan))
             else:
-                handle._tokens.append(self.device_pool.run(self._load_fn, *args, np.int32(0)))
+                handle._tokens.append(self.device_pool.run(self._load_fn, self.host_pool.buffer,
+                                                           plan))
         return self._track(handle)
 
     def _validate(self, device_ids: Any, host_ids: Any) -> tuple[np.ndarray, np.ndarray]:

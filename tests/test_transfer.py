@@ -12,7 +12,7 @@ from jax.sharding import Mesh
 
 from hicache_jax.device_pool import DevicePagePool
 from hicache_jax.errors import HiCacheError
-from hicache_jax.host_pool import HostPagePool, copy_pages, pad_ids
+from hicache_jax.host_pool import HostPagePool, copy_pages, copy_plan
 from hicache_jax.spec import SUPPORTED_DTYPES, KVSpec
 from hicache_jax.transfer import TransferEngine, TransferHandle
 
@@ -266,8 +266,8 @@ def test_copies_are_dispatched_asynchronously():
     # token makes it cost more than that, so it goes to XLA's execution thread.
     kw = dict(dst_layout=host.layout, src_layout=host.layout, num_layers=spec.num_layers,
               src_put=None, dst_put=None)
-    ids = pad_ids(np.arange(2, dtype=np.int32))
-    compiled = copy_pages.lower(host.buffer, host.buffer, ids, ids, np.int32(2), np.int32(0),
+    ids = np.arange(2, dtype=np.int32)
+    compiled = copy_pages.lower(host.buffer, host.buffer, copy_plan(ids, ids),
                                 **kw).compile()
     assert compiled.cost_analysis()["flops"] >= 1000
 
