@@ -303,6 +303,8 @@ class HostPagePool:
         kv = spec.kv_shape(self.num_pages)
         self.shape = kv if self.layout is HostLayout.LAYER_FIRST else (kv[2], *kv[:2], *kv[3:])
         self.allocator = PageAllocator(self.num_pages, "host")
+        self._slot = np.zeros(self.num_pages, np.int32)  # scratch of validate_ids
+        self._positions = np.arange(self.num_pages, dtype=np.int32)
         self.buffer: jax.Array = _allocate(self.shape, spec.bits_dtype, self.sharding,
                                            self.on_device_memory)
 
@@ -320,8 +322,16 @@ class HostPagePool:
         if ids.size and ids.max() >= self.num_pages:
             raise ValueError(f"{name} has ids outside the host pool [0, {self.num_pages}): "
                              f"max {ids.max()}")
-        if ids.size > 1 and np.unique(ids).size != ids.size:
-            raise ValueError(f"{name} has duplicate ids")
+        if ids.size > 1:
+            # O(k) duplicate check on the per-transfer path (np.unique sorts): write each
+            # position at its id; with a repeated id the last write wins and an earlier position
+            # reads back another value.
+            if ids.size > self.num_pages:  # more ids than pages: some must repeat
+                raise ValueError(f"{name} has duplicate ids")
+            pos = self._positions[:ids.size]
+            self._slot[ids] = pos
+            if not np.array_equal(self._slot[ids], pos):
+                raise ValueError(f"{name} has duplicate ids")
         return ids
 
     def run(self, fn: Callable[..., tuple[jax.Array, Any]], *args: Any) -> Any:

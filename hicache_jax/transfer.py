@@ -157,6 +157,7 @@ class TransferEngine:
         self._load_layer_fn = functools.partial(copy_pages, **load, num_layers=1)
         self._busy = np.zeros(host_pool.num_pages, np.int32)
         self._free_pending = np.zeros(host_pool.num_pages, np.bool_)
+        self._num_free_pending = 0  # pages set in _free_pending: 0 skips its per-call checks
         self._in_flight: list[TransferHandle] = []  # dispatch order
         self._finished: list[TransferHandle] = []   # completion order, not yet polled
 
@@ -217,7 +218,7 @@ class TransferEngine:
         if not self.host_pool.allocator.is_allocated(h).all():
             bad = h[~self.host_pool.allocator.is_allocated(h)][:8]
             raise HiCacheError(f"host_ids {bad.tolist()} are not allocated")
-        if self._free_pending[h].any():
+        if self._num_free_pending and self._free_pending[h].any():
             bad = h[self._free_pending[h]][:8]
             raise HiCacheError(f"host_ids {bad.tolist()} were freed (release pending on an "
                                "in-flight transfer)")
@@ -250,9 +251,12 @@ class TransferEngine:
             item._tokens = []
             h = item.host_ids
             self._busy[h] -= 1
+            if not self._num_free_pending:
+                continue
             release = h[(self._busy[h] == 0) & self._free_pending[h]]
             if release.size:
                 self._free_pending[release] = False
+                self._num_free_pending -= release.size
                 self.host_pool.allocator.free(release)
         self._finished.extend(done)
 
@@ -296,10 +300,12 @@ class TransferEngine:
             HiCacheError: ids not allocated, repeated, or already freed (pending): nothing freed.
         """
         h = self.host_pool.allocator.check_allocated(host_ids, "host_ids")
-        if self._free_pending[h].any():
+        if self._num_free_pending and self._free_pending[h].any():
             bad = h[self._free_pending[h]][:8]
             raise HiCacheError(f"host_ids {bad.tolist()} were already freed (release pending)")
         busy = self._busy[h] > 0
         self.host_pool.allocator.free(h[~busy])
         self._free_pending[h[busy]] = True
-        return int(busy.sum())
+        deferred = int(busy.sum())
+        self._num_free_pending += deferred
+        return deferred
