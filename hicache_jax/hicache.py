@@ -21,6 +21,9 @@ Page ownership (checked after every step of tests/test_hicache_state_machine.py)
 free, owned by a caller (``alloc_pages`` .. ``insert``/``free_pages``) or held by one tree node;
 every host page is free, held by one node, or the target of a backup in flight.
 
+With ``cfg.storage`` set, an :class:`~hicache_jax.l3.L3Tier` adds L3 (``prefetch``; puts after
+backups land; policies at ``match_prefix``): this module only calls its hooks.
+
 Threading: one thread (the one that owns the cache) calls every method; transfer completion is
 detected by polling the engine at the start of the public methods, never by callbacks.
 """

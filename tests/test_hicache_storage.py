@@ -130,8 +130,28 @@ def test_no_storage_is_unchanged_and_prefetch_is_none():
     compute(cache, toks, kv)
     assert cache.prefetch(toks) is None
     assert not any(k.startswith("l3_") for k in cache.stats())
-    with pytest.raises(TypeError):
-        cache.prefetch(np.zeros((2, 4), np.int64).tolist()[0] + [1.5])
+
+
+def test_bad_input_raises_before_any_change(url, tmp_path):
+    toks, kv = _seed_store(url, 3, 4)
+    cache = make(url)
+    before, tree = cache.stats(), cache._tree.snapshot()
+    with pytest.raises(ValueError, match="1-D"):
+        cache.prefetch(toks.reshape(2, -1))
+    with pytest.raises(TypeError, match="integers"):
+        cache.prefetch([1.5] * 8)
+    with pytest.raises(TypeError, match="extra_key"):
+        cache.prefetch(toks, extra_key=[1])
+    assert cache.stats() == before and cache._tree.snapshot() == tree
+    # an extra_key with no process-stable encoding is cached locally but never shared
+    assert cache.prefetch(toks, extra_key=(1, 2)) is None
+    assert l3(cache)["l3_unkeyable_pages"] == 4
+    for bad, what in (("?staging_pages=0", "staging_pages"), ("?bogus=1", "bogus")):
+        with pytest.raises(ValueError, match=what):
+            make(f"file://{tmp_path}/s{bad}")
+    with pytest.raises(ValueError, match="scheme"):
+        make("redis://127.0.0.1:1")
+    cache.close()
 
 
 # -- policies ----------------------------------------------------------------------------------
