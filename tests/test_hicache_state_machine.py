@@ -105,6 +105,9 @@ class GatedEngine:
         pending = [h for h in self.handles if not h.released]
         for h in pending[:k]:
             h.released = True
+            # Released means finished: otherwise whether the copy has landed by the next poll
+            # depends on XLA's thread, and the run (hence its coverage) on machine load.
+            h._inner.wait()
         self.handles = [h for h in self.handles if not h._inner.done() or not h.released]
 
 
