@@ -363,7 +363,7 @@ class L3Tier:
         if first < ready:
             host_ids = h._host_ids[first:ready]
             cache._host.write(host_ids, np.moveaxis(self._staging[h._staging_ids[first:ready]], 0, 2))
-            leaf = _attach_host_leaf(tree, tm.node, h.tokens[covered:end], host_ids, h.extra_key)
+            leaf = tree.add_host_leaf(tm.node, h.tokens[covered:end], host_ids, h.extra_key)
             cache._events.stored(leaf, Medium.HOST)
             self._n["l3_prefetch_hit_pages"] += ready - first
         h._applied = ready
@@ -396,26 +396,3 @@ class L3Tier:
             self.flush()
             self.backend.close()
             self.backend = None
-
-
-def _attach_host_leaf(tree: Any, parent: TreeNode, key: np.ndarray, host_ids: np.ndarray,
-                      extra_key: Any) -> TreeNode:
-    """Add a host-only leaf under ``parent`` (whose prefix ends exactly where ``key`` starts).
-
-    RadixTree has no public insert for host-only pages (every other path creates device pages
-    first), so this does what ``RadixTree._add_leaf`` + ``set_host_value`` do together, through
-    the same internal helpers, keeping the tree's counters and evictable sets exact
-    (``check_invariants`` verifies them in the tests).
-    """
-    ps = tree.page_size
-    prev = namespace_hash(extra_key) if parent is tree.root else int(parent.page_hashes[-1])
-    hashes = chain_hashes(prev, key.reshape(-1, ps))
-    now = tree._clock()
-    leaf = tree._new_node(key.copy(), parent, hashes, extra_key, now)
-    parent.children[tree._child_key(parent, key[:ps], extra_key)] = leaf
-    leaf.host_value = np.asarray(host_ids, np.int32).copy()
-    tree._host_held.add(leaf.host_value)
-    tree.host_tokens += leaf.num_tokens
-    tree._refresh(leaf)
-    tree._refresh(parent)
-    return leaf

@@ -646,6 +646,49 @@ class RadixTree:
             raise HiCacheError("device_ids has pages the tree already holds")
         self._attach_value(node, ids)
 
+    def add_host_leaf(self, parent: TreeNode, key: Any, host_ids: Any,
+                      extra_key: Hashable = None) -> TreeNode:
+        """Hang a new host-only leaf under ``parent`` (pages that arrived from a lower tier, L3).
+
+        ``parent``'s prefix must end exactly where ``key`` starts and no child of ``parent`` may
+        begin with ``key``'s first page: match the whole prefix first and pass the match's node.
+
+        Args:
+            parent: the root or a node of this tree (of namespace ``extra_key``).
+            key: 1-D int tokens, a whole (non-zero) number of pages.
+            host_ids: 1-D int ``[len(key) // page_size]`` distinct host page ids the tree does
+                not hold yet; the tree takes them.
+            extra_key: the namespace of the prefix.
+
+        Returns:
+            The new leaf (``value`` None, ``host_value`` the ids): evictable from host at once.
+        """
+        if parent is not self.root:
+            self._check_member(parent)
+            if parent.extra_key != extra_key:
+                raise ValueError(f"extra_key={extra_key!r} is not the namespace of {parent!r}")
+        _check_extra_key(extra_key)
+        tokens = _as_tokens(key)
+        ps = self.page_size
+        if tokens.size == 0 or tokens.size % ps:
+            raise ValueError(f"key has {tokens.size} tokens: need a non-zero multiple of {ps}")
+        ids = _as_ids(host_ids, tokens.size // ps, "host_ids")
+        child_key = self._child_key(parent, tokens[:ps], extra_key)
+        if child_key in parent.children:
+            raise HiCacheError(f"{parent!r} already has a child starting with key's first page")
+        if self._host_held.any_held(ids):
+            raise HiCacheError("host_ids has pages the tree already holds")
+        prev = namespace_hash(extra_key) if parent is self.root else int(parent.page_hashes[-1])
+        leaf = self._new_node(tokens.copy(), parent, chain_hashes(prev, tokens.reshape(-1, ps)),
+                              extra_key, self._clock())
+        parent.children[child_key] = leaf
+        leaf.host_value = ids
+        self._host_held.add(ids)
+        self.host_tokens += leaf.num_tokens
+        self._refresh(leaf)
+        self._refresh(parent)
+        return leaf
+
     def nodes(self) -> Iterator[TreeNode]:
         """Every non-root node (depth-first, iterative)."""
         stack = list(self.root.children.values())

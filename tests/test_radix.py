@@ -553,3 +553,31 @@ def test_long_node_mismatch_positions(where):
     assert t.match(q).device_len == where // 16 * 16
     assert t.match(toks[:2500]).device_len == 2496
     t.check_invariants()
+
+
+# ----------------------------------------------------------------------------- host leaves (L3)
+
+def test_add_host_leaf_hangs_host_only_pages_and_validates(clock):
+    tree = RadixTree(4, clock=clock)
+    tree.insert(np.arange(8), [0, 1])
+    parent = tree.match(np.arange(8)).node
+    leaf = tree.add_host_leaf(parent, np.arange(8, 16), [5, 6])
+    tree.check_invariants()
+    m = tree.match(np.arange(16))
+    assert (m.device_len, m.host_len, m.node) == (8, 8, leaf)
+    assert leaf in tree.evictable_host and tree.host_tokens == 8
+    # Same hashes as if the pages had been inserted on device under the same parent.
+    other = RadixTree(4, clock=clock)
+    other.insert(np.arange(16), [0, 1, 2, 3])
+    np.testing.assert_array_equal(other.match(np.arange(16)).node.page_hashes[-2:], leaf.page_hashes)
+    before = tree.snapshot()
+    with pytest.raises(HiCacheError, match="already has a child"):
+        tree.add_host_leaf(parent, np.arange(8, 12), [7])
+    with pytest.raises(HiCacheError, match="already holds"):
+        tree.add_host_leaf(leaf, np.arange(16, 20), [5])
+    with pytest.raises(ValueError, match="multiple of 4"):
+        tree.add_host_leaf(leaf, np.arange(16, 19), [7])
+    with pytest.raises(ValueError, match="namespace"):
+        tree.add_host_leaf(leaf, np.arange(16, 20), [7], extra_key="other")
+    assert tree.snapshot() == before
+    tree.check_invariants()
