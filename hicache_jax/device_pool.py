@@ -137,6 +137,18 @@ def _resolve_backend(copy_backend: CopyBackend | str, platform: str,
     return CopyBackend.XLA, scatter, _xla_gather
 
 
+def valid_ids_fast(page_ids: Any, limit: int) -> np.ndarray | None:
+    """int32 copy of ``page_ids`` if it already is a non-empty 1-D integer numpy array with every
+    id in ``[0, limit)``, else None (the caller then runs the full checks, which raise the
+    precise error). The common case on the per-call path, in two reductions instead of
+    ``as_page_ids``' generic checks plus a third for the range (~10-30 us a call on cold caches).
+    Duplicates are not checked here."""
+    if type(page_ids) is np.ndarray and page_ids.ndim == 1 and page_ids.size \
+            and page_ids.dtype.kind in "iu" and page_ids.min() >= 0 and page_ids.max() < limit:
+        return page_ids.astype(np.int32)
+    return None
+
+
 def bucket_size(n: int) -> int:
     """Smallest power of two >= n (1 for n <= 1): the padded length of an index array."""
     return 1 if n <= 1 else 1 << (int(n) - 1).bit_length()
@@ -257,10 +269,12 @@ class DevicePagePool:
             TypeError: not integers.
             ValueError: not 1-D, out of range, or repeated.
         """
-        ids = as_page_ids(page_ids, name)
-        if ids.size and ids.max() >= self.num_pages:
-            raise ValueError(f"{name} has ids outside the device pool [0, {self.num_pages}): "
-                             f"max {ids.max()}")
+        ids = valid_ids_fast(page_ids, self.num_pages)
+        if ids is None:
+            ids = as_page_ids(page_ids, name)
+            if ids.size and ids.max() >= self.num_pages:
+                raise ValueError(f"{name} has ids outside the device pool [0, {self.num_pages}): "
+                                 f"max {ids.max()}")
         if ids.size > 1:
             # O(k) duplicate check (np.unique sorts): write each position at its id; with a
             # repeated id the last write wins and an earlier position reads back another value.
@@ -268,7 +282,7 @@ class DevicePagePool:
             if ids.size > self.num_pages:  # more ids than pages: some must repeat
                 raise ValueError(f"{name} has duplicate ids")
             self._slot[ids] = pos
-            if not np.array_equal(self._slot[ids], pos):
+            if (self._slot[ids] != pos).any():
                 raise ValueError(f"{name} has duplicate ids")
         return ids
 

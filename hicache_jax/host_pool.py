@@ -44,6 +44,7 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
 
 from hicache_jax.allocator import PageAllocator, as_page_ids
+from hicache_jax.device_pool import valid_ids_fast
 from hicache_jax.spec import HostLayout, KVSpec, _enum_parse
 
 def bucket_size(n: int) -> int:
@@ -318,10 +319,12 @@ class HostPagePool:
         Raises:
             TypeError: not integers.  ValueError: not 1-D, out of range, or repeated.
         """
-        ids = as_page_ids(page_ids, name)
-        if ids.size and ids.max() >= self.num_pages:
-            raise ValueError(f"{name} has ids outside the host pool [0, {self.num_pages}): "
-                             f"max {ids.max()}")
+        ids = valid_ids_fast(page_ids, self.num_pages)
+        if ids is None:
+            ids = as_page_ids(page_ids, name)
+            if ids.size and ids.max() >= self.num_pages:
+                raise ValueError(f"{name} has ids outside the host pool [0, {self.num_pages}): "
+                                 f"max {ids.max()}")
         if ids.size > 1:
             # O(k) duplicate check on the per-transfer path (np.unique sorts): write each
             # position at its id; with a repeated id the last write wins and an earlier position
@@ -330,7 +333,7 @@ class HostPagePool:
                 raise ValueError(f"{name} has duplicate ids")
             pos = self._positions[:ids.size]
             self._slot[ids] = pos
-            if not np.array_equal(self._slot[ids], pos):
+            if (self._slot[ids] != pos).any():
                 raise ValueError(f"{name} has duplicate ids")
         return ids
 

@@ -251,6 +251,30 @@ def test_bad_read_raises(filled_pool, ids, err, match):
         filled_pool.read(ids)
 
 
+@pytest.mark.parametrize("ids, err, match", [
+    (np.array([3, 8], np.int32), ValueError, "outside"),
+    (np.array([3, -1], np.int64), ValueError, "negative"),
+    (np.array([2**40], np.uint64), ValueError, "beyond int32"),
+    (np.array([1, 5, 1], np.int16), ValueError, "duplicate"),
+    (np.array([True, False]), TypeError, "integers"),
+    (np.array([1.0]), TypeError, "integers"),
+    (np.zeros((1, 2), np.int32), ValueError, "1-D")])
+def test_numpy_ids_take_the_same_checks(filled_pool, ids, err, match):
+    # numpy int arrays (the per-call common case) skip the generic conversion when valid; every
+    # invalid one must still get the precise error.
+    with pytest.raises(err, match=match):
+        filled_pool.validate_ids(ids)
+
+
+@pytest.mark.parametrize("dtype", [np.int32, np.int64, np.uint8, np.uint64])
+def test_numpy_ids_are_copied_to_int32(filled_pool, dtype):
+    given = np.array([7, 0, 3], dtype)
+    ids = filled_pool.validate_ids(given)
+    assert ids.dtype == np.int32 and ids.tolist() == [7, 0, 3]
+    ids[0] = 1  # a copy: the caller's array is untouched
+    assert given.tolist() == [7, 0, 3]
+
+
 def test_validate_ids_and_empty_calls(filled_pool):
     pool = filled_pool
     ids = pool.validate_ids(np.array([7, 0, 3], np.int64))
