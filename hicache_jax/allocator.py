@@ -33,6 +33,60 @@ def as_page_ids(ids, name: str = "page_ids") -> np.ndarray:
     return arr.astype(np.int32, copy=True)
 
 
+class PageIdChecker:
+    """Validates page ids against a pool of ``num_pages`` on the per-call path, in O(k).
+
+    Both pools call it before every dispatch (DESIGN rule 5: JAX clamps / drops bad indices
+    silently). Valid ids are 1-D integers in ``[0, num_pages)``, distinct.
+
+    Args:
+        num_pages: ids allowed are ``0 .. num_pages-1``.
+        pool: name used in errors ("device", "host").
+    """
+
+    __slots__ = ("num_pages", "pool", "_slot", "_positions")
+
+    def __init__(self, num_pages: int, pool: str) -> None:
+        self.num_pages = int(num_pages)
+        self.pool = pool
+        self._slot = np.zeros(self.num_pages, np.int32)  # scratch of the duplicate check
+        self._positions = np.arange(self.num_pages, dtype=np.int32)
+
+    def __call__(self, page_ids, name: str = "page_ids") -> np.ndarray:
+        """Return ``page_ids`` as a validated int32 copy.
+
+        Raises:
+            TypeError: not integers.
+            ValueError: not 1-D, out of range, or repeated.
+        """
+        ids = self._fast(page_ids)
+        if ids is None:
+            ids = as_page_ids(page_ids, name)
+            if ids.size and ids.max() >= self.num_pages:
+                raise ValueError(f"{name} has ids outside the {self.pool} pool "
+                                 f"[0, {self.num_pages}): max {ids.max()}")
+        if ids.size > 1:
+            # O(k) duplicate check (np.unique sorts): write each position at its id; with a
+            # repeated id the last write wins and an earlier position reads back another value.
+            if ids.size > self.num_pages:  # more ids than pages: some must repeat
+                raise ValueError(f"{name} has duplicate ids")
+            pos = self._positions[:ids.size]
+            self._slot[ids] = pos
+            if (self._slot[ids] != pos).any():
+                raise ValueError(f"{name} has duplicate ids")
+        return ids
+
+    def _fast(self, page_ids) -> np.ndarray | None:
+        """int32 copy if ``page_ids`` already is a non-empty 1-D integer numpy array in range,
+        else None (the full checks then raise the precise error). The common case, in two
+        reductions instead of ``as_page_ids``' generic checks plus a third for the range."""
+        if type(page_ids) is np.ndarray and page_ids.ndim == 1 and page_ids.size \
+                and page_ids.dtype.kind in "iu" and page_ids.min() >= 0 \
+                and page_ids.max() < self.num_pages:
+            return page_ids.astype(np.int32)
+        return None
+
+
 class PageAllocator:
     """Free list of page ids ``0 .. num_pages-1``.
 

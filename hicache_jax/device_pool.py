@@ -37,7 +37,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from hicache_jax.allocator import PageAllocator, as_page_ids
+from hicache_jax.allocator import PageAllocator, PageIdChecker
 from hicache_jax.spec import CopyBackend, KVSpec, _enum_parse
 
 #: Axis of the page id in the pool and in every ``kv_shape(n)`` array.
@@ -135,18 +135,6 @@ def _resolve_backend(copy_backend: CopyBackend | str, platform: str,
                 *_pallas_copy_fns(impl or pk.Impl.INTERPRET, sharding))
     scatter = _xla_scatter_loop if platform == "cpu" else _xla_scatter
     return CopyBackend.XLA, scatter, _xla_gather
-
-
-def valid_ids_fast(page_ids: Any, limit: int) -> np.ndarray | None:
-    """int32 copy of ``page_ids`` if it already is a non-empty 1-D integer numpy array with every
-    id in ``[0, limit)``, else None (the caller then runs the full checks, which raise the
-    precise error). The common case on the per-call path, in two reductions instead of
-    ``as_page_ids``' generic checks plus a third for the range (~10-30 us a call on cold caches).
-    Duplicates are not checked here."""
-    if type(page_ids) is np.ndarray and page_ids.ndim == 1 and page_ids.size \
-            and page_ids.dtype.kind in "iu" and page_ids.min() >= 0 and page_ids.max() < limit:
-        return page_ids.astype(np.int32)
-    return None
 
 
 def bucket_size(n: int) -> int:
@@ -251,8 +239,7 @@ class DevicePagePool:
         # Resolved once: these sit on the per-call path (write of one page is ~20 us of dispatch).
         self._dtypes = (spec.jnp_dtype, spec.bits_dtype)
         self._bits = spec.bits_dtype
-        self._slot = np.zeros(self.num_pages, np.int32)  # scratch of validate_ids
-        self._positions = np.arange(self.num_pages, dtype=np.int32)
+        self._check_ids = PageIdChecker(self.num_pages, "device")
         self.allocator = PageAllocator(self.num_pages, "device")
         self.array: jax.Array = _zeros(self.shape, spec.bits_dtype, self.sharding)
         self._array_sharding = self.array.sharding
@@ -269,22 +256,7 @@ class DevicePagePool:
             TypeError: not integers.
             ValueError: not 1-D, out of range, or repeated.
         """
-        ids = valid_ids_fast(page_ids, self.num_pages)
-        if ids is None:
-            ids = as_page_ids(page_ids, name)
-            if ids.size and ids.max() >= self.num_pages:
-                raise ValueError(f"{name} has ids outside the device pool [0, {self.num_pages}): "
-                                 f"max {ids.max()}")
-        if ids.size > 1:
-            # O(k) duplicate check (np.unique sorts): write each position at its id; with a
-            # repeated id the last write wins and an earlier position reads back another value.
-            pos = self._positions[:ids.size]
-            if ids.size > self.num_pages:  # more ids than pages: some must repeat
-                raise ValueError(f"{name} has duplicate ids")
-            self._slot[ids] = pos
-            if (self._slot[ids] != pos).any():
-                raise ValueError(f"{name} has duplicate ids")
-        return ids
+        return self._check_ids(page_ids, name)
 
     def _padded_ids(self, ids: np.ndarray) -> tuple[np.ndarray, int]:
         size = bucket_size(ids.size)

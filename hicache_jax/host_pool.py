@@ -43,8 +43,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
 
-from hicache_jax.allocator import PageAllocator, as_page_ids
-from hicache_jax.device_pool import valid_ids_fast
+from hicache_jax.allocator import PageAllocator, PageIdChecker
 from hicache_jax.spec import HostLayout, KVSpec, _enum_parse
 
 def bucket_size(n: int) -> int:
@@ -304,8 +303,7 @@ class HostPagePool:
         kv = spec.kv_shape(self.num_pages)
         self.shape = kv if self.layout is HostLayout.LAYER_FIRST else (kv[2], *kv[:2], *kv[3:])
         self.allocator = PageAllocator(self.num_pages, "host")
-        self._slot = np.zeros(self.num_pages, np.int32)  # scratch of validate_ids
-        self._positions = np.arange(self.num_pages, dtype=np.int32)
+        self._check_ids = PageIdChecker(self.num_pages, "host")
         self.buffer: jax.Array = _allocate(self.shape, spec.bits_dtype, self.sharding,
                                            self.on_device_memory)
 
@@ -319,23 +317,7 @@ class HostPagePool:
         Raises:
             TypeError: not integers.  ValueError: not 1-D, out of range, or repeated.
         """
-        ids = valid_ids_fast(page_ids, self.num_pages)
-        if ids is None:
-            ids = as_page_ids(page_ids, name)
-            if ids.size and ids.max() >= self.num_pages:
-                raise ValueError(f"{name} has ids outside the host pool [0, {self.num_pages}): "
-                                 f"max {ids.max()}")
-        if ids.size > 1:
-            # O(k) duplicate check on the per-transfer path (np.unique sorts): write each
-            # position at its id; with a repeated id the last write wins and an earlier position
-            # reads back another value.
-            if ids.size > self.num_pages:  # more ids than pages: some must repeat
-                raise ValueError(f"{name} has duplicate ids")
-            pos = self._positions[:ids.size]
-            self._slot[ids] = pos
-            if (self._slot[ids] != pos).any():
-                raise ValueError(f"{name} has duplicate ids")
-        return ids
+        return self._check_ids(page_ids, name)
 
     def run(self, fn: Callable[..., tuple[jax.Array, Any]], *args: Any) -> Any:
         """``new_buffer, out = fn(self.buffer, *args)`` with the buffer donated; rebinds it.
