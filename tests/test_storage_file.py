@@ -421,3 +421,12 @@ def test_unknown_checksum_is_rejected(root):
     with pytest.raises(ValueError, match="checksum"):
         open_file(root, checksum="md5")
     assert not os.path.exists(root)
+
+
+def test_auto_checksum_prefers_xxh3_and_falls_back_to_crc32(root, monkeypatch):
+    from hicache_jax.storage import format as fmt
+
+    monkeypatch.setattr(fmt, "xxhash_available", lambda: False)
+    assert open_file(root)[0].codec.checksum == "crc32"
+    monkeypatch.setattr(fmt, "xxhash_available", lambda: True)
+    assert open_file(root)[0].codec.checksum == "xxh3"

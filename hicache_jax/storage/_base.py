@@ -211,7 +211,7 @@ class BackendBase:
     url: str
 
     def __init__(self, spec: KVSpec, host_buffer: np.ndarray, layout: HostLayout | str, *,
-                 batch_pages: int = 32, checksum: str = "crc32") -> None:
+                 batch_pages: int = 32, checksum: str = "auto") -> None:
         if not isinstance(spec, KVSpec):
             raise TypeError(f"spec must be a KVSpec, got {type(spec).__name__}")
         if isinstance(batch_pages, bool) or not isinstance(batch_pages, int) or batch_pages < 1:

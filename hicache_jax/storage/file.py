@@ -48,12 +48,13 @@ class FileStorage(BackendBase):
         capacity_bytes: optional bound on the bytes of all entries in ``root`` (LRU removal).
         fsync: make each put durable before it counts as stored.
         batch_pages: pages per sub-batch of a handle.
-        checksum: "crc32" or "xxh3" (needs the xxhash package), written into new entries.
+        checksum: "auto" (xxh3 when the xxhash package is installed, else crc32), "crc32"
+            or "xxh3", written into new entries (readers accept either).
     """
 
     def __init__(self, spec: KVSpec, host_buffer: np.ndarray, layout: HostLayout | str,
                  root: str | os.PathLike, *, capacity_bytes: int | None = None,
-                 fsync: bool = False, batch_pages: int = 32, checksum: str = "crc32") -> None:
+                 fsync: bool = False, batch_pages: int = 32, checksum: str = "auto") -> None:
         root = os.fspath(root)
         entry = HEADER_BYTES + spec.page_bytes
         if capacity_bytes is not None and (isinstance(capacity_bytes, bool)

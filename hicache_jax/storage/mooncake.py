@@ -155,14 +155,15 @@ class MooncakeStorage(BackendBase):
             Off by default: with Mooncake 0.3.13 over TCP the two-buffer calls measured slower
             than one registered staging buffer plus a memcpy (benchmarks/bench_storage.py).
         batch_pages: pages per store call (sub-batch of a handle).
-        checksum: "crc32" or "xxh3" (needs the xxhash package), written into new entries.
+        checksum: "auto" (xxh3 when the xxhash package is installed, else crc32), "crc32"
+            or "xxh3", written into new entries (readers accept either).
         exists_timeout_s: bound on ``exists()`` (then all False, and the backend backs off).
     """
 
     def __init__(self, spec: KVSpec, host_buffer: np.ndarray, layout: HostLayout | str,
                  master: str, *, local_hostname: str = "127.0.0.1", protocol: str = "tcp",
                  device_names: str = "", setup_timeout_s: float = 10.0,
-                 zero_copy: bool = False, batch_pages: int = 32, checksum: str = "crc32",
+                 zero_copy: bool = False, batch_pages: int = 32, checksum: str = "auto",
                  exists_timeout_s: float = 2.0) -> None:
         parse_address(master)
         for name, value in (("setup_timeout_s", setup_timeout_s),
