@@ -34,6 +34,23 @@ POLICIES = ("write_through", "write_through_selective", "write_back")
 TARGET = 0.95  # HiCache (host = 4x device) hit ratio / infinite-cache hit ratio
 
 
+def size_pools(trace, page_size: int, device_fraction: float,
+               host_ratio: float) -> tuple[dict, int, int, int]:
+    """Replay ``trace`` at infinite capacity and size the pools from its working set.
+
+    Returns:
+        (infinite-capacity replay stats, working-set pages, device pages, host pages): the
+        device pool holds ``device_fraction`` of the working set (at least two of the longest
+        requests, so nothing fails for lack of room), the host pool ``host_ratio`` times that.
+    """
+    total_pages = sum(p.shape[0] + r.shape[0] for p, r in trace) // page_size + 1
+    inf = tree_replay(trace, page_size, total_pages, "lru")
+    working = inf["device_tokens_end"] // page_size
+    longest = max(p.shape[0] + r.shape[0] for p, r in trace) // page_size
+    device = max(int(working * device_fraction), 2 * longest)
+    return inf, working, device, int(device * host_ratio)
+
+
 def serve(trace, spec: KVSpec, cfg: HiCacheConfig, *, repeats: int = 3) -> dict:
     """Serve the trace ``repeats`` times (fresh caches) after one untimed warm-up run that pays
     the jit compiles; hit counts are identical across runs, times are medians."""
@@ -110,13 +127,8 @@ def main(argv: list[str] | None = None) -> None:
           f"jax {env['jax']}  cpus {env['cpu_count']}")
 
     trace = make_trace(args)
-    total_pages = sum(p.shape[0] + r.shape[0] for p, r in trace) // ps + 1
-    inf = tree_replay(trace, ps, total_pages, "lru")
+    inf, working, device, host = size_pools(trace, ps, args.device_fraction, args.host_ratio)
     inf_ratio = inf["hit_tokens"] / inf["prompt_tokens"]
-    working = inf["device_tokens_end"] // ps
-    longest = max(p.shape[0] + r.shape[0] for p, r in trace) // ps
-    device = max(int(working * args.device_fraction), 2 * longest)
-    host = int(device * args.host_ratio)
     spec = KVSpec(args.layers, args.kv_heads, args.head_dim, "bfloat16", page_size=ps)
     tiny = KVSpec(1, 1, 1, "bfloat16", page_size=ps)
     print(f"trace: {len(trace)} requests, {inf['prompt_tokens']:,} prompt tokens, working set "

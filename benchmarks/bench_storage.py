@@ -289,7 +289,8 @@ def serve_trace(trace, spec: KVSpec, cfg, *, cache=None, prefetch: bool = True) 
 
 def bench_cache(args, backends: list[str]) -> tuple[list[dict], dict]:
     """Hit ratio without / with L3 vs the infinite cache, and the two-instance run."""
-    from benchmarks.bench_tree import make_trace, replay
+    from benchmarks.bench_hicache import size_pools
+    from benchmarks.bench_tree import make_trace
     from hicache_jax import HiCache, HiCacheConfig
 
     targs = argparse.Namespace(seed=0, system_prompts=4, system_tokens=512, user_tokens=256,
@@ -298,13 +299,8 @@ def bench_cache(args, backends: list[str]) -> tuple[list[dict], dict]:
     ps = 16
     spec = KVSpec(4, 2, 64, "bfloat16", page_size=ps)
     trace = make_trace(targs)
-    total = sum(p.shape[0] + r.shape[0] for p, r in trace) // ps + 1
-    inf = replay(trace, ps, total, "lru")
+    inf, working, device, host = size_pools(trace, ps, args.device_fraction, args.host_ratio)
     inf_ratio = inf["hit_tokens"] / inf["prompt_tokens"]
-    working = inf["device_tokens_end"] // ps
-    longest = max(p.shape[0] + r.shape[0] for p, r in trace) // ps
-    device = max(int(working * args.device_fraction), 2 * longest)
-    host = int(device * args.host_ratio)
     print(f"\nmulti-turn trace: {len(trace)} requests, working set {working} pages; device "
           f"{device} pages, host {host} pages ({(device + host) / working:.0%} of the working set "
           f"together); page {spec.page_bytes // 1024} KiB; infinite-cache hit ratio {inf_ratio:.3f}")

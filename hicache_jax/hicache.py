@@ -45,7 +45,7 @@ from hicache_jax.eviction import VictimHeap
 from hicache_jax.host_pool import HostPagePool
 from hicache_jax.l3 import L3Tier, PrefetchHandle
 from hicache_jax.radix import RadixTree, TreeNode, _as_tokens, _check_extra_key
-from hicache_jax.spec import HiCacheConfig, KVSpec, WritePolicy
+from hicache_jax.spec import HiCacheConfig, KVSpec, WritePolicy, check_int
 from hicache_jax.transfer import TransferEngine
 
 # Owner of a device page (one int8 per page): the allocator says free/used, this says by whom.
@@ -109,14 +109,6 @@ class _Op:
     node: TreeNode
     device_ids: np.ndarray
     host_ids: np.ndarray
-
-
-def _check_int(name: str, value: Any, minimum: int = 0) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise TypeError(f"{name}={value!r} must be an int")
-    if value < minimum:
-        raise ValueError(f"{name}={value!r} must be >= {minimum}")
-    return int(value)
 
 
 def _prepare_tokens(tokens: Any, extra_key: Any, page_size: int) -> np.ndarray:
@@ -183,10 +175,7 @@ class HiCache:
     def _check_node(self, node: Any) -> TreeNode:
         if not isinstance(node, TreeNode):
             raise TypeError(f"node must be a Match.node (TreeNode), got {type(node).__name__}")
-        top = node
-        while top.parent is not None:
-            top = top.parent
-        if top is not self._tree.root:
+        if not self._tree.owns(node):
             raise HiCacheError(f"{node!r} is not in this cache (evicted and deleted since the "
                                "match, or from another cache): match again")
         return node
@@ -321,7 +310,7 @@ class HiCache:
                 ``evictable``, ``locked`` say why. Raised before evicting anything; copies in
                 flight (whose locks may be what holds the pages) are waited for first.
         """
-        n = _check_int("n", n)
+        n = check_int("n", n)
         self._complete()
         ids = self._take_pages(self._dev_tier, n)
         self._owner[ids] = _CALLER
@@ -370,7 +359,7 @@ class HiCache:
             Tokens already cached (either tier) before the call.
         """
         _check_bool("chunked", chunked)
-        _check_int("priority", priority, -(2**62))
+        check_int("priority", priority, -(2**62))
         ntok = _prepare_tokens(tokens, extra_key, self._ps).shape[0]
         ids = self._check_pages(pages, (_CALLER, _TREE), "caller-owned or cached")
         if ids.size != ntok // self._ps:
@@ -401,13 +390,13 @@ class HiCache:
 
     def evict(self, num_tokens: int) -> int:
         """Free at least ``num_tokens`` device tokens if possible; returns tokens freed."""
-        num_tokens = _check_int("num_tokens", num_tokens)
+        num_tokens = check_int("num_tokens", num_tokens)
         self._complete()
         return self._evict_device(num_tokens)
 
     def evict_host(self, num_tokens: int) -> int:
         """Delete host-only leaves worth ``num_tokens``; returns tokens freed on host."""
-        num_tokens = _check_int("num_tokens", num_tokens)
+        num_tokens = check_int("num_tokens", num_tokens)
         self._complete()
         return self._evict_host(num_tokens)
 

@@ -363,14 +363,19 @@ class RadixTree:
         self._refresh(node)
         self._refresh(node.parent)
 
-    def _check_member(self, node: TreeNode) -> None:
-        """A non-root node of this tree (O(depth) walk), else TypeError / HiCacheError."""
-        if not isinstance(node, TreeNode):
-            raise TypeError(f"node must be a TreeNode, got {type(node).__name__}")
+    def owns(self, node: TreeNode) -> bool:
+        """Whether ``node`` (a TreeNode) is in this tree, root included (O(depth) walk): a node
+        deleted since a caller matched it, or one of another tree, is not."""
         top = node
         while top.parent is not None:
             top = top.parent
-        if node is self.root or top is not self.root:
+        return top is self.root
+
+    def _check_member(self, node: TreeNode) -> None:
+        """A non-root node of this tree, else TypeError / HiCacheError."""
+        if not isinstance(node, TreeNode):
+            raise TypeError(f"node must be a TreeNode, got {type(node).__name__}")
+        if node is self.root or not self.owns(node):
             raise HiCacheError(f"{node!r} is not a non-root node of this tree")
 
     # -- walking and splitting ---------------------------------------------------------------

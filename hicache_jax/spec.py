@@ -68,11 +68,14 @@ class PrefetchPolicy(str, enum.Enum):
     TIMEOUT = "timeout"
 
 
-def _check_int(name: str, value: Any, minimum: int) -> None:
+def check_int(name: str, value: Any, minimum: int = 0) -> int:
+    """``int(value)``, or TypeError (not an int; bools refused) / ValueError (below minimum)
+    naming the argument."""
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
         raise TypeError(f"{name}={value!r} must be an int")
     if value < minimum:
         raise ValueError(f"{name}={value!r} must be >= {minimum}")
+    return int(value)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,7 +103,7 @@ class KVSpec:
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "num_kv_heads", "head_dim", "page_size"):
-            _check_int(name, getattr(self, name), 1)
+            check_int(name, getattr(self, name), 1)
         dtype = self.dtype
         if not isinstance(dtype, str):
             try:
@@ -206,7 +209,7 @@ class HiCacheConfig:
     storage_write_policy: WritePolicy | str = WritePolicy.WRITE_THROUGH
 
     def __post_init__(self) -> None:
-        _check_int("device_pages", self.device_pages, 1)
+        check_int("device_pages", self.device_pages, 1)
         set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731
         if self.host_pages is None:
             ratio = self.host_ratio
@@ -214,7 +217,7 @@ class HiCacheConfig:
                     or not math.isfinite(ratio) or ratio < 0):
                 raise ValueError(f"host_ratio={self.host_ratio!r} must be a finite number >= 0")
             set_("host_pages", int(round(self.host_ratio * self.device_pages)))
-        _check_int("host_pages", self.host_pages, 0)
+        check_int("host_pages", self.host_pages, 0)
         set_("write_policy", _enum_parse(WritePolicy, "write_policy", self.write_policy))
         set_("eviction", EvictionPolicy.parse(self.eviction))
         set_("host_layout", _enum_parse(HostLayout, "host_layout", self.host_layout))
@@ -225,10 +228,10 @@ class HiCacheConfig:
         if self.write_through_threshold is None:
             default = 2 if self.write_policy is WritePolicy.WRITE_THROUGH_SELECTIVE else 1
             set_("write_through_threshold", default)
-        _check_int("write_through_threshold", self.write_through_threshold, 1)
-        _check_int("load_back_threshold", self.load_back_threshold, 0)
+        check_int("write_through_threshold", self.write_through_threshold, 1)
+        check_int("load_back_threshold", self.load_back_threshold, 0)
         if self.load_back_quota is not None:
-            _check_int("load_back_quota", self.load_back_quota, 0)
+            check_int("load_back_quota", self.load_back_quota, 0)
         if self.storage is not None and not isinstance(self.storage, str):
             raise TypeError(f"storage={self.storage!r} must be a URL string or None")
         timeout = self.prefetch_timeout_s
