@@ -70,10 +70,12 @@ def alloc_seconds(k: int, repeats: int) -> float:
                        repeats=repeats, warmup=1)
 
 
-def bench_pool(pool_mib: int, ks: list[int], repeats: int) -> list[dict]:
+def bench_pool(pool_mib: int, ks: list[int], repeats: int, huge_pages: bool = True
+               ) -> list[dict]:
     """Scatter and gather rows for one pool size; the pool is freed on return."""
     num_pages = pool_mib * MiB // SPEC.page_bytes
-    pool = DevicePagePool(SPEC, num_pages)
+    pool = DevicePagePool(SPEC, num_pages, huge_pages=huge_pages)
+    print(f"pool {pool_mib} MiB: {pool.huge_page_bytes >> 20} MiB on huge pages", flush=True)
     rng = np.random.default_rng(pool_mib)
     rows = []
     for k in ks:
@@ -124,20 +126,22 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="small pools, fewer repeats")
     ap.add_argument("--json", default=None, help="write raw figures to this path")
+    ap.add_argument("--huge-pages", choices=("on", "off"), default="on",
+                    help="pool on transparent huge pages (the library default: on)")
     args = ap.parse_args(argv)
     pools = [32, 256] if args.quick else [256, 2048]
     ks = [1, 16] if args.quick else [1, 16, 128]
     repeats = 5 if args.quick else 11
     config = dict(spec=repr(SPEC), page_bytes=SPEC.page_bytes, pools_mib=pools, ks=ks,
                   repeats=repeats, typed_row=dict(pool_mib=pools[0], k=16),
-                  loadavg_start=os.getloadavg())
+                  huge_pages=args.huge_pages, loadavg_start=os.getloadavg())
     print(f"page {SPEC.page_bytes // 1024} KiB ({SPEC}); {env_info()['backend']} "
           f"jax {jax.__version__}", flush=True)
 
     alloc = {k: alloc_seconds(k, repeats) for k in ks}
     rows = []
     for mib in pools:
-        rows += bench_pool(mib, ks, repeats)
+        rows += bench_pool(mib, ks, repeats, args.huge_pages == "on")
     typed = bench_typed_pool(pools[0], 16, 3)
     rows.append(typed)
 

@@ -45,6 +45,8 @@ def _parse() -> argparse.Namespace:
                    help="CPU devices for the sharding section (needs XLA before import; 1 = skip)")
     p.add_argument("--layouts", default="layer_first,page_first")
     p.add_argument("--head-dim", type=int, default=64, help="64: 128 KiB pages, 128: 256 KiB")
+    p.add_argument("--huge-pages", choices=("on", "off"), default="on",
+                   help="pools on transparent huge pages (the library default: on)")
     return p.parse_args()
 
 
@@ -244,8 +246,12 @@ def main(args: argparse.Namespace) -> dict:
     max_n = max(sizes)
     results = {"directions": [], "layerwise": [], "sharding": []}
     for layout in args.layouts.split(","):
-        dev = DevicePagePool(SPEC, 2 * max_n)
-        host = HostPagePool(SPEC, 4 * max_n, layout)
+        huge = args.huge_pages == "on"
+        dev = DevicePagePool(SPEC, 2 * max_n, huge_pages=huge)
+        host = HostPagePool(SPEC, 4 * max_n, layout, huge_pages=huge)
+        print(f"{layout}: pools on huge pages: device {dev.huge_page_bytes >> 20} of "
+              f"{dev.nbytes >> 20} MiB, host {host.huge_page_bytes >> 20} of "
+              f"{host.nbytes >> 20} MiB")
         dev.allocator.alloc(dev.num_pages)
         host.allocator.alloc(host.num_pages)
         eng = TransferEngine(dev, host)
@@ -283,6 +289,7 @@ def main(args: argparse.Namespace) -> dict:
     write_json(args.json, "bench_transfer",
                dict(spec=str(SPEC), page_bytes=SPEC.page_bytes, sizes=sizes, repeats=repeats,
                     quick=args.quick, devices=args.devices, layouts=args.layouts,
+                    huge_pages=args.huge_pages,
                     load_average_before=load_before, load_average_after=load_after), results)
     return results
 

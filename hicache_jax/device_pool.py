@@ -38,7 +38,8 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from hicache_jax.allocator import PageAllocator, PageIdChecker
-from hicache_jax.spec import CopyBackend, KVSpec, _enum_parse
+from hicache_jax.hugepages import advise_huge_pages
+from hicache_jax.spec import CopyBackend, KVSpec, _enum_parse, check_bool
 
 #: Axis of the page id in the pool and in every ``kv_shape(n)`` array.
 PAGE_AXIS = 2
@@ -211,6 +212,8 @@ class DevicePagePool:
             over kv heads (replicated for MLA). num_kv_heads must divide by the axis size.
         axis: mesh axis name to shard heads over (default: the mesh's first axis).
         copy_backend: "auto" | "xla" | "pallas", resolved once here.
+        huge_pages: on the CPU backend, back the pool with transparent huge pages (a
+            construction-time cost that makes scattered page copies faster; see hugepages.py).
 
     Attributes:
         array: ``spec.bits_dtype[L, kvf, num_pages + 1, ps, H, D]``; this object holds the only
@@ -218,16 +221,19 @@ class DevicePagePool:
         allocator: ``PageAllocator(num_pages, "device")``; the pool itself never allocates.
         sharding: the ``NamedSharding`` of ``array``, or None without a mesh.
         copy_backend: the resolved ``CopyBackend`` (never AUTO).
+        huge_page_bytes: bytes of ``array`` on transparent huge pages (0 off the CPU backend).
     """
 
     def __init__(self, spec: KVSpec, num_pages: int, *, mesh: Mesh | None = None,
-                 axis: str | None = None, copy_backend: CopyBackend | str = "auto") -> None:
+                 axis: str | None = None, copy_backend: CopyBackend | str = "auto",
+                 huge_pages: bool = True) -> None:
         if not isinstance(spec, KVSpec):
             raise TypeError(f"spec must be a KVSpec, got {type(spec).__name__}")
         if isinstance(num_pages, bool) or not isinstance(num_pages, (int, np.integer)):
             raise TypeError(f"num_pages={num_pages!r} must be an int")
         if num_pages < 1:
             raise ValueError(f"num_pages={num_pages!r} must be >= 1")
+        check_bool("huge_pages", huge_pages)
         self.spec = spec
         self.num_pages = int(num_pages)
         self.sharding = _head_sharding(spec, mesh, axis)
@@ -242,6 +248,8 @@ class DevicePagePool:
         self._check_ids = PageIdChecker(self.num_pages, "device")
         self.allocator = PageAllocator(self.num_pages, "device")
         self.array: jax.Array = _zeros(self.shape, spec.bits_dtype, self.sharding)
+        #: Bytes of the pool backed by transparent huge pages (CPU backend; see hugepages.py).
+        self.huge_page_bytes = advise_huge_pages(self.array) if huge_pages else 0
         self._array_sharding = self.array.sharding
 
     @property

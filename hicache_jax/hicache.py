@@ -45,7 +45,7 @@ from hicache_jax.eviction import VictimHeap
 from hicache_jax.host_pool import HostPagePool
 from hicache_jax.l3 import L3Tier, PrefetchHandle
 from hicache_jax.radix import RadixTree, TreeNode, _as_tokens, _check_extra_key
-from hicache_jax.spec import HiCacheConfig, KVSpec, WritePolicy, check_int
+from hicache_jax.spec import HiCacheConfig, KVSpec, WritePolicy, check_bool, check_int
 from hicache_jax.transfer import TransferEngine
 
 # Owner of a device page (one int8 per page): the allocator says free/used, this says by whom.
@@ -118,11 +118,6 @@ def _prepare_tokens(tokens: Any, extra_key: Any, page_size: int) -> np.ndarray:
     return arr[: arr.shape[0] // page_size * page_size]
 
 
-def _check_bool(name: str, value: Any) -> None:
-    if not isinstance(value, (bool, np.bool_)):
-        raise TypeError(f"{name}={value!r} must be a bool")
-
-
 class HiCache:
     """Hierarchical KV page cache: device pool (L1), host pool (L2), radix tree of prefixes.
 
@@ -143,9 +138,9 @@ class HiCache:
         self._write = _WRITE_STRATEGIES[cfg.write_policy]
         self._tree = RadixTree(spec.page_size, clock)
         self._device = DevicePagePool(spec, cfg.device_pages, mesh=cfg.mesh, axis=cfg.shard_axis,
-                                      copy_backend=cfg.copy_backend)
+                                      copy_backend=cfg.copy_backend, huge_pages=cfg.huge_pages)
         self._host = HostPagePool(spec, cfg.host_pages, layout=cfg.host_layout, mesh=cfg.mesh,
-                                  axis=cfg.shard_axis)
+                                  axis=cfg.shard_axis, huge_pages=cfg.huge_pages)
         self._engine = TransferEngine(self._device, self._host)
         self._dev_tier = _Tier(self._device.allocator, self._evict_device,
                                lambda: self._tree.evictable_device_tokens // self._ps)
@@ -243,7 +238,7 @@ class HiCache:
             even after eviction. Leaves no lock for the caller (lock the result's node).
         """
         self._check_match(match)
-        _check_bool("layerwise", layerwise)
+        check_bool("layerwise", layerwise)
         self._complete()
         chain, node = [], match.node
         while node.parent is not None and node.value is None:
@@ -358,7 +353,7 @@ class HiCache:
         Returns:
             Tokens already cached (either tier) before the call.
         """
-        _check_bool("chunked", chunked)
+        check_bool("chunked", chunked)
         check_int("priority", priority, -(2**62))
         ntok = _prepare_tokens(tokens, extra_key, self._ps).shape[0]
         ids = self._check_pages(pages, (_CALLER, _TREE), "caller-owned or cached")

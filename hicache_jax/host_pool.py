@@ -44,7 +44,8 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
 
 from hicache_jax.allocator import PageAllocator, PageIdChecker
-from hicache_jax.spec import HostLayout, KVSpec, _enum_parse
+from hicache_jax.hugepages import advise_huge_pages
+from hicache_jax.spec import HostLayout, KVSpec, _enum_parse, check_bool
 
 def bucket_size(n: int) -> int:
     """Smallest power of two >= n (1 for n <= 1): padded length of an index array."""
@@ -270,6 +271,8 @@ class HostPagePool:
         mesh, axis: the device pool's mesh and head axis; the buffer is then sharded the same way.
         memory_kind: "auto" (pinned_host on GPU/TPU, the device's own memory on CPU) or an
             explicit memory kind of the device.
+        huge_pages: on the CPU backend, back the buffer with transparent huge pages (see
+            hugepages.py: a construction-time cost that makes scattered page copies faster).
 
     Attributes:
         buffer: ``spec.bits_dtype`` array of ``shape``; this object holds the only reference and
@@ -279,17 +282,19 @@ class HostPagePool:
         device_sharding: the same placement in the device's default memory (where pages read
             back to, and what the device pool uses).
         allocator: ``PageAllocator(num_pages, "host")``; the pool itself never allocates.
+        huge_page_bytes: bytes of ``buffer`` on transparent huge pages (0 off the CPU backend).
     """
 
     def __init__(self, spec: KVSpec, num_pages: int, layout: HostLayout | str = "layer_first", *,
                  mesh: Mesh | None = None, axis: str | None = None,
-                 memory_kind: str = "auto") -> None:
+                 memory_kind: str = "auto", huge_pages: bool = True) -> None:
         if not isinstance(spec, KVSpec):
             raise TypeError(f"spec must be a KVSpec, got {type(spec).__name__}")
         if isinstance(num_pages, bool) or not isinstance(num_pages, (int, np.integer)):
             raise TypeError(f"num_pages={num_pages!r} must be an int")
         if num_pages < 0:
             raise ValueError(f"num_pages={num_pages!r} must be >= 0")
+        check_bool("huge_pages", huge_pages)
         self.spec = spec
         self.num_pages = int(num_pages)
         self.layout = _enum_parse(HostLayout, "layout", layout)
@@ -306,6 +311,8 @@ class HostPagePool:
         self._check_ids = PageIdChecker(self.num_pages, "host")
         self.buffer: jax.Array = _allocate(self.shape, spec.bits_dtype, self.sharding,
                                            self.on_device_memory)
+        #: Bytes of the buffer on transparent huge pages (CPU backend only; see hugepages.py).
+        self.huge_page_bytes = advise_huge_pages(self.buffer) if huge_pages else 0
 
     @property
     def nbytes(self) -> int:

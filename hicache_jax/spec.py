@@ -78,6 +78,13 @@ def check_int(name: str, value: Any, minimum: int = 0) -> int:
     return int(value)
 
 
+def check_bool(name: str, value: Any) -> bool:
+    """``bool(value)``, or TypeError naming the argument (ints and other truthy values refused)."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name}={value!r} must be a bool")
+    return bool(value)
+
+
 @dataclasses.dataclass(frozen=True)
 class KVSpec:
     """Shape and dtype of the KV cache of one model.
@@ -114,8 +121,7 @@ class KVSpec:
         if dtype not in _BITS_DTYPE:
             raise ValueError(f"dtype={self.dtype!r} is not one of: {', '.join(SUPPORTED_DTYPES)}")
         object.__setattr__(self, "dtype", dtype)
-        if not isinstance(self.mla, bool):
-            raise TypeError(f"mla={self.mla!r} must be a bool")
+        object.__setattr__(self, "mla", check_bool("mla", self.mla))
         if self.mla and self.num_kv_heads != 1:
             raise ValueError(f"mla=True needs num_kv_heads=1 (one latent 'head'), got {self.num_kv_heads}")
 
@@ -181,6 +187,9 @@ class HiCacheConfig:
         load_back_quota: tokens; host hits longer than this are declined (None: unlimited).
         host_layout: "layer_first" | "page_first".
         copy_backend: "auto" | "xla" | "pallas" (device pool page movement).
+        huge_pages: CPU backend: back both pools with transparent huge pages (Linux; ~2 ms
+            per MiB at construction on the project's CPU machine, scattered copies ~10% faster;
+            see hugepages.py and benchmarks/RESULTS.md).
         mesh: optional ``jax.sharding.Mesh``; the device pool is sharded over kv heads on
             ``shard_axis`` of it.
         shard_axis: mesh axis name; defaults to the mesh's first axis.
@@ -201,6 +210,7 @@ class HiCacheConfig:
     load_back_quota: int | None = None
     host_layout: HostLayout | str = HostLayout.LAYER_FIRST
     copy_backend: CopyBackend | str = CopyBackend.AUTO
+    huge_pages: bool = True
     mesh: Any = None
     shard_axis: str | None = None
     storage: str | None = None
@@ -222,6 +232,7 @@ class HiCacheConfig:
         set_("eviction", EvictionPolicy.parse(self.eviction))
         set_("host_layout", _enum_parse(HostLayout, "host_layout", self.host_layout))
         set_("copy_backend", _enum_parse(CopyBackend, "copy_backend", self.copy_backend))
+        set_("huge_pages", check_bool("huge_pages", self.huge_pages))
         set_("prefetch_policy", _enum_parse(PrefetchPolicy, "prefetch_policy", self.prefetch_policy))
         set_("storage_write_policy", _enum_parse(
             WritePolicy, "storage_write_policy", self.storage_write_policy))

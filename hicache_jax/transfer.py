@@ -49,7 +49,7 @@ import numpy as np
 from hicache_jax.device_pool import DevicePagePool
 from hicache_jax.errors import HiCacheError
 from hicache_jax.host_pool import HostPagePool, PLAN_META, copy_pages, copy_plan
-from hicache_jax.spec import HostLayout
+from hicache_jax.spec import HostLayout, check_bool
 
 
 class TransferKind(str, enum.Enum):
@@ -187,8 +187,7 @@ class TransferEngine:
         Raises:
             Like :meth:`backup`; also TypeError for a non-bool ``layerwise``.
         """
-        if not isinstance(layerwise, bool):
-            raise TypeError(f"layerwise={layerwise!r} must be a bool")
+        check_bool("layerwise", layerwise)
         d, h = self._validate(device_ids, host_ids)
         handle = TransferHandle(self, TransferKind.LOAD, d, h, tag, layerwise=layerwise)
         if d.size:

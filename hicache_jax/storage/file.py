@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from hicache_jax.spec import HostLayout, KVSpec
+from hicache_jax.spec import HostLayout, KVSpec, check_bool
 from hicache_jax.storage._base import BackendBase, StorageUnavailableError
 from hicache_jax.storage.format import HEADER_BYTES, Verdict
 
@@ -62,8 +62,7 @@ class FileStorage(BackendBase):
                                            or capacity_bytes < entry):
             raise ValueError(f"capacity_bytes={capacity_bytes!r} must be None or an int >= one "
                              f"entry ({entry} bytes)")
-        if not isinstance(fsync, bool):
-            raise TypeError(f"fsync={fsync!r} must be a bool")
+        check_bool("fsync", fsync)
         super().__init__(spec, host_buffer, layout, batch_pages=batch_pages, checksum=checksum)
         self.url = f"file://{os.path.abspath(root)}"
         self.root = root

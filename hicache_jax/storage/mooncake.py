@@ -50,7 +50,7 @@ from typing import Any
 
 import numpy as np
 
-from hicache_jax.spec import HostLayout, KVSpec
+from hicache_jax.spec import HostLayout, KVSpec, check_bool
 from hicache_jax.storage._base import BackendBase, StorageHandle, StorageUnavailableError
 from hicache_jax.storage.format import HEADER_BYTES, Verdict
 
@@ -172,8 +172,7 @@ class MooncakeStorage(BackendBase):
                 raise ValueError(f"{name}={value!r} must be > 0")
         self.exists_timeout_s = float(exists_timeout_s)
         super().__init__(spec, host_buffer, layout, batch_pages=batch_pages, checksum=checksum)
-        if not isinstance(zero_copy, bool):
-            raise TypeError(f"zero_copy={zero_copy!r} must be a bool")
+        check_bool("zero_copy", zero_copy)
         if zero_copy and not self.host.contiguous:
             raise ValueError("zero_copy=True needs a page_first host_buffer")
         self.zero_copy = zero_copy
