@@ -61,7 +61,8 @@ CONFIGS = {  # file: (layout, checksum); mooncake: (layout, zero_copy, checksum)
     "file": [("page_first", "crc32")] + [("page_first", c) for c in _XXH3]
     + [("layer_first", "crc32")],
     "mooncake": [("page_first", False, "crc32")] + [("page_first", False, c) for c in _XXH3]
-    + [("page_first", True, "crc32"), ("layer_first", False, "crc32")],
+    + [("page_first", True, "crc32")] + [("page_first", True, c) for c in _XXH3]
+    + [("layer_first", False, "crc32")],
 }
 _serial = itertools.count()
 
@@ -207,7 +208,11 @@ def measure(backend: str, mode: str, store, raw, repeats: int) -> list[dict]:
     return rows
 
 
-def bench_mooncake(address: str | None, repeats: int, batch_pages: int) -> list[dict]:
+def batch_option(batch_pages: int | None) -> dict:
+    return {} if batch_pages is None else {"batch_pages": batch_pages}
+
+
+def bench_mooncake(address: str | None, repeats: int, batch_pages: int | None) -> list[dict]:
     from storage_servers import MooncakeServers
 
     servers = None
@@ -220,8 +225,8 @@ def bench_mooncake(address: str | None, repeats: int, batch_pages: int) -> list[
         rows = []
         for layout, zero_copy, checksum in CONFIGS["mooncake"]:
             with open_storage(f"mooncake://{address}", SPEC, host_buffer(layout, 256), layout,
-                              zero_copy=zero_copy, batch_pages=batch_pages,
-                              checksum=checksum) as store:
+                              zero_copy=zero_copy, checksum=checksum,
+                              **batch_option(batch_pages)) as store:
                 mode = f"{layout}{' zero-copy' if zero_copy else ''} {checksum}"
                 rows += measure("mooncake", mode, store, raw, repeats)
         return rows
@@ -232,14 +237,14 @@ def bench_mooncake(address: str | None, repeats: int, batch_pages: int) -> list[
             servers.stop()
 
 
-def bench_file(repeats: int, batch_pages: int) -> list[dict]:
+def bench_file(repeats: int, batch_pages: int | None) -> list[dict]:
     tmp = tempfile.mkdtemp(prefix="bench-storage-")
     try:
         raw = RawFile(os.path.join(tmp, "raw"), host_buffer("page_first", 256))
         rows = []
         for layout, checksum in CONFIGS["file"]:
             with open_storage(f"file://{tmp}/{layout}-{checksum}", SPEC, host_buffer(layout, 256),
-                              layout, batch_pages=batch_pages, checksum=checksum) as store:
+                              layout, checksum=checksum, **batch_option(batch_pages)) as store:
                 rows += measure("file", f"{layout} {checksum}", store, raw, repeats)
         return rows
     finally:
@@ -366,7 +371,8 @@ def main() -> None:
     ap.add_argument("--json", default=None)
     ap.add_argument("--backends", default="file,mooncake")
     ap.add_argument("--mooncake", default=None, help="host:port of a running master")
-    ap.add_argument("--batch-pages", type=int, default=32, help="pages per backend call")
+    ap.add_argument("--batch-pages", type=int, default=None,
+                    help="pages per backend call (default: each backend's own)")
     ap.add_argument("--part", default="all", choices=["raw", "cache", "all"])
     ap.add_argument("--device-fraction", type=float, default=0.15,
                     help="cache part: device pages / working-set pages")

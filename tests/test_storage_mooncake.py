@@ -87,6 +87,32 @@ def test_misses_and_write_once(servers):
     store.close()
 
 
+def test_default_batch_is_one_store_call_of_up_to_16_mib(servers):
+    from hicache_jax.storage.mooncake import STAGING_BYTES
+
+    store, _ = open_mc(servers)
+    entry = HEADER_BYTES + SPEC.page_bytes
+    assert store.batch_pages == STAGING_BYTES // entry >= 1
+    calls = []
+
+    class CountingClient:  # the client's methods are read-only: wrap it
+        def __init__(self, inner):
+            self.inner = inner
+
+        def __getattr__(self, name):
+            return getattr(self.inner, name)
+
+        def batch_put_from(self, keys, ptrs, sizes):
+            calls.append(len(keys))
+            return self.inner.batch_put_from(keys, ptrs, sizes)
+
+    store._store = CountingClient(store._store)
+    n = min(NUM_PAGES, store.batch_pages)
+    assert store.put_from(unique_keys(n), np.arange(n)).wait(20).all()
+    assert calls == [n]  # one call, not a pipeline of smaller ones
+    store.close()
+
+
 def test_pipelined_sub_batches_with_gaps(servers):
     store, buf = open_mc(servers, batch_pages=2)            # 16 pages: 8 store calls per handle
     keys = unique_keys(NUM_PAGES)

@@ -41,7 +41,6 @@ each lane has two registered staging (or header) slots, one per pipeline stage.
 from __future__ import annotations
 
 import concurrent.futures
-import math
 import os
 import socket
 import threading
@@ -65,6 +64,9 @@ TRANSFER_FAIL = -800
 RPC_FAIL = -900
 RPC_TIMEOUT = -901
 _TRANSPORT_DOWN = (TRANSFER_FAIL, RPC_FAIL, RPC_TIMEOUT)
+
+#: Default bytes of one store call's staging rows (per lane, per slot: 4x this is registered).
+STAGING_BYTES = 16 << 20
 
 
 # Mooncake reads these at setup(); values the user exported before we were imported win.
@@ -154,7 +156,9 @@ class MooncakeStorage(BackendBase):
         zero_copy: multi-buffer transfers straight from/into ``host_buffer`` (page_first only).
             Off by default: with Mooncake 0.3.13 over TCP the two-buffer calls measured slower
             than one registered staging buffer plus a memcpy (benchmarks/bench_storage.py).
-        batch_pages: pages per store call (sub-batch of a handle).
+        batch_pages: pages per store call (sub-batch of a handle); None: as many as fit in
+            ``STAGING_BYTES`` (128 pages of 128 KiB). A handle of more pages runs as a two-stage
+            pipeline of such calls.
         checksum: "auto" (xxh3 when the xxhash package is installed, else crc32), "crc32"
             or "xxh3", written into new entries (readers accept either).
         exists_timeout_s: bound on ``exists()`` (then all False, and the backend backs off).
@@ -163,7 +167,7 @@ class MooncakeStorage(BackendBase):
     def __init__(self, spec: KVSpec, host_buffer: np.ndarray, layout: HostLayout | str,
                  master: str, *, local_hostname: str = "127.0.0.1", protocol: str = "tcp",
                  device_names: str = "", setup_timeout_s: float = 10.0,
-                 zero_copy: bool = False, batch_pages: int = 32, checksum: str = "auto",
+                 zero_copy: bool = False, batch_pages: int | None = None, checksum: str = "auto",
                  exists_timeout_s: float = 2.0) -> None:
         parse_address(master)
         for name, value in (("setup_timeout_s", setup_timeout_s),
@@ -171,6 +175,8 @@ class MooncakeStorage(BackendBase):
             if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
                 raise ValueError(f"{name}={value!r} must be > 0")
         self.exists_timeout_s = float(exists_timeout_s)
+        if batch_pages is None:
+            batch_pages = max(1, STAGING_BYTES // (HEADER_BYTES + spec.page_bytes))
         super().__init__(spec, host_buffer, layout, batch_pages=batch_pages, checksum=checksum)
         check_bool("zero_copy", zero_copy)
         if zero_copy and not self.host.contiguous:
@@ -243,13 +249,16 @@ class MooncakeStorage(BackendBase):
             self._breaker.trip()
         return np.asarray([c == 1 for c in codes], dtype=bool)
 
-    # Each handle runs as a two-stage pipeline: the mover thread runs the store call of
-    # sub-batch k+1 (it releases the GIL) while the lane checks / prepares sub-batch k.
+    # A handle of more than batch_pages pages runs as a two-stage pipeline: the mover thread
+    # runs the store call of sub-batch k+1 (it releases the GIL) while the lane checks /
+    # prepares sub-batch k. Handles are not split further to make a pipeline: measured on 2
+    # cores (bench_storage.py, RESULTS.md), four store calls of 4-32 pages overlapped this way
+    # took longer than one call of 16-128 pages (Mooncake's per-call cost is ~1 ms over TCP).
     def _run(self, handle: StorageHandle) -> None:
         error = None
         try:
             n = len(handle.keys)
-            size = min(self.batch_pages, max(8, math.ceil(n / 4)))
+            size = self.batch_pages
             chunks = [slice(i, min(i + size, n)) for i in range(0, n, size)]
             if len(chunks) == 1:  # nothing to overlap: save the hop to the mover
                 sl = chunks[0]
