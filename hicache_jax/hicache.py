@@ -8,7 +8,9 @@ Semantics follow SGLang's HiCache (``hiradix_cache.py``):
   under the same object; the acknowledgement walks up from it and gives every part its slice of
   the host pages, so both halves end up backed up. Write-through modes back up only when the
   parent is backed up or backing up (a continuous prefix from the root); acknowledgements are
-  applied in dispatch order, so a parent is always backed up before its child.
+  applied in dispatch order, so a parent is always backed up before its child. The backups
+  one call starts (the hit path of an ``insert``, an eviction round) go in ONE transfer: one
+  dispatch and one fixed cost, each node still acknowledged as its own op, root-first.
 * **evict(num_tokens)** pops the least valuable device leaves: backed up -> free the device
   pages, keep the node host-only; not backed up -> delete it (write-through modes) or back it up
   first and free it once the copy is acknowledged at the end of the call (write-back).
@@ -109,6 +111,7 @@ class _Op:
     node: TreeNode
     device_ids: np.ndarray
     host_ids: np.ndarray
+    share: float = 1.0  # this op's fraction of the handle's pages (backups share one handle)
 
 
 def _prepare_tokens(tokens: Any, extra_key: Any, page_size: int) -> np.ndarray:
@@ -375,12 +378,12 @@ class HiCache:
         if res.last_node.parent is not None and res.last_node not in res.existing_nodes:
             self._events.stored(res.last_node, Medium.DEVICE)
         if self._write.backup_on_hit and not chunked:
-            for node in res.existing_nodes:  # root-first: parents dispatch before children
-                if node.hit_count >= self.cfg.write_through_threshold:
-                    self._write_backup(node)
+            claims = [self._claim_backup(node) for node in res.existing_nodes  # root-first
+                      if node.hit_count >= self.cfg.write_through_threshold]
             if self._l3 is not None and self._l3.back_up_new and res.last_node not in \
                     res.existing_nodes and res.last_node.parent is not None:
-                self._write_backup(res.last_node)  # L3 write-through: computed pages go down now
+                claims.append(self._claim_backup(res.last_node))  # L3: computed pages go down now
+            self._dispatch_backups([c for c in claims if c is not None])
         return res.prefix_len
 
     def evict(self, num_tokens: int) -> int:
@@ -494,11 +497,12 @@ class HiCache:
 
     def _evict_round(self, num_tokens: int) -> int:
         """One pass over the evictable leaves (see module doc). Write-back nodes are backed up
-        in the pass and freed at its end, once acknowledged; their parents wait for the next
-        round, as in SGLang (one wait for all acknowledgements, not one per node)."""
+        in the pass (one transfer for all of them) and freed at its end, once acknowledged;
+        their parents wait for the next round, as in SGLang (one wait for all
+        acknowledgements, not one per node)."""
         tree = self._tree
         heap = VictimHeap(self.cfg.eviction, tree.evictable_device)
-        freed, promised, pending, pending_seq = 0, 0, [], -1
+        freed, promised, claims = 0, 0, []
         while freed + promised < num_tokens and heap:
             node = heap.pop()
             if node not in tree.evictable_device:
@@ -506,9 +510,8 @@ class HiCache:
             parent = node.parent
             if node.backed_up:
                 freed += self._drop_device(node)
-            elif self._write.backup_on_evict and (op := self._write_backup(node)) is not None:
-                pending.append(node)  # freed below, once its copy is acknowledged
-                pending_seq = op.seq
+            elif self._write.backup_on_evict and (claim := self._claim_backup(node)) is not None:
+                claims.append(claim)  # copied below in one transfer, freed once acknowledged
                 promised += node.num_tokens
                 continue
             elif node.children:
@@ -517,9 +520,9 @@ class HiCache:
                 freed += self._delete(node)
             if parent in tree.evictable_device:
                 heap.push(parent)
-        if pending:
-            self._complete(upto=pending_seq)
-            for node in pending:
+        if claims:
+            self._complete(upto=self._dispatch_backups(claims))
+            for node, _ in claims:
                 if node in tree.evictable_device and node.backed_up:
                     freed += self._drop_device(node)
         return freed
@@ -572,8 +575,9 @@ class HiCache:
 
     # -- internals: transfers ----------------------------------------------------------------
 
-    def _write_backup(self, node: TreeNode) -> _Op | None:
-        """Start copying ``node``'s device pages to host; None when skipped (see module doc)."""
+    def _claim_backup(self, node: TreeNode) -> tuple[TreeNode, np.ndarray] | None:
+        """Reserve host pages for a backup of ``node`` (locked, pages marked in flight); the copy
+        itself is dispatched by :meth:`_dispatch_backups`. None when skipped (see module doc)."""
         if node.value is None or node.backed_up or self._backing[node.value].any():
             return None
         if self._write.continuous_prefix:
@@ -586,12 +590,31 @@ class HiCache:
         except OutOfPagesError:
             self._n["backups_skipped"] += 1
             return None
-        handle = self._engine.backup(node.value, host_ids)
         self._tree.lock(node)
         self._backing[node.value] = True
-        op = _Op(self._next_seq(), "backup", handle, node, node.value.copy(), host_ids)
-        self._ops.append(op)
-        return op
+        return node, host_ids
+
+    def _dispatch_backups(self, claims: list[tuple[TreeNode, np.ndarray]]) -> int:
+        """Copy every claimed node to host in ONE transfer (one dispatch, however many nodes);
+        one op per node, in claim order (root-first), sharing the handle. Returns the last op's
+        seq (-1: nothing to do)."""
+        if not claims:
+            return -1
+        device_ids = [node.value.copy() for node, _ in claims]
+        try:
+            handle = self._engine.backup(np.concatenate(device_ids),
+                                         np.concatenate([h for _, h in claims]))
+        except BaseException:  # internal ids: a bug; undo the claims so the tree stays whole
+            for (node, host_ids), ids in zip(claims, device_ids):
+                self._backing[ids] = False
+                self._tree.unlock(node)
+                self._host.allocator.free(host_ids)
+            raise
+        for (node, host_ids), ids in zip(claims, device_ids):
+            self._ops.append(_Op(self._next_seq(), "backup", handle, node, ids, host_ids,
+                                 ids.size / handle.device_ids.size))
+        return self._seq
+
 
     def _complete(self, upto: int = -1) -> None:
         """Apply finished transfers in dispatch order, first waiting for those with seq <= upto.
@@ -611,14 +634,14 @@ class HiCache:
             self._apply(op)
 
     def _apply(self, op: _Op) -> None:
-        seconds = float(op.handle.seconds or 0.0)
+        seconds = float(op.handle.seconds or 0.0) * op.share
         if op.kind == "load":
             self._loading[op.device_ids] = False
             self._n["bytes_to_device"] += op.handle.nbytes
             self._n["seconds_to_device"] += seconds
         else:
             self._finish_backup(op)
-            self._n["bytes_to_host"] += op.handle.nbytes
+            self._n["bytes_to_host"] += op.device_ids.size * self.spec.page_bytes
             self._n["seconds_to_host"] += seconds
         self._tree.unlock(op.node)
 

@@ -132,6 +132,44 @@ def test_write_back_backs_up_on_evict_then_loads_back():
     check(cache, kv)
 
 
+def _count_backup_calls(cache):
+    """Wrap the transfer engine's backup: returns the list of page counts per call."""
+    calls, real = [], cache._engine.backup
+    cache._engine.backup = lambda d, h, **kw: calls.append(len(d)) or real(d, h, **kw)
+    return calls
+
+
+def test_write_back_eviction_round_backs_up_all_victims_in_one_transfer():
+    cache, kv = make("write_back", device=16, host=32)
+    prompts = [np.arange(4) + 100 * i for i in range(4)]  # four disjoint 4-page leaves
+    for t in prompts:
+        request(cache, kv, t)
+    calls = _count_backup_calls(cache)
+    assert cache.evict(16) == 16
+    assert calls == [16]  # one dispatch for the four nodes
+    stats = cache.stats()
+    assert stats["backups"] == 4 and stats["host_cached_tokens"] == 16
+    assert stats["bytes_to_host"] == 16 * cache.spec.page_bytes
+    for t in prompts:  # every node got its own slice of the host pages
+        m = cache.load_back(cache.match_prefix(t))
+        assert m.device_len == 4
+        np.testing.assert_array_equal(bits(cache.read_kv(m.device_pages)), kv.pages(None, t, 0, 4))
+    check(cache, kv)
+
+
+def test_write_through_hits_on_a_path_back_up_in_one_transfer():
+    cache, kv = make("write_through", device=32, host=64, threshold=2)
+    request(cache, kv, np.arange(8))         # one node, hit_count 0
+    request(cache, kv, np.arange(8))         # hit_count 1: under the threshold
+    cache.match_prefix(np.arange(4))         # splits it: both halves keep hit_count 1
+    calls = _count_backup_calls(cache)
+    request(cache, kv, np.arange(12))        # hits both halves -> both reach the threshold
+    assert calls == [8]                      # root-first, one dispatch
+    cache.flush()
+    assert cache.stats()["backups"] == 2 and cache.stats()["host_cached_tokens"] == 8
+    check(cache, kv)
+
+
 def test_write_through_evicts_unbacked_nodes_by_deleting_them():
     cache, kv = make("write_through")
     request(cache, kv, np.arange(5))
