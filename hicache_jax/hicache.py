@@ -46,7 +46,8 @@ from hicache_jax.events import EventLog, KVEvent, Medium
 from hicache_jax.eviction import VictimHeap
 from hicache_jax.host_pool import HostPagePool
 from hicache_jax.l3 import L3Tier, PrefetchHandle
-from hicache_jax.radix import RadixTree, TreeNode, _as_tokens, _check_extra_key
+from hicache_jax.radix import RadixTree
+from hicache_jax.tree_node import TreeNode, _as_tokens, _check_extra_key
 from hicache_jax.spec import HiCacheConfig, KVSpec, WritePolicy, check_bool, check_int
 from hicache_jax.transfer import TransferEngine
 

@@ -41,7 +41,7 @@ import numpy as np
 from hicache_jax.allocator import PageAllocator
 from hicache_jax.errors import OutOfPagesError
 from hicache_jax.events import Medium
-from hicache_jax.radix import TreeNode, chain_hashes, namespace_hash
+from hicache_jax.tree_node import TreeNode, chain_hashes, namespace_hash
 from hicache_jax.spec import PrefetchPolicy, WritePolicy
 from hicache_jax.storage import StorageError, StorageUnavailableError, open_storage, page_keys
 

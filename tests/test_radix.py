@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from hicache_jax.errors import HiCacheError
-from hicache_jax import radix
+from hicache_jax import radix, tree_node
 from hicache_jax.eviction import EvictionPolicy, VictimHeap
 from hicache_jax.radix import RadixTree, TreeNode, chain_hashes, namespace_hash
 
@@ -29,8 +29,9 @@ def ps(request):
     return request.param
 
 
-def test_radix_imports_no_jax():
-    tree = ast.parse(pathlib.Path(radix.__file__).read_text())
+@pytest.mark.parametrize("module", [radix, tree_node])
+def test_radix_imports_no_jax(module):
+    tree = ast.parse(pathlib.Path(module.__file__).read_text())
     mods = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
     mods |= {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
     assert not any(m and m.split(".")[0] == "jax" for m in mods), mods

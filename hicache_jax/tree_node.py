@@ -1,0 +1,237 @@
+"""Nodes and results of the radix tree, page hashes, and the tree's input checks (no jax).
+
+:class:`TreeNode` is what the tree is made of and what callers hold (``Match.node``, locks,
+transfers in flight); :class:`TreeMatch` and :class:`InsertResult` are what
+:meth:`~hicache_jax.radix.RadixTree.match` and :meth:`~hicache_jax.radix.RadixTree.insert`
+return. Page hashes chain like SGLang's KV events: a page's hash covers its parent's hash and
+its own tokens, and the root's children start from a hash of the ``extra_key`` namespace.
+The tree itself (and the rules these objects follow) is in :mod:`hicache_jax.radix`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from typing import Any, Hashable
+
+import numpy as np
+
+_EMPTY_I32 = np.zeros(0, np.int32)
+_EMPTY_U64 = np.zeros(0, np.uint64)
+_MEMCMP_MAX = 2048  # tokens; see _common_len
+
+
+# ----------------------------------------------------------------------------- page hashes
+
+def namespace_hash(extra_key: Hashable) -> int:
+    """Seed of the hash chain of a namespace: blake2b of ``repr(extra_key)`` (stable for None,
+    str, int and tuples of those; not Python's salted ``hash()``)."""
+    digest = hashlib.blake2b(b"hicache-ns:" + repr(extra_key).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little")
+
+
+def chain_hashes(prev: int, pages: np.ndarray) -> np.ndarray:
+    """``h_i = blake2b(h_{i-1} || tokens of page i)`` as uint64, one per row of ``pages``.
+
+    Args:
+        prev: hash of the page before the first row (or :func:`namespace_hash`).
+        pages: int64 ``[num_pages, page_size]``.
+    """
+    rows = np.ascontiguousarray(pages, dtype="<i8")
+    digest, step = prev.to_bytes(8, "little"), rows.shape[1] * 8
+    data, out = rows.tobytes(), []
+    blake2b = hashlib.blake2b
+    for start in range(0, len(data), step):  # one hash per page, not per token
+        digest = blake2b(digest + data[start:start + step], digest_size=8).digest()
+        out.append(digest)
+    return np.frombuffer(b"".join(out), dtype="<u8").astype(np.uint64)
+
+
+# ----------------------------------------------------------------------------- nodes / results
+
+@dataclass(slots=True, eq=False)
+class TreeNode:
+    """One run of whole pages of one cached prefix. Identity-hashed (``eq=False``).
+
+    Attributes:
+        id: per-tree counter (the eviction tie-break: older ids first).
+        key: int64 ``[num_pages * page_size]`` tokens of this node (empty for the root).
+        parent: ``None`` for the root and for nodes deleted from the tree.
+        children: first-page key -> child: the page's int64 token bytes (``(extra_key, bytes)``
+            under the root).
+        value: int32 ``[num_pages]`` device page ids, or ``None`` when evicted from device.
+        host_value: int32 ``[num_pages]`` host page ids, or ``None`` when not backed up.
+        lock_ref: locks on this node or a descendant (locks walk to the root).
+        hit_count, last_access, created, priority: eviction keys (see ``eviction.py``).
+        page_hashes: uint64 ``[num_pages]`` chained hashes of the prefix ending at each page.
+        extra_key: the namespace.
+        device_children: how many children hold device pages (keeps evictability O(1)).
+    """
+
+    id: int
+    key: np.ndarray
+    parent: "TreeNode | None"
+    children: dict = field(default_factory=dict)
+    value: "np.ndarray | None" = None
+    host_value: "np.ndarray | None" = None
+    lock_ref: int = 0
+    hit_count: int = 0
+    last_access: float = 0.0
+    created: float = 0.0
+    priority: int = 0
+    page_hashes: np.ndarray = field(default_factory=lambda: _EMPTY_U64)
+    extra_key: Any = None
+    device_children: int = 0
+
+    @property
+    def num_pages(self) -> int:
+        return self.page_hashes.shape[0]
+
+    @property
+    def num_tokens(self) -> int:
+        return self.key.shape[0]
+
+    @property
+    def evicted(self) -> bool:
+        """No device pages (host-only)."""
+        return self.value is None
+
+    @property
+    def backed_up(self) -> bool:
+        return self.host_value is not None
+
+    @property
+    def is_root(self) -> bool:
+        return self.parent is None and self.key.shape[0] == 0
+
+    def __repr__(self) -> str:
+        return (f"TreeNode(id={self.id}, tokens={self.num_tokens}, device={self.value is not None}, "
+                f"host={self.host_value is not None}, lock_ref={self.lock_ref})")
+
+
+@dataclass(frozen=True)
+class TreeMatch:
+    """Result of :meth:`RadixTree.match`.
+
+    Attributes:
+        device_pages: int32 ``[device_len // page_size]`` device page ids, root first (a copy).
+        device_len: tokens matched on device.
+        host_len: further tokens matched on host only.
+        host_nodes: root-first chain of host-only nodes after the device part.
+        last_device_node: deepest device-resident matched node (the root if none).
+        node: deepest matched node (the root if nothing matched).
+    """
+
+    device_pages: np.ndarray
+    device_len: int
+    host_len: int
+    host_nodes: tuple
+    last_device_node: TreeNode
+    node: TreeNode
+
+
+@dataclass(frozen=True)
+class InsertResult:
+    """Result of :meth:`RadixTree.insert`.
+
+    Attributes:
+        prefix_len: tokens already cached (on either tier) before the call.
+        duplicate_pages: int32 caller pages at positions the tree already held on device with a
+            different page; the caller still owns them and frees them.
+        existing_nodes: root-first nodes that already existed along the path.
+        revived_nodes: host-only nodes that took the caller's pages (device-resident again).
+        last_node: deepest node of the inserted prefix (the root if no whole page).
+    """
+
+    prefix_len: int
+    duplicate_pages: np.ndarray
+    existing_nodes: list
+    revived_nodes: list
+    last_node: TreeNode
+
+
+class _HeldPages:
+    """Which page ids of one tier the tree holds: a growable bool mask (O(k) per batch)."""
+
+    __slots__ = ("mask", "count")
+
+    def __init__(self) -> None:
+        self.mask = np.zeros(1024, np.bool_)
+        self.count = 0
+
+    def any_held(self, ids: np.ndarray) -> bool:
+        ids = ids[ids < self.mask.shape[0]]
+        return bool(ids.size and self.mask[ids].any())
+
+    def add(self, ids: np.ndarray) -> None:
+        if ids.size and ids.max() >= self.mask.shape[0]:
+            grown = np.zeros(max(2 * self.mask.shape[0], int(ids.max()) + 1), np.bool_)
+            grown[: self.mask.shape[0]] = self.mask
+            self.mask = grown
+        self.mask[ids] = True
+        self.count += ids.size
+
+    def remove(self, ids: np.ndarray) -> None:
+        self.mask[ids] = False
+        self.count -= ids.size
+
+
+# ----------------------------------------------------------------------------- validation
+
+def _as_tokens(tokens: Any) -> np.ndarray:
+    """1-D non-negative integer sequence -> int64 numpy (no copy when already int64)."""
+    arr = np.asarray(tokens)
+    if arr.ndim != 1:
+        raise ValueError(f"tokens must be 1-D, got shape {arr.shape}")
+    if arr.size == 0:
+        return np.zeros(0, np.int64)
+    if arr.dtype == np.bool_ or not np.issubdtype(arr.dtype, np.integer):
+        raise TypeError(f"tokens must hold integers, got dtype {arr.dtype}")
+    if arr.dtype == np.uint64 and arr.max() > np.iinfo(np.int64).max:
+        raise ValueError("tokens has values beyond int64")
+    if arr.min() < 0:
+        raise ValueError(f"tokens must be >= 0 (min {arr.min()})")
+    return arr.astype(np.int64, copy=False)
+
+
+def _as_ids(ids: Any, n: int, name: str) -> np.ndarray:
+    """1-D distinct non-negative integer page ids of length ``n`` -> int32 copy."""
+    arr = np.asarray(ids)
+    if arr.ndim != 1:
+        raise ValueError(f"{name} must be 1-D, got shape {arr.shape}")
+    if arr.size and (arr.dtype == np.bool_ or not np.issubdtype(arr.dtype, np.integer)):
+        raise TypeError(f"{name} must hold integers, got dtype {arr.dtype}")
+    if arr.shape[0] != n:
+        raise ValueError(f"{name} has {arr.shape[0]} ids, expected {n} (one per whole page)")
+    if n == 0:
+        return _EMPTY_I32
+    if arr.min() < 0 or arr.max() > np.iinfo(np.int32).max:
+        raise ValueError(f"{name} must be in [0, 2**31): min {arr.min()}, max {arr.max()}")
+    out = arr.astype(np.int32)
+    srt = np.sort(out)  # sort + neighbour compare: numpy 2's hash-based unique is ~20x slower
+    if (srt[1:] == srt[:-1]).any():
+        raise ValueError(f"{name} has duplicate ids")
+    return out
+
+
+def _common_len(a: np.ndarray, b: np.ndarray) -> int:
+    """Length of the common prefix of two equal-length int64 arrays (no Python loop)."""
+    # Short runs: one memcmp of the bytes is cheapest. Long runs: an elementwise compare, since
+    # copying hundreds of KiB out with tobytes() can cost page faults on every call.
+    if a.shape[0] <= _MEMCMP_MAX:
+        if a.tobytes() == b.tobytes():
+            return a.shape[0]
+        return int(np.argmax(a != b))
+    diff = a != b
+    k = int(np.argmax(diff))
+    return k if diff[k] else a.shape[0]
+
+
+def _check_extra_key(extra_key: Any) -> None:
+    try:
+        hash(extra_key)
+    except TypeError:
+        raise TypeError(f"extra_key must be hashable, got {type(extra_key).__name__}") from None
+
+
+# ----------------------------------------------------------------------------- the tree
