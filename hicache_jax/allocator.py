@@ -12,6 +12,24 @@ import numpy as np
 from hicache_jax.errors import HiCacheError, OutOfPagesError
 
 
+def nonnegative_ints(arr: np.ndarray, name: str, what: str = "values") -> bool:
+    """Check that ``arr`` is 1-D and, unless empty, holds integers >= 0; returns ``arr.size > 0``.
+
+    Raises:
+        ValueError: not 1-D, or a negative value ("{name} has negative {what} (min ...)").
+        TypeError: a non-empty array of another dtype (bools refused).
+    """
+    if arr.ndim != 1:
+        raise ValueError(f"{name} must be 1-D, got shape {arr.shape}")
+    if arr.size == 0:
+        return False
+    if arr.dtype == np.bool_ or not np.issubdtype(arr.dtype, np.integer):
+        raise TypeError(f"{name} must hold integers, got dtype {arr.dtype}")
+    if arr.min() < 0:
+        raise ValueError(f"{name} has negative {what} (min {arr.min()}); they must be >= 0")
+    return True
+
+
 def as_page_ids(ids, name: str = "page_ids") -> np.ndarray:
     """Validate a 1-D integer sequence of page ids and return it as int32 numpy (a copy).
 
@@ -20,14 +38,8 @@ def as_page_ids(ids, name: str = "page_ids") -> np.ndarray:
         ValueError: not 1-D, or negative.
     """
     arr = np.asarray(ids)
-    if arr.ndim != 1:
-        raise ValueError(f"{name} must be 1-D, got shape {arr.shape}")
-    if arr.size == 0:
+    if not nonnegative_ints(arr, name, "ids"):
         return np.zeros(0, np.int32)
-    if arr.dtype == np.bool_ or not np.issubdtype(arr.dtype, np.integer):
-        raise TypeError(f"{name} must hold integers, got dtype {arr.dtype}")
-    if arr.min() < 0:
-        raise ValueError(f"{name} has negative ids (min {arr.min()})")
     if arr.max() > np.iinfo(np.int32).max:
         raise ValueError(f"{name} has ids beyond int32 (max {arr.max()})")
     return arr.astype(np.int32, copy=True)

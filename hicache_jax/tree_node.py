@@ -16,6 +16,8 @@ from typing import Any, Hashable
 
 import numpy as np
 
+from hicache_jax.allocator import as_page_ids, nonnegative_ints
+
 _EMPTY_I32 = np.zeros(0, np.int32)
 _EMPTY_U64 = np.zeros(0, np.uint64)
 _MEMCMP_MAX = 2048  # tokens; see _common_len
@@ -181,33 +183,18 @@ class _HeldPages:
 def _as_tokens(tokens: Any) -> np.ndarray:
     """1-D non-negative integer sequence -> int64 numpy (no copy when already int64)."""
     arr = np.asarray(tokens)
-    if arr.ndim != 1:
-        raise ValueError(f"tokens must be 1-D, got shape {arr.shape}")
-    if arr.size == 0:
+    if not nonnegative_ints(arr, "tokens"):
         return np.zeros(0, np.int64)
-    if arr.dtype == np.bool_ or not np.issubdtype(arr.dtype, np.integer):
-        raise TypeError(f"tokens must hold integers, got dtype {arr.dtype}")
     if arr.dtype == np.uint64 and arr.max() > np.iinfo(np.int64).max:
         raise ValueError("tokens has values beyond int64")
-    if arr.min() < 0:
-        raise ValueError(f"tokens must be >= 0 (min {arr.min()})")
     return arr.astype(np.int64, copy=False)
 
 
 def _as_ids(ids: Any, n: int, name: str) -> np.ndarray:
     """1-D distinct non-negative integer page ids of length ``n`` -> int32 copy."""
-    arr = np.asarray(ids)
-    if arr.ndim != 1:
-        raise ValueError(f"{name} must be 1-D, got shape {arr.shape}")
-    if arr.size and (arr.dtype == np.bool_ or not np.issubdtype(arr.dtype, np.integer)):
-        raise TypeError(f"{name} must hold integers, got dtype {arr.dtype}")
-    if arr.shape[0] != n:
-        raise ValueError(f"{name} has {arr.shape[0]} ids, expected {n} (one per whole page)")
-    if n == 0:
-        return _EMPTY_I32
-    if arr.min() < 0 or arr.max() > np.iinfo(np.int32).max:
-        raise ValueError(f"{name} must be in [0, 2**31): min {arr.min()}, max {arr.max()}")
-    out = arr.astype(np.int32)
+    out = as_page_ids(ids, name)
+    if out.shape[0] != n:
+        raise ValueError(f"{name} has {out.shape[0]} ids, expected {n} (one per whole page)")
     srt = np.sort(out)  # sort + neighbour compare: numpy 2's hash-based unique is ~20x slower
     if (srt[1:] == srt[:-1]).any():
         raise ValueError(f"{name} has duplicate ids")
