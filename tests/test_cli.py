@@ -24,6 +24,7 @@ def test_bench_table_identical_outputs_and_json(tmp_path, capsys):
     for header in ("prompt tok", "recomputed", "L1 hit", "L2 hit", "TTFT p50 ms", "TTFT p90 ms",
                    "tok/s", "MB to host", "MB to device"):
         assert header in out
+    assert "L3" not in out  # no --storage: no L3 columns
     data = json.loads(path.read_text())
     assert data["outputs_identical"] is True
     assert set(data["summary"]) == {"no cache", "device radix", "hicache"}

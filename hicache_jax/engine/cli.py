@@ -169,13 +169,15 @@ def _summary(gens: list[Generation], wall: float, stats: dict[str, Any]) -> dict
     }
 
 
-def _table(summaries: dict[str, dict[str, Any]]) -> str:
+def _table(summaries: dict[str, dict[str, Any]], l3: bool) -> str:
+    """The results table; the L3 columns only when an L3 store was configured."""
     cols = [("config", None), ("prompt tok", "prompt_tokens"), ("recomputed", "recomputed_tokens"),
             ("L1 hit", "l1_hit_tokens"), ("L2 hit", "l2_hit_tokens"),
             ("TTFT p50 ms", "ttft_p50_ms"), ("TTFT p90 ms", "ttft_p90_ms"),
             ("tok/s", "tokens_per_s"), ("MB to host", "bytes_to_host"),
-            ("MB to device", "bytes_to_device"), ("L3 fetched pg", "l3_fetched_pages"),
-            ("L3 stored pg", "l3_stored_pages")]
+            ("MB to device", "bytes_to_device")]
+    if l3:
+        cols += [("L3 fetched pg", "l3_fetched_pages"), ("L3 stored pg", "l3_stored_pages")]
     rows = []
     for name, s in summaries.items():
         row = [name]
@@ -265,7 +267,7 @@ def bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     first = outputs[CONFIGS[0][0]]
     identical = all(len(o) == len(first) and all(np.array_equal(a, b) for a, b in zip(o, first))
                     for o in outputs.values())
-    print(_table(summaries))
+    print(_table(summaries, l3=bool(args.storage)))
     hits = {n: (s["l1_hit_tokens"] + s["l2_hit_tokens"]) / s["prompt_tokens"]
             for n, s in summaries.items()}
     print("hit ratio / infinite-cache hit ratio: " + ", ".join(
