@@ -376,9 +376,9 @@ class MooncakeStorage(BackendBase):
         if self.zero_copy:
             for i, (key, page) in enumerate(zip(keys, ids)):
                 self.codec.pack_into(buf[i, :HEADER_BYTES], key, self.host.parts(int(page)))
-        else:
-            self.host.gather(ids, buf[:, HEADER_BYTES:])
+        else:  # row by row: the checksum reads the row while the copy left it in cache
             for i, key in enumerate(keys):
+                self.host.gather(ids[i:i + 1], buf[i:i + 1, HEADER_BYTES:])
                 self.codec.pack_into(buf[i, :HEADER_BYTES], key, [buf[i, HEADER_BYTES:]])
 
     def _put_transfer(self, handle: StorageHandle, sl: slice, slot: int) -> np.ndarray:
