@@ -616,7 +616,6 @@ class HiCache:
                                  ids.size / handle.device_ids.size))
         return self._seq
 
-
     def _complete(self, upto: int = -1) -> None:
         """Apply finished transfers in dispatch order, first waiting for those with seq <= upto.
 
