@@ -41,7 +41,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import pallas_kernels as pk  # noqa: E402
-from benchmarks.common import env_info, gbps, print_table, write_json  # noqa: E402
+from benchmarks.common import gbps, print_table, write_json  # noqa: E402
 from pallas_kernels import gpu as pk_gpu  # noqa: E402
 
 # Llama-3-8B-like KV: 32 layers x (K, V) x 16 tokens x 8 heads x 128 dims x bf16 (uint16 bits):

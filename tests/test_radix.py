@@ -13,7 +13,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from hicache_jax.errors import HiCacheError
 from hicache_jax import radix, tree_node
 from hicache_jax.eviction import EvictionPolicy, VictimHeap
-from hicache_jax.radix import RadixTree, TreeNode, chain_hashes, namespace_hash
+from hicache_jax.radix import RadixTree, chain_hashes, namespace_hash
 
 PAGE_SIZES = [1, 16, 64]
 
