@@ -257,16 +257,16 @@ class HiCacheMachine(RuleBasedStateMachine):
         self.cache = None
 
     # An empty host tier has its own tests (test_hicache.py); here the host tier must work.
-    # Host size and layer-wise loading rotate over the examples: hypothesis draws the simplest
-    # choice most of the time, which would leave one of them almost untested.
-    examples = 0
-
-    @initialize()
-    def setup(self):
-        cls = type(self)
-        cls.examples += 1
-        host_kind = ("small", "equal")[cls.examples % 2]
-        layerwise = cls.examples % 3 == 0
+    # Host size and layer-wise loading vary over the examples. They come from a drawn seed, so
+    # an example replays exactly (a class-level counter made replays differ from the first run,
+    # which hypothesis reports as FlakyStrategyDefinition in long runs); the seed is spread by a
+    # multiplicative hash because hypothesis draws small integers (0, 1, ...) most of the time
+    # and would otherwise leave one variant almost untested.
+    @initialize(seed=st.integers(0, 2**16))
+    def setup(self, seed):
+        variant = (seed * 2654435761 >> 7) % 6
+        host_kind = ("small", "equal")[variant % 2]
+        layerwise = variant % 3 == 0
         ps = self.page_size
         self.spec = KVSpec(num_layers=2, num_kv_heads=2, head_dim=4, dtype="bfloat16",
                            page_size=ps)
@@ -480,7 +480,7 @@ def test_hicache_state_machine(write_policy, eviction, page_size):
     if LONG:
         cfg = settings(max_examples=200, stateful_step_count=60)
     else:
-        cfg = settings(max_examples=6, stateful_step_count=40)
+        cfg = settings(max_examples=8, stateful_step_count=40)
     if os.environ.get("HICACHE_NO_SHRINK"):
         cfg = settings(cfg, phases=[Phase.explicit, Phase.reuse, Phase.generate],
                        report_multiple_bugs=False)
