@@ -112,7 +112,6 @@ class _Op:
     node: TreeNode
     device_ids: np.ndarray
     host_ids: np.ndarray
-    share: float = 1.0  # this op's fraction of the handle's pages (backups share one handle)
 
 
 def _prepare_tokens(tokens: Any, extra_key: Any, page_size: int) -> np.ndarray:
@@ -612,8 +611,7 @@ class HiCache:
                 self._host.allocator.free(host_ids)
             raise
         for (node, host_ids), ids in zip(claims, device_ids):
-            self._ops.append(_Op(self._next_seq(), "backup", handle, node, ids, host_ids,
-                                 ids.size / handle.device_ids.size))
+            self._ops.append(_Op(self._next_seq(), "backup", handle, node, ids, host_ids))
         return self._seq
 
     def _complete(self, upto: int = -1) -> None:
@@ -634,14 +632,17 @@ class HiCache:
             self._apply(op)
 
     def _apply(self, op: _Op) -> None:
-        seconds = float(op.handle.seconds or 0.0) * op.share
+        # Backups started together share one handle: each op counts its share of it.
+        share = op.device_ids.size / op.handle.device_ids.size
+        seconds = float(op.handle.seconds or 0.0) * share
+        nbytes = op.device_ids.size * self.spec.page_bytes
         if op.kind == "load":
             self._loading[op.device_ids] = False
-            self._n["bytes_to_device"] += op.handle.nbytes
+            self._n["bytes_to_device"] += nbytes
             self._n["seconds_to_device"] += seconds
         else:
             self._finish_backup(op)
-            self._n["bytes_to_host"] += op.device_ids.size * self.spec.page_bytes
+            self._n["bytes_to_host"] += nbytes
             self._n["seconds_to_host"] += seconds
         self._tree.unlock(op.node)
 

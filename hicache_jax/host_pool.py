@@ -47,6 +47,7 @@ from hicache_jax.allocator import PageAllocator, PageIdChecker
 from hicache_jax.hugepages import advise_huge_pages
 from hicache_jax.spec import HostLayout, KVSpec, _enum_parse, check_bool
 
+
 def bucket_size(n: int) -> int:
     """Smallest power of two >= n (1 for n <= 1): padded length of an index array."""
     return 1 if n <= 1 else 1 << (int(n) - 1).bit_length()

@@ -71,14 +71,11 @@ class HostPages:
         self._flat = buffer.reshape(-1).view(np.uint8)
         self._chunks = spec.num_layers * spec.kv_factor
         self._row_shape = (self._chunks, spec.chunk_bytes)
-        # byte strides: where chunk c of page p starts
+        # uint8 views [P, L*kvf, chunk] / [L*kvf, P, chunk]: a page is one basic index
+        # (~0.2 us; an as_strided view per page cost ~8 us, 1 ms per 128-page batch)
         if layout is HostLayout.PAGE_FIRST:
-            self._page_stride, self._chunk_stride = spec.page_bytes, spec.chunk_bytes
-            # uint8 views [P, L*kvf, chunk] / [L*kvf, P, chunk]: a page is one basic index
-            # (~0.2 us; an as_strided view per page cost ~8 us, 1 ms per 128-page batch)
             self._pages = self._flat.reshape(num_pages, self._chunks, spec.chunk_bytes)
         else:
-            self._page_stride, self._chunk_stride = spec.chunk_bytes, num_pages * spec.chunk_bytes
             self._pages = self._flat.reshape(self._chunks, num_pages, spec.chunk_bytes)
 
     @property
@@ -88,27 +85,21 @@ class HostPages:
 
     def parts(self, page: int) -> list[np.ndarray]:
         """uint8 views whose concatenation is ``page`` in page_first order (writeable)."""
-        start = int(page) * self._page_stride
-        if self.contiguous:
-            return [self._flat[start:start + self.spec.page_bytes]]
-        cb = self.spec.chunk_bytes
-        return [self._flat[start + c * self._chunk_stride:start + c * self._chunk_stride + cb]
-                for c in range(self._chunks)]
+        view = self._page_view(int(page))
+        return [view.reshape(-1)] if self.contiguous else list(view)
 
     def address(self, page: int) -> int:
         """Address of a page_first page (contiguous layouts only)."""
-        return self.base + int(page) * self._page_stride
+        return self.base + int(page) * self.spec.page_bytes
 
-    def gather(self, ids: np.ndarray, out: np.ndarray) -> None:
-        """Copy pages ``ids`` into the rows of ``out`` (uint8 ``[>= n, page_bytes]``, rows may be
-        strided) in page_first order: one memcpy-like copy per page, no temporaries."""
-        for row, page in zip(out, ids):
-            np.copyto(row.reshape(self._row_shape), self._page_view(int(page)))
+    def read_page(self, page: int, out: np.ndarray) -> None:
+        """Copy host page ``page`` into ``out`` (uint8 ``[page_bytes]``) in page_first order: one
+        memcpy-like copy, no temporaries."""
+        np.copyto(out.reshape(self._row_shape), self._page_view(int(page)))
 
-    def scatter(self, ids: np.ndarray, src: np.ndarray) -> None:
-        """Copy page_first rows ``src`` (uint8 ``[>= n, page_bytes]``) into host pages ``ids``."""
-        for row, page in zip(src, ids):
-            np.copyto(self._page_view(int(page)), row.reshape(self._row_shape))
+    def write_page(self, page: int, row: np.ndarray) -> None:
+        """Copy a page_first ``row`` (uint8 ``[page_bytes]``) into host page ``page``."""
+        np.copyto(self._page_view(int(page)), row.reshape(self._row_shape))
 
     def _page_view(self, page: int) -> np.ndarray:
         """uint8 view ``[L * kvf, chunk_bytes]`` of one page (strided for layer_first)."""

@@ -344,7 +344,7 @@ class MooncakeStorage(BackendBase):
                 if ok[i] and not self.zero_copy:
                     # copy the row while the checksum pass has it in cache (a separate pass
                     # over all rows afterwards read them cold again: 2x slower, measured)
-                    self.host.scatter(ids[i:i + 1], buf[i:i + 1, HEADER_BYTES:])
+                    self.host.write_page(page, buf[i, HEADER_BYTES:])
                 if verdict is Verdict.INVALID:
                     bad.append(key)
                 elif verdict is Verdict.UNCHECKABLE:
@@ -377,8 +377,8 @@ class MooncakeStorage(BackendBase):
             for i, (key, page) in enumerate(zip(keys, ids)):
                 self.codec.pack_into(buf[i, :HEADER_BYTES], key, self.host.parts(int(page)))
         else:  # row by row: the checksum reads the row while the copy left it in cache
-            for i, key in enumerate(keys):
-                self.host.gather(ids[i:i + 1], buf[i:i + 1, HEADER_BYTES:])
+            for i, (key, page) in enumerate(zip(keys, ids)):
+                self.host.read_page(page, buf[i, HEADER_BYTES:])
                 self.codec.pack_into(buf[i, :HEADER_BYTES], key, [buf[i, HEADER_BYTES:]])
 
     def _put_transfer(self, handle: StorageHandle, sl: slice, slot: int) -> np.ndarray:
