@@ -115,7 +115,10 @@ class TransferHandle:
         if isinstance(layer, bool) or not isinstance(layer, (int, np.integer)) \
                 or not 0 <= layer < num_layers:
             raise ValueError(f"layer={layer!r} must be an int in [0, {num_layers})")
-        if not self.layerwise or self._complete:
+        if not self.layerwise or self._complete or layer == num_layers - 1:
+            # The layers are copied in dispatch order, so the last one landing means all have:
+            # wait() makes that observed (XLA:CPU may mark an earlier layer's token ready a
+            # little after a later one's, and done() would then still say False).
             self.wait()
         elif self._tokens:
             self._tokens[layer].block_until_ready()
