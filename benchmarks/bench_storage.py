@@ -13,8 +13,10 @@ Ours and raw run alternately, repeat by repeat, so load from other processes hit
 Two figures per operation: one batch submitted and waited for (latency-bound: it includes the
 hop to the backend's worker thread and back), and "x4": four batches submitted back to back and
 then waited for, as a cache with queued work keeps them (throughput), against four raw calls.
-Modes: host layout, ``zero-copy`` (Mooncake two-buffer calls) or staged, entry checksum (crc32;
-xxh3 when the xxhash package is installed).
+Modes: buffer layout, ``zero-copy`` (Mooncake two-buffer calls) or staged, entry checksum (crc32;
+xxh3 when the xxhash package is installed). ``entry_rows`` is the layout of HiCache's own L3
+staging pool (a header slot before each page: the backend moves and checks each entry in place),
+i.e. the path a cache's L3 traffic takes; page_first / layer_first are caller buffers (staged).
 Page: 4 layers x 2 (K, V) x 16 tokens x 8 heads x 64 dims, bfloat16 = 128 KiB.
 
 Second part (``--part cache``, default ``all``): HiCache with L3 on bench_tree's multi-turn trace
@@ -50,17 +52,22 @@ sys.path.insert(0, os.path.join(ROOT, "tests"))
 
 from benchmarks.common import gbps, memcpy_seconds, print_table, write_json  # noqa: E402
 from hicache_jax.spec import KVSpec  # noqa: E402
-from hicache_jax.storage import open_storage, page_keys  # noqa: E402
+from hicache_jax.storage import (  # noqa: E402
+    ENTRY_ROWS, entry_pages, entry_rows, open_storage, page_keys)
 from hicache_jax.storage.format import xxhash_available  # noqa: E402
 
 SPEC = KVSpec(num_layers=4, num_kv_heads=8, head_dim=64, dtype="bfloat16", page_size=16)
 BATCHES = (1, 16, 128)
 QUEUE = 4  # "x4" columns: 4 batches submitted back to back, then waited (throughput)
 _XXH3 = ("xxh3",) if xxhash_available() else ()
+_DEFAULT_SUM = "xxh3" if _XXH3 else "crc32"
+# entry_rows (header slot + page per row) is the layout of HiCache's own L3 staging pool: the
+# rows a cache's L3 traffic really goes through; the others are buffers a caller might bring.
 CONFIGS = {  # file: (layout, checksum); mooncake: (layout, zero_copy, checksum)
-    "file": [("page_first", "crc32")] + [("page_first", c) for c in _XXH3]
+    "file": [(ENTRY_ROWS, _DEFAULT_SUM), ("page_first", "crc32")]
+    + [("page_first", c) for c in _XXH3]
     + [("layer_first", "crc32")],
-    "mooncake": [("page_first", False, "crc32")] + [("page_first", False, c) for c in _XXH3]
+    "mooncake": [(ENTRY_ROWS, False, _DEFAULT_SUM), ("page_first", False, "crc32")] + [("page_first", False, c) for c in _XXH3]
     + [("page_first", True, "crc32")] + [("page_first", True, c) for c in _XXH3]
     + [("layer_first", False, "crc32")],
 }
@@ -73,6 +80,10 @@ def fresh_keys(n: int) -> list[str]:
 
 
 def host_buffer(layout: str, num_pages: int) -> np.ndarray:
+    if layout == ENTRY_ROWS:
+        rows = entry_rows(SPEC, num_pages)
+        entry_pages(SPEC, rows)[:] = host_buffer("page_first", num_pages)
+        return rows
     shape = ((num_pages,) + SPEC.kv_shape(1)[:2] + SPEC.kv_shape(1)[3:] if layout == "page_first"
              else SPEC.kv_shape(num_pages))
     return np.random.default_rng(0).integers(0, 2**16, shape, dtype=np.uint16)

@@ -7,7 +7,9 @@ Owned by one :class:`~hicache_jax.hicache.HiCache` and driven from its thread on
   device -> host backup has landed; ``write_through_selective`` puts backed-up pages without
   the extra backups; ``write_back`` puts host-only pages when L2 evicts them. Pages are first copied from the host pool (a donated ``jax.Array``)
   into a numpy *staging* pool with ``HostPagePool.read`` on the cache's thread; the backend's
-  workers read only the staging pool. A put that finds no free staging page is skipped (counted).
+  workers read only the staging pool. Its rows are whole L3 entries (``entry_rows``: a header
+  slot before each page), so the backend sends and receives each page in place and checks it
+  there, with no copy of its own. A put that finds no free staging page is skipped (counted).
 * **prefetch** (L3 -> L2): the pages of a prompt beyond what L1 + L2 hold, up to the first page
   L3 does not hold, are read into staging pages; host pages are reserved at once (host eviction
   first, never pages being loaded: reserved pages are in no tree node). Pages that land are
@@ -43,7 +45,9 @@ from hicache_jax.errors import OutOfPagesError
 from hicache_jax.events import Medium
 from hicache_jax.tree_node import TreeNode, chain_hashes, namespace_hash
 from hicache_jax.spec import PrefetchPolicy, WritePolicy
-from hicache_jax.storage import StorageError, StorageUnavailableError, open_storage, page_keys
+from hicache_jax.storage import (
+    ENTRY_ROWS, StorageError, StorageUnavailableError, entry_pages, entry_rows, open_storage,
+    page_keys)
 
 if TYPE_CHECKING:
     from hicache_jax.hicache import HiCache
@@ -153,14 +157,15 @@ class L3Tier:
         # otherwise be deleted unseen by L3, which is exactly what L3 is there to keep.
         self.back_up_new = cfg.storage_write_policy is WritePolicy.WRITE_THROUGH
         n_staging = opts["staging_pages"] or max(128, cfg.host_pages // 2)
-        self._staging = np.zeros((n_staging, spec.num_layers, spec.kv_factor, spec.page_size,
-                                  spec.num_kv_heads, spec.head_dim), spec.bits_dtype)
+        # entry rows (header slot + page): the backend moves and checks each page in place
+        self._staging_rows = entry_rows(spec, n_staging)
+        self._staging = entry_pages(spec, self._staging_rows)  # [P, L, kvf, ps, H, D] bits
         self._staging_alloc = PageAllocator(n_staging, "l3 staging")
         self._n: collections.Counter[str] = collections.Counter()
         self._puts: collections.deque = collections.deque()   # (StorageHandle, staging ids)
         self._gets: list[PrefetchHandle] = []
         try:
-            self.backend = open_storage(url, spec, self._staging, "page_first")
+            self.backend = open_storage(url, spec, self._staging_rows, ENTRY_ROWS)
         except StorageUnavailableError as e:
             if not opts["optional"]:
                 raise

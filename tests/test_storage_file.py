@@ -13,7 +13,8 @@ import pytest
 from hicache_jax.errors import HiCacheError
 from hicache_jax.spec import KVSpec
 from hicache_jax.storage import (
-    HEADER_BYTES, StorageBackend, StorageError, StorageUnavailableError, open_storage, page_keys)
+    ENTRY_ROWS, HEADER_BYTES, StorageBackend, StorageError, StorageUnavailableError, entry_pages,
+    entry_rows, open_storage, page_keys)
 from hicache_jax.storage.file import FileStorage
 
 SPEC = KVSpec(num_layers=2, num_kv_heads=2, head_dim=8, dtype="bfloat16", page_size=4)
@@ -21,6 +22,11 @@ NUM_PAGES = 16
 
 
 def host_buffer(spec, layout, num_pages=NUM_PAGES, seed=0):
+    """Random pages (never zeros) in a host-pool layout or in ``entry_rows``."""
+    if layout == ENTRY_ROWS:
+        rows = entry_rows(spec, num_pages)
+        entry_pages(spec, rows)[:] = host_buffer(spec, "page_first", num_pages, seed)
+        return rows
     if layout == "page_first":
         shape = (num_pages, spec.num_layers, spec.kv_factor, spec.page_size,
                  spec.num_kv_heads, spec.head_dim)
@@ -33,9 +39,18 @@ def host_buffer(spec, layout, num_pages=NUM_PAGES, seed=0):
 
 
 def pages(buf, layout, ids):
-    """Pages ``ids`` of a host buffer as [n, L, kvf, ps, H, D] (a copy)."""
+    """Pages ``ids`` of a host buffer as [n, L, kvf, ps, H, D] (a copy); entry rows: their
+    page bytes, uint8 [n, page_bytes] (compare across layouts with :func:`page_bytes`)."""
     ids = np.asarray(ids)
+    if layout == ENTRY_ROWS:
+        return buf[ids, HEADER_BYTES:].copy()
     return buf[ids].copy() if layout == "page_first" else np.moveaxis(buf[:, :, ids], 2, 0).copy()
+
+
+def page_bytes(buf, layout, ids):
+    """Pages ``ids`` as uint8 [n, page_bytes] in page_first byte order, for any layout."""
+    out = pages(buf, layout, ids)
+    return out.view(np.uint8).reshape(len(ids), -1)
 
 
 def keys_for(n, start=0, spec=SPEC, extra_key=None):
@@ -71,7 +86,7 @@ def test_page_keys_are_namespaced_by_spec_and_extra_key():
         page_keys(SPEC, np.array([-1]))
 
 
-@pytest.mark.parametrize("layout", ["page_first", "layer_first"])
+@pytest.mark.parametrize("layout", ["page_first", "layer_first", ENTRY_ROWS])
 @pytest.mark.parametrize("dtype,page_size,mla", [("bfloat16", 4, False), ("float32", 1, False),
                                                  ("float8_e4m3fn", 16, False), ("float16", 4, True)])
 def test_round_trip_bit_exact(root, layout, dtype, page_size, mla):
@@ -94,13 +109,46 @@ def test_round_trip_bit_exact(root, layout, dtype, page_size, mla):
     src.close(), dst.close()
 
 
-def test_entries_are_layout_independent(root):
-    src, buf = open_file(root, "layer_first")
+@pytest.mark.parametrize("writer,reader", [("layer_first", "page_first"),
+                                           (ENTRY_ROWS, "layer_first"), ("page_first", ENTRY_ROWS)])
+def test_entries_are_layout_independent(root, writer, reader):
+    src, buf = open_file(root, writer)
     keys = keys_for(4)
-    src.put_from(keys, [0, 1, 2, 3]).wait(10)
-    dst, dbuf = open_file(root, "page_first", seed=1)
+    assert src.put_from(keys, [0, 1, 2, 3]).wait(10).all()
+    dst, dbuf = open_file(root, reader, seed=1)
     assert dst.get_into(keys, [4, 5, 6, 7]).wait(10).all()
-    np.testing.assert_array_equal(dbuf[4:8], pages(buf, "layer_first", [0, 1, 2, 3]))
+    np.testing.assert_array_equal(page_bytes(dbuf, reader, [4, 5, 6, 7]),
+                                  page_bytes(buf, writer, [0, 1, 2, 3]))
+
+
+def test_entry_rows_buffer():
+    rows = entry_rows(SPEC, 3)
+    assert rows.shape == (3, HEADER_BYTES + SPEC.page_bytes) and rows.dtype == np.uint8
+    view = entry_pages(SPEC, rows)
+    assert view.shape == (3, SPEC.num_layers, SPEC.kv_factor, SPEC.page_size, SPEC.num_kv_heads,
+                          SPEC.head_dim) and view.dtype == SPEC.bits_dtype
+    view[1] = 0xABCD  # a view, not a copy: the page bytes of row 1, and only those
+    assert (rows[1, HEADER_BYTES:] == 0xAB).sum() == SPEC.page_bytes // 2
+    assert not rows[1, :HEADER_BYTES].any() and not rows[[0, 2]].any()
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(ValueError, match="num_pages"):
+            entry_rows(SPEC, bad)
+    with pytest.raises(ValueError, match="does not match"):
+        entry_pages(SPEC, np.zeros((3, SPEC.page_bytes), np.uint8))    # no header slot
+    with pytest.raises(ValueError, match="dtype"):
+        entry_pages(SPEC, rows.view(np.uint16))
+    with pytest.raises(ValueError, match="entry_rows"):
+        open_storage("file:///tmp/x", SPEC, rows, "rows")   # the error lists the layouts
+
+
+def test_entry_rows_get_fills_the_header_slot_in_place(root):
+    src, _ = open_file(root)
+    keys = keys_for(2)
+    assert src.put_from(keys, [0, 1]).wait(10).all()
+    dst, rows = open_file(root, ENTRY_ROWS, seed=1)
+    assert dst.get_into(keys, [5, 2]).wait(10).all()
+    with open(src.path(keys[0]), "rb") as f:
+        assert rows[5].tobytes() == f.read()  # the row is the entry, header included
 
 
 def test_exists_and_misses(root):
@@ -166,9 +214,10 @@ def test_readers_never_see_partial_entries(root):
     assert reader.get_into(keys, np.arange(NUM_PAGES)).wait(10).all()
 
 
+@pytest.mark.parametrize("layout", ["page_first", ENTRY_ROWS])
 @pytest.mark.parametrize("where", ["payload", "header", "truncate", "extend", "renamed"])
-def test_corrupt_or_truncated_entry_is_a_miss_and_is_removed(root, where):
-    store, buf = open_file(root)
+def test_corrupt_or_truncated_entry_is_a_miss_and_is_removed(root, where, layout):
+    store, buf = open_file(root, layout)
     keys = keys_for(3)
     store.put_from(keys, [0, 1, 2]).wait(10)
     path = store.path(keys[1])
@@ -190,7 +239,7 @@ def test_corrupt_or_truncated_entry_is_a_miss_and_is_removed(root, where):
     assert store.stats()["corrupt"] == 1 and not os.path.exists(path)
     assert store.put_from([keys[1]], [1]).wait(10).all()   # repaired by the next put
     assert store.get_into([keys[1]], [6]).wait(10).all()
-    np.testing.assert_array_equal(buf[6], buf[1])
+    np.testing.assert_array_equal(pages(buf, layout, [6]), pages(buf, layout, [1]))
 
 
 # ---- capacity / LRU ----------------------------------------------------------------------------

@@ -15,10 +15,10 @@ import numpy as np
 import pytest
 
 from storage_servers import MooncakeServers, mooncake_fixture, mooncake_skip_reason, running_mooncake
-from test_storage_file import NUM_PAGES, SPEC, host_buffer, keys_for, pages
+from test_storage_file import NUM_PAGES, SPEC, host_buffer, keys_for, page_bytes, pages
 
 from hicache_jax.spec import KVSpec
-from hicache_jax.storage import HEADER_BYTES, StorageUnavailableError, open_storage
+from hicache_jax.storage import ENTRY_ROWS, HEADER_BYTES, StorageUnavailableError, open_storage
 
 pytestmark = pytest.mark.skipif(mooncake_skip_reason() is not None,
                                 reason=str(mooncake_skip_reason()))
@@ -37,7 +37,7 @@ def unique_keys(n, spec=SPEC):
 
 
 @pytest.mark.parametrize("layout,zero_copy", [("page_first", True), ("page_first", False),
-                                              ("layer_first", False)])
+                                              ("layer_first", False), (ENTRY_ROWS, False)])
 def test_round_trip_bit_exact_across_clients(servers, layout, zero_copy):
     src, buf = open_mc(servers, layout, zero_copy=zero_copy, spec=BIG)
     dst, dbuf = open_mc(servers, layout, seed=1, zero_copy=zero_copy, spec=BIG, batch_pages=4)
@@ -53,6 +53,20 @@ def test_round_trip_bit_exact_across_clients(servers, layout, zero_copy):
     rest = sorted(set(range(NUM_PAGES)) - set(dst_ids))
     np.testing.assert_array_equal(pages(dbuf, layout, rest), pages(before, layout, rest))
     assert dst.stats()["get_pages"] == 10 and src.stats()["put_pages"] == 10
+    src.close(), dst.close()
+
+
+@pytest.mark.parametrize("writer,reader", [(ENTRY_ROWS, "layer_first"), ("page_first", ENTRY_ROWS)])
+def test_entry_rows_interoperate_with_pool_layouts(servers, writer, reader):
+    src, buf = open_mc(servers, writer, spec=BIG)
+    dst, dbuf = open_mc(servers, reader, seed=1, spec=BIG)
+    keys = unique_keys(5, spec=BIG)
+    assert src.put_from(keys, [4, 0, 9, 2, 1]).wait(20).all()
+    assert dst.get_into(keys, [1, 2, 3, 12, 15]).wait(20).all()
+    np.testing.assert_array_equal(page_bytes(dbuf, reader, [1, 2, 3, 12, 15]),
+                                  page_bytes(buf, writer, [4, 0, 9, 2, 1]))
+    if reader == ENTRY_ROWS:  # moved in place: the header landed in the row's own slot
+        assert bytes(dbuf[1, :4]) == b"HCKV"
     src.close(), dst.close()
 
 
@@ -126,13 +140,15 @@ def test_pipelined_sub_batches_with_gaps(servers):
     store.close()
 
 
+@pytest.mark.parametrize("layout", ["page_first", ENTRY_ROWS])
 @pytest.mark.parametrize("damage", ["payload", "fingerprint", "short", "long"])
-def test_corrupt_or_truncated_entry_is_a_miss_and_is_removed(servers, damage):
-    store, buf = open_mc(servers)
+def test_corrupt_or_truncated_entry_is_a_miss_and_is_removed(servers, damage, layout):
+    store, buf = open_mc(servers, layout)
     keys = unique_keys(2)
     entry = np.zeros(HEADER_BYTES + SPEC.page_bytes + 8, np.uint8)
-    store.codec.pack_into(entry[:HEADER_BYTES], keys[1], [buf[1].view(np.uint8).reshape(-1)])
-    entry[HEADER_BYTES:HEADER_BYTES + SPEC.page_bytes] = buf[1].view(np.uint8).reshape(-1)
+    page1 = page_bytes(buf, layout, [1])[0]
+    store.codec.pack_into(entry[:HEADER_BYTES], keys[1], [page1])
+    entry[HEADER_BYTES:HEADER_BYTES + SPEC.page_bytes] = page1
     size = HEADER_BYTES + SPEC.page_bytes
     if damage == "payload":
         entry[HEADER_BYTES + 3] ^= 1
@@ -150,7 +166,7 @@ def test_corrupt_or_truncated_entry_is_a_miss_and_is_removed(servers, damage):
     assert store.stats()["corrupt"] == 1 and not store.exists(keys[1:]).any()   # removed
     assert store.put_from(keys[1:], [1]).wait(20).all()                           # repairable
     assert store.get_into(keys[1:], [9]).wait(20).all()
-    np.testing.assert_array_equal(buf[9], buf[1])
+    np.testing.assert_array_equal(pages(buf, layout, [9]), pages(buf, layout, [1]))
     store.close()
 
 
@@ -184,6 +200,9 @@ def test_bad_mooncake_arguments():
         open_storage("mooncake://nohost", SPEC, buf, "layer_first")
     with pytest.raises(ValueError, match="zero_copy"):
         open_storage("mooncake://127.0.0.1:1", SPEC, buf, "layer_first", zero_copy=True)
+    with pytest.raises(ValueError, match="zero_copy"):
+        open_storage("mooncake://127.0.0.1:1", SPEC, host_buffer(SPEC, ENTRY_ROWS), ENTRY_ROWS,
+                     zero_copy=True)
     with pytest.raises(ValueError, match="setup_timeout_s"):
         open_storage("mooncake://127.0.0.1:1?setup_timeout_s=0", SPEC, buf, "layer_first")
     with pytest.raises(ValueError, match="exists_timeout_s"):

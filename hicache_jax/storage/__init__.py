@@ -14,12 +14,16 @@ An entry is a 64-byte header (spec fingerprint, key digest, length, checksum) an
 ``page_first`` order; a corrupted or truncated entry is a miss.
 
 ``host_buffer`` is a *numpy* array the caller owns for the backend's lifetime, laid out like a
-host pool (``page_first`` or ``layer_first``; ``host_ids`` index its pages). Backends never touch
-JAX arrays: their worker threads read and write this buffer, so the caller must keep a request's
-pages (neither freed, reused nor read) until its handle is done. ``HostPagePool.buffer`` is a
-donated ``jax.Array``, so it cannot be this buffer: the cache keeps a numpy staging pool
-(``page_first`` is the natural layout: one contiguous run per page) and moves pages between it
-and the host pool with ``HostPagePool.read`` / ``write`` on its own thread.
+host pool (``page_first`` or ``layer_first``) or as ``ENTRY_ROWS`` (``entry_rows(spec, n)``: one
+row per page, a 64-byte header slot then the page, i.e. exactly an entry); ``host_ids`` index its
+pages. Backends never touch JAX arrays: their worker threads read and write this buffer, so the
+caller must keep a request's pages (neither freed, reused nor read) until its handle is done.
+``HostPagePool.buffer`` is a donated ``jax.Array``, so it cannot be this buffer: the cache keeps a
+numpy staging pool in ``ENTRY_ROWS`` (each page moved to and from the store in place and checked
+there: no copy in the backend; ``entry_pages`` is its page view) and moves pages between it and
+the host pool with ``HostPagePool.read`` / ``write`` on its own thread. With a pool layout, a
+backend stages each page next to its header (one copy) or, with Mooncake's ``zero_copy``, passes
+two buffers per key.
 """
 
 from __future__ import annotations
@@ -31,12 +35,14 @@ import numpy as np
 
 from hicache_jax.spec import HostLayout, KVSpec
 from hicache_jax.storage._base import (
-    HostPages, StorageError, StorageHandle, StorageUnavailableError)
+    ENTRY_ROWS, HostPages, StorageError, StorageHandle, StorageUnavailableError, entry_pages,
+    entry_rows)
 from hicache_jax.storage.format import HEADER_BYTES, EntryCodec, namespace, page_keys
 
 __all__ = [
     "StorageBackend", "StorageHandle", "StorageError", "StorageUnavailableError", "HostPages",
-    "open_storage", "page_keys", "namespace", "EntryCodec", "HEADER_BYTES",
+    "open_storage", "page_keys", "namespace", "EntryCodec", "HEADER_BYTES", "ENTRY_ROWS",
+    "entry_rows", "entry_pages",
 ]
 
 

@@ -21,7 +21,7 @@ import numpy as np
 
 from hicache_jax.errors import HiCacheError
 from hicache_jax.spec import HostLayout, KVSpec
-from hicache_jax.storage.format import EntryCodec, check_keys
+from hicache_jax.storage.format import HEADER_BYTES, EntryCodec, check_keys
 
 
 class StorageError(HiCacheError):
@@ -32,39 +32,72 @@ class StorageUnavailableError(StorageError):
     """The L3 store cannot be reached or set up; the message names the address."""
 
 
+#: Storage-only buffer layout: one row per page of ``HEADER_BYTES + page_bytes`` bytes, the
+#: entry header slot followed by the page in page_first order -- exactly an L3 entry, so a
+#: backend moves each page to or from the store in place (no staging copy) and checks it there.
+#: Build one with :func:`entry_rows`; :func:`entry_pages` is its bits view for the cache.
+ENTRY_ROWS = "entry_rows"
+
+
+def entry_rows(spec: KVSpec, num_pages: int) -> np.ndarray:
+    """A zeroed ``uint8[num_pages, HEADER_BYTES + page_bytes]`` buffer in the ``entry_rows``
+    layout (the header slots belong to the backend opened on it)."""
+    if isinstance(num_pages, bool) or not isinstance(num_pages, (int, np.integer)) or num_pages < 1:
+        raise ValueError(f"num_pages={num_pages!r} must be an int >= 1")
+    return np.zeros((int(num_pages), HEADER_BYTES + spec.page_bytes), np.uint8)
+
+
+def entry_pages(spec: KVSpec, rows: np.ndarray) -> np.ndarray:
+    """Writeable bits view ``[P, L, kvf, ps, H, D]`` (page_first order) of the pages in an
+    ``entry_rows`` buffer: what the cache reads and writes; headers are not part of it."""
+    HostPages(spec, rows, ENTRY_ROWS)  # validates
+    page = rows[:, HEADER_BYTES:].view(spec.bits_dtype)
+    return page.reshape((rows.shape[0],) + spec.kv_shape(1)[:2] + spec.kv_shape(1)[3:])
+
+
 class HostPages:
-    """Views of single pages of a numpy page buffer (host-pool layout), in page_first byte order.
+    """Views of single pages of a numpy page buffer, in page_first byte order.
 
     Args:
         spec: KV spec.
-        buffer: numpy array, bits dtype, C-contiguous; ``(P, L, kvf, ps, H, D)`` for
-            page_first, ``(L, kvf, P, ps, H, D)`` for layer_first. Borrowed, never reallocated.
-        layout: its ``HostLayout``.
+        buffer: numpy array, C-contiguous. A host-pool layout (bits dtype):
+            ``(P, L, kvf, ps, H, D)`` for page_first, ``(L, kvf, P, ps, H, D)`` for
+            layer_first; or ``ENTRY_ROWS``: ``uint8 (P, HEADER_BYTES + page_bytes)`` (see
+            :func:`entry_rows`). Borrowed, never reallocated.
+        layout: ``HostLayout`` (or its name) or ``ENTRY_ROWS``.
     """
 
     def __init__(self, spec: KVSpec, buffer: np.ndarray, layout: HostLayout | str) -> None:
-        try:
-            layout = HostLayout(layout)
-        except ValueError:
-            raise ValueError(f"layout={layout!r} is not one of: "
-                             f"{', '.join(m.value for m in HostLayout)}") from None
+        self.entries = layout == ENTRY_ROWS
+        if not self.entries:
+            try:
+                layout = HostLayout(layout)
+            except ValueError:
+                raise ValueError(f"layout={layout!r} is not one of: "
+                                 f"{', '.join(m.value for m in HostLayout)}, {ENTRY_ROWS}") from None
         if not isinstance(buffer, np.ndarray):
             raise TypeError(f"host_buffer must be a numpy array, got {type(buffer).__name__}")
-        if buffer.dtype != spec.bits_dtype:
-            raise ValueError(f"host_buffer.dtype={buffer.dtype} must be {spec.bits_dtype}")
+        dtype = np.dtype(np.uint8) if self.entries else spec.bits_dtype
+        if buffer.dtype != dtype:
+            raise ValueError(f"host_buffer.dtype={buffer.dtype} must be {dtype} for layout {layout}")
         if not buffer.flags.c_contiguous or not buffer.flags.writeable:
             raise ValueError("host_buffer must be C-contiguous and writeable")
         tail = (spec.page_size, spec.num_kv_heads, spec.head_dim)
-        if layout is HostLayout.PAGE_FIRST:
+        if self.entries:
+            ok = buffer.ndim == 2 and buffer.shape[1] == HEADER_BYTES + spec.page_bytes
+            num_pages = buffer.shape[0] if buffer.ndim == 2 else 0
+            expected = f"(pages, {HEADER_BYTES + spec.page_bytes}) rows of header + page"
+        elif layout is HostLayout.PAGE_FIRST:
             ok = buffer.ndim == 6 and buffer.shape[1:] == (spec.num_layers, spec.kv_factor) + tail
             num_pages = buffer.shape[0] if buffer.ndim == 6 else 0
+            expected = f"the page_first host layout of {spec}"
         else:
             ok = (buffer.ndim == 6 and buffer.shape[:2] == (spec.num_layers, spec.kv_factor)
                   and buffer.shape[3:] == tail)
             num_pages = buffer.shape[2] if buffer.ndim == 6 else 0
+            expected = f"the layer_first host layout of {spec}"
         if not ok or num_pages < 1:
-            raise ValueError(f"host_buffer.shape={buffer.shape} does not match the {layout.value} "
-                             f"host layout of {spec}")
+            raise ValueError(f"host_buffer.shape={buffer.shape} does not match {expected}")
         self.spec, self.buffer, self.layout, self.num_pages = spec, buffer, layout, num_pages
         self.base = buffer.ctypes.data
         self.nbytes = buffer.nbytes
@@ -73,15 +106,20 @@ class HostPages:
         self._row_shape = (self._chunks, spec.chunk_bytes)
         # uint8 views [P, L*kvf, chunk] / [L*kvf, P, chunk]: a page is one basic index
         # (~0.2 us; an as_strided view per page cost ~8 us, 1 ms per 128-page batch)
-        if layout is HostLayout.PAGE_FIRST:
+        if self.entries:
+            self.stride = HEADER_BYTES + spec.page_bytes
+            self._pages = buffer[:, HEADER_BYTES:].reshape(num_pages, self._chunks, spec.chunk_bytes)
+        elif layout is HostLayout.PAGE_FIRST:
+            self.stride = spec.page_bytes
             self._pages = self._flat.reshape(num_pages, self._chunks, spec.chunk_bytes)
         else:
+            self.stride = 0
             self._pages = self._flat.reshape(self._chunks, num_pages, spec.chunk_bytes)
 
     @property
     def contiguous(self) -> bool:
-        """Whether one page is one contiguous run of bytes (page_first)."""
-        return self.layout is HostLayout.PAGE_FIRST
+        """Whether one page is one contiguous run of bytes (page_first, entry rows)."""
+        return self.stride > 0
 
     def parts(self, page: int) -> list[np.ndarray]:
         """uint8 views whose concatenation is ``page`` in page_first order (writeable)."""
@@ -89,8 +127,16 @@ class HostPages:
         return [view.reshape(-1)] if self.contiguous else list(view)
 
     def address(self, page: int) -> int:
-        """Address of a page_first page (contiguous layouts only)."""
-        return self.base + int(page) * self.spec.page_bytes
+        """Address of a page's bytes (contiguous layouts only)."""
+        return self.base + int(page) * self.stride + (HEADER_BYTES if self.entries else 0)
+
+    def entry_address(self, page: int) -> int:
+        """Address of a page's entry row, header slot first (``ENTRY_ROWS`` only)."""
+        return self.base + int(page) * self.stride
+
+    def header(self, page: int) -> np.ndarray:
+        """The header slot of a page's entry row, uint8 ``[HEADER_BYTES]`` (``ENTRY_ROWS`` only)."""
+        return self.buffer[int(page), :HEADER_BYTES]
 
     def read_page(self, page: int, out: np.ndarray) -> None:
         """Copy host page ``page`` into ``out`` (uint8 ``[page_bytes]``) in page_first order: one

@@ -43,7 +43,7 @@ class FileStorage(BackendBase):
     Args:
         spec: KV spec of the entries.
         host_buffer: numpy page buffer (see ``HostPages``); pages are read from / written to it.
-        layout: its host layout.
+        layout: its host layout, or ``ENTRY_ROWS`` (header read and written in the row's slot).
         root: directory (created if missing).
         capacity_bytes: optional bound on the bytes of all entries in ``root`` (LRU removal).
         fsync: make each put durable before it counts as stored.
@@ -111,6 +111,8 @@ class FileStorage(BackendBase):
             return False
         try:
             parts = self.host.parts(page)
+            if self.host.entries:  # the row's own header slot: header + page in one run
+                header = self.host.header(page)
             size = os.fstat(fd).st_size
             nread = self._readv(fd, [header] + parts) if size == self.codec.entry_bytes else size
             verdict = self.codec.verify(header, key, parts, nread)
@@ -159,6 +161,8 @@ class FileStorage(BackendBase):
 
     def _put_one(self, path: str, key: str, page: int, header: np.ndarray) -> bool:
         parts = self.host.parts(page)
+        if self.host.entries:
+            header = self.host.header(page)
         self.codec.pack_into(header, key, parts)
         tmp = os.path.join(self.root, _TMP, f"{key}.{uuid.uuid4().hex}")
         try:

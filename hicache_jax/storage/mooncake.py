@@ -4,14 +4,16 @@ This process is a client only (``global_segment_size=0``): the memory is mounted
 holder (``mooncake_client --global_segment_size=...``) or by other clients; the metadata lives in
 ``mooncake_master``; no etcd (``P2PHANDSHAKE``), TCP transport by default.
 
-Transfers: each page is staged with its 64-byte header in a registered buffer of this backend
-(one memcpy, then ``batch_put_from`` / ``batch_get_into`` of one contiguous entry per key; the
-store moves it without another copy on our side). ``zero_copy=True`` (page_first buffers)
-instead passes two buffers per key, the header and the page in the registered page buffer
+Transfers: with an ``ENTRY_ROWS`` buffer (what HiCache's L3 staging pool is) each row already
+is an entry, so ``batch_put_from`` / ``batch_get_into`` move one contiguous entry per key
+straight from / into the registered buffer and the checksum runs in place: no copy on our side.
+With a pool layout each page is staged with its 64-byte header in a registered buffer of this
+backend (one memcpy, then one contiguous entry per key), or, with ``zero_copy=True``
+(page_first buffers), passed as two buffers per key, the header and the page
 (``batch_put_from_multi_buffers`` / ``batch_get_into_multi_buffers``): no memcpy, but with
-Mooncake 0.3.13 over TCP it measured slower, so it is off by default. A handle of several
-sub-batches runs as a two-stage pipeline (store call of one sub-batch on a mover thread while
-the lane checks or stages the next).
+Mooncake 0.3.13 over TCP that call measured slower than staging, so it is off by default.
+A handle of several sub-batches runs as a two-stage pipeline (store call of one sub-batch on a
+mover thread while the lane checks or stages the next).
 
 Known behaviour of the store, and what this module does about it:
 - ``setup()`` holds the GIL and retries for minutes while the master is unreachable (20 tries,
@@ -35,7 +37,8 @@ Known behaviour of the store, and what this module does about it:
   run on the lanes, so the cache's thread never waits on the store unless it waits on a handle.
 
 Threads: the lanes of ``BackendBase`` plus one mover thread per lane and one for ``exists``;
-each lane has two registered staging (or header) slots, one per pipeline stage.
+each lane has two registered staging (or header) slots, one per pipeline stage (none for
+``ENTRY_ROWS`` buffers).
 """
 
 from __future__ import annotations
@@ -146,8 +149,8 @@ class MooncakeStorage(BackendBase):
 
     Args:
         spec: KV spec of the entries.
-        host_buffer: numpy page buffer (registered with the store: see ``zero_copy``).
-        layout: its host layout.
+        host_buffer: numpy page buffer, registered with the store (see ``zero_copy``).
+        layout: its host layout, or ``ENTRY_ROWS`` (moved in place, no staging).
         master: ``"host:port"`` of ``mooncake_master``.
         local_hostname: this client's address as other nodes reach it.
         protocol: Mooncake transport ("tcp"; "rdma" where the hardware has it).
@@ -179,9 +182,11 @@ class MooncakeStorage(BackendBase):
             batch_pages = max(1, STAGING_BYTES // spec.page_bytes)
         super().__init__(spec, host_buffer, layout, batch_pages=batch_pages, checksum=checksum)
         check_bool("zero_copy", zero_copy)
-        if zero_copy and not self.host.contiguous:
-            raise ValueError("zero_copy=True needs a page_first host_buffer")
+        if zero_copy and (not self.host.contiguous or self.host.entries):
+            raise ValueError("zero_copy=True needs a page_first host_buffer (an entry_rows "
+                             "buffer is always moved in place)")
         self.zero_copy = zero_copy
+        self.in_place = self.host.entries  # each row is an entry: one buffer per key, no copy
         self.master = master
         self.url = f"mooncake://{master}"
         self._store: Any = None
@@ -191,10 +196,11 @@ class MooncakeStorage(BackendBase):
                                       float(setup_timeout_s))
             self._register(self.host.base, self.host.nbytes)
             # per lane, two slots (one in transfer, one being checked/filled): headers
-            # [batch, 64], or staging rows [batch, entry] without zero-copy
+            # [batch, 64], or staging rows [batch, entry] without zero-copy; none in place
             width = HEADER_BYTES if self.zero_copy else self.codec.entry_bytes
-            self._bufs = {(kind, slot): np.zeros((batch_pages, width), np.uint8)
-                          for kind in ("get", "put") for slot in (0, 1)}
+            self._bufs = {} if self.in_place else {
+                (kind, slot): np.zeros((batch_pages, width), np.uint8)
+                for kind in ("get", "put") for slot in (0, 1)}
             for buf in self._bufs.values():
                 self._register(buf.ctypes.data, buf.nbytes)
             self._movers = {kind: concurrent.futures.ThreadPoolExecutor(
@@ -318,6 +324,9 @@ class MooncakeStorage(BackendBase):
         if not self._breaker.allow():
             self._count(get_skipped=n, get_misses=n)
             return None
+        if self.in_place:
+            ptrs = [self.host.entry_address(p) for p in ids]
+            return self._store.batch_get_into(keys, ptrs, [self.codec.entry_bytes] * n)
         buf = self._bufs["get", slot]
         if self.zero_copy:
             ptrs = [[buf.ctypes.data + i * HEADER_BYTES, self.host.address(p)]
@@ -331,17 +340,19 @@ class MooncakeStorage(BackendBase):
                    codes: list[int]) -> np.ndarray:
         n = len(keys)
         ok = np.zeros(n, dtype=bool)
-        buf = self._bufs["get", slot]
+        buf = self._bufs.get(("get", slot))
         bad, down, errors = [], 0, 0
         for i, (key, page, code) in enumerate(zip(keys, ids, codes)):
             if code >= 0:
-                if self.zero_copy:
+                if self.in_place:
+                    header, parts = self.host.header(page), self.host.parts(int(page))
+                elif self.zero_copy:
                     header, parts = buf[i, :HEADER_BYTES], self.host.parts(int(page))
                 else:
                     header, parts = buf[i, :HEADER_BYTES], [buf[i, HEADER_BYTES:]]
                 verdict = self.codec.verify(header, key, parts, code)
                 ok[i] = verdict is Verdict.VALID
-                if ok[i] and not self.zero_copy:
+                if ok[i] and buf is not None and not self.zero_copy:
                     # copy the row while the checksum pass has it in cache (a separate pass
                     # over all rows afterwards read them cold again: 2x slower, measured)
                     self.host.write_page(page, buf[i, HEADER_BYTES:])
@@ -370,9 +381,13 @@ class MooncakeStorage(BackendBase):
         return size >= 0 and size != self.codec.entry_bytes
 
     def _put_prepare(self, handle: StorageHandle, sl: slice, slot: int) -> None:
-        """Headers (and staged pages) of a sub-batch into its slot."""
-        buf = self._bufs["put", slot]
+        """Headers (and staged pages) of a sub-batch into its slot (in place: into the rows)."""
         keys, ids = handle.keys[sl], handle.host_ids[sl]
+        if self.in_place:
+            for key, page in zip(keys, ids):
+                self.codec.pack_into(self.host.header(page), key, self.host.parts(int(page)))
+            return
+        buf = self._bufs["put", slot]
         if self.zero_copy:
             for i, (key, page) in enumerate(zip(keys, ids)):
                 self.codec.pack_into(buf[i, :HEADER_BYTES], key, self.host.parts(int(page)))
@@ -387,13 +402,17 @@ class MooncakeStorage(BackendBase):
         if not self._breaker.allow():
             self._count(puts_dropped=n)
             return np.zeros(n, dtype=bool)
-        buf = self._bufs["put", slot]
-        if self.zero_copy:
+        if self.in_place:
+            ptrs = [self.host.entry_address(p) for p in ids]
+            codes = self._store.batch_put_from(keys, ptrs, [self.codec.entry_bytes] * n)
+        elif self.zero_copy:
+            buf = self._bufs["put", slot]
             ptrs = [[buf.ctypes.data + i * HEADER_BYTES, self.host.address(p)]
                     for i, p in enumerate(ids)]
             codes = self._store.batch_put_from_multi_buffers(
                 keys, ptrs, [[HEADER_BYTES, self.spec.page_bytes]] * n)
         else:
+            buf = self._bufs["put", slot]
             ptrs = [buf.ctypes.data + i * self.codec.entry_bytes for i in range(n)]
             codes = self._store.batch_put_from(keys, ptrs, [self.codec.entry_bytes] * n)
         ok = np.asarray([c == 0 for c in codes], dtype=bool)
