@@ -13,8 +13,8 @@ import pytest
 from hicache_jax.errors import HiCacheError
 from hicache_jax.spec import KVSpec
 from hicache_jax.storage import (
-    ENTRY_ROWS, HEADER_BYTES, StorageBackend, StorageError, StorageUnavailableError, entry_pages,
-    entry_rows, open_storage, page_keys)
+    ENTRY_ROWS, HEADER_BYTES, HostPages, StorageBackend, StorageError, StorageUnavailableError,
+    entry_pages, entry_rows, open_storage, page_keys)
 from hicache_jax.storage.file import FileStorage
 
 SPEC = KVSpec(num_layers=2, num_kv_heads=2, head_dim=8, dtype="bfloat16", page_size=4)
@@ -139,6 +139,11 @@ def test_entry_rows_buffer():
         entry_pages(SPEC, rows.view(np.uint16))
     with pytest.raises(ValueError, match="entry_rows"):
         open_storage("file:///tmp/x", SPEC, rows, "rows")   # the error lists the layouts
+    pool_layout = HostPages(SPEC, host_buffer(SPEC, "page_first"), "page_first")
+    with pytest.raises(StorageError, match="no header slots"):
+        pool_layout.header(0)
+    with pytest.raises(StorageError, match="no entry rows"):
+        pool_layout.entry_address(0)
 
 
 def test_entry_rows_get_fills_the_header_slot_in_place(root):

@@ -132,10 +132,14 @@ class HostPages:
 
     def entry_address(self, page: int) -> int:
         """Address of a page's entry row, header slot first (``ENTRY_ROWS`` only)."""
+        if not self.entries:
+            raise StorageError(f"a {self.layout} buffer has no entry rows")
         return self.base + int(page) * self.stride
 
     def header(self, page: int) -> np.ndarray:
         """The header slot of a page's entry row, uint8 ``[HEADER_BYTES]`` (``ENTRY_ROWS`` only)."""
+        if not self.entries:
+            raise StorageError(f"a {self.layout} buffer has no header slots")
         return self.buffer[int(page), :HEADER_BYTES]
 
     def read_page(self, page: int, out: np.ndarray) -> None:
