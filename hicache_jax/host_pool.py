@@ -44,13 +44,9 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
 
 from hicache_jax.allocator import PageAllocator, PageIdChecker
+from hicache_jax.device_pool import bucket_size, zeros_placed
 from hicache_jax.hugepages import advise_huge_pages
 from hicache_jax.spec import HostLayout, KVSpec, _enum_parse, check_bool
-
-
-def bucket_size(n: int) -> int:
-    """Smallest power of two >= n (1 for n <= 1): padded length of an index array."""
-    return 1 if n <= 1 else 1 << (int(n) - 1).bit_length()
 
 
 #: Minimum length of a copy plan's rows. Two reasons: XLA:CPU runs an executable whose estimated
@@ -276,7 +272,7 @@ def _allocate(shape: tuple[int, ...], dtype: np.dtype, sharding: jax.sharding.Sh
     jax 0.10.)
     """
     if on_default_memory:
-        return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)()
+        return zeros_placed(shape, dtype, sharding)
     return jax.device_put(np.zeros(shape, dtype), sharding)
 
 

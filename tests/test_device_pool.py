@@ -157,6 +157,20 @@ def test_write_and_read_donate_and_keep_the_buffer(sharded, recwarn):
     assert not [w for w in recwarn if "donated" in str(w.message)]
 
 
+def test_pools_of_one_shape_share_a_compile_not_a_buffer():
+    from hicache_jax.device_pool import _zeros_fn
+    spec = KVSpec(num_layers=2, num_kv_heads=2, head_dim=8, page_size=4)
+    a = DevicePagePool(spec, 12)
+    misses = _zeros_fn.cache_info().misses
+    b = DevicePagePool(spec, 12)
+    assert _zeros_fn.cache_info().misses == misses  # the second pool compiled nothing
+    assert shard_pointers(a.array) != shard_pointers(b.array)
+    a.write([3], random_bits(spec, 1, 0))
+    assert not np.asarray(b.array).any()  # b is its own zeroed buffer
+    b.write([3], random_bits(spec, 1, 1))
+    np.testing.assert_array_equal(np.asarray(a.read_bits([3])), random_bits(spec, 1, 0))
+
+
 def test_bounded_compiles_across_batch_sizes():
     """The pool-sized scatter and gather are traced once per power-of-two bucket (and input
     dtype), however many batch sizes go through them."""
