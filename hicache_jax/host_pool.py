@@ -214,9 +214,11 @@ copy_pages = jax.jit(_copy_loop, donate_argnums=0, static_argnames=_STATIC)
 @functools.partial(jax.jit, static_argnames=("size", "out_sharding") + _STATIC[1:])
 def _gather_pages(src: jax.Array, plan: jax.Array, *, size: int,
                   out_sharding: jax.sharding.Sharding, src_layout: HostLayout, num_layers: int,
-                  src_put: jax.sharding.Sharding | None, dst_put: None) -> jax.Array:
+                  src_put: jax.sharding.Sharding | None, dst_put: None
+                  ) -> tuple[jax.Array, jax.Array]:
     """Pages of ``src`` into a new [L, kvf, size, ps, H, D] array, row ``plan[0, i]`` from page
-    ``plan[1, i]`` (the plan of ``copy_plan(arange(n), ids)``; rows >= n stay 0)."""
+    ``plan[1, i]`` (the plan of ``copy_plan(arange(n), ids)``; rows >= n stay 0), and the
+    copy's token: without its flops XLA:CPU would run the copy inline (see MIN_INDEX_LEN)."""
     if src_layout is HostLayout.PAGE_FIRST:
         _, num_l, kvf, ps, heads, dim = src.shape
     else:
@@ -224,7 +226,7 @@ def _gather_pages(src: jax.Array, plan: jax.Array, *, size: int,
     out = lax.with_sharding_constraint(jnp.zeros((num_l, kvf, size, ps, heads, dim), src.dtype),
                                        out_sharding)
     return _copy_loop(out, src, plan, dst_layout=HostLayout.LAYER_FIRST, src_layout=src_layout,
-                      num_layers=num_layers, src_put=src_put, dst_put=dst_put)[0]
+                      num_layers=num_layers, src_put=src_put, dst_put=dst_put)
 
 
 def resolve_memory_kind(device: jax.Device, memory_kind: str) -> str:
@@ -274,6 +276,37 @@ def _allocate(shape: tuple[int, ...], dtype: np.dtype, sharding: jax.sharding.Sh
     if on_default_memory:
         return zeros_placed(shape, dtype, sharding)
     return jax.device_put(np.zeros(shape, dtype), sharding)
+
+
+class HostRead:
+    """Pages being copied out of a host pool (:meth:`HostPagePool.read_async`).
+
+    Attributes:
+        num_pages: pages read.
+    """
+
+    __slots__ = ("spec", "num_pages", "_chunks")
+
+    def __init__(self, spec: KVSpec, num_pages: int,
+                 chunks: list[tuple[int, int, jax.Array]]) -> None:
+        self.spec, self.num_pages, self._chunks = spec, num_pages, chunks
+
+    def done(self) -> bool:
+        """Non-blocking: have the pages been copied?"""
+        return all(pages.is_ready() for _, _, pages in self._chunks)
+
+    def result(self) -> np.ndarray:
+        """The pages as a new numpy ``spec.kv_shape(num_pages)`` array (blocks until done)."""
+        out = np.empty(self.spec.kv_shape(self.num_pages), self.spec.bits_dtype)
+        for start, count, pages in self._chunks:
+            out[:, :, start:start + count] = np.asarray(pages)[:, :, :count]
+        return out
+
+    def copy_into(self, out: np.ndarray, rows: np.ndarray) -> None:
+        """``out[rows[i]] = page i`` for a page-major ``out`` (``[P, L, kvf, ps, H, D]``, any
+        strides; blocks until done): one copy per page, no intermediate array."""
+        for start, count, pages in self._chunks:
+            out[rows[start:start + count]] = np.moveaxis(np.asarray(pages)[:, :, :count], 2, 0)
 
 
 class HostPagePool:
@@ -400,17 +433,26 @@ class HostPagePool:
 
         Blocks until every update of those pages dispatched before has landed.
         """
+        return self.read_async(host_ids).result()
+
+    def read_async(self, host_ids: Any) -> "HostRead":
+        """Dispatch a copy of the pages ``host_ids`` out of the buffer and return at once.
+
+        The copy is ordered after every update dispatched before it and before every later one
+        (XLA data dependencies), so the pages may be freed and reused right after this call:
+        the :class:`HostRead` still yields their current content.
+
+        Raises:
+            TypeError / ValueError: bad ids (before dispatch).
+        """
         ids = self.validate_ids(host_ids)
-        out = np.empty(self.spec.kv_shape(ids.size), self.spec.bits_dtype)
-        chunks = [(start, count, _gather_pages(  # all dispatched before the first is fetched
+        chunks = [(start, count, _gather_pages(
             self.buffer, copy_plan(np.arange(count, dtype=np.int32), ids[start:start + count]),
             size=size, out_sharding=self.device_sharding, src_layout=self.layout,
             num_layers=self.spec.num_layers,
-            src_put=None if self.on_device_memory else self.device_sharding, dst_put=None))
+            src_put=None if self.on_device_memory else self.device_sharding, dst_put=None)[0])
             for start, count, size in stage_chunks(ids.size)]
-        for start, count, pages in chunks:
-            out[:, :, start:start + count] = np.asarray(pages)[:, :, :count]
-        return out
+        return HostRead(self.spec, ids.size, chunks)
 
     def _check_kv(self, kv: Any, n: int) -> np.ndarray:
         if not isinstance(kv, (jax.Array, np.ndarray)):

@@ -5,11 +5,14 @@ Owned by one :class:`~hicache_jax.hicache.HiCache` and driven from its thread on
 * **write** (L2 -> L3): ``storage_write_policy="write_through"`` backs up newly inserted leaves
   too (L1 -> L2 write-through alone waits for a reuse) and puts a node's pages once its
   device -> host backup has landed; ``write_through_selective`` puts backed-up pages without
-  the extra backups; ``write_back`` puts host-only pages when L2 evicts them. Pages are first copied from the host pool (a donated ``jax.Array``)
-  into a numpy *staging* pool with ``HostPagePool.read`` on the cache's thread; the backend's
-  workers read only the staging pool. Its rows are whole L3 entries (``entry_rows``: a header
-  slot before each page), so the backend sends and receives each page in place and checks it
-  there, with no copy of its own. A put that finds no free staging page is skipped (counted).
+  the extra backups; ``write_back`` puts host-only pages when L2 evicts them. Pages are first
+  copied from the host pool (a donated ``jax.Array``) into a numpy *staging* pool:
+  ``HostPagePool.read_async`` dispatches the copy (the cache's thread does not wait for it; XLA
+  orders it before any reuse of those host pages) and ``poll`` stages the pages and hands them to
+  the backend once it is done; the backend's workers read only the staging pool. Its rows are
+  whole L3 entries (``entry_rows``: a header slot before each page), so the backend sends and
+  receives each page in place and checks it there, with no copy of its own. A put that finds no
+  free staging page is skipped (counted).
 * **prefetch** (L3 -> L2): the pages of a prompt beyond what L1 + L2 hold, up to the first page
   L3 does not hold, are read into staging pages; host pages are reserved at once (host eviction
   first, never pages being loaded: reserved pages are in no tree node). Pages that land are
@@ -162,7 +165,10 @@ class L3Tier:
         self._staging = entry_pages(spec, self._staging_rows)  # [P, L, kvf, ps, H, D] bits
         self._staging_alloc = PageAllocator(n_staging, "l3 staging")
         self._n: collections.Counter[str] = collections.Counter()
-        self._puts: collections.deque = collections.deque()   # (StorageHandle, staging ids)
+        # puts in two stages, each in order: pages being copied out of the host pool
+        # (keys, staging ids, HostRead), then handed to the backend (StorageHandle, staging ids)
+        self._reads: collections.deque = collections.deque()
+        self._puts: collections.deque = collections.deque()
         self._gets: list[PrefetchHandle] = []
         try:
             self.backend = open_storage(url, spec, self._staging_rows, ENTRY_ROWS)
@@ -210,9 +216,19 @@ class L3Tier:
             self._n["l3_puts_skipped"] += n  # staging still full: L3 is too slow; drop
             return
         sids = self._staging_alloc.alloc(n)
-        self._staging[sids] = np.moveaxis(self._cache._host.read(host_ids), 2, 0)
-        self._puts.append((self.backend.put_from(keys, sids), sids))
+        # dispatched, not waited for: the cache's thread does not stall on the copy (nor on the
+        # transfers before it); poll() stages the pages once they are out. The host pages may be
+        # freed at once (write_back evicts them next): XLA orders their reuse after this read.
+        self._reads.append((keys, sids, self._cache._host.read_async(host_ids)))
         self._n["l3_put_pages"] += n
+
+    def _submit_reads(self, block: bool) -> None:
+        """Hand the host reads that are done (all of them with ``block``) to the backend, in
+        order: staging pages filled, then one put each."""
+        while self._reads and (block or self._reads[0][2].done()):
+            keys, sids, read = self._reads.popleft()
+            read.copy_into(self._staging, sids)
+            self._puts.append((self.backend.put_from(keys, sids), sids))
 
     # -- prefetch -----------------------------------------------------------------------------
 
@@ -282,6 +298,7 @@ class L3Tier:
 
     def poll(self) -> None:
         """Finish completed puts and prefetches (cache thread; cheap when nothing is done)."""
+        self._submit_reads(block=False)
         while self._puts and self._puts[0][0].done():
             self._finish_put(*self._puts.popleft())
         if self._gets:
@@ -292,6 +309,7 @@ class L3Tier:
 
     def flush(self) -> None:
         """Wait for every put and prefetch in flight and apply them."""
+        self._submit_reads(block=True)
         while self._puts:
             handle, sids = self._puts.popleft()
             try:
@@ -308,6 +326,7 @@ class L3Tier:
         """Backpressure: wait (oldest first, ``_PUT_WAIT_S`` in all) for puts in flight until
         ``n`` staging pages are free. Touches no tree state (safe inside an eviction loop)."""
         deadline = time.monotonic() + _PUT_WAIT_S
+        self._submit_reads(block=True)  # their staging pages are freed only after their puts
         while self._puts and n > self._staging_alloc.num_free:
             handle, sids = self._puts[0]
             try:
@@ -390,7 +409,7 @@ class L3Tier:
         out: dict[str, Any] = {name: self._n[name] for name in names}
         out["l3_available"] = int(self.backend is not None)
         out["l3_staging_free_pages"] = self._staging_alloc.num_free
-        out["l3_in_flight"] = len(self._puts) + len(self._gets)
+        out["l3_in_flight"] = len(self._reads) + len(self._puts) + len(self._gets)
         if self.backend is not None:
             out.update({f"l3_store_{k}": v for k, v in self.backend.stats().items()})
         return out

@@ -199,6 +199,31 @@ def test_run_rejects_a_step_that_does_not_donate():
     np.testing.assert_array_equal(_snapshot(pool), before)
 
 
+@pytest.mark.parametrize("layout", ["layer_first", "page_first"])
+def test_read_async_sees_the_pages_as_of_its_dispatch(layout):
+    """A read dispatched, then the same pages overwritten at once (what L3 write_back does when
+    it frees evicted host pages): the read still yields the old bytes, the pool the new ones."""
+    spec = KVSpec(2, 2, 4, "bfloat16", page_size=2)
+    pool = HostPagePool(spec, 80, layout)
+    rng = np.random.default_rng(7)
+    ids = rng.permutation(80)[:70]  # two chunks: 64 + 6 (padded to 8)
+    old, new = _random_bits(rng, spec, 70), _random_bits(rng, spec, 70)
+    pool.write(ids, old)
+    read = pool.read_async(ids)
+    assert read.num_pages == 70
+    pool.write(ids, new)
+    np.testing.assert_array_equal(read.result(), old)
+    assert read.done()
+    out = np.zeros((75,) + spec.kv_shape(1)[:2] + spec.kv_shape(1)[3:], spec.bits_dtype)
+    rows = rng.permutation(75)[:70]
+    read.copy_into(out, rows)  # out[rows[i]] = page i, a page-major buffer
+    np.testing.assert_array_equal(np.moveaxis(out[rows], 0, 2), old)
+    assert not out[np.setdiff1d(np.arange(75), rows)].any()
+    np.testing.assert_array_equal(pool.read(ids), new)
+    with pytest.raises(ValueError):
+        pool.read_async([0, 0])  # validated before dispatch
+
+
 def test_compiles_bounded_by_stage_sizes():
     spec = KVSpec(1, 2, 4, "int8", page_size=2)
     pool = HostPagePool(spec, 160, "page_first")
