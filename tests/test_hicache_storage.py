@@ -70,6 +70,36 @@ def url(tmp_path):
 
 
 # -- round trips and write policies ------------------------------------------------------------
+@pytest.mark.parametrize("host_layout", ["layer_first", "page_first"])
+def test_round_trip_through_l3_with_sharded_pools(url, host_layout):
+    """Pools sharded over kv heads on 4 devices: L3 pages leave and enter the host shards whole."""
+    import jax
+    from jax.sharding import Mesh
+
+    spec = KVSpec(num_layers=2, num_kv_heads=4, head_dim=8, dtype="float32", page_size=PS)
+    mesh = Mesh(np.array(jax.devices()[:4]), ("tp",))
+    cfg = dict(device_pages=32, host_pages=64, storage=url, write_through_threshold=1,
+               load_back_threshold=PS, mesh=mesh, host_layout=host_layout)
+    a = HiCache(spec, HiCacheConfig(**cfg))
+    b = HiCache(spec, HiCacheConfig(**cfg, prefetch_policy="wait_complete"))
+    rng = np.random.default_rng(11)
+    toks = rng.integers(0, 50_000, 6 * PS)
+    kv = rng.standard_normal(spec.kv_shape(6)).astype(np.float32)
+    pages = a.alloc_pages(6)
+    a.write_kv(pages, kv)
+    a.insert(toks, pages)
+    a.insert(toks, a.match_prefix(toks).device_pages)  # the hit backs it up, then L3
+    a.flush()
+    h = b.prefetch(toks)
+    assert h.pages_found == 6
+    h.wait()
+    m = b.load_back(b.match_prefix(toks))
+    assert m.device_len == 6 * PS
+    np.testing.assert_array_equal(np.asarray(b.read_kv(m.device_pages)).view(np.uint32),
+                                  kv.view(np.uint32))
+    a.close(), b.close()
+
+
 
 @pytest.mark.parametrize("host_layout", ["layer_first", "page_first"])
 def test_round_trip_through_l3_bit_exact(url, host_layout):
