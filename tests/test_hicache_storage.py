@@ -467,6 +467,16 @@ def test_random_requests_read_back_what_was_written(url, policy, storage_policy,
     """Two instances take turns serving requests that share prefixes, with pools far too small,
     so pages move L1 -> L2 -> L3 and back (prefetches landing while backups and puts are in
     flight); every matched page must hold exactly the KV computed for its prefix."""
+    serve_random_requests(url, policy, storage_policy, prefetch_policy)
+
+
+@needs_mooncake
+def test_random_requests_read_back_what_was_written_mooncake():
+    with running_mooncake(segment_bytes=64 << 20) as servers:
+        serve_random_requests(servers.url, "write_back", "write_through", "wait_complete")
+
+
+def serve_random_requests(url, policy, storage_policy, prefetch_policy):
     rng = np.random.default_rng(5)
     prefixes = [rng.integers(0, 1000, rng.integers(1, 4) * PS) for _ in range(4)]
     caches = [make(url, device_pages=12, host_pages=16, write_policy=policy,
