@@ -50,7 +50,7 @@ from hicache_jax.tree_node import TreeNode, chain_hashes, namespace_hash
 from hicache_jax.spec import PrefetchPolicy, WritePolicy
 from hicache_jax.storage import (
     ENTRY_ROWS, StorageError, StorageUnavailableError, entry_pages, entry_rows, open_storage,
-    page_keys)
+    page_keys, parse_bool)
 
 if TYPE_CHECKING:
     from hicache_jax.hicache import HiCache
@@ -59,14 +59,6 @@ log = logging.getLogger(__name__)
 
 _TIMEOUT_TOKENS = 1024  # the timeout policy's deadline grows by prefetch_timeout_s per this many
 _PUT_WAIT_S = 1.0        # longest a put waits for staging pages held by earlier puts
-
-
-def _truthy(value: str) -> bool:
-    if value.lower() in ("1", "true", "yes"):
-        return True
-    if value.lower() in ("0", "false", "no", ""):
-        return False
-    raise ValueError(value)
 
 
 def split_url(url: str) -> tuple[str, dict[str, Any]]:
@@ -80,7 +72,7 @@ def split_url(url: str) -> tuple[str, dict[str, Any]]:
     for name, value in urllib.parse.parse_qsl(parts.query, keep_blank_values=True):
         try:
             if name == "optional":
-                opts["optional"] = _truthy(value)
+                opts["optional"] = parse_bool(value)
             elif name == "staging_pages":
                 opts["staging_pages"] = int(value)
                 if opts["staging_pages"] < 1:

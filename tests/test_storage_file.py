@@ -418,6 +418,9 @@ def test_bad_open_arguments(root, tmp_path):
     blocker.write_bytes(b"x")
     with pytest.raises(StorageUnavailableError, match="a_file"):
         open_storage(f"file://{blocker}", SPEC, buf)
+    with pytest.raises(ValueError, match="bad value 'maybe' for fsync"):
+        open_storage(f"file://{root}?fsync=maybe", SPEC, buf)  # not silently False
+    assert not os.path.exists(root)
     store = open_storage(f"file://{root}?capacity_bytes=100000&fsync=true", SPEC, buf)
     assert isinstance(store, FileStorage) and store.fsync and store.capacity_bytes == 100000
     assert store.put_from(keys_for(1), [0]).wait(10).all()

@@ -60,12 +60,19 @@ class StorageBackend(Protocol):
     def close(self) -> None: ...
 
 
-_FILE_OPTIONS = {"capacity_bytes": int, "fsync": lambda v: v.lower() in ("1", "true", "yes"),
-                 "batch_pages": int, "checksum": str}
+def parse_bool(value: str) -> bool:
+    """A URL option's boolean: 1/true/yes or 0/false/no/"" (any case); ValueError otherwise."""
+    if value.lower() in ("1", "true", "yes"):
+        return True
+    if value.lower() in ("0", "false", "no", ""):
+        return False
+    raise ValueError(value)
+
+
+_FILE_OPTIONS = {"capacity_bytes": int, "fsync": parse_bool, "batch_pages": int, "checksum": str}
 _MOONCAKE_OPTIONS = {"local_hostname": str, "protocol": str, "device_names": str,
                      "setup_timeout_s": float, "exists_timeout_s": float, "batch_pages": int,
-                     "checksum": str,
-                     "zero_copy": lambda v: v.lower() in ("1", "true", "yes")}
+                     "checksum": str, "zero_copy": parse_bool}
 
 
 def open_storage(url: str, spec: KVSpec, host_buffer: np.ndarray,
