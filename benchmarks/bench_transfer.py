@@ -13,6 +13,11 @@ through buffers 4x the L3. ``dispatch us`` is the wall time until ``backup``/``l
 on a loaded 2-core machine it can include the whole copy when XLA's worker thread, woken by the
 dispatch, preempts the caller (seen after the caller's own memcpy): compare totals, not it.
 
+Rows ``backup copy`` / ``load copy`` time the copy executable alone (the engine's jitted copy
+dispatched straight on the pools with a prepared plan, then waited for): no id validation, no
+handle, no bookkeeping, so the gap between them and ``backup`` / ``load`` is the engine's fixed
+cost per transfer, and their own ratio is the copy's speed per byte.
+
 A reference row ``numpy_pages`` (device -> host, page_first only) times a plain numpy loop of
 one ``np.copyto`` per page out of a zero-copy view of the device pool: not a design (it cannot
 write into the device pool, and it is synchronous), but the same scattered access pattern moving
@@ -62,7 +67,7 @@ from jax.sharding import Mesh  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.common import env_info, gbps, print_table, write_json  # noqa: E402
 from hicache_jax.device_pool import DevicePagePool  # noqa: E402
-from hicache_jax.host_pool import HostPagePool  # noqa: E402
+from hicache_jax.host_pool import HostPagePool, copy_plan  # noqa: E402
 from hicache_jax.spec import KVSpec  # noqa: E402
 from hicache_jax.transfer import TransferEngine  # noqa: E402
 
@@ -141,7 +146,18 @@ def bench_directions(eng: TransferEngine, sizes, repeats: int, layout: str) -> l
         d = rng.permutation(dev.num_pages)[:n]
         h = rng.permutation(host.num_pages)[:n]
         nbytes = n * SPEC.page_bytes
-        dispatch = {"backup": [], "load": [], "numpy_pages": [0.0]}
+        dispatch = {"backup": [], "load": [], "numpy_pages": [0.0], "backup copy": [0.0],
+                    "load copy": [0.0]}
+        plan_b = copy_plan(h.astype(np.int32), d.astype(np.int32))
+        plan_l = copy_plan(d.astype(np.int32), h.astype(np.int32))
+
+        def copy_only(kind):
+            def run():
+                if kind == "backup":
+                    host.run(eng._backup_fn, dev.array, plan_b).block_until_ready()
+                else:
+                    dev.run(eng._load_fn, host.buffer, plan_l).block_until_ready()
+            return run
 
         def timed(kind):
             def run():
@@ -155,10 +171,11 @@ def bench_directions(eng: TransferEngine, sizes, repeats: int, layout: str) -> l
         cpu: dict = {}
         t = interleaved({"memcpy": _memcpy_fn(nbytes), "memcpy_cold": _memcpy_cold_fn(nbytes),
                          "backup": timed("backup"),
-                         "load": timed("load"), "numpy_pages": _numpy_pages_fn(dev, d, n)},
+                         "load": timed("load"), "numpy_pages": _numpy_pages_fn(dev, d, n),
+                         "backup copy": copy_only("backup"), "load copy": copy_only("load")},
                         reps, cpu=cpu)
         eng.poll()
-        for kind in ("backup", "load", "numpy_pages"):
+        for kind in ("backup", "load", "backup copy", "load copy", "numpy_pages"):
             ratios = [m / x for m, x in zip(t["memcpy"], t[kind])]
             cold_ratios = [m / x for m, x in zip(t["memcpy_cold"], t[kind])]
             cpu_ratios = [m / x for m, x in zip(cpu["memcpy"], cpu[kind]) if x > 0]
@@ -279,7 +296,7 @@ def main(args: argparse.Namespace) -> dict:
                     [[r["design"], r["devices"], r["pages"], r["gbps"], r["ratio"]]
                      for r in results["sharding"]],
                     title="sharded backup: host buffer per shard vs one host buffer (vs memcpy)")
-    big = [r for r in rows if r["pages"] >= 128 and r["direction"] != "numpy_pages"]
+    big = [r for r in rows if r["pages"] >= 128 and r["direction"] in ("backup", "load")]
     if big:
         print(f"target >= 0.70 of memcpy for >= 128 pages: worst ratio "
               f"{min(r['ratio'] for r in big):.2f} (wall), "

@@ -251,6 +251,7 @@ class DevicePagePool:
         #: Bytes of the pool backed by transparent huge pages (CPU backend; see hugepages.py).
         self.huge_page_bytes = advise_huge_pages(self.array) if huge_pages else 0
         self._array_sharding = self.array.sharding
+        self._sharding_ok = self._array_sharding  # the last result sharding found equivalent
 
     @property
     def nbytes(self) -> int:
@@ -359,10 +360,14 @@ class DevicePagePool:
         old = self.array
         result = fn(old, *args)
         new, out = self._check_result(result)
-        if not new.sharding.is_equivalent_to(self._array_sharding, len(self.shape)):
-            self.array = jax.device_put(new, self._array_sharding)
-            raise ValueError(f"fn returned the pool with sharding {new.sharding}, expected "
-                             f"{self._array_sharding}: set out_shardings (the pool was resharded)")
+        # An executable returns the same sharding object every call: check a new one once.
+        if new.sharding is not self._sharding_ok:
+            if not new.sharding.is_equivalent_to(self._array_sharding, len(self.shape)):
+                self.array = jax.device_put(new, self._array_sharding)
+                raise ValueError(f"fn returned the pool with sharding {new.sharding}, expected "
+                                 f"{self._array_sharding}: set out_shardings (the pool was "
+                                 "resharded)")
+            self._sharding_ok = new.sharding
         self.array = new
         if not old.is_deleted():
             raise ValueError("fn did not donate the pool (jit it with donate_argnums=0): the "
