@@ -378,7 +378,7 @@ class L3Tier:
             self._n["l3_prefetch_duplicate_pages"] += first - lo
         if first < ready:
             host_ids = h._host_ids[first:ready]
-            cache._host.write(host_ids, np.moveaxis(self._staging[h._staging_ids[first:ready]], 0, 2))
+            cache._host.write_rows(host_ids, self._staging, h._staging_ids[first:ready])
             leaf = tree.add_host_leaf(tm.node, h.tokens[covered:end], host_ids, h.extra_key)
             cache._events.stored(leaf, Medium.HOST)
             self._n["l3_prefetch_hit_pages"] += ready - first

@@ -224,6 +224,29 @@ def test_read_async_sees_the_pages_as_of_its_dispatch(layout):
         pool.read_async([0, 0])  # validated before dispatch
 
 
+@pytest.mark.parametrize("layout", ["layer_first", "page_first"])
+def test_write_rows_from_a_strided_page_major_buffer(layout):
+    from hicache_jax.storage import entry_pages, entry_rows
+    spec = KVSpec(2, 2, 4, "bfloat16", page_size=2)
+    pool = HostPagePool(spec, 90, layout)
+    rng = np.random.default_rng(9)
+    src = entry_pages(spec, entry_rows(spec, 80))  # page-major, rows strided by their headers
+    src[:] = np.moveaxis(_random_bits(rng, spec, 80), 2, 0)
+    ids, rows = rng.permutation(90)[:70], rng.permutation(80)[:70]  # 64 + 6 pages
+    pool.write_rows(ids, src, rows)
+    np.testing.assert_array_equal(pool.read(ids), np.moveaxis(src[rows], 0, 2))
+    before = _snapshot(pool)
+    for args, err in (((ids[:3], src, rows[:2]), ValueError),          # lengths differ
+                      ((ids[:2], src, [0, 80]), ValueError),           # row out of range
+                      ((ids[:2], src[:, :1], rows[:2]), ValueError),   # not page-major pages
+                      ((ids[:2], src.view(np.int16), rows[:2]), TypeError),
+                      ((ids[:2], src.tolist(), rows[:2]), TypeError),
+                      (([0, 0], src, rows[:2]), ValueError)):          # duplicate host ids
+        with pytest.raises(err):
+            pool.write_rows(*args)
+    np.testing.assert_array_equal(_snapshot(pool), before)
+
+
 def test_compiles_bounded_by_stage_sizes():
     spec = KVSpec(1, 2, 4, "int8", page_size=2)
     pool = HostPagePool(spec, 160, "page_first")
