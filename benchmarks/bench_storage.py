@@ -84,7 +84,7 @@ def host_buffer(layout: str, num_pages: int) -> np.ndarray:
         rows = entry_rows(SPEC, num_pages)
         entry_pages(SPEC, rows)[:] = host_buffer("page_first", num_pages)
         return rows
-    shape = ((num_pages,) + SPEC.kv_shape(1)[:2] + SPEC.kv_shape(1)[3:] if layout == "page_first"
+    shape = (SPEC.page_major_shape(num_pages) if layout == "page_first"
              else SPEC.kv_shape(num_pages))
     return np.random.default_rng(0).integers(0, 2**16, shape, dtype=np.uint16)
 

@@ -128,7 +128,7 @@ def _numpy_pages_fn(dev: DevicePagePool, d: np.ndarray, n: int):
     device pool (CPU only) into a page-first numpy buffer -- what a hand-written host loop moving
     each byte once achieves on scattered pages (the view is read inside the call and dropped,
     so the pool can still be donated afterwards)."""
-    dst = np.empty((n, *SPEC.kv_shape(1)[:2], *SPEC.kv_shape(1)[3:]), SPEC.bits_dtype)
+    dst = np.empty(SPEC.page_major_shape(n), SPEC.bits_dtype)
     order = np.random.default_rng(4).permutation(n)
 
     def run():

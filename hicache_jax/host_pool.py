@@ -353,8 +353,8 @@ class HostPagePool:
         self.device_sharding = placement.with_memory_kind(default_kind)
         self.sharding = placement.with_memory_kind(self.memory_kind)
         self.on_device_memory = self.memory_kind == default_kind
-        kv = spec.kv_shape(self.num_pages)
-        self.shape = kv if self.layout is HostLayout.LAYER_FIRST else (kv[2], *kv[:2], *kv[3:])
+        self.shape = (spec.kv_shape(self.num_pages) if self.layout is HostLayout.LAYER_FIRST
+                      else spec.page_major_shape(self.num_pages))
         self.allocator = PageAllocator(self.num_pages, "host")
         self._check_ids = PageIdChecker(self.num_pages, "host")
         self.buffer: jax.Array = _allocate(self.shape, spec.bits_dtype, self.sharding,
@@ -432,7 +432,7 @@ class HostPagePool:
             TypeError / ValueError: bad ids, rows, buffer shape or dtype, before anything changes.
         """
         ids = self.validate_ids(host_ids)
-        tail = self.spec.kv_shape(1)[:2] + self.spec.kv_shape(1)[3:]
+        tail = self.spec.page_major_shape(1)[1:]
         if not isinstance(pages, np.ndarray):
             raise TypeError(f"pages must be a numpy array, got {type(pages).__name__}")
         if pages.ndim != 6 or pages.shape[1:] != tail:
@@ -461,8 +461,7 @@ class HostPagePool:
         size (padding rows are never read: the plan pads with its last pair). Fresh each time:
         on CPU ``device_put`` may alias it."""
         for start, count, size in stage_chunks(n):
-            yield start, count, np.empty((size,) + self.spec.kv_shape(1)[:2]
-                                         + self.spec.kv_shape(1)[3:], self.spec.bits_dtype)
+            yield start, count, np.empty(self.spec.page_major_shape(size), self.spec.bits_dtype)
 
     def _write_staged(self, ids: np.ndarray, staged: np.ndarray) -> None:
         """Copy the first ``ids.size`` pages of a page-major staged chunk to ``ids``."""

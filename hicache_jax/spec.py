@@ -149,6 +149,12 @@ class KVSpec:
         return (self.num_layers, self.kv_factor, num_pages, self.page_size,
                 self.num_kv_heads, self.head_dim)
 
+    def page_major_shape(self, num_pages: int) -> tuple[int, int, int, int, int, int]:
+        """Shape of ``num_pages`` pages page-major (the ``page_first`` host layout, L3 entries):
+        [pages, layers, kv, page_size, heads, dim]."""
+        return (num_pages, self.num_layers, self.kv_factor, self.page_size,
+                self.num_kv_heads, self.head_dim)
+
     @property
     def page_elems(self) -> int:
         """Elements of one page across all layers and K/V."""

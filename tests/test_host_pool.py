@@ -214,7 +214,7 @@ def test_read_async_sees_the_pages_as_of_its_dispatch(layout):
     pool.write(ids, new)
     np.testing.assert_array_equal(read.result(), old)
     assert read.done()
-    out = np.zeros((75,) + spec.kv_shape(1)[:2] + spec.kv_shape(1)[3:], spec.bits_dtype)
+    out = np.zeros(spec.page_major_shape(75), spec.bits_dtype)
     rows = rng.permutation(75)[:70]
     read.copy_into(out, rows)  # out[rows[i]] = page i, a page-major buffer
     np.testing.assert_array_equal(np.moveaxis(out[rows], 0, 2), old)

@@ -30,6 +30,7 @@ def test_every_dtype(dtype):
     assert spec.itemsize == spec.jnp_dtype.itemsize == spec.bits_dtype.itemsize
     assert spec.kv_factor == 2
     assert spec.kv_shape(3) == (4, 2, 3, 16, 8, 128)
+    assert spec.page_major_shape(3) == (3, 4, 2, 16, 8, 128)
     assert spec.page_elems == 4 * 2 * 16 * 8 * 128
     assert spec.page_bytes == spec.page_elems * spec.itemsize
     assert spec.chunk_bytes == 16 * 8 * 128 * spec.itemsize

@@ -28,8 +28,7 @@ def host_buffer(spec, layout, num_pages=NUM_PAGES, seed=0):
         entry_pages(spec, rows)[:] = host_buffer(spec, "page_first", num_pages, seed)
         return rows
     if layout == "page_first":
-        shape = (num_pages, spec.num_layers, spec.kv_factor, spec.page_size,
-                 spec.num_kv_heads, spec.head_dim)
+        shape = spec.page_major_shape(num_pages)
     else:
         shape = (spec.num_layers, spec.kv_factor, num_pages, spec.page_size,
                  spec.num_kv_heads, spec.head_dim)

@@ -52,7 +52,7 @@ def entry_pages(spec: KVSpec, rows: np.ndarray) -> np.ndarray:
     ``entry_rows`` buffer: what the cache reads and writes; headers are not part of it."""
     HostPages(spec, rows, ENTRY_ROWS)  # validates
     page = rows[:, HEADER_BYTES:].view(spec.bits_dtype)
-    return page.reshape((rows.shape[0],) + spec.kv_shape(1)[:2] + spec.kv_shape(1)[3:])
+    return page.reshape(spec.page_major_shape(rows.shape[0]))
 
 
 class HostPages:
