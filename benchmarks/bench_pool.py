@@ -25,8 +25,8 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.common import (env_info, gbps, median_time, memcpy_seconds,  # noqa: E402
-                               print_table, write_json)
+from benchmarks.common import (env_info, gbps, median_time, memcpy_fn,  # noqa: E402
+                               memcpy_seconds, print_table, write_json)
 from hicache_jax.device_pool import DevicePagePool  # noqa: E402
 from hicache_jax.spec import KVSpec  # noqa: E402
 
@@ -46,22 +46,25 @@ def _pages(k: int, seed: int) -> jax.Array:
     return jnp.asarray(bits.view(jnp.bfloat16))  # what a forward hands over: a bf16 device array
 
 
-def paired_times(fn, nbytes: int, repeats: int, blocks: int = 5) -> tuple[float, float, float]:
-    """Median seconds of ``fn``, of ``numpy.copyto`` of ``nbytes``, and their ratio.
+def paired_times(fn, nbytes: int, repeats: int, blocks: int = 5,
+                 same_work=None) -> tuple[float, float, float, float | None]:
+    """Median seconds of ``fn``, of ``numpy.copyto`` of ``nbytes``, their ratio, and the median
+    seconds of ``same_work`` (numpy doing the same scatter / gather on a host pool) or None.
 
-    The two alternate in blocks of ``repeats`` back-to-back calls, so both see the same load
+    They alternate in blocks of ``repeats`` back-to-back calls, so all see the same load
     (on a machine shared with other jobs a memcpy figure taken once drifts by 2-5x) while each
     runs in steady state (interleaving single calls made each one evict the other's caches
     and wake XLA's worker threads from sleep).
     """
-    src = np.random.default_rng(0).integers(0, 255, size=nbytes, dtype=np.uint8)
-    dst = np.empty_like(src)
-    ts, ms = [], []
+    memcpy = memcpy_fn(nbytes)
+    ts, ms, ws = [], [], []
     for _ in range(blocks):
-        ms.append(median_time(lambda: np.copyto(dst, src), repeats=repeats, warmup=2))
+        ms.append(median_time(memcpy, repeats=repeats, warmup=2))
         ts.append(median_time(fn, repeats=repeats, warmup=2))
+        if same_work is not None:
+            ws.append(median_time(same_work, repeats=repeats, warmup=2))
     t, m = statistics.median(ts), statistics.median(ms)
-    return t, m, t / m
+    return t, m, t / m, (statistics.median(ws) if ws else None)
 
 
 def alloc_seconds(k: int, repeats: int) -> float:
@@ -76,11 +79,16 @@ def bench_pool(pool_mib: int, ks: list[int], repeats: int, huge_pages: bool = Tr
     num_pages = pool_mib * MiB // SPEC.page_bytes
     pool = DevicePagePool(SPEC, num_pages, huge_pages=huge_pages)
     print(f"pool {pool_mib} MiB: {pool.huge_page_bytes >> 20} MiB on huge pages", flush=True)
+    # The same work done by numpy on a host pool of the same shape (page axis 2, so a page is
+    # L * kvf strided chunks, like the device pool): scattered, cold destinations cost more
+    # than the contiguous, cache-resident memcpy of the first limit, whoever copies.
+    host = np.zeros(SPEC.kv_shape(num_pages + 1), SPEC.bits_dtype)
     rng = np.random.default_rng(pool_mib)
     rows = []
     for k in ks:
         ids = rng.choice(num_pages, size=k, replace=False).astype(np.int32)
         kv = _pages(k, k)
+        kv_host = np.asarray(kv).view(SPEC.bits_dtype)
 
         def write():
             pool.write(ids, kv)
@@ -89,14 +97,22 @@ def bench_pool(pool_mib: int, ks: list[int], repeats: int, huge_pages: bool = Tr
         def read():
             pool.read(ids).block_until_ready()
 
-        for op, fn in (("scatter", write), ("gather", read)):
+        def np_scatter():
+            for i, p in enumerate(ids):
+                host[:, :, p] = kv_host[:, :, i]
+
+        def np_gather():
+            host[:, :, ids]  # a fresh k-page array, like read()
+
+        for op, fn, same in (("scatter", write, np_scatter), ("gather", read, np_gather)):
             nbytes = k * SPEC.page_bytes
-            t, m, ratio = paired_times(fn, nbytes, repeats)
+            t, m, ratio, w = paired_times(fn, nbytes, repeats, same_work=same)
             rows.append(dict(op=op, pool="bits", pool_mib=pool_mib, k=k, bytes=nbytes,
-                             seconds=t, memcpy_seconds=m, gbps=gbps(nbytes, t), vs_memcpy=ratio))
+                             seconds=t, memcpy_seconds=m, gbps=gbps(nbytes, t), vs_memcpy=ratio,
+                             numpy_same_seconds=w, vs_numpy_same=t / w))
         check = np.asarray(pool.read(ids)).view(np.uint16)
         assert np.array_equal(check, np.asarray(kv).view(np.uint16)), "round trip mismatch"
-    del pool
+    del pool, host
     gc.collect()
     return rows
 
@@ -119,7 +135,8 @@ def bench_typed_pool(pool_mib: int, k: int, repeats: int) -> dict:
     del state["pool"]
     gc.collect()
     return dict(op="scatter", pool="bfloat16", pool_mib=pool_mib, k=k, bytes=nbytes, seconds=t,
-                memcpy_seconds=m, gbps=gbps(nbytes, t), vs_memcpy=t / m)
+                memcpy_seconds=m, gbps=gbps(nbytes, t), vs_memcpy=t / m,
+                numpy_same_seconds=None, vs_numpy_same=None)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -147,14 +164,19 @@ def main(argv: list[str] | None = None) -> None:
 
     for r in rows:
         r["fresh_buffer_seconds"] = alloc[r["k"]]
+    def opt(v, scale=1.0):
+        return "-" if v is None else v * scale
+
     print_table(
         ["op", "pool", "pool MiB", "k", "MiB moved", "us", "GB/s", "memcpy us", "x memcpy",
-         "fresh buf us"],
+         "numpy same us", "x numpy same", "fresh buf us"],
         [[r["op"], r["pool"], r["pool_mib"], r["k"], r["bytes"] / MiB, r["seconds"] * 1e6,
-          r["gbps"], r["memcpy_seconds"] * 1e6, r["vs_memcpy"], alloc[r["k"]] * 1e6]
+          r["gbps"], r["memcpy_seconds"] * 1e6, r["vs_memcpy"], opt(r["numpy_same_seconds"], 1e6),
+          opt(r["vs_numpy_same"]), alloc[r["k"]] * 1e6]
          for r in rows],
-        title="Device pool page movement (median; limit: numpy.copyto of the same bytes; "
-              "fresh buf: allocating the k-page array a read returns)")
+        title="Device pool page movement (median; limit: numpy.copyto of the same bytes, "
+              "contiguous; numpy same: numpy doing the same scatter / gather on a host array "
+              "shaped like the pool; fresh buf: allocating the k-page array a read returns)")
 
     by = {(r["op"], r["pool"], r["pool_mib"], r["k"]): r for r in rows}
     small, large = pools
@@ -163,11 +185,15 @@ def main(argv: list[str] | None = None) -> None:
     # 256 KiB memcpy of 12 us can read 130 us in a busy moment). Both are printed.
     ratios = [[op, k, by[(op, "bits", large, k)]["seconds"] / by[(op, "bits", small, k)]["seconds"],
                by[(op, "bits", large, k)]["vs_memcpy"] / by[(op, "bits", small, k)]["vs_memcpy"],
-               by[(op, "bits", small, k)]["vs_memcpy"], by[(op, "bits", large, k)]["vs_memcpy"]]
+               by[(op, "bits", small, k)]["vs_memcpy"], by[(op, "bits", large, k)]["vs_memcpy"],
+               by[(op, "bits", small, k)]["vs_numpy_same"],
+               by[(op, "bits", large, k)]["vs_numpy_same"]]
               for op in ("scatter", "gather") for k in ks]
     print_table(["op", "k", f"{large}/{small} MiB time", f"{large}/{small} x memcpy",
-                 f"x memcpy ({small} MiB)", f"x memcpy ({large} MiB)"], ratios,
-                title="Targets: flat in pool size (<= 1.2), <= 1.5x memcpy")
+                 f"x memcpy ({small} MiB)", f"x memcpy ({large} MiB)",
+                 f"x numpy same ({small} MiB)", f"x numpy same ({large} MiB)"], ratios,
+                title="Targets: flat in pool size (<= 1.2), <= 1.5x memcpy (numpy same: "
+                      "the same scattered copy done by numpy, for reference)")
     bits16 = by[("scatter", "bits", small, 16)]["seconds"]
     print(f"bfloat16-typed pool, {small} MiB, k=16: {typed['seconds'] * 1e3:.1f} ms = "
           f"{typed['seconds'] / bits16:.0f}x the raw-bits pool", flush=True)

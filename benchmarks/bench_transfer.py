@@ -65,7 +65,8 @@ import numpy as np  # noqa: E402
 from jax.sharding import Mesh  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks.common import env_info, gbps, print_table, write_json  # noqa: E402
+from benchmarks.common import (aligned_bytes, env_info, gbps, memcpy_fn,  # noqa: E402
+                               print_table, write_json)
 from hicache_jax.device_pool import DevicePagePool  # noqa: E402
 from hicache_jax.host_pool import HostPagePool, copy_plan  # noqa: E402
 from hicache_jax.spec import KVSpec  # noqa: E402
@@ -101,20 +102,14 @@ def interleaved(fns: dict, repeats: int, warmup: int = 1, cpu: dict | None = Non
     return out
 
 
-def _memcpy_fn(nbytes: int):
-    src = np.random.default_rng(0).integers(0, 255, size=nbytes, dtype=np.uint8)
-    dst = np.empty_like(src)
-    return lambda: np.copyto(dst, src)
-
-
 def _memcpy_cold_fn(nbytes: int, footprint: int = 128 << 20):
     """``numpy.copyto`` of ``nbytes``, rotating through source and destination buffers of at
     least ``footprint`` bytes each (4x this machine's 32 MiB L3), so that, like the pages of a
     transfer, the bytes are not left in cache by the previous round. Information only: the
-    target is against the plain (cache-warm for <= 16 MiB) ``_memcpy_fn``."""
+    target is against the plain (cache-warm for <= 16 MiB) ``memcpy_fn``."""
     slots = max(2, -(-footprint // nbytes))
-    src = np.ones(slots * nbytes, np.uint8)
-    dst = np.ones_like(src)  # touched: no first-touch page faults inside the timing
+    src = aligned_bytes(slots * nbytes)  # page-aligned, zeroed: no first-touch faults inside
+    dst = aligned_bytes(slots * nbytes)  # the timing, no 4K aliasing (see common.memcpy_fn)
     turn = [0]
 
     def run():
@@ -169,7 +164,7 @@ def bench_directions(eng: TransferEngine, sizes, repeats: int, layout: str) -> l
 
         reps = repeats if n >= 128 else 3 * repeats
         cpu: dict = {}
-        t = interleaved({"memcpy": _memcpy_fn(nbytes), "memcpy_cold": _memcpy_cold_fn(nbytes),
+        t = interleaved({"memcpy": memcpy_fn(nbytes), "memcpy_cold": _memcpy_cold_fn(nbytes),
                          "backup": timed("backup"),
                          "load": timed("load"), "numpy_pages": _numpy_pages_fn(dev, d, n),
                          "backup copy": copy_only("backup"), "load copy": copy_only("load")},
@@ -245,7 +240,7 @@ def bench_sharding(num_devices: int, n: int, repeats: int) -> list[dict]:
         single_eng.device_pool.write(np.arange(n), pages)
         single_eng.backup(np.arange(n), h).wait()
 
-    t = interleaved({"memcpy": _memcpy_fn(nbytes),
+    t = interleaved({"memcpy": memcpy_fn(nbytes),
                      "per_shard": lambda: eng.backup(d, h).wait(),
                      "single_buffer": gathered}, repeats)
     eng.poll()
