@@ -204,7 +204,7 @@ class HiCache:
             A :class:`Match`; its ``device_pages`` stay valid while ``node`` is locked.
         """
         arr = _prepare_tokens(tokens, extra_key, self._ps)  # validate before polling
-        self._complete()
+        self._complete(attach=True)
         if self._l3 is not None:
             self._l3.before_match(arr, extra_key)
         tm = self._tree.match(tokens, extra_key)
@@ -223,7 +223,7 @@ class HiCache:
             ``cfg.prefetch_policy``.
         """
         arr = _prepare_tokens(tokens, extra_key, self._ps)
-        self._complete()
+        self._complete(attach=True)
         return None if self._l3 is None else self._l3.prefetch(arr, extra_key)
 
     def load_back(self, match: Match, *, layerwise: bool = False) -> Match:
@@ -242,7 +242,7 @@ class HiCache:
         """
         self._check_match(match)
         check_bool("layerwise", layerwise)
-        self._complete()
+        self._complete(attach=True)
         chain, node = [], match.node
         while node.parent is not None and node.value is None:
             chain.append(node)
@@ -309,7 +309,7 @@ class HiCache:
                 flight (whose locks may be what holds the pages) are waited for first.
         """
         n = check_int("n", n)
-        self._complete()
+        self._complete(attach=True)
         ids = self._take_pages(self._dev_tier, n)
         self._owner[ids] = _CALLER
         return ids
@@ -389,13 +389,13 @@ class HiCache:
     def evict(self, num_tokens: int) -> int:
         """Free at least ``num_tokens`` device tokens if possible; returns tokens freed."""
         num_tokens = check_int("num_tokens", num_tokens)
-        self._complete()
+        self._complete(attach=True)
         return self._evict_device(num_tokens)
 
     def evict_host(self, num_tokens: int) -> int:
         """Delete host-only leaves worth ``num_tokens``; returns tokens freed on host."""
         num_tokens = check_int("num_tokens", num_tokens)
-        self._complete()
+        self._complete(attach=True)
         return self._evict_host(num_tokens)
 
     @property
@@ -614,14 +614,16 @@ class HiCache:
             self._ops.append(_Op(self._next_seq(), "backup", handle, node, ids, host_ids))
         return self._seq
 
-    def _complete(self, upto: int = -1) -> None:
+    def _complete(self, upto: int = -1, *, attach: bool = False) -> None:
         """Apply finished transfers in dispatch order, first waiting for those with seq <= upto.
 
-        Dispatch order keeps a parent's backup acknowledged before its child's.
+        Dispatch order keeps a parent's backup acknowledged before its child's. ``attach``:
+        also hang landed L3 prefetches in the tree -- only at the start of a public call, never
+        inside an operation that holds nodes (an attach may split them).
         """
         self._engine.poll()
         if self._l3 is not None:
-            self._l3.poll()
+            self._l3.poll(attach)
         while self._ops:
             op = self._ops[0]
             if not op.handle.done():

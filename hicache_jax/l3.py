@@ -108,8 +108,10 @@ class PrefetchHandle:
     _host_ids: np.ndarray
     _staging_ids: np.ndarray
     _deadline: float
+    _clipped: bool = False     # fewer pages than L3 held (staging or host pages ran short)
     _applied: int = 0          # pages attached to the tree (or given up) so far
     _closed: bool = False      # finished and its pages accounted for
+    _timed_out: bool = False   # the timeout policy gave up waiting (its rest was cancelled)
 
     def done(self) -> bool:
         """Whether the storage read has finished (pages are attached at the cache's next call)."""
@@ -201,6 +203,12 @@ class L3Tier:
         keys = self._keys(hashes, extra_key)
         if keys is None:
             return
+        # A node longer than the staging pool goes in parts (keys are per page: independent).
+        step = self._staging_alloc.num_pages
+        for lo in range(0, len(keys), step):
+            self._put_part(keys[lo:lo + step], host_ids[lo:lo + step])
+
+    def _put_part(self, keys: list[str], host_ids: np.ndarray) -> None:
         n = len(keys)
         if n > self._staging_alloc.num_free:
             self._drain_puts(n)
@@ -232,9 +240,12 @@ class L3Tier:
         tm = cache._tree.match(tokens, extra_key)
         start = tm.device_len + tm.host_len
         for h in self._gets:  # the same path already in flight: hand out that prefetch
-            if (not h._closed and h.extra_key == extra_key and h.start == start
-                    and h.tokens.size <= tokens.size
-                    and np.array_equal(h.tokens[:start + ps], tokens[:start + ps])):
+            if h._closed or h.extra_key != extra_key or h.start != start:
+                continue
+            n = min(h.tokens.size, tokens.size)
+            # it fetches all of this prompt's pages, or all L3 had beyond ``start`` when issued
+            if np.array_equal(h.tokens[:n], tokens[:n]) and (
+                    tokens.size <= h.tokens.size or not h._clipped):
                 return h
         rest = tokens[start:]
         if rest.size == 0:
@@ -245,27 +256,42 @@ class L3Tier:
             return None
         found = _leading(self.backend.exists(keys))
         self._n["l3_lookup_pages"] += len(keys)
-        k = min(found, self._staging_alloc.num_free)
-        if k == 0:
+        if min(found, self._staging_alloc.num_free) == 0:
             self._n["l3_prefetch_skipped_pages"] += found
             return None
         cache._tree.lock(tm.node)  # the attach point survives host eviction, ours included
+        host_ids = sids = None
         try:
-            host_ids = cache._take_pages(cache._host_tier, k)
-        except OutOfPagesError:
-            k = min(k, cache._host.allocator.num_free)
-            host_ids = cache._host.allocator.alloc(k)
-        if k == 0:
+            want = min(found, self._staging_alloc.num_free)
+            try:
+                host_ids = cache._take_pages(cache._host_tier, want)
+            except OutOfPagesError:
+                host_ids = cache._host.allocator.alloc(min(want, cache._host.allocator.num_free))
+            # Host eviction (write_back) may have put evicted pages to L3, taking staging pages:
+            # those keep them (they are cached data); the prefetch takes what is left.
+            k = min(host_ids.size, self._staging_alloc.num_free)
+            if k < host_ids.size:
+                cache._host.allocator.free(host_ids[k:])
+                host_ids = host_ids[:k]
+            if k == 0:
+                cache._host.allocator.free(host_ids)
+                cache._tree.unlock(tm.node)
+                self._n["l3_prefetch_skipped_pages"] += found
+                return None
+            sids = self._staging_alloc.alloc(k)
+            get = self.backend.get_into(keys[:k], sids)
+        except BaseException:  # leave no lock, host page or staging page behind
+            if host_ids is not None:
+                cache._host.allocator.free(host_ids)
+            if sids is not None:
+                self._staging_alloc.free(sids)
             cache._tree.unlock(tm.node)
-            self._n["l3_prefetch_skipped_pages"] += found
-            return None
-        sids = self._staging_alloc.alloc(k)
-        get = self.backend.get_into(keys[:k], sids)
+            raise
         ntok = start + k * ps
         deadline = time.monotonic() + self._cache.cfg.prefetch_timeout_s * (
             1 + k * ps / _TIMEOUT_TOKENS)
         handle = PrefetchHandle(k, start, tokens[:ntok].copy(), extra_key, get, tm.node,
-                                host_ids, sids, deadline)
+                                host_ids, sids, deadline, _clipped=k < found)
         self._gets.append(handle)
         self._n["l3_prefetches"] += 1
         self._n["l3_prefetch_pages"] += k
@@ -279,21 +305,28 @@ class L3Tier:
                 continue
             if self.policy is PrefetchPolicy.WAIT_COMPLETE:
                 h.wait()
-            elif self.policy is PrefetchPolicy.TIMEOUT and not h.done():
+            elif self.policy is PrefetchPolicy.TIMEOUT and not h.done() and not h._timed_out:
                 try:
                     h.wait(max(0.0, h._deadline - time.monotonic()))
                 except TimeoutError:
                     h._get.cancel()  # keep what landed; the rest is recomputed
+                    h._timed_out = True  # counted once; later matches do not wait again
                     self._n["l3_prefetch_timeouts"] += 1
             self._advance(h)
         self.poll()
 
-    def poll(self) -> None:
-        """Finish completed puts and prefetches (cache thread; cheap when nothing is done)."""
+    def poll(self, attach: bool = True) -> None:
+        """Finish completed puts and prefetches (cache thread; cheap when nothing is done).
+
+        Args:
+            attach: also hang landed prefetch pages in the tree. False inside an operation of
+                the cache (eviction, load_back, allocation): attaching matches, and so may split,
+                nodes that operation holds; the pages wait for the next public call.
+        """
         self._submit_reads(block=False)
         while self._puts and self._puts[0][0].done():
             self._finish_put(*self._puts.popleft())
-        if self._gets:
+        if self._gets and attach:
             for h in self._gets:
                 if h.done():
                     self._advance(h)

@@ -25,10 +25,29 @@ _MEMCMP_MAX = 2048  # tokens; see _common_len
 
 # ----------------------------------------------------------------------------- page hashes
 
+def _canonical(key: Any) -> Any:
+    """``key`` with numbers and strings of numpy types as Python ones (bool -> int, an integral
+    float -> int), so keys the tree treats as one namespace (``==`` and ``hash``: ``5``,
+    ``np.int64(5)``, ``5.0``, ``True`` vs ``1``) have one ``repr`` too."""
+    if isinstance(key, (bool, np.bool_, int, np.integer)):
+        return int(key)
+    if isinstance(key, (float, np.floating)):
+        return int(key) if float(key).is_integer() else float(key)
+    if isinstance(key, np.str_):
+        return str(key)
+    if isinstance(key, np.bytes_):
+        return bytes(key)
+    if isinstance(key, tuple):
+        return tuple(_canonical(k) for k in key)
+    return key
+
+
 def namespace_hash(extra_key: Hashable) -> int:
-    """Seed of the hash chain of a namespace: blake2b of ``repr(extra_key)`` (stable for None,
-    str, int and tuples of those; not Python's salted ``hash()``)."""
-    digest = hashlib.blake2b(b"hicache-ns:" + repr(extra_key).encode(), digest_size=8).digest()
+    """Seed of the hash chain of a namespace: blake2b of the ``repr`` of ``extra_key`` made
+    canonical (stable for None, str, bytes, numbers and tuples of those, whatever their Python
+    or numpy type; not Python's salted ``hash()``)."""
+    digest = hashlib.blake2b(b"hicache-ns:" + repr(_canonical(extra_key)).encode(),
+                             digest_size=8).digest()
     return int.from_bytes(digest, "little")
 
 

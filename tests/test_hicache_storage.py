@@ -252,6 +252,156 @@ def test_flush_waits_for_prefetches_and_puts(url):
     b.close()
 
 
+def test_timeout_is_counted_once_and_not_waited_for_again(url):
+    toks, _ = _seed_store(url, 5, 8)
+    b = make(url + "?batch_pages=1", prefetch_policy="timeout", prefetch_timeout_s=0.02)
+    _slow_gets(b, 0.3)
+    b.prefetch(toks)
+    b.match_prefix(toks)  # times out: cancels the rest
+    t0 = time.monotonic()
+    for _ in range(3):  # its running sub-batch is still in flight: no new wait, no new count
+        b.match_prefix(toks)
+    assert time.monotonic() - t0 < 0.25
+    assert l3(b)["l3_prefetch_timeouts"] == 1
+    b.close()
+
+
+def test_prefetch_of_a_prompt_that_diverges_is_its_own(url):
+    """A prompt sharing only its first pages with a prefetch in flight gets its own prefetch."""
+    p, pkv = tokens_kv(1, 6)
+    q, qkv = p.copy(), pkv.copy()
+    q[3 * PS:] = np.arange(3 * PS) + 60_000  # shares pages 0..2 with p
+    qkv[:, :, 3:] += 1
+    a = make(url)
+    compute(a, p, pkv)
+    compute(a, q, qkv)
+    a.close()
+    b = make(url, prefetch_policy="wait_complete")
+    _slow_gets(b, 0.2)
+    h1 = b.prefetch(p)
+    assert b.prefetch(p[:4 * PS]) is h1  # a prefix of the one in flight: that prefetch
+    h2 = b.prefetch(q)
+    assert h2 is not h1 and h2.pages_found == 6
+    host, dev, got = read_prefix(b, q)
+    assert dev == 6 * PS
+    np.testing.assert_array_equal(got, bits(qkv))
+    b.flush()
+    b._tree.check_invariants()
+    b.close()
+
+
+def test_write_back_host_eviction_inside_prefetch_leaves_nothing_behind(url):
+    """Host eviction inside prefetch() puts write_back pages to L3, taking the staging pages the
+    prefetch counted on: the prefetch takes what is left (or none), leaking no lock or page."""
+    toks, _ = _seed_store(url, 0, 8)
+    b = make(url + "?staging_pages=8", host_pages=8, storage_write_policy="write_back")
+    for seed in (1, 2):
+        compute(b, *tokens_kv(seed, 4))
+    b.flush()
+    b.evict(10**6)  # host pool full of host-only leaves, staging empty
+    b.flush()
+    assert b.stats()["host_free_pages"] == 0
+    b.prefetch(toks)  # evicts 8 host pages -> 8 staged puts -> no staging left (was a raise)
+    b.flush()
+    s = b.stats()
+    assert all(c.lock_ref == 0 for c in b._tree.root.children.values())
+    assert s["host_used_pages"] * PS == s["host_cached_tokens"]  # no host page without a node
+    assert s["l3_staging_free_pages"] == 8
+    assert s["l3_put_pages_stored"] == 8  # the evicted pages reached L3
+    b._tree.check_invariants()
+    b.close()
+
+
+def test_prefetch_landing_inside_load_back_does_not_split_its_chain(url):
+    """load_back collects its host-only nodes, then allocates device pages; a write_back
+    eviction there waits for a backup, and a prefetch landing meanwhile used to be attached
+    right then, splitting a node of that chain (load_back raised, a lock and pages leaked).
+    Landed pages are now attached only at the start of a public call."""
+    import threading
+
+    p, pkv = tokens_kv(1, 6)
+    a = make(url)
+    compute(a, p, pkv)
+    a.close()
+    b = make(url, device_pages=8, host_pages=32, write_policy="write_back")
+    pages = b.alloc_pages(2)
+    b.write_kv(pages, pkv[:, :, :2])
+    b.insert(p[:2 * PS], pages)  # N = p[0:2], device only
+    backend, inner, gate = b._l3.backend, b._l3.backend._get, threading.Event()
+
+    def gated(keys, ids):
+        gate.wait(10)
+        return inner(keys, ids)
+    backend._get = gated
+    h = b.prefetch(p)  # pages 2..5 of p, held at the gate
+    q = np.concatenate([p[:4 * PS], np.full(PS, 7)])
+    qkv = np.concatenate([pkv[:, :, :4], np.zeros(SPEC.kv_shape(1), np.float32)], axis=2)
+    m = b.match_prefix(q)
+    new = b.alloc_pages(3)
+    b.write_kv(new, qkv[:, :, 2:])
+    b.insert(q, np.concatenate([m.device_pages, new]))  # M = q[2:5] under N
+    b.evict(3 * PS)  # M -> host only (write_back backup)
+    r, rkv = tokens_kv(2, 6)
+    pages = b.alloc_pages(6)
+    b.write_kv(pages, rkv)
+    b.insert(r, pages)  # the device is full of a leaf never backed up
+    engine, backup = b._engine, b._engine.backup
+
+    def backup_then_land(*args, **kw):  # the prefetch lands during load_back's eviction
+        gate.set()
+        h._get.wait()
+        return backup(*args, **kw)
+    engine.backup = backup_then_land
+    m = b.match_prefix(q)
+    assert m.host_len == 3 * PS
+    m2 = b.load_back(m)
+    engine.backup = backup
+    assert m2.device_len == 5 * PS
+    b.flush()
+    b._tree.check_invariants()
+    assert m.node.lock_ref == 0
+    m3 = b.load_back(b.match_prefix(q))
+    np.testing.assert_array_equal(np.asarray(b.read_kv(m3.device_pages)).view(np.uint32),
+                                  bits(qkv[:, :, :m3.device_len // PS]))
+    assert m3.device_len == 5 * PS
+    b.close()
+
+
+def test_node_longer_than_the_staging_pool_is_put_in_parts(url):
+    a = make(url + "?staging_pages=8", device_pages=32, host_pages=64)
+    toks, kv = tokens_kv(3, 20)
+    compute(a, toks, kv)
+    a.flush()
+    s = l3(a)
+    assert s["l3_put_pages_stored"] == 20 and s["l3_puts_skipped"] == 0
+    b = make(url + "?staging_pages=8", prefetch_policy="wait_complete")
+    got_tokens = 0
+    while (h := b.prefetch(toks)) is not None:  # 8 pages per prefetch: the staging pool
+        assert h.pages_found <= 8
+        h.wait()
+        got_tokens = read_prefix(b, toks)[1]
+    assert got_tokens == 20 * PS
+    np.testing.assert_array_equal(read_prefix(b, toks)[2], bits(kv))
+    a.close(), b.close()
+
+
+def test_numpy_and_python_extra_keys_share_l3_entries(url):
+    """The tree treats 5 and np.int64(5) as one namespace; so do the L3 keys."""
+    a = make(url)
+    toks, kv = tokens_kv(9, 4)
+    pages = a.alloc_pages(4)
+    a.write_kv(pages, kv)
+    a.insert(toks, pages, extra_key=np.int64(5))
+    a.insert(toks, a.match_prefix(toks, extra_key=5).device_pages, extra_key=5)
+    a.close()
+    assert namespace_hash(5) == namespace_hash(np.int64(5)) == namespace_hash(5.0)
+    assert namespace_hash(("a", np.int32(2))) == namespace_hash(("a", 2))
+    assert namespace_hash(5) != namespace_hash("5")
+    b = make(url)
+    assert b.prefetch(toks, extra_key=5).pages_found == 4
+    b.close()
+
+
 # -- faults ------------------------------------------------------------------------------------
 
 def test_unreachable_store_at_start_names_the_address_or_runs_without(tmp_path):

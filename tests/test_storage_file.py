@@ -179,6 +179,39 @@ def test_write_once_keeps_first_value(root):
     assert store.stats()["put_existing"] == 1
 
 
+def test_any_valid_key_round_trips_not_only_hex_ending_ones(root):
+    store, buf = open_file(root)
+    reader, rbuf = open_file(root, seed=5)
+    keys = ["page_1", "req-xyz", "A.B", "ab", "x"]  # the cache's own keys end in hex digits
+    assert store.put_from(keys, range(5)).wait(10).all()
+    assert store.exists(keys).all()
+    assert reader.get_into(keys, range(5)).wait(10).all()
+    np.testing.assert_array_equal(pages(rbuf, "page_first", range(5)),
+                                  pages(buf, "page_first", range(5)))
+    assert store.path(keys_for(1)[0]).split(os.sep)[-2] == keys_for(1)[0][-2:]
+
+
+def test_entries_another_user_owns_are_hits_and_stay_write_once(root, monkeypatch):
+    """Refreshing the LRU age (utime) fails on an entry another user owns or on a read-only
+    directory: the entry is still valid (a hit) and present (a put of it counts as stored)."""
+    store, buf = open_file(root)
+    keys = keys_for(2)
+    assert store.put_from(keys, [0, 1]).wait(10).all()
+
+    def denied(*args, **kw):
+        raise PermissionError(1, "Operation not permitted")
+
+    monkeypatch.setattr(os, "utime", denied)
+    reader, rbuf = open_file(root, seed=7)
+    assert reader.get_into(keys, [2, 3]).wait(10).all()
+    np.testing.assert_array_equal(pages(rbuf, "page_first", [2, 3]),
+                                  pages(buf, "page_first", [0, 1]))
+    assert reader.put_from(keys, [4, 5]).wait(10).all()
+    st = reader.stats()
+    assert st["put_existing"] == 2 and st.get("puts_dropped", 0) == 0
+    assert st.get("get_errors", 0) == 0 and st["lru_touch_failed"] == 4
+
+
 # ---- atomicity, corruption ---------------------------------------------------------------------
 def test_failed_write_leaves_no_entry_and_no_temp(root, monkeypatch):
     store, _ = open_file(root)

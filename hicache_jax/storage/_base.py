@@ -291,7 +291,8 @@ class BackendBase:
         return self._submit("put", keys, host_ids)
 
     def stats(self) -> dict[str, int]:
-        """Counters: pages got/missed/corrupt, puts stored/dropped, bytes, backend errors."""
+        """Counters: pages got/missed/corrupt, puts stored/dropped, bytes, backend errors
+        (a backend's docstring says where its counts differ, e.g. Mooncake's write-once puts)."""
         with self._lock:
             return dict(self._counters)
 

@@ -1,6 +1,6 @@
 """File backend: one file per page entry in a local directory (the NVMe case).
 
-Layout: ``<root>/<last 2 hex of the key>/<key>``, temporary files in ``<root>/.tmp``. A put writes
+Layout: ``<root>/<last 2 hex of the key>/<key>`` (keys not ending in hex: a digest picks the folder), temporary files in ``<root>/.tmp``. A put writes
 the header and the page with one ``writev`` straight from the page buffer into a temp file, then
 ``os.replace``s it into place, so a reader sees a whole entry or none; a get ``readv``s header and
 page straight into the host page and checks them (bad header, short file or checksum mismatch:
@@ -19,7 +19,9 @@ Threads: the lanes of ``BackendBase``; this module holds no JAX arrays.
 
 from __future__ import annotations
 
+import hashlib
 import os
+import re
 import time
 import uuid
 from typing import Any
@@ -35,6 +37,7 @@ _STALE_TMP_S = 600.0       # temp files older than this are leftovers of a crash
 _LOW_WATER = 0.9           # capacity enforcement removes down to this fraction
 _RESCAN_FRACTION = 0.05    # rescan after writing this fraction of the capacity
 _MAX_IOV = 512             # stay well under IOV_MAX (1024) per readv/writev call
+_HEX2 = re.compile(r"^[0-9a-f]{2}$")
 
 
 class FileStorage(BackendBase):
@@ -83,8 +86,12 @@ class FileStorage(BackendBase):
             self._enforce_capacity()
 
     def path(self, key: str) -> str:
-        """Where the entry of ``key`` lives."""
-        return os.path.join(self.root, key[-2:].lower() if len(key) >= 2 else "00", key)
+        """Where the entry of ``key`` lives: folder = the key's last two characters when they
+        are lowercase hex (the cache's keys end in a page hash), else a digest of the key."""
+        tail = key[-2:]
+        if len(tail) != 2 or not _HEX2.match(tail):
+            tail = hashlib.blake2b(key.encode(), digest_size=1).hexdigest()
+        return os.path.join(self.root, tail, key)
 
     # ---- lanes -----------------------------------------------------------------------------
     def _exists(self, keys: tuple[str, ...]) -> np.ndarray:
@@ -117,7 +124,7 @@ class FileStorage(BackendBase):
             nread = self._readv(fd, [header] + parts) if size == self.codec.entry_bytes else size
             verdict = self.codec.verify(header, key, parts, nread)
             if verdict is Verdict.VALID:
-                os.utime(fd)  # LRU: a hit makes the entry young for every instance
+                self._touch(fd)  # LRU: a hit makes the entry young for every instance
                 return True
         except OSError:
             self._count(get_errors=1)
@@ -138,14 +145,16 @@ class FileStorage(BackendBase):
         for i, (key, page) in enumerate(zip(keys, ids)):
             path = self.path(key)
             try:
-                os.utime(path)  # write-once: present already, just refresh its LRU age
-                ok[i] = True
-                self._count(put_existing=1)
-                continue
+                os.stat(path)
             except FileNotFoundError:
                 pass
             except OSError:
                 self._count(puts_dropped=1)
+                continue
+            else:  # write-once: present already, just refresh its LRU age
+                self._touch(path)
+                ok[i] = True
+                self._count(put_existing=1)
                 continue
             ok[i] = self._put_one(path, key, int(page), header)
             written += int(ok[i])
@@ -231,6 +240,14 @@ class FileStorage(BackendBase):
                         self._unlink(e.path)
                 except FileNotFoundError:
                     continue
+
+    def _touch(self, target: int | str) -> None:
+        """Refresh an entry's LRU age (mtime), best effort: an entry another user owns, or a
+        read-only directory, is still a valid entry (counted ``lru_touch_failed``)."""
+        try:
+            os.utime(target)
+        except OSError:
+            self._count(lru_touch_failed=1)
 
     @staticmethod
     def _unlink(path: str) -> bool:

@@ -147,6 +147,11 @@ class _Breaker:
 class MooncakeStorage(BackendBase):
     """L3 pages in a Mooncake store.
 
+    Counters: Mooncake's put of a key already present succeeds without writing (write-once) and
+    its client does not say which happened, so here ``put_pages`` / ``bytes_written`` count pages
+    the store *accepted*: stored now or present already (the file backend counts the latter
+    apart, as ``put_existing``). Checking first would cost an extra round trip per put.
+
     Args:
         spec: KV spec of the entries.
         host_buffer: numpy page buffer, registered with the store (see ``zero_copy``).
