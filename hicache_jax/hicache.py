@@ -13,7 +13,13 @@ Semantics follow SGLang's HiCache (``hiradix_cache.py``):
   dispatch and one fixed cost, each node still acknowledged as its own op, root-first.
 * **evict(num_tokens)** pops the least valuable device leaves: backed up -> free the device
   pages, keep the node host-only; not backed up -> delete it (write-through modes) or back it up
-  first and free it once the copy is acknowledged at the end of the call (write-back).
+  first and free it once the copy is acknowledged at the end of the call (write-back). Unlike
+  SGLang, a write-back leaf whose backup finds no host room even after ``evict_host`` is
+  deleted (its KV is lost, counted in ``deleted_tokens``) rather than kept: eviction then still
+  frees device pages when L2 is full of pinned pages. A node with host-only children cannot be
+  deleted: without host room it stays, and ``alloc_pages`` may then evict others and still
+  raise (its pre-check counts every unlocked device page; the one case where a raise is not
+  free of side effects).
 * **evict_host(num_tokens)** deletes host-only unlocked leaves; nodes with a transfer in flight
   are locked or device-resident, so it never reaches them.
 * **load_back(match)** moves the chain of host-only nodes above the match's node back to device
@@ -100,6 +106,7 @@ class _Tier:
     allocator: PageAllocator
     evict: Callable[[int], int]          # tokens -> tokens freed
     evictable_pages: Callable[[], int]   # upper bound of pages eviction could free
+    wait_helps: bool                     # finishing copies in flight can free more (their locks)
 
 
 @dataclass
@@ -146,11 +153,12 @@ class HiCache:
                                   axis=cfg.shard_axis, huge_pages=cfg.huge_pages)
         self._engine = TransferEngine(self._device, self._host)
         self._dev_tier = _Tier(self._device.allocator, self._evict_device,
-                               lambda: self._tree.evictable_device_tokens // self._ps)
-        # Host eviction runs only inside a backup, which never fails for lack of pages: no
-        # pre-check needed, so the bound is simply every used page.
+                               lambda: self._tree.evictable_device_tokens // self._ps, True)
+        # Host eviction frees exactly the unlocked host-only nodes, so a host page request that
+        # cannot be met fails before deleting anything. Waiting for copies in flight never adds
+        # to them: a load's nodes are already device-resident, a backup's are on device.
         self._host_tier = _Tier(self._host.allocator, self._evict_host,
-                                lambda: self._host.allocator.num_used)
+                                lambda: self._tree.host_evictable_tokens // self._ps, False)
         self._events = EventLog()
         self._init_state()
         self._l3 = L3Tier(self) if cfg.storage is not None else None  # L3: see l3.py
@@ -252,7 +260,11 @@ class HiCache:
         quota = self.cfg.load_back_quota
         if not chain or ntok < self.cfg.load_back_threshold or (quota is not None and ntok > quota):
             self._n["load_backs_declined"] += bool(chain)
-            return match
+            if ntok == match.host_len:
+                return match
+            # stale: another request loaded (part of) this prefix since the match was taken
+            pages = self._path_pages(node)
+            return Match(pages, pages.size * self._ps, ntok, match.node)
         # The lock walks to the root: the chain cannot be host-evicted and its device ancestors
         # cannot be device-evicted while we allocate (write-back eviction may evict_host).
         self._tree.lock(match.node)
@@ -263,7 +275,12 @@ class HiCache:
             self._n["load_backs_declined"] += 1
             return match
         host_ids = np.concatenate([n.host_value for n in chain])
-        handle = self._engine.load(host_ids, ids, layerwise=bool(layerwise))
+        try:
+            handle = self._engine.load(host_ids, ids, layerwise=bool(layerwise))
+        except BaseException:  # a dispatch failure (internal ids: a bug, or the runtime): undo
+            self._device.allocator.free(ids)
+            self._tree.unlock(match.node)
+            raise
         off = 0
         for n in chain:  # root-first, as set_value requires
             self._tree.set_value(n, ids[off:off + n.num_pages])
@@ -471,7 +488,7 @@ class HiCache:
         Raises before evicting anything when even full eviction could not cover ``n``.
         """
         alloc = tier.allocator
-        if n > alloc.num_free + tier.evictable_pages() and self._ops:
+        if n > alloc.num_free + tier.evictable_pages() and self._ops and tier.wait_helps:
             self._complete(upto=self._seq)  # copies in flight hold locks; their acks release them
         short = n - alloc.num_free
         if short > 0 and short <= tier.evictable_pages():

@@ -79,6 +79,9 @@ class RadixTree:
         device_tokens / evictable_device_tokens / protected_device_tokens: tokens held on device
             in all / unlocked / locked nodes (evictable + protected = device).
         host_tokens: tokens held on host.
+        host_evictable_tokens: tokens of unlocked host-only nodes: exactly what host eviction
+            can free (a host-only node's descendants are host-only, and a lock below it would
+            lock it too).
     """
 
     def __init__(self, page_size: int, clock: Callable[[], float] = time.monotonic) -> None:
@@ -102,6 +105,7 @@ class RadixTree:
         self.evictable_device_tokens = 0
         self.protected_device_tokens = 0
         self.host_tokens = 0
+        self.host_evictable_tokens = 0
         self._device_held = _HeldPages()
         self._host_held = _HeldPages()
 
@@ -126,10 +130,15 @@ class RadixTree:
             self.evictable_device.add(node)
         else:
             self.evictable_device.discard(node)
-        if free and node.value is None and node.host_value is not None and not node.children:
+        host_only = free and node.value is None and node.host_value is not None
+        if host_only and not node.children:
             self.evictable_host.add(node)
         else:
             self.evictable_host.discard(node)
+        tokens = node.num_tokens if host_only else 0
+        if tokens != node.host_only_tokens:
+            self.host_evictable_tokens += tokens - node.host_only_tokens
+            node.host_only_tokens = tokens
 
     def _account_device(self, node: TreeNode, sign: int) -> None:
         n = sign * node.num_tokens
@@ -207,6 +216,8 @@ class RadixTree:
         parent.children[self._child_key(parent, node.key[: self.page_size], node.extra_key)] = upper
         node.key, node.page_hashes, node.parent = node.key[ntok:], node.page_hashes[p:], upper
         upper.children[self._child_key(upper, node.key[: self.page_size], node.extra_key)] = node
+        if node.host_only_tokens:  # same total, now in two parts
+            upper.host_only_tokens, node.host_only_tokens = upper.num_tokens, node.num_tokens
         return upper  # in neither evictable set: it has a child on its own tier
 
     def _materialize(self, path: list, pos: int, start: int) -> list:
@@ -398,6 +409,8 @@ class RadixTree:
         if node.host_value is not None:
             self.host_tokens -= node.num_tokens
             self._host_held.remove(node.host_value)
+        self.host_evictable_tokens -= node.host_only_tokens
+        node.host_only_tokens = 0
         node.parent = None
         self._refresh(parent)
         return node.value, node.host_value
@@ -520,7 +533,7 @@ class RadixTree:
         ps, root = self.page_size, self.root
         assert root.parent is None and root.key.size == 0 and root.lock_ref == 1
         ev_dev, ev_host, dev, host = set(), set(), [], []
-        tok = {"device": 0, "evictable": 0, "protected": 0, "host": 0}
+        tok = {"device": 0, "evictable": 0, "protected": 0, "host": 0, "host_evictable": 0}
         assert root.device_children == sum(c.value is not None for c in root.children.values())
         for node in self.nodes():
             parent, kids = node.parent, list(node.children.values())
@@ -546,11 +559,17 @@ class RadixTree:
             if node.host_value is not None:
                 host.append(node.host_value)
                 tok["host"] += node.num_tokens
-                if node.value is None and node.lock_ref == 0 and not kids:
-                    ev_host.add(node)
+                if node.value is None and node.lock_ref == 0:
+                    tok["host_evictable"] += node.num_tokens
+                    if not kids:
+                        ev_host.add(node)
+            assert node.host_only_tokens == (node.num_tokens if node.value is None
+                                             and node.host_value is not None
+                                             and node.lock_ref == 0 else 0)
         assert self.evictable_device == ev_dev and self.evictable_host == ev_host
         assert (self.device_tokens, self.evictable_device_tokens, self.protected_device_tokens,
-                self.host_tokens) == (tok["device"], tok["evictable"], tok["protected"], tok["host"])
+                self.host_tokens, self.host_evictable_tokens) == (
+            tok["device"], tok["evictable"], tok["protected"], tok["host"], tok["host_evictable"])
         for held, parts in ((self._device_held, dev), (self._host_held, host)):
             ids = np.sort(np.concatenate(parts)) if parts else _EMPTY_I32
             assert np.unique(ids).size == ids.size, "a page held twice"

@@ -87,6 +87,8 @@ class TreeNode:
         page_hashes: uint64 ``[num_pages]`` chained hashes of the prefix ending at each page.
         extra_key: the namespace.
         device_children: how many children hold device pages (keeps evictability O(1)).
+        host_only_tokens: this node's share of ``RadixTree.host_evictable_tokens`` (its tokens
+            while it is host-only and unlocked, else 0).
     """
 
     id: int
@@ -103,6 +105,7 @@ class TreeNode:
     page_hashes: np.ndarray = field(default_factory=lambda: _EMPTY_U64)
     extra_key: Any = None
     device_children: int = 0
+    host_only_tokens: int = 0
 
     @property
     def num_pages(self) -> int:

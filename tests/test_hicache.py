@@ -241,6 +241,86 @@ def test_alloc_pages_out_of_pages_counts_and_unchanged():
     assert cache.alloc_pages(8).size == 8   # everything evictable again
 
 
+def test_backup_that_cannot_fit_deletes_nothing_from_host():
+    """A backup larger than what host eviction can free is skipped before any host-only node is
+    deleted (host pages of backed-up device nodes are not evictable)."""
+    cache, kv = make("write_through", device=16, host=4, ps=2)
+    a, b, c = np.arange(4), np.arange(100, 104), np.arange(200, 206)
+    for t in (a, a):
+        request(cache, kv, t)
+    cache.flush()
+    cache.evict(4)  # a -> host only (2 host pages)
+    for t in (b, b):
+        request(cache, kv, t)  # b backed up and on device: host 4/4
+    cache.flush()
+    assert cache.match_prefix(a).host_len == 4
+    for t in (c, c):
+        request(cache, kv, t)  # c (3 pages) cannot fit while b's 2 are pinned
+    cache.flush()
+    st = cache.stats()
+    assert cache.match_prefix(a).host_len == 4  # a's host copy survived
+    assert st["backups_skipped"] == 1 and st["host_evictions"] == 0
+    check(cache, kv)
+
+
+def test_backup_larger_than_the_host_pool_does_not_wait_for_copies_in_flight():
+    cache, kv = make("write_through", device=32, host=4, ps=2)
+    engine = gate(cache)
+    a, b = np.arange(4), np.arange(100, 110)  # b: 5 pages > 4 host pages
+    request(cache, kv, b)
+    request(cache, kv, a)
+    request(cache, kv, a)  # a's backup in flight (gated)
+    pending = [h for h in engine.handles if not h.released]
+    assert pending
+    request(cache, kv, b)  # b's backup can never fit: skipped without waiting
+    assert not any(h.released for h in pending)
+    assert cache.stats()["backups_skipped"] == 1
+    engine.release()
+    cache.flush()
+    check(cache, kv)
+
+
+def test_load_back_of_a_stale_match_reports_what_is_on_device_now():
+    cache, kv = make("write_through", device=16, host=16, ps=2)
+    t = np.arange(8)
+    request(cache, kv, t)
+    request(cache, kv, t)
+    cache.flush()
+    cache.evict(8)
+    cache.flush()
+    m1, m2 = cache.match_prefix(t), cache.match_prefix(t)
+    assert m1.host_len == m2.host_len == 8
+    r1 = cache.load_back(m1)
+    r2 = cache.load_back(m2)  # r1 loaded it meanwhile
+    assert (r2.device_len, r2.host_len) == (8, 0)
+    np.testing.assert_array_equal(r2.device_pages, r1.device_pages)
+    cache.flush()
+    check(cache, kv)
+
+
+def test_load_back_whose_dispatch_fails_leaves_the_cache_unchanged():
+    cache, kv = make("write_through", device=8, host=8, ps=2)
+    t = np.arange(4)
+    request(cache, kv, t)
+    request(cache, kv, t)
+    cache.flush()
+    cache.evict(4)
+    cache.flush()
+    m = cache.match_prefix(t)
+    before = snapshot(cache)
+    real = cache._engine.load
+
+    def failing(*args, **kw):
+        raise RuntimeError("RESOURCE_EXHAUSTED: simulated runtime failure")
+    cache._engine.load = failing
+    with pytest.raises(RuntimeError, match="RESOURCE_EXHAUSTED"):
+        cache.load_back(m)
+    cache._engine.load = real
+    assert snapshot(cache) == before and m.node.lock_ref == 0
+    check(cache, kv)
+    assert cache.load_back(m).device_len == 4
+
+
 def test_reset_forgets_everything():
     cache, kv = make("write_back")
     request(cache, kv, np.arange(6))
