@@ -299,9 +299,11 @@ class L3Tier:
 
     def before_match(self, tokens: np.ndarray, extra_key: Any) -> None:
         """Apply the prefetch policy to prefetches on the path of ``tokens``."""
+        ps = self._cache.spec.page_size
         for h in list(self._gets):
-            if h._closed or h.extra_key != extra_key or tokens.size <= h.start or not \
-                    np.array_equal(h.tokens[:h.start + 1], tokens[:h.start + 1]):
+            # on the path: the prompt shares at least the first page this prefetch fetches
+            if h._closed or h.extra_key != extra_key or tokens.size < h.start + ps or not \
+                    np.array_equal(h.tokens[:h.start + ps], tokens[:h.start + ps]):
                 continue
             if self.policy is PrefetchPolicy.WAIT_COMPLETE:
                 h.wait()

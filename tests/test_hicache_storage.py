@@ -290,6 +290,20 @@ def test_prefetch_of_a_prompt_that_diverges_is_its_own(url):
     b.close()
 
 
+def test_wait_complete_waits_only_for_prefetches_on_the_prompts_path(url):
+    p, _ = _seed_store(url, 12, 4)
+    b = make(url, prefetch_policy="wait_complete")
+    _slow_gets(b, 0.4)
+    h = b.prefetch(p)
+    q = p.copy()
+    q[1:] += 1  # same first token, another first page: nothing of h is on its path
+    t0 = time.monotonic()
+    assert b.match_prefix(q).host_len == 0
+    assert time.monotonic() - t0 < 0.3 and not h.done()
+    assert b.match_prefix(p).host_len == 4 * PS  # on the path: waited for
+    b.close()
+
+
 def test_write_back_host_eviction_inside_prefetch_leaves_nothing_behind(url):
     """Host eviction inside prefetch() puts write_back pages to L3, taking the staging pages the
     prefetch counted on: the prefetch takes what is left (or none), leaking no lock or page."""
