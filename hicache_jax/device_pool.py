@@ -236,7 +236,7 @@ class DevicePagePool:
         check_bool("huge_pages", huge_pages)
         self.spec = spec
         self.num_pages = int(num_pages)
-        self.sharding = _head_sharding(spec, mesh, axis)
+        self.sharding = head_sharding(spec, mesh, axis)
         platform = (mesh.devices.flat[0] if mesh is not None else jax.devices()[0]).platform
         self.copy_backend, self._scatter, self._gather = _resolve_backend(
             copy_backend, platform, self.sharding)
@@ -308,10 +308,23 @@ class DevicePagePool:
             if size != ids.size:
                 buf = np.empty(self.spec.kv_shape(size), self._bits)
                 buf[:, :, :ids.size] = bits
-                bits = buf
-            pages = bits
+                pages = buf  # ours: the device may alias it
+            else:
+                # The caller's array: on CPU the transfer may alias it (and device_put's copy,
+                # even with may_alias=False, may run after the call), and the scatter runs after
+                # write() returns, so a caller reusing its buffer would change the pool. A host
+                # copy made here is ours alone.
+                pages = bits.copy()
         else:
-            pages = kv if size == ids.size else _pad_pages(kv, size, self._bits)
+            if size != ids.size:
+                pages = _pad_pages(kv, size, self._bits)
+            elif (self.sharding is not None and kv.dtype != self._bits
+                  and not kv.sharding.is_equivalent_to(self.sharding, kv.ndim)):
+                # Resharding inside the scatter would move bfloat16 / float16 values, and
+                # XLA:CPU canonicalizes NaN payloads when it does: view as bits first.
+                pages = _pad_pages(kv, size, self._bits)
+            else:
+                pages = kv
         self.array = _write_pages(self.array, padded, pages,
                                   scatter=self._scatter, sharding=self.sharding)
 
@@ -384,7 +397,7 @@ class DevicePagePool:
         return new, out
 
 
-def _head_sharding(spec: KVSpec, mesh: Mesh | None, axis: str | None) -> NamedSharding | None:
+def head_sharding(spec: KVSpec, mesh: Mesh | None, axis: str | None) -> NamedSharding | None:
     """The pool's sharding over kv heads, validated; None without a mesh."""
     if mesh is None:
         if axis is not None:

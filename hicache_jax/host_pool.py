@@ -41,10 +41,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
+from jax.sharding import Mesh, SingleDeviceSharding
 
 from hicache_jax.allocator import PageAllocator, PageIdChecker
 from hicache_jax.device_pool import bucket_size, zeros_placed
+from hicache_jax.device_pool import head_sharding as device_head_sharding
 from hicache_jax.hugepages import advise_huge_pages
 from hicache_jax.spec import HostLayout, KVSpec, _enum_parse, check_bool
 
@@ -236,31 +237,25 @@ def resolve_memory_kind(device: jax.Device, memory_kind: str) -> str:
     (it exercises the accelerator code path in tests) but buys nothing.
     """
     kinds = [m.kind for m in device.addressable_memories()]
+    default = device.default_memory().kind
     if memory_kind == "auto":
         if device.platform != "cpu" and "pinned_host" in kinds:
             return "pinned_host"
-        return device.default_memory().kind
-    if memory_kind not in kinds:
-        raise ValueError(f"memory_kind={memory_kind!r} is not a memory of {device}: {kinds}")
+        return default
+    # Other kinds (unpinned_host) are refused: the copies into them aborted the process on
+    # XLA:CPU ("memory kind does not match"), and pageable memory is what L2 must avoid anyway.
+    usable = [k for k in kinds if k in (default, "pinned_host")]
+    if memory_kind not in usable:
+        raise ValueError(f"memory_kind={memory_kind!r} is not one of {['auto'] + usable} "
+                         f"(the memories of {device} this pool can use)")
     return memory_kind
 
 
-def head_sharding(mesh: Mesh | None, axis: str | None, num_kv_heads: int) -> jax.sharding.Sharding:
-    """Sharding over kv heads (axis 4 of every layout), or device 0 without a mesh."""
-    if mesh is None:
-        if axis is not None:
-            raise ValueError(f"axis={axis!r} given without a mesh")
-        return SingleDeviceSharding(jax.devices()[0])
-    if not isinstance(mesh, Mesh):
-        raise TypeError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
-    names = tuple(mesh.axis_names)
-    axis = names[0] if axis is None else axis
-    if axis not in names:
-        raise ValueError(f"axis={axis!r} is not an axis of the mesh {names}")
-    if num_kv_heads % mesh.shape[axis]:
-        raise ValueError(f"num_kv_heads={num_kv_heads} is not divisible by the size "
-                         f"{mesh.shape[axis]} of mesh axis {axis!r}")
-    return NamedSharding(mesh, PartitionSpec(None, None, None, None, axis, None))
+def head_sharding(spec: KVSpec, mesh: Mesh | None, axis: str | None) -> jax.sharding.Sharding:
+    """The device pool's sharding (over kv heads, axis 4 of every layout; replicated for MLA),
+    or device 0 without a mesh."""
+    sharding = device_head_sharding(spec, mesh, axis)
+    return SingleDeviceSharding(jax.devices()[0]) if sharding is None else sharding
 
 
 def _allocate(shape: tuple[int, ...], dtype: np.dtype, sharding: jax.sharding.Sharding,
@@ -304,7 +299,13 @@ class HostRead:
 
     def copy_into(self, out: np.ndarray, rows: np.ndarray) -> None:
         """``out[rows[i]] = page i`` for a page-major ``out`` (``[P, L, kvf, ps, H, D]``, any
-        strides; blocks until done): one copy per page, no intermediate array."""
+        strides; blocks until done): one copy per page, no intermediate array.
+
+        Raises:
+            TypeError: ``out`` is not of the bits dtype (numpy would convert values, not copy bits).
+        """
+        if out.dtype != self.spec.bits_dtype:
+            raise TypeError(f"out.dtype={out.dtype} must be the bits dtype {self.spec.bits_dtype}")
         for start, count, pages in self._chunks:
             out[rows[start:start + count]] = np.moveaxis(np.asarray(pages)[:, :, :count], 2, 0)
 
@@ -346,7 +347,7 @@ class HostPagePool:
         self.spec = spec
         self.num_pages = int(num_pages)
         self.layout = _enum_parse(HostLayout, "layout", layout)
-        placement = head_sharding(mesh, axis, spec.num_kv_heads)
+        placement = head_sharding(spec, mesh, axis)
         device = next(iter(placement.device_set))
         self.memory_kind = resolve_memory_kind(device, memory_kind)
         default_kind = device.default_memory().kind

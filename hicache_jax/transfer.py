@@ -227,10 +227,13 @@ class TransferEngine:
         return d, h
 
     def _track(self, handle: TransferHandle) -> TransferHandle:
+        if not handle._tokens:  # zero pages: nothing dispatched, complete now -- on its own
+            # (through _finish it would also complete every transfer dispatched before it)
+            handle.seconds, handle._complete = 0.0, True
+            self._finished.append(handle)
+            return handle
         self._busy[handle.host_ids] += 1  # ids are distinct within one transfer
         self._in_flight.append(handle)
-        if not handle._tokens:  # zero pages: nothing dispatched, complete now
-            self._finish(handle)
         return handle
 
     # --------------------------------------------------------------------------- completion

@@ -152,7 +152,10 @@ def _launch(ids, base, src, dst_or_shape, *, scatter, num_chunks, n, chunk_elems
     total = num_chunks * n * tiles_per_chunk
     blocks = max(1, min(num_blocks, total))
     per_block = pl.cdiv(total, blocks)
-    stages = max(1, min(stages, per_block))
+    # At least two slots: the ring issues load k + stages - 1 after waiting on tile k, so with
+    # one slot the first wait would be on a load never issued (a hang when a block gets one
+    # tile, e.g. a 1-page copy over many blocks). A second slot costs one tile of SMEM.
+    stages = max(2, min(stages, per_block))
     body = functools.partial(_copy_body, scatter=scatter, num_chunks=num_chunks, n=n,
                              tiles_per_chunk=tiles_per_chunk, tile=tile, per_block=per_block,
                              stages=stages)

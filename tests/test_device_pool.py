@@ -207,6 +207,48 @@ def test_bounded_compiles_across_batch_sizes():
     assert traces["gather"] == 4  # buckets 1, 4, 32, 64
 
 
+@functools.partial(jax.jit, donate_argnums=0)
+def _slow_step(pool):
+    """Returns the pool unchanged after ~0.1-1 s of matmuls: later work on it queues behind."""
+    x = jnp.ones((512, 512), jnp.float32) * (pool.ravel()[0] + 1).astype(jnp.float32)
+    for _ in range(16):
+        x = jnp.tanh(x @ x)
+    return pool + (x[0, 0] > 2).astype(pool.dtype), x[0, 0]
+
+
+def test_write_does_not_read_the_callers_numpy_array_after_returning():
+    """A numpy kv of a bucket-sized page count went to the scatter as is; on CPU the transfer
+    aliased it and the scatter ran after write() returned, so a caller reusing its buffer
+    changed the pool."""
+    spec = KVSpec(2, 2, 8, "bfloat16", page_size=4)
+    pool = DevicePagePool(spec, 8)
+    for n in (4, 4, 3):  # bucket-sized (the first call compiles), and padded (always copied)
+        want = random_bits(spec, n, seed=n)
+        raw = np.empty(want.nbytes + 64, np.uint8)  # 64-byte aligned: what jax may alias
+        start = (-raw.ctypes.data) % 64
+        kv = raw[start:start + want.nbytes].view(want.dtype).reshape(want.shape)
+        kv[...] = want
+        pool.run(_slow_step)  # the scatter below queues behind it
+        pool.write(np.arange(n), kv)
+        kv[...] = 0  # the caller reuses its buffer
+        np.testing.assert_array_equal(np.asarray(pool.read_bits(np.arange(n))), want)
+
+
+def test_bf16_nan_payloads_survive_a_kv_sharded_unlike_the_pool():
+    """Resharding bfloat16 values inside the scatter canonicalized NaN payloads on XLA:CPU."""
+    spec = KVSpec(2, 4, 8, "bfloat16", page_size=4)
+    mesh = make_mesh()
+    pool = DevicePagePool(spec, 8, mesh=mesh)
+    bits = np.full(spec.kv_shape(4), 0xFF81, np.uint16)  # NaNs with a payload
+    bits[..., ::2] = random_bits(spec, 4, seed=1)[..., ::2]
+    for spec_axes in (PartitionSpec(None, None, None, None, None, "tp"),   # over head_dim
+                      PartitionSpec(None, None, "tp"),                      # over pages
+                      PartitionSpec()):                                     # replicated
+        kv = jax.device_put(bits.view(jnp.bfloat16), NamedSharding(mesh, spec_axes))
+        pool.write(np.arange(4), kv)
+        np.testing.assert_array_equal(np.asarray(pool.read_bits(np.arange(4))), bits)
+
+
 def test_bucket_size():
     assert [bucket_size(n) for n in (0, 1, 2, 3, 4, 5, 16, 17, 1000)] == [
         1, 1, 2, 4, 4, 8, 16, 32, 1024]

@@ -72,6 +72,7 @@ def test_mla_and_empty_pool():
     (dict(num_pages=2.0), TypeError, "num_pages"),
     (dict(layout="rows"), ValueError, "layout"),
     (dict(memory_kind="hbm"), ValueError, "memory_kind"),
+    (dict(memory_kind="unpinned_host"), ValueError, "memory_kind"),  # its copies aborted
     (dict(axis="heads"), ValueError, "without a mesh"),
 ])
 def test_bad_construction(kwargs, err, match):
@@ -222,6 +223,35 @@ def test_read_async_sees_the_pages_as_of_its_dispatch(layout):
     np.testing.assert_array_equal(pool.read(ids), new)
     with pytest.raises(ValueError):
         pool.read_async([0, 0])  # validated before dispatch
+    typed = np.zeros(spec.page_major_shape(75), jnp.bfloat16)  # numpy would convert values
+    with pytest.raises(TypeError, match="bits dtype"):
+        read.copy_into(typed, rows)
+    assert not typed.view(np.uint16).any()
+
+
+def test_mla_pools_on_a_mesh_are_replicated_and_round_trip():
+    """MLA device pools are replicated over the mesh; the host pool used to refuse the mesh
+    (one latent head does not divide by the axis), so no MLA HiCache could be sharded."""
+    from hicache_jax import HiCache, HiCacheConfig
+
+    spec = KVSpec(2, 1, 16, "bfloat16", page_size=2, mla=True)
+    mesh = _mesh()
+    pool = HostPagePool(spec, 6, "page_first", mesh=mesh)
+    assert pool.sharding.spec == jax.sharding.PartitionSpec()
+    cache = HiCache(spec, HiCacheConfig(device_pages=4, host_pages=8, mesh=mesh,
+                                        load_back_threshold=2))
+    rng = np.random.default_rng(3)
+    kv = _random_bits(rng, spec, 3)
+    toks = np.arange(6)
+    pages = cache.alloc_pages(3)
+    cache.write_kv(pages, kv)
+    cache.insert(toks, pages)
+    cache.insert(toks, cache.match_prefix(toks).device_pages)  # the hit backs it up
+    cache.flush()
+    assert cache.evict(6) == 6
+    m = cache.load_back(cache.match_prefix(toks))
+    assert m.device_len == 6
+    np.testing.assert_array_equal(np.asarray(cache.read_kv(m.device_pages)).view(np.uint16), kv)
 
 
 @pytest.mark.parametrize("layout", ["layer_first", "page_first"])

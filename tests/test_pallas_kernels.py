@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import functools
 
+import os
+
 import numpy as np
 import jax
 import jax.numpy as jnp
@@ -121,6 +123,38 @@ def test_mosaic_gpu_ring_with_split_chunks_and_ragged_blocks():
     got = pk_gpu.gather_pages(new, ids, tile_bytes=128, stages=2, num_blocks=3,
                               interpret=params)
     assert_bits_equal(got, pages)
+
+
+_ONE_TILE_PER_BLOCK = """
+import numpy as np, jax.numpy as jnp
+import pallas_kernels as pk
+from pallas_kernels import gpu as pk_gpu
+params = pk.interpret_params(pk.Impl.MOSAIC_GPU_INTERPRET)
+pool = jnp.zeros((1, 1, 4, 1, 1, 64), jnp.uint16)  # chunk = 128 bytes = one tile
+pages = jnp.arange(1, 65, dtype=jnp.uint16).reshape(1, 1, 1, 1, 1, 64)
+ids = jnp.asarray([2], jnp.int32)
+for stages, blocks in ((1, 1), (4, 1), (2, 4)):  # every block gets one tile (or none)
+    new = pk_gpu.scatter_pages(pool, ids, pages, stages=stages, num_blocks=blocks,
+                               interpret=params)
+    got = pk_gpu.gather_pages(new, ids, stages=stages, num_blocks=blocks, interpret=params)
+    assert np.array_equal(np.asarray(got), np.asarray(pages)), (stages, blocks)
+print("ok")
+"""
+
+
+def test_mosaic_gpu_ring_with_one_tile_per_block_does_not_hang():
+    """A block with one tile got a one-slot ring, whose first wait was on a load never issued:
+    a hang (any 1-page copy over as many blocks as tiles). Run apart, bounded."""
+    _gpu_interpreter_or_skip()
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    try:
+        out = subprocess.run([sys.executable, "-c", _ONE_TILE_PER_BLOCK], cwd=root,
+                             capture_output=True, text=True, timeout=240)
+    except subprocess.TimeoutExpired:
+        pytest.fail("Mosaic GPU kernel with one tile per block hung")
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
 
 
 def test_tpu_window_and_programs_smaller_than_pages():

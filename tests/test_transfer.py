@@ -247,6 +247,34 @@ def test_in_flight_host_pages_are_not_reused():
         eng.free_host_pages([1])
 
 
+class _PendingToken:
+    """A completion token that never becomes ready (a copy still in flight)."""
+
+    def is_ready(self) -> bool:
+        return False
+
+    def block_until_ready(self):
+        return self
+
+
+def test_zero_page_transfer_completes_alone():
+    """A zero-page transfer used to complete every transfer dispatched before it: done() and
+    busy_host_pages() lied and deferred host pages were released mid-copy."""
+    dev, host, eng = _setup(SPEC)
+    first = eng.backup([0, 1], [3, 4])
+    first._tokens = [_PendingToken()]  # its copy is still running
+    assert eng.free_host_pages([3, 4]) == 2
+    free = host.allocator.num_free
+    empty = eng.backup(np.zeros(0, np.int32), np.zeros(0, np.int32))
+    assert empty.done() and empty.seconds == 0.0
+    assert not first.done() and eng.busy_host_pages([3, 4]).all()
+    assert host.allocator.num_free == free and eng.in_flight == 1
+    assert eng.poll() == [empty]
+    first._tokens = []  # the copy lands
+    eng.wait_all()
+    assert first.done() and host.allocator.num_free == free + 2
+
+
 def test_device_write_after_backup_does_not_change_the_backup():
     spec = SPEC
     dev, host, eng = _setup(spec)
