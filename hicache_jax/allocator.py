@@ -131,10 +131,11 @@ class PageAllocator:
         """Take ``n`` free ids (int32, distinct). Raises ``OutOfPagesError`` if fewer are free."""
         if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 0:
             raise ValueError(f"n={n!r} must be an int >= 0")
+        n = int(n)  # a numpy count would make every later count a numpy integer
         if n > self._top:
             raise OutOfPagesError(
                 f"{self.name} pool: {n} pages needed, {self._top} free",
-                needed=int(n), free=self._top)
+                needed=n, free=self._top)
         ids = self._stack[self._top - n:self._top][::-1].copy()
         self._top -= n
         self._allocated[ids] = True

@@ -109,8 +109,8 @@ class KVSpec:
     mla: bool = False
 
     def __post_init__(self) -> None:
-        for name in ("num_layers", "num_kv_heads", "head_dim", "page_size"):
-            check_int(name, getattr(self, name), 1)
+        for name in ("num_layers", "num_kv_heads", "head_dim", "page_size"):  # stored as int
+            object.__setattr__(self, name, check_int(name, getattr(self, name), 1))
         dtype = self.dtype
         if not isinstance(dtype, str):
             try:
@@ -225,15 +225,15 @@ class HiCacheConfig:
     storage_write_policy: WritePolicy | str = WritePolicy.WRITE_THROUGH
 
     def __post_init__(self) -> None:
-        check_int("device_pages", self.device_pages, 1)
         set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731
+        set_("device_pages", check_int("device_pages", self.device_pages, 1))
         if self.host_pages is None:
             ratio = self.host_ratio
             if (isinstance(ratio, bool) or not isinstance(ratio, (int, float))
                     or not math.isfinite(ratio) or ratio < 0):
                 raise ValueError(f"host_ratio={self.host_ratio!r} must be a finite number >= 0")
             set_("host_pages", int(round(self.host_ratio * self.device_pages)))
-        check_int("host_pages", self.host_pages, 0)
+        set_("host_pages", check_int("host_pages", self.host_pages, 0))
         set_("write_policy", _enum_parse(WritePolicy, "write_policy", self.write_policy))
         set_("eviction", EvictionPolicy.parse(self.eviction))
         set_("host_layout", _enum_parse(HostLayout, "host_layout", self.host_layout))
@@ -245,10 +245,11 @@ class HiCacheConfig:
         if self.write_through_threshold is None:
             default = 2 if self.write_policy is WritePolicy.WRITE_THROUGH_SELECTIVE else 1
             set_("write_through_threshold", default)
-        check_int("write_through_threshold", self.write_through_threshold, 1)
-        check_int("load_back_threshold", self.load_back_threshold, 0)
+        set_("write_through_threshold",
+             check_int("write_through_threshold", self.write_through_threshold, 1))
+        set_("load_back_threshold", check_int("load_back_threshold", self.load_back_threshold, 0))
         if self.load_back_quota is not None:
-            check_int("load_back_quota", self.load_back_quota, 0)
+            set_("load_back_quota", check_int("load_back_quota", self.load_back_quota, 0))
         if self.storage is not None and not isinstance(self.storage, str):
             raise TypeError(f"storage={self.storage!r} must be a URL string or None")
         timeout = self.prefetch_timeout_s

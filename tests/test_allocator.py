@@ -28,6 +28,8 @@ def test_alloc_hands_out_distinct_low_ids_first():
     again = a.alloc(2)
     assert sorted(again.tolist()) == [1, 3]  # freed ids are reused
     assert a.alloc(0).shape == (0,) and a.alloc(0).dtype == np.int32
+    a.alloc(np.uint64(2))  # a numpy count: the counts stay Python ints
+    assert type(a.num_free) is int and (a.num_free, a.num_used) == (3, 7)
 
 
 def test_alloc_returns_a_copy():

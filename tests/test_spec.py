@@ -68,6 +68,15 @@ def test_kvspec_int_fields(field, value, err):
 def test_kvspec_accepts_numpy_ints():
     spec = KVSpec(np.int64(2), np.int32(2), np.int16(8), page_size=np.uint8(4))
     assert spec.kv_shape(1) == (2, 2, 1, 4, 2, 8)
+    # stored as Python ints (a uint8 page size would overflow arithmetic on it)
+    assert all(type(getattr(spec, f)) is int
+               for f in ("num_layers", "num_kv_heads", "head_dim", "page_size"))
+    assert spec.page_bytes == KVSpec(2, 2, 8, page_size=4).page_bytes
+    cfg = HiCacheConfig(device_pages=np.int64(8), host_pages=np.uint16(16),
+                        load_back_threshold=np.int8(4), load_back_quota=np.int32(64))
+    assert all(type(getattr(cfg, f)) is int for f in (
+        "device_pages", "host_pages", "write_through_threshold", "load_back_threshold",
+        "load_back_quota"))
 
 
 @pytest.mark.parametrize("dtype", ["float64", "uint16", "fp8", "bf16", "float8_e5m2", 5])
