@@ -15,11 +15,11 @@ Semantics follow SGLang's HiCache (``hiradix_cache.py``):
   pages, keep the node host-only; not backed up -> delete it (write-through modes) or back it up
   first and free it once the copy is acknowledged at the end of the call (write-back). Unlike
   SGLang, a write-back leaf whose backup finds no host room even after ``evict_host`` is
-  deleted (its KV is lost, counted in ``deleted_tokens``) rather than kept: eviction then still
-  frees device pages when L2 is full of pinned pages. A node with host-only children cannot be
-  deleted: without host room it stays, and ``alloc_pages`` may then evict others and still
-  raise (its pre-check counts every unlocked device page; the one case where a raise is not
-  free of side effects).
+  deleted (its KV is lost, counted in ``deleted_tokens``) rather than kept, and so is a
+  not-backed-up leaf with host-only children (their host copies go with it, to L3 first under
+  ``storage_write_policy="write_back"``): every unlocked device page can be freed, so
+  ``alloc_pages``' pre-check (unlocked device pages) is exact and it raises before evicting
+  anything or not at all.
 * **evict_host(num_tokens)** deletes host-only unlocked leaves; nodes with a transfer in flight
   are locked or device-resident, so it never reaches them.
 * **load_back(match)** moves the chain of host-only nodes above the match's node back to device
@@ -531,10 +531,8 @@ class HiCache:
                 claims.append(claim)  # copied below in one transfer, freed once acknowledged
                 promised += node.num_tokens
                 continue
-            elif node.children:
-                continue  # host-only children and no host room for this node: cannot go
-            else:
-                freed += self._delete(node)
+            else:  # no host copy and none to be had: the node goes, with any host-only
+                freed += self._delete_subtree(node)  # children (none can be locked)
             if parent in tree.evictable_device:
                 heap.push(parent)
         if claims:
@@ -569,6 +567,19 @@ class HiCache:
         self._n["evictions"] += 1
         self._n["evicted_tokens"] += node.num_tokens
         return node.num_tokens
+
+    def _delete_subtree(self, node: TreeNode) -> int:
+        """Delete ``node`` (an unlocked device leaf) after its descendants, all host-only and
+        unlocked (a lock below it would lock it): children first, so each is a leaf when
+        deleted. Returns the device tokens freed (``node``'s)."""
+        stack, order = list(node.children.values()), []
+        while stack:
+            child = stack.pop()
+            order.append(child)
+            stack.extend(child.children.values())
+        for child in reversed(order):  # every node after all of its descendants
+            self._delete(child)
+        return self._delete(node)
 
     def _delete(self, node: TreeNode) -> int:
         """Delete a leaf from the tree, freeing its pages on both tiers; returns its tokens."""

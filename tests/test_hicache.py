@@ -280,6 +280,32 @@ def test_backup_larger_than_the_host_pool_does_not_wait_for_copies_in_flight():
     check(cache, kv)
 
 
+def test_write_back_evicts_a_node_whose_backup_cannot_fit_with_its_host_only_children():
+    """A not-backed-up device leaf with a host-only child and no host room for its backup used
+    to stay: alloc_pages then evicted others and still raised (after changing the cache). It
+    now goes with its host-only children, so the pre-check (unlocked device pages) is exact."""
+    cache, kv = make("write_back", device=6, host=2)
+    request(cache, kv, [0, 1, 2])
+    request(cache, kv, [0, 1, 2, 3])
+    cache.evict(1)  # [3] backed up and dropped: a host-only child of [0, 1, 2]
+    cache.flush()
+    request(cache, kv, [100])
+    assert cache.stats()["device_evictable_pages"] == 4
+    pages = cache.alloc_pages(6)  # needs [0, 1, 2] gone: 3 pages, host has room for 1
+    assert pages.size == 6 and cache.stats()["device_free_pages"] == 0
+    assert cache.match_prefix([0, 1, 2, 3]).host_len == 0  # the child went with it
+    cache.free_pages(pages)
+    check(cache, kv)
+    request(cache, kv, [7, 8, 9])
+    node = node_of(cache, [7, 8, 9])
+    cache.lock(node)
+    before = snapshot(cache)
+    with pytest.raises(OutOfPagesError):
+        cache.alloc_pages(6)
+    assert snapshot(cache) == before
+    cache.unlock(node)
+
+
 def test_load_back_of_a_stale_match_reports_what_is_on_device_now():
     cache, kv = make("write_through", device=16, host=16, ps=2)
     t = np.arange(8)
