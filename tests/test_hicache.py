@@ -306,14 +306,19 @@ def test_write_back_evicts_a_node_whose_backup_cannot_fit_with_its_host_only_chi
     cache.unlock(node)
 
 
+def _backed_up_then_evicted(cache, kv, tokens):
+    """Two requests (the hit backs ``tokens`` up), then its device pages are evicted."""
+    request(cache, kv, tokens)
+    request(cache, kv, tokens)
+    cache.flush()
+    cache.evict(len(tokens))
+    cache.flush()
+
+
 def test_load_back_of_a_stale_match_reports_what_is_on_device_now():
     cache, kv = make("write_through", device=16, host=16, ps=2)
     t = np.arange(8)
-    request(cache, kv, t)
-    request(cache, kv, t)
-    cache.flush()
-    cache.evict(8)
-    cache.flush()
+    _backed_up_then_evicted(cache, kv, t)
     m1, m2 = cache.match_prefix(t), cache.match_prefix(t)
     assert m1.host_len == m2.host_len == 8
     r1 = cache.load_back(m1)
@@ -327,11 +332,7 @@ def test_load_back_of_a_stale_match_reports_what_is_on_device_now():
 def test_load_back_whose_dispatch_fails_leaves_the_cache_unchanged():
     cache, kv = make("write_through", device=8, host=8, ps=2)
     t = np.arange(4)
-    request(cache, kv, t)
-    request(cache, kv, t)
-    cache.flush()
-    cache.evict(4)
-    cache.flush()
+    _backed_up_then_evicted(cache, kv, t)
     m = cache.match_prefix(t)
     before = snapshot(cache)
     real = cache._engine.load
