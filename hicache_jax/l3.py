@@ -239,6 +239,8 @@ class L3Tier:
         cache, ps = self._cache, self._cache.spec.page_size
         tm = cache._tree.match(tokens, extra_key)
         start = tm.device_len + tm.host_len
+        if start == tokens.size:
+            return None  # L1 + L2 hold it all
         for h in self._gets:  # the same path already in flight: hand out that prefetch
             if h._closed or h.extra_key != extra_key or h.start != start:
                 continue
@@ -248,8 +250,6 @@ class L3Tier:
                     tokens.size <= h.tokens.size or not h._clipped):
                 return h
         rest = tokens[start:]
-        if rest.size == 0:
-            return None
         prev = namespace_hash(extra_key) if tm.node.parent is None else int(tm.node.page_hashes[-1])
         keys = self._keys(chain_hashes(prev, rest.reshape(-1, ps)), extra_key)
         if keys is None:
