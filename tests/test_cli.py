@@ -63,12 +63,22 @@ def test_bad_flags_exit_with_usage(argv, capsys):
 @pytest.mark.parametrize("flags,match", [
     (["--sessions", "0"], "num_clients=0"), (["--heads", "3", "--kv-heads", "2"], "multiple of num_kv_heads"),
     (["--chunk-size", "48"], "power of two"), (["--page-size", "0"], "page_size=0"),
-    (["--weights", "/nonexistent.npz"], "does not exist")])
+    (["--weights", "/nonexistent.npz"], "does not exist"),
+    (["--device-pages", "3"], "cannot hold the longest request"),
+    (["--device-pages", "0"], "--device-pages 0"), (["--host-ratio", "inf"], "--host-ratio"),
+    (["--host-ratio", "nan"], "--host-ratio"), (["--vocab", "1"], "--vocab"),
+    (["--seed", "-1"], "--seed"), (["--json", "/proc/nope/x.json"], "--json")])
 def test_bad_sizes_are_usage_errors(flags, match, capsys):
     with pytest.raises(SystemExit) as exc:
         cli.main(["bench", *TINY, *flags])
     assert exc.value.code == 2
     assert match in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("page_size,bucket", [(1, 32), (16, 32), (24, 16), (48, 8), (64, 8),
+                                              (300, 1), (1024, 1)])
+def test_table_bucket_is_a_power_of_two_for_any_page_size(page_size, bucket):
+    assert cli._table_bucket(page_size) == bucket  # --page-size 24 used to crash the engine
 
 
 def test_python_dash_m_entry_point(monkeypatch, capsys):

@@ -6,7 +6,8 @@ Configurations (same model, same device pool size, same workload; fresh cache ea
 * ``device radix``  a radix prefix cache in device memory only (HiCache with ``host_pages=0``);
 * ``hicache``       L1 + L2 (host pool ``--host-ratio`` x the device pool), ``--policy``;
 * ``hicache+L3``    with ``--storage URL`` only: the same plus an L3 store; each request first
-                    ``prefetch``es its prompt (policy ``wait_complete``). A ``file://`` store gets
+                    ``prefetch``es its prompt (policy ``wait_complete``), inside its TTFT (the L3
+                    lookup is a round trip to the store). A ``file://`` store gets
                     a fresh subdirectory per run (one instance's own reuse); a Mooncake store keeps
                     what earlier runs (the warm-up) stored, so its hits include theirs.
 
@@ -111,24 +112,34 @@ def build_workload(args: argparse.Namespace) -> Workload:
                                     vocab_size=args.vocab, seed=args.seed)
 
 
-def _default_device_pages(workload: Workload, page_size: int) -> int:
-    """5/8 of the workload's distinct tokens, but at least what the longest request needs (plus
-    a page of slack): the device tier alone cannot hold the working set, L1 + L2 can."""
+def _device_pages(workload: Workload, page_size: int, given: int | None) -> int:
+    """``given``, checked to hold the longest request; by default 5/8 of the workload's distinct
+    tokens, but at least what the longest request needs (plus a page of slack): the device tier
+    alone cannot hold the working set, L1 + L2 can."""
     served = workload.placeholder_run()
-    working = workload.working_set_tokens(page_size, served)
     longest = max(len(r.prompt) for r, _ in served) + workload.max_new_tokens
-    return max(working * 5 // 8 // page_size, -(-longest // page_size) + 1)
+    needed = -(-longest // page_size)
+    if given is not None:
+        if given < needed:
+            raise ValueError(f"--device-pages {given} cannot hold the longest request "
+                             f"({longest} tokens = {needed} pages of {page_size})")
+        return given
+    working = workload.working_set_tokens(page_size, served)
+    return max(working * 5 // 8 // page_size, needed + 1)
+
+
+def _table_bucket(page_size: int) -> int:
+    """Smallest page-table bucket: about 512 tokens of pages, at most 32, a power of two."""
+    pages = max(1, min(32, 512 // page_size))
+    return 1 << (pages.bit_length() - 1)
 
 
 def _play(engine: Engine, workload: Workload, bar: Any) -> tuple[list[Generation], float]:
     gens: list[Generation] = []
-    l3 = engine.cache.cfg.storage is not None
 
     def serve(prompts: list[np.ndarray]) -> list[np.ndarray]:
         out = []
         for p in prompts:
-            if l3:  # the engine matches the prompt minus its last token: fetch that from L3
-                engine.cache.prefetch(p[:-1])
             gens.extend(engine.generate([p], workload.max_new_tokens))
             out.append(gens[-1].tokens)
             if bar is not None:
@@ -206,20 +217,28 @@ def bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if args.plot:  # fail before minutes of work, not after
         _require_matplotlib()
     try:  # bad sizes or weights: a usage error naming the problem, not a traceback
+        if args.seed < 0:
+            raise ValueError(f"--seed {args.seed} must be >= 0")
+        if args.vocab < 2:
+            raise ValueError(f"--vocab {args.vocab} must be >= 2")
+        if not (np.isfinite(args.host_ratio) and args.host_ratio >= 0):
+            raise ValueError(f"--host-ratio {args.host_ratio} must be a finite number >= 0")
+        if args.json:
+            _check_writable(args.json)
         workload = build_workload(args)
         cfg = ModelConfig(vocab_size=args.vocab, num_layers=args.layers, d_model=args.d_model,
                           num_heads=args.heads, num_kv_heads=args.kv_heads,
                           head_dim=args.head_dim, ffn_dim=args.ffn_dim, dtype=args.dtype)
         params = load_params(cfg, args.weights) if args.weights else None
         ps = args.page_size
-        device_pages = args.device_pages or _default_device_pages(workload, ps)
+        cfg.kv_spec(ps)  # validates the page size, before it divides anything
+        device_pages = _device_pages(workload, ps, args.device_pages)
         host_pages = int(round(args.host_ratio * device_pages))
         HiCacheConfig(device_pages=device_pages, host_pages=host_pages,
                       write_policy=args.policy, storage=args.storage)  # validates the sizes
-        cfg.kv_spec(ps)  # validates the page size
         if bucket(args.chunk_size) != args.chunk_size:
             raise ValueError(f"--chunk-size {args.chunk_size} must be a power of two")
-    except (ValueError, TypeError, FileNotFoundError, ImportError) as exc:
+    except (ValueError, TypeError, OSError, ImportError) as exc:
         parser.exit(2, f"hicache-jax bench: error: {exc}\n")
     model = DecoderModel(cfg, params, seed=args.seed)
     infinite = workload.infinite_cache_hit_ratio(ps)
@@ -231,7 +250,7 @@ def bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
           f"host pool {host_pages} pages; policy {args.policy}; serial engine", flush=True)
 
     knobs = dict(chunk_size=args.chunk_size, layerwise=not args.no_layerwise,
-                 prefill_bucket=min(64, args.chunk_size), table_bucket=max(1, min(32, 512 // ps)))
+                 prefill_bucket=min(64, args.chunk_size), table_bucket=_table_bucket(ps))
     runs = iter(range(1 << 30))
 
     def engine(mode: str) -> Engine:
@@ -249,7 +268,7 @@ def bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             cache = HiCache(cfg.kv_spec(ps), hc)
         except (StorageError, ValueError) as exc:
             parser.exit(2, f"hicache-jax bench: error: --storage: {exc}\n")
-        return Engine(model, cache, mode="hicache", **knobs)
+        return Engine(model, cache, mode="hicache", prefetch=True, **knobs)
 
     configs = CONFIGS + ((("hicache+L3", "hicache+L3"),) if args.storage else ())
     summaries, outputs, per_request = {}, {}, {}
@@ -287,6 +306,17 @@ def bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if args.plot:
         _plot(args.plot, turns, per_request)
     return 0 if identical else 1
+
+
+def _check_writable(path: str) -> None:
+    """Fail before minutes of work when ``--json`` cannot be written (OSError naming it)."""
+    folder = os.path.dirname(os.path.abspath(path))
+    try:
+        os.makedirs(folder, exist_ok=True)
+    except OSError as exc:
+        raise OSError(f"--json {path}: {exc}") from None
+    if not os.access(folder, os.W_OK) or os.path.isdir(path):
+        raise OSError(f"--json {path}: cannot write there")
 
 
 def _write_json(path: str, payload: dict[str, Any]) -> None:

@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from hicache_jax.hicache import HiCache
-from hicache_jax.spec import HiCacheConfig
+from hicache_jax.spec import HiCacheConfig, check_bool
 from hicache_jax.engine.model import DecoderModel, bucket
 
 
@@ -102,6 +102,9 @@ class Engine:
             they run in order and this only adds dispatches (benchmarks/RESULTS.md).
         prefill_bucket: smallest prefill token bucket (a power of two; bounds compiles).
         table_bucket: smallest page-table bucket in pages (a power of two; bounds compiles).
+        prefetch: with an L3 store (``cache.cfg.storage``), each request first calls
+            ``cache.prefetch`` on its prompt, inside its TTFT (the L3 lookup is a round trip to
+            the store; a stack that prefetches ahead of scheduling would move it out).
 
     Raises:
         ValueError: model and cache disagree on layers / heads / head_dim / dtype, or a bad size.
@@ -109,8 +112,12 @@ class Engine:
 
     def __init__(self, model: DecoderModel, cache: HiCache, *, mode: CacheMode | str = "hicache",
                  chunk_size: int = 512, layerwise: bool = True, prefill_bucket: int = 16,
-                 table_bucket: int = 1) -> None:
+                 table_bucket: int = 1, prefetch: bool = False) -> None:
         self.mode = _parse_mode(mode)
+        check_bool("prefetch", prefetch)
+        if prefetch and (cache.cfg.storage is None or self.mode is not CacheMode.HICACHE):
+            raise ValueError("prefetch=True needs mode 'hicache' and a cache with storage")
+        self.prefetch = bool(prefetch)
         spec = cache.spec
         want = model.kv_spec(spec.page_size)
         if (spec.num_layers, spec.num_kv_heads, spec.head_dim, spec.dtype, spec.mla) != (
@@ -187,6 +194,8 @@ class Engine:
         l1 = l2 = declined = 0
         prefix = np.zeros(0, np.int32)
         if self.mode is not CacheMode.NONE:
+            if self.prefetch:  # the engine matches the prompt minus its last token
+                cache.prefetch(prompt[:n - 1])
             match = cache.match_prefix(prompt[:n - 1])
             l1 = match.device_len
             if match.host_len:
