@@ -30,7 +30,11 @@ free, owned by a caller (``alloc_pages`` .. ``insert``/``free_pages``) or held b
 every host page is free, held by one node, or the target of a backup in flight.
 
 With ``cfg.storage`` set, an :class:`~hicache_jax.l3.L3Tier` adds L3 (``prefetch``; puts after
-backups land; policies at ``match_prefix``): this module only calls its hooks.
+backups land; policies at ``match_prefix``): this module only calls its hooks. Pages fetched
+from L3 hang as host-only nodes under the matched prefix, which in write-through modes may be a
+device node not backed up: the one exception to the continuous host prefix. It keeps what that
+rule is for: the fetched node loads back under a device-resident parent, and a parent that
+leaves the device without a host copy is deleted with its host-only children (see evict).
 
 Threading: one thread (the one that owns the cache) calls every method; transfer completion is
 detected by polling the engine at the start of the public methods, never by callbacks.
@@ -260,10 +264,11 @@ class HiCache:
         quota = self.cfg.load_back_quota
         if not chain or ntok < self.cfg.load_back_threshold or (quota is not None and ntok > quota):
             self._n["load_backs_declined"] += bool(chain)
-            if ntok == match.host_len:
-                return match
-            # stale: another request loaded (part of) this prefix since the match was taken
             pages = self._path_pages(node)
+            if ntok == match.host_len and np.array_equal(pages, match.device_pages):
+                return match
+            # stale: the prefix moved since the match was taken (loaded back by another
+            # request, or evicted and loaded back into other pages): what holds it now
             return Match(pages, pages.size * self._ps, ntok, match.node)
         # The lock walks to the root: the chain cannot be host-evicted and its device ancestors
         # cannot be device-evicted while we allocate (write-back eviction may evict_host).
@@ -440,12 +445,15 @@ class HiCache:
         return self._events.take()
 
     def reset(self) -> None:
-        """Wait for transfers, then forget everything: tree, caller pages and locks, counters."""
+        """Wait for transfers, then forget everything: tree, caller pages and locks, counters
+        (the L3 store keeps its entries, and its client's ``l3_store_*`` counters)."""
         self.flush()
         self._tree.reset()
         self._device.allocator.reset()
         self._host.allocator.reset()
         self._init_state()
+        if self._l3 is not None:
+            self._l3.reset_counters()
         self._events.cleared()
 
     def stats(self) -> dict[str, Any]:

@@ -427,6 +427,10 @@ class L3Tier:
 
     # -- misc ---------------------------------------------------------------------------------
 
+    def reset_counters(self) -> None:
+        """Zero this tier's counters (``HiCache.reset``); the store's own (``l3_store_*``) stay."""
+        self._n.clear()
+
     def stats(self) -> dict[str, Any]:
         names = ("l3_lookup_pages", "l3_prefetches", "l3_prefetch_pages", "l3_prefetch_hit_pages",
                  "l3_prefetch_missed_pages", "l3_prefetch_duplicate_pages",

@@ -329,6 +329,30 @@ def test_load_back_of_a_stale_match_reports_what_is_on_device_now():
     check(cache, kv)
 
 
+def test_load_back_of_a_match_whose_device_pages_moved_returns_the_new_pages():
+    """The prefix of a match was evicted and loaded back into other pages by another request:
+    load_back returned the old match, whose pages were free (or another caller's: its insert
+    then freed them)."""
+    cache, kv = make("write_through", device=8, host=8, lbt=0)
+    toks = np.arange(1, 5)
+    request(cache, kv, toks)
+    request(cache, kv, toks)
+    cache.flush()
+    old = cache.match_prefix(toks)
+    assert (old.device_len, old.host_len) == (4, 0)
+    cache.evict(4)
+    cache.flush()
+    filler = cache.alloc_pages(4)  # the freed pages, so the reload gets other ids
+    moved = cache.load_back(cache.match_prefix(toks))
+    cache.flush()
+    cache.free_pages(filler)
+    m = cache.load_back(old)  # the stale request goes on
+    np.testing.assert_array_equal(m.device_pages, moved.device_pages)
+    assert not np.array_equal(m.device_pages, old.device_pages) and m.device_len == 4
+    request(cache, kv, toks)
+    check(cache, kv)
+
+
 def test_load_back_whose_dispatch_fails_leaves_the_cache_unchanged():
     cache, kv = make("write_through", device=8, host=8, ps=2)
     t = np.arange(4)

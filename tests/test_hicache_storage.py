@@ -381,6 +381,23 @@ def test_prefetch_landing_inside_load_back_does_not_split_its_chain(url):
     b.close()
 
 
+def test_reset_with_l3_traffic_in_flight_forgets_the_tier_counters(url):
+    toks, kv = _seed_store(url, 13, 4)
+    b = make(url, prefetch_policy="best_effort")
+    _slow_gets(b, 0.2)
+    b.prefetch(toks)
+    compute(b, *tokens_kv(14, 3))  # puts in flight too
+    b.reset()
+    s = l3(b)
+    assert s["l3_in_flight"] == 0 and s["l3_prefetches"] == 0 and s["l3_put_pages"] == 0
+    assert s["l3_staging_free_pages"] == 128 and b.stats()["host_free_pages"] == 64
+    h = b.prefetch(toks)  # the store kept its entries
+    assert h is not None and h.pages_found == 4
+    h.wait()
+    np.testing.assert_array_equal(read_prefix(b, toks)[2], bits(kv))
+    b.close()
+
+
 def test_node_longer_than_the_staging_pool_is_put_in_parts(url):
     a = make(url + "?staging_pages=8", device_pages=32, host_pages=64)
     toks, kv = tokens_kv(3, 20)
