@@ -29,6 +29,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, precondition, rule,
                                  run_state_machine_as_test)
 
+from hicache_jax.tree_node import _canonical  # one namespace, one key (5 == np.int64(5))
 from hicache_jax import HiCacheConfig, HiCacheError, KVSpec, OutOfPagesError
 from hicache_jax.events import Medium, replay
 from hicache_jax.hicache import _CALLER as _CALLER_OWNED
@@ -126,7 +127,7 @@ class KVModel:
 
     def page(self, extra_key, prefix: np.ndarray) -> np.ndarray:
         """Bits ``[L, kvf, 1, ps, H, D]`` of the page ending ``prefix``."""
-        key = repr(extra_key).encode() + b"|" + np.asarray(prefix, np.int64).tobytes()
+        key = repr(_canonical(extra_key)).encode() + b"|" + np.asarray(prefix, np.int64).tobytes()
         if key not in self._memo:
             seed = int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little")
             rng = np.random.default_rng(seed)
