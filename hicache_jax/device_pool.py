@@ -358,7 +358,10 @@ class DevicePagePool:
         ``fn`` must be jitted with the pool donated (``donate_argnums=0``) and return the pool
         with the same shape, dtype and sharding (e.g. a forward that writes its new KV in place).
         When ``fn`` is a ``jax.jit`` function its output is checked with ``eval_shape`` before
-        dispatch, so a mismatching step raises without touching the pool.
+        dispatch, so a mismatching step raises without touching the pool. ``args`` go to ``fn``
+        as given: the step runs after ``run`` returns, and on CPU jax may use a numpy argument's
+        memory in place, so do not modify numpy arguments until the step is done (pass jax
+        arrays, or copies; ``write`` copies its numpy input for this reason).
 
         Returns:
             ``out``, the step's other result.
