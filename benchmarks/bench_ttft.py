@@ -109,15 +109,23 @@ def main(argv=None, defaults=None, name="bench_ttft") -> int:
             times[path].append(t)
             logits[path] = lg
     tol = 1e-5 if a.dtype == "float32" else 2e-2  # bf16: summation order differs per path
-    for path in paths[1:]:
-        np.testing.assert_allclose(logits[path], logits["recompute"], rtol=tol, atol=tol)
+    # Recorded and printed, then checked after the figures are written: a mismatch must not
+    # lose the TTFT table of a rare accelerator run (the exit code still says it failed).
+    ref = np.asarray(logits["recompute"], np.float64)
+    logit_diff = {path: float(np.max(np.abs(np.asarray(logits[path], np.float64) - ref)
+                                     / (tol + tol * np.abs(ref))))
+                  for path in paths[1:]}  # <= 1: within rtol = atol = tol
+    logits_ok = all(d <= 1.0 for d in logit_diff.values())
     med = {p: statistics.median(v) for p, v in times.items()}
     kv_bytes = a.cached_tokens // a.page_size * b.model.kv_spec(a.page_size).page_bytes
     rows = [(p, med[p] * 1e3, min(times[p]) * 1e3, max(times[p]) * 1e3, med[p] / med["recompute"])
             for p in paths]
     print(f"prompt {a.prompt_tokens} tokens, {a.cached_tokens} cached ({kv_bytes / 2**20:.1f} MiB "
           f"of KV), page {a.page_size}, chunk {a.chunk_size}; model {b.cfg.num_layers}L "
-          f"d{b.cfg.d_model} {b.cfg.dtype}; {a.repeats} repeats; first-token logits identical")
+          f"d{b.cfg.d_model} {b.cfg.dtype}; {a.repeats} repeats; first-token logits vs "
+          f"recompute (1 = the tolerance {tol:g}): "
+          + ", ".join(f"{p} {d:.3g}" for p, d in logit_diff.items())
+          + ("" if logits_ok else "  ** MISMATCH **"))
     print_table(["path", "TTFT median ms", "min ms", "max ms", "/ recompute"], rows,
                 title="TTFT by where the cached prefix is served from")
     ratios = {
@@ -142,8 +150,9 @@ def main(argv=None, defaults=None, name="bench_ttft") -> int:
     print(f"load-back of the cached part / recompute of it, (L2 - L1) / (recompute - L1): "
           f"{ratios['load_back_over_recompute_of_cached_part']:.3f}")
     write_json(a.json, name, {**vars(a), "model": vars(b.cfg), "kv_bytes": kv_bytes},
-               {"ttft_s": times, "median_s": med, "ratios": ratios})
-    return 0
+               {"ttft_s": times, "median_s": med, "ratios": ratios,
+                "logits_vs_recompute_over_tolerance": logit_diff, "logits_ok": logits_ok})
+    return 0 if logits_ok else 1
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ path on CPU with tiny shapes and the Mosaic GPU interpreter (checks the script, 
 meaningful). Budget: < 5 minutes on one H200.
 
 Usage: python benchmarks/gpu_kernels.py [--smoke] [--json benchmarks/out/gpu_kernels.json]
+       [--no-probe | --probe-only]
 """
 
 from __future__ import annotations
@@ -100,7 +101,9 @@ class Scatter:
         return self.pool
 
 
-def run(cfg: dict, smoke: bool) -> dict:
+def run(cfg: dict, smoke: bool, checkpoint=lambda results: None) -> dict:
+    """Every size's table is printed, and ``checkpoint(results so far)`` called, as soon as the
+    size is done: a run killed at its time limit keeps the sizes it finished."""
     L, kvf, ps, H, D, P = (cfg[k] for k in ("num_layers", "kvf", "page_size", "heads",
                                             "head_dim", "pool_pages"))
     page_bytes = L * kvf * ps * H * D * 2
@@ -108,6 +111,7 @@ def run(cfg: dict, smoke: bool) -> dict:
     key = jax.random.key(0)
     pool = jax.random.bits(key, (L, kvf, P, ps, H, D), jnp.uint16)
 
+    results_so_far: list[dict] = []
     # Limit: one contiguous device-to-device copy, read + write counted.
     src = jax.random.bits(jax.random.key(1), (cfg["limit_bytes"] // 2,), jnp.uint16)
     copy = jax.jit(jnp.copy)
@@ -116,10 +120,22 @@ def run(cfg: dict, smoke: bool) -> dict:
     print(f"limit: jnp.copy of {src.nbytes / 2**20:.0f} MiB: {limit:.1f} GB/s (read + write)",
           flush=True)
     del src
+    # Dispatch floor: one tiny jitted call, timed the same way. Rows whose time is near it (16
+    # pages move 64 MiB, ~15 us at HBM speed) measure the launch path, not the copy.
+    tiny, bump = jnp.zeros((8,), jnp.int32), jax.jit(lambda x: x + 1)
+    floor_s = _interleaved({"floor": lambda: bump(tiny)}, max(cfg["iters"]), cfg["repeats"])["floor"]
+    print(f"dispatch floor: {floor_s * 1e6:.1f} us per jitted call", flush=True)
+    title = (f"page copies on {jax.devices()[0].device_kind}, page {page_bytes >> 10} KiB "
+             f"(chunk {ps * H * D * 2 >> 10} KiB), pool {P} pages; limit {limit:.1f} GB/s; "
+             f"dispatch floor {floor_s * 1e6:.1f} us")
+    header = ["op", "pages", "impl", "ok", "us", "GB/s", "vs limit", "vs xla"]
+    out = dict(limit=dict(kind="jnp.copy device->device", bytes=cfg["limit_bytes"],
+                          seconds=limit_s, gbps=limit),
+               dispatch_floor_seconds=floor_s, page_bytes=page_bytes, rows=results_so_far)
 
     xla_scatter = lambda p, i, x: pk.ref_scatter_pages(p, i, x)  # noqa: E731
     xla_gather = jax.jit(pk.ref_gather_pages)
-    rows, results = [], []
+    rows = []
     rng = np.random.default_rng(0)
     for n, iters in zip(cfg["sizes"], cfg["iters"]):
         ids = jnp.asarray(rng.choice(P, n, replace=False).astype(np.int32))
@@ -150,27 +166,25 @@ def run(cfg: dict, smoke: bool) -> dict:
                 ok[name] = f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"
         secs = _interleaved(fns, iters, cfg["repeats"])
         nbytes = 2 * n * page_bytes  # read + written
+        size_rows = []
         for op in ("gather", "scatter"):
             xla_s = secs.get((op, "xla"))
             for name in impls:
                 s = secs.get((op, name))
                 bw = gbps(nbytes, s) if s else None
-                rows.append([op, n, name, ok[name] is True,
-                             s * 1e6 if s else "-", bw if bw else "-",
-                             bw / limit if bw else "-",
-                             xla_s / s if (s and xla_s) else "-"])
-                results.append(dict(op=op, pages=n, impl=name, ok=ok[name], seconds=s,
-                                    bytes_read_plus_written=nbytes, gbps=bw,
-                                    vs_limit=bw / limit if bw else None,
-                                    speedup_vs_xla=xla_s / s if (s and xla_s) else None))
-        print(f"done {n} pages", flush=True)
-    print_table(["op", "pages", "impl", "ok", "us", "GB/s", "vs limit", "vs xla"], rows,
-                title=f"page copies on {jax.devices()[0].device_kind}, page {page_bytes >> 10} KiB "
-                      f"(chunk {ps * H * D * 2 >> 10} KiB), pool {P} pages; "
-                      f"limit {limit:.1f} GB/s")
-    return dict(limit=dict(kind="jnp.copy device->device", bytes=cfg["limit_bytes"],
-                           seconds=limit_s, gbps=limit),
-                page_bytes=page_bytes, rows=results)
+                size_rows.append([op, n, name, ok[name] is True,
+                                  s * 1e6 if s else "-", bw if bw else "-",
+                                  bw / limit if bw else "-",
+                                  xla_s / s if (s and xla_s) else "-"])
+                results_so_far.append(dict(op=op, pages=n, impl=name, ok=ok[name], seconds=s,
+                                           bytes_read_plus_written=nbytes, gbps=bw,
+                                           vs_limit=bw / limit if bw else None,
+                                           speedup_vs_xla=xla_s / s if (s and xla_s) else None))
+        rows += size_rows
+        print_table(header, size_rows, title=f"{n} pages ({title})")
+        checkpoint(out)
+    print_table(header, rows, title=title)
+    return out
 
 
 def probe_host_operand(cfg: dict, smoke: bool) -> dict:
@@ -215,18 +229,29 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on CPU, GPU interpreter")
     ap.add_argument("--json", default=None, help="write the raw figures here")
+    mode = ap.add_mutually_exclusive_group()
+    mode.add_argument("--no-probe", action="store_true", help="skip the pinned_host probe")
+    mode.add_argument("--probe-only", action="store_true",
+                      help="only the pinned_host probe (run apart: it may abort the process)")
     args = ap.parse_args(argv)
     if not args.smoke and pk.compiled_impl() is not pk.Impl.MOSAIC_GPU:
         print(f"needs an sm_90+ NVIDIA GPU (found {jax.devices()[0]}); try --smoke")
         return 2
     cfg = SMOKE if args.smoke else FULL
+    config = {k: v for k, v in cfg.items()} | {"smoke": args.smoke}
     t0 = time.perf_counter()
-    results = run(cfg, args.smoke)
-    results["host_operand_probe"] = probe_host_operand(cfg, args.smoke)
+    if args.probe_only:
+        write_json(args.json, "gpu_kernels_probe", config,
+                   {"host_operand_probe": probe_host_operand(cfg, args.smoke)})
+        return 0
+    results = run(cfg, args.smoke,
+                  checkpoint=lambda partial: write_json(args.json, "gpu_kernels", config, partial))
     results["wall_seconds"] = time.perf_counter() - t0
     print(f"wall {results['wall_seconds']:.0f} s")
-    write_json(args.json, "gpu_kernels",
-               {k: v for k, v in cfg.items()} | {"smoke": args.smoke}, results)
+    write_json(args.json, "gpu_kernels", config, results)  # before the probe, which may abort
+    if not args.no_probe:
+        results["host_operand_probe"] = probe_host_operand(cfg, args.smoke)
+        write_json(args.json, "gpu_kernels", config, results)
     return 0
 
 
