@@ -637,7 +637,7 @@ def test_bench_cli_storage_adds_an_l3_run(tmp_path, capsys):
                      "--json", str(path)]) == 0
     out = capsys.readouterr().out
     assert "outputs identical across configurations: yes" in out
-    assert "L3 fetched pg" in out and "L3 stored pg" in out
+    assert "L3 fetched pg" in out and "L3 stored pg" in out and "L2 hit (incl. L3)" in out
     summary = json.loads(path.read_text())["summary"]
     hi, l3run = summary["hicache"], summary["hicache+L3"]
     # a fresh file store per run: the pages L2 backed up went to L3 too; (these tiny workloads

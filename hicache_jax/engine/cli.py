@@ -187,7 +187,8 @@ def _table(summaries: dict[str, dict[str, Any]], l3: bool) -> str:
             ("TTFT p50 ms", "ttft_p50_ms"), ("TTFT p90 ms", "ttft_p90_ms"),
             ("tok/s", "tokens_per_s"), ("MB to host", "bytes_to_host"),
             ("MB to device", "bytes_to_device")]
-    if l3:
+    if l3:  # pages fetched from L3 land in L2 and are loaded back from there
+        cols[4] = ("L2 hit (incl. L3)", "l2_hit_tokens")
         cols += [("L3 fetched pg", "l3_fetched_pages"), ("L3 stored pg", "l3_stored_pages")]
     rows = []
     for name, s in summaries.items():
