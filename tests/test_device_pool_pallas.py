@@ -86,9 +86,9 @@ def test_pallas_pool_bad_ids_raise_before_dispatch():
     spec = KVSpec(num_layers=1, num_kv_heads=2, head_dim=8, dtype="float32", page_size=1)
     pool = poisoned(spec, 4, copy_backend="pallas")
     before = np.asarray(pool.array).copy()
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="outside the device pool"):
         pool.write([4], random_kv(spec, 1, 0))  # the scratch page is not allocatable
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="duplicate"):
         pool.read([1, 1])
     np.testing.assert_array_equal(np.asarray(pool.array), before)
 

@@ -125,6 +125,11 @@ def test_keys_and_ties():
     a, b = mk(0, 5.0, 1.0, SLRU_PROTECTED_HITS, 0), mk(1, 5.0, 1.0, 0, 0)
     assert priority_key("slru")(a) > priority_key("slru")(b)
     assert priority_key(EvictionPolicy.LFU)(b) < priority_key("lfu")(a)
+    # SLRU is not LFU: inside the probationary segment (hits < SLRU_PROTECTED_HITS) recency
+    # decides, so a 1-hit leaf older than a 0-hit one goes first (LFU: the 0-hit one).
+    once_old, never_new = mk(3, 1.0, 1.0, 1, 0), mk(4, 5.0, 1.0, 0, 0)
+    assert select_victims("slru", [never_new, once_old], 1) == [once_old]
+    assert select_victims("lfu", [never_new, once_old], 1) == [never_new]
     # Equal keys: the older id goes first, deterministically.
     c = mk(2, 5.0, 1.0, 0, 0)
     assert select_victims("lru", [c, b], 1) == [b]

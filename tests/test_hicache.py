@@ -597,6 +597,27 @@ def test_bad_input_typed_error_and_cache_unchanged(policy):
     check(cache, kv)
 
 
+def test_unlock_of_a_node_only_a_copy_holds_is_refused():
+    """The caller's unlock is counted apart from the cache's own locks: a node locked only by a
+    backup in flight cannot be unlocked by a caller (eviction would then free its pages while
+    the copy reads them)."""
+    cache, kv = make("write_through", device=8, host=16)
+    engine = gate(cache)
+    t = np.arange(4)
+    request(cache, kv, t)
+    request(cache, kv, t)  # the hit backs it up: the copy is held at the gate
+    node = node_of(cache, t)
+    assert node.lock_ref == 1 and engine.handles
+    before = snapshot(cache)
+    with pytest.raises(HiCacheError, match="without a matching lock"):
+        cache.unlock(node)
+    assert node.lock_ref == 1 and snapshot(cache) == before
+    engine.release()
+    cache.flush()
+    assert node.lock_ref == 0
+    check(cache, kv)
+
+
 def test_constructor_rejects_bad_arguments():
     spec = KVSpec(2, 2, 4, page_size=1)
     with pytest.raises(TypeError, match="KVSpec"):

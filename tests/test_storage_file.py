@@ -378,7 +378,14 @@ def test_wait_without_timeout_runs_a_queued_handle_inline(root):
     store._get = gated
     first = store.get_into(keys[:1], [8])            # occupies the get lane's worker
     second = store.get_into(keys[1:], [9])           # queued behind it
-    threading.Timer(0.2, gate.set).start()
+
+    def run_inline(handle):  # what wait() runs: claim the queued handle, only then free the lane
+        claimed = handle._claim()
+        gate.set()
+        if claimed:
+            with store._lane_locks[handle.kind]:
+                store._run(handle)
+    second._inline = run_inline
     assert second.wait().all() and first.wait(10).all()   # no deadlock, both exact
     assert runners[0] is not threading.current_thread()
     assert runners[1] is threading.current_thread()  # the waiter ran it, after the lane freed

@@ -226,7 +226,7 @@ def test_holder_dying_mid_run_gives_misses_dropped_puts_and_recovers():
         t1 = time.monotonic()
         assert not store.put_from(keys[4:], [4, 5, 6, 7]).wait(5).any()
         assert not store.get_into(keys[:2], [8, 9]).wait(5).any()
-        assert time.monotonic() - t1 < 0.5 and time.monotonic() - t0 < 15
+        assert time.monotonic() - t1 < 1.5 and time.monotonic() - t0 < 15
         stats = store.stats()
         assert stats["puts_dropped"] >= 8 and stats["get_skipped"] >= 2
         untouched = [i for i in range(NUM_PAGES) if i not in (8, 9, 10, 11)]
@@ -250,14 +250,14 @@ def test_master_dying_mid_run_does_not_block_the_caller():
         t0 = time.monotonic()
         got = store.get_into(keys[:2], [8, 9])
         put = store.put_from(keys[2:], [2, 3])
-        assert time.monotonic() - t0 < 0.1       # dispatch never waits on the store
+        assert time.monotonic() - t0 < 1.0       # dispatch never waits on the store (seconds)
         t1 = time.monotonic()
         assert not store.exists(keys).any()      # synchronous but bounded (exists_timeout_s=2)
         assert time.monotonic() - t1 < 3.5
         assert not got.wait(30).any() and not put.wait(30).any()
         t2 = time.monotonic()
         assert not store.exists(keys).any() and not store.get_into(keys, [8, 9, 10, 11]).wait(5).any()
-        assert time.monotonic() - t2 < 1.0
+        assert time.monotonic() - t2 < 1.5  # the breaker answers: no 2 s exists timeout
         closer = threading.Thread(target=store.close)
         closer.start()
         closer.join(30)
