@@ -319,6 +319,7 @@ class DevicePagePool:
             if size != ids.size:
                 pages = _pad_pages(kv, size, self._bits)
             elif (self.sharding is not None and kv.dtype != self._bits
+                  and kv.sharding is not self.sharding  # (identity first: the check is slow)
                   and not kv.sharding.is_equivalent_to(self.sharding, kv.ndim)):
                 # Resharding inside the scatter would move bfloat16 / float16 values, and
                 # XLA:CPU canonicalizes NaN payloads when it does: view as bits first.

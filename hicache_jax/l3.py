@@ -256,13 +256,13 @@ class L3Tier:
             return None
         found = _leading(self.backend.exists(keys))
         self._n["l3_lookup_pages"] += len(keys)
-        if min(found, self._staging_alloc.num_free) == 0:
+        want = min(found, self._staging_alloc.num_free)
+        if want == 0:
             self._n["l3_prefetch_skipped_pages"] += found
             return None
         cache._tree.lock(tm.node)  # the attach point survives host eviction, ours included
         host_ids = sids = None
         try:
-            want = min(found, self._staging_alloc.num_free)
             try:
                 host_ids = cache._take_pages(cache._host_tier, want)
             except OutOfPagesError:
