@@ -2,10 +2,10 @@
 
 from hicache_jax.errors import HiCacheError, OutOfPagesError
 from hicache_jax.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent, Medium
-from hicache_jax.hicache import HiCache, Match
+from hicache_jax.hicache import HiCache, Match, NodeRef
 from hicache_jax.spec import HiCacheConfig, KVSpec
 
 __all__ = [
     "AllBlocksCleared", "BlockRemoved", "BlockStored", "HiCache", "HiCacheConfig", "HiCacheError",
-    "KVEvent", "KVSpec", "Match", "Medium", "OutOfPagesError",
+    "KVEvent", "KVSpec", "Match", "Medium", "NodeRef", "OutOfPagesError",
 ]

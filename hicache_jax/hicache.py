@@ -36,13 +36,27 @@ device node not backed up: the one exception to the continuous host prefix. It k
 rule is for: the fetched node loads back under a device-resident parent, and a parent that
 leaves the device without a host copy is deleted with its host-only children (see evict).
 
-Threading: one thread (the one that owns the cache) calls every method; transfer completion is
-detected by polling the engine at the start of the public methods, never by callbacks.
+Matches go stale (DESIGN.md): a :class:`Match` names device pages; later calls may evict them.
+``Match.node`` is a :class:`NodeRef` that remembers the deepest device node of the match and the
+epoch of its pages (the tree stamps a node each time it gets device pages), so :meth:`lock`
+refuses a stale match and :meth:`load_back` always returns what holds the prefix now.
+:meth:`insert` gets only pages: it refuses free pages and tree pages at other positions, but a
+stale page that was re-allocated to a caller cannot be told from a fresh one there, which is why
+the request flow locks the match before anything that may evict.
+
+Threading: one thread owns the cache and makes every call but :meth:`stats`; a call from any
+other thread raises :class:`HiCacheError` (one ``threading.get_ident()`` per call). The first
+call after construction takes ownership, so a cache built on one thread may be served from
+another; :meth:`release_thread` hands it over explicitly, and the cache of an owner that has
+exited goes to the next caller. :meth:`stats` may be called from any
+thread (reads only). Transfer completion is detected by polling the engine at the start of the
+public methods, never by callbacks. After :meth:`close`, every call but ``stats()`` raises.
 """
 
 from __future__ import annotations
 
 import collections
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Hashable
@@ -65,16 +79,49 @@ from hicache_jax.transfer import TransferEngine
 _FREE, _CALLER, _TREE = 0, 1, 2
 
 
+@dataclass(frozen=True, eq=False)
+class NodeRef:
+    """Opaque handle to the deepest node of a :class:`Match` (``Match.node``): what
+    :meth:`HiCache.lock`, :meth:`HiCache.unlock` and :meth:`HiCache.load_back` take.
+
+    It remembers which device pages the match saw (the deepest device node and the epoch of its
+    pages), so :meth:`HiCache.lock` can tell a match that went stale -- its device pages were
+    evicted, or evicted and loaded back into other pages, by calls made since -- and refuse it.
+    """
+
+    _node: TreeNode
+    _anchor: TreeNode  # deepest device-resident node of the match (the root if none)
+    _epoch: int        # _anchor.device_epoch when the match was made
+    _prefix: np.ndarray  # int64 tokens of _node's prefix (a copy): load_back re-matches them
+                         # when _node has left the tree
+
+    def __eq__(self, other: object) -> bool:  # the same node, whichever match named it
+        return isinstance(other, NodeRef) and other._node is self._node
+
+    def __hash__(self) -> int:
+        return id(self._node)
+
+    def __repr__(self) -> str:
+        return f"NodeRef({self._node!r})"
+
+
 @dataclass(frozen=True)
 class Match:
     """Result of :meth:`HiCache.match_prefix` / :meth:`HiCache.load_back`.
+
+    A Match describes the cache when it was made. Calls that may evict (``alloc_pages``,
+    ``load_back``, ``insert``, ``evict``, other requests' work) can free or move its device
+    pages: lock ``node`` before any of them (the request flow of DESIGN.md), or pass the match
+    through :meth:`HiCache.load_back`, which always returns what holds the prefix now.
+    :meth:`HiCache.lock` of a stale match raises :class:`HiCacheError` (match again).
 
     Attributes:
         device_pages: int32 ``[device_len // page_size]`` device page ids of the L1 part, root
             first (a copy).
         device_len: tokens covered on device (a multiple of page_size).
         host_len: further tokens available on host only (a multiple of page_size).
-        node: deepest matched node (opaque handle for lock / unlock / load_back).
+        node: opaque handle (:class:`NodeRef`) of the deepest matched node, for lock / unlock /
+            load_back.
         load_handle: set only by ``load_back(m, layerwise=True)``: the transfer handle whose
             ``wait_layer(l)`` returns once layer ``l`` of the loaded pages is on device (the
             caller's forward waits per layer). ``None`` otherwise.
@@ -83,7 +130,7 @@ class Match:
     device_pages: np.ndarray
     device_len: int
     host_len: int
-    node: TreeNode
+    node: NodeRef
     load_handle: Any = None
 
 
@@ -164,6 +211,11 @@ class HiCache:
         self._host_tier = _Tier(self._host.allocator, self._evict_host,
                                 lambda: self._tree.host_evictable_tokens // self._ps, False)
         self._events = EventLog()
+        self._thread: int | None = None  # owning thread's ident; taken by the first call
+        self._owner_thread = threading.current_thread()
+        self._thread_name = ""
+        self._thread_lock = threading.Lock()
+        self._closed = False
         self._init_state()
         self._l3 = L3Tier(self) if cfg.storage is not None else None  # L3: see l3.py
 
@@ -182,25 +234,71 @@ class HiCache:
 
     # -- validation --------------------------------------------------------------------------
 
+    def _guard(self) -> None:
+        """Every public call but ``stats()`` starts here: the owning thread passes at the cost
+        of one ``get_ident()``; anything else goes to :meth:`_take_thread`."""
+        if threading.get_ident() != self._thread:
+            self._take_thread()
+
+    def _take_thread(self) -> None:
+        with self._thread_lock:
+            if self._closed:
+                raise HiCacheError("this HiCache is closed: build a new one (only stats() "
+                                   "answers after close())")
+            # First call, handed over with release_thread(), or the owner has exited.
+            if self._thread is None or not self._owner_thread.is_alive():
+                self._thread = threading.get_ident()
+                self._owner_thread = threading.current_thread()
+                self._thread_name = self._owner_thread.name
+                return
+        raise HiCacheError(
+            f"this HiCache is owned by thread {self._thread_name!r}, called from "
+            f"{threading.current_thread().name!r}: a cache is not thread-safe. Call it from its "
+            "owning thread, or hand it over: release_thread() on the owner, then the next call "
+            "from any thread takes it")
+
     def _check_node(self, node: Any) -> TreeNode:
-        if not isinstance(node, TreeNode):
-            raise TypeError(f"node must be a Match.node (TreeNode), got {type(node).__name__}")
-        if not self._tree.owns(node):
+        if not isinstance(node, NodeRef):
+            raise TypeError(f"node must be a Match.node, got {type(node).__name__}")
+        if not self._tree.owns(node._node):
             raise HiCacheError(f"{node!r} is not in this cache (evicted and deleted since the "
                                "match, or from another cache): match again")
-        return node
+        return node._node
 
-    def _check_match(self, match: Any) -> Match:
-        if not isinstance(match, Match):
-            raise TypeError(f"match must be a Match from match_prefix, got {type(match).__name__}")
-        self._check_node(match.node)
-        return match
+    @staticmethod
+    def _is_stale(ref: NodeRef) -> bool:
+        """Whether the device pages ``ref``'s match named were freed or moved since. Device
+        residency is prefix-closed and leaves go first, so the anchor (the match's deepest
+        device node) loses its pages before any ancestor does; a node that gets device pages
+        again gets a new epoch. Splits keep the anchor object on its tail: no change."""
+        anchor = ref._anchor
+        return anchor.value is None or anchor.device_epoch != ref._epoch
+
+    @staticmethod
+    def _ref(node: TreeNode, anchor: TreeNode, prefix: np.ndarray) -> NodeRef:
+        return NodeRef(node, anchor, anchor.device_epoch, prefix)
+
+    def _current(self, match: Match, node: TreeNode) -> Match:
+        """``match`` if it still describes the cache, else a Match of what holds the prefix of
+        ``node`` now (its device part and the host-only chain after it)."""
+        anchor, host_len = node, 0
+        while anchor.parent is not None and anchor.value is None:
+            host_len += anchor.num_tokens
+            anchor = anchor.parent
+        if (not self._is_stale(match.node) and match.node._anchor is anchor
+                and match.host_len == host_len):
+            return match
+        pages = self._path_pages(anchor)
+        return Match(pages, pages.size * self._ps, host_len,
+                     self._ref(node, anchor, match.node._prefix))
 
     def _check_pages(self, pages: Any, allowed: tuple[int, ...], what: str) -> np.ndarray:
         ids = self._device.validate_ids(pages, "pages")
         if ids.size and not np.isin(self._owner[ids], allowed).all():
             bad = ids[~np.isin(self._owner[ids], allowed)][:8].tolist()
-            raise HiCacheError(f"pages {bad} are not {what}")
+            free = " (free: a stale Match's pages, evicted since? match again)" if (
+                self._owner[bad] == _FREE).any() else ""
+            raise HiCacheError(f"pages {bad} are not {what}{free}")
         return ids
 
     # -- public API --------------------------------------------------------------------------
@@ -215,6 +313,7 @@ class HiCache:
         Returns:
             A :class:`Match`; its ``device_pages`` stay valid while ``node`` is locked.
         """
+        self._guard()
         arr = _prepare_tokens(tokens, extra_key, self._ps)  # validate before polling
         self._complete(attach=True)
         if self._l3 is not None:
@@ -223,7 +322,9 @@ class HiCache:
         self._n["match_tokens"] += len(tokens) // self._ps * self._ps
         self._n["device_hit_tokens"] += tm.device_len
         self._n["host_hit_tokens"] += tm.host_len
-        return Match(tm.device_pages, tm.device_len, tm.host_len, tm.node)
+        return Match(tm.device_pages, tm.device_len, tm.host_len,
+                     self._ref(tm.node, tm.last_device_node,
+                               arr[:tm.device_len + tm.host_len].copy()))
 
     def prefetch(self, tokens: Any, extra_key: Hashable = None) -> PrefetchHandle | None:
         """Start fetching from L3, into host pages, the pages of ``tokens`` beyond L1 + L2.
@@ -234,6 +335,7 @@ class HiCache:
             Fetched pages appear to :meth:`match_prefix` as host-only nodes per
             ``cfg.prefetch_policy``.
         """
+        self._guard()
         arr = _prepare_tokens(tokens, extra_key, self._ps)
         self._complete(attach=True)
         return None if self._l3 is None else self._l3.prefetch(arr, extra_key)
@@ -242,49 +344,62 @@ class HiCache:
         """Copy the host-only part of ``match`` back to device pages.
 
         Args:
-            match: from :meth:`match_prefix` (its node still in the cache).
+            match: from :meth:`match_prefix` or :meth:`load_back`; it may be stale (pages
+                evicted or moved since, its node deleted: the prefix is matched again).
             layerwise: return before the copy completes, with ``Match.load_handle`` set so the
                 forward can ``wait_layer(l)`` per layer.
 
         Returns:
-            A new :class:`Match` with ``device_len`` grown and ``host_len == 0``, or ``match``
-            itself when nothing is on host or the load is declined: fewer host tokens than
-            ``cfg.load_back_threshold``, more than ``cfg.load_back_quota``, or no device pages
-            even after eviction. Leaves no lock for the caller (lock the result's node).
+            What holds the prefix of ``match.node`` now, on every path: a new :class:`Match`
+            with ``device_len`` grown and ``host_len == 0`` when loaded; when nothing is on host
+            or the load is declined (fewer host tokens than ``cfg.load_back_threshold``, more
+            than ``cfg.load_back_quota``, or no device pages even after eviction), ``match``
+            itself if it still describes the cache, else a new Match of the current device part
+            and host continuation. Leaves no lock for the caller (lock the result's node).
         """
-        self._check_match(match)
+        self._guard()
+        if not isinstance(match, Match) or not isinstance(match.node, NodeRef):
+            raise TypeError(f"match must be a Match from match_prefix, got {type(match).__name__}")
         check_bool("layerwise", layerwise)
         self._complete(attach=True)
-        chain, node = [], match.node
-        while node.parent is not None and node.value is None:
-            chain.append(node)
-            node = node.parent
+        node = top = match.node._node
+        while top.parent is not None:
+            top = top.parent
+        if top.is_root and top is not self._tree.root:
+            raise HiCacheError(f"{match.node!r} is not in this cache (another cache's, or from "
+                               "before reset()): match again")
+        if top is not self._tree.root:  # deleted since the match: what holds its prefix now
+            prefix = match.node._prefix
+            tm = self._tree.match(prefix, node.extra_key)
+            match = Match(tm.device_pages, tm.device_len, tm.host_len,
+                          self._ref(tm.node, tm.last_device_node,
+                                    prefix[:tm.device_len + tm.host_len]))
+            node = tm.node
+        chain, top = [], node
+        while top.parent is not None and top.value is None:
+            chain.append(top)
+            top = top.parent
         chain.reverse()
         ntok = sum(n.num_tokens for n in chain)
         quota = self.cfg.load_back_quota
         if not chain or ntok < self.cfg.load_back_threshold or (quota is not None and ntok > quota):
             self._n["load_backs_declined"] += bool(chain)
-            pages = self._path_pages(node)
-            if ntok == match.host_len and np.array_equal(pages, match.device_pages):
-                return match
-            # stale: the prefix moved since the match was taken (loaded back by another
-            # request, or evicted and loaded back into other pages): what holds it now
-            return Match(pages, pages.size * self._ps, ntok, match.node)
+            return self._current(match, node)
         # The lock walks to the root: the chain cannot be host-evicted and its device ancestors
         # cannot be device-evicted while we allocate (write-back eviction may evict_host).
-        self._tree.lock(match.node)
+        self._tree.lock(node)
         try:
             ids = self._take_pages(self._dev_tier, ntok // self._ps)
         except OutOfPagesError:
-            self._tree.unlock(match.node)
+            self._tree.unlock(node)
             self._n["load_backs_declined"] += 1
-            return match
+            return self._current(match, node)
         host_ids = np.concatenate([n.host_value for n in chain])
         try:
             handle = self._engine.load(host_ids, ids, layerwise=bool(layerwise))
         except BaseException:  # a dispatch failure (internal ids: a bug, or the runtime): undo
             self._device.allocator.free(ids)
-            self._tree.unlock(match.node)
+            self._tree.unlock(node)
             raise
         off = 0
         for n in chain:  # root-first, as set_value requires
@@ -293,22 +408,36 @@ class HiCache:
             off += n.num_pages
         self._owner[ids] = _TREE
         self._loading[ids] = True
-        self._ops.append(_Op(self._next_seq(), "load", handle, match.node, ids, host_ids))  # keeps the lock
+        self._ops.append(_Op(self._next_seq(), "load", handle, node, ids, host_ids))  # keeps the lock
         self._n["load_backs"] += 1
         self._n["load_back_tokens"] += ntok
-        pages = self._path_pages(match.node)
-        return Match(pages, pages.size * self._ps, 0, match.node,
+        pages = self._path_pages(node)
+        return Match(pages, pages.size * self._ps, 0, self._ref(node, node, match.node._prefix),
                      handle if layerwise else None)
 
-    def lock(self, node: TreeNode) -> None:
-        """Protect ``node`` and its ancestors from eviction on both tiers (counted)."""
-        self._check_node(node)
-        self._tree.lock(node)
-        self._caller_locks[node] = self._caller_locks.get(node, 0) + 1
+    def lock(self, node: NodeRef) -> None:
+        """Protect a match's prefix (``Match.node``: the node and its ancestors) from eviction
+        on both tiers (counted).
 
-    def unlock(self, node: TreeNode) -> None:
+        Raises:
+            HiCacheError: the match is stale: its device pages were evicted, or evicted and
+                loaded back into other pages, since it was made (lock before calls that may
+                evict, or pass it through :meth:`load_back`); or its node left the cache.
+        """
+        self._guard()
+        tnode = self._check_node(node)
+        if self._is_stale(node):
+            raise HiCacheError(
+                f"stale Match: the device pages of {node!r} were evicted or moved since the "
+                "match (by alloc_pages, load_back, insert or evict of other requests): call "
+                "match_prefix (or load_back) again and lock the new Match's node")
+        self._tree.lock(tnode)
+        self._caller_locks[tnode] = self._caller_locks.get(tnode, 0) + 1
+
+    def unlock(self, node: NodeRef) -> None:
         """Undo one :meth:`lock` of ``node``. ``HiCacheError`` if the caller holds none."""
-        self._check_node(node)
+        self._guard()
+        node = self._check_node(node)
         held = self._caller_locks.get(node, 0)
         if held == 0:
             raise HiCacheError(f"unlock of {node!r} without a matching lock")
@@ -330,6 +459,7 @@ class HiCache:
                 ``evictable``, ``locked`` say why. Raised before evicting anything; copies in
                 flight (whose locks may be what holds the pages) are waited for first.
         """
+        self._guard()
         n = check_int("n", n)
         self._complete(attach=True)
         ids = self._take_pages(self._dev_tier, n)
@@ -338,6 +468,7 @@ class HiCache:
 
     def free_pages(self, pages: Any) -> None:
         """Give back caller-owned pages that were never inserted."""
+        self._guard()
         ids = self._check_pages(pages, (_CALLER,), "caller-owned (from alloc_pages, not inserted)")
         self._device.allocator.free(ids)
         self._owner[ids] = _FREE
@@ -350,11 +481,13 @@ class HiCache:
             kv: ``spec.kv_shape(n)`` = [num_layers, kv, n, page_size, heads, head_dim] in
                 ``spec.dtype`` or its raw-bits dtype; jax or numpy. Not consumed.
         """
+        self._guard()
         ids = self._check_pages(pages, (_CALLER,), "caller-owned (cached pages are read-only)")
         self._device.write(ids, kv)
 
     def read_kv(self, pages: Any) -> Any:
         """KV of allocated device pages: ``spec.kv_shape(n)`` in ``spec.dtype`` (a new array)."""
+        self._guard()
         ids = self._check_pages(pages, (_CALLER, _TREE), "allocated")
         if self._loading[ids].any():  # a layer-wise load may still be writing these pages
             last = [op for op in self._ops if op.kind == "load"
@@ -378,8 +511,9 @@ class HiCache:
         Returns:
             Tokens already cached (either tier) before the call.
         """
+        self._guard()
         check_bool("chunked", chunked)
-        check_int("priority", priority, -(2**62))
+        check_int("priority", priority, -(2**62), 2**62)
         ntok = _prepare_tokens(tokens, extra_key, self._ps).shape[0]
         ids = self._check_pages(pages, (_CALLER, _TREE), "caller-owned or cached")
         if ids.size != ntok // self._ps:
@@ -410,12 +544,14 @@ class HiCache:
 
     def evict(self, num_tokens: int) -> int:
         """Free at least ``num_tokens`` device tokens if possible; returns tokens freed."""
+        self._guard()
         num_tokens = check_int("num_tokens", num_tokens)
         self._complete(attach=True)
         return self._evict_device(num_tokens)
 
     def evict_host(self, num_tokens: int) -> int:
         """Delete host-only leaves worth ``num_tokens``; returns tokens freed on host."""
+        self._guard()
         num_tokens = check_int("num_tokens", num_tokens)
         self._complete(attach=True)
         return self._evict_host(num_tokens)
@@ -425,28 +561,47 @@ class HiCache:
         """The device pool (L1). A serving stack's jitted forward writes K/V of pages it
         allocated straight into it with ``device_pool.run(step, ...)`` (pool donated); the pool
         object holds the only reference to the array, so do not keep ``device_pool.array``."""
+        self._guard()
         return self._device
 
     def flush(self) -> None:
         """Wait for every transfer in flight (L3 puts and prefetches too) and apply it."""
+        self._guard()
         self._complete(upto=self._seq)
         self._engine.wait_all()
         if self._l3 is not None:
             self._l3.flush()
 
     def close(self) -> None:
-        """Flush, then release the L3 backend (its threads, connections). Idempotent."""
+        """Flush, then release the L3 backend (its threads, connections). Idempotent. Every
+        later call but ``stats()`` raises :class:`HiCacheError`."""
+        if self._closed:
+            return
         self.flush()
         if self._l3 is not None:
             self._l3.close()
+        with self._thread_lock:
+            self._closed, self._thread = True, None
+
+    def release_thread(self) -> None:
+        """Hand the cache over: the owning thread gives it up and the next call from any thread
+        takes it (e.g. built and warmed up on one thread, served from a scheduler thread).
+        A no-op when no thread owns it yet."""
+        if self._thread is None and not self._closed:
+            return
+        self._guard()
+        with self._thread_lock:
+            self._thread, self._thread_name = None, ""
 
     def take_events(self) -> list[KVEvent]:
         """KV events (BlockStored / BlockRemoved / AllBlocksCleared) since the last call."""
+        self._guard()
         return self._events.take()
 
     def reset(self) -> None:
         """Wait for transfers, then forget everything: tree, caller pages and locks, counters
         (the L3 store keeps its entries, and its client's ``l3_store_*`` counters)."""
+        self._guard()
         self.flush()
         self._tree.reset()
         self._device.allocator.reset()
@@ -457,7 +612,10 @@ class HiCache:
         self._events.cleared()
 
     def stats(self) -> dict[str, Any]:
-        """Counters and occupancy of both tiers (pure: does not poll transfers)."""
+        """Counters and occupancy of both tiers (pure: does not poll transfers).
+
+        The one call that any thread may make, also after :meth:`close`: it only reads, and
+        reads made while the owner is inside a call may be mutually inconsistent."""
         dev, host, tree, ps = self._device.allocator, self._host.allocator, self._tree, self._ps
         n = self._n
         seconds = n["seconds_to_host"] + n["seconds_to_device"]

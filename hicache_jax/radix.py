@@ -90,6 +90,7 @@ class RadixTree:
         self.page_size = int(page_size)
         self._clock = clock
         self._next_id = 0
+        self._epoch = 0  # device_epoch stamps: never reused, not even across reset()
         self.reset()
 
     # -- bookkeeping -------------------------------------------------------------------------
@@ -151,6 +152,8 @@ class RadixTree:
     def _attach_value(self, node: TreeNode, ids: np.ndarray) -> None:
         """Give an evicted node device pages (load-back or revive); parent already resident."""
         node.value = ids
+        self._epoch += 1
+        node.device_epoch = self._epoch
         self._device_held.add(ids)
         self._account_device(node, +1)
         node.parent.device_children += 1
@@ -207,6 +210,7 @@ class RadixTree:
                                node.last_access)
         upper.created, upper.lock_ref = node.created, node.lock_ref
         upper.hit_count, upper.priority = node.hit_count, node.priority
+        upper.device_epoch = node.device_epoch
         if node.value is not None:
             upper.value, node.value = node.value[:p], node.value[p:]
             upper.device_children = 1
@@ -322,7 +326,8 @@ class RadixTree:
         dup = (tree >= 0) & (tree != ids)
         if self._device_held.any_held(ids[tree != ids]):
             raise HiCacheError("page_ids has pages the tree already holds at other positions "
-                               "(pass the tree's own page for a cached position, or a fresh one)")
+                               "(pass the tree's own page for a cached position, or a fresh one; "
+                               "pages of a stale Match, evicted and reused since? match again)")
         return dup
 
     def _add_leaf(self, parent: TreeNode, key: np.ndarray, ids: np.ndarray, extra_key: Any,

@@ -68,13 +68,15 @@ class PrefetchPolicy(str, enum.Enum):
     TIMEOUT = "timeout"
 
 
-def check_int(name: str, value: Any, minimum: int = 0) -> int:
-    """``int(value)``, or TypeError (not an int; bools refused) / ValueError (below minimum)
-    naming the argument."""
+def check_int(name: str, value: Any, minimum: int = 0, maximum: int | None = None) -> int:
+    """``int(value)``, or TypeError (not an int; bools refused) / ValueError (below minimum or
+    above maximum) naming the argument."""
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
         raise TypeError(f"{name}={value!r} must be an int")
     if value < minimum:
         raise ValueError(f"{name}={value!r} must be >= {minimum}")
+    if maximum is not None and value > maximum:
+        raise ValueError(f"{name}={value!r} must be <= {maximum}")
     return int(value)
 
 

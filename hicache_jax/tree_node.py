@@ -89,6 +89,9 @@ class TreeNode:
         device_children: how many children hold device pages (keeps evictability O(1)).
         host_only_tokens: this node's share of ``RadixTree.host_evictable_tokens`` (its tokens
             while it is host-only and unlocked, else 0).
+        device_epoch: a per-tree stamp taken each time the node gets device pages (insert,
+            revive, load-back): a Match whose deepest device node still holds the epoch the
+            match saw still names the pages that hold its prefix (see ``Match``).
     """
 
     id: int
@@ -106,6 +109,7 @@ class TreeNode:
     extra_key: Any = None
     device_children: int = 0
     host_only_tokens: int = 0
+    device_epoch: int = 0
 
     @property
     def num_pages(self) -> int:
@@ -236,11 +240,28 @@ def _common_len(a: np.ndarray, b: np.ndarray) -> int:
     return k if diff[k] else a.shape[0]
 
 
+def _has_nan(key: Any) -> bool:
+    """Whether ``key`` is, or (in a tuple / frozenset) holds, a value unequal to itself."""
+    if isinstance(key, (tuple, frozenset)):
+        return any(_has_nan(k) for k in key)
+    try:
+        return bool(key != key)
+    except Exception:  # an __ne__ that raises or returns an array: not a NaN-like scalar
+        return False
+
+
 def _check_extra_key(extra_key: Any) -> None:
+    """Refuse unhashable keys and keys unequal to themselves (NaN): each insert under
+    ``float("nan")`` would make a namespace that no later match finds."""
+    if extra_key is None:
+        return
     try:
         hash(extra_key)
     except TypeError:
         raise TypeError(f"extra_key must be hashable, got {type(extra_key).__name__}") from None
+    if _has_nan(extra_key):
+        raise ValueError(f"extra_key={extra_key!r} is not equal to itself (NaN): no later match "
+                         "could find its namespace")
 
 
 # ----------------------------------------------------------------------------- the tree

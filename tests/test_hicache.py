@@ -4,6 +4,8 @@ cache unchanged). The random-workload property test is in test_hicache_state_mac
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import pytest
 
@@ -47,8 +49,14 @@ def check(cache, kv):
 
 
 def node_of(cache, tokens):
+    """The Match.node handle of ``tokens`` (for lock / unlock)."""
     m = cache.match_prefix(np.asarray(tokens))
     return m.node
+
+
+def tree_node_of(cache, tokens):
+    """The tree's node behind that handle (to look at its fields)."""
+    return node_of(cache, tokens)._node
 
 
 # ----------------------------------------------------------------------------- the contract
@@ -64,7 +72,7 @@ def test_request_flow_device_then_host_hit():
     m = cache.match_prefix(t)
     assert (m.device_len, m.host_len) == (0, 8)
     m2 = cache.load_back(m)
-    assert (m2.device_len, m2.host_len) == (8, 0) and m2.node is m.node
+    assert (m2.device_len, m2.host_len) == (8, 0) and m2.node == m.node
     np.testing.assert_array_equal(bits(cache.read_kv(m2.device_pages)), kv.pages(None, t, 0, 8))
     assert cache.stats()["load_backs"] == 1
     check(cache, kv)
@@ -105,7 +113,7 @@ def test_chunked_insert_counts_no_hit():
     m = cache.match_prefix(t)
     cache.insert(t, m.device_pages, chunked=True)
     cache.flush()
-    assert cache.stats()["backups"] == 0 and m.node.hit_count == 0
+    assert cache.stats()["backups"] == 0 and m.node._node.hit_count == 0
 
 
 def test_continuous_prefix_guard_skips_child_of_unbacked_parent():
@@ -353,6 +361,109 @@ def test_load_back_of_a_match_whose_device_pages_moved_returns_the_new_pages():
     check(cache, kv)
 
 
+def _prefix_split_between_tiers(cache, kv):
+    """[0, 8) cached and backed up, then split at 4 with the upper part on device and the lower
+    part host-only; returns the match of the whole prefix (device 4, host 4)."""
+    t = np.arange(8)
+    request(cache, kv, t)
+    request(cache, kv, t)            # second access: backed up
+    cache.flush()
+    cache.match_prefix(t[:4])        # split at 4
+    assert cache.evict(4) == 4       # the lower half leaves the device
+    m = cache.match_prefix(t)
+    assert (m.device_len, m.host_len) == (4, 4)
+    return t, m
+
+
+def test_load_back_declined_for_lack_of_pages_returns_what_holds_the_prefix_now():
+    """A scheduler matches its batch first: another request's alloc_pages then evicts the
+    match's device part and takes its pages. load_back, declined for lack of device pages,
+    returned the old Match, whose device_pages were now that other request's."""
+    cache, kv = make("write_through", device=8, host=32)
+    t, m = _prefix_split_between_tiers(cache, kv)
+    other = cache.alloc_pages(8)     # evicts the upper half too: every page is the other's
+    assert set(m.device_pages.tolist()) <= set(other.tolist())
+    r = cache.load_back(m)           # needs 8 pages: none free, none evictable -> declined
+    assert cache.stats()["load_backs_declined"] == 1
+    assert (r.device_len, r.host_len, r.device_pages.size) == (0, 8, 0)
+    assert r.node == m.node
+    with pytest.raises(HiCacheError, match="stale Match.*match_prefix"):
+        cache.lock(m.node)
+    cache.lock(r.node)               # what load_back returned is current
+    cache.free_pages(other)
+    cache.unlock(r.node)
+    request(cache, kv, t)
+    check(cache, kv)
+
+
+@pytest.mark.parametrize("moved", [False, True])
+def test_lock_of_a_stale_match_is_refused_and_changes_nothing(moved):
+    """Evicted since the match (moved=False), or evicted and loaded back into other pages
+    (moved=True: the prefix is on device again, but not in the pages the match names)."""
+    cache, kv = make("write_through", device=8, host=32)
+    t = np.arange(4)
+    request(cache, kv, t)
+    request(cache, kv, t)
+    cache.flush()
+    stale = cache.match_prefix(t)
+    assert stale.device_len == 4
+    cache.evict(4)
+    if moved:
+        filler = cache.alloc_pages(4)  # the freed pages: the reload gets other ids
+        fresh = cache.load_back(cache.match_prefix(t))
+        cache.flush()
+        cache.free_pages(filler)
+        assert fresh.device_len == 4 and not set(fresh.device_pages) & set(stale.device_pages)
+    before = snapshot(cache)
+    with pytest.raises(HiCacheError, match="stale Match"):
+        cache.lock(stale.node)
+    assert snapshot(cache) == before
+    m = cache.load_back(stale)       # load_back revalidates: lock what it returns
+    cache.lock(m.node)
+    np.testing.assert_array_equal(bits(cache.read_kv(m.device_pages)), kv.pages(None, t, 0, 4))
+    cache.unlock(m.node)
+    check(cache, kv)
+
+
+def test_a_match_stays_lockable_through_unrelated_eviction_and_splits():
+    """Staleness is about the match's own pages: other prefixes evicted, its node split by
+    another insert, copies landing -- none of that makes it stale."""
+    cache, kv = make("write_through", device=16, host=32)
+    a, b = np.arange(8), np.arange(100, 104)
+    request(cache, kv, a)
+    request(cache, kv, b)
+    m = cache.match_prefix(a)
+    request(cache, kv, np.concatenate([a[:3], [7, 7]]))  # splits a's node at 3
+    request(cache, kv, a)                                # backs a up (both parts)
+    cache.flush()
+    assert cache.match_prefix(b).device_len == 4
+    cache.lock(m.node)
+    assert cache.evict(100) > 0                          # everything but a goes
+    assert cache.match_prefix(b).device_len == 0
+    np.testing.assert_array_equal(bits(cache.read_kv(m.device_pages)), kv.pages(None, a, 0, 8))
+    cache.unlock(m.node)
+    check(cache, kv)
+
+
+def test_load_back_of_a_match_whose_node_was_deleted_matches_its_prefix_again():
+    cache, kv = make("write_through", device=8, host=32)
+    t = np.arange(4)
+    request(cache, kv, t)            # one access: not backed up
+    m = cache.match_prefix(t)
+    cache.evict(4)                   # deleted (no host copy)
+    with pytest.raises(HiCacheError, match="not in this cache"):
+        cache.lock(m.node)
+    r = cache.load_back(m)
+    assert (r.device_len, r.host_len) == (0, 0)
+    request(cache, kv, t)            # computed again by another request
+    r = cache.load_back(m)
+    assert r.device_len == 4
+    cache.lock(r.node)
+    np.testing.assert_array_equal(bits(cache.read_kv(r.device_pages)), kv.pages(None, t, 0, 4))
+    cache.unlock(r.node)
+    check(cache, kv)
+
+
 def test_load_back_whose_dispatch_fails_leaves_the_cache_unchanged():
     cache, kv = make("write_through", device=8, host=8, ps=2)
     t = np.arange(4)
@@ -367,7 +478,7 @@ def test_load_back_whose_dispatch_fails_leaves_the_cache_unchanged():
     with pytest.raises(RuntimeError, match="RESOURCE_EXHAUSTED"):
         cache.load_back(m)
     cache._engine.load = real
-    assert snapshot(cache) == before and m.node.lock_ref == 0
+    assert snapshot(cache) == before and m.node._node.lock_ref == 0
     check(cache, kv)
     assert cache.load_back(m).device_len == 4
 
@@ -393,12 +504,12 @@ def test_node_split_while_write_through_copy_in_flight():
     request(cache, kv, t)                      # backup dispatched, held in flight
     assert cache.stats()["transfers_in_flight"] == 1
     m = cache.match_prefix(t[:3])              # splits the node mid-copy
-    upper = m.node
+    upper = m.node._node
     assert upper.num_tokens == 3 and upper.host_value is None
     check(cache, kv)
     eng.release()
     cache.flush()
-    lower = node_of(cache, t)
+    lower = tree_node_of(cache, t)
     assert upper.host_value is not None and lower.host_value is not None
     assert lower.parent is upper and cache.stats()["host_cached_tokens"] == 8
     check(cache, kv)                           # host bytes of both halves are right
@@ -430,13 +541,13 @@ def test_evict_host_reaching_node_whose_load_back_is_in_flight():
     cache.evict(1000)                          # both backed up and host-only: host is full
     eng = gate(cache)
     m = cache.load_back(cache.match_prefix(a))
-    loaded, hv = m.device_pages.copy(), m.node.host_value.copy()
+    loaded, hv = m.device_pages.copy(), m.node._node.host_value.copy()
     assert cache.stats()["transfers_in_flight"] == 1
     request(cache, kv, np.arange(100, 102))    # fits
     request(cache, kv, np.arange(200, 204))    # evict -> backup -> evict_host
     assert cache.stats()["host_evictions"] >= 1 and cache.match_prefix(b).host_len == 0
-    assert m.node.parent is not None and np.array_equal(m.node.value, loaded)
-    assert np.array_equal(m.node.host_value, hv) and cache._host.allocator.is_allocated(hv).all()
+    assert m.node._node.parent is not None and np.array_equal(m.node._node.value, loaded)
+    assert np.array_equal(m.node._node.host_value, hv) and cache._host.allocator.is_allocated(hv).all()
     check(cache, kv)
     eng.release()
     cache.flush()
@@ -449,11 +560,11 @@ def test_host_pages_released_before_async_load_finished():
     eng = gate(cache)
     a = np.arange(4)
     m = cache.load_back(_host_only(cache, kv, a))
-    hv = m.node.host_value.copy()
+    hv = m.node._node.host_value.copy()
     cache.evict(1000)                          # locked by the load: stays on device
     cache.evict_host(1000)                     # and its host pages stay allocated
     assert cache._host.allocator.is_allocated(hv).all()
-    assert m.node.value is not None and np.array_equal(m.node.host_value, hv)
+    assert m.node._node.value is not None and np.array_equal(m.node._node.host_value, hv)
     eng.release()
     cache.flush()
     np.testing.assert_array_equal(bits(cache.read_kv(m.device_pages)), kv.pages(None, a, 0, 4))
@@ -525,7 +636,7 @@ def test_host_page_freed_and_reused_while_copy_into_it_in_flight():
     assert not held                            # not handed to any node meanwhile
     eng.release()
     cache.flush()
-    assert np.array_equal(np.sort(node_of(cache, t).host_value), np.sort(inflight[0]))
+    assert np.array_equal(np.sort(tree_node_of(cache, t).host_value), np.sort(inflight[0]))
     check(cache, kv)
 
 
@@ -541,6 +652,9 @@ def _bad_calls(cache, kv, tree_page, mine, node):
         (TypeError, lambda: cache.match_prefix(np.array([1.5, 2.0]))),
         (ValueError, lambda: cache.match_prefix([-1, 2])),
         (TypeError, lambda: cache.match_prefix([1, 2], extra_key=[1])),
+        (ValueError, lambda: cache.match_prefix([1, 2], extra_key=float("nan"))),
+        (ValueError, lambda: cache.match_prefix([1, 2], extra_key=("lora", np.float32("nan")))),
+        (ValueError, lambda: cache.insert(np.arange(ps), mine[:1], extra_key=float("nan"))),
         (TypeError, lambda: cache.load_back("match")),
         (HiCacheError, lambda: cache.load_back(Match(np.zeros(0, np.int32), 0, 0, foreign))),
         (TypeError, lambda: cache.load_back(good, layerwise="yes")),
@@ -565,6 +679,8 @@ def _bad_calls(cache, kv, tree_page, mine, node):
                                             [cache.stats()["device_pages"] - 1])),
         (TypeError, lambda: cache.insert(np.arange(ps), mine[:1], chunked=1)),
         (TypeError, lambda: cache.insert(np.arange(ps), mine[:1], priority=1.5)),
+        (ValueError, lambda: cache.insert(np.arange(ps), mine[:1], priority=2**62 + 1)),
+        (ValueError, lambda: cache.insert(np.arange(ps), mine[:1], priority=-(2**62) - 1)),
         (ValueError, lambda: cache.insert(np.arange(ps) - 5, mine[:1])),
         (ValueError, lambda: cache.evict(-1)),
         (TypeError, lambda: cache.evict(1.0)),
@@ -581,7 +697,7 @@ def test_bad_input_typed_error_and_cache_unchanged(policy):
     request(cache, kv, t)
     cache.flush()
     node = node_of(cache, t)
-    tree_page = int(node.value[0])
+    tree_page = int(node._node.value[0])
     mine = cache.alloc_pages(3)
     calls = _bad_calls(cache, kv, tree_page, mine, node)
     for err, call in calls:
@@ -607,14 +723,14 @@ def test_unlock_of_a_node_only_a_copy_holds_is_refused():
     request(cache, kv, t)
     request(cache, kv, t)  # the hit backs it up: the copy is held at the gate
     node = node_of(cache, t)
-    assert node.lock_ref == 1 and engine.handles
+    assert node._node.lock_ref == 1 and engine.handles
     before = snapshot(cache)
     with pytest.raises(HiCacheError, match="without a matching lock"):
         cache.unlock(node)
-    assert node.lock_ref == 1 and snapshot(cache) == before
+    assert node._node.lock_ref == 1 and snapshot(cache) == before
     engine.release()
     cache.flush()
-    assert node.lock_ref == 0
+    assert node._node.lock_ref == 0
     check(cache, kv)
 
 
@@ -644,3 +760,116 @@ def test_sharded_pools_round_trip(policy):
     np.testing.assert_array_equal(bits(cache.read_kv(m.device_pages)), kv.pages(None, t, 0, 6))
     cache.flush()
     check(cache, kv)
+
+
+# ----------------------------------------------------------------------------- threads, close
+
+def _in_thread(fn):
+    """Run ``fn`` on a new thread; returns what it returned or raised."""
+    out = {}
+
+    def run():
+        try:
+            out["value"] = fn()
+        except BaseException as e:  # handed back to the test thread
+            out["error"] = e
+    th = threading.Thread(target=run, name="intruder")
+    th.start()
+    th.join()
+    return out
+
+
+def test_calls_from_a_second_thread_are_refused_and_change_nothing():
+    cache, kv = make()
+    t = np.arange(4)
+    request(cache, kv, t)            # this thread owns the cache now
+    m = cache.match_prefix(t)
+    mine = cache.alloc_pages(1)
+    calls = [lambda: cache.match_prefix(t), lambda: cache.load_back(m),
+             lambda: cache.lock(m.node), lambda: cache.alloc_pages(1),
+             lambda: cache.free_pages(mine), lambda: cache.read_kv(mine),
+             lambda: cache.insert(t[:1] + 50, mine), lambda: cache.evict(4),
+             lambda: cache.evict_host(4), lambda: cache.flush(), lambda: cache.take_events(),
+             lambda: cache.reset(), lambda: cache.close(), lambda: cache.release_thread(),
+             lambda: cache.device_pool]
+    before = snapshot(cache), tree_pages(cache)
+    for call in calls:
+        out = _in_thread(call)
+        assert isinstance(out.get("error"), HiCacheError), (call, out)
+        assert "owned by thread 'MainThread'" in str(out["error"]) and "intruder" in str(out["error"])
+        assert (snapshot(cache), tree_pages(cache)) == before
+    assert _in_thread(cache.stats)["value"]["device_pages"] == 16  # stats: from anywhere
+    cache.free_pages(mine)
+    check(cache, kv)
+
+
+class _Worker:
+    """One long-lived thread that runs what it is given (thread idents are reused once a
+    thread exits, so a test of ownership keeps its threads alive)."""
+
+    def __init__(self, name: str) -> None:
+        import queue
+        self._jobs: "queue.Queue" = queue.Queue()
+        self._results: "queue.Queue" = queue.Queue()
+        self.thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        self.thread.start()
+
+    def _loop(self) -> None:
+        while (fn := self._jobs.get()) is not None:
+            try:
+                self._results.put(("value", fn()))
+            except BaseException as e:  # handed back to the test thread
+                self._results.put(("error", e))
+
+    def run(self, fn):
+        self._jobs.put(fn)
+        kind, out = self._results.get(timeout=60)
+        if kind == "error":
+            raise out
+        return out
+
+    def stop(self) -> None:
+        self._jobs.put(None)
+        self.thread.join()
+
+
+def test_ownership_is_taken_by_the_first_call_and_handed_over_explicitly():
+    """Built on one thread, served from another (a serving stack's scheduler thread); then
+    handed back with release_thread(); a cache whose owner exited goes to the next caller."""
+    cache, kv = make()
+    t = np.arange(4)
+    sched, other = _Worker("scheduler"), _Worker("other")
+    sched.run(lambda: request(cache, kv, t))              # the first call: it owns the cache
+    with pytest.raises(HiCacheError, match="owned by thread 'scheduler'"):
+        cache.match_prefix(t)
+    with pytest.raises(HiCacheError, match="owned by thread 'scheduler'"):
+        other.run(cache.release_thread)                   # only the owner hands it over
+    sched.run(cache.release_thread)
+    assert cache.match_prefix(t).device_len == 4          # this thread took it
+    with pytest.raises(HiCacheError, match="owned by thread 'MainThread'"):
+        sched.run(lambda: cache.match_prefix(t))
+    cache.release_thread()
+    assert other.run(lambda: cache.match_prefix(t).device_len) == 4
+    other.stop()                                          # the owner exits without handing over
+    assert sched.run(lambda: cache.match_prefix(t).device_len) == 4
+    sched.stop()
+    check(cache, kv)
+
+
+def test_every_call_after_close_raises_but_stats():
+    cache, kv = make()
+    t = np.arange(4)
+    request(cache, kv, t)
+    m = cache.match_prefix(t)
+    cache.close()
+    cache.close()                    # idempotent
+    for call in [lambda: cache.match_prefix(t), lambda: cache.load_back(m),
+                 lambda: cache.lock(m.node), lambda: cache.alloc_pages(1),
+                 lambda: cache.insert(t, m.device_pages), lambda: cache.read_kv(m.device_pages),
+                 lambda: cache.evict(1), lambda: cache.flush(), lambda: cache.take_events(),
+                 lambda: cache.reset(), lambda: cache.prefetch(t), lambda: cache.device_pool,
+                 lambda: cache.release_thread()]:
+        with pytest.raises(HiCacheError, match="closed"):
+            call()
+    assert cache.stats()["device_cached_tokens"] == 4
+    assert "value" in _in_thread(cache.stats)

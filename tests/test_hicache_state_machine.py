@@ -35,7 +35,7 @@ from hicache_jax.events import Medium, replay
 from hicache_jax.hicache import _CALLER as _CALLER_OWNED
 from hicache_jax.hicache import _FREE as _FREE_PAGE
 from hicache_jax.hicache import _TREE as _TREE_OWNED
-from hicache_jax.hicache import HiCache
+from hicache_jax.hicache import HiCache, NodeRef
 from hicache_jax.radix import RadixTree
 
 LONG = os.environ.get("HICACHE_HYPOTHESIS_PROFILE") == "long"
@@ -223,6 +223,28 @@ def check_invariants(cache: HiCache) -> None:
     assert all(n.parent is not None for n in cache._caller_locks if n is not tree.root)
 
 
+def _foreign_ref(page_size: int) -> NodeRef:
+    """A Match.node handle of another cache's tree."""
+    root = RadixTree(page_size).root
+    return NodeRef(root, root, 0, np.zeros(0, np.int64))
+
+
+def current_device_pages(cache: HiCache, tokens, extra_key) -> np.ndarray:
+    """Device pages that hold the prefix of ``tokens`` now (a read-only walk: no split, no
+    access stamp), to judge a Match independently of the cache's own staleness check."""
+    ps = cache.spec.page_size
+    arr = np.asarray(tokens, np.int64)
+    arr = arr[: arr.size // ps * ps]
+    path, pos, _ = cache._tree._walk(arr, extra_key)
+    parts, left = [], pos // ps
+    for node in path:
+        if node.value is None or left == 0:
+            break
+        parts.append(node.value[:left])
+        left -= min(left, node.num_pages)
+    return np.concatenate(parts) if parts else np.zeros(0, np.int32)
+
+
 def snapshot(cache: HiCache):
     """Everything a failed call must leave unchanged."""
     return cache.stats(), cache._tree.snapshot(), cache._owner.tobytes(), len(cache._ops)
@@ -309,6 +331,64 @@ class HiCacheMachine(RuleBasedStateMachine):
         """Same as serve: a second rule doubles the share of steps that carry traffic."""
         self.serve(reqs)
 
+    @rule(reqs=st.lists(st.tuples(st.integers(0, 2**32 - 1), st.booleans()), min_size=2,
+                        max_size=6))
+    def serve_batched(self, reqs):
+        """A scheduler's batch (SGLang's pattern): match every request first, then serve them
+        one by one, locks held until the whole batch is inserted. Earlier requests' alloc_pages
+        and load_back evict, so later matches go stale: load_back must return what holds the
+        prefix now, and lock must refuse a stale match (the request then matches again)."""
+        cache, ps = self.cache, self.page_size
+        batch = []
+        for req, load in reqs:
+            self.nreq += 1
+            tokens, extra_key = _tokens(ps, [req, self.nreq])
+            batch.append((tokens, extra_key, load, cache.match_prefix(tokens, extra_key)))
+        started = 0
+        for tokens, extra_key, load, m in batch:
+            if load:
+                m = cache.load_back(m, layerwise=self.layerwise)
+                if m.load_handle is not None:
+                    for layer in range(self.spec.num_layers):
+                        m.load_handle.wait_layer(layer)
+            valid = np.array_equal(current_device_pages(cache, tokens, extra_key)[
+                :m.device_pages.size], m.device_pages)
+            if load:
+                assert valid, "load_back returned a Match that does not describe the cache"
+            try:
+                cache.lock(m.node)
+            except HiCacheError as e:
+                assert "stale" in str(e) or "not in this cache" in str(e), e
+                STALE["refused"] += 1
+                m = cache.match_prefix(tokens, extra_key)
+                cache.lock(m.node)
+            else:
+                assert valid, "lock accepted a stale Match"
+            if self._serve_locked(tokens, extra_key, m):
+                started += 1
+        for _ in range(started):  # the batch ends: every request inserts and unlocks
+            self.finish_request(len(self.open) - started, chunk=False, priority=0)
+            started -= 1
+
+    def _serve_locked(self, tokens, extra_key, m) -> bool:
+        """Check a locked Match's bytes, allocate and write the rest; False (unlocked) when
+        out of pages."""
+        cache, ps = self.cache, self.page_size
+        npre = m.device_pages.size
+        np.testing.assert_array_equal(bits(cache.read_kv(m.device_pages)),
+                                      self.kv.pages(extra_key, tokens, 0, npre))
+        n_new = tokens.shape[0] // ps - npre
+        try:
+            new = cache.alloc_pages(n_new)
+        except OutOfPagesError as e:
+            assert e.needed == n_new and e.free < n_new
+            cache.unlock(m.node)
+            return False
+        cache.write_kv(new, self.kv.pages(extra_key, tokens, npre, npre + n_new))
+        self.open.append(dict(tokens=tokens, extra_key=extra_key, node=m.node,
+                              pages=np.concatenate([m.device_pages, new]), new=new))
+        return True
+
     @precondition(lambda self: len(self.open) < 3)
     @rule(req=st.integers(0, 2**32 - 1), load=st.booleans())
     def start_request(self, req, load):
@@ -332,21 +412,8 @@ class HiCacheMachine(RuleBasedStateMachine):
                         m2.load_handle.wait_layer(layer)
             m = m2
         # Whatever tier served it, the matched prefix reads back the bytes written for it.
-        npre = m.device_pages.size
-        np.testing.assert_array_equal(bits(cache.read_kv(m.device_pages)),
-                                      self.kv.pages(extra_key, tokens, 0, npre))
         cache.lock(m.node)
-        n_new = tokens.shape[0] // ps - npre
-        try:
-            new = cache.alloc_pages(n_new)
-        except OutOfPagesError as e:
-            assert e.needed == n_new and e.free < n_new
-            cache.unlock(m.node)
-            return False
-        cache.write_kv(new, self.kv.pages(extra_key, tokens, npre, npre + n_new))
-        self.open.append(dict(tokens=tokens, extra_key=extra_key, node=m.node,
-                              pages=np.concatenate([m.device_pages, new]), new=new))
-        return True
+        return self._serve_locked(tokens, extra_key, m)
 
     @precondition(lambda self: self.open)
     @rule(i=st.integers(0, 2), chunk=st.booleans(), priority=st.integers(0, 2))
@@ -422,7 +489,7 @@ class HiCacheMachine(RuleBasedStateMachine):
             (ValueError, lambda: cache.match_prefix(np.zeros((2, 2), np.int64))),
             (ValueError, lambda: cache.evict(-1)),
             (HiCacheError, lambda: cache.free_pages(self._tree_page_or_oob())),
-            (HiCacheError, lambda: cache.unlock(RadixTree(self.page_size).root)),
+            (HiCacheError, lambda: cache.unlock(_foreign_ref(self.page_size))),
             (TypeError, lambda: cache.load_back("not a match")),
             (TypeError, lambda: cache.alloc_pages(1.5)),
         ]
@@ -467,6 +534,8 @@ class HiCacheMachine(RuleBasedStateMachine):
 #: the machine stop evicting or loading back fails instead of passing vacuously.
 COVERED = ("evictions", "host_evictions", "backups", "load_backs", "duplicate_pages_freed")
 COVERAGE: collections.Counter = collections.Counter()
+#: Stale matches lock refused, over the whole parametrised run (see test_stale_matches_were_met).
+STALE: collections.Counter = collections.Counter()
 
 POLICIES = ["write_through", "write_through_selective", "write_back"]
 EVICTIONS = ["lru", "lfu", "slru"]
@@ -492,3 +561,11 @@ def test_hicache_state_machine(write_policy, eviction, page_size):
         if key == "host_evictions" and write_policy == "write_through_selective":
             continue  # threshold 2 backs up too little to fill the host tier in so few steps
         assert COVERAGE[key] > 0, f"the machine never exercised {key}: {dict(COVERAGE)}"
+
+
+def test_stale_matches_were_met():
+    """The batched rule must have met stale matches that lock refused (runs after the
+    parametrised state-machine test in this file; alone it drives one short run itself)."""
+    if not STALE["refused"]:
+        test_hicache_state_machine("write_through", "lru", 1)
+    assert STALE["refused"] > 0, "no batched run produced a stale Match"
