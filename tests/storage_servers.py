@@ -12,6 +12,7 @@ Use ``mooncake_skip_reason()`` to skip with the reason when the package or binar
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib.util
 import os
 import signal
@@ -25,6 +26,9 @@ from dataclasses import dataclass, field
 import pytest
 
 BINARIES = ("mooncake_master", "mooncake_client")
+# The extra pins the wheel (mooncake-transfer-engine-non-cuda); its binaries and store module
+# link Debian's libibverbs1.
+INSTALL = 'pip install -e ".[mooncake]" (and apt-get install -y libibverbs1)'
 
 
 def mooncake_dir() -> str | None:
@@ -35,18 +39,20 @@ def mooncake_dir() -> str | None:
     return list(spec.submodule_search_locations)[0]
 
 
+@functools.lru_cache(maxsize=None)
 def mooncake_skip_reason() -> str | None:
-    """Why the Mooncake tests cannot run here, or None when they can."""
+    """Why the Mooncake tests cannot run here (saying what to install), or None when they can."""
     pkg = mooncake_dir()
     if pkg is None:
-        return "mooncake not installed: pip install mooncake-transfer-engine-non-cuda"
+        return f"mooncake not installed: {INSTALL}"
     for name in BINARIES:
         if not os.access(os.path.join(pkg, name), os.X_OK):
-            return f"{name} binary missing from {pkg}"
+            return f"{name} binary missing from {pkg}: {INSTALL}"
     try:
         import mooncake.store  # noqa: F401
     except ImportError as e:
-        return f"mooncake.store does not import ({e}): apt-get install -y libibverbs1"
+        hint = "apt-get install -y libibverbs1" if "libibverbs" in str(e) else INSTALL
+        return f"mooncake.store does not import ({e}): {hint}"
     return None
 
 

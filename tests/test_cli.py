@@ -6,6 +6,8 @@ import sys
 
 import pytest
 
+from storage_servers import free_port, mooncake_skip_reason
+
 from hicache_jax.engine import cli
 
 # The model and pool of test_engine.py (page 16, 64 device pages, chunk 64): compiles are shared.
@@ -38,17 +40,36 @@ def test_bench_table_identical_outputs_and_json(tmp_path, capsys):
     assert data["env"]["backend"] == "cpu"
 
 
-def test_plot_needs_matplotlib_or_writes(tmp_path, capsys):
+def test_plot_without_matplotlib_exits_before_running(tmp_path, monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if not installed
     path = tmp_path / "p.png"
-    try:
-        import matplotlib  # noqa: F401
-    except ImportError:
-        with pytest.raises(SystemExit, match="pip install"):
-            cli.main(["bench", *TINY, "--plot", str(path)])
-        assert not path.exists()
-        return
+    with pytest.raises(SystemExit, match="pip install"):
+        cli.main(["bench", *TINY, "--plot", str(path)])
+    assert not path.exists() and "workload" not in capsys.readouterr().out  # nothing ran
+
+
+def test_plot_writes_a_png(tmp_path):
+    pytest.importorskip("matplotlib", reason='--plot needs matplotlib: pip install -e ".[plot]"')
+    path = tmp_path / "p.png"
     assert cli.main(["bench", *TINY, "--workload", "docqa", "--plot", str(path)]) == 0
-    assert path.stat().st_size > 0
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_storage_mooncake_not_installed_says_what_to_install(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "mooncake.store", None)  # as if not installed
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["bench", *TINY, "--storage", f"mooncake://127.0.0.1:{free_port()}"])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2
+    assert "pip install mooncake-transfer-engine-non-cuda" in err and "libibverbs1" in err
+
+
+@pytest.mark.skipif(mooncake_skip_reason() is not None, reason=str(mooncake_skip_reason()))
+def test_storage_unreachable_mooncake_names_the_address(capsys):
+    addr = f"127.0.0.1:{free_port()}"
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["bench", *TINY, "--storage", f"mooncake://{addr}?setup_timeout_s=1"])
+    assert exc.value.code == 2 and addr in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("argv", [["bench", "--workload", "nope"], ["bench", "--policy", "x"],

@@ -672,10 +672,7 @@ def test_bench_cli_storage_adds_an_l3_run(tmp_path, capsys):
     # never revisit a prefix L2 lost, so nothing is fetched: bench_storage.py measures that)
     assert l3run["l3_stored_pages"] > 0 and hi["l3_stored_pages"] == 0
     assert l3run["recomputed_tokens"] <= hi["recomputed_tokens"]
-    with pytest.raises(SystemExit):
-        cli.main(["bench", *tiny, "--storage", f"mooncake://127.0.0.1:{free_port()}"
-                  "?setup_timeout_s=1"])
-    assert "127.0.0.1" in capsys.readouterr().err
+    # (a Mooncake --storage: test_cli.py, skipped with the reason where Mooncake is missing)
 
 
 # -- randomized: bytes read back always equal bytes written, whichever tier served them ----------
