@@ -637,6 +637,7 @@ class HiCache:
             "load_backs": n["load_backs"], "load_back_tokens": n["load_back_tokens"],
             "load_backs_declined": n["load_backs_declined"],
             "evictions": n["evictions"], "evicted_tokens": n["evicted_tokens"],
+            "eviction_backup_pages": n["eviction_backup_pages"],
             "deleted_tokens": n["deleted_tokens"],
             "host_evictions": n["host_evictions"], "host_evicted_tokens": n["host_evicted_tokens"],
             "duplicate_pages_freed": n["duplicate_pages_freed"],
@@ -701,7 +702,8 @@ class HiCache:
                 freed += self._delete_subtree(node)  # children (none can be locked)
             if parent in tree.evictable_device:
                 heap.push(parent)
-        if claims:
+        if claims:  # a copy on the allocation path: counted, a policy should make it rare
+            self._n["eviction_backup_pages"] += sum(node.num_pages for node, _ in claims)
             self._complete(upto=self._dispatch_backups(claims))
             for node, _ in claims:
                 if node in tree.evictable_device and node.backed_up:

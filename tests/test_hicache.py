@@ -135,6 +135,7 @@ def test_write_back_backs_up_on_evict_then_loads_back():
     assert cache.stats()["backups"] == 0
     assert cache.evict(8) == 8
     assert cache.stats()["backups"] == 1 and cache.stats()["host_cached_tokens"] == 8
+    assert cache.stats()["eviction_backup_pages"] == 8  # copied on the eviction path
     m = cache.load_back(cache.match_prefix(t))
     assert m.device_len == 8
     check(cache, kv)
