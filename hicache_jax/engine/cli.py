@@ -1,5 +1,7 @@
 """``hicache-jax bench``: a workload through three cache configurations, one comparison table.
 
+(``hicache-jax replay TRACE`` replays a production trace instead: see :mod:`hicache_jax.replay`.)
+
 Configurations (same model, same device pool size, same workload; fresh cache each):
 
 * ``no cache``      every prompt is prefilled from scratch;
@@ -33,6 +35,7 @@ import numpy as np
 from hicache_jax.engine.engine import Engine, Generation
 from hicache_jax.engine.model import DecoderModel, ModelConfig, bucket, load_params
 from hicache_jax.engine.workloads import WORKLOADS, Workload
+from hicache_jax import replay as replay_mod
 from hicache_jax.hicache import HiCache
 from hicache_jax.spec import HiCacheConfig
 from hicache_jax.storage import StorageError
@@ -94,7 +97,42 @@ def _parser() -> argparse.ArgumentParser:
     o.add_argument("--plot", metavar="PATH", help="hit ratio and TTFT per turn (needs matplotlib)")
     o.add_argument("--quiet", action="store_true", help="no progress bars")
     b.set_defaults(func=bench)
+    _replay_parser(sub)
     return parser
+
+
+def _replay_parser(sub: Any) -> None:
+    r = sub.add_parser("replay", help="replay a Mooncake / token JSONL trace through HiCache",
+                       description=replay_mod.__doc__.split("\n")[0],
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    r.add_argument("trace", metavar="TRACE", help="Mooncake JSONL (hash_ids) or token JSONL")
+    t = r.add_argument_group("trace")
+    t.add_argument("--block-size", type=int, default=replay_mod.MOONCAKE_BLOCK,
+                   help="tokens per Mooncake hash id")
+    t.add_argument("--limit", type=int, help="replay only the first N requests")
+    c = r.add_argument_group("cache")
+    c.add_argument("--page-size", type=int,
+                   help=f"default: the block size (Mooncake), {replay_mod.TOKEN_PAGE_SIZE} (tokens)")
+    size = c.add_mutually_exclusive_group()
+    size.add_argument("--device-pages", type=int,
+                      help="L1 pages (default: 1/8 of the trace's distinct pages, at least the "
+                           "longest prompt)")
+    size.add_argument("--device-tokens", type=float, help="L1 size in tokens (e.g. 3e6)")
+    size.add_argument("--capacities", metavar="TOKENS,...",
+                      help="capacity sweep: L1 sizes in tokens, e.g. 1e5,3e5,1e6")
+    c.add_argument("--host-ratio", type=float, default=4.0,
+                   help="L2 pages = ratio x L1 pages (0: L1 only)")
+    c.add_argument("--policy", default="write_through",
+                   help="write policy, or a comma list (each is run)")
+    c.add_argument("--eviction", default="lru", help="eviction strategy, or a comma list")
+    c.add_argument("--load-back-threshold", type=int, default=16, help="tokens")
+    c.add_argument("--spec", help="page shape, e.g. layers=32,kv_heads=8,head_dim=128,"
+                                  "dtype=bfloat16 (default: 1 layer, 1 kv head, head_dim 1, float32)")
+    o = r.add_argument_group("output")
+    o.add_argument("--json", metavar="PATH", help="write every figure as JSON")
+    o.add_argument("--plot", metavar="PATH", help="hit ratio versus L1 capacity (needs matplotlib)")
+    o.add_argument("--quiet", action="store_true", help="no progress bar")
+    r.set_defaults(func=replay_command)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -102,6 +140,73 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
     return args.func(args, parser)
+
+
+def _tokens_to_pages(flag: str, tokens: float, page_size: int) -> int:
+    if not (np.isfinite(tokens) and tokens >= page_size):
+        raise ValueError(f"{flag} {tokens:g} must be at least one page ({page_size} tokens)")
+    return int(tokens // page_size)
+
+
+def _replay_setup(args: argparse.Namespace) -> tuple[Any, Any, list[int]]:
+    """Trace, spec and L1 sizes from the flags; ValueError / OSError naming the problem."""
+    if not (np.isfinite(args.host_ratio) and args.host_ratio >= 0):
+        raise ValueError(f"--host-ratio {args.host_ratio} must be a finite number >= 0")
+    if args.json:
+        _check_writable(args.json)
+    trace = replay_mod.load_trace(args.trace, block_size=args.block_size, limit=args.limit)
+    ps = args.page_size if args.page_size is not None else trace.default_page_size()
+    spec = replay_mod.parse_spec(args.spec, ps)
+    if args.capacities:
+        try:
+            sizes = [float(x) for x in args.capacities.split(",") if x.strip()]
+        except ValueError:
+            raise ValueError(f"--capacities {args.capacities!r}: expected numbers, e.g. "
+                             "1e5,3e5") from None
+        pages = [_tokens_to_pages("--capacities", t, ps) for t in sizes]
+    elif args.device_tokens is not None:
+        pages = [_tokens_to_pages("--device-tokens", args.device_tokens, ps)]
+    elif args.device_pages is not None:
+        pages = [args.device_pages]
+    else:
+        pages = [replay_mod.default_device_pages(trace, ps)]
+    for p in pages:  # every configuration is valid before the first replay starts
+        for w in args.policy.split(","):
+            for e in args.eviction.split(","):
+                HiCacheConfig(device_pages=p, host_pages=int(round(args.host_ratio * p)),
+                              write_policy=w.strip(), eviction=e.strip(),
+                              load_back_threshold=args.load_back_threshold)
+    return trace, spec, list(dict.fromkeys(pages))
+
+
+def replay_command(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    """``hicache-jax replay TRACE``: see :mod:`hicache_jax.replay`."""
+    try:
+        if args.plot:
+            replay_mod.require_matplotlib()
+        trace, spec, pages = _replay_setup(args)
+    except (ValueError, TypeError, OSError, ImportError) as exc:
+        parser.exit(2, f"hicache-jax replay: error: {exc}\n")
+    ps = spec.page_size
+    print(f"trace {trace.path}: {trace.format}, {len(trace.requests)} requests, "
+          f"{trace.num_tokens:,} prompt tokens; page {ps} tokens, "
+          f"{spec.page_bytes:,} bytes a page ({spec.num_layers}L {spec.num_kv_heads}x"
+          f"{spec.head_dim} {spec.dtype}); L1 {', '.join(f'{p} pages' for p in pages)}, "
+          f"L2 = {args.host_ratio:g} x L1", flush=True)
+    report = replay_mod.run(
+        trace, spec, device_pages=pages, host_ratio=args.host_ratio,
+        write_policies=[w.strip() for w in args.policy.split(",")],
+        evictions=[e.strip() for e in args.eviction.split(",")],
+        load_back_threshold=args.load_back_threshold, progress=not args.quiet)
+    print(replay_mod.tables(report), flush=True)
+    if args.json:
+        _write_json(args.json, {"benchmark": "hicache-jax replay", "env": replay_mod.environment(),
+                                "config": {k: v for k, v in vars(args).items() if k != "func"},
+                                **report})
+    if args.plot:
+        replay_mod.plot(report, args.plot)
+        print(f"wrote {args.plot}")
+    return 0
 
 
 def build_workload(args: argparse.Namespace) -> Workload:
