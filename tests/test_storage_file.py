@@ -481,6 +481,16 @@ def test_stale_temp_files_are_removed_at_open(root):
     assert not os.path.exists(stale) and os.path.exists(fresh)
 
 
+@pytest.mark.parametrize("key", [".", "..", "abc\n"])
+def test_dot_keys_are_rejected(root, key):
+    store, _ = open_file(root)
+    for call in (lambda: store.put_from([key], [0]), lambda: store.get_into([key], [0]),
+                 lambda: store.exists([key])):
+        with pytest.raises(ValueError, match="key"):
+            call()
+    assert store.stats() == {}
+
+
 # ---- checksums ---------------------------------------------------------------------------------
 @pytest.mark.parametrize("writer_sum,reader_sum", [("crc32", "xxh3"), ("xxh3", "crc32")])
 def test_checksums_interoperate_and_detect_damage(root, writer_sum, reader_sum):

@@ -123,8 +123,10 @@ def check_keys(keys: Any) -> tuple[str, ...]:
         raise TypeError(f"keys must be a list/tuple of str, got {type(keys).__name__}")
     out = tuple(keys)
     for k in out:
-        if not isinstance(k, str) or not _KEY_RE.match(k):
-            raise ValueError(f"key {k!r} must be 1-200 chars of [A-Za-z0-9_.-]")
+        # fullmatch: "$" alone lets a trailing newline through; "." / ".." name no file
+        if not isinstance(k, str) or not _KEY_RE.fullmatch(k) or k in (".", ".."):
+            raise ValueError(f"key {k!r} must be 1-200 chars of [A-Za-z0-9_.-] naming one "
+                             f"file (not '.' or '..')")
     if len(set(out)) != len(out):
         raise ValueError("keys must be unique within one call")
     return out
