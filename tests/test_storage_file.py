@@ -5,6 +5,7 @@ import shutil
 import subprocess
 import sys
 import threading
+import uuid
 from pathlib import Path
 
 import numpy as np
@@ -470,15 +471,96 @@ def test_bad_open_arguments(root, tmp_path):
     assert issubclass(StorageError, HiCacheError)
 
 
+def temp_name(key):
+    """A temp file name as the store writes it: ``<key>.<32 hex>`` (uuid4)."""
+    return f"{key}.{uuid.uuid4().hex}"
+
+
 def test_stale_temp_files_are_removed_at_open(root):
     store, _ = open_file(root)
-    stale = os.path.join(root, ".tmp", "leftover")
-    Path(stale).write_bytes(b"partial")
+    tmp = Path(root, ".tmp")
+    stale, fresh = tmp / temp_name(keys_for(1)[0]), tmp / temp_name(keys_for(1)[0])
+    foreign = tmp / "leftover"  # aged too, but not a name the store writes: not its file
+    for p in (stale, fresh, foreign):
+        p.write_bytes(b"partial")
     os.utime(stale, (1, 1))
-    fresh = os.path.join(root, ".tmp", "in-progress")
-    Path(fresh).write_bytes(b"partial")
+    os.utime(foreign, (1, 1))
     open_file(root)
-    assert not os.path.exists(stale) and os.path.exists(fresh)
+    assert not stale.exists() and fresh.exists() and foreign.exists()
+
+
+# ---- a directory others write to ---------------------------------------------------------------
+def run_isolated(code, root, timeout=120):
+    """Run ``code`` in a fresh interpreter with this module's helpers: an operation that hangs
+    there (a worker blocked for good keeps an interpreter from exiting) fails this test after
+    ``timeout`` seconds instead of wedging the test run."""
+    prelude = (f"import os, stat, sys, numpy as np; sys.path.insert(0, {os.path.dirname(__file__)!r})\n"
+               f"from test_storage_file import open_file, keys_for\nroot = {root!r}\n")
+    try:
+        proc = subprocess.run([sys.executable, "-c", prelude + code], capture_output=True,
+                              text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"hung for {timeout} s")
+    assert proc.returncode == 0, proc.stderr
+
+
+@pytest.mark.parametrize("kind", ["fifo", "symlink_to_fifo"])
+def test_fifo_at_an_entry_path_is_a_miss_never_waited_on(root, kind):
+    run_isolated(f"""
+s, buf = open_file(root)
+keys = keys_for(3)
+assert s.put_from(keys, [0, 1, 2]).wait(30).all()
+path = s.path(keys[1])
+os.unlink(path)
+if {kind!r} == "fifo":
+    os.mkfifo(path)
+else:
+    os.mkfifo(root + "/pipe")
+    os.symlink(root + "/pipe", path)
+ok = s.get_into(keys, [5, 6, 7]).wait(30)        # the old code blocked in open() for good
+assert ok.tolist() == [True, False, True], ok
+assert s.get_into(keys[2:], [8]).wait(30).all()  # the lane is free: later gets land
+assert s.exists(keys).tolist() == [True, False, True]
+assert not s.put_from(keys[1:2], [1]).wait(30).any()  # not replaced, not followed
+assert not stat.S_ISREG(os.lstat(path).st_mode)
+st = s.stats()
+assert st["not_regular"] == 2 and st["puts_dropped"] == 1 and "corrupt" not in st, st
+s.close()
+""", root)
+
+
+def test_symlink_at_an_entry_path_is_not_followed(root, tmp_path):
+    store, buf = open_file(root)
+    keys = keys_for(3)
+    assert store.put_from(keys, [0, 1, 2]).wait(10).all()
+    path = store.path(keys[1])
+    elsewhere = tmp_path / "elsewhere"  # a valid entry of this key, outside the store
+    shutil.copyfile(path, elsewhere)
+    outside = elsewhere.read_bytes()
+    os.unlink(path)
+    os.symlink(elsewhere, path)
+    np.testing.assert_array_equal(store.exists(keys), [True, False, True])
+    np.testing.assert_array_equal(store.get_into(keys, [5, 6, 7]).wait(10), [True, False, True])
+    assert not store.put_from(keys[1:2], [1]).wait(10).any()
+    assert os.path.islink(path) and elsewhere.read_bytes() == outside
+    st = store.stats()
+    assert st["not_regular"] == 2 and st["puts_dropped"] == 1 and "corrupt" not in st
+
+
+def test_directory_at_an_entry_path_is_a_miss_and_a_dropped_put(root):
+    store, buf = open_file(root)
+    keys = keys_for(3)
+    assert store.put_from(keys, [0, 1, 2]).wait(10).all()
+    path = store.path(keys[1])
+    os.unlink(path)
+    os.mkdir(path)
+    for _ in range(2):
+        np.testing.assert_array_equal(store.get_into(keys, [5, 6, 7]).wait(10), [True, False, True])
+        assert not store.put_from(keys[1:2], [1]).wait(10).any()
+    assert not store.exists(keys[1:2]).any() and os.path.isdir(path)
+    st = store.stats()
+    assert st["not_regular"] == 4 and st["puts_dropped"] == 2
+    assert "corrupt" not in st and st.get("put_existing", 0) == 0
 
 
 @pytest.mark.parametrize("key", [".", "..", "abc\n"])
@@ -489,6 +571,77 @@ def test_dot_keys_are_rejected(root, key):
         with pytest.raises(ValueError, match="key"):
             call()
     assert store.stats() == {}
+
+
+@pytest.mark.parametrize("folder", [".tmp", "3f"])
+def test_a_store_folder_that_is_a_symlink_is_refused(root, tmp_path, folder):
+    user = tmp_path / "user"
+    user.mkdir()
+    mine = [user / "thesis.tex", user / temp_name(keys_for(1)[0]), user / keys_for(1)[0]]
+    for p in mine:
+        p.write_bytes(b"the user's data")
+        os.utime(p, (1, 1))
+    os.makedirs(root)
+    os.symlink(user, os.path.join(root, folder))
+    with pytest.raises(StorageUnavailableError, match="symlink"):
+        open_file(root, capacity_bytes=HEADER_BYTES + SPEC.page_bytes)
+    assert all(p.read_bytes() == b"the user's data" for p in mine)
+
+
+def test_eviction_and_sweeps_touch_only_the_stores_own_files(root, tmp_path):
+    entry = HEADER_BYTES + SPEC.page_bytes
+    store, _ = open_file(root, capacity_bytes=4 * entry)
+    key = keys_for(1, start=500)[0]
+    other = next(f"{i:02x}" for i in range(256) if f"{i:02x}" != key[-2:])
+    target = tmp_path / "target"
+    target.write_bytes(b"x" * entry)
+    foreign = [Path(root, "00", "notes.txt"), Path(root, "3f", "has space"),
+               Path(root, other, key),                     # a key's name in another key's folder
+               Path(root, ".tmp", "draft.tex"), Path(root, ".tmp", key + ".not-a-uuid"),
+               Path(root, "README")]
+    for p in foreign:
+        p.write_bytes(b"y" * entry)
+    link = Path(store.path(key))
+    os.symlink(target, link)                               # a symlink at an entry path
+    for p in foreign + [target]:
+        os.utime(p, (1, 1))                                # oldest of all
+    assert store.put_from(keys_for(8), np.arange(8)).wait(10).all()
+    open_file(root, capacity_bytes=4 * entry)              # the sweep at open, too
+    assert all(p.read_bytes() == b"y" * entry for p in foreign)
+    assert link.is_symlink() and target.read_bytes() == b"x" * entry
+    assert store.stats()["evictions"] == 5 and store.usage_bytes() == 3 * entry
+
+
+def test_capacity_enforcement_sweeps_stale_temp_files_and_counts_the_rest(root):
+    entry = HEADER_BYTES + SPEC.page_bytes
+    store, _ = open_file(root, capacity_bytes=10 * entry)
+    tmp = Path(root, ".tmp")
+    stale = tmp / temp_name(keys_for(1)[0])   # a crashed writer's leftover
+    fresh = tmp / temp_name(keys_for(1)[0])   # another process's write in flight
+    stale.write_bytes(b"s" * entry)
+    fresh.write_bytes(b"f" * 5 * entry)
+    os.utime(stale, (1, 1))
+    assert store.put_from(keys_for(6), np.arange(6)).wait(10).all()  # 6 + 5 in flight > 10
+    assert not stale.exists() and fresh.exists()
+    st = store.stats()
+    assert st["temp_swept"] == 1 and st["evictions"] == 2
+    assert store.usage_bytes() == 9 * entry    # 4 entries + the temp file in flight
+
+
+def test_a_long_lived_instance_sweeps_stale_temp_files(root, monkeypatch):
+    from hicache_jax.storage import file as file_mod
+
+    store, _ = open_file(root)                # no capacity bound: no enforcement scans
+    tmp = Path(root, ".tmp")
+    stale, fresh = tmp / temp_name(keys_for(1)[0]), tmp / temp_name(keys_for(1)[0])
+    for p in (stale, fresh):
+        p.write_bytes(b"partial")
+    os.utime(stale, (1, 1))
+    assert store.put_from(keys_for(1), [0]).wait(10).all()
+    assert stale.exists()                     # not due yet: puts do not scan the temp folder
+    monkeypatch.setattr(file_mod, "_SWEEP_INTERVAL_S", 0.0)   # due at every put
+    assert store.put_from(keys_for(1, start=1), [1]).wait(10).all()
+    assert not stale.exists() and fresh.exists() and store.stats()["temp_swept"] == 1
 
 
 # ---- checksums ---------------------------------------------------------------------------------

@@ -14,30 +14,50 @@ the oldest entries down to 90% of the bound. With k instances the directory can 
 about k x 5% between scans. Concurrent instances are safe: renames are atomic, a removed file
 that another instance has open stays readable, and a vanished file is a miss.
 
+A directory others write to: the store reads, counts and removes only what it writes itself.
+An entry is a regular file named like a key (``check_keys``) in the folder ``path`` gives that
+name; a temp file is ``.tmp/<key>.<32 hex>``. Anything else at an entry path (a directory, FIFO,
+device, a symlink: never followed, never waited on) is a miss, a put onto it is dropped, and both
+count ``not_regular``; other names are never counted or removed. The store refuses a ``.tmp`` or
+two-hex folder that is a symlink (``StorageUnavailableError``), and removes files through a
+descriptor of their folder opened without following symlinks, only while the name still holds
+the file it looked at. Temp files older than ``_STALE_TMP_S`` (a crashed writer's) are swept at
+open, at each capacity scan, and at least every ``_SWEEP_INTERVAL_S`` of a long-lived instance;
+younger ones (another process's write in flight) count against the capacity.
+
 Threads: the lanes of ``BackendBase``; this module holds no JAX arrays.
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import os
 import re
+import stat
 import time
 import uuid
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
 
 from hicache_jax.spec import HostLayout, KVSpec, check_bool
 from hicache_jax.storage._base import BackendBase, StorageUnavailableError
-from hicache_jax.storage.format import HEADER_BYTES, Verdict
+from hicache_jax.storage.format import HEADER_BYTES, Verdict, check_keys
 
 _TMP = ".tmp"
 _STALE_TMP_S = 600.0       # temp files older than this are leftovers of a crashed writer
+_SWEEP_INTERVAL_S = 60.0   # a long-lived instance sweeps stale temp files this often (at a put)
 _LOW_WATER = 0.9           # capacity enforcement removes down to this fraction
 _RESCAN_FRACTION = 0.05    # rescan after writing this fraction of the capacity
 _MAX_IOV = 512             # stay well under IOV_MAX (1024) per readv/writev call
 _HEX2 = re.compile(r"^[0-9a-f]{2}$")
+_FOLDERS = tuple(f"{i:02x}" for i in range(256))
+_TMP_NAME = re.compile(r"(.+)\.[0-9a-f]{32}")  # <key>.<uuid4 hex>, as _put_one names them
+# O_NONBLOCK: opening a FIFO never waits for a writer (fstat then refuses it); it has no effect
+# on reads of a regular file. O_NOFOLLOW: a symlink at an entry path fails to open (ELOOP).
+_ENTRY_FLAGS = os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW
 
 
 class FileStorage(BackendBase):
@@ -70,32 +90,46 @@ class FileStorage(BackendBase):
         self.url = f"file://{os.path.abspath(root)}"
         self.root = root
         try:
-            os.makedirs(os.path.join(root, _TMP), exist_ok=True)
-            for i in range(256):
-                os.makedirs(os.path.join(root, f"{i:02x}"), exist_ok=True)
+            os.makedirs(root, exist_ok=True)
+            for name in (_TMP,) + _FOLDERS:
+                self._own_folder(os.path.join(root, name))
         except OSError as e:
             self.close()
             raise StorageUnavailableError(f"file storage directory {root!r} is not usable: {e}") from e
+        except StorageUnavailableError:
+            self.close()
+            raise
         self.capacity_bytes = capacity_bytes
         self.fsync = fsync
         self._headers = {kind: np.zeros(HEADER_BYTES, np.uint8) for kind in ("get", "put")}
         self._usage = 0
         self._since_scan = 0
-        self._remove_stale_tmp()
+        self._last_sweep = time.monotonic()
         if capacity_bytes is not None:
-            self._enforce_capacity()
+            self._enforce_capacity()  # sweeps the temp folder too
+        else:
+            self._sweep_tmp()
+
+    @staticmethod
+    def _own_folder(path: str) -> None:
+        """Create ``path`` or check that it is a real directory (not a symlink to one)."""
+        try:
+            os.mkdir(path)
+        except FileExistsError:
+            pass
+        if not stat.S_ISDIR(os.lstat(path).st_mode):
+            raise StorageUnavailableError(
+                f"file storage folder {path!r} is a symlink or not a directory: the store keeps "
+                f"its own folders there (remove it, or point file:// at another directory)")
 
     def path(self, key: str) -> str:
         """Where the entry of ``key`` lives: folder = the key's last two characters when they
         are lowercase hex (the cache's keys end in a page hash), else a digest of the key."""
-        tail = key[-2:]
-        if len(tail) != 2 or not _HEX2.match(tail):
-            tail = hashlib.blake2b(key.encode(), digest_size=1).hexdigest()
-        return os.path.join(self.root, tail, key)
+        return os.path.join(self.root, _folder(key), key)
 
     # ---- lanes -----------------------------------------------------------------------------
     def _exists(self, keys: tuple[str, ...]) -> np.ndarray:
-        return np.fromiter((os.path.exists(self.path(k)) for k in keys), dtype=bool, count=len(keys))
+        return np.fromiter((_is_regular(self.path(k)) for k in keys), dtype=bool, count=len(keys))
 
     def _get(self, keys: tuple[str, ...], ids: np.ndarray) -> np.ndarray:
         ok = np.zeros(len(keys), dtype=bool)
@@ -110,17 +144,22 @@ class FileStorage(BackendBase):
     def _get_one(self, key: str, page: int, header: np.ndarray) -> bool:
         path = self.path(key)
         try:
-            fd = os.open(path, os.O_RDONLY)
+            fd = os.open(path, _ENTRY_FLAGS)
         except FileNotFoundError:
             return False
-        except OSError:
-            self._count(get_errors=1)
+        except OSError as e:
+            refused = e.errno in (errno.ELOOP, errno.EMLINK) or _is_other(path)  # symlink, socket
+            self._count(**{"not_regular" if refused else "get_errors": 1})
             return False
         try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):  # a directory, FIFO, device: not an entry
+                self._count(not_regular=1)
+                return False
             parts = self.host.parts(page)
             if self.host.entries:  # the row's own header slot: header + page in one run
                 header = self.host.header(page)
-            size = os.fstat(fd).st_size
+            size = st.st_size
             nread = self._readv(fd, [header] + parts) if size == self.codec.entry_bytes else size
             verdict = self.codec.verify(header, key, parts, nread)
             if verdict is Verdict.VALID:
@@ -135,7 +174,7 @@ class FileStorage(BackendBase):
             self._count(uncheckable=1)
             return False
         self._count(corrupt=1)
-        self._unlink(path)
+        self._remove(_folder(key), [(key, st.st_ino)])
         return False
 
     def _put(self, keys: tuple[str, ...], ids: np.ndarray) -> np.ndarray:
@@ -145,13 +184,17 @@ class FileStorage(BackendBase):
         for i, (key, page) in enumerate(zip(keys, ids)):
             path = self.path(key)
             try:
-                os.stat(path)
+                st = os.lstat(path)
             except FileNotFoundError:
                 pass
             except OSError:
                 self._count(puts_dropped=1)
                 continue
-            else:  # write-once: present already, just refresh its LRU age
+            else:
+                if not stat.S_ISREG(st.st_mode):  # not ours to replace: left as it is
+                    self._count(puts_dropped=1, not_regular=1)
+                    continue
+                # write-once: present already, just refresh its LRU age
                 self._touch(path)
                 ok[i] = True
                 self._count(put_existing=1)
@@ -166,6 +209,8 @@ class FileStorage(BackendBase):
             if (self._usage > self.capacity_bytes
                     or self._since_scan > _RESCAN_FRACTION * self.capacity_bytes):
                 self._enforce_capacity()
+        if time.monotonic() - self._last_sweep >= _SWEEP_INTERVAL_S:
+            self._sweep_tmp()
         return ok
 
     def _put_one(self, path: str, key: str, page: int, header: np.ndarray) -> bool:
@@ -193,59 +238,102 @@ class FileStorage(BackendBase):
             self._unlink(tmp)
             return False
 
-    # ---- capacity --------------------------------------------------------------------------
-    def _scan(self) -> list[tuple[int, int, str]]:
-        entries = []
-        for i in range(256):
-            try:
-                with os.scandir(os.path.join(self.root, f"{i:02x}")) as it:
-                    for e in it:
-                        try:
-                            st = e.stat(follow_symlinks=False)
-                        except FileNotFoundError:
-                            continue
-                        entries.append((st.st_mtime_ns, st.st_size, e.path))
-            except FileNotFoundError:
-                continue
-        return entries
+    # ---- capacity and sweeps ---------------------------------------------------------------
+    def _scan(self) -> list[tuple[int, int, str, str, int]]:
+        """The store's entries now: ``(mtime_ns, size, folder, name, inode)``."""
+        return [(st.st_mtime_ns, st.st_size, folder, name, st.st_ino)
+                for folder in _FOLDERS for name, st in self._listing(folder)
+                if _folder(name) == folder and _is_key(name)]
 
     def _enforce_capacity(self) -> None:
         entries = self._scan()
-        total = sum(size for _, size, _ in entries)
+        total = self._sweep_tmp() + sum(size for _, size, _, _, _ in entries)
         if total > self.capacity_bytes:
             entries.sort()
             target = _LOW_WATER * self.capacity_bytes
-            removed = 0
-            for _, size, path in entries:
+            victims: dict[str, list[tuple[str, int]]] = {}
+            for _, size, folder, name, ino in entries:
                 if total <= target:
                     break
-                if self._unlink(path):
-                    removed += 1
+                victims.setdefault(folder, []).append((name, ino))
                 total -= size  # gone either way: by us or by another instance
+            removed = sum(self._remove(folder, names) for folder, names in victims.items())
             self._count(evictions=removed)
         self._usage = total
         self._since_scan = 0
 
     def usage_bytes(self) -> int:
-        """Bytes of all entries in the directory now (a full scan)."""
-        return sum(size for _, size, _ in self._scan())
+        """Bytes of the store's files in the directory now: entries and temp files (a full scan)."""
+        temps = sum(st.st_size for name, st in self._listing(_TMP) if _is_temp(name))
+        return temps + sum(size for _, size, _, _, _ in self._scan())
+
+    def _sweep_tmp(self) -> int:
+        """Remove the store's temp files older than ``_STALE_TMP_S``; returns the bytes of the
+        younger ones (writes in flight, of this or another process)."""
+        self._last_sweep = time.monotonic()
+        cutoff = time.time() - _STALE_TMP_S
+        stale, live = [], 0
+        for name, st in self._listing(_TMP):
+            if not _is_temp(name):
+                continue
+            if st.st_mtime < cutoff:
+                stale.append((name, st.st_ino))
+            else:
+                live += st.st_size
+        self._count(temp_swept=self._remove(_TMP, stale))
+        return live
+
+    def _listing(self, folder: str) -> Iterator[tuple[str, os.stat_result]]:
+        """``(name, lstat)`` of the regular files in one of the store's folders (nothing when
+        the folder is gone or has become a symlink)."""
+        try:
+            fd = os.open(os.path.join(self.root, folder), _DIR_FLAGS)
+        except OSError:
+            return
+        try:
+            with os.scandir(fd) as it:
+                for e in it:
+                    try:
+                        if e.is_file(follow_symlinks=False):
+                            yield e.name, e.stat(follow_symlinks=False)
+                    except FileNotFoundError:
+                        continue
+        finally:
+            os.close(fd)
+
+    def _remove(self, folder: str, victims: list[tuple[str, int]]) -> int:
+        """Unlink files ``(name, inode)`` of one of the store's folders, relative to a descriptor
+        of it opened without following a symlink, each only while the name still holds that
+        regular file (another writer may have replaced it). Returns how many were removed."""
+        if not victims:
+            return 0
+        try:
+            fd = os.open(os.path.join(self.root, folder), _DIR_FLAGS)
+        except OSError:
+            return 0
+        removed = 0
+        try:
+            for name, ino in victims:
+                try:
+                    st = os.lstat(name, dir_fd=fd)
+                    if stat.S_ISREG(st.st_mode) and st.st_ino == ino:
+                        os.unlink(name, dir_fd=fd)
+                        removed += 1
+                except OSError:  # already gone (another instance) or not ours to remove
+                    continue
+        finally:
+            os.close(fd)
+        return removed
 
     # ---- small helpers ---------------------------------------------------------------------
-    def _remove_stale_tmp(self) -> None:
-        now = time.time()
-        with os.scandir(os.path.join(self.root, _TMP)) as it:
-            for e in it:
-                try:
-                    if now - e.stat().st_mtime > _STALE_TMP_S:
-                        self._unlink(e.path)
-                except FileNotFoundError:
-                    continue
-
     def _touch(self, target: int | str) -> None:
         """Refresh an entry's LRU age (mtime), best effort: an entry another user owns, or a
         read-only directory, is still a valid entry (counted ``lru_touch_failed``)."""
         try:
-            os.utime(target)
+            if isinstance(target, int):
+                os.utime(target)
+            else:
+                os.utime(target, follow_symlinks=False)
         except OSError:
             self._count(lru_touch_failed=1)
 
@@ -275,3 +363,40 @@ class FileStorage(BackendBase):
 
     def _close(self) -> None:
         return None
+
+
+def _folder(name: str) -> str:
+    """The folder of an entry name: its last two characters when they are lowercase hex (the
+    cache's keys end in a page digest), else one byte of a digest of the name."""
+    tail = name[-2:]
+    if len(tail) != 2 or not _HEX2.match(tail):
+        tail = hashlib.blake2b(name.encode(), digest_size=1).hexdigest()
+    return tail
+
+
+def _is_key(name: str) -> bool:
+    try:
+        check_keys((name,))
+    except ValueError:
+        return False
+    return True
+
+
+def _is_temp(name: str) -> bool:
+    m = _TMP_NAME.fullmatch(name)
+    return m is not None and _is_key(m.group(1))
+
+
+def _is_regular(path: str) -> bool:
+    try:
+        return stat.S_ISREG(os.lstat(path).st_mode)
+    except OSError:
+        return False
+
+
+def _is_other(path: str) -> bool:
+    """Whether something that is not a regular file is at ``path``."""
+    try:
+        return not stat.S_ISREG(os.lstat(path).st_mode)
+    except OSError:
+        return False
