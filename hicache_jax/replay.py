@@ -11,12 +11,13 @@ Input (one request a line, format auto-detected from the first record):
 
 Bad input raises ``ValueError`` naming the file and the line.
 
-Each request is served one at a time with the serving pattern of DESIGN.md, through the public
-API only: ``match_prefix``, ``load_back``, ``lock``, ``alloc_pages`` (the pages it computes),
-``insert``, ``unlock``. ``write_kv`` of the computed pages is skipped for speed: the pool holds
-whatever bytes it holds, but every backup and load-back still moves real bytes between the
-tiers (``bytes_to_host`` / ``bytes_to_device`` are real copies). A prompt longer than the
-device pool caches only its first ``device_pages`` pages (what a server could hold at once).
+Requests are served in file order, one at a time (timestamps are not used: no concurrency),
+each with the serving pattern of DESIGN.md through the public API only: ``match_prefix``,
+``load_back``, ``lock``, ``alloc_pages`` (the pages it computes), ``insert``, ``unlock``.
+``write_kv`` of the computed pages is skipped for speed: the pool holds whatever bytes it
+holds, but every backup and load-back still moves real bytes between the tiers
+(``bytes_to_host`` / ``bytes_to_device`` are real copies). A prompt longer than the device
+pool caches only its first ``device_pages`` pages (what a server could hold at once).
 The default :data:`TINY_SPEC` (one layer, one head, head_dim 1, float32: 8 bytes a token)
 keeps a 60M-token trace in memory; ``spec`` replays with a real model's page bytes.
 
@@ -183,7 +184,8 @@ def load_trace(path: str | os.PathLike, *, block_size: int = MOONCAKE_BLOCK,
             try:
                 obj = json.loads(text)
             except json.JSONDecodeError as exc:
-                raise ValueError(f"{where}: malformed JSON ({exc.msg} at column {exc.colno})") from None
+                raise ValueError(f"{where}: malformed JSON ({exc.msg} at column "
+                                 f"{exc.colno})") from None
             kind, req = _parse_record(obj, where, block_size, lineno)
             if fmt is not None and kind != fmt:
                 raise ValueError(f"{where}: a {kind} record in a {fmt} trace")
@@ -330,7 +332,7 @@ def replay(trace: Trace, spec: KVSpec, cfg: HiCacheConfig, *, progress: bool = F
     """
     cache = HiCache(spec, cfg, clock=_counter_clock())
     ps, cap = spec.page_size, cfg.device_pages
-    prompt = device_hit = host_hit = declined = 0
+    prompt = device_hit = host_hit = declined = 0  # tokens
     bar = _progress_bar(len(trace.requests), desc, progress)
     t0 = time.perf_counter()
     try:
@@ -353,26 +355,38 @@ def replay(trace: Trace, spec: KVSpec, cfg: HiCacheConfig, *, progress: bool = F
             if bar is not None:
                 bar.update(1)
         wall = time.perf_counter() - t0
-        s = cache.stats()
+        stats = cache.stats()
     finally:
         if bar is not None:
             bar.close()
         cache.close()
     return {
-        "write_policy": cfg.write_policy.value, "eviction": cfg.eviction.value,
+        "write_policy": _label(cfg.write_policy), "eviction": _label(cfg.eviction),
         "device_pages": cap, "host_pages": cfg.host_pages, "page_size": ps,
         "load_back_threshold": cfg.load_back_threshold,
         "requests": len(trace.requests), "prompt_tokens": prompt,
         "device_hit_tokens": device_hit, "host_hit_tokens": host_hit,
         "host_declined_tokens": declined, "hit_tokens": device_hit + host_hit,
         "hit_ratio": (device_hit + host_hit) / prompt if prompt else 0.0,
+    } | _counters(stats, ps) | {
+        "wall_s": wall, "requests_per_s": len(trace.requests) / wall if wall > 0 else 0.0,
+    }
+
+
+def _label(policy: Any) -> str:
+    """A policy as its string (an enum's value), whatever type the config resolved it to."""
+    return str(getattr(policy, "value", policy))
+
+
+def _counters(s: dict[str, Any], ps: int) -> dict[str, int]:
+    """The cache's transfer and eviction counters, pages where the cache counts tokens."""
+    return {
         "bytes_to_host": s["bytes_to_host"], "bytes_to_device": s["bytes_to_device"],
         "backups": s["backups"], "load_backs": s["load_backs"],
         "load_backs_declined": s["load_backs_declined"],
         "evicted_pages": s["evicted_tokens"] // ps,
         "eviction_backup_pages": s["eviction_backup_pages"],
         "host_evicted_pages": s["host_evicted_tokens"] // ps,
-        "wall_s": wall, "requests_per_s": len(trace.requests) / wall if wall > 0 else 0.0,
     }
 
 
@@ -411,13 +425,14 @@ def run(trace: Trace, spec: KVSpec, *, device_pages: Sequence[int], host_ratio: 
     ratio = {c: h / prompt if prompt else 0.0 for c, h in hits.items()}
     results = []
     for i, cfg in enumerate(cfgs):
-        desc = f"[{i + 1}/{len(cfgs)}] {cfg.write_policy.value}/{cfg.eviction.value} L1 {cfg.device_pages}"
+        desc = (f"[{i + 1}/{len(cfgs)}] {_label(cfg.write_policy)}/{_label(cfg.eviction)} "
+                f"L1 {cfg.device_pages}")
         r = replay(trace, spec, cfg, progress=progress, desc=desc)
         refs = {"infinite": ratio[None], "lru_total": ratio[cfg.device_pages + cfg.host_pages],
                 "lru_l1": ratio[cfg.device_pages]}
         for name, ref in refs.items():
             r[f"{name}_hit_ratio"] = ref
-            r[f"vs_{name}"] = r["hit_ratio"] / ref if ref else float("nan")
+            r[f"vs_{name}"] = r["hit_ratio"] / ref if ref else None  # no hit possible
         results.append(r)
     return {"trace": trace.describe() | {"distinct_pages": distinct},
             "spec": dataclasses.asdict(spec), "host_ratio": host_ratio,
@@ -428,8 +443,9 @@ def run(trace: Trace, spec: KVSpec, *, device_pages: Sequence[int], host_ratio: 
 # ------------------------------------------------------------------------------------ output
 
 def format_table(headers: Sequence[str], rows: Iterable[Sequence[Any]]) -> str:
-    """A right-aligned text table; floats get 4 significant digits."""
-    body = [[f"{v:.4g}" if isinstance(v, float) else str(v) for v in r] for r in rows]
+    """A right-aligned text table; floats get 4 significant digits, None is "-"."""
+    body = [[f"{v:.4g}" if isinstance(v, float) else "-" if v is None else str(v) for v in r]
+            for r in rows]
     widths = [max([len(h)] + [len(r[i]) for r in body]) for i, h in enumerate(headers)]
     lines = ["  ".join(h.rjust(w) for h, w in zip(headers, widths)),
              "  ".join("-" * w for w in widths)]
