@@ -112,11 +112,12 @@ def _replay_parser(sub: Any) -> None:
     t.add_argument("--limit", type=int, help="replay only the first N requests")
     c = r.add_argument_group("cache")
     c.add_argument("--page-size", type=int,
-                   help=f"default: the block size (Mooncake), {replay_mod.TOKEN_PAGE_SIZE} (tokens)")
+                   help="tokens a page; unset: the block size for a Mooncake trace, "
+                        f"{replay_mod.TOKEN_PAGE_SIZE} for a token trace")
     size = c.add_mutually_exclusive_group()
     size.add_argument("--device-pages", type=int,
-                      help="L1 pages (default: 1/8 of the trace's distinct pages, at least the "
-                           "longest prompt)")
+                      help="L1 pages; with no size given, 1/8 of the trace's distinct pages "
+                           "(at least the longest prompt)")
     size.add_argument("--device-tokens", type=float, help="L1 size in tokens (e.g. 3e6)")
     size.add_argument("--capacities", metavar="TOKENS,...",
                       help="capacity sweep: L1 sizes in tokens, e.g. 1e5,3e5,1e6")
@@ -127,7 +128,8 @@ def _replay_parser(sub: Any) -> None:
     c.add_argument("--eviction", default="lru", help="eviction strategy, or a comma list")
     c.add_argument("--load-back-threshold", type=int, default=16, help="tokens")
     c.add_argument("--spec", help="page shape, e.g. layers=32,kv_heads=8,head_dim=128,"
-                                  "dtype=bfloat16 (default: 1 layer, 1 kv head, head_dim 1, float32)")
+                                  "dtype=bfloat16; unset: 1 layer, 1 kv head, head_dim 1, "
+                                  "float32")
     o = r.add_argument_group("output")
     o.add_argument("--json", metavar="PATH", help="write every figure as JSON")
     o.add_argument("--plot", metavar="PATH", help="hit ratio versus L1 capacity (needs matplotlib)")
@@ -193,6 +195,7 @@ def replay_command(args: argparse.Namespace, parser: argparse.ArgumentParser) ->
           f"{spec.page_bytes:,} bytes a page ({spec.num_layers}L {spec.num_kv_heads}x"
           f"{spec.head_dim} {spec.dtype}); L1 {', '.join(f'{p} pages' for p in pages)}, "
           f"L2 = {args.host_ratio:g} x L1", flush=True)
+    env = replay_mod.environment()  # date and load average at the start; the load at the end too
     report = replay_mod.run(
         trace, spec, device_pages=pages, host_ratio=args.host_ratio,
         write_policies=[w.strip() for w in args.policy.split(",")],
@@ -200,7 +203,8 @@ def replay_command(args: argparse.Namespace, parser: argparse.ArgumentParser) ->
         load_back_threshold=args.load_back_threshold, progress=not args.quiet)
     print(replay_mod.tables(report), flush=True)
     if args.json:
-        _write_json(args.json, {"benchmark": "hicache-jax replay", "env": replay_mod.environment(),
+        env["load_average_end"] = replay_mod.environment()["load_average"]
+        _write_json(args.json, {"benchmark": "hicache-jax replay", "env": env,
                                 "config": {k: v for k, v in vars(args).items() if k != "func"},
                                 **report})
     if args.plot:
