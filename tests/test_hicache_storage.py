@@ -13,11 +13,12 @@ import numpy as np
 import pytest
 
 from storage_servers import free_port, mooncake_skip_reason, running_mooncake
+from test_hicache_state_machine import check_invariants
 
 from hicache_jax import HiCacheConfig, KVSpec
 from hicache_jax.hicache import HiCache
 from hicache_jax.radix import chain_hashes, namespace_hash
-from hicache_jax.storage import StorageUnavailableError
+from hicache_jax.storage import StorageUnavailableError, page_keys
 
 SPEC = KVSpec(num_layers=2, num_kv_heads=2, head_dim=8, dtype="float32", page_size=4)
 PS = SPEC.page_size
@@ -28,9 +29,20 @@ needs_mooncake = pytest.mark.skipif(mooncake_skip_reason() is not None,
 
 
 def make(url, device_pages=32, host_pages=64, **kw):
-    cfg = HiCacheConfig(device_pages=device_pages, host_pages=host_pages, storage=url,
-                        write_through_threshold=1, load_back_threshold=PS, **kw)
+    kw = {"write_through_threshold": 1, "load_back_threshold": PS, **kw}
+    cfg = HiCacheConfig(device_pages=device_pages, host_pages=host_pages, storage=url, **kw)
     return HiCache(SPEC, cfg)
+
+
+def check_host_prefix(cache):
+    """DESIGN.md, write_through modes: a backed-up node's parent is backed up (a continuous
+    prefix from the root), pages fetched from L3 included: no exception for them."""
+    if not cache._write.continuous_prefix:
+        return
+    for node in cache._tree.nodes():
+        if node.host_value is not None:
+            assert node.parent.parent is None or node.parent.host_value is not None, \
+                f"{node!r} backed up under {node.parent!r}, which is not (gap in the host prefix)"
 
 
 def tokens_kv(seed, npages):
@@ -318,6 +330,161 @@ def test_prefetch_of_a_prompt_that_diverges_is_its_own(url):
     b.close()
 
 
+def test_longer_prompt_gets_the_rest_beyond_a_shorter_prefetch_in_flight(url):
+    """A prefetch whose prompt ended does not cover a longer prompt: that one gets a prefetch of
+    the rest, chained after it (nothing fetched twice), and every page arrives."""
+    toks, kv = _seed_store(url, 15, 6)
+    b = make(url, prefetch_policy="wait_complete")
+    gate = _gated_gets(b)
+    h1 = b.prefetch(toks[:2 * PS])  # ends with its prompt: L3 holds more
+    h2 = b.prefetch(toks)
+    assert h2 is not h1 and (h2.start, h2.pages_found) == (2 * PS, 4)  # the rest only
+    assert b.prefetch(toks[:4 * PS]) is h2 and b.prefetch(toks[:2 * PS]) is h1
+    gate.set()
+    host, dev, got = read_prefix(b, toks)
+    assert host == dev == 6 * PS
+    np.testing.assert_array_equal(got, bits(kv))
+    b.flush()
+    s = l3(b)
+    assert (s["l3_prefetch_pages"], s["l3_prefetch_hit_pages"]) == (6, 6)
+    assert s["l3_prefetch_duplicate_pages"] == 0 and s["l3_prefetch_missed_pages"] == 0
+    assert b.stats()["host_used_pages"] == 6 and s["l3_staging_free_pages"] == 128
+    b._tree.check_invariants()
+    check_host_prefix(b)
+    b.close()
+
+
+def test_prefetch_stopped_by_l3_is_shared_only_by_prompts_l3_stops_for_too(url):
+    """A prefetch that stopped at a page L3 did not hold covers a prompt with that same next
+    page; a prompt that goes on differently, with pages L3 holds, gets the rest of its own."""
+    p, pkv = tokens_kv(16, 6)
+    q, qkv = p.copy(), pkv.copy()
+    q[3 * PS:] += 1  # shares pages 0..2 with p
+    qkv[:, :, 3:] += 1
+    a = make(url)
+    compute(a, p[:3 * PS], pkv[:, :, :3])  # L3: p's pages 0..2 ...
+    compute(a, q, qkv)                      # ... and all of q
+    a.close()
+    b = make(url, prefetch_policy="wait_complete")
+    gate = _gated_gets(b)
+    h1 = b.prefetch(p)
+    assert h1.pages_found == 3
+    assert b.prefetch(p) is h1  # L3 stops at page 3 for p: nothing more to fetch
+    h2 = b.prefetch(q)
+    assert h2 is not h1 and (h2.start, h2.pages_found) == (3 * PS, 3)
+    gate.set()
+    host, dev, got = read_prefix(b, q)
+    assert host == dev == 6 * PS
+    np.testing.assert_array_equal(got, bits(qkv))
+    b.flush()
+    s = l3(b)
+    assert (s["l3_prefetch_pages"], s["l3_prefetch_duplicate_pages"]) == (6, 0)
+    b._tree.check_invariants()
+    b.close()
+
+
+def test_chained_prefetch_gives_up_when_the_one_before_comes_up_short(url):
+    """The rest of a prompt hangs below the pages of the prefetch before it: when those did
+    not arrive, its pages are dropped (freed), never attached under a gap."""
+    toks, kv = _seed_store(url, 18, 6)
+    b = make(url + "?batch_pages=1", prefetch_policy="best_effort")
+    permits = _counted_gets(b, limit_s=0.5)
+    h1 = b.prefetch(toks[:2 * PS])
+    h2 = b.prefetch(toks)
+    assert h2.start == 2 * PS
+    permits.release(1)  # h1's first page; its second times out (a miss), then h2's pages
+    assert h1.wait(10) == 1
+    permits.release(4)
+    assert h2.wait(10) == 4
+    assert b.match_prefix(toks).host_len == PS
+    s = l3(b)
+    assert (s["l3_prefetch_hit_pages"], s["l3_prefetch_dropped_pages"]) == (1, 4)
+    assert b.stats()["host_used_pages"] == 1 and s["l3_staging_free_pages"] == 128
+    b._tree.check_invariants()
+    b.close()
+
+
+@pytest.mark.parametrize("policy", ["write_through", "write_through_selective"])
+def test_fetch_starts_at_the_deepest_backed_up_node_and_backs_up_device_nodes(url, policy):
+    """write_through modes: pages fetched from L3 attach below the deepest backed-up node
+    (DESIGN.md): the fetch starts there, the device node on the way takes its fetched pages as
+    its host copy (a HOST BlockStored event), the rest becomes a host-only leaf."""
+    from hicache_jax import BlockStored, Medium
+
+    toks, kv = _seed_store(url, 17, 6)
+    b = make(url, write_policy=policy, write_through_threshold=8,
+             storage_write_policy="write_through_selective", prefetch_policy="wait_complete")
+    pages = b.alloc_pages(2)
+    b.write_kv(pages, kv[:, :, :2])
+    b.insert(toks[:2 * PS], pages)  # on device, not backed up (threshold 8)
+    b.take_events()
+    h = b.prefetch(toks)
+    assert (h.start, h.pages_found) == (0, 6)  # from the root: the device pages too
+    m = b.match_prefix(toks)
+    assert (m.device_len, m.host_len) == (2 * PS, 4 * PS)
+    check_host_prefix(b)
+    dev_node = b._tree.match(toks[:2 * PS]).node
+    assert dev_node.value is not None and dev_node.host_value is not None
+    np.testing.assert_array_equal(bits(np.asarray(b._host.read(dev_node.host_value))),
+                                  bits(kv[:, :, :2]))
+    host_events = [e.block_hash for e in b.take_events()
+                   if isinstance(e, BlockStored) and e.medium is Medium.HOST]
+    assert host_events == chain_hashes(namespace_hash(None), toks.reshape(-1, PS)).tolist()
+    s = l3(b)
+    assert (s["l3_prefetch_backfill_pages"], s["l3_prefetch_hit_pages"]) == (2, 4)
+    b.evict(10**6)  # the device node keeps its host copy: nothing is lost
+    host, dev, got = read_prefix(b, toks)
+    assert host == dev == 6 * PS
+    np.testing.assert_array_equal(got, bits(kv))
+    b.flush()
+    check_host_prefix(b)
+    b._tree.check_invariants()
+    b.close()
+
+
+def test_write_back_fetch_starts_where_l1_l2_end(url):
+    """write_back needs no continuous host prefix: positions on device are not fetched."""
+    toks, kv = _seed_store(url, 19, 6)
+    b = make(url, write_policy="write_back", prefetch_policy="wait_complete")
+    pages = b.alloc_pages(2)
+    b.write_kv(pages, kv[:, :, :2])
+    b.insert(toks[:2 * PS], pages)
+    h = b.prefetch(toks)
+    assert (h.start, h.pages_found) == (2 * PS, 4)
+    host, dev, got = read_prefix(b, toks)
+    assert (host, dev) == (4 * PS, 6 * PS)
+    np.testing.assert_array_equal(got, bits(kv))
+    assert l3(b)["l3_prefetch_backfill_pages"] == 0
+    b.close()
+
+
+def test_prefixes_whose_tree_hashes_collide_keep_their_own_l3_entries(url, monkeypatch):
+    """L3 keys are 128-bit digests of the tokens, not the tree's 64-bit page hashes: two
+    prefixes whose tree hashes collide (forced here) never serve each other's KV."""
+    import hicache_jax.l3
+    import hicache_jax.radix
+
+    def by_position(prev, pages):  # a tree hash that ignores the tokens
+        return np.array([(prev + i + 1) % 2**64 for i in range(len(pages))], np.uint64)
+    monkeypatch.setattr(hicache_jax.radix, "chain_hashes", by_position)
+    monkeypatch.setattr(hicache_jax.l3, "chain_hashes", by_position, raising=False)
+    p, pkv = tokens_kv(20, 4)
+    q, qkv = tokens_kv(21, 4)
+    a = make(url)
+    compute(a, p, pkv)
+    compute(a, q, qkv)
+    assert [n.page_hashes.tolist() for n in a._tree.root.children.values()] == \
+        [by_position(namespace_hash(None), np.zeros((4, PS))).tolist()] * 2
+    a.close()
+    b = make(url, prefetch_policy="wait_complete")
+    for toks, kv in ((q, qkv), (p, pkv)):
+        b.prefetch(toks)
+        host, dev, got = read_prefix(b, toks)
+        assert host == dev == 4 * PS
+        np.testing.assert_array_equal(got, bits(kv))
+    b.close()
+
+
 def test_wait_complete_waits_only_for_prefetches_on_the_prompts_path(url):
     p, _ = _seed_store(url, 12, 4)
     b = make(url, prefetch_policy="wait_complete")
@@ -401,7 +568,7 @@ def test_prefetch_landing_inside_load_back_does_not_split_its_chain(url):
     assert m2.device_len == 5 * PS
     b.flush()
     b._tree.check_invariants()
-    assert m.node.lock_ref == 0
+    assert m.node._node.lock_ref == 0
     m3 = b.load_back(b.match_prefix(q))
     np.testing.assert_array_equal(np.asarray(b.read_kv(m3.device_pages)).view(np.uint32),
                                   bits(qkv[:, :, :m3.device_len // PS]))
@@ -492,7 +659,7 @@ def test_mooncake_unreachable_names_the_address():
 def test_corrupted_entry_is_a_miss_and_the_rest_is_recomputed(url, tmp_path):
     toks, kv = _seed_store(url, 8, 6)
     b = make(url, prefetch_policy="wait_complete")
-    keys = b._l3._keys(chain_hashes(namespace_hash(None), toks.reshape(-1, PS)), None)
+    keys = page_keys(SPEC, toks)
     path = b._l3.backend.path(keys[3])
     with open(path, "r+b") as f:  # flip payload bytes of page 3
         f.seek(200)
@@ -730,9 +897,12 @@ def serve_random_requests(url, policy, storage_policy, prefetch_policy):
         cache.unlock(m.node)
         if rng.random() < 0.1:
             cache.flush()
+            check_invariants(cache)  # full page accounting: no L3 page in flight now
         cache._tree.check_invariants()
+        check_host_prefix(cache)
     for cache in caches:
         cache.flush()
+        check_invariants(cache)
         from_l3 += l3(cache)["l3_prefetch_hit_pages"]
         cache.close()
     assert from_l3 > 0  # the run did exercise L3 reads

@@ -54,7 +54,9 @@ def page_bytes(buf, layout, ids):
 
 
 def keys_for(n, start=0, spec=SPEC, extra_key=None):
-    return page_keys(spec, np.arange(start, start + n, dtype=np.uint64) * 7919 + 1, extra_key)
+    """Keys of the first n pages of a prompt; another ``start``, another prompt."""
+    tokens = np.arange(start * spec.page_size, (start + n) * spec.page_size) * 7919 + 1
+    return page_keys(spec, tokens, extra_key)
 
 
 @pytest.fixture
@@ -69,21 +71,27 @@ def open_file(root, layout="page_first", seed=0, spec=SPEC, **kw):
 
 # ---- keys and header ---------------------------------------------------------------------------
 def test_page_keys_are_namespaced_by_spec_and_extra_key():
-    hashes = np.array([1, 2, 2**64 - 1], dtype=np.uint64)
-    base = page_keys(SPEC, hashes)
-    assert base == page_keys(SPEC, hashes.tolist())  # stable, input-type independent
-    assert base[2].endswith("_ffffffffffffffff") and base[0].startswith("hcj1_" + SPEC.fingerprint())
+    tokens = np.arange(3 * SPEC.page_size)
+    base = page_keys(SPEC, tokens)
+    assert base == page_keys(SPEC, tokens.tolist())  # stable, input-type independent
+    assert len(base) == 3 and len(set(base)) == 3
+    assert base[0].startswith("hcj2_" + SPEC.fingerprint())
+    assert all(len(k.rsplit("_", 1)[1]) == 32 for k in base)  # a 128-bit page digest
     other_spec = KVSpec(num_layers=3, num_kv_heads=2, head_dim=8, dtype="bfloat16", page_size=4)
-    for other in (page_keys(SPEC, hashes, "lora-1"), page_keys(SPEC, hashes, 1),
-                  page_keys(SPEC, hashes, b"lora-1"), page_keys(other_spec, hashes)):
+    for other in (page_keys(SPEC, tokens, "lora-1"), page_keys(SPEC, tokens, 1),
+                  page_keys(SPEC, tokens, b"lora-1"), page_keys(other_spec, tokens),
+                  page_keys(SPEC, tokens + 1)):
         assert not set(other) & set(base)
-    assert page_keys(SPEC, hashes, "x") == page_keys(SPEC, hashes, "x")
+    assert page_keys(SPEC, tokens, "x") == page_keys(SPEC, tokens, "x")
+    from hicache_jax.storage.format import check_keys
+
+    assert check_keys(base) == tuple(base)
     with pytest.raises(TypeError, match="extra_key"):
-        page_keys(SPEC, hashes, extra_key=("a", 1))
-    with pytest.raises(ValueError, match="page_hashes"):
-        page_keys(SPEC, np.zeros((2, 2), np.uint64))
-    with pytest.raises(ValueError, match=">= 0"):
-        page_keys(SPEC, np.array([-1]))
+        page_keys(SPEC, tokens, extra_key=("a", 1))
+    with pytest.raises(ValueError, match="1-D"):
+        page_keys(SPEC, np.zeros((2, 4), np.int64))
+    with pytest.raises(ValueError, match=">= 0|2\\*\\*63"):
+        page_keys(SPEC, np.array([-1, 0, 0, 0]))
 
 
 @pytest.mark.parametrize("layout", ["page_first", "layer_first", ENTRY_ROWS])

@@ -2,7 +2,7 @@
 
 ```python
 store = open_storage("file:///var/cache/hicache", spec, host_buffer, layout="page_first")
-keys = page_keys(spec, node.page_hashes, extra_key)     # chained page hashes -> L3 keys
+keys = page_keys(spec, prefix_tokens, extra_key)        # 128-bit chained digests -> L3 keys
 mask = store.exists(keys)                               # bool [n], synchronous, cheap
 h = store.get_into(keys, host_ids)                      # L3 -> host pages, a StorageHandle
 h = store.put_from(keys, host_ids)                      # host pages -> L3 (write-once keys)
@@ -37,12 +37,13 @@ from hicache_jax.spec import HostLayout, KVSpec
 from hicache_jax.storage._base import (
     ENTRY_ROWS, HostPages, StorageError, StorageHandle, StorageUnavailableError, entry_pages,
     entry_rows)
-from hicache_jax.storage.format import HEADER_BYTES, EntryCodec, namespace, page_keys
+from hicache_jax.storage.format import (HEADER_BYTES, EntryCodec, key_strings, namespace,
+                                        page_keys)
 
 __all__ = [
     "StorageBackend", "StorageHandle", "StorageError", "StorageUnavailableError", "HostPages",
-    "open_storage", "page_keys", "namespace", "EntryCodec", "HEADER_BYTES", "ENTRY_ROWS",
-    "entry_rows", "entry_pages",
+    "open_storage", "page_keys", "key_strings", "namespace", "EntryCodec", "HEADER_BYTES",
+    "ENTRY_ROWS", "entry_rows", "entry_pages",
 ]
 
 

@@ -1,9 +1,12 @@
 """L3 keys and the on-store entry format (header + page bytes). Pure Python + numpy.
 
-Key: ``hcj1_<spec fingerprint>_<namespace>_<page hash>`` where the page hash is the chained hash
-of the radix tree (parent hash + page tokens, stable across processes), the namespace is a digest
-of ``extra_key`` and the fingerprint, and the fingerprint is :meth:`KVSpec.fingerprint`. Two
-models, or two ``extra_key`` namespaces, never share an entry.
+Key: ``hcj2_<spec fingerprint>_<namespace>_<page digest>`` where the page digest (32 hex chars)
+is the 128-bit chained digest of :mod:`hicache_jax.hashing` (it covers every token of the prefix
+ending with the page, seeded by the fingerprint and ``extra_key``), the namespace is a short
+digest of ``extra_key`` and the fingerprint (it lets a store be listed by namespace), and the
+fingerprint is :meth:`KVSpec.fingerprint`. Two models, two ``extra_key`` namespaces, or two
+prefixes never share an entry (short of a 128-bit collision). Keys of the earlier ``hcj1`` scheme
+(64-bit tree hashes) are never asked for: such entries are misses.
 
 Entry: a 64-byte header followed by one page in ``page_first`` order
 (``[num_layers, kv_factor, page_size, num_kv_heads, head_dim]`` of the bits dtype)::
@@ -11,7 +14,9 @@ Entry: a 64-byte header followed by one page in ``page_first`` order
     magic "HCKV" | version u16 | header bytes u16 | fingerprint 8 B | key digest 8 B |
     payload bytes u64 | checksum algorithm u16 | reserved u16 | checksum of payload u64 | zeros
 
-A value whose header, length, key digest or checksum does not match is a miss (never data).
+A value whose header, length, key digest or checksum does not match is a miss (never data). The
+header's key digest (of the key string) catches an entry stored under another key (a renamed or
+mixed-up object); which prefix a key names is the key's own 128-bit digest.
 Checksums: ``xxh3`` (64-bit XXH3 from the ``xxhash`` package, several times cheaper per byte;
 the default when it is installed) or ``crc32`` (zlib; the default without it). Readers check whichever algorithm the
 header names; an entry whose algorithm this process cannot compute is a miss.
@@ -29,9 +34,10 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from hicache_jax.hashing import chain_digests, namespace_seed, namespace_tag
 from hicache_jax.spec import KVSpec
 
-KEY_PREFIX = "hcj1"
+KEY_PREFIX = "hcj2"
 HEADER_BYTES = 64
 _MAGIC = b"HCKV"
 _VERSION = 1
@@ -75,46 +81,46 @@ _KEY_RE = re.compile(r"^[A-Za-z0-9_.\-]{1,200}$")
 
 def namespace(spec: KVSpec, extra_key: Any = None) -> str:
     """16 hex chars naming (spec, extra_key); ``extra_key`` is None, str, bytes or int."""
-    if extra_key is None:
-        tag = b"n:"
-    elif isinstance(extra_key, str):
-        tag = b"s:" + extra_key.encode()
-    elif isinstance(extra_key, bytes):
-        tag = b"b:" + extra_key
-    elif isinstance(extra_key, (int, np.integer)) and not isinstance(extra_key, bool):
-        tag = b"i:" + str(int(extra_key)).encode()
-    else:
-        raise TypeError(f"extra_key={extra_key!r} must be None, str, bytes or int "
-                        "(it must hash the same in every process)")
+    tag = namespace_tag(extra_key)
     return hashlib.blake2b(spec.fingerprint().encode() + b"|" + tag, digest_size=8).hexdigest()
 
 
-def page_keys(spec: KVSpec, page_hashes: Any, extra_key: Any = None) -> list[str]:
-    """L3 keys of pages, one per chained page hash.
+def page_keys(spec: KVSpec, tokens: Any, extra_key: Any = None) -> list[str]:
+    """L3 keys of the pages of a prefix, one per whole page, root first.
 
     Args:
         spec: the KV spec (its fingerprint namespaces the keys).
-        page_hashes: 1-D uint64-compatible ints, root first (``TreeNode.page_hashes``).
+        tokens: 1-D non-negative ints, the prefix from its first token, a whole number of pages.
         extra_key: the tree namespace (None, str, bytes or int).
 
     Returns:
-        ``len(page_hashes)`` key strings.
+        ``len(tokens) // spec.page_size`` key strings.
+
+    Raises:
+        TypeError: non-integer tokens, or an ``extra_key`` with no process-stable encoding.
+        ValueError: tokens not 1-D, negative, or not a whole number of pages.
     """
-    if not isinstance(page_hashes, np.ndarray):  # python ints up to 2**64 - 1
-        values = list(page_hashes)
-        if any(isinstance(h, bool) or not isinstance(h, (int, np.integer)) for h in values):
-            raise ValueError("page_hashes must be 1-D integers")
-        if any(h < 0 for h in values):
-            raise ValueError("page_hashes must be >= 0 (uint64 hashes)")
-        page_hashes = np.array(values, dtype=np.uint64)
-    hashes = page_hashes
-    if hashes.ndim != 1 or not (hashes.size == 0 or np.issubdtype(hashes.dtype, np.integer)):
-        raise ValueError(f"page_hashes must be 1-D integers, got shape {hashes.shape} "
-                         f"dtype {hashes.dtype}")
-    if hashes.size and np.issubdtype(hashes.dtype, np.signedinteger) and hashes.min() < 0:
-        raise ValueError("page_hashes must be >= 0 (uint64 hashes)")
+    arr = np.asarray(tokens)
+    if arr.ndim != 1:
+        raise ValueError(f"tokens must be 1-D, got shape {arr.shape}")
+    if arr.size and not np.issubdtype(arr.dtype, np.integer):
+        raise TypeError(f"tokens must be integers, got dtype {arr.dtype}")
+    if arr.size and (arr.min() < 0 or (arr.dtype == np.uint64 and arr.max() >= 2**63)):
+        raise ValueError("tokens must be in [0, 2**63)")
+    if arr.size % spec.page_size:
+        raise ValueError(f"tokens has {arr.size} tokens: need a multiple of page_size="
+                         f"{spec.page_size}")
+    seed = namespace_seed(spec.fingerprint(), extra_key)
+    digests = chain_digests(seed, arr.astype(np.int64).reshape(-1, spec.page_size))
+    return key_strings(spec, extra_key, digests)
+
+
+def key_strings(spec: KVSpec, extra_key: Any, digests: np.ndarray) -> list[str]:
+    """Key strings of page digests (uint8 ``[n, 16]`` from :func:`hashing.chain_digests`)."""
     prefix = f"{KEY_PREFIX}_{spec.fingerprint()}_{namespace(spec, extra_key)}_"
-    return [f"{prefix}{int(h):016x}" for h in hashes.astype(np.uint64)]
+    hexed = digests.tobytes().hex()
+    width = 2 * digests.shape[1]
+    return [prefix + hexed[i:i + width] for i in range(0, len(hexed), width)]
 
 
 def check_keys(keys: Any) -> tuple[str, ...]:
