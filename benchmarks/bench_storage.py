@@ -76,7 +76,35 @@ _serial = itertools.count()
 
 def fresh_keys(n: int) -> list[str]:
     base = (time.time_ns() % 10**12) * 1000 + next(_serial) * 200
-    return page_keys(SPEC, np.arange(base, base + n, dtype=np.uint64))
+    return page_keys(SPEC, np.arange(n * SPEC.page_size, dtype=np.int64) + base)
+
+
+def key_hashing_cost(pages: int = 4096, repeats: int = 5) -> dict[str, float]:
+    """Seconds per page of the L3 key chain (blake2b-128 over each page's tokens), beside the
+    tree's 64-bit page hash chain and the entry checksum of one page (what every put and get
+    pays per page anyway)."""
+    from hicache_jax.hashing import chain_digests, namespace_seed
+    from hicache_jax.storage import EntryCodec
+    from hicache_jax.tree_node import chain_hashes
+
+    rng = np.random.default_rng(0)
+    toks = rng.integers(0, 50_000, (pages, SPEC.page_size)).astype(np.int64)
+    seed = namespace_seed(SPEC.fingerprint(), None)
+    codec = EntryCodec(SPEC)
+    page = [host_buffer("page_first", 1).view(np.uint8).reshape(-1)]
+    header = np.zeros(64, np.uint8)
+
+    def best(fn, n):
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) / n)
+        return min(times)
+    return {"key_chain_s": best(lambda: chain_digests(seed, toks), pages),
+            "tree_hash_s": best(lambda: chain_hashes(0, toks), pages),
+            "checksum_s": best(lambda: [codec.pack_into(header, "k", page) for _ in range(64)], 64),
+            "checksum": codec.checksum}
 
 
 def host_buffer(layout: str, num_pages: int) -> np.ndarray:
@@ -403,6 +431,12 @@ def main() -> None:
     if "mooncake" in backends:
         rows += bench_mooncake(args.mooncake, repeats, args.batch_pages)
     memcpy = gbps(128 * SPEC.page_bytes, memcpy_seconds(128 * SPEC.page_bytes))
+    keys = key_hashing_cost()
+    print(f"L3 keys (128-bit blake2b chain over {SPEC.page_size} tokens): "
+          f"{keys['key_chain_s'] * 1e6:.2f} us/page; the tree's 64-bit chain "
+          f"{keys['tree_hash_s'] * 1e6:.2f} us/page; an entry's {keys['checksum']} checksum of "
+          f"its {SPEC.page_bytes // 1024} KiB page {keys['checksum_s'] * 1e6:.1f} us/page "
+          f"(key / checksum = {keys['key_chain_s'] / keys['checksum_s']:.3f})")
     headers = ["backend", "mode", "pages", "put GB/s", "raw", "ratio", f"put x{QUEUE}", "raw",
                "ratio", "get GB/s", "raw", "ratio", f"get x{QUEUE}", "raw", "ratio"]
     cols = ["put_gbps", "raw_put_gbps", "put_ratio", "put_q_gbps", "raw_put_q_gbps", "put_q_ratio",
@@ -412,7 +446,7 @@ def main() -> None:
                 title=f"L3 put/get, {SPEC.page_bytes // 1024} KiB pages, medians of {repeats}; "
                       f"memcpy of 128 pages: {memcpy:.2f} GB/s; target ratio >= 0.8")
     config = {"spec": str(SPEC), "batches": BATCHES, "batch_pages": args.batch_pages,
-              "repeats": repeats, "memcpy_gbps": memcpy}
+              "repeats": repeats, "memcpy_gbps": memcpy, "key_hashing": keys}
     if args.part == "all":
         config, rows = config | {"cache": cache_cfg}, {"raw": rows, "cache": cache_rows}
     write_json(args.json, "bench_storage", config, rows)
