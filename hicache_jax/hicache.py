@@ -27,14 +27,17 @@ Semantics follow SGLang's HiCache (``hiradix_cache.py``):
 
 Page ownership (checked after every step of tests/test_hicache_state_machine.py): every device page is
 free, owned by a caller (``alloc_pages`` .. ``insert``/``free_pages``) or held by one tree node;
-every host page is free, held by one node, or the target of a backup in flight.
+every host page is free, held by one node, the target of a backup in flight, or reserved by
+an L3 prefetch.
 
 With ``cfg.storage`` set, an :class:`~hicache_jax.l3.L3Tier` adds L3 (``prefetch``; puts after
 backups land; policies at ``match_prefix``): this module only calls its hooks. Pages fetched
-from L3 hang as host-only nodes under the matched prefix, which in write-through modes may be a
-device node not backed up: the one exception to the continuous host prefix. It keeps what that
-rule is for: the fetched node loads back under a device-resident parent, and a parent that
-leaves the device without a host copy is deleted with its host-only children (see evict).
+from L3 attach below the deepest backed-up node, as SGLang's prefetch does: in write-through
+modes a fetch starts there, device nodes on the way take the fetched pages as their host copy
+(a backup of such a node still in flight then frees its own host pages at its
+acknowledgement), and the rest hangs as a host-only leaf, so the host copies stay a continuous
+prefix from the root, L3 included. In write-back mode, which needs no continuous prefix,
+fetched pages hang under the matched prefix.
 
 Matches go stale (DESIGN.md): a :class:`Match` names device pages; later calls may evict them.
 ``Match.node`` is a :class:`NodeRef` that remembers the deepest device node of the match and the
@@ -860,7 +863,7 @@ class HiCache:
             used[idx] = True
         if self._l3 is not None:
             self._l3.on_backup(parts)
-        if not used.all():  # unreachable while the lock holds; keeps host accounting exact
+        if not used.all():  # an L3 fetch gave a part its host copy first: free ours
             self._host.allocator.free(op.host_ids[~used])
         self._backing[op.device_ids] = False
         self._n["backups"] += 1
