@@ -537,11 +537,14 @@ class HiCache:
         if res.last_node.parent is not None and res.last_node not in res.existing_nodes:
             self._events.stored(res.last_node, Medium.DEVICE)
         if self._write.backup_on_hit and not chunked:
+            threshold = self.cfg.write_through_threshold
             claims = [self._claim_backup(node) for node in res.existing_nodes  # root-first
-                      if node.hit_count >= self.cfg.write_through_threshold]
-            if self._l3 is not None and self._l3.back_up_new and res.last_node not in \
-                    res.existing_nodes and res.last_node.parent is not None:
-                claims.append(self._claim_backup(res.last_node))  # L3: computed pages go down now
+                      if node.hit_count >= threshold]
+            last = res.last_node
+            if last.parent is not None and last not in res.existing_nodes and (
+                    last.hit_count >= threshold  # the insert is a new node's first access
+                    or (self._l3 is not None and self._l3.back_up_new)):  # L3: goes down now
+                claims.append(self._claim_backup(last))
             self._dispatch_backups([c for c in claims if c is not None])
         return res.prefix_len
 

@@ -31,7 +31,9 @@ Semantics of :meth:`RadixTree.insert` over nodes that already exist:
 * positions held on host only: the node takes the caller's pages and is device-resident again,
   keeping its host copy (``revived_nodes``), which is how a declined load-back is recomputed;
 * every existing node on the path gets ``hit_count += 1`` (not when ``chunked=True``: a chunked
-  prefill inserts the same prefix once per chunk and must not count as repeated use),
+  prefill inserts the same prefix once per chunk and must not count as repeated use), and the
+  new leaf starts at ``hit_count = 1``: its creation is its first access, as current SGLang
+  counts it (0 for a chunk, whose final insert then counts the access once),
   ``priority = max(old, priority)`` and ``last_access = now``.
 
 A split (in :meth:`match` or :meth:`insert`, always at a page boundary) creates a new parent
@@ -311,6 +313,7 @@ class RadixTree:
         if pos < arr.shape[0]:
             last = self._add_leaf(last, arr[pos:], ids[pos // self.page_size:], extra_key,
                                   priority, now)
+            last.hit_count = 0 if chunked else 1
         return InsertResult(prefix_len=pos, duplicate_pages=ids[dup_mask],
                             existing_nodes=path, revived_nodes=revived, last_node=last)
 

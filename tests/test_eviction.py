@@ -12,10 +12,11 @@ from hicache_jax.radix import RadixTree
 PAGE_SIZES = [1, 16, 64]
 
 # Four leaves A, B, C, D built by _four_leaves; their eviction keys are
-#   A: created 1, last_access 7, hit_count 0, priority 3
-#   B: created 2, last_access 6, hit_count 2, priority 1
-#   C: created 3, last_access 8, hit_count 1, priority 2
-#   D: created 4, last_access 4, hit_count 0, priority 0
+# (an insert that creates a node is its first access: hit_count 1)
+#   A: created 1, last_access 7, hit_count 1, priority 3
+#   B: created 2, last_access 6, hit_count 3, priority 1
+#   C: created 3, last_access 8, hit_count 2, priority 2
+#   D: created 4, last_access 4, hit_count 1, priority 0
 EXPECTED_ORDER = {
     "lru": "DBAC",       # oldest last_access first
     "lfu": "DACB",       # fewest hits, ties by last_access
@@ -23,7 +24,7 @@ EXPECTED_ORDER = {
     "mru": "CABD",       # newest last_access first
     "filo": "DCBA",      # newest created first
     "priority": "DBCA",  # lowest priority first
-    "slru": "DACB",      # probationary (hits < 2) by last_access, then protected B
+    "slru": "DABC",      # probationary (hits < 2: A, D) by last_access, then protected B, C
 }
 
 
@@ -38,13 +39,13 @@ def _four_leaves(ps, clock):
         clock.tick()
         nodes[name] = tree.insert(_pages(ps, i), [2 * i, 2 * i + 1], priority=prio).last_node
     clock.tick()                                   # t=5
-    tree.insert(_pages(ps, 1), [2, 3])             # B: hit 1
-    clock.tick()                                   # t=6
     tree.insert(_pages(ps, 1), [2, 3])             # B: hit 2
+    clock.tick()                                   # t=6
+    tree.insert(_pages(ps, 1), [2, 3])             # B: hit 3
     clock.tick()                                   # t=7
     tree.match(_pages(ps, 0))                      # A: touched, no hit
     clock.tick()                                   # t=8
-    tree.insert(_pages(ps, 2), [4, 5])             # C: hit 1
+    tree.insert(_pages(ps, 2), [4, 5])             # C: hit 2
     return tree, nodes
 
 
@@ -57,7 +58,7 @@ def _name(nodes, node):
 def test_device_eviction_order(ps, policy, clock):
     tree, nodes = _four_leaves(ps, clock)
     assert [(n.created, n.last_access, n.hit_count, n.priority) for n in nodes.values()] == [
-        (1, 7, 0, 3), (2, 6, 2, 1), (3, 8, 1, 2), (4, 4, 0, 0)]
+        (1, 7, 1, 3), (2, 6, 3, 1), (3, 8, 2, 2), (4, 4, 1, 0)]
     heap = VictimHeap(policy, tree.evictable_device)
     order = []
     while heap:

@@ -64,8 +64,10 @@ def tree_node_of(cache, tokens):
 def test_request_flow_device_then_host_hit():
     cache, kv = make("write_through", device=8, host=32)
     t = np.arange(8)
-    request(cache, kv, t)
-    request(cache, kv, t)          # second access: backed up (threshold 1)
+    request(cache, kv, t)          # threshold 1: backed up at the insert that creates it
+    cache.flush()
+    assert cache.stats()["backups"] == 1
+    request(cache, kv, t)          # a device hit: nothing more to back up
     cache.flush()
     assert cache.stats()["backups"] == 1 and cache.stats()["host_cached_tokens"] == 8
     assert cache.evict(8) == 8     # backed up: device freed, node kept on host
@@ -94,9 +96,11 @@ def test_insert_returns_prefix_and_frees_duplicates():
     check(cache, kv)
 
 
-@pytest.mark.parametrize("policy,backs_up_at", [("write_through", 2), ("write_through_selective", 3),
+@pytest.mark.parametrize("policy,backs_up_at", [("write_through", 1), ("write_through_selective", 2),
                                                 ("write_back", None)])
 def test_write_through_threshold(policy, backs_up_at):
+    """The insert that creates a node is its first access (as current SGLang counts it):
+    threshold 1 backs up at insert, write_through_selective (2) at the second access."""
     cache, kv = make(policy)
     t = np.arange(4)
     for access in range(1, 5):
@@ -107,13 +111,23 @@ def test_write_through_threshold(policy, backs_up_at):
 
 
 def test_chunked_insert_counts_no_hit():
-    cache, kv = make("write_through")
+    cache, kv = make("write_through_selective")
     t = np.arange(4)
-    request(cache, kv, t)
+    request(cache, kv, t)                 # created: its first access
     m = cache.match_prefix(t)
     cache.insert(t, m.device_pages, chunked=True)
     cache.flush()
-    assert cache.stats()["backups"] == 0 and m.node._node.hit_count == 0
+    assert cache.stats()["backups"] == 0 and m.node._node.hit_count == 1
+    u = np.arange(50, 54)                 # a chunk that creates a node: no access yet
+    new = cache.alloc_pages(4)
+    cache.write_kv(new, kv.pages(None, u, 0, 4))
+    cache.insert(u, new, chunked=True)
+    assert cache.match_prefix(u).node._node.hit_count == 0
+    cache.insert(u, new)                  # the request's final insert: its first access
+    assert cache.match_prefix(u).node._node.hit_count == 1
+    cache.flush()
+    assert cache.stats()["backups"] == 0
+    check(cache, kv)
 
 
 def test_continuous_prefix_guard_skips_child_of_unbacked_parent():
@@ -167,10 +181,10 @@ def test_write_back_eviction_round_backs_up_all_victims_in_one_transfer():
 
 
 def test_write_through_hits_on_a_path_back_up_in_one_transfer():
-    cache, kv = make("write_through", device=32, host=64, threshold=2)
-    request(cache, kv, np.arange(8))         # one node, hit_count 0
-    request(cache, kv, np.arange(8))         # hit_count 1: under the threshold
-    cache.match_prefix(np.arange(4))         # splits it: both halves keep hit_count 1
+    cache, kv = make("write_through", device=32, host=64, threshold=3)
+    request(cache, kv, np.arange(8))         # one node, hit_count 1 (its creation)
+    request(cache, kv, np.arange(8))         # hit_count 2: under the threshold
+    cache.match_prefix(np.arange(4))         # splits it: both halves keep hit_count 2
     calls = _count_backup_calls(cache)
     request(cache, kv, np.arange(12))        # hits both halves -> both reach the threshold
     assert calls == [8]                      # root-first, one dispatch
@@ -180,7 +194,7 @@ def test_write_through_hits_on_a_path_back_up_in_one_transfer():
 
 
 def test_write_through_evicts_unbacked_nodes_by_deleting_them():
-    cache, kv = make("write_through")
+    cache, kv = make("write_through", threshold=2)
     request(cache, kv, np.arange(5))
     assert cache.evict(100) == 5
     m = cache.match_prefix(np.arange(5))
@@ -263,8 +277,7 @@ def test_backup_that_cannot_fit_deletes_nothing_from_host():
         request(cache, kv, t)  # b backed up and on device: host 4/4
     cache.flush()
     assert cache.match_prefix(a).host_len == 4
-    for t in (c, c):
-        request(cache, kv, t)  # c (3 pages) cannot fit while b's 2 are pinned
+    request(cache, kv, c)  # c (3 pages) cannot fit while b's 2 are pinned
     cache.flush()
     st = cache.stats()
     assert cache.match_prefix(a).host_len == 4  # a's host copy survived
@@ -276,14 +289,14 @@ def test_backup_larger_than_the_host_pool_does_not_wait_for_copies_in_flight():
     cache, kv = make("write_through", device=32, host=4, ps=2)
     engine = gate(cache)
     a, b = np.arange(4), np.arange(100, 110)  # b: 5 pages > 4 host pages
-    request(cache, kv, b)
-    request(cache, kv, a)
+    request(cache, kv, b)  # b's backup can never fit: skipped
+    assert cache.stats()["backups_skipped"] == 1
     request(cache, kv, a)  # a's backup in flight (gated)
     pending = [h for h in engine.handles if not h.released]
     assert pending
-    request(cache, kv, b)  # b's backup can never fit: skipped without waiting
+    request(cache, kv, b)  # b's backup skipped again, without waiting for a's
     assert not any(h.released for h in pending)
-    assert cache.stats()["backups_skipped"] == 1
+    assert cache.stats()["backups_skipped"] == 2
     engine.release()
     cache.flush()
     check(cache, kv)
@@ -366,8 +379,7 @@ def _prefix_split_between_tiers(cache, kv):
     """[0, 8) cached and backed up, then split at 4 with the upper part on device and the lower
     part host-only; returns the match of the whole prefix (device 4, host 4)."""
     t = np.arange(8)
-    request(cache, kv, t)
-    request(cache, kv, t)            # second access: backed up
+    request(cache, kv, t)            # backed up at insert
     cache.flush()
     cache.match_prefix(t[:4])        # split at 4
     assert cache.evict(4) == 4       # the lower half leaves the device
@@ -447,7 +459,7 @@ def test_a_match_stays_lockable_through_unrelated_eviction_and_splits():
 
 
 def test_load_back_of_a_match_whose_node_was_deleted_matches_its_prefix_again():
-    cache, kv = make("write_through", device=8, host=32)
+    cache, kv = make("write_through", device=8, host=32, threshold=2)
     t = np.arange(4)
     request(cache, kv, t)            # one access: not backed up
     m = cache.match_prefix(t)

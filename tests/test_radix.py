@@ -56,7 +56,7 @@ def test_match_splits_node_and_carries_state(ps, clock):
     t = RadixTree(ps, clock=clock)
     leaf = t.insert(seq(ps, [1, 2, 3, 4]), [0, 1, 2, 3]).last_node
     t.set_host_value(leaf, [7, 6, 5, 4])
-    t.insert(seq(ps, [1, 2, 3, 4]), [0, 1, 2, 3])  # hit_count 1
+    t.insert(seq(ps, [1, 2, 3, 4]), [0, 1, 2, 3])  # hit_count 2 (the creating insert: 1)
     t.lock(leaf)
     clock.tick()
     m = t.match(seq(ps, [1, 2, 9]))
@@ -64,7 +64,7 @@ def test_match_splits_node_and_carries_state(ps, clock):
     assert m.device_pages.tolist() == [0, 1] and upper is not leaf and leaf.parent is upper
     assert upper.value.tolist() == [0, 1] and leaf.value.tolist() == [2, 3]
     assert upper.host_value.tolist() == [7, 6] and leaf.host_value.tolist() == [5, 4]
-    assert (upper.lock_ref, upper.hit_count, upper.created) == (1, 1, leaf.created)
+    assert (upper.lock_ref, upper.hit_count, upper.created) == (1, 2, leaf.created)
     assert upper.last_access == clock() and leaf.last_access < clock()
     assert np.array_equal(np.concatenate([upper.page_hashes, leaf.page_hashes]),
                           chain_hashes(namespace_hash(None), seq(ps, [1, 2, 3, 4]).reshape(4, ps)))
@@ -90,11 +90,13 @@ def test_insert_duplicates_and_existing_nodes(ps, clock):
     a = t.insert(seq(ps, [1, 2]), [0, 1]).last_node
     r = t.insert(seq(ps, [1, 2, 3]), [0, 9, 8], priority=5)
     assert r.prefix_len == 2 * ps and r.duplicate_pages.tolist() == [9]
-    assert r.existing_nodes == [a] and a.hit_count == 1 and a.priority == 5
+    assert r.existing_nodes == [a] and a.hit_count == 2 and a.priority == 5
     assert t.match(seq(ps, [1, 2, 3])).device_pages.tolist() == [0, 1, 8]
     r2 = t.insert(seq(ps, [1, 2, 3]), [0, 1, 8], chunked=True)
-    assert r2.duplicate_pages.size == 0 and a.hit_count == 1  # chunked: no hit
-    assert [n.hit_count for n in r2.existing_nodes] == [1, 0]
+    assert r2.duplicate_pages.size == 0 and a.hit_count == 2  # chunked: no hit
+    assert [n.hit_count for n in r2.existing_nodes] == [2, 1]
+    c = t.insert(seq(ps, [1, 2, 3, 7]), [0, 1, 8, 7], chunked=True).last_node
+    assert c.hit_count == 0  # a chunk's new node: its request's final insert counts the access
     t.check_invariants()
 
 
@@ -396,8 +398,8 @@ class TreeMachine(RuleBasedStateMachine):
         assert r.prefix_len == prefix * self.ps and r.duplicate_pages.tolist() == dup
         assert r.last_node.parent is not None or not keys
         for i, key in enumerate(keys):
-            if i >= prefix:  # a new node starts with hit_count 0
-                self.model[key] = {"dev": ids[i], "host": None, "hits": 0}
+            if i >= prefix:  # a new node: its creation is its first access (not a chunk's)
+                self.model[key] = {"dev": ids[i], "host": None, "hits": 0 if chunked else 1}
                 continue
             e = self.model[key]
             if e["dev"] is None:  # host-only position revived with the caller's page
