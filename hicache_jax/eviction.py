@@ -105,3 +105,32 @@ def select_victims(policy: "str | EvictionPolicy", nodes: Iterable[_Rankable], k
     """The k least valuable of ``nodes`` (fewer if there are fewer), least valuable first."""
     key = priority_key(policy)
     return [n for _, _, n in heapq.nsmallest(k, ((key(n), n.id, n) for n in nodes))]
+
+
+def eviction_order(policy: "str | EvictionPolicy", leaves: Iterable[Any], budget_tokens: int,
+                   root: Any) -> list:
+    """The device nodes eviction would take first, in order, until ``budget_tokens`` are
+    covered, without changing anything: leaves by priority, and a parent once every one of its
+    device children has gone before it (as :meth:`HiCache.evict` frees them), unless it is
+    locked or ``root``. Nodes need ``parent``, ``device_children``, ``lock_ref``,
+    ``num_tokens`` and the key fields."""
+    heap = VictimHeap(policy, leaves)
+    left: dict = {}
+    order, covered = [], 0
+    while heap and covered < budget_tokens:
+        node = heap.pop()
+        order.append(node)
+        covered += node.num_tokens
+        parent = node.parent
+        if parent is not root and parent.lock_ref == 0:
+            n = left.get(parent, parent.device_children) - 1
+            left[parent] = n
+            if n == 0:
+                heap.push(parent)
+    return order
+
+
+def hottest_first(policy: "str | EvictionPolicy", nodes: Iterable[Any]) -> list:
+    """``nodes`` most valuable first: the reverse of eviction order."""
+    key = priority_key(policy)
+    return sorted(nodes, key=lambda n: (key(n), n.id), reverse=True)

@@ -20,8 +20,10 @@ Shape of the two tiers (kept by every method, checked by :meth:`RadixTree.check_
 * A device (host) page id is held by at most one node and one position; :meth:`insert`,
   :meth:`set_value`, :meth:`set_host_value` refuse ids the tree already holds.
 * ``evictable_device`` = nodes that are unlocked, hold device pages and have no child holding
-  device pages. ``evictable_host`` = nodes that are unlocked, host-only and childless. Both sets,
-  and the token counts, are maintained incrementally (O(1) per changed node, no scans).
+  device pages. ``evictable_host`` = nodes that are unlocked, host-only and childless.
+  ``redundant`` = nodes that are unlocked and hold pages on both tiers (a host copy whose
+  device pages are still there: what :meth:`drop_host_value` may give up). The sets, and the
+  token counts, are maintained incrementally (O(1) per changed node, no scans).
 
 Semantics of :meth:`RadixTree.insert` over nodes that already exist:
 
@@ -84,6 +86,8 @@ class RadixTree:
         host_evictable_tokens: tokens of unlocked host-only nodes: exactly what host eviction
             can free (a host-only node's descendants are host-only, and a lock below it would
             lock it too).
+        redundant: set of unlocked nodes holding pages on both tiers; redundant_tokens their
+            tokens.
     """
 
     def __init__(self, page_size: int, clock: Callable[[], float] = time.monotonic) -> None:
@@ -104,6 +108,8 @@ class RadixTree:
         self.root.lock_ref = 1  # the root is never evictable
         self.evictable_device: set[TreeNode] = set()
         self.evictable_host: set[TreeNode] = set()
+        self.redundant: set[TreeNode] = set()
+        self.redundant_tokens = 0
         self.device_tokens = 0
         self.evictable_device_tokens = 0
         self.protected_device_tokens = 0
@@ -142,6 +148,15 @@ class RadixTree:
         if tokens != node.host_only_tokens:
             self.host_evictable_tokens += tokens - node.host_only_tokens
             node.host_only_tokens = tokens
+        both = free and node.value is not None and node.host_value is not None
+        tokens = node.num_tokens if both else 0
+        if tokens != node.redundant_tokens:
+            self.redundant_tokens += tokens - node.redundant_tokens
+            node.redundant_tokens = tokens
+            if both:
+                self.redundant.add(node)
+            else:
+                self.redundant.discard(node)
 
     def _account_device(self, node: TreeNode, sign: int) -> None:
         n = sign * node.num_tokens
@@ -224,6 +239,9 @@ class RadixTree:
         upper.children[self._child_key(upper, node.key[: self.page_size], node.extra_key)] = node
         if node.host_only_tokens:  # same total, now in two parts
             upper.host_only_tokens, node.host_only_tokens = upper.num_tokens, node.num_tokens
+        if node.redundant_tokens:  # same total, now in two parts
+            upper.redundant_tokens, node.redundant_tokens = upper.num_tokens, node.num_tokens
+            self.redundant.add(upper)
         return upper  # in neither evictable set: it has a child on its own tier
 
     def _materialize(self, path: list, pos: int, start: int) -> list:
@@ -419,6 +437,9 @@ class RadixTree:
             self._host_held.remove(node.host_value)
         self.host_evictable_tokens -= node.host_only_tokens
         node.host_only_tokens = 0
+        self.redundant.discard(node)
+        self.redundant_tokens -= node.redundant_tokens
+        node.redundant_tokens = 0
         node.parent = None
         self._refresh(parent)
         return node.value, node.host_value
@@ -439,6 +460,19 @@ class RadixTree:
         self._host_held.add(ids)
         self.host_tokens += node.num_tokens
         self._refresh(node)
+
+    def drop_host_value(self, node: TreeNode) -> np.ndarray:
+        """Give up the host copy of a node that still holds device pages (``node`` must be in
+        ``redundant``: unlocked, on both tiers). Returns its int32 host page ids; ownership
+        passes to the caller (who frees them)."""
+        if node not in self.redundant:
+            raise HiCacheError(f"{node!r} is not redundant (locked, or not on both tiers)")
+        ids = node.host_value
+        node.host_value = None
+        self._host_held.remove(ids)
+        self.host_tokens -= node.num_tokens
+        self._refresh(node)
+        return ids
 
     def set_value(self, node: TreeNode, device_ids: Any) -> None:
         """Load-back: give a host-only node device pages. Go root-first: the parent must be
@@ -541,7 +575,9 @@ class RadixTree:
         ps, root = self.page_size, self.root
         assert root.parent is None and root.key.size == 0 and root.lock_ref == 1
         ev_dev, ev_host, dev, host = set(), set(), [], []
-        tok = {"device": 0, "evictable": 0, "protected": 0, "host": 0, "host_evictable": 0}
+        tok = {"device": 0, "evictable": 0, "protected": 0, "host": 0, "host_evictable": 0,
+               "redundant": 0}
+        redundant = set()
         assert root.device_children == sum(c.value is not None for c in root.children.values())
         for node in self.nodes():
             parent, kids = node.parent, list(node.children.values())
@@ -574,7 +610,12 @@ class RadixTree:
             assert node.host_only_tokens == (node.num_tokens if node.value is None
                                              and node.host_value is not None
                                              and node.lock_ref == 0 else 0)
+            if node.value is not None and node.host_value is not None and node.lock_ref == 0:
+                redundant.add(node)
+                tok["redundant"] += node.num_tokens
+            assert node.redundant_tokens == (node.num_tokens if node in redundant else 0)
         assert self.evictable_device == ev_dev and self.evictable_host == ev_host
+        assert self.redundant == redundant and self.redundant_tokens == tok["redundant"]
         assert (self.device_tokens, self.evictable_device_tokens, self.protected_device_tokens,
                 self.host_tokens, self.host_evictable_tokens) == (
             tok["device"], tok["evictable"], tok["protected"], tok["host"], tok["host_evictable"])

@@ -89,6 +89,8 @@ class TreeNode:
         device_children: how many children hold device pages (keeps evictability O(1)).
         host_only_tokens: this node's share of ``RadixTree.host_evictable_tokens`` (its tokens
             while it is host-only and unlocked, else 0).
+        redundant_tokens: this node's share of ``RadixTree.redundant_tokens`` (its tokens while
+            it is unlocked and holds pages on both tiers, else 0).
         device_epoch: a per-tree stamp taken each time the node gets device pages (insert,
             revive, load-back): a Match whose deepest device node still holds the epoch the
             match saw still names the pages that hold its prefix (see ``Match``).
@@ -110,6 +112,7 @@ class TreeNode:
     device_children: int = 0
     host_only_tokens: int = 0
     device_epoch: int = 0
+    redundant_tokens: int = 0
 
     @property
     def num_pages(self) -> int:

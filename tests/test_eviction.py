@@ -5,8 +5,8 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from hicache_jax.eviction import (SLRU_PROTECTED_HITS, EvictionPolicy, VictimHeap, priority_key,
-                                  select_victims)
+from hicache_jax.eviction import (SLRU_PROTECTED_HITS, EvictionPolicy, VictimHeap,
+                                  eviction_order, hottest_first, priority_key, select_victims)
 from hicache_jax.radix import RadixTree
 
 PAGE_SIZES = [1, 16, 64]
@@ -146,3 +146,27 @@ def test_unknown_policy():
         EvictionPolicy.parse("lru2")
     with pytest.raises(ValueError, match="not one of"):
         VictimHeap("random", [])
+
+
+@pytest.mark.parametrize("ps", PAGE_SIZES)
+def test_eviction_order_simulates_leaves_first_eviction(ps, clock):
+    """eviction_order lists what evict() would free first, changing nothing: leaves by key,
+    a parent once all its device children have gone, never a locked parent or the root."""
+    tree = RadixTree(ps, clock=clock)
+    toks = np.arange(3 * ps, dtype=np.int64) % 7 + 1
+    clock.tick()
+    tree.insert(toks[: 2 * ps], [0, 1])
+    clock.tick()
+    leaf = tree.insert(toks, [0, 1, 2]).last_node          # chain: upper [0, 1], leaf [2]
+    clock.tick()
+    other = tree.insert(np.zeros(ps, np.int64), [3]).last_node
+    upper = leaf.parent
+    before = tree.snapshot()
+    assert eviction_order("lru", tree.evictable_device, 100 * ps, tree.root) == [leaf, upper, other]
+    assert eviction_order("lru", tree.evictable_device, ps, tree.root) == [leaf]  # the budget
+    assert eviction_order("mru", tree.evictable_device, 100 * ps, tree.root) == [other, leaf, upper]
+    tree.lock(leaf)  # locks the chain: only the other leaf can go
+    assert eviction_order("lru", tree.evictable_device, 100 * ps, tree.root) == [other]
+    tree.unlock(leaf)
+    assert tree.snapshot() == before
+    assert hottest_first("lru", [upper, other, leaf]) == [other, leaf, upper]  # ties: newer id

@@ -584,3 +584,31 @@ def test_add_host_leaf_hangs_host_only_pages_and_validates(clock):
         tree.add_host_leaf(leaf, np.arange(16, 20), [7], extra_key="other")
     assert tree.snapshot() == before
     tree.check_invariants()
+
+
+@pytest.mark.parametrize("ps", [1, 16])
+def test_redundant_set_and_drop_host_value(ps, clock):
+    """Nodes on both tiers and unlocked are ``redundant``; drop_host_value gives up such a
+    host copy (the node stays on device); the set follows locks, splits and evictions."""
+    t = RadixTree(ps, clock=clock)
+    leaf = t.insert(seq(ps, [1, 2, 3, 4]), [0, 1, 2, 3]).last_node
+    assert t.redundant == set() and t.redundant_tokens == 0
+    t.set_host_value(leaf, [7, 6, 5, 4])
+    assert t.redundant == {leaf} and t.redundant_tokens == 4 * ps
+    upper = t.match(seq(ps, [1, 2, 9])).node                 # split: both parts redundant
+    assert t.redundant == {upper, leaf} and t.redundant_tokens == 4 * ps
+    t.lock(leaf)                                              # the chain is in use
+    assert t.redundant == set() and t.redundant_tokens == 0
+    with pytest.raises(HiCacheError, match="not redundant"):
+        t.drop_host_value(leaf)
+    t.unlock(leaf)
+    assert t.drop_host_value(leaf).tolist() == [5, 4]
+    assert leaf.host_value is None and leaf.value.tolist() == [2, 3]
+    assert t.redundant == {upper} and t.host_tokens == 2 * ps
+    t.check_invariants()
+    with pytest.raises(HiCacheError, match="not redundant"):
+        t.drop_host_value(leaf)                               # no host copy left
+    t.delete_leaf(leaf)
+    t.evict_device(upper)                                     # host-only now: not redundant
+    assert t.redundant == set() and t.redundant_tokens == 0
+    t.check_invariants()
