@@ -70,7 +70,7 @@ from hicache_jax.allocator import PageAllocator
 from hicache_jax.device_pool import DevicePagePool
 from hicache_jax.errors import HiCacheError, OutOfPagesError
 from hicache_jax.events import EventLog, KVEvent, Medium
-from hicache_jax.eviction import VictimHeap
+from hicache_jax.eviction import VictimHeap, eviction_order, hottest_first
 from hicache_jax.host_pool import HostPagePool
 from hicache_jax.l3 import L3Tier, PrefetchHandle
 from hicache_jax.radix import RadixTree
@@ -144,12 +144,14 @@ class _WriteStrategy:
     backup_on_hit: bool
     backup_on_evict: bool
     continuous_prefix: bool
+    clean_ahead: bool = False  # back up the eviction end of L1 after inserts; L2 ~ exclusive
 
 
 _WRITE_STRATEGIES = {
     WritePolicy.WRITE_THROUGH: _WriteStrategy(True, False, True),
     WritePolicy.WRITE_THROUGH_SELECTIVE: _WriteStrategy(True, False, True),
     WritePolicy.WRITE_BACK: _WriteStrategy(False, True, False),
+    WritePolicy.CLEAN_AHEAD: _WriteStrategy(False, True, False, clean_ahead=True),
 }
 
 
@@ -213,6 +215,9 @@ class HiCache:
         # to them: a load's nodes are already device-resident, a backup's are on device.
         self._host_tier = _Tier(self._host.allocator, self._evict_host,
                                 lambda: self._tree.host_evictable_tokens // self._ps, False)
+        if self._write.clean_ahead:  # host room also comes from redundant copies (see module doc)
+            self._host_tier = _Tier(self._host.allocator, self._evict_host_clean_ahead,
+                                    self._host_evictable_clean_ahead, False)
         self._events = EventLog()
         self._thread: int | None = None  # owning thread's ident; taken by the first call
         self._owner_thread = threading.current_thread()
@@ -230,6 +235,8 @@ class HiCache:
         self._caller_locks: dict[TreeNode, int] = {}
         self._n: collections.Counter[str] = collections.Counter()
         self._seq = -1  # seq of the last transfer dispatched
+        self._cold: list[TreeNode] = []  # clean_ahead: the eviction end its last pass covered
+        self._clean_mark = (0, 0)  # (evicted_tokens, eviction_backup_pages) at that pass
 
     def _next_seq(self) -> int:
         self._seq += 1
@@ -546,6 +553,8 @@ class HiCache:
                     or (self._l3 is not None and self._l3.back_up_new)):  # L3: goes down now
                 claims.append(self._claim_backup(last))
             self._dispatch_backups([c for c in claims if c is not None])
+        if self._write.clean_ahead and not chunked and self._clean_due():
+            self._clean_ahead()
         return res.prefix_len
 
     def evict(self, num_tokens: int) -> int:
@@ -644,6 +653,8 @@ class HiCache:
             "load_backs_declined": n["load_backs_declined"],
             "evictions": n["evictions"], "evicted_tokens": n["evicted_tokens"],
             "eviction_backup_pages": n["eviction_backup_pages"],
+            "clean_ahead_pages": n["clean_ahead_pages"],
+            "host_copies_dropped_tokens": n["host_copies_dropped_tokens"],
             "deleted_tokens": n["deleted_tokens"],
             "host_evictions": n["host_evictions"], "host_evicted_tokens": n["host_evicted_tokens"],
             "duplicate_pages_freed": n["duplicate_pages_freed"],
@@ -730,6 +741,60 @@ class HiCache:
             freed += self._delete(node)
             if parent in tree.evictable_host:
                 heap.push(parent)
+        return freed
+
+    # -- internals: clean_ahead -------------------------------------------------------------
+
+    def _clean_due(self) -> bool:
+        """A pass is due once eviction is near (fewer free device pages than the reserve) and
+        eviction has taken a quarter of the reserve, or copied on its path, since the last."""
+        reserve = self.cfg.clean_ahead_pages
+        if self._device.allocator.num_free >= reserve:
+            return False
+        evicted, synced = self._clean_mark
+        return (not self._cold or self._n["eviction_backup_pages"] > synced
+                or self._n["evicted_tokens"] - evicted >= reserve * self._ps // 4)
+
+    def _clean_ahead(self) -> None:
+        """Back up the not-backed-up nodes among the first ``clean_ahead_pages`` pages that
+        eviction would take (one transfer), so that eviction finds them clean."""
+        self._cold = eviction_order(self.cfg.eviction, self._tree.evictable_device,
+                                    self.cfg.clean_ahead_pages * self._ps, self._tree.root)
+        self._clean_mark = (self._n["evicted_tokens"], self._n["eviction_backup_pages"])
+        claims = [self._claim_backup(node) for node in self._cold if not node.backed_up]
+        claims = [c for c in claims if c is not None]
+        self._n["clean_ahead_pages"] += sum(node.num_pages for node, _ in claims)
+        self._dispatch_backups(claims)
+
+    def _cold_redundant_tokens(self) -> int:
+        """Tokens of host copies in the last pass's window: kept, so eviction finds them clean."""
+        redundant = self._tree.redundant
+        return sum(n.num_tokens for n in self._cold if n in redundant)
+
+    def _host_evictable_clean_ahead(self) -> int:
+        tree = self._tree
+        return (tree.host_evictable_tokens + tree.redundant_tokens
+                - self._cold_redundant_tokens()) // self._ps
+
+    def _evict_host_clean_ahead(self, num_tokens: int) -> int:
+        """Host room under clean_ahead: first give up host copies of nodes still on device,
+        hottest first (outside the window the last pass cleaned; a quarter of the reserve more
+        than asked, so the next passes find room), then delete host-only leaves."""
+        cold, tree = set(self._cold), self._tree
+        want = num_tokens + self.cfg.clean_ahead_pages * self._ps // 4
+        freed = 0
+        for node in hottest_first(self.cfg.eviction, [n for n in tree.redundant if n not in cold]):
+            if freed >= want:
+                break
+            if self._engine.busy_host_pages(node.host_value).any():
+                continue  # defence in depth: a copy still reads them (such nodes are locked)
+            ids = tree.drop_host_value(node)
+            self._host.allocator.free(ids)
+            self._events.removed(node, Medium.HOST)
+            self._n["host_copies_dropped_tokens"] += node.num_tokens
+            freed += node.num_tokens
+        if freed < num_tokens:
+            freed += self._evict_host(num_tokens - freed)
         return freed
 
     def _drop_device(self, node: TreeNode) -> int:

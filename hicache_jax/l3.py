@@ -184,7 +184,8 @@ class L3Tier:
         self.back_up_new = cfg.storage_write_policy is WritePolicy.WRITE_THROUGH
         # write_through modes keep host copies a continuous prefix: fetches start at the
         # deepest backed-up node and give device nodes on the way their host copy
-        self._continuous = cfg.write_policy is not WritePolicy.WRITE_BACK
+        self._continuous = cfg.write_policy in (WritePolicy.WRITE_THROUGH,
+                                                WritePolicy.WRITE_THROUGH_SELECTIVE)
         self._fingerprint = spec.fingerprint()
         # per host page: the chain digest of the prefix ending with it, the tree's 64-bit hash
         # of that page when it was recorded, and whether the record is live

@@ -43,6 +43,7 @@ class WritePolicy(str, enum.Enum):
     WRITE_THROUGH = "write_through"                      # once hit_count >= threshold (default 1)
     WRITE_THROUGH_SELECTIVE = "write_through_selective"  # same, default threshold 2
     WRITE_BACK = "write_back"                            # only when evicted from device
+    CLEAN_AHEAD = "clean_ahead"  # the eviction end of L1, in the background; L2 ~ exclusive
 
 
 class HostLayout(str, enum.Enum):
@@ -187,7 +188,8 @@ class HiCacheConfig:
         device_pages: pages in the device pool (L1).
         host_pages: pages in the host pool (L2); None -> ``round(host_ratio * device_pages)``.
         host_ratio: used only when ``host_pages`` is None.
-        write_policy: "write_through" | "write_through_selective" | "write_back".
+        write_policy: "write_through" | "write_through_selective" | "write_back" |
+            "clean_ahead" (see hicache.py).
         write_through_threshold: backup once ``hit_count >= threshold``; None -> 1 for
             write_through, 2 for write_through_selective (unused by write_back).
         eviction: "lru" | "lfu" | "fifo" | "mru" | "filo" | "priority" | "slru".
@@ -206,6 +208,9 @@ class HiCacheConfig:
         prefetch_timeout_s: base deadline of the "timeout" policy (grows with size).
         storage_write_policy: "write_through" (backed-up host pages also go to L3) |
             "write_back" (only host pages evicted from L2 go to L3).
+        clean_ahead_pages: ``write_policy="clean_ahead"``: how many device pages at the
+            eviction end of L1 are kept backed up ahead of eviction; None -> device_pages // 16
+            (at least 1).
     """
 
     device_pages: int
@@ -225,6 +230,7 @@ class HiCacheConfig:
     prefetch_policy: PrefetchPolicy | str = PrefetchPolicy.BEST_EFFORT
     prefetch_timeout_s: float = 1.0
     storage_write_policy: WritePolicy | str = WritePolicy.WRITE_THROUGH
+    clean_ahead_pages: int | None = None
 
     def __post_init__(self) -> None:
         set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731
@@ -244,6 +250,12 @@ class HiCacheConfig:
         set_("prefetch_policy", _enum_parse(PrefetchPolicy, "prefetch_policy", self.prefetch_policy))
         set_("storage_write_policy", _enum_parse(
             WritePolicy, "storage_write_policy", self.storage_write_policy))
+        if self.storage_write_policy is WritePolicy.CLEAN_AHEAD:
+            raise ValueError("storage_write_policy='clean_ahead' is not an L3 policy: use "
+                             "write_through, write_through_selective or write_back")
+        if self.clean_ahead_pages is None:
+            set_("clean_ahead_pages", max(1, self.device_pages // 16))
+        set_("clean_ahead_pages", check_int("clean_ahead_pages", self.clean_ahead_pages, 1))
         if self.write_through_threshold is None:
             default = 2 if self.write_policy is WritePolicy.WRITE_THROUGH_SELECTIVE else 1
             set_("write_through_threshold", default)

@@ -14,7 +14,7 @@ from hicache_jax.events import replay
 from test_hicache_state_machine import (KVModel, bits, check_bytes, check_invariants, gate,
                                         snapshot, tree_pages)
 
-POLICIES = ["write_through", "write_through_selective", "write_back"]
+POLICIES = ["write_through", "write_through_selective", "write_back", "clean_ahead"]
 
 
 def make(policy="write_through", *, device=16, host=32, ps=1, threshold=None, **kw):
@@ -886,3 +886,80 @@ def test_every_call_after_close_raises_but_stats():
             call()
     assert cache.stats()["device_cached_tokens"] == 4
     assert "value" in _in_thread(cache.stats)
+
+
+# ----------------------------------------------------------------------------- clean_ahead
+
+def _tiers(cache):
+    """{first token // 100: (on device, on host)} of every node, read without touching the
+    tree (a match would refresh the access stamps that decide what eviction takes)."""
+    return {int(n.key[0]) // 100: (n.value is not None, n.host_value is not None)
+            for n in cache._tree.nodes()}
+
+
+def test_clean_ahead_backs_up_the_eviction_end_so_eviction_copies_nothing():
+    """The reserve at the eviction end of L1 is backed up after inserts, once eviction is near;
+    eviction then frees pages that already have a host copy (no copy on the allocation path)."""
+    cache, kv = make("clean_ahead", device=16, host=64, clean_ahead_pages=4)
+    for i in range(3):                       # 12 of 16 pages: eviction not near, nothing copied
+        request(cache, kv, np.arange(4) + 100 * i)
+    cache.flush()
+    assert cache.stats()["backups"] == 0
+    request(cache, kv, np.arange(4) + 300)   # 0 free pages < reserve: the coldest 4 backed up
+    cache.flush()
+    st = cache.stats()
+    assert st["clean_ahead_pages"] == 4 and st["backups"] == 1
+    assert _tiers(cache)[0] == (True, True)  # the least recently used request
+    for i in range(4, 8):                    # each evicts the coldest request, already clean
+        request(cache, kv, np.arange(4) + 100 * i)
+        cache.flush()
+    st = cache.stats()
+    assert st["evicted_tokens"] == 16 and st["eviction_backup_pages"] == 0
+    assert st["deleted_tokens"] == 0         # every evicted page kept its host copy
+    assert all(_tiers(cache)[i] == (False, True) for i in range(4))
+    m = cache.load_back(cache.match_prefix(np.arange(4)))
+    assert m.device_len == 4
+    check(cache, kv)
+
+
+def test_clean_ahead_gives_up_hot_redundant_host_copies_before_evicted_pages():
+    """L2 full: the host copy of a page still on device (loaded back: hot again) is given up
+    before any host-only page when the eviction end needs room."""
+    cache, kv = make("clean_ahead", device=8, host=8, clean_ahead_pages=2)
+    for i in range(12):
+        request(cache, kv, np.arange(2) + 100 * i)
+        cache.flush()
+    t = _tiers(cache)
+    assert cache.stats()["host_free_pages"] == 0
+    assert [t[i] for i in (5, 6, 7)] == [(False, True)] * 3 and t[8] == (True, True)
+    assert [t[i] for i in (9, 10, 11)] == [(True, False)] * 3
+    # Request 7 again: loaded back (evicting 8, clean). It keeps its host copy, but the
+    # request holds it locked while the pass backs up 9, so that room comes from the LRU
+    # host-only page (5), as an exclusive L1 + L2 LRU would drop it.
+    request(cache, kv, np.arange(2) + 700)
+    cache.flush()
+    t, st = _tiers(cache), cache.stats()
+    assert st["load_backs"] == 1 and t[7] == (True, True) and t[9] == (True, True)
+    assert 5 not in t and st["host_copies_dropped_tokens"] == 0
+    # A new request: the pass backs up 10, the new eviction end. Room now comes from 7's copy
+    # (hot, on device, unlocked), not from the evicted pages 6 and 8.
+    evictions = st["host_evictions"]
+    request(cache, kv, np.arange(2) + 1200)
+    cache.flush()
+    t, st = _tiers(cache), cache.stats()
+    assert st["host_copies_dropped_tokens"] == 2 and st["host_evictions"] == evictions
+    assert t[7] == (True, False) and t[10] == (True, True)
+    assert [t[i] for i in (6, 8, 9)] == [(False, True)] * 3
+    assert st["eviction_backup_pages"] == 0
+    check(cache, kv)
+
+
+def test_clean_ahead_config():
+    spec = KVSpec(num_layers=1, num_kv_heads=1, head_dim=4, dtype="float32", page_size=1)
+    assert HiCacheConfig(device_pages=64, write_policy="clean_ahead").clean_ahead_pages == 4
+    assert HiCacheConfig(device_pages=8, write_policy="clean_ahead").clean_ahead_pages == 1
+    with pytest.raises(ValueError, match="clean_ahead_pages=0 must be >= 1"):
+        HiCacheConfig(device_pages=8, clean_ahead_pages=0)
+    with pytest.raises(ValueError, match="not an L3 policy"):
+        HiCacheConfig(device_pages=8, storage_write_policy="clean_ahead")
+    HiCache(spec, HiCacheConfig(device_pages=8, host_pages=0, write_policy="clean_ahead"))

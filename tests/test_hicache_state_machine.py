@@ -461,7 +461,8 @@ class HiCacheMachine(RuleBasedStateMachine):
         assert cache.stats()["device_cached_tokens"] == before - freed
         if freed < tokens:  # stopped early: nothing left it could take
             for node in cache._tree.evictable_device:
-                assert self.write_policy == "write_back" and not node.backed_up \
+                assert self.write_policy in ("write_back", "clean_ahead") \
+                    and not node.backed_up \
                     and node.children, f"evict stopped with {node!r} still evictable"
 
     @rule(k=st.integers(0, 4))
@@ -532,12 +533,14 @@ class HiCacheMachine(RuleBasedStateMachine):
 
 #: What the runs must have exercised (summed over one test's examples), so a change that makes
 #: the machine stop evicting or loading back fails instead of passing vacuously.
-COVERED = ("evictions", "host_evictions", "backups", "load_backs", "duplicate_pages_freed")
+COVERED = ("evictions", "host_evictions", "backups", "load_backs", "duplicate_pages_freed",
+           "clean_ahead_pages", "host_copies_dropped_tokens")
+CLEAN_AHEAD_ONLY = ("clean_ahead_pages", "host_copies_dropped_tokens")
 COVERAGE: collections.Counter = collections.Counter()
 #: Stale matches lock refused, over the whole parametrised run (see test_stale_matches_were_met).
 STALE: collections.Counter = collections.Counter()
 
-POLICIES = ["write_through", "write_through_selective", "write_back"]
+POLICIES = ["write_through", "write_through_selective", "write_back", "clean_ahead"]
 EVICTIONS = ["lru", "lfu", "slru"]
 
 
@@ -560,6 +563,8 @@ def test_hicache_state_machine(write_policy, eviction, page_size):
     for key in COVERED:
         if key == "host_evictions" and write_policy == "write_through_selective":
             continue  # threshold 2 backs up too little to fill the host tier in so few steps
+        if key in CLEAN_AHEAD_ONLY and write_policy != "clean_ahead":
+            continue
         assert COVERAGE[key] > 0, f"the machine never exercised {key}: {dict(COVERAGE)}"
 
 
