@@ -25,6 +25,25 @@ Semantics follow SGLang's HiCache (``hiradix_cache.py``):
 * **load_back(match)** moves the chain of host-only nodes above the match's node back to device
   pages (threshold / quota first), protected by an internal lock until the copy lands.
 
+When: ``write_through`` backs a node up once its ``hit_count`` reaches the threshold, the
+insert that creates it counting as its first access (as current SGLang counts it: threshold 1
+backs up at insert, ``write_through_selective``'s 2 at the second access); L2 is then
+inclusive of L1. ``write_back`` backs up only what eviction takes, on the allocation path.
+``clean_ahead`` (the default) does what an OS page cache does with dirty pages, so that L1 + L2
+behave like one cache of their summed size without copies on the allocation path:
+
+* after an ``insert``, once eviction is near (fewer free device pages than
+  ``cfg.clean_ahead_pages``) and has taken a quarter of that reserve (or copied on its path)
+  since the last pass, the not-backed-up nodes among the first ``clean_ahead_pages`` pages that
+  eviction would take (:func:`~hicache_jax.eviction.eviction_order`) are backed up in one
+  asynchronous transfer: eviction then finds them clean (what it still has to copy is counted in
+  ``stats()["eviction_backup_pages"]``);
+* when L2 is full, host copies of nodes still on device (loaded back, or cleaned then hit
+  again) are what it gives up first, hottest first, never the window the last pass cleaned;
+  host-only leaves go after them, least valuable first.
+
+No continuous host prefix is kept under ``write_back`` or ``clean_ahead``.
+
 Page ownership (checked after every step of tests/test_hicache_state_machine.py): every device page is
 free, owned by a caller (``alloc_pages`` .. ``insert``/``free_pages``) or held by one tree node;
 every host page is free, held by one node, the target of a backup in flight, or reserved by
@@ -543,16 +562,8 @@ class HiCache:
             self._events.stored(node, Medium.DEVICE)
         if res.last_node.parent is not None and res.last_node not in res.existing_nodes:
             self._events.stored(res.last_node, Medium.DEVICE)
-        if self._write.backup_on_hit and not chunked:
-            threshold = self.cfg.write_through_threshold
-            claims = [self._claim_backup(node) for node in res.existing_nodes  # root-first
-                      if node.hit_count >= threshold]
-            last = res.last_node
-            if last.parent is not None and last not in res.existing_nodes and (
-                    last.hit_count >= threshold  # the insert is a new node's first access
-                    or (self._l3 is not None and self._l3.back_up_new)):  # L3: goes down now
-                claims.append(self._claim_backup(last))
-            self._dispatch_backups([c for c in claims if c is not None])
+        if not chunked and (self._write.backup_on_hit or self._write.clean_ahead):
+            self._backup_inserted(res)
         if self._write.clean_ahead and not chunked and self._clean_due():
             self._clean_ahead()
         return res.prefix_len
@@ -742,6 +753,22 @@ class HiCache:
             if parent in tree.evictable_host:
                 heap.push(parent)
         return freed
+
+    def _backup_inserted(self, res: Any) -> None:
+        """Backups an insert starts, in one transfer: write-through hits at the threshold
+        (root-first), and the new leaf -- its creation is its first access -- or, with L3
+        (``storage_write_policy="write_through"``, write-through and clean_ahead modes), so
+        that computed pages go down to L3 now."""
+        threshold, claims = self.cfg.write_through_threshold, []
+        if self._write.backup_on_hit:
+            claims = [self._claim_backup(node) for node in res.existing_nodes
+                      if node.hit_count >= threshold]
+        last = res.last_node
+        if last.parent is not None and last not in res.existing_nodes and (
+                (self._write.backup_on_hit and last.hit_count >= threshold)
+                or (self._l3 is not None and self._l3.back_up_new)):
+            claims.append(self._claim_backup(last))
+        self._dispatch_backups([c for c in claims if c is not None])
 
     # -- internals: clean_ahead -------------------------------------------------------------
 

@@ -387,6 +387,8 @@ def _counters(s: dict[str, Any], ps: int) -> dict[str, int]:
         "evicted_pages": s["evicted_tokens"] // ps,
         "eviction_backup_pages": s["eviction_backup_pages"],
         "host_evicted_pages": s["host_evicted_tokens"] // ps,
+        "clean_ahead_pages": s["clean_ahead_pages"],
+        "host_copies_dropped_pages": s["host_copies_dropped_tokens"] // ps,
     }
 
 
@@ -399,7 +401,7 @@ def _progress_bar(total: int, desc: str, enabled: bool) -> Any:
 
 
 def run(trace: Trace, spec: KVSpec, *, device_pages: Sequence[int], host_ratio: float = 4.0,
-        write_policies: Sequence[str] = ("write_through",), evictions: Sequence[str] = ("lru",),
+        write_policies: Sequence[str] = ("clean_ahead",), evictions: Sequence[str] = ("lru",),
         load_back_threshold: int = 16, progress: bool = False) -> dict[str, Any]:
     """Replay every (L1 size, write policy, eviction) and compare each with the references.
 

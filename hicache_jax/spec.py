@@ -188,8 +188,8 @@ class HiCacheConfig:
         device_pages: pages in the device pool (L1).
         host_pages: pages in the host pool (L2); None -> ``round(host_ratio * device_pages)``.
         host_ratio: used only when ``host_pages`` is None.
-        write_policy: "write_through" | "write_through_selective" | "write_back" |
-            "clean_ahead" (see hicache.py).
+        write_policy: "clean_ahead" (the default) | "write_through" |
+            "write_through_selective" | "write_back" (see hicache.py).
         write_through_threshold: backup once ``hit_count >= threshold``; None -> 1 for
             write_through, 2 for write_through_selective (unused by write_back).
         eviction: "lru" | "lfu" | "fifo" | "mru" | "filo" | "priority" | "slru".
@@ -216,7 +216,7 @@ class HiCacheConfig:
     device_pages: int
     host_pages: int | None = None
     host_ratio: float = 4.0
-    write_policy: WritePolicy | str = WritePolicy.WRITE_THROUGH
+    write_policy: WritePolicy | str = WritePolicy.CLEAN_AHEAD
     write_through_threshold: int | None = None
     eviction: EvictionPolicy | str = EvictionPolicy.LRU
     load_back_threshold: int = 16

@@ -100,13 +100,14 @@ def test_kvspec_frozen_hashable_and_fingerprint():
 def test_config_defaults_and_enums():
     cfg = HiCacheConfig(device_pages=100)
     assert cfg.host_pages == 400
-    assert cfg.write_policy is WritePolicy.WRITE_THROUGH and cfg.write_through_threshold == 1
+    assert cfg.write_policy is WritePolicy.CLEAN_AHEAD and cfg.write_through_threshold == 1
+    assert cfg.clean_ahead_pages == 100 // 16
     assert cfg.eviction is EvictionPolicy.LRU
     assert cfg.host_layout is HostLayout.LAYER_FIRST
     assert cfg.copy_backend is CopyBackend.AUTO
     assert cfg.prefetch_policy is PrefetchPolicy.BEST_EFFORT
     assert cfg.storage_write_policy is WritePolicy.WRITE_THROUGH
-    assert cfg.write_policy == "write_through"  # str enums still compare to their strings
+    assert cfg.write_policy == "clean_ahead"  # str enums still compare to their strings
 
 
 @pytest.mark.parametrize("field, value, member", [

@@ -85,8 +85,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="default: 5/8 of the workload's distinct tokens (at least what the "
                         "longest request needs)")
     c.add_argument("--host-ratio", type=float, default=4.0, help="host pages / device pages")
-    c.add_argument("--policy", default="write_through",
-                   choices=["write_through", "write_through_selective", "write_back"])
+    c.add_argument("--policy", default="clean_ahead",
+                   choices=["clean_ahead", "write_through", "write_through_selective",
+                            "write_back"])
     c.add_argument("--chunk-size", type=int, default=256, help="prefill chunk (power of two)")
     c.add_argument("--storage", metavar="URL",
                    help="L3 store (file:///dir, mooncake://host:port): adds a 'hicache+L3' run")
@@ -123,7 +124,7 @@ def _replay_parser(sub: Any) -> None:
                       help="capacity sweep: L1 sizes in tokens, e.g. 1e5,3e5,1e6")
     c.add_argument("--host-ratio", type=float, default=4.0,
                    help="L2 pages = ratio x L1 pages (0: L1 only)")
-    c.add_argument("--policy", default="write_through",
+    c.add_argument("--policy", default="clean_ahead",
                    help="write policy, or a comma list (each is run)")
     c.add_argument("--eviction", default="lru", help="eviction strategy, or a comma list")
     c.add_argument("--load-back-threshold", type=int, default=16, help="tokens")

@@ -138,7 +138,7 @@ class Engine:
     @classmethod
     def create(cls, model: DecoderModel, mode: CacheMode | str, *, page_size: int = 16,
                device_pages: int = 1024, host_pages: int | None = None,
-               write_policy: str = "write_through", **engine_kwargs: Any) -> "Engine":
+               write_policy: str = "clean_ahead", **engine_kwargs: Any) -> "Engine":
         """Build the cache for ``mode`` and the engine over it.
 
         ``host_pages`` (default ``4 * device_pages``) is used in mode ``hicache`` only; the
