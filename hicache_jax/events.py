@@ -1,9 +1,9 @@
 """KV cache events: where each page of each cached prefix lives (pure Python; no jax).
 
 A router that sends requests to the replica holding their prefix needs to know which pages each
-replica caches and on which tier. :class:`~hicache_jax.HiCache` records one event per page and
-per tier whenever a page appears or disappears there, in the spirit of vLLM's / SGLang's KV
-events:
+replica caches and on which tier. With ``HiCacheConfig(kv_events=...)`` set,
+:class:`~hicache_jax.HiCache` records an event whenever pages appear on or leave a tier, in the
+spirit of vLLM's / SGLang's KV events:
 
 * :class:`BlockStored` — the page with hash ``block_hash`` is now held on ``medium``;
   ``parent_block_hash`` is the hash of the page before it in the same prefix (``None`` for the
@@ -14,24 +14,56 @@ events:
 Page hashes come from the radix tree (``TreeNode.page_hashes``): ``h_i = H(h_{i-1}, tokens of
 page i)`` with blake2b, the chain of a namespace seeded from its ``extra_key``, so two processes
 that cache the same prefix report the same hashes. A node split changes no page hash, so events
-are per page and never mention tree nodes.
+never depend on how the tree is split.
+
+Off by default (``kv_events=None``): the cache then holds a :class:`NullRecorder` whose methods
+do nothing, chosen once at construction. When on, the events of one public call form one batch
+(sealed when the call returns) with a sequence number; a recorder holds them compactly (one
+record per node: numpy copies of its page hashes and tokens) and turns them into Python ints
+only when a consumer reads them or they are serialized:
+
+* ``publisher="queue"`` (:class:`QueueRecorder`): in-process; ``HiCache.take_events()`` /
+  ``take_event_batches()``. At most ``buffer_steps`` batches wait: when full the oldest is
+  dropped and counted, and the batches taken show the gap in their ``seq``.
+* ``publisher="zmq"`` (:class:`~hicache_jax.events_zmq.ZmqRecorder`): published on a ZMQ PUB
+  socket in vLLM's wire format (see events_zmq.py).
 
 Replaying the events in order over an empty set of ``(block_hash, medium)`` pairs gives exactly
 the pages the cache holds on each tier (the state-machine test checks this after every step).
+
+Threading: a recorder is used by the cache's owning thread only; ``stats()`` reads its counters.
 """
 
 from __future__ import annotations
 
+import collections
+import dataclasses
 import enum
+import json
+import re
+import time
 from dataclasses import dataclass
-from typing import Any, Iterable, Union
+from typing import Any, Iterable, NamedTuple, Union
+
+import numpy as np
+
+from hicache_jax.errors import HiCacheError
 
 
 class Medium(str, enum.Enum):
-    """Tier holding a page. A ``str`` enum: ``Medium.DEVICE == "device"``."""
+    """Tier holding a page. A ``str`` enum: ``Medium.DEVICE == "device"``.
+
+    On the wire (vLLM's ``medium`` field) L1 is ``"GPU"`` as vLLM names it, whatever the
+    accelerator, and L2 (pinned host memory) is ``"CPU"``: :data:`WIRE_MEDIUM`. The L3 store
+    is shared between instances and not reported: a router routes on L1 and L2.
+    """
 
     DEVICE = "device"
     HOST = "host"
+
+
+#: ``medium`` strings of the wire format.
+WIRE_MEDIUM = {Medium.DEVICE: "GPU", Medium.HOST: "CPU"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,48 +101,272 @@ class AllBlocksCleared:
 KVEvent = Union[BlockStored, BlockRemoved, AllBlocksCleared]
 
 
-class EventLog:
-    """Events recorded since the last :meth:`take` (owned by one cache; one thread)."""
+@dataclass(frozen=True, slots=True)
+class EventBatch:
+    """The events of one public call (``HiCache.take_event_batches``).
 
-    __slots__ = ("_events",)
+    Attributes:
+        seq: 0, 1, 2, ... per cache; a gap means batches were dropped (the buffer was full).
+        ts: ``time.time()`` when the call returned.
+        events: per page, in order.
+    """
+
+    seq: int
+    ts: float
+    events: tuple[KVEvent, ...]
+
+
+# -- configuration ---------------------------------------------------------------------------
+
+_ENDPOINT = re.compile(r"^(tcp://(\*|[A-Za-z0-9.\-]+|\[[0-9A-Fa-f:.]+\]):(\d{1,5})|ipc://.+|inproc://.+)$")
+
+
+@dataclass(frozen=True)
+class KVEventsConfig:
+    """``HiCacheConfig(kv_events=...)``, parsed and checked (like SGLang's ``--kv-events-config``).
+
+    Attributes:
+        publisher: "queue" (in-process ``take_events()``) | "zmq" (vLLM's wire format).
+        endpoint: zmq: the PUB socket's address, bound by the cache ("tcp://*:5557",
+            "tcp://127.0.0.1:5557", "ipc:///tmp/kv").
+        topic: zmq: the first frame of every message.
+        replay_endpoint: zmq: a ROUTER address for replay requests, or None.
+        buffer_steps: batches kept (queue: waiting to be taken; zmq: for replay, and waiting
+            for the sender thread).
+        data_parallel_rank: zmq: the ``data_parallel_rank`` of every batch.
+    """
+
+    publisher: str = "queue"
+    endpoint: str = "tcp://*:5557"
+    topic: str = "kv-events"
+    replay_endpoint: str | None = None
+    buffer_steps: int = 10_000
+    data_parallel_rank: int = 0
+
+
+_PUBLISHERS = ("queue", "zmq")
+
+
+def _check_endpoint(field: str, value: Any) -> None:
+    m = _ENDPOINT.match(value) if isinstance(value, str) else None
+    if m is None or (m.group(3) is not None and not 0 < int(m.group(3)) < 65536):
+        raise ValueError(f"kv_events {field}={value!r} is not a ZMQ endpoint: use "
+                         "'tcp://HOST:PORT' (HOST '*' for every interface, PORT 1-65535), "
+                         "'ipc://PATH' or 'inproc://NAME'")
+
+
+def parse_kv_events(value: Any) -> KVEventsConfig | None:
+    """``HiCacheConfig.kv_events`` (None, a dict, its JSON string or a KVEventsConfig) checked.
+
+    Raises:
+        ValueError / TypeError: naming the field (unknown publisher or key, malformed endpoint,
+            buffer_steps not an int >= 1, ...).
+    """
+    if value is None or isinstance(value, KVEventsConfig) and _checked(value):
+        return value
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"kv_events={value!r} is not valid JSON ({e})") from None
+    if not isinstance(value, dict):
+        raise TypeError(f"kv_events={value!r} must be None, a dict or its JSON string, e.g. "
+                        '{"publisher": "zmq", "endpoint": "tcp://*:5557"}')
+    names = {f.name for f in dataclasses.fields(KVEventsConfig)}
+    unknown = sorted(set(value) - names)
+    if unknown:
+        raise ValueError(f"kv_events has unknown field(s) {unknown}; known: {sorted(names)}")
+    cfg = KVEventsConfig(**value)
+    _checked(cfg)
+    return cfg
+
+
+def _checked(cfg: KVEventsConfig) -> bool:
+    if cfg.publisher not in _PUBLISHERS:
+        raise ValueError(f"kv_events publisher={cfg.publisher!r} is not one of: "
+                         f"{', '.join(map(repr, _PUBLISHERS))}")
+    for field in ("buffer_steps", "data_parallel_rank"):
+        v = getattr(cfg, field)
+        if isinstance(v, bool) or not isinstance(v, int) or v < (field == "buffer_steps"):
+            raise ValueError(f"kv_events {field}={v!r} must be an int >= "
+                             f"{int(field == 'buffer_steps')}")
+    if not isinstance(cfg.topic, str):
+        raise TypeError(f"kv_events topic={cfg.topic!r} must be a str")
+    _check_endpoint("endpoint", cfg.endpoint)
+    if cfg.replay_endpoint is not None:
+        _check_endpoint("replay_endpoint", cfg.replay_endpoint)
+        if cfg.replay_endpoint == cfg.endpoint:
+            raise ValueError(f"kv_events replay_endpoint={cfg.replay_endpoint!r} must differ "
+                             "from endpoint")
+    return True
+
+
+# -- recorders -------------------------------------------------------------------------------
+
+class _Stored(NamedTuple):
+    """Compact BlockStored of a run of one node's pages (numpy copies, not Python ints)."""
+
+    hashes: np.ndarray  # uint64 [n]
+    parent: int | None
+    tokens: np.ndarray  # int64 [n * page_size]
+    medium: Medium
+    extra_key: Any
+
+
+class _Removed(NamedTuple):
+    hashes: np.ndarray  # uint64 [n]
+    medium: Medium
+
+
+_CLEARED = AllBlocksCleared()
+_Record = Union[_Stored, _Removed, AllBlocksCleared]
+
+
+def _expand(record: _Record) -> list[KVEvent]:
+    """A compact record as per-page events (what ``take_events()`` returns)."""
+    if isinstance(record, _Stored):
+        hashes = record.hashes.tolist()
+        if not hashes:
+            return []
+        tokens = record.tokens.tolist()
+        ps = len(tokens) // len(hashes)
+        parents = [record.parent] + hashes[:-1]
+        return [BlockStored(h, p, tuple(tokens[i * ps:(i + 1) * ps]), record.medium,
+                            record.extra_key) for i, (h, p) in enumerate(zip(hashes, parents))]
+    if isinstance(record, _Removed):
+        return [BlockRemoved(h, record.medium) for h in record.hashes.tolist()]
+    return [record]
+
+
+class NullRecorder:
+    """Events off (the default): every method does nothing, and nothing is kept."""
+
+    __slots__ = ()
+
+    def stored(self, node: Any, medium: Medium, pages: slice | None = None) -> None:
+        pass
+
+    def removed(self, node: Any, medium: Medium) -> None:
+        pass
+
+    def cleared(self) -> None:
+        pass
+
+    def end_call(self) -> None:
+        pass
+
+    def take(self) -> list[KVEvent]:
+        raise HiCacheError("KV events are not enabled: build the cache with "
+                           "HiCacheConfig(kv_events={'publisher': 'queue'}) to take them "
+                           "in-process, or {'publisher': 'zmq', 'endpoint': ...} to publish them")
+
+    take_batches = take
+
+    def stats(self) -> dict[str, int]:
+        return {"kv_event_batches": 0, "kv_event_batches_dropped": 0}
+
+    def close(self) -> None:
+        pass
+
+
+class Recorder:
+    """Records the events of the current public call; :meth:`end_call` seals them into a batch
+    (seq, ts) and hands it to :meth:`_publish`. Subclasses publish."""
 
     def __init__(self) -> None:
-        self._events: list[KVEvent] = []
+        self._pending: list[_Record] = []
+        self._seq = 0
+        self._dropped = 0
 
-    def stored(self, node: Any, medium: Medium, pages: slice = slice(None)) -> None:
-        """Record :class:`BlockStored` for ``node``'s pages (a ``TreeNode``), root-first.
+    def stored(self, node: Any, medium: Medium, pages: slice | None = None) -> None:
+        """Record a BlockStored of ``node``'s pages (a ``TreeNode``; default all), root-first.
 
         Args:
             node: a tree node attached to the tree (its parent gives the first parent hash).
             medium: the tier the pages are now on.
-            pages: which of the node's pages (default: all).
+            pages: which of the node's pages (a slice; default: all).
         """
-        hashes = node.page_hashes.tolist()
-        first, stop, _ = pages.indices(len(hashes))
+        n = node.num_pages
+        first, stop, _ = (pages or slice(None)).indices(n)
+        if stop <= first:
+            return
+        hashes = node.page_hashes
         if first > 0:
-            prev: int | None = hashes[first - 1]
+            prev: int | None = int(hashes[first - 1])
         else:
             parent = node.parent
             prev = int(parent.page_hashes[-1]) if parent is not None and parent.num_pages else None
-        ps = node.num_tokens // max(node.num_pages, 1)
-        tokens = node.key.tolist()
-        for i in range(first, stop):
-            self._events.append(BlockStored(hashes[i], prev, tuple(tokens[i * ps:(i + 1) * ps]),
-                                            medium, node.extra_key))
-            prev = hashes[i]
+        ps = node.num_tokens // n
+        self._pending.append(_Stored(hashes[first:stop].copy(), prev,
+                                     node.key[first * ps:stop * ps].copy(), medium,
+                                     node.extra_key))
 
     def removed(self, node: Any, medium: Medium) -> None:
-        """Record :class:`BlockRemoved` for every page of ``node`` on ``medium``."""
-        self._events.extend(BlockRemoved(h, medium) for h in node.page_hashes.tolist())
+        """Record a BlockRemoved of every page of ``node`` on ``medium``."""
+        if node.num_pages:
+            self._pending.append(_Removed(node.page_hashes.copy(), medium))
 
     def cleared(self) -> None:
-        """Drop pending events and record :class:`AllBlocksCleared` (a reset supersedes them)."""
-        self._events = [AllBlocksCleared()]
+        """Drop the call's pending events and record AllBlocksCleared (a reset supersedes them)."""
+        self._pending = [_CLEARED]
+
+    def end_call(self) -> None:
+        """Seal the events of the call that returns (if any) into the next batch."""
+        if self._pending:
+            records, self._pending = self._pending, []
+            self._publish(self._seq, time.time(), records)
+            self._seq += 1
+
+    def _publish(self, seq: int, ts: float, records: list[_Record]) -> None:
+        raise NotImplementedError
 
     def take(self) -> list[KVEvent]:
-        """Return the events since the last call, oldest first, and forget them."""
-        out, self._events = self._events, []
+        raise HiCacheError("KV events are published to the ZMQ endpoint (kv_events publisher="
+                           "'zmq'): subscribe there; take_events() needs publisher='queue'")
+
+    take_batches = take
+
+    def stats(self) -> dict[str, int]:
+        return {"kv_event_batches": self._seq, "kv_event_batches_dropped": self._dropped}
+
+    def close(self) -> None:
+        pass
+
+
+class QueueRecorder(Recorder):
+    """``publisher="queue"``: batches wait in a bounded buffer until taken."""
+
+    def __init__(self, buffer_steps: int) -> None:
+        super().__init__()
+        self._buffer: collections.deque = collections.deque(maxlen=buffer_steps)
+
+    def _publish(self, seq: int, ts: float, records: list[_Record]) -> None:
+        if len(self._buffer) == self._buffer.maxlen:
+            self._dropped += 1  # the append below pushes the oldest out
+        self._buffer.append((seq, ts, records))
+
+    def take_batches(self) -> list[EventBatch]:
+        """The batches since the last take, oldest first (a gap in ``seq``: dropped)."""
+        self.end_call()
+        out = [EventBatch(seq, ts, tuple(e for r in records for e in _expand(r)))
+               for seq, ts, records in self._buffer]
+        self._buffer.clear()
         return out
+
+    def take(self) -> list[KVEvent]:
+        """The events of :meth:`take_batches`, flattened."""
+        return [e for batch in self.take_batches() for e in batch.events]
+
+
+def make_recorder(cfg: KVEventsConfig | None) -> NullRecorder | Recorder:
+    """The recorder a configuration asks for (binds the ZMQ sockets for ``"zmq"``)."""
+    if cfg is None:
+        return NullRecorder()
+    if cfg.publisher == "queue":
+        return QueueRecorder(cfg.buffer_steps)
+    from hicache_jax.events_zmq import ZmqRecorder
+
+    return ZmqRecorder(cfg)
 
 
 def replay(events: Iterable[KVEvent], state: set | None = None) -> set:

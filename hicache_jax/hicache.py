@@ -78,6 +78,7 @@ public methods, never by callbacks. After :meth:`close`, every call but ``stats(
 from __future__ import annotations
 
 import collections
+import functools
 import threading
 import time
 from dataclasses import dataclass
@@ -88,7 +89,7 @@ import numpy as np
 from hicache_jax.allocator import PageAllocator
 from hicache_jax.device_pool import DevicePagePool
 from hicache_jax.errors import HiCacheError, OutOfPagesError
-from hicache_jax.events import EventLog, KVEvent, Medium
+from hicache_jax.events import EventBatch, KVEvent, Medium, NullRecorder, Recorder, make_recorder
 from hicache_jax.eviction import VictimHeap, eviction_order, hottest_first
 from hicache_jax.host_pool import HostPagePool
 from hicache_jax.l3 import L3Tier, PrefetchHandle
@@ -203,6 +204,19 @@ def _prepare_tokens(tokens: Any, extra_key: Any, page_size: int) -> np.ndarray:
     return arr[: arr.shape[0] // page_size * page_size]
 
 
+def _publishes(method: Callable) -> Callable:
+    """A public call that may record KV events: its events form one batch, sealed (published)
+    when it returns. With events off that is one no-op call of the NullRecorder."""
+    @functools.wraps(method)
+    def call(self: "HiCache", *args: Any, **kwargs: Any) -> Any:
+        self._guard()  # first: another thread must not seal the owner's batch
+        try:
+            return method(self, *args, **kwargs)
+        finally:
+            self._events.end_call()
+    return call
+
+
 class HiCache:
     """Hierarchical KV page cache: device pool (L1), host pool (L2), radix tree of prefixes.
 
@@ -237,7 +251,7 @@ class HiCache:
         if self._write.clean_ahead:  # host room also comes from redundant copies (see module doc)
             self._host_tier = _Tier(self._host.allocator, self._evict_host_clean_ahead,
                                     self._host_evictable_clean_ahead, False)
-        self._events = EventLog()
+        self._events: NullRecorder | Recorder = NullRecorder()  # the configured one: last
         self._thread: int | None = None  # owning thread's ident; taken by the first call
         self._owner_thread = threading.current_thread()
         self._thread_name = ""
@@ -245,6 +259,8 @@ class HiCache:
         self._closed = False
         self._init_state()
         self._l3 = L3Tier(self) if cfg.storage is not None else None  # L3: see l3.py
+        # Last, so that nothing stays bound when anything above raises. Off: NullRecorder.
+        self._events = make_recorder(cfg.kv_events)
 
     def _init_state(self) -> None:
         self._owner = np.zeros(self.cfg.device_pages, np.int8)
@@ -332,6 +348,7 @@ class HiCache:
 
     # -- public API --------------------------------------------------------------------------
 
+    @_publishes
     def match_prefix(self, tokens: Any, extra_key: Hashable = None) -> Match:
         """Longest cached whole-page prefix of ``tokens`` on device, then on host.
 
@@ -355,6 +372,7 @@ class HiCache:
                      self._ref(tm.node, tm.last_device_node,
                                arr[:tm.device_len + tm.host_len].copy()))
 
+    @_publishes
     def prefetch(self, tokens: Any, extra_key: Hashable = None) -> PrefetchHandle | None:
         """Start fetching from L3, into host pages, the pages of ``tokens`` beyond L1 + L2.
 
@@ -369,6 +387,7 @@ class HiCache:
         self._complete(attach=True)
         return None if self._l3 is None else self._l3.prefetch(arr, extra_key)
 
+    @_publishes
     def load_back(self, match: Match, *, layerwise: bool = False) -> Match:
         """Copy the host-only part of ``match`` back to device pages.
 
@@ -476,6 +495,7 @@ class HiCache:
         else:
             self._caller_locks[node] = held - 1
 
+    @_publishes
     def alloc_pages(self, n: int) -> np.ndarray:
         """Take ``n`` device pages for the caller, evicting as needed.
 
@@ -514,6 +534,7 @@ class HiCache:
         ids = self._check_pages(pages, (_CALLER,), "caller-owned (cached pages are read-only)")
         self._device.write(ids, kv)
 
+    @_publishes
     def read_kv(self, pages: Any) -> Any:
         """KV of allocated device pages: ``spec.kv_shape(n)`` in ``spec.dtype`` (a new array)."""
         self._guard()
@@ -524,6 +545,7 @@ class HiCache:
             self._complete(upto=last.seq)
         return self._device.read(ids)
 
+    @_publishes
     def insert(self, tokens: Any, pages: Any, extra_key: Hashable = None, *,
                chunked: bool = False, priority: int = 0) -> int:
         """Cache the whole pages of ``tokens`` with ``pages`` (see DESIGN.md).
@@ -568,6 +590,7 @@ class HiCache:
             self._clean_ahead()
         return res.prefix_len
 
+    @_publishes
     def evict(self, num_tokens: int) -> int:
         """Free at least ``num_tokens`` device tokens if possible; returns tokens freed."""
         self._guard()
@@ -575,6 +598,7 @@ class HiCache:
         self._complete(attach=True)
         return self._evict_device(num_tokens)
 
+    @_publishes
     def evict_host(self, num_tokens: int) -> int:
         """Delete host-only leaves worth ``num_tokens``; returns tokens freed on host."""
         self._guard()
@@ -590,6 +614,7 @@ class HiCache:
         self._guard()
         return self._device
 
+    @_publishes
     def flush(self) -> None:
         """Wait for every transfer in flight (L3 puts and prefetches too) and apply it."""
         self._guard()
@@ -606,6 +631,7 @@ class HiCache:
         self.flush()
         if self._l3 is not None:
             self._l3.close()
+        self._events.close()  # the ZMQ publisher sends what is queued and unbinds
         with self._thread_lock:
             self._closed, self._thread = True, None
 
@@ -620,10 +646,25 @@ class HiCache:
             self._thread, self._thread_name = None, ""
 
     def take_events(self) -> list[KVEvent]:
-        """KV events (BlockStored / BlockRemoved / AllBlocksCleared) since the last call."""
+        """KV events (BlockStored / BlockRemoved / AllBlocksCleared, one per page) since the
+        last take, oldest first: the batches of :meth:`take_event_batches`, flattened.
+
+        Raises:
+            HiCacheError: events are off (``HiCacheConfig(kv_events=None)``, the default) or go
+                to ZMQ: build the cache with ``kv_events={"publisher": "queue"}``.
+        """
         self._guard()
         return self._events.take()
 
+    def take_event_batches(self) -> list[EventBatch]:
+        """The event batches (one per public call that recorded any) since the last take, each
+        with its ``seq``: a gap means the buffer (``buffer_steps``) was full and the oldest
+        batches were dropped (``stats()["kv_event_batches_dropped"]``). Raises as
+        :meth:`take_events`."""
+        self._guard()
+        return self._events.take_batches()
+
+    @_publishes
     def reset(self) -> None:
         """Wait for transfers, then forget everything: tree, caller pages and locks, counters
         (the L3 store keeps its entries, and its client's ``l3_store_*`` counters)."""
@@ -673,7 +714,7 @@ class HiCache:
             "transfer_seconds": seconds,
             "mean_transfer_gbps": moved / seconds / 1e9 if seconds > 0 else 0.0,
             "transfers_in_flight": len(self._ops),
-        } | ({} if self._l3 is None else self._l3.stats())
+        } | self._events.stats() | ({} if self._l3 is None else self._l3.stats())
 
     # -- internals: allocation and eviction --------------------------------------------------
 

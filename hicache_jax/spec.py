@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 import jax.numpy as jnp
 
+from hicache_jax.events import KVEventsConfig, parse_kv_events
 from hicache_jax.eviction import EvictionPolicy
 
 #: KV dtypes the pools accept -> the unsigned integer of the same width the pools store.
@@ -211,6 +212,12 @@ class HiCacheConfig:
         clean_ahead_pages: ``write_policy="clean_ahead"``: how many device pages at the
             eviction end of L1 are kept backed up ahead of eviction; None -> device_pages // 16
             (at least 1).
+        kv_events: KV events, off by default (None: nothing recorded, ``take_events()``
+            raises). A dict or its JSON string, like SGLang's ``--kv-events-config``:
+            ``{"publisher": "queue"}`` keeps them for ``take_events()`` in-process;
+            ``{"publisher": "zmq", "endpoint": "tcp://*:5557", "topic": "kv-events",
+            "replay_endpoint": None, "buffer_steps": 10000}`` publishes them in vLLM's wire
+            format (see events.py, events_zmq.py). Stored parsed, as a ``KVEventsConfig``.
     """
 
     device_pages: int
@@ -231,6 +238,7 @@ class HiCacheConfig:
     prefetch_timeout_s: float = 1.0
     storage_write_policy: WritePolicy | str = WritePolicy.WRITE_THROUGH
     clean_ahead_pages: int | None = None
+    kv_events: KVEventsConfig | dict | str | None = None
 
     def __post_init__(self) -> None:
         set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731
@@ -270,6 +278,7 @@ class HiCacheConfig:
         if (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
                 or math.isnan(timeout) or timeout <= 0):
             raise ValueError(f"prefetch_timeout_s={self.prefetch_timeout_s!r} must be > 0")
+        set_("kv_events", parse_kv_events(self.kv_events))
         if self.shard_axis is not None and self.mesh is None:
             raise ValueError(f"shard_axis={self.shard_axis!r} given without a mesh")
         if self.mesh is not None:

@@ -1,5 +1,6 @@
 """KV events: one BlockStored / BlockRemoved per page and tier, hashes chained from the parent,
-AllBlocksCleared on reset, and a replay that matches the cache's contents."""
+AllBlocksCleared on reset, and a replay that matches the cache's contents; off by default,
+bounded when on, and a clear error for a bad kv_events configuration."""
 
 from __future__ import annotations
 
@@ -7,15 +8,19 @@ import numpy as np
 import pytest
 
 from hicache_jax import (AllBlocksCleared, BlockRemoved, BlockStored, HiCache, HiCacheConfig,
-                         KVSpec, Medium)
-from hicache_jax.events import EventLog, replay
+                         HiCacheError, KVSpec, Medium)
+from hicache_jax.events import KVEventsConfig, NullRecorder, QueueRecorder, replay
 from hicache_jax.radix import chain_hashes, namespace_hash
 
 
-def make(policy="write_back", ps=4, device=16, host=32):
+QUEUE = {"publisher": "queue"}
+
+
+def make(policy="write_back", ps=4, device=16, host=32, kv_events=QUEUE):
     spec = KVSpec(num_layers=1, num_kv_heads=1, head_dim=2, dtype="float16", page_size=ps)
     return HiCache(spec, HiCacheConfig(device_pages=device, host_pages=host,
-                                       write_policy=policy, load_back_threshold=ps))
+                                       write_policy=policy, load_back_threshold=ps,
+                                       kv_events=kv_events))
 
 
 def put(cache, tokens, extra_key=None):
@@ -84,8 +89,13 @@ def test_events_follow_evict_backup_load_back_and_evict_host():
 def test_reset_emits_all_blocks_cleared():
     cache = make()
     put(cache, np.arange(8))
+    cache.take_events()
     cache.reset()
     assert cache.take_events() == [AllBlocksCleared()]
+    put(cache, np.arange(8))
+    cache.reset()                              # the put's batch stays; the reset supersedes it
+    ev = cache.take_events()
+    assert ev[-1] == AllBlocksCleared() and replay(ev) == set()
 
 
 def test_replay_rejects_inconsistent_streams():
@@ -97,14 +107,85 @@ def test_replay_rejects_inconsistent_streams():
     assert replay([stored, AllBlocksCleared()]) == set()
 
 
-def test_event_log_slices_pages():
-    class Node:  # duck-typed TreeNode: what EventLog reads
+def test_recorder_slices_pages_and_holds_them_compactly():
+    class Node:  # duck-typed TreeNode: what the recorder reads
         page_hashes = np.array([11, 12, 13], np.uint64)
         key = np.arange(6)
         num_pages, num_tokens, extra_key, parent = 3, 6, None, None
 
-    log = EventLog()
+    log = QueueRecorder(buffer_steps=4)
     log.stored(Node, Medium.HOST, slice(1, 3))
+    log.end_call()
+    ((_, _, (record,)),) = log._buffer        # one record per node, numpy copies
+    assert isinstance(record.tokens, np.ndarray) and isinstance(record.hashes, np.ndarray)
     ev = log.take()
     assert [(e.block_hash, e.parent_block_hash, e.token_ids) for e in ev] == [
         (12, 11, (2, 3)), (13, 12, (4, 5))]
+
+
+def test_events_are_off_by_default_and_take_events_says_how_to_enable_them():
+    cache = make(kv_events=None)
+    assert HiCacheConfig(device_pages=4).kv_events is None
+    assert isinstance(cache._events, NullRecorder)
+    put(cache, np.arange(8))
+    cache.evict(8)
+    with pytest.raises(HiCacheError, match=r"not enabled.*kv_events=\{'publisher': 'queue'\}"):
+        cache.take_events()
+    with pytest.raises(HiCacheError, match="not enabled"):
+        cache.take_event_batches()
+    s = cache.stats()
+    assert (s["kv_event_batches"], s["kv_event_batches_dropped"]) == (0, 0)
+
+
+def test_one_batch_per_public_call_with_consecutive_seqs():
+    cache = make()
+    put(cache, np.arange(8))                   # match, alloc, insert: only insert records
+    cache.match_prefix(np.arange(8))           # nothing recorded: no batch
+    cache.evict(8)                             # write_back: backup + device removed
+    batches = cache.take_event_batches()
+    assert [b.seq for b in batches] == [0, 1]
+    assert [len(b.events) for b in batches] == [2, 4]
+    assert batches[0].ts <= batches[1].ts
+    assert cache.take_event_batches() == []
+
+
+def test_bounded_buffer_drops_the_oldest_batches_counts_them_and_shows_the_gap():
+    cache = make(device=64, kv_events={"publisher": "queue", "buffer_steps": 3})
+    for i in range(5):
+        put(cache, np.arange(4) + 100 * i)     # one batch each (insert)
+    batches = cache.take_event_batches()
+    assert [b.seq for b in batches] == [2, 3, 4]           # 0 and 1 dropped: a visible gap
+    assert [b.events[0].token_ids[0] for b in batches] == [200, 300, 400]
+    s = cache.stats()
+    assert (s["kv_event_batches"], s["kv_event_batches_dropped"]) == (5, 2)
+    put(cache, np.arange(4) + 500)
+    assert [b.seq for b in cache.take_event_batches()] == [5]
+
+
+def test_kv_events_config_from_a_dict_or_its_json_string():
+    a = HiCacheConfig(device_pages=4, kv_events={"publisher": "zmq", "endpoint": "ipc:///tmp/x"})
+    b = HiCacheConfig(device_pages=4,
+                      kv_events='{"publisher": "zmq", "endpoint": "ipc:///tmp/x"}')
+    assert a.kv_events == b.kv_events == KVEventsConfig("zmq", "ipc:///tmp/x")
+    assert a.kv_events.buffer_steps == 10_000 and a.kv_events.topic == "kv-events"
+    assert HiCacheConfig(device_pages=4, kv_events=a.kv_events).kv_events == a.kv_events
+
+
+@pytest.mark.parametrize("kv_events, err, match", [
+    ({"publisher": "kafka"}, ValueError, "publisher='kafka' is not one of"),
+    ({"publisher": "zmq", "endpoint": "tcp://127.0.0.1"}, ValueError, "endpoint=.* is not a ZMQ"),
+    ({"publisher": "zmq", "endpoint": "tcp://127.0.0.1:70000"}, ValueError, "endpoint="),
+    ({"publisher": "zmq", "endpoint": "http://x:1"}, ValueError, "endpoint="),
+    ({"publisher": "zmq", "replay_endpoint": "5558"}, ValueError, "replay_endpoint="),
+    ({"publisher": "zmq", "replay_endpoint": "tcp://*:5557"}, ValueError, "must differ"),
+    ({"publisher": "queue", "buffer_steps": 0}, ValueError, "buffer_steps=0"),
+    ({"publisher": "queue", "buffer_steps": "10"}, ValueError, "buffer_steps='10'"),
+    ({"publisher": "queue", "buffer_steps": True}, ValueError, "buffer_steps=True"),
+    ({"publisher": "queue", "topics": "x"}, ValueError, r"unknown field\(s\) \['topics'\]"),
+    ({"publisher": "zmq", "topic": 3}, TypeError, "topic=3"),
+    ("{not json", ValueError, "not valid JSON"),
+    (["queue"], TypeError, "must be None, a dict or its JSON string"),
+])
+def test_bad_kv_events_config_names_the_field(kv_events, err, match):
+    with pytest.raises(err, match=match):
+        HiCacheConfig(device_pages=4, kv_events=kv_events)

@@ -704,7 +704,7 @@ def _bad_calls(cache, kv, tree_page, mine, node):
 
 @pytest.mark.parametrize("policy", POLICIES)
 def test_bad_input_typed_error_and_cache_unchanged(policy):
-    cache, kv = make(policy, device=16, host=8)
+    cache, kv = make(policy, device=16, host=8, kv_events={"publisher": "queue"})
     t = np.arange(6)
     request(cache, kv, t)
     request(cache, kv, t)

@@ -298,7 +298,7 @@ class HiCacheMachine(RuleBasedStateMachine):
         self.clock = 0.0
         cfg = HiCacheConfig(device_pages=device, host_pages=host,
                             write_policy=self.write_policy, eviction=self.eviction,
-                            load_back_threshold=ps)
+                            load_back_threshold=ps, kv_events={"publisher": "queue"})
         self.cache = HiCache(self.spec, cfg, clock=self._now)
         self.engine = gate(self.cache)
         self.kv = KVModel(self.spec)

@@ -413,7 +413,8 @@ def test_fetch_starts_at_the_deepest_backed_up_node_and_backs_up_device_nodes(ur
 
     toks, kv = _seed_store(url, 17, 6)
     b = make(url, write_policy=policy, write_through_threshold=8,
-             storage_write_policy="write_through_selective", prefetch_policy="wait_complete")
+             storage_write_policy="write_through_selective", prefetch_policy="wait_complete",
+             kv_events={"publisher": "queue"})
     pages = b.alloc_pages(2)
     b.write_kv(pages, kv[:, :, :2])
     b.insert(toks[:2 * PS], pages)  # on device, not backed up (threshold 8)

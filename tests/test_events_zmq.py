@@ -1,0 +1,297 @@
+"""KV events over ZMQ: vLLM's wire format, decoded here by a subscriber written only against the
+published format (msgspec structs with vLLM's field names), the replay socket, and the errors of
+a bad configuration (bind failures leave nothing bound)."""
+
+from __future__ import annotations
+
+import socket
+from typing import Any
+
+import numpy as np
+import pytest
+
+msgspec = pytest.importorskip("msgspec")
+zmq = pytest.importorskip("zmq")
+
+from hicache_jax import HiCache, HiCacheConfig, HiCacheError, KVSpec, Medium  # noqa: E402
+from test_hicache_state_machine import tree_pages  # noqa: E402
+
+
+# -- the published format: vLLM's structs (vllm/distributed/kv_events.py), nothing of ours ----
+
+class KVCacheEvent(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True):
+    pass
+
+
+class BlockStored(KVCacheEvent):
+    block_hashes: list[int | bytes]
+    parent_block_hash: int | bytes | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None
+    medium: str | None
+    lora_name: str | None
+    extra_keys: list[tuple[Any, ...] | None] | None = None
+    group_idx: int | None = None
+
+
+class BlockRemoved(KVCacheEvent):
+    block_hashes: list[int | bytes]
+    medium: str | None
+    group_idx: int | None = None
+
+
+class AllBlocksCleared(KVCacheEvent):
+    pass
+
+
+class KVEventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    ts: float
+    events: list[BlockStored | BlockRemoved | AllBlocksCleared]
+    data_parallel_rank: int | None = None
+
+
+DECODE = msgspec.msgpack.Decoder(KVEventBatch).decode
+MEDIUM = {"GPU": Medium.DEVICE, "CPU": Medium.HOST}
+PS = 4
+SPEC = KVSpec(num_layers=1, num_kv_heads=1, head_dim=2, dtype="float16", page_size=PS)
+TIMEOUT_MS = 10_000
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def zmq_events(endpoint, replay=None, buffer_steps=10_000, topic="kv-events"):
+    return {"publisher": "zmq", "endpoint": endpoint, "replay_endpoint": replay,
+            "buffer_steps": buffer_steps, "topic": topic}
+
+
+def make(kv_events, policy="write_back", device=16, host=32):
+    return HiCache(SPEC, HiCacheConfig(device_pages=device, host_pages=host, write_policy=policy,
+                                       load_back_threshold=PS, kv_events=kv_events))
+
+
+def put(cache, tokens, extra_key=None):
+    tokens = np.asarray(tokens)
+    m = cache.load_back(cache.match_prefix(tokens, extra_key))
+    cache.lock(m.node)
+    new = cache.alloc_pages(tokens.size // PS - m.device_pages.size)
+    cache.insert(tokens, np.concatenate([m.device_pages, new]), extra_key)
+    cache.unlock(m.node)
+
+
+class Subscriber:
+    """A SUB socket (and a DEALER for replay): ``(seq, KVEventBatch)`` in order."""
+
+    def __init__(self, endpoint, replay=None, topic=b"kv-events"):
+        self.ctx = zmq.Context.instance()
+        self.sub = self.ctx.socket(zmq.SUB)
+        self.sub.setsockopt(zmq.LINGER, 0)
+        self.sub.setsockopt(zmq.SUBSCRIBE, topic)
+        self.sub.connect(endpoint)
+        self.dealer = None
+        if replay is not None:
+            self.dealer = self.ctx.socket(zmq.DEALER)
+            self.dealer.setsockopt(zmq.LINGER, 0)
+            self.dealer.connect(replay)
+        self.topic = topic
+
+    def recv(self):
+        assert self.sub.poll(TIMEOUT_MS), "no batch published within the timeout"
+        topic, seq, payload = self.sub.recv_multipart()
+        assert topic == self.topic and len(seq) == 8
+        return int.from_bytes(seq, "big"), DECODE(payload)
+
+    def replay(self, start):
+        self.dealer.send_multipart((b"", start.to_bytes(8, "big")))
+        out = []
+        while True:
+            assert self.dealer.poll(TIMEOUT_MS), "no replay answer within the timeout"
+            empty, seq, payload = self.dealer.recv_multipart()
+            seq = int.from_bytes(seq, "big", signed=True)
+            if seq == -1:
+                assert (empty, payload) == (b"", b"")
+                return out
+            out.append((seq, DECODE(payload)))
+
+    def until_connected(self, cache):
+        """PUB drops what it sends before the subscription arrives: reset the (empty) cache
+        until one AllBlocksCleared comes through; from then on nothing is missed."""
+        for _ in range(200):
+            cache.reset()
+            if self.sub.poll(50):
+                seq, batch = self.recv()
+                assert isinstance(batch.events[-1], AllBlocksCleared)
+                return seq
+        raise AssertionError("the subscription never got through")
+
+    def close(self):
+        self.sub.close(linger=0)
+        if self.dealer is not None:
+            self.dealer.close(linger=0)
+
+
+def apply(state: set, batch: KVEventBatch) -> set:
+    """A per-instance index: ``(block_hash, medium)`` pairs, from the wire events only."""
+    for ev in batch.events:
+        if isinstance(ev, AllBlocksCleared):
+            state.clear()
+        elif isinstance(ev, BlockStored):
+            assert len(ev.token_ids) == len(ev.block_hashes) * ev.block_size
+            for h in ev.block_hashes:
+                assert (h, MEDIUM[ev.medium]) not in state, "stored twice"
+                state.add((h, MEDIUM[ev.medium]))
+        else:
+            for h in ev.block_hashes:
+                state.remove((h, MEDIUM[ev.medium]))
+    return state
+
+
+@pytest.fixture
+def tcp():
+    return f"tcp://127.0.0.1:{free_port()}"
+
+
+def test_wire_format_is_vllms_one_block_stored_per_node(tcp):
+    cache = make(zmq_events(tcp))
+    sub = Subscriber(tcp)
+    try:
+        seq0 = sub.until_connected(cache)
+        put(cache, np.arange(12))
+        seq, batch = sub.recv()
+        assert seq == seq0 + 1 and batch.data_parallel_rank == 0 and batch.ts > 0
+        (ev,) = batch.events                       # three pages of one node: one BlockStored
+        assert ev.block_size == PS and ev.token_ids == list(range(12)) and ev.medium == "GPU"
+        assert ev.parent_block_hash is None and (ev.lora_id, ev.lora_name) == (None, None)
+        node = cache._tree.match(np.arange(12)).node
+        assert ev.block_hashes == node.page_hashes.tolist()
+        cache.evict(12)                            # write_back: to host, then off device
+        _, batch = sub.recv()
+        assert [(type(e).__name__, e.medium) for e in batch.events] == [
+            ("BlockStored", "CPU"), ("BlockRemoved", "GPU")]
+        put(cache, np.arange(4), extra_key="tenant")
+        _, batch = sub.recv()
+        assert batch.events[0].lora_name == "tenant"
+    finally:
+        sub.close()
+        cache.close()
+
+
+def test_random_workload_replayed_from_the_socket_equals_the_cache(tcp):
+    rng = np.random.default_rng(7)
+    cache = make(zmq_events(tcp), policy="clean_ahead", device=12, host=12)
+    sub = Subscriber(tcp)
+    state: set = set()
+    try:
+        sub.until_connected(cache)
+        for step in range(120):
+            op = rng.integers(10)
+            if op < 6:
+                prefix = rng.integers(3, size=rng.integers(1, 5)).repeat(PS)  # shared prefixes
+                put(cache, np.concatenate([prefix, rng.integers(50, size=PS * rng.integers(3))]),
+                    extra_key=[None, 1][int(rng.integers(2))])
+            elif op == 6:
+                cache.evict(int(rng.integers(1, 6)) * PS)
+            elif op == 7:
+                cache.evict_host(int(rng.integers(1, 6)) * PS)
+            elif op == 8:
+                cache.flush()
+            elif step % 40 == 9:
+                cache.reset()
+        cache.flush()
+        want = cache.stats()["kv_event_batches"]
+        seq = -1
+        while seq < want - 1:
+            seq, batch = sub.recv()
+            apply(state, batch)
+        assert state == tree_pages(cache) and state
+        assert cache.stats()["kv_event_batches_dropped"] == 0
+    finally:
+        sub.close()
+        cache.close()
+
+
+def test_replay_socket_gives_a_late_subscriber_every_batch_from_a_seq(tmp_path):
+    ep, rep = f"ipc://{tmp_path}/ev", f"ipc://{tmp_path}/replay"
+    cache = make(zmq_events(ep, rep))
+    try:
+        for i in range(6):
+            put(cache, np.arange(8) + 100 * i)     # six batches, nobody listening
+        cache.evict(8)
+        n = cache.stats()["kv_event_batches"]
+        assert n == 7
+        sub = Subscriber(ep, rep)
+        try:
+            got = sub.replay(2)
+            assert [s for s, _ in got] == list(range(2, n))
+            assert got[0][1].events[0].token_ids == list(range(200, 208))
+            state = set()
+            for _, batch in sub.replay(0):
+                apply(state, batch)
+            assert state == tree_pages(cache)
+            assert sub.replay(n) == []             # nothing after the last: just the end marker
+        finally:
+            sub.close()
+    finally:
+        cache.close()
+
+
+def test_replay_buffer_keeps_the_last_buffer_steps_batches(tmp_path):
+    ep, rep = f"ipc://{tmp_path}/ev", f"ipc://{tmp_path}/replay"
+    cache = make(zmq_events(ep, rep, buffer_steps=3), device=64)
+    sub = Subscriber(ep, rep)
+    try:
+        for i in range(5):
+            put(cache, np.arange(4) + 100 * i)
+        cache.flush()
+        for _ in range(100):  # the sender thread may still be sending: poll, bounded
+            got = [s for s, _ in sub.replay(0)]
+            if got and got[-1] == 4:
+                break
+        assert got == [2, 3, 4]
+    finally:
+        sub.close()
+        cache.close()
+
+
+def test_port_in_use_is_a_clear_error_naming_the_field_and_binds_nothing(tcp, tmp_path):
+    a = make(zmq_events(tcp))
+    try:
+        with pytest.raises(HiCacheError, match=r"kv_events endpoint='tcp://127.0.0.1:\d+': "
+                                               "cannot bind"):
+            make(zmq_events(tcp))
+        rep = f"ipc://{tmp_path}/replay"
+        b_ep = f"tcp://127.0.0.1:{free_port()}"
+        with pytest.raises(HiCacheError, match="kv_events replay_endpoint="):
+            make(zmq_events(b_ep, replay=tcp))     # the replay bind fails: the PUB is unbound
+        make(zmq_events(b_ep, replay=rep)).close()  # so the same endpoint binds now
+    finally:
+        a.close()
+    make(zmq_events(tcp)).close()                  # close() unbound it
+
+
+def test_missing_extra_names_it(monkeypatch, tcp):
+    import builtins
+
+    real = builtins.__import__
+
+    def no_zmq(name, *args, **kwargs):
+        if name == "zmq":
+            raise ImportError("No module named 'zmq'")
+        return real(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_zmq)
+    with pytest.raises(HiCacheError, match=r'pip install -e "\.\[events\]"'):
+        make(zmq_events(tcp))
+
+
+def test_take_events_with_zmq_says_where_events_go(tcp):
+    cache = make(zmq_events(tcp))
+    try:
+        with pytest.raises(HiCacheError, match="ZMQ endpoint"):
+            cache.take_events()
+    finally:
+        cache.close()
