@@ -1,0 +1,114 @@
+"""examples/kv_router.py: its per-instance answers agree with each cache's own match_prefix, after
+serving, evictions, evict_host and reset(); it routes a request to the instance with its prefix."""
+
+from __future__ import annotations
+
+import importlib.util
+import pathlib
+import sys
+
+import numpy as np
+import pytest
+
+pytest.importorskip("msgspec")
+pytest.importorskip("zmq")
+
+from hicache_jax import HiCache, HiCacheConfig, KVSpec  # noqa: E402
+
+PS = 4
+SPEC = KVSpec(num_layers=1, num_kv_heads=1, head_dim=2, dtype="float16", page_size=PS)
+EXAMPLE = pathlib.Path(__file__).resolve().parents[1] / "examples" / "kv_router.py"
+
+
+@pytest.fixture(scope="module")
+def kv_router():
+    spec = importlib.util.spec_from_file_location("kv_router", EXAMPLE)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["kv_router"] = module  # msgspec resolves the structs' annotations through it
+    spec.loader.exec_module(module)
+    yield module
+    del sys.modules["kv_router"]
+
+
+@pytest.fixture
+def two(tmp_path, kv_router):
+    instances, caches = {}, {}
+    for name, policy in (("a", "write_back"), ("b", "clean_ahead")):
+        ep, rep = f"ipc://{tmp_path}/{name}", f"ipc://{tmp_path}/{name}-replay"
+        instances[name] = (ep, rep)
+        caches[name] = HiCache(SPEC, HiCacheConfig(
+            device_pages=12, host_pages=16, write_policy=policy, load_back_threshold=PS,
+            kv_events={"publisher": "zmq", "endpoint": ep, "replay_endpoint": rep}))
+    router = kv_router.KVRouter(instances, page_size=PS)
+    yield caches, router
+    router.close()
+    for cache in caches.values():
+        cache.close()
+
+
+def serve(cache, tokens, extra_key=None):
+    tokens = np.asarray(tokens)
+    m = cache.load_back(cache.match_prefix(tokens, extra_key))
+    cache.lock(m.node)
+    new = cache.alloc_pages(tokens.size // PS - m.device_pages.size)
+    cache.insert(tokens, np.concatenate([m.device_pages, new]), extra_key)
+    cache.unlock(m.node)
+
+
+def agree(caches, router, queries):
+    """The router's per-instance answer of each query equals that cache's match_prefix."""
+    for name, cache in caches.items():
+        cache.flush()
+        router.sync(name, cache.stats()["kv_event_batches"])
+    for name, cache in caches.items():
+        for q, key in queries:
+            ans = router.lookup(name, q, key)
+            m = cache.match_prefix(q, key)  # after the lookup: a match publishes nothing
+            assert (ans.device_tokens, ans.host_tokens) == (m.device_len, m.host_len), (name, q)
+
+
+def test_router_agrees_with_each_cache_through_evictions_and_reset(two):
+    caches, router = two
+    rng = np.random.default_rng(3)
+    sys_a, sys_b = np.arange(16), np.arange(500, 516)
+    queries = []
+    for i in range(6):
+        qa = np.concatenate([sys_a[:4 * (1 + i % 4)], rng.integers(100, size=PS * (i % 3))])
+        qb = np.concatenate([sys_b, rng.integers(100, size=PS * 2)])
+        serve(caches["a"], qa)
+        serve(caches["b"], qb, extra_key=7 if i % 2 else None)
+        queries += [(qa, None), (qb, None), (qb, 7)]
+    agree(caches, router, queries)
+    assert router.route(np.concatenate([sys_a, [1, 2, 3, 4]])).instance == "a"
+    assert router.route(sys_b).instance == "b"
+    for cache in caches.values():
+        cache.evict(6 * PS)
+    agree(caches, router, queries)
+    assert any(router.lookup(n, q, k).host_tokens for n in caches for q, k in queries)
+    for cache in caches.values():
+        cache.evict_host(5 * PS)
+    agree(caches, router, queries)
+    for q, key in queries[:6]:                      # load back / recompute what is left
+        serve(caches["a"], q, key)
+    agree(caches, router, queries)
+    caches["b"].reset()
+    agree(caches, router, queries)
+    assert router.route(sys_b).device_tokens == 0 or router.route(sys_b).instance == "a"
+    assert router.index["b"].mediums == {}
+
+
+def test_router_that_starts_late_recovers_through_replay(tmp_path, kv_router):
+    ep, rep = f"ipc://{tmp_path}/x", f"ipc://{tmp_path}/x-replay"
+    cache = HiCache(SPEC, HiCacheConfig(device_pages=12, host_pages=16, kv_events={
+        "publisher": "zmq", "endpoint": ep, "replay_endpoint": rep}))
+    try:
+        for i in range(4):
+            serve(cache, np.arange(8) + 100 * i)    # nobody subscribed yet
+        router = kv_router.KVRouter({"x": (ep, rep)}, page_size=PS)
+        try:
+            agree({"x": cache}, router, [(np.arange(8) + 100 * i, None) for i in range(4)])
+            assert router.route(np.arange(300, 312)).device_tokens == 8
+        finally:
+            router.close()
+    finally:
+        cache.close()
