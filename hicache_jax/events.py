@@ -19,7 +19,7 @@ never depend on how the tree is split.
 Off by default (``kv_events=None``): the cache then holds a :class:`NullRecorder` whose methods
 do nothing, chosen once at construction. When on, the events of one public call form one batch
 (sealed when the call returns) with a sequence number; a recorder holds them compactly (one
-record per node: numpy copies of its page hashes and tokens) and turns them into Python ints
+record per node: numpy views of its page hashes and tokens) and turns them into Python ints
 only when a consumer reads them or they are serialized:
 
 * ``publisher="queue"`` (:class:`QueueRecorder`): in-process; ``HiCache.take_events()`` /
@@ -204,7 +204,7 @@ def _checked(cfg: KVEventsConfig) -> bool:
 # -- recorders -------------------------------------------------------------------------------
 
 class _Stored(NamedTuple):
-    """Compact BlockStored of a run of one node's pages (numpy copies, not Python ints)."""
+    """Compact BlockStored of a run of one node's pages (numpy views, not Python ints)."""
 
     hashes: np.ndarray  # uint64 [n]
     parent: int | None
@@ -297,14 +297,14 @@ class Recorder:
             parent = node.parent
             prev = int(parent.page_hashes[-1]) if parent is not None and parent.num_pages else None
         ps = node.num_tokens // n
-        self._pending.append(_Stored(hashes[first:stop].copy(), prev,
-                                     node.key[first * ps:stop * ps].copy(), medium,
-                                     node.extra_key))
+        # Views: a node's key and hashes are never written in place (a split slices them).
+        self._pending.append(_Stored(hashes[first:stop], prev, node.key[first * ps:stop * ps],
+                                     medium, node.extra_key))
 
     def removed(self, node: Any, medium: Medium) -> None:
         """Record a BlockRemoved of every page of ``node`` on ``medium``."""
         if node.num_pages:
-            self._pending.append(_Removed(node.page_hashes.copy(), medium))
+            self._pending.append(_Removed(node.page_hashes, medium))
 
     def cleared(self) -> None:
         """Drop the call's pending events and record AllBlocksCleared (a reset supersedes them)."""
