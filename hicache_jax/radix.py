@@ -119,8 +119,10 @@ class RadixTree:
         self._host_held = _HeldPages()
 
     def _new_node(self, key, parent, hashes, extra_key, now) -> TreeNode:
-        node = TreeNode(id=self._next_id, key=key, parent=parent, page_hashes=hashes,
-                        extra_key=extra_key, last_access=now, created=now)
+        # hashes None: computed on first access of node.page_hashes (events, L3), not here
+        node = TreeNode(id=self._next_id, key=key, parent=parent, hashes=hashes,
+                        extra_key=extra_key, last_access=now, created=now,
+                        page_size=self.page_size, hash_parent=parent)
         self._next_id += 1
         return node
 
@@ -223,8 +225,9 @@ class RadixTree:
         """Split ``node`` after ``ntok`` tokens (a page multiple); return the new upper part."""
         p = ntok // self.page_size
         parent = node.parent
-        upper = self._new_node(node.key[:ntok], parent, node.page_hashes[:p], node.extra_key,
-                               node.last_access)
+        hashes = node.hashes  # sliced if computed, else both parts compute theirs on demand
+        upper = self._new_node(node.key[:ntok], parent, None if hashes is None else hashes[:p],
+                               node.extra_key, node.last_access)
         upper.created, upper.lock_ref = node.created, node.lock_ref
         upper.hit_count, upper.priority = node.hit_count, node.priority
         upper.device_epoch = node.device_epoch
@@ -235,7 +238,8 @@ class RadixTree:
             upper.host_value, node.host_value = node.host_value[:p], node.host_value[p:]
         # The first page is unchanged, so the grandparent's dict key is unchanged.
         parent.children[self._child_key(parent, node.key[: self.page_size], node.extra_key)] = upper
-        node.key, node.page_hashes, node.parent = node.key[ntok:], node.page_hashes[p:], upper
+        node.key, node.parent, node.hash_parent = node.key[ntok:], upper, upper
+        node.hashes = None if hashes is None else hashes[p:]
         upper.children[self._child_key(upper, node.key[: self.page_size], node.extra_key)] = node
         if node.host_only_tokens:  # same total, now in two parts
             upper.host_only_tokens, node.host_only_tokens = upper.num_tokens, node.num_tokens
@@ -353,9 +357,7 @@ class RadixTree:
 
     def _add_leaf(self, parent: TreeNode, key: np.ndarray, ids: np.ndarray, extra_key: Any,
                   priority: int, now: float) -> TreeNode:
-        prev = namespace_hash(extra_key) if parent is self.root else int(parent.page_hashes[-1])
-        hashes = chain_hashes(prev, key.reshape(-1, self.page_size))
-        leaf = self._new_node(key.copy(), parent, hashes, extra_key, now)
+        leaf = self._new_node(key.copy(), parent, None, extra_key, now)
         leaf.priority = priority
         parent.children[self._child_key(parent, key[: self.page_size], extra_key)] = leaf
         self._attach_value(leaf, ids.copy())
@@ -523,9 +525,7 @@ class RadixTree:
             raise HiCacheError(f"{parent!r} already has a child starting with key's first page")
         if self._host_held.any_held(ids):
             raise HiCacheError("host_ids has pages the tree already holds")
-        prev = namespace_hash(extra_key) if parent is self.root else int(parent.page_hashes[-1])
-        leaf = self._new_node(tokens.copy(), parent, chain_hashes(prev, tokens.reshape(-1, ps)),
-                              extra_key, self._clock())
+        leaf = self._new_node(tokens.copy(), parent, None, extra_key, self._clock())
         parent.children[child_key] = leaf
         leaf.host_value = ids
         self._host_held.add(ids)
@@ -586,6 +586,7 @@ class RadixTree:
             assert node.num_tokens > 0 and node.num_tokens == node.num_pages * ps, "whole pages"
             assert node.key.dtype == np.int64 and node.page_hashes.dtype == np.uint64
             assert parent is root or node.extra_key == parent.extra_key
+            assert node.hash_parent is parent and node.page_size == ps
             assert node.value is not None or node.host_value is not None, "no copy left"
             for arr in (node.value, node.host_value):
                 assert arr is None or (arr.dtype == np.int32 and arr.shape == (node.num_pages,))

@@ -84,13 +84,20 @@ class TreeNode:
         host_value: int32 ``[num_pages]`` host page ids, or ``None`` when not backed up.
         lock_ref: locks on this node or a descendant (locks walk to the root).
         hit_count, last_access, created, priority: eviction keys (see ``eviction.py``).
-        page_hashes: uint64 ``[num_pages]`` chained hashes of the prefix ending at each page.
+        page_hashes: uint64 ``[num_pages]`` chained hashes of the prefix ending at each page
+            (a property: computed on first access and kept, since only KV events and L3 use
+            them; see :meth:`page_hashes`).
         extra_key: the namespace.
         device_children: how many children hold device pages (keeps evictability O(1)).
         host_only_tokens: this node's share of ``RadixTree.host_evictable_tokens`` (its tokens
             while it is host-only and unlocked, else 0).
         redundant_tokens: this node's share of ``RadixTree.redundant_tokens`` (its tokens while
             it is unlocked and holds pages on both tiers, else 0).
+        page_size: tokens per page (the tree's).
+        hash_parent: the node whose last page hash the chain continues from: ``parent`` while
+            in the tree, kept when the node is deleted (``parent`` becomes None), so that the
+            hashes of a removed node can still be computed for its BlockRemoved event.
+        hashes: the cached ``page_hashes`` (None until first computed).
         device_epoch: a per-tree stamp taken each time the node gets device pages (insert,
             revive, load-back): a Match whose deepest device node still holds the epoch the
             match saw still names the pages that hold its prefix (see ``Match``).
@@ -107,16 +114,49 @@ class TreeNode:
     last_access: float = 0.0
     created: float = 0.0
     priority: int = 0
-    page_hashes: np.ndarray = field(default_factory=lambda: _EMPTY_U64)
     extra_key: Any = None
     device_children: int = 0
     host_only_tokens: int = 0
     device_epoch: int = 0
     redundant_tokens: int = 0
+    page_size: int = 1
+    hash_parent: "TreeNode | None" = None
+    hashes: "np.ndarray | None" = None
+
+    @property
+    def page_hashes(self) -> np.ndarray:
+        """uint64 ``[num_pages]``: ``h_i = blake2b(h_{i-1} || tokens of page i)`` chained from
+        the root (:func:`namespace_hash` of ``extra_key`` seeds the root's children).
+
+        Computed on first access, for this node and the ancestors not computed yet (root-first,
+        one :func:`chain_hashes` call per node, no recursion), then kept: inserts, matches and
+        evictions do no per-page hashing unless events or L3 ask for the hashes.
+        """
+        hashes = self.hashes
+        if hashes is None:
+            hashes = self._compute_hashes()
+        return hashes
+
+    def _compute_hashes(self) -> np.ndarray:
+        chain, node = [], self
+        while node.hashes is None:
+            chain.append(node)
+            node = node.hash_parent
+            if node is None:  # the root holds the empty array, so only a detached root-child
+                break
+        if node is None or (node.hash_parent is None and node.key.shape[0] == 0):
+            prev = None  # under a root: the namespace seeds the chain
+        else:
+            prev = int(node.hashes[-1])
+        for n in reversed(chain):
+            seed = namespace_hash(n.extra_key) if prev is None else prev
+            n.hashes = chain_hashes(seed, n.key.reshape(-1, n.page_size))
+            prev = int(n.hashes[-1])
+        return self.hashes
 
     @property
     def num_pages(self) -> int:
-        return self.page_hashes.shape[0]
+        return self.key.shape[0] // self.page_size
 
     @property
     def num_tokens(self) -> int:

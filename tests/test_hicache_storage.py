@@ -464,10 +464,12 @@ def test_prefixes_whose_tree_hashes_collide_keep_their_own_l3_entries(url, monke
     prefixes whose tree hashes collide (forced here) never serve each other's KV."""
     import hicache_jax.l3
     import hicache_jax.radix
+    import hicache_jax.tree_node
 
     def by_position(prev, pages):  # a tree hash that ignores the tokens
         return np.array([(prev + i + 1) % 2**64 for i in range(len(pages))], np.uint64)
     monkeypatch.setattr(hicache_jax.radix, "chain_hashes", by_position)
+    monkeypatch.setattr(hicache_jax.tree_node, "chain_hashes", by_position)  # computed there
     monkeypatch.setattr(hicache_jax.l3, "chain_hashes", by_position, raising=False)
     p, pkv = tokens_kv(20, 4)
     q, qkv = tokens_kv(21, 4)
