@@ -131,8 +131,7 @@ class KVEventsConfig:
             "tcp://127.0.0.1:5557", "ipc:///tmp/kv").
         topic: zmq: the first frame of every message.
         replay_endpoint: zmq: a ROUTER address for replay requests, or None.
-        buffer_steps: batches kept (queue: waiting to be taken; zmq: for replay, and waiting
-            for the sender thread).
+        buffer_steps: batches kept (queue: waiting to be taken; zmq: for replay).
         data_parallel_rank: zmq: the ``data_parallel_rank`` of every batch.
     """
 
