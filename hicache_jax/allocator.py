@@ -23,9 +23,10 @@ def nonnegative_ints(arr: np.ndarray, name: str, what: str = "values") -> bool:
         raise ValueError(f"{name} must be 1-D, got shape {arr.shape}")
     if arr.size == 0:
         return False
-    if arr.dtype == np.bool_ or not np.issubdtype(arr.dtype, np.integer):
+    kind = arr.dtype.kind  # "b" (bool), "f", "O"... refused; cheaper than np.issubdtype
+    if kind not in "iu":
         raise TypeError(f"{name} must hold integers, got dtype {arr.dtype}")
-    if arr.min() < 0:
+    if kind == "i" and arr.min() < 0:
         raise ValueError(f"{name} has negative {what} (min {arr.min()}); they must be >= 0")
     return True
 
@@ -107,7 +108,7 @@ class PageAllocator:
         name: used in error messages ("device", "host").
     """
 
-    __slots__ = ("num_pages", "name", "_stack", "_top", "_allocated")
+    __slots__ = ("num_pages", "name", "_stack", "_top", "_allocated", "_slot")
 
     def __init__(self, num_pages: int, name: str = "pool") -> None:
         if num_pages < 0:
@@ -118,6 +119,7 @@ class PageAllocator:
         self._stack = np.arange(self.num_pages - 1, -1, -1, dtype=np.int32)
         self._top = self.num_pages
         self._allocated = np.zeros(self.num_pages, dtype=np.bool_)
+        self._slot = np.zeros(self.num_pages, dtype=np.int32)  # scratch of the duplicate check
 
     @property
     def num_free(self) -> int:
@@ -149,8 +151,13 @@ class PageAllocator:
         if arr.max() >= self.num_pages:
             raise HiCacheError(
                 f"{name} has ids outside the {self.name} pool [0, {self.num_pages}): max {arr.max()}")
-        if np.unique(arr).size != arr.size:
-            raise HiCacheError(f"{name} has duplicate ids")
+        if arr.size > 1:
+            # O(k), no sort: write each position at its id; with a repeated id the last write
+            # wins and an earlier position reads back another value.
+            pos = np.arange(arr.size, dtype=np.int32)
+            self._slot[arr] = pos
+            if (self._slot[arr] != pos).any():
+                raise HiCacheError(f"{name} has duplicate ids")
         if not self._allocated[arr].all():
             bad = arr[~self._allocated[arr]][:8]
             raise HiCacheError(f"{name}: {self.name} pages {bad.tolist()} are not allocated (double free?)")

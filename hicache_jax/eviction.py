@@ -59,6 +59,20 @@ _KEYS: dict[EvictionPolicy, Callable[[Any], tuple]] = {
 }
 
 
+# The heap's entries: the key's fields, then the id tie-break, then the node, in one flat tuple
+# (one call per node, no nested tuple); they order exactly as ``(key(n), n.id, n)``.
+_ENTRIES: dict[EvictionPolicy, Callable[[Any], tuple]] = {
+    EvictionPolicy.LRU: lambda n: (n.last_access, n.id, n),
+    EvictionPolicy.LFU: lambda n: (n.hit_count, n.last_access, n.id, n),
+    EvictionPolicy.FIFO: lambda n: (n.created, n.id, n),
+    EvictionPolicy.MRU: lambda n: (-n.last_access, n.id, n),
+    EvictionPolicy.FILO: lambda n: (-n.created, n.id, n),
+    EvictionPolicy.PRIORITY: lambda n: (n.priority, n.last_access, n.id, n),
+    EvictionPolicy.SLRU: lambda n: (int(n.hit_count >= SLRU_PROTECTED_HITS), n.last_access,
+                                    n.id, n),
+}
+
+
 def priority_key(policy: "str | EvictionPolicy") -> Callable[[_Rankable], tuple]:
     """Return ``key(node) -> tuple``; smaller keys are evicted first.
 
@@ -80,19 +94,19 @@ class VictimHeap:
     locked or removed in the meantime).
     """
 
-    __slots__ = ("_key", "_heap")
+    __slots__ = ("_entry", "_heap")
 
     def __init__(self, policy: "str | EvictionPolicy", nodes: Iterable[_Rankable] = ()) -> None:
-        self._key = priority_key(policy)
-        self._heap = [(self._key(n), n.id, n) for n in nodes]
+        self._entry = _ENTRIES[EvictionPolicy.parse(policy)]
+        self._heap = list(map(self._entry, nodes))
         heapq.heapify(self._heap)
 
     def push(self, node: _Rankable) -> None:
-        heapq.heappush(self._heap, (self._key(node), node.id, node))
+        heapq.heappush(self._heap, self._entry(node))
 
     def pop(self) -> _Rankable:
         """Remove and return the least valuable node; IndexError when empty."""
-        return heapq.heappop(self._heap)[2]
+        return heapq.heappop(self._heap)[-1]
 
     def __len__(self) -> int:
         return len(self._heap)
