@@ -73,7 +73,7 @@ def main() -> None:
         r = run_policy(trace, spec, cfg, args.repeats)
         name = policy if reserve is None else f"{policy}({reserve})"
         results[name] = r
-        rows.append([name, cfg.clean_ahead_pages if policy == "clean_ahead" else "",
+        rows.append([name, (cfg.clean_ahead_pages or "auto") if policy == "clean_ahead" else "",
                      r["hit_tokens"] / prompt, r["hit_tokens"] / refs[None],
                      r["hit_tokens"] / refs[l1 + l2], r["hit_tokens"] / refs[l2],
                      r["eviction_backup_pages"] / max(r["evicted_pages"], 1),

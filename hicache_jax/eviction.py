@@ -121,6 +121,12 @@ def select_victims(policy: "str | EvictionPolicy", nodes: Iterable[_Rankable], k
     return [n for _, _, n in heapq.nsmallest(k, ((key(n), n.id, n) for n in nodes))]
 
 
+#: Strategies under which a node just inserted is among the first to go (newest, or fewest hits,
+#: or probationary): new pages land at the eviction end itself.
+FRESH_FIRST = frozenset({EvictionPolicy.MRU, EvictionPolicy.FILO, EvictionPolicy.LFU,
+                         EvictionPolicy.SLRU})
+
+
 def eviction_order(policy: "str | EvictionPolicy", leaves: Iterable[Any], budget_tokens: int,
                    root: Any) -> list:
     """The device nodes eviction would take first, in order, until ``budget_tokens`` are

@@ -33,8 +33,10 @@ inclusive of L1. ``write_back`` backs up only what eviction takes, on the alloca
 behave like one cache of their summed size without copies on the allocation path:
 
 * after an ``insert``, once eviction is near (fewer free device pages than
-  ``cfg.clean_ahead_pages``) and has taken a quarter of that reserve (or copied on its path)
-  since the last pass, the not-backed-up nodes among the first ``clean_ahead_pages`` pages that
+  ``cfg.clean_ahead_pages``, by default twice the largest allocation seen) and has taken a
+  quarter of that reserve (or copied on its path, or, under strategies that evict new nodes
+  first, a new leaf was inserted) since the last pass, the not-backed-up nodes among the first
+  reserve pages that
   eviction would take (:func:`~hicache_jax.eviction.eviction_order`) are backed up in one
   asynchronous transfer: eviction then finds them clean (what it still has to copy is counted in
   ``stats()["eviction_backup_pages"]``);
@@ -90,7 +92,7 @@ from hicache_jax.allocator import PageAllocator
 from hicache_jax.device_pool import DevicePagePool
 from hicache_jax.errors import HiCacheError, OutOfPagesError
 from hicache_jax.events import EventBatch, KVEvent, Medium, NullRecorder, Recorder, make_recorder
-from hicache_jax.eviction import VictimHeap, eviction_order, hottest_first
+from hicache_jax.eviction import FRESH_FIRST, VictimHeap, eviction_order, hottest_first
 from hicache_jax.host_pool import HostPagePool
 from hicache_jax.l3 import L3Tier, PrefetchHandle
 from hicache_jax.radix import RadixTree
@@ -272,7 +274,9 @@ class HiCache:
         self._n: collections.Counter[str] = collections.Counter()
         self._seq = -1  # seq of the last transfer dispatched
         self._cold: list[TreeNode] = []  # clean_ahead: the eviction end its last pass covered
-        self._clean_mark = (0, 0)  # (evicted_tokens, eviction_backup_pages) at that pass
+        self._clean_mark = (0, 0, 0)  # (evicted, eviction-backup pages, fresh) at that pass
+        self._fresh_tokens = 0  # tokens of new leaves (counted under FRESH_FIRST strategies)
+        self._largest_alloc = 0  # pages: the auto reserve follows the largest allocation
 
     def _next_seq(self) -> int:
         self._seq += 1
@@ -498,6 +502,8 @@ class HiCache:
             del self._caller_locks[node]
         else:
             self._caller_locks[node] = held - 1
+        if self._write.clean_ahead and self._clean_due():  # a request's end: its nodes are
+            self._clean_ahead()                             # evictable again (mru, lfu: first)
 
     @_publishes
     def alloc_pages(self, n: int) -> np.ndarray:
@@ -590,7 +596,13 @@ class HiCache:
             self._events.stored(res.last_node, Medium.DEVICE)
         if not chunked and (self._write.backup_on_hit or self._write.clean_ahead):
             self._backup_inserted(res)
-        if self._write.clean_ahead and not chunked and self._clean_due():
+        if self._write.clean_ahead and self.cfg.eviction in FRESH_FIRST and \
+                res.last_node not in res.existing_nodes:
+            self._fresh_tokens += res.last_node.num_tokens
+        # Inside the request flow the pass runs at unlock, once this request's nodes are
+        # evictable; an insert made outside it (no caller lock held) runs it here.
+        if self._write.clean_ahead and not chunked and not self._caller_locks \
+                and self._clean_due():
             self._clean_ahead()
         return res.prefix_len
 
@@ -727,6 +739,8 @@ class HiCache:
 
         Raises before evicting anything when even full eviction could not cover ``n``.
         """
+        if tier is self._dev_tier and n > self._largest_alloc:
+            self._largest_alloc = n
         alloc = tier.allocator
         if n > alloc.num_free + tier.evictable_pages() and self._ops and tier.wait_helps:
             self._complete(upto=self._seq)  # copies in flight hold locks; their acks release them
@@ -817,22 +831,33 @@ class HiCache:
 
     # -- internals: clean_ahead -------------------------------------------------------------
 
+    def _reserve_pages(self) -> int:
+        """Pages the clean_ahead pass keeps backed up at the eviction end (see the config)."""
+        if self.cfg.clean_ahead_pages is not None:
+            return self.cfg.clean_ahead_pages
+        dev = self.cfg.device_pages
+        return max(1, min(max(dev // 16, 2 * self._largest_alloc), dev // 2))
+
     def _clean_due(self) -> bool:
-        """A pass is due once eviction is near (fewer free device pages than the reserve) and
-        eviction has taken a quarter of the reserve, or copied on its path, since the last."""
-        reserve = self.cfg.clean_ahead_pages
+        """A pass is due once eviction is near (fewer free device pages than the reserve) and,
+        since the last, eviction has copied on its path or taken a quarter of the reserve, or
+        (strategies that evict new nodes first) a new leaf was inserted."""
+        reserve = self._reserve_pages()
         if self._device.allocator.num_free >= reserve:
             return False
-        evicted, synced = self._clean_mark
+        evicted, synced, fresh = self._clean_mark
+        quarter = reserve * self._ps // 4
         return (not self._cold or self._n["eviction_backup_pages"] > synced
-                or self._n["evicted_tokens"] - evicted >= reserve * self._ps // 4)
+                or self._n["evicted_tokens"] - evicted >= quarter
+                or self._fresh_tokens > fresh)  # new pages went straight to the eviction end
 
     def _clean_ahead(self) -> None:
         """Back up the not-backed-up nodes among the first ``clean_ahead_pages`` pages that
         eviction would take (one transfer), so that eviction finds them clean."""
         self._cold = eviction_order(self.cfg.eviction, self._tree.evictable_device,
-                                    self.cfg.clean_ahead_pages * self._ps, self._tree.root)
-        self._clean_mark = (self._n["evicted_tokens"], self._n["eviction_backup_pages"])
+                                    self._reserve_pages() * self._ps, self._tree.root)
+        self._clean_mark = (self._n["evicted_tokens"], self._n["eviction_backup_pages"],
+                            self._fresh_tokens)
         claims = [self._claim_backup(node) for node in self._cold if not node.backed_up]
         claims = [c for c in claims if c is not None]
         self._n["clean_ahead_pages"] += sum(node.num_pages for node, _ in claims)
@@ -853,7 +878,7 @@ class HiCache:
         hottest first (outside the window the last pass cleaned; a quarter of the reserve more
         than asked, so the next passes find room), then delete host-only leaves."""
         cold, tree = set(self._cold), self._tree
-        want = num_tokens + self.cfg.clean_ahead_pages * self._ps // 4
+        want = num_tokens + self._reserve_pages() * self._ps // 4
         freed = 0
         for node in hottest_first(self.cfg.eviction, [n for n in tree.redundant if n not in cold]):
             if freed >= want:

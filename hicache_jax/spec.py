@@ -210,8 +210,9 @@ class HiCacheConfig:
         storage_write_policy: "write_through" (backed-up host pages also go to L3) |
             "write_back" (only host pages evicted from L2 go to L3).
         clean_ahead_pages: ``write_policy="clean_ahead"``: how many device pages at the
-            eviction end of L1 are kept backed up ahead of eviction; None -> device_pages // 16
-            (at least 1).
+            eviction end of L1 are kept backed up ahead of eviction; None (the default): twice
+            the largest allocation seen so far (alloc_pages / load_back), at least
+            device_pages // 16 and at most device_pages // 2 (at least 1).
         kv_events: KV events, off by default (None: nothing recorded, ``take_events()``
             raises). A dict or its JSON string, like SGLang's ``--kv-events-config``:
             ``{"publisher": "queue"}`` keeps them for ``take_events()`` in-process;
@@ -261,9 +262,8 @@ class HiCacheConfig:
         if self.storage_write_policy is WritePolicy.CLEAN_AHEAD:
             raise ValueError("storage_write_policy='clean_ahead' is not an L3 policy: use "
                              "write_through, write_through_selective or write_back")
-        if self.clean_ahead_pages is None:
-            set_("clean_ahead_pages", max(1, self.device_pages // 16))
-        set_("clean_ahead_pages", check_int("clean_ahead_pages", self.clean_ahead_pages, 1))
+        if self.clean_ahead_pages is not None:
+            set_("clean_ahead_pages", check_int("clean_ahead_pages", self.clean_ahead_pages, 1))
         if self.write_through_threshold is None:
             default = 2 if self.write_policy is WritePolicy.WRITE_THROUGH_SELECTIVE else 1
             set_("write_through_threshold", default)

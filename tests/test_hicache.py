@@ -605,6 +605,7 @@ def test_eviction_when_everything_is_locked(policy):
     request(cache, kv, np.arange(8))
     node = node_of(cache, np.arange(8))
     cache.lock(node)
+    cache.flush()  # a backup in flight would be waited for (and applied) by the failing alloc
     assert cache.evict(100) == 0
     assert cache.evict_host(100) == 0
     before = snapshot(cache)
@@ -934,31 +935,39 @@ def test_clean_ahead_gives_up_hot_redundant_host_copies_before_evicted_pages():
     assert cache.stats()["host_free_pages"] == 0
     assert [t[i] for i in (5, 6, 7)] == [(False, True)] * 3 and t[8] == (True, True)
     assert [t[i] for i in (9, 10, 11)] == [(True, False)] * 3
-    # Request 7 again: loaded back (evicting 8, clean). It keeps its host copy, but the
-    # request holds it locked while the pass backs up 9, so that room comes from the LRU
-    # host-only page (5), as an exclusive L1 + L2 LRU would drop it.
+    # Request 7 again: loaded back (evicting 8, clean), keeping its host copy. At its unlock
+    # the pass backs up 9, the new eviction end: room comes from 7's copy (hot, on device),
+    # not from the evicted pages 5, 6 and 8.
+    host_evictions = cache.stats()["host_evictions"]
     request(cache, kv, np.arange(2) + 700)
     cache.flush()
     t, st = _tiers(cache), cache.stats()
-    assert st["load_backs"] == 1 and t[7] == (True, True) and t[9] == (True, True)
-    assert 5 not in t and st["host_copies_dropped_tokens"] == 0
-    # A new request: the pass backs up 10, the new eviction end. Room now comes from 7's copy
-    # (hot, on device, unlocked), not from the evicted pages 6 and 8.
-    evictions = st["host_evictions"]
-    request(cache, kv, np.arange(2) + 1200)
-    cache.flush()
-    t, st = _tiers(cache), cache.stats()
-    assert st["host_copies_dropped_tokens"] == 2 and st["host_evictions"] == evictions
-    assert t[7] == (True, False) and t[10] == (True, True)
-    assert [t[i] for i in (6, 8, 9)] == [(False, True)] * 3
-    assert st["eviction_backup_pages"] == 0
+    assert st["load_backs"] == 1 and st["host_copies_dropped_tokens"] == 2
+    assert st["host_evictions"] == host_evictions and st["eviction_backup_pages"] == 0
+    assert t[7] == (True, False) and t[9] == (True, True)
+    assert [t[i] for i in (5, 6, 8)] == [(False, True)] * 3
+    check(cache, kv)
+
+
+@pytest.mark.parametrize("eviction", ["mru", "lfu"])
+def test_clean_ahead_cleans_a_request_that_goes_first_at_its_unlock(eviction):
+    """Under strategies that evict new nodes first, the request just served is the next
+    victim: the pass runs at its unlock (when its nodes are evictable), so the next request's
+    eviction copies nothing."""
+    cache, kv = make("clean_ahead", device=16, host=64, clean_ahead_pages=4, eviction=eviction)
+    for i in range(10):
+        request(cache, kv, np.arange(4) + 100 * i)
+        cache.flush()
+    st = cache.stats()
+    assert st["evicted_tokens"] >= 16 and st["eviction_backup_pages"] == 0
+    assert st["deleted_tokens"] == 0
     check(cache, kv)
 
 
 def test_clean_ahead_config():
     spec = KVSpec(num_layers=1, num_kv_heads=1, head_dim=4, dtype="float32", page_size=1)
-    assert HiCacheConfig(device_pages=64, write_policy="clean_ahead").clean_ahead_pages == 4
-    assert HiCacheConfig(device_pages=8, write_policy="clean_ahead").clean_ahead_pages == 1
+    assert HiCacheConfig(device_pages=64, write_policy="clean_ahead").clean_ahead_pages is None
+    assert HiCacheConfig(device_pages=8, clean_ahead_pages=3).clean_ahead_pages == 3
     with pytest.raises(ValueError, match="clean_ahead_pages=0 must be >= 1"):
         HiCacheConfig(device_pages=8, clean_ahead_pages=0)
     with pytest.raises(ValueError, match="not an L3 policy"):

@@ -284,3 +284,17 @@ def test_cli_plot_writes_a_png(tmp_path):
     assert cli.main(["replay", str(TOKENS), "--quiet", "--page-size", "4", "--capacities",
                      "4,8,16", "--plot", str(path)]) == 0
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize("eviction", ["lru", "fifo", "lfu", "mru", "filo", "slru"])
+def test_clean_ahead_leaves_almost_nothing_to_copy_on_the_eviction_path(eviction):
+    """On the synthetic slice, with prompts as long as a sixth of L1 (a fixed reserve of
+    L1 / 16 left ~38% of evicted pages to copy on the allocation path under lru), the auto
+    reserve follows the largest allocation: at most 1% of evicted pages are copied there."""
+    trace = R.load_trace(SYNTHETIC)
+    spec = R.parse_spec(None, 128)
+    r = R.replay(trace, spec, HiCacheConfig(device_pages=2000, host_pages=8000,
+                                          write_policy="clean_ahead", eviction=eviction,
+                                          load_back_threshold=128))
+    assert r["evicted_pages"] > 10_000
+    assert r["eviction_backup_pages"] <= 0.01 * r["evicted_pages"]

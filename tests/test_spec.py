@@ -101,7 +101,7 @@ def test_config_defaults_and_enums():
     cfg = HiCacheConfig(device_pages=100)
     assert cfg.host_pages == 400
     assert cfg.write_policy is WritePolicy.CLEAN_AHEAD and cfg.write_through_threshold == 1
-    assert cfg.clean_ahead_pages == 100 // 16
+    assert cfg.clean_ahead_pages is None  # auto: follows the largest allocation
     assert cfg.eviction is EvictionPolicy.LRU
     assert cfg.host_layout is HostLayout.LAYER_FIRST
     assert cfg.copy_backend is CopyBackend.AUTO
