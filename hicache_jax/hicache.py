@@ -742,7 +742,9 @@ class HiCache:
         if tier is self._dev_tier and n > self._largest_alloc:
             self._largest_alloc = n
         alloc = tier.allocator
-        if n > alloc.num_free + tier.evictable_pages() and self._ops and tier.wait_helps:
+        if n <= alloc.num_free:  # the common case: no eviction bound to compute
+            return alloc.alloc(n)
+        if tier.wait_helps and self._ops and n > alloc.num_free + tier.evictable_pages():
             self._complete(upto=self._seq)  # copies in flight hold locks; their acks release them
         short = n - alloc.num_free
         if short > 0 and short <= tier.evictable_pages():
