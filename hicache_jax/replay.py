@@ -24,7 +24,8 @@ keeps a 60M-token trace in memory; ``spec`` replays with a real model's page byt
 Determinism: a replay gives identical figures on every run and under any machine load. The
 serving path completes transfers asynchronously (whether a backup has landed by the next
 eviction depends on timing), so the replay calls ``cache.flush()`` after every request:
-transfers complete at request boundaries. The cache gets a virtual clock (a counter that
+transfers complete at request boundaries. It also flushes between ``insert`` and ``unlock``:
+clean_ahead's pass runs at the unlock and sees which nodes a load still in flight holds locked. The cache gets a virtual clock (a counter that
 advances at every reading), so eviction order depends on the order of calls, never on wall
 time. Only ``wall_s`` and ``requests_per_s`` (:data:`TIMING_FIELDS`) vary between runs.
 
@@ -350,6 +351,7 @@ def replay(trace: Trace, spec: KVSpec, cfg: HiCacheConfig, *, progress: bool = F
             cache.lock(m.node)
             new = cache.alloc_pages(whole - m.device_pages.shape[0])
             cache.insert(tokens, np.concatenate([m.device_pages, new]))
+            cache.flush()  # the load-back's lock is gone before the unlock (clean_ahead's pass)
             cache.unlock(m.node)
             cache.flush()  # transfers complete at request boundaries: deterministic
             if bar is not None:
