@@ -117,8 +117,13 @@ class NodeRef:
     _node: TreeNode
     _anchor: TreeNode  # deepest device-resident node of the match (the root if none)
     _epoch: int        # _anchor.device_epoch when the match was made
-    _prefix: np.ndarray  # int64 tokens of _node's prefix (a copy): load_back re-matches them
-                         # when _node has left the tree
+
+    @property
+    def _prefix(self) -> np.ndarray:
+        """int64 tokens of _node's prefix, which load_back re-matches when _node has left the
+        tree: rebuilt from the node on demand (the node keeps its key and the node its prefix
+        continues from once deleted), not copied at every match."""
+        return self._node.prefix_tokens()
 
     def __eq__(self, other: object) -> bool:  # the same node, whichever match named it
         return isinstance(other, NodeRef) and other._node is self._node
@@ -325,8 +330,8 @@ class HiCache:
         return anchor.value is None or anchor.device_epoch != ref._epoch
 
     @staticmethod
-    def _ref(node: TreeNode, anchor: TreeNode, prefix: np.ndarray) -> NodeRef:
-        return NodeRef(node, anchor, anchor.device_epoch, prefix)
+    def _ref(node: TreeNode, anchor: TreeNode) -> NodeRef:
+        return NodeRef(node, anchor, anchor.device_epoch)
 
     def _current(self, match: Match, node: TreeNode) -> Match:
         """``match`` if it still describes the cache, else a Match of what holds the prefix of
@@ -340,7 +345,7 @@ class HiCache:
             return match
         pages = self._path_pages(anchor)
         return Match(pages, pages.size * self._ps, host_len,
-                     self._ref(node, anchor, match.node._prefix))
+                     self._ref(node, anchor))
 
     def _check_pages(self, pages: Any, allowed: tuple[int, ...], what: str) -> np.ndarray:
         ids = self._device.validate_ids(pages, "pages")
@@ -377,8 +382,7 @@ class HiCache:
         self._n["device_hit_tokens"] += tm.device_len
         self._n["host_hit_tokens"] += tm.host_len
         return Match(tm.device_pages, tm.device_len, tm.host_len,
-                     self._ref(tm.node, tm.last_device_node,
-                               arr[:tm.device_len + tm.host_len].copy()))
+                     self._ref(tm.node, tm.last_device_node))
 
     @_publishes
     def prefetch(self, tokens: Any, extra_key: Hashable = None) -> PrefetchHandle | None:
@@ -428,8 +432,7 @@ class HiCache:
             prefix = match.node._prefix
             tm = self._tree.match(prefix, node.extra_key)
             match = Match(tm.device_pages, tm.device_len, tm.host_len,
-                          self._ref(tm.node, tm.last_device_node,
-                                    prefix[:tm.device_len + tm.host_len]))
+                          self._ref(tm.node, tm.last_device_node))
             node = tm.node
         chain, top = [], node
         while top.parent is not None and top.value is None:
@@ -468,7 +471,7 @@ class HiCache:
         self._n["load_backs"] += 1
         self._n["load_back_tokens"] += ntok
         pages = self._path_pages(node)
-        return Match(pages, pages.size * self._ps, 0, self._ref(node, node, match.node._prefix),
+        return Match(pages, pages.size * self._ps, 0, self._ref(node, node),
                      handle if layerwise else None)
 
     def lock(self, node: NodeRef) -> None:

@@ -96,7 +96,8 @@ class TreeNode:
         page_size: tokens per page (the tree's).
         hash_parent: the node whose last page hash the chain continues from: ``parent`` while
             in the tree, kept when the node is deleted (``parent`` becomes None), so that the
-            hashes of a removed node can still be computed for its BlockRemoved event.
+            hashes of a removed node can still be computed for its BlockRemoved event, and its
+            prefix rebuilt (:meth:`prefix_tokens`) for a stale match.
         hashes: the cached ``page_hashes`` (None until first computed).
         device_epoch: a per-tree stamp taken each time the node gets device pages (insert,
             revive, load-back): a Match whose deepest device node still holds the epoch the
@@ -153,6 +154,16 @@ class TreeNode:
             n.hashes = chain_hashes(seed, n.key.reshape(-1, n.page_size))
             prev = int(n.hashes[-1])
         return self.hashes
+
+    def prefix_tokens(self) -> np.ndarray:
+        """int64 tokens of the whole prefix ending at this node, root first (a new array). It
+        follows ``hash_parent``, so it still answers once the node was deleted from the tree
+        (``parent`` None): what a stale match re-matches. O(depth), one concatenation."""
+        parts, node = [], self
+        while node is not None:
+            parts.append(node.key)
+            node = node.hash_parent
+        return np.concatenate(parts[::-1])
 
     @property
     def num_pages(self) -> int:

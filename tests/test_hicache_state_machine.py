@@ -226,7 +226,7 @@ def check_invariants(cache: HiCache) -> None:
 def _foreign_ref(page_size: int) -> NodeRef:
     """A Match.node handle of another cache's tree."""
     root = RadixTree(page_size).root
-    return NodeRef(root, root, 0, np.zeros(0, np.int64))
+    return NodeRef(root, root, 0)
 
 
 def current_device_pages(cache: HiCache, tokens, extra_key) -> np.ndarray:
