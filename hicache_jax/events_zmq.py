@@ -29,6 +29,10 @@ Replay (optional ``replay_endpoint``): a ROUTER socket. A client (DEALER or REQ)
 for every buffered batch with ``seq >= start_seq`` (the last ``buffer_steps``), then
 ``(b"", -1 as 8 signed big-endian bytes, b"")``.
 
+Encoding: ``block_hashes`` and ``token_ids`` are packed by numpy straight from the compact
+records (:func:`_ints`: one msgpack int width per array) and spliced into msgspec's payload as
+``msgspec.Raw``; no Python int is made per token.
+
 Threading: the owning thread of the cache encodes each batch (msgspec, from the compact
 records) and sends it on the PUB socket itself (zmq queues it; a socket may change threads
 with the cache, whose ownership hand-over is a lock); a thread per cache ("hicache-kv-replay",
@@ -43,10 +47,13 @@ import collections
 import threading
 from typing import Any
 
+import numpy as np
+
 from hicache_jax.errors import HiCacheError
 from hicache_jax.events import WIRE_MEDIUM, KVEventsConfig, Recorder, _Record, _Removed, _Stored
 
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
+_Raw: Any = None  # msgspec.Raw, bound by _import_deps (msgspec is an optional extra)
 
 
 def _import_deps() -> tuple[Any, Any]:
@@ -57,20 +64,68 @@ def _import_deps() -> tuple[Any, Any]:
         raise HiCacheError(f"kv_events publisher='zmq' needs pyzmq and msgspec ({e}): install "
                            "the events extra, pip install -e \".[events]\" (or "
                            "pip install 'hicache-jax[events]')") from None
+    global _Raw
+    _Raw = msgspec.Raw
     return zmq, msgspec
 
 
+# msgpack ints of a fixed width (first byte, big-endian value dtype), narrowest first: a valid
+# msgpack encoding of each element, whichever value it holds, so numpy writes a whole array.
+_UINT_WIDTHS = ((0xff, 0xcc, ">u1"), (0xffff, 0xcd, ">u2"), (0xffff_ffff, 0xce, ">u4"),
+                (0xffff_ffff_ffff_ffff, 0xcf, ">u8"))
+_DTYPES: dict[tuple[int, str], np.dtype] = {}
+
+
+def _array_header(n: int) -> bytes:
+    if n < 16:
+        return bytes((0x90 | n,))
+    return b"\xdc" + n.to_bytes(2, "big") if n < 0x10000 else b"\xdd" + n.to_bytes(4, "big")
+
+
+def _ints(values: np.ndarray) -> Any:
+    """A 1-D int array as a msgpack array of ints, without Python ints (what ``tolist()`` then
+    msgspec would give, up to the width of each int: ~10 us, not ~150 us, for 14K tokens).
+
+    Every element gets the narrowest width that holds the array's largest value (positive
+    fixint below 128, then uint 8/16/32/64; int 64 if any is negative): numpy writes the
+    marker byte and the big-endian value of all elements in two vectorised assignments.
+
+    Returns:
+        ``msgspec.Raw``: msgspec splices it into the payload as it is.
+    """
+    n = values.shape[0]
+    header = _array_header(n)
+    if n == 0:
+        return _Raw(header)
+    hi = int(values.max())
+    if values.dtype.kind != "u" and int(values.min()) < 0:
+        marker, fmt = 0xd3, ">i8"
+    elif hi < 0x80:  # positive fixint: the value is the byte
+        return _Raw(header + values.astype(np.uint8).tobytes())
+    else:
+        marker, fmt = next((m, f) for top, m, f in _UINT_WIDTHS if hi <= top)
+    dt = _DTYPES.get((marker, fmt))
+    if dt is None:
+        dt = _DTYPES[(marker, fmt)] = np.dtype([("m", "u1"), ("v", fmt)])  # packed
+    buf = np.empty(len(header) + n * dt.itemsize, np.uint8)
+    buf[:len(header)] = np.frombuffer(header, np.uint8)
+    body = buf[len(header):].view(dt)
+    body["m"] = marker
+    body["v"] = values
+    return _Raw(memoryview(buf))
+
+
 def _wire(record: _Record) -> list:
-    """One compact record as vLLM's array-like tagged event."""
+    """One compact record as vLLM's array-like tagged event (hashes and tokens as Raw msgpack)."""
     if isinstance(record, _Stored):
         n = record.hashes.shape[0]
         key = record.extra_key
         lora_id = key if isinstance(key, int) and not isinstance(key, bool) else None
-        return ["BlockStored", record.hashes.tolist(), record.parent, record.tokens.tolist(),
+        return ["BlockStored", _ints(record.hashes), record.parent, _ints(record.tokens),
                 record.tokens.shape[0] // n, lora_id, WIRE_MEDIUM[record.medium],
                 key if isinstance(key, str) else None]
     if isinstance(record, _Removed):
-        return ["BlockRemoved", record.hashes.tolist(), WIRE_MEDIUM[record.medium]]
+        return ["BlockRemoved", _ints(record.hashes), WIRE_MEDIUM[record.medium]]
     return ["AllBlocksCleared"]
 
 

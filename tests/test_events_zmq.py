@@ -295,3 +295,17 @@ def test_take_events_with_zmq_says_where_events_go(tcp):
             cache.take_events()
     finally:
         cache.close()
+
+
+@pytest.mark.parametrize("n", [0, 1, 15, 16, 65535, 65536])
+def test_int_arrays_packed_by_numpy_decode_as_the_ints(n):
+    from hicache_jax import events_zmq
+
+    events_zmq._import_deps()
+    rng = np.random.default_rng(n)
+    for hi in [1, 127, 128, 255, 256, 65535, 65536, 2**32 - 1, 2**32, 2**62]:
+        a = rng.integers(0, hi, size=n, endpoint=True)
+        a[:1] = hi
+        for values in (a, a - hi // 2, a.astype(np.uint64) * np.uint64(3)):
+            raw = events_zmq._ints(values)
+            assert msgspec.msgpack.decode(msgspec.msgpack.encode([raw])) == [values.tolist()]
