@@ -69,11 +69,16 @@ def _import_deps() -> tuple[Any, Any]:
     return zmq, msgspec
 
 
-# msgpack ints of a fixed width (first byte, big-endian value dtype), narrowest first: a valid
-# msgpack encoding of each element, whichever value it holds, so numpy writes a whole array.
-_UINT_WIDTHS = ((0xff, 0xcc, ">u1"), (0xffff, 0xcd, ">u2"), (0xffff_ffff, 0xce, ">u4"),
-                (0xffff_ffff_ffff_ffff, 0xcf, ">u8"))
-_DTYPES: dict[tuple[int, str], np.dtype] = {}
+# msgpack ints of a fixed width, narrowest first: (largest value, first byte, the packed record
+# of that byte and the big-endian value). Any width is a valid msgpack encoding of any int it
+# holds, so numpy can write a whole array at one width.
+def _width(top: int, marker: int, fmt: str) -> tuple[int, int, np.dtype]:
+    return top, marker, np.dtype([("m", "u1"), ("v", fmt)])
+
+
+_UINT_WIDTHS = (_width(0xff, 0xcc, "u1"), _width(0xffff, 0xcd, ">u2"),
+                _width(0xffff_ffff, 0xce, ">u4"), _width(0xffff_ffff_ffff_ffff, 0xcf, ">u8"))
+_INT64 = _width(0, 0xd3, ">i8")
 
 
 def _array_header(n: int) -> bytes:
@@ -87,8 +92,9 @@ def _ints(values: np.ndarray) -> Any:
     msgspec would give, up to the width of each int: ~10 us, not ~150 us, for 14K tokens).
 
     Every element gets the narrowest width that holds the array's largest value (positive
-    fixint below 128, then uint 8/16/32/64; int 64 if any is negative): numpy writes the
-    marker byte and the big-endian value of all elements in two vectorised assignments.
+    fixint below 128, then uint 8/16/32/64; int 64 if any is negative): one reduction (the
+    max of the values read as unsigned, so a negative one shows as a top bit), then numpy
+    writes the marker byte and the big-endian value of all elements in two assignments.
 
     Returns:
         ``msgspec.Raw``: msgspec splices it into the payload as it is.
@@ -97,16 +103,18 @@ def _ints(values: np.ndarray) -> Any:
     header = _array_header(n)
     if n == 0:
         return _Raw(header)
-    hi = int(values.max())
-    if values.dtype.kind != "u" and int(values.min()) < 0:
-        marker, fmt = 0xd3, ">i8"
+    size = values.dtype.itemsize
+    if values.dtype.kind == "i":
+        hi = int(values.view(f"u{size}").max())
+        negative = hi >> (8 * size - 1)
+    else:
+        hi, negative = int(values.max()), 0
+    if negative:
+        _, marker, dt = _INT64
     elif hi < 0x80:  # positive fixint: the value is the byte
         return _Raw(header + values.astype(np.uint8).tobytes())
     else:
-        marker, fmt = next((m, f) for top, m, f in _UINT_WIDTHS if hi <= top)
-    dt = _DTYPES.get((marker, fmt))
-    if dt is None:
-        dt = _DTYPES[(marker, fmt)] = np.dtype([("m", "u1"), ("v", fmt)])  # packed
+        _, marker, dt = next(w for w in _UINT_WIDTHS if hi <= w[0])
     buf = np.empty(len(header) + n * dt.itemsize, np.uint8)
     buf[:len(header)] = np.frombuffer(header, np.uint8)
     body = buf[len(header):].view(dt)
