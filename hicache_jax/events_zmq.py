@@ -104,7 +104,9 @@ def _ints(values: np.ndarray) -> Any:
     if n == 0:
         return _Raw(header)
     size = values.dtype.itemsize
-    if values.dtype.kind == "i":
+    if values.dtype == np.uint64:  # page hashes: nearly all need 8 bytes, so no reduction
+        hi, negative = 1 << 63, 0
+    elif values.dtype.kind == "i":
         hi = int(values.view(f"u{size}").max())
         negative = hi >> (8 * size - 1)
     else:
