@@ -377,7 +377,7 @@ class HiCache:
         self._complete(attach=True)
         if self._l3 is not None:
             self._l3.before_match(arr, extra_key)
-        tm = self._tree.match(tokens, extra_key)
+        tm = self._tree.match(arr, extra_key, validated=True)
         self._n["match_tokens"] += len(tokens) // self._ps * self._ps
         self._n["device_hit_tokens"] += tm.device_len
         self._n["host_hit_tokens"] += tm.host_len
@@ -578,13 +578,14 @@ class HiCache:
         self._guard()
         check_bool("chunked", chunked)
         check_int("priority", priority, -(2**62), 2**62)
-        ntok = _prepare_tokens(tokens, extra_key, self._ps).shape[0]
+        arr = _prepare_tokens(tokens, extra_key, self._ps)
+        ntok = arr.shape[0]
         ids = self._check_pages(pages, (_CALLER, _TREE), "caller-owned or cached")
         if ids.size != ntok // self._ps:
             raise ValueError(f"pages has {ids.size} ids, expected {ntok // self._ps} "
                              "(one per whole page of tokens)")
         # No polling here: the tree's own checks below must see the state the caller saw.
-        res = self._tree.insert(tokens, ids, extra_key, priority=int(priority),
+        res = self._tree.insert(arr, ids, extra_key, priority=int(priority), validated=True,
                                 chunked=bool(chunked))
         dup = res.duplicate_pages
         if dup.size:

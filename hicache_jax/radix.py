@@ -258,20 +258,22 @@ class RadixTree:
 
     # -- public API ----------------------------------------------------------------------------
 
-    def match(self, tokens: Any, extra_key: Hashable = None) -> TreeMatch:
+    def match(self, tokens: Any, extra_key: Hashable = None, *,
+              validated: bool = False) -> TreeMatch:
         """Longest cached whole-page prefix of ``tokens``, on device then on host.
 
         Args:
             tokens: 1-D non-negative integer sequence; a trailing partial page is ignored.
             extra_key: namespace (hashable).
+            validated: the caller already checked ``tokens`` (an int64 numpy array of whole
+                pages, values >= 0) and ``extra_key`` (the facade does, once per call): skip
+                the checks, a pass over every token.
 
         Returns:
             A :class:`TreeMatch`. Splits a node where the match ends inside it and sets
             ``last_access`` of every matched node (hit counts are left to :meth:`insert`).
         """
-        arr = _as_tokens(tokens)
-        _check_extra_key(extra_key)
-        arr = arr[: arr.shape[0] // self.page_size * self.page_size]
+        arr = tokens if validated else self._checked_tokens(tokens, extra_key)
         path = self._materialize(*self._walk(arr, extra_key))
         now = self._clock()
         values, host = [], []
@@ -291,7 +293,7 @@ class RadixTree:
                          node=path[-1] if path else self.root)
 
     def insert(self, tokens: Any, page_ids: Any, extra_key: Hashable = None, *,
-               priority: int = 0, chunked: bool = False) -> InsertResult:
+               priority: int = 0, chunked: bool = False, validated: bool = False) -> InsertResult:
         """Cache the whole pages of ``tokens`` with the caller's device pages.
 
         Args:
@@ -302,14 +304,14 @@ class RadixTree:
             extra_key: namespace (hashable).
             priority: int request priority (``priority`` eviction strategy: lower goes first).
             chunked: do not count a hit on existing nodes (one prefill split into chunks).
+            validated: ``tokens`` and ``extra_key`` are already checked (see :meth:`match`).
 
         Raises:
             TypeError / ValueError: malformed tokens, page_ids or extra_key.
             HiCacheError: a page the tree must take (or hand back as a duplicate) is already held
                 by the tree at another position.
         """
-        arr = _as_tokens(tokens)
-        _check_extra_key(extra_key)
+        arr = tokens if validated else self._checked_tokens(tokens, extra_key)
         if isinstance(priority, bool) or not isinstance(priority, (int, np.integer)):
             raise TypeError(f"priority must be an int, got {type(priority).__name__}")
         priority = int(priority)
@@ -338,6 +340,12 @@ class RadixTree:
             last.hit_count = 0 if chunked else 1
         return InsertResult(prefix_len=pos, duplicate_pages=ids[dup_mask],
                             existing_nodes=path, revived_nodes=revived, last_node=last)
+
+    def _checked_tokens(self, tokens: Any, extra_key: Any) -> np.ndarray:
+        """Validate tokens and extra_key; the whole-page int64 part of the tokens."""
+        arr = _as_tokens(tokens)
+        _check_extra_key(extra_key)
+        return arr[: arr.shape[0] // self.page_size * self.page_size]
 
     def _check_insert_pages(self, path: list, pos: int, ids: np.ndarray) -> np.ndarray:
         """Before any change: which caller pages are duplicates; refuse ids the tree holds."""
