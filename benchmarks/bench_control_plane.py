@@ -34,6 +34,7 @@ import argparse
 import dataclasses
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -234,6 +235,7 @@ def main() -> None:
         if not args.no_base:
             subprocess.run(["git", "-C", REPO, "worktree", "remove", "--force", base_tree],
                            capture_output=True)
+        shutil.rmtree(tmp, ignore_errors=True)
     print_report(report, rows)
     if args.json:
         sys.path.insert(0, REPO)
