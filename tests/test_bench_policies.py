@@ -1,5 +1,5 @@
-"""Smoke test of benchmarks/bench_policies.py on the shipped trace slice: it runs, prints every
-policy against the exact LRU references and its target lines, and writes JSON."""
+"""Smoke tests of benchmarks/bench_policies.py and bench_memory.py on the shipped trace slice:
+each runs, prints its figures beside their targets, and writes JSON."""
 
 from __future__ import annotations
 
@@ -26,3 +26,15 @@ def test_bench_policies_runs_on_the_slice(tmp_path, monkeypatch, capsys):
     refs = data["references"]
     assert int(refs["None"]) >= data["clean_ahead"]["hit_tokens"] > 0
     assert data["clean_ahead(4)"]["eviction_backup_pages"] >= 0
+
+
+def test_bench_memory_runs_on_the_slice(tmp_path, monkeypatch, capsys):
+    from benchmarks import bench_memory
+    out = tmp_path / "m.json"
+    monkeypatch.setattr(sys, "argv", ["bench_memory", str(DATA), "--limit", "50",
+                                      "--json", str(out)])
+    bench_memory.main()
+    assert "target peak growth <= pools + 200 MB:" in capsys.readouterr().out
+    data = json.loads(out.read_text())["results"]
+    assert data["off"]["requests"] == data["queue"]["requests"] == 50
+    assert data["off"]["peak_rss"] >= data["off"]["base_rss"] > 0
