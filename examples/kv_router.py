@@ -70,7 +70,9 @@ class InstanceIndex:
 
     def __init__(self) -> None:
         self.mediums: dict[int, set[str]] = {}
-        self._by_tokens: dict[tuple, int] = {}
+        # A set: first pages of namespaces the wire cannot tell apart (extra_keys other than
+        # None, int and str all arrive as lora_id = lora_name = None) share one key.
+        self._by_tokens: dict[tuple, set[int]] = {}
         self._key_of: dict[int, tuple] = {}
 
     def apply(self, batch: KVEventBatch) -> None:
@@ -82,16 +84,23 @@ class InstanceIndex:
                 ps = ev.block_size
                 for i, h in enumerate(ev.block_hashes):
                     key = (parent, tuple(ev.token_ids[i * ps:(i + 1) * ps]))
-                    self._by_tokens[key], self._key_of[h] = h, key
+                    self._by_tokens.setdefault(key, set()).add(h)
+                    self._key_of[h] = key
                     self.mediums.setdefault(h, set()).add(ev.medium)
                     parent = h
             elif isinstance(ev, BlockRemoved):
                 for h in ev.block_hashes:
-                    held = self.mediums[h]
+                    held = self.mediums.get(h)
+                    if held is None:  # stored before this index started (see catch_up)
+                        continue
                     held.discard(ev.medium)
                     if not held:
                         del self.mediums[h]
-                        self._by_tokens.pop(self._key_of.pop(h), None)
+                        key = self._key_of.pop(h)
+                        shared = self._by_tokens[key]
+                        shared.discard(h)
+                        if not shared:
+                            del self._by_tokens[key]
             else:
                 self.mediums.clear()
                 self._by_tokens.clear()
@@ -102,14 +111,18 @@ class InstanceIndex:
         """``(tokens on device, further tokens on host only)`` of the longest cached prefix,
         as the cache's ``match_prefix`` counts them (L1 pages come first: a device page's
         ancestors are on device)."""
-        lora_id = extra_key if isinstance(extra_key, int) else None
+        if extra_key is not None and not isinstance(extra_key, (int, np.integer, str)):
+            raise TypeError(f"extra_key={extra_key!r}: only None, int and str namespaces are "
+                            "on the wire (lora_id / lora_name)")
+        lora_id = int(extra_key) if isinstance(extra_key, (int, np.integer)) else None
         parent: Any = ("namespace", lora_id, extra_key if isinstance(extra_key, str) else None)
         device = host = 0
         toks = list(tokens)
         for start in range(0, len(toks) // page_size * page_size, page_size):
-            h = self._by_tokens.get((parent, tuple(toks[start:start + page_size])))
-            if h is None:
+            found = self._by_tokens.get((parent, tuple(toks[start:start + page_size])))
+            if not found:
                 break
+            h = min(found)  # one hash but for namespaces the wire cannot tell apart
             if "GPU" in self.mediums[h] and host == 0:
                 device += page_size
             else:
@@ -137,6 +150,7 @@ class KVRouter:
         self.page_size = page_size
         self.index = {name: InstanceIndex() for name in instances}
         self.next_seq = {name: 0 for name in instances}
+        self.restarts: dict[str, int] = {}  # indexes started over after an unrecoverable gap
         self._sub, self._replay = {}, {}
         for name, (endpoint, replay) in instances.items():
             sub = self._ctx.socket(zmq.SUB)
@@ -173,6 +187,13 @@ class KVRouter:
             seq = int.from_bytes(seq, "big", signed=True)
             if seq == END_SEQ:
                 return
+            if seq > self.next_seq[name]:
+                # The replay buffer no longer holds the batches missed: start this instance's
+                # index over from what it does hold (pages stored before are not announced
+                # again, so the index can only answer too little, never too much).
+                self.index[name] = InstanceIndex()
+                self.next_seq[name] = seq
+                self.restarts[name] = self.restarts.get(name, 0) + 1
             self._apply(name, seq, payload)
 
     def poll(self, timeout_ms: int = 0) -> int:

@@ -262,7 +262,8 @@ class NullRecorder:
     take_batches = take
 
     def stats(self) -> dict[str, int]:
-        return {"kv_event_batches": 0, "kv_event_batches_dropped": 0}
+        return {"kv_event_batches": 0, "kv_event_batches_dropped": 0,
+                "kv_event_publish_errors": 0}
 
     def close(self) -> None:
         pass
@@ -276,6 +277,8 @@ class Recorder:
         self._pending: list[_Record] = []
         self._seq = 0
         self._dropped = 0
+        self._publish_errors = 0
+        self.last_publish_error: str | None = None
 
     def stored(self, node: Any, medium: Medium, pages: slice | None = None) -> None:
         """Record a BlockStored of ``node``'s pages (a ``TreeNode``; default all), root-first.
@@ -313,8 +316,13 @@ class Recorder:
         """Seal the events of the call that returns (if any) into the next batch."""
         if self._pending:
             records, self._pending = self._pending, []
-            self._publish(self._seq, time.time(), records)
-            self._seq += 1
+            seq, self._seq = self._seq, self._seq + 1
+            try:
+                self._publish(seq, time.time(), records)
+            except Exception as e:  # the call has changed the cache: never raise now; the
+                self._dropped += 1  # batch is counted dropped (a gap in seq) and the error kept
+                self._publish_errors += 1
+                self.last_publish_error = f"batch {seq}: {e!r}"
 
     def _publish(self, seq: int, ts: float, records: list[_Record]) -> None:
         raise NotImplementedError
@@ -326,7 +334,8 @@ class Recorder:
     take_batches = take
 
     def stats(self) -> dict[str, int]:
-        return {"kv_event_batches": self._seq, "kv_event_batches_dropped": self._dropped}
+        return {"kv_event_batches": self._seq, "kv_event_batches_dropped": self._dropped,
+                "kv_event_publish_errors": self._publish_errors}
 
     def close(self) -> None:
         pass

@@ -125,15 +125,24 @@ def _ints(values: np.ndarray) -> Any:
     return _Raw(memoryview(buf))
 
 
+def _wire_key(key: Any) -> tuple[int | None, str | None]:
+    """``(lora_id, lora_name)`` of an ``extra_key``: ints (bool, numpy ints: the one namespace the
+    tree makes of them) that msgpack can hold as ``lora_id``, strings (numpy's and subclasses
+    too) as ``lora_name``; any other key goes as neither (a router cannot tell it from None)."""
+    if isinstance(key, (bool, np.bool_, int, np.integer)) and -2**63 <= int(key) < 2**64:
+        return int(key), None
+    if isinstance(key, str):
+        return None, str(key)
+    return None, None
+
+
 def _wire(record: _Record) -> list:
     """One compact record as vLLM's array-like tagged event (hashes and tokens as Raw msgpack)."""
     if isinstance(record, _Stored):
         n = record.hashes.shape[0]
-        key = record.extra_key
-        lora_id = key if isinstance(key, int) and not isinstance(key, bool) else None
+        lora_id, lora_name = _wire_key(record.extra_key)
         return ["BlockStored", _ints(record.hashes), record.parent, _ints(record.tokens),
-                record.tokens.shape[0] // n, lora_id, WIRE_MEDIUM[record.medium],
-                key if isinstance(key, str) else None]
+                record.tokens.shape[0] // n, lora_id, WIRE_MEDIUM[record.medium], lora_name]
     if isinstance(record, _Removed):
         return ["BlockRemoved", _ints(record.hashes), WIRE_MEDIUM[record.medium]]
     return ["AllBlocksCleared"]

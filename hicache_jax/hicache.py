@@ -267,7 +267,12 @@ class HiCache:
         self._init_state()
         self._l3 = L3Tier(self) if cfg.storage is not None else None  # L3: see l3.py
         # Last, so that nothing stays bound when anything above raises. Off: NullRecorder.
-        self._events = make_recorder(cfg.kv_events)
+        try:
+            self._events = make_recorder(cfg.kv_events)
+        except BaseException:  # e.g. a port in use: release the L3 backend opened above
+            if self._l3 is not None:
+                self._l3.close()
+            raise
 
     def _init_state(self) -> None:
         self._owner = np.zeros(self.cfg.device_pages, np.int8)
@@ -300,6 +305,12 @@ class HiCache:
             if self._closed:
                 raise HiCacheError("this HiCache is closed: build a new one (only stats() "
                                    "answers after close())")
+            if self._thread is not None and not self._owner_thread.is_alive():
+                # The owner exited, but its ident may now be a live thread's (CPython reuses
+                # them at once), which passes the fast path: that thread owns the cache.
+                heir = next((t for t in threading.enumerate() if t.ident == self._thread), None)
+                if heir is not None:
+                    self._owner_thread, self._thread_name = heir, heir.name
             # First call, handed over with release_thread(), or the owner has exited.
             if self._thread is None or not self._owner_thread.is_alive():
                 self._thread = threading.get_ident()
@@ -493,6 +504,7 @@ class HiCache:
         self._tree.lock(tnode)
         self._caller_locks[tnode] = self._caller_locks.get(tnode, 0) + 1
 
+    @_publishes  # clean_ahead's pass at unlock may give up host copies (BlockRemoved)
     def unlock(self, node: NodeRef) -> None:
         """Undo one :meth:`lock` of ``node``. ``HiCacheError`` if the caller holds none."""
         self._guard()
@@ -649,11 +661,13 @@ class HiCache:
         if self._closed:
             return
         self.flush()
-        if self._l3 is not None:
-            self._l3.close()
-        self._events.close()  # the ZMQ publisher sends what is queued and unbinds
-        with self._thread_lock:
-            self._closed, self._thread = True, None
+        try:
+            if self._l3 is not None:
+                self._l3.close()
+        finally:
+            self._events.close()  # the ZMQ publisher sends what is queued and unbinds
+            with self._thread_lock:
+                self._closed, self._thread = True, None
 
     def release_thread(self) -> None:
         """Hand the cache over: the owning thread gives it up and the next call from any thread

@@ -273,6 +273,20 @@ def test_port_in_use_is_a_clear_error_naming_the_field_and_binds_nothing(tcp, tm
     make(zmq_events(tcp)).close()                  # close() unbound it
 
 
+def test_a_port_in_use_also_releases_the_l3_backend_opened_before(tcp, tmp_path, monkeypatch):
+    from hicache_jax import l3
+    closed, real_close = [], l3.L3Tier.close
+    monkeypatch.setattr(l3.L3Tier, "close", lambda self: closed.append(1) or real_close(self))
+    a = make(zmq_events(tcp))
+    try:
+        with pytest.raises(HiCacheError, match="cannot bind"):
+            HiCache(SPEC, HiCacheConfig(device_pages=16, host_pages=32, kv_events=zmq_events(tcp),
+                                        storage=f"file://{tmp_path}/l3"))
+        assert closed == [1]
+    finally:
+        a.close()
+
+
 def test_missing_extra_names_it(monkeypatch, tcp):
     import builtins
 
@@ -309,3 +323,31 @@ def test_int_arrays_packed_by_numpy_decode_as_the_ints(n):
         for values in (a, a - hi // 2, a.astype(np.uint64) * np.uint64(3)):
             raw = events_zmq._ints(values)
             assert msgspec.msgpack.decode(msgspec.msgpack.encode([raw])) == [values.tolist()]
+
+
+@pytest.mark.parametrize("key,lora_id,lora_name", [
+    (2**64, None, None), (-(2**63) - 1, None, None), (True, 1, None), (np.int64(7), 7, None),
+    (np.str_("ns"), None, "ns"), (b"tenant", None, None), (("a", 1), None, None)])
+def test_every_extra_key_publishes_and_a_failed_publish_never_raises(key, lora_id, lora_name):
+    """msgspec refused some extra_keys (ints beyond 64 bits, numpy strings): the error came out
+    of the call after it had changed the cache, and the batch was lost without a seq gap."""
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    cache = make(zmq_events(endpoint))
+    sub = Subscriber(endpoint)
+    try:
+        first = sub.until_connected(cache)
+        put(cache, np.arange(2 * PS), key)
+        seq, batch = sub.recv()
+        stored = [e for e in batch.events if isinstance(e, BlockStored)]
+        assert seq > first and stored
+        assert (stored[0].lora_id, stored[0].lora_name) == (lora_id, lora_name)
+        assert cache.stats()["kv_event_publish_errors"] == 0
+        cache._events._publish = lambda *a: 1 / 0  # a publisher that fails: counted, no raise
+        put(cache, np.arange(4 * PS), key)
+        st = cache.stats()
+        assert st["kv_event_publish_errors"] >= 1 and st["kv_event_batches_dropped"] >= 1
+        assert "ZeroDivisionError" in cache._events.last_publish_error
+        assert cache.match_prefix(np.arange(4 * PS), key).device_len == 4 * PS
+    finally:
+        sub.close()
+        cache.close()

@@ -973,3 +973,33 @@ def test_clean_ahead_config():
     with pytest.raises(ValueError, match="not an L3 policy"):
         HiCacheConfig(device_pages=8, storage_write_policy="clean_ahead")
     HiCache(spec, HiCacheConfig(device_pages=8, host_pages=0, write_policy="clean_ahead"))
+
+
+def test_a_reused_thread_ident_keeps_the_cache_with_the_live_thread():
+    """CPython reuses a thread's ident as soon as it exits: a new thread with the dead owner's
+    ident passes the owner check and uses the cache, so no third thread may take it then."""
+    cache, kv = make()
+    t = np.arange(4)
+    owner = _Worker("first")
+    owner.run(lambda: request(cache, kv, t))
+    owner.stop()                      # the owner exits ...
+    heir = _Worker("heir")
+    cache._thread = heir.thread.ident  # ... and the OS hands its ident to a new thread
+    assert heir.run(lambda: cache.match_prefix(t).device_len) == 4
+    with pytest.raises(HiCacheError, match="owned by thread 'heir'"):
+        cache.match_prefix(t)
+    heir.stop()
+    assert cache.match_prefix(t).device_len == 4   # the heir exited too: this thread takes it
+
+
+def test_events_of_clean_aheads_pass_at_unlock_are_sealed_by_the_unlock():
+    """The pass at unlock gives up host copies (BlockRemoved): unlock seals them into its own
+    batch, rather than leaving them for whatever public call comes next."""
+    cache, kv = make("clean_ahead", device=8, host=8, clean_ahead_pages=2,
+                     kv_events={"publisher": "queue"})
+    for i in list(range(12)) + [7]:
+        request(cache, kv, np.arange(2) + 100 * i)
+        assert not cache._events._pending
+    assert cache.stats()["host_copies_dropped_tokens"] == 2
+    router = replay(cache.take_events())
+    assert router == tree_pages(cache)

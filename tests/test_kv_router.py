@@ -112,3 +112,21 @@ def test_router_that_starts_late_recovers_through_replay(tmp_path, kv_router):
             router.close()
     finally:
         cache.close()
+
+
+def test_index_keeps_namespaces_the_wire_cannot_tell_apart(kv_router):
+    """extra_keys other than None / int / str arrive as lora_id = lora_name = None: two such
+    namespaces share a first-page key. Removing one namespace's page kept the other's
+    unreachable (the key held one hash, popped by either removal)."""
+    r = kv_router
+    idx = r.InstanceIndex()
+    stored = lambda h: r.BlockStored([h], None, [1, 2], 2, None, "GPU", None)  # noqa: E731
+    idx.apply(r.KVEventBatch(0.0, [stored(11), stored(22)]))
+    assert idx.longest_prefix([1, 2], 2) == (2, 0)
+    idx.apply(r.KVEventBatch(0.0, [r.BlockRemoved([11], "GPU")]))
+    assert idx.longest_prefix([1, 2], 2) == (2, 0)            # 22 still holds it
+    idx.apply(r.KVEventBatch(0.0, [r.BlockRemoved([22], "GPU"), r.BlockRemoved([33], "GPU")]))
+    assert idx.longest_prefix([1, 2], 2) == (0, 0)            # and an unknown removal is ignored
+    assert idx.longest_prefix([1, 2], 2, extra_key=np.int64(5)) == (0, 0)
+    with pytest.raises(TypeError, match="only None, int and str"):
+        idx.longest_prefix([1, 2], 2, extra_key=b"tenant")
