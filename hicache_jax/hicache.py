@@ -757,11 +757,9 @@ class HiCache:
 
         Raises before evicting anything when even full eviction could not cover ``n``.
         """
-        if tier is self._dev_tier and n > self._largest_alloc:
-            self._largest_alloc = n
         alloc = tier.allocator
         if n <= alloc.num_free:  # the common case: no eviction bound to compute
-            return alloc.alloc(n)
+            return self._granted(tier, alloc.alloc(n))
         if tier.wait_helps and self._ops and n > alloc.num_free + tier.evictable_pages():
             self._complete(upto=self._seq)  # copies in flight hold locks; their acks release them
         short = n - alloc.num_free
@@ -774,7 +772,14 @@ class HiCache:
                 "evictable: unlock finished requests or free caller pages",
                 needed=n, free=alloc.num_free, evictable=evictable,
                 locked=alloc.num_used - evictable)
-        return alloc.alloc(n)
+        return self._granted(tier, alloc.alloc(n))
+
+    def _granted(self, tier: _Tier, ids: np.ndarray) -> np.ndarray:
+        """The auto clean_ahead reserve follows the largest device allocation that succeeded
+        (one that raised leaves the cache as it was)."""
+        if tier is self._dev_tier and ids.size > self._largest_alloc:
+            self._largest_alloc = ids.size
+        return ids
 
     def _evict_device(self, num_tokens: int) -> int:
         """Evict rounds until ``num_tokens`` are freed or a round frees nothing."""

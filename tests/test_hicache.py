@@ -964,6 +964,21 @@ def test_clean_ahead_cleans_a_request_that_goes_first_at_its_unlock(eviction):
     check(cache, kv)
 
 
+def test_a_failed_alloc_leaves_clean_aheads_reserve_as_it_was():
+    cache, kv = make("clean_ahead", device=64, host=64)
+    request(cache, kv, np.arange(4))
+    reserve = cache._reserve_pages()
+    with pytest.raises(OutOfPagesError):
+        cache.alloc_pages(1000)
+    assert cache._reserve_pages() == reserve == 2 * 4      # twice the largest allocation
+    new = cache.alloc_pages(12)            # one that succeeds: the reserve follows it
+    assert cache._reserve_pages() == 24
+    cache.free_pages(new)
+    new = cache.alloc_pages(40)
+    assert cache._reserve_pages() == 64 // 2               # at most half of L1
+    cache.free_pages(new)
+
+
 def test_clean_ahead_config():
     spec = KVSpec(num_layers=1, num_kv_heads=1, head_dim=4, dtype="float32", page_size=1)
     assert HiCacheConfig(device_pages=64, write_policy="clean_ahead").clean_ahead_pages is None
