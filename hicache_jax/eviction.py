@@ -48,19 +48,9 @@ class EvictionPolicy(str, enum.Enum):
 #: hit_count at which an SLRU node moves from the probationary to the protected segment.
 SLRU_PROTECTED_HITS = 2
 
-_KEYS: dict[EvictionPolicy, Callable[[Any], tuple]] = {
-    EvictionPolicy.LRU: lambda n: (n.last_access,),
-    EvictionPolicy.LFU: lambda n: (n.hit_count, n.last_access),
-    EvictionPolicy.FIFO: lambda n: (n.created,),
-    EvictionPolicy.MRU: lambda n: (-n.last_access,),
-    EvictionPolicy.FILO: lambda n: (-n.created,),
-    EvictionPolicy.PRIORITY: lambda n: (n.priority, n.last_access),
-    EvictionPolicy.SLRU: lambda n: (int(n.hit_count >= SLRU_PROTECTED_HITS), n.last_access),
-}
-
-
-# The heap's entries: the key's fields, then the id tie-break, then the node, in one flat tuple
-# (one call per node, no nested tuple); they order exactly as ``(key(n), n.id, n)``.
+# The one definition of each strategy's order: the key's fields, then the id tie-break, then
+# the node, in one flat tuple (one call per node, no nested tuple: the heap's entries). Ids are
+# unique, so two entries never compare their nodes.
 _ENTRIES: dict[EvictionPolicy, Callable[[Any], tuple]] = {
     EvictionPolicy.LRU: lambda n: (n.last_access, n.id, n),
     EvictionPolicy.LFU: lambda n: (n.hit_count, n.last_access, n.id, n),
@@ -79,7 +69,8 @@ def priority_key(policy: "str | EvictionPolicy") -> Callable[[_Rankable], tuple]
     The node id is *not* part of the key; :class:`VictimHeap` appends it as the tie-break so
     that the order is deterministic for equal keys (older node ids first).
     """
-    return _KEYS[EvictionPolicy.parse(policy)]
+    entry = _ENTRIES[EvictionPolicy.parse(policy)]
+    return lambda n: entry(n)[:-2]
 
 
 class VictimHeap:
@@ -117,8 +108,8 @@ class VictimHeap:
 
 def select_victims(policy: "str | EvictionPolicy", nodes: Iterable[_Rankable], k: int) -> list:
     """The k least valuable of ``nodes`` (fewer if there are fewer), least valuable first."""
-    key = priority_key(policy)
-    return [n for _, _, n in heapq.nsmallest(k, ((key(n), n.id, n) for n in nodes))]
+    entry = _ENTRIES[EvictionPolicy.parse(policy)]
+    return [e[-1] for e in heapq.nsmallest(k, map(entry, nodes))]
 
 
 #: Strategies under which a node just inserted is among the first to go (newest, or fewest hits,
@@ -152,5 +143,4 @@ def eviction_order(policy: "str | EvictionPolicy", leaves: Iterable[Any], budget
 
 def hottest_first(policy: "str | EvictionPolicy", nodes: Iterable[Any]) -> list:
     """``nodes`` most valuable first: the reverse of eviction order."""
-    key = priority_key(policy)
-    return sorted(nodes, key=lambda n: (key(n), n.id), reverse=True)
+    return sorted(nodes, key=_ENTRIES[EvictionPolicy.parse(policy)], reverse=True)

@@ -63,10 +63,22 @@ def chain_digests(prev: bytes, pages: np.ndarray) -> np.ndarray:
         raise ValueError(f"prev must be {DIGEST_BYTES} bytes (a digest or a namespace seed)")
     if pages.ndim != 2:
         raise ValueError(f"pages must be [num_pages, page_size], got shape {pages.shape}")
+    out = chain_blake2b(prev, pages, DIGEST_BYTES)
+    return np.frombuffer(out, np.uint8).reshape(pages.shape[0], DIGEST_BYTES).copy()
+
+
+def chain_blake2b(prev: bytes, pages: np.ndarray, digest_size: int) -> bytes:
+    """The chain both hashes use (the tree's 8-byte page hashes, L3's 16-byte digests):
+    ``d_i = blake2b(d_{i-1} || int64 LE bytes of row i)``, all digests concatenated.
+
+    Args:
+        prev: ``d_{-1}``, ``digest_size`` bytes.
+        pages: int ``[num_pages, page_size]`` tokens.
+    """
     rows = np.ascontiguousarray(pages, dtype="<i8")
     data, step = rows.tobytes(), rows.shape[1] * 8
     blake2b, digest, out = hashlib.blake2b, prev, []
     for start in range(0, len(data), step):  # one call per page, not per token
-        digest = blake2b(digest + data[start:start + step], digest_size=DIGEST_BYTES).digest()
+        digest = blake2b(digest + data[start:start + step], digest_size=digest_size).digest()
         out.append(digest)
-    return np.frombuffer(b"".join(out), np.uint8).reshape(rows.shape[0], DIGEST_BYTES).copy()
+    return b"".join(out)

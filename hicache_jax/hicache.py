@@ -102,6 +102,10 @@ from hicache_jax.transfer import TransferEngine
 
 # Owner of a device page (one int8 per page): the allocator says free/used, this says by whom.
 _FREE, _CALLER, _TREE = 0, 1, 2
+# Which owners a call accepts, as owner -> allowed masks (indexing one costs ~10x less than
+# np.isin): caller pages only, or caller pages and the tree's.
+_CALLERS = np.array([False, True, False])
+_ALLOCATED = np.array([False, True, True])
 
 
 @dataclass(frozen=True, eq=False)
@@ -213,7 +217,8 @@ def _prepare_tokens(tokens: Any, extra_key: Any, page_size: int) -> np.ndarray:
 
 def _publishes(method: Callable) -> Callable:
     """A public call that may record KV events: its events form one batch, sealed (published)
-    when it returns. With events off that is one no-op call of the NullRecorder."""
+    when it returns. With events off that is one no-op call of the NullRecorder. It runs the
+    owning-thread check (:meth:`HiCache._guard`) for the method."""
     @functools.wraps(method)
     def call(self: "HiCache", *args: Any, **kwargs: Any) -> Any:
         self._guard()  # first: another thread must not seal the owner's batch
@@ -358,11 +363,9 @@ class HiCache:
         return Match(pages, pages.size * self._ps, host_len,
                      self._ref(node, anchor))
 
-    def _check_pages(self, pages: Any, allowed: tuple[int, ...], what: str) -> np.ndarray:
+    def _check_pages(self, pages: Any, allowed: np.ndarray, what: str) -> np.ndarray:
         ids = self._device.validate_ids(pages, "pages")
-        ok = np.zeros(3, np.bool_)  # owner -> allowed (np.isin costs ~10x more)
-        ok[list(allowed)] = True
-        ok = ok[self._owner[ids]]
+        ok = allowed[self._owner[ids]]  # allowed: _CALLERS or _ALLOCATED
         if ids.size and not ok.all():
             bad = ids[~ok][:8].tolist()
             free = " (free: a stale Match's pages, evicted since? match again)" if (
@@ -383,7 +386,6 @@ class HiCache:
         Returns:
             A :class:`Match`; its ``device_pages`` stay valid while ``node`` is locked.
         """
-        self._guard()
         arr = _prepare_tokens(tokens, extra_key, self._ps)  # validate before polling
         self._complete(attach=True)
         if self._l3 is not None:
@@ -405,7 +407,6 @@ class HiCache:
             Fetched pages appear to :meth:`match_prefix` as host-only nodes per
             ``cfg.prefetch_policy``.
         """
-        self._guard()
         arr = _prepare_tokens(tokens, extra_key, self._ps)
         self._complete(attach=True)
         return None if self._l3 is None else self._l3.prefetch(arr, extra_key)
@@ -428,7 +429,6 @@ class HiCache:
             itself if it still describes the cache, else a new Match of the current device part
             and host continuation. Leaves no lock for the caller (lock the result's node).
         """
-        self._guard()
         if not isinstance(match, Match) or not isinstance(match.node, NodeRef):
             raise TypeError(f"match must be a Match from match_prefix, got {type(match).__name__}")
         check_bool("layerwise", layerwise)
@@ -507,7 +507,6 @@ class HiCache:
     @_publishes  # clean_ahead's pass at unlock may give up host copies (BlockRemoved)
     def unlock(self, node: NodeRef) -> None:
         """Undo one :meth:`lock` of ``node``. ``HiCacheError`` if the caller holds none."""
-        self._guard()
         node = self._check_node(node)
         held = self._caller_locks.get(node, 0)
         if held == 0:
@@ -517,8 +516,7 @@ class HiCache:
             del self._caller_locks[node]
         else:
             self._caller_locks[node] = held - 1
-        if self._write.clean_ahead and self._clean_due():  # a request's end: its nodes are
-            self._clean_ahead()                             # evictable again (mru, lfu: first)
+        self._maybe_clean_ahead()  # a request's end: its nodes are evictable again
 
     @_publishes
     def alloc_pages(self, n: int) -> np.ndarray:
@@ -533,7 +531,6 @@ class HiCache:
                 ``evictable``, ``locked`` say why. Raised before evicting anything; copies in
                 flight (whose locks may be what holds the pages) are waited for first.
         """
-        self._guard()
         n = check_int("n", n)
         self._complete(attach=True)
         ids = self._take_pages(self._dev_tier, n)
@@ -543,7 +540,7 @@ class HiCache:
     def free_pages(self, pages: Any) -> None:
         """Give back caller-owned pages that were never inserted."""
         self._guard()
-        ids = self._check_pages(pages, (_CALLER,), "caller-owned (from alloc_pages, not inserted)")
+        ids = self._check_pages(pages, _CALLERS, "caller-owned (from alloc_pages, not inserted)")
         self._device.allocator.free(ids)
         self._owner[ids] = _FREE
 
@@ -556,14 +553,13 @@ class HiCache:
                 ``spec.dtype`` or its raw-bits dtype; jax or numpy. Not consumed.
         """
         self._guard()
-        ids = self._check_pages(pages, (_CALLER,), "caller-owned (cached pages are read-only)")
+        ids = self._check_pages(pages, _CALLERS, "caller-owned (cached pages are read-only)")
         self._device.write(ids, kv)
 
     @_publishes
     def read_kv(self, pages: Any) -> Any:
         """KV of allocated device pages: ``spec.kv_shape(n)`` in ``spec.dtype`` (a new array)."""
-        self._guard()
-        ids = self._check_pages(pages, (_CALLER, _TREE), "allocated")
+        ids = self._check_pages(pages, _ALLOCATED, "allocated")
         if self._loading[ids].any():  # a layer-wise load may still be writing these pages
             last = [op for op in self._ops if op.kind == "load"
                     and np.isin(op.device_ids, ids).any()][-1]
@@ -587,12 +583,11 @@ class HiCache:
         Returns:
             Tokens already cached (either tier) before the call.
         """
-        self._guard()
         check_bool("chunked", chunked)
         check_int("priority", priority, -(2**62), 2**62)
         arr = _prepare_tokens(tokens, extra_key, self._ps)
         ntok = arr.shape[0]
-        ids = self._check_pages(pages, (_CALLER, _TREE), "caller-owned or cached")
+        ids = self._check_pages(pages, _ALLOCATED, "caller-owned or cached")
         if ids.size != ntok // self._ps:
             raise ValueError(f"pages has {ids.size} ids, expected {ntok // self._ps} "
                              "(one per whole page of tokens)")
@@ -617,15 +612,13 @@ class HiCache:
             self._fresh_tokens += res.last_node.num_tokens
         # Inside the request flow the pass runs at unlock, once this request's nodes are
         # evictable; an insert made outside it (no caller lock held) runs it here.
-        if self._write.clean_ahead and not chunked and not self._caller_locks \
-                and self._clean_due():
-            self._clean_ahead()
+        if not chunked and not self._caller_locks:
+            self._maybe_clean_ahead()
         return res.prefix_len
 
     @_publishes
     def evict(self, num_tokens: int) -> int:
         """Free at least ``num_tokens`` device tokens if possible; returns tokens freed."""
-        self._guard()
         num_tokens = check_int("num_tokens", num_tokens)
         self._complete(attach=True)
         return self._evict_device(num_tokens)
@@ -633,7 +626,6 @@ class HiCache:
     @_publishes
     def evict_host(self, num_tokens: int) -> int:
         """Delete host-only leaves worth ``num_tokens``; returns tokens freed on host."""
-        self._guard()
         num_tokens = check_int("num_tokens", num_tokens)
         self._complete(attach=True)
         return self._evict_host(num_tokens)
@@ -649,7 +641,6 @@ class HiCache:
     @_publishes
     def flush(self) -> None:
         """Wait for every transfer in flight (L3 puts and prefetches too) and apply it."""
-        self._guard()
         self._complete(upto=self._seq)
         self._engine.wait_all()
         if self._l3 is not None:
@@ -702,7 +693,6 @@ class HiCache:
     def reset(self) -> None:
         """Wait for transfers, then forget everything: tree, caller pages and locks, counters
         (the L3 store keeps its entries, and its client's ``l3_store_*`` counters)."""
-        self._guard()
         self.flush()
         self._tree.reset()
         self._device.allocator.reset()
@@ -862,6 +852,10 @@ class HiCache:
             return self.cfg.clean_ahead_pages
         dev = self.cfg.device_pages
         return max(1, min(max(dev // 16, 2 * self._largest_alloc), dev // 2))
+
+    def _maybe_clean_ahead(self) -> None:
+        if self._write.clean_ahead and self._clean_due():
+            self._clean_ahead()
 
     def _clean_due(self) -> bool:
         """A pass is due once eviction is near (fewer free device pages than the reserve) and,

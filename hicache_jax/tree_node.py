@@ -17,6 +17,7 @@ from typing import Any, Hashable
 import numpy as np
 
 from hicache_jax.allocator import as_page_ids, nonnegative_ints
+from hicache_jax.hashing import chain_blake2b
 
 _EMPTY_I32 = np.zeros(0, np.int32)
 _EMPTY_U64 = np.zeros(0, np.uint64)
@@ -58,14 +59,8 @@ def chain_hashes(prev: int, pages: np.ndarray) -> np.ndarray:
         prev: hash of the page before the first row (or :func:`namespace_hash`).
         pages: int64 ``[num_pages, page_size]``.
     """
-    rows = np.ascontiguousarray(pages, dtype="<i8")
-    digest, step = prev.to_bytes(8, "little"), rows.shape[1] * 8
-    data, out = rows.tobytes(), []
-    blake2b = hashlib.blake2b
-    for start in range(0, len(data), step):  # one hash per page, not per token
-        digest = blake2b(digest + data[start:start + step], digest_size=8).digest()
-        out.append(digest)
-    return np.frombuffer(b"".join(out), dtype="<u8").astype(np.uint64)
+    out = chain_blake2b(prev.to_bytes(8, "little"), pages, 8)
+    return np.frombuffer(out, dtype="<u8").astype(np.uint64)
 
 
 # ----------------------------------------------------------------------------- nodes / results
