@@ -68,7 +68,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.common import (aligned_bytes, env_info, gbps, memcpy_fn,  # noqa: E402
                                print_table, write_json)
 from hicache_jax.device_pool import DevicePagePool  # noqa: E402
-from hicache_jax.host_pool import HostPagePool, copy_plan  # noqa: E402
+from hicache_jax.host_pool import HostPagePool  # noqa: E402
+from hicache_jax.page_copy import copy_plan  # noqa: E402
 from hicache_jax.spec import KVSpec  # noqa: E402
 from hicache_jax.transfer import TransferEngine  # noqa: E402
 

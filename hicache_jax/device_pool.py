@@ -29,7 +29,7 @@ Threading: a pool is touched by one thread only (the cache's dispatching thread,
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -38,8 +38,18 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from hicache_jax.allocator import PageAllocator, PageIdChecker
+from hicache_jax.donated import DonatedArray, check_kv
 from hicache_jax.hugepages import advise_huge_pages
+from hicache_jax.page_copy import bucket_size
+from hicache_jax.placement import constrain, head_sharding, placed, zeros_placed
 from hicache_jax.spec import CopyBackend, KVSpec, _enum_parse, check_bool
+
+if TYPE_CHECKING:  # jaxtyping is a dev dependency only; the annotations stay strings.
+    from jaxtyping import Array, Shaped
+
+    #: ``n`` pages, ``spec.kv_shape(n)``, in ``spec.dtype`` or its bits.
+    KV = Shaped[Array, "num_layers kv_factor n page_size num_kv_heads head_dim"]
+    KVHost = Shaped[np.ndarray, "num_layers kv_factor n page_size num_kv_heads head_dim"]
 
 #: Axis of the page id in the pool and in every ``kv_shape(n)`` array.
 PAGE_AXIS = 2
@@ -138,20 +148,6 @@ def _resolve_backend(copy_backend: CopyBackend | str, platform: str,
     return CopyBackend.XLA, scatter, _xla_gather
 
 
-def bucket_size(n: int) -> int:
-    """Smallest power of two >= n (1 for n <= 1): the padded length of an index array."""
-    return 1 if n <= 1 else 1 << (int(n) - 1).bit_length()
-
-
-def _constrain(x: jax.Array, sharding: NamedSharding | None) -> jax.Array:
-    """Pin ``x`` to the pool's head sharding (``reshard`` on Explicit mesh axes, else a constraint)."""
-    if sharding is None:
-        return x
-    if sharding.mesh._any_axis_explicit:
-        return jax.sharding.reshard(x, sharding)
-    return lax.with_sharding_constraint(x, sharding)
-
-
 @functools.partial(jax.jit, donate_argnums=0, static_argnames=("scatter", "sharding"))
 def _write_pages(pool: jax.Array, page_ids: jax.Array, pages: jax.Array, *,
                  scatter: ScatterFn, sharding: NamedSharding | None) -> jax.Array:
@@ -169,15 +165,15 @@ def _write_pages(pool: jax.Array, page_ids: jax.Array, pages: jax.Array, *,
         The updated pool, same shape, dtype and sharding.
     """
     # Heads of the new pages on the devices that hold those heads of the pool: a local copy.
-    pages = _constrain(pages, sharding)
-    return _constrain(scatter(pool, page_ids, pages), sharding)
+    pages = constrain(pages, sharding)
+    return constrain(scatter(pool, page_ids, pages), sharding)
 
 
 @functools.partial(jax.jit, static_argnames=("gather", "dtype", "sharding"))
 def _read_pages(pool: jax.Array, page_ids: jax.Array, *, gather: GatherFn, dtype: np.dtype,
                 sharding: NamedSharding | None) -> jax.Array:
     """Gather pages (bits) then view them as ``dtype``: [L, kvf, B, ps, H, D]."""
-    pages = _constrain(gather(pool, page_ids), sharding)
+    pages = constrain(gather(pool, page_ids), sharding)
     # View after gathering: bitcasting the whole pool first was measured 1.5-2x slower.
     return lax.bitcast_convert_type(pages, dtype)
 
@@ -247,11 +243,10 @@ class DevicePagePool:
         self._bits = spec.bits_dtype
         self._check_ids = PageIdChecker(self.num_pages, "device")
         self.allocator = PageAllocator(self.num_pages, "device")
-        self.array: jax.Array = _zeros(self.shape, spec.bits_dtype, self.sharding)
+        self.array: jax.Array = zeros_placed(self.shape, spec.bits_dtype, placed(self.sharding))
         #: Bytes of the pool backed by transparent huge pages (CPU backend; see hugepages.py).
         self.huge_page_bytes = advise_huge_pages(self.array) if huge_pages else 0
-        self._array_sharding = self.array.sharding
-        self._sharding_ok = self._array_sharding  # the last result sharding found equivalent
+        self._donated = DonatedArray("pool", self.array)
 
     @property
     def nbytes(self) -> int:
@@ -273,18 +268,7 @@ class DevicePagePool:
         padded[:ids.size] = ids
         return padded, size
 
-    def _check_kv(self, kv: Any, n: int) -> None:
-        if not isinstance(kv, (jax.Array, np.ndarray)):
-            raise TypeError(f"kv must be a jax.Array or numpy array, got {type(kv).__name__}")
-        want = self.spec.kv_shape(n)
-        if tuple(kv.shape) != want:
-            raise ValueError(f"kv.shape={tuple(kv.shape)} must be spec.kv_shape({n})={want} "
-                             "[layers, kv, pages, page_size, heads, dim]")
-        if kv.dtype not in self._dtypes:
-            raise TypeError(f"kv.dtype={kv.dtype} must be {self.spec.jnp_dtype} "
-                            f"(spec dtype) or {self.spec.bits_dtype} (raw bits)")
-
-    def write(self, page_ids: Any, kv: jax.Array | np.ndarray) -> None:
+    def write(self, page_ids: Any, kv: KV | KVHost) -> None:
         """Write the KV of ``n`` pages to ``page_ids`` (donated scatter; the pool rebinds).
 
         Args:
@@ -297,7 +281,7 @@ class DevicePagePool:
                 unchanged.
         """
         ids = self.validate_ids(page_ids)
-        self._check_kv(kv, ids.size)
+        check_kv(self.spec, kv, ids.size)
         if ids.size == 0:
             return
         padded, size = self._padded_ids(ids)
@@ -329,7 +313,7 @@ class DevicePagePool:
         self.array = _write_pages(self.array, padded, pages,
                                   scatter=self._scatter, sharding=self.sharding)
 
-    def read(self, page_ids: Any) -> jax.Array:
+    def read(self, page_ids: Any) -> KV:
         """Return the KV of ``page_ids``: ``spec.kv_shape(n)`` in ``spec.jnp_dtype`` (a new array).
 
         Raises:
@@ -337,7 +321,7 @@ class DevicePagePool:
         """
         return self._read(page_ids, self._dtypes[0])
 
-    def read_bits(self, page_ids: Any) -> jax.Array:
+    def read_bits(self, page_ids: Any) -> KV:
         """Like :meth:`read`, in ``spec.bits_dtype`` (what the host tier stores)."""
         return self._read(page_ids, self._bits)
 
@@ -372,77 +356,8 @@ class DevicePagePool:
                 checkable), or another sharding, or did not donate the pool. In the last two
                 cases the step has run: the pool keeps its result (resharded when needed).
         """
-        if hasattr(fn, "eval_shape"):
-            self._check_result(fn.eval_shape(self.array, *args))
-        old = self.array
-        result = fn(old, *args)
-        new, out = self._check_result(result)
-        # An executable returns the same sharding object every call: check a new one once.
-        if new.sharding is not self._sharding_ok:
-            if not new.sharding.is_equivalent_to(self._array_sharding, len(self.shape)):
-                self.array = jax.device_put(new, self._array_sharding)
-                raise ValueError(f"fn returned the pool with sharding {new.sharding}, expected "
-                                 f"{self._array_sharding}: set out_shardings (the pool was "
-                                 "resharded)")
-            self._sharding_ok = new.sharding
-        self.array = new
-        if not old.is_deleted():
-            raise ValueError("fn did not donate the pool (jit it with donate_argnums=0): the "
-                             "step ran but copied the whole pool")
-        return out
+        return self._donated.run(self.array, self._rebind, fn, args)
 
-    def _check_result(self, result: Any) -> tuple[Any, Any]:
-        if not (isinstance(result, tuple) and len(result) == 2):
-            raise ValueError("fn must return (new_pool, out)")
-        new, out = result
-        if tuple(new.shape) != self.shape or new.dtype != self.spec.bits_dtype:
-            raise ValueError(f"fn returned a pool of shape {tuple(new.shape)} dtype {new.dtype}, "
-                             f"expected {self.shape} {self.spec.bits_dtype}")
-        return new, out
+    def _rebind(self, array: jax.Array) -> None:
+        self.array = array
 
-
-def head_sharding(spec: KVSpec, mesh: Mesh | None, axis: str | None) -> NamedSharding | None:
-    """The pool's sharding over kv heads, validated; None without a mesh."""
-    if mesh is None:
-        if axis is not None:
-            raise ValueError(f"axis={axis!r} given without a mesh")
-        return None
-    if not isinstance(mesh, Mesh):
-        raise TypeError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
-    names = tuple(mesh.axis_names)
-    axis = names[0] if axis is None else axis
-    if axis not in names:
-        raise ValueError(f"axis={axis!r} is not an axis of the mesh {names}")
-    if spec.mla:
-        # One latent "head": nothing to split. Every device keeps the whole latent cache, as
-        # tensor-parallel MLA serving does.
-        return NamedSharding(mesh, PartitionSpec())
-    size = mesh.shape[axis]
-    if spec.num_kv_heads % size:
-        raise ValueError(f"num_kv_heads={spec.num_kv_heads} is not divisible by the size {size} "
-                         f"of mesh axis {axis!r}")
-    return NamedSharding(mesh, PartitionSpec(None, None, None, None, axis, None))
-
-
-def _zeros(shape: tuple[int, ...], dtype: np.dtype, sharding: NamedSharding | None) -> jax.Array:
-    """Allocate the pool directly with its final sharding (no full-size host copy).
-
-    Without a mesh the pool is still *committed* to the default device: an uncommitted array
-    becomes committed after its first donated update, and every caller's jitted step would
-    then compile twice (once per commitment state).
-    """
-    if sharding is None:
-        sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    return zeros_placed(shape, dtype, sharding)
-
-
-@functools.cache
-def _zeros_fn(shape: tuple[int, ...], dtype: np.dtype, sharding: jax.sharding.Sharding) -> Any:
-    return jax.jit(functools.partial(jnp.zeros, shape, dtype), out_shardings=sharding)
-
-
-def zeros_placed(shape: tuple[int, ...], dtype: Any, sharding: jax.sharding.Sharding) -> jax.Array:
-    """A new zeroed array built in place with ``sharding`` (a jitted ``zeros``), compiled once
-    per (shape, dtype, sharding): a fresh jit per pool cost ~40-50 ms of compile each time,
-    most of what constructing a HiCache took (measured on XLA:CPU)."""
-    return _zeros_fn(tuple(int(d) for d in shape), np.dtype(dtype), sharding)()

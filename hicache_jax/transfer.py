@@ -1,7 +1,7 @@
 """TransferEngine: asynchronous page copies between the device pool (L1) and the host pool (L2).
 
 ``backup(device_ids, host_ids)`` (device -> host) and ``load(host_ids, device_ids)`` (host ->
-device) validate their ids in numpy, dispatch ONE jitted page copy (:func:`copy_pages`, a
+device) validate their ids in numpy, dispatch ONE jitted page copy (``page_copy.copy_pages``, a
 per-page ``dynamic_slice`` / ``dynamic_update_slice`` loop: each byte moved once, no staging
 buffer) and return a :class:`TransferHandle` at once. The destination pool is donated and
 rebound (the device pool through ``DevicePagePool.run``, the host pool through
@@ -15,7 +15,7 @@ depends on all earlier ones (it donates one pool and reads the other), so transf
 dispatch order, and a handle seen complete completes every earlier handle too.
 
 On XLA:CPU the copy runs on XLA's own execution thread, not in the caller: see
-``host_pool.MIN_INDEX_LEN`` for what makes it asynchronous there.
+``page_copy.MIN_INDEX_LEN`` for what makes it asynchronous there.
 
 Host pages in flight: ``busy_host_pages(ids)`` says which pages a pending transfer reads or
 writes, and ``free_host_pages(ids)`` frees the idle ones at once and defers the busy ones until
@@ -39,17 +39,19 @@ Threading: one thread (the cache's) calls everything here.
 from __future__ import annotations
 
 import enum
-import functools
 import time
-from typing import Any, Hashable
+from typing import TYPE_CHECKING, Any, Hashable
 
 import jax
 import numpy as np
 
-from hicache_jax.device_pool import DevicePagePool
 from hicache_jax.errors import HiCacheError
-from hicache_jax.host_pool import HostPagePool, PLAN_META, copy_pages, copy_plan
+from hicache_jax.page_copy import copy_fn, copy_plan, layer_plans
 from hicache_jax.spec import HostLayout, check_bool
+
+if TYPE_CHECKING:  # the pools are only passed in: the engine needs their public attributes
+    from hicache_jax.device_pool import DevicePagePool
+    from hicache_jax.host_pool import HostPagePool
 
 
 class TransferKind(str, enum.Enum):
@@ -150,14 +152,12 @@ class TransferEngine:
         self.spec = device_pool.spec
         host_put = None if host_pool.on_device_memory else host_pool.sharding
         dev_put = None if host_pool.on_device_memory else host_pool.device_sharding
-        static = dict(num_layers=self.spec.num_layers)
-        self._backup_fn = functools.partial(
-            copy_pages, dst_layout=host_pool.layout, src_layout=HostLayout.LAYER_FIRST,
-            src_put=None, dst_put=host_put, **static)
+        self._backup_fn = copy_fn(dst_layout=host_pool.layout, src_layout=HostLayout.LAYER_FIRST,
+                                  num_layers=self.spec.num_layers, dst_put=host_put)
         load = dict(dst_layout=HostLayout.LAYER_FIRST, src_layout=host_pool.layout,
-                    src_put=dev_put, dst_put=None)
-        self._load_fn = functools.partial(copy_pages, **load, **static)
-        self._load_layer_fn = functools.partial(copy_pages, **load, num_layers=1)
+                    src_put=dev_put)
+        self._load_fn = copy_fn(**load, num_layers=self.spec.num_layers)
+        self._load_layer_fn = copy_fn(**load, num_layers=1)
         self._busy = np.zeros(host_pool.num_pages, np.int32)
         self._free_pending = np.zeros(host_pool.num_pages, np.bool_)
         self._num_free_pending = 0  # pages set in _free_pending: 0 skips its per-call checks
@@ -198,9 +198,7 @@ class TransferEngine:
             if layerwise:
                 # One execution per layer: each has its own completion token. The host pool
                 # buffer is read, never donated, so all layers read the same array.
-                for layer in range(self.spec.num_layers):
-                    layer_plan = plan.copy()
-                    layer_plan[PLAN_META, 1] = layer
+                for layer_plan in layer_plans(plan, self.spec.num_layers):
                     handle._tokens.append(self.device_pool.run(
                         self._load_layer_fn, self.host_pool.buffer, layer_plan))
             else:

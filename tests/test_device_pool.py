@@ -158,7 +158,7 @@ def test_write_and_read_donate_and_keep_the_buffer(sharded, recwarn):
 
 
 def test_pools_of_one_shape_share_a_compile_not_a_buffer():
-    from hicache_jax.device_pool import _zeros_fn
+    from hicache_jax.placement import _zeros_fn
     spec = KVSpec(num_layers=2, num_kv_heads=2, head_dim=8, page_size=4)
     a = DevicePagePool(spec, 12)
     misses = _zeros_fn.cache_info().misses

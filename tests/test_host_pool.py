@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh
 
-from hicache_jax.host_pool import (
-    STAGE_SIZES, HostPagePool, _gather_pages, copy_pages, stage_chunks)
+from hicache_jax.host_pool import HostPagePool
+from hicache_jax.page_copy import STAGE_SIZES, copy_pages, gather_pages, stage_chunks
 from hicache_jax.spec import SUPPORTED_DTYPES, HostLayout, KVSpec
 
 LAYOUTS = ("layer_first", "page_first")
@@ -282,7 +282,7 @@ def test_compiles_bounded_by_stage_sizes():
     pool = HostPagePool(spec, 160, "page_first")
     rng = np.random.default_rng(3)
     sizes = (1, 2, 3, 5, 8, 9, 17, 33, 64, 65, 100, 129, 160)
-    before = copy_pages._cache_size(), _gather_pages._cache_size()
+    before = copy_pages._cache_size(), gather_pages._cache_size()
     for n in sizes:
         ids = rng.permutation(160)[:n]
         kv = _random_bits(rng, spec, n)
@@ -290,6 +290,6 @@ def test_compiles_bounded_by_stage_sizes():
         np.testing.assert_array_equal(pool.read(ids), kv)
     # one write and one read variant per staging size, nothing per batch size
     assert copy_pages._cache_size() - before[0] <= len(STAGE_SIZES)
-    assert _gather_pages._cache_size() - before[1] <= len(STAGE_SIZES)
+    assert gather_pages._cache_size() - before[1] <= len(STAGE_SIZES)
     assert stage_chunks(0) == [] and stage_chunks(1) == [(0, 1, 1)]
     assert stage_chunks(130) == [(0, 64, 64), (64, 64, 64), (128, 2, 8)]

@@ -12,7 +12,8 @@ from jax.sharding import Mesh
 
 from hicache_jax.device_pool import DevicePagePool
 from hicache_jax.errors import HiCacheError
-from hicache_jax.host_pool import HostPagePool, copy_pages, copy_plan
+from hicache_jax.host_pool import HostPagePool
+from hicache_jax.page_copy import copy_pages, copy_plan
 from hicache_jax.spec import SUPPORTED_DTYPES, KVSpec
 from hicache_jax.transfer import TransferEngine, TransferHandle
 

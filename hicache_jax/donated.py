@@ -1,0 +1,100 @@
+"""What both pools share about their one array: the donated ``run`` step and the kv check.
+
+Each pool holds the only reference to its array and rebinds it after every update (DESIGN
+rule 2). :class:`DonatedArray` is the one implementation of "run a donated step on the array and
+check what comes back" that ``DevicePagePool.run`` and ``HostPagePool.run`` (and through them
+every transfer) use; :func:`check_kv` is the one check of a caller's ``kv`` argument.
+
+What a step's result is held to, in order:
+
+1. ``(new_array, out)`` with the array's shape and dtype: checked with ``eval_shape`` before
+   dispatch when the step is a ``jax.jit`` function (a mismatch raises ``ValueError`` and the
+   pool is untouched), and again on the result.
+2. The array's sharding (memory kind included). Found only after the step ran: the pool keeps
+   the step's result, moved back to its own placement, and ``ValueError`` says to set
+   ``out_shardings``. (Keeping the old array instead is not possible: it was donated.)
+3. The donation: if the old array is still alive the step copied the whole pool; the pool keeps
+   the result and ``ValueError`` says to jit with ``donate_argnums=0``.
+
+Threading: called on the pool owner's thread only (DESIGN rule 4).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import jax
+import numpy as np
+
+from hicache_jax.spec import KVSpec
+
+
+def check_kv(spec: KVSpec, kv: Any, n: int) -> None:
+    """Check that ``kv`` holds ``n`` pages: ``spec.kv_shape(n)`` in ``spec.dtype`` or its bits.
+
+    Raises:
+        TypeError: not a jax or numpy array, or another dtype.
+        ValueError: another shape.
+    """
+    if not isinstance(kv, (jax.Array, np.ndarray)):
+        raise TypeError(f"kv must be a jax.Array or numpy array, got {type(kv).__name__}")
+    want = spec.kv_shape(n)
+    if tuple(kv.shape) != want:
+        raise ValueError(f"kv.shape={tuple(kv.shape)} must be spec.kv_shape({n})={want} "
+                         "[layers, kv, pages, page_size, heads, dim]")
+    if kv.dtype != spec.jnp_dtype and kv.dtype != spec.bits_dtype:
+        raise TypeError(f"kv.dtype={kv.dtype} must be {spec.jnp_dtype} (spec dtype) "
+                        f"or {spec.bits_dtype} (raw bits)")
+
+
+class DonatedArray:
+    """The shape, dtype and sharding a pool's array keeps across donated steps.
+
+    Args:
+        name: what the array is called in errors ("pool", "host buffer").
+        array: the freshly allocated array; its shape, dtype and sharding are the reference.
+    """
+
+    __slots__ = ("name", "shape", "dtype", "sharding", "_sharding_ok")
+
+    def __init__(self, name: str, array: jax.Array) -> None:
+        self.name = name
+        self.shape = tuple(array.shape)
+        self.dtype = array.dtype
+        self.sharding = array.sharding
+        # An executable returns the same sharding object every call: a result sharding found
+        # equivalent once is remembered (is_equivalent_to costs ~50-65 us on a cold cache).
+        self._sharding_ok = array.sharding
+
+    def run(self, array: jax.Array, rebind: Callable[[jax.Array], None],
+            fn: Callable[..., tuple[jax.Array, Any]], args: tuple) -> Any:
+        """``new, out = fn(array, *args)`` with ``array`` donated; ``rebind(new)``; return ``out``.
+
+        Raises:
+            ValueError: see the module docstring (shape / dtype before dispatch when ``fn`` is
+                a ``jax.jit`` function; sharding and donation after, the result kept).
+        """
+        if hasattr(fn, "eval_shape"):
+            self._check_result(fn.eval_shape(array, *args))
+        new, out = self._check_result(fn(array, *args))
+        if new.sharding is not self._sharding_ok:
+            if not new.sharding.is_equivalent_to(self.sharding, len(self.shape)):
+                rebind(jax.device_put(new, self.sharding))
+                raise ValueError(f"fn returned the {self.name} with sharding {new.sharding}, "
+                                 f"expected {self.sharding}: set out_shardings (the "
+                                 f"{self.name} was moved back to its placement)")
+            self._sharding_ok = new.sharding
+        rebind(new)
+        if not array.is_deleted():
+            raise ValueError(f"fn did not donate the {self.name} (jit it with donate_argnums=0): "
+                             f"the step ran but copied the whole {self.name}")
+        return out
+
+    def _check_result(self, result: Any) -> tuple[Any, Any]:
+        if not (isinstance(result, tuple) and len(result) == 2):
+            raise ValueError(f"fn must return (new_{self.name.replace(' ', '_')}, out)")
+        new, out = result
+        if tuple(new.shape) != self.shape or new.dtype != self.dtype:
+            raise ValueError(f"fn returned a {self.name} of shape {tuple(new.shape)} dtype "
+                             f"{new.dtype}, expected {self.shape} {self.dtype}")
+        return new, out
