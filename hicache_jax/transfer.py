@@ -17,11 +17,10 @@ dispatch order, and a handle seen complete completes every earlier handle too.
 On XLA:CPU the copy runs on XLA's own execution thread, not in the caller: see
 ``page_copy.MIN_INDEX_LEN`` for what makes it asynchronous there.
 
-Host pages in flight: ``busy_host_pages(ids)`` says which pages a pending transfer reads or
-writes, and ``free_host_pages(ids)`` frees the idle ones at once and defers the busy ones until
-their transfers complete, so a page cannot be handed to a new owner while an old copy of it is
-still pending (the data itself is already protected by XLA ordering; the deferral keeps the
-*ownership* consistent, e.g. for a storage tier that reads host pages outside XLA).
+Host pages in flight: ``busy_host_pages(ids)`` says which pages a transfer not yet observed
+complete reads or writes. The data itself is protected by XLA ordering; the cache consults this
+before it gives a host page a new owner (e.g. evicting a host leaf whose backup is in flight),
+so that the *ownership* of a page never changes under a pending copy.
 
 Layer-wise load (``layerwise=True``): one copy per layer, each with its own token, dispatched in
 layer order; ``wait_layer(l)`` returns once layer ``l``'s pages are in the device pool. What
@@ -40,7 +39,7 @@ from __future__ import annotations
 
 import enum
 import time
-from typing import TYPE_CHECKING, Any, Hashable
+from typing import TYPE_CHECKING, Any
 
 import jax
 import numpy as np
@@ -66,21 +65,19 @@ class TransferHandle:
         kind: "backup" (device -> host) or "load" (host -> device).
         device_ids, host_ids: int32[n] numpy copies of the ids, pairwise (page i <-> page i).
         nbytes: bytes moved (``n * spec.page_bytes``).
-        tag: the caller's tag (anything), e.g. the tree node the transfer is for.
         layerwise: one token per layer (only loads can be layer-wise).
         seconds: dispatch -> completion as observed by ``done``/``wait``/``poll`` (None before).
     """
 
-    __slots__ = ("kind", "device_ids", "host_ids", "nbytes", "tag", "layerwise", "seconds",
+    __slots__ = ("kind", "device_ids", "host_ids", "nbytes", "layerwise", "seconds",
                  "_engine", "_tokens", "_t0", "_complete")
 
     def __init__(self, engine: TransferEngine, kind: TransferKind, device_ids: np.ndarray,
-                 host_ids: np.ndarray, tag: Any, layerwise: bool) -> None:
+                 host_ids: np.ndarray, layerwise: bool) -> None:
         self.kind = kind
         self.device_ids = device_ids
         self.host_ids = host_ids
         self.nbytes = int(device_ids.size) * engine.spec.page_bytes
-        self.tag = tag
         self.layerwise = layerwise
         self.seconds: float | None = None
         self._engine = engine
@@ -90,8 +87,7 @@ class TransferHandle:
 
     def __repr__(self) -> str:
         state = "done" if self._complete else "in flight"
-        return (f"TransferHandle({self.kind.value}, pages={self.device_ids.size}, "
-                f"tag={self.tag!r}, {state})")
+        return f"TransferHandle({self.kind.value}, pages={self.device_ids.size}, {state})"
 
     def done(self) -> bool:
         """Non-blocking: has every page landed? (Applies the completion when it has.)"""
@@ -158,30 +154,27 @@ class TransferEngine:
                     src_put=dev_put)
         self._load_fn = copy_fn(**load, num_layers=self.spec.num_layers)
         self._load_layer_fn = copy_fn(**load, num_layers=1)
-        self._busy = np.zeros(host_pool.num_pages, np.int32)
-        self._free_pending = np.zeros(host_pool.num_pages, np.bool_)
-        self._num_free_pending = 0  # pages set in _free_pending: 0 skips its per-call checks
+        self._busy = np.zeros(host_pool.num_pages, np.int32)  # transfers using each host page
         self._in_flight: list[TransferHandle] = []  # dispatch order
         self._finished: list[TransferHandle] = []   # completion order, not yet polled
 
     # ----------------------------------------------------------------------------- dispatch
-    def backup(self, device_ids: Any, host_ids: Any, *, tag: Hashable = None) -> TransferHandle:
+    def backup(self, device_ids: Any, host_ids: Any) -> TransferHandle:
         """Copy device pages to host pages (device_ids[i] -> host_ids[i]); returns at once.
 
         Raises:
             TypeError / ValueError: ids not 1-D ints, out of range, repeated, lengths differ.
-            HiCacheError: ids not allocated in their pool, or host ids freed (pending).
+            HiCacheError: ids not allocated in their pool.
             All before dispatch: both pools unchanged.
         """
         d, h = self._validate(device_ids, host_ids)
-        handle = TransferHandle(self, TransferKind.BACKUP, d, h, tag, layerwise=False)
+        handle = TransferHandle(self, TransferKind.BACKUP, d, h, layerwise=False)
         if d.size:
             handle._tokens.append(self.host_pool.run(
                 self._backup_fn, self.device_pool.array, copy_plan(h, d)))
         return self._track(handle)
 
-    def load(self, host_ids: Any, device_ids: Any, *, layerwise: bool = False,
-             tag: Hashable = None) -> TransferHandle:
+    def load(self, host_ids: Any, device_ids: Any, *, layerwise: bool = False) -> TransferHandle:
         """Copy host pages to device pages (host_ids[i] -> device_ids[i]); returns at once.
 
         Args:
@@ -192,7 +185,7 @@ class TransferEngine:
         """
         check_bool("layerwise", layerwise)
         d, h = self._validate(device_ids, host_ids)
-        handle = TransferHandle(self, TransferKind.LOAD, d, h, tag, layerwise=layerwise)
+        handle = TransferHandle(self, TransferKind.LOAD, d, h, layerwise=layerwise)
         if d.size:
             plan = copy_plan(d, h)
             if layerwise:
@@ -218,10 +211,6 @@ class TransferEngine:
         if not self.host_pool.allocator.is_allocated(h).all():
             bad = h[~self.host_pool.allocator.is_allocated(h)][:8]
             raise HiCacheError(f"host_ids {bad.tolist()} are not allocated")
-        if self._num_free_pending and self._free_pending[h].any():
-            bad = h[self._free_pending[h]][:8]
-            raise HiCacheError(f"host_ids {bad.tolist()} were freed (release pending on an "
-                               "in-flight transfer)")
         return d, h
 
     def _track(self, handle: TransferHandle) -> TransferHandle:
@@ -252,15 +241,7 @@ class TransferEngine:
             item.seconds = now - item._t0
             item._complete = True
             item._tokens = []
-            h = item.host_ids
-            self._busy[h] -= 1
-            if not self._num_free_pending:
-                continue
-            release = h[(self._busy[h] == 0) & self._free_pending[h]]
-            if release.size:
-                self._free_pending[release] = False
-                self._num_free_pending -= release.size
-                self.host_pool.allocator.free(release)
+            self._busy[item.host_ids] -= 1
         self._finished.extend(done)
 
     def poll(self) -> list[TransferHandle]:
@@ -292,23 +273,3 @@ class TransferEngine:
         """Bool mask: which of ``host_ids`` a transfer not yet observed complete reads or writes."""
         h = self.host_pool.validate_ids(host_ids)
         return self._busy[h] > 0
-
-    def free_host_pages(self, host_ids: Any) -> int:
-        """Free host pages; busy ones are released when their transfers complete.
-
-        Returns:
-            How many pages were deferred (0: all freed now).
-
-        Raises:
-            HiCacheError: ids not allocated, repeated, or already freed (pending): nothing freed.
-        """
-        h = self.host_pool.allocator.check_allocated(host_ids, "host_ids")
-        if self._num_free_pending and self._free_pending[h].any():
-            bad = h[self._free_pending[h]][:8]
-            raise HiCacheError(f"host_ids {bad.tolist()} were already freed (release pending)")
-        busy = self._busy[h] > 0
-        self.host_pool.allocator.free(h[~busy])
-        self._free_pending[h[busy]] = True
-        deferred = int(busy.sum())
-        self._num_free_pending += deferred
-        return deferred

@@ -62,11 +62,11 @@ def _round_trip(spec, layout, sharded, memory_kind="auto", seed=0):
     rng = np.random.default_rng(seed)
     kv = _random_bits(rng, spec, 3)
     dev.write([6, 1, 3], kv)
-    backup = eng.backup([6, 1, 3], [2, 7, 4], tag="node")
+    backup = eng.backup([6, 1, 3], [2, 7, 4])
     assert isinstance(backup, TransferHandle) and backup.nbytes == 3 * spec.page_bytes
     dev.write([6, 1, 3], _random_bits(rng, spec, 3))  # overwrite while the backup may be in flight
     load = eng.load([7, 2, 4], [0, 5, 7])
-    assert [h.tag for h in eng.wait_all()] == ["node", None]
+    assert eng.wait_all() == [backup, load]
     assert backup.done() and load.done() and eng.in_flight == 0
     # Whole pools read back (one read each): the copied pages hold kv, every other page of
     # the host pool and the untouched device pages are still poison.
@@ -142,25 +142,25 @@ def test_wait_layer_on_a_whole_load_waits_for_everything():
 def test_poll_returns_each_handle_once_in_completion_order():
     spec = SPEC
     dev, host, eng = _setup(spec, "page_first")
-    handles = [eng.backup([i], [i], tag=i) for i in range(4)]
-    handles.append(eng.load([0, 1], [6, 7], layerwise=True, tag=4))
+    handles = [eng.backup([i], [i]) for i in range(4)]
+    handles.append(eng.load([0, 1], [6, 7], layerwise=True))
     assert eng.in_flight + len(eng._finished) == 5
     seen = []
     while len(seen) < 5:
         seen.extend(eng.poll())
-    assert [h.tag for h in seen] == [0, 1, 2, 3, 4], [h.tag for h in seen]
+    assert seen == handles, seen
     assert eng.poll() == [] and eng.in_flight == 0
     assert all(h.done() and h.seconds >= 0 for h in handles)
     # Waiting for the last transfer completes every earlier one (each depends on the previous).
-    later = [eng.backup([i], [i + 4], tag=i) for i in range(3)]
+    later = [eng.backup([i], [i + 4]) for i in range(3)]
     later[-1].wait()
     assert all(h.done() for h in later) and eng.in_flight == 0
-    assert [h.tag for h in eng.poll()] == [0, 1, 2]
+    assert eng.poll() == later
     # A zero-page transfer dispatches nothing and completes at once.
-    empty = eng.load([], [], tag="empty")
+    empty = eng.load([], [])
     assert empty.done() and empty.nbytes == 0 and eng.poll() == [empty]
     # Completed by wait(): still reported by the next poll, once.
-    h = eng.backup([5], [5], tag="waited").wait()
+    h = eng.backup([5], [5]).wait()
     assert eng.poll() == [h] and eng.poll() == []
 
 
@@ -216,26 +216,15 @@ def test_donation_keeps_both_buffers_in_place():
     assert host.buffer.unsafe_buffer_pointer() == host_ptr
 
 
-def test_in_flight_host_pages_are_not_reused():
+def test_in_flight_host_pages_are_busy_until_their_transfers_complete():
     spec = SPEC
     dev, host, eng = _setup(spec)
     rng = np.random.default_rng(4)
     old = _random_bits(rng, spec, 2)
     host.write([1, 4], old)
-    free_before = host.allocator.num_free
     load = eng.load([1, 4], [2, 3])
     backup = eng.backup([0], [5])
     assert eng.busy_host_pages([0, 1, 4, 5]).tolist() == [False, True, True, True]
-    # Freeing pages a transfer still uses defers them; an idle page is freed at once.
-    assert eng.free_host_pages([0, 1, 4]) == 2
-    assert host.allocator.num_free == free_before + 1
-    assert host.allocator.is_allocated([1, 4]).all()
-    with pytest.raises(HiCacheError, match="already freed"):
-        eng.free_host_pages([1])
-    with pytest.raises(HiCacheError, match="freed"):
-        eng.backup([6], [4])
-    # The new owner of a page gets only pages nobody copies: the deferred ones stay out.
-    assert set(host.allocator.alloc(host.allocator.num_free).tolist()) == {0}
     # Writing new bytes into a page a load still reads does not change what the load copies
     # (XLA orders the write after the read).
     host.write([1], _random_bits(rng, spec, 1))
@@ -243,9 +232,6 @@ def test_in_flight_host_pages_are_not_reused():
     assert load.done() and backup.done()
     np.testing.assert_array_equal(_dev_bits(dev, [2, 3]), old)
     assert not eng.busy_host_pages([1, 4]).any()
-    assert not host.allocator.is_allocated([1, 4]).any()  # released on completion
-    with pytest.raises(HiCacheError, match="not allocated"):
-        eng.free_host_pages([1])
 
 
 class _PendingToken:
@@ -260,20 +246,18 @@ class _PendingToken:
 
 def test_zero_page_transfer_completes_alone():
     """A zero-page transfer used to complete every transfer dispatched before it: done() and
-    busy_host_pages() lied and deferred host pages were released mid-copy."""
+    busy_host_pages() lied while a copy was still pending."""
     dev, host, eng = _setup(SPEC)
     first = eng.backup([0, 1], [3, 4])
     first._tokens = [_PendingToken()]  # its copy is still running
-    assert eng.free_host_pages([3, 4]) == 2
-    free = host.allocator.num_free
     empty = eng.backup(np.zeros(0, np.int32), np.zeros(0, np.int32))
     assert empty.done() and empty.seconds == 0.0
     assert not first.done() and eng.busy_host_pages([3, 4]).all()
-    assert host.allocator.num_free == free and eng.in_flight == 1
+    assert eng.in_flight == 1
     assert eng.poll() == [empty]
     first._tokens = []  # the copy lands
     eng.wait_all()
-    assert first.done() and host.allocator.num_free == free + 2
+    assert first.done() and not eng.busy_host_pages([3, 4]).any()
 
 
 def test_device_write_after_backup_does_not_change_the_backup():
