@@ -36,10 +36,10 @@ from jax import lax
 from hicache_jax.spec import HostLayout
 
 if TYPE_CHECKING:  # jaxtyping is a dev dependency only; the annotations stay strings.
-    from jaxtyping import Array, Int32, Shaped
+    from jaxtyping import Array, Int32, UInt
 
-    #: A pool's bits in either layout (the page axis is axis 2 or axis 0).
-    Bits = Shaped[Array, "..."]
+    #: A pool's raw bits in either layout (page axis 2 for layer_first, 0 for page_first).
+    Bits = UInt[Array, "..."]
     #: ``copy_plan``'s packed rows: destination ids, source ids, ``[trips, layer, 0, ...]``.
     CopyPlan = Int32[np.ndarray, "3 plan_len"]
     PageIds = Int32[np.ndarray, "n"]
