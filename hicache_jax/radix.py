@@ -294,35 +294,6 @@ class RadixTree(TierIndex):
         self._attach_value(leaf, ids.copy())
         return leaf
 
-    def lock(self, node: TreeNode) -> None:
-        """Protect ``node`` and its ancestors from eviction (device and host). Root: no-op."""
-        chain = self._lock_chain(node)
-        for n in chain:
-            n.lock_ref += 1
-            if n.lock_ref == 1:
-                self._lock_changed(n)
-
-    def unlock(self, node: TreeNode) -> None:
-        """Undo one :meth:`lock`. Raises ``HiCacheError`` (no change) if not locked."""
-        chain = self._lock_chain(node)
-        if any(n.lock_ref <= 0 for n in chain):
-            raise HiCacheError(f"unlock of {node!r} below zero (not locked)")
-        for n in chain:
-            n.lock_ref -= 1
-            if n.lock_ref == 0:
-                self._lock_changed(n)
-
-    def _lock_chain(self, node: TreeNode) -> list:
-        if not isinstance(node, TreeNode):
-            raise TypeError(f"node must be a TreeNode, got {type(node).__name__}")
-        chain = []
-        while node.parent is not None:
-            chain.append(node)
-            node = node.parent
-        if node is not self.root:
-            raise HiCacheError("node is not in this tree (deleted, or from another tree)")
-        return chain
-
     def delete_leaf(self, node: TreeNode) -> tuple:
         """Remove a childless unlocked node; return ``(value, host_value)`` for the caller to free.
 

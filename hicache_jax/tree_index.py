@@ -2,10 +2,10 @@
 
 :class:`TierIndex` is the part of :class:`~hicache_jax.radix.RadixTree` that owns the nodes'
 page ids on both tiers and what follows from them: the moves between tiers (``set_value``,
-``evict_device``, ``set_host_value``, ``drop_host_value``), the evictable-leaf sets, the token
-counts and which page ids the tree holds. The tree (its subclass) owns the nodes' structure
-(match, insert, split, delete, locks) and calls the hooks here whenever a node joins or leaves
-the tree or its lock state changes:
+``evict_device``, ``set_host_value``, ``drop_host_value``), the locks, the evictable-leaf sets,
+the token counts and which page ids the tree holds. The tree (its subclass) owns the nodes'
+structure (match, insert, split, delete) and calls the hooks here whenever a node joins or
+leaves the tree:
 
 * ``evictable_device`` = nodes that are unlocked, hold device pages and have no child holding
   device pages (what device eviction may take next);
@@ -154,14 +154,6 @@ class TierIndex:
         self.redundant_tokens -= node.redundant_tokens
         node.redundant_tokens = 0
 
-    def _lock_changed(self, node: TreeNode) -> None:
-        """``node.lock_ref`` just went 0 -> 1 or 1 -> 0: move its tokens and refresh it."""
-        if node.value is not None:
-            n = node.num_tokens if node.lock_ref else -node.num_tokens
-            self.evictable_device_tokens -= n
-            self.protected_device_tokens += n
-        self._refresh(node)
-
     # -- moves between tiers (public API of the tree) -------------------------------------
 
     def _attach_value(self, node: TreeNode, ids: np.ndarray) -> None:
@@ -253,6 +245,43 @@ class TierIndex:
         if self._device_held.any_held(ids):
             raise HiCacheError("device_ids has pages the tree already holds")
         self._attach_value(node, ids)
+
+    # -- locks: what no tier may give up ------------------------------------------------
+
+    def lock(self, node: TreeNode) -> None:
+        """Protect ``node`` and its ancestors from eviction (device and host). Root: no-op."""
+        chain = self._lock_chain(node)
+        for n in chain:
+            n.lock_ref += 1
+            if n.lock_ref == 1:
+                if n.value is not None:
+                    self.evictable_device_tokens -= n.num_tokens
+                    self.protected_device_tokens += n.num_tokens
+                self._refresh(n)
+
+    def unlock(self, node: TreeNode) -> None:
+        """Undo one :meth:`lock`. Raises ``HiCacheError`` (no change) if not locked."""
+        chain = self._lock_chain(node)
+        if any(n.lock_ref <= 0 for n in chain):
+            raise HiCacheError(f"unlock of {node!r} below zero (not locked)")
+        for n in chain:
+            n.lock_ref -= 1
+            if n.lock_ref == 0:
+                if n.value is not None:
+                    self.protected_device_tokens -= n.num_tokens
+                    self.evictable_device_tokens += n.num_tokens
+                self._refresh(n)
+
+    def _lock_chain(self, node: TreeNode) -> list:
+        if not isinstance(node, TreeNode):
+            raise TypeError(f"node must be a TreeNode, got {type(node).__name__}")
+        chain = []
+        while node.parent is not None:
+            chain.append(node)
+            node = node.parent
+        if node is not self.root:
+            raise HiCacheError("node is not in this tree (deleted, or from another tree)")
+        return chain
 
     def check_index(self, nodes: list) -> None:
         """Recompute every set, count and held mask from ``nodes`` (every non-root node) and
