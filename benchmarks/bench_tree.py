@@ -111,13 +111,13 @@ def replay(trace, page_size: int, capacity: int, policy: EvictionPolicy) -> dict
             "device_tokens_end": tree.device_tokens, "times": t}
 
 
-def scaling(page_sizes, lengths, repeats: int) -> list[dict]:
+def scaling(page_sizes, lengths, repeats: int, dtype: str = "int64") -> list[dict]:
     """Match / insert cost for fully cached prefixes of each length, two tree shapes."""
     rng = np.random.default_rng(1)
     rows = []
     for ps in page_sizes:
         for length in lengths:
-            toks = rng.integers(0, VOCAB, length)
+            toks = rng.integers(0, VOCAB, length).astype(dtype)
             pages = np.arange(length // ps, dtype=np.int32)
             for shape, step in (("1 insert", length), ("1K turns", 1024)):
                 tree = RadixTree(ps)
@@ -158,6 +158,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--repeats", type=int, default=41, help="repeats of each scaling measurement")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--quick", action="store_true", help="a small trace, fewer repeats")
+    ap.add_argument("--token-dtype", default="int64", choices=("int64", "int32"),
+                    help="dtype of the token arrays passed to the tree (it stores int32)")
     ap.add_argument("--json", default=None, help="write raw figures to this path")
     args = ap.parse_args(argv)
     if args.quick:
@@ -168,7 +170,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"bench_tree: {env['date']}  python {env['python']}  numpy {env['numpy']}  "
           f"cpus {env['cpu_count']}  (pure Python + numpy; no jax in the tree)")
 
-    trace = make_trace(args)
+    trace = [(p.astype(args.token_dtype), r.astype(args.token_dtype)) for p, r in make_trace(args)]
     longest = max(p.shape[0] + r.shape[0] for p, r in trace) // ps
     if longest > args.capacity_pages:
         raise SystemExit(f"--capacity-pages {args.capacity_pages} < longest request ({longest} pages)")
@@ -193,7 +195,7 @@ def main(argv: list[str] | None = None) -> None:
                  "leaves", "hit ratio", "inf-cap ratio", "hit/inf"], rows,
                 title=f"\nTrace replay at fixed capacity (page_size {ps}; medians per call)")
 
-    scale = scaling([1, 16, 64], [1024, 8192, 32768], args.repeats)
+    scale = scaling([1, 16, 64], [1024, 8192, 32768], args.repeats, args.token_dtype)
     print_table(["page", "prefix", "shape", "nodes", "pages", "match µs", "µs/page",
                  "insert(cached) µs", "insert(new) µs", "new µs/page"],
                 [[s["page_size"], s["prefix_tokens"], s["shape"], s["nodes"], s["pages"],

@@ -10,43 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from hicache_jax.errors import HiCacheError, OutOfPagesError
-
-_INT32_MAX = int(np.iinfo(np.int32).max)
-
-
-def nonnegative_ints(arr: np.ndarray, name: str, what: str = "values") -> bool:
-    """Check that ``arr`` is 1-D and, unless empty, holds integers >= 0; returns ``arr.size > 0``.
-
-    Raises:
-        ValueError: not 1-D, or a negative value ("{name} has negative {what} (min ...)").
-        TypeError: a non-empty array of another dtype (bools refused).
-    """
-    if arr.ndim != 1:
-        raise ValueError(f"{name} must be 1-D, got shape {arr.shape}")
-    if arr.size == 0:
-        return False
-    kind = arr.dtype.kind  # "b" (bool), "f", "O"... refused; cheaper than np.issubdtype
-    if kind not in "iu":
-        raise TypeError(f"{name} must hold integers, got dtype {arr.dtype}")
-    if kind == "i" and arr.min() < 0:
-        raise ValueError(f"{name} has negative {what} (min {arr.min()}); they must be >= 0")
-    return True
-
-
-def as_page_ids(ids, name: str = "page_ids") -> np.ndarray:
-    """Validate a 1-D integer sequence of page ids and return it as int32 numpy (a copy).
-
-    Raises:
-        TypeError: not integers.
-        ValueError: not 1-D, or negative.
-    """
-    arr = np.asarray(ids)
-    if not nonnegative_ints(arr, name, "ids"):
-        return np.zeros(0, np.int32)
-    # int32 and narrower cannot exceed the bound (np.iinfo per call costs more than the check)
-    if arr.dtype.itemsize * 8 - (arr.dtype.kind == "i") > 31 and arr.max() > _INT32_MAX:
-        raise ValueError(f"{name} has ids beyond int32 (max {arr.max()})")
-    return arr.astype(np.int32, copy=True)
+from hicache_jax.validation import as_page_ids, is_int
 
 
 class PageIdChecker:
@@ -134,7 +98,7 @@ class PageAllocator:
 
     def alloc(self, n: int) -> np.ndarray:
         """Take ``n`` free ids (int32, distinct). Raises ``OutOfPagesError`` if fewer are free."""
-        if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 0:
+        if not is_int(n) or n < 0:
             raise ValueError(f"n={n!r} must be an int >= 0")
         n = int(n)  # a numpy count would make every later count a numpy integer
         if n > self._top:

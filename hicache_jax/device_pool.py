@@ -42,7 +42,8 @@ from hicache_jax.donated import DonatedArray, check_kv
 from hicache_jax.hugepages import advise_huge_pages
 from hicache_jax.page_copy import bucket_size
 from hicache_jax.placement import constrain, head_sharding, placed, zeros_placed
-from hicache_jax.spec import CopyBackend, KVSpec, _enum_parse, check_bool
+from hicache_jax.spec import CopyBackend, KVSpec
+from hicache_jax.validation import check_bool, check_int, parse_enum
 
 if TYPE_CHECKING:  # jaxtyping is a dev dependency only; the annotations stay strings.
     from jaxtyping import Array, Shaped
@@ -130,7 +131,7 @@ def _resolve_backend(copy_backend: CopyBackend | str, platform: str,
                      sharding: NamedSharding | None = None
                      ) -> tuple[CopyBackend, ScatterFn, GatherFn]:
     """Map a backend choice (and the pool's platform) to its copy functions, once."""
-    backend = _enum_parse(CopyBackend, "copy_backend", copy_backend)
+    backend = parse_enum(CopyBackend, "copy_backend", copy_backend)
     if backend is CopyBackend.AUTO:
         backend = CopyBackend.PALLAS if platform in _AUTO_PALLAS_PLATFORMS else CopyBackend.XLA
     if backend is CopyBackend.PALLAS:
@@ -225,10 +226,7 @@ class DevicePagePool:
                  huge_pages: bool = True) -> None:
         if not isinstance(spec, KVSpec):
             raise TypeError(f"spec must be a KVSpec, got {type(spec).__name__}")
-        if isinstance(num_pages, bool) or not isinstance(num_pages, (int, np.integer)):
-            raise TypeError(f"num_pages={num_pages!r} must be an int")
-        if num_pages < 1:
-            raise ValueError(f"num_pages={num_pages!r} must be >= 1")
+        check_int("num_pages", num_pages, 1)
         check_bool("huge_pages", huge_pages)
         self.spec = spec
         self.num_pages = int(num_pages)

@@ -106,12 +106,6 @@ class VictimHeap:
         return bool(self._heap)
 
 
-def select_victims(policy: "str | EvictionPolicy", nodes: Iterable[_Rankable], k: int) -> list:
-    """The k least valuable of ``nodes`` (fewer if there are fewer), least valuable first."""
-    entry = _ENTRIES[EvictionPolicy.parse(policy)]
-    return [e[-1] for e in heapq.nsmallest(k, map(entry, nodes))]
-
-
 #: Strategies under which a node just inserted is among the first to go (newest, or fewest hits,
 #: or probationary): new pages land at the eviction end itself.
 FRESH_FIRST = frozenset({EvictionPolicy.MRU, EvictionPolicy.FILO, EvictionPolicy.LFU,

@@ -96,9 +96,10 @@ from hicache_jax.eviction import FRESH_FIRST, VictimHeap, eviction_order, hottes
 from hicache_jax.host_pool import HostPagePool
 from hicache_jax.l3 import L3Tier, PrefetchHandle
 from hicache_jax.radix import RadixTree
-from hicache_jax.tree_node import TreeNode, _as_tokens, _check_extra_key
-from hicache_jax.spec import HiCacheConfig, KVSpec, WritePolicy, check_bool, check_int
+from hicache_jax.tree_node import TreeNode
+from hicache_jax.spec import HiCacheConfig, KVSpec, WritePolicy
 from hicache_jax.transfer import TransferEngine
+from hicache_jax.validation import as_tokens, check_bool, check_extra_key, check_int
 
 # Owner of a device page (one int8 per page): the allocator says free/used, this says by whom.
 _FREE, _CALLER, _TREE = 0, 1, 2
@@ -209,9 +210,10 @@ class _Op:
 
 
 def _prepare_tokens(tokens: Any, extra_key: Any, page_size: int) -> np.ndarray:
-    """Validate tokens (1-D ints >= 0) and extra_key (hashable); return the whole-page int64 part."""
-    arr = _as_tokens(tokens)
-    _check_extra_key(extra_key)
+    """Validate tokens (1-D ints in [0, 2**31)) and extra_key (hashable); return the whole-page
+    int32 part (what the tree stores; see validation.as_tokens)."""
+    arr = as_tokens(tokens)
+    check_extra_key(extra_key)
     return arr[: arr.shape[0] // page_size * page_size]
 
 

@@ -40,7 +40,8 @@ from hicache_jax.donated import DonatedArray, check_kv
 from hicache_jax.hugepages import advise_huge_pages
 from hicache_jax.page_copy import copy_fn, copy_plan, gather_pages, stage_chunks
 from hicache_jax.placement import head_sharding, placed, resolve_memory_kind, zeros_in_memory
-from hicache_jax.spec import HostLayout, KVSpec, _enum_parse, check_bool
+from hicache_jax.spec import HostLayout, KVSpec
+from hicache_jax.validation import check_bool, check_int, parse_enum
 
 if TYPE_CHECKING:  # jaxtyping is a dev dependency only; the annotations stay strings.
     from jaxtyping import Array, Shaped
@@ -118,14 +119,11 @@ class HostPagePool:
                  memory_kind: str = "auto", huge_pages: bool = True) -> None:
         if not isinstance(spec, KVSpec):
             raise TypeError(f"spec must be a KVSpec, got {type(spec).__name__}")
-        if isinstance(num_pages, bool) or not isinstance(num_pages, (int, np.integer)):
-            raise TypeError(f"num_pages={num_pages!r} must be an int")
-        if num_pages < 0:
-            raise ValueError(f"num_pages={num_pages!r} must be >= 0")
+        check_int("num_pages", num_pages, 0)
         check_bool("huge_pages", huge_pages)
         self.spec = spec
         self.num_pages = int(num_pages)
-        self.layout = _enum_parse(HostLayout, "layout", layout)
+        self.layout = parse_enum(HostLayout, "layout", layout)
         placement = placed(head_sharding(spec, mesh, axis))
         device = next(iter(placement.device_set))
         self.memory_kind = resolve_memory_kind(device, memory_kind)

@@ -6,8 +6,10 @@ ids (one int32 per page; ``None`` once evicted from device) and ``host_value`` i
 node, rounded down to a page boundary), never token by token in Python. Only whole pages are cached: a
 trailing partial page is ignored by :meth:`RadixTree.match` and :meth:`RadixTree.insert`.
 
-Children are keyed by their first page's tokens (the int64 bytes of the page, an exact and
-cheaper-to-hash encoding than a tuple); the root's children by ``(extra_key, first page)``, so
+Keys are int32 (:func:`~hicache_jax.validation.as_tokens`: token ids beyond int32 are refused;
+half the bytes of int64, and the tree keeps every cached token of both tiers). Children are
+keyed by their first page's tokens (the int32 bytes of the page, an exact and cheaper-to-hash
+encoding than a tuple); the root's children by ``(extra_key, first page)``, so
 equal tokens under different ``extra_key`` never share a node.
 
 Shape of the two tiers (kept by every method, checked by :meth:`RadixTree.check_invariants`):
@@ -19,11 +21,8 @@ Shape of the two tiers (kept by every method, checked by :meth:`RadixTree.check_
   copy is deleted (:meth:`RadixTree.delete_leaf`).
 * A device (host) page id is held by at most one node and one position; :meth:`insert`,
   :meth:`set_value`, :meth:`set_host_value` refuse ids the tree already holds.
-* ``evictable_device`` = nodes that are unlocked, hold device pages and have no child holding
-  device pages. ``evictable_host`` = nodes that are unlocked, host-only and childless.
-  ``redundant`` = nodes that are unlocked and hold pages on both tiers (a host copy whose
-  device pages are still there: what :meth:`drop_host_value` may give up). The sets, and the
-  token counts, are maintained incrementally (O(1) per changed node, no scans).
+* ``evictable_device``, ``evictable_host``, ``redundant`` and the token counts: kept
+  incrementally by :class:`~hicache_jax.tree_index.TierIndex`, the tree's base class.
 
 Semantics of :meth:`RadixTree.insert` over nodes that already exist:
 
@@ -61,15 +60,19 @@ from typing import Any, Callable, Hashable, Iterator
 import numpy as np
 
 from hicache_jax.errors import HiCacheError
-from hicache_jax.tree_node import (_EMPTY_I32, _EMPTY_U64, _MEMCMP_MAX, InsertResult, TreeMatch,
-                                   TreeNode, _as_ids, _as_tokens, _check_extra_key, _common_len,
-                                   _HeldPages, chain_hashes, namespace_hash)
+from hicache_jax.tree_index import EMPTY_IDS, TierIndex
+from hicache_jax.tree_node import InsertResult, TreeMatch, TreeNode, chain_hashes, namespace_hash
+from hicache_jax.validation import (TOKEN_DTYPE, as_distinct_ids, as_tokens, check_extra_key,
+                                    is_int)
+
+_EMPTY_U64 = np.zeros(0, np.uint64)
+_MEMCMP_MAX = 2048  # tokens; see _common_len
 
 __all__ = ["InsertResult", "RadixTree", "TreeMatch", "TreeNode", "chain_hashes",
            "namespace_hash"]
 
 
-class RadixTree:
+class RadixTree(TierIndex):
     """Radix tree of page-aligned token prefixes with device/host page ids per node.
 
     Args:
@@ -78,20 +81,12 @@ class RadixTree:
 
     Attributes:
         root: the root node (no key, never evicted).
-        evictable_device: set of device-evictable nodes (see module docstring).
-        evictable_host: set of host-evictable nodes.
-        device_tokens / evictable_device_tokens / protected_device_tokens: tokens held on device
-            in all / unlocked / locked nodes (evictable + protected = device).
-        host_tokens: tokens held on host.
-        host_evictable_tokens: tokens of unlocked host-only nodes: exactly what host eviction
-            can free (a host-only node's descendants are host-only, and a lock below it would
-            lock it too).
-        redundant: set of unlocked nodes holding pages on both tiers; redundant_tokens their
-            tokens.
+        evictable_device, evictable_host, redundant, device_tokens, host_tokens, ...: the
+            sets and token counts of :class:`~hicache_jax.tree_index.TierIndex`.
     """
 
     def __init__(self, page_size: int, clock: Callable[[], float] = time.monotonic) -> None:
-        if isinstance(page_size, bool) or not isinstance(page_size, (int, np.integer)) or page_size < 1:
+        if not is_int(page_size) or page_size < 1:
             raise ValueError(f"page_size={page_size!r} must be an int >= 1")
         self.page_size = int(page_size)
         self._clock = clock
@@ -103,20 +98,10 @@ class RadixTree:
 
     def reset(self) -> None:
         """Forget every node (the caller frees the pages it knew the tree held)."""
-        self.root = self._new_node(np.zeros(0, np.int64), None, _EMPTY_U64, None, 0.0)
-        self.root.value = _EMPTY_I32
+        self.root = self._new_node(np.zeros(0, TOKEN_DTYPE), None, _EMPTY_U64, None, 0.0)
+        self.root.value = EMPTY_IDS
         self.root.lock_ref = 1  # the root is never evictable
-        self.evictable_device: set[TreeNode] = set()
-        self.evictable_host: set[TreeNode] = set()
-        self.redundant: set[TreeNode] = set()
-        self.redundant_tokens = 0
-        self.device_tokens = 0
-        self.evictable_device_tokens = 0
-        self.protected_device_tokens = 0
-        self.host_tokens = 0
-        self.host_evictable_tokens = 0
-        self._device_held = _HeldPages()
-        self._host_held = _HeldPages()
+        self._reset_index()
 
     def _new_node(self, key, parent, hashes, extra_key, now) -> TreeNode:
         # hashes None: computed on first access of node.page_hashes (events, L3), not here
@@ -127,72 +112,10 @@ class RadixTree:
         return node
 
     def _child_key(self, parent: TreeNode, page: np.ndarray, extra_key: Any) -> Hashable:
-        # The raw int64 bytes of the page: an exact encoding of its tokens that is ~5x cheaper
+        # The raw int32 bytes of the page: an exact encoding of its tokens that is ~5x cheaper
         # to build and hash than a tuple of Python ints (it is on the match hot path).
         first = page.tobytes()
         return (extra_key, first) if parent is self.root else first
-
-    def _refresh(self, node: TreeNode) -> None:
-        """Recompute ``node``'s membership of both evictable sets from its O(1) fields."""
-        if node is self.root:
-            return
-        free = node.lock_ref == 0
-        if free and node.value is not None and node.device_children == 0:
-            self.evictable_device.add(node)
-        else:
-            self.evictable_device.discard(node)
-        host_only = free and node.value is None and node.host_value is not None
-        if host_only and not node.children:
-            self.evictable_host.add(node)
-        else:
-            self.evictable_host.discard(node)
-        tokens = node.num_tokens if host_only else 0
-        if tokens != node.host_only_tokens:
-            self.host_evictable_tokens += tokens - node.host_only_tokens
-            node.host_only_tokens = tokens
-        both = free and node.value is not None and node.host_value is not None
-        tokens = node.num_tokens if both else 0
-        if tokens != node.redundant_tokens:
-            self.redundant_tokens += tokens - node.redundant_tokens
-            node.redundant_tokens = tokens
-            if both:
-                self.redundant.add(node)
-            else:
-                self.redundant.discard(node)
-
-    def _account_device(self, node: TreeNode, sign: int) -> None:
-        n = sign * node.num_tokens
-        self.device_tokens += n
-        if node.lock_ref:
-            self.protected_device_tokens += n
-        else:
-            self.evictable_device_tokens += n
-
-    def _attach_value(self, node: TreeNode, ids: np.ndarray) -> None:
-        """Give an evicted node device pages (load-back or revive); parent already resident."""
-        node.value = ids
-        self._epoch += 1
-        node.device_epoch = self._epoch
-        self._device_held.add(ids)
-        self._account_device(node, +1)
-        node.parent.device_children += 1
-        self._refresh(node)
-        self._refresh(node.parent)
-
-    def owns(self, node: TreeNode) -> bool:
-        """Whether ``node`` (a TreeNode) is in this tree, root included (O(depth) walk): a node
-        deleted since a caller matched it, or one of another tree, is not."""
-        top = node
-        while top.parent is not None:
-            top = top.parent
-        return top is self.root
-
-    def _check_member(self, node: TreeNode) -> None:
-        """A non-root node of this tree, else TypeError / HiCacheError."""
-        if not isinstance(node, TreeNode):
-            raise TypeError(f"node must be a TreeNode, got {type(node).__name__}")
-        if node is self.root or not self.owns(node):
-            raise HiCacheError(f"{node!r} is not a non-root node of this tree")
 
     # -- walking and splitting ---------------------------------------------------------------
 
@@ -265,7 +188,7 @@ class RadixTree:
         Args:
             tokens: 1-D non-negative integer sequence; a trailing partial page is ignored.
             extra_key: namespace (hashable).
-            validated: the caller already checked ``tokens`` (an int64 numpy array of whole
+            validated: the caller already checked ``tokens`` (an int32 numpy array of whole
                 pages, values >= 0) and ``extra_key`` (the facade does, once per call): skip
                 the checks, a pass over every token.
 
@@ -284,7 +207,7 @@ class RadixTree:
             else:
                 host.append(node)
         dev_len = sum(v.shape[0] for v in values) * self.page_size
-        pages = np.concatenate(values) if values else _EMPTY_I32
+        pages = np.concatenate(values) if values else EMPTY_IDS
         device = path[: len(values)]
         return TreeMatch(device_pages=pages, device_len=dev_len,
                          host_len=sum(n.key.shape[0] for n in host),
@@ -312,11 +235,11 @@ class RadixTree:
                 by the tree at another position.
         """
         arr = tokens if validated else self._checked_tokens(tokens, extra_key)
-        if isinstance(priority, bool) or not isinstance(priority, (int, np.integer)):
+        if not is_int(priority):
             raise TypeError(f"priority must be an int, got {type(priority).__name__}")
         priority = int(priority)
         npages = arr.shape[0] // self.page_size
-        ids = _as_ids(page_ids, npages, "page_ids")
+        ids = as_distinct_ids(page_ids, npages, "page_ids")
         arr = arr[: npages * self.page_size]
         path, pos, start = self._walk(arr, extra_key)
         dup_mask = self._check_insert_pages(path, pos, ids)
@@ -342,9 +265,9 @@ class RadixTree:
                             existing_nodes=path, revived_nodes=revived, last_node=last)
 
     def _checked_tokens(self, tokens: Any, extra_key: Any) -> np.ndarray:
-        """Validate tokens and extra_key; the whole-page int64 part of the tokens."""
-        arr = _as_tokens(tokens)
-        _check_extra_key(extra_key)
+        """Validate tokens and extra_key; the whole-page int32 part of the tokens."""
+        arr = as_tokens(tokens)
+        check_extra_key(extra_key)
         return arr[: arr.shape[0] // self.page_size * self.page_size]
 
     def _check_insert_pages(self, path: list, pos: int, ids: np.ndarray) -> np.ndarray:
@@ -371,61 +294,6 @@ class RadixTree:
         self._attach_value(leaf, ids.copy())
         return leaf
 
-    def lock(self, node: TreeNode) -> None:
-        """Protect ``node`` and its ancestors from eviction (device and host). Root: no-op."""
-        chain = self._lock_chain(node)
-        for n in chain:
-            n.lock_ref += 1
-            if n.lock_ref == 1:
-                if n.value is not None:
-                    self.evictable_device_tokens -= n.num_tokens
-                    self.protected_device_tokens += n.num_tokens
-                self._refresh(n)
-
-    def unlock(self, node: TreeNode) -> None:
-        """Undo one :meth:`lock`. Raises ``HiCacheError`` (no change) if not locked."""
-        chain = self._lock_chain(node)
-        if any(n.lock_ref <= 0 for n in chain):
-            raise HiCacheError(f"unlock of {node!r} below zero (not locked)")
-        for n in chain:
-            n.lock_ref -= 1
-            if n.lock_ref == 0:
-                if n.value is not None:
-                    self.protected_device_tokens -= n.num_tokens
-                    self.evictable_device_tokens += n.num_tokens
-                self._refresh(n)
-
-    def _lock_chain(self, node: TreeNode) -> list:
-        if not isinstance(node, TreeNode):
-            raise TypeError(f"node must be a TreeNode, got {type(node).__name__}")
-        chain = []
-        while node.parent is not None:
-            chain.append(node)
-            node = node.parent
-        if node is not self.root:
-            raise HiCacheError("node is not in this tree (deleted, or from another tree)")
-        return chain
-
-    def evict_device(self, node: TreeNode) -> np.ndarray:
-        """Drop ``node``'s device pages, keeping it as a host-only node.
-
-        ``node`` must be in ``evictable_device`` and backed up. Returns its int32 device page ids;
-        ownership passes to the caller (who frees them).
-        """
-        if node not in self.evictable_device:
-            raise HiCacheError(f"{node!r} is not device-evictable (locked, evicted, has device "
-                               "children, or not in the tree)")
-        if node.host_value is None:
-            raise HiCacheError(f"{node!r} has no host copy: back it up or delete_leaf it")
-        ids = node.value
-        self._account_device(node, -1)
-        self._device_held.remove(ids)
-        node.value = None
-        node.parent.device_children -= 1
-        self._refresh(node)
-        self._refresh(node.parent)
-        return ids
-
     def delete_leaf(self, node: TreeNode) -> tuple:
         """Remove a childless unlocked node; return ``(value, host_value)`` for the caller to free.
 
@@ -436,70 +304,10 @@ class RadixTree:
                                "in the tree)")
         parent = node.parent
         del parent.children[self._child_key(parent, node.key[: self.page_size], node.extra_key)]
-        self.evictable_device.discard(node)
-        self.evictable_host.discard(node)
-        if node.value is not None:
-            self._account_device(node, -1)
-            self._device_held.remove(node.value)
-            parent.device_children -= 1
-        if node.host_value is not None:
-            self.host_tokens -= node.num_tokens
-            self._host_held.remove(node.host_value)
-        self.host_evictable_tokens -= node.host_only_tokens
-        node.host_only_tokens = 0
-        self.redundant.discard(node)
-        self.redundant_tokens -= node.redundant_tokens
-        node.redundant_tokens = 0
+        self._unindex_leaf(node)
         node.parent = None
         self._refresh(parent)
         return node.value, node.host_value
-
-    def set_host_value(self, node: TreeNode, host_ids: Any) -> None:
-        """Record a host backup of a device-resident, not yet backed-up node.
-
-        Args:
-            host_ids: 1-D int ``[node.num_pages]`` distinct host page ids; the tree takes them.
-        """
-        self._check_member(node)
-        ids = _as_ids(host_ids, node.num_pages, "host_ids")
-        if node.value is None or node.host_value is not None:
-            raise HiCacheError(f"{node!r} must hold device pages and no host copy yet")
-        if self._host_held.any_held(ids):
-            raise HiCacheError("host_ids has pages the tree already holds")
-        node.host_value = ids
-        self._host_held.add(ids)
-        self.host_tokens += node.num_tokens
-        self._refresh(node)
-
-    def drop_host_value(self, node: TreeNode) -> np.ndarray:
-        """Give up the host copy of a node that still holds device pages (``node`` must be in
-        ``redundant``: unlocked, on both tiers). Returns its int32 host page ids; ownership
-        passes to the caller (who frees them)."""
-        if node not in self.redundant:
-            raise HiCacheError(f"{node!r} is not redundant (locked, or not on both tiers)")
-        ids = node.host_value
-        node.host_value = None
-        self._host_held.remove(ids)
-        self.host_tokens -= node.num_tokens
-        self._refresh(node)
-        return ids
-
-    def set_value(self, node: TreeNode, device_ids: Any) -> None:
-        """Load-back: give a host-only node device pages. Go root-first: the parent must be
-        device-resident (or the root).
-
-        Args:
-            device_ids: 1-D int ``[node.num_pages]`` distinct device page ids; the tree takes them.
-        """
-        self._check_member(node)
-        ids = _as_ids(device_ids, node.num_pages, "device_ids")
-        if node.value is not None:
-            raise HiCacheError(f"{node!r} already holds device pages")
-        if node.parent.value is None:
-            raise HiCacheError(f"parent of {node!r} is not on device: load back root-first")
-        if self._device_held.any_held(ids):
-            raise HiCacheError("device_ids has pages the tree already holds")
-        self._attach_value(node, ids)
 
     def add_host_leaf(self, parent: TreeNode, key: Any, host_ids: Any,
                       extra_key: Hashable = None) -> TreeNode:
@@ -522,12 +330,12 @@ class RadixTree:
             self._check_member(parent)
             if parent.extra_key != extra_key:
                 raise ValueError(f"extra_key={extra_key!r} is not the namespace of {parent!r}")
-        _check_extra_key(extra_key)
-        tokens = _as_tokens(key)
+        check_extra_key(extra_key)
+        tokens = as_tokens(key)
         ps = self.page_size
         if tokens.size == 0 or tokens.size % ps:
             raise ValueError(f"key has {tokens.size} tokens: need a non-zero multiple of {ps}")
-        ids = _as_ids(host_ids, tokens.size // ps, "host_ids")
+        ids = as_distinct_ids(host_ids, tokens.size // ps, "host_ids")
         child_key = self._child_key(parent, tokens[:ps], extra_key)
         if child_key in parent.children:
             raise HiCacheError(f"{parent!r} already has a child starting with key's first page")
@@ -535,10 +343,7 @@ class RadixTree:
             raise HiCacheError("host_ids has pages the tree already holds")
         leaf = self._new_node(tokens.copy(), parent, None, extra_key, self._clock())
         parent.children[child_key] = leaf
-        leaf.host_value = ids
-        self._host_held.add(ids)
-        self.host_tokens += leaf.num_tokens
-        self._refresh(leaf)
+        self._index_host(leaf, ids)
         self._refresh(parent)
         return leaf
 
@@ -551,12 +356,12 @@ class RadixTree:
             stack.extend(node.children.values())
 
     def path_tokens(self, node: TreeNode) -> np.ndarray:
-        """int64 tokens of the whole prefix ending at ``node`` (root-first concatenation)."""
+        """int32 tokens of the whole prefix ending at ``node`` (root-first concatenation)."""
         parts = []
         while node.parent is not None:
             parts.append(node.key)
             node = node.parent
-        return np.concatenate(parts[::-1]) if parts else np.zeros(0, np.int64)
+        return np.concatenate(parts[::-1]) if parts else np.zeros(0, TOKEN_DTYPE)
 
     def snapshot(self) -> frozenset:
         """Hashable plain-value description of the whole tree, for "unchanged" assertions.
@@ -582,17 +387,14 @@ class RadixTree:
         """Full-scan recomputation of every invariant (for tests); raises AssertionError."""
         ps, root = self.page_size, self.root
         assert root.parent is None and root.key.size == 0 and root.lock_ref == 1
-        ev_dev, ev_host, dev, host = set(), set(), [], []
-        tok = {"device": 0, "evictable": 0, "protected": 0, "host": 0, "host_evictable": 0,
-               "redundant": 0}
-        redundant = set()
         assert root.device_children == sum(c.value is not None for c in root.children.values())
-        for node in self.nodes():
+        nodes = list(self.nodes())
+        for node in nodes:
             parent, kids = node.parent, list(node.children.values())
             assert parent is not None and not node.is_root
             assert parent.children.get(self._child_key(parent, node.key[:ps], node.extra_key)) is node
             assert node.num_tokens > 0 and node.num_tokens == node.num_pages * ps, "whole pages"
-            assert node.key.dtype == np.int64 and node.page_hashes.dtype == np.uint64
+            assert node.key.dtype == TOKEN_DTYPE and node.page_hashes.dtype == np.uint64
             assert parent is root or node.extra_key == parent.extra_key
             assert node.hash_parent is parent and node.page_size == ps
             assert node.value is not None or node.host_value is not None, "no copy left"
@@ -603,32 +405,17 @@ class RadixTree:
             assert node.lock_ref >= sum(c.lock_ref for c in kids) and node.lock_ref >= 0
             prev = namespace_hash(node.extra_key) if parent is root else int(parent.page_hashes[-1])
             assert np.array_equal(node.page_hashes, chain_hashes(prev, node.key.reshape(-1, ps)))
-            if node.value is not None:
-                dev.append(node.value)
-                tok["device"] += node.num_tokens
-                tok["protected" if node.lock_ref else "evictable"] += node.num_tokens
-                if node.lock_ref == 0 and all(c.value is None for c in kids):
-                    ev_dev.add(node)
-            if node.host_value is not None:
-                host.append(node.host_value)
-                tok["host"] += node.num_tokens
-                if node.value is None and node.lock_ref == 0:
-                    tok["host_evictable"] += node.num_tokens
-                    if not kids:
-                        ev_host.add(node)
-            assert node.host_only_tokens == (node.num_tokens if node.value is None
-                                             and node.host_value is not None
-                                             and node.lock_ref == 0 else 0)
-            if node.value is not None and node.host_value is not None and node.lock_ref == 0:
-                redundant.add(node)
-                tok["redundant"] += node.num_tokens
-            assert node.redundant_tokens == (node.num_tokens if node in redundant else 0)
-        assert self.evictable_device == ev_dev and self.evictable_host == ev_host
-        assert self.redundant == redundant and self.redundant_tokens == tok["redundant"]
-        assert (self.device_tokens, self.evictable_device_tokens, self.protected_device_tokens,
-                self.host_tokens, self.host_evictable_tokens) == (
-            tok["device"], tok["evictable"], tok["protected"], tok["host"], tok["host_evictable"])
-        for held, parts in ((self._device_held, dev), (self._host_held, host)):
-            ids = np.sort(np.concatenate(parts)) if parts else _EMPTY_I32
-            assert np.unique(ids).size == ids.size, "a page held twice"
-            assert np.array_equal(np.flatnonzero(held.mask), ids) and held.count == ids.size
+        self.check_index(nodes)
+
+
+def _common_len(a: np.ndarray, b: np.ndarray) -> int:
+    """Length of the common prefix of two equal-length token arrays (no Python loop)."""
+    # Short runs: one memcmp of the bytes is cheapest. Long runs: an elementwise compare, since
+    # copying hundreds of KiB out with tobytes() can cost page faults on every call.
+    if a.shape[0] <= _MEMCMP_MAX:
+        if a.tobytes() == b.tobytes():
+            return a.shape[0]
+        return int(np.argmax(a != b))
+    diff = a != b
+    k = int(np.argmax(diff))
+    return k if diff[k] else a.shape[0]

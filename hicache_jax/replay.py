@@ -1,15 +1,8 @@
 """Trace replay: production request traces through the real HiCache, beside exact LRU references.
 
-Input (one request a line, format auto-detected from the first record):
-
-* **Mooncake JSONL** (``timestamp``, ``input_length``, ``output_length``, ``hash_ids``; FAST'25
-  release): block ``h`` becomes ``block_size`` tokens unique to it, ``h * block_size +
-  arange(block_size)``; a prompt is ``input_length`` tokens made of its blocks in order, the
-  last one possibly partial. A prompt with fewer ids than blocks gets fresh ids (never shared)
-  for the rest.
-* **token JSONL**: a JSON list of ints, or ``{"tokens": [...]}``, per line.
-
-Bad input raises ``ValueError`` naming the file and the line.
+Traces (Mooncake JSONL, token JSONL) are read by :mod:`hicache_jax.trace`; the LRU references
+are :mod:`hicache_jax.block_lru`. Both are re-exported here (``load_trace``, ``BlockLRU``, ...),
+so this module is the one entry point of a replay.
 
 Requests are served in file order, one at a time (timestamps are not used: no concurrency),
 each with the serving pattern of DESIGN.md through the public API only: ``match_prefix``,
@@ -25,29 +18,21 @@ Determinism: a replay gives identical figures on every run and under any machine
 serving path completes transfers asynchronously (whether a backup has landed by the next
 eviction depends on timing), so the replay calls ``cache.flush()`` after every request:
 transfers complete at request boundaries. It also flushes between ``insert`` and ``unlock``:
-clean_ahead's pass runs at the unlock and sees which nodes a load still in flight holds locked. The cache gets a virtual clock (a counter that
-advances at every reading), so eviction order depends on the order of calls, never on wall
-time. Only ``wall_s`` and ``requests_per_s`` (:data:`TIMING_FIELDS`) vary between runs.
+clean_ahead's pass runs at the unlock and sees which nodes a load still in flight holds
+locked. The cache gets a virtual clock (a counter that advances at every reading), so eviction
+order depends on the order of calls, never on wall time. Only ``wall_s`` and ``requests_per_s`` (:data:`TIMING_FIELDS`) vary between runs.
 
-References (:class:`BlockLRU`, independent of the tree): a cache of ``C`` whole pages keyed by
-the prefix up to and including the page. A request hits its longest run of leading pages
-present; then all its whole pages are touched deepest-first, so a prefix's ancestors are always
-more recent than its descendants and the LRU evicts leaf-most pages as the radix tree must;
-pages beyond ``C`` are evicted least recent first. Infinite capacity gives the infinite-cache
-hit figure. Hits of HiCache and of the references count whole pages only.
+References: :class:`~hicache_jax.block_lru.BlockLRU` of L1's, L1 + L2's and infinite capacity.
+Hits of HiCache and of the references count whole pages only.
 
 Threading: a replay builds, owns and closes its caches on the calling thread.
 """
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import datetime
-import hashlib
 import itertools
-import json
-import math
 import os
 import sys
 import time
@@ -55,162 +40,18 @@ from typing import Any, Iterable, Sequence
 
 import numpy as np
 
+from hicache_jax.block_lru import BlockLRU, PageKeys, default_device_pages, reference_hits
 from hicache_jax.hicache import HiCache
 from hicache_jax.spec import HiCacheConfig, KVSpec
+from hicache_jax.trace import MOONCAKE_BLOCK, TOKEN_PAGE_SIZE, Request, Trace, load_trace
 
-MOONCAKE_BLOCK = 512
-TOKEN_PAGE_SIZE = 16  # default page size of token traces
+__all__ = ["BlockLRU", "MOONCAKE_BLOCK", "PageKeys", "Request", "TINY_SPEC", "TIMING_FIELDS",
+           "TOKEN_PAGE_SIZE", "Trace", "default_device_pages", "environment", "format_table",
+           "load_trace", "parse_spec", "plot", "reference_hits", "replay", "require_matplotlib",
+           "run", "sweep_table", "tables"]
+
 TINY_SPEC = dict(num_layers=1, num_kv_heads=1, head_dim=1, dtype="float32")
 TIMING_FIELDS = ("wall_s", "requests_per_s")
-_INT64_MAX = np.iinfo(np.int64).max
-
-
-@dataclasses.dataclass(frozen=True, eq=False)
-class Request:
-    """One prompt of a trace.
-
-    Attributes:
-        line: 1-based line of the trace file.
-        num_tokens: prompt length.
-        hash_ids: Mooncake block ids (int64 ``[ceil(num_tokens / block_size)]``), or None.
-        block_size: tokens per Mooncake block.
-        token_ids: int64 ``[num_tokens]`` of a token trace, or None.
-    """
-
-    line: int
-    num_tokens: int
-    hash_ids: np.ndarray | None = None
-    block_size: int = MOONCAKE_BLOCK
-    token_ids: np.ndarray | None = None
-
-    def tokens(self) -> np.ndarray:
-        """The prompt: int64 ``[num_tokens]`` (made on demand for Mooncake records)."""
-        if self.token_ids is not None:
-            return self.token_ids
-        bs = self.block_size
-        blocks = self.hash_ids[:, None] * bs + np.arange(bs, dtype=np.int64)
-        return blocks.reshape(-1)[: self.num_tokens]
-
-
-@dataclasses.dataclass(frozen=True, eq=False)
-class Trace:
-    """Requests of one trace file, in order. ``format`` is "mooncake" or "tokens"."""
-
-    path: str
-    format: str
-    block_size: int
-    requests: tuple[Request, ...]
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(r.num_tokens for r in self.requests)
-
-    def default_page_size(self) -> int:
-        return self.block_size if self.format == "mooncake" else TOKEN_PAGE_SIZE
-
-    def describe(self) -> dict[str, Any]:
-        return {"path": self.path, "format": self.format, "block_size": self.block_size,
-                "requests": len(self.requests), "prompt_tokens": self.num_tokens}
-
-
-# ------------------------------------------------------------------------------------ parsing
-
-def _int_list(values: Any, field: str, where: str) -> np.ndarray:
-    if not isinstance(values, list):
-        raise ValueError(f"{where}: {field} must be a list of ints, got {type(values).__name__}")
-    bad = next((v for v in values if type(v) is not int), None)  # bools and floats refused
-    if bad is not None:
-        raise ValueError(f"{where}: {field} holds {bad!r}, not an int")
-    if values and (min(values) < 0 or max(values) > _INT64_MAX):
-        raise ValueError(f"{where}: {field} must hold ints in [0, 2**63)")
-    return np.array(values, dtype=np.int64)
-
-
-def _length(obj: dict, field: str, where: str, required: bool) -> int:
-    if field not in obj and not required:
-        return 0
-    value = obj.get(field)
-    if type(value) is not int or value < 0:
-        raise ValueError(f"{where}: {field}={value!r} must be an int >= 0")
-    return value
-
-
-def _parse_record(obj: Any, where: str, block_size: int, line: int) -> tuple[str, Request]:
-    if isinstance(obj, list) or (isinstance(obj, dict) and "tokens" in obj):
-        ids = _int_list(obj if isinstance(obj, list) else obj["tokens"], "tokens", where)
-        return "tokens", Request(line, ids.size, token_ids=ids)
-    if not isinstance(obj, dict) or "hash_ids" not in obj or "input_length" not in obj:
-        raise ValueError(f"{where}: expected a Mooncake record (input_length, hash_ids), a "
-                         "JSON list of token ids or {\"tokens\": [...]}")
-    n = _length(obj, "input_length", where, True)
-    _length(obj, "output_length", where, False)
-    ts = obj.get("timestamp", 0)
-    if isinstance(ts, bool) or not isinstance(ts, (int, float)) or not math.isfinite(ts):
-        raise ValueError(f"{where}: timestamp={ts!r} must be a number")
-    ids = _int_list(obj["hash_ids"], "hash_ids", where)
-    blocks = -(-n // block_size)
-    if ids.size > blocks:
-        raise ValueError(f"{where}: {ids.size} hash_ids but input_length={n} has only {blocks} "
-                         f"blocks of {block_size} tokens")
-    if ids.size and int(ids.max()) > _INT64_MAX // block_size - 1:
-        raise ValueError(f"{where}: hash id {int(ids.max())} too large for block size {block_size}")
-    return "mooncake", Request(line, n, hash_ids=ids, block_size=block_size)
-
-
-def load_trace(path: str | os.PathLike, *, block_size: int = MOONCAKE_BLOCK,
-               limit: int | None = None) -> Trace:
-    """Read a Mooncake or token JSONL trace (blank lines skipped).
-
-    Args:
-        path: the file.
-        block_size: tokens per Mooncake block (``hash_ids`` entry).
-        limit: read only the first ``limit`` requests.
-
-    Raises:
-        ValueError: malformed line (names the file and line); OSError: unreadable file.
-    """
-    if type(block_size) is not int or block_size < 1:
-        raise ValueError(f"block_size={block_size!r} must be an int >= 1")
-    if limit is not None and (type(limit) is not int or limit < 1):
-        raise ValueError(f"limit={limit!r} must be an int >= 1")
-    path = os.fspath(path)
-    fmt, requests = None, []
-    with open(path) as f:
-        for lineno, text in enumerate(f, 1):
-            if limit is not None and len(requests) >= limit:
-                break
-            if not text.strip():
-                continue
-            where = f"{path}, line {lineno}"
-            try:
-                obj = json.loads(text)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"{where}: malformed JSON ({exc.msg} at column "
-                                 f"{exc.colno})") from None
-            kind, req = _parse_record(obj, where, block_size, lineno)
-            if fmt is not None and kind != fmt:
-                raise ValueError(f"{where}: a {kind} record in a {fmt} trace")
-            fmt = kind
-            requests.append(req)
-    if not requests:
-        raise ValueError(f"{path}: no requests in the trace")
-    if fmt == "mooncake":
-        requests = _fill_missing_blocks(requests, block_size)
-    return Trace(path, fmt, block_size, tuple(requests))
-
-
-def _fill_missing_blocks(requests: list[Request], bs: int) -> list[Request]:
-    """Prompts with fewer ids than blocks get fresh ids past the trace's largest: never shared."""
-    fresh = 1 + max((int(r.hash_ids.max()) for r in requests if r.hash_ids.size), default=-1)
-    out = []
-    for r in requests:
-        missing = -(-r.num_tokens // bs) - r.hash_ids.size
-        if missing:
-            ids = np.concatenate([r.hash_ids, np.arange(fresh, fresh + missing, dtype=np.int64)])
-            fresh += missing
-            r = dataclasses.replace(r, hash_ids=ids)
-        out.append(r)
-    return out
 
 
 def parse_spec(text: str | None, page_size: int) -> KVSpec:
@@ -235,85 +76,6 @@ def parse_spec(text: str | None, page_size: int) -> KVSpec:
             except ValueError:
                 raise ValueError(f"--spec {item!r}: {value!r} is not an int") from None
     return KVSpec(page_size=page_size, **fields)
-
-
-# -------------------------------------------------------------------------------- references
-
-class PageKeys:
-    """Names every whole page by its prefix: page ``i`` of a prompt gets the id of (id of page
-    ``i - 1``, 16-byte blake2b of page ``i``'s tokens), ids handed out in order of first sight."""
-
-    def __init__(self, page_size: int) -> None:
-        self.page_size = page_size
-        self._ids: dict[tuple[int, bytes], int] = {}
-
-    def __call__(self, tokens: np.ndarray) -> list[int]:
-        ps, ids = self.page_size, self._ids
-        n = tokens.shape[0] // ps
-        data, step = np.ascontiguousarray(tokens[: n * ps], dtype="<i8").tobytes(), ps * 8
-        parent, out = -1, []
-        for start in range(0, n * step, step):  # one digest per page, not per token
-            key = (parent, hashlib.blake2b(data[start:start + step], digest_size=16).digest())
-            parent = ids.setdefault(key, len(ids))
-            out.append(parent)
-        return out
-
-    def __len__(self) -> int:
-        """Distinct pages seen (what an infinite cache ends up holding)."""
-        return len(self._ids)
-
-
-class BlockLRU:
-    """Exact LRU of ``capacity`` whole pages (None: infinite) over prefix-keyed pages."""
-
-    def __init__(self, capacity: int | None) -> None:
-        self.capacity = capacity
-        self._pages: collections.OrderedDict[int, None] = collections.OrderedDict()
-
-    def serve(self, keys: Sequence[int]) -> int:
-        """Serve one prompt's page keys (root first); returns the pages hit."""
-        pages = self._pages
-        hit = 0
-        for k in keys:
-            if k not in pages:
-                break
-            hit += 1
-        for k in reversed(keys):  # deepest first: ancestors end up more recent
-            if k in pages:
-                pages.move_to_end(k)
-            else:
-                pages[k] = None
-        if self.capacity is not None:
-            while len(pages) > self.capacity:
-                pages.popitem(last=False)
-        return hit
-
-    def __len__(self) -> int:
-        return len(self._pages)
-
-
-def default_device_pages(trace: Trace, page_size: int) -> int:
-    """An L1 of 1/8 of the trace's distinct whole pages (what an infinite cache would end up
-    holding), but at least the longest prompt's pages."""
-    keys_of = PageKeys(page_size)
-    for req in trace.requests:
-        keys_of(req.tokens())
-    longest = max(r.num_tokens for r in trace.requests) // page_size
-    return max(len(keys_of) // 8, longest, 1)
-
-
-def reference_hits(trace: Trace, page_size: int,
-                   capacities: Iterable[int | None]) -> tuple[dict[int | None, int], int]:
-    """Hit tokens of a :class:`BlockLRU` of each capacity (pages; None: infinite) over the
-    trace, and the distinct pages of the trace."""
-    lrus = {c: BlockLRU(c) for c in set(capacities)}
-    hits = dict.fromkeys(lrus, 0)
-    keys_of = PageKeys(page_size)
-    for req in trace.requests:
-        keys = keys_of(req.tokens())
-        for c, lru in lrus.items():
-            hits[c] += lru.serve(keys) * page_size
-    return hits, len(keys_of)
 
 
 # ------------------------------------------------------------------------------------ replay

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 
 from hicache_jax.events import KVEventsConfig, parse_kv_events
 from hicache_jax.eviction import EvictionPolicy
+from hicache_jax.validation import check_bool, check_int, is_real, parse_enum
 
 #: KV dtypes the pools accept -> the unsigned integer of the same width the pools store.
 _BITS_DTYPE = {
@@ -28,14 +29,6 @@ _BITS_DTYPE = {
     "int8": np.uint8,
 }
 SUPPORTED_DTYPES = tuple(_BITS_DTYPE)
-
-
-def _enum_parse(cls: type[enum.Enum], field: str, value: Any) -> Any:
-    try:
-        return cls(value)
-    except ValueError:
-        choices = ", ".join(repr(m.value) for m in cls)
-        raise ValueError(f"{field}={value!r} is not one of: {choices}") from None
 
 
 class WritePolicy(str, enum.Enum):
@@ -68,25 +61,6 @@ class PrefetchPolicy(str, enum.Enum):
     BEST_EFFORT = "best_effort"
     WAIT_COMPLETE = "wait_complete"
     TIMEOUT = "timeout"
-
-
-def check_int(name: str, value: Any, minimum: int = 0, maximum: int | None = None) -> int:
-    """``int(value)``, or TypeError (not an int; bools refused) / ValueError (below minimum or
-    above maximum) naming the argument."""
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise TypeError(f"{name}={value!r} must be an int")
-    if value < minimum:
-        raise ValueError(f"{name}={value!r} must be >= {minimum}")
-    if maximum is not None and value > maximum:
-        raise ValueError(f"{name}={value!r} must be <= {maximum}")
-    return int(value)
-
-
-def check_bool(name: str, value: Any) -> bool:
-    """``bool(value)``, or TypeError naming the argument (ints and other truthy values refused)."""
-    if not isinstance(value, (bool, np.bool_)):
-        raise TypeError(f"{name}={value!r} must be a bool")
-    return bool(value)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -246,18 +220,17 @@ class HiCacheConfig:
         set_("device_pages", check_int("device_pages", self.device_pages, 1))
         if self.host_pages is None:
             ratio = self.host_ratio
-            if (isinstance(ratio, bool) or not isinstance(ratio, (int, float))
-                    or not math.isfinite(ratio) or ratio < 0):
+            if not is_real(ratio) or not math.isfinite(ratio) or ratio < 0:
                 raise ValueError(f"host_ratio={self.host_ratio!r} must be a finite number >= 0")
             set_("host_pages", int(round(self.host_ratio * self.device_pages)))
         set_("host_pages", check_int("host_pages", self.host_pages, 0))
-        set_("write_policy", _enum_parse(WritePolicy, "write_policy", self.write_policy))
+        set_("write_policy", parse_enum(WritePolicy, "write_policy", self.write_policy))
         set_("eviction", EvictionPolicy.parse(self.eviction))
-        set_("host_layout", _enum_parse(HostLayout, "host_layout", self.host_layout))
-        set_("copy_backend", _enum_parse(CopyBackend, "copy_backend", self.copy_backend))
+        set_("host_layout", parse_enum(HostLayout, "host_layout", self.host_layout))
+        set_("copy_backend", parse_enum(CopyBackend, "copy_backend", self.copy_backend))
         set_("huge_pages", check_bool("huge_pages", self.huge_pages))
-        set_("prefetch_policy", _enum_parse(PrefetchPolicy, "prefetch_policy", self.prefetch_policy))
-        set_("storage_write_policy", _enum_parse(
+        set_("prefetch_policy", parse_enum(PrefetchPolicy, "prefetch_policy", self.prefetch_policy))
+        set_("storage_write_policy", parse_enum(
             WritePolicy, "storage_write_policy", self.storage_write_policy))
         if self.storage_write_policy is WritePolicy.CLEAN_AHEAD:
             raise ValueError("storage_write_policy='clean_ahead' is not an L3 policy: use "
@@ -275,8 +248,7 @@ class HiCacheConfig:
         if self.storage is not None and not isinstance(self.storage, str):
             raise TypeError(f"storage={self.storage!r} must be a URL string or None")
         timeout = self.prefetch_timeout_s
-        if (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
-                or math.isnan(timeout) or timeout <= 0):
+        if not is_real(timeout) or math.isnan(timeout) or timeout <= 0:
             raise ValueError(f"prefetch_timeout_s={self.prefetch_timeout_s!r} must be > 0")
         set_("kv_events", parse_kv_events(self.kv_events))
         if self.shard_axis is not None and self.mesh is None:

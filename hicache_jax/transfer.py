@@ -46,7 +46,8 @@ import numpy as np
 
 from hicache_jax.errors import HiCacheError
 from hicache_jax.page_copy import copy_fn, copy_plan, layer_plans
-from hicache_jax.spec import HostLayout, check_bool
+from hicache_jax.spec import HostLayout
+from hicache_jax.validation import check_bool, is_int
 
 if TYPE_CHECKING:  # the pools are only passed in: the engine needs their public attributes
     from hicache_jax.device_pool import DevicePagePool
@@ -110,8 +111,7 @@ class TransferHandle:
             ValueError: ``layer`` not in ``[0, num_layers)``.
         """
         num_layers = self._engine.spec.num_layers
-        if isinstance(layer, bool) or not isinstance(layer, (int, np.integer)) \
-                or not 0 <= layer < num_layers:
+        if not is_int(layer) or not 0 <= layer < num_layers:
             raise ValueError(f"layer={layer!r} must be an int in [0, {num_layers})")
         if not self.layerwise or self._complete or layer == num_layers - 1:
             # The layers are copied in dispatch order, so the last one landing means all have:

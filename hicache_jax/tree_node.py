@@ -1,4 +1,4 @@
-"""Nodes and results of the radix tree, page hashes, and the tree's input checks (no jax).
+"""Nodes and results of the radix tree, and page hashes (no jax).
 
 :class:`TreeNode` is what the tree is made of and what callers hold (``Match.node``, locks,
 transfers in flight); :class:`TreeMatch` and :class:`InsertResult` are what
@@ -16,12 +16,7 @@ from typing import Any, Hashable
 
 import numpy as np
 
-from hicache_jax.allocator import as_page_ids, nonnegative_ints
 from hicache_jax.hashing import chain_blake2b
-
-_EMPTY_I32 = np.zeros(0, np.int32)
-_EMPTY_U64 = np.zeros(0, np.uint64)
-_MEMCMP_MAX = 2048  # tokens; see _common_len
 
 
 # ----------------------------------------------------------------------------- page hashes
@@ -71,9 +66,9 @@ class TreeNode:
 
     Attributes:
         id: per-tree counter (the eviction tie-break: older ids first).
-        key: int64 ``[num_pages * page_size]`` tokens of this node (empty for the root).
+        key: int32 ``[num_pages * page_size]`` tokens of this node (empty for the root).
         parent: ``None`` for the root and for nodes deleted from the tree.
-        children: first-page key -> child: the page's int64 token bytes (``(extra_key, bytes)``
+        children: first-page key -> child: the page's int32 token bytes (``(extra_key, bytes)``
             under the root).
         value: int32 ``[num_pages]`` device page ids, or ``None`` when evicted from device.
         host_value: int32 ``[num_pages]`` host page ids, or ``None`` when not backed up.
@@ -151,7 +146,7 @@ class TreeNode:
         return self.hashes
 
     def prefix_tokens(self) -> np.ndarray:
-        """int64 tokens of the whole prefix ending at this node, root first (a new array). It
+        """int32 tokens of the whole prefix ending at this node, root first (a new array). It
         follows ``hash_parent``, so it still answers once the node was deleted from the tree
         (``parent`` None): what a stale match re-matches. O(depth), one concatenation."""
         parts, node = [], self
@@ -225,92 +220,3 @@ class InsertResult:
     existing_nodes: list
     revived_nodes: list
     last_node: TreeNode
-
-
-class _HeldPages:
-    """Which page ids of one tier the tree holds: a growable bool mask (O(k) per batch)."""
-
-    __slots__ = ("mask", "count")
-
-    def __init__(self) -> None:
-        self.mask = np.zeros(1024, np.bool_)
-        self.count = 0
-
-    def any_held(self, ids: np.ndarray) -> bool:
-        ids = ids[ids < self.mask.shape[0]]
-        return bool(ids.size and self.mask[ids].any())
-
-    def add(self, ids: np.ndarray) -> None:
-        if ids.size and ids.max() >= self.mask.shape[0]:
-            grown = np.zeros(max(2 * self.mask.shape[0], int(ids.max()) + 1), np.bool_)
-            grown[: self.mask.shape[0]] = self.mask
-            self.mask = grown
-        self.mask[ids] = True
-        self.count += ids.size
-
-    def remove(self, ids: np.ndarray) -> None:
-        self.mask[ids] = False
-        self.count -= ids.size
-
-
-# ----------------------------------------------------------------------------- validation
-
-def _as_tokens(tokens: Any) -> np.ndarray:
-    """1-D non-negative integer sequence -> int64 numpy (no copy when already int64)."""
-    arr = np.asarray(tokens)
-    if not nonnegative_ints(arr, "tokens"):
-        return np.zeros(0, np.int64)
-    if arr.dtype == np.uint64 and arr.max() > np.iinfo(np.int64).max:
-        raise ValueError("tokens has values beyond int64")
-    return arr.astype(np.int64, copy=False)
-
-
-def _as_ids(ids: Any, n: int, name: str) -> np.ndarray:
-    """1-D distinct non-negative integer page ids of length ``n`` -> int32 copy."""
-    out = as_page_ids(ids, name)
-    if out.shape[0] != n:
-        raise ValueError(f"{name} has {out.shape[0]} ids, expected {n} (one per whole page)")
-    srt = np.sort(out)  # sort + neighbour compare: numpy 2's hash-based unique is ~20x slower
-    if (srt[1:] == srt[:-1]).any():
-        raise ValueError(f"{name} has duplicate ids")
-    return out
-
-
-def _common_len(a: np.ndarray, b: np.ndarray) -> int:
-    """Length of the common prefix of two equal-length int64 arrays (no Python loop)."""
-    # Short runs: one memcmp of the bytes is cheapest. Long runs: an elementwise compare, since
-    # copying hundreds of KiB out with tobytes() can cost page faults on every call.
-    if a.shape[0] <= _MEMCMP_MAX:
-        if a.tobytes() == b.tobytes():
-            return a.shape[0]
-        return int(np.argmax(a != b))
-    diff = a != b
-    k = int(np.argmax(diff))
-    return k if diff[k] else a.shape[0]
-
-
-def _has_nan(key: Any) -> bool:
-    """Whether ``key`` is, or (in a tuple / frozenset) holds, a value unequal to itself."""
-    if isinstance(key, (tuple, frozenset)):
-        return any(_has_nan(k) for k in key)
-    try:
-        return bool(key != key)
-    except Exception:  # an __ne__ that raises or returns an array: not a NaN-like scalar
-        return False
-
-
-def _check_extra_key(extra_key: Any) -> None:
-    """Refuse unhashable keys and keys unequal to themselves (NaN): each insert under
-    ``float("nan")`` would make a namespace that no later match finds."""
-    if extra_key is None:
-        return
-    try:
-        hash(extra_key)
-    except TypeError:
-        raise TypeError(f"extra_key must be hashable, got {type(extra_key).__name__}") from None
-    if _has_nan(extra_key):
-        raise ValueError(f"extra_key={extra_key!r} is not equal to itself (NaN): no later match "
-                         "could find its namespace")
-
-
-# ----------------------------------------------------------------------------- the tree

@@ -6,10 +6,17 @@ import numpy as np
 import pytest
 
 from hicache_jax.eviction import (SLRU_PROTECTED_HITS, EvictionPolicy, VictimHeap,
-                                  eviction_order, hottest_first, priority_key, select_victims)
+                                  eviction_order, hottest_first, priority_key)
 from hicache_jax.radix import RadixTree
 
 PAGE_SIZES = [1, 16, 64]
+
+
+def select_victims(policy, nodes, k: int) -> list:
+    """The k least valuable of ``nodes``, least valuable first, popped from a VictimHeap (the
+    library's select_victims had no user but these tests)."""
+    heap = VictimHeap(policy, nodes)
+    return [heap.pop() for _ in range(min(k, len(heap)))]
 
 # Four leaves A, B, C, D built by _four_leaves; their eviction keys are
 # (an insert that creates a node is its first access: hit_count 1)

@@ -1018,3 +1018,28 @@ def test_events_of_clean_aheads_pass_at_unlock_are_sealed_by_the_unlock():
     assert cache.stats()["host_copies_dropped_tokens"] == 2
     router = replay(cache.take_events())
     assert router == tree_pages(cache)
+
+
+def test_token_ids_held_as_int32_and_ids_beyond_refused():
+    """The facade validates tokens once: ids up to 2**31 - 1 are cached (as int32 in the tree),
+    whatever the input's integer type; an id beyond int32 is a ValueError that names the bound,
+    on every call taking tokens, and leaves the cache unchanged (no silent wrap-around)."""
+    cache, kv = make(ps=2, kv_events={"publisher": "queue"})
+    top = 2**31 - 1
+    toks = np.array([top, 0, top - 1, 9], np.int64)
+    request(cache, kv, toks)
+    for arg in (toks.tolist(), toks.astype(np.uint64), toks.astype(np.uint32),
+                toks.astype(np.int32)):
+        assert cache.match_prefix(arg).device_len == 4
+    stored = [e for e in cache.take_events() if type(e).__name__ == "BlockStored"]
+    assert [list(e.token_ids) for e in stored] == [[top, 0], [top - 1, 9]]
+    assert all(n.key.dtype == np.int32 for n in cache._tree.nodes())
+    mine = cache.alloc_pages(2)
+    for bad in ([2**31, 0, 1, 2], np.array([0, 1, 2**40, 3]), np.array([2**63] * 4, np.uint64)):
+        before = snapshot(cache)
+        for call in (lambda: cache.match_prefix(bad), lambda: cache.insert(bad, mine)):
+            with pytest.raises(ValueError, match="beyond int32"):
+                call()
+        assert snapshot(cache) == before
+    cache.free_pages(mine)
+    check(cache, kv)

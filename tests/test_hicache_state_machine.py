@@ -233,7 +233,7 @@ def current_device_pages(cache: HiCache, tokens, extra_key) -> np.ndarray:
     """Device pages that hold the prefix of ``tokens`` now (a read-only walk: no split, no
     access stamp), to judge a Match independently of the cache's own staleness check."""
     ps = cache.spec.page_size
-    arr = np.asarray(tokens, np.int64)
+    arr = np.asarray(tokens, np.int32)  # the tree's key dtype (validation.TOKEN_DTYPE)
     arr = arr[: arr.size // ps * ps]
     path, pos, _ = cache._tree._walk(arr, extra_key)
     parts, left = [], pos // ps

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from hicache_jax.errors import HiCacheError
-from hicache_jax import radix, tree_node
+from hicache_jax import radix, tree_index, tree_node, validation
 from hicache_jax.eviction import EvictionPolicy, VictimHeap
 from hicache_jax.radix import RadixTree, chain_hashes, namespace_hash
 
@@ -29,7 +29,7 @@ def ps(request):
     return request.param
 
 
-@pytest.mark.parametrize("module", [radix, tree_node])
+@pytest.mark.parametrize("module", [radix, tree_index, tree_node, validation])
 def test_radix_imports_no_jax(module):
     tree = ast.parse(pathlib.Path(module.__file__).read_text())
     mods = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
@@ -612,3 +612,34 @@ def test_redundant_set_and_drop_host_value(ps, clock):
     t.evict_device(upper)                                     # host-only now: not redundant
     assert t.redundant == set() and t.redundant_tokens == 0
     t.check_invariants()
+
+
+@pytest.mark.parametrize("dtype", [np.int64, np.uint64, np.int32, np.uint32, np.int16, list])
+def test_keys_are_int32_whatever_the_input_and_hash_as_int64(dtype):
+    """Keys are stored as int32 (half of int64's bytes), from any integer input; the page hashes
+    are those of the same tokens as int64 (unchanged by the narrower storage)."""
+    ps, top = 4, 2**31 - 1 if dtype not in (np.int16,) else 2**15 - 1
+    toks = np.array([top, 0, 7, top - 1, 5, 5, 5, 5], np.int64)
+    arg = toks.tolist() if dtype is list else toks.astype(dtype)
+    t = RadixTree(ps)
+    leaf = t.insert(arg, [3, 4]).last_node
+    assert leaf.key.dtype == np.int32 and leaf.key.tolist() == toks.tolist()
+    assert t.match(arg).device_pages.tolist() == [3, 4]
+    assert t.match(toks).device_len == 8 and t.match(toks.astype(np.int32)).device_len == 8
+    want = chain_hashes(namespace_hash(None), toks.reshape(-1, ps))
+    np.testing.assert_array_equal(leaf.page_hashes, want)
+    t.check_invariants()
+
+
+@pytest.mark.parametrize("tokens", [[2**31, 1, 2, 3], np.array([0, 1, 2, 2**40], np.int64),
+                                    np.array([2**31] * 4, np.uint32),
+                                    np.array([2**32] * 4, np.uint64)])
+def test_tokens_beyond_int32_refused_tree_unchanged(tokens):
+    t, node = _tree_with_content()
+    before = t.snapshot()
+    for call in (lambda: t.insert(tokens, [5]), lambda: t.match(tokens),
+                 lambda: t.add_host_leaf(t.root, tokens, [9])):
+        with pytest.raises(ValueError, match=r"beyond int32 .*< 2\*\*31"):
+            call()
+    assert t.snapshot() == before
+

@@ -31,7 +31,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from hicache_jax.hicache import HiCache
-from hicache_jax.spec import HiCacheConfig, check_bool
+from hicache_jax.spec import HiCacheConfig
+from hicache_jax.validation import check_bool, is_int
 from hicache_jax.engine.model import DecoderModel, bucket
 
 
@@ -125,8 +126,7 @@ class Engine:
             raise ValueError(f"cache.spec {spec} does not hold this model's K/V (needs {want})")
         for name, value in (("chunk_size", chunk_size), ("prefill_bucket", prefill_bucket),
                             ("table_bucket", table_bucket)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1 \
-                    or bucket(value) != value:
+            if not is_int(value) or value < 1 or bucket(value) != value:
                 raise ValueError(f"{name}={value!r} must be a power of two >= 1")
         self.model, self.cache = model, cache
         self.pool = cache.device_pool
@@ -169,8 +169,7 @@ class Engine:
             OutOfPagesError: a request needs more device pages than can be freed; the requests
                 before it are served and cached, its own pages are released.
         """
-        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)) \
-                or max_new_tokens < 1:
+        if not is_int(max_new_tokens) or max_new_tokens < 1:
             raise ValueError(f"max_new_tokens={max_new_tokens!r} must be an int >= 1")
         checked = [self._check_prompt(p, i) for i, p in enumerate(prompts)]
         return [self._serve(p, int(max_new_tokens)) for p in checked]

@@ -41,6 +41,7 @@ import numpy as np
 from jax import lax
 
 from hicache_jax.spec import KVSpec
+from hicache_jax.validation import is_int
 
 Params = dict[str, Any]
 
@@ -80,7 +81,7 @@ class ModelConfig:
         for name in ("vocab_size", "num_layers", "d_model", "num_heads", "num_kv_heads",
                      "head_dim", "ffn_dim"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            if not is_int(value) or value < 1:
                 raise ValueError(f"ModelConfig.{name}={value!r} must be an int >= 1")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads={self.num_heads} must be a multiple of "

@@ -23,6 +23,8 @@ from typing import Callable, Sequence
 
 import numpy as np
 
+from hicache_jax.validation import is_int
+
 #: Token id 0 is never drawn, so a padded bucket of zeros cannot look like a prompt.
 _LOW = 1
 
@@ -168,7 +170,7 @@ def _lengths(rng: np.random.Generator, mean: int, n: int) -> list[int]:
 
 def _check_sizes(**sizes: int) -> None:
     for name, value in sizes.items():
-        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+        if not is_int(value) or value < 1:
             raise ValueError(f"{name}={value!r} must be an int >= 1")
 
 

@@ -22,6 +22,7 @@ import numpy as np
 from hicache_jax.errors import HiCacheError
 from hicache_jax.spec import HostLayout, KVSpec
 from hicache_jax.storage.format import HEADER_BYTES, EntryCodec, check_keys
+from hicache_jax.validation import check_ids_in_range, is_int
 
 
 class StorageError(HiCacheError):
@@ -42,7 +43,7 @@ ENTRY_ROWS = "entry_rows"
 def entry_rows(spec: KVSpec, num_pages: int) -> np.ndarray:
     """A zeroed ``uint8[num_pages, HEADER_BYTES + page_bytes]`` buffer in the ``entry_rows``
     layout (the header slots belong to the backend opened on it)."""
-    if isinstance(num_pages, bool) or not isinstance(num_pages, (int, np.integer)) or num_pages < 1:
+    if not is_int(num_pages) or num_pages < 1:
         raise ValueError(f"num_pages={num_pages!r} must be an int >= 1")
     return np.zeros((int(num_pages), HEADER_BYTES + spec.page_bytes), np.uint8)
 
@@ -155,21 +156,6 @@ class HostPages:
         """uint8 view ``[L * kvf, chunk_bytes]`` of one page (strided for layer_first)."""
         return self._pages[page] if self.contiguous else self._pages[:, page]
 
-    def check_ids(self, host_ids: Any, n: int) -> np.ndarray:
-        """Validate ``host_ids`` (1-D ints, ``n`` of them, unique, in range) -> int64 copy."""
-        ids = np.asarray(host_ids)
-        if ids.ndim != 1 or not (ids.size == 0 or np.issubdtype(ids.dtype, np.integer)):
-            raise ValueError(f"host_ids must be 1-D integers, got shape {ids.shape} dtype {ids.dtype}")
-        if ids.shape[0] != n:
-            raise ValueError(f"len(host_ids)={ids.shape[0]} must equal len(keys)={n}")
-        ids = ids.astype(np.int64)
-        if ids.size and (ids.min() < 0 or ids.max() >= self.num_pages):
-            raise ValueError(f"host_ids must be in [0, {self.num_pages}), got "
-                             f"[{ids.min()}, {ids.max()}]")
-        if np.unique(ids).size != ids.size:
-            raise ValueError("host_ids must be unique")
-        return ids
-
 
 class StorageHandle:
     """One batched get or put in flight.
@@ -256,7 +242,7 @@ class BackendBase:
                  batch_pages: int = 32, checksum: str = "auto") -> None:
         if not isinstance(spec, KVSpec):
             raise TypeError(f"spec must be a KVSpec, got {type(spec).__name__}")
-        if isinstance(batch_pages, bool) or not isinstance(batch_pages, int) or batch_pages < 1:
+        if not is_int(batch_pages) or batch_pages < 1:
             raise ValueError(f"batch_pages={batch_pages!r} must be an int >= 1")
         self.spec = spec
         self.host = HostPages(spec, host_buffer, layout)
@@ -325,7 +311,7 @@ class BackendBase:
 
     def _submit(self, kind: str, keys: Sequence[str], host_ids: Any) -> StorageHandle:
         keys = self._check_open_keys(keys)
-        ids = self.host.check_ids(host_ids, len(keys))
+        ids = check_ids_in_range(host_ids, len(keys), self.host.num_pages)
         handle = StorageHandle(kind, keys, ids, self.spec.page_bytes)
         if not keys:
             handle._finish()

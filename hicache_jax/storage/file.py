@@ -41,9 +41,10 @@ from typing import Any, Iterator
 
 import numpy as np
 
-from hicache_jax.spec import HostLayout, KVSpec, check_bool
+from hicache_jax.spec import HostLayout, KVSpec
 from hicache_jax.storage._base import BackendBase, StorageUnavailableError
 from hicache_jax.storage.format import HEADER_BYTES, Verdict, check_keys
+from hicache_jax.validation import check_bool, is_int
 
 _TMP = ".tmp"
 _STALE_TMP_S = 600.0       # temp files older than this are leftovers of a crashed writer
@@ -80,9 +81,7 @@ class FileStorage(BackendBase):
                  fsync: bool = False, batch_pages: int = 32, checksum: str = "auto") -> None:
         root = os.fspath(root)
         entry = HEADER_BYTES + spec.page_bytes
-        if capacity_bytes is not None and (isinstance(capacity_bytes, bool)
-                                           or not isinstance(capacity_bytes, int)
-                                           or capacity_bytes < entry):
+        if capacity_bytes is not None and (not is_int(capacity_bytes) or capacity_bytes < entry):
             raise ValueError(f"capacity_bytes={capacity_bytes!r} must be None or an int >= one "
                              f"entry ({entry} bytes)")
         check_bool("fsync", fsync)

@@ -52,9 +52,10 @@ from typing import Any
 
 import numpy as np
 
-from hicache_jax.spec import HostLayout, KVSpec, check_bool
+from hicache_jax.spec import HostLayout, KVSpec
 from hicache_jax.storage._base import BackendBase, StorageHandle, StorageUnavailableError
 from hicache_jax.storage.format import HEADER_BYTES, Verdict
+from hicache_jax.validation import check_bool, is_real
 
 INSTALL_HINT = ("pip install mooncake-transfer-engine-non-cuda (the import also needs the system "
                 "library libibverbs.so.1: apt-get install -y libibverbs1)")
@@ -180,7 +181,7 @@ class MooncakeStorage(BackendBase):
         parse_address(master)
         for name, value in (("setup_timeout_s", setup_timeout_s),
                             ("exists_timeout_s", exists_timeout_s)):
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+            if not is_real(value) or value <= 0:
                 raise ValueError(f"{name}={value!r} must be > 0")
         self.exists_timeout_s = float(exists_timeout_s)
         if batch_pages is None:  # (+64 B of header per row: 128 pages of 128 KiB = 16 MiB + 8 KiB)
