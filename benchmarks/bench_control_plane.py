@@ -140,6 +140,8 @@ def _replay(HiCache, spec, cfg, prompts) -> tuple:
 # ------------------------------------------------------------------------------ driver side
 
 def _run(tree: str, npz: str, row: dict, split: bool = False) -> dict:
+    # The worker is this file run by path: the tree under test (PYTHONPATH, cwd) may be the base
+    # commit, which has no benchmarks/bench_control_plane.py of its own to run with -m.
     cmd = [sys.executable, os.path.abspath(__file__), "--worker", npz,
            "--device-pages", str(row["device_pages"]), "--host-pages", str(row["host_pages"]),
            "--events", row["events"]]
@@ -171,14 +173,12 @@ def _summary(runs: list[dict], split: dict | None) -> dict:
 
 
 def _has_kv_events() -> bool:
-    sys.path.insert(0, REPO)
     from hicache_jax import HiCacheConfig
 
     return any(f.name == "kv_events" for f in dataclasses.fields(HiCacheConfig))
 
 
 def _write_npz(trace_path: str, limit: int | None, path: str) -> tuple[int, int, int]:
-    sys.path.insert(0, REPO)
     from hicache_jax.replay import load_trace
 
     trace = load_trace(trace_path, limit=limit)
@@ -238,7 +238,6 @@ def main() -> None:
         shutil.rmtree(tmp, ignore_errors=True)
     print_report(report, rows)
     if args.json:
-        sys.path.insert(0, REPO)
         from benchmarks.common import env_info
 
         with open(args.json, "w") as f:

@@ -7,7 +7,7 @@ bits) shows why the pool stores bits (DESIGN rule 1).
 
 Page: 4 layers x 2 (K, V) x 16 tokens x 8 heads x 128 dims, bfloat16 = 256 KiB.
 
-    python benchmarks/bench_pool.py [--quick] [--json PATH]
+    python -m benchmarks.bench_pool [--quick] [--json PATH]
 """
 
 from __future__ import annotations
@@ -17,18 +17,15 @@ import functools
 import gc
 import os
 import statistics
-import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from benchmarks.common import (env_info, gbps, median_time, memcpy_fn,  # noqa: E402
-                               memcpy_seconds, print_table, write_json)
-from hicache_jax.device_pool import DevicePagePool  # noqa: E402
-from hicache_jax.spec import KVSpec  # noqa: E402
+from benchmarks.common import (env_info, gbps, median_time, memcpy_fn, memcpy_seconds,
+                               print_table, write_json)
+from hicache_jax.device_pool import DevicePagePool
+from hicache_jax.spec import KVSpec
 
 MiB = 1 << 20
 SPEC = KVSpec(num_layers=4, num_kv_heads=8, head_dim=128, dtype="bfloat16", page_size=16)

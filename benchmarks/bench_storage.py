@@ -29,7 +29,7 @@ separates the effect of reading L3 from that of the extra backups. Then two
 instances sharing one store: instance A serves the first half of the trace, a fresh instance B
 the second half; B's hits from L3 are prefixes only A computed (B alone, without L3, beside it).
 
-    python benchmarks/bench_storage.py [--quick] [--json PATH] [--backends file,mooncake]
+    python -m benchmarks.bench_storage [--quick] [--json PATH] [--backends file,mooncake]
         [--part raw|cache|all]
 """
 
@@ -40,21 +40,15 @@ import itertools
 import os
 import shutil
 import statistics
-import sys
 import tempfile
 import time
 
 import numpy as np
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.join(ROOT, "tests"))
-
-from benchmarks.common import gbps, memcpy_seconds, print_table, write_json  # noqa: E402
-from hicache_jax.spec import KVSpec  # noqa: E402
-from hicache_jax.storage import (  # noqa: E402
-    ENTRY_ROWS, entry_pages, entry_rows, open_storage, page_keys)
-from hicache_jax.storage.format import xxhash_available  # noqa: E402
+from benchmarks.common import gbps, memcpy_seconds, print_table, write_json
+from hicache_jax.spec import KVSpec
+from hicache_jax.storage import ENTRY_ROWS, entry_pages, entry_rows, open_storage, page_keys
+from hicache_jax.storage.format import xxhash_available
 
 SPEC = KVSpec(num_layers=4, num_kv_heads=8, head_dim=64, dtype="bfloat16", page_size=16)
 BATCHES = (1, 16, 128)
@@ -252,7 +246,7 @@ def batch_option(batch_pages: int | None) -> dict:
 
 
 def bench_mooncake(address: str | None, repeats: int, batch_pages: int | None) -> list[dict]:
-    from storage_servers import MooncakeServers
+    from tests.storage_servers import MooncakeServers  # tests/: a namespace package from the root
 
     servers = None
     if address is None:
@@ -356,7 +350,7 @@ def bench_cache(args, backends: list[str]) -> tuple[list[dict], dict]:
     try:
         urls = {"file": f"file://{tmp}/store"} if "file" in backends else {}
         if "mooncake" in backends:
-            from storage_servers import MooncakeServers
+            from tests.storage_servers import MooncakeServers
 
             if args.mooncake is None:
                 servers = MooncakeServers.start(segment_bytes=2 << 30)

@@ -30,7 +30,7 @@ Sharding section (``--devices 4``, CPU only): the device pool sharded over kv he
 and the host pool sharded the same way (one host buffer per shard), against moving the same
 pages into a single host buffer on one device (gather to one device first).
 
-Usage: python benchmarks/bench_transfer.py [--quick] [--json out.json] [--devices 4]
+Usage: python -m benchmarks.bench_transfer [--quick] [--json out.json] [--devices 4]
 """
 
 from __future__ import annotations
@@ -38,7 +38,6 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import sys
 import time
 
 
@@ -64,7 +63,6 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.sharding import Mesh  # noqa: E402
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.common import (aligned_bytes, env_info, gbps, memcpy_fn,  # noqa: E402
                                print_table, write_json)
 from hicache_jax.device_pool import DevicePagePool  # noqa: E402

@@ -9,25 +9,28 @@ are checked identical (allclose 1e-5) across paths.
 Printed ratios (same run): L2/recompute (issue target <= 0.1 on CPU), layer-wise/plain, L1/recompute
 (the floor any cache tier can reach: the uncached suffix still has to be prefilled), the
 load-back's own cost (L2 - L1) / recompute, and (L2 - L1) / (recompute - L1): bringing the cached
-part back from host vs recomputing that same part. Run: ``python benchmarks/bench_ttft.py [--json PATH]``.
+part back from host vs recomputing that same part.
+
+Run: ``python -m benchmarks.bench_ttft [--quick] [--json PATH]`` (``--quick``: a small model and
+prompt, one repeat; a smoke run).
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
-import sys
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks.common import print_table, write_json
+from hicache_jax import HiCacheConfig
+from hicache_jax.engine.engine import Engine
+from hicache_jax.engine.model import DecoderModel, ModelConfig
+from hicache_jax.hicache import HiCache
 
-from benchmarks.common import print_table, write_json  # noqa: E402
-from hicache_jax import HiCacheConfig  # noqa: E402
-from hicache_jax.engine.engine import Engine  # noqa: E402
-from hicache_jax.engine.model import DecoderModel, ModelConfig  # noqa: E402
-from hicache_jax.hicache import HiCache  # noqa: E402
+#: ``--quick``: a small model and prompt, one repeat (a smoke run; its ratios mean little).
+QUICK = dict(prompt_tokens=512, cached_tokens=448, chunk_size=128, repeats=1, layers=2,
+             d_model=64, heads=4, kv_heads=2, head_dim=16, ffn_dim=128)
 
 
 def _args(argv=None, defaults=None):
@@ -46,8 +49,13 @@ def _args(argv=None, defaults=None):
     p.add_argument("--dtype", default="float32")
     p.add_argument("--vocab", type=int, default=512)
     p.add_argument("--json", help="write the figures as JSON")
+    p.add_argument("--quick", action="store_true", help="small sizes (QUICK); given flags win")
     p.set_defaults(**(defaults or {}))
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.quick:
+        p.set_defaults(**QUICK)
+        args = p.parse_args(argv)
+    return args
 
 
 class _Bench:

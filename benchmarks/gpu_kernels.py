@@ -22,7 +22,7 @@ Needs an NVIDIA GPU of compute capability >= 9.0 (H100/H200). ``--smoke`` runs t
 path on CPU with tiny shapes and the Mosaic GPU interpreter (checks the script, times nothing
 meaningful). Budget: < 5 minutes on one H200.
 
-Usage: python benchmarks/gpu_kernels.py [--smoke] [--json benchmarks/out/gpu_kernels.json]
+Usage: python -m benchmarks.gpu_kernels [--smoke] [--json benchmarks/out/gpu_kernels.json]
        [--no-probe | --probe-only]
 """
 
@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import os
 import statistics
 import sys
 import time
@@ -40,10 +39,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import pallas_kernels as pk  # noqa: E402
-from benchmarks.common import gbps, print_table, write_json  # noqa: E402
-from pallas_kernels import gpu as pk_gpu  # noqa: E402
+import pallas_kernels as pk
+from benchmarks.common import gbps, print_table, write_json
+from pallas_kernels import gpu as pk_gpu
 
 # Llama-3-8B-like KV: 32 layers x (K, V) x 16 tokens x 8 heads x 128 dims x bf16 (uint16 bits):
 # 32 KiB contiguous chunks, 2 MiB per page; 1024 pages = 2 GiB moved each way.

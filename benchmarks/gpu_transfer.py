@@ -14,7 +14,7 @@ Runs anywhere: on CPU (no accelerator) the same logic runs -- CPU has ``pinned_h
 ``device`` memory kinds -- and if a backend has no ``pinned_host`` the limit falls back to numpy
 -> device_put / np.asarray, labelled as such. Budget: < 5 minutes on one H200.
 
-Usage: python benchmarks/gpu_transfer.py [--quick] [--json out.json] [--memory-kind auto]
+Usage: python -m benchmarks.gpu_transfer [--quick] [--json out.json] [--memory-kind auto]
 """
 
 from __future__ import annotations
@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import sys
 import time
 import traceback
 
@@ -31,12 +30,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import SingleDeviceSharding
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks.common import env_info, gbps, print_table, write_json  # noqa: E402
-from hicache_jax.device_pool import DevicePagePool  # noqa: E402
-from hicache_jax.host_pool import HostPagePool  # noqa: E402
-from hicache_jax.spec import KVSpec  # noqa: E402
-from hicache_jax.transfer import TransferEngine  # noqa: E402
+from benchmarks.common import env_info, gbps, print_table, write_json
+from hicache_jax.device_pool import DevicePagePool
+from hicache_jax.host_pool import HostPagePool
+from hicache_jax.spec import KVSpec
+from hicache_jax.transfer import TransferEngine
 
 # 4 layers x 2 x 16 tokens x 8 heads x 64 dims x bf16 = 128 KiB per page.
 SPEC = KVSpec(num_layers=4, num_kv_heads=8, head_dim=64, dtype="bfloat16", page_size=16)

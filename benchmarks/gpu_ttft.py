@@ -6,18 +6,15 @@ sized for a GPU: 8 layers, d_model 2048, 16 query / 8 KV heads of 128, SwiGLU 56
 32000, bfloat16; an 8192-token prompt with 7680 tokens cached (32 KiB of KV per token: 240 MiB),
 chunked prefill of 1024. Every flag of bench_ttft.py can still be given.
 
-Run on the GPU machine: ``python benchmarks/gpu_ttft.py --json benchmarks/gpu_ttft.json``.
+Run on the GPU machine: ``python -m benchmarks.gpu_ttft --json benchmarks/gpu_ttft.json``.
 Refuses to run on a non-GPU backend unless ``--allow-cpu`` (the figures would be meaningless).
 """
 
 from __future__ import annotations
 
-import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from benchmarks import bench_ttft  # noqa: E402
+from benchmarks import bench_ttft
 
 GPU_DEFAULTS = dict(prompt_tokens=8192, cached_tokens=7680, page_size=16, chunk_size=1024,
                     repeats=10, layers=8, d_model=2048, heads=16, kv_heads=8, head_dim=128,

@@ -33,10 +33,10 @@ run() {  # name, cap seconds, command...
 }
 run env 60 python3 -c "import jax; print('jax', jax.__version__, jax.devices())"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>&1 | tee -a "$log"
-run gpu_kernels 120 python3 benchmarks/gpu_kernels.py --no-probe --json "$out/gpu_kernels.json"
-run gpu_transfer 70 python3 benchmarks/gpu_transfer.py --json "$out/gpu_transfer.json"
-run gpu_ttft 80 python3 benchmarks/gpu_ttft.py --json "$out/gpu_ttft.json"
-run gpu_kernels_probe 30 python3 benchmarks/gpu_kernels.py --probe-only \
+run gpu_kernels 120 python3 -m benchmarks.gpu_kernels --no-probe --json "$out/gpu_kernels.json"
+run gpu_transfer 70 python3 -m benchmarks.gpu_transfer --json "$out/gpu_transfer.json"
+run gpu_ttft 80 python3 -m benchmarks.gpu_ttft --json "$out/gpu_ttft.json"
+run gpu_kernels_probe 30 python3 -m benchmarks.gpu_kernels --probe-only \
     --json "$out/gpu_kernels_probe.json"
 # The compiled kernels and the transfer engine on this device. Not -x: one failure must not hide
 # the rest. Left out: tests that need 4 devices or assume CPU, and the fp8 page-size-1 pool case

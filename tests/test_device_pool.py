@@ -14,35 +14,14 @@ from hicache_jax import device_pool as dp
 from hicache_jax.device_pool import DevicePagePool, bucket_size
 from hicache_jax.spec import CopyBackend, KVSpec
 
-DTYPES = ("bfloat16", "float16", "float32", "float8_e4m3fn", "int8")
+from helpers import POISON, random_bits
+from helpers import poisoned_device_pool as poisoned_pool
 
-#: Poison bit pattern per dtype: a NaN for the floats (so a stray read shows in any arithmetic),
-#: the most negative value for int8. Random page data below never takes this value.
-POISON = {"bfloat16": 0x7FC1, "float16": 0x7E01, "float32": 0x7FC00001,
-          "float8_e4m3fn": 0x7F, "int8": 0x80}
+DTYPES = ("bfloat16", "float16", "float32", "float8_e4m3fn", "int8")
 
 
 def make_mesh(axis_type=AxisType.Auto):
     return jax.make_mesh((4,), ("tp",), axis_types=(axis_type,))
-
-
-def random_bits(spec: KVSpec, n: int, seed: int) -> np.ndarray:
-    """Random page bits, never zero and never the poison pattern."""
-    rng = np.random.default_rng(seed)
-    hi = np.iinfo(spec.bits_dtype).max
-    bits = rng.integers(1, hi, size=spec.kv_shape(n), dtype=np.uint64, endpoint=True)
-    bits = bits.astype(spec.bits_dtype)
-    bits[bits == POISON[spec.dtype]] = 1
-    return bits
-
-
-def poisoned_pool(spec: KVSpec, num_pages: int, **kw) -> DevicePagePool:
-    """A pool whose every page (scratch included) holds the poison pattern."""
-    pool = DevicePagePool(spec, num_pages, **kw)
-    poison = np.full(pool.shape, POISON[spec.dtype], spec.bits_dtype)
-    # A device_put, not pool.write: one compile less per test spec (compiles dominate run time).
-    pool.array = jax.device_put(poison, pool.array.sharding)
-    return pool
 
 
 def pool_bits(pool: DevicePagePool) -> np.ndarray:

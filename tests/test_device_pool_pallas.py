@@ -18,14 +18,8 @@ from hicache_jax import device_pool as dp
 from hicache_jax.device_pool import DevicePagePool
 from hicache_jax.spec import CopyBackend, KVSpec
 
-POISON = {"bfloat16": 0x7FC1, "float32": 0x7FC00001, "float8_e4m3fn": 0x7F}
-
-
-def poisoned(spec: KVSpec, num_pages: int, **kw) -> DevicePagePool:
-    pool = DevicePagePool(spec, num_pages, **kw)
-    bits = np.full(pool.shape, POISON[spec.dtype], spec.bits_dtype)
-    pool.array = jax.device_put(bits, pool.array.sharding)
-    return pool
+from helpers import POISON
+from helpers import poisoned_device_pool as poisoned
 
 
 def random_kv(spec: KVSpec, n: int, seed: int) -> np.ndarray:

@@ -10,6 +10,8 @@ from hicache_jax.device_pool import DevicePagePool
 from hicache_jax.engine.model import (DecoderModel, ModelConfig, bucket, compiled_step_count,
                                       init_params, load_params, reference_logits, save_params)
 
+from helpers import poisoned_device_pool
+
 CFG = ModelConfig(vocab_size=97, num_layers=2, d_model=32, num_heads=4, num_kv_heads=2,
                   head_dim=8, ffn_dim=48)
 TOL = dict(rtol=1e-5, atol=1e-5)
@@ -32,10 +34,7 @@ def ref(model, prompt):
 
 def _poisoned_pool(page_size, num_pages=64):
     """A pool whose every page (scratch included) holds NaN bits, so stray reads show."""
-    pool = DevicePagePool(CFG.kv_spec(page_size), num_pages)
-    nan_bits = np.float32(np.nan).view(np.uint32)
-    pool.array = jnp.full(pool.shape, nan_bits, pool.array.dtype)
-    return pool
+    return poisoned_device_pool(CFG.kv_spec(page_size), num_pages)
 
 
 def _pages(n, num_pages=64, seed=0):

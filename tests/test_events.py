@@ -7,20 +7,20 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from hicache_jax import (AllBlocksCleared, BlockRemoved, BlockStored, HiCache, HiCacheConfig,
-                         HiCacheError, KVSpec, Medium)
+from hicache_jax import (AllBlocksCleared, BlockRemoved, BlockStored, HiCacheConfig,
+                         HiCacheError, Medium)
 from hicache_jax.events import KVEventsConfig, NullRecorder, QueueRecorder, replay
 from hicache_jax.radix import chain_hashes, namespace_hash
+
+from helpers import bookkeeping_spec, make_cache
 
 
 QUEUE = {"publisher": "queue"}
 
 
 def make(policy="write_back", ps=4, device=16, host=32, kv_events=QUEUE):
-    spec = KVSpec(num_layers=1, num_kv_heads=1, head_dim=2, dtype="float16", page_size=ps)
-    return HiCache(spec, HiCacheConfig(device_pages=device, host_pages=host,
-                                       write_policy=policy, load_back_threshold=ps,
-                                       kv_events=kv_events))
+    return make_cache(bookkeeping_spec(ps), device, host, write_policy=policy,
+                      kv_events=kv_events)
 
 
 def put(cache, tokens, extra_key=None):

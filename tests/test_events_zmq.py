@@ -4,7 +4,6 @@ a bad configuration (bind failures leave nothing bound)."""
 
 from __future__ import annotations
 
-import socket
 from typing import Any
 
 import numpy as np
@@ -13,8 +12,12 @@ import pytest
 msgspec = pytest.importorskip("msgspec")
 zmq = pytest.importorskip("zmq")
 
-from hicache_jax import HiCache, HiCacheConfig, HiCacheError, KVSpec, Medium  # noqa: E402
+from hicache_jax import HiCache, HiCacheConfig, HiCacheError, Medium  # noqa: E402
 from test_hicache_state_machine import tree_pages  # noqa: E402
+
+from helpers import bookkeeping_spec, make_cache  # noqa: E402
+from helpers import serve as put  # noqa: E402
+from storage_servers import free_port  # noqa: E402
 
 
 # -- the published format: vLLM's structs (vllm/distributed/kv_events.py), nothing of ours ----
@@ -54,14 +57,8 @@ class KVEventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False
 DECODE = msgspec.msgpack.Decoder(KVEventBatch).decode
 MEDIUM = {"GPU": Medium.DEVICE, "CPU": Medium.HOST}
 PS = 4
-SPEC = KVSpec(num_layers=1, num_kv_heads=1, head_dim=2, dtype="float16", page_size=PS)
+SPEC = bookkeeping_spec(PS)
 TIMEOUT_MS = 10_000
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def zmq_events(endpoint, replay=None, buffer_steps=10_000, topic="kv-events"):
@@ -70,17 +67,7 @@ def zmq_events(endpoint, replay=None, buffer_steps=10_000, topic="kv-events"):
 
 
 def make(kv_events, policy="write_back", device=16, host=32):
-    return HiCache(SPEC, HiCacheConfig(device_pages=device, host_pages=host, write_policy=policy,
-                                       load_back_threshold=PS, kv_events=kv_events))
-
-
-def put(cache, tokens, extra_key=None):
-    tokens = np.asarray(tokens)
-    m = cache.load_back(cache.match_prefix(tokens, extra_key))
-    cache.lock(m.node)
-    new = cache.alloc_pages(tokens.size // PS - m.device_pages.size)
-    cache.insert(tokens, np.concatenate([m.device_pages, new]), extra_key)
-    cache.unlock(m.node)
+    return make_cache(SPEC, device, host, write_policy=policy, kv_events=kv_events)
 
 
 class Subscriber:

@@ -6,36 +6,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import Mesh
 
 from hicache_jax.host_pool import HostPagePool
 from hicache_jax.page_copy import STAGE_SIZES, copy_pages, gather_pages, stage_chunks
 from hicache_jax.spec import SUPPORTED_DTYPES, HostLayout, KVSpec
 
+from helpers import heads_mesh as _mesh
+from helpers import poison as _poison_value
+from helpers import poisoned_host_pool as _poisoned
+from helpers import random_bits
+
 LAYOUTS = ("layer_first", "page_first")
-POISON = 0xA5
-
-
-def _mesh() -> Mesh:
-    return Mesh(np.array(jax.devices()[:4]), ("heads",))
-
-
-def _random_bits(rng: np.random.Generator, spec: KVSpec, n: int) -> np.ndarray:
-    info = np.iinfo(spec.bits_dtype)
-    # Never zero, never the poison byte pattern: a stray zero or poison read shows.
-    bits = rng.integers(1, info.max, size=spec.kv_shape(n), dtype=spec.bits_dtype)
-    return np.where(bits == _poison_value(spec), 1, bits).astype(spec.bits_dtype)
-
-
-def _poison_value(spec: KVSpec) -> int:
-    return int.from_bytes(bytes([POISON]) * spec.itemsize, "little")
-
-
-def _poisoned(spec: KVSpec, num_pages: int, layout: str = "layer_first", **kw) -> HostPagePool:
-    pool = HostPagePool(spec, num_pages, layout, **kw)
-    pool.write(np.arange(num_pages), np.full(spec.kv_shape(num_pages), _poison_value(spec),
-                                             spec.bits_dtype))
-    return pool
 
 
 def _snapshot(pool: HostPagePool) -> np.ndarray:
@@ -111,7 +92,7 @@ def test_write_read_bit_exact(dtype, layout, page_size):
     rng = np.random.default_rng(sum(map(ord, dtype + layout)) + page_size)
     pool = _poisoned(spec, 8, layout)
     ids = np.array([6, 2, 5])
-    kv = _random_bits(rng, spec, 3)
+    kv = random_bits(spec, 3, rng)
     pool.write(ids, kv)
     want = np.full(spec.kv_shape(8), _poison_value(spec), spec.bits_dtype)
     want[:, :, ids] = kv
@@ -128,7 +109,7 @@ def test_sharded_write_read(layout, memory_kind):
     assert pool.buffer.sharding.memory_kind == pool.memory_kind
     # Each device holds 2 of the 8 heads of every page: a contiguous buffer per shard.
     assert {s.data.shape[4] for s in pool.buffer.addressable_shards} == {2}
-    kv = _random_bits(np.random.default_rng(1), spec, 2)
+    kv = random_bits(spec, 2, np.random.default_rng(1))
     pool.write([4, 0], kv)
     np.testing.assert_array_equal(pool.read([4, 0]), kv)
     assert (pool.read([1, 2, 3, 5]) == _poison_value(spec)).all()
@@ -139,7 +120,7 @@ def test_pinned_host_unsharded_round_trip():
     spec = KVSpec(2, 2, 8, "float32", page_size=3)
     pool = _poisoned(spec, 4, "page_first", memory_kind="pinned_host")
     assert pool.buffer.sharding.memory_kind == "pinned_host" and not pool.on_device_memory
-    kv = _random_bits(np.random.default_rng(2), spec, 1)
+    kv = random_bits(spec, 1, np.random.default_rng(2))
     pool.write([3], kv)
     np.testing.assert_array_equal(pool.read([3]), kv)
 
@@ -208,7 +189,7 @@ def test_read_async_sees_the_pages_as_of_its_dispatch(layout):
     pool = HostPagePool(spec, 80, layout)
     rng = np.random.default_rng(7)
     ids = rng.permutation(80)[:70]  # two chunks: 64 + 6 (padded to 8)
-    old, new = _random_bits(rng, spec, 70), _random_bits(rng, spec, 70)
+    old, new = random_bits(spec, 70, rng), random_bits(spec, 70, rng)
     pool.write(ids, old)
     read = pool.read_async(ids)
     assert read.num_pages == 70
@@ -241,7 +222,7 @@ def test_mla_pools_on_a_mesh_are_replicated_and_round_trip():
     cache = HiCache(spec, HiCacheConfig(device_pages=4, host_pages=8, mesh=mesh,
                                         load_back_threshold=2))
     rng = np.random.default_rng(3)
-    kv = _random_bits(rng, spec, 3)
+    kv = random_bits(spec, 3, rng)
     toks = np.arange(6)
     pages = cache.alloc_pages(3)
     cache.write_kv(pages, kv)
@@ -261,7 +242,7 @@ def test_write_rows_from_a_strided_page_major_buffer(layout):
     pool = HostPagePool(spec, 90, layout)
     rng = np.random.default_rng(9)
     src = entry_pages(spec, entry_rows(spec, 80))  # page-major, rows strided by their headers
-    src[:] = np.moveaxis(_random_bits(rng, spec, 80), 2, 0)
+    src[:] = np.moveaxis(random_bits(spec, 80, rng), 2, 0)
     ids, rows = rng.permutation(90)[:70], rng.permutation(80)[:70]  # 64 + 6 pages
     pool.write_rows(ids, src, rows)
     np.testing.assert_array_equal(pool.read(ids), np.moveaxis(src[rows], 0, 2))
@@ -285,7 +266,7 @@ def test_compiles_bounded_by_stage_sizes():
     before = copy_pages._cache_size(), gather_pages._cache_size()
     for n in sizes:
         ids = rng.permutation(160)[:n]
-        kv = _random_bits(rng, spec, n)
+        kv = random_bits(spec, n, rng)
         pool.write(ids, kv)
         np.testing.assert_array_equal(pool.read(ids), kv)
     # one write and one read variant per staging size, nothing per batch size

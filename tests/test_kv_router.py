@@ -13,10 +13,12 @@ import pytest
 pytest.importorskip("msgspec")
 pytest.importorskip("zmq")
 
-from hicache_jax import HiCache, HiCacheConfig, KVSpec  # noqa: E402
+from hicache_jax import HiCache, HiCacheConfig  # noqa: E402
+
+from helpers import bookkeeping_spec, make_cache, serve  # noqa: E402
 
 PS = 4
-SPEC = KVSpec(num_layers=1, num_kv_heads=1, head_dim=2, dtype="float16", page_size=PS)
+SPEC = bookkeeping_spec(PS)
 EXAMPLE = pathlib.Path(__file__).resolve().parents[1] / "examples" / "kv_router.py"
 
 
@@ -36,23 +38,14 @@ def two(tmp_path, kv_router):
     for name, policy in (("a", "write_back"), ("b", "clean_ahead")):
         ep, rep = f"ipc://{tmp_path}/{name}", f"ipc://{tmp_path}/{name}-replay"
         instances[name] = (ep, rep)
-        caches[name] = HiCache(SPEC, HiCacheConfig(
-            device_pages=12, host_pages=16, write_policy=policy, load_back_threshold=PS,
-            kv_events={"publisher": "zmq", "endpoint": ep, "replay_endpoint": rep}))
+        caches[name] = make_cache(
+            SPEC, 12, 16, write_policy=policy,
+            kv_events={"publisher": "zmq", "endpoint": ep, "replay_endpoint": rep})
     router = kv_router.KVRouter(instances, page_size=PS)
     yield caches, router
     router.close()
     for cache in caches.values():
         cache.close()
-
-
-def serve(cache, tokens, extra_key=None):
-    tokens = np.asarray(tokens)
-    m = cache.load_back(cache.match_prefix(tokens, extra_key))
-    cache.lock(m.node)
-    new = cache.alloc_pages(tokens.size // PS - m.device_pages.size)
-    cache.insert(tokens, np.concatenate([m.device_pages, new]), extra_key)
-    cache.unlock(m.node)
 
 
 def agree(caches, router, queries):

@@ -25,11 +25,8 @@ import pallas_kernels as pk
 from pallas_kernels import gpu as pk_gpu
 from pallas_kernels import tpu as pk_tpu
 
-# KV dtype -> bits dtype, and a NaN bit pattern of it (int8 has none: a sentinel instead).
-BITS = {"bfloat16": np.uint16, "float16": np.uint16, "float32": np.uint32,
-        "float8_e4m3fn": np.uint8, "int8": np.uint8}
-POISON = {"bfloat16": 0x7FC1, "float16": 0x7E01, "float32": 0x7FC00001,
-          "float8_e4m3fn": 0x7F, "int8": 0x80}
+from helpers import BITS, POISON  # KV dtype -> bits dtype; a NaN bit pattern of it
+
 NUM_LAYERS, KVF, HEADS = 2, 2, 2
 
 

@@ -14,8 +14,7 @@ from hicache_jax.eviction import EvictionPolicy
 from hicache_jax.spec import (SUPPORTED_DTYPES, CopyBackend, HiCacheConfig, HostLayout,
                               KVSpec, PrefetchPolicy, WritePolicy)
 
-BITS = {"bfloat16": np.uint16, "float16": np.uint16, "float32": np.uint32,
-        "float8_e4m3fn": np.uint8, "int8": np.uint8}
+from helpers import BITS
 
 
 def test_supported_dtypes():

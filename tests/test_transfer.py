@@ -8,7 +8,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import Mesh
 
 from hicache_jax.device_pool import DevicePagePool
 from hicache_jax.errors import HiCacheError
@@ -17,33 +16,20 @@ from hicache_jax.page_copy import copy_pages, copy_plan
 from hicache_jax.spec import SUPPORTED_DTYPES, KVSpec
 from hicache_jax.transfer import TransferEngine, TransferHandle
 
+from helpers import heads_mesh, poisoned_device_pool, poisoned_host_pool, random_bits
+from helpers import poison as _poison
+
 LAYOUTS = ("layer_first", "page_first")
-POISON = 0x5A
 # One spec and pool size for the tests that are not about dtypes or shapes: compiles are shared.
 SPEC = KVSpec(2, 2, 8, "bfloat16", page_size=4)
-
-
-def _poison(spec: KVSpec) -> int:
-    return int.from_bytes(bytes([POISON]) * spec.itemsize, "little")
-
-
-def _random_bits(rng: np.random.Generator, spec: KVSpec, n: int) -> np.ndarray:
-    bits = rng.integers(1, np.iinfo(spec.bits_dtype).max, size=spec.kv_shape(n),
-                        dtype=spec.bits_dtype)
-    return np.where(bits == _poison(spec), 1, bits).astype(spec.bits_dtype)
 
 
 def _setup(spec: KVSpec, layout: str = "layer_first", *, device_pages: int = 8,
            host_pages: int = 10, sharded: bool = False, memory_kind: str = "auto"):
     """Pools with every page poisoned and allocated, and their engine."""
-    mesh = Mesh(np.array(jax.devices()[:4]), ("heads",)) if sharded else None
-    dev = DevicePagePool(spec, device_pages, mesh=mesh)
-    host = HostPagePool(spec, host_pages, layout, mesh=mesh, memory_kind=memory_kind)
-    poison = _poison(spec)
-    dev.write(np.arange(device_pages), np.full(spec.kv_shape(device_pages), poison,
-                                               spec.bits_dtype))
-    host.write(np.arange(host_pages), np.full(spec.kv_shape(host_pages), poison,
-                                              spec.bits_dtype))
+    mesh = heads_mesh() if sharded else None
+    dev = poisoned_device_pool(spec, device_pages, mesh=mesh)
+    host = poisoned_host_pool(spec, host_pages, layout, mesh=mesh, memory_kind=memory_kind)
     dev.allocator.alloc(device_pages)
     host.allocator.alloc(host_pages)
     return dev, host, TransferEngine(dev, host)
@@ -60,11 +46,11 @@ def _snapshots(dev: DevicePagePool, host: HostPagePool) -> tuple[np.ndarray, np.
 def _round_trip(spec, layout, sharded, memory_kind="auto", seed=0):
     dev, host, eng = _setup(spec, layout, host_pages=8, sharded=sharded, memory_kind=memory_kind)
     rng = np.random.default_rng(seed)
-    kv = _random_bits(rng, spec, 3)
+    kv = random_bits(spec, 3, rng)
     dev.write([6, 1, 3], kv)
     backup = eng.backup([6, 1, 3], [2, 7, 4])
     assert isinstance(backup, TransferHandle) and backup.nbytes == 3 * spec.page_bytes
-    dev.write([6, 1, 3], _random_bits(rng, spec, 3))  # overwrite while the backup may be in flight
+    dev.write([6, 1, 3], random_bits(spec, 3, rng))  # overwrite while the backup may be in flight
     load = eng.load([7, 2, 4], [0, 5, 7])
     assert eng.wait_all() == [backup, load]
     assert backup.done() and load.done() and eng.in_flight == 0
@@ -111,7 +97,7 @@ def test_mla_round_trip():
 def test_layerwise_load(layout):
     spec = SPEC
     dev, host, eng = _setup(spec, layout)
-    kv = _random_bits(np.random.default_rng(1), spec, 2)
+    kv = random_bits(spec, 2, np.random.default_rng(1))
     host.write([3, 8], kv)
     handle = eng.load([3, 8], [4, 0], layerwise=True)
     assert handle.layerwise and eng.in_flight == 1
@@ -131,7 +117,7 @@ def test_layerwise_load(layout):
 def test_wait_layer_on_a_whole_load_waits_for_everything():
     spec = SPEC
     dev, host, eng = _setup(spec)
-    kv = _random_bits(np.random.default_rng(2), spec, 1)
+    kv = random_bits(spec, 1, np.random.default_rng(2))
     host.write([5], kv)
     handle = eng.load([5], [2])
     handle.wait_layer(0)
@@ -182,8 +168,8 @@ def test_bad_input_raises_before_dispatch(call, args, err, match):
     dev.allocator.free([0])
     host.allocator.free([9])
     rng = np.random.default_rng(3)
-    dev.write(np.arange(8), _random_bits(rng, spec, 8))
-    host.write(np.arange(10), _random_bits(rng, spec, 10))
+    dev.write(np.arange(8), random_bits(spec, 8, rng))
+    host.write(np.arange(10), random_bits(spec, 10, rng))
     before = _snapshots(dev, host)
     with pytest.raises(err, match=match):
         getattr(eng, call)(*args)
@@ -195,7 +181,7 @@ def test_bad_input_raises_before_dispatch(call, args, err, match):
 
 def test_mismatched_pools_are_rejected():
     spec = KVSpec(2, 4, 8)
-    mesh = Mesh(np.array(jax.devices()[:4]), ("heads",))
+    mesh = heads_mesh()
     with pytest.raises(ValueError, match="spec"):
         TransferEngine(DevicePagePool(spec, 2), HostPagePool(KVSpec(2, 4, 8, "float16"), 2))
     with pytest.raises(ValueError, match="placement"):
@@ -220,14 +206,14 @@ def test_in_flight_host_pages_are_busy_until_their_transfers_complete():
     spec = SPEC
     dev, host, eng = _setup(spec)
     rng = np.random.default_rng(4)
-    old = _random_bits(rng, spec, 2)
+    old = random_bits(spec, 2, rng)
     host.write([1, 4], old)
     load = eng.load([1, 4], [2, 3])
     backup = eng.backup([0], [5])
     assert eng.busy_host_pages([0, 1, 4, 5]).tolist() == [False, True, True, True]
     # Writing new bytes into a page a load still reads does not change what the load copies
     # (XLA orders the write after the read).
-    host.write([1], _random_bits(rng, spec, 1))
+    host.write([1], random_bits(spec, 1, rng))
     eng.wait_all()
     assert load.done() and backup.done()
     np.testing.assert_array_equal(_dev_bits(dev, [2, 3]), old)
@@ -264,10 +250,10 @@ def test_device_write_after_backup_does_not_change_the_backup():
     spec = SPEC
     dev, host, eng = _setup(spec)
     rng = np.random.default_rng(5)
-    kv = _random_bits(rng, spec, 8)
+    kv = random_bits(spec, 8, rng)
     dev.write(np.arange(8), kv)
     handle = eng.backup(np.arange(8), np.arange(8)[::-1])
-    dev.write(np.arange(8), _random_bits(rng, spec, 8))  # donates the pool the backup reads
+    dev.write(np.arange(8), random_bits(spec, 8, rng))  # donates the pool the backup reads
     handle.wait()
     np.testing.assert_array_equal(host.read(np.arange(8)[::-1]), kv)
 
