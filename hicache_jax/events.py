@@ -11,9 +11,10 @@ spirit of vLLM's / SGLang's KV events:
 * :class:`BlockRemoved` — the page is no longer held on ``medium``.
 * :class:`AllBlocksCleared` — everything is gone (``HiCache.reset``).
 
-Page hashes come from the radix tree (``TreeNode.page_hashes``): ``h_i = H(h_{i-1}, tokens of
-page i)`` with blake2b, the chain of a namespace seeded from its ``extra_key``, so two processes
-that cache the same prefix report the same hashes. A node split changes no page hash, so events
+Page hashes come from the radix tree (``TreeNode.page_hashes``, defined in
+:mod:`hicache_jax.hashing`): ``h_i = xxh3_64(tokens of page i, seed=h_{i-1})``, the chain of a
+namespace seeded from its ``extra_key``, so two processes that cache the same prefix report the
+same hashes. A node split changes no page hash, so events
 never depend on how the tree is split.
 
 Off by default (``kv_events=None``): the cache then holds a :class:`NullRecorder` whose methods
