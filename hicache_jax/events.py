@@ -20,14 +20,18 @@ never depend on how the tree is split.
 Off by default (``kv_events=None``): the cache then holds a :class:`NullRecorder` whose methods
 do nothing, chosen once at construction. When on, the events of one public call form one batch
 (sealed when the call returns) with a sequence number; a recorder holds them compactly (one
-record per node: numpy views of its page hashes and tokens) and turns them into Python ints
-only when a consumer reads them or they are serialized:
+record per run of a node's pages: its page hashes and a compact copy of its tokens, int32
+where they fit) and turns them into Python ints only when a consumer reads them or they are
+serialized. The tokens are copied, not viewed, so that a batch never pins a whole node key
+(alive until the batch goes, after the node is gone) and its bytes are exactly counted.
 
 * ``publisher="queue"`` (:class:`QueueRecorder`): in-process; ``HiCache.take_events()`` /
-  ``take_event_batches()``. At most ``buffer_steps`` batches wait: when full the oldest is
-  dropped and counted, and the batches taken show the gap in their ``seq``.
+  ``take_event_batches()``. At most ``buffer_steps`` batches and ``buffer_bytes`` bytes of
+  their hashes and tokens (:func:`record_bytes`) wait: beyond either, the oldest batches are
+  dropped and counted (``kv_event_batches_dropped``), and the batches taken show the gap in
+  their ``seq``. A batch larger than ``buffer_bytes`` by itself is dropped too.
 * ``publisher="zmq"`` (:class:`~hicache_jax.events_zmq.ZmqRecorder`): published on a ZMQ PUB
-  socket in vLLM's wire format (see events_zmq.py).
+  socket in vLLM's wire format by a publisher thread (see events_zmq.py).
 
 Replaying the events in order over an empty set of ``(block_hash, medium)`` pairs gives exactly
 the pages the cache holds on each tier (the state-machine test checks this after every step).
@@ -44,7 +48,7 @@ import json
 import re
 import time
 from dataclasses import dataclass
-from typing import Any, Iterable, NamedTuple, Union
+from typing import Any, Iterable, Iterator, NamedTuple, Union
 
 import numpy as np
 
@@ -132,7 +136,14 @@ class KVEventsConfig:
             "tcp://127.0.0.1:5557", "ipc:///tmp/kv").
         topic: zmq: the first frame of every message.
         replay_endpoint: zmq: a ROUTER address for replay requests, or None.
-        buffer_steps: batches kept (queue: waiting to be taken; zmq: for replay).
+        buffer_steps: batches kept (queue: waiting to be taken; zmq: waiting for the
+            publisher thread, and again sent, for replay).
+        buffer_bytes: bytes those batches may hold (queue: their page hashes and tokens, see
+            :func:`record_bytes`; zmq: the same while waiting, the encoded payloads for replay).
+            Default 16 MiB: ~4M tokens as int32, ~340 batches of 12K-token requests (with
+            their host copies), several hundred ms of a busy cache's events: enough for a
+            consumer that takes them every scheduler step, and small beside the 200 MB over
+            the pools that a long replay may use in all (``benchmarks/bench_memory.py``).
         data_parallel_rank: zmq: the ``data_parallel_rank`` of every batch.
     """
 
@@ -141,6 +152,7 @@ class KVEventsConfig:
     topic: str = "kv-events"
     replay_endpoint: str | None = None
     buffer_steps: int = 10_000
+    buffer_bytes: int = 16 << 20
     data_parallel_rank: int = 0
 
 
@@ -160,7 +172,7 @@ def parse_kv_events(value: Any) -> KVEventsConfig | None:
 
     Raises:
         ValueError / TypeError: naming the field (unknown publisher or key, malformed endpoint,
-            buffer_steps not an int >= 1, ...).
+            buffer_steps or buffer_bytes not an int >= 1, ...).
     """
     if value is None or isinstance(value, KVEventsConfig) and _checked(value):
         return value
@@ -185,11 +197,10 @@ def _checked(cfg: KVEventsConfig) -> bool:
     if cfg.publisher not in _PUBLISHERS:
         raise ValueError(f"kv_events publisher={cfg.publisher!r} is not one of: "
                          f"{', '.join(map(repr, _PUBLISHERS))}")
-    for field in ("buffer_steps", "data_parallel_rank"):
+    for field, low in (("buffer_steps", 1), ("buffer_bytes", 1), ("data_parallel_rank", 0)):
         v = getattr(cfg, field)
-        if isinstance(v, bool) or not isinstance(v, int) or v < (field == "buffer_steps"):
-            raise ValueError(f"kv_events {field}={v!r} must be an int >= "
-                             f"{int(field == 'buffer_steps')}")
+        if isinstance(v, bool) or not isinstance(v, int) or v < low:
+            raise ValueError(f"kv_events {field}={v!r} must be an int >= {low}")
     if not isinstance(cfg.topic, str):
         raise TypeError(f"kv_events topic={cfg.topic!r} must be a str")
     _check_endpoint("endpoint", cfg.endpoint)
@@ -204,11 +215,11 @@ def _checked(cfg: KVEventsConfig) -> bool:
 # -- recorders -------------------------------------------------------------------------------
 
 class _Stored(NamedTuple):
-    """Compact BlockStored of a run of one node's pages (numpy views, not Python ints)."""
+    """Compact BlockStored of a run of one node's pages (numpy arrays, not Python ints)."""
 
-    hashes: np.ndarray  # uint64 [n]
+    hashes: np.ndarray  # uint64 [n], read-only (the node's, or a copy of a slice of them)
     parent: int | None
-    tokens: np.ndarray  # int64 [n * page_size]
+    tokens: np.ndarray  # int32 (int64 where a token needs it) [n * page_size], a copy
     medium: Medium
     extra_key: Any
 
@@ -220,6 +231,71 @@ class _Removed(NamedTuple):
 
 _CLEARED = AllBlocksCleared()
 _Record = Union[_Stored, _Removed, AllBlocksCleared]
+
+#: Bytes counted per record beyond its arrays (the tuple, the arrays' headers): a rough figure,
+#: so that batches of no tokens count too.
+RECORD_OVERHEAD = 256
+_INT32_MAX = np.iinfo(np.int32).max
+
+
+def record_bytes(record: _Record) -> int:
+    """What a record holds: its arrays' bytes plus :data:`RECORD_OVERHEAD`."""
+    if isinstance(record, _Stored):
+        return record.hashes.nbytes + record.tokens.nbytes + RECORD_OVERHEAD
+    if isinstance(record, _Removed):
+        return record.hashes.nbytes + RECORD_OVERHEAD
+    return RECORD_OVERHEAD
+
+
+def compact_tokens(tokens: np.ndarray) -> np.ndarray:
+    """A copy of non-negative int tokens as int32 where they fit (one max over int64 keys),
+    else int64: half the bytes of the tree's int64 keys for any vocabulary below 2**31."""
+    if tokens.dtype.kind in "iu" and tokens.dtype.itemsize < 4 or tokens.dtype == np.int32:
+        return tokens.astype(np.int32)
+    if tokens.shape[0] and tokens.max() > _INT32_MAX:
+        return tokens.astype(np.int64)
+    return tokens.astype(np.int32)
+
+
+class BoundedBatches:
+    """Batches, oldest first, within ``max_batches`` and ``max_bytes``: appending beyond either
+    drops the oldest and says how many (a batch larger than ``max_bytes`` by itself is dropped
+    at once, the others kept). Not thread-safe (its owner locks where it shares it)."""
+
+    def __init__(self, max_batches: int, max_bytes: int) -> None:
+        self.max_batches, self.max_bytes = max_batches, max_bytes
+        self.nbytes = 0
+        self._items: collections.deque = collections.deque()
+
+    def append(self, item: Any, nbytes: int) -> int:
+        """Add ``item`` (of ``nbytes``); returns how many batches were dropped."""
+        if nbytes > self.max_bytes:
+            return 1
+        items = self._items
+        items.append((item, nbytes))
+        self.nbytes += nbytes
+        dropped = 0
+        while len(items) > self.max_batches or self.nbytes > self.max_bytes:
+            self.nbytes -= items.popleft()[1]
+            dropped += 1
+        return dropped
+
+    def take(self) -> list:
+        """Every item, oldest first; the buffer is empty after."""
+        out = [item for item, _ in self._items]
+        self._items.clear()
+        self.nbytes = 0
+        return out
+
+    def items(self) -> list:
+        """Every item, oldest first (a copy of the list; the buffer keeps them)."""
+        return [item for item, _ in self._items]
+
+    def __iter__(self) -> Iterator:
+        return (item for item, _ in self._items)
+
+    def __len__(self) -> int:
+        return len(self._items)
 
 
 def _expand(record: _Record) -> list[KVEvent]:
@@ -276,6 +352,7 @@ class Recorder:
 
     def __init__(self) -> None:
         self._pending: list[_Record] = []
+        self._pending_bytes = 0
         self._seq = 0
         self._dropped = 0
         self._publish_errors = 0
@@ -300,32 +377,41 @@ class Recorder:
             parent = node.parent
             prev = int(parent.page_hashes[-1]) if parent is not None and parent.num_pages else None
         ps = node.num_tokens // n
-        # Views: a node's key and hashes are never written in place (a split slices them).
-        self._pending.append(_Stored(hashes[first:stop], prev, node.key[first * ps:stop * ps],
-                                     medium, node.extra_key))
+        # The node's hashes are kept whole (never written in place: a split slices them), a
+        # part of them copied; the tokens copied compactly (see the module doc).
+        if first or stop < n:
+            hashes = hashes[first:stop].copy()
+        record = _Stored(hashes, prev, compact_tokens(node.key[first * ps:stop * ps]), medium,
+                         node.extra_key)
+        self._pending.append(record)
+        self._pending_bytes += record_bytes(record)
 
     def removed(self, node: Any, medium: Medium) -> None:
         """Record a BlockRemoved of every page of ``node`` on ``medium``."""
         if node.num_pages:
-            self._pending.append(_Removed(node.page_hashes, medium))
+            record = _Removed(node.page_hashes, medium)
+            self._pending.append(record)
+            self._pending_bytes += record_bytes(record)
 
     def cleared(self) -> None:
         """Drop the call's pending events and record AllBlocksCleared (a reset supersedes them)."""
-        self._pending = [_CLEARED]
+        self._pending, self._pending_bytes = [_CLEARED], RECORD_OVERHEAD
 
     def end_call(self) -> None:
         """Seal the events of the call that returns (if any) into the next batch."""
         if self._pending:
             records, self._pending = self._pending, []
+            nbytes, self._pending_bytes = self._pending_bytes, 0
             seq, self._seq = self._seq, self._seq + 1
             try:
-                self._publish(seq, time.time(), records)
+                self._publish(seq, time.time(), records, nbytes)
             except Exception as e:  # the call has changed the cache: never raise now; the
                 self._dropped += 1  # batch is counted dropped (a gap in seq) and the error kept
                 self._publish_errors += 1
                 self.last_publish_error = f"batch {seq}: {e!r}"
 
-    def _publish(self, seq: int, ts: float, records: list[_Record]) -> None:
+    def _publish(self, seq: int, ts: float, records: list[_Record], nbytes: int) -> None:
+        """Hand over one sealed batch (``nbytes``: the sum of its :func:`record_bytes`)."""
         raise NotImplementedError
 
     def take(self) -> list[KVEvent]:
@@ -343,24 +429,20 @@ class Recorder:
 
 
 class QueueRecorder(Recorder):
-    """``publisher="queue"``: batches wait in a bounded buffer until taken."""
+    """``publisher="queue"``: batches wait in a buffer bounded by count and bytes until taken."""
 
-    def __init__(self, buffer_steps: int) -> None:
+    def __init__(self, buffer_steps: int, buffer_bytes: int = KVEventsConfig.buffer_bytes) -> None:
         super().__init__()
-        self._buffer: collections.deque = collections.deque(maxlen=buffer_steps)
+        self._buffer = BoundedBatches(buffer_steps, buffer_bytes)
 
-    def _publish(self, seq: int, ts: float, records: list[_Record]) -> None:
-        if len(self._buffer) == self._buffer.maxlen:
-            self._dropped += 1  # the append below pushes the oldest out
-        self._buffer.append((seq, ts, records))
+    def _publish(self, seq: int, ts: float, records: list[_Record], nbytes: int) -> None:
+        self._dropped += self._buffer.append((seq, ts, records), nbytes)
 
     def take_batches(self) -> list[EventBatch]:
         """The batches since the last take, oldest first (a gap in ``seq``: dropped)."""
         self.end_call()
-        out = [EventBatch(seq, ts, tuple(e for r in records for e in _expand(r)))
-               for seq, ts, records in self._buffer]
-        self._buffer.clear()
-        return out
+        return [EventBatch(seq, ts, tuple(e for r in records for e in _expand(r)))
+                for seq, ts, records in self._buffer.take()]
 
     def take(self) -> list[KVEvent]:
         """The events of :meth:`take_batches`, flattened."""
@@ -372,7 +454,7 @@ def make_recorder(cfg: KVEventsConfig | None) -> NullRecorder | Recorder:
     if cfg is None:
         return NullRecorder()
     if cfg.publisher == "queue":
-        return QueueRecorder(cfg.buffer_steps)
+        return QueueRecorder(cfg.buffer_steps, cfg.buffer_bytes)
     from hicache_jax.events_zmq import ZmqRecorder
 
     return ZmqRecorder(cfg)
