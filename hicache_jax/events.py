@@ -20,10 +20,12 @@ never depend on how the tree is split.
 Off by default (``kv_events=None``): the cache then holds a :class:`NullRecorder` whose methods
 do nothing, chosen once at construction. When on, the events of one public call form one batch
 (sealed when the call returns) with a sequence number; a recorder holds them compactly (one
-record per run of a node's pages: its page hashes and a compact copy of its tokens, int32
-where they fit) and turns them into Python ints only when a consumer reads them or they are
-serialized. The tokens are copied, not viewed, so that a batch never pins a whole node key
-(alive until the batch goes, after the node is gone) and its bytes are exactly counted.
+record per run of a node's pages: views of its page hashes and of its tokens, which the tree
+never writes in place) and turns them into Python ints only when a consumer reads them or
+they are serialized. A view keeps its whole array alive (a node key, after the node is gone),
+so a record counts the bytes of the arrays it keeps alive, not of the view
+(:func:`record_bytes`): an upper bound of what the buffer holds. Copying the tokens instead
+(int32) cost ~9 us a record against ~0.3 us, for at most twice the records in a buffer.
 
 * ``publisher="queue"`` (:class:`QueueRecorder`): in-process; ``HiCache.take_events()`` /
   ``take_event_batches()``. At most ``buffer_steps`` batches and ``buffer_bytes`` bytes of
@@ -140,8 +142,8 @@ class KVEventsConfig:
             publisher thread, and again sent, for replay).
         buffer_bytes: bytes those batches may hold (queue: their page hashes and tokens, see
             :func:`record_bytes`; zmq: the same while waiting, the encoded payloads for replay).
-            Default 16 MiB: ~4M tokens as int32, ~340 batches of 12K-token requests (with
-            their host copies), several hundred ms of a busy cache's events: enough for a
+            Default 16 MiB: ~2M tokens of int64 keys, ~170 batches of 12K-token requests (with
+            their host copies), a few hundred ms of a busy cache's events: enough for a
             consumer that takes them every scheduler step, and small beside the 200 MB over
             the pools that a long replay may use in all (``benchmarks/bench_memory.py``).
         data_parallel_rank: zmq: the ``data_parallel_rank`` of every batch.
@@ -217,9 +219,9 @@ def _checked(cfg: KVEventsConfig) -> bool:
 class _Stored(NamedTuple):
     """Compact BlockStored of a run of one node's pages (numpy arrays, not Python ints)."""
 
-    hashes: np.ndarray  # uint64 [n], read-only (the node's, or a copy of a slice of them)
+    hashes: np.ndarray  # uint64 [n], a view of the node's page hashes
     parent: int | None
-    tokens: np.ndarray  # int32 (int64 where a token needs it) [n * page_size], a copy
+    tokens: np.ndarray  # the key's int dtype [n * page_size], a view of the node's key
     medium: Medium
     extra_key: Any
 
@@ -235,26 +237,28 @@ _Record = Union[_Stored, _Removed, AllBlocksCleared]
 #: Bytes counted per record beyond its arrays (the tuple, the arrays' headers): a rough figure,
 #: so that batches of no tokens count too.
 RECORD_OVERHEAD = 256
-_INT32_MAX = np.iinfo(np.int32).max
+
+
+def held_bytes(a: np.ndarray) -> int:
+    """Bytes of the memory a view keeps alive: its base array's (or buffer's), not its own."""
+    while isinstance(a.base, np.ndarray):
+        a = a.base
+    if a.base is None:
+        return a.nbytes
+    try:
+        return max(memoryview(a.base).nbytes, a.nbytes)
+    except TypeError:  # a base without the buffer protocol (numpy keeps what made the array)
+        return a.nbytes
 
 
 def record_bytes(record: _Record) -> int:
-    """What a record holds: its arrays' bytes plus :data:`RECORD_OVERHEAD`."""
+    """What a record keeps alive: the arrays behind its views (:func:`held_bytes`, counted for
+    each record that views them: an upper bound) plus :data:`RECORD_OVERHEAD`."""
     if isinstance(record, _Stored):
-        return record.hashes.nbytes + record.tokens.nbytes + RECORD_OVERHEAD
+        return held_bytes(record.hashes) + held_bytes(record.tokens) + RECORD_OVERHEAD
     if isinstance(record, _Removed):
-        return record.hashes.nbytes + RECORD_OVERHEAD
+        return held_bytes(record.hashes) + RECORD_OVERHEAD
     return RECORD_OVERHEAD
-
-
-def compact_tokens(tokens: np.ndarray) -> np.ndarray:
-    """A copy of non-negative int tokens as int32 where they fit (one max over int64 keys),
-    else int64: half the bytes of the tree's int64 keys for any vocabulary below 2**31."""
-    if tokens.dtype.kind in "iu" and tokens.dtype.itemsize < 4 or tokens.dtype == np.int32:
-        return tokens.astype(np.int32)
-    if tokens.shape[0] and tokens.max() > _INT32_MAX:
-        return tokens.astype(np.int64)
-    return tokens.astype(np.int32)
 
 
 class BoundedBatches:
@@ -377,11 +381,8 @@ class Recorder:
             parent = node.parent
             prev = int(parent.page_hashes[-1]) if parent is not None and parent.num_pages else None
         ps = node.num_tokens // n
-        # The node's hashes are kept whole (never written in place: a split slices them), a
-        # part of them copied; the tokens copied compactly (see the module doc).
-        if first or stop < n:
-            hashes = hashes[first:stop].copy()
-        record = _Stored(hashes, prev, compact_tokens(node.key[first * ps:stop * ps]), medium,
+        # Views: a node's key and hashes are never written in place (a split slices them).
+        record = _Stored(hashes[first:stop], prev, node.key[first * ps:stop * ps], medium,
                          node.extra_key)
         self._pending.append(record)
         self._pending_bytes += record_bytes(record)

@@ -10,7 +10,7 @@ import pytest
 from hicache_jax import (AllBlocksCleared, BlockRemoved, BlockStored, HiCache, HiCacheConfig,
                          HiCacheError, KVSpec, Medium)
 from hicache_jax.events import (RECORD_OVERHEAD, KVEventsConfig, NullRecorder, QueueRecorder,
-                                compact_tokens, replay)
+                                held_bytes, record_bytes, replay)
 from hicache_jax.radix import chain_hashes, namespace_hash
 
 
@@ -164,8 +164,8 @@ def test_bounded_buffer_drops_the_oldest_batches_counts_them_and_shows_the_gap()
 
 
 def test_buffer_bytes_drops_the_oldest_batches_counts_them_and_shows_the_gap():
-    # One page of 4 int32 tokens and one uint64 hash per insert: 24 bytes + the overhead.
-    per_batch = 4 * 4 + 8 + RECORD_OVERHEAD
+    # One page of 4 int64 tokens and one uint64 hash per insert: 40 bytes + the overhead.
+    per_batch = 4 * 8 + 8 + RECORD_OVERHEAD
     cache = make(device=64, kv_events={"publisher": "queue", "buffer_bytes": 3 * per_batch})
     for i in range(5):
         put(cache, np.arange(4) + 100 * i)
@@ -182,18 +182,17 @@ def test_buffer_bytes_drops_the_oldest_batches_counts_them_and_shows_the_gap():
     assert [b.seq for b in cache.take_event_batches()] == [7]
 
 
-def test_batches_hold_compact_copies_of_the_tokens_not_views_of_node_keys():
+def test_a_record_counts_the_whole_arrays_its_views_keep_alive():
     cache = make(device=64)
-    put(cache, np.arange(8) + 2**31 - 4)       # one token needs int64
-    put(cache, np.arange(8, 16))
-    (_, _, (big,)), (_, _, (small,)) = cache._events._buffer
-    assert big.tokens.dtype == np.int64 and small.tokens.dtype == np.int32
-    assert big.tokens.base is None and small.tokens.base is None  # copies: no node key pinned
-    assert [e.token_ids for e in cache.take_events()][-1] == tuple(range(12, 16))
-    for dtype in (np.int64, np.int32, np.uint16, np.int8):
-        c = compact_tokens(np.arange(5, dtype=dtype))
-        assert c.dtype == np.int32 and c.tolist() == list(range(5))
-    assert compact_tokens(np.zeros(0, np.int64)).dtype == np.int32
+    put(cache, np.arange(16))
+    cache.match_prefix(np.arange(4))           # split: the child's key is a view of 16 tokens
+    cache.evict(12)                            # write_back: the child's 3 pages to host
+    (_, _, (stored,)), (_, _, records) = cache._events._buffer
+    host = next(r for r in records if r.medium is Medium.HOST)
+    assert host.tokens.shape == (12,) and held_bytes(host.tokens) == 16 * 8
+    assert record_bytes(host) == 16 * 8 + held_bytes(host.hashes) + RECORD_OVERHEAD
+    assert held_bytes(np.arange(4)) == 32 and held_bytes(np.arange(8)[2:4]) == 64
+    assert held_bytes(np.frombuffer(bytes(80), np.int64)[:2]) == 80
 
 
 def test_kv_events_config_from_a_dict_or_its_json_string():
