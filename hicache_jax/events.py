@@ -39,6 +39,8 @@ Replaying the events in order over an empty set of ``(block_hash, medium)`` pair
 the pages the cache holds on each tier (the state-machine test checks this after every step).
 
 Threading: a recorder is used by the cache's owning thread only; ``stats()`` reads its counters.
+The ZMQ recorder hands sealed batches to its publisher thread, which only reads their records
+(views of arrays the tree never writes in place; see events_zmq.py).
 """
 
 from __future__ import annotations
