@@ -4,27 +4,40 @@ Replays a Mooncake-format trace (default: tests/data/mooncake_synthetic_300.json
 :func:`hicache_jax.replay.replay` (the public API, one request at a time) with
 ``kv_events=None`` (off), ``{"publisher": "queue"}`` (in-process, nobody taking: the bounded
 buffer drops and counts) and ``{"publisher": "zmq"}`` with a live subscriber (a SUB socket
-drained by another thread of this benchmark; it counts, and does not decode, so that its
-own decoding does not hold the GIL against the cache). The limit it is judged
-against: the same replay with events off, in the same run. Target (issue 15): ZMQ with a live
-subscriber within 1.5x of events off.
+drained by another thread of the worker; it counts, and does not decode, so that its own
+decoding does not hold the GIL against the cache). The limit it is judged against: the same
+replay with events off, in the same run. Target (issue 15): ZMQ with a live subscriber within
+1.5x of events off.
 
-Usage: ``python -m benchmarks.bench_events [TRACE] [--quick] [--repeats N] [--json PATH]``.
+Each replay runs in a fresh subprocess (one untimed warm-up replay first: jit compiles), for the
+current tree and for a base commit (``--base``, default main's 51b3710, checked out with
+``git worktree add --detach`` into a temporary directory and removed at the end), alternating
+tree and mode, so that drifts of the shared machine hit every row; medians of ``--repeats``.
+
+Usage: ``python -m benchmarks.bench_events [TRACE] [--quick] [--repeats N] [--base COMMIT |
+--no-base] [--json PATH]``.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import pathlib
+import shutil
 import socket
 import statistics
+import subprocess
+import sys
+import tempfile
 import threading
+import time
 
-from benchmarks.common import print_table, write_json
-from hicache_jax import HiCacheConfig
-from hicache_jax.replay import default_device_pages, load_trace, parse_spec, replay
-
-TRACE = pathlib.Path(__file__).resolve().parents[1] / "tests" / "data" / "mooncake_synthetic_300.jsonl"
+REPO = str(pathlib.Path(__file__).resolve().parents[1])
+TRACE = pathlib.Path(REPO) / "tests" / "data" / "mooncake_synthetic_300.jsonl"
+BASE_COMMIT = "51b3710"  # main before the background publisher and XXH3 page hashes
+MODES = ("off", "queue", "zmq")
+CPU_PARTS = ("main", "publisher", "subscriber", "other", "process")
 
 
 def _free_port() -> int:
@@ -34,7 +47,7 @@ def _free_port() -> int:
 
 
 class Drain:
-    """A live subscriber on its own thread: receives and decodes every batch until stopped."""
+    """A live subscriber on its own thread: receives every batch until stopped (counts)."""
 
     def __init__(self, endpoint: str) -> None:
         import zmq
@@ -55,6 +68,7 @@ class Drain:
                 _, _, payload = self._sub.recv_multipart()
                 self.batches += 1
                 self.bytes += len(payload)
+        self.cpu_s = time.thread_time()
 
     def close(self) -> None:
         self._stop.set()
@@ -62,7 +76,28 @@ class Drain:
         self._sub.close(linger=0)
 
 
+def _time_publisher_thread() -> list:
+    """CPU seconds of each publisher thread (the current tree's; none in the base's)."""
+    try:
+        from hicache_jax.events_zmq import _Publisher
+    except ImportError:
+        return []
+    spent, run = [], _Publisher._run
+
+    def timed(self):
+        try:
+            run(self)
+        finally:
+            spent.append(time.thread_time())
+    _Publisher._run = timed
+    return spent
+
+
 def run_mode(mode: str, trace, spec, device_pages: int) -> dict:
+    """One replay with events ``mode`` (in this process)."""
+    from hicache_jax import HiCacheConfig
+    from hicache_jax.replay import replay
+
     kv_events, drain = None, None
     if mode == "queue":
         kv_events = {"publisher": "queue"}
@@ -72,45 +107,130 @@ def run_mode(mode: str, trace, spec, device_pages: int) -> dict:
         drain = Drain(endpoint)
     cfg = HiCacheConfig(device_pages=device_pages, host_pages=4 * device_pages,
                         kv_events=kv_events)
+    publisher = _time_publisher_thread() if mode == "zmq" else []
+    main0, proc0 = time.thread_time(), time.process_time()
     try:
         r = replay(trace, spec, cfg)
     finally:
         if drain is not None:
             drain.close()
+    n = len(trace.requests)
+    cpu = {"main": time.thread_time() - main0, "process": time.process_time() - proc0,
+           "publisher": sum(publisher) if publisher else None,
+           "subscriber": drain.cpu_s if drain is not None else None}
+    # The rest: libzmq's I/O thread, XLA's threads (and the GC of pyzmq, jax's ...).
+    cpu["other"] = cpu["process"] - sum(v or 0.0 for k, v in cpu.items() if k != "process")
+    # CPU us a request: the whole replay() call (the cache's construction and close too).
     return {"requests_per_s": r["requests_per_s"], "wall_s": r["wall_s"],
             "hit_ratio": r["hit_ratio"],
-            "received_batches": None if drain is None else drain.batches}
+            "received_batches": None if drain is None else drain.batches,
+            "cpu_us_per_request": {k: None if v is None else v / n * 1e6 for k, v in cpu.items()}}
+
+
+def worker(args) -> None:
+    """``--worker MODE``: warm up, then one timed replay; prints ``RESULT {json}``."""
+    import hicache_jax
+    from hicache_jax.replay import default_device_pages, load_trace, parse_spec
+
+    trace = load_trace(args.trace, block_size=args.block_size, limit=args.limit)
+    spec = parse_spec(None, args.block_size)
+    device_pages = default_device_pages(trace, args.block_size)
+    run_mode("off", trace, spec, device_pages)  # warm-up: jit compiles, page-in
+    import msgspec  # noqa: F401  (imported by the zmq publisher: not in the timed CPU)
+    import zmq  # noqa: F401
+    r = run_mode(args.worker, trace, spec, device_pages)
+    print("RESULT " + json.dumps(r | {"device_pages": device_pages,
+                                      "requests": len(trace.requests),
+                                      "module": hicache_jax.__file__}))
+
+
+def _run(tree: str, mode: str, args) -> dict:
+    cmd = [sys.executable, os.path.abspath(__file__), args.trace, "--worker", mode,
+           "--block-size", str(args.block_size)]
+    if args.limit:
+        cmd += ["--limit", str(args.limit)]
+    env = dict(os.environ, PYTHONPATH=tree, JAX_PLATFORMS=os.environ.get("JAX_PLATFORMS", "cpu"))
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=tree)
+    line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
+    if proc.returncode or line is None:
+        raise RuntimeError(f"worker failed in {tree}:\n{proc.stdout}\n{proc.stderr}")
+    res = json.loads(line[len("RESULT "):])
+    if not os.path.realpath(res["module"]).startswith(os.path.realpath(tree)):
+        raise RuntimeError(f"worker imported {res['module']}, not the tree at {tree}")
+    return res
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("trace", nargs="?", default=str(TRACE))
-    ap.add_argument("--quick", action="store_true", help="100 requests, 1 repeat")
+    ap.add_argument("--quick", action="store_true", help="100 requests, 1 repeat, no base")
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--limit", type=int, default=None, help="first N requests of the trace")
     ap.add_argument("--block-size", type=int, default=512)
+    ap.add_argument("--base", default=BASE_COMMIT)
+    ap.add_argument("--no-base", action="store_true", help="the current tree only")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--worker", choices=MODES, help=argparse.SUPPRESS)
     args = ap.parse_args()
-    trace = load_trace(args.trace, block_size=args.block_size,
-                       limit=100 if args.quick else None)
-    repeats = 1 if args.quick else args.repeats
-    spec = parse_spec(None, args.block_size)
-    device_pages = default_device_pages(trace, args.block_size)
-    modes = ["off", "queue", "zmq"]
-    runs = {m: [] for m in modes}
-    run_mode("off", trace, spec, device_pages)  # warm-up: jit compiles, page-in
-    for _ in range(repeats):  # interleaved, so that drifts of the machine hit every mode
-        for m in modes:
-            runs[m].append(run_mode(m, trace, spec, device_pages))
-    rps = {m: statistics.median(r["requests_per_s"] for r in runs[m]) for m in modes}
-    rows = [[m, rps[m], rps["off"] / rps[m], runs[m][-1]["received_batches"]] for m in modes]
-    print_table(["events", "requests/s", "slowdown vs off", "batches received"], rows,
+    if args.worker:
+        return worker(args)
+    if args.quick:
+        args.limit, args.repeats, args.no_base = args.limit or 100, 1, True
+    trees = {"current": REPO}
+    tmp = tempfile.mkdtemp(prefix="bench_events_")
+    if not args.no_base:
+        trees = {"base": os.path.join(tmp, "base"), "current": REPO}
+        subprocess.run(["git", "-C", REPO, "worktree", "add", "--detach", trees["base"],
+                        args.base], check=True, capture_output=True)
+    runs: dict = {t: {m: [] for m in MODES} for t in trees}
+    try:
+        for _ in range(args.repeats):  # interleaved: drifts of the machine hit every row
+            for mode in MODES:
+                for t, path in trees.items():
+                    runs[t][mode].append(_run(path, mode, args))
+    finally:
+        if not args.no_base:
+            subprocess.run(["git", "-C", REPO, "worktree", "remove", "--force", trees["base"]],
+                           capture_output=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+    report(args, trees, runs)
+
+
+def report(args, trees: dict, runs: dict) -> None:
+    from benchmarks.common import print_table, write_json
+
+    rows, ratios = [], {}
+    for t in trees:
+        rps = {m: statistics.median(r["requests_per_s"] for r in runs[t][m]) for m in MODES}
+        best = {m: max(r["requests_per_s"] for r in runs[t][m]) for m in MODES}
+        main = {m: statistics.median(r["cpu_us_per_request"]["main"] for r in runs[t][m])
+                for m in MODES}
+        ratios[t] = {m: rps["off"] / rps[m] for m in MODES}
+        for m in MODES:
+            rows.append([args.base if t == "base" else t, m, f"{rps[m]:,.0f}", ratios[t][m],
+                         f"{best[m]:,.0f}", best["off"] / best[m], main[m] / main["off"],
+                         runs[t][m][-1]["received_batches"]])
+    first = runs["current"]["off"][0]
+    print_table(["tree", "events", "req/s median", "slowdown vs off", "req/s best",
+                 "slowdown (best)", "main-thread CPU vs off", "batches received"], rows,
                 title=f"KV events on a replay of {pathlib.Path(args.trace).name} "
-                      f"({len(trace.requests)} requests, L1 {device_pages} pages, L2 4x; "
-                      f"median of {repeats})")
-    ok = rps["off"] / rps["zmq"] <= 1.5
+                      f"({first['requests']} requests, L1 {first['device_pages']} pages, L2 4x; "
+                      f"median of {args.repeats}; load average {os.getloadavg()[0]:.1f})")
+    cpu_rows = []
+    for t in trees:
+        for m in MODES:
+            cpu = [r["cpu_us_per_request"] for r in runs[t][m]]
+            cpu_rows.append([args.base if t == "base" else t, m] + [
+                statistics.median(c[k] for c in cpu) if cpu[0][k] is not None else "-"
+                for k in CPU_PARTS])
+    print_table(["tree", "events"] + [f"{k} CPU us/req" for k in CPU_PARTS], cpu_rows,
+                title="CPU time per request by thread (medians; the whole replay() call, "
+                      "construction and close included; 'process' is all threads)")
+    ok = ratios["current"]["zmq"] <= 1.5
     print(f"\ntarget zmq with a live subscriber within 1.5x of events off: "
-          f"{'met' if ok else 'NOT met'}")
-    write_json(args.json, "bench_events", vars(args) | {"device_pages": device_pages}, runs)
+          f"{'met' if ok else 'NOT met'} ({ratios['current']['zmq']:.2f}x"
+          + (f"; base {args.base}: {ratios['base']['zmq']:.2f}x)" if "base" in ratios else ")"))
+    write_json(args.json, "bench_events", vars(args), {"runs": runs, "slowdown": ratios})
 
 
 if __name__ == "__main__":

@@ -11,27 +11,36 @@ spirit of vLLM's / SGLang's KV events:
 * :class:`BlockRemoved` — the page is no longer held on ``medium``.
 * :class:`AllBlocksCleared` — everything is gone (``HiCache.reset``).
 
-Page hashes come from the radix tree (``TreeNode.page_hashes``): ``h_i = H(h_{i-1}, tokens of
-page i)`` with blake2b, the chain of a namespace seeded from its ``extra_key``, so two processes
-that cache the same prefix report the same hashes. A node split changes no page hash, so events
+Page hashes come from the radix tree (``TreeNode.page_hashes``, defined in
+:mod:`hicache_jax.hashing`): ``h_i = xxh3_64(tokens of page i, seed=h_{i-1})``, the chain of a
+namespace seeded from its ``extra_key``, so two processes that cache the same prefix report the
+same hashes. A node split changes no page hash, so events
 never depend on how the tree is split.
 
 Off by default (``kv_events=None``): the cache then holds a :class:`NullRecorder` whose methods
 do nothing, chosen once at construction. When on, the events of one public call form one batch
 (sealed when the call returns) with a sequence number; a recorder holds them compactly (one
-record per node: numpy views of its page hashes and tokens) and turns them into Python ints
-only when a consumer reads them or they are serialized:
+record per run of a node's pages: views of its page hashes and of its tokens, which the tree
+never writes in place) and turns them into Python ints only when a consumer reads them or
+they are serialized. A view keeps its whole array alive (a node key, after the node is gone),
+so a record counts the bytes of the arrays it keeps alive, not of the view
+(:func:`record_bytes`): an upper bound of what the buffer holds. Copying the tokens instead
+(int32) cost ~9 us a record against ~0.3 us, for at most twice the records in a buffer.
 
 * ``publisher="queue"`` (:class:`QueueRecorder`): in-process; ``HiCache.take_events()`` /
-  ``take_event_batches()``. At most ``buffer_steps`` batches wait: when full the oldest is
-  dropped and counted, and the batches taken show the gap in their ``seq``.
+  ``take_event_batches()``. At most ``buffer_steps`` batches and ``buffer_bytes`` bytes of
+  their hashes and tokens (:func:`record_bytes`) wait: beyond either, the oldest batches are
+  dropped and counted (``kv_event_batches_dropped``), and the batches taken show the gap in
+  their ``seq``. A batch larger than ``buffer_bytes`` by itself is dropped too.
 * ``publisher="zmq"`` (:class:`~hicache_jax.events_zmq.ZmqRecorder`): published on a ZMQ PUB
-  socket in vLLM's wire format (see events_zmq.py).
+  socket in vLLM's wire format by a publisher thread (see events_zmq.py).
 
 Replaying the events in order over an empty set of ``(block_hash, medium)`` pairs gives exactly
 the pages the cache holds on each tier (the state-machine test checks this after every step).
 
 Threading: a recorder is used by the cache's owning thread only; ``stats()`` reads its counters.
+The ZMQ recorder hands sealed batches to its publisher thread, which only reads their records
+(views of arrays the tree never writes in place; see events_zmq.py).
 """
 
 from __future__ import annotations
@@ -43,7 +52,7 @@ import json
 import re
 import time
 from dataclasses import dataclass
-from typing import Any, Iterable, NamedTuple, Union
+from typing import Any, Iterable, Iterator, NamedTuple, Union
 
 import numpy as np
 
@@ -131,7 +140,14 @@ class KVEventsConfig:
             "tcp://127.0.0.1:5557", "ipc:///tmp/kv").
         topic: zmq: the first frame of every message.
         replay_endpoint: zmq: a ROUTER address for replay requests, or None.
-        buffer_steps: batches kept (queue: waiting to be taken; zmq: for replay).
+        buffer_steps: batches kept (queue: waiting to be taken; zmq: waiting for the
+            publisher thread, and again sent, for replay).
+        buffer_bytes: bytes those batches may hold (queue: their page hashes and tokens, see
+            :func:`record_bytes`; zmq: the same while waiting, the encoded payloads for replay).
+            Default 16 MiB: ~2M tokens of int64 keys, ~170 batches of 12K-token requests (with
+            their host copies), a few hundred ms of a busy cache's events: enough for a
+            consumer that takes them every scheduler step, and small beside the 200 MB over
+            the pools that a long replay may use in all (``benchmarks/bench_memory.py``).
         data_parallel_rank: zmq: the ``data_parallel_rank`` of every batch.
     """
 
@@ -140,6 +156,7 @@ class KVEventsConfig:
     topic: str = "kv-events"
     replay_endpoint: str | None = None
     buffer_steps: int = 10_000
+    buffer_bytes: int = 16 << 20
     data_parallel_rank: int = 0
 
 
@@ -159,7 +176,7 @@ def parse_kv_events(value: Any) -> KVEventsConfig | None:
 
     Raises:
         ValueError / TypeError: naming the field (unknown publisher or key, malformed endpoint,
-            buffer_steps not an int >= 1, ...).
+            buffer_steps or buffer_bytes not an int >= 1, ...).
     """
     if value is None or isinstance(value, KVEventsConfig) and _checked(value):
         return value
@@ -184,11 +201,10 @@ def _checked(cfg: KVEventsConfig) -> bool:
     if cfg.publisher not in _PUBLISHERS:
         raise ValueError(f"kv_events publisher={cfg.publisher!r} is not one of: "
                          f"{', '.join(map(repr, _PUBLISHERS))}")
-    for field in ("buffer_steps", "data_parallel_rank"):
+    for field, low in (("buffer_steps", 1), ("buffer_bytes", 1), ("data_parallel_rank", 0)):
         v = getattr(cfg, field)
-        if isinstance(v, bool) or not isinstance(v, int) or v < (field == "buffer_steps"):
-            raise ValueError(f"kv_events {field}={v!r} must be an int >= "
-                             f"{int(field == 'buffer_steps')}")
+        if isinstance(v, bool) or not isinstance(v, int) or v < low:
+            raise ValueError(f"kv_events {field}={v!r} must be an int >= {low}")
     if not isinstance(cfg.topic, str):
         raise TypeError(f"kv_events topic={cfg.topic!r} must be a str")
     _check_endpoint("endpoint", cfg.endpoint)
@@ -203,11 +219,11 @@ def _checked(cfg: KVEventsConfig) -> bool:
 # -- recorders -------------------------------------------------------------------------------
 
 class _Stored(NamedTuple):
-    """Compact BlockStored of a run of one node's pages (numpy views, not Python ints)."""
+    """Compact BlockStored of a run of one node's pages (numpy arrays, not Python ints)."""
 
-    hashes: np.ndarray  # uint64 [n]
+    hashes: np.ndarray  # uint64 [n], a view of the node's page hashes
     parent: int | None
-    tokens: np.ndarray  # int64 [n * page_size]
+    tokens: np.ndarray  # the key's int dtype [n * page_size], a view of the node's key
     medium: Medium
     extra_key: Any
 
@@ -219,6 +235,73 @@ class _Removed(NamedTuple):
 
 _CLEARED = AllBlocksCleared()
 _Record = Union[_Stored, _Removed, AllBlocksCleared]
+
+#: Bytes counted per record beyond its arrays (the tuple, the arrays' headers): a rough figure,
+#: so that batches of no tokens count too.
+RECORD_OVERHEAD = 256
+
+
+def held_bytes(a: np.ndarray) -> int:
+    """Bytes of the memory a view keeps alive: its base array's (or buffer's), not its own."""
+    while isinstance(a.base, np.ndarray):
+        a = a.base
+    if a.base is None:
+        return a.nbytes
+    try:
+        return max(memoryview(a.base).nbytes, a.nbytes)
+    except TypeError:  # a base without the buffer protocol (numpy keeps what made the array)
+        return a.nbytes
+
+
+def record_bytes(record: _Record) -> int:
+    """What a record keeps alive: the arrays behind its views (:func:`held_bytes`, counted for
+    each record that views them: an upper bound) plus :data:`RECORD_OVERHEAD`."""
+    if isinstance(record, _Stored):
+        return held_bytes(record.hashes) + held_bytes(record.tokens) + RECORD_OVERHEAD
+    if isinstance(record, _Removed):
+        return held_bytes(record.hashes) + RECORD_OVERHEAD
+    return RECORD_OVERHEAD
+
+
+class BoundedBatches:
+    """Batches, oldest first, within ``max_batches`` and ``max_bytes``: appending beyond either
+    drops the oldest and says how many (a batch larger than ``max_bytes`` by itself is dropped
+    at once, the others kept). Not thread-safe (its owner locks where it shares it)."""
+
+    def __init__(self, max_batches: int, max_bytes: int) -> None:
+        self.max_batches, self.max_bytes = max_batches, max_bytes
+        self.nbytes = 0
+        self._items: collections.deque = collections.deque()
+
+    def append(self, item: Any, nbytes: int) -> int:
+        """Add ``item`` (of ``nbytes``); returns how many batches were dropped."""
+        if nbytes > self.max_bytes:
+            return 1
+        items = self._items
+        items.append((item, nbytes))
+        self.nbytes += nbytes
+        dropped = 0
+        while len(items) > self.max_batches or self.nbytes > self.max_bytes:
+            self.nbytes -= items.popleft()[1]
+            dropped += 1
+        return dropped
+
+    def take(self) -> list:
+        """Every item, oldest first; the buffer is empty after."""
+        out = [item for item, _ in self._items]
+        self._items.clear()
+        self.nbytes = 0
+        return out
+
+    def items(self) -> list:
+        """Every item, oldest first (a copy of the list; the buffer keeps them)."""
+        return [item for item, _ in self._items]
+
+    def __iter__(self) -> Iterator:
+        return (item for item, _ in self._items)
+
+    def __len__(self) -> int:
+        return len(self._items)
 
 
 def _expand(record: _Record) -> list[KVEvent]:
@@ -275,6 +358,7 @@ class Recorder:
 
     def __init__(self) -> None:
         self._pending: list[_Record] = []
+        self._pending_bytes = 0
         self._seq = 0
         self._dropped = 0
         self._publish_errors = 0
@@ -300,31 +384,37 @@ class Recorder:
             prev = int(parent.page_hashes[-1]) if parent is not None and parent.num_pages else None
         ps = node.num_tokens // n
         # Views: a node's key and hashes are never written in place (a split slices them).
-        self._pending.append(_Stored(hashes[first:stop], prev, node.key[first * ps:stop * ps],
-                                     medium, node.extra_key))
+        record = _Stored(hashes[first:stop], prev, node.key[first * ps:stop * ps], medium,
+                         node.extra_key)
+        self._pending.append(record)
+        self._pending_bytes += record_bytes(record)
 
     def removed(self, node: Any, medium: Medium) -> None:
         """Record a BlockRemoved of every page of ``node`` on ``medium``."""
         if node.num_pages:
-            self._pending.append(_Removed(node.page_hashes, medium))
+            record = _Removed(node.page_hashes, medium)
+            self._pending.append(record)
+            self._pending_bytes += record_bytes(record)
 
     def cleared(self) -> None:
         """Drop the call's pending events and record AllBlocksCleared (a reset supersedes them)."""
-        self._pending = [_CLEARED]
+        self._pending, self._pending_bytes = [_CLEARED], RECORD_OVERHEAD
 
     def end_call(self) -> None:
         """Seal the events of the call that returns (if any) into the next batch."""
         if self._pending:
             records, self._pending = self._pending, []
+            nbytes, self._pending_bytes = self._pending_bytes, 0
             seq, self._seq = self._seq, self._seq + 1
             try:
-                self._publish(seq, time.time(), records)
+                self._publish(seq, time.time(), records, nbytes)
             except Exception as e:  # the call has changed the cache: never raise now; the
                 self._dropped += 1  # batch is counted dropped (a gap in seq) and the error kept
                 self._publish_errors += 1
                 self.last_publish_error = f"batch {seq}: {e!r}"
 
-    def _publish(self, seq: int, ts: float, records: list[_Record]) -> None:
+    def _publish(self, seq: int, ts: float, records: list[_Record], nbytes: int) -> None:
+        """Hand over one sealed batch (``nbytes``: the sum of its :func:`record_bytes`)."""
         raise NotImplementedError
 
     def take(self) -> list[KVEvent]:
@@ -342,24 +432,20 @@ class Recorder:
 
 
 class QueueRecorder(Recorder):
-    """``publisher="queue"``: batches wait in a bounded buffer until taken."""
+    """``publisher="queue"``: batches wait in a buffer bounded by count and bytes until taken."""
 
-    def __init__(self, buffer_steps: int) -> None:
+    def __init__(self, buffer_steps: int, buffer_bytes: int = KVEventsConfig.buffer_bytes) -> None:
         super().__init__()
-        self._buffer: collections.deque = collections.deque(maxlen=buffer_steps)
+        self._buffer = BoundedBatches(buffer_steps, buffer_bytes)
 
-    def _publish(self, seq: int, ts: float, records: list[_Record]) -> None:
-        if len(self._buffer) == self._buffer.maxlen:
-            self._dropped += 1  # the append below pushes the oldest out
-        self._buffer.append((seq, ts, records))
+    def _publish(self, seq: int, ts: float, records: list[_Record], nbytes: int) -> None:
+        self._dropped += self._buffer.append((seq, ts, records), nbytes)
 
     def take_batches(self) -> list[EventBatch]:
         """The batches since the last take, oldest first (a gap in ``seq``: dropped)."""
         self.end_call()
-        out = [EventBatch(seq, ts, tuple(e for r in records for e in _expand(r)))
-               for seq, ts, records in self._buffer]
-        self._buffer.clear()
-        return out
+        return [EventBatch(seq, ts, tuple(e for r in records for e in _expand(r)))
+                for seq, ts, records in self._buffer.take()]
 
     def take(self) -> list[KVEvent]:
         """The events of :meth:`take_batches`, flattened."""
@@ -371,7 +457,7 @@ def make_recorder(cfg: KVEventsConfig | None) -> NullRecorder | Recorder:
     if cfg is None:
         return NullRecorder()
     if cfg.publisher == "queue":
-        return QueueRecorder(cfg.buffer_steps)
+        return QueueRecorder(cfg.buffer_steps, cfg.buffer_bytes)
     from hicache_jax.events_zmq import ZmqRecorder
 
     return ZmqRecorder(cfg)

@@ -22,35 +22,46 @@ SGLang-style subscribers read): each batch is one multipart message
   The namespace (``extra_key``) is in the hashes already; an int ``extra_key`` is also sent as
   ``lora_id``, a str one as ``lora_name``.
 
-A batch is the events of one public call of the cache, published when the call returns.
+A batch is the events of one public call of the cache, sealed when the call returns and
+published by the publisher thread a few milliseconds later (below).
 
 Replay (optional ``replay_endpoint``): a ROUTER socket. A client (DEALER or REQ) sends
 ``(b"", start_seq)`` with ``start_seq`` 8 bytes big-endian and receives ``(b"", seq, payload)``
-for every buffered batch with ``seq >= start_seq`` (the last ``buffer_steps``), then
-``(b"", -1 as 8 signed big-endian bytes, b"")``.
+for every buffered batch with ``seq >= start_seq`` (the last ``buffer_steps`` sent, within
+``buffer_bytes`` of payloads), then ``(b"", -1 as 8 signed big-endian bytes, b"")``.
 
 Encoding: ``block_hashes`` and ``token_ids`` are packed by numpy straight from the compact
 records (:func:`_ints`: one msgpack int width per array) and spliced into msgspec's payload as
 ``msgspec.Raw``; no Python int is made per token.
 
-Threading: the owning thread of the cache encodes each batch (msgspec, from the compact
-records) and sends it on the PUB socket itself (zmq queues it; a socket may change threads
-with the cache, whose ownership hand-over is a lock); a thread per cache ("hicache-kv-replay",
-only with a replay endpoint) owns the ROUTER socket and answers replay requests from the last
-``buffer_steps`` encoded batches (a deque under a lock). It never touches the cache. Waking a
-sender thread per batch cost ~0.5 ms of GIL hand-over per call on 2 cores: measured, dropped.
+Threading (as vLLM's ``ZmqEventPublisher``): the owning thread of the cache only seals a batch
+and appends it to a bounded hand-off queue (``buffer_steps`` batches, ``buffer_bytes`` of
+records; beyond either the oldest waiting batches are dropped and counted in
+``kv_event_batches_dropped``: a gap in ``seq``). A thread per cache ("hicache-kv-events") owns
+both sockets: woken by the first batch, it waits ``_GATHER_S`` (2 ms) for more, then encodes
+and sends every waiting batch, in order, and answers replay requests from the batches it sent
+(polling the ROUTER socket every 20 ms while idle). It never touches the cache. An encode or
+send error is counted (``kv_event_publish_errors`` and dropped: a gap in ``seq``), kept in
+``last_publish_error``, and never raised. The wait matters on few cores: woken for each batch,
+the thread took the GIL from the cache once per call (on 2 cores slower than encoding and
+sending on the owning thread); gathered, it takes it every few milliseconds.
+
+``close()`` (``HiCache.close``) waits until the thread has sent every batch sealed before it
+(at most ``CLOSE_TIMEOUT_S``), then the PUB socket lingers up to 1 s to deliver them to the
+connected subscribers; a batch sealed after it is a publish error.
 """
 
 from __future__ import annotations
 
-import collections
 import threading
+import time
 from typing import Any
 
 import numpy as np
 
 from hicache_jax.errors import HiCacheError
-from hicache_jax.events import WIRE_MEDIUM, KVEventsConfig, Recorder, _Record, _Removed, _Stored
+from hicache_jax.events import (WIRE_MEDIUM, BoundedBatches, KVEventsConfig, Recorder, _Record,
+                                _Removed, _Stored)
 
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 _Raw: Any = None  # msgspec.Raw, bound by _import_deps (msgspec is an optional extra)
@@ -150,33 +161,55 @@ def _wire(record: _Record) -> list:
 
 class ZmqRecorder(Recorder):
     """``publisher="zmq"``: binds the sockets at construction (nothing stays bound if any bind
-    fails) and starts the sender thread; :meth:`close` stops it and closes the sockets."""
+    fails) and starts the publisher thread; :meth:`close` sends what is queued, stops it and
+    closes the sockets."""
 
     def __init__(self, cfg: KVEventsConfig) -> None:
         super().__init__()
         zmq, msgspec = _import_deps()
-        self._encode = msgspec.msgpack.Encoder().encode
-        self._rank = cfg.data_parallel_rank
-        self._sender = _Sender(zmq, cfg)
+        self._publisher = _Publisher(zmq, msgspec.msgpack.Encoder().encode, cfg, self)
         self._closed = False
 
-    def _publish(self, seq: int, ts: float, records: list[_Record]) -> None:
-        payload = self._encode([ts, [_wire(r) for r in records], self._rank])
-        self._dropped += self._sender.put(seq, payload)
+    def _publish(self, seq: int, ts: float, records: list[_Record], nbytes: int) -> None:
+        self._dropped += self._publisher.put(seq, ts, records, nbytes)
+
+    def stats(self) -> dict[str, int]:
+        out = super().stats()
+        out["kv_event_batches_dropped"] += self._publisher.dropped
+        out["kv_event_publish_errors"] += self._publisher.errors
+        return out
+
+    def wait_published(self, timeout: float | None = None) -> bool:
+        """Wait until every sealed batch is sent (or counted dropped); False on timeout."""
+        return self._publisher.wait_idle(timeout)
 
     def close(self) -> None:
+        """Seal the pending batch, wait (at most ``CLOSE_TIMEOUT_S``) until the publisher thread
+        has sent every queued batch, then stop it and close the sockets. Idempotent."""
         if not self._closed:
             self._closed = True
             self.end_call()
-            self._sender.close()
+            self._publisher.close()
 
 
-class _Sender:
-    """The PUB socket (the cache's owning thread sends on it) and the replay ROUTER socket with
-    the thread that answers it (see the module doc)."""
+#: How long :meth:`ZmqRecorder.close` waits for the queued batches to be sent, and then how long
+#: the PUB socket lingers to deliver them to connected subscribers.
+CLOSE_TIMEOUT_S = 10.0
+_LINGER_MS = 1000
+_IDLE_POLL_MS = 20  # how often an idle publisher thread looks at the replay socket
+_GATHER_S = 0.002  # once woken, how long the publisher thread waits for more batches
 
-    def __init__(self, zmq: Any, cfg: KVEventsConfig) -> None:
-        self._zmq = zmq
+
+class _Publisher:
+    """The publisher thread ("hicache-kv-events") and the sockets it owns (see the module doc).
+
+    The owning thread of the cache only calls :meth:`put` (a lock, an append, a notify when the
+    thread sleeps); everything else of a batch happens on the thread.
+    """
+
+    def __init__(self, zmq: Any, encode: Any, cfg: KVEventsConfig, recorder: Recorder) -> None:
+        self._zmq, self._encode, self._recorder = zmq, encode, recorder
+        self._rank = cfg.data_parallel_rank
         ctx = zmq.Context.instance()
         self._pub = ctx.socket(zmq.PUB)
         self._pub.setsockopt(zmq.LINGER, 0)
@@ -190,17 +223,18 @@ class _Sender:
                 self._replay.setsockopt(zmq.LINGER, 0)
                 self._bind(self._replay, "replay_endpoint", cfg.replay_endpoint)
         except BaseException:
-            self._close_sockets([self._pub, self._replay])
+            self._close_sockets([self._pub, self._replay], linger_ms=0)
             raise
         self._topic = cfg.topic.encode()
-        self._lock = threading.Lock()
-        self._history: collections.deque = collections.deque(maxlen=cfg.buffer_steps)
-        self._stop = False
-        self._thread = None
-        if self._replay is not None:
-            self._thread = threading.Thread(target=self._run, name="hicache-kv-replay",
-                                            daemon=True)
-            self._thread.start()
+        # Shared with the owning thread, under _cv: the hand-off queue and the flags.
+        self._cv = threading.Condition(threading.Lock())
+        self._queue = BoundedBatches(cfg.buffer_steps, cfg.buffer_bytes)
+        self._sleeping = self._busy = self._stop = False
+        # The thread's own (the owning thread only reads the counters):
+        self._history = BoundedBatches(cfg.buffer_steps, cfg.buffer_bytes)
+        self.dropped = self.errors = 0
+        self._thread = threading.Thread(target=self._run, name="hicache-kv-events", daemon=True)
+        self._thread.start()
 
     def _bind(self, sock: Any, field: str, endpoint: str) -> None:
         try:
@@ -211,45 +245,93 @@ class _Sender:
         if not endpoint.startswith("inproc://"):
             self._bound.append(sock)
 
-    def _close_sockets(self, socks: list[Any]) -> None:
+    def _close_sockets(self, socks: list[Any], linger_ms: int) -> None:
         """Close sockets and wait (bounded) until their listeners are gone: zmq closes them in
         its I/O thread, and the endpoint is free only then (a new cache may bind it)."""
         zmq = self._zmq
         socks = [s for s in socks if s is not None]
         monitors = [s.get_monitor_socket(zmq.EVENT_CLOSED) for s in socks if s in self._bound]
         for sock in socks:
-            sock.close(linger=0)
+            sock.close(linger=linger_ms)
         for mon in monitors:
             if mon.poll(2000):  # the EVENT_CLOSED message (two frames)
                 mon.recv_multipart()
             mon.close(linger=0)
 
-    def put(self, seq: int, payload: bytes) -> int:
-        """Send one encoded batch (owner thread) and keep it for replay. Returns 0: a PUB socket
-        drops for a slow subscriber itself, who sees the gap in ``seq``."""
-        seq_bytes = seq.to_bytes(8, "big")
-        # Copied: a zero-copy send (copy=False, payloads from 64 KiB) has pyzmq's gc thread
-        # wake and take the GIL to release each payload, ~30 us per request more than a memcpy.
-        self._pub.send_multipart((self._topic, seq_bytes, payload))
-        if self._replay is not None:
-            with self._lock:
-                self._history.append((seq, seq_bytes, payload))
-        return 0
+    # -- the owning thread ---------------------------------------------------------------------
+
+    def put(self, seq: int, ts: float, records: list[_Record], nbytes: int) -> int:
+        """Queue a sealed batch for the thread; returns how many queued batches were dropped to
+        stay within ``buffer_steps`` / ``buffer_bytes`` (the thread fell that far behind)."""
+        with self._cv:
+            if self._stop:
+                raise HiCacheError("the KV event publisher is closed")
+            dropped = self._queue.append((seq, ts, records), nbytes)
+            if self._sleeping:
+                self._sleeping = False
+                self._cv.notify()
+        return dropped
+
+    def wait_idle(self, timeout: float | None) -> bool:
+        with self._cv:
+            return self._cv.wait_for(lambda: not (self._queue or self._busy)
+                                     or not self._thread.is_alive(), timeout)
 
     def close(self) -> None:
-        """Stop the replay thread, close the sockets (owner thread)."""
-        self._stop = True
-        if self._thread is not None:
-            self._thread.join(timeout=10)
-        self._close_sockets([self._pub])
+        with self._cv:
+            self._stop = True
+            self._cv.notify_all()
+        self._thread.join(timeout=CLOSE_TIMEOUT_S + 2 * _LINGER_MS / 1000)
+
+    # -- the publisher thread ------------------------------------------------------------------
 
     def _run(self) -> None:
         try:
-            while not self._stop:
-                if self._replay.poll(100):
+            while True:
+                with self._cv:
+                    batches = self._queue.take()
+                    stop = self._stop
+                    if not batches and not stop:
+                        self._busy = False
+                        self._cv.notify_all()  # wait_idle
+                        self._sleeping = True
+                        self._cv.wait(_IDLE_POLL_MS / 1000 if self._replay is not None else None)
+                        self._sleeping = False
+                        if _GATHER_S and self._queue and not self._stop:
+                            self._cv.release()
+                            time.sleep(_GATHER_S)
+                            self._cv.acquire()
+                        batches = self._queue.take()
+                        stop = self._stop
+                    self._busy = bool(batches)
+                for seq, ts, records in batches:
+                    self._send(seq, ts, records)
+                if self._replay is not None:
                     self._serve_replay()
+                if stop and not batches:
+                    with self._cv:
+                        if not self._queue:
+                            return
         finally:
-            self._close_sockets([self._replay])
+            with self._cv:
+                self._busy = False
+                self._cv.notify_all()
+            self._close_sockets([self._pub, self._replay], linger_ms=_LINGER_MS)
+
+    def _send(self, seq: int, ts: float, records: list[_Record]) -> None:
+        seq_bytes = seq.to_bytes(8, "big")
+        try:
+            payload = self._encode([ts, [_wire(r) for r in records], self._rank])
+            # Copied: a zero-copy send (copy=False, payloads from 64 KiB) has pyzmq's gc thread
+            # wake and take the GIL to release each payload, ~30 us per request more.
+            self._pub.send_multipart((self._topic, seq_bytes, payload))
+        except Exception as e:  # counted as the owner thread counts its own (a gap in seq)
+            self.dropped += 1
+            self.errors += 1
+            self._recorder.last_publish_error = f"batch {seq}: {e!r}"
+            return
+        if self._replay is not None:
+            self._history.append((seq, seq_bytes, payload), len(payload))
 
     def _serve_replay(self) -> None:
         zmq = self._zmq
@@ -262,9 +344,7 @@ class _Sender:
                 continue  # not a replay request (identity, b"", 8-byte seq): ignored
             client, _, start = frames
             first = int.from_bytes(start, "big")
-            with self._lock:
-                history = list(self._history)
-            for seq, seq_bytes, payload in history:
+            for seq, seq_bytes, payload in self._history:
                 if seq >= first:
                     self._replay.send_multipart((client, b"", seq_bytes, payload))
             self._replay.send_multipart((client, b"", END_SEQ, b""))

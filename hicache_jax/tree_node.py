@@ -10,52 +10,12 @@ The tree itself (and the rules these objects follow) is in :mod:`hicache_jax.rad
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass, field
-from typing import Any, Hashable
+from typing import Any
 
 import numpy as np
 
-from hicache_jax.hashing import chain_blake2b
-
-
-# ----------------------------------------------------------------------------- page hashes
-
-def _canonical(key: Any) -> Any:
-    """``key`` with numbers and strings of numpy types as Python ones (bool -> int, an integral
-    float -> int), so keys the tree treats as one namespace (``==`` and ``hash``: ``5``,
-    ``np.int64(5)``, ``5.0``, ``True`` vs ``1``) have one ``repr`` too."""
-    if isinstance(key, (bool, np.bool_, int, np.integer)):
-        return int(key)
-    if isinstance(key, (float, np.floating)):
-        return int(key) if float(key).is_integer() else float(key)
-    if isinstance(key, np.str_):
-        return str(key)
-    if isinstance(key, np.bytes_):
-        return bytes(key)
-    if isinstance(key, tuple):
-        return tuple(_canonical(k) for k in key)
-    return key
-
-
-def namespace_hash(extra_key: Hashable) -> int:
-    """Seed of the hash chain of a namespace: blake2b of the ``repr`` of ``extra_key`` made
-    canonical (stable for None, str, bytes, numbers and tuples of those, whatever their Python
-    or numpy type; not Python's salted ``hash()``)."""
-    digest = hashlib.blake2b(b"hicache-ns:" + repr(_canonical(extra_key)).encode(),
-                             digest_size=8).digest()
-    return int.from_bytes(digest, "little")
-
-
-def chain_hashes(prev: int, pages: np.ndarray) -> np.ndarray:
-    """``h_i = blake2b(h_{i-1} || tokens of page i)`` as uint64, one per row of ``pages``.
-
-    Args:
-        prev: hash of the page before the first row (or :func:`namespace_hash`).
-        pages: int64 ``[num_pages, page_size]``.
-    """
-    out = chain_blake2b(prev.to_bytes(8, "little"), pages, 8)
-    return np.frombuffer(out, dtype="<u8").astype(np.uint64)
+from hicache_jax.hashing import chain_hashes, namespace_hash
 
 
 # ----------------------------------------------------------------------------- nodes / results
@@ -116,8 +76,9 @@ class TreeNode:
 
     @property
     def page_hashes(self) -> np.ndarray:
-        """uint64 ``[num_pages]``: ``h_i = blake2b(h_{i-1} || tokens of page i)`` chained from
-        the root (:func:`namespace_hash` of ``extra_key`` seeds the root's children).
+        """uint64 ``[num_pages]``: ``h_i = xxh3_64(tokens of page i, seed=h_{i-1})`` chained from
+        the root (:func:`~hicache_jax.hashing.chain_hashes`; :func:`namespace_hash` of
+        ``extra_key`` seeds the root's children).
 
         Computed on first access, for this node and the ancestors not computed yet (root-first,
         one :func:`chain_hashes` call per node, no recursion), then kept: inserts, matches and

@@ -7,9 +7,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from hicache_jax import (AllBlocksCleared, BlockRemoved, BlockStored, HiCacheConfig,
-                         HiCacheError, Medium)
-from hicache_jax.events import KVEventsConfig, NullRecorder, QueueRecorder, replay
+from hicache_jax import (AllBlocksCleared, BlockRemoved, BlockStored, HiCache, HiCacheConfig,
+                         HiCacheError, KVSpec, Medium)
+from hicache_jax.events import (RECORD_OVERHEAD, KVEventsConfig, NullRecorder, QueueRecorder,
+                                held_bytes, record_bytes, replay)
 from hicache_jax.radix import chain_hashes, namespace_hash
 
 from helpers import bookkeeping_spec, make_cache
@@ -162,12 +163,45 @@ def test_bounded_buffer_drops_the_oldest_batches_counts_them_and_shows_the_gap()
     assert [b.seq for b in cache.take_event_batches()] == [5]
 
 
+def test_buffer_bytes_drops_the_oldest_batches_counts_them_and_shows_the_gap():
+    # One page of 4 int64 tokens and one uint64 hash per insert: 40 bytes + the overhead.
+    per_batch = 4 * 8 + 8 + RECORD_OVERHEAD
+    cache = make(device=64, kv_events={"publisher": "queue", "buffer_bytes": 3 * per_batch})
+    for i in range(5):
+        put(cache, np.arange(4) + 100 * i)
+    batches = cache.take_event_batches()
+    assert [b.seq for b in batches] == [2, 3, 4]           # 0 and 1 dropped: a visible gap
+    assert [b.events[0].token_ids[0] for b in batches] == [200, 300, 400]
+    s = cache.stats()
+    assert (s["kv_event_batches"], s["kv_event_batches_dropped"]) == (5, 2)
+    put(cache, np.arange(8) + 500)             # 2 pages: fits
+    put(cache, np.arange(160) + 600)           # 40 pages: over the bound by itself: dropped
+    assert [b.seq for b in cache.take_event_batches()] == [5]
+    assert cache.stats()["kv_event_batches_dropped"] == 3
+    put(cache, np.arange(4) + 700)             # taking emptied the buffer: nothing dropped
+    assert [b.seq for b in cache.take_event_batches()] == [7]
+
+
+def test_a_record_counts_the_whole_arrays_its_views_keep_alive():
+    cache = make(device=64)
+    put(cache, np.arange(16))
+    cache.match_prefix(np.arange(4))           # split: the child's key is a view of 16 tokens
+    cache.evict(12)                            # write_back: the child's 3 pages to host
+    (_, _, (stored,)), (_, _, records) = cache._events._buffer
+    host = next(r for r in records if r.medium is Medium.HOST)
+    assert host.tokens.shape == (12,) and held_bytes(host.tokens) == 16 * host.tokens.itemsize
+    assert record_bytes(host) == 16 * host.tokens.itemsize + held_bytes(host.hashes) + RECORD_OVERHEAD
+    assert held_bytes(np.arange(4)) == 32 and held_bytes(np.arange(8)[2:4]) == 64
+    assert held_bytes(np.frombuffer(bytes(80), np.int64)[:2]) == 80
+
+
 def test_kv_events_config_from_a_dict_or_its_json_string():
     a = HiCacheConfig(device_pages=4, kv_events={"publisher": "zmq", "endpoint": "ipc:///tmp/x"})
     b = HiCacheConfig(device_pages=4,
                       kv_events='{"publisher": "zmq", "endpoint": "ipc:///tmp/x"}')
     assert a.kv_events == b.kv_events == KVEventsConfig("zmq", "ipc:///tmp/x")
     assert a.kv_events.buffer_steps == 10_000 and a.kv_events.topic == "kv-events"
+    assert a.kv_events.buffer_bytes == 16 << 20
     assert HiCacheConfig(device_pages=4, kv_events=a.kv_events).kv_events == a.kv_events
 
 
@@ -181,6 +215,9 @@ def test_kv_events_config_from_a_dict_or_its_json_string():
     ({"publisher": "queue", "buffer_steps": 0}, ValueError, "buffer_steps=0"),
     ({"publisher": "queue", "buffer_steps": "10"}, ValueError, "buffer_steps='10'"),
     ({"publisher": "queue", "buffer_steps": True}, ValueError, "buffer_steps=True"),
+    ({"publisher": "queue", "buffer_bytes": 0}, ValueError, "buffer_bytes=0 must be an int >= 1"),
+    ({"publisher": "zmq", "buffer_bytes": 1.5e6}, ValueError, "buffer_bytes=1500000.0"),
+    ({"publisher": "queue", "buffer_bytes": False}, ValueError, "buffer_bytes=False"),
     ({"publisher": "queue", "topics": "x"}, ValueError, r"unknown field\(s\) \['topics'\]"),
     ({"publisher": "zmq", "topic": 3}, TypeError, "topic=3"),
     ("{not json", ValueError, "not valid JSON"),

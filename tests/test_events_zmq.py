@@ -4,6 +4,8 @@ a bad configuration (bind failures leave nothing bound)."""
 
 from __future__ import annotations
 
+import socket
+import threading
 from typing import Any
 
 import numpy as np
@@ -338,3 +340,137 @@ def test_every_extra_key_publishes_and_a_failed_publish_never_raises(key, lora_i
     finally:
         sub.close()
         cache.close()
+
+
+# -- the publisher thread ------------------------------------------------------------------
+
+def test_publisher_thread_delivers_every_batch_in_order(tcp):
+    cache = make(zmq_events(tcp), device=512)
+    sub = Subscriber(tcp)
+    try:
+        first = sub.until_connected(cache)
+        for i in range(300):                       # faster than one wake-up of the thread each
+            put(cache, np.arange(4) + 10 * i)
+        got = [sub.recv() for _ in range(300)]
+        assert [s for s, _ in got] == list(range(first + 1, first + 301))
+        assert [b.events[0].token_ids[0] for _, b in got] == [10 * i for i in range(300)]
+        assert cache.stats()["kv_event_batches_dropped"] == 0
+    finally:
+        sub.close()
+        cache.close()
+
+
+def test_close_sends_every_queued_batch_first(tcp):
+    cache = make(zmq_events(tcp), device=512)
+    sub = Subscriber(tcp)
+    try:
+        first = sub.until_connected(cache)
+        gate = threading.Event()
+        publisher = cache._events._publisher
+        real_send = publisher._send
+        publisher._send = lambda *a: gate.wait(10) and real_send(*a)  # the thread falls behind
+        for i in range(20):
+            put(cache, np.arange(4) + 10 * i)
+        gate.set()
+        cache.close()                              # waits for the 20 queued batches
+        assert [sub.recv()[0] for _ in range(20)] == list(range(first + 1, first + 21))
+        assert cache.stats()["kv_event_batches_dropped"] == 0
+    finally:
+        sub.close()
+        cache.close()
+
+
+def test_a_publisher_thread_behind_by_buffer_steps_drops_the_oldest_and_counts(tcp):
+    cache = make(zmq_events(tcp, buffer_steps=4), device=512)
+    sub = Subscriber(tcp)
+    try:
+        first = sub.until_connected(cache)
+        gate, entered = threading.Event(), threading.Event()
+        publisher = cache._events._publisher
+        real_send = publisher._send
+
+        def slow_send(*a):
+            entered.set()
+            gate.wait(10)
+            return real_send(*a)
+
+        publisher._send = slow_send
+        put(cache, np.arange(4))                   # taken by the thread, which then waits
+        assert entered.wait(10) and cache._events.wait_published(0.01) is False
+        for i in range(1, 11):
+            put(cache, np.arange(4) + 10 * i)      # 10 more: 6 dropped from the hand-off
+        gate.set()
+        assert cache._events.wait_published(10)
+        seqs = [sub.recv()[0] - first for _ in range(5)]
+        assert seqs[0] == 1 and seqs[1:] == [8, 9, 10, 11]  # the gap shows the 6 dropped
+        assert cache.stats()["kv_event_batches_dropped"] == 6
+    finally:
+        sub.close()
+        cache.close()
+
+
+def test_a_failing_socket_is_counted_and_the_gap_is_visible(tcp):
+    cache = make(zmq_events(tcp), device=512)
+    sub = Subscriber(tcp)
+    try:
+        first = sub.until_connected(cache)
+        publisher = cache._events._publisher
+        real_pub = publisher._pub
+
+        class Broken:
+            def send_multipart(self, frames):
+                raise zmq.ZMQError(zmq.EAGAIN, "the socket fails")
+
+        assert cache._events.wait_published(10)
+        publisher._pub = Broken()
+        put(cache, np.arange(4))
+        assert cache._events.wait_published(10)
+        s = cache.stats()
+        assert (s["kv_event_publish_errors"], s["kv_event_batches_dropped"]) == (1, 1)
+        assert cache._events.last_publish_error.startswith(f"batch {first + 1}: ZMQError")
+        publisher._pub = real_pub
+        put(cache, np.arange(4) + 10)
+        assert sub.recv()[0] == first + 2          # the failed batch is a gap in seq
+    finally:
+        sub.close()
+        cache.close()
+
+
+def test_replay_buffer_is_bounded_by_bytes_too(tmp_path):
+    ep, rep = f"ipc://{tmp_path}/ev", f"ipc://{tmp_path}/replay"
+    cache = make(zmq_events(ep, rep) | {"buffer_bytes": 300}, device=64)
+    sub = Subscriber(ep, rep)
+    try:
+        for i in range(10):                        # one-page batches: ~50-byte payloads
+            put(cache, np.arange(4) + 100 * i)
+            assert cache._events.wait_published(10)
+        got = [s for s, _ in sub.replay(0)]
+        assert 4 <= len(got) <= 6 and got == list(range(10 - len(got), 10))  # <= 300 bytes
+        assert cache.stats()["kv_event_batches_dropped"] == 0  # sent: dropped from replay only
+        put(cache, np.arange(8) + 5000)            # 2 pages, 304 bytes held: over the bound
+        assert cache.stats()["kv_event_batches_dropped"] == 1  # dropped at the hand-off
+        put(cache, np.arange(4) + 6000)
+        assert cache._events.wait_published(10)
+        assert [s for s, _ in sub.replay(10)] == [11]  # seq 10 is the gap
+    finally:
+        sub.close()
+        cache.close()
+
+
+def test_bench_events_runs_and_reports_each_thread(tmp_path, monkeypatch, capsys):
+    """Smoke test of benchmarks/bench_events.py (the current tree only, 30 requests)."""
+    import json
+    import sys
+
+    from benchmarks import bench_events
+    out = tmp_path / "e.json"
+    monkeypatch.setattr(sys, "argv", ["bench_events", "--quick", "--limit", "30",
+                                      "--json", str(out)])
+    bench_events.main()
+    text = capsys.readouterr().out
+    assert "target zmq with a live subscriber within 1.5x of events off:" in text
+    runs = json.loads(out.read_text())["results"]["runs"]["current"]
+    (zmq_run,) = runs["zmq"]
+    assert zmq_run["requests"] == 30 and isinstance(zmq_run["received_batches"], int)
+    assert zmq_run["cpu_us_per_request"]["publisher"] > 0
+    assert runs["off"][0]["cpu_us_per_request"]["publisher"] is None

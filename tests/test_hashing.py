@@ -1,11 +1,14 @@
-"""hicache_jax.hashing: the 128-bit chained page digests L3 keys are made of."""
+"""hicache_jax.hashing: the tree's / events' 64-bit page hashes and the 128-bit chained page
+digests L3 keys are made of."""
 
 import hashlib
 
 import numpy as np
 import pytest
+import xxhash
 
-from hicache_jax.hashing import DIGEST_BYTES, chain_digests, namespace_seed, namespace_tag
+from hicache_jax.hashing import (DIGEST_BYTES, chain_digests, chain_hashes, namespace_hash,
+                                 namespace_seed, namespace_tag)
 from hicache_jax.spec import KVSpec
 from hicache_jax.storage import page_keys
 
@@ -67,3 +70,37 @@ def test_bad_input_is_a_typed_error():
     with pytest.raises(TypeError, match="extra_key"):
         page_keys(SPEC, np.arange(4), extra_key=("a", 1))
     assert page_keys(SPEC, np.zeros(0, np.int64)) == []
+
+
+def test_page_hashes_are_the_xxh3_chain_of_the_int64_tokens_whatever_their_dtype():
+    pages = np.arange(12).reshape(3, 4) * 70_001
+    seed = namespace_hash(None)
+    got = chain_hashes(seed, pages)
+    assert got.dtype == np.uint64 and got.shape == (3,)
+    h, want = seed, []
+    for page in pages:
+        h = xxhash.xxh3_64_intdigest(page.astype("<i8").tobytes(), seed=h)
+        want.append(h)
+    assert got.tolist() == want
+    for same in (pages.astype(np.int32), pages.astype(np.uint64), pages.astype(">i8"),
+                 np.asfortranarray(pages)):
+        assert chain_hashes(seed, same).tolist() == want
+    assert chain_hashes(want[0], pages[1:]).tolist() == want[1:]  # a chain resumes from a hash
+    assert chain_hashes(seed, pages[:0]).shape == (0,)
+
+
+def test_page_hashes_are_the_same_in_every_process():
+    # Pinned values: a router and other instances must compute the same ids (no fallback hash).
+    assert namespace_hash(None) == 8524524440615632006
+    assert chain_hashes(namespace_hash(None), np.arange(8).reshape(2, 4)).tolist() == \
+        [15584011130774456836, 8159706860537819701]
+    assert namespace_hash(5) == namespace_hash(np.int64(5)) == namespace_hash(5.0)
+    assert namespace_hash(("a", np.int32(2))) == namespace_hash(("a", 2)) != namespace_hash("a")
+
+
+def test_page_hash_bad_input_is_a_typed_error():
+    with pytest.raises(ValueError, match="num_pages, page_size"):
+        chain_hashes(0, np.zeros(4, np.int64))
+    for bad in (-1, 1 << 64):
+        with pytest.raises(ValueError, match="prev"):
+            chain_hashes(bad, np.zeros((1, 4), np.int64))

@@ -29,7 +29,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, precondition, rule,
                                  run_state_machine_as_test)
 
-from hicache_jax.tree_node import _canonical  # one namespace, one key (5 == np.int64(5))
+from hicache_jax.hashing import canonical_key as _canonical  # one namespace, one key (5 == np.int64(5))
 from hicache_jax import HiCacheConfig, HiCacheError, KVSpec, OutOfPagesError
 from hicache_jax.events import Medium, replay
 from hicache_jax.hicache import _CALLER as _CALLER_OWNED
