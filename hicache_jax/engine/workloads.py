@@ -263,6 +263,7 @@ class ClosedLoop:
             raise ValueError(f"think_s={think_s!r} must be a finite number >= 0")
         self.workload, self.think_s = workload, float(think_s)
         self._history = [s.base for s in workload.sessions]
+        self._prompts: dict[tuple, np.ndarray] = {}  # (session, turn) -> prompt sent
 
     def _turn(self, i: int, t: int, at: float) -> Arrival:
         prompt = np.concatenate([self._history[i], self.workload.sessions[i].segments[t]])
@@ -271,7 +272,7 @@ class ClosedLoop:
 
     def initial(self) -> list[Arrival]:
         self._history = [s.base for s in self.workload.sessions]
-        self._prompts: dict[tuple, np.ndarray] = {}
+        self._prompts = {}
         return [self._turn(i, 0, 0.0) for i in range(len(self.workload.sessions))]
 
     def on_done(self, key: tuple, tokens: np.ndarray, now: float) -> list[Arrival]:
