@@ -36,6 +36,8 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>&1 | tee 
 run gpu_kernels 120 python3 -m benchmarks.gpu_kernels --no-probe --json "$out/gpu_kernels.json"
 run gpu_transfer 70 python3 -m benchmarks.gpu_transfer --json "$out/gpu_transfer.json"
 run gpu_ttft 80 python3 -m benchmarks.gpu_ttft --json "$out/gpu_ttft.json"
+# gpu_serve (continuous batching vs serial, < 4 min alone) needs BUDGET_S >= ~560 to run here.
+run gpu_serve 240 python3 -m benchmarks.gpu_serve --json "$out/gpu_serve.json"
 run gpu_kernels_probe 30 python3 -m benchmarks.gpu_kernels --probe-only \
     --json "$out/gpu_kernels_probe.json"
 # The compiled kernels and the transfer engine on this device. Not -x: one failure must not hide

@@ -487,6 +487,161 @@ class HiCache:
         return Match(pages, pages.size * self._ps, 0, self._ref(node, node),
                      handle if layerwise else None)
 
+    # -- load_back_many: the load-backs of several requests in one transfer ------------------
+
+    @_publishes
+    def load_back_many(self, matches: Any, *, layerwise: bool = False) -> list[Match]:
+        """:meth:`load_back` of several matches (a scheduler step's admitted requests) with ONE
+        copy dispatch for all the host pages it accepts.
+
+        Each match is decided as ``load_back`` would decide it called on the matches in order:
+        its chain is the host-only nodes above its node not already accepted for an earlier
+        match in the list (duplicates and overlapping prefixes load once, by the first), and
+        the threshold and quota apply to that chain. Device pages come from one allocation for
+        every accepted chain; when that cannot be had even after eviction, each match is
+        allocated in order and those that find no pages are declined.
+
+        Args:
+            matches: a list or tuple of Matches (as :meth:`load_back` takes; stale is fine).
+            layerwise: as in :meth:`load_back`; every returned match whose device part holds
+                pages of the load carries the one shared ``load_handle``.
+
+        Returns:
+            One Match per input, in order, each what :meth:`load_back` would return for it:
+            what holds its prefix now (``host_len == 0`` when its chain was loaded, by it or by
+            an earlier duplicate). No lock is left for the caller.
+
+        Raises:
+            TypeError: ``matches`` is not a list/tuple of Matches, ``layerwise`` not a bool.
+            HiCacheError: a match from another cache (or from before ``reset()``).
+            All before any change to the cache.
+        """
+        if not isinstance(matches, (list, tuple)):
+            raise TypeError(f"matches must be a list or tuple of Match, got "
+                            f"{type(matches).__name__}")
+        for i, m in enumerate(matches):
+            if not isinstance(m, Match) or not isinstance(m.node, NodeRef):
+                raise TypeError(f"matches[{i}] must be a Match from match_prefix, got "
+                                f"{type(m).__name__}")
+        check_bool("layerwise", layerwise)
+        for i, m in enumerate(matches):
+            if self._root_of(m.node._node) is not None:
+                raise HiCacheError(f"matches[{i}]: {m.node!r} is not in this cache (another "
+                                   "cache's, or from before reset()): match again")
+        self._complete(attach=True)
+        resolved = [self._resolve_for_load(m) for m in matches]
+        accepted = self._take_load_pages(resolved)
+        handle = self._dispatch_loads(accepted, layerwise)
+        loaded = np.concatenate([ids for _, _, ids in accepted]) if accepted else None
+        out = []
+        for m, node in resolved:
+            cur = self._current(m, node)
+            if layerwise and loaded is not None and np.isin(cur.device_pages, loaded).any():
+                cur = Match(cur.device_pages, cur.device_len, cur.host_len, cur.node, handle)
+            out.append(cur)
+        return out
+
+    def _root_of(self, node: TreeNode) -> TreeNode | None:
+        """None when ``node``'s top ancestor is this cache's root (deleted nodes keep theirs)."""
+        top = node
+        while top.parent is not None:
+            top = top.parent
+        return None if top is self._tree.root or not top.is_root else top
+
+    def _resolve_for_load(self, match: Match) -> tuple[Match, TreeNode]:
+        """(match, node) of what holds ``match``'s prefix: re-matched when its node was deleted."""
+        node = match.node._node
+        if self._tree.owns(node):
+            return match, node
+        tm = self._tree.match(match.node._prefix, node.extra_key)
+        return (Match(tm.device_pages, tm.device_len, tm.host_len,
+                      self._ref(tm.node, tm.last_device_node)), tm.node)
+
+    def _load_chain(self, node: TreeNode, claimed: set) -> list[TreeNode]:
+        """Host-only nodes above ``node`` (root-first), stopping at a claimed one."""
+        chain = []
+        while node.parent is not None and node.value is None and node not in claimed:
+            chain.append(node)
+            node = node.parent
+        return chain[::-1]
+
+    def _chains(self, resolved: list, take: Callable[[int], np.ndarray] | None) -> tuple:
+        """Decide the matches in order: ([(node, chain, ids)], declined). A chain is cut at
+        the nodes accepted before it; threshold and quota apply to it; ``take(pages)`` (None:
+        decide only, ids None) allocates and may raise OutOfPagesError, which declines it."""
+        quota, claimed, out, declined = self.cfg.load_back_quota, set(), [], 0
+        for _, node in resolved:
+            chain = self._load_chain(node, claimed)
+            ntok = sum(n.num_tokens for n in chain)
+            if not chain or ntok < self.cfg.load_back_threshold or (quota is not None
+                                                                    and ntok > quota):
+                declined += bool(chain)
+                continue
+            try:
+                ids = None if take is None else take(ntok // self._ps)
+            except OutOfPagesError:
+                declined += 1
+                continue
+            claimed.update(chain)
+            out.append((node, chain, ids))
+        return out, declined
+
+    def _take_load_pages(self, resolved: list) -> list:
+        """(node, chain, device ids) of every accepted chain, its node locked (the lock its op
+        keeps until the copy lands). Every match's node is locked while pages are taken, so
+        eviction cannot reach a chain or its device ancestors. One allocation for all; if even
+        eviction cannot cover it, one per chain in order, declining those that find none."""
+        nodes = [node for _, node in resolved]
+        for node in nodes:
+            self._tree.lock(node)
+        try:
+            out, declined = self._chains(resolved, None)
+            try:
+                need = sum(n.num_pages for _, chain, _ in out for n in chain)
+                ids = self._take_pages(self._dev_tier, need) if need else np.zeros(0, np.int32)
+                off = 0
+                for i, (node, chain, _) in enumerate(out):
+                    k = sum(n.num_pages for n in chain)
+                    out[i] = (node, chain, ids[off:off + k])
+                    off += k
+            except OutOfPagesError:
+                out, declined = self._chains(resolved,
+                                             lambda k: self._take_pages(self._dev_tier, k))
+        finally:
+            for node in nodes:
+                self._tree.unlock(node)
+        for node, _, _ in out:
+            self._tree.lock(node)
+        self._n["load_backs_declined"] += declined
+        return out
+
+    def _dispatch_loads(self, accepted: list, layerwise: bool) -> Any:
+        """One host -> device copy for every accepted chain; one op per chain sharing it."""
+        if not accepted:
+            return None
+        ids = np.concatenate([i for _, _, i in accepted])
+        host_ids = np.concatenate([n.host_value for _, chain, _ in accepted for n in chain])
+        try:
+            handle = self._engine.load(host_ids, ids, layerwise=bool(layerwise))
+        except BaseException:  # a dispatch failure (internal ids: a bug, or the runtime): undo
+            self._device.allocator.free(ids)
+            for node, _, _ in accepted:
+                self._tree.unlock(node)
+            raise
+        off = 0
+        for node, chain, dev in accepted:  # in order: a chain's parent was set by an earlier one
+            for n in chain:
+                self._tree.set_value(n, ids[off:off + n.num_pages])
+                self._events.stored(n, Medium.DEVICE)
+                off += n.num_pages
+            self._ops.append(_Op(self._next_seq(), "load", handle, node, dev,
+                                 np.concatenate([n.host_value for n in chain])))
+            self._n["load_backs"] += 1
+            self._n["load_back_tokens"] += dev.size * self._ps
+        self._owner[ids] = _TREE
+        self._loading[ids] = True
+        return handle
+
     def lock(self, node: NodeRef) -> None:
         """Protect a match's prefix (``Match.node``: the node and its ancestors) from eviction
         on both tiers (counted).

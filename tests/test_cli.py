@@ -110,3 +110,63 @@ def test_python_dash_m_entry_point(monkeypatch, capsys):
         runpy.run_module("hicache_jax", run_name="__main__")
     out = capsys.readouterr().out
     assert exc.value.code == 0 and "--workload" in out and "--plot" in out
+
+
+BATCHED = ["--engine", "batched", "--token-budget", "64", "--query-block", "32"]
+
+
+def test_batched_bench_matches_serial_and_writes_json(tmp_path, capsys):
+    path = tmp_path / "batched.json"
+    assert cli.main(["bench", *TINY, *BATCHED, "--policy", "write_through",
+                     "--json", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "outputs identical to the serial engine" in out and ": yes;" in out
+    assert "pages leaked or locked after the drain: 0" in out
+    for header in ("TTFT p50/p90/p99 ms", "ITL p50/p90/p99 ms", "prompt tok/s", "gen tok/s",
+                   "x serial", "retract", "MB to device"):
+        assert header in out
+    data = json.loads(path.read_text())
+    assert data["benchmark"] == "hicache-jax bench --engine batched"
+    assert data["env"]["backend"] == "cpu" and data["outputs_identical"] is True
+    hi = data["summary"]["hicache"]
+    assert hi["tokens_identical"] and hi["first_logits_max_abs_diff"] <= 1e-5
+    assert hi["requests"] == 9 and hi["bytes_to_host"] > 0
+    assert data["summary"]["no cache"]["recomputed_tokens"] == hi["prompt_tokens"]
+    assert len(data["requests"]["hicache"]) == 9
+
+
+def test_batched_bench_poisson_and_plot(tmp_path):
+    pytest.importorskip("matplotlib", reason='--plot needs matplotlib: pip install -e ".[plot]"')
+    path = tmp_path / "ttft.png"
+    assert cli.main(["bench", *TINY, *BATCHED, "--arrivals", "poisson", "--rate", "200",
+                     "--plot", str(path)]) == 0
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize("flags,match", [
+    (["--arrivals", "poisson"], "needs --rate"), (["--arrivals", "trace"], "needs --trace"),
+    (["--trace", "x.jsonl"], "only used with --arrivals trace"),
+    (["--token-budget", "48"], "--token-budget 48 must be a power of two"),
+    (["--query-block", "0"], "--query-block 0"), (["--decode-reserve", "2"], "--decode-reserve"),
+    (["--max-running", "0"], "--max-running 0"), (["--repeats", "0"], "--repeats 0"),
+    (["--storage", "file:///tmp/x"], "not supported with --engine batched")])
+def test_bad_batched_flags_are_usage_errors(flags, match, capsys):
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["bench", *TINY, *BATCHED, *flags])
+    assert exc.value.code == 2
+    assert match in capsys.readouterr().err
+
+
+def test_gpu_serve_runs_tiny_on_cpu(capsys):
+    import importlib.util
+    import os
+
+    path = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "gpu_serve.py")
+    spec = importlib.util.spec_from_file_location("gpu_serve", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    assert mod.main([]) == 2  # not a GPU: refused without --tiny / --allow-cpu
+    assert "not 'gpu'" in capsys.readouterr().err
+    assert mod.main(["--tiny"]) == 0
+    out = capsys.readouterr().out
+    assert "bfloat16" in out and "outputs identical to the serial engine" in out

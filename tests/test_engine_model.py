@@ -8,6 +8,7 @@ import pytest
 
 from hicache_jax.device_pool import DevicePagePool
 from hicache_jax.engine.model import (DecoderModel, ModelConfig, bucket, compiled_step_count,
+                                      fine_bucket, trace_count,
                                       init_params, load_params, reference_logits, save_params)
 
 from helpers import poisoned_device_pool
@@ -209,3 +210,11 @@ def test_bad_forward_input_leaves_pool_untouched(model, prompt):
 def test_bucket():
     assert [bucket(n) for n in (0, 1, 2, 3, 16, 17)] == [1, 1, 2, 4, 16, 32]
     assert bucket(3, 16) == 16
+
+
+def test_fine_bucket_and_trace_count():
+    assert [fine_bucket(n) for n in range(1, 14)] == [1, 2, 3, 4, 6, 6, 8, 8, 12, 12, 12, 12, 16]
+    assert fine_bucket(5, 16) == 16 and fine_bucket(17, 1) == 24
+    assert trace_count() == compiled_step_count()
+    with pytest.raises(ValueError, match="name='x'"):
+        trace_count("x")

@@ -1,9 +1,13 @@
-"""Workload generators: determinism, prompt structure per workload, infinite-cache hit ratio."""
+"""Workload generators: determinism, prompt structure per workload, infinite-cache hit ratio;
+arrival processes (closed loop, Poisson, Mooncake trace timestamps)."""
+
+import os
 
 import numpy as np
 import pytest
 
-from hicache_jax.engine.workloads import (WORKLOADS, Session, Workload, agent_loop, document_qa,
+from hicache_jax.engine.workloads import (WORKLOADS, ClosedLoop, PoissonArrivals, Session,
+                                          TraceArrivals, Workload, agent_loop, document_qa,
                                           multiturn_chat)
 
 
@@ -88,3 +92,76 @@ def test_bad_sizes_and_serve():
     wl = multiturn_chat(num_clients=2, num_turns=1)
     with pytest.raises(ValueError, match="1 outputs for 2 prompts"):
         wl.run(lambda ps: ps[:1])
+
+
+# -- arrival processes (BatchedEngine.serve) ---------------------------------------------------
+
+def _play(process, answer):
+    """Drive an arrival process as the engine does, answering at once (time = arrival)."""
+    import heapq
+
+    heap = [(a.at, a.key, a) for a in process.initial()]
+    heapq.heapify(heap)
+    served = []
+    while heap:
+        at, _, a = heapq.heappop(heap)
+        out = answer(a.prompt)
+        served.append((a, out))
+        for b in process.on_done(a.key, out, at + 0.5):
+            heapq.heappush(heap, (b.at, b.key, b))
+    return served
+
+
+def test_closed_loop_prompts_equal_the_rounds():
+    wl = multiturn_chat(num_clients=3, num_turns=3, system_tokens=20, question_tokens=6,
+                        max_new_tokens=2, vocab_size=50)
+    rounds = {(r.session, r.turn): r.prompt for r, _ in wl.run(_echo)}
+    served = _play(ClosedLoop(wl), lambda p: _echo([p])[0])
+    assert {a.key for a, _ in served} == set(rounds)
+    for a, _ in served:
+        np.testing.assert_array_equal(a.prompt, rounds[a.key])
+        assert a.max_new_tokens == 2
+    # turn t+1 of a client arrives when its answer to turn t is back (0.5 s later here)
+    at = {a.key: a.at for a, _ in served}
+    assert all(at[(i, t + 1)] == at[(i, t)] + 0.5 for i in range(3) for t in range(2))
+
+
+def test_poisson_schedule_respects_answers():
+    wl = multiturn_chat(num_clients=2, num_turns=3, system_tokens=8, question_tokens=4,
+                        max_new_tokens=2, vocab_size=50)
+    p = PoissonArrivals(wl, rate=100.0, seed=3)
+    again = PoissonArrivals(wl, rate=100.0, seed=3)
+    assert p.schedule == again.schedule and min(p.schedule.values()) == 0.0
+    gaps = np.diff(sorted(p.schedule.values()))
+    assert 0.001 < gaps.mean() < 0.05  # about 1 / rate
+    served = _play(p, lambda prompt: _echo([prompt])[0])
+    at = {a.key: a.at for a, _ in served}
+    for (i, t), when in at.items():
+        assert when >= p.schedule[(i, t)]
+        if t:
+            assert when >= at[(i, t - 1)] + 0.5  # never before the previous answer is back
+    with pytest.raises(ValueError, match="rate=0"):
+        PoissonArrivals(wl, rate=0)
+
+
+def test_trace_arrivals_scale_time_and_share_blocks(tmp_path):
+    path = tmp_path / "t.jsonl"
+    path.write_text('{"timestamp": 0, "input_length": 1024, "output_length": 30, '
+                    '"hash_ids": [1, 2]}\n\n'
+                    '{"timestamp": 2000, "input_length": 1000, "output_length": 2, '
+                    '"hash_ids": [1, 3]}\n')
+    tr = TraceArrivals(str(path), time_scale=0.5, block_tokens=8, max_new_tokens=4,
+                       vocab_size=50)
+    a, b = tr.initial()
+    assert (a.at, b.at) == (0.0, 1.0) and (a.max_new_tokens, b.max_new_tokens) == (4, 2)
+    assert a.prompt.size == 16 and b.prompt.size == 16  # 1000 * 8 / 512 rounds up to 16
+    np.testing.assert_array_equal(a.prompt[:8], b.prompt[:8])  # hash id 1: same tokens
+    assert not np.array_equal(a.prompt[8:], b.prompt[8:])
+    assert tr.on_done(a.key, np.zeros(2, np.int32), 0.0) == []
+    shipped = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "data",
+                           "mooncake_synthetic_1000.jsonl")
+    assert len(TraceArrivals(shipped, limit=5).initial()) == 5
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"timestamp": 0}\n')
+    with pytest.raises(ValueError, match="line 1: not a Mooncake record"):
+        TraceArrivals(str(bad))

@@ -34,7 +34,9 @@ import numpy as np
 
 from hicache_jax.engine.engine import Engine, Generation
 from hicache_jax.engine.model import DecoderModel, ModelConfig, bucket, load_params
-from hicache_jax.engine.workloads import WORKLOADS, Workload
+from hicache_jax.engine import serve_bench
+from hicache_jax.engine.batched import BatchedEngine
+from hicache_jax.engine.workloads import ARRIVALS, WORKLOADS, Workload
 from hicache_jax import replay as replay_mod
 from hicache_jax.hicache import HiCache
 from hicache_jax.spec import HiCacheConfig
@@ -93,6 +95,28 @@ def _parser() -> argparse.ArgumentParser:
                    help="L3 store (file:///dir, mooncake://host:port): adds a 'hicache+L3' run")
     c.add_argument("--no-layerwise", action="store_true", help="plain (not layer-wise) load-back")
     c.add_argument("--no-warmup", action="store_true", help="skip the untimed first pass")
+    e = b.add_argument_group("engine")
+    e.add_argument("--engine", choices=["serial", "batched"], default="serial",
+                   help="batched: continuous batching under --arrivals, beside the serial "
+                        "engine on the same requests")
+    e.add_argument("--arrivals", choices=list(ARRIVALS), default="closed",
+                   help="batched: closed-loop clients, Poisson at --rate, or --trace timestamps")
+    e.add_argument("--rate", type=float, help="Poisson arrivals: requests/s")
+    e.add_argument("--trace", metavar="PATH", help="Mooncake JSONL for --arrivals trace")
+    e.add_argument("--time-scale", type=float, default=1.0,
+                   help="trace timestamps x this (0: all at once)")
+    e.add_argument("--block-tokens", type=int, default=16,
+                   help="trace: tokens per hash id (input lengths scaled by this / 512)")
+    e.add_argument("--limit", type=int, help="trace: first N requests")
+    e.add_argument("--token-budget", type=int, default=256,
+                   help="batched: prefill tokens per step (power of two)")
+    e.add_argument("--query-block", type=int, default=32,
+                   help="batched: prefill rows of this many tokens (power of two)")
+    e.add_argument("--max-running", type=int, default=64, help="batched: requests at once")
+    e.add_argument("--repeats", type=int, default=1,
+                   help="batched: timed serial/batched runs, alternated (median wall time)")
+    e.add_argument("--decode-reserve", type=float, default=1.0,
+                   help="batched: fraction of remaining decode pages an admission keeps")
     o = b.add_argument_group("output")
     o.add_argument("--json", metavar="PATH", help="write every figure and record as JSON")
     o.add_argument("--plot", metavar="PATH", help="hit ratio and TTFT per turn (needs matplotlib)")
@@ -344,11 +368,20 @@ def bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         ps = args.page_size
         cfg.kv_spec(ps)  # validates the page size, before it divides anything
         device_pages = _device_pages(workload, ps, args.device_pages)
+        if args.engine == "batched":
+            serve_bench.check_flags(args)
+            if args.arrivals == "trace" and args.device_pages is None:
+                device_pages = serve_bench.trace_device_pages(args, workload, ps)
         host_pages = int(round(args.host_ratio * device_pages))
         HiCacheConfig(device_pages=device_pages, host_pages=host_pages,
                       write_policy=args.policy, storage=args.storage)  # validates the sizes
         if bucket(args.chunk_size) != args.chunk_size:
             raise ValueError(f"--chunk-size {args.chunk_size} must be a power of two")
+        if args.engine == "batched":
+            for flag, v in (("--token-budget", args.token_budget),
+                            ("--query-block", args.query_block)):
+                if v < 1 or bucket(v) != v:
+                    raise ValueError(f"{flag} {v} must be a power of two")
     except (ValueError, TypeError, OSError, ImportError) as exc:
         parser.exit(2, f"hicache-jax bench: error: {exc}\n")
     model = DecoderModel(cfg, params, seed=args.seed)
@@ -358,7 +391,7 @@ def bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
           f"{infinite:.3f} (page {ps})")
     print(f"model {cfg.num_layers}L d{cfg.d_model} {cfg.num_heads}/{cfg.num_kv_heads} heads "
           f"{cfg.dtype}; device pool {device_pages} pages ({device_pages * ps} tokens), "
-          f"host pool {host_pages} pages; policy {args.policy}; serial engine", flush=True)
+          f"host pool {host_pages} pages; policy {args.policy}; {args.engine} engine", flush=True)
 
     knobs = dict(chunk_size=args.chunk_size, layerwise=not args.no_layerwise,
                  prefill_bucket=min(64, args.chunk_size), table_bucket=_table_bucket(ps))
@@ -381,6 +414,9 @@ def bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             parser.exit(2, f"hicache-jax bench: error: --storage: {exc}\n")
         return Engine(model, cache, mode="hicache", prefetch=True, **knobs)
 
+    if args.engine == "batched":
+        return _bench_batched(args, workload, model, cfg, engine, device_pages, host_pages,
+                              infinite)
     configs = CONFIGS + ((("hicache+L3", "hicache+L3"),) if args.storage else ())
     summaries, outputs, per_request = {}, {}, {}
     for name, mode in configs:
@@ -417,6 +453,49 @@ def bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if args.plot:
         _plot(args.plot, turns, per_request)
     return 0 if identical else 1
+
+
+def _bench_batched(args: argparse.Namespace, workload: Workload, model: DecoderModel,
+                   cfg: ModelConfig, serial: Any, device_pages: int, host_pages: int,
+                   infinite: float) -> int:
+    """``--engine batched``: see :mod:`hicache_jax.engine.serve_bench`."""
+    ps = args.page_size
+    knobs = dict(token_budget=args.token_budget, max_running=args.max_running,
+                 layerwise=not args.no_layerwise, query_block=min(args.query_block, args.token_budget),
+                 table_bucket=_table_bucket(ps), decode_reserve=args.decode_reserve)
+
+    def batched(mode: str) -> BatchedEngine:
+        return BatchedEngine.create(model, mode, page_size=ps, device_pages=device_pages,
+                                    host_pages=host_pages, write_policy=args.policy, **knobs)
+
+    say = (lambda msg: None) if args.quiet else (lambda msg: print(msg, file=sys.stderr,
+                                                                 flush=True))
+    summaries, per_request = serve_bench.bench_batched(args, workload, serial, batched,
+                                                       CONFIGS, say)
+    print(f"arrivals {args.arrivals}" + (f" at {args.rate:g}/s" if args.arrivals == "poisson"
+                                         else "") + f"; token budget {args.token_budget}")
+    print(serve_bench.table(summaries))
+    ok = all(s["tokens_identical"] and s["logits_within_tol"] for s in summaries.values())
+    radix, hi = summaries["device radix"], summaries["hicache"]
+    if radix["ttft_p50_ms"] > 0:
+        print(f"hicache TTFT p50 / device radix TTFT p50: "
+              f"{hi['ttft_p50_ms'] / radix['ttft_p50_ms']:.2f}")
+    leaks = sum(s["leaked_caller_pages"] + s["locked_pages_after_drain"]
+                for s in summaries.values())
+    print(f"outputs identical to the serial engine (tokens, first-token logits <= "
+          f"{serve_bench.logits_tol(args.dtype):g}): {'yes' if ok else 'no'}; pages leaked or locked "
+          f"after the drain: {leaks}", flush=True)
+    if args.json:
+        _write_json(args.json, {
+            "benchmark": "hicache-jax bench --engine batched", "env": _env(),
+            "config": {**{k: v for k, v in vars(args).items() if k != "func"},
+                       "device_pages": device_pages, "host_pages": host_pages,
+                       "model": vars(cfg)},
+            "infinite_cache_hit_ratio": infinite, "outputs_identical": ok,
+            "summary": summaries, "requests": per_request})
+    if args.plot:
+        serve_bench.plot(args.plot, per_request)
+    return 0 if ok and not leaks else 1
 
 
 def _check_writable(path: str) -> None:

@@ -30,6 +30,7 @@ pool (DESIGN rule 4).
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import os
@@ -329,16 +330,115 @@ def _reference_jit(cfg: ModelConfig, params: Params, tokens: jax.Array) -> jax.A
     return jnp.dot(h, params["lm_head"], preferred_element_type=jnp.float32)
 
 
+def _batch_layer(cfg: ModelConfig, pool: jax.Array, layer: jax.Array, lp: Params, x: jax.Array,
+                 start: jax.Array, n_new: jax.Array, page_table: jax.Array):
+    """:func:`_paged_layer` over a batch of requests, each with its own chunk and page table.
+
+    Args:
+        x: [B, T, d] the chunks (row ``b`` is request ``b``'s; rows >= n_new[b] are padding).
+        start, n_new: int32 [B] position of each chunk's first token, its valid rows (0: a
+            padding request, whose rows all write the scratch page).
+        page_table: int32 [B, Pb] each request's pages (padding entries: the scratch page).
+    """
+    b, t, d = x.shape
+    ps, scratch, n_pages = pool.shape[3], pool.shape[2] - 1, page_table.shape[1]
+    hkv, hd = cfg.num_kv_heads, cfg.head_dim
+    rows = jnp.arange(t, dtype=jnp.int32)
+    pos = start[:, None] + rows[None, :]                                        # [B, T]
+    valid = rows[None, :] < n_new[:, None]
+    # The dense parts see B*T rows, as the single-request path sees T (flat 1-D indices: XLA:CPU
+    # runs 2-D scatters and gathers of the pool far slower).
+    q, k, v = _qkv(cfg, lp, x.reshape(b * t, d), pos.reshape(-1))
+    slot = jnp.take_along_axis(page_table, jnp.minimum(pos // ps, n_pages - 1), axis=1)
+    wpage, off = jnp.where(valid, slot, scratch).reshape(-1), (pos % ps).reshape(-1)
+    bits = pool.dtype
+    pool = pool.at[layer, 0, wpage, off].set(lax.bitcast_convert_type(k, bits))
+    pool = pool.at[layer, 1, wpage, off].set(lax.bitcast_convert_type(v, bits))
+    ctx_shape = (b, n_pages * ps, hkv, hd)
+    table = page_table.reshape(-1)
+    kc = lax.bitcast_convert_type(pool[layer, 0, table], x.dtype).reshape(ctx_shape)
+    vc = lax.bitcast_convert_type(pool[layer, 1, table], x.dtype).reshape(ctx_shape)
+    kpos = jnp.arange(n_pages * ps, dtype=jnp.int32)[None, None, :]
+    mask = (kpos <= pos[:, :, None]) & (kpos < (start + n_new)[:, None, None])   # [B, T, S]
+    attn = _attend_batch(cfg, q.reshape(b, t, cfg.num_heads, hd), kc, vc, mask)
+    x = x + attn @ lp["wo"]
+    return pool, x + _mlp(cfg, lp, x)
+
+
+def _attend_batch(cfg: ModelConfig, q: jax.Array, k: jax.Array, v: jax.Array,
+                  mask: jax.Array) -> jax.Array:
+    """:func:`_attend` per request: q [B, T, Hq, D]; k, v [B, S, Hkv, D]; mask bool [B, T, S]
+    -> [B, T, Hq*D] in q.dtype."""
+    b, t = q.shape[:2]
+    g = cfg.num_heads // cfg.num_kv_heads
+    qg = q.reshape(b, t, cfg.num_kv_heads, g, cfg.head_dim)
+    scores = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32)
+    scores = scores * (1.0 / np.sqrt(cfg.head_dim))
+    scores = jnp.where(mask[:, None, None], scores, -jnp.inf)
+    probs = jax.nn.softmax(scores, axis=-1)
+    v = jnp.where(mask.any(axis=1)[:, :, None, None], v, jnp.zeros((), v.dtype))
+    out = jnp.einsum("bkgts,bskd->btkgd", probs.astype(v.dtype), v,
+                     preferred_element_type=jnp.float32)
+    return out.reshape(b, t, cfg.num_heads * cfg.head_dim).astype(q.dtype)
+
+
+def _batch_head(cfg: ModelConfig, params: Params, x: jax.Array, n_new: jax.Array):
+    """(float32 logits [B, V] of each request's last valid row, int32 [B] their argmax)."""
+    idx = jnp.maximum(n_new - 1, 0)[:, None, None]
+    last = jnp.take_along_axis(x, idx, axis=1)[:, 0]                            # [B, d]
+    logits = jax.vmap(lambda h: jnp.dot(_rms_norm(h, params["final_norm"], cfg.norm_eps),
+                                        params["lm_head"], preferred_element_type=jnp.float32))(last)
+    return logits, jnp.argmax(logits, axis=-1).astype(jnp.int32)
+
+
+def _fused_batch_step(cfg, pool, params, tokens, start, n_new, page_table):
+    TRACES["batch_step"] += 1  # runs at trace time only: one per compile
+    x = _embed(params, tokens)
+
+    def body(carry, xs):
+        pool, x = carry
+        layer, lp = xs
+        return _batch_layer(cfg, pool, layer, lp, x, start, n_new, page_table), None
+
+    layers = jnp.arange(cfg.num_layers, dtype=jnp.int32)
+    (pool, x), _ = lax.scan(body, (pool, x), (layers, params["layers"]))
+    return pool, _batch_head(cfg, params, x, n_new)
+
+
+def _counted_step(cfg, pool, params, tokens, start, n_new, page_table):
+    TRACES["step"] += 1
+    return _fused_step(cfg, pool, params, tokens, start, n_new, page_table)
+
+
+def _counted_batch_layer(cfg, pool, layer, lp, x, start, n_new, page_table):
+    TRACES["batch_layer"] += 1
+    return _batch_layer(cfg, pool, layer, lp, x, start, n_new, page_table)
+
+
+#: Traces of each jitted step (``"step"``, ``"batch_step"``, ``"batch_layer"``), counted inside
+#: the traced functions: a jit traces once per new shape / static config, i.e. once per compile.
+TRACES: collections.Counter[str] = collections.Counter()
+
 # The pool is argument 1 (after the static config) and donated: updated in place.
-_STEP = jax.jit(_fused_step, static_argnums=0, donate_argnums=1)
+_STEP = jax.jit(_counted_step, static_argnums=0, donate_argnums=1)
 _LAYER = jax.jit(_paged_layer, static_argnums=0, donate_argnums=1)
+_BATCH_STEP = jax.jit(_fused_batch_step, static_argnums=0, donate_argnums=1)
+_BATCH_LAYER = jax.jit(_counted_batch_layer, static_argnums=0, donate_argnums=1)
 _EMBED = jax.jit(_embed)
 _HEAD = jax.jit(_head, static_argnums=0)
+_BATCH_HEAD = jax.jit(_batch_head, static_argnums=0)
+
+
+def trace_count(name: str = "step") -> int:
+    """Times the jitted step ``name`` has been traced (= compiled) so far, all configs."""
+    if name not in ("step", "batch_step", "batch_layer"):
+        raise ValueError(f"name={name!r} must be 'step', 'batch_step' or 'batch_layer'")
+    return TRACES[name]
 
 
 def compiled_step_count() -> int:
-    """Executables compiled so far for the fused step (all configs): tests bound it."""
-    return _STEP._cache_size()
+    """Executables compiled so far for the fused single-request step (all configs)."""
+    return trace_count("step")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -363,6 +463,14 @@ def bucket(n: int, minimum: int = 1) -> int:
     return 1 << (n - 1).bit_length()
 
 
+def fine_bucket(n: int, minimum: int = 1) -> int:
+    """Smallest of 1, 2, 3, 4, 6, 8, 12, 16, 24, ... (2^k and 3 * 2^k) >= max(n, minimum):
+    at most 1.5x padding, two buckets per octave."""
+    n = max(int(n), minimum)
+    p = bucket(n)
+    return p * 3 // 4 if p >= 4 and n <= p * 3 // 4 else p
+
+
 class DecoderModel:
     """Weights plus the jitted steps over the paged pool.
 
@@ -382,6 +490,9 @@ class DecoderModel:
         self._step = functools.partial(_STEP, cfg)
         self._layer = functools.partial(_LAYER, cfg)
         self._head = functools.partial(_HEAD, cfg)
+        self._batch_step = functools.partial(_BATCH_STEP, cfg)
+        self._batch_layer = functools.partial(_BATCH_LAYER, cfg)
+        self._batch_head = functools.partial(_BATCH_HEAD, cfg)
 
     def kv_spec(self, page_size: int) -> KVSpec:
         return self.cfg.kv_spec(page_size)
@@ -434,6 +545,61 @@ class DecoderModel:
             waiter.wait_layer(layer)
             x = pool.run(self._layer, jnp.int32(layer), lp, x, *args)
         return self._head(self.params, x, jnp.int32(n))
+
+    def forward_batch(self, pool: PoolLike, chunks, starts, page_ids, *,
+                      waiter: LayerWaiter | None = None, min_bucket: int = 1,
+                      min_pages: int = 1, min_batch: int = 1) -> tuple[jax.Array, jax.Array]:
+        """One step over several requests: each chunk's K/V into its pages, last-token logits.
+
+        The chunks are padded to ``[fine_bucket(B), bucket(max len)]`` tokens and the page
+        tables to ``[fine_bucket(B), bucket(max pages)]`` (compiles stay logarithmic); a decode
+        step is the case of chunks of one token. Several chunks may belong to one request (its
+        prompt cut into query blocks, each with the request's page table and its own start):
+        every chunk's K/V is written before any is read, and each row attends to positions up
+        to its own, so a block sees the blocks before it.
+
+        Args:
+            pool: the device pool (donated and rebound by ``pool.run``).
+            chunks: B int arrays (numpy), chunk ``b`` at positions ``starts[b] ..``; each >= 1.
+            starts: B ints: positions ``0 .. starts[b]-1`` of request b already hold K/V.
+            page_ids: B int arrays, request b's pages in position order (>= the pages its
+                positions up to the chunk's end need; only those are used).
+            waiter: a layer-wise load handle (as :meth:`forward`); None -> one fused jit.
+            min_bucket / min_pages / min_batch: smallest token / page-table / batch buckets.
+
+        Returns:
+            (float32 ``[fine_bucket(B), vocab]`` logits, int32 ``[fine_bucket(B)]`` greedy tokens): rows
+            ``>= B`` are padding. Jax arrays, not synchronized.
+        """
+        b = len(chunks)
+        if b < 1 or len(starts) != b or len(page_ids) != b:
+            raise ValueError(f"need >= 1 chunk and one start and page list each, got {b} "
+                             f"chunks, {len(starts)} starts, {len(page_ids)} page lists")
+        ps = self._page_size(pool)
+        lens = [int(np.shape(c)[0]) for c in chunks]
+        used = [-(-(int(s) + n) // ps) for s, n in zip(starts, lens)]
+        for i, (s, n, u) in enumerate(zip(starts, lens, used)):
+            if n < 1 or s < 0 or np.shape(page_ids[i])[0] < u:
+                raise ValueError(f"request {i}: chunk of {n} tokens at {s} with "
+                                 f"{np.shape(page_ids[i])[0]} pages (needs >= 1 token at "
+                                 f"start >= 0 and {u} pages of {ps} tokens)")
+        bb, tb = fine_bucket(b, min_batch), bucket(max(lens), min_bucket)
+        toks = np.zeros((bb, tb), np.int32)
+        table = np.full((bb, fine_bucket(max(used), min_pages)), pool.num_pages, np.int32)
+        start = np.zeros(bb, np.int32)
+        n_new = np.zeros(bb, np.int32)
+        for i in range(b):
+            toks[i, :lens[i]] = chunks[i]
+            table[i, :used[i]] = np.asarray(page_ids[i][:used[i]])
+        start[:b], n_new[:b] = starts, lens
+        args = (jnp.asarray(start), jnp.asarray(n_new), jnp.asarray(table))
+        if waiter is None:
+            return pool.run(self._batch_step, self.params, jnp.asarray(toks), *args)
+        x = _EMBED(self.params, jnp.asarray(toks))
+        for layer, lp in enumerate(self._layer_params):
+            waiter.wait_layer(layer)
+            x = pool.run(self._batch_layer, jnp.int32(layer), lp, x, *args)
+        return self._batch_head(self.params, x, args[1])
 
     @staticmethod
     def _page_size(pool: PoolLike) -> int:

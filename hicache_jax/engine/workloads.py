@@ -238,3 +238,133 @@ def agent_loop(*, num_agents: int = 2, num_steps: int = 12, prompt_tokens: int =
 WORKLOADS: dict[str, Callable[..., Workload]] = {
     "chat": multiturn_chat, "docqa": document_qa, "agent": agent_loop,
 }
+
+
+# ---------------------------------------------------------------------------------------------
+# Arrival processes for the batched engine (``BatchedEngine.serve``): each gives the requests
+# that arrive at the start and those that a finished request lets arrive.
+
+
+@dataclasses.dataclass(frozen=True)
+class Arrival:
+    """A request arriving ``at`` seconds after the start of the run; ``key`` names it."""
+
+    at: float
+    key: tuple
+    prompt: np.ndarray
+    max_new_tokens: int
+
+
+class ClosedLoop:
+    """Multi-turn clients (SGLang ``bench_multiturn``): every session sends turn 0 at the start
+    and turn t+1 as soon as the answer of turn t is back (``think_s`` later). Keys are
+    ``(session, turn)``; prompts equal those of :meth:`Workload.run` for the same answers."""
+
+    def __init__(self, workload: Workload, think_s: float = 0.0) -> None:
+        if not (np.isfinite(think_s) and think_s >= 0):
+            raise ValueError(f"think_s={think_s!r} must be a finite number >= 0")
+        self.workload, self.think_s = workload, float(think_s)
+        self._history = [s.base for s in workload.sessions]
+        self._prompts: dict[tuple, np.ndarray] = {}  # (session, turn) -> prompt sent
+
+    def _turn(self, i: int, t: int, at: float) -> Arrival:
+        prompt = np.concatenate([self._history[i], self.workload.sessions[i].segments[t]])
+        self._prompts[(i, t)] = prompt
+        return Arrival(at, (i, t), prompt, self.workload.max_new_tokens)
+
+    def initial(self) -> list[Arrival]:
+        self._history = [s.base for s in self.workload.sessions]
+        self._prompts = {}
+        return [self._turn(i, 0, 0.0) for i in range(len(self.workload.sessions))]
+
+    def on_done(self, key: tuple, tokens: np.ndarray, now: float) -> list[Arrival]:
+        i, t = key
+        session = self.workload.sessions[i]
+        if session.keep_answers:
+            self._history[i] = np.concatenate([self._prompts[(i, t)],
+                                               np.asarray(tokens, np.int32)])
+        if t + 1 >= len(session.segments):
+            return []
+        return [self._turn(i, t + 1, self._arrive(i, t + 1, now))]
+
+    def _arrive(self, i: int, t: int, now: float) -> float:
+        return now + self.think_s
+
+
+class PoissonArrivals(ClosedLoop):
+    """Open-loop arrivals at ``rate`` requests/s (exponential gaps, seeded): the k-th arrival
+    time goes to the k-th request in round order; a turn whose previous answer is not back by
+    then is sent when it is (its prompt needs the answer)."""
+
+    def __init__(self, workload: Workload, rate: float, seed: int = 0) -> None:
+        if not (np.isfinite(rate) and rate > 0):
+            raise ValueError(f"rate={rate!r} must be a finite number > 0 (requests/s)")
+        super().__init__(workload)
+        self.rate = float(rate)
+        order = [(i, t) for t in range(workload.num_rounds)
+                 for i, s in enumerate(workload.sessions) if t < len(s.segments)]
+        gaps = np.random.default_rng(seed).exponential(1.0 / rate, size=len(order))
+        self.schedule = dict(zip(order, np.cumsum(gaps) - gaps[0]))
+
+    def initial(self) -> list[Arrival]:
+        first = super().initial()
+        return [dataclasses.replace(a, at=float(self.schedule[a.key])) for a in first]
+
+    def _arrive(self, i: int, t: int, now: float) -> float:
+        return max(now, float(self.schedule[(i, t)]))
+
+
+class TraceArrivals:
+    """The timestamps of a Mooncake-format JSONL trace (``timestamp`` ms, ``input_length``,
+    ``output_length``, ``hash_ids``), scaled: request i arrives at ``timestamp * time_scale``
+    and its prompt is ``input_length * block_tokens / block_size`` tokens, ``block_tokens``
+    seeded tokens per hash id (equal ids, equal tokens: the trace's prefix sharing).
+    ``max_new_tokens`` caps ``output_length``. Keys are ``(line index,)``."""
+
+    def __init__(self, path: str, *, time_scale: float = 1.0, block_tokens: int = 16,
+                 block_size: int = 512, max_new_tokens: int = 16, vocab_size: int = 512,
+                 limit: int | None = None, seed: int = 0) -> None:
+        import json
+
+        _check_sizes(block_tokens=block_tokens, block_size=block_size,
+                     max_new_tokens=max_new_tokens, vocab_size=vocab_size)
+        if not (np.isfinite(time_scale) and time_scale >= 0):
+            raise ValueError(f"time_scale={time_scale!r} must be a finite number >= 0")
+        if limit is not None:
+            _check_sizes(limit=limit)
+        self.arrivals: list[Arrival] = []
+        blocks: dict[int, np.ndarray] = {}
+        with open(path) as f:
+            for lineno, text in enumerate(f, 1):
+                if limit is not None and len(self.arrivals) >= limit:
+                    break
+                if not text.strip():
+                    continue
+                try:
+                    rec = json.loads(text)
+                    ids = [int(h) for h in rec["hash_ids"]]
+                    n = max(1, -(-int(rec["input_length"]) * block_tokens // block_size))
+                    at = float(rec.get("timestamp", 0)) / 1e3 * time_scale
+                    out = max(1, min(max_new_tokens, int(rec.get("output_length", 1))))
+                except (ValueError, KeyError, TypeError) as exc:
+                    raise ValueError(f"{path}, line {lineno}: not a Mooncake record "
+                                     f"({exc!r})") from None
+                if not ids:
+                    raise ValueError(f"{path}, line {lineno}: empty hash_ids")
+                for h in ids:
+                    if h not in blocks:
+                        blocks[h] = _tokens(np.random.default_rng([seed, h & 0x7FFFFFFF]),
+                                            block_tokens, vocab_size)
+                prompt = np.concatenate([blocks[h] for h in ids])[:n]
+                self.arrivals.append(Arrival(at, (len(self.arrivals),), prompt, out))
+        if not self.arrivals:
+            raise ValueError(f"{path}: no requests in the trace")
+
+    def initial(self) -> list[Arrival]:
+        return list(self.arrivals)
+
+    def on_done(self, key: tuple, tokens: np.ndarray, now: float) -> list[Arrival]:
+        return []
+
+
+ARRIVALS = ("closed", "poisson", "trace")

@@ -1,0 +1,568 @@
+"""BatchedEngine: continuous batching over HiCache and the paged decoder (SGLang's scheduler shape).
+
+Each :meth:`BatchedEngine.step`:
+
+1. **admit** -- requests whose prefill is under way take their next chunk first; then waiting
+   requests, oldest first, while the step's prefill token budget (``token_budget``: chunked
+   prefill) and ``max_running`` allow: ``match_prefix`` (prompt minus its last token), ONE
+   ``load_back_many`` for every admitted request's host part, ``lock``, ``alloc_pages`` for the
+   prompt's uncached positions. A request that cannot get its pages while keeping
+   ``decode_reserve`` x the running requests' remaining decode pages free (or evictable) waits,
+   and so does every later one (first come, first served). A request whose uncached prompt shares
+   more than a page with one being prefilled waits for that one's pages to be inserted (SGLang's
+   in-batch prefix check), so the shared part is computed once;
+2. **prefill** -- one jitted forward over the chunks of every admitted request (``[B, T]`` padded
+   to power-of-two buckets, each request through its own page table); layer-wise over the
+   load-back's handle when one is pending. A request whose prompt is done inserts its whole pages
+   (``insert(..., chunked=True)``) and re-locks them, so later requests hit them at once;
+3. **decode** -- one jitted step for every running request (one token each). A request whose next
+   position starts a page gets one; when even eviction cannot give them, running requests are
+   **retracted** (fewest generated tokens first, as SGLang's ``retract_decode``): their computed
+   pages are inserted, their lock released, and they go back to the front of the queue with the
+   tokens generated so far (re-admission prefills prompt + those tokens, mostly cache hits).
+   After a retraction the admission reserve is raised to 1 and decays back, as SGLang's
+   ``new_token_ratio`` does;
+4. **finish** -- a request with all its tokens inserts the whole pages of prompt + output (minus
+   its last token, whose K/V is never computed), frees the partial page and unlocks.
+
+No request is refused for lack of pages: it waits while others run. When nothing runs and the
+oldest waiting request still cannot get its pages (every page locked or owned outside the
+engine), :class:`EngineStalledError` says so instead of spinning. Requests that could never fit
+the device pool are refused at :meth:`submit`.
+
+Modes as :class:`~hicache_jax.engine.engine.Engine`: ``none`` (pages per request, no tree),
+``device`` (L1 radix), ``hicache`` (L1 + L2).
+
+Threading: an engine and its cache belong to the thread that calls ``submit`` / ``step``.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import heapq
+import time
+from typing import Any, Callable, Hashable, Iterable, Protocol, Sequence
+
+import numpy as np
+
+from hicache_jax.errors import OutOfPagesError
+from hicache_jax.hicache import HiCache, Match
+from hicache_jax.spec import HiCacheConfig, check_bool
+from hicache_jax.engine.engine import CacheMode, Generation, RequestRecord, _parse_mode
+from hicache_jax.engine.model import DecoderModel, bucket
+from hicache_jax.engine.workloads import Arrival
+
+_RESERVE_DECAY = 0.02  # per step, back from 1 to decode_reserve after a retraction
+
+
+class EngineStalledError(OutOfPagesError):
+    """Nothing is running and the oldest waiting request cannot get its device pages: every
+    page is locked or owned outside the engine. Raised instead of waiting forever."""
+
+
+@dataclasses.dataclass(frozen=True)
+class BatchedRecord(RequestRecord):
+    """A :class:`RequestRecord` of the batched engine; times from the request's arrival.
+
+    Attributes (beyond RequestRecord's):
+        key: the caller's key of the request.
+        arrival_s: arrival, seconds since the engine's clock origin.
+        queue_s: arrival -> first admission.
+        itl_s: gaps between consecutive generated tokens (``output_tokens - 1`` of them).
+        retractions: times the request was retracted and re-admitted.
+    """
+
+    key: Any = None
+    arrival_s: float = 0.0
+    queue_s: float = 0.0
+    itl_s: tuple[float, ...] = ()
+    retractions: int = 0
+
+
+class ArrivalProcess(Protocol):
+    """Where :meth:`BatchedEngine.serve` gets its requests (``workloads.ClosedLoop``,
+    ``PoissonArrivals``, ``TraceArrivals``): those arriving at the start, and those a finished
+    request lets arrive (a client's next turn)."""
+
+    def initial(self) -> Iterable[Arrival]: ...
+
+    def on_done(self, key: Hashable, tokens: np.ndarray, now: float) -> Iterable[Arrival]: ...
+
+
+class _Req:
+    """Scheduler state of one request (engine-private, mutable)."""
+
+    def __init__(self, key: Hashable, prompt: np.ndarray, max_new: int, arrival: float) -> None:
+        self.key, self.prompt, self.max_new, self.arrival = key, prompt, max_new, arrival
+        self.seq = prompt              # prompt + generated tokens (re-admission prefills it)
+        self.out: list[int] = []
+        self.token_times: list[float] = []
+        self.first_logits: np.ndarray | None = None
+        self.admitted_at: float | None = None
+        self.lock: Any = None          # NodeRef the request holds locked
+        self.locked_len = 0            # tokens of the prefix that lock covers
+        self.pages = np.zeros(0, np.int32)
+        self.kv_done = 0               # positions whose K/V is in self.pages
+        self.target = 0                # positions the current prefill computes
+        self.handle: Any = None        # layer-wise load handle of the first chunk
+        self.hits = None               # (l1, l2, declined) of the first admission
+        self.recomputed = 0
+        self.retractions = 0
+
+
+class BatchedEngine:
+    """Serve requests with continuous batching (see the module doc).
+
+    Args:
+        model: the decoder; its KV layout must match ``cache.spec``.
+        cache: the page cache (also the page allocator in mode ``none``).
+        mode: "none" | "device" | "hicache".
+        token_budget: prefill tokens per step (a power of two; longer prompts are chunked).
+        max_running: requests prefilling or decoding at once (>= 1).
+        layerwise: load back layer by layer (the step's prefill waits per layer).
+        query_block: prefill chunks are cut into blocks of this many tokens (a power of two),
+            each a row of the batch with its request's page table: padding stays under a
+            block per request, and compiles are bounded by batch and page-table buckets.
+        table_bucket: smallest page-table bucket in pages (a power of two).
+        batch_bucket: smallest batch bucket (rows; a power of two).
+        decode_reserve: fraction (in [0, 1]) of the active requests' remaining decode pages
+            an admission keeps free or evictable; 1 never retracts, 0 admits greedily.
+        clock: time source (seconds).
+
+    Raises:
+        ValueError: model and cache disagree, or a bad size / fraction.
+    """
+
+    def __init__(self, model: DecoderModel, cache: HiCache, *, mode: CacheMode | str = "hicache",
+                 token_budget: int = 512, max_running: int = 64, layerwise: bool = True,
+                 query_block: int = 32, table_bucket: int = 1, batch_bucket: int = 1,
+                 decode_reserve: float = 1.0,
+                 clock: Callable[[], float] = time.perf_counter) -> None:
+        self.mode = _parse_mode(mode)
+        if not isinstance(model, DecoderModel):
+            raise TypeError(f"model must be a DecoderModel, got {type(model).__name__}")
+        if not isinstance(cache, HiCache):
+            raise TypeError(f"cache must be a HiCache, got {type(cache).__name__}")
+        spec, want = cache.spec, model.kv_spec(cache.spec.page_size)
+        if (spec.num_layers, spec.num_kv_heads, spec.head_dim, spec.dtype, spec.mla) != (
+                want.num_layers, want.num_kv_heads, want.head_dim, want.dtype, want.mla):
+            raise ValueError(f"cache.spec {spec} does not hold this model's K/V (needs {want})")
+        for name, value in (("token_budget", token_budget), ("query_block", query_block),
+                            ("table_bucket", table_bucket), ("batch_bucket", batch_bucket)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1 \
+                    or bucket(value) != value:
+                raise ValueError(f"{name}={value!r} must be a power of two >= 1")
+        if isinstance(max_running, bool) or not isinstance(max_running, int) or max_running < 1:
+            raise ValueError(f"max_running={max_running!r} must be an int >= 1")
+        if isinstance(decode_reserve, bool) or not isinstance(decode_reserve, (int, float)) \
+                or not 0.0 <= decode_reserve <= 1.0:
+            raise ValueError(f"decode_reserve={decode_reserve!r} must be a number in [0, 1]")
+        check_bool("layerwise", layerwise)
+        if not callable(clock):
+            raise TypeError(f"clock must be callable, got {type(clock).__name__}")
+        self.model, self.cache, self.pool = model, cache, cache.device_pool
+        self.ps = spec.page_size
+        self.token_budget, self.max_running = token_budget, max_running
+        self.query_block = min(query_block, token_budget)
+        self.table_bucket, self.batch_bucket = table_bucket, batch_bucket
+        self.layerwise, self.decode_reserve = bool(layerwise), float(decode_reserve)
+        self.clock = clock
+        self._reserve = self.decode_reserve
+        self.waiting: collections.deque[_Req] = collections.deque()
+        self.prefilling: list[_Req] = []
+        self.running: list[_Req] = []
+        self.records: list[BatchedRecord] = []
+        self.counters: collections.Counter[str] = collections.Counter()
+
+    @classmethod
+    def create(cls, model: DecoderModel, mode: CacheMode | str, *, page_size: int = 16,
+               device_pages: int = 1024, host_pages: int | None = None,
+               write_policy: str = "clean_ahead", **engine_kwargs: Any) -> "BatchedEngine":
+        """Build the cache for ``mode`` (as :meth:`Engine.create`) and the engine over it."""
+        mode = _parse_mode(mode)
+        if mode is not CacheMode.HICACHE:
+            host_pages = 0
+        elif host_pages is None:
+            host_pages = 4 * device_pages
+        cfg = HiCacheConfig(device_pages=device_pages, host_pages=host_pages,
+                            write_policy=write_policy, load_back_threshold=page_size)
+        return cls(model, HiCache(model.kv_spec(page_size), cfg), mode=mode, **engine_kwargs)
+
+    # -- requests in, results out ------------------------------------------------------------
+
+    def submit(self, prompt: Any, max_new_tokens: int, *, key: Hashable = None,
+               arrival: float | None = None) -> None:
+        """Queue a request (served by later :meth:`step` calls).
+
+        Raises:
+            ValueError / TypeError: malformed prompt or size, or a request that needs more
+                device pages than the pool has (it could never be served).
+        """
+        req = self._check(prompt, max_new_tokens, key, arrival)
+        self.waiting.append(req)
+
+    def _check(self, prompt: Any, max_new: Any, key: Hashable, arrival: Any) -> _Req:
+        if isinstance(max_new, bool) or not isinstance(max_new, (int, np.integer)) or max_new < 1:
+            raise ValueError(f"max_new_tokens={max_new!r} must be an int >= 1")
+        arr = np.asarray(prompt)
+        if arr.ndim != 1 or arr.size == 0:
+            raise ValueError(f"prompt must be a non-empty 1-D sequence, got shape {arr.shape}")
+        if arr.dtype == np.bool_ or not np.issubdtype(arr.dtype, np.integer):
+            raise TypeError(f"prompt must hold integer token ids, got dtype {arr.dtype}")
+        vocab = self.model.cfg.vocab_size
+        if arr.min() < 0 or arr.max() >= vocab:
+            raise ValueError(f"prompt has token ids outside [0, {vocab}): min {arr.min()}, "
+                             f"max {arr.max()}")
+        pages = -(-(arr.size + int(max_new) - 1) // self.ps)
+        if pages > self.cache.cfg.device_pages:
+            raise ValueError(f"a request of {arr.size} prompt + {max_new} new tokens needs "
+                             f"{pages} device pages; the pool has {self.cache.cfg.device_pages}")
+        now = self.clock() if arrival is None else float(arrival)
+        return _Req(key, arr.astype(np.int32), int(max_new), now)
+
+    def generate(self, prompts: Sequence[Any], max_new_tokens: int) -> list[Generation]:
+        """Serve ``prompts`` (all arriving now) to completion; one Generation each, in order."""
+        reqs = [self._check(p, max_new_tokens, i, None) for i, p in enumerate(prompts)]
+        self.waiting.extend(reqs)
+        done: dict[Any, Generation] = {}
+        while len(done) < len(reqs):
+            for gen in self.step():
+                done[gen.record.key] = gen
+        return [done[i] for i in range(len(reqs))]
+
+    def serve(self, arrivals: ArrivalProcess) -> list[Generation]:
+        """Run an arrival process to completion in real time; Generations in finish order.
+
+        Arrival times are offsets from the call; a request arriving while the engine is idle
+        is waited for (``time.sleep``)."""
+        t0 = self.clock()
+        heap: list[tuple[float, int, Arrival]] = []
+        seq = 0
+
+        def push(items: Iterable[Arrival]) -> None:
+            nonlocal seq
+            for a in items:
+                heapq.heappush(heap, (a.at, seq, a))
+                seq += 1
+
+        push(arrivals.initial())
+        out: list[Generation] = []
+        while heap or self.busy:
+            now = self.clock() - t0
+            while heap and heap[0][0] <= now:
+                a = heapq.heappop(heap)[2]
+                self.submit(a.prompt, a.max_new_tokens, key=a.key, arrival=t0 + a.at)
+            if not self.busy:
+                time.sleep(max(0.0, heap[0][0] - now))
+                continue
+            for gen in self.step():
+                out.append(gen)
+                push(arrivals.on_done(gen.record.key, gen.tokens, self.clock() - t0))
+        return out
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.waiting or self.prefilling or self.running)
+
+    # -- one scheduler step ------------------------------------------------------------------
+
+    def step(self) -> list[Generation]:
+        """Admit, prefill one batch, decode one token for every running request; returns the
+        requests that finished in this step."""
+        self._reserve = max(self.decode_reserve, self._reserve - _RESERVE_DECAY)
+        batch = self._admit()
+        finished: list[Generation] = []
+        decoding = list(self.running)  # requests that finish prefill now decode next step
+        if batch:
+            self._prefill(batch, finished)
+        if decoding:
+            self._decode(decoding, finished)
+        self.counters["steps"] += 1
+        return finished
+
+    def _admit(self) -> list[tuple[_Req, int]]:
+        """(request, chunk tokens) of this step's prefill batch; see the module doc."""
+        budget, batch = self.token_budget, []
+        for req in self.prefilling:  # chunks of prefills under way go first
+            if budget == 0:
+                break
+            n = min(req.target - req.kv_done, budget)
+            batch.append((req, n))
+            budget -= n
+        cands = self._candidates(budget, batch)
+        if cands:
+            self._admit_candidates(cands, batch, budget)
+        if not batch and not self.running and self.waiting:
+            self._stalled()
+        return batch
+
+    def _candidates(self, budget: int, batch: list) -> list[tuple[_Req, Match | None]]:
+        """Waiting requests to try, oldest first, with their matches; deferred ones stay."""
+        cands: list[tuple[_Req, Match | None]] = []
+        room = self.max_running - len(self.prefilling) - len(self.running)
+        active = list(self.prefilling)
+        skipped = []
+        while self.waiting and budget > 0 and len(cands) < room:
+            req = self.waiting.popleft()
+            m = None
+            cached = 0
+            if self.mode is not CacheMode.NONE:
+                m = self.cache.match_prefix(req.seq[:-1])
+                cached = m.device_len + (m.host_len if m.host_len
+                                         >= self.cache.cfg.load_back_threshold else 0)
+            if self._shares_uncached(req, cached, active + [c for c, _ in cands]):
+                skipped.append(req)
+                continue
+            cands.append((req, m))
+            budget -= min(req.seq.shape[0] - cached, budget)
+        self.waiting.extendleft(reversed(skipped))
+        return cands
+
+    def _shares_uncached(self, req: _Req, cached: int, others: list[_Req]) -> bool:
+        """Whether ``req``'s prompt beyond ``cached`` shares more than a page with a prompt
+        being prefilled (it then waits for those pages, SGLang's in-batch prefix check)."""
+        if self.mode is CacheMode.NONE:
+            return False
+        for other in others:
+            n = min(req.seq.shape[0], other.seq.shape[0])
+            diff = np.flatnonzero(req.seq[:n] != other.seq[:n])
+            common = n if diff.size == 0 else int(diff[0])
+            if common - cached > self.ps:
+                return True
+        return False
+
+    def _admit_candidates(self, cands: list, batch: list, budget: int) -> None:
+        """Load back every candidate's host part in one call (which also revalidates every
+        match), lock them all before anything may evict, then allocate in order; the first that
+        cannot get its pages (or budget) waits with every later one."""
+        matches = [m for _, m in cands]
+        if self.mode is not CacheMode.NONE:
+            if any(m.host_len for m in matches):
+                self.counters["load_back_calls"] += 1
+            matches = self.cache.load_back_many(matches, layerwise=self.layerwise)
+            for m in matches:
+                self.cache.lock(m.node)
+        cached = self.mode is not CacheMode.NONE
+        for k, ((req, m0), m) in enumerate(zip(cands, matches)):
+            ok = budget > 0 and self._take_pages(req, m)
+            last = False
+            if not ok and budget > 0 and k + 1 < len(cands):
+                # The later candidates' locks may be what holds the pages: release them (they
+                # wait) and try this one once more.
+                for later in matches[k + 1:] if cached else ():
+                    self.cache.unlock(later.node)
+                self.waiting.extendleft(reversed([r for r, _ in cands[k + 1:]]))
+                ok, last = self._take_pages(req, m), True
+            if not ok:
+                if cached:
+                    self.cache.unlock(m.node)
+                self.waiting.extendleft(reversed([r for r, _ in cands[k:k + 1 if last else None]]))
+                return
+            if req.hits is None:  # the first admission's hits by tier (as the serial engine)
+                req.hits = (0, 0, 0) if m is None else (
+                    m0.device_len, m.device_len - m0.device_len, m.host_len)
+            n = min(req.target - req.kv_done, budget)
+            batch.append((req, n))
+            budget -= n
+            self.prefilling.append(req)
+            if last:
+                return
+
+    def _take_pages(self, req: _Req, m: Match | None) -> bool:
+        """Allocate the prompt's uncached pages beyond ``m`` (locked by the caller), keeping
+        the decode reserve; False (nothing taken) when they cannot be had now."""
+        cache, ps = self.cache, self.ps
+        prefix = np.zeros(0, np.int32) if m is None else m.device_pages
+        target = req.seq.shape[0]
+        need = -(-target // ps) - prefix.shape[0]
+        future = self._future_pages(req, prefix.shape[0] + need)
+        future += sum(self._future_pages(r) for r in self.prefilling + self.running)
+        if not self._fits(need + int(np.ceil(self._reserve * future))):
+            return False
+        try:
+            new = cache.alloc_pages(need)
+        except OutOfPagesError:
+            return False
+        if req.admitted_at is None:
+            req.admitted_at = self.clock()
+        req.lock = None if m is None else m.node
+        req.locked_len = prefix.shape[0] * ps
+        req.pages = np.concatenate([prefix, new]).astype(np.int32)
+        req.kv_done = prefix.shape[0] * ps
+        req.target = target
+        req.handle = None if m is None else m.load_handle
+        req.recomputed += target - req.kv_done
+        return True
+
+    def _fits(self, pages: int) -> bool:
+        """Whether ``pages`` device pages are free or evictable; copies in flight (whose locks
+        hold pages until they land) are waited for before saying no."""
+        st = self.cache.stats()
+        if st["device_free_pages"] + st["device_evictable_pages"] >= pages:
+            return True
+        if not st["transfers_in_flight"]:
+            return False
+        self.cache.flush()
+        st = self.cache.stats()
+        return st["device_free_pages"] + st["device_evictable_pages"] >= pages
+
+    def _future_pages(self, req: _Req, held: int | None = None) -> int:
+        held = req.pages.shape[0] if held is None else held
+        return max(0, -(-(req.prompt.shape[0] + req.max_new - 1) // self.ps) - held)
+
+    def _stalled(self, req: _Req | None = None) -> None:
+        st = self.cache.stats()
+        req = self.waiting[0] if req is None else req
+        raise EngineStalledError(
+            f"request {req.key!r} ({req.seq.shape[0]} tokens) cannot get its device pages and "
+            f"nothing is running: {st['device_free_pages']} free, "
+            f"{st['device_evictable_pages']} evictable, {st['device_protected_pages']} locked, "
+            f"{st['device_caller_pages']} owned by callers (unlock or free them)",
+            needed=-(-req.seq.shape[0] // self.ps), free=st["device_free_pages"],
+            evictable=st["device_evictable_pages"],
+            locked=st["device_protected_pages"] + st["device_caller_pages"])
+
+    # -- the forward steps -------------------------------------------------------------------
+
+    def _prefill(self, batch: list[tuple[_Req, int]], finished: list[Generation]) -> None:
+        """One jitted prefill over every chunk of the step (layer-wise when a load is pending)."""
+        waiter = next((r.handle for r, _ in batch if r.handle is not None), None)
+        qb, rows, last = self.query_block, [], []
+        for r, n in batch:  # each chunk cut into query blocks: one row of the batch each
+            for s0 in range(r.kv_done, r.kv_done + n, qb):
+                rows.append((r.seq[s0:min(s0 + qb, r.kv_done + n)], s0, r.pages))
+            last.append(len(rows) - 1)
+        logits, toks = self.model.forward_batch(
+            self.pool, [c for c, _, _ in rows], [s0 for _, s0, _ in rows],
+            [p for _, _, p in rows], waiter=waiter if self.layerwise else None,
+            min_bucket=qb, min_pages=self.table_bucket, min_batch=self.batch_bucket)
+        for r, n in batch:
+            r.kv_done += n
+            r.handle = None
+        self.counters["prefill_batches"] += 1
+        self.counters["prefill_tokens"] += sum(n for _, n in batch)
+        done = [(last[i], r) for i, (r, _) in enumerate(batch) if r.kv_done == r.target]
+        if not done:
+            return
+        toks = np.asarray(toks)
+        first = [i for i, r in done if r.first_logits is None]
+        first_rows = np.asarray(logits[np.asarray(first)]) if first else None
+        now = self.clock()
+        for i, r in done:
+            self.prefilling.remove(r)
+            if r.first_logits is None:
+                r.first_logits = first_rows[first.index(i)]
+            r.out.append(int(toks[i]))
+            r.seq = np.concatenate([r.prompt, np.asarray(r.out, np.int32)])
+            r.token_times.append(now)
+            if len(r.out) == r.max_new:
+                finished.append(self._finish(r))
+            else:
+                self._share_prompt(r)
+                self.running.append(r)
+
+    def _share_prompt(self, r: _Req) -> None:
+        """Insert the whole pages of a finished prefill and lock them (in place of the matched
+        prefix), so requests admitted next hit them; a page another request inserted first
+        replaces ours (the cache frees the duplicate)."""
+        if self.mode is CacheMode.NONE:
+            return
+        full = r.target // self.ps
+        if full * self.ps <= r.locked_len:
+            return
+        tokens = r.seq[:full * self.ps]
+        self.cache.insert(tokens, r.pages[:full], chunked=True)
+        m = self.cache.match_prefix(tokens)
+        if m.device_len != full * self.ps:
+            raise RuntimeError(f"inserted {full} pages but match_prefix finds {m.device_len} "
+                               "tokens on device: the cache lost pages the request holds")
+        self.cache.lock(m.node)
+        self.cache.unlock(r.lock)
+        r.lock, r.locked_len = m.node, full * self.ps
+        r.pages = np.concatenate([m.device_pages, r.pages[full:]]).astype(np.int32)
+
+    def _decode(self, reqs: list[_Req], finished: list[Generation]) -> None:
+        """One token for each of ``reqs`` (running); new pages first, retracting if needed."""
+        reqs = self._grow_pages(reqs)
+        if not reqs:
+            return
+        _, toks = self.model.forward_batch(
+            self.pool, [r.seq[r.kv_done:r.kv_done + 1] for r in reqs],
+            [r.kv_done for r in reqs], [r.pages for r in reqs], min_pages=self.table_bucket,
+            min_batch=self.batch_bucket)
+        toks = np.asarray(toks)
+        now = self.clock()
+        self.counters["decode_batches"] += 1
+        self.counters["decode_tokens"] += len(reqs)
+        for i, r in enumerate(reqs):
+            r.kv_done += 1
+            r.out.append(int(toks[i]))
+            r.seq = np.concatenate([r.seq, toks[i:i + 1]])
+            r.token_times.append(now)
+            if len(r.out) == r.max_new:
+                self.running.remove(r)
+                finished.append(self._finish(r))
+
+    def _grow_pages(self, reqs: list[_Req]) -> list[_Req]:
+        """A page for every request whose next position starts one; when none can be had,
+        retract requests (fewest generated tokens, then longest prompt, first) and retry."""
+        while True:
+            short = [r for r in reqs if r.kv_done // self.ps >= r.pages.shape[0]]
+            if not short:
+                return reqs
+            try:
+                new = self.cache.alloc_pages(len(short))
+            except OutOfPagesError:
+                if len(reqs) == 1 and not self.prefilling:
+                    self._stalled(reqs[0])
+                victim = min(reqs, key=lambda r: (len(r.out), -r.prompt.shape[0]))
+                self._retract(victim)
+                reqs = [r for r in reqs if r is not victim]
+                continue
+            for r, page in zip(short, new):
+                r.pages = np.append(r.pages, np.int32(page))
+            return reqs
+
+    def _retract(self, r: _Req) -> None:
+        """Give back a running request's pages (the computed whole ones go to the tree) and
+        queue it first; re-admission prefills prompt + the tokens generated so far."""
+        self.running.remove(r)
+        full = r.kv_done // self.ps
+        self._release(r, r.seq[:full * self.ps], full, chunked=True)
+        r.retractions += 1
+        self.counters["retractions"] += 1
+        self._reserve = 1.0
+        self.waiting.appendleft(r)
+
+    def _finish(self, r: _Req) -> Generation:
+        kv_len = r.prompt.shape[0] + r.max_new - 1
+        full = kv_len // self.ps
+        self._release(r, r.seq[:full * self.ps], full, chunked=False)
+        l1, l2, declined = r.hits
+        n = r.prompt.shape[0]
+        t = r.token_times
+        rec = BatchedRecord(
+            prompt_tokens=n, device_hit_tokens=l1, host_hit_tokens=l2,
+            host_declined_tokens=declined, recomputed_tokens=r.recomputed,
+            output_tokens=len(r.out), ttft_s=t[0] - r.arrival, latency_s=t[-1] - r.arrival,
+            key=r.key, arrival_s=r.arrival, queue_s=r.admitted_at - r.arrival,
+            itl_s=tuple(float(b - a) for a, b in zip(t, t[1:])), retractions=r.retractions)
+        self.records.append(rec)
+        return Generation(np.asarray(r.out, np.int32), r.first_logits, rec)
+
+    def _release(self, r: _Req, tokens: np.ndarray, full: int, *, chunked: bool) -> None:
+        """Insert ``tokens`` (whole pages) with the request's first ``full`` pages, free the
+        rest, unlock: the request holds nothing after."""
+        cache = self.cache
+        if self.mode is CacheMode.NONE:
+            own = r.pages
+        else:
+            if full:
+                cache.insert(tokens, r.pages[:full], chunked=chunked)
+            own = r.pages[full:]
+        if own.size:
+            cache.free_pages(own)
+        if r.lock is not None:
+            cache.unlock(r.lock)
+        r.lock, r.pages, r.kv_done, r.locked_len = None, np.zeros(0, np.int32), 0, 0

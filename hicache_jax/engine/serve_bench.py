@@ -1,0 +1,253 @@
+"""``hicache-jax bench --engine batched``: the continuous-batching engine under an arrival
+process, beside the serial engine on the same requests, for no cache / device radix / HiCache.
+
+For each configuration (fresh cache each; an untimed warm-up pass of each engine first unless
+``--no-warmup``): the serial engine serves the requests back to back (rounds of the workload, or
+the trace in order), then the batched engine serves them as they arrive (``--arrivals``: closed
+loop multi-turn clients, Poisson at ``--rate``, or a Mooncake trace's timestamps x
+``--time-scale``). The table gives, for the batched run: tokens recomputed, hit tokens by tier,
+throughput (prompt and generated tokens/s), TTFT and inter-token latency p50/p90/p99, bytes moved,
+retractions, and its throughput over the serial engine's. Every request's generated tokens are
+compared with the serial engine's (exactly) and its first-token logits (max abs difference
+reported, <= ``LOGITS_TOL`` required).
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any, Callable
+
+import numpy as np
+
+from hicache_jax.engine.batched import BatchedEngine
+from hicache_jax.engine.engine import Engine, Generation
+from hicache_jax.engine.workloads import (ClosedLoop, PoissonArrivals, TraceArrivals, Workload)
+
+LOGITS_TOL = 1e-5  # float32: first-token logits, batched vs serial (max abs difference)
+LOW_PRECISION_TOL = 2e-2  # bfloat16 / float16: summation order differs between the batchings
+
+
+def logits_tol(dtype: str) -> float:
+    return LOGITS_TOL if dtype == "float32" else LOW_PRECISION_TOL
+
+
+def arrivals_for(args: argparse.Namespace, workload: Workload) -> Any:
+    """The arrival process the flags name (a fresh one: each run consumes its own)."""
+    if args.arrivals == "closed":
+        return ClosedLoop(workload)
+    if args.arrivals == "poisson":
+        return PoissonArrivals(workload, args.rate, seed=args.seed)
+    return TraceArrivals(args.trace, time_scale=args.time_scale, block_tokens=args.block_tokens,
+                         max_new_tokens=args.max_new_tokens, vocab_size=args.vocab,
+                         limit=args.limit, seed=args.seed)
+
+
+def check_flags(args: argparse.Namespace) -> None:
+    """ValueError naming a bad batched-engine flag (before any work)."""
+    if args.arrivals == "poisson" and not (args.rate is not None and np.isfinite(args.rate)
+                                           and args.rate > 0):
+        raise ValueError(f"--arrivals poisson needs --rate > 0 (requests/s), got {args.rate}")
+    if args.arrivals == "trace" and not args.trace:
+        raise ValueError("--arrivals trace needs --trace PATH (a Mooncake JSONL)")
+    if args.arrivals != "trace" and args.trace:
+        raise ValueError("--trace is only used with --arrivals trace")
+    if args.storage:
+        raise ValueError("--storage is not supported with --engine batched")
+    if not 0.0 <= args.decode_reserve <= 1.0:
+        raise ValueError(f"--decode-reserve {args.decode_reserve} must be in [0, 1]")
+    for flag, value in (("--token-budget", args.token_budget), ("--max-running", args.max_running),
+                        ("--repeats", args.repeats)):
+        if value < 1:
+            raise ValueError(f"{flag} {value} must be >= 1")
+
+
+def trace_device_pages(args: argparse.Namespace, workload: Workload, page_size: int) -> int:
+    """Default L1 for a trace: 5/8 of its distinct whole pages, at least the longest request."""
+    arrivals = arrivals_for(args, workload).initial()
+    keys = {hash(a.prompt[:(i + 1) * page_size].tobytes())
+            for a in arrivals for i in range(a.prompt.size // page_size)}
+    longest = max(-(-(a.prompt.size + a.max_new_tokens) // page_size) for a in arrivals)
+    return max(len(keys) * 5 // 8, longest + 1)
+
+
+def serial_run(engine: Engine, args: argparse.Namespace, workload: Workload
+               ) -> tuple[dict[Any, Generation], float]:
+    """The serial engine over the same requests: keyed as the batched run keys them."""
+    import time
+
+    gens: dict[Any, Generation] = {}
+    t0 = time.perf_counter()
+    if args.arrivals == "trace":
+        for a in arrivals_for(args, workload).initial():
+            gens[a.key] = engine.generate([a.prompt], a.max_new_tokens)[0]
+    else:
+        order = iter([])
+
+        def serve(prompts: list[np.ndarray]) -> list[np.ndarray]:
+            out = []
+            for p in prompts:
+                key = next(order)
+                gens[key] = engine.generate([p], workload.max_new_tokens)[0]
+                out.append(gens[key].tokens)
+            return out
+
+        order = iter([(i, t) for t in range(workload.num_rounds)
+                      for i, s in enumerate(workload.sessions) if t < len(s.segments)])
+        workload.run(serve)
+    engine.cache.flush()
+    return gens, time.perf_counter() - t0
+
+
+def batched_run(engine: BatchedEngine, args: argparse.Namespace, workload: Workload
+                ) -> tuple[dict[Any, Generation], float]:
+    import time
+
+    t0 = time.perf_counter()
+    gens = {g.record.key: g for g in engine.serve(arrivals_for(args, workload))}
+    engine.cache.flush()
+    return gens, time.perf_counter() - t0
+
+
+def _pct(values: list[float], q: float) -> float:
+    return float(np.percentile(values, q) * 1e3) if values else 0.0
+
+
+def summary(gens: dict[Any, Generation], wall: float, engine: BatchedEngine) -> dict[str, Any]:
+    recs = [g.record for g in gens.values()]
+    ttft = [r.ttft_s for r in recs]
+    itl = [x for r in recs for x in r.itl_s]
+    prompt = sum(r.prompt_tokens for r in recs)
+    generated = sum(r.output_tokens for r in recs)
+    st = engine.cache.stats()
+    out = {
+        "requests": len(recs), "prompt_tokens": prompt, "generated_tokens": generated,
+        "recomputed_tokens": sum(r.recomputed_tokens for r in recs),
+        "l1_hit_tokens": sum(r.device_hit_tokens for r in recs),
+        "l2_hit_tokens": sum(r.host_hit_tokens for r in recs),
+        "l2_declined_tokens": sum(r.host_declined_tokens for r in recs),
+        "prompt_tokens_per_s": prompt / wall, "generated_tokens_per_s": generated / wall,
+        "tokens_per_s": (prompt + generated) / wall, "wall_s": wall,
+        "bytes_to_host": st["bytes_to_host"], "bytes_to_device": st["bytes_to_device"],
+        "retractions": engine.counters["retractions"],
+        "load_back_calls": engine.counters["load_back_calls"], "load_backs": st["load_backs"],
+        "steps": engine.counters["steps"],
+        "leaked_caller_pages": st["device_caller_pages"],
+        "locked_pages_after_drain": st["device_protected_pages"],
+    }
+    for q in (50, 90, 99):
+        out[f"ttft_p{q}_ms"] = _pct(ttft, q)
+        out[f"itl_p{q}_ms"] = _pct(itl, q)
+    return out
+
+
+def compare(batched: dict[Any, Generation], serial: dict[Any, Generation],
+            tol: float = LOGITS_TOL) -> dict[str, Any]:
+    """Tokens identical per request, and the max abs difference of first-token logits."""
+    same = set(batched) == set(serial) and all(
+        np.array_equal(batched[k].tokens, serial[k].tokens) for k in serial)
+    diff = max((float(np.abs(batched[k].first_logits - serial[k].first_logits).max())
+                for k in serial if k in batched), default=float("inf"))
+    return {"tokens_identical": bool(same), "first_logits_max_abs_diff": diff,
+            "logits_within_tol": diff <= tol}
+
+
+COLUMNS = [("config", None), ("recomputed", "recomputed_tokens"), ("L1 hit", "l1_hit_tokens"),
+           ("L2 hit", "l2_hit_tokens"), ("prompt tok/s", "prompt_tokens_per_s"),
+           ("gen tok/s", "generated_tokens_per_s"), ("x serial", "speedup_vs_serial"),
+           ("TTFT p50/p90/p99 ms", "ttft"), ("ITL p50/p90/p99 ms", "itl"),
+           ("MB to host", "bytes_to_host"), ("MB to device", "bytes_to_device"),
+           ("retract", "retractions"), ("same tokens", "tokens_identical"),
+           ("logits diff", "first_logits_max_abs_diff")]
+
+
+def table(summaries: dict[str, dict[str, Any]]) -> str:
+    rows = []
+    for name, s in summaries.items():
+        row = [name]
+        for _, key in COLUMNS[1:]:
+            if key in ("ttft", "itl"):
+                row.append("/".join(f"{s[f'{key}_p{q}_ms']:.1f}" for q in (50, 90, 99)))
+            elif key.startswith("bytes"):
+                row.append(f"{s[key] / 2**20:.2f}")
+            elif key == "tokens_identical":
+                row.append("yes" if s[key] else "NO")
+            elif key == "first_logits_max_abs_diff":
+                row.append(f"{s[key]:.1e}")
+            elif isinstance(s[key], float):
+                row.append(f"{s[key]:.2f}" if key == "speedup_vs_serial" else f"{s[key]:.0f}")
+            else:
+                row.append(str(s[key]))
+        rows.append(row)
+    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, (h, _) in enumerate(COLUMNS)]
+    lines = ["  ".join(h.rjust(w) for (h, _), w in zip(COLUMNS, widths)),
+             "  ".join("-" * w for w in widths)]
+    lines += ["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in rows]
+    return "\n".join(lines)
+
+
+def bench_batched(args: argparse.Namespace, workload: Workload,
+                  make_serial: Callable[[str], Engine],
+                  make_batched: Callable[[str], BatchedEngine],
+                  configs: tuple[tuple[str, str], ...], progress: Callable[[str], None]
+                  ) -> tuple[dict[str, Any], dict[str, list[dict]]]:
+    """Every configuration: serial then batched (each warmed up first unless --no-warmup).
+
+    Returns:
+        (summary per configuration, per-request records of the batched runs).
+    """
+    summaries: dict[str, Any] = {}
+    per_request: dict[str, list[dict]] = {}
+    for name, mode in configs:
+        if not args.no_warmup:
+            for make, run in ((make_serial, serial_run), (make_batched, batched_run)):
+                warm = make(mode)
+                run(warm, args, workload)
+                warm.cache.close()
+        s_walls, b_walls, runs = [], [], []
+        for rep in range(args.repeats):  # alternated: drifting machine load hits both alike
+            progress(f"{name}: serial ({rep + 1}/{args.repeats})")
+            ser = make_serial(mode)
+            s_gens, s_wall = serial_run(ser, args, workload)
+            ser.cache.close()
+            progress(f"{name}: batched ({rep + 1}/{args.repeats})")
+            eng = make_batched(mode)
+            b_gens, b_wall = batched_run(eng, args, workload)
+            runs.append(summary(b_gens, b_wall, eng))
+            eng.cache.close()
+            s_walls.append(s_wall)
+            b_walls.append(b_wall)
+        s = summary(b_gens, float(np.median(b_walls)), eng)  # counts of the last batched run
+        for key in [k for k in s if k.startswith(("ttft_", "itl_"))]:  # times: the median run
+            s[key] = float(np.median([r[key] for r in runs]))
+        s["wall_s_runs"], s["serial_wall_s_runs"] = b_walls, s_walls
+        s_tokens = sum(g.record.prompt_tokens + g.record.output_tokens for g in s_gens.values())
+        s["serial_tokens_per_s"] = s_tokens / float(np.median(s_walls))
+        s["serial_ttft_p50_ms"] = _pct([g.record.ttft_s for g in s_gens.values()], 50)
+        s["speedup_vs_serial"] = s["tokens_per_s"] / s["serial_tokens_per_s"]
+        s.update(compare(b_gens, s_gens, logits_tol(args.dtype)))
+        summaries[name] = s
+        per_request[name] = [{k: v for k, v in vars(g.record).items()} for g in b_gens.values()]
+    return summaries, per_request
+
+
+def plot(path: str, per_request: dict[str, list[dict]]) -> None:
+    """TTFT under load: per configuration, TTFT against arrival time, and its CDF."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_t, ax_c) = plt.subplots(1, 2, figsize=(11, 4))
+    for name, recs in per_request.items():
+        t0 = min(r["arrival_s"] for r in recs)
+        pts = sorted((r["arrival_s"] - t0, 1e3 * r["ttft_s"]) for r in recs)
+        ax_t.plot([p[0] for p in pts], [p[1] for p in pts], marker=".", ls="-", label=name)
+        ttft = np.sort([1e3 * r["ttft_s"] for r in recs])
+        ax_c.plot(ttft, np.arange(1, ttft.size + 1) / ttft.size, label=name)
+    ax_t.set(xlabel="arrival (s since start)", ylabel="TTFT (ms)", title="TTFT under load")
+    ax_c.set(xlabel="TTFT (ms)", ylabel="fraction of requests", ylim=(0, 1))
+    ax_t.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    print(f"wrote {path}")

@@ -1,0 +1,300 @@
+"""BatchedEngine: identical tokens and first-token logits to the serial engine in every mode,
+page size and write policy; admission under page pressure (waits, no failure, a stall is
+reported); retraction; one load-back for several requests; bounded compiles; bad arguments.
+Also HiCache.load_back_many, which the engine's admission uses."""
+
+import numpy as np
+import pytest
+
+from hicache_jax import HiCacheConfig, HiCacheError, KVSpec
+from hicache_jax.hicache import HiCache
+from hicache_jax.engine.batched import BatchedEngine, EngineStalledError
+from hicache_jax.engine.engine import Engine
+from hicache_jax.engine.model import DecoderModel, ModelConfig, trace_count
+from hicache_jax.engine.workloads import ClosedLoop, multiturn_chat
+
+CFG = ModelConfig(vocab_size=97, num_layers=2, d_model=32, num_heads=4, num_kv_heads=2,
+                  head_dim=8, ffn_dim=48)
+TOL = dict(rtol=1e-5, atol=1e-5)
+POLICIES = ["clean_ahead", "write_through", "write_through_selective", "write_back"]
+# Pools small enough that the chat below evicts to L2 and waits for pages.
+POOLS = {16: (8, 64), 1: (96, 1024)}  # page size -> (device pages, host pages)
+# Bucket floors that keep this file to a few shapes per pool: batch 4, prefill 64 tokens,
+# page tables of 128 tokens.
+BUCKETS = {16: dict(batch_bucket=4, query_block=32, table_bucket=8),
+           1: dict(batch_bucket=4, query_block=32, table_bucket=128)}
+
+
+@pytest.fixture(scope="module")
+def model():
+    return DecoderModel(CFG, seed=3)
+
+
+def _cache(model, page_size, mode, policy="write_through", device=None, host=None):
+    dev, hst = POOLS[page_size]
+    cfg = HiCacheConfig(device_pages=device or dev,
+                        host_pages=(host or hst) if mode == "hicache" else 0,
+                        write_policy=policy, write_through_threshold=1, load_back_threshold=1)
+    return HiCache(model.kv_spec(page_size), cfg)
+
+
+def _batched(model, page_size, mode="hicache", policy="write_through", **kw):
+    cache = _cache(model, page_size, mode, policy, kw.pop("device", None), kw.pop("host", None))
+    kw = {"token_budget": 64, **BUCKETS[page_size], **kw}
+    return BatchedEngine(model, cache, mode=mode, **kw)
+
+
+def _chat():
+    return multiturn_chat(num_clients=4, num_turns=2, system_tokens=40, question_tokens=10,
+                          max_new_tokens=4, vocab_size=CFG.vocab_size, seed=1)
+
+
+def _serial_reference(model, workload):
+    """Serial engine, no cache: the reference outputs keyed (session, turn)."""
+    eng = Engine(model, _cache(model, 16, "none", device=64), mode="none", chunk_size=64,
+                 prefill_bucket=64, table_bucket=32)
+    gens, order = {}, iter([(i, t) for t in range(workload.num_rounds)
+                            for i in range(len(workload.sessions))])
+
+    def serve(prompts):
+        out = []
+        for p in prompts:
+            g = eng.generate([p], workload.max_new_tokens)[0]
+            gens[next(order)] = g
+            out.append(g.tokens)
+        return out
+
+    workload.run(serve)
+    return gens
+
+
+@pytest.fixture(scope="module")
+def chat_ref(model):
+    return _serial_reference(model, _chat())
+
+
+def _same(gens, ref):
+    assert sorted(gens) == sorted(ref)
+    for k in ref:
+        np.testing.assert_array_equal(gens[k].tokens, ref[k].tokens)
+        np.testing.assert_allclose(gens[k].first_logits, ref[k].first_logits, **TOL)
+
+
+def _drained(engine):
+    engine.cache.flush()
+    s = engine.cache.stats()
+    assert s["device_caller_pages"] == 0 and s["device_protected_pages"] == 0
+    assert s["device_free_pages"] + s["device_cached_tokens"] // engine.ps == s["device_pages"]
+    assert not engine.busy
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_matches_serial_every_policy(model, chat_ref, page_size, policy):
+    eng = _batched(model, page_size, policy=policy)
+    gens = {g.record.key: g for g in eng.serve(ClosedLoop(_chat()))}
+    _same(gens, chat_ref)
+    st = eng.cache.stats()
+    assert sum(g.record.device_hit_tokens for g in gens.values()) > 0
+    if policy == "write_through":  # backed up at insert; the pool is small: L2 serves later turns
+        assert st["load_backs"] > 0
+    # 4 clients need more pages than the pool has: some wait for others to finish
+        assert max(g.record.queue_s for g in gens.values()) > 0
+    assert eng.counters["prefill_batches"] < len(gens)  # requests were batched
+    _drained(eng)
+
+
+@pytest.mark.parametrize("mode", ["none", "device"])
+def test_matches_serial_other_modes(model, chat_ref, mode):
+    eng = _batched(model, 16, mode=mode, layerwise=False)
+    gens = {g.record.key: g for g in eng.serve(ClosedLoop(_chat()))}
+    _same(gens, chat_ref)
+    if mode == "none":
+        assert all(g.record.recomputed_tokens == g.record.prompt_tokens for g in gens.values())
+    _drained(eng)
+
+
+def test_retraction_when_decode_runs_out_of_pages(model):
+    rng = np.random.default_rng(5)
+    prompts = [rng.integers(1, CFG.vocab_size, 24).astype(np.int32) for _ in range(4)]
+    ref = Engine(model, _cache(model, 16, "none", device=64), mode="none", chunk_size=64,
+                 prefill_bucket=64, table_bucket=32).generate(prompts, 12)
+    # 4 prompts x 2 pages fill the 8 pages when admitted greedily (decode_reserve 0); their
+    # 3rd pages (positions 32..34) cannot all be had in decode.
+    eng = _batched(model, 16, mode="device", decode_reserve=0.0)
+    gens = eng.generate(prompts, 12)
+    assert eng.counters["retractions"] > 0
+    assert sum(g.record.retractions for g in gens) == eng.counters["retractions"]
+    for g, r in zip(gens, ref):
+        np.testing.assert_array_equal(g.tokens, r.tokens)
+        np.testing.assert_allclose(g.first_logits, r.first_logits, **TOL)
+    _drained(eng)
+
+
+def test_all_locked_is_reported_not_spun(model):
+    eng = _batched(model, 16, mode="device")
+    held = eng.cache.alloc_pages(6)  # owned outside the engine
+    eng.submit(np.arange(1, 41, dtype=np.int32), 4, key="a")
+    pages = ("device_free_pages", "device_caller_pages", "device_protected_pages",
+             "device_cached_tokens")
+    before = {k: eng.cache.stats()[k] for k in pages}
+    with pytest.raises(EngineStalledError, match="nothing is running.*6 owned by callers"):
+        eng.step()
+    assert {k: eng.cache.stats()[k] for k in pages} == before and len(eng.waiting) == 1
+    eng.cache.free_pages(held)
+    while eng.busy:
+        eng.step()
+    assert [r.key for r in eng.records] == ["a"]
+    _drained(eng)
+
+
+def test_one_load_back_for_the_requests_admitted_together(model):
+    rng = np.random.default_rng(7)
+    prefixes = [rng.integers(1, CFG.vocab_size, 16).astype(np.int32) for _ in range(3)]
+    eng = _batched(model, 16, policy="write_through")
+    eng.generate(prefixes, 1)
+    eng.cache.flush()
+    eng.cache.evict(8 * 16)
+    eng.cache.flush()
+    assert eng.cache.stats()["device_cached_tokens"] == 0
+    loads = eng.cache.stats()["load_backs"]
+    prompts = [np.concatenate([p, rng.integers(1, CFG.vocab_size, 5).astype(np.int32)])
+               for p in prefixes]
+    for i, p in enumerate(prompts):
+        eng.submit(p, 3, key=i)
+    eng.step()  # admits all three: one load_back_many, one prefill batch
+    assert eng.counters["load_back_calls"] == 1
+    assert eng.cache.stats()["load_backs"] - loads == 3
+    while eng.busy:
+        eng.step()
+    recs = sorted(eng.records[-3:], key=lambda r: r.key)
+    assert [r.host_hit_tokens for r in recs] == [16, 16, 16]
+    _drained(eng)
+
+
+def test_compiles_bounded_by_buckets(model):
+    eng = _batched(model, 16, mode="none", token_budget=64, query_block=16, table_bucket=1,
+                   batch_bucket=1)
+    rng = np.random.default_rng(0)
+    rounds = [[rng.integers(1, CFG.vocab_size, 3 + 9 * i).astype(np.int32) for i in range(n)]
+              for n in range(1, 6)]  # growing batches of growing prompts (3 .. 39 tokens)
+    before = trace_count("batch_step")
+    for prompts in rounds:
+        eng.generate(prompts, 2)
+    traced = trace_count("batch_step") - before
+    calls = eng.counters["prefill_batches"] + eng.counters["decode_batches"]
+    # Rows <= 5 requests x 3 blocks of 16 (buckets 1 2 3 4 6 8 12 16), tokens 16 or 1, pages
+    # <= 3 (1 2 3): a bounded set of shapes, fewer than the calls made ...
+    assert 0 < traced <= 8 * 2 * 3 and traced < calls
+    # ... and the same requests again compile nothing.
+    again = trace_count("batch_step")
+    for prompts in rounds:
+        eng.generate(prompts, 2)
+    assert trace_count("batch_step") == again
+
+
+@pytest.mark.parametrize("kwargs, exc, match", [
+    ({"token_budget": 48}, ValueError, "token_budget=48 must be a power of two"),
+    ({"max_running": 0}, ValueError, "max_running=0 must be an int >= 1"),
+    ({"decode_reserve": 1.5}, ValueError, r"decode_reserve=1.5 must be a number in \[0, 1\]"),
+    ({"layerwise": "yes"}, TypeError, "layerwise"),
+    ({"mode": "l3"}, ValueError, "mode='l3' is not one of"),
+    ({"clock": 3}, TypeError, "clock must be callable"),
+])
+def test_bad_engine_arguments(model, kwargs, exc, match):
+    with pytest.raises(exc, match=match):
+        _batched(model, 16, **kwargs)
+
+
+def test_bad_requests_change_nothing(model):
+    eng = _batched(model, 16)
+    for prompt, new, exc, match in [
+            (np.zeros((2, 2), np.int32), 2, ValueError, "non-empty 1-D"),
+            (np.array([1.5]), 2, TypeError, "integer token ids"),
+            (np.array([1, 500]), 2, ValueError, r"outside \[0, 97\)"),
+            (np.array([1, 2]), 0, ValueError, "max_new_tokens=0"),
+            (np.ones(200, np.int32), 2, ValueError, "needs 13 device pages; the pool has 8")]:
+        with pytest.raises(exc, match=match):
+            eng.submit(prompt, new)
+    assert not eng.busy
+    with pytest.raises(TypeError, match="model must be a DecoderModel"):
+        BatchedEngine("model", eng.cache)
+    other = HiCache(KVSpec(num_layers=1, num_kv_heads=2, head_dim=8, page_size=16),
+                    HiCacheConfig(device_pages=8, host_pages=0))
+    with pytest.raises(ValueError, match="does not hold this model's K/V"):
+        BatchedEngine(model, other)
+
+
+# -- HiCache.load_back_many ------------------------------------------------------------------
+
+SPEC = KVSpec(num_layers=2, num_kv_heads=1, head_dim=4, dtype="float32", page_size=4)
+
+
+def _filled(device=16, host=64, threshold=4, prompts=2):
+    cache = HiCache(SPEC, HiCacheConfig(device_pages=device, host_pages=host,
+                                        write_policy="write_through", load_back_threshold=threshold))
+    rng = np.random.default_rng(0)
+    toks, kv = [], []
+    for i in range(prompts):
+        t = np.arange(1, 17) + 100 * i
+        new = cache.alloc_pages(4)
+        data = rng.standard_normal(SPEC.kv_shape(4)).astype(np.float32)
+        cache.write_kv(new, data)
+        cache.insert(t, new)
+        toks.append(t)
+        kv.append(data)
+    cache.flush()
+    cache.evict(device * 4)
+    cache.flush()
+    assert cache.stats()["device_cached_tokens"] == 0
+    return cache, toks, kv
+
+
+def test_load_back_many_one_transfer_duplicates_and_overlaps():
+    cache, (a, b), (kva, kvb) = _filled()
+    ms = [cache.match_prefix(a), cache.match_prefix(b), cache.match_prefix(a[:8]),
+          cache.match_prefix(a)]
+    out = cache.load_back_many(ms, layerwise=True)
+    assert [(m.device_len, m.host_len) for m in out] == [(16, 0), (16, 0), (8, 0), (16, 0)]
+    handles = {id(m.load_handle) for m in out}
+    assert len(handles) == 1 and out[0].load_handle is not None  # one copy for all
+    st = cache.stats()
+    assert st["load_backs"] == 2 and st["load_back_tokens"] == 32  # a's prefix loaded once
+    assert st["device_free_pages"] == 16 - 8
+    np.testing.assert_array_equal(out[2].device_pages, out[0].device_pages[:2])
+    np.testing.assert_array_equal(cache.read_kv(out[0].device_pages), kva)
+    np.testing.assert_array_equal(cache.read_kv(out[1].device_pages), kvb)
+    for m in out:
+        cache.lock(m.node)
+        cache.unlock(m.node)
+
+
+def test_load_back_many_declines_like_load_back():
+    cache, (a, b), _ = _filled(device=6, threshold=12)
+    ms = [cache.match_prefix(a[:8]), cache.match_prefix(a), cache.match_prefix(b)]
+    out = cache.load_back_many(ms)
+    # a[:8] is below the threshold (declined, as load_back would); a fits; b finds no pages
+    # (6 device pages, a's 4 locked in flight leave 2): declined, revalidated.
+    assert [(m.device_len, m.host_len) for m in out] == [(8, 0), (16, 0), (0, 16)]
+    assert cache.stats()["load_backs_declined"] == 2
+    assert cache.stats()["load_backs"] == 1
+    cache.flush()
+    cache.lock(out[2].node)  # a declined match is current: lockable
+    cache.unlock(out[2].node)
+
+
+def test_load_back_many_bad_input_changes_nothing():
+    cache, (a, _), _ = _filled()
+    m = cache.match_prefix(a)
+    other, (x, _), _ = _filled()
+    foreign = other.match_prefix(x)
+    before = cache.stats()
+    for arg, exc, match in [(m, TypeError, "list or tuple of Match"),
+                            ([m, "m"], TypeError, r"matches\[1\] must be a Match"),
+                            ([m, foreign], HiCacheError, r"matches\[1\].*not in this cache")]:
+        with pytest.raises(exc, match=match):
+            cache.load_back_many(arg)
+    with pytest.raises(TypeError, match="layerwise"):
+        cache.load_back_many([m], layerwise=1)
+    assert cache.stats() == before
+    assert cache.load_back_many([]) == []
