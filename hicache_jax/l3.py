@@ -417,7 +417,7 @@ class L3Tier:
         host_ids = sids = None
         try:
             try:
-                host_ids = cache._take_pages(cache._host_tier, want)
+                host_ids = cache._evict.take_host(want)
             except OutOfPagesError:
                 host_ids = cache._host.allocator.alloc(min(want, cache._host.allocator.num_free))
             # Host eviction (write_back) may have put evicted pages to L3, taking staging pages:
@@ -603,6 +603,12 @@ class L3Tier:
         h._get.cancel()
 
     # -- misc ---------------------------------------------------------------------------------
+
+    def holdings(self) -> tuple[list[np.ndarray], list[TreeNode]]:
+        """What open prefetches hold: their reserved host pages (not yet attached or given
+        up) and their locked fetch bases (for ``HiCache.check_invariants``)."""
+        open_ = [h for h in self._gets if not h._closed]
+        return [h._host_ids[h._applied:] for h in open_], [h._node for h in open_]
 
     def reset_counters(self) -> None:
         """Zero this tier's counters and forget its digest records (``HiCache.reset``: the tree
