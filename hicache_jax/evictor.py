@@ -195,7 +195,7 @@ class Evictor:
             self._n["evicted_tokens"] += node.num_tokens
             self._n["deleted_tokens"] += node.num_tokens
         if host_value is not None:
-            if value is None and self._l3 is not None:
+            if value is None:
                 self._l3.on_host_evict(node, host_value)  # write_back: to L3 before the free
             self._host_free(host_value)
             self._events.removed(node, Medium.HOST)

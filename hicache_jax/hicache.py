@@ -1,32 +1,23 @@
 """HiCache: the public facade over the radix tree, the two page pools and the transfer engine.
 
 Semantics follow SGLang's HiCache (``hiradix_cache.py``); each piece of state has one owner:
+:class:`~hicache_jax.ownership.DevicePageOwners` (every device page is free, the caller's or
+held by one node); :class:`~hicache_jax.inflight.InFlight` (**write_backup** and **load_back**
+from claim to acknowledgement, in dispatch order); :mod:`~hicache_jax.write_policy` (when to
+back up, the clean_ahead pass); :class:`~hicache_jax.evictor.Evictor` (**evict**,
+**evict_host**, the one evict-and-retry path); :mod:`~hicache_jax.l3` (the L3 tier, behind
+:class:`~hicache_jax.cache_port.CacheL3Port`, which also records its host-page reservations).
+This class validates, polls, and calls those; :meth:`HiCache.check_invariants` checks every
+invariant of DESIGN.md (:mod:`hicache_jax.introspection`).
 
-* :class:`~hicache_jax.ownership.DevicePageOwners`: every device page is free, the caller's
-  (``alloc_pages`` .. ``insert`` / ``free_pages``) or held by one tree node.
-* :class:`~hicache_jax.inflight.InFlight`: **write_backup** (L1 -> L2) and **load_back**
-  (L2 -> L1) from claim to acknowledgement, in the transfer engine's dispatch order; every host
-  page is free, held by one node, the target of a backup in flight, or reserved by an L3
-  prefetch. The backups one call starts go in ONE transfer.
-* :mod:`~hicache_jax.write_policy`: when to back up (write_through, write_through_selective,
-  write_back, clean_ahead and its pass), one strategy object resolved at construction.
-* :class:`~hicache_jax.evictor.Evictor`: the eviction rounds (**evict**, **evict_host**) and
-  the one evict-and-retry path.
-* :mod:`~hicache_jax.l3`: the L3 tier (``prefetch``; puts after backups land; policies at
-  ``match_prefix``): this module only calls its hooks.
+Matches go stale (DESIGN.md, :mod:`hicache_jax.match`). :meth:`insert` gets only pages: it
+refuses free pages and tree pages at other positions, but a stale page re-allocated to a caller
+cannot be told from a fresh one, which is why the request flow locks the match first.
 
-This class is the facade: it validates, polls, and calls those; :meth:`HiCache.check_invariants`
-checks every invariant of DESIGN.md (:mod:`hicache_jax.invariants`).
-
-Matches go stale (DESIGN.md): see :mod:`hicache_jax.match`. :meth:`insert` gets only pages: it
-refuses free pages and tree pages at other positions, but a stale page that was re-allocated to a
-caller cannot be told from a fresh one there, which is why the request flow locks the match
-before anything that may evict.
-
-Threading: one thread owns the cache and makes every call but :meth:`stats` (see
-:mod:`hicache_jax.thread_owner`); :meth:`stats` may be called from any thread (reads only).
-Transfer completion is detected by polling the engine at the start of the public methods, never
-by callbacks. After :meth:`close`, every call but ``stats()`` raises.
+Threading: one thread owns the cache and makes every call but :meth:`stats`
+(:mod:`hicache_jax.thread_owner`), which any thread may make (reads only). Transfer completion
+is polled at the start of the public methods, never signalled by callbacks. After
+:meth:`close`, every call but ``stats()`` raises.
 """
 
 from __future__ import annotations
@@ -46,7 +37,8 @@ from hicache_jax.evictor import Evictor
 from hicache_jax.host_pool import HostPagePool
 from hicache_jax.inflight import InFlight
 from hicache_jax.introspection import cache_stats, check_cache
-from hicache_jax.l3 import L3Tier, PrefetchHandle
+from hicache_jax.cache_port import CacheL3Port
+from hicache_jax.l3 import L3Tier, NullL3Tier, PrefetchHandle, open_l3
 from hicache_jax.match import (Match, NodeRef, current, host_chain, is_stale, node_ref,
                                path_pages, revalidate)
 from hicache_jax.ownership import ALLOCATED, CALLERS, DevicePageOwners
@@ -102,7 +94,7 @@ class HiCache:
             raise TypeError(f"spec must be a KVSpec, got {type(spec).__name__}")
         if not isinstance(cfg, HiCacheConfig):
             raise TypeError(f"cfg must be a HiCacheConfig, got {type(cfg).__name__}")
-        self.spec, self.cfg, self.clock = spec, cfg, clock
+        self.spec, self.cfg = spec, cfg
         self._ps = spec.page_size
         self._tree = RadixTree(spec.page_size, clock)
         self._device = DevicePagePool(spec, cfg.device_pages, mesh=cfg.mesh, axis=cfg.shard_axis,
@@ -112,33 +104,34 @@ class HiCache:
         self._engine = transfer_engine(self._device, self._host)
         self._events: NullRecorder | Recorder = NullRecorder()  # the configured one: below
         self._threads = ThreadOwner()
-        self._l3 = L3Tier(self) if cfg.storage is not None else None  # L3: see l3.py
+        self._port = CacheL3Port(spec, clock, self._tree, self._host,
+                                 lambda n: self._evict.take_host(n))
+        self._l3 = open_l3(self._port, spec, cfg)  # NullL3Tier without storage
         # Last, so that nothing stays bound when anything above raises. Off: NullRecorder.
         try:
             self._events = make_recorder(cfg.kv_events)
         except BaseException:  # e.g. a port in use: release the L3 backend opened above
-            if self._l3 is not None:
-                self._l3.close()
+            self._l3.close()
             raise
+        self._port.events = self._events
         self._init_state()  # its parts take the recorder and the L3 tier
 
     def _init_state(self) -> None:
         self._owner = DevicePageOwners(self.cfg.device_pages)
         self._caller_locks: dict[TreeNode, int] = {}
         self._n: collections.Counter[str] = collections.Counter()
-        self._flight = InFlight(self.spec, self._tree, self._engine, self._host.allocator.free,
-                                self._events, self._n, self._l3.on_backup if self._l3 else lambda nodes: None,
-                                self.cfg.device_pages)
-        l3 = self._l3
+        self._flight = InFlight(self.spec, self._tree, self._engine, self._device.allocator,
+                                self._host.allocator, self._owner, self._events, self._n,
+                                self._l3.on_backup)
         self._write = make_write_policy(WriteContext(
             self.cfg, self._tree, self._flight, self._n, self._device.allocator,
             self._host.allocator, self._engine, self._events,
             take_host=lambda n: self._evict.take_host(n),
             evict_host=lambda k: self._evict.evict_host_leaves(k),
-            back_up_new=l3 is not None and l3.back_up_new))
+            back_up_new=self._l3.back_up_new))
         self._evict = Evictor(self.cfg, self._tree, self._device.allocator, self._host.allocator,
                               self._owner, self._events, self._n, self._engine, self._flight,
-                              self._write, l3, self._complete)
+                              self._write, self._l3, self._complete)
 
     # -- validation --------------------------------------------------------------------------
 
@@ -174,8 +167,7 @@ class HiCache:
         """
         arr = _prepare_tokens(tokens, extra_key, self._ps)  # validate before polling
         self._complete(attach=True)
-        if self._l3 is not None:
-            self._l3.before_match(arr, extra_key)
+        self._l3.before_match(arr, extra_key)
         tm = self._tree.match(arr, extra_key, validated=True)
         self._n["match_tokens"] += len(tokens) // self._ps * self._ps
         self._n["device_hit_tokens"] += tm.device_len
@@ -187,15 +179,13 @@ class HiCache:
     def prefetch(self, tokens: Any, extra_key: Hashable = None) -> PrefetchHandle | None:
         """Start fetching from L3, into host pages, the pages of ``tokens`` beyond L1 + L2.
 
-        Returns:
-            A :class:`~hicache_jax.l3.PrefetchHandle` (``done()``, ``wait()``, ``pages_found``)
-            or None: no storage, nothing beyond L1 + L2, or L3 holds none of the next pages.
-            Fetched pages appear to :meth:`match_prefix` as host-only nodes per
-            ``cfg.prefetch_policy``.
-        """
+        Returns a :class:`~hicache_jax.l3.PrefetchHandle` (``done()``, ``wait()``,
+        ``pages_found``) or None: no storage, nothing beyond L1 + L2, or L3 holds none of the next
+        pages. Fetched pages appear to :meth:`match_prefix` as host-only nodes per
+        ``cfg.prefetch_policy``."""
         arr = _prepare_tokens(tokens, extra_key, self._ps)
         self._complete(attach=True)
-        return None if self._l3 is None else self._l3.prefetch(arr, extra_key)
+        return self._l3.prefetch(arr, extra_key)
 
     @_publishes
     def load_back(self, match: Match, *, layerwise: bool = False) -> Match:
@@ -235,28 +225,10 @@ class HiCache:
             self._tree.unlock(node)
             self._n["load_backs_declined"] += 1
             return current(match, node, self._ps)
-        handle = self._dispatch_load([(node, chain)], ids, bool(layerwise))
+        handle = self._flight.load([(node, chain)], ids, bool(layerwise))
         pages = path_pages(node)
         return Match(pages, pages.size * self._ps, 0, node_ref(node, node),
                      handle if layerwise else None)
-
-    def _dispatch_load(self, chains: list[tuple[TreeNode, list[TreeNode]]], ids: np.ndarray,
-                       layerwise: bool) -> Any:
-        """One load of the host-only ``chains`` (``(node, chain)``, each ``node`` locked) into
-        the device pages ``ids`` (taken for it, in chain order); a dispatch that raises frees
-        ``ids`` and the locks and leaves the chains as they were."""
-        try:
-            handle = self._flight.load(chains, ids, layerwise)
-        except BaseException:  # a dispatch failure (internal ids: a bug, or the runtime): undo
-            self._device.allocator.free(ids)
-            for node, _ in chains:
-                self._tree.unlock(node)
-            raise
-        self._owner.to_tree(ids)
-        for _, chain in chains:
-            self._n["load_backs"] += 1
-            self._n["load_back_tokens"] += sum(n.num_tokens for n in chain)
-        return handle
 
     def lock(self, node: NodeRef) -> None:
         """Protect a match's prefix (``Match.node``: the node and its ancestors) from eviction
@@ -414,6 +386,12 @@ class HiCache:
         return self._tree
 
     @property
+    def l3(self) -> L3Tier | NullL3Tier:
+        """The L3 tier (:class:`~hicache_jax.l3.NullL3Tier` without storage), for inspection."""
+        self._guard()
+        return self._l3
+
+    @property
     def transfer_engine(self) -> TransferEngine:
         """The transfer engine (what ``transfer_engine=`` built), for inspection."""
         self._guard()
@@ -429,8 +407,7 @@ class HiCache:
     def flush(self) -> None:
         """Wait for every transfer in flight (L3 puts and prefetches too) and apply it."""
         self._complete(upto=None, wait=True)
-        if self._l3 is not None:
-            self._l3.flush()
+        self._l3.flush()
 
     def close(self) -> None:
         """Flush, then release the L3 backend (its threads, connections). Idempotent. Every
@@ -439,8 +416,7 @@ class HiCache:
             return
         self.flush()
         try:
-            if self._l3 is not None:
-                self._l3.close()
+            self._l3.close()
         finally:
             self._events.close()  # the ZMQ publisher sends what is queued and unbinds
             self._threads.close()
@@ -479,8 +455,8 @@ class HiCache:
         self._device.allocator.reset()
         self._host.allocator.reset()
         self._init_state()
-        if self._l3 is not None:
-            self._l3.reset_counters()
+        self._port.reset()
+        self._l3.reset_counters()
         self._events.cleared()
 
     def stats(self) -> dict[str, Any]:
@@ -490,7 +466,7 @@ class HiCache:
         reads made while the owner is inside a call may be mutually inconsistent."""
         return cache_stats(self._n, self._device.allocator, self._host.allocator, self._tree,
                            self._owner, len(self._flight), self._write.reserve_pages()) \
-            | self._events.stats() | ({} if self._l3 is None else self._l3.stats())
+            | self._events.stats() | self._l3.stats()
 
     def check_invariants(self) -> None:
         """Check every invariant of DESIGN.md on the whole cache (O(cache): for tests).
@@ -500,7 +476,7 @@ class HiCache:
         """
         self._guard()
         check_cache(self._tree, self._owner, self._device.allocator, self._host.allocator,
-                    self._flight, self._caller_locks, self._l3, self._write.continuous_prefix)
+                    self._flight, self._caller_locks, self._port, self._write.continuous_prefix)
 
     # -- internals: transfers ----------------------------------------------------------------
 
@@ -512,8 +488,7 @@ class HiCache:
         call, never inside an operation that holds nodes (an attach may split them).
         """
         finished = self._engine.poll()
-        if self._l3 is not None:
-            self._l3.poll(attach)
+        self._l3.poll(attach)
         self._flight.apply(finished)
         if wait or upto is not None:
             self._flight.apply(self._flight.wait(None if wait else upto))

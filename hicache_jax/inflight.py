@@ -23,8 +23,10 @@ from typing import Any, Callable, Iterator
 
 import numpy as np
 
+from hicache_jax.allocator import PageAllocator
 from hicache_jax.errors import OutOfPagesError
 from hicache_jax.events import Medium, NullRecorder, Recorder
+from hicache_jax.ownership import DevicePageOwners
 from hicache_jax.radix import RadixTree
 from hicache_jax.spec import KVSpec
 from hicache_jax.transfer import TransferEngine, TransferKind
@@ -53,19 +55,22 @@ class InFlight:
         spec: the cache's KVSpec.
         tree: the cache's tree (nodes locked while their transfer is in flight).
         engine: the cache's transfer engine.
-        host_free: frees host pages (the cache's host allocator).
+        device, host: the pools' allocators (claims and failed dispatches free pages).
+        owners: the cache's device page owners (loaded pages become the tree's).
         events: the cache's event recorder.
         counters: the cache's ``stats()`` counters (updated at each acknowledgement).
         on_backup: called with the parts of a landed backup, leaf first (the L3 tier's hook).
     """
 
     def __init__(self, spec: KVSpec, tree: RadixTree, engine: TransferEngine,
-                 host_free: Callable[[np.ndarray], None], events: NullRecorder | Recorder,
-                 counters: collections.Counter, on_backup: Callable[[list], None],
-                 device_pages: int) -> None:
+                 device: PageAllocator, host: PageAllocator, owners: DevicePageOwners,
+                 events: NullRecorder | Recorder, counters: collections.Counter,
+                 on_backup: Callable[[list], None]) -> None:
         self._spec, self._ps = spec, spec.page_size
-        self._tree, self._engine, self._host_free = tree, engine, host_free
+        self._tree, self._engine, self._owners = tree, engine, owners
+        self._device_free, self._host_free = device.free, host.free
         self._events, self._n, self._on_backup = events, counters, on_backup
+        device_pages = device.num_pages
         self._backing = np.zeros(device_pages, np.bool_)   # pages of backups in flight
         self._loading = np.zeros(device_pages, np.int64)   # 1 + seq of the load writing a page
         self._slot = np.full(device_pages, -1, np.int64)   # scratch of _finish_backup
@@ -151,17 +156,24 @@ class InFlight:
             layerwise: one copy per layer (``wait_layer``).
 
         Returns:
-            The transfer handle. A dispatch that raises leaves every chain as it was (the
-            caller still owns ``device_ids`` and the locks).
+            The transfer handle. A dispatch that raises frees ``device_ids`` and the locks and
+            leaves every chain as it was.
         """
         host_ids = [np.concatenate([n.host_value for n in chain]) for _, chain in chains]
         bounds = np.cumsum([0] + [h.size for h in host_ids])
         parts = [(node, device_ids[lo:hi], h)
                  for (node, _), h, lo, hi in zip(chains, host_ids, bounds[:-1], bounds[1:])]
         ops = self._ops_for(TransferKind.LOAD, parts)
-        handle = self._engine.load(np.concatenate(host_ids), device_ids, layerwise=layerwise,
-                                   tag=ops)
+        try:
+            handle = self._engine.load(np.concatenate(host_ids), device_ids,
+                                       layerwise=layerwise, tag=ops)
+        except BaseException:  # a dispatch failure (internal ids: a bug, or the runtime): undo
+            self._device_free(device_ids)
+            for node, _ in chains:
+                self._tree.unlock(node)
+            raise
         self._register(ops, handle)
+        self._owners.to_tree(device_ids)
         for (_, chain), op in zip(chains, ops):
             pos = 0
             for n in chain:  # root-first, as set_value requires
@@ -169,6 +181,8 @@ class InFlight:
                 self._events.stored(n, Medium.DEVICE)
                 pos += n.num_pages
             self._loading[op.device_ids] = op.seq + 1
+            self._n["load_backs"] += 1
+            self._n["load_back_tokens"] += op.device_ids.size * self._ps
         return handle
 
     def load_writing(self, ids: np.ndarray) -> Any:

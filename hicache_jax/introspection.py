@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from hicache_jax.allocator import PageAllocator
+from hicache_jax.cache_port import CacheL3Port
 from hicache_jax.errors import HiCacheError
 from hicache_jax.inflight import InFlight
 from hicache_jax.ownership import DevicePageOwners
@@ -28,11 +29,12 @@ from hicache_jax.tree_node import TreeNode
 
 def check_cache(tree: RadixTree, owners: DevicePageOwners, device: PageAllocator,
                 host: PageAllocator, flight: InFlight, caller_locks: dict[TreeNode, int],
-                l3: Any, continuous_prefix: bool) -> None:
+                l3: CacheL3Port, continuous_prefix: bool) -> None:
     """Raise :class:`HiCacheError` naming the first broken invariant of one cache.
 
     Args:
-        l3: the cache's L3 tier (``holdings()``: its reserved host pages and locked nodes).
+        l3: the cache's side of the L3 port: the host pages L3 prefetches reserve, the nodes
+            they lock.
     """
     try:
         tree.check_invariants()
@@ -42,9 +44,8 @@ def check_cache(tree: RadixTree, owners: DevicePageOwners, device: PageAllocator
     owners.check_invariants((n.value for n in nodes if n.value is not None),
                             device.is_allocated(np.arange(device.num_pages)))
     ops = list(flight.ops())
-    l3_pages, l3_locks = ([], []) if l3 is None else l3.holdings()
     parts = [n.host_value for n in nodes if n.host_value is not None]
-    parts += [op.host_ids for op in ops if op.kind is TransferKind.BACKUP] + list(l3_pages)
+    parts += [op.host_ids for op in ops if op.kind is TransferKind.BACKUP] + [l3.reserved_pages()]
     held = np.concatenate(parts) if parts else np.zeros(0, np.int32)
     if np.unique(held).size != held.size:
         raise HiCacheError("invariant: a host page is held twice (nodes, backups in flight, "
@@ -54,7 +55,7 @@ def check_cache(tree: RadixTree, owners: DevicePageOwners, device: PageAllocator
         raise HiCacheError("invariant: a host page is neither free, nor held by a node, a "
                            "backup in flight or an L3 prefetch")
     holders = list(caller_locks.items()) + [(op.node, 1) for op in ops]
-    _check_nodes(tree, nodes, holders + [(n, 1) for n in l3_locks], continuous_prefix)
+    _check_nodes(tree, nodes, holders + l3.locked_nodes(), continuous_prefix)
     if any(n.parent is None and n is not tree.root for n in caller_locks):
         raise HiCacheError("invariant: a caller lock is held on a deleted node")
 

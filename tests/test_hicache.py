@@ -1003,7 +1003,7 @@ def test_a_reused_thread_ident_keeps_the_cache_with_the_live_thread():
     owner.run(lambda: request(cache, kv, t))
     owner.stop()                      # the owner exits ...
     heir = _Worker("heir")
-    cache._thread = heir.thread.ident  # ... and the OS hands its ident to a new thread
+    cache._threads.ident = heir.thread.ident  # ... and the OS hands its ident to a new thread
     assert heir.run(lambda: cache.match_prefix(t).device_len) == 4
     with pytest.raises(HiCacheError, match="owned by thread 'heir'"):
         cache.match_prefix(t)
