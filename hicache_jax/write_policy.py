@@ -59,15 +59,19 @@ class WriteContext:
     back_up_new: bool                        # L3 write_through: back up new leaves at insert
 
 
-class WriteThrough:
-    """Back up on hits (threshold); host copies a continuous prefix from the root."""
+class WriteStrategy:
+    """What every write policy shares: the reserve, claims, the plain host-room path. Its
+    flags say when to back up (on hits, on eviction) and whether host copies must be a
+    continuous prefix from the root."""
 
-    backup_on_hit = True
+    backup_on_hit = False
     backup_on_evict = False
-    continuous_prefix = True
+    continuous_prefix = False
 
     def __init__(self, ctx: WriteContext) -> None:
         self._ctx = ctx
+        # read on every insert / unlock: bound once, not looked up through ctx each call
+        self._cfg, self._dev, self._n = ctx.cfg, ctx.device_allocator, ctx.counters
         self._ps = ctx.tree.page_size
         self.largest_alloc = 0  # pages: clean_ahead's auto reserve follows it
 
@@ -78,7 +82,7 @@ class WriteThrough:
 
     def reserve_pages(self) -> int:
         """Pages the clean_ahead pass keeps backed up at the eviction end (see the config)."""
-        cfg = self._ctx.cfg
+        cfg = self._cfg
         if cfg.clean_ahead_pages is not None:
             return cfg.clean_ahead_pages
         dev = cfg.device_pages
@@ -88,9 +92,8 @@ class WriteThrough:
         return self._ctx.flight.claim_backup(node, self.continuous_prefix, self._ctx.take_host)
 
     def after_insert(self, res: Any, chunked: bool, in_request: bool) -> None:
-        """An insert's backups (``res``: the tree's InsertResult)."""
-        if not chunked:
-            self._backup_inserted(res)
+        """An insert happened (``res``: the tree's InsertResult; ``in_request``: a caller lock
+        is held)."""
 
     def after_unlock(self) -> None:
         """A request's end (its nodes are evictable again)."""
@@ -100,7 +103,7 @@ class WriteThrough:
         (root-first), and the new leaf -- its creation is its first access -- or, with L3
         (``storage_write_policy="write_through"``, write-through and clean_ahead modes), so
         that computed pages go down to L3 now."""
-        threshold, claims = self._ctx.cfg.write_through_threshold, []
+        threshold, claims = self._cfg.write_through_threshold, []
         if self.backup_on_hit:
             claims = [self.claim(node) for node in res.existing_nodes
                       if node.hit_count >= threshold]
@@ -118,19 +121,25 @@ class WriteThrough:
         return self._ctx.tree.host_evictable_tokens // self._ps
 
 
+class WriteThrough(WriteStrategy):
+    """Back up on hits (threshold); host copies a continuous prefix from the root."""
+
+    backup_on_hit = True
+    continuous_prefix = True
+
+    def after_insert(self, res: Any, chunked: bool, in_request: bool) -> None:
+        if not chunked:
+            self._backup_inserted(res)
+
+
 class WriteThroughSelective(WriteThrough):
     """Write-through at a threshold of hits (the config's ``write_through_threshold``)."""
 
 
-class WriteBack(WriteThrough):
+class WriteBack(WriteStrategy):
     """Back up only what eviction takes; no continuous host prefix."""
 
-    backup_on_hit = False
     backup_on_evict = True
-    continuous_prefix = False
-
-    def after_insert(self, res: Any, chunked: bool, in_request: bool) -> None:
-        pass
 
 
 class CleanAhead(WriteBack):
@@ -145,7 +154,7 @@ class CleanAhead(WriteBack):
     def after_insert(self, res: Any, chunked: bool, in_request: bool) -> None:
         if not chunked:
             self._backup_inserted(res)
-        if self._ctx.cfg.eviction in FRESH_FIRST and res.last_node not in res.existing_nodes:
+        if self._cfg.eviction in FRESH_FIRST and res.last_node not in res.existing_nodes:
             self._fresh_tokens += res.last_node.num_tokens
         # Inside the request flow the pass runs at unlock, once this request's nodes are
         # evictable; an insert made outside it (no caller lock held) runs it here.
@@ -161,9 +170,9 @@ class CleanAhead(WriteBack):
         since the last, eviction has copied on its path or taken a quarter of the reserve, or
         (strategies that evict new nodes first) a new leaf was inserted."""
         reserve = self.reserve_pages()
-        if self._ctx.device_allocator.num_free >= reserve:
+        if self._dev.num_free >= reserve:
             return False
-        n = self._ctx.counters
+        n = self._n
         evicted, synced, fresh = self._clean_mark
         quarter = reserve * self._ps // 4
         return (not self._cold or n["eviction_backup_pages"] > synced
@@ -223,6 +232,6 @@ _STRATEGIES = {
 }
 
 
-def make_write_policy(ctx: WriteContext) -> WriteThrough:
+def make_write_policy(ctx: WriteContext) -> WriteStrategy:
     """The strategy of ``ctx.cfg.write_policy``."""
     return _STRATEGIES[ctx.cfg.write_policy](ctx)

@@ -1022,3 +1022,22 @@ def test_events_of_clean_aheads_pass_at_unlock_are_sealed_by_the_unlock():
     assert cache.stats()["host_copies_dropped_tokens"] == 2
     router = replay(cache.take_events())
     assert router == tree_pages(cache)
+
+
+def test_check_invariants_names_the_broken_invariant():
+    cache, kv = make("write_through", device=8, host=8)
+    request(cache, kv, np.arange(4))
+    cache.flush()
+    cache.check_invariants()
+    cache.tree.lock(node_of(cache, np.arange(4))._node)  # a lock that no one holds
+    with pytest.raises(HiCacheError, match="lock_ref"):
+        cache.check_invariants()
+    cache, kv = make("write_through", device=8, host=8)
+    request(cache, kv, np.arange(4))
+    cache.host_pool.allocator.alloc(1)                    # a host page no one holds
+    with pytest.raises(HiCacheError, match="host page is neither free"):
+        cache.check_invariants()
+    cache, kv = make("write_through", device=8, host=8)
+    cache.device_pool.allocator.alloc(1)                  # a device page no one owns
+    with pytest.raises(HiCacheError, match="device allocator disagrees"):
+        cache.check_invariants()
