@@ -66,19 +66,22 @@ class TransferHandle:
         kind: "backup" (device -> host) or "load" (host -> device).
         device_ids, host_ids: int32[n] numpy copies of the ids, pairwise (page i <-> page i).
         nbytes: bytes moved (``n * spec.page_bytes``).
+        tag: the caller's record of what the transfer is for (the cache's operations in flight:
+            see ``inflight.py``); None unless given.
         layerwise: one token per layer (only loads can be layer-wise).
         seconds: dispatch -> completion as observed by ``done``/``wait``/``poll`` (None before).
     """
 
-    __slots__ = ("kind", "device_ids", "host_ids", "nbytes", "layerwise", "seconds",
+    __slots__ = ("kind", "device_ids", "host_ids", "nbytes", "tag", "layerwise", "seconds",
                  "_engine", "_tokens", "_t0", "_complete")
 
     def __init__(self, engine: TransferEngine, kind: TransferKind, device_ids: np.ndarray,
-                 host_ids: np.ndarray, layerwise: bool) -> None:
+                 host_ids: np.ndarray, tag: Any, layerwise: bool) -> None:
         self.kind = kind
         self.device_ids = device_ids
         self.host_ids = host_ids
         self.nbytes = int(device_ids.size) * engine.spec.page_bytes
+        self.tag = tag
         self.layerwise = layerwise
         self.seconds: float | None = None
         self._engine = engine
@@ -159,7 +162,7 @@ class TransferEngine:
         self._finished: list[TransferHandle] = []   # completion order, not yet polled
 
     # ----------------------------------------------------------------------------- dispatch
-    def backup(self, device_ids: Any, host_ids: Any) -> TransferHandle:
+    def backup(self, device_ids: Any, host_ids: Any, *, tag: Any = None) -> TransferHandle:
         """Copy device pages to host pages (device_ids[i] -> host_ids[i]); returns at once.
 
         Raises:
@@ -168,13 +171,14 @@ class TransferEngine:
             All before dispatch: both pools unchanged.
         """
         d, h = self._validate(device_ids, host_ids)
-        handle = TransferHandle(self, TransferKind.BACKUP, d, h, layerwise=False)
+        handle = TransferHandle(self, TransferKind.BACKUP, d, h, tag, layerwise=False)
         if d.size:
             handle._tokens.append(self.host_pool.run(
                 self._backup_fn, self.device_pool.array, copy_plan(h, d)))
         return self._track(handle)
 
-    def load(self, host_ids: Any, device_ids: Any, *, layerwise: bool = False) -> TransferHandle:
+    def load(self, host_ids: Any, device_ids: Any, *, layerwise: bool = False,
+             tag: Any = None) -> TransferHandle:
         """Copy host pages to device pages (host_ids[i] -> device_ids[i]); returns at once.
 
         Args:
@@ -185,7 +189,7 @@ class TransferEngine:
         """
         check_bool("layerwise", layerwise)
         d, h = self._validate(device_ids, host_ids)
-        handle = TransferHandle(self, TransferKind.LOAD, d, h, layerwise=layerwise)
+        handle = TransferHandle(self, TransferKind.LOAD, d, h, tag, layerwise=layerwise)
         if d.size:
             plan = copy_plan(d, h)
             if layerwise:

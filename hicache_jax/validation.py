@@ -179,3 +179,11 @@ def check_extra_key(extra_key: Any) -> None:
     if _has_nan(extra_key):
         raise ValueError(f"extra_key={extra_key!r} is not equal to itself (NaN): no later match "
                          "could find its namespace")
+
+
+def page_tokens(tokens: Any, extra_key: Any, page_size: int) -> np.ndarray:
+    """Validate tokens (:func:`as_tokens`) and ``extra_key`` (:func:`check_extra_key`); return
+    the whole-page int32 part of the tokens (what the tree stores)."""
+    arr = as_tokens(tokens)
+    check_extra_key(extra_key)
+    return arr[: arr.shape[0] // page_size * page_size]

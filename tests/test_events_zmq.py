@@ -155,7 +155,7 @@ def test_wire_format_is_vllms_one_block_stored_per_node(tcp):
         (ev,) = batch.events                       # three pages of one node: one BlockStored
         assert ev.block_size == PS and ev.token_ids == list(range(12)) and ev.medium == "GPU"
         assert ev.parent_block_hash is None and (ev.lora_id, ev.lora_name) == (None, None)
-        node = cache._tree.match(np.arange(12)).node
+        node = cache.tree.match(np.arange(12)).node
         assert ev.block_hashes == node.page_hashes.tolist()
         cache.evict(12)                            # write_back: to host, then off device
         _, batch = sub.recv()

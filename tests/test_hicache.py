@@ -11,8 +11,8 @@ import pytest
 
 from hicache_jax import HiCache, HiCacheConfig, HiCacheError, KVSpec, Match, OutOfPagesError
 from hicache_jax.events import replay
-from test_hicache_state_machine import (KVModel, bits, check_bytes, check_invariants, gate,
-                                        snapshot, tree_pages)
+from test_hicache_state_machine import (GatedEngine, KVModel, bits, check_bytes,
+                                        check_invariants, gate, snapshot, tree_pages)
 
 POLICIES = ["write_through", "write_through_selective", "write_back", "clean_ahead"]
 
@@ -22,7 +22,7 @@ def make(policy="write_through", *, device=16, host=32, ps=1, threshold=None, **
     cfg = HiCacheConfig(device_pages=device, host_pages=host, write_policy=policy,
                         write_through_threshold=threshold, load_back_threshold=kw.pop("lbt", ps),
                         **kw)
-    return HiCache(spec, cfg), KVModel(spec)
+    return HiCache(spec, cfg, transfer_engine=GatedEngine), KVModel(spec)
 
 
 def request(cache, kv, tokens, *, load=True, extra_key=None):
@@ -157,8 +157,9 @@ def test_write_back_backs_up_on_evict_then_loads_back():
 
 def _count_backup_calls(cache):
     """Wrap the transfer engine's backup: returns the list of page counts per call."""
-    calls, real = [], cache._engine.backup
-    cache._engine.backup = lambda d, h, **kw: calls.append(len(d)) or real(d, h, **kw)
+    engine = cache.transfer_engine
+    calls, real = [], engine.backup
+    engine.backup = lambda d, h, **kw: calls.append(len(d)) or real(d, h, **kw)
     return calls
 
 
@@ -484,14 +485,15 @@ def test_load_back_whose_dispatch_fails_leaves_the_cache_unchanged():
     _backed_up_then_evicted(cache, kv, t)
     m = cache.match_prefix(t)
     before = snapshot(cache)
-    real = cache._engine.load
+    engine = cache.transfer_engine
+    real = engine.load
 
     def failing(*args, **kw):
         raise RuntimeError("RESOURCE_EXHAUSTED: simulated runtime failure")
-    cache._engine.load = failing
+    engine.load = failing
     with pytest.raises(RuntimeError, match="RESOURCE_EXHAUSTED"):
         cache.load_back(m)
-    cache._engine.load = real
+    engine.load = real
     assert snapshot(cache) == before and m.node._node.lock_ref == 0
     check(cache, kv)
     assert cache.load_back(m).device_len == 4
@@ -561,7 +563,7 @@ def test_evict_host_reaching_node_whose_load_back_is_in_flight():
     request(cache, kv, np.arange(200, 204))    # evict -> backup -> evict_host
     assert cache.stats()["host_evictions"] >= 1 and cache.match_prefix(b).host_len == 0
     assert m.node._node.parent is not None and np.array_equal(m.node._node.value, loaded)
-    assert np.array_equal(m.node._node.host_value, hv) and cache._host.allocator.is_allocated(hv).all()
+    assert np.array_equal(m.node._node.host_value, hv) and cache.host_pool.allocator.is_allocated(hv).all()
     check(cache, kv)
     eng.release()
     cache.flush()
@@ -577,7 +579,7 @@ def test_host_pages_released_before_async_load_finished():
     hv = m.node._node.host_value.copy()
     cache.evict(1000)                          # locked by the load: stays on device
     cache.evict_host(1000)                     # and its host pages stay allocated
-    assert cache._host.allocator.is_allocated(hv).all()
+    assert cache.host_pool.allocator.is_allocated(hv).all()
     assert m.node._node.value is not None and np.array_equal(m.node._node.host_value, hv)
     eng.release()
     cache.flush()
@@ -640,14 +642,14 @@ def test_host_page_freed_and_reused_while_copy_into_it_in_flight():
     t = np.arange(4)
     request(cache, kv, t)
     request(cache, kv, t)                      # backup into all 4 host pages, in flight
-    inflight = [op.host_ids for op in cache._ops]
+    inflight = [h.host_ids for h in eng.handles]
     assert len(inflight) == 1 and inflight[0].size == 4
     assert cache.evict_host(1000) == 0         # nothing host-only to delete
     for base in (100, 200):                    # more backups want host pages: none free
         request(cache, kv, np.arange(base, base + 2))
         request(cache, kv, np.arange(base, base + 2))
-    assert cache._host.allocator.is_allocated(inflight[0]).all()
-    held = [n.host_value for n in cache._tree.nodes() if n.host_value is not None]
+    assert cache.host_pool.allocator.is_allocated(inflight[0]).all()
+    held = [n.host_value for n in cache.tree.nodes() if n.host_value is not None]
     assert not held                            # not handed to any node meanwhile
     eng.release()
     cache.flush()
@@ -896,7 +898,7 @@ def _tiers(cache):
     """{first token // 100: (on device, on host)} of every node, read without touching the
     tree (a match would refresh the access stamps that decide what eviction takes)."""
     return {int(n.key[0]) // 100: (n.value is not None, n.host_value is not None)
-            for n in cache._tree.nodes()}
+            for n in cache.tree.nodes()}
 
 
 def test_clean_ahead_backs_up_the_eviction_end_so_eviction_copies_nothing():
@@ -967,15 +969,17 @@ def test_clean_ahead_cleans_a_request_that_goes_first_at_its_unlock(eviction):
 def test_a_failed_alloc_leaves_clean_aheads_reserve_as_it_was():
     cache, kv = make("clean_ahead", device=64, host=64)
     request(cache, kv, np.arange(4))
-    reserve = cache._reserve_pages()
+    def reserve():
+        return cache.stats()["clean_ahead_reserve_pages"]
+    reserve_before = reserve()
     with pytest.raises(OutOfPagesError):
         cache.alloc_pages(1000)
-    assert cache._reserve_pages() == reserve == 2 * 4      # twice the largest allocation
+    assert reserve() == reserve_before == 2 * 4      # twice the largest allocation
     new = cache.alloc_pages(12)            # one that succeeds: the reserve follows it
-    assert cache._reserve_pages() == 24
+    assert reserve() == 24
     cache.free_pages(new)
     new = cache.alloc_pages(40)
-    assert cache._reserve_pages() == 64 // 2               # at most half of L1
+    assert reserve() == 64 // 2               # at most half of L1
     cache.free_pages(new)
 
 
@@ -999,7 +1003,7 @@ def test_a_reused_thread_ident_keeps_the_cache_with_the_live_thread():
     owner.run(lambda: request(cache, kv, t))
     owner.stop()                      # the owner exits ...
     heir = _Worker("heir")
-    cache._thread = heir.thread.ident  # ... and the OS hands its ident to a new thread
+    cache._threads.ident = heir.thread.ident  # ... and the OS hands its ident to a new thread
     assert heir.run(lambda: cache.match_prefix(t).device_len) == 4
     with pytest.raises(HiCacheError, match="owned by thread 'heir'"):
         cache.match_prefix(t)
@@ -1034,7 +1038,7 @@ def test_token_ids_held_as_int32_and_ids_beyond_refused():
     stored = [e for e in cache.take_events()   # the device copies (host ones land as backups do)
               if type(e).__name__ == "BlockStored" and e.medium.value == "device"]
     assert [list(e.token_ids) for e in stored] == [[top, 0], [top - 1, 9]]
-    assert all(n.key.dtype == np.int32 for n in cache._tree.nodes())
+    assert all(n.key.dtype == np.int32 for n in cache.tree.nodes())
     mine = cache.alloc_pages(2)
     for bad in ([2**31, 0, 1, 2], np.array([0, 1, 2**40, 3]), np.array([2**63] * 4, np.uint64)):
         before = snapshot(cache)
@@ -1044,3 +1048,22 @@ def test_token_ids_held_as_int32_and_ids_beyond_refused():
         assert snapshot(cache) == before
     cache.free_pages(mine)
     check(cache, kv)
+
+
+def test_check_invariants_names_the_broken_invariant():
+    cache, kv = make("write_through", device=8, host=8)
+    request(cache, kv, np.arange(4))
+    cache.flush()
+    cache.check_invariants()
+    cache.tree.lock(node_of(cache, np.arange(4))._node)  # a lock that no one holds
+    with pytest.raises(HiCacheError, match="lock_ref"):
+        cache.check_invariants()
+    cache, kv = make("write_through", device=8, host=8)
+    request(cache, kv, np.arange(4))
+    cache.host_pool.allocator.alloc(1)                    # a host page no one holds
+    with pytest.raises(HiCacheError, match="host page is neither free"):
+        cache.check_invariants()
+    cache, kv = make("write_through", device=8, host=8)
+    cache.device_pool.allocator.alloc(1)                  # a device page no one owns
+    with pytest.raises(HiCacheError, match="device allocator disagrees"):
+        cache.check_invariants()

@@ -32,10 +32,9 @@ from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, p
 from hicache_jax.hashing import canonical_key as _canonical  # one namespace, one key (5 == np.int64(5))
 from hicache_jax import HiCacheConfig, HiCacheError, KVSpec, OutOfPagesError
 from hicache_jax.events import Medium, replay
-from hicache_jax.hicache import _CALLER as _CALLER_OWNED
-from hicache_jax.hicache import _FREE as _FREE_PAGE
-from hicache_jax.hicache import _TREE as _TREE_OWNED
 from hicache_jax.hicache import HiCache, NodeRef
+from hicache_jax.ownership import PageOwner
+from hicache_jax.transfer import TransferEngine
 from hicache_jax.radix import RadixTree
 
 LONG = os.environ.get("HICACHE_HYPOTHESIS_PROFILE") == "long"
@@ -46,8 +45,8 @@ LONG = os.environ.get("HICACHE_HYPOTHESIS_PROFILE") == "long"
 class _GatedHandle:
     """A transfer handle that reports not-done until its gate opens (or someone waits on it)."""
 
-    def __init__(self, inner, engine: "GatedEngine") -> None:
-        self._inner, self._engine, self.released = inner, engine, False
+    def __init__(self, inner, engine: "GatedEngine", released: bool) -> None:
+        self._inner, self._engine, self.released = inner, engine, released
 
     def __getattr__(self, name):
         return getattr(self._inner, name)
@@ -56,46 +55,62 @@ class _GatedHandle:
         return self.released and self._inner.done()
 
     def wait(self):
-        self.released = True
+        self._engine.open_upto(self)  # waiting for a transfer waits for those before it
         return self._inner.wait()
 
     def wait_layer(self, layer: int):
-        self.released = True
+        self._engine.open_upto(self)
         return self._inner.wait_layer(layer)
 
 
-class GatedEngine:
-    """Wraps a TransferEngine so tests decide when each copy counts as finished."""
+class GatedEngine(TransferEngine):
+    """A TransferEngine whose copies count as finished only once the test releases them
+    (injected with ``HiCache(..., transfer_engine=GatedEngine)``). Open -- every copy released
+    at dispatch -- until :meth:`hold`. Like the real engine, it reports completions in dispatch
+    order: ``poll`` returns the released ones up to the first that is not."""
 
-    def __init__(self, inner) -> None:
-        self._inner, self.handles = inner, []
+    def __init__(self, device_pool, host_pool) -> None:
+        super().__init__(device_pool, host_pool)
+        self.holding, self.handles = False, []   # gated handles not yet reported
+        self._gated, self._landed = {}, []       # id(inner) -> gated; inner polled, unreported
+
+    def hold(self) -> "GatedEngine":
+        self.holding = True
+        return self
 
     def _gate(self, handle):
-        gated = _GatedHandle(handle, self)
+        gated = _GatedHandle(handle, self, released=not self.holding)
         self.handles.append(gated)
+        self._gated[id(handle)] = gated
         return gated
 
     def backup(self, device_ids, host_ids, **kw):
-        return self._gate(self._inner.backup(device_ids, host_ids, **kw))
+        return self._gate(super().backup(device_ids, host_ids, **kw))
 
     def load(self, host_ids, device_ids, **kw):
-        return self._gate(self._inner.load(host_ids, device_ids, **kw))
+        return self._gate(super().load(host_ids, device_ids, **kw))
+
+    def open_upto(self, gated) -> None:
+        for h in self.handles[:self.handles.index(gated) + 1]:
+            h.released = True
 
     def poll(self):
-        return self._inner.poll()
+        self._landed += super().poll()
+        out = []
+        while self._landed and self._gated[id(self._landed[0])].released:
+            gated = self._gated.pop(id(self._landed.pop(0)))
+            self.handles.remove(gated)
+            out.append(gated)
+        return out
 
     def wait_all(self):
         for h in self.handles:
             h.released = True
-        return self._inner.wait_all()
-
-    @property
-    def in_flight(self) -> int:
-        return self._inner.in_flight
+        return super().wait_all()  # which returns self.poll()
 
     def busy_host_pages(self, ids):
         ids = np.asarray(ids)
-        busy = np.asarray(self._inner.busy_host_pages(ids), bool)
+        busy = np.asarray(super().busy_host_pages(ids), bool)
         for h in self.handles:
             if not h.done():
                 busy = busy | np.isin(ids, np.asarray(h.host_ids))
@@ -109,13 +124,13 @@ class GatedEngine:
             # Released means finished: otherwise whether the copy has landed by the next poll
             # depends on XLA's thread, and the run (hence its coverage) on machine load.
             h._inner.wait()
-        self.handles = [h for h in self.handles if not h._inner.done() or not h.released]
 
 
 def gate(cache: HiCache) -> GatedEngine:
-    """Put a gate in front of ``cache``'s transfer engine (test-only: a private attribute)."""
-    cache._engine = GatedEngine(cache._engine)
-    return cache._engine
+    """Hold the copies of ``cache`` (built with ``transfer_engine=GatedEngine``) in flight."""
+    engine = cache.transfer_engine
+    assert isinstance(engine, GatedEngine), "build the cache with transfer_engine=GatedEngine"
+    return engine.hold()
 
 
 class KVModel:
@@ -151,7 +166,7 @@ def bits(x) -> np.ndarray:
 def tree_pages(cache: HiCache) -> set:
     """``(page_hash, medium)`` of every page the cache holds on each tier."""
     out = set()
-    for node in cache._tree.nodes():
+    for node in cache.tree.nodes():
         for h in node.page_hashes.tolist():
             if node.value is not None:
                 out.add((h, Medium.DEVICE))
@@ -163,8 +178,8 @@ def tree_pages(cache: HiCache) -> set:
 def check_bytes(cache: HiCache, model: KVModel) -> None:
     """Every cached page, on either tier, holds the bytes of its prefix (bit-exact)."""
     dev_ids, dev_want, host_ids, host_want = [], [], [], []
-    for node in cache._tree.nodes():
-        prefix = cache._tree.path_tokens(node)
+    for node in cache.tree.nodes():
+        prefix = cache.tree.path_tokens(node)
         total = prefix.shape[0] // cache.spec.page_size
         want = model.pages(node.extra_key, prefix, total - node.num_pages, total)
         if node.value is not None:
@@ -177,50 +192,13 @@ def check_bytes(cache: HiCache, model: KVModel) -> None:
         got = bits(cache.read_kv(np.concatenate(dev_ids)))
         np.testing.assert_array_equal(got, np.concatenate(dev_want, axis=2), "device bytes")
     if host_ids:
-        got = bits(cache._host.read(np.concatenate(host_ids)))
+        got = bits(cache.host_pool.read(np.concatenate(host_ids)))
         np.testing.assert_array_equal(got, np.concatenate(host_want, axis=2), "host bytes")
 
 
 def check_invariants(cache: HiCache) -> None:
     """Full scan of DESIGN.md's invariants and exact page accounting on both tiers (O(cache))."""
-    tree = cache._tree
-    tree.check_invariants()
-    nodes = list(tree.nodes())
-    dev_held = [n.value for n in nodes if n.value is not None]
-    held = np.concatenate(dev_held) if dev_held else np.zeros(0, np.int32)
-    assert np.unique(held).size == held.size, "a device page is held twice"
-    owner = np.zeros_like(cache._owner)
-    owner[held] = _TREE_OWNED
-    caller = cache._owner == _CALLER_OWNED
-    assert not (caller & (owner == _TREE_OWNED)).any(), "a caller page is also the tree's"
-    owner[caller] = _CALLER_OWNED
-    assert (owner == cache._owner).all(), "device owner map disagrees with the tree"
-    dev_alloc = cache._device.allocator.is_allocated(np.arange(cache.cfg.device_pages))
-    assert (dev_alloc == (owner != _FREE_PAGE)).all(), "device allocator disagrees with owners"
-    host_parts = [n.host_value for n in nodes if n.host_value is not None]
-    host_parts += [op.host_ids for op in cache._ops if op.kind == "backup"]
-    hheld = np.concatenate(host_parts) if host_parts else np.zeros(0, np.int32)
-    assert np.unique(hheld).size == hheld.size, "a host page is held twice"
-    host_alloc = cache._host.allocator.is_allocated(np.arange(cache.cfg.host_pages))
-    assert host_alloc.sum() == hheld.size and host_alloc[hheld].all(), "host accounting"
-    expected_locks: collections.Counter = collections.Counter()
-    sources = [(n, k) for n, k in cache._caller_locks.items()]
-    sources += [(op.node, 1) for op in cache._ops]
-    for node, k in sources:
-        while node.parent is not None:
-            expected_locks[node] += k
-            node = node.parent
-    for n in nodes:
-        assert n.value is not None or n.host_value is not None, f"{n!r} holds no pages"
-        assert n.lock_ref == expected_locks[n], f"{n!r} lock_ref {n.lock_ref} != " \
-            f"{expected_locks[n]} (caller locks + transfers in flight)"
-        if cache._write.continuous_prefix and n.host_value is not None:
-            assert n.parent.parent is None or n.parent.host_value is not None, \
-                f"{n!r} backed up under a parent that is not (gap in the host prefix)"
-        dev_child = any(c.value is not None for c in n.children.values())
-        assert (n in tree.evictable_device) == (
-            n.lock_ref == 0 and n.value is not None and not dev_child), f"{n!r} evictable set"
-    assert all(n.parent is not None for n in cache._caller_locks if n is not tree.root)
+    cache.check_invariants()
 
 
 def _foreign_ref(page_size: int) -> NodeRef:
@@ -235,7 +213,7 @@ def current_device_pages(cache: HiCache, tokens, extra_key) -> np.ndarray:
     ps = cache.spec.page_size
     arr = np.asarray(tokens, np.int32)  # the tree's key dtype (validation.TOKEN_DTYPE)
     arr = arr[: arr.size // ps * ps]
-    path, pos, _ = cache._tree._walk(arr, extra_key)
+    path, pos, _ = cache.tree._walk(arr, extra_key)
     parts, left = [], pos // ps
     for node in path:
         if node.value is None or left == 0:
@@ -247,7 +225,7 @@ def current_device_pages(cache: HiCache, tokens, extra_key) -> np.ndarray:
 
 def snapshot(cache: HiCache):
     """Everything a failed call must leave unchanged."""
-    return cache.stats(), cache._tree.snapshot(), cache._owner.tobytes(), len(cache._ops)
+    return cache.stats(), cache.tree.snapshot(), cache.page_owners().tobytes()
 
 
 # ----------------------------------------------------------------------------- the machine
@@ -299,7 +277,7 @@ class HiCacheMachine(RuleBasedStateMachine):
         cfg = HiCacheConfig(device_pages=device, host_pages=host,
                             write_policy=self.write_policy, eviction=self.eviction,
                             load_back_threshold=ps, kv_events={"publisher": "queue"})
-        self.cache = HiCache(self.spec, cfg, clock=self._now)
+        self.cache = HiCache(self.spec, cfg, clock=self._now, transfer_engine=GatedEngine)
         self.engine = gate(self.cache)
         self.kv = KVModel(self.spec)
         self.router: set = set()
@@ -431,11 +409,11 @@ class HiCacheMachine(RuleBasedStateMachine):
             assert m.device_len == half * ps
             r["pages"] = np.concatenate([m.device_pages, r["pages"][half:]])
         before = cache.stats()["device_caller_pages"]
-        still_mine = int((cache._owner[r["new"]] == 1).sum())
+        still_mine = int((cache.page_owners()[r["new"]] == PageOwner.CALLER).sum())
         cache.insert(r["tokens"], r["pages"], r["extra_key"], priority=priority)
         # Every caller page became the tree's or was freed as a duplicate.
         assert cache.stats()["device_caller_pages"] == before - still_mine
-        assert not (cache._owner[r["new"]] == 1).any()
+        assert not (cache.page_owners()[r["new"]] == PageOwner.CALLER).any()
         cache.unlock(r["node"])
 
     @precondition(lambda self: self.open)
@@ -454,13 +432,13 @@ class HiCacheMachine(RuleBasedStateMachine):
         if host:
             freed = cache.evict_host(tokens)
             if freed < tokens:  # stopped early: no host-only leaf left
-                assert not cache._tree.evictable_host
+                assert not cache.tree.evictable_host
             return
         before = cache.stats()["device_cached_tokens"]
         freed = cache.evict(tokens)
         assert cache.stats()["device_cached_tokens"] == before - freed
         if freed < tokens:  # stopped early: nothing left it could take
-            for node in cache._tree.evictable_device:
+            for node in cache.tree.evictable_device:
                 assert self.write_policy in ("write_back", "clean_ahead") \
                     and not node.backed_up \
                     and node.children, f"evict stopped with {node!r} still evictable"
@@ -501,8 +479,8 @@ class HiCacheMachine(RuleBasedStateMachine):
 
     def _tree_page_or_oob(self):
         """A page the caller does not own: a cached one, a free one, or one out of range."""
-        owner = self.cache._owner
-        not_mine = np.nonzero(owner != 1)[0]
+        owner = self.cache.page_owners()
+        not_mine = np.nonzero(owner != PageOwner.CALLER)[0]
         return not_mine[:1] if not_mine.size else np.array([owner.size])
 
     def _tally(self) -> None:

@@ -37,12 +37,7 @@ def make(url, device_pages=32, host_pages=64, **kw):
 def check_host_prefix(cache):
     """DESIGN.md, write_through modes: a backed-up node's parent is backed up (a continuous
     prefix from the root), pages fetched from L3 included: no exception for them."""
-    if not cache._write.continuous_prefix:
-        return
-    for node in cache._tree.nodes():
-        if node.host_value is not None:
-            assert node.parent.parent is None or node.parent.host_value is not None, \
-                f"{node!r} backed up under {node.parent!r}, which is not (gap in the host prefix)"
+    cache.check_invariants()  # the write-through modes' continuous host prefix among them
 
 
 def tokens_kv(seed, npages):
@@ -129,7 +124,7 @@ def test_round_trip_through_l3_bit_exact(url, host_layout):
     assert host == dev == 8 * PS
     np.testing.assert_array_equal(got, bits(kv))
     assert b.prefetch(toks) is None  # everything is local now
-    b._tree.check_invariants()
+    b.check_invariants()
     assert l3(b)["l3_prefetch_hit_pages"] == 8
     a.close(), b.close()
 
@@ -178,14 +173,14 @@ def test_no_storage_is_unchanged_and_prefetch_is_none():
 def test_bad_input_raises_before_any_change(url, tmp_path):
     toks, kv = _seed_store(url, 3, 4)
     cache = make(url)
-    before, tree = cache.stats(), cache._tree.snapshot()
+    before, tree = cache.stats(), cache.tree.snapshot()
     with pytest.raises(ValueError, match="1-D"):
         cache.prefetch(toks.reshape(2, -1))
     with pytest.raises(TypeError, match="integers"):
         cache.prefetch([1.5] * 8)
     with pytest.raises(TypeError, match="extra_key"):
         cache.prefetch(toks, extra_key=[1])
-    assert cache.stats() == before and cache._tree.snapshot() == tree
+    assert cache.stats() == before and cache.tree.snapshot() == tree
     # an extra_key with no process-stable encoding is cached locally but never shared
     assert cache.prefetch(toks, extra_key=(1, 2)) is None
     assert l3(cache)["l3_unkeyable_pages"] == 4
@@ -201,7 +196,7 @@ def test_bad_input_raises_before_any_change(url, tmp_path):
 
 def _slow_gets(cache, seconds):
     """Make every sub-batch of the backend's reads take ``seconds`` (one page per sub-batch)."""
-    backend = cache._l3.backend
+    backend = cache.l3.backend
     inner = backend._get
 
     def slow(keys, ids):
@@ -215,7 +210,7 @@ def _gated_gets(cache, limit_s=5.0):
     ``limit_s``: a test that waits wrongly fails slowly instead of hanging)."""
     import threading
 
-    backend, inner, gate = cache._l3.backend, cache._l3.backend._get, threading.Event()
+    backend, inner, gate = cache.l3.backend, cache.l3.backend._get, threading.Event()
 
     def gated(keys, ids):
         gate.wait(limit_s)
@@ -237,7 +232,7 @@ def _counted_gets(cache, limit_s=5.0):
     released; one not let through within ``limit_s`` reads nothing (all misses)."""
     import threading
 
-    backend, inner, permits = cache._l3.backend, cache._l3.backend._get, threading.Semaphore(0)
+    backend, inner, permits = cache.l3.backend, cache.l3.backend._get, threading.Semaphore(0)
 
     def counted(keys, ids):
         if not permits.acquire(timeout=limit_s):
@@ -260,14 +255,14 @@ def test_best_effort_uses_what_arrived_then_the_rest(url):
     permits = _counted_gets(b)
     h = b.prefetch(toks)
     permits.release(2)  # two of six pages arrive
-    _until(lambda: h._get.landed()[:2].all())
+    _until(lambda: h.landed() >= 2)
     assert b.match_prefix(toks).host_len == 2 * PS  # does not wait: uses what arrived
     permits.release(4)
     h.wait()
     host, dev, got = read_prefix(b, toks)
     assert host == dev == 6 * PS  # the rest appears once landed, after the first two
     np.testing.assert_array_equal(got, bits(kv))
-    b._tree.check_invariants()
+    b.check_invariants()
     b.close()
 
 
@@ -275,9 +270,9 @@ def test_timeout_keeps_what_landed_and_cancels_the_rest(url):
     toks, kv = _seed_store(url, 5, 8)
     b = make(url + "?batch_pages=1", prefetch_policy="timeout", prefetch_timeout_s=0.05)
     permits = _counted_gets(b, limit_s=1.0)
-    b.prefetch(toks)
+    h = b.prefetch(toks)
     permits.release(2)  # two of eight pages arrive before the deadline, then nothing
-    _until(lambda: b._l3._gets[0]._get.landed()[:2].all())
+    _until(lambda: h.landed() >= 2)
     t0 = time.monotonic()
     m = b.match_prefix(toks)
     assert time.monotonic() - t0 >= 0.04  # waited for the deadline (base 0.05 s, grown)
@@ -326,7 +321,7 @@ def test_prefetch_of_a_prompt_that_diverges_is_its_own(url):
     assert dev == 6 * PS
     np.testing.assert_array_equal(got, bits(qkv))
     b.flush()
-    b._tree.check_invariants()
+    b.check_invariants()
     b.close()
 
 
@@ -349,7 +344,7 @@ def test_longer_prompt_gets_the_rest_beyond_a_shorter_prefetch_in_flight(url):
     assert (s["l3_prefetch_pages"], s["l3_prefetch_hit_pages"]) == (6, 6)
     assert s["l3_prefetch_duplicate_pages"] == 0 and s["l3_prefetch_missed_pages"] == 0
     assert b.stats()["host_used_pages"] == 6 and s["l3_staging_free_pages"] == 128
-    b._tree.check_invariants()
+    b.check_invariants()
     check_host_prefix(b)
     b.close()
 
@@ -379,7 +374,7 @@ def test_prefetch_stopped_by_l3_is_shared_only_by_prompts_l3_stops_for_too(url):
     b.flush()
     s = l3(b)
     assert (s["l3_prefetch_pages"], s["l3_prefetch_duplicate_pages"]) == (6, 0)
-    b._tree.check_invariants()
+    b.check_invariants()
     b.close()
 
 
@@ -400,7 +395,7 @@ def test_chained_prefetch_gives_up_when_the_one_before_comes_up_short(url):
     s = l3(b)
     assert (s["l3_prefetch_hit_pages"], s["l3_prefetch_dropped_pages"]) == (1, 4)
     assert b.stats()["host_used_pages"] == 1 and s["l3_staging_free_pages"] == 128
-    b._tree.check_invariants()
+    b.check_invariants()
     b.close()
 
 
@@ -424,9 +419,9 @@ def test_fetch_starts_at_the_deepest_backed_up_node_and_backs_up_device_nodes(ur
     m = b.match_prefix(toks)
     assert (m.device_len, m.host_len) == (2 * PS, 4 * PS)
     check_host_prefix(b)
-    dev_node = b._tree.match(toks[:2 * PS]).node
+    dev_node = b.tree.match(toks[:2 * PS]).node
     assert dev_node.value is not None and dev_node.host_value is not None
-    np.testing.assert_array_equal(bits(np.asarray(b._host.read(dev_node.host_value))),
+    np.testing.assert_array_equal(bits(np.asarray(b.host_pool.read(dev_node.host_value))),
                                   bits(kv[:, :, :2]))
     host_events = [e.block_hash for e in b.take_events()
                    if isinstance(e, BlockStored) and e.medium is Medium.HOST]
@@ -439,7 +434,7 @@ def test_fetch_starts_at_the_deepest_backed_up_node_and_backs_up_device_nodes(ur
     np.testing.assert_array_equal(got, bits(kv))
     b.flush()
     check_host_prefix(b)
-    b._tree.check_invariants()
+    b.check_invariants()
     b.close()
 
 
@@ -476,7 +471,7 @@ def test_prefixes_whose_tree_hashes_collide_keep_their_own_l3_entries(url, monke
     a = make(url)
     compute(a, p, pkv)
     compute(a, q, qkv)
-    assert [n.page_hashes.tolist() for n in a._tree.root.children.values()] == \
+    assert [n.page_hashes.tolist() for n in a.tree.root.children.values()] == \
         [by_position(namespace_hash(None), np.zeros((4, PS))).tolist()] * 2
     a.close()
     b = make(url, prefetch_policy="wait_complete")
@@ -516,11 +511,11 @@ def test_write_back_host_eviction_inside_prefetch_leaves_nothing_behind(url):
     b.prefetch(toks)  # evicts 8 host pages -> 8 staged puts -> no staging left (was a raise)
     b.flush()
     s = b.stats()
-    assert all(c.lock_ref == 0 for c in b._tree.root.children.values())
+    assert all(c.lock_ref == 0 for c in b.tree.root.children.values())
     assert s["host_used_pages"] * PS == s["host_cached_tokens"]  # no host page without a node
     assert s["l3_staging_free_pages"] == 8
     assert s["l3_put_pages_stored"] == 8  # the evicted pages reached L3
-    b._tree.check_invariants()
+    b.check_invariants()
     b.close()
 
 
@@ -539,7 +534,7 @@ def test_prefetch_landing_inside_load_back_does_not_split_its_chain(url):
     pages = b.alloc_pages(2)
     b.write_kv(pages, pkv[:, :, :2])
     b.insert(p[:2 * PS], pages)  # N = p[0:2], device only
-    backend, inner, gate = b._l3.backend, b._l3.backend._get, threading.Event()
+    backend, inner, gate = b.l3.backend, b.l3.backend._get, threading.Event()
 
     def gated(keys, ids):
         gate.wait(10)
@@ -557,7 +552,8 @@ def test_prefetch_landing_inside_load_back_does_not_split_its_chain(url):
     pages = b.alloc_pages(6)
     b.write_kv(pages, rkv)
     b.insert(r, pages)  # the device is full of a leaf never backed up
-    engine, backup = b._engine, b._engine.backup
+    engine = b.transfer_engine
+    backup = engine.backup
 
     def backup_then_land(*args, **kw):  # the prefetch lands during load_back's eviction
         gate.set()
@@ -570,7 +566,7 @@ def test_prefetch_landing_inside_load_back_does_not_split_its_chain(url):
     engine.backup = backup
     assert m2.device_len == 5 * PS
     b.flush()
-    b._tree.check_invariants()
+    b.check_invariants()
     assert m.node._node.lock_ref == 0
     m3 = b.load_back(b.match_prefix(q))
     np.testing.assert_array_equal(np.asarray(b.read_kv(m3.device_pages)).view(np.uint32),
@@ -663,7 +659,7 @@ def test_corrupted_entry_is_a_miss_and_the_rest_is_recomputed(url, tmp_path):
     toks, kv = _seed_store(url, 8, 6)
     b = make(url, prefetch_policy="wait_complete")
     keys = page_keys(SPEC, toks)
-    path = b._l3.backend.path(keys[3])
+    path = b.l3.backend.path(keys[3])
     with open(path, "r+b") as f:  # flip payload bytes of page 3
         f.seek(200)
         f.write(bytes(x ^ 0xFF for x in f.read(8)))
@@ -677,7 +673,7 @@ def test_corrupted_entry_is_a_miss_and_the_rest_is_recomputed(url, tmp_path):
     compute(b, toks, kv)
     b.flush()
     assert os.path.exists(path)
-    b._tree.check_invariants()
+    b.check_invariants()
     b.close()
 
 
@@ -703,7 +699,7 @@ def test_host_pool_full_during_prefetch_evicts_host_pages_not_loading_ones(url):
     assert host == 6 * PS
     np.testing.assert_array_equal(got, bits(kv))
     np.testing.assert_array_equal(read_prefix(b, other)[2], bits(okv[:, :, :2]))
-    b._tree.check_invariants()
+    b.check_invariants()
     b.close()
 
 
@@ -737,7 +733,7 @@ def test_mooncake_round_trip_and_holder_killed_mid_run():
             np.testing.assert_array_equal(read_prefix(a, t)[2], bits(k))
         a.evict(10**6)
         np.testing.assert_array_equal(read_prefix(a, toks2)[2], bits(kv2))
-        a._tree.check_invariants()
+        a.check_invariants()
         for cache in (a, b, c):
             cache.close()
 
@@ -808,12 +804,12 @@ def test_engine_outputs_identical_with_prefix_from_l3(url):
     third = Engine(model, HiCache(spec, HiCacheConfig(
         device_pages=64, host_pages=256, storage=url, load_back_threshold=1,
         prefetch_policy="wait_complete")), mode="hicache", prefetch=True, **buckets)
-    exists = third.cache._l3.backend.exists
+    exists = third.cache.l3.backend.exists
 
     def slow_exists(keys):
         time.sleep(0.2)
         return exists(keys)
-    third.cache._l3.backend.exists = slow_exists
+    third.cache.l3.backend.exists = slow_exists
     gen = third.generate([prompt], 4)[0]
     assert gen.record.host_hit_tokens == 32 and gen.record.ttft_s >= 0.2
     np.testing.assert_array_equal(gen.tokens, ref.tokens)
@@ -901,7 +897,7 @@ def serve_random_requests(url, policy, storage_policy, prefetch_policy):
         if rng.random() < 0.1:
             cache.flush()
             check_invariants(cache)  # full page accounting: no L3 page in flight now
-        cache._tree.check_invariants()
+        cache.check_invariants()
         check_host_prefix(cache)
     for cache in caches:
         cache.flush()
