@@ -218,7 +218,7 @@ def _checked(cfg: KVEventsConfig) -> bool:
 
 # -- recorders -------------------------------------------------------------------------------
 
-class _Stored(NamedTuple):
+class StoredRecord(NamedTuple):
     """Compact BlockStored of a run of one node's pages (numpy arrays, not Python ints)."""
 
     hashes: np.ndarray  # uint64 [n], a view of the node's page hashes
@@ -228,13 +228,13 @@ class _Stored(NamedTuple):
     extra_key: Any
 
 
-class _Removed(NamedTuple):
+class RemovedRecord(NamedTuple):
     hashes: np.ndarray  # uint64 [n]
     medium: Medium
 
 
 _CLEARED = AllBlocksCleared()
-_Record = Union[_Stored, _Removed, AllBlocksCleared]
+Record = Union[StoredRecord, RemovedRecord, AllBlocksCleared]
 
 #: Bytes counted per record beyond its arrays (the tuple, the arrays' headers): a rough figure,
 #: so that batches of no tokens count too.
@@ -253,12 +253,12 @@ def held_bytes(a: np.ndarray) -> int:
         return a.nbytes
 
 
-def record_bytes(record: _Record) -> int:
+def record_bytes(record: Record) -> int:
     """What a record keeps alive: the arrays behind its views (:func:`held_bytes`, counted for
     each record that views them: an upper bound) plus :data:`RECORD_OVERHEAD`."""
-    if isinstance(record, _Stored):
+    if isinstance(record, StoredRecord):
         return held_bytes(record.hashes) + held_bytes(record.tokens) + RECORD_OVERHEAD
-    if isinstance(record, _Removed):
+    if isinstance(record, RemovedRecord):
         return held_bytes(record.hashes) + RECORD_OVERHEAD
     return RECORD_OVERHEAD
 
@@ -304,9 +304,9 @@ class BoundedBatches:
         return len(self._items)
 
 
-def _expand(record: _Record) -> list[KVEvent]:
+def _expand(record: Record) -> list[KVEvent]:
     """A compact record as per-page events (what ``take_events()`` returns)."""
-    if isinstance(record, _Stored):
+    if isinstance(record, StoredRecord):
         hashes = record.hashes.tolist()
         if not hashes:
             return []
@@ -315,7 +315,7 @@ def _expand(record: _Record) -> list[KVEvent]:
         parents = [record.parent] + hashes[:-1]
         return [BlockStored(h, p, tuple(tokens[i * ps:(i + 1) * ps]), record.medium,
                             record.extra_key) for i, (h, p) in enumerate(zip(hashes, parents))]
-    if isinstance(record, _Removed):
+    if isinstance(record, RemovedRecord):
         return [BlockRemoved(h, record.medium) for h in record.hashes.tolist()]
     return [record]
 
@@ -357,7 +357,7 @@ class Recorder:
     (seq, ts) and hands it to :meth:`_publish`. Subclasses publish."""
 
     def __init__(self) -> None:
-        self._pending: list[_Record] = []
+        self._pending: list[Record] = []
         self._pending_bytes = 0
         self._seq = 0
         self._dropped = 0
@@ -384,7 +384,7 @@ class Recorder:
             prev = int(parent.page_hashes[-1]) if parent is not None and parent.num_pages else None
         ps = node.num_tokens // n
         # Views: a node's key and hashes are never written in place (a split slices them).
-        record = _Stored(hashes[first:stop], prev, node.key[first * ps:stop * ps], medium,
+        record = StoredRecord(hashes[first:stop], prev, node.key[first * ps:stop * ps], medium,
                          node.extra_key)
         self._pending.append(record)
         self._pending_bytes += record_bytes(record)
@@ -392,7 +392,7 @@ class Recorder:
     def removed(self, node: Any, medium: Medium) -> None:
         """Record a BlockRemoved of every page of ``node`` on ``medium``."""
         if node.num_pages:
-            record = _Removed(node.page_hashes, medium)
+            record = RemovedRecord(node.page_hashes, medium)
             self._pending.append(record)
             self._pending_bytes += record_bytes(record)
 
@@ -413,7 +413,7 @@ class Recorder:
                 self._publish_errors += 1
                 self.last_publish_error = f"batch {seq}: {e!r}"
 
-    def _publish(self, seq: int, ts: float, records: list[_Record], nbytes: int) -> None:
+    def _publish(self, seq: int, ts: float, records: list[Record], nbytes: int) -> None:
         """Hand over one sealed batch (``nbytes``: the sum of its :func:`record_bytes`)."""
         raise NotImplementedError
 
@@ -438,7 +438,7 @@ class QueueRecorder(Recorder):
         super().__init__()
         self._buffer = BoundedBatches(buffer_steps, buffer_bytes)
 
-    def _publish(self, seq: int, ts: float, records: list[_Record], nbytes: int) -> None:
+    def _publish(self, seq: int, ts: float, records: list[Record], nbytes: int) -> None:
         self._dropped += self._buffer.append((seq, ts, records), nbytes)
 
     def take_batches(self) -> list[EventBatch]:

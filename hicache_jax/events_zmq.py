@@ -60,8 +60,8 @@ from typing import Any
 import numpy as np
 
 from hicache_jax.errors import HiCacheError
-from hicache_jax.events import (WIRE_MEDIUM, BoundedBatches, KVEventsConfig, Recorder, _Record,
-                                _Removed, _Stored)
+from hicache_jax.events import (WIRE_MEDIUM, BoundedBatches, KVEventsConfig, Recorder, Record,
+                                RemovedRecord, StoredRecord)
 
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 _Raw: Any = None  # msgspec.Raw, bound by _import_deps (msgspec is an optional extra)
@@ -147,14 +147,14 @@ def _wire_key(key: Any) -> tuple[int | None, str | None]:
     return None, None
 
 
-def _wire(record: _Record) -> list:
+def _wire(record: Record) -> list:
     """One compact record as vLLM's array-like tagged event (hashes and tokens as Raw msgpack)."""
-    if isinstance(record, _Stored):
+    if isinstance(record, StoredRecord):
         n = record.hashes.shape[0]
         lora_id, lora_name = _wire_key(record.extra_key)
         return ["BlockStored", _ints(record.hashes), record.parent, _ints(record.tokens),
                 record.tokens.shape[0] // n, lora_id, WIRE_MEDIUM[record.medium], lora_name]
-    if isinstance(record, _Removed):
+    if isinstance(record, RemovedRecord):
         return ["BlockRemoved", _ints(record.hashes), WIRE_MEDIUM[record.medium]]
     return ["AllBlocksCleared"]
 
@@ -170,7 +170,7 @@ class ZmqRecorder(Recorder):
         self._publisher = _Publisher(zmq, msgspec.msgpack.Encoder().encode, cfg, self)
         self._closed = False
 
-    def _publish(self, seq: int, ts: float, records: list[_Record], nbytes: int) -> None:
+    def _publish(self, seq: int, ts: float, records: list[Record], nbytes: int) -> None:
         self._dropped += self._publisher.put(seq, ts, records, nbytes)
 
     def stats(self) -> dict[str, int]:
@@ -260,7 +260,7 @@ class _Publisher:
 
     # -- the owning thread ---------------------------------------------------------------------
 
-    def put(self, seq: int, ts: float, records: list[_Record], nbytes: int) -> int:
+    def put(self, seq: int, ts: float, records: list[Record], nbytes: int) -> int:
         """Queue a sealed batch for the thread; returns how many queued batches were dropped to
         stay within ``buffer_steps`` / ``buffer_bytes`` (the thread fell that far behind)."""
         with self._cv:
@@ -318,7 +318,7 @@ class _Publisher:
                 self._cv.notify_all()
             self._close_sockets([self._pub, self._replay], linger_ms=_LINGER_MS)
 
-    def _send(self, seq: int, ts: float, records: list[_Record]) -> None:
+    def _send(self, seq: int, ts: float, records: list[Record]) -> None:
         seq_bytes = seq.to_bytes(8, "big")
         try:
             payload = self._encode([ts, [_wire(r) for r in records], self._rank])
