@@ -3,9 +3,12 @@
 from hicache_jax.errors import HiCacheError, OutOfPagesError
 from hicache_jax.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent, Medium
 from hicache_jax.hicache import HiCache, Match, NodeRef
+from hicache_jax.l3_prefetch import PrefetchHandle
 from hicache_jax.spec import HiCacheConfig, KVSpec
+from hicache_jax.storage import StorageError, StorageUnavailableError
 
 __all__ = [
     "AllBlocksCleared", "BlockRemoved", "BlockStored", "HiCache", "HiCacheConfig", "HiCacheError",
-    "KVEvent", "KVSpec", "Match", "Medium", "NodeRef", "OutOfPagesError",
+    "KVEvent", "KVSpec", "Match", "Medium", "NodeRef", "OutOfPagesError", "PrefetchHandle",
+    "StorageError", "StorageUnavailableError",
 ]

@@ -46,6 +46,7 @@ HELP_ONLY = [
     ("bench_memory", []),
     ("bench_policies", []),
     ("gpu_kernels", []),
+    ("gpu_serve", ["--allow-cpu"]),  # its --tiny run on CPU is in test_cli.py
     ("gpu_transfer", []),
     ("gpu_ttft", ["--allow-cpu"]),  # without it, it refuses a non-GPU backend before parsing
 ]
