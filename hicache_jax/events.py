@@ -57,6 +57,7 @@ from typing import Any, Iterable, Iterator, NamedTuple, Union
 import numpy as np
 
 from hicache_jax.errors import HiCacheError
+from hicache_jax.validation import is_int
 
 
 class Medium(str, enum.Enum):
@@ -203,7 +204,7 @@ def _checked(cfg: KVEventsConfig) -> bool:
                          f"{', '.join(map(repr, _PUBLISHERS))}")
     for field, low in (("buffer_steps", 1), ("buffer_bytes", 1), ("data_parallel_rank", 0)):
         v = getattr(cfg, field)
-        if isinstance(v, bool) or not isinstance(v, int) or v < low:
+        if not is_int(v) or v < low:
             raise ValueError(f"kv_events {field}={v!r} must be an int >= {low}")
     if not isinstance(cfg.topic, str):
         raise TypeError(f"kv_events topic={cfg.topic!r} must be a str")

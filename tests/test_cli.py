@@ -8,7 +8,7 @@ import pytest
 
 from storage_servers import free_port, mooncake_skip_reason
 
-from hicache_jax.engine import cli
+from hicache_jax.engine import bench_command, cli
 
 # The model and pool of test_engine.py (page 16, 64 device pages, chunk 64): compiles are shared.
 TINY = ["--quiet", "--no-warmup", "--layers", "2", "--d-model", "32", "--heads", "4",
@@ -101,7 +101,8 @@ def test_bad_sizes_are_usage_errors(flags, match, capsys):
 @pytest.mark.parametrize("page_size,bucket", [(1, 32), (16, 32), (24, 16), (48, 8), (64, 8),
                                               (300, 1), (1024, 1)])
 def test_table_bucket_is_a_power_of_two_for_any_page_size(page_size, bucket):
-    assert cli._table_bucket(page_size) == bucket  # --page-size 24 used to crash the engine
+    # --page-size 24 used to crash the engine
+    assert bench_command.table_bucket(page_size) == bucket
 
 
 def test_python_dash_m_entry_point(monkeypatch, capsys):

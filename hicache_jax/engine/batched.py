@@ -33,13 +33,16 @@ the device pool are refused at :meth:`submit`.
 Modes as :class:`~hicache_jax.engine.engine.Engine`: ``none`` (pages per request, no tree),
 ``device`` (L1 radix), ``hicache`` (L1 + L2).
 
+The request state and its pages and locks (admission's allocation, a prefill's shared pages,
+release on finish or retraction) are in :mod:`hicache_jax.engine.batch_state`; this module is the
+scheduler: queues, admission order, batches, retraction choice.
+
 Threading: an engine and its cache belong to the thread that calls ``submit`` / ``step``.
 """
 
 from __future__ import annotations
 
 import collections
-import dataclasses
 import heapq
 import time
 from typing import Any, Callable, Hashable, Iterable, Protocol, Sequence
@@ -48,36 +51,17 @@ import numpy as np
 
 from hicache_jax.errors import OutOfPagesError
 from hicache_jax.hicache import HiCache, Match
-from hicache_jax.spec import HiCacheConfig, check_bool
-from hicache_jax.engine.engine import CacheMode, Generation, RequestRecord, _parse_mode
+from hicache_jax.spec import HiCacheConfig
+from hicache_jax.validation import check_bool, is_int, is_real
+from hicache_jax.engine.batch_state import (BatchedRecord, BatchRequest, EngineStalledError,
+                                            PageLedger)
+from hicache_jax.engine.engine import CacheMode, Generation, parse_mode
 from hicache_jax.engine.model import DecoderModel, bucket
 from hicache_jax.engine.workloads import Arrival
 
+__all__ = ["ArrivalProcess", "BatchedEngine", "BatchedRecord", "EngineStalledError"]
+
 _RESERVE_DECAY = 0.02  # per step, back from 1 to decode_reserve after a retraction
-
-
-class EngineStalledError(OutOfPagesError):
-    """Nothing is running and the oldest waiting request cannot get its device pages: every
-    page is locked or owned outside the engine. Raised instead of waiting forever."""
-
-
-@dataclasses.dataclass(frozen=True)
-class BatchedRecord(RequestRecord):
-    """A :class:`RequestRecord` of the batched engine; times from the request's arrival.
-
-    Attributes (beyond RequestRecord's):
-        key: the caller's key of the request.
-        arrival_s: arrival, seconds since the engine's clock origin.
-        queue_s: arrival -> first admission.
-        itl_s: gaps between consecutive generated tokens (``output_tokens - 1`` of them).
-        retractions: times the request was retracted and re-admitted.
-    """
-
-    key: Any = None
-    arrival_s: float = 0.0
-    queue_s: float = 0.0
-    itl_s: tuple[float, ...] = ()
-    retractions: int = 0
 
 
 class ArrivalProcess(Protocol):
@@ -88,27 +72,6 @@ class ArrivalProcess(Protocol):
     def initial(self) -> Iterable[Arrival]: ...
 
     def on_done(self, key: Hashable, tokens: np.ndarray, now: float) -> Iterable[Arrival]: ...
-
-
-class _Req:
-    """Scheduler state of one request (engine-private, mutable)."""
-
-    def __init__(self, key: Hashable, prompt: np.ndarray, max_new: int, arrival: float) -> None:
-        self.key, self.prompt, self.max_new, self.arrival = key, prompt, max_new, arrival
-        self.seq = prompt              # prompt + generated tokens (re-admission prefills it)
-        self.out: list[int] = []
-        self.token_times: list[float] = []
-        self.first_logits: np.ndarray | None = None
-        self.admitted_at: float | None = None
-        self.lock: Any = None          # NodeRef the request holds locked
-        self.locked_len = 0            # tokens of the prefix that lock covers
-        self.pages = np.zeros(0, np.int32)
-        self.kv_done = 0               # positions whose K/V is in self.pages
-        self.target = 0                # positions the current prefill computes
-        self.handle: Any = None        # layer-wise load handle of the first chunk
-        self.hits = None               # (l1, l2, declined) of the first admission
-        self.recomputed = 0
-        self.retractions = 0
 
 
 class BatchedEngine:
@@ -139,7 +102,7 @@ class BatchedEngine:
                  query_block: int = 32, table_bucket: int = 1, batch_bucket: int = 1,
                  decode_reserve: float = 1.0,
                  clock: Callable[[], float] = time.perf_counter) -> None:
-        self.mode = _parse_mode(mode)
+        self.mode = parse_mode(mode)
         if not isinstance(model, DecoderModel):
             raise TypeError(f"model must be a DecoderModel, got {type(model).__name__}")
         if not isinstance(cache, HiCache):
@@ -150,13 +113,11 @@ class BatchedEngine:
             raise ValueError(f"cache.spec {spec} does not hold this model's K/V (needs {want})")
         for name, value in (("token_budget", token_budget), ("query_block", query_block),
                             ("table_bucket", table_bucket), ("batch_bucket", batch_bucket)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1 \
-                    or bucket(value) != value:
+            if not is_int(value) or value < 1 or bucket(value) != value:
                 raise ValueError(f"{name}={value!r} must be a power of two >= 1")
-        if isinstance(max_running, bool) or not isinstance(max_running, int) or max_running < 1:
+        if not is_int(max_running) or max_running < 1:
             raise ValueError(f"max_running={max_running!r} must be an int >= 1")
-        if isinstance(decode_reserve, bool) or not isinstance(decode_reserve, (int, float)) \
-                or not 0.0 <= decode_reserve <= 1.0:
+        if not is_real(decode_reserve) or not 0.0 <= decode_reserve <= 1.0:
             raise ValueError(f"decode_reserve={decode_reserve!r} must be a number in [0, 1]")
         check_bool("layerwise", layerwise)
         if not callable(clock):
@@ -169,10 +130,11 @@ class BatchedEngine:
         self.layerwise, self.decode_reserve = bool(layerwise), float(decode_reserve)
         self.clock = clock
         self._reserve = self.decode_reserve
-        self.waiting: collections.deque[_Req] = collections.deque()
-        self.prefilling: list[_Req] = []
-        self.running: list[_Req] = []
+        self.waiting: collections.deque[BatchRequest] = collections.deque()
+        self.prefilling: list[BatchRequest] = []
+        self.running: list[BatchRequest] = []
         self.records: list[BatchedRecord] = []
+        self._ledger = PageLedger(cache, self.mode, clock)
         self.counters: collections.Counter[str] = collections.Counter()
 
     @classmethod
@@ -180,7 +142,7 @@ class BatchedEngine:
                device_pages: int = 1024, host_pages: int | None = None,
                write_policy: str = "clean_ahead", **engine_kwargs: Any) -> "BatchedEngine":
         """Build the cache for ``mode`` (as :meth:`Engine.create`) and the engine over it."""
-        mode = _parse_mode(mode)
+        mode = parse_mode(mode)
         if mode is not CacheMode.HICACHE:
             host_pages = 0
         elif host_pages is None:
@@ -202,8 +164,8 @@ class BatchedEngine:
         req = self._check(prompt, max_new_tokens, key, arrival)
         self.waiting.append(req)
 
-    def _check(self, prompt: Any, max_new: Any, key: Hashable, arrival: Any) -> _Req:
-        if isinstance(max_new, bool) or not isinstance(max_new, (int, np.integer)) or max_new < 1:
+    def _check(self, prompt: Any, max_new: Any, key: Hashable, arrival: Any) -> BatchRequest:
+        if not is_int(max_new) or max_new < 1:
             raise ValueError(f"max_new_tokens={max_new!r} must be an int >= 1")
         arr = np.asarray(prompt)
         if arr.ndim != 1 or arr.size == 0:
@@ -219,7 +181,7 @@ class BatchedEngine:
             raise ValueError(f"a request of {arr.size} prompt + {max_new} new tokens needs "
                              f"{pages} device pages; the pool has {self.cache.cfg.device_pages}")
         now = self.clock() if arrival is None else float(arrival)
-        return _Req(key, arr.astype(np.int32), int(max_new), now)
+        return BatchRequest(key, arr.astype(np.int32), int(max_new), now)
 
     def generate(self, prompts: Sequence[Any], max_new_tokens: int) -> list[Generation]:
         """Serve ``prompts`` (all arriving now) to completion; one Generation each, in order."""
@@ -281,7 +243,7 @@ class BatchedEngine:
         self.counters["steps"] += 1
         return finished
 
-    def _admit(self) -> list[tuple[_Req, int]]:
+    def _admit(self) -> list[tuple[BatchRequest, int]]:
         """(request, chunk tokens) of this step's prefill batch; see the module doc."""
         budget, batch = self.token_budget, []
         for req in self.prefilling:  # chunks of prefills under way go first
@@ -297,9 +259,9 @@ class BatchedEngine:
             self._stalled()
         return batch
 
-    def _candidates(self, budget: int, batch: list) -> list[tuple[_Req, Match | None]]:
+    def _candidates(self, budget: int, batch: list) -> list[tuple[BatchRequest, Match | None]]:
         """Waiting requests to try, oldest first, with their matches; deferred ones stay."""
-        cands: list[tuple[_Req, Match | None]] = []
+        cands: list[tuple[BatchRequest, Match | None]] = []
         room = self.max_running - len(self.prefilling) - len(self.running)
         active = list(self.prefilling)
         skipped = []
@@ -319,7 +281,8 @@ class BatchedEngine:
         self.waiting.extendleft(reversed(skipped))
         return cands
 
-    def _shares_uncached(self, req: _Req, cached: int, others: list[_Req]) -> bool:
+    def _shares_uncached(self, req: BatchRequest, cached: int,
+                         others: list[BatchRequest]) -> bool:
         """Whether ``req``'s prompt beyond ``cached`` shares more than a page with a prompt
         being prefilled (it then waits for those pages, SGLang's in-batch prefix check)."""
         if self.mode is CacheMode.NONE:
@@ -369,63 +332,16 @@ class BatchedEngine:
             if last:
                 return
 
-    def _take_pages(self, req: _Req, m: Match | None) -> bool:
-        """Allocate the prompt's uncached pages beyond ``m`` (locked by the caller), keeping
-        the decode reserve; False (nothing taken) when they cannot be had now."""
-        cache, ps = self.cache, self.ps
-        prefix = np.zeros(0, np.int32) if m is None else m.device_pages
-        target = req.seq.shape[0]
-        need = -(-target // ps) - prefix.shape[0]
-        future = self._future_pages(req, prefix.shape[0] + need)
-        future += sum(self._future_pages(r) for r in self.prefilling + self.running)
-        if not self._fits(need + int(np.ceil(self._reserve * future))):
-            return False
-        try:
-            new = cache.alloc_pages(need)
-        except OutOfPagesError:
-            return False
-        if req.admitted_at is None:
-            req.admitted_at = self.clock()
-        req.lock = None if m is None else m.node
-        req.locked_len = prefix.shape[0] * ps
-        req.pages = np.concatenate([prefix, new]).astype(np.int32)
-        req.kv_done = prefix.shape[0] * ps
-        req.target = target
-        req.handle = None if m is None else m.load_handle
-        req.recomputed += target - req.kv_done
-        return True
+    def _take_pages(self, req: BatchRequest, m: Match | None) -> bool:
+        return self._ledger.take(req, m, self.prefilling + self.running, self._reserve)
 
-    def _fits(self, pages: int) -> bool:
-        """Whether ``pages`` device pages are free or evictable; copies in flight (whose locks
-        hold pages until they land) are waited for before saying no."""
-        st = self.cache.stats()
-        if st["device_free_pages"] + st["device_evictable_pages"] >= pages:
-            return True
-        if not st["transfers_in_flight"]:
-            return False
-        self.cache.flush()
-        st = self.cache.stats()
-        return st["device_free_pages"] + st["device_evictable_pages"] >= pages
-
-    def _future_pages(self, req: _Req, held: int | None = None) -> int:
-        held = req.pages.shape[0] if held is None else held
-        return max(0, -(-(req.prompt.shape[0] + req.max_new - 1) // self.ps) - held)
-
-    def _stalled(self, req: _Req | None = None) -> None:
-        st = self.cache.stats()
-        req = self.waiting[0] if req is None else req
-        raise EngineStalledError(
-            f"request {req.key!r} ({req.seq.shape[0]} tokens) cannot get its device pages and "
-            f"nothing is running: {st['device_free_pages']} free, "
-            f"{st['device_evictable_pages']} evictable, {st['device_protected_pages']} locked, "
-            f"{st['device_caller_pages']} owned by callers (unlock or free them)",
-            needed=-(-req.seq.shape[0] // self.ps), free=st["device_free_pages"],
-            evictable=st["device_evictable_pages"],
-            locked=st["device_protected_pages"] + st["device_caller_pages"])
+    def _stalled(self, req: BatchRequest | None = None) -> None:
+        raise self._ledger.stalled_error(self.waiting[0] if req is None else req)
 
     # -- the forward steps -------------------------------------------------------------------
 
-    def _prefill(self, batch: list[tuple[_Req, int]], finished: list[Generation]) -> None:
+    def _prefill(self, batch: list[tuple[BatchRequest, int]],
+                 finished: list[Generation]) -> None:
         """One jitted prefill over every chunk of the step (layer-wise when a load is pending)."""
         waiter = next((r.handle for r, _ in batch if r.handle is not None), None)
         qb, rows, last = self.query_block, [], []
@@ -459,30 +375,10 @@ class BatchedEngine:
             if len(r.out) == r.max_new:
                 finished.append(self._finish(r))
             else:
-                self._share_prompt(r)
+                self._ledger.share_prompt(r)
                 self.running.append(r)
 
-    def _share_prompt(self, r: _Req) -> None:
-        """Insert the whole pages of a finished prefill and lock them (in place of the matched
-        prefix), so requests admitted next hit them; a page another request inserted first
-        replaces ours (the cache frees the duplicate)."""
-        if self.mode is CacheMode.NONE:
-            return
-        full = r.target // self.ps
-        if full * self.ps <= r.locked_len:
-            return
-        tokens = r.seq[:full * self.ps]
-        self.cache.insert(tokens, r.pages[:full], chunked=True)
-        m = self.cache.match_prefix(tokens)
-        if m.device_len != full * self.ps:
-            raise RuntimeError(f"inserted {full} pages but match_prefix finds {m.device_len} "
-                               "tokens on device: the cache lost pages the request holds")
-        self.cache.lock(m.node)
-        self.cache.unlock(r.lock)
-        r.lock, r.locked_len = m.node, full * self.ps
-        r.pages = np.concatenate([m.device_pages, r.pages[full:]]).astype(np.int32)
-
-    def _decode(self, reqs: list[_Req], finished: list[Generation]) -> None:
+    def _decode(self, reqs: list[BatchRequest], finished: list[Generation]) -> None:
         """One token for each of ``reqs`` (running); new pages first, retracting if needed."""
         reqs = self._grow_pages(reqs)
         if not reqs:
@@ -504,7 +400,7 @@ class BatchedEngine:
                 self.running.remove(r)
                 finished.append(self._finish(r))
 
-    def _grow_pages(self, reqs: list[_Req]) -> list[_Req]:
+    def _grow_pages(self, reqs: list[BatchRequest]) -> list[BatchRequest]:
         """A page for every request whose next position starts one; when none can be had,
         retract requests (fewest generated tokens, then longest prompt, first) and retry."""
         while True:
@@ -524,45 +420,18 @@ class BatchedEngine:
                 r.pages = np.append(r.pages, np.int32(page))
             return reqs
 
-    def _retract(self, r: _Req) -> None:
+    def _retract(self, r: BatchRequest) -> None:
         """Give back a running request's pages (the computed whole ones go to the tree) and
         queue it first; re-admission prefills prompt + the tokens generated so far."""
         self.running.remove(r)
         full = r.kv_done // self.ps
-        self._release(r, r.seq[:full * self.ps], full, chunked=True)
+        self._ledger.release(r, r.seq[:full * self.ps], full, chunked=True)
         r.retractions += 1
         self.counters["retractions"] += 1
         self._reserve = 1.0
         self.waiting.appendleft(r)
 
-    def _finish(self, r: _Req) -> Generation:
-        kv_len = r.prompt.shape[0] + r.max_new - 1
-        full = kv_len // self.ps
-        self._release(r, r.seq[:full * self.ps], full, chunked=False)
-        l1, l2, declined = r.hits
-        n = r.prompt.shape[0]
-        t = r.token_times
-        rec = BatchedRecord(
-            prompt_tokens=n, device_hit_tokens=l1, host_hit_tokens=l2,
-            host_declined_tokens=declined, recomputed_tokens=r.recomputed,
-            output_tokens=len(r.out), ttft_s=t[0] - r.arrival, latency_s=t[-1] - r.arrival,
-            key=r.key, arrival_s=r.arrival, queue_s=r.admitted_at - r.arrival,
-            itl_s=tuple(float(b - a) for a, b in zip(t, t[1:])), retractions=r.retractions)
-        self.records.append(rec)
-        return Generation(np.asarray(r.out, np.int32), r.first_logits, rec)
-
-    def _release(self, r: _Req, tokens: np.ndarray, full: int, *, chunked: bool) -> None:
-        """Insert ``tokens`` (whole pages) with the request's first ``full`` pages, free the
-        rest, unlock: the request holds nothing after."""
-        cache = self.cache
-        if self.mode is CacheMode.NONE:
-            own = r.pages
-        else:
-            if full:
-                cache.insert(tokens, r.pages[:full], chunked=chunked)
-            own = r.pages[full:]
-        if own.size:
-            cache.free_pages(own)
-        if r.lock is not None:
-            cache.unlock(r.lock)
-        r.lock, r.pages, r.kv_done, r.locked_len = None, np.zeros(0, np.int32), 0, 0
+    def _finish(self, r: BatchRequest) -> Generation:
+        gen = self._ledger.finish(r)
+        self.records.append(gen.record)
+        return gen

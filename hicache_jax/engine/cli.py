@@ -2,60 +2,26 @@
 
 (``hicache-jax replay TRACE`` replays a production trace instead: see :mod:`hicache_jax.replay`.)
 
-Configurations (same model, same device pool size, same workload; fresh cache each):
-
-* ``no cache``      every prompt is prefilled from scratch;
-* ``device radix``  a radix prefix cache in device memory only (HiCache with ``host_pages=0``);
-* ``hicache``       L1 + L2 (host pool ``--host-ratio`` x the device pool), ``--policy``;
-* ``hicache+L3``    with ``--storage URL`` only: the same plus an L3 store; each request first
-                    ``prefetch``es its prompt (policy ``wait_complete``), inside its TTFT (the L3
-                    lookup is a round trip to the store). A ``file://`` store gets
-                    a fresh subdirectory per run (one instance's own reuse); a Mooncake store keeps
-                    what earlier runs (the warm-up) stored, so its hits include theirs.
-
-Each configuration first plays the workload once untimed (so compiles are not charged to
-whichever configuration happens to run first), then once timed with a fresh cache. The table
-gives prompt tokens, tokens recomputed, hit tokens by tier, TTFT p50/p90, end-to-end tokens/s
-((prompt + generated tokens) / wall time) and bytes moved each way, then checks that every
-configuration generated exactly the same tokens.
+This module defines the command line (the flags of both commands, :func:`main`) and runs
+``replay``; ``bench`` with its configurations, table and JSON is in
+:mod:`hicache_jax.engine.bench_command` (``--engine batched``:
+:mod:`hicache_jax.engine.serve_bench`), whose public names are re-exported here.
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
-import os
-import sys
-import time
 from typing import Any, Sequence
 
 import numpy as np
 
-from hicache_jax.engine.engine import Engine, Generation
-from hicache_jax.engine.model import DecoderModel, ModelConfig, bucket, load_params
-from hicache_jax.engine import serve_bench
-from hicache_jax.engine.batched import BatchedEngine
-from hicache_jax.engine.workloads import ARRIVALS, WORKLOADS, Workload
+from hicache_jax.engine.bench_command import (CONFIGS, bench, build_workload, check_writable,
+                                              write_json)
+from hicache_jax.engine.workloads import ARRIVALS, WORKLOADS
 from hicache_jax import replay as replay_mod
-from hicache_jax.hicache import HiCache
 from hicache_jax.spec import HiCacheConfig
-from hicache_jax.storage import StorageError
 
-CONFIGS = (("no cache", "none"), ("device radix", "device"), ("hicache", "hicache"))
-
-# --sessions / --turns / --base-tokens / --segment-tokens mean, per workload:
-_SIZE_NAMES = {
-    "chat": ("num_clients", "num_turns", "system_tokens", "question_tokens"),
-    "docqa": ("num_documents", "questions_per_document", "document_tokens", "question_tokens"),
-    "agent": ("num_agents", "num_steps", "prompt_tokens", "observation_tokens"),
-}
-# Defaults sized so that the whole default run (chat) takes about a minute on 2 CPU cores.
-_SIZE_DEFAULTS = {
-    "chat": (8, 5, 256, 32),
-    "docqa": (3, 8, 768, 32),
-    "agent": (2, 8, 192, 64),
-}
+__all__ = ["CONFIGS", "bench", "build_workload", "main", "replay_command"]
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -180,7 +146,7 @@ def _replay_setup(args: argparse.Namespace) -> tuple[Any, Any, list[int]]:
     if not (np.isfinite(args.host_ratio) and args.host_ratio >= 0):
         raise ValueError(f"--host-ratio {args.host_ratio} must be a finite number >= 0")
     if args.json:
-        _check_writable(args.json)
+        check_writable(args.json)
     trace = replay_mod.load_trace(args.trace, block_size=args.block_size, limit=args.limit)
     ps = args.page_size if args.page_size is not None else trace.default_page_size()
     spec = replay_mod.parse_spec(args.spec, ps)
@@ -229,330 +195,10 @@ def replay_command(args: argparse.Namespace, parser: argparse.ArgumentParser) ->
     print(replay_mod.tables(report), flush=True)
     if args.json:
         env["load_average_end"] = replay_mod.environment()["load_average"]
-        _write_json(args.json, {"benchmark": "hicache-jax replay", "env": env,
+        write_json(args.json, {"benchmark": "hicache-jax replay", "env": env,
                                 "config": {k: v for k, v in vars(args).items() if k != "func"},
                                 **report})
     if args.plot:
         replay_mod.plot(report, args.plot)
         print(f"wrote {args.plot}")
     return 0
-
-
-def build_workload(args: argparse.Namespace) -> Workload:
-    names, defaults = _SIZE_NAMES[args.workload], _SIZE_DEFAULTS[args.workload]
-    given = (args.sessions, args.turns, args.base_tokens, args.segment_tokens)
-    sizes = {n: d if g is None else g for n, g, d in zip(names, given, defaults)}
-    return WORKLOADS[args.workload](**sizes, max_new_tokens=args.max_new_tokens,
-                                    vocab_size=args.vocab, seed=args.seed)
-
-
-def _device_pages(workload: Workload, page_size: int, given: int | None) -> int:
-    """``given``, checked to hold the longest request; by default 5/8 of the workload's distinct
-    tokens, but at least what the longest request needs (plus a page of slack): the device tier
-    alone cannot hold the working set, L1 + L2 can."""
-    served = workload.placeholder_run()
-    longest = max(len(r.prompt) for r, _ in served) + workload.max_new_tokens
-    needed = -(-longest // page_size)
-    if given is not None:
-        if given < needed:
-            raise ValueError(f"--device-pages {given} cannot hold the longest request "
-                             f"({longest} tokens = {needed} pages of {page_size})")
-        return given
-    working = workload.working_set_tokens(page_size, served)
-    return max(working * 5 // 8 // page_size, needed + 1)
-
-
-def _table_bucket(page_size: int) -> int:
-    """Smallest page-table bucket: about 512 tokens of pages, at most 32, a power of two."""
-    pages = max(1, min(32, 512 // page_size))
-    return 1 << (pages.bit_length() - 1)
-
-
-def _play(engine: Engine, workload: Workload, bar: Any) -> tuple[list[Generation], float]:
-    gens: list[Generation] = []
-
-    def serve(prompts: list[np.ndarray]) -> list[np.ndarray]:
-        out = []
-        for p in prompts:
-            gens.extend(engine.generate([p], workload.max_new_tokens))
-            out.append(gens[-1].tokens)
-            if bar is not None:
-                bar.update(1)
-        return out
-
-    t0 = time.perf_counter()
-    workload.run(serve)
-    engine.cache.flush()
-    return gens, time.perf_counter() - t0
-
-
-def _progress(total: int, desc: str, quiet: bool) -> Any:
-    if quiet:
-        return None
-    from tqdm import tqdm
-
-    return tqdm(total=total, desc=desc, unit="req", file=sys.stderr, leave=True)
-
-
-def _summary(gens: list[Generation], wall: float, stats: dict[str, Any]) -> dict[str, Any]:
-    recs = [g.record for g in gens]
-    ttft = np.array([r.ttft_s for r in recs])
-    prompt = sum(r.prompt_tokens for r in recs)
-    generated = sum(r.output_tokens for r in recs)
-    return {
-        "requests": len(recs), "prompt_tokens": prompt,
-        "recomputed_tokens": sum(r.recomputed_tokens for r in recs),
-        "l1_hit_tokens": sum(r.device_hit_tokens for r in recs),
-        "l2_hit_tokens": sum(r.host_hit_tokens for r in recs),
-        "l2_declined_tokens": sum(r.host_declined_tokens for r in recs),
-        "ttft_p50_ms": float(np.percentile(ttft, 50) * 1e3),
-        "ttft_p90_ms": float(np.percentile(ttft, 90) * 1e3),
-        "tokens_per_s": (prompt + generated) / wall, "wall_s": wall,
-        "bytes_to_host": stats["bytes_to_host"], "bytes_to_device": stats["bytes_to_device"],
-        "l3_fetched_pages": stats.get("l3_prefetch_hit_pages", 0),
-        "l3_stored_pages": stats.get("l3_put_pages_stored", 0),
-    }
-
-
-def _table(summaries: dict[str, dict[str, Any]], l3: bool) -> str:
-    """The results table; the L3 columns only when an L3 store was configured."""
-    cols = [("config", None), ("prompt tok", "prompt_tokens"), ("recomputed", "recomputed_tokens"),
-            ("L1 hit", "l1_hit_tokens"), ("L2 hit", "l2_hit_tokens"),
-            ("TTFT p50 ms", "ttft_p50_ms"), ("TTFT p90 ms", "ttft_p90_ms"),
-            ("tok/s", "tokens_per_s"), ("MB to host", "bytes_to_host"),
-            ("MB to device", "bytes_to_device")]
-    if l3:  # pages fetched from L3 land in L2 and are loaded back from there
-        cols[4] = ("L2 hit (incl. L3)", "l2_hit_tokens")
-        cols += [("L3 fetched pg", "l3_fetched_pages"), ("L3 stored pg", "l3_stored_pages")]
-    rows = []
-    for name, s in summaries.items():
-        row = [name]
-        for _, key in cols[1:]:
-            v = s[key]
-            row.append(f"{v / 2**20:.2f}" if key.startswith("bytes") else
-                       f"{v:.1f}" if isinstance(v, float) else str(v))
-        rows.append(row)
-    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, (h, _) in enumerate(cols)]
-    lines = ["  ".join(h.rjust(w) for (h, _), w in zip(cols, widths)),
-             "  ".join("-" * w for w in widths)]
-    lines += ["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in rows]
-    return "\n".join(lines)
-
-
-def _env() -> dict[str, Any]:
-    import jax
-
-    dev = jax.devices()[0]
-    return {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "backend": jax.default_backend(), "device_kind": getattr(dev, "device_kind", str(dev)),
-            "device_count": jax.device_count(), "jax": jax.__version__}
-
-
-def bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    if args.plot:  # fail before minutes of work, not after
-        _require_matplotlib()
-    try:  # bad sizes or weights: a usage error naming the problem, not a traceback
-        if args.seed < 0:
-            raise ValueError(f"--seed {args.seed} must be >= 0")
-        if args.vocab < 2:
-            raise ValueError(f"--vocab {args.vocab} must be >= 2")
-        if not (np.isfinite(args.host_ratio) and args.host_ratio >= 0):
-            raise ValueError(f"--host-ratio {args.host_ratio} must be a finite number >= 0")
-        if args.json:
-            _check_writable(args.json)
-        workload = build_workload(args)
-        cfg = ModelConfig(vocab_size=args.vocab, num_layers=args.layers, d_model=args.d_model,
-                          num_heads=args.heads, num_kv_heads=args.kv_heads,
-                          head_dim=args.head_dim, ffn_dim=args.ffn_dim, dtype=args.dtype)
-        params = load_params(cfg, args.weights) if args.weights else None
-        ps = args.page_size
-        cfg.kv_spec(ps)  # validates the page size, before it divides anything
-        device_pages = _device_pages(workload, ps, args.device_pages)
-        if args.engine == "batched":
-            serve_bench.check_flags(args)
-            if args.arrivals == "trace" and args.device_pages is None:
-                device_pages = serve_bench.trace_device_pages(args, workload, ps)
-        host_pages = int(round(args.host_ratio * device_pages))
-        HiCacheConfig(device_pages=device_pages, host_pages=host_pages,
-                      write_policy=args.policy, storage=args.storage)  # validates the sizes
-        if bucket(args.chunk_size) != args.chunk_size:
-            raise ValueError(f"--chunk-size {args.chunk_size} must be a power of two")
-        if args.engine == "batched":
-            for flag, v in (("--token-budget", args.token_budget),
-                            ("--query-block", args.query_block)):
-                if v < 1 or bucket(v) != v:
-                    raise ValueError(f"{flag} {v} must be a power of two")
-    except (ValueError, TypeError, OSError, ImportError) as exc:
-        parser.exit(2, f"hicache-jax bench: error: {exc}\n")
-    model = DecoderModel(cfg, params, seed=args.seed)
-    infinite = workload.infinite_cache_hit_ratio(ps)
-    print(f"workload {workload.name}: {workload.num_requests} requests in {workload.num_rounds} "
-          f"rounds, {workload.max_new_tokens} new tokens each; infinite-cache hit ratio "
-          f"{infinite:.3f} (page {ps})")
-    print(f"model {cfg.num_layers}L d{cfg.d_model} {cfg.num_heads}/{cfg.num_kv_heads} heads "
-          f"{cfg.dtype}; device pool {device_pages} pages ({device_pages * ps} tokens), "
-          f"host pool {host_pages} pages; policy {args.policy}; {args.engine} engine", flush=True)
-
-    knobs = dict(chunk_size=args.chunk_size, layerwise=not args.no_layerwise,
-                 prefill_bucket=min(64, args.chunk_size), table_bucket=_table_bucket(ps))
-    runs = iter(range(1 << 30))
-
-    def engine(mode: str) -> Engine:
-        if mode != "hicache+L3":
-            return Engine.create(model, mode, page_size=ps, device_pages=device_pages,
-                                 host_pages=host_pages, write_policy=args.policy, **knobs)
-        url = args.storage
-        if url.startswith("file://"):  # a fresh store per run: this instance's reuse only
-            base, _, query = url.partition("?")
-            url = f"{base.rstrip('/')}/run-{os.getpid()}-{next(runs)}" + (f"?{query}" if query else "")
-        hc = HiCacheConfig(device_pages=device_pages, host_pages=host_pages,
-                           write_policy=args.policy, load_back_threshold=ps, storage=url,
-                           prefetch_policy="wait_complete")
-        try:
-            cache = HiCache(cfg.kv_spec(ps), hc)
-        except (StorageError, ValueError) as exc:
-            parser.exit(2, f"hicache-jax bench: error: --storage: {exc}\n")
-        return Engine(model, cache, mode="hicache", prefetch=True, **knobs)
-
-    if args.engine == "batched":
-        return _bench_batched(args, workload, model, cfg, engine, device_pages, host_pages,
-                              infinite)
-    configs = CONFIGS + ((("hicache+L3", "hicache+L3"),) if args.storage else ())
-    summaries, outputs, per_request = {}, {}, {}
-    for name, mode in configs:
-        if not args.no_warmup:
-            warm = engine(mode)
-            _play(warm, workload, _progress(workload.num_requests, f"{name} (warm-up)", args.quiet))
-            warm.cache.close()
-        eng = engine(mode)
-        gens, wall = _play(eng, workload, _progress(workload.num_requests, name, args.quiet))
-        summaries[name] = _summary(gens, wall, eng.cache.stats())
-        eng.cache.close()
-        outputs[name] = [g.tokens for g in gens]
-        per_request[name] = [dict(vars(g.record)) for g in gens]
-    first = outputs[CONFIGS[0][0]]
-    identical = all(len(o) == len(first) and all(np.array_equal(a, b) for a, b in zip(o, first))
-                    for o in outputs.values())
-    print(_table(summaries, l3=bool(args.storage)))
-    hits = {n: (s["l1_hit_tokens"] + s["l2_hit_tokens"]) / s["prompt_tokens"]
-            for n, s in summaries.items()}
-    print("hit ratio / infinite-cache hit ratio: " + ", ".join(
-        f"{n} {h / infinite:.2f}" if infinite else f"{n} -" for n, h in hits.items()))
-    print(f"outputs identical across configurations: {'yes' if identical else 'no'}", flush=True)
-    turns = [(r.session, r.turn) for r, _ in workload.placeholder_run()]
-    if args.json:
-        _write_json(args.json, {
-            "benchmark": "hicache-jax bench", "env": _env(),
-            "config": {**{k: v for k, v in vars(args).items() if k != "func"},
-                       "device_pages": device_pages, "host_pages": host_pages,
-                       "model": vars(cfg)},
-            "infinite_cache_hit_ratio": infinite, "outputs_identical": identical,
-            "summary": summaries,
-            "requests": {n: [{"session": s, "turn": t, **rec} for (s, t), rec in zip(turns, recs)]
-                         for n, recs in per_request.items()}})
-    if args.plot:
-        _plot(args.plot, turns, per_request)
-    return 0 if identical else 1
-
-
-def _bench_batched(args: argparse.Namespace, workload: Workload, model: DecoderModel,
-                   cfg: ModelConfig, serial: Any, device_pages: int, host_pages: int,
-                   infinite: float) -> int:
-    """``--engine batched``: see :mod:`hicache_jax.engine.serve_bench`."""
-    ps = args.page_size
-    knobs = dict(token_budget=args.token_budget, max_running=args.max_running,
-                 layerwise=not args.no_layerwise, query_block=min(args.query_block, args.token_budget),
-                 table_bucket=_table_bucket(ps), decode_reserve=args.decode_reserve)
-
-    def batched(mode: str) -> BatchedEngine:
-        return BatchedEngine.create(model, mode, page_size=ps, device_pages=device_pages,
-                                    host_pages=host_pages, write_policy=args.policy, **knobs)
-
-    say = (lambda msg: None) if args.quiet else (lambda msg: print(msg, file=sys.stderr,
-                                                                 flush=True))
-    summaries, per_request = serve_bench.bench_batched(args, workload, serial, batched,
-                                                       CONFIGS, say)
-    print(f"arrivals {args.arrivals}" + (f" at {args.rate:g}/s" if args.arrivals == "poisson"
-                                         else "") + f"; token budget {args.token_budget}")
-    print(serve_bench.table(summaries))
-    ok = all(s["tokens_identical"] and s["logits_within_tol"] for s in summaries.values())
-    radix, hi = summaries["device radix"], summaries["hicache"]
-    if radix["ttft_p50_ms"] > 0:
-        print(f"hicache TTFT p50 / device radix TTFT p50: "
-              f"{hi['ttft_p50_ms'] / radix['ttft_p50_ms']:.2f}")
-    leaks = sum(s["leaked_caller_pages"] + s["locked_pages_after_drain"]
-                for s in summaries.values())
-    print(f"outputs identical to the serial engine (tokens, first-token logits <= "
-          f"{serve_bench.logits_tol(args.dtype):g}): {'yes' if ok else 'no'}; pages leaked or locked "
-          f"after the drain: {leaks}", flush=True)
-    if args.json:
-        _write_json(args.json, {
-            "benchmark": "hicache-jax bench --engine batched", "env": _env(),
-            "config": {**{k: v for k, v in vars(args).items() if k != "func"},
-                       "device_pages": device_pages, "host_pages": host_pages,
-                       "model": vars(cfg)},
-            "infinite_cache_hit_ratio": infinite, "outputs_identical": ok,
-            "summary": summaries, "requests": per_request})
-    if args.plot:
-        serve_bench.plot(args.plot, per_request)
-    return 0 if ok and not leaks else 1
-
-
-def _check_writable(path: str) -> None:
-    """Fail before minutes of work when ``--json`` cannot be written (OSError naming it)."""
-    folder = os.path.dirname(os.path.abspath(path))
-    try:
-        os.makedirs(folder, exist_ok=True)
-    except OSError as exc:
-        raise OSError(f"--json {path}: {exc}") from None
-    if not os.access(folder, os.W_OK) or os.path.isdir(path):
-        raise OSError(f"--json {path}: cannot write there")
-
-
-def _write_json(path: str, payload: dict[str, Any]) -> None:
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path, "w") as f:
-        json.dump(payload, f, indent=2, default=str)
-    print(f"wrote {path}")
-
-
-def _require_matplotlib() -> None:
-    try:
-        import matplotlib  # noqa: F401
-    except ImportError:
-        raise SystemExit("--plot needs matplotlib: pip install 'hicache-jax[plot]' "
-                         "(or pip install matplotlib)") from None
-
-
-def _plot(path: str, turns: list[tuple[int, int]], per_request: dict[str, list[dict]]) -> None:
-    """Two panels, one line per configuration: prompt-token hit ratio and mean TTFT per turn
-    (per request when the workload has a single round, e.g. docqa)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    import matplotlib.ticker
-
-    by_turn = len({t for _, t in turns}) > 1
-    keys = [t for _, t in turns] if by_turn else list(range(len(turns)))
-    xs = sorted(set(keys))
-    fig, (ax_hit, ax_ttft) = plt.subplots(1, 2, figsize=(11, 4))
-    for name, recs in per_request.items():
-        hit, ttft = [], []
-        for x in xs:
-            sel = [r for k, r in zip(keys, recs) if k == x]
-            prompt = sum(r["prompt_tokens"] for r in sel)
-            hit.append(sum(r["device_hit_tokens"] + r["host_hit_tokens"] for r in sel) / prompt)
-            ttft.append(1e3 * float(np.mean([r["ttft_s"] for r in sel])))
-        ax_hit.plot(xs, hit, marker="o", label=name)
-        ax_ttft.plot(xs, ttft, marker="o", label=name)
-    xlabel = "turn" if by_turn else "request"
-    ax_hit.set(xlabel=xlabel, ylabel="prompt tokens served from cache", ylim=(0, 1))
-    ax_ttft.set(xlabel=xlabel, ylabel="mean TTFT (ms)")
-    for ax in (ax_hit, ax_ttft):
-        ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
-    ax_hit.legend()
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
-    print(f"wrote {path}")

@@ -114,7 +114,7 @@ class Engine:
     def __init__(self, model: DecoderModel, cache: HiCache, *, mode: CacheMode | str = "hicache",
                  chunk_size: int = 512, layerwise: bool = True, prefill_bucket: int = 16,
                  table_bucket: int = 1, prefetch: bool = False) -> None:
-        self.mode = _parse_mode(mode)
+        self.mode = parse_mode(mode)
         check_bool("prefetch", prefetch)
         if prefetch and (cache.cfg.storage is None or self.mode is not CacheMode.HICACHE):
             raise ValueError("prefetch=True needs mode 'hicache' and a cache with storage")
@@ -144,7 +144,7 @@ class Engine:
         ``host_pages`` (default ``4 * device_pages``) is used in mode ``hicache`` only; the
         other modes get ``host_pages=0``. ``load_back_threshold`` is one page.
         """
-        mode = _parse_mode(mode)
+        mode = parse_mode(mode)
         if mode is not CacheMode.HICACHE:
             host_pages = 0
         elif host_pages is None:
@@ -251,7 +251,8 @@ class Engine:
         return np.asarray(jnp.concatenate(out)), first_logits, ttft
 
 
-def _parse_mode(mode: CacheMode | str) -> CacheMode:
+def parse_mode(mode: CacheMode | str) -> CacheMode:
+    """``mode`` as a CacheMode (the serial and the batched engine); ValueError naming the modes."""
     try:
         return CacheMode(mode)
     except ValueError:

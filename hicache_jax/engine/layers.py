@@ -1,0 +1,289 @@
+"""The decoder's layer math and its jitted paged steps (pure functions; no state but a trace
+counter).
+
+RMSNorm, rotary position embedding, grouped-query attention, SwiGLU. The KV cache is the device
+pool of hicache_jax, raw bits of layout
+``[num_layers, kv=2, num_pages + 1, page_size, num_kv_heads, head_dim]`` (page ``num_pages`` is
+the scratch page bucket padding points at). A forward step is a pure jitted function
+``step(cfg, pool, params, tokens, start, n_new, page_table) -> (pool, logits)`` with the config
+static and the pool donated: it writes the new tokens' K/V into their pages in place (a
+per-token scatter of bits) and each layer's attention gathers only the request's pages through
+its page table and views them as the compute dtype with ``lax.bitcast_convert_type`` inside the
+jit (the pool is never copied or converted as a whole). Callers dispatch them through
+``DevicePagePool.run`` so the pool object keeps the only reference (see
+:class:`hicache_jax.engine.model.DecoderModel`).
+
+The jitted entry points: :data:`STEP` (fused: embedding, all layers by ``lax.scan`` over the
+stacked layer weights, head), :data:`EMBED` / :data:`LAYER` / :data:`HEAD` (the same layer by
+layer, so a caller can wait for a layer's pages before running it), and their batched forms
+:data:`BATCH_STEP` / :data:`BATCH_LAYER` / :data:`BATCH_HEAD` (several requests' chunks, each
+through its own page table). :func:`reference_logits` is the dense oracle over the same math.
+
+Threading: the jitted steps dispatch on the caller's thread, which must own the pool (DESIGN
+rule 4); :data:`TRACES` is only written at trace time.
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from hicache_jax.engine.weights import ModelConfig, Params
+
+# ---------------------------------------------------------------------------------------------
+# Layer math shared by the fused and the per-layer paths, and by the dense reference.
+
+
+def _rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
+    xf = x.astype(jnp.float32)
+    y = xf * lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    w = w.astype(jnp.float32).reshape((1,) * (x.ndim - 1) + w.shape)
+    return (y * w).astype(x.dtype)
+
+
+def _rope(x: jax.Array, pos: jax.Array, theta: float) -> jax.Array:
+    """Rotate-half RoPE. x: [T, H, D]; pos: int32 [T]."""
+    half = x.shape[-1] // 2
+    inv_freq = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)          # [D/2]
+    ang = pos.astype(jnp.float32)[:, None] * inv_freq[None, :]                   # [T, D/2]
+    cos, sin = jnp.cos(ang)[:, None, :], jnp.sin(ang)[:, None, :]               # [T, 1, D/2]
+    xf = x.astype(jnp.float32)
+    x1, x2 = xf[..., :half], xf[..., half:]
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+
+
+def _qkv(cfg: ModelConfig, lp: Params, x: jax.Array, pos: jax.Array):
+    """x [T, d] -> normed q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, D] (RoPE applied)."""
+    t = x.shape[0]
+    h = _rms_norm(x, lp["attn_norm"], cfg.norm_eps)
+    q = (h @ lp["wq"]).reshape(t, cfg.num_heads, cfg.head_dim)
+    k = (h @ lp["wk"]).reshape(t, cfg.num_kv_heads, cfg.head_dim)
+    v = (h @ lp["wv"]).reshape(t, cfg.num_kv_heads, cfg.head_dim)
+    return _rope(q, pos, cfg.rope_theta), _rope(k, pos, cfg.rope_theta), v
+
+
+def _attend(cfg: ModelConfig, q: jax.Array, k: jax.Array, v: jax.Array,
+            mask: jax.Array) -> jax.Array:
+    """GQA. q [T, Hq, D]; k, v [S, Hkv, D]; mask bool [T, S] -> [T, Hq*D] in q.dtype."""
+    t = q.shape[0]
+    g = cfg.num_heads // cfg.num_kv_heads
+    qg = q.reshape(t, cfg.num_kv_heads, g, cfg.head_dim)
+    scores = jnp.einsum("tkgd,skd->kgts", qg, k, preferred_element_type=jnp.float32)
+    scores = scores * (1.0 / np.sqrt(cfg.head_dim))
+    scores = jnp.where(mask[None, None], scores, -jnp.inf)
+    probs = jax.nn.softmax(scores, axis=-1)
+    # Masked keys may come from the scratch page or stale pages: zero them so 0 * garbage
+    # (NaN/inf) cannot leak into the output.
+    v = jnp.where(mask.any(axis=0)[:, None, None], v, jnp.zeros((), v.dtype))
+    out = jnp.einsum("kgts,skd->tkgd", probs.astype(v.dtype), v,
+                     preferred_element_type=jnp.float32)
+    return out.reshape(t, cfg.num_heads * cfg.head_dim).astype(q.dtype)
+
+
+def _mlp(cfg: ModelConfig, lp: Params, x: jax.Array) -> jax.Array:
+    h = _rms_norm(x, lp["mlp_norm"], cfg.norm_eps)
+    return (jax.nn.silu(h @ lp["w_gate"]) * (h @ lp["w_up"])) @ lp["w_down"]
+
+
+def _paged_layer(cfg: ModelConfig, pool: jax.Array, layer: jax.Array, lp: Params, x: jax.Array,
+                 start: jax.Array, n_new: jax.Array, page_table: jax.Array):
+    """One decoder layer over a chunk, K/V written to and read from the paged pool.
+
+    Args:
+        pool: bits [L, 2, P+1, ps, Hkv, D] (donated by the caller's jit).
+        layer: int32 scalar, which layer of the pool.
+        lp: this layer's weights (unstacked).
+        x: [T, d] residual stream of the chunk (T is the bucket; rows >= n_new are padding).
+        start: int32 scalar, position of x[0].
+        n_new: int32 scalar, valid rows of x.
+        page_table: int32 [Pb], the request's pages for positions 0 .. Pb*ps-1; entries past the
+            request's pages point at the scratch page.
+
+    Returns:
+        (pool with the chunk's K/V written, x after the layer [T, d]).
+    """
+    t, ps = x.shape[0], pool.shape[3]
+    scratch, n_pages = pool.shape[2] - 1, page_table.shape[0]
+    rows = jnp.arange(t, dtype=jnp.int32)
+    pos = start + rows
+    valid = rows < n_new
+    q, k, v = _qkv(cfg, lp, x, pos)
+    # Padding rows write into the scratch page, never into a page of the request.
+    wpage = jnp.where(valid, page_table[jnp.minimum(pos // ps, n_pages - 1)], scratch)
+    off = pos % ps
+    bits = pool.dtype
+    pool = pool.at[layer, 0, wpage, off].set(lax.bitcast_convert_type(k, bits))
+    pool = pool.at[layer, 1, wpage, off].set(lax.bitcast_convert_type(v, bits))
+    # Gather only this request's pages (after the write, so the chunk sees itself) and view
+    # the bits as the compute dtype: [Pb, ps, Hkv, D] -> [Pb*ps, Hkv, D].
+    ctx_shape = (n_pages * ps, cfg.num_kv_heads, cfg.head_dim)
+    kc = lax.bitcast_convert_type(pool[layer, 0, page_table], x.dtype).reshape(ctx_shape)
+    vc = lax.bitcast_convert_type(pool[layer, 1, page_table], x.dtype).reshape(ctx_shape)
+    kpos = jnp.arange(n_pages * ps, dtype=jnp.int32)
+    mask = (kpos[None, :] <= pos[:, None]) & (kpos[None, :] < start + n_new)
+    x = x + _attend(cfg, q, kc, vc, mask) @ lp["wo"]
+    return pool, x + _mlp(cfg, lp, x)
+
+
+def _embed(params: Params, tokens: jax.Array) -> jax.Array:
+    return params["embed"][tokens]
+
+
+def _head(cfg: ModelConfig, params: Params, x: jax.Array, n_new: jax.Array) -> jax.Array:
+    """Logits (float32 [V]) of the last valid row of x [T, d]."""
+    last = lax.dynamic_index_in_dim(x, n_new - 1, axis=0, keepdims=False)
+    h = _rms_norm(last, params["final_norm"], cfg.norm_eps)
+    return jnp.dot(h, params["lm_head"], preferred_element_type=jnp.float32)
+
+
+def _fused_step(cfg, pool, params, tokens, start, n_new, page_table):
+    x = _embed(params, tokens)
+
+    def body(carry, xs):
+        pool, x = carry
+        layer, lp = xs
+        return _paged_layer(cfg, pool, layer, lp, x, start, n_new, page_table), None
+
+    layers = jnp.arange(cfg.num_layers, dtype=jnp.int32)
+    (pool, x), _ = lax.scan(body, (pool, x), (layers, params["layers"]))
+    return pool, _head(cfg, params, x, n_new)
+
+
+def reference_logits(cfg: ModelConfig, params: Params, tokens) -> jax.Array:
+    """Dense (non-paged, no cache) forward: float32 logits [T, V] of every position.
+
+    The test oracle for the paged paths: same math, plain causal attention over the prompt.
+    """
+    return _reference_jit(cfg, params, jnp.asarray(tokens, jnp.int32))
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _reference_jit(cfg: ModelConfig, params: Params, tokens: jax.Array) -> jax.Array:
+    t = tokens.shape[0]
+    pos = jnp.arange(t, dtype=jnp.int32)
+    mask = pos[None, :] <= pos[:, None]
+    x = _embed(params, tokens)
+    for i in range(cfg.num_layers):
+        lp = {k: v[i] for k, v in params["layers"].items()}
+        q, k, v = _qkv(cfg, lp, x, pos)
+        x = x + _attend(cfg, q, k, v, mask) @ lp["wo"]
+        x = x + _mlp(cfg, lp, x)
+    h = _rms_norm(x, params["final_norm"], cfg.norm_eps)
+    return jnp.dot(h, params["lm_head"], preferred_element_type=jnp.float32)
+
+
+def _batch_layer(cfg: ModelConfig, pool: jax.Array, layer: jax.Array, lp: Params, x: jax.Array,
+                 start: jax.Array, n_new: jax.Array, page_table: jax.Array):
+    """:func:`_paged_layer` over a batch of requests, each with its own chunk and page table.
+
+    Args:
+        x: [B, T, d] the chunks (row ``b`` is request ``b``'s; rows >= n_new[b] are padding).
+        start, n_new: int32 [B] position of each chunk's first token, its valid rows (0: a
+            padding request, whose rows all write the scratch page).
+        page_table: int32 [B, Pb] each request's pages (padding entries: the scratch page).
+    """
+    b, t, d = x.shape
+    ps, scratch, n_pages = pool.shape[3], pool.shape[2] - 1, page_table.shape[1]
+    hkv, hd = cfg.num_kv_heads, cfg.head_dim
+    rows = jnp.arange(t, dtype=jnp.int32)
+    pos = start[:, None] + rows[None, :]                                        # [B, T]
+    valid = rows[None, :] < n_new[:, None]
+    # The dense parts see B*T rows, as the single-request path sees T (flat 1-D indices: XLA:CPU
+    # runs 2-D scatters and gathers of the pool far slower).
+    q, k, v = _qkv(cfg, lp, x.reshape(b * t, d), pos.reshape(-1))
+    slot = jnp.take_along_axis(page_table, jnp.minimum(pos // ps, n_pages - 1), axis=1)
+    wpage, off = jnp.where(valid, slot, scratch).reshape(-1), (pos % ps).reshape(-1)
+    bits = pool.dtype
+    pool = pool.at[layer, 0, wpage, off].set(lax.bitcast_convert_type(k, bits))
+    pool = pool.at[layer, 1, wpage, off].set(lax.bitcast_convert_type(v, bits))
+    ctx_shape = (b, n_pages * ps, hkv, hd)
+    table = page_table.reshape(-1)
+    kc = lax.bitcast_convert_type(pool[layer, 0, table], x.dtype).reshape(ctx_shape)
+    vc = lax.bitcast_convert_type(pool[layer, 1, table], x.dtype).reshape(ctx_shape)
+    kpos = jnp.arange(n_pages * ps, dtype=jnp.int32)[None, None, :]
+    mask = (kpos <= pos[:, :, None]) & (kpos < (start + n_new)[:, None, None])   # [B, T, S]
+    attn = _attend_batch(cfg, q.reshape(b, t, cfg.num_heads, hd), kc, vc, mask)
+    x = x + attn @ lp["wo"]
+    return pool, x + _mlp(cfg, lp, x)
+
+
+def _attend_batch(cfg: ModelConfig, q: jax.Array, k: jax.Array, v: jax.Array,
+                  mask: jax.Array) -> jax.Array:
+    """:func:`_attend` per request: q [B, T, Hq, D]; k, v [B, S, Hkv, D]; mask bool [B, T, S]
+    -> [B, T, Hq*D] in q.dtype."""
+    b, t = q.shape[:2]
+    g = cfg.num_heads // cfg.num_kv_heads
+    qg = q.reshape(b, t, cfg.num_kv_heads, g, cfg.head_dim)
+    scores = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32)
+    scores = scores * (1.0 / np.sqrt(cfg.head_dim))
+    scores = jnp.where(mask[:, None, None], scores, -jnp.inf)
+    probs = jax.nn.softmax(scores, axis=-1)
+    v = jnp.where(mask.any(axis=1)[:, :, None, None], v, jnp.zeros((), v.dtype))
+    out = jnp.einsum("bkgts,bskd->btkgd", probs.astype(v.dtype), v,
+                     preferred_element_type=jnp.float32)
+    return out.reshape(b, t, cfg.num_heads * cfg.head_dim).astype(q.dtype)
+
+
+def _batch_head(cfg: ModelConfig, params: Params, x: jax.Array, n_new: jax.Array):
+    """(float32 logits [B, V] of each request's last valid row, int32 [B] their argmax)."""
+    idx = jnp.maximum(n_new - 1, 0)[:, None, None]
+    last = jnp.take_along_axis(x, idx, axis=1)[:, 0]                            # [B, d]
+    logits = jax.vmap(lambda h: jnp.dot(_rms_norm(h, params["final_norm"], cfg.norm_eps),
+                                        params["lm_head"], preferred_element_type=jnp.float32))(last)
+    return logits, jnp.argmax(logits, axis=-1).astype(jnp.int32)
+
+
+def _fused_batch_step(cfg, pool, params, tokens, start, n_new, page_table):
+    TRACES["batch_step"] += 1  # runs at trace time only: one per compile
+    x = _embed(params, tokens)
+
+    def body(carry, xs):
+        pool, x = carry
+        layer, lp = xs
+        return _batch_layer(cfg, pool, layer, lp, x, start, n_new, page_table), None
+
+    layers = jnp.arange(cfg.num_layers, dtype=jnp.int32)
+    (pool, x), _ = lax.scan(body, (pool, x), (layers, params["layers"]))
+    return pool, _batch_head(cfg, params, x, n_new)
+
+
+def _counted_step(cfg, pool, params, tokens, start, n_new, page_table):
+    TRACES["step"] += 1
+    return _fused_step(cfg, pool, params, tokens, start, n_new, page_table)
+
+
+def _counted_batch_layer(cfg, pool, layer, lp, x, start, n_new, page_table):
+    TRACES["batch_layer"] += 1
+    return _batch_layer(cfg, pool, layer, lp, x, start, n_new, page_table)
+
+
+#: Traces of each jitted step (``"step"``, ``"batch_step"``, ``"batch_layer"``), counted inside
+#: the traced functions: a jit traces once per new shape / static config, i.e. once per compile.
+TRACES: collections.Counter[str] = collections.Counter()
+
+# The pool is argument 1 (after the static config) and donated: updated in place.
+STEP = jax.jit(_counted_step, static_argnums=0, donate_argnums=1)
+LAYER = jax.jit(_paged_layer, static_argnums=0, donate_argnums=1)
+BATCH_STEP = jax.jit(_fused_batch_step, static_argnums=0, donate_argnums=1)
+BATCH_LAYER = jax.jit(_counted_batch_layer, static_argnums=0, donate_argnums=1)
+EMBED = jax.jit(_embed)
+HEAD = jax.jit(_head, static_argnums=0)
+BATCH_HEAD = jax.jit(_batch_head, static_argnums=0)
+
+
+def trace_count(name: str = "step") -> int:
+    """Times the jitted step ``name`` has been traced (= compiled) so far, all configs."""
+    if name not in ("step", "batch_step", "batch_layer"):
+        raise ValueError(f"name={name!r} must be 'step', 'batch_step' or 'batch_layer'")
+    return TRACES[name]
+
+
+def compiled_step_count() -> int:
+    """Executables compiled so far for the fused single-request step (all configs)."""
+    return trace_count("step")
+

@@ -1,0 +1,163 @@
+"""The decoder's size and weights: :class:`ModelConfig`, deterministic random weights from a
+seed, and weight files (``.npz``, or ``.safetensors`` when that package is installed) with the flat
+key names of :func:`flat_params`.
+
+Params are a pytree ``{"embed", "final_norm", "lm_head", "layers": {name: stacked}}``, the layer
+weights stacked on a leading ``num_layers`` axis (what ``lax.scan`` in
+:mod:`hicache_jax.engine.layers` runs over).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+
+from hicache_jax.spec import KVSpec
+from hicache_jax.validation import is_int
+
+Params = dict[str, Any]
+
+# Shapes of each weight as a function of the config; stacked layer weights lead with num_layers.
+_LAYER_KEYS = ("attn_norm", "wq", "wk", "wv", "wo", "mlp_norm", "w_gate", "w_up", "w_down")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """Size of the decoder.
+
+    Args:
+        vocab_size: token ids are ``0 .. vocab_size-1``.
+        num_layers: decoder layers.
+        d_model: residual width.
+        num_heads: query heads.
+        num_kv_heads: K/V heads (``num_heads`` must be a multiple: grouped-query attention).
+        head_dim: per-head width (even: RoPE rotates halves).
+        ffn_dim: SwiGLU hidden width.
+        rope_theta: RoPE base.
+        norm_eps: RMSNorm epsilon.
+        dtype: compute and KV dtype ("float32", "bfloat16", "float16").
+    """
+
+    vocab_size: int = 512
+    num_layers: int = 4
+    d_model: int = 256
+    num_heads: int = 8
+    num_kv_heads: int = 2
+    head_dim: int = 32
+    ffn_dim: int = 768
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    dtype: str = "float32"
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "num_layers", "d_model", "num_heads", "num_kv_heads",
+                     "head_dim", "ffn_dim"):
+            value = getattr(self, name)
+            if not is_int(value) or value < 1:
+                raise ValueError(f"ModelConfig.{name}={value!r} must be an int >= 1")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads={self.num_heads} must be a multiple of "
+                             f"num_kv_heads={self.num_kv_heads}")
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim={self.head_dim} must be even (RoPE rotates halves)")
+        if self.dtype not in ("float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype={self.dtype!r} must be float32, bfloat16 or float16")
+
+    def kv_spec(self, page_size: int) -> KVSpec:
+        """The KVSpec of a cache holding this model's K/V in pages of ``page_size`` tokens."""
+        return KVSpec(num_layers=self.num_layers, num_kv_heads=self.num_kv_heads,
+                      head_dim=self.head_dim, dtype=self.dtype, page_size=page_size)
+
+    def param_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Flat weight name -> shape (layer weights stacked on a leading num_layers axis)."""
+        L, d, f = self.num_layers, self.d_model, self.ffn_dim
+        q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        return {
+            "embed": (self.vocab_size, d),
+            "layers.attn_norm": (L, d), "layers.wq": (L, d, q), "layers.wk": (L, d, kv),
+            "layers.wv": (L, d, kv), "layers.wo": (L, q, d), "layers.mlp_norm": (L, d),
+            "layers.w_gate": (L, d, f), "layers.w_up": (L, d, f), "layers.w_down": (L, f, d),
+            "final_norm": (d,), "lm_head": (d, self.vocab_size),
+        }
+
+
+def init_params(cfg: ModelConfig, seed: int = 0) -> Params:
+    """Deterministic random weights (same seed -> same bits on every backend's host RNG).
+
+    Drawn with numpy so the weights do not depend on the JAX PRNG implementation; matrices are
+    normal with std ``1/sqrt(fan_in)``, norm weights ``1 + 0.1 * normal`` (not all ones, so a
+    test notices a norm applied to the wrong axis).
+    """
+    rng = np.random.default_rng(seed)
+    flat = {}
+    for name, shape in cfg.param_shapes().items():
+        if name.endswith("norm"):
+            value = 1.0 + 0.1 * rng.standard_normal(shape)
+        else:
+            value = rng.standard_normal(shape) / np.sqrt(shape[-2])
+        flat[name] = value.astype(np.float32)
+    return unflatten_params(cfg, flat)
+
+
+def flat_params(params: Params) -> dict[str, np.ndarray]:
+    """The ``name -> array`` form used in weight files ("layers.wq" etc.)."""
+    flat = {k: np.asarray(v) for k, v in params.items() if k != "layers"}
+    flat.update({f"layers.{k}": np.asarray(v) for k, v in params["layers"].items()})
+    return flat
+
+
+def unflatten_params(cfg: ModelConfig, flat: dict[str, Any]) -> Params:
+    """Check names and shapes against ``cfg`` and build the params pytree in ``cfg.dtype``.
+
+    Raises:
+        ValueError: a weight missing, unexpected, or of the wrong shape (named in the message).
+    """
+    shapes = cfg.param_shapes()
+    missing = sorted(set(shapes) - set(flat))
+    extra = sorted(set(flat) - set(shapes))
+    if missing or extra:
+        raise ValueError(f"weights do not match the config: missing {missing}, unexpected {extra}")
+    for name, shape in shapes.items():
+        if tuple(np.shape(flat[name])) != shape:
+            raise ValueError(f"weight {name!r} has shape {tuple(np.shape(flat[name]))}, "
+                             f"the config needs {shape}")
+    dt = jnp.dtype(cfg.dtype)
+    as_jnp = lambda x: jnp.asarray(np.asarray(x, np.float32), dtype=dt)  # noqa: E731
+    params: Params = {k: as_jnp(flat[k]) for k in ("embed", "final_norm", "lm_head")}
+    params["layers"] = {k: as_jnp(flat[f"layers.{k}"]) for k in _LAYER_KEYS}
+    return params
+
+
+def save_params(params: Params, path: str) -> None:
+    """Write weights as an uncompressed ``.npz`` (float32) that :func:`load_params` reads."""
+    np.savez(path, **{k: v.astype(np.float32) for k, v in flat_params(params).items()})
+
+
+def load_params(cfg: ModelConfig, path: str) -> Params:
+    """Load weights from ``.npz`` or ``.safetensors`` (the latter needs the safetensors package).
+
+    Raises:
+        FileNotFoundError: no such file.
+        ValueError: unknown extension, or names/shapes that do not match ``cfg``.
+        ImportError: a ``.safetensors`` file without the safetensors package installed.
+    """
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"weights file {path!r} does not exist")
+    ext = os.path.splitext(path)[1].lower()
+    if ext == ".npz":
+        with np.load(path) as data:
+            flat = {k: data[k] for k in data.files}
+    elif ext == ".safetensors":
+        try:
+            from safetensors.numpy import load_file
+        except ImportError as exc:
+            raise ImportError(f"reading {path!r} needs the 'safetensors' package "
+                              "(pip install safetensors), or save the weights as .npz") from exc
+        flat = load_file(path)
+    else:
+        raise ValueError(f"weights file {path!r}: extension must be .npz or .safetensors")
+    return unflatten_params(cfg, flat)
