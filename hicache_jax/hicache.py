@@ -128,8 +128,6 @@ class HiCache:
                               self._owner, self._events, self._n, self._engine, self._flight,
                               self._write, self._l3, self._complete)
 
-    # -- the owning thread ------------------------------------------------------------------
-
     def _guard(self) -> None:
         """Every public call but ``stats()`` starts here: the owning thread passes at the cost
         of one ``get_ident()``; anything else goes to :meth:`ThreadOwner.take`."""
@@ -196,7 +194,10 @@ class HiCache:
             raise TypeError(f"match must be a Match from match_prefix, got {type(match).__name__}")
         check_bool("layerwise", layerwise)
         self._complete(attach=True)
-        return self._load_back([revalidate(self._tree, match)], bool(layerwise))[0]
+        match, node = revalidate(self._tree, match)
+        if node.value is not None or node.parent is None:  # nothing host-only: nothing to load
+            return current(match, node, self._ps)
+        return self._load_back([(match, node)], bool(layerwise))[0]
 
     @_publishes
     def load_back_many(self, matches: Any, *, layerwise: bool = False) -> list[Match]:
@@ -209,9 +210,8 @@ class HiCache:
             result holding pages of the load carries its one ``load_handle``. No lock is left.
 
         Raises:
-            TypeError: not a list/tuple of Matches, or ``layerwise`` not a bool.
-            HiCacheError: a match of another cache (or from before ``reset()``). Both before
-                any change.
+            TypeError / HiCacheError: not a list/tuple of Matches, ``layerwise`` not a bool / a
+            match of another cache (or from before ``reset()``); before any change.
         """
         check_matches(self._tree, matches)
         check_bool("layerwise", layerwise)
