@@ -1019,6 +1019,7 @@ def test_events_of_clean_aheads_pass_at_unlock_are_sealed_by_the_unlock():
     for i in list(range(12)) + [7]:
         request(cache, kv, np.arange(2) + 100 * i)
         assert not cache._events._pending
+        cache.flush()  # every backup landed: which host copies the next pass may drop is fixed
     assert cache.stats()["host_copies_dropped_tokens"] == 2
     router = replay(cache.take_events())
     assert router == tree_pages(cache)
