@@ -487,13 +487,12 @@ class HiCache:
 
     def _complete(self, upto: Any = None, *, wait: bool = False, attach: bool = False) -> None:
         """Apply finished transfers in dispatch order, first waiting for the transfer ``upto``
-        (a handle) or, with ``wait``, for all of them.
-
-        ``attach``: also hang landed L3 prefetches in the tree -- only at the start of a public
-        call, never inside an operation that holds nodes (an attach may split them).
-        """
+        (a handle) or, with ``wait``, for all of them. ``attach``: also hang landed L3
+        prefetches in the tree -- only at the start of a public call, never inside an operation
+        that holds nodes (an attach may split them)."""
         finished = self._engine.poll()
         self._l3.poll(attach)
-        self._flight.apply(finished)
+        if finished:
+            self._flight.apply(finished)
         if wait or upto is not None:
             self._flight.apply(self._flight.wait(None if wait else upto))
