@@ -81,7 +81,7 @@ def take_chains(tree: RadixTree, nodes: list[TreeNode], *, threshold: int, quota
     """Decide every match's chain and allocate its device pages.
 
     Every node is locked while pages are taken (eviction cannot reach a chain or its device
-    ancestors); on return only the accepted nodes hold a lock (their load op's, released when
+    ancestors); on return only the accepted nodes hold that lock (their load op's, released when
     the copy is acknowledged).
 
     Returns:
@@ -92,6 +92,9 @@ def take_chains(tree: RadixTree, nodes: list[TreeNode], *, threshold: int, quota
         return out, declined
     for node in nodes:
         tree.lock(node)
+    # Accepted nodes keep the lock taken here (they are distinct: a repeated node's chain is
+    # claimed by its first occurrence); the others give theirs back.
+    keep: list[TreeNode] = []
     try:
         need = sum(n.num_pages for _, chain, _ in out for n in chain)
         try:
@@ -101,9 +104,11 @@ def take_chains(tree: RadixTree, nodes: list[TreeNode], *, threshold: int, quota
                    for (node, chain, _), lo, hi in zip(out, bounds[:-1], bounds[1:])]
         except OutOfPagesError:
             out, declined = _decide(nodes, threshold, quota, take, page_size)
+        keep = [node for node, _, _ in out]
     finally:
-        for node in nodes:
+        release = list(nodes)
+        for node in keep:
+            release.remove(node)
+        for node in release:
             tree.unlock(node)
-    for node, _, _ in out:
-        tree.lock(node)
     return out, declined
