@@ -215,18 +215,27 @@ def _batch_layer(cfg: ModelConfig, pool: jax.Array, layer: jax.Array, lp: Params
 def _attend_batch(cfg: ModelConfig, q: jax.Array, k: jax.Array, v: jax.Array,
                   mask: jax.Array) -> jax.Array:
     """:func:`_attend` per request: q [B, T, Hq, D]; k, v [B, S, Hkv, D]; mask bool [B, T, S]
-    -> [B, T, Hq*D] in q.dtype."""
+    -> [B, T, Hq*D] in q.dtype.
+
+    Laid out as plain batched matmuls over (request, kv head): q as [B, Hkv, G*T, D], k and v as
+    [B, Hkv, S, D]. XLA:CPU runs the dot_generals of the [B, T, Hkv, G, D] layout 2-4x slower
+    (strided operands), and attention is most of a step's time (issue 17's profile)."""
     b, t = q.shape[:2]
-    g = cfg.num_heads // cfg.num_kv_heads
-    qg = q.reshape(b, t, cfg.num_kv_heads, g, cfg.head_dim)
-    scores = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32)
-    scores = scores * (1.0 / np.sqrt(cfg.head_dim))
-    scores = jnp.where(mask[:, None, None], scores, -jnp.inf)
-    probs = jax.nn.softmax(scores, axis=-1)
-    v = jnp.where(mask.any(axis=1)[:, :, None, None], v, jnp.zeros((), v.dtype))
-    out = jnp.einsum("bkgts,bskd->btkgd", probs.astype(v.dtype), v,
+    hkv, g, hd = cfg.num_kv_heads, cfg.num_heads // cfg.num_kv_heads, cfg.head_dim
+    s = k.shape[1]
+    qg = q.reshape(b, t, hkv, g, hd).transpose(0, 2, 3, 1, 4).reshape(b, hkv, g * t, hd)
+    scores = jnp.einsum("bkqd,bksd->bkqs", qg, k.transpose(0, 2, 1, 3),
+                        preferred_element_type=jnp.float32)
+    scores = scores * (1.0 / np.sqrt(hd))
+    m = jnp.broadcast_to(mask[:, None, None], (b, hkv, g, t, s)).reshape(b, hkv, g * t, s)
+    probs = jax.nn.softmax(jnp.where(m, scores, -jnp.inf), axis=-1)
+    # Masked keys may come from the scratch page or stale pages: zero them (as _attend).
+    vt = jnp.where(mask.any(axis=1)[:, None, :, None], v.transpose(0, 2, 1, 3),
+                   jnp.zeros((), v.dtype))
+    out = jnp.einsum("bkqs,bksd->bkqd", probs.astype(v.dtype), vt,
                      preferred_element_type=jnp.float32)
-    return out.reshape(b, t, cfg.num_heads * cfg.head_dim).astype(q.dtype)
+    out = out.reshape(b, hkv, g, t, hd).transpose(0, 3, 1, 2, 4)
+    return out.reshape(b, t, cfg.num_heads * hd).astype(q.dtype)
 
 
 def _batch_head(cfg: ModelConfig, params: Params, x: jax.Array, n_new: jax.Array):
