@@ -51,11 +51,11 @@ import numpy as np
 
 from hicache_jax.errors import OutOfPagesError
 from hicache_jax.hicache import HiCache, Match
-from hicache_jax.spec import HiCacheConfig
 from hicache_jax.validation import check_bool, is_int, is_real
 from hicache_jax.engine.batch_state import (BatchedRecord, BatchRequest, EngineStalledError,
                                             PageLedger)
-from hicache_jax.engine.engine import CacheMode, Generation, parse_mode
+from hicache_jax.engine.engine import (CacheMode, Generation, build_cache, check_prompt,
+                                       parse_mode)
 from hicache_jax.engine.model import DecoderModel, bucket
 from hicache_jax.engine.workloads import Arrival
 
@@ -143,13 +143,8 @@ class BatchedEngine:
                write_policy: str = "clean_ahead", **engine_kwargs: Any) -> "BatchedEngine":
         """Build the cache for ``mode`` (as :meth:`Engine.create`) and the engine over it."""
         mode = parse_mode(mode)
-        if mode is not CacheMode.HICACHE:
-            host_pages = 0
-        elif host_pages is None:
-            host_pages = 4 * device_pages
-        cfg = HiCacheConfig(device_pages=device_pages, host_pages=host_pages,
-                            write_policy=write_policy, load_back_threshold=page_size)
-        return cls(model, HiCache(model.kv_spec(page_size), cfg), mode=mode, **engine_kwargs)
+        cache = build_cache(model, mode, page_size, device_pages, host_pages, write_policy)
+        return cls(model, cache, mode=mode, **engine_kwargs)
 
     # -- requests in, results out ------------------------------------------------------------
 
@@ -167,21 +162,13 @@ class BatchedEngine:
     def _check(self, prompt: Any, max_new: Any, key: Hashable, arrival: Any) -> BatchRequest:
         if not is_int(max_new) or max_new < 1:
             raise ValueError(f"max_new_tokens={max_new!r} must be an int >= 1")
-        arr = np.asarray(prompt)
-        if arr.ndim != 1 or arr.size == 0:
-            raise ValueError(f"prompt must be a non-empty 1-D sequence, got shape {arr.shape}")
-        if arr.dtype == np.bool_ or not np.issubdtype(arr.dtype, np.integer):
-            raise TypeError(f"prompt must hold integer token ids, got dtype {arr.dtype}")
-        vocab = self.model.cfg.vocab_size
-        if arr.min() < 0 or arr.max() >= vocab:
-            raise ValueError(f"prompt has token ids outside [0, {vocab}): min {arr.min()}, "
-                             f"max {arr.max()}")
+        arr = check_prompt(prompt, self.model.cfg.vocab_size)
         pages = -(-(arr.size + int(max_new) - 1) // self.ps)
         if pages > self.cache.cfg.device_pages:
             raise ValueError(f"a request of {arr.size} prompt + {max_new} new tokens needs "
                              f"{pages} device pages; the pool has {self.cache.cfg.device_pages}")
         now = self.clock() if arrival is None else float(arrival)
-        return BatchRequest(key, arr.astype(np.int32), int(max_new), now)
+        return BatchRequest(key, arr, int(max_new), now)
 
     def generate(self, prompts: Sequence[Any], max_new_tokens: int) -> list[Generation]:
         """Serve ``prompts`` (all arriving now) to completion; one Generation each, in order."""

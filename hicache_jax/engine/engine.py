@@ -145,13 +145,8 @@ class Engine:
         other modes get ``host_pages=0``. ``load_back_threshold`` is one page.
         """
         mode = parse_mode(mode)
-        if mode is not CacheMode.HICACHE:
-            host_pages = 0
-        elif host_pages is None:
-            host_pages = 4 * device_pages
-        cfg = HiCacheConfig(device_pages=device_pages, host_pages=host_pages,
-                            write_policy=write_policy, load_back_threshold=page_size)
-        return cls(model, HiCache(model.kv_spec(page_size), cfg), mode=mode, **engine_kwargs)
+        cache = build_cache(model, mode, page_size, device_pages, host_pages, write_policy)
+        return cls(model, cache, mode=mode, **engine_kwargs)
 
     def generate(self, prompts: Sequence[Any], max_new_tokens: int) -> list[Generation]:
         """Greedy-decode ``max_new_tokens`` tokens for each prompt, serially, in order.
@@ -175,16 +170,7 @@ class Engine:
         return [self._serve(p, int(max_new_tokens)) for p in checked]
 
     def _check_prompt(self, prompt: Any, i: int) -> np.ndarray:
-        arr = np.asarray(prompt)
-        if arr.ndim != 1 or arr.size == 0:
-            raise ValueError(f"prompts[{i}] must be a non-empty 1-D sequence, got shape {arr.shape}")
-        if arr.dtype == np.bool_ or not np.issubdtype(arr.dtype, np.integer):
-            raise TypeError(f"prompts[{i}] must hold integer token ids, got dtype {arr.dtype}")
-        vocab = self.model.cfg.vocab_size
-        if arr.min() < 0 or arr.max() >= vocab:
-            raise ValueError(f"prompts[{i}] has token ids outside [0, {vocab}): "
-                             f"min {arr.min()}, max {arr.max()}")
-        return arr.astype(np.int32)
+        return check_prompt(prompt, self.model.cfg.vocab_size, f"prompts[{i}]")
 
     def _serve(self, prompt: np.ndarray, max_new: int) -> Generation:
         t0 = time.perf_counter()
@@ -249,6 +235,33 @@ class Engine:
             out.append(tok)
             pos += 1
         return np.asarray(jnp.concatenate(out)), first_logits, ttft
+
+
+def build_cache(model: DecoderModel, mode: CacheMode, page_size: int, device_pages: int,
+                host_pages: int | None, write_policy: str) -> HiCache:
+    """The cache of an engine in ``mode``: ``host_pages`` (default ``4 * device_pages``) in mode
+    ``hicache`` only, 0 otherwise; ``load_back_threshold`` one page."""
+    if mode is not CacheMode.HICACHE:
+        host_pages = 0
+    elif host_pages is None:
+        host_pages = 4 * device_pages
+    cfg = HiCacheConfig(device_pages=device_pages, host_pages=host_pages,
+                        write_policy=write_policy, load_back_threshold=page_size)
+    return HiCache(model.kv_spec(page_size), cfg)
+
+
+def check_prompt(prompt: Any, vocab_size: int, name: str = "prompt") -> np.ndarray:
+    """A non-empty 1-D sequence of token ids in ``[0, vocab_size)`` -> int32 numpy (TypeError
+    for non-integers, ValueError otherwise; the message names ``name``)."""
+    arr = np.asarray(prompt)
+    if arr.ndim != 1 or arr.size == 0:
+        raise ValueError(f"{name} must be a non-empty 1-D sequence, got shape {arr.shape}")
+    if arr.dtype == np.bool_ or not np.issubdtype(arr.dtype, np.integer):
+        raise TypeError(f"{name} must hold integer token ids, got dtype {arr.dtype}")
+    if arr.min() < 0 or arr.max() >= vocab_size:
+        raise ValueError(f"{name} has token ids outside [0, {vocab_size}): min {arr.min()}, "
+                         f"max {arr.max()}")
+    return arr.astype(np.int32)
 
 
 def parse_mode(mode: CacheMode | str) -> CacheMode:

@@ -141,16 +141,22 @@ def _head(cfg: ModelConfig, params: Params, x: jax.Array, n_new: jax.Array) -> j
     return jnp.dot(h, params["lm_head"], preferred_element_type=jnp.float32)
 
 
-def _fused_step(cfg, pool, params, tokens, start, n_new, page_table):
-    x = _embed(params, tokens)
-
+def _scan_layers(layer_fn, cfg, pool, params, x, *args):
+    """Every decoder layer in one ``lax.scan``: ``layer_fn(cfg, pool, layer, lp, x, *args)``
+    returns ``(pool, x)``; the pool is carried, so each layer writes its K/V in place."""
     def body(carry, xs):
         pool, x = carry
         layer, lp = xs
-        return _paged_layer(cfg, pool, layer, lp, x, start, n_new, page_table), None
+        return layer_fn(cfg, pool, layer, lp, x, *args), None
 
     layers = jnp.arange(cfg.num_layers, dtype=jnp.int32)
     (pool, x), _ = lax.scan(body, (pool, x), (layers, params["layers"]))
+    return pool, x
+
+
+def _fused_step(cfg, pool, params, tokens, start, n_new, page_table):
+    pool, x = _scan_layers(_paged_layer, cfg, pool, params, _embed(params, tokens), start, n_new,
+                           page_table)
     return pool, _head(cfg, params, x, n_new)
 
 
@@ -249,15 +255,8 @@ def _batch_head(cfg: ModelConfig, params: Params, x: jax.Array, n_new: jax.Array
 
 def _fused_batch_step(cfg, pool, params, tokens, start, n_new, page_table):
     TRACES["batch_step"] += 1  # runs at trace time only: one per compile
-    x = _embed(params, tokens)
-
-    def body(carry, xs):
-        pool, x = carry
-        layer, lp = xs
-        return _batch_layer(cfg, pool, layer, lp, x, start, n_new, page_table), None
-
-    layers = jnp.arange(cfg.num_layers, dtype=jnp.int32)
-    (pool, x), _ = lax.scan(body, (pool, x), (layers, params["layers"]))
+    pool, x = _scan_layers(_batch_layer, cfg, pool, params, _embed(params, tokens), start, n_new,
+                           page_table)
     return pool, _batch_head(cfg, params, x, n_new)
 
 
