@@ -99,9 +99,12 @@ def take_chains(tree: RadixTree, nodes: list[TreeNode], *, threshold: int, quota
         need = sum(n.num_pages for _, chain, _ in out for n in chain)
         try:
             ids = take(need) if need else np.zeros(0, np.int32)
-            bounds = np.cumsum([0] + [sum(n.num_pages for n in c) for _, c, _ in out])
-            out = [(node, chain, ids[lo:hi])
-                   for (node, chain, _), lo, hi in zip(out, bounds[:-1], bounds[1:])]
+            cut, lo = [], 0
+            for node, chain, _ in out:
+                k = sum(n.num_pages for n in chain)
+                cut.append((node, chain, ids[lo:lo + k]))
+                lo += k
+            out = cut
         except OutOfPagesError:
             out, declined = _decide(nodes, threshold, quota, take, page_size)
         keep = [node for node, _, _ in out]
