@@ -38,7 +38,6 @@ import os
 import shutil
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 
@@ -146,22 +145,15 @@ def _replay(HiCache, spec, cfg, prompts) -> tuple:
 def _run(tree: str, npz: str, row: dict, split: bool = False) -> dict:
     # The worker is this file run by path: the tree under test (PYTHONPATH, cwd) may be the base
     # commit, which has no benchmarks/bench_control_plane.py of its own to run with -m.
-    cmd = [sys.executable, os.path.abspath(__file__), "--worker", npz,
+    cmd = [os.path.abspath(__file__), "--worker", npz,
            "--device-pages", str(row["device_pages"]), "--host-pages", str(row["host_pages"]),
            "--events", row["events"]]
     if row["write_policy"]:
         cmd += ["--write-policy", row["write_policy"]]
     if split:
         cmd.append("--split-eviction")
-    env = dict(os.environ, PYTHONPATH=tree, JAX_PLATFORMS=os.environ.get("JAX_PLATFORMS", "cpu"))
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=tree)
-    line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
-    if proc.returncode or line is None:
-        raise RuntimeError(f"worker failed in {tree}:\n{proc.stdout}\n{proc.stderr}")
-    res = json.loads(line[len("RESULT "):])
-    if not res["module"].startswith(os.path.realpath(tree)) and not res["module"].startswith(tree):
-        raise RuntimeError(f"worker imported {res['module']}, not the tree at {tree}")
-    return res
+    from benchmarks.common import run_worker  # driver side only: the worker may be a base tree
+    return run_worker(cmd, tree)
 
 
 def _summary(runs: list[dict], split: dict | None) -> dict:

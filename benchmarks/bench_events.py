@@ -28,7 +28,6 @@ import shutil
 import socket
 import statistics
 import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -145,19 +144,12 @@ def worker(args) -> None:
 
 
 def _run(tree: str, mode: str, args) -> dict:
-    cmd = [sys.executable, os.path.abspath(__file__), args.trace, "--worker", mode,
+    cmd = [os.path.abspath(__file__), args.trace, "--worker", mode,
            "--block-size", str(args.block_size)]
     if args.limit:
         cmd += ["--limit", str(args.limit)]
-    env = dict(os.environ, PYTHONPATH=tree, JAX_PLATFORMS=os.environ.get("JAX_PLATFORMS", "cpu"))
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=tree)
-    line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
-    if proc.returncode or line is None:
-        raise RuntimeError(f"worker failed in {tree}:\n{proc.stdout}\n{proc.stderr}")
-    res = json.loads(line[len("RESULT "):])
-    if not os.path.realpath(res["module"]).startswith(os.path.realpath(tree)):
-        raise RuntimeError(f"worker imported {res['module']}, not the tree at {tree}")
-    return res
+    from benchmarks.common import run_worker  # driver side only: the worker may be a base tree
+    return run_worker(cmd, tree)
 
 
 def main() -> None:

@@ -40,6 +40,7 @@ from hicache_jax.engine import serve_bench
 from hicache_jax.engine.batched import BatchedEngine
 from hicache_jax.engine.workloads import WORKLOADS, Workload
 from hicache_jax.hicache import HiCache
+from hicache_jax.replay import format_table
 from hicache_jax.spec import HiCacheConfig
 from hicache_jax.storage import StorageError
 
@@ -154,11 +155,7 @@ def _table(summaries: dict[str, dict[str, Any]], l3: bool) -> str:
             row.append(f"{v / 2**20:.2f}" if key.startswith("bytes") else
                        f"{v:.1f}" if isinstance(v, float) else str(v))
         rows.append(row)
-    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, (h, _) in enumerate(cols)]
-    lines = ["  ".join(h.rjust(w) for (h, _), w in zip(cols, widths)),
-             "  ".join("-" * w for w in widths)]
-    lines += ["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in rows]
-    return "\n".join(lines)
+    return format_table([h for h, _ in cols], rows)
 
 
 def _env() -> dict[str, Any]:

@@ -22,6 +22,7 @@ import numpy as np
 from hicache_jax.engine.batched import BatchedEngine
 from hicache_jax.engine.engine import Engine, Generation
 from hicache_jax.engine.workloads import (ClosedLoop, PoissonArrivals, TraceArrivals, Workload)
+from hicache_jax.replay import format_table
 
 LOGITS_TOL = 1e-5  # float32: first-token logits, batched vs serial (max abs difference)
 LOW_PRECISION_TOL = 2e-2  # bfloat16 / float16: summation order differs between the batchings
@@ -178,11 +179,7 @@ def table(summaries: dict[str, dict[str, Any]]) -> str:
             else:
                 row.append(str(s[key]))
         rows.append(row)
-    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, (h, _) in enumerate(COLUMNS)]
-    lines = ["  ".join(h.rjust(w) for (h, _), w in zip(COLUMNS, widths)),
-             "  ".join("-" * w for w in widths)]
-    lines += ["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in rows]
-    return "\n".join(lines)
+    return format_table([h for h, _ in COLUMNS], rows)
 
 
 def bench_batched(args: argparse.Namespace, workload: Workload,
