@@ -233,5 +233,9 @@ _STRATEGIES = {
 
 
 def make_write_policy(ctx: WriteContext) -> WriteStrategy:
-    """The strategy of ``ctx.cfg.write_policy``."""
+    """The strategy of ``ctx.cfg.write_policy``; with no host pool (``host_pages=0``, a
+    device-only radix cache) the plain strategy, which backs nothing up: every policy's claims
+    would fail there, and clean_ahead would still sort the eviction end at every unlock."""
+    if ctx.cfg.host_pages == 0:
+        return WriteStrategy(ctx)
     return _STRATEGIES[ctx.cfg.write_policy](ctx)

@@ -926,6 +926,24 @@ def test_clean_ahead_backs_up_the_eviction_end_so_eviction_copies_nothing():
     check(cache, kv)
 
 
+@pytest.mark.parametrize("policy", ["clean_ahead", "write_through", "write_back"])
+def test_a_device_only_cache_runs_no_backup_pass(policy, monkeypatch):
+    """host_pages=0 (a device-only radix cache): no policy has anywhere to back up to, so none
+    sorts the eviction end at an unlock (clean_ahead did, at every unlock near a full L1)."""
+    import hicache_jax.write_policy as wp
+
+    def refuse(*a, **k):
+        raise AssertionError("a backup pass ran in a cache without a host pool")
+
+    monkeypatch.setattr(wp, "eviction_order", refuse)
+    cache, kv = make(policy, device=16, host=0, clean_ahead_pages=4)
+    for i in range(8):                       # fills L1 twice over: eviction on every request
+        request(cache, kv, np.arange(4) + 100 * i)
+    st = cache.stats()
+    assert st["backups"] == 0 and st["evicted_tokens"] == 16
+    check(cache, kv)
+
+
 def test_clean_ahead_gives_up_hot_redundant_host_copies_before_evicted_pages():
     """L2 full: the host copy of a page still on device (loaded back: hot again) is given up
     before any host-only page when the eviction end needs room."""
