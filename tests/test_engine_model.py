@@ -71,6 +71,57 @@ def test_decode_steps_match_reference_rows(model, prompt, ref):
         np.testing.assert_allclose(np.asarray(model.forward(pool, tok, pos, pages)), ref[pos], **TOL)
 
 
+@pytest.mark.parametrize("layerwise", [False, True])
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_packed_step_mixes_prefill_chunks_and_decode_tokens(layerwise, page_size):
+    """One forward_batch over prefill chunks of several query blocks (mid-page starts, a chunk
+    of one block, one of three) and decode tokens of other requests, on a poisoned pool: each
+    chunk's last-token logits match the dense reference, and the next step reads what it wrote."""
+    model = DecoderModel(CFG, seed=1)
+    rng = np.random.default_rng(3)
+    seqs = [rng.integers(0, CFG.vocab_size, n).astype(np.int32) for n in (40, 23, 9, 31, 17)]
+    refs = [np.asarray(reference_logits(CFG, model.params, s)) for s in seqs]
+    pool = _poisoned_pool(page_size, num_pages=200)
+    perm = np.random.default_rng(0).permutation(200).astype(np.int32)
+    pages, used = [], 0
+    for s in seqs:
+        n = -(-len(s) // page_size)
+        pages.append(perm[used:used + n])
+        used += n
+    # Requests 2..4 already hold K/V up to their last token (prefilled in one earlier step).
+    done = [0, 0, 8, 30, 16]
+    model.forward_batch(pool, [seqs[i][:done[i]] for i in (2, 3, 4)], [0, 0, 0],
+                        [pages[i] for i in (2, 3, 4)], query_block=8)
+    # One step: request 0's 40-token prefill from position 3 (three blocks of 16, mid-page),
+    # request 1's whole prompt (two blocks), and one decode token each for requests 2..4 ...
+    model.forward(pool, seqs[0][:3], 0, pages[0])
+    chunks = [seqs[0][3:], seqs[1]] + [seqs[i][done[i]:] for i in (2, 3, 4)]
+    starts = [3, 0] + [done[i] for i in (2, 3, 4)]
+    waiter = _Waiter() if layerwise else None
+    logits, toks = model.forward_batch(pool, chunks, starts, pages, waiter=waiter,
+                                       query_block=16)
+    if layerwise:
+        assert waiter.calls == list(range(CFG.num_layers))
+    logits = np.asarray(logits)
+    for i, s in enumerate(seqs):
+        np.testing.assert_allclose(logits[i], refs[i][len(s) - 1], **TOL)
+    np.testing.assert_array_equal(np.asarray(toks)[:5], logits[:5].argmax(axis=-1))
+    # ... and a later decode step of request 0 reads the K/V the packed step wrote.
+    nxt = np.asarray(toks)[:1]
+    full = np.concatenate([seqs[0], nxt])
+    want = np.asarray(reference_logits(CFG, model.params, full))[-1]
+    pages0 = perm[used:used + -(-len(full) // page_size)]
+    pages0 = np.concatenate([pages[0], pages0])[:-(-len(full) // page_size)]
+    got, _ = model.forward_batch(pool, [nxt], [len(seqs[0])], [pages0])
+    np.testing.assert_allclose(np.asarray(got)[0], want, **TOL)
+
+
+def test_forward_batch_rejects_a_bad_query_block(model):
+    pool = _poisoned_pool(16)
+    with pytest.raises(ValueError, match="query_block=12 must be a power of two"):
+        model.forward_batch(pool, [np.zeros(3, np.int32)], [0], [_pages(1)], query_block=12)
+
+
 def test_untouched_pages_stay_poisoned(model, prompt):
     pool = _poisoned_pool(16)
     pages = _pages(3)

@@ -11,17 +11,20 @@ Each :meth:`BatchedEngine.step`:
    and so does every later one (first come, first served). A request whose uncached prompt shares
    more than a page with one being prefilled waits for that one's pages to be inserted (SGLang's
    in-batch prefix check), so the shared part is computed once;
-2. **prefill** -- one jitted forward over the chunks of every admitted request (``[B, T]`` padded
-   to power-of-two buckets, each request through its own page table); layer-wise over the
-   load-back's handle when one is pending. A request whose prompt is done inserts its whole pages
-   (``insert(..., chunked=True)``) and re-locks them, so later requests hit them at once;
-3. **decode** -- one jitted step for every running request (one token each). A request whose next
-   position starts a page gets one; when even eviction cannot give them, running requests are
+2. **pages for decode** -- a running request whose next position starts a
+   page gets one; when even eviction cannot give them, running requests are
    **retracted** (fewest generated tokens first, as SGLang's ``retract_decode``): their computed
    pages are inserted, their lock released, and they go back to the front of the queue with the
    tokens generated so far (re-admission prefills prompt + those tokens, mostly cache hits).
    After a retraction the admission reserve is raised to 1 and decays back, as SGLang's
    ``new_token_ratio`` does;
+3. **forward** -- one jitted step over this step's work, packed (``forward_batch``): the
+   chunks of every admitted request (each through its own page table, cut into query blocks)
+   and one token for every running request, so the weights are read once a step and the dense
+   layers see no padding between requests; layer-wise over the load-back's handle when one is
+   pending. A request whose prompt is done inserts its whole pages
+   (``insert(..., chunked=True)``) and re-locks them, so later requests hit them at once, and
+   decodes from the next step;
 4. **finish** -- a request with all its tokens inserts the whole pages of prompt + output (minus
    its last token, whose K/V is never computed), frees the partial page and unlocks.
 
@@ -83,12 +86,13 @@ class BatchedEngine:
         mode: "none" | "device" | "hicache".
         token_budget: prefill tokens per step (a power of two; longer prompts are chunked).
         max_running: requests prefilling or decoding at once (>= 1).
-        layerwise: load back layer by layer (the step's prefill waits per layer).
+        layerwise: load back layer by layer (the step's forward waits per layer).
         query_block: prefill chunks are cut into blocks of this many tokens (a power of two),
-            each a row of the batch with its request's page table: padding stays under a
-            block per request, and compiles are bounded by batch and page-table buckets.
+            each an attention row with its request's page table (the dense layers see the
+            step's tokens packed, without padding between requests); compiles are bounded by
+            the token, row and page-table buckets.
         table_bucket: smallest page-table bucket in pages (a power of two).
-        batch_bucket: smallest batch bucket (rows; a power of two).
+        batch_bucket: smallest bucket of a step's packed tokens (a power of two).
         decode_reserve: fraction (in [0, 1]) of the active requests' remaining decode pages
             an admission keeps free or evictable; 1 never retracts, 0 admits greedily.
         clock: time source (seconds).
@@ -217,16 +221,16 @@ class BatchedEngine:
     # -- one scheduler step ------------------------------------------------------------------
 
     def step(self) -> list[Generation]:
-        """Admit, prefill one batch, decode one token for every running request; returns the
-        requests that finished in this step."""
+        """Admit, then one packed forward: the admitted chunks' prefill and one token for every
+        running request; returns the requests that finished in this step."""
         self._reserve = max(self.decode_reserve, self._reserve - _RESERVE_DECAY)
         batch = self._admit()
         finished: list[Generation] = []
-        decoding = list(self.running)  # requests that finish prefill now decode next step
-        if batch:
-            self._prefill(batch, finished)
-        if decoding:
-            self._decode(decoding, finished)
+        # Requests that finish prefill now decode from the next step; a running request whose
+        # next position starts a page gets one first (retracting others when none can be had).
+        decoding = self._grow_pages(list(self.running)) if self.running else []
+        if batch or decoding:
+            self._forward(batch, decoding, finished)
         self.counters["steps"] += 1
         return finished
 
@@ -327,31 +331,49 @@ class BatchedEngine:
 
     # -- the forward steps -------------------------------------------------------------------
 
-    def _prefill(self, batch: list[tuple[BatchRequest, int]],
+    def _forward(self, batch: list[tuple[BatchRequest, int]], decoding: list[BatchRequest],
                  finished: list[Generation]) -> None:
-        """One jitted prefill over every chunk of the step (layer-wise when a load is pending)."""
+        """One jitted step over this step's prefill chunks and decode tokens (layer-wise when a
+        load-back is pending), then each request's bookkeeping."""
         waiter = next((r.handle for r, _ in batch if r.handle is not None), None)
-        qb, rows, last = self.query_block, [], []
-        for r, n in batch:  # each chunk cut into query blocks: one row of the batch each
-            for s0 in range(r.kv_done, r.kv_done + n, qb):
-                rows.append((r.seq[s0:min(s0 + qb, r.kv_done + n)], s0, r.pages))
-            last.append(len(rows) - 1)
+        chunks = [r.seq[r.kv_done:r.kv_done + n] for r, n in batch]
+        chunks += [r.seq[r.kv_done:r.kv_done + 1] for r in decoding]
+        reqs = [r for r, _ in batch] + decoding
         logits, toks = self.model.forward_batch(
-            self.pool, [c for c, _, _ in rows], [s0 for _, s0, _ in rows],
-            [p for _, _, p in rows], waiter=waiter if self.layerwise else None,
-            min_bucket=qb, min_pages=self.table_bucket, min_batch=self.batch_bucket)
+            self.pool, chunks, [r.kv_done for r in reqs], [r.pages for r in reqs],
+            waiter=waiter if self.layerwise else None, query_block=self.query_block,
+            min_pages=self.table_bucket, min_batch=self.batch_bucket)
+        toks = np.asarray(toks)
+        now = self.clock()
+        self.counters["forward_calls"] += 1
+        if batch:
+            self._prefilled(batch, logits, toks, now, finished)
+        if decoding:
+            self.counters["decode_batches"] += 1
+            self.counters["decode_tokens"] += len(decoding)
+            for i, r in enumerate(decoding, start=len(batch)):
+                r.kv_done += 1
+                r.out.append(int(toks[i]))
+                r.seq = np.concatenate([r.seq, toks[i:i + 1]])
+                r.token_times.append(now)
+                if len(r.out) == r.max_new:
+                    self.running.remove(r)
+                    finished.append(self._finish(r))
+
+    def _prefilled(self, batch: list[tuple[BatchRequest, int]], logits: Any, toks: np.ndarray,
+                   now: float, finished: list[Generation]) -> None:
+        """The prefill chunks of a step are in (rows ``0 .. len(batch)-1``): a request whose
+        prompt is done gets its first token and decodes from the next step (or finishes)."""
         for r, n in batch:
             r.kv_done += n
             r.handle = None
         self.counters["prefill_batches"] += 1
         self.counters["prefill_tokens"] += sum(n for _, n in batch)
-        done = [(last[i], r) for i, (r, _) in enumerate(batch) if r.kv_done == r.target]
+        done = [(i, r) for i, (r, _) in enumerate(batch) if r.kv_done == r.target]
         if not done:
             return
-        toks = np.asarray(toks)
         first = [i for i, r in done if r.first_logits is None]
         first_rows = np.asarray(logits[np.asarray(first)]) if first else None
-        now = self.clock()
         for i, r in done:
             self.prefilling.remove(r)
             if r.first_logits is None:
@@ -364,28 +386,6 @@ class BatchedEngine:
             else:
                 self._ledger.share_prompt(r)
                 self.running.append(r)
-
-    def _decode(self, reqs: list[BatchRequest], finished: list[Generation]) -> None:
-        """One token for each of ``reqs`` (running); new pages first, retracting if needed."""
-        reqs = self._grow_pages(reqs)
-        if not reqs:
-            return
-        _, toks = self.model.forward_batch(
-            self.pool, [r.seq[r.kv_done:r.kv_done + 1] for r in reqs],
-            [r.kv_done for r in reqs], [r.pages for r in reqs], min_pages=self.table_bucket,
-            min_batch=self.batch_bucket)
-        toks = np.asarray(toks)
-        now = self.clock()
-        self.counters["decode_batches"] += 1
-        self.counters["decode_tokens"] += len(reqs)
-        for i, r in enumerate(reqs):
-            r.kv_done += 1
-            r.out.append(int(toks[i]))
-            r.seq = np.concatenate([r.seq, toks[i:i + 1]])
-            r.token_times.append(now)
-            if len(r.out) == r.max_new:
-                self.running.remove(r)
-                finished.append(self._finish(r))
 
     def _grow_pages(self, reqs: list[BatchRequest]) -> list[BatchRequest]:
         """A page for every request whose next position starts one; when none can be had,

@@ -16,8 +16,10 @@ jit (the pool is never copied or converted as a whole). Callers dispatch them th
 The jitted entry points: :data:`STEP` (fused: embedding, all layers by ``lax.scan`` over the
 stacked layer weights, head), :data:`EMBED` / :data:`LAYER` / :data:`HEAD` (the same layer by
 layer, so a caller can wait for a layer's pages before running it), and their batched forms
-:data:`BATCH_STEP` / :data:`BATCH_LAYER` / :data:`BATCH_HEAD` (several requests' chunks, each
-through its own page table). :func:`reference_logits` is the dense oracle over the same math.
+:data:`BATCH_STEP` / :data:`BATCH_LAYER` / :data:`BATCH_HEAD`: a packed step over the flat tokens
+of several requests' chunks (prefill and decode in one call), the dense parts over the flat
+tokens, attention per row group (prefill query blocks, decode rows), each row through its
+request's page table. :func:`reference_logits` is the dense oracle over the same math.
 
 Threading: the jitted steps dispatch on the caller's thread, which must own the pool (DESIGN
 rule 4); :data:`TRACES` is only written at trace time.
@@ -27,6 +29,7 @@ from __future__ import annotations
 
 import collections
 import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -183,37 +186,58 @@ def _reference_jit(cfg: ModelConfig, params: Params, tokens: jax.Array) -> jax.A
     return jnp.dot(h, params["lm_head"], preferred_element_type=jnp.float32)
 
 
-def _batch_layer(cfg: ModelConfig, pool: jax.Array, layer: jax.Array, lp: Params, x: jax.Array,
-                 start: jax.Array, n_new: jax.Array, page_table: jax.Array):
-    """:func:`_paged_layer` over a batch of requests, each with its own chunk and page table.
+def _group_attend(cfg: ModelConfig, pool: jax.Array, layer: jax.Array, q: jax.Array,
+                  dtype: Any, src: jax.Array, qpos: jax.Array, table: jax.Array) -> jax.Array:
+    """Attention of one row group of a packed step: ``R`` rows of ``Tq`` query slots, each row
+    through its own page table.
 
     Args:
-        x: [B, T, d] the chunks (row ``b`` is request ``b``'s; rows >= n_new[b] are padding).
-        start, n_new: int32 [B] position of each chunk's first token, its valid rows (0: a
-            padding request, whose rows all write the scratch page).
-        page_table: int32 [B, Pb] each request's pages (padding entries: the scratch page).
+        q: [N, Hq, D] queries of the step's flat tokens.
+        src: int32 [R, Tq], the flat token of each query slot (padding slots repeat a valid one).
+        qpos: int32 [R, Tq], those tokens' positions (a slot sees keys at positions <= its own).
+        table: int32 [R, Pb], each row's pages (padding entries: the scratch page, whose
+            positions lie past every query's).
+
+    Returns:
+        [R * Tq, Hq * D] attention output of every slot, in the compute dtype.
     """
-    b, t, d = x.shape
-    ps, scratch, n_pages = pool.shape[3], pool.shape[2] - 1, page_table.shape[1]
-    hkv, hd = cfg.num_kv_heads, cfg.head_dim
-    rows = jnp.arange(t, dtype=jnp.int32)
-    pos = start[:, None] + rows[None, :]                                        # [B, T]
-    valid = rows[None, :] < n_new[:, None]
-    # The dense parts see B*T rows, as the single-request path sees T (flat 1-D indices: XLA:CPU
-    # runs 2-D scatters and gathers of the pool far slower).
-    q, k, v = _qkv(cfg, lp, x.reshape(b * t, d), pos.reshape(-1))
-    slot = jnp.take_along_axis(page_table, jnp.minimum(pos // ps, n_pages - 1), axis=1)
-    wpage, off = jnp.where(valid, slot, scratch).reshape(-1), (pos % ps).reshape(-1)
-    bits = pool.dtype
+    r, tq = src.shape
+    ps, n_pages, hd = pool.shape[3], table.shape[1], cfg.head_dim
+    qg = q[src.reshape(-1)].reshape(r, tq, cfg.num_heads, hd)
+    ctx_shape = (r, n_pages * ps, cfg.num_kv_heads, hd)
+    flat = table.reshape(-1)
+    kc = lax.bitcast_convert_type(pool[layer, 0, flat], dtype).reshape(ctx_shape)
+    vc = lax.bitcast_convert_type(pool[layer, 1, flat], dtype).reshape(ctx_shape)
+    kpos = jnp.arange(n_pages * ps, dtype=jnp.int32)[None, None, :]
+    out = _attend_batch(cfg, qg, kc, vc, kpos <= qpos[:, :, None])
+    return out.reshape(r * tq, cfg.num_heads * hd)
+
+
+def _batch_layer(cfg: ModelConfig, pool: jax.Array, layer: jax.Array, lp: Params, x: jax.Array,
+                 pos: jax.Array, wpage: jax.Array, groups: tuple, tok_slot: jax.Array):
+    """:func:`_paged_layer` over a packed step: the flat tokens of several requests' chunks.
+
+    The dense parts (norms, projections, MLP) run over the ``N`` flat tokens, with no padding
+    between requests; attention runs per row group (prefill query blocks of ``Tq`` slots, decode
+    rows of one), each row through its request's page table, and each token takes its slot's
+    output back (``tok_slot``).
+
+    Args:
+        x: [N, d] the step's tokens, request after request (padding at the end).
+        pos: int32 [N] each token's position in its request.
+        wpage: int32 [N] the page each token's K/V goes to (padding: the scratch page).
+        groups: ``(src, table)`` per row group (see :func:`_group_attend`).
+        tok_slot: int32 [N] each token's slot in the groups' slots, concatenated.
+    """
+    ps, bits = pool.shape[3], pool.dtype
+    q, k, v = _qkv(cfg, lp, x, pos)
+    off = pos % ps
     pool = pool.at[layer, 0, wpage, off].set(lax.bitcast_convert_type(k, bits))
     pool = pool.at[layer, 1, wpage, off].set(lax.bitcast_convert_type(v, bits))
-    ctx_shape = (b, n_pages * ps, hkv, hd)
-    table = page_table.reshape(-1)
-    kc = lax.bitcast_convert_type(pool[layer, 0, table], x.dtype).reshape(ctx_shape)
-    vc = lax.bitcast_convert_type(pool[layer, 1, table], x.dtype).reshape(ctx_shape)
-    kpos = jnp.arange(n_pages * ps, dtype=jnp.int32)[None, None, :]
-    mask = (kpos <= pos[:, :, None]) & (kpos < (start + n_new)[:, None, None])   # [B, T, S]
-    attn = _attend_batch(cfg, q.reshape(b, t, cfg.num_heads, hd), kc, vc, mask)
+    # Every token's K/V is written before any row reads: a block sees the blocks before it.
+    outs = [_group_attend(cfg, pool, layer, q, x.dtype, src, pos[src], table)
+            for src, table in groups]
+    attn = (outs[0] if len(outs) == 1 else jnp.concatenate(outs))[tok_slot]
     x = x + attn @ lp["wo"]
     return pool, x + _mlp(cfg, lp, x)
 
@@ -244,20 +268,19 @@ def _attend_batch(cfg: ModelConfig, q: jax.Array, k: jax.Array, v: jax.Array,
     return out.reshape(b, t, cfg.num_heads * hd).astype(q.dtype)
 
 
-def _batch_head(cfg: ModelConfig, params: Params, x: jax.Array, n_new: jax.Array):
-    """(float32 logits [B, V] of each request's last valid row, int32 [B] their argmax)."""
-    idx = jnp.maximum(n_new - 1, 0)[:, None, None]
-    last = jnp.take_along_axis(x, idx, axis=1)[:, 0]                            # [B, d]
-    logits = jax.vmap(lambda h: jnp.dot(_rms_norm(h, params["final_norm"], cfg.norm_eps),
-                                        params["lm_head"], preferred_element_type=jnp.float32))(last)
+def _batch_head(cfg: ModelConfig, params: Params, x: jax.Array, out_idx: jax.Array):
+    """(float32 logits [B, V] of the flat tokens ``out_idx`` [B] of x [N, d], int32 [B] their
+    argmax)."""
+    h = _rms_norm(x[out_idx], params["final_norm"], cfg.norm_eps)
+    logits = jnp.dot(h, params["lm_head"], preferred_element_type=jnp.float32)
     return logits, jnp.argmax(logits, axis=-1).astype(jnp.int32)
 
 
-def _fused_batch_step(cfg, pool, params, tokens, start, n_new, page_table):
+def _fused_batch_step(cfg, pool, params, tokens, pos, wpage, groups, tok_slot, out_idx):
     TRACES["batch_step"] += 1  # runs at trace time only: one per compile
-    pool, x = _scan_layers(_batch_layer, cfg, pool, params, _embed(params, tokens), start, n_new,
-                           page_table)
-    return pool, _batch_head(cfg, params, x, n_new)
+    pool, x = _scan_layers(_batch_layer, cfg, pool, params, _embed(params, tokens), pos, wpage,
+                           groups, tok_slot)
+    return pool, _batch_head(cfg, params, x, out_idx)
 
 
 def _counted_step(cfg, pool, params, tokens, start, n_new, page_table):
@@ -265,9 +288,9 @@ def _counted_step(cfg, pool, params, tokens, start, n_new, page_table):
     return _fused_step(cfg, pool, params, tokens, start, n_new, page_table)
 
 
-def _counted_batch_layer(cfg, pool, layer, lp, x, start, n_new, page_table):
+def _counted_batch_layer(cfg, pool, layer, lp, x, pos, wpage, groups, tok_slot):
     TRACES["batch_layer"] += 1
-    return _batch_layer(cfg, pool, layer, lp, x, start, n_new, page_table)
+    return _batch_layer(cfg, pool, layer, lp, x, pos, wpage, groups, tok_slot)
 
 
 #: Traces of each jitted step (``"step"``, ``"batch_step"``, ``"batch_layer"``), counted inside

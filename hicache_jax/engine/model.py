@@ -15,6 +15,8 @@ Two ways to run a forward over the same layer math:
 
 Token counts are padded to power-of-two buckets (at most ``chunk`` tokens) and page tables to
 power-of-two page counts, so the number of compiles stays logarithmic in prompt length.
+:meth:`DecoderModel.forward_batch` (the batched engine's one call a step) packs several requests'
+prefill chunks and decode tokens into one flat token list, bucketed as a whole (see there).
 
 Threading: every call dispatches on the caller's thread, which must be the thread that owns the
 pool (DESIGN rule 4).
@@ -145,16 +147,18 @@ class DecoderModel:
         return self._head(self.params, x, jnp.int32(n))
 
     def forward_batch(self, pool: PoolLike, chunks, starts, page_ids, *,
-                      waiter: LayerWaiter | None = None, min_bucket: int = 1,
+                      waiter: LayerWaiter | None = None, query_block: int = 32,
                       min_pages: int = 1, min_batch: int = 1) -> tuple[jax.Array, jax.Array]:
-        """One step over several requests: each chunk's K/V into its pages, last-token logits.
+        """One packed step over several requests' chunks (prefill chunks and decode tokens
+        alike): each chunk's K/V into its pages, the last token's logits of each chunk.
 
-        The chunks are padded to ``[fine_bucket(B), bucket(max len)]`` tokens and the page
-        tables to ``[fine_bucket(B), bucket(max pages)]`` (compiles stay logarithmic); a decode
-        step is the case of chunks of one token. Several chunks may belong to one request (its
-        prompt cut into query blocks, each with the request's page table and its own start):
-        every chunk's K/V is written before any is read, and each row attends to positions up
-        to its own, so a block sees the blocks before it.
+        The chunks' tokens are packed one after another into ``fine_bucket(total)`` flat rows,
+        so the dense layers see no padding between requests. Attention runs in two row groups:
+        chunks of more than one token cut into query blocks of ``query_block`` slots, and
+        one-token chunks (decode) in rows of one slot, each row through its request's page table
+        (``fine_bucket`` rows a group, ``fine_bucket(max pages, min_pages)`` pages a table):
+        compiles stay bounded by those buckets. Every chunk's K/V is written before any is read,
+        and each token attends to positions up to its own, so a block sees the blocks before it.
 
         Args:
             pool: the device pool (donated and rebound by ``pool.run``).
@@ -163,43 +167,85 @@ class DecoderModel:
             page_ids: B int arrays, request b's pages in position order (>= the pages its
                 positions up to the chunk's end need; only those are used).
             waiter: a layer-wise load handle (as :meth:`forward`); None -> one fused jit.
-            min_bucket / min_pages / min_batch: smallest token / page-table / batch buckets.
+            query_block: query slots of a prefill row (a power of two).
+            min_pages / min_batch: smallest page-table / flat-token buckets.
 
         Returns:
-            (float32 ``[fine_bucket(B), vocab]`` logits, int32 ``[fine_bucket(B)]`` greedy tokens): rows
-            ``>= B`` are padding. Jax arrays, not synchronized.
+            (float32 ``[R, vocab]`` logits, int32 ``[R]`` greedy tokens), row ``b < B`` for
+            chunk ``b``; rows ``>= B`` are padding. Jax arrays, not synchronized.
         """
         b = len(chunks)
         if b < 1 or len(starts) != b or len(page_ids) != b:
             raise ValueError(f"need >= 1 chunk and one start and page list each, got {b} "
                              f"chunks, {len(starts)} starts, {len(page_ids)} page lists")
-        ps = self._page_size(pool)
+        if query_block < 1 or bucket(query_block) != query_block:
+            raise ValueError(f"query_block={query_block!r} must be a power of two >= 1")
+        ps, scratch = self._page_size(pool), pool.num_pages
         lens = [int(np.shape(c)[0]) for c in chunks]
-        used = [-(-(int(s) + n) // ps) for s, n in zip(starts, lens)]
+        starts = [int(s) for s in starts]
+        used = [-(-(s + n) // ps) for s, n in zip(starts, lens)]
         for i, (s, n, u) in enumerate(zip(starts, lens, used)):
             if n < 1 or s < 0 or np.shape(page_ids[i])[0] < u:
                 raise ValueError(f"request {i}: chunk of {n} tokens at {s} with "
                                  f"{np.shape(page_ids[i])[0]} pages (needs >= 1 token at "
                                  f"start >= 0 and {u} pages of {ps} tokens)")
-        bb, tb = fine_bucket(b, min_batch), bucket(max(lens), min_bucket)
-        toks = np.zeros((bb, tb), np.int32)
-        table = np.full((bb, fine_bucket(max(used), min_pages)), pool.num_pages, np.int32)
-        start = np.zeros(bb, np.int32)
-        n_new = np.zeros(bb, np.int32)
-        for i in range(b):
-            toks[i, :lens[i]] = chunks[i]
-            table[i, :used[i]] = np.asarray(page_ids[i][:used[i]])
-        start[:b], n_new[:b] = starts, lens
-        args = (jnp.asarray(start), jnp.asarray(n_new), jnp.asarray(table))
+        packed = _pack(chunks, starts, page_ids, lens, used, ps, scratch, query_block,
+                       fine_bucket(max(used), min_pages), min_batch)
+        # numpy arguments go to the jit as they are: its C++ dispatch moves them to the device
+        # (a jnp.asarray each would cost ~40 us of Python per array, per step).
+        toks, rest = packed[0], packed[1:]
         if waiter is None:
-            return pool.run(self._batch_step, self.params, jnp.asarray(toks), *args)
-        x = EMBED(self.params, jnp.asarray(toks))
+            return pool.run(self._batch_step, self.params, toks, *rest)
+        x = EMBED(self.params, toks)
         for layer, lp in enumerate(self._layer_params):
             waiter.wait_layer(layer)
-            x = pool.run(self._batch_layer, jnp.int32(layer), lp, x, *args)
-        return self._batch_head(self.params, x, args[1])
+            x = pool.run(self._batch_layer, jnp.int32(layer), lp, x, *rest[:-1])
+        return self._batch_head(self.params, x, rest[-1])
 
     @staticmethod
     def _page_size(pool: PoolLike) -> int:
         spec = getattr(pool, "spec", None)
         return spec.page_size if spec is not None else int(pool.array.shape[3])
+
+
+def _pack(chunks, starts, page_ids, lens, used, ps, scratch, qb, n_pages, min_batch):
+    """Host arrays of :meth:`DecoderModel.forward_batch`'s packed step: flat tokens, their
+    positions and K/V pages, the row groups ``((src, table), ...)``, each token's slot, and each
+    chunk's last flat token (``[prefill rows + decode rows]``; padding repeats row 0)."""
+    total = sum(lens)
+    nflat = fine_bucket(total, min_batch)
+    toks = np.zeros(nflat, np.int32)
+    pos = np.zeros(nflat, np.int32)
+    wpage = np.full(nflat, scratch, np.int32)
+    tok_slot = np.zeros(nflat, np.int32)
+    prefill, decode, offs = [], [], []  # rows: (chunk, first flat token, tokens)
+    off = 0
+    for i, n in enumerate(lens):
+        offs.append(off)
+        p = np.arange(starts[i], starts[i] + n, dtype=np.int32)
+        toks[off:off + n] = chunks[i]
+        pos[off:off + n] = p
+        wpage[off:off + n] = np.asarray(page_ids[i], np.int32)[p // ps]
+        if n == 1:
+            decode.append((i, off, 1))
+        else:
+            prefill.extend((i, off + j, min(qb, n - j)) for j in range(0, n, qb))
+        off += n
+    groups, base = [], 0
+    for rows, tq in ((prefill, qb), (decode, 1)):
+        if not rows:
+            continue
+        r = fine_bucket(len(rows))
+        src = np.empty((r, tq), np.int32)
+        table = np.full((r, n_pages), scratch, np.int32)
+        slots = np.arange(tq, dtype=np.int32)
+        for k, (i, first, n) in enumerate(rows):
+            src[k] = first + np.minimum(slots, n - 1)  # padding slots repeat the last token
+            table[k, :used[i]] = np.asarray(page_ids[i][:used[i]], np.int32)
+            tok_slot[first:first + n] = base + k * tq + slots[:n]
+        src[len(rows):], table[len(rows):] = src[0], table[0]
+        groups.append((src, table))
+        base += r * tq
+    out_idx = np.zeros(sum(g[0].shape[0] for g in groups), np.int32)
+    out_idx[:len(lens)] = [o + n - 1 for o, n in zip(offs, lens)]
+    return toks, pos, wpage, tuple(groups), tok_slot, out_idx
