@@ -211,41 +211,47 @@ class DecoderModel:
 def _pack(chunks, starts, page_ids, lens, used, ps, scratch, qb, n_pages, min_batch):
     """Host arrays of :meth:`DecoderModel.forward_batch`'s packed step: flat tokens, their
     positions and K/V pages, the row groups ``((src, table), ...)``, each token's slot, and each
-    chunk's last flat token (``[prefill rows + decode rows]``; padding repeats row 0)."""
-    total = sum(lens)
-    nflat = fine_bucket(total, min_batch)
+    chunk's last flat token (``[prefill rows + decode rows]``; padding repeats row 0).
+
+    The flat tokens are the prefill chunks' (padded to ``fine_bucket`` of their count), then one
+    slot per decode row (``fine_bucket`` rows in a decode-only step, a power of two beside a
+    prefill): a full token budget plus the decode rows does not jump to the next bucket, and
+    the shapes a mixed step compiles stay few."""
+    pre = [i for i, n in enumerate(lens) if n > 1]
+    dec = [i for i, n in enumerate(lens) if n == 1]
+    tp = sum(lens[i] for i in pre)
+    np_ = fine_bucket(tp, min_batch) if pre else 0
+    nd = 0 if not dec else bucket(len(dec)) if pre else fine_bucket(len(dec), min_batch)
+    nflat = np_ + nd
     toks = np.zeros(nflat, np.int32)
     pos = np.zeros(nflat, np.int32)
     wpage = np.full(nflat, scratch, np.int32)
     tok_slot = np.zeros(nflat, np.int32)
-    prefill, decode, offs = [], [], []  # rows: (chunk, first flat token, tokens)
-    off = 0
-    for i, n in enumerate(lens):
-        offs.append(off)
-        p = np.arange(starts[i], starts[i] + n, dtype=np.int32)
-        toks[off:off + n] = chunks[i]
-        pos[off:off + n] = p
-        wpage[off:off + n] = np.asarray(page_ids[i], np.int32)[p // ps]
-        if n == 1:
-            decode.append((i, off, 1))
-        else:
-            prefill.extend((i, off + j, min(qb, n - j)) for j in range(0, n, qb))
-        off += n
+    out_idx = np.zeros((fine_bucket(sum(-(-lens[i] // qb) for i in pre)) if pre else 0) + nd,
+                       np.int32)
+    rows = ([], [])  # per group: (chunk, first flat token, tokens)
+    for group, chunk_ids, off in ((0, pre, 0), (1, dec, np_)):
+        for i in chunk_ids:
+            n = lens[i]
+            p = np.arange(starts[i], starts[i] + n, dtype=np.int32)
+            toks[off:off + n] = chunks[i]
+            pos[off:off + n] = p
+            wpage[off:off + n] = np.asarray(page_ids[i], np.int32)[p // ps]
+            out_idx[i] = off + n - 1
+            rows[group].extend((i, off + j, min(qb, n - j)) for j in range(0, n, qb))
+            off += n
     groups, base = [], 0
-    for rows, tq in ((prefill, qb), (decode, 1)):
-        if not rows:
+    for group, tq, r in ((rows[0], qb, fine_bucket(len(rows[0]))), (rows[1], 1, nd)):
+        if not group:
             continue
-        r = fine_bucket(len(rows))
         src = np.empty((r, tq), np.int32)
         table = np.full((r, n_pages), scratch, np.int32)
         slots = np.arange(tq, dtype=np.int32)
-        for k, (i, first, n) in enumerate(rows):
+        for k, (i, first, n) in enumerate(group):
             src[k] = first + np.minimum(slots, n - 1)  # padding slots repeat the last token
             table[k, :used[i]] = np.asarray(page_ids[i][:used[i]], np.int32)
             tok_slot[first:first + n] = base + k * tq + slots[:n]
-        src[len(rows):], table[len(rows):] = src[0], table[0]
+        src[len(group):], table[len(group):] = src[0], table[0]
         groups.append((src, table))
         base += r * tq
-    out_idx = np.zeros(sum(g[0].shape[0] for g in groups), np.int32)
-    out_idx[:len(lens)] = [o + n - 1 for o, n in zip(offs, lens)]
     return toks, pos, wpage, tuple(groups), tok_slot, out_idx
