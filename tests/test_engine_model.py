@@ -116,6 +116,40 @@ def test_packed_step_mixes_prefill_chunks_and_decode_tokens(layerwise, page_size
     np.testing.assert_allclose(np.asarray(got)[0], want, **TOL)
 
 
+def test_layerwise_if_compiled_never_compiles_a_shape_the_fused_step_has():
+    """With layerwise_if_compiled, a pending load runs layer by layer only for shapes whose
+    per-layer executables exist (or whose fused one does not either): otherwise every layer is
+    waited for, then the fused step runs, compiling nothing. Results are the same either way."""
+    model = DecoderModel(CFG, seed=4)
+    rng = np.random.default_rng(11)
+    seqs = [rng.integers(0, CFG.vocab_size, n).astype(np.int32) for n in (19, 26)]
+    refs = [np.asarray(reference_logits(CFG, model.params, s))[-1] for s in seqs]
+    pages = [_pages(2, seed=1), _pages(2, seed=2)]
+    pages[1] = np.setdiff1d(_pages(6, seed=2), pages[0])[:2].astype(np.int32)
+
+    def run(waiter, **kw):
+        pool = _poisoned_pool(16)
+        logits, _ = model.forward_batch(pool, seqs, [0, 0], pages, waiter=waiter,
+                                        query_block=8, **kw)
+        for got, want in zip(np.asarray(logits), refs):
+            np.testing.assert_allclose(got, want, **TOL)
+
+    run(None)                               # the fused step of this shape is compiled
+    layers_before = trace_count("batch_layer")
+    waiter = _Waiter()
+    run(waiter, layerwise_if_compiled=True)  # waits for every layer, then the fused step
+    assert waiter.calls == list(range(CFG.num_layers))
+    assert trace_count("batch_layer") == layers_before
+    waiter = _Waiter()
+    run(waiter)                             # asked for explicitly: the per-layer path compiles
+    assert trace_count("batch_layer") > layers_before
+    layers_after = trace_count("batch_layer")
+    waiter = _Waiter()
+    run(waiter, layerwise_if_compiled=True)  # its executables exist now: layer by layer again
+    assert waiter.calls == list(range(CFG.num_layers))
+    assert trace_count("batch_layer") == layers_after
+
+
 def test_forward_batch_rejects_a_bad_query_block(model):
     pool = _poisoned_pool(16)
     with pytest.raises(ValueError, match="query_block=12 must be a power of two"):

@@ -86,7 +86,9 @@ class BatchedEngine:
         mode: "none" | "device" | "hicache".
         token_budget: prefill tokens per step (a power of two; longer prompts are chunked).
         max_running: requests prefilling or decoding at once (>= 1).
-        layerwise: load back layer by layer (the step's forward waits per layer).
+        layerwise: load back layer by layer (the step's forward waits per layer), for step
+            shapes the per-layer path has run before or the fused one has not
+            (``forward_batch(layerwise_if_compiled=True)``: no compile the fused path spares).
         query_block: prefill chunks are cut into blocks of this many tokens (a power of two),
             each an attention row with its request's page table (the dense layers see the
             step's tokens packed, without padding between requests); compiles are bounded by
@@ -342,7 +344,7 @@ class BatchedEngine:
         logits, toks = self.model.forward_batch(
             self.pool, chunks, [r.kv_done for r in reqs], [r.pages for r in reqs],
             waiter=waiter if self.layerwise else None, query_block=self.query_block,
-            min_pages=self.table_bucket, min_batch=self.batch_bucket)
+            min_pages=self.table_bucket, min_batch=self.batch_bucket, layerwise_if_compiled=True)
         toks = np.asarray(toks)
         now = self.clock()
         self.counters["forward_calls"] += 1

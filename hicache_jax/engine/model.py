@@ -148,7 +148,8 @@ class DecoderModel:
 
     def forward_batch(self, pool: PoolLike, chunks, starts, page_ids, *,
                       waiter: LayerWaiter | None = None, query_block: int = 32,
-                      min_pages: int = 1, min_batch: int = 1) -> tuple[jax.Array, jax.Array]:
+                      min_pages: int = 1, min_batch: int = 1,
+                      layerwise_if_compiled: bool = False) -> tuple[jax.Array, jax.Array]:
         """One packed step over several requests' chunks (prefill chunks and decode tokens
         alike): each chunk's K/V into its pages, the last token's logits of each chunk.
 
@@ -169,6 +170,12 @@ class DecoderModel:
             waiter: a layer-wise load handle (as :meth:`forward`); None -> one fused jit.
             query_block: query slots of a prefill row (a power of two).
             min_pages / min_batch: smallest page-table / flat-token buckets.
+            layerwise_if_compiled: with a ``waiter``, run layer by layer only when this step's
+                shapes have per-layer executables already, or have no fused one either (a
+                compile is due anyway); otherwise wait for every layer, then run the fused
+                step. The per-layer path then never compiles a shape the fused one has: it runs
+                only when a load-back is pending, so a warm-up sees few of its shapes, and a
+                compile in a timed run stalls every running request (~0.9 s on CPU).
 
         Returns:
             (float32 ``[R, vocab]`` logits, int32 ``[R]`` greedy tokens), row ``b < B`` for
@@ -194,8 +201,16 @@ class DecoderModel:
         # numpy arguments go to the jit as they are: its C++ dispatch moves them to the device
         # (a jnp.asarray each would cost ~40 us of Python per array, per step).
         toks, rest = packed[0], packed[1:]
+        key = (self.cfg, tuple(np.shape(a) for a in jax.tree.leaves(packed)))
+        if (waiter is not None and layerwise_if_compiled and (key, "layers") not in _RAN
+                and (key, "fused") in _RAN):
+            for layer in range(self.cfg.num_layers):
+                waiter.wait_layer(layer)
+            waiter = None
         if waiter is None:
+            _RAN.add((key, "fused"))
             return pool.run(self._batch_step, self.params, toks, *rest)
+        _RAN.add((key, "layers"))
         x = EMBED(self.params, toks)
         for layer, lp in enumerate(self._layer_params):
             waiter.wait_layer(layer)
@@ -206,6 +221,11 @@ class DecoderModel:
     def _page_size(pool: PoolLike) -> int:
         spec = getattr(pool, "spec", None)
         return spec.page_size if spec is not None else int(pool.array.shape[3])
+
+
+#: (config, packed shapes) x ("fused" | "layers") of every batched step run so far: the jits are
+#: module-level, so a shape one model ran is compiled for every model of the same config.
+_RAN: set[tuple[Any, str]] = set()
 
 
 def _pack(chunks, starts, page_ids, lens, used, ps, scratch, qb, n_pages, min_batch):
