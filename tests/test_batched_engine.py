@@ -208,6 +208,35 @@ def test_a_waiting_request_is_not_loaded_back_while_it_waits(model):
     _drained(eng)
 
 
+def test_a_host_prefix_two_admissions_share_is_counted_once(model):
+    rng = np.random.default_rng(14)
+    prefix = rng.integers(1, CFG.vocab_size, 32).astype(np.int32)
+    prompts = [np.concatenate([prefix, rng.integers(1, CFG.vocab_size, 5).astype(np.int32)])
+               for _ in range(2)]
+    ref = Engine(model, _cache(model, 16, "none", device=64), mode="none", chunk_size=64,
+                 prefill_bucket=64, table_bucket=32).generate(prompts, 3)
+    eng = _batched(model, 16, policy="write_through")
+    eng.generate([prefix], 1)
+    eng.cache.flush()
+    eng.cache.evict(8 * 16)
+    eng.cache.flush()
+    held = eng.cache.alloc_pages(4)  # 4 pages left: 3 + 3, less the 2 loaded back once
+    for i, p in enumerate(prompts):
+        eng.submit(p, 3, key=i)
+    loaded = eng.cache.stats()["load_back_tokens"]
+    eng.step()
+    assert sorted(r.key for r in eng.prefilling + eng.running) == [0, 1]
+    assert eng.cache.stats()["load_back_tokens"] - loaded == 32
+    gens = {}
+    while eng.busy:
+        gens.update((g.record.key, g) for g in eng.step())
+    for i, r in enumerate(ref):
+        np.testing.assert_array_equal(gens[i].tokens, r.tokens)
+    assert eng.counters["admission_plan_misses"] == 0
+    eng.cache.free_pages(held)
+    _drained(eng)
+
+
 def test_the_head_is_admitted_when_only_it_fits(model):
     rng = np.random.default_rng(12)
     prefix = rng.integers(1, CFG.vocab_size, 64).astype(np.int32)
