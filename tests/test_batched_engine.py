@@ -101,6 +101,7 @@ def test_matches_serial_every_policy(model, chat_ref, page_size, policy):
     # 4 clients need more pages than the pool has: some wait for others to finish
         assert max(g.record.queue_s for g in gens.values()) > 0
     assert eng.counters["prefill_batches"] < len(gens)  # requests were batched
+    assert eng.counters["admission_plan_misses"] == 0  # admission's count was never short
     _drained(eng)
 
 
@@ -169,6 +170,114 @@ def test_one_load_back_for_the_requests_admitted_together(model):
         eng.step()
     recs = sorted(eng.records[-3:], key=lambda r: r.key)
     assert [r.host_hit_tokens for r in recs] == [16, 16, 16]
+    _drained(eng)
+
+
+def test_a_waiting_request_is_not_loaded_back_while_it_waits(model):
+    rng = np.random.default_rng(11)
+    prefix = rng.integers(1, CFG.vocab_size, 32).astype(np.int32)
+    eng = _batched(model, 16, policy="write_through")
+    eng.generate([prefix], 1)
+    eng.cache.flush()
+    eng.cache.evict(8 * 16)
+    eng.cache.flush()
+    assert eng.cache.stats()["device_cached_tokens"] == 0  # the prefix is on host only
+    # 60 + 40 tokens: 4 pages now, 7 at the end, the other 3 kept in reserve (decode_reserve 1)
+    eng.submit(rng.integers(1, CFG.vocab_size, 60).astype(np.int32), 40, key="long")
+    eng.step()
+    assert [r.key for r in eng.running] == ["long"]
+    # 3 pages (2 of them loaded back): never fits beside the long one's reserve
+    eng.submit(np.concatenate([prefix, rng.integers(1, CFG.vocab_size, 5).astype(np.int32)]), 3,
+               key="w")
+    moved = ("bytes_to_device", "load_backs", "load_back_tokens")
+    before = {k: eng.cache.stats()[k] for k in moved}
+    calls = eng.counters["load_back_calls"]
+    waited = 0
+    while eng.running:
+        eng.step()
+        w = eng.waiting[0]
+        assert [r.key for r in eng.waiting] == ["w"] and w.lock is None and w.pages.size == 0
+        assert {k: eng.cache.stats()[k] for k in moved} == before
+        assert eng.counters["load_back_calls"] == calls
+        waited += 1
+    assert waited > 30
+    while eng.busy:
+        eng.step()
+    rec = {r.key: r for r in eng.records}
+    assert rec["w"].host_hit_tokens == 32 and eng.counters["load_back_calls"] == calls + 1
+    _drained(eng)
+
+
+def test_a_host_prefix_two_admissions_share_is_counted_once(model):
+    rng = np.random.default_rng(14)
+    prefix = rng.integers(1, CFG.vocab_size, 32).astype(np.int32)
+    prompts = [np.concatenate([prefix, rng.integers(1, CFG.vocab_size, 5).astype(np.int32)])
+               for _ in range(2)]
+    ref = Engine(model, _cache(model, 16, "none", device=64), mode="none", chunk_size=64,
+                 prefill_bucket=64, table_bucket=32).generate(prompts, 3)
+    eng = _batched(model, 16, policy="write_through")
+    eng.generate([prefix], 1)
+    eng.cache.flush()
+    eng.cache.evict(8 * 16)
+    eng.cache.flush()
+    held = eng.cache.alloc_pages(4)  # 4 pages left: 3 + 3, less the 2 loaded back once
+    for i, p in enumerate(prompts):
+        eng.submit(p, 3, key=i)
+    loaded = eng.cache.stats()["load_back_tokens"]
+    eng.step()
+    assert sorted(r.key for r in eng.prefilling + eng.running) == [0, 1]
+    assert eng.cache.stats()["load_back_tokens"] - loaded == 32
+    gens = {}
+    while eng.busy:
+        gens.update((g.record.key, g) for g in eng.step())
+    for i, r in enumerate(ref):
+        np.testing.assert_array_equal(gens[i].tokens, r.tokens)
+    assert eng.counters["admission_plan_misses"] == 0
+    eng.cache.free_pages(held)
+    _drained(eng)
+
+
+def test_the_head_is_admitted_when_only_it_fits(model):
+    rng = np.random.default_rng(12)
+    prefix = rng.integers(1, CFG.vocab_size, 64).astype(np.int32)
+    head = np.concatenate([prefix, rng.integers(1, CFG.vocab_size, 10).astype(np.int32)])
+    other = rng.integers(1, CFG.vocab_size, 60).astype(np.int32)
+    ref = Engine(model, _cache(model, 16, "none", device=64), mode="none", chunk_size=64,
+                 prefill_bucket=64, table_bucket=32).generate([head, other], 2)
+    eng = _batched(model, 16, mode="device")
+    eng.generate([prefix], 1)  # its 4 pages in the tree ...
+    held = eng.cache.match_prefix(prefix)
+    eng.cache.lock(held.node)  # ... locked outside the engine: 4 pages left free
+    eng.submit(head, 2, key="head")   # 5 pages: 4 matched (locked already) + 1 new
+    eng.submit(other, 2, key="other")  # 4 new pages: not beside the head's
+    eng.step()
+    assert [r.key for r in eng.prefilling + eng.running] == ["head"]
+    assert [r.key for r in eng.waiting] == ["other"] and eng.waiting[0].pages.size == 0
+    gens = {}
+    while eng.busy:
+        gens.update((g.record.key, g) for g in eng.step())
+    for key, r in zip(["head", "other"], ref):
+        np.testing.assert_array_equal(gens[key].tokens, r.tokens)
+        np.testing.assert_allclose(gens[key].first_logits, r.first_logits, **TOL)
+    assert gens["head"].record.device_hit_tokens == 64
+    eng.cache.unlock(held.node)
+    _drained(eng)
+
+
+def test_the_head_may_take_every_free_and_evictable_page(model):
+    rng = np.random.default_rng(13)
+    eng = _batched(model, 16, mode="hicache", policy="write_back")
+    eng.generate([rng.integers(1, CFG.vocab_size, 64).astype(np.int32)], 1)
+    st = eng.cache.stats()
+    assert (st["device_free_pages"], st["device_evictable_pages"]) == (4, 4)
+    big = rng.integers(1, CFG.vocab_size, 120).astype(np.int32)  # + 8 new: all 8 pages
+    eng.submit(big, 8, key="big")
+    eng.submit(rng.integers(1, CFG.vocab_size, 20).astype(np.int32), 2, key="small")
+    eng.step()
+    assert [r.key for r in eng.prefilling] == ["big"] and [r.key for r in eng.waiting] == ["small"]
+    while eng.busy:
+        eng.step()
+    assert [r.key for r in eng.records] == [0, "big", "small"]
     _drained(eng)
 
 

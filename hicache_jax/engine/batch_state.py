@@ -13,6 +13,7 @@ Threading: the ledger and its requests belong to the engine's thread (the cache'
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, Callable, Hashable
 
 import numpy as np
@@ -81,18 +82,21 @@ class PageLedger:
         self.ps = cache.spec.page_size
 
     def take(self, req: BatchRequest, m: Match | None, active: list[BatchRequest],
-             reserve: float) -> bool:
+             reserve: float, *, checked: bool = False) -> bool:
         """Allocate the prompt's uncached pages beyond ``m`` (locked by the caller), keeping
         ``reserve`` x the remaining decode pages of ``req`` and the ``active`` requests free or
-        evictable; False (nothing taken) when they cannot be had now."""
+        evictable; False (nothing taken) when they cannot be had now. ``checked``: an
+        :class:`AdmissionPlan` already counted this request's pages and reserve (no stats()
+        read; only the allocation itself can still fail)."""
         cache, ps = self.cache, self.ps
         prefix = np.zeros(0, np.int32) if m is None else m.device_pages
         target = req.seq.shape[0]
         need = -(-target // ps) - prefix.shape[0]
-        future = self.future_pages(req, prefix.shape[0] + need)
-        future += sum(self.future_pages(r) for r in active)
-        if not self.fits(need + int(np.ceil(reserve * future))):
-            return False
+        if not checked:
+            future = self.future_pages(req, prefix.shape[0] + need)
+            future += sum(self.future_pages(r) for r in active)
+            if not self.fits(need + math.ceil(reserve * future)):
+                return False
         try:
             new = cache.alloc_pages(need)
         except OutOfPagesError:
@@ -189,3 +193,108 @@ class PageLedger:
         if r.lock is not None:
             cache.unlock(r.lock)
         r.lock, r.pages, r.kv_done, r.locked_len = None, np.zeros(0, np.int32), 0, 0
+
+
+class AdmissionPlan:
+    """One step's count of who among the waiting requests gets device pages, decided BEFORE
+    anything is loaded back, locked or allocated: a request that will wait moves no bytes and
+    takes no L1 page (the scheduler tries requests oldest first and stops at the first refused).
+
+    An admitted request holds ``ceil(len(seq) / page_size)`` pages: its matched device pages
+    (locked: they stop being evictable) and new ones, whether its host part is loaded back or
+    recomputed. The plan adds up what the admitted requests take -- new pages, plus matched
+    device pages that no active request or earlier admission holds locked, minus host pages an
+    earlier admission loads back for it -- and the decode reserve (as :meth:`PageLedger.take`
+    reckons it), against free + evictable pages read once (``stats()``).
+
+    The first request tried is counted exactly: its match is locked before that read (a lock
+    held elsewhere, e.g. by a copy in flight, is then not counted twice), and copies in flight
+    are waited for before refusing it, as :meth:`PageLedger.fits` does; refusing it is what
+    :meth:`PageLedger.take` would do after its load-back. The later ones are counted
+    conservatively (a page locked outside the engine counts as newly locked): a wrong estimate
+    makes one wait a step, never over-commits. :meth:`release` drops the first request's lock
+    once the scheduler has locked the load-back's results.
+
+    Args:
+        ledger: the engine's ledger (cache, page size, decode pages).
+        active: requests prefilling or running (their locks, their remaining decode pages).
+        reserve: the engine's current decode reserve fraction.
+    """
+
+    def __init__(self, ledger: PageLedger, active: list[BatchRequest], reserve: float) -> None:
+        self.ledger, self.active, self.reserve = ledger, active, reserve
+        self.future = sum(ledger.future_pages(r) for r in active)
+        self.used = 0           # pages the admitted requests take from free + evictable
+        self.avail = 0          # free + evictable pages (the first request's lock counted)
+        self.admitted = 0
+        self.held: Any = None   # NodeRef locked for the first request (see release)
+        self._locked: set[int] = set()
+        # (seq, device tokens, cached tokens) of admitted requests with a host part to load
+        self._loads: list[tuple[np.ndarray, int, int]] = []
+
+    def admit(self, req: BatchRequest, m: Match | None, cached: int) -> bool:
+        """Count ``req`` (matched as ``m``; ``cached``: tokens it will not compute, host part
+        included when over the load-back threshold) if it fits with those admitted before;
+        False (nothing counted, nothing held) when it must wait."""
+        ps = self.ledger.ps
+        pages = -(-req.seq.shape[0] // ps)
+        dev = [] if m is None else m.device_pages.tolist()
+        future = self.future + self.ledger.future_pages(req, pages)
+        reserve = math.ceil(self.reserve * future)
+        if self.admitted == 0:
+            cost = pages - len(dev)
+            if not self._first_fits(m, cost + reserve):
+                return False
+            self._locked.update(p for r in self.active
+                                for p in r.pages[:r.locked_len // ps].tolist())
+            self._locked.update(dev)
+        else:
+            fresh = [p for p in dev if p not in self._locked]
+            cost = pages - len(dev) - self._loaded_for(req, len(dev) * ps, cached) + len(fresh)
+            if self.used + cost + reserve > self.avail:
+                return False
+            self._locked.update(fresh)
+        self.used += cost
+        self.future = future
+        self.admitted += 1
+        if cached > len(dev) * ps:
+            self._loads.append((req.seq, len(dev) * ps, cached))
+        return True
+
+    def _first_fits(self, m: Match | None, pages: int) -> bool:
+        cache = self.ledger.cache
+        if m is not None:
+            cache.lock(m.node)
+        st = cache.stats()
+        avail = st["device_free_pages"] + st["device_evictable_pages"]
+        if avail < pages and st["transfers_in_flight"]:
+            cache.flush()
+            st = cache.stats()
+            avail = st["device_free_pages"] + st["device_evictable_pages"]
+        if avail < pages:
+            if m is not None:
+                cache.unlock(m.node)
+            return False
+        self.avail, self.held = avail, None if m is None else m.node
+        return True
+
+    def _loaded_for(self, req: BatchRequest, dev_len: int, cached: int) -> int:
+        """Pages of ``req``'s host part that an earlier admission's load-back brings in (the
+        same tree nodes: ``load_back_many`` loads an overlap once)."""
+        if cached <= dev_len:
+            return 0
+        best = 0
+        for seq, o_dev, o_cached in self._loads:
+            if o_dev != dev_len:  # a shared host node has the same device part above it
+                continue
+            k = min(cached, o_cached)  # both prompts are longer than what they have cached
+            diff = np.flatnonzero(req.seq[:k] != seq[:k])
+            common = k if diff.size == 0 else int(diff[0])
+            best = max(best, common // self.ledger.ps * self.ledger.ps - dev_len)
+        return best // self.ledger.ps
+
+    def release(self) -> None:
+        """Drop the lock taken for the first request (after its load-back result is locked)."""
+        if self.held is not None:
+            self.ledger.cache.unlock(self.held)
+            self.held = None

@@ -8,7 +8,9 @@ Each :meth:`BatchedEngine.step`:
    ``load_back_many`` for every admitted request's host part, ``lock``, ``alloc_pages`` for the
    prompt's uncached positions. A request that cannot get its pages while keeping
    ``decode_reserve`` x the running requests' remaining decode pages free (or evictable) waits,
-   and so does every later one (first come, first served). A request whose uncached prompt shares
+   and so does every later one (first come, first served); who fits is counted before anything
+   is loaded (``batch_state.AdmissionPlan``), so a waiting request is not loaded back, locked or
+   given pages while it waits. A request whose uncached prompt shares
    more than a page with one being prefilled waits for that one's pages to be inserted (SGLang's
    in-batch prefix check), so the shared part is computed once;
 2. **pages for decode** -- a running request whose next position starts a
@@ -55,8 +57,8 @@ import numpy as np
 from hicache_jax.errors import OutOfPagesError
 from hicache_jax.hicache import HiCache, Match
 from hicache_jax.validation import check_bool, is_int, is_real
-from hicache_jax.engine.batch_state import (BatchedRecord, BatchRequest, EngineStalledError,
-                                            PageLedger)
+from hicache_jax.engine.batch_state import (AdmissionPlan, BatchedRecord, BatchRequest,
+                                            EngineStalledError, PageLedger)
 from hicache_jax.engine.engine import (CacheMode, Generation, build_cache, check_prompt,
                                        parse_mode)
 from hicache_jax.engine.model import DecoderModel, bucket
@@ -253,38 +255,55 @@ class BatchedEngine:
         return batch
 
     def _candidates(self, budget: int, batch: list) -> list[tuple[BatchRequest, Match | None]]:
-        """Waiting requests to try, oldest first, with their matches; deferred ones stay."""
+        """Waiting requests admitted this step, oldest first, with their matches: matched one
+        at a time and counted by an :class:`AdmissionPlan` before anything is loaded, stopping
+        at the first that cannot get its pages (it and every later one wait, unloaded); those
+        deferred by the in-batch prefix check stay queued."""
         cands: list[tuple[BatchRequest, Match | None]] = []
         room = self.max_running - len(self.prefilling) - len(self.running)
-        active = list(self.prefilling)
+        if not self.waiting or budget <= 0 or room <= 0:
+            return cands
+        plan = AdmissionPlan(self._ledger, self.prefilling + self.running, self._reserve)
         skipped = []
-        while self.waiting and budget > 0 and len(cands) < room:
-            req = self.waiting.popleft()
-            m = None
-            cached = 0
-            if self.mode is not CacheMode.NONE:
-                m = self.cache.match_prefix(req.seq[:-1])
-                cached = m.device_len + (m.host_len if m.host_len
-                                         >= self.cache.cfg.load_back_threshold else 0)
-            if self._shares_uncached(req, cached, active + [c for c, _ in cands]):
-                skipped.append(req)
-                continue
-            cands.append((req, m))
-            budget -= min(req.seq.shape[0] - cached, budget)
+        try:
+            while self.waiting and budget > 0 and len(cands) < room:
+                req = self.waiting[0]
+                m = None
+                cached = 0
+                if self.mode is not CacheMode.NONE:
+                    m = self.cache.match_prefix(req.seq[:-1])
+                    cached = m.device_len + (m.host_len if m.host_len
+                                             >= self.cache.cfg.load_back_threshold else 0)
+                    if self._shares_uncached(req, cached, cands):
+                        skipped.append(self.waiting.popleft())
+                        continue
+                if not plan.admit(req, m, cached):
+                    break
+                cands.append((self.waiting.popleft(), m))
+                budget -= min(req.seq.shape[0] - cached, budget)
+        finally:
+            # Nothing evicts before load_back_many, which holds every match it is given while it
+            # takes pages: the first request's lock (an exact count) is no longer needed.
+            plan.release()
         self.waiting.extendleft(reversed(skipped))
         return cands
 
     def _shares_uncached(self, req: BatchRequest, cached: int,
-                         others: list[BatchRequest]) -> bool:
+                         cands: list[tuple[BatchRequest, Match | None]]) -> bool:
         """Whether ``req``'s prompt beyond ``cached`` shares more than a page with a prompt
-        being prefilled (it then waits for those pages, SGLang's in-batch prefix check)."""
-        if self.mode is CacheMode.NONE:
+        being prefilled or admitted this step (it then waits for those pages, SGLang's in-batch
+        prefix check): whether the first ``cached + page_size + 1`` tokens are the same,
+        compared as bytes (the page right after ``cached`` first, where prompts part)."""
+        k = cached + self.ps + 1
+        if req.seq.shape[0] < k:
             return False
-        for other in others:
-            n = min(req.seq.shape[0], other.seq.shape[0])
-            diff = np.flatnonzero(req.seq[:n] != other.seq[:n])
-            common = n if diff.size == 0 else int(diff[0])
-            if common - cached > self.ps:
+        tail, head = req.seq[cached:k].tobytes(), None
+        for other in self.prefilling + [c for c, _ in cands]:
+            o = other.seq
+            if o.shape[0] < k or o[cached:k].tobytes() != tail:
+                continue
+            head = req.seq[:cached].tobytes() if head is None else head
+            if o[:cached].tobytes() == head:
                 return True
         return False
 
@@ -301,7 +320,9 @@ class BatchedEngine:
                 self.cache.lock(m.node)
         cached = self.mode is not CacheMode.NONE
         for k, ((req, m0), m) in enumerate(zip(cands, matches)):
-            ok = budget > 0 and self._take_pages(req, m)
+            ok = budget > 0 and self._take_pages(req, m, checked=True)
+            if budget > 0 and not ok:  # the plan counted pages the allocation did not find
+                self.counters["admission_plan_misses"] += 1
             last = False
             if not ok and budget > 0 and k + 1 < len(cands):
                 # The later candidates' locks may be what holds the pages: release them (they
@@ -325,8 +346,9 @@ class BatchedEngine:
             if last:
                 return
 
-    def _take_pages(self, req: BatchRequest, m: Match | None) -> bool:
-        return self._ledger.take(req, m, self.prefilling + self.running, self._reserve)
+    def _take_pages(self, req: BatchRequest, m: Match | None, checked: bool = False) -> bool:
+        return self._ledger.take(req, m, self.prefilling + self.running, self._reserve,
+                                 checked=checked)
 
     def _stalled(self, req: BatchRequest | None = None) -> None:
         raise self._ledger.stalled_error(self.waiting[0] if req is None else req)
