@@ -301,6 +301,9 @@ def _bench_batched(args: argparse.Namespace, workload: Workload, model: DecoderM
               f"{hi['ttft_p50_ms'] / radix['ttft_p50_ms']:.2f}")
     leaks = sum(s["leaked_caller_pages"] + s["locked_pages_after_drain"]
                 for s in summaries.values())
+    print("compiles during the timed batched runs (each stalls every running request): " + ", ".join(
+        f"{name} {'/'.join(map(str, s['compiles_in_timed_runs']))}"
+        for name, s in summaries.items()))
     print(f"outputs identical to the serial engine (tokens, first-token logits <= "
           f"{serve_bench.logits_tol(args.dtype):g}): {'yes' if ok else 'no'}; pages leaked or locked "
           f"after the drain: {leaks}", flush=True)

@@ -21,6 +21,7 @@ import numpy as np
 
 from hicache_jax.engine.batched import BatchedEngine
 from hicache_jax.engine.engine import Engine, Generation
+from hicache_jax.engine.layers import trace_count
 from hicache_jax.engine.workloads import (ClosedLoop, PoissonArrivals, TraceArrivals, Workload)
 from hicache_jax.replay import format_table
 
@@ -200,7 +201,7 @@ def bench_batched(args: argparse.Namespace, workload: Workload,
                 warm = make(mode)
                 run(warm, args, workload)
                 warm.cache.close()
-        s_walls, b_walls, runs = [], [], []
+        s_walls, b_walls, runs, compiles = [], [], [], []
         for rep in range(args.repeats):  # alternated: drifting machine load hits both alike
             progress(f"{name}: serial ({rep + 1}/{args.repeats})")
             ser = make_serial(mode)
@@ -208,8 +209,10 @@ def bench_batched(args: argparse.Namespace, workload: Workload,
             ser.cache.close()
             progress(f"{name}: batched ({rep + 1}/{args.repeats})")
             eng = make_batched(mode)
+            traced = _traces()
             b_gens, b_wall = batched_run(eng, args, workload)
             runs.append(summary(b_gens, b_wall, eng))
+            compiles.append(_traces() - traced)
             eng.cache.close()
             s_walls.append(s_wall)
             b_walls.append(b_wall)
@@ -217,6 +220,7 @@ def bench_batched(args: argparse.Namespace, workload: Workload,
         for key in [k for k in s if k.startswith(("ttft_", "itl_"))]:  # times: the median run
             s[key] = float(np.median([r[key] for r in runs]))
         s["wall_s_runs"], s["serial_wall_s_runs"] = b_walls, s_walls
+        s["compiles_in_timed_runs"] = compiles  # a compile stalls every running request
         s_tokens = sum(g.record.prompt_tokens + g.record.output_tokens for g in s_gens.values())
         s["serial_tokens_per_s"] = s_tokens / float(np.median(s_walls))
         s["serial_ttft_p50_ms"] = _pct([g.record.ttft_s for g in s_gens.values()], 50)
@@ -225,6 +229,11 @@ def bench_batched(args: argparse.Namespace, workload: Workload,
         summaries[name] = s
         per_request[name] = [{k: v for k, v in vars(g.record).items()} for g in b_gens.values()]
     return summaries, per_request
+
+
+def _traces() -> int:
+    """Batched-step traces (= compiles) so far: both paths, all shapes."""
+    return trace_count("batch_step") + trace_count("batch_layer")
 
 
 def plot(path: str, per_request: dict[str, list[dict]]) -> None:
