@@ -302,11 +302,46 @@ def test_compiles_bounded_by_buckets(model):
     assert trace_count("batch_step") == again
 
 
+def test_without_compile_mixed_a_new_mixed_shape_runs_as_two_known_steps():
+    """compile_mixed=False (steady serving after a warm-up): a prefill + decode step whose
+    mixed shape has no executable runs as a prefill-only and a decode-only step, compiling
+    nothing new when those ran before; a mixed shape compiled while warming up is used. The
+    tokens are the serial engine's either way."""
+    cfg = ModelConfig(vocab_size=89, num_layers=1, d_model=16, num_heads=2, num_kv_heads=1,
+                      head_dim=8, ffn_dim=24)  # its own config: no shape of it ran before
+    model = DecoderModel(cfg, seed=5)
+    serial = Engine.create(model, "none", page_size=16, device_pages=32)
+    rng = np.random.default_rng(9)
+    traced, calls = [], []
+    for compile_mixed in (False, False, True, False):
+        eng = BatchedEngine.create(model, "none", page_size=16, device_pages=32,
+                                   token_budget=32, query_block=32,
+                                   compile_mixed=compile_mixed)
+        prompts = {k: rng.integers(1, cfg.vocab_size, 20).astype(np.int32) for k in "ab"}
+        eng.submit(prompts["a"], 8, key="a")
+        gens = eng.step() + eng.step()  # a's prefill, a's first decode (compiled the 1st time)
+        eng.submit(prompts["b"], 8, key="b")
+        before, c0 = trace_count("batch_step"), eng.counters["forward_calls"]
+        gens += eng.step()               # b's prefill beside a's decode: the mixed shape
+        traced.append(trace_count("batch_step") - before)
+        calls.append(eng.counters["forward_calls"] - c0)
+        while eng.busy:
+            gens += eng.step()
+        for g in gens:
+            want = serial.generate([prompts[g.record.key]], 8)[0]
+            np.testing.assert_array_equal(g.tokens, want.tokens)
+        assert eng.cache.stats()["device_free_pages"] == 32
+    # off: two known steps, nothing compiled (twice); on: the mixed shape is compiled, one
+    # step; off again: the compiled mixed shape is used.
+    assert calls == [2, 2, 1, 1] and traced == [0, 0, 1, 0]
+
+
 @pytest.mark.parametrize("kwargs, exc, match", [
     ({"token_budget": 48}, ValueError, "token_budget=48 must be a power of two"),
     ({"max_running": 0}, ValueError, "max_running=0 must be an int >= 1"),
     ({"decode_reserve": 1.5}, ValueError, r"decode_reserve=1.5 must be a number in \[0, 1\]"),
     ({"layerwise": "yes"}, TypeError, "layerwise"),
+    ({"compile_mixed": 1}, TypeError, "compile_mixed"),
     ({"mode": "l3"}, ValueError, "mode='l3' is not one of"),
     ({"clock": 3}, TypeError, "clock must be callable"),
 ])

@@ -69,6 +69,7 @@ __all__ = ["ArrivalProcess", "BatchedEngine", "BatchedRecord", "EngineStalledErr
 _RESERVE_DECAY = 0.02  # per step, back from 1 to decode_reserve after a retraction
 
 
+
 class ArrivalProcess(Protocol):
     """Where :meth:`BatchedEngine.serve` gets its requests (``workloads.ClosedLoop``,
     ``PoissonArrivals``, ``TraceArrivals``): those arriving at the start, and those a finished
@@ -99,6 +100,11 @@ class BatchedEngine:
         batch_bucket: smallest bucket of a step's packed tokens (a power of two).
         decode_reserve: fraction (in [0, 1]) of the active requests' remaining decode pages
             an admission keeps free or evictable; 1 never retracts, 0 admits greedily.
+        compile_mixed: compile a new prefill + decode step shape when one comes up (True, the
+            default: while warming up). Off (steady serving, after a warm-up), a mixed step
+            without an executable runs as a prefill step and a decode step instead: mixed
+            shapes are many (prefill tokens x rows x decode rows x pages), the two parts' few,
+            and a compile stalls every running request (~0.9 s on CPU). Settable at any time.
         clock: time source (seconds).
 
     Raises:
@@ -108,7 +114,7 @@ class BatchedEngine:
     def __init__(self, model: DecoderModel, cache: HiCache, *, mode: CacheMode | str = "hicache",
                  token_budget: int = 512, max_running: int = 64, layerwise: bool = True,
                  query_block: int = 32, table_bucket: int = 1, batch_bucket: int = 1,
-                 decode_reserve: float = 1.0,
+                 decode_reserve: float = 1.0, compile_mixed: bool = True,
                  clock: Callable[[], float] = time.perf_counter) -> None:
         self.mode = parse_mode(mode)
         if not isinstance(model, DecoderModel):
@@ -128,6 +134,7 @@ class BatchedEngine:
         if not is_real(decode_reserve) or not 0.0 <= decode_reserve <= 1.0:
             raise ValueError(f"decode_reserve={decode_reserve!r} must be a number in [0, 1]")
         check_bool("layerwise", layerwise)
+        check_bool("compile_mixed", compile_mixed)
         if not callable(clock):
             raise TypeError(f"clock must be callable, got {type(clock).__name__}")
         self.model, self.cache, self.pool = model, cache, cache.device_pool
@@ -136,6 +143,7 @@ class BatchedEngine:
         self.query_block = min(query_block, token_budget)
         self.table_bucket, self.batch_bucket = table_bucket, batch_bucket
         self.layerwise, self.decode_reserve = bool(layerwise), float(decode_reserve)
+        self.compile_mixed = bool(compile_mixed)
         self.clock = clock
         self._reserve = self.decode_reserve
         self.waiting: collections.deque[BatchRequest] = collections.deque()
@@ -358,16 +366,34 @@ class BatchedEngine:
     def _forward(self, batch: list[tuple[BatchRequest, int]], decoding: list[BatchRequest],
                  finished: list[Generation]) -> None:
         """One jitted step over this step's prefill chunks and decode tokens (layer-wise when a
-        load-back is pending), then each request's bookkeeping."""
+        load-back is pending), then each request's bookkeeping. With ``compile_mixed`` off, a
+        mixed step whose shapes have no executable runs as a prefill step and a decode step
+        (shapes of far fewer kinds, which a warm-up covers): no compile in steady serving."""
         waiter = next((r.handle for r, _ in batch if r.handle is not None), None)
-        chunks = [r.seq[r.kv_done:r.kv_done + n] for r, n in batch]
-        chunks += [r.seq[r.kv_done:r.kv_done + 1] for r in decoding]
-        reqs = [r for r, _ in batch] + decoding
-        logits, toks = self.model.forward_batch(
-            self.pool, chunks, [r.kv_done for r in reqs], [r.pages for r in reqs],
-            waiter=waiter if self.layerwise else None, query_block=self.query_block,
-            min_pages=self.table_bucket, min_batch=self.batch_bucket, layerwise_if_compiled=True)
-        toks = np.asarray(toks)
+        pre = [r.seq[r.kv_done:r.kv_done + n] for r, n in batch]
+        dec = [r.seq[r.kv_done:r.kv_done + 1] for r in decoding]
+        knobs = dict(query_block=self.query_block, min_pages=self.table_bucket,
+                     min_batch=self.batch_bucket)
+        parts = [(batch, decoding)]
+        if batch and decoding:
+            starts = [r.kv_done for r, _ in batch] + [r.kv_done for r in decoding]
+            mixed = self.model.batch_shape(self.pool, pre + dec, starts, **knobs)
+            if not self.compile_mixed and not self.model.batch_compiled(mixed):
+                parts = [(batch, []), ([], decoding)]
+        for part_batch, part_dec in parts:
+            chunks = pre if part_batch else []
+            chunks = chunks + (dec if part_dec else [])
+            reqs = [r for r, _ in part_batch] + part_dec
+            logits, toks = self.model.forward_batch(
+                self.pool, chunks, [r.kv_done for r in reqs], [r.pages for r in reqs],
+                waiter=waiter if self.layerwise and part_batch else None,
+                layerwise_if_compiled=True, **knobs)
+            self._forwarded(part_batch, part_dec, logits, np.asarray(toks), finished)
+
+    def _forwarded(self, batch: list[tuple[BatchRequest, int]], decoding: list[BatchRequest],
+                   logits: Any, toks: np.ndarray, finished: list[Generation]) -> None:
+        """A forward's results: rows ``0 .. len(batch)-1`` the prefill chunks', then one row per
+        decoding request."""
         now = self.clock()
         self.counters["forward_calls"] += 1
         if batch:

@@ -281,7 +281,8 @@ def _bench_batched(args: argparse.Namespace, workload: Workload, model: DecoderM
     ps = args.page_size
     knobs = dict(token_budget=args.token_budget, max_running=args.max_running,
                  layerwise=not args.no_layerwise, query_block=min(args.query_block, args.token_budget),
-                 table_bucket=table_bucket(ps), decode_reserve=args.decode_reserve)
+                 table_bucket=table_bucket(ps), decode_reserve=args.decode_reserve,
+                 compile_mixed=False)  # see serve_bench: no compile in a timed run
 
     def batched(mode: str) -> BatchedEngine:
         return BatchedEngine.create(model, mode, page_size=ps, device_pages=device_pages,

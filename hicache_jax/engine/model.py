@@ -201,7 +201,8 @@ class DecoderModel:
         # numpy arguments go to the jit as they are: its C++ dispatch moves them to the device
         # (a jnp.asarray each would cost ~40 us of Python per array, per step).
         toks, rest = packed[0], packed[1:]
-        key = (self.cfg, tuple(np.shape(a) for a in jax.tree.leaves(packed)))
+        key = _shape_key(self.cfg, lens, query_block, fine_bucket(max(used), min_pages),
+                         min_batch)
         if (waiter is not None and layerwise_if_compiled and (key, "layers") not in _RAN
                 and (key, "fused") in _RAN):
             for layer in range(self.cfg.num_layers):
@@ -217,6 +218,21 @@ class DecoderModel:
             x = pool.run(self._batch_layer, jnp.int32(layer), lp, x, *rest[:-1])
         return self._batch_head(self.params, x, rest[-1])
 
+    def batch_shape(self, pool: PoolLike, chunks, starts, *, query_block: int = 32,
+                    min_pages: int = 1, min_batch: int = 1) -> tuple:
+        """The shapes (hashable) :meth:`forward_batch` would compile for these chunks."""
+        ps = self._page_size(pool)
+        lens = [int(np.shape(c)[0]) for c in chunks]
+        used = [-(-(int(s) + n) // ps) for s, n in zip(starts, lens)]
+        return _shape_key(self.cfg, lens, query_block, fine_bucket(max(used), min_pages),
+                          min_batch)
+
+    @staticmethod
+    def batch_compiled(shape: tuple) -> bool:
+        """Whether a fused step of ``shape`` (:meth:`batch_shape`) ran before, in any model of
+        its config: :meth:`forward_batch` would reuse its executable rather than compile."""
+        return (shape, "fused") in _RAN
+
     @staticmethod
     def _page_size(pool: PoolLike) -> int:
         spec = getattr(pool, "spec", None)
@@ -226,6 +242,18 @@ class DecoderModel:
 #: (config, packed shapes) x ("fused" | "layers") of every batched step run so far: the jits are
 #: module-level, so a shape one model ran is compiled for every model of the same config.
 _RAN: set[tuple[Any, str]] = set()
+
+
+def _shape_key(cfg: ModelConfig, lens: list[int], qb: int, n_pages: int,
+               min_batch: int) -> tuple:
+    """What decides the packed step's shapes (see :func:`_pack`): the config, the flat prefill
+    and decode slots, the prefill rows, the query block and the page-table width."""
+    pre = [n for n in lens if n > 1]
+    n_dec = len(lens) - len(pre)
+    nd = 0 if not n_dec else bucket(n_dec) if pre else fine_bucket(n_dec, min_batch)
+    rows = sum(-(-n // qb) for n in pre)
+    return (cfg, fine_bucket(sum(pre), min_batch) if pre else 0, nd,
+            fine_bucket(rows) if pre else 0, qb, n_pages)
 
 
 def _pack(chunks, starts, page_ids, lens, used, ps, scratch, qb, n_pages, min_batch):

@@ -2,7 +2,9 @@
 process, beside the serial engine on the same requests, for no cache / device radix / HiCache.
 
 For each configuration (fresh cache each; an untimed warm-up pass of each engine first unless
-``--no-warmup``): the serial engine serves the requests back to back (rounds of the workload, or
+``--no-warmup``; the batched engines with ``compile_mixed=False``, so that every timed run
+reuses the warm-up's compiles: mixed prefill + decode shapes are too many for a warm-up to
+cover, and one compile in a timed run stalls every running request): the serial engine serves the requests back to back (rounds of the workload, or
 the trace in order), then the batched engine serves them as they arrive (``--arrivals``: closed
 loop multi-turn clients, Poisson at ``--rate``, or a Mooncake trace's timestamps x
 ``--time-scale``). The table gives, for the batched run: tokens recomputed, hit tokens by tier,
