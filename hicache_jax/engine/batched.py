@@ -69,7 +69,6 @@ __all__ = ["ArrivalProcess", "BatchedEngine", "BatchedRecord", "EngineStalledErr
 _RESERVE_DECAY = 0.02  # per step, back from 1 to decode_reserve after a retraction
 
 
-
 class ArrivalProcess(Protocol):
     """Where :meth:`BatchedEngine.serve` gets its requests (``workloads.ClosedLoop``,
     ``PoissonArrivals``, ``TraceArrivals``): those arriving at the start, and those a finished
@@ -375,14 +374,13 @@ class BatchedEngine:
         knobs = dict(query_block=self.query_block, min_pages=self.table_bucket,
                      min_batch=self.batch_bucket)
         parts = [(batch, decoding)]
-        if batch and decoding:
+        if batch and decoding and not self.compile_mixed:
             starts = [r.kv_done for r, _ in batch] + [r.kv_done for r in decoding]
-            mixed = self.model.batch_shape(self.pool, pre + dec, starts, **knobs)
-            if not self.compile_mixed and not self.model.batch_compiled(mixed):
+            if not self.model.batch_compiled(
+                    self.model.batch_shape(self.pool, pre + dec, starts, **knobs)):
                 parts = [(batch, []), ([], decoding)]
         for part_batch, part_dec in parts:
-            chunks = pre if part_batch else []
-            chunks = chunks + (dec if part_dec else [])
+            chunks = (pre if part_batch else []) + (dec if part_dec else [])
             reqs = [r for r, _ in part_batch] + part_dec
             logits, toks = self.model.forward_batch(
                 self.pool, chunks, [r.kv_done for r in reqs], [r.pages for r in reqs],

@@ -153,7 +153,8 @@ class DecoderModel:
         """One packed step over several requests' chunks (prefill chunks and decode tokens
         alike): each chunk's K/V into its pages, the last token's logits of each chunk.
 
-        The chunks' tokens are packed one after another into ``fine_bucket(total)`` flat rows,
+        The chunks' tokens are packed one after another into flat rows (the prefill chunks'
+        padded to ``fine_bucket`` of their count, then a slot per decode token: see ``_pack``),
         so the dense layers see no padding between requests. Attention runs in two row groups:
         chunks of more than one token cut into query blocks of ``query_block`` slots, and
         one-token chunks (decode) in rows of one slot, each row through its request's page table
@@ -188,21 +189,19 @@ class DecoderModel:
         if query_block < 1 or bucket(query_block) != query_block:
             raise ValueError(f"query_block={query_block!r} must be a power of two >= 1")
         ps, scratch = self._page_size(pool), pool.num_pages
-        lens = [int(np.shape(c)[0]) for c in chunks]
         starts = [int(s) for s in starts]
-        used = [-(-(s + n) // ps) for s, n in zip(starts, lens)]
+        lens, used = _lens_used(chunks, starts, ps)
         for i, (s, n, u) in enumerate(zip(starts, lens, used)):
             if n < 1 or s < 0 or np.shape(page_ids[i])[0] < u:
                 raise ValueError(f"request {i}: chunk of {n} tokens at {s} with "
                                  f"{np.shape(page_ids[i])[0]} pages (needs >= 1 token at "
                                  f"start >= 0 and {u} pages of {ps} tokens)")
-        packed = _pack(chunks, starts, page_ids, lens, used, ps, scratch, query_block,
-                       fine_bucket(max(used), min_pages), min_batch)
+        key = _shape_key(self.cfg, lens, query_block, fine_bucket(max(used), min_pages),
+                         min_batch)
+        packed = _pack(chunks, starts, page_ids, lens, used, ps, scratch, key)
         # numpy arguments go to the jit as they are: its C++ dispatch moves them to the device
         # (a jnp.asarray each would cost ~40 us of Python per array, per step).
         toks, rest = packed[0], packed[1:]
-        key = _shape_key(self.cfg, lens, query_block, fine_bucket(max(used), min_pages),
-                         min_batch)
         if (waiter is not None and layerwise_if_compiled and (key, "layers") not in _RAN
                 and (key, "fused") in _RAN):
             for layer in range(self.cfg.num_layers):
@@ -221,9 +220,7 @@ class DecoderModel:
     def batch_shape(self, pool: PoolLike, chunks, starts, *, query_block: int = 32,
                     min_pages: int = 1, min_batch: int = 1) -> tuple:
         """The shapes (hashable) :meth:`forward_batch` would compile for these chunks."""
-        ps = self._page_size(pool)
-        lens = [int(np.shape(c)[0]) for c in chunks]
-        used = [-(-(int(s) + n) // ps) for s, n in zip(starts, lens)]
+        lens, used = _lens_used(chunks, starts, self._page_size(pool))
         return _shape_key(self.cfg, lens, query_block, fine_bucket(max(used), min_pages),
                           min_batch)
 
@@ -244,6 +241,12 @@ class DecoderModel:
 _RAN: set[tuple[Any, str]] = set()
 
 
+def _lens_used(chunks, starts, ps: int) -> tuple[list[int], list[int]]:
+    """Each chunk's tokens, and the pages its positions up to the chunk's end take."""
+    lens = [int(np.shape(c)[0]) for c in chunks]
+    return lens, [-(-(int(s) + n) // ps) for s, n in zip(starts, lens)]
+
+
 def _shape_key(cfg: ModelConfig, lens: list[int], qb: int, n_pages: int,
                min_batch: int) -> tuple:
     """What decides the packed step's shapes (see :func:`_pack`): the config, the flat prefill
@@ -256,27 +259,25 @@ def _shape_key(cfg: ModelConfig, lens: list[int], qb: int, n_pages: int,
             fine_bucket(rows) if pre else 0, qb, n_pages)
 
 
-def _pack(chunks, starts, page_ids, lens, used, ps, scratch, qb, n_pages, min_batch):
-    """Host arrays of :meth:`DecoderModel.forward_batch`'s packed step: flat tokens, their
-    positions and K/V pages, the row groups ``((src, table), ...)``, each token's slot, and each
-    chunk's last flat token (``[prefill rows + decode rows]``; padding repeats row 0).
+def _pack(chunks, starts, page_ids, lens, used, ps, scratch, key):
+    """Host arrays of :meth:`DecoderModel.forward_batch`'s packed step of shape ``key``
+    (:func:`_shape_key`): flat tokens, their positions and K/V pages, the row groups
+    ``((src, table), ...)``, each token's slot, and each chunk's last flat token
+    (``[prefill rows + decode rows]``; padding repeats row 0).
 
     The flat tokens are the prefill chunks' (padded to ``fine_bucket`` of their count), then one
     slot per decode row (``fine_bucket`` rows in a decode-only step, a power of two beside a
     prefill): a full token budget plus the decode rows does not jump to the next bucket, and
     the shapes a mixed step compiles stay few."""
+    _, np_, nd, rp, qb, n_pages = key
     pre = [i for i, n in enumerate(lens) if n > 1]
     dec = [i for i, n in enumerate(lens) if n == 1]
-    tp = sum(lens[i] for i in pre)
-    np_ = fine_bucket(tp, min_batch) if pre else 0
-    nd = 0 if not dec else bucket(len(dec)) if pre else fine_bucket(len(dec), min_batch)
     nflat = np_ + nd
     toks = np.zeros(nflat, np.int32)
     pos = np.zeros(nflat, np.int32)
     wpage = np.full(nflat, scratch, np.int32)
     tok_slot = np.zeros(nflat, np.int32)
-    out_idx = np.zeros((fine_bucket(sum(-(-lens[i] // qb) for i in pre)) if pre else 0) + nd,
-                       np.int32)
+    out_idx = np.zeros(rp + nd, np.int32)
     rows = ([], [])  # per group: (chunk, first flat token, tokens)
     for group, chunk_ids, off in ((0, pre, 0), (1, dec, np_)):
         for i in chunk_ids:
@@ -289,7 +290,7 @@ def _pack(chunks, starts, page_ids, lens, used, ps, scratch, qb, n_pages, min_ba
             rows[group].extend((i, off + j, min(qb, n - j)) for j in range(0, n, qb))
             off += n
     groups, base = [], 0
-    for group, tq, r in ((rows[0], qb, fine_bucket(len(rows[0]))), (rows[1], 1, nd)):
+    for group, tq, r in ((rows[0], qb, rp), (rows[1], 1, nd)):
         if not group:
             continue
         src = np.empty((r, tq), np.int32)
