@@ -262,9 +262,7 @@ def bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if args.json:
         write_json(args.json, {
             "benchmark": "hicache-jax bench", "env": _env(),
-            "config": {**{k: v for k, v in vars(args).items() if k != "func"},
-                       "device_pages": device_pages, "host_pages": host_pages,
-                       "model": vars(cfg)},
+            "config": _config_record(args, device_pages, host_pages, cfg),
             "infinite_cache_hit_ratio": infinite, "outputs_identical": identical,
             "summary": summaries,
             "requests": {n: [{"session": s, "turn": t, **rec} for (s, t), rec in zip(turns, recs)]
@@ -311,14 +309,19 @@ def _bench_batched(args: argparse.Namespace, workload: Workload, model: DecoderM
     if args.json:
         write_json(args.json, {
             "benchmark": "hicache-jax bench --engine batched", "env": _env(),
-            "config": {**{k: v for k, v in vars(args).items() if k != "func"},
-                       "device_pages": device_pages, "host_pages": host_pages,
-                       "model": vars(cfg)},
+            "config": _config_record(args, device_pages, host_pages, cfg),
             "infinite_cache_hit_ratio": infinite, "outputs_identical": ok,
             "summary": summaries, "requests": per_request})
     if args.plot:
         serve_bench.plot(args.plot, per_request)
     return 0 if ok and not leaks else 1
+
+
+def _config_record(args: argparse.Namespace, device_pages: int, host_pages: int,
+                   cfg: ModelConfig) -> dict[str, Any]:
+    """The JSON's ``config``: every flag, the pool sizes the run used, the model."""
+    return {**{k: v for k, v in vars(args).items() if k != "func"},
+            "device_pages": device_pages, "host_pages": host_pages, "model": vars(cfg)}
 
 
 def check_writable(path: str) -> None:
