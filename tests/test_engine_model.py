@@ -73,10 +73,13 @@ def test_decode_steps_match_reference_rows(model, prompt, ref):
 
 @pytest.mark.parametrize("layerwise", [False, True])
 @pytest.mark.parametrize("page_size", [1, 16])
-def test_packed_step_mixes_prefill_chunks_and_decode_tokens(layerwise, page_size):
+@pytest.mark.parametrize("key_block", [128, 8])
+def test_packed_step_mixes_prefill_chunks_and_decode_tokens(layerwise, page_size, key_block):
     """One forward_batch over prefill chunks of several query blocks (mid-page starts, a chunk
     of one block, one of three) and decode tokens of other requests, on a poisoned pool: each
-    chunk's last-token logits match the dense reference, and the next step reads what it wrote."""
+    chunk's last-token logits match the dense reference, and the next step reads what it wrote.
+    key_block 128: every row's keys in one work item; 8: rows of up to six items (a page of 16
+    or 8 pages of 1 each), the items of one row merged."""
     model = DecoderModel(CFG, seed=1)
     rng = np.random.default_rng(3)
     seqs = [rng.integers(0, CFG.vocab_size, n).astype(np.int32) for n in (40, 23, 9, 31, 17)]
@@ -99,7 +102,7 @@ def test_packed_step_mixes_prefill_chunks_and_decode_tokens(layerwise, page_size
     starts = [3, 0] + [done[i] for i in (2, 3, 4)]
     waiter = _Waiter() if layerwise else None
     logits, toks = model.forward_batch(pool, chunks, starts, pages, waiter=waiter,
-                                       query_block=16)
+                                       query_block=16, key_block=key_block)
     if layerwise:
         assert waiter.calls == list(range(CFG.num_layers))
     logits = np.asarray(logits)
@@ -112,7 +115,7 @@ def test_packed_step_mixes_prefill_chunks_and_decode_tokens(layerwise, page_size
     want = np.asarray(reference_logits(CFG, model.params, full))[-1]
     pages0 = perm[used:used + -(-len(full) // page_size)]
     pages0 = np.concatenate([pages[0], pages0])[:-(-len(full) // page_size)]
-    got, _ = model.forward_batch(pool, [nxt], [len(seqs[0])], [pages0])
+    got, _ = model.forward_batch(pool, [nxt], [len(seqs[0])], [pages0], key_block=key_block)
     np.testing.assert_allclose(np.asarray(got)[0], want, **TOL)
 
 
@@ -154,6 +157,31 @@ def test_forward_batch_rejects_a_bad_query_block(model):
     pool = _poisoned_pool(16)
     with pytest.raises(ValueError, match="query_block=12 must be a power of two"):
         model.forward_batch(pool, [np.zeros(3, np.int32)], [0], [_pages(1)], query_block=12)
+    with pytest.raises(ValueError, match="key_block=0 must be an int >= 1"):
+        model.forward_batch(pool, [np.zeros(3, np.int32)], [0], [_pages(1)], key_block=0)
+
+
+def test_work_items_stop_at_each_rows_last_query():
+    """The packed step's key work: a row's key blocks run up to the page of its last query, not
+    to the longest row's (split-K); padding items point at the scratch page and see nothing."""
+    from hicache_jax.engine.model import _pack, _shape_key
+    lens, starts, ps = [40, 1, 1], [0, 100, 7], 4
+    key = _shape_key(CFG, lens, starts, ps, 16, 2, 1, 1)
+    # prefill rows see 16, 32, 40 keys: 2 + 4 + 5 blocks of 8 (11 -> bucket 12); decode rows
+    # see 101 and 8 keys: 13 + 1 blocks (14 -> 16 beside a prefill)
+    assert key[1:] == (48, 2, 3, 16, 12, 16, 2)
+    pages = [np.arange(10) + 10, np.arange(26) + 30, np.arange(2) + 60]
+    used = [10, 26, 2]
+    chunks = [np.zeros(n, np.int32) for n in lens]
+    _, _, _, groups, _, _ = _pack(chunks, starts, pages, lens, used, ps, 99, key)
+    (_, row, items, k0), (_, drow, ditems, dk0) = groups
+    np.testing.assert_array_equal(row[:11], [0] * 2 + [1] * 4 + [2] * 5)
+    np.testing.assert_array_equal(k0[:11], [0, 8, 0, 8, 16, 24, 0, 8, 16, 24, 32])
+    np.testing.assert_array_equal(items[6:11].reshape(-1), np.arange(10) + 10)
+    assert (items[11:] == 99).all() and (k0[11:] >= 1 << 30).all()
+    np.testing.assert_array_equal(drow[:14], [0] * 13 + [1])
+    np.testing.assert_array_equal(ditems[12], [54, 55])   # request 1's last block: pages 24, 25
+    np.testing.assert_array_equal(ditems[13], [60, 61])
 
 
 def test_untouched_pages_stay_poisoned(model, prompt):

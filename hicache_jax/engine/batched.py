@@ -94,8 +94,12 @@ class BatchedEngine:
         query_block: prefill chunks are cut into blocks of this many tokens (a power of two),
             each an attention row with its request's page table (the dense layers see the
             step's tokens packed, without padding between requests); compiles are bounded by
-            the token, row and page-table buckets.
-        table_bucket: smallest page-table bucket in pages (a power of two).
+            the token, row and work-item buckets.
+        key_block: tokens of a key block (rounded down to whole pages, at least one): each
+            attention row runs over its request's keys in blocks of this size, only up to its
+            last query (``forward_batch(key_block=...)``: split-K, no padding to the step's
+            longest row).
+        table_bucket: smallest bucket, in pages, of a row group's key blocks (a power of two).
         batch_bucket: smallest bucket of a step's packed tokens (a power of two).
         decode_reserve: fraction (in [0, 1]) of the active requests' remaining decode pages
             an admission keeps free or evictable; 1 never retracts, 0 admits greedily.
@@ -112,8 +116,8 @@ class BatchedEngine:
 
     def __init__(self, model: DecoderModel, cache: HiCache, *, mode: CacheMode | str = "hicache",
                  token_budget: int = 512, max_running: int = 64, layerwise: bool = True,
-                 query_block: int = 32, table_bucket: int = 1, batch_bucket: int = 1,
-                 decode_reserve: float = 1.0, compile_mixed: bool = True,
+                 query_block: int = 32, key_block: int = 64, table_bucket: int = 1,
+                 batch_bucket: int = 1, decode_reserve: float = 1.0, compile_mixed: bool = True,
                  clock: Callable[[], float] = time.perf_counter) -> None:
         self.mode = parse_mode(mode)
         if not isinstance(model, DecoderModel):
@@ -125,7 +129,8 @@ class BatchedEngine:
                 want.num_layers, want.num_kv_heads, want.head_dim, want.dtype, want.mla):
             raise ValueError(f"cache.spec {spec} does not hold this model's K/V (needs {want})")
         for name, value in (("token_budget", token_budget), ("query_block", query_block),
-                            ("table_bucket", table_bucket), ("batch_bucket", batch_bucket)):
+                            ("key_block", key_block), ("table_bucket", table_bucket),
+                            ("batch_bucket", batch_bucket)):
             if not is_int(value) or value < 1 or bucket(value) != value:
                 raise ValueError(f"{name}={value!r} must be a power of two >= 1")
         if not is_int(max_running) or max_running < 1:
@@ -139,7 +144,7 @@ class BatchedEngine:
         self.model, self.cache, self.pool = model, cache, cache.device_pool
         self.ps = spec.page_size
         self.token_budget, self.max_running = token_budget, max_running
-        self.query_block = min(query_block, token_budget)
+        self.query_block, self.key_block = min(query_block, token_budget), key_block
         self.table_bucket, self.batch_bucket = table_bucket, batch_bucket
         self.layerwise, self.decode_reserve = bool(layerwise), float(decode_reserve)
         self.compile_mixed = bool(compile_mixed)
@@ -371,8 +376,8 @@ class BatchedEngine:
         waiter = next((r.handle for r, _ in batch if r.handle is not None), None)
         pre = [r.seq[r.kv_done:r.kv_done + n] for r, n in batch]
         dec = [r.seq[r.kv_done:r.kv_done + 1] for r in decoding]
-        knobs = dict(query_block=self.query_block, min_pages=self.table_bucket,
-                     min_batch=self.batch_bucket)
+        knobs = dict(query_block=self.query_block, key_block=self.key_block,
+                     min_pages=self.table_bucket, min_batch=self.batch_bucket)
         parts = [(batch, decoding)]
         if batch and decoding and not self.compile_mixed:
             starts = [r.kv_done for r, _ in batch] + [r.kv_done for r in decoding]

@@ -198,7 +198,8 @@ def bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             raise ValueError(f"--chunk-size {args.chunk_size} must be a power of two")
         if args.engine == "batched":
             for flag, v in (("--token-budget", args.token_budget),
-                            ("--query-block", args.query_block)):
+                            ("--query-block", args.query_block),
+                            ("--key-block", args.key_block)):
                 if v < 1 or bucket(v) != v:
                     raise ValueError(f"{flag} {v} must be a power of two")
     except (ValueError, TypeError, OSError, ImportError) as exc:
@@ -279,6 +280,7 @@ def _bench_batched(args: argparse.Namespace, workload: Workload, model: DecoderM
     ps = args.page_size
     knobs = dict(token_budget=args.token_budget, max_running=args.max_running,
                  layerwise=not args.no_layerwise, query_block=min(args.query_block, args.token_budget),
+                 key_block=args.key_block,
                  table_bucket=table_bucket(ps), decode_reserve=args.decode_reserve,
                  compile_mixed=False)  # see serve_bench: no compile in a timed run
 

@@ -78,6 +78,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="batched: prefill tokens per step (power of two)")
     e.add_argument("--query-block", type=int, default=32,
                    help="batched: prefill rows of this many tokens (power of two)")
+    e.add_argument("--key-block", type=int, default=64,
+                   help="batched: attention runs over each row's keys in blocks of this many "
+                        "tokens (power of two; whole pages), up to the row's last query")
     e.add_argument("--max-running", type=int, default=64, help="batched: requests at once")
     e.add_argument("--repeats", type=int, default=1,
                    help="batched: timed serial/batched runs, alternated (median wall time)")

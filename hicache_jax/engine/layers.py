@@ -18,8 +18,8 @@ stacked layer weights, head), :data:`EMBED` / :data:`LAYER` / :data:`HEAD` (the 
 layer, so a caller can wait for a layer's pages before running it), and their batched forms
 :data:`BATCH_STEP` / :data:`BATCH_LAYER` / :data:`BATCH_HEAD`: a packed step over the flat tokens
 of several requests' chunks (prefill and decode in one call), the dense parts over the flat
-tokens, attention per row group (prefill query blocks, decode rows), each row through its
-request's page table. :func:`reference_logits` is the dense oracle over the same math.
+tokens, attention per row group (prefill query blocks, decode rows), each row over its
+request's pages in key blocks up to its last query (split-K work items, merged per row). :func:`reference_logits` is the dense oracle over the same math.
 
 Threading: the jitted steps dispatch on the caller's thread, which must own the pool (DESIGN
 rule 4); :data:`TRACES` is only written at trace time.
@@ -187,30 +187,67 @@ def _reference_jit(cfg: ModelConfig, params: Params, tokens: jax.Array) -> jax.A
 
 
 def _group_attend(cfg: ModelConfig, pool: jax.Array, layer: jax.Array, q: jax.Array,
-                  dtype: Any, src: jax.Array, qpos: jax.Array, table: jax.Array) -> jax.Array:
+                  dtype: Any, src: jax.Array, qpos: jax.Array, item_row: jax.Array,
+                  item_pages: jax.Array, item_k0: jax.Array) -> jax.Array:
     """Attention of one row group of a packed step: ``R`` rows of ``Tq`` query slots, each row
-    through its own page table.
+    over only the key blocks it can see (split-K: a row's keys are cut into work items of ``Kb``
+    pages, and every item of every row runs in one batched matmul).
+
+    A row's items are the blocks of its request's pages up to its last query's position, so a
+    row sees neither the padding of the longest row of the step nor the key blocks past its own
+    causal frontier. Each item's scores are taken against the row's max over all its items
+    (two passes, no rescaling: the same ``exp(s - max) / sum`` as :func:`_attend`, summed in a
+    different order), and the items' sums and outputs are added up per row.
 
     Args:
         q: [N, Hq, D] queries of the step's flat tokens.
         src: int32 [R, Tq], the flat token of each query slot (padding slots repeat a valid one).
         qpos: int32 [R, Tq], those tokens' positions (a slot sees keys at positions <= its own).
-        table: int32 [R, Pb], each row's pages (padding entries: the scratch page, whose
-            positions lie past every query's).
+        item_row: int32 [W], each work item's row (padding items: row 0, fully masked).
+        item_pages: int32 [W, Kb], the item's pages (padding entries: the scratch page).
+        item_k0: int32 [W], the position of the item's first key (padding items: past every
+            query, so they see nothing).
 
     Returns:
-        [R * Tq, Hq * D] attention output of every slot, in the compute dtype.
+        [R * Tq, Hq * D] attention output of every slot, in the compute dtype (rows without
+        items, i.e. padding rows, give zeros).
     """
     r, tq = src.shape
-    ps, n_pages, hd = pool.shape[3], table.shape[1], cfg.head_dim
-    qg = q[src.reshape(-1)].reshape(r, tq, cfg.num_heads, hd)
-    ctx_shape = (r, n_pages * ps, cfg.num_kv_heads, hd)
-    flat = table.reshape(-1)
-    kc = lax.bitcast_convert_type(pool[layer, 0, flat], dtype).reshape(ctx_shape)
-    vc = lax.bitcast_convert_type(pool[layer, 1, flat], dtype).reshape(ctx_shape)
-    kpos = jnp.arange(n_pages * ps, dtype=jnp.int32)[None, None, :]
-    out = _attend_batch(cfg, qg, kc, vc, kpos <= qpos[:, :, None])
-    return out.reshape(r * tq, cfg.num_heads * hd)
+    w, kb = item_pages.shape
+    ps, hd, hkv = pool.shape[3], cfg.head_dim, cfg.num_kv_heads
+    g, s = cfg.num_heads // hkv, kb * ps
+    # Plain batched matmuls over (item, kv head): q as [W, Hkv, G*Tq, D], k and v as
+    # [W, Hkv, S, D]. XLA:CPU runs the dot_generals of the [.., Tq, Hkv, G, D] layout 2-4x
+    # slower (strided operands), and attention is most of a step's time (issue 17's profile).
+    qg = q[src.reshape(-1)].reshape(r, tq, hkv, g, hd).transpose(0, 2, 3, 1, 4)
+    qi = qg.reshape(r, hkv, g * tq, hd)[item_row]                              # [W, Hkv, G*Tq, D]
+    flat = item_pages.reshape(-1)
+    k = lax.bitcast_convert_type(pool[layer, 0, flat], dtype).reshape(w, s, hkv, hd)
+    v = lax.bitcast_convert_type(pool[layer, 1, flat], dtype).reshape(w, s, hkv, hd)
+    kpos = item_k0[:, None] + jnp.arange(s, dtype=jnp.int32)[None, :]         # [W, S]
+    mask = kpos[:, None, :] <= qpos[item_row][:, :, None]                      # [W, Tq, S]
+    scores = jnp.einsum("wkqd,wksd->wkqs", qi, k.transpose(0, 2, 1, 3),
+                        preferred_element_type=jnp.float32) * (1.0 / np.sqrt(hd))
+    m = jnp.broadcast_to(mask[:, None, None], (w, hkv, g, tq, s)).reshape(w, hkv, g * tq, s)
+    scores = jnp.where(m, scores, -jnp.inf)
+    # Per-row max over the row's items, then each item's exp against it.
+    member = item_row[None, :] == jnp.arange(r, dtype=jnp.int32)[:, None]      # [R, W]
+    row_max = jnp.max(jnp.where(member[:, :, None, None], scores.max(axis=-1)[None], -jnp.inf),
+                      axis=1)                                                  # [R, Hkv, G*Tq]
+    p = jnp.exp(scores - row_max[item_row][..., None])
+    onehot = member.astype(jnp.float32)
+    # Sums over a row's items by a one-hot matmul: exact (HIGHEST: no reduced-precision passes).
+    row_sum = jnp.dot(onehot, p.sum(axis=-1).reshape(w, -1),
+                      precision=lax.Precision.HIGHEST).reshape(r, hkv, g * tq)
+    probs = p / jnp.where(row_sum > 0, row_sum, 1.0)[item_row][..., None]
+    # Keys no slot of the item sees may be scratch or stale bits: zero them (as _attend).
+    vt = jnp.where(mask.any(axis=1)[:, None, :, None], v.transpose(0, 2, 1, 3),
+                   jnp.zeros((), v.dtype))
+    out = jnp.einsum("wkqs,wksd->wkqd", probs.astype(v.dtype), vt,
+                     preferred_element_type=jnp.float32)
+    out = jnp.dot(onehot, out.reshape(w, -1), precision=lax.Precision.HIGHEST)
+    out = out.reshape(r, hkv, g, tq, hd).transpose(0, 3, 1, 2, 4)
+    return out.reshape(r * tq, cfg.num_heads * hd).astype(dtype)
 
 
 def _batch_layer(cfg: ModelConfig, pool: jax.Array, layer: jax.Array, lp: Params, x: jax.Array,
@@ -226,7 +263,8 @@ def _batch_layer(cfg: ModelConfig, pool: jax.Array, layer: jax.Array, lp: Params
         x: [N, d] the step's tokens, request after request (padding at the end).
         pos: int32 [N] each token's position in its request.
         wpage: int32 [N] the page each token's K/V goes to (padding: the scratch page).
-        groups: ``(src, table)`` per row group (see :func:`_group_attend`).
+        groups: ``(src, item_row, item_pages, item_k0)`` per row group (see
+            :func:`_group_attend`).
         tok_slot: int32 [N] each token's slot in the groups' slots, concatenated.
     """
     ps, bits = pool.shape[3], pool.dtype
@@ -235,37 +273,11 @@ def _batch_layer(cfg: ModelConfig, pool: jax.Array, layer: jax.Array, lp: Params
     pool = pool.at[layer, 0, wpage, off].set(lax.bitcast_convert_type(k, bits))
     pool = pool.at[layer, 1, wpage, off].set(lax.bitcast_convert_type(v, bits))
     # Every token's K/V is written before any row reads: a block sees the blocks before it.
-    outs = [_group_attend(cfg, pool, layer, q, x.dtype, src, pos[src], table)
-            for src, table in groups]
+    outs = [_group_attend(cfg, pool, layer, q, x.dtype, src, pos[src], *items)
+            for src, *items in groups]
     attn = (outs[0] if len(outs) == 1 else jnp.concatenate(outs))[tok_slot]
     x = x + attn @ lp["wo"]
     return pool, x + _mlp(cfg, lp, x)
-
-
-def _attend_batch(cfg: ModelConfig, q: jax.Array, k: jax.Array, v: jax.Array,
-                  mask: jax.Array) -> jax.Array:
-    """:func:`_attend` per request: q [B, T, Hq, D]; k, v [B, S, Hkv, D]; mask bool [B, T, S]
-    -> [B, T, Hq*D] in q.dtype.
-
-    Laid out as plain batched matmuls over (request, kv head): q as [B, Hkv, G*T, D], k and v as
-    [B, Hkv, S, D]. XLA:CPU runs the dot_generals of the [B, T, Hkv, G, D] layout 2-4x slower
-    (strided operands), and attention is most of a step's time (issue 17's profile)."""
-    b, t = q.shape[:2]
-    hkv, g, hd = cfg.num_kv_heads, cfg.num_heads // cfg.num_kv_heads, cfg.head_dim
-    s = k.shape[1]
-    qg = q.reshape(b, t, hkv, g, hd).transpose(0, 2, 3, 1, 4).reshape(b, hkv, g * t, hd)
-    scores = jnp.einsum("bkqd,bksd->bkqs", qg, k.transpose(0, 2, 1, 3),
-                        preferred_element_type=jnp.float32)
-    scores = scores * (1.0 / np.sqrt(hd))
-    m = jnp.broadcast_to(mask[:, None, None], (b, hkv, g, t, s)).reshape(b, hkv, g * t, s)
-    probs = jax.nn.softmax(jnp.where(m, scores, -jnp.inf), axis=-1)
-    # Masked keys may come from the scratch page or stale pages: zero them (as _attend).
-    vt = jnp.where(mask.any(axis=1)[:, None, :, None], v.transpose(0, 2, 1, 3),
-                   jnp.zeros((), v.dtype))
-    out = jnp.einsum("bkqs,bksd->bkqd", probs.astype(v.dtype), vt,
-                     preferred_element_type=jnp.float32)
-    out = out.reshape(b, hkv, g, t, hd).transpose(0, 3, 1, 2, 4)
-    return out.reshape(b, t, cfg.num_heads * hd).astype(q.dtype)
 
 
 def _batch_head(cfg: ModelConfig, params: Params, x: jax.Array, out_idx: jax.Array):

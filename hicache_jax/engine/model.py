@@ -148,7 +148,7 @@ class DecoderModel:
 
     def forward_batch(self, pool: PoolLike, chunks, starts, page_ids, *,
                       waiter: LayerWaiter | None = None, query_block: int = 32,
-                      min_pages: int = 1, min_batch: int = 1,
+                      key_block: int = 128, min_pages: int = 1, min_batch: int = 1,
                       layerwise_if_compiled: bool = False) -> tuple[jax.Array, jax.Array]:
         """One packed step over several requests' chunks (prefill chunks and decode tokens
         alike): each chunk's K/V into its pages, the last token's logits of each chunk.
@@ -157,10 +157,12 @@ class DecoderModel:
         padded to ``fine_bucket`` of their count, then a slot per decode token: see ``_pack``),
         so the dense layers see no padding between requests. Attention runs in two row groups:
         chunks of more than one token cut into query blocks of ``query_block`` slots, and
-        one-token chunks (decode) in rows of one slot, each row through its request's page table
-        (``fine_bucket`` rows a group, ``fine_bucket(max pages, min_pages)`` pages a table):
-        compiles stay bounded by those buckets. Every chunk's K/V is written before any is read,
-        and each token attends to positions up to its own, so a block sees the blocks before it.
+        one-token chunks (decode) in rows of one slot. A row reads its request's pages in key
+        blocks of ``key_block`` tokens, only up to the block of its last query (split-K work
+        items, merged per row), so it pays neither for the step's longest row nor for the keys
+        past its causal frontier. Compiles stay bounded by the buckets (``fine_bucket`` rows and
+        work items a group). Every chunk's K/V is written before any is read, and each token
+        attends to positions up to its own, so a block sees the blocks before it.
 
         Args:
             pool: the device pool (donated and rebound by ``pool.run``).
@@ -170,7 +172,9 @@ class DecoderModel:
                 positions up to the chunk's end need; only those are used).
             waiter: a layer-wise load handle (as :meth:`forward`); None -> one fused jit.
             query_block: query slots of a prefill row (a power of two).
-            min_pages / min_batch: smallest page-table / flat-token buckets.
+            key_block: tokens of a key block (rounded down to whole pages, at least one).
+            min_pages / min_batch: smallest bucket of a group's key blocks, counted in pages /
+                of the flat tokens.
             layerwise_if_compiled: with a ``waiter``, run layer by layer only when this step's
                 shapes have per-layer executables already, or have no fused one either (a
                 compile is due anyway); otherwise wait for every layer, then run the fused
@@ -188,6 +192,8 @@ class DecoderModel:
                              f"chunks, {len(starts)} starts, {len(page_ids)} page lists")
         if query_block < 1 or bucket(query_block) != query_block:
             raise ValueError(f"query_block={query_block!r} must be a power of two >= 1")
+        if not isinstance(key_block, int) or key_block < 1:
+            raise ValueError(f"key_block={key_block!r} must be an int >= 1 (tokens)")
         ps, scratch = self._page_size(pool), pool.num_pages
         starts = [int(s) for s in starts]
         lens, used = _lens_used(chunks, starts, ps)
@@ -196,7 +202,8 @@ class DecoderModel:
                 raise ValueError(f"request {i}: chunk of {n} tokens at {s} with "
                                  f"{np.shape(page_ids[i])[0]} pages (needs >= 1 token at "
                                  f"start >= 0 and {u} pages of {ps} tokens)")
-        key = _shape_key(self.cfg, lens, query_block, fine_bucket(max(used), min_pages),
+        kb = _key_pages(key_block, ps)
+        key = _shape_key(self.cfg, lens, starts, ps, query_block, kb, -(-min_pages // kb),
                          min_batch)
         packed = _pack(chunks, starts, page_ids, lens, used, ps, scratch, key)
         # numpy arguments go to the jit as they are: its C++ dispatch moves them to the device
@@ -218,10 +225,13 @@ class DecoderModel:
         return self._batch_head(self.params, x, rest[-1])
 
     def batch_shape(self, pool: PoolLike, chunks, starts, *, query_block: int = 32,
-                    min_pages: int = 1, min_batch: int = 1) -> tuple:
+                    key_block: int = 128, min_pages: int = 1, min_batch: int = 1) -> tuple:
         """The shapes (hashable) :meth:`forward_batch` would compile for these chunks."""
-        lens, used = _lens_used(chunks, starts, self._page_size(pool))
-        return _shape_key(self.cfg, lens, query_block, fine_bucket(max(used), min_pages),
+        ps = self._page_size(pool)
+        starts = [int(s) for s in starts]
+        lens, _ = _lens_used(chunks, starts, ps)
+        kb = _key_pages(key_block, ps)
+        return _shape_key(self.cfg, lens, starts, ps, query_block, kb, -(-min_pages // kb),
                           min_batch)
 
     @staticmethod
@@ -241,35 +251,49 @@ class DecoderModel:
 _RAN: set[tuple[Any, str]] = set()
 
 
+def _key_pages(key_block: int, ps: int) -> int:
+    """Pages of a work item's key block: ``key_block`` tokens rounded down to whole pages."""
+    return max(1, key_block // ps)
+
+
 def _lens_used(chunks, starts, ps: int) -> tuple[list[int], list[int]]:
     """Each chunk's tokens, and the pages its positions up to the chunk's end take."""
     lens = [int(np.shape(c)[0]) for c in chunks]
     return lens, [-(-(int(s) + n) // ps) for s, n in zip(starts, lens)]
 
 
-def _shape_key(cfg: ModelConfig, lens: list[int], qb: int, n_pages: int,
-               min_batch: int) -> tuple:
+def _shape_key(cfg: ModelConfig, lens: list[int], starts: list[int], ps: int, qb: int,
+               kb: int, min_items: int, min_batch: int) -> tuple:
     """What decides the packed step's shapes (see :func:`_pack`): the config, the flat prefill
-    and decode slots, the prefill rows, the query block and the page-table width."""
-    pre = [n for n in lens if n > 1]
-    n_dec = len(lens) - len(pre)
-    nd = 0 if not n_dec else bucket(n_dec) if pre else fine_bucket(n_dec, min_batch)
-    rows = sum(-(-n // qb) for n in pre)
-    return (cfg, fine_bucket(sum(pre), min_batch) if pre else 0, nd,
-            fine_bucket(rows) if pre else 0, qb, n_pages)
+    and decode slots, the prefill rows, the query block, the work items of each group (a row's
+    key blocks of ``kb`` pages up to its last query) and ``kb``."""
+    pre = [(n, s) for n, s in zip(lens, starts) if n > 1]
+    dec = [s for n, s in zip(lens, starts) if n == 1]
+    mixed = bool(pre)
+    nd = 0 if not dec else bucket(len(dec)) if mixed else fine_bucket(len(dec), min_batch)
+    rows = sum(-(-n // qb) for n, _ in pre)
+    span = kb * ps
+    wp = sum(-(-(s + min(j + qb, n)) // span) for n, s in pre for j in range(0, n, qb))
+    wd = sum(-(-(s + 1) // span) for s in dec)
+    wd = 0 if not dec else (bucket(wd, min_items) if mixed else fine_bucket(wd, min_items))
+    return (cfg, fine_bucket(sum(n for n, _ in pre), min_batch) if pre else 0, nd,
+            fine_bucket(rows) if pre else 0, qb, fine_bucket(wp, min_items) if pre else 0, wd,
+            kb)
 
 
 def _pack(chunks, starts, page_ids, lens, used, ps, scratch, key):
     """Host arrays of :meth:`DecoderModel.forward_batch`'s packed step of shape ``key``
     (:func:`_shape_key`): flat tokens, their positions and K/V pages, the row groups
-    ``((src, table), ...)``, each token's slot, and each chunk's last flat token
-    (``[prefill rows + decode rows]``; padding repeats row 0).
+    ``((src, item_row, item_pages, item_k0), ...)``, each token's slot, and each chunk's last
+    flat token (``[prefill rows + decode rows]``; padding repeats row 0).
 
     The flat tokens are the prefill chunks' (padded to ``fine_bucket`` of their count), then one
     slot per decode row (``fine_bucket`` rows in a decode-only step, a power of two beside a
     prefill): a full token budget plus the decode rows does not jump to the next bucket, and
-    the shapes a mixed step compiles stay few."""
-    _, np_, nd, rp, qb, n_pages = key
+    the shapes a mixed step compiles stay few. A row's work items are its request's pages in
+    blocks of ``kb``, up to the page of its last query (padding items see nothing)."""
+    _, np_, nd, rp, qb, wp, wd, kb = key
+    span = kb * ps
     pre = [i for i, n in enumerate(lens) if n > 1]
     dec = [i for i, n in enumerate(lens) if n == 1]
     nflat = np_ + nd
@@ -278,29 +302,40 @@ def _pack(chunks, starts, page_ids, lens, used, ps, scratch, key):
     wpage = np.full(nflat, scratch, np.int32)
     tok_slot = np.zeros(nflat, np.int32)
     out_idx = np.zeros(rp + nd, np.int32)
-    rows = ([], [])  # per group: (chunk, first flat token, tokens)
+    rows = ([], [])  # per group: (chunk, first flat token, tokens, keys the row sees)
     for group, chunk_ids, off in ((0, pre, 0), (1, dec, np_)):
         for i in chunk_ids:
-            n = lens[i]
-            p = np.arange(starts[i], starts[i] + n, dtype=np.int32)
+            n, s0 = lens[i], starts[i]
+            p = np.arange(s0, s0 + n, dtype=np.int32)
             toks[off:off + n] = chunks[i]
             pos[off:off + n] = p
             wpage[off:off + n] = np.asarray(page_ids[i], np.int32)[p // ps]
             out_idx[i] = off + n - 1
-            rows[group].extend((i, off + j, min(qb, n - j)) for j in range(0, n, qb))
+            rows[group].extend((i, off + j, min(qb, n - j), s0 + min(j + qb, n))
+                               for j in range(0, n, qb))
             off += n
     groups, base = [], 0
-    for group, tq, r in ((rows[0], qb, rp), (rows[1], 1, nd)):
+    for group, tq, r, w in ((rows[0], qb, rp, wp), (rows[1], 1, nd, wd)):
         if not group:
             continue
         src = np.empty((r, tq), np.int32)
-        table = np.full((r, n_pages), scratch, np.int32)
+        item_row = np.zeros(w, np.int32)
+        item_pages = np.full((w, kb), scratch, np.int32)
+        item_k0 = np.full(w, 1 << 30, np.int32)  # padding items: past every position
         slots = np.arange(tq, dtype=np.int32)
-        for k, (i, first, n) in enumerate(group):
+        it = 0
+        for k, (i, first, n, keys) in enumerate(group):
             src[k] = first + np.minimum(slots, n - 1)  # padding slots repeat the last token
-            table[k, :used[i]] = np.asarray(page_ids[i][:used[i]], np.int32)
             tok_slot[first:first + n] = base + k * tq + slots[:n]
-        src[len(group):], table[len(group):] = src[0], table[0]
-        groups.append((src, table))
+            n_it = -(-keys // span)
+            pages = np.full(n_it * kb, scratch, np.int32)
+            m = min(used[i], n_it * kb)
+            pages[:m] = np.asarray(page_ids[i][:m], np.int32)
+            item_pages[it:it + n_it] = pages.reshape(n_it, kb)
+            item_row[it:it + n_it] = k
+            item_k0[it:it + n_it] = np.arange(n_it, dtype=np.int32) * span
+            it += n_it
+        src[len(group):] = src[0]
+        groups.append((src, item_row, item_pages, item_k0))
         base += r * tq
     return toks, pos, wpage, tuple(groups), tok_slot, out_idx
