@@ -166,15 +166,16 @@ def test_work_items_stop_at_each_rows_last_query():
     to the longest row's (split-K); padding items point at the scratch page and see nothing."""
     from hicache_jax.engine.model import _pack, _shape_key
     lens, starts, ps = [40, 1, 1], [0, 100, 7], 4
-    key = _shape_key(CFG, lens, starts, ps, 16, 2, 1, 1)
-    # prefill rows see 16, 32, 40 keys: 2 + 4 + 5 blocks of 8 (11 -> bucket 12); decode rows
-    # see 101 and 8 keys: 13 + 1 blocks (14 -> 16 beside a prefill)
-    assert key[1:] == (48, 2, 3, 16, 12, 16, 2)
     pages = [np.arange(10) + 10, np.arange(26) + 30, np.arange(2) + 60]
+    key = _shape_key(CFG, lens, starts, pages, ps, 16, 2, 1, 1)
+    # prefill rows see 16, 32, 40 keys: 2 + 4 + 5 blocks of 8 (11 -> bucket 12); decode rows
+    # see 101 and 8 keys: 13 + 1 blocks (14 -> 16 beside a prefill); nothing shared
+    assert key[1:] == (48, 2, 3, 16, 12, 0, 16, 0, 2)
     used = [10, 26, 2]
     chunks = [np.zeros(n, np.int32) for n in lens]
     _, _, _, groups, _, _ = _pack(chunks, starts, pages, lens, used, ps, 99, key)
-    (_, row, items, k0), (_, drow, ditems, dk0) = groups
+    (_, row, items, k0, sh, _), (_, drow, ditems, dk0, dsh, _) = groups
+    assert sh.shape == dsh.shape == (0, 2)
     np.testing.assert_array_equal(row[:11], [0] * 2 + [1] * 4 + [2] * 5)
     np.testing.assert_array_equal(k0[:11], [0, 8, 0, 8, 16, 24, 0, 8, 16, 24, 32])
     np.testing.assert_array_equal(items[6:11].reshape(-1), np.arange(10) + 10)
@@ -182,6 +183,50 @@ def test_work_items_stop_at_each_rows_last_query():
     np.testing.assert_array_equal(drow[:14], [0] * 13 + [1])
     np.testing.assert_array_equal(ditems[12], [54, 55])   # request 1's last block: pages 24, 25
     np.testing.assert_array_equal(ditems[13], [60, 61])
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_shared_prefix_blocks_run_once_and_match_the_reference(page_size):
+    """Requests on one prefix's pages (a system prompt in the tree): the key blocks every row
+    reads and sees whole are computed once for the group (cascade), in the prefill group (two
+    requests' chunks past the prefix) and the decode group (three requests' tokens). Logits
+    match the dense reference on a poisoned pool; a group whose rows start inside the prefix,
+    or of one request, shares nothing."""
+    from hicache_jax.engine.model import _shape_key
+    model = DecoderModel(CFG, seed=2)
+    rng = np.random.default_rng(5)
+    prefix = rng.integers(0, CFG.vocab_size, 48).astype(np.int32)
+    tails = [rng.integers(0, CFG.vocab_size, n).astype(np.int32) for n in (20, 37, 5, 9, 14)]
+    seqs = [np.concatenate([prefix, t]) for t in tails]
+    pool = _poisoned_pool(page_size, num_pages=300)
+    perm = np.random.default_rng(1).permutation(300).astype(np.int32)
+    shared = perm[:48 // page_size]
+    pages, nxt = [], 48 // page_size
+    for s in seqs:
+        n = -(-len(s) // page_size) - len(shared)
+        pages.append(np.concatenate([shared, perm[nxt:nxt + n]]))
+        nxt += n
+    kw = dict(query_block=16, key_block=16)
+    model.forward_batch(pool, [prefix], [0], [pages[0]], **kw)  # the prefix's K/V, once
+    for i in (2, 3, 4):  # requests 2..4 prefilled up to their last token
+        model.forward_batch(pool, [seqs[i][48:-1]], [48], [pages[i]], **kw)
+    chunks = [seqs[0][48:], seqs[1][48:]] + [seqs[i][-1:] for i in (2, 3, 4)]
+    starts = [48, 48] + [len(seqs[i]) - 1 for i in (2, 3, 4)]
+    key = _shape_key(CFG, [len(c) for c in chunks], starts, pages, page_size, 16,
+                     max(1, 16 // page_size), 1, 1)
+    assert key[6] == 3 and key[8] == 3  # 48 prefix keys: 3 blocks of 16, in both groups
+    logits, _ = model.forward_batch(pool, chunks, starts, pages, **kw)
+    for i, s in enumerate(seqs):
+        want = np.asarray(reference_logits(CFG, model.params, s))[-1]
+        np.testing.assert_allclose(np.asarray(logits)[i], want, **TOL)
+    # A chunk starting inside the prefix shares only the blocks its first query sees whole.
+    for start, blocks in ((8, 0), (20, 1), (47, 2)):
+        key = _shape_key(CFG, [30, 30], [start, 48], pages[:2], page_size, 16,
+                         max(1, 16 // page_size), 1, 1)
+        assert key[6] == blocks
+    # One request's rows alone share nothing (its blocks are its own items).
+    key = _shape_key(CFG, [37], [48], pages[1:2], page_size, 16, max(1, 16 // page_size), 1, 1)
+    assert key[6] == 0
 
 
 def test_untouched_pages_stay_poisoned(model, prompt):

@@ -382,7 +382,9 @@ class BatchedEngine:
         if batch and decoding and not self.compile_mixed:
             starts = [r.kv_done for r, _ in batch] + [r.kv_done for r in decoding]
             if not self.model.batch_compiled(
-                    self.model.batch_shape(self.pool, pre + dec, starts, **knobs)):
+                    self.model.batch_shape(self.pool, pre + dec, starts,
+                                           [r.pages for r, _ in batch] +
+                                           [r.pages for r in decoding], **knobs)):
                 parts = [(batch, []), ([], decoding)]
         for part_batch, part_dec in parts:
             chunks = (pre if part_batch else []) + (dec if part_dec else [])

@@ -188,7 +188,8 @@ def _reference_jit(cfg: ModelConfig, params: Params, tokens: jax.Array) -> jax.A
 
 def _group_attend(cfg: ModelConfig, pool: jax.Array, layer: jax.Array, q: jax.Array,
                   dtype: Any, src: jax.Array, qpos: jax.Array, item_row: jax.Array,
-                  item_pages: jax.Array, item_k0: jax.Array) -> jax.Array:
+                  item_pages: jax.Array, item_k0: jax.Array, shared_pages: jax.Array,
+                  shared_k0: jax.Array) -> jax.Array:
     """Attention of one row group of a packed step: ``R`` rows of ``Tq`` query slots, each row
     over only the key blocks it can see (split-K: a row's keys are cut into work items of ``Kb``
     pages, and every item of every row runs in one batched matmul).
@@ -197,7 +198,9 @@ def _group_attend(cfg: ModelConfig, pool: jax.Array, layer: jax.Array, q: jax.Ar
     row sees neither the padding of the longest row of the step nor the key blocks past its own
     causal frontier. Each item's scores are taken against the row's max over all its items
     (two passes, no rescaling: the same ``exp(s - max) / sum`` as :func:`_attend`, summed in a
-    different order), and the items' sums and outputs are added up per row.
+    different order), and the items' sums and outputs are added up per row. Key blocks every
+    row reads (a shared system prompt's pages: cascade attention) are gathered once and run as
+    one matmul against all the group's queries, merged the same way.
 
     Args:
         q: [N, Hq, D] queries of the step's flat tokens.
@@ -207,6 +210,8 @@ def _group_attend(cfg: ModelConfig, pool: jax.Array, layer: jax.Array, q: jax.Ar
         item_pages: int32 [W, Kb], the item's pages (padding entries: the scratch page).
         item_k0: int32 [W], the position of the item's first key (padding items: past every
             query, so they see nothing).
+        shared_pages / shared_k0: int32 [Ws, Kb] / [Ws], the key blocks every row of the group
+            reads, as ``item_pages`` / ``item_k0`` (Ws may be 0).
 
     Returns:
         [R * Tq, Hq * D] attention output of every slot, in the compute dtype (rows without
@@ -215,37 +220,72 @@ def _group_attend(cfg: ModelConfig, pool: jax.Array, layer: jax.Array, q: jax.Ar
     r, tq = src.shape
     w, kb = item_pages.shape
     ps, hd, hkv = pool.shape[3], cfg.head_dim, cfg.num_kv_heads
-    g, s = cfg.num_heads // hkv, kb * ps
+    g, s, ws = cfg.num_heads // hkv, kb * ps, shared_pages.shape[0]
+    scale = 1.0 / np.sqrt(hd)
+
+    def blocks(pages, k0, qp):
+        """Keys [n, Hkv, S, D], values (unseen ones zeroed), mask [n, Tq', S] of key blocks."""
+        n = pages.shape[0]
+        flat = pages.reshape(-1)
+        k = lax.bitcast_convert_type(pool[layer, 0, flat], dtype).reshape(n, s, hkv, hd)
+        v = lax.bitcast_convert_type(pool[layer, 1, flat], dtype).reshape(n, s, hkv, hd)
+        kpos = k0[:, None] + jnp.arange(s, dtype=jnp.int32)[None, :]            # [n, S]
+        mask = kpos[:, None, :] <= qp[:, :, None]                                # [n, Tq', S]
+        # Keys no slot sees may be scratch or stale bits: zero them (as _attend).
+        v = jnp.where(mask.any(axis=1)[:, :, None, None], v, jnp.zeros((), v.dtype))
+        return k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), mask
+
+    def masked(scores, mask, n, t):
+        m = jnp.broadcast_to(mask[:, None, None], (n, hkv, g, t, s)).reshape(n, hkv, g * t, s)
+        return jnp.where(m, scores, -jnp.inf)
+
     # Plain batched matmuls over (item, kv head): q as [W, Hkv, G*Tq, D], k and v as
     # [W, Hkv, S, D]. XLA:CPU runs the dot_generals of the [.., Tq, Hkv, G, D] layout 2-4x
     # slower (strided operands), and attention is most of a step's time (issue 17's profile).
     qg = q[src.reshape(-1)].reshape(r, tq, hkv, g, hd).transpose(0, 2, 3, 1, 4)
-    qi = qg.reshape(r, hkv, g * tq, hd)[item_row]                              # [W, Hkv, G*Tq, D]
-    flat = item_pages.reshape(-1)
-    k = lax.bitcast_convert_type(pool[layer, 0, flat], dtype).reshape(w, s, hkv, hd)
-    v = lax.bitcast_convert_type(pool[layer, 1, flat], dtype).reshape(w, s, hkv, hd)
-    kpos = item_k0[:, None] + jnp.arange(s, dtype=jnp.int32)[None, :]         # [W, S]
-    mask = kpos[:, None, :] <= qpos[item_row][:, :, None]                      # [W, Tq, S]
-    scores = jnp.einsum("wkqd,wksd->wkqs", qi, k.transpose(0, 2, 1, 3),
-                        preferred_element_type=jnp.float32) * (1.0 / np.sqrt(hd))
-    m = jnp.broadcast_to(mask[:, None, None], (w, hkv, g, tq, s)).reshape(w, hkv, g * tq, s)
-    scores = jnp.where(m, scores, -jnp.inf)
-    # Per-row max over the row's items, then each item's exp against it.
+    qg = qg.reshape(r, hkv, g * tq, hd)                                         # [R, Hkv, G*Tq, D]
+    k, v, mask = blocks(item_pages, item_k0, qpos[item_row])
+    scores = masked(jnp.einsum("wkqd,wksd->wkqs", qg[item_row], k,
+                               preferred_element_type=jnp.float32) * scale, mask, w, tq)
     member = item_row[None, :] == jnp.arange(r, dtype=jnp.int32)[:, None]      # [R, W]
     row_max = jnp.max(jnp.where(member[:, :, None, None], scores.max(axis=-1)[None], -jnp.inf),
                       axis=1)                                                  # [R, Hkv, G*Tq]
+    if ws:
+        # Shared blocks: every row's queries at once, [1, Hkv, R*G*Tq, D] against [Ws*S] keys.
+        ks, vs, smask = blocks(shared_pages, shared_k0,
+                               jnp.broadcast_to(qpos.reshape(1, r * tq), (ws, r * tq)))
+        ks, vs = (a.transpose(1, 0, 2, 3).reshape(1, hkv, ws * s, hd) for a in (ks, vs))
+        qa = qg.reshape(r, hkv, g, tq, hd).transpose(1, 2, 0, 3, 4).reshape(1, hkv, -1, hd)
+        smask = smask.reshape(ws, r, tq, s).transpose(1, 2, 0, 3).reshape(r, tq, ws * s)
+        ss = jnp.einsum("bkqd,bksd->bkqs", qa, ks, preferred_element_type=jnp.float32) * scale
+        # [1, Hkv, G*R*Tq, Ws*S] -> per row [R, Hkv, G*Tq, Ws*S], masked as the rows' own.
+        ss = ss.reshape(hkv, g, r, tq, ws * s).transpose(2, 0, 1, 3, 4)
+        sm = jnp.broadcast_to(smask[:, None, None], (r, hkv, g, tq, ws * s))
+        ss = jnp.where(sm, ss, -jnp.inf).reshape(r, hkv, g * tq, ws * s)
+        row_max = jnp.maximum(row_max, ss.max(axis=-1))
+    # A row with no visible key at all is padding: keep its exps at 0, not NaN.
+    row_max = jnp.where(jnp.isfinite(row_max), row_max, 0.0)
     p = jnp.exp(scores - row_max[item_row][..., None])
     onehot = member.astype(jnp.float32)
     # Sums over a row's items by a one-hot matmul: exact (HIGHEST: no reduced-precision passes).
     row_sum = jnp.dot(onehot, p.sum(axis=-1).reshape(w, -1),
                       precision=lax.Precision.HIGHEST).reshape(r, hkv, g * tq)
-    probs = p / jnp.where(row_sum > 0, row_sum, 1.0)[item_row][..., None]
-    # Keys no slot of the item sees may be scratch or stale bits: zero them (as _attend).
-    vt = jnp.where(mask.any(axis=1)[:, None, :, None], v.transpose(0, 2, 1, 3),
-                   jnp.zeros((), v.dtype))
-    out = jnp.einsum("wkqs,wksd->wkqd", probs.astype(v.dtype), vt,
+    if ws:
+        ps_ = jnp.exp(ss - row_max[..., None])
+        row_sum = row_sum + ps_.sum(axis=-1)
+    denom = jnp.where(row_sum > 0, row_sum, 1.0)
+    probs = p / denom[item_row][..., None]
+    out = jnp.einsum("wkqs,wksd->wkqd", probs.astype(v.dtype), v,
                      preferred_element_type=jnp.float32)
     out = jnp.dot(onehot, out.reshape(w, -1), precision=lax.Precision.HIGHEST)
+    out = out.reshape(r, hkv, g * tq, hd)
+    if ws:
+        pa = (ps_ / denom[..., None]).astype(vs.dtype)                         # [R, Hkv, G*Tq, Ws*S]
+        pa = pa.reshape(r, hkv, g, tq, ws * s).transpose(1, 2, 0, 3, 4)
+        oa = jnp.einsum("bkqs,bksd->bkqd", pa.reshape(1, hkv, -1, ws * s), vs,
+                        preferred_element_type=jnp.float32)
+        oa = oa.reshape(hkv, g, r, tq, hd).transpose(2, 0, 1, 3, 4)
+        out = out + oa.reshape(r, hkv, g * tq, hd)
     out = out.reshape(r, hkv, g, tq, hd).transpose(0, 3, 1, 2, 4)
     return out.reshape(r * tq, cfg.num_heads * hd).astype(dtype)
 

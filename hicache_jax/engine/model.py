@@ -203,8 +203,8 @@ class DecoderModel:
                                  f"{np.shape(page_ids[i])[0]} pages (needs >= 1 token at "
                                  f"start >= 0 and {u} pages of {ps} tokens)")
         kb = _key_pages(key_block, ps)
-        key = _shape_key(self.cfg, lens, starts, ps, query_block, kb, -(-min_pages // kb),
-                         min_batch)
+        key = _shape_key(self.cfg, lens, starts, page_ids, ps, query_block, kb,
+                         -(-min_pages // kb), min_batch)
         packed = _pack(chunks, starts, page_ids, lens, used, ps, scratch, key)
         # numpy arguments go to the jit as they are: its C++ dispatch moves them to the device
         # (a jnp.asarray each would cost ~40 us of Python per array, per step).
@@ -224,15 +224,16 @@ class DecoderModel:
             x = pool.run(self._batch_layer, jnp.int32(layer), lp, x, *rest[:-1])
         return self._batch_head(self.params, x, rest[-1])
 
-    def batch_shape(self, pool: PoolLike, chunks, starts, *, query_block: int = 32,
+    def batch_shape(self, pool: PoolLike, chunks, starts, page_ids, *, query_block: int = 32,
                     key_block: int = 128, min_pages: int = 1, min_batch: int = 1) -> tuple:
-        """The shapes (hashable) :meth:`forward_batch` would compile for these chunks."""
+        """The shapes (hashable) :meth:`forward_batch` would compile for these chunks (its
+        arguments; the page lists decide the key blocks the rows share)."""
         ps = self._page_size(pool)
         starts = [int(s) for s in starts]
         lens, _ = _lens_used(chunks, starts, ps)
         kb = _key_pages(key_block, ps)
-        return _shape_key(self.cfg, lens, starts, ps, query_block, kb, -(-min_pages // kb),
-                          min_batch)
+        return _shape_key(self.cfg, lens, starts, page_ids, ps, query_block, kb,
+                          -(-min_pages // kb), min_batch)
 
     @staticmethod
     def batch_compiled(shape: tuple) -> bool:
@@ -262,80 +263,124 @@ def _lens_used(chunks, starts, ps: int) -> tuple[list[int], list[int]]:
     return lens, [-(-(int(s) + n) // ps) for s, n in zip(starts, lens)]
 
 
-def _shape_key(cfg: ModelConfig, lens: list[int], starts: list[int], ps: int, qb: int,
-               kb: int, min_items: int, min_batch: int) -> tuple:
+def _rows(lens: list[int], starts: list[int], qb: int) -> tuple[list, list]:
+    """The attention rows of a packed step, per group (prefill query blocks, decode tokens):
+    ``(chunk, offset in the chunk, tokens, first query's position, keys the row sees)``."""
+    groups: tuple[list, list] = ([], [])
+    for i, (n, s0) in enumerate(zip(lens, starts)):
+        rows = groups[0] if n > 1 else groups[1]
+        rows.extend((i, j, min(qb, n - j), s0 + j, s0 + min(j + qb, n)) for j in range(0, n, qb))
+    return groups
+
+
+def _shared_blocks(rows: list, page_ids, kb: int, span: int) -> int:
+    """Leading key blocks the rows of a group all read (the same pages) and all see whole
+    (every row's first query lies past them): computed once for the group (cascade), not once
+    a row. 0 for fewer than two requests' rows (nothing to share)."""
+    if len({r[0] for r in rows}) < 2:
+        return 0
+    cand = min(r[3] for r in rows) // span
+    if cand == 0:
+        return 0
+    ref = np.asarray(page_ids[rows[0][0]][:cand * kb])
+    for i in {r[0] for r in rows}:
+        diff = np.flatnonzero(np.asarray(page_ids[i][:cand * kb]) != ref)
+        if diff.size:
+            cand = min(cand, int(diff[0]) // kb)
+            if cand == 0:
+                return 0
+            ref = ref[:cand * kb]
+    return cand
+
+
+def _shape_key(cfg: ModelConfig, lens: list[int], starts: list[int], page_ids, ps: int,
+               qb: int, kb: int, min_items: int, min_batch: int) -> tuple:
     """What decides the packed step's shapes (see :func:`_pack`): the config, the flat prefill
     and decode slots, the prefill rows, the query block, the work items of each group (a row's
-    key blocks of ``kb`` pages up to its last query) and ``kb``."""
-    pre = [(n, s) for n, s in zip(lens, starts) if n > 1]
-    dec = [s for n, s in zip(lens, starts) if n == 1]
-    mixed = bool(pre)
-    nd = 0 if not dec else bucket(len(dec)) if mixed else fine_bucket(len(dec), min_batch)
-    rows = sum(-(-n // qb) for n, _ in pre)
+    key blocks of ``kb`` pages up to its last query, minus the group's shared blocks), the
+    shared blocks of each group, and ``kb``."""
+    pre, dec = _rows(lens, starts, qb)
     span = kb * ps
-    wp = sum(-(-(s + min(j + qb, n)) // span) for n, s in pre for j in range(0, n, qb))
-    wd = sum(-(-(s + 1) // span) for s in dec)
-    wd = 0 if not dec else (bucket(wd, min_items) if mixed else fine_bucket(wd, min_items))
-    return (cfg, fine_bucket(sum(n for n, _ in pre), min_batch) if pre else 0, nd,
-            fine_bucket(rows) if pre else 0, qb, fine_bucket(wp, min_items) if pre else 0, wd,
-            kb)
+    nd = 0 if not dec else bucket(len(dec)) if pre else fine_bucket(len(dec), min_batch)
+    work = []  # per group: its rows' own work items, its shared blocks
+    # Work items bucket as the group's rows do: the decode group's beside a prefill by powers
+    # of two (the shapes a mixed step compiles stay few).
+    for rows, fit in ((pre, fine_bucket), (dec, bucket if pre else fine_bucket)):
+        if not rows:
+            work += [0, 0]
+            continue
+        sh = _shared_blocks(rows, page_ids, kb, span)
+        w = sum(-(-r[4] // span) - sh for r in rows)
+        work += [fit(w, min_items), fine_bucket(sh) if sh else 0]
+    return (cfg, fine_bucket(sum(n for n in lens if n > 1), min_batch) if pre else 0, nd,
+            fine_bucket(len(pre)) if pre else 0, qb, *work, kb)
 
 
 def _pack(chunks, starts, page_ids, lens, used, ps, scratch, key):
     """Host arrays of :meth:`DecoderModel.forward_batch`'s packed step of shape ``key``
     (:func:`_shape_key`): flat tokens, their positions and K/V pages, the row groups
-    ``((src, item_row, item_pages, item_k0), ...)``, each token's slot, and each chunk's last
-    flat token (``[prefill rows + decode rows]``; padding repeats row 0).
+    ``((src, item_row, item_pages, item_k0, shared_pages, shared_k0), ...)``, each token's
+    slot, and each chunk's last flat token (``[prefill rows + decode rows]``; padding repeats
+    row 0).
 
     The flat tokens are the prefill chunks' (padded to ``fine_bucket`` of their count), then one
     slot per decode row (``fine_bucket`` rows in a decode-only step, a power of two beside a
     prefill): a full token budget plus the decode rows does not jump to the next bucket, and
     the shapes a mixed step compiles stay few. A row's work items are its request's pages in
-    blocks of ``kb``, up to the page of its last query (padding items see nothing)."""
-    _, np_, nd, rp, qb, wp, wd, kb = key
+    blocks of ``kb``, up to the page of its last query, after the group's shared blocks
+    (padding items and padding shared blocks see nothing)."""
+    _, np_, nd, rp, qb, wp, sp, wd, sd, kb = key
     span = kb * ps
-    pre = [i for i, n in enumerate(lens) if n > 1]
-    dec = [i for i, n in enumerate(lens) if n == 1]
+    never = 1 << 30  # the first key of a padding item: past every position
     nflat = np_ + nd
     toks = np.zeros(nflat, np.int32)
     pos = np.zeros(nflat, np.int32)
     wpage = np.full(nflat, scratch, np.int32)
     tok_slot = np.zeros(nflat, np.int32)
     out_idx = np.zeros(rp + nd, np.int32)
-    rows = ([], [])  # per group: (chunk, first flat token, tokens, keys the row sees)
-    for group, chunk_ids, off in ((0, pre, 0), (1, dec, np_)):
-        for i in chunk_ids:
-            n, s0 = lens[i], starts[i]
-            p = np.arange(s0, s0 + n, dtype=np.int32)
+    first = {}  # chunk -> its first flat token: prefill chunks first, then the decode tokens
+    for group, off in ((True, 0), (False, np_)):
+        for i, n in enumerate(lens):
+            if (n > 1) != group:
+                continue
+            p = np.arange(starts[i], starts[i] + n, dtype=np.int32)
             toks[off:off + n] = chunks[i]
             pos[off:off + n] = p
             wpage[off:off + n] = np.asarray(page_ids[i], np.int32)[p // ps]
             out_idx[i] = off + n - 1
-            rows[group].extend((i, off + j, min(qb, n - j), s0 + min(j + qb, n))
-                               for j in range(0, n, qb))
+            first[i] = off
             off += n
     groups, base = [], 0
-    for group, tq, r, w in ((rows[0], qb, rp, wp), (rows[1], 1, nd, wd)):
-        if not group:
+    pre, dec = _rows(lens, starts, qb)
+    for rows, tq, r, w, ws in ((pre, qb, rp, wp, sp), (dec, 1, nd, wd, sd)):
+        if not rows:
             continue
+        sh = _shared_blocks(rows, page_ids, kb, span)
         src = np.empty((r, tq), np.int32)
         item_row = np.zeros(w, np.int32)
         item_pages = np.full((w, kb), scratch, np.int32)
-        item_k0 = np.full(w, 1 << 30, np.int32)  # padding items: past every position
+        item_k0 = np.full(w, never, np.int32)
+        sh_pages = np.full((ws, kb), scratch, np.int32)
+        sh_k0 = np.full(ws, never, np.int32)
+        if sh:
+            sh_pages[:sh] = np.asarray(page_ids[rows[0][0]][:sh * kb], np.int32).reshape(sh, kb)
+            sh_k0[:sh] = np.arange(sh, dtype=np.int32) * span
         slots = np.arange(tq, dtype=np.int32)
         it = 0
-        for k, (i, first, n, keys) in enumerate(group):
-            src[k] = first + np.minimum(slots, n - 1)  # padding slots repeat the last token
-            tok_slot[first:first + n] = base + k * tq + slots[:n]
+        for k, (i, j, n, _, keys) in enumerate(rows):
+            f = first[i] + j
+            src[k] = f + np.minimum(slots, n - 1)  # padding slots repeat the last token
+            tok_slot[f:f + n] = base + k * tq + slots[:n]
             n_it = -(-keys // span)
             pages = np.full(n_it * kb, scratch, np.int32)
             m = min(used[i], n_it * kb)
             pages[:m] = np.asarray(page_ids[i][:m], np.int32)
-            item_pages[it:it + n_it] = pages.reshape(n_it, kb)
-            item_row[it:it + n_it] = k
-            item_k0[it:it + n_it] = np.arange(n_it, dtype=np.int32) * span
-            it += n_it
-        src[len(group):] = src[0]
-        groups.append((src, item_row, item_pages, item_k0))
+            own = n_it - sh
+            item_pages[it:it + own] = pages.reshape(n_it, kb)[sh:]
+            item_row[it:it + own] = k
+            item_k0[it:it + own] = np.arange(sh, n_it, dtype=np.int32) * span
+            it += own
+        src[len(rows):] = src[0]
+        groups.append((src, item_row, item_pages, item_k0, sh_pages, sh_k0))
         base += r * tq
     return toks, pos, wpage, tuple(groups), tok_slot, out_idx
