@@ -25,7 +25,8 @@ GPU_FLAGS = ["--workload", "docqa", "--sessions", "4", "--turns", "6", "--base-t
              "--d-model", "2048", "--heads", "16", "--kv-heads", "8", "--head-dim", "128",
              "--ffn-dim", "5632", "--vocab", "32000", "--dtype", "bfloat16", "--page-size", "16",
              "--device-pages", "1024", "--host-ratio", "4", "--chunk-size", "2048",
-             "--token-budget", "2048", "--query-block", "128", "--quiet"]
+             "--token-budget", "2048", "--query-block", "128", "--key-block", "1024",
+             "--quiet"]
 TINY_FLAGS = ["--workload", "docqa", "--sessions", "2", "--turns", "2", "--base-tokens", "40",
               "--segment-tokens", "8", "--max-new-tokens", "2", "--layers", "1",
               "--d-model", "32", "--heads", "4", "--kv-heads", "2", "--head-dim", "8",

@@ -338,6 +338,7 @@ def test_without_compile_mixed_a_new_mixed_shape_runs_as_two_known_steps():
 
 @pytest.mark.parametrize("kwargs, exc, match", [
     ({"token_budget": 48}, ValueError, "token_budget=48 must be a power of two"),
+    ({"key_block": 24}, ValueError, "key_block=24 must be a power of two"),
     ({"max_running": 0}, ValueError, "max_running=0 must be an int >= 1"),
     ({"decode_reserve": 1.5}, ValueError, r"decode_reserve=1.5 must be a number in \[0, 1\]"),
     ({"layerwise": "yes"}, TypeError, "layerwise"),

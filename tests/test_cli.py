@@ -148,6 +148,7 @@ def test_batched_bench_poisson_and_plot(tmp_path):
     (["--arrivals", "poisson"], "needs --rate"), (["--arrivals", "trace"], "needs --trace"),
     (["--trace", "x.jsonl"], "only used with --arrivals trace"),
     (["--token-budget", "48"], "--token-budget 48 must be a power of two"),
+    (["--key-block", "0"], "--key-block 0 must be a power of two"),
     (["--query-block", "0"], "--query-block 0"), (["--decode-reserve", "2"], "--decode-reserve"),
     (["--max-running", "0"], "--max-running 0"), (["--repeats", "0"], "--repeats 0"),
     (["--storage", "file:///tmp/x"], "not supported with --engine batched")])
