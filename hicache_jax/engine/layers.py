@@ -19,7 +19,9 @@ layer, so a caller can wait for a layer's pages before running it), and their ba
 :data:`BATCH_STEP` / :data:`BATCH_LAYER` / :data:`BATCH_HEAD`: a packed step over the flat tokens
 of several requests' chunks (prefill and decode in one call), the dense parts over the flat
 tokens, attention per row group (prefill query blocks, decode rows), each row over its
-request's pages in key blocks up to its last query (split-K work items, merged per row). :func:`reference_logits` is the dense oracle over the same math.
+request's pages in key blocks up to its last query (split-K work items, merged per row;
+blocks every row shares run once). :func:`reference_logits` is the dense oracle over the same
+math.
 
 Threading: the jitted steps dispatch on the caller's thread, which must own the pool (DESIGN
 rule 4); :data:`TRACES` is only written at trace time.
@@ -271,8 +273,8 @@ def _group_attend(cfg: ModelConfig, pool: jax.Array, layer: jax.Array, q: jax.Ar
     row_sum = jnp.dot(onehot, p.sum(axis=-1).reshape(w, -1),
                       precision=lax.Precision.HIGHEST).reshape(r, hkv, g * tq)
     if ws:
-        ps_ = jnp.exp(ss - row_max[..., None])
-        row_sum = row_sum + ps_.sum(axis=-1)
+        p_sh = jnp.exp(ss - row_max[..., None])
+        row_sum = row_sum + p_sh.sum(axis=-1)
     denom = jnp.where(row_sum > 0, row_sum, 1.0)
     probs = p / denom[item_row][..., None]
     out = jnp.einsum("wkqs,wksd->wkqd", probs.astype(v.dtype), v,
@@ -280,7 +282,7 @@ def _group_attend(cfg: ModelConfig, pool: jax.Array, layer: jax.Array, q: jax.Ar
     out = jnp.dot(onehot, out.reshape(w, -1), precision=lax.Precision.HIGHEST)
     out = out.reshape(r, hkv, g * tq, hd)
     if ws:
-        pa = (ps_ / denom[..., None]).astype(vs.dtype)                         # [R, Hkv, G*Tq, Ws*S]
+        pa = (p_sh / denom[..., None]).astype(vs.dtype)
         pa = pa.reshape(r, hkv, g, tq, ws * s).transpose(1, 2, 0, 3, 4)
         oa = jnp.einsum("bkqs,bksd->bkqd", pa.reshape(1, hkv, -1, ws * s), vs,
                         preferred_element_type=jnp.float32)
