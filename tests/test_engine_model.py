@@ -164,16 +164,16 @@ def test_forward_batch_rejects_a_bad_query_block(model):
 def test_work_items_stop_at_each_rows_last_query():
     """The packed step's key work: a row's key blocks run up to the page of its last query, not
     to the longest row's (split-K); padding items point at the scratch page and see nothing."""
-    from hicache_jax.engine.model import _pack, _shape_key
+    from hicache_jax.engine.model import _pack, _plan
     lens, starts, ps = [40, 1, 1], [0, 100, 7], 4
     pages = [np.arange(10) + 10, np.arange(26) + 30, np.arange(2) + 60]
-    key = _shape_key(CFG, lens, starts, pages, ps, 16, 2, 1, 1)
+    key, rows = _plan(CFG, lens, starts, pages, ps, 16, 8, 1, 1)
     # prefill rows see 16, 32, 40 keys: 2 + 4 + 5 blocks of 8 (11 -> bucket 12); decode rows
     # see 101 and 8 keys: 13 + 1 blocks (14 -> 16 beside a prefill); nothing shared
     assert key[1:] == (48, 2, 3, 16, 12, 0, 16, 0, 2)
     used = [10, 26, 2]
     chunks = [np.zeros(n, np.int32) for n in lens]
-    _, _, _, groups, _, _ = _pack(chunks, starts, pages, lens, used, ps, 99, key)
+    _, _, _, groups, _, _ = _pack(chunks, starts, pages, lens, used, ps, 99, key, rows)
     (_, row, items, k0, sh, _), (_, drow, ditems, dk0, dsh, _) = groups
     assert sh.shape == dsh.shape == (0, 2)
     np.testing.assert_array_equal(row[:11], [0] * 2 + [1] * 4 + [2] * 5)
@@ -192,7 +192,7 @@ def test_shared_prefix_blocks_run_once_and_match_the_reference(page_size):
     requests' chunks past the prefix) and the decode group (three requests' tokens). Logits
     match the dense reference on a poisoned pool; a group whose rows start inside the prefix,
     or of one request, shares nothing."""
-    from hicache_jax.engine.model import _shape_key
+    from hicache_jax.engine.model import _plan
     model = DecoderModel(CFG, seed=2)
     rng = np.random.default_rng(5)
     prefix = rng.integers(0, CFG.vocab_size, 48).astype(np.int32)
@@ -212,8 +212,7 @@ def test_shared_prefix_blocks_run_once_and_match_the_reference(page_size):
         model.forward_batch(pool, [seqs[i][48:-1]], [48], [pages[i]], **kw)
     chunks = [seqs[0][48:], seqs[1][48:]] + [seqs[i][-1:] for i in (2, 3, 4)]
     starts = [48, 48] + [len(seqs[i]) - 1 for i in (2, 3, 4)]
-    key = _shape_key(CFG, [len(c) for c in chunks], starts, pages, page_size, 16,
-                     max(1, 16 // page_size), 1, 1)
+    key, _ = _plan(CFG, [len(c) for c in chunks], starts, pages, page_size, 16, 16, 1, 1)
     assert key[6] == 3 and key[8] == 3  # 48 prefix keys: 3 blocks of 16, in both groups
     logits, _ = model.forward_batch(pool, chunks, starts, pages, **kw)
     for i, s in enumerate(seqs):
@@ -221,11 +220,10 @@ def test_shared_prefix_blocks_run_once_and_match_the_reference(page_size):
         np.testing.assert_allclose(np.asarray(logits)[i], want, **TOL)
     # A chunk starting inside the prefix shares only the blocks its first query sees whole.
     for start, blocks in ((8, 0), (20, 1), (47, 2)):
-        key = _shape_key(CFG, [30, 30], [start, 48], pages[:2], page_size, 16,
-                         max(1, 16 // page_size), 1, 1)
+        key, _ = _plan(CFG, [30, 30], [start, 48], pages[:2], page_size, 16, 16, 1, 1)
         assert key[6] == blocks
     # One request's rows alone share nothing (its blocks are its own items).
-    key = _shape_key(CFG, [37], [48], pages[1:2], page_size, 16, max(1, 16 // page_size), 1, 1)
+    key, _ = _plan(CFG, [37], [48], pages[1:2], page_size, 16, 16, 1, 1)
     assert key[6] == 0
 
 

@@ -298,15 +298,15 @@ def _batch_layer(cfg: ModelConfig, pool: jax.Array, layer: jax.Array, lp: Params
 
     The dense parts (norms, projections, MLP) run over the ``N`` flat tokens, with no padding
     between requests; attention runs per row group (prefill query blocks of ``Tq`` slots, decode
-    rows of one), each row through its request's page table, and each token takes its slot's
+    rows of one), each row over its request's key blocks, and each token takes its slot's
     output back (``tok_slot``).
 
     Args:
         x: [N, d] the step's tokens, request after request (padding at the end).
         pos: int32 [N] each token's position in its request.
         wpage: int32 [N] the page each token's K/V goes to (padding: the scratch page).
-        groups: ``(src, item_row, item_pages, item_k0)`` per row group (see
-            :func:`_group_attend`).
+        groups: ``(src, item_row, item_pages, item_k0, shared_pages, shared_k0)`` per row
+            group (see :func:`_group_attend`).
         tok_slot: int32 [N] each token's slot in the groups' slots, concatenated.
     """
     ps, bits = pool.shape[3], pool.dtype

@@ -202,10 +202,9 @@ class DecoderModel:
                 raise ValueError(f"request {i}: chunk of {n} tokens at {s} with "
                                  f"{np.shape(page_ids[i])[0]} pages (needs >= 1 token at "
                                  f"start >= 0 and {u} pages of {ps} tokens)")
-        kb = _key_pages(key_block, ps)
-        key = _shape_key(self.cfg, lens, starts, page_ids, ps, query_block, kb,
-                         -(-min_pages // kb), min_batch)
-        packed = _pack(chunks, starts, page_ids, lens, used, ps, scratch, key)
+        key, rows = _plan(self.cfg, lens, starts, page_ids, ps, query_block, key_block,
+                          min_pages, min_batch)
+        packed = _pack(chunks, starts, page_ids, lens, used, ps, scratch, key, rows)
         # numpy arguments go to the jit as they are: its C++ dispatch moves them to the device
         # (a jnp.asarray each would cost ~40 us of Python per array, per step).
         toks, rest = packed[0], packed[1:]
@@ -231,9 +230,8 @@ class DecoderModel:
         ps = self._page_size(pool)
         starts = [int(s) for s in starts]
         lens, _ = _lens_used(chunks, starts, ps)
-        kb = _key_pages(key_block, ps)
-        return _shape_key(self.cfg, lens, starts, page_ids, ps, query_block, kb,
-                          -(-min_pages // kb), min_batch)
+        return _plan(self.cfg, lens, starts, page_ids, ps, query_block, key_block, min_pages,
+                     min_batch)[0]
 
     @staticmethod
     def batch_compiled(shape: tuple) -> bool:
@@ -250,11 +248,6 @@ class DecoderModel:
 #: (config, packed shapes) x ("fused" | "layers") of every batched step run so far: the jits are
 #: module-level, so a shape one model ran is compiled for every model of the same config.
 _RAN: set[tuple[Any, str]] = set()
-
-
-def _key_pages(key_block: int, ps: int) -> int:
-    """Pages of a work item's key block: ``key_block`` tokens rounded down to whole pages."""
-    return max(1, key_block // ps)
 
 
 def _lens_used(chunks, starts, ps: int) -> tuple[list[int], list[int]]:
@@ -293,32 +286,36 @@ def _shared_blocks(rows: list, page_ids, kb: int, span: int) -> int:
     return cand
 
 
-def _shape_key(cfg: ModelConfig, lens: list[int], starts: list[int], page_ids, ps: int,
-               qb: int, kb: int, min_items: int, min_batch: int) -> tuple:
-    """What decides the packed step's shapes (see :func:`_pack`): the config, the flat prefill
+def _plan(cfg: ModelConfig, lens: list[int], starts: list[int], page_ids, ps: int, qb: int,
+          key_block: int, min_pages: int, min_batch: int) -> tuple[tuple, tuple]:
+    """The packed step's layout: ``(key, ((prefill rows, their shared blocks), (decode rows,
+    theirs)))``, rows as :func:`_rows` gives them.
+
+    The key is what decides the step's shapes (see :func:`_pack`): the config, the flat prefill
     and decode slots, the prefill rows, the query block, the work items of each group (a row's
-    key blocks of ``kb`` pages up to its last query, minus the group's shared blocks), the
-    shared blocks of each group, and ``kb``."""
+    key blocks of ``kb`` pages, ``key_block`` tokens rounded down to whole pages, up to its last
+    query, minus the group's shared blocks; at least ``min_pages`` pages' worth), the shared
+    blocks of each group, and ``kb``."""
     pre, dec = _rows(lens, starts, qb)
-    span = kb * ps
+    kb = max(1, key_block // ps)
+    span, min_items = kb * ps, -(-min_pages // kb)
     nd = 0 if not dec else bucket(len(dec)) if pre else fine_bucket(len(dec), min_batch)
-    work = []  # per group: its rows' own work items, its shared blocks
+    work, shared = [], []  # per group: its rows' own work items, its shared blocks
     # Work items bucket as the group's rows do: the decode group's beside a prefill by powers
     # of two (the shapes a mixed step compiles stay few).
     for rows, fit in ((pre, fine_bucket), (dec, bucket if pre else fine_bucket)):
-        if not rows:
-            work += [0, 0]
-            continue
         sh = _shared_blocks(rows, page_ids, kb, span)
         w = sum(-(-r[4] // span) - sh for r in rows)
-        work += [fit(w, min_items), fine_bucket(sh) if sh else 0]
-    return (cfg, fine_bucket(sum(n for n in lens if n > 1), min_batch) if pre else 0, nd,
-            fine_bucket(len(pre)) if pre else 0, qb, *work, kb)
+        work += [fit(w, min_items) if rows else 0, fine_bucket(sh) if sh else 0]
+        shared.append(sh)
+    key = (cfg, fine_bucket(sum(n for n in lens if n > 1), min_batch) if pre else 0, nd,
+           fine_bucket(len(pre)) if pre else 0, qb, *work, kb)
+    return key, ((pre, shared[0]), (dec, shared[1]))
 
 
-def _pack(chunks, starts, page_ids, lens, used, ps, scratch, key):
-    """Host arrays of :meth:`DecoderModel.forward_batch`'s packed step of shape ``key``
-    (:func:`_shape_key`): flat tokens, their positions and K/V pages, the row groups
+def _pack(chunks, starts, page_ids, lens, used, ps, scratch, key, rows):
+    """Host arrays of :meth:`DecoderModel.forward_batch`'s packed step of layout ``key, rows``
+    (:func:`_plan`): flat tokens, their positions and K/V pages, the row groups
     ``((src, item_row, item_pages, item_k0, shared_pages, shared_k0), ...)``, each token's
     slot, and each chunk's last flat token (``[prefill rows + decode rows]``; padding repeats
     row 0).
@@ -351,11 +348,10 @@ def _pack(chunks, starts, page_ids, lens, used, ps, scratch, key):
             first[i] = off
             off += n
     groups, base = [], 0
-    pre, dec = _rows(lens, starts, qb)
-    for rows, tq, r, w, ws in ((pre, qb, rp, wp, sp), (dec, 1, nd, wd, sd)):
+    (pre, sh_pre), (dec, sh_dec) = rows
+    for rows, sh, tq, r, w, ws in ((pre, sh_pre, qb, rp, wp, sp), (dec, sh_dec, 1, nd, wd, sd)):
         if not rows:
             continue
-        sh = _shared_blocks(rows, page_ids, kb, span)
         src = np.empty((r, tq), np.int32)
         item_row = np.zeros(w, np.int32)
         item_pages = np.full((w, kb), scratch, np.int32)
