@@ -105,9 +105,10 @@ def test_matches_serial_every_policy(model, chat_ref, page_size, policy):
     _drained(eng)
 
 
+@pytest.mark.parametrize("overlap", [True, False])
 @pytest.mark.parametrize("mode", ["none", "device"])
-def test_matches_serial_other_modes(model, chat_ref, mode):
-    eng = _batched(model, 16, mode=mode, layerwise=False)
+def test_matches_serial_other_modes(model, chat_ref, mode, overlap):
+    eng = _batched(model, 16, mode=mode, layerwise=False, overlap=overlap)
     gens = {g.record.key: g for g in eng.serve(ClosedLoop(_chat()))}
     _same(gens, chat_ref)
     if mode == "none":
@@ -115,14 +116,15 @@ def test_matches_serial_other_modes(model, chat_ref, mode):
     _drained(eng)
 
 
-def test_retraction_when_decode_runs_out_of_pages(model):
+@pytest.mark.parametrize("overlap", [True, False])
+def test_retraction_when_decode_runs_out_of_pages(model, overlap):
     rng = np.random.default_rng(5)
     prompts = [rng.integers(1, CFG.vocab_size, 24).astype(np.int32) for _ in range(4)]
     ref = Engine(model, _cache(model, 16, "none", device=64), mode="none", chunk_size=64,
                  prefill_bucket=64, table_bucket=32).generate(prompts, 12)
     # 4 prompts x 2 pages fill the 8 pages when admitted greedily (decode_reserve 0); their
     # 3rd pages (positions 32..34) cannot all be had in decode.
-    eng = _batched(model, 16, mode="device", decode_reserve=0.0)
+    eng = _batched(model, 16, mode="device", decode_reserve=0.0, overlap=overlap)
     gens = eng.generate(prompts, 12)
     assert eng.counters["retractions"] > 0
     assert sum(g.record.retractions for g in gens) == eng.counters["retractions"]
@@ -130,6 +132,36 @@ def test_retraction_when_decode_runs_out_of_pages(model):
         np.testing.assert_array_equal(g.tokens, r.tokens)
         np.testing.assert_allclose(g.first_logits, r.first_logits, **TOL)
     _drained(eng)
+
+
+def test_overlap_reads_a_step_s_tokens_after_dispatching_the_next():
+    """overlap: each step is dispatched before the previous step's tokens are read (decode
+    tokens go from step to step on the device), so a request comes back, and gives its pages
+    back, one step() call after its last forward; without overlap, in the same call. Tokens
+    and first-token logits are the serial engine's either way."""
+    model = DecoderModel(CFG, seed=3)
+    rng = np.random.default_rng(12)
+    prompts = [rng.integers(1, CFG.vocab_size, n).astype(np.int32) for n in (20, 9)]
+    ref = Engine(model, _cache(model, 16, "none", device=64), mode="none", chunk_size=64,
+                 prefill_bucket=64, table_bucket=32).generate(prompts, 3)
+    calls = {}
+    for overlap in (True, False):
+        eng = _batched(model, 16, mode="device", overlap=overlap)
+        for i, p in enumerate(prompts):
+            eng.submit(p, 3, key=i)
+        done, n = {}, 0
+        while eng.busy:
+            n += 1
+            done.update({g.record.key: g for g in eng.step()})
+            if overlap and n == 1:  # the prefill is dispatched, its tokens not read yet
+                assert not done and all(not r.out and r.pending == 1 for r in eng.running)
+        for i, r in enumerate(ref):
+            np.testing.assert_array_equal(done[i].tokens, r.tokens)
+            np.testing.assert_allclose(done[i].first_logits, r.first_logits, **TOL)
+        calls[overlap] = n
+        assert eng.counters["forward_calls"] == 3  # the prefill, then two decode steps
+        _drained(eng)
+    assert calls == {True: 4, False: 3}
 
 
 def test_all_locked_is_reported_not_spun(model):
@@ -343,6 +375,7 @@ def test_without_compile_mixed_a_new_mixed_shape_runs_as_two_known_steps():
     ({"decode_reserve": 1.5}, ValueError, r"decode_reserve=1.5 must be a number in \[0, 1\]"),
     ({"layerwise": "yes"}, TypeError, "layerwise"),
     ({"compile_mixed": 1}, TypeError, "compile_mixed"),
+    ({"overlap": "no"}, TypeError, "overlap"),
     ({"mode": "l3"}, ValueError, "mode='l3' is not one of"),
     ({"clock": 3}, TypeError, "clock must be callable"),
 ])

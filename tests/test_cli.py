@@ -39,6 +39,7 @@ def test_bench_table_identical_outputs_and_json(tmp_path, capsys):
     assert hi["recomputed_tokens"] <= radix["recomputed_tokens"]
     assert hi["bytes_to_host"] > 0  # write_through backs pages up at insert
     assert len(data["requests"]["hicache"]) == 9
+    assert data["config"]["no_overlap"] is False  # the batched engine overlaps by default
     assert data["env"]["backend"] == "cpu"
 
 
@@ -134,13 +135,14 @@ def test_batched_bench_matches_serial_and_writes_json(tmp_path, capsys):
     assert hi["requests"] == 9 and hi["bytes_to_host"] > 0
     assert data["summary"]["no cache"]["recomputed_tokens"] == hi["prompt_tokens"]
     assert len(data["requests"]["hicache"]) == 9
+    assert data["config"]["no_overlap"] is False  # the batched engine overlaps by default
 
 
 def test_batched_bench_poisson_and_plot(tmp_path):
     pytest.importorskip("matplotlib", reason='--plot needs matplotlib: pip install -e ".[plot]"')
     path = tmp_path / "ttft.png"
     assert cli.main(["bench", *TINY, *BATCHED, "--arrivals", "poisson", "--rate", "200",
-                     "--plot", str(path)]) == 0
+                     "--no-overlap", "--plot", str(path)]) == 0
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 

@@ -7,8 +7,9 @@ import numpy as np
 import pytest
 
 from hicache_jax.device_pool import DevicePagePool
-from hicache_jax.engine.model import (DecoderModel, ModelConfig, bucket, compiled_step_count,
-                                      fine_bucket, trace_count,
+from hicache_jax.engine import model as model_mod, packing
+from hicache_jax.engine.model import (DecoderModel, ModelConfig, TokenSlots, bucket,
+                                      compiled_step_count, fine_bucket, trace_count,
                                       init_params, load_params, reference_logits, save_params)
 
 from helpers import poisoned_device_pool
@@ -153,6 +154,108 @@ def test_layerwise_if_compiled_never_compiles_a_shape_the_fused_step_has():
     assert trace_count("batch_layer") == layers_after
 
 
+@pytest.mark.parametrize("layerwise", [False, True])
+def test_decode_tokens_read_from_token_slots_match_host_tokens(layerwise):
+    """With slots=, each chunk's sampled token is written to its slot on the device, and a
+    decode chunk marked from_slot reads its token there (its host value is ignored): two steps
+    dispatched back to back, the second never seeing the first's tokens on the host, give the
+    logits of feeding those tokens from the host."""
+    model = DecoderModel(CFG, seed=2)
+    rng = np.random.default_rng(5)
+    seqs = [rng.integers(0, CFG.vocab_size, n).astype(np.int32) for n in (21, 12, 30)]
+    pages = [_pages(8, num_pages=200, seed=3)[i * 2:i * 2 + 2] for i in range(3)]
+    waiter = _Waiter() if layerwise else None
+
+    def two_steps(slots):
+        pool = _poisoned_pool(16, num_pages=200)
+        kw = dict(slots=slots, slot_of=[5, 0, 2]) if slots else {}
+        _, first = model.forward_batch(pool, seqs, [0, 0, 0], pages, query_block=8,
+                                       waiter=waiter, **kw)
+        if slots:  # placeholders: the real tokens are the first step's, read on the device
+            chunks, kw["from_slot"] = [np.zeros(1, np.int32)] * 3, [True] * 3
+        else:
+            chunks = [np.asarray(first)[i:i + 1] for i in range(3)]
+        logits, toks = model.forward_batch(pool, chunks, [len(x) for x in seqs], pages,
+                                           query_block=8, **kw)
+        return np.asarray(first)[:3], np.asarray(logits)[:3], np.asarray(toks)[:3]
+
+    slots = TokenSlots(6)
+    got, want = two_steps(slots), two_steps(None)
+    for a, b in zip(got, want):
+        np.testing.assert_allclose(a, b, **TOL)
+    np.testing.assert_array_equal(np.asarray(slots.array)[[5, 0, 2]], got[2])
+    for i, s in enumerate(seqs):
+        full = np.concatenate([s, got[0][i:i + 1]])
+        np.testing.assert_allclose(got[1][i], np.asarray(
+            reference_logits(CFG, model.params, full))[-1], **TOL)
+
+
+def test_token_slots_and_their_bad_arguments(model):
+    slots = TokenSlots(2)
+    assert (slots.take(), slots.take(), slots.free) == (0, 1, 0)
+    with pytest.raises(RuntimeError, match="all 2 token slots are held"):
+        slots.take()
+    slots.give(1)
+    with pytest.raises(ValueError, match="slot 1 is not held"):
+        slots.give(1)
+    for bad in (0, 1.5, True):
+        with pytest.raises(ValueError, match="must be an int >= 1"):
+            TokenSlots(bad)
+    pool = _poisoned_pool(16)
+    before = np.asarray(pool.array).copy()
+    one = [np.zeros(1, np.int32)]
+    for kw, exc, match in [
+            (dict(slot_of=[0]), ValueError, "need slots=TokenSlots"),
+            (dict(slots=np.zeros(3, np.int32), slot_of=[0]), TypeError, "must be a TokenSlots"),
+            (dict(slots=TokenSlots(2)), ValueError, "one slot per chunk"),
+            (dict(slots=TokenSlots(2), slot_of=[2]), ValueError, "distinct slots in"),
+            (dict(slots=TokenSlots(2), slot_of=[0], from_slot=[True, False]), ValueError,
+             "2 entries for 1 chunks")]:
+        with pytest.raises(exc, match=match):
+            model.forward_batch(pool, one, [0], [_pages(1)], **kw)
+    with pytest.raises(ValueError, match="read from its slot must be one token"):
+        model.forward_batch(pool, [np.zeros(3, np.int32)], [0], [_pages(1)],
+                            slots=TokenSlots(2), slot_of=[1], from_slot=[True])
+    np.testing.assert_array_equal(np.asarray(pool.array), before)  # nothing ran
+
+
+def test_reuse_compiled_runs_a_new_shape_padded_into_a_compiled_one():
+    """reuse_compiled: a step whose shapes have no executable runs padded into the cheapest
+    compiled shape that holds it (same logits, nothing compiled); a shape no compiled one holds
+    within REUSE_COST_LIMIT x its work compiles as before."""
+    cfg = ModelConfig(vocab_size=61, num_layers=1, d_model=16, num_heads=2, num_kv_heads=1,
+                      head_dim=8, ffn_dim=24)  # its own config: no shape of it ran before
+    model = DecoderModel(cfg, seed=3)
+    rng = np.random.default_rng(8)
+    seqs = [rng.integers(0, cfg.vocab_size, n).astype(np.int32) for n in (40, 23, 9)]
+    pages = [np.arange(i * 4, i * 4 + 4, dtype=np.int32) for i in range(3)]
+
+    def run(k, **kw):
+        pool = poisoned_device_pool(cfg.kv_spec(16), 64)
+        shape = model.batch_shape(pool, seqs[:k], [0] * k, pages[:k], query_block=8)
+        logits, _ = model.forward_batch(pool, seqs[:k], [0] * k, pages[:k], query_block=8,
+                                        **kw)
+        for i in range(k):
+            np.testing.assert_allclose(np.asarray(logits)[i], np.asarray(
+                reference_logits(cfg, model.params, seqs[i]))[-1], **TOL)
+        return shape
+
+    big = run(2)                                 # compiles the two-request shape
+    traced = trace_count("batch_step")
+    small = run(1, reuse_compiled=True)          # held by it: no compile
+    assert trace_count("batch_step") == traced and small != big
+    assert model.batch_compiled(small, reuse=True) and not model.batch_compiled(small)
+    assert packing.cover(small, model_mod._RAN) == big
+    run(1)                                       # without reuse: its own executable
+    assert trace_count("batch_step") == traced + 1
+    tiny = [seqs[2][:2]]                         # 2 tokens: every compiled shape is > 2x it
+    pool = poisoned_device_pool(cfg.kv_spec(16), 64)
+    shape = model.batch_shape(pool, tiny, [0], pages[:1], query_block=8)
+    assert not model.batch_compiled(shape, reuse=True)
+    model.forward_batch(pool, tiny, [0], pages[:1], query_block=8, reuse_compiled=True)
+    assert trace_count("batch_step") == traced + 2
+
+
 def test_forward_batch_rejects_a_bad_query_block(model):
     pool = _poisoned_pool(16)
     with pytest.raises(ValueError, match="query_block=12 must be a power of two"):
@@ -164,16 +267,16 @@ def test_forward_batch_rejects_a_bad_query_block(model):
 def test_work_items_stop_at_each_rows_last_query():
     """The packed step's key work: a row's key blocks run up to the page of its last query, not
     to the longest row's (split-K); padding items point at the scratch page and see nothing."""
-    from hicache_jax.engine.model import _pack, _plan
+    from hicache_jax.engine.packing import pack, plan
     lens, starts, ps = [40, 1, 1], [0, 100, 7], 4
     pages = [np.arange(10) + 10, np.arange(26) + 30, np.arange(2) + 60]
-    key, rows = _plan(CFG, lens, starts, pages, ps, 16, 8, 1, 1)
+    key, rows = plan(CFG, lens, starts, pages, ps, 16, 8, 1, 1)
     # prefill rows see 16, 32, 40 keys: 2 + 4 + 5 blocks of 8 (11 -> bucket 12); decode rows
     # see 101 and 8 keys: 13 + 1 blocks (14 -> 16 beside a prefill); nothing shared
     assert key[1:] == (48, 2, 3, 16, 12, 0, 16, 0, 2)
     used = [10, 26, 2]
     chunks = [np.zeros(n, np.int32) for n in lens]
-    _, _, _, groups, _, _ = _pack(chunks, starts, pages, lens, used, ps, 99, key, rows)
+    _, _, _, groups, _, _ = pack(chunks, starts, pages, lens, used, ps, 99, key, rows)
     (_, row, items, k0, sh, _), (_, drow, ditems, dk0, dsh, _) = groups
     assert sh.shape == dsh.shape == (0, 2)
     np.testing.assert_array_equal(row[:11], [0] * 2 + [1] * 4 + [2] * 5)
@@ -192,7 +295,7 @@ def test_shared_prefix_blocks_run_once_and_match_the_reference(page_size):
     requests' chunks past the prefix) and the decode group (three requests' tokens). Logits
     match the dense reference on a poisoned pool; a group whose rows start inside the prefix,
     or of one request, shares nothing."""
-    from hicache_jax.engine.model import _plan
+    from hicache_jax.engine.packing import plan
     model = DecoderModel(CFG, seed=2)
     rng = np.random.default_rng(5)
     prefix = rng.integers(0, CFG.vocab_size, 48).astype(np.int32)
@@ -212,7 +315,7 @@ def test_shared_prefix_blocks_run_once_and_match_the_reference(page_size):
         model.forward_batch(pool, [seqs[i][48:-1]], [48], [pages[i]], **kw)
     chunks = [seqs[0][48:], seqs[1][48:]] + [seqs[i][-1:] for i in (2, 3, 4)]
     starts = [48, 48] + [len(seqs[i]) - 1 for i in (2, 3, 4)]
-    key, _ = _plan(CFG, [len(c) for c in chunks], starts, pages, page_size, 16, 16, 1, 1)
+    key, _ = plan(CFG, [len(c) for c in chunks], starts, pages, page_size, 16, 16, 1, 1)
     assert key[6] == 3 and key[8] == 3  # 48 prefix keys: 3 blocks of 16, in both groups
     logits, _ = model.forward_batch(pool, chunks, starts, pages, **kw)
     for i, s in enumerate(seqs):
@@ -220,10 +323,10 @@ def test_shared_prefix_blocks_run_once_and_match_the_reference(page_size):
         np.testing.assert_allclose(np.asarray(logits)[i], want, **TOL)
     # A chunk starting inside the prefix shares only the blocks its first query sees whole.
     for start, blocks in ((8, 0), (20, 1), (47, 2)):
-        key, _ = _plan(CFG, [30, 30], [start, 48], pages[:2], page_size, 16, 16, 1, 1)
+        key, _ = plan(CFG, [30, 30], [start, 48], pages[:2], page_size, 16, 16, 1, 1)
         assert key[6] == blocks
     # One request's rows alone share nothing (its blocks are its own items).
-    key, _ = _plan(CFG, [37], [48], pages[1:2], page_size, 16, 16, 1, 1)
+    key, _ = plan(CFG, [37], [48], pages[1:2], page_size, 16, 16, 1, 1)
     assert key[6] == 0
 
 

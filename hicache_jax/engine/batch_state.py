@@ -20,7 +20,9 @@ import numpy as np
 
 from hicache_jax.errors import OutOfPagesError
 from hicache_jax.hicache import HiCache, Match
-from hicache_jax.engine.engine import CacheMode, Generation, RequestRecord
+from hicache_jax.engine.engine import CacheMode, Generation, RequestRecord, check_prompt
+from hicache_jax.engine.packing import TokenSlots
+from hicache_jax.validation import is_int
 
 
 class EngineStalledError(OutOfPagesError):
@@ -66,6 +68,37 @@ class BatchRequest:
         self.hits = None               # (l1, l2, declined) of the first admission
         self.recomputed = 0
         self.retractions = 0
+        self.slot: int | None = None   # its TokenSlots slot while admitted
+        self.pending = 0               # tokens sampled by dispatched forwards, not read yet
+
+    def add_token(self, tok: np.ndarray, now: float, logits: np.ndarray | None) -> None:
+        """One sampled token (int32 ``[1]``) read from a dispatched forward at ``now``;
+        ``logits``: the first token's, at the end of the prompt (None otherwise)."""
+        self.pending -= 1
+        self.out.append(int(tok[0]))
+        self.seq = np.concatenate([self.seq, tok])
+        self.token_times.append(now)
+        if logits is not None:
+            self.first_logits = logits
+
+
+def shares_uncached(req: BatchRequest, cached: int, ps: int, others: list[BatchRequest]) -> bool:
+    """Whether ``req``'s prompt beyond ``cached`` shares more than a page with one of
+    ``others`` (prompts being prefilled or admitted this step: ``req`` then waits for those
+    pages, SGLang's in-batch prefix check): whether the first ``cached + ps + 1`` tokens are
+    the same, compared as bytes (the page right after ``cached`` first, where prompts part)."""
+    k = cached + ps + 1
+    if req.seq.shape[0] < k:
+        return False
+    tail, head = req.seq[cached:k].tobytes(), None
+    for other in others:
+        o = other.seq
+        if o.shape[0] < k or o[cached:k].tobytes() != tail:
+            continue
+        head = req.seq[:cached].tobytes() if head is None else head
+        if o[:cached].tobytes() == head:
+            return True
+    return False
 
 
 class PageLedger:
@@ -75,11 +108,28 @@ class PageLedger:
         cache: the engine's cache (the page allocator too in mode ``none``).
         mode: the engine's cache mode (``none``: no tree, pages are only allocated and freed).
         clock: the engine's time source (admission times).
+        slots: the engine's device token slots: an admitted request holds one until released.
     """
 
-    def __init__(self, cache: HiCache, mode: CacheMode, clock: Callable[[], float]) -> None:
-        self.cache, self.mode, self.clock = cache, mode, clock
+    def __init__(self, cache: HiCache, mode: CacheMode, clock: Callable[[], float],
+                 slots: TokenSlots) -> None:
+        self.cache, self.mode, self.clock, self.slots = cache, mode, clock, slots
         self.ps = cache.spec.page_size
+
+    def request(self, prompt: Any, max_new: Any, key: Hashable, arrival: float | None,
+                vocab_size: int) -> BatchRequest:
+        """A checked new request arriving at ``arrival`` (None: now). ValueError / TypeError
+        for a malformed prompt or size, or one needing more device pages than the pool has
+        (it could never be served)."""
+        if not is_int(max_new) or max_new < 1:
+            raise ValueError(f"max_new_tokens={max_new!r} must be an int >= 1")
+        arr = check_prompt(prompt, vocab_size)
+        pages = -(-(arr.size + int(max_new) - 1) // self.ps)
+        if pages > self.cache.cfg.device_pages:
+            raise ValueError(f"a request of {arr.size} prompt + {max_new} new tokens needs "
+                             f"{pages} device pages; the pool has {self.cache.cfg.device_pages}")
+        now = self.clock() if arrival is None else float(arrival)
+        return BatchRequest(key, arr, int(max_new), now)
 
     def take(self, req: BatchRequest, m: Match | None, active: list[BatchRequest],
              reserve: float, *, checked: bool = False) -> bool:
@@ -110,6 +160,7 @@ class PageLedger:
         req.target = target
         req.handle = None if m is None else m.load_handle
         req.recomputed += target - req.kv_done
+        req.slot = self.slots.take()
         return True
 
     def fits(self, pages: int) -> bool:
@@ -161,12 +212,19 @@ class PageLedger:
         r.lock, r.locked_len = m.node, full * self.ps
         r.pages = np.concatenate([m.device_pages, r.pages[full:]]).astype(np.int32)
 
-    def finish(self, r: BatchRequest) -> Generation:
-        """Release a request with all its tokens (its whole pages of prompt + output, minus the
-        last token whose K/V is never computed, go to the tree) and return its Generation."""
-        kv_len = r.prompt.shape[0] + r.max_new - 1
-        full = kv_len // self.ps
+    def release_done(self, r: BatchRequest) -> None:
+        """Release a request whose tokens are all computed or dispatched, once every token but
+        the last is read (its whole pages of prompt + output minus the last token, whose K/V is
+        never computed, go to the tree): the last token's forward may still be running, but
+        every later reader of these pages is ordered after it on the device."""
+        full = (r.prompt.shape[0] + r.max_new - 1) // self.ps
         self.release(r, r.seq[:full * self.ps], full, chunked=False)
+
+    def finish(self, r: BatchRequest) -> Generation:
+        """A request with all its tokens read: released (:meth:`release_done`) unless it was
+        already, and its Generation."""
+        if r.slot is not None:  # not released yet
+            self.release_done(r)
         l1, l2, declined = r.hits
         n = r.prompt.shape[0]
         t = r.token_times
@@ -192,7 +250,10 @@ class PageLedger:
             cache.free_pages(own)
         if r.lock is not None:
             cache.unlock(r.lock)
+        if r.slot is not None:
+            self.slots.give(r.slot)
         r.lock, r.pages, r.kv_done, r.locked_len = None, np.zeros(0, np.int32), 0, 0
+        r.slot = None
 
 
 class AdmissionPlan:

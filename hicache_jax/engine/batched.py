@@ -27,13 +27,27 @@ Each :meth:`BatchedEngine.step`:
    pending. A request whose prompt is done inserts its whole pages
    (``insert(..., chunked=True)``) and re-locks them, so later requests hit them at once, and
    decodes from the next step;
-4. **finish** -- a request with all its tokens inserts the whole pages of prompt + output (minus
-   its last token, whose K/V is never computed), frees the partial page and unlocks.
+4. **read** -- the tokens of the previous step's forward (``overlap``, the default: SGLang's
+   overlap scheduler) or of this one: each request's next token and, at the end of a prompt,
+   its first-token logits. A decode row never waits for the host: it reads its token from the
+   request's device token slot (``model.TokenSlots``), where the forward that sampled it wrote
+   it, so step N+1 is dispatched while step N computes, and the host's scheduling and
+   bookkeeping (this list) run meanwhile. A request with all its tokens dispatched leaves the
+   running set at once;
+5. **finish** -- once every token but the last is read (the last one's forward may still run),
+   a request inserts the whole pages of prompt + output (minus its last token, whose K/V is
+   never computed), frees the partial page and unlocks, so the next admission has its pages;
+   it is returned once its last token is read.
 
-No request is refused for lack of pages: it waits while others run. When nothing runs and the
-oldest waiting request still cannot get its pages (every page locked or owned outside the
-engine), :class:`EngineStalledError` says so instead of spinning. Requests that could never fit
-the device pool are refused at :meth:`submit`.
+Every pool write and read of a step is ordered on the device after the steps dispatched before
+it (the pool is donated from step to step), so a page released or re-used on the host while a
+step is in flight is never read before that step's writes. When decode pages run out, the
+tokens in flight are read (finished requests give their pages back) before anyone is retracted.
+
+No request is refused for lack of pages: it waits while others run. When nothing runs or is in
+flight and the oldest waiting request still cannot get its pages (every page locked or owned
+outside the engine), :class:`EngineStalledError` says so instead of spinning. Requests that could
+never fit the device pool are refused at :meth:`submit`.
 
 Modes as :class:`~hicache_jax.engine.engine.Engine`: ``none`` (pages per request, no tree),
 ``device`` (L1 radix), ``hicache`` (L1 + L2).
@@ -58,15 +72,15 @@ from hicache_jax.errors import OutOfPagesError
 from hicache_jax.hicache import HiCache, Match
 from hicache_jax.validation import check_bool, is_int, is_real
 from hicache_jax.engine.batch_state import (AdmissionPlan, BatchedRecord, BatchRequest,
-                                            EngineStalledError, PageLedger)
-from hicache_jax.engine.engine import (CacheMode, Generation, build_cache, check_prompt,
-                                       parse_mode)
-from hicache_jax.engine.model import DecoderModel, bucket
+                                            EngineStalledError, PageLedger, shares_uncached)
+from hicache_jax.engine.engine import CacheMode, Generation, build_cache, parse_mode
+from hicache_jax.engine.model import DecoderModel, TokenSlots, bucket
 from hicache_jax.engine.workloads import Arrival
 
 __all__ = ["ArrivalProcess", "BatchedEngine", "BatchedRecord", "EngineStalledError"]
 
 _RESERVE_DECAY = 0.02  # per step, back from 1 to decode_reserve after a retraction
+_PLACEHOLDER = np.zeros(1, np.int32)  # a decode chunk whose token is read from its slot
 
 
 class ArrivalProcess(Protocol):
@@ -104,10 +118,15 @@ class BatchedEngine:
         decode_reserve: fraction (in [0, 1]) of the active requests' remaining decode pages
             an admission keeps free or evictable; 1 never retracts, 0 admits greedily.
         compile_mixed: compile a new prefill + decode step shape when one comes up (True, the
-            default: while warming up). Off (steady serving, after a warm-up), a mixed step
-            without an executable runs as a prefill step and a decode step instead: mixed
-            shapes are many (prefill tokens x rows x decode rows x pages), the two parts' few,
-            and a compile stalls every running request (~0.9 s on CPU). Settable at any time.
+            default: while warming up). Off (steady serving, after a warm-up), a step without
+            an executable runs padded into a compiled shape that holds it (within
+            ``model.REUSE_COST_LIMIT`` x its work), else a mixed one as a prefill step and a
+            decode step: mixed shapes are many (prefill tokens x rows x decode rows x pages),
+            the two parts' few, and a compile stalls every running request (~0.9 s on CPU).
+            Settable at any time.
+        overlap: dispatch each step before reading the previous step's tokens (see 4.
+            above): :meth:`step` then returns a request one call after its last forward. Off:
+            each step's tokens are read before :meth:`step` returns.
         clock: time source (seconds).
 
     Raises:
@@ -118,7 +137,7 @@ class BatchedEngine:
                  token_budget: int = 512, max_running: int = 64, layerwise: bool = True,
                  query_block: int = 32, key_block: int = 64, table_bucket: int = 1,
                  batch_bucket: int = 1, decode_reserve: float = 1.0, compile_mixed: bool = True,
-                 clock: Callable[[], float] = time.perf_counter) -> None:
+                 overlap: bool = True, clock: Callable[[], float] = time.perf_counter) -> None:
         self.mode = parse_mode(mode)
         if not isinstance(model, DecoderModel):
             raise TypeError(f"model must be a DecoderModel, got {type(model).__name__}")
@@ -139,6 +158,7 @@ class BatchedEngine:
             raise ValueError(f"decode_reserve={decode_reserve!r} must be a number in [0, 1]")
         check_bool("layerwise", layerwise)
         check_bool("compile_mixed", compile_mixed)
+        check_bool("overlap", overlap)
         if not callable(clock):
             raise TypeError(f"clock must be callable, got {type(clock).__name__}")
         self.model, self.cache, self.pool = model, cache, cache.device_pool
@@ -147,14 +167,18 @@ class BatchedEngine:
         self.query_block, self.key_block = min(query_block, token_budget), key_block
         self.table_bucket, self.batch_bucket = table_bucket, batch_bucket
         self.layerwise, self.decode_reserve = bool(layerwise), float(decode_reserve)
-        self.compile_mixed = bool(compile_mixed)
+        self.compile_mixed, self.overlap = bool(compile_mixed), bool(overlap)
         self.clock = clock
+        self._pending: list = []  # dispatched forwards whose tokens are not read yet
+        self._closing: list[BatchRequest] = []  # every token dispatched, not all read yet
+        self._finished: list[Generation] = []
         self._reserve = self.decode_reserve
         self.waiting: collections.deque[BatchRequest] = collections.deque()
         self.prefilling: list[BatchRequest] = []
         self.running: list[BatchRequest] = []
         self.records: list[BatchedRecord] = []
-        self._ledger = PageLedger(cache, self.mode, clock)
+        self._ledger = PageLedger(cache, self.mode, clock, TokenSlots(max_running))
+        self.slots = self._ledger.slots
         self.counters: collections.Counter[str] = collections.Counter()
 
     @classmethod
@@ -176,23 +200,14 @@ class BatchedEngine:
             ValueError / TypeError: malformed prompt or size, or a request that needs more
                 device pages than the pool has (it could never be served).
         """
-        req = self._check(prompt, max_new_tokens, key, arrival)
-        self.waiting.append(req)
-
-    def _check(self, prompt: Any, max_new: Any, key: Hashable, arrival: Any) -> BatchRequest:
-        if not is_int(max_new) or max_new < 1:
-            raise ValueError(f"max_new_tokens={max_new!r} must be an int >= 1")
-        arr = check_prompt(prompt, self.model.cfg.vocab_size)
-        pages = -(-(arr.size + int(max_new) - 1) // self.ps)
-        if pages > self.cache.cfg.device_pages:
-            raise ValueError(f"a request of {arr.size} prompt + {max_new} new tokens needs "
-                             f"{pages} device pages; the pool has {self.cache.cfg.device_pages}")
-        now = self.clock() if arrival is None else float(arrival)
-        return BatchRequest(key, arr, int(max_new), now)
+        vocab = self.model.cfg.vocab_size
+        self.waiting.append(self._ledger.request(prompt, max_new_tokens, key, arrival, vocab))
 
     def generate(self, prompts: Sequence[Any], max_new_tokens: int) -> list[Generation]:
         """Serve ``prompts`` (all arriving now) to completion; one Generation each, in order."""
-        reqs = [self._check(p, max_new_tokens, i, None) for i, p in enumerate(prompts)]
+        vocab = self.model.cfg.vocab_size
+        reqs = [self._ledger.request(p, max_new_tokens, i, None, vocab)
+                for i, p in enumerate(prompts)]
         self.waiting.extend(reqs)
         done: dict[Any, Generation] = {}
         while len(done) < len(reqs):
@@ -232,21 +247,25 @@ class BatchedEngine:
 
     @property
     def busy(self) -> bool:
-        return bool(self.waiting or self.prefilling or self.running)
+        return bool(self.waiting or self.prefilling or self.running or self._pending)
 
     # -- one scheduler step ------------------------------------------------------------------
 
     def step(self) -> list[Generation]:
         """Admit, then one packed forward: the admitted chunks' prefill and one token for every
-        running request; returns the requests that finished in this step."""
+        running request; returns the requests whose last token reached the host in this call
+        (with ``overlap``: the previous forward's, read after this one is dispatched)."""
         self._reserve = max(self.decode_reserve, self._reserve - _RESERVE_DECAY)
+        self._finished = finished = []
         batch = self._admit()
-        finished: list[Generation] = []
-        # Requests that finish prefill now decode from the next step; a running request whose
-        # next position starts a page gets one first (retracting others when none can be had).
+        # A running request whose next position starts a page gets one (else retractions).
         decoding = self._grow_pages(list(self.running)) if self.running else []
+        prev, self._pending = self._pending, []
         if batch or decoding:
-            self._forward(batch, decoding, finished)
+            self._forward(batch, decoding)
+        if not self.overlap:
+            prev, self._pending = prev + self._pending, []
+        self._drain(prev)
         self.counters["steps"] += 1
         return finished
 
@@ -262,7 +281,7 @@ class BatchedEngine:
         cands = self._candidates(budget, batch)
         if cands:
             self._admit_candidates(cands, batch, budget)
-        if not batch and not self.running and self.waiting:
+        if not batch and not self.running and not self._pending and self.waiting:
             self._stalled()
         return batch
 
@@ -272,7 +291,8 @@ class BatchedEngine:
         at the first that cannot get its pages (it and every later one wait, unloaded); those
         deferred by the in-batch prefix check stay queued."""
         cands: list[tuple[BatchRequest, Match | None]] = []
-        room = self.max_running - len(self.prefilling) - len(self.running)
+        room = (self.max_running - len(self.prefilling) - len(self.running)
+                - sum(r.slot is not None for r in self._closing))
         if not self.waiting or budget <= 0 or room <= 0:
             return cands
         plan = AdmissionPlan(self._ledger, self.prefilling + self.running, self._reserve)
@@ -286,7 +306,8 @@ class BatchedEngine:
                     m = self.cache.match_prefix(req.seq[:-1])
                     cached = m.device_len + (m.host_len if m.host_len
                                              >= self.cache.cfg.load_back_threshold else 0)
-                    if self._shares_uncached(req, cached, cands):
+                    if shares_uncached(req, cached, self.ps,
+                                       self.prefilling + [c for c, _ in cands]):
                         skipped.append(self.waiting.popleft())
                         continue
                 if not plan.admit(req, m, cached):
@@ -299,25 +320,6 @@ class BatchedEngine:
             plan.release()
         self.waiting.extendleft(reversed(skipped))
         return cands
-
-    def _shares_uncached(self, req: BatchRequest, cached: int,
-                         cands: list[tuple[BatchRequest, Match | None]]) -> bool:
-        """Whether ``req``'s prompt beyond ``cached`` shares more than a page with a prompt
-        being prefilled or admitted this step (it then waits for those pages, SGLang's in-batch
-        prefix check): whether the first ``cached + page_size + 1`` tokens are the same,
-        compared as bytes (the page right after ``cached`` first, where prompts part)."""
-        k = cached + self.ps + 1
-        if req.seq.shape[0] < k:
-            return False
-        tail, head = req.seq[cached:k].tobytes(), None
-        for other in self.prefilling + [c for c, _ in cands]:
-            o = other.seq
-            if o.shape[0] < k or o[cached:k].tobytes() != tail:
-                continue
-            head = req.seq[:cached].tobytes() if head is None else head
-            if o[:cached].tobytes() == head:
-                return True
-        return False
 
     def _admit_candidates(self, cands: list, batch: list, budget: int) -> None:
         """Load back every candidate's host part in one call (which also revalidates every
@@ -367,24 +369,28 @@ class BatchedEngine:
 
     # -- the forward steps -------------------------------------------------------------------
 
-    def _forward(self, batch: list[tuple[BatchRequest, int]], decoding: list[BatchRequest],
-                 finished: list[Generation]) -> None:
-        """One jitted step over this step's prefill chunks and decode tokens (layer-wise when a
-        load-back is pending), then each request's bookkeeping. With ``compile_mixed`` off, a
-        mixed step whose shapes have no executable runs as a prefill step and a decode step
-        (shapes of far fewer kinds, which a warm-up covers): no compile in steady serving."""
+    def _forward(self, batch: list[tuple[BatchRequest, int]],
+                 decoding: list[BatchRequest]) -> None:
+        """Dispatch one jitted step over this step's prefill chunks and decode tokens
+        (layer-wise when a load-back is pending) and do the bookkeeping that does not need its
+        tokens (:meth:`_dispatched`); the tokens are read by :meth:`_drain`. Decode tokens come
+        from the requests' device token slots (the previous step's, which the host may not
+        have yet). With ``compile_mixed`` off, a mixed step whose shapes have no executable
+        runs as a prefill step and a decode step (shapes of far fewer kinds, which a warm-up
+        covers): no compile in steady serving."""
         waiter = next((r.handle for r, _ in batch if r.handle is not None), None)
         pre = [r.seq[r.kv_done:r.kv_done + n] for r, n in batch]
-        dec = [r.seq[r.kv_done:r.kv_done + 1] for r in decoding]
+        dec = [_PLACEHOLDER] * len(decoding)  # read from the slots on the device
         knobs = dict(query_block=self.query_block, key_block=self.key_block,
-                     min_pages=self.table_bucket, min_batch=self.batch_bucket)
+                     min_pages=self.table_bucket, min_batch=self.batch_bucket,
+                     slots=self.slots)
         parts = [(batch, decoding)]
         if batch and decoding and not self.compile_mixed:
             starts = [r.kv_done for r, _ in batch] + [r.kv_done for r in decoding]
             if not self.model.batch_compiled(
                     self.model.batch_shape(self.pool, pre + dec, starts,
                                            [r.pages for r, _ in batch] +
-                                           [r.pages for r in decoding], **knobs)):
+                                           [r.pages for r in decoding], **knobs), reuse=True):
                 parts = [(batch, []), ([], decoding)]
         for part_batch, part_dec in parts:
             chunks = (pre if part_batch else []) + (dec if part_dec else [])
@@ -392,55 +398,64 @@ class BatchedEngine:
             logits, toks = self.model.forward_batch(
                 self.pool, chunks, [r.kv_done for r in reqs], [r.pages for r in reqs],
                 waiter=waiter if self.layerwise and part_batch else None,
-                layerwise_if_compiled=True, **knobs)
-            self._forwarded(part_batch, part_dec, logits, np.asarray(toks), finished)
+                layerwise_if_compiled=True, reuse_compiled=not self.compile_mixed,
+                slot_of=[r.slot for r in reqs],
+                from_slot=[False] * len(part_batch) + [True] * len(part_dec), **knobs)
+            self._pending.append((logits, toks, self._dispatched(part_batch, part_dec)))
 
-    def _forwarded(self, batch: list[tuple[BatchRequest, int]], decoding: list[BatchRequest],
-                   logits: Any, toks: np.ndarray, finished: list[Generation]) -> None:
-        """A forward's results: rows ``0 .. len(batch)-1`` the prefill chunks', then one row per
+    def _dispatched(self, batch: list[tuple[BatchRequest, int]],
+                    decoding: list[BatchRequest]) -> list[tuple[int, BatchRequest, bool]]:
+        """What a dispatched forward settles before its tokens are read: positions computed; a
+        finished prompt shares its pages (later requests hit them at once) and decodes next
+        step; a request with all its tokens dispatched leaves the running set. Returns the rows
+        to read, ``(row, request, wants first-token logits)``: the prefill chunks', then one per
         decoding request."""
-        now = self.clock()
         self.counters["forward_calls"] += 1
+        rows = []
         if batch:
-            self._prefilled(batch, logits, toks, now, finished)
-        if decoding:
-            self.counters["decode_batches"] += 1
-            self.counters["decode_tokens"] += len(decoding)
-            for i, r in enumerate(decoding, start=len(batch)):
-                r.kv_done += 1
-                r.out.append(int(toks[i]))
-                r.seq = np.concatenate([r.seq, toks[i:i + 1]])
-                r.token_times.append(now)
-                if len(r.out) == r.max_new:
-                    self.running.remove(r)
-                    finished.append(self._finish(r))
-
-    def _prefilled(self, batch: list[tuple[BatchRequest, int]], logits: Any, toks: np.ndarray,
-                   now: float, finished: list[Generation]) -> None:
-        """The prefill chunks of a step are in (rows ``0 .. len(batch)-1``): a request whose
-        prompt is done gets its first token and decodes from the next step (or finishes)."""
-        for r, n in batch:
+            self.counters["prefill_batches"] += 1
+            self.counters["prefill_tokens"] += sum(n for _, n in batch)
+        for i, (r, n) in enumerate(batch):
             r.kv_done += n
             r.handle = None
-        self.counters["prefill_batches"] += 1
-        self.counters["prefill_tokens"] += sum(n for _, n in batch)
-        done = [(i, r) for i, (r, _) in enumerate(batch) if r.kv_done == r.target]
-        if not done:
-            return
-        first = [i for i, r in done if r.first_logits is None]
-        first_rows = np.asarray(logits[np.asarray(first)]) if first else None
-        for i, r in done:
+            if r.kv_done != r.target:
+                continue
             self.prefilling.remove(r)
-            if r.first_logits is None:
-                r.first_logits = first_rows[first.index(i)]
-            r.out.append(int(toks[i]))
-            r.seq = np.concatenate([r.prompt, np.asarray(r.out, np.int32)])
-            r.token_times.append(now)
-            if len(r.out) == r.max_new:
-                finished.append(self._finish(r))
+            r.pending += 1
+            rows.append((i, r, r.first_logits is None))
+            if len(r.out) + r.pending == r.max_new:
+                self._closing.append(r)
             else:
                 self._ledger.share_prompt(r)
                 self.running.append(r)
+        if decoding:
+            self.counters["decode_batches"] += 1
+            self.counters["decode_tokens"] += len(decoding)
+        for i, r in enumerate(decoding, start=len(batch)):
+            r.kv_done += 1
+            r.pending += 1
+            rows.append((i, r, False))
+            if len(r.out) + r.pending == r.max_new:
+                self.running.remove(r)
+                self._closing.append(r)
+        return rows
+
+    def _drain(self, pending: list) -> None:
+        """Read dispatched forwards' tokens (waiting for them) into their requests; a request
+        with all its tokens releases its pages and joins this call's finished list."""
+        for logits, toks, rows in pending:
+            toks = np.asarray(toks)
+            now = self.clock()
+            lg = np.asarray(logits) if any(first for _, _, first in rows) else None
+            for i, r, first in rows:
+                r.add_token(toks[i:i + 1], now, lg[i] if first else None)
+                if len(r.out) == r.max_new:
+                    self._closing.remove(r)
+                    self._finished.append(self._finish(r))
+        # Requests whose last token is in flight release their pages now, for the next admission.
+        for r in self._closing:
+            if r.slot is not None and len(r.out) == r.max_new - 1:
+                self._ledger.release_done(r)
 
     def _grow_pages(self, reqs: list[BatchRequest]) -> list[BatchRequest]:
         """A page for every request whose next position starts one; when none can be had,
@@ -452,9 +467,13 @@ class BatchedEngine:
             try:
                 new = self.cache.alloc_pages(len(short))
             except OutOfPagesError:
+                if self._pending:  # requests finishing there give their pages back first
+                    pending, self._pending = self._pending, []
+                    self._drain(pending)
+                    continue
                 if len(reqs) == 1 and not self.prefilling:
                     self._stalled(reqs[0])
-                victim = min(reqs, key=lambda r: (len(r.out), -r.prompt.shape[0]))
+                victim = min(reqs, key=lambda r: (len(r.out) + r.pending, -r.prompt.shape[0]))
                 self._retract(victim)
                 reqs = [r for r in reqs if r is not victim]
                 continue

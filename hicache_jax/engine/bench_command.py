@@ -282,6 +282,7 @@ def _bench_batched(args: argparse.Namespace, workload: Workload, model: DecoderM
                  layerwise=not args.no_layerwise, query_block=min(args.query_block, args.token_budget),
                  key_block=args.key_block,
                  table_bucket=table_bucket(ps), decode_reserve=args.decode_reserve,
+                 overlap=not args.no_overlap,
                  compile_mixed=False)  # see serve_bench: no compile in a timed run
 
     def batched(mode: str) -> BatchedEngine:

@@ -86,6 +86,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="batched: timed serial/batched runs, alternated (median wall time)")
     e.add_argument("--decode-reserve", type=float, default=1.0,
                    help="batched: fraction of remaining decode pages an admission keeps")
+    e.add_argument("--no-overlap", action="store_true",
+                   help="batched: read each step's tokens before dispatching the next (default: "
+                        "dispatch step N+1 while step N computes)")
     o = b.add_argument_group("output")
     o.add_argument("--json", metavar="PATH", help="write every figure and record as JSON")
     o.add_argument("--plot", metavar="PATH", help="hit ratio and TTFT per turn (needs matplotlib)")

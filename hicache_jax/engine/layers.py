@@ -16,11 +16,14 @@ jit (the pool is never copied or converted as a whole). Callers dispatch them th
 The jitted entry points: :data:`STEP` (fused: embedding, all layers by ``lax.scan`` over the
 stacked layer weights, head), :data:`EMBED` / :data:`LAYER` / :data:`HEAD` (the same layer by
 layer, so a caller can wait for a layer's pages before running it), and their batched forms
-:data:`BATCH_STEP` / :data:`BATCH_LAYER` / :data:`BATCH_HEAD`: a packed step over the flat tokens
-of several requests' chunks (prefill and decode in one call), the dense parts over the flat
-tokens, attention per row group (prefill query blocks, decode rows), each row over its
-request's pages in key blocks up to its last query (split-K work items, merged per row;
-blocks every row shares run once). :func:`reference_logits` is the dense oracle over the same
+:data:`BATCH_STEP` / :data:`BATCH_EMBED` / :data:`BATCH_LAYER` / :data:`BATCH_HEAD`: a packed step
+over the flat tokens of several requests' chunks (prefill and decode in one call), the dense
+parts over the flat tokens, attention per row group (prefill query blocks, decode rows), each
+row over its request's pages in key blocks up to its last query (split-K work items, merged per
+row; blocks every row shares run once). A packed step reads decode tokens the host has not seen
+yet from a small device buffer of each request slot's last sampled token and writes its own
+sampled tokens there, so the next step can be dispatched before this one's tokens reach the
+host (the batched engine's overlap). :func:`reference_logits` is the dense oracle over the same
 math.
 
 Threading: the jitted steps dispatch on the caller's thread, which must own the pool (DESIGN
@@ -322,19 +325,60 @@ def _batch_layer(cfg: ModelConfig, pool: jax.Array, layer: jax.Array, lp: Params
     return pool, x + _mlp(cfg, lp, x)
 
 
-def _batch_head(cfg: ModelConfig, params: Params, x: jax.Array, out_idx: jax.Array):
+def _fed_embed(params: Params, tokens: jax.Array, feed: tuple) -> jax.Array:
+    """Embeddings of a packed step's flat tokens, those fed from the slot buffer taken there.
+
+    ``feed = (tok_src, out_slot, slot_tokens)``: ``tok_src`` int32 [N] is a token's slot in
+    ``slot_tokens`` (int32 [S + 1], each request slot's last sampled token) when it is read from
+    there (a decode token the host has not seen yet), ``S`` (the padding slot) when ``tokens``
+    holds it; ``out_slot`` is for :func:`_batch_head`."""
+    tok_src, _, slot_tokens = feed
+    fed = tok_src < slot_tokens.shape[0] - 1
+    return _embed(params, jnp.where(fed, slot_tokens[tok_src], tokens))
+
+
+def _batch_head(cfg: ModelConfig, params: Params, x: jax.Array, out_idx: jax.Array,
+                feed: tuple):
     """(float32 logits [B, V] of the flat tokens ``out_idx`` [B] of x [N, d], int32 [B] their
-    argmax)."""
+    argmax, the slot buffer with row b's token written to slot ``out_slot[b]``; padding rows
+    write the padding slot)."""
+    _, out_slot, slot_tokens = feed
     h = _rms_norm(x[out_idx], params["final_norm"], cfg.norm_eps)
     logits = jnp.dot(h, params["lm_head"], preferred_element_type=jnp.float32)
-    return logits, jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    toks = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    return logits, toks, slot_tokens.at[out_slot].set(toks)
 
 
-def _fused_batch_step(cfg, pool, params, tokens, pos, wpage, groups, tok_slot, out_idx):
+def unpack(blob: jax.Array, layout: tuple) -> tuple:
+    """A packed step's int32 arguments from their one flat buffer (``packing.flatten``):
+    ``(tokens, pos, wpage, groups, tok_slot, out_idx, tok_src, out_slot)``, ``groups`` the
+    six arrays of each row group (``layout``: every array's shape, static)."""
+    parts, off = [], 0
+    for shape in layout:
+        n = int(np.prod(shape))
+        parts.append(blob[off:off + n].reshape(shape))
+        off += n
+    groups = tuple(tuple(parts[3 + 6 * g:9 + 6 * g]) for g in range((len(parts) - 7) // 6))
+    return (*parts[:3], groups, *parts[-4:])
+
+
+def _fused_batch_step(cfg, layout, pool, params, blob, slot_tokens):
     TRACES["batch_step"] += 1  # runs at trace time only: one per compile
-    pool, x = _scan_layers(_batch_layer, cfg, pool, params, _embed(params, tokens), pos, wpage,
-                           groups, tok_slot)
-    return pool, _batch_head(cfg, params, x, out_idx)
+    tokens, pos, wpage, groups, tok_slot, out_idx, tok_src, out_slot = unpack(blob, layout)
+    feed = (tok_src, out_slot, slot_tokens)
+    pool, x = _scan_layers(_batch_layer, cfg, pool, params, _fed_embed(params, tokens, feed),
+                           pos, wpage, groups, tok_slot)
+    return pool, _batch_head(cfg, params, x, out_idx, feed)
+
+
+def _blob_embed(layout, params, blob, slot_tokens):
+    tokens, *_, tok_src, out_slot = unpack(blob, layout)
+    return _fed_embed(params, tokens, (tok_src, out_slot, slot_tokens))
+
+
+def _blob_head(cfg, layout, params, x, blob, slot_tokens):
+    *_, out_idx, tok_src, out_slot = unpack(blob, layout)
+    return _batch_head(cfg, params, x, out_idx, (tok_src, out_slot, slot_tokens))
 
 
 def _counted_step(cfg, pool, params, tokens, start, n_new, page_table):
@@ -342,8 +386,9 @@ def _counted_step(cfg, pool, params, tokens, start, n_new, page_table):
     return _fused_step(cfg, pool, params, tokens, start, n_new, page_table)
 
 
-def _counted_batch_layer(cfg, pool, layer, lp, x, pos, wpage, groups, tok_slot):
+def _counted_batch_layer(cfg, layout, pool, layer, lp, x, blob):
     TRACES["batch_layer"] += 1
+    _, pos, wpage, groups, tok_slot, *_ = unpack(blob, layout)
     return _batch_layer(cfg, pool, layer, lp, x, pos, wpage, groups, tok_slot)
 
 
@@ -354,11 +399,14 @@ TRACES: collections.Counter[str] = collections.Counter()
 # The pool is argument 1 (after the static config) and donated: updated in place.
 STEP = jax.jit(_counted_step, static_argnums=0, donate_argnums=1)
 LAYER = jax.jit(_paged_layer, static_argnums=0, donate_argnums=1)
-BATCH_STEP = jax.jit(_fused_batch_step, static_argnums=0, donate_argnums=1)
-BATCH_LAYER = jax.jit(_counted_batch_layer, static_argnums=0, donate_argnums=1)
+# The batched steps take (cfg, layout) static, then the pool (donated), then a flat int32 buffer
+# of every packed argument (``packing.flatten``: one host -> device transfer a step).
+BATCH_STEP = jax.jit(_fused_batch_step, static_argnums=(0, 1), donate_argnums=2)
+BATCH_LAYER = jax.jit(_counted_batch_layer, static_argnums=(0, 1), donate_argnums=2)
 EMBED = jax.jit(_embed)
+BATCH_EMBED = jax.jit(_blob_embed, static_argnums=0)
 HEAD = jax.jit(_head, static_argnums=0)
-BATCH_HEAD = jax.jit(_batch_head, static_argnums=0)
+BATCH_HEAD = jax.jit(_blob_head, static_argnums=(0, 1))
 
 
 def trace_count(name: str = "step") -> int:
