@@ -153,6 +153,7 @@ def test_batched_bench_poisson_and_plot(tmp_path):
     (["--key-block", "0"], "--key-block 0 must be a power of two"),
     (["--query-block", "0"], "--query-block 0"), (["--decode-reserve", "2"], "--decode-reserve"),
     (["--max-running", "0"], "--max-running 0"), (["--repeats", "0"], "--repeats 0"),
+    (["--warmup-passes", "0"], "--warmup-passes 0"),
     (["--storage", "file:///tmp/x"], "not supported with --engine batched")])
 def test_bad_batched_flags_are_usage_errors(flags, match, capsys):
     with pytest.raises(SystemExit) as exc:

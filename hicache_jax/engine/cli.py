@@ -86,6 +86,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="batched: timed serial/batched runs, alternated (median wall time)")
     e.add_argument("--decode-reserve", type=float, default=1.0,
                    help="batched: fraction of remaining decode pages an admission keeps")
+    e.add_argument("--warmup-passes", type=int, default=3,
+                   help="batched: untimed passes at most, until one compiles nothing")
     e.add_argument("--no-overlap", action="store_true",
                    help="batched: read each step's tokens before dispatching the next (default: "
                         "dispatch step N+1 while step N computes)")

@@ -3,7 +3,7 @@ process, beside the serial engine on the same requests, for no cache / device ra
 
 For each configuration (fresh cache each; an untimed warm-up pass of each engine first unless
 ``--no-warmup``, the batched one repeated until a pass compiles nothing, at most
-``WARMUP_PASSES``; the batched engines with ``compile_mixed=False``, so that every timed run
+``--warmup-passes``; the batched engines with ``compile_mixed=False``, so that every timed run
 reuses the warm-up's compiles: mixed prefill + decode shapes are too many for a warm-up to
 cover, and one compile in a timed run stalls every running request): the serial engine serves
 the requests back to back (rounds of the workload, or
@@ -62,7 +62,7 @@ def check_flags(args: argparse.Namespace) -> None:
     if not 0.0 <= args.decode_reserve <= 1.0:
         raise ValueError(f"--decode-reserve {args.decode_reserve} must be in [0, 1]")
     for flag, value in (("--token-budget", args.token_budget), ("--max-running", args.max_running),
-                        ("--repeats", args.repeats)):
+                        ("--repeats", args.repeats), ("--warmup-passes", args.warmup_passes)):
         if value < 1:
             raise ValueError(f"{flag} {value} must be >= 1")
 
@@ -206,8 +206,8 @@ def bench_batched(args: argparse.Namespace, workload: Workload,
             warm.cache.close()
             # A pass that compiles stalls at each compile, and that changes its schedule (more
             # arrives, more copies land meanwhile): the stall-free timed runs then meet shapes
-            # it did not. Warm up until a pass compiles nothing (at most WARMUP_PASSES).
-            for _ in range(WARMUP_PASSES):
+            # it did not. Warm up until a pass compiles nothing (at most --warmup-passes).
+            for _ in range(args.warmup_passes):
                 traced = _traces()
                 warm = make_batched(mode)
                 batched_run(warm, args, workload)
@@ -242,10 +242,6 @@ def bench_batched(args: argparse.Namespace, workload: Workload,
         summaries[name] = s
         per_request[name] = [{k: v for k, v in vars(g.record).items()} for g in b_gens.values()]
     return summaries, per_request
-
-
-#: Most untimed batched passes before the timed runs (see bench_batched).
-WARMUP_PASSES = 3
 
 
 def _traces() -> int:
