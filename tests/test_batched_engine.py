@@ -164,6 +164,31 @@ def test_overlap_reads_a_step_s_tokens_after_dispatching_the_next():
     assert calls == {True: 4, False: 3}
 
 
+@pytest.mark.parametrize("mode", ["none", "device", "hicache"])
+def test_overlap_under_page_pressure_with_retractions_matches_serial(model, mode):
+    """Overlap with a pool too small for its requests (greedy admission: decode runs out of
+    pages, requests are retracted and re-admitted) and requests of 1 to 9 new tokens: every
+    request's tokens and first-token logits are the serial engine's, and nothing is held after."""
+    rng = np.random.default_rng(21)
+    reqs = [(rng.integers(1, CFG.vocab_size, int(n)).astype(np.int32), int(k))
+            for n, k in zip(rng.integers(5, 40, 9), rng.integers(1, 10, 9))]
+    serial = Engine(model, _cache(model, 16, "none", device=64), mode="none", chunk_size=64,
+                    prefill_bucket=64, table_bucket=32)
+    eng = _batched(model, 16, mode=mode, decode_reserve=0.0, overlap=True)
+    for i, (p, k) in enumerate(reqs):
+        eng.submit(p, k, key=i)
+    done = {}
+    while eng.busy:
+        done.update({g.record.key: g for g in eng.step()})
+    assert sorted(done) == list(range(len(reqs))) and eng.counters["retractions"] > 0
+    for i, (p, k) in enumerate(reqs):
+        want = serial.generate([p], k)[0]
+        np.testing.assert_array_equal(done[i].tokens, want.tokens)
+        np.testing.assert_allclose(done[i].first_logits, want.first_logits, **TOL)
+    assert eng.slots.free == eng.slots.n
+    _drained(eng)
+
+
 def test_all_locked_is_reported_not_spun(model):
     eng = _batched(model, 16, mode="device")
     held = eng.cache.alloc_pages(6)  # owned outside the engine
