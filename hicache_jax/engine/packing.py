@@ -105,8 +105,8 @@ def holds(big: tuple, small: tuple) -> bool:
 def cover(shape: tuple, compiled: set) -> tuple | None:
     """The cheapest shape of ``compiled`` (``(shape, "fused" | "layers")`` pairs) whose fused
     step holds ``shape`` within REUSE_COST_LIMIT x its work (None: none)."""
-    (plan, _, ps), cfg = shape, shape[0][0]
-    limit = REUSE_COST_LIMIT * work(cfg, plan, ps)
+    (step_key, _, ps), cfg = shape, shape[0][0]
+    limit = REUSE_COST_LIMIT * work(cfg, step_key, ps)
     best, best_work = None, 0.0
     for key, kind in compiled:
         if kind != "fused" or not holds(key, shape):
