@@ -325,24 +325,21 @@ def _batch_layer(cfg: ModelConfig, pool: jax.Array, layer: jax.Array, lp: Params
     return pool, x + _mlp(cfg, lp, x)
 
 
-def _fed_embed(params: Params, tokens: jax.Array, feed: tuple) -> jax.Array:
-    """Embeddings of a packed step's flat tokens, those fed from the slot buffer taken there.
-
-    ``feed = (tok_src, out_slot, slot_tokens)``: ``tok_src`` int32 [N] is a token's slot in
-    ``slot_tokens`` (int32 [S + 1], each request slot's last sampled token) when it is read from
-    there (a decode token the host has not seen yet), ``S`` (the padding slot) when ``tokens``
-    holds it; ``out_slot`` is for :func:`_batch_head`."""
-    tok_src, _, slot_tokens = feed
+def _fed_embed(params: Params, tokens: jax.Array, tok_src: jax.Array,
+               slot_tokens: jax.Array) -> jax.Array:
+    """Embeddings of a packed step's flat tokens, those fed from the slot buffer taken there:
+    ``tok_src`` int32 [N] is a token's slot in ``slot_tokens`` (int32 [S + 1], each request
+    slot's last sampled token) when it is read from there (a decode token the host has not seen
+    yet), ``S`` (the padding slot) when ``tokens`` holds it."""
     fed = tok_src < slot_tokens.shape[0] - 1
     return _embed(params, jnp.where(fed, slot_tokens[tok_src], tokens))
 
 
 def _batch_head(cfg: ModelConfig, params: Params, x: jax.Array, out_idx: jax.Array,
-                feed: tuple):
+                out_slot: jax.Array, slot_tokens: jax.Array):
     """(float32 logits [B, V] of the flat tokens ``out_idx`` [B] of x [N, d], int32 [B] their
     argmax, the slot buffer with row b's token written to slot ``out_slot[b]``; padding rows
     write the padding slot)."""
-    _, out_slot, slot_tokens = feed
     h = _rms_norm(x[out_idx], params["final_norm"], cfg.norm_eps)
     logits = jnp.dot(h, params["lm_head"], preferred_element_type=jnp.float32)
     toks = jnp.argmax(logits, axis=-1).astype(jnp.int32)
@@ -365,20 +362,19 @@ def unpack(blob: jax.Array, layout: tuple) -> tuple:
 def _fused_batch_step(cfg, layout, pool, params, blob, slot_tokens):
     TRACES["batch_step"] += 1  # runs at trace time only: one per compile
     tokens, pos, wpage, groups, tok_slot, out_idx, tok_src, out_slot = unpack(blob, layout)
-    feed = (tok_src, out_slot, slot_tokens)
-    pool, x = _scan_layers(_batch_layer, cfg, pool, params, _fed_embed(params, tokens, feed),
-                           pos, wpage, groups, tok_slot)
-    return pool, _batch_head(cfg, params, x, out_idx, feed)
+    x = _fed_embed(params, tokens, tok_src, slot_tokens)
+    pool, x = _scan_layers(_batch_layer, cfg, pool, params, x, pos, wpage, groups, tok_slot)
+    return pool, _batch_head(cfg, params, x, out_idx, out_slot, slot_tokens)
 
 
 def _blob_embed(layout, params, blob, slot_tokens):
-    tokens, *_, tok_src, out_slot = unpack(blob, layout)
-    return _fed_embed(params, tokens, (tok_src, out_slot, slot_tokens))
+    tokens, *_, tok_src, _ = unpack(blob, layout)
+    return _fed_embed(params, tokens, tok_src, slot_tokens)
 
 
 def _blob_head(cfg, layout, params, x, blob, slot_tokens):
-    *_, out_idx, tok_src, out_slot = unpack(blob, layout)
-    return _batch_head(cfg, params, x, out_idx, (tok_src, out_slot, slot_tokens))
+    *_, out_idx, _, out_slot = unpack(blob, layout)
+    return _batch_head(cfg, params, x, out_idx, out_slot, slot_tokens)
 
 
 def _counted_step(cfg, pool, params, tokens, start, n_new, page_table):

@@ -43,8 +43,8 @@ from hicache_jax.spec import KVSpec
 
 __all__ = ["DecoderModel", "LayerWaiter", "ModelConfig", "Params", "PoolLike", "REUSE_COST_LIMIT",
            "TRACES", "TokenSlots", "bucket", "compiled_step_count", "fine_bucket", "flat_params",
-           "init_params",
-           "load_params", "reference_logits", "save_params", "trace_count", "unflatten_params"]
+           "init_params", "load_params", "reference_logits", "save_params", "trace_count",
+           "unflatten_params"]
 
 # The stateful shell: bucketing on the host, dispatch through the pool's donated run().
 
@@ -205,16 +205,14 @@ class DecoderModel:
                                  f"{np.shape(page_ids[i])[0]} pages (needs >= 1 token at "
                                  f"start >= 0 and {u} pages of {ps} tokens)")
         feed_in = check_slots(slots, slot_of, from_slot, lens)
-        key, rows = plan(self.cfg, lens, starts, page_ids, ps, query_block, key_block,
-                         min_pages, min_batch)
-        # The slot buffer's size and the page size are part of the compiled shapes too.
-        key = (key, feed_in[0].shape[0], ps)
+        key, rows = _step_shape(self.cfg, lens, starts, page_ids, ps, query_block, key_block,
+                                min_pages, min_batch, feed_in[0])
         if reuse_compiled and (key, "fused") not in _RAN and (
                 waiter is None or (key, "layers") not in _RAN):
-            key = cover(key, _RAN) or key
+            key = _cover(key) or key
         toks, pos, wpage, groups, tok_slot, out_idx = pack(
             chunks, starts, page_ids, lens, used, ps, scratch, key[0], rows)
-        tok_src, out_slot = feed_arrays(key[0], lens, *feed_in)
+        tok_src, out_slot = feed_arrays(toks.shape[0], out_idx, *feed_in)
         # Every int32 argument in one host buffer: one transfer a step (the jit's C++ dispatch
         # moves a numpy argument to the device at ~10 us each; a jnp.asarray costs ~40 us).
         layout, blob = flatten((toks, pos, wpage, *[a for g in groups for a in g], tok_slot,
@@ -226,11 +224,11 @@ class DecoderModel:
                 waiter.wait_layer(layer)
             waiter = None
         if waiter is None:
-            _RAN.add((key, "fused"))
+            _ran(key, "fused")
             logits, out, buf = pool.run(functools.partial(BATCH_STEP, self.cfg, layout),
                                         self.params, blob, buf)
         else:
-            _RAN.add((key, "layers"))
+            _ran(key, "layers")
             blob = jax.device_put(blob)  # once, for every layer's call
             x = BATCH_EMBED(layout, self.params, blob, buf)
             step = functools.partial(BATCH_LAYER, self.cfg, layout)
@@ -250,16 +248,15 @@ class DecoderModel:
         ps = self._page_size(pool)
         starts = [int(s) for s in starts]
         lens, _ = lens_used(chunks, starts, ps)
-        key = plan(self.cfg, lens, starts, page_ids, ps, query_block, key_block, min_pages,
-                   min_batch)[0]
-        return key, (NO_SLOTS if slots is None else slots.array).shape[0], ps
+        return _step_shape(self.cfg, lens, starts, page_ids, ps, query_block, key_block,
+                           min_pages, min_batch, NO_SLOTS if slots is None else slots.array)[0]
 
     @staticmethod
     def batch_compiled(shape: tuple, *, reuse: bool = False) -> bool:
         """Whether a fused step of ``shape`` (:meth:`batch_shape`) ran before, in any model of
         its config: :meth:`forward_batch` would reuse its executable rather than compile.
         ``reuse``: or a compiled shape holds it (``forward_batch(reuse_compiled=True)``)."""
-        return (shape, "fused") in _RAN or (reuse and cover(shape, _RAN) is not None)
+        return (shape, "fused") in _RAN or (reuse and _cover(shape) is not None)
 
     @staticmethod
     def _page_size(pool: PoolLike) -> int:
@@ -270,3 +267,26 @@ class DecoderModel:
 #: (config, packed shapes) x ("fused" | "layers") of every batched step run so far: the jits are
 #: module-level, so a shape one model ran is compiled for every model of the same config.
 _RAN: set[tuple[Any, str]] = set()
+#: shape -> packing.cover's answer over _RAN as it is (cleared when _RAN grows): a step shape
+#: with no executable of its own recurs, and the engine asks before forward_batch does.
+_COVERS: dict[tuple, tuple | None] = {}
+
+
+def _ran(key: tuple, kind: str) -> None:
+    if (key, kind) not in _RAN:
+        _RAN.add((key, kind))
+        _COVERS.clear()
+
+
+def _cover(shape: tuple) -> tuple | None:
+    if shape not in _COVERS:
+        _COVERS[shape] = cover(shape, _RAN)
+    return _COVERS[shape]
+
+
+def _step_shape(cfg: ModelConfig, lens: list[int], starts: list[int], page_ids, ps: int,
+                qb: int, key_block: int, min_pages: int, min_batch: int, slot_buf) -> tuple:
+    """``(shape, rows)`` of a packed step: :func:`packing.plan`'s key with the slot buffer's size
+    and the page size (part of the compiled shapes too), and its rows."""
+    key, rows = plan(cfg, lens, starts, page_ids, ps, qb, key_block, min_pages, min_batch)
+    return (key, slot_buf.shape[0], ps), rows

@@ -143,23 +143,19 @@ def check_slots(slots, slot_of, from_slot, lens: list[int]) -> tuple:
 NO_SLOTS = np.zeros(1, np.int32)  # numpy: no device array at import
 
 
-def feed_arrays(key: tuple, lens: list[int], buf, slot_of, from_slot) -> tuple:
-    """The packed step's slot arguments ``(tok_src [flat], out_slot [out rows])`` for the slot
-    buffer ``buf`` (:func:`check_slots`): a flat token's slot when it is read from there (else
-    the padding slot), each output row's slot (padding rows: the padding slot). Flat tokens are
-    laid out as in :func:`pack`."""
-    _, np_, nd, rp = key[:4]
+def feed_arrays(n_flat: int, out_idx: np.ndarray, buf, slot_of, from_slot) -> tuple:
+    """The packed step's slot arguments ``(tok_src [n_flat], out_slot [out rows])`` for the slot
+    buffer ``buf`` (:func:`check_slots`) and :func:`pack`'s ``out_idx`` (each chunk's last flat
+    token; a chunk read from its slot is one token, so that is its token): a flat token's slot
+    when it is read from there (else the padding slot), each output row's slot (padding rows:
+    the padding slot)."""
     pad = buf.shape[0] - 1
-    tok_src = np.full(np_ + nd, pad, np.int32)
-    out_slot = np.full(rp + nd, pad, np.int32)
+    tok_src = np.full(n_flat, pad, np.int32)
+    out_slot = np.full(out_idx.shape[0], pad, np.int32)
     if slot_of is not None:
-        out_slot[:len(lens)] = slot_of
-        off = np_
-        for i, n in enumerate(lens):  # decode tokens follow the prefill chunks, in chunk order
-            if n == 1:
-                if from_slot[i]:
-                    tok_src[off] = slot_of[i]
-                off += 1
+        out_slot[:len(slot_of)] = slot_of
+        fed = [i for i, f in enumerate(from_slot) if f]
+        tok_src[out_idx[fed]] = np.asarray(slot_of, np.int32)[fed]
     return tok_src, out_slot
 
 
@@ -200,7 +196,7 @@ def shared_blocks(rows: list, page_ids, kb: int, span: int) -> int:
 
 
 def plan(cfg: ModelConfig, lens: list[int], starts: list[int], page_ids, ps: int, qb: int,
-          key_block: int, min_pages: int, min_batch: int) -> tuple[tuple, tuple]:
+         key_block: int, min_pages: int, min_batch: int) -> tuple[tuple, tuple]:
     """The packed step's layout: ``(key, ((prefill rows, their shared blocks), (decode rows,
     theirs)))``, rows as :func:`step_rows` gives them.
 
@@ -213,16 +209,16 @@ def plan(cfg: ModelConfig, lens: list[int], starts: list[int], page_ids, ps: int
     kb = max(1, key_block // ps)
     span, min_items = kb * ps, -(-min_pages // kb)
     nd = 0 if not dec else bucket(len(dec)) if pre else fine_bucket(len(dec), min_batch)
-    work, shared = [], []  # per group: its rows' own work items, its shared blocks
+    items, shared = [], []  # per group: its rows' own work items, its shared blocks
     # Work items bucket as the group's rows do: the decode group's beside a prefill by powers
     # of two (the shapes a mixed step compiles stay few).
     for rows, fit in ((pre, fine_bucket), (dec, bucket if pre else fine_bucket)):
         sh = shared_blocks(rows, page_ids, kb, span)
         w = sum(-(-r[4] // span) - sh for r in rows)
-        work += [fit(w, min_items) if rows else 0, fine_bucket(sh) if sh else 0]
+        items += [fit(w, min_items) if rows else 0, fine_bucket(sh) if sh else 0]
         shared.append(sh)
     key = (cfg, fine_bucket(sum(n for n in lens if n > 1), min_batch) if pre else 0, nd,
-           fine_bucket(len(pre)) if pre else 0, qb, *work, kb)
+           fine_bucket(len(pre)) if pre else 0, qb, *items, kb)
     return key, ((pre, shared[0]), (dec, shared[1]))
 
 
