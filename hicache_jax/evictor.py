@@ -2,16 +2,19 @@
 
 * **evict(num_tokens)** pops the least valuable device leaves: backed up -> free the device
   pages, keep the node host-only; not backed up -> delete it (write-through modes) or back it up
-  first and free it once the copy is acknowledged at the end of the round (write-back). Unlike
+  first (write-back: one transfer for the round's nodes) and free its device pages as soon as
+  the copy is dispatched (XLA orders the pages' next writes after the copy's read). Unlike
   SGLang, a write-back leaf whose backup finds no host room even after ``evict_host`` is
   deleted (its KV is lost, counted in ``deleted_tokens``) rather than kept, and so is a
   not-backed-up leaf with host-only children (their host copies go with it, to L3 first under
   ``storage_write_policy="write_back"``): every unlocked device page can be freed, so
   ``alloc_pages``' pre-check (unlocked device pages) is exact and it raises before evicting
   anything or not at all.
-* **evict_host(num_tokens)** deletes host-only unlocked leaves; nodes with a transfer in flight
-  are locked or device-resident, so it never reaches them. (Under clean_ahead the write policy
-  first gives up redundant host copies: :mod:`hicache_jax.write_policy`.)
+* **evict_host(num_tokens)** deletes host-only unlocked leaves (a load's nodes are locked until
+  it lands); host pages a backup still writes are parked until it lands
+  (:meth:`InFlight.free_host`), and a host allocation that needs them waits for it. (Under
+  clean_ahead the write policy first gives up redundant host copies:
+  :mod:`hicache_jax.write_policy`.)
 
 Threading: the cache's thread only.
 """
@@ -32,7 +35,6 @@ from hicache_jax.inflight import InFlight
 from hicache_jax.ownership import DevicePageOwners
 from hicache_jax.radix import RadixTree
 from hicache_jax.spec import HiCacheConfig
-from hicache_jax.transfer import TransferEngine
 from hicache_jax.tree_node import TreeNode
 
 
@@ -43,14 +45,14 @@ class Tier:
     allocator: PageAllocator
     evict: Callable[[int], int]          # tokens -> tokens freed
     evictable_pages: Callable[[], int]   # upper bound of pages eviction could free
-    wait_helps: bool                     # finishing copies in flight can free more (their locks)
+    wait_helps: bool                     # finishing loads in flight can free more (their locks)
 
 
 class Evictor:
     """Frees pages of one cache's tiers (see the module docstring).
 
     Args:
-        cfg, tree, owners, events, counters, engine, flight: the cache's parts.
+        cfg, tree, owners, events, counters, flight: the cache's parts.
         device_allocator, host_allocator: the pools' allocators.
         write: the cache's write policy (claims backups on eviction, frees host room).
         l3: the cache's L3 tier (puts host pages before they are freed, write_back).
@@ -60,20 +62,20 @@ class Evictor:
     def __init__(self, cfg: HiCacheConfig, tree: RadixTree, device_allocator: PageAllocator,
                  host_allocator: PageAllocator, owners: DevicePageOwners,
                  events: NullRecorder | Recorder, counters: collections.Counter,
-                 engine: TransferEngine, flight: InFlight, write: Any, l3: Any,
+                 flight: InFlight, write: Any, l3: Any,
                  complete: Callable[..., None]) -> None:
         self.cfg, self._tree, self._ps = cfg, tree, tree.page_size
         self._owner, self._events, self._n = owners, events, counters
-        self._engine, self._flight, self._write, self._l3 = engine, flight, write, l3
-        self._device_free, self._host_free = device_allocator.free, host_allocator.free
+        self._flight, self._write, self._l3 = flight, write, l3
+        self._device_free, self._host_free = device_allocator.free, flight.free_host
         self._complete = complete
         self.device = Tier(device_allocator, self.evict_device,
                            lambda: tree.evictable_device_tokens // self._ps, True)
         # Host eviction frees exactly the unlocked host-only nodes (and, under clean_ahead,
-        # redundant host copies), so a host page request that cannot be met fails before
-        # deleting anything. Waiting for copies in flight never adds to them: a load's nodes
-        # are already device-resident, a backup's are on device.
-        self.host = Tier(host_allocator, write.evict_host, write.host_evictable_pages, False)
+        # redundant host copies), and parked pages come free when their copies land, so a host
+        # page request that cannot be met fails before deleting anything.
+        self.host = Tier(host_allocator, write.evict_host,
+                         lambda: write.host_evictable_pages() + flight.num_parked, False)
 
     def take(self, tier: Tier, n: int) -> np.ndarray:
         """The one evict-and-retry path: free pages, else evict the shortfall once, else raise.
@@ -84,10 +86,12 @@ class Evictor:
         if n <= alloc.num_free:  # the common case: no eviction bound to compute
             return self._granted(tier, alloc.alloc(n))
         if tier.wait_helps and len(self._flight) and n > alloc.num_free + tier.evictable_pages():
-            self._complete(upto=None, wait=True)  # copies in flight hold locks; acks release them
+            self._complete(upto=None, wait=True)  # loads in flight hold locks; acks release them
         short = n - alloc.num_free
         if short > 0 and short <= tier.evictable_pages():
             tier.evict(short * self._ps)
+        if n > alloc.num_free and tier is self.host and self._flight.num_parked:
+            self._complete(upto=None, wait=True)  # host pages parked under copies in flight
         if n > alloc.num_free:
             evictable = tier.evictable_pages()
             raise OutOfPagesError(
@@ -116,9 +120,8 @@ class Evictor:
 
     def _round(self, num_tokens: int) -> int:
         """One pass over the evictable leaves (see the module doc). Write-back nodes are backed up
-        in the pass (one transfer for all of them) and freed at its end, once acknowledged;
-        their parents wait for the next round, as in SGLang (one wait for all
-        acknowledgements, not one per node)."""
+        in the pass (one transfer for all of them) and freed at its end, once dispatched; their
+        parents wait for the next round, as in SGLang."""
         tree = self._tree
         heap = VictimHeap(self.cfg.eviction, tree.evictable_device)
         freed, promised, claims = 0, 0, []
@@ -130,7 +133,7 @@ class Evictor:
             if node.backed_up:
                 freed += self._drop_device(node)
             elif self._write.backup_on_evict and (claim := self._write.claim(node)) is not None:
-                claims.append(claim)  # copied below in one transfer, freed once acknowledged
+                claims.append(claim)  # copied below in one transfer, freed once dispatched
                 promised += node.num_tokens
                 continue
             else:  # no host copy and none to be had: the node goes, with any host-only
@@ -139,10 +142,9 @@ class Evictor:
                 heap.push(parent)
         if claims:  # a copy on the allocation path: counted, a policy should make it rare
             self._n["eviction_backup_pages"] += sum(node.num_pages for node, _ in claims)
-            self._complete(upto=self._flight.dispatch_backups(claims))
+            self._flight.dispatch_backups(claims)  # backed up from here on: nothing to wait for
             for node, _ in claims:
-                if node in tree.evictable_device and node.backed_up:
-                    freed += self._drop_device(node)
+                freed += self._drop_device(node)
         return freed
 
     def evict_host_leaves(self, num_tokens: int) -> int:
@@ -153,8 +155,6 @@ class Evictor:
             node = heap.pop()
             if node not in tree.evictable_host:
                 continue
-            if self._engine.busy_host_pages(node.host_value).any():
-                continue  # a copy still reads these pages (defence in depth: such nodes are locked)
             parent = node.parent
             freed += self._delete(node)
             if parent in tree.evictable_host:

@@ -119,13 +119,12 @@ class HiCache:
                                 self._host.allocator, self._owner, self._events, self._n,
                                 self._l3.on_backup)
         self._write = make_write_policy(WriteContext(
-            self.cfg, self._tree, self._flight, self._n, self._device.allocator,
-            self._host.allocator, self._engine, self._events,
+            self.cfg, self._tree, self._flight, self._n, self._device.allocator, self._events,
             take_host=lambda n: self._evict.take_host(n),
             evict_host=lambda k: self._evict.evict_host_leaves(k),
             back_up_new=self._l3.back_up_new))
         self._evict = Evictor(self.cfg, self._tree, self._device.allocator, self._host.allocator,
-                              self._owner, self._events, self._n, self._engine, self._flight,
+                              self._owner, self._events, self._n, self._flight,
                               self._write, self._l3, self._complete)
 
     def _guard(self) -> None:

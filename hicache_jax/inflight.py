@@ -1,10 +1,17 @@
 """InFlight: the cache's transfers in flight, from claim to acknowledgement.
 
-A backup of a node is *claimed* (host pages reserved, node locked, its device pages marked
-backing up), *dispatched* with the other claims of the same call in ONE transfer, and
-*acknowledged* when the engine reports it complete: the node (and the parts split off it
-meanwhile) gets its host pages, root-first. A load-back of host-only chains is dispatched in one
-transfer and acknowledged the same way (the chains' device pages stop being "loading").
+A backup of a node is *claimed* (host pages reserved), *dispatched* with the other claims of the
+same call in ONE transfer, and the node holds its host pages **from the dispatch on**: it is
+backed up at once, not locked, and may be evicted from device, loaded back or split while the
+copy runs. XLA orders every later access of the pools after the copy (it reads the device
+pool's array, a later write donates it and waits; it writes the host pool's array, which every
+later read or write takes as input), so the bytes a later reader sees are the copied ones; the
+eviction path frees a dirty node's device pages without waiting for its copy. Host pages a node
+gives up while a copy into them is still in flight are *parked* here (the target of a copy in
+flight) and freed when it lands, so a host page never changes owner under a pending copy. The
+acknowledgement counts the copy (``stats()``). A load-back of host-only chains is dispatched in
+one transfer and acknowledged the same way (its node stays locked until then, the chains'
+device pages stop being "loading").
 
 Order comes from the transfer engine's own queue: it completes transfers in dispatch order and
 ``poll()`` returns them in that order, so a parent's backup is acknowledged before its child's.
@@ -37,8 +44,8 @@ Claim = tuple[TreeNode, np.ndarray]  # (node, host pages reserved for its backup
 
 @dataclass(eq=False)
 class Op:
-    """One acknowledgement to apply: a backup of ``node`` or a load-back ending at ``node``
-    (locked until then)."""
+    """One acknowledgement to apply: a backup of ``node`` (which holds its host pages from the
+    dispatch on) or a load-back ending at ``node`` (locked until then)."""
 
     seq: int
     kind: TransferKind
@@ -71,9 +78,11 @@ class InFlight:
         self._device_free, self._host_free = device.free, host.free
         self._events, self._n, self._on_backup = events, counters, on_backup
         device_pages = device.num_pages
-        self._backing = np.zeros(device_pages, np.bool_)   # pages of backups in flight
         self._loading = np.zeros(device_pages, np.int64)   # 1 + seq of the load writing a page
-        self._slot = np.full(device_pages, -1, np.int64)   # scratch of _finish_backup
+        self._writer = np.zeros(host.num_pages, np.int64)  # 1 + seq of the last backup into a page
+        self._parked = np.zeros(host.num_pages, np.bool_)  # given up, freed once written
+        self._claimed: set[TreeNode] = set()               # claimed, not dispatched yet
+        self.num_parked = 0
         self._ops: dict[int, Op] = {}                      # seq -> op, dispatch order
         self._seq = -1
 
@@ -98,35 +107,33 @@ class InFlight:
 
     # -- backups ------------------------------------------------------------------------------
 
-    def is_backing(self, node: TreeNode) -> bool:
-        """Whether a backup of ``node``'s device pages is in flight."""
-        return node.value is not None and bool(self._backing[node.value].any())
-
     def claim_backup(self, node: TreeNode, continuous_prefix: bool,
                      take_host: Callable[[int], np.ndarray]) -> Claim | None:
-        """Reserve host pages (``take_host``, which may evict) for a backup of ``node``: lock it,
-        mark its pages backing up. None when skipped: no device pages, already backed up or
-        backing up, a gap above it under ``continuous_prefix``, or no host pages."""
-        if node.value is None or node.backed_up or self._backing[node.value].any():
+        """Reserve host pages (``take_host``, which may evict host pages) for a backup of
+        ``node``, to be dispatched by :meth:`dispatch_backups` before the cache's call returns.
+        None when skipped: no device pages, already backed up, a gap above it under
+        ``continuous_prefix``, or no host pages."""
+        if node.value is None or node.backed_up or node in self._claimed:
             return None
-        if continuous_prefix:
-            parent = node.parent
-            if not (parent.parent is None or parent.backed_up or self.is_backing(parent)):
-                return None
+        parent = node.parent
+        if continuous_prefix and not (parent.parent is None or parent.backed_up
+                                      or parent in self._claimed):
+            return None
         try:
             host_ids = take_host(node.num_pages)
         except OutOfPagesError:
             self._n["backups_skipped"] += 1
             return None
-        self._tree.lock(node)
-        self._backing[node.value] = True
+        self._claimed.add(node)
         return node, host_ids
 
     def dispatch_backups(self, claims: list[Claim]) -> Any:
         """Copy every claimed node to host in ONE transfer; one op per node, in claim order
-        (root-first), sharing the handle. Returns the handle (None: nothing to do)."""
+        (root-first), sharing the handle. Each node holds its host pages from now on (see the
+        module doc). Returns the handle (None: nothing to do)."""
         if not claims:
             return None
+        self._claimed.clear()
         device_ids = [node.value.copy() for node, _ in claims]
         ops = self._ops_for(TransferKind.BACKUP,
                             [(node, ids, h) for (node, h), ids in zip(claims, device_ids)])
@@ -134,13 +141,31 @@ class InFlight:
             handle = self._engine.backup(np.concatenate(device_ids),
                                          np.concatenate([h for _, h in claims]), tag=ops)
         except BaseException:  # internal ids: a bug; undo the claims so the tree stays whole
-            for (node, host_ids), ids in zip(claims, device_ids):
-                self._backing[ids] = False
-                self._tree.unlock(node)
+            for _, host_ids in claims:
                 self._host_free(host_ids)
             raise
         self._register(ops, handle)
+        for (node, host_ids), op in zip(claims, ops):
+            self._writer[host_ids] = op.seq + 1
+            self._tree.set_host_value(node, host_ids)
+            self._events.stored(node, Medium.HOST)
+            self._n["backups"] += 1
+            self._n["backup_tokens"] += node.num_tokens
+        self._on_backup([node for node, _ in reversed(claims)])
         return handle
+
+    def free_host(self, host_ids: np.ndarray) -> None:
+        """Host pages a node gave up: free, or parked until the copy into them lands."""
+        busy = self._writer[host_ids] > 0
+        if busy.any():
+            self._parked[host_ids[busy]] = True
+            self.num_parked += int(busy.sum())
+            host_ids = host_ids[~busy]
+        self._host_free(host_ids)
+
+    def parked_host_pages(self) -> np.ndarray:
+        """Host pages given up while a copy into them is in flight (freed when it lands)."""
+        return np.flatnonzero(self._parked).astype(np.int32)
 
     # -- loads --------------------------------------------------------------------------------
 
@@ -219,30 +244,19 @@ class InFlight:
             self._loading[op.device_ids[done]] = 0
             self._n["bytes_to_device"] += nbytes
             self._n["seconds_to_device"] += seconds
+            self._tree.unlock(op.node)
         else:
-            self._finish_backup(op)
+            self._landed_backup(op)
             self._n["bytes_to_host"] += nbytes
             self._n["seconds_to_host"] += seconds
-        self._tree.unlock(op.node)
 
-    def _finish_backup(self, op: Op) -> None:
-        """Record host pages on ``op.node`` and on the parents split off it meanwhile."""
-        pos = self._slot  # device page -> its index in op.device_ids (-1: not in the op)
-        pos[op.device_ids] = np.arange(op.device_ids.size)
-        parts, node = [], op.node
-        while (node.parent is not None and node.value is not None and node.host_value is None
-               and (pos[node.value] >= 0).all()):
-            parts.append((node, pos[node.value]))
-            node = node.parent
-        pos[op.device_ids] = -1
-        used = np.zeros(op.host_ids.size, np.bool_)
-        for part, idx in reversed(parts):  # root-first: a parent is backed up before its child
-            self._tree.set_host_value(part, op.host_ids[idx])
-            self._events.stored(part, Medium.HOST)
-            used[idx] = True
-        self._on_backup([part for part, _ in parts])
-        if not used.all():  # an L3 fetch gave a part its host copy first: free ours
-            self._host_free(op.host_ids[~used])
-        self._backing[op.device_ids] = False
-        self._n["backups"] += 1
-        self._n["backup_tokens"] += int(used.sum()) * self._ps
+    def _landed_backup(self, op: Op) -> None:
+        """A backup's pages are written: free those that were parked meanwhile."""
+        mine = self._writer[op.host_ids] == op.seq + 1  # no later backup writes them
+        ids = op.host_ids[mine]
+        self._writer[ids] = 0
+        parked = ids[self._parked[ids]]
+        if parked.size:
+            self._parked[parked] = False
+            self.num_parked -= parked.size
+            self._host_free(parked)

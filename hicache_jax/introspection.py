@@ -45,7 +45,7 @@ def check_cache(tree: RadixTree, owners: DevicePageOwners, device: PageAllocator
                             device.is_allocated(np.arange(device.num_pages)))
     ops = list(flight.ops())
     parts = [n.host_value for n in nodes if n.host_value is not None]
-    parts += [op.host_ids for op in ops if op.kind is TransferKind.BACKUP] + [l3.reserved_pages()]
+    parts += [flight.parked_host_pages(), l3.reserved_pages()]
     held = np.concatenate(parts) if parts else np.zeros(0, np.int32)
     if np.unique(held).size != held.size:
         raise HiCacheError("invariant: a host page is held twice (nodes, backups in flight, "
@@ -54,7 +54,8 @@ def check_cache(tree: RadixTree, owners: DevicePageOwners, device: PageAllocator
     if alloc.sum() != held.size or not alloc[held].all():
         raise HiCacheError("invariant: a host page is neither free, nor held by a node, a "
                            "backup in flight or an L3 prefetch")
-    holders = list(caller_locks.items()) + [(op.node, 1) for op in ops]
+    holders = list(caller_locks.items()) + [(op.node, 1) for op in ops
+                                            if op.kind is TransferKind.LOAD]
     _check_nodes(tree, nodes, holders + l3.locked_nodes(), continuous_prefix)
     if any(n.parent is None and n is not tree.root for n in caller_locks):
         raise HiCacheError("invariant: a caller lock is held on a deleted node")

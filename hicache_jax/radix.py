@@ -40,7 +40,7 @@ Semantics of :meth:`RadixTree.insert` over nodes that already exist:
 A split (in :meth:`match` or :meth:`insert`, always at a page boundary) creates a new parent
 holding the first part of key, value, host_value and page_hashes, with lock_ref, hit_count,
 last_access, created and priority copied; the original node object keeps the tail, so handles held
-elsewhere (a lock, an in-flight backup) still name the node that holds the tail, and lock walks
+elsewhere (a lock, a load-back in flight) still name the node that holds the tail, and lock walks
 cover the new parent. :meth:`lock` on a host-only node is allowed: it protects it from host
 eviction (e.g. while a load-back is in flight).
 

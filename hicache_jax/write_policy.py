@@ -38,7 +38,6 @@ from hicache_jax.eviction import FRESH_FIRST, eviction_order, hottest_first
 from hicache_jax.inflight import InFlight
 from hicache_jax.radix import RadixTree
 from hicache_jax.spec import HiCacheConfig, WritePolicy
-from hicache_jax.transfer import TransferEngine
 from hicache_jax.tree_node import TreeNode
 
 
@@ -51,8 +50,6 @@ class WriteContext:
     flight: InFlight
     counters: collections.Counter
     device_allocator: PageAllocator
-    host_allocator: PageAllocator
-    engine: TransferEngine
     events: NullRecorder | Recorder
     take_host: Callable[[int], np.ndarray]   # host pages, evicting as needed (or OutOfPages)
     evict_host: Callable[[int], int]         # delete host-only leaves: tokens -> tokens freed
@@ -212,10 +209,8 @@ class CleanAhead(WriteBack):
         for node in hottest_first(ctx.cfg.eviction, [n for n in tree.redundant if n not in cold]):
             if freed >= want:
                 break
-            if ctx.engine.busy_host_pages(node.host_value).any():
-                continue  # defence in depth: a copy still reads them (such nodes are locked)
             ids = tree.drop_host_value(node)
-            ctx.host_allocator.free(ids)
+            ctx.flight.free_host(ids)  # parked while a backup into them is in flight
             ctx.events.removed(node, Medium.HOST)
             ctx.counters["host_copies_dropped_tokens"] += node.num_tokens
             freed += node.num_tokens

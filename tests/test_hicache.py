@@ -171,6 +171,7 @@ def test_write_back_eviction_round_backs_up_all_victims_in_one_transfer():
     calls = _count_backup_calls(cache)
     assert cache.evict(16) == 16
     assert calls == [16]  # one dispatch for the four nodes
+    cache.flush()  # the bytes are counted once the copy lands
     stats = cache.stats()
     assert stats["backups"] == 4 and stats["host_cached_tokens"] == 16
     assert stats["bytes_to_host"] == 16 * cache.spec.page_bytes
@@ -513,23 +514,26 @@ def test_reset_forgets_everything():
 # ----------------------------------------------------------------------------- regressions
 
 def test_node_split_while_write_through_copy_in_flight():
+    """A node holds its host pages from the backup's dispatch: a split mid-copy gives each half
+    its slice, and both read back the copied bytes once it lands."""
     cache, kv = make("write_through")
     eng = gate(cache)
     t = np.arange(8)
     request(cache, kv, t)
     request(cache, kv, t)                      # backup dispatched, held in flight
     assert cache.stats()["transfers_in_flight"] == 1
+    assert tree_node_of(cache, t).lock_ref == 0  # a backup locks nothing
     m = cache.match_prefix(t[:3])              # splits the node mid-copy
     upper = m.node._node
-    assert upper.num_tokens == 3 and upper.host_value is None
-    check(cache, kv)
+    lower = tree_node_of(cache, t)
+    assert upper.num_tokens == 3 and upper.host_value.size == 3 and lower.parent is upper
+    check_invariants(cache)
+    cache.evict(8)                             # device pages freed while the copy reads them
+    assert cache.stats()["device_cached_tokens"] == 0 and eng.handles
     eng.release()
     cache.flush()
-    lower = tree_node_of(cache, t)
-    assert upper.host_value is not None and lower.host_value is not None
-    assert lower.parent is upper and cache.stats()["host_cached_tokens"] == 8
+    assert cache.stats()["host_cached_tokens"] == 8
     check(cache, kv)                           # host bytes of both halves are right
-    cache.evict(8)
     m = cache.load_back(cache.match_prefix(t))
     np.testing.assert_array_equal(bits(cache.read_kv(m.device_pages)), kv.pages(None, t, 0, 8))
 
@@ -636,25 +640,33 @@ def test_host_pool_smaller_than_device_pool(policy, host):
     check(cache, kv)
 
 
-def test_host_page_freed_and_reused_while_copy_into_it_in_flight():
-    cache, kv = make("write_through", device=16, host=4)
+def test_host_page_given_up_while_copy_into_it_in_flight_is_parked_until_it_lands():
+    """Host pages a node gives up while its backup still writes them are the copy's until it
+    lands (never handed to a new owner meanwhile); a host allocation that needs them waits."""
+    cache, kv = make("write_back", device=8, host=4)
     eng = gate(cache)
     t = np.arange(4)
     request(cache, kv, t)
-    request(cache, kv, t)                      # backup into all 4 host pages, in flight
+    assert cache.evict(4) == 4                 # backed up into all 4 host pages, in flight
     inflight = [h.host_ids for h in eng.handles]
     assert len(inflight) == 1 and inflight[0].size == 4
-    assert cache.evict_host(1000) == 0         # nothing host-only to delete
-    for base in (100, 200):                    # more backups want host pages: none free
-        request(cache, kv, np.arange(base, base + 2))
-        request(cache, kv, np.arange(base, base + 2))
+    assert cache.stats()["host_cached_tokens"] == 4 and cache.stats()["device_free_pages"] == 8
+    assert cache.evict_host(4) == 4            # the node goes; its pages are parked
     assert cache.host_pool.allocator.is_allocated(inflight[0]).all()
-    held = [n.host_value for n in cache.tree.nodes() if n.host_value is not None]
-    assert not held                            # not handed to any node meanwhile
-    eng.release()
+    assert cache.stats()["host_free_pages"] == 0
+    check_invariants(cache)
+    u = np.arange(100, 104)
+    request(cache, kv, u)
+    first = eng.handles[0]
+    assert not first.released and cache.stats()["transfers_in_flight"] == 1
+    assert cache.evict(4) == 4                 # its backup needs the parked pages: waits
+    assert first.released
     cache.flush()
-    assert np.array_equal(np.sort(tree_node_of(cache, t).host_value), np.sort(inflight[0]))
+    assert np.array_equal(np.sort(tree_node_of(cache, u).host_value), np.sort(inflight[0]))
+    assert cache.stats()["host_free_pages"] == 0
     check(cache, kv)
+    m = cache.load_back(cache.match_prefix(u))
+    np.testing.assert_array_equal(bits(cache.read_kv(m.device_pages)), kv.pages(None, u, 0, 4))
 
 
 # ----------------------------------------------------------------------------- bad input
@@ -732,15 +744,18 @@ def test_bad_input_typed_error_and_cache_unchanged(policy):
 
 def test_unlock_of_a_node_only_a_copy_holds_is_refused():
     """The caller's unlock is counted apart from the cache's own locks: a node locked only by a
-    backup in flight cannot be unlocked by a caller (eviction would then free its pages while
-    the copy reads them)."""
-    cache, kv = make("write_through", device=8, host=16)
+    load-back in flight cannot be unlocked by a caller (eviction would then free its pages while
+    the copy writes them)."""
+    cache, kv = make("write_back", device=8, host=16)
     engine = gate(cache)
     t = np.arange(4)
     request(cache, kv, t)
-    request(cache, kv, t)  # the hit backs it up: the copy is held at the gate
-    node = node_of(cache, t)
-    assert node._node.lock_ref == 1 and engine.handles
+    cache.evict(4)
+    engine.release()
+    cache.flush()
+    m = cache.load_back(cache.match_prefix(t))  # the load is held at the gate
+    node = m.node
+    assert m.device_len == 4 and node._node.lock_ref == 1 and engine.handles
     before = snapshot(cache)
     with pytest.raises(HiCacheError, match="without a matching lock"):
         cache.unlock(node)
@@ -924,6 +939,51 @@ def test_clean_ahead_backs_up_the_eviction_end_so_eviction_copies_nothing():
     m = cache.load_back(cache.match_prefix(np.arange(4)))
     assert m.device_len == 4
     check(cache, kv)
+
+
+def test_clean_ahead_pass_locks_nothing_eviction_takes_its_nodes_while_the_copy_runs():
+    """A backup counts from its dispatch: the pass's nodes are clean at once (no lock), so the
+    next eviction frees them while the copy is still in flight, copying and waiting for
+    nothing; their host bytes are the copied ones once it lands."""
+    cache, kv = make("clean_ahead", device=16, host=64, clean_ahead_pages=4)
+    eng = gate(cache)
+    for i in range(4):                       # the 4th fills L1: the coldest 4 pages backed up
+        request(cache, kv, np.arange(4) + 100 * i)
+    held = [h for h in eng.handles if not h.released]
+    assert len(held) == 1 and cache.stats()["clean_ahead_pages"] == 4
+    assert all(n.lock_ref == 0 for n in cache.tree.nodes() if n.parent is not None)
+    request(cache, kv, np.arange(4) + 400)   # evicts the coldest, still copying
+    st = cache.stats()
+    assert st["evicted_tokens"] == 4 and st["eviction_backup_pages"] == 0
+    assert _tiers(cache)[0] == (False, True) and not held[0].released
+    eng.release()
+    cache.flush()
+    check(cache, kv)
+    m = cache.load_back(cache.match_prefix(np.arange(4)))
+    np.testing.assert_array_equal(bits(cache.read_kv(m.device_pages)),
+                                  kv.pages(None, np.arange(4), 0, 4))
+
+
+def test_write_back_eviction_frees_device_pages_without_waiting_for_the_copy():
+    """The eviction path dispatches a dirty node's copy and frees its device pages at once; a
+    new request writing into them meanwhile does not change what the host copy holds."""
+    cache, kv = make("write_back", device=8, host=16)
+    eng = gate(cache)
+    t, u = np.arange(8), np.arange(100, 108)
+    request(cache, kv, t)
+    request(cache, kv, u)                    # all 8 device pages reused: t copied on the way
+    held = [h for h in eng.handles if not h.released]
+    assert len(held) == 1 and held[0].host_ids.size == 8
+    st = cache.stats()
+    assert st["eviction_backup_pages"] == 8 and st["host_cached_tokens"] == 8
+    assert _tiers(cache) == {0: (False, True), 1: (True, False)}
+    eng.release()
+    cache.flush()
+    check(cache, kv)
+    cache.evict(8)
+    m = cache.load_back(cache.match_prefix(t))
+    assert m.device_len == 8
+    np.testing.assert_array_equal(bits(cache.read_kv(m.device_pages)), kv.pages(None, t, 0, 8))
 
 
 @pytest.mark.parametrize("policy", ["clean_ahead", "write_through", "write_back"])
