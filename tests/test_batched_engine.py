@@ -12,6 +12,7 @@ from hicache_jax.engine.batched import BatchedEngine, EngineStalledError
 from hicache_jax.engine.engine import Engine
 from hicache_jax.engine.model import DecoderModel, ModelConfig, trace_count
 from hicache_jax.engine.workloads import ClosedLoop, multiturn_chat
+from hicache_jax.transfer import TransferHandle
 
 CFG = ModelConfig(vocab_size=97, num_layers=2, d_model=32, num_heads=4, num_kv_heads=2,
                   head_dim=8, ffn_dim=48)
@@ -102,6 +103,24 @@ def test_matches_serial_every_policy(model, chat_ref, page_size, policy):
         assert max(g.record.queue_s for g in gens.values()) > 0
     assert eng.counters["prefill_batches"] < len(gens)  # requests were batched
     assert eng.counters["admission_plan_misses"] == 0  # admission's count was never short
+    _drained(eng)
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_layerwise_load_backs_only_without_overlap(model, chat_ref, overlap, monkeypatch):
+    """Without overlap a step waits for its load layer by layer; with it, the step is dispatched
+    at once (XLA orders it after the load): a host wait would stall on the step in flight."""
+    eng = _batched(model, 16, layerwise=True, overlap=overlap)
+    asked, waited = [], []
+    real_load, real_wait = eng.cache.load_back_many, TransferHandle.wait_layer
+    monkeypatch.setattr(eng.cache, "load_back_many", lambda ms, layerwise: asked.append(
+        layerwise) or real_load(ms, layerwise=layerwise))
+    monkeypatch.setattr(TransferHandle, "wait_layer",
+                        lambda self, layer: waited.append(layer) or real_wait(self, layer))
+    gens = {g.record.key: g for g in eng.serve(ClosedLoop(_chat()))}
+    _same(gens, chat_ref)
+    assert eng.cache.stats()["load_backs"] > 0 and set(asked) == {not overlap}
+    assert bool(waited) == (not overlap)
     _drained(eng)
 
 

@@ -132,7 +132,7 @@ class PageLedger:
         return BatchRequest(key, arr, int(max_new), now)
 
     def take(self, req: BatchRequest, m: Match | None, active: list[BatchRequest],
-             reserve: float, *, checked: bool = False) -> bool:
+             reserve: float, checked: bool = False) -> bool:
         """Allocate the prompt's uncached pages beyond ``m`` (locked by the caller), keeping
         ``reserve`` x the remaining decode pages of ``req`` and the ``active`` requests free or
         evictable; False (nothing taken) when they cannot be had now. ``checked``: an

@@ -102,9 +102,9 @@ class BatchedEngine:
         mode: "none" | "device" | "hicache".
         token_budget: prefill tokens per step (a power of two; longer prompts are chunked).
         max_running: requests prefilling or decoding at once (>= 1).
-        layerwise: load back layer by layer (the step's forward waits per layer), for step
-            shapes the per-layer path has run before or the fused one has not
-            (``forward_batch(layerwise_if_compiled=True)``: no compile the fused path spares).
+        layerwise: without ``overlap``, load back layer by layer (the forward waits per layer;
+            ``forward_batch(layerwise_if_compiled=True)``). With it, a step goes at once: XLA
+            orders it after its load, which lands after the step in flight.
         query_block: prefill chunks are cut into blocks of this many tokens (a power of two),
             each an attention row with its request's page table (the dense layers see the
             step's tokens packed, without padding between requests); compiles are bounded by
@@ -168,6 +168,7 @@ class BatchedEngine:
         self.table_bucket, self.batch_bucket = table_bucket, batch_bucket
         self.layerwise, self.decode_reserve = bool(layerwise), float(decode_reserve)
         self.compile_mixed, self.overlap = bool(compile_mixed), bool(overlap)
+        self._layer_waits = self.layerwise and not self.overlap  # see layerwise
         self.clock = clock
         self._pending: list = []  # dispatched forwards whose tokens are not read yet
         self._closing: list[BatchRequest] = []  # every token dispatched, not all read yet
@@ -329,7 +330,7 @@ class BatchedEngine:
         if self.mode is not CacheMode.NONE:
             if any(m.host_len for m in matches):
                 self.counters["load_back_calls"] += 1
-            matches = self.cache.load_back_many(matches, layerwise=self.layerwise)
+            matches = self.cache.load_back_many(matches, layerwise=self._layer_waits)
             for m in matches:
                 self.cache.lock(m.node)
         cached = self.mode is not CacheMode.NONE
@@ -361,8 +362,7 @@ class BatchedEngine:
                 return
 
     def _take_pages(self, req: BatchRequest, m: Match | None, checked: bool = False) -> bool:
-        return self._ledger.take(req, m, self.prefilling + self.running, self._reserve,
-                                 checked=checked)
+        return self._ledger.take(req, m, self.prefilling + self.running, self._reserve, checked)
 
     def _stalled(self, req: BatchRequest | None = None) -> None:
         raise self._ledger.stalled_error(self.waiting[0] if req is None else req)
@@ -397,7 +397,7 @@ class BatchedEngine:
             reqs = [r for r, _ in part_batch] + part_dec
             logits, toks = self.model.forward_batch(
                 self.pool, chunks, [r.kv_done for r in reqs], [r.pages for r in reqs],
-                waiter=waiter if self.layerwise and part_batch else None,
+                waiter=waiter if self._layer_waits and part_batch else None,
                 layerwise_if_compiled=True, reuse_compiled=not self.compile_mixed,
                 slot_of=[r.slot for r in reqs],
                 from_slot=[False] * len(part_batch) + [True] * len(part_dec), **knobs)
