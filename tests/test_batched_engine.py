@@ -13,6 +13,7 @@ from hicache_jax.engine.engine import Engine
 from hicache_jax.engine.model import DecoderModel, ModelConfig, trace_count
 from hicache_jax.engine.workloads import ClosedLoop, multiturn_chat
 from hicache_jax.transfer import TransferHandle
+from test_hicache_state_machine import GatedEngine, gate
 
 CFG = ModelConfig(vocab_size=97, num_layers=2, d_model=32, num_heads=4, num_kv_heads=2,
                   head_dim=8, ffn_dim=48)
@@ -103,6 +104,25 @@ def test_matches_serial_every_policy(model, chat_ref, page_size, policy):
         assert max(g.record.queue_s for g in gens.values()) > 0
     assert eng.counters["prefill_batches"] < len(gens)  # requests were batched
     assert eng.counters["admission_plan_misses"] == 0  # admission's count was never short
+    _drained(eng)
+
+
+def test_admission_waits_for_transfers_only_when_nothing_runs(model, chat_ref, monkeypatch):
+    """A request that does not fit while others run waits a step; it does not wait for the
+    copies in flight (behind the forward in flight: the host would stall on it)."""
+    cfg = HiCacheConfig(device_pages=POOLS[16][0], host_pages=POOLS[16][1],
+                        write_through_threshold=1, load_back_threshold=1)
+    cache = HiCache(model.kv_spec(16), cfg, transfer_engine=GatedEngine)
+    gate(cache)  # copies stay in flight until something waits for them
+    eng = BatchedEngine(model, cache, token_budget=64, **BUCKETS[16])
+    active_at_flush = []
+    real = eng.cache.flush
+    monkeypatch.setattr(eng.cache, "flush", lambda: active_at_flush.append(
+        bool(eng.prefilling or eng.running)) or real())
+    gens = {g.record.key: g for g in eng.serve(ClosedLoop(_chat()))}
+    _same(gens, chat_ref)
+    assert max(g.record.queue_s for g in gens.values()) > 0  # some waited for pages
+    assert eng.cache.stats()["load_backs"] > 0 and not any(active_at_flush)
     _drained(eng)
 
 

@@ -145,7 +145,7 @@ class PageLedger:
         if not checked:
             future = self.future_pages(req, prefix.shape[0] + need)
             future += sum(self.future_pages(r) for r in active)
-            if not self.fits(need + math.ceil(reserve * future)):
+            if not self.fits(need + math.ceil(reserve * future), wait=not active):
                 return False
         try:
             new = cache.alloc_pages(need)
@@ -163,13 +163,15 @@ class PageLedger:
         req.slot = self.slots.take()
         return True
 
-    def fits(self, pages: int) -> bool:
-        """Whether ``pages`` device pages are free or evictable; copies in flight (whose locks
-        hold pages until they land) are waited for before saying no."""
+    def fits(self, pages: int, wait: bool = True) -> bool:
+        """Whether ``pages`` device pages are free or evictable; with ``wait``, loads in flight
+        (whose locks hold pages until they land) are waited for before saying no. A caller
+        with requests running does not wait: the loads land by a later step, which counts
+        again (waiting here would wait for the forward in flight, queued before them)."""
         st = self.cache.stats()
         if st["device_free_pages"] + st["device_evictable_pages"] >= pages:
             return True
-        if not st["transfers_in_flight"]:
+        if not (wait and st["transfers_in_flight"]):
             return False
         self.cache.flush()
         st = self.cache.stats()
@@ -269,8 +271,9 @@ class AdmissionPlan:
     reckons it), against free + evictable pages read once (``stats()``).
 
     The first request tried is counted exactly: its match is locked before that read (a lock
-    held elsewhere, e.g. by a copy in flight, is then not counted twice), and copies in flight
-    are waited for before refusing it, as :meth:`PageLedger.fits` does; refusing it is what
+    held elsewhere, e.g. by a load in flight, is then not counted twice), and with no request
+    active, loads in flight are waited for before refusing it, as :meth:`PageLedger.fits`
+    does (with requests active it waits a step instead); refusing it is what
     :meth:`PageLedger.take` would do after its load-back. The later ones are counted
     conservatively (a page locked outside the engine counts as newly locked): a wrong estimate
     makes one wait a step, never over-commits. :meth:`release` drops the first request's lock
@@ -328,7 +331,7 @@ class AdmissionPlan:
             cache.lock(m.node)
         st = cache.stats()
         avail = st["device_free_pages"] + st["device_evictable_pages"]
-        if avail < pages and st["transfers_in_flight"]:
+        if avail < pages and st["transfers_in_flight"] and not self.active:  # as fits()
             cache.flush()
             st = cache.stats()
             avail = st["device_free_pages"] + st["device_evictable_pages"]
