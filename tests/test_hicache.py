@@ -559,6 +559,7 @@ def test_evict_host_reaching_node_whose_load_back_is_in_flight():
     request(cache, kv, a)
     request(cache, kv, b)
     cache.evict(1000)                          # both backed up and host-only: host is full
+    cache.flush()                              # (eviction does not wait for the copies)
     eng = gate(cache)
     m = cache.load_back(cache.match_prefix(a))
     loaded, hv = m.device_pages.copy(), m.node._node.host_value.copy()
