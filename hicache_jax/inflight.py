@@ -9,7 +9,7 @@ later read or write takes as input), so the bytes a later reader sees are the co
 eviction path frees a dirty node's device pages without waiting for its copy. Host pages a node
 gives up while a copy into them is still in flight are *parked* here (the target of a copy in
 flight) and freed when it lands, so a host page never changes owner under a pending copy. The
-acknowledgement counts the copy (``stats()``). A load-back of host-only chains is dispatched in
+acknowledgement counts the copy's bytes and seconds (``stats()``). A load-back of host-only chains is dispatched in
 one transfer and acknowledged the same way (its node stays locked until then, the chains'
 device pages stop being "loading").
 
@@ -66,7 +66,8 @@ class InFlight:
         owners: the cache's device page owners (loaded pages become the tree's).
         events: the cache's event recorder.
         counters: the cache's ``stats()`` counters (updated at each acknowledgement).
-        on_backup: called with the parts of a landed backup, leaf first (the L3 tier's hook).
+        on_backup: called with the nodes of a dispatched backup, leaf first (the L3 tier's
+            hook; its reads of their host pages are ordered after the copy).
     """
 
     def __init__(self, spec: KVSpec, tree: RadixTree, engine: TransferEngine,

@@ -9,7 +9,8 @@ flight, or reserved by an L3 prefetch) on its side of the port. Without storage 
 
 * **write** (L2 -> L3): ``storage_write_policy="write_through"`` backs up newly inserted leaves
   too (L1 -> L2 write-through alone waits for a reuse) and puts a node's pages once its
-  device -> host backup has landed; ``write_through_selective`` puts backed-up pages without
+  device -> host backup is dispatched (the put's read is ordered after the copy);
+  ``write_through_selective`` puts backed-up pages without
   the extra backups; ``write_back`` puts host-only pages when L2 evicts them. Pages are first
   copied from the host pool (a donated ``jax.Array``) into a numpy *staging* pool:
   ``HostPagePool.read_async`` dispatches the copy (the cache's thread does not wait for it; XLA
@@ -243,8 +244,8 @@ class L3Tier:
     # -- writes -------------------------------------------------------------------------------
 
     def on_backup(self, nodes: list[TreeNode]) -> None:
-        """Backups of ``nodes`` landed (host_value set): record their digests; put them
-        (write-through policies)."""
+        """Backups of ``nodes`` dispatched (host_value set; XLA orders the puts' reads of those
+        host pages after the copy): record their digests; put them (write-through policies)."""
         for node in reversed(nodes):  # the cache passes a chain leaf first: parents first
             digests = self._records.node_digests(node)
             if digests is None:

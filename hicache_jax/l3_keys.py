@@ -3,7 +3,7 @@
 Keys are 128-bit chained digests of the pages' tokens (:mod:`hicache_jax.hashing`, namespaced by
 ``extra_key`` and the spec fingerprint, as :func:`hicache_jax.storage.page_keys`), so instances
 sharing a store share entries and a collision between prefixes is a 128-bit one. Each host page
-the tree holds has the digest of its prefix recorded here when it gets there (backup landed,
+the tree holds has the digest of its prefix recorded here when it gets there (backup dispatched,
 prefetch attached), so a put or a prefetch hashes only its own pages, starting from the digest
 of the page before (a record is used only if the tree's 64-bit hash of that page is the one it
 was recorded for); without a record the chain is hashed from the root. Write_back puts (at host
