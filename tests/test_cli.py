@@ -4,6 +4,7 @@ import json
 import runpy
 import sys
 
+import numpy as np
 import pytest
 
 from storage_servers import free_port, mooncake_skip_reason
@@ -136,6 +137,23 @@ def test_batched_bench_matches_serial_and_writes_json(tmp_path, capsys):
     assert data["summary"]["no cache"]["recomputed_tokens"] == hi["prompt_tokens"]
     assert len(data["requests"]["hicache"]) == 9
     assert data["config"]["no_overlap"] is False  # the batched engine overlaps by default
+
+
+def test_batched_bench_runs_the_configurations_in_rounds(tmp_path, capsys):
+    """Each round runs every configuration, so the ones compared with each other (hicache /
+    radix TTFT) meet the same machine load; times are medians over the rounds."""
+    path = tmp_path / "rounds.json"
+    loud = [a for a in TINY if a != "--quiet"]
+    assert cli.main(["bench", *loud, *BATCHED, "--repeats", "2", "--json", str(path)]) == 0
+    err = [line for line in capsys.readouterr().err.splitlines() if "(1/2)" in line
+           or "(2/2)" in line]
+    order = [line.split(": ")[0] + (" 2" if "(2/2)" in line else " 1") for line in err]
+    names = ["no cache", "device radix", "hicache"]
+    want = [f"{n} {r}" for r in "12" for n in names for _ in ("serial", "batched")]
+    assert order == want
+    runs = json.loads(path.read_text())["summary"]["hicache"]
+    assert len(runs["ttft_p50_ms_runs"]) == len(runs["wall_s_runs"]) == 2
+    assert runs["ttft_p50_ms"] == float(np.median(runs["ttft_p50_ms_runs"]))
 
 
 def test_batched_bench_poisson_and_plot(tmp_path):

@@ -83,7 +83,8 @@ def _parser() -> argparse.ArgumentParser:
                         "tokens (power of two; whole pages), up to the row's last query")
     e.add_argument("--max-running", type=int, default=64, help="batched: requests at once")
     e.add_argument("--repeats", type=int, default=1,
-                   help="batched: timed serial/batched runs, alternated (median wall time)")
+                   help="batched: rounds of timed runs, each config's serial then batched "
+                        "run in each round (medians over the rounds)")
     e.add_argument("--decode-reserve", type=float, default=1.0,
                    help="batched: fraction of remaining decode pages an admission keeps")
     e.add_argument("--warmup-passes", type=int, default=3,

@@ -14,11 +14,17 @@ throughput (prompt and generated tokens/s), TTFT and inter-token latency p50/p90
 retractions, and its throughput over the serial engine's. Every request's generated tokens are
 compared with the serial engine's (exactly) and its first-token logits (max abs difference
 reported, <= ``LOGITS_TOL`` required).
+
+Every configuration is warmed up first; the timed runs then go in ``--repeats`` rounds, each
+running every configuration (serial, then batched), so drifting machine load hits the runs
+compared with each other alike: a configuration's serial and batched runs (x serial) and the
+configurations (hicache / radix TTFT). Times are medians over the rounds.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 from typing import Any, Callable
 
 import numpy as np
@@ -192,15 +198,17 @@ def bench_batched(args: argparse.Namespace, workload: Workload,
                   make_batched: Callable[[str], BatchedEngine],
                   configs: tuple[tuple[str, str], ...], progress: Callable[[str], None]
                   ) -> tuple[dict[str, Any], dict[str, list[dict]]]:
-    """Every configuration: serial then batched (each warmed up first unless --no-warmup).
+    """Every configuration warmed up (unless --no-warmup), then ``--repeats`` rounds, each
+    running every configuration's serial then batched engine: drifting machine load hits the
+    serial and batched runs of a configuration alike, and the configurations compared with each
+    other (hicache / radix TTFT) alike too.
 
     Returns:
         (summary per configuration, per-request records of the batched runs).
     """
-    summaries: dict[str, Any] = {}
-    per_request: dict[str, list[dict]] = {}
-    for name, mode in configs:
-        if not args.no_warmup:
+    if not args.no_warmup:
+        for name, mode in configs:
+            progress(f"{name}: warm-up")
             warm = make_serial(mode)
             serial_run(warm, args, workload)
             warm.cache.close()
@@ -214,8 +222,10 @@ def bench_batched(args: argparse.Namespace, workload: Workload,
                 warm.cache.close()
                 if _traces() == traced:
                     break
-        s_walls, b_walls, runs, compiles = [], [], [], []
-        for rep in range(args.repeats):  # alternated: drifting machine load hits both alike
+    runs: dict[str, Any] = {name: collections.defaultdict(list) for name, _ in configs}
+    for rep in range(args.repeats):
+        for name, mode in configs:
+            r = runs[name]
             progress(f"{name}: serial ({rep + 1}/{args.repeats})")
             ser = make_serial(mode)
             s_gens, s_wall = serial_run(ser, args, workload)
@@ -224,18 +234,25 @@ def bench_batched(args: argparse.Namespace, workload: Workload,
             eng = make_batched(mode)
             traced = _traces()
             b_gens, b_wall = batched_run(eng, args, workload)
-            runs.append(summary(b_gens, b_wall, eng))
-            compiles.append(_traces() - traced)
+            r["summaries"].append(summary(b_gens, b_wall, eng))
+            r["compiles"].append(_traces() - traced)
             eng.cache.close()
-            s_walls.append(s_wall)
-            b_walls.append(b_wall)
-        s = summary(b_gens, float(np.median(b_walls)), eng)  # counts of the last batched run
+            r["s_walls"].append(s_wall)
+            r["b_walls"].append(b_wall)
+            r["last"] = (s_gens, b_gens, eng)  # counts and outputs: the last round's
+    summaries: dict[str, Any] = {}
+    per_request: dict[str, list[dict]] = {}
+    for name, _ in configs:
+        r = runs[name]
+        s_gens, b_gens, eng = r["last"]
+        s = summary(b_gens, float(np.median(r["b_walls"])), eng)  # counts of the last batched run
         for key in [k for k in s if k.startswith(("ttft_", "itl_"))]:  # times: the median run
-            s[key] = float(np.median([r[key] for r in runs]))
-        s["wall_s_runs"], s["serial_wall_s_runs"] = b_walls, s_walls
-        s["compiles_in_timed_runs"] = compiles  # a compile stalls every running request
+            s[key] = float(np.median([x[key] for x in r["summaries"]]))
+        s["wall_s_runs"], s["serial_wall_s_runs"] = r["b_walls"], r["s_walls"]
+        s["ttft_p50_ms_runs"] = [x["ttft_p50_ms"] for x in r["summaries"]]
+        s["compiles_in_timed_runs"] = r["compiles"]  # a compile stalls every running request
         s_tokens = sum(g.record.prompt_tokens + g.record.output_tokens for g in s_gens.values())
-        s["serial_tokens_per_s"] = s_tokens / float(np.median(s_walls))
+        s["serial_tokens_per_s"] = s_tokens / float(np.median(r["s_walls"]))
         s["serial_ttft_p50_ms"] = _pct([g.record.ttft_s for g in s_gens.values()], 50)
         s["speedup_vs_serial"] = s["tokens_per_s"] / s["serial_tokens_per_s"]
         s.update(compare(b_gens, s_gens, logits_tol(args.dtype)))
