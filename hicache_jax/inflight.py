@@ -80,8 +80,7 @@ class InFlight:
         self._events, self._n, self._on_backup = events, counters, on_backup
         device_pages = device.num_pages
         self._loading = np.zeros(device_pages, np.int64)   # 1 + seq of the load writing a page
-        self._writer = np.zeros(host.num_pages, np.int64)  # 1 + seq of the last backup into a page
-        self._parked = np.zeros(host.num_pages, np.bool_)  # given up, freed once written
+        self._parked = np.zeros(host.num_pages, np.bool_)  # given up, freed once not busy
         self._claimed: set[TreeNode] = set()               # claimed, not dispatched yet
         self.num_parked = 0
         self._ops: dict[int, Op] = {}                      # seq -> op, dispatch order
@@ -146,8 +145,7 @@ class InFlight:
                 self._host_free(host_ids)
             raise
         self._register(ops, handle)
-        for (node, host_ids), op in zip(claims, ops):
-            self._writer[host_ids] = op.seq + 1
+        for node, host_ids in claims:
             self._tree.set_host_value(node, host_ids)
             self._events.stored(node, Medium.HOST)
             self._n["backups"] += 1
@@ -156,8 +154,9 @@ class InFlight:
         return handle
 
     def free_host(self, host_ids: np.ndarray) -> None:
-        """Host pages a node gave up: free, or parked until the copy into them lands."""
-        busy = self._writer[host_ids] > 0
+        """Host pages a node gave up: free, or parked until the copies using them land (the
+        transfer engine's ``busy_host_pages``)."""
+        busy = self._engine.busy_host_pages(host_ids)
         if busy.any():
             self._parked[host_ids[busy]] = True
             self.num_parked += int(busy.sum())
@@ -234,6 +233,12 @@ class InFlight:
             for op in handle.tag or ():
                 del self._ops[op.seq]
                 self._apply(op)
+        if self.num_parked and handles:  # parked pages whose copies have landed come free
+            ids = self.parked_host_pages()
+            ids = ids[~self._engine.busy_host_pages(ids)]
+            self._parked[ids] = False
+            self.num_parked -= ids.size
+            self._host_free(ids)
 
     def _apply(self, op: Op) -> None:
         # Backups started together share one handle: each op counts its share of it.
@@ -247,17 +252,5 @@ class InFlight:
             self._n["seconds_to_device"] += seconds
             self._tree.unlock(op.node)
         else:
-            self._landed_backup(op)
             self._n["bytes_to_host"] += nbytes
             self._n["seconds_to_host"] += seconds
-
-    def _landed_backup(self, op: Op) -> None:
-        """A backup's pages are written: free those that were parked meanwhile."""
-        mine = self._writer[op.host_ids] == op.seq + 1  # no later backup writes them
-        ids = op.host_ids[mine]
-        self._writer[ids] = 0
-        parked = ids[self._parked[ids]]
-        if parked.size:
-            self._parked[parked] = False
-            self.num_parked -= parked.size
-            self._host_free(parked)

@@ -18,10 +18,9 @@ On XLA:CPU the copy runs on XLA's own execution thread, not in the caller: see
 ``page_copy.MIN_INDEX_LEN`` for what makes it asynchronous there.
 
 Host pages in flight: ``busy_host_pages(ids)`` says which pages a transfer not yet observed
-complete reads or writes. The data itself is protected by XLA ordering; the cache keeps its own
-record of the backups writing each host page (``inflight.InFlight.free_host``: pages given up
-under a pending copy are freed when it lands), so that the *ownership* of a page never changes
-under a pending copy.
+complete reads or writes. The data itself is protected by XLA ordering; the cache consults this
+when a node gives up host pages (``inflight.InFlight.free_host``: pages under a pending copy are
+freed once it lands), so that the *ownership* of a page never changes under a pending copy.
 
 Layer-wise load (``layerwise=True``): one copy per layer, each with its own token, dispatched in
 layer order; ``wait_layer(l)`` returns once layer ``l``'s pages are in the device pool. What
