@@ -124,13 +124,16 @@ def _pct(values: list[float], q: float) -> float:
     return float(np.percentile(values, q) * 1e3) if values else 0.0
 
 
-def summary(gens: dict[Any, Generation], wall: float, engine: BatchedEngine) -> dict[str, Any]:
+def summary(gens: dict[Any, Generation], wall: float, stats: dict[str, Any],
+            counters: collections.Counter) -> dict[str, Any]:
+    """The table's figures of one batched run (``stats``: its cache's ``stats()``;
+    ``counters``: its engine's)."""
     recs = [g.record for g in gens.values()]
     ttft = [r.ttft_s for r in recs]
     itl = [x for r in recs for x in r.itl_s]
     prompt = sum(r.prompt_tokens for r in recs)
     generated = sum(r.output_tokens for r in recs)
-    st = engine.cache.stats()
+    st = stats
     out = {
         "requests": len(recs), "prompt_tokens": prompt, "generated_tokens": generated,
         "recomputed_tokens": sum(r.recomputed_tokens for r in recs),
@@ -140,9 +143,9 @@ def summary(gens: dict[Any, Generation], wall: float, engine: BatchedEngine) -> 
         "prompt_tokens_per_s": prompt / wall, "generated_tokens_per_s": generated / wall,
         "tokens_per_s": (prompt + generated) / wall, "wall_s": wall,
         "bytes_to_host": st["bytes_to_host"], "bytes_to_device": st["bytes_to_device"],
-        "retractions": engine.counters["retractions"],
-        "load_back_calls": engine.counters["load_back_calls"], "load_backs": st["load_backs"],
-        "steps": engine.counters["steps"],
+        "retractions": counters["retractions"],
+        "load_back_calls": counters["load_back_calls"], "load_backs": st["load_backs"],
+        "steps": counters["steps"],
         "leaked_caller_pages": st["device_caller_pages"],
         "locked_pages_after_drain": st["device_protected_pages"],
     }
@@ -234,18 +237,20 @@ def bench_batched(args: argparse.Namespace, workload: Workload,
             eng = make_batched(mode)
             traced = _traces()
             b_gens, b_wall = batched_run(eng, args, workload)
-            r["summaries"].append(summary(b_gens, b_wall, eng))
+            counts = (eng.cache.stats(), eng.counters)
+            r["summaries"].append(summary(b_gens, b_wall, *counts))
             r["compiles"].append(_traces() - traced)
             eng.cache.close()
             r["s_walls"].append(s_wall)
             r["b_walls"].append(b_wall)
-            r["last"] = (s_gens, b_gens, eng)  # counts and outputs: the last round's
+            r["last"] = (s_gens, b_gens, counts)  # counts and outputs: the last round's
+            del ser, eng  # their pools go now, not at the end of the bench
     summaries: dict[str, Any] = {}
     per_request: dict[str, list[dict]] = {}
     for name, _ in configs:
         r = runs[name]
-        s_gens, b_gens, eng = r["last"]
-        s = summary(b_gens, float(np.median(r["b_walls"])), eng)  # counts of the last batched run
+        s_gens, b_gens, counts = r["last"]
+        s = summary(b_gens, float(np.median(r["b_walls"])), *counts)  # the last run's counts
         for key in [k for k in s if k.startswith(("ttft_", "itl_"))]:  # times: the median run
             s[key] = float(np.median([x[key] for x in r["summaries"]]))
         s["wall_s_runs"], s["serial_wall_s_runs"] = r["b_walls"], r["s_walls"]
