@@ -8,6 +8,7 @@ import pytest
 
 from hicache_jax import HiCacheConfig, HiCacheError, KVSpec
 from hicache_jax.hicache import HiCache
+from hicache_jax.engine.batch_state import PageLedger
 from hicache_jax.engine.batched import BatchedEngine, EngineStalledError
 from hicache_jax.engine.engine import Engine
 from hicache_jax.engine.model import DecoderModel, ModelConfig, trace_count
@@ -226,6 +227,30 @@ def test_overlap_under_page_pressure_with_retractions_matches_serial(model, mode
         np.testing.assert_allclose(done[i].first_logits, want.first_logits, **TOL)
     assert eng.slots.free == eng.slots.n
     _drained(eng)
+
+
+@pytest.mark.parametrize("mode", ["none", "device", "hicache"])
+def test_a_refused_head_is_tried_again_only_once_it_could_fit(model, chat_ref, mode,
+                                                               monkeypatch):
+    """Under page pressure the oldest waiting request, refused while others run, is not
+    matched and counted again until the engine's pages change (PageLedger.refused_again): the
+    schedule is the one of an engine that tries it every step (clock: the step count), and
+    the tokens are the serial engine's."""
+    def run(skip):
+        if not skip:
+            monkeypatch.setattr(PageLedger, "refused_again", lambda self, req, reserve: False)
+        eng = []
+        eng.append(_batched(model, 16, mode=mode, clock=lambda: float(eng[0].counters["steps"])))
+        gens = {g.record.key: g for g in eng[0].serve(ClosedLoop(_chat()))}
+        monkeypatch.undo()
+        _same(gens, chat_ref)
+        _drained(eng[0])
+        recs = {k: g.record for k, g in gens.items()}
+        return eng[0].counters, recs
+
+    skipping, tried = run(True), run(False)
+    assert skipping[0].pop("admission_skips") > 0 and "admission_skips" not in tried[0]
+    assert skipping == tried
 
 
 def test_all_locked_is_reported_not_spun(model):

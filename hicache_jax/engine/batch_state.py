@@ -115,6 +115,8 @@ class PageLedger:
                  slots: TokenSlots) -> None:
         self.cache, self.mode, self.clock, self.slots = cache, mode, clock, slots
         self.ps = cache.spec.page_size
+        self.changes = 0  # take / share_prompt / release calls so far (see refused_again)
+        self._refused: tuple | None = None
 
     def request(self, prompt: Any, max_new: Any, key: Hashable, arrival: float | None,
                 vocab_size: int) -> BatchRequest:
@@ -139,6 +141,7 @@ class PageLedger:
         :class:`AdmissionPlan` already counted this request's pages and reserve (no stats()
         read; only the allocation itself can still fail)."""
         cache, ps = self.cache, self.ps
+        self.changes += 1
         prefix = np.zeros(0, np.int32) if m is None else m.device_pages
         target = req.seq.shape[0]
         need = -(-target // ps) - prefix.shape[0]
@@ -162,6 +165,22 @@ class PageLedger:
         req.recomputed += target - req.kv_done
         req.slot = self.slots.take()
         return True
+
+    def refuse(self, req: BatchRequest, reserve: float) -> None:
+        """Remember that ``req``, the oldest waiting request, did not get its pages while
+        requests were active, at decode reserve ``reserve`` (see :meth:`refused_again`)."""
+        self._refused = (req, self.changes, reserve)
+
+    def refused_again(self, req: BatchRequest, reserve: float) -> bool:
+        """Whether ``req`` was refused (:meth:`refuse`) at this reserve with no ledger change
+        since: then it would be refused again, and admission skips its match and count (most
+        steps under page pressure). Nothing else the engine does lets it fit: its other cache
+        changes are decode pages, which take as many free or evictable pages as they take off
+        the reserve (at most 1 a page); an eviction only shortens its match; a load-back's
+        pages stay locked by its request. Pages a caller frees or unlocks outside the engine
+        between steps count from the next ledger change."""
+        r = self._refused
+        return r is not None and r[0] is req and r[1:] == (self.changes, reserve)
 
     def fits(self, pages: int, wait: bool = True) -> bool:
         """Whether ``pages`` device pages are free or evictable; with ``wait``, loads in flight
@@ -200,6 +219,7 @@ class PageLedger:
         replaces ours (the cache frees the duplicate)."""
         if self.mode is CacheMode.NONE:
             return
+        self.changes += 1
         full = r.target // self.ps
         if full * self.ps <= r.locked_len:
             return
@@ -242,6 +262,7 @@ class PageLedger:
         """Insert ``tokens`` (whole pages) with the request's first ``full`` pages, free the
         rest, unlock: the request holds nothing after."""
         cache = self.cache
+        self.changes += 1
         if self.mode is CacheMode.NONE:
             own = r.pages
         else:

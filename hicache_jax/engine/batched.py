@@ -64,7 +64,7 @@ from __future__ import annotations
 import collections
 import heapq
 import time
-from typing import Any, Callable, Hashable, Iterable, Protocol, Sequence
+from typing import Any, Callable, Hashable, Iterable, Sequence
 
 import numpy as np
 
@@ -75,22 +75,12 @@ from hicache_jax.engine.batch_state import (AdmissionPlan, BatchedRecord, BatchR
                                             EngineStalledError, PageLedger, shares_uncached)
 from hicache_jax.engine.engine import CacheMode, Generation, build_cache, parse_mode
 from hicache_jax.engine.model import DecoderModel, TokenSlots, bucket
-from hicache_jax.engine.workloads import Arrival
+from hicache_jax.engine.workloads import Arrival, ArrivalProcess
 
 __all__ = ["ArrivalProcess", "BatchedEngine", "BatchedRecord", "EngineStalledError"]
 
 _RESERVE_DECAY = 0.02  # per step, back from 1 to decode_reserve after a retraction
 _PLACEHOLDER = np.zeros(1, np.int32)  # a decode chunk whose token is read from its slot
-
-
-class ArrivalProcess(Protocol):
-    """Where :meth:`BatchedEngine.serve` gets its requests (``workloads.ClosedLoop``,
-    ``PoissonArrivals``, ``TraceArrivals``): those arriving at the start, and those a finished
-    request lets arrive (a client's next turn)."""
-
-    def initial(self) -> Iterable[Arrival]: ...
-
-    def on_done(self, key: Hashable, tokens: np.ndarray, now: float) -> Iterable[Arrival]: ...
 
 
 class BatchedEngine:
@@ -290,11 +280,15 @@ class BatchedEngine:
         """Waiting requests admitted this step, oldest first, with their matches: matched one
         at a time and counted by an :class:`AdmissionPlan` before anything is loaded, stopping
         at the first that cannot get its pages (it and every later one wait, unloaded); those
-        deferred by the in-batch prefix check stay queued."""
+        deferred by the in-batch prefix check stay queued. The oldest, refused with requests
+        active, is not tried again until it could fit (``PageLedger.refused_again``)."""
         cands: list[tuple[BatchRequest, Match | None]] = []
         room = (self.max_running - len(self.prefilling) - len(self.running)
                 - sum(r.slot is not None for r in self._closing))
         if not self.waiting or budget <= 0 or room <= 0:
+            return cands
+        if self._ledger.refused_again(self.waiting[0], self._reserve):
+            self.counters["admission_skips"] += 1
             return cands
         plan = AdmissionPlan(self._ledger, self.prefilling + self.running, self._reserve)
         skipped = []
@@ -312,6 +306,8 @@ class BatchedEngine:
                         skipped.append(self.waiting.popleft())
                         continue
                 if not plan.admit(req, m, cached):
+                    if not (cands or skipped) and plan.active:
+                        self._ledger.refuse(req, self._reserve)
                     break
                 cands.append((self.waiting.popleft(), m))
                 budget -= min(req.seq.shape[0] - cached, budget)

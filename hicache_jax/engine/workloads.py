@@ -19,7 +19,7 @@ Everything is numpy and pure Python; prompts depend only on the seed and the ans
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Sequence
+from typing import Callable, Hashable, Iterable, Protocol, Sequence
 
 import numpy as np
 
@@ -253,6 +253,16 @@ class Arrival:
     key: tuple
     prompt: np.ndarray
     max_new_tokens: int
+
+
+class ArrivalProcess(Protocol):
+    """Where ``BatchedEngine.serve`` gets its requests (:class:`ClosedLoop`,
+    :class:`PoissonArrivals`, :class:`TraceArrivals`): those arriving at the start, and those a
+    finished request lets arrive (a client's next turn)."""
+
+    def initial(self) -> Iterable[Arrival]: ...
+
+    def on_done(self, key: Hashable, tokens: np.ndarray, now: float) -> Iterable[Arrival]: ...
 
 
 class ClosedLoop:
