@@ -6,9 +6,11 @@ vocab 32000, bfloat16) and 8K-token prompts: document QA over 4 documents of 7,9
 questions each of ~128 tokens (24 requests, 16 new tokens each), closed-loop clients, for no
 cache / device radix / HiCache (L1 holds ~2 documents, L2 4x L1). Prefill token budget 2048
 (chunked), query blocks of 128, key blocks of 1024; at most two untimed batched passes before
-the timed ones, to keep within the time budget (never measured on a GPU yet). Every request's
-tokens and first-token logits are compared with the serial engine's (bf16 tolerance 2e-2). Any
-flag of ``hicache-jax bench`` can still be given (later flags win).
+the timed ones, which compile no mixed prefill + decode step (``--no-mixed-warmup``: a timed
+mixed step then runs as two forwards unless a compiled shape holds it), to keep within the time
+budget (never measured on a GPU yet). Every request's tokens and first-token logits are compared
+with the serial engine's (bf16 tolerance 2e-2). Any flag of ``hicache-jax bench`` can still be
+given (later flags win).
 
 Run on the GPU machine: ``python -m benchmarks.gpu_serve --json benchmarks/gpu_serve.json``.
 Refuses a non-GPU backend unless ``--allow-cpu``; ``--tiny`` runs a CPU-sized model and workload
@@ -27,7 +29,7 @@ GPU_FLAGS = ["--workload", "docqa", "--sessions", "4", "--turns", "6", "--base-t
              "--ffn-dim", "5632", "--vocab", "32000", "--dtype", "bfloat16", "--page-size", "16",
              "--device-pages", "1024", "--host-ratio", "4", "--chunk-size", "2048",
              "--token-budget", "2048", "--query-block", "128", "--key-block", "1024",
-             "--warmup-passes", "2", "--quiet"]
+             "--warmup-passes", "2", "--no-mixed-warmup", "--quiet"]
 TINY_FLAGS = ["--workload", "docqa", "--sessions", "2", "--turns", "2", "--base-tokens", "40",
               "--segment-tokens", "8", "--max-new-tokens", "2", "--layers", "1",
               "--d-model", "32", "--heads", "4", "--kv-heads", "2", "--head-dim", "8",

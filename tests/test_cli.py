@@ -193,3 +193,25 @@ def test_gpu_serve_runs_tiny_on_cpu(capsys):
     assert mod.main(["--tiny"]) == 0
     out = capsys.readouterr().out
     assert "bfloat16" in out and "outputs identical to the serial engine" in out
+
+
+def test_batched_bench_warmup_compiles_the_mixed_steps_it_meets(tmp_path):
+    """The warm-up compiles the prefill + decode steps it meets, so a timed run (which never
+    compiles) runs each as one forward; with --no-mixed-warmup it runs them as two. Either way a
+    timed run compiles nothing and matches the serial engine."""
+    runs = {}
+    # Compiled shapes are kept per model config for the process: a vocabulary of its own, and
+    # the run without mixed compiles first.
+    for extra in (["--no-mixed-warmup"], []):
+        path = tmp_path / f"warm{len(extra)}.json"
+        flags = [a for a in TINY if a != "--no-warmup"] + BATCHED + ["--vocab", "89", "--json",
+                                                                     str(path)]
+        assert cli.main(["bench", *flags, *extra]) == 0
+        data = json.loads(path.read_text())
+        assert data["config"]["mixed_warmup"] is (not extra)
+        runs[bool(extra)] = data["summary"]["no cache"]  # closed loop: the warm-up's schedule
+    for s in runs.values():
+        assert s["compiles_in_timed_runs"] == [0] and s["tokens_identical"]
+    merged, split = runs[False], runs[True]
+    assert merged["steps"] == split["steps"]  # the same schedule, in fewer forwards
+    assert merged["forward_calls"] < split["forward_calls"]

@@ -88,7 +88,11 @@ def _parser() -> argparse.ArgumentParser:
     e.add_argument("--decode-reserve", type=float, default=1.0,
                    help="batched: fraction of remaining decode pages an admission keeps")
     e.add_argument("--warmup-passes", type=int, default=3,
-                   help="batched: untimed passes at most, until one compiles nothing")
+                   help="batched: untimed passes at most, until one compiles nothing (twice: "
+                        "compiling mixed prefill + decode steps, then as the timed runs go)")
+    e.add_argument("--no-mixed-warmup", dest="mixed_warmup", action="store_false",
+                   help="batched: the warm-up compiles no mixed prefill + decode step (timed "
+                        "runs then run one as two forwards unless a compiled shape holds it)")
     e.add_argument("--no-overlap", action="store_true",
                    help="batched: read each step's tokens before dispatching the next (default: "
                         "dispatch step N+1 while step N computes)")

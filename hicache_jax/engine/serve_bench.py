@@ -3,9 +3,11 @@ process, beside the serial engine on the same requests, for no cache / device ra
 
 For each configuration (fresh cache each; an untimed warm-up pass of each engine first unless
 ``--no-warmup``, the batched one repeated until a pass compiles nothing, at most
-``--warmup-passes``; the batched engines with ``compile_mixed=False``, so that every timed run
-reuses the warm-up's compiles: mixed prefill + decode shapes are too many for a warm-up to
-cover, and one compile in a timed run stalls every running request): the serial engine serves
+``--warmup-passes``, first compiling the mixed prefill + decode steps it meets, then with
+``compile_mixed=False``, as the timed runs go: a timed run compiles nothing, since one compile
+stalls every running request, and runs a mixed step of shapes the warm-up did not meet padded
+into a compiled shape that holds it, or else as a prefill step and a decode step;
+``--no-mixed-warmup`` skips the first phase): the serial engine serves
 the requests back to back (rounds of the workload, or
 the trace in order), then the batched engine serves them as they arrive (``--arrivals``: closed
 loop multi-turn clients, Poisson at ``--rate``, or a Mooncake trace's timestamps x
@@ -145,7 +147,7 @@ def summary(gens: dict[Any, Generation], wall: float, stats: dict[str, Any],
         "bytes_to_host": st["bytes_to_host"], "bytes_to_device": st["bytes_to_device"],
         "retractions": counters["retractions"],
         "load_back_calls": counters["load_back_calls"], "load_backs": st["load_backs"],
-        "steps": counters["steps"],
+        "steps": counters["steps"], "forward_calls": counters["forward_calls"],
         "leaked_caller_pages": st["device_caller_pages"],
         "locked_pages_after_drain": st["device_protected_pages"],
     }
@@ -217,14 +219,19 @@ def bench_batched(args: argparse.Namespace, workload: Workload,
             warm.cache.close()
             # A pass that compiles stalls at each compile, and that changes its schedule (more
             # arrives, more copies land meanwhile): the stall-free timed runs then meet shapes
-            # it did not. Warm up until a pass compiles nothing (at most --warmup-passes).
-            for _ in range(args.warmup_passes):
-                traced = _traces()
-                warm = make_batched(mode)
-                batched_run(warm, args, workload)
-                warm.cache.close()
-                if _traces() == traced:
-                    break
+            # it did not. Warm up until a pass compiles nothing (at most --warmup-passes), first
+            # compiling the mixed steps met (one forward a step, not two: ~10-25% of a run's
+            # wall on CPU, benchmarks/RESULTS.md), then as the timed runs go (compile_mixed
+            # off: the parts of a mixed step no compiled shape holds).
+            for mixed in (True, False) if args.mixed_warmup else (False,):
+                for _ in range(args.warmup_passes):
+                    traced = _traces()
+                    warm = make_batched(mode)
+                    warm.compile_mixed = mixed
+                    batched_run(warm, args, workload)
+                    warm.cache.close()
+                    if _traces() == traced:
+                        break
     runs: dict[str, Any] = {name: collections.defaultdict(list) for name, _ in configs}
     for rep in range(args.repeats):
         for name, mode in configs:
