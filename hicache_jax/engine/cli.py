@@ -89,7 +89,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="batched: fraction of remaining decode pages an admission keeps")
     e.add_argument("--warmup-passes", type=int, default=3,
                    help="batched: untimed passes at most, until one compiles nothing (twice: "
-                        "compiling mixed prefill + decode steps, then as the timed runs go)")
+                        "as the timed runs go, then compiling mixed prefill + decode steps)")
     e.add_argument("--no-mixed-warmup", dest="mixed_warmup", action="store_false",
                    help="batched: the warm-up compiles no mixed prefill + decode step (timed "
                         "runs then run one as two forwards unless a compiled shape holds it)")

@@ -3,11 +3,12 @@ process, beside the serial engine on the same requests, for no cache / device ra
 
 For each configuration (fresh cache each; an untimed warm-up pass of each engine first unless
 ``--no-warmup``, the batched one repeated until a pass compiles nothing, at most
-``--warmup-passes``, first compiling the mixed prefill + decode steps it meets, then with
-``compile_mixed=False``, as the timed runs go: a timed run compiles nothing, since one compile
-stalls every running request, and runs a mixed step of shapes the warm-up did not meet padded
-into a compiled shape that holds it, or else as a prefill step and a decode step;
-``--no-mixed-warmup`` skips the first phase): the serial engine serves
+``--warmup-passes``: first with ``compile_mixed=False``, as the timed runs go, then compiling
+the mixed prefill + decode steps it meets, unless ``--no-mixed-warmup``. A timed run is meant
+to compile nothing, since one compile stalls every running request (the bench counts those it
+does): it runs a mixed step of shapes the warm-up did not meet padded into a compiled shape
+that holds it, or else as a prefill step and a decode step, shapes the first phase compiled):
+the serial engine serves
 the requests back to back (rounds of the workload, or
 the trace in order), then the batched engine serves them as they arrive (``--arrivals``: closed
 loop multi-turn clients, Poisson at ``--rate``, or a Mooncake trace's timestamps x
@@ -220,10 +221,11 @@ def bench_batched(args: argparse.Namespace, workload: Workload,
             # A pass that compiles stalls at each compile, and that changes its schedule (more
             # arrives, more copies land meanwhile): the stall-free timed runs then meet shapes
             # it did not. Warm up until a pass compiles nothing (at most --warmup-passes), first
-            # compiling the mixed steps met (one forward a step, not two: ~10-25% of a run's
-            # wall on CPU, benchmarks/RESULTS.md), then as the timed runs go (compile_mixed
-            # off: the parts of a mixed step no compiled shape holds).
-            for mixed in (True, False) if args.mixed_warmup else (False,):
+            # as the timed runs go (compile_mixed off: no mixed shape is compiled yet, so this
+            # compiles the prefill and decode parts of every mixed step met), then compiling
+            # the mixed steps (one forward a step, not two: 0.75-0.9x the wall of a run without
+            # a cache or with the radix cache on CPU, benchmarks/RESULTS.md).
+            for mixed in (False, True) if args.mixed_warmup else (False,):
                 for _ in range(args.warmup_passes):
                     traced = _traces()
                     warm = make_batched(mode)
