@@ -32,6 +32,8 @@ RUNS = [
      []),
     ("bench_hicache", ["--quick"], ["vs inf", "memcpy GB/s", "target hit/inf >= 0.95:"], []),
     ("bench_pool", ["--quick"], ["x memcpy", "Targets: flat in pool size"], []),
+    ("bench_step", ["--quick"], ["unrolled/scan", "memcpy weights ms",
+                                 "target: the default path (unrolled at <="], []),
     ("bench_storage", ["--quick", "--backends", "file"],
      ["ratio", "target ratio >= 0.8", "vs infinite", "target with L3 >= 0.95 of infinite:"], []),
     ("bench_transfer", ["--quick"],

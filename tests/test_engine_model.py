@@ -376,6 +376,39 @@ def test_pool_is_donated_in_place(model, prompt):
     assert pool.array.unsafe_buffer_pointer() == ptr
 
 
+def test_steps_of_few_tokens_unroll_their_layers_and_match_the_scan():
+    """A step of up to unroll_tokens tokens runs its layers unrolled over per-layer weights, a
+    longer one as a scan over the stacked weights; forcing the scan (unroll_tokens 0) gives the
+    same logits and K/V, through a compile of its own (the weights' structure differs)."""
+    cfg = ModelConfig(**{**CFG.__dict__, "ffn_dim": 40})  # compiled by no other test
+    unrolled = DecoderModel(cfg, seed=4)
+    assert unrolled.unroll_tokens == model_mod.UNROLL_TOKENS >= 4
+    rng = np.random.default_rng(5)
+    seqs = [rng.integers(0, CFG.vocab_size, n).astype(np.int32) for n in (21, 12, 30)]
+    pages = [np.array([0, 1]), np.array([2]), np.array([3, 4])]
+    runs = []
+    for model in (unrolled, DecoderModel(cfg, unrolled.params, unroll_tokens=0)):
+        pool = poisoned_device_pool(cfg.kv_spec(16), 64)
+        for s, p in zip(seqs, pages):  # prefills in buckets of 16 and 32 tokens
+            model.forward(pool, s[:-1], 0, p, min_bucket=16)
+        before = trace_count("batch_step"), trace_count("step")
+        # Three decode rows in one packed step, and one serial decode step.
+        logits, _ = model.forward_batch(pool, [s[-1:] for s in seqs],
+                                        [len(s) - 1 for s in seqs], pages)
+        serial = model.forward(pool, np.array([seqs[0][-1]], np.int32), len(seqs[0]), pages[0])
+        # Both models compile their decode steps: the second does not find the first's.
+        assert trace_count("batch_step") > before[0] and trace_count("step") > before[1]
+        runs.append((np.asarray(logits)[:3], np.asarray(serial),
+                     np.asarray(pool.array).view(np.float32)))  # K/V bits as float32
+    for got, want in zip(*runs):
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+    for i, s in enumerate(seqs):
+        np.testing.assert_allclose(runs[0][0][i],
+                                   np.asarray(reference_logits(cfg, model.params, s))[-1], **TOL)
+    with pytest.raises(ValueError, match="unroll_tokens"):
+        DecoderModel(cfg, unrolled.params, unroll_tokens=-1)
+
+
 def test_compiles_bounded_by_buckets():
     cfg = ModelConfig(**{**CFG.__dict__, "num_layers": 1})
     model = DecoderModel(cfg, seed=2)

@@ -14,7 +14,7 @@ jit (the pool is never copied or converted as a whole). Callers dispatch them th
 :class:`hicache_jax.engine.model.DecoderModel`).
 
 The jitted entry points: :data:`STEP` (fused: embedding, all layers by ``lax.scan`` over the
-stacked layer weights, head), :data:`EMBED` / :data:`LAYER` / :data:`HEAD` (the same layer by
+stacked layer weights, or unrolled over per-layer ones for a step of few tokens, head), :data:`EMBED` / :data:`LAYER` / :data:`HEAD` (the same layer by
 layer, so a caller can wait for a layer's pages before running it), and their batched forms
 :data:`BATCH_STEP` / :data:`BATCH_EMBED` / :data:`BATCH_LAYER` / :data:`BATCH_HEAD`: a packed step
 over the flat tokens of several requests' chunks (prefill and decode in one call), the dense
@@ -104,7 +104,7 @@ def _paged_layer(cfg: ModelConfig, pool: jax.Array, layer: jax.Array, lp: Params
 
     Args:
         pool: bits [L, 2, P+1, ps, Hkv, D] (donated by the caller's jit).
-        layer: int32 scalar, which layer of the pool.
+        layer: int32 scalar (or an int, unrolled), which layer of the pool.
         lp: this layer's weights (unstacked).
         x: [T, d] residual stream of the chunk (T is the bucket; rows >= n_new are padding).
         start: int32 scalar, position of x[0].
@@ -149,9 +149,27 @@ def _head(cfg: ModelConfig, params: Params, x: jax.Array, n_new: jax.Array) -> j
     return jnp.dot(h, params["lm_head"], preferred_element_type=jnp.float32)
 
 
+#: The default ``DecoderModel(unroll_tokens=)``: steps of at most this many (bucketed) tokens run
+#: their layers unrolled over each layer's own weights (``params["per_layer"]``, see
+#: :func:`_scan_layers`); longer ones in a ``lax.scan``.
+UNROLL_TOKENS = 16
+
+
 def _scan_layers(layer_fn, cfg, pool, params, x, *args):
-    """Every decoder layer in one ``lax.scan``: ``layer_fn(cfg, pool, layer, lp, x, *args)``
-    returns ``(pool, x)``; the pool is carried, so each layer writes its K/V in place."""
+    """Every decoder layer: ``layer_fn(cfg, pool, layer, lp, x, *args)`` returns ``(pool, x)``;
+    the pool is carried, so each layer writes its K/V in place.
+
+    Over stacked weights (``params["layers"]``) in one ``lax.scan``, whose body slices each
+    layer's weights out of the stack: on XLA:CPU a copy of every weight each step, about the
+    cost of a memcpy of the model, which is most of a small step's time. Given
+    ``params["per_layer"]`` instead (a tuple of each layer's weights), the layers are unrolled
+    with no slice: 0.6-0.8x the time of a decode step of 1-4 rows on CPU, but ~1.1x that of a
+    prefill of 64-256 tokens (``python -m benchmarks.bench_step``), hence :data:`UNROLL_TOKENS`."""
+    if "per_layer" in params:
+        for layer, lp in enumerate(params["per_layer"]):
+            pool, x = layer_fn(cfg, pool, layer, lp, x, *args)
+        return pool, x
+
     def body(carry, xs):
         pool, x = carry
         layer, lp = xs

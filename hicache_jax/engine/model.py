@@ -8,7 +8,8 @@ reference to its (donated) array. The public names of both modules are re-export
 
 Two ways to run a forward over the same layer math:
 
-* fused: one jit for embedding, all layers (``lax.scan`` over stacked layer weights) and head;
+* fused: one jit for embedding, all layers (``lax.scan`` over stacked layer weights; unrolled
+  over per-layer weights for a step of at most ``unroll_tokens`` tokens) and head;
 * per layer: embedding, then one donated jit per layer, then the head, so a caller can wait for
   layer ``l``'s pages (``handle.wait_layer(l)``) just before running layer ``l`` while later layers
   are still being loaded back from host.
@@ -32,14 +33,15 @@ import jax.numpy as jnp
 import numpy as np
 
 from hicache_jax.engine.layers import (BATCH_EMBED, BATCH_HEAD, BATCH_LAYER, BATCH_STEP, EMBED,
-                                       HEAD, LAYER, STEP, TRACES, compiled_step_count,
-                                       reference_logits, trace_count)
+                                       HEAD, LAYER, STEP, TRACES, UNROLL_TOKENS,
+                                       compiled_step_count, reference_logits, trace_count)
 from hicache_jax.engine.packing import (NO_SLOTS, REUSE_COST_LIMIT, TokenSlots, bucket,
                                         check_slots, cover, feed_arrays, fine_bucket, flatten,
                                         lens_used, pack, plan)
 from hicache_jax.engine.weights import (ModelConfig, Params, flat_params, init_params,
                                         load_params, save_params, unflatten_params)
 from hicache_jax.spec import KVSpec
+from hicache_jax.validation import is_int
 
 __all__ = ["DecoderModel", "LayerWaiter", "ModelConfig", "Params", "PoolLike", "REUSE_COST_LIMIT",
            "TRACES", "TokenSlots", "bucket", "compiled_step_count", "fine_bucket", "flat_params",
@@ -68,18 +70,34 @@ class DecoderModel:
         cfg: model size.
         params: weights from :func:`init_params` / :func:`load_params`; None -> ``init_params(cfg, seed)``.
         seed: used when ``params`` is None.
+        unroll_tokens: a fused step of at most this many (bucketed) tokens runs its layers
+            unrolled over each layer's own weights, a longer one as a ``lax.scan`` over the
+            stacked weights (see ``layers._scan_layers``); 0: always the scan.
     """
 
-    def __init__(self, cfg: ModelConfig, params: Params | None = None, *, seed: int = 0) -> None:
+    def __init__(self, cfg: ModelConfig, params: Params | None = None, *, seed: int = 0,
+                 unroll_tokens: int = UNROLL_TOKENS) -> None:
+        if not is_int(unroll_tokens) or unroll_tokens < 0:
+            raise ValueError(f"unroll_tokens={unroll_tokens!r} must be an int >= 0")
         self.cfg = cfg
+        self.unroll_tokens = int(unroll_tokens)
         self.params = init_params(cfg, seed) if params is None else params
         # Per-layer weight slices, sliced once here (not per call) for the per-layer path.
         self._layer_params = [{k: v[i] for k, v in self.params["layers"].items()}
                               for i in range(cfg.num_layers)]
+        # The same slices for the fused steps of few tokens, which run their layers unrolled
+        # (unroll_tokens: no per-layer weight copy inside the step).
+        self._unrolled_params = {**{k: v for k, v in self.params.items() if k != "layers"},
+                                 "per_layer": tuple(self._layer_params)}
         # Module-level jits with the config static: models of equal config share compiles.
         self._step = functools.partial(STEP, cfg)
         self._layer = functools.partial(LAYER, cfg)
         self._head = functools.partial(HEAD, cfg)
+
+    def _fused_params(self, tokens: int) -> Params:
+        """The weights a fused step of ``tokens`` (bucketed) tokens takes: per layer (its
+        layers unrolled) up to ``unroll_tokens``, else stacked (a scan)."""
+        return self._unrolled_params if tokens <= self.unroll_tokens else self.params
 
     def kv_spec(self, page_size: int) -> KVSpec:
         return self.cfg.kv_spec(page_size)
@@ -126,7 +144,7 @@ class DecoderModel:
             toks = tokens  # a device token from the previous decode step: no host round trip
         args = (jnp.int32(start), jnp.int32(n), table)
         if waiter is None:
-            return pool.run(self._step, self.params, toks, *args)
+            return pool.run(self._step, self._fused_params(tb), toks, *args)
         x = EMBED(self.params, toks)
         for layer, lp in enumerate(self._layer_params):
             waiter.wait_layer(layer)
@@ -226,7 +244,7 @@ class DecoderModel:
         if waiter is None:
             _ran(key, "fused")
             logits, out, buf = pool.run(functools.partial(BATCH_STEP, self.cfg, layout),
-                                        self.params, blob, buf)
+                                        self._fused_params(toks.shape[0]), blob, buf)
         else:
             _ran(key, "layers")
             blob = jax.device_put(blob)  # once, for every layer's call
