@@ -145,8 +145,8 @@ def test_batched_bench_runs_the_configurations_in_rounds(tmp_path, capsys):
     path = tmp_path / "rounds.json"
     loud = [a for a in TINY if a != "--quiet"]
     assert cli.main(["bench", *loud, *BATCHED, "--repeats", "2", "--json", str(path)]) == 0
-    err = [line for line in capsys.readouterr().err.splitlines() if "(1/2)" in line
-           or "(2/2)" in line]
+    out, err = capsys.readouterr()
+    err = [line for line in err.splitlines() if "(1/2)" in line or "(2/2)" in line]
     order = [line.split(": ")[0] + (" 2" if "(2/2)" in line else " 1") for line in err]
     names = ["no cache", "device radix", "hicache"]
     want = [f"{n} {r}" for r in "12" for n in names for _ in ("serial", "batched")]
@@ -154,6 +154,9 @@ def test_batched_bench_runs_the_configurations_in_rounds(tmp_path, capsys):
     runs = json.loads(path.read_text())["summary"]["hicache"]
     assert len(runs["ttft_p50_ms_runs"]) == len(runs["wall_s_runs"]) == 2
     assert runs["ttft_p50_ms"] == float(np.median(runs["ttft_p50_ms_runs"]))
+    radix = json.loads(path.read_text())["summary"]["device radix"]["ttft_p50_ms_runs"]
+    rounds = ", ".join(f"{h / d:.2f}" for h, d in zip(runs["ttft_p50_ms_runs"], radix))
+    assert f"(per round: {rounds})" in out
 
 
 def test_batched_bench_poisson_and_plot(tmp_path):
