@@ -21,7 +21,8 @@ import time
 
 import numpy as np
 
-from benchmarks.common import memcpy_fn, median_time, print_table, write_json
+from benchmarks.common import (add_model_flags, memcpy_fn, median_time, model_config,
+                               print_table, write_json)
 from hicache_jax.device_pool import DevicePagePool
 from hicache_jax.engine.layers import UNROLL_TOKENS
 from hicache_jax.engine.model import DecoderModel, ModelConfig, bucket
@@ -35,13 +36,7 @@ QUICK = dict(layers=2, d_model=64, heads=4, kv_heads=2, head_dim=16, ffn_dim=128
 
 def _args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--d-model", type=int, default=256)
-    p.add_argument("--heads", type=int, default=8)
-    p.add_argument("--kv-heads", type=int, default=2)
-    p.add_argument("--head-dim", type=int, default=32)
-    p.add_argument("--ffn-dim", type=int, default=768)
-    p.add_argument("--vocab", type=int, default=512)
+    add_model_flags(p, dtype=False)  # float32: numpy's floors are float32
     p.add_argument("--pairs", type=int, default=6, help="alternated (scan, unrolled) pairs")
     p.add_argument("--calls", type=int, default=40, help="timed calls per path per pair")
     p.add_argument("--quick", action="store_true", help="a small model, 2 pairs (a smoke run)")
@@ -76,9 +71,7 @@ def _matmul_fn(cfg: ModelConfig, params, rows: int):
 
 def main(argv=None) -> int:
     args = _args(argv)
-    cfg = ModelConfig(vocab_size=args.vocab, num_layers=args.layers, d_model=args.d_model,
-                      num_heads=args.heads, num_kv_heads=args.kv_heads, head_dim=args.head_dim,
-                      ffn_dim=args.ffn_dim)
+    cfg = model_config(args)
     ps = 16
     unrolled = DecoderModel(cfg, seed=0)
     scan = DecoderModel(cfg, unrolled.params, unroll_tokens=0)

@@ -22,10 +22,10 @@ import statistics
 
 import numpy as np
 
-from benchmarks.common import print_table, write_json
+from benchmarks.common import add_model_flags, model_config, print_table, write_json
 from hicache_jax import HiCacheConfig
 from hicache_jax.engine.engine import Engine
-from hicache_jax.engine.model import DecoderModel, ModelConfig
+from hicache_jax.engine.model import DecoderModel
 from hicache_jax.hicache import HiCache
 
 #: ``--quick``: a small model and prompt, one repeat (a smoke run; its ratios mean little).
@@ -40,14 +40,7 @@ def _args(argv=None, defaults=None):
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--chunk-size", type=int, default=512)
     p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--d-model", type=int, default=256)
-    p.add_argument("--heads", type=int, default=8)
-    p.add_argument("--kv-heads", type=int, default=2)
-    p.add_argument("--head-dim", type=int, default=32)
-    p.add_argument("--ffn-dim", type=int, default=768)
-    p.add_argument("--dtype", default="float32")
-    p.add_argument("--vocab", type=int, default=512)
+    add_model_flags(p)
     p.add_argument("--json", help="write the figures as JSON")
     p.add_argument("--quick", action="store_true", help="small sizes (QUICK); given flags win")
     p.set_defaults(**(defaults or {}))
@@ -62,9 +55,7 @@ class _Bench:
     """One engine per mode over caches big enough for the prompt; ``reset`` between repeats."""
 
     def __init__(self, a):
-        self.cfg = ModelConfig(num_layers=a.layers, d_model=a.d_model, num_heads=a.heads,
-                               num_kv_heads=a.kv_heads, head_dim=a.head_dim, ffn_dim=a.ffn_dim,
-                               vocab_size=a.vocab, dtype=a.dtype)
+        self.cfg = model_config(a)
         self.model = DecoderModel(self.cfg, seed=0)
         self.a = a
         rng = np.random.default_rng(0)

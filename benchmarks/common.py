@@ -1,4 +1,5 @@
-"""Shared helpers of the benchmark scripts: timing, the memcpy limit, environment record, tables.
+"""Shared helpers of the benchmark scripts: timing, the memcpy limit, environment record, tables,
+the reference decoder's size flags.
 
 Every benchmark prints its figure beside the limit it is judged against, as a ratio measured in
 the same run, and writes the raw figures as JSON with :func:`env_info` so tables from a CPU, a GPU
@@ -7,6 +8,7 @@ and a TPU can be put side by side.
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import json
 import os
@@ -88,6 +90,28 @@ def memcpy_seconds(nbytes: int, *, repeats: int = 7) -> float:
 
 def gbps(nbytes: int, seconds: float) -> float:
     return nbytes / seconds / 1e9 if seconds > 0 else float("inf")
+
+
+def add_model_flags(p: argparse.ArgumentParser, *, dtype: bool = True) -> None:
+    """The reference decoder's size flags (defaults: the engine's default model)."""
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--d-model", type=int, default=256)
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--kv-heads", type=int, default=2)
+    p.add_argument("--head-dim", type=int, default=32)
+    p.add_argument("--ffn-dim", type=int, default=768)
+    if dtype:
+        p.add_argument("--dtype", default="float32")
+    p.add_argument("--vocab", type=int, default=512)
+
+
+def model_config(a: argparse.Namespace) -> Any:
+    """The ``ModelConfig`` of :func:`add_model_flags`' flags (float32 without ``--dtype``)."""
+    from hicache_jax.engine.model import ModelConfig
+
+    return ModelConfig(num_layers=a.layers, d_model=a.d_model, num_heads=a.heads,
+                       num_kv_heads=a.kv_heads, head_dim=a.head_dim, ffn_dim=a.ffn_dim,
+                       vocab_size=a.vocab, dtype=getattr(a, "dtype", "float32"))
 
 
 def print_table(headers: Sequence[str], rows: Iterable[Sequence[Any]], title: str | None = None) -> str:

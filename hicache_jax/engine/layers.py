@@ -14,8 +14,9 @@ jit (the pool is never copied or converted as a whole). Callers dispatch them th
 :class:`hicache_jax.engine.model.DecoderModel`).
 
 The jitted entry points: :data:`STEP` (fused: embedding, all layers by ``lax.scan`` over the
-stacked layer weights, or unrolled over per-layer ones for a step of few tokens, head), :data:`EMBED` / :data:`LAYER` / :data:`HEAD` (the same layer by
-layer, so a caller can wait for a layer's pages before running it), and their batched forms
+stacked layer weights, or unrolled over per-layer ones for a step of few tokens, head),
+:data:`EMBED` / :data:`LAYER` / :data:`HEAD` (the same layer by layer, so a caller can wait for a
+layer's pages before running it), and their batched forms
 :data:`BATCH_STEP` / :data:`BATCH_EMBED` / :data:`BATCH_LAYER` / :data:`BATCH_HEAD`: a packed step
 over the flat tokens of several requests' chunks (prefill and decode in one call), the dense
 parts over the flat tokens, attention per row group (prefill query blocks, decode rows), each
@@ -163,8 +164,9 @@ def _scan_layers(layer_fn, cfg, pool, params, x, *args):
     layer's weights out of the stack: on XLA:CPU a copy of every weight each step, about the
     cost of a memcpy of the model, which is most of a small step's time. Given
     ``params["per_layer"]`` instead (a tuple of each layer's weights), the layers are unrolled
-    with no slice: 0.6-0.8x the time of a decode step of 1-4 rows on CPU, but ~1.1x that of a
-    prefill of 64-256 tokens (``python -m benchmarks.bench_step``), hence :data:`UNROLL_TOKENS`."""
+    with no slice: 0.7-0.8x the time of a decode step of 1-8 rows on CPU, but 1.0-1.16x that of
+    a prefill of 64-256 tokens (``python -m benchmarks.bench_step``), hence
+    :data:`UNROLL_TOKENS`."""
     if "per_layer" in params:
         for layer, lp in enumerate(params["per_layer"]):
             pool, x = layer_fn(cfg, pool, layer, lp, x, *args)
