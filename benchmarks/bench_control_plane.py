@@ -2,7 +2,7 @@
 before the issue.
 
 Replays a Mooncake-format trace through the public API one request at a time, with the request
-flow of :func:`hicache_jax.replay.replay` (``match_prefix``, ``load_back``, ``lock``,
+flow of :func:`hicache_jax.replay.driver.replay` (``match_prefix``, ``load_back``, ``lock``,
 ``alloc_pages``, ``insert``, ``flush``, ``unlock``, ``flush``; both flushes count as
 ``flush``), a tiny KVSpec (8 bytes a token, so that
 bytes cost nothing and what is timed is the Python), and prints requests/s and microseconds per
@@ -54,7 +54,7 @@ TARGETS = {"L1": 5.0, "L1+L2": 4.0}
 
 # ------------------------------------------------------------------------------ worker side
 # Runs in a subprocess with PYTHONPATH at the tree under test: numpy and hicache_jax's public
-# API only (the base commit has no hicache_jax.replay).
+# API only (the base commit has no hicache_jax.replay.driver).
 
 def _tokens(hash_ids: np.ndarray, n: int, bs: int) -> np.ndarray:
     return (hash_ids[:, None] * bs + np.arange(bs, dtype=np.int64)).reshape(-1)[:n]
@@ -77,7 +77,7 @@ def worker(args: argparse.Namespace) -> None:
     if args.split_eviction:  # profiling mode: one wrapper call per eviction, not in the medians
         # the eviction rounds: HiCache's own before issue 16, its Evictor's since
         owner, name = (HiCache, "_evict_device") if hasattr(HiCache, "_evict_device") else (
-            importlib.import_module("hicache_jax.evictor").Evictor, "evict_device")
+            importlib.import_module("hicache_jax.cache.evictor").Evictor, "evict_device")
         inner = getattr(owner, name)
 
         def timed(self, num_tokens):
@@ -175,7 +175,7 @@ def _has_kv_events() -> bool:
 
 
 def _write_npz(trace_path: str, limit: int | None, path: str) -> tuple[int, int, int]:
-    from hicache_jax.replay import load_trace
+    from hicache_jax.replay.driver import load_trace
 
     trace = load_trace(trace_path, limit=limit)
     if trace.format != "mooncake":

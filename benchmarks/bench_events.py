@@ -1,7 +1,7 @@
 """What KV events cost: requests/s of a trace replay with events off, queued, and over ZMQ.
 
 Replays a Mooncake-format trace (default: tests/data/mooncake_synthetic_300.jsonl) through
-:func:`hicache_jax.replay.replay` (the public API, one request at a time) with
+:func:`hicache_jax.replay.driver.replay` (the public API, one request at a time) with
 ``kv_events=None`` (off), ``{"publisher": "queue"}`` (in-process, nobody taking: the bounded
 buffer drops and counts) and ``{"publisher": "zmq"}`` with a live subscriber (a SUB socket
 drained by another thread of the worker; it counts, and does not decode, so that its own
@@ -78,7 +78,7 @@ class Drain:
 def _time_publisher_thread() -> list:
     """CPU seconds of each publisher thread (the current tree's; none in the base's)."""
     try:
-        from hicache_jax.events_zmq import _Publisher
+        from hicache_jax.events.zmq import _Publisher
     except ImportError:
         return []
     spent, run = [], _Publisher._run
@@ -95,7 +95,7 @@ def _time_publisher_thread() -> list:
 def run_mode(mode: str, trace, spec, device_pages: int) -> dict:
     """One replay with events ``mode`` (in this process)."""
     from hicache_jax import HiCacheConfig
-    from hicache_jax.replay import replay
+    from hicache_jax.replay.driver import replay
 
     kv_events, drain = None, None
     if mode == "queue":
@@ -129,7 +129,7 @@ def run_mode(mode: str, trace, spec, device_pages: int) -> dict:
 def worker(args) -> None:
     """``--worker MODE``: warm up, then one timed replay; prints ``RESULT {json}``."""
     import hicache_jax
-    from hicache_jax.replay import default_device_pages, load_trace, parse_spec
+    from hicache_jax.replay.driver import default_device_pages, load_trace, parse_spec
 
     trace = load_trace(args.trace, block_size=args.block_size, limit=args.limit)
     spec = parse_spec(None, args.block_size)

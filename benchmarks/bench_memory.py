@@ -1,7 +1,7 @@
 """Peak memory of a long replay: flat, with events off and with events on and nobody reading.
 
 Replays a Mooncake-format trace (issue 15: 12,000 requests of ~12K tokens, e.g. Mooncake's
-``conversation_trace.jsonl``) through the public API (:func:`hicache_jax.replay.replay`) in a
+``conversation_trace.jsonl``) through the public API (:func:`hicache_jax.replay.driver.replay`) in a
 fresh subprocess per configuration, and reports the process's peak RSS beside its RSS after
 imports (jax alone) and the bytes of the two pools. Target: peak - after-imports <= pools +
 200 MB, with ``kv_events`` off and with ``{"publisher": "queue"}`` that nobody takes (its
@@ -23,7 +23,7 @@ from benchmarks.common import print_table, write_json
 _CHILD = r"""
 import json, resource, sys
 from hicache_jax import HiCacheConfig
-from hicache_jax.replay import load_trace, parse_spec, replay
+from hicache_jax.replay.driver import load_trace, parse_spec, replay
 trace_path, limit, events = sys.argv[1], int(sys.argv[2]), sys.argv[3]
 kv_events = None if events == "off" else {"publisher": "queue"}
 if events.startswith("queue:"):  # queue:BYTES, a buffer_bytes other than the default

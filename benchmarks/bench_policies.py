@@ -3,7 +3,7 @@
 Replays a Mooncake-format trace (e.g. ``FAST25-release/traces/synthetic_trace.jsonl`` of
 kvcache-ai/Mooncake) through the real HiCache for each write policy, with L1 = ``--l1-tokens``
 and L2 = ``--host-ratio`` x L1, and judges each against exact block-LRU caches computed in the
-same run (:mod:`hicache_jax.replay`):
+same run (:mod:`hicache_jax.replay.driver`):
 
 * ``clean_ahead`` (the default): hit >= 0.97 of the LRU of L1 + L2 capacity, and at most 10% of
   evicted pages backed up on the eviction path (``stats()["eviction_backup_pages"]``);
@@ -24,7 +24,7 @@ import statistics
 
 from benchmarks.common import print_table, write_json
 from hicache_jax import HiCacheConfig
-from hicache_jax.replay import load_trace, parse_spec, reference_hits, replay
+from hicache_jax.replay.driver import load_trace, parse_spec, reference_hits, replay
 
 POLICIES = ("write_through", "write_through_selective", "write_back", "clean_ahead")
 HIT_FIGURES = ("hit_tokens", "device_hit_tokens", "host_hit_tokens", "backups", "load_backs",

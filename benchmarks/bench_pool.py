@@ -24,7 +24,7 @@ import numpy as np
 
 from benchmarks.common import (env_info, gbps, median_time, memcpy_fn, memcpy_seconds,
                                print_table, write_json)
-from hicache_jax.device_pool import DevicePagePool
+from hicache_jax.memory.device_pool import DevicePagePool
 from hicache_jax.spec import KVSpec
 
 MiB = 1 << 20

@@ -23,7 +23,7 @@ import numpy as np
 
 from benchmarks.common import (add_model_flags, memcpy_fn, median_time, model_config,
                                print_table, write_json)
-from hicache_jax.device_pool import DevicePagePool
+from hicache_jax.memory.device_pool import DevicePagePool
 from hicache_jax.engine.layers import UNROLL_TOKENS
 from hicache_jax.engine.model import DecoderModel, ModelConfig, bucket
 

@@ -30,9 +30,9 @@ import time
 import numpy as np
 
 from benchmarks.common import env_info, median_time, print_table, write_json
-from hicache_jax.allocator import PageAllocator
-from hicache_jax.eviction import EvictionPolicy, VictimHeap
-from hicache_jax.radix import RadixTree
+from hicache_jax.memory.allocator import PageAllocator
+from hicache_jax.tree.eviction import EvictionPolicy, VictimHeap
+from hicache_jax.tree.radix import RadixTree
 
 TARGET_MS = 0.5  # match of a fully cached 32K-token prompt, page_size 16
 VOCAB = 32000

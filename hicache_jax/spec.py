@@ -10,15 +10,16 @@ from __future__ import annotations
 import dataclasses
 import enum
 import hashlib
+import json
 import math
+import re
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-import jax.numpy as jnp
+import ml_dtypes  # jax's own dtypes package: the KV dtypes without importing jax
 
-from hicache_jax.events import KVEventsConfig, parse_kv_events
-from hicache_jax.eviction import EvictionPolicy
-from hicache_jax.validation import check_bool, check_int, is_real, parse_enum
+from hicache_jax.validation import check_bool, check_int, is_int, is_real, parse_enum
 
 #: KV dtypes the pools accept -> the unsigned integer of the same width the pools store.
 _BITS_DTYPE = {
@@ -29,6 +30,27 @@ _BITS_DTYPE = {
     "int8": np.uint8,
 }
 SUPPORTED_DTYPES = tuple(_BITS_DTYPE)
+
+
+class EvictionPolicy(str, enum.Enum):
+    """Which node to evict first. A ``str`` enum: ``EvictionPolicy.LRU == "lru"``."""
+
+    LRU = "lru"        # least recently used
+    LFU = "lfu"        # least frequently used, ties by recency
+    FIFO = "fifo"      # oldest node first
+    MRU = "mru"        # most recently used first
+    FILO = "filo"      # newest node first
+    PRIORITY = "priority"  # lowest request priority first, ties by recency
+    SLRU = "slru"      # segmented LRU: probationary (hit_count < 2) before protected
+
+    @classmethod
+    def parse(cls, value: "str | EvictionPolicy") -> "EvictionPolicy":
+        """Turn a user string into the enum, with an error that lists the choices."""
+        try:
+            return cls(value)
+        except ValueError:
+            choices = ", ".join(p.value for p in cls)
+            raise ValueError(f"eviction={value!r} is not one of: {choices}") from None
 
 
 class WritePolicy(str, enum.Enum):
@@ -111,7 +133,7 @@ class KVSpec:
     @property
     def jnp_dtype(self) -> np.dtype:
         """The compute dtype (``jnp.bfloat16`` etc.)."""
-        return jnp.dtype(self.dtype)
+        return np.dtype(getattr(ml_dtypes, self.dtype, self.dtype))
 
     @property
     def bits_dtype(self) -> np.dtype:
@@ -259,3 +281,94 @@ class HiCacheConfig:
             if axis not in names:
                 raise ValueError(f"shard_axis={axis!r} is not an axis of the mesh {names}")
             set_("shard_axis", axis)
+
+
+# -- kv_events configuration ---------------------------------------------------------------------------
+
+_ENDPOINT = re.compile(r"^(tcp://(\*|[A-Za-z0-9.\-]+|\[[0-9A-Fa-f:.]+\]):(\d{1,5})|ipc://.+|inproc://.+)$")
+
+
+@dataclass(frozen=True)
+class KVEventsConfig:
+    """``HiCacheConfig(kv_events=...)``, parsed and checked (like SGLang's ``--kv-events-config``).
+
+    Attributes:
+        publisher: "queue" (in-process ``take_events()``) | "zmq" (vLLM's wire format).
+        endpoint: zmq: the PUB socket's address, bound by the cache ("tcp://*:5557",
+            "tcp://127.0.0.1:5557", "ipc:///tmp/kv").
+        topic: zmq: the first frame of every message.
+        replay_endpoint: zmq: a ROUTER address for replay requests, or None.
+        buffer_steps: batches kept (queue: waiting to be taken; zmq: waiting for the
+            publisher thread, and again sent, for replay).
+        buffer_bytes: bytes those batches may hold (queue: their page hashes and tokens, see
+            :func:`record_bytes`; zmq: the same while waiting, the encoded payloads for replay).
+            Default 16 MiB: ~2M tokens of int64 keys, ~170 batches of 12K-token requests (with
+            their host copies), a few hundred ms of a busy cache's events: enough for a
+            consumer that takes them every scheduler step, and small beside the 200 MB over
+            the pools that a long replay may use in all (``benchmarks/bench_memory.py``).
+        data_parallel_rank: zmq: the ``data_parallel_rank`` of every batch.
+    """
+
+    publisher: str = "queue"
+    endpoint: str = "tcp://*:5557"
+    topic: str = "kv-events"
+    replay_endpoint: str | None = None
+    buffer_steps: int = 10_000
+    buffer_bytes: int = 16 << 20
+    data_parallel_rank: int = 0
+
+
+_PUBLISHERS = ("queue", "zmq")
+
+
+def _check_endpoint(field: str, value: Any) -> None:
+    m = _ENDPOINT.match(value) if isinstance(value, str) else None
+    if m is None or (m.group(3) is not None and not 0 < int(m.group(3)) < 65536):
+        raise ValueError(f"kv_events {field}={value!r} is not a ZMQ endpoint: use "
+                         "'tcp://HOST:PORT' (HOST '*' for every interface, PORT 1-65535), "
+                         "'ipc://PATH' or 'inproc://NAME'")
+
+
+def parse_kv_events(value: Any) -> KVEventsConfig | None:
+    """``HiCacheConfig.kv_events`` (None, a dict, its JSON string or a KVEventsConfig) checked.
+
+    Raises:
+        ValueError / TypeError: naming the field (unknown publisher or key, malformed endpoint,
+            buffer_steps or buffer_bytes not an int >= 1, ...).
+    """
+    if value is None or isinstance(value, KVEventsConfig) and _checked(value):
+        return value
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"kv_events={value!r} is not valid JSON ({e})") from None
+    if not isinstance(value, dict):
+        raise TypeError(f"kv_events={value!r} must be None, a dict or its JSON string, e.g. "
+                        '{"publisher": "zmq", "endpoint": "tcp://*:5557"}')
+    names = {f.name for f in dataclasses.fields(KVEventsConfig)}
+    unknown = sorted(set(value) - names)
+    if unknown:
+        raise ValueError(f"kv_events has unknown field(s) {unknown}; known: {sorted(names)}")
+    cfg = KVEventsConfig(**value)
+    _checked(cfg)
+    return cfg
+
+
+def _checked(cfg: KVEventsConfig) -> bool:
+    if cfg.publisher not in _PUBLISHERS:
+        raise ValueError(f"kv_events publisher={cfg.publisher!r} is not one of: "
+                         f"{', '.join(map(repr, _PUBLISHERS))}")
+    for field, low in (("buffer_steps", 1), ("buffer_bytes", 1), ("data_parallel_rank", 0)):
+        v = getattr(cfg, field)
+        if not is_int(v) or v < low:
+            raise ValueError(f"kv_events {field}={v!r} must be an int >= {low}")
+    if not isinstance(cfg.topic, str):
+        raise TypeError(f"kv_events topic={cfg.topic!r} must be a str")
+    _check_endpoint("endpoint", cfg.endpoint)
+    if cfg.replay_endpoint is not None:
+        _check_endpoint("replay_endpoint", cfg.replay_endpoint)
+        if cfg.replay_endpoint == cfg.endpoint:
+            raise ValueError(f"kv_events replay_endpoint={cfg.replay_endpoint!r} must differ "
+                             "from endpoint")
+    return True

@@ -17,8 +17,8 @@ import numpy as np
 from jax.sharding import Mesh
 
 from hicache_jax import HiCache, HiCacheConfig, KVSpec
-from hicache_jax.device_pool import DevicePagePool
-from hicache_jax.host_pool import HostPagePool
+from hicache_jax.memory.device_pool import DevicePagePool
+from hicache_jax.memory.host_pool import HostPagePool
 
 #: KV dtype -> the unsigned dtype of its bits (what the pools store).
 BITS = {"bfloat16": np.uint16, "float16": np.uint16, "float32": np.uint32,

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from hicache_jax.allocator import PageAllocator
+from hicache_jax.memory.allocator import PageAllocator
 from hicache_jax.validation import as_page_ids
 from hicache_jax.errors import HiCacheError, OutOfPagesError
 

@@ -7,13 +7,13 @@ import numpy as np
 import pytest
 
 from hicache_jax import HiCacheConfig, HiCacheError, KVSpec
-from hicache_jax.hicache import HiCache
+from hicache_jax.cache.hicache import HiCache
 from hicache_jax.engine.batch_state import PageLedger
 from hicache_jax.engine.batched import BatchedEngine, EngineStalledError
 from hicache_jax.engine.engine import Engine
 from hicache_jax.engine.model import DecoderModel, ModelConfig, trace_count
 from hicache_jax.engine.workloads import ClosedLoop, multiturn_chat
-from hicache_jax.transfer import TransferHandle
+from hicache_jax.memory.transfer import TransferHandle
 from test_hicache_state_machine import GatedEngine, gate
 
 CFG = ModelConfig(vocab_size=97, num_layers=2, d_model=32, num_heads=4, num_kv_heads=2,

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
-from hicache_jax import device_pool as dp
-from hicache_jax.device_pool import DevicePagePool, bucket_size
+from hicache_jax.memory import device_pool as dp
+from hicache_jax.memory.device_pool import DevicePagePool, bucket_size
 from hicache_jax.spec import CopyBackend, KVSpec
 
 from helpers import POISON, random_bits
@@ -137,7 +137,7 @@ def test_write_and_read_donate_and_keep_the_buffer(sharded, recwarn):
 
 
 def test_pools_of_one_shape_share_a_compile_not_a_buffer():
-    from hicache_jax.placement import _zeros_fn
+    from hicache_jax.memory.placement import _zeros_fn
     spec = KVSpec(num_layers=2, num_kv_heads=2, head_dim=8, page_size=4)
     a = DevicePagePool(spec, 12)
     misses = _zeros_fn.cache_info().misses

@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 
-from hicache_jax import device_pool as dp
-from hicache_jax.device_pool import DevicePagePool
+from hicache_jax.memory import device_pool as dp
+from hicache_jax.memory.device_pool import DevicePagePool
 from hicache_jax.spec import CopyBackend, KVSpec
 
 from helpers import POISON

@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 
-from hicache_jax.device_pool import DevicePagePool
-from hicache_jax.donated import DonatedArray, check_kv
-from hicache_jax.host_pool import HostPagePool
+from hicache_jax.memory.device_pool import DevicePagePool
+from hicache_jax.memory.donated import DonatedArray, check_kv
+from hicache_jax.memory.host_pool import HostPagePool
 from hicache_jax.spec import KVSpec
 
 SPEC = KVSpec(num_layers=1, num_kv_heads=4, head_dim=4, page_size=2)

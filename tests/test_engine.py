@@ -8,7 +8,7 @@ import pytest
 from jax.sharding import Mesh
 
 from hicache_jax import HiCacheConfig, OutOfPagesError
-from hicache_jax.hicache import HiCache
+from hicache_jax.cache.hicache import HiCache
 from hicache_jax.engine.engine import CacheMode, Engine
 from hicache_jax.engine.model import DecoderModel, ModelConfig
 

@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from hicache_jax.device_pool import DevicePagePool
+from hicache_jax.memory.device_pool import DevicePagePool
 from hicache_jax.engine import model as model_mod, packing
 from hicache_jax.engine.model import (DecoderModel, ModelConfig, TokenSlots, bucket,
                                       compiled_step_count, fine_bucket, trace_count,

@@ -9,9 +9,10 @@ import pytest
 
 from hicache_jax import (AllBlocksCleared, BlockRemoved, BlockStored, HiCache, HiCacheConfig,
                          HiCacheError, KVSpec, Medium)
-from hicache_jax.events import (RECORD_OVERHEAD, KVEventsConfig, NullRecorder, QueueRecorder,
-                                held_bytes, record_bytes, replay)
-from hicache_jax.radix import chain_hashes, namespace_hash
+from hicache_jax.events.recorder import NullRecorder, QueueRecorder
+from hicache_jax.events.records import RECORD_OVERHEAD, held_bytes, record_bytes, replay
+from hicache_jax.spec import KVEventsConfig
+from hicache_jax.tree.radix import chain_hashes, namespace_hash
 
 from helpers import bookkeeping_spec, make_cache
 

@@ -269,7 +269,7 @@ def test_port_in_use_is_a_clear_error_naming_the_field_and_binds_nothing(tcp, tm
 
 
 def test_a_port_in_use_also_releases_the_l3_backend_opened_before(tcp, tmp_path, monkeypatch):
-    from hicache_jax import l3
+    from hicache_jax.l3 import tier as l3
     closed, real_close = [], l3.L3Tier.close
     monkeypatch.setattr(l3.L3Tier, "close", lambda self: closed.append(1) or real_close(self))
     a = make(zmq_events(tcp))
@@ -308,7 +308,7 @@ def test_take_events_with_zmq_says_where_events_go(tcp):
 
 @pytest.mark.parametrize("n", [0, 1, 15, 16, 65535, 65536])
 def test_int_arrays_packed_by_numpy_decode_as_the_ints(n):
-    from hicache_jax import events_zmq
+    from hicache_jax.events import zmq as events_zmq
 
     events_zmq._import_deps()
     rng = np.random.default_rng(n)

@@ -1,13 +1,13 @@
-"""Tests of hicache_jax/eviction.py: priority keys, VictimHeap, and eviction order over a RadixTree."""
+"""Tests of hicache_jax/tree/eviction.py: priority keys, VictimHeap, and eviction order over a RadixTree."""
 
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
-from hicache_jax.eviction import (SLRU_PROTECTED_HITS, EvictionPolicy, VictimHeap,
+from hicache_jax.tree.eviction import (SLRU_PROTECTED_HITS, EvictionPolicy, VictimHeap,
                                   eviction_order, hottest_first, priority_key)
-from hicache_jax.radix import RadixTree
+from hicache_jax.tree.radix import RadixTree
 
 PAGE_SIZES = [1, 16, 64]
 

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from hicache_jax import HiCache, HiCacheConfig, HiCacheError, KVSpec, Match, OutOfPagesError
-from hicache_jax.events import replay
+from hicache_jax.events.records import replay
 from test_hicache_state_machine import (GatedEngine, KVModel, bits, check_bytes,
                                         check_invariants, gate, snapshot, tree_pages)
 
@@ -991,7 +991,7 @@ def test_write_back_eviction_frees_device_pages_without_waiting_for_the_copy():
 def test_a_device_only_cache_runs_no_backup_pass(policy, monkeypatch):
     """host_pages=0 (a device-only radix cache): no policy has anywhere to back up to, so none
     sorts the eviction end at an unlock (clean_ahead did, at every unlock near a full L1)."""
-    import hicache_jax.write_policy as wp
+    import hicache_jax.cache.write_policy as wp
 
     def refuse(*a, **k):
         raise AssertionError("a backup pass ran in a cache without a host pool")

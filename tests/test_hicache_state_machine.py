@@ -29,13 +29,13 @@ from hypothesis import strategies as st
 from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, precondition, rule,
                                  run_state_machine_as_test)
 
-from hicache_jax.hashing import canonical_key as _canonical  # one namespace, one key (5 == np.int64(5))
+from hicache_jax.tree.hashing import canonical_key as _canonical  # one namespace, one key (5 == np.int64(5))
 from hicache_jax import HiCacheConfig, HiCacheError, KVSpec, OutOfPagesError
-from hicache_jax.events import Medium, replay
-from hicache_jax.hicache import HiCache, NodeRef
-from hicache_jax.ownership import PageOwner
-from hicache_jax.transfer import TransferEngine
-from hicache_jax.radix import RadixTree
+from hicache_jax.events.records import Medium, replay
+from hicache_jax.cache.hicache import HiCache, NodeRef
+from hicache_jax.cache.ownership import PageOwner
+from hicache_jax.memory.transfer import TransferEngine
+from hicache_jax.tree.radix import RadixTree
 
 LONG = os.environ.get("HICACHE_HYPOTHESIS_PROFILE") == "long"
 

@@ -1,4 +1,4 @@
-"""HiCache with an L3 storage tier (hicache_jax/l3.py): write-through to L3 after backups land,
+"""HiCache with an L3 storage tier (hicache_jax/l3/tier.py): write-through to L3 after backups land,
 prefetch into host pages per policy, faults (unreachable store, dead holder, corrupted entry, full
 host pool), cross-instance reuse in two processes (file and Mooncake), and the reference engine's
 outputs unchanged when the prefix comes from L3."""
@@ -16,9 +16,9 @@ from storage_servers import free_port, mooncake_skip_reason, running_mooncake
 from test_hicache_state_machine import check_invariants
 
 from hicache_jax import HiCacheConfig, KVSpec
-from hicache_jax.hicache import HiCache
-from hicache_jax.radix import chain_hashes, namespace_hash
-from hicache_jax.storage import StorageUnavailableError, page_keys
+from hicache_jax.cache.hicache import HiCache
+from hicache_jax.tree.radix import chain_hashes, namespace_hash
+from hicache_jax.l3.storage import StorageUnavailableError, page_keys
 
 SPEC = KVSpec(num_layers=2, num_kv_heads=2, head_dim=8, dtype="float32", page_size=4)
 PS = SPEC.page_size
@@ -457,15 +457,15 @@ def test_write_back_fetch_starts_where_l1_l2_end(url):
 def test_prefixes_whose_tree_hashes_collide_keep_their_own_l3_entries(url, monkeypatch):
     """L3 keys are 128-bit digests of the tokens, not the tree's 64-bit page hashes: two
     prefixes whose tree hashes collide (forced here) never serve each other's KV."""
-    import hicache_jax.l3
-    import hicache_jax.radix
-    import hicache_jax.tree_node
+    import hicache_jax.l3.tier
+    import hicache_jax.tree.radix
+    import hicache_jax.tree.node
 
     def by_position(prev, pages):  # a tree hash that ignores the tokens
         return np.array([(prev + i + 1) % 2**64 for i in range(len(pages))], np.uint64)
-    monkeypatch.setattr(hicache_jax.radix, "chain_hashes", by_position)
-    monkeypatch.setattr(hicache_jax.tree_node, "chain_hashes", by_position)  # computed there
-    monkeypatch.setattr(hicache_jax.l3, "chain_hashes", by_position, raising=False)
+    monkeypatch.setattr(hicache_jax.tree.radix, "chain_hashes", by_position)
+    monkeypatch.setattr(hicache_jax.tree.node, "chain_hashes", by_position)  # computed there
+    monkeypatch.setattr(hicache_jax.l3.tier, "chain_hashes", by_position, raising=False)
     p, pkv = tokens_kv(20, 4)
     q, qkv = tokens_kv(21, 4)
     a = make(url)

@@ -7,8 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from hicache_jax.host_pool import HostPagePool
-from hicache_jax.page_copy import STAGE_SIZES, copy_pages, gather_pages, stage_chunks
+from hicache_jax.memory.host_pool import HostPagePool
+from hicache_jax.memory.page_copy import STAGE_SIZES, copy_pages, gather_pages, stage_chunks
 from hicache_jax.spec import SUPPORTED_DTYPES, HostLayout, KVSpec
 
 from helpers import heads_mesh as _mesh
@@ -237,7 +237,7 @@ def test_mla_pools_on_a_mesh_are_replicated_and_round_trip():
 
 @pytest.mark.parametrize("layout", ["layer_first", "page_first"])
 def test_write_rows_from_a_strided_page_major_buffer(layout):
-    from hicache_jax.storage import entry_pages, entry_rows
+    from hicache_jax.l3.storage import entry_pages, entry_rows
     spec = KVSpec(2, 2, 4, "bfloat16", page_size=2)
     pool = HostPagePool(spec, 90, layout)
     rng = np.random.default_rng(9)

@@ -11,9 +11,9 @@ import pytest
 from jax.sharding import Mesh
 
 from hicache_jax import HiCacheConfig
-from hicache_jax.device_pool import DevicePagePool
-from hicache_jax.host_pool import HostPagePool
-from hicache_jax.hugepages import advise_huge_pages, huge_page_size
+from hicache_jax.memory.device_pool import DevicePagePool
+from hicache_jax.memory.host_pool import HostPagePool
+from hicache_jax.memory.hugepages import advise_huge_pages, huge_page_size
 from hicache_jax.spec import KVSpec
 
 # 4 layers x 2 x 16 tokens x 8 heads x 64 dims x 2 bytes = 128 KiB per page.

@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 
 from hicache_jax import HiCacheConfig, KVSpec
-from hicache_jax.allocator import PageAllocator
-from hicache_jax.l3 import CachePort, L3Tier, NullL3Tier, open_l3
-from hicache_jax.radix import RadixTree
-from hicache_jax.storage import entry_pages, entry_rows
+from hicache_jax.memory.allocator import PageAllocator
+from hicache_jax.l3.tier import CachePort, L3Tier, NullL3Tier, open_l3
+from hicache_jax.tree.radix import RadixTree
+from hicache_jax.l3.storage import entry_pages, entry_rows
 
 SPEC = KVSpec(num_layers=2, num_kv_heads=1, head_dim=4, dtype="float32", page_size=4)
 PS = SPEC.page_size

@@ -6,7 +6,7 @@ import jax
 import numpy as np
 import pytest
 
-from hicache_jax.page_copy import (MIN_INDEX_LEN, PLAN_DST, PLAN_META, PLAN_SRC, UNROLL,
+from hicache_jax.memory.page_copy import (MIN_INDEX_LEN, PLAN_DST, PLAN_META, PLAN_SRC, UNROLL,
                                    bucket_size, copy_fn, copy_plan, gather_pages, index_len,
                                    layer_plans)
 from hicache_jax.spec import HostLayout, KVSpec

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from jax.sharding import AxisType, NamedSharding, PartitionSpec, SingleDeviceSharding
 
-from hicache_jax.placement import (constrain, has_explicit_axis, head_sharding, placed,
+from hicache_jax.memory.placement import (constrain, has_explicit_axis, head_sharding, placed,
                                    resolve_memory_kind, zeros_in_memory, zeros_placed)
 from hicache_jax.spec import KVSpec
 

@@ -1,4 +1,4 @@
-"""Tests of hicache_jax/radix.py: unit tests, bad input, and a state machine against a model."""
+"""Tests of hicache_jax/tree/radix.py: unit tests, bad input, and a state machine against a model."""
 
 import ast
 import hashlib
@@ -12,9 +12,10 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from hicache_jax.errors import HiCacheError
-from hicache_jax import radix, tree_index, tree_node, validation
-from hicache_jax.eviction import EvictionPolicy, VictimHeap
-from hicache_jax.radix import RadixTree, chain_hashes, namespace_hash
+from hicache_jax import validation
+from hicache_jax.tree import node as tree_node, radix, tiers as tree_index
+from hicache_jax.tree.eviction import EvictionPolicy, VictimHeap
+from hicache_jax.tree.radix import RadixTree, chain_hashes, namespace_hash
 
 PAGE_SIZES = [1, 16, 64]
 

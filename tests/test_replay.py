@@ -14,7 +14,7 @@ import sys
 import numpy as np
 import pytest
 
-from hicache_jax import replay as R
+from hicache_jax.replay import driver as R
 from hicache_jax.engine import cli
 from hicache_jax.spec import HiCacheConfig
 

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from jax.sharding import AxisType
 
-from hicache_jax.eviction import EvictionPolicy
+from hicache_jax.tree.eviction import EvictionPolicy
 from hicache_jax.spec import (SUPPORTED_DTYPES, CopyBackend, HiCacheConfig, HostLayout,
                               KVSpec, PrefetchPolicy, WritePolicy)
 

@@ -13,10 +13,10 @@ import pytest
 
 from hicache_jax.errors import HiCacheError
 from hicache_jax.spec import KVSpec
-from hicache_jax.storage import (
+from hicache_jax.l3.storage import (
     ENTRY_ROWS, HEADER_BYTES, HostPages, StorageBackend, StorageError, StorageUnavailableError,
     entry_pages, entry_rows, open_storage, page_keys)
-from hicache_jax.storage.file import FileStorage
+from hicache_jax.l3.storage.file import FileStorage
 
 SPEC = KVSpec(num_layers=2, num_kv_heads=2, head_dim=8, dtype="bfloat16", page_size=4)
 NUM_PAGES = 16
@@ -83,7 +83,7 @@ def test_page_keys_are_namespaced_by_spec_and_extra_key():
                   page_keys(SPEC, tokens + 1)):
         assert not set(other) & set(base)
     assert page_keys(SPEC, tokens, "x") == page_keys(SPEC, tokens, "x")
-    from hicache_jax.storage.format import check_keys
+    from hicache_jax.l3.storage.format import check_keys
 
     assert check_keys(base) == tuple(base)
     with pytest.raises(TypeError, match="extra_key"):
@@ -637,7 +637,7 @@ def test_capacity_enforcement_sweeps_stale_temp_files_and_counts_the_rest(root):
 
 
 def test_a_long_lived_instance_sweeps_stale_temp_files(root, monkeypatch):
-    from hicache_jax.storage import file as file_mod
+    from hicache_jax.l3.storage import file as file_mod
 
     store, _ = open_file(root)                # no capacity bound: no enforcement scans
     tmp = Path(root, ".tmp")
@@ -670,7 +670,7 @@ def test_checksums_interoperate_and_detect_damage(root, writer_sum, reader_sum):
 
 def test_entry_with_an_uncomputable_checksum_is_a_miss_left_in_place(root, monkeypatch):
     pytest.importorskip("xxhash", reason="xxh3 checksums need the xxhash package")
-    from hicache_jax.storage import format as fmt
+    from hicache_jax.l3.storage import format as fmt
 
     writer, _ = open_file(root, checksum="xxh3")
     keys = keys_for(1)
@@ -691,7 +691,7 @@ def test_unknown_checksum_is_rejected(root):
 
 
 def test_auto_checksum_prefers_xxh3_and_falls_back_to_crc32(root, monkeypatch):
-    from hicache_jax.storage import format as fmt
+    from hicache_jax.l3.storage import format as fmt
 
     monkeypatch.setattr(fmt, "xxhash_available", lambda: False)
     assert open_file(root)[0].codec.checksum == "crc32"

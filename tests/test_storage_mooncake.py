@@ -18,7 +18,7 @@ from storage_servers import MooncakeServers, mooncake_fixture, mooncake_skip_rea
 from test_storage_file import NUM_PAGES, SPEC, host_buffer, keys_for, page_bytes, pages
 
 from hicache_jax.spec import KVSpec
-from hicache_jax.storage import ENTRY_ROWS, HEADER_BYTES, StorageUnavailableError, open_storage
+from hicache_jax.l3.storage import ENTRY_ROWS, HEADER_BYTES, StorageUnavailableError, open_storage
 
 pytestmark = pytest.mark.skipif(mooncake_skip_reason() is not None,
                                 reason=str(mooncake_skip_reason()))
@@ -102,7 +102,7 @@ def test_misses_and_write_once(servers):
 
 
 def test_default_batch_is_one_store_call_of_16_mib_of_pages(servers):
-    from hicache_jax.storage.mooncake import STAGING_BYTES
+    from hicache_jax.l3.storage.mooncake import STAGING_BYTES
 
     store, _ = open_mc(servers)
     assert store.batch_pages == STAGING_BYTES // SPEC.page_bytes >= 1

@@ -81,8 +81,8 @@ def test_module_imports_form_no_cycle():
 
 
 def test_the_public_objects_are_exported():
-    from hicache_jax.l3_prefetch import PrefetchHandle
-    from hicache_jax.storage import StorageError, StorageUnavailableError
+    from hicache_jax.l3.prefetch import PrefetchHandle
+    from hicache_jax.l3.storage import StorageError, StorageUnavailableError
 
     assert hicache_jax.PrefetchHandle is PrefetchHandle
     assert issubclass(hicache_jax.StorageUnavailableError, hicache_jax.StorageError)

@@ -69,7 +69,7 @@ from typing import Any, Callable, Hashable, Iterable, Sequence
 import numpy as np
 
 from hicache_jax.errors import OutOfPagesError
-from hicache_jax.hicache import HiCache, Match
+from hicache_jax.cache.hicache import HiCache, Match
 from hicache_jax.validation import check_bool, is_int, is_real
 from hicache_jax.engine.batch_state import (AdmissionPlan, BatchedRecord, BatchRequest,
                                             EngineStalledError, PageLedger, shares_uncached)

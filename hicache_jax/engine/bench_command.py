@@ -39,10 +39,10 @@ from hicache_jax.engine.model import DecoderModel, ModelConfig, bucket, load_par
 from hicache_jax.engine import serve_bench
 from hicache_jax.engine.batched import BatchedEngine
 from hicache_jax.engine.workloads import WORKLOADS, Workload
-from hicache_jax.hicache import HiCache
-from hicache_jax.replay import format_table
+from hicache_jax.cache.hicache import HiCache
+from hicache_jax.replay.driver import format_table
 from hicache_jax.spec import HiCacheConfig
-from hicache_jax.storage import StorageError
+from hicache_jax.l3.storage import StorageError
 
 CONFIGS = (("no cache", "none"), ("device radix", "device"), ("hicache", "hicache"))
 

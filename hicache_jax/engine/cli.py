@@ -1,6 +1,6 @@
 """``hicache-jax bench``: a workload through three cache configurations, one comparison table.
 
-(``hicache-jax replay TRACE`` replays a production trace instead: see :mod:`hicache_jax.replay`.)
+(``hicache-jax replay TRACE`` replays a production trace instead: see :mod:`hicache_jax.replay.driver`.)
 
 This module defines the command line (the flags of both commands, :func:`main`) and runs
 ``replay``; ``bench`` with its configurations, table and JSON is in
@@ -18,7 +18,7 @@ import numpy as np
 from hicache_jax.engine.bench_command import (CONFIGS, bench, build_workload, check_writable,
                                               write_json)
 from hicache_jax.engine.workloads import ARRIVALS, WORKLOADS
-from hicache_jax import replay as replay_mod
+from hicache_jax.replay import driver as replay_mod
 from hicache_jax.spec import HiCacheConfig
 
 __all__ = ["CONFIGS", "bench", "build_workload", "main", "replay_command"]
@@ -186,7 +186,7 @@ def _replay_setup(args: argparse.Namespace) -> tuple[Any, Any, list[int]]:
 
 
 def replay_command(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    """``hicache-jax replay TRACE``: see :mod:`hicache_jax.replay`."""
+    """``hicache-jax replay TRACE``: see :mod:`hicache_jax.replay.driver`."""
     try:
         if args.plot:
             replay_mod.require_matplotlib()

@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from hicache_jax.hicache import HiCache
+from hicache_jax.cache.hicache import HiCache
 from hicache_jax.spec import HiCacheConfig
 from hicache_jax.validation import check_bool, is_int
 from hicache_jax.engine.model import DecoderModel, bucket

@@ -52,7 +52,7 @@ __all__ = ["DecoderModel", "LayerWaiter", "ModelConfig", "Params", "PoolLike", "
 
 
 class PoolLike(Protocol):
-    """What the model needs of a device pool (hicache_jax.device_pool.DevicePagePool)."""
+    """What the model needs of a device pool (hicache_jax.memory.device_pool.DevicePagePool)."""
 
     num_pages: int
 

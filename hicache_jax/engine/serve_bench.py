@@ -36,7 +36,7 @@ from hicache_jax.engine.batched import BatchedEngine
 from hicache_jax.engine.engine import Engine, Generation
 from hicache_jax.engine.layers import trace_count
 from hicache_jax.engine.workloads import (ClosedLoop, PoissonArrivals, TraceArrivals, Workload)
-from hicache_jax.replay import format_table
+from hicache_jax.replay.driver import format_table
 
 LOGITS_TOL = 1e-5  # float32: first-token logits, batched vs serial (max abs difference)
 LOW_PRECISION_TOL = 2e-2  # bfloat16 / float16: summation order differs between the batchings

@@ -1,0 +1,499 @@
+"""HiCache: the public facade over the radix tree, the two page pools and the transfer engine.
+
+Semantics follow SGLang's HiCache (``hiradix_cache.py``); each piece of state has one owner:
+:class:`~hicache_jax.cache.ownership.DevicePageOwners` (every device page is free, the caller's or
+held by one node); :class:`~hicache_jax.cache.inflight.InFlight` (**write_backup** and **load_back**
+from claim to acknowledgement, in dispatch order); :mod:`~hicache_jax.cache.write_policy` (when to
+back up, the clean_ahead pass); :class:`~hicache_jax.cache.evictor.Evictor` (**evict**,
+**evict_host**, the one evict-and-retry path); :mod:`~hicache_jax.l3.tier` (the L3 tier, behind
+:class:`~hicache_jax.cache.l3_port.CacheL3Port`, which also records its host-page reservations).
+This class validates, polls, and calls those; :meth:`HiCache.check_invariants` checks every
+invariant of DESIGN.md (:mod:`hicache_jax.cache.introspection`).
+
+Matches go stale (DESIGN.md, :mod:`hicache_jax.cache.match`). :meth:`insert` gets only pages: it
+refuses free pages and tree pages at other positions, but a stale page re-allocated to a caller
+cannot be told from a fresh one, which is why the request flow locks the match first.
+
+Threading: one thread owns the cache and makes every call but :meth:`stats`
+(:mod:`hicache_jax.cache.thread_owner`), which any thread may make (reads only). Transfer completion
+is polled at the start of the public methods, never signalled by callbacks. After
+:meth:`close`, every call but ``stats()`` raises.
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+import threading
+import time
+from typing import Any, Callable, Hashable
+
+import numpy as np
+
+from hicache_jax.memory.device_pool import DevicePagePool
+from hicache_jax.errors import HiCacheError, OutOfPagesError
+from hicache_jax.events.factory import make_recorder
+from hicache_jax.events.recorder import NullRecorder, Recorder
+from hicache_jax.events.records import EventBatch, KVEvent, Medium
+from hicache_jax.cache.evictor import Evictor
+from hicache_jax.memory.host_pool import HostPagePool
+from hicache_jax.cache.inflight import InFlight
+from hicache_jax.cache.introspection import cache_stats, check_cache
+from hicache_jax.cache.l3_port import CacheL3Port
+from hicache_jax.l3.tier import L3Tier, NullL3Tier, PrefetchHandle, open_l3
+from hicache_jax.cache.load_many import check_matches, take_chains
+from hicache_jax.cache.match import (Match, NodeRef, check_node, current, is_stale, node_ref,
+                               revalidate)
+from hicache_jax.cache.ownership import ALLOCATED, CALLERS, DevicePageOwners
+from hicache_jax.tree.radix import RadixTree
+from hicache_jax.spec import HiCacheConfig, KVSpec
+from hicache_jax.cache.thread_owner import ThreadOwner
+from hicache_jax.memory.transfer import TransferEngine
+from hicache_jax.tree.node import TreeNode
+from hicache_jax.validation import check_bool, check_int, page_tokens
+from hicache_jax.cache.write_policy import WriteContext, make_write_policy
+
+__all__ = ["HiCache", "Match", "NodeRef"]
+
+
+def _publishes(method: Callable) -> Callable:
+    """A public call that may record KV events: its events form one batch, sealed (published)
+    when it returns. With events off that is one no-op call of the NullRecorder. It runs the
+    owning-thread check (:meth:`HiCache._guard`) for the method."""
+    @functools.wraps(method)
+    def call(self: "HiCache", *args: Any, **kwargs: Any) -> Any:
+        self._guard()  # first: another thread must not seal the owner's batch
+        try:
+            return method(self, *args, **kwargs)
+        finally:
+            self._events.end_call()
+    return call
+
+
+class HiCache:
+    """Hierarchical KV page cache: device pool (L1), host pool (L2), radix tree of prefixes.
+
+    Args:
+        spec: what one page holds.
+        cfg: sizes and policies.
+        clock: time source of the tree's access stamps and of L3 deadlines (tests inject a
+            manual clock).
+        transfer_engine: builds the transfer engine from ``(device_pool, host_pool)``
+            (default :class:`~hicache_jax.memory.transfer.TransferEngine`; tests inject one that holds
+            copies in flight).
+    """
+
+    def __init__(self, spec: KVSpec, cfg: HiCacheConfig, *,
+                 clock: Callable[[], float] = time.monotonic,
+                 transfer_engine: Callable[[DevicePagePool, HostPagePool],
+                                           TransferEngine] = TransferEngine) -> None:
+        if not isinstance(spec, KVSpec):
+            raise TypeError(f"spec must be a KVSpec, got {type(spec).__name__}")
+        if not isinstance(cfg, HiCacheConfig):
+            raise TypeError(f"cfg must be a HiCacheConfig, got {type(cfg).__name__}")
+        self.spec, self.cfg = spec, cfg
+        self._ps = spec.page_size
+        self._tree = RadixTree(spec.page_size, clock)
+        self._device = DevicePagePool(spec, cfg.device_pages, mesh=cfg.mesh, axis=cfg.shard_axis,
+                                      copy_backend=cfg.copy_backend, huge_pages=cfg.huge_pages)
+        self._host = HostPagePool(spec, cfg.host_pages, layout=cfg.host_layout, mesh=cfg.mesh,
+                                  axis=cfg.shard_axis, huge_pages=cfg.huge_pages)
+        self._engine = transfer_engine(self._device, self._host)
+        self._events: NullRecorder | Recorder = NullRecorder()  # the configured one: below
+        self._threads = ThreadOwner()
+        self._port = CacheL3Port(spec, clock, self._tree, self._host,
+                                 lambda n: self._evict.take_host(n))
+        self._l3 = open_l3(self._port, spec, cfg)  # NullL3Tier without storage
+        # Last, so that nothing stays bound when anything above raises. Off: NullRecorder.
+        try:
+            self._events = make_recorder(cfg.kv_events)
+        except BaseException:  # e.g. a port in use: release the L3 backend opened above
+            self._l3.close()
+            raise
+        self._port.events = self._events
+        self._init_state()  # its parts take the recorder and the L3 tier
+
+    def _init_state(self) -> None:
+        self._owner = DevicePageOwners(self.cfg.device_pages)
+        self._caller_locks: dict[TreeNode, int] = {}
+        self._n: collections.Counter[str] = collections.Counter()
+        self._flight = InFlight(self.spec, self._tree, self._engine, self._device.allocator,
+                                self._host.allocator, self._owner, self._events, self._n,
+                                self._l3.on_backup)
+        self._write = make_write_policy(WriteContext(
+            self.cfg, self._tree, self._flight, self._n, self._device.allocator, self._events,
+            take_host=lambda n: self._evict.take_host(n),
+            evict_host=lambda k: self._evict.evict_host_leaves(k),
+            back_up_new=self._l3.back_up_new))
+        self._evict = Evictor(self.cfg, self._tree, self._device.allocator, self._host.allocator,
+                              self._owner, self._events, self._n, self._flight,
+                              self._write, self._l3, self._complete)
+
+    def _guard(self) -> None:
+        """Every public call but ``stats()`` starts here: the owning thread passes at the cost
+        of one ``get_ident()``; anything else goes to :meth:`ThreadOwner.take`."""
+        if threading.get_ident() != self._threads.ident:
+            self._threads.take()
+
+    def _check_pages(self, pages: Any, allowed: np.ndarray, what: str) -> np.ndarray:
+        return self._owner.check(self._device.validate_ids(pages, "pages"), allowed, what)
+
+    # -- public API --------------------------------------------------------------------------
+
+    @_publishes
+    def match_prefix(self, tokens: Any, extra_key: Hashable = None) -> Match:
+        """Longest cached whole-page prefix of ``tokens`` on device, then on host.
+
+        Args:
+            tokens: 1-D non-negative int sequence; a trailing partial page is ignored.
+            extra_key: hashable namespace (LoRA id, tenant salt).
+
+        Returns:
+            A :class:`Match`; its ``device_pages`` stay valid while ``node`` is locked.
+        """
+        arr = page_tokens(tokens, extra_key, self._ps)  # validate before polling
+        self._complete(attach=True)
+        self._l3.before_match(arr, extra_key)
+        tm = self._tree.match(arr, extra_key, validated=True)
+        self._n["match_tokens"] += len(tokens) // self._ps * self._ps
+        self._n["device_hit_tokens"] += tm.device_len
+        self._n["host_hit_tokens"] += tm.host_len
+        return Match(tm.device_pages, tm.device_len, tm.host_len,
+                     node_ref(tm.node, tm.last_device_node))
+
+    @_publishes
+    def prefetch(self, tokens: Any, extra_key: Hashable = None) -> PrefetchHandle | None:
+        """Start fetching from L3, into host pages, the pages of ``tokens`` beyond L1 + L2.
+
+        Returns a :class:`~hicache_jax.l3.tier.PrefetchHandle` (``done()``, ``wait()``,
+        ``pages_found``) or None: no storage, nothing beyond L1 + L2, or L3 holds none of the next
+        pages. Fetched pages appear to :meth:`match_prefix` as host-only nodes per
+        ``cfg.prefetch_policy``."""
+        arr = page_tokens(tokens, extra_key, self._ps)
+        self._complete(attach=True)
+        return self._l3.prefetch(arr, extra_key)
+
+    @_publishes
+    def load_back(self, match: Match, *, layerwise: bool = False) -> Match:
+        """Copy the host-only part of ``match`` back to device pages.
+
+        Args:
+            match: from :meth:`match_prefix` or :meth:`load_back`; it may be stale (pages
+                evicted or moved since, its node deleted: the prefix is matched again).
+            layerwise: return before the copy completes, with ``Match.load_handle`` set so the
+                forward can ``wait_layer(l)`` per layer.
+
+        Returns:
+            What holds the prefix of ``match.node`` now, on every path: a new :class:`Match`
+            with ``device_len`` grown and ``host_len == 0`` when loaded; when nothing is on host
+            or the load is declined (fewer host tokens than ``cfg.load_back_threshold``, more
+            than ``cfg.load_back_quota``, or no device pages even after eviction), ``match``
+            itself if it still describes the cache, else a new Match of the current device part
+            and host continuation. Leaves no lock for the caller (lock the result's node).
+        """
+        if not isinstance(match, Match) or not isinstance(match.node, NodeRef):
+            raise TypeError(f"match must be a Match from match_prefix, got {type(match).__name__}")
+        check_bool("layerwise", layerwise)
+        self._complete(attach=True)
+        match, node = revalidate(self._tree, match)
+        if node.value is not None or node.parent is None:  # nothing host-only: nothing to load
+            return current(match, node, self._ps)
+        return self._load_back([(match, node)], bool(layerwise))[0]
+
+    @_publishes
+    def load_back_many(self, matches: Any, *, layerwise: bool = False) -> list[Match]:
+        """:meth:`load_back` of several matches (a batching scheduler's step) in ONE copy
+        dispatch: each decided as ``load_back`` decides it, in list order, its chain cut where an
+        earlier match's begins (overlaps load once; see :mod:`~hicache_jax.cache.load_many`).
+
+        Returns:
+            One Match per input, in order: what holds its prefix now. With ``layerwise`` every
+            result holding pages of the load carries its one ``load_handle``. No lock is left.
+
+        Raises:
+            TypeError / HiCacheError: not a list/tuple of Matches, ``layerwise`` not a bool / a
+            match of another cache (or from before ``reset()``); before any change.
+        """
+        check_matches(self._tree, matches)
+        check_bool("layerwise", layerwise)
+        self._complete(attach=True)
+        return self._load_back([revalidate(self._tree, m) for m in matches], bool(layerwise))
+
+    def _load_back(self, resolved: list[tuple[Match, TreeNode]], layerwise: bool) -> list[Match]:
+        """Load the accepted chains of ``(match, node)`` pairs in one transfer; what holds each
+        prefix now."""
+        accepted, declined = take_chains(
+            self._tree, [node for _, node in resolved], threshold=self.cfg.load_back_threshold,
+            quota=self.cfg.load_back_quota, page_size=self._ps,
+            take=lambda k: self._evict.take(self._evict.device, k))
+        self._n["load_backs_declined"] += declined
+        if accepted:
+            loaded = np.concatenate([ids for _, _, ids in accepted])
+            handle = self._flight.load([(n, c) for n, c, _ in accepted], loaded, layerwise)
+        out = [current(m, node, self._ps) for m, node in resolved]
+        if accepted and layerwise:
+            out = [Match(m.device_pages, m.device_len, m.host_len, m.node, handle)
+                   if np.isin(m.device_pages, loaded).any() else m for m in out]
+        return out
+
+    def lock(self, node: NodeRef) -> None:
+        """Protect a match's prefix (``Match.node``: the node and its ancestors) from eviction
+        on both tiers (counted).
+
+        Raises:
+            HiCacheError: the match is stale: its device pages were evicted, or evicted and
+                loaded back into other pages, since it was made (lock before calls that may
+                evict, or pass it through :meth:`load_back`); or its node left the cache.
+        """
+        self._guard()
+        tnode = check_node(self._tree, node)
+        if is_stale(node):
+            raise HiCacheError(
+                f"stale Match: the device pages of {node!r} were evicted or moved since the "
+                "match (by alloc_pages, load_back, insert or evict of other requests): call "
+                "match_prefix (or load_back) again and lock the new Match's node")
+        self._tree.lock(tnode)
+        self._caller_locks[tnode] = self._caller_locks.get(tnode, 0) + 1
+
+    @_publishes  # clean_ahead's pass at unlock may give up host copies (BlockRemoved)
+    def unlock(self, node: NodeRef) -> None:
+        """Undo one :meth:`lock` of ``node``. ``HiCacheError`` if the caller holds none."""
+        node = check_node(self._tree, node)
+        held = self._caller_locks.get(node, 0)
+        if held == 0:
+            raise HiCacheError(f"unlock of {node!r} without a matching lock")
+        self._tree.unlock(node)
+        if held == 1:
+            del self._caller_locks[node]
+        else:
+            self._caller_locks[node] = held - 1
+        self._write.after_unlock()  # a request's end: its nodes are evictable again
+
+    @_publishes
+    def alloc_pages(self, n: int) -> np.ndarray:
+        """Take ``n`` device pages for the caller, evicting as needed.
+
+        Returns:
+            int32 ``[n]`` page ids, owned by the caller until :meth:`insert` or
+            :meth:`free_pages`.
+
+        Raises:
+            OutOfPagesError: not enough free + evictable pages; ``needed``, ``free``,
+                ``evictable``, ``locked`` say why. Raised before evicting anything; copies in
+                flight (whose locks may be what holds the pages) are waited for first.
+        """
+        n = check_int("n", n)
+        self._complete(attach=True)
+        ids = self._evict.take(self._evict.device, n)
+        self._owner.to_caller(ids)
+        return ids
+
+    def free_pages(self, pages: Any) -> None:
+        """Give back caller-owned pages that were never inserted."""
+        self._guard()
+        ids = self._check_pages(pages, CALLERS, "caller-owned (from alloc_pages, not inserted)")
+        self._device.allocator.free(ids)
+        self._owner.release(ids)
+
+    def write_kv(self, pages: Any, kv: Any) -> None:
+        """Write KV into caller-owned pages.
+
+        Args:
+            pages: n caller-owned device page ids.
+            kv: ``spec.kv_shape(n)`` = [num_layers, kv, n, page_size, heads, head_dim] in
+                ``spec.dtype`` or its raw-bits dtype; jax or numpy. Not consumed.
+        """
+        self._guard()
+        ids = self._check_pages(pages, CALLERS, "caller-owned (cached pages are read-only)")
+        self._device.write(ids, kv)
+
+    @_publishes
+    def read_kv(self, pages: Any) -> Any:
+        """KV of allocated device pages: ``spec.kv_shape(n)`` in ``spec.dtype`` (a new array)."""
+        ids = self._check_pages(pages, ALLOCATED, "allocated")
+        load = self._flight.load_writing(ids)
+        if load is not None:  # a layer-wise load may still be writing these pages
+            self._complete(upto=load)
+        return self._device.read(ids)
+
+    @_publishes
+    def insert(self, tokens: Any, pages: Any, extra_key: Hashable = None, *,
+               chunked: bool = False, priority: int = 0) -> int:
+        """Cache the whole pages of ``tokens`` with ``pages`` (see DESIGN.md).
+
+        Args:
+            tokens: 1-D non-negative int sequence; a trailing partial page is ignored.
+            pages: int ``[len(tokens) // page_size]``: the tree's own page for a position it
+                holds on device, or a caller-owned page. Caller pages at positions the tree
+                already holds are freed; the others become the tree's.
+            extra_key: namespace.
+            chunked: one chunk of a chunked prefill: no hit is counted on existing nodes.
+            priority: request priority (``eviction="priority"``).
+
+        Returns:
+            Tokens already cached (either tier) before the call.
+        """
+        check_bool("chunked", chunked)
+        check_int("priority", priority, -(2**62), 2**62)
+        arr = page_tokens(tokens, extra_key, self._ps)
+        ntok = arr.shape[0]
+        ids = self._check_pages(pages, ALLOCATED, "caller-owned or cached")
+        if ids.size != ntok // self._ps:
+            raise ValueError(f"pages has {ids.size} ids, expected {ntok // self._ps} "
+                             "(one per whole page of tokens)")
+        # No polling here: the tree's own checks below must see the state the caller saw.
+        res = self._tree.insert(arr, ids, extra_key, priority=int(priority), validated=True,
+                                chunked=bool(chunked))
+        dup = res.duplicate_pages
+        if dup.size:
+            self._device.allocator.free(dup)
+            self._owner.release(dup)
+            self._n["duplicate_pages_freed"] += dup.size
+        self._owner.adopt_caller_pages(ids)
+        for node in res.revived_nodes:
+            self._events.stored(node, Medium.DEVICE)
+        if res.last_node.parent is not None and res.last_node not in res.existing_nodes:
+            self._events.stored(res.last_node, Medium.DEVICE)
+        self._write.after_insert(res, bool(chunked), bool(self._caller_locks))
+        return res.prefix_len
+
+    @_publishes
+    def evict(self, num_tokens: int) -> int:
+        """Free at least ``num_tokens`` device tokens if possible; returns tokens freed."""
+        num_tokens = check_int("num_tokens", num_tokens)
+        self._complete(attach=True)
+        return self._evict.evict_device(num_tokens)
+
+    @_publishes
+    def evict_host(self, num_tokens: int) -> int:
+        """Delete host-only leaves worth ``num_tokens``; returns tokens freed on host."""
+        num_tokens = check_int("num_tokens", num_tokens)
+        self._complete(attach=True)
+        return self._evict.evict_host_leaves(num_tokens)
+
+    @property
+    def device_pool(self) -> DevicePagePool:
+        """The device pool (L1). A serving stack's jitted forward writes K/V of pages it
+        allocated straight into it with ``device_pool.run(step, ...)`` (pool donated); the pool
+        object holds the only reference to the array, so do not keep ``device_pool.array``."""
+        self._guard()
+        return self._device
+
+    @property
+    def host_pool(self) -> HostPagePool:
+        """The host pool (L2), for inspection (``read``); the cache owns its pages."""
+        self._guard()
+        return self._host
+
+    @property
+    def tree(self) -> RadixTree:
+        """The radix tree, for inspection (``nodes()``, ``snapshot()``): do not modify it."""
+        self._guard()
+        return self._tree
+
+    @property
+    def l3(self) -> L3Tier | NullL3Tier:
+        """The L3 tier (:class:`~hicache_jax.l3.tier.NullL3Tier` without storage), for inspection."""
+        self._guard()
+        return self._l3
+
+    @property
+    def transfer_engine(self) -> TransferEngine:
+        """The transfer engine (what ``transfer_engine=`` built), for inspection."""
+        self._guard()
+        return self._engine
+
+    def page_owners(self) -> np.ndarray:
+        """int8 ``[device_pages]`` copy: the :class:`~hicache_jax.cache.ownership.PageOwner` of each
+        device page (free, the caller's, the tree's)."""
+        self._guard()
+        return self._owner.owners()
+
+    @_publishes
+    def flush(self) -> None:
+        """Wait for every transfer in flight (L3 puts and prefetches too) and apply it."""
+        self._complete(upto=None, wait=True)
+        self._l3.flush()
+
+    def close(self) -> None:
+        """Flush, then release the L3 backend (its threads, connections). Idempotent. Every
+        later call but ``stats()`` raises :class:`HiCacheError`."""
+        if self._threads.closed:
+            return
+        self.flush()
+        try:
+            self._l3.close()
+        finally:
+            self._events.close()  # the ZMQ publisher sends what is queued and unbinds
+            self._threads.close()
+
+    def release_thread(self) -> None:
+        """Hand the cache over: the owning thread gives it up and the next call from any thread
+        takes it (e.g. built and warmed up on one thread, served from a scheduler thread).
+        A no-op when no thread owns it yet."""
+        if self._threads.ident is None and not self._threads.closed:
+            return
+        self._guard()
+        self._threads.release()
+
+    def take_events(self) -> list[KVEvent]:
+        """KV events (BlockStored / BlockRemoved / AllBlocksCleared, one per page) since the
+        last take, oldest first: the batches of :meth:`take_event_batches`, flattened.
+        ``HiCacheError`` when events are off (the default) or go to ZMQ: build the cache with
+        ``kv_events={"publisher": "queue"}``."""
+        self._guard()
+        return self._events.take()
+
+    def take_event_batches(self) -> list[EventBatch]:
+        """The event batches (one per public call that recorded any) since the last take, each
+        with its ``seq``: a gap means the buffer (``buffer_steps``) was full and the oldest
+        batches were dropped (``stats()["kv_event_batches_dropped"]``). Raises as
+        :meth:`take_events`."""
+        self._guard()
+        return self._events.take_batches()
+
+    @_publishes
+    def reset(self) -> None:
+        """Wait for transfers, then forget everything: tree, caller pages and locks, counters
+        (the L3 store keeps its entries, and its client's ``l3_store_*`` counters)."""
+        self.flush()
+        self._tree.reset()
+        self._device.allocator.reset()
+        self._host.allocator.reset()
+        self._init_state()
+        self._port.reset()
+        self._l3.reset_counters()
+        self._events.cleared()
+
+    def stats(self) -> dict[str, Any]:
+        """Counters and occupancy of both tiers (pure: does not poll transfers).
+
+        The one call that any thread may make, also after :meth:`close`: it only reads, and
+        reads made while the owner is inside a call may be mutually inconsistent."""
+        return cache_stats(self._n, self._device.allocator, self._host.allocator, self._tree,
+                           self._owner, len(self._flight), self._write.reserve_pages()) \
+            | self._events.stats() | self._l3.stats()
+
+    def check_invariants(self) -> None:
+        """Check every invariant of DESIGN.md on the whole cache (O(cache): for tests).
+
+        Raises:
+            HiCacheError: naming the first broken invariant.
+        """
+        self._guard()
+        check_cache(self._tree, self._owner, self._device.allocator, self._host.allocator,
+                    self._flight, self._caller_locks, self._port, self._write.continuous_prefix)
+
+    # -- internals: transfers ----------------------------------------------------------------
+
+    def _complete(self, upto: Any = None, *, wait: bool = False, attach: bool = False) -> None:
+        """Apply finished transfers in dispatch order, first waiting for the transfer ``upto``
+        (a handle) or, with ``wait``, for all of them. ``attach``: also hang landed L3
+        prefetches in the tree -- only at the start of a public call, never inside an operation
+        that holds nodes (an attach may split them)."""
+        finished = self._engine.poll()
+        self._l3.poll(attach)
+        if finished:
+            self._flight.apply(finished)
+        if wait or upto is not None:
+            self._flight.apply(self._flight.wait(None if wait else upto))

@@ -1,0 +1,122 @@
+"""CacheL3Port: the cache's side of the L3 port (:class:`~hicache_jax.l3.tier.CachePort`).
+
+The L3 tier reserves host pages, attaches fetched pages and holds locks only through this
+object, so the host-page rule -- every host page is free, held by one node, the target of a
+copy in flight, or reserved by an L3 prefetch -- is kept on the cache's side: the reservations
+are recorded here (:meth:`CacheL3Port.reserved_pages`), and so are the locks the tier holds
+(:meth:`CacheL3Port.locked_nodes`), for :meth:`HiCache.check_invariants`.
+
+Threading: the cache's thread only.
+"""
+
+from __future__ import annotations
+
+import collections
+from typing import Any, Callable
+
+import numpy as np
+
+from hicache_jax.errors import HiCacheError, OutOfPagesError
+from hicache_jax.events.recorder import NullRecorder, Recorder
+from hicache_jax.events.records import Medium
+from hicache_jax.memory.host_pool import HostPagePool
+from hicache_jax.tree.radix import RadixTree
+from hicache_jax.spec import KVSpec
+from hicache_jax.tree.node import TreeMatch, TreeNode
+
+
+class CacheL3Port:
+    """What a HiCache gives its L3 tier.
+
+    Args:
+        spec: the cache's KVSpec.
+        clock: the cache's clock.
+        tree: the cache's tree.
+        host: the cache's host pool.
+        take_host: host pages from the cache's one evict-and-retry path (may evict; raises
+            OutOfPagesError).
+    """
+
+    def __init__(self, spec: KVSpec, clock: Callable[[], float], tree: RadixTree,
+                 host: HostPagePool, take_host: Callable[[int], np.ndarray]) -> None:
+        self.spec, self.clock = spec, clock
+        self._tree, self._host, self._take_host = tree, host, take_host
+        self.events: NullRecorder | Recorder = NullRecorder()  # the cache sets its recorder
+        self._reserved = np.zeros(host.num_pages, np.bool_)
+        self._locks: collections.Counter[TreeNode] = collections.Counter()
+
+    def reset(self) -> None:
+        """The cache forgot everything (the tier's prefetches were flushed first)."""
+        self._reserved[:] = False
+        self._locks.clear()
+
+    # -- the port -----------------------------------------------------------------------------
+
+    def match(self, tokens: np.ndarray, extra_key: Any) -> TreeMatch:
+        return self._tree.match(tokens, extra_key)
+
+    def path_tokens(self, node: TreeNode) -> np.ndarray:
+        return self._tree.path_tokens(node)
+
+    def lock(self, node: TreeNode) -> None:
+        self._tree.lock(node)
+        self._locks[node] += 1
+
+    def unlock(self, node: TreeNode) -> None:
+        if self._locks[node] <= 0:
+            raise HiCacheError(f"L3 unlock of {node!r} without a matching lock")
+        self._tree.unlock(node)
+        self._locks[node] -= 1
+        if not self._locks[node]:
+            del self._locks[node]
+
+    def reserve_host_pages(self, n: int) -> np.ndarray:
+        try:
+            ids = self._take_host(n)
+        except OutOfPagesError:  # what is free: a prefetch of fewer pages
+            alloc = self._host.allocator
+            ids = alloc.alloc(min(n, alloc.num_free))
+        self._reserved[ids] = True
+        return ids
+
+    def _check_reserved(self, host_ids: np.ndarray) -> None:
+        if not self._reserved[host_ids].all():
+            bad = host_ids[~self._reserved[host_ids]][:8].tolist()
+            raise HiCacheError(f"host pages {bad} are not reserved by L3")
+
+    def release_host_pages(self, host_ids: np.ndarray) -> None:
+        self._check_reserved(host_ids)
+        self._host.allocator.free(host_ids)
+        self._reserved[host_ids] = False
+
+    def write_host_pages(self, host_ids: np.ndarray, rows: np.ndarray,
+                         row_ids: np.ndarray) -> None:
+        self._check_reserved(host_ids)
+        self._host.write_rows(host_ids, rows, row_ids)
+
+    def attach_host_copy(self, node: TreeNode, host_ids: np.ndarray) -> None:
+        self._check_reserved(host_ids)
+        self._tree.set_host_value(node, host_ids)
+        self._reserved[host_ids] = False
+        self.events.stored(node, Medium.HOST)
+
+    def attach_host_leaf(self, parent: TreeNode, tokens: np.ndarray, host_ids: np.ndarray,
+                         extra_key: Any) -> TreeNode:
+        self._check_reserved(host_ids)
+        leaf = self._tree.add_host_leaf(parent, tokens, host_ids, extra_key)
+        self._reserved[host_ids] = False
+        self.events.stored(leaf, Medium.HOST)
+        return leaf
+
+    def read_host_async(self, host_ids: np.ndarray) -> Any:
+        return self._host.read_async(host_ids)
+
+    # -- what the cache checks ----------------------------------------------------------------
+
+    def reserved_pages(self) -> np.ndarray:
+        """int32 host pages reserved by L3 prefetches now."""
+        return np.flatnonzero(self._reserved).astype(np.int32)
+
+    def locked_nodes(self) -> list[tuple[TreeNode, int]]:
+        """``(node, locks)`` the L3 tier holds (its prefetches' fetch bases)."""
+        return list(self._locks.items())

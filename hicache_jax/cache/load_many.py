@@ -1,0 +1,117 @@
+"""The load-back of several matches in one transfer (:meth:`HiCache.load_back_many`).
+
+A batching scheduler admits several requests per step; their host-only prefixes go back to
+device in one copy dispatch. Each match is decided as :meth:`HiCache.load_back` decides it,
+taking the matches in list order: its chain is the host-only nodes ending at its node, cut at
+the first node already accepted for an earlier match (duplicates and overlapping prefixes load
+once, by the first), and the threshold and quota apply to that chain. Device pages come from
+one allocation for every accepted chain; when even eviction cannot cover it, chain by chain in
+order, declining those that find none.
+
+Pure bookkeeping over the tree (no jax); the cache's thread only (it locks tree nodes).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import numpy as np
+
+from hicache_jax.errors import HiCacheError, OutOfPagesError
+from hicache_jax.cache.match import Match, NodeRef
+from hicache_jax.tree.radix import RadixTree
+from hicache_jax.tree.node import TreeNode
+
+__all__ = ["check_matches", "host_chain_after", "take_chains"]
+
+#: ``(node, chain, device ids)`` of one accepted load: ``chain`` root-first, ``node`` locked.
+Accepted = tuple[TreeNode, list[TreeNode], np.ndarray]
+
+
+def check_matches(tree: RadixTree, matches: Any) -> None:
+    """TypeError / HiCacheError for anything but a list or tuple of this tree's Matches
+    (a deleted node's match is fine: it is matched again). Changes nothing."""
+    if not isinstance(matches, (list, tuple)):
+        raise TypeError(f"matches must be a list or tuple of Match, got {type(matches).__name__}")
+    for i, m in enumerate(matches):
+        if not isinstance(m, Match) or not isinstance(m.node, NodeRef):
+            raise TypeError(f"matches[{i}] must be a Match from match_prefix, got "
+                            f"{type(m).__name__}")
+        top = m.node._node
+        while top.parent is not None:
+            top = top.parent
+        if top.is_root and top is not tree.root:
+            raise HiCacheError(f"matches[{i}]: {m.node!r} is not in this cache (another "
+                               "cache's, or from before reset()): match again")
+
+
+def host_chain_after(node: TreeNode, claimed: set) -> list[TreeNode]:
+    """The host-only nodes ending at ``node`` (root-first), stopping at a claimed one."""
+    chain = []
+    while node.parent is not None and node.value is None and node not in claimed:
+        chain.append(node)
+        node = node.parent
+    chain.reverse()
+    return chain
+
+
+def _decide(nodes: list[TreeNode], threshold: int, quota: int | None,
+            take: Callable[[int], np.ndarray] | None, page_size: int) -> tuple[list, int]:
+    """``([(node, chain, ids)], declined)``; ``take(pages)`` allocates (None: decide only)."""
+    claimed: set = set()
+    out, declined = [], 0
+    for node in nodes:
+        chain = host_chain_after(node, claimed)
+        ntok = sum(n.num_tokens for n in chain)
+        if not chain or ntok < threshold or (quota is not None and ntok > quota):
+            declined += bool(chain)
+            continue
+        try:
+            ids = None if take is None else take(ntok // page_size)
+        except OutOfPagesError:
+            declined += 1
+            continue
+        claimed.update(chain)
+        out.append((node, chain, ids))
+    return out, declined
+
+
+def take_chains(tree: RadixTree, nodes: list[TreeNode], *, threshold: int, quota: int | None,
+                take: Callable[[int], np.ndarray], page_size: int) -> tuple[list[Accepted], int]:
+    """Decide every match's chain and allocate its device pages.
+
+    Every node is locked while pages are taken (eviction cannot reach a chain or its device
+    ancestors); on return only the accepted nodes hold that lock (their load op's, released when
+    the copy is acknowledged).
+
+    Returns:
+        ``(accepted, declined)``: the accepted loads in order, and how many chains were declined.
+    """
+    out, declined = _decide(nodes, threshold, quota, None, page_size)
+    if not out:  # nothing to load: no lock taken
+        return out, declined
+    for node in nodes:
+        tree.lock(node)
+    # Accepted nodes keep the lock taken here (they are distinct: a repeated node's chain is
+    # claimed by its first occurrence); the others give theirs back.
+    keep: list[TreeNode] = []
+    try:
+        need = sum(n.num_pages for _, chain, _ in out for n in chain)
+        try:
+            ids = take(need) if need else np.zeros(0, np.int32)
+            cut, lo = [], 0
+            for node, chain, _ in out:
+                k = sum(n.num_pages for n in chain)
+                cut.append((node, chain, ids[lo:lo + k]))
+                lo += k
+            out = cut
+        except OutOfPagesError:
+            out, declined = _decide(nodes, threshold, quota, take, page_size)
+        keep = [node for node, _, _ in out]
+    finally:
+        release = list(nodes)
+        for node in keep:
+            release.remove(node)
+        for node in release:
+            tree.unlock(node)
+    return out, declined

@@ -1,0 +1,237 @@
+"""Write policies of a HiCache (L1 -> L2 backups), one strategy object each, resolved once.
+
+When: ``write_through`` backs a node up once its ``hit_count`` reaches the threshold, the
+insert that creates it counting as its first access (as current SGLang counts it: threshold 1
+backs up at insert, ``write_through_selective``'s 2 at the second access); L2 is then
+inclusive of L1, and host copies are a continuous prefix from the root. ``write_back`` backs up
+only what eviction takes, on the allocation path. ``clean_ahead`` (the default) does what an OS
+page cache does with dirty pages, so that L1 + L2 behave like one cache of their summed size
+without copies on the allocation path:
+
+* after an ``insert``, once eviction is near (fewer free device pages than
+  ``cfg.clean_ahead_pages``, by default twice the largest allocation seen) and has taken a
+  quarter of that reserve (or copied on its path, or, under strategies that evict new nodes
+  first, a new leaf was inserted) since the last pass, the not-backed-up nodes among the first
+  reserve pages that eviction would take (:func:`~hicache_jax.tree.eviction.eviction_order`) are
+  backed up in one asynchronous transfer: eviction then finds them clean (what it still has to
+  copy is counted in ``stats()["eviction_backup_pages"]``);
+* when L2 is full, host copies of nodes still on device (loaded back, or cleaned then hit
+  again) are what it gives up first, hottest first, never the window the last pass cleaned;
+  host-only leaves go after them, least valuable first.
+
+No continuous host prefix is kept under ``write_back`` or ``clean_ahead``.
+
+Threading: the cache's thread only.
+"""
+
+from __future__ import annotations
+
+import collections
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import numpy as np
+
+from hicache_jax.memory.allocator import PageAllocator
+from hicache_jax.events.recorder import NullRecorder, Recorder
+from hicache_jax.events.records import Medium
+from hicache_jax.tree.eviction import FRESH_FIRST, eviction_order, hottest_first
+from hicache_jax.cache.inflight import InFlight
+from hicache_jax.tree.radix import RadixTree
+from hicache_jax.spec import HiCacheConfig, WritePolicy
+from hicache_jax.tree.node import TreeNode
+
+
+@dataclass(frozen=True)
+class WriteContext:
+    """What a write policy works with: the cache's parts (one cache, its thread)."""
+
+    cfg: HiCacheConfig
+    tree: RadixTree
+    flight: InFlight
+    counters: collections.Counter
+    device_allocator: PageAllocator
+    events: NullRecorder | Recorder
+    take_host: Callable[[int], np.ndarray]   # host pages, evicting as needed (or OutOfPages)
+    evict_host: Callable[[int], int]         # delete host-only leaves: tokens -> tokens freed
+    back_up_new: bool                        # L3 write_through: back up new leaves at insert
+
+
+class WriteStrategy:
+    """What every write policy shares: the reserve, claims, the plain host-room path. Its
+    flags say when to back up (on hits, on eviction) and whether host copies must be a
+    continuous prefix from the root."""
+
+    backup_on_hit = False
+    backup_on_evict = False
+    continuous_prefix = False
+
+    def __init__(self, ctx: WriteContext) -> None:
+        self._ctx = ctx
+        # read on every insert / unlock: bound once, not looked up through ctx each call
+        self._cfg, self._dev, self._n = ctx.cfg, ctx.device_allocator, ctx.counters
+        self._ps = ctx.tree.page_size
+        self.largest_alloc = 0  # pages: clean_ahead's auto reserve follows it
+
+    def granted(self, n_pages: int) -> None:
+        """A device allocation of ``n_pages`` succeeded (one that raised changes nothing)."""
+        if n_pages > self.largest_alloc:
+            self.largest_alloc = n_pages
+
+    def reserve_pages(self) -> int:
+        """Pages the clean_ahead pass keeps backed up at the eviction end (see the config)."""
+        cfg = self._cfg
+        if cfg.clean_ahead_pages is not None:
+            return cfg.clean_ahead_pages
+        dev = cfg.device_pages
+        return max(1, min(max(dev // 16, 2 * self.largest_alloc), dev // 2))
+
+    def claim(self, node: TreeNode) -> Any:
+        return self._ctx.flight.claim_backup(node, self.continuous_prefix, self._ctx.take_host)
+
+    def after_insert(self, res: Any, chunked: bool, in_request: bool) -> None:
+        """An insert happened (``res``: the tree's InsertResult; ``in_request``: a caller lock
+        is held)."""
+
+    def after_unlock(self) -> None:
+        """A request's end (its nodes are evictable again)."""
+
+    def _backup_inserted(self, res: Any) -> None:
+        """Backups an insert starts, in one transfer: write-through hits at the threshold
+        (root-first), and the new leaf -- its creation is its first access -- or, with L3
+        (``storage_write_policy="write_through"``, write-through and clean_ahead modes), so
+        that computed pages go down to L3 now."""
+        threshold, claims = self._cfg.write_through_threshold, []
+        if self.backup_on_hit:
+            claims = [self.claim(node) for node in res.existing_nodes
+                      if node.hit_count >= threshold]
+        last = res.last_node
+        if last.parent is not None and last not in res.existing_nodes and (
+                (self.backup_on_hit and last.hit_count >= threshold) or self._ctx.back_up_new):
+            claims.append(self.claim(last))
+        self._ctx.flight.dispatch_backups([c for c in claims if c is not None])
+
+    # host room: the plain path deletes host-only leaves
+    def evict_host(self, num_tokens: int) -> int:
+        return self._ctx.evict_host(num_tokens)
+
+    def host_evictable_pages(self) -> int:
+        return self._ctx.tree.host_evictable_tokens // self._ps
+
+
+class WriteThrough(WriteStrategy):
+    """Back up on hits (threshold); host copies a continuous prefix from the root."""
+
+    backup_on_hit = True
+    continuous_prefix = True
+
+    def after_insert(self, res: Any, chunked: bool, in_request: bool) -> None:
+        if not chunked:
+            self._backup_inserted(res)
+
+
+class WriteThroughSelective(WriteThrough):
+    """Write-through at a threshold of hits (the config's ``write_through_threshold``)."""
+
+
+class WriteBack(WriteStrategy):
+    """Back up only what eviction takes; no continuous host prefix."""
+
+    backup_on_evict = True
+
+
+class CleanAhead(WriteBack):
+    """Write-back, plus a pass that backs up the eviction end of L1 (see the module doc)."""
+
+    def __init__(self, ctx: WriteContext) -> None:
+        super().__init__(ctx)
+        self._cold: list[TreeNode] = []  # the eviction end the last pass covered
+        self._clean_mark = (0, 0, 0)  # (evicted, eviction-backup pages, fresh) at that pass
+        self._fresh_tokens = 0  # tokens of new leaves (counted under FRESH_FIRST strategies)
+
+    def after_insert(self, res: Any, chunked: bool, in_request: bool) -> None:
+        if not chunked:
+            self._backup_inserted(res)
+        if self._cfg.eviction in FRESH_FIRST and res.last_node not in res.existing_nodes:
+            self._fresh_tokens += res.last_node.num_tokens
+        # Inside the request flow the pass runs at unlock, once this request's nodes are
+        # evictable; an insert made outside it (no caller lock held) runs it here.
+        if not chunked and not in_request:
+            self.after_unlock()
+
+    def after_unlock(self) -> None:
+        if self._clean_due():
+            self._clean_ahead()
+
+    def _clean_due(self) -> bool:
+        """A pass is due once eviction is near (fewer free device pages than the reserve) and,
+        since the last, eviction has copied on its path or taken a quarter of the reserve, or
+        (strategies that evict new nodes first) a new leaf was inserted."""
+        reserve = self.reserve_pages()
+        if self._dev.num_free >= reserve:
+            return False
+        n = self._n
+        evicted, synced, fresh = self._clean_mark
+        quarter = reserve * self._ps // 4
+        return (not self._cold or n["eviction_backup_pages"] > synced
+                or n["evicted_tokens"] - evicted >= quarter
+                or self._fresh_tokens > fresh)  # new pages went straight to the eviction end
+
+    def _clean_ahead(self) -> None:
+        """Back up the not-backed-up nodes among the first ``clean_ahead_pages`` pages that
+        eviction would take (one transfer), so that eviction finds them clean."""
+        ctx, n = self._ctx, self._ctx.counters
+        self._cold = eviction_order(ctx.cfg.eviction, ctx.tree.evictable_device,
+                                    self.reserve_pages() * self._ps, ctx.tree.root)
+        self._clean_mark = (n["evicted_tokens"], n["eviction_backup_pages"], self._fresh_tokens)
+        claims = [self.claim(node) for node in self._cold if not node.backed_up]
+        claims = [c for c in claims if c is not None]
+        n["clean_ahead_pages"] += sum(node.num_pages for node, _ in claims)
+        ctx.flight.dispatch_backups(claims)
+
+    def _cold_redundant_tokens(self) -> int:
+        """Tokens of host copies in the last pass's window: kept, so eviction finds them clean."""
+        redundant = self._ctx.tree.redundant
+        return sum(n.num_tokens for n in self._cold if n in redundant)
+
+    def host_evictable_pages(self) -> int:
+        tree = self._ctx.tree
+        return (tree.host_evictable_tokens + tree.redundant_tokens
+                - self._cold_redundant_tokens()) // self._ps
+
+    def evict_host(self, num_tokens: int) -> int:
+        """Host room under clean_ahead: first give up host copies of nodes still on device,
+        hottest first (outside the window the last pass cleaned; a quarter of the reserve more
+        than asked, so the next passes find room), then delete host-only leaves."""
+        ctx = self._ctx
+        cold, tree = set(self._cold), ctx.tree
+        want = num_tokens + self.reserve_pages() * self._ps // 4
+        freed = 0
+        for node in hottest_first(ctx.cfg.eviction, [n for n in tree.redundant if n not in cold]):
+            if freed >= want:
+                break
+            ids = tree.drop_host_value(node)
+            ctx.flight.free_host(ids)  # parked while a backup into them is in flight
+            ctx.events.removed(node, Medium.HOST)
+            ctx.counters["host_copies_dropped_tokens"] += node.num_tokens
+            freed += node.num_tokens
+        if freed < num_tokens:
+            freed += ctx.evict_host(num_tokens - freed)
+        return freed
+
+
+_STRATEGIES = {
+    WritePolicy.WRITE_THROUGH: WriteThrough,
+    WritePolicy.WRITE_THROUGH_SELECTIVE: WriteThroughSelective,
+    WritePolicy.WRITE_BACK: WriteBack,
+    WritePolicy.CLEAN_AHEAD: CleanAhead,
+}
+
+
+def make_write_policy(ctx: WriteContext) -> WriteStrategy:
+    """The strategy of ``ctx.cfg.write_policy``; with no host pool (``host_pages=0``, a
+    device-only radix cache) the plain strategy, which backs nothing up: every policy's claims
+    would fail there, and clean_ahead would still sort the eviction end at every unlock."""
+    if ctx.cfg.host_pages == 0:
+        return WriteStrategy(ctx)
+    return _STRATEGIES[ctx.cfg.write_policy](ctx)

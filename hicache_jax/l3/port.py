@@ -1,0 +1,60 @@
+"""The port between the L3 tier and its cache: what the tier may ask of the cache (the cache
+implements it, :class:`hicache_jax.cache.l3_port.CacheL3Port`; tests fake it). Defined here, below
+the tier and the prefetcher, so that neither imports the other to name it."""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import numpy as np
+
+from hicache_jax.spec import KVSpec
+from hicache_jax.tree.node import TreeMatch, TreeNode
+
+
+class CachePort(Protocol):
+    """What the L3 tier needs of its cache (the cache implements it; tests fake it).
+
+    Attributes:
+        spec: the cache's KVSpec.
+    """
+
+    spec: KVSpec
+
+    def clock(self) -> float:
+        """The cache's clock (deadlines)."""
+
+    def match(self, tokens: np.ndarray, extra_key: Any) -> TreeMatch:
+        """The tree's match of whole-page ``tokens`` (may split a node at the end)."""
+
+    def path_tokens(self, node: TreeNode) -> np.ndarray:
+        """int64 tokens of the prefix ending with ``node``."""
+
+    def lock(self, node: TreeNode) -> None:
+        """Protect ``node`` and its ancestors from eviction (an L3 hold, counted)."""
+
+    def unlock(self, node: TreeNode) -> None:
+        """Undo one :meth:`lock`."""
+
+    def reserve_host_pages(self, n: int) -> np.ndarray:
+        """Up to ``n`` host pages (evicting host pages as needed; fewer when eviction cannot
+        free enough), reserved for L3 until released or attached."""
+
+    def release_host_pages(self, host_ids: np.ndarray) -> None:
+        """Give back reserved host pages (free them)."""
+
+    def write_host_pages(self, host_ids: np.ndarray, rows: np.ndarray,
+                         row_ids: np.ndarray) -> None:
+        """Store ``rows[row_ids[i]]`` (staging entries) in the reserved host page
+        ``host_ids[i]``."""
+
+    def attach_host_copy(self, node: TreeNode, host_ids: np.ndarray) -> None:
+        """Reserved host pages become the host copy of a device node (event recorded)."""
+
+    def attach_host_leaf(self, parent: TreeNode, tokens: np.ndarray, host_ids: np.ndarray,
+                         extra_key: Any) -> TreeNode:
+        """Reserved host pages become a host-only leaf under ``parent`` (event recorded)."""
+
+    def read_host_async(self, host_ids: np.ndarray) -> Any:
+        """Dispatch a copy of host pages out of the host pool (``HostRead``: ``done()``,
+        ``copy_into(rows, row_ids)``)."""

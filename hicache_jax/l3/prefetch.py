@@ -1,0 +1,389 @@
+"""Prefetch from L3 into host pages: the prefetch side of :class:`~hicache_jax.l3.tier.L3Tier`.
+
+* **prefetch** (L3 -> L2): for a prompt that L1 + L2 do not hold whole, the pages from the
+  *fetch base* up to the first page L3 does not hold are read into staging pages; host pages are
+  reserved at once (host eviction first, never pages being loaded: reserved pages are in no tree
+  node). The fetch base is the deepest node of the prompt's path with a host copy (the root if
+  none) in the write_through modes, as in SGLang, so that fetched pages attach below a backed-up
+  node and the host copies stay a continuous prefix from the root (DESIGN.md); in write_back,
+  where that prefix is not required, it is the end of what L1 + L2 hold (nothing held is fetched
+  again). The base is locked meanwhile (L2 eviction cannot remove it). Pages that land are copied
+  into their host pages and attached root-first: a position the tree holds with a host copy keeps
+  it (the fetched page is freed, counted as a duplicate); a position on device without one takes
+  the fetched page as its host copy (write_through modes; the node is split at the page boundary
+  by the tree's match if needed; counted as ``l3_prefetch_backfill_pages``); positions the tree
+  lacks become one host-only leaf (``l3_prefetch_hit_pages``). A page that misses or fails its
+  check ends the usable run: the rest is recomputed by the caller.
+* **sharing prefetches in flight**: a prompt whose pages from the same fetch base are all covered
+  by an in-flight prefetch of the same path gets that handle -- covered means its prompt ends
+  within that prefetch's pages, or that prefetch stopped at a page L3 did not hold when it was
+  issued and this prompt has that same page next. A prompt that goes further (the other
+  prefetch ended with its own prompt, or ran short of staging / host pages) gets a new prefetch
+  of the *rest*, chained after the one in flight: it starts at that one's last page (nothing is
+  fetched twice) and attaches only once that one is closed (until then its pages wait in
+  staging). If no new prefetch can start (L3 has nothing more, no staging pages), the prompt
+  gets the one in flight.
+* **policies** at ``match_prefix``: ``best_effort`` attaches what has landed so far,
+  ``wait_complete`` waits for the prefetches on the request's path, ``timeout`` waits up to
+  ``issued + prefetch_timeout_s * (1 + tokens / 1024)`` then keeps what landed and cancels the rest.
+
+Everything here talks to the cache through its port (:class:`~hicache_jax.l3.tier.CachePort`):
+host pages are reserved and released there, and fetched pages attach there, so the cache alone
+keeps the rule "every host page is free, held by one node, in flight, or reserved by an L3
+prefetch". Deadlines use the port's clock (the cache's injected one).
+
+Threading: the cache's thread only (the backend's workers read and write staging rows only).
+"""
+
+from __future__ import annotations
+
+import collections
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import numpy as np
+
+from hicache_jax.memory.allocator import PageAllocator
+from hicache_jax.tree.hashing import chain_digests
+from hicache_jax.l3.keys import DigestRecords
+from hicache_jax.l3.port import CachePort
+from hicache_jax.spec import PrefetchPolicy
+from hicache_jax.l3.storage import StorageError, key_strings
+from hicache_jax.tree.node import TreeNode
+
+_TIMEOUT_TOKENS = 1024  # the timeout policy's deadline grows by prefetch_timeout_s per this many
+
+
+def leading(mask: np.ndarray) -> int:
+    """Length of the leading run of True."""
+    return int(mask.size if mask.all() else np.argmin(mask))
+
+
+@dataclass(eq=False)
+class PrefetchHandle:
+    """A prefetch in flight (returned by ``HiCache.prefetch``).
+
+    Attributes:
+        pages_found: pages L3 held (leading run) when the prefetch started, and being fetched.
+        start: the prompt position its pages start at: the fetch base (see the module
+            docstring), or the end of the prefetch in flight it is chained after.
+        tokens: int64 tokens of the prompt up to the end of the fetched pages.
+    """
+
+    pages_found: int
+    start: int
+    tokens: np.ndarray
+    extra_key: Any
+    _get: Any
+    _node: TreeNode            # the fetch base (locked until closed)
+    _host_ids: np.ndarray
+    _staging_ids: np.ndarray
+    _digests: np.ndarray       # uint8 [pages_found, 16]: chain digests of the fetched pages
+    _deadline: float
+    _after: "PrefetchHandle | None" = None   # fetches the pages right after this one's
+    _next_page: np.ndarray | None = None     # the prompt's page after ``tokens``, which L3 did
+    #                                          not hold at issue (None: not known to be missing)
+    _applied: int = 0          # pages attached to the tree (or given up) so far
+    _closed: bool = False      # finished and its pages accounted for
+    _timed_out: bool = False   # the timeout policy gave up waiting (its rest was cancelled)
+
+    def done(self) -> bool:
+        """Whether the storage read has finished (pages are attached at the cache's next call;
+        a chained prefetch's once the one before it is closed)."""
+        return self._get.done()
+
+    def landed(self) -> int:
+        """Pages landed intact so far (leading run; non-blocking)."""
+        try:
+            return leading(self._get.wait(0) if self._get.done() else self._get.landed())
+        except StorageError:
+            return 0
+
+    def wait(self, timeout: float | None = None) -> int:
+        """Block until the read finishes (``TimeoutError`` after ``timeout`` s); returns the
+        pages that arrived intact (leading run)."""
+        try:
+            ok = self._get.wait(timeout)
+        except StorageError:
+            return 0
+        return leading(ok)
+
+
+# -- policies at match_prefix: one strategy object each, resolved once ---------------------------
+
+class BestEffort:
+    """Attach what has landed so far; never wait."""
+
+    def before_match(self, h: PrefetchHandle, clock: Callable[[], float],
+                     counters: collections.Counter) -> None:
+        pass
+
+
+class WaitComplete:
+    """Wait for the prefetches on the request's path."""
+
+    def before_match(self, h: PrefetchHandle, clock: Callable[[], float],
+                     counters: collections.Counter) -> None:
+        h.wait()
+
+
+class Timeout:
+    """Wait up to the prefetch's deadline, then keep what landed and cancel the rest."""
+
+    def before_match(self, h: PrefetchHandle, clock: Callable[[], float],
+                     counters: collections.Counter) -> None:
+        if h.done() or h._timed_out:
+            return
+        try:
+            h.wait(max(0.0, h._deadline - clock()))
+        except TimeoutError:
+            h._get.cancel()  # keep what landed; the rest is recomputed
+            h._timed_out = True  # counted once; later matches do not wait again
+            counters["l3_prefetch_timeouts"] += 1
+
+
+POLICIES = {PrefetchPolicy.BEST_EFFORT: BestEffort, PrefetchPolicy.WAIT_COMPLETE: WaitComplete,
+            PrefetchPolicy.TIMEOUT: Timeout}
+
+
+class Prefetcher:
+    """The prefetches of one L3 tier (see the module docstring).
+
+    Args:
+        port: the cache, through its port.
+        page_size, continuous: the cache's page size; whether its write policy keeps host
+            copies a continuous prefix from the root (fetches then start at the deepest
+            backed-up node).
+        policy: :class:`~hicache_jax.spec.PrefetchPolicy`; ``timeout_s``: its base deadline.
+        backend, staging, staging_alloc, records, counters: the tier's store, staging rows and
+            their allocator, digest records and counters.
+    """
+
+    def __init__(self, port: "CachePort", page_size: int, continuous: bool,
+                 policy: PrefetchPolicy, timeout_s: float, backend: Any, staging: np.ndarray,
+                 staging_alloc: PageAllocator, records: DigestRecords,
+                 counters: collections.Counter) -> None:
+        self._port, self._ps, self._continuous = port, page_size, continuous
+        self._policy, self._timeout_s = POLICIES[policy](), timeout_s
+        self._backend, self._staging, self._staging_alloc = backend, staging, staging_alloc
+        self._records, self._n = records, counters
+        self.gets: list[PrefetchHandle] = []
+
+    def prefetch(self, tokens: np.ndarray, extra_key: Any) -> PrefetchHandle | None:
+        """Start fetching the pages of ``tokens`` (whole pages, validated) from the fetch base
+        (see the module docstring); None when L1 + L2 hold the prompt or nothing is fetched."""
+        ps = self._ps
+        tm = self._port.match(tokens, extra_key)
+        covered = tm.device_len + tm.host_len
+        if covered == tokens.size:
+            return None  # L1 + L2 hold it all
+        base, start = self._fetch_base(tm)
+        shared, pos, after = self._in_flight(tokens, extra_key, start)
+        if shared is not None:
+            return shared
+        prev = (after._digests[-1].tobytes() if after is not None
+                else self._records.prefix_digest(base, extra_key, tokens[:start]))
+        if prev is None:
+            self._n["l3_unkeyable_pages"] += (tokens.size - pos) // ps
+            return None
+        digests = chain_digests(prev, tokens[pos:].reshape(-1, ps))
+        keys = key_strings(self._port.spec, extra_key, digests)
+        found = leading(self._backend.exists(keys))
+        self._n["l3_lookup_pages"] += len(keys)
+        if pos + found * ps <= covered:
+            return after  # L3 has nothing beyond what L1 + L2 hold
+        want = min(found, self._staging_alloc.num_free)
+        if want == 0:
+            self._n["l3_prefetch_skipped_pages"] += found
+            return after
+        if after is not None:
+            base = after._node  # one base per chain
+        got = self._start_get(base, keys, want, found)
+        if got is None:
+            return after
+        get, host_ids, sids = got
+        k = host_ids.size
+        ntok = pos + k * ps
+        missing = tokens[ntok:ntok + ps].copy() if k == found and ntok < tokens.size else None
+        deadline = self._port.clock() + self._timeout_s * (1 + k * ps / _TIMEOUT_TOKENS)
+        handle = PrefetchHandle(k, pos, tokens[:ntok].copy(), extra_key, get, base, host_ids,
+                                sids, digests[:k].copy(), deadline, _after=after,
+                                _next_page=missing)
+        self.gets.append(handle)
+        self._n["l3_prefetches"] += 1
+        self._n["l3_prefetch_pages"] += k
+        return handle
+
+    def _fetch_base(self, tm: Any) -> tuple[TreeNode, int]:
+        """Where a prompt's fetch starts: ``(node, tokens up to its end)``."""
+        if not self._continuous:
+            return tm.node, tm.device_len + tm.host_len
+        path, node = [], tm.node
+        while node.parent is not None:
+            path.append(node)
+            node = node.parent
+        base, start = node, 0  # the root
+        for node in reversed(path):  # host copies are a prefix of the path (write-through)
+            if node.host_value is None:
+                break
+            base, start = node, start + node.num_tokens
+        return base, start
+
+    def _in_flight(self, tokens: np.ndarray, extra_key: Any,
+                   start: int) -> tuple[PrefetchHandle | None, int, PrefetchHandle | None]:
+        """The prefetch in flight to hand out for ``tokens``, else where a new one starts.
+
+        Returns:
+            ``(shared, pos, after)``: ``shared`` covers what L3 can give this prompt (see the
+            module docstring); otherwise a new prefetch starts at ``pos``, chained after
+            ``after`` (the last prefetch in flight along this prompt from ``start``, or None).
+        """
+        ps = self._ps
+        pos, after = start, None
+        for h in self.gets:  # issue order: a chain's links come in order
+            if h._closed or h.extra_key != extra_key or h.start != pos:
+                continue
+            end = h.tokens.size
+            n = min(end, tokens.size)
+            if not np.array_equal(h.tokens[:n], tokens[:n]):
+                continue
+            if tokens.size <= end or (h._next_page is not None
+                                      and np.array_equal(h._next_page, tokens[end:end + ps])):
+                return h, pos, after
+            pos, after = end, h
+        return None, pos, after
+
+    def _start_get(self, base: TreeNode, keys: list[str], want: int,
+                   found: int) -> tuple[Any, np.ndarray, np.ndarray] | None:
+        """Reserve host and staging pages for up to ``want`` of ``keys`` and start the read
+        (``base`` locked); None when no page could be had (nothing left behind)."""
+        port = self._port
+        port.lock(base)  # the attach point survives host eviction, ours included
+        host_ids = sids = None
+        try:
+            host_ids = port.reserve_host_pages(want)
+            # Host eviction (write_back) may have put evicted pages to L3, taking staging pages:
+            # those keep them (they are cached data); the prefetch takes what is left.
+            k = min(host_ids.size, self._staging_alloc.num_free)
+            if k < host_ids.size:
+                port.release_host_pages(host_ids[k:])
+                host_ids = host_ids[:k]
+            if k == 0:
+                port.release_host_pages(host_ids)
+                port.unlock(base)
+                self._n["l3_prefetch_skipped_pages"] += found
+                return None
+            sids = self._staging_alloc.alloc(k)
+            return self._backend.get_into(keys[:k], sids), host_ids, sids
+        except BaseException:  # leave no lock, host page or staging page behind
+            if host_ids is not None:
+                port.release_host_pages(host_ids)
+            if sids is not None:
+                self._staging_alloc.free(sids)
+            port.unlock(base)
+            raise
+
+    def before_match(self, tokens: np.ndarray, extra_key: Any) -> None:
+        """Apply the prefetch policy to prefetches on the path of ``tokens``."""
+        ps = self._ps
+        for h in list(self.gets):
+            # on the path: the prompt shares at least the first page this prefetch fetches
+            if h._closed or h.extra_key != extra_key or tokens.size < h.start + ps or not \
+                    np.array_equal(h.tokens[:h.start + ps], tokens[:h.start + ps]):
+                continue
+            self._policy.before_match(h, self._port.clock, self._n)
+            self._advance(h)
+
+    def _advance(self, h: PrefetchHandle) -> None:
+        """Attach the pages of ``h`` that landed since the last call; close it once done."""
+        if h._closed or (h._after is not None and not h._after._closed):
+            return  # chained: its pages attach below the previous link's, once that is closed
+        done = h.done()
+        try:
+            ok = h._get.wait(0) if done else h._get.landed()
+        except StorageError:
+            ok = np.zeros(h.pages_found, bool)
+        ready = leading(ok)
+        if ready > h._applied:
+            self._attach(h, ready)
+        if done:
+            rest = h._host_ids[h._applied:]
+            self._port.release_host_pages(rest)
+            self._n["l3_prefetch_missed_pages"] += rest.size
+            self._staging_alloc.free(h._staging_ids)
+            self._port.unlock(h._node)
+            h._applied, h._closed = h.pages_found, True
+
+    def _attach(self, h: PrefetchHandle, ready: int) -> None:
+        """Pages ``[h._applied, ready)`` landed: copy them into their host pages and hang them in
+        the tree root-first (see the module docstring)."""
+        port, ps, lo = self._port, self._ps, h._applied
+        begin, end = h.start + lo * ps, h.start + ready * ps
+        port.match(h.tokens[:begin], h.extra_key)  # a node boundary where these pages start
+        tm = port.match(h.tokens[:end], h.extra_key)  # ... and where they end
+        covered = tm.device_len + tm.host_len
+        path, node = [], tm.node
+        while node.parent is not None:
+            path.append(node)
+            node = node.parent
+        path.reverse()
+        pos, i = 0, 0
+        while i < len(path) and pos < begin:
+            pos += path[i].num_tokens
+            i += 1
+        parent = path[i - 1] if i else node  # node: the root
+        if covered < begin or pos != begin or (self._continuous and parent.parent is not None
+                                               and parent.host_value is None):
+            # What these pages hang under went (evicted since the earlier pages attached, or
+            # the previous link came up short), or lost its host copy: nothing to attach to.
+            self._give_up(h, lo, ready)
+            return
+        take, dup, copies = [], [], []  # page offsets in h; device nodes taking host copies
+        for node in path[i:]:
+            first = (pos - h.start) // ps
+            span = np.arange(first, first + node.num_pages)
+            pos += node.num_tokens
+            if node.host_value is None and self._continuous:
+                take.append(span)
+                copies.append((node, span))
+            else:  # already backed up (or write_back: a device node needs no host copy)
+                dup.append(span)
+        leaf_span = np.arange((covered - h.start) // ps, ready)
+        take.append(leaf_span)
+        take = np.concatenate(take)
+        if dup:
+            dup = np.concatenate(dup)
+            port.release_host_pages(h._host_ids[dup])
+            self._n["l3_prefetch_duplicate_pages"] += dup.size
+        if take.size:
+            port.write_host_pages(h._host_ids[take], self._staging, h._staging_ids[take])
+        for node, span in copies:  # root-first: each under a backed-up parent
+            port.attach_host_copy(node, h._host_ids[span])
+            self._records.record(node.host_value, h._digests[span], node.page_hashes)
+            self._n["l3_prefetch_backfill_pages"] += span.size
+        if leaf_span.size:
+            ids = h._host_ids[leaf_span]
+            leaf = port.attach_host_leaf(tm.node, h.tokens[covered:end], ids, h.extra_key)
+            self._records.record(ids, h._digests[leaf_span], leaf.page_hashes)
+            self._n["l3_prefetch_hit_pages"] += leaf_span.size
+        h._applied = ready
+
+    def _give_up(self, h: PrefetchHandle, lo: int, ready: int) -> None:
+        self._port.release_host_pages(h._host_ids[lo:ready])
+        self._n["l3_prefetch_dropped_pages"] += ready - lo
+        h._applied = ready
+        h._get.cancel()
+
+    def poll(self) -> None:
+        """Attach landed pages of the prefetches whose reads are done; drop closed ones."""
+        for h in self.gets:
+            if h.done():
+                self._advance(h)
+        self.gets = [h for h in self.gets if not h._closed]
+
+    def flush(self) -> None:
+        """Wait for every prefetch in flight and apply it."""
+        for h in self.gets:
+            h.wait()
+            self._advance(h)
+        self.gets = []

@@ -1,0 +1,279 @@
+"""TransferEngine: asynchronous page copies between the device pool (L1) and the host pool (L2).
+
+``backup(device_ids, host_ids)`` (device -> host) and ``load(host_ids, device_ids)`` (host ->
+device) validate their ids in numpy, dispatch ONE jitted page copy (``page_copy.copy_pages``, a
+per-page ``dynamic_slice`` / ``dynamic_update_slice`` loop: each byte moved once, no staging
+buffer) and return a :class:`TransferHandle` at once. The destination pool is donated and
+rebound (the device pool through ``DevicePagePool.run``, the host pool through
+``HostPagePool.run``); the source is passed read-only, so no Python reference outlives the call.
+
+Ordering and safety come from XLA, not from locks: every access to a pool is a computation on
+its single array, so a copy in flight is ordered before any later update of the same array (a
+donating update waits for earlier readers). Completion is detected by polling a small per-call
+token (``is_ready()``); no worker thread ever touches a pool (DESIGN rule 4). Each transfer
+depends on all earlier ones (it donates one pool and reads the other), so transfers complete in
+dispatch order, and a handle seen complete completes every earlier handle too.
+
+On XLA:CPU the copy runs on XLA's own execution thread, not in the caller: see
+``page_copy.MIN_INDEX_LEN`` for what makes it asynchronous there.
+
+Host pages in flight: ``busy_host_pages(ids)`` says which pages a transfer not yet observed
+complete reads or writes. The data itself is protected by XLA ordering; the cache consults this
+when a node gives up host pages (``inflight.InFlight.free_host``: pages under a pending copy are
+freed once it lands), so that the *ownership* of a page never changes under a pending copy.
+
+Layer-wise load (``layerwise=True``): one copy per layer, each with its own token, dispatched in
+layer order; ``wait_layer(l)`` returns once layer ``l``'s pages are in the device pool. What
+overlaps: everything the host does after dispatch (scheduling, tokenising, dispatching other
+work) overlaps the whole load, and the caller learns layer 0 is complete long before the last
+layer. What does not: the device pool is one ``jax.Array``, so a forward step that takes the pool
+depends on every update dispatched before it, including later layers' copies; and XLA:CPU (one
+stream per device) and a GPU compute stream run dispatched executions in order. Real compute /
+copy overlap needs the host->device fetch inside the forward's own jit (XLA then uses its copy
+streams) -- not something a separate transfer call can give.
+
+Threading: one thread (the cache's) calls everything here.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from typing import TYPE_CHECKING, Any
+
+import jax
+import numpy as np
+
+from hicache_jax.errors import HiCacheError
+from hicache_jax.memory.page_copy import copy_fn, copy_plan, layer_plans
+from hicache_jax.spec import HostLayout
+from hicache_jax.validation import check_bool, is_int
+
+if TYPE_CHECKING:  # the pools are only passed in: the engine needs their public attributes
+    from hicache_jax.memory.device_pool import DevicePagePool
+    from hicache_jax.memory.host_pool import HostPagePool
+
+
+class TransferKind(str, enum.Enum):
+    BACKUP = "backup"  # device -> host
+    LOAD = "load"      # host -> device
+
+
+class TransferHandle:
+    """One dispatched transfer. Created by :class:`TransferEngine` only.
+
+    Attributes:
+        kind: "backup" (device -> host) or "load" (host -> device).
+        device_ids, host_ids: int32[n] numpy copies of the ids, pairwise (page i <-> page i).
+        nbytes: bytes moved (``n * spec.page_bytes``).
+        tag: the caller's record of what the transfer is for (the cache's operations in flight:
+            see ``inflight.py``); None unless given.
+        layerwise: one token per layer (only loads can be layer-wise).
+        seconds: dispatch -> completion as observed by ``done``/``wait``/``poll`` (None before).
+    """
+
+    __slots__ = ("kind", "device_ids", "host_ids", "nbytes", "tag", "layerwise", "seconds",
+                 "_engine", "_tokens", "_t0", "_complete")
+
+    def __init__(self, engine: TransferEngine, kind: TransferKind, device_ids: np.ndarray,
+                 host_ids: np.ndarray, tag: Any, layerwise: bool) -> None:
+        self.kind = kind
+        self.device_ids = device_ids
+        self.host_ids = host_ids
+        self.nbytes = int(device_ids.size) * engine.spec.page_bytes
+        self.tag = tag
+        self.layerwise = layerwise
+        self.seconds: float | None = None
+        self._engine = engine
+        self._tokens: list[jax.Array] = []
+        self._t0 = time.perf_counter()
+        self._complete = False
+
+    def __repr__(self) -> str:
+        state = "done" if self._complete else "in flight"
+        return f"TransferHandle({self.kind.value}, pages={self.device_ids.size}, {state})"
+
+    def done(self) -> bool:
+        """Non-blocking: has every page landed? (Applies the completion when it has.)"""
+        if not self._complete and all(t.is_ready() for t in self._tokens):
+            self._engine._finish(self)
+        return self._complete
+
+    def wait(self) -> TransferHandle:
+        """Block until every page has landed; returns self."""
+        if not self._complete:
+            for token in self._tokens:
+                token.block_until_ready()
+            self._engine._finish(self)
+        return self
+
+    def wait_layer(self, layer: int) -> None:
+        """Block until layer ``layer``'s pages have landed (whole transfer unless layer-wise).
+
+        Raises:
+            ValueError: ``layer`` not in ``[0, num_layers)``.
+        """
+        num_layers = self._engine.spec.num_layers
+        if not is_int(layer) or not 0 <= layer < num_layers:
+            raise ValueError(f"layer={layer!r} must be an int in [0, {num_layers})")
+        if not self.layerwise or self._complete or layer == num_layers - 1:
+            # The layers are copied in dispatch order, so the last one landing means all have:
+            # wait() makes that observed (XLA:CPU may mark an earlier layer's token ready a
+            # little after a later one's, and done() would then still say False).
+            self.wait()
+        elif self._tokens:
+            self._tokens[layer].block_until_ready()
+            self.done()
+
+
+class TransferEngine:
+    """Queued, polled page copies between a device pool and a host pool.
+
+    Args:
+        device_pool: the L1 pool (its array is donated by loads, read by backups).
+        host_pool: the L2 pool, same ``spec``, placed like the device pool (same mesh and head
+            axis, or both unsharded on the same device).
+
+    Raises:
+        ValueError: the pools' specs or placements differ.
+    """
+
+    def __init__(self, device_pool: DevicePagePool, host_pool: HostPagePool) -> None:
+        if device_pool.spec != host_pool.spec:
+            raise ValueError(f"device pool spec {device_pool.spec} != host pool spec "
+                             f"{host_pool.spec}")
+        dev = device_pool.array.sharding
+        if not dev.is_equivalent_to(host_pool.device_sharding, len(device_pool.shape)):
+            raise ValueError(f"host pool placement {host_pool.sharding} does not match the device "
+                             f"pool's {dev}: build the host pool with the same mesh and axis")
+        self.device_pool = device_pool
+        self.host_pool = host_pool
+        self.spec = device_pool.spec
+        host_put = None if host_pool.on_device_memory else host_pool.sharding
+        dev_put = None if host_pool.on_device_memory else host_pool.device_sharding
+        self._backup_fn = copy_fn(dst_layout=host_pool.layout, src_layout=HostLayout.LAYER_FIRST,
+                                  num_layers=self.spec.num_layers, dst_put=host_put)
+        load = dict(dst_layout=HostLayout.LAYER_FIRST, src_layout=host_pool.layout,
+                    src_put=dev_put)
+        self._load_fn = copy_fn(**load, num_layers=self.spec.num_layers)
+        self._load_layer_fn = copy_fn(**load, num_layers=1)
+        self._busy = np.zeros(host_pool.num_pages, np.int32)  # transfers using each host page
+        self._in_flight: list[TransferHandle] = []  # dispatch order
+        self._finished: list[TransferHandle] = []   # completion order, not yet polled
+
+    # ----------------------------------------------------------------------------- dispatch
+    def backup(self, device_ids: Any, host_ids: Any, *, tag: Any = None) -> TransferHandle:
+        """Copy device pages to host pages (device_ids[i] -> host_ids[i]); returns at once.
+
+        Raises:
+            TypeError / ValueError: ids not 1-D ints, out of range, repeated, lengths differ.
+            HiCacheError: ids not allocated in their pool.
+            All before dispatch: both pools unchanged.
+        """
+        d, h = self._validate(device_ids, host_ids)
+        handle = TransferHandle(self, TransferKind.BACKUP, d, h, tag, layerwise=False)
+        if d.size:
+            handle._tokens.append(self.host_pool.run(
+                self._backup_fn, self.device_pool.array, copy_plan(h, d)))
+        return self._track(handle)
+
+    def load(self, host_ids: Any, device_ids: Any, *, layerwise: bool = False,
+             tag: Any = None) -> TransferHandle:
+        """Copy host pages to device pages (host_ids[i] -> device_ids[i]); returns at once.
+
+        Args:
+            layerwise: dispatch one copy per layer so ``wait_layer(l)`` can return early.
+
+        Raises:
+            Like :meth:`backup`; also TypeError for a non-bool ``layerwise``.
+        """
+        check_bool("layerwise", layerwise)
+        d, h = self._validate(device_ids, host_ids)
+        handle = TransferHandle(self, TransferKind.LOAD, d, h, tag, layerwise=layerwise)
+        if d.size:
+            plan = copy_plan(d, h)
+            if layerwise:
+                # One execution per layer: each has its own completion token. The host pool
+                # buffer is read, never donated, so all layers read the same array.
+                for layer_plan in layer_plans(plan, self.spec.num_layers):
+                    handle._tokens.append(self.device_pool.run(
+                        self._load_layer_fn, self.host_pool.buffer, layer_plan))
+            else:
+                handle._tokens.append(self.device_pool.run(self._load_fn, self.host_pool.buffer,
+                                                           plan))
+        return self._track(handle)
+
+    def _validate(self, device_ids: Any, host_ids: Any) -> tuple[np.ndarray, np.ndarray]:
+        d = self.device_pool.validate_ids(device_ids, "device_ids")
+        h = self.host_pool.validate_ids(host_ids, "host_ids")
+        if d.size != h.size:
+            raise ValueError(f"device_ids ({d.size} pages) and host_ids ({h.size} pages) must "
+                             "have the same length")
+        if not self.device_pool.allocator.is_allocated(d).all():
+            bad = d[~self.device_pool.allocator.is_allocated(d)][:8]
+            raise HiCacheError(f"device_ids {bad.tolist()} are not allocated")
+        if not self.host_pool.allocator.is_allocated(h).all():
+            bad = h[~self.host_pool.allocator.is_allocated(h)][:8]
+            raise HiCacheError(f"host_ids {bad.tolist()} are not allocated")
+        return d, h
+
+    def _track(self, handle: TransferHandle) -> TransferHandle:
+        if not handle._tokens:  # zero pages: nothing dispatched, complete now -- on its own
+            # (through _finish it would also complete every transfer dispatched before it)
+            handle.seconds, handle._complete = 0.0, True
+            self._finished.append(handle)
+            return handle
+        self._busy[handle.host_ids] += 1  # ids are distinct within one transfer
+        self._in_flight.append(handle)
+        return handle
+
+    # --------------------------------------------------------------------------- completion
+    def _finish(self, handle: TransferHandle) -> None:
+        """Apply the completion of ``handle`` and of every transfer dispatched before it.
+
+        Every transfer depends on all earlier ones: it donates one pool and reads the other,
+        both the outputs of the previous transfers (and a donating update waits for earlier
+        readers). So once a handle's token is ready, the earlier transfers have landed too --
+        even if their own tokens are not yet marked ready (XLA:CPU was seen to mark a later
+        execution's outputs ready before an earlier one's token). Completion order is therefore
+        dispatch order.
+        """
+        now = time.perf_counter()
+        upto = self._in_flight.index(handle) + 1
+        done, self._in_flight = self._in_flight[:upto], self._in_flight[upto:]
+        for item in done:
+            item.seconds = now - item._t0
+            item._complete = True
+            item._tokens = []
+            self._busy[item.host_ids] -= 1
+        self._finished.extend(done)
+
+    def poll(self) -> list[TransferHandle]:
+        """Handles finished since the last ``poll`` / ``wait_all``, in completion order.
+
+        Completion order is dispatch order (see ``_finish``); a zero-page transfer completes at
+        dispatch. ``seconds`` is an upper bound: dispatch to observation.
+        """
+        for handle in reversed(self._in_flight):  # the latest finished one finishes the rest
+            if all(t.is_ready() for t in handle._tokens):
+                self._finish(handle)
+                break
+        out, self._finished = self._finished, []
+        return out
+
+    def wait_all(self) -> list[TransferHandle]:
+        """Block until nothing is in flight; returns what ``poll`` would."""
+        for handle in list(self._in_flight):
+            handle.wait()
+        return self.poll()
+
+    @property
+    def in_flight(self) -> int:
+        """Transfers dispatched and not yet observed complete."""
+        return len(self._in_flight)
+
+    # ------------------------------------------------------------------------ host page guard
+    def busy_host_pages(self, host_ids: Any) -> np.ndarray:
+        """Bool mask: which of ``host_ids`` a transfer not yet observed complete reads or writes."""
+        h = self.host_pool.validate_ids(host_ids)
+        return self._busy[h] > 0

@@ -1,0 +1,309 @@
+"""Trace replay: production request traces through the real HiCache, beside exact LRU references.
+
+Traces (Mooncake JSONL, token JSONL) are read by :mod:`hicache_jax.replay.trace`; the LRU references
+are :mod:`hicache_jax.replay.block_lru`. Both are re-exported here (``load_trace``, ``BlockLRU``, ...),
+so this module is the one entry point of a replay.
+
+Requests are served in file order, one at a time (timestamps are not used: no concurrency),
+each with the serving pattern of DESIGN.md through the public API only: ``match_prefix``,
+``load_back``, ``lock``, ``alloc_pages`` (the pages it computes), ``insert``, ``unlock``.
+``write_kv`` of the computed pages is skipped for speed: the pool holds whatever bytes it
+holds, but every backup and load-back still moves real bytes between the tiers
+(``bytes_to_host`` / ``bytes_to_device`` are real copies). A prompt longer than the device
+pool caches only its first ``device_pages`` pages (what a server could hold at once).
+The default :data:`TINY_SPEC` (one layer, one head, head_dim 1, float32: 8 bytes a token)
+keeps a 60M-token trace in memory; ``spec`` replays with a real model's page bytes.
+
+Determinism: a replay gives identical figures on every run and under any machine load. The
+serving path completes transfers asynchronously (whether a backup has landed by the next
+eviction depends on timing), so the replay calls ``cache.flush()`` after every request:
+transfers complete at request boundaries. It also flushes between ``insert`` and ``unlock``:
+clean_ahead's pass runs at the unlock and sees which nodes a load still in flight holds
+locked. The cache gets a virtual clock (a counter that advances at every reading), so eviction
+order depends on the order of calls, never on wall time. Only ``wall_s`` and ``requests_per_s`` (:data:`TIMING_FIELDS`) vary between runs.
+
+References: :class:`~hicache_jax.replay.block_lru.BlockLRU` of L1's, L1 + L2's and infinite capacity.
+Hits of HiCache and of the references count whole pages only.
+
+Threading: a replay builds, owns and closes its caches on the calling thread.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import itertools
+import os
+import sys
+import time
+from typing import Any, Iterable, Sequence
+
+import numpy as np
+
+from hicache_jax.replay.block_lru import BlockLRU, PageKeys, default_device_pages, reference_hits
+from hicache_jax.cache.hicache import HiCache
+from hicache_jax.spec import HiCacheConfig, KVSpec
+from hicache_jax.replay.trace import MOONCAKE_BLOCK, TOKEN_PAGE_SIZE, Request, Trace, load_trace
+
+__all__ = ["BlockLRU", "MOONCAKE_BLOCK", "PageKeys", "Request", "TINY_SPEC", "TIMING_FIELDS",
+           "TOKEN_PAGE_SIZE", "Trace", "default_device_pages", "environment", "format_table",
+           "load_trace", "parse_spec", "plot", "reference_hits", "replay", "require_matplotlib",
+           "run", "sweep_table", "tables"]
+
+TINY_SPEC = dict(num_layers=1, num_kv_heads=1, head_dim=1, dtype="float32")
+TIMING_FIELDS = ("wall_s", "requests_per_s")
+
+
+def parse_spec(text: str | None, page_size: int) -> KVSpec:
+    """``"layers=32,kv_heads=8,head_dim=128,dtype=bfloat16[,mla=1]"`` -> KVSpec; missing keys
+    take :data:`TINY_SPEC`'s values. None -> the tiny spec."""
+    fields = dict(TINY_SPEC)
+    names = {"layers": "num_layers", "kv_heads": "num_kv_heads", "head_dim": "head_dim",
+             "dtype": "dtype", "mla": "mla"}
+    for item in filter(None, (text or "").split(",")):
+        key, sep, value = item.partition("=")
+        if not sep or key.strip() not in names:
+            raise ValueError(f"--spec item {item!r}: expected key=value with key one of "
+                             f"{', '.join(names)}")
+        key, value = names[key.strip()], value.strip()
+        if key == "dtype":
+            fields[key] = value
+        elif key == "mla":
+            fields[key] = value.lower() in ("1", "true", "yes")
+        else:
+            try:
+                fields[key] = int(value)
+            except ValueError:
+                raise ValueError(f"--spec {item!r}: {value!r} is not an int") from None
+    return KVSpec(page_size=page_size, **fields)
+
+
+# ------------------------------------------------------------------------------------ replay
+
+def _counter_clock() -> Any:
+    ticks = itertools.count()
+    return lambda: float(next(ticks))
+
+
+def replay(trace: Trace, spec: KVSpec, cfg: HiCacheConfig, *, progress: bool = False,
+           desc: str = "replay") -> dict[str, Any]:
+    """Serve every request of ``trace`` through a fresh HiCache (see module doc).
+
+    Returns:
+        Prompt tokens, hit tokens by tier, the cache's transfer and eviction counters, wall
+        time; hit tokens count whole pages.
+    """
+    cache = HiCache(spec, cfg, clock=_counter_clock())
+    ps, cap = spec.page_size, cfg.device_pages
+    prompt = device_hit = host_hit = declined = 0  # tokens
+    bar = _progress_bar(len(trace.requests), desc, progress)
+    t0 = time.perf_counter()
+    try:
+        for req in trace.requests:
+            tokens = req.tokens()
+            prompt += tokens.shape[0]
+            whole = min(tokens.shape[0] // ps, cap)  # a prompt beyond L1 caches what L1 holds
+            tokens = tokens[: whole * ps]
+            m = cache.match_prefix(tokens)
+            on_device = m.device_len
+            m = cache.load_back(m)
+            device_hit += on_device
+            host_hit += m.device_len - on_device
+            declined += m.host_len
+            cache.lock(m.node)
+            new = cache.alloc_pages(whole - m.device_pages.shape[0])
+            cache.insert(tokens, np.concatenate([m.device_pages, new]))
+            cache.flush()  # the load-back's lock is gone before the unlock (clean_ahead's pass)
+            cache.unlock(m.node)
+            cache.flush()  # transfers complete at request boundaries: deterministic
+            if bar is not None:
+                bar.update(1)
+        wall = time.perf_counter() - t0
+        stats = cache.stats()
+    finally:
+        if bar is not None:
+            bar.close()
+        cache.close()
+    return {
+        "write_policy": _label(cfg.write_policy), "eviction": _label(cfg.eviction),
+        "device_pages": cap, "host_pages": cfg.host_pages, "page_size": ps,
+        "load_back_threshold": cfg.load_back_threshold,
+        "requests": len(trace.requests), "prompt_tokens": prompt,
+        "device_hit_tokens": device_hit, "host_hit_tokens": host_hit,
+        "host_declined_tokens": declined, "hit_tokens": device_hit + host_hit,
+        "hit_ratio": (device_hit + host_hit) / prompt if prompt else 0.0,
+    } | _counters(stats, ps) | {
+        "wall_s": wall, "requests_per_s": len(trace.requests) / wall if wall > 0 else 0.0,
+    }
+
+
+def _label(policy: Any) -> str:
+    """A policy as its string (an enum's value), whatever type the config resolved it to."""
+    return str(getattr(policy, "value", policy))
+
+
+def _counters(s: dict[str, Any], ps: int) -> dict[str, int]:
+    """The cache's transfer and eviction counters, pages where the cache counts tokens."""
+    return {
+        "bytes_to_host": s["bytes_to_host"], "bytes_to_device": s["bytes_to_device"],
+        "backups": s["backups"], "load_backs": s["load_backs"],
+        "load_backs_declined": s["load_backs_declined"],
+        "evicted_pages": s["evicted_tokens"] // ps,
+        "eviction_backup_pages": s["eviction_backup_pages"],
+        "host_evicted_pages": s["host_evicted_tokens"] // ps,
+        "clean_ahead_pages": s["clean_ahead_pages"],
+        "host_copies_dropped_pages": s["host_copies_dropped_tokens"] // ps,
+    }
+
+
+def _progress_bar(total: int, desc: str, enabled: bool) -> Any:
+    if not enabled or not sys.stderr.isatty():
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=desc, unit="req", file=sys.stderr, leave=False)
+
+
+def run(trace: Trace, spec: KVSpec, *, device_pages: Sequence[int], host_ratio: float = 4.0,
+        write_policies: Sequence[str] = ("clean_ahead",), evictions: Sequence[str] = ("lru",),
+        load_back_threshold: int = 16, progress: bool = False) -> dict[str, Any]:
+    """Replay every (L1 size, write policy, eviction) and compare each with the references.
+
+    Args:
+        trace: the requests.
+        spec: page shape (``spec.page_size`` is the replay's page size).
+        device_pages: L1 sizes in pages; L2 = ``round(host_ratio * L1)`` pages.
+        write_policies, evictions: any strings :class:`HiCacheConfig` accepts.
+
+    Returns:
+        ``{"trace", "spec", "references", "results"}``: each result has the replay's figures
+        beside ``infinite_hit_ratio``, ``lru_total_hit_ratio`` (an LRU of L1 + L2 pages),
+        ``lru_l1_hit_ratio`` and their ratios ``vs_*``. Raises ``ValueError`` on a bad
+        configuration before replaying anything.
+    """
+    cfgs = [HiCacheConfig(device_pages=d, host_pages=int(round(host_ratio * d)), write_policy=w,
+                          eviction=e, load_back_threshold=load_back_threshold)
+            for d in device_pages for w in write_policies for e in evictions]
+    ps = spec.page_size
+    caps = {None} | {c.device_pages for c in cfgs} | {c.device_pages + c.host_pages for c in cfgs}
+    hits, distinct = reference_hits(trace, ps, caps)
+    prompt = trace.num_tokens
+    ratio = {c: h / prompt if prompt else 0.0 for c, h in hits.items()}
+    results = []
+    for i, cfg in enumerate(cfgs):
+        desc = (f"[{i + 1}/{len(cfgs)}] {_label(cfg.write_policy)}/{_label(cfg.eviction)} "
+                f"L1 {cfg.device_pages}")
+        r = replay(trace, spec, cfg, progress=progress, desc=desc)
+        refs = {"infinite": ratio[None], "lru_total": ratio[cfg.device_pages + cfg.host_pages],
+                "lru_l1": ratio[cfg.device_pages]}
+        for name, ref in refs.items():
+            r[f"{name}_hit_ratio"] = ref
+            r[f"vs_{name}"] = r["hit_ratio"] / ref if ref else None  # no hit possible
+        results.append(r)
+    return {"trace": trace.describe() | {"distinct_pages": distinct},
+            "spec": dataclasses.asdict(spec), "host_ratio": host_ratio,
+            "references": {"page_size": ps, "hit_tokens": {str(c): h for c, h in hits.items()}},
+            "results": results}
+
+
+# ------------------------------------------------------------------------------------ output
+
+def format_table(headers: Sequence[str], rows: Iterable[Sequence[Any]]) -> str:
+    """A right-aligned text table; floats get 4 significant digits, None is "-"."""
+    body = [[f"{v:.4g}" if isinstance(v, float) else "-" if v is None else str(v) for v in r]
+            for r in rows]
+    widths = [max([len(h)] + [len(r[i]) for r in body]) for i, h in enumerate(headers)]
+    lines = ["  ".join(h.rjust(w) for h, w in zip(headers, widths)),
+             "  ".join("-" * w for w in widths)]
+    lines += ["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in body]
+    return "\n".join(lines)
+
+
+def _name(r: dict[str, Any]) -> str:
+    return f"{r['write_policy']}/{r['eviction']}"
+
+
+def tables(report: dict[str, Any]) -> str:
+    """The hit table and the traffic table of every result; with several L1 sizes, the sweep
+    (hit ratio versus capacity per configuration) too."""
+    res = report["results"]
+    hits = format_table(
+        ["config", "L1 pages", "L2 pages", "prompt tok", "L1 hit", "L2 hit", "L2 declined",
+         "hit ratio", "hit/inf", "hit/LRU(L1+L2)", "hit/LRU(L1)"],
+        [[_name(r), r["device_pages"], r["host_pages"], r["prompt_tokens"], r["device_hit_tokens"],
+          r["host_hit_tokens"], r["host_declined_tokens"], r["hit_ratio"], r["vs_infinite"],
+          r["vs_lru_total"], r["vs_lru_l1"]] for r in res])
+    traffic = format_table(
+        ["config", "L1 pages", "MB to host", "MB to device", "backups", "load-backs",
+         "evicted pg", "evict-backup pg", "host evicted pg", "wall s", "req/s"],
+        [[_name(r), r["device_pages"], f"{r['bytes_to_host'] / 2**20:.1f}",
+          f"{r['bytes_to_device'] / 2**20:.1f}", r["backups"], r["load_backs"],
+          r["evicted_pages"], r["eviction_backup_pages"], r["host_evicted_pages"],
+          f"{r['wall_s']:.1f}", f"{r['requests_per_s']:.1f}"] for r in res])
+    out = [hits, "", traffic]
+    sizes = sorted({r["device_pages"] for r in res})
+    if len(sizes) > 1:
+        out += ["", sweep_table(report)]
+    return "\n".join(out)
+
+
+def sweep_table(report: dict[str, Any]) -> str:
+    """Hit ratio versus L1 capacity (tokens): the references, then one column per config."""
+    res, ps = report["results"], report["references"]["page_size"]
+    names = list(dict.fromkeys(_name(r) for r in res))
+    by = {(r["device_pages"], _name(r)): r for r in res}
+    rows = []
+    for d in sorted({r["device_pages"] for r in res}):
+        first = next(r for r in res if r["device_pages"] == d)
+        rows.append([d * ps, first["lru_l1_hit_ratio"], first["lru_total_hit_ratio"]]
+                    + [by[(d, n)]["hit_ratio"] if (d, n) in by else "-" for n in names])
+    return format_table(["L1 tokens", "LRU(L1)", "LRU(L1+L2)", *names], rows)
+
+
+def require_matplotlib() -> None:
+    """ImportError saying what to install when matplotlib is missing (check before replaying)."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise ImportError('--plot needs matplotlib: pip install -e ".[plot]" '
+                          "(or pip install matplotlib)") from None
+
+
+def plot(report: dict[str, Any], path: str) -> None:
+    """Hit ratio versus L1 capacity, one line per configuration, beside LRU(L1), LRU(L1+L2)
+    and the infinite cache. Needs matplotlib (``pip install -e ".[plot]"``)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    res, ps = report["results"], report["references"]["page_size"]
+    sizes = sorted({r["device_pages"] for r in res})
+    first = {d: next(r for r in res if r["device_pages"] == d) for d in sizes}
+    xs = [d * ps for d in sizes]
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for name in dict.fromkeys(_name(r) for r in res):
+        pts = sorted((r["device_pages"] * ps, r["hit_ratio"]) for r in res if _name(r) == name)
+        ax.plot(*zip(*pts), marker="o", label=name)
+    ax.plot(xs, [first[d]["lru_l1_hit_ratio"] for d in sizes], "k--", label="LRU(L1)")
+    ax.plot(xs, [first[d]["lru_total_hit_ratio"] for d in sizes], "k-.", label="LRU(L1+L2)")
+    ax.axhline(first[sizes[0]]["infinite_hit_ratio"], color="grey", ls=":", label="infinite")
+    top = max([first[sizes[0]]["infinite_hit_ratio"]] + [r["hit_ratio"] for r in res])
+    ax.set(xscale="log", xlabel="L1 capacity (tokens)", ylabel="prompt tokens hit",
+           ylim=(0, min(1.0, 1.15 * top) or 1.0),
+           title=f"{os.path.basename(report['trace']['path'])}: L2 = {report['host_ratio']:g} x L1")
+    ax.legend(fontsize="small")
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def environment() -> dict[str, Any]:
+    """Date, backend, device, jax version, CPU count and load average: recorded in the JSON."""
+    import jax
+
+    dev = jax.devices()[0]
+    return {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "backend": jax.default_backend(), "device_kind": getattr(dev, "device_kind", str(dev)),
+            "jax": jax.__version__, "cpu_count": os.cpu_count(),
+            "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None}
