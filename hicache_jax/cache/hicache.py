@@ -31,11 +31,13 @@ from typing import Any, Callable, Hashable
 import numpy as np
 
 from hicache_jax.memory.device_pool import DevicePagePool
-from hicache_jax.errors import HiCacheError, OutOfPagesError
+from hicache_jax.errors import HiCacheError
 from hicache_jax.events.factory import make_recorder
 from hicache_jax.events.recorder import NullRecorder, Recorder
 from hicache_jax.events.records import EventBatch, KVEvent, Medium
+from hicache_jax.cache.completion import Completion
 from hicache_jax.cache.evictor import Evictor
+from hicache_jax.cache.removal import Removal
 from hicache_jax.memory.host_pool import HostPagePool
 from hicache_jax.cache.inflight import InFlight
 from hicache_jax.cache.introspection import cache_stats, check_cache
@@ -101,8 +103,7 @@ class HiCache:
         self._engine = transfer_engine(self._device, self._host)
         self._events: NullRecorder | Recorder = NullRecorder()  # the configured one: below
         self._threads = ThreadOwner()
-        self._port = CacheL3Port(spec, clock, self._tree, self._host,
-                                 lambda n: self._evict.take_host(n))
+        self._port = CacheL3Port(spec, clock, self._tree, self._host)
         self._l3 = open_l3(self._port, spec, cfg)  # NullL3Tier without storage
         # Last, so that nothing stays bound when anything above raises. Off: NullRecorder.
         try:
@@ -110,24 +111,27 @@ class HiCache:
         except BaseException:  # e.g. a port in use: release the L3 backend opened above
             self._l3.close()
             raise
-        self._port.events = self._events
         self._init_state()  # its parts take the recorder and the L3 tier
 
     def _init_state(self) -> None:
-        self._owner = DevicePageOwners(self.cfg.device_pages)
+        """Build the parts in dependency order, each given what it needs (ARCHITECTURE.md,
+        "The cache's parts"); ``reset()`` builds them again."""
+        cfg, tree, events = self.cfg, self._tree, self._events
+        dev, host = self._device.allocator, self._host.allocator
+        self._owner = DevicePageOwners(cfg.device_pages)
         self._caller_locks: dict[TreeNode, int] = {}
         self._n: collections.Counter[str] = collections.Counter()
-        self._flight = InFlight(self.spec, self._tree, self._engine, self._device.allocator,
-                                self._host.allocator, self._owner, self._events, self._n,
-                                self._l3.on_backup)
+        self._flight = InFlight(self.spec, tree, self._engine, dev, host, self._owner, events,
+                                self._n, self._l3.on_backup)
+        self._complete = Completion(self._engine, self._flight, self._l3)
+        self._removal = Removal(cfg, tree, dev, self._owner, events, self._n, self._flight,
+                                self._l3)
         self._write = make_write_policy(WriteContext(
-            self.cfg, self._tree, self._flight, self._n, self._device.allocator, self._events,
-            take_host=lambda n: self._evict.take_host(n),
-            evict_host=lambda k: self._evict.evict_host_leaves(k),
+            cfg, tree, self._flight, self._n, dev, events, host, self._removal, self._complete,
             back_up_new=self._l3.back_up_new))
-        self._evict = Evictor(self.cfg, self._tree, self._device.allocator, self._host.allocator,
-                              self._owner, self._events, self._n, self._flight,
-                              self._write, self._l3, self._complete)
+        self._evict = Evictor(cfg, tree, dev, self._n, self._flight, self._write,
+                              self._removal, self._complete)
+        self._port.bind(events, self._write)
 
     def _guard(self) -> None:
         """Every public call but ``stats()`` starts here: the owning thread passes at the cost
@@ -225,7 +229,7 @@ class HiCache:
         accepted, declined = take_chains(
             self._tree, [node for _, node in resolved], threshold=self.cfg.load_back_threshold,
             quota=self.cfg.load_back_quota, page_size=self._ps,
-            take=lambda k: self._evict.take(self._evict.device, k))
+            take=self._evict.take)
         self._n["load_backs_declined"] += declined
         if accepted:
             loaded = np.concatenate([ids for _, _, ids in accepted])
@@ -284,7 +288,7 @@ class HiCache:
         """
         n = check_int("n", n)
         self._complete(attach=True)
-        ids = self._evict.take(self._evict.device, n)
+        ids = self._evict.take(n)
         self._owner.to_caller(ids)
         return ids
 
@@ -369,7 +373,7 @@ class HiCache:
         """Delete host-only leaves worth ``num_tokens``; returns tokens freed on host."""
         num_tokens = check_int("num_tokens", num_tokens)
         self._complete(attach=True)
-        return self._evict.evict_host_leaves(num_tokens)
+        return self._removal.evict_host_leaves(num_tokens)
 
     @property
     def device_pool(self) -> DevicePagePool:
@@ -483,17 +487,3 @@ class HiCache:
         self._guard()
         check_cache(self._tree, self._owner, self._device.allocator, self._host.allocator,
                     self._flight, self._caller_locks, self._port, self._write.continuous_prefix)
-
-    # -- internals: transfers ----------------------------------------------------------------
-
-    def _complete(self, upto: Any = None, *, wait: bool = False, attach: bool = False) -> None:
-        """Apply finished transfers in dispatch order, first waiting for the transfer ``upto``
-        (a handle) or, with ``wait``, for all of them. ``attach``: also hang landed L3
-        prefetches in the tree -- only at the start of a public call, never inside an operation
-        that holds nodes (an attach may split them)."""
-        finished = self._engine.poll()
-        self._l3.poll(attach)
-        if finished:
-            self._flight.apply(finished)
-        if wait or upto is not None:
-            self._flight.apply(self._flight.wait(None if wait else upto))

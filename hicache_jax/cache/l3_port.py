@@ -12,7 +12,7 @@ Threading: the cache's thread only.
 from __future__ import annotations
 
 import collections
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
 
 import numpy as np
 
@@ -25,6 +25,13 @@ from hicache_jax.spec import KVSpec
 from hicache_jax.tree.node import TreeMatch, TreeNode
 
 
+class HostPageSource(Protocol):
+    """Where the port takes host pages: the one evict-and-retry path of the host tier."""
+
+    def take_host(self, n: int) -> np.ndarray:
+        """``n`` host page ids, evicting host pages as needed, or ``OutOfPagesError``."""
+
+
 class CacheL3Port:
     """What a HiCache gives its L3 tier.
 
@@ -33,17 +40,25 @@ class CacheL3Port:
         clock: the cache's clock.
         tree: the cache's tree.
         host: the cache's host pool.
-        take_host: host pages from the cache's one evict-and-retry path (may evict; raises
-            OutOfPagesError).
+
+    The L3 tier needs host pages (which may evict host pages) and host eviction tells the tier
+    first (``storage_write_policy="write_back"``), so the two cannot both be given the other at
+    construction: the port is built first, the tier with it, the cache's parts with the tier,
+    and then :meth:`bind` hands the port the parts' host-page source (again after ``reset()``).
     """
 
     def __init__(self, spec: KVSpec, clock: Callable[[], float], tree: RadixTree,
-                 host: HostPagePool, take_host: Callable[[int], np.ndarray]) -> None:
+                 host: HostPagePool) -> None:
         self.spec, self.clock = spec, clock
-        self._tree, self._host, self._take_host = tree, host, take_host
-        self.events: NullRecorder | Recorder = NullRecorder()  # the cache sets its recorder
+        self._tree, self._host = tree, host
+        self.events: NullRecorder | Recorder = NullRecorder()
+        self._host_pages: HostPageSource | None = None
         self._reserved = np.zeros(host.num_pages, np.bool_)
         self._locks: collections.Counter[TreeNode] = collections.Counter()
+
+    def bind(self, events: NullRecorder | Recorder, host_pages: "HostPageSource") -> None:
+        """The cache's recorder and host-page source (its write policy), once they exist."""
+        self.events, self._host_pages = events, host_pages
 
     def reset(self) -> None:
         """The cache forgot everything (the tier's prefetches were flushed first)."""
@@ -72,7 +87,7 @@ class CacheL3Port:
 
     def reserve_host_pages(self, n: int) -> np.ndarray:
         try:
-            ids = self._take_host(n)
+            ids = self._host_pages.take_host(n)
         except OutOfPagesError:  # what is free: a prefetch of fewer pages
             alloc = self._host.allocator
             ids = alloc.alloc(min(n, alloc.num_free))

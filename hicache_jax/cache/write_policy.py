@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import collections
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
@@ -36,7 +36,10 @@ from hicache_jax.memory.allocator import PageAllocator
 from hicache_jax.events.recorder import NullRecorder, Recorder
 from hicache_jax.events.records import Medium
 from hicache_jax.tree.eviction import FRESH_FIRST, eviction_order, hottest_first
+from hicache_jax.cache.completion import Completion
 from hicache_jax.cache.inflight import InFlight
+from hicache_jax.cache.page_take import Tier, take_pages
+from hicache_jax.cache.removal import Removal
 from hicache_jax.tree.radix import RadixTree
 from hicache_jax.spec import HiCacheConfig, WritePolicy
 from hicache_jax.tree.node import TreeNode
@@ -52,8 +55,9 @@ class WriteContext:
     counters: collections.Counter
     device_allocator: PageAllocator
     events: NullRecorder | Recorder
-    take_host: Callable[[int], np.ndarray]   # host pages, evicting as needed (or OutOfPages)
-    evict_host: Callable[[int], int]         # delete host-only leaves: tokens -> tokens freed
+    host_allocator: PageAllocator
+    removal: Removal                         # deletes host-only leaves (the plain host room)
+    complete: Completion                     # waits for copies parked host pages are under
     back_up_new: bool                        # L3 write_through: back up new leaves at insert
 
 
@@ -72,6 +76,16 @@ class WriteStrategy:
         self._cfg, self._dev, self._n = ctx.cfg, ctx.device_allocator, ctx.counters
         self._ps = ctx.tree.page_size
         self.largest_alloc = 0  # pages: clean_ahead's auto reserve follows it
+        # Host eviction frees exactly the unlocked host-only nodes (and, under clean_ahead,
+        # redundant host copies), and parked pages come free when their copies land, so a host
+        # page request that cannot be met fails before deleting anything.
+        self._host_tier = Tier(ctx.host_allocator, self.evict_host,
+                               lambda: self.host_evictable_pages() + ctx.flight.num_parked, False)
+
+    def take_host(self, n: int) -> np.ndarray:
+        """``n`` host pages (int32 ids) for a backup or an L3 prefetch, evicting host pages in
+        this policy's order as needed, else ``OutOfPagesError`` before evicting anything."""
+        return take_pages(self._host_tier, n, self._ps, self._ctx.flight, self._ctx.complete)
 
     def granted(self, n_pages: int) -> None:
         """A device allocation of ``n_pages`` succeeded (one that raised changes nothing)."""
@@ -87,7 +101,7 @@ class WriteStrategy:
         return max(1, min(max(dev // 16, 2 * self.largest_alloc), dev // 2))
 
     def claim(self, node: TreeNode) -> Any:
-        return self._ctx.flight.claim_backup(node, self.continuous_prefix, self._ctx.take_host)
+        return self._ctx.flight.claim_backup(node, self.continuous_prefix, self.take_host)
 
     def after_insert(self, res: Any, chunked: bool, in_request: bool) -> None:
         """An insert happened (``res``: the tree's InsertResult; ``in_request``: a caller lock
@@ -113,7 +127,7 @@ class WriteStrategy:
 
     # host room: the plain path deletes host-only leaves
     def evict_host(self, num_tokens: int) -> int:
-        return self._ctx.evict_host(num_tokens)
+        return self._ctx.removal.evict_host_leaves(num_tokens)
 
     def host_evictable_pages(self) -> int:
         return self._ctx.tree.host_evictable_tokens // self._ps
@@ -216,7 +230,7 @@ class CleanAhead(WriteBack):
             ctx.counters["host_copies_dropped_tokens"] += node.num_tokens
             freed += node.num_tokens
         if freed < num_tokens:
-            freed += ctx.evict_host(num_tokens - freed)
+            freed += ctx.removal.evict_host_leaves(num_tokens - freed)
         return freed
 
 

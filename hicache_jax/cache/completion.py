@@ -1,0 +1,46 @@
+"""Completion of the transfers in flight: the one place that polls the transfer engine and the
+L3 tier and applies what finished, in dispatch order (:class:`~hicache_jax.cache.inflight.InFlight`).
+
+The facade calls it at the start of its public calls; the evict-and-retry path calls it when
+copies in flight are what holds the pages it needs (their locks, or host pages parked under
+them). Transfer completion is detected by polling ``is_ready()``, never signalled by a thread:
+JAX calls on the pools stay on the cache's thread (ARCHITECTURE.md, "Rules that keep it fast").
+
+Threading: the cache's thread only.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from hicache_jax.cache.inflight import InFlight
+from hicache_jax.memory.transfer import TransferEngine
+
+
+class Completion:
+    """Applies finished transfers of one cache.
+
+    Args:
+        engine: the cache's transfer engine (device <-> host copies).
+        flight: the cache's operations in flight (what each copy's landing changes).
+        l3: the cache's L3 tier (its puts and prefetches; a null tier without storage).
+    """
+
+    def __init__(self, engine: TransferEngine, flight: InFlight, l3: Any) -> None:
+        self._engine, self._flight, self._l3 = engine, flight, l3
+
+    def __call__(self, upto: Any = None, *, wait: bool = False, attach: bool = False) -> None:
+        """Apply finished transfers in dispatch order, first waiting for the transfer ``upto``
+        (a handle) or, with ``wait``, for all of them. ``attach``: also hang landed L3
+        prefetches in the tree -- only at the start of a public call, never inside an operation
+        that holds nodes (an attach may split them)."""
+        finished = self._engine.poll()
+        self._l3.poll(attach)
+        if finished:
+            self._flight.apply(finished)
+        if wait or upto is not None:
+            self._flight.apply(self._flight.wait(None if wait else upto))
+
+    def drain(self) -> None:
+        """Wait for every copy in flight and apply it (what holds pages that a caller needs)."""
+        self(None, wait=True)
