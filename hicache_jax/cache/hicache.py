@@ -1,32 +1,25 @@
 """HiCache: the public facade over the radix tree, the two page pools and the transfer engine.
 
-Semantics follow SGLang's HiCache (``hiradix_cache.py``); each piece of state has one owner:
-:class:`~hicache_jax.cache.ownership.DevicePageOwners` (every device page is free, the caller's or
-held by one node); :class:`~hicache_jax.cache.inflight.InFlight` (**write_backup** and **load_back**
-from claim to acknowledgement, in dispatch order); :mod:`~hicache_jax.cache.write_policy` (when to
-back up, the clean_ahead pass); :class:`~hicache_jax.cache.evictor.Evictor` (**evict**,
-**evict_host**, the one evict-and-retry path); :mod:`~hicache_jax.l3.tier` (the L3 tier, behind
-:class:`~hicache_jax.cache.l3_port.CacheL3Port`, which also records its host-page reservations).
-This class validates, polls, and calls those; :meth:`HiCache.check_invariants` checks every
-invariant of DESIGN.md (:mod:`hicache_jax.cache.introspection`).
-
-Matches go stale (DESIGN.md, :mod:`hicache_jax.cache.match`). :meth:`insert` gets only pages: it
-refuses free pages and tree pages at other positions, but a stale page re-allocated to a caller
-cannot be told from a fresh one, which is why the request flow locks the match first.
+Semantics follow SGLang's HiCache (``hiradix_cache.py``). Each piece of state has one owner,
+a part built in dependency order in :meth:`HiCache._init_state` (ARCHITECTURE.md, "The cache's
+parts"); this class validates, polls, and calls them. Requests go through
+:class:`~hicache_jax.cache.request.Request` handles (:meth:`HiCache.begin`); the primitives stay
+public for schedulers that need them. Matches go stale (:mod:`hicache_jax.cache.match`):
+:meth:`insert` gets only pages, and a stale page re-allocated to a caller cannot be told from a
+fresh one, which is why the request flow locks the match first.
 
 Threading: one thread owns the cache and makes every call but :meth:`stats`
-(:mod:`hicache_jax.cache.thread_owner`), which any thread may make (reads only). Transfer completion
-is polled at the start of the public methods, never signalled by callbacks. After
+(:mod:`hicache_jax.cache.thread_owner`), which any thread may make (reads only). Transfer
+completion is polled at the start of the public methods, never signalled by callbacks. After
 :meth:`close`, every call but ``stats()`` raises.
 """
 
 from __future__ import annotations
 
 import collections
-import functools
 import threading
 import time
-from typing import Any, Callable, Hashable
+from typing import Any, Callable, Hashable, Sequence
 
 import numpy as np
 
@@ -45,11 +38,12 @@ from hicache_jax.cache.l3_port import CacheL3Port
 from hicache_jax.l3.tier import L3Tier, NullL3Tier, PrefetchHandle, open_l3
 from hicache_jax.cache.load_many import check_matches, take_chains
 from hicache_jax.cache.match import (Match, NodeRef, check_node, current, is_stale, node_ref,
-                               revalidate)
+                                     revalidate)
+from hicache_jax.cache.request import Request, begin, begin_many
 from hicache_jax.cache.ownership import ALLOCATED, CALLERS, DevicePageOwners
 from hicache_jax.tree.radix import RadixTree
 from hicache_jax.spec import HiCacheConfig, KVSpec
-from hicache_jax.cache.thread_owner import ThreadOwner
+from hicache_jax.cache.thread_owner import ThreadOwner, publishes
 from hicache_jax.memory.transfer import TransferEngine
 from hicache_jax.tree.node import TreeNode
 from hicache_jax.validation import check_bool, check_int, page_tokens
@@ -58,30 +52,15 @@ from hicache_jax.cache.write_policy import WriteContext, make_write_policy
 __all__ = ["HiCache", "Match", "NodeRef"]
 
 
-def _publishes(method: Callable) -> Callable:
-    """A public call that may record KV events: its events form one batch, sealed (published)
-    when it returns. With events off that is one no-op call of the NullRecorder. It runs the
-    owning-thread check (:meth:`HiCache._guard`) for the method."""
-    @functools.wraps(method)
-    def call(self: "HiCache", *args: Any, **kwargs: Any) -> Any:
-        self._guard()  # first: another thread must not seal the owner's batch
-        try:
-            return method(self, *args, **kwargs)
-        finally:
-            self._events.end_call()
-    return call
-
-
 class HiCache:
     """Hierarchical KV page cache: device pool (L1), host pool (L2), radix tree of prefixes.
 
     Args:
         spec: what one page holds.
         cfg: sizes and policies.
-        clock: time source of the tree's access stamps and of L3 deadlines (tests inject a
-            manual clock).
-        transfer_engine: builds the transfer engine from ``(device_pool, host_pool)``
-            (default :class:`~hicache_jax.memory.transfer.TransferEngine`; tests inject one that holds
+        clock: time source of access stamps and L3 deadlines (tests inject a manual clock).
+        transfer_engine: builds the transfer engine from ``(device_pool, host_pool)`` (default
+            :class:`~hicache_jax.memory.transfer.TransferEngine`; tests inject one that holds
             copies in flight).
     """
 
@@ -134,8 +113,7 @@ class HiCache:
         self._port.bind(events, self._write)
 
     def _guard(self) -> None:
-        """Every public call but ``stats()`` starts here: the owning thread passes at the cost
-        of one ``get_ident()``; anything else goes to :meth:`ThreadOwner.take`."""
+        """Every public call but ``stats()``: the owner passes for one ``get_ident()``."""
         if threading.get_ident() != self._threads.ident:
             self._threads.take()
 
@@ -144,7 +122,7 @@ class HiCache:
 
     # -- public API --------------------------------------------------------------------------
 
-    @_publishes
+    @publishes
     def match_prefix(self, tokens: Any, extra_key: Hashable = None) -> Match:
         """Longest cached whole-page prefix of ``tokens`` on device, then on host.
 
@@ -159,25 +137,33 @@ class HiCache:
         self._complete(attach=True)
         self._l3.before_match(arr, extra_key)
         tm = self._tree.match(arr, extra_key, validated=True)
-        self._n["match_tokens"] += len(tokens) // self._ps * self._ps
+        self._n["match_tokens"] += arr.shape[0]
         self._n["device_hit_tokens"] += tm.device_len
         self._n["host_hit_tokens"] += tm.host_len
         return Match(tm.device_pages, tm.device_len, tm.host_len,
                      node_ref(tm.node, tm.last_device_node))
 
-    @_publishes
-    def prefetch(self, tokens: Any, extra_key: Hashable = None) -> PrefetchHandle | None:
-        """Start fetching from L3, into host pages, the pages of ``tokens`` beyond L1 + L2.
+    def begin(self, tokens: Any, extra_key: Hashable = None, *,
+              layerwise: bool = False) -> Request:
+        """Admit one request (match, load back, lock): its :class:`~hicache_jax.cache.request.Request`."""
+        return begin(self, tokens, extra_key, layerwise=layerwise)
 
-        Returns a :class:`~hicache_jax.l3.tier.PrefetchHandle` (``done()``, ``wait()``,
-        ``pages_found``) or None: no storage, nothing beyond L1 + L2, or L3 holds none of the next
-        pages. Fetched pages appear to :meth:`match_prefix` as host-only nodes per
-        ``cfg.prefetch_policy``."""
+    def begin_many(self, prompts: Sequence[Any], *, extra_keys: Sequence[Hashable] | None = None,
+                   budget: int | None = None, layerwise: bool = False) -> list[Request | None]:
+        """Admit a step's requests oldest first with ONE load-back transfer; None for those not
+        admitted (:func:`hicache_jax.cache.request.begin_many`)."""
+        return begin_many(self, prompts, extra_keys=extra_keys, budget=budget, layerwise=layerwise)
+
+    @publishes
+    def prefetch(self, tokens: Any, extra_key: Hashable = None) -> PrefetchHandle | None:
+        """Start fetching from L3 into host pages the pages of ``tokens`` beyond L1 + L2: a
+        :class:`~hicache_jax.l3.prefetch.PrefetchHandle`, or None (no storage, nothing beyond
+        L1 + L2, none in L3). They appear to :meth:`match_prefix` per ``cfg.prefetch_policy``."""
         arr = page_tokens(tokens, extra_key, self._ps)
         self._complete(attach=True)
         return self._l3.prefetch(arr, extra_key)
 
-    @_publishes
+    @publishes
     def load_back(self, match: Match, *, layerwise: bool = False) -> Match:
         """Copy the host-only part of ``match`` back to device pages.
 
@@ -188,12 +174,10 @@ class HiCache:
                 forward can ``wait_layer(l)`` per layer.
 
         Returns:
-            What holds the prefix of ``match.node`` now, on every path: a new :class:`Match`
-            with ``device_len`` grown and ``host_len == 0`` when loaded; when nothing is on host
-            or the load is declined (fewer host tokens than ``cfg.load_back_threshold``, more
-            than ``cfg.load_back_quota``, or no device pages even after eviction), ``match``
-            itself if it still describes the cache, else a new Match of the current device part
-            and host continuation. Leaves no lock for the caller (lock the result's node).
+            What holds the prefix of ``match.node`` now, on every path: loaded (``device_len``
+            grown, ``host_len == 0``), or nothing on host, or declined (fewer host tokens than
+            ``cfg.load_back_threshold``, more than ``cfg.load_back_quota``, no device pages):
+            ``match`` itself if still current, else a Match of the current state. No lock.
         """
         if not isinstance(match, Match) or not isinstance(match.node, NodeRef):
             raise TypeError(f"match must be a Match from match_prefix, got {type(match).__name__}")
@@ -204,7 +188,7 @@ class HiCache:
             return current(match, node, self._ps)
         return self._load_back([(match, node)], bool(layerwise))[0]
 
-    @_publishes
+    @publishes
     def load_back_many(self, matches: Any, *, layerwise: bool = False) -> list[Match]:
         """:meth:`load_back` of several matches (a batching scheduler's step) in ONE copy
         dispatch: each decided as ``load_back`` decides it, in list order, its chain cut where an
@@ -259,7 +243,7 @@ class HiCache:
         self._tree.lock(tnode)
         self._caller_locks[tnode] = self._caller_locks.get(tnode, 0) + 1
 
-    @_publishes  # clean_ahead's pass at unlock may give up host copies (BlockRemoved)
+    @publishes  # clean_ahead's pass at unlock may give up host copies (BlockRemoved)
     def unlock(self, node: NodeRef) -> None:
         """Undo one :meth:`lock` of ``node``. ``HiCacheError`` if the caller holds none."""
         node = check_node(self._tree, node)
@@ -273,7 +257,7 @@ class HiCache:
             self._caller_locks[node] = held - 1
         self._write.after_unlock()  # a request's end: its nodes are evictable again
 
-    @_publishes
+    @publishes
     def alloc_pages(self, n: int) -> np.ndarray:
         """Take ``n`` device pages for the caller, evicting as needed.
 
@@ -311,7 +295,7 @@ class HiCache:
         ids = self._check_pages(pages, CALLERS, "caller-owned (cached pages are read-only)")
         self._device.write(ids, kv)
 
-    @_publishes
+    @publishes
     def read_kv(self, pages: Any) -> Any:
         """KV of allocated device pages: ``spec.kv_shape(n)`` in ``spec.dtype`` (a new array)."""
         ids = self._check_pages(pages, ALLOCATED, "allocated")
@@ -320,10 +304,10 @@ class HiCache:
             self._complete(upto=load)
         return self._device.read(ids)
 
-    @_publishes
+    @publishes
     def insert(self, tokens: Any, pages: Any, extra_key: Hashable = None, *,
                chunked: bool = False, priority: int = 0) -> int:
-        """Cache the whole pages of ``tokens`` with ``pages`` (see DESIGN.md).
+        """Cache the whole pages of ``tokens`` with ``pages`` (ARCHITECTURE.md, "A request's data flow").
 
         Args:
             tokens: 1-D non-negative int sequence; a trailing partial page is ignored.
@@ -337,6 +321,39 @@ class HiCache:
         Returns:
             Tokens already cached (either tier) before the call.
         """
+        return self._insert(tokens, pages, extra_key, chunked, priority)[0].prefix_len
+
+    @publishes
+    def insert_locked(self, tokens: Any, pages: Any, node: NodeRef,
+                      extra_key: Hashable = None) -> Match:
+        """:meth:`insert` for a request that goes on (SGLang's ``cache_unfinished_req``): the
+        caller's lock on ``node`` moves to the inserted prefix, which other requests then hit.
+        Counts no hit (``chunked``). What :meth:`Request.commit` calls.
+
+        Returns:
+            The Match of ``tokens`` now, locked for the caller: its ``device_pages`` are the
+            tree's (where another request inserted a page first, the caller's was freed).
+
+        Raises:
+            HiCacheError: the caller holds no lock on ``node``; ValueError / TypeError as
+                :meth:`insert`; before any change.
+        """
+        if not self._caller_locks.get(check_node(self._tree, node)):
+            raise HiCacheError(f"insert_locked: the caller holds no lock on {node!r}")
+        arr = self._insert(tokens, pages, extra_key, True, 0)[1]
+        tm = self._tree.match(arr, extra_key, validated=True)
+        m = Match(tm.device_pages, tm.device_len, tm.host_len,
+                  node_ref(tm.node, tm.last_device_node))
+        if m.device_len != arr.shape[0]:
+            raise HiCacheError(f"inserted {arr.shape[0]} tokens but {m.device_len} are "
+                               "on device: the cache lost pages its caller holds")
+        self.lock(m.node)
+        self.unlock(node)
+        return m
+
+    def _insert(self, tokens: Any, pages: Any, extra_key: Hashable, chunked: bool,
+                priority: int) -> tuple[Any, np.ndarray]:
+        """The tree's InsertResult and the whole-page tokens inserted."""
         check_bool("chunked", chunked)
         check_int("priority", priority, -(2**62), 2**62)
         arr = page_tokens(tokens, extra_key, self._ps)
@@ -359,16 +376,16 @@ class HiCache:
         if res.last_node.parent is not None and res.last_node not in res.existing_nodes:
             self._events.stored(res.last_node, Medium.DEVICE)
         self._write.after_insert(res, bool(chunked), bool(self._caller_locks))
-        return res.prefix_len
+        return res, arr
 
-    @_publishes
+    @publishes
     def evict(self, num_tokens: int) -> int:
         """Free at least ``num_tokens`` device tokens if possible; returns tokens freed."""
         num_tokens = check_int("num_tokens", num_tokens)
         self._complete(attach=True)
         return self._evict.evict_device(num_tokens)
 
-    @_publishes
+    @publishes
     def evict_host(self, num_tokens: int) -> int:
         """Delete host-only leaves worth ``num_tokens``; returns tokens freed on host."""
         num_tokens = check_int("num_tokens", num_tokens)
@@ -385,35 +402,30 @@ class HiCache:
 
     @property
     def host_pool(self) -> HostPagePool:
-        """The host pool (L2), for inspection (``read``); the cache owns its pages."""
         self._guard()
         return self._host
 
     @property
     def tree(self) -> RadixTree:
-        """The radix tree, for inspection (``nodes()``, ``snapshot()``): do not modify it."""
         self._guard()
         return self._tree
 
     @property
     def l3(self) -> L3Tier | NullL3Tier:
-        """The L3 tier (:class:`~hicache_jax.l3.tier.NullL3Tier` without storage), for inspection."""
         self._guard()
         return self._l3
 
     @property
     def transfer_engine(self) -> TransferEngine:
-        """The transfer engine (what ``transfer_engine=`` built), for inspection."""
         self._guard()
         return self._engine
 
     def page_owners(self) -> np.ndarray:
-        """int8 ``[device_pages]`` copy: the :class:`~hicache_jax.cache.ownership.PageOwner` of each
-        device page (free, the caller's, the tree's)."""
+        """int8 ``[device_pages]`` copy: each device page's :class:`~hicache_jax.cache.ownership.PageOwner`."""
         self._guard()
         return self._owner.owners()
 
-    @_publishes
+    @publishes
     def flush(self) -> None:
         """Wait for every transfer in flight (L3 puts and prefetches too) and apply it."""
         self._complete(upto=None, wait=True)
@@ -431,6 +443,11 @@ class HiCache:
             self._events.close()  # the ZMQ publisher sends what is queued and unbinds
             self._threads.close()
 
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` was called (any thread may read it)."""
+        return self._threads.closed
+
     def release_thread(self) -> None:
         """Hand the cache over: the owning thread gives it up and the next call from any thread
         takes it (e.g. built and warmed up on one thread, served from a scheduler thread).
@@ -441,22 +458,18 @@ class HiCache:
         self._threads.release()
 
     def take_events(self) -> list[KVEvent]:
-        """KV events (BlockStored / BlockRemoved / AllBlocksCleared, one per page) since the
-        last take, oldest first: the batches of :meth:`take_event_batches`, flattened.
-        ``HiCacheError`` when events are off (the default) or go to ZMQ: build the cache with
-        ``kv_events={"publisher": "queue"}``."""
+        """KV events (one per page) since the last take, oldest first; ``HiCacheError`` unless
+        built with ``kv_events={"publisher": "queue"}``."""
         self._guard()
         return self._events.take()
 
     def take_event_batches(self) -> list[EventBatch]:
-        """The event batches (one per public call that recorded any) since the last take, each
-        with its ``seq``: a gap means the buffer (``buffer_steps``) was full and the oldest
-        batches were dropped (``stats()["kv_event_batches_dropped"]``). Raises as
-        :meth:`take_events`."""
+        """The event batches (one per public call) since the last take; a gap in ``seq``: the
+        oldest were dropped (``stats()["kv_event_batches_dropped"]``). Raises as take_events."""
         self._guard()
         return self._events.take_batches()
 
-    @_publishes
+    @publishes
     def reset(self) -> None:
         """Wait for transfers, then forget everything: tree, caller pages and locks, counters
         (the L3 store keeps its entries, and its client's ``l3_store_*`` counters)."""
@@ -470,20 +483,15 @@ class HiCache:
         self._events.cleared()
 
     def stats(self) -> dict[str, Any]:
-        """Counters and occupancy of both tiers (pure: does not poll transfers).
-
-        The one call that any thread may make, also after :meth:`close`: it only reads, and
-        reads made while the owner is inside a call may be mutually inconsistent."""
+        """Counters and occupancy of both tiers. Pure (no polling); any thread may call it, also
+        after :meth:`close` (figures read while the owner is inside a call may disagree)."""
         return cache_stats(self._n, self._device.allocator, self._host.allocator, self._tree,
                            self._owner, len(self._flight), self._write.reserve_pages()) \
             | self._events.stats() | self._l3.stats()
 
     def check_invariants(self) -> None:
-        """Check every invariant of DESIGN.md on the whole cache (O(cache): for tests).
-
-        Raises:
-            HiCacheError: naming the first broken invariant.
-        """
+        """Check every invariant (ARCHITECTURE.md) on the whole cache, O(cache), for tests;
+        ``HiCacheError`` names the first broken one."""
         self._guard()
         check_cache(self._tree, self._owner, self._device.allocator, self._host.allocator,
                     self._flight, self._caller_locks, self._port, self._write.continuous_prefix)

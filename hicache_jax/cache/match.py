@@ -151,3 +151,16 @@ def check_node(tree: RadixTree, node: Any) -> TreeNode:
         raise HiCacheError(f"{node!r} is not in this cache (evicted and deleted since the "
                            "match, or from another cache): match again")
     return node._node
+
+
+def unprotected_device_pages(ref: NodeRef, seen: set[TreeNode]) -> int:
+    """Device pages of ``ref``'s match that no lock protects now and that no node in ``seen``
+    already counted: what locking the match takes out of the evictable pages. The nodes counted
+    join ``seen`` (several matches of one admission share their common prefix's)."""
+    node, n = ref._anchor, 0
+    while node.parent is not None and node not in seen:
+        if node.lock_ref == 0:
+            n += node.num_pages
+        seen.add(node)
+        node = node.parent
+    return n

@@ -9,7 +9,10 @@ calling) is one ``threading.get_ident()`` compared with :attr:`ThreadOwner.ident
 
 from __future__ import annotations
 
+import functools
+
 import threading
+from typing import Any, Callable
 
 from hicache_jax.errors import HiCacheError
 
@@ -56,3 +59,17 @@ class ThreadOwner:
     def close(self) -> None:
         with self._lock:
             self.closed, self.ident = True, None
+
+
+def publishes(method: Callable) -> Callable:
+    """A public call that may record KV events: its events form one batch, sealed (published)
+    when it returns. With events off that is one no-op call of the NullRecorder. It runs the
+    owning-thread check (:meth:`HiCache._guard`) for the method."""
+    @functools.wraps(method)
+    def call(self: Any, *args: Any, **kwargs: Any) -> Any:
+        self._guard()  # first: another thread must not seal the owner's batch
+        try:
+            return method(self, *args, **kwargs)
+        finally:
+            self._events.end_call()
+    return call

@@ -1,0 +1,254 @@
+"""Request: one request's walk through the cache, as a handle (what serving loops call).
+
+A serving stack's scheduler speaks in requests: admit one (match its prompt, load the host part
+back, lock the prefix), give it device pages as it prefills and decodes, make its prompt
+shareable once computed, and at the end cache what it computed and release the rest. The handle
+does exactly the primitive calls (:meth:`HiCache.match_prefix`, :meth:`~HiCache.load_back`,
+:meth:`~HiCache.lock`, :meth:`~HiCache.alloc_pages`, :meth:`~HiCache.insert`,
+:meth:`~HiCache.free_pages`, :meth:`~HiCache.unlock`) in the one order that leaks nothing:
+
+```python
+with cache.begin(prompt) as req:          # match + load_back + lock
+    new = req.extend(len(prompt) - req.cached_len)   # device pages for the uncached part
+    ...                                   # the model writes K/V into req.device_pages in place
+    req.commit(prompt)                    # the prompt's whole pages become shareable now
+    new = req.extend(1)                   # one more token (a new page at page boundaries)
+    req.finish(all_tokens)                # insert the whole pages, unlock, free the rest
+```
+
+Leaving the block by an exception -- or without :meth:`Request.finish` -- aborts: nothing more is
+inserted (what :meth:`Request.commit` inserted stays cached: it is a valid prefix), every page the
+request still owns is freed and its lock released. :func:`begin_many` admits several requests
+at once with one load-back transfer.
+
+Threading: the cache's thread only (a handle calls its cache).
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import TYPE_CHECKING, Any, Hashable, Sequence
+
+import numpy as np
+
+from hicache_jax.cache.match import Match, NodeRef, unprotected_device_pages
+from hicache_jax.errors import HiCacheError
+from hicache_jax.validation import check_bool, check_int, page_tokens
+
+if TYPE_CHECKING:  # the facade imports this module; a handle only calls the facade it is given
+    from hicache_jax.cache.hicache import HiCache
+
+_EMPTY = np.zeros(0, np.int32)
+
+
+class _State(enum.Enum):
+    OPEN = "open"
+    FINISHED = "finished"
+    ABORTED = "aborted"
+
+
+class Request:
+    """A request admitted by :meth:`HiCache.begin` / :meth:`HiCache.begin_many`.
+
+    Attributes (read-only):
+        device_pages: int32 ``[k]`` the request's device pages so far, root first: the cached
+            prefix's (locked, the tree's), then its own (from :meth:`extend`).
+        cached_len: tokens of the prompt served from the cache at admission (on device after
+            the load-back), a multiple of ``page_size``.
+        loaded_len: of those, tokens loaded back from host for this request.
+        host_len_declined: host-only tokens of the prompt not loaded (declined by the
+            threshold or the quota, or no device pages): the caller recomputes them.
+        num_tokens: tokens the pages hold room for: ``cached_len`` + what :meth:`extend` added.
+        load_handle: with ``layerwise=True``, the load-back's handle (``wait_layer(l)``) or None.
+        state: ``"open"``, ``"finished"`` or ``"aborted"``.
+    """
+
+    def __init__(self, cache: "HiCache", extra_key: Hashable, match: Match, loaded: int) -> None:
+        self._cache, self._extra_key, self._ps = cache, extra_key, cache.spec.page_size
+        self._node: NodeRef = match.node
+        self._pages = np.asarray(match.device_pages, np.int32)
+        self._own_from = self._pages.size  # pages before this index are the tree's (locked)
+        self.cached_len = match.device_len
+        self.loaded_len = loaded
+        self.host_len_declined = match.host_len
+        self.load_handle = match.load_handle
+        self._len = match.device_len
+        self._state = _State.OPEN
+
+    # -- reading -----------------------------------------------------------------------------
+
+    @property
+    def device_pages(self) -> np.ndarray:
+        return self._pages.copy()
+
+    @property
+    def num_tokens(self) -> int:
+        return self._len
+
+    @property
+    def state(self) -> str:
+        return self._state.value
+
+    def __repr__(self) -> str:
+        return (f"Request({self._state.value}, cached={self.cached_len}, tokens={self._len}, "
+                f"pages={self._pages.size})")
+
+    # -- the walk ----------------------------------------------------------------------------
+
+    def extend(self, n_tokens: int) -> np.ndarray:
+        """Room for ``n_tokens`` more tokens: the new device pages it takes (int32, possibly
+        none while the last page has room), owned by the request until :meth:`finish`.
+
+        Raises:
+            OutOfPagesError: not enough free + evictable pages; the request is as it was.
+            HiCacheError: the request has ended.
+        """
+        self._check_open("extend")
+        n_tokens = check_int("n_tokens", n_tokens)
+        total = self._len + n_tokens
+        need = -(-total // self._ps) - self._pages.size
+        new = self._cache.alloc_pages(need) if need > 0 else _EMPTY
+        self._pages = np.concatenate([self._pages, new]).astype(np.int32, copy=False)
+        self._len = total
+        return new
+
+    def commit(self, tokens: Any) -> int:
+        """Insert the whole pages of ``tokens`` (the request's tokens so far, e.g. its prompt
+        once prefilled) so that other requests hit them while this one decodes; the request's
+        lock moves to the new deepest node. A page another request inserted first at the same
+        position replaces this request's (which the cache frees). Counts no hit (as a chunk of
+        a chunked prefill does).
+
+        Returns:
+            Tokens of the request now held by the tree (locked for it).
+
+        Raises:
+            ValueError / TypeError: ``tokens`` malformed, or longer than :attr:`num_tokens`.
+            HiCacheError: the request has ended.
+        """
+        self._check_open("commit")
+        full = self._whole_pages(tokens)
+        if full <= self._own_from:
+            return self._own_from * self._ps
+        m = self._cache.insert_locked(tokens[:full * self._ps], self._pages[:full], self._node,
+                                      self._extra_key)
+        self._pages = np.concatenate([m.device_pages, self._pages[full:]]).astype(np.int32)
+        self._node, self._own_from = m.node, full
+        return m.device_len
+
+    def finish(self, tokens: Any, *, priority: int = 0) -> int:
+        """Cache the whole pages of ``tokens`` (everything the request computed: prompt and
+        output), then free the pages beyond them (a partial last page, room never used) and
+        release the lock. The request has ended.
+
+        Returns:
+            Tokens that were already cached before the insert (:meth:`HiCache.insert`).
+
+        Raises:
+            ValueError / TypeError: ``tokens`` malformed or longer than :attr:`num_tokens`,
+                before any change (the request stays open).
+            HiCacheError: the request has ended already (finished or aborted).
+        """
+        self._check_open("finish")
+        full = self._whole_pages(tokens)
+        cache = self._cache
+        prefix = cache.insert(tokens[:full * self._ps], self._pages[:full], self._extra_key,
+                              priority=priority) if full else 0
+        self._own_from = max(full, self._own_from)
+        self._release()
+        self._state = _State.FINISHED
+        return prefix
+
+    def abort(self) -> None:
+        """Release everything without inserting more: free the request's own pages, drop its
+        lock. A no-op on a request that has ended, and on one whose cache was closed (closing
+        released everything)."""
+        if self._state is not _State.OPEN:
+            return
+        self._state = _State.ABORTED
+        if not self._cache.closed:
+            self._release()
+
+    def __enter__(self) -> "Request":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.abort()  # after finish() a no-op; otherwise nothing leaks
+
+    # -- internals ---------------------------------------------------------------------------
+
+    def _release(self) -> None:
+        own = self._pages[self._own_from:]
+        if own.size:
+            self._cache.free_pages(own)
+        self._cache.unlock(self._node)
+        self._pages = self._pages[:self._own_from]
+
+    def _check_open(self, what: str) -> None:
+        if self._state is not _State.OPEN:
+            raise HiCacheError(f"{what}() of a request that was {self._state.value}: begin a new "
+                               "request")
+
+    def _whole_pages(self, tokens: Any) -> int:
+        n = len(tokens)
+        if n > self._len:
+            raise ValueError(f"tokens has {n} tokens, but the request has room for "
+                             f"{self._len} (extend() first)")
+        return n // self._ps
+
+
+def begin_many(cache: "HiCache", prompts: Sequence[Any], *,
+               extra_keys: Sequence[Hashable] | None = None, budget: int | None = None,
+               layerwise: bool = False) -> list[Request | None]:
+    """Admit a scheduler step's requests, oldest (first in ``prompts``) first, with ONE
+    load-back transfer (:meth:`HiCache.load_back_many`).
+
+    Each admitted request takes ``ceil(len(prompt) / page_size)`` device pages in the end (its
+    matched prefix, its host part loaded or recomputed, its uncached rest), and its lock takes
+    its unprotected matched pages out of the evictable ones. Requests are admitted in order
+    while what they take fits ``budget`` pages (default, and at most: the free + evictable
+    device pages now), up to the first that does not: it and every later one are not admitted
+    (None), and nothing is loaded, locked or allocated for them. The pages themselves come at
+    :meth:`Request.extend`.
+
+    Raises:
+        TypeError / ValueError: malformed prompts, keys or budget, before any change.
+    """
+    prompts = list(prompts)
+    keys = [None] * len(prompts) if extra_keys is None else list(extra_keys)
+    if len(keys) != len(prompts):
+        raise ValueError(f"extra_keys has {len(keys)} keys for {len(prompts)} prompts")
+    if budget is not None:
+        budget = check_int("budget", budget)
+    check_bool("layerwise", layerwise)
+    ps = cache.spec.page_size
+    for t, k in zip(prompts, keys):
+        page_tokens(t, k, ps)  # every prompt checked before anything is matched
+    st = cache.stats()
+    avail = st["device_free_pages"] + st["device_evictable_pages"]
+    budget = avail if budget is None else min(budget, avail)
+    seen: set = set()
+    used, before = 0, []
+    for t, k in zip(prompts, keys):  # matched one by one: no hit counted beyond the first refused
+        m = cache.match_prefix(t, k)
+        used += -(-len(t) // ps) - m.device_pages.size + unprotected_device_pages(m.node, seen)
+        if used > budget:
+            break
+        before.append(m)
+    loaded = cache.load_back_many(before, layerwise=layerwise) if before else []
+    out: list[Request | None] = [None] * len(prompts)
+    for i, (m, lm) in enumerate(zip(before, loaded)):
+        cache.lock(lm.node)
+        out[i] = Request(cache, keys[i], lm, lm.device_len - m.device_len)
+    return out
+
+
+def begin(cache: "HiCache", tokens: Any, extra_key: Hashable = None, *,
+          layerwise: bool = False) -> Request:
+    """Admit one request: match, load the host part back (or not, as :meth:`HiCache.load_back`
+    decides), lock. Always admitted: its pages come at :meth:`Request.extend`, which raises
+    ``OutOfPagesError`` when they cannot be had."""
+    m = cache.match_prefix(tokens, extra_key)
+    lm = cache.load_back(m, layerwise=layerwise)
+    cache.lock(lm.node)
+    return Request(cache, extra_key, lm, lm.device_len - m.device_len)

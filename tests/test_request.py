@@ -1,0 +1,235 @@
+"""The request handle (hicache_jax/cache/request.py): the walk through the cache, its error paths
+(each leaves no page or lock behind and the invariants intact), and batched admission."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from hicache_jax import HiCacheError, OutOfPagesError
+from hicache_jax.cache.ownership import PageOwner
+
+from helpers import bookkeeping_spec, make_cache, random_bits
+
+SPEC = bookkeeping_spec(page_size=4)
+PS = SPEC.page_size
+
+
+def clean(cache) -> None:
+    """Invariants hold, and no page is the caller's and nothing is locked (once the copies in
+    flight, whose nodes stay locked until they land, have landed)."""
+    cache.check_invariants()
+    cache.flush()
+    st = cache.stats()
+    assert st["device_caller_pages"] == 0
+    assert st["device_protected_pages"] == 0
+    assert not (cache.page_owners() == PageOwner.CALLER).any()
+
+
+def prompt(n: int, start: int = 0) -> np.ndarray:
+    return np.arange(start, start + n, dtype=np.int32)
+
+
+def write(cache, pages) -> np.ndarray:
+    kv = random_bits(SPEC, len(pages), seed=int(pages.sum()) if len(pages) else 0)
+    cache.write_kv(pages, kv)
+    return kv
+
+
+def test_a_request_caches_its_whole_pages_and_frees_the_partial_one():
+    cache = make_cache(SPEC, device_pages=16, host_pages=32)
+    toks = prompt(10)
+    with cache.begin(toks) as req:
+        assert req.cached_len == 0 and req.num_tokens == 0
+        new = req.extend(len(toks))
+        assert new.size == 3 and req.num_tokens == 10  # 10 tokens: 2 whole pages + 1 partial
+        write(cache, new)
+        req.extend(1)                                  # room in the partial page: no new page
+        assert req.device_pages.size == 3
+        assert req.finish(np.append(toks, 99)) == 0
+        assert req.state == "finished"
+    m = cache.match_prefix(np.append(toks, 99))
+    assert m.device_len == 8
+    clean(cache)
+
+
+def test_the_second_request_hits_and_reads_the_first_requests_bytes():
+    cache = make_cache(SPEC, device_pages=16, host_pages=32)
+    toks = prompt(12)
+    with cache.begin(toks) as req:
+        kv = write(cache, req.extend(12))
+        req.finish(toks)
+    with cache.begin(np.append(toks, [7, 7, 7, 7])) as req:
+        assert req.cached_len == 12 and req.host_len_declined == 0
+        np.testing.assert_array_equal(np.asarray(cache.read_kv(req.device_pages)).view(kv.dtype), kv)
+        req.extend(4)
+        req.finish(np.append(toks, [7, 7, 7, 7]))
+    clean(cache)
+
+
+def test_a_host_hit_is_loaded_back_at_begin():
+    cache = make_cache(SPEC, device_pages=8, host_pages=32, write_policy="write_through")
+    toks = prompt(16)
+    with cache.begin(toks) as req:
+        kv = write(cache, req.extend(16))
+        req.finish(toks)
+    cache.flush()
+    cache.evict(10**6)
+    assert cache.match_prefix(toks).host_len == 16
+    with cache.begin(toks) as req:
+        assert req.cached_len == 16 and req.loaded_len == 16
+        got = np.asarray(cache.read_kv(req.device_pages)).view(kv.dtype)
+        np.testing.assert_array_equal(got, kv)
+        req.finish(toks)
+    clean(cache)
+
+
+def test_commit_makes_the_prompt_shareable_while_the_request_decodes():
+    cache = make_cache(SPEC, device_pages=16, host_pages=32)
+    toks = prompt(8)
+    a = cache.begin(toks)
+    write(cache, a.extend(8))
+    assert a.commit(toks) == 8
+    assert cache.match_prefix(toks).device_len == 8       # another request hits it now
+    with cache.begin(toks) as b:
+        assert b.cached_len == 8
+        np.testing.assert_array_equal(b.device_pages, a.device_pages)
+        b.finish(toks)
+    a.extend(3)
+    a.finish(np.append(toks, [1, 2, 3]))
+    clean(cache)
+
+
+def test_commit_of_a_page_another_request_inserted_first_takes_the_trees_page():
+    cache = make_cache(SPEC, device_pages=16, host_pages=32)
+    toks = prompt(8)
+    a, b = cache.begin(toks), cache.begin(toks)
+    pa, pb = a.extend(8), b.extend(8)
+    write(cache, pa), write(cache, pb)
+    a.finish(toks)
+    b.commit(toks)          # b's duplicates are freed; b now holds the tree's (a's) pages
+    np.testing.assert_array_equal(b.device_pages, pa)
+    assert cache.stats()["duplicate_pages_freed"] == 2
+    b.finish(toks)
+    clean(cache)
+
+
+def test_an_exception_inside_the_block_aborts_and_inserts_nothing():
+    cache = make_cache(SPEC, device_pages=16, host_pages=32)
+    toks = prompt(8)
+    with pytest.raises(RuntimeError, match="model failed"):
+        with cache.begin(toks) as req:
+            req.extend(8)
+            raise RuntimeError("model failed")
+    assert req.state == "aborted"
+    assert cache.match_prefix(toks).device_len == 0
+    assert cache.stats()["device_free_pages"] == 16
+    clean(cache)
+
+
+def test_leaving_the_block_without_finish_aborts_but_keeps_what_was_committed():
+    cache = make_cache(SPEC, device_pages=16, host_pages=32)
+    toks = prompt(8)
+    with cache.begin(toks) as req:
+        req.extend(10)
+        req.commit(toks)
+    assert req.state == "aborted"
+    assert cache.match_prefix(toks).device_len == 8
+    clean(cache)
+
+
+def test_out_of_pages_in_extend_leaves_the_request_as_it_was():
+    cache = make_cache(SPEC, device_pages=4, host_pages=8)
+    other = cache.begin(prompt(8, 100))
+    other.extend(8)                       # 2 pages owned by another request
+    with cache.begin(prompt(16)) as req:
+        req.extend(4)
+        before = (req.device_pages.copy(), req.num_tokens, cache.stats()["device_free_pages"])
+        with pytest.raises(OutOfPagesError):
+            req.extend(8)                 # needs 2 more: 1 free, nothing evictable
+        assert (req.device_pages.tolist(), req.num_tokens,
+                cache.stats()["device_free_pages"]) == (before[0].tolist(), *before[1:])
+        cache.check_invariants()
+        req.finish(prompt(4))
+    other.abort()
+    clean(cache)
+
+
+def test_finish_after_abort_and_double_finish_raise_and_abort_after_finish_is_a_no_op():
+    cache = make_cache(SPEC, device_pages=16, host_pages=32)
+    req = cache.begin(prompt(8))
+    req.extend(8)
+    req.abort()
+    with pytest.raises(HiCacheError, match="aborted"):
+        req.finish(prompt(8))
+    with pytest.raises(HiCacheError, match="aborted"):
+        req.extend(1)
+    req.abort()                           # again: a no-op
+    req2 = cache.begin(prompt(8))
+    req2.extend(8)
+    req2.finish(prompt(8))
+    with pytest.raises(HiCacheError, match="finished"):
+        req2.finish(prompt(8))
+    with pytest.raises(HiCacheError, match="finished"):
+        req2.commit(prompt(8))
+    req2.abort()
+    assert req2.state == "finished"
+    clean(cache)
+
+
+def test_bad_tokens_at_finish_raise_before_any_change():
+    cache = make_cache(SPEC, device_pages=16, host_pages=32)
+    req = cache.begin(prompt(8))
+    req.extend(8)
+    with pytest.raises(ValueError, match="room for 8"):
+        req.finish(prompt(12))
+    with pytest.raises((TypeError, ValueError)):
+        req.finish(np.full(8, -1))
+    with pytest.raises(ValueError, match="n_tokens"):
+        req.extend(-1)
+    assert req.state == "open" and req.device_pages.size == 2
+    req.finish(prompt(8))
+    clean(cache)
+
+
+def test_a_handle_of_a_closed_cache_raises_and_abort_is_a_no_op():
+    cache = make_cache(SPEC, device_pages=16, host_pages=32)
+    req = cache.begin(prompt(8))
+    req.extend(4)
+    cache.close()
+    assert cache.closed
+    with pytest.raises(HiCacheError):
+        req.extend(4)
+    with pytest.raises(HiCacheError):
+        req.finish(prompt(4))
+    req.abort()
+    assert req.state == "aborted"
+
+
+def test_begin_many_admits_oldest_first_within_the_budget_and_loads_nothing_for_the_rest():
+    cache = make_cache(SPEC, device_pages=16, host_pages=32, write_policy="write_through")
+    shared = prompt(8, 500)
+    with cache.begin(shared) as r:
+        r.extend(8)
+        r.finish(shared)
+    cache.flush()
+    cache.evict(10**6)                                 # shared prefix: host only now
+    prompts = [np.append(shared, prompt(4)), np.append(shared, prompt(8, 50)), prompt(40, 900)]
+    reqs = cache.begin_many(prompts, budget=8)         # 3 pages, then 4, then 10: stops at 3rd
+    assert [r is not None for r in reqs] == [True, True, False]
+    assert reqs[0].loaded_len == 8 and reqs[1].cached_len == 8
+    assert cache.stats()["load_backs"] == 1            # the overlap is loaded once
+    for r, p in zip(reqs[:2], prompts):
+        r.extend(len(p) - r.cached_len)
+        r.finish(p)
+    clean(cache)
+
+
+def test_begin_many_checks_every_prompt_before_matching_any():
+    cache = make_cache(SPEC, device_pages=16, host_pages=32)
+    with pytest.raises((TypeError, ValueError)):
+        cache.begin_many([prompt(8), np.full(4, -5)])
+    assert cache.stats()["match_tokens"] == 0
+    with pytest.raises(ValueError, match="extra_keys"):
+        cache.begin_many([prompt(8)], extra_keys=[None, None])
+    clean(cache)
