@@ -242,12 +242,12 @@ class KVRouter:
 # -- demo -----------------------------------------------------------------------------------
 
 def _serve(cache: Any, tokens: np.ndarray) -> None:
-    """The request flow of DESIGN.md, without the model (the pages' KV is not written)."""
-    m = cache.load_back(cache.match_prefix(tokens))
-    cache.lock(m.node)
-    new = cache.alloc_pages(tokens.size // cache.spec.page_size - m.device_pages.size)
-    cache.insert(tokens, np.concatenate([m.device_pages, new]))
-    cache.unlock(m.node)
+    """One request through the cache's handle, without the model (the pages' KV is not
+    written): begin (match, load back, lock), the pages it computes, finish (insert, unlock)."""
+    whole = tokens[:tokens.size // cache.spec.page_size * cache.spec.page_size]
+    with cache.begin(whole) as req:
+        req.extend(whole.size - req.cached_len)
+        req.finish(whole)
 
 
 def main() -> None:

@@ -137,7 +137,8 @@ class KVSpec:
 
     @property
     def bits_dtype(self) -> np.dtype:
-        """Unsigned integer of the dtype's width: what the pools store (DESIGN rule 1)."""
+        """Unsigned integer of the dtype's width: what the pools store (ARCHITECTURE.md: the
+        pool is stored as raw bits)."""
         return np.dtype(_BITS_DTYPE[self.dtype])
 
     @property

@@ -3,7 +3,7 @@
 Each check raises ``TypeError`` (wrong kind of value) or ``ValueError`` (right kind, bad value)
 with a message naming the argument, and returns the value in the form the caller keeps (a
 Python ``int``, an int32 numpy copy, an enum member). Array checks are whole-array numpy
-reductions, never a Python loop over elements (DESIGN rule 6).
+reductions, never a Python loop over elements (ARCHITECTURE.md: no per-token Python loops).
 
 Token ids are held as int32 by the tree (half the bytes of int64: the tree keeps every cached
 token of both tiers): :func:`as_tokens` refuses ids beyond ``2**31 - 1``, which every real

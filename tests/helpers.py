@@ -88,11 +88,10 @@ def make_cache(spec: KVSpec, device_pages: int = 16, host_pages: int = 32, **cfg
 
 
 def serve(cache: HiCache, tokens, extra_key=None) -> None:
-    """DESIGN.md's request flow without KV bytes: match, load_back, lock, alloc the rest of the
-    whole pages, insert, unlock."""
+    """One request without KV bytes, through the handle: begin (match, load back, lock), the
+    pages of the rest of the whole pages, finish (insert, unlock)."""
     tokens = np.asarray(tokens)
-    m = cache.load_back(cache.match_prefix(tokens, extra_key))
-    cache.lock(m.node)
-    new = cache.alloc_pages(tokens.size // cache.spec.page_size - m.device_pages.size)
-    cache.insert(tokens, np.concatenate([m.device_pages, new]), extra_key)
-    cache.unlock(m.node)
+    tokens = tokens[:tokens.size // cache.spec.page_size * cache.spec.page_size]
+    with cache.begin(tokens, extra_key) as req:
+        req.extend(tokens.size - req.cached_len)
+        req.finish(tokens)

@@ -1,6 +1,6 @@
 """Smoke test of benchmarks/bench_control_plane.py on a few requests of the shipped slice: it runs
 the worker subprocesses, prints every phase and the hit figures, and writes JSON (the comparison
-with the commit before issue 15 needs that commit's history: left to the benchmark's own runs)."""
+with the base commit needs that commit's history: left to the benchmark's own runs)."""
 
 from __future__ import annotations
 

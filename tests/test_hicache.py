@@ -26,7 +26,7 @@ def make(policy="write_through", *, device=16, host=32, ps=1, threshold=None, **
 
 
 def request(cache, kv, tokens, *, load=True, extra_key=None):
-    """The DESIGN.md request flow; returns the match used (after load_back)."""
+    """The request flow of ARCHITECTURE.md; returns the match used (after load_back)."""
     tokens = np.asarray(tokens, np.int64)
     ps = cache.spec.page_size
     m = cache.match_prefix(tokens, extra_key)

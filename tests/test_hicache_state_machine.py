@@ -6,7 +6,7 @@ evict / evict_host / flush / reset, and bad calls, on tiny pools so that evictio
 load_back happen all the time. Transfers are held in flight by a gate (:class:`GatedEngine`) and
 released at random, so splits, evictions and loads meet copies in flight.
 
-After every step: DESIGN.md's invariants and exact page accounting on both tiers
+After every step: the invariants (ARCHITECTURE.md) and exact page accounting on both tiers
 (``HiCache._check_invariants``), the KV events replayed by a router model equal the pages the
 cache holds on each tier, and every cached page — device or host — holds bit-exactly the bytes
 written for its prefix. The KV of a page is a pure function of (extra_key, tokens up to the end
@@ -197,7 +197,7 @@ def check_bytes(cache: HiCache, model: KVModel) -> None:
 
 
 def check_invariants(cache: HiCache) -> None:
-    """Full scan of DESIGN.md's invariants and exact page accounting on both tiers (O(cache))."""
+    """Full scan of the invariants (ARCHITECTURE.md) and exact page accounting on both tiers (O(cache))."""
     cache.check_invariants()
 
 

@@ -35,7 +35,7 @@ def make(url, device_pages=32, host_pages=64, **kw):
 
 
 def check_host_prefix(cache):
-    """DESIGN.md, write_through modes: a backed-up node's parent is backed up (a continuous
+    """ARCHITECTURE.md, write_through modes: a backed-up node's parent is backed up (a continuous
     prefix from the root), pages fetched from L3 included: no exception for them."""
     cache.check_invariants()  # the write-through modes' continuous host prefix among them
 
@@ -402,7 +402,7 @@ def test_chained_prefetch_gives_up_when_the_one_before_comes_up_short(url):
 @pytest.mark.parametrize("policy", ["write_through", "write_through_selective"])
 def test_fetch_starts_at_the_deepest_backed_up_node_and_backs_up_device_nodes(url, policy):
     """write_through modes: pages fetched from L3 attach below the deepest backed-up node
-    (DESIGN.md): the fetch starts there, the device node on the way takes its fetched pages as
+    (ARCHITECTURE.md): the fetch starts there, the device node on the way takes its fetched pages as
     its host copy (a HOST BlockStored event), the rest becomes a host-only leaf."""
     from hicache_jax import BlockStored, Medium
 

@@ -1,11 +1,14 @@
-"""The shape of the package that DESIGN.md draws (issue 16): no module imports a private name of
-another, every module stays under 500 lines, the module-level imports form no cycle, and the
-public objects users meet are exported."""
+"""The shape of the package (ARCHITECTURE.md, "Layers"): each layer imports only the layers below
+it, no module imports a private name of another, every module stays under 500 lines, the
+imports form no cycle (at import time or at run time), and the public objects users meet are
+exported."""
 
 from __future__ import annotations
 
 import ast
 import pathlib
+
+import pytest
 
 import hicache_jax
 
@@ -40,11 +43,24 @@ def test_every_module_is_under_500_lines():
     assert {p: n for p, n in sizes.items() if n >= 500} == {}
 
 
-def _top_level_edges(mod: str, tree: ast.Module) -> set[str]:
+def _type_checking_only(tree: ast.Module) -> set[int]:
+    """Line numbers of imports under ``if TYPE_CHECKING:`` (never executed)."""
+    lines = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and isinstance(node.test, ast.Name) \
+                and node.test.id == "TYPE_CHECKING":
+            lines.update(n.lineno for b in node.body for n in ast.walk(b) if hasattr(n, "lineno"))
+    return lines
+
+
+def _edges(mod: str, tree: ast.Module, run_time: bool = False) -> set[str]:
     """Imports executed when the module is imported (not under TYPE_CHECKING, not in a
-    function: a lazy import of an optional extra is not an edge of the graph)."""
-    edges = set()
-    for node in tree.body:
+    function); with ``run_time``, also those inside functions (a lazy import of an optional
+    extra still runs when its function does)."""
+    edges, skip = set(), _type_checking_only(tree)
+    for node in (ast.walk(tree) if run_time else tree.body):
+        if getattr(node, "lineno", None) in skip:
+            continue
         if isinstance(node, ast.ImportFrom) and node.module and node.level == 0 \
                 and node.module.startswith("hicache_jax") and node.module != mod:
             edges.add(node.module)
@@ -54,9 +70,10 @@ def _top_level_edges(mod: str, tree: ast.Module) -> set[str]:
     return edges
 
 
-def test_module_imports_form_no_cycle():
+@pytest.mark.parametrize("run_time", [False, True], ids=["import time", "run time"])
+def test_module_imports_form_no_cycle(run_time):
     mods = _modules()
-    graph = {m: {d for d in _top_level_edges(m, t) if d in mods} for m, t in mods.items()}
+    graph = {m: {d for d in _edges(m, t, run_time) if d in mods} for m, t in mods.items()}
     # a package's __init__ re-exports its submodules: the edges into it are not a cycle
     state: dict[str, int] = {}
     cycle: list[str] = []
@@ -89,3 +106,44 @@ def test_the_public_objects_are_exported():
     assert hicache_jax.StorageUnavailableError is StorageUnavailableError
     assert hicache_jax.StorageError is StorageError
     assert all(hasattr(hicache_jax, name) for name in hicache_jax.__all__)
+
+
+# The layers, bottom first (ARCHITECTURE.md): a module imports its own layer and those below.
+# The shared vocabulary (spec, errors, validation) is one layer; tree and memory are siblings.
+LAYER_RANK = {"vocabulary": 0, "tree": 1, "memory": 1, "events": 2, "l3": 3, "cache": 4,
+              "replay": 5, "engine": 6}
+VOCABULARY = {"spec", "errors", "validation"}
+
+
+def _layer(mod: str) -> str:
+    part = mod.split(".")[1] if "." in mod else "__init__"
+    return "vocabulary" if part in VOCABULARY else part
+
+
+def test_each_layer_imports_only_the_layers_below_it():
+    bad = []
+    for mod, tree in _modules().items():
+        a = _layer(mod)
+        if a in ("__init__", "__main__"):  # the package's front door re-exports every layer
+            continue
+        assert a in LAYER_RANK, f"{mod} is in no layer: add it to ARCHITECTURE.md and here"
+        for dep in _edges(mod, tree, run_time=True):
+            b = _layer(dep)
+            if b != a and not LAYER_RANK.get(b, 99) < LAYER_RANK[a]:
+                bad.append(f"{mod} ({a}) imports {dep} ({b})")
+    assert bad == []
+
+
+def test_the_kernels_import_nothing_of_the_cache():
+    kernels = pathlib.Path(hicache_jax.__file__).parent.parent / "pallas_kernels"
+    bad = [f"{p.name}: {dep}" for p in kernels.glob("*.py")
+           for dep in _edges("pallas_kernels", ast.parse(p.read_text()), run_time=True)]
+    assert bad == []
+
+
+def test_the_layer_rule_finds_an_upward_import():
+    tree = ast.parse("from hicache_jax.cache.hicache import HiCache\n")
+    assert _layer("hicache_jax.tree.radix") == "tree"
+    deps = _edges("hicache_jax.tree.radix", tree, run_time=True)
+    assert deps == {"hicache_jax.cache.hicache"}
+    assert not LAYER_RANK[_layer(next(iter(deps)))] < LAYER_RANK["tree"]

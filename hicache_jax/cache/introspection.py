@@ -1,4 +1,4 @@
-"""What a HiCache reports about itself: ``stats()`` and the invariants of DESIGN.md, checked on
+"""What a HiCache reports about itself: ``stats()`` and the invariants of ARCHITECTURE.md, checked on
 the whole cache (O(cache); tests call :meth:`HiCache.check_invariants` after every step).
 
 * Every device page is free, the caller's, or held by one tree node (checked by

@@ -1,6 +1,6 @@
 """Match and NodeRef: what :meth:`HiCache.match_prefix` and :meth:`HiCache.load_back` return.
 
-Matches go stale (DESIGN.md): a :class:`Match` names device pages; later calls may evict them.
+Matches go stale (ARCHITECTURE.md): a :class:`Match` names device pages; later calls may evict them.
 ``Match.node`` is a :class:`NodeRef` that remembers the deepest device node of the match and the
 epoch of its pages (the tree stamps a node each time it gets device pages), so
 :meth:`HiCache.lock` refuses a stale match and :meth:`HiCache.load_back` always returns what
@@ -56,7 +56,7 @@ class Match:
 
     A Match describes the cache when it was made. Calls that may evict (``alloc_pages``,
     ``load_back``, ``insert``, ``evict``, other requests' work) can free or move its device
-    pages: lock ``node`` before any of them (the request flow of DESIGN.md), or pass the match
+    pages: lock ``node`` before any of them (the request flow of ARCHITECTURE.md), or pass the match
     through :meth:`HiCache.load_back`, which always returns what holds the prefix now.
     :meth:`HiCache.lock` of a stale match raises :class:`HiCacheError` (match again).
 

@@ -3,15 +3,15 @@
 For every request, in order (the loop is **serial**: one request at a time, prefill then decode
 with a batch of one; it shows the cache's job, not a batching scheduler):
 
-1. ``match_prefix`` on the prompt minus its last token (the last token is always computed, for
-   the logits of the first generated token);
-2. ``load_back`` of the host-only part (layer-wise when enabled: the forward waits for layer
-   ``l``'s pages just before running layer ``l``);
-3. ``lock`` the matched prefix; ``alloc_pages`` for every position the request will compute
-   (prompt suffix + generated tokens but the last, whose K/V is never computed);
-4. prefill only the uncached suffix, in chunks of ``chunk_size`` tokens; greedy decode;
-5. ``insert`` the whole pages of prompt + output (minus its last token), free the trailing
-   partial page, ``unlock``.
+1. ``cache.begin`` on the prompt minus its last token (the last token is always computed, for
+   the logits of the first generated token): match, load back the host-only part (layer-wise
+   when enabled: the forward waits for layer ``l``'s pages just before running layer ``l``),
+   lock;
+2. ``extend`` for every position the request will compute (prompt suffix + generated tokens
+   but the last, whose K/V is never computed);
+3. prefill only the uncached suffix, in chunks of ``chunk_size`` tokens; greedy decode;
+4. ``finish``: insert the whole pages of prompt + output (minus its last token), free the
+   trailing partial page, unlock (an exception on the way aborts the request instead).
 
 Three modes: ``none`` (no prefix cache: pages are allocated and freed per request), ``device``
 (radix cache in device memory only: HiCache with ``host_pages=0``), ``hicache`` (L1 + L2).
@@ -174,50 +174,34 @@ class Engine:
 
     def _serve(self, prompt: np.ndarray, max_new: int) -> Generation:
         t0 = time.perf_counter()
-        cache, ps, n = self.cache, self.cache.spec.page_size, prompt.shape[0]
-        match = None
-        l1 = l2 = declined = 0
-        prefix = np.zeros(0, np.int32)
-        if self.mode is not CacheMode.NONE:
+        cache, n = self.cache, prompt.shape[0]
+        kv_len = n + max_new - 1  # positions with K/V: all but the last generated token
+        if self.mode is CacheMode.NONE:  # no tree: the request's pages are allocated and freed
+            pages = cache.alloc_pages(-(-kv_len // cache.spec.page_size))
+            try:
+                tokens, first_logits, ttft = self._run(prompt, 0, pages, max_new, None, t0)
+            finally:
+                cache.free_pages(pages)
+            l1 = l2 = declined = cached = 0
+        else:
             if self.prefetch:  # the engine matches the prompt minus its last token
                 cache.prefetch(prompt[:n - 1])
-            match = cache.match_prefix(prompt[:n - 1])
-            l1 = match.device_len
-            if match.host_len:
-                match = cache.load_back(match, layerwise=self.layerwise)
-            l2, declined = match.device_len - l1, match.host_len
-            prefix = match.device_pages
-            cache.lock(match.node)
-        try:
-            cached = prefix.shape[0] * ps
-            # Positions with K/V: the prompt and every generated token but the last.
-            kv_len = n + max_new - 1
-            new = cache.alloc_pages(-(-kv_len // ps) - prefix.shape[0])
-            pages = np.concatenate([prefix, new])
-            try:
-                tokens, first_logits, ttft = self._run(prompt, cached, pages, max_new, match, t0)
-            except BaseException:
-                # Nothing inserted yet: the request's own pages go back to the free list.
-                cache.free_pages(new)
-                raise
-            if self.mode is CacheMode.NONE:
-                cache.free_pages(new)
-            else:
-                full = kv_len // ps
-                cache.insert(np.concatenate([prompt, tokens])[:full * ps], pages[:full])
-                cache.free_pages(pages[full:])
-        finally:
-            if match is not None:
-                cache.unlock(match.node)
+            with cache.begin(prompt[:n - 1], layerwise=self.layerwise) as req:
+                cached = req.cached_len
+                req.extend(kv_len - cached)
+                tokens, first_logits, ttft = self._run(prompt, cached, req.device_pages, max_new,
+                                                       req.load_handle, t0)
+                req.finish(np.concatenate([prompt, tokens])[:kv_len])
+            l1, l2, declined = cached - req.loaded_len, req.loaded_len, req.host_len_declined
         record = RequestRecord(n, l1, l2, declined, n - cached, max_new, ttft,
                                time.perf_counter() - t0)
         self.records.append(record)
         return Generation(tokens, first_logits, record)
 
     def _run(self, prompt: np.ndarray, cached: int, pages: np.ndarray, max_new: int,
-             match: Any, t0: float) -> tuple[np.ndarray, np.ndarray, float]:
-        """Prefill ``prompt[cached:]`` in chunks, then decode; returns tokens, logits, TTFT."""
-        waiter = getattr(match, "load_handle", None)
+             waiter: Any, t0: float) -> tuple[np.ndarray, np.ndarray, float]:
+        """Prefill ``prompt[cached:]`` in chunks (the first waits per layer for ``waiter``, a
+        layer-wise load's handle, when given), then decode; returns tokens, logits, TTFT."""
         for c0 in range(cached, prompt.shape[0], self.chunk_size):
             chunk = prompt[c0:c0 + self.chunk_size]
             logits = self.model.forward(self.pool, chunk, c0, pages, waiter=waiter,

@@ -20,7 +20,7 @@ power-of-two page counts, so the number of compiles stays logarithmic in prompt 
 prefill chunks and decode tokens into one flat token list, bucketed as a whole (see there).
 
 Threading: every call dispatches on the caller's thread, which must be the thread that owns the
-pool (DESIGN rule 4).
+pool (ARCHITECTURE.md: one dispatching thread).
 """
 
 from __future__ import annotations

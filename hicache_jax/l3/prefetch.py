@@ -5,7 +5,7 @@
   reserved at once (host eviction first, never pages being loaded: reserved pages are in no tree
   node). The fetch base is the deepest node of the prompt's path with a host copy (the root if
   none) in the write_through modes, as in SGLang, so that fetched pages attach below a backed-up
-  node and the host copies stay a continuous prefix from the root (DESIGN.md); in write_back,
+  node and the host copies stay a continuous prefix from the root (ARCHITECTURE.md); in write_back,
   where that prefix is not required, it is the end of what L1 + L2 hold (nothing held is fetched
   again). The base is locked meanwhile (L2 eviction cannot remove it). Pages that land are copied
   into their host pages and attached root-first: a position the tree holds with a host copy keeps

@@ -16,7 +16,7 @@ from hicache_jax.validation import as_page_ids, is_int
 class PageIdChecker:
     """Validates page ids against a pool of ``num_pages`` on the per-call path, in O(k).
 
-    Both pools call it before every dispatch (DESIGN rule 5: JAX clamps / drops bad indices
+    Both pools call it before every dispatch (ARCHITECTURE.md: validate on the host, before dispatch: JAX clamps / drops bad indices
     silently). Valid ids are 1-D integers in ``[0, num_pages)``, distinct.
 
     Args:

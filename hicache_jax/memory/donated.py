@@ -1,7 +1,7 @@
 """What both pools share about their one array: the donated ``run`` step and the kv check.
 
-Each pool holds the only reference to its array and rebinds it after every update (DESIGN
-rule 2). :class:`DonatedArray` is the one implementation of "run a donated step on the array and
+Each pool holds the only reference to its array and rebinds it after every update (ARCHITECTURE.md:
+donate, and hold the only reference). :class:`DonatedArray` is the one implementation of "run a donated step on the array and
 check what comes back" that ``DevicePagePool.run`` and ``HostPagePool.run`` (and through them
 every transfer) use; :func:`check_kv` is the one check of a caller's ``kv`` argument.
 
@@ -16,7 +16,7 @@ What a step's result is held to, in order:
 3. The donation: if the old array is still alive the step copied the whole pool; the pool keeps
    the result and ``ValueError`` says to jit with ``donate_argnums=0``.
 
-Threading: called on the pool owner's thread only (DESIGN rule 4).
+Threading: called on the pool owner's thread only (ARCHITECTURE.md: one dispatching thread).
 """
 
 from __future__ import annotations

@@ -24,7 +24,7 @@ Every write into and read out of the buffer is a page copy of :mod:`hicache_jax.
 (staged through small device-side chunks of ``STAGE_SIZES`` pages, so compiles stay bounded);
 placement comes from :mod:`hicache_jax.memory.placement`.
 
-Threading: one thread (the cache's dispatching thread, DESIGN rule 4) touches the pool.
+Threading: one thread (the cache's dispatching thread, ARCHITECTURE.md: one dispatching thread) touches the pool.
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ Layouts (``HostLayout``), raw bits like the pools::
 The device pool is ``layer_first`` (with its scratch page).
 
 Pure functions only: no pool state lives here. Callers are on the cache's one dispatching
-thread (DESIGN rule 4).
+thread (ARCHITECTURE.md: one dispatching thread).
 """
 
 from __future__ import annotations

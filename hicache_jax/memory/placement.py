@@ -1,6 +1,6 @@
 """Where the pools' arrays live: the head sharding, the host memory kind, in-place allocation.
 
-Both pools are placed the same way (DESIGN: a sharded device pool has a host pool sharded the
+Both pools are placed the same way (ARCHITECTURE.md: a sharded device pool has a host pool sharded the
 same way, so each device copies only to and from its own host shard):
 
 * **Sharding** (optional mesh + axis): ``PartitionSpec(None, None, None, None, axis, None)``,

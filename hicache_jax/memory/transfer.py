@@ -10,7 +10,7 @@ rebound (the device pool through ``DevicePagePool.run``, the host pool through
 Ordering and safety come from XLA, not from locks: every access to a pool is a computation on
 its single array, so a copy in flight is ordered before any later update of the same array (a
 donating update waits for earlier readers). Completion is detected by polling a small per-call
-token (``is_ready()``); no worker thread ever touches a pool (DESIGN rule 4). Each transfer
+token (``is_ready()``); no worker thread ever touches a pool (ARCHITECTURE.md: one dispatching thread). Each transfer
 depends on all earlier ones (it donates one pool and reads the other), so transfers complete in
 dispatch order, and a handle seen complete completes every earlier handle too.
 

@@ -5,8 +5,8 @@ are :mod:`hicache_jax.replay.block_lru`. Both are re-exported here (``load_trace
 so this module is the one entry point of a replay.
 
 Requests are served in file order, one at a time (timestamps are not used: no concurrency),
-each with the serving pattern of DESIGN.md through the public API only: ``match_prefix``,
-``load_back``, ``lock``, ``alloc_pages`` (the pages it computes), ``insert``, ``unlock``.
+each through the public request handle (``cache.begin``: match, load back, lock;
+``extend`` for the pages it computes; ``finish``: insert, unlock).
 ``write_kv`` of the computed pages is skipped for speed: the pool holds whatever bytes it
 holds, but every backup and load-back still moves real bytes between the tiers
 (``bytes_to_host`` / ``bytes_to_device`` are real copies). A prompt longer than the device
@@ -17,8 +17,8 @@ keeps a 60M-token trace in memory; ``spec`` replays with a real model's page byt
 Determinism: a replay gives identical figures on every run and under any machine load. The
 serving path completes transfers asynchronously (whether a backup has landed by the next
 eviction depends on timing), so the replay calls ``cache.flush()`` after every request:
-transfers complete at request boundaries. It also flushes between ``insert`` and ``unlock``:
-clean_ahead's pass runs at the unlock and sees which nodes a load still in flight holds
+transfers complete at request boundaries. It also flushes before ``finish`` (insert, then unlock):
+clean_ahead's pass runs at the unlock and would see which nodes a load still in flight holds
 locked. The cache gets a virtual clock (a counter that advances at every reading), so eviction
 order depends on the order of calls, never on wall time. Only ``wall_s`` and ``requests_per_s`` (:data:`TIMING_FIELDS`) vary between runs.
 
@@ -38,7 +38,6 @@ import sys
 import time
 from typing import Any, Iterable, Sequence
 
-import numpy as np
 
 from hicache_jax.replay.block_lru import BlockLRU, PageKeys, default_device_pages, reference_hits
 from hicache_jax.cache.hicache import HiCache
@@ -104,17 +103,13 @@ def replay(trace: Trace, spec: KVSpec, cfg: HiCacheConfig, *, progress: bool = F
             prompt += tokens.shape[0]
             whole = min(tokens.shape[0] // ps, cap)  # a prompt beyond L1 caches what L1 holds
             tokens = tokens[: whole * ps]
-            m = cache.match_prefix(tokens)
-            on_device = m.device_len
-            m = cache.load_back(m)
-            device_hit += on_device
-            host_hit += m.device_len - on_device
-            declined += m.host_len
-            cache.lock(m.node)
-            new = cache.alloc_pages(whole - m.device_pages.shape[0])
-            cache.insert(tokens, np.concatenate([m.device_pages, new]))
-            cache.flush()  # the load-back's lock is gone before the unlock (clean_ahead's pass)
-            cache.unlock(m.node)
+            with cache.begin(tokens) as r:
+                device_hit += r.cached_len - r.loaded_len
+                host_hit += r.loaded_len
+                declined += r.host_len_declined
+                r.extend(tokens.shape[0] - r.cached_len)
+                cache.flush()  # the load-back's lock is gone before the unlock (clean_ahead's pass)
+                r.finish(tokens)
             cache.flush()  # transfers complete at request boundaries: deterministic
             if bar is not None:
                 bar.update(1)
