@@ -231,10 +231,11 @@ class SweepResult:
 
     reports: list[dict[str, Any]]
 
-    def records(self) -> list[dict[str, Any]]:
+    def records(self, timing: bool = True) -> list[dict[str, Any]]:
         """One flat record per replay: the settings (``config`` is "policy/eviction",
         ``device_tokens`` L1's size in tokens), then every figure of the replay
-        (``bytes_moved`` = bytes to host + bytes to device)."""
+        (``bytes_moved`` = bytes to host + bytes to device). ``timing=False`` leaves out
+        :data:`TIMING_FIELDS`, the only figures that differ between two runs."""
         out = []
         for rep in self.reports:
             name = os.path.basename(rep["trace"]["path"])
@@ -243,7 +244,8 @@ class SweepResult:
                            config=f"{r['write_policy']}/{r['eviction']}",
                            device_tokens=r["device_pages"] * r["page_size"],
                            bytes_moved=r["bytes_to_host"] + r["bytes_to_device"])
-                out.append({k: rec[k] for k in _LEAD} | rec)
+                rec = {k: rec[k] for k in _LEAD} | rec
+                out.append({k: v for k, v in rec.items() if timing or k not in TIMING_FIELDS})
         return out
 
     def table(self) -> Any:
