@@ -36,6 +36,7 @@ import numpy as np
 from hicache_jax import replay as _replay
 from hicache_jax.replay import MOONCAKE_BLOCK, Trace
 from hicache_jax.spec import HiCacheConfig, KVSpec
+from hicache_jax.validation import check_int, is_real
 
 __all__ = ["FORMAT", "SweepResult", "TIMING_FIELDS", "as_table", "auto_progress",
            "check_configs", "from_json", "l1_pages", "load_trace", "shipped_traces", "sweep",
@@ -114,11 +115,13 @@ def l1_pages(trace: Trace, page_size: int, *, capacities: Iterable[float] | None
     if capacities is not None:
         pages = []
         for t in capacities:
+            if not is_real(t):
+                raise TypeError(f"{name} {t!r} must be a number of tokens")
             if not (np.isfinite(t) and t >= page_size):
                 raise ValueError(f"{name} {t:g} must be at least one page ({page_size} tokens)")
             pages.append(int(t // page_size))
     elif device_pages is not None:
-        pages = list(device_pages)
+        pages = [check_int("device_pages", p, 1) for p in device_pages]
     else:
         pages = [_replay.default_device_pages(trace, page_size)]
     if not pages:
@@ -131,8 +134,7 @@ def check_configs(device_pages: Sequence[int], host_ratios: Sequence[float],
                   load_back_threshold: int) -> None:
     """ValueError / TypeError naming the first bad setting, before anything is replayed."""
     for ratio in host_ratios:
-        if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) \
-                or not (np.isfinite(ratio) and ratio >= 0):
+        if not (is_real(ratio) and np.isfinite(ratio) and ratio >= 0):
             raise ValueError(f"host_ratio {ratio} must be a finite number >= 0")
     for p in device_pages:
         for ratio in host_ratios:

@@ -7,6 +7,7 @@ import pathlib
 import shutil
 import sys
 
+import numpy as np
 import pytest
 
 from hicache_jax import study
@@ -69,8 +70,8 @@ def test_sweep_figures_equal_the_replay_commands(tmp_path, small, capsys):
 
 def test_host_ratios_give_one_report_each():
     trace = study.load_trace(TOKENS)
-    res = study.sweep(trace, device_pages=[2, 4], host_ratios=[0, 2], page_size=4,
-                      policies="write_through", progress=False)
+    res = study.sweep(trace, device_pages=np.array([2, 4]), host_ratios=np.array([0, 2]),
+                      page_size=4, policies="write_through", progress=False)  # numpy too
     assert [r["host_ratio"] for r in res.reports] == [0.0, 2.0]
     recs = res.records()
     assert [(r["host_ratio"], r["device_pages"], r["host_pages"]) for r in recs] == [
@@ -103,6 +104,8 @@ def test_progress_factory_gets_one_bar_per_replay():
 @pytest.mark.parametrize("kwargs, error, match", [
     (dict(capacities=[100]), ValueError, "capacities 100 must be at least one page"),
     (dict(capacities=[1e5], device_pages=[10]), ValueError, "not both"),
+    (dict(capacities=["1e5"]), TypeError, "capacities '1e5' must be a number"),
+    (dict(device_pages=[0]), ValueError, "device_pages=0 must be >= 1"),
     (dict(policies=["write_sideways"]), ValueError, "write_policy='write_sideways'"),
     (dict(evictions=[]), ValueError, "evictions: none given"),
     (dict(host_ratios=[-1]), ValueError, "host_ratio -1"),
