@@ -5,6 +5,7 @@ matplotlib, bad settings refused before anything is replayed."""
 import json
 import pathlib
 import shutil
+import subprocess
 import sys
 
 import numpy as np
@@ -181,3 +182,18 @@ def test_plot_without_matplotlib_names_the_extra(small, monkeypatch):
     monkeypatch.setitem(sys.modules, "matplotlib.pyplot", None)
     with pytest.raises(ImportError, match=r'pip install -e "\.\[notebook\]"'):
         small.plot()
+
+
+def test_study_does_not_load_the_engine():
+    """The notebook API sits on the replay layer: the engine imports it, never the reverse."""
+    code = ("import sys, hicache_jax.study; "
+            "print(sorted(m for m in sys.modules if m.startswith('hicache_jax.engine')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         check=True).stdout
+    assert out.strip() == "[]"
+
+
+def test_replay_command_takes_a_trace_name(capsys):
+    assert cli.main(["replay", "tokens_small", "--quiet", "--page-size", "4",
+                     "--device-pages", "2"]) == 0
+    assert f"trace {TOKENS.resolve()}: tokens, 3 requests" in capsys.readouterr().out
