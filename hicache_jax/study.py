@@ -165,10 +165,10 @@ def sweep(trace: str | os.PathLike | Trace, capacities: Iterable[float] | None =
     Args:
         trace: a :class:`Trace`, or what :func:`load_trace` takes.
         capacities: L1 sizes in tokens (rounded down to pages); or ``device_pages`` (pages);
-            neither: 1/8 of the trace's distinct pages.
+            neither: 1/8 of the trace's distinct pages. One number or several.
         policies, evictions: write policies and eviction strategies (any string
             :class:`HiCacheConfig` takes).
-        host_ratios: L2 = ``round(ratio * L1)`` pages (0: L1 only).
+        host_ratios: L2 = ``round(ratio * L1)`` pages (0: L1 only); one number or several.
         page_size: tokens a page; None: the trace's block size (Mooncake) or 16 (tokens).
         spec: page shape: a :class:`KVSpec` (its page size wins), ``"layers=32,kv_heads=8,
             head_dim=128,dtype=bfloat16"`` or None (8 bytes a token).
@@ -180,9 +180,10 @@ def sweep(trace: str | os.PathLike | Trace, capacities: Iterable[float] | None =
     """
     trace = load_trace(trace)
     spec = _spec(spec, page_size, trace)
-    pages = l1_pages(trace, spec.page_size, capacities=capacities, device_pages=device_pages)
+    pages = l1_pages(trace, spec.page_size, capacities=_listed(capacities),
+                     device_pages=_listed(device_pages))
     policies, evictions = _names(policies, "policies"), _names(evictions, "evictions")
-    host_ratios = list(host_ratios)
+    host_ratios = _listed(host_ratios)
     if not host_ratios:
         raise ValueError("host_ratios: no ratio given")
     check_configs(pages, host_ratios, policies, evictions, load_back_threshold)
@@ -193,8 +194,16 @@ def sweep(trace: str | os.PathLike | Trace, capacities: Iterable[float] | None =
     return SweepResult(reports)
 
 
+def _listed(values: Any) -> list | None:
+    """One number as a list of one (``host_ratios=4``); None stays None."""
+    return None if values is None else [values] if is_real(values) else list(values)
+
+
 def _spec(spec: KVSpec | str | None, page_size: int | None, trace: Trace) -> KVSpec:
     if isinstance(spec, KVSpec):
+        if page_size is not None and page_size != spec.page_size:
+            raise ValueError(f"page_size={page_size} differs from spec.page_size="
+                             f"{spec.page_size}; give one")
         return spec
     if spec is not None and not isinstance(spec, str):
         raise TypeError(f"spec={spec!r} must be a KVSpec, a string or None")

@@ -11,7 +11,7 @@ import sys
 import numpy as np
 import pytest
 
-from hicache_jax import study
+from hicache_jax import KVSpec, study
 from hicache_jax.engine import cli
 
 DATA = pathlib.Path(__file__).parent / "data"
@@ -97,7 +97,7 @@ def test_progress_factory_gets_one_bar_per_replay():
         def close(self):
             self.closed = True
 
-    study.sweep(TOKENS, device_pages=[2, 4], page_size=4, progress=Bar)
+    study.sweep(TOKENS, device_pages=[2, 4], page_size=4, progress=Bar, host_ratios=2)
     assert [(b.total, b.n, b.closed) for b in made] == [(3, 3, True)] * 2
     assert made[0].desc.startswith("[1/2] clean_ahead/lru L1 2")
 
@@ -112,6 +112,8 @@ def test_progress_factory_gets_one_bar_per_replay():
     (dict(host_ratios=[-1]), ValueError, "host_ratio -1"),
     (dict(host_ratios=[]), ValueError, "host_ratios"),
     (dict(spec=3), TypeError, "spec=3"),
+    (dict(spec=KVSpec(1, 1, 1, "float32", page_size=64), page_size=32), ValueError,
+     "page_size=32 differs from spec.page_size=64"),
     (dict(spec="layers=0"), ValueError, "num_layers=0"),
 ])
 def test_bad_settings_are_refused_before_replaying(kwargs, error, match, monkeypatch):
