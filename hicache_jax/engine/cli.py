@@ -19,7 +19,7 @@ from hicache_jax.engine.bench_command import (CONFIGS, bench, build_workload, ch
                                               write_json)
 from hicache_jax.engine.workloads import ARRIVALS, WORKLOADS
 from hicache_jax.replay import driver as replay_mod
-from hicache_jax.spec import HiCacheConfig
+from hicache_jax import study
 
 __all__ = ["CONFIGS", "bench", "build_workload", "main", "replay_command"]
 
@@ -109,7 +109,8 @@ def _replay_parser(sub: Any) -> None:
     r = sub.add_parser("replay", help="replay a Mooncake / token JSONL trace through HiCache",
                        description=replay_mod.__doc__.split("\n")[0],
                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    r.add_argument("trace", metavar="TRACE", help="Mooncake JSONL (hash_ids) or token JSONL")
+    r.add_argument("trace", metavar="TRACE", help="Mooncake JSONL (hash_ids) or token JSONL, or "
+                   "the name of a slice shipped in the repository (e.g. mooncake_synthetic_1000)")
     t = r.add_argument_group("trace")
     t.add_argument("--block-size", type=int, default=replay_mod.MOONCAKE_BLOCK,
                    help="tokens per Mooncake hash id")
@@ -148,19 +149,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     return args.func(args, parser)
 
 
-def _tokens_to_pages(flag: str, tokens: float, page_size: int) -> int:
-    if not (np.isfinite(tokens) and tokens >= page_size):
-        raise ValueError(f"{flag} {tokens:g} must be at least one page ({page_size} tokens)")
-    return int(tokens // page_size)
-
-
 def _replay_setup(args: argparse.Namespace) -> tuple[Any, Any, list[int]]:
-    """Trace, spec and L1 sizes from the flags; ValueError / OSError naming the problem."""
+    """Trace, spec and L1 sizes from the flags (through :mod:`hicache_jax.study`, as a notebook
+    gets them); ValueError / OSError naming the problem."""
     if not (np.isfinite(args.host_ratio) and args.host_ratio >= 0):
         raise ValueError(f"--host-ratio {args.host_ratio} must be a finite number >= 0")
     if args.json:
         check_writable(args.json)
-    trace = replay_mod.load_trace(args.trace, block_size=args.block_size, limit=args.limit)
+    trace = study.load_trace(args.trace, block_size=args.block_size, limit=args.limit)
     ps = args.page_size if args.page_size is not None else trace.default_page_size()
     spec = replay_mod.parse_spec(args.spec, ps)
     if args.capacities:
@@ -169,20 +165,20 @@ def _replay_setup(args: argparse.Namespace) -> tuple[Any, Any, list[int]]:
         except ValueError:
             raise ValueError(f"--capacities {args.capacities!r}: expected numbers, e.g. "
                              "1e5,3e5") from None
-        pages = [_tokens_to_pages("--capacities", t, ps) for t in sizes]
+        pages = study.l1_pages(trace, ps, capacities=sizes, name="--capacities")
     elif args.device_tokens is not None:
-        pages = [_tokens_to_pages("--device-tokens", args.device_tokens, ps)]
-    elif args.device_pages is not None:
-        pages = [args.device_pages]
+        pages = study.l1_pages(trace, ps, capacities=[args.device_tokens], name="--device-tokens")
     else:
-        pages = [replay_mod.default_device_pages(trace, ps)]
-    for p in pages:  # every configuration is valid before the first replay starts
-        for w in args.policy.split(","):
-            for e in args.eviction.split(","):
-                HiCacheConfig(device_pages=p, host_pages=int(round(args.host_ratio * p)),
-                              write_policy=w.strip(), eviction=e.strip(),
-                              load_back_threshold=args.load_back_threshold)
-    return trace, spec, list(dict.fromkeys(pages))
+        pages = study.l1_pages(trace, ps, device_pages=None if args.device_pages is None
+                               else [args.device_pages])
+    # every configuration is valid before the first replay starts
+    study.check_configs(pages, [args.host_ratio], _split(args.policy), _split(args.eviction),
+                        args.load_back_threshold)
+    return trace, spec, pages
+
+
+def _split(flag: str) -> list[str]:
+    return [x.strip() for x in flag.split(",")]
 
 
 def replay_command(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
@@ -200,11 +196,10 @@ def replay_command(args: argparse.Namespace, parser: argparse.ArgumentParser) ->
           f"{spec.head_dim} {spec.dtype}); L1 {', '.join(f'{p} pages' for p in pages)}, "
           f"L2 = {args.host_ratio:g} x L1", flush=True)
     env = replay_mod.environment()  # date and load average at the start; the load at the end too
-    report = replay_mod.run(
-        trace, spec, device_pages=pages, host_ratio=args.host_ratio,
-        write_policies=[w.strip() for w in args.policy.split(",")],
-        evictions=[e.strip() for e in args.eviction.split(",")],
-        load_back_threshold=args.load_back_threshold, progress=not args.quiet)
+    report = study.sweep(trace, device_pages=pages, policies=_split(args.policy),
+                         evictions=_split(args.eviction), host_ratios=[args.host_ratio],
+                         spec=spec, load_back_threshold=args.load_back_threshold,
+                         progress=not args.quiet).reports[0]
     print(replay_mod.tables(report), flush=True)
     if args.json:
         env["load_average_end"] = replay_mod.environment()["load_average"]

@@ -36,7 +36,7 @@ import itertools
 import os
 import sys
 import time
-from typing import Any, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 
 from hicache_jax.replay.block_lru import BlockLRU, PageKeys, default_device_pages, reference_hits
@@ -51,6 +51,7 @@ __all__ = ["BlockLRU", "MOONCAKE_BLOCK", "PageKeys", "Request", "TINY_SPEC", "TI
 
 TINY_SPEC = dict(num_layers=1, num_kv_heads=1, head_dim=1, dtype="float32")
 TIMING_FIELDS = ("wall_s", "requests_per_s")
+Progress = bool | Callable[[int, str], Any]  # see replay()
 
 
 def parse_spec(text: str | None, page_size: int) -> KVSpec:
@@ -84,9 +85,12 @@ def _counter_clock() -> Any:
     return lambda: float(next(ticks))
 
 
-def replay(trace: Trace, spec: KVSpec, cfg: HiCacheConfig, *, progress: bool = False,
+def replay(trace: Trace, spec: KVSpec, cfg: HiCacheConfig, *, progress: Progress = False,
            desc: str = "replay") -> dict[str, Any]:
     """Serve every request of ``trace`` through a fresh HiCache (see module doc).
+
+    ``progress``: True for a text bar (on a terminal's stderr only), or a factory
+    ``(total, desc) -> bar`` (``update(n)``, ``close()``; e.g. tqdm.auto's in a notebook).
 
     Returns:
         Prompt tokens, hit tokens by tier, the cache's transfer and eviction counters, wall
@@ -151,7 +155,9 @@ def _counters(s: dict[str, Any], ps: int) -> dict[str, int]:
     }
 
 
-def _progress_bar(total: int, desc: str, enabled: bool) -> Any:
+def _progress_bar(total: int, desc: str, enabled: Progress) -> Any:
+    if callable(enabled):
+        return enabled(total, desc)
     if not enabled or not sys.stderr.isatty():
         return None
     from tqdm import tqdm
@@ -161,7 +167,7 @@ def _progress_bar(total: int, desc: str, enabled: bool) -> Any:
 
 def run(trace: Trace, spec: KVSpec, *, device_pages: Sequence[int], host_ratio: float = 4.0,
         write_policies: Sequence[str] = ("clean_ahead",), evictions: Sequence[str] = ("lru",),
-        load_back_threshold: int = 16, progress: bool = False) -> dict[str, Any]:
+        load_back_threshold: int = 16, progress: Progress = False) -> dict[str, Any]:
     """Replay every (L1 size, write policy, eviction) and compare each with the references.
 
     Args:
