@@ -109,9 +109,10 @@ def test_the_public_objects_are_exported():
 
 
 # The layers, bottom first (ARCHITECTURE.md): a module imports its own layer and those below.
-# The shared vocabulary (spec, errors, validation) is one layer; tree and memory are siblings.
+# The shared vocabulary (spec, errors, validation) is one layer; tree and memory are siblings;
+# study (the notebook API over the replay) sits below the engine, whose CLI calls it.
 LAYER_RANK = {"vocabulary": 0, "tree": 1, "memory": 1, "events": 2, "l3": 3, "cache": 4,
-              "replay": 5, "engine": 6}
+              "replay": 5, "study": 6, "engine": 7}
 VOCABULARY = {"spec", "errors", "validation"}
 
 
