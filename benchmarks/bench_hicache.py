@@ -2,8 +2,8 @@
 
 For each write policy, the device pool holds ~25% of the trace's working set (distinct cached
 tokens at infinite capacity) and the host pool 4x the device pool. Every request runs the
-DESIGN.md flow: match_prefix, load_back, lock, alloc_pages, write_kv (the new pages' KV, real
-bytes), insert, unlock. Reported per policy:
+request flow through the cache's handle (begin: match, load back, lock; extend; write_kv of
+the new pages' KV, real bytes; finish: insert, unlock). Reported per policy:
 
 * token hit ratio by tier (device hits, host hits that were loaded back), tokens that would be
   recomputed, and the total hit ratio beside the **infinite-cache** hit ratio of the same trace
@@ -73,21 +73,18 @@ def serve_once(trace, spec: KVSpec, cfg: HiCacheConfig) -> dict:
     pc = time.perf_counter
     for p, r in trace:
         seq = np.concatenate([p, r])
+        seq = seq[:seq.shape[0] // ps * ps]  # whole pages: what the cache keeps
         t0 = pc()
-        m = cache.match_prefix(p)
-        m2 = cache.load_back(m)
-        cache.lock(m2.node)
-        n_new = seq.shape[0] // ps - m2.device_pages.shape[0]
-        new = cache.alloc_pages(n_new)
+        req = cache.begin(p)  # match, load back, lock
+        new = req.extend(seq.shape[0] - req.cached_len)
         t1 = pc()
-        cache.write_kv(new, kv[:, :, :n_new])  # stands in for the model's prefill
+        cache.write_kv(new, kv[:, :, :new.shape[0]])  # stands in for the model's prefill
         t2 = pc()
-        cache.insert(seq, np.concatenate([m2.device_pages, new]))
-        cache.unlock(m2.node)
+        req.finish(seq)  # insert, unlock
         t_cache += (t1 - t0) + (pc() - t2)
         t_write += t2 - t1
-        dev_hit += m.device_len
-        host_hit += m2.device_len - m.device_len
+        dev_hit += req.cached_len - req.loaded_len
+        host_hit += req.loaded_len
         prompt += p.shape[0]
     t0 = pc()
     cache.flush()

@@ -20,7 +20,7 @@ i.e. the path a cache's L3 traffic takes; page_first / layer_first are caller bu
 Page: 4 layers x 2 (K, V) x 16 tokens x 8 heads x 64 dims, bfloat16 = 128 KiB.
 
 Second part (``--part cache``, default ``all``): HiCache with L3 on bench_tree's multi-turn trace
-(real KV bytes, the DESIGN.md request flow, ``prefetch`` with ``wait_complete`` before each
+(real KV bytes, the request flow through the cache's handle, ``prefetch`` with ``wait_complete`` before each
 match). The device pool holds 15% of the working set (``--device-fraction``) and the host pool
 2x the device pool (``--host-ratio``), so L1 + L2 (45%) are too small for it: hit ratio without L3, with a file L3, with a Mooncake L3, each against
 the infinite-cache hit ratio of the same trace (target: L3 brings it to >= 95% of it), and a
@@ -305,15 +305,13 @@ def serve_trace(trace, spec: KVSpec, cfg, *, cache=None, prefetch: bool = True) 
         seq = np.concatenate([p, r])
         if prefetch:
             cache.prefetch(p)
-        m = cache.match_prefix(p)
-        m2 = cache.load_back(m)
-        cache.lock(m2.node)
-        new = cache.alloc_pages(seq.shape[0] // ps - m2.device_pages.shape[0])
-        cache.write_kv(new, kv[:, :, :new.shape[0]])
-        cache.insert(seq, np.concatenate([m2.device_pages, new]))
-        cache.unlock(m2.node)
-        dev_hit += m.device_len
-        host_hit += m2.device_len - m.device_len
+        seq = seq[:seq.shape[0] // ps * ps]  # whole pages: what the cache keeps
+        with cache.begin(p) as req:  # match, load back, lock
+            new = req.extend(seq.shape[0] - req.cached_len)
+            cache.write_kv(new, kv[:, :, :new.shape[0]])
+            req.finish(seq)  # insert, unlock
+        dev_hit += req.cached_len - req.loaded_len
+        host_hit += req.loaded_len
         prompt += p.shape[0]
     cache.flush()
     s = cache.stats()

@@ -3,6 +3,7 @@
 from hicache_jax.errors import HiCacheError, OutOfPagesError
 from hicache_jax.events.records import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent, Medium
 from hicache_jax.cache.hicache import HiCache, Match, NodeRef
+from hicache_jax.cache.request import Request
 from hicache_jax.l3.prefetch import PrefetchHandle
 from hicache_jax.spec import HiCacheConfig, KVSpec
 from hicache_jax.l3.storage import StorageError, StorageUnavailableError
@@ -10,5 +11,5 @@ from hicache_jax.l3.storage import StorageError, StorageUnavailableError
 __all__ = [
     "AllBlocksCleared", "BlockRemoved", "BlockStored", "HiCache", "HiCacheConfig", "HiCacheError",
     "KVEvent", "KVSpec", "Match", "Medium", "NodeRef", "OutOfPagesError", "PrefetchHandle",
-    "StorageError", "StorageUnavailableError",
+    "Request", "StorageError", "StorageUnavailableError",
 ]

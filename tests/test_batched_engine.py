@@ -317,7 +317,7 @@ def test_a_waiting_request_is_not_loaded_back_while_it_waits(model):
     while eng.running:
         eng.step()
         w = eng.waiting[0]
-        assert [r.key for r in eng.waiting] == ["w"] and w.lock is None and w.pages.size == 0
+        assert [r.key for r in eng.waiting] == ["w"] and w.req is None and w.pages.size == 0
         assert {k: eng.cache.stats()[k] for k in moved} == before
         assert eng.counters["load_back_calls"] == calls
         waited += 1

@@ -233,3 +233,42 @@ def test_begin_many_checks_every_prompt_before_matching_any():
     with pytest.raises(ValueError, match="extra_keys"):
         cache.begin_many([prompt(8)], extra_keys=[None, None])
     clean(cache)
+
+
+def test_extend_many_takes_one_allocation_and_raises_leaving_every_request_as_it_was():
+    from hicache_jax.cache.request import extend_many
+
+    cache = make_cache(SPEC, device_pages=6, host_pages=8)
+    a, b = cache.begin(prompt(4, 10)), cache.begin(prompt(4, 20))
+    a.extend(4), b.extend(3)
+    extend_many(cache, [a, b], [1, 1])          # a needs a new page, b's last page has room
+    assert (a.device_pages.size, b.device_pages.size) == (2, 1)
+    assert (a.num_tokens, b.num_tokens) == (5, 4)
+    before = [(r.device_pages.tolist(), r.num_tokens) for r in (a, b)]
+    with pytest.raises(OutOfPagesError):
+        extend_many(cache, [a, b], [8, 8])      # 4 more pages: 3 free, nothing evictable
+    assert [(r.device_pages.tolist(), r.num_tokens) for r in (a, b)] == before
+    with pytest.raises(ValueError, match="token counts"):
+        extend_many(cache, [a, b], [1])
+    a.finish(prompt(4, 10)), b.finish(prompt(4, 20))
+    with pytest.raises(HiCacheError, match="finished"):
+        extend_many(cache, [a], [1])
+    clean(cache)
+
+
+def test_tree_len_follows_commit_and_a_chunked_finish_counts_no_hit():
+    cache = make_cache(SPEC, device_pages=16, host_pages=32)
+    toks = prompt(12)
+    with cache.begin(toks) as r:
+        r.extend(12)
+        r.finish(toks)
+    req = cache.begin(np.append(toks, prompt(8, 40)))
+    assert req.tree_len == 12 == req.cached_len
+    req.extend(8)
+    seq = np.append(toks, prompt(8, 40))
+    req.commit(seq)
+    assert req.tree_len == 20
+    hits = {n.id: n.hit_count for n in cache.tree.nodes()}
+    req.finish(seq, chunked=True)               # e.g. a retracted request: no hit counted
+    assert {n.id: n.hit_count for n in cache.tree.nodes()} == hits
+    clean(cache)

@@ -1,5 +1,6 @@
 """Completion of the transfers in flight: the one place that polls the transfer engine and the
-L3 tier and applies what finished, in dispatch order (:class:`~hicache_jax.cache.inflight.InFlight`).
+L3 tier and applies what finished, in dispatch order
+(:class:`~hicache_jax.cache.inflight.InFlight`).
 
 The facade calls it at the start of its public calls; the evict-and-retry path calls it when
 copies in flight are what holds the pages it needs (their locks, or host pages parked under

@@ -145,7 +145,7 @@ class HiCache:
 
     def begin(self, tokens: Any, extra_key: Hashable = None, *,
               layerwise: bool = False) -> Request:
-        """Admit one request (match, load back, lock): its :class:`~hicache_jax.cache.request.Request`."""
+        """Admit one request (match, load back, lock): its :class:`Request` handle."""
         return begin(self, tokens, extra_key, layerwise=layerwise)
 
     def begin_many(self, prompts: Sequence[Any], *, extra_keys: Sequence[Hashable] | None = None,
@@ -307,7 +307,7 @@ class HiCache:
     @publishes
     def insert(self, tokens: Any, pages: Any, extra_key: Hashable = None, *,
                chunked: bool = False, priority: int = 0) -> int:
-        """Cache the whole pages of ``tokens`` with ``pages`` (ARCHITECTURE.md, "A request's data flow").
+        """Cache the whole pages of ``tokens`` with ``pages`` (ARCHITECTURE.md, data flow).
 
         Args:
             tokens: 1-D non-negative int sequence; a trailing partial page is ignored.
@@ -421,7 +421,7 @@ class HiCache:
         return self._engine
 
     def page_owners(self) -> np.ndarray:
-        """int8 ``[device_pages]`` copy: each device page's :class:`~hicache_jax.cache.ownership.PageOwner`."""
+        """int8 ``[device_pages]`` copy: each device page's ``PageOwner`` (free, caller, tree)."""
         self._guard()
         return self._owner.owners()
 

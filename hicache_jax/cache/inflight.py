@@ -9,8 +9,8 @@ later read or write takes as input), so the bytes a later reader sees are the co
 eviction path frees a dirty node's device pages without waiting for its copy. Host pages a node
 gives up while a copy into them is still in flight are *parked* here (the target of a copy in
 flight) and freed when it lands, so a host page never changes owner under a pending copy. The
-acknowledgement counts the copy's bytes and seconds (``stats()``). A load-back of host-only chains is dispatched in
-one transfer and acknowledged the same way (its node stays locked until then, the chains'
+acknowledgement counts the copy's bytes and seconds (``stats()``). A load-back of host-only
+chains is dispatched in one transfer and acknowledged the same way (its node stays locked until then, the chains'
 device pages stop being "loading").
 
 Order comes from the transfer engine's own queue: it completes transfers in dispatch order and

@@ -1,9 +1,9 @@
-"""What a HiCache reports about itself: ``stats()`` and the invariants of ARCHITECTURE.md, checked on
-the whole cache (O(cache); tests call :meth:`HiCache.check_invariants` after every step).
+"""What a HiCache reports about itself: ``stats()`` and the invariants of ARCHITECTURE.md,
+checked on the whole cache (O(cache); tests call :meth:`HiCache.check_invariants` after every step).
 
 * Every device page is free, the caller's, or held by one tree node (checked by
-  :class:`~hicache_jax.cache.ownership.DevicePageOwners`); every host page is free, held by one node,
-  the target of a backup in flight, or reserved by an L3 prefetch.
+  :class:`~hicache_jax.cache.ownership.DevicePageOwners`); every host page is free, held by one
+  node, the target of a backup in flight, or reserved by an L3 prefetch.
 * A node holds device or host pages (root aside); ``lock_ref`` equals the caller locks, the
   transfers in flight and the L3 prefetches below it.
 * Write-through modes: a backed-up node's parent is backed up (continuous prefix from root).

@@ -2,8 +2,8 @@
 
 The allocator says whether a page is free or used; this says by whom: every device page is
 exactly one of FREE, CALLER (``alloc_pages`` .. ``insert`` / ``free_pages``) or TREE (held by
-one tree node). :class:`~hicache_jax.cache.hicache.HiCache` is the only writer; this class is the one
-place that rule is written and checked.
+one tree node). :class:`~hicache_jax.cache.hicache.HiCache` is the only writer; this class is
+the one place that rule is written and checked.
 
 Threading: the cache's thread only.
 """

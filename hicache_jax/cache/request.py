@@ -64,6 +64,10 @@ class Request:
     """
 
     def __init__(self, cache: "HiCache", extra_key: Hashable, match: Match, loaded: int) -> None:
+        """A handle of ``match``, which the caller has loaded back and LOCKED (what
+        :func:`begin` does; a scheduler with an admission plan of its own does the same and
+        wraps the result). The handle then owns that lock: :meth:`finish` or :meth:`abort`
+        releases it. ``loaded``: tokens of ``match`` the caller's load-back brought in."""
         self._cache, self._extra_key, self._ps = cache, extra_key, cache.spec.page_size
         self._node: NodeRef = match.node
         self._pages = np.asarray(match.device_pages, np.int32)
@@ -84,6 +88,12 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return self._len
+
+    @property
+    def tree_len(self) -> int:
+        """Tokens of the request the tree holds, locked for it: the cached prefix at admission,
+        what :meth:`commit` inserted since."""
+        return self._own_from * self._ps
 
     @property
     def state(self) -> str:
@@ -123,7 +133,7 @@ class Request:
             Tokens of the request now held by the tree (locked for it).
 
         Raises:
-            ValueError / TypeError: ``tokens`` malformed, or longer than :attr:`num_tokens`.
+            ValueError / TypeError: ``tokens`` malformed, or longer than its pages hold.
             HiCacheError: the request has ended.
         """
         self._check_open("commit")
@@ -136,16 +146,19 @@ class Request:
         self._node, self._own_from = m.node, full
         return m.device_len
 
-    def finish(self, tokens: Any, *, priority: int = 0) -> int:
+    def finish(self, tokens: Any, *, chunked: bool = False, priority: int = 0) -> int:
         """Cache the whole pages of ``tokens`` (everything the request computed: prompt and
         output), then free the pages beyond them (a partial last page, room never used) and
         release the lock. The request has ended.
+
+        ``chunked``: the request stops here but will be served again (a scheduler retracting
+        it): count no hit on the nodes it inserts into, as a chunk of a chunked prefill.
 
         Returns:
             Tokens that were already cached before the insert (:meth:`HiCache.insert`).
 
         Raises:
-            ValueError / TypeError: ``tokens`` malformed or longer than :attr:`num_tokens`,
+            ValueError / TypeError: ``tokens`` malformed or longer than its pages hold,
                 before any change (the request stays open).
             HiCacheError: the request has ended already (finished or aborted).
         """
@@ -153,7 +166,7 @@ class Request:
         full = self._whole_pages(tokens)
         cache = self._cache
         prefix = cache.insert(tokens[:full * self._ps], self._pages[:full], self._extra_key,
-                              priority=priority) if full else 0
+                              chunked=chunked, priority=priority) if full else 0
         self._own_from = max(full, self._own_from)
         self._release()
         self._state = _State.FINISHED
@@ -190,10 +203,10 @@ class Request:
                                "request")
 
     def _whole_pages(self, tokens: Any) -> int:
-        n = len(tokens)
-        if n > self._len:
-            raise ValueError(f"tokens has {n} tokens, but the request has room for "
-                             f"{self._len} (extend() first)")
+        n, room = len(tokens), self._pages.size * self._ps
+        if n > room:
+            raise ValueError(f"tokens has {n} tokens, but the request's pages hold room for "
+                             f"{room} (extend() first)")
         return n // self._ps
 
 
@@ -252,3 +265,25 @@ def begin(cache: "HiCache", tokens: Any, extra_key: Hashable = None, *,
     lm = cache.load_back(m, layerwise=layerwise)
     cache.lock(lm.node)
     return Request(cache, extra_key, lm, lm.device_len - m.device_len)
+
+
+def extend_many(cache: "HiCache", requests: Sequence[Request], n_tokens: Sequence[int]) -> None:
+    """:meth:`Request.extend` of several requests (a scheduler's decode step) with ONE page
+    allocation: ``requests[i]`` gets room for ``n_tokens[i]`` more tokens.
+
+    Raises:
+        OutOfPagesError: the pages of all of them cannot be had; every request as it was.
+        HiCacheError / ValueError / TypeError: an ended request, a bad count; before any change.
+    """
+    if len(requests) != len(n_tokens):
+        raise ValueError(f"{len(requests)} requests but {len(n_tokens)} token counts")
+    needs = []
+    for r, n in zip(requests, n_tokens):
+        r._check_open("extend")
+        n = check_int("n_tokens", n)
+        needs.append((r, r._len + n, max(0, -(-(r._len + n) // r._ps) - r._pages.size)))
+    new = cache.alloc_pages(sum(k for _, _, k in needs))
+    at = 0
+    for r, total, k in needs:
+        r._pages = np.concatenate([r._pages, new[at:at + k]]).astype(np.int32, copy=False)
+        r._len, at = total, at + k

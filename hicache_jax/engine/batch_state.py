@@ -20,6 +20,7 @@ import numpy as np
 
 from hicache_jax.errors import OutOfPagesError
 from hicache_jax.cache.hicache import HiCache, Match
+from hicache_jax.cache.request import Request
 from hicache_jax.engine.engine import CacheMode, Generation, RequestRecord, check_prompt
 from hicache_jax.engine.packing import TokenSlots
 from hicache_jax.validation import is_int
@@ -49,6 +50,9 @@ class BatchedRecord(RequestRecord):
     retractions: int = 0
 
 
+_NO_TOKENS = np.zeros(0, np.int32)
+
+
 class BatchRequest:
     """Scheduler state of one request (owned and mutated by its engine)."""
 
@@ -59,8 +63,8 @@ class BatchRequest:
         self.token_times: list[float] = []
         self.first_logits: np.ndarray | None = None
         self.admitted_at: float | None = None
-        self.lock: Any = None          # NodeRef the request holds locked
-        self.locked_len = 0            # tokens of the prefix that lock covers
+        self.req: Request | None = None  # the cache's handle (its pages, its lock) while admitted
+        self.locked_len = 0            # tokens of the prefix the tree holds locked for it
         self.pages = np.zeros(0, np.int32)
         self.kv_done = 0               # positions whose K/V is in self.pages
         self.target = 0                # positions the current prefill computes
@@ -134,10 +138,11 @@ class PageLedger:
         return BatchRequest(key, arr, int(max_new), now)
 
     def take(self, req: BatchRequest, m: Match | None, active: list[BatchRequest],
-             reserve: float, checked: bool = False) -> bool:
+             reserve: float, checked: bool = False, loaded: int = 0) -> bool:
         """Allocate the prompt's uncached pages beyond ``m`` (locked by the caller), keeping
         ``reserve`` x the remaining decode pages of ``req`` and the ``active`` requests free or
-        evictable; False (nothing taken) when they cannot be had now. ``checked``: an
+        evictable; False (nothing taken) when they cannot be had now. ``loaded``: tokens of
+        ``m`` its load-back brought in. ``checked``: an
         :class:`AdmissionPlan` already counted this request's pages and reserve (no stats()
         read; only the allocation itself can still fail)."""
         cache, ps = self.cache, self.ps
@@ -150,15 +155,21 @@ class PageLedger:
             future += sum(self.future_pages(r) for r in active)
             if not self.fits(need + math.ceil(reserve * future), wait=not active):
                 return False
+        if m is None:  # mode none: a handle of no prefix only holds the request's pages
+            h = cache.begin(_NO_TOKENS)
+        else:  # matched, loaded back and locked by the engine's admission: the handle owns it
+            h = Request(cache, None, m, loaded)
         try:
-            new = cache.alloc_pages(need)
+            h.extend(target - prefix.shape[0] * ps)
         except OutOfPagesError:
-            return False
+            if m is None:
+                h.abort()
+            return False  # the engine's admission still holds (and releases) m's lock
         if req.admitted_at is None:
             req.admitted_at = self.clock()
-        req.lock = None if m is None else m.node
-        req.locked_len = prefix.shape[0] * ps
-        req.pages = np.concatenate([prefix, new]).astype(np.int32)
+        req.req = h
+        req.locked_len = h.tree_len
+        req.pages = h.device_pages
         req.kv_done = prefix.shape[0] * ps
         req.target = target
         req.handle = None if m is None else m.load_handle
@@ -223,16 +234,8 @@ class PageLedger:
         full = r.target // self.ps
         if full * self.ps <= r.locked_len:
             return
-        tokens = r.seq[:full * self.ps]
-        self.cache.insert(tokens, r.pages[:full], chunked=True)
-        m = self.cache.match_prefix(tokens)
-        if m.device_len != full * self.ps:
-            raise RuntimeError(f"inserted {full} pages but match_prefix finds {m.device_len} "
-                               "tokens on device: the cache lost pages the request holds")
-        self.cache.lock(m.node)
-        self.cache.unlock(r.lock)
-        r.lock, r.locked_len = m.node, full * self.ps
-        r.pages = np.concatenate([m.device_pages, r.pages[full:]]).astype(np.int32)
+        r.req.commit(r.seq[:full * self.ps])  # a page inserted first by another replaces ours
+        r.locked_len, r.pages = r.req.tree_len, r.req.device_pages
 
     def release_done(self, r: BatchRequest) -> None:
         """Release a request whose tokens are all computed or dispatched, once every token but
@@ -261,21 +264,16 @@ class PageLedger:
     def release(self, r: BatchRequest, tokens: np.ndarray, full: int, *, chunked: bool) -> None:
         """Insert ``tokens`` (whole pages) with the request's first ``full`` pages, free the
         rest, unlock: the request holds nothing after."""
-        cache = self.cache
         self.changes += 1
-        if self.mode is CacheMode.NONE:
-            own = r.pages
-        else:
-            if full:
-                cache.insert(tokens, r.pages[:full], chunked=chunked)
-            own = r.pages[full:]
-        if own.size:
-            cache.free_pages(own)
-        if r.lock is not None:
-            cache.unlock(r.lock)
+        if r.req is not None:
+            if self.mode is CacheMode.NONE:
+                r.req.abort()  # no tree: every page goes back
+            else:
+                r.req.finish(tokens[:full * self.ps], chunked=chunked)
+        r.req = None
         if r.slot is not None:
             self.slots.give(r.slot)
-        r.lock, r.pages, r.kv_done, r.locked_len = None, np.zeros(0, np.int32), 0, 0
+        r.pages, r.kv_done, r.locked_len = np.zeros(0, np.int32), 0, 0
         r.slot = None
 
 

@@ -71,6 +71,7 @@ import numpy as np
 from hicache_jax.errors import OutOfPagesError
 from hicache_jax.cache.hicache import HiCache, Match
 from hicache_jax.validation import check_bool, is_int, is_real
+from hicache_jax.cache.request import extend_many
 from hicache_jax.engine.batch_state import (AdmissionPlan, BatchedRecord, BatchRequest,
                                             EngineStalledError, PageLedger, shares_uncached)
 from hicache_jax.engine.engine import CacheMode, Generation, build_cache, parse_mode
@@ -331,7 +332,8 @@ class BatchedEngine:
                 self.cache.lock(m.node)
         cached = self.mode is not CacheMode.NONE
         for k, ((req, m0), m) in enumerate(zip(cands, matches)):
-            ok = budget > 0 and self._take_pages(req, m, checked=True)
+            loaded = 0 if m is None else m.device_len - m0.device_len
+            ok = budget > 0 and self._take_pages(req, m, loaded, checked=True)
             if budget > 0 and not ok:  # the plan counted pages the allocation did not find
                 self.counters["admission_plan_misses"] += 1
             last = False
@@ -341,7 +343,7 @@ class BatchedEngine:
                 for later in matches[k + 1:] if cached else ():
                     self.cache.unlock(later.node)
                 self.waiting.extendleft(reversed([r for r, _ in cands[k + 1:]]))
-                ok, last = self._take_pages(req, m), True
+                ok, last = self._take_pages(req, m, loaded), True
             if not ok:
                 if cached:
                     self.cache.unlock(m.node)
@@ -357,8 +359,10 @@ class BatchedEngine:
             if last:
                 return
 
-    def _take_pages(self, req: BatchRequest, m: Match | None, checked: bool = False) -> bool:
-        return self._ledger.take(req, m, self.prefilling + self.running, self._reserve, checked)
+    def _take_pages(self, req: BatchRequest, m: Match | None, loaded: int,
+                    checked: bool = False) -> bool:
+        return self._ledger.take(req, m, self.prefilling + self.running, self._reserve, checked,
+                                 loaded)
 
     def _stalled(self, req: BatchRequest | None = None) -> None:
         raise self._ledger.stalled_error(self.waiting[0] if req is None else req)
@@ -460,8 +464,9 @@ class BatchedEngine:
             short = [r for r in reqs if r.kv_done // self.ps >= r.pages.shape[0]]
             if not short:
                 return reqs
-            try:
-                new = self.cache.alloc_pages(len(short))
+            try:  # one allocation: a page for each (their handles' room up to the next token)
+                extend_many(self.cache, [r.req for r in short],
+                            [r.kv_done + 1 - r.req.num_tokens for r in short])
             except OutOfPagesError:
                 if self._pending:  # requests finishing there give their pages back first
                     pending, self._pending = self._pending, []
@@ -473,8 +478,8 @@ class BatchedEngine:
                 self._retract(victim)
                 reqs = [r for r in reqs if r is not victim]
                 continue
-            for r, page in zip(short, new):
-                r.pages = np.append(r.pages, np.int32(page))
+            for r in short:
+                r.pages = r.req.device_pages
             return reqs
 
     def _retract(self, r: BatchRequest) -> None:

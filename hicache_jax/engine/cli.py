@@ -1,6 +1,7 @@
 """``hicache-jax bench``: a workload through three cache configurations, one comparison table.
 
-(``hicache-jax replay TRACE`` replays a production trace instead: see :mod:`hicache_jax.replay.driver`.)
+(``hicache-jax replay TRACE`` replays a production trace instead: see
+:mod:`hicache_jax.replay.driver`.)
 
 This module defines the command line (the flags of both commands, :func:`main`) and runs
 ``replay``; ``bench`` with its configurations, table and JSON is in

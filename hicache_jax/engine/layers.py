@@ -27,8 +27,8 @@ sampled tokens there, so the next step can be dispatched before this one's token
 host (the batched engine's overlap). :func:`reference_logits` is the dense oracle over the same
 math.
 
-Threading: the jitted steps dispatch on the caller's thread, which must own the pool (ARCHITECTURE.md:
-one dispatching thread); :data:`TRACES` is only written at trace time.
+Threading: the jitted steps dispatch on the caller's thread, which must own the pool
+(ARCHITECTURE.md: one dispatching thread); :data:`TRACES` is only written at trace time.
 """
 
 from __future__ import annotations
@@ -266,7 +266,8 @@ def _group_attend(cfg: ModelConfig, pool: jax.Array, layer: jax.Array, q: jax.Ar
 
     # Plain batched matmuls over (item, kv head): q as [W, Hkv, G*Tq, D], k and v as
     # [W, Hkv, S, D]. XLA:CPU runs the dot_generals of the [.., Tq, Hkv, G, D] layout 2-4x
-    # slower (strided operands), and attention is most of a step's time (the batched engine's profile, benchmarks/RESULTS.md).
+    # slower (strided operands), and attention is most of a step's time (the batched
+    # engine's profile, benchmarks/RESULTS.md).
     qg = q[src.reshape(-1)].reshape(r, tq, hkv, g, hd).transpose(0, 2, 3, 1, 4)
     qg = qg.reshape(r, hkv, g * tq, hd)                                         # [R, Hkv, G*Tq, D]
     k, v, mask = blocks(item_pages, item_k0, qpos[item_row])
