@@ -227,7 +227,8 @@ def print_report(report: list[dict], rev: str | None) -> None:
                   f"{'met' if ratio >= want else 'NOT met'}")
         elif r.get("base"):
             ratio = r["current"]["requests_per_s"] / r["base"]["requests_per_s"]
-            print(f"  {r['tier']:6} events {r['events']}: {ratio:.2f}x the baseline (no target here)")
+            print(f"  {r['tier']:6} events {r['events']}: {ratio:.2f}x the baseline "
+                  "(no target here)")
 
 
 if __name__ == "__main__":

@@ -11,12 +11,13 @@ boundary, and the cache's clock is a counter, so a replay is deterministic.
 
 Baseline: :func:`add_baseline_flags` gives a benchmark ``--baseline REV`` (alias ``--base``) and
 ``--no-baseline``; :class:`Trees` extracts ``hicache_jax/`` (and ``pallas_kernels/``) of REV
-(``git archive``) into a temporary directory, and :func:`run_worker` runs the benchmark's worker in a subprocess whose
-``hicache_jax`` is that tree's and whose ``benchmarks`` package is this one: the same benchmark
-code, side by side in the same run, against another revision's library. The worker side (this
-module's :func:`replay`, :func:`load_prompts`, :func:`worker_main`) therefore uses numpy and
-hicache_jax's public API only (``HiCache``, ``HiCacheConfig``, ``KVSpec``, ``cache.stats()``),
-which every revision measured so far has; a counter a revision lacks reads None.
+(``git archive``) into a temporary directory, and :func:`run_worker` runs the benchmark's worker
+in a subprocess whose ``hicache_jax`` is that tree's and whose ``benchmarks`` package is this
+one: the same benchmark code, side by side in the same run, against another revision's library.
+The worker side (this module's :func:`replay`, :func:`load_prompts`, :func:`worker_main`)
+therefore uses numpy and hicache_jax's public API only (``HiCache``, ``HiCacheConfig``,
+``KVSpec``, ``cache.stats()``), which every revision measured so far has; a counter a revision
+lacks reads None.
 
 Prompts travel to workers as an ``.npz`` (:func:`save_prompts`): an older revision may have no
 trace reader.
