@@ -10,7 +10,9 @@ block-LRU caches computed in the same run (:mod:`hicache_jax.replay`):
 * ``write_through``: hit >= 0.97 of the LRU of L2's capacity (the inclusive bound);
 * ``write_back``: hit >= 0.98 of the LRU of L1 + L2;
 * every policy's replay time beside write_through's (clean_ahead: <= 1.5x), medians of
-  ``--repeats`` runs whose hit figures must be identical (replays are deterministic).
+  ``--repeats`` runs whose hit figures must be identical (replays are deterministic); the first
+  replay of a process pays the jit compiles of the copy buckets, so quote times with
+  ``--repeats`` >= 3.
 
 ``--reserve`` sweeps ``clean_ahead_pages`` (the backed-up window at L1's eviction end).
 ``--baseline REV`` runs every configuration against hicache_jax at git revision REV too (both
