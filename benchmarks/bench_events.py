@@ -1,36 +1,36 @@
 """What KV events cost: requests/s of a trace replay with events off, queued, and over ZMQ.
 
-Replays a Mooncake-format trace (default: tests/data/mooncake_synthetic_300.jsonl) through
-:func:`hicache_jax.replay.driver.replay` (the public API, one request at a time) with
+Replays a Mooncake-format trace (default: tests/data/mooncake_synthetic_300.jsonl) through the
+request flow of :mod:`benchmarks.replay_driver` (the public API, one request at a time) with
 ``kv_events=None`` (off), ``{"publisher": "queue"}`` (in-process, nobody taking: the bounded
 buffer drops and counts) and ``{"publisher": "zmq"}`` with a live subscriber (a SUB socket
 drained by another thread of the worker; it counts, and does not decode, so that its own
 decoding does not hold the GIL against the cache). The limit it is judged against: the same
-replay with events off, in the same run. Target (issue 15): ZMQ with a live subscriber within
-1.5x of events off.
+replay with events off, in the same run. Target: ZMQ with a live subscriber within 1.5x of
+events off.
 
-Each replay runs in a fresh subprocess (one untimed warm-up replay first: jit compiles), for the
-current tree and for a base commit (``--base``, default main's 51b3710, checked out with
-``git worktree add --detach`` into a temporary directory and removed at the end), alternating
-tree and mode, so that drifts of the shared machine hit every row; medians of ``--repeats``.
+Each replay runs in a fresh worker subprocess (one untimed warm-up replay first: jit compiles),
+for the current tree and for a baseline revision (``--baseline REV``, default 51b3710: before
+the background publisher and the XXH3 page hashes; :mod:`benchmarks.replay_driver`),
+alternating tree and mode, so that drifts of the shared machine hit every row; medians of
+``--repeats``.
 
-Usage: ``python -m benchmarks.bench_events [TRACE] [--quick] [--repeats N] [--base COMMIT |
---no-base] [--json PATH]``.
+Usage: ``python -m benchmarks.bench_events [TRACE] [--quick] [--repeats N] [--baseline REV |
+--no-baseline] [--json PATH]``.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import pathlib
-import shutil
 import socket
 import statistics
-import subprocess
 import tempfile
 import threading
 import time
+
+from benchmarks import replay_driver as rd
 
 REPO = str(pathlib.Path(__file__).resolve().parents[1])
 TRACE = pathlib.Path(REPO) / "tests" / "data" / "mooncake_synthetic_300.jsonl"
@@ -92,10 +92,9 @@ def _time_publisher_thread() -> list:
     return spent
 
 
-def run_mode(mode: str, trace, spec, device_pages: int) -> dict:
+def run_mode(mode: str, prompts, spec, device_pages: int) -> dict:
     """One replay with events ``mode`` (in this process)."""
     from hicache_jax import HiCacheConfig
-    from hicache_jax.replay.driver import replay
 
     kv_events, drain = None, None
     if mode == "queue":
@@ -104,16 +103,16 @@ def run_mode(mode: str, trace, spec, device_pages: int) -> dict:
         endpoint = f"tcp://127.0.0.1:{_free_port()}"
         kv_events = {"publisher": "zmq", "endpoint": endpoint}
         drain = Drain(endpoint)
-    cfg = HiCacheConfig(device_pages=device_pages, host_pages=4 * device_pages,
-                        kv_events=kv_events)
+    kw = {} if kv_events is None else {"kv_events": kv_events}  # a revision may lack the field
+    cfg = HiCacheConfig(device_pages=device_pages, host_pages=4 * device_pages, **kw)
     publisher = _time_publisher_thread() if mode == "zmq" else []
     main0, proc0 = time.thread_time(), time.process_time()
     try:
-        r = replay(trace, spec, cfg)
+        r = rd.replay(prompts, spec, cfg)
     finally:
         if drain is not None:
             drain.close()
-    n = len(trace.requests)
+    n = len(prompts)
     cpu = {"main": time.thread_time() - main0, "process": time.process_time() - proc0,
            "publisher": sum(publisher) if publisher else None,
            "subscriber": drain.cpu_s if drain is not None else None}
@@ -121,77 +120,60 @@ def run_mode(mode: str, trace, spec, device_pages: int) -> dict:
     cpu["other"] = cpu["process"] - sum(v or 0.0 for k, v in cpu.items() if k != "process")
     # CPU us a request: the whole replay() call (the cache's construction and close too).
     return {"requests_per_s": r["requests_per_s"], "wall_s": r["wall_s"],
-            "hit_ratio": r["hit_ratio"],
+            "hit_ratio": r["hit_ratio"], "hit_tokens": r["hit_tokens"],
             "received_batches": None if drain is None else drain.batches,
             "cpu_us_per_request": {k: None if v is None else v / n * 1e6 for k, v in cpu.items()}}
 
 
-def worker(args) -> None:
-    """``--worker MODE``: warm up, then one timed replay; prints ``RESULT {json}``."""
-    import hicache_jax
-    from hicache_jax.replay.driver import default_device_pages, load_trace, parse_spec
-
-    trace = load_trace(args.trace, block_size=args.block_size, limit=args.limit)
-    spec = parse_spec(None, args.block_size)
-    device_pages = default_device_pages(trace, args.block_size)
-    run_mode("off", trace, spec, device_pages)  # warm-up: jit compiles, page-in
+def worker(p: dict) -> dict:
+    """A worker subprocess (the tree under test): warm up, then one timed replay of mode
+    ``p["mode"]``."""
+    prompts = rd.load_prompts(p["prompts"])
+    spec = rd.tiny_spec(p["block_size"])
+    run_mode("off", prompts, spec, p["device_pages"])  # warm-up: jit compiles, page-in
     import msgspec  # noqa: F401  (imported by the zmq publisher: not in the timed CPU)
     import zmq  # noqa: F401
-    r = run_mode(args.worker, trace, spec, device_pages)
-    print("RESULT " + json.dumps(r | {"device_pages": device_pages,
-                                      "requests": len(trace.requests),
-                                      "module": hicache_jax.__file__}))
-
-
-def _run(tree: str, mode: str, args) -> dict:
-    cmd = [os.path.abspath(__file__), args.trace, "--worker", mode,
-           "--block-size", str(args.block_size)]
-    if args.limit:
-        cmd += ["--limit", str(args.limit)]
-    from benchmarks.common import run_worker  # driver side only: the worker may be a base tree
-    return run_worker(cmd, tree)
+    r = run_mode(p["mode"], prompts, spec, p["device_pages"])
+    return r | {"device_pages": p["device_pages"], "requests": len(prompts)}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("trace", nargs="?", default=str(TRACE))
-    ap.add_argument("--quick", action="store_true", help="100 requests, 1 repeat, no base")
+    ap.add_argument("--quick", action="store_true", help="100 requests, 1 repeat, no baseline")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--limit", type=int, default=None, help="first N requests of the trace")
     ap.add_argument("--block-size", type=int, default=512)
-    ap.add_argument("--base", default=BASE_COMMIT)
-    ap.add_argument("--no-base", action="store_true", help="the current tree only")
+    rd.add_baseline_flags(ap, BASE_COMMIT)
     ap.add_argument("--json", default=None)
-    ap.add_argument("--worker", choices=MODES, help=argparse.SUPPRESS)
+    ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
-        return worker(args)
+        return rd.worker_main(worker, args.worker)
     if args.quick:
-        args.limit, args.repeats, args.no_base = args.limit or 100, 1, True
-    trees = {"current": REPO}
-    tmp = tempfile.mkdtemp(prefix="bench_events_")
-    if not args.no_base:
-        trees = {"base": os.path.join(tmp, "base"), "current": REPO}
-        subprocess.run(["git", "-C", REPO, "worktree", "add", "--detach", trees["base"],
-                        args.base], check=True, capture_output=True)
-    runs: dict = {t: {m: [] for m in MODES} for t in trees}
-    try:
-        for _ in range(args.repeats):  # interleaved: drifts of the machine hit every row
-            for mode in MODES:
-                for t, path in trees.items():
-                    runs[t][mode].append(_run(path, mode, args))
-    finally:
-        if not args.no_base:
-            subprocess.run(["git", "-C", REPO, "worktree", "remove", "--force", trees["base"]],
-                           capture_output=True)
-        shutil.rmtree(tmp, ignore_errors=True)
-    report(args, trees, runs)
+        args.limit, args.repeats, args.baseline = args.limit or 100, 1, None
+    from hicache_jax.replay.driver import default_device_pages, load_trace
+
+    trace = load_trace(args.trace, block_size=args.block_size, limit=args.limit)
+    with tempfile.TemporaryDirectory(prefix="bench_events_") as tmp, \
+            rd.Trees(args.baseline) as trees:
+        path = os.path.join(tmp, "prompts.npz")
+        rd.save_prompts(rd.Prompts.from_trace(trace), path)
+        payload = {"prompts": path, "block_size": args.block_size,
+                   "device_pages": default_device_pages(trace, args.block_size)}
+        runs: dict = {t.label: {m: [] for m in MODES} for t in trees}
+        for _, mode, tree in ((r, m, t) for r in range(args.repeats) for m in MODES
+                              for t in trees):  # interleaved: drifts hit every row
+            runs[tree.label][mode].append(rd.run_worker(tree, "bench_events",
+                                                        payload | {"mode": mode}))
+    report(args, [t.label for t in trees], runs)
 
 
-def report(args, trees: dict, runs: dict) -> None:
+def report(args, trees: list[str], runs: dict) -> None:
     from benchmarks.common import print_table, write_json
 
     rows, ratios = [], {}
+    trees = trees[::-1]  # the baseline's rows first
     for t in trees:
         rps = {m: statistics.median(r["requests_per_s"] for r in runs[t][m]) for m in MODES}
         best = {m: max(r["requests_per_s"] for r in runs[t][m]) for m in MODES}
@@ -199,7 +181,7 @@ def report(args, trees: dict, runs: dict) -> None:
                 for m in MODES}
         ratios[t] = {m: rps["off"] / rps[m] for m in MODES}
         for m in MODES:
-            rows.append([args.base if t == "base" else t, m, f"{rps[m]:,.0f}", ratios[t][m],
+            rows.append([t, m, f"{rps[m]:,.0f}", ratios[t][m],
                          f"{best[m]:,.0f}", best["off"] / best[m], main[m] / main["off"],
                          runs[t][m][-1]["received_batches"]])
     first = runs["current"]["off"][0]
@@ -212,16 +194,17 @@ def report(args, trees: dict, runs: dict) -> None:
     for t in trees:
         for m in MODES:
             cpu = [r["cpu_us_per_request"] for r in runs[t][m]]
-            cpu_rows.append([args.base if t == "base" else t, m] + [
+            cpu_rows.append([t, m] + [
                 statistics.median(c[k] for c in cpu) if cpu[0][k] is not None else "-"
                 for k in CPU_PARTS])
     print_table(["tree", "events"] + [f"{k} CPU us/req" for k in CPU_PARTS], cpu_rows,
                 title="CPU time per request by thread (medians; the whole replay() call, "
                       "construction and close included; 'process' is all threads)")
     ok = ratios["current"]["zmq"] <= 1.5
+    base = (f"; baseline {args.baseline}: {ratios[args.baseline]['zmq']:.2f}x"
+            if args.baseline else "")
     print(f"\ntarget zmq with a live subscriber within 1.5x of events off: "
-          f"{'met' if ok else 'NOT met'} ({ratios['current']['zmq']:.2f}x"
-          + (f"; base {args.base}: {ratios['base']['zmq']:.2f}x)" if "base" in ratios else ")"))
+          f"{'met' if ok else 'NOT met'} ({ratios['current']['zmq']:.2f}x{base})")
     write_json(args.json, "bench_events", vars(args), {"runs": runs, "slowdown": ratios})
 
 

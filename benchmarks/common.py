@@ -14,8 +14,6 @@ import json
 import os
 import platform
 import statistics
-import subprocess
-import sys
 import time
 from typing import Any, Callable, Iterable, Sequence
 
@@ -145,19 +143,3 @@ def write_json(path: str | None, name: str, config: dict[str, Any], results: Any
         json.dump({"benchmark": name, "env": env_info(), "config": config, "results": results},
                   f, indent=2, default=str)
     print(f"wrote {path}")
-
-
-def run_worker(cmd: Sequence[str], tree: str) -> dict[str, Any]:
-    """Run a benchmark's worker ``cmd`` with ``tree`` on PYTHONPATH and as cwd (the tree under
-    test, e.g. a base commit's worktree); its ``RESULT {json}`` line, checked to come from
-    ``tree``'s hicache_jax (the ``module`` field)."""
-    env = dict(os.environ, PYTHONPATH=tree, JAX_PLATFORMS=os.environ.get("JAX_PLATFORMS", "cpu"))
-    proc = subprocess.run([sys.executable, *cmd], env=env, capture_output=True, text=True,
-                          cwd=tree)
-    line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
-    if proc.returncode or line is None:
-        raise RuntimeError(f"worker failed in {tree}:\n{proc.stdout}\n{proc.stderr}")
-    res = json.loads(line[len("RESULT "):])
-    if not os.path.realpath(res["module"]).startswith(os.path.realpath(tree)):
-        raise RuntimeError(f"worker imported {res['module']}, not the tree at {tree}")
-    return res
