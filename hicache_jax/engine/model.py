@@ -38,13 +38,14 @@ from hicache_jax.engine.layers import (BATCH_EMBED, BATCH_HEAD, BATCH_LAYER, BAT
 from hicache_jax.engine.packing import (NO_SLOTS, REUSE_COST_LIMIT, TokenSlots, bucket,
                                         check_slots, cover, feed_arrays, fine_bucket, flatten,
                                         lens_used, pack, plan)
-from hicache_jax.engine.weights import (ModelConfig, Params, flat_params, init_params,
-                                        load_params, save_params, unflatten_params)
+from hicache_jax.engine.weights import (ModelConfig, Params, abstract_params, flat_params,
+                                        init_params, load_params, save_params, unflatten_params)
 from hicache_jax.spec import KVSpec
 from hicache_jax.validation import is_int
 
 __all__ = ["DecoderModel", "LayerWaiter", "ModelConfig", "Params", "PoolLike", "REUSE_COST_LIMIT",
-           "TRACES", "TokenSlots", "bucket", "compiled_step_count", "fine_bucket", "flat_params",
+           "TRACES", "TokenSlots", "abstract_params", "bucket", "compiled_step_count",
+           "fine_bucket", "flat_params",
            "init_params", "load_params", "reference_logits", "save_params", "trace_count",
            "unflatten_params"]
 
@@ -83,7 +84,7 @@ class DecoderModel:
         self.unroll_tokens = int(unroll_tokens)
         self.params = init_params(cfg, seed) if params is None else params
         # Per-layer weight slices, sliced once here (not per call) for the per-layer path.
-        self._layer_params = [{k: v[i] for k, v in self.params["layers"].items()}
+        self._layer_params = [{k: _layer_slice(v, i) for k, v in self.params["layers"].items()}
                               for i in range(cfg.num_layers)]
         # The same slices for the fused steps of few tokens, which run their layers unrolled
         # (unroll_tokens: no per-layer weight copy inside the step).
@@ -280,6 +281,14 @@ class DecoderModel:
     def _page_size(pool: PoolLike) -> int:
         spec = getattr(pool, "spec", None)
         return spec.page_size if spec is not None else int(pool.array.shape[3])
+
+
+def _layer_slice(stacked: Any, layer: int) -> Any:
+    """Layer ``layer`` of a stacked weight; of a ``jax.ShapeDtypeStruct`` (``abstract_params``:
+    a model for lowering only), its shape without the layer axis."""
+    if isinstance(stacked, jax.ShapeDtypeStruct):
+        return jax.ShapeDtypeStruct(stacked.shape[1:], stacked.dtype)
+    return stacked[layer]
 
 
 #: (config, packed shapes) x ("fused" | "layers") of every batched step run so far: the jits are
