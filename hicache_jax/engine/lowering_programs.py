@@ -26,11 +26,10 @@ is what the process compiles; :data:`ProgramSet.bounds` holds the bound each mus
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import inspect
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -39,11 +38,11 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 import pallas_kernels as pk
 from hicache_jax import device_pool, host_pool, transfer
-from hicache_jax.engine import model as model_mod
 from hicache_jax.engine.batched import BatchedEngine
 from hicache_jax.engine.engine import Engine
 from hicache_jax.engine.layers import LAYER
-from hicache_jax.engine.model import DecoderModel, ModelConfig, TokenSlots, abstract_params, bucket
+from hicache_jax.engine.model import (DecoderModel, ModelConfig, TokenSlots, abstract_params,
+                                      bucket, step_records_kept)
 from hicache_jax.page_copy import STAGE_SIZES, bucket_size, index_len, stage_chunks
 from hicache_jax.spec import HostLayout, KVSpec
 
@@ -298,23 +297,6 @@ class _RecordingPool:
         return jax.eval_shape(fn, self.array, *args)[1]
 
 
-@contextlib.contextmanager
-def _model_bookkeeping_kept() -> Iterator[None]:
-    """Recorded batched steps must not count as run (``forward_batch`` notes each shape it
-    dispatches, and later steps reuse "compiled" shapes on that record), nor as traced."""
-    ran, covers = set(model_mod._RAN), dict(model_mod._COVERS)
-    traces = model_mod.TRACES.copy()
-    try:
-        yield
-    finally:
-        model_mod._RAN.clear()
-        model_mod._RAN.update(ran)
-        model_mod._COVERS.clear()
-        model_mod._COVERS.update(covers)
-        model_mod.TRACES.clear()
-        model_mod.TRACES.update(traces)
-
-
 def _abstract(x: Any) -> Any:
     if isinstance(x, (np.ndarray, jax.Array)):
         return _sds(x.shape, x.dtype)
@@ -345,7 +327,7 @@ def engine_programs(spec: KVSpec, device_pages: int, cfg: ModelConfig) -> list[P
     pages = np.arange(min(device_pages, -(-(ctx + 1) // ps)), dtype=np.int32)
     toks = lambda n: np.zeros(n, np.int32)  # noqa: E731
     progs = []
-    with _model_bookkeeping_kept():
+    with step_records_kept():
         long = min(prompt, ctx)
         model.forward(pool, toks(long), 0, pages, min_bucket=pre_bucket)
         progs.append(_recorded(f"engine.prefill[{bucket(long, pre_bucket)}t,scan]",
@@ -369,9 +351,10 @@ def _layer_program(model: DecoderModel, pool: _RecordingPool, tb: int,
     cfg = model.cfg
     table = _i32(bucket(pages.shape[0]))
     x = _sds((tb, cfg.d_model), cfg.dtype)
+    layer = {k: _sds(v.shape[1:], v.dtype) for k, v in model.params["layers"].items()}
     return Program(f"engine.layer[{tb}t]", "engine.layer", LAYER,
-                   (cfg, pool.array, _i32(), model._layer_params[0], x, _i32(), _i32(), table),
-                   {}, True, (pool.array.shape,))
+                   (cfg, pool.array, _i32(), layer, x, _i32(), _i32(), table), {}, True,
+                   (pool.array.shape,))
 
 
 def _batched_programs(model: DecoderModel, pool: _RecordingPool, ctx: int,

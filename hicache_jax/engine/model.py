@@ -25,8 +25,9 @@ pool (DESIGN rule 4).
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from typing import Any, Callable, Protocol
+from typing import Any, Callable, Iterator, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -46,8 +47,8 @@ from hicache_jax.validation import is_int
 __all__ = ["DecoderModel", "LayerWaiter", "ModelConfig", "Params", "PoolLike", "REUSE_COST_LIMIT",
            "TRACES", "TokenSlots", "abstract_params", "bucket", "compiled_step_count",
            "fine_bucket", "flat_params",
-           "init_params", "load_params", "reference_logits", "save_params", "trace_count",
-           "unflatten_params"]
+           "init_params", "load_params", "reference_logits", "save_params", "step_records_kept",
+           "trace_count", "unflatten_params"]
 
 # The stateful shell: bucketing on the host, dispatch through the pool's donated run().
 
@@ -297,6 +298,23 @@ _RAN: set[tuple[Any, str]] = set()
 #: shape -> packing.cover's answer over _RAN as it is (cleared when _RAN grows): a step shape
 #: with no executable of its own recurs, and the engine asks before forward_batch does.
 _COVERS: dict[tuple, tuple | None] = {}
+
+
+@contextlib.contextmanager
+def step_records_kept() -> Iterator[None]:
+    """Within the block, steps dispatched to a pool that only records them (a lowering tool's:
+    nothing runs) leave no trace: the shapes :meth:`DecoderModel.forward_batch` notes as run
+    (and would later reuse as compiled) and :data:`TRACES` are restored on exit."""
+    ran, covers, traces = set(_RAN), dict(_COVERS), TRACES.copy()
+    try:
+        yield
+    finally:
+        _RAN.clear()
+        _RAN.update(ran)
+        _COVERS.clear()
+        _COVERS.update(covers)
+        TRACES.clear()
+        TRACES.update(traces)
 
 
 def _ran(key: tuple, kind: str) -> None:
