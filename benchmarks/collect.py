@@ -4,7 +4,7 @@
 the run's folder (each script's own) becomes one document of the schema ``hicache-jax compare``
 reads, each figure beside its limit measured in the same run. Prints the figures.
 
-Usage: python -m benchmarks.collect DIR [--out DIR/results.json]
+Usage: python -m benchmarks.collect DIR [--json DIR/results.json]
 """
 
 from __future__ import annotations
@@ -21,9 +21,9 @@ from hicache_jax.engine.results import collect
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("dir", help="folder of the run's JSON files")
-    ap.add_argument("--out", help="results file (default DIR/results.json)")
+    ap.add_argument("--json", help="the results file to write (default DIR/results.json)")
     args = ap.parse_args(argv)
-    out = args.out or os.path.join(args.dir, "results.json")
+    out = args.json or os.path.join(args.dir, "results.json")
     docs = []
     for path in sorted(glob.glob(os.path.join(args.dir, "*.json"))):
         if os.path.abspath(path) == os.path.abspath(out):
