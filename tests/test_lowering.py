@@ -18,7 +18,7 @@ from hicache_jax.spec import KVSpec
 
 # The engine tests' KV (2 layers, 2 kv heads of 8) in bfloat16, pages of 16 tokens.
 TINY = KVSpec(num_layers=2, num_kv_heads=2, head_dim=8, dtype="bfloat16", page_size=16)
-PAGES = 8
+PAGES = 4
 
 OPS = {"device_pool.write[xla]", "device_pool.read[xla]", "device_pool.write[pallas]",
        "device_pool.read[pallas]", "pallas.scatter_layer_pages", "device_pool.take_first",
@@ -30,8 +30,13 @@ OPS = {"device_pool.write[xla]", "device_pool.read[xla]", "device_pool.write[pal
 @pytest.fixture(scope="module")
 def tiny_reports():
     ran = set(model_mod._RAN)
-    reports = {p: lowering.check(lowering.programs(TINY, p, device_pages=PAGES))
-               for p in ("tpu", "cuda")}
+    tpu = lowering.programs(TINY, "tpu", device_pages=PAGES)
+    cuda = lowering.programs(TINY, "cuda", device_pages=PAGES)
+    # On CUDA the Pallas programs only at the pool's largest bucket: a Mosaic GPU kernel takes
+    # ~0.3-2 s to lower here and its body is the same at every bucket (TPU lowers them all).
+    big = f"{PAGES}p"
+    names = [p.name for p in cuda.programs if not p.kernel or big in p.name]
+    reports = {"tpu": lowering.check(tpu), "cuda": lowering.check(cuda, only=names)}
     assert model_mod._RAN == ran  # recording the batched steps marks nothing as compiled
     return reports
 
@@ -41,7 +46,9 @@ def test_every_program_of_the_tiny_spec_lowers_and_passes(tiny_reports, platform
     report = tiny_reports[platform]
     report.raise_for_failures()
     assert {p.op for p in report.pset.programs} == OPS
-    assert len(report.lowered) == len(report.pset.programs)
+    assert {low.program.op for low in report.lowered} == OPS
+    if platform == "tpu":
+        assert len(report.lowered) == len(report.pset.programs)
     by_name = {low.program.name: low for low in report.lowered}
     kernel = "tpu_custom_call" if platform == "tpu" else "mosaic_gpu_v2"
     assert kernel in by_name[f"device_pool.write[pallas,{PAGES}p,uint16]"].custom_calls
@@ -50,7 +57,7 @@ def test_every_program_of_the_tiny_spec_lowers_and_passes(tiny_reports, platform
     assert 'mhlo.memory_kind = "pinned_host"' in backup
     assert 'mhlo.memory_kind = "device"' in backup
     # Every bucketed operation has one program per power of two up to the pool, no more.
-    assert report.pset.bounds["device_pool.write[xla]"] == 2 * 4  # 1, 2, 4, 8 pages x 2 dtypes
+    assert report.pset.bounds["device_pool.write[xla]"] == 2 * 3  # 1, 2, 4 pages x 2 dtypes
     table = lowering.format_table(report)
     assert f"programs lowered for {platform}: all checks pass" in table
 
@@ -156,12 +163,12 @@ def test_an_unbucketed_operation_is_rejected_by_its_bound():
     pset = lowering.programs(TINY, "tpu", device_pages=PAGES, engine=False)
     assert lowering.check_bounds(pset) == []
     write = next(p for p in pset.programs if p.op == "device_pool.write[xla]")
-    # One program per page count instead of per bucket: 3, 5, 6, 7 pages on top of the buckets.
+    # One program per page count instead of per bucket: 3 pages on top of the buckets.
     extra = [dataclasses.replace(write, name=f"write[{n}p]", args=(
         POOL, jax.ShapeDtypeStruct((n,), jnp.int32),
-        jax.ShapeDtypeStruct(TINY.kv_shape(n), TINY.bits_dtype))) for n in (3, 5, 6, 7)]
+        jax.ShapeDtypeStruct(TINY.kv_shape(n), TINY.bits_dtype))) for n in (3,)]
     bad = lowering.check_bounds(dataclasses.replace(pset, programs=pset.programs + tuple(extra)))
-    assert bad == ["device_pool.write[xla] [tpu]: 12 distinct programs, bound 8"]
+    assert bad == ["device_pool.write[xla] [tpu]: 7 distinct programs, bound 6"]
 
 
 def test_report_raises_listing_the_failed_program():
@@ -213,3 +220,12 @@ def test_lower_command_prints_the_table_and_writes_json(tmp_path, capsys):
         cli.main(["lower", "--platform", "tpu", "--spec", "layers=none"])
     assert e.value.code == 2
     np.testing.assert_equal(data["spec"]["num_layers"], 2)
+
+
+def test_the_cpu_programs_pass_too():
+    # This machine's own: the XLA page loop, both pools in device memory (merged minor views).
+    pset = lowering.programs(TINY, "cpu", device_pages=4, engine=False)
+    assert not any(p.kernel for p in pset.programs)
+    report = lowering.check(pset)
+    report.raise_for_failures()
+    assert any("interpreted" in n for n in pset.notes)

@@ -221,7 +221,10 @@ def host_programs(spec: KVSpec, device_pages: int, host_pages: int, platform: st
                   else spec.page_major_shape(host_pages))
     pool_shape = spec.kv_shape(device_pages + 1)
     buf, pool = _sds(host_shape, spec.bits_dtype, host), _sds(pool_shape, spec.bits_dtype, dev)
-    shapes = (host_shape, pool_shape)
+    # With both pools in one memory space (CPU) the copy works on views with the two minor axes
+    # merged (page_copy): those shapes must stay raw bits too.
+    shapes = tuple(s for shape in (host_shape, pool_shape)
+                   for s in (shape, (*shape[:-2], shape[-2] * shape[-1])))
     progs: list[Program] = []
     stages = sorted({(size, index_len(count)) for n in range(1, min(host_pages, 64) + 1)
                      for _, count, size in stage_chunks(n)})
@@ -405,6 +408,10 @@ def programs(spec: KVSpec, platform: str, *, device_pages: int, host_pages: int 
         bounds.update(more_bounds, **{"pallas.scatter_layer_pages": _bound(device_pages)})
     else:
         notes.append("Pallas kernels: none compiled for cpu (the pool runs them interpreted)")
+    if platform == "cuda":
+        notes.append("Mosaic GPU kernels: grid of this machine's default block count (a GPU "
+                     "process uses one block per SM), the kernel body is the same")
+    notes.append("pools unsharded (one device): the head-sharded mesh variants are not listed")
     progs += pool_helper_programs(spec, device_pages)
     more, more_bounds = host_programs(spec, device_pages, host_pages, platform, layout)
     progs += more
