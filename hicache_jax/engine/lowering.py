@@ -96,7 +96,8 @@ def lower(program: Program, platform: str) -> Lowered:
             text = exported.mlir_module()
         except Exception as e:  # reported as the program's verdict, never raised
             msg = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-            error = (f"host callback (a callback lowers only with its platform's device): {msg}"
+            error = (f"host callback (or another op bound to this machine's backend: it "
+                     f"lowers only with its platform's device): {msg}"
                      if _CALLBACK_ERROR in str(e) else msg)
     notes = tuple(dict.fromkeys(str(w.message).splitlines()[0] for w in caught))
     return Lowered(program, platform, text, error, notes, time.perf_counter() - t0)

@@ -36,7 +36,6 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-import pallas_kernels as pk
 from hicache_jax import device_pool, host_pool, transfer
 from hicache_jax.engine.batched import BatchedEngine
 from hicache_jax.engine.engine import Engine
@@ -183,8 +182,7 @@ def pool_helper_programs(spec: KVSpec, device_pages: int) -> list[Program]:
 def pallas_layer_programs(spec: KVSpec, device_pages: int, platform: str) -> list[Program]:
     """The Pallas layer-wise scatter (``scatter_layer_pages``) at every bucket, in the jit a
     caller gives it (pool donated)."""
-    impl = {"tpu": pk.Impl.TPU, "cuda": pk.Impl.MOSAIC_GPU}[platform]
-    fn = _layer_scatter_jit(impl)
+    fn = _layer_scatter_jit(platform)
     pool_shape = spec.kv_shape(device_pages + 1)
     pool = _sds(pool_shape, spec.bits_dtype)
     return [Program(f"pallas.scatter_layer_pages[{b}p]", "pallas.scatter_layer_pages", fn,
@@ -194,7 +192,10 @@ def pallas_layer_programs(spec: KVSpec, device_pages: int, platform: str) -> lis
 
 
 @functools.cache
-def _layer_scatter_jit(impl: pk.Impl) -> Callable:
+def _layer_scatter_jit(platform: str) -> Callable:
+    import pallas_kernels as pk  # as device_pool does: only when the kernels are asked for
+
+    impl = {"tpu": pk.Impl.TPU, "cuda": pk.Impl.MOSAIC_GPU}[platform]
     return jax.jit(lambda pool, layer, ids, pages: pk.scatter_layer_pages(
         pool, layer, ids, pages, impl=impl), donate_argnums=0)
 
