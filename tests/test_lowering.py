@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 import pallas_kernels as pk
-from hicache_jax import device_pool
-from hicache_jax.engine import cli, lowering
+from hicache_jax import device_pool, page_copy
+from hicache_jax.engine import cli, layers, lowering
 from hicache_jax.engine import model as model_mod
 from hicache_jax.engine.lowering_programs import LLAMA3_8B, Program, engine_model
 from hicache_jax.spec import KVSpec
@@ -60,6 +60,21 @@ def test_every_program_of_the_tiny_spec_lowers_and_passes(tiny_reports, platform
     assert report.pset.bounds["device_pool.write[xla]"] == 2 * 3  # 1, 2, 4 pages x 2 dtypes
     table = lowering.format_table(report)
     assert f"programs lowered for {platform}: all checks pass" in table
+
+
+def test_the_programs_are_the_functions_the_code_dispatches(tiny_reports):
+    fns = {p.op: p.fn for p in tiny_reports["tpu"].pset.programs}
+    assert fns["engine.prefill"] is layers.STEP and fns["engine.decode"] is layers.STEP
+    assert fns["engine.layer"] is layers.LAYER and fns["batched.step"] is layers.BATCH_STEP
+    for op in ("transfer.backup", "transfer.load", "transfer.load_layer", "host_pool.write"):
+        assert fns[op] is page_copy.copy_pages
+    assert fns["host_pool.read"] is page_copy.gather_pages
+    assert fns["device_pool.write[pallas]"] is fns["device_pool.write[xla]"]
+    # The decode step runs unrolled over per-layer weights, a long prefill as a scan.
+    steps = {p.name.split(",")[1]: p for p in tiny_reports["tpu"].pset.programs
+             if p.op in ("engine.prefill", "engine.decode") and "," in p.name}
+    params = {kind: p.args[2] for kind, p in steps.items()}  # STEP(cfg, pool, params, ...)
+    assert "per_layer" in params["unrolled]"] and "per_layer" not in params["scan]"]
 
 
 def test_llama3_8b_pool_of_gib_lowers_as_shapes_only():
