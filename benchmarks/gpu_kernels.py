@@ -99,13 +99,29 @@ class Scatter:
         return self.pool
 
 
-def run(cfg: dict, smoke: bool, checkpoint=lambda results: None) -> dict:
+def gpu_impls(cfg: dict, smoke: bool) -> dict:
+    """name -> (gather, scatter) of the Mosaic GPU kernels at each of ``cfg["configs"]``'s
+    (tile bytes, stages, blocks per SM) settings (``smoke``: in the GPU interpreter)."""
+    interpret = pk.interpret_params(pk.Impl.MOSAIC_GPU_INTERPRET) if smoke else None
+    impls = {}
+    for tile, stages, mult in cfg["configs"]:
+        kw = dict(tile_bytes=tile, stages=stages, num_blocks=_num_blocks(mult, smoke),
+                  interpret=interpret)
+        size = f"{tile >> 10}K" if tile >= 1024 else f"{tile}B"
+        name = f"pallas tile={size} stages={stages} blocks={_blocks_label(mult)}"
+        # jitted: outside jit the wrappers range-check concrete ids (a device->host sync).
+        impls[name] = (jax.jit(functools.partial(pk_gpu.gather_pages, **kw)),
+                       functools.partial(pk_gpu.scatter_pages, **kw))
+    return impls
+
+
+def run(cfg: dict, smoke: bool, checkpoint=lambda results: None, make_impls=gpu_impls) -> dict:
     """Every size's table is printed, and ``checkpoint(results so far)`` called, as soon as the
-    size is done: a run killed at its time limit keeps the sizes it finished."""
+    size is done: a run killed at its time limit keeps the sizes it finished. ``make_impls(cfg,
+    smoke)`` gives the Pallas implementations timed beside XLA (``tpu_kernels`` passes its own)."""
     L, kvf, ps, H, D, P = (cfg[k] for k in ("num_layers", "kvf", "page_size", "heads",
                                             "head_dim", "pool_pages"))
     page_bytes = L * kvf * ps * H * D * 2
-    interpret = pk.interpret_params(pk.Impl.MOSAIC_GPU_INTERPRET) if smoke else None
     key = jax.random.key(0)
     pool = jax.random.bits(key, (L, kvf, P, ps, H, D), jnp.uint16)
 
@@ -140,15 +156,7 @@ def run(cfg: dict, smoke: bool, checkpoint=lambda results: None) -> dict:
         pages = jax.random.bits(jax.random.fold_in(key, n), (L, kvf, n, ps, H, D), jnp.uint16)
         want_pool = pk.ref_scatter_pages(pool, ids, pages)
         want_pages = pk.ref_gather_pages(pool, ids)
-        impls = {"xla": (xla_gather, xla_scatter)}
-        for tile, stages, mult in cfg["configs"]:
-            kw = dict(tile_bytes=tile, stages=stages, num_blocks=_num_blocks(mult, smoke),
-                      interpret=interpret)
-            size = f"{tile >> 10}K" if tile >= 1024 else f"{tile}B"
-            name = f"pallas tile={size} stages={stages} blocks={_blocks_label(mult)}"
-            # jitted: outside jit the wrappers range-check concrete ids (a device->host sync).
-            impls[name] = (jax.jit(functools.partial(pk_gpu.gather_pages, **kw)),
-                           functools.partial(pk_gpu.scatter_pages, **kw))
+        impls = {"xla": (xla_gather, xla_scatter), **make_impls(cfg, smoke)}
         fns, ok = {}, {}
         for name, (gather, scatter) in impls.items():
             try:  # correctness first, bit-exact against the references

@@ -13,8 +13,9 @@ with the serial engine's (bf16 tolerance 2e-2). Any flag of ``hicache-jax bench`
 given (later flags win).
 
 Run on the GPU machine: ``python -m benchmarks.gpu_serve --json benchmarks/gpu_serve.json``.
-Refuses a non-GPU backend unless ``--allow-cpu``; ``--tiny`` runs a CPU-sized model and workload
-(the smoke test's configuration).
+Also the TPU run's (benchmarks/run_tpu_all.sh: the sizes fit one chip's HBM). Refuses CPU
+unless ``--allow-cpu``; ``--tiny`` runs a CPU-sized model and workload (the smoke test's
+configuration).
 """
 
 from __future__ import annotations
@@ -44,8 +45,9 @@ def main(argv=None) -> int:
     argv = [a for a in argv if a not in ("--allow-cpu", "--tiny")]
     import jax
 
-    if jax.default_backend() != "gpu" and not (allow_cpu or tiny):
-        print(f"gpu_serve: the default JAX backend is {jax.default_backend()!r}, not 'gpu' "
+    if jax.default_backend() not in ("gpu", "tpu") and not (allow_cpu or tiny):
+        print(f"gpu_serve: the default JAX backend is {jax.default_backend()!r}, "
+              "not 'gpu' or 'tpu' "
               "(pass --allow-cpu to run anyway, or --tiny for the CPU-sized smoke run)",
               file=sys.stderr)
         return 2

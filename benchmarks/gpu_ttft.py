@@ -7,7 +7,8 @@ sized for a GPU: 8 layers, d_model 2048, 16 query / 8 KV heads of 128, SwiGLU 56
 chunked prefill of 1024. Every flag of bench_ttft.py can still be given.
 
 Run on the GPU machine: ``python -m benchmarks.gpu_ttft --json benchmarks/gpu_ttft.json``.
-Refuses to run on a non-GPU backend unless ``--allow-cpu`` (the figures would be meaningless).
+Also the TPU run's (benchmarks/run_tpu_all.sh): the sizes fit one TPU chip's HBM.
+Refuses to run on CPU unless ``--allow-cpu`` (the figures would be meaningless).
 """
 
 from __future__ import annotations
@@ -28,8 +29,9 @@ def main(argv=None) -> int:
         argv.remove("--allow-cpu")
     import jax
 
-    if jax.default_backend() != "gpu" and not allow_cpu:
-        print(f"gpu_ttft: the default JAX backend is {jax.default_backend()!r}, not 'gpu' "
+    if jax.default_backend() not in ("gpu", "tpu") and not allow_cpu:
+        print(f"gpu_ttft: the default JAX backend is {jax.default_backend()!r}, "
+              "not 'gpu' or 'tpu' "
               "(pass --allow-cpu to run anyway)", file=sys.stderr)
         return 2
     return bench_ttft.main(argv, defaults=GPU_DEFAULTS, name="gpu_ttft")

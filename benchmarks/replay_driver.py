@@ -118,6 +118,7 @@ class PhaseClock:
     phases, PHASES or HANDLE_PHASES; both flushes count as ``flush``)."""
 
     def __init__(self, flow: str = "primitives") -> None:
+        self.flow = flow
         self.seconds = dict.fromkeys(HANDLE_PHASES if flow == "handle" else PHASES, 0.0)
         self._t = 0.0
 
@@ -210,6 +211,8 @@ def replay(prompts: Prompts | Sequence[np.ndarray], spec: Any, cfg: Any, *,
     ``flow``: :func:`serve`'s.
     """
     cache = new_cache(spec, cfg)
+    if flow is None and clock is not None:
+        flow = clock.flow  # the phases it times
     ps, cap = spec.page_size, cfg.device_pages
     get = prompts.tokens if isinstance(prompts, Prompts) else prompts.__getitem__
     prompt = device_hit = host_hit = declined = 0

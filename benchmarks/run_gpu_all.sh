@@ -11,7 +11,8 @@
 # as they go, so a step killed or aborted keeps what it finished. Order: the tables first, the
 # risky probe (a kernel on a pinned_host operand may abort the process) and the compiled-kernel
 # tests last. Files under $OUT: run.log and one JSON per step (the device returns 8 files at most).
-# The tables go into benchmarks/RESULTS.md by hand, with the date and jax version.
+# The tables go into benchmarks/RESULTS.md by hand, with the date and jax version; results.json
+# (benchmarks/collect.py, last) is what hicache-jax compare puts beside a TPU run's.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${OUT:-benchmarks/out}"
@@ -47,4 +48,6 @@ run pytest_compiled 45 python3 -m pytest -q -p no:cacheprovider \
     tests/test_pallas_kernels.py::test_compiled_kernels_match_reference \
     "tests/test_device_pool_pallas.py::test_pallas_pool_matches_xla_pool[bfloat16-16]" \
     tests/test_transfer.py -k "not mismatched_pools and not dispatched_asynchronously"
+# One results.json of every figure beside its limit (hicache-jax compare A.json B.json).
+run collect 30 python3 -m benchmarks.collect "$out"
 echo "===== all done in $((SECONDS - t0))s" | tee -a "$log"

@@ -47,10 +47,12 @@ HELP_ONLY = [
     ("bench_control_plane", []),
     ("bench_memory", []),
     ("bench_policies", []),
+    ("collect", []),  # its CPU use (the recorded runs in tests/data) in test_results.py
     ("gpu_kernels", []),
     ("gpu_serve", ["--allow-cpu"]),  # its --tiny run on CPU is in test_cli.py
     ("gpu_transfer", []),
     ("gpu_ttft", ["--allow-cpu"]),  # without it, it refuses a non-GPU backend before parsing
+    ("tpu_kernels", []),
 ]
 
 

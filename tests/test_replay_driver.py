@@ -38,13 +38,15 @@ def test_the_flow_gives_the_library_replays_figures(trace, policy):
     assert {k: got[k] for k in FIGURES} == {k: want[k] for k in FIGURES}
 
 
-def test_phase_clock_covers_every_call_and_sums_under_the_wall(trace):
+@pytest.mark.parametrize("flow", rd.FLOWS)
+def test_phase_clock_covers_every_call_and_sums_under_the_wall(trace, flow):
     cfg = HiCacheConfig(device_pages=120, host_pages=480, load_back_threshold=512)
     prompts = rd.Prompts.from_trace(trace)
     tokens = [prompts.tokens(i) for i in range(len(prompts))]
-    timed = rd.replay(tokens, rd.tiny_spec(512), cfg, clock=rd.PhaseClock())
-    plain = rd.replay(tokens, rd.tiny_spec(512), cfg)
-    assert set(timed["phase_s"]) == set(rd.PHASES) and plain["phase_s"] is None
+    timed = rd.replay(tokens, rd.tiny_spec(512), cfg, clock=rd.PhaseClock(flow))
+    plain = rd.replay(tokens, rd.tiny_spec(512), cfg)  # the handle: the same figures
+    phases = rd.HANDLE_PHASES if flow == "handle" else rd.PHASES
+    assert set(timed["phase_s"]) == set(phases) and plain["phase_s"] is None
     assert all(v > 0 for v in timed["phase_s"].values())
     assert sum(timed["phase_s"].values()) <= timed["wall_s"]
     assert timed["hit_tokens"] == plain["hit_tokens"]

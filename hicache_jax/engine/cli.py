@@ -1,7 +1,9 @@
 """``hicache-jax bench``: a workload through three cache configurations, one comparison table.
 
 (``hicache-jax replay TRACE`` replays a production trace instead: see
-:mod:`hicache_jax.replay.driver`.)
+:mod:`hicache_jax.replay.driver`; ``hicache-jax lower`` lowers every device program for TPU or
+CUDA: :mod:`hicache_jax.engine.lowering`; ``hicache-jax compare A.json B.json`` puts two
+benchmark result files side by side: :mod:`hicache_jax.engine.compare`.)
 
 This module defines the command line (the flags of both commands, :func:`main`) and runs
 ``replay``; ``bench`` with its configurations, table and JSON is in
@@ -18,6 +20,7 @@ import numpy as np
 
 from hicache_jax.engine.bench_command import (CONFIGS, bench, build_workload, check_writable,
                                               write_json)
+from hicache_jax.engine import compare, lowering
 from hicache_jax.engine.workloads import ARRIVALS, WORKLOADS
 from hicache_jax.replay import driver as replay_mod
 from hicache_jax import study
@@ -103,6 +106,8 @@ def _parser() -> argparse.ArgumentParser:
     o.add_argument("--quiet", action="store_true", help="no progress bars")
     b.set_defaults(func=bench)
     _replay_parser(sub)
+    lowering.add_parser(sub)
+    compare.add_parser(sub)
     return parser
 
 

@@ -1,92 +1,148 @@
-"""The reference engine's configurations (no cache / device radix / hicache) as a table, for a
-notebook: ``hicache-jax bench`` with keyword arguments for its flags.
+"""``hicache-jax compare A.json B.json [--plot out.png]``: two benchmark runs side by side.
 
-:func:`bench_table` runs the command itself (:func:`hicache_jax.engine.cli.main`, reading back
-its ``--json``), so a notebook's table holds exactly the figures the command prints. Threading:
-runs on the calling thread.
+Each file is a results document of :mod:`hicache_jax.engine.results` (what
+``benchmarks/run_gpu_all.sh`` and ``benchmarks/run_tpu_all.sh`` write: one per device run) or a
+single benchmark script's JSON. The table has one row per figure in either run: its unit, then
+for A and for B the figure, its limit (measured in the same run) and its share of the limit
+(1.00 = at the limit, oriented so higher is better for times too), and B's figure over A's.
+The plot shows the two runs' shares of their limits as bars, figure by figure (needs
+matplotlib: ``pip install -e ".[plot]"``).
 """
 
 from __future__ import annotations
 
-import contextlib
-import io
+import argparse
 import json
-import os
-import tempfile
+import math
 from typing import Any
 
-from hicache_jax import study
-from hicache_jax.engine import cli
+from hicache_jax.engine.results import as_results
 
-__all__ = ["bench_table", "bench_argv"]
-
-_RESERVED = ("json", "plot", "quiet", "command")  # set by bench_table itself
+__all__ = ["add_parser", "compare_command", "load", "plot", "rows", "table"]
 
 
-def bench_argv(flags: dict[str, Any]) -> list[str]:
-    """``hicache-jax bench``'s arguments for keyword ``flags``: ``sessions=2`` is
-    ``--sessions 2``, ``no_warmup=True`` is ``--no-warmup`` (False and None: left out).
-    TypeError for a flag this function sets itself (json, plot, quiet)."""
-    argv = []
-    for key, value in flags.items():
-        if key in _RESERVED:
-            raise TypeError(f"{key}= is set by bench_table; drop it")
-        opt = "--" + key.replace("_", "-")
-        if value is True:
-            argv.append(opt)
-        elif value is not False and value is not None:
-            argv += [opt, str(value)]
-    return argv
-
-
-def bench_table(*, quiet: bool = True, **flags: Any) -> Any:
-    """Run ``hicache-jax bench`` (a workload through no cache, device radix and HiCache on the
-    same model) and return one record per configuration: every figure of its ``summary``
-    (TTFT p50/p90 in ms, tokens recomputed, hit tokens by tier, tokens/s, bytes moved), with
-    ``hit_ratio`` (prompt tokens hit), ``infinite_hit_ratio`` and ``outputs_identical`` (all
-    configurations generated the same tokens).
-
-    Args:
-        quiet: no progress bars and no printed table (the text goes nowhere).
-        flags: ``hicache-jax bench``'s flags as keywords (see :func:`bench_argv`), e.g.
-            ``workload="chat", sessions=2, layers=1, d_model=32, no_warmup=True``.
-
-    Returns:
-        :func:`hicache_jax.study.as_table` of the records: a ``pandas.DataFrame`` when pandas is
-        installed, else a list of dicts.
+def load(path: str) -> dict[str, Any]:
+    """The results document in ``path`` (a script's own JSON is collected on the fly).
 
     Raises:
-        ValueError: the command refused the flags (its message); TypeError: a reserved flag.
+        OSError: unreadable.  ValueError: not JSON, or not a benchmark result.
     """
-    argv = bench_argv(flags)
-    err = io.StringIO()
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "bench.json")
-        full = ["bench", *argv, "--json", path] + (["--quiet"] if quiet else [])
-        # quiet: the command's text (and its messages) captured; else printed as it runs
-        out = contextlib.redirect_stdout(io.StringIO()) if quiet else contextlib.nullcontext()
-        errs = contextlib.redirect_stderr(err) if quiet else contextlib.nullcontext()
+    with open(path) as f:
         try:
-            with out, errs:
-                cli.main(full)
-        except SystemExit as exc:
-            lines = err.getvalue().strip().splitlines()
-            raise ValueError(f"hicache-jax bench {' '.join(argv)}: "
-                             f"{lines[-1] if lines else f'exit {exc.code} (see above)'}"
-                             ) from None
-        with open(path) as f:
-            data = json.load(f)
-    return study.as_table(_records(data))
+            doc = json.load(f)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}: not JSON ({e})") from None
+    try:
+        return as_results(doc)
+    except ValueError as e:
+        raise ValueError(f"{path}: {e}") from None
 
 
-def _records(data: dict[str, Any]) -> list[dict[str, Any]]:
-    """One record per configuration of a ``hicache-jax bench --json`` payload."""
+def _label(doc: dict) -> str:
+    env = doc.get("env", {})
+    return (f"{env.get('backend', '?')} {env.get('device_kind', '?')} x"
+            f"{env.get('device_count', '?')}, jax {env.get('jax', '?')}, {env.get('date', '?')}")
+
+
+def rows(a: dict, b: dict) -> list[dict[str, Any]]:
+    """One row per figure name in A or B (A's order, then B's new ones): ``name, unit`` and
+    ``a`` / ``b`` (the figure dicts or None), ``b_over_a`` (B's value / A's, None when either
+    is missing)."""
+    fa = {f["name"]: f for f in a.get("figures", [])}
+    fb = {f["name"]: f for f in b.get("figures", [])}
     out = []
-    for name, s in data["summary"].items():
-        hit = (s["l1_hit_tokens"] + s["l2_hit_tokens"]) / s["prompt_tokens"] \
-            if s["prompt_tokens"] else 0.0
-        out.append({"config": name, "ttft_p50_ms": s["ttft_p50_ms"],
-                    "ttft_p90_ms": s["ttft_p90_ms"], "hit_ratio": hit} | s
-                   | {"infinite_hit_ratio": data["infinite_cache_hit_ratio"],
-                      "outputs_identical": data["outputs_identical"]})
+    for name in list(fa) + [n for n in fb if n not in fa]:
+        x, y = fa.get(name), fb.get(name)
+        unit = (x or y)["unit"]
+        ratio = y["value"] / x["value"] if x and y and x["value"] else None
+        out.append(dict(name=name, unit=unit, a=x, b=y, b_over_a=ratio))
     return out
+
+
+def _num(v: float | None) -> str:
+    if v is None or (isinstance(v, float) and math.isnan(v)):
+        return "-"
+    return f"{v:.3g}" if abs(v) < 1000 else f"{v:,.0f}"
+
+
+def table(a: dict, b: dict) -> str:
+    """The side-by-side table as text (A and B described in the two header lines)."""
+    header = ("figure", "unit", "A", "A limit", "A/limit", "B", "B limit", "B/limit", "B/A")
+    body = []
+    for r in rows(a, b):
+        x, y = r["a"] or {}, r["b"] or {}
+        body.append((r["name"], r["unit"], _num(x.get("value")), _num(x.get("limit")),
+                     _num(x.get("ratio")), _num(y.get("value")), _num(y.get("limit")),
+                     _num(y.get("ratio")), _num(r["b_over_a"])))
+    widths = [max(len(str(c[i])) for c in [header, *body]) for i in range(len(header))]
+    fmt = lambda cells: "  ".join(  # noqa: E731
+        str(c).ljust(w) if i < 2 else str(c).rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))
+    limits = {f["name"]: f["limit_name"] for f in a.get("figures", []) + b.get("figures", [])}
+    lines = [f"A: {_label(a)}", f"B: {_label(b)}", "", fmt(header), fmt(["-" * w for w in widths])]
+    lines += [fmt(c) for c in body]
+    lines += ["", "limits (each measured in its own run): " + "; ".join(
+        sorted({f"{n.split(' ')[0]}: {v}" for n, v in limits.items()}))]
+    lines.append("X/limit: share of the limit, 1.00 = at it (limit/X for times); "
+                 "B/A: B's figure over A's")
+    return "\n".join(lines)
+
+
+def plot(a: dict, b: dict, path: str) -> None:
+    """Bars of A's and B's share of their limits, one pair per figure, written to ``path``.
+
+    Raises:
+        ImportError: matplotlib is not installed (``pip install -e ".[plot]"``).
+    """
+    try:
+        import matplotlib
+    except ImportError:
+        raise ImportError('--plot needs matplotlib: pip install -e ".[plot]"') from None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rs = rows(a, b)
+    names = [r["name"] for r in rs]
+    ys = range(len(rs))
+    def get(r: dict, k: str) -> float:  # log axis: a missing or non-positive share is not drawn
+        v = (r[k] or {}).get("ratio", float("nan"))
+        return v if v > 0 else float("nan")
+
+    fig, ax = plt.subplots(figsize=(9, 0.32 * len(rs) + 1.6))
+    ax.barh([y - 0.2 for y in ys], [get(r, "a") for r in rs], 0.4, label="A: " + _label(a))
+    ax.barh([y + 0.2 for y in ys], [get(r, "b") for r in rs], 0.4, label="B: " + _label(b))
+    ax.axvline(1.0, color="k", lw=0.8, ls="--")
+    ax.set_xscale("log")  # shares span decades (a kernel in an interpreter, a cached serve)
+    ax.set_yticks(list(ys), names, fontsize=7)
+    ax.invert_yaxis()
+    ax.set_xlabel("share of the limit measured in the same run (1 = at the limit; log scale)")
+    ax.legend(fontsize=7, loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def add_parser(sub: Any) -> None:
+    """The ``compare`` subcommand (``hicache-jax compare``)."""
+    p = sub.add_parser("compare", help="two benchmark result files side by side",
+                       description=__doc__.split("\n")[0])
+    p.add_argument("a", metavar="A.json")
+    p.add_argument("b", metavar="B.json")
+    p.add_argument("--plot", metavar="PATH", help="bars of each figure's share of its limit")
+    p.set_defaults(func=compare_command)
+
+
+def compare_command(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    """Print the table (and write the plot)."""
+    try:
+        a, b = load(args.a), load(args.b)
+        if not a["figures"] and not b["figures"]:
+            raise ValueError("neither file has a figure to compare")
+        text = table(a, b)
+        if args.plot:
+            plot(a, b, args.plot)
+    except (OSError, ValueError, ImportError) as exc:
+        parser.exit(2, f"hicache-jax compare: error: {exc}\n")
+    print(text)
+    if args.plot:
+        print(f"wrote {args.plot}")
+    return 0

@@ -25,8 +25,9 @@ pool (ARCHITECTURE.md: one dispatching thread).
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from typing import Any, Callable, Protocol
+from typing import Any, Callable, Iterator, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -38,15 +39,16 @@ from hicache_jax.engine.layers import (BATCH_EMBED, BATCH_HEAD, BATCH_LAYER, BAT
 from hicache_jax.engine.packing import (NO_SLOTS, REUSE_COST_LIMIT, TokenSlots, bucket,
                                         check_slots, cover, feed_arrays, fine_bucket, flatten,
                                         lens_used, pack, plan)
-from hicache_jax.engine.weights import (ModelConfig, Params, flat_params, init_params,
-                                        load_params, save_params, unflatten_params)
+from hicache_jax.engine.weights import (ModelConfig, Params, abstract_params, flat_params,
+                                        init_params, load_params, save_params, unflatten_params)
 from hicache_jax.spec import KVSpec
 from hicache_jax.validation import is_int
 
 __all__ = ["DecoderModel", "LayerWaiter", "ModelConfig", "Params", "PoolLike", "REUSE_COST_LIMIT",
-           "TRACES", "TokenSlots", "bucket", "compiled_step_count", "fine_bucket", "flat_params",
-           "init_params", "load_params", "reference_logits", "save_params", "trace_count",
-           "unflatten_params"]
+           "TRACES", "TokenSlots", "abstract_params", "bucket", "compiled_step_count",
+           "fine_bucket", "flat_params",
+           "init_params", "load_params", "reference_logits", "save_params", "step_records_kept",
+           "trace_count", "unflatten_params"]
 
 # The stateful shell: bucketing on the host, dispatch through the pool's donated run().
 
@@ -83,7 +85,7 @@ class DecoderModel:
         self.unroll_tokens = int(unroll_tokens)
         self.params = init_params(cfg, seed) if params is None else params
         # Per-layer weight slices, sliced once here (not per call) for the per-layer path.
-        self._layer_params = [{k: v[i] for k, v in self.params["layers"].items()}
+        self._layer_params = [{k: _layer_slice(v, i) for k, v in self.params["layers"].items()}
                               for i in range(cfg.num_layers)]
         # The same slices for the fused steps of few tokens, which run their layers unrolled
         # (unroll_tokens: no per-layer weight copy inside the step).
@@ -282,12 +284,37 @@ class DecoderModel:
         return spec.page_size if spec is not None else int(pool.array.shape[3])
 
 
+def _layer_slice(stacked: Any, layer: int) -> Any:
+    """Layer ``layer`` of a stacked weight; of a ``jax.ShapeDtypeStruct`` (``abstract_params``:
+    a model for lowering only), its shape without the layer axis."""
+    if isinstance(stacked, jax.ShapeDtypeStruct):
+        return jax.ShapeDtypeStruct(stacked.shape[1:], stacked.dtype)
+    return stacked[layer]
+
+
 #: (config, packed shapes) x ("fused" | "layers") of every batched step run so far: the jits are
 #: module-level, so a shape one model ran is compiled for every model of the same config.
 _RAN: set[tuple[Any, str]] = set()
 #: shape -> packing.cover's answer over _RAN as it is (cleared when _RAN grows): a step shape
 #: with no executable of its own recurs, and the engine asks before forward_batch does.
 _COVERS: dict[tuple, tuple | None] = {}
+
+
+@contextlib.contextmanager
+def step_records_kept() -> Iterator[None]:
+    """Within the block, steps dispatched to a pool that only records them (a lowering tool's:
+    nothing runs) leave no trace: the shapes :meth:`DecoderModel.forward_batch` notes as run
+    (and would later reuse as compiled) and :data:`TRACES` are restored on exit."""
+    ran, covers, traces = set(_RAN), dict(_COVERS), TRACES.copy()
+    try:
+        yield
+    finally:
+        _RAN.clear()
+        _RAN.update(ran)
+        _COVERS.clear()
+        _COVERS.update(covers)
+        TRACES.clear()
+        TRACES.update(traces)
 
 
 def _ran(key: tuple, kind: str) -> None:

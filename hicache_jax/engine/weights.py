@@ -13,6 +13,7 @@ import dataclasses
 import os
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -101,6 +102,18 @@ def init_params(cfg: ModelConfig, seed: int = 0) -> Params:
             value = rng.standard_normal(shape) / np.sqrt(shape[-2])
         flat[name] = value.astype(np.float32)
     return unflatten_params(cfg, flat)
+
+
+def abstract_params(cfg: ModelConfig) -> Params:
+    """The params pytree of :func:`init_params` as ``jax.ShapeDtypeStruct`` leaves in
+    ``cfg.dtype``: nothing allocated, so a model of any size can be lowered (e.g. for another
+    platform) by a :class:`~hicache_jax.engine.model.DecoderModel` built on them."""
+    dt = jnp.dtype(cfg.dtype)
+    shapes = cfg.param_shapes()
+    params: Params = {k: jax.ShapeDtypeStruct(shapes[k], dt)
+                      for k in ("embed", "final_norm", "lm_head")}
+    params["layers"] = {k: jax.ShapeDtypeStruct(shapes[f"layers.{k}"], dt) for k in _LAYER_KEYS}
+    return params
 
 
 def flat_params(params: Params) -> dict[str, np.ndarray]:

@@ -145,8 +145,29 @@ def _resolve_backend(copy_backend: CopyBackend | str, platform: str,
         # On CPU: the generic kernels in Pallas' interpreter (correct, slow: for tests).
         return (CopyBackend.PALLAS,
                 *_pallas_copy_fns(impl or pk.Impl.INTERPRET, sharding))
-    scatter = _xla_scatter_loop if platform == "cpu" else _xla_scatter
-    return CopyBackend.XLA, scatter, _xla_gather
+    return (CopyBackend.XLA, *platform_copy_fns(CopyBackend.XLA, platform))
+
+
+def platform_copy_fns(backend: CopyBackend | str, platform: str) -> tuple[ScatterFn, GatherFn]:
+    """The scatter and gather an unsharded pool on ``platform`` ("cpu", "cuda"/"gpu", "tpu")
+    passes to :data:`PROGRAMS` for ``backend`` ("xla" or "pallas"), found without a device of
+    that platform: what ``engine/lowering.py`` lowers for a platform this machine lacks.
+
+    Raises:
+        ValueError: "auto" (it depends on the device), or "pallas" for a platform with no
+            compiled kernels.
+    """
+    backend = parse_enum(CopyBackend, "copy_backend", backend)
+    if backend is CopyBackend.XLA:
+        return (_xla_scatter_loop if platform == "cpu" else _xla_scatter), _xla_gather
+    if backend is CopyBackend.PALLAS:
+        import pallas_kernels as pk
+
+        impls = {"tpu": pk.Impl.TPU, "cuda": pk.Impl.MOSAIC_GPU, "gpu": pk.Impl.MOSAIC_GPU}
+        if platform not in impls:
+            raise ValueError(f"copy_backend='pallas' has no compiled kernels for {platform!r}")
+        return _pallas_copy_fns(impls[platform], None)
+    raise ValueError("copy_backend='auto' depends on the device: give 'xla' or 'pallas'")
 
 
 @functools.partial(jax.jit, donate_argnums=0, static_argnames=("scatter", "sharding"))
@@ -197,6 +218,13 @@ def _pad_pages(pages: jax.Array, size: int, bits_dtype: np.dtype) -> jax.Array:
     pad = [(0, 0)] * pages.ndim
     pad[PAGE_AXIS] = (0, size - pages.shape[PAGE_AXIS])
     return jnp.pad(pages, pad)
+
+
+#: The pool's jitted programs by operation: ``write`` (donated scatter) and ``read`` (gather)
+#: run on the whole pool at power-of-two page buckets; ``take_first`` / ``pad`` move one call's
+#: pages only. For tools that lower them for a platform without its device.
+PROGRAMS: dict[str, Callable[..., Any]] = {
+    "write": _write_pages, "read": _read_pages, "take_first": _take_first, "pad": _pad_pages}
 
 
 class DevicePagePool:

@@ -29,6 +29,7 @@ Threading: one thread (the cache's dispatching thread, ARCHITECTURE.md: one disp
 
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import jax
@@ -141,9 +142,8 @@ class HostPagePool:
         self.huge_page_bytes = advise_huge_pages(self.buffer) if huge_pages else 0
         self._donated = DonatedArray("host buffer", self.buffer)
         # Staged chunks (page-major, in device memory) into the buffer: see _write_staged.
-        self._write_fn = copy_fn(dst_layout=self.layout, src_layout=HostLayout.PAGE_FIRST,
-                                 num_layers=spec.num_layers,
-                                 dst_put=None if self.on_device_memory else self.sharding)
+        self._write_fn = staged_write_fn(spec, self.layout,
+                                         None if self.on_device_memory else self.sharding)
 
     @property
     def nbytes(self) -> int:
@@ -259,10 +259,31 @@ class HostPagePool:
             TypeError / ValueError: bad ids (before dispatch).
         """
         ids = self.validate_ids(host_ids)
-        chunks = [(start, count, gather_pages(
-            self.buffer, copy_plan(np.arange(count, dtype=np.int32), ids[start:start + count]),
-            size=size, out_sharding=self.device_sharding, src_layout=self.layout,
-            num_layers=self.spec.num_layers,
-            src_put=None if self.on_device_memory else self.device_sharding, dst_put=None)[0])
+        dev_put = None if self.on_device_memory else self.device_sharding
+        chunks = [(start, count, staged_read_fn(self.spec, self.layout, size,
+                                                self.device_sharding, dev_put)(
+            self.buffer, copy_plan(np.arange(count, dtype=np.int32), ids[start:start + count]))[0])
             for start, count, size in stage_chunks(ids.size)]
         return HostRead(self.spec, ids.size, chunks)
+
+
+# The buffer's two copy programs with their static arguments bound, one place for the pool and
+# for tools that lower them for a platform without its device (engine/lowering.py).
+def staged_write_fn(spec: KVSpec, layout: HostLayout,
+                    host_put: jax.sharding.Sharding | None) -> Callable:
+    """``fn(buffer, staged, plan) -> (buffer, token)``: page-major staged chunk (device memory)
+    into the buffer (donated); ``host_put`` is the buffer's sharding when it is in another
+    memory space than the chunk (pinned_host), else None."""
+    return copy_fn(dst_layout=layout, src_layout=HostLayout.PAGE_FIRST,
+                   num_layers=spec.num_layers, dst_put=host_put)
+
+
+def staged_read_fn(spec: KVSpec, layout: HostLayout, size: int,
+                   device_sharding: jax.sharding.Sharding,
+                   dev_put: jax.sharding.Sharding | None) -> Callable:
+    """``fn(buffer, plan) -> (pages, token)``: pages of the buffer into a new device array of
+    ``size`` pages (``STAGE_SIZES``); ``dev_put`` is ``device_sharding`` when the buffer is in
+    another memory space, else None."""
+    return functools.partial(gather_pages, size=size, out_sharding=device_sharding,
+                             src_layout=layout, num_layers=spec.num_layers, src_put=dev_put,
+                             dst_put=None)

@@ -54,6 +54,18 @@ if TYPE_CHECKING:  # the pools are only passed in: the engine needs their public
     from hicache_jax.memory.host_pool import HostPagePool
 
 
+def transfer_fns(num_layers: int, host_layout: HostLayout, host_put: jax.sharding.Sharding | None,
+                 dev_put: jax.sharding.Sharding | None) -> tuple[Any, Any, Any]:
+    """``(backup, load, load_layer)``: the page copies of a transfer engine with their static
+    arguments bound (``page_copy.copy_fn``), destination donated. ``host_put`` / ``dev_put``:
+    the host pool's sharding / the device pool's, when the host pool is in another memory space
+    (pinned_host), else None. Also what ``engine/lowering.py`` lowers for other platforms."""
+    backup = copy_fn(dst_layout=host_layout, src_layout=HostLayout.LAYER_FIRST,
+                     num_layers=num_layers, dst_put=host_put)
+    load = dict(dst_layout=HostLayout.LAYER_FIRST, src_layout=host_layout, src_put=dev_put)
+    return backup, copy_fn(**load, num_layers=num_layers), copy_fn(**load, num_layers=1)
+
+
 class TransferKind(str, enum.Enum):
     BACKUP = "backup"  # device -> host
     LOAD = "load"      # host -> device
@@ -151,12 +163,8 @@ class TransferEngine:
         self.spec = device_pool.spec
         host_put = None if host_pool.on_device_memory else host_pool.sharding
         dev_put = None if host_pool.on_device_memory else host_pool.device_sharding
-        self._backup_fn = copy_fn(dst_layout=host_pool.layout, src_layout=HostLayout.LAYER_FIRST,
-                                  num_layers=self.spec.num_layers, dst_put=host_put)
-        load = dict(dst_layout=HostLayout.LAYER_FIRST, src_layout=host_pool.layout,
-                    src_put=dev_put)
-        self._load_fn = copy_fn(**load, num_layers=self.spec.num_layers)
-        self._load_layer_fn = copy_fn(**load, num_layers=1)
+        self._backup_fn, self._load_fn, self._load_layer_fn = transfer_fns(
+            self.spec.num_layers, host_pool.layout, host_put, dev_put)
         self._busy = np.zeros(host_pool.num_pages, np.int32)  # transfers using each host page
         self._in_flight: list[TransferHandle] = []  # dispatch order
         self._finished: list[TransferHandle] = []   # completion order, not yet polled

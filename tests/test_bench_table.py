@@ -1,11 +1,11 @@
-"""hicache_jax.engine.compare: ``hicache-jax bench`` as a table, the command's own figures."""
+"""hicache_jax.engine.bench_table: ``hicache-jax bench`` as a table, the command's own figures."""
 
 import json
 import sys
 
 import pytest
 
-from hicache_jax.engine import cli, compare
+from hicache_jax.engine import bench_table as compare, cli
 
 # test_cli.py's tiny model and workload (compiles shared within a run)
 FLAGS = dict(no_warmup=True, layers=2, d_model=32, heads=4, kv_heads=2, head_dim=8, ffn_dim=48,
