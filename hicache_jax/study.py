@@ -33,7 +33,7 @@ from typing import Any, Callable, Iterable, Sequence
 
 import numpy as np
 
-from hicache_jax import replay as _replay
+from hicache_jax.replay import driver as _replay
 from hicache_jax.replay import MOONCAKE_BLOCK, Trace
 from hicache_jax.spec import HiCacheConfig, KVSpec
 from hicache_jax.validation import check_int, is_real

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import pallas_kernels as pk
-from hicache_jax import device_pool, page_copy
+from hicache_jax.memory import device_pool, page_copy
 from hicache_jax.engine import cli, layers, lowering
 from hicache_jax.engine import model as model_mod
 from hicache_jax.engine.lowering_programs import LLAMA3_8B, Program, engine_model

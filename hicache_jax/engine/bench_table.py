@@ -15,7 +15,7 @@ import os
 import tempfile
 from typing import Any
 
-from hicache_jax import study
+import hicache_jax.study as study
 from hicache_jax.engine import cli
 
 __all__ = ["bench_table", "bench_argv"]

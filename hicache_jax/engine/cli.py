@@ -23,7 +23,7 @@ from hicache_jax.engine.bench_command import (CONFIGS, bench, build_workload, ch
 from hicache_jax.engine import compare, lowering
 from hicache_jax.engine.workloads import ARRIVALS, WORKLOADS
 from hicache_jax.replay import driver as replay_mod
-from hicache_jax import study
+import hicache_jax.study as study
 
 __all__ = ["CONFIGS", "bench", "build_workload", "main", "replay_command"]
 

@@ -36,7 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from hicache_jax import device_pool, host_pool, transfer
+from hicache_jax.memory import device_pool, host_pool, transfer
 from hicache_jax.engine.batched import BatchedEngine
 from hicache_jax.engine.engine import Engine
 from hicache_jax.engine.layers import LAYER
