@@ -53,10 +53,11 @@ def test_round_trip_through_l3_with_sharded_pools(url, host_layout):
     rng = np.random.default_rng(11)
     toks = rng.integers(0, 50_000, 6 * PS)
     kv = rng.standard_normal(spec.kv_shape(6)).astype(np.float32)
-    pages = a.alloc_pages(6)
-    a.write_kv(pages, kv)
-    a.insert(toks, pages)
-    a.insert(toks, a.match_prefix(toks).device_pages)  # the hit backs it up, then L3
+    with a.begin(toks) as req:
+        a.write_kv(req.extend(len(toks)), kv)
+        req.finish(toks)
+    with a.begin(toks) as req:  # the hit backs it up, then L3
+        req.finish(toks)
     a.flush()
     h = b.prefetch(toks)
     assert h.pages_found == 6
