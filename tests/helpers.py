@@ -1,5 +1,7 @@
 """Helpers shared by the test files (no tests here): page bits, poison, poisoned pools, small
-specs and caches.
+specs and caches, one request through the handle, a transfer engine whose copies the test holds
+in flight (:class:`GatedEngine`), the KV model whose bytes every cached page must hold
+(:class:`KVModel`, :func:`check_bytes`), and the snapshot a failed call must leave unchanged.
 
 Import them as ``from helpers import ...``: pytest puts ``tests/`` on ``sys.path`` (there is no
 ``tests/__init__.py``), as for ``storage_servers``.
@@ -12,13 +14,18 @@ unwritten never passes for the data.
 
 from __future__ import annotations
 
+import hashlib
+
 import jax
 import numpy as np
 from jax.sharding import Mesh
 
 from hicache_jax import HiCache, HiCacheConfig, KVSpec
+from hicache_jax.events.records import Medium
 from hicache_jax.memory.device_pool import DevicePagePool
 from hicache_jax.memory.host_pool import HostPagePool
+from hicache_jax.memory.transfer import TransferEngine
+from hicache_jax.tree.hashing import canonical_key  # one namespace, one key (5 == np.int64(5))
 
 #: KV dtype -> the unsigned dtype of its bits (what the pools store).
 BITS = {"bfloat16": np.uint16, "float16": np.uint16, "float32": np.uint32,
@@ -95,3 +102,233 @@ def serve(cache: HiCache, tokens, extra_key=None) -> None:
     with cache.begin(tokens, extra_key) as req:
         req.extend(tokens.size - req.cached_len)
         req.finish(tokens)
+
+
+# ------------------------------------------------------------------ held copies, the KV model
+
+class _GatedHandle:
+    """A transfer handle that reports not-done until its gate opens (or someone waits on it)."""
+
+    def __init__(self, inner, engine: "GatedEngine", released: bool) -> None:
+        self._inner, self._engine, self.released = inner, engine, released
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
+
+    def done(self) -> bool:
+        return self.released and self._inner.done()
+
+    def wait(self):
+        self._engine.open_upto(self)  # waiting for a transfer waits for those before it
+        return self._inner.wait()
+
+    def wait_layer(self, layer: int):
+        self._engine.open_upto(self)
+        return self._inner.wait_layer(layer)
+
+
+class GatedEngine(TransferEngine):
+    """A TransferEngine whose copies count as finished only once the test releases them
+    (injected with ``HiCache(..., transfer_engine=GatedEngine)``). Open -- every copy released
+    at dispatch -- until :meth:`hold`. Like the real engine, it reports completions in dispatch
+    order: ``poll`` returns the released ones up to the first that is not."""
+
+    def __init__(self, device_pool, host_pool) -> None:
+        super().__init__(device_pool, host_pool)
+        self.holding, self.handles = False, []   # gated handles not yet reported
+        self._gated, self._landed = {}, []       # id(inner) -> gated; inner polled, unreported
+
+    def hold(self) -> "GatedEngine":
+        self.holding = True
+        return self
+
+    def _gate(self, handle):
+        gated = _GatedHandle(handle, self, released=not self.holding)
+        self.handles.append(gated)
+        self._gated[id(handle)] = gated
+        return gated
+
+    def backup(self, device_ids, host_ids, **kw):
+        return self._gate(super().backup(device_ids, host_ids, **kw))
+
+    def load(self, host_ids, device_ids, **kw):
+        return self._gate(super().load(host_ids, device_ids, **kw))
+
+    def open_upto(self, gated) -> None:
+        for h in self.handles[:self.handles.index(gated) + 1]:
+            h.released = True
+
+    def poll(self):
+        self._landed += super().poll()
+        out = []
+        while self._landed and self._gated[id(self._landed[0])].released:
+            gated = self._gated.pop(id(self._landed.pop(0)))
+            self.handles.remove(gated)
+            out.append(gated)
+        return out
+
+    def wait_all(self):
+        for h in self.handles:
+            h.released = True
+        return super().wait_all()  # which returns self.poll()
+
+    def busy_host_pages(self, ids):
+        ids = np.asarray(ids)
+        busy = np.asarray(super().busy_host_pages(ids), bool)
+        for h in self.handles:
+            if not h.done():
+                busy = busy | np.isin(ids, np.asarray(h.host_ids))
+        return busy
+
+    def release(self, k: int | None = None) -> None:
+        """Open the gates of the ``k`` oldest pending handles (all when None)."""
+        pending = [h for h in self.handles if not h.released]
+        for h in pending[:k]:
+            h.released = True
+            # Released means finished: otherwise whether the copy has landed by the next poll
+            # depends on XLA's thread, and the run (hence its coverage) on machine load.
+            h._inner.wait()
+
+
+def gate(cache: HiCache) -> GatedEngine:
+    """Hold the copies of ``cache`` (built with ``transfer_engine=GatedEngine``) in flight."""
+    engine = cache.transfer_engine
+    assert isinstance(engine, GatedEngine), "build the cache with transfer_engine=GatedEngine"
+    return engine.hold()
+
+
+class KVModel:
+    """The KV bytes of every page: a pure function of (extra_key, tokens up to the page's end)."""
+
+    def __init__(self, spec: KVSpec) -> None:
+        self.spec = spec
+        self._memo: dict[bytes, np.ndarray] = {}
+
+    def page(self, extra_key, prefix: np.ndarray) -> np.ndarray:
+        """Bits ``[L, kvf, 1, ps, H, D]`` of the page ending ``prefix``."""
+        key = (repr(canonical_key(extra_key)).encode() + b"|"
+               + np.asarray(prefix, np.int64).tobytes())
+        if key not in self._memo:
+            seed = int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little")
+            rng = np.random.default_rng(seed)
+            # Below 0x3f80: finite bf16/fp16 patterns (no NaN payload games), still random bits.
+            self._memo[key] = rng.integers(0, 0x3F80, self.spec.kv_shape(1), dtype=np.uint16)
+        return self._memo[key]
+
+    def pages(self, extra_key, tokens: np.ndarray, first: int, stop: int) -> np.ndarray:
+        """Bits ``spec.kv_shape(stop - first)`` of pages ``first .. stop-1`` of ``tokens``."""
+        ps = self.spec.page_size
+        parts = [self.page(extra_key, tokens[:(j + 1) * ps]) for j in range(first, stop)]
+        if not parts:
+            return np.zeros(self.spec.kv_shape(0), np.uint16)
+        return np.concatenate(parts, axis=2)
+
+
+def bits(x) -> np.ndarray:
+    """The 16-bit patterns of ``x`` (a bf16 / fp16 read, or :class:`KVModel` bits)."""
+    return np.asarray(x).view(np.uint16)
+
+
+def tree_pages(cache: HiCache) -> set:
+    """``(page_hash, medium)`` of every page the cache holds on each tier."""
+    out = set()
+    for node in cache.tree.nodes():
+        for h in node.page_hashes.tolist():
+            if node.value is not None:
+                out.add((h, Medium.DEVICE))
+            if node.host_value is not None:
+                out.add((h, Medium.HOST))
+    return out
+
+
+def check_bytes(cache: HiCache, model: KVModel) -> None:
+    """Every cached page, on either tier, holds the bytes of its prefix (bit-exact)."""
+    dev_ids, dev_want, host_ids, host_want = [], [], [], []
+    for node in cache.tree.nodes():
+        prefix = cache.tree.path_tokens(node)
+        total = prefix.shape[0] // cache.spec.page_size
+        want = model.pages(node.extra_key, prefix, total - node.num_pages, total)
+        if node.value is not None:
+            dev_ids.append(node.value)
+            dev_want.append(want)
+        if node.host_value is not None:
+            host_ids.append(node.host_value)
+            host_want.append(want)
+    if dev_ids:
+        got = bits(cache.read_kv(np.concatenate(dev_ids)))
+        np.testing.assert_array_equal(got, np.concatenate(dev_want, axis=2), "device bytes")
+    if host_ids:
+        got = bits(cache.host_pool.read(np.concatenate(host_ids)))
+        np.testing.assert_array_equal(got, np.concatenate(host_want, axis=2), "host bytes")
+
+
+def check_invariants(cache: HiCache) -> None:
+    """Full scan of the invariants (ARCHITECTURE.md) and exact page accounting on both tiers
+    (O(cache))."""
+    cache.check_invariants()
+
+
+def snapshot(cache: HiCache):
+    """Everything a failed call must leave unchanged: stats, the tree, the page owners."""
+    return cache.stats(), cache.tree.snapshot(), cache.page_owners().tobytes()
+
+
+# ------------------------------------------------------------------ the HiCache tests' caches
+
+#: Every write policy (the HiCache tests run the policy-dependent ones for each).
+POLICIES = ["write_through", "write_through_selective", "write_back", "clean_ahead"]
+
+
+def gated_cache(policy: str = "write_through", *, device: int = 16, host: int = 32, ps: int = 1,
+                threshold: int | None = None, **kw) -> tuple[HiCache, KVModel]:
+    """A small bf16 cache (2 layers, 2 heads of 4) with ``policy`` and a :class:`GatedEngine`
+    (open until :func:`gate`), and the :class:`KVModel` of its spec.
+
+    Args:
+        threshold: ``write_through_threshold``; ``lbt`` in ``kw``: ``load_back_threshold`` (one
+            page by default); the rest goes to :class:`HiCacheConfig`.
+    """
+    spec = KVSpec(num_layers=2, num_kv_heads=2, head_dim=4, dtype="bfloat16", page_size=ps)
+    cfg = HiCacheConfig(device_pages=device, host_pages=host, write_policy=policy,
+                        write_through_threshold=threshold, load_back_threshold=kw.pop("lbt", ps),
+                        **kw)
+    return HiCache(spec, cfg, transfer_engine=GatedEngine), KVModel(spec)
+
+
+def serve_kv(cache: HiCache, kv: KVModel, tokens, *, extra_key=None) -> None:
+    """One request through the handle (ARCHITECTURE.md, "A request's data flow"): begin (match,
+    load back, lock), check that the cached prefix reads back ``kv``'s bytes, extend by the rest
+    of the whole pages and write their KV, finish (insert, unlock)."""
+    tokens = np.asarray(tokens, np.int64)
+    ps = cache.spec.page_size
+    full = tokens.size // ps
+    with cache.begin(tokens, extra_key) as req:
+        have = req.cached_len // ps
+        np.testing.assert_array_equal(bits(cache.read_kv(req.device_pages)),
+                                      kv.pages(extra_key, tokens, 0, have))
+        new = req.extend(full * ps - req.cached_len)
+        cache.write_kv(new, kv.pages(extra_key, tokens, have, full))
+        req.finish(tokens[:full * ps])
+
+
+def check_cache(cache: HiCache, kv: KVModel) -> None:
+    """The invariants, and every cached page on either tier holds ``kv``'s bytes."""
+    check_invariants(cache)
+    check_bytes(cache, kv)
+
+
+def node_of(cache: HiCache, tokens):
+    """The Match.node handle of ``tokens`` (for lock / unlock)."""
+    return cache.match_prefix(np.asarray(tokens)).node
+
+
+def tree_node_of(cache: HiCache, tokens):
+    """The tree's node behind that handle (to look at its fields)."""
+    return node_of(cache, tokens)._node
+
+
+def node_tiers(cache: HiCache) -> dict[int, tuple[bool, bool]]:
+    """{first token // 100: (on device, on host)} of every node, read without touching the tree
+    (a match would refresh the access stamps that decide what eviction takes)."""
+    return {int(n.key[0]) // 100: (n.value is not None, n.host_value is not None)
+            for n in cache.tree.nodes()}

@@ -11,7 +11,7 @@ import sys
 
 import numpy as np
 
-from test_hicache_storage import PS, bits, compute, l3, make, read_prefix, tokens_kv
+from l3_helpers import PS, bits32, compute, l3, make, read_prefix, tokens_kv
 
 
 def main(url: str, role: str, seed: int, npages: int) -> dict:
@@ -23,11 +23,12 @@ def main(url: str, role: str, seed: int, npages: int) -> dict:
         out = l3(cache)
     else:
         cache = make(url, prefetch_policy="wait_complete")
-        assert cache.match_prefix(toks).host_len == 0  # nothing local: only the other process computed it
+        # nothing local: only the other process computed it
+        assert cache.match_prefix(toks).host_len == 0
         h = cache.prefetch(toks)
         host, dev, got = read_prefix(cache, toks)
         out = l3(cache) | {"pages_found": 0 if h is None else h.pages_found, "host_len": host,
-                           "bit_exact": bool(dev == npages * PS and np.array_equal(got, bits(kv)))}
+                           "bit_exact": bool(dev == npages * PS and np.array_equal(got, bits32(kv)))}
     cache.close()
     return out
 

@@ -14,7 +14,8 @@ from hicache_jax.engine.engine import Engine
 from hicache_jax.engine.model import DecoderModel, ModelConfig, trace_count
 from hicache_jax.engine.workloads import ClosedLoop, multiturn_chat
 from hicache_jax.memory.transfer import TransferHandle
-from test_hicache_state_machine import GatedEngine, gate
+
+from helpers import GatedEngine, gate
 
 CFG = ModelConfig(vocab_size=97, num_layers=2, d_model=32, num_heads=4, num_kv_heads=2,
                   head_dim=8, ffn_dim=48)
@@ -504,10 +505,10 @@ def _filled(device=16, host=64, threshold=4, prompts=2):
     toks, kv = [], []
     for i in range(prompts):
         t = np.arange(1, 17) + 100 * i
-        new = cache.alloc_pages(4)
         data = rng.standard_normal(SPEC.kv_shape(4)).astype(np.float32)
-        cache.write_kv(new, data)
-        cache.insert(t, new)
+        with cache.begin(t) as req:  # a request that computes the whole prompt
+            cache.write_kv(req.extend(len(t)), data)
+            req.finish(t)
         toks.append(t)
         kv.append(data)
     cache.flush()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -44,7 +45,8 @@ def check_round_trip(pool: DevicePagePool, seed: int) -> None:
     pool.write(ids[5:], jnp.asarray(second.view(spec.jnp_dtype)))   # bitcast inside the jit
     order = rng.permutation(9)
     out = pool.read(ids[order])                                     # bucket 16: 7 padded rows
-    assert out.dtype == spec.jnp_dtype and out.shape == spec.kv_shape(9)
+    chex.assert_shape(out, spec.kv_shape(9))
+    assert out.dtype == spec.jnp_dtype
     expect = np.concatenate([first, second], axis=2)[:, :, order]
     np.testing.assert_array_equal(np.asarray(out).view(spec.bits_dtype), expect)
     rest = np.setdiff1d(np.arange(pool.num_pages), ids)
@@ -152,19 +154,28 @@ def test_pools_of_one_shape_share_a_compile_not_a_buffer():
 
 def test_bounded_compiles_across_batch_sizes():
     """The pool-sized scatter and gather are traced once per power-of-two bucket (and input
-    dtype), however many batch sizes go through them."""
+    dtype), however many batch sizes go through them: chex fails the first trace beyond the
+    bound, at the call that made it; the counts then say the bound is exact."""
     traces = {"scatter": 0, "gather": 0}
-
-    def counting(kind, fn):
-        def traced(*args):
-            traces[kind] += 1  # runs at trace time only
-            return fn(*args)
-        return traced
-
+    buckets = {bucket_size(n) for n in range(1, 65)}
+    assert len(buckets) == 7
+    bound = {"scatter": len(buckets) + 2, "gather": 4}  # + bfloat16 at buckets 1 and 16
     spec = KVSpec(num_layers=1, num_kv_heads=1, head_dim=8, page_size=2)
     pool = DevicePagePool(spec, 64)
-    pool._scatter = counting("scatter", pool._scatter)
-    pool._gather = counting("gather", pool._gather)
+    scatter, gather = pool._scatter, pool._gather
+
+    # Two functions of their own source: chex keys its trace counter by a function's source.
+    def counted_scatter(*args):
+        traces["scatter"] += 1  # runs at trace time only
+        return scatter(*args)
+
+    def counted_gather(*args):
+        traces["gather"] += 1
+        return gather(*args)
+
+    chex.clear_trace_counter()  # the counters are global: a rerun in this process starts at 0
+    pool._scatter = chex.assert_max_traces(counted_scatter, n=bound["scatter"])
+    pool._gather = chex.assert_max_traces(counted_gather, n=bound["gather"])
     rng = np.random.default_rng(0)
     expect = np.zeros(spec.kv_shape(64), spec.bits_dtype)
     for n in range(1, 65):  # numpy input: padded on the host, bits dtype
@@ -180,10 +191,8 @@ def test_bounded_compiles_across_batch_sizes():
     for n in (1, 3, 4, 17, 64):
         ids = rng.permutation(64)[:n]
         np.testing.assert_array_equal(np.asarray(pool.read_bits(ids)), expect[:, :, ids])
-    buckets = {bucket_size(n) for n in range(1, 65)}
-    assert len(buckets) == 7
-    assert traces["scatter"] == len(buckets) + 2  # + bfloat16 at buckets 1 and 16
-    assert traces["gather"] == 4  # buckets 1, 4, 32, 64
+    assert traces["scatter"] == bound["scatter"]
+    assert traces["gather"] == bound["gather"]  # buckets 1, 4, 32, 64
 
 
 @functools.partial(jax.jit, donate_argnums=0)
@@ -318,7 +327,8 @@ def test_validate_ids_and_empty_calls(filled_pool):
     pool.write([], np.zeros(pool.spec.kv_shape(0), pool.spec.bits_dtype))
     assert pool.array is before  # nothing to move: no dispatch
     out = pool.read([])
-    assert out.shape == pool.spec.kv_shape(0) and out.dtype == jnp.bfloat16
+    chex.assert_shape(out, pool.spec.kv_shape(0))
+    assert out.dtype == jnp.bfloat16
 
 
 @functools.partial(jax.jit, donate_argnums=0)

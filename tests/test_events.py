@@ -15,7 +15,7 @@ from hicache_jax.spec import KVEventsConfig
 from hicache_jax.tree.radix import chain_hashes, namespace_hash
 
 from helpers import bookkeeping_spec, make_cache
-
+from helpers import serve as put  # one request through the handle (no KV bytes)
 
 QUEUE = {"publisher": "queue"}
 
@@ -23,13 +23,6 @@ QUEUE = {"publisher": "queue"}
 def make(policy="write_back", ps=4, device=16, host=32, kv_events=QUEUE):
     return make_cache(bookkeeping_spec(ps), device, host, write_policy=policy,
                       kv_events=kv_events)
-
-
-def put(cache, tokens, extra_key=None):
-    tokens = np.asarray(tokens)
-    m = cache.match_prefix(tokens, extra_key)
-    new = cache.alloc_pages(tokens.size // cache.spec.page_size - m.device_pages.size)
-    cache.insert(tokens, np.concatenate([m.device_pages, new]), extra_key)
 
 
 def test_block_stored_per_page_with_chained_hashes():
@@ -141,7 +134,7 @@ def test_events_are_off_by_default_and_take_events_says_how_to_enable_them():
 
 def test_one_batch_per_public_call_with_consecutive_seqs():
     cache = make()
-    put(cache, np.arange(8))                   # match, alloc, insert: only insert records
+    put(cache, np.arange(8))                   # begin, extend, finish: only insert records
     cache.match_prefix(np.arange(8))           # nothing recorded: no batch
     cache.evict(8)                             # write_back: backup + device removed
     batches = cache.take_event_batches()

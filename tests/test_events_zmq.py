@@ -15,9 +15,8 @@ msgspec = pytest.importorskip("msgspec")
 zmq = pytest.importorskip("zmq")
 
 from hicache_jax import HiCache, HiCacheConfig, HiCacheError, Medium  # noqa: E402
-from test_hicache_state_machine import tree_pages  # noqa: E402
 
-from helpers import bookkeeping_spec, make_cache  # noqa: E402
+from helpers import bookkeeping_spec, make_cache, tree_pages  # noqa: E402
 from helpers import serve as put  # noqa: E402
 from storage_servers import free_port  # noqa: E402
 

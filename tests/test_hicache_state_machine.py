@@ -19,7 +19,6 @@ Run for every write policy x {lru, lfu, slru} x page_size {1, 16}; longer with
 from __future__ import annotations
 
 import collections
-import hashlib
 import os
 
 import numpy as np
@@ -29,177 +28,19 @@ from hypothesis import strategies as st
 from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, precondition, rule,
                                  run_state_machine_as_test)
 
-from hicache_jax.tree.hashing import canonical_key as _canonical  # one namespace, one key (5 == np.int64(5))
 from hicache_jax import HiCacheConfig, HiCacheError, KVSpec, OutOfPagesError
-from hicache_jax.events.records import Medium, replay
 from hicache_jax.cache.hicache import HiCache, NodeRef
 from hicache_jax.cache.ownership import PageOwner
-from hicache_jax.memory.transfer import TransferEngine
+from hicache_jax.events.records import replay
 from hicache_jax.tree.radix import RadixTree
+
+from helpers import (GatedEngine, KVModel, bits, check_bytes, check_invariants, gate, snapshot,
+                     tree_pages)
 
 LONG = os.environ.get("HICACHE_HYPOTHESIS_PROFILE") == "long"
 
 
 # ----------------------------------------------------------------------------- helpers
-
-class _GatedHandle:
-    """A transfer handle that reports not-done until its gate opens (or someone waits on it)."""
-
-    def __init__(self, inner, engine: "GatedEngine", released: bool) -> None:
-        self._inner, self._engine, self.released = inner, engine, released
-
-    def __getattr__(self, name):
-        return getattr(self._inner, name)
-
-    def done(self) -> bool:
-        return self.released and self._inner.done()
-
-    def wait(self):
-        self._engine.open_upto(self)  # waiting for a transfer waits for those before it
-        return self._inner.wait()
-
-    def wait_layer(self, layer: int):
-        self._engine.open_upto(self)
-        return self._inner.wait_layer(layer)
-
-
-class GatedEngine(TransferEngine):
-    """A TransferEngine whose copies count as finished only once the test releases them
-    (injected with ``HiCache(..., transfer_engine=GatedEngine)``). Open -- every copy released
-    at dispatch -- until :meth:`hold`. Like the real engine, it reports completions in dispatch
-    order: ``poll`` returns the released ones up to the first that is not."""
-
-    def __init__(self, device_pool, host_pool) -> None:
-        super().__init__(device_pool, host_pool)
-        self.holding, self.handles = False, []   # gated handles not yet reported
-        self._gated, self._landed = {}, []       # id(inner) -> gated; inner polled, unreported
-
-    def hold(self) -> "GatedEngine":
-        self.holding = True
-        return self
-
-    def _gate(self, handle):
-        gated = _GatedHandle(handle, self, released=not self.holding)
-        self.handles.append(gated)
-        self._gated[id(handle)] = gated
-        return gated
-
-    def backup(self, device_ids, host_ids, **kw):
-        return self._gate(super().backup(device_ids, host_ids, **kw))
-
-    def load(self, host_ids, device_ids, **kw):
-        return self._gate(super().load(host_ids, device_ids, **kw))
-
-    def open_upto(self, gated) -> None:
-        for h in self.handles[:self.handles.index(gated) + 1]:
-            h.released = True
-
-    def poll(self):
-        self._landed += super().poll()
-        out = []
-        while self._landed and self._gated[id(self._landed[0])].released:
-            gated = self._gated.pop(id(self._landed.pop(0)))
-            self.handles.remove(gated)
-            out.append(gated)
-        return out
-
-    def wait_all(self):
-        for h in self.handles:
-            h.released = True
-        return super().wait_all()  # which returns self.poll()
-
-    def busy_host_pages(self, ids):
-        ids = np.asarray(ids)
-        busy = np.asarray(super().busy_host_pages(ids), bool)
-        for h in self.handles:
-            if not h.done():
-                busy = busy | np.isin(ids, np.asarray(h.host_ids))
-        return busy
-
-    def release(self, k: int | None = None) -> None:
-        """Open the gates of the ``k`` oldest pending handles (all when None)."""
-        pending = [h for h in self.handles if not h.released]
-        for h in pending[:k]:
-            h.released = True
-            # Released means finished: otherwise whether the copy has landed by the next poll
-            # depends on XLA's thread, and the run (hence its coverage) on machine load.
-            h._inner.wait()
-
-
-def gate(cache: HiCache) -> GatedEngine:
-    """Hold the copies of ``cache`` (built with ``transfer_engine=GatedEngine``) in flight."""
-    engine = cache.transfer_engine
-    assert isinstance(engine, GatedEngine), "build the cache with transfer_engine=GatedEngine"
-    return engine.hold()
-
-
-class KVModel:
-    """The KV bytes of every page: a pure function of (extra_key, tokens up to the page's end)."""
-
-    def __init__(self, spec: KVSpec) -> None:
-        self.spec = spec
-        self._memo: dict[bytes, np.ndarray] = {}
-
-    def page(self, extra_key, prefix: np.ndarray) -> np.ndarray:
-        """Bits ``[L, kvf, 1, ps, H, D]`` of the page ending ``prefix``."""
-        key = repr(_canonical(extra_key)).encode() + b"|" + np.asarray(prefix, np.int64).tobytes()
-        if key not in self._memo:
-            seed = int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little")
-            rng = np.random.default_rng(seed)
-            # Below 0x3f80: finite bf16/fp16 patterns (no NaN payload games), still random bits.
-            self._memo[key] = rng.integers(0, 0x3F80, self.spec.kv_shape(1), dtype=np.uint16)
-        return self._memo[key]
-
-    def pages(self, extra_key, tokens: np.ndarray, first: int, stop: int) -> np.ndarray:
-        """Bits ``spec.kv_shape(stop - first)`` of pages ``first .. stop-1`` of ``tokens``."""
-        ps = self.spec.page_size
-        parts = [self.page(extra_key, tokens[:(j + 1) * ps]) for j in range(first, stop)]
-        if not parts:
-            return np.zeros(self.spec.kv_shape(0), np.uint16)
-        return np.concatenate(parts, axis=2)
-
-
-def bits(x) -> np.ndarray:
-    return np.asarray(x).view(np.uint16)
-
-
-def tree_pages(cache: HiCache) -> set:
-    """``(page_hash, medium)`` of every page the cache holds on each tier."""
-    out = set()
-    for node in cache.tree.nodes():
-        for h in node.page_hashes.tolist():
-            if node.value is not None:
-                out.add((h, Medium.DEVICE))
-            if node.host_value is not None:
-                out.add((h, Medium.HOST))
-    return out
-
-
-def check_bytes(cache: HiCache, model: KVModel) -> None:
-    """Every cached page, on either tier, holds the bytes of its prefix (bit-exact)."""
-    dev_ids, dev_want, host_ids, host_want = [], [], [], []
-    for node in cache.tree.nodes():
-        prefix = cache.tree.path_tokens(node)
-        total = prefix.shape[0] // cache.spec.page_size
-        want = model.pages(node.extra_key, prefix, total - node.num_pages, total)
-        if node.value is not None:
-            dev_ids.append(node.value)
-            dev_want.append(want)
-        if node.host_value is not None:
-            host_ids.append(node.host_value)
-            host_want.append(want)
-    if dev_ids:
-        got = bits(cache.read_kv(np.concatenate(dev_ids)))
-        np.testing.assert_array_equal(got, np.concatenate(dev_want, axis=2), "device bytes")
-    if host_ids:
-        got = bits(cache.host_pool.read(np.concatenate(host_ids)))
-        np.testing.assert_array_equal(got, np.concatenate(host_want, axis=2), "host bytes")
-
-
-def check_invariants(cache: HiCache) -> None:
-    """Full scan of the invariants (ARCHITECTURE.md) and exact page accounting on both tiers (O(cache))."""
-    cache.check_invariants()
-
 
 def _foreign_ref(page_size: int) -> NodeRef:
     """A Match.node handle of another cache's tree."""
@@ -221,11 +62,6 @@ def current_device_pages(cache: HiCache, tokens, extra_key) -> np.ndarray:
         parts.append(node.value[:left])
         left -= min(left, node.num_pages)
     return np.concatenate(parts) if parts else np.zeros(0, np.int32)
-
-
-def snapshot(cache: HiCache):
-    """Everything a failed call must leave unchanged."""
-    return cache.stats(), cache.tree.snapshot(), cache.page_owners().tobytes()
 
 
 # ----------------------------------------------------------------------------- the machine
@@ -257,7 +93,7 @@ class HiCacheMachine(RuleBasedStateMachine):
         super().__init__()
         self.cache = None
 
-    # An empty host tier has its own tests (test_hicache.py); here the host tier must work.
+    # An empty host tier has its own tests (test_hicache_policies.py); here the host tier must work.
     # Host size and layer-wise loading vary over the examples. They come from a drawn seed, so
     # an example replays exactly (a class-level counter made replays differ from the first run,
     # which hypothesis reports as FlakyStrategyDefinition in long runs); the seed is spread by a

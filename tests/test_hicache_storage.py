@@ -12,63 +12,24 @@ import time
 import numpy as np
 import pytest
 
-from storage_servers import free_port, mooncake_skip_reason, running_mooncake
-from test_hicache_state_machine import check_invariants
-
 from hicache_jax import HiCacheConfig, KVSpec
 from hicache_jax.cache.hicache import HiCache
 from hicache_jax.tree.radix import chain_hashes, namespace_hash
 from hicache_jax.l3.storage import StorageUnavailableError, page_keys
 
-SPEC = KVSpec(num_layers=2, num_kv_heads=2, head_dim=8, dtype="float32", page_size=4)
-PS = SPEC.page_size
+from l3_helpers import PS, SPEC, bits32, compute, l3, make, read_prefix, tokens_kv
+from storage_servers import free_port, mooncake_skip_reason, running_mooncake
+
 HELPER = os.path.join(os.path.dirname(__file__), "l3_instance.py")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 needs_mooncake = pytest.mark.skipif(mooncake_skip_reason() is not None,
                                     reason=str(mooncake_skip_reason()))
 
 
-def make(url, device_pages=32, host_pages=64, **kw):
-    kw = {"write_through_threshold": 1, "load_back_threshold": PS, **kw}
-    cfg = HiCacheConfig(device_pages=device_pages, host_pages=host_pages, storage=url, **kw)
-    return HiCache(SPEC, cfg)
-
-
 def check_host_prefix(cache):
     """ARCHITECTURE.md, write_through modes: a backed-up node's parent is backed up (a continuous
     prefix from the root), pages fetched from L3 included: no exception for them."""
     cache.check_invariants()  # the write-through modes' continuous host prefix among them
-
-
-def tokens_kv(seed, npages):
-    rng = np.random.default_rng(seed)
-    toks = rng.integers(0, 50_000, npages * PS)
-    kv = rng.standard_normal(SPEC.kv_shape(npages)).astype(np.float32)
-    return toks, kv
-
-
-def compute(cache, toks, kv):
-    """A request that computes every page of ``toks``, then a hit on it (the hit backs it up)."""
-    pages = cache.alloc_pages(len(toks) // PS)
-    cache.write_kv(pages, kv)
-    cache.insert(toks, pages)
-    cache.insert(toks, cache.match_prefix(toks).device_pages)
-
-
-def read_prefix(cache, toks):
-    """match + load_back; returns (L3/L2 host tokens matched, bits of every matched page)."""
-    m = cache.match_prefix(toks)
-    host = m.host_len
-    m = cache.load_back(m)
-    return host, m.device_len, np.asarray(cache.read_kv(m.device_pages)).view(np.uint32)
-
-
-def bits(kv):
-    return kv.view(np.uint32)
-
-
-def l3(cache):
-    return {k: v for k, v in cache.stats().items() if k.startswith("l3_")}
 
 
 @pytest.fixture
@@ -92,10 +53,11 @@ def test_round_trip_through_l3_with_sharded_pools(url, host_layout):
     rng = np.random.default_rng(11)
     toks = rng.integers(0, 50_000, 6 * PS)
     kv = rng.standard_normal(spec.kv_shape(6)).astype(np.float32)
-    pages = a.alloc_pages(6)
-    a.write_kv(pages, kv)
-    a.insert(toks, pages)
-    a.insert(toks, a.match_prefix(toks).device_pages)  # the hit backs it up, then L3
+    with a.begin(toks) as req:
+        a.write_kv(req.extend(len(toks)), kv)
+        req.finish(toks)
+    with a.begin(toks) as req:  # the hit backs it up, then L3
+        req.finish(toks)
     a.flush()
     h = b.prefetch(toks)
     assert h.pages_found == 6
@@ -122,7 +84,7 @@ def test_round_trip_through_l3_bit_exact(url, host_layout):
     assert h.pages_found == 8
     host, dev, got = read_prefix(b, toks)  # wait_complete: no explicit wait needed
     assert host == dev == 8 * PS
-    np.testing.assert_array_equal(got, bits(kv))
+    np.testing.assert_array_equal(got, bits32(kv))
     assert b.prefetch(toks) is None  # everything is local now
     b.check_invariants()
     assert l3(b)["l3_prefetch_hit_pages"] == 8
@@ -141,7 +103,7 @@ def test_prefetch_only_fetches_beyond_l1_l2_and_stops_at_first_miss(url):
     assert h.wait() == 4
     host, dev, got = read_prefix(b, toks)
     assert host == 4 * PS and dev == 6 * PS
-    np.testing.assert_array_equal(got, bits(kv[:, :, :6]))
+    np.testing.assert_array_equal(got, bits32(kv[:, :, :6]))
     assert b.prefetch(np.concatenate([toks[:2 * PS], toks[2 * PS:] + 1])) is None
     a.close(), b.close()
 
@@ -158,7 +120,7 @@ def test_storage_write_back_puts_only_on_host_eviction(url):
     assert l3(a)["l3_put_pages_stored"] == 4
     b = make(url, prefetch_policy="wait_complete")
     b.prefetch(toks)
-    np.testing.assert_array_equal(read_prefix(b, toks)[2], bits(kv))
+    np.testing.assert_array_equal(read_prefix(b, toks)[2], bits32(kv))
     a.close(), b.close()
 
 
@@ -261,7 +223,7 @@ def test_best_effort_uses_what_arrived_then_the_rest(url):
     h.wait()
     host, dev, got = read_prefix(b, toks)
     assert host == dev == 6 * PS  # the rest appears once landed, after the first two
-    np.testing.assert_array_equal(got, bits(kv))
+    np.testing.assert_array_equal(got, bits32(kv))
     b.check_invariants()
     b.close()
 
@@ -283,7 +245,7 @@ def test_timeout_keeps_what_landed_and_cancels_the_rest(url):
     assert (s["l3_prefetch_hit_pages"], s["l3_prefetch_missed_pages"]) == (2, 6)
     host, dev, got = read_prefix(b, toks)
     assert dev == 2 * PS
-    np.testing.assert_array_equal(got, bits(kv[:, :, :2]))
+    np.testing.assert_array_equal(got, bits32(kv[:, :, :2]))
     assert b.stats()["host_free_pages"] == 64 - 2  # cancelled pages went back
     b.close()
 
@@ -319,7 +281,7 @@ def test_prefetch_of_a_prompt_that_diverges_is_its_own(url):
     gate.set()
     host, dev, got = read_prefix(b, q)
     assert dev == 6 * PS
-    np.testing.assert_array_equal(got, bits(qkv))
+    np.testing.assert_array_equal(got, bits32(qkv))
     b.flush()
     b.check_invariants()
     b.close()
@@ -338,7 +300,7 @@ def test_longer_prompt_gets_the_rest_beyond_a_shorter_prefetch_in_flight(url):
     gate.set()
     host, dev, got = read_prefix(b, toks)
     assert host == dev == 6 * PS
-    np.testing.assert_array_equal(got, bits(kv))
+    np.testing.assert_array_equal(got, bits32(kv))
     b.flush()
     s = l3(b)
     assert (s["l3_prefetch_pages"], s["l3_prefetch_hit_pages"]) == (6, 6)
@@ -370,7 +332,7 @@ def test_prefetch_stopped_by_l3_is_shared_only_by_prompts_l3_stops_for_too(url):
     gate.set()
     host, dev, got = read_prefix(b, q)
     assert host == dev == 6 * PS
-    np.testing.assert_array_equal(got, bits(qkv))
+    np.testing.assert_array_equal(got, bits32(qkv))
     b.flush()
     s = l3(b)
     assert (s["l3_prefetch_pages"], s["l3_prefetch_duplicate_pages"]) == (6, 0)
@@ -410,9 +372,9 @@ def test_fetch_starts_at_the_deepest_backed_up_node_and_backs_up_device_nodes(ur
     b = make(url, write_policy=policy, write_through_threshold=8,
              storage_write_policy="write_through_selective", prefetch_policy="wait_complete",
              kv_events={"publisher": "queue"})
-    pages = b.alloc_pages(2)
-    b.write_kv(pages, kv[:, :, :2])
-    b.insert(toks[:2 * PS], pages)  # on device, not backed up (threshold 8)
+    with b.begin(toks[:2 * PS]) as req:  # on device, not backed up (threshold 8)
+        b.write_kv(req.extend(2 * PS), kv[:, :, :2])
+        req.finish(toks[:2 * PS])
     b.take_events()
     h = b.prefetch(toks)
     assert (h.start, h.pages_found) == (0, 6)  # from the root: the device pages too
@@ -421,8 +383,8 @@ def test_fetch_starts_at_the_deepest_backed_up_node_and_backs_up_device_nodes(ur
     check_host_prefix(b)
     dev_node = b.tree.match(toks[:2 * PS]).node
     assert dev_node.value is not None and dev_node.host_value is not None
-    np.testing.assert_array_equal(bits(np.asarray(b.host_pool.read(dev_node.host_value))),
-                                  bits(kv[:, :, :2]))
+    np.testing.assert_array_equal(bits32(np.asarray(b.host_pool.read(dev_node.host_value))),
+                                  bits32(kv[:, :, :2]))
     host_events = [e.block_hash for e in b.take_events()
                    if isinstance(e, BlockStored) and e.medium is Medium.HOST]
     assert host_events == chain_hashes(namespace_hash(None), toks.reshape(-1, PS)).tolist()
@@ -431,7 +393,7 @@ def test_fetch_starts_at_the_deepest_backed_up_node_and_backs_up_device_nodes(ur
     b.evict(10**6)  # the device node keeps its host copy: nothing is lost
     host, dev, got = read_prefix(b, toks)
     assert host == dev == 6 * PS
-    np.testing.assert_array_equal(got, bits(kv))
+    np.testing.assert_array_equal(got, bits32(kv))
     b.flush()
     check_host_prefix(b)
     b.check_invariants()
@@ -442,14 +404,14 @@ def test_write_back_fetch_starts_where_l1_l2_end(url):
     """write_back needs no continuous host prefix: positions on device are not fetched."""
     toks, kv = _seed_store(url, 19, 6)
     b = make(url, write_policy="write_back", prefetch_policy="wait_complete")
-    pages = b.alloc_pages(2)
-    b.write_kv(pages, kv[:, :, :2])
-    b.insert(toks[:2 * PS], pages)
+    with b.begin(toks[:2 * PS]) as req:
+        b.write_kv(req.extend(2 * PS), kv[:, :, :2])
+        req.finish(toks[:2 * PS])
     h = b.prefetch(toks)
     assert (h.start, h.pages_found) == (2 * PS, 4)
     host, dev, got = read_prefix(b, toks)
     assert (host, dev) == (4 * PS, 6 * PS)
-    np.testing.assert_array_equal(got, bits(kv))
+    np.testing.assert_array_equal(got, bits32(kv))
     assert l3(b)["l3_prefetch_backfill_pages"] == 0
     b.close()
 
@@ -479,7 +441,7 @@ def test_prefixes_whose_tree_hashes_collide_keep_their_own_l3_entries(url, monke
         b.prefetch(toks)
         host, dev, got = read_prefix(b, toks)
         assert host == dev == 4 * PS
-        np.testing.assert_array_equal(got, bits(kv))
+        np.testing.assert_array_equal(got, bits32(kv))
     b.close()
 
 
@@ -570,7 +532,7 @@ def test_prefetch_landing_inside_load_back_does_not_split_its_chain(url):
     assert m.node._node.lock_ref == 0
     m3 = b.load_back(b.match_prefix(q))
     np.testing.assert_array_equal(np.asarray(b.read_kv(m3.device_pages)).view(np.uint32),
-                                  bits(qkv[:, :, :m3.device_len // PS]))
+                                  bits32(qkv[:, :, :m3.device_len // PS]))
     assert m3.device_len == 5 * PS
     b.close()
 
@@ -588,7 +550,7 @@ def test_reset_with_l3_traffic_in_flight_forgets_the_tier_counters(url):
     h = b.prefetch(toks)  # the store kept its entries
     assert h is not None and h.pages_found == 4
     h.wait()
-    np.testing.assert_array_equal(read_prefix(b, toks)[2], bits(kv))
+    np.testing.assert_array_equal(read_prefix(b, toks)[2], bits32(kv))
     b.close()
 
 
@@ -606,7 +568,7 @@ def test_node_longer_than_the_staging_pool_is_put_in_parts(url):
         h.wait()
         got_tokens = read_prefix(b, toks)[1]
     assert got_tokens == 20 * PS
-    np.testing.assert_array_equal(read_prefix(b, toks)[2], bits(kv))
+    np.testing.assert_array_equal(read_prefix(b, toks)[2], bits32(kv))
     a.close(), b.close()
 
 
@@ -614,10 +576,12 @@ def test_numpy_and_python_extra_keys_share_l3_entries(url):
     """The tree treats 5 and np.int64(5) as one namespace; so do the L3 keys."""
     a = make(url)
     toks, kv = tokens_kv(9, 4)
-    pages = a.alloc_pages(4)
-    a.write_kv(pages, kv)
-    a.insert(toks, pages, extra_key=np.int64(5))
-    a.insert(toks, a.match_prefix(toks, extra_key=5).device_pages, extra_key=5)
+    with a.begin(toks, extra_key=np.int64(5)) as req:
+        a.write_kv(req.extend(len(toks)), kv)
+        req.finish(toks)
+    with a.begin(toks, extra_key=5) as req:  # a hit in the same namespace: backs it up
+        assert req.cached_len == len(toks)
+        req.finish(toks)
     a.close()
     assert namespace_hash(5) == namespace_hash(np.int64(5)) == namespace_hash(5.0)
     assert namespace_hash(("a", np.int32(2))) == namespace_hash(("a", 2))
@@ -667,7 +631,7 @@ def test_corrupted_entry_is_a_miss_and_the_rest_is_recomputed(url, tmp_path):
     assert h.pages_found == 6 and h.wait() == 3
     host, dev, got = read_prefix(b, toks)
     assert host == dev == 3 * PS
-    np.testing.assert_array_equal(got, bits(kv[:, :, :3]))
+    np.testing.assert_array_equal(got, bits32(kv[:, :, :3]))
     assert l3(b)["l3_store_corrupt"] == 1 and not os.path.exists(path)
     # the request recomputes pages 3..5; its backup repairs the entry in L3
     compute(b, toks, kv)
@@ -697,8 +661,8 @@ def test_host_pool_full_during_prefetch_evicts_host_pages_not_loading_ones(url):
     b.flush()
     host, _, got = read_prefix(b, toks)
     assert host == 6 * PS
-    np.testing.assert_array_equal(got, bits(kv))
-    np.testing.assert_array_equal(read_prefix(b, other)[2], bits(okv[:, :, :2]))
+    np.testing.assert_array_equal(got, bits32(kv))
+    np.testing.assert_array_equal(read_prefix(b, other)[2], bits32(okv[:, :, :2]))
     b.check_invariants()
     b.close()
 
@@ -714,7 +678,7 @@ def test_mooncake_round_trip_and_holder_killed_mid_run():
         b.prefetch(toks)
         host, _, got = read_prefix(b, toks)
         assert host == 8 * PS
-        np.testing.assert_array_equal(got, bits(kv))
+        np.testing.assert_array_equal(got, bits32(kv))
 
         servers.kill_holder()
         t0 = time.monotonic()
@@ -730,9 +694,9 @@ def test_mooncake_round_trip_and_holder_killed_mid_run():
         s = l3(a)
         assert s["l3_puts_dropped"] == 8 and s["l3_put_pages_stored"] == 8
         for t, k in ((toks, kv), (toks2, kv2)):  # L1/L2 untouched
-            np.testing.assert_array_equal(read_prefix(a, t)[2], bits(k))
+            np.testing.assert_array_equal(read_prefix(a, t)[2], bits32(k))
         a.evict(10**6)
-        np.testing.assert_array_equal(read_prefix(a, toks2)[2], bits(kv2))
+        np.testing.assert_array_equal(read_prefix(a, toks2)[2], bits32(kv2))
         a.check_invariants()
         for cache in (a, b, c):
             cache.close()
@@ -881,27 +845,24 @@ def serve_random_requests(url, policy, storage_policy, prefetch_policy):
         if rng.random() < 0.7 and cache.prefetch(toks) is not None \
                 and prefetch_policy == "best_effort":
             time.sleep(0.01)  # the scheduler's other work: best_effort uses what landed by then
-        m = cache.load_back(cache.match_prefix(toks))
-        cache.lock(m.node)
-        have = m.device_len // PS
-        if have:
-            got = np.asarray(cache.read_kv(m.device_pages)).view(np.uint32)
-            want = np.concatenate([_page_kv(SPEC, toks, i) for i in range(have)], axis=2)
-            np.testing.assert_array_equal(got, want.view(np.uint32), err_msg=f"step {step}")
-        n_new = len(toks) // PS - have
-        new = cache.alloc_pages(n_new)
-        cache.write_kv(new, np.concatenate([_page_kv(SPEC, toks, i)
-                                            for i in range(have, have + n_new)], axis=2))
-        cache.insert(toks, np.concatenate([m.device_pages, new]))
-        cache.unlock(m.node)
+        with cache.begin(toks) as req:  # match, load back, lock
+            have = req.cached_len // PS
+            if have:
+                got = np.asarray(cache.read_kv(req.device_pages)).view(np.uint32)
+                want = np.concatenate([_page_kv(SPEC, toks, i) for i in range(have)], axis=2)
+                np.testing.assert_array_equal(got, want.view(np.uint32), err_msg=f"step {step}")
+            new = req.extend(len(toks) - req.cached_len)
+            cache.write_kv(new, np.concatenate([_page_kv(SPEC, toks, i)
+                                                for i in range(have, have + new.size)], axis=2))
+            req.finish(toks)
         if rng.random() < 0.1:
             cache.flush()
-            check_invariants(cache)  # full page accounting: no L3 page in flight now
+            cache.check_invariants()  # full page accounting: no L3 page in flight now
         cache.check_invariants()
         check_host_prefix(cache)
     for cache in caches:
         cache.flush()
-        check_invariants(cache)
+        cache.check_invariants()
         from_l3 += l3(cache)["l3_prefetch_hit_pages"]
         cache.close()
     assert from_l3 > 0  # the run did exercise L3 reads

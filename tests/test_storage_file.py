@@ -18,55 +18,11 @@ from hicache_jax.l3.storage import (
     entry_pages, entry_rows, open_storage, page_keys)
 from hicache_jax.l3.storage.file import FileStorage
 
-SPEC = KVSpec(num_layers=2, num_kv_heads=2, head_dim=8, dtype="bfloat16", page_size=4)
-NUM_PAGES = 16
-
-
-def host_buffer(spec, layout, num_pages=NUM_PAGES, seed=0):
-    """Random pages (never zeros) in a host-pool layout or in ``entry_rows``."""
-    if layout == ENTRY_ROWS:
-        rows = entry_rows(spec, num_pages)
-        entry_pages(spec, rows)[:] = host_buffer(spec, "page_first", num_pages, seed)
-        return rows
-    if layout == "page_first":
-        shape = spec.page_major_shape(num_pages)
-    else:
-        shape = (spec.num_layers, spec.kv_factor, num_pages, spec.page_size,
-                 spec.num_kv_heads, spec.head_dim)
-    info = np.iinfo(spec.bits_dtype)
-    return np.random.default_rng(seed).integers(0, info.max, shape, dtype=spec.bits_dtype,
-                                                endpoint=True)
-
-
-def pages(buf, layout, ids):
-    """Pages ``ids`` of a host buffer as [n, L, kvf, ps, H, D] (a copy); entry rows: their
-    page bytes, uint8 [n, page_bytes] (compare across layouts with :func:`page_bytes`)."""
-    ids = np.asarray(ids)
-    if layout == ENTRY_ROWS:
-        return buf[ids, HEADER_BYTES:].copy()
-    return buf[ids].copy() if layout == "page_first" else np.moveaxis(buf[:, :, ids], 2, 0).copy()
-
-
-def page_bytes(buf, layout, ids):
-    """Pages ``ids`` as uint8 [n, page_bytes] in page_first byte order, for any layout."""
-    out = pages(buf, layout, ids)
-    return out.view(np.uint8).reshape(len(ids), -1)
-
-
-def keys_for(n, start=0, spec=SPEC, extra_key=None):
-    """Keys of the first n pages of a prompt; another ``start``, another prompt."""
-    tokens = np.arange(start * spec.page_size, (start + n) * spec.page_size) * 7919 + 1
-    return page_keys(spec, tokens, extra_key)
-
+from storage_helpers import NUM_PAGES, SPEC, host_buffer, keys_for, open_file, page_bytes, pages
 
 @pytest.fixture
 def root(tmp_path):
     return str(tmp_path / "l3")
-
-
-def open_file(root, layout="page_first", seed=0, spec=SPEC, **kw):
-    buf = host_buffer(spec, layout, seed=seed)
-    return open_storage(f"file://{root}", spec, buf, layout, **kw), buf
 
 
 # ---- keys and header ---------------------------------------------------------------------------
@@ -321,7 +277,7 @@ def test_concurrent_instances_share_the_directory(root):
                                                               np.arange(NUM_PAGES)[1 - i::2]])
                for i, (s, _) in enumerate(stores[:2])]
     code = (f"import numpy as np, sys; sys.path.insert(0, {os.path.dirname(__file__)!r});"
-            f"from test_storage_file import open_file, keys_for, NUM_PAGES;"
+            f"from storage_helpers import open_file, keys_for, NUM_PAGES;"
             f"s, _ = open_file({root!r}); "
             f"assert s.put_from(keys_for(NUM_PAGES), np.arange(NUM_PAGES)).wait(30).all()")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
@@ -499,11 +455,11 @@ def test_stale_temp_files_are_removed_at_open(root):
 
 # ---- a directory others write to ---------------------------------------------------------------
 def run_isolated(code, root, timeout=120):
-    """Run ``code`` in a fresh interpreter with this module's helpers: an operation that hangs
+    """Run ``code`` in a fresh interpreter with the backend helpers: an operation that hangs
     there (a worker blocked for good keeps an interpreter from exiting) fails this test after
     ``timeout`` seconds instead of wedging the test run."""
     prelude = (f"import os, stat, sys, numpy as np; sys.path.insert(0, {os.path.dirname(__file__)!r})\n"
-               f"from test_storage_file import open_file, keys_for\nroot = {root!r}\n")
+               f"from storage_helpers import open_file, keys_for\nroot = {root!r}\n")
     try:
         proc = subprocess.run([sys.executable, "-c", prelude + code], capture_output=True,
                               text=True, timeout=timeout)

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from storage_servers import MooncakeServers, mooncake_fixture, mooncake_skip_reason, running_mooncake
-from test_storage_file import NUM_PAGES, SPEC, host_buffer, keys_for, page_bytes, pages
+from storage_helpers import NUM_PAGES, SPEC, host_buffer, keys_for, open_mc, page_bytes, pages
 
 from hicache_jax.spec import KVSpec
 from hicache_jax.l3.storage import ENTRY_ROWS, HEADER_BYTES, StorageUnavailableError, open_storage
@@ -25,11 +25,6 @@ pytestmark = pytest.mark.skipif(mooncake_skip_reason() is not None,
 
 servers = mooncake_fixture("module")
 BIG = KVSpec(num_layers=2, num_kv_heads=4, head_dim=64, dtype="bfloat16", page_size=16)  # 32 KiB
-
-
-def open_mc(servers, layout="page_first", seed=0, spec=SPEC, **kw):
-    buf = host_buffer(spec, layout, seed=seed)
-    return open_storage(servers.url, spec, buf, layout, **kw), buf
 
 
 def unique_keys(n, spec=SPEC):
@@ -77,7 +72,7 @@ def test_another_process_reads_what_this_one_stored(servers):
     keys = unique_keys(8)
     assert store.put_from(keys, np.arange(8)).wait(20).all()
     code = ("import sys, numpy as np; sys.path.insert(0, {tests!r});"
-            "from test_storage_mooncake import *; from test_storage_file import pages;"
+            "from storage_helpers import SPEC, host_buffer, open_mc, pages;"
             "from storage_servers import MooncakeServers;"
             "s, b = open_mc(MooncakeServers({port}, 0, ''), 'page_first', seed=1);"
             "assert s.get_into({keys!r}, np.arange(8) + 8).wait(20).all();"

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import ast
 import pathlib
+import re
 
 import pytest
 
@@ -148,3 +149,49 @@ def test_the_layer_rule_finds_an_upward_import():
     deps = _edges("hicache_jax.tree.radix", tree, run_time=True)
     assert deps == {"hicache_jax.cache.hicache"}
     assert not LAYER_RANK[_layer(next(iter(deps)))] < LAYER_RANK["tree"]
+
+
+# The test suite's own shape: no test module imports another (shared code lives in helpers.py,
+# storage_helpers.py, l3_helpers.py, storage_servers.py or conftest.py), statically, inside a
+# function, by importlib, or in the code a test hands to a subprocess.
+TESTS = pathlib.Path(__file__).parent
+_CODE_IMPORT = re.compile(r"(?:^|[\s;(])(?:from\s+(test_\w+)(?:\.\w+)*\s+import|import\s+(test_\w+))")
+
+
+def _test_module_imports(tree: ast.Module) -> list[tuple[int, str]]:
+    """(line, module) of every import of a ``test_*`` module in ``tree``: import statements
+    anywhere, ``importlib.import_module`` / ``__import__`` of a constant, and import lines in
+    string constants (code run by ``python -c``; f-strings included)."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names = [node.module]
+        elif isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant) \
+                and getattr(node.func, "attr", getattr(node.func, "id", None)) \
+                in ("import_module", "__import__"):
+            names = [str(node.args[0].value)]
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+            names = [a or b for a, b in _CODE_IMPORT.findall(node.value)]
+        else:
+            continue
+        found += [(node.lineno, n) for n in names if n.split(".")[0].startswith("test_")]
+    return found
+
+
+def test_no_test_module_imports_another():
+    bad = [f"{p.name}:{line}: imports {mod}" for p in sorted(TESTS.glob("*.py"))
+           for line, mod in _test_module_imports(ast.parse(p.read_text(), str(p)))]
+    assert bad == []
+
+
+def test_the_test_import_rule_finds_every_form():
+    other = "test_" + "radix"  # built, so that this file holds no such import itself
+    code = (f"import {other}\nfrom {other} import x\ndef f():\n    import {other}.sub\n"
+            f"importlib.import_module('{other}')\n"
+            f"subprocess.run(['python', '-c', 'import sys; from {other} import *'])\n"
+            "from helpers import serve\nimport storage_helpers\n")
+    found = _test_module_imports(ast.parse(code))
+    assert [line for line, _ in found] == [1, 2, 4, 5, 6]
+    assert {mod.split(".")[0] for _, mod in found} == {other}

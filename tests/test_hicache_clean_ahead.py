@@ -1,0 +1,145 @@
+"""HiCache's clean_ahead write policy: the reserve at L1's eviction end backed up ahead of
+eviction (so eviction copies nothing), the pass at unlock, which host copies it gives up for
+room, its events, its reserve after a failed allocation, and its config."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from hicache_jax import HiCache, HiCacheConfig, KVSpec, OutOfPagesError
+from hicache_jax.events.records import replay
+
+from helpers import bits, check_cache, gate, gated_cache, node_tiers, serve_kv, tree_pages
+
+
+def test_clean_ahead_backs_up_the_eviction_end_so_eviction_copies_nothing():
+    """The reserve at the eviction end of L1 is backed up after inserts, once eviction is near;
+    eviction then frees pages that already have a host copy (no copy on the allocation path)."""
+    cache, kv = gated_cache("clean_ahead", device=16, host=64, clean_ahead_pages=4)
+    for i in range(3):                       # 12 of 16 pages: eviction not near, nothing copied
+        serve_kv(cache, kv, np.arange(4) + 100 * i)
+    cache.flush()
+    assert cache.stats()["backups"] == 0
+    serve_kv(cache, kv, np.arange(4) + 300)   # 0 free pages < reserve: the coldest 4 backed up
+    cache.flush()
+    st = cache.stats()
+    assert st["clean_ahead_pages"] == 4 and st["backups"] == 1
+    assert node_tiers(cache)[0] == (True, True)  # the least recently used request
+    for i in range(4, 8):                    # each evicts the coldest request, already clean
+        serve_kv(cache, kv, np.arange(4) + 100 * i)
+        cache.flush()
+    st = cache.stats()
+    assert st["evicted_tokens"] == 16 and st["eviction_backup_pages"] == 0
+    assert st["deleted_tokens"] == 0         # every evicted page kept its host copy
+    assert all(node_tiers(cache)[i] == (False, True) for i in range(4))
+    m = cache.load_back(cache.match_prefix(np.arange(4)))
+    assert m.device_len == 4
+    check_cache(cache, kv)
+
+
+def test_clean_ahead_pass_locks_nothing_eviction_takes_its_nodes_while_the_copy_runs():
+    """A backup counts from its dispatch: the pass's nodes are clean at once (no lock), so the
+    next eviction frees them while the copy is still in flight, copying and waiting for
+    nothing; their host bytes are the copied ones once it lands."""
+    cache, kv = gated_cache("clean_ahead", device=16, host=64, clean_ahead_pages=4)
+    eng = gate(cache)
+    for i in range(4):                       # the 4th fills L1: the coldest 4 pages backed up
+        serve_kv(cache, kv, np.arange(4) + 100 * i)
+    held = [h for h in eng.handles if not h.released]
+    assert len(held) == 1 and cache.stats()["clean_ahead_pages"] == 4
+    assert all(n.lock_ref == 0 for n in cache.tree.nodes() if n.parent is not None)
+    serve_kv(cache, kv, np.arange(4) + 400)   # evicts the coldest, still copying
+    st = cache.stats()
+    assert st["evicted_tokens"] == 4 and st["eviction_backup_pages"] == 0
+    assert node_tiers(cache)[0] == (False, True) and not held[0].released
+    eng.release()
+    cache.flush()
+    check_cache(cache, kv)
+    m = cache.load_back(cache.match_prefix(np.arange(4)))
+    np.testing.assert_array_equal(bits(cache.read_kv(m.device_pages)),
+                                  kv.pages(None, np.arange(4), 0, 4))
+
+
+def test_clean_ahead_gives_up_hot_redundant_host_copies_before_evicted_pages():
+    """L2 full: the host copy of a page still on device (loaded back: hot again) is given up
+    before any host-only page when the eviction end needs room."""
+    cache, kv = gated_cache("clean_ahead", device=8, host=8, clean_ahead_pages=2)
+    for i in range(12):
+        serve_kv(cache, kv, np.arange(2) + 100 * i)
+        cache.flush()
+    t = node_tiers(cache)
+    assert cache.stats()["host_free_pages"] == 0
+    assert [t[i] for i in (5, 6, 7)] == [(False, True)] * 3 and t[8] == (True, True)
+    assert [t[i] for i in (9, 10, 11)] == [(True, False)] * 3
+    # Request 7 again: loaded back (evicting 8, clean), keeping its host copy. At its unlock
+    # the pass backs up 9, the new eviction end: room comes from 7's copy (hot, on device),
+    # not from the evicted pages 5, 6 and 8.
+    host_evictions = cache.stats()["host_evictions"]
+    serve_kv(cache, kv, np.arange(2) + 700)
+    cache.flush()
+    t, st = node_tiers(cache), cache.stats()
+    assert st["load_backs"] == 1 and st["host_copies_dropped_tokens"] == 2
+    assert st["host_evictions"] == host_evictions and st["eviction_backup_pages"] == 0
+    assert t[7] == (True, False) and t[9] == (True, True)
+    assert [t[i] for i in (5, 6, 8)] == [(False, True)] * 3
+    check_cache(cache, kv)
+
+
+@pytest.mark.parametrize("eviction", ["mru", "lfu"])
+def test_clean_ahead_cleans_a_request_that_goes_first_at_its_unlock(eviction):
+    """Under strategies that evict new nodes first, the request just served is the next
+    victim: the pass runs at its unlock (when its nodes are evictable), so the next request's
+    eviction copies nothing."""
+    cache, kv = gated_cache("clean_ahead", device=16, host=64, clean_ahead_pages=4,
+                            eviction=eviction)
+    for i in range(10):
+        serve_kv(cache, kv, np.arange(4) + 100 * i)
+        cache.flush()
+    st = cache.stats()
+    assert st["evicted_tokens"] >= 16 and st["eviction_backup_pages"] == 0
+    assert st["deleted_tokens"] == 0
+    check_cache(cache, kv)
+
+
+def test_a_failed_alloc_leaves_clean_aheads_reserve_as_it_was():
+    cache, kv = gated_cache("clean_ahead", device=64, host=64)
+    serve_kv(cache, kv, np.arange(4))
+    def reserve():
+        return cache.stats()["clean_ahead_reserve_pages"]
+    reserve_before = reserve()
+    with pytest.raises(OutOfPagesError):
+        cache.alloc_pages(1000)
+    assert reserve() == reserve_before == 2 * 4      # twice the largest allocation
+    new = cache.alloc_pages(12)            # one that succeeds: the reserve follows it
+    assert reserve() == 24
+    cache.free_pages(new)
+    new = cache.alloc_pages(40)
+    assert reserve() == 64 // 2               # at most half of L1
+    cache.free_pages(new)
+
+
+def test_clean_ahead_config():
+    spec = KVSpec(num_layers=1, num_kv_heads=1, head_dim=4, dtype="float32", page_size=1)
+    assert HiCacheConfig(device_pages=64, write_policy="clean_ahead").clean_ahead_pages is None
+    assert HiCacheConfig(device_pages=8, clean_ahead_pages=3).clean_ahead_pages == 3
+    with pytest.raises(ValueError, match="clean_ahead_pages=0 must be >= 1"):
+        HiCacheConfig(device_pages=8, clean_ahead_pages=0)
+    with pytest.raises(ValueError, match="not an L3 policy"):
+        HiCacheConfig(device_pages=8, storage_write_policy="clean_ahead")
+    HiCache(spec, HiCacheConfig(device_pages=8, host_pages=0, write_policy="clean_ahead"))
+
+
+def test_events_of_clean_aheads_pass_at_unlock_are_sealed_by_the_unlock():
+    """The pass at unlock gives up host copies (BlockRemoved): unlock seals them into its own
+    batch, rather than leaving them for whatever public call comes next."""
+    cache, kv = gated_cache("clean_ahead", device=8, host=8, clean_ahead_pages=2,
+                     kv_events={"publisher": "queue"})
+    for i in list(range(12)) + [7]:
+        serve_kv(cache, kv, np.arange(2) + 100 * i)
+        assert not cache._events._pending
+        cache.flush()  # every backup landed: which host copies the next pass may drop is fixed
+    assert cache.stats()["host_copies_dropped_tokens"] == 2
+    router = replay(cache.take_events())
+    assert router == tree_pages(cache)
+
