@@ -147,7 +147,7 @@ class InFlight:
             raise
         self._register(ops, handle)
         for node, host_ids in claims:
-            self._tree.set_host_value(node, host_ids)
+            self._tree.set_host_value(node, host_ids, validated=True)  # from take_host
             self._events.stored(node, Medium.HOST)
             self._n["backups"] += 1
             self._n["backup_tokens"] += node.num_tokens
@@ -204,7 +204,8 @@ class InFlight:
         for (_, chain), op in zip(chains, ops):
             pos = 0
             for n in chain:  # root-first, as set_value requires
-                self._tree.set_value(n, op.device_ids[pos:pos + n.num_pages])
+                # pages fresh from the device allocator (take_chains), int32, distinct
+                self._tree.set_value(n, op.device_ids[pos:pos + n.num_pages], validated=True)
                 self._events.stored(n, Medium.DEVICE)
                 pos += n.num_pages
             self._loading[op.device_ids] = op.seq + 1

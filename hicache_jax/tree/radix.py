@@ -227,7 +227,9 @@ class RadixTree(TierIndex):
             extra_key: namespace (hashable).
             priority: int request priority (``priority`` eviction strategy: lower goes first).
             chunked: do not count a hit on existing nodes (one prefill split into chunks).
-            validated: ``tokens`` and ``extra_key`` are already checked (see :meth:`match`).
+            validated: ``tokens`` and ``extra_key`` are already checked (see :meth:`match`),
+                and ``page_ids`` is an int32 numpy array of ``len(tokens) // page_size``
+                distinct ids (the facade checks them against the pool, once per call).
 
         Raises:
             TypeError / ValueError: malformed tokens, page_ids or extra_key.
@@ -239,7 +241,7 @@ class RadixTree(TierIndex):
             raise TypeError(f"priority must be an int, got {type(priority).__name__}")
         priority = int(priority)
         npages = arr.shape[0] // self.page_size
-        ids = as_distinct_ids(page_ids, npages, "page_ids")
+        ids = page_ids if validated else as_distinct_ids(page_ids, npages, "page_ids")
         arr = arr[: npages * self.page_size]
         path, pos, start = self._walk(arr, extra_key)
         dup_mask = self._check_insert_pages(path, pos, ids)

@@ -202,14 +202,20 @@ class TierIndex:
         self._refresh(node.parent)
         return ids
 
-    def set_host_value(self, node: TreeNode, host_ids: Any) -> None:
+    def set_host_value(self, node: TreeNode, host_ids: Any, *, validated: bool = False) -> None:
         """Record a host backup of a device-resident, not yet backed-up node.
 
         Args:
             host_ids: 1-D int ``[node.num_pages]`` distinct host page ids; the tree takes them.
+            validated: ``node`` is a node of this tree and ``host_ids`` an int32 numpy array of
+                ``node.num_pages`` distinct ids fresh from the host allocator (the cache's
+                backups): skip those checks (a walk to the root and a sort).
         """
-        self._check_member(node)
-        ids = as_distinct_ids(host_ids, node.num_pages, "host_ids")
+        if validated:
+            ids = host_ids
+        else:
+            self._check_member(node)
+            ids = as_distinct_ids(host_ids, node.num_pages, "host_ids")
         if node.value is None or node.host_value is not None:
             raise HiCacheError(f"{node!r} must hold device pages and no host copy yet")
         if self._host_held.any_held(ids):
@@ -229,15 +235,20 @@ class TierIndex:
         self._refresh(node)
         return ids
 
-    def set_value(self, node: TreeNode, device_ids: Any) -> None:
+    def set_value(self, node: TreeNode, device_ids: Any, *, validated: bool = False) -> None:
         """Load-back: give a host-only node device pages. Go root-first: the parent must be
         device-resident (or the root).
 
         Args:
             device_ids: 1-D int ``[node.num_pages]`` distinct device page ids; the tree takes them.
+            validated: as in :meth:`set_host_value` (``device_ids`` fresh from the device
+                allocator: the cache's load-backs).
         """
-        self._check_member(node)
-        ids = as_distinct_ids(device_ids, node.num_pages, "device_ids")
+        if validated:
+            ids = device_ids
+        else:
+            self._check_member(node)
+            ids = as_distinct_ids(device_ids, node.num_pages, "device_ids")
         if node.value is not None:
             raise HiCacheError(f"{node!r} already holds device pages")
         if node.parent.value is None:
