@@ -12,10 +12,12 @@ def test_bench_control_plane_runs_on_the_slice(tmp_path, monkeypatch, capsys):
     from benchmarks import bench_control_plane
     out = tmp_path / "cp.json"
     monkeypatch.setattr(sys, "argv", ["bench_control_plane", "--limit", "40", "--device-tokens",
-                                      "2e5", "--repeats", "1", "--no-base", "--json", str(out)])
+                                      "2e5", "--repeats", "1", "--no-base", "--flows", "--json", str(out)])
     bench_control_plane.main()
     text = capsys.readouterr().out
-    assert "match us" in text and "evict us" in text
+    # the handle's phases, the primitives' (--flows), and the handle judged against them
+    assert "begin us" in text and "match us" in text and "evict us" in text
+    assert "the handle at" in text and "the primitives' requests/s" in text
     rows = json.loads(out.read_text())["rows"]
     assert {r["tier"] for r in rows} == {"L1", "L1+L2"}
     for r in rows:
@@ -25,3 +27,7 @@ def test_bench_control_plane_runs_on_the_slice(tmp_path, monkeypatch, capsys):
     l1 = next(r for r in rows if r["tier"] == "L1" and r["events"] == "off")["current"]
     l2 = next(r for r in rows if r["tier"] == "L1+L2" and r["events"] == "off")["current"]
     assert l1["host_hit_tokens"] == 0 and l2["device_hit_tokens"] == l1["device_hit_tokens"]
+    for r in rows:  # the same calls through the handle and the primitives: the same figures
+        if r["events"] == "off":
+            assert r["primitives"]["flow"] == "primitives" and r["current"]["flow"] == "handle"
+            assert all(r["primitives"][k] == r["current"][k] for k in bench_control_plane.HIT_FIGURES)
