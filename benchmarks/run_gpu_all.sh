@@ -14,24 +14,8 @@
 # The tables go into benchmarks/RESULTS.md by hand, with the date and jax version; results.json
 # (benchmarks/collect.py, last) is what hicache-jax compare puts beside a TPU run's.
 set -uo pipefail
-cd "$(dirname "$0")/.."
-out="${OUT:-benchmarks/out}"
-mkdir -p "$out"
-log="$out/run.log"
-: > "$log"
-budget="${BUDGET_S:-330}"
-t0=$SECONDS
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-
-run() {  # name, cap seconds, command...
-  local name=$1 cap=$2; shift 2
-  local left=$((budget - (SECONDS - t0)))
-  if ((left < 20)); then echo "===== $name skipped: budget spent" | tee -a "$log"; return; fi
-  ((cap > left)) && cap=$left
-  echo "===== $name (limit ${cap}s, $((SECONDS - t0))s into the run)" | tee -a "$log"
-  timeout -k 10 "$cap" "$@" 2>&1 | tee -a "$log"
-  echo "===== $name rc=${PIPESTATUS[0]}" | tee -a "$log"
-}
+DEFAULT_BUDGET_S=330
+. "$(dirname "$0")/device_run.sh"  # out, log, budget, run()
 run env 60 python3 -c "import jax; print('jax', jax.__version__, jax.devices())"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>&1 | tee -a "$log"
 run gpu_kernels 120 python3 -m benchmarks.gpu_kernels --no-probe --json "$out/gpu_kernels.json"

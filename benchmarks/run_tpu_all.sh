@@ -20,24 +20,8 @@
 #   pytest        the compiled kernels and the transfer engine on this device
 # and last, benchmarks/collect.py: one results.json of the schema hicache-jax compare reads.
 set -uo pipefail
-cd "$(dirname "$0")/.."
-out="${OUT:-benchmarks/out}"
-mkdir -p "$out"
-log="$out/run.log"
-: > "$log"
-budget="${BUDGET_S:-600}"
-t0=$SECONDS
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-
-run() {  # name, cap seconds, command...
-  local name=$1 cap=$2; shift 2
-  local left=$((budget - (SECONDS - t0)))
-  if ((left < 20)); then echo "===== $name skipped: budget spent" | tee -a "$log"; return; fi
-  ((cap > left)) && cap=$left
-  echo "===== $name (limit ${cap}s, $((SECONDS - t0))s into the run)" | tee -a "$log"
-  timeout -k 10 "$cap" "$@" 2>&1 | tee -a "$log"
-  echo "===== $name rc=${PIPESTATUS[0]}" | tee -a "$log"
-}
+DEFAULT_BUDGET_S=600
+. "$(dirname "$0")/device_run.sh"  # out, log, budget, run()
 run env 60 python3 -c "import jax; print('jax', jax.__version__, jax.devices())"
 run tpu_kernels 120 python3 -m benchmarks.tpu_kernels --json "$out/tpu_kernels.json"
 run gpu_transfer 90 python3 -m benchmarks.gpu_transfer --json "$out/gpu_transfer.json"
