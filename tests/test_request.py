@@ -272,3 +272,27 @@ def test_tree_len_follows_commit_and_a_chunked_finish_counts_no_hit():
     req.finish(seq, chunked=True)               # e.g. a retracted request: no hit counted
     assert {n.id: n.hit_count for n in cache.tree.nodes()} == hits
     clean(cache)
+
+
+def test_admit_matched_wraps_a_schedulers_own_matches_with_one_load_back():
+    from hicache_jax.cache.request import admit_matched
+
+    cache = make_cache(SPEC, device_pages=16, host_pages=32, write_policy="write_through")
+    shared = prompt(8, 700)
+    with cache.begin(shared) as r:
+        r.extend(8)
+        r.finish(shared)
+    cache.flush()
+    cache.evict(10**6)
+    prompts = [np.append(shared, prompt(4)), np.append(shared, prompt(4, 60))]
+    matches = [cache.match_prefix(p) for p in prompts]   # the scheduler's own plan admits both
+    reqs = admit_matched(cache, matches)
+    assert [r.loaded_len for r in reqs] == [8, 8] and [r.cached_len for r in reqs] == [8, 8]
+    assert cache.stats()["load_backs"] == 1
+    with pytest.raises(ValueError, match="extra_keys"):
+        admit_matched(cache, matches, extra_keys=[None])
+    reqs[0].abort()
+    for r, p in zip(reqs[1:], prompts[1:]):
+        r.extend(len(p) - r.cached_len)
+        r.finish(p)
+    clean(cache)

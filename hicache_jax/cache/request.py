@@ -248,12 +248,27 @@ def begin_many(cache: "HiCache", prompts: Sequence[Any], *,
         if used > budget:
             break
         before.append(m)
-    loaded = cache.load_back_many(before, layerwise=layerwise) if before else []
     out: list[Request | None] = [None] * len(prompts)
-    for i, (m, lm) in enumerate(zip(before, loaded)):
-        cache.lock(lm.node)
-        out[i] = Request(cache, keys[i], lm, lm.device_len - m.device_len)
+    out[:len(before)] = admit_matched(cache, before, extra_keys=keys[:len(before)],
+                                      layerwise=layerwise)
     return out
+
+
+def admit_matched(cache: "HiCache", matches: Sequence[Match], *,
+                  extra_keys: Sequence[Hashable] | None = None,
+                  layerwise: bool = False) -> list[Request]:
+    """Handles of requests a scheduler has already matched and decided to admit (with an
+    admission plan of its own): their host parts loaded back in ONE transfer
+    (:meth:`HiCache.load_back_many`, which revalidates every match), each result locked and
+    wrapped. Each handle then owns its lock (``finish`` / ``abort`` release it)."""
+    keys = [None] * len(matches) if extra_keys is None else list(extra_keys)
+    if len(keys) != len(matches):
+        raise ValueError(f"extra_keys has {len(keys)} keys for {len(matches)} matches")
+    loaded = cache.load_back_many(list(matches), layerwise=layerwise) if matches else []
+    for lm in loaded:  # every result locked before anything may evict
+        cache.lock(lm.node)
+    return [Request(cache, k, lm, lm.device_len - m.device_len)
+            for k, m, lm in zip(keys, matches, loaded)]
 
 
 def begin(cache: "HiCache", tokens: Any, extra_key: Hashable = None, *,

@@ -137,42 +137,42 @@ class PageLedger:
         now = self.clock() if arrival is None else float(arrival)
         return BatchRequest(key, arr, int(max_new), now)
 
-    def take(self, req: BatchRequest, m: Match | None, active: list[BatchRequest],
-             reserve: float, checked: bool = False, loaded: int = 0) -> bool:
-        """Allocate the prompt's uncached pages beyond ``m`` (locked by the caller), keeping
-        ``reserve`` x the remaining decode pages of ``req`` and the ``active`` requests free or
-        evictable; False (nothing taken) when they cannot be had now. ``loaded``: tokens of
-        ``m`` its load-back brought in. ``checked``: an
-        :class:`AdmissionPlan` already counted this request's pages and reserve (no stats()
-        read; only the allocation itself can still fail)."""
+    def take(self, req: BatchRequest, h: Request | None, active: list[BatchRequest],
+             reserve: float, checked: bool = False) -> bool:
+        """Extend the admitted request's handle ``h`` (its prefix matched, loaded back and
+        locked; None in mode ``none``: a handle of no prefix is begun here) over the prompt's
+        uncached pages, keeping ``reserve`` x the remaining decode pages of ``req`` and the
+        ``active`` requests free or evictable; False (nothing taken: ``h`` is still the
+        caller's) when they cannot be had now. ``checked``: an :class:`AdmissionPlan` already
+        counted this request's pages and reserve (no stats() read; only the allocation itself
+        can still fail)."""
         cache, ps = self.cache, self.ps
         self.changes += 1
-        prefix = np.zeros(0, np.int32) if m is None else m.device_pages
+        held = 0 if h is None else h.device_pages.shape[0]
         target = req.seq.shape[0]
-        need = -(-target // ps) - prefix.shape[0]
+        need = -(-target // ps) - held
         if not checked:
-            future = self.future_pages(req, prefix.shape[0] + need)
+            future = self.future_pages(req, held + need)
             future += sum(self.future_pages(r) for r in active)
             if not self.fits(need + math.ceil(reserve * future), wait=not active):
                 return False
-        if m is None:  # mode none: a handle of no prefix only holds the request's pages
+        own = h is None
+        if own:  # mode none: a handle of no prefix only holds the request's pages
             h = cache.begin(_NO_TOKENS)
-        else:  # matched, loaded back and locked by the engine's admission: the handle owns it
-            h = Request(cache, None, m, loaded)
         try:
-            h.extend(target - prefix.shape[0] * ps)
+            h.extend(target - held * ps)
         except OutOfPagesError:
-            if m is None:
+            if own:
                 h.abort()
-            return False  # the engine's admission still holds (and releases) m's lock
+            return False
         if req.admitted_at is None:
             req.admitted_at = self.clock()
         req.req = h
         req.locked_len = h.tree_len
         req.pages = h.device_pages
-        req.kv_done = prefix.shape[0] * ps
+        req.kv_done = held * ps
         req.target = target
-        req.handle = None if m is None else m.load_handle
+        req.handle = h.load_handle
         req.recomputed += target - req.kv_done
         req.slot = self.slots.take()
         return True

@@ -4,9 +4,10 @@ Each :meth:`BatchedEngine.step`:
 
 1. **admit** -- requests whose prefill is under way take their next chunk first; then waiting
    requests, oldest first, while the step's prefill token budget (``token_budget``: chunked
-   prefill) and ``max_running`` allow: ``match_prefix`` (prompt minus its last token), ONE
-   ``load_back_many`` for every admitted request's host part, ``lock``, ``alloc_pages`` for the
-   prompt's uncached positions. A request that cannot get its pages while keeping
+   prefill) and ``max_running`` allow: ``match_prefix`` (prompt minus its last token), then
+   ``admit_matched``: ONE ``load_back_many`` for every admitted request's host part, each result
+   locked and wrapped in the cache's request handle, which ``extend``s over the prompt's
+   uncached positions. A request that cannot get its pages while keeping
    ``decode_reserve`` x the running requests' remaining decode pages free (or evictable) waits,
    and so does every later one (first come, first served); who fits is counted before anything
    is loaded (``batch_state.AdmissionPlan``), so a waiting request is not loaded back, locked or
@@ -24,9 +25,8 @@ Each :meth:`BatchedEngine.step`:
    chunks of every admitted request (each through its own page table, cut into query blocks)
    and one token for every running request, so the weights are read once a step and the dense
    layers see no padding between requests; layer-wise over the load-back's handle when one is
-   pending. A request whose prompt is done inserts its whole pages
-   (``insert(..., chunked=True)``) and re-locks them, so later requests hit them at once, and
-   decodes from the next step;
+   pending. A request whose prompt is done ``commit``s its whole pages (inserted, the lock
+   moved onto them), so later requests hit them at once, and decodes from the next step;
 4. **read** -- the tokens of the previous step's forward (``overlap``, the default: SGLang's
    overlap scheduler) or of this one: each request's next token and, at the end of a prompt,
    its first-token logits. A decode row never waits for the host: it reads its token from the
@@ -35,8 +35,9 @@ Each :meth:`BatchedEngine.step`:
    bookkeeping (this list) run meanwhile. A request with all its tokens dispatched leaves the
    running set at once;
 5. **finish** -- once every token but the last is read (the last one's forward may still run),
-   a request inserts the whole pages of prompt + output (minus its last token, whose K/V is
-   never computed), frees the partial page and unlocks, so the next admission has its pages;
+   a request ``finish``es: the whole pages of prompt + output (minus its last token, whose K/V
+   is never computed) are inserted, the partial page freed and the lock released, so the next
+   admission has its pages;
    it is returned once its last token is read.
 
 Every pool write and read of a step is ordered on the device after the steps dispatched before
@@ -71,7 +72,7 @@ import numpy as np
 from hicache_jax.errors import OutOfPagesError
 from hicache_jax.cache.hicache import HiCache, Match
 from hicache_jax.validation import check_bool, is_int, is_real
-from hicache_jax.cache.request import extend_many
+from hicache_jax.cache.request import Request, admit_matched, extend_many
 from hicache_jax.engine.batch_state import (AdmissionPlan, BatchedRecord, BatchRequest,
                                             EngineStalledError, PageLedger, shares_uncached)
 from hicache_jax.engine.engine import CacheMode, Generation, build_cache, parse_mode
@@ -323,35 +324,32 @@ class BatchedEngine:
         """Load back every candidate's host part in one call (which also revalidates every
         match), lock them all before anything may evict, then allocate in order; the first that
         cannot get its pages (or budget) waits with every later one."""
-        matches = [m for _, m in cands]
-        if self.mode is not CacheMode.NONE:
-            if any(m.host_len for m in matches):
-                self.counters["load_back_calls"] += 1
-            matches = self.cache.load_back_many(matches, layerwise=self._layer_waits)
-            for m in matches:
-                self.cache.lock(m.node)
+        handles: list = [None] * len(cands)
         cached = self.mode is not CacheMode.NONE
-        for k, ((req, m0), m) in enumerate(zip(cands, matches)):
-            loaded = 0 if m is None else m.device_len - m0.device_len
-            ok = budget > 0 and self._take_pages(req, m, loaded, checked=True)
+        if cached:
+            if any(m.host_len for _, m in cands):
+                self.counters["load_back_calls"] += 1
+            handles = admit_matched(self.cache, [m for _, m in cands], layerwise=self._layer_waits)
+        for k, ((req, m0), h) in enumerate(zip(cands, handles)):
+            ok = budget > 0 and self._take_pages(req, h, checked=True)
             if budget > 0 and not ok:  # the plan counted pages the allocation did not find
                 self.counters["admission_plan_misses"] += 1
             last = False
             if not ok and budget > 0 and k + 1 < len(cands):
                 # The later candidates' locks may be what holds the pages: release them (they
                 # wait) and try this one once more.
-                for later in matches[k + 1:] if cached else ():
-                    self.cache.unlock(later.node)
+                for later in handles[k + 1:] if cached else ():
+                    later.abort()
                 self.waiting.extendleft(reversed([r for r, _ in cands[k + 1:]]))
-                ok, last = self._take_pages(req, m, loaded), True
+                ok, last = self._take_pages(req, h), True
             if not ok:
                 if cached:
-                    self.cache.unlock(m.node)
+                    h.abort()
                 self.waiting.extendleft(reversed([r for r, _ in cands[k:k + 1 if last else None]]))
                 return
             if req.hits is None:  # the first admission's hits by tier (as the serial engine)
-                req.hits = (0, 0, 0) if m is None else (
-                    m0.device_len, m.device_len - m0.device_len, m.host_len)
+                req.hits = (0, 0, 0) if h is None else (
+                    m0.device_len, h.loaded_len, h.host_len_declined)
             n = min(req.target - req.kv_done, budget)
             batch.append((req, n))
             budget -= n
@@ -359,10 +357,8 @@ class BatchedEngine:
             if last:
                 return
 
-    def _take_pages(self, req: BatchRequest, m: Match | None, loaded: int,
-                    checked: bool = False) -> bool:
-        return self._ledger.take(req, m, self.prefilling + self.running, self._reserve, checked,
-                                 loaded)
+    def _take_pages(self, req: BatchRequest, h: Request | None, checked: bool = False) -> bool:
+        return self._ledger.take(req, h, self.prefilling + self.running, self._reserve, checked)
 
     def _stalled(self, req: BatchRequest | None = None) -> None:
         raise self._ledger.stalled_error(self.waiting[0] if req is None else req)
