@@ -1,9 +1,9 @@
 """Device pool page movement: scatter (write) and gather (read) of k scattered pages.
 
-Limit: ``numpy.copyto`` of the same bytes, measured in the same run. Targets (issue 3):
+Limit: ``numpy.copyto`` of the same bytes, measured in the same run. Targets:
 scatter cost flat in pool size (2 GiB pool / 256 MiB pool <= 1.2) and <= 1.5x memcpy. A
 bfloat16-typed pool row (the same donated scatter on a pool stored as bfloat16 instead of raw
-bits) shows why the pool stores bits (DESIGN rule 1).
+bits) shows why the pool stores bits (ARCHITECTURE.md: the pool is stored as raw bits).
 
 Page: 4 layers x 2 (K, V) x 16 tokens x 8 heads x 128 dims, bfloat16 = 256 KiB.
 
@@ -115,7 +115,7 @@ def bench_pool(pool_mib: int, ks: list[int], repeats: int, huge_pages: bool = Tr
 
 
 def bench_typed_pool(pool_mib: int, k: int, repeats: int) -> dict:
-    """The same scatter into a bfloat16-typed pool (what rule 1 forbids)."""
+    """The same scatter into a bfloat16-typed pool (what storing the pool as raw bits avoids)."""
     num_pages = pool_mib * MiB // SPEC.page_bytes
     state = {"pool": jnp.zeros(SPEC.kv_shape(num_pages + 1), jnp.bfloat16)}
     ids = jnp.asarray(np.random.default_rng(1).choice(num_pages, size=k, replace=False),

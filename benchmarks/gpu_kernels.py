@@ -9,7 +9,7 @@ the device side of a load), each timed for
 
 and printed as GB/s of bytes read + written beside the **limit**: one large contiguous
 device-to-device copy measured in the same run (a jitted ``jnp.copy`` of ``LIMIT_BYTES``,
-read + write counted). Target (issue 5): >= 0.8 of the limit at 1024 pages, faster than XLA at
+read + write counted). Target: >= 0.8 of the limit at 1024 pages, faster than XLA at
 every size.
 
 Timing: ``ITERS`` back-to-back calls (dispatch is asynchronous, so launch overhead overlaps),
@@ -194,7 +194,7 @@ def run(cfg: dict, smoke: bool, checkpoint=lambda results: None, make_impls=gpu_
 
 
 def probe_host_operand(cfg: dict, smoke: bool) -> dict:
-    """Stretch (issue 5): can the TMA gather read a ``pinned_host`` pool directly (zero-copy)?
+    """Stretch goal: can the TMA gather read a ``pinned_host`` pool directly (zero-copy)?
 
     Mosaic GPU has no host memory space, but a pinned_host array still lowers as the kernel's
     operand; XLA then either rejects it or copies it to the device first. Compare the gather of

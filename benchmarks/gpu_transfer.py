@@ -3,8 +3,8 @@
 The limit for each size is one contiguous ``jax.device_put`` of the same bytes between a
 ``pinned_host`` array and device memory, in the same direction (host -> device for load,
 device -> host for backup); both limits are reported in GB/s. The measured path is the real
-``TransferEngine`` with the host pool in ``pinned_host`` memory (``memory_kind="auto"``). Target
-(issue 3): >= 0.8 of the limit for >= 128 pages.
+``TransferEngine`` with the host pool in ``pinned_host`` memory (``memory_kind="auto"``).
+Target: >= 0.8 of the limit for >= 128 pages.
 
 Also printed, to show where time goes: a device-side gather of the same pages into one
 contiguous buffer (what any staging design pays before its DMA), and a bit-exact round-trip
