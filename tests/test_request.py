@@ -30,6 +30,17 @@ def prompt(n: int, start: int = 0) -> np.ndarray:
     return np.arange(start, start + n, dtype=np.int32)
 
 
+def cached_on_host_only(cache, toks):
+    """Serve ``toks`` (whole pages) through a handle, then evict it from device: a host-only
+    prefix (write_through backed it up). Returns the KV bits written for it."""
+    with cache.begin(toks) as req:
+        kv = write(cache, req.extend(len(toks)))
+        req.finish(toks)
+    cache.flush()
+    cache.evict(10**6)
+    return kv
+
+
 def write(cache, pages) -> np.ndarray:
     kv = random_bits(SPEC, len(pages), seed=int(pages.sum()) if len(pages) else 0)
     cache.write_kv(pages, kv)
@@ -70,11 +81,7 @@ def test_the_second_request_hits_and_reads_the_first_requests_bytes():
 def test_a_host_hit_is_loaded_back_at_begin():
     cache = make_cache(SPEC, device_pages=8, host_pages=32, write_policy="write_through")
     toks = prompt(16)
-    with cache.begin(toks) as req:
-        kv = write(cache, req.extend(16))
-        req.finish(toks)
-    cache.flush()
-    cache.evict(10**6)
+    kv = cached_on_host_only(cache, toks)
     assert cache.match_prefix(toks).host_len == 16
     with cache.begin(toks) as req:
         assert req.cached_len == 16 and req.loaded_len == 16
@@ -209,11 +216,7 @@ def test_a_handle_of_a_closed_cache_raises_and_abort_is_a_no_op():
 def test_begin_many_admits_oldest_first_within_the_budget_and_loads_nothing_for_the_rest():
     cache = make_cache(SPEC, device_pages=16, host_pages=32, write_policy="write_through")
     shared = prompt(8, 500)
-    with cache.begin(shared) as r:
-        r.extend(8)
-        r.finish(shared)
-    cache.flush()
-    cache.evict(10**6)                                 # shared prefix: host only now
+    cached_on_host_only(cache, shared)                 # shared prefix: host only now
     prompts = [np.append(shared, prompt(4)), np.append(shared, prompt(8, 50)), prompt(40, 900)]
     reqs = cache.begin_many(prompts, budget=8)         # 3 pages, then 4, then 10: stops at 3rd
     assert [r is not None for r in reqs] == [True, True, False]
@@ -279,11 +282,7 @@ def test_admit_matched_wraps_a_schedulers_own_matches_with_one_load_back():
 
     cache = make_cache(SPEC, device_pages=16, host_pages=32, write_policy="write_through")
     shared = prompt(8, 700)
-    with cache.begin(shared) as r:
-        r.extend(8)
-        r.finish(shared)
-    cache.flush()
-    cache.evict(10**6)
+    cached_on_host_only(cache, shared)
     prompts = [np.append(shared, prompt(4)), np.append(shared, prompt(4, 60))]
     matches = [cache.match_prefix(p) for p in prompts]   # the scheduler's own plan admits both
     reqs = admit_matched(cache, matches)
