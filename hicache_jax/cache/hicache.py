@@ -27,16 +27,17 @@ from hicache_jax.memory.device_pool import DevicePagePool
 from hicache_jax.errors import HiCacheError
 from hicache_jax.events.factory import make_recorder
 from hicache_jax.events.recorder import NullRecorder, Recorder
-from hicache_jax.events.records import EventBatch, KVEvent, Medium
+from hicache_jax.events.records import EventBatch, KVEvent
 from hicache_jax.cache.completion import Completion
 from hicache_jax.cache.evictor import Evictor
 from hicache_jax.cache.removal import Removal
 from hicache_jax.memory.host_pool import HostPagePool
 from hicache_jax.cache.inflight import InFlight
+from hicache_jax.cache.insertion import Insertion
 from hicache_jax.cache.introspection import cache_stats, check_cache
 from hicache_jax.cache.l3_port import CacheL3Port
 from hicache_jax.l3.tier import L3Tier, NullL3Tier, PrefetchHandle, open_l3
-from hicache_jax.cache.load_many import check_matches, take_chains
+from hicache_jax.cache.load_many import check_matches, load_chains
 from hicache_jax.cache.match import (Match, NodeRef, check_node, current, is_stale, node_ref,
                                      revalidate)
 from hicache_jax.cache.request import Request, begin, begin_many
@@ -110,6 +111,9 @@ class HiCache:
             back_up_new=self._l3.back_up_new))
         self._evict = Evictor(cfg, tree, dev, self._n, self._flight, self._write,
                               self._removal, self._complete)
+        self._inserter = Insertion(self._ps, tree, dev, self._owner, events, self._n,
+                                   self._device.validate_ids, self._write.after_insert,
+                                   self._caller_locks)
         self._port.bind(events, self._write)
 
     def _guard(self) -> None:
@@ -208,21 +212,10 @@ class HiCache:
         return self._load_back([revalidate(self._tree, m) for m in matches], bool(layerwise))
 
     def _load_back(self, resolved: list[tuple[Match, TreeNode]], layerwise: bool) -> list[Match]:
-        """Load the accepted chains of ``(match, node)`` pairs in one transfer; what holds each
-        prefix now."""
-        accepted, declined = take_chains(
-            self._tree, [node for _, node in resolved], threshold=self.cfg.load_back_threshold,
-            quota=self.cfg.load_back_quota, page_size=self._ps,
-            take=self._evict.take)
-        self._n["load_backs_declined"] += declined
-        if accepted:
-            loaded = np.concatenate([ids for _, _, ids in accepted])
-            handle = self._flight.load([(n, c) for n, c, _ in accepted], loaded, layerwise)
-        out = [current(m, node, self._ps) for m, node in resolved]
-        if accepted and layerwise:
-            out = [Match(m.device_pages, m.device_len, m.host_len, m.node, handle)
-                   if np.isin(m.device_pages, loaded).any() else m for m in out]
-        return out
+        return load_chains(self._tree, resolved, threshold=self.cfg.load_back_threshold,
+                           quota=self.cfg.load_back_quota, page_size=self._ps,
+                           take=self._evict.take, load=self._flight.load, counters=self._n,
+                           layerwise=layerwise)
 
     def lock(self, node: NodeRef) -> None:
         """Protect a match's prefix (``Match.node``: the node and its ancestors) from eviction
@@ -321,7 +314,7 @@ class HiCache:
         Returns:
             Tokens already cached (either tier) before the call.
         """
-        return self._insert(tokens, pages, extra_key, chunked, priority)[0].prefix_len
+        return self._inserter(tokens, pages, extra_key, chunked, priority)[0].prefix_len
 
     @publishes
     def insert_locked(self, tokens: Any, pages: Any, node: NodeRef,
@@ -340,7 +333,7 @@ class HiCache:
         """
         if not self._caller_locks.get(check_node(self._tree, node)):
             raise HiCacheError(f"insert_locked: the caller holds no lock on {node!r}")
-        arr = self._insert(tokens, pages, extra_key, True, 0)[1]
+        arr = self._inserter(tokens, pages, extra_key, True, 0)[1]
         tm = self._tree.match(arr, extra_key, validated=True)
         m = Match(tm.device_pages, tm.device_len, tm.host_len,
                   node_ref(tm.node, tm.last_device_node))
@@ -350,33 +343,6 @@ class HiCache:
         self.lock(m.node)
         self.unlock(node)
         return m
-
-    def _insert(self, tokens: Any, pages: Any, extra_key: Hashable, chunked: bool,
-                priority: int) -> tuple[Any, np.ndarray]:
-        """The tree's InsertResult and the whole-page tokens inserted."""
-        check_bool("chunked", chunked)
-        check_int("priority", priority, -(2**62), 2**62)
-        arr = page_tokens(tokens, extra_key, self._ps)
-        ntok = arr.shape[0]
-        ids = self._check_pages(pages, ALLOCATED, "caller-owned or cached")
-        if ids.size != ntok // self._ps:
-            raise ValueError(f"pages has {ids.size} ids, expected {ntok // self._ps} "
-                             "(one per whole page of tokens)")
-        # No polling here: the tree's own checks below must see the state the caller saw.
-        res = self._tree.insert(arr, ids, extra_key, priority=int(priority), validated=True,
-                                chunked=bool(chunked))
-        dup = res.duplicate_pages
-        if dup.size:
-            self._device.allocator.free(dup)
-            self._owner.release(dup)
-            self._n["duplicate_pages_freed"] += dup.size
-        self._owner.adopt_caller_pages(ids)
-        for node in res.revived_nodes:
-            self._events.stored(node, Medium.DEVICE)
-        if res.last_node.parent is not None and res.last_node not in res.existing_nodes:
-            self._events.stored(res.last_node, Medium.DEVICE)
-        self._write.after_insert(res, bool(chunked), bool(self._caller_locks))
-        return res, arr
 
     @publishes
     def evict(self, num_tokens: int) -> int:

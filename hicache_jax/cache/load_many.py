@@ -18,11 +18,11 @@ from typing import Any, Callable
 import numpy as np
 
 from hicache_jax.errors import HiCacheError, OutOfPagesError
-from hicache_jax.cache.match import Match, NodeRef
+from hicache_jax.cache.match import Match, NodeRef, current
 from hicache_jax.tree.radix import RadixTree
 from hicache_jax.tree.node import TreeNode
 
-__all__ = ["check_matches", "host_chain_after", "take_chains"]
+__all__ = ["check_matches", "host_chain_after", "load_chains", "take_chains"]
 
 #: ``(node, chain, device ids)`` of one accepted load: ``chain`` root-first, ``node`` locked.
 Accepted = tuple[TreeNode, list[TreeNode], np.ndarray]
@@ -115,3 +115,22 @@ def take_chains(tree: RadixTree, nodes: list[TreeNode], *, threshold: int, quota
         for node in release:
             tree.unlock(node)
     return out, declined
+
+
+def load_chains(tree: RadixTree, resolved: list[tuple[Match, TreeNode]], *, threshold: int,
+                quota: int | None, page_size: int, take: Callable[[int], np.ndarray],
+                load: Callable[..., Any], counters: Any, layerwise: bool) -> list[Match]:
+    """Load the accepted chains of revalidated ``(match, node)`` pairs in ONE transfer
+    (``load(pairs, ids, layerwise)``: the in-flight table's ``load``); what holds each prefix
+    now, carrying the load's handle where it holds pages of the load and ``layerwise``."""
+    accepted, declined = take_chains(tree, [node for _, node in resolved], threshold=threshold,
+                                     quota=quota, page_size=page_size, take=take)
+    counters["load_backs_declined"] += declined
+    if accepted:
+        loaded = np.concatenate([ids for _, _, ids in accepted])
+        handle = load([(n, c) for n, c, _ in accepted], loaded, layerwise)
+    out = [current(m, node, page_size) for m, node in resolved]
+    if accepted and layerwise:
+        out = [Match(m.device_pages, m.device_len, m.host_len, m.node, handle)
+               if np.isin(m.device_pages, loaded).any() else m for m in out]
+    return out
