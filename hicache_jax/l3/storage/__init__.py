@@ -81,7 +81,8 @@ def open_storage(url: str, spec: KVSpec, host_buffer: np.ndarray,
     """Open the L3 backend named by ``url`` over the numpy page buffer ``host_buffer``.
 
     Args:
-        url: ``file:///dir`` or ``mooncake://host:port``; options may also come as a query
+        url: ``file:///dir``, ``mooncake://host:port`` or ``python://module:Class`` (a
+            deployment's own backend, see ``plugin``); options may also come as a query
             string (``file:///dir?capacity_bytes=1000000000``); keyword ``options`` win.
         spec: KV spec (its fingerprint namespaces and checks every entry).
         host_buffer: a numpy buffer of pages in ``layout`` (a staging pool the caller owns),
@@ -111,7 +112,10 @@ def open_storage(url: str, spec: KVSpec, host_buffer: np.ndarray,
         kwargs = _query_options(url, parsed.query, _MOONCAKE_OPTIONS) | options
         from hicache_jax.l3.storage.mooncake import MooncakeStorage
         return MooncakeStorage(spec, host_buffer, layout, parsed.netloc, **kwargs)
-    raise ValueError(f"storage url={url!r}: scheme must be file:// or mooncake://")
+    if scheme == "python":
+        from hicache_jax.l3.storage.plugin import open_plugin
+        return open_plugin(url, spec, host_buffer, layout, **options)
+    raise ValueError(f"storage url={url!r}: scheme must be file://, mooncake:// or python://")
 
 
 def _query_options(url: str, query: str, allowed: dict[str, Any]) -> dict[str, Any]:
