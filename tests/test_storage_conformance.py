@@ -57,3 +57,16 @@ def test_broken_backends_fail_naming_the_behaviour(tmp_path, cls, words):
     with pytest.raises(ConformanceError) as exc:
         check(factory(cls, tmp_path), timeout_s=0.5)
     assert words in str(exc.value)
+
+
+def test_example_memory_backend_passes_and_loads_by_url():
+    import os
+    import sys
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
+    from memory_storage import MemoryStorage
+    assert len(check(lambda spec, buf, layout: MemoryStorage(spec, buf, layout, batch_pages=2))) == 5
+    from hicache_jax.l3.storage import open_storage
+    from hicache_jax.l3.storage.conformance import SPEC, _buffer
+    with open_storage("python://memory_storage:MemoryStorage?capacity_pages=2", SPEC, _buffer(),
+                      "page_first") as store:
+        assert store.capacity_pages == 2
