@@ -70,3 +70,11 @@ def test_example_memory_backend_passes_and_loads_by_url():
     with open_storage("python://memory_storage:MemoryStorage?capacity_pages=2", SPEC, _buffer(),
                       "page_first") as store:
         assert store.capacity_pages == 2
+
+
+def test_mooncake_backend_passes():
+    from storage_servers import running_mooncake
+    from hicache_jax.l3.storage import open_storage
+    with running_mooncake() as servers:
+        assert len(check(lambda spec, buf, layout: open_storage(servers.url, spec, buf, layout),
+                         timeout_s=10.0)) == 5
