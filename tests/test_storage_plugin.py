@@ -46,3 +46,17 @@ def test_python_url_errors_name_what_is_missing(url, error, words):
         open_storage(url, SPEC, buf, "page_first")
     assert words in str(exc.value)
     np.testing.assert_array_equal(buf, snapshot)
+
+
+def test_cache_over_a_python_backend_stores_pages_and_rejects_a_bad_url():
+    import os
+    import sys
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
+    from l3_helpers import compute, l3, make, tokens_kv
+    cache = make("python://memory_storage:MemoryStorage?capacity_pages=64")
+    toks, kv = tokens_kv(0, 4)
+    compute(cache, toks, kv)
+    cache.flush()
+    assert l3(cache)["l3_store_puts_stored"] == 4  # counted by the plugin backend itself
+    with pytest.raises(TypeError, match="lacks protocol method"):
+        make("python://test_storage_plugin:NoGet")
