@@ -22,6 +22,7 @@ from typing import Any, Hashable, Sequence
 
 import msgspec
 import numpy as np
+import xxhash
 import zmq
 
 END_SEQ = -1
@@ -61,6 +62,17 @@ class KVEventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False
 _decode = msgspec.msgpack.Decoder(KVEventBatch).decode
 
 
+# -- Dynamo's block keys --------------------------------------------------------------------
+
+DYNAMO_SEED = 1337
+
+
+def dynamo_block_key(tokens: Sequence[int]) -> int:
+    """A block's key as NVIDIA Dynamo's router computes it from the tokens alone: xxh3-64
+    of the tokens as little-endian u32, seed 1337."""
+    return xxhash.xxh3_64_intdigest(np.asarray(tokens, dtype="<u4").tobytes(), seed=DYNAMO_SEED)
+
+
 # -- one instance's index -------------------------------------------------------------------
 
 class InstanceIndex:
@@ -68,7 +80,15 @@ class InstanceIndex:
     tokens: ``(parent key, page tokens) -> block_hash`` (the parent key of a first page is its
     namespace, from ``lora_id`` / ``lora_name``)."""
 
-    def __init__(self) -> None:
+    def __init__(self, keying: str = "tokens", block_size: int | None = None) -> None:
+        """``keying="dynamo"`` keys a page by :func:`dynamo_block_key` of its tokens, and
+        (like Dynamo) ignores a ``BlockStored`` whose ``block_size`` is not ``block_size``."""
+        if keying not in ("tokens", "dynamo"):
+            raise ValueError(f"keying={keying!r}: expected 'tokens' or 'dynamo'")
+        if keying == "dynamo" and block_size is None:
+            raise ValueError("keying='dynamo' needs the router's block_size")
+        self.keying, self.block_size = keying, block_size
+        self.dropped = 0
         self.mediums: dict[int, set[str]] = {}
         # A set: first pages of namespaces the wire cannot tell apart (extra_keys other than
         # None, int and str all arrive as lora_id = lora_name = None) share one key.
@@ -78,12 +98,15 @@ class InstanceIndex:
     def apply(self, batch: KVEventBatch) -> None:
         for ev in batch.events:
             if isinstance(ev, BlockStored):
+                if self.block_size is not None and ev.block_size != self.block_size:
+                    self.dropped += 1
+                    continue
                 parent: Any = ev.parent_block_hash
                 if parent is None:
                     parent = ("namespace", ev.lora_id, ev.lora_name)
                 ps = ev.block_size
                 for i, h in enumerate(ev.block_hashes):
-                    key = (parent, tuple(ev.token_ids[i * ps:(i + 1) * ps]))
+                    key = (parent, self._page_key(ev.token_ids[i * ps:(i + 1) * ps]))
                     self._by_tokens.setdefault(key, set()).add(h)
                     self._key_of[h] = key
                     self.mediums.setdefault(h, set()).add(ev.medium)
@@ -106,6 +129,9 @@ class InstanceIndex:
                 self._by_tokens.clear()
                 self._key_of.clear()
 
+    def _page_key(self, tokens: Sequence[int]) -> Any:
+        return dynamo_block_key(tokens) if self.keying == "dynamo" else tuple(tokens)
+
     def longest_prefix(self, tokens: Sequence[int], page_size: int,
                        extra_key: Hashable = None) -> tuple[int, int]:
         """``(tokens on device, further tokens on host only)`` of the longest cached prefix,
@@ -119,7 +145,7 @@ class InstanceIndex:
         device = host = 0
         toks = list(tokens)
         for start in range(0, len(toks) // page_size * page_size, page_size):
-            found = self._by_tokens.get((parent, tuple(toks[start:start + page_size])))
+            found = self._by_tokens.get((parent, self._page_key(toks[start:start + page_size])))
             if not found:
                 break
             h = min(found)  # one hash but for namespaces the wire cannot tell apart

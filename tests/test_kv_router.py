@@ -123,3 +123,26 @@ def test_index_keeps_namespaces_the_wire_cannot_tell_apart(kv_router):
     assert idx.longest_prefix([1, 2], 2, extra_key=np.int64(5)) == (0, 0)
     with pytest.raises(TypeError, match="only None, int and str"):
         idx.longest_prefix([1, 2], 2, extra_key=b"tenant")
+
+
+def test_dynamo_block_key_matches_dynamos_known_answers(kv_router):
+    # Dynamo's published answers: block size 4, seed 1337.
+    assert kv_router.dynamo_block_key([1, 2, 3, 4]) == 14643705804678351452
+    assert kv_router.dynamo_block_key([5, 6, 7, 8]) == 16777012769546811212
+
+
+def test_dynamo_keyed_index_agrees_with_token_keyed_and_drops_other_block_sizes(kv_router):
+    stored = kv_router.BlockStored([11, 12], None, [1, 2, 3, 4, 5, 6, 7, 8], 4, None, "GPU", None)
+    other = kv_router.BlockStored([21], None, [9, 9, 9, 9, 9, 9, 9, 9], 8, None, "GPU", None)
+    batch = kv_router.KVEventBatch(0.0, [stored, other])
+    by_tokens, by_dynamo = kv_router.InstanceIndex(), kv_router.InstanceIndex("dynamo", 4)
+    by_tokens.apply(batch)
+    by_dynamo.apply(batch)
+    for q in ([1, 2, 3, 4, 5, 6, 7, 8], [1, 2, 3, 4, 0, 0, 0, 0], [5, 6, 7, 8]):
+        assert by_dynamo.longest_prefix(q, 4) == by_tokens.longest_prefix(q, 4)
+    assert by_dynamo.longest_prefix([1, 2, 3, 4, 5, 6, 7, 8], 4) == (8, 0)
+    assert by_dynamo.dropped == 1 and 21 not in by_dynamo.mediums
+    with pytest.raises(ValueError, match="block_size"):
+        kv_router.InstanceIndex("dynamo")
+    with pytest.raises(ValueError, match="keying"):
+        kv_router.InstanceIndex("xx", 4)

@@ -37,6 +37,7 @@ from hicache_jax.cache.insertion import Insertion
 from hicache_jax.cache.introspection import cache_stats, check_cache
 from hicache_jax.cache.l3_port import CacheL3Port
 from hicache_jax.l3.tier import L3Tier, NullL3Tier, PrefetchHandle, open_l3
+from hicache_jax.cache.lookup import lookup
 from hicache_jax.cache.load_many import check_matches, load_chains
 from hicache_jax.cache.match import (Match, NodeRef, check_node, current, is_stale, node_ref,
                                      revalidate)
@@ -146,6 +147,10 @@ class HiCache:
         self._n["host_hit_tokens"] += tm.host_len
         return Match(tm.device_pages, tm.device_len, tm.host_len,
                      node_ref(tm.node, tm.last_device_node))
+
+    def lookup(self, tokens: Any, extra_key: Hashable = None) -> dict[str, int]:
+        """Tokens of ``tokens``' cached prefix per tier, with no side effect (see lookup.py)."""
+        return lookup(self._tree, tokens, extra_key, self._ps)
 
     def begin(self, tokens: Any, extra_key: Hashable = None, *,
               layerwise: bool = False) -> Request:

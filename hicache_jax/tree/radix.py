@@ -119,6 +119,19 @@ class RadixTree(TierIndex):
 
     # -- walking and splitting ---------------------------------------------------------------
 
+    def peek(self, tokens: np.ndarray, extra_key: Any) -> tuple[int, int]:
+        """``(device_tokens, host_tokens)`` of the longest cached prefix of validated whole-page
+        ``tokens``, as :meth:`match` counts them, changing nothing (no split, no stamp)."""
+        path, pos, start = self._walk(tokens, extra_key)
+        device = host = 0
+        for i, node in enumerate(path):
+            n = (pos - start) if i == len(path) - 1 else node.key.shape[0]
+            if host == 0 and node.value is not None:
+                device += n
+            else:
+                host += n
+        return device, host
+
     def _walk(self, tokens: np.ndarray, extra_key: Any) -> tuple[list, int, int]:
         """Read-only descent: nodes matched (the last may match only partly), tokens matched,
         and where the last node starts. The hot loop of match and insert: kept flat on purpose."""

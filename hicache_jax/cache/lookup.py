@@ -1,0 +1,28 @@
+"""Where a prefix lives, without touching the cache (ARCHITECTURE.md, "Control API").
+
+:func:`lookup` reads the radix tree through its read-only descent: no node is split, no
+``last_access`` stamped, no hit counted, no load-back or prefetch started.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Hashable
+
+from hicache_jax.tree.radix import RadixTree
+from hicache_jax.validation import page_tokens
+
+
+def lookup(tree: RadixTree, tokens: Any, extra_key: Hashable, page_size: int) -> dict[str, int]:
+    """Tokens of the longest cached whole-page prefix held per tier.
+
+    Returns:
+        ``{"device": n, "host": m}``: ``device`` tokens on device from the start (device
+        residency is prefix-closed), then ``host`` further tokens on host only; the same
+        figures :meth:`HiCache.match_prefix` would report, without its side effects.
+
+    Raises:
+        TypeError / ValueError: bad ``tokens`` or ``extra_key`` (as ``match_prefix``).
+    """
+    arr = page_tokens(tokens, extra_key, page_size)
+    device, host = tree.peek(arr, extra_key)
+    return {"device": device, "host": host}
