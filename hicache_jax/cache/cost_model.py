@@ -11,7 +11,7 @@ tiers and to recompute tokens, fitted online (ARCHITECTURE.md, "Load or recomput
 * Prefill of ``n_new`` tokens after ``n_cached`` cached ones: the serving stack's callable
   ``prefill_cost(n_new, n_cached) -> seconds``, else a robust least-squares fit of
   ``a + b * n_new + c * n_new * (n_cached + n_new / 2)`` (linear work plus attention over the
-  context) to the samples reported by ``observe_prefill``. Without a callable and before
+  context; relative least squares, refitted without the samples whose relative residual exceeds 3 MADs) to the samples reported by ``observe_prefill``. Without a callable and before
   :data:`MIN_SAMPLES` samples there is no prefill figure: decisions use the threshold policy
   (counted as ``cost_warmup_decisions``). A callable that raises or returns anything but a
   finite number >= 0 makes that decision fall back to the threshold policy
@@ -128,11 +128,16 @@ class PrefillFit:
             a = np.stack([r[0] for r in self._rows])
             y = np.array([r[1] for r in self._rows])
             scale = np.maximum(np.abs(a).max(axis=0), 1e-30)
-            coef = np.linalg.lstsq(a / scale, y, rcond=None)[0]
-            resid = np.abs(a / scale @ coef - y)
-            keep = resid <= 3.0 * max(float(np.median(resid)), 1e-12) * 1.4826 + 1e-12
-            if keep.sum() >= MIN_SAMPLES and not keep.all():
-                coef = np.linalg.lstsq(a[keep] / scale, y[keep], rcond=None)[0]
+            keep = np.ones(y.size, bool)
+            w = 1.0 / np.maximum(y, 1e-12)[:, None]  # relative errors: a stall weighs <= 1
+            for _ in range(3):  # least squares, then again without the outliers it exposes
+                coef = np.linalg.lstsq((a / scale * w)[keep], (y * w[:, 0])[keep],
+                                       rcond=None)[0]
+                rel = np.abs(a / scale @ coef - y) / np.maximum(y, 1e-12)
+                new = rel <= max(3.0 * 1.4826 * float(np.median(rel)), 0.05)
+                if new.sum() < MIN_SAMPLES or (new == keep).all():
+                    break
+                keep = new
             self.coef = np.maximum(coef / scale, 0.0)
 
     def median_error(self) -> float | None:
