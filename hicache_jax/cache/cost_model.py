@@ -16,6 +16,10 @@ tiers and to recompute tokens, fitted online (ARCHITECTURE.md, "Load or recomput
   (counted as ``cost_warmup_decisions``). A callable that raises or returns anything but a
   finite number >= 0 makes that decision fall back to the threshold policy
   (``cost_fallbacks``, the last error in ``cost_last_error``); it never picks a load.
+* A plan never leaves a link unmeasured: while a link has fewer than :data:`MIN_SAMPLES`
+  samples, or none in its last :data:`PROBE_EVERY` plans, the plan loads at least the chain's
+  first node (a probe, ``cost_probes``), so a warm-up figure or a link that got faster since is
+  measured again rather than trusted forever.
 * Every completed transfer and every prefill sample is predicted first, then joins the fit:
   ``stats()`` reports the median ``|predicted - actual| / actual`` of each.
 
@@ -32,12 +36,14 @@ import numpy as np
 
 from hicache_jax.validation import is_real
 
-__all__ = ["CostModel", "LinkFit", "MIN_SAMPLES", "PrefillFit", "WARMUP", "WINDOW"]
+__all__ = ["CostModel", "LinkFit", "MIN_SAMPLES", "PROBE_EVERY", "PrefillFit", "WARMUP",
+           "WINDOW"]
 
 #: Warm-up ``(latency seconds, bytes per second)`` of each link, before it has samples.
 WARMUP = {"l2_l1": (20e-6, 10e9), "l3_l2": (1e-3, 1e9)}
 WINDOW = 32
 MIN_SAMPLES = 4
+PROBE_EVERY = 64
 
 
 def _check_sample(what: str, **values: Any) -> None:
@@ -59,6 +65,10 @@ class LinkFit:
         self._y: collections.deque = collections.deque(maxlen=window)
         self._err: collections.deque = collections.deque(maxlen=4 * window)
         self.samples = 0
+        self.plans_since_sample = 0
+
+    def needs_probe(self) -> bool:
+        return self.samples < MIN_SAMPLES or self.plans_since_sample >= PROBE_EVERY
 
     def predict(self, nbytes: float) -> float:
         return self.latency_s + nbytes / self.bytes_per_s if nbytes > 0 else 0.0
@@ -74,6 +84,7 @@ class LinkFit:
         self._x.append(float(nbytes))
         self._y.append(float(seconds))
         self.samples += 1
+        self.plans_since_sample = 0
         if len(self._x) >= MIN_SAMPLES:
             self._refit()
 
@@ -190,11 +201,12 @@ class CostModel:
         return float(v)
 
     def plan(self, chain_tokens: list[int], cached: int, free_pages: int,
-             cap_tokens: int | None, link: str = "l2_l1") -> int | None:
+             cap_tokens: int | None, links: tuple[str, ...] = ("l2_l1",)) -> int | None:
         """How many nodes of a host chain to load (root-first), the rest recomputed, for the
         least predicted time: ``load(pages) + prefill(rest + one page, cached + loaded) +
-        eviction charge``. None: no usable prefill figure (the caller falls back, counted)."""
-        ps, fit = self.page_size, self.links[link]
+        eviction charge``, ``load`` summed over ``links`` (the hops, e.g. ``("l3_l2", "l2_l1")``).
+        None: no usable prefill figure (the caller falls back, counted)."""
+        ps, fits = self.page_size, [self.links[k] for k in links]
         total = sum(chain_tokens)
         try:
             best_j, best_t, loaded = 0, None, 0
@@ -204,7 +216,7 @@ class CostModel:
                 if cap_tokens is not None and loaded > cap_tokens:
                     break
                 pages = loaded // ps
-                t = fit.predict(pages * self.page_bytes)
+                t = sum(f.predict(pages * self.page_bytes) for f in fits)
                 t += self.prefill_seconds(total - loaded + ps, cached + loaded)
                 evicted = max(0, pages - free_pages)
                 if evicted:
@@ -219,6 +231,13 @@ class CostModel:
             self.last_error = f"{type(exc).__name__}: {exc}"
             return None
         self.n["cost_decisions"] += 1
+        for f in fits:
+            f.plans_since_sample += 1
+        first = chain_tokens[0] if chain_tokens else 0
+        if best_j == 0 and first and any(f.needs_probe() for f in fits) and \
+                (cap_tokens is None or first <= cap_tokens):
+            best_j = 1
+            self.n["cost_probes"] += 1
         self.n["cost_partial_loads"] += 0 < best_j < len(chain_tokens)
         return best_j
 
