@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from hicache_jax import HiCacheConfig
-from hicache_jax.cache.cost_model import MIN_SAMPLES, WARMUP, CostModel, LinkFit, PrefillFit
+from hicache_jax.cache.cost_model import MIN_SAMPLES, PROBE_EVERY, WARMUP, CostModel, LinkFit, PrefillFit
 from tests.helpers import make_cache
 from tests.test_request import SPEC, cached_on_host_only, clean, prompt, write
 
@@ -52,6 +52,8 @@ def test_a_link_that_slows_mid_run_moves_the_figure_and_the_decision():
 
 def test_a_partial_load_where_the_cap_or_evictions_stop_the_rest():
     model = CostModel(page_bytes=1 << 10, page_size=16, prefill_cost=lambda n, c: n * 1e-3)
+    for _ in range(MIN_SAMPLES):  # a measured link: no probe
+        model.observe_transfer("l2_l1", 1 << 12, 1e-5 + (1 << 12) / 10e9)
     assert model.plan([16, 16, 16], 0, 1000, cap_tokens=32) == 2
     # no free pages: every loaded page evicts one, charged half its recompute: still cheaper
     assert model.plan([16, 16, 16], 0, 0, None) == 3
@@ -111,15 +113,26 @@ def _host_chain(cache, pages=(2, 2)):
 def test_the_cache_loads_or_recomputes_by_the_prefill_cost():
     slow = make_cache(SPEC, write_policy="write_through", load_policy="cost", prefill_cost=lambda n, c: n * 1.0)
     fast = make_cache(SPEC, write_policy="write_through", load_policy="cost", prefill_cost=lambda n, c: 0.0)
-    for cache, want in [(slow, 4 * PS), (fast, 0)]:
+    # the fast one recomputes, but its link is unmeasured: it probes with the chain's first node
+    for cache, want in [(slow, 4 * PS), (fast, 2 * PS)]:
         toks = _host_chain(cache)
         with cache.begin(toks) as req:
             assert req.loaded_len == want
             req.extend(len(toks) - req.cached_len)
             req.finish(toks)
         clean(cache)
-        assert cache.stats()["cost_decisions"] >= 1
+        st = cache.stats()
+        assert st["cost_decisions"] >= 1 and st["cost_probes"] == (cache is fast)
         cache.close()
+
+
+def test_a_measured_link_is_probed_again_after_probe_every_plans():
+    model = CostModel(page_bytes=1 << 10, page_size=16, prefill_cost=lambda n, c: 0.0)
+    assert model.plan([16, 16], 0, 100, None) == 1  # unmeasured: a probe
+    for _ in range(MIN_SAMPLES):
+        model.observe_transfer("l2_l1", 1 << 14, 1.0)  # slow: recompute from now on
+    got = [model.plan([16, 16], 0, 100, None) for _ in range(PROBE_EVERY)]
+    assert got == [0] * (PROBE_EVERY - 1) + [1]  # ... but measured again, not trusted forever
 
 
 def test_max_load_tokens_loads_the_root_end_of_the_chain_with_its_bytes():

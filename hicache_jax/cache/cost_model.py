@@ -242,7 +242,9 @@ class CostModel:
         return best_j
 
     def stats(self) -> dict[str, Any]:
-        out: dict[str, Any] = dict(self.n)
+        out: dict[str, Any] = {k: self.n[k] for k in (
+            "cost_decisions", "cost_partial_loads", "cost_probes", "cost_fallbacks",
+            "cost_warmup_decisions")}
         for name, fit in self.links.items():
             out[f"cost_{name}_latency_s"] = fit.latency_s
             out[f"cost_{name}_gbps"] = fit.bytes_per_s / 1e9
