@@ -40,7 +40,8 @@ from hicache_jax.replay.trace import Trace
 from hicache_jax.spec import HiCacheConfig, KVSpec
 from hicache_jax.validation import is_real
 
-__all__ = ["POLICIES", "Regime", "SimClock", "simulate", "simulate_all", "ttft_table"]
+__all__ = ["POLICIES", "Regime", "SWEEP", "SimClock", "bandwidth_sweep", "plot_sweep", "simulate",
+           "simulate_all", "ttft_table"]
 
 POLICIES = ("never", "always", "threshold", "cost")
 _NEVER = 1 << 62
@@ -214,3 +215,40 @@ def ttft_table(report: dict[str, Any]) -> str:
     width = [max(len(str(x)) for x in col) for col in zip(head, *rows)]
     return "\n".join("  ".join(str(x).rjust(w) for x, w in zip(row, width))
                      for row in (head, *rows))
+
+
+#: ``--plot``: the L3 bandwidths swept, as multiples of the regime's (L2's without an L3).
+SWEEP = (0.1, 0.3, 1.0, 3.0, 10.0)
+
+
+def bandwidth_sweep(trace: Trace, spec: KVSpec, regime: Regime, **kw: Any) -> list[dict]:
+    """:func:`simulate_all` at each :data:`SWEEP` multiple of the L3 link (of L2's without
+    L3); ``[{"gbps", "results"}]``."""
+    out = []
+    for m in SWEEP:
+        r = (dataclasses.replace(regime, l3_gbps=regime.l3_gbps * m) if regime.l3_gbps
+             else dataclasses.replace(regime, l2_gbps=regime.l2_gbps * m))
+        out.append({"gbps": r.l3_gbps or r.l2_gbps,
+                    "results": simulate_all(trace, spec, r, **kw)["results"]})
+    return out
+
+
+def plot_sweep(sweep: list[dict], path: str, link: str) -> None:
+    """Mean and p90 TTFT against the link's bandwidth, one line per policy (matplotlib)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    for ax, key, name in zip(axes, ("ttft_mean_s", "ttft_p90_s"), ("mean", "p90")):
+        for pol in [r["policy"] for r in sweep[0]["results"]]:
+            pts = [(s["gbps"], next(r[key] for r in s["results"] if r["policy"] == pol))
+                   for s in sweep]
+            ax.plot(*zip(*pts), marker="o", label=pol)
+        ax.set(xscale="log", yscale="log", xlabel=f"{link} bandwidth (GB/s)",
+               ylabel=f"TTFT {name} (s)")
+        ax.legend(fontsize="small")
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
