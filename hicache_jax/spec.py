@@ -193,6 +193,14 @@ class HiCacheConfig:
         eviction: "lru" | "lfu" | "fifo" | "mru" | "filo" | "priority" | "slru".
         load_back_threshold: tokens; host hits shorter than this are recomputed instead.
         load_back_quota: tokens; host hits longer than this are declined (None: unlimited).
+        load_policy: "threshold" (the default: ``load_back_threshold`` / ``load_back_quota``) |
+            "cost" (per request, the part of the host hit to load that the fitted cost model
+            predicts fastest, the rest recomputed; see cache/cost_model.py).
+        prefill_cost: "cost": the serving stack's ``(n_new, n_cached) -> seconds``; None: the
+            fit of ``HiCache.observe_prefill`` samples.
+        max_load_tokens: "cost": at most this many tokens loaded per request (None: no cap).
+        load_step_budget_tokens: "cost": at most this many tokens loaded per
+            ``load_back_many`` call (a batched admission step; None: no budget).
         host_layout: "layer_first" | "page_first".
         copy_backend: "auto" | "xla" | "pallas" (device pool page movement).
         huge_pages: CPU backend: back both pools with transparent huge pages (Linux; ~2 ms
@@ -226,6 +234,10 @@ class HiCacheConfig:
     eviction: EvictionPolicy | str = EvictionPolicy.LRU
     load_back_threshold: int = 16
     load_back_quota: int | None = None
+    load_policy: str = "threshold"
+    prefill_cost: Any = None
+    max_load_tokens: int | None = None
+    load_step_budget_tokens: int | None = None
     host_layout: HostLayout | str = HostLayout.LAYER_FIRST
     copy_backend: CopyBackend | str = CopyBackend.AUTO
     huge_pages: bool = True
@@ -268,6 +280,14 @@ class HiCacheConfig:
         set_("load_back_threshold", check_int("load_back_threshold", self.load_back_threshold, 0))
         if self.load_back_quota is not None:
             set_("load_back_quota", check_int("load_back_quota", self.load_back_quota, 0))
+        if self.load_policy not in ("threshold", "cost"):
+            raise ValueError(f"load_policy={self.load_policy!r} must be 'threshold' or 'cost'")
+        if self.prefill_cost is not None and not callable(self.prefill_cost):
+            raise TypeError(f"prefill_cost must be callable (n_new, n_cached) -> seconds, got "
+                            f"{type(self.prefill_cost).__name__}")
+        for name in ("max_load_tokens", "load_step_budget_tokens"):
+            if getattr(self, name) is not None:
+                set_(name, check_int(name, getattr(self, name), 0))
         if self.storage is not None and not isinstance(self.storage, str):
             raise TypeError(f"storage={self.storage!r} must be a URL string or None")
         timeout = self.prefetch_timeout_s

@@ -39,6 +39,8 @@ from hicache_jax.cache.l3_port import CacheL3Port
 from hicache_jax.l3.tier import L3Tier, NullL3Tier, PrefetchHandle, open_l3
 from hicache_jax.cache.lookup import lookup
 from hicache_jax.cache.load_many import check_matches, load_chains
+from hicache_jax.cache.cost_model import CostModel
+from hicache_jax.cache.load_policy import make_rule
 from hicache_jax.cache.match import (Match, NodeRef, check_node, current, is_stale, node_ref,
                                      revalidate)
 from hicache_jax.cache.request import Request, begin, begin_many
@@ -102,8 +104,10 @@ class HiCache:
         self._owner = DevicePageOwners(cfg.device_pages)
         self._caller_locks: dict[TreeNode, int] = {}
         self._n: collections.Counter[str] = collections.Counter()
+        self._cost = CostModel(self.spec.page_bytes, self._ps, cfg.prefill_cost)
+        self._rule = make_rule(cfg, self._cost, dev)
         self._flight = InFlight(self.spec, tree, self._engine, dev, host, self._owner, events,
-                                self._n, self._l3.on_backup)
+                                self._n, self._l3.on_backup, self._cost)
         self._complete = Completion(self._engine, self._flight, self._l3)
         self._removal = Removal(cfg, tree, dev, self._owner, events, self._n, self._flight,
                                 self._l3)
@@ -217,8 +221,7 @@ class HiCache:
         return self._load_back([revalidate(self._tree, m) for m in matches], bool(layerwise))
 
     def _load_back(self, resolved: list[tuple[Match, TreeNode]], layerwise: bool) -> list[Match]:
-        return load_chains(self._tree, resolved, threshold=self.cfg.load_back_threshold,
-                           quota=self.cfg.load_back_quota, page_size=self._ps,
+        return load_chains(self._tree, resolved, rule=self._rule, page_size=self._ps,
                            take=self._evict.take, load=self._flight.load, counters=self._n,
                            layerwise=layerwise)
 
@@ -458,7 +461,13 @@ class HiCache:
         after :meth:`close` (figures read while the owner is inside a call may disagree)."""
         return cache_stats(self._n, self._device.allocator, self._host.allocator, self._tree,
                            self._owner, len(self._flight), self._write.reserve_pages()) \
-            | self._events.stats() | self._l3.stats()
+            | self._events.stats() | self._l3.stats() | self._cost.stats()
+
+    def observe_prefill(self, n_new: int, n_cached: int, seconds: float) -> None:
+        """A prefill sample for ``load_policy="cost"`` (cache/cost_model.py): ``n_new`` tokens
+        computed after ``n_cached`` in ``seconds``. ValueError for a negative / non-finite one."""
+        self._guard()
+        self._cost.observe_prefill(n_new, n_cached, seconds)
 
     def check_invariants(self) -> None:
         """Check every invariant (ARCHITECTURE.md) on the whole cache, O(cache), for tests;

@@ -35,6 +35,7 @@ from hicache_jax.errors import OutOfPagesError
 from hicache_jax.events.recorder import NullRecorder, Recorder
 from hicache_jax.events.records import Medium
 from hicache_jax.cache.ownership import DevicePageOwners
+from hicache_jax.cache.cost_model import CostModel
 from hicache_jax.tree.radix import RadixTree
 from hicache_jax.spec import KVSpec
 from hicache_jax.memory.transfer import TransferEngine, TransferKind
@@ -69,13 +70,15 @@ class InFlight:
         counters: the cache's ``stats()`` counters (updated at each acknowledgement).
         on_backup: called with the nodes of a dispatched backup, leaf first (the L3 tier's
             hook; its reads of their host pages are ordered after the copy).
+        cost: the cost model; each acknowledged load-back transfer is a sample of its
+            ``l2_l1`` link (bytes, the handle's dispatch-to-observation seconds).
     """
 
     def __init__(self, spec: KVSpec, tree: RadixTree, engine: TransferEngine,
                  device: PageAllocator, host: PageAllocator, owners: DevicePageOwners,
                  events: NullRecorder | Recorder, counters: collections.Counter,
-                 on_backup: Callable[[list], None]) -> None:
-        self._spec, self._ps = spec, spec.page_size
+                 on_backup: Callable[[list], None], cost: CostModel | None = None) -> None:
+        self._spec, self._ps, self._cost = spec, spec.page_size, cost
         self._tree, self._engine, self._owners = tree, engine, owners
         self._device_free, self._host_free = device.free, host.free
         self._events, self._n, self._on_backup = events, counters, on_backup
@@ -232,6 +235,8 @@ class InFlight:
     def apply(self, handles: list) -> None:
         """Acknowledge the ops of finished ``handles`` (from the engine, dispatch order)."""
         for handle in handles:
+            if self._cost is not None and handle.kind is TransferKind.LOAD and handle.nbytes:
+                self._cost.observe_transfer("l2_l1", handle.nbytes, float(handle.seconds or 0.0))
             for op in handle.tag or ():
                 del self._ops[op.seq]
                 self._apply(op)

@@ -4,7 +4,8 @@ A batching scheduler admits several requests per step; their host-only prefixes 
 device in one copy dispatch. Each match is decided as :meth:`HiCache.load_back` decides it,
 taking the matches in list order: its chain is the host-only nodes ending at its node, cut at
 the first node already accepted for an earlier match (duplicates and overlapping prefixes load
-once, by the first), and the threshold and quota apply to that chain. Device pages come from
+once, by the first), and the load rule (cache/load_policy.py: threshold and quota, or the cost
+model) decides how much of that chain, from its root end, is loaded. Device pages come from
 one allocation for every accepted chain; when even eviction cannot cover it, chain by chain in
 order, declining those that find none.
 
@@ -55,19 +56,22 @@ def host_chain_after(node: TreeNode, claimed: set) -> list[TreeNode]:
     return chain
 
 
-def _decide(nodes: list[TreeNode], threshold: int, quota: int | None,
-            take: Callable[[int], np.ndarray] | None, page_size: int) -> tuple[list, int]:
-    """``([(node, chain, ids)], declined)``; ``take(pages)`` allocates (None: decide only)."""
+def _decide(nodes: list[TreeNode], rule: Any, take: Callable[[int], np.ndarray] | None,
+            page_size: int) -> tuple[list, int]:
+    """``([(node, chain, ids)], declined)``, ``chain`` the part of the node's host chain the
+    rule loads (its first nodes); ``take(pages)`` allocates (None: decide only)."""
     claimed: set = set()
     out, declined = [], 0
+    decide = rule.step()
     for node in nodes:
         chain = host_chain_after(node, claimed)
-        ntok = sum(n.num_tokens for n in chain)
-        if not chain or ntok < threshold or (quota is not None and ntok > quota):
+        j = decide(chain) if chain else 0
+        if not j:
             declined += bool(chain)
             continue
+        chain = chain[:j]
         try:
-            ids = None if take is None else take(ntok // page_size)
+            ids = None if take is None else take(sum(n.num_tokens for n in chain) // page_size)
         except OutOfPagesError:
             declined += 1
             continue
@@ -76,18 +80,19 @@ def _decide(nodes: list[TreeNode], threshold: int, quota: int | None,
     return out, declined
 
 
-def take_chains(tree: RadixTree, nodes: list[TreeNode], *, threshold: int, quota: int | None,
+def take_chains(tree: RadixTree, nodes: list[TreeNode], *, rule: Any,
                 take: Callable[[int], np.ndarray], page_size: int) -> tuple[list[Accepted], int]:
     """Decide every match's chain and allocate its device pages.
 
     Every node is locked while pages are taken (eviction cannot reach a chain or its device
-    ancestors); on return only the accepted nodes hold that lock (their load op's, released when
-    the copy is acknowledged).
+    ancestors); on return only the accepted loads' last nodes hold a lock (their load op's,
+    released when the copy is acknowledged; a partly loaded chain's last node is locked anew).
 
     Returns:
-        ``(accepted, declined)``: the accepted loads in order, and how many chains were declined.
+        ``(accepted, declined)``: the accepted loads ``(last loaded node, chain, ids)`` in
+        order, and how many chains were declined.
     """
-    out, declined = _decide(nodes, threshold, quota, None, page_size)
+    out, declined = _decide(nodes, rule, None, page_size)
     if not out:  # nothing to load: no lock taken
         return out, declined
     for node in nodes:
@@ -106,8 +111,12 @@ def take_chains(tree: RadixTree, nodes: list[TreeNode], *, threshold: int, quota
                 lo += k
             out = cut
         except OutOfPagesError:
-            out, declined = _decide(nodes, threshold, quota, take, page_size)
-        keep = [node for node, _, _ in out]
+            out, declined = _decide(nodes, rule, take, page_size)
+        keep = [node for node, chain, _ in out if chain[-1] is node]
+        for node, chain, _ in out:
+            if chain[-1] is not node:  # a partial load: its op locks its own last node
+                tree.lock(chain[-1])
+        out = [(chain[-1], chain, ids) for _, chain, ids in out]
     finally:
         release = list(nodes)
         for node in keep:
@@ -117,14 +126,14 @@ def take_chains(tree: RadixTree, nodes: list[TreeNode], *, threshold: int, quota
     return out, declined
 
 
-def load_chains(tree: RadixTree, resolved: list[tuple[Match, TreeNode]], *, threshold: int,
-                quota: int | None, page_size: int, take: Callable[[int], np.ndarray],
+def load_chains(tree: RadixTree, resolved: list[tuple[Match, TreeNode]], *, rule: Any,
+                page_size: int, take: Callable[[int], np.ndarray],
                 load: Callable[..., Any], counters: Any, layerwise: bool) -> list[Match]:
     """Load the accepted chains of revalidated ``(match, node)`` pairs in ONE transfer
     (``load(pairs, ids, layerwise)``: the in-flight table's ``load``); what holds each prefix
     now, carrying the load's handle where it holds pages of the load and ``layerwise``."""
-    accepted, declined = take_chains(tree, [node for _, node in resolved], threshold=threshold,
-                                     quota=quota, page_size=page_size, take=take)
+    accepted, declined = take_chains(tree, [node for _, node in resolved], rule=rule,
+                                     page_size=page_size, take=take)
     counters["load_backs_declined"] += declined
     if accepted:
         loaded = np.concatenate([ids for _, _, ids in accepted])

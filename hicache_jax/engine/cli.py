@@ -23,6 +23,7 @@ from hicache_jax.engine.bench_command import (CONFIGS, bench, build_workload, ch
 from hicache_jax.engine import compare, lowering
 from hicache_jax.engine.workloads import ARRIVALS, WORKLOADS
 from hicache_jax.replay import driver as replay_mod
+from hicache_jax.replay import simulate as sim
 import hicache_jax.study as study
 
 __all__ = ["CONFIGS", "bench", "build_workload", "main", "replay_command"]
@@ -141,11 +142,47 @@ def _replay_parser(sub: Any) -> None:
     c.add_argument("--spec", help="page shape, e.g. layers=32,kv_heads=8,head_dim=128,"
                                   "dtype=bfloat16; unset: 1 layer, 1 kv head, head_dim 1, "
                                   "float32")
+    m = r.add_argument_group("simulate (what-if TTFT on a simulated clock)")
+    m.add_argument("--simulate", action="store_true", help="TTFT per load policy (never, "
+                   "always, threshold, cost) with modelled links and prefill")
+    m.add_argument("--l2-gbps", type=float, default=25.0, help="L2 -> L1 GB/s")
+    m.add_argument("--l3-gbps", type=float, help="L3 -> L2 GB/s (unset: no L3)")
+    m.add_argument("--prefill-tokens-per-s", type=float, default=20000.0)
+    m.add_argument("--model-spec", default="layers=32,kv_heads=8,head_dim=128,dtype=bfloat16",
+                   help="the modelled model's KV (its bytes a token), --spec's syntax")
+    m.add_argument("--seed", type=int, default=0, help="the modelled times' jitter")
     o = r.add_argument_group("output")
     o.add_argument("--json", metavar="PATH", help="write every figure as JSON")
     o.add_argument("--plot", metavar="PATH", help="hit ratio versus L1 capacity (needs matplotlib)")
     o.add_argument("--quiet", action="store_true", help="no progress bar")
     r.set_defaults(func=replay_command)
+
+
+def _simulate(args: argparse.Namespace, parser: argparse.ArgumentParser, trace: Any, spec: Any,
+              pages: int) -> int:
+    try:
+        model = replay_mod.parse_spec(args.model_spec, 1)
+        regime = sim.Regime(l2_gbps=args.l2_gbps, l3_gbps=args.l3_gbps,
+                            prefill_tokens_per_s=args.prefill_tokens_per_s,
+                            token_bytes=model.page_bytes)
+    except (ValueError, TypeError) as exc:
+        parser.exit(2, f"hicache-jax replay: error: {exc}\n")
+    kw = dict(device_pages=pages, host_ratio=args.host_ratio,
+              threshold=args.load_back_threshold, seed=args.seed)
+    report = sim.simulate_all(trace, spec, regime, **kw)
+    print(f"simulate {trace.path}: {len(trace.requests)} requests, L1 {pages} pages; "
+          f"L2 {args.l2_gbps:g} GB/s, L3 {args.l3_gbps or 'none'} GB/s, prefill "
+          f"{args.prefill_tokens_per_s:g} tokens/s, {model.page_bytes:,} KV bytes a token")
+    print(sim.ttft_table(report), flush=True)
+    if args.plot:
+        report["sweep"] = sim.bandwidth_sweep(trace, spec, regime, **kw)
+        sim.plot_sweep(report["sweep"], args.plot, "L3" if args.l3_gbps else "L2")
+        print(f"wrote {args.plot}")
+    if args.json:
+        write_json(args.json, {"benchmark": "hicache-jax replay --simulate",
+                                "config": {k: v for k, v in vars(args).items() if k != "func"},
+                                **report})
+    return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -195,6 +232,8 @@ def replay_command(args: argparse.Namespace, parser: argparse.ArgumentParser) ->
         trace, spec, pages = _replay_setup(args)
     except (ValueError, TypeError, OSError, ImportError) as exc:
         parser.exit(2, f"hicache-jax replay: error: {exc}\n")
+    if args.simulate:
+        return _simulate(args, parser, trace, spec, pages[0])
     ps = spec.page_size
     print(f"trace {trace.path}: {trace.format}, {len(trace.requests)} requests, "
           f"{trace.num_tokens:,} prompt tokens; page {ps} tokens, "

@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import enum
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import jax
 import numpy as np
@@ -98,7 +98,7 @@ class TransferHandle:
         self.seconds: float | None = None
         self._engine = engine
         self._tokens: list[jax.Array] = []
-        self._t0 = time.perf_counter()
+        self._t0 = engine._clock()
         self._complete = False
 
     def __repr__(self) -> str:
@@ -145,12 +145,14 @@ class TransferEngine:
         device_pool: the L1 pool (its array is donated by loads, read by backups).
         host_pool: the L2 pool, same ``spec``, placed like the device pool (same mesh and head
             axis, or both unsharded on the same device).
+        clock: the time source of the handles' ``seconds``.
 
     Raises:
         ValueError: the pools' specs or placements differ.
     """
 
-    def __init__(self, device_pool: DevicePagePool, host_pool: HostPagePool) -> None:
+    def __init__(self, device_pool: DevicePagePool, host_pool: HostPagePool, *,
+                 clock: Callable[[], float] = time.perf_counter) -> None:
         if device_pool.spec != host_pool.spec:
             raise ValueError(f"device pool spec {device_pool.spec} != host pool spec "
                              f"{host_pool.spec}")
@@ -160,6 +162,7 @@ class TransferEngine:
                              f"pool's {dev}: build the host pool with the same mesh and axis")
         self.device_pool = device_pool
         self.host_pool = host_pool
+        self._clock = clock  # handles' seconds (a simulator injects its own)
         self.spec = device_pool.spec
         host_put = None if host_pool.on_device_memory else host_pool.sharding
         dev_put = None if host_pool.on_device_memory else host_pool.device_sharding
@@ -246,7 +249,7 @@ class TransferEngine:
         execution's outputs ready before an earlier one's token). Completion order is therefore
         dispatch order.
         """
-        now = time.perf_counter()
+        now = self._clock()
         upto = self._in_flight.index(handle) + 1
         done, self._in_flight = self._in_flight[:upto], self._in_flight[upto:]
         for item in done:

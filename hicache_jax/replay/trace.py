@@ -42,6 +42,7 @@ class Request:
         hash_ids: Mooncake block ids (int64 ``[ceil(num_tokens / block_size)]``), or None.
         block_size: tokens per Mooncake block.
         token_ids: int64 ``[num_tokens]`` of a token trace, or None.
+        timestamp_ms: arrival in milliseconds (Mooncake's ``timestamp``; 0 for a token trace).
     """
 
     line: int
@@ -49,6 +50,7 @@ class Request:
     hash_ids: np.ndarray | None = None
     block_size: int = MOONCAKE_BLOCK
     token_ids: np.ndarray | None = None
+    timestamp_ms: float = 0.0
 
     def tokens(self) -> np.ndarray:
         """The prompt: int64 ``[num_tokens]`` (made on demand for Mooncake records)."""
@@ -124,7 +126,8 @@ def _parse_record(obj: Any, where: str, block_size: int, line: int) -> tuple[str
     if ids.size and int(ids.max()) > (_TOKEN_MAX + 1) // block_size - 1:  # its last token id
         raise ValueError(f"{where}: hash id {int(ids.max())} too large for block size "
                          f"{block_size} (token ids must be < 2**31)")
-    return "mooncake", Request(line, n, hash_ids=ids, block_size=block_size)
+    return "mooncake", Request(line, n, hash_ids=ids, block_size=block_size,
+                               timestamp_ms=float(ts))
 
 
 def load_trace(path: str | os.PathLike, *, block_size: int = MOONCAKE_BLOCK,

@@ -1,0 +1,259 @@
+"""The cost model behind ``HiCacheConfig(load_policy="cost")``: seconds to move pages between two
+tiers and to recompute tokens, fitted online (ARCHITECTURE.md, "Load or recompute").
+
+* A link (``"l2_l1"``, ``"l3_l2"``) costs ``latency + bytes / bandwidth``. Its fit is a
+  Theil-Sen line (the median of pairwise slopes, then the median intercept) over the last
+  :data:`WINDOW` completed transfers: a third of the samples can be outliers, and a link that
+  slows mid-run moves the figure once half the window saw the new speed. Until
+  :data:`MIN_SAMPLES` transfers completed, the link keeps its warm-up figure
+  (:data:`WARMUP`: host-to-device over PCIe gen4-like 10 GB/s with 20 us latency; storage at
+  1 GB/s with 1 ms).
+* Prefill of ``n_new`` tokens after ``n_cached`` cached ones: the serving stack's callable
+  ``prefill_cost(n_new, n_cached) -> seconds``, else a robust least-squares fit of
+  ``a + b * n_new + c * n_new * (n_cached + n_new / 2)`` (linear work plus attention over the
+  context; relative least squares, refitted without the samples whose relative residual exceeds 3 MADs) to the samples reported by ``observe_prefill``. Without a callable and before
+  :data:`MIN_SAMPLES` samples there is no prefill figure: decisions use the threshold policy
+  (counted as ``cost_warmup_decisions``). A callable that raises or returns anything but a
+  finite number >= 0 makes that decision fall back to the threshold policy
+  (``cost_fallbacks``, the last error in ``cost_last_error``); it never picks a load.
+* A plan never leaves a link unmeasured: while a link has fewer than :data:`MIN_SAMPLES`
+  samples, or none in its last :data:`PROBE_EVERY` plans, the plan loads at least the chain's
+  first node (a probe, ``cost_probes``), so a warm-up figure or a link that got faster since is
+  measured again rather than trusted forever.
+* Every completed transfer and every prefill sample is predicted first, then joins the fit:
+  ``stats()`` reports the median ``|predicted - actual| / actual`` of each.
+
+Pure Python + numpy; the cache's thread only.
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+from typing import Any, Callable
+
+import numpy as np
+
+from hicache_jax.validation import is_real
+
+__all__ = ["CostModel", "LinkFit", "MIN_SAMPLES", "PROBE_EVERY", "PrefillFit", "WARMUP",
+           "WINDOW"]
+
+#: Warm-up ``(latency seconds, bytes per second)`` of each link, before it has samples.
+WARMUP = {"l2_l1": (20e-6, 10e9), "l3_l2": (1e-3, 1e9)}
+WINDOW = 32
+MIN_SAMPLES = 4
+PROBE_EVERY = 64
+
+
+def _check_sample(what: str, **values: Any) -> None:
+    for name, v in values.items():
+        if not is_real(v) or not math.isfinite(v) or v < 0:
+            raise ValueError(f"{what}: {name}={v!r} must be a finite number >= 0")
+
+
+def _rel_err(pred: float, actual: float) -> float | None:
+    return abs(pred - actual) / actual if actual > 0 else None
+
+
+class LinkFit:
+    """``latency + bytes / bandwidth`` of one link, fitted over a window of transfers."""
+
+    def __init__(self, latency_s: float, bytes_per_s: float, window: int = WINDOW) -> None:
+        self.latency_s, self.bytes_per_s = float(latency_s), float(bytes_per_s)
+        self._x: collections.deque = collections.deque(maxlen=window)
+        self._y: collections.deque = collections.deque(maxlen=window)
+        self._err: collections.deque = collections.deque(maxlen=4 * window)
+        self.samples = 0
+        self.plans_since_sample = 0
+
+    def needs_probe(self) -> bool:
+        return self.samples < MIN_SAMPLES or self.plans_since_sample >= PROBE_EVERY
+
+    def predict(self, nbytes: float) -> float:
+        return self.latency_s + nbytes / self.bytes_per_s if nbytes > 0 else 0.0
+
+    def observe(self, nbytes: float, seconds: float) -> None:
+        """One completed transfer; ValueError for a negative or non-finite figure."""
+        _check_sample("observe_transfer", nbytes=nbytes, seconds=seconds)
+        if nbytes == 0:
+            return
+        err = _rel_err(self.predict(nbytes), seconds)
+        if err is not None and self.samples >= MIN_SAMPLES:
+            self._err.append(err)
+        self._x.append(float(nbytes))
+        self._y.append(float(seconds))
+        self.samples += 1
+        self.plans_since_sample = 0
+        if len(self._x) >= MIN_SAMPLES:
+            self._refit()
+
+    def _refit(self) -> None:
+        x, y = np.asarray(self._x), np.asarray(self._y)
+        dx = x[None, :] - x[:, None]
+        dy = y[None, :] - y[:, None]
+        ok = dx > 0
+        if ok.sum() >= MIN_SAMPLES:  # spread of sizes: slope and intercept
+            slope = float(np.median(dy[ok] / dx[ok]))
+            lat = float(np.median(y - slope * x))
+            if slope > 0:
+                self.bytes_per_s, self.latency_s = 1.0 / slope, max(0.0, lat)
+                return
+        # one size (or a non-increasing cloud): keep the latency, fit the bandwidth
+        per_byte = np.median((y - self.latency_s) / x)
+        if per_byte <= 0:  # faster than the latency alone: the latency is too large
+            self.latency_s = float(np.median(y)) * 0.5
+            per_byte = np.median((y - self.latency_s) / x)
+        self.bytes_per_s = 1.0 / float(per_byte)
+
+    def median_error(self) -> float | None:
+        return float(np.median(self._err)) if self._err else None
+
+
+class PrefillFit:
+    """Prefill seconds from samples: ``a + b*n + c*n*(cached + n/2)``, robust least squares."""
+
+    def __init__(self, window: int = 4 * WINDOW) -> None:
+        self._rows: collections.deque = collections.deque(maxlen=window)
+        self._err: collections.deque = collections.deque(maxlen=window)
+        self.coef: np.ndarray | None = None
+        self.samples = 0
+
+    @staticmethod
+    def _features(n_new: float, n_cached: float) -> np.ndarray:
+        return np.array([1.0, n_new, n_new * (n_cached + n_new / 2.0)])
+
+    def predict(self, n_new: float, n_cached: float) -> float | None:
+        if self.coef is None:
+            return None
+        return float(self._features(n_new, n_cached) @ self.coef) if n_new > 0 else 0.0
+
+    def observe(self, n_new: float, n_cached: float, seconds: float) -> None:
+        _check_sample("observe_prefill", n_new=n_new, n_cached=n_cached, seconds=seconds)
+        pred = self.predict(n_new, n_cached)
+        if pred is not None and (e := _rel_err(pred, seconds)) is not None:
+            self._err.append(e)
+        self._rows.append((self._features(n_new, n_cached), float(seconds)))
+        self.samples += 1
+        if len(self._rows) >= MIN_SAMPLES:
+            a = np.stack([r[0] for r in self._rows])
+            y = np.array([r[1] for r in self._rows])
+            scale = np.maximum(np.abs(a).max(axis=0), 1e-30)
+            keep = np.ones(y.size, bool)
+            w = 1.0 / np.maximum(y, 1e-12)[:, None]  # relative errors: a stall weighs <= 1
+            for _ in range(3):  # least squares, then again without the outliers it exposes
+                coef = np.linalg.lstsq((a / scale * w)[keep], (y * w[:, 0])[keep],
+                                       rcond=None)[0]
+                rel = np.abs(a / scale @ coef - y) / np.maximum(y, 1e-12)
+                new = rel <= max(3.0 * 1.4826 * float(np.median(rel)), 0.05)
+                if new.sum() < MIN_SAMPLES or (new == keep).all():
+                    break
+                keep = new
+            self.coef = np.maximum(coef / scale, 0.0)
+
+    def median_error(self) -> float | None:
+        return float(np.median(self._err)) if self._err else None
+
+
+class CostModel:
+    """The links' and the prefill's fitted figures, and the load-or-recompute plan of a chain.
+
+    Args:
+        page_bytes: bytes of one page on every tier.
+        page_size: tokens per page.
+        prefill_cost: the serving stack's ``(n_new, n_cached) -> seconds``, or None (samples).
+        eviction_weight: the expected share of an evicted device page that a later request
+            would have hit; a load that evicts is charged this share of the evicted pages'
+            recompute.
+    """
+
+    def __init__(self, page_bytes: int, page_size: int,
+                 prefill_cost: Callable[[int, int], float] | None = None,
+                 eviction_weight: float = 0.5) -> None:
+        self.page_bytes, self.page_size = int(page_bytes), int(page_size)
+        self.prefill_cost, self.eviction_weight = prefill_cost, float(eviction_weight)
+        self.links = {k: LinkFit(*v) for k, v in WARMUP.items()}
+        self.prefill_fit = PrefillFit()
+        self.n: collections.Counter[str] = collections.Counter()
+        self.last_error: str | None = None
+
+    def observe_transfer(self, link: str, nbytes: float, seconds: float) -> None:
+        if link not in self.links:
+            raise ValueError(f"link={link!r} must be one of {sorted(self.links)}")
+        self.links[link].observe(nbytes, seconds)
+
+    def observe_prefill(self, n_new: float, n_cached: float, seconds: float) -> None:
+        self.prefill_fit.observe(n_new, n_cached, seconds)
+
+    def prefill_seconds(self, n_new: int, n_cached: int) -> float:
+        """Seconds to prefill; raises ValueError where the figure is unusable."""
+        if n_new <= 0:
+            return 0.0
+        if self.prefill_cost is None:
+            v = self.prefill_fit.predict(n_new, n_cached)
+            if v is None:
+                raise LookupError("no prefill samples yet")
+            return v
+        v = self.prefill_cost(int(n_new), int(n_cached))
+        if not is_real(v) or not math.isfinite(v) or v < 0:
+            raise ValueError(f"prefill_cost({n_new}, {n_cached}) returned {v!r}: expected a "
+                             "finite number of seconds >= 0")
+        return float(v)
+
+    def plan(self, chain_tokens: list[int], cached: int, free_pages: int,
+             cap_tokens: int | None, links: tuple[str, ...] = ("l2_l1",)) -> int | None:
+        """How many nodes of a host chain to load (root-first), the rest recomputed, for the
+        least predicted time: ``load(pages) + prefill(rest + one page, cached + loaded) +
+        eviction charge``, ``load`` summed over ``links`` (the hops, e.g. ``("l3_l2", "l2_l1")``).
+        None: no usable prefill figure (the caller falls back, counted)."""
+        ps, fits = self.page_size, [self.links[k] for k in links]
+        total = sum(chain_tokens)
+        try:
+            best_j, best_t, loaded = 0, None, 0
+            for j in range(len(chain_tokens) + 1):
+                if j:
+                    loaded += chain_tokens[j - 1]
+                if cap_tokens is not None and loaded > cap_tokens:
+                    break
+                pages = loaded // ps
+                t = sum(f.predict(pages * self.page_bytes) for f in fits)
+                t += self.prefill_seconds(total - loaded + ps, cached + loaded)
+                evicted = max(0, pages - free_pages)
+                if evicted:
+                    t += self.eviction_weight * self.prefill_seconds(evicted * ps, 0)
+                if best_t is None or t < best_t:
+                    best_j, best_t = j, t
+        except LookupError:
+            self.n["cost_warmup_decisions"] += 1
+            return None
+        except Exception as exc:  # the serving stack's callable: counted, never a wrong load
+            self.n["cost_fallbacks"] += 1
+            self.last_error = f"{type(exc).__name__}: {exc}"
+            return None
+        self.n["cost_decisions"] += 1
+        for f in fits:
+            f.plans_since_sample += 1
+        first = chain_tokens[0] if chain_tokens else 0
+        if best_j == 0 and first and any(f.needs_probe() for f in fits) and \
+                (cap_tokens is None or first <= cap_tokens):
+            best_j = 1
+            self.n["cost_probes"] += 1
+        self.n["cost_partial_loads"] += 0 < best_j < len(chain_tokens)
+        return best_j
+
+    def stats(self) -> dict[str, Any]:
+        out: dict[str, Any] = {k: self.n[k] for k in (
+            "cost_decisions", "cost_partial_loads", "cost_probes", "cost_fallbacks",
+            "cost_warmup_decisions")}
+        for name, fit in self.links.items():
+            out[f"cost_{name}_latency_s"] = fit.latency_s
+            out[f"cost_{name}_gbps"] = fit.bytes_per_s / 1e9
+            out[f"cost_{name}_samples"] = fit.samples
+            out[f"cost_{name}_pred_err_median"] = fit.median_error()
+        coef = self.prefill_fit.coef
+        out["cost_prefill_source"] = "callable" if self.prefill_cost is not None else "samples"
+        out["cost_prefill_samples"] = self.prefill_fit.samples
+        out["cost_prefill_coef"] = None if coef is None else [float(c) for c in coef]
+        out["cost_prefill_pred_err_median"] = self.prefill_fit.median_error()
+        out["cost_last_error"] = self.last_error
+        return out

@@ -1,0 +1,90 @@
+"""Which part of a host chain a load-back loads (ARCHITECTURE.md, "Load or recompute").
+
+A rule's ``step()`` gives the decision function of one ``load_back`` / ``load_back_many`` call:
+``decide(chain) -> j``, load the first ``j`` nodes of the host-only ``chain`` (root-first; 0:
+decline, the whole chain recomputed). The threshold rule loads all or nothing
+(``load_back_threshold``, ``load_back_quota``); the cost rule asks the cost model, within the
+per-request cap and the step's token budget, and falls back to the threshold rule where the
+model has no usable prefill figure.
+
+Pure bookkeeping over the tree (no jax); the cache's thread only.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from hicache_jax.cache.cost_model import CostModel
+from hicache_jax.memory.allocator import PageAllocator
+from hicache_jax.spec import HiCacheConfig
+from hicache_jax.tree.node import TreeNode
+
+__all__ = ["CostRule", "ThresholdRule", "make_rule"]
+
+Decide = Callable[[list[TreeNode]], int]
+
+
+class ThresholdRule:
+    """All of a chain of at least ``threshold`` (and at most ``quota``) tokens, else nothing."""
+
+    def __init__(self, threshold: int, quota: int | None) -> None:
+        self.threshold, self.quota = threshold, quota
+
+    def decide(self, chain: list[TreeNode]) -> int:
+        ntok = sum(n.num_tokens for n in chain)
+        ok = ntok >= self.threshold and (self.quota is None or ntok <= self.quota)
+        return len(chain) if ok else 0
+
+    def step(self) -> Decide:
+        return self.decide
+
+
+def _cached_tokens(chain: list[TreeNode]) -> int:
+    """Tokens of the device prefix above a host chain."""
+    n, node = 0, chain[0].parent
+    while node is not None and node.parent is not None:
+        n += node.num_tokens
+        node = node.parent
+    return n
+
+
+class CostRule:
+    """The cost model's least-time split, capped per request and per step."""
+
+    def __init__(self, model: CostModel, fallback: ThresholdRule, device: PageAllocator,
+                 max_tokens: int | None, step_budget: int | None) -> None:
+        self.model, self.fallback, self.device = model, fallback, device
+        self.max_tokens, self.step_budget = max_tokens, step_budget
+
+    def step(self) -> Decide:
+        left = [self.step_budget]
+        free = [self.device.num_free]
+
+        def decide(chain: list[TreeNode]) -> int:
+            cap = self.max_tokens
+            if left[0] is not None:
+                cap = left[0] if cap is None else min(cap, left[0])
+            j = self.model.plan([n.num_tokens for n in chain], _cached_tokens(chain), free[0],
+                                cap)
+            if j is None:
+                j = self.fallback.decide(chain)
+                if cap is not None and sum(n.num_tokens for n in chain) > cap:
+                    j = 0
+            loaded = sum(n.num_tokens for n in chain[:j])
+            pages = sum(n.num_pages for n in chain[:j])
+            free[0] = max(0, free[0] - pages)
+            if left[0] is not None:
+                left[0] -= loaded
+            return j
+        return decide
+
+
+def make_rule(cfg: HiCacheConfig, model: CostModel,
+              device: PageAllocator) -> ThresholdRule | CostRule:
+    """The rule ``cfg.load_policy`` names (the device allocator: free pages, for the cost
+    model's eviction charge)."""
+    threshold = ThresholdRule(cfg.load_back_threshold, cfg.load_back_quota)
+    if cfg.load_policy != "cost":
+        return threshold
+    return CostRule(model, threshold, device, cfg.max_load_tokens,
+                    cfg.load_step_budget_tokens)

@@ -1,0 +1,254 @@
+"""What-if TTFT: a trace through the real cache on a simulated clock (ARCHITECTURE.md, "Load or
+recompute"; ``hicache-jax replay TRACE --simulate``).
+
+The cache runs unchanged (the same match, load-back, eviction and policies as
+:func:`hicache_jax.replay.driver.replay`) with a discrete-event clock injected as its ``clock``
+and as its transfer engine's: a load-back dispatched at ``t`` is acknowledged at
+``t + modelled seconds``, so the cache's cost model fits the modelled link from its own
+acknowledgements. One server prefills one request at a time; requests arrive at the trace's
+timestamps and queue (first come, first served). A request's time to first token is its wait
+plus its service: the load of its host part (L2 -> L1), then the load of what L3 holds after it
+(L3 -> L2 -> L1), then the prefill of the rest. Decode is not modelled.
+
+The model: a link moves ``b`` bytes in ``latency + b / bandwidth``; prefill of ``n`` tokens
+takes ``n / prefill_tokens_per_s``; bytes are the modelled model's (``token_bytes`` a token),
+whatever spec the replay's cache holds. Every modelled time is multiplied by a lognormal
+jitter (``jitter``, drawn from ``seed``): the same seed gives the same figures.
+
+L3 is modelled as a store that keeps every whole page of every served prompt (write-through,
+infinite); the pages a request finds there, consecutive after its host part, are its L3 hit.
+Policies: ``never`` (recompute every host and L3 hit), ``always`` (load all of them),
+``threshold`` (load a hit of at least ``threshold`` tokens), ``cost`` (the cache's
+``load_policy="cost"`` for L2, the same cost model's plan for L3).
+
+Threading: a simulation builds, owns and closes its cache on the calling thread.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Sequence
+
+import numpy as np
+
+from hicache_jax.cache.cost_model import CostModel
+from hicache_jax.cache.hicache import HiCache
+from hicache_jax.memory.transfer import TransferEngine
+from hicache_jax.replay.block_lru import PageKeys
+from hicache_jax.replay.trace import Trace
+from hicache_jax.spec import HiCacheConfig, KVSpec
+from hicache_jax.validation import is_real
+
+__all__ = ["POLICIES", "Regime", "SWEEP", "SimClock", "bandwidth_sweep", "plot_sweep", "simulate",
+           "simulate_all", "ttft_table"]
+
+POLICIES = ("never", "always", "threshold", "cost")
+_NEVER = 1 << 62
+
+
+@dataclasses.dataclass(frozen=True)
+class Regime:
+    """The modelled hardware: links in GB/s (1e9 bytes), prefill in tokens a second."""
+
+    l2_gbps: float
+    prefill_tokens_per_s: float
+    token_bytes: int
+    l3_gbps: float | None = None
+    l2_latency_s: float = 20e-6
+    l3_latency_s: float = 1e-3
+    jitter: float = 0.05
+
+    def __post_init__(self) -> None:
+        for name in ("l2_gbps", "prefill_tokens_per_s", "token_bytes", "l3_gbps"):
+            v = getattr(self, name)
+            if v is None and name == "l3_gbps":
+                continue
+            if not is_real(v) or not math.isfinite(v) or v <= 0:
+                raise ValueError(f"{name}={v!r} must be a finite number > 0")
+        for name in ("l2_latency_s", "l3_latency_s", "jitter"):
+            v = getattr(self, name)
+            if not is_real(v) or not math.isfinite(v) or v < 0:
+                raise ValueError(f"{name}={v!r} must be a finite number >= 0")
+
+    def prefill_s(self, n_new: int, n_cached: int) -> float:
+        return n_new / self.prefill_tokens_per_s
+
+    def link_s(self, hop: str, tokens: int) -> float:
+        if tokens <= 0:
+            return 0.0
+        gbps, lat = ((self.l2_gbps, self.l2_latency_s) if hop == "l2_l1"
+                     else (self.l3_gbps, self.l3_latency_s))
+        return lat + tokens * self.token_bytes / (gbps * 1e9)
+
+
+class SimClock:
+    """The simulated time: ``advance`` moves it; every reading adds a picosecond (so access
+    stamps keep the order of the calls)."""
+
+    def __init__(self) -> None:
+        self.now, self._ticks = 0.0, 0
+
+    def __call__(self) -> float:
+        self._ticks += 1
+        return self.now + self._ticks * 1e-12
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+def _config(policy: str, regime: Regime, device_pages: int, host_pages: int,
+            threshold: int) -> HiCacheConfig:
+    if policy not in POLICIES:
+        raise ValueError(f"policy={policy!r} must be one of {', '.join(POLICIES)}")
+    kw: dict[str, Any] = {"never": dict(load_back_threshold=_NEVER),
+                          "always": dict(load_back_threshold=0),
+                          "threshold": dict(load_back_threshold=threshold),
+                          "cost": dict(load_back_threshold=threshold, load_policy="cost",
+                                       prefill_cost=regime.prefill_s)}[policy]
+    return HiCacheConfig(device_pages=device_pages, host_pages=host_pages, **kw)
+
+
+def _l3_tokens(policy: str, run: int, cached: int, ps: int, threshold: int,
+               model: CostModel) -> int:
+    """Tokens of an L3 hit of ``run`` pages the policy loads."""
+    if run == 0 or policy == "never":
+        return 0
+    if policy == "always":
+        return run * ps
+    if policy == "cost":
+        j = model.plan([ps] * run, cached, 1 << 62, None, links=("l3_l2", "l2_l1"))
+        if j is not None:
+            return j * ps
+    return run * ps if run * ps >= threshold else 0
+
+
+def simulate(trace: Trace, spec: KVSpec, regime: Regime, policy: str, *, device_pages: int,
+             host_ratio: float = 4.0, threshold: int = 16, seed: int = 0) -> dict[str, Any]:
+    """One policy's TTFT on ``trace`` under ``regime`` (see module doc). Deterministic for
+    ``seed``."""
+    cfg = _config(policy, regime, device_pages, int(round(host_ratio * device_pages)), threshold)
+    clock, rng = SimClock(), np.random.default_rng(seed)
+    cache = HiCache(spec, cfg, clock=clock,
+                    transfer_engine=lambda d, h: TransferEngine(d, h, clock=clock))
+    ps, cap = spec.page_size, cfg.device_pages
+    l3_model = CostModel(regime.token_bytes * ps, ps, regime.prefill_s)
+    keys_of, store = PageKeys(ps), set()
+    t_first = trace.requests[0].timestamp_ms if trace.requests else 0.0
+    free_at, ttft, tok = 0.0, [], dict(prompt=0, device=0, l2=0, l3=0, recomputed=0)
+
+    def jit() -> float:
+        return float(rng.lognormal(0.0, regime.jitter)) if regime.jitter else 1.0
+    try:
+        for req in trace.requests:
+            full = req.tokens()
+            whole = min(full.shape[0] // ps, cap)
+            tokens = full[: whole * ps]
+            arrival = max(0.0, (req.timestamp_ms - t_first) / 1000.0)
+            clock.now = max(clock.now, arrival, free_at)
+            with cache.begin(tokens) as r:
+                dev, l2 = r.cached_len - r.loaded_len, r.loaded_len
+                clock.advance(regime.link_s("l2_l1", l2) * jit())
+                cache.flush()  # the load lands at the modelled time: the cache's sample
+                keys, run = keys_of(tokens), 0
+                if regime.l3_gbps is not None and not r.host_len_declined:
+                    while r.cached_len // ps + run < len(keys) and \
+                            keys[r.cached_len // ps + run] in store:
+                        run += 1
+                l3 = _l3_tokens(policy, run, r.cached_len, ps, threshold, l3_model)
+                if l3:
+                    for hop in ("l3_l2", "l2_l1"):
+                        s = regime.link_s(hop, l3) * jit()
+                        l3_model.observe_transfer(hop, l3 * regime.token_bytes, s)
+                        clock.advance(s)
+                n_new = full.shape[0] - r.cached_len - l3
+                clock.advance(regime.prefill_s(n_new, r.cached_len + l3) * jit())
+                r.extend(tokens.shape[0] - r.cached_len)
+                cache.flush()
+                r.finish(tokens)
+            cache.flush()
+            store.update(keys)
+            free_at = clock.now
+            ttft.append(clock.now - arrival)
+            tok["prompt"] += full.shape[0]
+            tok["device"] += dev
+            tok["l2"] += l2
+            tok["l3"] += l3
+            tok["recomputed"] += n_new
+        stats = cache.stats()
+    finally:
+        cache.close()
+    t = np.asarray(ttft)
+    p = max(tok["prompt"], 1)
+    return {"policy": policy, "requests": len(ttft),
+            "ttft_mean_s": float(t.mean()) if t.size else 0.0,
+            **{f"ttft_p{q}_s": float(np.percentile(t, q)) if t.size else 0.0
+               for q in (50, 90, 99)},
+            "device_hit_ratio": tok["device"] / p, "l2_hit_ratio": tok["l2"] / p,
+            "l3_hit_ratio": tok["l3"] / p, "recomputed_ratio": tok["recomputed"] / p,
+            "makespan_s": clock.now,
+            "cost_decisions": stats.get("cost_decisions", 0) + l3_model.n["cost_decisions"],
+            "cost_fallbacks": stats.get("cost_fallbacks", 0) + l3_model.n["cost_fallbacks"],
+            "cost_l2_l1_pred_err_median": stats.get("cost_l2_l1_pred_err_median")}
+
+
+def simulate_all(trace: Trace, spec: KVSpec, regime: Regime, *, device_pages: int,
+                 host_ratio: float = 4.0, threshold: int = 16, seed: int = 0,
+                 policies: Sequence[str] = POLICIES) -> dict[str, Any]:
+    """:func:`simulate` of every policy; ``{"regime", "results"}``."""
+    return {"regime": dataclasses.asdict(regime), "device_pages": device_pages,
+            "host_ratio": host_ratio, "threshold": threshold, "seed": seed,
+            "results": [simulate(trace, spec, regime, p, device_pages=device_pages,
+                                 host_ratio=host_ratio, threshold=threshold, seed=seed)
+                        for p in policies]}
+
+
+def ttft_table(report: dict[str, Any]) -> str:
+    """The policies' TTFT (ms) and hit ratios, one row each."""
+    head = ("policy", "mean ms", "p50 ms", "p90 ms", "p99 ms", "L1 hit", "L2 load", "L3 load",
+            "recomputed")
+    rows = [(r["policy"], *(f"{1e3 * r[k]:.1f}" for k in
+                            ("ttft_mean_s", "ttft_p50_s", "ttft_p90_s", "ttft_p99_s")),
+             *(f"{r[k]:.3f}" for k in ("device_hit_ratio", "l2_hit_ratio", "l3_hit_ratio",
+                                       "recomputed_ratio")))
+            for r in report["results"]]
+    width = [max(len(str(x)) for x in col) for col in zip(head, *rows)]
+    return "\n".join("  ".join(str(x).rjust(w) for x, w in zip(row, width))
+                     for row in (head, *rows))
+
+
+#: ``--plot``: the L3 bandwidths swept, as multiples of the regime's (L2's without an L3).
+SWEEP = (0.1, 0.3, 1.0, 3.0, 10.0)
+
+
+def bandwidth_sweep(trace: Trace, spec: KVSpec, regime: Regime, **kw: Any) -> list[dict]:
+    """:func:`simulate_all` at each :data:`SWEEP` multiple of the L3 link (of L2's without
+    L3); ``[{"gbps", "results"}]``."""
+    out = []
+    for m in SWEEP:
+        r = (dataclasses.replace(regime, l3_gbps=regime.l3_gbps * m) if regime.l3_gbps
+             else dataclasses.replace(regime, l2_gbps=regime.l2_gbps * m))
+        out.append({"gbps": r.l3_gbps or r.l2_gbps,
+                    "results": simulate_all(trace, spec, r, **kw)["results"]})
+    return out
+
+
+def plot_sweep(sweep: list[dict], path: str, link: str) -> None:
+    """Mean and p90 TTFT against the link's bandwidth, one line per policy (matplotlib)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    for ax, key, name in zip(axes, ("ttft_mean_s", "ttft_p90_s"), ("mean", "p90")):
+        for pol in [r["policy"] for r in sweep[0]["results"]]:
+            pts = [(s["gbps"], next(r[key] for r in s["results"] if r["policy"] == pol))
+                   for s in sweep]
+            ax.plot(*zip(*pts), marker="o", label=pol)
+        ax.set(xscale="log", yscale="log", xlabel=f"{link} bandwidth (GB/s)",
+               ylabel=f"TTFT {name} (s)")
+        ax.legend(fontsize="small")
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)

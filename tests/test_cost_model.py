@@ -1,0 +1,188 @@
+"""The cost model's fits and the cost load policy (ARCHITECTURE.md, "Load or recompute")."""
+
+import math
+
+import numpy as np
+import pytest
+
+from hicache_jax import HiCacheConfig
+from hicache_jax.cache.cost_model import MIN_SAMPLES, PROBE_EVERY, WARMUP, CostModel, LinkFit, PrefillFit
+from tests.helpers import make_cache
+from tests.test_request import SPEC, cached_on_host_only, clean, prompt, write
+
+PS = SPEC.page_size
+
+
+def test_the_link_fit_converges_on_noisy_timings_with_outliers():
+    rng = np.random.default_rng(0)
+    fit = LinkFit(*WARMUP["l2_l1"])
+    lat, bw = 3e-4, 2e9
+    for _ in range(200):
+        n = float(rng.integers(1, 64)) * 1e6
+        t = lat + n / bw + rng.normal(0.0, 2e-5)  # 20 us of jitter
+        if rng.random() < 0.2:  # a fifth of the transfers stall
+            t *= 10
+        fit.observe(n, t)
+    assert fit.bytes_per_s == pytest.approx(bw, rel=0.05)
+    for n in (1e6, 8e6, 64e6):  # the latency is within the noise of the larger transfers
+        assert fit.predict(n) == pytest.approx(lat + n / bw, rel=0.05)
+    assert fit.median_error() < 0.1
+
+
+def test_the_warm_up_figure_holds_until_enough_samples():
+    fit = LinkFit(*WARMUP["l3_l2"])
+    for _ in range(MIN_SAMPLES - 1):
+        fit.observe(1e6, 1.0)
+    assert (fit.latency_s, fit.bytes_per_s) == WARMUP["l3_l2"]
+    fit.observe(1e6, 1.0)
+    assert fit.predict(1e6) == pytest.approx(1.0, rel=0.01)
+
+
+def test_a_link_that_slows_mid_run_moves_the_figure_and_the_decision():
+    model = CostModel(page_bytes=1 << 20, page_size=16, prefill_cost=lambda n, c: n * 1e-4)
+    for _ in range(40):
+        model.observe_transfer("l2_l1", 8 << 20, 1e-4 + (8 << 20) / 10e9)
+    assert model.plan([64, 64], 0, 1000, None) == 2  # 128 tokens: 13 ms recompute, 1 ms load
+    for _ in range(40):  # the link is now 1000x slower
+        model.observe_transfer("l2_l1", 8 << 20, 1e-4 + (8 << 20) / 10e6)
+    assert model.links["l2_l1"].bytes_per_s == pytest.approx(10e6, rel=0.05)
+    assert model.plan([64, 64], 0, 1000, None) == 0
+    assert model.stats()["cost_decisions"] == 2
+
+
+def test_a_partial_load_where_the_cap_or_evictions_stop_the_rest():
+    model = CostModel(page_bytes=1 << 10, page_size=16, prefill_cost=lambda n, c: n * 1e-3)
+    for _ in range(MIN_SAMPLES):  # a measured link: no probe
+        model.observe_transfer("l2_l1", 1 << 12, 1e-5 + (1 << 12) / 10e9)
+    assert model.plan([16, 16, 16], 0, 1000, cap_tokens=32) == 2
+    # no free pages: every loaded page evicts one, charged half its recompute: still cheaper
+    assert model.plan([16, 16, 16], 0, 0, None) == 3
+    model.eviction_weight = 2.0  # evicting costs more than it saves
+    assert model.plan([16, 16, 16], 0, 0, None) == 0
+
+
+@pytest.mark.parametrize("bad", [lambda n, c: float("nan"), lambda n, c: -1.0,
+                                 lambda n, c: 1 / 0, lambda n, c: "1.0"])
+def test_a_garbage_prefill_cost_is_a_counted_fallback_never_a_decision(bad):
+    model = CostModel(page_bytes=1 << 10, page_size=16, prefill_cost=bad)
+    assert model.plan([16], 0, 100, None) is None
+    st = model.stats()
+    assert st["cost_fallbacks"] == 1 and st.get("cost_decisions", 0) == 0
+    assert st["cost_last_error"]
+
+
+def test_the_prefill_fit_converges_and_rejects_bad_samples():
+    fit = PrefillFit()
+    true = lambda n, c: 2e-3 + 1e-5 * n + 1e-9 * n * (c + n / 2)  # noqa: E731
+    rng = np.random.default_rng(1)
+    for _ in range(60):
+        n, c = int(rng.integers(1, 4000)), int(rng.integers(0, 8000))
+        fit.observe(n, c, true(n, c) * (10 if rng.random() < 0.1 else 1))
+    assert fit.predict(2000, 3000) == pytest.approx(true(2000, 3000), rel=0.05)
+    before = fit.samples
+    for args in [(-1, 0, 1.0), (1, 0, math.nan), (1, 0, -2.0)]:
+        with pytest.raises(ValueError, match="observe_prefill"):
+            fit.observe(*args)
+    assert fit.samples == before
+
+
+def test_the_config_rejects_a_bad_policy_or_cost_before_any_cache():
+    with pytest.raises(ValueError, match="load_policy"):
+        HiCacheConfig(device_pages=8, load_policy="sometimes")
+    with pytest.raises(TypeError, match="prefill_cost"):
+        HiCacheConfig(device_pages=8, load_policy="cost", prefill_cost=3.0)
+    with pytest.raises(ValueError, match="max_load_tokens"):
+        HiCacheConfig(device_pages=8, max_load_tokens=-1)
+
+
+def _host_chain(cache, pages=(2, 2)):
+    """A host-only chain of len(pages) nodes (served as growing prompts). Returns the prompt and
+    the KV bits written for it."""
+    total = 0
+    for k in pages:
+        total += k
+        toks = prompt(total * PS)
+        with cache.begin(toks) as req:
+            write(cache, req.extend(len(toks) - req.cached_len))
+            req.finish(toks)
+        cache.flush()
+    cache.evict(10**6)
+    return toks
+
+
+def test_the_cache_loads_or_recomputes_by_the_prefill_cost():
+    slow = make_cache(SPEC, write_policy="write_through", load_policy="cost", prefill_cost=lambda n, c: n * 1.0)
+    fast = make_cache(SPEC, write_policy="write_through", load_policy="cost", prefill_cost=lambda n, c: 0.0)
+    # the fast one recomputes, but its link is unmeasured: it probes with the chain's first node
+    for cache, want in [(slow, 4 * PS), (fast, 2 * PS)]:
+        toks = _host_chain(cache)
+        with cache.begin(toks) as req:
+            assert req.loaded_len == want
+            req.extend(len(toks) - req.cached_len)
+            req.finish(toks)
+        clean(cache)
+        st = cache.stats()
+        assert st["cost_decisions"] >= 1 and st["cost_probes"] == (cache is fast)
+        cache.close()
+
+
+def test_a_measured_link_is_probed_again_after_probe_every_plans():
+    model = CostModel(page_bytes=1 << 10, page_size=16, prefill_cost=lambda n, c: 0.0)
+    assert model.plan([16, 16], 0, 100, None) == 1  # unmeasured: a probe
+    for _ in range(MIN_SAMPLES):
+        model.observe_transfer("l2_l1", 1 << 14, 1.0)  # slow: recompute from now on
+    got = [model.plan([16, 16], 0, 100, None) for _ in range(PROBE_EVERY)]
+    assert got == [0] * (PROBE_EVERY - 1) + [1]  # ... but measured again, not trusted forever
+
+
+def test_max_load_tokens_loads_the_root_end_of_the_chain_with_its_bytes():
+    cache = make_cache(SPEC, write_policy="write_through", load_policy="cost", prefill_cost=lambda n, c: n * 1.0,
+                       max_load_tokens=2 * PS)
+    kv = cached_on_host_only(cache, prompt(2 * PS))
+    toks = _host_chain(cache, (2, 2))
+    m = cache.load_back(cache.match_prefix(toks))
+    cache.flush()
+    assert (m.device_len, m.host_len) == (2 * PS, 2 * PS)
+    got = np.asarray(cache.read_kv(m.device_pages)).view(kv.dtype)
+    np.testing.assert_array_equal(got, kv)
+    assert cache.stats()["cost_partial_loads"] == 1
+    clean(cache)
+    cache.close()
+
+
+def test_the_step_budget_bounds_a_batched_admission():
+    cache = make_cache(SPEC, write_policy="write_through", device_pages=32, host_pages=64, load_policy="cost",
+                       prefill_cost=lambda n, c: n * 1.0, load_step_budget_tokens=2 * PS)
+    a, b = prompt(2 * PS), prompt(2 * PS, start=1000)
+    cached_on_host_only(cache, a)
+    cached_on_host_only(cache, b)
+    ms = cache.load_back_many([cache.match_prefix(a), cache.match_prefix(b)])
+    cache.flush()
+    assert [m.device_len for m in ms] == [2 * PS, 0]
+    clean(cache)
+    cache.close()
+
+
+def test_a_raising_prefill_cost_in_the_cache_falls_back_to_the_threshold():
+    def boom(n, c):
+        raise RuntimeError("model server down")
+    cache = make_cache(SPEC, write_policy="write_through", load_policy="cost", prefill_cost=boom)
+    toks = prompt(2 * PS)
+    cached_on_host_only(cache, toks)
+    m = cache.load_back(cache.match_prefix(toks))  # threshold one page: loaded, as before
+    cache.flush()
+    st = cache.stats()
+    assert m.device_len == 2 * PS and st["cost_fallbacks"] == 1
+    assert "model server down" in st["cost_last_error"]
+    assert st["cost_l2_l1_samples"] == 1
+    clean(cache)
+    cache.close()
+
+
+def test_observe_prefill_of_garbage_raises_and_leaves_the_fit():
+    cache = make_cache(SPEC, write_policy="write_through", load_policy="cost")
+    cache.observe_prefill(100, 0, 0.01)
+    with pytest.raises(ValueError):
+        cache.observe_prefill(100, 0, float("inf"))
+    assert cache.stats()["cost_prefill_samples"] == 1
+    cache.close()

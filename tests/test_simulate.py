@@ -1,0 +1,83 @@
+"""The what-if TTFT simulator (hicache_jax/replay/simulate.py) and ``replay --simulate``."""
+
+import json
+
+import pytest
+
+from hicache_jax.engine.cli import main
+from hicache_jax.replay.driver import parse_spec
+from hicache_jax.replay.simulate import POLICIES, Regime, simulate, simulate_all
+from hicache_jax.replay.trace import load_trace
+
+TB = 128 * 1024  # KV bytes a token of an 8B-class model
+
+
+def _trace(tmp_path, n=40, gap_ms=50):
+    """Requests sharing a long prefix in turns: host and L3 hits, arrivals ``gap_ms`` apart."""
+    path = tmp_path / "t.jsonl"
+    with open(path, "w") as f:
+        for i in range(n):
+            ids = list(range(100 * (i % 4), 100 * (i % 4) + 6)) + [10_000 + i]
+            f.write(json.dumps({"timestamp": i * gap_ms, "input_length": 7 * 16,
+                                "output_length": 1, "hash_ids": ids}) + "\n")
+    return load_trace(path, block_size=16)
+
+
+def _run(trace, regime, seed=0):
+    return simulate_all(trace, parse_spec(None, 16), regime, device_pages=8, host_ratio=2.0,
+                        seed=seed)
+
+
+def test_a_seed_gives_identical_results_and_another_seed_other_timings(tmp_path):
+    trace = _trace(tmp_path)
+    rg = Regime(l2_gbps=10, l3_gbps=1, prefill_tokens_per_s=20000, token_bytes=TB)
+    a, b, c = _run(trace, rg, 3), _run(trace, rg, 3), _run(trace, rg, 4)
+    assert a == b
+    assert [r["ttft_mean_s"] for r in a["results"]] != [r["ttft_mean_s"] for r in c["results"]]
+    assert [r["policy"] for r in a["results"]] == list(POLICIES)
+
+
+def test_never_recomputes_always_loads_and_the_cost_policy_is_no_worse(tmp_path):
+    trace = _trace(tmp_path)
+    rg = Regime(l2_gbps=25, l3_gbps=100, prefill_tokens_per_s=2000, token_bytes=TB, jitter=0)
+    res = {r["policy"]: r for r in _run(trace, rg)["results"]}
+    assert res["never"]["l2_hit_ratio"] == res["never"]["l3_hit_ratio"] == 0
+    assert res["always"]["l2_hit_ratio"] + res["always"]["l3_hit_ratio"] > 0
+    assert res["always"]["ttft_mean_s"] < res["never"]["ttft_mean_s"]  # loading is far cheaper
+    assert res["cost"]["ttft_mean_s"] <= 1.02 * res["always"]["ttft_mean_s"]
+    for r in res.values():  # a request waits for the server: TTFT >= its own prefill share
+        assert r["ttft_p50_s"] <= r["ttft_p90_s"] <= r["ttft_p99_s"]
+        assert r["ttft_mean_s"] > 0
+
+
+def test_a_slow_l3_is_recomputed_by_the_cost_policy(tmp_path):
+    trace = _trace(tmp_path)
+    rg = Regime(l2_gbps=25, l3_gbps=0.01, prefill_tokens_per_s=50000, token_bytes=TB,
+                jitter=0)
+    res = {r["policy"]: r for r in _run(trace, rg)["results"]}
+    assert res["cost"]["l3_hit_ratio"] < res["always"]["l3_hit_ratio"]
+    assert res["cost"]["ttft_mean_s"] < res["always"]["ttft_mean_s"]
+
+
+def test_a_bad_regime_or_policy_is_a_clear_error(tmp_path):
+    with pytest.raises(ValueError, match="l2_gbps"):
+        Regime(l2_gbps=0, prefill_tokens_per_s=1, token_bytes=1)
+    with pytest.raises(ValueError, match="prefill_tokens_per_s"):
+        Regime(l2_gbps=1, prefill_tokens_per_s=float("nan"), token_bytes=1)
+    rg = Regime(l2_gbps=1, prefill_tokens_per_s=1, token_bytes=1)
+    with pytest.raises(ValueError, match="policy"):
+        simulate(_trace(tmp_path), parse_spec(None, 16), rg, "sometimes", device_pages=8)
+
+
+def test_replay_simulate_prints_and_writes_json(tmp_path, capsys):
+    trace = _trace(tmp_path, n=12)
+    out = tmp_path / "sim.json"
+    assert main(["replay", trace.path, "--block-size", "16", "--simulate", "--l3-gbps", "2",
+                 "--device-pages", "8", "--quiet", "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "threshold" in text and "p90 ms" in text
+    got = json.loads(out.read_text())
+    assert [r["policy"] for r in got["results"]] == list(POLICIES)
+    with pytest.raises(SystemExit):
+        main(["replay", trace.path, "--block-size", "16", "--simulate", "--l2-gbps", "-1",
+              "--device-pages", "8", "--quiet"])
