@@ -55,10 +55,24 @@ def test_a_partial_load_where_the_cap_or_evictions_stop_the_rest():
     for _ in range(MIN_SAMPLES):  # a measured link: no probe
         model.observe_transfer("l2_l1", 1 << 12, 1e-5 + (1 << 12) / 10e9)
     assert model.plan([16, 16, 16], 0, 1000, cap_tokens=32) == 2
-    # no free pages: every loaded page evicts one, charged half its recompute: still cheaper
+    # no free pages: every loaded page evicts one, charged half the cheaper of its reload from
+    # L2 and its recompute; over a fast link that is its reload, so loading still pays
     assert model.plan([16, 16, 16], 0, 0, None) == 3
-    model.eviction_weight = 2.0  # evicting costs more than it saves
+    model.eviction_weight = 2.0
+    assert model.plan([16, 16, 16], 0, 0, None) == 3  # 2x a reload of microseconds
+
+
+def test_an_eviction_is_charged_the_cheaper_of_reload_and_recompute():
+    # a page: 16 ms to recompute, 10 ms to load over this link
+    model = CostModel(page_bytes=1 << 10, page_size=16, prefill_cost=lambda n, c: n * 1e-3)
+    for k in range(1, 2 * MIN_SAMPLES):
+        model.observe_transfer("l2_l1", k << 10, k * 1e-2)
+    assert model.plan([16, 16, 16], 0, 1000, None) == 3  # free pages: 10 ms < 16 ms a page
+    # none free: 10 ms + 1.0 x min(10 ms reload, 16 ms recompute) > 16 ms: recompute
+    model.eviction_weight = 1.0
     assert model.plan([16, 16, 16], 0, 0, None) == 0
+    model.eviction_weight = 0.5  # 10 + 5 < 16: load
+    assert model.plan([16, 16, 16], 0, 0, None) == 3
 
 
 @pytest.mark.parametrize("bad", [lambda n, c: float("nan"), lambda n, c: -1.0,

@@ -163,8 +163,9 @@ class CostModel:
         page_size: tokens per page.
         prefill_cost: the serving stack's ``(n_new, n_cached) -> seconds``, or None (samples).
         eviction_weight: the expected share of an evicted device page that a later request
-            would have hit; a load that evicts is charged this share of the evicted pages'
-            recompute.
+            would have hit; a load that evicts is charged this share of what getting the
+            evicted pages back costs: their reload from L2 (the write policies keep a host
+            copy of what L1 evicts while L2 has room) or their recompute, the cheaper.
     """
 
     def __init__(self, page_bytes: int, page_size: int,
@@ -219,8 +220,10 @@ class CostModel:
                 t = sum(f.predict(pages * self.page_bytes) for f in fits)
                 t += self.prefill_seconds(total - loaded + ps, cached + loaded)
                 evicted = max(0, pages - free_pages)
-                if evicted:
-                    t += self.eviction_weight * self.prefill_seconds(evicted * ps, 0)
+                if evicted:  # a later hit on them reloads from L2 or recomputes: the cheaper
+                    t += self.eviction_weight * min(
+                        self.links["l2_l1"].predict(evicted * self.page_bytes),
+                        self.prefill_seconds(evicted * ps, 0))
                 if best_t is None or t < best_t:
                     best_j, best_t = j, t
         except LookupError:
