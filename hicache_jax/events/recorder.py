@@ -263,6 +263,13 @@ class L3Candidate(NamedTuple):
     digests: list | None
     parent_digests: list | None
 
+    def part(self, lo: int, hi: int) -> "L3Candidate":
+        """Pages ``[lo, hi)`` (a put in parts)."""
+        d, p = self.digests, self.parent_digests
+        return L3Candidate(self.hashes[lo:hi], self.parents[lo:hi], self.tokens[lo:hi],
+                           self.extra_key, None if d is None else d[lo:hi],
+                           None if p is None else p[lo:hi])
+
 
 class L3Announcer:
     """The L3 side of a recorder (see the module doc): which pages are announced on L3 and
