@@ -191,12 +191,8 @@ def run(encoding: str, tmp_path, seed: int, l3_policy: str = "write_through"):
     return batches, checks, stats
 
 
-@pytest.mark.parametrize("seed, l3_policy", [
-    (0, "write_through"),
-    pytest.param(1, "write_back", marks=pytest.mark.xfail(strict=True, reason=(
-        "open: with storage_write_policy='write_back' a consumer still holds a CPU page the "
-        "cache's lookup no longer counts (seed 1, step 38); the queue recorder's replay "
-        "matches the tree there, so the lag is in what is sealed when, not yet found")))])
+@pytest.mark.parametrize("seed, l3_policy", [(0, "write_through"), (1, "write_back"),
+                                             (2, "write_back")])
 @pytest.mark.parametrize("encoding", ["array", "map"])
 def test_every_consumer_agrees_with_the_caches_lookup(encoding, seed, l3_policy, tmp_path):
     """write_back puts a leaf to L3 before its parent (host eviction goes leaf first): its

@@ -109,7 +109,7 @@ class VllmIds:
         if first > 0:
             parent_d: bytes | None = self._digest_of(node, first - 1)
         else:
-            parent = node.parent
+            parent = node.hash_parent  # kept once the node is deleted
             parent_d = (self._digest_of(parent, parent.num_pages - 1)
                         if parent is not None and parent.num_pages else None)
         prev = self.none_hash if parent_d is None else parent_d

@@ -243,7 +243,7 @@ def parent_hash(node: Any, first: int) -> int | None:
     first page)."""
     if first > 0:
         return int(node.page_hashes[first - 1])
-    parent = node.parent
+    parent = node.hash_parent  # kept once the node is deleted
     return int(parent.page_hashes[-1]) if parent is not None and parent.num_pages else None
 
 
