@@ -4,6 +4,8 @@ vLLM ids on L3 equal to those on the other tiers."""
 
 from __future__ import annotations
 
+import pathlib
+
 import numpy as np
 import pytest
 
@@ -89,3 +91,24 @@ def test_vllm_ids_on_l3_equal_the_other_tiers(tmp_path):
     (None, "file:///tmp/x", None), ("auto", None, None)])
 def test_the_wire_name_per_store(medium, url, want):
     assert l3_wire_medium(KVEventsConfig(l3_medium=medium), url) == want
+
+
+def test_a_page_the_store_dropped_is_announced_removed_when_a_lookup_misses_it(monkeypatch):
+    from hicache_jax.events.records import BlockRemoved, replay
+    monkeypatch.syspath_prepend(str(pathlib.Path(__file__).parent.parent / "examples"))
+    cache = make_cache(bookkeeping_spec(PS), 8, 16, write_policy="write_through",
+                       storage="python://memory_storage:MemoryStorage?capacity_pages=4",
+                       kv_events={"publisher": "queue", "l3_medium": "auto"})
+    prompts = [np.arange(8) + 100 * i for i in range(3)]
+    for p in prompts:
+        serve(cache, p)
+        cache.flush()                              # each put lands before the next
+    cache.evict(32)
+    cache.evict_host(64)
+    events = cache.take_events()
+    assert {e.medium for e in l3_stored(events)} == {Medium.L3}
+    first = [e.block_hash for e in l3_stored(events)][:2]  # prompt 0: the store's oldest
+    cache.prefetch(prompts[0])                     # the store lost it: the lookup misses
+    gone = [e for e in cache.take_events() if isinstance(e, BlockRemoved)]
+    assert [(e.block_hash, e.medium) for e in gone] == [(first[0], Medium.L3)]
+    replay(events + gone)                          # consistent: removed once, after stored

@@ -13,7 +13,9 @@ L3 residency, and only after its parent is announced on L3: a child whose put la
 (``write_back`` puts leaves before their parents) waits until its parent lands, so a consumer
 never sees a parent it does not know. A page whose parent never lands stays unannounced
 (at most :data:`L3_WAITING` wait; beyond, the oldest are given up and counted in
-``kv_event_l3_unannounced``).
+``kv_event_l3_unannounced``). The store does not say when it drops an entry; a prefetch's
+lookup that misses an announced page reports it (:meth:`Recorder.l3_gone`: BlockRemoved on L3).
+The announced set is one Python int per page put since the last reset.
 
 Threading: the cache's owning thread only; ``stats()`` reads the counters.
 """
@@ -32,6 +34,7 @@ from hicache_jax.events.records import (
     CLEARED, EventBatch, KVEvent, Medium, Record, RemovedRecord, StoredRecord,
     RECORD_OVERHEAD, expand, record_bytes)
 from hicache_jax.spec import KVEventsConfig
+from hicache_jax.tree.hashing import chain_hashes, namespace_hash
 
 
 class BoundedBatches:
@@ -93,6 +96,9 @@ class NullRecorder:
         return None
 
     def l3_stored(self, candidate: Any, ok: np.ndarray) -> None:
+        pass
+
+    def l3_gone(self, pages: np.ndarray, extra_key: Any) -> None:
         pass
 
     def end_call(self) -> None:
@@ -179,6 +185,12 @@ class Recorder:
         """The store acknowledged the put of ``candidate``: ``ok`` (bool per page) are in L3."""
         if candidate is not None and self._l3 is not None:
             self._l3.stored(candidate, ok)
+
+    def l3_gone(self, pages: np.ndarray, extra_key: Any) -> None:
+        """The store no longer holds the last page of the prefix ``pages`` (``[n, page_size]``
+        tokens; a lookup missed it): a BlockRemoved on L3 if it was announced there."""
+        if self._l3 is not None:
+            self._l3.gone(int(chain_hashes(namespace_hash(extra_key), pages)[-1]))
 
     def end_call(self) -> None:
         """Seal the events of the call that returns (if any) into the next batch."""
@@ -337,6 +349,14 @@ class L3Announcer:
                 waiting = self._waiting.pop(child, None)
                 if waiting is not None:
                     todo.append(waiting)
+
+    def gone(self, h: int) -> None:
+        """The store lost the page ``h`` (if announced, it is announced removed)."""
+        if h in self._known:
+            self._known.remove(h)
+            tree = np.array([h], np.uint64)
+            ids = tree if self._ids is None else self._ids.release(tree)
+            self._rec.add(RemovedRecord(ids, Medium.L3))
 
     def clear(self) -> None:
         self._known.clear()
