@@ -147,14 +147,16 @@ def replay_all(replay_ep: str) -> list:
         dealer.close(linger=0)
 
 
-def run(encoding: str, tmp_path, seed: int, l3_policy: str = "write_through"):
+def run(encoding: str, tmp_path, seed: int, l3_policy: str = "write_through",
+        block_hash: str = "tree"):
     rng = np.random.default_rng(seed)
     n = next(_ports)
     ep, rep = f"inproc://consumers-{n}", f"inproc://consumers-replay-{n}"
     cache = make_cache(bookkeeping_spec(PS), 12, 16, write_policy="write_through",
                        storage=f"file://{tmp_path}/l3-{n}", storage_write_policy=l3_policy,
                        kv_events={"publisher": "zmq", "endpoint": ep, "replay_endpoint": rep,
-                                  "encoding": encoding, "l3_medium": "auto"})
+                                  "encoding": encoding, "l3_medium": "auto",
+                                  "block_hash": block_hash, "hash_seed": "0"})
     prompts = [rng.integers(3, size=k).repeat(PS) for k in range(1, 4)]
     checks = []
     try:
@@ -191,13 +193,16 @@ def run(encoding: str, tmp_path, seed: int, l3_policy: str = "write_through"):
     return batches, checks, stats
 
 
-@pytest.mark.parametrize("seed, l3_policy", [(0, "write_through"), (1, "write_back"),
-                                             (2, "write_back")])
+@pytest.mark.parametrize("seed, l3_policy, block_hash", [
+    (0, "write_through", "tree"), (1, "write_back", "tree"), (2, "write_back", "vllm:sha256"),
+    (3, "write_through", "vllm:sha256_cbor")])
 @pytest.mark.parametrize("encoding", ["array", "map"])
-def test_every_consumer_agrees_with_the_caches_lookup(encoding, seed, l3_policy, tmp_path):
+def test_every_consumer_agrees_with_the_caches_lookup(encoding, seed, l3_policy, block_hash,
+                                                      tmp_path):
     """write_back puts a leaf to L3 before its parent (host eviction goes leaf first): its
-    announcement waits for the parent's."""
-    batches, checks, stats = run(encoding, tmp_path, seed, l3_policy)
+    announcement waits for the parent's. The consumers key blocks by tokens, so vLLM's ids
+    serve them as well as the tree's."""
+    batches, checks, stats = run(encoding, tmp_path, seed, l3_policy, block_hash)
     assert [seq for seq, _ in batches] == list(range(stats["kv_event_batches"]))  # none lost
     decode = decode_map if encoding == "map" else decode_positional
     subs = consumers()
