@@ -28,7 +28,8 @@ import zmq
 END_SEQ = -1
 
 
-# -- the wire format (vLLM's msgspec structs: array-like, tagged) ------------------------------
+# -- the wire format (vLLM's msgspec structs, tagged; each event positional or, as vLLM now
+# sends it, a map of field names tagged by "type": both decode) ------------------------------
 
 class _Event(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True):
     pass
@@ -59,7 +60,21 @@ class KVEventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False
     data_parallel_rank: int | None = None
 
 
-_decode = msgspec.msgpack.Decoder(KVEventBatch).decode
+_EVENTS = {cls.__name__: cls for cls in (BlockStored, BlockRemoved, AllBlocksCleared)}
+
+
+def _event(ev: Any) -> _Event:
+    """One event, positional ``[tag, *fields]`` or a map ``{"type": tag, field: ...}``."""
+    if isinstance(ev, dict):
+        cls = _EVENTS[ev["type"]]
+        return cls(*(ev.get(f) for f in cls.__struct_fields__))
+    cls = _EVENTS[ev[0]]
+    return cls(*ev[1:1 + len(cls.__struct_fields__)])
+
+
+def _decode(payload: bytes) -> KVEventBatch:
+    ts, events, *rank = msgspec.msgpack.decode(payload)
+    return KVEventBatch(ts, [_event(e) for e in events], *rank)
 
 
 # -- Dynamo's block keys --------------------------------------------------------------------
@@ -149,10 +164,13 @@ class InstanceIndex:
             if not found:
                 break
             h = min(found)  # one hash but for namespaces the wire cannot tell apart
-            if "GPU" in self.mediums[h] and host == 0:
+            held = self.mediums[h]
+            if "GPU" in held and host == 0:
                 device += page_size
-            else:
+            elif "CPU" in held or "GPU" in held:
                 host += page_size
+            else:  # an L3 page (when announced): not on this instance's L1 / L2
+                break
             parent = h
         return device, host
 

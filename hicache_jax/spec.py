@@ -328,6 +328,18 @@ class KVEventsConfig:
             consumer that takes them every scheduler step, and small beside the 200 MB over
             the pools that a long replay may use in all (``benchmarks/bench_memory.py``).
         data_parallel_rank: zmq: the ``data_parallel_rank`` of every batch.
+        encoding: zmq: each event as vLLM's releases encode it: ``"map"`` (the default,
+            vLLM's since PR #42892, in v0.26: a map of field names tagged by ``"type"``) or
+            ``"array"`` (vLLM's earlier positional form). The batch is an array either way.
+        l3_medium: announce L3 pages too, under this wire ``medium``: None (the default: L3
+            is not announced, a router routes on L1 and L2), ``"auto"`` (``"DISK"`` for a
+            ``file://`` store, ``"EXTERNAL"`` for a shared one) or a name of its own
+            (``"STORAGE"``, ``"REMOTE"``, ...).
+        block_hash: the ``block_hashes`` sent: ``"tree"`` (the tree's chained XXH3 page
+            hashes) or the ids vLLM computes for the same tokens, ``"vllm:sha256"`` /
+            ``"vllm:sha256_cbor"`` (see events/block_ids.py).
+        hash_seed: vLLM ids: the seed of ``NONE_HASH`` (as vLLM's ``PYTHONHASHSEED``); None:
+            ``PYTHONHASHSEED`` if set, else random (ids then match no other process).
     """
 
     publisher: str = "queue"
@@ -337,9 +349,15 @@ class KVEventsConfig:
     buffer_steps: int = 10_000
     buffer_bytes: int = 16 << 20
     data_parallel_rank: int = 0
+    encoding: str = "map"
+    l3_medium: str | None = None
+    block_hash: str = "tree"
+    hash_seed: str | None = None
 
 
 _PUBLISHERS = ("queue", "zmq")
+_ENCODINGS = ("map", "array")
+_BLOCK_HASHES = ("tree", "vllm:sha256", "vllm:sha256_cbor")
 
 
 def _check_endpoint(field: str, value: Any) -> None:
@@ -386,6 +404,14 @@ def _checked(cfg: KVEventsConfig) -> bool:
             raise ValueError(f"kv_events {field}={v!r} must be an int >= {low}")
     if not isinstance(cfg.topic, str):
         raise TypeError(f"kv_events topic={cfg.topic!r} must be a str")
+    for field, allowed in (("encoding", _ENCODINGS), ("block_hash", _BLOCK_HASHES)):
+        if getattr(cfg, field) not in allowed:
+            raise ValueError(f"kv_events {field}={getattr(cfg, field)!r} is not one of: "
+                             f"{', '.join(map(repr, allowed))}")
+    for field in ("l3_medium", "hash_seed"):
+        v = getattr(cfg, field)
+        if v is not None and (not isinstance(v, str) or not v):
+            raise TypeError(f"kv_events {field}={v!r} must be None or a non-empty str")
     _check_endpoint("endpoint", cfg.endpoint)
     if cfg.replay_endpoint is not None:
         _check_endpoint("replay_endpoint", cfg.replay_endpoint)

@@ -62,9 +62,10 @@ SPEC = bookkeeping_spec(PS)
 TIMEOUT_MS = 10_000
 
 
-def zmq_events(endpoint, replay=None, buffer_steps=10_000, topic="kv-events"):
+def zmq_events(endpoint, replay=None, buffer_steps=10_000, topic="kv-events", encoding="array"):
+    """The positional form (the structs above) unless ``encoding`` says otherwise."""
     return {"publisher": "zmq", "endpoint": endpoint, "replay_endpoint": replay,
-            "buffer_steps": buffer_steps, "topic": topic}
+            "buffer_steps": buffer_steps, "topic": topic, "encoding": encoding}
 
 
 def make(kv_events, policy="write_back", device=16, host=32):
@@ -111,16 +112,22 @@ class Subscriber:
         for _ in range(200):
             cache.reset()
             if self.sub.poll(50):
-                seq, batch = self.recv()
-                assert isinstance(batch.events[-1], AllBlocksCleared)
+                seq = self.recv_cleared()
                 # the publisher thread may still hold later resets of this loop: take them all,
                 # so that the test's next recv() is the batch of its own next call
                 assert cache._events.wait_published(10)
                 while self.sub.poll(200):
-                    seq, batch = self.recv()
-                    assert isinstance(batch.events[-1], AllBlocksCleared)
+                    seq = self.recv_cleared()
                 return seq
         raise AssertionError("the subscription never got through")
+
+    def recv_cleared(self):
+        """The seq of a batch whose last event is AllBlocksCleared, in either encoding."""
+        import msgpack
+        _, seq, payload = self.sub.recv_multipart()
+        last = msgpack.unpackb(payload)[1][-1]
+        assert last in (["AllBlocksCleared"], {"type": "AllBlocksCleared"}), last
+        return int.from_bytes(seq, "big")
 
     def close(self):
         self.sub.close(linger=0)
@@ -172,6 +179,77 @@ def test_wire_format_is_vllms_one_block_stored_per_node(tcp):
     finally:
         sub.close()
         cache.close()
+
+
+# vLLM's field lists (vllm/distributed/kv_events.py), as published: the map form tags each event
+# under "type" (vLLM PR #42892); the positional form lists the same fields in this order.
+STORED_FIELDS = ["block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id",
+                 "medium", "lora_name"]
+REMOVED_FIELDS = ["block_hashes", "medium"]
+
+
+def raw_batches(sub, cache, n):
+    """``n`` payloads after the subscription got through, decoded by plain msgpack."""
+    import msgpack
+    sub.until_connected(cache)
+    out = []
+    for _ in range(n):
+        assert sub.sub.poll(TIMEOUT_MS)
+        _, _, payload = sub.sub.recv_multipart()
+        out.append(msgpack.unpackb(payload))
+    return out
+
+
+def workload(cache):
+    put(cache, np.arange(8), extra_key="tenant")
+    cache.evict(8)                                 # write_back: to host, then off device
+
+
+@pytest.mark.parametrize("encoding", ["map", "array", None])
+def test_both_encodings_decode_with_msgpack_from_vllms_field_lists(tcp, encoding):
+    kv = zmq_events(tcp, encoding=encoding)
+    if encoding is None:
+        del kv["encoding"]                         # the default: vLLM's current (map) form
+    cache = make(kv)
+    sub = Subscriber(tcp)
+    try:
+        cache.reset()
+        batches = raw_batches(sub, cache, 0)
+        workload(cache)
+        import msgpack
+        for _ in range(2):
+            assert sub.sub.poll(TIMEOUT_MS)
+            batches.append(msgpack.unpackb(sub.sub.recv_multipart()[2]))
+    finally:
+        sub.close()
+        cache.close()
+    events = []
+    for ts, evs, rank in batches:                  # the batch stays [ts, events, dp_rank]
+        assert ts > 0 and rank == 0
+        for ev in evs:
+            if (encoding or "map") == "map":
+                assert isinstance(ev, dict)
+                tag = ev.pop("type")
+                want = STORED_FIELDS if tag == "BlockStored" else REMOVED_FIELDS
+                assert sorted(ev) == sorted(want)
+                events.append((tag, ev))
+            else:
+                assert isinstance(ev, list)
+                tag, *values = ev
+                want = STORED_FIELDS if tag == "BlockStored" else REMOVED_FIELDS
+                assert len(values) == len(want)
+                events.append((tag, dict(zip(want, values))))
+    assert [(t, e["medium"]) for t, e in events] == [
+        ("BlockStored", "GPU"), ("BlockStored", "CPU"), ("BlockRemoved", "GPU")]
+    stored = events[0][1]
+    assert stored["token_ids"] == list(range(8)) and stored["block_size"] == PS
+    assert stored["lora_name"] == "tenant" and stored["parent_block_hash"] is None
+    assert events[2][1]["block_hashes"] == stored["block_hashes"] == events[1][1]["block_hashes"]
+
+
+def test_a_bad_encoding_is_refused():
+    with pytest.raises(ValueError, match="encoding='json' is not one of"):
+        HiCacheConfig(device_pages=4, kv_events={"publisher": "zmq", "encoding": "json"})
 
 
 def test_random_workload_replayed_from_the_socket_equals_the_cache(tcp):

@@ -11,6 +11,7 @@ import pytest
 
 from hicache_jax import HiCacheConfig, KVSpec
 from hicache_jax.memory.allocator import PageAllocator
+from hicache_jax.events.recorder import NullRecorder
 from hicache_jax.l3.tier import CachePort, L3Tier, NullL3Tier, open_l3
 from hicache_jax.tree.radix import RadixTree
 from hicache_jax.l3.storage import entry_pages, entry_rows
@@ -42,6 +43,7 @@ class FakeCache:
         self.pages = np.zeros((host_pages,) + page.shape[1:], page.dtype)
         self.reserved: set[int] = set()
         self.locks: collections.Counter = collections.Counter()
+        self.events = NullRecorder()
 
     def clock(self) -> float:
         return self.now

@@ -90,7 +90,7 @@ class HiCache:
         self._l3 = open_l3(self._port, spec, cfg)  # NullL3Tier without storage
         # Last, so that nothing stays bound when anything above raises. Off: NullRecorder.
         try:
-            self._events = make_recorder(cfg.kv_events)
+            self._events = make_recorder(cfg.kv_events, cfg.storage)
         except BaseException:  # e.g. a port in use: release the L3 backend opened above
             self._l3.close()
             raise

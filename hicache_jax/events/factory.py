@@ -3,18 +3,37 @@ ZMQ publisher import back: ``zmq`` (an optional extra) is imported only when ask
 
 from __future__ import annotations
 
+from hicache_jax.events.block_ids import VllmIds
 from hicache_jax.events.recorder import NullRecorder, QueueRecorder, Recorder
 from hicache_jax.spec import KVEventsConfig
 
 
-def make_recorder(cfg: KVEventsConfig | None) -> NullRecorder | Recorder:
-    """The recorder a configuration asks for (binds the ZMQ sockets for ``"zmq"``)."""
+def l3_wire_medium(cfg: KVEventsConfig, storage: str | None) -> str | None:
+    """L3's wire ``medium`` (None: not announced): ``"auto"`` is ``"DISK"`` for ``file://``,
+    ``"EXTERNAL"`` for any other store."""
+    if storage is None or cfg.l3_medium is None:
+        return None
+    if cfg.l3_medium == "auto":
+        return "DISK" if storage.startswith("file://") else "EXTERNAL"
+    return cfg.l3_medium
+
+
+def make_recorder(cfg: KVEventsConfig | None, storage: str | None = None
+                  ) -> NullRecorder | Recorder:
+    """The recorder a configuration asks for (binds the ZMQ sockets for ``"zmq"``).
+
+    Args:
+        cfg: the parsed ``kv_events``.
+        storage: the cache's L3 URL (None: no L3, nothing of it announced).
+    """
     if cfg is None:
         return NullRecorder()
+    ids = None if cfg.block_hash == "tree" else VllmIds(cfg.block_hash, cfg.hash_seed)
+    l3 = l3_wire_medium(cfg, storage)
     if cfg.publisher == "queue":
-        return QueueRecorder(cfg.buffer_steps, cfg.buffer_bytes)
+        return QueueRecorder(cfg.buffer_steps, cfg.buffer_bytes, ids, l3 is not None)
     from hicache_jax.events.zmq import ZmqRecorder
 
-    return ZmqRecorder(cfg)
+    return ZmqRecorder(cfg, ids, l3)
 
 

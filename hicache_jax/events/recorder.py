@@ -3,6 +3,20 @@
 compact records, one per public call) and :class:`QueueRecorder` (in-process), and the bounded
 buffer they keep batches in.
 
+Block ids: the tree's page hashes, or vLLM's (``block_hash="vllm:..."``,
+:class:`~hicache_jax.events.block_ids.VllmIds`), resolved once at construction.
+
+L3 (``l3_medium`` set, :class:`L3Announcer`): the tier hands the recorder a candidate per put
+(:meth:`Recorder.l3_candidate`, taken while the node is in the tree) and, once the store
+acknowledges it, the pages stored (:meth:`Recorder.l3_stored`). A page is announced once per
+L3 residency, and only after its parent is announced on L3: a child whose put lands first
+(``write_back`` puts leaves before their parents) waits until its parent lands, so a consumer
+never sees a parent it does not know. A page whose parent never lands stays unannounced
+(at most :data:`L3_WAITING` wait; beyond, the oldest are given up and counted in
+``kv_event_l3_unannounced``). The store does not say when it drops an entry; a prefetch's
+lookup that misses an announced page reports it (:meth:`Recorder.l3_gone`: BlockRemoved on L3).
+The announced set is one Python int per page put since the last reset.
+
 Threading: the cache's owning thread only; ``stats()`` reads the counters.
 """
 
@@ -10,14 +24,17 @@ from __future__ import annotations
 
 import collections
 import time
-from typing import Any, Iterator
+from typing import Any, Iterator, NamedTuple
 
+import numpy as np
 
 from hicache_jax.errors import HiCacheError
+from hicache_jax.events.block_ids import VllmIds
 from hicache_jax.events.records import (
     CLEARED, EventBatch, KVEvent, Medium, Record, RemovedRecord, StoredRecord,
     RECORD_OVERHEAD, expand, record_bytes)
 from hicache_jax.spec import KVEventsConfig
+from hicache_jax.tree.hashing import chain_hashes, namespace_hash
 
 
 class BoundedBatches:
@@ -75,6 +92,15 @@ class NullRecorder:
     def cleared(self) -> None:
         pass
 
+    def l3_candidate(self, node: Any, pages: np.ndarray | None = None) -> None:
+        return None
+
+    def l3_stored(self, candidate: Any, ok: np.ndarray) -> None:
+        pass
+
+    def l3_gone(self, pages: np.ndarray, extra_key: Any) -> None:
+        pass
+
     def end_call(self) -> None:
         pass
 
@@ -97,7 +123,9 @@ class Recorder:
     """Records the events of the current public call; :meth:`end_call` seals them into a batch
     (seq, ts) and hands it to :meth:`_publish`. Subclasses publish."""
 
-    def __init__(self) -> None:
+    def __init__(self, ids: VllmIds | None = None, l3: bool = False) -> None:
+        self._ids = ids
+        self._l3 = L3Announcer(self, ids) if l3 else None
         self._pending: list[Record] = []
         self._pending_bytes = 0
         self._seq = 0
@@ -118,28 +146,51 @@ class Recorder:
         if stop <= first:
             return
         hashes = node.page_hashes
-        if first > 0:
-            prev: int | None = int(hashes[first - 1])
-        else:
-            parent = node.parent
-            prev = int(parent.page_hashes[-1]) if parent is not None and parent.num_pages else None
         ps = node.num_tokens // n
+        if self._ids is not None:
+            prev_d, digests = self._ids.digests(node, first, stop)
+            ids = self._ids.acquire(hashes[first:stop], digests)
+            prev = None if prev_d is None else int.from_bytes(prev_d[-8:], "big")
+        else:
+            ids, prev = hashes[first:stop], parent_hash(node, first)
         # Views: a node's key and hashes are never written in place (a split slices them).
-        record = StoredRecord(hashes[first:stop], prev, node.key[first * ps:stop * ps], medium,
-                         node.extra_key)
+        self.add(StoredRecord(ids, prev, node.key[first * ps:stop * ps], medium, node.extra_key))
+
+    def add(self, record: Record) -> None:
         self._pending.append(record)
         self._pending_bytes += record_bytes(record)
 
     def removed(self, node: Any, medium: Medium) -> None:
         """Record a BlockRemoved of every page of ``node`` on ``medium``."""
         if node.num_pages:
-            record = RemovedRecord(node.page_hashes, medium)
-            self._pending.append(record)
-            self._pending_bytes += record_bytes(record)
+            ids = node.page_hashes if self._ids is None else self._ids.release(node.page_hashes)
+            self.add(RemovedRecord(ids, medium))
 
     def cleared(self) -> None:
         """Drop the call's pending events and record AllBlocksCleared (a reset supersedes them)."""
         self._pending, self._pending_bytes = [CLEARED], RECORD_OVERHEAD
+        if self._ids is not None:
+            self._ids.clear()
+        if self._l3 is not None:
+            self._l3.clear()
+
+    def l3_candidate(self, node: Any, pages: np.ndarray | None = None) -> "L3Candidate | None":
+        """What an L3 put of ``node``'s pages (int indices; default all) would announce, taken
+        while ``node`` is in the tree; None when L3 is not announced."""
+        if self._l3 is None or not node.num_pages:
+            return None
+        return self._l3.candidate(node, pages)
+
+    def l3_stored(self, candidate: "L3Candidate | None", ok: np.ndarray) -> None:
+        """The store acknowledged the put of ``candidate``: ``ok`` (bool per page) are in L3."""
+        if candidate is not None and self._l3 is not None:
+            self._l3.stored(candidate, ok)
+
+    def l3_gone(self, pages: np.ndarray, extra_key: Any) -> None:
+        """The store no longer holds the last page of the prefix ``pages`` (``[n, page_size]``
+        tokens; a lookup missed it): a BlockRemoved on L3 if it was announced there."""
+        if self._l3 is not None:
+            self._l3.gone(int(chain_hashes(namespace_hash(extra_key), pages)[-1]))
 
     def end_call(self) -> None:
         """Seal the events of the call that returns (if any) into the next batch."""
@@ -165,8 +216,11 @@ class Recorder:
     take_batches = take
 
     def stats(self) -> dict[str, int]:
-        return {"kv_event_batches": self._seq, "kv_event_batches_dropped": self._dropped,
-                "kv_event_publish_errors": self._publish_errors}
+        out = {"kv_event_batches": self._seq, "kv_event_batches_dropped": self._dropped,
+               "kv_event_publish_errors": self._publish_errors}
+        if self._l3 is not None:
+            out["kv_event_l3_unannounced"] = self._l3.given_up
+        return out
 
     def close(self) -> None:
         pass
@@ -175,8 +229,9 @@ class Recorder:
 class QueueRecorder(Recorder):
     """``publisher="queue"``: batches wait in a buffer bounded by count and bytes until taken."""
 
-    def __init__(self, buffer_steps: int, buffer_bytes: int = KVEventsConfig.buffer_bytes) -> None:
-        super().__init__()
+    def __init__(self, buffer_steps: int, buffer_bytes: int = KVEventsConfig.buffer_bytes,
+                 ids: VllmIds | None = None, l3: bool = False) -> None:
+        super().__init__(ids, l3)
         self._buffer = BoundedBatches(buffer_steps, buffer_bytes)
 
     def _publish(self, seq: int, ts: float, records: list[Record], nbytes: int) -> None:
@@ -193,3 +248,117 @@ class QueueRecorder(Recorder):
         return [e for batch in self.take_batches() for e in batch.events]
 
 
+
+
+def parent_hash(node: Any, first: int) -> int | None:
+    """The tree hash of the page before page ``first`` of ``node`` (None: the namespace's
+    first page)."""
+    if first > 0:
+        return int(node.page_hashes[first - 1])
+    parent = node.hash_parent  # kept once the node is deleted
+    return int(parent.page_hashes[-1]) if parent is not None and parent.num_pages else None
+
+
+#: Pages an L3 announcer keeps waiting for their parent at most.
+L3_WAITING = 1 << 16
+
+
+class L3Candidate(NamedTuple):
+    """The pages of one L3 put, as they were in the tree: tree hashes, each page's parent tree
+    hash (None: first of its namespace), tokens ``[n, page_size]``, namespace, and with vLLM
+    ids each page's 32-byte hash and its parent's (None: first)."""
+
+    hashes: np.ndarray
+    parents: list
+    tokens: np.ndarray
+    extra_key: Any
+    digests: list | None
+    parent_digests: list | None
+
+    def part(self, lo: int, hi: int) -> "L3Candidate":
+        """Pages ``[lo, hi)`` (a put in parts)."""
+        d, p = self.digests, self.parent_digests
+        return L3Candidate(self.hashes[lo:hi], self.parents[lo:hi], self.tokens[lo:hi],
+                           self.extra_key, None if d is None else d[lo:hi],
+                           None if p is None else p[lo:hi])
+
+
+class L3Announcer:
+    """The L3 side of a recorder (see the module doc): which pages are announced on L3 and
+    which wait for their parent. The cache's thread only."""
+
+    def __init__(self, recorder: Recorder, ids: VllmIds | None) -> None:
+        self._rec, self._ids = recorder, ids
+        self._known: set[int] = set()
+        self._waiting: collections.OrderedDict = collections.OrderedDict()  # h -> page
+        self._children: dict[int, list[int]] = collections.defaultdict(list)
+        self.given_up = 0
+
+    def candidate(self, node: Any, pages: np.ndarray | None) -> L3Candidate:
+        n = node.num_pages
+        idx = np.arange(n) if pages is None else np.asarray(pages)
+        tree = node.page_hashes
+        parents = [parent_hash(node, 0)] + tree[:-1].tolist()
+        tokens = node.key.reshape(n, -1)
+        digests = pdigests = None
+        if self._ids is not None:
+            first, stop = int(idx.min()), int(idx.max()) + 1
+            prev, run = self._ids.digests(node, first, stop)
+            full = [prev] + run
+            digests = [full[i - first + 1] for i in idx.tolist()]
+            pdigests = [full[i - first] for i in idx.tolist()]
+        return L3Candidate(tree[idx], [parents[i] for i in idx.tolist()], tokens[idx],
+                           node.extra_key, digests, pdigests)
+
+    def stored(self, c: L3Candidate, ok: np.ndarray) -> None:
+        for i in np.flatnonzero(ok).tolist():
+            h = int(c.hashes[i])
+            if h in self._known or h in self._waiting:
+                continue
+            page = (h, c.parents[i], c.tokens[i], c.extra_key,
+                    None if c.digests is None else c.digests[i],
+                    None if c.parent_digests is None else c.parent_digests[i])
+            parent = c.parents[i]
+            if parent is None or parent in self._known:
+                self._announce(page)
+            else:
+                self._wait(page)
+
+    def _wait(self, page: tuple) -> None:
+        self._waiting[page[0]] = page
+        self._children[page[1]].append(page[0])
+        while len(self._waiting) > L3_WAITING:
+            h, old = self._waiting.popitem(last=False)
+            self.given_up += 1
+            kids = self._children.get(old[1])
+            if kids is not None and h in kids:
+                kids.remove(h)
+
+    def _announce(self, page: tuple) -> None:
+        todo = [page]
+        while todo:
+            h, parent, tokens, extra_key, digest, pdigest = todo.pop()
+            self._known.add(h)
+            if self._ids is None:
+                ids, prev = np.array([h], np.uint64), parent
+            else:
+                ids = self._ids.acquire(np.array([h], np.uint64), [digest])
+                prev = None if pdigest is None else int.from_bytes(pdigest[-8:], "big")
+            self._rec.add(StoredRecord(ids, prev, tokens, Medium.L3, extra_key))
+            for child in self._children.pop(h, ()):
+                waiting = self._waiting.pop(child, None)
+                if waiting is not None:
+                    todo.append(waiting)
+
+    def gone(self, h: int) -> None:
+        """The store lost the page ``h`` (if announced, it is announced removed)."""
+        if h in self._known:
+            self._known.remove(h)
+            tree = np.array([h], np.uint64)
+            ids = tree if self._ids is None else self._ids.release(tree)
+            self._rec.add(RemovedRecord(ids, Medium.L3))
+
+    def clear(self) -> None:
+        self._known.clear()
+        self._waiting.clear()
+        self._children.clear()

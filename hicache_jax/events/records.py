@@ -15,16 +15,25 @@ class Medium(str, enum.Enum):
     """Tier holding a page. A ``str`` enum: ``Medium.DEVICE == "device"``.
 
     On the wire (vLLM's ``medium`` field) L1 is ``"GPU"`` as vLLM names it, whatever the
-    accelerator, and L2 (pinned host memory) is ``"CPU"``: :data:`WIRE_MEDIUM`. The L3 store
-    is shared between instances and not reported: a router routes on L1 and L2.
+    accelerator, and L2 (pinned host memory) is ``"CPU"``: :data:`WIRE_MEDIUM`. L3 is announced
+    only when ``kv_events={"l3_medium": ...}`` asks for it (off by default: a router that
+    should route on L1 and L2 only then sees nothing of it), under the configured wire name
+    (``"DISK"`` for ``file://``, ``"EXTERNAL"`` for a shared store with ``"auto"``).
     """
 
     DEVICE = "device"
     HOST = "host"
+    L3 = "l3"
 
 
-#: ``medium`` strings of the wire format.
+#: ``medium`` strings of the wire format for L1 and L2 (L3's is configured:
+#: :func:`wire_media`).
 WIRE_MEDIUM = {Medium.DEVICE: "GPU", Medium.HOST: "CPU"}
+
+
+def wire_media(l3_medium: str | None) -> dict[Medium, str]:
+    """The wire ``medium`` of every tier announced (L3 only when it has a name)."""
+    return WIRE_MEDIUM if l3_medium is None else {**WIRE_MEDIUM, Medium.L3: l3_medium}
 
 
 @dataclass(frozen=True, slots=True)

@@ -9,16 +9,21 @@ SGLang-style subscribers read): each batch is one multipart message
 * ``topic``: the configured topic, UTF-8;
 * ``seq``: the batch's sequence number, 8 bytes big-endian (0, 1, 2, ...; a gap means batches
   were dropped);
-* ``payload``: msgpack of a ``KVEventBatch`` as vLLM's msgspec structs encode it
-  (``array_like=True``, ``tag=True``): ``[ts, [event, ...], data_parallel_rank]`` with events
+* ``payload``: msgpack of a ``KVEventBatch`` as vLLM's msgspec structs encode it:
+  ``[ts, [event, ...], data_parallel_rank]``, each event (``encoding``)
 
-  - ``["BlockStored", block_hashes, parent_block_hash, token_ids, block_size, lora_id,
-    medium, lora_name]``: the stored pages of one tree node (``token_ids`` all their tokens,
-    ``block_size`` the page size);
-  - ``["BlockRemoved", block_hashes, medium]``;
-  - ``["AllBlocksCleared"]``.
+  - ``"map"`` (the default; vLLM since PR #42892, e.g. v0.26): a map tagged by ``"type"``,
+    ``{"type": "BlockStored", "block_hashes", "parent_block_hash", "token_ids", "block_size",
+    "lora_id", "medium", "lora_name"}``, ``{"type": "BlockRemoved", "block_hashes",
+    "medium"}``, ``{"type": "AllBlocksCleared"}`` (vLLM's later fields, ``extra_keys``,
+    ``group_idx``, ``kv_cache_spec_kind``, are left out: a consumer reads by name);
+  - ``"array"`` (vLLM before it, ``array_like=True, tag=True``):
+    ``["BlockStored", block_hashes, parent_block_hash, token_ids, block_size, lora_id,
+    medium, lora_name]``, ``["BlockRemoved", block_hashes, medium]``, ``["AllBlocksCleared"]``.
 
-  ``medium`` is ``"GPU"`` for L1 and ``"CPU"`` for L2 (:data:`~hicache_jax.events.records.WIRE_MEDIUM`).
+  A BlockStored holds the stored pages of one tree node (``token_ids`` all their tokens,
+  ``block_size`` the page size). ``medium`` is ``"GPU"`` for L1 and ``"CPU"`` for L2
+  (:data:`~hicache_jax.events.records.WIRE_MEDIUM`), L3's configured name when announced.
   The namespace (``extra_key``) is in the hashes already; an int ``extra_key`` is also sent as
   ``lora_id``, a str one as ``lora_name``.
 
@@ -60,8 +65,9 @@ from typing import Any
 import numpy as np
 
 from hicache_jax.errors import HiCacheError
+from hicache_jax.events.block_ids import VllmIds
 from hicache_jax.events.recorder import BoundedBatches, Recorder
-from hicache_jax.events.records import WIRE_MEDIUM, Record, RemovedRecord, StoredRecord
+from hicache_jax.events.records import Record, RemovedRecord, StoredRecord, wire_media
 from hicache_jax.spec import KVEventsConfig
 
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
@@ -148,16 +154,34 @@ def _wire_key(key: Any) -> tuple[int | None, str | None]:
     return None, None
 
 
-def _wire(record: Record) -> list:
-    """One compact record as vLLM's array-like tagged event (hashes and tokens as Raw msgpack)."""
+def _wire_array(record: Record, media: dict) -> list:
+    """One compact record as vLLM's positional tagged event (hashes and tokens as Raw msgpack)."""
     if isinstance(record, StoredRecord):
         n = record.hashes.shape[0]
         lora_id, lora_name = _wire_key(record.extra_key)
         return ["BlockStored", _ints(record.hashes), record.parent, _ints(record.tokens),
-                record.tokens.shape[0] // n, lora_id, WIRE_MEDIUM[record.medium], lora_name]
+                record.tokens.shape[0] // n, lora_id, media[record.medium], lora_name]
     if isinstance(record, RemovedRecord):
-        return ["BlockRemoved", _ints(record.hashes), WIRE_MEDIUM[record.medium]]
+        return ["BlockRemoved", _ints(record.hashes), media[record.medium]]
     return ["AllBlocksCleared"]
+
+
+def _wire_map(record: Record, media: dict) -> dict:
+    """One compact record as vLLM's map event: field names, the tag under ``"type"``."""
+    if isinstance(record, StoredRecord):
+        n = record.hashes.shape[0]
+        lora_id, lora_name = _wire_key(record.extra_key)
+        return {"type": "BlockStored", "block_hashes": _ints(record.hashes),
+                "parent_block_hash": record.parent, "token_ids": _ints(record.tokens),
+                "block_size": record.tokens.shape[0] // n, "lora_id": lora_id,
+                "medium": media[record.medium], "lora_name": lora_name}
+    if isinstance(record, RemovedRecord):
+        return {"type": "BlockRemoved", "block_hashes": _ints(record.hashes),
+                "medium": media[record.medium]}
+    return {"type": "AllBlocksCleared"}
+
+
+_WIRE = {"array": _wire_array, "map": _wire_map}
 
 
 class ZmqRecorder(Recorder):
@@ -165,10 +189,12 @@ class ZmqRecorder(Recorder):
     fails) and starts the publisher thread; :meth:`close` sends what is queued, stops it and
     closes the sockets."""
 
-    def __init__(self, cfg: KVEventsConfig) -> None:
-        super().__init__()
+    def __init__(self, cfg: KVEventsConfig, ids: VllmIds | None = None,
+                 l3_medium: str | None = None) -> None:
+        super().__init__(ids, l3_medium is not None)
         zmq, msgspec = _import_deps()
-        self._publisher = _Publisher(zmq, msgspec.msgpack.Encoder().encode, cfg, self)
+        self._publisher = _Publisher(zmq, msgspec.msgpack.Encoder().encode, cfg, self,
+                                     wire_media(l3_medium))
         self._closed = False
 
     def _publish(self, seq: int, ts: float, records: list[Record], nbytes: int) -> None:
@@ -208,9 +234,11 @@ class _Publisher:
     thread sleeps); everything else of a batch happens on the thread.
     """
 
-    def __init__(self, zmq: Any, encode: Any, cfg: KVEventsConfig, recorder: Recorder) -> None:
+    def __init__(self, zmq: Any, encode: Any, cfg: KVEventsConfig, recorder: Recorder,
+                 media: dict) -> None:
         self._zmq, self._encode, self._recorder = zmq, encode, recorder
         self._rank = cfg.data_parallel_rank
+        self._wire, self._media = _WIRE[cfg.encoding], media
         ctx = zmq.Context.instance()
         self._pub = ctx.socket(zmq.PUB)
         self._pub.setsockopt(zmq.LINGER, 0)
@@ -322,7 +350,8 @@ class _Publisher:
     def _send(self, seq: int, ts: float, records: list[Record]) -> None:
         seq_bytes = seq.to_bytes(8, "big")
         try:
-            payload = self._encode([ts, [_wire(r) for r in records], self._rank])
+            wire, media = self._wire, self._media
+            payload = self._encode([ts, [wire(r, media) for r in records], self._rank])
             # Copied: a zero-copy send (copy=False, payloads from 64 KiB) has pyzmq's gc thread
             # wake and take the GIL to release each payload, ~30 us per request more.
             self._pub.send_multipart((self._topic, seq_bytes, payload))

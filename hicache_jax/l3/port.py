@@ -17,9 +17,12 @@ class CachePort(Protocol):
 
     Attributes:
         spec: the cache's KVSpec.
+        events: the cache's event recorder (``l3_candidate`` / ``l3_stored``: what lands in L3
+            is announced when the events ask for L3).
     """
 
     spec: KVSpec
+    events: Any
 
     def clock(self) -> float:
         """The cache's clock (deadlines)."""

@@ -190,6 +190,8 @@ class Prefetcher:
         keys = key_strings(self._port.spec, extra_key, digests)
         found = leading(self._backend.exists(keys))
         self._n["l3_lookup_pages"] += len(keys)
+        if found < len(keys):  # the store lacks this page: if announced, it left L3
+            self._port.events.l3_gone(tokens[:pos + (found + 1) * ps].reshape(-1, ps), extra_key)
         if pos + found * ps <= covered:
             return after  # L3 has nothing beyond what L1 + L2 hold
         want = min(found, self._staging_alloc.num_free)

@@ -207,7 +207,8 @@ class L3Tier:
                 continue
             self._records.record(node.host_value, digests, node.page_hashes)
             if not self.write_back:
-                self._put(digests, node.extra_key, node.host_value)
+                self._put(digests, node.extra_key, node.host_value,
+                          self._port.events.l3_candidate(node))
 
     def on_host_evict(self, node: TreeNode, host_ids: np.ndarray) -> None:
         """``node`` (already unlinked from the tree) is deleted and its host pages are about to
@@ -218,16 +219,20 @@ class L3Tier:
         if not ok.all():  # no record (unkeyable extra_key): never guess a key
             self._n["l3_unkeyable_pages"] += int((~ok).sum())
         if ok.any():
-            self._put(digests, node.extra_key, host_ids[ok])
+            self._put(digests, node.extra_key, host_ids[ok],
+                      self._port.events.l3_candidate(node, np.flatnonzero(ok)))
 
-    def _put(self, digests: np.ndarray, extra_key: Any, host_ids: np.ndarray) -> None:
+    def _put(self, digests: np.ndarray, extra_key: Any, host_ids: np.ndarray,
+             announce: Any) -> None:
+        """Put pages; ``announce``: what the events say once they are stored (None: nothing)."""
         keys = key_strings(self._port.spec, extra_key, digests)
         # A node longer than the staging pool goes in parts (keys are per page: independent).
         step = self._staging_alloc.num_pages
         for lo in range(0, len(keys), step):
-            self._put_part(keys[lo:lo + step], host_ids[lo:lo + step])
+            part = None if announce is None else announce.part(lo, lo + step)
+            self._put_part(keys[lo:lo + step], host_ids[lo:lo + step], part)
 
-    def _put_part(self, keys: list[str], host_ids: np.ndarray) -> None:
+    def _put_part(self, keys: list[str], host_ids: np.ndarray, announce: Any) -> None:
         n = len(keys)
         if n > self._staging_alloc.num_free:
             self._drain_puts(n)
@@ -238,16 +243,16 @@ class L3Tier:
         # dispatched, not waited for: the cache's thread does not stall on the copy (nor on the
         # transfers before it); poll() stages the pages once they are out. The host pages may be
         # freed at once (write_back evicts them next): XLA orders their reuse after this read.
-        self._reads.append((keys, sids, self._port.read_host_async(host_ids)))
+        self._reads.append((keys, sids, self._port.read_host_async(host_ids), announce))
         self._n["l3_put_pages"] += n
 
     def _submit_reads(self, block: bool) -> None:
         """Hand the host reads that are done (all of them with ``block``) to the backend, in
         order: staging pages filled, then one put each."""
         while self._reads and (block or self._reads[0][2].done()):
-            keys, sids, read = self._reads.popleft()
+            keys, sids, read, announce = self._reads.popleft()
             read.copy_into(self._staging, sids)
-            self._puts.append((self.backend.put_from(keys, sids), sids))
+            self._puts.append((self.backend.put_from(keys, sids), sids, announce))
 
     # -- prefetch -----------------------------------------------------------------------------
 
@@ -279,12 +284,12 @@ class L3Tier:
         """Wait for every put and prefetch in flight and apply them."""
         self._submit_reads(block=True)
         while self._puts:
-            handle, sids = self._puts.popleft()
+            handle, sids, announce = self._puts.popleft()
             try:
                 handle.wait()
             except StorageError:
                 pass
-            self._finish_put(handle, sids)
+            self._finish_put(handle, sids, announce)
         self._prefetch.flush()
 
     def _drain_puts(self, n: int) -> None:
@@ -293,7 +298,7 @@ class L3Tier:
         deadline = time.monotonic() + _PUT_WAIT_S
         self._submit_reads(block=True)  # their staging pages are freed only after their puts
         while self._puts and n > self._staging_alloc.num_free:
-            handle, sids = self._puts[0]
+            handle, sids, announce = self._puts[0]
             try:
                 handle.wait(max(0.0, deadline - time.monotonic()))
             except TimeoutError:
@@ -301,9 +306,9 @@ class L3Tier:
             except StorageError:
                 pass
             self._puts.popleft()
-            self._finish_put(handle, sids)
+            self._finish_put(handle, sids, announce)
 
-    def _finish_put(self, handle: Any, sids: np.ndarray) -> None:
+    def _finish_put(self, handle: Any, sids: np.ndarray, announce: Any) -> None:
         try:
             ok = handle.wait(0)
         except StorageError:
@@ -312,6 +317,8 @@ class L3Tier:
         self._n["l3_put_pages_stored"] += stored
         self._n["l3_puts_dropped"] += ok.size - stored
         self._staging_alloc.free(sids)
+        if stored:
+            self._port.events.l3_stored(announce, ok)
 
     # -- misc ---------------------------------------------------------------------------------
 
