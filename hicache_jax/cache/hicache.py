@@ -45,6 +45,7 @@ from hicache_jax.cache.match import (Match, NodeRef, check_node, current, is_sta
                                      revalidate)
 from hicache_jax.cache.request import Request, begin, begin_many
 from hicache_jax.cache.ownership import ALLOCATED, CALLERS, DevicePageOwners
+from hicache_jax.cache.pins import Pins
 from hicache_jax.tree.radix import RadixTree
 from hicache_jax.spec import HiCacheConfig, KVSpec
 from hicache_jax.cache.thread_owner import ThreadOwner, publishes
@@ -108,7 +109,9 @@ class HiCache:
         self._rule = make_rule(cfg, self._cost, dev)
         self._flight = InFlight(self.spec, tree, self._engine, dev, host, self._owner, events,
                                 self._n, self._l3.on_backup, self._cost)
-        self._complete = Completion(self._engine, self._flight, self._l3)
+        self._pins = Pins(tree, self._port.clock, cfg.pin_max_share, cfg.device_pages,
+                          cfg.host_pages)
+        self._complete = Completion(self._engine, self._flight, self._l3, self._pins.expire)
         self._removal = Removal(cfg, tree, dev, self._owner, events, self._n, self._flight,
                                 self._l3)
         self._write = make_write_policy(WriteContext(
@@ -155,6 +158,26 @@ class HiCache:
     def lookup(self, tokens: Any, extra_key: Hashable = None) -> dict[str, int]:
         """Tokens of ``tokens``' cached prefix per tier, with no side effect (see lookup.py)."""
         return lookup(self._tree, tokens, extra_key, self._ps)
+
+    @publishes
+    def pin(self, tokens: Any, extra_key: Hashable = None, *, ttl_s: float | None = None,
+            tier: str = "device") -> int:
+        """Keep the part of ``tokens``' cached prefix held on ``tier`` ("device" | "host") from
+        eviction there, until :meth:`unpin` or ``ttl_s`` seconds on the cache's clock; returns
+        the tokens pinned. ``PinLimitError`` (with the figures) beyond ``cfg.pin_max_share``
+        of the pool; HiCacheError if nothing is held there (cache/pins.py)."""
+        arr = page_tokens(tokens, extra_key, self._ps)
+        tier, ttl_s = Pins.parse(tier, ttl_s)
+        self._complete(attach=True)
+        return self._pins.pin(arr, extra_key, tier, ttl_s)
+
+    @publishes
+    def unpin(self, tokens: Any, extra_key: Hashable = None, *, tier: str = "device") -> int:
+        """Undo :meth:`pin` of the same tokens; HiCacheError if they are not pinned there."""
+        arr = page_tokens(tokens, extra_key, self._ps)
+        tier = Pins.parse(tier, None)[0]
+        self._complete(attach=True)
+        return self._pins.unpin(arr, extra_key, tier)
 
     def begin(self, tokens: Any, extra_key: Hashable = None, *,
               layerwise: bool = False) -> Request:
@@ -204,17 +227,10 @@ class HiCache:
     @publishes
     def load_back_many(self, matches: Any, *, layerwise: bool = False) -> list[Match]:
         """:meth:`load_back` of several matches (a batching scheduler's step) in ONE copy
-        dispatch: each decided as ``load_back`` decides it, in list order, its chain cut where an
-        earlier match's begins (overlaps load once; see :mod:`~hicache_jax.cache.load_many`).
-
-        Returns:
-            One Match per input, in order: what holds its prefix now. With ``layerwise`` every
-            result holding pages of the load carries its one ``load_handle``. No lock is left.
-
-        Raises:
-            TypeError / HiCacheError: not a list/tuple of Matches, ``layerwise`` not a bool / a
-            match of another cache (or from before ``reset()``); before any change.
-        """
+        dispatch, each decided as ``load_back`` decides it, in list order (overlaps load once;
+        see :mod:`~hicache_jax.cache.load_many`): one Match per input, what holds its prefix
+        now; with ``layerwise`` each carries the one ``load_handle``. TypeError / HiCacheError
+        (not Matches of this cache, ``layerwise`` not a bool) before any change."""
         check_matches(self._tree, matches)
         check_bool("layerwise", layerwise)
         self._complete(attach=True)
@@ -461,7 +477,7 @@ class HiCache:
         after :meth:`close` (figures read while the owner is inside a call may disagree)."""
         return cache_stats(self._n, self._device.allocator, self._host.allocator, self._tree,
                            self._owner, len(self._flight), self._write.reserve_pages()) \
-            | self._events.stats() | self._l3.stats() | self._cost.stats()
+            | self._events.stats() | self._l3.stats() | self._cost.stats() | self._pins.stats()
 
     def observe_prefill(self, n_new: int, n_cached: int, seconds: float) -> None:
         """A prefill sample for ``load_policy="cost"`` (cache/cost_model.py): ``n_new`` tokens
@@ -474,4 +490,5 @@ class HiCache:
         ``HiCacheError`` names the first broken one."""
         self._guard()
         check_cache(self._tree, self._owner, self._device.allocator, self._host.allocator,
-                    self._flight, self._caller_locks, self._port, self._write.continuous_prefix)
+                    self._flight, self._caller_locks, self._port, self._write.continuous_prefix,
+                    self._pins)
