@@ -34,10 +34,11 @@ from hicache_jax.cache.removal import Removal
 from hicache_jax.memory.host_pool import HostPagePool
 from hicache_jax.cache.inflight import InFlight
 from hicache_jax.cache.insertion import Insertion
+from hicache_jax.cache.control import ControlAPI
+from hicache_jax.cache.invalidate import Invalidation
 from hicache_jax.cache.introspection import cache_stats, check_cache
 from hicache_jax.cache.l3_port import CacheL3Port
 from hicache_jax.l3.tier import L3Tier, NullL3Tier, PrefetchHandle, open_l3
-from hicache_jax.cache.lookup import lookup
 from hicache_jax.cache.load_many import check_matches, load_chains
 from hicache_jax.cache.cost_model import CostModel
 from hicache_jax.cache.load_policy import make_rule
@@ -57,7 +58,7 @@ from hicache_jax.cache.write_policy import WriteContext, make_write_policy
 __all__ = ["HiCache", "Match", "NodeRef"]
 
 
-class HiCache:
+class HiCache(ControlAPI):
     """Hierarchical KV page cache: device pool (L1), host pool (L2), radix tree of prefixes.
 
     Args:
@@ -122,6 +123,7 @@ class HiCache:
         self._inserter = Insertion(self._ps, tree, dev, self._owner, events, self._n,
                                    self._device.validate_ids, self._write.after_insert,
                                    self._caller_locks)
+        self._invalidate = Invalidation(tree, self._removal, self._pins, self._l3)
         self._port.bind(events, self._write)
 
     def _guard(self) -> None:
@@ -154,30 +156,6 @@ class HiCache:
         self._n["host_hit_tokens"] += tm.host_len
         return Match(tm.device_pages, tm.device_len, tm.host_len,
                      node_ref(tm.node, tm.last_device_node))
-
-    def lookup(self, tokens: Any, extra_key: Hashable = None) -> dict[str, int]:
-        """Tokens of ``tokens``' cached prefix per tier, with no side effect (see lookup.py)."""
-        return lookup(self._tree, tokens, extra_key, self._ps)
-
-    @publishes
-    def pin(self, tokens: Any, extra_key: Hashable = None, *, ttl_s: float | None = None,
-            tier: str = "device") -> int:
-        """Keep the part of ``tokens``' cached prefix held on ``tier`` ("device" | "host") from
-        eviction there, until :meth:`unpin` or ``ttl_s`` seconds on the cache's clock; returns
-        the tokens pinned. ``PinLimitError`` (with the figures) beyond ``cfg.pin_max_share``
-        of the pool; HiCacheError if nothing is held there (cache/pins.py)."""
-        arr = page_tokens(tokens, extra_key, self._ps)
-        tier, ttl_s = Pins.parse(tier, ttl_s)
-        self._complete(attach=True)
-        return self._pins.pin(arr, extra_key, tier, ttl_s)
-
-    @publishes
-    def unpin(self, tokens: Any, extra_key: Hashable = None, *, tier: str = "device") -> int:
-        """Undo :meth:`pin` of the same tokens; HiCacheError if they are not pinned there."""
-        arr = page_tokens(tokens, extra_key, self._ps)
-        tier = Pins.parse(tier, None)[0]
-        self._complete(attach=True)
-        return self._pins.unpin(arr, extra_key, tier)
 
     def begin(self, tokens: Any, extra_key: Hashable = None, *,
               layerwise: bool = False) -> Request:

@@ -93,7 +93,8 @@ _COUNTED = ("match_tokens", "device_hit_tokens", "host_hit_tokens", "backups", "
             "backups_skipped", "load_backs", "load_back_tokens", "load_backs_declined",
             "evictions", "evicted_tokens", "eviction_backup_pages", "clean_ahead_pages",
             "host_copies_dropped_tokens", "deleted_tokens", "host_evictions",
-            "host_evicted_tokens", "duplicate_pages_freed", "bytes_to_host", "bytes_to_device")
+            "host_evicted_tokens", "duplicate_pages_freed", "bytes_to_host", "bytes_to_device",
+            "invalidated_device_tokens", "invalidated_host_tokens")
 
 
 def cache_stats(n: collections.Counter, dev: PageAllocator, host: PageAllocator,
