@@ -68,7 +68,8 @@ def test_device_pin_is_never_counted_evictable():
     cache.pin(np.arange(3 * PS))
     st = cache.stats()
     assert st["device_evictable_pages"] == before - 3 and st["device_protected_pages"] >= 3
-    assert cache.evict(10**6) == 0 or cache.lookup(np.arange(3 * PS))["device"] == 3 * PS
+    cache.evict(10**6)
+    assert cache.lookup(np.arange(3 * PS))["device"] == 3 * PS
     cache.check_invariants()
     cache.close()
 
@@ -84,6 +85,7 @@ def test_host_pin_is_never_host_evictable_and_survives_load_back():
     assert cache.evict_host(10**6) == 0
     assert cache.stats()["host_evictable_leaves"] == 0
     serve(cache, toks)  # load-back: device again, pin kept
+    cache.flush()  # the load has landed: its lock is gone
     assert cache.lookup(toks)["device"] == 2 * PS
     cache.evict(10**6)
     assert cache.evict_host(10**6) == 0 and cache.lookup(toks)["host"] == 2 * PS

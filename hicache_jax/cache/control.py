@@ -1,14 +1,15 @@
 """The control API of a HiCache (ARCHITECTURE.md, "Control API"): where a prefix lives, pins,
-invalidation. A base class of :class:`~hicache_jax.cache.hicache.HiCache` holding only these
+invalidation, storage attached and detached at run time. A base class of :class:`~hicache_jax.cache.hicache.HiCache` holding only these
 thin public methods (the facade module stays small); the work is done by the parts they call --
 :mod:`~hicache_jax.cache.lookup`, :mod:`~hicache_jax.cache.pins`,
-:mod:`~hicache_jax.cache.invalidate` -- which the facade builds in ``_init_state``.
+:mod:`~hicache_jax.cache.invalidate`, :mod:`~hicache_jax.cache.storage_attach` -- which the facade builds in ``_init_state``.
 
 Threading: as the facade (the owning thread only).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Hashable
 
 from hicache_jax.cache.lookup import lookup
@@ -28,6 +29,9 @@ class ControlAPI:
     _invalidate: Any
     _complete: Any
     _guard: Any
+    _port: Any
+    spec: Any
+    cfg: Any
 
     def lookup(self, tokens: Any, extra_key: Hashable = None, *,
                l3: bool = False) -> dict[str, int]:
@@ -70,3 +74,26 @@ class ControlAPI:
         tier = Pins.parse(tier, None)[0]
         self._complete(attach=True)
         return self._pins.unpin(arr, extra_key, tier)
+
+    @publishes
+    def attach_storage(self, url: str) -> None:
+        """Open the L3 store ``url`` (as ``HiCacheConfig.storage``) on a live cache, requests in
+        flight included; L1 and L2 untouched (cache/storage_attach.py). HiCacheError if storage
+        is attached; ValueError / StorageUnavailableError (nothing changed) as at construction."""
+        if not isinstance(url, str):
+            raise TypeError(f"url must be a storage URL string, got {type(url).__name__}")
+        cfg = dataclasses.replace(self.cfg, storage=url)
+        self._complete(attach=True)
+        held = [n for n in self._tree.nodes() if n.host_value is not None]
+        self._l3.attach(self._port, self.spec, cfg, held)
+        self.cfg = cfg
+
+    @publishes
+    def detach_storage(self) -> int:
+        """Finish the L3 work in flight (puts stored, prefetches landed), close the store, and
+        go on without L3; returns the operations finished (``stats()["storage_detach_*"]``).
+        HiCacheError without storage."""
+        self._complete(attach=True)
+        finished = self._l3.detach()
+        self.cfg = dataclasses.replace(self.cfg, storage=None)
+        return finished

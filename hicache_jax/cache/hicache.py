@@ -38,6 +38,7 @@ from hicache_jax.cache.control import ControlAPI
 from hicache_jax.cache.invalidate import Invalidation
 from hicache_jax.cache.introspection import cache_stats, check_cache
 from hicache_jax.cache.l3_port import CacheL3Port
+from hicache_jax.cache.storage_attach import L3Slot
 from hicache_jax.l3.tier import L3Tier, NullL3Tier, PrefetchHandle, open_l3
 from hicache_jax.cache.load_many import check_matches, load_chains
 from hicache_jax.cache.cost_model import CostModel
@@ -89,7 +90,8 @@ class HiCache(ControlAPI):
         self._events: NullRecorder | Recorder = NullRecorder()  # the configured one: below
         self._threads = ThreadOwner()
         self._port = CacheL3Port(spec, clock, self._tree, self._host)
-        self._l3 = open_l3(self._port, spec, cfg)  # NullL3Tier without storage
+        # NullL3Tier without storage; attach_storage / detach_storage swap the slot's tier
+        self._l3 = L3Slot(open_l3(self._port, spec, cfg), collections.Counter())
         # Last, so that nothing stays bound when anything above raises. Off: NullRecorder.
         try:
             self._events = make_recorder(cfg.kv_events)
@@ -106,6 +108,7 @@ class HiCache(ControlAPI):
         self._owner = DevicePageOwners(cfg.device_pages)
         self._caller_locks: dict[TreeNode, int] = {}
         self._n: collections.Counter[str] = collections.Counter()
+        self._l3.rebind(self._n)
         self._cost = CostModel(self.spec.page_bytes, self._ps, cfg.prefill_cost)
         self._rule = make_rule(cfg, self._cost, dev)
         self._flight = InFlight(self.spec, tree, self._engine, dev, host, self._owner, events,
@@ -117,7 +120,7 @@ class HiCache(ControlAPI):
                                 self._l3)
         self._write = make_write_policy(WriteContext(
             cfg, tree, self._flight, self._n, dev, events, host, self._removal, self._complete,
-            back_up_new=self._l3.back_up_new))
+            l3=self._l3))
         self._evict = Evictor(cfg, tree, dev, self._n, self._flight, self._write,
                               self._removal, self._complete)
         self._inserter = Insertion(self._ps, tree, dev, self._owner, events, self._n,
@@ -381,7 +384,7 @@ class HiCache(ControlAPI):
     @property
     def l3(self) -> L3Tier | NullL3Tier:
         self._guard()
-        return self._l3
+        return self._l3.tier
 
     @property
     def transfer_engine(self) -> TransferEngine:

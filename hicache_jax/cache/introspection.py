@@ -94,7 +94,8 @@ _COUNTED = ("match_tokens", "device_hit_tokens", "host_hit_tokens", "backups", "
             "evictions", "evicted_tokens", "eviction_backup_pages", "clean_ahead_pages",
             "host_copies_dropped_tokens", "deleted_tokens", "host_evictions",
             "host_evicted_tokens", "duplicate_pages_freed", "bytes_to_host", "bytes_to_device",
-            "invalidated_device_tokens", "invalidated_host_tokens")
+            "invalidated_device_tokens", "invalidated_host_tokens", "storage_attaches",
+            "storage_detaches", "storage_detach_finished_ops")
 
 
 def cache_stats(n: collections.Counter, dev: PageAllocator, host: PageAllocator,

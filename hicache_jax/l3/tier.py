@@ -323,6 +323,14 @@ class L3Tier:
 
     # -- control API (ARCHITECTURE.md, "Control API") ------------------------------------------
 
+    def adopt(self, nodes: list[TreeNode]) -> None:
+        """Record the digests of host copies cached before this tier was attached (``nodes``
+        parents first), so write-back puts them at host eviction; nothing is put now."""
+        for node in nodes:
+            digests = self._records.node_digests(node)
+            if digests is not None:
+                self._records.record(node.host_value, digests, node.page_hashes)
+
     def held_beyond(self, tokens: np.ndarray, extra_key: Any, covered: int) -> int:
         """Tokens of validated whole-page ``tokens`` after its first ``covered`` that the store
         holds, continuing them: one batched ``exists``, nothing counted, fetched or stamped."""
