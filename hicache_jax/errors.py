@@ -24,3 +24,32 @@ class OutOfPagesError(HiCacheError):
         self.free = free
         self.evictable = evictable
         self.locked = locked
+
+
+class PinLimitError(HiCacheError):
+    """A pin would take a tier's pinned pages beyond ``HiCacheConfig.pin_max_share`` of its pool.
+
+    Attributes:
+        tier: "device" or "host".
+        pinned: pages of that tier pinned before the call.
+        requested: pages the pin would add (those of its prefix not pinned yet).
+        limit: the most pages of that tier pins may hold.
+    """
+
+    def __init__(self, message: str, *, tier: str, pinned: int, requested: int,
+                 limit: int) -> None:
+        super().__init__(message)
+        self.tier, self.pinned, self.requested, self.limit = tier, pinned, requested, limit
+
+
+class InvalidateLockedError(HiCacheError):
+    """An invalidation would drop pages that requests in flight hold (a caller's lock, a
+    load-back or an L3 prefetch landing there): nothing was dropped.
+
+    Attributes:
+        locked: ``[(tokens of the locked prefix, locks held by requests)]``, root-most first.
+    """
+
+    def __init__(self, message: str, *, locked: list[tuple[int, int]]) -> None:
+        super().__init__(message)
+        self.locked = locked

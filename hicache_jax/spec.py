@@ -224,6 +224,9 @@ class HiCacheConfig:
             ``{"publisher": "zmq", "endpoint": "tcp://*:5557", "topic": "kv-events",
             "replay_endpoint": None, "buffer_steps": 10000}`` publishes them in vLLM's wire
             format (see events.py, events_zmq.py). Stored parsed, as a ``KVEventsConfig``.
+        pin_max_share: the most of each pool (device, host) that ``HiCache.pin`` may hold, as a
+            share of its pages (default 0.5: pins can never starve requests of more than half
+            of a tier); a pin beyond it raises ``PinLimitError``.
     """
 
     device_pages: int
@@ -249,6 +252,7 @@ class HiCacheConfig:
     storage_write_policy: WritePolicy | str = WritePolicy.WRITE_THROUGH
     clean_ahead_pages: int | None = None
     kv_events: KVEventsConfig | dict | str | None = None
+    pin_max_share: float = 0.5
 
     def __post_init__(self) -> None:
         set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731
@@ -294,6 +298,9 @@ class HiCacheConfig:
         if not is_real(timeout) or math.isnan(timeout) or timeout <= 0:
             raise ValueError(f"prefetch_timeout_s={self.prefetch_timeout_s!r} must be > 0")
         set_("kv_events", parse_kv_events(self.kv_events))
+        share = self.pin_max_share
+        if not is_real(share) or not 0.0 <= share <= 1.0:
+            raise ValueError(f"pin_max_share={share!r} must be a number in [0, 1]")
         if self.shard_axis is not None and self.mesh is None:
             raise ValueError(f"shard_axis={self.shard_axis!r} given without a mesh")
         if self.mesh is not None:

@@ -12,7 +12,7 @@ Threading: the cache's thread only.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 from hicache_jax.cache.inflight import InFlight
 from hicache_jax.memory.transfer import TransferEngine
@@ -25,16 +25,20 @@ class Completion:
         engine: the cache's transfer engine (device <-> host copies).
         flight: the cache's operations in flight (what each copy's landing changes).
         l3: the cache's L3 tier (its puts and prefetches; a null tier without storage).
+        expire: drops the pins whose ttl has passed (at the start of a public call only).
     """
 
-    def __init__(self, engine: TransferEngine, flight: InFlight, l3: Any) -> None:
-        self._engine, self._flight, self._l3 = engine, flight, l3
+    def __init__(self, engine: TransferEngine, flight: InFlight, l3: Any,
+                 expire: Callable[[], None]) -> None:
+        self._engine, self._flight, self._l3, self._expire = engine, flight, l3, expire
 
     def __call__(self, upto: Any = None, *, wait: bool = False, attach: bool = False) -> None:
         """Apply finished transfers in dispatch order, first waiting for the transfer ``upto``
         (a handle) or, with ``wait``, for all of them. ``attach``: also hang landed L3
-        prefetches in the tree -- only at the start of a public call, never inside an operation
-        that holds nodes (an attach may split them)."""
+        prefetches in the tree and expire pins -- only at the start of a public call, never
+        inside an operation that holds nodes (an attach may split them)."""
+        if attach:
+            self._expire()
         finished = self._engine.poll()
         self._l3.poll(attach)
         if finished:

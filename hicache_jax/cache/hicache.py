@@ -34,10 +34,12 @@ from hicache_jax.cache.removal import Removal
 from hicache_jax.memory.host_pool import HostPagePool
 from hicache_jax.cache.inflight import InFlight
 from hicache_jax.cache.insertion import Insertion
+from hicache_jax.cache.control import ControlAPI
+from hicache_jax.cache.invalidate import Invalidation
 from hicache_jax.cache.introspection import cache_stats, check_cache
 from hicache_jax.cache.l3_port import CacheL3Port
+from hicache_jax.cache.storage_attach import L3Slot
 from hicache_jax.l3.tier import L3Tier, NullL3Tier, PrefetchHandle, open_l3
-from hicache_jax.cache.lookup import lookup
 from hicache_jax.cache.load_many import check_matches, load_chains
 from hicache_jax.cache.cost_model import CostModel
 from hicache_jax.cache.load_policy import make_rule
@@ -45,6 +47,7 @@ from hicache_jax.cache.match import (Match, NodeRef, check_node, current, is_sta
                                      revalidate)
 from hicache_jax.cache.request import Request, begin, begin_many
 from hicache_jax.cache.ownership import ALLOCATED, CALLERS, DevicePageOwners
+from hicache_jax.cache.pins import Pins
 from hicache_jax.tree.radix import RadixTree
 from hicache_jax.spec import HiCacheConfig, KVSpec
 from hicache_jax.cache.thread_owner import ThreadOwner, publishes
@@ -56,7 +59,7 @@ from hicache_jax.cache.write_policy import WriteContext, make_write_policy
 __all__ = ["HiCache", "Match", "NodeRef"]
 
 
-class HiCache:
+class HiCache(ControlAPI):
     """Hierarchical KV page cache: device pool (L1), host pool (L2), radix tree of prefixes.
 
     Args:
@@ -87,7 +90,8 @@ class HiCache:
         self._events: NullRecorder | Recorder = NullRecorder()  # the configured one: below
         self._threads = ThreadOwner()
         self._port = CacheL3Port(spec, clock, self._tree, self._host)
-        self._l3 = open_l3(self._port, spec, cfg)  # NullL3Tier without storage
+        # NullL3Tier without storage; attach_storage / detach_storage swap the slot's tier
+        self._l3 = L3Slot(open_l3(self._port, spec, cfg), collections.Counter())
         # Last, so that nothing stays bound when anything above raises. Off: NullRecorder.
         try:
             self._events = make_recorder(cfg.kv_events, cfg.storage)
@@ -104,21 +108,25 @@ class HiCache:
         self._owner = DevicePageOwners(cfg.device_pages)
         self._caller_locks: dict[TreeNode, int] = {}
         self._n: collections.Counter[str] = collections.Counter()
+        self._l3.rebind(self._n)
         self._cost = CostModel(self.spec.page_bytes, self._ps, cfg.prefill_cost)
         self._rule = make_rule(cfg, self._cost, dev)
         self._flight = InFlight(self.spec, tree, self._engine, dev, host, self._owner, events,
                                 self._n, self._l3.on_backup, self._cost)
-        self._complete = Completion(self._engine, self._flight, self._l3)
+        self._pins = Pins(tree, self._port.clock, cfg.pin_max_share, cfg.device_pages,
+                          cfg.host_pages)
+        self._complete = Completion(self._engine, self._flight, self._l3, self._pins.expire)
         self._removal = Removal(cfg, tree, dev, self._owner, events, self._n, self._flight,
                                 self._l3)
         self._write = make_write_policy(WriteContext(
             cfg, tree, self._flight, self._n, dev, events, host, self._removal, self._complete,
-            back_up_new=self._l3.back_up_new))
+            l3=self._l3))
         self._evict = Evictor(cfg, tree, dev, self._n, self._flight, self._write,
                               self._removal, self._complete)
         self._inserter = Insertion(self._ps, tree, dev, self._owner, events, self._n,
                                    self._device.validate_ids, self._write.after_insert,
                                    self._caller_locks)
+        self._invalidate = Invalidation(tree, self._removal, self._pins, self._l3)
         self._port.bind(events, self._write)
 
     def _guard(self) -> None:
@@ -151,10 +159,6 @@ class HiCache:
         self._n["host_hit_tokens"] += tm.host_len
         return Match(tm.device_pages, tm.device_len, tm.host_len,
                      node_ref(tm.node, tm.last_device_node))
-
-    def lookup(self, tokens: Any, extra_key: Hashable = None) -> dict[str, int]:
-        """Tokens of ``tokens``' cached prefix per tier, with no side effect (see lookup.py)."""
-        return lookup(self._tree, tokens, extra_key, self._ps)
 
     def begin(self, tokens: Any, extra_key: Hashable = None, *,
               layerwise: bool = False) -> Request:
@@ -204,17 +208,10 @@ class HiCache:
     @publishes
     def load_back_many(self, matches: Any, *, layerwise: bool = False) -> list[Match]:
         """:meth:`load_back` of several matches (a batching scheduler's step) in ONE copy
-        dispatch: each decided as ``load_back`` decides it, in list order, its chain cut where an
-        earlier match's begins (overlaps load once; see :mod:`~hicache_jax.cache.load_many`).
-
-        Returns:
-            One Match per input, in order: what holds its prefix now. With ``layerwise`` every
-            result holding pages of the load carries its one ``load_handle``. No lock is left.
-
-        Raises:
-            TypeError / HiCacheError: not a list/tuple of Matches, ``layerwise`` not a bool / a
-            match of another cache (or from before ``reset()``); before any change.
-        """
+        dispatch, each decided as ``load_back`` decides it, in list order (overlaps load once;
+        see :mod:`~hicache_jax.cache.load_many`): one Match per input, what holds its prefix
+        now; with ``layerwise`` each carries the one ``load_handle``. TypeError / HiCacheError
+        (not Matches of this cache, ``layerwise`` not a bool) before any change."""
         check_matches(self._tree, matches)
         check_bool("layerwise", layerwise)
         self._complete(attach=True)
@@ -387,7 +384,7 @@ class HiCache:
     @property
     def l3(self) -> L3Tier | NullL3Tier:
         self._guard()
-        return self._l3
+        return self._l3.tier
 
     @property
     def transfer_engine(self) -> TransferEngine:
@@ -461,7 +458,7 @@ class HiCache:
         after :meth:`close` (figures read while the owner is inside a call may disagree)."""
         return cache_stats(self._n, self._device.allocator, self._host.allocator, self._tree,
                            self._owner, len(self._flight), self._write.reserve_pages()) \
-            | self._events.stats() | self._l3.stats() | self._cost.stats()
+            | self._events.stats() | self._l3.stats() | self._cost.stats() | self._pins.stats()
 
     def observe_prefill(self, n_new: int, n_cached: int, seconds: float) -> None:
         """A prefill sample for ``load_policy="cost"`` (cache/cost_model.py): ``n_new`` tokens
@@ -474,4 +471,5 @@ class HiCache:
         ``HiCacheError`` names the first broken one."""
         self._guard()
         check_cache(self._tree, self._owner, self._device.allocator, self._host.allocator,
-                    self._flight, self._caller_locks, self._port, self._write.continuous_prefix)
+                    self._flight, self._caller_locks, self._port, self._write.continuous_prefix,
+                    self._pins)

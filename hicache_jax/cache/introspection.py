@@ -22,6 +22,7 @@ from hicache_jax.cache.l3_port import CacheL3Port
 from hicache_jax.errors import HiCacheError
 from hicache_jax.cache.inflight import InFlight
 from hicache_jax.cache.ownership import DevicePageOwners
+from hicache_jax.cache.pins import Pins
 from hicache_jax.tree.radix import RadixTree
 from hicache_jax.memory.transfer import TransferKind
 from hicache_jax.tree.node import TreeNode
@@ -29,12 +30,13 @@ from hicache_jax.tree.node import TreeNode
 
 def check_cache(tree: RadixTree, owners: DevicePageOwners, device: PageAllocator,
                 host: PageAllocator, flight: InFlight, caller_locks: dict[TreeNode, int],
-                l3: CacheL3Port, continuous_prefix: bool) -> None:
+                l3: CacheL3Port, continuous_prefix: bool, pins: Pins) -> None:
     """Raise :class:`HiCacheError` naming the first broken invariant of one cache.
 
     Args:
         l3: the cache's side of the L3 port: the host pages L3 prefetches reserve, the nodes
             they lock.
+        pins: the cache's pins (device pins hold locks; host pins the nodes' ``host_pins``).
     """
     try:
         tree.check_invariants()
@@ -56,7 +58,9 @@ def check_cache(tree: RadixTree, owners: DevicePageOwners, device: PageAllocator
                            "backup in flight or an L3 prefetch")
     holders = list(caller_locks.items()) + [(op.node, 1) for op in ops
                                             if op.kind is TransferKind.LOAD]
-    _check_nodes(tree, nodes, holders + l3.locked_nodes(), continuous_prefix)
+    _check_nodes(tree, nodes, holders + l3.locked_nodes() + pins.locked_nodes(),
+                 continuous_prefix)
+    pins.check(nodes)
     if any(n.parent is None and n is not tree.root for n in caller_locks):
         raise HiCacheError("invariant: a caller lock is held on a deleted node")
 
@@ -74,7 +78,7 @@ def _check_nodes(tree: RadixTree, nodes: list[TreeNode], holders: list[tuple[Tre
             raise HiCacheError(f"invariant: {n!r} holds no pages")
         if n.lock_ref != expected[n]:
             raise HiCacheError(f"invariant: {n!r} lock_ref {n.lock_ref} != {expected[n]} "
-                               "(caller locks + transfers in flight + L3 prefetches)")
+                               "(caller locks + transfers in flight + L3 prefetches + device pins)")
         if continuous and n.host_value is not None and not (
                 n.parent.parent is None or n.parent.host_value is not None):
             raise HiCacheError(f"invariant: {n!r} is backed up under a parent that is not "
@@ -89,7 +93,9 @@ _COUNTED = ("match_tokens", "device_hit_tokens", "host_hit_tokens", "backups", "
             "backups_skipped", "load_backs", "load_back_tokens", "load_backs_declined",
             "evictions", "evicted_tokens", "eviction_backup_pages", "clean_ahead_pages",
             "host_copies_dropped_tokens", "deleted_tokens", "host_evictions",
-            "host_evicted_tokens", "duplicate_pages_freed", "bytes_to_host", "bytes_to_device")
+            "host_evicted_tokens", "duplicate_pages_freed", "bytes_to_host", "bytes_to_device",
+            "invalidated_device_tokens", "invalidated_host_tokens", "storage_attaches",
+            "storage_detaches", "storage_detach_finished_ops")
 
 
 def cache_stats(n: collections.Counter, dev: PageAllocator, host: PageAllocator,

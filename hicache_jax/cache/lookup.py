@@ -12,17 +12,25 @@ from hicache_jax.tree.radix import RadixTree
 from hicache_jax.validation import page_tokens
 
 
-def lookup(tree: RadixTree, tokens: Any, extra_key: Hashable, page_size: int) -> dict[str, int]:
+def lookup(tree: RadixTree, tokens: Any, extra_key: Hashable, page_size: int,
+           l3: Any = None) -> dict[str, int]:
     """Tokens of the longest cached whole-page prefix held per tier.
+
+    Args:
+        l3: the cache's L3 tier, to ask the store too (None: L1 and L2 only).
 
     Returns:
         ``{"device": n, "host": m}``: ``device`` tokens on device from the start (device
         residency is prefix-closed), then ``host`` further tokens on host only; the same
-        figures :meth:`HiCache.match_prefix` would report, without its side effects.
+        figures :meth:`HiCache.match_prefix` would report, without its side effects. With
+        ``l3``, also ``"l3"``: further tokens the store holds after those (one batched
+        ``exists`` of the pages beyond L1 + L2; 0 without storage), nothing fetched or counted.
 
     Raises:
         TypeError / ValueError: bad ``tokens`` or ``extra_key`` (as ``match_prefix``).
     """
     arr = page_tokens(tokens, extra_key, page_size)
     device, host = tree.peek(arr, extra_key)
-    return {"device": device, "host": host}
+    if l3 is None:
+        return {"device": device, "host": host}
+    return {"device": device, "host": host, "l3": l3.held_beyond(arr, extra_key, device + host)}

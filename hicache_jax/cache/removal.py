@@ -7,7 +7,9 @@ room:
   backup still writes are parked until it lands, :meth:`InFlight.free_host`; under
   ``storage_write_policy="write_back"`` host-only pages go to L3 first);
 * :meth:`Removal.evict_host_leaves` -- **evict_host**: unlocked host-only leaves, least valuable
-  first.
+  first;
+* :meth:`Removal.invalidate` -- a leaf an operator invalidates: its pages on both tiers freed
+  and announced, nothing written to L3, counted apart from evictions.
 
 Threading: the cache's thread only.
 """
@@ -102,3 +104,20 @@ class Removal:
                 self._n["host_evictions"] += 1
                 self._n["host_evicted_tokens"] += node.num_tokens
         return node.num_tokens
+
+    def invalidate(self, node: TreeNode) -> tuple[int, int]:
+        """Delete a leaf an operator invalidates (unlocked, unpinned): pages on both tiers freed
+        and announced (device first), none written to L3. Returns ``(device, host)`` tokens."""
+        value, host_value = self._tree.delete_leaf(node)
+        if value is not None:
+            self._device_free(value)
+            self._owner.release(value)
+            self._events.removed(node, Medium.DEVICE)
+        if host_value is not None:
+            self._host_free(host_value)
+            self._events.removed(node, Medium.HOST)
+        dev = node.num_tokens if value is not None else 0
+        host = node.num_tokens if host_value is not None else 0
+        self._n["invalidated_device_tokens"] += dev
+        self._n["invalidated_host_tokens"] += host
+        return dev, host

@@ -58,7 +58,7 @@ class WriteContext:
     host_allocator: PageAllocator
     removal: Removal                         # deletes host-only leaves (the plain host room)
     complete: Completion                     # waits for copies parked host pages are under
-    back_up_new: bool                        # L3 write_through: back up new leaves at insert
+    l3: Any                                  # back_up_new: L3 write_through backs up new leaves
 
 
 class WriteStrategy:
@@ -121,7 +121,7 @@ class WriteStrategy:
                       if node.hit_count >= threshold]
         last = res.last_node
         if last.parent is not None and last not in res.existing_nodes and (
-                (self.backup_on_hit and last.hit_count >= threshold) or self._ctx.back_up_new):
+                (self.backup_on_hit and last.hit_count >= threshold) or self._ctx.l3.back_up_new):
             claims.append(self.claim(last))
         self._ctx.flight.dispatch_backups([c for c in claims if c is not None])
 

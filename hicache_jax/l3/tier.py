@@ -41,11 +41,12 @@ import numpy as np
 from hicache_jax.memory.allocator import PageAllocator
 from hicache_jax.l3.keys import DigestRecords
 from hicache_jax.l3.port import CachePort
-from hicache_jax.l3.prefetch import PrefetchHandle, Prefetcher
+from hicache_jax.l3.prefetch import PrefetchHandle, Prefetcher, leading
 from hicache_jax.spec import HiCacheConfig, KVSpec, PrefetchPolicy, WritePolicy
 from hicache_jax.l3.storage import (
     ENTRY_ROWS, StorageError, StorageUnavailableError, entry_pages, entry_rows, key_strings,
     open_storage, parse_bool)
+from hicache_jax.tree.hashing import chain_digests
 from hicache_jax.tree.node import TreeNode
 
 __all__ = ["CachePort", "L3Tier", "NullL3Tier", "PrefetchHandle", "open_l3", "split_url"]
@@ -57,7 +58,8 @@ _STAT_NAMES = ("l3_lookup_pages", "l3_prefetches", "l3_prefetch_pages", "l3_pref
                "l3_prefetch_missed_pages", "l3_prefetch_duplicate_pages",
                "l3_prefetch_backfill_pages", "l3_prefetch_dropped_pages",
                "l3_prefetch_skipped_pages", "l3_prefetch_timeouts", "l3_put_pages",
-               "l3_put_pages_stored", "l3_puts_dropped", "l3_puts_skipped", "l3_unkeyable_pages")
+               "l3_put_pages_stored", "l3_puts_dropped", "l3_puts_skipped", "l3_unkeyable_pages",
+               "l3_deleted_pages", "l3_delete_unsupported_pages")
 
 
 def split_url(url: str) -> tuple[str, dict[str, Any]]:
@@ -113,6 +115,12 @@ class NullL3Tier:
 
     def poll(self, attach: bool = True) -> None:
         pass
+
+    def held_beyond(self, tokens: np.ndarray, extra_key: Any, covered: int) -> int:
+        return 0
+
+    def delete(self, nodes: list[TreeNode], tokens: np.ndarray | None, extra_key: Any) -> int:
+        return 0
 
     def flush(self) -> None:
         pass
@@ -319,6 +327,50 @@ class L3Tier:
         self._staging_alloc.free(sids)
         if stored:
             self._port.events.l3_stored(announce, ok)
+
+    # -- control API (ARCHITECTURE.md, "Control API") ------------------------------------------
+
+    def adopt(self, nodes: list[TreeNode]) -> None:
+        """Record the digests of host copies cached before this tier was attached (``nodes``
+        parents first), so write-back puts them at host eviction; nothing is put now."""
+        for node in nodes:
+            digests = self._records.node_digests(node)
+            if digests is not None:
+                self._records.record(node.host_value, digests, node.page_hashes)
+
+    def held_beyond(self, tokens: np.ndarray, extra_key: Any, covered: int) -> int:
+        """Tokens of validated whole-page ``tokens`` after its first ``covered`` that the store
+        holds, continuing them: one batched ``exists``, nothing counted, fetched or stamped."""
+        ps, seed = self._port.spec.page_size, self._records.seed(extra_key)
+        if seed is None or covered >= tokens.size:
+            return 0
+        digests = chain_digests(seed, tokens.reshape(-1, ps))[covered // ps:]
+        return leading(self.backend.exists(key_strings(self._port.spec, extra_key,
+                                                       digests))) * ps
+
+    def delete(self, nodes: list[TreeNode], tokens: np.ndarray | None, extra_key: Any) -> int:
+        """Delete from the store the entries of ``nodes``' pages (still in the tree) and, given
+        ``tokens``, of their last page; returns the pages deleted. Puts in flight finish first
+        (a put landing after the delete would bring the entry back). A backend without the
+        optional ``delete`` keeps them (counted in ``l3_delete_unsupported_pages``)."""
+        self._submit_reads(block=True)
+        self._drain_puts(self._staging_alloc.num_pages)
+        keys: dict[str, None] = {}
+        for node in nodes:
+            digests = self._records.node_digests(node)
+            if digests is not None:
+                keys.update(dict.fromkeys(key_strings(self._port.spec, node.extra_key, digests)))
+        seed = self._records.seed(extra_key)
+        if tokens is not None and seed is not None:
+            last = chain_digests(seed, tokens.reshape(-1, self._port.spec.page_size))[-1:]
+            keys.update(dict.fromkeys(key_strings(self._port.spec, extra_key, last)))
+        remove = getattr(self.backend, "delete", None)
+        if remove is None:
+            self._n["l3_delete_unsupported_pages"] += len(keys)
+            return 0
+        gone = int(np.asarray(remove(list(keys)), dtype=bool).sum()) if keys else 0
+        self._n["l3_deleted_pages"] += gone
+        return gone
 
     # -- misc ---------------------------------------------------------------------------------
 

@@ -33,6 +33,9 @@ class TreeNode:
         value: int32 ``[num_pages]`` device page ids, or ``None`` when evicted from device.
         host_value: int32 ``[num_pages]`` host page ids, or ``None`` when not backed up.
         lock_ref: locks on this node or a descendant (locks walk to the root).
+        host_pins: host pins on this node or a descendant (they walk to the root like locks):
+            a host-pinned node keeps its host copy (never host-evicted, never dropped as
+            redundant) but may still leave the device.
         hit_count, last_access, created, priority: eviction keys (see ``eviction.py``).
         page_hashes: uint64 ``[num_pages]`` chained hashes of the prefix ending at each page
             (a property: computed on first access and kept, since only KV events and L3 use
@@ -61,6 +64,7 @@ class TreeNode:
     value: "np.ndarray | None" = None
     host_value: "np.ndarray | None" = None
     lock_ref: int = 0
+    host_pins: int = 0
     hit_count: int = 0
     last_access: float = 0.0
     created: float = 0.0

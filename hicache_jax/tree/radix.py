@@ -132,6 +132,22 @@ class RadixTree(TierIndex):
                 host += n
         return device, host
 
+    def peek_path(self, tokens: np.ndarray, extra_key: Any) -> list[tuple[TreeNode, int]]:
+        """The nodes of the longest cached prefix of validated whole-page ``tokens``, root
+        first, each with how many of its tokens matched (only the last may match partly),
+        changing nothing (no split, no stamp)."""
+        path, pos, start = self._walk(tokens, extra_key)
+        last = len(path) - 1
+        return [(node, (pos - start) if i == last else node.num_tokens)
+                for i, node in enumerate(path)]
+
+    def node_at(self, tokens: np.ndarray, extra_key: Any) -> TreeNode:
+        """The node whose prefix ends exactly where the cached part of validated whole-page
+        ``tokens`` ends (split there if it ends inside a node; the root if nothing is cached).
+        Stamps nothing: a split changes no node's tiers, locks or eviction keys."""
+        path = self._materialize(*self._walk(tokens, extra_key))
+        return path[-1] if path else self.root
+
     def _walk(self, tokens: np.ndarray, extra_key: Any) -> tuple[list, int, int]:
         """Read-only descent: nodes matched (the last may match only partly), tokens matched,
         and where the last node starts. The hot loop of match and insert: kept flat on purpose."""
@@ -165,6 +181,7 @@ class RadixTree(TierIndex):
         upper = self._new_node(node.key[:ntok], parent, None if hashes is None else hashes[:p],
                                node.extra_key, node.last_access)
         upper.created, upper.lock_ref = node.created, node.lock_ref
+        upper.host_pins = node.host_pins
         upper.hit_count, upper.priority = node.hit_count, node.priority
         upper.device_epoch = node.device_epoch
         if node.value is not None:
@@ -314,9 +331,10 @@ class RadixTree(TierIndex):
 
         Either may be ``None`` (the tier did not hold the node). Ownership passes to the caller.
         """
-        if node.children or not (node in self.evictable_device or node in self.evictable_host):
-            raise HiCacheError(f"{node!r} is not a deletable leaf (has children, locked, or not "
-                               "in the tree)")
+        if node.children or node.host_pins or not (node in self.evictable_device
+                                                    or node in self.evictable_host):
+            raise HiCacheError(f"{node!r} is not a deletable leaf (has children, locked, "
+                               "host-pinned, or not in the tree)")
         parent = node.parent
         del parent.children[self._child_key(parent, node.key[: self.page_size], node.extra_key)]
         self._unindex_leaf(node)
@@ -418,6 +436,8 @@ class RadixTree(TierIndex):
             assert node.value is None or parent.value is not None, "device not prefix-closed"
             assert node.device_children == sum(c.value is not None for c in kids)
             assert node.lock_ref >= sum(c.lock_ref for c in kids) and node.lock_ref >= 0
+            assert node.host_pins >= sum(c.host_pins for c in kids) and node.host_pins >= 0
+            assert node.host_pins == 0 or node.host_value is not None, "host pin without copy"
             prev = namespace_hash(node.extra_key) if parent is root else int(parent.page_hashes[-1])
             assert np.array_equal(node.page_hashes, chain_hashes(prev, node.key.reshape(-1, ps)))
         self.check_index(nodes)

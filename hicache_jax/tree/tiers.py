@@ -9,8 +9,8 @@ leaves the tree:
 
 * ``evictable_device`` = nodes that are unlocked, hold device pages and have no child holding
   device pages (what device eviction may take next);
-* ``evictable_host`` = nodes that are unlocked, host-only and childless;
-* ``redundant`` = nodes that are unlocked and hold pages on both tiers (a host copy whose
+* ``evictable_host`` = nodes that are unlocked, not host-pinned, host-only and childless;
+* ``redundant`` = nodes that are unlocked, not host-pinned and hold pages on both tiers (a host copy whose
   device pages are still there: what ``drop_host_value`` may give up).
 
 Each is kept in O(1) per changed node from the node's own fields (``lock_ref``, ``value``,
@@ -70,8 +70,8 @@ class TierIndex:
         device_tokens / evictable_device_tokens / protected_device_tokens: tokens held on device
             in all / unlocked / locked nodes (evictable + protected = device).
         host_tokens: tokens held on host.
-        host_evictable_tokens: tokens of unlocked host-only nodes: exactly what host eviction
-            can free (a host-only node's descendants are host-only, and a lock below it would
+        host_evictable_tokens: tokens of unlocked, not host-pinned host-only nodes: exactly
+            what host eviction can free (a host-only node's descendants are host-only, and a lock below it would
             lock it too).
         redundant: set of unlocked nodes holding pages on both tiers; redundant_tokens their
             tokens.
@@ -98,11 +98,12 @@ class TierIndex:
         if node is self.root:
             return
         free = node.lock_ref == 0
+        kept = free and node.host_pins == 0  # what the host tier may give up
         if free and node.value is not None and node.device_children == 0:
             self.evictable_device.add(node)
         else:
             self.evictable_device.discard(node)
-        host_only = free and node.value is None and node.host_value is not None
+        host_only = kept and node.value is None and node.host_value is not None
         if host_only and not node.children:
             self.evictable_host.add(node)
         else:
@@ -111,7 +112,7 @@ class TierIndex:
         if tokens != node.host_only_tokens:
             self.host_evictable_tokens += tokens - node.host_only_tokens
             node.host_only_tokens = tokens
-        both = free and node.value is not None and node.host_value is not None
+        both = kept and node.value is not None and node.host_value is not None
         tokens = node.num_tokens if both else 0
         if tokens != node.redundant_tokens:
             self.redundant_tokens += tokens - node.redundant_tokens
@@ -283,6 +284,27 @@ class TierIndex:
                     self.evictable_device_tokens += n.num_tokens
                 self._refresh(n)
 
+    def pin_host(self, node: TreeNode) -> None:
+        """Keep the host copies of ``node`` and its ancestors (every one must hold one): no
+        host eviction, no redundant-copy drop; device eviction stays allowed."""
+        chain = self._lock_chain(node)
+        if any(n.host_value is None for n in chain):
+            raise HiCacheError(f"pin_host of {node!r}: a node of its prefix has no host copy")
+        for n in chain:
+            n.host_pins += 1
+            if n.host_pins == 1:
+                self._refresh(n)
+
+    def unpin_host(self, node: TreeNode) -> None:
+        """Undo one :meth:`pin_host`. Raises ``HiCacheError`` (no change) if not pinned."""
+        chain = self._lock_chain(node)
+        if any(n.host_pins <= 0 for n in chain):
+            raise HiCacheError(f"unpin_host of {node!r} below zero (not pinned)")
+        for n in chain:
+            n.host_pins -= 1
+            if n.host_pins == 0:
+                self._refresh(n)
+
     def _lock_chain(self, node: TreeNode) -> list:
         if not isinstance(node, TreeNode):
             raise TypeError(f"node must be a TreeNode, got {type(node).__name__}")
@@ -302,6 +324,7 @@ class TierIndex:
                              "redundant"), 0)
         for node in nodes:
             kids, free = list(node.children.values()), node.lock_ref == 0
+            kept = free and node.host_pins == 0
             if node.value is not None:
                 dev.append(node.value)
                 tok["device"] += node.num_tokens
@@ -311,13 +334,13 @@ class TierIndex:
             if node.host_value is not None:
                 host.append(node.host_value)
                 tok["host"] += node.num_tokens
-                if node.value is None and free:
+                if node.value is None and kept:
                     tok["host_evictable"] += node.num_tokens
                     if not kids:
                         ev_host.add(node)
             assert node.host_only_tokens == (node.num_tokens if node.value is None
-                                             and node.host_value is not None and free else 0)
-            if node.value is not None and node.host_value is not None and free:
+                                             and node.host_value is not None and kept else 0)
+            if node.value is not None and node.host_value is not None and kept:
                 redundant.add(node)
                 tok["redundant"] += node.num_tokens
             assert node.redundant_tokens == (node.num_tokens if node in redundant else 0)

@@ -7,8 +7,12 @@ mask = store.exists(keys)                               # bool [n], synchronous,
 h = store.get_into(keys, host_ids)                      # L3 -> host pages, a StorageHandle
 h = store.put_from(keys, host_ids)                      # host pages -> L3 (write-once keys)
 h.done(); ok = h.wait(timeout)                          # ok: bool [n]; h.landed(): so far
+store.delete(keys)                                      # optional: bool [n] removed
 store.stats(); store.close()
 ```
+
+``delete`` is optional (``HiCache.invalidate`` uses it where a backend has it; without it the
+store keeps its entries, counted in ``stats()["l3_delete_unsupported_pages"]``).
 
 An entry is a 64-byte header (spec fingerprint, key digest, length, checksum) and the page in
 ``page_first`` order; a corrupted or truncated entry is a miss.

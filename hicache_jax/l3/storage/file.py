@@ -37,7 +37,7 @@ import re
 import stat
 import time
 import uuid
-from typing import Any, Iterator
+from typing import Any, Iterator, Sequence
 
 import numpy as np
 
@@ -125,6 +125,13 @@ class FileStorage(BackendBase):
         """Where the entry of ``key`` lives: folder = the key's last two characters when they
         are lowercase hex (the cache's keys end in a page hash), else a digest of the key."""
         return os.path.join(self.root, _folder(key), key)
+
+    def delete(self, keys: Sequence[str]) -> np.ndarray:
+        """Remove the entries of ``keys`` (the protocol's optional method, for
+        ``HiCache.invalidate``); bool mask: which this call removed (False: absent)."""
+        keys = self._check_open_keys(keys)
+        return np.fromiter((self._unlink(self.path(k)) for k in keys), dtype=bool,
+                           count=len(keys))
 
     # ---- lanes -----------------------------------------------------------------------------
     def _exists(self, keys: tuple[str, ...]) -> np.ndarray:

@@ -48,7 +48,7 @@ import os
 import socket
 import threading
 import time
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -437,6 +437,13 @@ class MooncakeStorage(BackendBase):
             self._count(backend_errors=1)
         else:
             self._breaker.reset()
+
+    def delete(self, keys: Sequence[str]) -> np.ndarray:
+        """Remove the objects of ``keys`` (the protocol's optional method, for
+        ``HiCache.invalidate``; ``force``: a lease does not keep an invalidated entry); bool
+        mask: which the store removed (code 0)."""
+        keys = self._check_open_keys(keys)
+        return np.asarray([self._store.remove(k, True) == 0 for k in keys], dtype=bool)
 
     def _close(self) -> None:
         for mover in getattr(self, "_movers", {}).values():
