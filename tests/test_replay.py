@@ -298,3 +298,46 @@ def test_clean_ahead_leaves_almost_nothing_to_copy_on_the_eviction_path(eviction
                                           load_back_threshold=128))
     assert r["evicted_pages"] > 10_000
     assert r["eviction_backup_pages"] <= 0.01 * r["evicted_pages"]
+
+
+def test_cli_host_ratio_sweep_prints_ratio_to_two_tier_lru(tmp_path, capsys):
+    path = tmp_path / "r.json"
+    assert cli.main(["replay", str(SYNTHETIC), "--quiet", "--limit", "120", "--capacities",
+                     "1e5,3e5", "--host-ratio", "2,4", "--policy", "clean_ahead,write_back",
+                     "--json", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "== L2 = 2 x L1" in out and "== L2 = 4 x L1" in out and "/LRU(L1+L2)" in out
+    reps = json.loads(path.read_text())["reports"]
+    assert [rep["host_ratio"] for rep in reps] == [2.0, 4.0]
+    for rep in reps:
+        for r in rep["results"]:
+            assert r["host_pages"] == round(rep["host_ratio"] * r["device_pages"])
+            assert r["vs_lru_total"] == pytest.approx(r["hit_ratio"] / r["lru_total_hit_ratio"])
+
+
+def test_cli_check_ideal_names_the_point_below(tmp_path, capsys):
+    args = ["replay", str(SYNTHETIC), "--quiet", "--limit", "120", "--capacities", "1e5",
+            "--host-ratio", "2,4", "--json", str(tmp_path / "r.json")]
+    assert cli.main(args + ["--check-ideal", "1e-9"]) == 0  # any hit at all passes
+    capsys.readouterr()
+    data = json.loads((tmp_path / "r.json").read_text())
+    vs = {rep["host_ratio"]: rep["results"][0]["vs_lru_total"] for rep in data["reports"]}
+    floor = max(vs.values()) + 1e-6  # above every point: each one is named
+    assert cli.main(args + ["--check-ideal", str(min(floor, 1.0))]) == 1
+    err = capsys.readouterr().err
+    assert "check-ideal failed" in err
+    for ratio in vs:
+        if vs[ratio] < min(floor, 1.0):
+            assert f"L1 99840 tokens, L2 = {ratio:g} x L1" in err
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--host-ratio", "2,x"], "--host-ratio 'x'"),
+    (["--host-ratio", "2,-1"], "--host-ratio -1"),
+    (["--check-ideal", "1.5"], "--check-ideal 1.5"),
+    (["--check-ideal", "0.9", "--policy", "write_back"], "add it to --policy"),
+])
+def test_cli_bad_sweep_flags_exit_2(args, message, capsys):
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["replay", str(SYNTHETIC), "--quiet", "--limit", "10", *args])
+    assert exc.value.code == 2 and message in capsys.readouterr().err

@@ -14,6 +14,7 @@ This module defines the command line (the flags of both commands, :func:`main`) 
 from __future__ import annotations
 
 import argparse
+import sys
 from typing import Any, Sequence
 
 import numpy as np
@@ -25,8 +26,12 @@ from hicache_jax.engine.workloads import ARRIVALS, WORKLOADS
 from hicache_jax.replay import driver as replay_mod
 from hicache_jax.replay import simulate as sim
 import hicache_jax.study as study
+from hicache_jax.spec import HiCacheConfig
 
 __all__ = ["CONFIGS", "bench", "build_workload", "main", "replay_command"]
+
+#: the write policy HiCacheConfig defaults to: the one ``--check-ideal`` checks
+DEFAULT_POLICY = str(getattr(HiCacheConfig.write_policy, "value", HiCacheConfig.write_policy))
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -133,8 +138,9 @@ def _replay_parser(sub: Any) -> None:
     size.add_argument("--device-tokens", type=float, help="L1 size in tokens (e.g. 3e6)")
     size.add_argument("--capacities", metavar="TOKENS,...",
                       help="capacity sweep: L1 sizes in tokens, e.g. 1e5,3e5,1e6")
-    c.add_argument("--host-ratio", type=float, default=4.0,
-                   help="L2 pages = ratio x L1 pages (0: L1 only)")
+    c.add_argument("--host-ratio", default="4",
+                   help="L2 pages = ratio x L1 pages (0: L1 only), or a comma list: every L1 "
+                        "size is replayed at every ratio, e.g. 2,4,8")
     c.add_argument("--policy", default="clean_ahead",
                    help="write policy, or a comma list (each is run)")
     c.add_argument("--eviction", default="lru", help="eviction strategy, or a comma list")
@@ -155,6 +161,9 @@ def _replay_parser(sub: Any) -> None:
     o.add_argument("--json", metavar="PATH", help="write every figure as JSON")
     o.add_argument("--plot", metavar="PATH", help="hit ratio versus L1 capacity (needs matplotlib)")
     o.add_argument("--quiet", action="store_true", help="no progress bar")
+    o.add_argument("--check-ideal", type=float, metavar="X",
+                   help="exit 1, naming the point, where the default write policy's hit ratio "
+                        "is below X times LRU(L1+L2) of the same run")
     r.set_defaults(func=replay_command)
 
 
@@ -167,7 +176,7 @@ def _simulate(args: argparse.Namespace, parser: argparse.ArgumentParser, trace: 
                             token_bytes=model.page_bytes)
     except (ValueError, TypeError) as exc:
         parser.exit(2, f"hicache-jax replay: error: {exc}\n")
-    kw = dict(device_pages=pages, host_ratio=args.host_ratio,
+    kw = dict(device_pages=pages, host_ratio=args.host_ratios[0],
               threshold=args.load_back_threshold, seed=args.seed)
     report = sim.simulate_all(trace, spec, regime, **kw)
     print(f"simulate {trace.path}: {len(trace.requests)} requests, L1 {pages} pages; "
@@ -195,8 +204,13 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _replay_setup(args: argparse.Namespace) -> tuple[Any, Any, list[int]]:
     """Trace, spec and L1 sizes from the flags (through :mod:`hicache_jax.study`, as a notebook
     gets them); ValueError / OSError naming the problem."""
-    if not (np.isfinite(args.host_ratio) and args.host_ratio >= 0):
-        raise ValueError(f"--host-ratio {args.host_ratio} must be a finite number >= 0")
+    args.host_ratios = _host_ratios(args.host_ratio)
+    if args.check_ideal is not None and not (np.isfinite(args.check_ideal)
+                                             and 0 < args.check_ideal <= 1):
+        raise ValueError(f"--check-ideal {args.check_ideal} must be in (0, 1]")
+    if args.check_ideal is not None and DEFAULT_POLICY not in _split(args.policy):
+        raise ValueError(f"--check-ideal checks the default policy {DEFAULT_POLICY}: "
+                         "add it to --policy")
     if args.json:
         check_writable(args.json)
     trace = study.load_trace(args.trace, block_size=args.block_size, limit=args.limit)
@@ -215,13 +229,43 @@ def _replay_setup(args: argparse.Namespace) -> tuple[Any, Any, list[int]]:
         pages = study.l1_pages(trace, ps, device_pages=None if args.device_pages is None
                                else [args.device_pages])
     # every configuration is valid before the first replay starts
-    study.check_configs(pages, [args.host_ratio], _split(args.policy), _split(args.eviction),
+    study.check_configs(pages, args.host_ratios, _split(args.policy), _split(args.eviction),
                         args.load_back_threshold)
     return trace, spec, pages
 
 
 def _split(flag: str) -> list[str]:
     return [x.strip() for x in flag.split(",")]
+
+
+def _host_ratios(flag: str) -> list[float]:
+    """``--host-ratio 4`` or ``2,4,8`` -> the ratios; ValueError naming a bad one."""
+    out = []
+    for item in _split(str(flag)):
+        try:
+            ratio = float(item)
+        except ValueError:
+            raise ValueError(f"--host-ratio {item!r}: expected numbers, e.g. 2,4,8") from None
+        if not (np.isfinite(ratio) and ratio >= 0):
+            raise ValueError(f"--host-ratio {item} must be a finite number >= 0")
+        out.append(ratio)
+    return out
+
+
+def _below_ideal(reports: Sequence[dict[str, Any]], floor: float) -> list[str]:
+    """Each point (L2 ratio, L1 size, eviction) where the default write policy's hit ratio is
+    below ``floor`` x LRU(L1+L2) of the same run, as a line naming it."""
+    out = []
+    for rep in reports:
+        for r in rep["results"]:
+            if r["write_policy"] != DEFAULT_POLICY or r["vs_lru_total"] is None:
+                continue
+            if r["vs_lru_total"] < floor:
+                out.append(f"{DEFAULT_POLICY}/{r['eviction']} at L1 "
+                           f"{r['device_pages'] * r['page_size']} tokens, L2 = "
+                           f"{rep['host_ratio']:g} x L1: {r['vs_lru_total']:.4f} of "
+                           f"LRU(L1+L2) < {floor:g}")
+    return out
 
 
 def replay_command(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
@@ -239,19 +283,30 @@ def replay_command(args: argparse.Namespace, parser: argparse.ArgumentParser) ->
           f"{trace.num_tokens:,} prompt tokens; page {ps} tokens, "
           f"{spec.page_bytes:,} bytes a page ({spec.num_layers}L {spec.num_kv_heads}x"
           f"{spec.head_dim} {spec.dtype}); L1 {', '.join(f'{p} pages' for p in pages)}, "
-          f"L2 = {args.host_ratio:g} x L1", flush=True)
+          f"L2 = {', '.join(f'{x:g}' for x in args.host_ratios)} x L1", flush=True)
     env = replay_mod.environment()  # date and load average at the start; the load at the end too
-    report = study.sweep(trace, device_pages=pages, policies=_split(args.policy),
-                         evictions=_split(args.eviction), host_ratios=[args.host_ratio],
-                         spec=spec, load_back_threshold=args.load_back_threshold,
-                         progress=not args.quiet).reports[0]
-    print(replay_mod.tables(report), flush=True)
+    reports = study.sweep(trace, device_pages=pages, policies=_split(args.policy),
+                          evictions=_split(args.eviction), host_ratios=args.host_ratios,
+                          spec=spec, load_back_threshold=args.load_back_threshold,
+                          progress=not args.quiet).reports
+    for rep in reports:
+        if len(reports) > 1:
+            print(f"\n== L2 = {rep['host_ratio']:g} x L1", flush=True)
+        print(replay_mod.tables(rep), flush=True)
+    report = reports[0]
+    below = _below_ideal(reports, args.check_ideal) if args.check_ideal is not None else []
     if args.json:
         env["load_average_end"] = replay_mod.environment()["load_average"]
+        # one ratio: the report's keys at the top (as before); always every report in "reports"
         write_json(args.json, {"benchmark": "hicache-jax replay", "env": env,
                                 "config": {k: v for k, v in vars(args).items() if k != "func"},
-                                **report})
+                                **(report if len(reports) == 1 else {}), "reports": reports,
+                                "check_ideal": None if args.check_ideal is None else
+                                {"floor": args.check_ideal, "below": below}})
     if args.plot:
         replay_mod.plot(report, args.plot)
         print(f"wrote {args.plot}")
+    if below:
+        print("check-ideal failed:\n  " + "\n  ".join(below), file=sys.stderr, flush=True)
+        return 1
     return 0

@@ -249,16 +249,21 @@ def tables(report: dict[str, Any]) -> str:
 
 
 def sweep_table(report: dict[str, Any]) -> str:
-    """Hit ratio versus L1 capacity (tokens): the references, then one column per config."""
+    """Hit ratio versus L1 capacity (tokens): the references, then per config its hit ratio
+    and that ratio over LRU(L1+L2) of the same run."""
     res, ps = report["results"], report["references"]["page_size"]
     names = list(dict.fromkeys(_name(r) for r in res))
     by = {(r["device_pages"], _name(r)): r for r in res}
     rows = []
     for d in sorted({r["device_pages"] for r in res}):
         first = next(r for r in res if r["device_pages"] == d)
-        rows.append([d * ps, first["lru_l1_hit_ratio"], first["lru_total_hit_ratio"]]
-                    + [by[(d, n)]["hit_ratio"] if (d, n) in by else "-" for n in names])
-    return format_table(["L1 tokens", "LRU(L1)", "LRU(L1+L2)", *names], rows)
+        cells: list[Any] = []
+        for n in names:  # each config's hit ratio, then its ratio to LRU(L1+L2) of this run
+            cells += [by[(d, n)]["hit_ratio"], by[(d, n)]["vs_lru_total"]] if (d, n) in by \
+                else ["-", "-"]
+        rows.append([d * ps, first["lru_l1_hit_ratio"], first["lru_total_hit_ratio"]] + cells)
+    heads = [h for n in names for h in (n, "/LRU(L1+L2)")]
+    return format_table(["L1 tokens", "LRU(L1)", "LRU(L1+L2)", *heads], rows)
 
 
 def require_matplotlib() -> None:
