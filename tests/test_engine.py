@@ -209,3 +209,12 @@ def test_pool_sharded_over_kv_heads_matches(model, baseline):
     _same(gen, baseline)
     assert gen.record.host_hit_tokens == 32
     assert eng.pool.array.sharding.spec[4] == "kv"
+
+
+def test_engine_reports_prefill_samples_without_compiles(model):
+    eng = _engine(model, 16, mode="none")
+    rng = np.random.default_rng(5)
+    prompts = [rng.integers(1, CFG.vocab_size, 40).astype(np.int32) for _ in range(4)]
+    eng.generate(prompts, 1)
+    s = eng.cache.stats()
+    assert s["cost_prefill_samples"] == 3  # the first prefill of the shape compiled: skipped
