@@ -34,6 +34,7 @@ RUNS = [
     ("bench_pins", [], ["x limit", "target pinned system-prompt hit rate >= 0.95 of the limit:"],
      []),
     ("bench_pool", ["--quick"], ["x memcpy", "Targets: flat in pool size"], []),
+    ("bench_simulate", ["--limit", "100"], ["cost/better mean", "cost/better p90"], []),
     ("bench_step", ["--quick"], ["unrolled/scan", "memcpy weights ms",
                                  "target: the default path (unrolled at <="], []),
     ("bench_storage", ["--quick", "--backends", "file"],
