@@ -1,7 +1,7 @@
 """Consumer conformance: subscribers written only from the published formats of the consumers
 hicache_jax's KV events feed, each replayed a random workload (evictions, host evictions,
-load-backs, L3 prefetches from a file:// store, resets) and checked against the cache's own
-``lookup``:
+load-backs, L3 prefetches from a file:// store, ``invalidate`` of prefixes and namespaces,
+storage detached and attached again, resets) and checked against the cache's own ``lookup``:
 
 * vLLM positional: each event ``[tag, *fields]`` in vLLM's field order;
 * vLLM map (vLLM PR #42892): each event a map of field names tagged by ``"type"``;
@@ -11,11 +11,15 @@ load-backs, L3 prefetches from a file:// store, resets) and checked against the 
   ``block_size`` differs from its own;
 * llm-d: drops a BlockStored whose parent it does not know; here it must drop nothing.
 
+On L3 (``DISK``) the consumers' view must be sound: every page they hold there is in the store
+(invalidated pages are announced removed), and nothing while the storage is detached.
+
 The batches come back from the replay socket (every batch from seq 0, no subscription race).
 """
 
 from __future__ import annotations
 
+import collections
 import itertools
 
 import numpy as np
@@ -158,39 +162,74 @@ def run(encoding: str, tmp_path, seed: int, l3_policy: str = "write_through",
                                   "encoding": encoding, "l3_medium": "auto",
                                   "block_hash": block_hash, "hash_seed": "0"})
     prompts = [rng.integers(3, size=k).repeat(PS) for k in range(1, 4)]
-    checks = []
+    checks, url, invalidated = [], cache.cfg.storage, {"device": 0, "host": 0, "l3": 0}
+    totals = collections.Counter({"l3_prefetch_pages": 0, "host_evictions": 0})
     try:
         for step in range(150):
-            op = rng.integers(10)
+            op = rng.integers(12)
             prefix = prompts[int(rng.integers(len(prompts)))]
             toks = np.concatenate([prefix, rng.integers(40, size=PS * int(rng.integers(4)))])
             key = [None, "tenant"][int(rng.integers(2))]
-            if op < 5:
+            if step in (40, 60, 110, 120):            # counters start again after these
+                totals.update({k: cache.stats().get(k, 0) for k in totals})
+            if step in (60, 110):
+                cache.reset()
+            elif step in (40, 120):
+                cache.detach_storage()                # its L3 pages announced removed
+            elif step in (70, 130):
+                cache.attach_storage(url)             # the same store: announced as put
+            elif op < 5:
                 serve(cache, toks, key)               # matches load back host pages
             elif op == 5:
                 cache.evict(int(rng.integers(4, 12)) * PS)
             elif op == 6:
                 cache.evict_host(int(rng.integers(1, 8)) * PS)
-            elif op == 7:
+            elif op in (7, 8):
                 cache.prefetch(toks, key)             # L3 -> host
-            elif op == 8:
+            elif op == 9:
                 cache.flush()
-            elif step in (60, 110):
-                cache.reset()
+            elif op == 10 and rng.integers(2):        # a prefix: its last page and below
+                got = cache.invalidate(toks[:PS * int(rng.integers(1, toks.size // PS + 1))], key)
+                invalidated = {t: invalidated[t] + got[t] for t in invalidated}
+            elif op == 11 and rng.integers(4) == 0:   # now and then a whole namespace
+                got = cache.invalidate(extra_key=key)
+                invalidated = {t: invalidated[t] + got[t] for t in invalidated}
             # the cache's own answer for a few prompts, after the batches sealed so far (a call
             # that publishes seals what calls that do not, e.g. the handle's lock, recorded)
             cache.evict(0)
-            checks.append((cache.stats()["kv_event_batches"],
+            checks.append((cache.stats()["kv_event_batches"], cache.cfg.storage is not None,
                            [(p, k, cache.lookup(p, k)) for p in (toks, prefix)
                             for k in (None, "tenant")]))
         cache.flush()
         cache.match_prefix(np.arange(PS))             # attach landed prefetches; a call seals
         assert cache._events.wait_published(10)
         batches = replay_all(rep)
-        stats = cache.stats()
+        totals.update({k: cache.stats().get(k, 0) for k in totals})
+        stats = cache.stats() | {f"invalidated_{t}": v for t, v in invalidated.items()}
+        stats |= {f"total_{k}": v for k, v in totals.items()}
+        stats["run"] = n
     finally:
         cache.close()
     return batches, checks, stats
+
+
+def in_store(url: str, index: TierIndex) -> list[bool]:
+    """For each page a consumer holds on DISK: is its prefix's last page in the store?"""
+    from hicache_jax.l3.storage import ENTRY_ROWS, entry_rows, open_storage, page_keys
+    spec = bookkeeping_spec(PS)
+    out = []
+    with open_storage(url, spec, entry_rows(spec, 1), ENTRY_ROWS) as store:
+        for h, tiers in index.tiers.items():
+            if "DISK" not in tiers:
+                continue
+            pages, key = [], h
+            while not isinstance(key, tuple) or key[0] != "ns":
+                key, toks = index.key_of[key]
+                pages.append(toks)
+            extra_key = key[2] if key[2] is not None else key[1]
+            tokens = np.array([t for page in reversed(pages) for t in page])
+            out.append(bool(store.exists(page_keys(spec, tokens, extra_key)[-1:])[0]))
+    return out
 
 
 @pytest.mark.parametrize("seed, l3_policy, block_hash", [
@@ -207,7 +246,8 @@ def test_every_consumer_agrees_with_the_caches_lookup(encoding, seed, l3_policy,
     decode = decode_map if encoding == "map" else decode_positional
     subs = consumers()
     media, applied, seen = set(), 0, {"device": 0, "host": 0}
-    for upto, answers in checks:
+    l3_removed = 0
+    for upto, attached, answers in checks:
         for _, (ts, events, rank) in batches[applied:upto]:
             for raw in events:
                 assert isinstance(raw, dict if encoding == "map" else list)
@@ -216,9 +256,13 @@ def test_every_consumer_agrees_with_the_caches_lookup(encoding, seed, l3_policy,
                     assert ev["block_size"] == PS
                     assert len(ev["token_ids"]) == PS * len(ev["block_hashes"])
                     media.add(ev["medium"])
+                elif tag == "BlockRemoved" and ev["medium"] == "DISK":
+                    l3_removed += len(ev["block_hashes"])
                 for sub in subs.values():
                     sub.apply(tag, ev)
         applied = upto
+        if not attached:  # detached: the consumers hold nothing on L3 for this cache
+            assert not any("disk" in t for t in subs["dynamo"].tiers.values())
         for toks, key, want in answers:
             toks = [int(t) for t in toks]
             assert subs["vllm"].lookup(toks, "GPU", "CPU", key) == want
@@ -227,11 +271,14 @@ def test_every_consumer_agrees_with_the_caches_lookup(encoding, seed, l3_policy,
             seen = {t: seen[t] + (want[t] > 0) for t in seen}
     assert seen["device"] > 20 and seen["host"] > 20  # both tiers were compared, often
     assert media == {"GPU", "CPU", "DISK"}            # L3 announced as its own medium
-    assert stats["l3_prefetch_pages"] > 0 and stats["host_evictions"] > 0
+    assert stats["total_l3_prefetch_pages"] > 0 and stats["total_host_evictions"] > 0
     assert subs["llm-d"].dropped == 0                 # a parent always comes first
     for name in ("vllm", "dynamo", "llm-d"):
         assert subs[name].unknown_removed == 0, name
     assert subs["dynamo_other_size"].tiers == {}      # another block size: all dropped
+    assert stats["invalidated_device"] + stats["invalidated_host"] > 0
+    assert stats["invalidated_l3"] > 0 and l3_removed > 0  # invalidate and detach said so
+    assert all(in_store(f"file://{tmp_path}/l3-{stats['run']}", subs["vllm"]))
     # every page on disk has its parent known on disk (L3 is announced parents first)
     dyn = subs["dynamo"]
     for h, tiers in dyn.tiers.items():

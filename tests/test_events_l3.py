@@ -110,5 +110,7 @@ def test_a_page_the_store_dropped_is_announced_removed_when_a_lookup_misses_it(m
     first = [e.block_hash for e in l3_stored(events)][:2]  # prompt 0: the store's oldest
     cache.prefetch(prompts[0])                     # the store lost it: the lookup misses
     gone = [e for e in cache.take_events() if isinstance(e, BlockRemoved)]
-    assert [(e.block_hash, e.medium) for e in gone] == [(first[0], Medium.L3)]
+    # the first page and the one announced below it (unreachable now), the leaf first
+    assert [(e.block_hash, e.medium) for e in gone] == [(first[1], Medium.L3),
+                                                        (first[0], Medium.L3)]
     replay(events + gone)                          # consistent: removed once, after stored

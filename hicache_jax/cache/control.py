@@ -15,6 +15,7 @@ from typing import Any, Hashable
 from hicache_jax.cache.lookup import lookup
 from hicache_jax.cache.pins import Pins
 from hicache_jax.cache.thread_owner import publishes
+from hicache_jax.events.factory import l3_wire_medium
 from hicache_jax.validation import check_bool, check_extra_key, page_tokens
 
 
@@ -30,6 +31,7 @@ class ControlAPI:
     _complete: Any
     _guard: Any
     _port: Any
+    _events: Any
     spec: Any
     cfg: Any
 
@@ -78,8 +80,10 @@ class ControlAPI:
     @publishes
     def attach_storage(self, url: str) -> None:
         """Open the L3 store ``url`` (as ``HiCacheConfig.storage``) on a live cache, requests in
-        flight included; L1 and L2 untouched (cache/storage_attach.py). HiCacheError if storage
-        is attached; ValueError / StorageUnavailableError (nothing changed) as at construction."""
+        flight included; L1 and L2 untouched (cache/storage_attach.py). With ``kv_events``
+        ``l3_medium`` set, its pages are announced as this cache's puts land (nothing at the
+        attach). HiCacheError if storage is attached; ValueError / StorageUnavailableError
+        (nothing changed) as at construction."""
         if not isinstance(url, str):
             raise TypeError(f"url must be a storage URL string, got {type(url).__name__}")
         cfg = dataclasses.replace(self.cfg, storage=url)
@@ -87,13 +91,15 @@ class ControlAPI:
         held = [n for n in self._tree.nodes() if n.host_value is not None]
         self._l3.attach(self._port, self.spec, cfg, held)
         self.cfg = cfg
+        self._events.l3_attached(l3_wire_medium(cfg.kv_events, url))
 
     @publishes
     def detach_storage(self) -> int:
         """Finish the L3 work in flight (puts stored, prefetches landed), close the store, and
         go on without L3; returns the operations finished (``stats()["storage_detach_*"]``).
-        HiCacheError without storage."""
+        Every page announced on L3 is announced removed. HiCacheError without storage."""
         self._complete(attach=True)
         finished = self._l3.detach()
+        self._events.l3_detached()  # this cache reaches nothing of the store now
         self.cfg = dataclasses.replace(self.cfg, storage=None)
         return finished

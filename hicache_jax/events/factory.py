@@ -8,10 +8,10 @@ from hicache_jax.events.recorder import NullRecorder, QueueRecorder, Recorder
 from hicache_jax.spec import KVEventsConfig
 
 
-def l3_wire_medium(cfg: KVEventsConfig, storage: str | None) -> str | None:
-    """L3's wire ``medium`` (None: not announced): ``"auto"`` is ``"DISK"`` for ``file://``,
-    ``"EXTERNAL"`` for any other store."""
-    if storage is None or cfg.l3_medium is None:
+def l3_wire_medium(cfg: KVEventsConfig | None, storage: str | None) -> str | None:
+    """L3's wire ``medium`` (None: not announced, or events off): ``"auto"`` is ``"DISK"`` for
+    ``file://``, ``"EXTERNAL"`` for any other store."""
+    if storage is None or cfg is None or cfg.l3_medium is None:
         return None
     if cfg.l3_medium == "auto":
         return "DISK" if storage.startswith("file://") else "EXTERNAL"
@@ -24,16 +24,19 @@ def make_recorder(cfg: KVEventsConfig | None, storage: str | None = None
 
     Args:
         cfg: the parsed ``kv_events``.
-        storage: the cache's L3 URL (None: no L3, nothing of it announced).
+        storage: the cache's L3 URL at construction (None: no L3 yet; with ``l3_medium`` set,
+            a store attached later is announced under its own wire name).
     """
     if cfg is None:
         return NullRecorder()
     ids = None if cfg.block_hash == "tree" else VllmIds(cfg.block_hash, cfg.hash_seed)
-    l3 = l3_wire_medium(cfg, storage)
+    # L3 is announced whenever l3_medium is set: a store attached at run time is announced too
+    # (its wire name comes with it: Recorder.l3_attached)
+    l3 = cfg.l3_medium is not None
     if cfg.publisher == "queue":
-        return QueueRecorder(cfg.buffer_steps, cfg.buffer_bytes, ids, l3 is not None)
+        return QueueRecorder(cfg.buffer_steps, cfg.buffer_bytes, ids, l3)
     from hicache_jax.events.zmq import ZmqRecorder
 
-    return ZmqRecorder(cfg, ids, l3)
+    return ZmqRecorder(cfg, ids, l3_wire_medium(cfg, storage), l3)
 
 

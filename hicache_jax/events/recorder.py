@@ -13,9 +13,19 @@ L3 residency, and only after its parent is announced on L3: a child whose put la
 (``write_back`` puts leaves before their parents) waits until its parent lands, so a consumer
 never sees a parent it does not know. A page whose parent never lands stays unannounced
 (at most :data:`L3_WAITING` wait; beyond, the oldest are given up and counted in
-``kv_event_l3_unannounced``). The store does not say when it drops an entry; a prefetch's
-lookup that misses an announced page reports it (:meth:`Recorder.l3_gone`: BlockRemoved on L3).
-The announced set is one Python int per page put since the last reset.
+``kv_event_l3_unannounced``).
+
+Removals on L3 (BlockRemoved, leaves before their parents): a page announced there and every
+page announced below it, once none of them is reachable any more by walking the chain from the
+root (a consumer walks it the same way). The store does not say when it drops an entry; a
+prefetch's lookup that misses an announced page reports it (:meth:`Recorder.l3_gone`).
+``HiCache.invalidate`` reports the prefix or namespace it deleted from the store
+(:meth:`Recorder.l3_invalidated`), and ``detach_storage`` every page announced on L3
+(:meth:`Recorder.l3_detached`: this cache reaches none of them now). ``attach_storage`` announces
+nothing (the protocol has no listing; what the store holds already is unknown): pages are
+announced as this cache's puts land, as at construction (:meth:`Recorder.l3_attached` names the
+wire medium of the new store). The announced set is one Python int and its parent per page put
+since the last reset.
 
 Threading: the cache's owning thread only; ``stats()`` reads the counters.
 """
@@ -99,6 +109,15 @@ class NullRecorder:
         pass
 
     def l3_gone(self, pages: np.ndarray, extra_key: Any) -> None:
+        pass
+
+    def l3_invalidated(self, pages: np.ndarray | None, extra_key: Any) -> None:
+        pass
+
+    def l3_attached(self, medium: str | None) -> None:
+        pass
+
+    def l3_detached(self) -> None:
         pass
 
     def end_call(self) -> None:
@@ -191,6 +210,27 @@ class Recorder:
         tokens; a lookup missed it): a BlockRemoved on L3 if it was announced there."""
         if self._l3 is not None:
             self._l3.gone(int(chain_hashes(namespace_hash(extra_key), pages)[-1]))
+
+    def l3_invalidated(self, pages: np.ndarray | None, extra_key: Any) -> None:
+        """``HiCache.invalidate`` deleted from the store the prefix ending with the last page of
+        ``pages`` (``[n, page_size]`` tokens) and below, or (``pages=None``) the namespace
+        ``extra_key``: what of it was announced on L3 is announced removed, and pages waiting for
+        a parent there are forgotten."""
+        if self._l3 is None:
+            return
+        if pages is None:
+            self._l3.drop_namespace(extra_key)
+        else:
+            self._l3.gone(int(chain_hashes(namespace_hash(extra_key), pages)[-1]))
+
+    def l3_attached(self, medium: str | None) -> None:
+        """A store was attached at run time; ``medium``: its wire name (None: not announced).
+        Nothing is announced now (see the module doc)."""
+
+    def l3_detached(self) -> None:
+        """The store was detached: every page announced on L3 is announced removed."""
+        if self._l3 is not None:
+            self._l3.drop_all()
 
     def end_call(self) -> None:
         """Seal the events of the call that returns (if any) into the next batch."""
@@ -289,7 +329,8 @@ class L3Announcer:
 
     def __init__(self, recorder: Recorder, ids: VllmIds | None) -> None:
         self._rec, self._ids = recorder, ids
-        self._known: set[int] = set()
+        self._known: dict[int, tuple[int | None, Any]] = {}  # h -> (parent h, namespace)
+        self._below: dict[int, set[int]] = collections.defaultdict(set)  # announced children
         self._waiting: collections.OrderedDict = collections.OrderedDict()  # h -> page
         self._children: dict[int, list[int]] = collections.defaultdict(list)
         self.given_up = 0
@@ -338,7 +379,9 @@ class L3Announcer:
         todo = [page]
         while todo:
             h, parent, tokens, extra_key, digest, pdigest = todo.pop()
-            self._known.add(h)
+            self._known[h] = (parent, extra_key)
+            if parent is not None:
+                self._below[parent].add(h)
             if self._ids is None:
                 ids, prev = np.array([h], np.uint64), parent
             else:
@@ -351,14 +394,51 @@ class L3Announcer:
                     todo.append(waiting)
 
     def gone(self, h: int) -> None:
-        """The store lost the page ``h`` (if announced, it is announced removed)."""
-        if h in self._known:
-            self._known.remove(h)
-            tree = np.array([h], np.uint64)
+        """The store lost the page ``h``: it and every page announced below it are announced
+        removed (none is reachable now); pages waiting below it are forgotten."""
+        self._remove([h])
+
+    def drop_namespace(self, extra_key: Any) -> None:
+        """Every page of the namespace ``extra_key`` is announced removed / forgotten."""
+        tops = [h for h, (parent, key) in self._known.items()
+                if key == extra_key and parent not in self._known]
+        self._remove(tops)
+        self._forget([h for h, page in self._waiting.items() if page[3] == extra_key])
+
+    def drop_all(self) -> None:
+        """Every page announced is announced removed; nothing waits any more."""
+        self._remove([h for h, (parent, _) in self._known.items() if parent not in self._known])
+        self.clear()
+
+    def _remove(self, tops: list[int]) -> None:
+        """One BlockRemoved of the announced subtrees under ``tops`` (leaves first), and the
+        waiting pages below any of them forgotten."""
+        order, stack = [], [h for h in tops if h in self._known]
+        while stack:
+            h = stack.pop()
+            order.append(h)
+            stack.extend(self._below.pop(h, ()))
+        for h in order:
+            parent = self._known.pop(h)[0]
+            kids = self._below.get(parent)
+            if kids is not None:
+                kids.discard(h)
+        self._forget(order + list(tops))
+        if order:
+            tree = np.array(order[::-1], np.uint64)
             ids = tree if self._ids is None else self._ids.release(tree)
             self._rec.add(RemovedRecord(ids, Medium.L3))
 
+    def _forget(self, tops: list[int]) -> None:
+        """Drop the waiting pages ``tops`` and those waiting below them."""
+        stack = list(tops)
+        while stack:
+            h = stack.pop()
+            self._waiting.pop(h, None)
+            stack.extend(self._children.pop(h, ()))
+
     def clear(self) -> None:
         self._known.clear()
+        self._below.clear()
         self._waiting.clear()
         self._children.clear()

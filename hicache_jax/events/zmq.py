@@ -190,8 +190,8 @@ class ZmqRecorder(Recorder):
     closes the sockets."""
 
     def __init__(self, cfg: KVEventsConfig, ids: VllmIds | None = None,
-                 l3_medium: str | None = None) -> None:
-        super().__init__(ids, l3_medium is not None)
+                 l3_medium: str | None = None, l3: bool | None = None) -> None:
+        super().__init__(ids, l3_medium is not None if l3 is None else l3)
         zmq, msgspec = _import_deps()
         self._publisher = _Publisher(zmq, msgspec.msgpack.Encoder().encode, cfg, self,
                                      wire_media(l3_medium))
@@ -205,6 +205,14 @@ class ZmqRecorder(Recorder):
         out["kv_event_batches_dropped"] += self._publisher.dropped
         out["kv_event_publish_errors"] += self._publisher.errors
         return out
+
+    def l3_attached(self, medium: str | None) -> None:
+        """The wire name of L3 from now on: once every batch sealed so far is sent (they name
+        the previous store's medium), the publisher thread takes the new names."""
+        media = wire_media(medium)
+        if media != self._publisher.media:
+            self.wait_published(CLOSE_TIMEOUT_S)
+            self._publisher.media = media
 
     def wait_published(self, timeout: float | None = None) -> bool:
         """Wait until every sealed batch is sent (or counted dropped); False on timeout."""
@@ -238,7 +246,7 @@ class _Publisher:
                  media: dict) -> None:
         self._zmq, self._encode, self._recorder = zmq, encode, recorder
         self._rank = cfg.data_parallel_rank
-        self._wire, self._media = _WIRE[cfg.encoding], media
+        self._wire, self.media = _WIRE[cfg.encoding], media
         ctx = zmq.Context.instance()
         self._pub = ctx.socket(zmq.PUB)
         self._pub.setsockopt(zmq.LINGER, 0)
@@ -350,7 +358,7 @@ class _Publisher:
     def _send(self, seq: int, ts: float, records: list[Record]) -> None:
         seq_bytes = seq.to_bytes(8, "big")
         try:
-            wire, media = self._wire, self._media
+            wire, media = self._wire, self.media
             payload = self._encode([ts, [wire(r, media) for r in records], self._rank])
             # Copied: a zero-copy send (copy=False, payloads from 64 KiB) has pyzmq's gc thread
             # wake and take the GIL to release each payload, ~30 us per request more.

@@ -352,7 +352,8 @@ class L3Tier:
         """Delete from the store the entries of ``nodes``' pages (still in the tree) and, given
         ``tokens``, of their last page; returns the pages deleted. Puts in flight finish first
         (a put landing after the delete would bring the entry back). A backend without the
-        optional ``delete`` keeps them (counted in ``l3_delete_unsupported_pages``)."""
+        optional ``delete`` keeps them (counted in ``l3_delete_unsupported_pages``; their L3
+        announcements stand); with it, what was announced there is announced removed."""
         self._submit_reads(block=True)
         self._drain_puts(self._staging_alloc.num_pages)
         keys: dict[str, None] = {}
@@ -370,6 +371,9 @@ class L3Tier:
             return 0
         gone = int(np.asarray(remove(list(keys)), dtype=bool).sum()) if keys else 0
         self._n["l3_deleted_pages"] += gone
+        # what was announced on L3 there is unreachable now (its first page is deleted)
+        pages = None if tokens is None else tokens.reshape(-1, self._port.spec.page_size)
+        self._port.events.l3_invalidated(pages, extra_key)
         return gone
 
     # -- misc ---------------------------------------------------------------------------------
