@@ -332,3 +332,25 @@ def node_tiers(cache: HiCache) -> dict[int, tuple[bool, bool]]:
     (a match would refresh the access stamps that decide what eviction takes)."""
     return {int(n.key[0]) // 100: (n.value is not None, n.host_value is not None)
             for n in cache.tree.nodes()}
+
+
+def replay_all(replay_ep: str) -> list:
+    """Every batch a cache's ZMQ replay socket holds, from seq 0: ``[(seq, [ts, events,
+    rank])]`` (decoded msgpack)."""
+    import msgpack
+    import zmq
+    ctx = zmq.Context.instance()
+    dealer = ctx.socket(zmq.DEALER)
+    dealer.setsockopt(zmq.LINGER, 0)
+    dealer.connect(replay_ep)
+    out = []
+    try:
+        dealer.send_multipart((b"", (0).to_bytes(8, "big")))
+        while True:
+            assert dealer.poll(10_000), "no replay answer"
+            _, seq, payload = dealer.recv_multipart()
+            if int.from_bytes(seq, "big", signed=True) == -1:
+                return out
+            out.append((int.from_bytes(seq, "big"), msgpack.unpackb(payload)))
+    finally:
+        dealer.close(linger=0)

@@ -31,7 +31,7 @@ pytest.importorskip("msgspec")
 xxhash = pytest.importorskip("xxhash")
 
 from helpers import bookkeeping_spec, make_cache  # noqa: E402
-from helpers import serve  # noqa: E402
+from helpers import replay_all, serve  # noqa: E402
 
 PS = 4
 STORED = ["block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium",
@@ -132,24 +132,6 @@ def consumers():
 
 
 # -- the workload -----------------------------------------------------------------------------
-
-def replay_all(replay_ep: str) -> list:
-    ctx = zmq.Context.instance()
-    dealer = ctx.socket(zmq.DEALER)
-    dealer.setsockopt(zmq.LINGER, 0)
-    dealer.connect(replay_ep)
-    out = []
-    try:
-        dealer.send_multipart((b"", (0).to_bytes(8, "big")))
-        while True:
-            assert dealer.poll(10_000), "no replay answer"
-            _, seq, payload = dealer.recv_multipart()
-            if int.from_bytes(seq, "big", signed=True) == -1:
-                return out
-            out.append((int.from_bytes(seq, "big"), msgpack.unpackb(payload)))
-    finally:
-        dealer.close(linger=0)
-
 
 def run(encoding: str, tmp_path, seed: int, l3_policy: str = "write_through",
         block_hash: str = "tree"):

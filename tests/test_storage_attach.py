@@ -112,3 +112,59 @@ def test_write_back_puts_host_copies_cached_before_the_attach(tmp_path):
     other.close()
     cache.check_invariants()
     cache.close()
+
+
+def test_events_attach_announces_puts_only_detach_removes_what_was_announced(tmp_path):
+    """With ``l3_medium`` set (the cache built without storage): nothing is announced at the
+    attach; puts landing after it are, parents first; detach announces every one removed."""
+    from hicache_jax import BlockRemoved, BlockStored, Medium
+    from hicache_jax.events.records import replay
+    url = f"file://{tmp_path}"
+    pre = L.make(url)  # the store already holds a prompt: unknown to the new cache, unannounced
+    old, kv_old = L.tokens_kv(6, 2)
+    L.compute(pre, old, kv_old)
+    pre.close()
+    cache = L.make(None, kv_events={"publisher": "queue", "l3_medium": "auto"})
+    cache.attach_storage(url)
+    assert [e for e in cache.take_events() if getattr(e, "medium", None) is Medium.L3] == []
+    toks, kv = L.tokens_kv(7, 3)
+    L.compute(cache, toks, kv)
+    cache.flush()
+    events = cache.take_events()
+    stored = [e.block_hash for e in events if isinstance(e, BlockStored) and e.medium is Medium.L3]
+    assert len(stored) == 3 and cache.lookup(old, l3=True)["l3"] == old.size
+    cache.detach_storage()
+    gone = cache.take_events()
+    assert all(isinstance(e, BlockRemoved) and e.medium is Medium.L3 for e in gone)
+    assert [e.block_hash for e in gone] == stored[::-1]  # leaves first
+    assert not any(m is Medium.L3 for _, m in replay(events + gone))
+    cache.attach_storage(url)  # again: nothing at the attach, announced anew as puts land
+    assert cache.take_events() == []
+    cache.close()
+
+
+def test_zmq_l3_medium_follows_the_store_attached(tmp_path, monkeypatch):
+    """``l3_medium="auto"``: a file:// store is announced as DISK, a store attached after it
+    (here the example memory backend, not a file) as EXTERNAL; no batch is misnamed."""
+    import pathlib
+    msgpack = pytest.importorskip("msgpack")
+    pytest.importorskip("zmq")
+    from helpers import replay_all
+    monkeypatch.syspath_prepend(str(pathlib.Path(__file__).parent.parent / "examples"))
+    ep, rep = (f"inproc://attach-media-{id(tmp_path)}-{i}" for i in range(2))
+    cache = L.make(None, kv_events={"publisher": "zmq", "endpoint": ep, "replay_endpoint": rep,
+                                    "l3_medium": "auto", "encoding": "map"})
+    try:
+        for url in (f"file://{tmp_path}", "python://memory_storage:MemoryStorage"):
+            cache.attach_storage(url)
+            toks, kv = L.tokens_kv(len(url), 2)
+            L.compute(cache, toks, kv)
+            cache.flush()
+            cache.detach_storage()
+        assert cache._events.wait_published(10)
+        media = [(e["type"], e["medium"]) for _, (ts, events, rank) in replay_all(rep)
+                 for e in events if e.get("medium") not in (None, "GPU", "CPU")]
+        assert media == [("BlockStored", "DISK")] * 2 + [("BlockRemoved", "DISK")] + \
+            [("BlockStored", "EXTERNAL")] * 2 + [("BlockRemoved", "EXTERNAL")]
+    finally:
+        cache.close()
