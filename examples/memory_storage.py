@@ -6,7 +6,7 @@ cache = HiCache(spec, ..., storage="python://memory_storage:MemoryStorage?capaci
 
 (with this directory on ``sys.path``). It subclasses ``BackendBase``, which supplies the
 protocol's handles, lanes, sub-batching and counters; the backend only says how to test, read,
-write and drop entries. Entries are whole ``EntryCodec`` entries (header + page), so a get
+write and delete entries. Entries are whole ``EntryCodec`` entries (header + page), so a get
 verifies the spec fingerprint, the key and the checksum exactly as the file backend does, and a
 torn or foreign entry is a miss. Keys are write-once; when full, the oldest entry is dropped.
 It passes ``hicache_jax.l3.storage.conformance.check``.
@@ -42,6 +42,12 @@ class MemoryStorage(BackendBase):
         self._entries: collections.OrderedDict[str, bytes] = collections.OrderedDict()
         self._store_lock = threading.Lock()
         self._row = np.empty(self.codec.entry_bytes, np.uint8)
+
+    def delete(self, keys):
+        """The protocol's optional ``delete`` (``HiCache.invalidate``): which keys it removed."""
+        keys = self._check_open_keys(keys)
+        with self._store_lock:
+            return np.array([self._entries.pop(k, None) is not None for k in keys], dtype=bool)
 
     def _exists(self, keys):
         with self._store_lock:
