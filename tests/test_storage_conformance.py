@@ -74,6 +74,15 @@ class Unverified(FileStorage):
         self.codec.verify = lambda *args: Verdict.VALID
 
 
+class Abandons(FileStorage):
+    """Work still queued when close starts is dropped: its handle never finishes."""
+
+    def _run(self, handle):
+        time.sleep(0.05)
+        if not self._closed:
+            super()._run(handle)
+
+
 class TornPuts(BackendBase):
     """In memory; a put makes the entry visible before it has written all of it, and a get
     copies whatever is there: a get racing a put lands a torn page."""
@@ -126,6 +135,7 @@ def test_file_backend_passes_in_one_and_in_two_processes(tmp_path):
     (RaisesInside, "errors: put raised OSError: disk full inside the backend"),
     (KeepsDeleted, "delete: exists after delete: a deleted key is still there"),
     (Unverified, "torn or foreign entry: a get of a truncated entry reported the page landed"),
+    (Abandons, "close during work: a put in flight at close did not finish within 0.5 s"),
 ])
 def test_broken_backends_fail_naming_the_behaviour(tmp_path, cls, words):
     with pytest.raises(ConformanceError) as exc:
