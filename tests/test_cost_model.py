@@ -200,3 +200,37 @@ def test_observe_prefill_of_garbage_raises_and_leaves_the_fit():
         cache.observe_prefill(100, 0, float("inf"))
     assert cache.stats()["cost_prefill_samples"] == 1
     cache.close()
+
+
+def test_each_decision_records_its_predicted_and_actual_time_on_an_injected_clock():
+    from hicache_jax.cache.hicache import HiCache
+    from hicache_jax.memory.transfer import TransferEngine
+
+    now = [0.0]
+    clock = lambda: now[0]  # noqa: E731
+    cfg = HiCacheConfig(device_pages=16, host_pages=32, write_policy="write_through",
+                        load_back_threshold=PS, load_policy="cost",
+                        prefill_cost=lambda n, c: 1e-3 * n)
+    cache = HiCache(SPEC, cfg, clock=clock,
+                    transfer_engine=lambda d, h: TransferEngine(d, h, clock=clock))
+    toks = _host_chain(cache, (2, 2))
+    assert cache.stats()["cost_decision_records"] == 0
+    with cache.begin(toks) as req:  # slow prefill: loads all 4 pages
+        assert req.loaded_len == 4 * PS
+        now[0] += 0.004  # the load takes 4 ms on the injected clock
+        cache.flush()
+        req.extend(len(toks) - req.cached_len)
+        req.finish(toks)
+    cache.observe_prefill(PS, 2 * PS, 0.02)  # another n_cached: not this decision's prefill
+    assert cache.stats()["cost_decision_records"] == 0
+    cache.observe_prefill(PS, 4 * PS, 0.02)
+    st = cache.stats()
+    lat, bw = WARMUP["l2_l1"]
+    pred = lat + 4 * SPEC.page_bytes / bw + 1e-3 * PS  # the decision's figures, tokens prefilled
+    actual = 0.004 + 0.02
+    assert st["cost_decision_records"] == 1
+    assert st["cost_decision_err_median"] == pytest.approx(abs(pred - actual) / actual)
+    cache.observe_prefill(PS, 4 * PS, 0.02)  # resolved once: a second sample is no record
+    assert cache.stats()["cost_decision_records"] == 1
+    clean(cache)
+    cache.close()

@@ -22,6 +22,13 @@ tiers and to recompute tokens, fitted online (ARCHITECTURE.md, "Load or recomput
   measured again rather than trusted forever.
 * Every completed transfer and every prefill sample is predicted first, then joins the fit:
   ``stats()`` reports the median ``|predicted - actual| / actual`` of each.
+* Every decision is recorded (:class:`Decision`): its predicted time, load plus prefill, with
+  the figures it was made on, and its actual time once known: the share of its load's transfer
+  (the L2 -> L1 acknowledgements come in dispatch order, as the loads were decided) plus the
+  prefill the serving stack reports next with ``n_cached`` = the tokens on device after the
+  load (the newest such decision). The prefill part is predicted for the tokens actually
+  prefilled, on the decision's own figures. ``stats()``: ``cost_decision_err_median``,
+  ``cost_decision_records`` (decisions whose actual time is known).
 
 Pure Python + numpy; the cache's thread only.
 """
@@ -36,7 +43,7 @@ import numpy as np
 
 from hicache_jax.validation import is_real
 
-__all__ = ["CostModel", "LinkFit", "MIN_SAMPLES", "PROBE_EVERY", "PrefillFit", "WARMUP",
+__all__ = ["CostModel", "Decision", "LinkFit", "MIN_SAMPLES", "PROBE_EVERY", "PrefillFit", "WARMUP",
            "WINDOW"]
 
 #: Warm-up ``(latency seconds, bytes per second)`` of each link, before it has samples.
@@ -155,6 +162,25 @@ class PrefillFit:
         return float(np.median(self._err)) if self._err else None
 
 
+class Decision:
+    """One load-or-recompute decision: predicted seconds and, once known, actual seconds.
+
+    Attributes:
+        load_s: predicted seconds of its load (0.0 when nothing is loaded).
+        nbytes: bytes it loads over L2 -> L1.
+        cached_after: tokens on device after the load (the prefill's ``n_cached``).
+        prefill: ``(n_new, n_cached) -> seconds`` on the figures the decision was made on.
+        load_actual: the measured seconds of its load (None until acknowledged).
+    """
+
+    __slots__ = ("load_s", "nbytes", "cached_after", "prefill", "load_actual")
+
+    def __init__(self, load_s: float, nbytes: int, cached_after: int,
+                 prefill: Callable[[int, int], float]) -> None:
+        self.load_s, self.nbytes, self.cached_after = load_s, nbytes, cached_after
+        self.prefill, self.load_actual = prefill, (0.0 if nbytes == 0 else None)
+
+
 class CostModel:
     """The links' and the prefill's fitted figures, and the load-or-recompute plan of a chain.
 
@@ -177,14 +203,67 @@ class CostModel:
         self.prefill_fit = PrefillFit()
         self.n: collections.Counter[str] = collections.Counter()
         self.last_error: str | None = None
+        self.last_decision: Decision | None = None  # of the last plan() that decided
+        # decisions waiting for their load's acknowledgement (dispatch order; None: a load the
+        # model did not decide, which only takes its bytes), then for their prefill sample
+        self._awaiting_load: collections.deque = collections.deque(maxlen=4 * WINDOW)
+        self._awaiting_prefill: collections.deque = collections.deque(maxlen=4 * WINDOW)
+        self._decision_err: collections.deque = collections.deque(maxlen=4 * WINDOW)
 
     def observe_transfer(self, link: str, nbytes: float, seconds: float) -> None:
         if link not in self.links:
             raise ValueError(f"link={link!r} must be one of {sorted(self.links)}")
         self.links[link].observe(nbytes, seconds)
+        if link == "l2_l1":
+            self._settle_load(nbytes, seconds)
 
     def observe_prefill(self, n_new: float, n_cached: float, seconds: float) -> None:
         self.prefill_fit.observe(n_new, n_cached, seconds)
+        self._settle_prefill(n_new, n_cached, seconds)
+
+    # -- decision records -----------------------------------------------------------------------
+
+    def track(self, decisions: list[tuple[Decision | None, int]]) -> None:
+        """The decisions of one dispatched load-back, in its order, as ``(decision, nbytes
+        it loads)`` (decision None: a chain the model did not decide, e.g. a fallback)."""
+        for d, nbytes in decisions:
+            if nbytes:
+                self._awaiting_load.append((d, nbytes))
+            elif d is not None:
+                self._awaiting_prefill.append(d)
+
+    def _settle_load(self, nbytes: float, seconds: float) -> None:
+        """One acknowledged load of ``nbytes``: the oldest tracked loads it covers take their
+        share of its seconds."""
+        left = nbytes
+        while self._awaiting_load and self._awaiting_load[0][1] <= left:
+            d, b = self._awaiting_load.popleft()
+            left -= b
+            if d is not None:
+                d.load_actual = seconds * b / nbytes
+                self._awaiting_prefill.append(d)
+
+    def _settle_prefill(self, n_new: float, n_cached: float, seconds: float) -> None:
+        for i in range(len(self._awaiting_prefill) - 1, -1, -1):  # the newest first
+            d = self._awaiting_prefill[i]
+            if d.cached_after == n_cached:
+                del self._awaiting_prefill[i]
+                try:
+                    pred = d.load_s + float(d.prefill(int(n_new), int(n_cached)))
+                except Exception:  # the serving stack's callable: no prediction to compare
+                    return
+                actual = d.load_actual + seconds
+                if actual > 0 and math.isfinite(pred):
+                    self._decision_err.append(abs(pred - actual) / actual)
+                    self.n["cost_decision_records"] += 1
+                return
+
+    def _prefill_predictor(self) -> Callable[[int, int], float]:
+        """The prefill figure as it stands now (a copy of the fit's coefficients)."""
+        if self.prefill_cost is not None:
+            return self.prefill_cost
+        coef = np.array(self.prefill_fit.coef)
+        return lambda n, c: float(PrefillFit._features(n, c) @ coef) if n > 0 else 0.0
 
     def prefill_seconds(self, n_new: int, n_cached: int) -> float:
         """Seconds to prefill; raises ValueError where the figure is unusable."""
@@ -242,6 +321,10 @@ class CostModel:
             best_j = 1
             self.n["cost_probes"] += 1
         self.n["cost_partial_loads"] += 0 < best_j < len(chain_tokens)
+        loaded = sum(chain_tokens[:best_j])
+        nbytes = loaded // ps * self.page_bytes
+        self.last_decision = Decision(sum(f.predict(nbytes) for f in fits), nbytes,
+                                      cached + loaded, self._prefill_predictor())
         return best_j
 
     def stats(self) -> dict[str, Any]:
@@ -259,4 +342,7 @@ class CostModel:
         out["cost_prefill_coef"] = None if coef is None else [float(c) for c in coef]
         out["cost_prefill_pred_err_median"] = self.prefill_fit.median_error()
         out["cost_last_error"] = self.last_error
+        out["cost_decision_records"] = self.n["cost_decision_records"]
+        out["cost_decision_err_median"] = (float(np.median(self._decision_err))
+                                           if self._decision_err else None)
         return out

@@ -55,10 +55,12 @@ class CostRule:
                  max_tokens: int | None, step_budget: int | None) -> None:
         self.model, self.fallback, self.device = model, fallback, device
         self.max_tokens, self.step_budget = max_tokens, step_budget
+        self._decided: dict = {}
 
     def step(self) -> Decide:
         left = [self.step_budget]
         free = [self.device.num_free]
+        self._decided = decided = {}  # chain root -> its Decision (None: fell back)
 
         def decide(chain: list[TreeNode]) -> int:
             cap = self.max_tokens
@@ -66,6 +68,7 @@ class CostRule:
                 cap = left[0] if cap is None else min(cap, left[0])
             j = self.model.plan([n.num_tokens for n in chain], _cached_tokens(chain), free[0],
                                 cap)
+            decided[chain[0]] = None if j is None else self.model.last_decision
             if j is None:
                 j = self.fallback.decide(chain)
                 if cap is not None and sum(n.num_tokens for n in chain) > cap:
@@ -77,6 +80,17 @@ class CostRule:
                 left[0] -= loaded
             return j
         return decide
+
+    def dispatched(self, accepted: list[list[TreeNode]]) -> None:
+        """The chains the last step's load dispatched (in its order): their decisions, and
+        those of the chains it declined, wait for their actual times (cost_model.py)."""
+        taken = {c[0]: c for c in accepted}
+        out = [(d, sum(n.num_pages for n in taken[root]) * self.model.page_bytes)
+               for root, d in self._decided.items() if root in taken]
+        out += [(d, 0) for root, d in self._decided.items()
+                if root not in taken and d is not None and d.nbytes == 0]
+        self.model.track(out)
+        self._decided = {}
 
 
 def make_rule(cfg: HiCacheConfig, model: CostModel,
