@@ -234,3 +234,42 @@ def test_each_decision_records_its_predicted_and_actual_time_on_an_injected_cloc
     assert cache.stats()["cost_decision_records"] == 1
     clean(cache)
     cache.close()
+
+
+def _l3_writer_and_reader(tmp_path, **cost):
+    """A cache that put a 4-page prompt in a file L3, and a fresh cost-policy cache on it."""
+    from hicache_jax.cache.hicache import HiCache
+
+    url = f"file://{tmp_path}"
+    base = dict(device_pages=16, host_pages=32, storage=url, write_through_threshold=1,
+                load_back_threshold=PS, prefetch_policy="wait_complete")
+    a = HiCache(SPEC, HiCacheConfig(**base))
+    toks = prompt(4 * PS)
+    with a.begin(toks) as req:
+        write(a, req.extend(len(toks)))
+        req.finish(toks)
+    a.flush()
+    a.close()
+    return HiCache(SPEC, HiCacheConfig(**base, load_policy="cost", **cost)), toks
+
+
+@pytest.mark.parametrize("prefill, pages, fallbacks", [
+    (lambda n, c: 1.0 * n, 4, 0),   # recompute is slow: fetch it all
+    (lambda n, c: 0.0, 1, 0),       # recompute is free: only the probe of the unmeasured link
+    (lambda n, c: float("nan"), 4, 2),  # garbage: the threshold rule's fetch and load, counted
+])
+def test_the_cost_policy_decides_how_much_an_l3_prefetch_fetches(tmp_path, prefill, pages,
+                                                                  fallbacks):
+    b, toks = _l3_writer_and_reader(tmp_path, prefill_cost=prefill)
+    h = b.prefetch(toks)
+    assert h.pages_found == pages
+    h.wait()
+    m = b.load_back(b.match_prefix(toks))
+    b.flush()
+    st = b.stats()
+    assert st["l3_prefetch_declined_pages"] == 4 - pages
+    assert st["cost_l3_l2_samples"] == 1  # the read's time joined the l3_l2 fit
+    assert st["cost_fallbacks"] == fallbacks
+    assert m.device_len == pages * PS  # the fetched pages are loaded (the L2 -> L1 probe too)
+    clean(b)
+    b.close()

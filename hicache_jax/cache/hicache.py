@@ -127,7 +127,7 @@ class HiCache(ControlAPI):
                                    self._device.validate_ids, self._write.after_insert,
                                    self._caller_locks)
         self._invalidate = Invalidation(tree, self._removal, self._pins, self._l3)
-        self._port.bind(events, self._write)
+        self._port.bind(events, self._write, self._rule, self._cost)
 
     def _guard(self) -> None:
         """Every public call but ``stats()``: the owner passes for one ``get_ident()``."""

@@ -38,6 +38,10 @@ class ThresholdRule:
     def step(self) -> Decide:
         return self.decide
 
+    def fetch_pages(self, new_pages: int, covered: int) -> int:
+        """An L3 prefetch fetches every page L3 holds (the prefetch policies bound its wait)."""
+        return new_pages
+
 
 def _cached_tokens(chain: list[TreeNode]) -> int:
     """Tokens of the device prefix above a host chain."""
@@ -80,6 +84,19 @@ class CostRule:
                 left[0] -= loaded
             return j
         return decide
+
+    def fetch_pages(self, new_pages: int, covered: int) -> int:
+        """Of ``new_pages`` pages an L3 prefetch could fetch beyond the ``covered`` tokens L1 +
+        L2 hold, the cost model's least-time number over both hops (L3 -> L2 -> L1), within
+        ``max_load_tokens``; every page where the model has no usable prefill figure (the
+        threshold rule's fetch, counted as the model counts it)."""
+        ps = self.model.page_size
+        cap = None if self.max_tokens is None else self.max_tokens // ps * ps
+        j = self.model.plan([ps] * new_pages, covered, self.device.num_free, cap,
+                            links=("l3_l2", "l2_l1"))
+        if j is None:
+            return new_pages if cap is None else min(new_pages, cap // ps)
+        return j
 
     def dispatched(self, accepted: list[list[TreeNode]]) -> None:
         """The chains the last step's load dispatched (in its order): their decisions, and
