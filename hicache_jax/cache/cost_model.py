@@ -16,10 +16,11 @@ tiers and to recompute tokens, fitted online (ARCHITECTURE.md, "Load or recomput
   (counted as ``cost_warmup_decisions``). A callable that raises or returns anything but a
   finite number >= 0 makes that decision fall back to the threshold policy
   (``cost_fallbacks``, the last error in ``cost_last_error``); it never picks a load.
-* A plan never leaves a link unmeasured: while a link has fewer than :data:`MIN_SAMPLES`
-  samples, or none in its last :data:`PROBE_EVERY` plans, the plan loads at least the chain's
-  first node (a probe, ``cost_probes``), so a warm-up figure or a link that got faster since is
-  measured again rather than trusted forever.
+* A plan never leaves a link unmeasured: while a link has ``k <`` :data:`MIN_SAMPLES`
+  samples the plan loads at least the chain's first ``2**k`` nodes (probes of spread sizes:
+  one size alone cannot tell latency from bandwidth), and with none in its last
+  :data:`PROBE_EVERY` plans its first node (``cost_probes``), so a warm-up figure or a link
+  that got faster since is measured again rather than trusted forever.
 * Every completed transfer and every prefill sample is predicted first, then joins the fit:
   ``stats()`` reports the median ``|predicted - actual| / actual`` of each.
 * Every decision is recorded (:class:`Decision`): its predicted time, load plus prefill, with
@@ -315,10 +316,9 @@ class CostModel:
         self.n["cost_decisions"] += 1
         for f in fits:
             f.plans_since_sample += 1
-        first = chain_tokens[0] if chain_tokens else 0
-        if best_j == 0 and first and any(f.needs_probe() for f in fits) and \
-                (cap_tokens is None or first <= cap_tokens):
-            best_j = 1
+        probe = self._probe_nodes(chain_tokens, cap_tokens, fits)
+        if best_j < probe:
+            best_j = probe
             self.n["cost_probes"] += 1
         self.n["cost_partial_loads"] += 0 < best_j < len(chain_tokens)
         loaded = sum(chain_tokens[:best_j])
@@ -326,6 +326,21 @@ class CostModel:
         self.last_decision = Decision(sum(f.predict(nbytes) for f in fits), nbytes,
                                       cached + loaded, self._prefill_predictor())
         return best_j
+
+    @staticmethod
+    def _probe_nodes(chain_tokens: list[int], cap_tokens: int | None,
+                     fits: list[LinkFit]) -> int:
+        """Nodes a probe loads (0: none needed): ``2**k`` while a link has ``k <``
+        :data:`MIN_SAMPLES` samples (sizes spread apart, so that the fit can tell latency
+        from bandwidth), then one; never past the cap."""
+        due = [f for f in fits if f.needs_probe()]
+        if not due or not chain_tokens:
+            return 0
+        k = min(f.samples for f in due)
+        j = min(len(chain_tokens), 1 << k if k < MIN_SAMPLES else 1)
+        while j and cap_tokens is not None and sum(chain_tokens[:j]) > cap_tokens:
+            j -= 1
+        return j
 
     def stats(self) -> dict[str, Any]:
         out: dict[str, Any] = {k: self.n[k] for k in (

@@ -294,6 +294,15 @@ class HiCache(ControlAPI):
         self._device.write(ids, kv)
 
     @publishes
+    def wait_loaded(self, pages: Any) -> None:
+        """Wait for the load-backs still writing allocated device ``pages`` and acknowledge
+        them now: the cost model's L2 -> L1 link then gets the copy's own time, not the time to
+        a later call (ARCHITECTURE.md, "Load or recompute")."""
+        load = self._flight.load_writing(self._check_pages(pages, ALLOCATED, "allocated"))
+        if load is not None:
+            self._complete(upto=load)
+
+    @publishes
     def read_kv(self, pages: Any) -> Any:
         """KV of allocated device pages: ``spec.kv_shape(n)`` in ``spec.dtype`` (a new array)."""
         ids = self._check_pages(pages, ALLOCATED, "allocated")
