@@ -8,12 +8,14 @@ recompute by measured cost") at bandwidths set from this machine's prefill, meas
 run: ``--ratios`` x the bandwidth at which loading a document costs what recomputing it does
 (< 1: L3 slower than recompute, as in sglang#36179; > 1: faster), each with ``--latency-ms``.
 
-Policies, each on a fresh cache and engine over the same store:
+Policies, each on a fresh cache and engine over the same store, their requests interleaved
+(one request on each in turn, the order rotating: a drift in the machine's load meets all):
 * never: no L3 prefetch, nothing loaded back (every document recomputed);
 * always: the prompt prefetched (``wait_complete``) and everything L3 and L2 hold loaded;
 * cost: ``load_policy="cost"`` prefetches and loads what its fitted model says is cheaper.
 Every engine first serves the same warm-up requests: prompts L3 does not hold (two of each
-length) and then 4 whose documents it holds, so that the cost policy's prefill fit and L3 link
+of a few lengths; three of the requests' length, served twice: the second time a prefill after
+a cached prefix) and then 4 whose documents it holds, so that the cost policy's prefill fit and L3 link
 have samples and every shape is compiled before the measured requests.
 
 Judged (same run): at each throttle the cost policy's TTFT p50 <= 1.05x the better of never and
@@ -42,7 +44,7 @@ from hicache_jax.engine.model import DecoderModel
 POLICIES = ("never", "always", "cost")
 WARM = 4  # warm-up requests whose documents L3 holds (the cost model measures its link)
 #: ``--quick``: a small model and few requests (a smoke run; its ratios mean little).
-QUICK = dict(doc_tokens=256, question_tokens=16, requests=6, ratios="0.3,3", layers=2,
+QUICK = dict(doc_tokens=256, question_tokens=16, requests=3, ratios="0.3,3", layers=2,
              d_model=64, heads=4, kv_heads=2, head_dim=16, ffn_dim=128, chunk_size=256)
 
 
@@ -83,9 +85,13 @@ class _Bench:
         # warm-up: prompts L3 does not hold, two of each length (the second is a prefill sample
         # of a compiled shape), lengths spread over what the measured requests prefill
         total = a.doc_tokens + a.question_tokens
-        lengths = sorted({max(a.page_size + 1, int(total * f)) for f in (0.05, 0.25, 0.5, 1.0)})
+        lengths = sorted({max(a.page_size + 1, int(total * f)) for f in (0.05, 0.25, 0.5)})
         self.warmup = [rng.integers(1, v, k).astype(np.int32) for k in lengths for _ in (0, 1)]
-        self.pages = 2 * (n + WARM + len(self.warmup)) * (-(-total // a.page_size) + 2)
+        # ... then three of the requests' length, each twice: the second time its prefix is
+        # on device (a prefill of the question after a long cached prefix)
+        full = [rng.integers(1, v, total).astype(np.int32) for _ in range(3)]
+        self.warmup += full + full
+        self.pages = (n + WARM + len(self.warmup)) * (-(-total // a.page_size) + 2)
 
     def cache(self, storage: str | None, **cfg) -> HiCache:
         base = dict(device_pages=self.pages, host_pages=self.pages, storage=storage,
@@ -121,24 +127,31 @@ class _Bench:
         cache.close()
         return statistics.median(full), statistics.median(tail)
 
-    def run(self, policy: str, url: str) -> dict:
-        if policy == "never":
-            cache = self.cache(url, load_back_threshold=1 << 40)
-        elif policy == "always":
-            cache = self.cache(url)
-        else:
-            cache = self.cache(url, load_policy="cost")
-        eng = self.engine(cache, policy != "never")
-        eng.generate(self.warmup, 1)
-        eng.generate(self.warm_prompts, 2)
-        gens = eng.generate(self.prompts, 2)
-        st = cache.stats()
-        cache.close()
-        return {"ttft_s": [g.record.ttft_s for g in gens],
-                "tokens": [g.tokens.tolist() for g in gens],
-                "logits": [g.first_logits for g in gens],
-                "l3_hit_tokens": sum(g.record.host_hit_tokens for g in gens),
-                "stats": {k: v for k, v in st.items() if k.startswith(("cost_", "l3_prefetch"))}}
+    def run(self, url: str) -> dict:
+        """The three policies over the store at ``url``, each on its own cache and engine,
+        warmed up alike; the measured requests interleaved (request by request, the order
+        rotating), so that a drift in the machine's load meets every policy alike."""
+        caches = {"never": self.cache(url, load_back_threshold=1 << 40),
+                  "always": self.cache(url), "cost": self.cache(url, load_policy="cost")}
+        engines = {p: self.engine(c, p != "never") for p, c in caches.items()}
+        for eng in engines.values():
+            eng.generate(self.warmup, 1)
+            eng.generate(self.warm_prompts, 2)
+        gens = {p: [] for p in POLICIES}
+        for i, prompt in enumerate(self.prompts):
+            for p in POLICIES[i % 3:] + POLICIES[:i % 3]:
+                gens[p].append(engines[p].generate([prompt], 2)[0])
+        out = {}
+        for p, cache in caches.items():
+            st = cache.stats()
+            cache.close()
+            out[p] = {"ttft_s": [g.record.ttft_s for g in gens[p]],
+                      "tokens": [g.tokens.tolist() for g in gens[p]],
+                      "logits": [g.first_logits for g in gens[p]],
+                      "l3_hit_tokens": sum(g.record.host_hit_tokens for g in gens[p]),
+                      "stats": {k: v for k, v in st.items()
+                                if k.startswith(("cost_", "l3_prefetch"))}}
+        return out
 
 
 def main(argv=None) -> int:
@@ -160,7 +173,7 @@ def main(argv=None) -> int:
         for ratio in ratios:
             g = equal_gbps * ratio
             url = f"throttle+file://{root}?gbps={g:.6g}&latency_ms={a.latency_ms:g}"
-            res = {p: b.run(p, url) for p in POLICIES}
+            res = b.run(url)
             p50 = {p: statistics.median(r["ttft_s"]) for p, r in res.items()}
             better = min(p50["never"], p50["always"])
             cost_ratio = p50["cost"] / better

@@ -96,6 +96,8 @@ class CostRule:
                             links=("l3_l2", "l2_l1"))
         if j is None:
             return new_pages if cap is None else min(new_pages, cap // ps)
+        if j == 0:  # a decision to recompute: its prediction is checked against the prefill
+            self.model.track([(self.model.last_decision, 0)])
         return j
 
     def dispatched(self, accepted: list[list[TreeNode]]) -> None:
