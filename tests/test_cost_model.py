@@ -273,3 +273,41 @@ def test_the_cost_policy_decides_how_much_an_l3_prefetch_fetches(tmp_path, prefi
     assert m.device_len == pages * PS  # the fetched pages are loaded (the L2 -> L1 probe too)
     clean(b)
     b.close()
+
+
+def test_an_l3_link_that_slows_mid_run_stops_the_fetches_it_made():
+    """The cache's own L3 reads, timed on its injected clock: fast, then 10 s each; the cost
+    policy fetched while the link was fast and stops once its fit has seen the slow reads."""
+    import tempfile
+
+    from hicache_jax.cache.hicache import HiCache
+
+    with tempfile.TemporaryDirectory() as root:
+        base = dict(host_pages=256, storage=f"file://{root}", write_through_threshold=1,
+                    load_back_threshold=PS, prefetch_policy="wait_complete")
+        a = HiCache(SPEC, HiCacheConfig(device_pages=16, **base))
+        prompts = [prompt(4 * PS, start=1000 * i) for i in range(30)]
+        for toks in prompts:
+            with a.begin(toks) as req:
+                write(a, req.extend(len(toks)))
+                req.finish(toks)
+            a.flush()
+        a.close()
+        now = [0.0]
+        b = HiCache(SPEC, HiCacheConfig(device_pages=64, load_policy="cost",
+                                        prefill_cost=lambda n, c: 1e-2 * n, **base),
+                    clock=lambda: now[0])
+        fetched = []
+        for i, toks in enumerate(prompts):
+            h = b.prefetch(toks)
+            fetched.append(0 if h is None else h.pages_found)
+            now[0] += 1e-3 if i < 6 else 10.0  # the read's time on the cache's clock
+            b.match_prefix(toks)  # wait_complete: the read is timed here
+        st = b.stats()
+        assert fetched[:6] == [4] * 6  # fast: recomputing 16 tokens (0.16 s) costs more
+        assert fetched[-1] == 0 and st["l3_prefetch_declined_pages"] > 0
+        first_decline = fetched.index(0)
+        assert first_decline < 6 + 16  # within half a window of slow reads
+        assert all(f == 0 for f in fetched[first_decline:])
+        assert st["cost_l3_l2_gbps"] < 1e-3  # the fit saw the slow link
+        b.close()

@@ -282,10 +282,12 @@ class CostModel:
         return float(v)
 
     def plan(self, chain_tokens: list[int], cached: int, free_pages: int,
-             cap_tokens: int | None, links: tuple[str, ...] = ("l2_l1",)) -> int | None:
+             cap_tokens: int | None, links: tuple[str, ...] = ("l2_l1",),
+             probe: tuple[str, ...] | None = None) -> int | None:
         """How many nodes of a host chain to load (root-first), the rest recomputed, for the
         least predicted time: ``load(pages) + prefill(rest + one page, cached + loaded) +
-        eviction charge``, ``load`` summed over ``links`` (the hops, e.g. ``("l3_l2", "l2_l1")``).
+        eviction charge``, ``load`` summed over ``links`` (the hops, e.g. ``("l3_l2", "l2_l1")``);
+        ``probe``: the links it may probe (default ``links``).
         None: no usable prefill figure (the caller falls back, counted)."""
         ps, fits = self.page_size, [self.links[k] for k in links]
         total = sum(chain_tokens)
@@ -316,9 +318,10 @@ class CostModel:
         self.n["cost_decisions"] += 1
         for f in fits:
             f.plans_since_sample += 1
-        probe = self._probe_nodes(chain_tokens, cap_tokens, fits)
-        if best_j < probe:
-            best_j = probe
+        probe_at = self._probe_nodes(chain_tokens, cap_tokens,
+                                     fits if probe is None else [self.links[k] for k in probe])
+        if best_j < probe_at:
+            best_j = probe_at
             self.n["cost_probes"] += 1
         self.n["cost_partial_loads"] += 0 < best_j < len(chain_tokens)
         loaded = sum(chain_tokens[:best_j])

@@ -89,11 +89,12 @@ class CostRule:
         """Of ``new_pages`` pages an L3 prefetch could fetch beyond the ``covered`` tokens L1 +
         L2 hold, the cost model's least-time number over both hops (L3 -> L2 -> L1), within
         ``max_load_tokens``; every page where the model has no usable prefill figure (the
-        threshold rule's fetch, counted as the model counts it)."""
+        threshold rule's fetch, counted as the model counts it). It probes only the L3 link
+        (load-backs probe L2 -> L1)."""
         ps = self.model.page_size
         cap = None if self.max_tokens is None else self.max_tokens // ps * ps
         j = self.model.plan([ps] * new_pages, covered, self.device.num_free, cap,
-                            links=("l3_l2", "l2_l1"))
+                            links=("l3_l2", "l2_l1"), probe=("l3_l2",))  # load-backs probe L2
         if j is None:
             return new_pages if cap is None else min(new_pages, cap // ps)
         if j == 0:  # a decision to recompute: its prediction is checked against the prefill

@@ -74,7 +74,8 @@ from hicache_jax.cache.hicache import HiCache, Match
 from hicache_jax.validation import check_bool, is_int, is_real
 from hicache_jax.cache.request import Request, admit_matched, extend_many
 from hicache_jax.engine.batch_state import (AdmissionPlan, BatchedRecord, BatchRequest,
-                                            EngineStalledError, PageLedger, shares_uncached)
+                                            EngineStalledError, PageLedger, PrefillTimer,
+                                            shares_uncached)
 from hicache_jax.engine.engine import CacheMode, Generation, build_cache, parse_mode
 from hicache_jax.engine.model import DecoderModel, TokenSlots, bucket
 from hicache_jax.engine.workloads import Arrival, ArrivalProcess
@@ -163,8 +164,7 @@ class BatchedEngine:
         self._layer_waits = self.layerwise and not self.overlap  # see layerwise
         self.clock = clock
         self._pending: list = []  # dispatched forwards whose tokens are not read yet
-        self._prefill_shapes: set[tuple] = set()  # prefill step shapes already timed once
-        self._last_read = 0.0  # perf_counter when the last forward's tokens were read
+        self._timer = PrefillTimer(model, cache)  # prefill samples for the cost model
         self._closing: list[BatchRequest] = []  # every token dispatched, not all read yet
         self._finished: list[Generation] = []
         self._reserve = self.decode_reserve
@@ -393,7 +393,7 @@ class BatchedEngine:
         for part_batch, part_dec in parts:
             chunks = (pre if part_batch else []) + (dec if part_dec else [])
             reqs = [r for r, _ in part_batch] + part_dec
-            sample = self._prefill_sample(part_batch, part_dec, chunks, reqs, knobs, waiter)
+            sample = self._timer.dispatch(self.pool, part_batch, part_dec, chunks, reqs, knobs)
             logits, toks = self.model.forward_batch(
                 self.pool, chunks, [r.kv_done for r in reqs], [r.pages for r in reqs],
                 waiter=waiter if self._layer_waits and part_batch else None,
@@ -401,23 +401,6 @@ class BatchedEngine:
                 slot_of=[r.slot for r in reqs],
                 from_slot=[False] * len(part_batch) + [True] * len(part_dec), **knobs)
             self._pending.append((logits, toks, self._dispatched(part_batch, part_dec), sample))
-
-    def _prefill_sample(self, batch: list, decoding: list, chunks: list, reqs: list,
-                        knobs: dict, waiter: Any) -> tuple | None:
-        """``(n_new, n_cached, t0)`` when this forward is a prefill sample for the cache's cost
-        model (``load_policy="cost"``): one request's chunk, no decode rows, no layer-wise wait
-        on a load, a shape that ran before (the first run of a shape includes jit compilation:
-        skipped, as the serial engine does). Its time runs from the later of its dispatch and
-        the previous forward's read (the device runs forwards in order) to its own read."""
-        if len(batch) != 1 or decoding or (waiter is not None and self._layer_waits):
-            return None
-        r, n = batch[0]
-        shape = self.model.batch_shape(self.pool, chunks, [q.kv_done for q in reqs],
-                                       [q.pages for q in reqs], **knobs)
-        if shape not in self._prefill_shapes:
-            self._prefill_shapes.add(shape)
-            return None
-        return n, r.kv_done, time.perf_counter()
 
     def _dispatched(self, batch: list[tuple[BatchRequest, int]],
                     decoding: list[BatchRequest]) -> list[tuple[int, BatchRequest, bool]]:
@@ -460,12 +443,9 @@ class BatchedEngine:
         """Read dispatched forwards' tokens (waiting for them) into their requests; a request
         with all its tokens releases its pages and joins this call's finished list."""
         for logits, toks, rows, sample in pending:
-            start = self._last_read
             toks = np.asarray(toks)
-            now, self._last_read = self.clock(), time.perf_counter()
-            if sample is not None:  # real seconds: ``clock`` may be a test's step counter
-                self.cache.observe_prefill(sample[0], sample[1],
-                                           self._last_read - max(start, sample[2]))
+            now = self.clock()
+            self._timer.read(sample)
             lg = np.asarray(logits) if any(first for _, _, first in rows) else None
             for i, r, first in rows:
                 r.add_token(toks[i:i + 1], now, lg[i] if first else None)
