@@ -566,3 +566,18 @@ def test_load_back_many_bad_input_changes_nothing():
         cache.load_back_many([m], layerwise=1)
     assert cache.stats() == before
     assert cache.load_back_many([]) == []
+
+
+def test_batched_engine_reports_prefill_samples_without_compiles(model):
+    """One request's prefill-only forwards are prefill samples for the cost model; the first
+    forward of a shape (its jit compile) and mixed forwards are not."""
+    eng = _batched(model, 16, mode="none", max_running=1)
+    rng = np.random.default_rng(5)
+    prompts = [rng.integers(1, CFG.vocab_size, 40).astype(np.int32) for _ in range(5)]
+    eng.generate(prompts, 1)
+    s = eng.cache.stats()
+    assert s["cost_prefill_samples"] == 4  # the first prefill of the shape compiled: skipped
+    assert s["cost_prefill_coef"] is not None
+    eng2 = _batched(model, 16, mode="none", max_running=4)
+    eng2.generate(prompts[:2], 3)  # prefilled together, then decode rows: no sample
+    assert eng2.cache.stats()["cost_prefill_samples"] == 0

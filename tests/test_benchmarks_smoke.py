@@ -31,6 +31,7 @@ RUNS = [
     ("bench_guard", ["--quick"], ["guard/match", "guard/IQR", "target guard < match_prefix noise:"],
      []),
     ("bench_hicache", ["--quick"], ["vs inf", "memcpy GB/s", "target hit/inf >= 0.95:"], []),
+    ("bench_load_policy", ["--quick"], ["cost/better", "target cost/better <= 1.05"], []),
     ("bench_pins", [], ["x limit", "target pinned system-prompt hit rate >= 0.95 of the limit:"],
      []),
     ("bench_pool", ["--quick"], ["x memcpy", "Targets: flat in pool size"], []),

@@ -200,3 +200,114 @@ def test_observe_prefill_of_garbage_raises_and_leaves_the_fit():
         cache.observe_prefill(100, 0, float("inf"))
     assert cache.stats()["cost_prefill_samples"] == 1
     cache.close()
+
+
+def test_each_decision_records_its_predicted_and_actual_time_on_an_injected_clock():
+    from hicache_jax.cache.hicache import HiCache
+    from hicache_jax.memory.transfer import TransferEngine
+
+    now = [0.0]
+    clock = lambda: now[0]  # noqa: E731
+    cfg = HiCacheConfig(device_pages=16, host_pages=32, write_policy="write_through",
+                        load_back_threshold=PS, load_policy="cost",
+                        prefill_cost=lambda n, c: 1e-3 * n)
+    cache = HiCache(SPEC, cfg, clock=clock,
+                    transfer_engine=lambda d, h: TransferEngine(d, h, clock=clock))
+    toks = _host_chain(cache, (2, 2))
+    assert cache.stats()["cost_decision_records"] == 0
+    with cache.begin(toks) as req:  # slow prefill: loads all 4 pages
+        assert req.loaded_len == 4 * PS
+        now[0] += 0.004  # the load takes 4 ms on the injected clock
+        cache.flush()
+        req.extend(len(toks) - req.cached_len)
+        req.finish(toks)
+    cache.observe_prefill(PS, 2 * PS, 0.02)  # another n_cached: not this decision's prefill
+    assert cache.stats()["cost_decision_records"] == 0
+    cache.observe_prefill(PS, 4 * PS, 0.02)
+    st = cache.stats()
+    lat, bw = WARMUP["l2_l1"]
+    pred = lat + 4 * SPEC.page_bytes / bw + 1e-3 * PS  # the decision's figures, tokens prefilled
+    actual = 0.004 + 0.02
+    assert st["cost_decision_records"] == 1
+    assert st["cost_decision_err_median"] == pytest.approx(abs(pred - actual) / actual)
+    cache.observe_prefill(PS, 4 * PS, 0.02)  # resolved once: a second sample is no record
+    assert cache.stats()["cost_decision_records"] == 1
+    clean(cache)
+    cache.close()
+
+
+def _l3_writer_and_reader(tmp_path, **cost):
+    """A cache that put a 4-page prompt in a file L3, and a fresh cost-policy cache on it."""
+    from hicache_jax.cache.hicache import HiCache
+
+    url = f"file://{tmp_path}"
+    base = dict(device_pages=16, host_pages=32, storage=url, write_through_threshold=1,
+                load_back_threshold=PS, prefetch_policy="wait_complete")
+    a = HiCache(SPEC, HiCacheConfig(**base))
+    toks = prompt(4 * PS)
+    with a.begin(toks) as req:
+        write(a, req.extend(len(toks)))
+        req.finish(toks)
+    a.flush()
+    a.close()
+    return HiCache(SPEC, HiCacheConfig(**base, load_policy="cost", **cost)), toks
+
+
+@pytest.mark.parametrize("prefill, pages, fallbacks", [
+    (lambda n, c: 1.0 * n, 4, 0),   # recompute is slow: fetch it all
+    (lambda n, c: 0.0, 1, 0),       # recompute is free: only the probe of the unmeasured link
+    (lambda n, c: float("nan"), 4, 2),  # garbage: the threshold rule's fetch and load, counted
+])
+def test_the_cost_policy_decides_how_much_an_l3_prefetch_fetches(tmp_path, prefill, pages,
+                                                                  fallbacks):
+    b, toks = _l3_writer_and_reader(tmp_path, prefill_cost=prefill)
+    h = b.prefetch(toks)
+    assert h.pages_found == pages
+    h.wait()
+    m = b.load_back(b.match_prefix(toks))
+    b.flush()
+    st = b.stats()
+    assert st["l3_prefetch_declined_pages"] == 4 - pages
+    assert st["cost_l3_l2_samples"] == 1  # the read's time joined the l3_l2 fit
+    assert st["cost_fallbacks"] == fallbacks
+    assert m.device_len == pages * PS  # the fetched pages are loaded (the L2 -> L1 probe too)
+    clean(b)
+    b.close()
+
+
+def test_an_l3_link_that_slows_mid_run_stops_the_fetches_it_made():
+    """The cache's own L3 reads, timed on its injected clock: fast, then 10 s each; the cost
+    policy fetched while the link was fast and stops once its fit has seen the slow reads."""
+    import tempfile
+
+    from hicache_jax.cache.hicache import HiCache
+
+    with tempfile.TemporaryDirectory() as root:
+        base = dict(host_pages=256, storage=f"file://{root}", write_through_threshold=1,
+                    load_back_threshold=PS, prefetch_policy="wait_complete")
+        a = HiCache(SPEC, HiCacheConfig(device_pages=16, **base))
+        prompts = [prompt(4 * PS, start=1000 * i) for i in range(30)]
+        for toks in prompts:
+            with a.begin(toks) as req:
+                write(a, req.extend(len(toks)))
+                req.finish(toks)
+            a.flush()
+        a.close()
+        now = [0.0]
+        b = HiCache(SPEC, HiCacheConfig(device_pages=64, load_policy="cost",
+                                        prefill_cost=lambda n, c: 1e-2 * n, **base),
+                    clock=lambda: now[0])
+        fetched = []
+        for i, toks in enumerate(prompts):
+            h = b.prefetch(toks)
+            fetched.append(0 if h is None else h.pages_found)
+            now[0] += 1e-3 if i < 6 else 10.0  # the read's time on the cache's clock
+            b.match_prefix(toks)  # wait_complete: the read is timed here
+        st = b.stats()
+        assert fetched[:6] == [4] * 6  # fast: recomputing 16 tokens (0.16 s) costs more
+        assert fetched[-1] == 0 and st["l3_prefetch_declined_pages"] > 0
+        first_decline = fetched.index(0)
+        assert first_decline < 6 + 16  # within half a window of slow reads
+        assert all(f == 0 for f in fetched[first_decline:])
+        assert st["cost_l3_l2_gbps"] < 1e-3  # the fit saw the slow link
+        b.close()

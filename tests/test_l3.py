@@ -44,6 +44,7 @@ class FakeCache:
         self.reserved: set[int] = set()
         self.locks: collections.Counter = collections.Counter()
         self.events = NullRecorder()
+        self.fetches: list = []  # (nbytes, seconds) of completed reads
 
     def clock(self) -> float:
         return self.now
@@ -88,6 +89,12 @@ class FakeCache:
     def attach_host_leaf(self, parent, tokens, ids, extra_key):
         self._unreserve(ids)
         return self.tree.add_host_leaf(parent, tokens, ids, extra_key)
+
+    def fetch_pages(self, new_pages: int, covered: int) -> int:
+        return new_pages  # the threshold rule's: fetch all
+
+    def observe_fetch(self, nbytes: int, seconds: float) -> None:
+        self.fetches.append((nbytes, seconds))
 
     def read_host_async(self, ids) -> _Read:
         return _Read(self.pages[ids].copy())

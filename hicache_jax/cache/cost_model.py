@@ -16,12 +16,20 @@ tiers and to recompute tokens, fitted online (ARCHITECTURE.md, "Load or recomput
   (counted as ``cost_warmup_decisions``). A callable that raises or returns anything but a
   finite number >= 0 makes that decision fall back to the threshold policy
   (``cost_fallbacks``, the last error in ``cost_last_error``); it never picks a load.
-* A plan never leaves a link unmeasured: while a link has fewer than :data:`MIN_SAMPLES`
-  samples, or none in its last :data:`PROBE_EVERY` plans, the plan loads at least the chain's
-  first node (a probe, ``cost_probes``), so a warm-up figure or a link that got faster since is
-  measured again rather than trusted forever.
+* A plan never leaves a link unmeasured: while a link has ``k <`` :data:`MIN_SAMPLES`
+  samples the plan loads at least the chain's first ``2**k`` nodes (probes of spread sizes:
+  one size alone cannot tell latency from bandwidth), and with none in its last
+  :data:`PROBE_EVERY` plans its first node (``cost_probes``), so a warm-up figure or a link
+  that got faster since is measured again rather than trusted forever.
 * Every completed transfer and every prefill sample is predicted first, then joins the fit:
   ``stats()`` reports the median ``|predicted - actual| / actual`` of each.
+* Every decision is recorded (:class:`Decision`): its predicted time, load plus prefill, with
+  the figures it was made on, and its actual time once known: the share of its load's transfer
+  (the L2 -> L1 acknowledgements come in dispatch order, as the loads were decided) plus the
+  prefill the serving stack reports next with ``n_cached`` = the tokens on device after the
+  load (the newest such decision). The prefill part is predicted for the tokens actually
+  prefilled, on the decision's own figures. ``stats()``: ``cost_decision_err_median``,
+  ``cost_decision_records`` (decisions whose actual time is known).
 
 Pure Python + numpy; the cache's thread only.
 """
@@ -36,7 +44,7 @@ import numpy as np
 
 from hicache_jax.validation import is_real
 
-__all__ = ["CostModel", "LinkFit", "MIN_SAMPLES", "PROBE_EVERY", "PrefillFit", "WARMUP",
+__all__ = ["CostModel", "Decision", "LinkFit", "MIN_SAMPLES", "PROBE_EVERY", "PrefillFit", "WARMUP",
            "WINDOW"]
 
 #: Warm-up ``(latency seconds, bytes per second)`` of each link, before it has samples.
@@ -155,6 +163,25 @@ class PrefillFit:
         return float(np.median(self._err)) if self._err else None
 
 
+class Decision:
+    """One load-or-recompute decision: predicted seconds and, once known, actual seconds.
+
+    Attributes:
+        load_s: predicted seconds of its load (0.0 when nothing is loaded).
+        nbytes: bytes it loads over L2 -> L1.
+        cached_after: tokens on device after the load (the prefill's ``n_cached``).
+        prefill: ``(n_new, n_cached) -> seconds`` on the figures the decision was made on.
+        load_actual: the measured seconds of its load (None until acknowledged).
+    """
+
+    __slots__ = ("load_s", "nbytes", "cached_after", "prefill", "load_actual")
+
+    def __init__(self, load_s: float, nbytes: int, cached_after: int,
+                 prefill: Callable[[int, int], float]) -> None:
+        self.load_s, self.nbytes, self.cached_after = load_s, nbytes, cached_after
+        self.prefill, self.load_actual = prefill, (0.0 if nbytes == 0 else None)
+
+
 class CostModel:
     """The links' and the prefill's fitted figures, and the load-or-recompute plan of a chain.
 
@@ -177,14 +204,67 @@ class CostModel:
         self.prefill_fit = PrefillFit()
         self.n: collections.Counter[str] = collections.Counter()
         self.last_error: str | None = None
+        self.last_decision: Decision | None = None  # of the last plan() that decided
+        # decisions waiting for their load's acknowledgement (dispatch order; None: a load the
+        # model did not decide, which only takes its bytes), then for their prefill sample
+        self._awaiting_load: collections.deque = collections.deque(maxlen=4 * WINDOW)
+        self._awaiting_prefill: collections.deque = collections.deque(maxlen=4 * WINDOW)
+        self._decision_err: collections.deque = collections.deque(maxlen=4 * WINDOW)
 
     def observe_transfer(self, link: str, nbytes: float, seconds: float) -> None:
         if link not in self.links:
             raise ValueError(f"link={link!r} must be one of {sorted(self.links)}")
         self.links[link].observe(nbytes, seconds)
+        if link == "l2_l1":
+            self._settle_load(nbytes, seconds)
 
     def observe_prefill(self, n_new: float, n_cached: float, seconds: float) -> None:
         self.prefill_fit.observe(n_new, n_cached, seconds)
+        self._settle_prefill(n_new, n_cached, seconds)
+
+    # -- decision records -----------------------------------------------------------------------
+
+    def track(self, decisions: list[tuple[Decision | None, int]]) -> None:
+        """The decisions of one dispatched load-back, in its order, as ``(decision, nbytes
+        it loads)`` (decision None: a chain the model did not decide, e.g. a fallback)."""
+        for d, nbytes in decisions:
+            if nbytes:
+                self._awaiting_load.append((d, nbytes))
+            elif d is not None:
+                self._awaiting_prefill.append(d)
+
+    def _settle_load(self, nbytes: float, seconds: float) -> None:
+        """One acknowledged load of ``nbytes``: the oldest tracked loads it covers take their
+        share of its seconds."""
+        left = nbytes
+        while self._awaiting_load and self._awaiting_load[0][1] <= left:
+            d, b = self._awaiting_load.popleft()
+            left -= b
+            if d is not None:
+                d.load_actual = seconds * b / nbytes
+                self._awaiting_prefill.append(d)
+
+    def _settle_prefill(self, n_new: float, n_cached: float, seconds: float) -> None:
+        for i in range(len(self._awaiting_prefill) - 1, -1, -1):  # the newest first
+            d = self._awaiting_prefill[i]
+            if d.cached_after == n_cached:
+                del self._awaiting_prefill[i]
+                try:
+                    pred = d.load_s + float(d.prefill(int(n_new), int(n_cached)))
+                except Exception:  # the serving stack's callable: no prediction to compare
+                    return
+                actual = d.load_actual + seconds
+                if actual > 0 and math.isfinite(pred):
+                    self._decision_err.append(abs(pred - actual) / actual)
+                    self.n["cost_decision_records"] += 1
+                return
+
+    def _prefill_predictor(self) -> Callable[[int, int], float]:
+        """The prefill figure as it stands now (a copy of the fit's coefficients)."""
+        if self.prefill_cost is not None:
+            return self.prefill_cost
+        coef = np.array(self.prefill_fit.coef)
+        return lambda n, c: float(PrefillFit._features(n, c) @ coef) if n > 0 else 0.0
 
     def prefill_seconds(self, n_new: int, n_cached: int) -> float:
         """Seconds to prefill; raises ValueError where the figure is unusable."""
@@ -202,10 +282,12 @@ class CostModel:
         return float(v)
 
     def plan(self, chain_tokens: list[int], cached: int, free_pages: int,
-             cap_tokens: int | None, links: tuple[str, ...] = ("l2_l1",)) -> int | None:
+             cap_tokens: int | None, links: tuple[str, ...] = ("l2_l1",),
+             probe: tuple[str, ...] | None = None) -> int | None:
         """How many nodes of a host chain to load (root-first), the rest recomputed, for the
         least predicted time: ``load(pages) + prefill(rest + one page, cached + loaded) +
-        eviction charge``, ``load`` summed over ``links`` (the hops, e.g. ``("l3_l2", "l2_l1")``).
+        eviction charge``, ``load`` summed over ``links`` (the hops, e.g. ``("l3_l2", "l2_l1")``);
+        ``probe``: the links it may probe (default ``links``).
         None: no usable prefill figure (the caller falls back, counted)."""
         ps, fits = self.page_size, [self.links[k] for k in links]
         total = sum(chain_tokens)
@@ -236,13 +318,32 @@ class CostModel:
         self.n["cost_decisions"] += 1
         for f in fits:
             f.plans_since_sample += 1
-        first = chain_tokens[0] if chain_tokens else 0
-        if best_j == 0 and first and any(f.needs_probe() for f in fits) and \
-                (cap_tokens is None or first <= cap_tokens):
-            best_j = 1
+        probe_at = self._probe_nodes(chain_tokens, cap_tokens,
+                                     fits if probe is None else [self.links[k] for k in probe])
+        if best_j < probe_at:
+            best_j = probe_at
             self.n["cost_probes"] += 1
         self.n["cost_partial_loads"] += 0 < best_j < len(chain_tokens)
+        loaded = sum(chain_tokens[:best_j])
+        nbytes = loaded // ps * self.page_bytes
+        self.last_decision = Decision(sum(f.predict(nbytes) for f in fits), nbytes,
+                                      cached + loaded, self._prefill_predictor())
         return best_j
+
+    @staticmethod
+    def _probe_nodes(chain_tokens: list[int], cap_tokens: int | None,
+                     fits: list[LinkFit]) -> int:
+        """Nodes a probe loads (0: none needed): ``2**k`` while a link has ``k <``
+        :data:`MIN_SAMPLES` samples (sizes spread apart, so that the fit can tell latency
+        from bandwidth), then one; never past the cap."""
+        due = [f for f in fits if f.needs_probe()]
+        if not due or not chain_tokens:
+            return 0
+        k = min(f.samples for f in due)
+        j = min(len(chain_tokens), 1 << k if k < MIN_SAMPLES else 1)
+        while j and cap_tokens is not None and sum(chain_tokens[:j]) > cap_tokens:
+            j -= 1
+        return j
 
     def stats(self) -> dict[str, Any]:
         out: dict[str, Any] = {k: self.n[k] for k in (
@@ -259,4 +360,7 @@ class CostModel:
         out["cost_prefill_coef"] = None if coef is None else [float(c) for c in coef]
         out["cost_prefill_pred_err_median"] = self.prefill_fit.median_error()
         out["cost_last_error"] = self.last_error
+        out["cost_decision_records"] = self.n["cost_decision_records"]
+        out["cost_decision_err_median"] = (float(np.median(self._decision_err))
+                                           if self._decision_err else None)
         return out

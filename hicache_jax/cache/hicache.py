@@ -127,7 +127,7 @@ class HiCache(ControlAPI):
                                    self._device.validate_ids, self._write.after_insert,
                                    self._caller_locks)
         self._invalidate = Invalidation(tree, self._removal, self._pins, self._l3)
-        self._port.bind(events, self._write)
+        self._port.bind(events, self._write, self._rule, self._cost)
 
     def _guard(self) -> None:
         """Every public call but ``stats()``: the owner passes for one ``get_ident()``."""
@@ -292,6 +292,15 @@ class HiCache(ControlAPI):
         self._guard()
         ids = self._check_pages(pages, CALLERS, "caller-owned (cached pages are read-only)")
         self._device.write(ids, kv)
+
+    @publishes
+    def wait_loaded(self, pages: Any) -> None:
+        """Wait for the load-backs still writing allocated device ``pages`` and acknowledge
+        them now: the cost model's L2 -> L1 link then gets the copy's own time, not the time to
+        a later call (ARCHITECTURE.md, "Load or recompute")."""
+        load = self._flight.load_writing(self._check_pages(pages, ALLOCATED, "allocated"))
+        if load is not None:
+            self._complete(upto=load)
 
     @publishes
     def read_kv(self, pages: Any) -> Any:

@@ -53,12 +53,24 @@ class CacheL3Port:
         self._tree, self._host = tree, host
         self.events: NullRecorder | Recorder = NullRecorder()
         self._host_pages: HostPageSource | None = None
+        self._rule: Any = None
+        self._cost: Any = None
         self._reserved = np.zeros(host.num_pages, np.bool_)
         self._locks: collections.Counter[TreeNode] = collections.Counter()
 
-    def bind(self, events: NullRecorder | Recorder, host_pages: "HostPageSource") -> None:
-        """The cache's recorder and host-page source (its write policy), once they exist."""
+    def bind(self, events: NullRecorder | Recorder, host_pages: "HostPageSource",
+             rule: Any = None, cost: Any = None) -> None:
+        """The cache's recorder and host-page source (its write policy), once they exist; its
+        load rule and cost model (cache/load_policy.py, cache/cost_model.py): L3 fetches are
+        decided and measured there."""
         self.events, self._host_pages = events, host_pages
+        self._rule, self._cost = rule, cost
+
+    def fetch_pages(self, new_pages: int, covered: int) -> int:
+        return self._rule.fetch_pages(new_pages, covered)
+
+    def observe_fetch(self, nbytes: int, seconds: float) -> None:
+        self._cost.observe_transfer("l3_l2", nbytes, max(0.0, seconds))
 
     def reset(self) -> None:
         """The cache forgot everything (the tier's prefetches were flushed first)."""

@@ -138,6 +138,9 @@ def load_chains(tree: RadixTree, resolved: list[tuple[Match, TreeNode]], *, rule
     if accepted:
         loaded = np.concatenate([ids for _, _, ids in accepted])
         handle = load([(n, c) for n, c, _ in accepted], loaded, layerwise)
+    dispatched = getattr(rule, "dispatched", None)  # the cost rule records its decisions
+    if dispatched is not None:
+        dispatched([c for _, c, _ in accepted])
     out = [current(m, node, page_size) for m, node in resolved]
     if accepted and layerwise:
         out = [Match(m.device_pages, m.device_len, m.host_len, m.node, handle)

@@ -38,6 +38,10 @@ class ThresholdRule:
     def step(self) -> Decide:
         return self.decide
 
+    def fetch_pages(self, new_pages: int, covered: int) -> int:
+        """An L3 prefetch fetches every page L3 holds (the prefetch policies bound its wait)."""
+        return new_pages
+
 
 def _cached_tokens(chain: list[TreeNode]) -> int:
     """Tokens of the device prefix above a host chain."""
@@ -55,10 +59,12 @@ class CostRule:
                  max_tokens: int | None, step_budget: int | None) -> None:
         self.model, self.fallback, self.device = model, fallback, device
         self.max_tokens, self.step_budget = max_tokens, step_budget
+        self._decided: dict = {}
 
     def step(self) -> Decide:
         left = [self.step_budget]
         free = [self.device.num_free]
+        self._decided = decided = {}  # chain root -> its Decision (None: fell back)
 
         def decide(chain: list[TreeNode]) -> int:
             cap = self.max_tokens
@@ -66,6 +72,7 @@ class CostRule:
                 cap = left[0] if cap is None else min(cap, left[0])
             j = self.model.plan([n.num_tokens for n in chain], _cached_tokens(chain), free[0],
                                 cap)
+            decided[chain[0]] = None if j is None else self.model.last_decision
             if j is None:
                 j = self.fallback.decide(chain)
                 if cap is not None and sum(n.num_tokens for n in chain) > cap:
@@ -77,6 +84,33 @@ class CostRule:
                 left[0] -= loaded
             return j
         return decide
+
+    def fetch_pages(self, new_pages: int, covered: int) -> int:
+        """Of ``new_pages`` pages an L3 prefetch could fetch beyond the ``covered`` tokens L1 +
+        L2 hold, the cost model's least-time number over both hops (L3 -> L2 -> L1), within
+        ``max_load_tokens``; every page where the model has no usable prefill figure (the
+        threshold rule's fetch, counted as the model counts it). It probes only the L3 link
+        (load-backs probe L2 -> L1)."""
+        ps = self.model.page_size
+        cap = None if self.max_tokens is None else self.max_tokens // ps * ps
+        j = self.model.plan([ps] * new_pages, covered, self.device.num_free, cap,
+                            links=("l3_l2", "l2_l1"), probe=("l3_l2",))  # load-backs probe L2
+        if j is None:
+            return new_pages if cap is None else min(new_pages, cap // ps)
+        if j == 0:  # a decision to recompute: its prediction is checked against the prefill
+            self.model.track([(self.model.last_decision, 0)])
+        return j
+
+    def dispatched(self, accepted: list[list[TreeNode]]) -> None:
+        """The chains the last step's load dispatched (in its order): their decisions, and
+        those of the chains it declined, wait for their actual times (cost_model.py)."""
+        taken = {c[0]: c for c in accepted}
+        out = [(d, sum(n.num_pages for n in taken[root]) * self.model.page_bytes)
+               for root, d in self._decided.items() if root in taken]
+        out += [(d, 0) for root, d in self._decided.items()
+                if root not in taken and d is not None and d.nbytes == 0]
+        self.model.track(out)
+        self._decided = {}
 
 
 def make_rule(cfg: HiCacheConfig, model: CostModel,

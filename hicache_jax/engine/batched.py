@@ -74,7 +74,8 @@ from hicache_jax.cache.hicache import HiCache, Match
 from hicache_jax.validation import check_bool, is_int, is_real
 from hicache_jax.cache.request import Request, admit_matched, extend_many
 from hicache_jax.engine.batch_state import (AdmissionPlan, BatchedRecord, BatchRequest,
-                                            EngineStalledError, PageLedger, shares_uncached)
+                                            EngineStalledError, PageLedger, PrefillTimer,
+                                            shares_uncached)
 from hicache_jax.engine.engine import CacheMode, Generation, build_cache, parse_mode
 from hicache_jax.engine.model import DecoderModel, TokenSlots, bucket
 from hicache_jax.engine.workloads import Arrival, ArrivalProcess
@@ -163,6 +164,7 @@ class BatchedEngine:
         self._layer_waits = self.layerwise and not self.overlap  # see layerwise
         self.clock = clock
         self._pending: list = []  # dispatched forwards whose tokens are not read yet
+        self._timer = PrefillTimer(model, cache)  # prefill samples for the cost model
         self._closing: list[BatchRequest] = []  # every token dispatched, not all read yet
         self._finished: list[Generation] = []
         self._reserve = self.decode_reserve
@@ -391,13 +393,14 @@ class BatchedEngine:
         for part_batch, part_dec in parts:
             chunks = (pre if part_batch else []) + (dec if part_dec else [])
             reqs = [r for r, _ in part_batch] + part_dec
+            sample = self._timer.dispatch(self.pool, part_batch, part_dec, chunks, reqs, knobs)
             logits, toks = self.model.forward_batch(
                 self.pool, chunks, [r.kv_done for r in reqs], [r.pages for r in reqs],
                 waiter=waiter if self._layer_waits and part_batch else None,
                 layerwise_if_compiled=True, reuse_compiled=not self.compile_mixed,
                 slot_of=[r.slot for r in reqs],
                 from_slot=[False] * len(part_batch) + [True] * len(part_dec), **knobs)
-            self._pending.append((logits, toks, self._dispatched(part_batch, part_dec)))
+            self._pending.append((logits, toks, self._dispatched(part_batch, part_dec), sample))
 
     def _dispatched(self, batch: list[tuple[BatchRequest, int]],
                     decoding: list[BatchRequest]) -> list[tuple[int, BatchRequest, bool]]:
@@ -439,9 +442,10 @@ class BatchedEngine:
     def _drain(self, pending: list) -> None:
         """Read dispatched forwards' tokens (waiting for them) into their requests; a request
         with all its tokens releases its pages and joins this call's finished list."""
-        for logits, toks, rows in pending:
+        for logits, toks, rows, sample in pending:
             toks = np.asarray(toks)
             now = self.clock()
+            self._timer.read(sample)
             lg = np.asarray(logits) if any(first for _, _, first in rows) else None
             for i, r, first in rows:
                 r.add_token(toks[i:i + 1], now, lg[i] if first else None)

@@ -189,6 +189,8 @@ class Engine:
                 cache.prefetch(prompt[:n - 1])
             with cache.begin(prompt[:n - 1], layerwise=self.layerwise) as req:
                 cached = req.cached_len
+                if req.loaded_len and not self.layerwise:  # its copy timed as its own
+                    cache.wait_loaded(req.device_pages)
                 req.extend(kv_len - cached)
                 tokens, first_logits, ttft = self._run(prompt, cached, req.device_pages, max_new,
                                                        req.load_handle, t0)

@@ -58,6 +58,15 @@ class CachePort(Protocol):
                          extra_key: Any) -> TreeNode:
         """Reserved host pages become a host-only leaf under ``parent`` (event recorded)."""
 
+    def fetch_pages(self, new_pages: int, covered: int) -> int:
+        """Of the ``new_pages`` pages a prefetch could fetch beyond the ``covered`` tokens L1 +
+        L2 hold, how many to fetch (root end first; the rest is recomputed): all of them under
+        the threshold load policy, the cost model's least-time split under ``"cost"``."""
+
+    def observe_fetch(self, nbytes: int, seconds: float) -> None:
+        """A completed L3 -> L2 read of ``nbytes`` that took ``seconds`` (the cost model's
+        ``l3_l2`` link)."""
+
     def read_host_async(self, host_ids: np.ndarray) -> Any:
         """Dispatch a copy of host pages out of the host pool (``HostRead``: ``done()``,
         ``copy_into(rows, row_ids)``)."""

@@ -86,6 +86,8 @@ class PrefetchHandle:
     _applied: int = 0          # pages attached to the tree (or given up) so far
     _closed: bool = False      # finished and its pages accounted for
     _timed_out: bool = False   # the timeout policy gave up waiting (its rest was cancelled)
+    _issued: float = 0.0       # the port's clock when its read started
+    _measured: bool = False    # its read's time went to the cost model
 
     def done(self) -> bool:
         """Whether the storage read has finished (pages are attached at the cache's next call;
@@ -195,11 +197,20 @@ class Prefetcher:
         if pos + found * ps <= covered:
             return after  # L3 has nothing beyond what L1 + L2 hold
         want = min(found, self._staging_alloc.num_free)
+        new = (pos + want * ps - covered) // ps  # pages beyond what L1 + L2 hold
+        if new > 0:  # the load rule: how many of those are worth their read
+            take = int(self._port.fetch_pages(new, covered))
+            if take < new:
+                self._n["l3_prefetch_declined_pages"] += new - take
+                want = 0 if take <= 0 else want - (new - take)
+                if want == 0:
+                    return after
         if want == 0:
             self._n["l3_prefetch_skipped_pages"] += found
             return after
         if after is not None:
             base = after._node  # one base per chain
+        issued = self._port.clock()
         got = self._start_get(base, keys, want, found)
         if got is None:
             return after
@@ -207,10 +218,10 @@ class Prefetcher:
         k = host_ids.size
         ntok = pos + k * ps
         missing = tokens[ntok:ntok + ps].copy() if k == found and ntok < tokens.size else None
-        deadline = self._port.clock() + self._timeout_s * (1 + k * ps / _TIMEOUT_TOKENS)
+        deadline = issued + self._timeout_s * (1 + k * ps / _TIMEOUT_TOKENS)
         handle = PrefetchHandle(k, pos, tokens[:ntok].copy(), extra_key, get, base, host_ids,
                                 sids, digests[:k].copy(), deadline, _after=after,
-                                _next_page=missing)
+                                _next_page=missing, _issued=issued)
         self.gets.append(handle)
         self._n["l3_prefetches"] += 1
         self._n["l3_prefetch_pages"] += k
@@ -296,8 +307,24 @@ class Prefetcher:
             self._policy.before_match(h, self._port.clock, self._n)
             self._advance(h)
 
+    def _measure(self, h: PrefetchHandle) -> None:
+        """A read seen done for the first time, every page intact: its time is a sample of the
+        ``l3_l2`` link. "Now" is its end where a policy waited on it (``wait_complete``,
+        ``timeout``); ``best_effort`` sees it at a later call: an upper bound."""
+        if h._measured or h._timed_out or not h.done():
+            return
+        h._measured = True
+        try:
+            ok = h._get.wait(0)
+        except StorageError:
+            return
+        if ok.all():
+            self._port.observe_fetch(ok.size * self._port.spec.page_bytes,
+                                     self._port.clock() - h._issued)
+
     def _advance(self, h: PrefetchHandle) -> None:
         """Attach the pages of ``h`` that landed since the last call; close it once done."""
+        self._measure(h)
         if h._closed or (h._after is not None and not h._after._closed):
             return  # chained: its pages attach below the previous link's, once that is closed
         done = h.done()

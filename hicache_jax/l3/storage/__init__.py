@@ -75,6 +75,7 @@ def parse_bool(value: str) -> bool:
 
 
 _FILE_OPTIONS = {"capacity_bytes": int, "fsync": parse_bool, "batch_pages": int, "checksum": str}
+_THROTTLE_OPTIONS = {"gbps": float, "latency_ms": float}
 _MOONCAKE_OPTIONS = {"local_hostname": str, "protocol": str, "device_names": str,
                      "setup_timeout_s": float, "exists_timeout_s": float, "batch_pages": int,
                      "checksum": str, "zero_copy": parse_bool}
@@ -86,7 +87,8 @@ def open_storage(url: str, spec: KVSpec, host_buffer: np.ndarray,
 
     Args:
         url: ``file:///dir``, ``mooncake://host:port`` or ``python://module:Class`` (a
-            deployment's own backend, see ``plugin``); options may also come as a query
+            deployment's own backend, see ``plugin``), or ``throttle+file:///dir?gbps=G&
+            latency_ms=L`` (tests and benchmarks: a file store throttled, ``throttle``); options may also come as a query
             string (``file:///dir?capacity_bytes=1000000000``); keyword ``options`` win.
         spec: KV spec (its fingerprint namespaces and checks every entry).
         host_buffer: a numpy buffer of pages in ``layout`` (a staging pool the caller owns),
@@ -110,6 +112,15 @@ def open_storage(url: str, spec: KVSpec, host_buffer: np.ndarray,
         kwargs = _query_options(url, parsed.query, _FILE_OPTIONS) | options
         from hicache_jax.l3.storage.file import FileStorage
         return FileStorage(spec, host_buffer, layout, urllib.parse.unquote(parsed.path), **kwargs)
+    if scheme == "throttle+file":  # tests and benchmarks: a throttled file store (throttle.py)
+        if parsed.netloc not in ("", "localhost") or not parsed.path:
+            raise ValueError(f"storage url={url!r} must be throttle+file:///dir?gbps=G")
+        kwargs = _query_options(url, parsed.query, _FILE_OPTIONS | _THROTTLE_OPTIONS) | options
+        if "gbps" not in kwargs:
+            raise ValueError(f"storage url={url!r} has no gbps (throttle+file:///dir?gbps=G)")
+        from hicache_jax.l3.storage.throttle import ThrottledFileStorage
+        return ThrottledFileStorage(spec, host_buffer, layout,
+                                    urllib.parse.unquote(parsed.path), **kwargs)
     if scheme == "mooncake":
         if not parsed.netloc or parsed.path not in ("", "/"):
             raise ValueError(f"storage url={url!r} must be mooncake://host:port")
@@ -119,7 +130,8 @@ def open_storage(url: str, spec: KVSpec, host_buffer: np.ndarray,
     if scheme == "python":
         from hicache_jax.l3.storage.plugin import open_plugin
         return open_plugin(url, spec, host_buffer, layout, **options)
-    raise ValueError(f"storage url={url!r}: scheme must be file://, mooncake:// or python://")
+    raise ValueError(f"storage url={url!r}: scheme must be file://, mooncake://, python:// or "
+                     "throttle+file://")
 
 
 def _query_options(url: str, query: str, allowed: dict[str, Any]) -> dict[str, Any]:
