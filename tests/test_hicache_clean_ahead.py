@@ -103,10 +103,15 @@ def test_clean_ahead_cleans_a_request_that_goes_first_at_its_unlock(eviction):
 
 
 def test_a_failed_alloc_leaves_clean_aheads_reserve_as_it_was():
+    """The reserve at unlock: a sixteenth of L1, or twice the largest allocation that no
+    admission announced (a request's own pages are cleaned by its admission pass)."""
     cache, kv = gated_cache("clean_ahead", device=64, host=64)
-    serve_kv(cache, kv, np.arange(4))
+    serve_kv(cache, kv, np.arange(16))     # through begin: announced, the reserve stays L1/16
     def reserve():
         return cache.stats()["clean_ahead_reserve_pages"]
+    assert reserve() == 64 // 16
+    new = cache.alloc_pages(4)             # not announced: the reserve follows it
+    cache.free_pages(new)
     reserve_before = reserve()
     with pytest.raises(OutOfPagesError):
         cache.alloc_pages(1000)
