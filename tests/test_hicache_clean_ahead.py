@@ -103,13 +103,13 @@ def test_clean_ahead_cleans_a_request_that_goes_first_at_its_unlock(eviction):
 
 
 def test_a_failed_alloc_leaves_clean_aheads_reserve_as_it_was():
-    """The reserve at unlock: a sixteenth of L1, or twice the largest allocation that no
-    admission announced (a request's own pages are cleaned by its admission pass)."""
+    """The reserve at unlock: twice the largest allocation that no admission announced (a
+    request's own pages are cleaned by its admission pass), at most half of L1."""
     cache, kv = gated_cache("clean_ahead", device=64, host=64)
-    serve_kv(cache, kv, np.arange(16))     # through begin: announced, the reserve stays L1/16
+    serve_kv(cache, kv, np.arange(16))     # through begin: announced, no reserve at unlock
     def reserve():
         return cache.stats()["clean_ahead_reserve_pages"]
-    assert reserve() == 64 // 16
+    assert reserve() == 0
     new = cache.alloc_pages(4)             # not announced: the reserve follows it
     cache.free_pages(new)
     reserve_before = reserve()
@@ -170,17 +170,16 @@ def test_the_admission_pass_backs_up_what_a_requests_pages_will_evict(flow):
     for i in range(4):
         serve_kv(cache, kv, np.arange(4) + 100 * i)
         cache.flush()
-    cleaned_at_unlock = cache.stats()["clean_ahead_pages"]
-    assert cleaned_at_unlock == 1  # the unlock reserve: L1 / 16, one page (a trimmed tail)
+    assert cache.stats()["clean_ahead_pages"] == 0  # every allocation announced: no reserve
     tokens = np.arange(12) + 900
     serve_kv(cache, kv, tokens) if flow == "begin" else _serve_primitives(cache, kv, tokens)
     cache.flush()
     st, t = cache.stats(), node_tiers(cache)
     assert st["evicted_tokens"] == 12 and st["deleted_tokens"] == 0
     if flow == "begin":
-        assert st["admission_clean_pages"] == 11 and st["eviction_backup_pages"] == 0
+        assert st["admission_clean_pages"] == 12 and st["eviction_backup_pages"] == 0
     else:
-        assert st["admission_clean_pages"] == 0 and st["eviction_backup_pages"] == 11
+        assert st["admission_clean_pages"] == 0 and st["eviction_backup_pages"] == 12
     assert [t[i] for i in (0, 1, 2)] == [(False, True)] * 3 and t[3][0] and t[9][0]
     check_cache(cache, kv)
 
@@ -195,8 +194,8 @@ def test_clean_ahead_evicts_only_the_pages_asked_for(policy, left_on_device):
     cache.flush()
     new = cache.alloc_pages(4)
     cache.flush()
-    # unannounced: what the unlock reserve (1 page) did not cover is copied, only what goes
-    assert cache.stats()["eviction_backup_pages"] == (3 if policy == "clean_ahead" else 16)
+    # not announced (no admission): copied on the allocation path, only what goes
+    assert cache.stats()["eviction_backup_pages"] == (4 if policy == "clean_ahead" else 16)
     m = cache.match_prefix(tokens)
     assert (m.device_len, m.host_len) == (left_on_device, 16 - left_on_device)
     cache.free_pages(new)
@@ -204,7 +203,7 @@ def test_clean_ahead_evicts_only_the_pages_asked_for(policy, left_on_device):
 
 
 def test_clean_ahead_gives_up_only_the_host_pages_it_needs():
-    """L2 full, the oldest prompt host-only in one 7-page node: making room for 2 pages
+    """L2 full, the oldest prompt host-only in one 8-page node: making room for 2 pages
     deletes its last 2 pages only (the rest stays a host hit), not the whole node."""
     cache, kv = gated_cache("clean_ahead", device=8, host=8)
     a = np.arange(8)
@@ -212,17 +211,17 @@ def test_clean_ahead_gives_up_only_the_host_pages_it_needs():
     def host_pages_of_a():  # read without a match (a match would refresh a's access stamps)
         return sorted(n.num_tokens for n in cache.tree.nodes()
                       if n.parent is not None and n.key[0] < 100 and n.host_value is not None)
-    serve_kv(cache, kv, a)                   # the unlock pass cleans a's last page
-    serve_kv(cache, kv, np.arange(8) + 100)  # admission backs up a's other 7: a host-only
-    cache.flush()                            # then b's last page cleaned: a's last page goes
-    assert host_pages_of_a() == [7] and cache.stats()["host_free_pages"] == 0
+    serve_kv(cache, kv, a)
+    serve_kv(cache, kv, np.arange(8) + 100)  # admission backs up a: L2 full, a host-only
+    cache.flush()
+    assert host_pages_of_a() == [8] and cache.stats()["host_free_pages"] == 0
     serve_kv(cache, kv, np.arange(2) + 200)  # 2 of b's pages cleaned and evicted: 2 of a's go
     cache.flush()
     st = cache.stats()
-    assert host_pages_of_a() == [5] and st["host_evicted_tokens"] == 3
+    assert host_pages_of_a() == [6] and st["host_evicted_tokens"] == 2
     assert st["eviction_backup_pages"] == 0
     m = cache.match_prefix(a)
-    assert (m.device_len, m.host_len) == (0, 5)
+    assert (m.device_len, m.host_len) == (0, 6)
     check_cache(cache, kv)
 
 
@@ -241,9 +240,9 @@ def test_prepare_checks_its_arguments_and_does_nothing_under_other_policies():
         cache.prepare([], 1.5)
     assert {k: cache.stats()[k] for k in keys} == before and cache.tree.snapshot() == snap
     cache.prepare([cache.match_prefix(np.arange(4) + 50)], 4)  # 4 pages will be evicted
-    assert cache.stats()["admission_clean_pages"] == 3  # the 4th: cleaned by the unlock pass
+    assert cache.stats()["admission_clean_pages"] == 4  # the last 4 (the node is split)
     assert sorted((n.num_tokens, n.backed_up) for n in cache.tree.nodes()
-                  if n.parent is not None) == [(1, True), (3, True), (4, False)]
+                  if n.parent is not None) == [(4, False), (4, True)]
     wb, kv = gated_cache("write_back", device=8, host=8)
     serve_kv(wb, kv, np.arange(8))
     wb.prepare([wb.match_prefix(np.arange(4) + 50)], 4)

@@ -105,8 +105,7 @@ class WriteStrategy:
         cfg = self._cfg
         if cfg.clean_ahead_pages is not None:
             return cfg.clean_ahead_pages
-        dev = cfg.device_pages
-        return max(1, min(max(dev // 16, 2 * self.largest_alloc), dev // 2))
+        return min(2 * self.largest_alloc, cfg.device_pages // 2)
 
     def before_admit(self, need_pages: int, keep: list[TreeNode]) -> None:
         """Requests are about to take ``need_pages`` device pages (load-backs and uncached
