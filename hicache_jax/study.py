@@ -158,7 +158,8 @@ def sweep(trace: str | os.PathLike | Trace, capacities: Iterable[float] | None =
           policies: Sequence[str] = ("clean_ahead",), evictions: Sequence[str] = ("lru",),
           host_ratios: Sequence[float] = (4.0,), page_size: int | None = None,
           spec: KVSpec | str | None = None, load_back_threshold: int = 16,
-          progress: bool | Callable[[int, str], Any] = auto_progress) -> SweepResult:
+          progress: bool | Callable[[int, str], Any] = auto_progress,
+          diagnose: bool = False) -> SweepResult:
     """Replay ``trace`` at every (L2 ratio, L1 size, write policy, eviction), beside the exact
     LRU references of L1's and L1 + L2's capacity and the infinite cache.
 
@@ -174,6 +175,8 @@ def sweep(trace: str | os.PathLike | Trace, capacities: Iterable[float] | None =
             head_dim=128,dtype=bfloat16"`` or None (8 bytes a token).
         progress: a factory ``(total, desc) -> bar`` (default: :func:`auto_progress`), True
             (text bars on a terminal's stderr only) or False.
+        diagnose: add where each replay loses against LRU(L1+L2) (the ``diag_*`` figures of
+            :func:`hicache_jax.replay.replay`).
 
     Raises:
         ValueError / TypeError naming a bad setting, before anything is replayed.
@@ -189,7 +192,8 @@ def sweep(trace: str | os.PathLike | Trace, capacities: Iterable[float] | None =
     check_configs(pages, host_ratios, policies, evictions, load_back_threshold)
     reports = [_replay.run(trace, spec, device_pages=pages, host_ratio=float(ratio),
                            write_policies=policies, evictions=evictions,
-                           load_back_threshold=load_back_threshold, progress=progress)
+                           load_back_threshold=load_back_threshold, progress=progress,
+                           diagnose=diagnose)
                for ratio in host_ratios]
     return SweepResult(reports)
 

@@ -103,10 +103,15 @@ def test_clean_ahead_cleans_a_request_that_goes_first_at_its_unlock(eviction):
 
 
 def test_a_failed_alloc_leaves_clean_aheads_reserve_as_it_was():
+    """The reserve at unlock: twice the largest allocation that no admission announced (a
+    request's own pages are cleaned by its admission pass), at most half of L1."""
     cache, kv = gated_cache("clean_ahead", device=64, host=64)
-    serve_kv(cache, kv, np.arange(4))
+    serve_kv(cache, kv, np.arange(16))     # through begin: announced, no reserve at unlock
     def reserve():
         return cache.stats()["clean_ahead_reserve_pages"]
+    assert reserve() == 0
+    new = cache.alloc_pages(4)             # not announced: the reserve follows it
+    cache.free_pages(new)
     reserve_before = reserve()
     with pytest.raises(OutOfPagesError):
         cache.alloc_pages(1000)
@@ -143,3 +148,123 @@ def test_events_of_clean_aheads_pass_at_unlock_are_sealed_by_the_unlock():
     router = replay(cache.take_events())
     assert router == tree_pages(cache)
 
+
+
+def _serve_primitives(cache, kv, tokens):
+    """One request through the primitives, without the admission pass of ``begin``."""
+    tokens = np.asarray(tokens, np.int64)
+    m = cache.load_back(cache.match_prefix(tokens))
+    cache.lock(m.node)
+    new = cache.alloc_pages(tokens.size - m.device_len)
+    cache.write_kv(new, kv.pages(None, tokens, m.device_len, tokens.size))
+    cache.insert(tokens, np.concatenate([m.device_pages, new]).astype(np.int32))
+    cache.unlock(m.node)
+
+
+@pytest.mark.parametrize("flow", ["begin", "primitives"])
+def test_the_admission_pass_backs_up_what_a_requests_pages_will_evict(flow):
+    """L1 full, a 12-page request: ``begin`` (its admission pass) backs up the 12 pages its
+    allocation will take, so eviction copies nothing; the primitives without ``prepare`` leave
+    eviction to copy them on the allocation path."""
+    cache, kv = gated_cache("clean_ahead", device=16, host=64)
+    for i in range(4):
+        serve_kv(cache, kv, np.arange(4) + 100 * i)
+        cache.flush()
+    assert cache.stats()["clean_ahead_pages"] == 0  # every allocation announced: no reserve
+    tokens = np.arange(12) + 900
+    serve_kv(cache, kv, tokens) if flow == "begin" else _serve_primitives(cache, kv, tokens)
+    cache.flush()
+    st, t = cache.stats(), node_tiers(cache)
+    assert st["evicted_tokens"] == 12 and st["deleted_tokens"] == 0
+    if flow == "begin":
+        assert st["admission_clean_pages"] == 12 and st["eviction_backup_pages"] == 0
+    else:
+        assert st["admission_clean_pages"] == 0 and st["eviction_backup_pages"] == 12
+    assert [t[i] for i in (0, 1, 2)] == [(False, True)] * 3 and t[3][0] and t[9][0]
+    check_cache(cache, kv)
+
+
+@pytest.mark.parametrize("policy, left_on_device", [("clean_ahead", 12), ("write_back", 0)])
+def test_clean_ahead_evicts_only_the_pages_asked_for(policy, left_on_device):
+    """An allocation of 4 pages from a full L1 holding one 16-page prompt: clean_ahead evicts
+    its last 4 pages (the node is split; its head stays on device), write_back the whole node."""
+    cache, kv = gated_cache(policy, device=16, host=64)
+    tokens = np.arange(16)
+    serve_kv(cache, kv, tokens)
+    cache.flush()
+    new = cache.alloc_pages(4)
+    cache.flush()
+    # not announced (no admission): copied on the allocation path, only what goes
+    assert cache.stats()["eviction_backup_pages"] == (4 if policy == "clean_ahead" else 16)
+    m = cache.match_prefix(tokens)
+    assert (m.device_len, m.host_len) == (left_on_device, 16 - left_on_device)
+    cache.free_pages(new)
+    check_cache(cache, kv)
+
+
+def test_clean_ahead_gives_up_only_the_host_pages_it_needs():
+    """L2 full, the oldest prompt host-only in one 8-page node: making room for 2 pages
+    deletes its last 2 pages only (the rest stays a host hit), not the whole node."""
+    cache, kv = gated_cache("clean_ahead", device=8, host=8)
+    a = np.arange(8)
+
+    def host_pages_of_a():  # read without a match (a match would refresh a's access stamps)
+        return sorted(n.num_tokens for n in cache.tree.nodes()
+                      if n.parent is not None and n.key[0] < 100 and n.host_value is not None)
+    serve_kv(cache, kv, a)
+    serve_kv(cache, kv, np.arange(8) + 100)  # admission backs up a: L2 full, a host-only
+    cache.flush()
+    assert host_pages_of_a() == [8] and cache.stats()["host_free_pages"] == 0
+    serve_kv(cache, kv, np.arange(2) + 200)  # 2 of b's pages cleaned and evicted: 2 of a's go
+    cache.flush()
+    st = cache.stats()
+    assert host_pages_of_a() == [6] and st["host_evicted_tokens"] == 2
+    assert st["eviction_backup_pages"] == 0
+    m = cache.match_prefix(a)
+    assert (m.device_len, m.host_len) == (0, 6)
+    check_cache(cache, kv)
+
+
+def test_prepare_checks_its_arguments_and_does_nothing_under_other_policies():
+    cache, kv = gated_cache("clean_ahead", device=8, host=8)
+    serve_kv(cache, kv, np.arange(8))
+    m = cache.match_prefix(np.arange(8))
+    cache.flush()
+    keys = ("backups", "admission_clean_pages", "evicted_tokens", "host_evicted_tokens")
+    before, snap = {k: cache.stats()[k] for k in keys}, cache.tree.snapshot()
+    with pytest.raises(TypeError, match="list or tuple of Match"):
+        cache.prepare("not matches", 4)
+    with pytest.raises(ValueError, match="num_pages=-1"):
+        cache.prepare([m], -1)
+    with pytest.raises(TypeError, match="num_pages"):
+        cache.prepare([], 1.5)
+    assert {k: cache.stats()[k] for k in keys} == before and cache.tree.snapshot() == snap
+    cache.prepare([cache.match_prefix(np.arange(4) + 50)], 4)  # 4 pages will be evicted
+    assert cache.stats()["admission_clean_pages"] == 4  # the last 4 (the node is split)
+    assert sorted((n.num_tokens, n.backed_up) for n in cache.tree.nodes()
+                  if n.parent is not None) == [(4, False), (4, True)]
+    wb, kv = gated_cache("write_back", device=8, host=8)
+    serve_kv(wb, kv, np.arange(8))
+    wb.prepare([wb.match_prefix(np.arange(4) + 50)], 4)
+    assert wb.stats()["backups"] == 0 and wb.stats()["admission_clean_pages"] == 0
+
+
+def test_trim_tail_refuses_what_it_cannot_split_and_changes_nothing():
+    from hicache_jax import HiCacheError
+    cache, kv = gated_cache("clean_ahead", device=8, host=8)
+    serve_kv(cache, kv, np.arange(4))
+    tree = cache.tree
+    (node,) = [n for n in tree.nodes() if n.parent is not None]
+    snap = tree.snapshot()
+    for pages in (0, 4, 5):
+        with pytest.raises(HiCacheError, match="trim_tail"):
+            tree.trim_tail(node, pages)
+    m = cache.match_prefix(np.arange(4))
+    cache.lock(m.node)
+    with pytest.raises(HiCacheError, match="unlocked"):
+        tree.trim_tail(node, 1)
+    cache.unlock(m.node)
+    assert tree.snapshot() == snap
+    assert tree.trim_tail(node, 1) is node and node.num_pages == 1
+    assert node.parent.num_pages == 3 and node.parent.value is not None
+    check_cache(cache, kv)

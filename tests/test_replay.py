@@ -316,8 +316,10 @@ def test_cli_host_ratio_sweep_prints_ratio_to_two_tier_lru(tmp_path, capsys):
 
 
 def test_cli_check_ideal_names_the_point_below(tmp_path, capsys):
+    # every L2 hit declined (threshold above any prompt): the default is below LRU(L1+L2)
     args = ["replay", str(SYNTHETIC), "--quiet", "--limit", "120", "--capacities", "1e5",
-            "--host-ratio", "2,4", "--json", str(tmp_path / "r.json")]
+            "--host-ratio", "2,4", "--load-back-threshold", "1000000",
+            "--json", str(tmp_path / "r.json")]
     assert cli.main(args + ["--check-ideal", "1e-9"]) == 0  # any hit at all passes
     capsys.readouterr()
     data = json.loads((tmp_path / "r.json").read_text())
@@ -341,3 +343,25 @@ def test_cli_bad_sweep_flags_exit_2(args, message, capsys):
     with pytest.raises(SystemExit) as exc:
         cli.main(["replay", str(SYNTHETIC), "--quiet", "--limit", "10", *args])
     assert exc.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_diagnose_accounts_for_the_gap_to_the_two_tier_lru():
+    """``diagnose``: pages the LRU of L1 + L2 hits that the cache misses, and the reverse, add
+    up to the difference of their hits; the tier figures stay within the pools; the figures
+    are deterministic and the replay's own figures unchanged."""
+    trace = R.load_trace(SYNTHETIC, limit=150)
+    spec = R.parse_spec(None, 128)
+    kw = dict(device_pages=[60], host_ratio=2, write_policies=["clean_ahead", "write_back"])
+    plain, a, b = R.run(trace, spec, **kw), R.run(trace, spec, diagnose=True, **kw), \
+        R.run(trace, spec, diagnose=True, **kw)
+    assert json.dumps(_untimed(a), sort_keys=True) == json.dumps(_untimed(b), sort_keys=True)
+    for p, r in zip(plain["results"], a["results"]):
+        assert {k: v for k, v in r.items() if not k.startswith("diag_")
+                and k not in R.TIMING_FIELDS} == {k: v for k, v in p.items()
+                                                  if k not in R.TIMING_FIELDS}
+        ref = round(r["lru_total_hit_ratio"] * r["prompt_tokens"]) // 128
+        assert r["hit_tokens"] // 128 - ref == r["diag_gained_vs_lru_pages"] - \
+            r["diag_lost_vs_lru_pages"]
+        assert 0 <= r["diag_mean_l1_free_pages"] <= 60
+        assert 0 <= r["diag_mean_l2_redundant_pages"] <= r["host_pages"]
+    assert "lost vs LRU pg" in R.tables(a) and "lost vs LRU pg" not in R.tables(plain)

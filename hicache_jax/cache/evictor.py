@@ -86,6 +86,10 @@ class Evictor:
             node = heap.pop()
             if node not in tree.evictable_device:
                 continue  # stale heap entry: locked, evicted or deleted meanwhile
+            if self._write.page_granular:  # only the pages asked for: the head stays cached
+                want = -(-(num_tokens - freed - promised) // self._ps)
+                if want < node.num_pages and not node.host_pins:
+                    tree.trim_tail(node, want)
             parent = node.parent
             if node.backed_up:
                 freed += self._removal.drop_device(node)

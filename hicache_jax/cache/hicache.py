@@ -241,6 +241,18 @@ class HiCache(ControlAPI):
         self._tree.lock(tnode)
         self._caller_locks[tnode] = self._caller_locks.get(tnode, 0) + 1
 
+    @publishes  # clean_ahead's admission pass may give up host copies (BlockRemoved)
+    def prepare(self, matches: Sequence[Match], num_pages: int) -> None:
+        """Before admitting ``matches`` (not yet locked), which will take ``num_pages`` device
+        pages in all (load-backs and uncached rest): under clean_ahead, back up now what that
+        will evict, so that the allocations find it clean (``begin`` and ``begin_many`` call
+        it). Other policies: nothing."""
+        check_matches(self._tree, matches)
+        num_pages = check_int("num_pages", num_pages)
+        self._complete(attach=True)
+        nodes = [revalidate(self._tree, m)[1] for m in matches]
+        self._write.before_admit(num_pages, nodes)
+
     @publishes  # clean_ahead's pass at unlock may give up host copies (BlockRemoved)
     def unlock(self, node: NodeRef) -> None:
         """Undo one :meth:`lock` of ``node``. ``HiCacheError`` if the caller holds none."""

@@ -92,6 +92,7 @@ def _check_nodes(tree: RadixTree, nodes: list[TreeNode], holders: list[tuple[Tre
 _COUNTED = ("match_tokens", "device_hit_tokens", "host_hit_tokens", "backups", "backup_tokens",
             "backups_skipped", "load_backs", "load_back_tokens", "load_backs_declined",
             "evictions", "evicted_tokens", "eviction_backup_pages", "clean_ahead_pages",
+            "admission_clean_pages",
             "host_copies_dropped_tokens", "deleted_tokens", "host_evictions",
             "host_evicted_tokens", "duplicate_pages_freed", "bytes_to_host", "bytes_to_device",
             "invalidated_device_tokens", "invalidated_host_tokens", "storage_attaches",

@@ -46,16 +46,20 @@ class Removal:
         self._owner, self._events, self._n, self._l3 = owners, events, counters, l3
         self._device_free, self._host_free = device_allocator.free, flight.free_host
 
-    def evict_host_leaves(self, num_tokens: int) -> int:
+    def evict_host_leaves(self, num_tokens: int, page_granular: bool = False) -> int:
         """Delete unlocked host-only leaves, least valuable first (a parent that becomes such a
-        leaf joins the same round), until ``num_tokens`` are freed; returns tokens freed."""
-        tree = self._tree
+        leaf joins the same round), until ``num_tokens`` are freed; returns tokens freed.
+        ``page_granular``: of the last leaf, only the tail pages still needed go."""
+        tree, ps = self._tree, self._tree.page_size
         heap = VictimHeap(self.cfg.eviction, tree.evictable_host)
         freed = 0
         while freed < num_tokens and heap:
             node = heap.pop()
             if node not in tree.evictable_host:
                 continue
+            want = -(-(num_tokens - freed) // ps)
+            if page_granular and want < node.num_pages and not node.host_pins:
+                tree.trim_tail(node, want)
             parent = node.parent
             freed += self.delete(node)
             if parent in tree.evictable_host:

@@ -3,12 +3,13 @@
 A serving stack's scheduler speaks in requests: admit one (match its prompt, load the host part
 back, lock the prefix), give it device pages as it prefills and decodes, make its prompt
 shareable once computed, and at the end cache what it computed and release the rest. The handle
-does exactly the primitive calls (:meth:`HiCache.match_prefix`, :meth:`~HiCache.load_back`,
+does exactly the primitive calls (:meth:`HiCache.match_prefix`, :meth:`~HiCache.prepare`,
+:meth:`~HiCache.load_back`,
 :meth:`~HiCache.lock`, :meth:`~HiCache.alloc_pages`, :meth:`~HiCache.insert`,
 :meth:`~HiCache.free_pages`, :meth:`~HiCache.unlock`) in the one order that leaks nothing:
 
 ```python
-with cache.begin(prompt) as req:          # match + load_back + lock
+with cache.begin(prompt) as req:          # match + prepare + load_back + lock
     new = req.extend(len(prompt) - req.cached_len)   # device pages for the uncached part
     ...                                   # the model writes K/V into req.device_pages in place
     req.commit(prompt)                    # the prompt's whole pages become shareable now
@@ -241,13 +242,17 @@ def begin_many(cache: "HiCache", prompts: Sequence[Any], *,
     avail = st["device_free_pages"] + st["device_evictable_pages"]
     budget = avail if budget is None else min(budget, avail)
     seen: set = set()
-    used, before = 0, []
+    used, new, before = 0, 0, []
     for t, k in zip(prompts, keys):  # matched one by one: no hit counted beyond the first refused
         m = cache.match_prefix(t, k)
-        used += -(-len(t) // ps) - m.device_pages.size + unprotected_device_pages(m.node, seen)
+        own = -(-len(t) // ps) - m.device_pages.size
+        used += own + unprotected_device_pages(m.node, seen)
         if used > budget:
             break
         before.append(m)
+        new += own
+    if before:
+        cache.prepare(before, new)  # clean_ahead: what their pages will evict, backed up now
     out: list[Request | None] = [None] * len(prompts)
     out[:len(before)] = admit_matched(cache, before, extra_keys=keys[:len(before)],
                                       layerwise=layerwise)
@@ -277,6 +282,7 @@ def begin(cache: "HiCache", tokens: Any, extra_key: Hashable = None, *,
     decides), lock. Always admitted: its pages come at :meth:`Request.extend`, which raises
     ``OutOfPagesError`` when they cannot be had."""
     m = cache.match_prefix(tokens, extra_key)
+    cache.prepare([m], -(-len(tokens) // cache.spec.page_size) - m.device_pages.size)
     lm = cache.load_back(m, layerwise=layerwise)
     cache.lock(lm.node)
     return Request(cache, extra_key, lm, lm.device_len - m.device_len)

@@ -35,7 +35,7 @@ import numpy as np
 from hicache_jax.memory.allocator import PageAllocator
 from hicache_jax.events.recorder import NullRecorder, Recorder
 from hicache_jax.events.records import Medium
-from hicache_jax.tree.eviction import FRESH_FIRST, eviction_order, hottest_first
+from hicache_jax.tree.eviction import FRESH_FIRST, eviction_order, hottest_first, priority_key
 from hicache_jax.cache.completion import Completion
 from hicache_jax.cache.inflight import InFlight
 from hicache_jax.cache.page_take import Tier, take_pages
@@ -69,6 +69,7 @@ class WriteStrategy:
     backup_on_hit = False
     backup_on_evict = False
     continuous_prefix = False
+    page_granular = False
 
     def __init__(self, ctx: WriteContext) -> None:
         self._ctx = ctx
@@ -76,6 +77,7 @@ class WriteStrategy:
         self._cfg, self._dev, self._n = ctx.cfg, ctx.device_allocator, ctx.counters
         self._ps = ctx.tree.page_size
         self.largest_alloc = 0  # pages: clean_ahead's auto reserve follows it
+        self.announced = 0  # pages the last admission announced, not yet allocated
         # Host eviction frees exactly the unlocked host-only nodes (and, under clean_ahead,
         # redundant host copies), and parked pages come free when their copies land, so a host
         # page request that cannot be met fails before deleting anything.
@@ -88,17 +90,27 @@ class WriteStrategy:
         return take_pages(self._host_tier, n, self._ps, self._ctx.flight, self._ctx.complete)
 
     def granted(self, n_pages: int) -> None:
-        """A device allocation of ``n_pages`` succeeded (one that raised changes nothing)."""
+        """A device allocation of ``n_pages`` succeeded (one that raised changes nothing).
+        The pages an admission announced (:meth:`before_admit`) are covered by its own pass:
+        only what goes beyond them counts toward the reserve."""
+        n_pages -= self.announced
+        self.announced = max(0, -n_pages)
         if n_pages > self.largest_alloc:
             self.largest_alloc = n_pages
 
     def reserve_pages(self) -> int:
-        """Pages the clean_ahead pass keeps backed up at the eviction end (see the config)."""
+        """Pages the clean_ahead pass at unlock keeps backed up at the eviction end (see the
+        config): a sixteenth of L1, or twice the largest allocation no admission announced,
+        at most half of L1."""
         cfg = self._cfg
         if cfg.clean_ahead_pages is not None:
             return cfg.clean_ahead_pages
-        dev = cfg.device_pages
-        return max(1, min(max(dev // 16, 2 * self.largest_alloc), dev // 2))
+        return min(2 * self.largest_alloc, cfg.device_pages // 2)
+
+    def before_admit(self, need_pages: int, keep: list[TreeNode]) -> None:
+        """Requests are about to take ``need_pages`` device pages (load-backs and uncached
+        rest); ``keep``: their matched nodes (locked right after)."""
+        self.announced = need_pages
 
     def claim(self, node: TreeNode) -> Any:
         return self._ctx.flight.claim_backup(node, self.continuous_prefix, self.take_host)
@@ -155,11 +167,14 @@ class WriteBack(WriteStrategy):
 
 
 class CleanAhead(WriteBack):
-    """Write-back, plus a pass that backs up the eviction end of L1 (see the module doc)."""
+    """Write-back, plus passes that back up the eviction end of L1 (see the module doc)."""
+
+    page_granular = True
 
     def __init__(self, ctx: WriteContext) -> None:
         super().__init__(ctx)
-        self._cold: list[TreeNode] = []  # the eviction end the last pass covered
+        self._key = priority_key(ctx.cfg.eviction)
+        self._cold: tuple | None = None  # priority key of the last node the passes cleaned
         self._clean_mark = (0, 0, 0)  # (evicted, eviction-backup pages, fresh) at that pass
         self._fresh_tokens = 0  # tokens of new leaves (counted under FRESH_FIRST strategies)
 
@@ -175,7 +190,19 @@ class CleanAhead(WriteBack):
 
     def after_unlock(self) -> None:
         if self._clean_due():
-            self._clean_ahead()
+            self._clean(self.reserve_pages(), [], "clean_ahead_pages")
+            n = self._n
+            self._clean_mark = (n["evicted_tokens"], n["eviction_backup_pages"],
+                                self._fresh_tokens)
+
+    def before_admit(self, need_pages: int, keep: list[TreeNode]) -> None:
+        """The admission pass: back up what taking ``need_pages`` device pages will evict
+        beyond the free ones (``keep``, the requests' matches, excluded), so that the
+        allocations find it clean."""
+        self.announced = need_pages
+        short = need_pages - self._dev.num_free
+        if short > 0:
+            self._clean(short, keep, "admission_clean_pages")
 
     def _clean_due(self) -> bool:
         """A pass is due once eviction is near (fewer free device pages than the reserve) and,
@@ -187,42 +214,56 @@ class CleanAhead(WriteBack):
         n = self._n
         evicted, synced, fresh = self._clean_mark
         quarter = reserve * self._ps // 4
-        return (not self._cold or n["eviction_backup_pages"] > synced
+        return (self._cold is None or n["eviction_backup_pages"] > synced
                 or n["evicted_tokens"] - evicted >= quarter
                 or self._fresh_tokens > fresh)  # new pages went straight to the eviction end
 
-    def _clean_ahead(self) -> None:
-        """Back up the not-backed-up nodes among the first ``clean_ahead_pages`` pages that
-        eviction would take (one transfer), so that eviction finds them clean."""
-        ctx, n = self._ctx, self._ctx.counters
-        self._cold = eviction_order(ctx.cfg.eviction, ctx.tree.evictable_device,
-                                    self.reserve_pages() * self._ps, ctx.tree.root)
-        self._clean_mark = (n["evicted_tokens"], n["eviction_backup_pages"], self._fresh_tokens)
-        claims = [self.claim(node) for node in self._cold if not node.backed_up]
+    def _clean(self, pages: int, keep: list[TreeNode], counter: str) -> None:
+        """Back up the not-backed-up part of the first ``pages`` pages that eviction would take
+        (one transfer; the last node trimmed to what is needed), so that eviction finds them
+        clean; what eviction would take up to there is protected from host eviction."""
+        ctx, tree = self._ctx, self._ctx.tree
+        for node in keep:  # the requests' own matches: locked right after admission
+            tree.lock(node)
+        try:
+            order = eviction_order(ctx.cfg.eviction, tree.evictable_device, pages * self._ps,
+                                   tree.root)
+        finally:
+            for node in keep:
+                tree.unlock(node)
+        if not order:
+            return
+        over = sum(node.num_pages for node in order) - pages
+        last = order[-1]
+        if over > 0 and not last.backed_up and not last.host_pins and last.lock_ref == 0:
+            tree.trim_tail(last, last.num_pages - over)  # its head stays dirty: not needed
+        key = self._key(last)
+        if self._cold is None or key > self._cold:
+            self._cold = key
+        claims = [self.claim(node) for node in order if not node.backed_up]
         claims = [c for c in claims if c is not None]
-        n["clean_ahead_pages"] += sum(node.num_pages for node, _ in claims)
+        self._n[counter] += sum(node.num_pages for node, _ in claims)
         ctx.flight.dispatch_backups(claims)
 
-    def _cold_redundant_tokens(self) -> int:
-        """Tokens of host copies in the last pass's window: kept, so eviction finds them clean."""
-        redundant = self._ctx.tree.redundant
-        return sum(n.num_tokens for n in self._cold if n in redundant)
+    def _protected(self, node: TreeNode) -> bool:
+        """A host copy eviction is about to use: its node is at or before the end the passes
+        cleaned (a node split since shares its key)."""
+        return self._cold is not None and self._key(node) <= self._cold
 
     def host_evictable_pages(self) -> int:
         tree = self._ctx.tree
-        return (tree.host_evictable_tokens + tree.redundant_tokens
-                - self._cold_redundant_tokens()) // self._ps
+        kept = sum(n.num_tokens for n in tree.redundant if self._protected(n))
+        return (tree.host_evictable_tokens + tree.redundant_tokens - kept) // self._ps
 
     def evict_host(self, num_tokens: int) -> int:
         """Host room under clean_ahead: first give up host copies of nodes still on device,
-        hottest first (outside the window the last pass cleaned; a quarter of the reserve more
-        than asked, so the next passes find room), then delete host-only leaves."""
-        ctx = self._ctx
-        cold, tree = set(self._cold), ctx.tree
-        want = num_tokens + self.reserve_pages() * self._ps // 4
+        hottest first (not those the passes cleaned for eviction), then delete host-only
+        leaves, least valuable first, only the pages needed of the last."""
+        ctx, tree = self._ctx, self._ctx.tree
         freed = 0
-        for node in hottest_first(ctx.cfg.eviction, [n for n in tree.redundant if n not in cold]):
-            if freed >= want:
+        for node in hottest_first(ctx.cfg.eviction,
+                                  [n for n in tree.redundant if not self._protected(n)]):
+            if freed >= num_tokens:
                 break
             ids = tree.drop_host_value(node)
             ctx.flight.free_host(ids)  # parked while a backup into them is in flight
@@ -230,7 +271,7 @@ class CleanAhead(WriteBack):
             ctx.counters["host_copies_dropped_tokens"] += node.num_tokens
             freed += node.num_tokens
         if freed < num_tokens:
-            freed += ctx.removal.evict_host_leaves(num_tokens - freed)
+            freed += ctx.removal.evict_host_leaves(num_tokens - freed, True)
         return freed
 
 

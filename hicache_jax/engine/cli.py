@@ -164,6 +164,10 @@ def _replay_parser(sub: Any) -> None:
     o.add_argument("--check-ideal", type=float, metavar="X",
                    help="exit 1, naming the point, where the default write policy's hit ratio "
                         "is below X times LRU(L1+L2) of the same run")
+    o.add_argument("--diagnose", action="store_true",
+                   help="a table of where each replay loses against LRU(L1+L2): pages it "
+                        "misses that the LRU hits, mean free and redundant pages of L1 / L2, "
+                        "pages cleaned, given up, copied on eviction, declined")
     r.set_defaults(func=replay_command)
 
 
@@ -288,7 +292,7 @@ def replay_command(args: argparse.Namespace, parser: argparse.ArgumentParser) ->
     reports = study.sweep(trace, device_pages=pages, policies=_split(args.policy),
                           evictions=_split(args.eviction), host_ratios=args.host_ratios,
                           spec=spec, load_back_threshold=args.load_back_threshold,
-                          progress=not args.quiet).reports
+                          progress=not args.quiet, diagnose=args.diagnose).reports
     for rep in reports:
         if len(reports) > 1:
             print(f"\n== L2 = {rep['host_ratio']:g} x L1", flush=True)

@@ -86,11 +86,13 @@ def _counter_clock() -> Any:
 
 
 def replay(trace: Trace, spec: KVSpec, cfg: HiCacheConfig, *, progress: Progress = False,
-           desc: str = "replay") -> dict[str, Any]:
+           desc: str = "replay", diagnose: bool = False) -> dict[str, Any]:
     """Serve every request of ``trace`` through a fresh HiCache (see module doc).
 
     ``progress``: True for a text bar (on a terminal's stderr only), or a factory
     ``(total, desc) -> bar`` (``update(n)``, ``close()``; e.g. tqdm.auto's in a notebook).
+    ``diagnose``: also serve an LRU of L1 + L2 pages beside the cache (outside the timed part)
+    and add the figures of :func:`_diagnosis` (``diag_*``).
 
     Returns:
         Prompt tokens, hit tokens by tier, the cache's transfer and eviction counters, wall
@@ -99,6 +101,7 @@ def replay(trace: Trace, spec: KVSpec, cfg: HiCacheConfig, *, progress: Progress
     cache = HiCache(spec, cfg, clock=_counter_clock())
     ps, cap = spec.page_size, cfg.device_pages
     prompt = device_hit = host_hit = declined = 0  # tokens
+    diag = _Diagnosis(cache, cfg) if diagnose else None
     bar = _progress_bar(len(trace.requests), desc, progress)
     t0 = time.perf_counter()
     try:
@@ -111,13 +114,16 @@ def replay(trace: Trace, spec: KVSpec, cfg: HiCacheConfig, *, progress: Progress
                 device_hit += r.cached_len - r.loaded_len
                 host_hit += r.loaded_len
                 declined += r.host_len_declined
+                hit = r.cached_len
                 r.extend(tokens.shape[0] - r.cached_len)
                 cache.flush()  # the load-back's lock is gone before the unlock (clean_ahead's pass)
                 r.finish(tokens)
             cache.flush()  # transfers complete at request boundaries: deterministic
+            if diag is not None:
+                diag.sample(req.tokens(), hit // ps)
             if bar is not None:
                 bar.update(1)
-        wall = time.perf_counter() - t0
+        wall = time.perf_counter() - t0 - (diag.seconds if diag is not None else 0.0)
         stats = cache.stats()
     finally:
         if bar is not None:
@@ -131,9 +137,42 @@ def replay(trace: Trace, spec: KVSpec, cfg: HiCacheConfig, *, progress: Progress
         "device_hit_tokens": device_hit, "host_hit_tokens": host_hit,
         "host_declined_tokens": declined, "hit_tokens": device_hit + host_hit,
         "hit_ratio": (device_hit + host_hit) / prompt if prompt else 0.0,
-    } | _counters(stats, ps) | {
+    } | _counters(stats, ps) | ({} if diag is None else diag.figures()) | {
         "wall_s": wall, "requests_per_s": len(trace.requests) / wall if wall > 0 else 0.0,
     }
+
+
+class _Diagnosis:
+    """Where a cache loses against an LRU of L1 + L2 pages, sampled after every request (the
+    cache at rest): the pages that LRU hits and the cache does not (and the reverse), and the
+    mean pages of L1 and L2 left free and of L2 holding copies of pages still in L1 (what
+    clean copies cost L2's room). Its own time is kept out of the replay's wall time."""
+
+    def __init__(self, cache: HiCache, cfg: HiCacheConfig) -> None:
+        self.cache, self.cfg, self.seconds = cache, cfg, 0.0
+        self.lru = BlockLRU(cfg.device_pages + cfg.host_pages)
+        self.keys = PageKeys(cache.spec.page_size)
+        self.sums = dict.fromkeys(("lost", "gained", "l1_free", "l2_free", "l2_redundant"), 0)
+        self.n = 0
+
+    def sample(self, tokens: Any, hit_pages: int) -> None:
+        t0 = time.perf_counter()
+        ref = self.lru.serve(self.keys(tokens))
+        tree, ps, s = self.cache.tree, self.cache.spec.page_size, self.sums
+        s["lost"] += max(0, ref - hit_pages)
+        s["gained"] += max(0, hit_pages - ref)
+        s["l1_free"] += self.cfg.device_pages - tree.device_tokens // ps
+        s["l2_free"] += self.cfg.host_pages - tree.host_tokens // ps
+        s["l2_redundant"] += tree.redundant_tokens // ps
+        self.n += 1
+        self.seconds += time.perf_counter() - t0
+
+    def figures(self) -> dict[str, float]:
+        n, s = max(self.n, 1), self.sums
+        return {"diag_lost_vs_lru_pages": s["lost"], "diag_gained_vs_lru_pages": s["gained"],
+                "diag_mean_l1_free_pages": s["l1_free"] / n,
+                "diag_mean_l2_free_pages": s["l2_free"] / n,
+                "diag_mean_l2_redundant_pages": s["l2_redundant"] / n}
 
 
 def _label(policy: Any) -> str:
@@ -151,6 +190,7 @@ def _counters(s: dict[str, Any], ps: int) -> dict[str, int]:
         "eviction_backup_pages": s["eviction_backup_pages"],
         "host_evicted_pages": s["host_evicted_tokens"] // ps,
         "clean_ahead_pages": s["clean_ahead_pages"],
+        "admission_clean_pages": s["admission_clean_pages"],
         "host_copies_dropped_pages": s["host_copies_dropped_tokens"] // ps,
     }
 
@@ -167,8 +207,10 @@ def _progress_bar(total: int, desc: str, enabled: Progress) -> Any:
 
 def run(trace: Trace, spec: KVSpec, *, device_pages: Sequence[int], host_ratio: float = 4.0,
         write_policies: Sequence[str] = ("clean_ahead",), evictions: Sequence[str] = ("lru",),
-        load_back_threshold: int = 16, progress: Progress = False) -> dict[str, Any]:
-    """Replay every (L1 size, write policy, eviction) and compare each with the references.
+        load_back_threshold: int = 16, progress: Progress = False,
+        diagnose: bool = False) -> dict[str, Any]:
+    """Replay every (L1 size, write policy, eviction) and compare each with the references
+    (``diagnose``: with :func:`replay`'s diagnosis figures).
 
     Args:
         trace: the requests.
@@ -194,7 +236,7 @@ def run(trace: Trace, spec: KVSpec, *, device_pages: Sequence[int], host_ratio: 
     for i, cfg in enumerate(cfgs):
         desc = (f"[{i + 1}/{len(cfgs)}] {_label(cfg.write_policy)}/{_label(cfg.eviction)} "
                 f"L1 {cfg.device_pages}")
-        r = replay(trace, spec, cfg, progress=progress, desc=desc)
+        r = replay(trace, spec, cfg, progress=progress, desc=desc, diagnose=diagnose)
         refs = {"infinite": ratio[None], "lru_total": ratio[cfg.device_pages + cfg.host_pages],
                 "lru_l1": ratio[cfg.device_pages]}
         for name, ref in refs.items():
@@ -242,6 +284,17 @@ def tables(report: dict[str, Any]) -> str:
           r["evicted_pages"], r["eviction_backup_pages"], r["host_evicted_pages"],
           f"{r['wall_s']:.1f}", f"{r['requests_per_s']:.1f}"] for r in res])
     out = [hits, "", traffic]
+    if res and "diag_lost_vs_lru_pages" in res[0]:
+        out += ["", format_table(
+            ["config", "L1 pages", "lost vs LRU pg", "gained pg", "L1 free pg", "L2 free pg",
+             "L2 redundant pg", "cleaned pg", "admission-cleaned pg", "copies given up pg",
+             "evict-backup pg", "L2 declined pg"],
+            [[_name(r), r["device_pages"], r["diag_lost_vs_lru_pages"],
+              r["diag_gained_vs_lru_pages"], r["diag_mean_l1_free_pages"],
+              r["diag_mean_l2_free_pages"], r["diag_mean_l2_redundant_pages"],
+              r["clean_ahead_pages"], r["admission_clean_pages"],
+              r["host_copies_dropped_pages"], r["eviction_backup_pages"],
+              r["host_declined_tokens"] // r["page_size"]] for r in res])]
     sizes = sorted({r["device_pages"] for r in res})
     if len(sizes) > 1:
         out += ["", sweep_table(report)]

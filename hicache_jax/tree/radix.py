@@ -326,6 +326,17 @@ class RadixTree(TierIndex):
         self._attach_value(leaf, ids.copy())
         return leaf
 
+    def trim_tail(self, node: TreeNode, tail_pages: int) -> TreeNode:
+        """Split an unlocked node so that ``node`` keeps only its last ``tail_pages`` pages
+        (and its children; its head becomes a new parent, as a split at a match does); returns
+        ``node``. What an eviction that needs fewer pages than a leaf holds calls: the head
+        stays cached."""
+        if not 0 < tail_pages < node.num_pages or node.lock_ref or node.parent is None:
+            raise HiCacheError(f"trim_tail({node!r}, {tail_pages}): needs an unlocked node of "
+                               "more than tail_pages pages")
+        self._split(node, node.num_tokens - tail_pages * self.page_size)
+        return node
+
     def delete_leaf(self, node: TreeNode) -> tuple:
         """Remove a childless unlocked node; return ``(value, host_value)`` for the caller to free.
 
