@@ -227,6 +227,13 @@ class HiCacheConfig:
         pin_max_share: the most of each pool (device, host) that ``HiCache.pin`` may hold, as a
             share of its pages (default 0.5: pins can never starve requests of more than half
             of a tier); a pin beyond it raises ``PinLimitError``.
+        group: how the caches of several ``jax.distributed`` processes agree
+            (``memory/group.py``); None: one process alone, else every process of
+            ``jax.distributed`` (ARCHITECTURE.md, "Several processes").
+        agreement_check_every: run ``HiCache.check_agreement()`` after every N-th public call
+            (0: never; the tests use 1).
+        agreement_timeout_s: how long an agreement waits for a peer process before
+            ``GroupTimeoutError`` names it (the default group's timeout).
     """
 
     device_pages: int
@@ -253,6 +260,9 @@ class HiCacheConfig:
     clean_ahead_pages: int | None = None
     kv_events: KVEventsConfig | dict | str | None = None
     pin_max_share: float = 0.5
+    group: Any = None
+    agreement_check_every: int = 0
+    agreement_timeout_s: float = 60.0
 
     def __post_init__(self) -> None:
         set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731
@@ -301,6 +311,11 @@ class HiCacheConfig:
         share = self.pin_max_share
         if not is_real(share) or not 0.0 <= share <= 1.0:
             raise ValueError(f"pin_max_share={share!r} must be a number in [0, 1]")
+        set_("agreement_check_every",
+             check_int("agreement_check_every", self.agreement_check_every, 0))
+        t = self.agreement_timeout_s
+        if not is_real(t) or not math.isfinite(t) or t <= 0:
+            raise ValueError(f"agreement_timeout_s={t!r} must be a finite number > 0")
         if self.shard_axis is not None and self.mesh is None:
             raise ValueError(f"shard_axis={self.shard_axis!r} given without a mesh")
         if self.mesh is not None:

@@ -54,6 +54,64 @@ def scenario_group(jax, pid: int, n: int, args: list[str]) -> dict:
     return out
 
 
+def _cache(jax, mesh: bool = True, **cfg):
+    """A small cache over every process's device, kv heads sharded over them (``mesh``)."""
+    import numpy as np
+    from jax.sharding import Mesh
+
+    from hicache_jax import HiCache, HiCacheConfig, KVSpec
+
+    n = jax.process_count()
+    spec = KVSpec(num_layers=2, num_kv_heads=2 * n, head_dim=4, dtype="float16",
+                  page_size=cfg.pop("page_size", 4))
+    cfg = {"device_pages": 16, "host_pages": 24, "load_back_threshold": 4,
+           "write_policy": "write_through", "agreement_check_every": 1,
+           "agreement_timeout_s": 20.0} | cfg
+    if mesh:
+        cfg["mesh"] = Mesh(np.array(jax.devices()), ("heads",))
+    return HiCache(spec, HiCacheConfig(**cfg))
+
+
+def _serve(cache, tokens) -> int:
+    """One request through the handle (no KV bytes written): its cached tokens."""
+    import numpy as np
+
+    tokens = np.asarray(tokens)
+    with cache.begin(tokens) as req:
+        req.extend(tokens.size - req.cached_len)
+        req.finish(tokens)
+        return req.cached_len
+
+
+def scenario_config(jax, pid: int, n: int, args: list[str]) -> dict:
+    """Process ``args[0]`` builds its cache with ``args[1]=args[2]`` (an int or a string)."""
+    odd, field, value = int(args[0]), args[1], args[2]
+    cfg = {field: int(value) if value.isdigit() else value} if pid == odd else {}
+    try:
+        _cache(jax, **cfg)
+    except Exception as e:
+        return _error(e)
+    return {"built": True}
+
+
+def scenario_order(jax, pid: int, n: int, args: list[str]) -> dict:
+    """The same requests, the last two in a different order on process 1: found by the check
+    after the call (``agreement_check_every=1``)."""
+    import numpy as np
+
+    cache = _cache(jax)
+    a, b = np.arange(16), np.arange(100, 116)
+    _serve(cache, np.arange(200, 208))
+    done = 0
+    try:
+        for t in ((a, b) if pid == 0 else (b, a)):
+            _serve(cache, t)
+            done += 1
+    except Exception as e:
+        return _error(e) | {"done": done}
+    return {"done": done}
+
+
 def main() -> None:
     scenario, pid, n, port, *args = sys.argv[1:]
     pid, n = int(pid), int(n)

@@ -30,8 +30,17 @@ class ControlAPI:
     _complete: Any
     _guard: Any
     _port: Any
+    _agreement: Any
     spec: Any
     cfg: Any
+
+    def check_agreement(self) -> None:
+        """Compare this cache with its copies on the other processes of its group (tree,
+        page ownership, transfers in flight, counters; cache/agreement.py): ``HiCacheError``
+        (``GroupDivergedError``) on every process naming the first field that differs, or
+        ``GroupTimeoutError`` naming a process that did not take part. One process: a no-op."""
+        self._guard()
+        self._agreement.check()
 
     def lookup(self, tokens: Any, extra_key: Hashable = None, *,
                l3: bool = False) -> dict[str, int]:

@@ -24,10 +24,12 @@ from typing import Any, Callable, Hashable, Sequence
 import numpy as np
 
 from hicache_jax.memory.device_pool import DevicePagePool
+from hicache_jax.memory.group import AgreedClock, default_group
 from hicache_jax.errors import HiCacheError
 from hicache_jax.events.factory import make_recorder
 from hicache_jax.events.recorder import NullRecorder, Recorder
 from hicache_jax.events.records import EventBatch, KVEvent
+from hicache_jax.cache.agreement import Agreement, check_config
 from hicache_jax.cache.completion import Completion
 from hicache_jax.cache.evictor import Evictor
 from hicache_jax.cache.removal import Removal
@@ -80,6 +82,13 @@ class HiCache(ControlAPI):
         if not isinstance(cfg, HiCacheConfig):
             raise TypeError(f"cfg must be a HiCacheConfig, got {type(cfg).__name__}")
         self.spec, self.cfg = spec, cfg
+        # several processes: one group decides alike (ARCHITECTURE.md, "Several processes")
+        self._group = cfg.group if cfg.group is not None else default_group(
+            cfg.agreement_timeout_s)
+        check_config(self._group, spec, cfg)
+        if self._group.num_processes > 1:  # stamps and deadlines: the leader's clock
+            clock = AgreedClock(self._group, clock)
+        self._sync = clock.sync if isinstance(clock, AgreedClock) else None
         self._ps = spec.page_size
         self._tree = RadixTree(spec.page_size, clock)
         self._device = DevicePagePool(spec, cfg.device_pages, mesh=cfg.mesh, axis=cfg.shard_axis,
@@ -87,6 +96,8 @@ class HiCache(ControlAPI):
         self._host = HostPagePool(spec, cfg.host_pages, layout=cfg.host_layout, mesh=cfg.mesh,
                                   axis=cfg.shard_axis, huge_pages=cfg.huge_pages)
         self._engine = transfer_engine(self._device, self._host)
+        if self._group.num_processes > 1:
+            self._engine.agree_with(self._group)  # completions: the MIN over processes
         self._events: NullRecorder | Recorder = NullRecorder()  # the configured one: below
         self._threads = ThreadOwner()
         self._port = CacheL3Port(spec, clock, self._tree, self._host)
@@ -115,7 +126,8 @@ class HiCache(ControlAPI):
                                 self._n, self._l3.on_backup, self._cost)
         self._pins = Pins(tree, self._port.clock, cfg.pin_max_share, cfg.device_pages,
                           cfg.host_pages)
-        self._complete = Completion(self._engine, self._flight, self._l3, self._pins.expire)
+        self._complete = Completion(self._engine, self._flight, self._l3, self._pins.expire,
+                                    self._sync)
         self._removal = Removal(cfg, tree, dev, self._owner, events, self._n, self._flight,
                                 self._l3)
         self._write = make_write_policy(WriteContext(
@@ -127,6 +139,8 @@ class HiCache(ControlAPI):
                                    self._device.validate_ids, self._write.after_insert,
                                    self._caller_locks)
         self._invalidate = Invalidation(tree, self._removal, self._pins, self._l3)
+        self._agreement = Agreement(self._group, cfg.agreement_check_every, tree, self._owner,
+                                    host, self._flight, self._n)
         self._port.bind(events, self._write)
 
     def _guard(self) -> None:

@@ -25,6 +25,7 @@ Threading: the cache's thread only (steps are numbered per group).
 from __future__ import annotations
 
 import itertools
+import json
 import time
 from typing import Any, Sequence
 
@@ -32,7 +33,7 @@ import numpy as np
 
 from hicache_jax.errors import HiCacheError
 
-__all__ = ["Group", "LocalGroup", "DistributedGroup", "GroupTimeoutError", "GroupDivergedError",
+__all__ = ["Group", "LocalGroup", "DistributedGroup", "AgreedClock", "GroupTimeoutError", "GroupDivergedError",
            "default_group"]
 
 
@@ -95,10 +96,21 @@ class Group:
         for i, name in enumerate(names):
             values = [r[i] for r in rows]
             odd = next((p for p, v in enumerate(values) if v != values[0]), None)
-            if odd is not None:
-                raise GroupDivergedError(
-                    f"{tag}: {name} differs between processes: process 0 has {values[0]!r}, "
-                    f"process {odd} has {values[odd]!r}", field=name)
+            if odd is None:
+                continue
+            first, other = repr(values[0]), repr(values[odd])
+            if values[0].startswith("{"):  # a JSON dict (the counters): name its first key
+                name, first, other = _first_key(name, values[0], values[odd])
+            raise GroupDivergedError(
+                f"{tag}: {name} differs between processes: process 0 has {first}, "
+                f"process {odd} has {other}", field=name)
+
+
+def _first_key(name: str, a: str, b: str) -> tuple[str, str, str]:
+    """The first key (sorted) whose value differs between two JSON dicts, and both values."""
+    da, db = json.loads(a), json.loads(b)
+    key = next(k for k in sorted(set(da) | set(db)) if da.get(k) != db.get(k))
+    return f"{name}.{key}", repr(da.get(key, 0)), repr(db.get(key, 0))
 
 
 class LocalGroup(Group):
@@ -183,6 +195,32 @@ class DistributedGroup(Group):
                 f"processes made different calls: at agreement step {step} process "
                 f"{self.process_id} is at {tag!r}, process {p} at {peer_tag!r}", field="call")
         return value
+
+
+class AgreedClock:
+    """The clock of a cache over several processes: the leader's clock, broadcast at each
+    :meth:`sync` (the start of every public call that polls), plus one nanosecond per reading
+    since, so that every process reads the same strictly increasing values when it makes the
+    same calls (access stamps, pin expiry and L3 deadlines then decide alike).
+
+    Args:
+        group: the processes.
+        local: this process's time source (only the leader's readings are used).
+    """
+
+    def __init__(self, group: Group, local: Any) -> None:
+        self._group, self._local = group, local
+        self._now = float(local()) if group.num_processes == 1 else \
+            float(group.leader("clock", repr(float(local()))))
+        self._last = self._now - 1e-9
+
+    def sync(self) -> None:
+        t = float(self._group.leader("clock", repr(float(self._local()))))
+        self._now = max(t, self._last + 1e-9)
+
+    def __call__(self) -> float:
+        self._last = max(self._now, self._last + 1e-9)
+        return self._last
 
 
 def default_group(timeout_s: float = 60.0) -> Group:
