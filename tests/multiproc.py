@@ -34,6 +34,7 @@ class Outcome:
     rc: int | None
     result: dict | None
     out: str
+    after_kill: float | None = None
 
     def __repr__(self) -> str:
         return f"Outcome(rc={self.rc}, result={self.result}, out=...{self.out[-2000:]!r})"
@@ -47,19 +48,22 @@ def free_port() -> int:
 
 
 def launch(scenario: str, n: int, *args: str, timeout: float = 60.0,
-           kill: dict[int, float] | None = None) -> list[Outcome]:
+           kill: dict[int, str] | None = None) -> list[Outcome]:
     """Run ``scenario`` in ``n`` processes; their outcomes, in process order.
 
     Args:
         args: extra command-line arguments of every worker.
         timeout: seconds for all of them; those still running then are killed (rc None).
-        kill: ``{process_id: seconds}``: SIGKILL that process that long after the start.
+        kill: ``{process_id: text}``: SIGKILL that process once its output shows ``text``
+            (the test's "mid-run" mark); the time from then to each end is in
+            ``Outcome.after_kill``.
     """
     port, kill = free_port(), dict(kill or {})
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1",
                PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu")
     procs, logs = [], []
-    t0 = time.monotonic()
+    t0, killed_at = time.monotonic(), None
+    ends: dict[int, float] = {}
     try:
         for i in range(n):
             log = tempfile.TemporaryFile("w+")
@@ -69,16 +73,25 @@ def launch(scenario: str, n: int, *args: str, timeout: float = 60.0,
                 env=env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
                 start_new_session=True))
         while time.monotonic() - t0 < timeout and any(p.poll() is None for p in procs):
-            for i, at in list(kill.items()):
-                if time.monotonic() - t0 >= at:
+            for i, text in list(kill.items()):
+                logs[i].seek(0)
+                if text in logs[i].read():
                     _kill(procs[i])
                     del kill[i]
+                    killed_at = time.monotonic()
+            for i, p in enumerate(procs):
+                if i not in ends and p.poll() is not None:
+                    ends[i] = time.monotonic()
             time.sleep(0.05)
     finally:
         for p in procs:
             if p.poll() is None:
                 _kill(p)
-    return [_outcome(p, log) for p, log in zip(procs, logs)]
+    out = [_outcome(p, log) for p, log in zip(procs, logs)]
+    if killed_at is not None:
+        for i, o in enumerate(out):
+            o.after_kill = ends.get(i, time.monotonic()) - killed_at
+    return out
 
 
 def _kill(p: subprocess.Popen) -> None:

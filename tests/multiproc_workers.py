@@ -84,14 +84,18 @@ def _serve(cache, tokens) -> int:
 
 
 def scenario_config(jax, pid: int, n: int, args: list[str]) -> dict:
-    """Process ``args[0]`` builds its cache with ``args[1]=args[2]`` (an int or a string)."""
-    odd, field, value = int(args[0]), args[1], args[2]
-    cfg = {field: int(value) if value.isdigit() else value} if pid == odd else {}
-    try:
-        _cache(jax, **cfg)
-    except Exception as e:
-        return _error(e)
-    return {"built": True}
+    """For each ``field=value`` of args, process 1 builds its cache with it (an int or a
+    string): each construction's error; then ``scenario_order``'s result."""
+    out = {}
+    for arg in args:
+        field, value = arg.split("=")
+        try:
+            _cache(jax, **({field: int(value) if value.isdigit() else value} if pid == 1 else {}))
+            out[field] = {"built": True}
+        except Exception as e:
+            out[field] = _error(e)
+    out["order"] = scenario_order(jax, pid, n, [])
+    return out
 
 
 def scenario_order(jax, pid: int, n: int, args: list[str]) -> dict:
@@ -112,6 +116,68 @@ def scenario_order(jax, pid: int, n: int, args: list[str]) -> dict:
     return {"done": done}
 
 
+def _workload(cache, seed: int, steps: int, check: bool = True) -> list:
+    """A random workload, the same on every process: requests over shared prefixes (hits,
+    load-backs), device and host evictions, flushes; the cache's state checked after each."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    ps = cache.spec.page_size
+    bases = [rng.integers(0, 1000, 6 * ps) for _ in range(4)]
+    log = []
+    for step in range(steps):
+        op = rng.choice(["serve"] * 6 + ["evict", "evict_host", "flush"])
+        if op == "serve":
+            base = bases[rng.integers(len(bases))][:ps * int(rng.integers(1, 7))]
+            tail = rng.integers(0, 1000, ps * int(rng.integers(0, 3)))
+            log.append(("serve", _serve(cache, np.concatenate([base, tail]))))
+        elif op == "evict":
+            log.append(("evict", cache.evict(int(rng.integers(1, 6)) * ps)))
+        elif op == "evict_host":
+            log.append(("evict_host", cache.evict_host(int(rng.integers(1, 6)) * ps)))
+        else:
+            cache.flush()
+            log.append(("flush", 0))
+        if check:
+            cache.check_agreement()
+            cache.check_invariants()
+    return log
+
+
+def _decided(stats: dict) -> dict:
+    return {k: v for k, v in sorted(stats.items()) if "seconds" not in k and "cost_" not in k
+            and isinstance(v, (int, float))}
+
+
+def scenario_workload(jax, pid: int, n: int, args: list[str]) -> dict:
+    """``_workload`` on a cache sharded over every process (args: seed, steps)."""
+    seed, steps = int(args[0]), int(args[1])
+    cache = _cache(jax, device_pages=12, host_pages=16)
+    log = _workload(cache, seed, steps)
+    cache.flush()
+    st = cache.stats()
+    return {"log": log, "stats": _decided(st), "agreements": cache._group.calls,
+            "agreement_seconds": cache._group.seconds}
+
+
+def scenario_kill(jax, pid: int, n: int, args: list[str]) -> dict:
+    """Every process runs the workload until the launcher kills the last one; the others must
+    raise within the agreement timeout (args[0] seconds), naming it."""
+    import time as _time
+
+    cache = _cache(jax, agreement_timeout_s=float(args[0]), device_pages=12, host_pages=16)
+    _workload(cache, 1, 3)
+    print("READY", flush=True)  # the launcher kills the last process on seeing this
+    t_last = _time.monotonic()
+    try:
+        for i in range(100000):
+            t_last = _time.monotonic()
+            _workload(cache, 2 + i, 1, check=False)
+    except Exception as e:
+        return _error(e) | {"waited": _time.monotonic() - t_last}
+    return {"finished": True}
+
+
 def main() -> None:
     scenario, pid, n, port, *args = sys.argv[1:]
     pid, n = int(pid), int(n)
@@ -123,10 +189,10 @@ def main() -> None:
         result = _error(e) | {"trace": traceback.format_exc()[-3000:]}
     result["seconds"] = time.monotonic() - t0
     report(**result)
-    _leave(pid, n)
+    _leave(pid, n, result.get("process"))
 
 
-def _leave(pid: int, n: int) -> None:
+def _leave(pid: int, n: int, missing: int | None) -> None:
     """Exit without jax's shutdown barrier (a peer that raised or died must not hang this one);
     process 0 hosts the coordination service, so it waits (briefly) for the others' reports."""
     from jax._src import distributed
@@ -135,9 +201,9 @@ def _leave(pid: int, n: int) -> None:
     if pid:
         client.key_value_set(f"worker_done/{pid}", "1")
     else:
-        for p in range(1, n):
+        for p in set(range(1, n)) - {missing}:
             try:
-                client.blocking_key_value_get(f"worker_done/{p}", 15_000)
+                client.blocking_key_value_get(f"worker_done/{p}", 5_000)
             except Exception:  # that one died or hangs: the launcher kills it
                 pass
     os._exit(0)

@@ -14,20 +14,20 @@ from helpers import bookkeeping_spec, make_cache, serve
 from multiproc import launch
 
 
-@pytest.mark.parametrize("field,value,shown", [("device_pages", "17", "'17'"),
-                                               ("eviction", "lfu", "'lfu'")])
-def test_a_mismatched_config_fails_on_every_process_naming_the_field(field, value, shown):
-    out = launch("config", 2, "1", field, value, timeout=60)
+def test_mismatched_configs_and_a_different_call_order_fail_on_every_process():
+    out = launch("config", 2, "device_pages=17", "eviction=lfu", "page_size=8", timeout=60)
     for o in out:
-        assert o.result is not None and o.result.get("error") == "GroupDivergedError", o
-        assert o.result["field"] == field and f"process 1 has {shown}" in o.result["message"]
-
-
-def test_calls_in_a_different_order_are_found():
-    out = launch("order", 2, timeout=60)
-    for o in out:
-        assert o.result is not None and o.result.get("error") == "GroupDivergedError", o
-        assert o.result["done"] == 0 and o.result["field"] == "tree.nodes", o
+        assert o.result is not None and "trace" not in o.result, o
+        for field, shown in (("device_pages", "'17'"), ("eviction", "'lfu'"),
+                             ("spec.page_size", "'8'")):
+            r = o.result[field.removeprefix("spec.")]
+            assert r.get("error") == "GroupDivergedError" and r["field"] == field, o
+            assert f"process 1 has {shown}" in r["message"], o
+        # the same requests, the last two swapped on process 1: found before the first of
+        # them returns (its unlock), naming the tree
+        order = o.result["order"]
+        assert order.get("error") == "GroupDivergedError" and order["done"] == 0, o
+        assert order["field"] == "tree.nodes" and "before unlock" in order["message"], o
 
 
 def test_one_process_checks_nothing_and_keeps_its_clock(clock):
@@ -65,3 +65,42 @@ def test_bad_agreement_settings():
         HiCacheConfig(device_pages=8, agreement_check_every=-1)
     with pytest.raises(ValueError, match="agreement_timeout_s"):
         HiCacheConfig(device_pages=8, agreement_timeout_s=0)
+
+
+def _one_process_run(n: int, seed: int, steps: int) -> tuple[list, dict]:
+    """The same workload in this process alone (the spec of an n-process run, no mesh)."""
+    from hicache_jax import KVSpec
+    import multiproc_workers as w
+
+    spec = KVSpec(num_layers=2, num_kv_heads=2 * n, head_dim=4, dtype="float16", page_size=4)
+    cache = HiCache(spec, HiCacheConfig(device_pages=12, host_pages=16, load_back_threshold=4,
+                                        write_policy="write_through", agreement_check_every=1))
+    log = w._workload(cache, seed, steps)
+    cache.flush()
+    return [list(x) for x in log], w._decided(cache.stats())
+
+
+@pytest.mark.parametrize("n,steps", [(2, 60), (4, 30)])
+def test_a_random_workload_decides_alike_on_every_process(n, steps):
+    """Requests over shared prefixes, evictions on both tiers, load-backs; the pools sharded
+    over the processes' devices; check_agreement and check_invariants after every call (and
+    agreement_check_every=1): every process ends with the same log and figures, those of one
+    process running the same calls alone."""
+    out = launch("workload", n, "7", str(steps), timeout=90)
+    assert all(o.result is not None and "trace" not in o.result for o in out), out
+    log, stats = _one_process_run(n, 7, steps)
+    assert stats["load_backs"] and stats["evictions"] and stats["host_evictions"]
+    for o in out:
+        assert o.result["log"] == log
+        assert {k: v for k, v in o.result["stats"].items() if "gbps" not in k} == \
+            {k: v for k, v in stats.items() if "gbps" not in k}
+
+
+def test_a_killed_process_is_named_by_its_peers_within_the_timeout():
+    timeout_s = 3.0
+    out = launch("kill", 2, str(timeout_s), timeout=60, kill={1: "READY"})
+    assert out[1].rc is None  # killed mid-run
+    r = out[0].result
+    assert r is not None and r.get("error") == "GroupTimeoutError" and r["process"] == 1, out
+    assert "process 1 of 2 did not reach agreement" in r["message"]
+    assert r["waited"] < 3 * timeout_s, r  # its last step: a few agreements, one timed out
