@@ -116,7 +116,7 @@ def scenario_order(jax, pid: int, n: int, args: list[str]) -> dict:
     return {"done": done}
 
 
-def _workload(cache, seed: int, steps: int, check: bool = True) -> list:
+def _workload(cache, seed: int, steps: int, check: bool = True, prefetch: bool = False) -> list:
     """A random workload, the same on every process: requests over shared prefixes (hits,
     load-backs), device and host evictions, flushes; the cache's state checked after each."""
     import numpy as np
@@ -130,7 +130,11 @@ def _workload(cache, seed: int, steps: int, check: bool = True) -> list:
         if op == "serve":
             base = bases[rng.integers(len(bases))][:ps * int(rng.integers(1, 7))]
             tail = rng.integers(0, 1000, ps * int(rng.integers(0, 3)))
-            log.append(("serve", _serve(cache, np.concatenate([base, tail]))))
+            tokens = np.concatenate([base, tail])
+            if prefetch and rng.random() < 0.5:
+                h = cache.prefetch(tokens)
+                log.append(("prefetch", 0 if h is None else h.pages_found))
+            log.append(("serve", _serve(cache, tokens)))
         elif op == "evict":
             log.append(("evict", cache.evict(int(rng.integers(1, 6)) * ps)))
         elif op == "evict_host":
@@ -158,6 +162,49 @@ def scenario_workload(jax, pid: int, n: int, args: list[str]) -> dict:
     st = cache.stats()
     return {"log": log, "stats": _decided(st), "agreements": cache._group.calls,
             "agreement_seconds": cache._group.seconds}
+
+
+def scenario_l3(jax, pid: int, n: int, args: list[str]) -> dict:
+    """``_workload`` with prefetches, every process's cache on its own device (no mesh) over
+    one shared ``file://`` store (args: seed, steps, the store's directory), then
+    ``scenario_l3_miss`` (args[3]: its directory)."""
+    seed, steps, url = int(args[0]), int(args[1]), f"file://{args[2]}"
+    cache = _cache(jax, mesh=False, device_pages=12, host_pages=16, storage=url)
+    log = _workload(cache, seed, steps, prefetch=True)
+    cache.flush()
+    st = cache.stats()
+    cache.close()
+    return {"log": log, "stats": _decided(st), "miss": scenario_l3_miss(jax, pid, n, args[3:])}
+
+
+def scenario_l3_miss(jax, pid: int, n: int, args: list[str]) -> dict:
+    """Each process over its own ``file://`` store (args: a directory); a prompt put to both,
+    evicted from L1 and L2, then removed from process 1's store only: the pages one process
+    cannot read are a miss on every process."""
+    import pathlib
+
+    import numpy as np
+
+    root = pathlib.Path(args[0]) / f"p{pid}"
+    cache = _cache(jax, mesh=False, device_pages=12, host_pages=16, storage=f"file://{root}")
+    tokens = np.arange(32)
+    _serve(cache, tokens)
+    cache.flush()
+    cache.evict(10_000)
+    cache.evict_host(10_000)
+    out = {"l3_before": cache.lookup(tokens, l3=True)["l3"]}
+    if pid == 1:
+        for f in sorted(root.rglob("*")):
+            if f.is_file() and f.name.startswith("hcj"):  # the file store's entries
+                f.unlink()
+    out["files"] = sum(1 for f in root.rglob("hcj*") if f.is_file())
+    out["l3_after"] = cache.lookup(tokens, l3=True)["l3"]
+    h = cache.prefetch(tokens)
+    out["prefetch"] = None if h is None else h.pages_found
+    out["served_cached"] = _serve(cache, tokens)
+    cache.check_agreement()
+    cache.close()
+    return out
 
 
 def scenario_kill(jax, pid: int, n: int, args: list[str]) -> dict:

@@ -18,8 +18,8 @@ def test_mismatched_configs_and_a_different_call_order_fail_on_every_process():
     out = launch("config", 2, "device_pages=17", "eviction=lfu", "page_size=8", timeout=60)
     for o in out:
         assert o.result is not None and "trace" not in o.result, o
-        for field, shown in (("device_pages", "'17'"), ("eviction", "'lfu'"),
-                             ("spec.page_size", "'8'")):
+        for field, shown in (("device_pages", "17"), ("eviction", "lfu"),
+                             ("spec.page_size", "8")):
             r = o.result[field.removeprefix("spec.")]
             assert r.get("error") == "GroupDivergedError" and r["field"] == field, o
             assert f"process 1 has {shown}" in r["message"], o
@@ -77,7 +77,9 @@ def _one_process_run(n: int, seed: int, steps: int) -> tuple[list, dict]:
                                         write_policy="write_through", agreement_check_every=1))
     log = w._workload(cache, seed, steps)
     cache.flush()
-    return [list(x) for x in log], w._decided(cache.stats())
+    stats = w._decided(cache.stats())
+    cache.close()
+    return [list(x) for x in log], stats
 
 
 @pytest.mark.parametrize("n,steps", [(2, 60), (4, 30)])
@@ -104,3 +106,23 @@ def test_a_killed_process_is_named_by_its_peers_within_the_timeout():
     assert r is not None and r.get("error") == "GroupTimeoutError" and r["process"] == 1, out
     assert "process 1 of 2 did not reach agreement" in r["message"]
     assert r["waited"] < 3 * timeout_s, r  # its last step: a few agreements, one timed out
+
+
+def test_l3_results_are_agreed_over_a_shared_store(tmp_path):
+    """Two processes over one file:// store: the random workload with prefetches decides alike;
+    then, over a store of each process's own,
+    pages removed from process 1's only are a miss on both (lookup, prefetch, the request)."""
+    out = launch("l3", 2, "3", "50", str(tmp_path / "shared"), str(tmp_path / "own"),
+                 timeout=90)
+    assert all(o.result is not None and "trace" not in o.result for o in out), out
+    stats = out[0].result["stats"]
+    assert stats["l3_prefetch_hit_pages"] and stats["l3_put_pages_stored"], stats
+    decided = lambda d: {k: v for k, v in d.items()  # noqa: E731
+                         if "gbps" not in k and not k.startswith("l3_store_")}
+    for o in out:  # (puts land when they land: one process alone may see other hits)
+        assert o.result["log"] == out[0].result["log"]
+        assert decided(o.result["stats"]) == decided(stats)
+        miss = o.result["miss"]
+        assert miss["l3_before"] == 32 and miss["l3_after"] == 0, miss
+        assert miss["prefetch"] is None and miss["served_cached"] == 0, miss
+    assert [o.result["miss"]["files"] for o in out] == [8, 0]  # process 0 still holds them

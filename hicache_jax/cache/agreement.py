@@ -33,7 +33,9 @@ from hicache_jax.cache.ownership import DevicePageOwners
 from hicache_jax.spec import HiCacheConfig, KVSpec
 from hicache_jax.tree.radix import RadixTree
 
-_NOT_COMPARED = ("group", "mesh", "prefill_cost")  # compared by what they are, below
+# compared by what they are, below; a storage URL by its scheme (hosts mount stores at paths
+# of their own)
+_NOT_COMPARED = ("group", "mesh", "prefill_cost", "storage")
 
 
 def _show(value: Any) -> str:
@@ -48,6 +50,7 @@ def config_fields(spec: KVSpec, cfg: HiCacheConfig) -> list[tuple[str, str]]:
     mesh = cfg.mesh
     out.append(("mesh", "None" if mesh is None else
                 f"{dict(mesh.shape)} devices={np.asarray(mesh.device_ids).ravel().tolist()}"))
+    out.append(("storage", repr(None if cfg.storage is None else cfg.storage.split(":")[0])))
     cost = cfg.prefill_cost
     out.append(("prefill_cost", "None" if cost is None else getattr(cost, "__qualname__", "?")))
     return out
@@ -74,13 +77,17 @@ def _digest(parts: Iterable[Any]) -> str:
 
 
 def state_fields(tree: RadixTree, owners: DevicePageOwners, host: PageAllocator,
-                 flight: InFlight, counters: collections.Counter) -> list[tuple[str, str]]:
-    """``(name, digest)`` of one cache's decided state, in the order a difference is named."""
+                 flight: InFlight, counters: collections.Counter,
+                 l3: Any = None) -> list[tuple[str, str]]:
+    """``(name, digest)`` of one cache's decided state, in the order a difference is named
+    (``l3``: the L3 slot, whose figures but the store's own are compared)."""
     nodes = list(tree.nodes())
     pid = lambda n: -1 if n.parent is None else n.parent.id  # noqa: E731
     none = np.zeros(0, np.int32)
     ops = list(flight.ops())
     kept = {k: v for k, v in sorted(counters.items()) if "seconds" not in k and v}
+    l3_kept = {} if l3 is None else {k: v for k, v in sorted(l3.stats().items())
+                                     if not k.startswith("l3_store_")}
     return [
         ("tree.nodes", f"{len(nodes)}:" + _digest(
             x for n in nodes for x in (n.id, pid(n), n.key, n.extra_key))),
@@ -94,6 +101,7 @@ def state_fields(tree: RadixTree, owners: DevicePageOwners, host: PageAllocator,
         ("in_flight", f"{len(ops)}:" + _digest(
             x for op in ops for x in (op.seq, op.kind.value, op.device_ids, op.host_ids))),
         ("counters", json.dumps(kept)),
+        ("l3", json.dumps(l3_kept)),
     ]
 
 
@@ -103,14 +111,15 @@ class Agreement:
     Args:
         group: the cache's processes.
         every: check after every ``every``-th public call (0: only when asked).
-        tree, owners, host, flight, counters: the cache's parts whose state is compared
+        tree, owners, host, flight, counters, l3: the cache's parts whose state is compared
             (:func:`state_fields`).
     """
 
     def __init__(self, group: Group, every: int, tree: RadixTree, owners: DevicePageOwners,
-                 host: PageAllocator, flight: InFlight, counters: collections.Counter) -> None:
+                 host: PageAllocator, flight: InFlight, counters: collections.Counter,
+                 l3: Any) -> None:
         self.group, self._every = group, every
-        self._parts = (tree, owners, host, flight, counters)
+        self._parts = (tree, owners, host, flight, counters, l3)
         self._calls = 0
 
     def check(self, tag: str = "check_agreement") -> None:

@@ -100,7 +100,7 @@ class HiCache(ControlAPI):
             self._engine.agree_with(self._group)  # completions: the MIN over processes
         self._events: NullRecorder | Recorder = NullRecorder()  # the configured one: below
         self._threads = ThreadOwner()
-        self._port = CacheL3Port(spec, clock, self._tree, self._host)
+        self._port = CacheL3Port(spec, clock, self._tree, self._host, self._group)
         # NullL3Tier without storage; attach_storage / detach_storage swap the slot's tier
         self._l3 = L3Slot(open_l3(self._port, spec, cfg), collections.Counter())
         # Last, so that nothing stays bound when anything above raises. Off: NullRecorder.
@@ -140,7 +140,7 @@ class HiCache(ControlAPI):
                                    self._caller_locks)
         self._invalidate = Invalidation(tree, self._removal, self._pins, self._l3)
         self._agreement = Agreement(self._group, cfg.agreement_check_every, tree, self._owner,
-                                    host, self._flight, self._n)
+                                    host, self._flight, self._n, self._l3)
         self._port.bind(events, self._write)
 
     def _guard(self) -> None:

@@ -178,6 +178,7 @@ class L3Tier:
     def __init__(self, port: CachePort, spec: KVSpec, cfg: HiCacheConfig, url: str,
                  backend: Any, rows: np.ndarray) -> None:
         self._port, self.url, self.backend = port, url, backend
+        self._group = port.group  # several processes: every store result is agreed (MIN)
         self.write_back = cfg.storage_write_policy is WritePolicy.WRITE_BACK
         # write_through to L3 also backs up newly computed leaves at insert (not only on reuse,
         # as L1 -> L2 write-through does): a leaf evicted from L1 before its reuse would
@@ -199,7 +200,7 @@ class L3Tier:
         self._prefetch = Prefetcher(port, spec.page_size, continuous,
                                     PrefetchPolicy(cfg.prefetch_policy), cfg.prefetch_timeout_s,
                                     backend, self._staging, self._staging_alloc, self._records,
-                                    self._n)
+                                    self._n, port.group)
         self._closed = False
 
     # -- writes -------------------------------------------------------------------------------
@@ -254,10 +255,20 @@ class L3Tier:
         self._reads.append((keys, sids, self._port.read_host_async(host_ids), announce))
         self._n["l3_put_pages"] += n
 
+    def _leading_done(self, tag: str, queue: collections.deque, at: int, block: bool) -> int:
+        """How many of ``queue``'s oldest entries (their handle at index ``at``) are done on
+        every process (all of them: ``block``)."""
+        if block or not queue:
+            return len(queue)
+        n = 0
+        while n < len(queue) and queue[n][at].done():
+            n += 1
+        return int(self._group.agree_min(tag, [n])[0])
+
     def _submit_reads(self, block: bool) -> None:
         """Hand the host reads that are done (all of them with ``block``) to the backend, in
         order: staging pages filled, then one put each."""
-        while self._reads and (block or self._reads[0][2].done()):
+        for _ in range(self._leading_done("l3 reads", self._reads, 2, block)):
             keys, sids, read, announce = self._reads.popleft()
             read.copy_into(self._staging, sids)
             self._puts.append((self.backend.put_from(keys, sids), sids, announce))
@@ -283,7 +294,7 @@ class L3Tier:
                 nodes that operation holds; the pages wait for the next public call.
         """
         self._submit_reads(block=False)
-        while self._puts and self._puts[0][0].done():
+        for _ in range(self._leading_done("l3 puts", self._puts, 0, block=False)):
             self._finish_put(*self._puts.popleft())
         if self._prefetch.gets and attach:
             self._prefetch.poll()
@@ -309,10 +320,13 @@ class L3Tier:
             handle, sids, announce = self._puts[0]
             try:
                 handle.wait(max(0.0, deadline - time.monotonic()))
+                finished = True
             except TimeoutError:
-                return
+                finished = False
             except StorageError:
-                pass
+                finished = True
+            if not self._group.agree_min("l3 drain", [finished])[0]:
+                return  # on some process the store is too slow: every one stops here
             self._puts.popleft()
             self._finish_put(handle, sids, announce)
 
@@ -321,6 +335,8 @@ class L3Tier:
             ok = handle.wait(0)
         except StorageError:
             ok = np.zeros(len(handle.keys), bool)
+        if self._group.num_processes > 1:  # stored: by every process
+            ok = self._group.agree_min("l3 stored", np.asarray(ok, np.int64)).astype(bool)
         stored = int(ok.sum())
         self._n["l3_put_pages_stored"] += stored
         self._n["l3_puts_dropped"] += ok.size - stored
@@ -345,8 +361,8 @@ class L3Tier:
         if seed is None or covered >= tokens.size:
             return 0
         digests = chain_digests(seed, tokens.reshape(-1, ps))[covered // ps:]
-        return leading(self.backend.exists(key_strings(self._port.spec, extra_key,
-                                                       digests))) * ps
+        found = leading(self.backend.exists(key_strings(self._port.spec, extra_key, digests)))
+        return int(self._group.agree_min("l3 exists", [found])[0]) * ps
 
     def delete(self, nodes: list[TreeNode], tokens: np.ndarray | None, extra_key: Any) -> int:
         """Delete from the store the entries of ``nodes``' pages (still in the tree) and, given

@@ -98,7 +98,7 @@ class Group:
             odd = next((p for p, v in enumerate(values) if v != values[0]), None)
             if odd is None:
                 continue
-            first, other = repr(values[0]), repr(values[odd])
+            first, other = values[0], values[odd]
             if values[0].startswith("{"):  # a JSON dict (the counters): name its first key
                 name, first, other = _first_key(name, values[0], values[odd])
             raise GroupDivergedError(
@@ -110,7 +110,7 @@ def _first_key(name: str, a: str, b: str) -> tuple[str, str, str]:
     """The first key (sorted) whose value differs between two JSON dicts, and both values."""
     da, db = json.loads(a), json.loads(b)
     key = next(k for k in sorted(set(da) | set(db)) if da.get(k) != db.get(k))
-    return f"{name}.{key}", repr(da.get(key, 0)), repr(db.get(key, 0))
+    return f"{name}.{key}", str(da.get(key, 0)), str(db.get(key, 0))
 
 
 class LocalGroup(Group):
