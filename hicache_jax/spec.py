@@ -96,6 +96,10 @@ class KVSpec:
         dtype: one of ``SUPPORTED_DTYPES``.
         page_size: tokens per page.
         mla: K and V are one tensor (a latent cache); the KV axis then has size 1.
+        shard: which kv heads of a larger cache these pages hold ("" for all): the spec of
+            one process's share of a cache sharded over several processes (``"2:4/8"``:
+            heads 2 to 4 of 8). Part of the fingerprint when set, so L3 keys carry the shard
+            and a different process count is a miss.
 
     The KV of ``n`` pages, as every public API takes and returns it, has shape
     ``kv_shape(n) = (num_layers, kv_factor, n, page_size, num_kv_heads, head_dim)``.
@@ -107,6 +111,7 @@ class KVSpec:
     dtype: str = "bfloat16"
     page_size: int = 16
     mla: bool = False
+    shard: str = ""
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "num_kv_heads", "head_dim", "page_size"):  # stored as int
@@ -122,6 +127,8 @@ class KVSpec:
             raise ValueError(f"dtype={self.dtype!r} is not one of: {', '.join(SUPPORTED_DTYPES)}")
         object.__setattr__(self, "dtype", dtype)
         object.__setattr__(self, "mla", check_bool("mla", self.mla))
+        if not isinstance(self.shard, str):
+            raise TypeError(f"shard={self.shard!r} must be a str")
         if self.mla and self.num_kv_heads != 1:
             raise ValueError(f"mla=True needs num_kv_heads=1 (one latent 'head'), got {self.num_kv_heads}")
 
@@ -175,6 +182,8 @@ class KVSpec:
         """Stable short hash of everything that makes two caches' bytes incompatible."""
         text = (f"L{self.num_layers}/H{self.num_kv_heads}/D{self.head_dim}/{self.dtype}"
                 f"/P{self.page_size}/mla{int(self.mla)}")
+        if self.shard:  # (unsharded keys stay what they were)
+            text += f"/shard{self.shard}"
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 

@@ -84,10 +84,11 @@ def _serve(cache, tokens) -> int:
 
 
 def scenario_config(jax, pid: int, n: int, args: list[str]) -> dict:
-    """For each ``field=value`` of args, process 1 builds its cache with it (an int or a
-    string): each construction's error; then ``scenario_order``'s result."""
+    """For each ``field=value`` of args but the last, process 1 builds its cache with it (an
+    int or a string): each construction's error; then ``scenario_order``'s result, then
+    ``scenario_kill``'s (args[-1]: its timeout)."""
     out = {}
-    for arg in args:
+    for arg in args[:-1]:
         field, value = arg.split("=")
         try:
             _cache(jax, **({field: int(value) if value.isdigit() else value} if pid == 1 else {}))
@@ -95,7 +96,9 @@ def scenario_config(jax, pid: int, n: int, args: list[str]) -> dict:
         except Exception as e:
             out[field] = _error(e)
     out["order"] = scenario_order(jax, pid, n, [])
-    return out
+    report(**out)  # what the killed process found, before it is killed
+    out["kill"] = scenario_kill(jax, pid, n, args[-1:])
+    return out | {"process": out["kill"].get("process")}
 
 
 def scenario_order(jax, pid: int, n: int, args: list[str]) -> dict:
@@ -154,12 +157,15 @@ def _decided(stats: dict) -> dict:
 
 
 def scenario_workload(jax, pid: int, n: int, args: list[str]) -> dict:
-    """``_workload`` on a cache sharded over every process (args: seed, steps)."""
+    """``_workload`` on a cache sharded over every process (args: seed, steps; args[2]: a
+    shared store's directory, then with prefetches)."""
     seed, steps = int(args[0]), int(args[1])
-    cache = _cache(jax, device_pages=12, host_pages=16)
-    log = _workload(cache, seed, steps)
+    store = {"storage": f"file://{args[2]}"} if len(args) > 2 else {}
+    cache = _cache(jax, device_pages=12, host_pages=16, **store)
+    log = _workload(cache, seed, steps, prefetch=bool(store))
     cache.flush()
     st = cache.stats()
+    cache.close()
     return {"log": log, "stats": _decided(st), "agreements": cache._group.calls,
             "agreement_seconds": cache._group.seconds}
 
@@ -205,6 +211,63 @@ def scenario_l3_miss(jax, pid: int, n: int, args: list[str]) -> dict:
     cache.check_agreement()
     cache.close()
     return out
+
+
+def _kv(spec, tokens, start: int, stop: int):
+    """The KV every cache stores for pages [start, stop) of ``tokens``: a function of the
+    tokens, the position, layer, K/V, head and dim (so a page from the wrong place shows)."""
+    import numpy as np
+
+    L, kvf, _, ps, H, D = spec.kv_shape(1)
+    t = np.asarray(tokens[start * ps:stop * ps], np.int64).reshape(1, 1, -1, ps, 1, 1)
+    grid = np.indices((L, kvf, 1, 1, H, D)).reshape(6, L, kvf, 1, 1, H, D)
+    val = (t * 7 + grid[0] * 131 + grid[1] * 17 + grid[4] * 1009 + grid[5] * 3) % 2039
+    return val.astype(np.float16)
+
+
+def _serve_kv(cache, tokens) -> dict:
+    """One request writing its KV (all heads; each process's pool keeps its own): the cached
+    part read back per shard against ``_kv``."""
+    import numpy as np
+
+    tokens = np.asarray(tokens)
+    ps, heads = cache.spec.page_size, cache.local_heads
+    with cache.begin(tokens) as req:
+        have = req.cached_len // ps
+        got = cache.read_kv_local(req.device_pages)
+        ok = bool(np.array_equal(got, _kv(cache.spec, tokens, 0, have)[:, :, :, :, heads]))
+        new = req.extend(tokens.size - req.cached_len)
+        cache.write_kv(new, _kv(cache.spec, tokens, have, tokens.size // ps))
+        req.finish(tokens)
+    return {"cached": have * ps, "bytes_ok": ok}
+
+
+def scenario_shards(jax, pid: int, n: int, args: list[str]) -> dict:
+    """A pool sharded over the processes with an L3 store shared by them (args[0]): KV
+    written, read back per shard after device and host eviction (from L2, then from L3)."""
+    import numpy as np
+
+    cache = _cache(jax, device_pages=16, host_pages=16, storage=f"file://{args[0]}")
+    a, b = np.arange(32), np.arange(500, 532)
+    out = {"heads": [cache.local_heads.start, cache.local_heads.stop],
+           "first": _serve_kv(cache, a)}
+    cache.flush()
+    cache.evict(10_000)
+    out["from_host"] = _serve_kv(cache, a)  # loaded back from L2
+    _serve_kv(cache, b)
+    cache.flush()
+    cache.evict(10_000)
+    cache.evict_host(10_000)
+    out["l3_held"] = cache.lookup(a, l3=True)["l3"]
+    h = cache.prefetch(a)
+    out["prefetched"] = None if h is None else h.pages_found
+    cache.flush()
+    out["from_l3"] = _serve_kv(cache, a)
+    cache.check_agreement()
+    cache.check_invariants()
+    cache.close()
+    # then the random workload over the same store (args[1:]: seed, steps)
+    return out | {"workload": scenario_workload(jax, pid, n, args[1:] + args[:1])}
 
 
 def scenario_kill(jax, pid: int, n: int, args: list[str]) -> dict:

@@ -12,7 +12,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Hashable
 
+import numpy as np
+
 from hicache_jax.cache.lookup import lookup
+from hicache_jax.memory.placement import local_numpy
 from hicache_jax.cache.pins import Pins
 from hicache_jax.cache.thread_owner import publishes
 from hicache_jax.validation import check_bool, check_extra_key, page_tokens
@@ -30,9 +33,25 @@ class ControlAPI:
     _complete: Any
     _guard: Any
     _port: Any
+    _host: Any
     _agreement: Any
     spec: Any
     cfg: Any
+
+    @property
+    def local_heads(self) -> slice:
+        """The kv heads this process holds: all of them, unless the pools span several
+        processes (a mesh over their devices; ARCHITECTURE.md, "Several processes")."""
+        return self._host.local_heads
+
+    def read_kv_local(self, pages: Any) -> np.ndarray:
+        """:meth:`read_kv` of this process's heads (:attr:`local_heads`) as numpy:
+        ``[num_layers, kv, n, page_size, local heads, head_dim]`` in ``spec.dtype``, read
+        from its own shards (a pool over several processes is an array none can read whole)."""
+        out, heads = local_numpy(self.read_kv(pages)), self._host.local_heads
+        if out.shape[4] != heads.stop - heads.start:  # no page: an array of this process's
+            out = out[:, :, :, :, heads]
+        return out
 
     def check_agreement(self) -> None:
         """Compare this cache with its copies on the other processes of its group (tree,
@@ -94,7 +113,7 @@ class ControlAPI:
         cfg = dataclasses.replace(self.cfg, storage=url)
         self._complete(attach=True)
         held = [n for n in self._tree.nodes() if n.host_value is not None]
-        self._l3.attach(self._port, self.spec, cfg, held)
+        self._l3.attach(self._port, self._host.local_spec, cfg, held)
         self.cfg = cfg
 
     @publishes

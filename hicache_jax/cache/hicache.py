@@ -102,7 +102,8 @@ class HiCache(ControlAPI):
         self._threads = ThreadOwner()
         self._port = CacheL3Port(spec, clock, self._tree, self._host, self._group)
         # NullL3Tier without storage; attach_storage / detach_storage swap the slot's tier
-        self._l3 = L3Slot(open_l3(self._port, spec, cfg), collections.Counter())
+        # L3 holds this process's heads (all of them in one process), keyed by the shard
+        self._l3 = L3Slot(open_l3(self._port, self._host.local_spec, cfg), collections.Counter())
         # Last, so that nothing stays bound when anything above raises. Off: NullRecorder.
         try:
             self._events = make_recorder(cfg.kv_events, cfg.storage)

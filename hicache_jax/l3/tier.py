@@ -168,7 +168,9 @@ class L3Tier:
 
     Args:
         port: the cache, through its port (always called on the cache's thread).
-        spec, cfg: the cache's.
+        spec: what the entries hold: the cache's spec, or of a cache over several processes
+            this process's heads (``KVSpec.shard``: the keys carry the shard).
+        cfg: the cache's.
         url: the storage URL without this module's options; ``backend``: the store opened on
             ``rows``, the staging pool's entry rows.
     """
@@ -178,6 +180,7 @@ class L3Tier:
     def __init__(self, port: CachePort, spec: KVSpec, cfg: HiCacheConfig, url: str,
                  backend: Any, rows: np.ndarray) -> None:
         self._port, self.url, self.backend = port, url, backend
+        self._spec = spec  # this process's heads: its fingerprint keys the entries
         self._group = port.group  # several processes: every store result is agreed (MIN)
         self.write_back = cfg.storage_write_policy is WritePolicy.WRITE_BACK
         # write_through to L3 also backs up newly computed leaves at insert (not only on reuse,
@@ -200,7 +203,7 @@ class L3Tier:
         self._prefetch = Prefetcher(port, spec.page_size, continuous,
                                     PrefetchPolicy(cfg.prefetch_policy), cfg.prefetch_timeout_s,
                                     backend, self._staging, self._staging_alloc, self._records,
-                                    self._n, port.group)
+                                    self._n, port.group, spec)
         self._closed = False
 
     # -- writes -------------------------------------------------------------------------------
@@ -234,7 +237,7 @@ class L3Tier:
     def _put(self, digests: np.ndarray, extra_key: Any, host_ids: np.ndarray,
              announce: Any) -> None:
         """Put pages; ``announce``: what the events say once they are stored (None: nothing)."""
-        keys = key_strings(self._port.spec, extra_key, digests)
+        keys = key_strings(self._spec, extra_key, digests)
         # A node longer than the staging pool goes in parts (keys are per page: independent).
         step = self._staging_alloc.num_pages
         for lo in range(0, len(keys), step):
@@ -361,7 +364,7 @@ class L3Tier:
         if seed is None or covered >= tokens.size:
             return 0
         digests = chain_digests(seed, tokens.reshape(-1, ps))[covered // ps:]
-        found = leading(self.backend.exists(key_strings(self._port.spec, extra_key, digests)))
+        found = leading(self.backend.exists(key_strings(self._spec, extra_key, digests)))
         return int(self._group.agree_min("l3 exists", [found])[0]) * ps
 
     def delete(self, nodes: list[TreeNode], tokens: np.ndarray | None, extra_key: Any) -> int:
@@ -375,11 +378,11 @@ class L3Tier:
         for node in nodes:
             digests = self._records.node_digests(node)
             if digests is not None:
-                keys.update(dict.fromkeys(key_strings(self._port.spec, node.extra_key, digests)))
+                keys.update(dict.fromkeys(key_strings(self._spec, node.extra_key, digests)))
         seed = self._records.seed(extra_key)
         if tokens is not None and seed is not None:
             last = chain_digests(seed, tokens.reshape(-1, self._port.spec.page_size))[-1:]
-            keys.update(dict.fromkeys(key_strings(self._port.spec, extra_key, last)))
+            keys.update(dict.fromkeys(key_strings(self._spec, extra_key, last)))
         remove = getattr(self.backend, "delete", None)
         if remove is None:
             self._n["l3_delete_unsupported_pages"] += len(keys)
