@@ -96,6 +96,10 @@ class KVSpec:
         dtype: one of ``SUPPORTED_DTYPES``.
         page_size: tokens per page.
         mla: K and V are one tensor (a latent cache); the KV axis then has size 1.
+        shard: which kv heads of a larger cache these pages hold ("" for all): the spec of
+            one process's share of a cache sharded over several processes (``"2:4/8"``:
+            heads 2 to 4 of 8). Part of the fingerprint when set, so L3 keys carry the shard
+            and a different process count is a miss.
 
     The KV of ``n`` pages, as every public API takes and returns it, has shape
     ``kv_shape(n) = (num_layers, kv_factor, n, page_size, num_kv_heads, head_dim)``.
@@ -107,6 +111,7 @@ class KVSpec:
     dtype: str = "bfloat16"
     page_size: int = 16
     mla: bool = False
+    shard: str = ""
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "num_kv_heads", "head_dim", "page_size"):  # stored as int
@@ -122,6 +127,8 @@ class KVSpec:
             raise ValueError(f"dtype={self.dtype!r} is not one of: {', '.join(SUPPORTED_DTYPES)}")
         object.__setattr__(self, "dtype", dtype)
         object.__setattr__(self, "mla", check_bool("mla", self.mla))
+        if not isinstance(self.shard, str):
+            raise TypeError(f"shard={self.shard!r} must be a str")
         if self.mla and self.num_kv_heads != 1:
             raise ValueError(f"mla=True needs num_kv_heads=1 (one latent 'head'), got {self.num_kv_heads}")
 
@@ -175,6 +182,8 @@ class KVSpec:
         """Stable short hash of everything that makes two caches' bytes incompatible."""
         text = (f"L{self.num_layers}/H{self.num_kv_heads}/D{self.head_dim}/{self.dtype}"
                 f"/P{self.page_size}/mla{int(self.mla)}")
+        if self.shard:  # (unsharded keys stay what they were)
+            text += f"/shard{self.shard}"
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
@@ -227,6 +236,13 @@ class HiCacheConfig:
         pin_max_share: the most of each pool (device, host) that ``HiCache.pin`` may hold, as a
             share of its pages (default 0.5: pins can never starve requests of more than half
             of a tier); a pin beyond it raises ``PinLimitError``.
+        group: how the caches of several ``jax.distributed`` processes agree
+            (``memory/group.py``); None: one process alone, else every process of
+            ``jax.distributed`` (ARCHITECTURE.md, "Several processes").
+        agreement_check_every: run ``HiCache.check_agreement()`` after every N-th public call
+            (0: never; the tests use 1).
+        agreement_timeout_s: how long an agreement waits for a peer process before
+            ``GroupTimeoutError`` names it (the default group's timeout).
     """
 
     device_pages: int
@@ -253,6 +269,9 @@ class HiCacheConfig:
     clean_ahead_pages: int | None = None
     kv_events: KVEventsConfig | dict | str | None = None
     pin_max_share: float = 0.5
+    group: Any = None
+    agreement_check_every: int = 0
+    agreement_timeout_s: float = 60.0
 
     def __post_init__(self) -> None:
         set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731
@@ -301,6 +320,11 @@ class HiCacheConfig:
         share = self.pin_max_share
         if not is_real(share) or not 0.0 <= share <= 1.0:
             raise ValueError(f"pin_max_share={share!r} must be a number in [0, 1]")
+        set_("agreement_check_every",
+             check_int("agreement_check_every", self.agreement_check_every, 0))
+        t = self.agreement_timeout_s
+        if not is_real(t) or not math.isfinite(t) or t <= 0:
+            raise ValueError(f"agreement_timeout_s={t!r} must be a finite number > 0")
         if self.shard_axis is not None and self.mesh is None:
             raise ValueError(f"shard_axis={self.shard_axis!r} given without a mesh")
         if self.mesh is not None:

@@ -11,6 +11,7 @@ import pytest
 
 from hicache_jax import HiCacheConfig, KVSpec
 from hicache_jax.memory.allocator import PageAllocator
+from hicache_jax.memory.group import LocalGroup
 from hicache_jax.events.recorder import NullRecorder
 from hicache_jax.l3.tier import CachePort, L3Tier, NullL3Tier, open_l3
 from hicache_jax.tree.radix import RadixTree
@@ -45,6 +46,7 @@ class FakeCache:
         self.locks: collections.Counter = collections.Counter()
         self.events = NullRecorder()
         self.fetches: list = []  # (nbytes, seconds) of completed reads
+        self.group = LocalGroup()
 
     def clock(self) -> float:
         return self.now

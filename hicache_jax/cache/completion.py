@@ -26,11 +26,14 @@ class Completion:
         flight: the cache's operations in flight (what each copy's landing changes).
         l3: the cache's L3 tier (its puts and prefetches; a null tier without storage).
         expire: drops the pins whose ttl has passed (at the start of a public call only).
+        sync: several processes: agrees the cache's clock (``AgreedClock.sync``) at the start
+            of a public call, before anything reads it; None: one process.
     """
 
     def __init__(self, engine: TransferEngine, flight: InFlight, l3: Any,
-                 expire: Callable[[], None]) -> None:
+                 expire: Callable[[], None], sync: Callable[[], None] | None = None) -> None:
         self._engine, self._flight, self._l3, self._expire = engine, flight, l3, expire
+        self._sync = sync
 
     def __call__(self, upto: Any = None, *, wait: bool = False, attach: bool = False) -> None:
         """Apply finished transfers in dispatch order, first waiting for the transfer ``upto``
@@ -38,6 +41,8 @@ class Completion:
         prefetches in the tree and expire pins -- only at the start of a public call, never
         inside an operation that holds nodes (an attach may split them)."""
         if attach:
+            if self._sync is not None:
+                self._sync()
             self._expire()
         finished = self._engine.poll()
         self._l3.poll(attach)

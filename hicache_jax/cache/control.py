@@ -1,5 +1,5 @@
 """The control API of a HiCache (ARCHITECTURE.md, "Control API"): where a prefix lives, pins,
-invalidation, storage attached and detached at run time. A base class of :class:`~hicache_jax.cache.hicache.HiCache` holding only these
+invalidation, storage attached and detached at run time, the event queue and prefill samples. A base class of :class:`~hicache_jax.cache.hicache.HiCache` holding only these
 thin public methods (the facade module stays small); the work is done by the parts they call --
 :mod:`~hicache_jax.cache.lookup`, :mod:`~hicache_jax.cache.pins`,
 :mod:`~hicache_jax.cache.invalidate`, :mod:`~hicache_jax.cache.storage_attach` -- which the facade builds in ``_init_state``.
@@ -12,10 +12,14 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Hashable
 
+import numpy as np
+
 from hicache_jax.cache.lookup import lookup
+from hicache_jax.memory.placement import local_numpy
 from hicache_jax.cache.pins import Pins
 from hicache_jax.cache.thread_owner import publishes
 from hicache_jax.events.factory import l3_wire_medium
+from hicache_jax.events.records import EventBatch, KVEvent
 from hicache_jax.validation import check_bool, check_extra_key, page_tokens
 
 
@@ -32,8 +36,34 @@ class ControlAPI:
     _guard: Any
     _port: Any
     _events: Any
+    _host: Any
+    _agreement: Any
+    _cost: Any
     spec: Any
     cfg: Any
+
+    @property
+    def local_heads(self) -> slice:
+        """The kv heads this process holds: all of them, unless the pools span several
+        processes (a mesh over their devices; ARCHITECTURE.md, "Several processes")."""
+        return self._host.local_heads
+
+    def read_kv_local(self, pages: Any) -> np.ndarray:
+        """:meth:`read_kv` of this process's heads (:attr:`local_heads`) as numpy:
+        ``[num_layers, kv, n, page_size, local heads, head_dim]`` in ``spec.dtype``, read
+        from its own shards (a pool over several processes is an array none can read whole)."""
+        out, heads = local_numpy(self.read_kv(pages)), self._host.local_heads
+        if out.shape[4] != heads.stop - heads.start:  # no page: an array of this process's
+            out = out[:, :, :, :, heads]
+        return out
+
+    def check_agreement(self) -> None:
+        """Compare this cache with its copies on the other processes of its group (tree,
+        page ownership, transfers in flight, counters; cache/agreement.py): ``HiCacheError``
+        (``GroupDivergedError``) on every process naming the first field that differs, or
+        ``GroupTimeoutError`` naming a process that did not take part. One process: a no-op."""
+        self._guard()
+        self._agreement.check()
 
     def lookup(self, tokens: Any, extra_key: Hashable = None, *,
                l3: bool = False) -> dict[str, int]:
@@ -89,7 +119,7 @@ class ControlAPI:
         cfg = dataclasses.replace(self.cfg, storage=url)
         self._complete(attach=True)
         held = [n for n in self._tree.nodes() if n.host_value is not None]
-        self._l3.attach(self._port, self.spec, cfg, held)
+        self._l3.attach(self._port, self._host.local_spec, cfg, held)
         self.cfg = cfg
         self._events.l3_attached(l3_wire_medium(cfg.kv_events, url))
 
@@ -103,3 +133,21 @@ class ControlAPI:
         self._events.l3_detached()  # this cache reaches nothing of the store now
         self.cfg = dataclasses.replace(self.cfg, storage=None)
         return finished
+
+    def take_events(self) -> list[KVEvent]:
+        """KV events (one per page) since the last take, oldest first; ``HiCacheError`` unless
+        built with ``kv_events={"publisher": "queue"}``."""
+        self._guard()
+        return self._events.take()
+
+    def take_event_batches(self) -> list[EventBatch]:
+        """The event batches (one per public call) since the last take; a gap in ``seq``: the
+        oldest were dropped (``stats()["kv_event_batches_dropped"]``). Raises as take_events."""
+        self._guard()
+        return self._events.take_batches()
+
+    def observe_prefill(self, n_new: int, n_cached: int, seconds: float) -> None:
+        """A prefill sample for ``load_policy="cost"`` (cache/cost_model.py): ``n_new`` tokens
+        computed after ``n_cached`` in ``seconds``. ValueError for a negative / non-finite one."""
+        self._guard()
+        self._cost.observe_prefill(n_new, n_cached, seconds)

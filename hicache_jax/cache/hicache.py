@@ -24,10 +24,11 @@ from typing import Any, Callable, Hashable, Sequence
 import numpy as np
 
 from hicache_jax.memory.device_pool import DevicePagePool
+from hicache_jax.memory.group import AgreedClock, default_group
 from hicache_jax.errors import HiCacheError
 from hicache_jax.events.factory import make_recorder
 from hicache_jax.events.recorder import NullRecorder, Recorder
-from hicache_jax.events.records import EventBatch, KVEvent
+from hicache_jax.cache.agreement import Agreement, check_config
 from hicache_jax.cache.completion import Completion
 from hicache_jax.cache.evictor import Evictor
 from hicache_jax.cache.removal import Removal
@@ -80,6 +81,13 @@ class HiCache(ControlAPI):
         if not isinstance(cfg, HiCacheConfig):
             raise TypeError(f"cfg must be a HiCacheConfig, got {type(cfg).__name__}")
         self.spec, self.cfg = spec, cfg
+        # several processes: one group decides alike (ARCHITECTURE.md, "Several processes")
+        self._group = cfg.group if cfg.group is not None else default_group(
+            cfg.agreement_timeout_s)
+        check_config(self._group, spec, cfg)
+        if self._group.num_processes > 1:  # stamps and deadlines: the leader's clock
+            clock = AgreedClock(self._group, clock)
+        self._sync = clock.sync if isinstance(clock, AgreedClock) else None
         self._ps = spec.page_size
         self._tree = RadixTree(spec.page_size, clock)
         self._device = DevicePagePool(spec, cfg.device_pages, mesh=cfg.mesh, axis=cfg.shard_axis,
@@ -87,11 +95,14 @@ class HiCache(ControlAPI):
         self._host = HostPagePool(spec, cfg.host_pages, layout=cfg.host_layout, mesh=cfg.mesh,
                                   axis=cfg.shard_axis, huge_pages=cfg.huge_pages)
         self._engine = transfer_engine(self._device, self._host)
+        if self._group.num_processes > 1:
+            self._engine.agree_with(self._group)  # completions: the MIN over processes
         self._events: NullRecorder | Recorder = NullRecorder()  # the configured one: below
         self._threads = ThreadOwner()
-        self._port = CacheL3Port(spec, clock, self._tree, self._host)
+        self._port = CacheL3Port(spec, clock, self._tree, self._host, self._group)
         # NullL3Tier without storage; attach_storage / detach_storage swap the slot's tier
-        self._l3 = L3Slot(open_l3(self._port, spec, cfg), collections.Counter())
+        # L3 holds this process's heads (all of them in one process), keyed by the shard
+        self._l3 = L3Slot(open_l3(self._port, self._host.local_spec, cfg), collections.Counter())
         # Last, so that nothing stays bound when anything above raises. Off: NullRecorder.
         try:
             self._events = make_recorder(cfg.kv_events, cfg.storage)
@@ -115,7 +126,8 @@ class HiCache(ControlAPI):
                                 self._n, self._l3.on_backup, self._cost)
         self._pins = Pins(tree, self._port.clock, cfg.pin_max_share, cfg.device_pages,
                           cfg.host_pages)
-        self._complete = Completion(self._engine, self._flight, self._l3, self._pins.expire)
+        self._complete = Completion(self._engine, self._flight, self._l3, self._pins.expire,
+                                    self._sync)
         self._removal = Removal(cfg, tree, dev, self._owner, events, self._n, self._flight,
                                 self._l3)
         self._write = make_write_policy(WriteContext(
@@ -127,6 +139,8 @@ class HiCache(ControlAPI):
                                    self._device.validate_ids, self._write.after_insert,
                                    self._caller_locks)
         self._invalidate = Invalidation(tree, self._removal, self._pins, self._l3)
+        self._agreement = Agreement(self._group, cfg.agreement_check_every, tree, self._owner,
+                                    host, self._flight, self._n, self._l3)
         self._port.bind(events, self._write, self._rule, self._cost)
 
     def _guard(self) -> None:
@@ -449,18 +463,6 @@ class HiCache(ControlAPI):
         self._guard()
         self._threads.release()
 
-    def take_events(self) -> list[KVEvent]:
-        """KV events (one per page) since the last take, oldest first; ``HiCacheError`` unless
-        built with ``kv_events={"publisher": "queue"}``."""
-        self._guard()
-        return self._events.take()
-
-    def take_event_batches(self) -> list[EventBatch]:
-        """The event batches (one per public call) since the last take; a gap in ``seq``: the
-        oldest were dropped (``stats()["kv_event_batches_dropped"]``). Raises as take_events."""
-        self._guard()
-        return self._events.take_batches()
-
     @publishes
     def reset(self) -> None:
         """Wait for transfers, then forget everything: tree, caller pages and locks, counters
@@ -480,12 +482,6 @@ class HiCache(ControlAPI):
         return cache_stats(self._n, self._device.allocator, self._host.allocator, self._tree,
                            self._owner, len(self._flight), self._write.reserve_pages()) \
             | self._events.stats() | self._l3.stats() | self._cost.stats() | self._pins.stats()
-
-    def observe_prefill(self, n_new: int, n_cached: int, seconds: float) -> None:
-        """A prefill sample for ``load_policy="cost"`` (cache/cost_model.py): ``n_new`` tokens
-        computed after ``n_cached`` in ``seconds``. ValueError for a negative / non-finite one."""
-        self._guard()
-        self._cost.observe_prefill(n_new, n_cached, seconds)
 
     def check_invariants(self) -> None:
         """Check every invariant (ARCHITECTURE.md) on the whole cache, O(cache), for tests;

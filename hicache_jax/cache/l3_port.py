@@ -19,6 +19,7 @@ import numpy as np
 from hicache_jax.errors import HiCacheError, OutOfPagesError
 from hicache_jax.events.recorder import NullRecorder, Recorder
 from hicache_jax.events.records import Medium
+from hicache_jax.memory.group import Group, LocalGroup
 from hicache_jax.memory.host_pool import HostPagePool
 from hicache_jax.tree.radix import RadixTree
 from hicache_jax.spec import KVSpec
@@ -40,6 +41,7 @@ class CacheL3Port:
         clock: the cache's clock.
         tree: the cache's tree.
         host: the cache's host pool.
+        group: the cache's processes (the tier agrees store results through it).
 
     The L3 tier needs host pages (which may evict host pages) and host eviction tells the tier
     first (``storage_write_policy="write_back"``), so the two cannot both be given the other at
@@ -48,8 +50,9 @@ class CacheL3Port:
     """
 
     def __init__(self, spec: KVSpec, clock: Callable[[], float], tree: RadixTree,
-                 host: HostPagePool) -> None:
+                 host: HostPagePool, group: Group | None = None) -> None:
         self.spec, self.clock = spec, clock
+        self.group = group if group is not None else LocalGroup()
         self._tree, self._host = tree, host
         self.events: NullRecorder | Recorder = NullRecorder()
         self._host_pages: HostPageSource | None = None

@@ -64,10 +64,13 @@ class ThreadOwner:
 def publishes(method: Callable) -> Callable:
     """A public call that may record KV events: its events form one batch, sealed (published)
     when it returns. With events off that is one no-op call of the NullRecorder. It runs the
-    owning-thread check (:meth:`HiCache._guard`) for the method."""
+    owning-thread check (:meth:`HiCache._guard`) for the method and then, before the method
+    changes anything, the agreement check when one is due."""
     @functools.wraps(method)
     def call(self: Any, *args: Any, **kwargs: Any) -> Any:
         self._guard()  # first: another thread must not seal the owner's batch
+        # cache/agreement.py: every N-th call compares the processes first (before any change)
+        self._agreement.before_call(method.__name__)
         try:
             return method(self, *args, **kwargs)
         finally:

@@ -19,10 +19,13 @@ class CachePort(Protocol):
         spec: the cache's KVSpec.
         events: the cache's event recorder (``l3_candidate`` / ``l3_stored``: what lands in L3
             is announced when the events ask for L3).
+        group: the cache's processes (``memory/group.py``): the tier agrees every store result
+            through it (a ``LocalGroup`` in one process).
     """
 
     spec: KVSpec
     events: Any
+    group: Any
 
     def clock(self) -> float:
         """The cache's clock (deadlines)."""

@@ -32,6 +32,11 @@ host pages are reserved and released there, and fetched pages attach there, so t
 keeps the rule "every host page is free, held by one node, in flight, or reserved by an L3
 prefetch". Deadlines use the port's clock (the cache's injected one).
 
+Several processes (ARCHITECTURE.md, "Several processes"): every result of the store that a
+decision reads is agreed through the port's group first, as the MIN over processes -- the pages
+``exists`` found, a read's completion and its pages landed, a timeout -- so a page one process
+could not read is a miss on every process, and all of them hang the same pages in the tree.
+
 Threading: the cache's thread only (the backend's workers read and write staging rows only).
 """
 
@@ -44,6 +49,7 @@ from typing import Any, Callable
 import numpy as np
 
 from hicache_jax.memory.allocator import PageAllocator
+from hicache_jax.memory.group import Group, LocalGroup
 from hicache_jax.tree.hashing import chain_digests
 from hicache_jax.l3.keys import DigestRecords
 from hicache_jax.l3.port import CachePort
@@ -117,7 +123,7 @@ class BestEffort:
     """Attach what has landed so far; never wait."""
 
     def before_match(self, h: PrefetchHandle, clock: Callable[[], float],
-                     counters: collections.Counter) -> None:
+                     counters: collections.Counter, group: Group) -> None:
         pass
 
 
@@ -125,23 +131,30 @@ class WaitComplete:
     """Wait for the prefetches on the request's path."""
 
     def before_match(self, h: PrefetchHandle, clock: Callable[[], float],
-                     counters: collections.Counter) -> None:
+                     counters: collections.Counter, group: Group) -> None:
         h.wait()
 
 
 class Timeout:
-    """Wait up to the prefetch's deadline, then keep what landed and cancel the rest."""
+    """Wait up to the prefetch's deadline, then keep what landed and cancel the rest (with
+    several processes: if any process timed out, every one cancels)."""
 
     def before_match(self, h: PrefetchHandle, clock: Callable[[], float],
-                     counters: collections.Counter) -> None:
-        if h.done() or h._timed_out:
+                     counters: collections.Counter, group: Group) -> None:
+        if h._timed_out:
             return
-        try:
-            h.wait(max(0.0, h._deadline - clock()))
-        except TimeoutError:
-            h._get.cancel()  # keep what landed; the rest is recomputed
-            h._timed_out = True  # counted once; later matches do not wait again
-            counters["l3_prefetch_timeouts"] += 1
+        finished = h.done()
+        if not finished:
+            try:
+                h.wait(max(0.0, h._deadline - clock()))
+                finished = True
+            except TimeoutError:
+                pass
+        if group.agree_min("l3 prefetch in time", [finished])[0]:
+            return
+        h._get.cancel()  # keep what landed; the rest is recomputed
+        h._timed_out = True  # counted once; later matches do not wait again
+        counters["l3_prefetch_timeouts"] += 1
 
 
 POLICIES = {PrefetchPolicy.BEST_EFFORT: BestEffort, PrefetchPolicy.WAIT_COMPLETE: WaitComplete,
@@ -159,16 +172,21 @@ class Prefetcher:
         policy: :class:`~hicache_jax.spec.PrefetchPolicy`; ``timeout_s``: its base deadline.
         backend, staging, staging_alloc, records, counters: the tier's store, staging rows and
             their allocator, digest records and counters.
+        group: the cache's processes (every store result is agreed through it).
+        key_spec: the spec whose fingerprint keys the entries (the tier's; default the port's).
     """
 
     def __init__(self, port: "CachePort", page_size: int, continuous: bool,
                  policy: PrefetchPolicy, timeout_s: float, backend: Any, staging: np.ndarray,
                  staging_alloc: PageAllocator, records: DigestRecords,
-                 counters: collections.Counter) -> None:
+                 counters: collections.Counter, group: Group | None = None,
+                 key_spec: Any = None) -> None:
         self._port, self._ps, self._continuous = port, page_size, continuous
         self._policy, self._timeout_s = POLICIES[policy](), timeout_s
         self._backend, self._staging, self._staging_alloc = backend, staging, staging_alloc
         self._records, self._n = records, counters
+        self._group = group if group is not None else LocalGroup()
+        self._key_spec = key_spec if key_spec is not None else port.spec
         self.gets: list[PrefetchHandle] = []
 
     def prefetch(self, tokens: np.ndarray, extra_key: Any) -> PrefetchHandle | None:
@@ -189,8 +207,8 @@ class Prefetcher:
             self._n["l3_unkeyable_pages"] += (tokens.size - pos) // ps
             return None
         digests = chain_digests(prev, tokens[pos:].reshape(-1, ps))
-        keys = key_strings(self._port.spec, extra_key, digests)
-        found = leading(self._backend.exists(keys))
+        keys = key_strings(self._key_spec, extra_key, digests)
+        found = int(self._group.agree_min("l3 exists", [leading(self._backend.exists(keys))])[0])
         self._n["l3_lookup_pages"] += len(keys)
         if found < len(keys):  # the store lacks this page: if announced, it left L3
             self._port.events.l3_gone(tokens[:pos + (found + 1) * ps].reshape(-1, ps), extra_key)
@@ -304,7 +322,7 @@ class Prefetcher:
             if h._closed or h.extra_key != extra_key or tokens.size < h.start + ps or not \
                     np.array_equal(h.tokens[:h.start + ps], tokens[:h.start + ps]):
                 continue
-            self._policy.before_match(h, self._port.clock, self._n)
+            self._policy.before_match(h, self._port.clock, self._n, self._group)
             self._advance(h)
 
     def _measure(self, h: PrefetchHandle) -> None:
@@ -322,17 +340,24 @@ class Prefetcher:
             self._port.observe_fetch(ok.size * self._port.spec.page_bytes,
                                      self._port.clock() - h._issued)
 
-    def _advance(self, h: PrefetchHandle) -> None:
-        """Attach the pages of ``h`` that landed since the last call; close it once done."""
-        self._measure(h)
-        if h._closed or (h._after is not None and not h._after._closed):
-            return  # chained: its pages attach below the previous link's, once that is closed
+    def _landed(self, h: PrefetchHandle) -> tuple[bool, int]:
+        """This process's view of ``h``: read finished?, pages landed intact (leading run)."""
         done = h.done()
         try:
             ok = h._get.wait(0) if done else h._get.landed()
         except StorageError:
             ok = np.zeros(h.pages_found, bool)
-        ready = leading(ok)
+        return done, leading(ok)
+
+    def _advance(self, h: PrefetchHandle, seen: tuple[bool, int] | None = None) -> None:
+        """Attach the pages of ``h`` that landed since the last call; close it once done.
+        ``seen``: its (done, landed) agreed already (else agreed here)."""
+        self._measure(h)
+        if h._closed or (h._after is not None and not h._after._closed):
+            return  # chained: its pages attach below the previous link's, once that is closed
+        if seen is None:
+            seen = tuple(self._group.agree_min("l3 landed", self._landed(h)))
+        done, ready = bool(seen[0]), int(seen[1])
         if ready > h._applied:
             self._attach(h, ready)
         if done:
@@ -404,10 +429,18 @@ class Prefetcher:
         h._get.cancel()
 
     def poll(self) -> None:
-        """Attach landed pages of the prefetches whose reads are done; drop closed ones."""
-        for h in self.gets:
-            if h.done():
-                self._advance(h)
+        """Attach landed pages of the prefetches whose reads are done (on every process: one
+        agreement for all of them); drop closed ones."""
+        if self._group.num_processes == 1:
+            for h in self.gets:
+                if h.done():
+                    self._advance(h)
+        elif self.gets:
+            seen = self._group.agree_min("l3 poll", [x for h in self.gets
+                                                     for x in self._landed(h)]).reshape(-1, 2)
+            for h, (done, ready) in zip(list(self.gets), seen.tolist()):
+                if done:
+                    self._advance(h, (done, ready))
         self.gets = [h for h in self.gets if not h._closed]
 
     def flush(self) -> None:

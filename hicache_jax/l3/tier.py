@@ -169,7 +169,9 @@ class L3Tier:
 
     Args:
         port: the cache, through its port (always called on the cache's thread).
-        spec, cfg: the cache's.
+        spec: what the entries hold: the cache's spec, or of a cache over several processes
+            this process's heads (``KVSpec.shard``: the keys carry the shard).
+        cfg: the cache's.
         url: the storage URL without this module's options; ``backend``: the store opened on
             ``rows``, the staging pool's entry rows.
     """
@@ -179,6 +181,8 @@ class L3Tier:
     def __init__(self, port: CachePort, spec: KVSpec, cfg: HiCacheConfig, url: str,
                  backend: Any, rows: np.ndarray) -> None:
         self._port, self.url, self.backend = port, url, backend
+        self._spec = spec  # this process's heads: its fingerprint keys the entries
+        self._group = port.group  # several processes: every store result is agreed (MIN)
         self.write_back = cfg.storage_write_policy is WritePolicy.WRITE_BACK
         # write_through to L3 also backs up newly computed leaves at insert (not only on reuse,
         # as L1 -> L2 write-through does): a leaf evicted from L1 before its reuse would
@@ -200,7 +204,7 @@ class L3Tier:
         self._prefetch = Prefetcher(port, spec.page_size, continuous,
                                     PrefetchPolicy(cfg.prefetch_policy), cfg.prefetch_timeout_s,
                                     backend, self._staging, self._staging_alloc, self._records,
-                                    self._n)
+                                    self._n, port.group, spec)
         self._closed = False
 
     # -- writes -------------------------------------------------------------------------------
@@ -234,7 +238,7 @@ class L3Tier:
     def _put(self, digests: np.ndarray, extra_key: Any, host_ids: np.ndarray,
              announce: Any) -> None:
         """Put pages; ``announce``: what the events say once they are stored (None: nothing)."""
-        keys = key_strings(self._port.spec, extra_key, digests)
+        keys = key_strings(self._spec, extra_key, digests)
         # A node longer than the staging pool goes in parts (keys are per page: independent).
         step = self._staging_alloc.num_pages
         for lo in range(0, len(keys), step):
@@ -255,10 +259,20 @@ class L3Tier:
         self._reads.append((keys, sids, self._port.read_host_async(host_ids), announce))
         self._n["l3_put_pages"] += n
 
+    def _leading_done(self, tag: str, queue: collections.deque, at: int, block: bool) -> int:
+        """How many of ``queue``'s oldest entries (their handle at index ``at``) are done on
+        every process (all of them: ``block``)."""
+        if block or not queue:
+            return len(queue)
+        n = 0
+        while n < len(queue) and queue[n][at].done():
+            n += 1
+        return int(self._group.agree_min(tag, [n])[0])
+
     def _submit_reads(self, block: bool) -> None:
         """Hand the host reads that are done (all of them with ``block``) to the backend, in
         order: staging pages filled, then one put each."""
-        while self._reads and (block or self._reads[0][2].done()):
+        for _ in range(self._leading_done("l3 reads", self._reads, 2, block)):
             keys, sids, read, announce = self._reads.popleft()
             read.copy_into(self._staging, sids)
             self._puts.append((self.backend.put_from(keys, sids), sids, announce))
@@ -284,7 +298,7 @@ class L3Tier:
                 nodes that operation holds; the pages wait for the next public call.
         """
         self._submit_reads(block=False)
-        while self._puts and self._puts[0][0].done():
+        for _ in range(self._leading_done("l3 puts", self._puts, 0, block=False)):
             self._finish_put(*self._puts.popleft())
         if self._prefetch.gets and attach:
             self._prefetch.poll()
@@ -310,10 +324,13 @@ class L3Tier:
             handle, sids, announce = self._puts[0]
             try:
                 handle.wait(max(0.0, deadline - time.monotonic()))
+                finished = True
             except TimeoutError:
-                return
+                finished = False
             except StorageError:
-                pass
+                finished = True
+            if not self._group.agree_min("l3 drain", [finished])[0]:
+                return  # on some process the store is too slow: every one stops here
             self._puts.popleft()
             self._finish_put(handle, sids, announce)
 
@@ -322,6 +339,8 @@ class L3Tier:
             ok = handle.wait(0)
         except StorageError:
             ok = np.zeros(len(handle.keys), bool)
+        if self._group.num_processes > 1:  # stored: by every process
+            ok = self._group.agree_min("l3 stored", np.asarray(ok, np.int64)).astype(bool)
         stored = int(ok.sum())
         self._n["l3_put_pages_stored"] += stored
         self._n["l3_puts_dropped"] += ok.size - stored
@@ -346,8 +365,8 @@ class L3Tier:
         if seed is None or covered >= tokens.size:
             return 0
         digests = chain_digests(seed, tokens.reshape(-1, ps))[covered // ps:]
-        return leading(self.backend.exists(key_strings(self._port.spec, extra_key,
-                                                       digests))) * ps
+        found = leading(self.backend.exists(key_strings(self._spec, extra_key, digests)))
+        return int(self._group.agree_min("l3 exists", [found])[0]) * ps
 
     def delete(self, nodes: list[TreeNode], tokens: np.ndarray | None, extra_key: Any) -> int:
         """Delete from the store the entries of ``nodes``' pages (still in the tree) and, given
@@ -361,11 +380,11 @@ class L3Tier:
         for node in nodes:
             digests = self._records.node_digests(node)
             if digests is not None:
-                keys.update(dict.fromkeys(key_strings(self._port.spec, node.extra_key, digests)))
+                keys.update(dict.fromkeys(key_strings(self._spec, node.extra_key, digests)))
         seed = self._records.seed(extra_key)
         if tokens is not None and seed is not None:
             last = chain_digests(seed, tokens.reshape(-1, self._port.spec.page_size))[-1:]
-            keys.update(dict.fromkeys(key_strings(self._port.spec, extra_key, last)))
+            keys.update(dict.fromkeys(key_strings(self._spec, extra_key, last)))
         remove = getattr(self.backend, "delete", None)
         if remove is None:
             self._n["l3_delete_unsupported_pages"] += len(keys)

@@ -40,7 +40,9 @@ from hicache_jax.memory.allocator import PageAllocator, PageIdChecker
 from hicache_jax.memory.donated import DonatedArray, check_kv
 from hicache_jax.memory.hugepages import advise_huge_pages
 from hicache_jax.memory.page_copy import copy_fn, copy_plan, gather_pages, stage_chunks
-from hicache_jax.memory.placement import head_sharding, placed, resolve_memory_kind, zeros_in_memory
+from hicache_jax.memory.placement import (from_local, head_sharding, local_heads, local_numpy,
+                                          placed, resolve_memory_kind, shard_spec,
+                                          zeros_in_memory)
 from hicache_jax.spec import HostLayout, KVSpec
 from hicache_jax.validation import check_bool, check_int, parse_enum
 
@@ -73,10 +75,14 @@ class HostRead:
 
     def result(self) -> KVHost:
         """The pages as a new numpy ``spec.kv_shape(num_pages)`` array (blocks until done)."""
-        out = np.empty(self.spec.kv_shape(self.num_pages), self.spec.bits_dtype)
+        out = None
         for start, count, pages in self._chunks:
-            out[:, :, start:start + count] = np.asarray(pages)[:, :, :count]
-        return out
+            local = local_numpy(pages)  # a pool over several processes: this one's heads
+            if out is None:
+                out = np.empty(local.shape[:2] + (self.num_pages,) + local.shape[3:],
+                               local.dtype)
+            out[:, :, start:start + count] = local[:, :, :count]
+        return out if out is not None else np.empty(self.spec.kv_shape(0), self.spec.bits_dtype)
 
     def copy_into(self, out: PageRows, rows: np.ndarray) -> None:
         """``out[rows[i]] = page i`` for a page-major ``out`` (``[P, L, kvf, ps, H, D]``, any
@@ -87,8 +93,8 @@ class HostRead:
         """
         if out.dtype != self.spec.bits_dtype:
             raise TypeError(f"out.dtype={out.dtype} must be the bits dtype {self.spec.bits_dtype}")
-        for start, count, pages in self._chunks:
-            out[rows[start:start + count]] = np.moveaxis(np.asarray(pages)[:, :, :count], 2, 0)
+        for start, count, pages in self._chunks:  # (several processes: this one's heads)
+            out[rows[start:start + count]] = np.moveaxis(local_numpy(pages)[:, :, :count], 2, 0)
 
 
 class HostPagePool:
@@ -141,6 +147,10 @@ class HostPagePool:
         #: Bytes of the buffer on transparent huge pages (CPU backend only; see hugepages.py).
         self.huge_page_bytes = advise_huge_pages(self.buffer) if huge_pages else 0
         self._donated = DonatedArray("host buffer", self.buffer)
+        # The heads this process holds (all of them unless the pool spans several processes;
+        # ARCHITECTURE.md, "Several processes"): what write_rows takes and reads give back.
+        self.local_heads = local_heads(self.sharding, self.shape)
+        self.local_spec = shard_spec(spec, self.local_heads)
         # Staged chunks (page-major, in device memory) into the buffer: see _write_staged.
         self._write_fn = staged_write_fn(spec, self.layout,
                                          None if self.on_device_memory else self.sharding)
@@ -189,7 +199,7 @@ class HostPagePool:
         """
         ids = self.validate_ids(host_ids)
         check_kv(self.spec, kv, ids.size)
-        bits = np.asarray(kv).view(self.spec.bits_dtype)
+        bits = np.asarray(kv).view(self.spec.bits_dtype)[:, :, :, :, self.local_heads]
         for start, count, staged in self._staging_chunks(ids.size):
             staged[:count] = np.moveaxis(bits[:, :, start:start + count], 2, 0)
             self._write_staged(ids[start:start + count], staged)
@@ -203,7 +213,7 @@ class HostPagePool:
             TypeError / ValueError: bad ids, rows, buffer shape or dtype, before anything changes.
         """
         ids = self.validate_ids(host_ids)
-        tail = self.spec.page_major_shape(1)[1:]
+        tail = self.local_spec.page_major_shape(1)[1:]  # this process's heads
         if not isinstance(pages, np.ndarray):
             raise TypeError(f"pages must be a numpy array, got {type(pages).__name__}")
         if pages.ndim != 6 or pages.shape[1:] != tail:
@@ -232,13 +242,15 @@ class HostPagePool:
         size (padding rows are never read: the plan pads with its last pair). Fresh each time:
         on CPU ``device_put`` may alias it."""
         for start, count, size in stage_chunks(n):
-            yield start, count, np.empty(self.spec.page_major_shape(size), self.spec.bits_dtype)
+            yield start, count, np.empty(self.local_spec.page_major_shape(size),
+                                         self.spec.bits_dtype)
 
     def _write_staged(self, ids: np.ndarray, staged: np.ndarray) -> None:
         """Copy the first ``ids.size`` pages of a page-major staged chunk to ``ids``."""
         # Staged in device memory even when the buffer is pinned_host: a device computation
         # can move chunks device -> host, not update host memory from host memory.
-        src = jax.device_put(staged, self.device_sharding)
+        src = from_local(staged, self.device_sharding,  # several processes: our heads
+                         self.spec.page_major_shape(staged.shape[0]))
         self.run(self._write_fn, src, copy_plan(ids, np.arange(ids.size, dtype=np.int32)))
 
     def read(self, host_ids: Any) -> KVHost:

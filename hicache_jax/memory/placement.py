@@ -14,6 +14,7 @@ Pure functions of their arguments (compiled allocators are cached per shape); no
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any
 
@@ -55,10 +56,59 @@ def head_sharding(spec: KVSpec, mesh: Mesh | None, axis: str | None) -> NamedSha
 
 
 def placed(sharding: NamedSharding | None) -> jax.sharding.Sharding:
-    """``sharding``, or device 0 when None: a pool is always *committed* to its devices (an
+    """``sharding``, or this process's first device when None: a pool is always *committed* to its devices (an
     uncommitted array becomes committed after its first donated update, and every caller's
     jitted step would then compile twice, once per commitment state)."""
-    return SingleDeviceSharding(jax.devices()[0]) if sharding is None else sharding
+    return SingleDeviceSharding(jax.local_devices()[0]) if sharding is None else sharding
+
+
+def local_heads(sharding: jax.sharding.Sharding, shape: tuple[int, ...]) -> slice:
+    """The kv heads (axis 4) this process's devices hold of an array of ``shape`` placed by
+    ``sharding``: all of them unless the array spans several processes.
+
+    Raises:
+        ValueError: this process's heads are not one contiguous run (a mesh whose devices are
+            not grouped by process along the head axis).
+    """
+    runs = sorted({(idx[4].indices(shape[4])[:2]) for idx in
+                   sharding.addressable_devices_indices_map(shape).values()})
+    lo, hi = runs[0]
+    for a, b in runs[1:]:
+        if a > hi:
+            raise ValueError(f"this process holds kv heads {runs}: not one contiguous run; "
+                             "order the mesh's devices by process along the head axis")
+        hi = max(hi, b)
+    return slice(lo, hi)
+
+
+def local_numpy(x: jax.Array) -> np.ndarray:
+    """``x`` as numpy; of an array spanning several processes (heads sharded, axis 4), this
+    process's heads only (:func:`local_heads`), read from its own shards."""
+    if x.is_fully_addressable:
+        return np.asarray(x)
+    heads = local_heads(x.sharding, x.shape)
+    out = np.empty(x.shape[:4] + (heads.stop - heads.start,) + x.shape[5:], x.dtype)
+    for shard in x.addressable_shards:
+        lo, hi = shard.index[4].indices(x.shape[4])[:2]
+        out[:, :, :, :, lo - heads.start:hi - heads.start] = np.asarray(shard.data)
+    return out
+
+
+def shard_spec(spec: KVSpec, heads: slice) -> KVSpec:
+    """The spec of ``heads`` of ``spec`` (``spec`` itself for all of them)."""
+    if heads.start == 0 and heads.stop == spec.num_kv_heads:
+        return spec
+    return dataclasses.replace(spec, num_kv_heads=heads.stop - heads.start,
+                               shard=f"{heads.start}:{heads.stop}/{spec.num_kv_heads}")
+
+
+def from_local(local: np.ndarray, sharding: jax.sharding.Sharding,
+               shape: tuple[int, ...]) -> jax.Array:
+    """The array of ``shape`` placed by ``sharding`` from this process's heads ``local``
+    (:func:`local_heads`); a plain ``device_put`` when the array is this process's alone."""
+    if sharding.is_fully_addressable:
+        return jax.device_put(local, sharding)
+    return jax.make_array_from_process_local_data(sharding, local, shape)
 
 
 def has_explicit_axis(mesh: Mesh) -> bool:

@@ -106,8 +106,11 @@ class TransferHandle:
         return f"TransferHandle({self.kind.value}, pages={self.device_ids.size}, {state})"
 
     def done(self) -> bool:
-        """Non-blocking: has every page landed? (Applies the completion when it has.)"""
-        if not self._complete and all(t.is_ready() for t in self._tokens):
+        """Non-blocking: has every page landed? (Applies the completion when it has; with a
+        group, reports only what the last agreed poll applied.)"""
+        # several processes: completion is agreed in poll() only, never seen locally here
+        if not self._complete and self._engine._group is None \
+                and all(t.is_ready() for t in self._tokens):
             self._engine._finish(self)
         return self._complete
 
@@ -171,6 +174,14 @@ class TransferEngine:
         self._busy = np.zeros(host_pool.num_pages, np.int32)  # transfers using each host page
         self._in_flight: list[TransferHandle] = []  # dispatch order
         self._finished: list[TransferHandle] = []   # completion order, not yet polled
+        self._group: Any = None  # several processes: see agree_with
+
+    def agree_with(self, group: Any) -> None:
+        """Several processes (``memory/group.py``): from now on a transfer counts as complete
+        only once every process of ``group`` has seen it complete -- each poll applies the
+        MIN over processes of the transfers seen complete, so every process's cache acts on
+        the same ones (a process's copy may land later than its peer's)."""
+        self._group = group
 
     # ----------------------------------------------------------------------------- dispatch
     def backup(self, device_ids: Any, host_ids: Any, *, tag: Any = None) -> TransferHandle:
@@ -263,12 +274,18 @@ class TransferEngine:
         """Handles finished since the last ``poll`` / ``wait_all``, in completion order.
 
         Completion order is dispatch order (see ``_finish``); a zero-page transfer completes at
-        dispatch. ``seconds`` is an upper bound: dispatch to observation.
+        dispatch. ``seconds`` is an upper bound: dispatch to observation. With a group
+        (:meth:`agree_with`), the transfers every process has seen complete.
         """
-        for handle in reversed(self._in_flight):  # the latest finished one finishes the rest
-            if all(t.is_ready() for t in handle._tokens):
-                self._finish(handle)
+        ready = 0  # the latest finished one finishes the rest: count up to it
+        for i in range(len(self._in_flight), 0, -1):
+            if all(t.is_ready() for t in self._in_flight[i - 1]._tokens):
+                ready = i
                 break
+        if self._group is not None and self._in_flight:  # the same queue on every process
+            ready = int(self._group.agree_min("transfers", [ready])[0])
+        if ready:
+            self._finish(self._in_flight[ready - 1])
         out, self._finished = self._finished, []
         return out
 

@@ -1,0 +1,160 @@
+"""The agreement's cost per request: one cache over 1, 2 and 4 local jax.distributed processes.
+
+Each process has one CPU device (gloo collectives); the cache's kv heads are sharded over every
+process's device, and every process replays the same slice of the shipped Mooncake trace through
+the request handle (:func:`benchmarks.replay_driver.serve`: begin, extend, flush, finish, flush),
+with a tiny KVSpec so that what is timed is the control plane. With several processes every
+decision input is agreed through jax.distributed's key-value store (ARCHITECTURE.md, "Several
+processes"); the figure is each run's wall time per request beside the one-process run's of
+the same slice in the same invocation (the ratio is what is judged: target <= 1.3x at 2
+processes), with the agreements' share of the time (``Group.seconds``) and their count per
+request. The hit figures of every run must equal the one-process run's (printed: a difference
+fails the benchmark).
+
+Usage: ``python -m benchmarks.bench_multihost [--requests 200] [--processes 1,2,4]
+[--json PATH]``. Runs the processes itself (their own coordinator port, killed at the end).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+DEFAULT_TRACE = os.path.join(HERE, "data", "mooncake_synthetic_1000.jsonl")
+HEADS = 4  # divisible by every process count measured
+FIGURES = ("device_hit_tokens", "host_hit_tokens", "backups", "load_backs", "evictions",
+           "host_evictions")
+
+
+def _worker(pid: int, n: int, port: int, requests: int, device_tokens: int, out: str) -> None:
+    import jax
+
+    if n > 1:
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+        jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=n, process_id=pid,
+                                   initialization_timeout=120)
+    import numpy as np
+    from jax.sharding import Mesh
+
+    from benchmarks import replay_driver as rd
+    from hicache_jax import HiCacheConfig, KVSpec
+    from hicache_jax.replay.trace import load_trace
+
+    prompts = rd.Prompts.from_trace(load_trace(DEFAULT_TRACE))
+    ps = 16
+    spec = KVSpec(num_layers=1, num_kv_heads=HEADS, head_dim=1, dtype="float32", page_size=ps)
+    cfg = HiCacheConfig(device_pages=device_tokens // ps, host_ratio=2.0,
+                        mesh=Mesh(np.array(jax.devices()), ("heads",)),
+                        agreement_timeout_s=60.0)
+    cache = rd.new_cache(spec, cfg)
+    group = cache._group
+    seen = [prompts.tokens(i) for i in range(requests)]
+    rd.serve(cache, seen[0][: ps * 4], 4)  # compile the page copies before timing
+    cache.reset()
+    t0, g0, c0 = time.perf_counter(), getattr(group, "seconds", 0.0), getattr(group, "calls", 0)
+    for tokens in seen:
+        whole = min(tokens.shape[0] // ps, cfg.device_pages)
+        rd.serve(cache, tokens[: whole * ps], whole)
+    wall = time.perf_counter() - t0
+    stats = cache.stats()
+    cache.check_agreement()
+    result = {"processes": n, "requests": requests, "wall_s": wall,
+              "agreement_s": getattr(group, "seconds", 0.0) - g0,
+              "agreements": getattr(group, "calls", 0) - c0,
+              "figures": {k: stats[k] for k in FIGURES}}
+    if pid == 0:
+        with open(out, "w") as f:
+            json.dump(result, f)
+    if n > 1:  # process 0 hosts the coordination service: it leaves last
+        from jax._src import distributed
+
+        client = distributed.global_state.client
+        if pid:
+            client.key_value_set(f"bench_done/{pid}", "1")
+        else:
+            for p in range(1, n):
+                client.blocking_key_value_get(f"bench_done/{p}", 60_000)
+    sys.stdout.flush()
+    os._exit(0)  # no shutdown barrier
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run(n: int, requests: int, device_tokens: int, timeout: float = 600.0) -> dict:
+    """One run over ``n`` processes; process 0's figures."""
+    port = _free_port()
+    out = tempfile.mktemp(suffix=".json")
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1",
+               JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
+    procs = [subprocess.Popen([sys.executable, "-m", "benchmarks.bench_multihost", "--worker",
+                               str(i), str(n), str(port), str(requests), str(device_tokens), out],
+                              env=env, cwd=ROOT, start_new_session=True) for i in range(n)]
+    try:
+        deadline = time.monotonic() + timeout
+        for p in procs:
+            p.wait(max(1.0, deadline - time.monotonic()))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, 9)
+                p.wait()
+    if any(p.returncode for p in procs):
+        raise RuntimeError(f"a process of the {n}-process run failed: "
+                           f"{[p.returncode for p in procs]}")
+    with open(out) as f:
+        return json.load(f)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--requests", type=int, default=200)
+    ap.add_argument("--processes", default="1,2,4")
+    ap.add_argument("--device-tokens", type=int, default=200_000)
+    ap.add_argument("--json")
+    ap.add_argument("--worker", nargs=6, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.worker:
+        pid, n, port, requests, tokens = map(int, args.worker[:5])
+        _worker(pid, n, port, requests, tokens, args.worker[5])
+        return
+    from benchmarks.common import env_info
+
+    counts = [int(x) for x in args.processes.split(",")]
+    runs = {n: run(n, args.requests, args.device_tokens) for n in counts}
+    base = runs[counts[0]]
+    print(f"{'processes':>9} {'us/request':>11} {'x 1 process':>12} {'agreements/req':>15} "
+          f"{'agreement share':>16}  figures")
+    ok = True
+    for n, r in runs.items():
+        per = r["wall_s"] / r["requests"] * 1e6
+        ratio = r["wall_s"] / base["wall_s"]
+        share = r["agreement_s"] / r["wall_s"] if r["wall_s"] else 0.0
+        same = r["figures"] == base["figures"]
+        ok &= same
+        print(f"{n:>9} {per:>11.0f} {ratio:>11.2f}x {r['agreements'] / r['requests']:>15.1f} "
+              f"{share:>15.0%}  {'same' if same else r['figures']}")
+    if 2 in runs:
+        r2 = runs[2]["wall_s"] / base["wall_s"]
+        print(f"control plane at 2 processes: {r2:.2f}x one process's time per request "
+              f"(target <= 1.3x): {'met' if r2 <= 1.3 else 'NOT met'}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"env": env_info(), "config": vars(args), "runs": runs}, f, indent=1)
+    if not ok:
+        raise SystemExit("hit figures differ from the one-process run")
+
+
+if __name__ == "__main__":
+    main()

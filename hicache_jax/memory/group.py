@@ -1,0 +1,232 @@
+"""Process groups: how the caches of several ``jax.distributed`` processes agree (ARCHITECTURE.md,
+"Several processes").
+
+A cache whose pools span the devices of several processes runs one copy of the tree per
+process; every decision that could differ between them (a transfer seen complete, an L3
+result, a clock reading) is first *agreed* through the cache's group, so that every process
+changes its tree the same way. A group has one primitive, :meth:`Group.allgather` (each process
+contributes a string, every process gets all of them, in process order); the rest
+(:meth:`Group.agree_min`, :meth:`Group.check_equal`, :meth:`Group.leader`) is built on it.
+
+- :class:`LocalGroup`: one process; every agreement is the value itself, no communication.
+- :class:`DistributedGroup`: over the key-value store of ``jax.distributed``'s coordination
+  service (one ``key_value_set`` and ``num_processes - 1`` blocking gets per agreement). The
+  store, unlike a device collective, waits with a deadline: a peer that died or stopped calling
+  makes the others raise :class:`GroupTimeoutError` naming it, within ``timeout_s``. Each
+  agreement carries a tag (what the call is); peers at the same step with different tags made
+  different calls, and :class:`GroupDivergedError` says so.
+
+This module is the only one that touches ``jax.distributed``'s client (a private module of jax:
+``jax._src.distributed.global_state.client``; jax has no public key-value API).
+
+Threading: the cache's thread only (steps are numbered per group).
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import time
+from typing import Any, Sequence
+
+import numpy as np
+
+from hicache_jax.errors import HiCacheError
+
+__all__ = ["Group", "LocalGroup", "DistributedGroup", "AgreedClock", "GroupTimeoutError", "GroupDivergedError",
+           "default_group"]
+
+
+class GroupTimeoutError(HiCacheError):
+    """A peer process did not reach an agreement within the group's timeout (it died, hangs,
+    or stopped calling the cache). ``process``: the missing one."""
+
+    def __init__(self, message: str, *, process: int) -> None:
+        super().__init__(message)
+        self.process = process
+
+
+class GroupDivergedError(HiCacheError):
+    """Processes disagree: different calls at the same step, or a value that must be equal
+    (a config field, the tree's digest) differs. ``field``: what differs first."""
+
+    def __init__(self, message: str, *, field: str) -> None:
+        super().__init__(message)
+        self.field = field
+
+
+class Group:
+    """What a cache needs of its processes. Subclasses define :meth:`allgather`."""
+
+    process_id: int = 0
+    num_processes: int = 1
+
+    def allgather(self, tag: str, value: str) -> list[str]:
+        """Every process's ``value`` of this step, in process order (all must call it)."""
+        raise NotImplementedError
+
+    def agree_min(self, tag: str, values: Sequence[int]) -> np.ndarray:
+        """Elementwise MIN over processes of int ``values`` (same length everywhere)."""
+        mine = np.asarray(values, np.int64).reshape(-1)
+        if self.num_processes == 1:
+            return mine
+        rows = [np.asarray([int(x) for x in v.split(",") if x], np.int64)
+                for v in self.allgather(tag, ",".join(map(str, mine.tolist())))]
+        if any(r.shape != mine.shape for r in rows):
+            raise GroupDivergedError(f"agree_min {tag!r}: processes gave {[r.size for r in rows]}"
+                                     " values", field=tag)
+        return np.min(np.stack(rows), axis=0)
+
+    def leader(self, tag: str, value: str) -> str:
+        """Process 0's ``value`` (a broadcast from the leader)."""
+        if self.num_processes == 1:
+            return value
+        return self.allgather(tag, value)[0]
+
+    def check_equal(self, tag: str, fields: Sequence[tuple[str, str]]) -> None:
+        """Raise :class:`GroupDivergedError` on every process, naming the first field
+        (in ``fields`` order) whose value differs between processes, and both values."""
+        if self.num_processes == 1:
+            return
+        names = [name for name, _ in fields]
+        rows = [v.split("\x1f") for v in self.allgather(tag, "\x1f".join(v for _, v in fields))]
+        if any(len(r) != len(names) for r in rows):
+            raise GroupDivergedError(f"{tag}: processes compared different field lists",
+                                     field=tag)
+        for i, name in enumerate(names):
+            values = [r[i] for r in rows]
+            odd = next((p for p, v in enumerate(values) if v != values[0]), None)
+            if odd is None:
+                continue
+            first, other = values[0], values[odd]
+            if values[0].startswith("{"):  # a JSON dict (the counters): name its first key
+                name, first, other = _first_key(name, values[0], values[odd])
+            raise GroupDivergedError(
+                f"{tag}: {name} differs between processes: process 0 has {first}, "
+                f"process {odd} has {other}", field=name)
+
+
+def _first_key(name: str, a: str, b: str) -> tuple[str, str, str]:
+    """The first key (sorted) whose value differs between two JSON dicts, and both values."""
+    da, db = json.loads(a), json.loads(b)
+    key = next(k for k in sorted(set(da) | set(db)) if da.get(k) != db.get(k))
+    return f"{name}.{key}", str(da.get(key, 0)), str(db.get(key, 0))
+
+
+class LocalGroup(Group):
+    """One process: every agreement is the local value."""
+
+    def allgather(self, tag: str, value: str) -> list[str]:
+        return [value]
+
+    def __repr__(self) -> str:
+        return "LocalGroup()"
+
+
+# Groups built in one process are numbered in construction order, which the processes share
+# (they build their caches alike), so the n-th group of each process names the same keys.
+_GROUP_NUMBERS = itertools.count()
+
+
+class DistributedGroup(Group):
+    """The processes of ``jax.distributed`` (``jax.distributed.initialize`` first).
+
+    Args:
+        timeout_s: how long an agreement waits for a peer before :class:`GroupTimeoutError`.
+        name: the key namespace; the same on every process (default: ``hicache/<n>`` for the
+            n-th group built in the process).
+        client, process_id, num_processes: tests inject these (default: jax.distributed's).
+    """
+
+    def __init__(self, timeout_s: float = 60.0, *, name: str | None = None, client: Any = None,
+                 process_id: int | None = None, num_processes: int | None = None) -> None:
+        if not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
+            raise ValueError(f"timeout_s={timeout_s!r} must be a number > 0")
+        if client is None:
+            import jax
+            from jax._src import distributed  # jax has no public key-value store API
+
+            client = distributed.global_state.client
+            if client is None:
+                raise HiCacheError("DistributedGroup needs jax.distributed.initialize(...) first")
+            process_id, num_processes = jax.process_index(), jax.process_count()
+        self._client, self.timeout_s = client, float(timeout_s)
+        self.process_id, self.num_processes = int(process_id), int(num_processes)
+        self._ns = name if name is not None else f"hicache/{next(_GROUP_NUMBERS)}"
+        self._step = 0
+        self.seconds = 0.0  # spent in allgather (the agreement's share of a run)
+        self.calls = 0
+
+    def __repr__(self) -> str:
+        return (f"DistributedGroup(process {self.process_id} of {self.num_processes}, "
+                f"{self._ns!r}, timeout_s={self.timeout_s})")
+
+    def allgather(self, tag: str, value: str) -> list[str]:
+        t0 = time.perf_counter()
+        step, me = self._step, self.process_id
+        self._step += 1
+        self._client.key_value_set(f"{self._ns}/{step}/{me}", f"{tag}\x1e{value}")
+        end = time.monotonic() + self.timeout_s
+        out = []
+        for p in range(self.num_processes):
+            if p == me:
+                out.append(value)
+                continue
+            out.append(self._get(step, p, tag, end))
+        if step:  # every peer has read our previous key: it set this step's key after
+            self._client.key_value_delete(f"{self._ns}/{step - 1}/{me}")
+        self.seconds += time.perf_counter() - t0
+        self.calls += 1
+        return out
+
+    def _get(self, step: int, p: int, tag: str, end: float) -> str:
+        ms = max(1, int((end - time.monotonic()) * 1000))
+        try:
+            raw = self._client.blocking_key_value_get(f"{self._ns}/{step}/{p}", ms)
+        except Exception as e:  # jax's runtime error type varies with its version
+            raise GroupTimeoutError(
+                f"process {p} of {self.num_processes} did not reach agreement step {step} "
+                f"({tag!r}) within {self.timeout_s:g} s: it died, hangs, or stopped calling "
+                f"the cache (process {self.process_id} waited; {type(e).__name__})",
+                process=p) from None
+        peer_tag, _, value = raw.partition("\x1e")
+        if peer_tag != tag:
+            raise GroupDivergedError(
+                f"processes made different calls: at agreement step {step} process "
+                f"{self.process_id} is at {tag!r}, process {p} at {peer_tag!r}", field="call")
+        return value
+
+
+class AgreedClock:
+    """The clock of a cache over several processes: the leader's clock, broadcast at each
+    :meth:`sync` (the start of every public call that polls), plus one nanosecond per reading
+    since, so that every process reads the same strictly increasing values when it makes the
+    same calls (access stamps, pin expiry and L3 deadlines then decide alike).
+
+    Args:
+        group: the processes.
+        local: this process's time source (only the leader's readings are used).
+    """
+
+    def __init__(self, group: Group, local: Any) -> None:
+        self._group, self._local = group, local
+        self._now = float(local()) if group.num_processes == 1 else \
+            float(group.leader("clock", repr(float(local()))))
+        self._last = self._now - 1e-9
+
+    def sync(self) -> None:
+        t = float(self._group.leader("clock", repr(float(self._local()))))
+        self._now = max(t, self._last + 1e-9)
+
+    def __call__(self) -> float:
+        self._last = max(self._now, self._last + 1e-9)
+        return self._last
+
+
+def default_group(timeout_s: float = 60.0) -> Group:
+    """:class:`LocalGroup` in a single process, else a :class:`DistributedGroup`."""
+    import jax
+
+    if jax.process_count() == 1:
+        return LocalGroup()
+    return DistributedGroup(timeout_s)

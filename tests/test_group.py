@@ -1,0 +1,121 @@
+"""Process groups (memory/group.py): the single-process group and the key-value group over an
+in-process store (threads as processes); real jax.distributed processes run it in
+test_agreement.py."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from hicache_jax.errors import HiCacheError
+from hicache_jax.memory.group import (DistributedGroup, GroupDivergedError, GroupTimeoutError,
+                                      LocalGroup, default_group)
+
+
+class FakeStore:
+    """jax.distributed's key-value client, in one process (blocking get with a timeout)."""
+
+    def __init__(self) -> None:
+        self.kv: dict[str, str] = {}
+        self.cv = threading.Condition()
+
+    def key_value_set(self, key: str, value: str) -> None:
+        with self.cv:
+            assert key not in self.kv, key
+            self.kv[key] = value
+            self.cv.notify_all()
+
+    def blocking_key_value_get(self, key: str, timeout_in_ms: int) -> str:
+        with self.cv:
+            if not self.cv.wait_for(lambda: key in self.kv, timeout_in_ms / 1000):
+                raise RuntimeError("DEADLINE_EXCEEDED")
+            return self.kv[key]
+
+    def key_value_delete(self, key: str) -> None:
+        with self.cv:
+            del self.kv[key]
+
+
+def run_all(n: int, fn, timeout_s: float = 5.0, store: FakeStore | None = None) -> list:
+    """``fn(group)`` on n threads, each a process of one group over a FakeStore."""
+    store, out = store or FakeStore(), [None] * n
+
+    def body(i: int) -> None:
+        g = DistributedGroup(timeout_s, name="t", client=store, process_id=i, num_processes=n)
+        try:
+            out[i] = fn(g)
+        except Exception as e:
+            out[i] = e
+
+    threads = [threading.Thread(target=body, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    return out
+
+
+def test_local_group_is_the_value_itself():
+    g = LocalGroup()
+    assert g.allgather("x", "v") == ["v"]
+    assert g.agree_min("m", [3, 1]).tolist() == [3, 1]
+    assert g.leader("l", "me") == "me"
+    g.check_equal("cfg", [("a", "1")])
+    assert isinstance(default_group(), LocalGroup)  # this process is no jax.distributed one
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_min_leader_and_gather_over_processes(n):
+    out = run_all(n, lambda g: (g.allgather("a", str(g.process_id)),
+                                g.agree_min("m", [10 + g.process_id, 7 - g.process_id]).tolist(),
+                                g.leader("l", f"p{g.process_id}")))
+    assert out == [([str(i) for i in range(n)], [10, 8 - n], "p0")] * n
+
+
+def test_agreement_keys_are_deleted_once_every_peer_read_them():
+    store = FakeStore()
+    out = run_all(3, lambda g: [g.allgather("s", "x") for _ in range(5)], store=store)
+    assert all(o == [["x"] * 3] * 5 for o in out)
+    assert sorted(store.kv) == ["t/4/0", "t/4/1", "t/4/2"]  # the last step's keys only
+
+
+def test_a_differing_field_is_named_on_every_process():
+    out = run_all(2, lambda g: g.check_equal(
+        "config", [("page_size", "4"), ("device_pages", str(16 + g.process_id)),
+                   ("eviction", str(g.process_id))]))
+    for e in out:
+        assert isinstance(e, GroupDivergedError) and e.field == "device_pages"
+        assert "process 0 has '16', process 1 has '17'" in str(e)
+
+
+def test_different_calls_at_one_step_are_found():
+    out = run_all(2, lambda g: g.allgather("insert" if g.process_id else "evict", "x"))
+    assert all(isinstance(e, GroupDivergedError) and e.field == "call" for e in out)
+    assert "process 0 is at 'evict', process 1 at 'insert'" in str(out[0])
+
+
+def test_a_missing_process_is_named_within_the_timeout():
+    def fn(g):
+        if g.process_id == 2:
+            return "stopped calling"
+        t0 = time.monotonic()
+        try:
+            g.allgather("step", "x")
+        except GroupTimeoutError as e:
+            return e, time.monotonic() - t0
+    out = run_all(3, fn, timeout_s=0.5)
+    for e, seconds in out[:2]:
+        assert e.process == 2 and "process 2 of 3 did not reach agreement step 0" in str(e)
+        assert isinstance(e, HiCacheError) and 0.4 < seconds < 3.0
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match="timeout_s"):
+        DistributedGroup(0, client=FakeStore(), process_id=0, num_processes=2)
+    with pytest.raises(HiCacheError, match="jax.distributed.initialize"):
+        DistributedGroup(1.0)
+    out = run_all(2, lambda g: g.agree_min("m", np.arange(1 + g.process_id)))
+    assert all(isinstance(e, GroupDivergedError) for e in out)
