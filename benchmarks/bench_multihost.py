@@ -129,7 +129,7 @@ def main() -> None:
         pid, n, port, requests, tokens = map(int, args.worker[:5])
         _worker(pid, n, port, requests, tokens, args.worker[5])
         return
-    from benchmarks.common import env_info
+    from benchmarks.common import write_json
 
     counts = [int(x) for x in args.processes.split(",")]
     runs = {n: run(n, args.requests, args.device_tokens) for n in counts}
@@ -149,9 +149,7 @@ def main() -> None:
         r2 = runs[2]["wall_s"] / base["wall_s"]
         print(f"control plane at 2 processes: {r2:.2f}x one process's time per request "
               f"(target <= 1.3x): {'met' if r2 <= 1.3 else 'NOT met'}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"env": env_info(), "config": vars(args), "runs": runs}, f, indent=1)
+    write_json(args.json, "bench_multihost", vars(args), runs)
     if not ok:
         raise SystemExit("hit figures differ from the one-process run")
 
