@@ -88,7 +88,7 @@ def test_a_differing_field_is_named_on_every_process():
                    ("eviction", str(g.process_id))]))
     for e in out:
         assert isinstance(e, GroupDivergedError) and e.field == "device_pages"
-        assert "process 0 has '16', process 1 has '17'" in str(e)
+        assert "process 0 has 16, process 1 has 17" in str(e)
 
 
 def test_different_calls_at_one_step_are_found():

@@ -27,7 +27,9 @@ class Completion:
         l3: the cache's L3 tier (its puts and prefetches; a null tier without storage).
         expire: drops the pins whose ttl has passed (at the start of a public call only).
         sync: several processes: agrees the cache's clock (``AgreedClock.sync``) at the start
-            of a public call, before anything reads it; None: one process.
+            of a call that starts a request (``match_prefix``, ``prefetch``), before anything
+            reads it (other calls read it ticking on: one agreement per request, not per
+            call); None: one process.
     """
 
     def __init__(self, engine: TransferEngine, flight: InFlight, l3: Any,
@@ -35,13 +37,15 @@ class Completion:
         self._engine, self._flight, self._l3, self._expire = engine, flight, l3, expire
         self._sync = sync
 
-    def __call__(self, upto: Any = None, *, wait: bool = False, attach: bool = False) -> None:
+    def __call__(self, upto: Any = None, *, wait: bool = False, attach: bool = False,
+                 sync: bool = False) -> None:
         """Apply finished transfers in dispatch order, first waiting for the transfer ``upto``
         (a handle) or, with ``wait``, for all of them. ``attach``: also hang landed L3
         prefetches in the tree and expire pins -- only at the start of a public call, never
-        inside an operation that holds nodes (an attach may split them)."""
+        inside an operation that holds nodes (an attach may split them). ``sync``: a request
+        starts: agree the clock first (several processes)."""
         if attach:
-            if self._sync is not None:
+            if sync and self._sync is not None:
                 self._sync()
             self._expire()
         finished = self._engine.poll()

@@ -165,7 +165,7 @@ class HiCache(ControlAPI):
             A :class:`Match`; its ``device_pages`` stay valid while ``node`` is locked.
         """
         arr = page_tokens(tokens, extra_key, self._ps)  # validate before polling
-        self._complete(attach=True)
+        self._complete(attach=True, sync=True)  # a request starts
         self._l3.before_match(arr, extra_key)
         tm = self._tree.match(arr, extra_key, validated=True)
         self._n["match_tokens"] += arr.shape[0]
@@ -191,7 +191,7 @@ class HiCache(ControlAPI):
         :class:`~hicache_jax.l3.prefetch.PrefetchHandle`, or None (no storage, nothing beyond
         L1 + L2, none in L3). They appear to :meth:`match_prefix` per ``cfg.prefetch_policy``."""
         arr = page_tokens(tokens, extra_key, self._ps)
-        self._complete(attach=True)
+        self._complete(attach=True, sync=True)  # a request starts
         return self._l3.prefetch(arr, extra_key)
 
     @publishes

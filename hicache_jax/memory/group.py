@@ -33,8 +33,8 @@ import numpy as np
 
 from hicache_jax.errors import HiCacheError
 
-__all__ = ["Group", "LocalGroup", "DistributedGroup", "AgreedClock", "GroupTimeoutError", "GroupDivergedError",
-           "default_group"]
+__all__ = ["Group", "LocalGroup", "DistributedGroup", "AgreedClock", "GroupTimeoutError",
+           "GroupDivergedError", "default_group"]
 
 
 class GroupTimeoutError(HiCacheError):
@@ -199,9 +199,10 @@ class DistributedGroup(Group):
 
 class AgreedClock:
     """The clock of a cache over several processes: the leader's clock, broadcast at each
-    :meth:`sync` (the start of every public call that polls), plus one nanosecond per reading
-    since, so that every process reads the same strictly increasing values when it makes the
-    same calls (access stamps, pin expiry and L3 deadlines then decide alike).
+    :meth:`sync` (the cache's: where a request starts, ``match_prefix`` and ``prefetch``), plus
+    one nanosecond per reading since, so that every process reads the same strictly increasing
+    values when it makes the same calls (access stamps, pin expiry and L3 deadlines then decide
+    alike).
 
     Args:
         group: the processes.

@@ -56,9 +56,9 @@ def head_sharding(spec: KVSpec, mesh: Mesh | None, axis: str | None) -> NamedSha
 
 
 def placed(sharding: NamedSharding | None) -> jax.sharding.Sharding:
-    """``sharding``, or this process's first device when None: a pool is always *committed* to its devices (an
-    uncommitted array becomes committed after its first donated update, and every caller's
-    jitted step would then compile twice, once per commitment state)."""
+    """``sharding``, or this process's first device when None: a pool is always *committed*
+    to its devices (an uncommitted array becomes committed after its first donated update,
+    and every caller's jitted step would then compile twice, once per commitment state)."""
     return SingleDeviceSharding(jax.local_devices()[0]) if sharding is None else sharding
 
 
