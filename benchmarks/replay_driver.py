@@ -1,7 +1,7 @@
 """The one request flow of the benchmarks that replay a trace through HiCache, and their one
 ``--baseline REV``.
 
-Request flow: :func:`serve` serves one prompt (``match_prefix``, ``load_back``, ``lock``,
+Request flow: :func:`serve` serves one prompt (``match_prefix``, ``prepare``, ``load_back``, ``lock``,
 ``alloc_pages``, ``insert``, ``flush``, ``unlock``, ``flush``); :func:`replay` serves every prompt
 of a :class:`Prompts` through a fresh cache, in order, optionally timing each call
 (:class:`PhaseClock`). It is the flow of :func:`hicache_jax.replay.driver.replay` (the same hit figures
@@ -175,8 +175,11 @@ def _serve_primitives(cache: Any, tokens: np.ndarray, pages: int,
     m = cache.match_prefix(tokens)
     lap("match")
     on_device = m.device_len
+    prepare = getattr(cache, "prepare", None)  # absent in a --baseline revision before it
+    if prepare is not None:  # as begin() does: clean_ahead backs up what these pages evict
+        prepare([m], pages - m.device_pages.shape[0])
     m = cache.load_back(m)
-    lap("load_back")
+    lap("load_back")  # (prepare's time included)
     cache.lock(m.node)
     lap("lock")
     new = cache.alloc_pages(pages - m.device_pages.shape[0])
