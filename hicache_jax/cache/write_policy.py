@@ -8,8 +8,12 @@ only what eviction takes, on the allocation path. ``clean_ahead`` (the default) 
 page cache does with dirty pages, so that L1 + L2 behave like one cache of their summed size
 without copies on the allocation path:
 
+* at admission (:meth:`HiCache.prepare`, which ``begin`` / ``begin_many`` call before any of a
+  request's pages are taken): what taking them will evict beyond the free pages, the
+  requests' own matches excluded, is backed up now, so the allocations find it clean;
 * after an ``insert``, once eviction is near (fewer free device pages than
-  ``cfg.clean_ahead_pages``, by default twice the largest allocation seen) and has taken a
+  ``cfg.clean_ahead_pages``, by default twice the largest allocation that no admission
+  announced, at most half of L1) and has taken a
   quarter of that reserve (or copied on its path, or, under strategies that evict new nodes
   first, a new leaf was inserted) since the last pass, the not-backed-up nodes among the first
   reserve pages that eviction would take (:func:`~hicache_jax.tree.eviction.eviction_order`) are
@@ -100,8 +104,7 @@ class WriteStrategy:
 
     def reserve_pages(self) -> int:
         """Pages the clean_ahead pass at unlock keeps backed up at the eviction end (see the
-        config): a sixteenth of L1, or twice the largest allocation no admission announced,
-        at most half of L1."""
+        config): twice the largest allocation no admission announced, at most half of L1."""
         cfg = self._cfg
         if cfg.clean_ahead_pages is not None:
             return cfg.clean_ahead_pages
