@@ -232,9 +232,14 @@ class HiCache(ControlAPI):
         return self._load_back([revalidate(self._tree, m) for m in matches], bool(layerwise))
 
     def _load_back(self, resolved: list[tuple[Match, TreeNode]], layerwise: bool) -> list[Match]:
-        return load_chains(self._tree, resolved, rule=self._rule, page_size=self._ps,
-                           take=self._evict.take, load=self._flight.load, counters=self._n,
-                           layerwise=layerwise)
+        sizes = self._write.largest_alloc, self._write.announced  # a load that raised: as before
+        try:
+            return load_chains(self._tree, resolved, rule=self._rule, page_size=self._ps,
+                               take=self._evict.take, load=self._flight.load, counters=self._n,
+                               layerwise=layerwise)
+        except BaseException:
+            self._write.largest_alloc, self._write.announced = sizes
+            raise
 
     def lock(self, node: NodeRef) -> None:
         """Protect a match's prefix (``Match.node``: the node and its ancestors) from eviction
