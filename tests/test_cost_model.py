@@ -311,3 +311,41 @@ def test_an_l3_link_that_slows_mid_run_stops_the_fetches_it_made():
         assert all(f == 0 for f in fetched[first_decline:])
         assert st["cost_l3_l2_gbps"] < 1e-3  # the fit saw the slow link
         b.close()
+
+
+def test_each_l3_fetch_decision_records_its_predicted_and_actual_read_time():
+    """Reads of 5 ms each on the cache's injected clock: the first fetches are decided on the
+    warm-up figure (1 ms + bytes at 1 GB/s), those after the fit's MIN_SAMPLES reads on the
+    measured one; each decision's predicted read time is checked against its read's."""
+    import tempfile
+
+    from hicache_jax.cache.hicache import HiCache
+
+    with tempfile.TemporaryDirectory() as root:
+        base = dict(host_pages=256, storage=f"file://{root}", write_through_threshold=1,
+                    load_back_threshold=PS, prefetch_policy="wait_complete")
+        a = HiCache(SPEC, HiCacheConfig(device_pages=16, **base))
+        prompts = [prompt(4 * PS, start=1000 * i) for i in range(2 * MIN_SAMPLES)]
+        for toks in prompts:
+            with a.begin(toks) as req:
+                write(a, req.extend(len(toks)))
+                req.finish(toks)
+            a.flush()
+        a.close()
+        now = [0.0]
+        b = HiCache(SPEC, HiCacheConfig(device_pages=64, load_policy="cost",
+                                        prefill_cost=lambda n, c: 1.0 * n, **base),
+                    clock=lambda: now[0])
+        assert b.stats()["cost_fetch_records"] == 0
+        assert b.stats()["cost_fetch_err_median"] is None
+        for toks in prompts:
+            assert b.prefetch(toks).pages_found == 4  # recompute is slow: fetch it all
+            now[0] += 5e-3
+            b.match_prefix(toks)  # wait_complete: the read is timed here
+        st = b.stats()
+        lat, bw = WARMUP["l3_l2"]
+        warm = abs(lat + 4 * SPEC.page_bytes / bw - 5e-3) / 5e-3
+        assert st["cost_fetch_records"] == 2 * MIN_SAMPLES
+        # MIN_SAMPLES records on the warm-up figure, then as many on the fitted (exact) one
+        assert st["cost_fetch_err_median"] == pytest.approx(warm / 2, rel=1e-6)
+        b.close()

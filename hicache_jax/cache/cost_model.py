@@ -29,7 +29,9 @@ tiers and to recompute tokens, fitted online (ARCHITECTURE.md, "Load or recomput
   prefill the serving stack reports next with ``n_cached`` = the tokens on device after the
   load (the newest such decision). The prefill part is predicted for the tokens actually
   prefilled, on the decision's own figures. ``stats()``: ``cost_decision_err_median``,
-  ``cost_decision_records`` (decisions whose actual time is known).
+  ``cost_decision_records`` (decisions whose actual time is known). An L3 fetch decision's
+  read time, predicted on the L3 link's figures at the decision, against the read's measured
+  time: ``cost_fetch_err_median``, ``cost_fetch_records`` (:meth:`CostModel.settle_fetch`).
 
 Pure Python + numpy; the cache's thread only.
 """
@@ -210,6 +212,7 @@ class CostModel:
         self._awaiting_load: collections.deque = collections.deque(maxlen=4 * WINDOW)
         self._awaiting_prefill: collections.deque = collections.deque(maxlen=4 * WINDOW)
         self._decision_err: collections.deque = collections.deque(maxlen=4 * WINDOW)
+        self._fetch_err: collections.deque = collections.deque(maxlen=4 * WINDOW)
 
     def observe_transfer(self, link: str, nbytes: float, seconds: float) -> None:
         if link not in self.links:
@@ -258,6 +261,19 @@ class CostModel:
                     self._decision_err.append(abs(pred - actual) / actual)
                     self.n["cost_decision_records"] += 1
                 return
+
+    def fetch_figures(self) -> tuple[float, float]:
+        """The L3 link's ``(latency, bytes/s)`` now: what an L3 fetch is decided on."""
+        fit = self.links["l3_l2"]
+        return fit.latency_s, fit.bytes_per_s
+
+    def settle_fetch(self, figures: tuple[float, float], nbytes: float, seconds: float) -> None:
+        """A fetch decided on ``figures`` (:meth:`fetch_figures`) read ``nbytes`` in
+        ``seconds``: its predicted read time (for those bytes) against the measured one."""
+        if nbytes > 0 and seconds > 0:
+            pred = figures[0] + nbytes / figures[1]
+            self._fetch_err.append(abs(pred - seconds) / seconds)
+            self.n["cost_fetch_records"] += 1
 
     def _prefill_predictor(self) -> Callable[[int, int], float]:
         """The prefill figure as it stands now (a copy of the fit's coefficients)."""
@@ -363,4 +379,7 @@ class CostModel:
         out["cost_decision_records"] = self.n["cost_decision_records"]
         out["cost_decision_err_median"] = (float(np.median(self._decision_err))
                                            if self._decision_err else None)
+        out["cost_fetch_records"] = self.n["cost_fetch_records"]
+        out["cost_fetch_err_median"] = (float(np.median(self._fetch_err))
+                                        if self._fetch_err else None)
         return out
