@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 from hicache_jax import HiCacheConfig
-from hicache_jax.cache.cost_model import MIN_SAMPLES, PROBE_EVERY, WARMUP, CostModel, LinkFit, PrefillFit
+from hicache_jax.cache.cost_model import (HALF_LIFE, MIN_SAMPLES, PROBE_EVERY, WARMUP, CostModel,
+                                          LinkFit, PrefillFit)
 from tests.helpers import make_cache
 from tests.test_request import SPEC, cached_on_host_only, clean, prompt, write
 
@@ -98,6 +99,21 @@ def test_the_prefill_fit_converges_and_rejects_bad_samples():
         with pytest.raises(ValueError, match="observe_prefill"):
             fit.observe(*args)
     assert fit.samples == before
+
+
+def test_the_prefill_fit_follows_a_machine_that_slows():
+    """40 samples at one speed, then the machine runs at half of it (a shared CPU): within three
+    half-lives of slow samples the fit predicts the slow time; a fit where every sample weighs
+    alike still predicts nearer the fast one."""
+    true = lambda n, c: 1e-3 + 2e-5 * n + 1e-9 * n * (c + n / 2)  # noqa: E731
+    shapes = [(n, c) for n in (16, 256, 1024) for c in (0, 1024)]
+    fits = PrefillFit(), PrefillFit(half_life=None)
+    for i in range(40 + int(3 * HALF_LIFE)):
+        n, c = shapes[i % len(shapes)]
+        for fit in fits:
+            fit.observe(n, c, true(n, c) * (1 if i < 40 else 2))
+    assert fits[0].predict(512, 512) == pytest.approx(2 * true(512, 512), rel=0.1)
+    assert fits[1].predict(512, 512) < 1.5 * true(512, 512)
 
 
 def test_the_config_rejects_a_bad_policy_or_cost_before_any_cache():
