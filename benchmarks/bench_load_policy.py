@@ -25,8 +25,8 @@ of the cost policy's decisions (load + prefill, ``stats()["cost_decision_err_med
 Also printed: the fitted L3 link's prediction error and its fitted bandwidth against the
 throttle's; the decision error's parts (the loads', the prefills'), the L3 fetch decisions'
 error (their predicted read time against the read's), the decision error the previous prefill
-fit (every sample weighing alike) makes on the same records, and the noise floor (each record
-predicted by the median actual time of its shape's records, in hindsight).
+fit (every sample weighing alike) makes on the same records, and the noise floor (each shape's
+records predicted by the one time that fits them best, in hindsight).
 
 Run: ``python -m benchmarks.bench_load_policy [--quick] [--json PATH]``.
 """
@@ -170,9 +170,10 @@ class _Shadow:
     """The previous prefill fit (all samples weigh alike: ``PrefillFit(half_life=None)``) fed
     the cost cache's own prefill samples, so that its decisions' error is computed on the same
     records as the cache's fit: each record's load parts as they were, its prefill predicted by
-    this fit just before the record's sample joined it. Also the noise floor: the median error
-    of predicting each record the median actual time of the records of its shape (in hindsight,
-    no fit can do better on the typical record)."""
+    this fit just before the record's sample joined it. Also the noise floor: the records of
+    each shape (``n_new``, ``n_cached``) predicted by the one time that fits them best in
+    hindsight (the least median relative error): what the run's noise leaves to a predictor
+    that gives one shape one figure."""
 
     def __init__(self, cache: HiCache) -> None:
         self.cost, self.fit, self.pred = cache._cost, PrefillFit(half_life=None), []
@@ -190,10 +191,13 @@ class _Shadow:
         prev = [abs(r.load_pred + self.pred[r.sample] - a) / a for r, a in zip(recs, actual)
                 if self.pred[r.sample] is not None]
         shapes: dict = {}
-        for r, a in zip(recs, actual):
+        for a, r in zip(actual, recs):
             shapes.setdefault((r.n_new, r.n_cached), []).append(a)
-        floor = [abs(statistics.median(shapes[(r.n_new, r.n_cached)]) - a) / a
-                 for r, a in zip(recs, actual)]
+        floor = []
+        for acts in shapes.values():  # the constant of least median relative error
+            v = np.asarray(acts)
+            floor += min((np.abs(m - v) / v for m in np.linspace(v.min(), v.max(), 257)),
+                         key=np.median).tolist()
         med = lambda xs: statistics.median(xs) if xs else None  # noqa: E731
         return {"shadow_prev_fit_decision_err_median": med(prev),
                 "shadow_noise_floor_err_median": med(floor)}
