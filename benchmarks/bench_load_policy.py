@@ -14,15 +14,19 @@ Policies, each on a fresh cache and engine over the same store, their requests i
 * always: the prompt prefetched (``wait_complete``) and everything L3 and L2 hold loaded;
 * cost: ``load_policy="cost"`` prefetches and loads what its fitted model says is cheaper.
 Every engine first serves the same warm-up requests: prompts L3 does not hold (two of each
-of a few lengths; three of the requests' length, served twice: the second time a prefill after
-a cached prefix) and then 4 whose documents it holds, so that the cost policy's prefill fit and L3 link
+of a few lengths; three documents of the requests' length, each served twice with another
+question: the second time a prefill of the question after the cached document) and then 4 whose
+documents it holds, so that the cost policy's prefill fit and L3 link
 have samples and every shape is compiled before the measured requests.
 
 Judged (same run): at each throttle the cost policy's TTFT p50 <= 1.05x the better of never and
 always; the generated tokens identical across policies; the median |predicted - actual| / actual
 of the cost policy's decisions (load + prefill, ``stats()["cost_decision_err_median"]``) <= 0.20.
 Also printed: the fitted L3 link's prediction error and its fitted bandwidth against the
-throttle's.
+throttle's; the decision error's parts (the loads', the prefills'), the L3 fetch decisions'
+error (their predicted read time against the read's), the decision error the previous prefill
+fit (every sample weighing alike) makes on the same records, and the noise floor (each shape's
+records predicted by the one time that fits them best, in hindsight).
 
 Run: ``python -m benchmarks.bench_load_policy [--quick] [--json PATH]``.
 """
@@ -37,6 +41,7 @@ import numpy as np
 
 from benchmarks.common import add_model_flags, model_config, print_table, write_json
 from hicache_jax import HiCacheConfig
+from hicache_jax.cache.cost_model import PrefillFit
 from hicache_jax.cache.hicache import HiCache
 from hicache_jax.engine.engine import Engine
 from hicache_jax.engine.model import DecoderModel
@@ -87,10 +92,12 @@ class _Bench:
         total = a.doc_tokens + a.question_tokens
         lengths = sorted({max(a.page_size + 1, int(total * f)) for f in (0.05, 0.25, 0.5)})
         self.warmup = [rng.integers(1, v, k).astype(np.int32) for k in lengths for _ in (0, 1)]
-        # ... then three of the requests' length, each twice: the second time its prefix is
-        # on device (a prefill of the question after a long cached prefix)
-        full = [rng.integers(1, v, total).astype(np.int32) for _ in range(3)]
-        self.warmup += full + full
+        # ... then three of the requests' length, each twice with another question: the second
+        # time its document is on device (a prefill of the question after the cached document,
+        # the shape of a measured request that loads)
+        doc = [rng.integers(1, v, a.doc_tokens).astype(np.int32) for _ in range(3)]
+        self.warmup += [np.concatenate([d, rng.integers(1, v, a.question_tokens)]).astype(
+            np.int32) for _ in (0, 1) for d in doc]
         self.pages = (n + WARM + len(self.warmup)) * (-(-total // a.page_size) + 2)
 
     def cache(self, storage: str | None, **cfg) -> HiCache:
@@ -134,6 +141,7 @@ class _Bench:
         caches = {"never": self.cache(url, load_back_threshold=1 << 40),
                   "always": self.cache(url), "cost": self.cache(url, load_policy="cost")}
         engines = {p: self.engine(c, p != "never") for p, c in caches.items()}
+        shadow = _Shadow(caches["cost"])
         for eng in engines.values():
             eng.generate(self.warmup, 1)
             eng.generate(self.warm_prompts, 2)
@@ -143,15 +151,56 @@ class _Bench:
                 gens[p].append(engines[p].generate([prompt], 2)[0])
         out = {}
         for p, cache in caches.items():
-            st = cache.stats()
+            st = cache.stats() | (shadow.stats() if p == "cost" else {})
             cache.close()
             out[p] = {"ttft_s": [g.record.ttft_s for g in gens[p]],
                       "tokens": [g.tokens.tolist() for g in gens[p]],
                       "logits": [g.first_logits for g in gens[p]],
                       "l3_hit_tokens": sum(g.record.host_hit_tokens for g in gens[p]),
                       "stats": {k: v for k, v in st.items()
-                                if k.startswith(("cost_", "l3_prefetch"))}}
+                                if k.startswith(("cost_", "l3_prefetch", "shadow_"))}}
         return out
+
+
+def _f(x) -> str:
+    return "-" if x is None else f"{x:.3f}"
+
+
+class _Shadow:
+    """The previous prefill fit (all samples weigh alike: ``PrefillFit(half_life=None)``) fed
+    the cost cache's own prefill samples, so that its decisions' error is computed on the same
+    records as the cache's fit: each record's load parts as they were, its prefill predicted by
+    this fit just before the record's sample joined it. Also the noise floor: the records of
+    each shape (``n_new``, ``n_cached``) predicted by the one time that fits them best in
+    hindsight (the least median relative error): what the run's noise leaves to a predictor
+    that gives one shape one figure."""
+
+    def __init__(self, cache: HiCache) -> None:
+        self.cost, self.fit, self.pred = cache._cost, PrefillFit(half_life=None), []
+        observe = cache.observe_prefill
+
+        def observe_prefill(n_new: int, n_cached: int, seconds: float) -> None:
+            self.pred.append(self.fit.predict(n_new, n_cached))
+            self.fit.observe(n_new, n_cached, seconds)
+            observe(n_new, n_cached, seconds)
+        cache.observe_prefill = observe_prefill
+
+    def stats(self) -> dict:
+        recs = list(self.cost.records)
+        actual = [r.load_actual + r.prefill_actual for r in recs]
+        prev = [abs(r.load_pred + self.pred[r.sample] - a) / a for r, a in zip(recs, actual)
+                if self.pred[r.sample] is not None]
+        shapes: dict = {}
+        for a, r in zip(actual, recs):
+            shapes.setdefault((r.n_new, r.n_cached), []).append(a)
+        floor = []
+        for acts in shapes.values():  # the constant of least median relative error
+            v = np.asarray(acts)
+            floor += min((np.abs(m - v) / v for m in np.linspace(v.min(), v.max(), 257)),
+                         key=np.median).tolist()
+        med = lambda xs: statistics.median(xs) if xs else None  # noqa: E731
+        return {"shadow_prev_fit_decision_err_median": med(prev),
+                "shadow_noise_floor_err_median": med(floor)}
 
 
 def main(argv=None) -> int:
@@ -169,7 +218,7 @@ def main(argv=None) -> int:
               f"{doc_bytes / 2**20:.2f} MiB of KV; TTFT recomputed {1e3 * full_s:.1f} ms, "
               f"document on device {1e3 * tail_s:.1f} ms: load = recompute at "
               f"{equal_gbps:.3f} GB/s with {a.latency_ms:g} ms latency")
-        rows, results, fails = [], [], []
+        rows, erows, results, fails = [], [], [], []
         for ratio in ratios:
             g = equal_gbps * ratio
             url = f"throttle+file://{root}?gbps={g:.6g}&latency_ms={a.latency_ms:g}"
@@ -194,6 +243,11 @@ def main(argv=None) -> int:
                          "-" if l3_err is None else f"{l3_err:.3f}",
                          f"{cst['cost_l3_l2_gbps']:.3g}", "yes" if same else "NO",
                          "ok" if ok else "FAIL"))
+            erows.append((f"{ratio:g}x", *(_f(cst[k]) for k in (
+                "cost_decision_err_median", "shadow_prev_fit_decision_err_median",
+                "shadow_noise_floor_err_median", "cost_decision_load_err_median",
+                "cost_decision_prefill_err_median")),
+                f"{_f(cst['cost_fetch_err_median'])} ({cst['cost_fetch_records']})"))
             results.append({"ratio": ratio, "gbps": g, "url": url, "ttft_p50_s": p50,
                             "cost_over_better": cost_ratio, "outputs_identical": same,
                             "max_first_logit_diff": logit_diff, "decision_err_median": err,
@@ -203,6 +257,9 @@ def main(argv=None) -> int:
                  "cost/better", "loaded tokens cost/always", "decision err (n)",
                  "L3 link err", "fitted L3 GB/s", "identical", "verdict"), rows,
                 title="TTFT p50 per load policy; cost against the better of never and always")
+    print_table(("L3 bandwidth", "decision err", "same records, previous fit", "noise floor",
+                 "its load part", "its prefill part", "L3 fetch err (n)"), erows,
+                title="Decision error median |predicted - actual| / actual (cost policy)")
     errs = [r["decision_err_median"] for r in results if r["decision_err_median"] is not None]
     print(f"target cost/better <= 1.05 at every throttle, outputs identical, decision error "
           f"median <= 0.20 (worst {max(errs):.3f})" if errs else

@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 from hicache_jax import HiCacheConfig
-from hicache_jax.cache.cost_model import MIN_SAMPLES, PROBE_EVERY, WARMUP, CostModel, LinkFit, PrefillFit
+from hicache_jax.cache.cost_model import (HALF_LIFE, MIN_SAMPLES, PROBE_EVERY, WARMUP, CostModel,
+                                          LinkFit, PrefillFit)
 from tests.helpers import make_cache
 from tests.test_request import SPEC, cached_on_host_only, clean, prompt, write
 
@@ -98,6 +99,21 @@ def test_the_prefill_fit_converges_and_rejects_bad_samples():
         with pytest.raises(ValueError, match="observe_prefill"):
             fit.observe(*args)
     assert fit.samples == before
+
+
+def test_the_prefill_fit_follows_a_machine_that_slows():
+    """40 samples at one speed, then the machine runs at half of it (a shared CPU): within three
+    half-lives of slow samples the fit predicts the slow time; a fit where every sample weighs
+    alike still predicts nearer the fast one."""
+    true = lambda n, c: 1e-3 + 2e-5 * n + 1e-9 * n * (c + n / 2)  # noqa: E731
+    shapes = [(n, c) for n in (16, 256, 1024) for c in (0, 1024)]
+    fits = PrefillFit(), PrefillFit(half_life=None)
+    for i in range(40 + int(3 * HALF_LIFE)):
+        n, c = shapes[i % len(shapes)]
+        for fit in fits:
+            fit.observe(n, c, true(n, c) * (1 if i < 40 else 2))
+    assert fits[0].predict(512, 512) == pytest.approx(2 * true(512, 512), rel=0.1)
+    assert fits[1].predict(512, 512) < 1.5 * true(512, 512)
 
 
 def test_the_config_rejects_a_bad_policy_or_cost_before_any_cache():
@@ -310,4 +326,42 @@ def test_an_l3_link_that_slows_mid_run_stops_the_fetches_it_made():
         assert first_decline < 6 + 16  # within half a window of slow reads
         assert all(f == 0 for f in fetched[first_decline:])
         assert st["cost_l3_l2_gbps"] < 1e-3  # the fit saw the slow link
+        b.close()
+
+
+def test_each_l3_fetch_decision_records_its_predicted_and_actual_read_time():
+    """Reads of 5 ms each on the cache's injected clock: the first fetches are decided on the
+    warm-up figure (1 ms + bytes at 1 GB/s), those after the fit's MIN_SAMPLES reads on the
+    measured one; each decision's predicted read time is checked against its read's."""
+    import tempfile
+
+    from hicache_jax.cache.hicache import HiCache
+
+    with tempfile.TemporaryDirectory() as root:
+        base = dict(host_pages=256, storage=f"file://{root}", write_through_threshold=1,
+                    load_back_threshold=PS, prefetch_policy="wait_complete")
+        a = HiCache(SPEC, HiCacheConfig(device_pages=16, **base))
+        prompts = [prompt(4 * PS, start=1000 * i) for i in range(2 * MIN_SAMPLES)]
+        for toks in prompts:
+            with a.begin(toks) as req:
+                write(a, req.extend(len(toks)))
+                req.finish(toks)
+            a.flush()
+        a.close()
+        now = [0.0]
+        b = HiCache(SPEC, HiCacheConfig(device_pages=64, load_policy="cost",
+                                        prefill_cost=lambda n, c: 1.0 * n, **base),
+                    clock=lambda: now[0])
+        assert b.stats()["cost_fetch_records"] == 0
+        assert b.stats()["cost_fetch_err_median"] is None
+        for toks in prompts:
+            assert b.prefetch(toks).pages_found == 4  # recompute is slow: fetch it all
+            now[0] += 5e-3
+            b.match_prefix(toks)  # wait_complete: the read is timed here
+        st = b.stats()
+        lat, bw = WARMUP["l3_l2"]
+        warm = abs(lat + 4 * SPEC.page_bytes / bw - 5e-3) / 5e-3
+        assert st["cost_fetch_records"] == 2 * MIN_SAMPLES
+        # MIN_SAMPLES records on the warm-up figure, then as many on the fitted (exact) one
+        assert st["cost_fetch_err_median"] == pytest.approx(warm / 2, rel=1e-6)
         b.close()

@@ -95,7 +95,10 @@ class FakeCache:
     def fetch_pages(self, new_pages: int, covered: int) -> int:
         return new_pages  # the threshold rule's: fetch all
 
-    def observe_fetch(self, nbytes: int, seconds: float) -> None:
+    def fetch_decision(self):
+        return None
+
+    def observe_fetch(self, nbytes: int, seconds: float, decision=None) -> None:
         self.fetches.append((nbytes, seconds))
 
     def read_host_async(self, ids) -> _Read:

@@ -32,18 +32,12 @@ def test_a_seed_gives_identical_results_and_another_seed_other_timings(tmp_path)
     trace = _trace(tmp_path)
     rg = Regime(l2_gbps=10, l3_gbps=1, prefill_tokens_per_s=20000, token_bytes=TB)
     a, b, c = _run(trace, rg, 3), _run(trace, rg, 3), _run(trace, rg, 4)
-    # Every count, hit and TTFT identical. The cost model's L2 -> L1 prediction-error median
-    # is not yet: a run's figure moves by ~1e-7 relative with what ran before it in the same
-    # process (a wall-clock reading leaks into that figure; the decisions do not change), so
-    # the error figures are compared to 1e-5 until it is traced.
+    # Every count, hit, TTFT and fitted error figure identical, bit for bit.
     assert a.keys() == b.keys() and len(a["results"]) == len(b["results"])
     assert {k: v for k, v in a.items() if k != "results"} == \
         {k: v for k, v in b.items() if k != "results"}
-    for ra, rb in zip(a["results"], b["results"]):
-        assert {k: v for k, v in ra.items() if "err" not in k} == \
-            {k: v for k, v in rb.items() if "err" not in k}
-        for k in (k for k in ra if "err" in k):
-            assert ra[k] == rb[k] or ra[k] == pytest.approx(rb[k], rel=1e-5), k
+    assert a["results"] == b["results"]
+    assert any(r["cost_l2_l1_pred_err_median"] is not None for r in a["results"])
     assert [r["ttft_mean_s"] for r in a["results"]] != [r["ttft_mean_s"] for r in c["results"]]
     assert [r["policy"] for r in a["results"]] == list(POLICIES)
 
@@ -92,3 +86,20 @@ def test_replay_simulate_prints_and_writes_json(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["replay", trace.path, "--block-size", "16", "--simulate", "--l2-gbps", "-1",
               "--device-pages", "8", "--quiet"])
+
+
+def test_results_do_not_depend_on_when_the_copies_are_seen_ready(tmp_path, monkeypatch):
+    """XLA marks a copy ready on the wall clock: whether a poll finds it ready (and how often
+    the cache reads its clock while it is in flight) must not move any simulated figure."""
+    import hicache_jax.memory.transfer as transfer
+
+    trace = _trace(tmp_path)
+    rg = Regime(l2_gbps=10, l3_gbps=1, prefill_tokens_per_s=20000, token_bytes=TB)
+    base = _run(trace, rg, 5)
+    assert any(r["cost_l2_l1_pred_err_median"] for r in base["results"])
+
+    def poll_never_ready(self):  # a copy is seen landed only by a wait (flush)
+        out, self._finished = self._finished, []
+        return out
+    monkeypatch.setattr(transfer.TransferEngine, "poll", poll_never_ready)
+    assert _run(trace, rg, 5) == base

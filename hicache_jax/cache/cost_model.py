@@ -11,7 +11,10 @@ tiers and to recompute tokens, fitted online (ARCHITECTURE.md, "Load or recomput
 * Prefill of ``n_new`` tokens after ``n_cached`` cached ones: the serving stack's callable
   ``prefill_cost(n_new, n_cached) -> seconds``, else a robust least-squares fit of
   ``a + b * n_new + c * n_new * (n_cached + n_new / 2)`` (linear work plus attention over the
-  context; relative least squares, refitted without the samples whose relative residual exceeds 3 MADs) to the samples reported by ``observe_prefill``. Without a callable and before
+  context; relative least squares, refitted without the samples whose relative residual
+  exceeds 3 MADs; a sample's weight halves every :data:`HALF_LIFE` newer samples, so that the
+  fit follows a machine whose speed drifts, as a shared CPU's does) to the samples reported by
+  ``observe_prefill``. Without a callable and before
   :data:`MIN_SAMPLES` samples there is no prefill figure: decisions use the threshold policy
   (counted as ``cost_warmup_decisions``). A callable that raises or returns anything but a
   finite number >= 0 makes that decision fall back to the threshold policy
@@ -29,7 +32,12 @@ tiers and to recompute tokens, fitted online (ARCHITECTURE.md, "Load or recomput
   prefill the serving stack reports next with ``n_cached`` = the tokens on device after the
   load (the newest such decision). The prefill part is predicted for the tokens actually
   prefilled, on the decision's own figures. ``stats()``: ``cost_decision_err_median``,
-  ``cost_decision_records`` (decisions whose actual time is known).
+  ``cost_decision_records`` (decisions whose actual time is known), and its two parts:
+  ``cost_decision_load_err_median`` (the decisions that loaded) and
+  ``cost_decision_prefill_err_median``; the settled records themselves are ``records``
+  (:class:`DecisionRecord`). An L3 fetch decision's
+  read time, predicted on the L3 link's figures at the decision, against the read's measured
+  time: ``cost_fetch_err_median``, ``cost_fetch_records`` (:meth:`CostModel.settle_fetch`).
 
 Pure Python + numpy; the cache's thread only.
 """
@@ -38,18 +46,20 @@ from __future__ import annotations
 
 import collections
 import math
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import numpy as np
 
 from hicache_jax.validation import is_real
 
-__all__ = ["CostModel", "Decision", "LinkFit", "MIN_SAMPLES", "PROBE_EVERY", "PrefillFit", "WARMUP",
-           "WINDOW"]
+__all__ = ["CostModel", "Decision", "DecisionRecord", "HALF_LIFE", "LinkFit", "MIN_SAMPLES",
+           "PROBE_EVERY", "PrefillFit", "WARMUP", "WINDOW"]
 
 #: Warm-up ``(latency seconds, bytes per second)`` of each link, before it has samples.
 WARMUP = {"l2_l1": (20e-6, 10e9), "l3_l2": (1e-3, 1e9)}
 WINDOW = 32
+#: Samples after which a prefill sample's weight in the fit has halved.
+HALF_LIFE = 8.0
 MIN_SAMPLES = 4
 PROBE_EVERY = 64
 
@@ -119,9 +129,11 @@ class LinkFit:
 
 
 class PrefillFit:
-    """Prefill seconds from samples: ``a + b*n + c*n*(cached + n/2)``, robust least squares."""
+    """Prefill seconds from samples: ``a + b*n + c*n*(cached + n/2)``, robust least squares,
+    a sample's weight halving every ``half_life`` newer samples (None: all weigh alike)."""
 
-    def __init__(self, window: int = 4 * WINDOW) -> None:
+    def __init__(self, window: int = 4 * WINDOW, half_life: float | None = HALF_LIFE) -> None:
+        self.half_life = half_life
         self._rows: collections.deque = collections.deque(maxlen=window)
         self._err: collections.deque = collections.deque(maxlen=window)
         self.coef: np.ndarray | None = None
@@ -149,6 +161,8 @@ class PrefillFit:
             scale = np.maximum(np.abs(a).max(axis=0), 1e-30)
             keep = np.ones(y.size, bool)
             w = 1.0 / np.maximum(y, 1e-12)[:, None]  # relative errors: a stall weighs <= 1
+            if self.half_life:  # the machine's speed drifts: recent samples weigh more
+                w = w * 0.5 ** (np.arange(y.size - 1, -1, -1) / self.half_life)[:, None]
             for _ in range(3):  # least squares, then again without the outliers it exposes
                 coef = np.linalg.lstsq((a / scale * w)[keep], (y * w[:, 0])[keep],
                                        rcond=None)[0]
@@ -182,6 +196,25 @@ class Decision:
         self.prefill, self.load_actual = prefill, (0.0 if nbytes == 0 else None)
 
 
+class DecisionRecord(NamedTuple):
+    """A settled decision: its prefill's tokens, its predicted and actual load and prefill
+    seconds, and ``sample``: the index of the prefill sample that settled it (the
+    ``observe_prefill`` calls counted from 0)."""
+
+    n_new: int
+    n_cached: int
+    load_pred: float
+    load_actual: float
+    prefill_pred: float
+    prefill_actual: float
+    sample: int
+
+
+def _median_rel(pairs: list[tuple[float, float]]) -> float | None:
+    errs = [abs(p - a) / a for p, a in pairs if a > 0]
+    return float(np.median(errs)) if errs else None
+
+
 class CostModel:
     """The links' and the prefill's fitted figures, and the load-or-recompute plan of a chain.
 
@@ -210,6 +243,8 @@ class CostModel:
         self._awaiting_load: collections.deque = collections.deque(maxlen=4 * WINDOW)
         self._awaiting_prefill: collections.deque = collections.deque(maxlen=4 * WINDOW)
         self._decision_err: collections.deque = collections.deque(maxlen=4 * WINDOW)
+        self.records: collections.deque[DecisionRecord] = collections.deque(maxlen=4 * WINDOW)
+        self._fetch_err: collections.deque = collections.deque(maxlen=4 * WINDOW)
 
     def observe_transfer(self, link: str, nbytes: float, seconds: float) -> None:
         if link not in self.links:
@@ -250,14 +285,30 @@ class CostModel:
             if d.cached_after == n_cached:
                 del self._awaiting_prefill[i]
                 try:
-                    pred = d.load_s + float(d.prefill(int(n_new), int(n_cached)))
+                    prefill = float(d.prefill(int(n_new), int(n_cached)))
                 except Exception:  # the serving stack's callable: no prediction to compare
                     return
-                actual = d.load_actual + seconds
+                pred, actual = d.load_s + prefill, d.load_actual + seconds
                 if actual > 0 and math.isfinite(pred):
                     self._decision_err.append(abs(pred - actual) / actual)
                     self.n["cost_decision_records"] += 1
+                    self.records.append(DecisionRecord(
+                        int(n_new), int(n_cached), d.load_s, d.load_actual, prefill,
+                        float(seconds), self.prefill_fit.samples - 1))
                 return
+
+    def fetch_figures(self) -> tuple[float, float]:
+        """The L3 link's ``(latency, bytes/s)`` now: what an L3 fetch is decided on."""
+        fit = self.links["l3_l2"]
+        return fit.latency_s, fit.bytes_per_s
+
+    def settle_fetch(self, figures: tuple[float, float], nbytes: float, seconds: float) -> None:
+        """A fetch decided on ``figures`` (:meth:`fetch_figures`) read ``nbytes`` in
+        ``seconds``: its predicted read time (for those bytes) against the measured one."""
+        if nbytes > 0 and seconds > 0:
+            pred = figures[0] + nbytes / figures[1]
+            self._fetch_err.append(abs(pred - seconds) / seconds)
+            self.n["cost_fetch_records"] += 1
 
     def _prefill_predictor(self) -> Callable[[int, int], float]:
         """The prefill figure as it stands now (a copy of the fit's coefficients)."""
@@ -363,4 +414,12 @@ class CostModel:
         out["cost_decision_records"] = self.n["cost_decision_records"]
         out["cost_decision_err_median"] = (float(np.median(self._decision_err))
                                            if self._decision_err else None)
+        # the two parts of the decisions' error: their loads (those that loaded), prefills
+        out["cost_decision_load_err_median"] = _median_rel(
+            [(r.load_pred, r.load_actual) for r in self.records if r.load_pred > 0])
+        out["cost_decision_prefill_err_median"] = _median_rel(
+            [(r.prefill_pred, r.prefill_actual) for r in self.records])
+        out["cost_fetch_records"] = self.n["cost_fetch_records"]
+        out["cost_fetch_err_median"] = (float(np.median(self._fetch_err))
+                                        if self._fetch_err else None)
         return out

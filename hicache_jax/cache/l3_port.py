@@ -72,8 +72,13 @@ class CacheL3Port:
     def fetch_pages(self, new_pages: int, covered: int) -> int:
         return self._rule.fetch_pages(new_pages, covered)
 
-    def observe_fetch(self, nbytes: int, seconds: float) -> None:
+    def fetch_decision(self) -> Any:
+        return self._rule.fetch_decision()
+
+    def observe_fetch(self, nbytes: int, seconds: float, decision: Any = None) -> None:
         self._cost.observe_transfer("l3_l2", nbytes, max(0.0, seconds))
+        if decision is not None:
+            self._cost.settle_fetch(decision, nbytes, max(0.0, seconds))
 
     def reset(self) -> None:
         """The cache forgot everything (the tier's prefetches were flushed first)."""

@@ -42,6 +42,10 @@ class ThresholdRule:
         """An L3 prefetch fetches every page L3 holds (the prefetch policies bound its wait)."""
         return new_pages
 
+    def fetch_decision(self) -> None:
+        """No model decided the fetch: no record."""
+        return None
+
 
 def _cached_tokens(chain: list[TreeNode]) -> int:
     """Tokens of the device prefix above a host chain."""
@@ -60,6 +64,7 @@ class CostRule:
         self.model, self.fallback, self.device = model, fallback, device
         self.max_tokens, self.step_budget = max_tokens, step_budget
         self._decided: dict = {}
+        self._fetch: tuple[float, float] | None = None  # the last fetch decision's L3 figures
 
     def step(self) -> Decide:
         left = [self.step_budget]
@@ -93,13 +98,21 @@ class CostRule:
         (load-backs probe L2 -> L1)."""
         ps = self.model.page_size
         cap = None if self.max_tokens is None else self.max_tokens // ps * ps
+        self._fetch = None
         j = self.model.plan([ps] * new_pages, covered, self.device.num_free, cap,
                             links=("l3_l2", "l2_l1"), probe=("l3_l2",))  # load-backs probe L2
         if j is None:
             return new_pages if cap is None else min(new_pages, cap // ps)
         if j == 0:  # a decision to recompute: its prediction is checked against the prefill
             self.model.track([(self.model.last_decision, 0)])
+        else:  # a decision to fetch: its read's predicted time is checked when it lands
+            self._fetch = self.model.fetch_figures()
         return j
+
+    def fetch_decision(self) -> tuple[float, float] | None:
+        """The L3 link's ``(latency, bytes/s)`` the last :meth:`fetch_pages` decided a fetch
+        on (None: it fell back or fetched nothing): ``CostModel.settle_fetch`` checks it."""
+        return self._fetch
 
     def dispatched(self, accepted: list[list[TreeNode]]) -> None:
         """The chains the last step's load dispatched (in its order): their decisions, and

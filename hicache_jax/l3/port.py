@@ -66,9 +66,14 @@ class CachePort(Protocol):
         L2 hold, how many to fetch (root end first; the rest is recomputed): all of them under
         the threshold load policy, the cost model's least-time split under ``"cost"``."""
 
-    def observe_fetch(self, nbytes: int, seconds: float) -> None:
+    def fetch_decision(self) -> Any:
+        """The record of the last :meth:`fetch_pages` decision (opaque; None where no model
+        decided it), handed back with that fetch's :meth:`observe_fetch`."""
+
+    def observe_fetch(self, nbytes: int, seconds: float, decision: Any = None) -> None:
         """A completed L3 -> L2 read of ``nbytes`` that took ``seconds`` (the cost model's
-        ``l3_l2`` link)."""
+        ``l3_l2`` link); ``decision``: its :meth:`fetch_decision` (its predicted time is
+        checked against ``seconds``)."""
 
     def read_host_async(self, host_ids: np.ndarray) -> Any:
         """Dispatch a copy of host pages out of the host pool (``HostRead``: ``done()``,

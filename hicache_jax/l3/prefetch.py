@@ -94,6 +94,7 @@ class PrefetchHandle:
     _timed_out: bool = False   # the timeout policy gave up waiting (its rest was cancelled)
     _issued: float = 0.0       # the port's clock when its read started
     _measured: bool = False    # its read's time went to the cost model
+    _decision: Any = None      # the load rule's record of the decision to fetch (or None)
 
     def done(self) -> bool:
         """Whether the storage read has finished (pages are attached at the cache's next call;
@@ -216,8 +217,10 @@ class Prefetcher:
             return after  # L3 has nothing beyond what L1 + L2 hold
         want = min(found, self._staging_alloc.num_free)
         new = (pos + want * ps - covered) // ps  # pages beyond what L1 + L2 hold
+        decision = None
         if new > 0:  # the load rule: how many of those are worth their read
             take = int(self._port.fetch_pages(new, covered))
+            decision = self._port.fetch_decision()
             if take < new:
                 self._n["l3_prefetch_declined_pages"] += new - take
                 want = 0 if take <= 0 else want - (new - take)
@@ -239,7 +242,7 @@ class Prefetcher:
         deadline = issued + self._timeout_s * (1 + k * ps / _TIMEOUT_TOKENS)
         handle = PrefetchHandle(k, pos, tokens[:ntok].copy(), extra_key, get, base, host_ids,
                                 sids, digests[:k].copy(), deadline, _after=after,
-                                _next_page=missing, _issued=issued)
+                                _next_page=missing, _issued=issued, _decision=decision)
         self.gets.append(handle)
         self._n["l3_prefetches"] += 1
         self._n["l3_prefetch_pages"] += k
@@ -338,7 +341,7 @@ class Prefetcher:
             return
         if ok.all():
             self._port.observe_fetch(ok.size * self._port.spec.page_bytes,
-                                     self._port.clock() - h._issued)
+                                     self._port.clock() - h._issued, h._decision)
 
     def _landed(self, h: PrefetchHandle) -> tuple[bool, int]:
         """This process's view of ``h``: read finished?, pages landed intact (leading run)."""
