@@ -3,11 +3,13 @@
 Runs ``hicache-jax bench`` (serial engine, the default chat workload at a reduced size) as
 ``--processes N`` for each N (one CPU device each, gloo, the model tensor-parallel over them),
 plus, for each N > 1, the same sharded programs in one process over N CPU devices
-(``--tensor-parallel``: the reference whose logits a multi-process run must equal bit for bit).
+(``--tensor-parallel``: the same partitioned programs, their all-reduces inside one process).
 The one-process unsharded run is the baseline of tokens and figures. Printed per run: whether
 every configuration's generated tokens equal the baseline's, whether every hit and transfer
-figure does (timings aside), whether the first-token logits equal the baseline's and the
-same-program reference's bit for bit (by digest), and the hicache configuration's tok/s
+figure does (timings aside): what is judged; whether the first-token logits equal the
+baseline's and the same-program reference's bit for bit (by digest: reported, not judged, since
+an all-reduce over gloo may add in another order than one inside a process or an unsharded
+matmul), and the hicache configuration's tok/s
 beside the baseline's (a ratio measured in the same invocation; several processes on a
 machine of 2 cores share them).
 
@@ -87,7 +89,7 @@ def main() -> None:
                                              ref["first_logits_sha256"] else "no")
         tps = d["summary"]["hicache"]["tokens_per_s"]
         ratio = tps / base["summary"]["hicache"]["tokens_per_s"]
-        ok &= tokens and figures and same_prog != "no" and d["outputs_identical"]
+        ok &= tokens and figures and d["outputs_identical"]  # logits: reported, not judged
         print(f"{name:<26} {n:>5} {env['device_count']:>4} {'yes' if tokens else 'NO':>11} "
               f"{'yes' if figures else 'NO':>12} {'yes' if logits else 'no':>11} {same_prog:>15} "
               f"{tps:>13.0f} {ratio:>5.2f}x {wall:>7.1f}")

@@ -33,6 +33,7 @@ import json
 import os
 import sys
 import tempfile
+import traceback
 from typing import Any, Iterator
 
 from hicache_jax.engine import launch
@@ -126,7 +127,9 @@ def launch_local(args: argparse.Namespace) -> int:
 def joined(args: argparse.Namespace) -> Iterator[Any]:
     """Join the run (``--coordinator``), yield the model's mesh (None without tensor
     parallelism); on a process other than 0, stdout goes nowhere and the progress bars, the
-    JSON and the plot are off. Leaves the run on exit."""
+    JSON and the plot are off. Leaves the run on exit; a process whose bench raises (or exits)
+    prints the error and ends at once with its exit code (1 for an exception), without the
+    shutdown's barrier."""
     if args.coordinator is not None:
         launch.join(args.coordinator, args.num_processes, args.process_id)
     import jax
@@ -134,6 +137,9 @@ def joined(args: argparse.Namespace) -> Iterator[Any]:
     from jax.sharding import Mesh
 
     mesh = Mesh(np.array(jax.devices()), ("tp",)) if sharded(args) else None
+    if args.coordinator is None:
+        yield mesh
+        return
     try:
         if jax.process_index() == 0:
             yield mesh
@@ -141,9 +147,16 @@ def joined(args: argparse.Namespace) -> Iterator[Any]:
             args.quiet, args.json, args.plot = True, None, None
             with open(os.devnull, "w") as null, contextlib.redirect_stdout(null):
                 yield mesh
-    finally:
-        if args.coordinator is not None:
-            jax.distributed.shutdown()
+    except BaseException as exc:  # noqa: BLE001 - reported, then the process ends
+        # No shutdown: its barrier would wait for peers that may be waiting on this process.
+        # Leaving at once lets them time out naming it (or the launcher kill them).
+        code = exc.code if isinstance(exc, SystemExit) and isinstance(exc.code, int) else 1
+        if not isinstance(exc, SystemExit):
+            traceback.print_exc()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    jax.distributed.shutdown()
 
 
 def timing_free(summaries: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
