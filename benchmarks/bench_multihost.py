@@ -73,17 +73,11 @@ def _worker(pid: int, n: int, port: int, requests: int, device_tokens: int, out:
     if pid == 0:
         with open(out, "w") as f:
             json.dump(result, f)
-    if n > 1:  # process 0 hosts the coordination service: it leaves last
-        from jax._src import distributed
-
-        client = distributed.global_state.client
-        if pid:
-            client.key_value_set(f"bench_done/{pid}", "1")
-        else:
-            for p in range(1, n):
-                client.blocking_key_value_get(f"bench_done/{p}", 60_000)
     sys.stdout.flush()
-    os._exit(0)  # no shutdown barrier
+    if n > 1:
+        # Process 0 hosts the coordination service: a peer still connected when it leaves
+        # aborts (SIGABRT). The shutdown's barrier lets every process leave together.
+        jax.distributed.shutdown()
 
 
 def _free_port() -> int:
