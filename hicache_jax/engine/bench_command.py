@@ -16,7 +16,8 @@ whichever configuration happens to run first), then once timed with a fresh cach
 gives prompt tokens, tokens recomputed, hit tokens by tier, TTFT p50/p90, end-to-end tokens/s
 ((prompt + generated tokens) / wall time) and bytes moved each way, then checks that every
 configuration generated exactly the same tokens. ``--engine batched`` runs
-:mod:`hicache_jax.engine.serve_bench` instead.
+:mod:`hicache_jax.engine.serve_bench` instead. Over several processes (``--processes N``,
+``--coordinator``; the model tensor-parallel): :mod:`hicache_jax.engine.bench_processes`.
 
 This module runs the command on parsed flags (:func:`bench`); the flags themselves are defined in
 :mod:`hicache_jax.engine.cli`. Its JSON and plot helpers are shared with ``hicache-jax replay``.
