@@ -63,7 +63,7 @@ def test_two_processes_match_one_process_token_for_token_and_figure_for_figure(t
     (["--coordinator", "127.0.0.1:1", "--process-id", "2", "--num-processes", "2"],
      "--process-id 2 must be in"),
     (["--processes", "2", "--kv-heads", "1"], "--kv-heads 1 is not divisible by the 2"),
-    (["--tensor-parallel", "--engine", "batched"], "serial engine only"),
+    (["--processes", "2", "--engine", "batched"], "serial engine only"),
 ])
 def test_bad_process_flags_are_usage_errors_before_anything_runs(flags, message, capsys):
     argv = [f for f in TINY if f != "--quiet"]
@@ -72,6 +72,19 @@ def test_bad_process_flags_are_usage_errors_before_anything_runs(flags, message,
     assert e.value.code == 2
     err = capsys.readouterr()
     assert message in err.err and "workload" not in err.out  # nothing ran
+
+
+def test_the_batched_engine_runs_tensor_parallel_in_one_process(capsys):
+    """Over this process's 4 devices (conftest): the batched engine's tokens equal the serial
+    engine's, which runs the same sharded model."""
+    four = [f for f in TINY]
+    four[four.index("--kv-heads") + 1] = "4"
+    four[four.index("--sessions") + 1] = "2"
+    assert cli.main(["bench", *four, "--engine", "batched", "--tensor-parallel",
+                     "--warmup-passes", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "outputs identical to the serial engine (tokens, first-token logits" in out
+    assert ": yes; pages leaked or locked after the drain: 0" in out
 
 
 def test_a_failing_process_fails_the_launch_with_its_output(tmp_path, capfd):
