@@ -12,7 +12,8 @@ request. The hit figures of every run must equal the one-process run's (printed:
 fails the benchmark).
 
 Usage: ``python -m benchmarks.bench_multihost [--requests 200] [--processes 1,2,4]
-[--json PATH]``. Runs the processes itself (their own coordinator port, killed at the end).
+[--json PATH]``; ``BENCH_MULTIHOST_PROFILE=PREFIX`` writes each process's cProfile of the timed
+loop to ``PREFIX-<N>p-<id>.prof``. Runs the processes itself (their own coordinator port, killed at the end).
 """
 
 from __future__ import annotations
@@ -57,33 +58,42 @@ def _worker(pid: int, n: int, port: int, requests: int, device_tokens: int, out:
     cache = rd.new_cache(spec, cfg)
     group = cache._group
     seen = [prompts.tokens(i) for i in range(requests)]
-    rd.serve(cache, seen[0][: ps * 4], 4)  # compile the page copies before timing
+    for tokens in seen:  # the same slice once untimed: every page-copy bucket compiles here
+        whole = min(tokens.shape[0] // ps, cfg.device_pages)
+        rd.serve(cache, tokens[: whole * ps], whole)
     cache.reset()
+    prof = os.environ.get("BENCH_MULTIHOST_PROFILE")  # a path prefix: cProfile the timed loop
+    if prof:
+        import cProfile
+
+        profiler = cProfile.Profile()
+        profiler.enable()
+    tags0 = dict(getattr(group, "calls_by_tag", {}))
     t0, g0, c0 = time.perf_counter(), getattr(group, "seconds", 0.0), getattr(group, "calls", 0)
     for tokens in seen:
         whole = min(tokens.shape[0] // ps, cfg.device_pages)
         rd.serve(cache, tokens[: whole * ps], whole)
     wall = time.perf_counter() - t0
+    if prof:
+        profiler.disable()
+        profiler.dump_stats(f"{prof}-{n}p-{pid}.prof")
     stats = cache.stats()
     cache.check_agreement()
     result = {"processes": n, "requests": requests, "wall_s": wall,
               "agreement_s": getattr(group, "seconds", 0.0) - g0,
               "agreements": getattr(group, "calls", 0) - c0,
+              "agreements_by_tag": {t: c - tags0.get(t, 0) for t, c in
+                                    getattr(group, "calls_by_tag", {}).items()
+                                    if c > tags0.get(t, 0)},
               "figures": {k: stats[k] for k in FIGURES}}
     if pid == 0:
         with open(out, "w") as f:
             json.dump(result, f)
-    if n > 1:  # process 0 hosts the coordination service: it leaves last
-        from jax._src import distributed
-
-        client = distributed.global_state.client
-        if pid:
-            client.key_value_set(f"bench_done/{pid}", "1")
-        else:
-            for p in range(1, n):
-                client.blocking_key_value_get(f"bench_done/{p}", 60_000)
     sys.stdout.flush()
-    os._exit(0)  # no shutdown barrier
+    if n > 1:
+        # Process 0 hosts the coordination service: a peer still connected when it leaves
+        # aborts (SIGABRT). The shutdown's barrier lets every process leave together.
+        jax.distributed.shutdown()
 
 
 def _free_port() -> int:
@@ -145,6 +155,10 @@ def main() -> None:
         ok &= same
         print(f"{n:>9} {per:>11.0f} {ratio:>11.2f}x {r['agreements'] / r['requests']:>15.1f} "
               f"{share:>15.0%}  {'same' if same else r['figures']}")
+        if r.get("agreements_by_tag"):
+            print(" " * 10 + "agreements/request by call: " + ", ".join(
+                f"{t} {c / r['requests']:.2f}" for t, c in sorted(
+                    r["agreements_by_tag"].items(), key=lambda kv: -kv[1])))
     if 2 in runs:
         r2 = runs[2]["wall_s"] / base["wall_s"]
         print(f"control plane at 2 processes: {r2:.2f}x one process's time per request "

@@ -7,21 +7,22 @@ output. Every process runs in its own session (process group), and whatever is s
 the deadline or when the test fails is killed (``SIGKILL`` to its group) in a ``finally``, so no
 straggler outlives the test.
 
-Import it as ``from multiproc import launch``.
+Import it as ``from multiproc import launch``. Starting, killing and waiting are
+``hicache_jax.engine.launch``'s (the same code ``hicache-jax bench --processes N`` runs).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import pathlib
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
+
+from hicache_jax.engine import launch as launch_mod
 
 WORKERS = pathlib.Path(__file__).with_name("multiproc_workers.py")
 ROOT = WORKERS.parent.parent
@@ -40,13 +41,6 @@ class Outcome:
         return f"Outcome(rc={self.rc}, result={self.result}, out=...{self.out[-2000:]!r})"
 
 
-def free_port() -> int:
-    """A TCP port free on 127.0.0.1 now (the coordinator binds it right after)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def launch(scenario: str, n: int, *args: str, timeout: float = 60.0,
            kill: dict[int, str] | None = None) -> list[Outcome]:
     """Run ``scenario`` in ``n`` processes; their outcomes, in process order.
@@ -58,48 +52,33 @@ def launch(scenario: str, n: int, *args: str, timeout: float = 60.0,
             (the test's "mid-run" mark); the time from then to each end is in
             ``Outcome.after_kill``.
     """
-    port, kill = free_port(), dict(kill or {})
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1",
-               PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu")
-    procs, logs = [], []
-    t0, killed_at = time.monotonic(), None
+    port, kill = launch_mod.free_port(), dict(kill or {})
+    env = dict(launch_mod.local_env(), PYTHONPATH=str(ROOT))
+    logs = [tempfile.TemporaryFile("w+") for _ in range(n)]
+    procs = launch_mod.spawn(
+        lambda i: [sys.executable, str(WORKERS), scenario, str(i), str(n), str(port), *args],
+        n, env=env, cwd=str(ROOT), stdout_of=lambda i: logs[i])
+    killed_at: list[float] = []
     ends: dict[int, float] = {}
-    try:
-        for i in range(n):
-            log = tempfile.TemporaryFile("w+")
-            logs.append(log)
-            procs.append(subprocess.Popen(
-                [sys.executable, str(WORKERS), scenario, str(i), str(n), str(port), *args],
-                env=env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
-                start_new_session=True))
-        while time.monotonic() - t0 < timeout and any(p.poll() is None for p in procs):
-            for i, text in list(kill.items()):
-                logs[i].seek(0)
-                if text in logs[i].read():
-                    _kill(procs[i])
-                    del kill[i]
-                    killed_at = time.monotonic()
-            for i, p in enumerate(procs):
-                if i not in ends and p.poll() is not None:
-                    ends[i] = time.monotonic()
-            time.sleep(0.05)
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                _kill(p)
+
+    def poll() -> None:
+        for i, text in list(kill.items()):
+            logs[i].seek(0)
+            if text in logs[i].read():
+                launch_mod.kill(procs[i])
+                del kill[i]
+                killed_at.append(time.monotonic())
+        for i, p in enumerate(procs):
+            if i not in ends and p.poll() is not None:
+                ends[i] = time.monotonic()
+
+    # a killed or failed process leaves the others to raise their own errors (grace None)
+    launch_mod.wait_all(procs, timeout_s=timeout, grace_s=None, poll=poll)
     out = [_outcome(p, log) for p, log in zip(procs, logs)]
-    if killed_at is not None:
+    if killed_at:
         for i, o in enumerate(out):
-            o.after_kill = ends.get(i, time.monotonic()) - killed_at
+            o.after_kill = ends.get(i, time.monotonic()) - killed_at[0]
     return out
-
-
-def _kill(p: subprocess.Popen) -> None:
-    try:
-        os.killpg(p.pid, signal.SIGKILL)  # its own session: the process and its children
-    except ProcessLookupError:
-        pass
-    p.wait()
 
 
 def _outcome(p: subprocess.Popen, log) -> Outcome:

@@ -51,6 +51,7 @@ RUNS = [
 #: run elsewhere in the suite (see the module docstring), or GPU-only: entry point and flags only
 HELP_ONLY = [
     ("bench_control_plane", []),
+    ("bench_engine_processes", []),  # its 2-process comparison in test_bench_processes.py
     ("bench_memory", []),
     ("bench_policies", []),
     ("collect", []),  # its CPU use (the recorded runs in tests/data) in test_results.py

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from hicache_jax.errors import HiCacheError
-from hicache_jax.memory.group import (DistributedGroup, GroupDivergedError, GroupTimeoutError,
+from hicache_jax.memory.group import (AgreedClock, DistributedGroup, GroupDivergedError, GroupTimeoutError,
                                       LocalGroup, default_group)
 
 
@@ -35,16 +35,22 @@ class FakeStore:
             return self.kv[key]
 
     def key_value_delete(self, key: str) -> None:
+        """The key and every key under it (a directory), as jax's store does."""
         with self.cv:
-            del self.kv[key]
+            gone = [k for k in self.kv if k == key or k.startswith(key + "/")]
+            assert gone, key
+            for k in gone:
+                del self.kv[k]
 
 
-def run_all(n: int, fn, timeout_s: float = 5.0, store: FakeStore | None = None) -> list:
+def run_all(n: int, fn, timeout_s: float = 5.0, store: FakeStore | None = None,
+            **kw) -> list:
     """``fn(group)`` on n threads, each a process of one group over a FakeStore."""
     store, out = store or FakeStore(), [None] * n
 
     def body(i: int) -> None:
-        g = DistributedGroup(timeout_s, name="t", client=store, process_id=i, num_processes=n)
+        g = DistributedGroup(timeout_s, name="t", client=store, process_id=i, num_processes=n,
+                             **kw)
         try:
             out[i] = fn(g)
         except Exception as e:
@@ -77,9 +83,11 @@ def test_min_leader_and_gather_over_processes(n):
 
 def test_agreement_keys_are_deleted_once_every_peer_read_them():
     store = FakeStore()
-    out = run_all(3, lambda g: [g.allgather("s", "x") for _ in range(5)], store=store)
-    assert all(o == [["x"] * 3] * 5 for o in out)
-    assert sorted(store.kv) == ["t/4/0", "t/4/1", "t/4/2"]  # the last step's keys only
+    out = run_all(3, lambda g: [g.allgather("s", "x") for _ in range(7)], store=store,
+                  delete_every=3)
+    assert all(o == [["x"] * 3] * 7 for o in out)
+    # steps 0-2 and 3-5 deleted a block at a time (at steps 3 and 6), step 6's keys kept
+    assert sorted(store.kv) == ["t/2/0/6", "t/2/1/6", "t/2/2/6"]
 
 
 def test_a_differing_field_is_named_on_every_process():
@@ -115,7 +123,55 @@ def test_a_missing_process_is_named_within_the_timeout():
 def test_bad_arguments():
     with pytest.raises(ValueError, match="timeout_s"):
         DistributedGroup(0, client=FakeStore(), process_id=0, num_processes=2)
+    with pytest.raises(ValueError, match="delete_every"):
+        DistributedGroup(1.0, client=FakeStore(), process_id=0, num_processes=2, delete_every=0)
     with pytest.raises(HiCacheError, match="jax.distributed.initialize"):
         DistributedGroup(1.0)
     out = run_all(2, lambda g: g.agree_min("m", np.arange(1 + g.process_id)))
     assert all(isinstance(e, GroupDivergedError) for e in out)
+
+
+def test_riders_go_with_the_next_agreement_whatever_it_is_for():
+    def fn(g):
+        got = []
+        g.ride("clock", lambda: f"t{g.process_id}", got.append)
+        g.ride("other", lambda: "o", got.append)
+        out = g.agree_min("m", [5 - g.process_id])  # carries both riders: one step
+        g.flush()  # nothing waits: no step
+        g.ride("clock", lambda: "late", got.append)
+        g.flush()  # alone: a step of its own
+        return out.tolist(), got, g.calls, g.calls_by_tag
+    for min_, got, calls, by_tag in run_all(3, fn):
+        assert min_ == [3] and got == [["t0", "t1", "t2"], ["o"] * 3, ["late"] * 3]
+        assert calls == 2 and dict(by_tag) == {"m": 1, "riders": 1}
+    local = []
+    LocalGroup().ride("clock", lambda: "now", local.append)
+    assert local == [["now"]]  # one process: taken at once
+
+
+def test_a_peer_without_the_same_riders_made_other_calls():
+    def fn(g):
+        if g.process_id:
+            g.ride("clock", lambda: "1", lambda v: None)
+        return g.allgather("transfers", "x")
+    out = run_all(2, fn)
+    assert all(isinstance(e, GroupDivergedError) and e.field == "call" for e in out)
+    assert "'transfers+clock'" in str(out[1]) and "'transfers'" in str(out[1])
+
+
+def test_agreed_clock_stamps_wait_for_no_one_and_deadlines_take_this_requests_reading():
+    def fn(g):
+        local = iter([100.0 + g.process_id, 200.0 + g.process_id, 300.0 + g.process_id])
+        clock = AgreedClock(g, lambda: next(local))  # agrees process 0's 100.0
+        c0 = g.calls
+        clock.sync()  # reads 200 only when an agreement carries it
+        stamp = clock()
+        stamped_calls = g.calls - c0
+        fresh = clock.fresh()  # the request's reading now: process 0's 200.0
+        clock.sync()
+        g.agree_min("transfers", [1])  # carries process 0's 300.0
+        return stamp, stamped_calls, fresh, clock(), g.calls - c0
+    for stamp, stamped_calls, fresh, after, calls in run_all(2, fn):
+        assert 100.0 <= stamp < 100.0 + 1e-6 and stamped_calls == 0
+        assert 200.0 <= fresh < 200.0 + 1e-6
+        assert 300.0 <= after < 300.0 + 1e-6 and calls == 2

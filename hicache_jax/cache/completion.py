@@ -29,7 +29,8 @@ class Completion:
         sync: several processes: agrees the cache's clock (``AgreedClock.sync``) at the start
             of a call that starts a request (``match_prefix``, ``prefetch``), before anything
             reads it (other calls read it ticking on: one agreement per request, not per
-            call); None: one process.
+            call; it rides on the request's first transfer or L3 agreement when there is
+            one, so it costs none of its own); None: one process.
     """
 
     def __init__(self, engine: TransferEngine, flight: InFlight, l3: Any,
@@ -44,11 +45,13 @@ class Completion:
         prefetches in the tree and expire pins -- only at the start of a public call, never
         inside an operation that holds nodes (an attach may split them). ``sync``: a request
         starts: agree the clock first (several processes)."""
+        if attach and sync and self._sync is not None:
+            self._sync()  # rides on the poll's agreement when copies are in flight
+        # Waiting for all: every process has seen every copy land, so nothing to agree on
+        # (a poll first would agree on part of them: an agreement for nothing).
+        finished = [] if wait else self._engine.poll()
         if attach:
-            if sync and self._sync is not None:
-                self._sync()
             self._expire()
-        finished = self._engine.poll()
         self._l3.poll(attach)
         if finished:
             self._flight.apply(finished)

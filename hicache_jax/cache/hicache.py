@@ -99,7 +99,9 @@ class HiCache(ControlAPI):
             self._engine.agree_with(self._group)  # completions: the MIN over processes
         self._events: NullRecorder | Recorder = NullRecorder()  # the configured one: below
         self._threads = ThreadOwner()
-        self._port = CacheL3Port(spec, clock, self._tree, self._host, self._group)
+        # deadlines and ttls (L3, pins): the request's own clock reading; stamps: the order
+        self._port = CacheL3Port(spec, clock.fresh if isinstance(clock, AgreedClock) else clock,
+                                 self._tree, self._host, self._group)
         # NullL3Tier without storage; attach_storage / detach_storage swap the slot's tier
         # L3 holds this process's heads (all of them in one process), keyed by the shard
         self._l3 = L3Slot(open_l3(self._port, self._host.local_spec, cfg), collections.Counter())

@@ -16,7 +16,8 @@ whichever configuration happens to run first), then once timed with a fresh cach
 gives prompt tokens, tokens recomputed, hit tokens by tier, TTFT p50/p90, end-to-end tokens/s
 ((prompt + generated tokens) / wall time) and bytes moved each way, then checks that every
 configuration generated exactly the same tokens. ``--engine batched`` runs
-:mod:`hicache_jax.engine.serve_bench` instead.
+:mod:`hicache_jax.engine.serve_bench` instead. Over several processes (``--processes N``,
+``--coordinator``; the model tensor-parallel): :mod:`hicache_jax.engine.bench_processes`.
 
 This module runs the command on parsed flags (:func:`bench`); the flags themselves are defined in
 :mod:`hicache_jax.engine.cli`. Its JSON and plot helpers are shared with ``hicache-jax replay``.
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import hashlib
 import json
 import os
 import sys
@@ -36,7 +38,7 @@ import numpy as np
 
 from hicache_jax.engine.engine import Engine, Generation
 from hicache_jax.engine.model import DecoderModel, ModelConfig, bucket, load_params
-from hicache_jax.engine import serve_bench
+from hicache_jax.engine import bench_processes, serve_bench
 from hicache_jax.engine.batched import BatchedEngine
 from hicache_jax.engine.workloads import WORKLOADS, Workload
 from hicache_jax.cache.hicache import HiCache
@@ -164,13 +166,15 @@ def _env() -> dict[str, Any]:
     dev = jax.devices()[0]
     return {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "backend": jax.default_backend(), "device_kind": getattr(dev, "device_kind", str(dev)),
-            "device_count": jax.device_count(), "jax": jax.__version__}
+            "device_count": jax.device_count(), "process_count": jax.process_count(),
+            "jax": jax.__version__}
 
 
 def bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if args.plot:  # fail before minutes of work, not after
         require_matplotlib()
     try:  # bad sizes or weights: a usage error naming the problem, not a traceback
+        bench_processes.check_flags(args)
         if args.seed < 0:
             raise ValueError(f"--seed {args.seed} must be >= 0")
         if args.vocab < 2:
@@ -183,7 +187,7 @@ def bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         cfg = ModelConfig(vocab_size=args.vocab, num_layers=args.layers, d_model=args.d_model,
                           num_heads=args.heads, num_kv_heads=args.kv_heads,
                           head_dim=args.head_dim, ffn_dim=args.ffn_dim, dtype=args.dtype)
-        params = load_params(cfg, args.weights) if args.weights else None
+        bench_processes.check_divisible(args, cfg)
         ps = args.page_size
         cfg.kv_spec(ps)  # validates the page size, before it divides anything
         device_pages = _device_pages(workload, ps, args.device_pages)
@@ -204,7 +208,21 @@ def bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
                     raise ValueError(f"{flag} {v} must be a power of two")
     except (ValueError, TypeError, OSError, ImportError) as exc:
         parser.exit(2, f"hicache-jax bench: error: {exc}\n")
-    model = DecoderModel(cfg, params, seed=args.seed)
+    if args.processes > 1:
+        return bench_processes.launch_local(args)
+    with bench_processes.joined(args) as mesh:  # (jax.distributed first: weights are arrays)
+        try:
+            params = load_params(cfg, args.weights) if args.weights else None
+            model = DecoderModel(cfg, params, seed=args.seed, mesh=mesh)
+        except (ValueError, TypeError, OSError, ImportError) as exc:
+            parser.exit(2, f"hicache-jax bench: error: {exc}\n")
+        return _run(args, parser, workload, model, device_pages, host_pages)
+
+
+def _run(args: argparse.Namespace, parser: argparse.ArgumentParser, workload: Workload,
+         model: DecoderModel, device_pages: int, host_pages: int) -> int:
+    """The bench in this process (one of several with a mesh over processes)."""
+    cfg, ps = model.cfg, args.page_size
     infinite = workload.infinite_cache_hit_ratio(ps)
     print(f"workload {workload.name}: {workload.num_requests} requests in {workload.num_rounds} "
           f"rounds, {workload.max_new_tokens} new tokens each; infinite-cache hit ratio "
@@ -227,7 +245,7 @@ def bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             url = f"{base.rstrip('/')}/run-{os.getpid()}-{next(runs)}" + (f"?{query}" if query else "")
         hc = HiCacheConfig(device_pages=device_pages, host_pages=host_pages,
                            write_policy=args.policy, load_back_threshold=ps, storage=url,
-                           prefetch_policy="wait_complete")
+                           prefetch_policy="wait_complete", mesh=model.mesh)
         try:
             cache = HiCache(cfg.kv_spec(ps), hc)
         except (StorageError, ValueError) as exc:
@@ -238,7 +256,7 @@ def bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         return _bench_batched(args, workload, model, cfg, engine, device_pages, host_pages,
                               infinite)
     configs = CONFIGS + ((("hicache+L3", "hicache+L3"),) if args.storage else ())
-    summaries, outputs, per_request = {}, {}, {}
+    summaries, outputs, per_request, logits = {}, {}, {}, {}
     for name, mode in configs:
         if not args.no_warmup:
             warm = engine(mode)
@@ -249,6 +267,7 @@ def bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         summaries[name] = _summary(gens, wall, eng.cache.stats())
         eng.cache.close()
         outputs[name] = [g.tokens for g in gens]
+        logits[name] = hashlib.sha256(b"".join(g.first_logits.tobytes() for g in gens)).hexdigest()
         per_request[name] = [dict(vars(g.record)) for g in gens]
     first = outputs[CONFIGS[0][0]]
     identical = all(len(o) == len(first) and all(np.array_equal(a, b) for a, b in zip(o, first))
@@ -259,6 +278,14 @@ def bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     print("hit ratio / infinite-cache hit ratio: " + ", ".join(
         f"{n} {h / infinite:.2f}" if infinite else f"{n} -" for n, h in hits.items()))
     print(f"outputs identical across configurations: {'yes' if identical else 'no'}", flush=True)
+    everywhere = bench_processes.same_on_every_process(outputs, summaries)
+    if model.mesh is not None:
+        import jax
+
+        print(f"tensor-parallel over {jax.device_count()} devices of {jax.process_count()} "
+              f"process(es); outputs and figures (timings aside) identical on every process: "
+              f"{'yes' if everywhere else 'no'}", flush=True)
+    identical = identical and everywhere
     turns = [(r.session, r.turn) for r, _ in workload.placeholder_run()]
     if args.json:
         write_json(args.json, {
@@ -266,6 +293,8 @@ def bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             "config": _config_record(args, device_pages, host_pages, cfg),
             "infinite_cache_hit_ratio": infinite, "outputs_identical": identical,
             "summary": summaries,
+            "outputs": {n: [t.tolist() for t in o] for n, o in outputs.items()},
+            "first_logits_sha256": logits,  # bit-exactness between runs, by digest
             "requests": {n: [{"session": s, "turn": t, **rec} for (s, t), rec in zip(turns, recs)]
                          for n, recs in per_request.items()}})
     if args.plot:

@@ -21,7 +21,7 @@ import numpy as np
 
 from hicache_jax.engine.bench_command import (CONFIGS, bench, build_workload, check_writable,
                                               write_json)
-from hicache_jax.engine import compare, lowering
+from hicache_jax.engine import bench_processes, compare, lowering
 from hicache_jax.engine.workloads import ARRIVALS, WORKLOADS
 from hicache_jax.replay import driver as replay_mod
 from hicache_jax.replay import simulate as sim
@@ -110,6 +110,7 @@ def _parser() -> argparse.ArgumentParser:
     o.add_argument("--json", metavar="PATH", help="write every figure and record as JSON")
     o.add_argument("--plot", metavar="PATH", help="hit ratio and TTFT per turn (needs matplotlib)")
     o.add_argument("--quiet", action="store_true", help="no progress bars")
+    bench_processes.add_flags(b)
     b.set_defaults(func=bench)
     _replay_parser(sub)
     lowering.add_parser(sub)
@@ -202,6 +203,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Console entry point (``hicache-jax``, ``python -m hicache_jax``)."""
     parser = _parser()
     args = parser.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # what --processes relaunches
     return args.func(args, parser)
 
 

@@ -244,13 +244,15 @@ def _pow2(n: int) -> int:
 def build_cache(model: DecoderModel, mode: CacheMode, page_size: int, device_pages: int,
                 host_pages: int | None, write_policy: str) -> HiCache:
     """The cache of an engine in ``mode``: ``host_pages`` (default ``4 * device_pages``) in mode
-    ``hicache`` only, 0 otherwise; ``load_back_threshold`` one page."""
+    ``hicache`` only, 0 otherwise; ``load_back_threshold`` one page; the pools sharded over the
+    model's mesh (tensor parallelism) when it has one."""
     if mode is not CacheMode.HICACHE:
         host_pages = 0
     elif host_pages is None:
         host_pages = 4 * device_pages
     cfg = HiCacheConfig(device_pages=device_pages, host_pages=host_pages,
-                        write_policy=write_policy, load_back_threshold=page_size)
+                        write_policy=write_policy, load_back_threshold=page_size,
+                        mesh=model.mesh, shard_axis=model.axis)
     return HiCache(model.kv_spec(page_size), cfg)
 
 

@@ -40,14 +40,16 @@ from hicache_jax.engine.packing import (NO_SLOTS, REUSE_COST_LIMIT, TokenSlots, 
                                         check_slots, cover, feed_arrays, fine_bucket, flatten,
                                         lens_used, pack, plan)
 from hicache_jax.engine.weights import (ModelConfig, Params, abstract_params, flat_params,
-                                        init_params, load_params, save_params, unflatten_params)
+                                        init_params, load_params, save_params, shard_params,
+                                        unflatten_params)
 from hicache_jax.spec import KVSpec
 from hicache_jax.validation import is_int
 
 __all__ = ["DecoderModel", "LayerWaiter", "ModelConfig", "Params", "PoolLike", "REUSE_COST_LIMIT",
            "TRACES", "TokenSlots", "abstract_params", "bucket", "compiled_step_count",
            "fine_bucket", "flat_params",
-           "init_params", "load_params", "reference_logits", "save_params", "step_records_kept",
+           "init_params", "load_params", "reference_logits", "save_params", "shard_params",
+           "step_records_kept",
            "trace_count", "unflatten_params"]
 
 # The stateful shell: bucketing on the host, dispatch through the pool's donated run().
@@ -75,15 +77,24 @@ class DecoderModel:
         unroll_tokens: a fused step of at most this many (bucketed) tokens runs its layers
             unrolled over each layer's own weights, a longer one as a ``lax.scan`` over the
             stacked weights (see ``layers._scan_layers``); 0: always the scan.
+        mesh: tensor parallelism: the weights are placed over this ``jax.sharding.Mesh``
+            (``shard_params``: heads and the FFN width split over ``axis``, default the
+            mesh's first), possibly spanning several processes; the cache's pools must be
+            sharded over the same mesh and axis (``HiCacheConfig(mesh=...)``). The steps are
+            the same jits; the compiler partitions them from the shardings.
     """
 
     def __init__(self, cfg: ModelConfig, params: Params | None = None, *, seed: int = 0,
-                 unroll_tokens: int = UNROLL_TOKENS) -> None:
+                 unroll_tokens: int = UNROLL_TOKENS, mesh: Any = None,
+                 axis: str | None = None) -> None:
         if not is_int(unroll_tokens) or unroll_tokens < 0:
             raise ValueError(f"unroll_tokens={unroll_tokens!r} must be an int >= 0")
         self.cfg = cfg
         self.unroll_tokens = int(unroll_tokens)
         self.params = init_params(cfg, seed) if params is None else params
+        self.mesh, self.axis = mesh, axis
+        if mesh is not None:
+            self.params = shard_params(cfg, self.params, mesh, axis)
         # Per-layer weight slices, sliced once here (not per call) for the per-layer path.
         self._layer_params = [{k: _layer_slice(v, i) for k, v in self.params["layers"].items()}
                               for i in range(cfg.num_layers)]

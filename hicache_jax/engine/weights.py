@@ -145,6 +145,48 @@ def unflatten_params(cfg: ModelConfig, flat: dict[str, Any]) -> Params:
     return params
 
 
+#: Tensor parallelism (Megatron's split): the axis of each weight cut over the mesh axis: query,
+#: key and value projections by output column (whole heads: a device holds the query heads of
+#: its kv heads), the output projection by input row, the FFN's gate and up by column and its
+#: down projection by row; embedding, norms and the head replicated. Each layer then ends in
+#: one all-reduce after the attention and one after the FFN (the compiler's, from the shardings).
+_TP_AXIS = {"wq": 2, "wk": 2, "wv": 2, "wo": 1, "w_gate": 2, "w_up": 2, "w_down": 1}
+
+
+def shard_params(cfg: ModelConfig, params: Params, mesh: Any, axis: str | None = None) -> Params:
+    """``params`` placed tensor-parallel over ``mesh``'s ``axis`` (default: its first), as one
+    global ``jax.Array`` each, built from this process's host copy (every process holds the same
+    weights: the same seed or file) so it spans the devices of every process of the mesh.
+
+    Raises:
+        ValueError: ``axis`` not an axis of the mesh, or heads / kv heads / FFN width not
+            divisible by its size.
+    """
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    names = tuple(mesh.axis_names)
+    axis = names[0] if axis is None else axis
+    if axis not in names:
+        raise ValueError(f"axis={axis!r} is not an axis of the mesh {names}")
+    size = mesh.shape[axis]
+    for name in ("num_heads", "num_kv_heads", "ffn_dim"):
+        if getattr(cfg, name) % size:
+            raise ValueError(f"{name}={getattr(cfg, name)} is not divisible by the {size} "
+                             f"devices of mesh axis {axis!r} (tensor parallelism)")
+
+    def place(name: str, x: Any) -> Any:
+        spec = [None] * np.ndim(x)
+        if name in _TP_AXIS:
+            spec[_TP_AXIS[name]] = axis
+        host = np.asarray(x)
+        return jax.make_array_from_callback(host.shape, NamedSharding(mesh, PartitionSpec(*spec)),
+                                            lambda idx: host[idx])
+
+    out: Params = {k: place(k, v) for k, v in params.items() if k != "layers"}
+    out["layers"] = {k: place(k, v) for k, v in params["layers"].items()}
+    return out
+
+
 def save_params(params: Params, path: str) -> None:
     """Write weights as an uncompressed ``.npz`` (float32) that :func:`load_params` reads."""
     np.savez(path, **{k: v.astype(np.float32) for k, v in flat_params(params).items()})

@@ -10,7 +10,8 @@ contributes a string, every process gets all of them, in process order); the res
 
 - :class:`LocalGroup`: one process; every agreement is the value itself, no communication.
 - :class:`DistributedGroup`: over the key-value store of ``jax.distributed``'s coordination
-  service (one ``key_value_set`` and ``num_processes - 1`` blocking gets per agreement). The
+  service (one ``key_value_set`` and ``num_processes - 1`` blocking gets per agreement; the keys
+  deleted a block of steps at a time). The
   store, unlike a device collective, waits with a deadline: a peer that died or stopped calling
   makes the others raise :class:`GroupTimeoutError` naming it, within ``timeout_s``. Each
   agreement carries a tag (what the call is); peers at the same step with different tags made
@@ -24,10 +25,11 @@ Threading: the cache's thread only (steps are numbered per group).
 
 from __future__ import annotations
 
+import collections
 import itertools
 import json
 import time
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -64,6 +66,17 @@ class Group:
     def allgather(self, tag: str, value: str) -> list[str]:
         """Every process's ``value`` of this step, in process order (all must call it)."""
         raise NotImplementedError
+
+    def ride(self, name: str, value: Callable[[], str],
+             take: Callable[[list[str]], None]) -> None:
+        """Send ``value()`` with the next agreement, whatever it is for, and give ``take``
+        every process's (in process order) once it is in: a value that can wait for the next
+        agreement costs none of its own (:meth:`flush` sends it alone). Every process must ask
+        for the same riders in the same order. One process: ``take([value()])`` now."""
+        take([value()])
+
+    def flush(self) -> None:
+        """Send the riders still waiting, in an agreement of their own (none: nothing)."""
 
     def agree_min(self, tag: str, values: Sequence[int]) -> np.ndarray:
         """Elementwise MIN over processes of int ``values`` (same length everywhere)."""
@@ -136,12 +149,18 @@ class DistributedGroup(Group):
         name: the key namespace; the same on every process (default: ``hicache/<n>`` for the
             n-th group built in the process).
         client, process_id, num_processes: tests inject these (default: jax.distributed's).
+        delete_every: this process's keys are deleted this many steps at a time (one delete of
+            their directory: a round trip to the store saved on the other steps).
     """
 
     def __init__(self, timeout_s: float = 60.0, *, name: str | None = None, client: Any = None,
-                 process_id: int | None = None, num_processes: int | None = None) -> None:
+                 process_id: int | None = None, num_processes: int | None = None,
+                 delete_every: int = 64) -> None:
         if not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
             raise ValueError(f"timeout_s={timeout_s!r} must be a number > 0")
+        if not isinstance(delete_every, int) or delete_every < 1:
+            raise ValueError(f"delete_every={delete_every!r} must be an int >= 1")
+        self._every = delete_every
         if client is None:
             import jax
             from jax._src import distributed  # jax has no public key-value store API
@@ -156,33 +175,56 @@ class DistributedGroup(Group):
         self._step = 0
         self.seconds = 0.0  # spent in allgather (the agreement's share of a run)
         self.calls = 0
+        self.calls_by_tag: collections.Counter[str] = collections.Counter()
+        self._riders: list[tuple[str, Callable[[], str], Callable[[list[str]], None]]] = []
 
     def __repr__(self) -> str:
         return (f"DistributedGroup(process {self.process_id} of {self.num_processes}, "
                 f"{self._ns!r}, timeout_s={self.timeout_s})")
 
+    def ride(self, name: str, value: Callable[[], str],
+             take: Callable[[list[str]], None]) -> None:
+        self._riders.append((name, value, take))
+
+    def flush(self) -> None:
+        if self._riders:
+            self.allgather("riders", "")
+
     def allgather(self, tag: str, value: str) -> list[str]:
         t0 = time.perf_counter()
         step, me = self._step, self.process_id
         self._step += 1
-        self._client.key_value_set(f"{self._ns}/{step}/{me}", f"{tag}\x1e{value}")
+        riders, self._riders = self._riders, []
+        # the riders are part of the call: a peer with other riders made other calls
+        wire = tag + "".join(f"+{name}" for name, _, _ in riders)
+        mine = "\x1d".join([value] + [v() for _, v, _ in riders])
+        self._client.key_value_set(self._key(step, me), f"{wire}\x1e{mine}")
         end = time.monotonic() + self.timeout_s
-        out = []
+        rows = []
         for p in range(self.num_processes):
-            if p == me:
-                out.append(value)
-                continue
-            out.append(self._get(step, p, tag, end))
-        if step:  # every peer has read our previous key: it set this step's key after
-            self._client.key_value_delete(f"{self._ns}/{step - 1}/{me}")
+            rows.append(mine if p == me else self._get(step, p, wire, end))
+        if step and step % self._every == 0:
+            # Every peer has read our keys of the steps before this one (it set this step's
+            # key after): those of the last block of steps go, in one delete of their directory.
+            self._client.key_value_delete(f"{self._ns}/{step // self._every - 1}/{me}")
         self.seconds += time.perf_counter() - t0
         self.calls += 1
-        return out
+        self.calls_by_tag[tag] += 1
+        if not riders:
+            return rows
+        parts = [r.rsplit("\x1d", len(riders)) for r in rows]
+        for j, (_, _, take) in enumerate(riders):
+            take([q[1 + j] for q in parts])
+        return [q[0] for q in parts]
+
+    def _key(self, step: int, p: int) -> str:
+        """Process ``p``'s key of ``step``: under its directory of the step's block."""
+        return f"{self._ns}/{step // self._every}/{p}/{step}"
 
     def _get(self, step: int, p: int, tag: str, end: float) -> str:
         ms = max(1, int((end - time.monotonic()) * 1000))
         try:
-            raw = self._client.blocking_key_value_get(f"{self._ns}/{step}/{p}", ms)
+            raw = self._client.blocking_key_value_get(self._key(step, p), ms)
         except Exception as e:  # jax's runtime error type varies with its version
             raise GroupTimeoutError(
                 f"process {p} of {self.num_processes} did not reach agreement step {step} "
@@ -198,11 +240,12 @@ class DistributedGroup(Group):
 
 
 class AgreedClock:
-    """The clock of a cache over several processes: the leader's clock, broadcast at each
-    :meth:`sync` (the cache's: where a request starts, ``match_prefix`` and ``prefetch``), plus
-    one nanosecond per reading since, so that every process reads the same strictly increasing
-    values when it makes the same calls (access stamps, pin expiry and L3 deadlines then decide
-    alike).
+    """The clock of a cache over several processes: the leader's clock, read at each
+    :meth:`sync` (the cache's: where a request starts, ``match_prefix`` and ``prefetch``) and
+    carried by the next agreement, plus one nanosecond per reading since, so that every process
+    reads the same strictly increasing values when it makes the same calls (access stamps, pin
+    expiry and L3 deadlines then decide alike). Stamps (``clock()``) need only the order, so
+    they read the last reading in; deadlines and ttls (:meth:`fresh`) wait for this request's.
 
     Args:
         group: the processes.
@@ -214,14 +257,33 @@ class AgreedClock:
         self._now = float(local()) if group.num_processes == 1 else \
             float(group.leader("clock", repr(float(local()))))
         self._last = self._now - 1e-9
+        self._pending = False
 
     def sync(self) -> None:
-        t = float(self._group.leader("clock", repr(float(self._local()))))
-        self._now = max(t, self._last + 1e-9)
+        """Take the leader's clock with the group's next agreement (:meth:`Group.ride`: the
+        request's first transfer or L3 agreement carries it), or in one of its own at the
+        first :meth:`fresh` reading before that. Every process makes the same calls, so the
+        choice is the same on each."""
+        if not self._pending:
+            self._pending = True
+            self._group.ride("clock", lambda: repr(float(self._local())), self._take)
+
+    def _take(self, readings: list[str]) -> None:
+        self._pending = False
+        self._now = max(float(readings[0]), self._last + 1e-9)
 
     def __call__(self) -> float:
+        """A stamp (eviction keys): the last agreed reading, ticking on; it orders alike on
+        every process, whether or not this request's reading is in yet."""
         self._last = max(self._now, self._last + 1e-9)
         return self._last
+
+    def fresh(self) -> float:
+        """A reading for a deadline or a ttl (seconds matter): this request's reading of the
+        leader's clock, agreed now if no agreement has carried it yet."""
+        if self._pending:
+            self._group.flush()
+        return self()
 
 
 def default_group(timeout_s: float = 60.0) -> Group:
