@@ -232,12 +232,14 @@ def test_timeout_keeps_what_landed_and_cancels_the_rest(url):
     toks, kv = _seed_store(url, 5, 8)
     b = make(url + "?batch_pages=1", prefetch_policy="timeout", prefetch_timeout_s=0.05)
     permits = _counted_gets(b, limit_s=1.0)
+    t0 = time.monotonic()
     h = b.prefetch(toks)
     permits.release(2)  # two of eight pages arrive before the deadline, then nothing
     _until(lambda: h.landed() >= 2)
-    t0 = time.monotonic()
     m = b.match_prefix(toks)
-    assert time.monotonic() - t0 >= 0.04  # waited for the deadline (base 0.05 s, grown)
+    # waited for the deadline (base 0.05 s, grown), which runs from the prefetch: a loaded
+    # machine may spend most of it before the two pages land
+    assert time.monotonic() - t0 >= 0.04
     assert m.host_len == 2 * PS  # kept what landed
     b.flush()  # the running sub-batch gives up after 1 s: a miss
     s = l3(b)
