@@ -34,7 +34,8 @@ requests/s and the median of the paired ratios current / baseline (a pair shares
 load), and whether the two trees' hit figures agree.
 
 Usage: ``python -m benchmarks.bench_control_plane [TRACE] [--device-tokens 3e6] [--repeats 3]
-[--baseline REV | --no-baseline] [--capacities TOKENS,... [--host-ratios R,...]] [--json PATH]``; TRACE defaults to the shipped slice
+[--baseline REV | --no-baseline] [--capacities TOKENS,... [--host-ratios R,...]]
+[--json PATH]``; TRACE defaults to the shipped slice
 ``benchmarks/data/mooncake_synthetic_1000.jsonl`` (the full file:
 ``FAST25-release/traces/synthetic_trace.jsonl`` of kvcache-ai/Mooncake).
 """
