@@ -27,11 +27,12 @@ Targets: L1 only, events off >= 5x the baseline's requests/s; L1 + L2 (host = 4x
 >= 4x. Hit figures of each row are printed so a change of behaviour shows.
 
 Sweep (``--capacities 1e5,3e5,1e6,3e6 [--host-ratios 2,4,8]``): L1 + L2 only, events off, the
-write policy ``--write-policy`` (default clean_ahead) at every L1 size x L2 ratio, each tree's
-points in one worker (each point warmed up on the first ``--warmup`` requests, then timed on
-all), the trees in ABBA order over ``--repeats`` pairs; printed per point: the medians'
-requests/s and the median of the paired ratios current / baseline (a pair shares the machine's
-load), and whether the two trees' hit figures agree.
+write policy ``--write-policy`` (default clean_ahead) at every L1 size x L2 ratio. One worker
+per tree stays up (``replay_driver.WorkerProcess``) and the two take turns replay by replay,
+``--repeats`` pairs a point back to back in ABBA order (each point warmed up on the first
+``--warmup`` requests, untimed, then timed on all). Printed per point: the medians' requests/s,
+the paired ratios current / baseline (a pair shares the machine's load) and their median, and
+whether the two trees' hit figures agree.
 
 Usage: ``python -m benchmarks.bench_control_plane [TRACE] [--device-tokens 3e6] [--repeats 3]
 [--baseline REV | --no-baseline] [--capacities TOKENS,... [--host-ratios R,...]]
@@ -87,7 +88,7 @@ def _time_evictions() -> list[float]:
 def worker(p: dict) -> dict:
     from hicache_jax import HiCacheConfig
 
-    if "points" in p:
+    if p.get("serve"):
         return sweep_worker(p)
 
     prompts = rd.load_prompts(p["prompts"])
@@ -284,20 +285,27 @@ SWEEP_FIGURES = HIT_FIGURES + ("evicted_pages", "host_evicted_pages", "eviction_
 
 
 def sweep_worker(p: dict) -> dict:
-    """Every point of ``p["points"]`` (``[device_pages, host_pages]``) in this process: a
-    warm-up on the first ``p["warmup"]`` prompts (untimed), then the timed replay of all."""
+    """The sweep's worker: it stays up (:func:`replay_driver.serve_main`) and replays one point
+    per request (``[device_pages, host_pages]``), warmed up on the first ``p["warmup"]``
+    prompts the first time it sees the point (untimed), then timed on all of them."""
     from hicache_jax import HiCacheConfig
 
     prompts = rd.load_prompts(p["prompts"])
     spec = rd.tiny_spec(prompts.block_size)
     tokens = [prompts.tokens(i) for i in range(len(prompts))]
-    out = []
-    for dev, host in p["points"]:
+    warm: set = set()
+
+    def point(_: dict, req: list) -> dict:
+        dev, host = req
         cfg = HiCacheConfig(device_pages=dev, host_pages=host, write_policy=p["write_policy"])
-        rd.replay(tokens[: p["warmup"]], spec, cfg)
+        if (dev, host) not in warm:
+            rd.replay(tokens[: p["warmup"]], spec, cfg)
+            warm.add((dev, host))
         r = rd.replay_counted(tokens, spec, cfg)
-        out.append({k: r.get(k) for k in ("wall_s", "requests_per_s") + SWEEP_FIGURES})
-    return {"requests": len(prompts), "points": out}
+        return {k: r.get(k) for k in ("wall_s", "requests_per_s") + SWEEP_FIGURES}
+
+    rd.serve_main(point, p)
+    return {}
 
 
 def sweep_main(args: argparse.Namespace) -> None:
@@ -312,18 +320,22 @@ def sweep_main(args: argparse.Namespace) -> None:
               for r in args.host_ratios.split(",")]
     points = [[d, int(round(r * d))] for d, r in points]
     print(f"{args.trace}: {len(prompts)} requests, page {bs}; sweep of {len(points)} points, "
-          f"write policy {policy}; {args.repeats} ABBA pairs")
+          f"write policy {policy}; {args.repeats} pairs a point in ABBA order", flush=True)
     with tempfile.TemporaryDirectory(prefix="bench_cp_") as tmp, \
             rd.Trees(args.baseline) as trees:
         npz = os.path.join(tmp, "prompts.npz")
         rd.save_prompts(prompts, npz)
-        payload = {"prompts": npz, "points": points, "write_policy": policy,
-                   "warmup": args.warmup}
-        runs: dict[str, list[list[dict]]] = {t.label: [] for t in trees}
-        for i in range(args.repeats):  # ABBA: pair i runs the trees in turn, reversed on odd i
-            for tree in trees if i % 2 == 0 else trees[::-1]:
-                runs[tree.label].append(rd.run_worker(tree, "bench_control_plane",
-                                                      payload)["points"])
+        payload = {"prompts": npz, "write_policy": policy, "warmup": args.warmup, "points": 1}
+        runs: dict[str, list[list[dict]]] = {t.label: [[] for _ in points] for t in trees}
+        workers = [rd.WorkerProcess(t, "bench_control_plane", payload) for t in trees]
+        try:
+            for j, pt in enumerate(points):  # a point's pairs back to back: A B, B A, A B ...
+                for i in range(args.repeats):
+                    for w in workers if i % 2 == 0 else workers[::-1]:
+                        runs[w.tree.label][j].append(w.ask(pt))
+        finally:
+            for w in workers:
+                w.__exit__()
     rows = sweep_rows(points, runs, [t.label for t in trees])
     print_sweep(rows, [t.label for t in trees])
     write_json(args.json, "bench_control_plane_sweep",
@@ -338,7 +350,7 @@ def sweep_rows(points: list, runs: dict, labels: list[str]) -> list[dict]:
     for j, (dev, host) in enumerate(points):
         row: dict = {"device_pages": dev, "host_pages": host}
         for label in labels:
-            pts = [run[j] for run in runs[label]]
+            pts = runs[label][j]
             row[label] = {"requests_per_s": statistics.median(p["requests_per_s"] for p in pts),
                           "requests_per_s_runs": [p["requests_per_s"] for p in pts],
                           "deterministic": all(all(p[k] == pts[0][k] for k in SWEEP_FIGURES)
