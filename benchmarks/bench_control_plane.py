@@ -33,8 +33,9 @@ per tree stays up (``replay_driver.WorkerProcess``) and the two take turns repla
 ``--warmup`` requests, untimed, then timed on all). Printed per point: the medians' requests/s,
 the paired ratios current / baseline (a pair shares the machine's load) and their median, the
 same for requests per CPU-second of the worker (``time.process_time``, XLA's threads included:
-less moved by other sessions' load than wall time), and whether the two trees' hit figures
-agree.
+less moved by other sessions' load than wall time), and whether the two trees' hit and transfer
+figures (``SWEEP_FIGURES``) agree: against a revision with the same decisions, a check that a
+change kept them.
 
 Usage: ``python -m benchmarks.bench_control_plane [TRACE] [--device-tokens 3e6] [--repeats 3]
 [--baseline REV | --no-baseline] [--capacities TOKENS,... [--host-ratios R,...]]
@@ -371,7 +372,7 @@ def sweep_rows(points: list, runs: dict, labels: list[str]) -> list[dict]:
             row["cpu_ratios"] = [c / b for c, b in zip(cur["requests_per_cpu_s_runs"],
                                                        base["requests_per_cpu_s_runs"])]
             row["cpu_ratio"] = statistics.median(row["cpu_ratios"])
-            row["same_hits"] = all(cur[k] == base[k] for k in HIT_FIGURES)
+            row["same_hits"] = all(cur[k] == base[k] for k in SWEEP_FIGURES)
         rows.append(row)
     return rows
 
