@@ -26,8 +26,20 @@ what is judged; :mod:`benchmarks.replay_driver`).
 Targets: L1 only, events off >= 5x the baseline's requests/s; L1 + L2 (host = 4x), events off
 >= 4x. Hit figures of each row are printed so a change of behaviour shows.
 
+Sweep (``--capacities 1e5,3e5,1e6,3e6 [--host-ratios 2,4,8]``): L1 + L2 only, events off, the
+write policy ``--write-policy`` (default clean_ahead) at every L1 size x L2 ratio. One worker
+per tree stays up (``replay_driver.WorkerProcess``) and the two take turns replay by replay,
+``--repeats`` pairs a point back to back in ABBA order (each point warmed up on the first
+``--warmup`` requests, untimed, then timed on all). Printed per point: the medians' requests/s,
+the paired ratios current / baseline (a pair shares the machine's load) and their median, the
+same for requests per CPU-second of the worker (``time.process_time``, XLA's threads included:
+less moved by other sessions' load than wall time), and whether the two trees' hit and transfer
+figures (``SWEEP_FIGURES``) agree: against a revision with the same decisions, a check that a
+change kept them.
+
 Usage: ``python -m benchmarks.bench_control_plane [TRACE] [--device-tokens 3e6] [--repeats 3]
-[--baseline REV | --no-baseline] [--json PATH]``; TRACE defaults to the shipped slice
+[--baseline REV | --no-baseline] [--capacities TOKENS,... [--host-ratios R,...]]
+[--json PATH]``; TRACE defaults to the shipped slice
 ``benchmarks/data/mooncake_synthetic_1000.jsonl`` (the full file:
 ``FAST25-release/traces/synthetic_trace.jsonl`` of kvcache-ai/Mooncake).
 """
@@ -78,6 +90,9 @@ def _time_evictions() -> list[float]:
 
 def worker(p: dict) -> dict:
     from hicache_jax import HiCacheConfig
+
+    if p.get("serve"):
+        return sweep_worker(p)
 
     prompts = rd.load_prompts(p["prompts"])
     spec = rd.tiny_spec(prompts.block_size)
@@ -144,11 +159,19 @@ def main() -> None:
     rd.add_baseline_flags(ap, BASE_COMMIT)
     ap.add_argument("--flows", action="store_true",
                     help="also run the current tree through the primitives (handle vs primitives)")
+    ap.add_argument("--capacities", default=None, metavar="TOKENS,...",
+                    help="sweep: L1 sizes in tokens (L1 + L2 rows only, see the module doc)")
+    ap.add_argument("--host-ratios", default="4", metavar="R,...",
+                    help="sweep: L2 = ratio x L1 pages, a comma list (default: 4)")
+    ap.add_argument("--warmup", type=int, default=300,
+                    help="sweep: requests of each point's untimed warm-up (jit compiles)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
         return rd.worker_main(worker, args.worker)
+    if args.capacities:
+        return sweep_main(args)
     from hicache_jax.replay.driver import load_trace
 
     trace = load_trace(args.trace, limit=args.limit)
@@ -256,6 +279,126 @@ def print_report(report: list[dict], rev: str | None) -> None:
             ratio = r["current"]["requests_per_s"] / r["base"]["requests_per_s"]
             print(f"  {r['tier']:6} events {r['events']}: {ratio:.2f}x the baseline "
                   "(no target here)")
+
+
+# ------------------------------------------------------------------------------------- sweep
+
+SWEEP_FIGURES = HIT_FIGURES + ("evicted_pages", "host_evicted_pages", "eviction_backup_pages",
+                               "bytes_to_host", "bytes_to_device")
+
+
+def sweep_worker(p: dict) -> dict:
+    """The sweep's worker: it stays up (:func:`replay_driver.serve_main`) and replays one point
+    per request (``[device_pages, host_pages]``), warmed up on the first ``p["warmup"]``
+    prompts the first time it sees the point (untimed), then timed on all of them."""
+    from hicache_jax import HiCacheConfig
+
+    prompts = rd.load_prompts(p["prompts"])
+    spec = rd.tiny_spec(prompts.block_size)
+    tokens = [prompts.tokens(i) for i in range(len(prompts))]
+    warm: set = set()
+
+    def point(_: dict, req: list) -> dict:
+        dev, host = req
+        cfg = HiCacheConfig(device_pages=dev, host_pages=host, write_policy=p["write_policy"])
+        if (dev, host) not in warm:
+            rd.replay(tokens[: p["warmup"]], spec, cfg)
+            warm.add((dev, host))
+        cpu = time.process_time()  # every thread of the process: XLA's included
+        r = rd.replay_counted(tokens, spec, cfg)
+        cpu = time.process_time() - cpu
+        return {k: r.get(k) for k in ("wall_s", "requests_per_s") + SWEEP_FIGURES} | {
+            "requests_per_cpu_s": r["requests"] / cpu if cpu > 0 else 0.0}
+
+    rd.serve_main(point, p)
+    return {}
+
+
+def sweep_main(args: argparse.Namespace) -> None:
+    from benchmarks.common import write_json
+    from hicache_jax.replay.driver import load_trace
+
+    trace = load_trace(args.trace, limit=args.limit)
+    prompts = rd.Prompts.from_trace(trace)
+    bs = prompts.block_size
+    policy = args.write_policy or "clean_ahead"
+    points = [(int(float(c)) // bs, float(r)) for c in args.capacities.split(",")
+              for r in args.host_ratios.split(",")]
+    points = [[d, int(round(r * d))] for d, r in points]
+    print(f"{args.trace}: {len(prompts)} requests, page {bs}; sweep of {len(points)} points, "
+          f"write policy {policy}; {args.repeats} pairs a point in ABBA order", flush=True)
+    with tempfile.TemporaryDirectory(prefix="bench_cp_") as tmp, \
+            rd.Trees(args.baseline) as trees:
+        npz = os.path.join(tmp, "prompts.npz")
+        rd.save_prompts(prompts, npz)
+        payload = {"prompts": npz, "write_policy": policy, "warmup": args.warmup, "points": 1}
+        runs: dict[str, list[list[dict]]] = {t.label: [[] for _ in points] for t in trees}
+        workers = [rd.WorkerProcess(t, "bench_control_plane", payload) for t in trees]
+        try:
+            for j, pt in enumerate(points):  # a point's pairs back to back: A B, B A, A B ...
+                for i in range(args.repeats):
+                    for w in workers if i % 2 == 0 else workers[::-1]:
+                        runs[w.tree.label][j].append(w.ask(pt))
+        finally:
+            for w in workers:
+                w.__exit__()
+    rows = sweep_rows(points, runs, [t.label for t in trees])
+    print_sweep(rows, [t.label for t in trees])
+    write_json(args.json, "bench_control_plane_sweep",
+               vars(args) | {"points": points, "write_policy": policy,
+                             "load_average": list(os.getloadavg())}, rows)
+
+
+def sweep_rows(points: list, runs: dict, labels: list[str]) -> list[dict]:
+    """Per point: each tree's median requests/s and runs, the paired ratios current / baseline
+    (pair i: run i of each) and their median, and whether the hit figures agree."""
+    rows = []
+    for j, (dev, host) in enumerate(points):
+        row: dict = {"device_pages": dev, "host_pages": host}
+        for label in labels:
+            pts = runs[label][j]
+            row[label] = {"requests_per_s": statistics.median(p["requests_per_s"] for p in pts),
+                          "requests_per_s_runs": [p["requests_per_s"] for p in pts],
+                          "requests_per_cpu_s_runs": [p["requests_per_cpu_s"] for p in pts],
+                          "deterministic": all(all(p[k] == pts[0][k] for k in SWEEP_FIGURES)
+                                               for p in pts)} | {
+                k: pts[0][k] for k in SWEEP_FIGURES}
+        if len(labels) > 1:
+            cur, base = row[labels[0]], row[labels[1]]
+            pairs = [c / b for c, b in zip(cur["requests_per_s_runs"],
+                                           base["requests_per_s_runs"])]
+            row["paired_ratios"] = pairs
+            row["ratio"] = statistics.median(pairs)
+            row["cpu_ratios"] = [c / b for c, b in zip(cur["requests_per_cpu_s_runs"],
+                                                       base["requests_per_cpu_s_runs"])]
+            row["cpu_ratio"] = statistics.median(row["cpu_ratios"])
+            row["same_hits"] = all(cur[k] == base[k] for k in SWEEP_FIGURES)
+        rows.append(row)
+    return rows
+
+
+def print_sweep(rows: list[dict], labels: list[str]) -> None:
+    from benchmarks.common import print_table
+
+    head = ["L1 pages", "L2 pages"] + [f"{lb} req/s" for lb in labels]
+    if len(labels) > 1:
+        head += ["paired ratios", "median ratio", "per CPU-s ratios", "median", "same hits"]
+    table = []
+    for r in rows:
+        line = [r["device_pages"], r["host_pages"]]
+        line += [f"{r[lb]['requests_per_s']:.0f}" for lb in labels]
+        if len(labels) > 1:
+            line += [" ".join(f"{x:.2f}" for x in r["paired_ratios"]), f"{r['ratio']:.3f}",
+                     " ".join(f"{x:.2f}" for x in r["cpu_ratios"]), f"{r['cpu_ratio']:.3f}",
+                     str(r["same_hits"])]
+        table.append(line)
+    print_table(head, table)
+    if len(labels) > 1:
+        worst = min(r["ratio"] for r in rows)
+        cpu = min(r["cpu_ratio"] for r in rows)
+        print(f"target: requests/s >= the baseline {labels[1]}'s at every point (paired ratio "
+              f">= 1): worst median ratio {worst:.3f}, {'met' if worst >= 1 else 'NOT met'}; "
+              f"per CPU-second (less moved by the machine's load): worst {cpu:.3f}")
 
 
 if __name__ == "__main__":

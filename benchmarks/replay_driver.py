@@ -338,6 +338,59 @@ def run_worker(tree: Tree, module: str, payload: dict[str, Any]) -> dict[str, An
     return res
 
 
+class WorkerProcess:
+    """A worker that stays up (``python -m benchmarks.<module> --worker JSON``, the payload
+    with ``"serve": true``) and answers requests one at a time: :meth:`ask` writes one JSON
+    line to its stdin and returns its ``RESULT`` line (checked to come from ``tree``), so that
+    two trees' workers can take turns request by request without a process start between
+    (:func:`serve_main` is the worker side). ``with WorkerProcess(...) as w:`` closes it."""
+
+    def __init__(self, tree: Tree, module: str, payload: dict[str, Any]) -> None:
+        path = tree.lib if tree.lib == REPO else tree.lib + os.pathsep + REPO
+        env = dict(os.environ, PYTHONPATH=path,
+                   JAX_PLATFORMS=os.environ.get("JAX_PLATFORMS", "cpu"))
+        self.tree = tree
+        self._proc = subprocess.Popen(
+            [sys.executable, "-m", f"benchmarks.{module}", "--worker",
+             json.dumps(payload | {"serve": True})], env=env, cwd=tree.lib, text=True,
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+    def ask(self, request: dict[str, Any]) -> dict[str, Any]:
+        self._proc.stdin.write(json.dumps(request) + "\n")
+        self._proc.stdin.flush()
+        for line in self._proc.stdout:
+            if line.startswith("RESULT "):
+                res = json.loads(line[len("RESULT "):])
+                if not os.path.realpath(res["module"]).startswith(
+                        os.path.realpath(self.tree.lib)):
+                    raise WorkerError(f"worker imported {res['module']}, not {self.tree.lib}")
+                return res
+        self._proc.wait()
+        raise WorkerError(f"worker against {self.tree.label} ended (rc {self._proc.returncode}):"
+                          f"\n{self._proc.stderr.read()[-4000:]}")
+
+    def __enter__(self) -> "WorkerProcess":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._proc.stdin.close()
+        self._proc.wait(timeout=60)
+        self._proc.stdout.close()
+        self._proc.stderr.close()
+
+
+def serve_main(fn: Callable[[dict[str, Any], dict[str, Any]], dict[str, Any]],
+               payload: dict[str, Any]) -> None:
+    """The worker side of :class:`WorkerProcess`: ``fn(payload, request)`` for every JSON
+    line of stdin, each printed as a ``RESULT`` line at once; returns at end of input."""
+    import hicache_jax
+
+    for line in sys.stdin:
+        out = fn(payload, json.loads(line))
+        print("RESULT " + json.dumps(out | {"module": hicache_jax.__file__}, default=_jsonable),
+              flush=True)
+
+
 def worker_main(fn: Callable[[dict[str, Any]], dict[str, Any]], payload: str) -> None:
     """The worker side of :func:`run_worker`: ``fn(json payload)``, printed as ``RESULT``."""
     import hicache_jax

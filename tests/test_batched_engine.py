@@ -109,6 +109,21 @@ def test_matches_serial_every_policy(model, chat_ref, page_size, policy):
     _drained(eng)
 
 
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_clean_ahead_admission_pass_keeps_copies_off_the_allocation_path(model, chat_ref,
+                                                                          page_size):
+    """The engine announces its allocations (cache.prepare) before admitting and before decode
+    pages: under clean_ahead what they evict is backed up ahead, none on the eviction path;
+    the outputs are the serial engine's."""
+    eng = _batched(model, page_size, policy="clean_ahead")
+    gens = {g.record.key: g for g in eng.serve(ClosedLoop(_chat()))}
+    _same(gens, chat_ref)
+    st = eng.cache.stats()
+    assert st["evicted_tokens"] > 0 and st["admission_clean_pages"] > 0
+    assert st["eviction_backup_pages"] == 0
+    _drained(eng)
+
+
 def test_admission_waits_for_transfers_only_when_nothing_runs(model, chat_ref, monkeypatch):
     """A request that does not fit while others run waits a step; it does not wait for the
     copies in flight (behind the forward in flight: the host would stall on it)."""

@@ -159,7 +159,10 @@ class InFlight:
 
     def free_host(self, host_ids: np.ndarray) -> None:
         """Host pages a node gave up: free, or parked until the copies using them land (the
-        transfer engine's ``busy_host_pages``)."""
+        transfer engine's ``busy_host_pages``; none are while no transfer is in flight)."""
+        if not self._engine.in_flight:
+            self._host_free(host_ids)
+            return
         busy = self._engine.busy_host_pages(host_ids)
         if busy.any():
             self._parked[host_ids[busy]] = True

@@ -4,23 +4,22 @@ Each :meth:`BatchedEngine.step`:
 
 1. **admit** -- requests whose prefill is under way take their next chunk first; then waiting
    requests, oldest first, while the step's prefill token budget (``token_budget``: chunked
-   prefill) and ``max_running`` allow: ``match_prefix`` (prompt minus its last token), then
-   ``admit_matched``: ONE ``load_back_many`` for every admitted request's host part, each result
-   locked and wrapped in the cache's request handle, which ``extend``s over the prompt's
-   uncached positions. A request that cannot get its pages while keeping
+   prefill) and ``max_running`` allow: ``match_prefix`` (prompt minus its last token),
+   ``cache.prepare`` (clean_ahead backs up what their pages will evict, as ``begin_many``;
+   decode pages too), then ``admit_matched``: ONE ``load_back_many`` for their host parts,
+   each result locked and wrapped in the cache's request handle, which ``extend``s over the
+   prompt's uncached positions. A request that cannot get its pages while keeping
    ``decode_reserve`` x the running requests' remaining decode pages free (or evictable) waits,
    and so does every later one (first come, first served); who fits is counted before anything
-   is loaded (``batch_state.AdmissionPlan``), so a waiting request is not loaded back, locked or
-   given pages while it waits. A request whose uncached prompt shares
-   more than a page with one being prefilled waits for that one's pages to be inserted (SGLang's
-   in-batch prefix check), so the shared part is computed once;
-2. **pages for decode** -- a running request whose next position starts a
-   page gets one; when even eviction cannot give them, running requests are
-   **retracted** (fewest generated tokens first, as SGLang's ``retract_decode``): their computed
-   pages are inserted, their lock released, and they go back to the front of the queue with the
-   tokens generated so far (re-admission prefills prompt + those tokens, mostly cache hits).
-   After a retraction the admission reserve is raised to 1 and decays back, as SGLang's
-   ``new_token_ratio`` does;
+   is loaded (``batch_state.AdmissionPlan``): a waiting request is not loaded back, locked or
+   given pages. A request whose uncached prompt shares more than a page with one being
+   prefilled waits for its pages to be inserted (SGLang's in-batch prefix check);
+2. **pages for decode** -- a running request whose next position starts a page gets one; when
+   even eviction cannot give them, running requests are **retracted** (fewest generated tokens
+   first, as SGLang's ``retract_decode``): their computed pages are inserted, their lock
+   released, and they go back to the front of the queue with the tokens generated so far
+   (re-admission prefills prompt + those tokens, mostly cache hits). After a retraction the
+   admission reserve is raised to 1 and decays back, as SGLang's ``new_token_ratio`` does;
 3. **forward** -- one jitted step over this step's work, packed (``forward_batch``): the
    chunks of every admitted request (each through its own page table, cut into query blocks)
    and one token for every running request, so the weights are read once a step and the dense
@@ -37,8 +36,7 @@ Each :meth:`BatchedEngine.step`:
 5. **finish** -- once every token but the last is read (the last one's forward may still run),
    a request ``finish``es: the whole pages of prompt + output (minus its last token, whose K/V
    is never computed) are inserted, the partial page freed and the lock released, so the next
-   admission has its pages;
-   it is returned once its last token is read.
+   admission has its pages; it is returned once its last token is read.
 
 Every pool write and read of a step is ordered on the device after the steps dispatched before
 it (the pool is donated from step to step), so a page released or re-used on the host while a
@@ -331,6 +329,8 @@ class BatchedEngine:
         if cached:
             if any(m.host_len for _, m in cands):
                 self.counters["load_back_calls"] += 1
+            self.cache.prepare([m for _, m in cands], sum(  # pages beyond the matches'
+                -(-r.seq.shape[0] // self.ps) - m.device_pages.size for r, m in cands))
             handles = admit_matched(self.cache, [m for _, m in cands], layerwise=self._layer_waits)
         for k, ((req, m0), h) in enumerate(zip(cands, handles)):
             ok = budget > 0 and self._take_pages(req, h, checked=True)
@@ -464,6 +464,7 @@ class BatchedEngine:
             short = [r for r in reqs if r.kv_done // self.ps >= r.pages.shape[0]]
             if not short:
                 return reqs
+            self.cache.prepare([], len(short))  # clean_ahead: what they will evict, backed up
             try:  # one allocation: a page for each (their handles' room up to the next token)
                 extend_many(self.cache, [r.req for r in short],
                             [r.kv_done + 1 - r.req.num_tokens for r in short])
@@ -489,8 +490,7 @@ class BatchedEngine:
         full = r.kv_done // self.ps
         self._ledger.release(r, r.seq[:full * self.ps], full, chunked=True)
         r.retractions += 1
-        self.counters["retractions"] += 1
-        self._reserve = 1.0
+        self.counters["retractions"], self._reserve = self.counters["retractions"] + 1, 1.0
         self.waiting.appendleft(r)
 
     def _finish(self, r: BatchRequest) -> Generation:

@@ -111,8 +111,14 @@ class PageAllocator:
         return ids
 
     def check_allocated(self, ids, name: str = "page_ids") -> np.ndarray:
-        """Validate that ``ids`` are distinct, in range and currently allocated; return int32."""
-        arr = as_page_ids(ids, name)
+        """Validate that ``ids`` are distinct, in range and currently allocated; return int32
+        (``ids`` itself when it already is a 1-D int32 numpy array of ids >= 0: the cache's own
+        ids, freed on every eviction, skip the generic conversion and its copy)."""
+        if type(ids) is np.ndarray and ids.dtype == np.int32 and ids.ndim == 1 \
+                and ids.size and ids.min() >= 0:
+            arr = ids
+        else:
+            arr = as_page_ids(ids, name)
         if arr.size == 0:
             return arr
         if arr.max() >= self.num_pages:
