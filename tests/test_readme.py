@@ -25,7 +25,7 @@ def test_ci_runs_exactly_readmes_commands():
     commands = fresh_machine_commands(README.read_text())
     assert commands[0] == ("python3 -m venv .venv && . .venv/bin/activate && pip install -e . "
                            "&& hicache-jax bench")
-    assert commands[-1].endswith("&& python -m pytest -q")
+    assert commands[-1].endswith("&& python -m pytest -q -n auto --dist loadfile")
     ci = (README.parent / ".ci" / "run").read_text()
     assert re.findall(r"^run '(.*)'$", ci, flags=re.M) == commands
     # nothing else runs: every other line is a comment, the shell setup or run's definition
