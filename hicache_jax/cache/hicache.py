@@ -268,6 +268,8 @@ class HiCache(ControlAPI):
         it). Other policies: nothing."""
         check_matches(self._tree, matches)
         num_pages = check_int("num_pages", num_pages)
+        if not self._write.admission_pass:  # other policies: the announced pages, no pass
+            return self._write.before_admit(num_pages, [])
         self._complete(attach=True)
         nodes = [revalidate(self._tree, m)[1] for m in matches]
         self._write.before_admit(num_pages, nodes)
