@@ -51,6 +51,7 @@ RUNS = [
 #: run elsewhere in the suite (see the module docstring), or GPU-only: entry point and flags only
 HELP_ONLY = [
     ("bench_control_plane", []),
+    ("bench_instructions", []),  # minutes under valgrind: run by hand (RESULTS.md)
     ("bench_memory", []),
     ("bench_policies", []),
     ("collect", []),  # its CPU use (the recorded runs in tests/data) in test_results.py
