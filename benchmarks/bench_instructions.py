@@ -149,10 +149,11 @@ def main() -> None:
         if len(by_tree) == 2:
             cur, bas = by_tree["current"], next(v for k, v in by_tree.items() if k != "current")
             ratio = cur["instructions"] / bas["instructions"]
-            same = all(cur[k] == bas[k] for k in ("device_hit_tokens", "host_hit_tokens"))
+            same = all(cur[k] == bas[k] for k in ("device_hit_tokens", "host_hit_tokens",
+                                                  "backups", "evictions"))
             print(f"  {tier:6} current / {args.baseline}: {ratio:.4f}x instructions (limit "
-                  f"{LIMIT}: {'met' if ratio <= LIMIT else 'NOT met'}); hit figures "
-                  f"{'identical' if same else 'DIFFER'}")
+                  f"{LIMIT}: {'met' if ratio <= LIMIT else 'NOT met'}); hits, backups and "
+                  f"evictions {'identical' if same else 'DIFFER: not the same work'}")
 
 
 if __name__ == "__main__":
