@@ -209,7 +209,9 @@ def replay(prompts: Prompts | Sequence[np.ndarray], spec: Any, cfg: Any, *,
     first ``cfg.device_pages`` pages, a partial last page is not cached.
 
     ``prompts``: a :class:`Prompts` (tokens made inside the timed loop) or a sequence of int64
-    token arrays (made before it). Returns prompt and hit tokens (whole pages), wall seconds,
+    token arrays (made before it). Returns prompt and hit tokens (whole pages), wall seconds
+    and the process's CPU seconds of the loop (``cpu_s``; the cache's construction and close
+    are outside both),
     ``phase_s`` (``clock``'s seconds, or None) and the cache's ``stats()`` at the end.
     ``flow``: :func:`serve`'s.
     """
@@ -219,7 +221,7 @@ def replay(prompts: Prompts | Sequence[np.ndarray], spec: Any, cfg: Any, *,
     ps, cap = spec.page_size, cfg.device_pages
     get = prompts.tokens if isinstance(prompts, Prompts) else prompts.__getitem__
     prompt = device_hit = host_hit = declined = 0
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     try:
         for i in range(len(prompts)):
             tokens = get(i)
@@ -227,7 +229,7 @@ def replay(prompts: Prompts | Sequence[np.ndarray], spec: Any, cfg: Any, *,
             whole = min(tokens.shape[0] // ps, cap)  # a prompt beyond L1 caches what L1 holds
             d, h, x = serve(cache, tokens[: whole * ps], whole, clock, flow)
             device_hit, host_hit, declined = device_hit + d, host_hit + h, declined + x
-        wall = time.perf_counter() - t0
+        wall, cpu = time.perf_counter() - t0, time.process_time() - c0
         stats = cache.stats()
     finally:
         cache.close()
@@ -236,7 +238,7 @@ def replay(prompts: Prompts | Sequence[np.ndarray], spec: Any, cfg: Any, *,
             "host_hit_tokens": host_hit, "host_declined_tokens": declined,
             "hit_tokens": device_hit + host_hit,
             "hit_ratio": (device_hit + host_hit) / prompt if prompt else 0.0,
-            "wall_s": wall, "requests_per_s": n / wall if wall > 0 else 0.0,
+            "wall_s": wall, "cpu_s": cpu, "requests_per_s": n / wall if wall > 0 else 0.0,
             "phase_s": None if clock is None else dict(clock.seconds), "stats": stats}
 
 

@@ -6,9 +6,10 @@ cache = HiCache(spec, ..., storage="python://memory_storage:MemoryStorage?capaci
 
 (with this directory on ``sys.path``). It subclasses ``BackendBase``, which supplies the
 protocol's handles, lanes, sub-batching and counters; the backend only says how to test, read,
-write and delete entries. Entries are whole ``EntryCodec`` entries (header + page), so a get
-verifies the spec fingerprint, the key and the checksum exactly as the file backend does, and a
-torn or foreign entry is a miss. Keys are write-once; when full, the oldest entry is dropped.
+write and delete entries (by key, and by key prefix for a namespace). Entries are whole
+``EntryCodec`` entries (header + page), so a get verifies the spec fingerprint, the key and the
+checksum exactly as the file backend does, and a torn or foreign entry is a miss. Keys are
+write-once; when full, the oldest entry is dropped.
 It passes ``hicache_jax.l3.storage.conformance.check``.
 """
 
@@ -20,7 +21,7 @@ import threading
 import numpy as np
 
 from hicache_jax.l3.storage.base import BackendBase
-from hicache_jax.l3.storage.format import HEADER_BYTES, Verdict
+from hicache_jax.l3.storage.format import HEADER_BYTES, Verdict, check_key_prefix
 
 
 class MemoryStorage(BackendBase):
@@ -48,6 +49,17 @@ class MemoryStorage(BackendBase):
         keys = self._check_open_keys(keys)
         with self._store_lock:
             return np.array([self._entries.pop(k, None) is not None for k in keys], dtype=bool)
+
+    def delete_prefix(self, prefix):
+        """The optional ``delete_prefix`` (a namespace's ``HiCache.invalidate``): every entry
+        whose key starts with ``prefix`` goes; how many."""
+        prefix = check_key_prefix(prefix)
+        self._check_open_keys(())
+        with self._store_lock:
+            gone = [k for k in self._entries if k.startswith(prefix)]
+            for k in gone:
+                del self._entries[k]
+        return len(gone)
 
     def _exists(self, keys):
         with self._store_lock:

@@ -12,7 +12,8 @@ def test_bench_control_plane_runs_on_the_slice(tmp_path, monkeypatch, capsys):
     from benchmarks import bench_control_plane
     out = tmp_path / "cp.json"
     monkeypatch.setattr(sys, "argv", ["bench_control_plane", "--limit", "40", "--device-tokens",
-                                      "2e5", "--repeats", "1", "--no-base", "--flows", "--json", str(out)])
+                                      "2e5", "--repeats", "1", "--inner", "2", "--no-base", "--flows",
+                                      "--json", str(out)])
     bench_control_plane.main()
     text = capsys.readouterr().out
     # the handle's phases, the primitives' (--flows), and the handle judged against them

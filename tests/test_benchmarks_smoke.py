@@ -52,6 +52,7 @@ RUNS = [
 HELP_ONLY = [
     ("bench_control_plane", []),
     ("bench_engine_processes", []),  # its 2-process comparison in test_bench_processes.py
+    ("bench_instructions", []),  # minutes under valgrind: run by hand (RESULTS.md)
     ("bench_memory", []),
     ("bench_policies", []),
     ("collect", []),  # its CPU use (the recorded runs in tests/data) in test_results.py

@@ -160,6 +160,13 @@ def run(encoding: str, tmp_path, seed: int, l3_policy: str = "write_through",
                 cache.detach_storage()                # its L3 pages announced removed
             elif step in (70, 130):
                 cache.attach_storage(url)             # the same store: announced as put
+            elif step == 145:                         # one L3 prefetch for sure (an
+                serve(cache, toks, key)               # invalidated namespace leaves none)
+                serve(cache, toks, key)
+                cache.evict(1 << 20)
+                cache.evict_host(1 << 20)             # write_back puts it now
+                cache.flush()
+                cache.prefetch(toks, key)
             elif op < 5:
                 serve(cache, toks, key)               # matches load back host pages
             elif op == 5:

@@ -18,7 +18,7 @@ from hicache_jax.l3.storage.format import Verdict
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
 from memory_storage import MemoryStorage  # noqa: E402
 
-ALL = ["missing keys", "round trip", "partial batch", "write once", "delete",
+ALL = ["missing keys", "round trip", "partial batch", "write once", "delete", "delete by prefix",
        "put racing a get", "torn or foreign entry", "two processes", "close during work"]
 
 
@@ -43,6 +43,13 @@ class Blocks(FileStorage):
     def close(self):
         self._release.set()
         super().close()
+
+
+class PrefixMissesAGeneration(FileStorage):
+    """delete_prefix removes only the keys of generation 0 (it matches ``prefix + "_"``)."""
+
+    def delete_prefix(self, prefix):
+        return super().delete_prefix(prefix + "_")
 
 
 class Raises(FileStorage):
@@ -134,6 +141,8 @@ def test_file_backend_passes_in_one_and_in_two_processes(tmp_path):
     (Raises, "errors: exists raised RuntimeError"),
     (RaisesInside, "errors: put raised OSError: disk full inside the backend"),
     (KeepsDeleted, "delete: exists after delete: a deleted key is still there"),
+    (PrefixMissesAGeneration, "delete by prefix: an entry of the prefix is still there after "
+                              "delete_prefix"),
     (Unverified, "torn or foreign entry: a get of a truncated entry reported the page landed"),
     (Abandons, "close during work: a put in flight at close did not finish within 0.5 s"),
 ])

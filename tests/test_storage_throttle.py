@@ -18,8 +18,8 @@ from storage_helpers import SPEC, host_buffer, keys_for, page_bytes
 def test_it_passes_the_conformance_kit(tmp_path):
     assert check(lambda spec, buf, layout: ThrottledFileStorage(
         spec, buf, layout, tmp_path, gbps=1.0, latency_ms=1, batch_pages=2)) == [
-        "missing keys", "round trip", "partial batch", "write once", "delete", "put racing a get",
-        "torn or foreign entry", "close during work"]
+        "missing keys", "round trip", "partial batch", "write once", "delete", "delete by prefix",
+        "put racing a get", "torn or foreign entry", "close during work"]
 
 
 def test_a_get_takes_its_latency_plus_its_bytes_over_the_bandwidth(tmp_path):

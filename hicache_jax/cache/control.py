@@ -77,7 +77,8 @@ class ControlAPI:
     def invalidate(self, tokens: Any = None, extra_key: Hashable = None) -> dict[str, int]:
         """Drop the namespace ``extra_key`` (``tokens=None``), or ``tokens``' last page and all
         below it, from every tier, L3 too, after waiting for transfers (cache/invalidate.py):
-        ``{"device", "host"}`` tokens freed, ``"l3"`` store pages deleted.
+        ``{"device", "host"}`` tokens freed, ``"l3"`` store pages deleted, ``"l3_unreached"``
+        1 where the store kept entries it could not delete (never read by this cache again).
         ``InvalidateLockedError`` (nothing dropped) where running requests hold them."""
         arr = None if tokens is None else page_tokens(tokens, extra_key, self._ps)
         check_extra_key(extra_key)

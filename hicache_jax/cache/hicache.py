@@ -264,12 +264,12 @@ class HiCache(ControlAPI):
 
     @publishes  # clean_ahead's admission pass may give up host copies (BlockRemoved)
     def prepare(self, matches: Sequence[Match], num_pages: int) -> None:
-        """Before admitting ``matches`` (not yet locked), which will take ``num_pages`` device
-        pages in all (load-backs and uncached rest): under clean_ahead, back up now what that
-        will evict, so that the allocations find it clean (``begin`` and ``begin_many`` call
-        it). Other policies: nothing."""
+        """Under clean_ahead, back up now what admitting ``matches`` (not yet locked, taking
+        ``num_pages`` device pages in all) will evict (``begin``, ``begin_many`` call it)."""
         check_matches(self._tree, matches)
         num_pages = check_int("num_pages", num_pages)
+        if not self._write.admission_pass:  # other policies: the announced pages, no pass
+            return self._write.before_admit(num_pages, [])
         self._complete(attach=True)
         nodes = [revalidate(self._tree, m)[1] for m in matches]
         self._write.before_admit(num_pages, nodes)

@@ -7,8 +7,15 @@
   prompts share stay cached.
 
 What goes: the nodes' device and host pages (freed, announced with ``removed()`` on each medium
-they held), the pins on them, and the store's entries of their pages (and of T's last page) where
-the backend has the optional ``delete``. Pages that requests in flight hold are never freed: the
+they held), the pins on them, and the store's entries (``L3Tier.delete``): of a namespace, every
+entry of it where the backend has the optional ``delete_prefix``, including pages the tree no
+longer holds and other processes' (else the entries of the tree's pages, with ``delete``); of a
+prefix, T's last page and the tree's pages below it. A store that cannot remove all of it keeps
+the rest, and this cache moves the namespace to a new key generation so it never reads them
+(``"l3_unreached"``). A prefix's continuations that only the store holds stay there, unreachable
+while T's last page is absent (a lookup walks the chain from the root); once T is stored again
+they are found again (the same tokens' pages in the same namespace and model): to drop them too,
+invalidate the namespace. Pages that requests in flight hold are never freed: the
 cache first waits for its transfers (loads land, L3 prefetches attach), then, if a node to drop
 is still locked by a caller (a running request), raises :class:`InvalidateLockedError` naming
 the locked prefixes before dropping anything; the operator retries once they finish.
@@ -41,8 +48,9 @@ class Invalidation:
         self._tree, self._removal, self._pins, self._l3 = tree, removal, pins, l3
 
     def __call__(self, extra_key: Hashable, tokens: np.ndarray | None) -> dict[str, int]:
-        """Drop them (transfers already waited for); ``{"device", "host"}`` tokens freed and
-        ``"l3"`` store pages deleted."""
+        """Drop them (transfers already waited for); ``{"device", "host"}`` tokens freed,
+        ``"l3"`` store pages deleted, ``"l3_unreached"`` 1 where the store kept some (see the
+        module docstring)."""
         tops = self._tops(extra_key, tokens)
         nodes = _subtrees(tops)
         self._check_unlocked(nodes)
@@ -53,12 +61,12 @@ class Invalidation:
             tops = [self._tree.peek_path(tokens, extra_key)[-1][0]]
             nodes = _subtrees(tops)
         self._pins.drop_under(set(nodes))
-        l3 = self._l3.delete(nodes, tokens, extra_key)
+        l3, unreached = self._l3.delete(nodes, tokens, extra_key)
         dev = host = 0
         for node in reversed(nodes):  # every node after its descendants: a leaf when deleted
             d, h = self._removal.invalidate(node)
             dev, host = dev + d, host + h
-        return {"device": dev, "host": host, "l3": l3}
+        return {"device": dev, "host": host, "l3": l3, "l3_unreached": unreached}
 
     def _tops(self, extra_key: Hashable, tokens: np.ndarray | None) -> list[TreeNode]:
         """The subtrees' roots (read-only): the namespace's root children, or the node holding

@@ -74,6 +74,7 @@ class WriteStrategy:
     backup_on_evict = False
     continuous_prefix = False
     page_granular = False
+    admission_pass = False  # before_admit needs the matched nodes (HiCache.prepare finds them)
 
     def __init__(self, ctx: WriteContext) -> None:
         self._ctx = ctx
@@ -173,6 +174,7 @@ class CleanAhead(WriteBack):
     """Write-back, plus passes that back up the eviction end of L1 (see the module doc)."""
 
     page_granular = True
+    admission_pass = True
 
     def __init__(self, ctx: WriteContext) -> None:
         super().__init__(ctx)

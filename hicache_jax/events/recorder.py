@@ -24,8 +24,8 @@ prefetch's lookup that misses an announced page reports it (:meth:`Recorder.l3_g
 (:meth:`Recorder.l3_detached`: this cache reaches none of them now). ``attach_storage`` announces
 nothing (the protocol has no listing; what the store holds already is unknown): pages are
 announced as this cache's puts land, as at construction (:meth:`Recorder.l3_attached` names the
-wire medium of the new store). The announced set is one Python int and its parent per page put
-since the last reset.
+wire medium of the new store). The announced set is a dict entry (the page's and its parent's
+ints) and a list entry under its parent per page put since the last reset.
 
 Threading: the cache's owning thread only; ``stats()`` reads the counters.
 """
@@ -329,8 +329,9 @@ class L3Announcer:
 
     def __init__(self, recorder: Recorder, ids: VllmIds | None) -> None:
         self._rec, self._ids = recorder, ids
-        self._known: dict[int, tuple[int | None, Any]] = {}  # h -> (parent h, namespace)
-        self._below: dict[int, set[int]] = collections.defaultdict(set)  # announced children
+        self._known: dict[int, int | None] = {}  # announced: h -> parent h
+        self._roots: dict[int, Any] = {}  # announced first pages: h -> namespace
+        self._below: dict[int, list[int]] = {}  # announced children of an announced page
         self._waiting: collections.OrderedDict = collections.OrderedDict()  # h -> page
         self._children: dict[int, list[int]] = collections.defaultdict(list)
         self.given_up = 0
@@ -379,9 +380,11 @@ class L3Announcer:
         todo = [page]
         while todo:
             h, parent, tokens, extra_key, digest, pdigest = todo.pop()
-            self._known[h] = (parent, extra_key)
-            if parent is not None:
-                self._below[parent].add(h)
+            self._known[h] = parent
+            if parent is None:
+                self._roots[h] = extra_key
+            else:
+                self._below.setdefault(parent, []).append(h)
             if self._ids is None:
                 ids, prev = np.array([h], np.uint64), parent
             else:
@@ -400,14 +403,12 @@ class L3Announcer:
 
     def drop_namespace(self, extra_key: Any) -> None:
         """Every page of the namespace ``extra_key`` is announced removed / forgotten."""
-        tops = [h for h, (parent, key) in self._known.items()
-                if key == extra_key and parent not in self._known]
-        self._remove(tops)
+        self._remove([h for h, key in self._roots.items() if key == extra_key])
         self._forget([h for h, page in self._waiting.items() if page[3] == extra_key])
 
     def drop_all(self) -> None:
         """Every page announced is announced removed; nothing waits any more."""
-        self._remove([h for h, (parent, _) in self._known.items() if parent not in self._known])
+        self._remove(list(self._roots))  # every announced page descends from a root
         self.clear()
 
     def _remove(self, tops: list[int]) -> None:
@@ -419,10 +420,13 @@ class L3Announcer:
             order.append(h)
             stack.extend(self._below.pop(h, ()))
         for h in order:
-            parent = self._known.pop(h)[0]
+            parent = self._known.pop(h)
+            self._roots.pop(h, None)
             kids = self._below.get(parent)
-            if kids is not None:
-                kids.discard(h)
+            if kids is not None and h in kids:
+                kids.remove(h)
+                if not kids:
+                    del self._below[parent]
         self._forget(order + list(tops))
         if order:
             tree = np.array(order[::-1], np.uint64)
@@ -439,6 +443,7 @@ class L3Announcer:
 
     def clear(self) -> None:
         self._known.clear()
+        self._roots.clear()
         self._below.clear()
         self._waiting.clear()
         self._children.clear()

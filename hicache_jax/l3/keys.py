@@ -1,4 +1,5 @@
-"""DigestRecords: the L3 keys of the host pages a cache's tree holds.
+"""DigestRecords: the L3 keys of the host pages a cache's tree holds; KeyNames: the key strings
+of digests, with the namespaces' generations.
 
 Keys are 128-bit chained digests of the pages' tokens (:mod:`hicache_jax.tree.hashing`, namespaced by
 ``extra_key`` and the spec fingerprint, as :func:`hicache_jax.l3.storage.page_keys`), so instances
@@ -9,6 +10,13 @@ of the page before (a record is used only if the tree's 64-bit hash of that page
 was recorded for); without a record the chain is hashed from the root. Write_back puts (at host
 eviction, after the tree unlinked the node) take their keys from these records.
 
+Generations (:class:`KeyNames`): ``HiCache.invalidate`` of a namespace on a store without
+``delete_prefix`` (or of a prefix on one without ``delete``) cannot remove every entry it
+should, so the namespace moves to its next generation: this tier names its keys
+``<namespace>-g<k>`` from then on and never asks for the earlier ones again. The generation lives
+in this tier only (not in the store): another process sharing the store, this process after a
+restart, or an ``attach_storage`` later, still reads generation 0.
+
 Threading: the cache's thread only.
 """
 
@@ -18,6 +26,8 @@ from typing import Any, Callable
 
 import numpy as np
 
+from hicache_jax.l3.storage.format import key_strings, namespace
+from hicache_jax.spec import KVSpec
 from hicache_jax.tree.hashing import DIGEST_BYTES, chain_digests, namespace_seed
 from hicache_jax.tree.node import TreeNode
 
@@ -90,3 +100,22 @@ class DigestRecords:
         if prev is None:
             return None
         return chain_digests(prev, node.key.reshape(-1, self._ps))
+
+
+class KeyNames:
+    """Key strings of chain digests for one tier's spec, each namespace in its generation
+    (see the module docstring)."""
+
+    def __init__(self, spec: KVSpec) -> None:
+        self.spec = spec
+        self._generation: dict[str, int] = {}  # namespace (16 hex) -> generation > 0
+
+    def keys(self, extra_key: Any, digests: np.ndarray) -> list[str]:
+        gen = self._generation.get(namespace(self.spec, extra_key), 0) if self._generation else 0
+        return key_strings(self.spec, extra_key, digests, gen)
+
+    def advance(self, extra_key: Any) -> int:
+        """Move ``extra_key``'s namespace to its next generation; returns it."""
+        ns = namespace(self.spec, extra_key)
+        self._generation[ns] = self._generation.get(ns, 0) + 1
+        return self._generation[ns]

@@ -51,10 +51,10 @@ import numpy as np
 from hicache_jax.memory.allocator import PageAllocator
 from hicache_jax.memory.group import Group, LocalGroup
 from hicache_jax.tree.hashing import chain_digests
-from hicache_jax.l3.keys import DigestRecords
+from hicache_jax.l3.keys import DigestRecords, KeyNames
 from hicache_jax.l3.port import CachePort
 from hicache_jax.spec import PrefetchPolicy
-from hicache_jax.l3.storage import StorageError, key_strings
+from hicache_jax.l3.storage import StorageError
 from hicache_jax.tree.node import TreeNode
 
 _TIMEOUT_TOKENS = 1024  # the timeout policy's deadline grows by prefetch_timeout_s per this many
@@ -174,20 +174,21 @@ class Prefetcher:
         backend, staging, staging_alloc, records, counters: the tier's store, staging rows and
             their allocator, digest records and counters.
         group: the cache's processes (every store result is agreed through it).
-        key_spec: the spec whose fingerprint keys the entries (the tier's; default the port's).
+        names: the tier's key names (its spec's fingerprint, each namespace's generation;
+            default: the port's spec, every namespace in generation 0).
     """
 
     def __init__(self, port: "CachePort", page_size: int, continuous: bool,
                  policy: PrefetchPolicy, timeout_s: float, backend: Any, staging: np.ndarray,
                  staging_alloc: PageAllocator, records: DigestRecords,
                  counters: collections.Counter, group: Group | None = None,
-                 key_spec: Any = None) -> None:
+                 names: KeyNames | None = None) -> None:
         self._port, self._ps, self._continuous = port, page_size, continuous
         self._policy, self._timeout_s = POLICIES[policy](), timeout_s
         self._backend, self._staging, self._staging_alloc = backend, staging, staging_alloc
         self._records, self._n = records, counters
         self._group = group if group is not None else LocalGroup()
-        self._key_spec = key_spec if key_spec is not None else port.spec
+        self._names = names if names is not None else KeyNames(port.spec)
         self.gets: list[PrefetchHandle] = []
 
     def prefetch(self, tokens: np.ndarray, extra_key: Any) -> PrefetchHandle | None:
@@ -208,7 +209,7 @@ class Prefetcher:
             self._n["l3_unkeyable_pages"] += (tokens.size - pos) // ps
             return None
         digests = chain_digests(prev, tokens[pos:].reshape(-1, ps))
-        keys = key_strings(self._key_spec, extra_key, digests)
+        keys = self._names.keys(extra_key, digests)
         found = int(self._group.agree_min("l3 exists", [leading(self._backend.exists(keys))])[0])
         self._n["l3_lookup_pages"] += len(keys)
         if found < len(keys):  # the store lacks this page: if announced, it left L3

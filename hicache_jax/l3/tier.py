@@ -39,12 +39,12 @@ from typing import Any
 import numpy as np
 
 from hicache_jax.memory.allocator import PageAllocator
-from hicache_jax.l3.keys import DigestRecords
+from hicache_jax.l3.keys import DigestRecords, KeyNames
 from hicache_jax.l3.port import CachePort
 from hicache_jax.l3.prefetch import PrefetchHandle, Prefetcher, leading
 from hicache_jax.spec import HiCacheConfig, KVSpec, PrefetchPolicy, WritePolicy
 from hicache_jax.l3.storage import (
-    ENTRY_ROWS, StorageError, StorageUnavailableError, entry_pages, entry_rows, key_strings,
+    ENTRY_ROWS, StorageError, StorageUnavailableError, entry_pages, entry_rows, namespace_prefix,
     open_storage, parse_bool)
 from hicache_jax.tree.hashing import chain_digests
 from hicache_jax.tree.node import TreeNode
@@ -60,7 +60,7 @@ _STAT_NAMES = ("l3_lookup_pages", "l3_prefetches", "l3_prefetch_pages", "l3_pref
                "l3_prefetch_skipped_pages", "l3_prefetch_declined_pages", "l3_prefetch_timeouts",
                "l3_put_pages", "l3_put_pages_stored", "l3_puts_dropped", "l3_puts_skipped",
                "l3_unkeyable_pages",
-               "l3_deleted_pages", "l3_delete_unsupported_pages")
+               "l3_deleted_pages", "l3_delete_unsupported_pages", "l3_invalidate_unreached")
 
 
 def split_url(url: str) -> tuple[str, dict[str, Any]]:
@@ -120,8 +120,9 @@ class NullL3Tier:
     def held_beyond(self, tokens: np.ndarray, extra_key: Any, covered: int) -> int:
         return 0
 
-    def delete(self, nodes: list[TreeNode], tokens: np.ndarray | None, extra_key: Any) -> int:
-        return 0
+    def delete(self, nodes: list[TreeNode], tokens: np.ndarray | None,
+               extra_key: Any) -> tuple[int, int]:
+        return 0, 0
 
     def flush(self) -> None:
         pass
@@ -182,6 +183,7 @@ class L3Tier:
                  backend: Any, rows: np.ndarray) -> None:
         self._port, self.url, self.backend = port, url, backend
         self._spec = spec  # this process's heads: its fingerprint keys the entries
+        self._names = KeyNames(spec)  # key strings, each namespace in its generation
         self._group = port.group  # several processes: every store result is agreed (MIN)
         self.write_back = cfg.storage_write_policy is WritePolicy.WRITE_BACK
         # write_through to L3 also backs up newly computed leaves at insert (not only on reuse,
@@ -204,7 +206,7 @@ class L3Tier:
         self._prefetch = Prefetcher(port, spec.page_size, continuous,
                                     PrefetchPolicy(cfg.prefetch_policy), cfg.prefetch_timeout_s,
                                     backend, self._staging, self._staging_alloc, self._records,
-                                    self._n, port.group, spec)
+                                    self._n, port.group, self._names)
         self._closed = False
 
     # -- writes -------------------------------------------------------------------------------
@@ -238,7 +240,7 @@ class L3Tier:
     def _put(self, digests: np.ndarray, extra_key: Any, host_ids: np.ndarray,
              announce: Any) -> None:
         """Put pages; ``announce``: what the events say once they are stored (None: nothing)."""
-        keys = key_strings(self._spec, extra_key, digests)
+        keys = self._names.keys(extra_key, digests)
         # A node longer than the staging pool goes in parts (keys are per page: independent).
         step = self._staging_alloc.num_pages
         for lo in range(0, len(keys), step):
@@ -365,36 +367,63 @@ class L3Tier:
         if seed is None or covered >= tokens.size:
             return 0
         digests = chain_digests(seed, tokens.reshape(-1, ps))[covered // ps:]
-        found = leading(self.backend.exists(key_strings(self._spec, extra_key, digests)))
+        found = leading(self.backend.exists(self._names.keys(extra_key, digests)))
         return int(self._group.agree_min("l3 exists", [found])[0]) * ps
 
-    def delete(self, nodes: list[TreeNode], tokens: np.ndarray | None, extra_key: Any) -> int:
-        """Delete from the store the entries of ``nodes``' pages (still in the tree) and, given
-        ``tokens``, of their last page; returns the pages deleted. Puts in flight finish first
-        (a put landing after the delete would bring the entry back). A backend without the
-        optional ``delete`` keeps them (counted in ``l3_delete_unsupported_pages``; their L3
-        announcements stand); with it, what was announced there is announced removed."""
+    def delete(self, nodes: list[TreeNode], tokens: np.ndarray | None,
+               extra_key: Any) -> tuple[int, int]:
+        """Delete from the store what ``HiCache.invalidate`` names: the namespace ``extra_key``
+        (``tokens=None``: every entry of it, with ``delete_prefix``), or the entries of
+        ``nodes``' pages (still in the tree) and of ``tokens``' last page (with ``delete``).
+        Puts in flight finish first (a put landing after the delete would bring an entry back).
+
+        Where the backend cannot remove all of it (a namespace without ``delete_prefix``: the
+        entries only the store holds; anything without ``delete``), the namespace moves to its
+        next key generation (:class:`~hicache_jax.l3.keys.KeyNames`): this tier never reads
+        the rest again, counted in ``l3_invalidate_unreached``. What was announced on L3 there
+        (the whole namespace when unreached) is announced removed.
+
+        Returns:
+            ``(pages deleted, 1 if unreached else 0)``.
+        """
         self._submit_reads(block=True)
         self._drain_puts(self._staging_alloc.num_pages)
+        if self._records.seed(extra_key) is None:
+            return 0, 0  # an unkeyable namespace: never put to the store
+        by_prefix = getattr(self.backend, "delete_prefix", None)
+        remove = getattr(self.backend, "delete", None)
+        if tokens is None and callable(by_prefix):
+            gone, reached = int(by_prefix(namespace_prefix(self._spec, extra_key))), True
+        elif callable(remove):
+            keys = self._keys_of(nodes, tokens, extra_key)
+            gone = int(np.asarray(remove(keys), dtype=bool).sum()) if keys else 0
+            reached = tokens is not None  # a namespace's store-only entries have no known key
+        else:
+            self._n["l3_delete_unsupported_pages"] += len(self._keys_of(nodes, tokens, extra_key))
+            gone, reached = 0, False
+        self._n["l3_deleted_pages"] += gone
+        if not reached:
+            self._names.advance(extra_key)
+            self._n["l3_invalidate_unreached"] += 1
+        # announced removed: the prefix, or the whole namespace (unreached: never read again)
+        ps = self._port.spec.page_size
+        pages = None if tokens is None or not reached else tokens.reshape(-1, ps)
+        self._port.events.l3_invalidated(pages, extra_key)
+        return gone, int(not reached)
+
+    def _keys_of(self, nodes: list[TreeNode], tokens: np.ndarray | None,
+                 extra_key: Any) -> list[str]:
+        """The keys (this generation) of ``nodes``' pages and of ``tokens``' last page."""
         keys: dict[str, None] = {}
         for node in nodes:
             digests = self._records.node_digests(node)
             if digests is not None:
-                keys.update(dict.fromkeys(key_strings(self._spec, node.extra_key, digests)))
+                keys.update(dict.fromkeys(self._names.keys(node.extra_key, digests)))
         seed = self._records.seed(extra_key)
         if tokens is not None and seed is not None:
             last = chain_digests(seed, tokens.reshape(-1, self._port.spec.page_size))[-1:]
-            keys.update(dict.fromkeys(key_strings(self._spec, extra_key, last)))
-        remove = getattr(self.backend, "delete", None)
-        if remove is None:
-            self._n["l3_delete_unsupported_pages"] += len(keys)
-            return 0
-        gone = int(np.asarray(remove(list(keys)), dtype=bool).sum()) if keys else 0
-        self._n["l3_deleted_pages"] += gone
-        # what was announced on L3 there is unreachable now (its first page is deleted)
-        pages = None if tokens is None else tokens.reshape(-1, self._port.spec.page_size)
-        self._port.events.l3_invalidated(pages, extra_key)
-        return gone
+            keys.update(dict.fromkeys(self._names.keys(extra_key, last)))
+        return list(keys)
 
     # -- misc ---------------------------------------------------------------------------------
 

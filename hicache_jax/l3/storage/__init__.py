@@ -8,11 +8,18 @@ h = store.get_into(keys, host_ids)                      # L3 -> host pages, a St
 h = store.put_from(keys, host_ids)                      # host pages -> L3 (write-once keys)
 h.done(); ok = h.wait(timeout)                          # ok: bool [n]; h.landed(): so far
 store.delete(keys)                                      # optional: bool [n] removed
+store.delete_prefix(namespace_prefix(spec, extra_key))  # optional: entries removed (int)
 store.stats(); store.close()
 ```
 
-``delete`` is optional (``HiCache.invalidate`` uses it where a backend has it; without it the
-store keeps its entries, counted in ``stats()["l3_delete_unsupported_pages"]``).
+``delete`` and ``delete_prefix`` are optional; ``HiCache.invalidate`` uses them where a backend
+has them. ``delete_prefix(prefix)`` removes every entry whose key starts with ``prefix`` (a
+namespace's keys share ``namespace_prefix``), including those this process never wrote, and
+returns how many it removed; the conformance kit checks it where a backend has it. Without
+``delete_prefix``, a namespace invalidate reaches only the entries whose keys the cache knows
+(its tree's); without ``delete``, none: the store keeps the rest, and the cache moves the
+namespace to a new key generation so it never reads them again (this cache only; counted in
+``stats()["l3_invalidate_unreached"]``, pages not deleted in ``l3_delete_unsupported_pages``).
 
 An entry is a 64-byte header (spec fingerprint, key digest, length, checksum) and the page in
 ``page_first`` order; a corrupted or truncated entry is a miss.
@@ -42,11 +49,12 @@ from hicache_jax.l3.storage.base import (
     ENTRY_ROWS, HostPages, StorageError, StorageHandle, StorageUnavailableError, entry_pages,
     entry_rows)
 from hicache_jax.l3.storage.format import (HEADER_BYTES, EntryCodec, key_strings, namespace,
-                                        page_keys)
+                                        namespace_prefix, page_keys)
 
 __all__ = [
     "StorageBackend", "StorageHandle", "StorageError", "StorageUnavailableError", "HostPages",
-    "open_storage", "page_keys", "key_strings", "namespace", "EntryCodec", "HEADER_BYTES",
+    "open_storage", "page_keys", "key_strings", "namespace", "namespace_prefix", "EntryCodec",
+    "HEADER_BYTES",
     "ENTRY_ROWS", "entry_rows", "entry_pages",
 ]
 

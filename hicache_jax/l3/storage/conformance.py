@@ -12,6 +12,10 @@ order; a check of an optional capability the backend lacks is skipped, so not na
 - ``delete`` (only where the backend has the optional ``delete``, which ``HiCache.invalidate``
   uses): a mask of what it removed (False for keys never put, no error); a removed key is gone
   from ``exists`` and gets, the others stay, and a later put stores it again.
+- ``delete by prefix`` (only where the backend has the optional ``delete_prefix``, which a
+  namespace's ``HiCache.invalidate`` uses): every entry whose key starts with the prefix goes
+  (both key generations of a namespace), the count it returns says how many, entries of another
+  namespace stay whole, and a later put stores a removed key again.
 - ``put racing a get``: a get of keys whose put is in flight lands, per page, nothing or the
   whole page put (never a torn page); once the put is done, the get lands them all.
 - ``torn or foreign entry`` (only where entries are files, i.e. the backend has ``path(key)``):
@@ -42,7 +46,8 @@ import numpy as np
 from hicache_jax.errors import HiCacheError
 from hicache_jax.spec import KVSpec
 from hicache_jax.l3.storage.base import StorageError
-from hicache_jax.l3.storage.format import page_keys
+from hicache_jax.l3.storage.format import key_strings, namespace_prefix, page_keys
+from hicache_jax.tree.hashing import chain_digests, namespace_seed
 
 SPEC = KVSpec(num_layers=2, num_kv_heads=2, head_dim=8, dtype="bfloat16", page_size=4)
 NUM_PAGES = 16
@@ -206,6 +211,36 @@ def _delete(p: _Probe) -> bool:
     return True
 
 
+def _delete_prefix(p: _Probe) -> bool:
+    if not callable(getattr(p.store, "delete_prefix", None)):
+        return False  # optional: a namespace's invalidate then reaches only the keys it knows
+    other = p.extra + "-other"
+    gone_ns = p.keys(3)
+    seed = namespace_seed(SPEC.fingerprint(), p.extra)  # the same namespace, generation 1
+    digests = chain_digests(seed, np.arange(100, 100 + SPEC.page_size).reshape(1, -1))
+    gone_ns += key_strings(SPEC, p.extra, digests, generation=1)
+    kept = p.keys(2, extra=other)
+    p.put(gone_ns, [0, 1, 2, 3])
+    p.put(kept, [4, 5])
+    n = p.call("delete_prefix", namespace_prefix(SPEC, p.extra))
+    if np.asarray(p.call("exists", gone_ns), dtype=bool).any():
+        p.fail(f"an entry of the prefix is still there after delete_prefix (exists "
+               f"{np.asarray(p.call('exists', gone_ns), dtype=bool).tolist()}, generation 0 x3 "
+               "then 1)")
+    if p.get(gone_ns, [8, 9, 10, 11]).any():
+        p.fail("a get after delete_prefix landed a removed entry")
+    if not isinstance(n, (int, np.integer)) or int(n) != len(gone_ns):
+        p.fail(f"delete_prefix returned {n!r}, {len(gone_ns)} entries were removed")
+    if not p.get(kept, [12, 13]).all() or not np.array_equal(p.buf[12:14], p.buf[4:6]):
+        p.fail("delete_prefix removed or changed an entry of another namespace")
+    if int(p.call("delete_prefix", namespace_prefix(SPEC, p.extra))) != 0:
+        p.fail("a second delete_prefix of the same prefix reported entries removed")
+    if not p.put(gone_ns[:1], [6]).all() or not p.get(gone_ns[:1], [14]).all() or \
+            not np.array_equal(p.buf[14], p.buf[6]):
+        p.fail("a put after delete_prefix did not store the key again")
+    return True
+
+
 def _race(p: _Probe) -> None:
     src, dst = list(range(8)), list(range(8, 16))
     for r in range(_RACE_ROUNDS):
@@ -313,6 +348,7 @@ def _close_during_work(p: _Probe) -> None:
 
 
 _CHECKS = [("missing keys", _missing), ("round trip", _round_trip), ("partial batch", _partial),
-           ("write once", _write_once), ("delete", _delete), ("put racing a get", _race),
+           ("write once", _write_once), ("delete", _delete), ("delete by prefix", _delete_prefix),
+           ("put racing a get", _race),
            ("torn or foreign entry", _tampered), ("two processes", _two_processes),
            ("close during work", _close_during_work)]

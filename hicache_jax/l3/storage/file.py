@@ -42,8 +42,8 @@ from typing import Any, Iterator, Sequence
 import numpy as np
 
 from hicache_jax.spec import HostLayout, KVSpec
-from hicache_jax.l3.storage.base import BackendBase, StorageUnavailableError
-from hicache_jax.l3.storage.format import HEADER_BYTES, Verdict, check_keys
+from hicache_jax.l3.storage.base import BackendBase, StorageError, StorageUnavailableError
+from hicache_jax.l3.storage.format import HEADER_BYTES, Verdict, check_key_prefix, check_keys
 from hicache_jax.validation import check_bool, is_int
 
 _TMP = ".tmp"
@@ -132,6 +132,20 @@ class FileStorage(BackendBase):
         keys = self._check_open_keys(keys)
         return np.fromiter((self._unlink(self.path(k)) for k in keys), dtype=bool,
                            count=len(keys))
+
+    def delete_prefix(self, prefix: str) -> int:
+        """Remove every entry whose key starts with ``prefix`` (the protocol's optional method,
+        for a namespace's ``HiCache.invalidate``): a scan of the directory, so entries of other
+        processes and earlier runs go too; returns how many this call removed."""
+        prefix = check_key_prefix(prefix)
+        if self._closed:
+            raise StorageError(f"storage backend {self.url} is closed")
+        removed = 0
+        for folder in _FOLDERS:
+            names = [(name, st.st_ino) for name, st in self._listing(folder)
+                     if name.startswith(prefix) and _folder(name) == folder and _is_key(name)]
+            removed += self._remove(folder, names)
+        return removed
 
     # ---- lanes -----------------------------------------------------------------------------
     def _exists(self, keys: tuple[str, ...]) -> np.ndarray:

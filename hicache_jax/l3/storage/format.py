@@ -1,6 +1,7 @@
 """L3 keys and the on-store entry format (header + page bytes). Pure Python + numpy.
 
-Key: ``hcj2_<spec fingerprint>_<namespace>_<page digest>`` where the page digest (32 hex chars)
+Key: ``hcj2_<spec fingerprint>_<namespace>_<page digest>`` (``<namespace>-g<k>`` in a
+namespace's generation k, see :func:`key_strings`) where the page digest (32 hex chars)
 is the 128-bit chained digest of :mod:`hicache_jax.tree.hashing` (it covers every token of the prefix
 ending with the page, seeded by the fingerprint and ``extra_key``), the namespace is a short
 digest of ``extra_key`` and the fingerprint (it lets a store be listed by namespace), and the
@@ -115,12 +116,32 @@ def page_keys(spec: KVSpec, tokens: Any, extra_key: Any = None) -> list[str]:
     return key_strings(spec, extra_key, digests)
 
 
-def key_strings(spec: KVSpec, extra_key: Any, digests: np.ndarray) -> list[str]:
-    """Key strings of page digests (uint8 ``[n, 16]`` from :func:`hashing.chain_digests`)."""
-    prefix = f"{KEY_PREFIX}_{spec.fingerprint()}_{namespace(spec, extra_key)}_"
+def namespace_prefix(spec: KVSpec, extra_key: Any = None) -> str:
+    """What every key of the namespace (spec, ``extra_key``) starts with, in any generation:
+    ``hcj2_<fingerprint>_<namespace>`` (the namespace is fixed-width, so no other namespace's
+    keys start with it); what ``delete_prefix`` is given for ``HiCache.invalidate``."""
+    return f"{KEY_PREFIX}_{spec.fingerprint()}_{namespace(spec, extra_key)}"
+
+
+def key_strings(spec: KVSpec, extra_key: Any, digests: np.ndarray,
+                generation: int = 0) -> list[str]:
+    """Key strings of page digests (uint8 ``[n, 16]`` from :func:`hashing.chain_digests`);
+    ``generation`` > 0 (a namespace invalidated on a store that could not delete it) names the
+    keys ``<namespace>-g<generation>``, so the earlier generation's entries are never asked for."""
+    tail = f"-g{generation}_" if generation else "_"
+    prefix = namespace_prefix(spec, extra_key) + tail
     hexed = digests.tobytes().hex()
     width = 2 * digests.shape[1]
     return [prefix + hexed[i:i + width] for i in range(0, len(hexed), width)]
+
+
+def check_key_prefix(prefix: Any) -> str:
+    """Validate the argument of ``delete_prefix``: a non-empty string of key characters."""
+    if not isinstance(prefix, str):
+        raise TypeError(f"key prefix must be a str, got {type(prefix).__name__}")
+    if not _KEY_RE.fullmatch(prefix):
+        raise ValueError(f"key prefix {prefix!r} must be 1-200 chars of [A-Za-z0-9_.-]")
+    return prefix
 
 
 def check_keys(keys: Any) -> tuple[str, ...]:

@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import os
+import re
 import socket
 import threading
 import time
@@ -53,8 +54,9 @@ from typing import Any, Sequence
 import numpy as np
 
 from hicache_jax.spec import HostLayout, KVSpec
-from hicache_jax.l3.storage.base import BackendBase, StorageHandle, StorageUnavailableError
-from hicache_jax.l3.storage.format import HEADER_BYTES, Verdict
+from hicache_jax.l3.storage.base import (BackendBase, StorageError, StorageHandle,
+                                         StorageUnavailableError)
+from hicache_jax.l3.storage.format import HEADER_BYTES, Verdict, check_key_prefix
 from hicache_jax.validation import check_bool, is_real
 
 INSTALL_HINT = ("pip install mooncake-transfer-engine-non-cuda (the import also needs the system "
@@ -444,6 +446,21 @@ class MooncakeStorage(BackendBase):
         mask: which the store removed (code 0)."""
         keys = self._check_open_keys(keys)
         return np.asarray([self._store.remove(k, True) == 0 for k in keys], dtype=bool)
+
+    def delete_prefix(self, prefix: str) -> int:
+        """Remove every object whose key starts with ``prefix`` (the protocol's optional method,
+        for a namespace's ``HiCache.invalidate``): one ``remove_by_regex`` on the master, with
+        ``force``, so other clients' entries go too; returns how many it removed.
+
+        Raises:
+            StorageError: the store answered with an error code (nothing known removed)."""
+        prefix = check_key_prefix(prefix)
+        self._check_open_keys(())
+        code = int(self._store.remove_by_regex("^" + re.escape(prefix), True))
+        if code < 0:
+            self._count(backend_errors=1)
+            raise StorageError(f"mooncake remove_by_regex of {prefix!r} failed: code {code}")
+        return code
 
     def _close(self) -> None:
         for mover in getattr(self, "_movers", {}).values():
