@@ -218,7 +218,7 @@ def test_a_fast_link_is_discovered_and_then_loaded():
 
 
 def test_a_probe_inside_a_node_splits_it_and_loads_one_page_on_an_injected_clock():
-    """A host-only node of 32 pages; recompute at 0.1 ms a token; the cache's pages weigh 1 MiB
+    """A host-only node of 32 pages; recompute at 40 us a token; the cache's pages weigh 1 MiB
     in the cost model (``cost_page_bytes``): its warm-up figure, made pessimistic, says loading
     the node costs more than recomputing it, so the plan probes one page, and the rule splits
     the node there; the probe's time on the cache's clock is the link's first sample."""
@@ -228,7 +228,7 @@ def test_a_probe_inside_a_node_splits_it_and_loads_one_page_on_an_injected_clock
     now = [0.0]
     clock = lambda: now[0]  # noqa: E731
     cfg = HiCacheConfig(device_pages=64, host_pages=128, write_policy="write_through",
-                        load_policy="cost", prefill_cost=lambda n, c: 1e-4 * n,
+                        load_policy="cost", prefill_cost=lambda n, c: 4e-5 * n,
                         cost_page_bytes=1 << 20)
     cache = HiCache(SPEC, cfg, clock=clock,
                     transfer_engine=lambda d, h: TransferEngine(d, h, clock=clock))

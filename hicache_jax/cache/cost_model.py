@@ -21,12 +21,13 @@ tiers and to recompute tokens, fitted online (ARCHITECTURE.md, "Load or recomput
   (``cost_fallbacks``, the last error in ``cost_last_error``); it never picks a load.
 * A plan never leaves a link unmeasured, and a link it has not measured is cheap to discover.
   While a link has ``k <`` :data:`MIN_SAMPLES` samples its cost in a plan is a pessimistic
-  bound (:meth:`LinkFit.worst`: with no sample the warm-up figure times :data:`PESSIMISM`;
-  after, the costliest of its recent samples scaled up to the size, which over-counts the
-  latency: a load is then taken only where it pays even so), and the plan loads at least a
-  probe of ``2**k`` pages (sizes spread apart: one size alone cannot tell latency from
-  bandwidth), halved until its pessimistic cost is at most :data:`PROBE_SHARE` of the chain's
-  predicted recompute, none where even one page costs more; with no sample in its last
+  bound (:meth:`LinkFit.plan_cost`: with no sample the warm-up figure times
+  :data:`PESSIMISM`; after, the costliest of its recent samples scaled up to the size, which
+  over-counts the latency: a load is then taken only where it pays even so), and the plan
+  loads at least a probe of ``2**k`` pages (sizes spread apart: one size alone cannot tell
+  latency from bandwidth), halved until its cost (:meth:`LinkFit.worst`: the samples' bound,
+  or with none the warm-up figure) is at most :data:`PROBE_SHARE` of the chain's predicted
+  recompute, none where even one page costs more; with no sample in its last
   :data:`PROBE_EVERY` plans, a probe of one page (``cost_probes``), so a warm-up figure or a
   link that got faster since is measured again rather than trusted forever. A probe may end
   inside a node: the load rule splits the node there (cache/load_policy.py). A slow link
@@ -73,7 +74,7 @@ HALF_LIFE = 8.0
 MIN_SAMPLES = 4
 PROBE_EVERY = 64
 #: A link without samples is costed at its warm-up figure times this in a plan.
-PESSIMISM = 4.0
+PESSIMISM = 2.0
 #: A probe's pessimistic cost is at most this share of the chain's predicted recompute.
 PROBE_SHARE = 0.1
 
@@ -106,21 +107,23 @@ class LinkFit:
         return self.latency_s + nbytes / self.bytes_per_s if nbytes > 0 else 0.0
 
     def worst(self, nbytes: float) -> float:
-        """A pessimistic cost of ``nbytes``: with no sample the warm-up figure times
-        :data:`PESSIMISM`, else the costliest of the last :data:`MIN_SAMPLES` samples scaled up
-        to ``nbytes`` (``max(1, nbytes / x) * y``: a bound under ``latency + bytes /
-        bandwidth`` with ``latency >= 0``)."""
+        """A pessimistic cost of ``nbytes``, what bounds a probe: with no sample the warm-up
+        figure, else the costliest of the last :data:`MIN_SAMPLES` samples scaled up to
+        ``nbytes`` (``max(1, nbytes / x) * y``: a bound under ``latency + bytes / bandwidth``
+        with ``latency >= 0``)."""
         if nbytes <= 0:
             return 0.0
         if not self._x:
-            return PESSIMISM * self.predict(nbytes)
+            return self.predict(nbytes)
         recent = list(zip(self._x, self._y))[-MIN_SAMPLES:]
         return max(max(1.0, nbytes / x) * y for x, y in recent)
 
     def plan_cost(self, nbytes: float) -> float:
-        """What a plan charges: the fit once it has :data:`MIN_SAMPLES` samples, else
-        :meth:`worst`."""
-        return self.predict(nbytes) if self.samples >= MIN_SAMPLES else self.worst(nbytes)
+        """What a plan charges: the fit once it has :data:`MIN_SAMPLES` samples; before, with
+        some, :meth:`worst`; with none, the warm-up figure times :data:`PESSIMISM`."""
+        if self.samples >= MIN_SAMPLES:
+            return self.predict(nbytes)
+        return self.worst(nbytes) if self._x else PESSIMISM * self.predict(nbytes)
 
     def observe(self, nbytes: float, seconds: float) -> None:
         """One completed transfer; ValueError for a negative or non-finite figure."""
