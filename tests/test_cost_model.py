@@ -183,26 +183,23 @@ def _run_link(model, page_s, requests=200, chain=(512,) * 8):
 
 @pytest.mark.parametrize("slower", [6.6, 130.0])
 def test_discovering_a_link_much_slower_than_recompute_costs_a_bounded_share(slower):
-    """A page recomputes in 160 us; the link moves one in ``slower`` x that. The probes start
-    at one page and stay within PROBE_SHARE of a request's recompute once a sample bounds the
-    link: the whole run spends less than the first page plus MIN_SAMPLES bounded probes (with
-    whole-node probes, 6.6x: 15 nodes of 512 tokens, 0.5 s; 2% of the run's prefill)."""
+    """A page recomputes in 160 us; the link moves one in ``slower`` x that. The first probe is
+    one page; later ones are bounded by the samples and paid from the probe credit
+    (PROBE_SHARE of each planned chain's recompute): the run never loads a chain, spends at most
+    the first page plus that share (in fact a few %; whole-node probes spent 0.5 s at 6.6x),
+    and ends with the link fitted, right."""
     recompute = lambda n, c: 1e-5 * n  # noqa: E731
     model = CostModel(page_bytes=1 << 20, page_size=16, prefill_cost=recompute)
     page_s = slower * 16e-5
     spent, loaded = _run_link(model, page_s)
     t0 = recompute(8 * 512 + 16, 0)
     assert spent[0] == pytest.approx(20e-6 + page_s)  # the first probe: one page
-    assert max(spent[1:]) <= PROBE_SHARE * t0
-    assert sum(spent) <= 20e-6 + page_s + (MIN_SAMPLES + 200 // PROBE_EVERY) * PROBE_SHARE * t0
-    assert sum(spent) < 0.02 * 200 * t0
-    assert max(loaded) <= 2 * 16  # probes only: never a load of the chain
-    if slower < 10:  # probes fit the budget: the link is fitted, and right
-        assert model.links["l2_l1"].samples >= MIN_SAMPLES
-        assert model.links["l2_l1"].predict(64 << 20) == pytest.approx(20e-6 + 64 * page_s,
-                                                                       rel=0.05)
-    else:  # even two pages cost more than the budget: one sample, and it bounds every plan
-        assert model.links["l2_l1"].samples == 1 and sum(map(bool, loaded)) == 1
+    assert sum(spent) <= 20e-6 + page_s + PROBE_SHARE * 200 * t0
+    assert sum(spent) < 0.03 * 200 * t0
+    assert max(loaded) <= 2 ** (MIN_SAMPLES - 1) * 16  # probes only: never a load of the chain
+    assert max(loaded[-50:]) <= 16  # fitted: at most a one-page re-probe
+    assert model.links["l2_l1"].samples >= MIN_SAMPLES
+    assert model.links["l2_l1"].predict(64 << 20) == pytest.approx(20e-6 + 64 * page_s, rel=0.05)
 
 
 def test_a_fast_link_is_discovered_and_then_loaded():

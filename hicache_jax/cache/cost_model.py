@@ -30,8 +30,7 @@ tiers and to recompute tokens, fitted online (ARCHITECTURE.md, "Load or recomput
   recompute, none where even one page costs more; with no sample in its last
   :data:`PROBE_EVERY` plans, a probe of one page (``cost_probes``), so a warm-up figure or a
   link that got faster since is measured again rather than trusted forever. A probe may end
-  inside a node: the load rule splits the node there (cache/load_policy.py). A slow link
-  thus costs at most :data:`PROBE_SHARE` of a few requests' prefill to discover.
+  inside a node: the load rule splits the node there (cache/load_policy.py).
 * Bytes: the cache reports the transfers' bytes of its spec; with ``observed_page_bytes``
   (``HiCacheConfig.cost_page_bytes``: a spec standing in for a larger model) they are scaled to
   ``page_bytes`` a page, the bytes the warm-up figure and the fits speak of.
@@ -75,7 +74,7 @@ MIN_SAMPLES = 4
 PROBE_EVERY = 64
 #: A link without samples is costed at its warm-up figure times this in a plan.
 PESSIMISM = 2.0
-#: A probe's pessimistic cost is at most this share of the chain's predicted recompute.
+#: Probes spend at most this share of the planned chains' predicted recompute (a credit).
 PROBE_SHARE = 0.1
 
 
@@ -99,6 +98,9 @@ class LinkFit:
         self._err: collections.deque = collections.deque(maxlen=4 * window)
         self.samples = 0
         self.plans_since_sample = 0
+        #: seconds of probing this link may still spend: each plan while it is due adds
+        #: PROBE_SHARE of the chain's predicted recompute; a probe spends its bound
+        self.probe_credit = 0.0
 
     def needs_probe(self) -> bool:
         return self.samples < MIN_SAMPLES or self.plans_since_sample >= PROBE_EVERY
@@ -415,7 +417,14 @@ class CostModel:
             f.plans_since_sample += 1
         due = [f for f in (fits if probe is None else [self.links[k] for k in probe])
                if f.needs_probe()]
-        probe_at = self._probe_tokens(total, cap_tokens, due, fits, PROBE_SHARE * t0)
+        for f in due:
+            f.probe_credit += PROBE_SHARE * t0
+        probe_at = self._probe_tokens(total, cap_tokens, due, fits,
+                                      min((f.probe_credit for f in due), default=0.0))
+        if probe_at:
+            spent = sum(f.worst(probe_at // ps * self.page_bytes) for f in fits)
+            for f in due:
+                f.probe_credit -= spent
         if best < probe_at:
             best = probe_at
             self.n["cost_probes"] += 1
@@ -427,10 +436,10 @@ class CostModel:
 
     def _probe_tokens(self, total: int, cap_tokens: int | None, due: list[LinkFit],
                       fits: list[LinkFit], budget: float) -> int:
-        """Tokens a probe loads (0: none due, or none within ``budget`` seconds): ``2**k``
-        pages while a due link has ``k <`` :data:`MIN_SAMPLES` samples, then one; never past
-        the chain or the cap; halved while its pessimistic cost over ``fits`` exceeds
-        ``budget``."""
+        """Tokens a probe loads (0: none due, or none within ``budget`` seconds, the due links'
+        credit): ``2**k`` pages while a due link has ``k <`` :data:`MIN_SAMPLES` samples,
+        then one; never past the chain or the cap; halved while its pessimistic cost over
+        ``fits`` exceeds ``budget``."""
         if not due or total <= 0:
             return 0
         k = min(f.samples for f in due)
