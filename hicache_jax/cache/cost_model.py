@@ -420,7 +420,7 @@ class CostModel:
         for f in due:
             f.probe_credit += PROBE_SHARE * t0
         probe_at = self._probe_tokens(total, cap_tokens, due, fits,
-                                      min((f.probe_credit for f in due), default=0.0))
+                                      min((f.probe_credit for f in due), default=0.0), t0)
         if probe_at:
             spent = sum(f.worst(probe_at // ps * self.page_bytes) for f in fits)
             for f in due:
@@ -435,19 +435,24 @@ class CostModel:
         return best
 
     def _probe_tokens(self, total: int, cap_tokens: int | None, due: list[LinkFit],
-                      fits: list[LinkFit], budget: float) -> int:
+                      fits: list[LinkFit], budget: float, recompute: float) -> int:
         """Tokens a probe loads (0: none due, or none within ``budget`` seconds, the due links'
         credit): ``2**k`` pages while a due link has ``k <`` :data:`MIN_SAMPLES` samples,
         then one; never past the chain or the cap; halved while its pessimistic cost over
-        ``fits`` exceeds ``budget``."""
+        ``fits`` exceeds ``budget``; a due link without any sample gets at least one page
+        where the chain's predicted ``recompute`` is not free (its warm-up figure is a guess:
+        a prefill fit that under-predicts would otherwise starve the credit)."""
         if not due or total <= 0:
             return 0
         k = min(f.samples for f in due)
-        pages = min(1 << k if k < MIN_SAMPLES else 1, total // self.page_size)
+        most = total // self.page_size
         if cap_tokens is not None:
-            pages = min(pages, cap_tokens // self.page_size)
+            most = min(most, cap_tokens // self.page_size)
+        pages = min(1 << k if k < MIN_SAMPLES else 1, most)
         while pages and sum(f.worst(pages * self.page_bytes) for f in fits) > budget:
             pages //= 2
+        if k == 0 and recompute > 0:  # no sample to bound it: one page, the least that gives one
+            pages = max(pages, min(1, most))
         return pages * self.page_size
 
     def stats(self) -> dict[str, Any]:
