@@ -12,7 +12,9 @@ Judged: in every regime the cost policy's mean and p90 TTFT <= 1.02x the better 
 and always-load. The engine modelled loads, then prefills (no overlap of the two).
 
 Usage: ``python -m benchmarks.bench_simulate [TRACE] [--l1-tokens 3e5] [--host-ratio 4]
-[--json P]`` (TRACE defaults to benchmarks/data's slice).
+[--l2-gbps-list 25,1.9,10] [--json P]`` (TRACE defaults to benchmarks/data's slice;
+``--l2-gbps-list``: the L2 -> L1 figures to model instead of PCIe 25 and the measured memcpy,
+so that a regime does not move with this machine's load).
 """
 
 from __future__ import annotations
@@ -29,11 +31,15 @@ DATA = os.path.join(os.path.dirname(__file__), "data", "mooncake_synthetic_1000.
 TOKEN_BYTES = 32 * 8 * 128 * 2 * 2  # layers x kv heads x head dim x (K, V) x bfloat16
 
 
-def regimes(prefill_tps: float, memcpy_gbps: float) -> list[tuple[str, Regime]]:
-    """(name, regime) of the six regimes: L3 against recompute x L2's link."""
+def regimes(prefill_tps: float, memcpy_gbps: float,
+            l2_list: list[float] | None = None) -> list[tuple[str, Regime]]:
+    """(name, regime) of the regimes: L3 against recompute x L2's link (PCIe 25 and memcpy,
+    or each of ``l2_list``)."""
     equal = TOKEN_BYTES * prefill_tps / 1e9  # GB/s at which loading a token costs its recompute
     out = []
-    for l2_name, l2 in (("PCIe 25", 25.0), (f"memcpy {memcpy_gbps:.0f}", memcpy_gbps)):
+    l2s = ([(f"{g:g} GB/s", g) for g in l2_list] if l2_list else
+           [("PCIe 25", 25.0), (f"memcpy {memcpy_gbps:.0f}", memcpy_gbps)])
+    for l2_name, l2 in l2s:
         for l3_name, m in (("L3 10x slower", 0.1), ("L3 equal", 1.0), ("L3 10x faster", 10.0)):
             out.append((f"{l3_name}, L2 {l2_name}",
                         Regime(l2_gbps=l2, l3_gbps=equal * m, prefill_tokens_per_s=prefill_tps,
@@ -52,6 +58,9 @@ def main() -> None:
                    "queueing dominates TTFT)")
     p.add_argument("--limit", type=int, help="first N requests only")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--l2-gbps-list", type=lambda v: [float(x) for x in v.split(",")],
+                   help="comma-separated L2 -> L1 GB/s to model (default: PCIe 25 and the "
+                   "measured numpy memcpy)")
     p.add_argument("--json")
     a = p.parse_args()
 
@@ -63,7 +72,7 @@ def main() -> None:
     print(f"{a.trace}: {len(trace.requests)} requests, L1 {pages * a.page_size:,} tokens, "
           f"L2 {a.host_ratio:g}x; numpy memcpy here {mgbps:.1f} GB/s")
     rows, results, fails = [], [], []
-    for name, rg in regimes(a.prefill_tokens_per_s, mgbps):
+    for name, rg in regimes(a.prefill_tokens_per_s, mgbps, a.l2_gbps_list):
         rep = simulate_all(trace, spec, rg, device_pages=pages, host_ratio=a.host_ratio,
                            seed=a.seed)
         res = {r["policy"]: r for r in rep["results"]}

@@ -210,6 +210,10 @@ class HiCacheConfig:
         max_load_tokens: "cost": at most this many tokens loaded per request (None: no cap).
         load_step_budget_tokens: "cost": at most this many tokens loaded per
             ``load_back_many`` call (a batched admission step; None: no budget).
+        cost_page_bytes: "cost": the bytes one page weighs in the cost model's link figures
+            (None: the spec's ``page_bytes``). A cache whose spec stands in for a larger model
+            (the what-if simulator's) passes the modelled model's page, so that the warm-up
+            figure and the fitted bandwidth speak of the modelled bytes.
         host_layout: "layer_first" | "page_first".
         copy_backend: "auto" | "xla" | "pallas" (device pool page movement).
         huge_pages: CPU backend: back both pools with transparent huge pages (Linux; ~2 ms
@@ -257,6 +261,7 @@ class HiCacheConfig:
     prefill_cost: Any = None
     max_load_tokens: int | None = None
     load_step_budget_tokens: int | None = None
+    cost_page_bytes: int | None = None
     host_layout: HostLayout | str = HostLayout.LAYER_FIRST
     copy_backend: CopyBackend | str = CopyBackend.AUTO
     huge_pages: bool = True
@@ -311,6 +316,8 @@ class HiCacheConfig:
         for name in ("max_load_tokens", "load_step_budget_tokens"):
             if getattr(self, name) is not None:
                 set_(name, check_int(name, getattr(self, name), 0))
+        if self.cost_page_bytes is not None:
+            set_("cost_page_bytes", check_int("cost_page_bytes", self.cost_page_bytes, 1))
         if self.storage is not None and not isinstance(self.storage, str):
             raise TypeError(f"storage={self.storage!r} must be a URL string or None")
         timeout = self.prefetch_timeout_s

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 from hicache_jax import HiCacheConfig
-from hicache_jax.cache.cost_model import (HALF_LIFE, MIN_SAMPLES, PROBE_EVERY, WARMUP, CostModel,
-                                          LinkFit, PrefillFit)
+from hicache_jax.cache.cost_model import (HALF_LIFE, MIN_SAMPLES, PROBE_EVERY, PROBE_SHARE, WARMUP,
+                                          CostModel, LinkFit, PrefillFit)
 from tests.helpers import make_cache
 from tests.test_request import SPEC, cached_on_host_only, clean, prompt, write
 
@@ -43,7 +43,7 @@ def test_a_link_that_slows_mid_run_moves_the_figure_and_the_decision():
     model = CostModel(page_bytes=1 << 20, page_size=16, prefill_cost=lambda n, c: n * 1e-4)
     for _ in range(40):
         model.observe_transfer("l2_l1", 8 << 20, 1e-4 + (8 << 20) / 10e9)
-    assert model.plan([64, 64], 0, 1000, None) == 2  # 128 tokens: 13 ms recompute, 1 ms load
+    assert model.plan([64, 64], 0, 1000, None) == 128  # 128 tokens: 13 ms recompute, 1 ms load
     for _ in range(40):  # the link is now 1000x slower
         model.observe_transfer("l2_l1", 8 << 20, 1e-4 + (8 << 20) / 10e6)
     assert model.links["l2_l1"].bytes_per_s == pytest.approx(10e6, rel=0.05)
@@ -55,12 +55,12 @@ def test_a_partial_load_where_the_cap_or_evictions_stop_the_rest():
     model = CostModel(page_bytes=1 << 10, page_size=16, prefill_cost=lambda n, c: n * 1e-3)
     for _ in range(MIN_SAMPLES):  # a measured link: no probe
         model.observe_transfer("l2_l1", 1 << 12, 1e-5 + (1 << 12) / 10e9)
-    assert model.plan([16, 16, 16], 0, 1000, cap_tokens=32) == 2
+    assert model.plan([16, 16, 16], 0, 1000, cap_tokens=32) == 32
     # no free pages: every loaded page evicts one, charged half the cheaper of its reload from
     # L2 and its recompute; over a fast link that is its reload, so loading still pays
-    assert model.plan([16, 16, 16], 0, 0, None) == 3
+    assert model.plan([16, 16, 16], 0, 0, None) == 48
     model.eviction_weight = 2.0
-    assert model.plan([16, 16, 16], 0, 0, None) == 3  # 2x a reload of microseconds
+    assert model.plan([16, 16, 16], 0, 0, None) == 48  # 2x a reload of microseconds
 
 
 def test_an_eviction_is_charged_the_cheaper_of_reload_and_recompute():
@@ -68,12 +68,12 @@ def test_an_eviction_is_charged_the_cheaper_of_reload_and_recompute():
     model = CostModel(page_bytes=1 << 10, page_size=16, prefill_cost=lambda n, c: n * 1e-3)
     for k in range(1, 2 * MIN_SAMPLES):
         model.observe_transfer("l2_l1", k << 10, k * 1e-2)
-    assert model.plan([16, 16, 16], 0, 1000, None) == 3  # free pages: 10 ms < 16 ms a page
+    assert model.plan([16, 16, 16], 0, 1000, None) == 48  # free pages: 10 ms < 16 ms a page
     # none free: 10 ms + 1.0 x min(10 ms reload, 16 ms recompute) > 16 ms: recompute
     model.eviction_weight = 1.0
     assert model.plan([16, 16, 16], 0, 0, None) == 0
     model.eviction_weight = 0.5  # 10 + 5 < 16: load
-    assert model.plan([16, 16, 16], 0, 0, None) == 3
+    assert model.plan([16, 16, 16], 0, 0, None) == 48
 
 
 @pytest.mark.parametrize("bad", [lambda n, c: float("nan"), lambda n, c: -1.0,
@@ -143,8 +143,8 @@ def _host_chain(cache, pages=(2, 2)):
 def test_the_cache_loads_or_recomputes_by_the_prefill_cost():
     slow = make_cache(SPEC, write_policy="write_through", load_policy="cost", prefill_cost=lambda n, c: n * 1.0)
     fast = make_cache(SPEC, write_policy="write_through", load_policy="cost", prefill_cost=lambda n, c: 0.0)
-    # the fast one recomputes, but its link is unmeasured: it probes with the chain's first node
-    for cache, want in [(slow, 4 * PS), (fast, 2 * PS)]:
+    # recompute is free for the fast one: no probe of its unmeasured link is worth its cost
+    for cache, want in [(slow, 4 * PS), (fast, 0)]:
         toks = _host_chain(cache)
         with cache.begin(toks) as req:
             assert req.loaded_len == want
@@ -152,17 +152,96 @@ def test_the_cache_loads_or_recomputes_by_the_prefill_cost():
             req.finish(toks)
         clean(cache)
         st = cache.stats()
-        assert st["cost_decisions"] >= 1 and st["cost_probes"] == (cache is fast)
+        assert st["cost_decisions"] >= 1 and st["cost_probes"] == 0
         cache.close()
 
 
 def test_a_measured_link_is_probed_again_after_probe_every_plans():
-    model = CostModel(page_bytes=1 << 10, page_size=16, prefill_cost=lambda n, c: 0.0)
-    assert model.plan([16, 16], 0, 100, None) == 1  # unmeasured: a probe
+    model = CostModel(page_bytes=1 << 10, page_size=16, prefill_cost=lambda n, c: 1e-3 * n)
+    chain = [16] * 40  # 656 ms to recompute (with the page after it)
+    assert model.plan(chain, 0, 100, None) == 640  # unmeasured: even its worst figure loads
     for _ in range(MIN_SAMPLES):
-        model.observe_transfer("l2_l1", 1 << 14, 1.0)  # slow: recompute from now on
-    got = [model.plan([16, 16], 0, 100, None) for _ in range(PROBE_EVERY)]
-    assert got == [0] * (PROBE_EVERY - 1) + [1]  # ... but measured again, not trusted forever
+        model.observe_transfer("l2_l1", 1 << 10, 0.02)  # 20 ms a page, 16 ms its recompute
+    got = [model.plan(chain, 0, 100, None) for _ in range(PROBE_EVERY)]
+    assert got == [0] * (PROBE_EVERY - 1) + [16]  # ... but measured again: a one-page probe
+
+
+def _run_link(model, page_s, requests=200, chain=(512,) * 8):
+    """Requests of one host chain each over a link of ``page_s`` seconds a page (plus 20 us):
+    the seconds each plan's load took (its sample joins the fit, as an acknowledgement
+    would), and the tokens loaded."""
+    spent, loaded = [], []
+    for _ in range(requests):
+        ntok = model.plan(list(chain), 0, 1 << 20, None)
+        s = 20e-6 + ntok // model.page_size * page_s if ntok else 0.0
+        if ntok:
+            model.observe_transfer("l2_l1", ntok // model.page_size * model.page_bytes, s)
+        spent.append(s)
+        loaded.append(ntok)
+    return spent, loaded
+
+
+@pytest.mark.parametrize("slower", [6.6, 130.0])
+def test_discovering_a_link_much_slower_than_recompute_costs_a_bounded_share(slower):
+    """A page recomputes in 160 us; the link moves one in ``slower`` x that. The first probe is
+    one page; later ones are bounded by the samples and paid from the probe credit
+    (PROBE_SHARE of each planned chain's recompute): the run never loads a chain, spends at most
+    the first page plus that share (in fact a few %; whole-node probes spent 0.5 s at 6.6x),
+    and ends with the link fitted, right."""
+    recompute = lambda n, c: 1e-5 * n  # noqa: E731
+    model = CostModel(page_bytes=1 << 20, page_size=16, prefill_cost=recompute)
+    page_s = slower * 16e-5
+    spent, loaded = _run_link(model, page_s)
+    t0 = recompute(8 * 512 + 16, 0)
+    assert spent[0] == pytest.approx(20e-6 + page_s)  # the first probe: one page
+    assert sum(spent) <= 20e-6 + page_s + PROBE_SHARE * 200 * t0
+    assert sum(spent) < 0.03 * 200 * t0
+    assert max(loaded) <= 2 ** (MIN_SAMPLES - 1) * 16  # probes only: never a load of the chain
+    assert max(loaded[-50:]) <= 16  # fitted: at most a one-page re-probe
+    assert model.links["l2_l1"].samples >= MIN_SAMPLES
+    assert model.links["l2_l1"].predict(64 << 20) == pytest.approx(20e-6 + 64 * page_s, rel=0.05)
+
+
+def test_a_fast_link_is_discovered_and_then_loaded():
+    """The same requests over a link 2.6x faster than recompute: the warm-up figure, made
+    pessimistic, does not pay, so the first plan probes one page; its sample bounds the link
+    below recompute and every later plan loads the whole chain; the fit converges."""
+    model = CostModel(page_bytes=1 << 20, page_size=16, prefill_cost=lambda n, c: 1e-5 * n)
+    page_s = (1 << 20) / 25e9
+    spent, loaded = _run_link(model, page_s, requests=20)
+    assert loaded[0] == 16 and model.stats()["cost_probes"] == 1
+    assert loaded[1:] == [8 * 512] * 19
+    assert model.links["l2_l1"].bytes_per_s == pytest.approx(25e9, rel=0.05)
+
+
+def test_a_probe_inside_a_node_splits_it_and_loads_one_page_on_an_injected_clock():
+    """A host-only node of 32 pages; recompute at 40 us a token; the cache's pages weigh 1 MiB
+    in the cost model (``cost_page_bytes``): its warm-up figure, made pessimistic, says loading
+    the node costs more than recomputing it, so the plan probes one page, and the rule splits
+    the node there; the probe's time on the cache's clock is the link's first sample."""
+    from hicache_jax.cache.hicache import HiCache
+    from hicache_jax.memory.transfer import TransferEngine
+
+    now = [0.0]
+    clock = lambda: now[0]  # noqa: E731
+    cfg = HiCacheConfig(device_pages=64, host_pages=128, write_policy="write_through",
+                        load_policy="cost", prefill_cost=lambda n, c: 4e-5 * n,
+                        cost_page_bytes=1 << 20)
+    cache = HiCache(SPEC, cfg, clock=clock,
+                    transfer_engine=lambda d, h: TransferEngine(d, h, clock=clock))
+    toks = prompt(32 * PS)
+    cached_on_host_only(cache, toks)
+    m = cache.load_back(cache.match_prefix(toks))
+    now[0] += 1e-3
+    cache.flush()
+    assert (m.device_len, m.host_len) == (PS, 31 * PS)
+    st = cache.stats()
+    assert st["cost_probes"] == 1 and st["cost_l2_l1_samples"] == 1
+    assert cache.match_prefix(toks).device_len == PS  # the split node's head is on device
+    clean(cache)
+    cache.close()
+    with pytest.raises(ValueError, match="cost_page_bytes"):
+        HiCacheConfig(device_pages=8, cost_page_bytes=0)
 
 
 def test_max_load_tokens_loads_the_root_end_of_the_chain_with_its_bytes():
@@ -271,7 +350,6 @@ def _l3_writer_and_reader(tmp_path, **cost):
 
 @pytest.mark.parametrize("prefill, pages, fallbacks", [
     (lambda n, c: 1.0 * n, 4, 0),   # recompute is slow: fetch it all
-    (lambda n, c: 0.0, 1, 0),       # recompute is free: only the probe of the unmeasured link
     (lambda n, c: float("nan"), 4, 2),  # garbage: the threshold rule's fetch and load, counted
 ])
 def test_the_cost_policy_decides_how_much_an_l3_prefetch_fetches(tmp_path, prefill, pages,
@@ -287,6 +365,17 @@ def test_the_cost_policy_decides_how_much_an_l3_prefetch_fetches(tmp_path, prefi
     assert st["cost_l3_l2_samples"] == 1  # the read's time joined the l3_l2 fit
     assert st["cost_fallbacks"] == fallbacks
     assert m.device_len == pages * PS  # the fetched pages are loaded (the L2 -> L1 probe too)
+    clean(b)
+    b.close()
+
+
+def test_free_recompute_fetches_nothing_from_l3_not_even_a_probe(tmp_path):
+    b, toks = _l3_writer_and_reader(tmp_path, prefill_cost=lambda n, c: 0.0)
+    h = b.prefetch(toks)
+    assert h is None or h.pages_found == 0
+    st = b.stats()
+    assert st["l3_prefetch_declined_pages"] == 4 and st["cost_probes"] == 0
+    assert st["cost_l3_l2_samples"] == 0
     clean(b)
     b.close()
 

@@ -19,11 +19,21 @@ tiers and to recompute tokens, fitted online (ARCHITECTURE.md, "Load or recomput
   (counted as ``cost_warmup_decisions``). A callable that raises or returns anything but a
   finite number >= 0 makes that decision fall back to the threshold policy
   (``cost_fallbacks``, the last error in ``cost_last_error``); it never picks a load.
-* A plan never leaves a link unmeasured: while a link has ``k <`` :data:`MIN_SAMPLES`
-  samples the plan loads at least the chain's first ``2**k`` nodes (probes of spread sizes:
-  one size alone cannot tell latency from bandwidth), and with none in its last
-  :data:`PROBE_EVERY` plans its first node (``cost_probes``), so a warm-up figure or a link
-  that got faster since is measured again rather than trusted forever.
+* A plan never leaves a link unmeasured, and a link it has not measured is cheap to discover.
+  While a link has ``k <`` :data:`MIN_SAMPLES` samples its cost in a plan is a pessimistic
+  bound (:meth:`LinkFit.plan_cost`: with no sample the warm-up figure times
+  :data:`PESSIMISM`; after, the costliest of its recent samples scaled up to the size, which
+  over-counts the latency: a load is then taken only where it pays even so), and the plan
+  loads at least a probe of ``2**k`` pages (sizes spread apart: one size alone cannot tell
+  latency from bandwidth), halved until its cost (:meth:`LinkFit.worst`: the samples' bound,
+  or with none the warm-up figure) is at most :data:`PROBE_SHARE` of the chain's predicted
+  recompute, none where even one page costs more; with no sample in its last
+  :data:`PROBE_EVERY` plans, a probe of one page (``cost_probes``), so a warm-up figure or a
+  link that got faster since is measured again rather than trusted forever. A probe may end
+  inside a node: the load rule splits the node there (cache/load_policy.py).
+* Bytes: the cache reports the transfers' bytes of its spec; with ``observed_page_bytes``
+  (``HiCacheConfig.cost_page_bytes``: a spec standing in for a larger model) they are scaled to
+  ``page_bytes`` a page, the bytes the warm-up figure and the fits speak of.
 * Every completed transfer and every prefill sample is predicted first, then joins the fit:
   ``stats()`` reports the median ``|predicted - actual| / actual`` of each.
 * Every decision is recorded (:class:`Decision`): its predicted time, load plus prefill, with
@@ -53,7 +63,7 @@ import numpy as np
 from hicache_jax.validation import is_real
 
 __all__ = ["CostModel", "Decision", "DecisionRecord", "HALF_LIFE", "LinkFit", "MIN_SAMPLES",
-           "PROBE_EVERY", "PrefillFit", "WARMUP", "WINDOW"]
+           "PESSIMISM", "PROBE_EVERY", "PROBE_SHARE", "PrefillFit", "WARMUP", "WINDOW"]
 
 #: Warm-up ``(latency seconds, bytes per second)`` of each link, before it has samples.
 WARMUP = {"l2_l1": (20e-6, 10e9), "l3_l2": (1e-3, 1e9)}
@@ -62,6 +72,10 @@ WINDOW = 32
 HALF_LIFE = 8.0
 MIN_SAMPLES = 4
 PROBE_EVERY = 64
+#: A link without samples is costed at its warm-up figure times this in a plan.
+PESSIMISM = 2.0
+#: Probes spend at most this share of the planned chains' predicted recompute (a credit).
+PROBE_SHARE = 0.1
 
 
 def _check_sample(what: str, **values: Any) -> None:
@@ -84,12 +98,34 @@ class LinkFit:
         self._err: collections.deque = collections.deque(maxlen=4 * window)
         self.samples = 0
         self.plans_since_sample = 0
+        #: seconds of probing this link may still spend: each plan while it is due adds
+        #: PROBE_SHARE of the chain's predicted recompute; a probe spends its bound
+        self.probe_credit = 0.0
 
     def needs_probe(self) -> bool:
         return self.samples < MIN_SAMPLES or self.plans_since_sample >= PROBE_EVERY
 
     def predict(self, nbytes: float) -> float:
         return self.latency_s + nbytes / self.bytes_per_s if nbytes > 0 else 0.0
+
+    def worst(self, nbytes: float) -> float:
+        """A pessimistic cost of ``nbytes``, what bounds a probe: with no sample the warm-up
+        figure, else the costliest of the last :data:`MIN_SAMPLES` samples scaled up to
+        ``nbytes`` (``max(1, nbytes / x) * y``: a bound under ``latency + bytes / bandwidth``
+        with ``latency >= 0``)."""
+        if nbytes <= 0:
+            return 0.0
+        if not self._x:
+            return self.predict(nbytes)
+        recent = list(zip(self._x, self._y))[-MIN_SAMPLES:]
+        return max(max(1.0, nbytes / x) * y for x, y in recent)
+
+    def plan_cost(self, nbytes: float) -> float:
+        """What a plan charges: the fit once it has :data:`MIN_SAMPLES` samples; before, with
+        some, :meth:`worst`; with none, the warm-up figure times :data:`PESSIMISM`."""
+        if self.samples >= MIN_SAMPLES:
+            return self.predict(nbytes)
+        return self.worst(nbytes) if self._x else PESSIMISM * self.predict(nbytes)
 
     def observe(self, nbytes: float, seconds: float) -> None:
         """One completed transfer; ValueError for a negative or non-finite figure."""
@@ -226,12 +262,16 @@ class CostModel:
             would have hit; a load that evicts is charged this share of what getting the
             evicted pages back costs: their reload from L2 (the write policies keep a host
             copy of what L1 evicts while L2 has room) or their recompute, the cheaper.
+        observed_page_bytes: bytes of one page in the transfers reported to
+            :meth:`observe_transfer` and :meth:`settle_fetch` (None: ``page_bytes``); they
+            are scaled to ``page_bytes`` a page.
     """
 
     def __init__(self, page_bytes: int, page_size: int,
                  prefill_cost: Callable[[int, int], float] | None = None,
-                 eviction_weight: float = 0.5) -> None:
+                 eviction_weight: float = 0.5, observed_page_bytes: int | None = None) -> None:
         self.page_bytes, self.page_size = int(page_bytes), int(page_size)
+        self.byte_scale = self.page_bytes / int(observed_page_bytes or page_bytes)
         self.prefill_cost, self.eviction_weight = prefill_cost, float(eviction_weight)
         self.links = {k: LinkFit(*v) for k, v in WARMUP.items()}
         self.prefill_fit = PrefillFit()
@@ -249,6 +289,8 @@ class CostModel:
     def observe_transfer(self, link: str, nbytes: float, seconds: float) -> None:
         if link not in self.links:
             raise ValueError(f"link={link!r} must be one of {sorted(self.links)}")
+        _check_sample("observe_transfer", nbytes=nbytes, seconds=seconds)
+        nbytes = nbytes * self.byte_scale
         self.links[link].observe(nbytes, seconds)
         if link == "l2_l1":
             self._settle_load(nbytes, seconds)
@@ -306,7 +348,7 @@ class CostModel:
         """A fetch decided on ``figures`` (:meth:`fetch_figures`) read ``nbytes`` in
         ``seconds``: its predicted read time (for those bytes) against the measured one."""
         if nbytes > 0 and seconds > 0:
-            pred = figures[0] + nbytes / figures[1]
+            pred = figures[0] + nbytes * self.byte_scale / figures[1]
             self._fetch_err.append(abs(pred - seconds) / seconds)
             self.n["cost_fetch_records"] += 1
 
@@ -335,30 +377,34 @@ class CostModel:
     def plan(self, chain_tokens: list[int], cached: int, free_pages: int,
              cap_tokens: int | None, links: tuple[str, ...] = ("l2_l1",),
              probe: tuple[str, ...] | None = None) -> int | None:
-        """How many nodes of a host chain to load (root-first), the rest recomputed, for the
-        least predicted time: ``load(pages) + prefill(rest + one page, cached + loaded) +
-        eviction charge``, ``load`` summed over ``links`` (the hops, e.g. ``("l3_l2", "l2_l1")``);
-        ``probe``: the links it may probe (default ``links``).
+        """How many tokens of a host chain to load (root-first; a page multiple), the rest
+        recomputed, for the least predicted time: ``load(pages) + prefill(rest + one page,
+        cached + loaded) + eviction charge`` over the chain's node boundaries, ``load`` summed
+        over ``links`` (the hops, e.g. ``("l3_l2", "l2_l1")``, each at
+        :meth:`LinkFit.plan_cost`); at least a probe (see the module doc; ``probe``: the links
+        it may probe, default ``links``), which may end inside a node.
         None: no usable prefill figure (the caller falls back, counted)."""
         ps, fits = self.page_size, [self.links[k] for k in links]
         total = sum(chain_tokens)
         try:
-            best_j, best_t, loaded = 0, None, 0
+            best, best_t, loaded, t0 = 0, None, 0, 0.0
             for j in range(len(chain_tokens) + 1):
                 if j:
                     loaded += chain_tokens[j - 1]
                 if cap_tokens is not None and loaded > cap_tokens:
                     break
                 pages = loaded // ps
-                t = sum(f.predict(pages * self.page_bytes) for f in fits)
+                t = sum(f.plan_cost(pages * self.page_bytes) for f in fits)
                 t += self.prefill_seconds(total - loaded + ps, cached + loaded)
                 evicted = max(0, pages - free_pages)
                 if evicted:  # a later hit on them reloads from L2 or recomputes: the cheaper
                     t += self.eviction_weight * min(
-                        self.links["l2_l1"].predict(evicted * self.page_bytes),
+                        self.links["l2_l1"].plan_cost(evicted * self.page_bytes),
                         self.prefill_seconds(evicted * ps, 0))
                 if best_t is None or t < best_t:
-                    best_j, best_t = j, t
+                    best, best_t = loaded, t
+                if not j:
+                    t0 = t  # the whole chain recomputed
         except LookupError:
             self.n["cost_warmup_decisions"] += 1
             return None
@@ -369,32 +415,45 @@ class CostModel:
         self.n["cost_decisions"] += 1
         for f in fits:
             f.plans_since_sample += 1
-        probe_at = self._probe_nodes(chain_tokens, cap_tokens,
-                                     fits if probe is None else [self.links[k] for k in probe])
-        if best_j < probe_at:
-            best_j = probe_at
+        due = [f for f in (fits if probe is None else [self.links[k] for k in probe])
+               if f.needs_probe()]
+        for f in due:
+            f.probe_credit += PROBE_SHARE * t0
+        probe_at = self._probe_tokens(total, cap_tokens, due, fits,
+                                      min((f.probe_credit for f in due), default=0.0), t0)
+        if probe_at:
+            spent = sum(f.worst(probe_at // ps * self.page_bytes) for f in fits)
+            for f in due:
+                f.probe_credit -= spent
+        if best < probe_at:
+            best = probe_at
             self.n["cost_probes"] += 1
-        self.n["cost_partial_loads"] += 0 < best_j < len(chain_tokens)
-        loaded = sum(chain_tokens[:best_j])
-        nbytes = loaded // ps * self.page_bytes
+        self.n["cost_partial_loads"] += 0 < best < total
+        nbytes = best // ps * self.page_bytes
         self.last_decision = Decision(sum(f.predict(nbytes) for f in fits), nbytes,
-                                      cached + loaded, self._prefill_predictor())
-        return best_j
+                                      cached + best, self._prefill_predictor())
+        return best
 
-    @staticmethod
-    def _probe_nodes(chain_tokens: list[int], cap_tokens: int | None,
-                     fits: list[LinkFit]) -> int:
-        """Nodes a probe loads (0: none needed): ``2**k`` while a link has ``k <``
-        :data:`MIN_SAMPLES` samples (sizes spread apart, so that the fit can tell latency
-        from bandwidth), then one; never past the cap."""
-        due = [f for f in fits if f.needs_probe()]
-        if not due or not chain_tokens:
+    def _probe_tokens(self, total: int, cap_tokens: int | None, due: list[LinkFit],
+                      fits: list[LinkFit], budget: float, recompute: float) -> int:
+        """Tokens a probe loads (0: none due, or none within ``budget`` seconds, the due links'
+        credit): ``2**k`` pages while a due link has ``k <`` :data:`MIN_SAMPLES` samples,
+        then one; never past the chain or the cap; halved while its pessimistic cost over
+        ``fits`` exceeds ``budget``; a due link without any sample gets at least one page
+        where the chain's predicted ``recompute`` is not free (its warm-up figure is a guess:
+        a prefill fit that under-predicts would otherwise starve the credit)."""
+        if not due or total <= 0:
             return 0
         k = min(f.samples for f in due)
-        j = min(len(chain_tokens), 1 << k if k < MIN_SAMPLES else 1)
-        while j and cap_tokens is not None and sum(chain_tokens[:j]) > cap_tokens:
-            j -= 1
-        return j
+        most = total // self.page_size
+        if cap_tokens is not None:
+            most = min(most, cap_tokens // self.page_size)
+        pages = min(1 << k if k < MIN_SAMPLES else 1, most)
+        while pages and sum(f.worst(pages * self.page_bytes) for f in fits) > budget:
+            pages //= 2
+        if k == 0 and recompute > 0:  # no sample to bound it: one page, the least that gives one
+            pages = max(pages, min(1, most))
+        return pages * self.page_size
 
     def stats(self) -> dict[str, Any]:
         out: dict[str, Any] = {k: self.n[k] for k in (

@@ -122,8 +122,9 @@ class HiCache(ControlAPI):
         self._caller_locks: dict[TreeNode, int] = {}
         self._n: collections.Counter[str] = collections.Counter()
         self._l3.rebind(self._n)
-        self._cost = CostModel(self.spec.page_bytes, self._ps, cfg.prefill_cost)
-        self._rule = make_rule(cfg, self._cost, dev)
+        self._cost = CostModel(cfg.cost_page_bytes or self.spec.page_bytes, self._ps,
+                               cfg.prefill_cost, observed_page_bytes=self.spec.page_bytes)
+        self._rule = make_rule(cfg, self._cost, dev, tree)
         self._flight = InFlight(self.spec, tree, self._engine, dev, host, self._owner, events,
                                 self._n, self._l3.on_backup, self._cost)
         self._pins = Pins(tree, self._port.clock, cfg.pin_max_share, cfg.device_pages,

@@ -5,7 +5,9 @@ A rule's ``step()`` gives the decision function of one ``load_back`` / ``load_ba
 decline, the whole chain recomputed). The threshold rule loads all or nothing
 (``load_back_threshold``, ``load_back_quota``); the cost rule asks the cost model, within the
 per-request cap and the step's token budget, and falls back to the threshold rule where the
-model has no usable prefill figure.
+model has no usable prefill figure. Where the model's plan ends inside a node (a probe of a
+few pages of an unmeasured link, cache/cost_model.py), the cost rule splits that node there
+(``RadixTree.trim_tail``), so the chain's first nodes hold exactly the planned pages.
 
 Pure bookkeeping over the tree (no jax); the cache's thread only.
 """
@@ -16,8 +18,10 @@ from typing import Callable
 
 from hicache_jax.cache.cost_model import CostModel
 from hicache_jax.memory.allocator import PageAllocator
+from hicache_jax.errors import HiCacheError
 from hicache_jax.spec import HiCacheConfig
 from hicache_jax.tree.node import TreeNode
+from hicache_jax.tree.radix import RadixTree
 
 __all__ = ["CostRule", "ThresholdRule", "make_rule"]
 
@@ -60,8 +64,9 @@ class CostRule:
     """The cost model's least-time split, capped per request and per step."""
 
     def __init__(self, model: CostModel, fallback: ThresholdRule, device: PageAllocator,
-                 max_tokens: int | None, step_budget: int | None) -> None:
-        self.model, self.fallback, self.device = model, fallback, device
+                 max_tokens: int | None, step_budget: int | None,
+                 tree: RadixTree | None = None) -> None:
+        self.model, self.fallback, self.device, self.tree = model, fallback, device, tree
         self.max_tokens, self.step_budget = max_tokens, step_budget
         self._decided: dict = {}
         self._fetch: tuple[float, float] | None = None  # the last fetch decision's L3 figures
@@ -75,9 +80,10 @@ class CostRule:
             cap = self.max_tokens
             if left[0] is not None:
                 cap = left[0] if cap is None else min(cap, left[0])
-            j = self.model.plan([n.num_tokens for n in chain], _cached_tokens(chain), free[0],
-                                cap)
-            decided[chain[0]] = None if j is None else self.model.last_decision
+            ntok = self.model.plan([n.num_tokens for n in chain], _cached_tokens(chain), free[0],
+                                   cap)
+            j = None if ntok is None else self._nodes_for(chain, ntok)  # may split chain[0]
+            decided[chain[0]] = None if ntok is None else self.model.last_decision
             if j is None:
                 j = self.fallback.decide(chain)
                 if cap is not None and sum(n.num_tokens for n in chain) > cap:
@@ -89,6 +95,25 @@ class CostRule:
                 left[0] -= loaded
             return j
         return decide
+
+    def _nodes_for(self, chain: list[TreeNode], ntok: int) -> int:
+        """The number of ``chain``'s first nodes holding its first ``ntok`` tokens; where that
+        ends inside a node, the node is split there (in the tree, and ``chain`` in place: the
+        caller loads ``chain[:j]``), else (a locked node, no tree) the nodes before it."""
+        cum = 0
+        for i, node in enumerate(chain):
+            if cum + node.num_tokens > ntok:
+                if ntok > cum and self.tree is not None:
+                    try:
+                        tail = (cum + node.num_tokens - ntok) // self.model.page_size
+                        self.tree.trim_tail(node, tail)
+                    except HiCacheError:
+                        return i
+                    chain.insert(i, node.parent)
+                    return i + 1
+                return i
+            cum += node.num_tokens
+        return len(chain)
 
     def fetch_pages(self, new_pages: int, covered: int) -> int:
         """Of ``new_pages`` pages an L3 prefetch could fetch beyond the ``covered`` tokens L1 +
@@ -103,6 +128,7 @@ class CostRule:
                             links=("l3_l2", "l2_l1"), probe=("l3_l2",))  # load-backs probe L2
         if j is None:
             return new_pages if cap is None else min(new_pages, cap // ps)
+        j //= ps
         if j == 0:  # a decision to recompute: its prediction is checked against the prefill
             self.model.track([(self.model.last_decision, 0)])
         else:  # a decision to fetch: its read's predicted time is checked when it lands
@@ -126,12 +152,12 @@ class CostRule:
         self._decided = {}
 
 
-def make_rule(cfg: HiCacheConfig, model: CostModel,
-              device: PageAllocator) -> ThresholdRule | CostRule:
+def make_rule(cfg: HiCacheConfig, model: CostModel, device: PageAllocator,
+              tree: RadixTree | None = None) -> ThresholdRule | CostRule:
     """The rule ``cfg.load_policy`` names (the device allocator: free pages, for the cost
-    model's eviction charge)."""
+    model's eviction charge; the tree: where a probe splits a node)."""
     threshold = ThresholdRule(cfg.load_back_threshold, cfg.load_back_quota)
     if cfg.load_policy != "cost":
         return threshold
     return CostRule(model, threshold, device, cfg.max_load_tokens,
-                    cfg.load_step_budget_tokens)
+                    cfg.load_step_budget_tokens, tree)

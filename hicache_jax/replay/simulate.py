@@ -105,14 +105,15 @@ class SimClock:
 
 
 def _config(policy: str, regime: Regime, device_pages: int, host_pages: int,
-            threshold: int) -> HiCacheConfig:
+            threshold: int, page_size: int) -> HiCacheConfig:
     if policy not in POLICIES:
         raise ValueError(f"policy={policy!r} must be one of {', '.join(POLICIES)}")
     kw: dict[str, Any] = {"never": dict(load_back_threshold=_NEVER),
                           "always": dict(load_back_threshold=0),
                           "threshold": dict(load_back_threshold=threshold),
                           "cost": dict(load_back_threshold=threshold, load_policy="cost",
-                                       prefill_cost=regime.prefill_s)}[policy]
+                                       prefill_cost=regime.prefill_s,
+                                       cost_page_bytes=regime.token_bytes * page_size)}[policy]
     return HiCacheConfig(device_pages=device_pages, host_pages=host_pages, **kw)
 
 
@@ -124,9 +125,9 @@ def _l3_tokens(policy: str, run: int, cached: int, ps: int, threshold: int,
     if policy == "always":
         return run * ps
     if policy == "cost":
-        j = model.plan([ps] * run, cached, 1 << 62, None, links=("l3_l2", "l2_l1"))
-        if j is not None:
-            return j * ps
+        n = model.plan([ps] * run, cached, 1 << 62, None, links=("l3_l2", "l2_l1"))
+        if n is not None:
+            return n
     return run * ps if run * ps >= threshold else 0
 
 
@@ -134,7 +135,8 @@ def simulate(trace: Trace, spec: KVSpec, regime: Regime, policy: str, *, device_
              host_ratio: float = 4.0, threshold: int = 16, seed: int = 0) -> dict[str, Any]:
     """One policy's TTFT on ``trace`` under ``regime`` (see module doc). Deterministic for
     ``seed``."""
-    cfg = _config(policy, regime, device_pages, int(round(host_ratio * device_pages)), threshold)
+    cfg = _config(policy, regime, device_pages, int(round(host_ratio * device_pages)), threshold,
+                  spec.page_size)
     clock, rng = SimClock(), np.random.default_rng(seed)
     cache = HiCache(spec, cfg, clock=clock,
                     transfer_engine=lambda d, h: TransferEngine(d, h, clock=clock.exact))
