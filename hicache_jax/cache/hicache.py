@@ -8,10 +8,9 @@ public for schedulers that need them. Matches go stale (:mod:`hicache_jax.cache.
 :meth:`insert` gets only pages, and a stale page re-allocated to a caller cannot be told from a
 fresh one, which is why the request flow locks the match first.
 
-Threading: one thread owns the cache and makes every call but :meth:`stats`
-(:mod:`hicache_jax.cache.thread_owner`), which any thread may make (reads only). Transfer
-completion is polled at the start of the public methods, never signalled by callbacks. After
-:meth:`close`, every call but ``stats()`` raises.
+Threading: one thread owns the cache and makes every call but :meth:`stats` (any thread, reads
+only; :mod:`hicache_jax.cache.thread_owner`). Transfer completion is polled at the start of the
+public methods, never signalled by callbacks. After :meth:`close`, only ``stats()`` works.
 """
 
 from __future__ import annotations
