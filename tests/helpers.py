@@ -172,6 +172,11 @@ class GatedEngine(TransferEngine):
             h.released = True
         return super().wait_all()  # which returns self.poll()
 
+    @property
+    def in_flight(self) -> int:
+        """Dispatched and not yet reported: a gated copy stays in flight after it lands."""
+        return len(self.handles)
+
     def busy_host_pages(self, ids):
         ids = np.asarray(ids)
         busy = np.asarray(super().busy_host_pages(ids), bool)
