@@ -117,6 +117,32 @@ def test_the_prefill_fit_follows_a_machine_that_slows():
     assert fits[1].predict(512, 512) < 1.5 * true(512, 512)
 
 
+#: One engine's prefill samples in ``bench_load_policy --quick`` (ms): a warm-up on a loaded
+#: machine, then the question after a loaded document, ~3x faster.
+_ENGINE_SAMPLES = [(17, 0, 3.93), (68, 0, 6.31), (136, 0, 9.07), (272, 0, 8.95), (272, 0, 10.63),
+                   (16, 256, 1.36), (16, 256, 1.26), (16, 256, 1.26), (16, 256, 4.3),
+                   (16, 256, 1.1), (16, 256, 1.58), (16, 256, 1.09), (16, 256, 2.16)]
+
+
+def test_the_prefill_fit_is_non_negative_by_its_solve_not_by_a_clamp():
+    """The samples above: the unconstrained fit has c < 0; clamping it to 0 after kept b's
+    compensation for it, and the fit predicted the question 3.1 ms against 1.1-1.6 ms for all 8
+    fresh samples (decision error ~1.8 in the benchmark; a recompute predicted ~3x: everything
+    loaded). Solved with the coefficients >= 0 it predicts the question within 30% from its
+    third sample on."""
+    fit = PrefillFit()
+    errs = []
+    for n, c, ms in _ENGINE_SAMPLES:
+        pred = fit.predict(n, c)
+        if pred is not None and c:
+            errs.append(abs(pred - ms / 1e3) / (ms / 1e3))
+        fit.observe(n, c, ms / 1e3)
+    assert (fit.coef >= 0).all()
+    assert fit.predict(16, 256) == pytest.approx(np.median([s for *_, s in _ENGINE_SAMPLES[5:]]) /
+                                                 1e3, rel=0.3)
+    assert np.median(errs) < 0.3
+
+
 def test_the_config_rejects_a_bad_policy_or_cost_before_any_cache():
     with pytest.raises(ValueError, match="load_policy"):
         HiCacheConfig(device_pages=8, load_policy="sometimes")
