@@ -167,15 +167,16 @@ class LinkFit:
 
 def _nnls(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     """``argmin |a x - b|`` over ``x >= 0``, exact for a few columns: the optimum is the
-    least-squares solution on its support, so the best non-negative one over the column subsets
-    (clamping an unconstrained solution instead keeps the others' compensation for it)."""
-    best, best_r = np.zeros(a.shape[1]), float(b @ b)
-    for mask in range(1, 1 << a.shape[1]):
-        cols = [i for i in range(a.shape[1]) if mask >> i & 1]
+    least-squares solution on its support, so the best non-negative one over the column subsets,
+    all first (clamping an unconstrained solution keeps the others' compensation for it)."""
+    n, best, best_r = a.shape[1], np.zeros(a.shape[1]), float(b @ b)
+    for mask in range((1 << n) - 1, 0, -1):
+        cols = [i for i in range(n) if mask >> i & 1]
         x = np.linalg.lstsq(a[:, cols], b, rcond=None)[0]
         if (x >= 0).all() and (r := float(np.sum((a[:, cols] @ x - b) ** 2))) < best_r:
-            best, best_r = np.zeros(a.shape[1]), r
-            best[cols] = x
+            best, best_r = np.bincount(cols, weights=x, minlength=n), r
+            if len(cols) == n:  # the unconstrained solution is >= 0: the optimum
+                break
     return best
 
 
