@@ -11,10 +11,11 @@ tiers and to recompute tokens, fitted online (ARCHITECTURE.md, "Load or recomput
 * Prefill of ``n_new`` tokens after ``n_cached`` cached ones: the serving stack's callable
   ``prefill_cost(n_new, n_cached) -> seconds``, else a robust least-squares fit of
   ``a + b * n_new + c * n_new * (n_cached + n_new / 2)`` (linear work plus attention over the
-  context; relative least squares, refitted without the samples whose relative residual
-  exceeds 3 MADs; a sample's weight halves every :data:`HALF_LIFE` newer samples, so that the
-  fit follows a machine whose speed drifts, as a shared CPU's does) to the samples reported by
-  ``observe_prefill``. Without a callable and before
+  context; relative least squares with ``a, b, c >= 0`` solved as such, not clamped after,
+  refitted without the samples whose relative residual exceeds 3 MADs; a sample's weight
+  halves every :data:`HALF_LIFE` newer samples, so that the fit follows a machine whose speed
+  drifts, as a shared CPU's does) to the samples reported by ``observe_prefill``. Without a
+  callable and before
   :data:`MIN_SAMPLES` samples there is no prefill figure: decisions use the threshold policy
   (counted as ``cost_warmup_decisions``). A callable that raises or returns anything but a
   finite number >= 0 makes that decision fall back to the threshold policy
@@ -164,6 +165,21 @@ class LinkFit:
         return float(np.median(self._err)) if self._err else None
 
 
+def _nnls(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """``argmin |a x - b|`` over ``x >= 0``, exact for a few columns: the optimum is the
+    least-squares solution on its support, so the best non-negative one over the column subsets,
+    all first (clamping an unconstrained solution keeps the others' compensation for it)."""
+    n, best, best_r = a.shape[1], np.zeros(a.shape[1]), float(b @ b)
+    for mask in range((1 << n) - 1, 0, -1):
+        cols = [i for i in range(n) if mask >> i & 1]
+        x = np.linalg.lstsq(a[:, cols], b, rcond=None)[0]
+        if (x >= 0).all() and (r := float(np.sum((a[:, cols] @ x - b) ** 2))) < best_r:
+            best, best_r = np.bincount(cols, weights=x, minlength=n), r
+            if len(cols) == n:  # the unconstrained solution is >= 0: the optimum
+                break
+    return best
+
+
 class PrefillFit:
     """Prefill seconds from samples: ``a + b*n + c*n*(cached + n/2)``, robust least squares,
     a sample's weight halving every ``half_life`` newer samples (None: all weigh alike)."""
@@ -200,14 +216,13 @@ class PrefillFit:
             if self.half_life:  # the machine's speed drifts: recent samples weigh more
                 w = w * 0.5 ** (np.arange(y.size - 1, -1, -1) / self.half_life)[:, None]
             for _ in range(3):  # least squares, then again without the outliers it exposes
-                coef = np.linalg.lstsq((a / scale * w)[keep], (y * w[:, 0])[keep],
-                                       rcond=None)[0]
+                coef = _nnls((a / scale * w)[keep], (y * w[:, 0])[keep])
                 rel = np.abs(a / scale @ coef - y) / np.maximum(y, 1e-12)
                 new = rel <= max(3.0 * 1.4826 * float(np.median(rel)), 0.05)
                 if new.sum() < MIN_SAMPLES or (new == keep).all():
                     break
                 keep = new
-            self.coef = np.maximum(coef / scale, 0.0)
+            self.coef = coef / scale
 
     def median_error(self) -> float | None:
         return float(np.median(self._err)) if self._err else None
