@@ -152,6 +152,24 @@ def test_the_config_rejects_a_bad_policy_or_cost_before_any_cache():
         HiCacheConfig(device_pages=8, max_load_tokens=-1)
 
 
+def _seed_l3(root: str, n: int) -> tuple[dict, list]:
+    """A file store under ``root`` holding ``n`` prompts of 4 pages (written through by a cache
+    of its own, closed), and the config the tests' second cache shares with it."""
+    from hicache_jax.cache.hicache import HiCache
+
+    base = dict(host_pages=256, storage=f"file://{root}", write_through_threshold=1,
+                load_back_threshold=PS, prefetch_policy="wait_complete")
+    a = HiCache(SPEC, HiCacheConfig(device_pages=16, **base))
+    prompts = [prompt(4 * PS, start=1000 * i) for i in range(n)]
+    for toks in prompts:
+        with a.begin(toks) as req:
+            write(a, req.extend(len(toks)))
+            req.finish(toks)
+        a.flush()
+    a.close()
+    return base, prompts
+
+
 def _host_chain(cache, pages=(2, 2)):
     """A host-only chain of len(pages) nodes (served as growing prompts). Returns the prompt and
     the KV bits written for it."""
@@ -415,16 +433,7 @@ def test_an_l3_link_that_slows_mid_run_stops_the_fetches_it_made():
     from hicache_jax.cache.hicache import HiCache
 
     with tempfile.TemporaryDirectory() as root:
-        base = dict(host_pages=256, storage=f"file://{root}", write_through_threshold=1,
-                    load_back_threshold=PS, prefetch_policy="wait_complete")
-        a = HiCache(SPEC, HiCacheConfig(device_pages=16, **base))
-        prompts = [prompt(4 * PS, start=1000 * i) for i in range(30)]
-        for toks in prompts:
-            with a.begin(toks) as req:
-                write(a, req.extend(len(toks)))
-                req.finish(toks)
-            a.flush()
-        a.close()
+        base, prompts = _seed_l3(root, 30)
         now = [0.0]
         b = HiCache(SPEC, HiCacheConfig(device_pages=64, load_policy="cost",
                                         prefill_cost=lambda n, c: 1e-2 * n, **base),
@@ -454,16 +463,7 @@ def test_each_l3_fetch_decision_records_its_predicted_and_actual_read_time():
     from hicache_jax.cache.hicache import HiCache
 
     with tempfile.TemporaryDirectory() as root:
-        base = dict(host_pages=256, storage=f"file://{root}", write_through_threshold=1,
-                    load_back_threshold=PS, prefetch_policy="wait_complete")
-        a = HiCache(SPEC, HiCacheConfig(device_pages=16, **base))
-        prompts = [prompt(4 * PS, start=1000 * i) for i in range(2 * MIN_SAMPLES)]
-        for toks in prompts:
-            with a.begin(toks) as req:
-                write(a, req.extend(len(toks)))
-                req.finish(toks)
-            a.flush()
-        a.close()
+        base, prompts = _seed_l3(root, 2 * MIN_SAMPLES)
         now = [0.0]
         b = HiCache(SPEC, HiCacheConfig(device_pages=64, load_policy="cost",
                                         prefill_cost=lambda n, c: 1.0 * n, **base),
