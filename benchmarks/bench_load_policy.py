@@ -39,7 +39,7 @@ import tempfile
 
 import numpy as np
 
-from benchmarks.common import add_model_flags, model_config, print_table, write_json
+from benchmarks.common import add_model_flags, model_config, parse_quick, print_table, write_json
 from hicache_jax import HiCacheConfig
 from hicache_jax.cache.cost_model import PrefillFit
 from hicache_jax.cache.hicache import HiCache
@@ -64,13 +64,7 @@ def _args(argv=None):
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--chunk-size", type=int, default=512)
     add_model_flags(p)
-    p.add_argument("--json", help="write the figures as JSON")
-    p.add_argument("--quick", action="store_true", help="small sizes (QUICK); given flags win")
-    args = p.parse_args(argv)
-    if args.quick:
-        p.set_defaults(**QUICK)
-        args = p.parse_args(argv)
-    return args
+    return parse_quick(p, argv, QUICK)
 
 
 class _Bench:

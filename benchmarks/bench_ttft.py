@@ -22,7 +22,7 @@ import statistics
 
 import numpy as np
 
-from benchmarks.common import add_model_flags, model_config, print_table, write_json
+from benchmarks.common import add_model_flags, model_config, parse_quick, print_table, write_json
 from hicache_jax import HiCacheConfig
 from hicache_jax.engine.engine import Engine
 from hicache_jax.engine.model import DecoderModel
@@ -41,14 +41,8 @@ def _args(argv=None, defaults=None):
     p.add_argument("--chunk-size", type=int, default=512)
     p.add_argument("--repeats", type=int, default=5)
     add_model_flags(p)
-    p.add_argument("--json", help="write the figures as JSON")
-    p.add_argument("--quick", action="store_true", help="small sizes (QUICK); given flags win")
     p.set_defaults(**(defaults or {}))
-    args = p.parse_args(argv)
-    if args.quick:
-        p.set_defaults(**QUICK)
-        args = p.parse_args(argv)
-    return args
+    return parse_quick(p, argv, QUICK)
 
 
 class _Bench:

@@ -103,6 +103,19 @@ def add_model_flags(p: argparse.ArgumentParser, *, dtype: bool = True) -> None:
     p.add_argument("--vocab", type=int, default=512)
 
 
+def parse_quick(p: argparse.ArgumentParser, argv: Sequence[str] | None,
+                quick: dict) -> argparse.Namespace:
+    """Add ``--json`` and ``--quick`` to ``p`` and parse ``argv``; with ``--quick`` the flags'
+    defaults become ``quick`` (flags given on the command line still win)."""
+    p.add_argument("--json", help="write the figures as JSON")
+    p.add_argument("--quick", action="store_true", help="small sizes (QUICK); given flags win")
+    args = p.parse_args(argv)
+    if args.quick:
+        p.set_defaults(**quick)
+        args = p.parse_args(argv)
+    return args
+
+
 def model_config(a: argparse.Namespace) -> Any:
     """The ``ModelConfig`` of :func:`add_model_flags`' flags (float32 without ``--dtype``)."""
     from hicache_jax.engine.model import ModelConfig

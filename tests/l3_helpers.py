@@ -2,7 +2,8 @@
 instance it runs in another process (l3_instance.py); no tests here.
 
 A float32 spec of 4-token pages, a cache over a storage URL, random prompts with their KV, a
-request that computes a prompt (through the request handle), and the read of a cached prefix.
+request that computes a prompt (through the request handle), the read of a cached prefix, and a
+prompt written by one cache and prefetched from L3 by another.
 Import them as ``from l3_helpers import ...`` (pytest puts ``tests/`` on ``sys.path``; the
 instance runs from ``tests/``).
 """
@@ -30,6 +31,24 @@ def tokens_kv(seed, npages):
     toks = rng.integers(0, 50_000, npages * PS)
     kv = rng.standard_normal(SPEC.kv_shape(npages)).astype(np.float32)
     return toks, kv
+
+
+def write_then_prefetch(spec, cfg, npages, seed):
+    """Cache ``a`` (``HiCacheConfig(**cfg)``) computes a random prompt of ``npages`` pages of
+    ``spec`` and hits it (the hit backs it up, then L3), flushed; cache ``b`` (the same config,
+    prefetch_policy wait_complete) prefetches it. Returns ``a, b, handle, toks, kv``, both open."""
+    a = HiCache(spec, HiCacheConfig(**cfg))
+    b = HiCache(spec, HiCacheConfig(**cfg, prefetch_policy="wait_complete"))
+    rng = np.random.default_rng(seed)
+    toks = rng.integers(0, 50_000, npages * spec.page_size)
+    kv = rng.standard_normal(spec.kv_shape(npages)).astype(np.float32)
+    with a.begin(toks) as req:
+        a.write_kv(req.extend(len(toks)), kv)
+        req.finish(toks)
+    with a.begin(toks) as req:
+        req.finish(toks)
+    a.flush()
+    return a, b, b.prefetch(toks), toks, kv
 
 
 def compute(cache, toks, kv):

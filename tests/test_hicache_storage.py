@@ -17,7 +17,8 @@ from hicache_jax.cache.hicache import HiCache
 from hicache_jax.tree.radix import chain_hashes, namespace_hash
 from hicache_jax.l3.storage import StorageUnavailableError, page_keys
 
-from l3_helpers import PS, SPEC, bits32, compute, l3, make, read_prefix, tokens_kv
+from l3_helpers import (PS, SPEC, bits32, compute, l3, make, read_prefix, tokens_kv,
+                        write_then_prefetch)
 from storage_servers import free_port, mooncake_skip_reason, running_mooncake
 
 HELPER = os.path.join(os.path.dirname(__file__), "l3_instance.py")
@@ -48,18 +49,7 @@ def test_round_trip_through_l3_with_sharded_pools(url, host_layout):
     mesh = Mesh(np.array(jax.devices()[:4]), ("tp",))
     cfg = dict(device_pages=32, host_pages=64, storage=url, write_through_threshold=1,
                load_back_threshold=PS, mesh=mesh, host_layout=host_layout)
-    a = HiCache(spec, HiCacheConfig(**cfg))
-    b = HiCache(spec, HiCacheConfig(**cfg, prefetch_policy="wait_complete"))
-    rng = np.random.default_rng(11)
-    toks = rng.integers(0, 50_000, 6 * PS)
-    kv = rng.standard_normal(spec.kv_shape(6)).astype(np.float32)
-    with a.begin(toks) as req:
-        a.write_kv(req.extend(len(toks)), kv)
-        req.finish(toks)
-    with a.begin(toks) as req:  # the hit backs it up, then L3
-        req.finish(toks)
-    a.flush()
-    h = b.prefetch(toks)
+    a, b, h, toks, kv = write_then_prefetch(spec, cfg, 6, seed=11)
     assert h.pages_found == 6
     h.wait()
     m = b.load_back(b.match_prefix(toks))

@@ -6,12 +6,12 @@ import time
 import numpy as np
 import pytest
 
-from hicache_jax import HiCacheConfig, KVSpec
-from hicache_jax.cache.hicache import HiCache
+from hicache_jax import KVSpec
 from hicache_jax.l3.storage import open_storage
 from hicache_jax.l3.storage.conformance import check
 from hicache_jax.l3.storage.throttle import ThrottledFileStorage
 
+from l3_helpers import write_then_prefetch
 from storage_helpers import SPEC, host_buffer, keys_for, page_bytes
 
 
@@ -65,18 +65,7 @@ def test_a_cache_prefetches_from_it(tmp_path):
     url = f"throttle+file://{tmp_path}?gbps=1&latency_ms=1"
     cfg = dict(device_pages=32, host_pages=64, storage=url, write_through_threshold=1,
                load_back_threshold=4)
-    a = HiCache(spec, HiCacheConfig(**cfg))
-    b = HiCache(spec, HiCacheConfig(**cfg, prefetch_policy="wait_complete"))
-    rng = np.random.default_rng(3)
-    toks = rng.integers(0, 50_000, 4 * 4)
-    kv = rng.standard_normal(spec.kv_shape(4)).astype(np.float32)
-    with a.begin(toks) as req:
-        a.write_kv(req.extend(len(toks)), kv)
-        req.finish(toks)
-    with a.begin(toks) as req:  # the hit backs it up, then L3
-        req.finish(toks)
-    a.flush()
-    h = b.prefetch(toks)
+    a, b, h, toks, kv = write_then_prefetch(spec, cfg, 4, seed=3)
     assert h.pages_found == 4
     h.wait()
     m = b.load_back(b.match_prefix(toks))
