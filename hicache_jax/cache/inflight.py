@@ -81,6 +81,7 @@ class InFlight:
         self._spec, self._ps, self._cost = spec, spec.page_size, cost
         self._tree, self._engine, self._owners = tree, engine, owners
         self._device_free, self._host_free = device.free, host.free
+        self._host = host
         self._events, self._n, self._on_backup = events, counters, on_backup
         device_pages = device.num_pages
         self._loading = np.zeros(device_pages, np.int64)   # 1 + seq of the load writing a page
@@ -142,8 +143,10 @@ class InFlight:
         ops = self._ops_for(TransferKind.BACKUP,
                             [(node, ids, h) for (node, h), ids in zip(claims, device_ids)])
         try:
+            # the tree's device pages and take_host's fresh host pages: int32, distinct, held
             handle = self._engine.backup(np.concatenate(device_ids),
-                                         np.concatenate([h for _, h in claims]), tag=ops)
+                                         np.concatenate([h for _, h in claims]), tag=ops,
+                                         validated=True)
         except BaseException:  # internal ids: a bug; undo the claims so the tree stays whole
             for _, host_ids in claims:
                 self._host_free(host_ids)
@@ -160,15 +163,16 @@ class InFlight:
     def free_host(self, host_ids: np.ndarray) -> None:
         """Host pages a node gave up: free, or parked until the copies using them land (the
         transfer engine's ``busy_host_pages``; none are while no transfer is in flight)."""
+        free = self._host.free  # a node's pages: distinct and int32 (its tree's)
         if not self._engine.in_flight:
-            self._host_free(host_ids)
+            free(host_ids, validated=True)
             return
-        busy = self._engine.busy_host_pages(host_ids)
+        busy = self._engine.busy_host_pages(host_ids, validated=True)
         if busy.any():
             self._parked[host_ids[busy]] = True
             self.num_parked += int(busy.sum())
             host_ids = host_ids[~busy]
-        self._host_free(host_ids)
+        free(host_ids, validated=True)
 
     def parked_host_pages(self) -> np.ndarray:
         """Host pages given up while a copy into them is in flight (freed when it lands)."""
@@ -198,8 +202,9 @@ class InFlight:
             lo += h.size
         ops = self._ops_for(TransferKind.LOAD, parts)
         try:
+            # the chains' host pages (the tree's) and fresh device pages: int32, distinct, held
             handle = self._engine.load(np.concatenate(host_ids), device_ids,
-                                       layerwise=layerwise, tag=ops)
+                                       layerwise=layerwise, tag=ops, validated=True)
         except BaseException:  # a dispatch failure (internal ids: a bug, or the runtime): undo
             self._device_free(device_ids)
             for node, _ in chains:
