@@ -132,6 +132,29 @@ class InFlight:
         self._claimed.add(node)
         return node, host_ids
 
+    def claim_backups(self, nodes: list[TreeNode],
+                      take_host: Callable[[int], np.ndarray]) -> list[Claim]:
+        """Claims for the backups of ``nodes`` (distinct; no continuous prefix), their host
+        pages taken in ONE ``take_host`` call: one host-room round for a pass whose backups are
+        dispatched together, not one a node. When that many pages cannot be had, node by node
+        as :meth:`claim_backup` (those that fit, in order)."""
+        todo = [n for n in nodes
+                if n.value is not None and not n.backed_up and n not in self._claimed]
+        if len(todo) > 1:
+            try:
+                host_ids = take_host(sum(n.num_pages for n in todo))
+            except OutOfPagesError:
+                pass
+            else:
+                claims, lo = [], 0
+                for node in todo:
+                    claims.append((node, host_ids[lo:lo + node.num_pages]))
+                    lo += node.num_pages
+                self._claimed.update(todo)
+                return claims
+        claims = [self.claim_backup(node, False, take_host) for node in todo]
+        return [c for c in claims if c is not None]
+
     def dispatch_backups(self, claims: list[Claim]) -> Any:
         """Copy every claimed node to host in ONE transfer; one op per node, in claim order
         (root-first), sharing the handle. Each node holds its host pages from now on (see the
