@@ -45,7 +45,7 @@ import jax
 import numpy as np
 
 from hicache_jax.errors import HiCacheError
-from hicache_jax.memory.page_copy import copy_fn, copy_plan, layer_plans
+from hicache_jax.memory.page_copy import bound_copy, copy_fn, copy_plan, layer_plans
 from hicache_jax.spec import HostLayout
 from hicache_jax.validation import check_bool, is_int
 
@@ -169,8 +169,9 @@ class TransferEngine:
         self.spec = device_pool.spec
         host_put = None if host_pool.on_device_memory else host_pool.sharding
         dev_put = None if host_pool.on_device_memory else host_pool.device_sharding
-        self._backup_fn, self._load_fn, self._load_layer_fn = transfer_fns(
-            self.spec.num_layers, host_pool.layout, host_put, dev_put)
+        # dispatched as jits with their static arguments bound (page_copy.bound_copy)
+        self._backup_fn, self._load_fn, self._load_layer_fn = map(bound_copy, transfer_fns(
+            self.spec.num_layers, host_pool.layout, host_put, dev_put))
         self._busy = np.zeros(host_pool.num_pages, np.int32)  # transfers using each host page
         self._in_flight: list[TransferHandle] = []  # dispatch order
         self._finished: list[TransferHandle] = []   # completion order, not yet polled
