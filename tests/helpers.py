@@ -177,9 +177,9 @@ class GatedEngine(TransferEngine):
         """Dispatched and not yet reported: a gated copy stays in flight after it lands."""
         return len(self.handles)
 
-    def busy_host_pages(self, ids):
+    def busy_host_pages(self, ids, **kw):
         ids = np.asarray(ids)
-        busy = np.asarray(super().busy_host_pages(ids), bool)
+        busy = np.asarray(super().busy_host_pages(ids, **kw), bool)
         for h in self.handles:
             if not h.done():
                 busy = busy | np.isin(ids, np.asarray(h.host_ids))

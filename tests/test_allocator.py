@@ -197,3 +197,16 @@ TestAllocatorMachine = AllocatorMachine.TestCase
 if settings.default.max_examples <= 100:
     TestAllocatorMachine.settings = settings(settings.default, max_examples=12,
                                              stateful_step_count=25)
+
+
+def test_a_validated_free_still_refuses_a_double_free_and_changes_nothing():
+    a = PageAllocator(6, "device")
+    ids = a.alloc(4)
+    a.free(ids[:2], validated=True)  # a node's own pages: int32, distinct
+    assert a.num_free == 4 and not a.is_allocated(ids[:2]).any()
+    before = snapshot(a)
+    with pytest.raises(HiCacheError, match=r"pages \[0\] are not allocated"):
+        a.free(np.array([2, 0], np.int32), validated=True)
+    assert snapshot(a)[0] == before[0] and (snapshot(a)[1] == before[1]).all()
+    a.free(ids[2:], validated=True)
+    assert a.num_free == 6

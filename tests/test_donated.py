@@ -113,3 +113,45 @@ def test_check_kv(kv, err, match):
         check_kv(SPEC, kv, 1)
     check_kv(SPEC, np.zeros(SPEC.kv_shape(1), np.uint16), 1)
     check_kv(SPEC, jnp.zeros(SPEC.kv_shape(1), jnp.bfloat16), 1)
+
+
+class _CountingStep:
+    """A jitted step that counts its ``eval_shape`` checks (what ``run`` calls before dispatch)."""
+
+    def __init__(self, fn):
+        self._fn, self.checks = fn, 0
+
+    def __call__(self, *args):
+        return self._fn(*args)
+
+    def eval_shape(self, *args):
+        self.checks += 1
+        return self._fn.eval_shape(*args)
+
+
+@pytest.mark.parametrize("kind", ["device", "host"])
+def test_a_step_is_checked_once_per_argument_shapes(kind):
+    pool = _pool(kind)
+    step = _CountingStep(jax.jit(lambda p, x: (p, x.sum()), donate_argnums=0))
+    for _ in range(3):
+        pool.run(step, np.zeros(4, np.int32))
+    assert step.checks == 1  # same function, same argument shapes: checked at the first only
+    pool.run(step, np.zeros(8, np.int32))
+    pool.run(step, np.zeros(8, np.float32))
+    assert step.checks == 3  # new shapes, new dtype: checked before their first dispatch
+    other = _CountingStep(jax.jit(lambda p, x: (p, x.sum()), donate_argnums=0))
+    pool.run(other, np.zeros(4, np.int32))
+    assert other.checks == 1  # a function never seen before is checked
+
+
+@pytest.mark.parametrize("kind", ["device", "host"])
+def test_a_step_valid_for_some_shapes_is_still_rejected_before_dispatch_for_others(kind):
+    """The result shape follows the argument: a pass at one shape says nothing of another."""
+    pool = _pool(kind)
+    shape = _array(pool).shape
+    step = jax.jit(lambda p, x: (p.reshape(-1)[:x.size].reshape(x.shape), 0), donate_argnums=0)
+    pool.run(step, np.zeros(shape, np.int32))
+    before = _array(pool)
+    with pytest.raises(ValueError, match=f"fn returned a {_name(pool)} of shape"):
+        pool.run(step, np.zeros(4, np.int32))
+    assert _array(pool) is before and not before.is_deleted()

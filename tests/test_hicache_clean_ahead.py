@@ -268,3 +268,30 @@ def test_trim_tail_refuses_what_it_cannot_split_and_changes_nothing():
     assert tree.trim_tail(node, 1) is node and node.num_pages == 1
     assert node.parent.num_pages == 3 and node.parent.value is not None
     check_cache(cache, kv)
+
+
+def test_an_admission_pass_makes_host_room_once_for_all_its_backups(monkeypatch):
+    """L2 full of host-only prompts, L1 of four 2-page prompts: a 4-page request's admission
+    backs up two nodes and makes host room for both in ONE round (not one a node); what it
+    gives up and keeps is what two rounds gave up and kept."""
+    from hicache_jax.cache.write_policy import CleanAhead
+    rounds = []
+    evict_host = CleanAhead.evict_host
+    monkeypatch.setattr(CleanAhead, "evict_host",
+                        lambda self, n: rounds.append(n) or evict_host(self, n))
+    cache, kv = gated_cache("clean_ahead", device=8, host=8)
+    a = [np.arange(2) + 100 * i for i in range(4)]
+    b = [np.arange(2) + 1000 + 100 * i for i in range(4)]
+    for tokens in a + b:  # the b's evict the a's to L2 (full: 8 pages), L1 holds the b's
+        serve_kv(cache, kv, tokens)
+        cache.flush()
+    assert cache.stats()["host_free_pages"] == 0 and rounds == []
+    serve_kv(cache, kv, np.arange(4) + 5000)
+    cache.flush()
+    st = cache.stats()
+    assert rounds == [4]  # one round for b[0] and b[1]'s 4 pages
+    assert st["admission_clean_pages"] == 12 and st["eviction_backup_pages"] == 0
+    assert st["host_evicted_tokens"] == 4  # a[0], a[1] gave up their host pages
+    assert [cache.match_prefix(t).host_len for t in a] == [0, 0, 2, 2]
+    assert [cache.match_prefix(t).host_len for t in b] == [2, 2, 0, 0]
+    check_cache(cache, kv)

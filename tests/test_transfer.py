@@ -287,3 +287,23 @@ def test_copies_are_dispatched_asynchronously():
     assert not handle.done() and not out.is_ready()
     handle.wait()
     assert out.is_ready()
+
+
+def test_validated_ids_copy_like_checked_ones():
+    """``validated=True`` (the cache's own ids) skips the checks, not the copy or its tracking."""
+    spec = SPEC
+    rng = np.random.default_rng(5)
+    kv = random_bits(spec, 3, rng)
+    results = []
+    for validated in (False, True):
+        dev, host, eng = _setup(spec, "page_first")
+        dev.write([6, 1, 3], kv)
+        ids = np.array([2, 7, 4], np.int32)
+        backup = eng.backup(np.array([6, 1, 3], np.int32), ids, validated=validated)
+        assert eng.busy_host_pages(ids, validated=validated).all()
+        load = eng.load(ids[::-1].copy(), np.array([0, 5, 7], np.int32), validated=validated)
+        assert eng.wait_all() == [backup, load]
+        assert not eng.busy_host_pages(ids, validated=validated).any()
+        results.append((host.read(np.arange(10)), _dev_bits(dev, np.arange(8))))
+    for a, b in zip(*results):
+        np.testing.assert_array_equal(a, b)

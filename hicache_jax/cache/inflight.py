@@ -81,6 +81,7 @@ class InFlight:
         self._spec, self._ps, self._cost = spec, spec.page_size, cost
         self._tree, self._engine, self._owners = tree, engine, owners
         self._device_free, self._host_free = device.free, host.free
+        self._host = host
         self._events, self._n, self._on_backup = events, counters, on_backup
         device_pages = device.num_pages
         self._loading = np.zeros(device_pages, np.int64)   # 1 + seq of the load writing a page
@@ -131,6 +132,29 @@ class InFlight:
         self._claimed.add(node)
         return node, host_ids
 
+    def claim_backups(self, nodes: list[TreeNode],
+                      take_host: Callable[[int], np.ndarray]) -> list[Claim]:
+        """Claims for the backups of ``nodes`` (distinct; no continuous prefix), their host
+        pages taken in ONE ``take_host`` call: one host-room round for a pass whose backups are
+        dispatched together, not one a node. When that many pages cannot be had, node by node
+        as :meth:`claim_backup` (those that fit, in order)."""
+        todo = [n for n in nodes
+                if n.value is not None and not n.backed_up and n not in self._claimed]
+        if len(todo) > 1:
+            try:
+                host_ids = take_host(sum(n.num_pages for n in todo))
+            except OutOfPagesError:
+                pass
+            else:
+                claims, lo = [], 0
+                for node in todo:
+                    claims.append((node, host_ids[lo:lo + node.num_pages]))
+                    lo += node.num_pages
+                self._claimed.update(todo)
+                return claims
+        claims = [self.claim_backup(node, False, take_host) for node in todo]
+        return [c for c in claims if c is not None]
+
     def dispatch_backups(self, claims: list[Claim]) -> Any:
         """Copy every claimed node to host in ONE transfer; one op per node, in claim order
         (root-first), sharing the handle. Each node holds its host pages from now on (see the
@@ -142,8 +166,10 @@ class InFlight:
         ops = self._ops_for(TransferKind.BACKUP,
                             [(node, ids, h) for (node, h), ids in zip(claims, device_ids)])
         try:
+            # the tree's device pages and take_host's fresh host pages: int32, distinct, held
             handle = self._engine.backup(np.concatenate(device_ids),
-                                         np.concatenate([h for _, h in claims]), tag=ops)
+                                         np.concatenate([h for _, h in claims]), tag=ops,
+                                         validated=True)
         except BaseException:  # internal ids: a bug; undo the claims so the tree stays whole
             for _, host_ids in claims:
                 self._host_free(host_ids)
@@ -160,15 +186,16 @@ class InFlight:
     def free_host(self, host_ids: np.ndarray) -> None:
         """Host pages a node gave up: free, or parked until the copies using them land (the
         transfer engine's ``busy_host_pages``; none are while no transfer is in flight)."""
+        free = self._host.free  # a node's pages: distinct and int32 (its tree's)
         if not self._engine.in_flight:
-            self._host_free(host_ids)
+            free(host_ids, validated=True)
             return
-        busy = self._engine.busy_host_pages(host_ids)
+        busy = self._engine.busy_host_pages(host_ids, validated=True)
         if busy.any():
             self._parked[host_ids[busy]] = True
             self.num_parked += int(busy.sum())
             host_ids = host_ids[~busy]
-        self._host_free(host_ids)
+        free(host_ids, validated=True)
 
     def parked_host_pages(self) -> np.ndarray:
         """Host pages given up while a copy into them is in flight (freed when it lands)."""
@@ -198,8 +225,9 @@ class InFlight:
             lo += h.size
         ops = self._ops_for(TransferKind.LOAD, parts)
         try:
+            # the chains' host pages (the tree's) and fresh device pages: int32, distinct, held
             handle = self._engine.load(np.concatenate(host_ids), device_ids,
-                                       layerwise=layerwise, tag=ops)
+                                       layerwise=layerwise, tag=ops, validated=True)
         except BaseException:  # a dispatch failure (internal ids: a bug, or the runtime): undo
             self._device_free(device_ids)
             for node, _ in chains:

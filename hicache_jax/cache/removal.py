@@ -17,6 +17,7 @@ Threading: the cache's thread only.
 from __future__ import annotations
 
 import collections
+import functools
 from typing import Any
 
 from hicache_jax.cache.inflight import InFlight
@@ -44,7 +45,9 @@ class Removal:
                  counters: collections.Counter, flight: InFlight, l3: Any) -> None:
         self.cfg, self._tree = cfg, tree
         self._owner, self._events, self._n, self._l3 = owners, events, counters, l3
-        self._device_free, self._host_free = device_allocator.free, flight.free_host
+        # a node's pages (its tree keeps them distinct, int32): only the double-free check
+        self._device_free = functools.partial(device_allocator.free, validated=True)
+        self._host_free = flight.free_host
 
     def evict_host_leaves(self, num_tokens: int, page_granular: bool = False) -> int:
         """Delete unlocked host-only leaves, least valuable first (a parent that becomes such a

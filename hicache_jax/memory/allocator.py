@@ -136,9 +136,17 @@ class PageAllocator:
             raise HiCacheError(f"{name}: {self.name} pages {bad.tolist()} are not allocated (double free?)")
         return arr
 
-    def free(self, ids) -> None:
-        """Return ``ids`` to the free list; all-or-nothing validation first."""
-        arr = self.check_allocated(ids)
+    def free(self, ids, *, validated: bool = False) -> None:
+        """Return ``ids`` to the free list; all-or-nothing validation first.
+
+        ``validated``: ``ids`` is an int32 numpy array of distinct in-range ids (a node's
+        pages, which its tree keeps distinct): only the allocated check (a double free) runs."""
+        if validated:
+            arr = ids
+            if not self._allocated[arr].all():
+                self.check_allocated(arr)  # raises the precise error
+        else:
+            arr = self.check_allocated(ids)
         k = arr.size
         self._allocated[arr] = False
         self._stack[self._top:self._top + k] = arr[::-1]

@@ -9,7 +9,11 @@ What a step's result is held to, in order:
 
 1. ``(new_array, out)`` with the array's shape and dtype: checked with ``eval_shape`` before
    dispatch when the step is a ``jax.jit`` function (a mismatch raises ``ValueError`` and the
-   pool is untouched), and again on the result.
+   pool is untouched), and again on the result. A step's result shape depends only on its
+   arguments' shapes and dtypes, so a function that passed is not traced again for the same
+   argument shapes (when every argument is an array: remembered per function and shapes, at
+   most ``EVAL_CACHE_SIZE`` of them); a function or argument shapes never seen before are
+   checked before their first dispatch.
 2. The array's sharding (memory kind included). Found only after the step ran: the pool keeps
    the step's result, moved back to its own placement, and ``ValueError`` says to set
    ``out_shardings``. (Keeping the old array instead is not possible: it was donated.)
@@ -27,6 +31,10 @@ import jax
 import numpy as np
 
 from hicache_jax.spec import KVSpec
+
+#: Steps (function, argument shapes and dtypes) whose ``eval_shape`` check passed, remembered
+#: per pool; cleared when full (a pool's own copies use a handful: padded plan lengths).
+EVAL_CACHE_SIZE = 256
 
 
 def check_kv(spec: KVSpec, kv: Any, n: int) -> None:
@@ -55,7 +63,7 @@ class DonatedArray:
         array: the freshly allocated array; its shape, dtype and sharding are the reference.
     """
 
-    __slots__ = ("name", "shape", "dtype", "sharding", "_sharding_ok")
+    __slots__ = ("name", "shape", "dtype", "sharding", "_sharding_ok", "_checked")
 
     def __init__(self, name: str, array: jax.Array) -> None:
         self.name = name
@@ -65,6 +73,8 @@ class DonatedArray:
         # An executable returns the same sharding object every call: a result sharding found
         # equivalent once is remembered (is_equivalent_to costs ~50-65 us on a cold cache).
         self._sharding_ok = array.sharding
+        # (fn, arg shapes / dtypes) whose eval_shape passed: eval_shape costs ~30 us a call
+        self._checked: set = set()
 
     def run(self, array: jax.Array, rebind: Callable[[jax.Array], None],
             fn: Callable[..., tuple[jax.Array, Any]], args: tuple) -> Any:
@@ -75,7 +85,7 @@ class DonatedArray:
                 a ``jax.jit`` function; sharding and donation after, the result kept).
         """
         if hasattr(fn, "eval_shape"):
-            self._check_result(fn.eval_shape(array, *args))
+            self._check_before(fn, array, args)
         new, out = self._check_result(fn(array, *args))
         if new.sharding is not self._sharding_ok:
             if not new.sharding.is_equivalent_to(self.sharding, len(self.shape)):
@@ -89,6 +99,25 @@ class DonatedArray:
             raise ValueError(f"fn did not donate the {self.name} (jit it with donate_argnums=0): "
                              f"the step ran but copied the whole {self.name}")
         return out
+
+    def _check_before(self, fn: Any, array: jax.Array, args: tuple) -> None:
+        """``eval_shape`` check of a jitted ``fn``, skipped when the same function passed it
+        with arguments of the same shapes and dtypes (arrays only: anything else, e.g. a
+        static Python argument or a pytree, is checked every call)."""
+        key = None
+        if all(isinstance(a, (jax.Array, np.ndarray)) for a in args):
+            try:
+                key = (fn, tuple((a.shape, a.dtype, getattr(a, "weak_type", False))
+                                 for a in (array, *args)))
+                if key in self._checked:
+                    return
+            except TypeError:  # an unhashable function: no memo
+                key = None
+        self._check_result(fn.eval_shape(array, *args))
+        if key is not None:
+            if len(self._checked) >= EVAL_CACHE_SIZE:
+                self._checked.clear()
+            self._checked.add(key)
 
     def _check_result(self, result: Any) -> tuple[Any, Any]:
         if not (isinstance(result, tuple) and len(result) == 2):

@@ -45,7 +45,7 @@ import jax
 import numpy as np
 
 from hicache_jax.errors import HiCacheError
-from hicache_jax.memory.page_copy import copy_fn, copy_plan, layer_plans
+from hicache_jax.memory.page_copy import bound_copy, copy_fn, copy_plan, layer_plans
 from hicache_jax.spec import HostLayout
 from hicache_jax.validation import check_bool, is_int
 
@@ -169,8 +169,9 @@ class TransferEngine:
         self.spec = device_pool.spec
         host_put = None if host_pool.on_device_memory else host_pool.sharding
         dev_put = None if host_pool.on_device_memory else host_pool.device_sharding
-        self._backup_fn, self._load_fn, self._load_layer_fn = transfer_fns(
-            self.spec.num_layers, host_pool.layout, host_put, dev_put)
+        # dispatched as jits with their static arguments bound (page_copy.bound_copy)
+        self._backup_fn, self._load_fn, self._load_layer_fn = map(bound_copy, transfer_fns(
+            self.spec.num_layers, host_pool.layout, host_put, dev_put))
         self._busy = np.zeros(host_pool.num_pages, np.int32)  # transfers using each host page
         self._in_flight: list[TransferHandle] = []  # dispatch order
         self._finished: list[TransferHandle] = []   # completion order, not yet polled
@@ -184,15 +185,21 @@ class TransferEngine:
         self._group = group
 
     # ----------------------------------------------------------------------------- dispatch
-    def backup(self, device_ids: Any, host_ids: Any, *, tag: Any = None) -> TransferHandle:
+    def backup(self, device_ids: Any, host_ids: Any, *, tag: Any = None,
+               validated: bool = False) -> TransferHandle:
         """Copy device pages to host pages (device_ids[i] -> host_ids[i]); returns at once.
+
+        Args:
+            validated: the caller vouches for the ids: int32 numpy arrays of the same length,
+                distinct, allocated in their pools (the cache's own, from its tree and its
+                allocators); the checks below are skipped.
 
         Raises:
             TypeError / ValueError: ids not 1-D ints, out of range, repeated, lengths differ.
             HiCacheError: ids not allocated in their pool.
             All before dispatch: both pools unchanged.
         """
-        d, h = self._validate(device_ids, host_ids)
+        d, h = (device_ids, host_ids) if validated else self._validate(device_ids, host_ids)
         handle = TransferHandle(self, TransferKind.BACKUP, d, h, tag, layerwise=False)
         if d.size:
             handle._tokens.append(self.host_pool.run(
@@ -200,17 +207,18 @@ class TransferEngine:
         return self._track(handle)
 
     def load(self, host_ids: Any, device_ids: Any, *, layerwise: bool = False,
-             tag: Any = None) -> TransferHandle:
+             tag: Any = None, validated: bool = False) -> TransferHandle:
         """Copy host pages to device pages (host_ids[i] -> device_ids[i]); returns at once.
 
         Args:
             layerwise: dispatch one copy per layer so ``wait_layer(l)`` can return early.
+            validated: as in :meth:`backup`.
 
         Raises:
             Like :meth:`backup`; also TypeError for a non-bool ``layerwise``.
         """
         check_bool("layerwise", layerwise)
-        d, h = self._validate(device_ids, host_ids)
+        d, h = (device_ids, host_ids) if validated else self._validate(device_ids, host_ids)
         handle = TransferHandle(self, TransferKind.LOAD, d, h, tag, layerwise=layerwise)
         if d.size:
             plan = copy_plan(d, h)
@@ -301,7 +309,8 @@ class TransferEngine:
         return len(self._in_flight)
 
     # ------------------------------------------------------------------------ host page guard
-    def busy_host_pages(self, host_ids: Any) -> np.ndarray:
-        """Bool mask: which of ``host_ids`` a transfer not yet observed complete reads or writes."""
-        h = self.host_pool.validate_ids(host_ids)
+    def busy_host_pages(self, host_ids: Any, *, validated: bool = False) -> np.ndarray:
+        """Bool mask: which of ``host_ids`` a transfer not yet observed complete reads or writes.
+        ``validated``: ``host_ids`` already is an int32 numpy array of in-range ids."""
+        h = host_ids if validated else self.host_pool.validate_ids(host_ids)
         return self._busy[h] > 0

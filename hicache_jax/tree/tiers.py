@@ -210,16 +210,16 @@ class TierIndex:
             host_ids: 1-D int ``[node.num_pages]`` distinct host page ids; the tree takes them.
             validated: ``node`` is a node of this tree and ``host_ids`` an int32 numpy array of
                 ``node.num_pages`` distinct ids fresh from the host allocator (the cache's
-                backups): skip those checks (a walk to the root and a sort).
+                backups): skip those checks (a walk to the root, a sort, the held-page lookup).
         """
-        if validated:
+        if validated:  # fresh from the host allocator: no page of them is held
             ids = host_ids
         else:
             self._check_member(node)
             ids = as_distinct_ids(host_ids, node.num_pages, "host_ids")
         if node.value is None or node.host_value is not None:
             raise HiCacheError(f"{node!r} must hold device pages and no host copy yet")
-        if self._host_held.any_held(ids):
+        if not validated and self._host_held.any_held(ids):
             raise HiCacheError("host_ids has pages the tree already holds")
         self._index_host(node, ids)
 
