@@ -55,6 +55,8 @@ def run_all(n: int, fn, timeout_s: float = 5.0, store: FakeStore | None = None,
             out[i] = fn(g)
         except Exception as e:
             out[i] = e
+        finally:
+            g.close()
 
     threads = [threading.Thread(target=body, args=(i,)) for i in range(n)]
     for t in threads:
@@ -74,8 +76,9 @@ def test_local_group_is_the_value_itself():
 
 
 @pytest.mark.parametrize("n", [2, 4])
-def test_min_leader_and_gather_over_processes(n):
-    out = run_all(n, lambda g: (g.allgather("a", str(g.process_id)),
+@pytest.mark.parametrize("transport", ["socket", "kv"])
+def test_min_leader_and_gather_over_processes(n, transport):
+    out = run_all(n, transport=transport, fn=lambda g: (g.allgather("a", str(g.process_id)),
                                 g.agree_min("m", [10 + g.process_id, 7 - g.process_id]).tolist(),
                                 g.leader("l", f"p{g.process_id}")))
     assert out == [([str(i) for i in range(n)], [10, 8 - n], "p0")] * n
@@ -84,14 +87,15 @@ def test_min_leader_and_gather_over_processes(n):
 def test_agreement_keys_are_deleted_once_every_peer_read_them():
     store = FakeStore()
     out = run_all(3, lambda g: [g.allgather("s", "x") for _ in range(7)], store=store,
-                  delete_every=3)
+                  delete_every=3, transport="kv")
     assert all(o == [["x"] * 3] * 7 for o in out)
     # steps 0-2 and 3-5 deleted a block at a time (at steps 3 and 6), step 6's keys kept
     assert sorted(store.kv) == ["t/2/0/6", "t/2/1/6", "t/2/2/6"]
 
 
-def test_a_differing_field_is_named_on_every_process():
-    out = run_all(2, lambda g: g.check_equal(
+@pytest.mark.parametrize("transport", ["socket", "kv"])
+def test_a_differing_field_is_named_on_every_process(transport):
+    out = run_all(2, transport=transport, fn=lambda g: g.check_equal(
         "config", [("page_size", "4"), ("device_pages", str(16 + g.process_id)),
                    ("eviction", str(g.process_id))]))
     for e in out:
@@ -99,22 +103,25 @@ def test_a_differing_field_is_named_on_every_process():
         assert "process 0 has 16, process 1 has 17" in str(e)
 
 
-def test_different_calls_at_one_step_are_found():
-    out = run_all(2, lambda g: g.allgather("insert" if g.process_id else "evict", "x"))
+@pytest.mark.parametrize("transport", ["socket", "kv"])
+def test_different_calls_at_one_step_are_found(transport):
+    out = run_all(2, transport=transport, fn=lambda g: g.allgather("insert" if g.process_id else "evict", "x"))
     assert all(isinstance(e, GroupDivergedError) and e.field == "call" for e in out)
     assert "process 0 is at 'evict', process 1 at 'insert'" in str(out[0])
 
 
-def test_a_missing_process_is_named_within_the_timeout():
+@pytest.mark.parametrize("transport", ["socket", "kv"])
+def test_a_missing_process_is_named_within_the_timeout(transport):
     def fn(g):
-        if g.process_id == 2:
+        if g.process_id == 2:  # alive but silent (its connections open) past the others' timeout
+            time.sleep(1.5)
             return "stopped calling"
         t0 = time.monotonic()
         try:
             g.allgather("step", "x")
         except GroupTimeoutError as e:
             return e, time.monotonic() - t0
-    out = run_all(3, fn, timeout_s=0.5)
+    out = run_all(3, fn, timeout_s=0.5, transport=transport)
     for e, seconds in out[:2]:
         assert e.process == 2 and "process 2 of 3 did not reach agreement step 0" in str(e)
         assert isinstance(e, HiCacheError) and 0.4 < seconds < 3.0
@@ -131,7 +138,8 @@ def test_bad_arguments():
     assert all(isinstance(e, GroupDivergedError) for e in out)
 
 
-def test_riders_go_with_the_next_agreement_whatever_it_is_for():
+@pytest.mark.parametrize("transport", ["socket", "kv"])
+def test_riders_go_with_the_next_agreement_whatever_it_is_for(transport):
     def fn(g):
         got = []
         g.ride("clock", lambda: f"t{g.process_id}", got.append)
@@ -141,7 +149,7 @@ def test_riders_go_with_the_next_agreement_whatever_it_is_for():
         g.ride("clock", lambda: "late", got.append)
         g.flush()  # alone: a step of its own
         return out.tolist(), got, g.calls, g.calls_by_tag
-    for min_, got, calls, by_tag in run_all(3, fn):
+    for min_, got, calls, by_tag in run_all(3, fn, transport=transport):
         assert min_ == [3] and got == [["t0", "t1", "t2"], ["o"] * 3, ["late"] * 3]
         assert calls == 2 and dict(by_tag) == {"m": 1, "riders": 1}
     local = []
@@ -149,17 +157,19 @@ def test_riders_go_with_the_next_agreement_whatever_it_is_for():
     assert local == [["now"]]  # one process: taken at once
 
 
-def test_a_peer_without_the_same_riders_made_other_calls():
+@pytest.mark.parametrize("transport", ["socket", "kv"])
+def test_a_peer_without_the_same_riders_made_other_calls(transport):
     def fn(g):
         if g.process_id:
             g.ride("clock", lambda: "1", lambda v: None)
         return g.allgather("transfers", "x")
-    out = run_all(2, fn)
+    out = run_all(2, fn, transport=transport)
     assert all(isinstance(e, GroupDivergedError) and e.field == "call" for e in out)
     assert "'transfers+clock'" in str(out[1]) and "'transfers'" in str(out[1])
 
 
-def test_agreed_clock_stamps_wait_for_no_one_and_deadlines_take_this_requests_reading():
+@pytest.mark.parametrize("transport", ["socket", "kv"])
+def test_agreed_clock_stamps_wait_for_no_one_and_deadlines_take_this_requests_reading(transport):
     def fn(g):
         local = iter([100.0 + g.process_id, 200.0 + g.process_id, 300.0 + g.process_id])
         clock = AgreedClock(g, lambda: next(local))  # agrees process 0's 100.0
@@ -171,7 +181,7 @@ def test_agreed_clock_stamps_wait_for_no_one_and_deadlines_take_this_requests_re
         clock.sync()
         g.agree_min("transfers", [1])  # carries process 0's 300.0
         return stamp, stamped_calls, fresh, clock(), g.calls - c0
-    for stamp, stamped_calls, fresh, after, calls in run_all(2, fn):
+    for stamp, stamped_calls, fresh, after, calls in run_all(2, fn, transport=transport):
         assert 100.0 <= stamp < 100.0 + 1e-6 and stamped_calls == 0
         assert 200.0 <= fresh < 200.0 + 1e-6
         assert 300.0 <= after < 300.0 + 1e-6 and calls == 2
