@@ -4,15 +4,16 @@ Each process has one CPU device (gloo collectives); the cache's kv heads are sha
 process's device, and every process replays the same slice of the shipped Mooncake trace through
 the request handle (:func:`benchmarks.replay_driver.serve`: begin, extend, flush, finish, flush),
 with a tiny KVSpec so that what is timed is the control plane. With several processes every
-decision input is agreed through jax.distributed's key-value store (ARCHITECTURE.md, "Several
-processes"); the figure is each run's wall time per request beside the one-process run's of
+decision input is agreed through the cache's group (ARCHITECTURE.md, "Several processes"; its
+transport ``--transport``: direct sockets by default, or jax.distributed's key-value store); the figure is each run's wall time per request beside the one-process run's of
 the same slice in the same invocation (the ratio is what is judged: target <= 1.3x at 2
 processes), with the agreements' share of the time (``Group.seconds``) and their count per
 request. The hit figures of every run must equal the one-process run's (printed: a difference
 fails the benchmark).
 
 Usage: ``python -m benchmarks.bench_multihost [--requests 200] [--processes 1,2,4]
-[--json PATH]``; ``BENCH_MULTIHOST_PROFILE=PREFIX`` writes each process's cProfile of the timed
+[--transport socket|kv] [--json PATH]`` (the cache's group transport; before the timed loop
+each multi-process run also times one agreement over both transports and prints them); ``BENCH_MULTIHOST_PROFILE=PREFIX`` writes each process's cProfile of the timed
 loop to ``PREFIX-<N>p-<id>.prof``. Runs the processes itself (their own coordinator port, killed at the end).
 """
 
@@ -35,7 +36,26 @@ FIGURES = ("device_hit_tokens", "host_hit_tokens", "backups", "load_backs", "evi
            "host_evictions")
 
 
-def _worker(pid: int, n: int, port: int, requests: int, device_tokens: int, out: str) -> None:
+def _round_trips(steps: int = 300) -> dict:
+    """The median time of one agreement (an allgather of a short string, as a transfer poll's)
+    over each transport, measured here, between the same processes."""
+    from hicache_jax.memory.group import DistributedGroup
+
+    out = {}
+    for transport in ("kv", "socket"):
+        g = DistributedGroup(60.0, name=f"bench/round-trip/{transport}", transport=transport)
+        times = []
+        for i in range(steps):
+            t0 = time.perf_counter()
+            g.agree_min("round trip", [i, 3])
+            times.append(time.perf_counter() - t0)
+        g.close()
+        out[transport] = sorted(times)[steps // 2]
+    return out
+
+
+def _worker(pid: int, n: int, port: int, requests: int, device_tokens: int, out: str,
+            transport: str) -> None:
     import jax
 
     if n > 1:
@@ -47,6 +67,7 @@ def _worker(pid: int, n: int, port: int, requests: int, device_tokens: int, out:
 
     from benchmarks import replay_driver as rd
     from hicache_jax import HiCacheConfig, KVSpec
+    from hicache_jax.memory.group import DistributedGroup
     from hicache_jax.replay.trace import load_trace
 
     prompts = rd.Prompts.from_trace(load_trace(DEFAULT_TRACE))
@@ -54,7 +75,9 @@ def _worker(pid: int, n: int, port: int, requests: int, device_tokens: int, out:
     spec = KVSpec(num_layers=1, num_kv_heads=HEADS, head_dim=1, dtype="float32", page_size=ps)
     cfg = HiCacheConfig(device_pages=device_tokens // ps, host_ratio=2.0,
                         mesh=Mesh(np.array(jax.devices()), ("heads",)),
-                        agreement_timeout_s=60.0)
+                        agreement_timeout_s=60.0,
+                        group=DistributedGroup(60.0, transport=transport) if n > 1 else None)
+    round_trips = _round_trips() if n > 1 else {}
     cache = rd.new_cache(spec, cfg)
     group = cache._group
     seen = [prompts.tokens(i) for i in range(requests)]
@@ -79,7 +102,8 @@ def _worker(pid: int, n: int, port: int, requests: int, device_tokens: int, out:
         profiler.dump_stats(f"{prof}-{n}p-{pid}.prof")
     stats = cache.stats()
     cache.check_agreement()
-    result = {"processes": n, "requests": requests, "wall_s": wall,
+    result = {"processes": n, "requests": requests, "wall_s": wall, "transport": transport,
+              "round_trip_s": round_trips,
               "agreement_s": getattr(group, "seconds", 0.0) - g0,
               "agreements": getattr(group, "calls", 0) - c0,
               "agreements_by_tag": {t: c - tags0.get(t, 0) for t, c in
@@ -102,14 +126,16 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def run(n: int, requests: int, device_tokens: int, timeout: float = 600.0) -> dict:
+def run(n: int, requests: int, device_tokens: int, transport: str = "socket",
+        timeout: float = 600.0) -> dict:
     """One run over ``n`` processes; process 0's figures."""
     port = _free_port()
     out = tempfile.mktemp(suffix=".json")
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1",
                JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
     procs = [subprocess.Popen([sys.executable, "-m", "benchmarks.bench_multihost", "--worker",
-                               str(i), str(n), str(port), str(requests), str(device_tokens), out],
+                               str(i), str(n), str(port), str(requests), str(device_tokens), out,
+                               transport],
                               env=env, cwd=ROOT, start_new_session=True) for i in range(n)]
     try:
         deadline = time.monotonic() + timeout
@@ -133,16 +159,18 @@ def main() -> None:
     ap.add_argument("--processes", default="1,2,4")
     ap.add_argument("--device-tokens", type=int, default=200_000)
     ap.add_argument("--json")
-    ap.add_argument("--worker", nargs=6, help=argparse.SUPPRESS)
+    ap.add_argument("--transport", default="socket", choices=("socket", "kv"),
+                    help="the cache's group transport with several processes (default socket)")
+    ap.add_argument("--worker", nargs=7, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
         pid, n, port, requests, tokens = map(int, args.worker[:5])
-        _worker(pid, n, port, requests, tokens, args.worker[5])
+        _worker(pid, n, port, requests, tokens, args.worker[5], args.worker[6])
         return
     from benchmarks.common import write_json
 
     counts = [int(x) for x in args.processes.split(",")]
-    runs = {n: run(n, args.requests, args.device_tokens) for n in counts}
+    runs = {n: run(n, args.requests, args.device_tokens, args.transport) for n in counts}
     base = runs[counts[0]]
     print(f"{'processes':>9} {'us/request':>11} {'x 1 process':>12} {'agreements/req':>15} "
           f"{'agreement share':>16}  figures")
@@ -159,6 +187,12 @@ def main() -> None:
             print(" " * 10 + "agreements/request by call: " + ", ".join(
                 f"{t} {c / r['requests']:.2f}" for t, c in sorted(
                     r["agreements_by_tag"].items(), key=lambda kv: -kv[1])))
+    for n, r in runs.items():
+        rt = r.get("round_trip_s")
+        if rt:
+            print(f"{n} processes: one agreement (median of 300, measured in the run): "
+                  f"kv store {rt['kv'] * 1e6:.0f} us, socket {rt['socket'] * 1e6:.0f} us "
+                  f"({rt['kv'] / rt['socket']:.1f}x faster); the cache's group: {r['transport']}")
     if 2 in runs:
         r2 = runs[2]["wall_s"] / base["wall_s"]
         print(f"control plane at 2 processes: {r2:.2f}x one process's time per request "

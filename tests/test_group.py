@@ -1,4 +1,5 @@
-"""Process groups (memory/group.py): the single-process group and the key-value group over an
+"""Process groups (memory/group.py, memory/group_socket.py): the single-process group and the
+distributed group over both transports (direct sockets, the key-value store) with an
 in-process store (threads as processes); real jax.distributed processes run it in
 test_agreement.py."""
 
@@ -11,8 +12,10 @@ import numpy as np
 import pytest
 
 from hicache_jax.errors import HiCacheError
-from hicache_jax.memory.group import (AgreedClock, DistributedGroup, GroupDivergedError, GroupTimeoutError,
-                                      LocalGroup, default_group)
+from hicache_jax.memory.group import (AgreedClock, DistributedGroup, GroupConnectError,
+                                      GroupDivergedError, GroupTimeoutError, LocalGroup,
+                                      default_group)
+from hicache_jax.memory.group_socket import route_host
 
 
 class FakeStore:
@@ -185,3 +188,65 @@ def test_agreed_clock_stamps_wait_for_no_one_and_deadlines_take_this_requests_re
         assert 100.0 <= stamp < 100.0 + 1e-6 and stamped_calls == 0
         assert 200.0 <= fresh < 200.0 + 1e-6
         assert 300.0 <= after < 300.0 + 1e-6 and calls == 2
+
+
+# -- the socket transport (memory/group_socket.py) ----------------------------------------------
+
+def test_socket_transport_carries_any_value_in_process_order():
+    big = "x" * 3_000_000  # far beyond a socket's buffer: sent while the peers' frames are read
+    values = ["", "a\x1eb\x1dc", "ünï\ncode", big, "1,2,3"]
+
+    def fn(g):
+        assert g.transport == "socket"
+        return [g.allgather(f"s{k}", f"{v}|{g.process_id}") for k, v in enumerate(values * 4)]
+    for got in run_all(3, fn, transport="socket"):
+        assert got == [[f"{v}|{p}" for p in range(3)] for v in values * 4]
+
+
+def test_a_closed_peer_is_named_at_once():
+    def fn(g):
+        if g.process_id == 1:
+            g.close()  # as a killed process: its connections close
+            return None
+        t0 = time.monotonic()
+        try:
+            g.allgather("step", "x")
+        except GroupTimeoutError as e:
+            return e, time.monotonic() - t0
+    e, seconds = run_all(2, fn, timeout_s=20.0, transport="socket")[0]
+    assert e.process == 1 and "process 1 of 2 did not reach agreement step 0 ('step')" in str(e)
+    assert "connection" in str(e) and seconds < 5.0  # not the 20 s timeout
+
+
+def test_a_peer_that_never_joins_is_named_within_the_timeout():
+    t0 = time.monotonic()
+    with pytest.raises(GroupTimeoutError, match="process 1 of 2 did not connect") as e:
+        DistributedGroup(0.5, name="t", client=FakeStore(), process_id=0, num_processes=2)
+    assert e.value.process == 1 and time.monotonic() - t0 < 3.0
+    with pytest.raises(GroupTimeoutError, match="process 0 of 2 did not publish its address"):
+        DistributedGroup(0.5, name="t", client=FakeStore(), process_id=1, num_processes=2)
+
+
+def test_an_unreachable_address_is_a_clear_error():
+    import socket
+
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        closed = s.getsockname()[1]
+    store = FakeStore()
+    store.key_value_set("t/link/0", f"127.0.0.1:{closed}")  # process 0's address, gone
+    with pytest.raises(GroupConnectError, match=f"cannot connect to process 0 at 127.0.0.1:{closed}") as e:
+        DistributedGroup(2.0, name="t", client=store, process_id=1, num_processes=2)
+    assert e.value.process == 0 and isinstance(e.value, GroupTimeoutError)
+    with pytest.raises(GroupConnectError, match="cannot listen on 192.0.2.1") as e:
+        DistributedGroup(2.0, client=FakeStore(), process_id=0, num_processes=2, host="192.0.2.1")
+    assert e.value.process == 0
+    with pytest.raises(ValueError, match="transport"):
+        DistributedGroup(1.0, client=FakeStore(), process_id=0, num_processes=2, transport="udp")
+    with pytest.raises(ValueError, match="port"):
+        DistributedGroup(1.0, client=FakeStore(), process_id=0, num_processes=2, port=-1)
+
+
+def test_route_host_is_the_interface_toward_the_coordinator():
+    assert route_host("127.0.0.1:8476") == "127.0.0.1"
+    assert route_host(None) == "127.0.0.1"
