@@ -41,8 +41,9 @@ def route_host(coordinator: str | None) -> str:
         return "127.0.0.1"
     host = coordinator.rsplit(":", 1)[0].strip("[]")
     try:
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-            s.connect((host, 9))
+        family, kind, _, _, address = socket.getaddrinfo(host, 9, type=socket.SOCK_DGRAM)[0]
+        with socket.socket(family, kind) as s:
+            s.connect(address)
             return s.getsockname()[0]
     except OSError:
         return "127.0.0.1"
@@ -77,7 +78,9 @@ class SocketLinks:
         self._sel = selectors.DefaultSelector()
         end = time.monotonic() + timeout_s
         try:
-            listener = socket.create_server((host, port), backlog=max(1, num_processes))
+            listener = socket.create_server(
+                (host, port), backlog=max(1, num_processes),
+                family=socket.AF_INET6 if ":" in host else socket.AF_INET)
         except OSError as e:
             raise GroupConnectError(
                 f"process {process_id} of {num_processes} cannot listen on {host}:{port} ({e}): "
