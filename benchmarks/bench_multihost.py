@@ -93,16 +93,19 @@ def _worker(pid: int, n: int, port: int, requests: int, device_tokens: int, out:
         profiler.enable()
     tags0 = dict(getattr(group, "calls_by_tag", {}))
     t0, g0, c0 = time.perf_counter(), getattr(group, "seconds", 0.0), getattr(group, "calls", 0)
+    cpu0 = time.process_time()
     for tokens in seen:
         whole = min(tokens.shape[0] // ps, cfg.device_pages)
         rd.serve(cache, tokens[: whole * ps], whole)
     wall = time.perf_counter() - t0
+    cpu = time.process_time() - cpu0  # this process's CPU (every thread): apart from waiting
     if prof:
         profiler.disable()
         profiler.dump_stats(f"{prof}-{n}p-{pid}.prof")
     stats = cache.stats()
     cache.check_agreement()
-    result = {"processes": n, "requests": requests, "wall_s": wall, "transport": transport,
+    result = {"processes": n, "requests": requests, "wall_s": wall, "cpu_s": cpu,
+              "transport": transport,
               "round_trip_s": round_trips,
               "agreement_s": getattr(group, "seconds", 0.0) - g0,
               "agreements": getattr(group, "calls", 0) - c0,
@@ -172,8 +175,8 @@ def main() -> None:
     counts = [int(x) for x in args.processes.split(",")]
     runs = {n: run(n, args.requests, args.device_tokens, args.transport) for n in counts}
     base = runs[counts[0]]
-    print(f"{'processes':>9} {'us/request':>11} {'x 1 process':>12} {'agreements/req':>15} "
-          f"{'agreement share':>16}  figures")
+    print(f"{'processes':>9} {'us/request':>11} {'x 1 process':>12} {'cpu us/req':>11} "
+          f"{'agreements/req':>15} {'agreement share':>16}  figures")
     ok = True
     for n, r in runs.items():
         per = r["wall_s"] / r["requests"] * 1e6
@@ -181,7 +184,9 @@ def main() -> None:
         share = r["agreement_s"] / r["wall_s"] if r["wall_s"] else 0.0
         same = r["figures"] == base["figures"]
         ok &= same
-        print(f"{n:>9} {per:>11.0f} {ratio:>11.2f}x {r['agreements'] / r['requests']:>15.1f} "
+        cpu = r["cpu_s"] / r["requests"] * 1e6
+        print(f"{n:>9} {per:>11.0f} {ratio:>11.2f}x {cpu:>11.0f} "
+              f"{r['agreements'] / r['requests']:>15.1f} "
               f"{share:>15.0%}  {'same' if same else r['figures']}")
         if r.get("agreements_by_tag"):
             print(" " * 10 + "agreements/request by call: " + ", ".join(
