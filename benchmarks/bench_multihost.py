@@ -130,16 +130,20 @@ def _free_port() -> int:
 
 
 def run(n: int, requests: int, device_tokens: int, transport: str = "socket",
-        timeout: float = 600.0) -> dict:
-    """One run over ``n`` processes; process 0's figures."""
+        timeout: float = 600.0, copies: int = 1) -> dict:
+    """One run over ``n`` processes; process 0's figures. ``copies`` > 1 (``n`` 1 only): that
+    many independent one-process runs at once (the CPU load of a ``copies``-process run
+    without its agreements); the first one's figures, the times the mean of all."""
+    assert n == 1 or copies == 1
     port = _free_port()
-    out = tempfile.mktemp(suffix=".json")
+    outs = [tempfile.mktemp(suffix=".json") for _ in range(copies)]
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1",
                JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
     procs = [subprocess.Popen([sys.executable, "-m", "benchmarks.bench_multihost", "--worker",
-                               str(i), str(n), str(port), str(requests), str(device_tokens), out,
-                               transport],
-                              env=env, cwd=ROOT, start_new_session=True) for i in range(n)]
+                               str(i if copies == 1 else 0), str(n), str(port), str(requests),
+                               str(device_tokens), outs[0 if copies == 1 else i], transport],
+                              env=env, cwd=ROOT, start_new_session=True)
+             for i in range(max(n, copies))]
     try:
         deadline = time.monotonic() + timeout
         for p in procs:
@@ -152,8 +156,15 @@ def run(n: int, requests: int, device_tokens: int, transport: str = "socket",
     if any(p.returncode for p in procs):
         raise RuntimeError(f"a process of the {n}-process run failed: "
                            f"{[p.returncode for p in procs]}")
-    with open(out) as f:
-        return json.load(f)
+    results = []
+    for out in outs:
+        with open(out) as f:
+            results.append(json.load(f))
+    first = results[0]
+    for k in ("wall_s", "cpu_s"):
+        first[k] = sum(r[k] for r in results) / len(results)
+    first["copies"] = copies
+    return first
 
 
 def main() -> None:
@@ -164,6 +175,10 @@ def main() -> None:
     ap.add_argument("--json")
     ap.add_argument("--transport", default="socket", choices=("socket", "kv"),
                     help="the cache's group transport with several processes (default socket)")
+    ap.add_argument("--beside", action="store_true",
+                    help="also time 2 and 4 independent one-process runs at once: one process's "
+                         "time per request under the CPU load of the 2- and 4-process runs, "
+                         "without their agreements (what the agreements add is the ratio to it)")
     ap.add_argument("--worker", nargs=7, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
@@ -198,6 +213,14 @@ def main() -> None:
             print(f"{n} processes: one agreement (median of 300, measured in the run): "
                   f"kv store {rt['kv'] * 1e6:.0f} us, socket {rt['socket'] * 1e6:.0f} us "
                   f"({rt['kv'] / rt['socket']:.1f}x faster); the cache's group: {r['transport']}")
+    if args.beside:
+        for n in [c for c in counts if c > 1]:
+            b = run(1, args.requests, args.device_tokens, copies=n)
+            ok &= b["figures"] == base["figures"]
+            print(f"{n} one-process runs at once: {b['wall_s'] / b['requests'] * 1e6:.0f} us/request "
+                  f"(cpu {b['cpu_s'] / b['requests'] * 1e6:.0f}); the {n}-process run: "
+                  f"{runs[n]['wall_s'] / b['wall_s']:.2f}x that")
+            runs[f"{n}x1"] = b
     if 2 in runs:
         r2 = runs[2]["wall_s"] / base["wall_s"]
         print(f"control plane at 2 processes: {r2:.2f}x one process's time per request "
