@@ -5,16 +5,20 @@ process's device, and every process replays the same slice of the shipped Moonca
 the request handle (:func:`benchmarks.replay_driver.serve`: begin, extend, flush, finish, flush),
 with a tiny KVSpec so that what is timed is the control plane. With several processes every
 decision input is agreed through the cache's group (ARCHITECTURE.md, "Several processes"; its
-transport ``--transport``: direct sockets by default, or jax.distributed's key-value store); the figure is each run's wall time per request beside the one-process run's of
-the same slice in the same invocation (the ratio is what is judged: target <= 1.3x at 2
-processes), with the agreements' share of the time (``Group.seconds``) and their count per
-request. The hit figures of every run must equal the one-process run's (printed: a difference
+transport ``--transport``: direct sockets by default, or jax.distributed's key-value store); the
+figure is each run's wall time per request beside the one-process run's of the same slice in
+the same invocation (the ratio is what is judged: target <= 1.3x at 2 processes), with the
+agreements' share of the time (``Group.seconds``) and their count per request. The hit figures of every run must equal the one-process run's (printed: a difference
 fails the benchmark).
 
 Usage: ``python -m benchmarks.bench_multihost [--requests 200] [--processes 1,2,4]
 [--transport socket|kv] [--json PATH]`` (the cache's group transport; before the timed loop
-each multi-process run also times one agreement over both transports and prints them); ``BENCH_MULTIHOST_PROFILE=PREFIX`` writes each process's cProfile of the timed
-loop to ``PREFIX-<N>p-<id>.prof``. Runs the processes itself (their own coordinator port, killed at the end).
+each multi-process run also times one agreement over both transports and prints them);
+``--beside`` also times, for each count N > 1 of ``--processes``, N independent one-process runs
+at once.
+``BENCH_MULTIHOST_PROFILE=PREFIX`` writes each process's cProfile of the timed loop to
+``PREFIX-<N>p-<id>.prof``. Runs the processes itself (their own coordinator port, killed at
+the end).
 """
 
 from __future__ import annotations
@@ -176,8 +180,9 @@ def main() -> None:
     ap.add_argument("--transport", default="socket", choices=("socket", "kv"),
                     help="the cache's group transport with several processes (default socket)")
     ap.add_argument("--beside", action="store_true",
-                    help="also time 2 and 4 independent one-process runs at once: one process's "
-                         "time per request under the CPU load of the 2- and 4-process runs, "
+                    help="also time, for each N > 1 of --processes, N independent one-process runs at "
+                         "once: one process's time per request under the CPU load of the "
+                         "N-process run, "
                          "without their agreements (what the agreements add is the ratio to it)")
     ap.add_argument("--worker", nargs=7, help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -217,7 +222,8 @@ def main() -> None:
         for n in [c for c in counts if c > 1]:
             b = run(1, args.requests, args.device_tokens, copies=n)
             ok &= b["figures"] == base["figures"]
-            print(f"{n} one-process runs at once: {b['wall_s'] / b['requests'] * 1e6:.0f} us/request "
+            print(f"{n} one-process runs at once: "
+                  f"{b['wall_s'] / b['requests'] * 1e6:.0f} us/request "
                   f"(cpu {b['cpu_s'] / b['requests'] * 1e6:.0f}); the {n}-process run: "
                   f"{runs[n]['wall_s'] / b['wall_s']:.2f}x that")
             runs[f"{n}x1"] = b

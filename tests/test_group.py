@@ -74,6 +74,7 @@ def test_local_group_is_the_value_itself():
     assert g.allgather("x", "v") == ["v"]
     assert g.agree_min("m", [3, 1]).tolist() == [3, 1]
     assert g.leader("l", "me") == "me"
+    g.close()  # nothing to release
     g.check_equal("cfg", [("a", "1")])
     assert isinstance(default_group(), LocalGroup)  # this process is no jax.distributed one
 
@@ -108,7 +109,8 @@ def test_a_differing_field_is_named_on_every_process(transport):
 
 @pytest.mark.parametrize("transport", ["socket", "kv"])
 def test_different_calls_at_one_step_are_found(transport):
-    out = run_all(2, transport=transport, fn=lambda g: g.allgather("insert" if g.process_id else "evict", "x"))
+    out = run_all(2, transport=transport,
+                  fn=lambda g: g.allgather("insert" if g.process_id else "evict", "x"))
     assert all(isinstance(e, GroupDivergedError) and e.field == "call" for e in out)
     assert "process 0 is at 'evict', process 1 at 'insert'" in str(out[0])
 
@@ -235,7 +237,8 @@ def test_an_unreachable_address_is_a_clear_error():
         closed = s.getsockname()[1]
     store = FakeStore()
     store.key_value_set("t/link/0", f"127.0.0.1:{closed}")  # process 0's address, gone
-    with pytest.raises(GroupConnectError, match=f"cannot connect to process 0 at 127.0.0.1:{closed}") as e:
+    with pytest.raises(GroupConnectError,
+                       match=f"cannot connect to process 0 at 127.0.0.1:{closed}") as e:
         DistributedGroup(2.0, name="t", client=store, process_id=1, num_processes=2)
     assert e.value.process == 0 and isinstance(e.value, GroupTimeoutError)
     with pytest.raises(GroupConnectError, match="cannot listen on 192.0.2.1") as e:

@@ -19,7 +19,8 @@ contributes a string, every process gets all of them, in process order); the res
   ``timeout_s``. Each agreement carries a tag (what the call is); peers at the same step with
   different tags made different calls, and :class:`GroupDivergedError` says so.
 
-This module (and ``group_socket.py``, which it gives the store) is the only one that touches ``jax.distributed``'s client (a private module of jax:
+This module (and ``group_socket.py``, which it hands the store) is the only one that touches
+``jax.distributed``'s client (a private module of jax:
 ``jax._src.distributed.global_state.client``; jax has no public key-value API).
 
 Threading: the cache's thread only (steps are numbered per group).
@@ -35,11 +36,12 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from hicache_jax.errors import GroupConnectError, GroupDivergedError, GroupTimeoutError, HiCacheError
+from hicache_jax.errors import (GroupConnectError, GroupDivergedError, GroupTimeoutError,
+                                HiCacheError)
 from hicache_jax.memory.group_socket import SocketLinks, route_host
 
-__all__ = ["Group", "LocalGroup", "DistributedGroup", "AgreedClock", "GroupTimeoutError", "GroupConnectError",
-           "GroupDivergedError", "default_group"]
+__all__ = ["Group", "LocalGroup", "DistributedGroup", "AgreedClock", "GroupTimeoutError",
+           "GroupConnectError", "GroupDivergedError", "default_group"]
 
 
 class Group:
@@ -62,6 +64,9 @@ class Group:
 
     def flush(self) -> None:
         """Send the riders still waiting, in an agreement of their own (none: nothing)."""
+
+    def close(self) -> None:
+        """Release what the group holds (connections); nothing for one process."""
 
     def agree_min(self, tag: str, values: Sequence[int]) -> np.ndarray:
         """Elementwise MIN over processes of int ``values`` (same length everywhere)."""
