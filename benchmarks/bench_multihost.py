@@ -8,8 +8,8 @@ decision input is agreed through the cache's group (ARCHITECTURE.md, "Several pr
 transport ``--transport``: direct sockets by default, or jax.distributed's key-value store); the
 figure is each run's wall time per request beside the one-process run's of the same slice in
 the same invocation (the ratio is what is judged: target <= 1.3x at 2 processes), with the
-agreements' share of the time (``Group.seconds``) and their count per request. The hit figures of every run must equal the one-process run's (printed: a difference
-fails the benchmark).
+agreements' share of the time (``Group.seconds``) and their count per request. The hit figures
+of every run must equal the one-process run's (printed: a difference fails the benchmark).
 
 Usage: ``python -m benchmarks.bench_multihost [--requests 200] [--processes 1,2,4]
 [--transport socket|kv] [--json PATH]`` (the cache's group transport; before the timed loop
@@ -180,8 +180,8 @@ def main() -> None:
     ap.add_argument("--transport", default="socket", choices=("socket", "kv"),
                     help="the cache's group transport with several processes (default socket)")
     ap.add_argument("--beside", action="store_true",
-                    help="also time, for each N > 1 of --processes, N independent one-process runs at "
-                         "once: one process's time per request under the CPU load of the "
+                    help="also time, for each N > 1 of --processes, N independent one-process "
+                         "runs at once: one process's time per request under the CPU load of the "
                          "N-process run, "
                          "without their agreements (what the agreements add is the ratio to it)")
     ap.add_argument("--worker", nargs=7, help=argparse.SUPPRESS)
