@@ -121,7 +121,8 @@ class SocketLinks:
             raise GroupConnectError(
                 f"process {self._me} of {self._n} cannot connect to process {p} at {address} "
                 f"({e}): that process listens on an address this host cannot reach (give "
-                "DistributedGroup(host=...) an address the other hosts can route to)",
+                "DistributedGroup(host=..., port=...) an address and open port the other hosts "
+                "can reach, or transport='kv')",
                 process=p) from None
         self._socks[p] = s
 
