@@ -53,3 +53,28 @@ class InvalidateLockedError(HiCacheError):
     def __init__(self, message: str, *, locked: list[tuple[int, int]]) -> None:
         super().__init__(message)
         self.locked = locked
+
+
+class GroupTimeoutError(HiCacheError):
+    """A peer process did not reach an agreement within the group's timeout (it died, hangs,
+    or stopped calling the cache), or could not be reached at all. ``process``: the missing
+    one."""
+
+    def __init__(self, message: str, *, process: int) -> None:
+        super().__init__(message)
+        self.process = process
+
+
+class GroupDivergedError(HiCacheError):
+    """Processes disagree: different calls at the same step, or a value that must be equal
+    (a config field, the tree's digest) differs. ``field``: what differs first."""
+
+    def __init__(self, message: str, *, field: str) -> None:
+        super().__init__(message)
+        self.field = field
+
+
+class GroupConnectError(GroupTimeoutError):
+    """A group's socket transport could not listen on, or connect to, a process's address
+    (a wrong ``host``, a firewall, an address another host cannot route to). ``process``: the
+    one whose address failed."""

@@ -144,10 +144,13 @@ class Timeout:
                      counters: collections.Counter, group: Group) -> None:
         if h._timed_out:
             return
+        # several processes: read on every one (a reading taken only where the read is not
+        # done would tick that process's agreed clock alone); one: only when it waits, as ever
+        now = clock() if group.num_processes > 1 else None
         finished = h.done()
         if not finished:
             try:
-                h.wait(max(0.0, h._deadline - clock()))
+                h.wait(max(0.0, h._deadline - (clock() if now is None else now)))
                 finished = True
             except TimeoutError:
                 pass
@@ -333,8 +336,10 @@ class Prefetcher:
         """A read seen done for the first time, every page intact: its time is a sample of the
         ``l3_l2`` link. "Now" is its end where a policy waited on it (``wait_complete``,
         ``timeout``); ``best_effort`` sees it at a later call: an upper bound."""
-        if h._measured or h._timed_out or not h.done():
-            return
+        if h._measured or h._timed_out or self._group.num_processes > 1 or not h.done():
+            return  # several processes: a reading taken where this one alone sees the read
+            # done would tick its agreed clock alone; the figure is for the cost policy, which
+            # several processes refuse
         h._measured = True
         try:
             ok = h._get.wait(0)

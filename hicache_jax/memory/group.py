@@ -9,15 +9,18 @@ contributes a string, every process gets all of them, in process order); the res
 (:meth:`Group.agree_min`, :meth:`Group.check_equal`, :meth:`Group.leader`) is built on it.
 
 - :class:`LocalGroup`: one process; every agreement is the value itself, no communication.
-- :class:`DistributedGroup`: over the key-value store of ``jax.distributed``'s coordination
-  service (one ``key_value_set`` and ``num_processes - 1`` blocking gets per agreement; the keys
-  deleted a block of steps at a time). The
-  store, unlike a device collective, waits with a deadline: a peer that died or stopped calling
-  makes the others raise :class:`GroupTimeoutError` naming it, within ``timeout_s``. Each
-  agreement carries a tag (what the call is); peers at the same step with different tags made
-  different calls, and :class:`GroupDivergedError` says so.
+- :class:`DistributedGroup`: the processes of ``jax.distributed``. Two transports:
+  ``"socket"`` (default; ``memory/group_socket.py``): direct TCP connections between the
+  processes, their addresses published once through the key-value store of
+  ``jax.distributed``'s coordination service; ``"kv"``: every agreement through that store (one
+  ``key_value_set`` and ``num_processes - 1`` blocking gets; the keys deleted a block of steps
+  at a time). Both, unlike a device collective, wait with a deadline: a peer that died or
+  stopped calling makes the others raise :class:`GroupTimeoutError` naming it, within
+  ``timeout_s``. Each agreement carries a tag (what the call is); peers at the same step with
+  different tags made different calls, and :class:`GroupDivergedError` says so.
 
-This module is the only one that touches ``jax.distributed``'s client (a private module of jax:
+This module (and ``group_socket.py``, which it hands the store) is the only one that touches
+``jax.distributed``'s client (a private module of jax:
 ``jax._src.distributed.global_state.client``; jax has no public key-value API).
 
 Threading: the cache's thread only (steps are numbered per group).
@@ -33,28 +36,12 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from hicache_jax.errors import HiCacheError
+from hicache_jax.errors import (GroupConnectError, GroupDivergedError, GroupTimeoutError,
+                                HiCacheError)
+from hicache_jax.memory.group_socket import SocketLinks, route_host
 
 __all__ = ["Group", "LocalGroup", "DistributedGroup", "AgreedClock", "GroupTimeoutError",
-           "GroupDivergedError", "default_group"]
-
-
-class GroupTimeoutError(HiCacheError):
-    """A peer process did not reach an agreement within the group's timeout (it died, hangs,
-    or stopped calling the cache). ``process``: the missing one."""
-
-    def __init__(self, message: str, *, process: int) -> None:
-        super().__init__(message)
-        self.process = process
-
-
-class GroupDivergedError(HiCacheError):
-    """Processes disagree: different calls at the same step, or a value that must be equal
-    (a config field, the tree's digest) differs. ``field``: what differs first."""
-
-    def __init__(self, message: str, *, field: str) -> None:
-        super().__init__(message)
-        self.field = field
+           "GroupConnectError", "GroupDivergedError", "default_group"]
 
 
 class Group:
@@ -77,6 +64,9 @@ class Group:
 
     def flush(self) -> None:
         """Send the riders still waiting, in an agreement of their own (none: nothing)."""
+
+    def close(self) -> None:
+        """Release what the group holds (connections); nothing for one process."""
 
     def agree_min(self, tag: str, values: Sequence[int]) -> np.ndarray:
         """Elementwise MIN over processes of int ``values`` (same length everywhere)."""
@@ -149,18 +139,31 @@ class DistributedGroup(Group):
         name: the key namespace; the same on every process (default: ``hicache/<n>`` for the
             n-th group built in the process).
         client, process_id, num_processes: tests inject these (default: jax.distributed's).
-        delete_every: this process's keys are deleted this many steps at a time (one delete of
-            their directory: a round trip to the store saved on the other steps).
+        delete_every: ``"kv"``: this process's keys are deleted this many steps at a time (one
+            delete of their directory: a round trip to the store saved on the other steps).
+        transport: ``"socket"`` (default): agreements over direct TCP connections
+            (:class:`~hicache_jax.memory.group_socket.SocketLinks`); ``"kv"``: through the
+            key-value store.
+        host, port: ``"socket"``: the address this process listens on and publishes to its
+            peers (default host: this host's interface that routes to the coordinator,
+            127.0.0.1 for a local one; port 0: an ephemeral one). The listener closes once
+            every peer has connected.
     """
 
     def __init__(self, timeout_s: float = 60.0, *, name: str | None = None, client: Any = None,
                  process_id: int | None = None, num_processes: int | None = None,
-                 delete_every: int = 64) -> None:
+                 delete_every: int = 64, transport: str = "socket", host: str | None = None,
+                 port: int = 0) -> None:
         if not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
             raise ValueError(f"timeout_s={timeout_s!r} must be a number > 0")
         if not isinstance(delete_every, int) or delete_every < 1:
             raise ValueError(f"delete_every={delete_every!r} must be an int >= 1")
+        if transport not in ("socket", "kv"):
+            raise ValueError(f"transport={transport!r} must be 'socket' or 'kv'")
+        if not isinstance(port, int) or not 0 <= port < 65536:
+            raise ValueError(f"port={port!r} must be an int in [0, 65536)")
         self._every = delete_every
+        coordinator = None
         if client is None:
             import jax
             from jax._src import distributed  # jax has no public key-value store API
@@ -169,6 +172,7 @@ class DistributedGroup(Group):
             if client is None:
                 raise HiCacheError("DistributedGroup needs jax.distributed.initialize(...) first")
             process_id, num_processes = jax.process_index(), jax.process_count()
+            coordinator = distributed.global_state.coordinator_address
         self._client, self.timeout_s = client, float(timeout_s)
         self.process_id, self.num_processes = int(process_id), int(num_processes)
         self._ns = name if name is not None else f"hicache/{next(_GROUP_NUMBERS)}"
@@ -177,10 +181,21 @@ class DistributedGroup(Group):
         self.calls = 0
         self.calls_by_tag: collections.Counter[str] = collections.Counter()
         self._riders: list[tuple[str, Callable[[], str], Callable[[list[str]], None]]] = []
+        self.transport = transport
+        self._links = None
+        if transport == "socket" and self.num_processes > 1:
+            self._links = SocketLinks(client, self._ns, self.process_id, self.num_processes,
+                                      host=host or route_host(coordinator), port=port,
+                                      timeout_s=self.timeout_s)
 
     def __repr__(self) -> str:
         return (f"DistributedGroup(process {self.process_id} of {self.num_processes}, "
-                f"{self._ns!r}, timeout_s={self.timeout_s})")
+                f"{self._ns!r}, {self.transport}, timeout_s={self.timeout_s})")
+
+    def close(self) -> None:
+        """Close the socket transport's connections (peers then see this process gone)."""
+        if self._links is not None:
+            self._links.close()
 
     def ride(self, name: str, value: Callable[[], str],
              take: Callable[[list[str]], None]) -> None:
@@ -192,21 +207,16 @@ class DistributedGroup(Group):
 
     def allgather(self, tag: str, value: str) -> list[str]:
         t0 = time.perf_counter()
-        step, me = self._step, self.process_id
+        step = self._step
         self._step += 1
         riders, self._riders = self._riders, []
         # the riders are part of the call: a peer with other riders made other calls
         wire = tag + "".join(f"+{name}" for name, _, _ in riders)
         mine = "\x1d".join([value] + [v() for _, v, _ in riders])
-        self._client.key_value_set(self._key(step, me), f"{wire}\x1e{mine}")
-        end = time.monotonic() + self.timeout_s
-        rows = []
-        for p in range(self.num_processes):
-            rows.append(mine if p == me else self._get(step, p, wire, end))
-        if step and step % self._every == 0:
-            # Every peer has read our keys of the steps before this one (it set this step's
-            # key after): those of the last block of steps go, in one delete of their directory.
-            self._client.key_value_delete(f"{self._ns}/{step // self._every - 1}/{me}")
+        if self._links is not None:
+            rows = self._links.exchange(step, wire, mine)
+        else:
+            rows = self._kv_exchange(step, wire, mine)
         self.seconds += time.perf_counter() - t0
         self.calls += 1
         self.calls_by_tag[tag] += 1
@@ -216,6 +226,20 @@ class DistributedGroup(Group):
         for j, (_, _, take) in enumerate(riders):
             take([q[1 + j] for q in parts])
         return [q[0] for q in parts]
+
+    def _kv_exchange(self, step: int, wire: str, mine: str) -> list[str]:
+        """The ``"kv"`` transport's step: set this process's key, get every peer's."""
+        me = self.process_id
+        self._client.key_value_set(self._key(step, me), f"{wire}\x1e{mine}")
+        end = time.monotonic() + self.timeout_s
+        rows = []
+        for p in range(self.num_processes):
+            rows.append(mine if p == me else self._get(step, p, wire, end))
+        if step and step % self._every == 0:
+            # Every peer has read our keys of the steps before this one (it set this step's
+            # key after): those of the last block of steps go, in one delete of their directory.
+            self._client.key_value_delete(f"{self._ns}/{step // self._every - 1}/{me}")
+        return rows
 
     def _key(self, step: int, p: int) -> str:
         """Process ``p``'s key of ``step``: under its directory of the step's block."""
