@@ -421,6 +421,8 @@ def test_free_recompute_fetches_nothing_from_l3_not_even_a_probe(tmp_path):
     st = b.stats()
     assert st["l3_prefetch_declined_pages"] == 4 and st["cost_probes"] == 0
     assert st["cost_l3_l2_samples"] == 0
+    # decided before the lookup, on the most L3 could hold: no exists query made
+    assert st["l3_lookups_declined"] == 1 and st["l3_lookup_pages"] == 0
     clean(b)
     b.close()
 
@@ -525,3 +527,35 @@ def test_the_l3_fetch_plan_counts_pages_and_never_fetches_a_chain_a_fitted_slow_
     assert fit.samples >= MIN_SAMPLES
     assert fit.predict(pages * page_bytes) == pytest.approx(read_s(pages), rel=0.05)
     assert got[-PROBE_EVERY:].count(0) >= PROBE_EVERY - 1  # fitted: recompute, a rare probe
+
+
+def test_plan_picks_the_first_least_of_the_candidates_it_prices():
+    """The plan's choice against the candidates priced one by one (the scalar figures)."""
+    rng = np.random.default_rng(3)
+    for trial in range(40):
+        m = CostModel(4096, 16, eviction_weight=0.5)
+        for _ in range(MIN_SAMPLES):
+            m.observe_prefill(int(rng.integers(16, 400)), int(rng.integers(0, 400)),
+                              float(rng.uniform(1e-3, 2e-2)))
+        for link in ("l2_l1", "l3_l2"):
+            for k in (1, 2, 4, 8, 16)[:MIN_SAMPLES + trial % 2]:
+                m.observe_transfer(link, k * 4096, float(rng.uniform(1e-4, 4e-3)) * k)
+        chain = [16 * int(k) for k in rng.integers(1, 5, int(rng.integers(1, 8)))]
+        cached, free = int(rng.integers(0, 300)), int(rng.integers(0, 12))
+        cap = None if trial % 3 else int(rng.integers(0, sum(chain) + 1))
+        links = ("l3_l2", "l2_l1") if trial % 2 else ("l2_l1",)
+        fits = [m.links[k] for k in links]
+        want, best_t, loaded = 0, None, 0
+        for j in range(len(chain) + 1):
+            loaded += chain[j - 1] if j else 0
+            if cap is not None and loaded > cap:
+                break
+            pages = loaded // 16
+            t = sum(f.plan_cost(pages * 4096) for f in fits)
+            t += m.prefill_seconds(sum(chain) - loaded + 16, cached + loaded)
+            ev = max(0, pages - free)
+            if ev:
+                t += 0.5 * min(m.links["l2_l1"].plan_cost(ev * 4096), m.prefill_seconds(ev * 16, 0))
+            if best_t is None or t < best_t - 1e-12 * abs(best_t):
+                want, best_t = loaded, t
+        assert m.plan(chain, cached, free, cap, links=links) == want, trial

@@ -82,6 +82,17 @@ class LinkFit:
             return self.predict(nbytes)
         return self.worst(nbytes) if self._x else PESSIMISM * self.predict(nbytes)
 
+    def plan_costs(self, nbytes: np.ndarray) -> np.ndarray:
+        """:meth:`plan_cost` of each of ``nbytes`` (float64, 1-D), at once."""
+        n = np.asarray(nbytes, np.float64)
+        if self.samples >= MIN_SAMPLES or not self._x:
+            t = self.latency_s + n / self.bytes_per_s
+            t = t if self.samples >= MIN_SAMPLES else PESSIMISM * t
+        else:
+            recent = list(zip(self._x, self._y))[-MIN_SAMPLES:]
+            t = np.max([np.maximum(1.0, n / x) * y for x, y in recent], axis=0)
+        return np.where(n > 0, t, 0.0)
+
     def observe(self, nbytes: float, seconds: float) -> None:
         """One completed transfer; ValueError for a negative or non-finite figure."""
         check_sample("observe_transfer", nbytes=nbytes, seconds=seconds)
@@ -153,6 +164,14 @@ class PrefillFit:
         if self.coef is None:
             return None
         return float(self._features(n_new, n_cached) @ self.coef) if n_new > 0 else 0.0
+
+    def predict_many(self, n_new: np.ndarray, n_cached: np.ndarray) -> np.ndarray | None:
+        """:meth:`predict` of each pair of ``n_new``, ``n_cached`` (1-D), at once."""
+        if self.coef is None:
+            return None
+        n, c = np.asarray(n_new, np.float64), np.asarray(n_cached, np.float64)
+        t = self.coef[0] + self.coef[1] * n + self.coef[2] * (n * (c + n / 2.0))
+        return np.where(n > 0, t, 0.0)
 
     def observe(self, n_new: float, n_cached: float, seconds: float) -> None:
         check_sample("observe_prefill", n_new=n_new, n_cached=n_cached, seconds=seconds)

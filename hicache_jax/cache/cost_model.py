@@ -245,25 +245,13 @@ class CostModel:
         None: no usable prefill figure (the caller falls back, counted)."""
         ps, fits = self.page_size, [self.links[k] for k in links]
         total = sum(chain_tokens)
+        loaded = np.cumsum([0] + list(chain_tokens))
+        if cap_tokens is not None:
+            loaded = loaded[loaded <= max(cap_tokens, 0)]
         try:
-            best, best_t, loaded, t0 = 0, None, 0, 0.0
-            for j in range(len(chain_tokens) + 1):
-                if j:
-                    loaded += chain_tokens[j - 1]
-                if cap_tokens is not None and loaded > cap_tokens:
-                    break
-                pages = loaded // ps
-                t = sum(f.plan_cost(pages * self.page_bytes) for f in fits)
-                t += self.prefill_seconds(total - loaded + ps, cached + loaded)
-                evicted = max(0, pages - free_pages)
-                if evicted:  # a later hit on them reloads from L2 or recomputes: the cheaper
-                    t += self.eviction_weight * min(
-                        self.links["l2_l1"].plan_cost(evicted * self.page_bytes),
-                        self.prefill_seconds(evicted * ps, 0))
-                if best_t is None or t < best_t:
-                    best, best_t = loaded, t
-                if not j:
-                    t0 = t  # the whole chain recomputed
+            t = self._candidate_times(loaded, total, cached, free_pages, fits)
+            t0 = float(t[0])  # the whole chain recomputed
+            best = int(loaded[int(np.argmin(t))])  # the first of the least
         except LookupError:
             self.n["cost_warmup_decisions"] += 1
             return None
@@ -292,6 +280,29 @@ class CostModel:
         self.last_decision = Decision(sum(f.predict(nbytes) for f in fits), nbytes,
                                       cached + best, self._prefill_predictor())
         return best
+
+    def _candidate_times(self, loaded: np.ndarray, total: int, cached: int, free_pages: int,
+                         fits: list[LinkFit]) -> np.ndarray:
+        """:meth:`plan`'s predicted seconds for loading each of ``loaded`` tokens: the load
+        over ``fits``, the prefill of the rest plus a page, the eviction charge. Raises
+        LookupError (no prefill figure) or the callable's error."""
+        ps, pages = self.page_size, loaded // self.page_size
+        t = sum(f.plan_costs(pages * float(self.page_bytes)) for f in fits)
+        evicted = np.maximum(0, pages - free_pages)
+        fit = self.prefill_fit if self.prefill_cost is None else None
+        if fit is not None and fit.coef is None:
+            raise LookupError("no prefill samples yet")
+        pre = (fit.predict_many(total - loaded + ps, cached + loaded) if fit is not None
+               else np.array([self.prefill_seconds(total - k + ps, cached + k)  # checked each
+                              for k in loaded.tolist()]))
+        if not evicted.any():
+            return t + pre
+        # a later hit on evicted pages reloads them from L2 or recomputes them: the cheaper
+        redo = (fit.predict_many(evicted * ps, 0 * evicted) if fit is not None
+                else np.array([self.prefill_seconds(e * ps, 0) for e in evicted.tolist()]))
+        reload = self.links["l2_l1"].plan_costs(evicted * float(self.page_bytes))
+        return t + pre + np.where(evicted > 0, self.eviction_weight * np.minimum(reload, redo),
+                                  0.0)
 
     def _probe_tokens(self, total: int, cap_tokens: int | None, due: list[LinkFit],
                       fits: list[LinkFit], budget: float, recompute: float) -> int:
