@@ -9,7 +9,9 @@ run: ``--ratios`` x the bandwidth at which loading a document costs what recompu
 (< 1: L3 slower than recompute, as in sglang#36179; > 1: faster), each with ``--latency-ms``.
 
 Policies, each on a fresh cache and engine over the same store, their requests interleaved
-(one request on each in turn, the order rotating: a drift in the machine's load meets all):
+(one request on each in turn, the order rotating: a drift in the machine's load meets all;
+after each request its cache's transfers are waited for, outside any TTFT, so that one cache's
+write-through copies do not run inside the next request's prefill):
 * never: no L3 prefetch, nothing loaded back (every document recomputed);
 * always: the prompt prefetched (``wait_complete``) and everything L3 and L2 hold loaded;
 * cost: ``load_policy="cost"`` prefetches and loads what its fitted model says is cheaper.
@@ -143,6 +145,7 @@ class _Bench:
         for i, prompt in enumerate(self.prompts):
             for p in POLICIES[i % 3:] + POLICIES[:i % 3]:
                 gens[p].append(engines[p].generate([prompt], 2)[0])
+                caches[p].flush()  # its copies done: none runs inside the next one's TTFT
         out = {}
         for p, cache in caches.items():
             st = cache.stats() | (shadow.stats() if p == "cost" else {})
