@@ -232,6 +232,7 @@ def test_discovering_a_link_much_slower_than_recompute_costs_a_bounded_share(slo
     one page; later ones are bounded by the samples and paid from the probe credit
     (PROBE_SHARE of each planned chain's recompute): the run never loads a chain, spends at most
     the first page plus that share (in fact a few %; whole-node probes spent 0.5 s at 6.6x),
+    its probes spending their bound less the recompute they replace,
     and ends with the link fitted, right."""
     recompute = lambda n, c: 1e-5 * n  # noqa: E731
     model = CostModel(page_bytes=1 << 20, page_size=16, prefill_cost=recompute)
@@ -240,7 +241,10 @@ def test_discovering_a_link_much_slower_than_recompute_costs_a_bounded_share(slo
     t0 = recompute(8 * 512 + 16, 0)
     assert spent[0] == pytest.approx(20e-6 + page_s)  # the first probe: one page
     assert sum(spent) <= 20e-6 + page_s + PROBE_SHARE * 200 * t0
-    assert sum(spent) < 0.03 * 200 * t0
+    # in fact a few %: 4.1% at 130x, where the probes of 1 and then 2 pages (spread sizes, so
+    # that latency and bandwidth are told apart) wait for their credit; one-page probes again
+    # and again spent 1.5% there, but one size cannot tell latency from bandwidth
+    assert sum(spent) < 0.05 * 200 * t0
     assert max(loaded) <= 2 ** (MIN_SAMPLES - 1) * 16  # probes only: never a load of the chain
     assert max(loaded[-50:]) <= 16  # fitted: at most a one-page re-probe
     assert model.links["l2_l1"].samples >= MIN_SAMPLES
@@ -394,7 +398,8 @@ def _l3_writer_and_reader(tmp_path, **cost):
 
 
 @pytest.mark.parametrize("prefill, pages, fallbacks", [
-    (lambda n, c: 1.0 * n, 4, 0),   # recompute is slow: fetch it all
+    # recompute is slow, but the L3 link is unmeasured: its first read is the one-page probe
+    (lambda n, c: 1.0 * n, 1, 0),
     (lambda n, c: float("nan"), 4, 2),  # garbage: the threshold rule's fetch and load, counted
 ])
 def test_the_cost_policy_decides_how_much_an_l3_prefetch_fetches(tmp_path, prefill, pages,
@@ -447,7 +452,9 @@ def test_an_l3_link_that_slows_mid_run_stops_the_fetches_it_made():
             now[0] += 1e-3 if i < 6 else 10.0  # the read's time on the cache's clock
             b.match_prefix(toks)  # wait_complete: the read is timed here
         st = b.stats()
-        assert fetched[:6] == [4] * 6  # fast: recomputing 16 tokens (0.16 s) costs more
+        # the first read is a one-page probe (the store unmeasured); then, fast: recomputing 16
+        # tokens (0.16 s) costs more
+        assert fetched[:6] == [1] + [4] * 5
         assert fetched[-1] == 0 and st["l3_prefetch_declined_pages"] > 0
         first_decline = fetched.index(0)
         assert first_decline < 6 + 16  # within half a window of slow reads
@@ -472,15 +479,17 @@ def test_each_l3_fetch_decision_records_its_predicted_and_actual_read_time():
                     clock=lambda: now[0])
         assert b.stats()["cost_fetch_records"] == 0
         assert b.stats()["cost_fetch_err_median"] is None
-        for toks in prompts:
-            assert b.prefetch(toks).pages_found == 4  # recompute is slow: fetch it all
+        for i, toks in enumerate(prompts):
+            # recompute is slow: fetch it all, once a one-page probe measured the store
+            assert b.prefetch(toks).pages_found == (1 if i == 0 else 4)
             now[0] += 5e-3
             b.match_prefix(toks)  # wait_complete: the read is timed here
         st = b.stats()
         lat, bw = WARMUP["l3_l2"]
         warm = abs(lat + 4 * SPEC.page_bytes / bw - 5e-3) / 5e-3
         assert st["cost_fetch_records"] == 2 * MIN_SAMPLES
-        # MIN_SAMPLES records on the warm-up figure, then as many on the fitted (exact) one
+        # MIN_SAMPLES records on the warm-up figure (the first, the probe's, of one page:
+        # further off), then as many on the fitted (exact) one
         assert st["cost_fetch_err_median"] == pytest.approx(warm / 2, rel=1e-6)
         b.close()
 
@@ -489,17 +498,17 @@ class _Free:
     num_free = 1 << 20  # a device pool with room: no eviction charge
 
 
-@pytest.mark.parametrize("ratio", [0.3, 3.0])
+@pytest.mark.parametrize("ratio", [0.3, 3.0, 10.0])
 def test_the_l3_fetch_plan_counts_pages_and_never_fetches_a_chain_a_fitted_slow_link_loses(
         ratio):
     """The engine benchmark's quick shape (16-page documents of 8 KiB pages, a prefill callable
     that is right): 200 L3 fetch plans through ``CostRule.fetch_pages``, each read's time joining
-    the L3 fit. At 0.3x the bandwidth where loading a document costs its recompute, the first
-    plan fetches the document on the pessimistic warm-up figure (1 GB/s x2: it pays), and no
-    later one fetches more than a probe (2, 4, 8 pages from the credit, then one page every
-    PROBE_EVERY plans): pages, not tokens, and never the chain once a sample bounds it; the
-    probes spend at most the credit; the link ends fitted. At 3x every plan fetches the whole
-    document, 16 pages (not 256: the plan's tokens are turned into pages)."""
+    the L3 fit. The first plan fetches a one-page probe whatever the link (its warm-up figure
+    decides no load). At 0.3x the bandwidth where loading a document costs its recompute, no
+    plan fetches more than a probe (1, 2, 4, 8 pages from the credit, then one page every
+    PROBE_EVERY plans): pages, not tokens; the probing costs under 3% of the better policy's
+    time over the run; the link ends fitted. At 3x and 10x the link is found fast within 6
+    plans, and every plan after fetches the whole document, 16 pages (not 256)."""
     ps, page_bytes, pages = 16, 8192, 16
     recompute = lambda n, c: 0.8e-3 + 1.8e-5 * n  # noqa: E731
     doc_s = recompute(pages * ps + ps, 0) - recompute(ps, pages * ps)
@@ -509,20 +518,23 @@ def test_the_l3_fetch_plan_counts_pages_and_never_fetches_a_chain_a_fitted_slow_
     for _ in range(MIN_SAMPLES):  # L2 -> L1 measured, fast (the load-back after a fetch)
         model.observe_transfer("l2_l1", pages * page_bytes, 20e-6 + pages * page_bytes / 10e9)
     rule = CostRule(model, ThresholdRule(ps, None), _Free(), None, None)
-    got = []
+    got, excess, better = [], 0.0, 0.0
+    best = min(recompute(pages * ps + ps, 0), read_s(pages) + recompute(ps, pages * ps))
     for _ in range(200):
         k = rule.fetch_pages(pages, 0)
         if k:
             model.observe_transfer("l3_l2", k * page_bytes, read_s(k))
         got.append(k)
+        excess += (read_s(k) if k else 0.0) + recompute((pages - k + 1) * ps, k * ps) - best
+        better += best
+    assert got[0] == 1  # the first read over an unmeasured store: one page
     if ratio > 1:
-        assert got == [pages] * 200
+        found = got.index(pages)
+        assert found <= 6 and got[found:] == [pages] * (200 - found)
         return
-    assert got[0] == pages  # the warm-up figure, doubled, beats recompute
-    assert max(got[1:]) <= 2 ** (MIN_SAMPLES - 1)  # probes only, once a sample bounds the link
-    assert sorted(set(got[1:]) - {0}) == [1, 2, 4, 8]
-    probe_s = sum(read_s(k) for k in got[1:] if k)
-    assert probe_s <= PROBE_SHARE * 200 * recompute(pages * ps + ps, 0) + read_s(pages)
+    assert max(got[1:]) <= 2 ** (MIN_SAMPLES - 1)  # probes only
+    assert sorted(set(got) - {0}) == [1, 2, 4, 8]
+    assert excess <= 0.03 * better
     fit = model.links["l3_l2"]
     assert fit.samples >= MIN_SAMPLES
     assert fit.predict(pages * page_bytes) == pytest.approx(read_s(pages), rel=0.05)

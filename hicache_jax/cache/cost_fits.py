@@ -22,6 +22,7 @@ __all__ = ["HALF_LIFE", "LinkFit", "MIN_SAMPLES", "PESSIMISM", "PROBE_EVERY", "P
            "check_sample", "rel_err"]
 
 #: Warm-up ``(latency seconds, bytes per second)`` of each link, before it has samples.
+#: The L3 link's decides no load (``LinkFit(trust_warmup=False)``): only its first probe.
 WARMUP = {"l2_l1": (20e-6, 10e9), "l3_l2": (1e-3, 1e9)}
 WINDOW = 32
 #: Samples after which a prefill sample's weight in the fit has halved.
@@ -44,17 +45,29 @@ def rel_err(pred: float, actual: float) -> float | None:
 
 
 class LinkFit:
-    """``latency + bytes / bandwidth`` of one link, fitted over a window of transfers."""
+    """``latency + bytes / bandwidth`` of one link, fitted over a window of transfers.
 
-    def __init__(self, latency_s: float, bytes_per_s: float, window: int = WINDOW) -> None:
+    Args:
+        latency_s, bytes_per_s: the warm-up figure, until :data:`MIN_SAMPLES` transfers.
+        window: transfers the fit is over.
+        trust_warmup: False: with no sample a plan charges any load over the link as
+            infinite, so that its first read is the one-page probe (a store's speed is
+            unknown by orders of magnitude: a load decided on its warm-up figure could cost
+            many times its recompute); True: the warm-up figure times :data:`PESSIMISM`.
+    """
+
+    def __init__(self, latency_s: float, bytes_per_s: float, window: int = WINDOW,
+                 trust_warmup: bool = True) -> None:
         self.latency_s, self.bytes_per_s = float(latency_s), float(bytes_per_s)
+        self.trust_warmup = bool(trust_warmup)
         self._x: collections.deque = collections.deque(maxlen=window)
         self._y: collections.deque = collections.deque(maxlen=window)
         self._err: collections.deque = collections.deque(maxlen=4 * window)
         self.samples = 0
         self.plans_since_sample = 0
         #: seconds of probing this link may still spend: each plan while it is due adds
-        #: a share of the chain's predicted recompute; a probe spends its bound
+        #: a share of the chain's predicted recompute; a probe spends its bound less the
+        #: recompute it replaces
         self.probe_credit = 0.0
 
     def needs_probe(self) -> bool:
@@ -63,34 +76,46 @@ class LinkFit:
     def predict(self, nbytes: float) -> float:
         return self.latency_s + nbytes / self.bytes_per_s if nbytes > 0 else 0.0
 
+    def _bound(self, n: np.ndarray) -> np.ndarray:
+        """The pessimistic cost of each of ``n`` bytes from the last :data:`MIN_SAMPLES`
+        samples (at least one): the costliest scaled up to the size (``max(1, n / x) * y``,
+        a bound under ``latency + bytes / bandwidth`` with ``latency >= 0``) and, where they
+        have two sizes or more, no more than :data:`PESSIMISM` times their own line."""
+        recent = list(zip(self._x, self._y))[-MIN_SAMPLES:]
+        bound = np.max([np.maximum(1.0, n / x) * y for x, y in recent], axis=0)
+        x, y = np.array(recent).T
+        dx, dy = x[None, :] - x[:, None], y[None, :] - y[:, None]
+        if (dx > 0).any() and (slope := float(np.median(dy[dx > 0] / dx[dx > 0]))) > 0:
+            lat = max(0.0, float(np.median(y - slope * x)))
+            bound = np.minimum(bound, PESSIMISM * (lat + slope * n))
+        return bound
+
     def worst(self, nbytes: float) -> float:
         """A pessimistic cost of ``nbytes``, what bounds a probe: with no sample the warm-up
-        figure, else the costliest of the last :data:`MIN_SAMPLES` samples scaled up to
-        ``nbytes`` (``max(1, nbytes / x) * y``: a bound under ``latency + bytes / bandwidth``
-        with ``latency >= 0``)."""
+        figure, else :meth:`_bound`."""
         if nbytes <= 0:
             return 0.0
         if not self._x:
             return self.predict(nbytes)
-        recent = list(zip(self._x, self._y))[-MIN_SAMPLES:]
-        return max(max(1.0, nbytes / x) * y for x, y in recent)
+        return float(self._bound(np.array([float(nbytes)]))[0])
 
     def plan_cost(self, nbytes: float) -> float:
         """What a plan charges: the fit once it has :data:`MIN_SAMPLES` samples; before, with
-        some, :meth:`worst`; with none, the warm-up figure times :data:`PESSIMISM`."""
-        if self.samples >= MIN_SAMPLES:
-            return self.predict(nbytes)
-        return self.worst(nbytes) if self._x else PESSIMISM * self.predict(nbytes)
+        some, :meth:`worst`; with none, the warm-up figure times :data:`PESSIMISM` (infinite
+        where the warm-up figure is not trusted)."""
+        return float(self.plan_costs(np.array([float(nbytes)]))[0])
 
     def plan_costs(self, nbytes: np.ndarray) -> np.ndarray:
         """:meth:`plan_cost` of each of ``nbytes`` (float64, 1-D), at once."""
         n = np.asarray(nbytes, np.float64)
-        if self.samples >= MIN_SAMPLES or not self._x:
+        if self.samples >= MIN_SAMPLES:
             t = self.latency_s + n / self.bytes_per_s
-            t = t if self.samples >= MIN_SAMPLES else PESSIMISM * t
+        elif self._x:
+            t = self._bound(n)
+        elif self.trust_warmup:
+            t = PESSIMISM * (self.latency_s + n / self.bytes_per_s)
         else:
-            recent = list(zip(self._x, self._y))[-MIN_SAMPLES:]
-            t = np.max([np.maximum(1.0, n / x) * y for x, y in recent], axis=0)
+            t = np.full_like(n, np.inf)
         return np.where(n > 0, t, 0.0)
 
     def observe(self, nbytes: float, seconds: float) -> None:

@@ -132,7 +132,7 @@ class CostModel:
         self.page_bytes, self.page_size = int(page_bytes), int(page_size)
         self.byte_scale = self.page_bytes / int(observed_page_bytes or page_bytes)
         self.prefill_cost, self.eviction_weight = prefill_cost, float(eviction_weight)
-        self.links = {k: LinkFit(*v) for k, v in WARMUP.items()}
+        self.links = {k: LinkFit(*v, trust_warmup=k != "l3_l2") for k, v in WARMUP.items()}
         self.prefill_fit = PrefillFit()
         self.n: collections.Counter[str] = collections.Counter()
         self.last_error: str | None = None
@@ -266,10 +266,10 @@ class CostModel:
                if f.needs_probe()]
         for f in due:
             f.probe_credit += PROBE_SHARE * t0
-        probe_at = self._probe_tokens(total, cap_tokens, due, fits,
+        probe_at = self._probe_tokens(total, cached, cap_tokens, due, fits,
                                       min((f.probe_credit for f in due), default=0.0), t0)
         if probe_at:
-            spent = sum(f.worst(probe_at // ps * self.page_bytes) for f in fits)
+            spent = self._probe_spend(probe_at, total, cached, fits)
             for f in due:
                 f.probe_credit -= spent
         if best < probe_at:
@@ -304,14 +304,27 @@ class CostModel:
         return t + pre + np.where(evicted > 0, self.eviction_weight * np.minimum(reload, redo),
                                   0.0)
 
-    def _probe_tokens(self, total: int, cap_tokens: int | None, due: list[LinkFit],
-                      fits: list[LinkFit], budget: float, recompute: float) -> int:
+    def _probe_spend(self, ntok: int, total: int, cached: int, fits: list[LinkFit]) -> float:
+        """What a probe of ``ntok`` tokens spends of the credit: its pessimistic cost over
+        ``fits`` less the recompute it replaces (what it adds to the request's time at worst;
+        none is counted where the prefill figure fails here)."""
+        bound = sum(f.worst(ntok // self.page_size * self.page_bytes) for f in fits)
+        try:
+            saved = (self.prefill_seconds(total + self.page_size, cached)
+                     - self.prefill_seconds(total - ntok + self.page_size, cached + ntok))
+        except Exception:  # the serving stack's callable: the bound alone
+            saved = 0.0
+        return bound - max(0.0, saved)
+
+    def _probe_tokens(self, total: int, cached: int, cap_tokens: int | None,
+                      due: list[LinkFit], fits: list[LinkFit], budget: float,
+                      recompute: float) -> int:
         """Tokens a probe loads (0: none due, or none within ``budget`` seconds, the due links'
         credit): ``2**k`` pages while a due link has ``k <`` :data:`MIN_SAMPLES` samples,
-        then one; never past the chain or the cap; halved while its pessimistic cost over
-        ``fits`` exceeds ``budget``; a due link without any sample gets at least one page
-        where the chain's predicted ``recompute`` is not free (its warm-up figure is a guess:
-        a prefill fit that under-predicts would otherwise starve the credit)."""
+        then one; never past the chain or the cap; none while what it spends
+        (:meth:`_probe_spend`) exceeds ``budget``; a due link without any sample gets at least
+        one page where the chain's predicted ``recompute`` is not free (its warm-up figure is
+        a guess: a prefill fit that under-predicts would otherwise starve the credit)."""
         if not due or total <= 0:
             return 0
         k = min(f.samples for f in due)
@@ -319,8 +332,8 @@ class CostModel:
         if cap_tokens is not None:
             most = min(most, cap_tokens // self.page_size)
         pages = min(1 << k if k < MIN_SAMPLES else 1, most)
-        while pages and sum(f.worst(pages * self.page_bytes) for f in fits) > budget:
-            pages //= 2
+        if pages and self._probe_spend(pages * self.page_size, total, cached, fits) > budget:
+            pages = 0  # the credit grows until it fits: a smaller one would repeat a size
         if k == 0 and recompute > 0:  # no sample to bound it: one page, the least that gives one
             pages = max(pages, min(1, most))
         return pages * self.page_size
