@@ -23,12 +23,15 @@ tiers and to recompute tokens, fitted online (ARCHITECTURE.md, "Load or recomput
 * A plan never leaves a link unmeasured, and a link it has not measured is cheap to discover.
   While a link has ``k <`` :data:`MIN_SAMPLES` samples its cost in a plan is a pessimistic
   bound (:meth:`LinkFit.plan_cost`: with no sample the warm-up figure times
-  :data:`PESSIMISM`; after, the costliest of its recent samples scaled up to the size, which
-  over-counts the latency: a load is then taken only where it pays even so), and the plan
-  loads at least a probe of ``2**k`` pages (sizes spread apart: one size alone cannot tell
-  latency from bandwidth), halved until its cost (:meth:`LinkFit.worst`: the samples' bound,
-  or with none the warm-up figure) is at most :data:`PROBE_SHARE` of the chain's predicted
-  recompute, none where even one page costs more; with no sample in its last
+  :data:`PESSIMISM`, or for the L3 link any load infinite, so that a store's first read is a
+  probe; after, the costliest of its recent samples scaled up to the size, which over-counts
+  the latency, and with two sizes sampled at most :data:`PESSIMISM` times their line: a load is
+  then taken only where it pays even so), and the plan loads at least a probe of ``2**k``
+  pages (sizes spread apart: one size alone cannot tell latency from bandwidth) once what it
+  spends (its bound, :meth:`LinkFit.worst`, less the recompute it replaces) fits the link's
+  credit, each plan while the link is due adding :data:`PROBE_SHARE` of the chain's predicted
+  recompute (a probe that does not fit waits; the first, of one page, is made whatever the
+  credit, none where recompute is free); with no sample in its last
   :data:`PROBE_EVERY` plans, a probe of one page (``cost_probes``), so a warm-up figure or a
   link that got faster since is measured again rather than trusted forever. A probe may end
   inside a node: the load rule splits the node there (cache/load_policy.py).
