@@ -17,8 +17,8 @@ write-through copies do not run inside the next request's prefill):
 * cost: ``load_policy="cost"`` prefetches and loads what its fitted model says is cheaper.
 Every engine first serves the same warm-up requests: prompts L3 does not hold (two of each
 of a few lengths; three documents of the requests' length, each served twice with another
-question: the second time a prefill of the question after the cached document) and then 4 whose
-documents it holds, so that the cost policy's prefill fit and L3 link
+question: the second time a prefill of the question after the cached document) and then 12
+whose documents it holds, so that the cost policy's prefill fit and L3 link
 have samples and every shape is compiled before the measured requests.
 
 Judged (same run): at each throttle the cost policy's TTFT p50 <= 1.05x the better of never and
@@ -49,7 +49,10 @@ from hicache_jax.engine.engine import Engine
 from hicache_jax.engine.model import DecoderModel
 
 POLICIES = ("never", "always", "cost")
-WARM = 4  # warm-up requests whose documents L3 holds (the cost model measures its link)
+#: warm-up requests whose documents L3 holds: the cost model measures its link (probes of 1,
+#: 2, 4, 8 pages, each once its credit allows: ~10 requests at the quick size, where a probe's
+#: 1 ms latency is a fifth of a recompute)
+WARM = 12
 #: ``--quick``: a small model and few requests (a smoke run; its ratios mean little).
 QUICK = dict(doc_tokens=256, question_tokens=16, requests=3, ratios="0.3,3", layers=2,
              d_model=64, heads=4, kv_heads=2, head_dim=16, ffn_dim=128, chunk_size=256)

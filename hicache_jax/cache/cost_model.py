@@ -148,12 +148,16 @@ class CostModel:
         self.records: collections.deque[DecisionRecord] = collections.deque(maxlen=4 * WINDOW)
         self._fetch_err: collections.deque = collections.deque(maxlen=4 * WINDOW)
 
-    def observe_transfer(self, link: str, nbytes: float, seconds: float) -> None:
+    def observe_transfer(self, link: str, nbytes: float, seconds: float,
+                         sample: bool = True) -> None:
+        """A completed transfer; ``sample=False``: it settles the decisions it served but does
+        not join the link's fit (a time that holds a compile)."""
         if link not in self.links:
             raise ValueError(f"link={link!r} must be one of {sorted(self.links)}")
         check_sample("observe_transfer", nbytes=nbytes, seconds=seconds)
         nbytes = nbytes * self.byte_scale
-        self.links[link].observe(nbytes, seconds)
+        if sample:
+            self.links[link].observe(nbytes, seconds)
         if link == "l2_l1":
             self._settle_load(nbytes, seconds)
 
