@@ -232,6 +232,7 @@ def test_discovering_a_link_much_slower_than_recompute_costs_a_bounded_share(slo
     one page; later ones are bounded by the samples and paid from the probe credit
     (PROBE_SHARE of each planned chain's recompute): the run never loads a chain, spends at most
     the first page plus that share (in fact a few %; whole-node probes spent 0.5 s at 6.6x),
+    its probes spending their bound less the recompute they replace,
     and ends with the link fitted, right."""
     recompute = lambda n, c: 1e-5 * n  # noqa: E731
     model = CostModel(page_bytes=1 << 20, page_size=16, prefill_cost=recompute)
@@ -240,7 +241,10 @@ def test_discovering_a_link_much_slower_than_recompute_costs_a_bounded_share(slo
     t0 = recompute(8 * 512 + 16, 0)
     assert spent[0] == pytest.approx(20e-6 + page_s)  # the first probe: one page
     assert sum(spent) <= 20e-6 + page_s + PROBE_SHARE * 200 * t0
-    assert sum(spent) < 0.03 * 200 * t0
+    # in fact a few %: 4.1% at 130x, where the probes of 1 and then 2 pages (spread sizes, so
+    # that latency and bandwidth are told apart) wait for their credit; one-page probes again
+    # and again spent 1.5% there, but one size cannot tell latency from bandwidth
+    assert sum(spent) < 0.05 * 200 * t0
     assert max(loaded) <= 2 ** (MIN_SAMPLES - 1) * 16  # probes only: never a load of the chain
     assert max(loaded[-50:]) <= 16  # fitted: at most a one-page re-probe
     assert model.links["l2_l1"].samples >= MIN_SAMPLES
@@ -328,7 +332,7 @@ def test_a_raising_prefill_cost_in_the_cache_falls_back_to_the_threshold():
     st = cache.stats()
     assert m.device_len == 2 * PS and st["cost_fallbacks"] == 1
     assert "model server down" in st["cost_last_error"]
-    assert st["cost_l2_l1_samples"] == 1
+    assert st["cost_l2_l1_samples"] == 0  # the first load of its copy shape: its compile
     clean(cache)
     cache.close()
 
@@ -394,7 +398,8 @@ def _l3_writer_and_reader(tmp_path, **cost):
 
 
 @pytest.mark.parametrize("prefill, pages, fallbacks", [
-    (lambda n, c: 1.0 * n, 4, 0),   # recompute is slow: fetch it all
+    # recompute is slow, but the L3 link is unmeasured: its first read is the one-page probe
+    (lambda n, c: 1.0 * n, 1, 0),
     (lambda n, c: float("nan"), 4, 2),  # garbage: the threshold rule's fetch and load, counted
 ])
 def test_the_cost_policy_decides_how_much_an_l3_prefetch_fetches(tmp_path, prefill, pages,
@@ -421,6 +426,8 @@ def test_free_recompute_fetches_nothing_from_l3_not_even_a_probe(tmp_path):
     st = b.stats()
     assert st["l3_prefetch_declined_pages"] == 4 and st["cost_probes"] == 0
     assert st["cost_l3_l2_samples"] == 0
+    # decided before the lookup, on the most L3 could hold: no exists query made
+    assert st["l3_lookups_declined"] == 1 and st["l3_lookup_pages"] == 0
     clean(b)
     b.close()
 
@@ -445,7 +452,9 @@ def test_an_l3_link_that_slows_mid_run_stops_the_fetches_it_made():
             now[0] += 1e-3 if i < 6 else 10.0  # the read's time on the cache's clock
             b.match_prefix(toks)  # wait_complete: the read is timed here
         st = b.stats()
-        assert fetched[:6] == [4] * 6  # fast: recomputing 16 tokens (0.16 s) costs more
+        # the first read is a one-page probe (the store unmeasured); then, fast: recomputing 16
+        # tokens (0.16 s) costs more
+        assert fetched[:6] == [1] + [4] * 5
         assert fetched[-1] == 0 and st["l3_prefetch_declined_pages"] > 0
         first_decline = fetched.index(0)
         assert first_decline < 6 + 16  # within half a window of slow reads
@@ -470,15 +479,17 @@ def test_each_l3_fetch_decision_records_its_predicted_and_actual_read_time():
                     clock=lambda: now[0])
         assert b.stats()["cost_fetch_records"] == 0
         assert b.stats()["cost_fetch_err_median"] is None
-        for toks in prompts:
-            assert b.prefetch(toks).pages_found == 4  # recompute is slow: fetch it all
+        for i, toks in enumerate(prompts):
+            # recompute is slow: fetch it all, once a one-page probe measured the store
+            assert b.prefetch(toks).pages_found == (1 if i == 0 else 4)
             now[0] += 5e-3
             b.match_prefix(toks)  # wait_complete: the read is timed here
         st = b.stats()
         lat, bw = WARMUP["l3_l2"]
         warm = abs(lat + 4 * SPEC.page_bytes / bw - 5e-3) / 5e-3
         assert st["cost_fetch_records"] == 2 * MIN_SAMPLES
-        # MIN_SAMPLES records on the warm-up figure, then as many on the fitted (exact) one
+        # MIN_SAMPLES records on the warm-up figure (the first, the probe's, of one page:
+        # further off), then as many on the fitted (exact) one
         assert st["cost_fetch_err_median"] == pytest.approx(warm / 2, rel=1e-6)
         b.close()
 
@@ -487,17 +498,17 @@ class _Free:
     num_free = 1 << 20  # a device pool with room: no eviction charge
 
 
-@pytest.mark.parametrize("ratio", [0.3, 3.0])
+@pytest.mark.parametrize("ratio", [0.3, 3.0, 10.0])
 def test_the_l3_fetch_plan_counts_pages_and_never_fetches_a_chain_a_fitted_slow_link_loses(
         ratio):
     """The engine benchmark's quick shape (16-page documents of 8 KiB pages, a prefill callable
     that is right): 200 L3 fetch plans through ``CostRule.fetch_pages``, each read's time joining
-    the L3 fit. At 0.3x the bandwidth where loading a document costs its recompute, the first
-    plan fetches the document on the pessimistic warm-up figure (1 GB/s x2: it pays), and no
-    later one fetches more than a probe (2, 4, 8 pages from the credit, then one page every
-    PROBE_EVERY plans): pages, not tokens, and never the chain once a sample bounds it; the
-    probes spend at most the credit; the link ends fitted. At 3x every plan fetches the whole
-    document, 16 pages (not 256: the plan's tokens are turned into pages)."""
+    the L3 fit. The first plan fetches a one-page probe whatever the link (its warm-up figure
+    decides no load). At 0.3x the bandwidth where loading a document costs its recompute, no
+    plan fetches more than a probe (1, 2, 4, 8 pages from the credit, then one page every
+    PROBE_EVERY plans): pages, not tokens; the probing costs under 3% of the better policy's
+    time over the run; the link ends fitted. At 3x and 10x the link is found fast within 6
+    plans, and every plan after fetches the whole document, 16 pages (not 256)."""
     ps, page_bytes, pages = 16, 8192, 16
     recompute = lambda n, c: 0.8e-3 + 1.8e-5 * n  # noqa: E731
     doc_s = recompute(pages * ps + ps, 0) - recompute(ps, pages * ps)
@@ -507,21 +518,78 @@ def test_the_l3_fetch_plan_counts_pages_and_never_fetches_a_chain_a_fitted_slow_
     for _ in range(MIN_SAMPLES):  # L2 -> L1 measured, fast (the load-back after a fetch)
         model.observe_transfer("l2_l1", pages * page_bytes, 20e-6 + pages * page_bytes / 10e9)
     rule = CostRule(model, ThresholdRule(ps, None), _Free(), None, None)
-    got = []
+    got, excess, better = [], 0.0, 0.0
+    best = min(recompute(pages * ps + ps, 0), read_s(pages) + recompute(ps, pages * ps))
     for _ in range(200):
         k = rule.fetch_pages(pages, 0)
         if k:
             model.observe_transfer("l3_l2", k * page_bytes, read_s(k))
         got.append(k)
+        excess += (read_s(k) if k else 0.0) + recompute((pages - k + 1) * ps, k * ps) - best
+        better += best
+    assert got[0] == 1  # the first read over an unmeasured store: one page
     if ratio > 1:
-        assert got == [pages] * 200
+        found = got.index(pages)
+        assert found <= 6 and got[found:] == [pages] * (200 - found)
         return
-    assert got[0] == pages  # the warm-up figure, doubled, beats recompute
-    assert max(got[1:]) <= 2 ** (MIN_SAMPLES - 1)  # probes only, once a sample bounds the link
-    assert sorted(set(got[1:]) - {0}) == [1, 2, 4, 8]
-    probe_s = sum(read_s(k) for k in got[1:] if k)
-    assert probe_s <= PROBE_SHARE * 200 * recompute(pages * ps + ps, 0) + read_s(pages)
+    assert max(got[1:]) <= 2 ** (MIN_SAMPLES - 1)  # probes only
+    assert sorted(set(got) - {0}) == [1, 2, 4, 8]
+    assert excess <= 0.03 * better
     fit = model.links["l3_l2"]
     assert fit.samples >= MIN_SAMPLES
     assert fit.predict(pages * page_bytes) == pytest.approx(read_s(pages), rel=0.05)
     assert got[-PROBE_EVERY:].count(0) >= PROBE_EVERY - 1  # fitted: recompute, a rare probe
+
+
+def test_plan_picks_the_first_least_of_the_candidates_it_prices():
+    """The plan's choice against the candidates priced one by one (the scalar figures)."""
+    rng = np.random.default_rng(3)
+    for trial in range(40):
+        m = CostModel(4096, 16, eviction_weight=0.5)
+        for _ in range(MIN_SAMPLES):
+            m.observe_prefill(int(rng.integers(16, 400)), int(rng.integers(0, 400)),
+                              float(rng.uniform(1e-3, 2e-2)))
+        for link in ("l2_l1", "l3_l2"):
+            for k in (1, 2, 4, 8, 16)[:MIN_SAMPLES + trial % 2]:
+                m.observe_transfer(link, k * 4096, float(rng.uniform(1e-4, 4e-3)) * k)
+        chain = [16 * int(k) for k in rng.integers(1, 5, int(rng.integers(1, 8)))]
+        cached, free = int(rng.integers(0, 300)), int(rng.integers(0, 12))
+        cap = None if trial % 3 else int(rng.integers(0, sum(chain) + 1))
+        links = ("l3_l2", "l2_l1") if trial % 2 else ("l2_l1",)
+        fits = [m.links[k] for k in links]
+        want, best_t, loaded = 0, None, 0
+        for j in range(len(chain) + 1):
+            loaded += chain[j - 1] if j else 0
+            if cap is not None and loaded > cap:
+                break
+            pages = loaded // 16
+            t = sum(f.plan_cost(pages * 4096) for f in fits)
+            t += m.prefill_seconds(sum(chain) - loaded + 16, cached + loaded)
+            ev = max(0, pages - free)
+            if ev:
+                t += 0.5 * min(m.links["l2_l1"].plan_cost(ev * 4096), m.prefill_seconds(ev * 16, 0))
+            if best_t is None or t < best_t - 1e-12 * abs(best_t):
+                want, best_t = loaded, t
+        assert m.plan(chain, cached, free, cap, links=links) == want, trial
+
+
+def test_the_first_load_of_a_copy_shape_on_the_wall_clock_is_not_a_sample():
+    """Its time holds the copy programs' compile (a one-page load measured 0.43 s in the
+    engine benchmark, then bounding every plan over the link): it settles its decision but
+    does not join the fit; a second load of the same shape does, one of another shape not."""
+    cache = make_cache(SPEC, write_policy="write_through", load_policy="cost",
+                       prefill_cost=lambda n, c: 1.0 * n)
+    got = []
+    from hicache_jax.memory.page_copy import index_len, stage_chunks
+
+    shape = lambda n: (index_len(n), [c[2] for c in stage_chunks(n)])  # noqa: E731
+    for pages in (2, 2, 3):
+        toks = prompt(pages * PS)
+        cached_on_host_only(cache, toks)
+        cache.load_back(cache.match_prefix(toks))
+        cache.flush()
+        got.append(cache.stats()["cost_l2_l1_samples"])
+    assert got[:2] == [0, 1]
+    assert got[2] == (2 if shape(3) == shape(2) else 1)
+    clean(cache)
+    cache.close()

@@ -23,12 +23,15 @@ tiers and to recompute tokens, fitted online (ARCHITECTURE.md, "Load or recomput
 * A plan never leaves a link unmeasured, and a link it has not measured is cheap to discover.
   While a link has ``k <`` :data:`MIN_SAMPLES` samples its cost in a plan is a pessimistic
   bound (:meth:`LinkFit.plan_cost`: with no sample the warm-up figure times
-  :data:`PESSIMISM`; after, the costliest of its recent samples scaled up to the size, which
-  over-counts the latency: a load is then taken only where it pays even so), and the plan
-  loads at least a probe of ``2**k`` pages (sizes spread apart: one size alone cannot tell
-  latency from bandwidth), halved until its cost (:meth:`LinkFit.worst`: the samples' bound,
-  or with none the warm-up figure) is at most :data:`PROBE_SHARE` of the chain's predicted
-  recompute, none where even one page costs more; with no sample in its last
+  :data:`PESSIMISM`, or for the L3 link any load infinite, so that a store's first read is a
+  probe; after, the costliest of its recent samples scaled up to the size, which over-counts
+  the latency, and with two sizes sampled at most :data:`PESSIMISM` times their line: a load is
+  then taken only where it pays even so), and the plan loads at least a probe of ``2**k``
+  pages (sizes spread apart: one size alone cannot tell latency from bandwidth) once what it
+  spends (its bound, :meth:`LinkFit.worst`, less the recompute it replaces) fits the link's
+  credit, each plan while the link is due adding :data:`PROBE_SHARE` of the chain's predicted
+  recompute (a probe that does not fit waits; the first, of one page, is made whatever the
+  credit, none where recompute is free); with no sample in its last
   :data:`PROBE_EVERY` plans, a probe of one page (``cost_probes``), so a warm-up figure or a
   link that got faster since is measured again rather than trusted forever. A probe may end
   inside a node: the load rule splits the node there (cache/load_policy.py).
@@ -61,171 +64,15 @@ from typing import Any, Callable, NamedTuple
 
 import numpy as np
 
+from hicache_jax.cache.cost_fits import (HALF_LIFE, MIN_SAMPLES, PESSIMISM, PROBE_EVERY, WARMUP,
+                                         WINDOW, LinkFit, PrefillFit, check_sample)
 from hicache_jax.validation import is_real
 
 __all__ = ["CostModel", "Decision", "DecisionRecord", "HALF_LIFE", "LinkFit", "MIN_SAMPLES",
            "PESSIMISM", "PROBE_EVERY", "PROBE_SHARE", "PrefillFit", "WARMUP", "WINDOW"]
 
-#: Warm-up ``(latency seconds, bytes per second)`` of each link, before it has samples.
-WARMUP = {"l2_l1": (20e-6, 10e9), "l3_l2": (1e-3, 1e9)}
-WINDOW = 32
-#: Samples after which a prefill sample's weight in the fit has halved.
-HALF_LIFE = 8.0
-MIN_SAMPLES = 4
-PROBE_EVERY = 64
-#: A link without samples is costed at its warm-up figure times this in a plan.
-PESSIMISM = 2.0
 #: Probes spend at most this share of the planned chains' predicted recompute (a credit).
 PROBE_SHARE = 0.1
-
-
-def _check_sample(what: str, **values: Any) -> None:
-    for name, v in values.items():
-        if not is_real(v) or not math.isfinite(v) or v < 0:
-            raise ValueError(f"{what}: {name}={v!r} must be a finite number >= 0")
-
-
-def _rel_err(pred: float, actual: float) -> float | None:
-    return abs(pred - actual) / actual if actual > 0 else None
-
-
-class LinkFit:
-    """``latency + bytes / bandwidth`` of one link, fitted over a window of transfers."""
-
-    def __init__(self, latency_s: float, bytes_per_s: float, window: int = WINDOW) -> None:
-        self.latency_s, self.bytes_per_s = float(latency_s), float(bytes_per_s)
-        self._x: collections.deque = collections.deque(maxlen=window)
-        self._y: collections.deque = collections.deque(maxlen=window)
-        self._err: collections.deque = collections.deque(maxlen=4 * window)
-        self.samples = 0
-        self.plans_since_sample = 0
-        #: seconds of probing this link may still spend: each plan while it is due adds
-        #: PROBE_SHARE of the chain's predicted recompute; a probe spends its bound
-        self.probe_credit = 0.0
-
-    def needs_probe(self) -> bool:
-        return self.samples < MIN_SAMPLES or self.plans_since_sample >= PROBE_EVERY
-
-    def predict(self, nbytes: float) -> float:
-        return self.latency_s + nbytes / self.bytes_per_s if nbytes > 0 else 0.0
-
-    def worst(self, nbytes: float) -> float:
-        """A pessimistic cost of ``nbytes``, what bounds a probe: with no sample the warm-up
-        figure, else the costliest of the last :data:`MIN_SAMPLES` samples scaled up to
-        ``nbytes`` (``max(1, nbytes / x) * y``: a bound under ``latency + bytes / bandwidth``
-        with ``latency >= 0``)."""
-        if nbytes <= 0:
-            return 0.0
-        if not self._x:
-            return self.predict(nbytes)
-        recent = list(zip(self._x, self._y))[-MIN_SAMPLES:]
-        return max(max(1.0, nbytes / x) * y for x, y in recent)
-
-    def plan_cost(self, nbytes: float) -> float:
-        """What a plan charges: the fit once it has :data:`MIN_SAMPLES` samples; before, with
-        some, :meth:`worst`; with none, the warm-up figure times :data:`PESSIMISM`."""
-        if self.samples >= MIN_SAMPLES:
-            return self.predict(nbytes)
-        return self.worst(nbytes) if self._x else PESSIMISM * self.predict(nbytes)
-
-    def observe(self, nbytes: float, seconds: float) -> None:
-        """One completed transfer; ValueError for a negative or non-finite figure."""
-        _check_sample("observe_transfer", nbytes=nbytes, seconds=seconds)
-        if nbytes == 0:
-            return
-        err = _rel_err(self.predict(nbytes), seconds)
-        if err is not None and self.samples >= MIN_SAMPLES:
-            self._err.append(err)
-        self._x.append(float(nbytes))
-        self._y.append(float(seconds))
-        self.samples += 1
-        self.plans_since_sample = 0
-        if len(self._x) >= MIN_SAMPLES:
-            self._refit()
-
-    def _refit(self) -> None:
-        x, y = np.asarray(self._x), np.asarray(self._y)
-        dx = x[None, :] - x[:, None]
-        dy = y[None, :] - y[:, None]
-        ok = dx > 0
-        if ok.sum() >= MIN_SAMPLES:  # spread of sizes: slope and intercept
-            slope = float(np.median(dy[ok] / dx[ok]))
-            lat = float(np.median(y - slope * x))
-            if slope > 0:
-                self.bytes_per_s, self.latency_s = 1.0 / slope, max(0.0, lat)
-                return
-        # one size (or a non-increasing cloud): keep the latency, fit the bandwidth
-        per_byte = np.median((y - self.latency_s) / x)
-        if per_byte <= 0:  # faster than the latency alone: the latency is too large
-            self.latency_s = float(np.median(y)) * 0.5
-            per_byte = np.median((y - self.latency_s) / x)
-        self.bytes_per_s = 1.0 / float(per_byte)
-
-    def median_error(self) -> float | None:
-        return float(np.median(self._err)) if self._err else None
-
-
-def _nnls(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """``argmin |a x - b|`` over ``x >= 0``, exact for a few columns: the optimum is the
-    least-squares solution on its support, so the best non-negative one over the column subsets,
-    all first (clamping an unconstrained solution keeps the others' compensation for it)."""
-    n, best, best_r = a.shape[1], np.zeros(a.shape[1]), float(b @ b)
-    for mask in range((1 << n) - 1, 0, -1):
-        cols = [i for i in range(n) if mask >> i & 1]
-        x = np.linalg.lstsq(a[:, cols], b, rcond=None)[0]
-        if (x >= 0).all() and (r := float(np.sum((a[:, cols] @ x - b) ** 2))) < best_r:
-            best, best_r = np.bincount(cols, weights=x, minlength=n), r
-            if len(cols) == n:  # the unconstrained solution is >= 0: the optimum
-                break
-    return best
-
-
-class PrefillFit:
-    """Prefill seconds from samples: ``a + b*n + c*n*(cached + n/2)``, robust least squares,
-    a sample's weight halving every ``half_life`` newer samples (None: all weigh alike)."""
-
-    def __init__(self, window: int = 4 * WINDOW, half_life: float | None = HALF_LIFE) -> None:
-        self.half_life = half_life
-        self._rows: collections.deque = collections.deque(maxlen=window)
-        self._err: collections.deque = collections.deque(maxlen=window)
-        self.coef: np.ndarray | None = None
-        self.samples = 0
-
-    @staticmethod
-    def _features(n_new: float, n_cached: float) -> np.ndarray:
-        return np.array([1.0, n_new, n_new * (n_cached + n_new / 2.0)])
-
-    def predict(self, n_new: float, n_cached: float) -> float | None:
-        if self.coef is None:
-            return None
-        return float(self._features(n_new, n_cached) @ self.coef) if n_new > 0 else 0.0
-
-    def observe(self, n_new: float, n_cached: float, seconds: float) -> None:
-        _check_sample("observe_prefill", n_new=n_new, n_cached=n_cached, seconds=seconds)
-        pred = self.predict(n_new, n_cached)
-        if pred is not None and (e := _rel_err(pred, seconds)) is not None:
-            self._err.append(e)
-        self._rows.append((self._features(n_new, n_cached), float(seconds)))
-        self.samples += 1
-        if len(self._rows) >= MIN_SAMPLES:
-            a = np.stack([r[0] for r in self._rows])
-            y = np.array([r[1] for r in self._rows])
-            scale = np.maximum(np.abs(a).max(axis=0), 1e-30)
-            keep = np.ones(y.size, bool)
-            w = 1.0 / np.maximum(y, 1e-12)[:, None]  # relative errors: a stall weighs <= 1
-            if self.half_life:  # the machine's speed drifts: recent samples weigh more
-                w = w * 0.5 ** (np.arange(y.size - 1, -1, -1) / self.half_life)[:, None]
-            for _ in range(3):  # least squares, then again without the outliers it exposes
-                coef = _nnls((a / scale * w)[keep], (y * w[:, 0])[keep])
-                rel = np.abs(a / scale @ coef - y) / np.maximum(y, 1e-12)
-                new = rel <= max(3.0 * 1.4826 * float(np.median(rel)), 0.05)
-                if new.sum() < MIN_SAMPLES or (new == keep).all():
-                    break
-                keep = new
-            self.coef = coef / scale
-
-    def median_error(self) -> float | None:
-        return float(np.median(self._err)) if self._err else None
 
 
 class Decision:
@@ -288,7 +135,7 @@ class CostModel:
         self.page_bytes, self.page_size = int(page_bytes), int(page_size)
         self.byte_scale = self.page_bytes / int(observed_page_bytes or page_bytes)
         self.prefill_cost, self.eviction_weight = prefill_cost, float(eviction_weight)
-        self.links = {k: LinkFit(*v) for k, v in WARMUP.items()}
+        self.links = {k: LinkFit(*v, trust_warmup=k != "l3_l2") for k, v in WARMUP.items()}
         self.prefill_fit = PrefillFit()
         self.n: collections.Counter[str] = collections.Counter()
         self.last_error: str | None = None
@@ -301,12 +148,16 @@ class CostModel:
         self.records: collections.deque[DecisionRecord] = collections.deque(maxlen=4 * WINDOW)
         self._fetch_err: collections.deque = collections.deque(maxlen=4 * WINDOW)
 
-    def observe_transfer(self, link: str, nbytes: float, seconds: float) -> None:
+    def observe_transfer(self, link: str, nbytes: float, seconds: float,
+                         sample: bool = True) -> None:
+        """A completed transfer; ``sample=False``: it settles the decisions it served but does
+        not join the link's fit (a time that holds a compile)."""
         if link not in self.links:
             raise ValueError(f"link={link!r} must be one of {sorted(self.links)}")
-        _check_sample("observe_transfer", nbytes=nbytes, seconds=seconds)
+        check_sample("observe_transfer", nbytes=nbytes, seconds=seconds)
         nbytes = nbytes * self.byte_scale
-        self.links[link].observe(nbytes, seconds)
+        if sample:
+            self.links[link].observe(nbytes, seconds)
         if link == "l2_l1":
             self._settle_load(nbytes, seconds)
 
@@ -401,25 +252,13 @@ class CostModel:
         None: no usable prefill figure (the caller falls back, counted)."""
         ps, fits = self.page_size, [self.links[k] for k in links]
         total = sum(chain_tokens)
+        loaded = np.cumsum([0] + list(chain_tokens))
+        if cap_tokens is not None:
+            loaded = loaded[loaded <= max(cap_tokens, 0)]
         try:
-            best, best_t, loaded, t0 = 0, None, 0, 0.0
-            for j in range(len(chain_tokens) + 1):
-                if j:
-                    loaded += chain_tokens[j - 1]
-                if cap_tokens is not None and loaded > cap_tokens:
-                    break
-                pages = loaded // ps
-                t = sum(f.plan_cost(pages * self.page_bytes) for f in fits)
-                t += self.prefill_seconds(total - loaded + ps, cached + loaded)
-                evicted = max(0, pages - free_pages)
-                if evicted:  # a later hit on them reloads from L2 or recomputes: the cheaper
-                    t += self.eviction_weight * min(
-                        self.links["l2_l1"].plan_cost(evicted * self.page_bytes),
-                        self.prefill_seconds(evicted * ps, 0))
-                if best_t is None or t < best_t:
-                    best, best_t = loaded, t
-                if not j:
-                    t0 = t  # the whole chain recomputed
+            t = self._candidate_times(loaded, total, cached, free_pages, fits)
+            t0 = float(t[0])  # the whole chain recomputed
+            best = int(loaded[int(np.argmin(t))])  # the first of the least
         except LookupError:
             self.n["cost_warmup_decisions"] += 1
             return None
@@ -434,10 +273,10 @@ class CostModel:
                if f.needs_probe()]
         for f in due:
             f.probe_credit += PROBE_SHARE * t0
-        probe_at = self._probe_tokens(total, cap_tokens, due, fits,
+        probe_at = self._probe_tokens(total, cached, cap_tokens, due, fits,
                                       min((f.probe_credit for f in due), default=0.0), t0)
         if probe_at:
-            spent = sum(f.worst(probe_at // ps * self.page_bytes) for f in fits)
+            spent = self._probe_spend(probe_at, total, cached, fits)
             for f in due:
                 f.probe_credit -= spent
         if best < probe_at:
@@ -449,14 +288,50 @@ class CostModel:
                                       cached + best, self._prefill_predictor())
         return best
 
-    def _probe_tokens(self, total: int, cap_tokens: int | None, due: list[LinkFit],
-                      fits: list[LinkFit], budget: float, recompute: float) -> int:
+    def _candidate_times(self, loaded: np.ndarray, total: int, cached: int, free_pages: int,
+                         fits: list[LinkFit]) -> np.ndarray:
+        """:meth:`plan`'s predicted seconds for loading each of ``loaded`` tokens: the load
+        over ``fits``, the prefill of the rest plus a page, the eviction charge. Raises
+        LookupError (no prefill figure) or the callable's error."""
+        ps, pages = self.page_size, loaded // self.page_size
+        t = sum(f.plan_costs(pages * float(self.page_bytes)) for f in fits)
+        evicted = np.maximum(0, pages - free_pages)
+        fit = self.prefill_fit if self.prefill_cost is None else None
+        if fit is not None and fit.coef is None:
+            raise LookupError("no prefill samples yet")
+        pre = (fit.predict_many(total - loaded + ps, cached + loaded) if fit is not None
+               else np.array([self.prefill_seconds(total - k + ps, cached + k)  # checked each
+                              for k in loaded.tolist()]))
+        if not evicted.any():
+            return t + pre
+        # a later hit on evicted pages reloads them from L2 or recomputes them: the cheaper
+        redo = (fit.predict_many(evicted * ps, 0 * evicted) if fit is not None
+                else np.array([self.prefill_seconds(e * ps, 0) for e in evicted.tolist()]))
+        reload = self.links["l2_l1"].plan_costs(evicted * float(self.page_bytes))
+        return t + pre + np.where(evicted > 0, self.eviction_weight * np.minimum(reload, redo),
+                                  0.0)
+
+    def _probe_spend(self, ntok: int, total: int, cached: int, fits: list[LinkFit]) -> float:
+        """What a probe of ``ntok`` tokens spends of the credit: its pessimistic cost over
+        ``fits`` less the recompute it replaces (what it adds to the request's time at worst;
+        none is counted where the prefill figure fails here)."""
+        bound = sum(f.worst(ntok // self.page_size * self.page_bytes) for f in fits)
+        try:
+            saved = (self.prefill_seconds(total + self.page_size, cached)
+                     - self.prefill_seconds(total - ntok + self.page_size, cached + ntok))
+        except Exception:  # the serving stack's callable: the bound alone
+            saved = 0.0
+        return bound - max(0.0, saved)
+
+    def _probe_tokens(self, total: int, cached: int, cap_tokens: int | None,
+                      due: list[LinkFit], fits: list[LinkFit], budget: float,
+                      recompute: float) -> int:
         """Tokens a probe loads (0: none due, or none within ``budget`` seconds, the due links'
         credit): ``2**k`` pages while a due link has ``k <`` :data:`MIN_SAMPLES` samples,
-        then one; never past the chain or the cap; halved while its pessimistic cost over
-        ``fits`` exceeds ``budget``; a due link without any sample gets at least one page
-        where the chain's predicted ``recompute`` is not free (its warm-up figure is a guess:
-        a prefill fit that under-predicts would otherwise starve the credit)."""
+        then one; never past the chain or the cap; none while what it spends
+        (:meth:`_probe_spend`) exceeds ``budget``; a due link without any sample gets at least
+        one page where the chain's predicted ``recompute`` is not free (its warm-up figure is
+        a guess: a prefill fit that under-predicts would otherwise starve the credit)."""
         if not due or total <= 0:
             return 0
         k = min(f.samples for f in due)
@@ -464,8 +339,8 @@ class CostModel:
         if cap_tokens is not None:
             most = min(most, cap_tokens // self.page_size)
         pages = min(1 << k if k < MIN_SAMPLES else 1, most)
-        while pages and sum(f.worst(pages * self.page_bytes) for f in fits) > budget:
-            pages //= 2
+        if pages and self._probe_spend(pages * self.page_size, total, cached, fits) > budget:
+            pages = 0  # the credit grows until it fits: a smaller one would repeat a size
         if k == 0 and recompute > 0:  # no sample to bound it: one page, the least that gives one
             pages = max(pages, min(1, most))
         return pages * self.page_size

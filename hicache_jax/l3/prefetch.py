@@ -211,6 +211,15 @@ class Prefetcher:
         if prev is None:
             self._n["l3_unkeyable_pages"] += (tokens.size - pos) // ps
             return None
+        # the load rule first, on the most L3 could give: where even that is not worth its
+        # read, no lookup (the decision for fewer pages is the same: see _fetch_take)
+        most = (pos + min((tokens.size - pos) // ps, self._staging_alloc.num_free) * ps
+                - covered) // ps
+        take = int(self._port.fetch_pages(most, covered)) if most > 0 else 0
+        if most > 0 and take <= 0:
+            self._n["l3_lookups_declined"] += 1
+            self._n["l3_prefetch_declined_pages"] += most
+            return after
         digests = chain_digests(prev, tokens[pos:].reshape(-1, ps))
         keys = self._names.keys(extra_key, digests)
         found = int(self._group.agree_min("l3 exists", [leading(self._backend.exists(keys))])[0])
@@ -223,8 +232,7 @@ class Prefetcher:
         new = (pos + want * ps - covered) // ps  # pages beyond what L1 + L2 hold
         decision = None
         if new > 0:  # the load rule: how many of those are worth their read
-            take = int(self._port.fetch_pages(new, covered))
-            decision = self._port.fetch_decision()
+            take, decision = self._fetch_take(new, most, take, covered)
             if take < new:
                 self._n["l3_prefetch_declined_pages"] += new - take
                 want = 0 if take <= 0 else want - (new - take)
@@ -251,6 +259,16 @@ class Prefetcher:
         self._n["l3_prefetches"] += 1
         self._n["l3_prefetch_pages"] += k
         return handle
+
+    def _fetch_take(self, new: int, most: int, take: int, covered: int) -> tuple[int, Any]:
+        """How many of the ``new`` pages L3 holds to fetch, given the rule's ``take`` of the
+        ``most`` it could have held: that decision where it fits in ``new`` (the cost rule's
+        gain of loading ``j`` pages does not depend on the pages after them, so its choice
+        among fewer candidates that include it is the same), else the rule asked again on
+        ``new``; and the decision's record."""
+        if take > new:
+            take = int(self._port.fetch_pages(new, covered))
+        return take, self._port.fetch_decision()
 
     def _fetch_base(self, tm: Any) -> tuple[TreeNode, int]:
         """Where a prompt's fetch starts: ``(node, tokens up to its end)``."""

@@ -57,7 +57,8 @@ _PUT_WAIT_S = 1.0  # longest a put waits (wall time) for staging pages held by e
 _STAT_NAMES = ("l3_lookup_pages", "l3_prefetches", "l3_prefetch_pages", "l3_prefetch_hit_pages",
                "l3_prefetch_missed_pages", "l3_prefetch_duplicate_pages",
                "l3_prefetch_backfill_pages", "l3_prefetch_dropped_pages",
-               "l3_prefetch_skipped_pages", "l3_prefetch_declined_pages", "l3_prefetch_timeouts",
+               "l3_prefetch_skipped_pages", "l3_prefetch_declined_pages", "l3_lookups_declined",
+               "l3_prefetch_timeouts",
                "l3_put_pages", "l3_put_pages_stored", "l3_puts_dropped", "l3_puts_skipped",
                "l3_unkeyable_pages",
                "l3_deleted_pages", "l3_delete_unsupported_pages", "l3_invalidate_unreached")

@@ -166,6 +166,9 @@ class TransferEngine:
         self.device_pool = device_pool
         self.host_pool = host_pool
         self._clock = clock  # handles' seconds (a simulator injects its own)
+        #: the handles' seconds are wall time (the default clock), so a dispatch that compiled
+        #: a copy program counts its compile; False under an injected clock
+        self.wall_clock = clock is time.perf_counter
         self.spec = device_pool.spec
         host_put = None if host_pool.on_device_memory else host_pool.sharding
         dev_put = None if host_pool.on_device_memory else host_pool.device_sharding
