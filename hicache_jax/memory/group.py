@@ -38,7 +38,7 @@ import numpy as np
 
 from hicache_jax.errors import (GroupConnectError, GroupDivergedError, GroupTimeoutError,
                                 HiCacheError)
-from hicache_jax.memory.group_socket import SocketLinks, route_host
+from hicache_jax.memory.group_socket import SocketLinks, call_diverged, route_host
 
 __all__ = ["Group", "LocalGroup", "DistributedGroup", "AgreedClock", "GroupTimeoutError",
            "GroupConnectError", "GroupDivergedError", "default_group"]
@@ -257,9 +257,7 @@ class DistributedGroup(Group):
                 process=p) from None
         peer_tag, _, value = raw.partition("\x1e")
         if peer_tag != tag:
-            raise GroupDivergedError(
-                f"processes made different calls: at agreement step {step} process "
-                f"{self.process_id} is at {tag!r}, process {p} at {peer_tag!r}", field="call")
+            raise call_diverged(step, self.process_id, tag, p, peer_tag)
         return value
 
 

@@ -34,6 +34,15 @@ __all__ = ["SocketLinks", "route_host"]
 _LEN = struct.Struct("!I")
 
 
+def call_diverged(step: int, me: int, tag: str, p: int, peer_tag: str,
+                  note: str = "") -> GroupDivergedError:
+    """The error of both transports when process ``p`` made another call (``peer_tag``) at
+    agreement ``step`` than this process ``me`` (``tag``); ``note`` is appended."""
+    return GroupDivergedError(
+        f"processes made different calls: at agreement step {step} process {me} is at "
+        f"{tag!r}, process {p} at {peer_tag!r}{note}", field="call")
+
+
 def route_host(coordinator: str | None) -> str:
     """The address of this host's interface that routes to ``coordinator`` (``host:port``;
     a UDP socket's ``connect`` picks it, no packet is sent); 127.0.0.1 when unknown."""
@@ -194,11 +203,8 @@ class SocketLinks:
                 self._wait(end, p, step, tag)
             peer_step, peer_tag, peer_value = got.split("\x1e", 2)
             if peer_tag != tag or peer_step != str(step):
-                raise GroupDivergedError(
-                    f"processes made different calls: at agreement step {step} process "
-                    f"{self._me} is at {tag!r}, process {p} at {peer_tag!r}"
-                    + ("" if peer_step == str(step) else f" (its step {peer_step})"),
-                    field="call")
+                raise call_diverged(step, self._me, tag, p, peer_tag,
+                                    "" if peer_step == str(step) else f" (its step {peer_step})")
             rows.append(peer_value)
         while any(len(v) for v in self._out.values()):  # our frame still going out
             self._wait(end, next(p for p, v in self._out.items() if len(v)), step, tag)
