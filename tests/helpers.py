@@ -158,8 +158,8 @@ class GatedEngine(TransferEngine):
         for h in self.handles[:self.handles.index(gated) + 1]:
             h.released = True
 
-    def poll(self):
-        self._landed += super().poll()
+    def poll(self, agree: bool = True):
+        self._landed += super().poll(agree)
         out = []
         while self._landed and self._gated[id(self._landed[0])].released:
             gated = self._gated.pop(id(self._landed.pop(0)))

@@ -34,6 +34,8 @@ RUNS = [
     ("bench_load_policy", ["--quick"], ["cost/better", "target cost/better <= 1.05"], []),
     ("bench_multihost", ["--requests", "40", "--processes", "1,2"],
      ["x 1 process", "agreement share", "(target <= 1.3x)"], []),
+    ("bench_multihost", ["--requests", "20", "--processes", "1,2", "--in-flight"],
+     ["agreements/req", "(target <= 1.3x)"], []),
     ("bench_pins", [], ["x limit", "target pinned system-prompt hit rate >= 0.95 of the limit:"],
      []),
     ("bench_pool", ["--quick"], ["x memcpy", "Targets: flat in pool size"], []),

@@ -79,6 +79,26 @@ def test_local_group_is_the_value_itself():
     assert isinstance(default_group(), LocalGroup)  # this process is no jax.distributed one
 
 
+class _Closing(LocalGroup):
+    closes = 0
+
+    def close(self) -> None:
+        self.closes += 1
+
+
+def test_a_cache_closes_the_group_it_built_not_the_callers(monkeypatch):
+    from hicache_jax import HiCache, HiCacheConfig, KVSpec
+    from hicache_jax.cache import agreement
+
+    spec = KVSpec(1, 1, 2, "float32", page_size=2)
+    own = _Closing()
+    monkeypatch.setattr(agreement, "default_group", lambda timeout_s: own)
+    HiCache(spec, HiCacheConfig(device_pages=4)).close()
+    mine = _Closing()
+    HiCache(spec, HiCacheConfig(device_pages=4, group=mine)).close()
+    assert (own.closes, mine.closes) == (1, 0)
+
+
 @pytest.mark.parametrize("n", [2, 4])
 @pytest.mark.parametrize("transport", ["socket", "kv"])
 def test_min_leader_and_gather_over_processes(n, transport):

@@ -100,7 +100,7 @@ def test_results_do_not_depend_on_when_the_copies_are_seen_ready(tmp_path, monke
     base = _run(trace, rg, 5)
     assert any(r["cost_l2_l1_pred_err_median"] for r in base["results"])
 
-    def poll_never_ready(self):  # a copy is seen landed only by a wait (flush)
+    def poll_never_ready(self, agree=True):  # a copy is seen landed only by a wait (flush)
         out, self._finished = self._finished, []
         return out
     monkeypatch.setattr(transfer.TransferEngine, "poll", poll_never_ready)

@@ -307,3 +307,32 @@ def test_validated_ids_copy_like_checked_ones():
         results.append((host.read(np.arange(10)), _dev_bits(dev, np.arange(8))))
     for a, b in zip(*results):
         np.testing.assert_array_equal(a, b)
+
+
+class _TwoProcesses:
+    """A group of two processes whose peer has seen every copy land (records its agreements)."""
+
+    num_processes = 2
+
+    def __init__(self) -> None:
+        self.tags: list[str] = []
+
+    def agree_min(self, tag, values):
+        self.tags.append(tag)
+        return np.asarray(values, np.int64)
+
+
+def test_with_a_group_only_an_agreeing_poll_applies_copies_in_flight():
+    # Several processes: a poll that does not agree leaves landed copies in flight (safe: a
+    # decision that needs them waits); the agreeing one applies them, in one agreement.
+    dev, host, eng = _setup(SPEC)
+    group = _TwoProcesses()
+    eng.agree_with(group)
+    assert eng.poll() == [] and group.tags == []  # nothing in flight: nothing to agree
+    backup = eng.backup([0, 1], [2, 3])
+    jax.block_until_ready(host.buffer)  # landed here
+    assert eng.poll(agree=False) == [] and eng.in_flight == 1 and not backup.done()
+    assert eng.busy_host_pages([2, 3]).all() and group.tags == []
+    assert eng.poll() == [backup] and backup.done() and group.tags == ["transfers"]
+    load = eng.load([2], [5])
+    assert eng.wait_all() == [load] and group.tags == ["transfers"]  # a wait agrees nothing

@@ -22,12 +22,12 @@ import dataclasses
 import enum
 import hashlib
 import json
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import numpy as np
 
 from hicache_jax.memory.allocator import PageAllocator
-from hicache_jax.memory.group import Group
+from hicache_jax.memory.group import AgreedClock, Group, default_group
 from hicache_jax.cache.inflight import InFlight
 from hicache_jax.cache.ownership import DevicePageOwners
 from hicache_jax.spec import HiCacheConfig, KVSpec
@@ -66,6 +66,25 @@ def check_config(group: Group, spec: KVSpec, cfg: HiCacheConfig) -> None:
         raise ValueError("load_policy='cost' decides from each process's own timings, which "
                          f"differ between the {group.num_processes} processes: use 'threshold'")
     group.check_equal("config", config_fields(spec, cfg))
+
+
+def join_group(spec: KVSpec, cfg: HiCacheConfig,
+               clock: Callable[[], float]) -> tuple[Group, bool, Callable[[], float]]:
+    """A cache's group, whether the cache owns it, and the clock of its tree. The group is
+    ``cfg.group``, else :func:`default_group` (the cache's own: its ``close`` closes it, as
+    does a construction that fails here); :func:`check_config` runs over it; with several
+    processes the clock is the leader's (:class:`AgreedClock` over ``clock``)."""
+    owned = cfg.group is None
+    group = default_group(cfg.agreement_timeout_s) if owned else cfg.group
+    try:
+        check_config(group, spec, cfg)
+        if group.num_processes > 1:
+            clock = AgreedClock(group, clock)
+    except BaseException:
+        if owned:
+            group.close()
+        raise
+    return group, owned, clock
 
 
 def _digest(parts: Iterable[Any]) -> str:

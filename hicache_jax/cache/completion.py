@@ -44,12 +44,16 @@ class Completion:
         (a handle) or, with ``wait``, for all of them. ``attach``: also hang landed L3
         prefetches in the tree and expire pins -- only at the start of a public call, never
         inside an operation that holds nodes (an attach may split them). ``sync``: a request
-        starts: agree the clock first (several processes)."""
+        starts: agree the clock and the transfers landed (several processes; the other calls
+        agree no transfer: what landed since is applied at the next request's start or at a
+        wait)."""
         if attach and sync and self._sync is not None:
             self._sync()  # rides on the poll's agreement when copies are in flight
         # Waiting for all: every process has seen every copy land, so nothing to agree on
-        # (a poll first would agree on part of them: an agreement for nothing).
-        finished = [] if wait else self._engine.poll()
+        # (a poll first would agree on part of them: an agreement for nothing). Several
+        # processes: copies are agreed complete once a request, at its start; between, a copy
+        # not yet agreed is one still in flight (what needs it waits: drain, upto).
+        finished = [] if wait else self._engine.poll(agree=sync)
         if attach:
             self._expire()
         self._l3.poll(attach)

@@ -23,11 +23,11 @@ from typing import Any, Callable, Hashable, Sequence
 import numpy as np
 
 from hicache_jax.memory.device_pool import DevicePagePool
-from hicache_jax.memory.group import AgreedClock, default_group
+from hicache_jax.memory.group import AgreedClock
 from hicache_jax.errors import HiCacheError
 from hicache_jax.events.factory import make_recorder
 from hicache_jax.events.recorder import NullRecorder, Recorder
-from hicache_jax.cache.agreement import Agreement, check_config
+from hicache_jax.cache.agreement import Agreement, join_group
 from hicache_jax.cache.completion import Completion
 from hicache_jax.cache.evictor import Evictor
 from hicache_jax.cache.removal import Removal
@@ -81,11 +81,8 @@ class HiCache(ControlAPI):
             raise TypeError(f"cfg must be a HiCacheConfig, got {type(cfg).__name__}")
         self.spec, self.cfg = spec, cfg
         # several processes: one group decides alike (ARCHITECTURE.md, "Several processes")
-        self._group = cfg.group if cfg.group is not None else default_group(
-            cfg.agreement_timeout_s)
-        check_config(self._group, spec, cfg)
-        if self._group.num_processes > 1:  # stamps and deadlines: the leader's clock
-            clock = AgreedClock(self._group, clock)
+        # (its own group closed by close(); stamps and deadlines: the leader's clock)
+        self._group, self._owns_group, clock = join_group(spec, cfg, clock)
         self._sync = clock.sync if isinstance(clock, AgreedClock) else None
         self._ps = spec.page_size
         self._tree = RadixTree(spec.page_size, clock)
@@ -445,8 +442,9 @@ class HiCache(ControlAPI):
         self._l3.flush()
 
     def close(self) -> None:
-        """Flush, then release the L3 backend (its threads, connections). Idempotent. Every
-        later call but ``stats()`` raises :class:`HiCacheError`."""
+        """Flush, then release the L3 backend (its threads, connections) and the group the
+        cache built (``cfg.group`` stays the caller's). Idempotent. Every later call but
+        ``stats()`` raises :class:`HiCacheError`."""
         if self._threads.closed:
             return
         self.flush()
@@ -455,6 +453,8 @@ class HiCache(ControlAPI):
         finally:
             self._events.close()  # the ZMQ publisher sends what is queued and unbinds
             self._threads.close()
+            if self._owns_group:
+                self._group.close()  # peers then see this process gone
 
     @property
     def closed(self) -> bool:

@@ -266,7 +266,7 @@ class InFlight:
             return self._engine.wait_all()
         if not upto.done():
             upto.wait()
-        return self._engine.poll()
+        return self._engine.poll(agree=False)  # upto and those before it: seen alike
 
     def _first_of_shape(self, handle: Any) -> bool:
         """Whether ``handle`` is the first load of its copy shape timed on the wall clock."""

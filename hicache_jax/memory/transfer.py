@@ -281,19 +281,26 @@ class TransferEngine:
             self._busy[item.host_ids] -= 1
         self._finished.extend(done)
 
-    def poll(self) -> list[TransferHandle]:
+    def poll(self, agree: bool = True) -> list[TransferHandle]:
         """Handles finished since the last ``poll`` / ``wait_all``, in completion order.
 
         Completion order is dispatch order (see ``_finish``); a zero-page transfer completes at
         dispatch. ``seconds`` is an upper bound: dispatch to observation. With a group
-        (:meth:`agree_with`), the transfers every process has seen complete.
+        (:meth:`agree_with`), the transfers every process has seen complete, when ``agree``
+        (every process must pass the same); ``agree=False`` takes no agreement and applies
+        none of the copies in flight: they stay in flight until an agreed poll or a wait,
+        which is always safe (a decision that needs them waits for them). Without a group
+        ``agree`` changes nothing.
         """
+        if self._group is not None and not (agree and self._in_flight):
+            out, self._finished = self._finished, []
+            return out
         ready = 0  # the latest finished one finishes the rest: count up to it
         for i in range(len(self._in_flight), 0, -1):
             if all(t.is_ready() for t in self._in_flight[i - 1]._tokens):
                 ready = i
                 break
-        if self._group is not None and self._in_flight:  # the same queue on every process
+        if self._group is not None:  # the same queue on every process
             ready = int(self._group.agree_min("transfers", [ready])[0])
         if ready:
             self._finish(self._in_flight[ready - 1])
