@@ -1,0 +1,136 @@
+"""The two-ended split (ARCHITECTURE.md, "Load or recompute"): the cost model's decision on
+synthetic timings, the cache's execution (the back copied into the request's own pages, the
+host chain untouched until the insert), the serial engine's outputs with it on and off."""
+
+import numpy as np
+import pytest
+
+from hicache_jax import HiCacheConfig
+from hicache_jax.cache.cost_model import CostModel
+from tests.helpers import make_cache
+from tests.test_request import SPEC, cached_on_host_only, clean, prompt, write
+
+PS = SPEC.page_size
+PAGE_BYTES = 1 << 20
+
+
+def _model(link_page_s: float, page_prefill_s: float = 1.6e-3) -> CostModel:
+    """A model whose L2 -> L1 link moves a page in ``link_page_s`` (fitted from 6 samples) and
+    whose prefill costs ``page_prefill_s`` a page of tokens."""
+    m = CostModel(PAGE_BYTES, 16, prefill_cost=lambda n, c: n * page_prefill_s / 16)
+    for k in (1, 2, 4, 8, 16, 32):
+        m.observe_transfer("l2_l1", k * PAGE_BYTES, k * link_page_s)
+    return m
+
+
+@pytest.mark.parametrize("ratio,lo,hi", [(1.0, 0.45, 0.55), (3.0, 0.7, 0.8), (1 / 3, 0.2, 0.3)])
+def test_the_split_sits_where_front_and_back_finish_together(ratio, lo, hi):
+    m = _model(1.6e-3 * ratio)  # a page loads in ``ratio`` times its recompute
+    chain = [1024] * 4
+    plain = m.plan(chain, 0, 10**6, None)
+    assert m.last_split is None  # without overlap: today's decision
+    back = m.plan(chain, 0, 10**6, None, overlap=True)
+    front = m.last_split
+    assert front is not None and front + back == 4096 and front % 16 == 0
+    assert lo <= front / 4096 <= hi  # front / rate = back x ratio / rate
+    assert m.stats()["cost_splits"] == 1
+    assert plain in (0, 4096)
+
+
+def test_no_split_where_the_cap_leaves_no_back_or_the_chain_is_one_page():
+    m = _model(1.6e-3)
+    assert m.plan([16], 0, 10**6, None, overlap=True) is not None and m.last_split is None
+    m.plan([1024], 0, 10**6, 0, overlap=True)
+    assert m.last_split is None
+    back = m.plan([1024], 0, 10**6, 256, overlap=True)  # the back within the cap
+    assert m.last_split is not None and back <= 256
+
+
+def test_free_recompute_never_splits():
+    m = _model(1.6e-3, page_prefill_s=0.0)
+    assert m.plan([1024] * 2, 0, 10**6, None, overlap=True) == 0 and m.last_split is None
+
+
+def test_the_config_rejects_a_bad_load_overlap():
+    with pytest.raises(TypeError, match="load_overlap"):
+        HiCacheConfig(device_pages=8, load_policy="cost", load_overlap=1)
+    with pytest.raises(ValueError, match="load_overlap"):
+        HiCacheConfig(device_pages=8, load_overlap=True)
+
+
+def _split_cache(**kw):
+    # a page weighs 1 MiB to the model; the link moves one in 0.2 ms, its recompute's time
+    cache = make_cache(SPEC, write_policy="write_through", load_policy="cost",
+                       prefill_cost=lambda n, c: n * 5e-5, cost_page_bytes=PAGE_BYTES,
+                       load_overlap=True, **kw)
+    for k in (1, 2, 4, 8, 16, 32):  # a measured link: no probe
+        cache._cost.links["l2_l1"].observe(k * PAGE_BYTES, k * 2e-4)
+    return cache
+
+
+def test_the_cache_copies_the_back_into_the_requests_pages_and_inserts_them():
+    cache = _split_cache()
+    toks = prompt(8 * PS)
+    kv = cached_on_host_only(cache, toks)
+    with cache.begin(toks) as req:
+        assert req.overlap is not None and req.loaded_len == 0 and req.cached_len == 0
+        start, end = req.overlap
+        assert 0 < start < end == len(toks) == req.num_tokens
+        assert cache.tree.match(toks).device_len == 0  # the chain is still host-only
+        req.wait_overlap()
+        pages = req.device_pages
+        got = np.asarray(cache.read_kv(pages[start // PS:])).view(kv.dtype)
+        np.testing.assert_array_equal(got, kv[:, :, start // PS:])  # the host copy's bits
+        write(cache, pages[:start // PS])  # the front, "recomputed"
+        req.finish(toks)
+    st = cache.stats()
+    assert st["overlap_loads"] == 1 and st["overlap_load_tokens"] == end - start
+    assert st["cost_splits"] == 1
+    assert not cache._cost._awaiting_load  # the copy's acknowledgement settled its bytes
+    assert cache.tree.match(toks).device_len == len(toks)  # the insert gave them device pages
+    clean(cache)
+    cache.close()
+
+
+def test_an_abort_with_the_copy_in_flight_frees_everything():
+    cache = _split_cache()
+    toks = prompt(8 * PS)
+    cached_on_host_only(cache, toks)
+    with cache.begin(toks) as req:
+        assert req.overlap is not None
+    assert req.state == "aborted"
+    assert cache.tree.match(toks).host_len == len(toks)  # the host chain kept
+    clean(cache)
+    # the chain is split again, or loaded, by the next request: nothing was lost
+    with cache.begin(toks) as req:
+        req.wait_overlap()
+        req.extend(len(toks) - req.num_tokens)
+        req.finish(toks)
+    clean(cache)
+    cache.close()
+
+
+def test_without_load_overlap_the_cache_decides_as_before():
+    cache = make_cache(SPEC, write_policy="write_through", load_policy="cost",
+                       prefill_cost=lambda n, c: n * 5e-5, cost_page_bytes=PAGE_BYTES)
+    toks = prompt(8 * PS)
+    cached_on_host_only(cache, toks)
+    with cache.begin(toks) as req:
+        assert req.overlap is None and req.loaded_len > 0  # a probe of the unmeasured link
+        req.extend(len(toks) - req.num_tokens)
+        req.finish(toks)
+    assert cache.stats()["cost_splits"] == 0
+    clean(cache)
+    cache.close()
+
+
+def test_load_back_called_directly_never_splits():
+    cache = _split_cache()
+    toks = prompt(8 * PS)
+    cached_on_host_only(cache, toks)
+    lm = cache.load_back(cache.match_prefix(toks))
+    st = cache.stats()
+    assert lm.host_len + lm.device_len == len(toks)  # loaded or declined, as today
+    assert st["cost_splits"] == 0 and st["overlap_loads"] == 0
+    clean(cache)
+    cache.close()
