@@ -134,3 +134,39 @@ def test_load_back_called_directly_never_splits():
     assert st["cost_splits"] == 0 and st["overlap_loads"] == 0
     clean(cache)
     cache.close()
+
+
+def test_the_engine_with_the_split_gives_the_outputs_of_never_loading():
+    from hicache_jax.cache.hicache import HiCache
+    from hicache_jax.engine.engine import Engine
+    from tests.test_engine import BUCKETS, CFG, DEVICE_PAGES, MAX_NEW, _prompts
+    from hicache_jax.engine.model import DecoderModel
+
+    model = DecoderModel(CFG, seed=3)
+    first, second = _prompts()
+    outs = {}
+    for overlap in (False, True):
+        cfg = HiCacheConfig(device_pages=DEVICE_PAGES, host_pages=4 * DEVICE_PAGES,
+                            write_policy="write_through", load_back_threshold=16,
+                            load_policy="cost", load_overlap=overlap,
+                            cost_page_bytes=PAGE_BYTES, prefill_cost=lambda n, c: n * 5e-5,
+                            **({} if overlap else dict(max_load_tokens=0)))  # off: never load
+        cache = HiCache(model.kv_spec(16), cfg)
+        for k in (1, 2, 4, 8, 16, 32):  # the link measured at a page's recompute time
+            cache._cost.links["l2_l1"].observe(k * PAGE_BYTES, k * 8e-4)
+        engine = Engine(model, cache, mode="hicache", **BUCKETS)
+        engine.generate([first], MAX_NEW)
+        cache.flush()
+        cache.evict(10**6)  # the shared prefix host-only
+        outs[overlap] = engine.generate([second], MAX_NEW)[0]
+        st = cache.stats()
+        assert st["overlap_loads"] == int(overlap) and st["load_backs"] == 0
+        rec = outs[overlap].record
+        assert rec.recomputed_tokens == len(second) - (16 if overlap else 0)
+        assert rec.host_hit_tokens == (16 if overlap else 0)
+        cache.check_invariants()
+        cache.flush()
+        assert cache.stats()["device_caller_pages"] == 0
+        cache.close()
+    np.testing.assert_array_equal(outs[True].tokens, outs[False].tokens)
+    np.testing.assert_array_equal(outs[True].first_logits, outs[False].first_logits)
