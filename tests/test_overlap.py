@@ -68,6 +68,13 @@ def _split_cache(**kw):
     return cache
 
 
+def _host_only(cache):
+    """``cache`` and a prompt of 8 pages it holds on host only."""
+    toks = prompt(8 * PS)
+    cached_on_host_only(cache, toks)
+    return cache, toks
+
+
 def test_the_cache_copies_the_back_into_the_requests_pages_and_inserts_them():
     cache = _split_cache()
     toks = prompt(8 * PS)
@@ -93,41 +100,40 @@ def test_the_cache_copies_the_back_into_the_requests_pages_and_inserts_them():
 
 
 def test_an_abort_with_the_copy_in_flight_frees_everything():
-    cache = _split_cache()
-    toks = prompt(8 * PS)
-    cached_on_host_only(cache, toks)
+    cache, toks = _host_only(_split_cache())
     with cache.begin(toks) as req:
         assert req.overlap is not None
     assert req.state == "aborted"
     assert cache.tree.match(toks).host_len == len(toks)  # the host chain kept
     clean(cache)
     # the chain is split again, or loaded, by the next request: nothing was lost
-    with cache.begin(toks) as req:
-        req.wait_overlap()
-        req.extend(len(toks) - req.num_tokens)
-        req.finish(toks)
+    _serve(cache, toks)
     clean(cache)
     cache.close()
 
 
-def test_without_load_overlap_the_cache_decides_as_before():
-    cache = make_cache(SPEC, write_policy="write_through", load_policy="cost",
-                       prefill_cost=lambda n, c: n * 5e-5, cost_page_bytes=PAGE_BYTES)
-    toks = prompt(8 * PS)
-    cached_on_host_only(cache, toks)
+def _serve(cache, toks):
+    """One request through the handle (a split's copy waited for); the ended handle."""
     with cache.begin(toks) as req:
-        assert req.overlap is None and req.loaded_len > 0  # a probe of the unmeasured link
+        req.wait_overlap()
         req.extend(len(toks) - req.num_tokens)
         req.finish(toks)
+    return req
+
+
+def test_without_load_overlap_the_cache_decides_as_before():
+    cache, toks = _host_only(make_cache(SPEC, write_policy="write_through", load_policy="cost",
+                                        prefill_cost=lambda n, c: n * 5e-5,
+                                        cost_page_bytes=PAGE_BYTES))
+    req = _serve(cache, toks)
+    assert req.overlap is None and req.loaded_len > 0  # a probe of the unmeasured link
     assert cache.stats()["cost_splits"] == 0
     clean(cache)
     cache.close()
 
 
 def test_load_back_called_directly_never_splits():
-    cache = _split_cache()
-    toks = prompt(8 * PS)
-    cached_on_host_only(cache, toks)
+    cache, toks = _host_only(_split_cache())
     lm = cache.load_back(cache.match_prefix(toks))
     st = cache.stats()
     assert lm.host_len + lm.device_len == len(toks)  # loaded or declined, as today
