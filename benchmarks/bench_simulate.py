@@ -74,7 +74,7 @@ def main() -> None:
     mgbps = gbps(nbytes, memcpy_seconds(nbytes))
     print(f"{a.trace}: {len(trace.requests)} requests, L1 {pages * a.page_size:,} tokens, "
           f"L2 {a.host_ratio:g}x; numpy memcpy here {mgbps:.1f} GB/s")
-    rows, results, fails, splits = [], [], [], []
+    rows, results, fails, splits, mean_pays = [], [], [], [], []
     for name, rg in regimes(a.prefill_tokens_per_s, mgbps, a.l2_gbps_list):
         rep = simulate_all(trace, spec, rg, device_pages=pages, host_ratio=a.host_ratio,
                            seed=a.seed)
@@ -90,6 +90,8 @@ def main() -> None:
                     fails.append(f"{name}: {pol} {key} {ratio:.3f}x of the better of "
                                  "never/always")
         pays = verdict[2][0] <= 0.90 and verdict[3][0] <= 0.90
+        if verdict[2][0] <= 0.90:
+            mean_pays.append(name)
         sp = res["cost+split"]
         rows.append((name, *(f"{1e3 * res[q]['ttft_mean_s']:.1f}" for q in
                              ("never", "always", "threshold", "cost", "cost+split")),
@@ -110,8 +112,10 @@ def main() -> None:
                 title="TTFT mean per load policy; cost and cost+split (split) against the "
                 "better of never and always (limit 1.02)")
     print("all regimes met" if not fails else "NOT met:\n  " + "\n  ".join(fails))
-    print(f"cost+split >= 10% below both never and always (mean and p90 <= 0.90x) in "
-          f"{len(splits)} of {len(rows)} regimes" + (f": {'; '.join(splits)}" if splits else ""))
+    print(f"cost+split >= 10% below both never and always (limit 0.90x): mean in "
+          f"{len(mean_pays)} of {len(rows)} regimes"
+          + (f" ({'; '.join(mean_pays)})" if mean_pays else "")
+          + f", mean and p90 in {len(splits)}" + (f" ({'; '.join(splits)})" if splits else ""))
     write_json(a.json, "bench_simulate", vars(a), {"memcpy_gbps": mgbps, "regimes": results})
 
 

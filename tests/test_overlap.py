@@ -176,3 +176,13 @@ def test_the_engine_with_the_split_gives_the_outputs_of_never_loading():
         cache.close()
     np.testing.assert_array_equal(outs[True].tokens, outs[False].tokens)
     np.testing.assert_array_equal(outs[True].first_logits, outs[False].first_logits)
+
+
+def test_finish_without_the_wait_waits_for_the_copy_first():
+    cache, toks = _host_only(_split_cache())
+    with cache.begin(toks) as req:
+        assert req.overlap is not None and req._overlap_copy is not None
+        req.finish(toks)  # no wait_overlap(): finish waits before the insert
+    assert cache.tree.match(toks).device_len == len(toks)
+    clean(cache)
+    cache.close()

@@ -152,6 +152,7 @@ class Request:
         """
         self._check_open("commit")
         full = self._whole_pages(tokens)
+        self.wait_overlap()  # the tree takes no page a copy is still writing
         if full <= self._own_from:
             return self._own_from * self._ps
         m = self._cache.insert_locked(tokens[:full * self._ps], self._pages[:full], self._node,
@@ -178,6 +179,7 @@ class Request:
         """
         self._check_open("finish")
         full = self._whole_pages(tokens)
+        self.wait_overlap()  # the tree takes no page a copy is still writing
         cache = self._cache
         prefix = cache.insert(tokens[:full * self._ps], self._pages[:full], self._extra_key,
                               chunked=chunked, priority=priority) if full else 0
