@@ -35,6 +35,11 @@ tiers and to recompute tokens, fitted online (ARCHITECTURE.md, "Load or recomput
   :data:`PROBE_EVERY` plans, a probe of one page (``cost_probes``), so a warm-up figure or a
   link that got faster since is measured again rather than trusted forever. A probe may end
   inside a node: the load rule splits the node there (cache/load_policy.py).
+* With ``overlap`` (a caller that prefills while a copy is in flight), a plan also prices
+  Cake's two-ended split of the chain at each page boundary ``s``: ``max(prefill(s | cached),
+  load(rest of the chain)) + prefill(one page | cached + chain)`` plus the back's eviction
+  charge, and takes the least split where it is strictly below every load-first-k candidate
+  and the plan is not raised to a probe (``cost_splits``; ``last_split``: its front's tokens).
 * Bytes: the cache reports the transfers' bytes of its spec; with ``observed_page_bytes``
   (``HiCacheConfig.cost_page_bytes``: a spec standing in for a larger model) they are scaled to
   ``page_bytes`` a page, the bytes the warm-up figure and the fits speak of.
