@@ -214,6 +214,10 @@ class HiCacheConfig:
             (None: the spec's ``page_bytes``). A cache whose spec stands in for a larger model
             (the what-if simulator's) passes the modelled model's page, so that the warm-up
             figure and the fitted bandwidth speak of the modelled bytes.
+        load_overlap: "cost": the request handle (``HiCache.begin``) may take a two-ended
+            split of a host chain: its front recomputed while its back is copied into the
+            request's own pages (cache/overlap.py); the serving loop prefills the front, waits
+            for the copy (``Request.wait_overlap``), prefills the rest. Default False.
         host_layout: "layer_first" | "page_first".
         copy_backend: "auto" | "xla" | "pallas" (device pool page movement).
         huge_pages: CPU backend: back both pools with transparent huge pages (Linux; ~2 ms
@@ -262,6 +266,7 @@ class HiCacheConfig:
     max_load_tokens: int | None = None
     load_step_budget_tokens: int | None = None
     cost_page_bytes: int | None = None
+    load_overlap: bool = False
     host_layout: HostLayout | str = HostLayout.LAYER_FIRST
     copy_backend: CopyBackend | str = CopyBackend.AUTO
     huge_pages: bool = True
@@ -318,6 +323,10 @@ class HiCacheConfig:
                 set_(name, check_int(name, getattr(self, name), 0))
         if self.cost_page_bytes is not None:
             set_("cost_page_bytes", check_int("cost_page_bytes", self.cost_page_bytes, 1))
+        check_bool("load_overlap", self.load_overlap)
+        if self.load_overlap and self.load_policy != "cost":
+            raise ValueError("load_overlap=True needs load_policy='cost' (the split is the cost "
+                             "model's decision)")
         if self.storage is not None and not isinstance(self.storage, str):
             raise TypeError(f"storage={self.storage!r} must be a URL string or None")
         timeout = self.prefetch_timeout_s

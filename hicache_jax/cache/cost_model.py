@@ -35,6 +35,11 @@ tiers and to recompute tokens, fitted online (ARCHITECTURE.md, "Load or recomput
   :data:`PROBE_EVERY` plans, a probe of one page (``cost_probes``), so a warm-up figure or a
   link that got faster since is measured again rather than trusted forever. A probe may end
   inside a node: the load rule splits the node there (cache/load_policy.py).
+* With ``overlap`` (a caller that prefills while a copy is in flight), a plan also prices
+  Cake's two-ended split of the chain at each page boundary ``s``: ``max(prefill(s | cached),
+  load(rest of the chain)) + prefill(one page | cached + chain)`` plus the back's eviction
+  charge, and takes the least split where it is strictly below every load-first-k candidate
+  and the plan is not raised to a probe (``cost_splits``; ``last_split``: its front's tokens).
 * Bytes: the cache reports the transfers' bytes of its spec; with ``observed_page_bytes``
   (``HiCacheConfig.cost_page_bytes``: a spec standing in for a larger model) they are scaled to
   ``page_bytes`` a page, the bytes the warm-up figure and the fits speak of.
@@ -140,6 +145,7 @@ class CostModel:
         self.n: collections.Counter[str] = collections.Counter()
         self.last_error: str | None = None
         self.last_decision: Decision | None = None  # of the last plan() that decided
+        self.last_split: int | None = None  # the last plan()'s split front (None: no split)
         # decisions waiting for their load's acknowledgement (dispatch order; None: a load the
         # model did not decide, which only takes its bytes), then for their prefill sample
         self._awaiting_load: collections.deque = collections.deque(maxlen=4 * WINDOW)
@@ -242,14 +248,19 @@ class CostModel:
 
     def plan(self, chain_tokens: list[int], cached: int, free_pages: int,
              cap_tokens: int | None, links: tuple[str, ...] = ("l2_l1",),
-             probe: tuple[str, ...] | None = None) -> int | None:
+             probe: tuple[str, ...] | None = None, overlap: bool = False) -> int | None:
         """How many tokens of a host chain to load (root-first; a page multiple), the rest
         recomputed, for the least predicted time: ``load(pages) + prefill(rest + one page,
         cached + loaded) + eviction charge`` over the chain's node boundaries, ``load`` summed
         over ``links`` (the hops, e.g. ``("l3_l2", "l2_l1")``, each at
         :meth:`LinkFit.plan_cost`); at least a probe (see the module doc; ``probe``: the links
         it may probe, default ``links``), which may end inside a node.
+        ``overlap`` (the caller can load while it prefills): also the two-ended splits
+        (:meth:`_split_times`); where one is least, ``last_split`` is its front's tokens
+        (recomputed first, from ``cached``) and the return value the back's tokens (loaded
+        at once, concurrently); else ``last_split`` is None.
         None: no usable prefill figure (the caller falls back, counted)."""
+        self.last_split = None
         ps, fits = self.page_size, [self.links[k] for k in links]
         total = sum(chain_tokens)
         loaded = np.cumsum([0] + list(chain_tokens))
@@ -259,6 +270,8 @@ class CostModel:
             t = self._candidate_times(loaded, total, cached, free_pages, fits)
             t0 = float(t[0])  # the whole chain recomputed
             best = int(loaded[int(np.argmin(t))])  # the first of the least
+            split = (self._split_times(total, cached, free_pages, cap_tokens, fits)
+                     if overlap else None)
         except LookupError:
             self.n["cost_warmup_decisions"] += 1
             return None
@@ -282,6 +295,13 @@ class CostModel:
         if best < probe_at:
             best = probe_at
             self.n["cost_probes"] += 1
+        elif split is not None and split[1] < float(np.min(t)):  # strictly less: a tie loads
+            front = int(split[0])
+            self.last_split, self.n["cost_splits"] = front, self.n["cost_splits"] + 1
+            nbytes = (total - front) // ps * self.page_bytes
+            self.last_decision = Decision(sum(f.predict(nbytes) for f in fits), nbytes,
+                                          cached + total, self._prefill_predictor())
+            return total - front
         self.n["cost_partial_loads"] += 0 < best < total
         nbytes = best // ps * self.page_bytes
         self.last_decision = Decision(sum(f.predict(nbytes) for f in fits), nbytes,
@@ -295,21 +315,52 @@ class CostModel:
         LookupError (no prefill figure) or the callable's error."""
         ps, pages = self.page_size, loaded // self.page_size
         t = sum(f.plan_costs(pages * float(self.page_bytes)) for f in fits)
-        evicted = np.maximum(0, pages - free_pages)
+        pre = self._prefill_many(total - loaded + ps, cached + loaded)
+        return t + pre + self._eviction_charge(pages, free_pages)
+
+    def _split_times(self, total: int, cached: int, free_pages: int, cap_tokens: int | None,
+                     fits: list[LinkFit]) -> tuple[int, float] | None:
+        """The least-time two-ended split of a chain of ``total`` tokens as ``(front tokens,
+        seconds)``: the front ``[0, s)`` recomputed while the back ``[s, total)`` is loaded
+        (the load dispatched first), then the rest: ``max(prefill(s | cached), load(total -
+        s)) + prefill(one page | cached + total)`` plus the back's eviction charge, over the
+        page boundaries ``0 < s < total`` (the back within ``cap_tokens``; at most 512 evenly
+        spread). None: no split (a chain of one page, or the cap leaves no back)."""
+        ps = self.page_size
+        pages = total // ps
+        lo = 1 if cap_tokens is None else max(1, pages - max(cap_tokens, 0) // ps)
+        if pages < 2 or lo > pages - 1:
+            return None
+        front = np.unique(np.linspace(lo, pages - 1, min(512, pages - lo)).astype(np.int64)) * ps
+        back = (total - front) // ps
+        load = sum(f.plan_costs(back * float(self.page_bytes)) for f in fits)
+        t = (np.maximum(self._prefill_many(front, np.full_like(front, cached)), load)
+             + self.prefill_seconds(ps, cached + total)
+             + self._eviction_charge(back, free_pages))
+        i = int(np.argmin(t))
+        return int(front[i]), float(t[i])
+
+    def _prefill_many(self, n_new: np.ndarray, n_cached: np.ndarray) -> np.ndarray:
+        """Prefill seconds of each pair (the fit's, or the callable's, each checked); raises
+        LookupError (no figure) or the callable's error."""
         fit = self.prefill_fit if self.prefill_cost is None else None
-        if fit is not None and fit.coef is None:
-            raise LookupError("no prefill samples yet")
-        pre = (fit.predict_many(total - loaded + ps, cached + loaded) if fit is not None
-               else np.array([self.prefill_seconds(total - k + ps, cached + k)  # checked each
-                              for k in loaded.tolist()]))
+        if fit is not None:
+            if fit.coef is None:
+                raise LookupError("no prefill samples yet")
+            return fit.predict_many(n_new, n_cached)
+        return np.array([self.prefill_seconds(n, c)
+                         for n, c in zip(np.asarray(n_new).tolist(), np.asarray(n_cached).tolist())],
+                        np.float64)
+
+    def _eviction_charge(self, pages: np.ndarray, free_pages: int) -> np.ndarray:
+        """The charge of loading each of ``pages`` pages into ``free_pages`` free ones: the
+        evicted pages' reload from L2 or their recompute, the cheaper, times the weight."""
+        evicted = np.maximum(0, pages - free_pages)
         if not evicted.any():
-            return t + pre
-        # a later hit on evicted pages reloads them from L2 or recomputes them: the cheaper
-        redo = (fit.predict_many(evicted * ps, 0 * evicted) if fit is not None
-                else np.array([self.prefill_seconds(e * ps, 0) for e in evicted.tolist()]))
+            return np.zeros(evicted.shape)
+        redo = self._prefill_many(evicted * self.page_size, 0 * evicted)
         reload = self.links["l2_l1"].plan_costs(evicted * float(self.page_bytes))
-        return t + pre + np.where(evicted > 0, self.eviction_weight * np.minimum(reload, redo),
-                                  0.0)
+        return np.where(evicted > 0, self.eviction_weight * np.minimum(reload, redo), 0.0)
 
     def _probe_spend(self, ntok: int, total: int, cached: int, fits: list[LinkFit]) -> float:
         """What a probe of ``ntok`` tokens spends of the credit: its pessimistic cost over
@@ -347,7 +398,7 @@ class CostModel:
 
     def stats(self) -> dict[str, Any]:
         out: dict[str, Any] = {k: self.n[k] for k in (
-            "cost_decisions", "cost_partial_loads", "cost_probes", "cost_fallbacks",
+            "cost_decisions", "cost_partial_loads", "cost_probes", "cost_splits", "cost_fallbacks",
             "cost_warmup_decisions")}
         for name, fit in self.links.items():
             out[f"cost_{name}_latency_s"] = fit.latency_s

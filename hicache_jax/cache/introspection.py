@@ -96,7 +96,8 @@ _COUNTED = ("match_tokens", "device_hit_tokens", "host_hit_tokens", "backups", "
             "host_copies_dropped_tokens", "deleted_tokens", "host_evictions",
             "host_evicted_tokens", "duplicate_pages_freed", "bytes_to_host", "bytes_to_device",
             "invalidated_device_tokens", "invalidated_host_tokens", "storage_attaches",
-            "storage_detaches", "storage_detach_finished_ops")
+            "storage_detaches", "storage_detach_finished_ops", "overlap_loads",
+            "overlap_load_tokens")
 
 
 def cache_stats(n: collections.Counter, dev: PageAllocator, host: PageAllocator,

@@ -7,7 +7,11 @@ decline, the whole chain recomputed). The threshold rule loads all or nothing
 per-request cap and the step's token budget, and falls back to the threshold rule where the
 model has no usable prefill figure. Where the model's plan ends inside a node (a probe of a
 few pages of an unmeasured link, cache/cost_model.py), the cost rule splits that node there
-(``RadixTree.trim_tail``), so the chain's first nodes hold exactly the planned pages.
+(``RadixTree.trim_tail``), so the chain's first nodes hold exactly the planned pages. Where the
+caller can overlap a load with its prefill (``overlap``, set by ``Request.begin`` under
+``HiCacheConfig(load_overlap=True)``), the model may pick a two-ended split: the chain is
+declined in the tree (``decide`` gives 0) and :meth:`CostRule.take_split` gives the caller the
+front's tokens; the caller loads the back into its own pages (cache/overlap.py).
 
 Pure bookkeeping over the tree (no jax); the cache's thread only.
 """
@@ -70,18 +74,30 @@ class CostRule:
         self.max_tokens, self.step_budget = max_tokens, step_budget
         self._decided: dict = {}
         self._fetch: tuple[float, float] | None = None  # the last fetch decision's L3 figures
+        # set by a caller that executes two-ended splits (Request.begin with load_overlap);
+        # a split chain is declined in the tree and its front's tokens kept here
+        self.overlap = False
+        self.splits: dict[TreeNode, int] = {}
 
     def step(self) -> Decide:
         left = [self.step_budget]
         free = [self.device.num_free]
         self._decided = decided = {}  # chain root -> its Decision (None: fell back)
+        self.splits = {}
 
         def decide(chain: list[TreeNode]) -> int:
             cap = self.max_tokens
             if left[0] is not None:
                 cap = left[0] if cap is None else min(cap, left[0])
             ntok = self.model.plan([n.num_tokens for n in chain], _cached_tokens(chain), free[0],
-                                   cap)
+                                   cap, overlap=self.overlap)
+            if ntok is not None and self.model.last_split is not None:
+                self.splits[chain[-1]] = self.model.last_split  # the caller loads the back
+                pages = ntok // self.model.page_size
+                free[0] = max(0, free[0] - pages)
+                if left[0] is not None:
+                    left[0] -= ntok
+                return 0
             j = None if ntok is None else self._nodes_for(chain, ntok)  # may split chain[0]
             decided[chain[0]] = None if ntok is None else self.model.last_decision
             if j is None:
@@ -95,6 +111,11 @@ class CostRule:
                 left[0] -= loaded
             return j
         return decide
+
+    def take_split(self, node: TreeNode) -> int | None:
+        """The front's tokens of the two-ended split the last step decided for the host chain
+        ending at ``node`` (None: none); the caller then loads the back (cache/overlap.py)."""
+        return self.splits.pop(node, None)
 
     def _nodes_for(self, chain: list[TreeNode], ntok: int) -> int:
         """The number of ``chain``'s first nodes holding its first ``ntok`` tokens; where that

@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any, Hashable, Sequence
 import numpy as np
 
 from hicache_jax.cache.match import Match, NodeRef, unprotected_device_pages
+from hicache_jax.cache.overlap import start_overlap, wait_overlap
 from hicache_jax.errors import HiCacheError
 from hicache_jax.validation import check_bool, check_int, page_tokens
 
@@ -61,6 +62,10 @@ class Request:
             threshold or the quota, or no device pages): the caller recomputes them.
         num_tokens: tokens the pages hold room for: ``cached_len`` + what :meth:`extend` added.
         load_handle: with ``layerwise=True``, the load-back's handle (``wait_layer(l)``) or None.
+        overlap: ``(start, end)`` where a two-ended split is in flight (cache/overlap.py):
+            ``[cached_len, start)`` is the request's to prefill first, ``[start, end)`` is being
+            copied into its pages (:meth:`wait_overlap` before anything reads it), the rest is
+            prefilled from ``end`` (= ``num_tokens`` at admission); else None.
         state: ``"open"``, ``"finished"`` or ``"aborted"``.
     """
 
@@ -79,6 +84,8 @@ class Request:
         self.load_handle = match.load_handle
         self._len = match.device_len
         self._state = _State.OPEN
+        self.overlap: tuple[int, int] | None = None
+        self._overlap_copy: Any = None  # the split's copy until acknowledged
 
     # -- reading -----------------------------------------------------------------------------
 
@@ -123,6 +130,12 @@ class Request:
         self._len = total
         return new
 
+    def wait_overlap(self) -> None:
+        """Wait for the copy of a two-ended split's back (:attr:`overlap`) and acknowledge it
+        (its time is an L2 -> L1 sample); a no-op when none is in flight."""
+        wait_overlap(self._cache, self._overlap_copy)
+        self._overlap_copy = None
+
     def commit(self, tokens: Any) -> int:
         """Insert the whole pages of ``tokens`` (the request's tokens so far, e.g. its prompt
         once prefilled) so that other requests hit them while this one decodes; the request's
@@ -139,6 +152,7 @@ class Request:
         """
         self._check_open("commit")
         full = self._whole_pages(tokens)
+        self.wait_overlap()  # the tree takes no page a copy is still writing
         if full <= self._own_from:
             return self._own_from * self._ps
         m = self._cache.insert_locked(tokens[:full * self._ps], self._pages[:full], self._node,
@@ -165,6 +179,7 @@ class Request:
         """
         self._check_open("finish")
         full = self._whole_pages(tokens)
+        self.wait_overlap()  # the tree takes no page a copy is still writing
         cache = self._cache
         prefix = cache.insert(tokens[:full * self._ps], self._pages[:full], self._extra_key,
                               chunked=chunked, priority=priority) if full else 0
@@ -192,6 +207,7 @@ class Request:
     # -- internals ---------------------------------------------------------------------------
 
     def _release(self) -> None:
+        self.wait_overlap()  # a copy may still be writing the request's pages
         own = self._pages[self._own_from:]
         if own.size:
             self._cache.free_pages(own)
@@ -283,9 +299,26 @@ def begin(cache: "HiCache", tokens: Any, extra_key: Hashable = None, *,
     ``OutOfPagesError`` when they cannot be had."""
     m = cache.match_prefix(tokens, extra_key)
     cache.prepare([m], -(-len(tokens) // cache.spec.page_size) - m.device_pages.size)
-    lm = cache.load_back(m, layerwise=layerwise)
+    rule = cache._rule
+    split = cache.cfg.load_overlap and hasattr(rule, "take_split")
+    if not split:
+        lm = cache.load_back(m, layerwise=layerwise)
+    else:
+        rule.overlap = True  # the cost rule may pick a two-ended split (cache/overlap.py)
+        try:
+            lm = cache.load_back(m, layerwise=layerwise)
+        finally:
+            rule.overlap = False
     cache.lock(lm.node)
-    return Request(cache, extra_key, lm, lm.device_len - m.device_len)
+    req = Request(cache, extra_key, lm, lm.device_len - m.device_len)
+    front = rule.take_split(lm.node._node) if split else None
+    if front is not None:
+        try:
+            req._overlap_copy = start_overlap(cache, req, front)
+        except BaseException:
+            req.abort()
+            raise
+    return req
 
 
 def extend_many(cache: "HiCache", requests: Sequence[Request], n_tokens: Sequence[int]) -> None:

@@ -151,7 +151,7 @@ def _replay_parser(sub: Any) -> None:
                                   "float32")
     m = r.add_argument_group("simulate (what-if TTFT on a simulated clock)")
     m.add_argument("--simulate", action="store_true", help="TTFT per load policy (never, "
-                   "always, threshold, cost) with modelled links and prefill")
+                   "always, threshold, cost, cost+split) with modelled links and prefill")
     m.add_argument("--l2-gbps", type=float, default=25.0, help="L2 -> L1 GB/s")
     m.add_argument("--l3-gbps", type=float, help="L3 -> L2 GB/s (unset: no L3)")
     m.add_argument("--prefill-tokens-per-s", type=float, default=20000.0)

@@ -9,7 +9,12 @@ with a batch of one; it shows the cache's job, not a batching scheduler):
    lock;
 2. ``extend`` for every position the request will compute (prompt suffix + generated tokens
    but the last, whose K/V is never computed);
-3. prefill only the uncached suffix, in chunks of ``chunk_size`` tokens; greedy decode;
+3. prefill only the uncached suffix, in chunks of ``chunk_size`` tokens; greedy decode. Under
+   ``HiCacheConfig(load_policy="cost", load_overlap=True)`` the cache may give the request a
+   two-ended split of its host part (``Request.overlap``, cache/overlap.py): the back's copy
+   is in flight at admission; the engine prefills the front, waits for the copy, prefills from
+   the back's end (the prefill sample is that last part's alone: the front's time may hold the
+   copy where the backend runs the two in order);
 4. ``finish``: insert the whole pages of prompt + output (minus its last token), free the
    trailing partial page, unlock (an exception on the way aborts the request instead).
 
@@ -191,11 +196,14 @@ class Engine:
                 cached = req.cached_len
                 if req.loaded_len and not self.layerwise:  # its copy timed as its own
                     cache.wait_loaded(req.device_pages)
-                req.extend(kv_len - cached)
+                req.extend(kv_len - req.num_tokens)  # a split's pages are the request's
                 tokens, first_logits, ttft = self._run(prompt, cached, req.device_pages, max_new,
-                                                       req.load_handle, t0)
+                                                       req.load_handle, t0, req)
                 req.finish(np.concatenate([prompt, tokens])[:kv_len])
             l1, l2, declined = cached - req.loaded_len, req.loaded_len, req.host_len_declined
+            if req.overlap:  # the back was loaded, the front recomputed
+                l2, declined = req.overlap[1] - req.overlap[0], req.overlap[0] - cached
+                cached += l2
         record = RequestRecord(n, l1, l2, declined, n - cached, max_new, ttft,
                                time.perf_counter() - t0)
         self.records.append(record)
@@ -210,11 +218,21 @@ class Engine:
             self._prefill_shapes.add(shapes)
 
     def _run(self, prompt: np.ndarray, cached: int, pages: np.ndarray, max_new: int,
-             waiter: Any, t0: float) -> tuple[np.ndarray, np.ndarray, float]:
+             waiter: Any, t0: float, req: Any = None) -> tuple[np.ndarray, np.ndarray, float]:
         """Prefill ``prompt[cached:]`` in chunks (the first waits per layer for ``waiter``, a
-        layer-wise load's handle, when given), then decode; returns tokens, logits, TTFT."""
+        layer-wise load's handle, when given; with ``req.overlap``, the front, then the wait
+        for the back's copy, then the rest), then decode; returns tokens, logits, TTFT."""
+        starts = list(range(cached, prompt.shape[0], self.chunk_size))
+        if req is not None and req.overlap:
+            front, back = req.overlap
+            for c0 in range(cached, front, self.chunk_size):  # the front, the copy in flight
+                self.model.forward(self.pool, prompt[c0:min(c0 + self.chunk_size, front)], c0,
+                                   pages, min_bucket=self.prefill_bucket,
+                                   min_pages=self.table_bucket)
+            req.wait_overlap()
+            cached, starts = back, list(range(back, prompt.shape[0], self.chunk_size))
         p0, shapes = time.perf_counter(), []
-        for c0 in range(cached, prompt.shape[0], self.chunk_size):
+        for c0 in starts:
             chunk = prompt[c0:c0 + self.chunk_size]
             shapes.append((_pow2(max(chunk.shape[0], self.prefill_bucket)), pages.shape[0],
                            waiter is None))

@@ -19,7 +19,11 @@ L3 is modelled as a store that keeps every whole page of every served prompt (wr
 infinite); the pages a request finds there, consecutive after its host part, are its L3 hit.
 Policies: ``never`` (recompute every host and L3 hit), ``always`` (load all of them),
 ``threshold`` (load a hit of at least ``threshold`` tokens), ``cost`` (the cache's
-``load_policy="cost"`` for L2, the same cost model's plan for L3).
+``load_policy="cost"`` for L2, the same cost model's plan for L3), ``cost+split`` (``cost`` on
+a server that overlaps a load with its prefill: ``load_overlap=True``, so the cache may give a
+request a two-ended split of its host part, and the L3 plan may split the L3 hit; the service
+is then the loads of the backs dispatched at once while the fronts are prefilled, see
+``_overlapped``).
 
 Threading: a simulation builds, owns and closes its cache on the calling thread.
 """
@@ -43,7 +47,7 @@ from hicache_jax.validation import is_real
 __all__ = ["POLICIES", "Regime", "SWEEP", "SimClock", "bandwidth_sweep", "plot_sweep", "simulate",
            "simulate_all", "ttft_table"]
 
-POLICIES = ("never", "always", "threshold", "cost")
+POLICIES = ("never", "always", "threshold", "cost", "cost+split")
 _NEVER = 1 << 62
 
 
@@ -113,22 +117,49 @@ def _config(policy: str, regime: Regime, device_pages: int, host_pages: int,
                           "threshold": dict(load_back_threshold=threshold),
                           "cost": dict(load_back_threshold=threshold, load_policy="cost",
                                        prefill_cost=regime.prefill_s,
-                                       cost_page_bytes=regime.token_bytes * page_size)}[policy]
+                                       cost_page_bytes=regime.token_bytes * page_size),
+                          "cost+split": dict(load_back_threshold=threshold, load_policy="cost",
+                                             prefill_cost=regime.prefill_s,
+                                             cost_page_bytes=regime.token_bytes * page_size,
+                                             load_overlap=True)}[policy]
     return HiCacheConfig(device_pages=device_pages, host_pages=host_pages, **kw)
 
 
 def _l3_tokens(policy: str, run: int, cached: int, ps: int, threshold: int,
-               model: CostModel) -> int:
-    """Tokens of an L3 hit of ``run`` pages the policy loads."""
+               model: CostModel) -> tuple[int, int]:
+    """``(front, loaded)`` of an L3 hit of ``run`` pages: tokens the policy recomputes first
+    (a two-ended split's front, ``cost+split`` only), then tokens it loads."""
     if run == 0 or policy == "never":
-        return 0
+        return 0, 0
     if policy == "always":
-        return run * ps
-    if policy == "cost":
-        n = model.plan([ps] * run, cached, 1 << 62, None, links=("l3_l2", "l2_l1"))
+        return 0, run * ps
+    if policy in ("cost", "cost+split"):
+        n = model.plan([ps] * run, cached, 1 << 62, None, links=("l3_l2", "l2_l1"),
+                       overlap=policy == "cost+split")
         if n is not None:
-            return n
-    return run * ps if run * ps >= threshold else 0
+            return model.last_split or 0, n
+    return 0, (run * ps if run * ps >= threshold else 0)
+
+
+def _overlapped(regime: Regime, jit: Any, model: CostModel, cached: int, l2: tuple[int, int],
+                l3: tuple[int, int], rest: int) -> float:
+    """Seconds of a ``cost+split`` request's service after its L2 back's copy (``l2``:
+    ``(front, back)`` tokens; the copy was dispatched at its start and has landed at ``t2``,
+    its first figure) and with ``l3`` ``(front, back)`` of its L3 hit: the L3 read starts at
+    once, its L2 -> L1 hop after it and the L2 copy; the prefill runs the L2 front, the L3
+    front once the L2 back is in, the rest once the L3 back is in."""
+    (t2, front2), (front3, back3) = l2, l3
+    r3 = h3 = 0.0
+    if back3:
+        r3, h3 = (regime.link_s(hop, back3) * jit() for hop in ("l3_l2", "l2_l1"))
+        model.observe_transfer("l3_l2", back3 * regime.token_bytes, r3)
+        model.observe_transfer("l2_l1", back3 * regime.token_bytes, h3)
+    c = regime.prefill_s(front2, cached) * jit() if front2 else 0.0
+    c = max(c, t2)
+    if front3:
+        c += regime.prefill_s(front3, cached + front2) * jit()
+    t3 = max(t2, r3) + h3 if back3 else 0.0
+    return max(c, t3) + regime.prefill_s(rest, cached) * jit()
 
 
 def simulate(trace: Trace, spec: KVSpec, regime: Regime, policy: str, *, device_pages: int,
@@ -157,22 +188,33 @@ def simulate(trace: Trace, spec: KVSpec, regime: Regime, policy: str, *, device_
             clock.now = max(clock.now, arrival, free_at)
             with cache.begin(tokens) as r:
                 dev, l2 = r.cached_len - r.loaded_len, r.loaded_len
-                clock.advance(regime.link_s("l2_l1", l2) * jit())
+                start = clock.now
+                front2, back2 = ((r.overlap[0] - r.cached_len, r.overlap[1] - r.overlap[0])
+                                 if r.overlap else (0, 0))
+                clock.advance(regime.link_s("l2_l1", l2 + back2) * jit())
+                r.wait_overlap()  # a split's copy lands at the modelled time: its sample
                 cache.flush()  # the load lands at the modelled time: the cache's sample
+                served = r.num_tokens  # the tokens before the L3 hit: a split's back's end
                 keys, run = keys_of(tokens), 0
-                if regime.l3_gbps is not None and not r.host_len_declined:
-                    while r.cached_len // ps + run < len(keys) and \
-                            keys[r.cached_len // ps + run] in store:
+                if regime.l3_gbps is not None and (r.overlap or not r.host_len_declined):
+                    while served // ps + run < len(keys) and keys[served // ps + run] in store:
                         run += 1
-                l3 = _l3_tokens(policy, run, r.cached_len, ps, threshold, l3_model)
-                if l3:
-                    for hop in ("l3_l2", "l2_l1"):
-                        s = regime.link_s(hop, l3) * jit()
-                        l3_model.observe_transfer(hop, l3 * regime.token_bytes, s)
-                        clock.advance(s)
-                n_new = full.shape[0] - r.cached_len - l3
-                clock.advance(regime.prefill_s(n_new, r.cached_len + l3) * jit())
-                r.extend(tokens.shape[0] - r.cached_len)
+                front3, l3 = _l3_tokens(policy, run, served, ps, threshold, l3_model)
+                n_new = full.shape[0] - served - l3
+                if policy == "cost+split":
+                    clock.now = start + _overlapped(
+                        regime, jit, l3_model, r.cached_len, (clock.now - start, front2),
+                        (front3, l3), n_new - front3)
+                    n_new += front2
+                else:
+                    if l3:
+                        for hop in ("l3_l2", "l2_l1"):
+                            s = regime.link_s(hop, l3) * jit()
+                            l3_model.observe_transfer(hop, l3 * regime.token_bytes, s)
+                            clock.advance(s)
+                    clock.advance(regime.prefill_s(n_new, r.cached_len + l3) * jit())
+                l2 += back2
+                r.extend(tokens.shape[0] - r.num_tokens)
                 cache.flush()
                 r.finish(tokens)
             cache.flush()
