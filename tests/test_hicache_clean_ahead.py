@@ -295,3 +295,28 @@ def test_an_admission_pass_makes_host_room_once_for_all_its_backups(monkeypatch)
     assert [cache.match_prefix(t).host_len for t in a] == [0, 0, 2, 2]
     assert [cache.match_prefix(t).host_len for t in b] == [2, 2, 0, 0]
     check_cache(cache, kv)
+
+
+def test_an_admission_pass_backs_up_ahead_where_host_room_is_spare(monkeypatch):
+    """L1 of four 2-page prompts, L2 empty: a 2-page request's admission backs up the prompt
+    it evicts and, in the same transfer, the next two in eviction order (up to LOOK_AHEAD x
+    its pages, at most L1/2); the next request then evicts one of them with no copy."""
+    cache, kv = gated_cache("clean_ahead", device=8, host=16)
+    a = [np.arange(2) + 100 * i for i in range(4)]
+    for tokens in a:
+        serve_kv(cache, kv, tokens)
+        cache.flush()
+    eng, calls = cache.transfer_engine, []
+    backup = eng.backup
+    monkeypatch.setattr(eng, "backup", lambda *x, **k: calls.append(1) or backup(*x, **k))
+    serve_kv(cache, kv, np.arange(2) + 5000)
+    cache.flush()
+    st = cache.stats()
+    assert calls == [1] and st["backups"] == 3 and st["admission_clean_pages"] == 6
+    assert [cache.match_prefix(t).device_len for t in a] == [0, 2, 2, 2]
+    serve_kv(cache, kv, np.arange(2) + 6000)  # evicts a[1], clean already: no transfer
+    cache.flush()
+    st = cache.stats()
+    assert calls == [1] and st["backups"] == 3 and st["eviction_backup_pages"] == 0
+    assert [cache.match_prefix(t).host_len for t in a] == [2, 2, 0, 0]
+    check_cache(cache, kv)
