@@ -164,8 +164,9 @@ def _serve_primitives(cache, kv, tokens):
 @pytest.mark.parametrize("flow", ["begin", "primitives"])
 def test_the_admission_pass_backs_up_what_a_requests_pages_will_evict(flow):
     """L1 full, a 12-page request: ``begin`` (its admission pass) backs up the 12 pages its
-    allocation will take, so eviction copies nothing; the primitives without ``prepare`` leave
-    eviction to copy them on the allocation path."""
+    allocation will take, so eviction copies nothing, and the 4 pages after them ride ahead in
+    the same transfer (L2 has free pages); the primitives without ``prepare`` leave eviction to
+    copy them on the allocation path."""
     cache, kv = gated_cache("clean_ahead", device=16, host=64)
     for i in range(4):
         serve_kv(cache, kv, np.arange(4) + 100 * i)
@@ -177,7 +178,8 @@ def test_the_admission_pass_backs_up_what_a_requests_pages_will_evict(flow):
     st, t = cache.stats(), node_tiers(cache)
     assert st["evicted_tokens"] == 12 and st["deleted_tokens"] == 0
     if flow == "begin":
-        assert st["admission_clean_pages"] == 12 and st["eviction_backup_pages"] == 0
+        assert st["admission_clean_pages"] == 16 and st["eviction_backup_pages"] == 0
+        assert t[3] == (True, True)  # backed up ahead, still on device
     else:
         assert st["admission_clean_pages"] == 0 and st["eviction_backup_pages"] == 12
     assert [t[i] for i in (0, 1, 2)] == [(False, True)] * 3 and t[3][0] and t[9][0]
@@ -294,4 +296,33 @@ def test_an_admission_pass_makes_host_room_once_for_all_its_backups(monkeypatch)
     assert st["host_evicted_tokens"] == 4  # a[0], a[1] gave up their host pages
     assert [cache.match_prefix(t).host_len for t in a] == [0, 0, 2, 2]
     assert [cache.match_prefix(t).host_len for t in b] == [2, 2, 0, 0]
+    check_cache(cache, kv)
+
+
+def test_an_admission_pass_backs_up_ahead_where_host_room_is_spare(monkeypatch):
+    """L1 of four 2-page prompts, L2 empty: a 2-page request's admission backs up the prompt
+    it evicts and, in the same transfer, the next two in eviction order (up to LOOK_AHEAD x
+    its pages, at most L1/2); the next request then evicts one of them with no copy of its
+    own (its transfer carries only the next node ahead)."""
+    cache, kv = gated_cache("clean_ahead", device=8, host=16)
+    a = [np.arange(2) + 100 * i for i in range(4)]
+    for tokens in a:
+        serve_kv(cache, kv, tokens)
+        cache.flush()
+    eng, calls = cache.transfer_engine, []
+    backup = eng.backup
+    monkeypatch.setattr(eng, "backup", lambda *x, **k: calls.append(1) or backup(*x, **k))
+    serve_kv(cache, kv, np.arange(2) + 5000)
+    cache.flush()
+    st = cache.stats()
+    assert calls == [1] and st["backups"] == 3 and st["admission_clean_pages"] == 6
+    t = node_tiers(cache)  # (on device, on host) by prompt
+    assert [t[i] for i in range(4)] == [(False, True), (True, True), (True, True), (True, False)]
+    serve_kv(cache, kv, np.arange(2) + 6000)  # evicts a[1], clean already; a[3] ahead
+    cache.flush()
+    st = cache.stats()
+    assert calls == [1, 1] and st["backups"] == 4 and st["eviction_backup_pages"] == 0
+    assert st["admission_clean_pages"] == 8
+    t = node_tiers(cache)
+    assert [t[i] for i in range(4)] == [(False, True), (False, True), (True, True), (True, True)]
     check_cache(cache, kv)

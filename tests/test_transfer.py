@@ -270,7 +270,9 @@ def test_copies_are_dispatched_asynchronously():
                                 **kw).compile()
     assert compiled.cost_analysis()["flops"] >= 1000
 
-    # Behaviour: a backup that reads a pool still being computed returns at once, unfinished.
+    # Behaviour: a backup that reads a pool still being computed returns at once, unfinished
+    # (a one-page copy: the inline form, which XLA:CPU runs in the caller only once its
+    # inputs are ready).
     @functools.partial(jax.jit, donate_argnums=0)
     def slow_step(pool, x):
         y = jax.lax.fori_loop(0, 6, lambda i, y: jnp.tanh(y @ y), x)
@@ -336,3 +338,28 @@ def test_with_a_group_only_an_agreeing_poll_applies_copies_in_flight():
     assert eng.poll() == [backup] and backup.done() and group.tags == ["transfers"]
     load = eng.load([2], [5])
     assert eng.wait_all() == [load] and group.tags == ["transfers"]  # a wait agrees nothing
+
+
+def test_small_copies_dispatch_the_inline_copy_large_ones_the_asynchronous_one(monkeypatch):
+    """XLA:CPU: a copy of at most INLINE_COPY_BYTES runs the copy whose token has no flops
+    (the PjRt CPU client runs it in the caller once its inputs are ready), a larger one the
+    copy whose token sums the plan; both copy the same bytes."""
+    from hicache_jax.memory.page_copy import INLINE_COPY_BYTES
+    spec = SPEC
+    dev, host, eng = _setup(spec)
+    assert eng._inline_pages == INLINE_COPY_BYTES // spec.page_bytes
+    ids = np.arange(2, dtype=np.int32)
+    plan = copy_plan(ids, ids)
+    flops = [fn.lower(host.buffer, dev.array, plan).compile().cost_analysis()["flops"]
+             for fn in (eng._backup_inline, eng._backup_fn)]
+    assert flops[0] < 1000 <= flops[1]
+    used = []
+    run = host.run
+    monkeypatch.setattr(host, "run", lambda fn, *a: used.append(fn) or run(fn, *a))
+    eng._inline_pages = 1  # one page inline, two not
+    kv = random_bits(spec, 3, np.random.default_rng(3))
+    dev.write([0, 1, 2], kv)
+    eng.backup([0], [5]).wait()
+    eng.backup([1, 2], [6, 7]).wait()
+    assert used == [eng._backup_inline, eng._backup_fn]
+    np.testing.assert_array_equal(host.read([5, 6, 7]), kv)

@@ -160,6 +160,21 @@ class InFlight:
         claims = [self.claim_backup(node, False, take_host) for node in todo]
         return [c for c in claims if c is not None]
 
+    def claim_spare(self, nodes: list[TreeNode],
+                    take: Callable[[int], np.ndarray | None]) -> list[Claim]:
+        """Claims for backups of ``nodes`` (in order) while ``take`` finds host pages (None:
+        no more); nodes already backed up or claimed, or without device pages, are skipped."""
+        claims = []
+        for node in nodes:
+            if node.value is None or node.backed_up or node in self._claimed:
+                continue
+            host_ids = take(node.num_pages)
+            if host_ids is None:
+                break
+            self._claimed.add(node)
+            claims.append((node, host_ids))
+        return claims
+
     def dispatch_backups(self, claims: list[Claim]) -> Any:
         """Copy every claimed node to host in ONE transfer; one op per node, in claim order
         (root-first), sharing the handle. Each node holds its host pages from now on (see the

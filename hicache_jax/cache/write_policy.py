@@ -207,7 +207,8 @@ class CleanAhead(WriteBack):
         self.announced = need_pages
         short = need_pages - self._dev.num_free
         if short > 0:
-            self._clean(short, keep, "admission_clean_pages")
+            ahead = min(LOOK_AHEAD * need_pages, self._cfg.device_pages // 2)
+            self._clean(short, keep, "admission_clean_pages", ahead)
 
     def _clean_due(self) -> bool:
         """A pass is due once eviction is near (fewer free device pages than the reserve) and,
@@ -223,21 +224,24 @@ class CleanAhead(WriteBack):
                 or n["evicted_tokens"] - evicted >= quarter
                 or self._fresh_tokens > fresh)  # new pages went straight to the eviction end
 
-    def _clean(self, pages: int, keep: list[TreeNode], counter: str) -> None:
+    def _clean(self, pages: int, keep: list[TreeNode], counter: str, ahead: int = 0) -> None:
         """Back up the not-backed-up part of the first ``pages`` pages that eviction would take
         (one transfer; the last node trimmed to what is needed), so that eviction finds them
-        clean; what eviction would take up to there is protected from host eviction."""
+        clean; what eviction would take up to there is protected from host eviction. With
+        ``ahead``, whole nodes of the next ``ahead`` pages ride in the same transfer where host
+        room is free (:meth:`_take_spare`), outside the protected window."""
         ctx, tree = self._ctx, self._ctx.tree
         for node in keep:  # the requests' own matches: locked right after admission
             tree.lock(node)
         try:
-            order = eviction_order(ctx.cfg.eviction, tree.evictable_device, pages * self._ps,
-                                   tree.root)
+            order = eviction_order(ctx.cfg.eviction, tree.evictable_device,
+                                   (pages + ahead) * self._ps, tree.root)
         finally:
             for node in keep:
                 tree.unlock(node)
         if not order:
             return
+        order, extra = _cut(order, pages, ahead)
         over = sum(node.num_pages for node in order) - pages
         last = order[-1]
         if over > 0 and not last.backed_up and not last.host_pins and last.lock_ref == 0:
@@ -247,6 +251,7 @@ class CleanAhead(WriteBack):
             self._cold = key
         # host room once for all of them (one round: fewer host-leaf rounds and splits)
         claims = ctx.flight.claim_backups(order, self.take_host)
+        claims += ctx.flight.claim_spare(extra, self._take_spare)
         self._n[counter] += sum(node.num_pages for node, _ in claims)
         ctx.flight.dispatch_backups(claims)
 
@@ -278,6 +283,35 @@ class CleanAhead(WriteBack):
         if freed < num_tokens:
             freed += ctx.removal.evict_host_leaves(num_tokens - freed, True)
         return freed
+
+    def _take_spare(self, n: int) -> np.ndarray | None:
+        """``n`` free host pages for a backup ahead of need, or None: nothing in L2 (no host
+        copy, no host-only node) is given up for a backup no admission needs yet."""
+        alloc = self._ctx.host_allocator
+        return alloc.alloc(n) if alloc.num_free >= n else None
+
+
+#: The admission pass backs up, into free host pages, whole nodes of up to this many times
+#: the admission's own pages beyond what it evicts (at most half of L1): the next admissions
+#: then find them clean, one transfer serving several (``CleanAhead._clean``).
+LOOK_AHEAD = 4
+
+
+def _cut(order: list[TreeNode], pages: int, ahead: int) -> tuple[list, list]:
+    """``order`` (eviction order over ``pages + ahead`` pages) split into the nodes that cover
+    ``pages`` and the whole nodes of the next ``ahead`` pages after them."""
+    got = 0
+    for i, node in enumerate(order):
+        got += node.num_pages
+        if got >= pages:
+            break
+    head, extra, room = order[:i + 1], [], pages + ahead - got
+    for node in order[i + 1:]:
+        if node.num_pages > room:
+            break
+        room -= node.num_pages
+        extra.append(node)
+    return head, extra
 
 
 _STRATEGIES = {

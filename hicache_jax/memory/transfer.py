@@ -15,7 +15,10 @@ depends on all earlier ones (it donates one pool and reads the other), so transf
 dispatch order, and a handle seen complete completes every earlier handle too.
 
 On XLA:CPU the copy runs on XLA's own execution thread, not in the caller: see
-``page_copy.MIN_INDEX_LEN`` for what makes it asynchronous there.
+``page_copy.MIN_INDEX_LEN`` for what makes it asynchronous there. A copy of at most
+``page_copy.INLINE_COPY_BYTES`` between pools on XLA:CPU is dispatched in its inline form
+(``page_copy.inline_copy``): it runs in the caller once its inputs are ready, which costs less
+CPU than the hand-off to XLA's thread; behind a computation it reads it still returns at once.
 
 Host pages in flight: ``busy_host_pages(ids)`` says which pages a transfer not yet observed
 complete reads or writes. The data itself is protected by XLA ordering; the cache consults this
@@ -45,7 +48,8 @@ import jax
 import numpy as np
 
 from hicache_jax.errors import HiCacheError
-from hicache_jax.memory.page_copy import bound_copy, copy_fn, copy_plan, layer_plans
+from hicache_jax.memory.page_copy import (INLINE_COPY_BYTES, bound_copy, copy_fn, copy_plan,
+                                          inline_copy, layer_plans)
 from hicache_jax.spec import HostLayout
 from hicache_jax.validation import check_bool, is_int
 
@@ -173,8 +177,12 @@ class TransferEngine:
         host_put = None if host_pool.on_device_memory else host_pool.sharding
         dev_put = None if host_pool.on_device_memory else host_pool.device_sharding
         # dispatched as jits with their static arguments bound (page_copy.bound_copy)
-        self._backup_fn, self._load_fn, self._load_layer_fn = map(bound_copy, transfer_fns(
-            self.spec.num_layers, host_pool.layout, host_put, dev_put))
+        fns = transfer_fns(self.spec.num_layers, host_pool.layout, host_put, dev_put)
+        self._backup_fn, self._load_fn, self._load_layer_fn = map(bound_copy, fns)
+        # XLA:CPU: copies of up to this many pages run inline (page_copy.INLINE_COPY_BYTES)
+        cpu = host_pool.on_device_memory and all(d.platform == "cpu" for d in dev.device_set)
+        self._inline_pages = INLINE_COPY_BYTES // self.spec.page_bytes if cpu else 0
+        self._backup_inline, self._load_inline = inline_copy(fns[0]), inline_copy(fns[1])
         self._busy = np.zeros(host_pool.num_pages, np.int32)  # transfers using each host page
         self._in_flight: list[TransferHandle] = []  # dispatch order
         self._finished: list[TransferHandle] = []   # completion order, not yet polled
@@ -205,8 +213,9 @@ class TransferEngine:
         d, h = (device_ids, host_ids) if validated else self._validate(device_ids, host_ids)
         handle = TransferHandle(self, TransferKind.BACKUP, d, h, tag, layerwise=False)
         if d.size:
-            handle._tokens.append(self.host_pool.run(
-                self._backup_fn, self.device_pool.array, copy_plan(h, d)))
+            fn = self._backup_inline if d.size <= self._inline_pages else self._backup_fn
+            handle._tokens.append(self.host_pool.run(fn, self.device_pool.array,
+                                                     copy_plan(h, d)))
         return self._track(handle)
 
     def load(self, host_ids: Any, device_ids: Any, *, layerwise: bool = False,
@@ -232,8 +241,8 @@ class TransferEngine:
                     handle._tokens.append(self.device_pool.run(
                         self._load_layer_fn, self.host_pool.buffer, layer_plan))
             else:
-                handle._tokens.append(self.device_pool.run(self._load_fn, self.host_pool.buffer,
-                                                           plan))
+                fn = self._load_inline if d.size <= self._inline_pages else self._load_fn
+                handle._tokens.append(self.device_pool.run(fn, self.host_pool.buffer, plan))
         return self._track(handle)
 
     def _validate(self, device_ids: Any, host_ids: Any) -> tuple[np.ndarray, np.ndarray]:
