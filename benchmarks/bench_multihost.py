@@ -12,11 +12,15 @@ agreements' share of the time (``Group.seconds``) and their count per request. T
 of every run must equal the one-process run's (printed: a difference fails the benchmark).
 
 Usage: ``python -m benchmarks.bench_multihost [--requests 200] [--processes 1,2,4]
-[--transport socket|kv] [--in-flight] [--json PATH]`` (the cache's group transport; before
+[--transport socket|kv] [--in-flight] [--completion-lag K] [--json PATH]`` (the cache's
+group transport; before
 the timed loop each multi-process run also times one agreement over both transports and prints
 them); ``--in-flight`` leaves out each request's flushes, so the copies it started are in
 flight at the next request's start, where several processes agree them (one agreement there;
 the hit figures then depend on when copies land, so they are printed, not compared);
+``--completion-lag K`` runs the cache with ``HiCacheConfig(completion_lag=K)``: a copy counts
+as done at the K-th request start after its dispatch, with no agreement, so with
+``--in-flight`` the hit figures are again compared with the one-process run's;
 ``--beside`` also times, for each count N > 1 of ``--processes``, N independent one-process runs
 at once.
 ``BENCH_MULTIHOST_PROFILE=PREFIX`` writes each process's cProfile of the timed loop to
@@ -76,7 +80,7 @@ def _serve(cache, tokens, whole: int, in_flight: bool) -> None:
 
 
 def _worker(pid: int, n: int, port: int, requests: int, device_tokens: int, out: str,
-            transport: str, in_flight: bool = False) -> None:
+            transport: str, in_flight: bool = False, lag: int = 0) -> None:
     import jax
 
     if n > 1:
@@ -96,7 +100,7 @@ def _worker(pid: int, n: int, port: int, requests: int, device_tokens: int, out:
     spec = KVSpec(num_layers=1, num_kv_heads=HEADS, head_dim=1, dtype="float32", page_size=ps)
     cfg = HiCacheConfig(device_pages=device_tokens // ps, host_ratio=2.0,
                         mesh=Mesh(np.array(jax.devices()), ("heads",)),
-                        agreement_timeout_s=60.0,
+                        agreement_timeout_s=60.0, completion_lag=lag or None,
                         group=DistributedGroup(60.0, transport=transport) if n > 1 else None)
     round_trips = _round_trips() if n > 1 else {}
     cache = rd.new_cache(spec, cfg)
@@ -130,7 +134,9 @@ def _worker(pid: int, n: int, port: int, requests: int, device_tokens: int, out:
     stats = cache.stats()
     cache.check_agreement()
     result = {"processes": n, "requests": requests, "wall_s": wall, "cpu_s": cpu,
-              "transport": transport, "in_flight": in_flight,
+              "transport": transport, "in_flight": in_flight, "completion_lag": lag,
+              "lag_waits": stats.get("completion_lag_waits", 0),
+              "lag_wait_s": stats.get("completion_lag_wait_seconds", 0.0),
               "round_trip_s": round_trips,
               "agreement_s": g1 - g0,
               "agreements": c1 - c0,
@@ -154,7 +160,8 @@ def _free_port() -> int:
 
 
 def run(n: int, requests: int, device_tokens: int, transport: str = "socket",
-        timeout: float = 600.0, copies: int = 1, in_flight: bool = False) -> dict:
+        timeout: float = 600.0, copies: int = 1, in_flight: bool = False,
+        lag: int = 0) -> dict:
     """One run over ``n`` processes; process 0's figures. ``copies`` > 1 (``n`` 1 only): that
     many independent one-process runs at once (the CPU load of a ``copies``-process run
     without its agreements); the first one's figures, the times the mean of all."""
@@ -166,7 +173,7 @@ def run(n: int, requests: int, device_tokens: int, transport: str = "socket",
     procs = [subprocess.Popen([sys.executable, "-m", "benchmarks.bench_multihost", "--worker",
                                str(i if copies == 1 else 0), str(n), str(port), str(requests),
                                str(device_tokens), outs[0 if copies == 1 else i], transport,
-                               "1" if in_flight else "0"],
+                               "1" if in_flight else "0", str(lag)],
                               env=env, cwd=ROOT, start_new_session=True)
              for i in range(max(n, copies))]
     try:
@@ -207,19 +214,24 @@ def main() -> None:
                          "without their agreements (what the agreements add is the ratio to it)")
     ap.add_argument("--in-flight", action="store_true",
                     help="leave out each request's flushes: its copies are in flight at the "
-                         "next request's start (agreed there); hit figures not compared")
-    ap.add_argument("--worker", nargs=8, help=argparse.SUPPRESS)
+                         "next request's start (agreed there); hit figures not compared "
+                         "unless --completion-lag")
+    ap.add_argument("--completion-lag", type=int, default=0, metavar="K",
+                    help="HiCacheConfig(completion_lag=K): copies count as done at the K-th "
+                         "request start after dispatch, with no agreement (default 0: off)")
+    ap.add_argument("--worker", nargs=9, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
         pid, n, port, requests, tokens = map(int, args.worker[:5])
         _worker(pid, n, port, requests, tokens, args.worker[5], args.worker[6],
-                args.worker[7] == "1")
+                args.worker[7] == "1", int(args.worker[8]))
         return
     from benchmarks.common import write_json
 
     counts = [int(x) for x in args.processes.split(",")]
     runs = {n: run(n, args.requests, args.device_tokens, args.transport,
-                   in_flight=args.in_flight) for n in counts}
+                   in_flight=args.in_flight, lag=args.completion_lag) for n in counts}
+    compared = not args.in_flight or args.completion_lag > 0
     base = runs[counts[0]]
     print(f"{'processes':>9} {'us/request':>11} {'x 1 process':>12} {'cpu us/req':>11} "
           f"{'agreements/req':>15} {'agreement share':>16}  figures")
@@ -229,7 +241,7 @@ def main() -> None:
         ratio = r["wall_s"] / base["wall_s"]
         share = r["agreement_s"] / r["wall_s"] if r["wall_s"] else 0.0
         same = r["figures"] == base["figures"]
-        ok &= same or args.in_flight
+        ok &= same or not compared
         cpu = r["cpu_s"] / r["requests"] * 1e6
         print(f"{n:>9} {per:>11.0f} {ratio:>11.2f}x {cpu:>11.0f} "
               f"{r['agreements'] / r['requests']:>15.2f} "
@@ -238,6 +250,10 @@ def main() -> None:
             print(" " * 10 + "agreements/request by call: " + ", ".join(
                 f"{t} {c / r['requests']:.2f}" for t, c in sorted(
                     r["agreements_by_tag"].items(), key=lambda kv: -kv[1])))
+        if r.get("completion_lag"):
+            print(" " * 10 + f"completion lag {r['completion_lag']}: "
+                  f"{r['lag_waits'] / r['requests']:.2f} waits/request, "
+                  f"{r['lag_wait_s'] / r['wall_s']:.0%} of the time")
     for n, r in runs.items():
         rt = r.get("round_trip_s")
         if rt:
@@ -246,8 +262,9 @@ def main() -> None:
                   f"({rt['kv'] / rt['socket']:.1f}x faster); the cache's group: {r['transport']}")
     if args.beside:
         for n in [c for c in counts if c > 1]:
-            b = run(1, args.requests, args.device_tokens, copies=n, in_flight=args.in_flight)
-            ok &= b["figures"] == base["figures"]
+            b = run(1, args.requests, args.device_tokens, copies=n, in_flight=args.in_flight,
+                    lag=args.completion_lag)
+            ok &= b["figures"] == base["figures"] or not compared
             print(f"{n} one-process runs at once: "
                   f"{b['wall_s'] / b['requests'] * 1e6:.0f} us/request "
                   f"(cpu {b['cpu_s'] / b['requests'] * 1e6:.0f}); the {n}-process run: "

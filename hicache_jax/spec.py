@@ -251,6 +251,16 @@ class HiCacheConfig:
             (0: never; the tests use 1).
         agreement_timeout_s: how long an agreement waits for a peer process before
             ``GroupTimeoutError`` names it (the default group's timeout).
+        completion_lag: None (default): a copy between L1 and L2 counts as done once it is
+            seen landed (several processes: once every process has seen it, agreed at a
+            request's start). An int K >= 1: it counts as done at the K-th request start
+            (``match_prefix``, ``prefetch``) after its dispatch, waited for there if still
+            moving, and at a wait; so what the cache decides depends on its calls alone, not
+            on when copies land: every process decides alike with no agreement for it, and
+            the same calls give the same decisions in every run. The price: a start whose
+            copy of K starts ago is still moving waits for it (``stats()``:
+            ``completion_lag_waits``, ``completion_lag_wait_seconds``); a larger K waits less
+            and holds pages under copies longer (ARCHITECTURE.md, "Several processes").
     """
 
     device_pages: int
@@ -282,6 +292,7 @@ class HiCacheConfig:
     group: Any = None
     agreement_check_every: int = 0
     agreement_timeout_s: float = 60.0
+    completion_lag: int | None = None
 
     def __post_init__(self) -> None:
         set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731
@@ -341,6 +352,8 @@ class HiCacheConfig:
         t = self.agreement_timeout_s
         if not is_real(t) or not math.isfinite(t) or t <= 0:
             raise ValueError(f"agreement_timeout_s={t!r} must be a finite number > 0")
+        if self.completion_lag is not None:
+            set_("completion_lag", check_int("completion_lag", self.completion_lag, 1))
         if self.shard_axis is not None and self.mesh is None:
             raise ValueError(f"shard_axis={self.shard_axis!r} given without a mesh")
         if self.mesh is not None:

@@ -152,8 +152,10 @@ def _workload(cache, seed: int, steps: int, check: bool = True, prefetch: bool =
 
 
 def _decided(stats: dict) -> dict:
+    """The counters every process must agree on (not timings, nor the completion lag's waits:
+    whether a copy was still moving at its start is this process's own)."""
     return {k: v for k, v in sorted(stats.items()) if "seconds" not in k and "cost_" not in k
-            and isinstance(v, (int, float))}
+            and "lag_waits" not in k and isinstance(v, (int, float))}
 
 
 def scenario_workload(jax, pid: int, n: int, args: list[str]) -> dict:
@@ -168,6 +170,19 @@ def scenario_workload(jax, pid: int, n: int, args: list[str]) -> dict:
     cache.close()
     return {"log": log, "stats": _decided(st), "agreements": cache._group.calls,
             "agreement_seconds": cache._group.seconds}
+
+
+def scenario_workload_lag(jax, pid: int, n: int, args: list[str]) -> dict:
+    """``_workload`` with ``completion_lag`` (args: seed, steps, lag): copies complete by
+    request count, so no agreement is made for them."""
+    seed, steps, lag = map(int, args[:3])
+    cache = _cache(jax, device_pages=12, host_pages=16, completion_lag=lag)
+    log = _workload(cache, seed, steps)
+    cache.flush()
+    st = cache.stats()
+    cache.close()
+    return {"log": log, "stats": _decided(st), "waits": st["completion_lag_waits"],
+            "transfer_agreements": cache._group.calls_by_tag["transfers"]}
 
 
 def scenario_l3(jax, pid: int, n: int, args: list[str]) -> dict:

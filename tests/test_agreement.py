@@ -77,14 +77,16 @@ def test_bad_agreement_settings():
         HiCacheConfig(device_pages=8, agreement_timeout_s=0)
 
 
-def _one_process_run(n: int, seed: int, steps: int) -> tuple[list, dict]:
-    """The same workload in this process alone (the spec of an n-process run, no mesh)."""
+def _one_process_run(n: int, seed: int, steps: int, lag: int | None = None) -> tuple[list, dict]:
+    """The same workload in this process alone (the spec of an n-process run, no mesh;
+    ``lag``: its ``completion_lag``)."""
     from hicache_jax import KVSpec
     import multiproc_workers as w
 
     spec = KVSpec(num_layers=2, num_kv_heads=2 * n, head_dim=4, dtype="float16", page_size=4)
     cache = HiCache(spec, HiCacheConfig(device_pages=12, host_pages=16, load_back_threshold=4,
-                                        write_policy="write_through", agreement_check_every=1))
+                                        write_policy="write_through", agreement_check_every=1,
+                                        completion_lag=lag))
     log = w._workload(cache, seed, steps)
     cache.flush()
     stats = w._decided(cache.stats())
@@ -103,6 +105,21 @@ def test_a_random_workload_decides_alike_on_every_process(n, steps):
     log, stats = _one_process_run(n, 7, steps)
     assert stats["load_backs"] and stats["evictions"] and stats["host_evictions"]
     for o in out:
+        assert o.result["log"] == log
+        assert {k: v for k, v in o.result["stats"].items() if "gbps" not in k} == \
+            {k: v for k, v in stats.items() if "gbps" not in k}
+
+
+def test_with_a_completion_lag_processes_decide_alike_with_no_agreement_for_copies():
+    """``completion_lag=1``: copies complete at the next request start on every process,
+    agreed by nothing (no "transfers" agreement); the log and counters those of one process
+    running the same calls with the same lag."""
+    out = launch("workload_lag", 2, "11", "50", "1", timeout=90)
+    assert all(o.result is not None and "trace" not in o.result for o in out), out
+    log, stats = _one_process_run(2, 11, 50, lag=1)
+    assert stats["load_backs"] and stats["evictions"] and stats["host_evictions"], stats
+    for o in out:
+        assert o.result["transfer_agreements"] == 0
         assert o.result["log"] == log
         assert {k: v for k, v in o.result["stats"].items() if "gbps" not in k} == \
             {k: v for k, v in stats.items() if "gbps" not in k}

@@ -36,6 +36,8 @@ RUNS = [
      ["x 1 process", "agreement share", "(target <= 1.3x)"], []),
     ("bench_multihost", ["--requests", "20", "--processes", "1,2", "--in-flight"],
      ["agreements/req", "(target <= 1.3x)"], []),
+    ("bench_multihost", ["--requests", "20", "--processes", "1,2", "--in-flight",
+                         "--completion-lag", "1"], ["completion lag 1:", "(target <= 1.3x)"], []),
     ("bench_pins", [], ["x limit", "target pinned system-prompt hit rate >= 0.95 of the limit:"],
      []),
     ("bench_pool", ["--quick"], ["x memcpy", "Targets: flat in pool size"], []),

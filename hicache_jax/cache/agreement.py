@@ -87,6 +87,18 @@ def join_group(spec: KVSpec, cfg: HiCacheConfig,
     return group, owned, clock
 
 
+def bind_completions(engine: Any, group: Group, lag: int | None) -> None:
+    """How the transfer engine's copies count as complete (``HiCacheConfig.completion_lag``):
+    at the ``lag``-th request start after their dispatch, on every process alike with no
+    agreement (``TransferEngine.complete_after``); else, with several processes, once the
+    MIN over processes says so at a request start (``TransferEngine.agree_with``); else when
+    seen landed."""
+    if lag is not None:
+        engine.complete_after(lag)
+    elif group.num_processes > 1:
+        engine.agree_with(group)  # completions: the MIN over processes
+
+
 def _digest(parts: Iterable[Any]) -> str:
     h = hashlib.blake2b(digest_size=12)
     for p in parts:

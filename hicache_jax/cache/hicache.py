@@ -27,7 +27,7 @@ from hicache_jax.memory.group import AgreedClock
 from hicache_jax.errors import HiCacheError
 from hicache_jax.events.factory import make_recorder
 from hicache_jax.events.recorder import NullRecorder, Recorder
-from hicache_jax.cache.agreement import Agreement, join_group
+from hicache_jax.cache.agreement import Agreement, bind_completions, join_group
 from hicache_jax.cache.completion import Completion
 from hicache_jax.cache.evictor import Evictor
 from hicache_jax.cache.removal import Removal
@@ -91,8 +91,7 @@ class HiCache(ControlAPI):
         self._host = HostPagePool(spec, cfg.host_pages, layout=cfg.host_layout, mesh=cfg.mesh,
                                   axis=cfg.shard_axis, huge_pages=cfg.huge_pages)
         self._engine = transfer_engine(self._device, self._host)
-        if self._group.num_processes > 1:
-            self._engine.agree_with(self._group)  # completions: the MIN over processes
+        bind_completions(self._engine, self._group, cfg.completion_lag)
         self._events: NullRecorder | Recorder = NullRecorder()  # the configured one: below
         self._threads = ThreadOwner()
         # deadlines and ttls (L3, pins): the request's own clock reading; stamps: the order
@@ -488,7 +487,8 @@ class HiCache(ControlAPI):
         after :meth:`close` (figures read while the owner is inside a call may disagree)."""
         return cache_stats(self._n, self._device.allocator, self._host.allocator, self._tree,
                            self._owner, len(self._flight), self._write.reserve_pages()) \
-            | self._events.stats() | self._l3.stats() | self._cost.stats() | self._pins.stats()
+            | self._events.stats() | self._l3.stats() | self._cost.stats() | self._pins.stats() \
+            | self._engine.stats()
 
     def check_invariants(self) -> None:
         """Check every invariant (ARCHITECTURE.md) on the whole cache, O(cache), for tests;

@@ -51,7 +51,7 @@ from hicache_jax.errors import HiCacheError
 from hicache_jax.memory.page_copy import (INLINE_COPY_BYTES, bound_copy, copy_fn, copy_plan,
                                           inline_copy, layer_plans)
 from hicache_jax.spec import HostLayout
-from hicache_jax.validation import check_bool, is_int
+from hicache_jax.validation import check_bool, check_int, is_int
 
 if TYPE_CHECKING:  # the pools are only passed in: the engine needs their public attributes
     from hicache_jax.memory.device_pool import DevicePagePool
@@ -89,7 +89,7 @@ class TransferHandle:
     """
 
     __slots__ = ("kind", "device_ids", "host_ids", "nbytes", "tag", "layerwise", "seconds",
-                 "_engine", "_tokens", "_t0", "_complete")
+                 "_engine", "_tokens", "_t0", "_complete", "_start")
 
     def __init__(self, engine: TransferEngine, kind: TransferKind, device_ids: np.ndarray,
                  host_ids: np.ndarray, tag: Any, layerwise: bool) -> None:
@@ -104,6 +104,7 @@ class TransferHandle:
         self._tokens: list[jax.Array] = []
         self._t0 = engine._clock()
         self._complete = False
+        self._start = engine._starts  # the request starts before its dispatch (complete_after)
 
     def __repr__(self) -> str:
         state = "done" if self._complete else "in flight"
@@ -111,9 +112,10 @@ class TransferHandle:
 
     def done(self) -> bool:
         """Non-blocking: has every page landed? (Applies the completion when it has; with a
-        group, reports only what the last agreed poll applied.)"""
-        # several processes: completion is agreed in poll() only, never seen locally here
-        if not self._complete and self._engine._group is None \
+        group or :meth:`TransferEngine.complete_after`, reports only what the last poll
+        applied.)"""
+        # several processes, or completions at set request starts: applied in poll() only
+        if not self._complete and not self._engine._decided \
                 and all(t.is_ready() for t in self._tokens):
             self._engine._finish(self)
         return self._complete
@@ -187,13 +189,32 @@ class TransferEngine:
         self._in_flight: list[TransferHandle] = []  # dispatch order
         self._finished: list[TransferHandle] = []   # completion order, not yet polled
         self._group: Any = None  # several processes: see agree_with
+        self._lag: int | None = None  # see complete_after
+        self._starts = 0  # request starts seen (polls with agree=True)
+        self._decided = False  # completion seen only by poll: a group or a lag
+        #: complete_after: request starts that waited for a copy not yet landed, and how long
+        self.lag_waits, self.lag_wait_seconds = 0, 0.0
 
     def agree_with(self, group: Any) -> None:
         """Several processes (``memory/group.py``): from now on a transfer counts as complete
         only once every process of ``group`` has seen it complete -- each poll applies the
         MIN over processes of the transfers seen complete, so every process's cache acts on
         the same ones (a process's copy may land later than its peer's)."""
-        self._group = group
+        self._group, self._decided = group, True
+
+    def complete_after(self, lag: int) -> None:
+        """From now on a transfer counts as complete at the ``lag``-th request start after its
+        dispatch (a request start: ``poll(agree=True)``), where it is waited for if it has
+        not landed, and at a wait; never at any other poll. Which copies a decision sees done
+        then depends on the calls alone, not on when copies land: every process (and every
+        run of the same calls) applies the same ones with no agreement
+        (ARCHITECTURE.md, "Several processes"). The price: a start that finds a copy of
+        ``lag`` starts ago still moving waits for it (``lag_waits``, ``lag_wait_seconds``).
+
+        Raises:
+            TypeError / ValueError: ``lag`` not an int >= 1.
+        """
+        self._lag, self._decided = check_int("lag", lag, 1), True
 
     # ----------------------------------------------------------------------------- dispatch
     def backup(self, device_ids: Any, host_ids: Any, *, tag: Any = None,
@@ -301,6 +322,12 @@ class TransferEngine:
         which is always safe (a decision that needs them waits for them). Without a group
         ``agree`` changes nothing.
         """
+        if self._lag is not None:  # complete_after: the copies due at this start, waited for
+            if agree:
+                self._starts += 1
+                self._apply_due(self._starts - self._lag)
+            out, self._finished = self._finished, []
+            return out
         if self._group is not None and not (agree and self._in_flight):
             out, self._finished = self._finished, []
             return out
@@ -316,11 +343,34 @@ class TransferEngine:
         out, self._finished = self._finished, []
         return out
 
+    def _apply_due(self, start: int) -> None:
+        """Complete every transfer dispatched before request start ``start + 1`` (a prefix of
+        the queue), waiting for the last of them if it has not landed."""
+        due = 0
+        while due < len(self._in_flight) and self._in_flight[due]._start <= start:
+            due += 1
+        if not due:
+            return
+        last = self._in_flight[due - 1]
+        if not all(t.is_ready() for t in last._tokens):
+            t0 = time.perf_counter()
+            for token in last._tokens:
+                token.block_until_ready()
+            self.lag_waits += 1
+            self.lag_wait_seconds += time.perf_counter() - t0
+        self._finish(last)
+
     def wait_all(self) -> list[TransferHandle]:
-        """Block until nothing is in flight; returns what ``poll`` would."""
+        """Block until nothing is in flight; returns what ``poll`` would (no request start)."""
         for handle in list(self._in_flight):
             handle.wait()
-        return self.poll()
+        return self.poll(agree=False)
+
+    def stats(self) -> dict[str, Any]:
+        """The waits of :meth:`complete_after` (measured, not decided: they differ between
+        processes)."""
+        return {"completion_lag_waits": self.lag_waits,
+                "completion_lag_wait_seconds": self.lag_wait_seconds}
 
     @property
     def in_flight(self) -> int:
