@@ -63,7 +63,7 @@ def _args(argv=None):
     p.add_argument("--doc-tokens", type=int, default=1024)
     p.add_argument("--question-tokens", type=int, default=32)
     p.add_argument("--requests", type=int, default=32,
-                   help="measured requests per run (32: a p50 of 16 moved 5-10% between runs)")
+                   help="measured requests per run (32: a p50 of 16 moved 5-10%% between runs)")
     p.add_argument("--ratios", default="0.3,1,3",
                    help="L3 bandwidths as multiples of the load-equals-recompute bandwidth")
     p.add_argument("--latency-ms", type=float, default=1.0)
