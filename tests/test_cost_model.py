@@ -593,3 +593,53 @@ def test_the_first_load_of_a_copy_shape_on_the_wall_clock_is_not_a_sample():
     assert got[2] == (2 if shape(3) == shape(2) else 1)
     clean(cache)
     cache.close()
+
+
+def test_a_plan_that_fetched_from_l3_is_recorded_end_to_end():
+    """Each prompt is fetched from L3 (a 5 ms read on the injected clock), loaded back (2 ms)
+    and one more token prefilled (30 ms reported): one record a request, the fetch decision's
+    predicted read + load + prefill against 5 + 2 + 30 ms; without the read, its load and
+    prefill alone."""
+    import tempfile
+
+    from hicache_jax.cache.hicache import HiCache
+    from hicache_jax.memory.transfer import TransferEngine
+
+    with tempfile.TemporaryDirectory() as root:
+        base, prompts = _seed_l3(root, 2 * MIN_SAMPLES)
+        now = [0.0]
+        clock = lambda: now[0]  # noqa: E731
+        b = HiCache(SPEC, HiCacheConfig(device_pages=64, load_policy="cost",
+                                        prefill_cost=lambda n, c: 1e-2 * n, **base),
+                    clock=clock, transfer_engine=lambda d, h: TransferEngine(d, h, clock=clock))
+        for i, doc in enumerate(prompts):
+            toks = np.append(doc, 7)  # the 4 pages L3 holds and a token to prefill
+            assert b.prefetch(toks).pages_found == (1 if i == 0 else 4)  # the first: a probe
+            now[0] += 5e-3
+            with b.begin(toks) as req:  # wait_complete: the read is timed here
+                now[0] += 2e-3
+                b.flush()  # the load-back acknowledged: 2 ms
+                req.extend(len(toks) - req.cached_len)
+                req.finish(toks)
+            if req.cached_len:
+                b.observe_prefill(len(toks) - req.cached_len, req.cached_len, 0.03)
+        st = b.stats()
+        recs = list(b._cost.records)
+        e2e = [r for r in recs if r.read_pred > 0]
+        # every request's plan fetched (the first a one-page probe): one record each
+        assert len(e2e) == len(recs) == st["cost_decision_records"] == len(prompts)
+        for r in e2e:
+            assert (r.read_actual, r.load_actual, r.prefill_actual) == pytest.approx(
+                (5e-3, 2e-3, 0.03))
+            assert r.prefill_pred == pytest.approx(1e-2 * r.n_new)  # 1 token, the probe's 13
+            assert r.pred == pytest.approx(r.read_pred + r.load_pred + r.prefill_pred)
+        last = e2e[-1]  # the L3 link is fitted by then: its read predicted exactly
+        assert last.read_pred == pytest.approx(5e-3, rel=1e-6)
+        errs = sorted(abs(r.pred - r.actual) / r.actual for r in recs)
+        assert st["cost_decision_err_median"] == pytest.approx(float(np.median(errs)))
+        without = [abs(r.load_pred + r.prefill_pred - r.load_actual - r.prefill_actual)
+                   / (r.load_actual + r.prefill_actual) for r in recs]
+        assert st["cost_decision_err_median_without_read"] == pytest.approx(
+            float(np.median(without)))
+        assert st["cost_decision_read_err_median"] is not None
+        b.close()

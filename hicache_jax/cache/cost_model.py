@@ -50,13 +50,18 @@ tiers and to recompute tokens, fitted online (ARCHITECTURE.md, "Load or recomput
   (the L2 -> L1 acknowledgements come in dispatch order, as the loads were decided) plus the
   prefill the serving stack reports next with ``n_cached`` = the tokens on device after the
   load (the newest such decision). The prefill part is predicted for the tokens actually
-  prefilled, on the decision's own figures. ``stats()``: ``cost_decision_err_median``,
-  ``cost_decision_records`` (decisions whose actual time is known), and its two parts:
-  ``cost_decision_load_err_median`` (the decisions that loaded) and
-  ``cost_decision_prefill_err_median``; the settled records themselves are ``records``
-  (:class:`DecisionRecord`). An L3 fetch decision's
-  read time, predicted on the L3 link's figures at the decision, against the read's measured
-  time: ``cost_fetch_err_median``, ``cost_fetch_records`` (:meth:`CostModel.settle_fetch`).
+  prefilled, on the decision's own figures. A request whose plan fetched from L3 (a prefetch
+  decided here, :meth:`CostModel.settle_fetch`) is recorded as that plan, end to end: the
+  fetch decision's predicted read + L2 -> L1 load + prefill against the read's measured time
+  plus the load and the prefill of the load-back decision that followed it (same ``n_cached``),
+  one record in place of the load-back's. ``stats()``: ``cost_decision_err_median``,
+  ``cost_decision_records`` (decisions whose actual time is known), and its parts:
+  ``cost_decision_read_err_median`` (the plans that fetched), ``cost_decision_load_err_median``
+  (the decisions that loaded), ``cost_decision_prefill_err_median``, and
+  ``cost_decision_err_median_without_read`` (each record's load + prefill alone); the settled
+  records themselves are ``records`` (:class:`DecisionRecord`). Every L3 fetch decision's read
+  time, predicted on the L3 link's figures at the decision, against the read's measured time:
+  ``cost_fetch_err_median``, ``cost_fetch_records``.
 
 Pure Python + numpy; the cache's thread only.
 """
@@ -73,7 +78,7 @@ from hicache_jax.cache.cost_fits import (HALF_LIFE, MIN_SAMPLES, PESSIMISM, PROB
                                          WINDOW, LinkFit, PrefillFit, check_sample)
 from hicache_jax.validation import is_real
 
-__all__ = ["CostModel", "Decision", "DecisionRecord", "HALF_LIFE", "LinkFit", "MIN_SAMPLES",
+__all__ = ["CostModel", "Decision", "DecisionRecord", "Fetch", "HALF_LIFE", "LinkFit", "MIN_SAMPLES",
            "PESSIMISM", "PROBE_EVERY", "PROBE_SHARE", "PrefillFit", "WARMUP", "WINDOW"]
 
 #: Probes spend at most this share of the planned chains' predicted recompute (a credit).
@@ -84,25 +89,39 @@ class Decision:
     """One load-or-recompute decision: predicted seconds and, once known, actual seconds.
 
     Attributes:
-        load_s: predicted seconds of its load (0.0 when nothing is loaded).
+        load_s: predicted seconds of its load over every hop (0.0 when nothing is loaded).
         nbytes: bytes it loads over L2 -> L1.
         cached_after: tokens on device after the load (the prefill's ``n_cached``).
         prefill: ``(n_new, n_cached) -> seconds`` on the figures the decision was made on.
+        read_s: the L3 -> L2 hop's share of ``load_s`` (a fetch decision's read; else 0.0).
         load_actual: the measured seconds of its load (None until acknowledged).
+        read_actual: a fetch decision's measured read seconds (None until it landed).
     """
 
-    __slots__ = ("load_s", "nbytes", "cached_after", "prefill", "load_actual")
+    __slots__ = ("load_s", "nbytes", "cached_after", "prefill", "read_s", "load_actual",
+                 "read_actual")
 
     def __init__(self, load_s: float, nbytes: int, cached_after: int,
-                 prefill: Callable[[int, int], float]) -> None:
+                 prefill: Callable[[int, int], float], read_s: float = 0.0) -> None:
         self.load_s, self.nbytes, self.cached_after = load_s, nbytes, cached_after
-        self.prefill, self.load_actual = prefill, (0.0 if nbytes == 0 else None)
+        self.prefill, self.read_s = prefill, read_s
+        self.load_actual, self.read_actual = (0.0 if nbytes == 0 else None), None
+
+
+class Fetch(NamedTuple):
+    """An L3 fetch decision as its read is checked (:meth:`CostModel.settle_fetch`): the L3
+    link's figures it was decided on and the plan's :class:`Decision` (None: not recorded)."""
+
+    latency_s: float
+    bytes_per_s: float
+    decision: Decision | None = None
 
 
 class DecisionRecord(NamedTuple):
-    """A settled decision: its prefill's tokens, its predicted and actual load and prefill
-    seconds, and ``sample``: the index of the prefill sample that settled it (the
-    ``observe_prefill`` calls counted from 0)."""
+    """A settled decision: its prefill's tokens, its predicted and actual load (L2 -> L1) and
+    prefill seconds, ``sample``: the index of the prefill sample that settled it (the
+    ``observe_prefill`` calls counted from 0), and, for a plan that fetched from L3, its read's
+    predicted and actual seconds (0.0 for a load-back decision alone)."""
 
     n_new: int
     n_cached: int
@@ -111,6 +130,16 @@ class DecisionRecord(NamedTuple):
     prefill_pred: float
     prefill_actual: float
     sample: int
+    read_pred: float = 0.0
+    read_actual: float = 0.0
+
+    @property
+    def pred(self) -> float:
+        return self.read_pred + self.load_pred + self.prefill_pred
+
+    @property
+    def actual(self) -> float:
+        return self.read_actual + self.load_actual + self.prefill_actual
 
 
 def _median_rel(pairs: list[tuple[float, float]]) -> float | None:
@@ -150,6 +179,8 @@ class CostModel:
         # model did not decide, which only takes its bytes), then for their prefill sample
         self._awaiting_load: collections.deque = collections.deque(maxlen=4 * WINDOW)
         self._awaiting_prefill: collections.deque = collections.deque(maxlen=4 * WINDOW)
+        # fetch decisions whose read landed, waiting for the load-back and prefill after it
+        self._awaiting_fetched: collections.deque = collections.deque(maxlen=4 * WINDOW)
         self._decision_err: collections.deque = collections.deque(maxlen=4 * WINDOW)
         self.records: collections.deque[DecisionRecord] = collections.deque(maxlen=4 * WINDOW)
         self._fetch_err: collections.deque = collections.deque(maxlen=4 * WINDOW)
@@ -193,36 +224,54 @@ class CostModel:
                 d.load_actual = seconds * b / nbytes
                 self._awaiting_prefill.append(d)
 
+    @staticmethod
+    def _newest(waiting: collections.deque, n_cached: float) -> Decision | None:
+        """Take the newest decision of ``waiting`` whose prefill starts at ``n_cached``."""
+        for i in range(len(waiting) - 1, -1, -1):
+            if waiting[i].cached_after == n_cached:
+                d = waiting[i]
+                del waiting[i]
+                return d
+        return None
+
     def _settle_prefill(self, n_new: float, n_cached: float, seconds: float) -> None:
-        for i in range(len(self._awaiting_prefill) - 1, -1, -1):  # the newest first
-            d = self._awaiting_prefill[i]
-            if d.cached_after == n_cached:
-                del self._awaiting_prefill[i]
-                try:
-                    prefill = float(d.prefill(int(n_new), int(n_cached)))
-                except Exception:  # the serving stack's callable: no prediction to compare
-                    return
-                pred, actual = d.load_s + prefill, d.load_actual + seconds
-                if actual > 0 and math.isfinite(pred):
-                    self._decision_err.append(abs(pred - actual) / actual)
-                    self.n["cost_decision_records"] += 1
-                    self.records.append(DecisionRecord(
-                        int(n_new), int(n_cached), d.load_s, d.load_actual, prefill,
-                        float(seconds), self.prefill_fit.samples - 1))
-                return
+        d = self._newest(self._awaiting_prefill, n_cached)
+        if d is None:
+            return
+        f = self._newest(self._awaiting_fetched, n_cached)  # the L3 fetch this load followed
+        try:
+            prefill = float((f or d).prefill(int(n_new), int(n_cached)))
+        except Exception:  # the serving stack's callable: no prediction to compare
+            return
+        rec = (DecisionRecord(int(n_new), int(n_cached), d.load_s, d.load_actual, prefill,
+                              float(seconds), self.prefill_fit.samples - 1) if f is None else
+               DecisionRecord(int(n_new), int(n_cached), f.load_s - f.read_s, d.load_actual,
+                              prefill, float(seconds), self.prefill_fit.samples - 1,
+                              f.read_s, f.read_actual))
+        if rec.actual > 0 and math.isfinite(rec.pred):
+            self._decision_err.append(abs(rec.pred - rec.actual) / rec.actual)
+            self.n["cost_decision_records"] += 1
+            self.records.append(rec)
 
     def fetch_figures(self) -> tuple[float, float]:
         """The L3 link's ``(latency, bytes/s)`` now: what an L3 fetch is decided on."""
         fit = self.links["l3_l2"]
         return fit.latency_s, fit.bytes_per_s
 
-    def settle_fetch(self, figures: tuple[float, float], nbytes: float, seconds: float) -> None:
-        """A fetch decided on ``figures`` (:meth:`fetch_figures`) read ``nbytes`` in
-        ``seconds``: its predicted read time (for those bytes) against the measured one."""
+    def settle_fetch(self, figures: tuple[float, float] | Fetch, nbytes: float,
+                     seconds: float) -> None:
+        """A fetch decided on ``figures`` (:meth:`fetch_figures`, or a :class:`Fetch`) read
+        ``nbytes`` in ``seconds``: its predicted read time (for those bytes) against the
+        measured one; a :class:`Fetch`'s decision then waits for the load-back and the
+        prefill after it (its end-to-end record, :meth:`_settle_prefill`)."""
         if nbytes > 0 and seconds > 0:
             pred = figures[0] + nbytes * self.byte_scale / figures[1]
             self._fetch_err.append(abs(pred - seconds) / seconds)
             self.n["cost_fetch_records"] += 1
+            d = figures.decision if isinstance(figures, Fetch) else None
+            if d is not None and math.isclose(d.nbytes, nbytes * self.byte_scale):  # as planned
+                d.read_actual = float(seconds)
+                self._awaiting_fetched.append(d)
 
     def _prefill_predictor(self) -> Callable[[int, int], float]:
         """The prefill figure as it stands now (a copy of the fit's coefficients)."""
@@ -299,14 +348,18 @@ class CostModel:
             front = int(split[0])
             self.last_split, self.n["cost_splits"] = front, self.n["cost_splits"] + 1
             nbytes = (total - front) // ps * self.page_bytes
-            self.last_decision = Decision(sum(f.predict(nbytes) for f in fits), nbytes,
-                                          cached + total, self._prefill_predictor())
+            self.last_decision = self._decision(nbytes, cached + total, links)
             return total - front
         self.n["cost_partial_loads"] += 0 < best < total
         nbytes = best // ps * self.page_bytes
-        self.last_decision = Decision(sum(f.predict(nbytes) for f in fits), nbytes,
-                                      cached + best, self._prefill_predictor())
+        self.last_decision = self._decision(nbytes, cached + best, links)
         return best
+
+    def _decision(self, nbytes: int, cached_after: int, links: tuple[str, ...]) -> Decision:
+        """A plan's :class:`Decision` on the figures as they stand (its load over ``links``)."""
+        hops = {k: self.links[k].predict(nbytes) for k in links}
+        return Decision(sum(hops.values()), nbytes, cached_after, self._prefill_predictor(),
+                        hops.get("l3_l2", 0.0))
 
     def _candidate_times(self, loaded: np.ndarray, total: int, cached: int, free_pages: int,
                          fits: list[LinkFit]) -> np.ndarray:
@@ -419,6 +472,11 @@ class CostModel:
             [(r.load_pred, r.load_actual) for r in self.records if r.load_pred > 0])
         out["cost_decision_prefill_err_median"] = _median_rel(
             [(r.prefill_pred, r.prefill_actual) for r in self.records])
+        out["cost_decision_read_err_median"] = _median_rel(
+            [(r.read_pred, r.read_actual) for r in self.records if r.read_pred > 0])
+        out["cost_decision_err_median_without_read"] = _median_rel(
+            [(r.load_pred + r.prefill_pred, r.load_actual + r.prefill_actual)
+             for r in self.records])
         out["cost_fetch_records"] = self.n["cost_fetch_records"]
         out["cost_fetch_err_median"] = (float(np.median(self._fetch_err))
                                         if self._fetch_err else None)

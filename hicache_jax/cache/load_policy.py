@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from hicache_jax.cache.cost_model import CostModel
+from hicache_jax.cache.cost_model import CostModel, Fetch
 from hicache_jax.memory.allocator import PageAllocator
 from hicache_jax.errors import HiCacheError
 from hicache_jax.spec import HiCacheConfig
@@ -73,7 +73,7 @@ class CostRule:
         self.model, self.fallback, self.device, self.tree = model, fallback, device, tree
         self.max_tokens, self.step_budget = max_tokens, step_budget
         self._decided: dict = {}
-        self._fetch: tuple[float, float] | None = None  # the last fetch decision's L3 figures
+        self._fetch: Fetch | None = None  # the last fetch decision: L3 figures, plan
         # set by a caller that executes two-ended splits (Request.begin with load_overlap);
         # a split chain is declined in the tree and its front's tokens kept here
         self.overlap = False
@@ -153,12 +153,13 @@ class CostRule:
         if j == 0:  # a decision to recompute: its prediction is checked against the prefill
             self.model.track([(self.model.last_decision, 0)])
         else:  # a decision to fetch: its read's predicted time is checked when it lands
-            self._fetch = self.model.fetch_figures()
+            self._fetch = Fetch(*self.model.fetch_figures(), self.model.last_decision)
         return j
 
-    def fetch_decision(self) -> tuple[float, float] | None:
+    def fetch_decision(self) -> Fetch | None:
         """The L3 link's ``(latency, bytes/s)`` the last :meth:`fetch_pages` decided a fetch
-        on (None: it fell back or fetched nothing): ``CostModel.settle_fetch`` checks it."""
+        on, with the plan's decision (None: it fell back or fetched nothing):
+        ``CostModel.settle_fetch`` checks it."""
         return self._fetch
 
     def dispatched(self, accepted: list[list[TreeNode]]) -> None:
