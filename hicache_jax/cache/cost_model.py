@@ -78,8 +78,9 @@ from hicache_jax.cache.cost_fits import (HALF_LIFE, MIN_SAMPLES, PESSIMISM, PROB
                                          WINDOW, LinkFit, PrefillFit, check_sample)
 from hicache_jax.validation import is_real
 
-__all__ = ["CostModel", "Decision", "DecisionRecord", "Fetch", "HALF_LIFE", "LinkFit", "MIN_SAMPLES",
-           "PESSIMISM", "PROBE_EVERY", "PROBE_SHARE", "PrefillFit", "WARMUP", "WINDOW"]
+__all__ = ["CostModel", "Decision", "DecisionRecord", "Fetch", "HALF_LIFE", "LinkFit",
+           "MIN_SAMPLES", "PESSIMISM", "PROBE_EVERY", "PROBE_SHARE", "PrefillFit", "WARMUP",
+           "WINDOW"]
 
 #: Probes spend at most this share of the planned chains' predicted recompute (a credit).
 PROBE_SHARE = 0.1
@@ -181,7 +182,6 @@ class CostModel:
         self._awaiting_prefill: collections.deque = collections.deque(maxlen=4 * WINDOW)
         # fetch decisions whose read landed, waiting for the load-back and prefill after it
         self._awaiting_fetched: collections.deque = collections.deque(maxlen=4 * WINDOW)
-        self._decision_err: collections.deque = collections.deque(maxlen=4 * WINDOW)
         self.records: collections.deque[DecisionRecord] = collections.deque(maxlen=4 * WINDOW)
         self._fetch_err: collections.deque = collections.deque(maxlen=4 * WINDOW)
 
@@ -249,7 +249,6 @@ class CostModel:
                               prefill, float(seconds), self.prefill_fit.samples - 1,
                               f.read_s, f.read_actual))
         if rec.actual > 0 and math.isfinite(rec.pred):
-            self._decision_err.append(abs(rec.pred - rec.actual) / rec.actual)
             self.n["cost_decision_records"] += 1
             self.records.append(rec)
 
@@ -258,17 +257,16 @@ class CostModel:
         fit = self.links["l3_l2"]
         return fit.latency_s, fit.bytes_per_s
 
-    def settle_fetch(self, figures: tuple[float, float] | Fetch, nbytes: float,
-                     seconds: float) -> None:
-        """A fetch decided on ``figures`` (:meth:`fetch_figures`, or a :class:`Fetch`) read
-        ``nbytes`` in ``seconds``: its predicted read time (for those bytes) against the
-        measured one; a :class:`Fetch`'s decision then waits for the load-back and the
-        prefill after it (its end-to-end record, :meth:`_settle_prefill`)."""
+    def settle_fetch(self, fetch: Fetch, nbytes: float, seconds: float) -> None:
+        """A fetch decided on ``fetch``'s figures read ``nbytes`` in ``seconds``: its
+        predicted read time (for those bytes) against the measured one; its decision then
+        waits for the load-back and the prefill after it (its end-to-end record,
+        :meth:`_settle_prefill`)."""
         if nbytes > 0 and seconds > 0:
-            pred = figures[0] + nbytes * self.byte_scale / figures[1]
+            pred = fetch.latency_s + nbytes * self.byte_scale / fetch.bytes_per_s
             self._fetch_err.append(abs(pred - seconds) / seconds)
             self.n["cost_fetch_records"] += 1
-            d = figures.decision if isinstance(figures, Fetch) else None
+            d = fetch.decision
             if d is not None and math.isclose(d.nbytes, nbytes * self.byte_scale):  # as planned
                 d.read_actual = float(seconds)
                 self._awaiting_fetched.append(d)
@@ -465,8 +463,7 @@ class CostModel:
         out["cost_prefill_pred_err_median"] = self.prefill_fit.median_error()
         out["cost_last_error"] = self.last_error
         out["cost_decision_records"] = self.n["cost_decision_records"]
-        out["cost_decision_err_median"] = (float(np.median(self._decision_err))
-                                           if self._decision_err else None)
+        out["cost_decision_err_median"] = _median_rel([(r.pred, r.actual) for r in self.records])
         # the two parts of the decisions' error: their loads (those that loaded), prefills
         out["cost_decision_load_err_median"] = _median_rel(
             [(r.load_pred, r.load_actual) for r in self.records if r.load_pred > 0])
