@@ -29,12 +29,13 @@ import dataclasses
 import json
 import os
 import pathlib
-from typing import Any, Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
 import numpy as np
 
-from hicache_jax.replay import driver as _replay
 from hicache_jax.replay import MOONCAKE_BLOCK, Trace
+from hicache_jax.replay import driver as _replay
 from hicache_jax.spec import HiCacheConfig, KVSpec
 from hicache_jax.validation import check_int, is_real
 

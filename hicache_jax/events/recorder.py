@@ -34,15 +34,25 @@ from __future__ import annotations
 
 import collections
 import time
-from typing import Any, Iterator, NamedTuple
+from collections.abc import Iterator
+from typing import Any, NamedTuple
 
 import numpy as np
 
 from hicache_jax.errors import HiCacheError
 from hicache_jax.events.block_ids import VllmIds
 from hicache_jax.events.records import (
-    CLEARED, EventBatch, KVEvent, Medium, Record, RemovedRecord, StoredRecord,
-    RECORD_OVERHEAD, expand, record_bytes)
+    CLEARED,
+    RECORD_OVERHEAD,
+    EventBatch,
+    KVEvent,
+    Medium,
+    Record,
+    RemovedRecord,
+    StoredRecord,
+    expand,
+    record_bytes,
+)
 from hicache_jax.spec import KVEventsConfig
 from hicache_jax.tree.hashing import chain_hashes, namespace_hash
 
@@ -193,14 +203,14 @@ class Recorder:
         if self._l3 is not None:
             self._l3.clear()
 
-    def l3_candidate(self, node: Any, pages: np.ndarray | None = None) -> "L3Candidate | None":
+    def l3_candidate(self, node: Any, pages: np.ndarray | None = None) -> L3Candidate | None:
         """What an L3 put of ``node``'s pages (int indices; default all) would announce, taken
         while ``node`` is in the tree; None when L3 is not announced."""
         if self._l3 is None or not node.num_pages:
             return None
         return self._l3.candidate(node, pages)
 
-    def l3_stored(self, candidate: "L3Candidate | None", ok: np.ndarray) -> None:
+    def l3_stored(self, candidate: L3Candidate | None, ok: np.ndarray) -> None:
         """The store acknowledged the put of ``candidate``: ``ok`` (bool per page) are in L3."""
         if candidate is not None and self._l3 is not None:
             self._l3.stored(candidate, ok)
@@ -315,7 +325,7 @@ class L3Candidate(NamedTuple):
     digests: list | None
     parent_digests: list | None
 
-    def part(self, lo: int, hi: int) -> "L3Candidate":
+    def part(self, lo: int, hi: int) -> L3Candidate:
         """Pages ``[lo, hi)`` (a put in parts)."""
         d, p = self.digests, self.parent_digests
         return L3Candidate(self.hashes[lo:hi], self.parents[lo:hi], self.tokens[lo:hi],

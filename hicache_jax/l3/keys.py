@@ -1,13 +1,13 @@
 """DigestRecords: the L3 keys of the host pages a cache's tree holds; KeyNames: the key strings
 of digests, with the namespaces' generations.
 
-Keys are 128-bit chained digests of the pages' tokens (:mod:`hicache_jax.tree.hashing`, namespaced by
-``extra_key`` and the spec fingerprint, as :func:`hicache_jax.l3.storage.page_keys`), so instances
-sharing a store share entries and a collision between prefixes is a 128-bit one. Each host page
-the tree holds has the digest of its prefix recorded here when it gets there (backup dispatched,
-prefetch attached), so a put or a prefetch hashes only its own pages, starting from the digest
-of the page before (a record is used only if the tree's 64-bit hash of that page is the one it
-was recorded for); without a record the chain is hashed from the root. Write_back puts (at host
+Keys are 128-bit chained digests of the pages' tokens (:mod:`hicache_jax.tree.hashing`, namespaced
+by ``extra_key`` and the spec fingerprint, as :func:`hicache_jax.l3.storage.page_keys`), so
+instances sharing a store share entries and a collision between prefixes is a 128-bit one. Each host
+page the tree holds has the digest of its prefix recorded here when it gets there (backup
+dispatched, prefetch attached), so a put or a prefetch hashes only its own pages, starting from the
+digest of the page before (a record is used only if the tree's 64-bit hash of that page is the one
+it was recorded for); without a record the chain is hashed from the root. Write_back puts (at host
 eviction, after the tree unlinked the node) take their keys from these records.
 
 Generations (:class:`KeyNames`): ``HiCache.invalidate`` of a namespace on a store without
@@ -22,7 +22,8 @@ Threading: the cache's thread only.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 

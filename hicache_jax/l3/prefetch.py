@@ -43,18 +43,19 @@ Threading: the cache's thread only (the backend's workers read and write staging
 from __future__ import annotations
 
 import collections
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
-from hicache_jax.memory.allocator import PageAllocator
-from hicache_jax.memory.group import Group, LocalGroup
-from hicache_jax.tree.hashing import chain_digests
 from hicache_jax.l3.keys import DigestRecords, KeyNames
 from hicache_jax.l3.port import CachePort
-from hicache_jax.spec import PrefetchPolicy
 from hicache_jax.l3.storage import StorageError
+from hicache_jax.memory.allocator import PageAllocator
+from hicache_jax.memory.group import Group, LocalGroup
+from hicache_jax.spec import PrefetchPolicy
+from hicache_jax.tree.hashing import chain_digests
 from hicache_jax.tree.node import TreeNode
 
 _TIMEOUT_TOKENS = 1024  # the timeout policy's deadline grows by prefetch_timeout_s per this many
@@ -86,7 +87,7 @@ class PrefetchHandle:
     _staging_ids: np.ndarray
     _digests: np.ndarray       # uint8 [pages_found, 16]: chain digests of the fetched pages
     _deadline: float
-    _after: "PrefetchHandle | None" = None   # fetches the pages right after this one's
+    _after: PrefetchHandle | None = None   # fetches the pages right after this one's
     _next_page: np.ndarray | None = None     # the prompt's page after ``tokens``, which L3 did
     #                                          not hold at issue (None: not known to be missing)
     _applied: int = 0          # pages attached to the tree (or given up) so far
@@ -181,7 +182,7 @@ class Prefetcher:
             default: the port's spec, every namespace in generation 0).
     """
 
-    def __init__(self, port: "CachePort", page_size: int, continuous: bool,
+    def __init__(self, port: CachePort, page_size: int, continuous: bool,
                  policy: PrefetchPolicy, timeout_s: float, backend: Any, staging: np.ndarray,
                  staging_alloc: PageAllocator, records: DigestRecords,
                  counters: collections.Counter, group: Group | None = None,

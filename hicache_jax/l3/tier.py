@@ -31,6 +31,7 @@ raising ``StorageUnavailableError``; ``staging_pages=N`` sizes the staging pool 
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
 import time
 import urllib.parse
@@ -38,14 +39,21 @@ from typing import Any
 
 import numpy as np
 
-from hicache_jax.memory.allocator import PageAllocator
 from hicache_jax.l3.keys import DigestRecords, KeyNames
 from hicache_jax.l3.port import CachePort
-from hicache_jax.l3.prefetch import PrefetchHandle, Prefetcher, leading
-from hicache_jax.spec import HiCacheConfig, KVSpec, PrefetchPolicy, WritePolicy
+from hicache_jax.l3.prefetch import Prefetcher, PrefetchHandle, leading
 from hicache_jax.l3.storage import (
-    ENTRY_ROWS, StorageError, StorageUnavailableError, entry_pages, entry_rows, namespace_prefix,
-    open_storage, parse_bool)
+    ENTRY_ROWS,
+    StorageError,
+    StorageUnavailableError,
+    entry_pages,
+    entry_rows,
+    namespace_prefix,
+    open_storage,
+    parse_bool,
+)
+from hicache_jax.memory.allocator import PageAllocator
+from hicache_jax.spec import HiCacheConfig, KVSpec, PrefetchPolicy, WritePolicy
 from hicache_jax.tree.hashing import chain_digests
 from hicache_jax.tree.node import TreeNode
 
@@ -138,7 +146,7 @@ class NullL3Tier:
         return dict(self._stats)
 
 
-def open_l3(port: CachePort, spec: KVSpec, cfg: HiCacheConfig) -> "L3Tier | NullL3Tier":
+def open_l3(port: CachePort, spec: KVSpec, cfg: HiCacheConfig) -> L3Tier | NullL3Tier:
     """The L3 tier of a cache: :class:`NullL3Tier` without ``cfg.storage``, else the store's.
 
     Raises:
@@ -311,10 +319,8 @@ class L3Tier:
         self._submit_reads(block=True)
         while self._puts:
             handle, sids, announce = self._puts.popleft()
-            try:
+            with contextlib.suppress(StorageError):
                 handle.wait()
-            except StorageError:
-                pass
             self._finish_put(handle, sids, announce)
         self._prefetch.flush()
 

@@ -32,12 +32,17 @@ import collections
 import itertools
 import json
 import time
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 
-from hicache_jax.errors import (GroupConnectError, GroupDivergedError, GroupTimeoutError,
-                                HiCacheError)
+from hicache_jax.errors import (
+    GroupConnectError,
+    GroupDivergedError,
+    GroupTimeoutError,
+    HiCacheError,
+)
 from hicache_jax.memory.group_socket import SocketLinks, call_diverged, route_host
 
 __all__ = ["Group", "LocalGroup", "DistributedGroup", "AgreedClock", "GroupTimeoutError",

@@ -24,13 +24,15 @@ Every write into and read out of the buffer is a page copy of :mod:`hicache_jax.
 (staged through small device-side chunks of ``STAGE_SIZES`` pages, so compiles stay bounded);
 placement comes from :mod:`hicache_jax.memory.placement`.
 
-Threading: one thread (the cache's dispatching thread, ARCHITECTURE.md: one dispatching thread) touches the pool.
+Threading: one thread (the cache's dispatching thread, ARCHITECTURE.md: one dispatching thread)
+touches the pool.
 """
 
 from __future__ import annotations
 
 import functools
-from typing import TYPE_CHECKING, Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
 
 import jax
 import numpy as np
@@ -40,9 +42,16 @@ from hicache_jax.memory.allocator import PageAllocator, PageIdChecker
 from hicache_jax.memory.donated import DonatedArray, check_kv
 from hicache_jax.memory.hugepages import advise_huge_pages
 from hicache_jax.memory.page_copy import copy_fn, copy_plan, gather_pages, stage_chunks
-from hicache_jax.memory.placement import (from_local, head_sharding, local_heads, local_numpy,
-                                          placed, resolve_memory_kind, shard_spec,
-                                          zeros_in_memory)
+from hicache_jax.memory.placement import (
+    from_local,
+    head_sharding,
+    local_heads,
+    local_numpy,
+    placed,
+    resolve_memory_kind,
+    shard_spec,
+    zeros_in_memory,
+)
 from hicache_jax.spec import HostLayout, KVSpec
 from hicache_jax.validation import check_bool, check_int, parse_enum
 
@@ -260,7 +269,7 @@ class HostPagePool:
         """
         return self.read_async(host_ids).result()
 
-    def read_async(self, host_ids: Any) -> "HostRead":
+    def read_async(self, host_ids: Any) -> HostRead:
         """Dispatch a copy of the pages ``host_ids`` out of the buffer and return at once.
 
         The copy is ordered after every update dispatched before it and before every later one

@@ -1,7 +1,7 @@
 """Where the pools' arrays live: the head sharding, the host memory kind, in-place allocation.
 
-Both pools are placed the same way (ARCHITECTURE.md: a sharded device pool has a host pool sharded the
-same way, so each device copies only to and from its own host shard):
+Both pools are placed the same way (ARCHITECTURE.md: a sharded device pool has a host pool sharded
+the same way, so each device copies only to and from its own host shard):
 
 * **Sharding** (optional mesh + axis): ``PartitionSpec(None, None, None, None, axis, None)``,
   the kv-head axis (axis 4 of every pool layout); an MLA latent cache (one "head") is

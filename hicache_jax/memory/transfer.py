@@ -10,9 +10,9 @@ rebound (the device pool through ``DevicePagePool.run``, the host pool through
 Ordering and safety come from XLA, not from locks: every access to a pool is a computation on
 its single array, so a copy in flight is ordered before any later update of the same array (a
 donating update waits for earlier readers). Completion is detected by polling a small per-call
-token (``is_ready()``); no worker thread ever touches a pool (ARCHITECTURE.md: one dispatching thread). Each transfer
-depends on all earlier ones (it donates one pool and reads the other), so transfers complete in
-dispatch order, and a handle seen complete completes every earlier handle too.
+token (``is_ready()``); no worker thread ever touches a pool (ARCHITECTURE.md: one dispatching
+thread). Each transfer depends on all earlier ones (it donates one pool and reads the other), so
+transfers complete in dispatch order, and a handle seen complete completes every earlier handle too.
 
 On XLA:CPU the copy runs on XLA's own execution thread, not in the caller: see
 ``page_copy.MIN_INDEX_LEN`` for what makes it asynchronous there. A copy of at most
@@ -42,14 +42,21 @@ from __future__ import annotations
 
 import enum
 import time
-from typing import TYPE_CHECKING, Any, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import jax
 import numpy as np
 
 from hicache_jax.errors import HiCacheError
-from hicache_jax.memory.page_copy import (INLINE_COPY_BYTES, bound_copy, copy_fn, copy_plan,
-                                          inline_copy, layer_plans)
+from hicache_jax.memory.page_copy import (
+    INLINE_COPY_BYTES,
+    bound_copy,
+    copy_fn,
+    copy_plan,
+    inline_copy,
+    layer_plans,
+)
 from hicache_jax.spec import HostLayout
 from hicache_jax.validation import check_bool, check_int, is_int
 

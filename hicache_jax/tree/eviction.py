@@ -12,7 +12,8 @@ Nodes are duck-typed: any object with ``id``, ``last_access``, ``created``, ``hi
 from __future__ import annotations
 
 import heapq
-from typing import Any, Callable, Iterable, Protocol
+from collections.abc import Callable, Iterable
+from typing import Any, Protocol
 
 from hicache_jax.spec import EvictionPolicy
 
@@ -43,7 +44,7 @@ _ENTRIES: dict[EvictionPolicy, Callable[[Any], tuple]] = {
 }
 
 
-def priority_key(policy: "str | EvictionPolicy") -> Callable[[_Rankable], tuple]:
+def priority_key(policy: str | EvictionPolicy) -> Callable[[_Rankable], tuple]:
     """Return ``key(node) -> tuple``; smaller keys are evicted first.
 
     The node id is *not* part of the key; :class:`VictimHeap` appends it as the tie-break so
@@ -67,7 +68,7 @@ class VictimHeap:
 
     __slots__ = ("_entry", "_heap")
 
-    def __init__(self, policy: "str | EvictionPolicy", nodes: Iterable[_Rankable] = ()) -> None:
+    def __init__(self, policy: str | EvictionPolicy, nodes: Iterable[_Rankable] = ()) -> None:
         self._entry = _ENTRIES[EvictionPolicy.parse(policy)]
         self._heap = list(map(self._entry, nodes))
         heapq.heapify(self._heap)
@@ -92,7 +93,7 @@ FRESH_FIRST = frozenset({EvictionPolicy.MRU, EvictionPolicy.FILO, EvictionPolicy
                          EvictionPolicy.SLRU})
 
 
-def eviction_order(policy: "str | EvictionPolicy", leaves: Iterable[Any], budget_tokens: int,
+def eviction_order(policy: str | EvictionPolicy, leaves: Iterable[Any], budget_tokens: int,
                    root: Any) -> list:
     """The device nodes eviction would take first, in order, until ``budget_tokens`` are
     covered, without changing anything: leaves by priority, and a parent once every one of its
@@ -115,6 +116,6 @@ def eviction_order(policy: "str | EvictionPolicy", leaves: Iterable[Any], budget
     return order
 
 
-def hottest_first(policy: "str | EvictionPolicy", nodes: Iterable[Any]) -> list:
+def hottest_first(policy: str | EvictionPolicy, nodes: Iterable[Any]) -> list:
     """``nodes`` most valuable first: the reverse of eviction order."""
     return sorted(nodes, key=_ENTRIES[EvictionPolicy.parse(policy)], reverse=True)

@@ -17,7 +17,6 @@ import numpy as np
 
 from hicache_jax.tree.hashing import chain_hashes, namespace_hash
 
-
 # ----------------------------------------------------------------------------- nodes / results
 
 @dataclass(slots=True, eq=False)
@@ -59,10 +58,10 @@ class TreeNode:
 
     id: int
     key: np.ndarray
-    parent: "TreeNode | None"
+    parent: TreeNode | None
     children: dict = field(default_factory=dict)
-    value: "np.ndarray | None" = None
-    host_value: "np.ndarray | None" = None
+    value: np.ndarray | None = None
+    host_value: np.ndarray | None = None
     lock_ref: int = 0
     host_pins: int = 0
     hit_count: int = 0
@@ -75,8 +74,8 @@ class TreeNode:
     device_epoch: int = 0
     redundant_tokens: int = 0
     page_size: int = 1
-    hash_parent: "TreeNode | None" = None
-    hashes: "np.ndarray | None" = None
+    hash_parent: TreeNode | None = None
+    hashes: np.ndarray | None = None
 
     @property
     def page_hashes(self) -> np.ndarray:
@@ -142,8 +141,9 @@ class TreeNode:
         return self.parent is None and self.key.shape[0] == 0
 
     def __repr__(self) -> str:
-        return (f"TreeNode(id={self.id}, tokens={self.num_tokens}, device={self.value is not None}, "
-                f"host={self.host_value is not None}, lock_ref={self.lock_ref})")
+        return (f"TreeNode(id={self.id}, tokens={self.num_tokens}, "
+                f"device={self.value is not None}, host={self.host_value is not None}, "
+                f"lock_ref={self.lock_ref})")
 
 
 @dataclass(frozen=True)

@@ -10,8 +10,8 @@ leaves the tree:
 * ``evictable_device`` = nodes that are unlocked, hold device pages and have no child holding
   device pages (what device eviction may take next);
 * ``evictable_host`` = nodes that are unlocked, not host-pinned, host-only and childless;
-* ``redundant`` = nodes that are unlocked, not host-pinned and hold pages on both tiers (a host copy whose
-  device pages are still there: what ``drop_host_value`` may give up).
+* ``redundant`` = nodes that are unlocked, not host-pinned and hold pages on both tiers (a host copy
+  whose device pages are still there: what ``drop_host_value`` may give up).
 
 Each is kept in O(1) per changed node from the node's own fields (``lock_ref``, ``value``,
 ``host_value``, ``device_children``, ``children``), never by a scan; :meth:`TierIndex.check_index`
@@ -71,8 +71,8 @@ class TierIndex:
             in all / unlocked / locked nodes (evictable + protected = device).
         host_tokens: tokens held on host.
         host_evictable_tokens: tokens of unlocked, not host-pinned host-only nodes: exactly
-            what host eviction can free (a host-only node's descendants are host-only, and a lock below it would
-            lock it too).
+            what host eviction can free (a host-only node's descendants are host-only, and a lock
+            below it would lock it too).
         redundant: set of unlocked nodes holding pages on both tiers; redundant_tokens their
             tokens.
     """

@@ -49,14 +49,19 @@ import re
 import socket
 import threading
 import time
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
-from hicache_jax.spec import HostLayout, KVSpec
-from hicache_jax.l3.storage.base import (BackendBase, StorageError, StorageHandle,
-                                         StorageUnavailableError)
+from hicache_jax.l3.storage.base import (
+    BackendBase,
+    StorageError,
+    StorageHandle,
+    StorageUnavailableError,
+)
 from hicache_jax.l3.storage.format import HEADER_BYTES, Verdict, check_key_prefix
+from hicache_jax.spec import HostLayout, KVSpec
 from hicache_jax.validation import check_bool, is_real
 
 INSTALL_HINT = ("pip install mooncake-transfer-engine-non-cuda (the import also needs the system "
@@ -87,7 +92,7 @@ def _set_env(values: dict[str, str]) -> None:
 
 
 def import_store_class() -> type:
-    """``mooncake.store.MooncakeDistributedStore``, or ``StorageUnavailableError`` saying why not."""
+    """``mooncake.store.MooncakeDistributedStore``, or ``StorageUnavailableError`` saying why."""
     try:
         from mooncake.store import MooncakeDistributedStore
     except ImportError as e:
@@ -242,7 +247,8 @@ class MooncakeStorage(BackendBase):
     def _register(self, ptr: int, nbytes: int) -> None:
         rc = self._store.register_buffer(ptr, nbytes)
         if rc != 0:
-            raise StorageUnavailableError(f"Mooncake register_buffer({nbytes} bytes) failed: rc={rc}")
+            raise StorageUnavailableError(
+                f"Mooncake register_buffer({nbytes} bytes) failed: rc={rc}")
         self._registered.append(ptr)
 
     # ---- lanes -----------------------------------------------------------------------------
@@ -434,7 +440,7 @@ class MooncakeStorage(BackendBase):
     def _health(self, codes: list[int], down: int, any_ok: bool) -> None:
         """Trip the breaker when the master is unreachable, or when transfers fail and none
         of the batch succeeded (a holder gone); a per-object failure does not trip it."""
-        if any(c == RPC_FAIL or c == RPC_TIMEOUT for c in codes) or (down and not any_ok):
+        if any(c in (RPC_FAIL, RPC_TIMEOUT) for c in codes) or (down and not any_ok):
             self._breaker.trip()
             self._count(backend_errors=1)
         else:
