@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Callable, Iterable
-from typing import Any, Protocol
+from typing import Any, Generic, Protocol, TypeVar
 
 from hicache_jax.spec import EvictionPolicy
 
@@ -24,6 +24,9 @@ class _Rankable(Protocol):
     created: float
     hit_count: int
     priority: int
+
+
+_N = TypeVar("_N", bound=_Rankable)
 
 
 #: hit_count at which an SLRU node moves from the probationary to the protected segment.
@@ -54,7 +57,7 @@ def priority_key(policy: str | EvictionPolicy) -> Callable[[_Rankable], tuple]:
     return lambda n: entry(n)[:-2]
 
 
-class VictimHeap:
+class VictimHeap(Generic[_N]):
     """Min-heap of eviction candidates under one strategy.
 
     Args:
@@ -68,15 +71,15 @@ class VictimHeap:
 
     __slots__ = ("_entry", "_heap")
 
-    def __init__(self, policy: str | EvictionPolicy, nodes: Iterable[_Rankable] = ()) -> None:
+    def __init__(self, policy: str | EvictionPolicy, nodes: Iterable[_N] = ()) -> None:
         self._entry = _ENTRIES[EvictionPolicy.parse(policy)]
         self._heap = list(map(self._entry, nodes))
         heapq.heapify(self._heap)
 
-    def push(self, node: _Rankable) -> None:
+    def push(self, node: _N) -> None:
         heapq.heappush(self._heap, self._entry(node))
 
-    def pop(self) -> _Rankable:
+    def pop(self) -> _N:
         """Remove and return the least valuable node; IndexError when empty."""
         return heapq.heappop(self._heap)[-1]
 
@@ -100,7 +103,7 @@ def eviction_order(policy: str | EvictionPolicy, leaves: Iterable[Any], budget_t
     device children has gone before it (as :meth:`HiCache.evict` frees them), unless it is
     locked or ``root``. Nodes need ``parent``, ``device_children``, ``lock_ref``,
     ``num_tokens`` and the key fields."""
-    heap = VictimHeap(policy, leaves)
+    heap: VictimHeap[Any] = VictimHeap(policy, leaves)
     left: dict = {}
     order, covered = [], 0
     while heap and covered < budget_tokens:

@@ -177,6 +177,7 @@ class RadixTree(TierIndex):
         """Split ``node`` after ``ntok`` tokens (a page multiple); return the new upper part."""
         p = ntok // self.page_size
         parent = node.parent
+        assert parent is not None, "the root is never split"
         hashes = node.hashes  # sliced if computed, else both parts compute theirs on demand
         upper = self._new_node(node.key[:ntok], parent, None if hashes is None else hashes[:p],
                                node.extra_key, node.last_access)
@@ -347,6 +348,7 @@ class RadixTree(TierIndex):
             raise HiCacheError(f"{node!r} is not a deletable leaf (has children, locked, "
                                "host-pinned, or not in the tree)")
         parent = node.parent
+        assert parent is not None, "an evictable node is a non-root node of the tree"
         del parent.children[self._child_key(parent, node.key[: self.page_size], node.extra_key)]
         self._unindex_leaf(node)
         node.parent = None
