@@ -116,7 +116,7 @@ class KVSpec:
     def __post_init__(self) -> None:
         for name in ("num_layers", "num_kv_heads", "head_dim", "page_size"):  # stored as int
             object.__setattr__(self, name, check_int(name, getattr(self, name), 1))
-        dtype = self.dtype
+        dtype: Any = self.dtype  # a str once built; the constructor takes a numpy/jax dtype too
         if not isinstance(dtype, str):
             try:
                 dtype = np.dtype(dtype).name  # accept jnp.bfloat16 / np.float16 too

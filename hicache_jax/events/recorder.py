@@ -133,12 +133,15 @@ class NullRecorder:
     def end_call(self) -> None:
         pass
 
-    def take(self) -> list[KVEvent]:
-        raise HiCacheError("KV events are not enabled: build the cache with "
-                           "HiCacheConfig(kv_events={'publisher': 'queue'}) to take them "
-                           "in-process, or {'publisher': 'zmq', 'endpoint': ...} to publish them")
+    _OFF = ("KV events are not enabled: build the cache with "
+            "HiCacheConfig(kv_events={'publisher': 'queue'}) to take them "
+            "in-process, or {'publisher': 'zmq', 'endpoint': ...} to publish them")
 
-    take_batches = take
+    def take(self) -> list[KVEvent]:
+        raise HiCacheError(self._OFF)
+
+    def take_batches(self) -> list[EventBatch]:
+        raise HiCacheError(self._OFF)
 
     def stats(self) -> dict[str, int]:
         return {"kv_event_batches": 0, "kv_event_batches_dropped": 0,
@@ -259,11 +262,14 @@ class Recorder:
         """Hand over one sealed batch (``nbytes``: the sum of its :func:`record_bytes`)."""
         raise NotImplementedError
 
-    def take(self) -> list[KVEvent]:
-        raise HiCacheError("KV events are published to the ZMQ endpoint (kv_events publisher="
-                           "'zmq'): subscribe there; take_events() needs publisher='queue'")
+    _NOT_QUEUED = ("KV events are published to the ZMQ endpoint (kv_events publisher="
+                   "'zmq'): subscribe there; take_events() needs publisher='queue'")
 
-    take_batches = take
+    def take(self) -> list[KVEvent]:
+        raise HiCacheError(self._NOT_QUEUED)
+
+    def take_batches(self) -> list[EventBatch]:
+        raise HiCacheError(self._NOT_QUEUED)
 
     def stats(self) -> dict[str, int]:
         out = {"kv_event_batches": self._seq, "kv_event_batches_dropped": self._dropped,
@@ -432,8 +438,8 @@ class L3Announcer:
         for h in order:
             parent = self._known.pop(h)
             self._roots.pop(h, None)
-            kids = self._below.get(parent)
-            if kids is not None and h in kids:
+            kids = None if parent is None else self._below.get(parent)  # None: h was a root
+            if parent is not None and kids is not None and h in kids:
                 kids.remove(h)
                 if not kids:
                     del self._below[parent]

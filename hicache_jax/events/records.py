@@ -117,10 +117,11 @@ def held_bytes(a: np.ndarray) -> int:
     """Bytes of the memory a view keeps alive: its base array's (or buffer's), not its own."""
     while isinstance(a.base, np.ndarray):
         a = a.base
-    if a.base is None:
+    base: Any = a.base  # numpy's stubs say ndarray | None: bytes, mmap, ... at run time too
+    if base is None:
         return a.nbytes
     try:
-        return max(memoryview(a.base).nbytes, a.nbytes)
+        return max(memoryview(base).nbytes, a.nbytes)
     except TypeError:  # a base without the buffer protocol (numpy keeps what made the array)
         return a.nbytes
 

@@ -201,7 +201,8 @@ class EntryCodec:
     def pack_into(self, header: np.ndarray, key: str, payload: Sequence[Any]) -> None:
         """Write the header of ``key`` / ``payload`` into ``header`` (uint8[64], the caller's)."""
         header[:] = 0
-        _HEADER.pack_into(header, 0, _MAGIC, _VERSION, HEADER_BYTES, self._fp, _key_digest(key),
+        # An ndarray is a buffer; numpy's stubs declare __buffer__ only for Python >= 3.12.
+        _HEADER.pack_into(header, 0, _MAGIC, _VERSION, HEADER_BYTES, self._fp, _key_digest(key),  # type: ignore[arg-type]
                           self.payload_bytes, self._algo, 0, self._fn(payload))
 
     def verify(self, header: np.ndarray, key: str, payload: Sequence[Any],
@@ -220,7 +221,8 @@ class EntryCodec:
         """
         if nbytes is not None and nbytes != self.entry_bytes:
             return Verdict.INVALID
-        magic, version, hbytes, fp, kd, length, algo, _, checksum = _HEADER.unpack_from(header, 0)
+        # header is a buffer (see pack_into)
+        magic, version, hbytes, fp, kd, length, algo, _, checksum = _HEADER.unpack_from(header, 0)  # type: ignore[arg-type]
         if (magic != _MAGIC or version != _VERSION or hbytes != HEADER_BYTES or fp != self._fp
                 or kd != _key_digest(key) or length != self.payload_bytes):
             return Verdict.INVALID
