@@ -315,6 +315,7 @@ class DevicePagePool:
         if ids.size == 0:
             return
         padded, size = self._padded_ids(ids)
+        pages: np.ndarray | jax.Array
         if isinstance(kv, np.ndarray):
             # Host data: view as bits for free (one compile per bucket, not per dtype) and pad
             # in the same host copy the transfer to the device makes anyway.

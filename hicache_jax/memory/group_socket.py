@@ -25,7 +25,7 @@ import selectors
 import socket
 import struct
 import time
-from typing import Any
+from typing import Any, cast
 
 from hicache_jax.errors import GroupConnectError, GroupDivergedError, GroupTimeoutError
 
@@ -231,7 +231,7 @@ class SocketLinks:
             q = key.data
             if events & selectors.EVENT_READ:
                 try:
-                    chunk = key.fileobj.recv(65536)
+                    chunk = cast(socket.socket, key.fileobj).recv(65536)  # registered: sockets
                 except (BlockingIOError, InterruptedError):
                     continue
                 except OSError as e:

@@ -80,7 +80,8 @@ class HostRead:
 
     def done(self) -> bool:
         """Non-blocking: have the pages been copied?"""
-        return all(pages.is_ready() for _, _, pages in self._chunks)
+        # is_ready(): on jax's concrete arrays (ArrayImpl), not in the jax.Array interface
+        return all(pages.is_ready() for _, _, pages in self._chunks)  # type: ignore[attr-defined]
 
     def result(self) -> KVHost:
         """The pages as a new numpy ``spec.kv_shape(num_pages)`` array (blocks until done)."""
@@ -141,7 +142,7 @@ class HostPagePool:
         self.num_pages = int(num_pages)
         self.layout = parse_enum(HostLayout, "layout", layout)
         placement = placed(head_sharding(spec, mesh, axis))
-        device = next(iter(placement.device_set))
+        device: jax.Device = next(iter(placement.device_set))  # (set[Device] in jax: unresolved)
         self.memory_kind = resolve_memory_kind(device, memory_kind)
         default_kind = device.default_memory().kind
         self.device_sharding = placement.with_memory_kind(default_kind)
