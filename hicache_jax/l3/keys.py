@@ -44,7 +44,7 @@ class DigestRecords:
         path_tokens: tokens of the prefix ending with a node (the cache's tree).
     """
 
-    def __init__(self, host_pages: int, page_size: int, fingerprint: bytes,
+    def __init__(self, host_pages: int, page_size: int, fingerprint: str,
                  path_tokens: Callable[[TreeNode], np.ndarray]) -> None:
         self._ps, self._fingerprint, self._path_tokens = page_size, fingerprint, path_tokens
         self._digest = np.zeros((host_pages, DIGEST_BYTES), np.uint8)
@@ -97,6 +97,7 @@ class DigestRecords:
 
     def node_digests(self, node: TreeNode) -> np.ndarray | None:
         """uint8 ``[node.num_pages, 16]`` chain digests of a node in the tree (None: unkeyable)."""
+        assert node.parent is not None, "a node in the tree, not the root"
         prev = self.prefix_digest(node.parent, node.extra_key)
         if prev is None:
             return None

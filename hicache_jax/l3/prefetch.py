@@ -45,7 +45,7 @@ from __future__ import annotations
 import collections
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -121,6 +121,11 @@ class PrefetchHandle:
 
 # -- policies at match_prefix: one strategy object each, resolved once ---------------------------
 
+class _MatchPolicy(Protocol):
+    def before_match(self, h: PrefetchHandle, clock: Callable[[], float],
+                     counters: collections.Counter, group: Group) -> None: ...
+
+
 class BestEffort:
     """Attach what has landed so far; never wait."""
 
@@ -162,8 +167,9 @@ class Timeout:
         counters["l3_prefetch_timeouts"] += 1
 
 
-POLICIES = {PrefetchPolicy.BEST_EFFORT: BestEffort, PrefetchPolicy.WAIT_COMPLETE: WaitComplete,
-            PrefetchPolicy.TIMEOUT: Timeout}
+POLICIES: dict[PrefetchPolicy, type[_MatchPolicy]] = {
+    PrefetchPolicy.BEST_EFFORT: BestEffort, PrefetchPolicy.WAIT_COMPLETE: WaitComplete,
+    PrefetchPolicy.TIMEOUT: Timeout}
 
 
 class Prefetcher:
@@ -420,27 +426,31 @@ class Prefetcher:
             # the previous link came up short), or lost its host copy: nothing to attach to.
             self._give_up(h, lo, ready)
             return
-        take, dup, copies = [], [], []  # page offsets in h; device nodes taking host copies
+        # page offsets in h; device nodes taking host copies
+        take_spans: list[np.ndarray] = []
+        dup_spans: list[np.ndarray] = []
+        copies: list[tuple[TreeNode, np.ndarray]] = []
         for node in path[i:]:
             first = (pos - h.start) // ps
             span = np.arange(first, first + node.num_pages)
             pos += node.num_tokens
             if node.host_value is None and self._continuous:
-                take.append(span)
+                take_spans.append(span)
                 copies.append((node, span))
             else:  # already backed up (or write_back: a device node needs no host copy)
-                dup.append(span)
+                dup_spans.append(span)
         leaf_span = np.arange((covered - h.start) // ps, ready)
-        take.append(leaf_span)
-        take = np.concatenate(take)
-        if dup:
-            dup = np.concatenate(dup)
+        take_spans.append(leaf_span)
+        take = np.concatenate(take_spans)
+        if dup_spans:
+            dup = np.concatenate(dup_spans)
             port.release_host_pages(h._host_ids[dup])
             self._n["l3_prefetch_duplicate_pages"] += dup.size
         if take.size:
             port.write_host_pages(h._host_ids[take], self._staging, h._staging_ids[take])
         for node, span in copies:  # root-first: each under a backed-up parent
             port.attach_host_copy(node, h._host_ids[span])
+            assert node.host_value is not None, "attach_host_copy gave it one"
             self._records.record(node.host_value, h._digests[span], node.page_hashes)
             self._n["l3_prefetch_backfill_pages"] += span.size
         if leaf_span.size:

@@ -109,7 +109,7 @@ class FileStorage(BackendBase):
         self._since_scan = 0
         self._last_sweep = time.monotonic()
         if capacity_bytes is not None:
-            self._enforce_capacity()  # sweeps the temp folder too
+            self._enforce_capacity(capacity_bytes)  # sweeps the temp folder too
         else:
             self._sweep_tmp()
 
@@ -230,7 +230,7 @@ class FileStorage(BackendBase):
             self._since_scan += written * entry
             if (self._usage > self.capacity_bytes
                     or self._since_scan > _RESCAN_FRACTION * self.capacity_bytes):
-                self._enforce_capacity()
+                self._enforce_capacity(self.capacity_bytes)
         if time.monotonic() - self._last_sweep >= _SWEEP_INTERVAL_S:
             self._sweep_tmp()
         return ok
@@ -267,12 +267,13 @@ class FileStorage(BackendBase):
                 for folder in _FOLDERS for name, st in self._listing(folder)
                 if _folder(name) == folder and _is_key(name)]
 
-    def _enforce_capacity(self) -> None:
+    def _enforce_capacity(self, capacity_bytes: int) -> None:
+        """Remove the oldest entries down to the low-water mark once over ``capacity_bytes``."""
         entries = self._scan()
         total = self._sweep_tmp() + sum(size for _, size, _, _, _ in entries)
-        if total > self.capacity_bytes:
+        if total > capacity_bytes:
             entries.sort()
-            target = _LOW_WATER * self.capacity_bytes
+            target = _LOW_WATER * capacity_bytes
             victims: dict[str, list[tuple[str, int]]] = {}
             for _, size, folder, name, ino in entries:
                 if total <= target:
