@@ -1,12 +1,12 @@
 """hicache_jax: a hierarchical KV page cache (device pool L1, pinned host pool L2) for JAX."""
 
-from hicache_jax.errors import HiCacheError, OutOfPagesError
-from hicache_jax.events.records import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent, Medium
 from hicache_jax.cache.hicache import HiCache, Match, NodeRef
 from hicache_jax.cache.request import Request
+from hicache_jax.errors import HiCacheError, OutOfPagesError
+from hicache_jax.events.records import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent, Medium
 from hicache_jax.l3.prefetch import PrefetchHandle
-from hicache_jax.spec import HiCacheConfig, KVSpec
 from hicache_jax.l3.storage import StorageError, StorageUnavailableError
+from hicache_jax.spec import HiCacheConfig, KVSpec
 
 __all__ = [
     "AllBlocksCleared", "BlockRemoved", "BlockStored", "HiCache", "HiCacheConfig", "HiCacheError",

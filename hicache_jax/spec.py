@@ -16,8 +16,8 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import ml_dtypes  # jax's own dtypes package: the KV dtypes without importing jax
+import numpy as np
 
 from hicache_jax.validation import check_bool, check_int, is_int, is_real, parse_enum
 
@@ -44,7 +44,7 @@ class EvictionPolicy(str, enum.Enum):
     SLRU = "slru"      # segmented LRU: probationary (hit_count < 2) before protected
 
     @classmethod
-    def parse(cls, value: "str | EvictionPolicy") -> "EvictionPolicy":
+    def parse(cls, value: str | EvictionPolicy) -> EvictionPolicy:
         """Turn a user string into the enum, with an error that lists the choices."""
         try:
             return cls(value)
@@ -116,7 +116,7 @@ class KVSpec:
     def __post_init__(self) -> None:
         for name in ("num_layers", "num_kv_heads", "head_dim", "page_size"):  # stored as int
             object.__setattr__(self, name, check_int(name, getattr(self, name), 1))
-        dtype = self.dtype
+        dtype: Any = self.dtype  # a str once built; the constructor takes a numpy/jax dtype too
         if not isinstance(dtype, str):
             try:
                 dtype = np.dtype(dtype).name  # accept jnp.bfloat16 / np.float16 too
@@ -130,7 +130,8 @@ class KVSpec:
         if not isinstance(self.shard, str):
             raise TypeError(f"shard={self.shard!r} must be a str")
         if self.mla and self.num_kv_heads != 1:
-            raise ValueError(f"mla=True needs num_kv_heads=1 (one latent 'head'), got {self.num_kv_heads}")
+            raise ValueError(
+                f"mla=True needs num_kv_heads=1 (one latent 'head'), got {self.num_kv_heads}")
 
     @property
     def kv_factor(self) -> int:
@@ -364,7 +365,7 @@ class HiCacheConfig:
             set_("shard_axis", axis)
 
 
-# -- kv_events configuration ---------------------------------------------------------------------------
+# -- kv_events configuration -----------------------------------------------------------------
 
 _ENDPOINT = re.compile(r"^(tcp://(\*|[A-Za-z0-9.\-]+|\[[0-9A-Fa-f:.]+\]):(\d{1,5})|ipc://.+|inproc://.+)$")
 
@@ -435,7 +436,7 @@ def parse_kv_events(value: Any) -> KVEventsConfig | None:
         ValueError / TypeError: naming the field (unknown publisher or key, malformed endpoint,
             buffer_steps or buffer_bytes not an int >= 1, ...).
     """
-    if value is None or isinstance(value, KVEventsConfig) and _checked(value):
+    if value is None or (isinstance(value, KVEventsConfig) and _checked(value)):
         return value
     if isinstance(value, str):
         try:

@@ -29,12 +29,13 @@ import dataclasses
 import json
 import os
 import pathlib
-from typing import Any, Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
 import numpy as np
 
-from hicache_jax.replay import driver as _replay
 from hicache_jax.replay import MOONCAKE_BLOCK, Trace
+from hicache_jax.replay import driver as _replay
 from hicache_jax.spec import HiCacheConfig, KVSpec
 from hicache_jax.validation import check_int, is_real
 
@@ -186,15 +187,15 @@ def sweep(trace: str | os.PathLike | Trace, capacities: Iterable[float] | None =
     pages = l1_pages(trace, spec.page_size, capacities=_listed(capacities),
                      device_pages=_listed(device_pages))
     policies, evictions = _names(policies, "policies"), _names(evictions, "evictions")
-    host_ratios = _listed(host_ratios)
-    if not host_ratios:
+    ratios = _listed(host_ratios)
+    if not ratios:
         raise ValueError("host_ratios: no ratio given")
-    check_configs(pages, host_ratios, policies, evictions, load_back_threshold)
+    check_configs(pages, ratios, policies, evictions, load_back_threshold)
     reports = [_replay.run(trace, spec, device_pages=pages, host_ratio=float(ratio),
                            write_policies=policies, evictions=evictions,
                            load_back_threshold=load_back_threshold, progress=progress,
                            diagnose=diagnose)
-               for ratio in host_ratios]
+               for ratio in ratios]
     return SweepResult(reports)
 
 

@@ -35,7 +35,11 @@ import jax
 
 from pallas_kernels import generic, gpu, tpu
 from pallas_kernels.reference import (
-    BITS_DTYPES, ref_gather_pages, ref_scatter_layer_pages, ref_scatter_pages)
+    BITS_DTYPES,
+    ref_gather_pages,
+    ref_scatter_layer_pages,
+    ref_scatter_pages,
+)
 
 __all__ = ["BITS_DTYPES", "HOST_KERNEL_NOTE", "Impl", "compiled_impl", "default_impl",
            "gather_pages", "interpret_params", "ref_gather_pages", "ref_scatter_layer_pages",

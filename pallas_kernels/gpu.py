@@ -49,6 +49,7 @@ from jax.experimental import pallas as pl
 from pallas_kernels import reference as _ref
 from pallas_kernels.reference import ref_gather_pages, ref_scatter_layer_pages, ref_scatter_pages
 
+plgpu: Any  # the module, or None where it does not import
 try:  # Mosaic GPU ships with jaxlib; guard anyway so CPU-only installs can import this module.
     from jax.experimental.pallas import mosaic_gpu as plgpu
 except ImportError:  # pragma: no cover - depends on the jaxlib build

@@ -73,8 +73,9 @@ def check_page_ids(page_ids: Any, num_pool_pages: int) -> None:
     """Raise unless ``page_ids`` is 1-D int32; concrete values must lie in the pool.
 
     Traced ids cannot be range-checked here: the caller validates them on the host (the device
-    pool does, ARCHITECTURE.md: validate on the host, before dispatch), because an out-of-range DMA is undefined behaviour on device.
-    Checking concrete device arrays reads them back (a sync): hot paths call inside a jit.
+    pool does, ARCHITECTURE.md: validate on the host, before dispatch), because an out-of-range DMA
+    is undefined behaviour on device. Checking concrete device arrays reads them back (a sync): hot
+    paths call inside a jit.
     """
     shape = getattr(page_ids, "shape", None)
     if shape is None or len(shape) != 1 or np.dtype(page_ids.dtype) != np.int32:

@@ -32,7 +32,8 @@ from __future__ import annotations
 import hashlib
 import os
 import pickle
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 

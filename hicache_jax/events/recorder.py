@@ -34,15 +34,25 @@ from __future__ import annotations
 
 import collections
 import time
-from typing import Any, Iterator, NamedTuple
+from collections.abc import Iterator
+from typing import Any, NamedTuple
 
 import numpy as np
 
 from hicache_jax.errors import HiCacheError
 from hicache_jax.events.block_ids import VllmIds
 from hicache_jax.events.records import (
-    CLEARED, EventBatch, KVEvent, Medium, Record, RemovedRecord, StoredRecord,
-    RECORD_OVERHEAD, expand, record_bytes)
+    CLEARED,
+    RECORD_OVERHEAD,
+    EventBatch,
+    KVEvent,
+    Medium,
+    Record,
+    RemovedRecord,
+    StoredRecord,
+    expand,
+    record_bytes,
+)
 from hicache_jax.spec import KVEventsConfig
 from hicache_jax.tree.hashing import chain_hashes, namespace_hash
 
@@ -123,12 +133,15 @@ class NullRecorder:
     def end_call(self) -> None:
         pass
 
-    def take(self) -> list[KVEvent]:
-        raise HiCacheError("KV events are not enabled: build the cache with "
-                           "HiCacheConfig(kv_events={'publisher': 'queue'}) to take them "
-                           "in-process, or {'publisher': 'zmq', 'endpoint': ...} to publish them")
+    _OFF = ("KV events are not enabled: build the cache with "
+            "HiCacheConfig(kv_events={'publisher': 'queue'}) to take them "
+            "in-process, or {'publisher': 'zmq', 'endpoint': ...} to publish them")
 
-    take_batches = take
+    def take(self) -> list[KVEvent]:
+        raise HiCacheError(self._OFF)
+
+    def take_batches(self) -> list[EventBatch]:
+        raise HiCacheError(self._OFF)
 
     def stats(self) -> dict[str, int]:
         return {"kv_event_batches": 0, "kv_event_batches_dropped": 0,
@@ -193,14 +206,14 @@ class Recorder:
         if self._l3 is not None:
             self._l3.clear()
 
-    def l3_candidate(self, node: Any, pages: np.ndarray | None = None) -> "L3Candidate | None":
+    def l3_candidate(self, node: Any, pages: np.ndarray | None = None) -> L3Candidate | None:
         """What an L3 put of ``node``'s pages (int indices; default all) would announce, taken
         while ``node`` is in the tree; None when L3 is not announced."""
         if self._l3 is None or not node.num_pages:
             return None
         return self._l3.candidate(node, pages)
 
-    def l3_stored(self, candidate: "L3Candidate | None", ok: np.ndarray) -> None:
+    def l3_stored(self, candidate: L3Candidate | None, ok: np.ndarray) -> None:
         """The store acknowledged the put of ``candidate``: ``ok`` (bool per page) are in L3."""
         if candidate is not None and self._l3 is not None:
             self._l3.stored(candidate, ok)
@@ -249,11 +262,14 @@ class Recorder:
         """Hand over one sealed batch (``nbytes``: the sum of its :func:`record_bytes`)."""
         raise NotImplementedError
 
-    def take(self) -> list[KVEvent]:
-        raise HiCacheError("KV events are published to the ZMQ endpoint (kv_events publisher="
-                           "'zmq'): subscribe there; take_events() needs publisher='queue'")
+    _NOT_QUEUED = ("KV events are published to the ZMQ endpoint (kv_events publisher="
+                   "'zmq'): subscribe there; take_events() needs publisher='queue'")
 
-    take_batches = take
+    def take(self) -> list[KVEvent]:
+        raise HiCacheError(self._NOT_QUEUED)
+
+    def take_batches(self) -> list[EventBatch]:
+        raise HiCacheError(self._NOT_QUEUED)
 
     def stats(self) -> dict[str, int]:
         out = {"kv_event_batches": self._seq, "kv_event_batches_dropped": self._dropped,
@@ -315,7 +331,7 @@ class L3Candidate(NamedTuple):
     digests: list | None
     parent_digests: list | None
 
-    def part(self, lo: int, hi: int) -> "L3Candidate":
+    def part(self, lo: int, hi: int) -> L3Candidate:
         """Pages ``[lo, hi)`` (a put in parts)."""
         d, p = self.digests, self.parent_digests
         return L3Candidate(self.hashes[lo:hi], self.parents[lo:hi], self.tokens[lo:hi],
@@ -422,8 +438,8 @@ class L3Announcer:
         for h in order:
             parent = self._known.pop(h)
             self._roots.pop(h, None)
-            kids = self._below.get(parent)
-            if kids is not None and h in kids:
+            kids = None if parent is None else self._below.get(parent)  # None: h was a root
+            if parent is not None and kids is not None and h in kids:
                 kids.remove(h)
                 if not kids:
                     del self._below[parent]

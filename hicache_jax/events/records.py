@@ -5,8 +5,9 @@ Pure Python and numpy."""
 from __future__ import annotations
 
 import enum
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any, Iterable, NamedTuple, Union
+from typing import Any, NamedTuple, Union
 
 import numpy as np
 
@@ -68,7 +69,8 @@ class AllBlocksCleared:
     """Every page on every tier is gone (the cache was reset)."""
 
 
-KVEvent = Union[BlockStored, BlockRemoved, AllBlocksCleared]
+# typing.Union, not `|`: a public alias, whose runtime object (and repr) users may see.
+KVEvent = Union[BlockStored, BlockRemoved, AllBlocksCleared]  # noqa: UP007
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,7 +106,7 @@ class RemovedRecord(NamedTuple):
 
 
 CLEARED = AllBlocksCleared()
-Record = Union[StoredRecord, RemovedRecord, AllBlocksCleared]
+Record = StoredRecord | RemovedRecord | AllBlocksCleared
 
 #: Bytes counted per record beyond its arrays (the tuple, the arrays' headers): a rough figure,
 #: so that batches of no tokens count too.
@@ -115,10 +117,11 @@ def held_bytes(a: np.ndarray) -> int:
     """Bytes of the memory a view keeps alive: its base array's (or buffer's), not its own."""
     while isinstance(a.base, np.ndarray):
         a = a.base
-    if a.base is None:
+    base: Any = a.base  # numpy's stubs say ndarray | None: bytes, mmap, ... at run time too
+    if base is None:
         return a.nbytes
     try:
-        return max(memoryview(a.base).nbytes, a.nbytes)
+        return max(memoryview(base).nbytes, a.nbytes)
     except TypeError:  # a base without the buffer protocol (numpy keeps what made the array)
         return a.nbytes
 

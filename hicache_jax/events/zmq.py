@@ -140,7 +140,8 @@ def _ints(values: np.ndarray) -> Any:
     body = buf[len(header):].view(dt)
     body["m"] = marker
     body["v"] = values
-    return _Raw(memoryview(buf))
+    # An ndarray is a buffer; numpy's stubs declare __buffer__ only for Python >= 3.12.
+    return _Raw(memoryview(buf))  # type: ignore[arg-type]
 
 
 def _wire_key(key: Any) -> tuple[int | None, str | None]:
@@ -344,7 +345,7 @@ class _Publisher:
                 for seq, ts, records in batches:
                     self._send(seq, ts, records)
                 if self._replay is not None:
-                    self._serve_replay()
+                    self._serve_replay(self._replay)
                 if stop and not batches:
                     with self._cv:
                         if not self._queue:
@@ -371,11 +372,11 @@ class _Publisher:
         if self._replay is not None:
             self._history.append((seq, seq_bytes, payload), len(payload))
 
-    def _serve_replay(self) -> None:
+    def _serve_replay(self, replay: Any) -> None:
         zmq = self._zmq
         while True:
             try:
-                frames = self._replay.recv_multipart(zmq.NOBLOCK)
+                frames = replay.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 return
             if len(frames) != 3 or len(frames[2]) != 8:
@@ -384,5 +385,5 @@ class _Publisher:
             first = int.from_bytes(start, "big")
             for seq, seq_bytes, payload in self._history:
                 if seq >= first:
-                    self._replay.send_multipart((client, b"", seq_bytes, payload))
-            self._replay.send_multipart((client, b"", END_SEQ, b""))
+                    replay.send_multipart((client, b"", seq_bytes, payload))
+            replay.send_multipart((client, b"", END_SEQ, b""))

@@ -1,13 +1,13 @@
 """DigestRecords: the L3 keys of the host pages a cache's tree holds; KeyNames: the key strings
 of digests, with the namespaces' generations.
 
-Keys are 128-bit chained digests of the pages' tokens (:mod:`hicache_jax.tree.hashing`, namespaced by
-``extra_key`` and the spec fingerprint, as :func:`hicache_jax.l3.storage.page_keys`), so instances
-sharing a store share entries and a collision between prefixes is a 128-bit one. Each host page
-the tree holds has the digest of its prefix recorded here when it gets there (backup dispatched,
-prefetch attached), so a put or a prefetch hashes only its own pages, starting from the digest
-of the page before (a record is used only if the tree's 64-bit hash of that page is the one it
-was recorded for); without a record the chain is hashed from the root. Write_back puts (at host
+Keys are 128-bit chained digests of the pages' tokens (:mod:`hicache_jax.tree.hashing`, namespaced
+by ``extra_key`` and the spec fingerprint, as :func:`hicache_jax.l3.storage.page_keys`), so
+instances sharing a store share entries and a collision between prefixes is a 128-bit one. Each host
+page the tree holds has the digest of its prefix recorded here when it gets there (backup
+dispatched, prefetch attached), so a put or a prefetch hashes only its own pages, starting from the
+digest of the page before (a record is used only if the tree's 64-bit hash of that page is the one
+it was recorded for); without a record the chain is hashed from the root. Write_back puts (at host
 eviction, after the tree unlinked the node) take their keys from these records.
 
 Generations (:class:`KeyNames`): ``HiCache.invalidate`` of a namespace on a store without
@@ -22,7 +22,8 @@ Threading: the cache's thread only.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
@@ -43,7 +44,7 @@ class DigestRecords:
         path_tokens: tokens of the prefix ending with a node (the cache's tree).
     """
 
-    def __init__(self, host_pages: int, page_size: int, fingerprint: bytes,
+    def __init__(self, host_pages: int, page_size: int, fingerprint: str,
                  path_tokens: Callable[[TreeNode], np.ndarray]) -> None:
         self._ps, self._fingerprint, self._path_tokens = page_size, fingerprint, path_tokens
         self._digest = np.zeros((host_pages, DIGEST_BYTES), np.uint8)
@@ -96,6 +97,7 @@ class DigestRecords:
 
     def node_digests(self, node: TreeNode) -> np.ndarray | None:
         """uint8 ``[node.num_pages, 16]`` chain digests of a node in the tree (None: unkeyable)."""
+        assert node.parent is not None, "a node in the tree, not the root"
         prev = self.prefix_digest(node.parent, node.extra_key)
         if prev is None:
             return None

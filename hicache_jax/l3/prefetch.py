@@ -43,18 +43,19 @@ Threading: the cache's thread only (the backend's workers read and write staging
 from __future__ import annotations
 
 import collections
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Protocol
 
 import numpy as np
 
-from hicache_jax.memory.allocator import PageAllocator
-from hicache_jax.memory.group import Group, LocalGroup
-from hicache_jax.tree.hashing import chain_digests
 from hicache_jax.l3.keys import DigestRecords, KeyNames
 from hicache_jax.l3.port import CachePort
-from hicache_jax.spec import PrefetchPolicy
 from hicache_jax.l3.storage import StorageError
+from hicache_jax.memory.allocator import PageAllocator
+from hicache_jax.memory.group import Group, LocalGroup
+from hicache_jax.spec import PrefetchPolicy
+from hicache_jax.tree.hashing import chain_digests
 from hicache_jax.tree.node import TreeNode
 
 _TIMEOUT_TOKENS = 1024  # the timeout policy's deadline grows by prefetch_timeout_s per this many
@@ -86,7 +87,7 @@ class PrefetchHandle:
     _staging_ids: np.ndarray
     _digests: np.ndarray       # uint8 [pages_found, 16]: chain digests of the fetched pages
     _deadline: float
-    _after: "PrefetchHandle | None" = None   # fetches the pages right after this one's
+    _after: PrefetchHandle | None = None   # fetches the pages right after this one's
     _next_page: np.ndarray | None = None     # the prompt's page after ``tokens``, which L3 did
     #                                          not hold at issue (None: not known to be missing)
     _applied: int = 0          # pages attached to the tree (or given up) so far
@@ -119,6 +120,11 @@ class PrefetchHandle:
 
 
 # -- policies at match_prefix: one strategy object each, resolved once ---------------------------
+
+class _MatchPolicy(Protocol):
+    def before_match(self, h: PrefetchHandle, clock: Callable[[], float],
+                     counters: collections.Counter, group: Group) -> None: ...
+
 
 class BestEffort:
     """Attach what has landed so far; never wait."""
@@ -161,8 +167,9 @@ class Timeout:
         counters["l3_prefetch_timeouts"] += 1
 
 
-POLICIES = {PrefetchPolicy.BEST_EFFORT: BestEffort, PrefetchPolicy.WAIT_COMPLETE: WaitComplete,
-            PrefetchPolicy.TIMEOUT: Timeout}
+POLICIES: dict[PrefetchPolicy, type[_MatchPolicy]] = {
+    PrefetchPolicy.BEST_EFFORT: BestEffort, PrefetchPolicy.WAIT_COMPLETE: WaitComplete,
+    PrefetchPolicy.TIMEOUT: Timeout}
 
 
 class Prefetcher:
@@ -181,7 +188,7 @@ class Prefetcher:
             default: the port's spec, every namespace in generation 0).
     """
 
-    def __init__(self, port: "CachePort", page_size: int, continuous: bool,
+    def __init__(self, port: CachePort, page_size: int, continuous: bool,
                  policy: PrefetchPolicy, timeout_s: float, backend: Any, staging: np.ndarray,
                  staging_alloc: PageAllocator, records: DigestRecords,
                  counters: collections.Counter, group: Group | None = None,
@@ -419,27 +426,31 @@ class Prefetcher:
             # the previous link came up short), or lost its host copy: nothing to attach to.
             self._give_up(h, lo, ready)
             return
-        take, dup, copies = [], [], []  # page offsets in h; device nodes taking host copies
+        # page offsets in h; device nodes taking host copies
+        take_spans: list[np.ndarray] = []
+        dup_spans: list[np.ndarray] = []
+        copies: list[tuple[TreeNode, np.ndarray]] = []
         for node in path[i:]:
             first = (pos - h.start) // ps
             span = np.arange(first, first + node.num_pages)
             pos += node.num_tokens
             if node.host_value is None and self._continuous:
-                take.append(span)
+                take_spans.append(span)
                 copies.append((node, span))
             else:  # already backed up (or write_back: a device node needs no host copy)
-                dup.append(span)
+                dup_spans.append(span)
         leaf_span = np.arange((covered - h.start) // ps, ready)
-        take.append(leaf_span)
-        take = np.concatenate(take)
-        if dup:
-            dup = np.concatenate(dup)
+        take_spans.append(leaf_span)
+        take = np.concatenate(take_spans)
+        if dup_spans:
+            dup = np.concatenate(dup_spans)
             port.release_host_pages(h._host_ids[dup])
             self._n["l3_prefetch_duplicate_pages"] += dup.size
         if take.size:
             port.write_host_pages(h._host_ids[take], self._staging, h._staging_ids[take])
         for node, span in copies:  # root-first: each under a backed-up parent
             port.attach_host_copy(node, h._host_ids[span])
+            assert node.host_value is not None, "attach_host_copy gave it one"
             self._records.record(node.host_value, h._digests[span], node.page_hashes)
             self._n["l3_prefetch_backfill_pages"] += span.size
         if leaf_span.size:

@@ -31,6 +31,7 @@ raising ``StorageUnavailableError``; ``staging_pages=N`` sizes the staging pool 
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
 import time
 import urllib.parse
@@ -38,14 +39,21 @@ from typing import Any
 
 import numpy as np
 
-from hicache_jax.memory.allocator import PageAllocator
 from hicache_jax.l3.keys import DigestRecords, KeyNames
 from hicache_jax.l3.port import CachePort
-from hicache_jax.l3.prefetch import PrefetchHandle, Prefetcher, leading
-from hicache_jax.spec import HiCacheConfig, KVSpec, PrefetchPolicy, WritePolicy
+from hicache_jax.l3.prefetch import Prefetcher, PrefetchHandle, leading
 from hicache_jax.l3.storage import (
-    ENTRY_ROWS, StorageError, StorageUnavailableError, entry_pages, entry_rows, namespace_prefix,
-    open_storage, parse_bool)
+    ENTRY_ROWS,
+    StorageError,
+    StorageUnavailableError,
+    entry_pages,
+    entry_rows,
+    namespace_prefix,
+    open_storage,
+    parse_bool,
+)
+from hicache_jax.memory.allocator import PageAllocator
+from hicache_jax.spec import HiCacheConfig, KVSpec, PrefetchPolicy, WritePolicy
 from hicache_jax.tree.hashing import chain_digests
 from hicache_jax.tree.node import TreeNode
 
@@ -71,7 +79,8 @@ def split_url(url: str) -> tuple[str, dict[str, Any]]:
         The URL for ``open_storage`` and ``{"optional": bool, "staging_pages": int | None}``.
     """
     parts = urllib.parse.urlsplit(url)
-    keep, opts = [], {"optional": False, "staging_pages": None}
+    keep: list[tuple[str, str]] = []
+    opts: dict[str, Any] = {"optional": False, "staging_pages": None}
     for name, value in urllib.parse.parse_qsl(parts.query, keep_blank_values=True):
         try:
             if name == "optional":
@@ -138,7 +147,7 @@ class NullL3Tier:
         return dict(self._stats)
 
 
-def open_l3(port: CachePort, spec: KVSpec, cfg: HiCacheConfig) -> "L3Tier | NullL3Tier":
+def open_l3(port: CachePort, spec: KVSpec, cfg: HiCacheConfig) -> L3Tier | NullL3Tier:
     """The L3 tier of a cache: :class:`NullL3Tier` without ``cfg.storage``, else the store's.
 
     Raises:
@@ -148,10 +157,12 @@ def open_l3(port: CachePort, spec: KVSpec, cfg: HiCacheConfig) -> "L3Tier | Null
     """
     if cfg.storage is None:
         return NullL3Tier()
-    if cfg.host_pages == 0:
+    host_pages = cfg.host_pages
+    assert host_pages is not None  # resolved by HiCacheConfig.__post_init__
+    if host_pages == 0:
         raise ValueError("storage needs a host pool (host_pages > 0): L3 pages move via L2")
     url, opts = split_url(cfg.storage)
-    n_staging = opts["staging_pages"] or max(128, cfg.host_pages // 2)
+    n_staging = opts["staging_pages"] or max(128, host_pages // 2)
     rows = entry_rows(spec, n_staging)  # entry rows (header slot + page), moved in place
     back_up_new = cfg.storage_write_policy is WritePolicy.WRITE_THROUGH
     try:
@@ -191,6 +202,7 @@ class L3Tier:
         # as L1 -> L2 write-through does): a leaf evicted from L1 before its reuse would
         # otherwise be deleted unseen by L3, which is exactly what L3 is there to keep.
         self.back_up_new = cfg.storage_write_policy is WritePolicy.WRITE_THROUGH
+        assert cfg.host_pages is not None  # resolved by HiCacheConfig.__post_init__
         self._records = DigestRecords(cfg.host_pages, spec.page_size, spec.fingerprint(),
                                       port.path_tokens)
         self._staging = entry_pages(spec, rows)  # [P, L, kvf, ps, H, D] bits
@@ -221,9 +233,11 @@ class L3Tier:
                 if not self.write_back:
                     self._n["l3_unkeyable_pages"] += node.num_pages
                 continue
-            self._records.record(node.host_value, digests, node.page_hashes)
+            host_ids = node.host_value
+            assert host_ids is not None, "a node backed up has its host copy"
+            self._records.record(host_ids, digests, node.page_hashes)
             if not self.write_back:
-                self._put(digests, node.extra_key, node.host_value,
+                self._put(digests, node.extra_key, host_ids,
                           self._port.events.l3_candidate(node))
 
     def on_host_evict(self, node: TreeNode, host_ids: np.ndarray) -> None:
@@ -311,10 +325,8 @@ class L3Tier:
         self._submit_reads(block=True)
         while self._puts:
             handle, sids, announce = self._puts.popleft()
-            try:
+            with contextlib.suppress(StorageError):
                 handle.wait()
-            except StorageError:
-                pass
             self._finish_put(handle, sids, announce)
         self._prefetch.flush()
 
@@ -359,6 +371,7 @@ class L3Tier:
         for node in nodes:
             digests = self._records.node_digests(node)
             if digests is not None:
+                assert node.host_value is not None, "nodes with host copies are adopted"
                 self._records.record(node.host_value, digests, node.page_hashes)
 
     def held_beyond(self, tokens: np.ndarray, extra_key: Any, covered: int) -> int:

@@ -16,8 +16,9 @@ from hicache_jax.validation import as_page_ids, is_int
 class PageIdChecker:
     """Validates page ids against a pool of ``num_pages`` on the per-call path, in O(k).
 
-    Both pools call it before every dispatch (ARCHITECTURE.md: validate on the host, before dispatch: JAX clamps / drops bad indices
-    silently). Valid ids are 1-D integers in ``[0, num_pages)``, distinct.
+    Both pools call it before every dispatch (ARCHITECTURE.md: validate on the host, before
+    dispatch: JAX clamps / drops bad indices silently). Valid ids are 1-D integers in
+    ``[0, num_pages)``, distinct.
 
     Args:
         num_pages: ids allowed are ``0 .. num_pages-1``.
@@ -123,7 +124,8 @@ class PageAllocator:
             return arr
         if arr.max() >= self.num_pages:
             raise HiCacheError(
-                f"{name} has ids outside the {self.name} pool [0, {self.num_pages}): max {arr.max()}")
+                f"{name} has ids outside the {self.name} pool [0, {self.num_pages}): "
+                f"max {arr.max()}")
         if arr.size > 1:
             # O(k), no sort: write each position at its id; with a repeated id the last write
             # wins and an earlier position reads back another value.
@@ -133,7 +135,8 @@ class PageAllocator:
                 raise HiCacheError(f"{name} has duplicate ids")
         if not self._allocated[arr].all():
             bad = arr[~self._allocated[arr]][:8]
-            raise HiCacheError(f"{name}: {self.name} pages {bad.tolist()} are not allocated (double free?)")
+            raise HiCacheError(
+                f"{name}: {self.name} pages {bad.tolist()} are not allocated (double free?)")
         return arr
 
     def free(self, ids, *, validated: bool = False) -> None:

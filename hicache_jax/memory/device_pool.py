@@ -6,30 +6,34 @@ Layout (fixed; the public contract of README.md, "API")::
 
 * **Raw bits** (``spec.bits_dtype``: uint16 for bf16/fp16, uint8 for fp8/int8, uint32 for f32).
   A donated scatter into a uint16 pool costs about a memcpy of the bytes moved, while the same
-  scatter into a bfloat16 pool was measured O(pool) on XLA:CPU (ARCHITECTURE.md: the pool is stored as raw bits). Consumers view
-  pages with ``lax.bitcast_convert_type`` inside their own jit, after gathering.
+  scatter into a bfloat16 pool was measured O(pool) on XLA:CPU (ARCHITECTURE.md: the pool is stored
+  as raw bits). Consumers view pages with ``lax.bitcast_convert_type`` inside their own jit, after
+  gathering.
 * **Layer first**: attention of layer ``l`` reads ``pool[l, 0]`` (K) and ``pool[l, 1]`` (V) as
   ``[pages, page_size, heads, dim]``, the shape paged-attention kernels take, without a transpose.
   One page of one layer and one of K/V (``spec.chunk_bytes``) is contiguous.
 * **Scratch page** ``num_pages``: never allocated. Index arrays are padded to power-of-two
   buckets with this id so the pool-sized scatter/gather compiles once per bucket, not once per
-  batch size (ARCHITECTURE.md: bounded compiles); padded rows write to and read from the scratch page only.
+  batch size (ARCHITECTURE.md: bounded compiles); padded rows write to and read from the scratch
+  page only.
 * **Sharding** (optional mesh + axis): ``PartitionSpec(None, None, None, None, axis, None)``;
   each device holds its heads' slice of every page, so page movement is local to each device.
   An MLA latent cache (one "head") is replicated over the mesh instead.
 
 Every update is a module-level jitted function with the pool donated; the pool object holds the
-only reference and rebinds it after each call (ARCHITECTURE.md: donate, and hold the only reference). Page ids are validated in numpy
-before dispatch, because JAX silently drops out-of-range scatter updates and clamps gathers
-(ARCHITECTURE.md: validate on the host, before dispatch).
+only reference and rebinds it after each call (ARCHITECTURE.md: donate, and hold the only
+reference). Page ids are validated in numpy before dispatch, because JAX silently drops out-of-range
+scatter updates and clamps gathers (ARCHITECTURE.md: validate on the host, before dispatch).
 
-Threading: a pool is touched by one thread only (the cache's dispatching thread, ARCHITECTURE.md: one dispatching thread).
+Threading: a pool is touched by one thread only (the cache's dispatching thread, ARCHITECTURE.md:
+one dispatching thread).
 """
 
 from __future__ import annotations
 
 import functools
-from typing import TYPE_CHECKING, Any, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
@@ -311,6 +315,7 @@ class DevicePagePool:
         if ids.size == 0:
             return
         padded, size = self._padded_ids(ids)
+        pages: np.ndarray | jax.Array
         if isinstance(kv, np.ndarray):
             # Host data: view as bits for free (one compile per bucket, not per dtype) and pad
             # in the same host copy the transfer to the device makes anyway.

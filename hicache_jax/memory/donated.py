@@ -1,9 +1,10 @@
 """What both pools share about their one array: the donated ``run`` step and the kv check.
 
 Each pool holds the only reference to its array and rebinds it after every update (ARCHITECTURE.md:
-donate, and hold the only reference). :class:`DonatedArray` is the one implementation of "run a donated step on the array and
-check what comes back" that ``DevicePagePool.run`` and ``HostPagePool.run`` (and through them
-every transfer) use; :func:`check_kv` is the one check of a caller's ``kv`` argument.
+donate, and hold the only reference). :class:`DonatedArray` is the one implementation of "run a
+donated step on the array and check what comes back" that ``DevicePagePool.run`` and
+``HostPagePool.run`` (and through them every transfer) use; :func:`check_kv` is the one check of a
+caller's ``kv`` argument.
 
 What a step's result is held to, in order:
 
@@ -25,7 +26,8 @@ Threading: called on the pool owner's thread only (ARCHITECTURE.md: one dispatch
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import numpy as np

@@ -32,12 +32,17 @@ import collections
 import itertools
 import json
 import time
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 
-from hicache_jax.errors import (GroupConnectError, GroupDivergedError, GroupTimeoutError,
-                                HiCacheError)
+from hicache_jax.errors import (
+    GroupConnectError,
+    GroupDivergedError,
+    GroupTimeoutError,
+    HiCacheError,
+)
 from hicache_jax.memory.group_socket import SocketLinks, call_diverged, route_host
 
 __all__ = ["Group", "LocalGroup", "DistributedGroup", "AgreedClock", "GroupTimeoutError",
@@ -173,6 +178,8 @@ class DistributedGroup(Group):
                 raise HiCacheError("DistributedGroup needs jax.distributed.initialize(...) first")
             process_id, num_processes = jax.process_index(), jax.process_count()
             coordinator = distributed.global_state.coordinator_address
+        elif process_id is None or num_processes is None:
+            raise TypeError("an injected client needs process_id and num_processes too")
         self._client, self.timeout_s = client, float(timeout_s)
         self.process_id, self.num_processes = int(process_id), int(num_processes)
         self._ns = name if name is not None else f"hicache/{next(_GROUP_NUMBERS)}"

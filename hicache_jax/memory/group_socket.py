@@ -25,7 +25,7 @@ import selectors
 import socket
 import struct
 import time
-from typing import Any
+from typing import Any, cast
 
 from hicache_jax.errors import GroupConnectError, GroupDivergedError, GroupTimeoutError
 
@@ -96,7 +96,7 @@ class SocketLinks:
                 "give DistributedGroup(host=...) an address of this host", process=process_id
             ) from None
         try:
-            address = "%s:%d" % (host, listener.getsockname()[1])
+            address = f"{host}:{listener.getsockname()[1]:d}"
             client.key_value_set(f"{ns}/link/{process_id}", address)
             for p in range(process_id):
                 self._connect(client, ns, p, end)
@@ -171,7 +171,7 @@ class SocketLinks:
     def _left(self, end: float) -> float:
         left = end - time.monotonic()
         if left <= 0:
-            raise socket.timeout("deadline")
+            raise TimeoutError("deadline")
         return left
 
     def _missing(self, p: int, what: str, why: str, step: str = "") -> GroupTimeoutError:
@@ -231,7 +231,7 @@ class SocketLinks:
             q = key.data
             if events & selectors.EVENT_READ:
                 try:
-                    chunk = key.fileobj.recv(65536)
+                    chunk = cast(socket.socket, key.fileobj).recv(65536)  # registered: sockets
                 except (BlockingIOError, InterruptedError):
                     continue
                 except OSError as e:

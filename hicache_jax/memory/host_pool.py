@@ -24,13 +24,15 @@ Every write into and read out of the buffer is a page copy of :mod:`hicache_jax.
 (staged through small device-side chunks of ``STAGE_SIZES`` pages, so compiles stay bounded);
 placement comes from :mod:`hicache_jax.memory.placement`.
 
-Threading: one thread (the cache's dispatching thread, ARCHITECTURE.md: one dispatching thread) touches the pool.
+Threading: one thread (the cache's dispatching thread, ARCHITECTURE.md: one dispatching thread)
+touches the pool.
 """
 
 from __future__ import annotations
 
 import functools
-from typing import TYPE_CHECKING, Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
 
 import jax
 import numpy as np
@@ -40,9 +42,16 @@ from hicache_jax.memory.allocator import PageAllocator, PageIdChecker
 from hicache_jax.memory.donated import DonatedArray, check_kv
 from hicache_jax.memory.hugepages import advise_huge_pages
 from hicache_jax.memory.page_copy import copy_fn, copy_plan, gather_pages, stage_chunks
-from hicache_jax.memory.placement import (from_local, head_sharding, local_heads, local_numpy,
-                                          placed, resolve_memory_kind, shard_spec,
-                                          zeros_in_memory)
+from hicache_jax.memory.placement import (
+    from_local,
+    head_sharding,
+    local_heads,
+    local_numpy,
+    placed,
+    resolve_memory_kind,
+    shard_spec,
+    zeros_in_memory,
+)
 from hicache_jax.spec import HostLayout, KVSpec
 from hicache_jax.validation import check_bool, check_int, parse_enum
 
@@ -71,7 +80,8 @@ class HostRead:
 
     def done(self) -> bool:
         """Non-blocking: have the pages been copied?"""
-        return all(pages.is_ready() for _, _, pages in self._chunks)
+        # is_ready(): on jax's concrete arrays (ArrayImpl), not in the jax.Array interface
+        return all(pages.is_ready() for _, _, pages in self._chunks)  # type: ignore[attr-defined]
 
     def result(self) -> KVHost:
         """The pages as a new numpy ``spec.kv_shape(num_pages)`` array (blocks until done)."""
@@ -132,7 +142,7 @@ class HostPagePool:
         self.num_pages = int(num_pages)
         self.layout = parse_enum(HostLayout, "layout", layout)
         placement = placed(head_sharding(spec, mesh, axis))
-        device = next(iter(placement.device_set))
+        device: jax.Device = next(iter(placement.device_set))  # (set[Device] in jax: unresolved)
         self.memory_kind = resolve_memory_kind(device, memory_kind)
         default_kind = device.default_memory().kind
         self.device_sharding = placement.with_memory_kind(default_kind)
@@ -260,7 +270,7 @@ class HostPagePool:
         """
         return self.read_async(host_ids).result()
 
-    def read_async(self, host_ids: Any) -> "HostRead":
+    def read_async(self, host_ids: Any) -> HostRead:
         """Dispatch a copy of the pages ``host_ids`` out of the buffer and return at once.
 
         The copy is ordered after every update dispatched before it and before every later one

@@ -107,9 +107,7 @@ def advise_huge_pages(array: jax.Array, *, collapse: bool = True) -> int:
             continue
         if libc.madvise(start, end - start, MADV_HUGEPAGE) != 0:
             continue  # e.g. EINVAL on a kernel without THP: leave the buffer as it is
-        if not collapse:
-            done += end - start
-        elif libc.madvise(start, end - start, MADV_COLLAPSE) == 0:
+        if not collapse or libc.madvise(start, end - start, MADV_COLLAPSE) == 0:
             done += end - start
         elif ctypes.get_errno() in (errno.EAGAIN, errno.EINVAL):
             done += _collapse_each(libc, start, end, huge)
@@ -121,9 +119,9 @@ def _collapse_each(libc: ctypes.CDLL, start: int, end: int, huge: int, tries: in
 
     A whole-range MADV_COLLAPSE stops at the first huge page it cannot collapse: EAGAIN for a
     transient shortage or a page briefly locked, and EINVAL was seen too (each in ~1 test run
-    in 3 on the 2-core CI machine; the per-page retry collapsed every page in those runs). EINVAL is also what a kernel
-    without MADV_COLLAPSE (< 6.1) answers: the first page then fails every try and the rest is
-    skipped. What fails stays advised: khugepaged may collapse it later.
+    in 3 on the 2-core CI machine; the per-page retry collapsed every page in those runs). EINVAL is
+    also what a kernel without MADV_COLLAPSE (< 6.1) answers: the first page then fails every try
+    and the rest is skipped. What fails stays advised: khugepaged may collapse it later.
     """
     done = 0
     for address in range(start, end, huge):

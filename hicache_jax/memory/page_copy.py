@@ -1,8 +1,8 @@
 """The page copy core: copy plans, the jitted copy loop, and the staging chunks of the host pool.
 
-Every page copy between the two pools (:class:`~hicache_jax.memory.transfer.TransferEngine`) and every
-write into / read out of the host pool (:class:`~hicache_jax.memory.host_pool.HostPagePool`) is
-:func:`copy_pages` (or :func:`gather_pages`, its variant into a new array): one jitted
+Every page copy between the two pools (:class:`~hicache_jax.memory.transfer.TransferEngine`) and
+every write into / read out of the host pool (:class:`~hicache_jax.memory.host_pool.HostPagePool`)
+is :func:`copy_pages` (or :func:`gather_pages`, its variant into a new array): one jitted
 ``fori_loop`` of per-page ``dynamic_slice`` / ``dynamic_update_slice`` (XLA fuses the pair into
 one in-place pass) with the destination donated. Each byte is moved once, no staging buffer. On
 XLA:CPU a vectorised ``.at[ids].set(src[ids])`` ran at 0.13-0.3x ``numpy.copyto`` (element-wise
@@ -26,7 +26,8 @@ thread (ARCHITECTURE.md: one dispatching thread).
 from __future__ import annotations
 
 import functools
-from typing import TYPE_CHECKING, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
@@ -257,7 +258,7 @@ def inline_copy(fn: functools.partial) -> Callable:
                                     key=lambda kv: kv[0])))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _bound_copy(keywords: tuple) -> Callable:
     return jax.jit(functools.partial(_copy_loop, **dict(keywords)), donate_argnums=0)
 

@@ -1,7 +1,7 @@
 """Where the pools' arrays live: the head sharding, the host memory kind, in-place allocation.
 
-Both pools are placed the same way (ARCHITECTURE.md: a sharded device pool has a host pool sharded the
-same way, so each device copies only to and from its own host shard):
+Both pools are placed the same way (ARCHITECTURE.md: a sharded device pool has a host pool sharded
+the same way, so each device copies only to and from its own host shard):
 
 * **Sharding** (optional mesh + axis): ``PartitionSpec(None, None, None, None, axis, None)``,
   the kv-head axis (axis 4 of every pool layout); an MLA latent cache (one "head") is
@@ -22,7 +22,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
+from jax.sharding import (
+    AbstractMesh,
+    AxisType,
+    Mesh,
+    NamedSharding,
+    PartitionSpec,
+    SingleDeviceSharding,
+)
 
 from hicache_jax.spec import KVSpec
 
@@ -70,8 +77,11 @@ def local_heads(sharding: jax.sharding.Sharding, shape: tuple[int, ...]) -> slic
         ValueError: this process's heads are not one contiguous run (a mesh whose devices are
             not grouped by process along the head axis).
     """
-    runs = sorted({(idx[4].indices(shape[4])[:2]) for idx in
-                   sharding.addressable_devices_indices_map(shape).values()})
+    held = set()
+    for idx in sharding.addressable_devices_indices_map(shape).values():
+        assert idx is not None, "an addressable device holds part of the array"
+        held.add(idx[4].indices(shape[4])[:2])
+    runs = sorted(held)
     lo, hi = runs[0]
     for a, b in runs[1:]:
         if a > hi:
@@ -111,7 +121,7 @@ def from_local(local: np.ndarray, sharding: jax.sharding.Sharding,
     return jax.make_array_from_process_local_data(sharding, local, shape)
 
 
-def has_explicit_axis(mesh: Mesh) -> bool:
+def has_explicit_axis(mesh: Mesh | AbstractMesh) -> bool:
     """Is any axis of ``mesh`` an ``AxisType.Explicit`` one (sharding in types: a constraint
     there must be a ``reshard``)?"""
     return any(t == AxisType.Explicit for t in mesh.axis_types)

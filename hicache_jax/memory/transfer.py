@@ -10,9 +10,9 @@ rebound (the device pool through ``DevicePagePool.run``, the host pool through
 Ordering and safety come from XLA, not from locks: every access to a pool is a computation on
 its single array, so a copy in flight is ordered before any later update of the same array (a
 donating update waits for earlier readers). Completion is detected by polling a small per-call
-token (``is_ready()``); no worker thread ever touches a pool (ARCHITECTURE.md: one dispatching thread). Each transfer
-depends on all earlier ones (it donates one pool and reads the other), so transfers complete in
-dispatch order, and a handle seen complete completes every earlier handle too.
+token (``is_ready()``); no worker thread ever touches a pool (ARCHITECTURE.md: one dispatching
+thread). Each transfer depends on all earlier ones (it donates one pool and reads the other), so
+transfers complete in dispatch order, and a handle seen complete completes every earlier handle too.
 
 On XLA:CPU the copy runs on XLA's own execution thread, not in the caller: see
 ``page_copy.MIN_INDEX_LEN`` for what makes it asynchronous there. A copy of at most
@@ -42,14 +42,21 @@ from __future__ import annotations
 
 import enum
 import time
-from typing import TYPE_CHECKING, Any, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import jax
 import numpy as np
 
 from hicache_jax.errors import HiCacheError
-from hicache_jax.memory.page_copy import (INLINE_COPY_BYTES, bound_copy, copy_fn, copy_plan,
-                                          inline_copy, layer_plans)
+from hicache_jax.memory.page_copy import (
+    INLINE_COPY_BYTES,
+    bound_copy,
+    copy_fn,
+    copy_plan,
+    inline_copy,
+    layer_plans,
+)
 from hicache_jax.spec import HostLayout
 from hicache_jax.validation import check_bool, check_int, is_int
 
@@ -66,7 +73,8 @@ def transfer_fns(num_layers: int, host_layout: HostLayout, host_put: jax.shardin
     (pinned_host), else None. Also what ``engine/lowering.py`` lowers for other platforms."""
     backup = copy_fn(dst_layout=host_layout, src_layout=HostLayout.LAYER_FIRST,
                      num_layers=num_layers, dst_put=host_put)
-    load = dict(dst_layout=HostLayout.LAYER_FIRST, src_layout=host_layout, src_put=dev_put)
+    load: dict[str, Any] = dict(dst_layout=HostLayout.LAYER_FIRST, src_layout=host_layout,
+                                src_put=dev_put)
     return backup, copy_fn(**load, num_layers=num_layers), copy_fn(**load, num_layers=1)
 
 
@@ -115,8 +123,9 @@ class TransferHandle:
         group or :meth:`TransferEngine.complete_after`, reports only what the last poll
         applied.)"""
         # several processes, or completions at set request starts: applied in poll() only
+        # (is_ready() is on jax's concrete arrays, ArrayImpl, not in the jax.Array interface)
         if not self._complete and not self._engine._decided \
-                and all(t.is_ready() for t in self._tokens):
+                and all(t.is_ready() for t in self._tokens):  # type: ignore[attr-defined]
             self._engine._finish(self)
         return self._complete
 
@@ -182,7 +191,8 @@ class TransferEngine:
         fns = transfer_fns(self.spec.num_layers, host_pool.layout, host_put, dev_put)
         self._backup_fn, self._load_fn, self._load_layer_fn = map(bound_copy, fns)
         # XLA:CPU: copies of up to this many pages run inline (page_copy.INLINE_COPY_BYTES)
-        cpu = host_pool.on_device_memory and all(d.platform == "cpu" for d in dev.device_set)
+        devices: set[jax.Device] = dev.device_set  # (set[Device] in jax: unresolved)
+        cpu = host_pool.on_device_memory and all(d.platform == "cpu" for d in devices)
         self._inline_pages = INLINE_COPY_BYTES // self.spec.page_bytes if cpu else 0
         self._backup_inline, self._load_inline = inline_copy(fns[0]), inline_copy(fns[1])
         self._busy = np.zeros(host_pool.num_pages, np.int32)  # transfers using each host page
@@ -333,7 +343,8 @@ class TransferEngine:
             return out
         ready = 0  # the latest finished one finishes the rest: count up to it
         for i in range(len(self._in_flight), 0, -1):
-            if all(t.is_ready() for t in self._in_flight[i - 1]._tokens):
+            # is_ready(): on jax's concrete arrays (ArrayImpl), not in the jax.Array interface
+            if all(t.is_ready() for t in self._in_flight[i - 1]._tokens):  # type: ignore[attr-defined]
                 ready = i
                 break
         if self._group is not None:  # the same queue on every process
@@ -352,7 +363,8 @@ class TransferEngine:
         if not due:
             return
         last = self._in_flight[due - 1]
-        if not all(t.is_ready() for t in last._tokens):
+        # is_ready(): on jax's concrete arrays (ArrayImpl), not in the jax.Array interface
+        if not all(t.is_ready() for t in last._tokens):  # type: ignore[attr-defined]
             t0 = time.perf_counter()
             for token in last._tokens:
                 token.block_until_ready()

@@ -32,7 +32,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -83,6 +84,7 @@ class Regime:
             return 0.0
         gbps, lat = ((self.l2_gbps, self.l2_latency_s) if hop == "l2_l1"
                      else (self.l3_gbps, self.l3_latency_s))
+        assert gbps is not None, "an L3 hop in a regime without l3_gbps"
         return lat + tokens * self.token_bytes / (gbps * 1e9)
 
 
@@ -112,17 +114,14 @@ def _config(policy: str, regime: Regime, device_pages: int, host_pages: int,
             threshold: int, page_size: int) -> HiCacheConfig:
     if policy not in POLICIES:
         raise ValueError(f"policy={policy!r} must be one of {', '.join(POLICIES)}")
-    kw: dict[str, Any] = {"never": dict(load_back_threshold=_NEVER),
-                          "always": dict(load_back_threshold=0),
-                          "threshold": dict(load_back_threshold=threshold),
-                          "cost": dict(load_back_threshold=threshold, load_policy="cost",
-                                       prefill_cost=regime.prefill_s,
-                                       cost_page_bytes=regime.token_bytes * page_size),
-                          "cost+split": dict(load_back_threshold=threshold, load_policy="cost",
-                                             prefill_cost=regime.prefill_s,
-                                             cost_page_bytes=regime.token_bytes * page_size,
-                                             load_overlap=True)}[policy]
-    return HiCacheConfig(device_pages=device_pages, host_pages=host_pages, **kw)
+    cost = dict(load_back_threshold=threshold, load_policy="cost", prefill_cost=regime.prefill_s,
+                cost_page_bytes=regime.token_bytes * page_size)
+    kws: dict[str, dict[str, Any]] = {"never": dict(load_back_threshold=_NEVER),
+                                      "always": dict(load_back_threshold=0),
+                                      "threshold": dict(load_back_threshold=threshold),
+                                      "cost": cost,
+                                      "cost+split": dict(cost, load_overlap=True)}
+    return HiCacheConfig(device_pages=device_pages, host_pages=host_pages, **kws[policy])
 
 
 def _l3_tokens(policy: str, run: int, cached: int, ps: int, threshold: int,
@@ -141,11 +140,11 @@ def _l3_tokens(policy: str, run: int, cached: int, ps: int, threshold: int,
     return 0, (run * ps if run * ps >= threshold else 0)
 
 
-def _overlapped(regime: Regime, jit: Any, model: CostModel, cached: int, l2: tuple[int, int],
-                l3: tuple[int, int], rest: int) -> float:
+def _overlapped(regime: Regime, jit: Any, model: CostModel, cached: int,
+                l2: tuple[float, int], l3: tuple[int, int], rest: int) -> float:
     """Seconds of a ``cost+split`` request's service after its L2 back's copy (``l2``:
-    ``(front, back)`` tokens; the copy was dispatched at its start and has landed at ``t2``,
-    its first figure) and with ``l3`` ``(front, back)`` of its L3 hit: the L3 read starts at
+    ``(t2, front)``: the copy was dispatched at its start and has landed at ``t2`` seconds;
+    the front's tokens) and with ``l3`` ``(front, back)`` of its L3 hit: the L3 read starts at
     once, its L2 -> L1 hop after it and the L2 copy; the prefill runs the L2 front, the L3
     front once the L2 back is in, the rest once the L3 back is in."""
     (t2, front2), (front3, back3) = l2, l3

@@ -57,7 +57,7 @@ class Request:
         if self.token_ids is not None:
             return self.token_ids
         bs = self.block_size
-        blocks = self.hash_ids[:, None] * bs + np.arange(bs, dtype=np.int64)
+        blocks = _hash_ids(self)[:, None] * bs + np.arange(bs, dtype=np.int64)
         return blocks.reshape(-1)[: self.num_tokens]
 
 
@@ -147,7 +147,8 @@ def load_trace(path: str | os.PathLike, *, block_size: int = MOONCAKE_BLOCK,
     if limit is not None and (type(limit) is not int or limit < 1):
         raise ValueError(f"limit={limit!r} must be an int >= 1")
     path = os.fspath(path)
-    fmt, requests = None, []
+    fmt: str | None = None
+    requests: list[Request] = []
     with open(path) as f:
         for lineno, text in enumerate(f, 1):
             if limit is not None and len(requests) >= limit:
@@ -165,21 +166,27 @@ def load_trace(path: str | os.PathLike, *, block_size: int = MOONCAKE_BLOCK,
                 raise ValueError(f"{where}: a {kind} record in a {fmt} trace")
             fmt = kind
             requests.append(req)
-    if not requests:
+    if not requests or fmt is None:
         raise ValueError(f"{path}: no requests in the trace")
     if fmt == "mooncake":
         requests = _fill_missing_blocks(requests, block_size)
     return Trace(path, fmt, block_size, tuple(requests))
 
 
+def _hash_ids(r: Request) -> np.ndarray:
+    """The block ids of a Mooncake record (set on every one; a token record has token_ids)."""
+    assert r.hash_ids is not None, f"line {r.line}: a Mooncake record without hash_ids"
+    return r.hash_ids
+
+
 def _fill_missing_blocks(requests: list[Request], bs: int) -> list[Request]:
     """Prompts with fewer ids than blocks get fresh ids past the trace's largest: never shared."""
-    fresh = 1 + max((int(r.hash_ids.max()) for r in requests if r.hash_ids.size), default=-1)
+    fresh = 1 + max((int(_hash_ids(r).max()) for r in requests if _hash_ids(r).size), default=-1)
     out = []
     for r in requests:
-        missing = -(-r.num_tokens // bs) - r.hash_ids.size
+        missing = -(-r.num_tokens // bs) - _hash_ids(r).size
         if missing:
-            ids = np.concatenate([r.hash_ids, np.arange(fresh, fresh + missing, dtype=np.int64)])
+            ids = np.concatenate([_hash_ids(r), np.arange(fresh, fresh + missing, dtype=np.int64)])
             fresh += missing
             r = dataclasses.replace(r, hash_ids=ids)
         out.append(r)

@@ -12,7 +12,8 @@ Nodes are duck-typed: any object with ``id``, ``last_access``, ``created``, ``hi
 from __future__ import annotations
 
 import heapq
-from typing import Any, Callable, Iterable, Protocol
+from collections.abc import Callable, Iterable
+from typing import Any, Generic, Protocol, TypeVar
 
 from hicache_jax.spec import EvictionPolicy
 
@@ -23,6 +24,9 @@ class _Rankable(Protocol):
     created: float
     hit_count: int
     priority: int
+
+
+_N = TypeVar("_N", bound=_Rankable)
 
 
 #: hit_count at which an SLRU node moves from the probationary to the protected segment.
@@ -43,7 +47,7 @@ _ENTRIES: dict[EvictionPolicy, Callable[[Any], tuple]] = {
 }
 
 
-def priority_key(policy: "str | EvictionPolicy") -> Callable[[_Rankable], tuple]:
+def priority_key(policy: str | EvictionPolicy) -> Callable[[_Rankable], tuple]:
     """Return ``key(node) -> tuple``; smaller keys are evicted first.
 
     The node id is *not* part of the key; :class:`VictimHeap` appends it as the tie-break so
@@ -53,7 +57,7 @@ def priority_key(policy: "str | EvictionPolicy") -> Callable[[_Rankable], tuple]
     return lambda n: entry(n)[:-2]
 
 
-class VictimHeap:
+class VictimHeap(Generic[_N]):
     """Min-heap of eviction candidates under one strategy.
 
     Args:
@@ -67,15 +71,15 @@ class VictimHeap:
 
     __slots__ = ("_entry", "_heap")
 
-    def __init__(self, policy: "str | EvictionPolicy", nodes: Iterable[_Rankable] = ()) -> None:
+    def __init__(self, policy: str | EvictionPolicy, nodes: Iterable[_N] = ()) -> None:
         self._entry = _ENTRIES[EvictionPolicy.parse(policy)]
         self._heap = list(map(self._entry, nodes))
         heapq.heapify(self._heap)
 
-    def push(self, node: _Rankable) -> None:
+    def push(self, node: _N) -> None:
         heapq.heappush(self._heap, self._entry(node))
 
-    def pop(self) -> _Rankable:
+    def pop(self) -> _N:
         """Remove and return the least valuable node; IndexError when empty."""
         return heapq.heappop(self._heap)[-1]
 
@@ -92,14 +96,14 @@ FRESH_FIRST = frozenset({EvictionPolicy.MRU, EvictionPolicy.FILO, EvictionPolicy
                          EvictionPolicy.SLRU})
 
 
-def eviction_order(policy: "str | EvictionPolicy", leaves: Iterable[Any], budget_tokens: int,
+def eviction_order(policy: str | EvictionPolicy, leaves: Iterable[Any], budget_tokens: int,
                    root: Any) -> list:
     """The device nodes eviction would take first, in order, until ``budget_tokens`` are
     covered, without changing anything: leaves by priority, and a parent once every one of its
     device children has gone before it (as :meth:`HiCache.evict` frees them), unless it is
     locked or ``root``. Nodes need ``parent``, ``device_children``, ``lock_ref``,
     ``num_tokens`` and the key fields."""
-    heap = VictimHeap(policy, leaves)
+    heap: VictimHeap[Any] = VictimHeap(policy, leaves)
     left: dict = {}
     order, covered = [], 0
     while heap and covered < budget_tokens:
@@ -115,6 +119,6 @@ def eviction_order(policy: "str | EvictionPolicy", leaves: Iterable[Any], budget
     return order
 
 
-def hottest_first(policy: "str | EvictionPolicy", nodes: Iterable[Any]) -> list:
+def hottest_first(policy: str | EvictionPolicy, nodes: Iterable[Any]) -> list:
     """``nodes`` most valuable first: the reverse of eviction order."""
     return sorted(nodes, key=_ENTRIES[EvictionPolicy.parse(policy)], reverse=True)

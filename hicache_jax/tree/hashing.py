@@ -29,7 +29,8 @@ on the project's machine (``benchmarks/bench_storage.py`` prints it beside an en
 from __future__ import annotations
 
 import hashlib
-from typing import Any, Hashable
+from collections.abc import Hashable
+from typing import Any
 
 import numpy as np
 import xxhash

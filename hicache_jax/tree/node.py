@@ -17,7 +17,6 @@ import numpy as np
 
 from hicache_jax.tree.hashing import chain_hashes, namespace_hash
 
-
 # ----------------------------------------------------------------------------- nodes / results
 
 @dataclass(slots=True, eq=False)
@@ -59,10 +58,10 @@ class TreeNode:
 
     id: int
     key: np.ndarray
-    parent: "TreeNode | None"
+    parent: TreeNode | None
     children: dict = field(default_factory=dict)
-    value: "np.ndarray | None" = None
-    host_value: "np.ndarray | None" = None
+    value: np.ndarray | None = None
+    host_value: np.ndarray | None = None
     lock_ref: int = 0
     host_pins: int = 0
     hit_count: int = 0
@@ -75,8 +74,8 @@ class TreeNode:
     device_epoch: int = 0
     redundant_tokens: int = 0
     page_size: int = 1
-    hash_parent: "TreeNode | None" = None
-    hashes: "np.ndarray | None" = None
+    hash_parent: TreeNode | None = None
+    hashes: np.ndarray | None = None
 
     @property
     def page_hashes(self) -> np.ndarray:
@@ -94,27 +93,30 @@ class TreeNode:
         return hashes
 
     def _compute_hashes(self) -> np.ndarray:
-        chain, node = [], self
-        while node.hashes is None:
+        chain: list[TreeNode] = []
+        node: TreeNode | None = self
+        # node becomes None only above a detached root-child (the root holds the empty array)
+        while node is not None and node.hashes is None:
             chain.append(node)
             node = node.hash_parent
-            if node is None:  # the root holds the empty array, so only a detached root-child
-                break
         if node is None or (node.hash_parent is None and node.key.shape[0] == 0):
             prev = None  # under a root: the namespace seeds the chain
         else:
-            prev = int(node.hashes[-1])
+            prev = int(node.page_hashes[-1])  # computed: the loop stopped at it
         for n in reversed(chain):
             seed = namespace_hash(n.extra_key) if prev is None else prev
             n.hashes = chain_hashes(seed, n.key.reshape(-1, n.page_size))
             prev = int(n.hashes[-1])
-        return self.hashes
+        hashes = self.hashes
+        assert hashes is not None  # self is chain[0]: computed above
+        return hashes
 
     def prefix_tokens(self) -> np.ndarray:
         """int32 tokens of the whole prefix ending at this node, root first (a new array). It
         follows ``hash_parent``, so it still answers once the node was deleted from the tree
         (``parent`` None): what a stale match re-matches. O(depth), one concatenation."""
-        parts, node = [], self
+        parts: list[np.ndarray] = []
+        node: TreeNode | None = self
         while node is not None:
             parts.append(node.key)
             node = node.hash_parent
@@ -142,8 +144,9 @@ class TreeNode:
         return self.parent is None and self.key.shape[0] == 0
 
     def __repr__(self) -> str:
-        return (f"TreeNode(id={self.id}, tokens={self.num_tokens}, device={self.value is not None}, "
-                f"host={self.host_value is not None}, lock_ref={self.lock_ref})")
+        return (f"TreeNode(id={self.id}, tokens={self.num_tokens}, "
+                f"device={self.value is not None}, host={self.host_value is not None}, "
+                f"lock_ref={self.lock_ref})")
 
 
 @dataclass(frozen=True)

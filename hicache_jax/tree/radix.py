@@ -3,8 +3,8 @@
 A node's ``key`` is a whole number of pages of tokens. ``value`` holds the node's device page
 ids (one int32 per page; ``None`` once evicted from device) and ``host_value`` its host page ids
 (``None`` until backed up). Keys are compared with numpy (one ``memcmp`` or vector compare per
-node, rounded down to a page boundary), never token by token in Python. Only whole pages are cached: a
-trailing partial page is ignored by :meth:`RadixTree.match` and :meth:`RadixTree.insert`.
+node, rounded down to a page boundary), never token by token in Python. Only whole pages are cached:
+a trailing partial page is ignored by :meth:`RadixTree.match` and :meth:`RadixTree.insert`.
 
 Keys are int32 (:func:`~hicache_jax.validation.as_tokens`: token ids beyond int32 are refused;
 half the bytes of int64, and the tree keeps every cached token of both tiers). Children are
@@ -55,15 +55,15 @@ Threading: the tree is not thread-safe; only the thread that owns the cache touc
 from __future__ import annotations
 
 import time
-from typing import Any, Callable, Hashable, Iterator
+from collections.abc import Callable, Hashable, Iterator
+from typing import Any
 
 import numpy as np
 
 from hicache_jax.errors import HiCacheError
-from hicache_jax.tree.tiers import EMPTY_IDS, TierIndex
 from hicache_jax.tree.node import InsertResult, TreeMatch, TreeNode, chain_hashes, namespace_hash
-from hicache_jax.validation import (TOKEN_DTYPE, as_distinct_ids, as_tokens, check_extra_key,
-                                    is_int)
+from hicache_jax.tree.tiers import EMPTY_IDS, TierIndex
+from hicache_jax.validation import TOKEN_DTYPE, as_distinct_ids, as_tokens, check_extra_key, is_int
 
 _EMPTY_U64 = np.zeros(0, np.uint64)
 _MEMCMP_MAX = 2048  # tokens; see _common_len
@@ -177,6 +177,7 @@ class RadixTree(TierIndex):
         """Split ``node`` after ``ntok`` tokens (a page multiple); return the new upper part."""
         p = ntok // self.page_size
         parent = node.parent
+        assert parent is not None, "the root is never split"
         hashes = node.hashes  # sliced if computed, else both parts compute theirs on demand
         upper = self._new_node(node.key[:ntok], parent, None if hashes is None else hashes[:p],
                                node.extra_key, node.last_access)
@@ -347,6 +348,7 @@ class RadixTree(TierIndex):
             raise HiCacheError(f"{node!r} is not a deletable leaf (has children, locked, "
                                "host-pinned, or not in the tree)")
         parent = node.parent
+        assert parent is not None, "an evictable node is a non-root node of the tree"
         del parent.children[self._child_key(parent, node.key[: self.page_size], node.extra_key)]
         self._unindex_leaf(node)
         node.parent = None
@@ -436,7 +438,8 @@ class RadixTree(TierIndex):
         for node in nodes:
             parent, kids = node.parent, list(node.children.values())
             assert parent is not None and not node.is_root
-            assert parent.children.get(self._child_key(parent, node.key[:ps], node.extra_key)) is node
+            assert parent.children.get(
+                self._child_key(parent, node.key[:ps], node.extra_key)) is node
             assert node.num_tokens > 0 and node.num_tokens == node.num_pages * ps, "whole pages"
             assert node.key.dtype == TOKEN_DTYPE and node.page_hashes.dtype == np.uint64
             assert parent is root or node.extra_key == parent.extra_key

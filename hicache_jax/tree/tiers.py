@@ -10,8 +10,8 @@ leaves the tree:
 * ``evictable_device`` = nodes that are unlocked, hold device pages and have no child holding
   device pages (what device eviction may take next);
 * ``evictable_host`` = nodes that are unlocked, not host-pinned, host-only and childless;
-* ``redundant`` = nodes that are unlocked, not host-pinned and hold pages on both tiers (a host copy whose
-  device pages are still there: what ``drop_host_value`` may give up).
+* ``redundant`` = nodes that are unlocked, not host-pinned and hold pages on both tiers (a host copy
+  whose device pages are still there: what ``drop_host_value`` may give up).
 
 Each is kept in O(1) per changed node from the node's own fields (``lock_ref``, ``value``,
 ``host_value``, ``device_children``, ``children``), never by a scan; :meth:`TierIndex.check_index`
@@ -31,6 +31,13 @@ from hicache_jax.tree.node import TreeNode
 from hicache_jax.validation import as_distinct_ids
 
 EMPTY_IDS = np.zeros(0, np.int32)
+
+
+def _parent(node: TreeNode) -> TreeNode:
+    """The parent of a non-root node of the tree (only the root and deleted nodes have none)."""
+    parent = node.parent
+    assert parent is not None, f"{node!r} is the root or not in the tree"
+    return parent
 
 
 class HeldPages:
@@ -71,8 +78,8 @@ class TierIndex:
             in all / unlocked / locked nodes (evictable + protected = device).
         host_tokens: tokens held on host.
         host_evictable_tokens: tokens of unlocked, not host-pinned host-only nodes: exactly
-            what host eviction can free (a host-only node's descendants are host-only, and a lock below it would
-            lock it too).
+            what host eviction can free (a host-only node's descendants are host-only, and a lock
+            below it would lock it too).
         redundant: set of unlocked nodes holding pages on both tiers; redundant_tokens their
             tokens.
     """
@@ -145,7 +152,7 @@ class TierIndex:
         if node.value is not None:
             self._account_device(node, -1)
             self._device_held.remove(node.value)
-            node.parent.device_children -= 1
+            _parent(node).device_children -= 1
         if node.host_value is not None:
             self.host_tokens -= node.num_tokens
             self._host_held.remove(node.host_value)
@@ -164,9 +171,10 @@ class TierIndex:
         node.value = ids
         self._device_held.add(ids)
         self._account_device(node, +1)
-        node.parent.device_children += 1
+        parent = _parent(node)
+        parent.device_children += 1
         self._refresh(node)
-        self._refresh(node.parent)
+        self._refresh(parent)
 
     def owns(self, node: TreeNode) -> bool:
         """Whether ``node`` (a TreeNode) is in this tree, root included (O(depth) walk): a node
@@ -194,13 +202,14 @@ class TierIndex:
                                "children, or not in the tree)")
         if node.host_value is None:
             raise HiCacheError(f"{node!r} has no host copy: back it up or delete_leaf it")
-        ids = node.value
+        ids, parent = node.value, _parent(node)
+        assert ids is not None, "a device-evictable node holds device pages"
         self._account_device(node, -1)
         self._device_held.remove(ids)
         node.value = None
-        node.parent.device_children -= 1
+        parent.device_children -= 1
         self._refresh(node)
-        self._refresh(node.parent)
+        self._refresh(parent)
         return ids
 
     def set_host_value(self, node: TreeNode, host_ids: Any, *, validated: bool = False) -> None:
@@ -230,6 +239,7 @@ class TierIndex:
         if node not in self.redundant:
             raise HiCacheError(f"{node!r} is not redundant (locked, or not on both tiers)")
         ids = node.host_value
+        assert ids is not None, "a redundant node holds host pages"
         node.host_value = None
         self._host_held.remove(ids)
         self.host_tokens -= node.num_tokens
@@ -252,7 +262,7 @@ class TierIndex:
             ids = as_distinct_ids(device_ids, node.num_pages, "device_ids")
         if node.value is not None:
             raise HiCacheError(f"{node!r} already holds device pages")
-        if node.parent.value is None:
+        if _parent(node).value is None:
             raise HiCacheError(f"parent of {node!r} is not on device: load back root-first")
         if self._device_held.any_held(ids):
             raise HiCacheError("device_ids has pages the tree already holds")

@@ -40,16 +40,29 @@ two buffers per key.
 from __future__ import annotations
 
 import urllib.parse
-from typing import Any, Protocol, Sequence, runtime_checkable
+from collections.abc import Sequence
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
-from hicache_jax.spec import HostLayout, KVSpec
 from hicache_jax.l3.storage.base import (
-    ENTRY_ROWS, HostPages, StorageError, StorageHandle, StorageUnavailableError, entry_pages,
-    entry_rows)
-from hicache_jax.l3.storage.format import (HEADER_BYTES, EntryCodec, key_strings, namespace,
-                                        namespace_prefix, page_keys)
+    ENTRY_ROWS,
+    HostPages,
+    StorageError,
+    StorageHandle,
+    StorageUnavailableError,
+    entry_pages,
+    entry_rows,
+)
+from hicache_jax.l3.storage.format import (
+    HEADER_BYTES,
+    EntryCodec,
+    key_strings,
+    namespace,
+    namespace_prefix,
+    page_keys,
+)
+from hicache_jax.spec import HostLayout, KVSpec
 
 __all__ = [
     "StorageBackend", "StorageHandle", "StorageError", "StorageUnavailableError", "HostPages",
@@ -90,14 +103,16 @@ _MOONCAKE_OPTIONS = {"local_hostname": str, "protocol": str, "device_names": str
 
 
 def open_storage(url: str, spec: KVSpec, host_buffer: np.ndarray,
-                 layout: HostLayout | str = HostLayout.PAGE_FIRST, **options: Any) -> StorageBackend:
+                 layout: HostLayout | str = HostLayout.PAGE_FIRST,
+                 **options: Any) -> StorageBackend:
     """Open the L3 backend named by ``url`` over the numpy page buffer ``host_buffer``.
 
     Args:
         url: ``file:///dir``, ``mooncake://host:port`` or ``python://module:Class`` (a
             deployment's own backend, see ``plugin``), or ``throttle+file:///dir?gbps=G&
-            latency_ms=L`` (tests and benchmarks: a file store throttled, ``throttle``); options may also come as a query
-            string (``file:///dir?capacity_bytes=1000000000``); keyword ``options`` win.
+            latency_ms=L`` (tests and benchmarks: a file store throttled, ``throttle``); options may
+            also come as a query string (``file:///dir?capacity_bytes=1000000000``); keyword
+            ``options`` win.
         spec: KV spec (its fingerprint namespaces and checks every entry).
         host_buffer: a numpy buffer of pages in ``layout`` (a staging pool the caller owns),
             borrowed for the backend's lifetime.

@@ -15,13 +15,14 @@ import collections
 import concurrent.futures
 import threading
 import time
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
 from hicache_jax.errors import HiCacheError
-from hicache_jax.spec import HostLayout, KVSpec
 from hicache_jax.l3.storage.format import HEADER_BYTES, EntryCodec, check_keys
+from hicache_jax.spec import HostLayout, KVSpec
 from hicache_jax.validation import check_ids_in_range, is_int
 
 
@@ -74,13 +75,15 @@ class HostPages:
             try:
                 layout = HostLayout(layout)
             except ValueError:
-                raise ValueError(f"layout={layout!r} is not one of: "
-                                 f"{', '.join(m.value for m in HostLayout)}, {ENTRY_ROWS}") from None
+                raise ValueError(
+                    f"layout={layout!r} is not one of: "
+                    f"{', '.join(m.value for m in HostLayout)}, {ENTRY_ROWS}") from None
         if not isinstance(buffer, np.ndarray):
             raise TypeError(f"host_buffer must be a numpy array, got {type(buffer).__name__}")
         dtype = np.dtype(np.uint8) if self.entries else spec.bits_dtype
         if buffer.dtype != dtype:
-            raise ValueError(f"host_buffer.dtype={buffer.dtype} must be {dtype} for layout {layout}")
+            raise ValueError(
+                f"host_buffer.dtype={buffer.dtype} must be {dtype} for layout {layout}")
         if not buffer.flags.c_contiguous or not buffer.flags.writeable:
             raise ValueError("host_buffer must be C-contiguous and writeable")
         tail = (spec.page_size, spec.num_kv_heads, spec.head_dim)
@@ -109,7 +112,8 @@ class HostPages:
         # (~0.2 us; an as_strided view per page cost ~8 us, 1 ms per 128-page batch)
         if self.entries:
             self.stride = HEADER_BYTES + spec.page_bytes
-            self._pages = buffer[:, HEADER_BYTES:].reshape(num_pages, self._chunks, spec.chunk_bytes)
+            self._pages = buffer[:, HEADER_BYTES:].reshape(num_pages, self._chunks,
+                                                           spec.chunk_bytes)
         elif layout is HostLayout.PAGE_FIRST:
             self.stride = spec.page_bytes
             self._pages = self._flat.reshape(num_pages, self._chunks, spec.chunk_bytes)
@@ -291,7 +295,7 @@ class BackendBase:
             lane.shutdown(wait=True)
         self._close()
 
-    def __enter__(self) -> "BackendBase":
+    def __enter__(self) -> BackendBase:
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -334,7 +338,8 @@ class BackendBase:
                 if handle._cancelled:
                     break
                 stop = start + self.batch_pages
-                ok = np.asarray(fn(handle.keys[start:stop], handle.host_ids[start:stop]), dtype=bool)
+                ok = np.asarray(fn(handle.keys[start:stop], handle.host_ids[start:stop]),
+                                dtype=bool)
                 handle._ok[start:stop] = ok
         except BaseException as e:  # a bug, not an I/O failure: surfaced by wait()
             error = e

@@ -35,18 +35,20 @@ failure is a miss, not an exception; an error raised inside the backend is a bug
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import os
 import time
 import uuid
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
 from hicache_jax.errors import HiCacheError
-from hicache_jax.spec import KVSpec
 from hicache_jax.l3.storage.base import StorageError
 from hicache_jax.l3.storage.format import key_strings, namespace_prefix, page_keys
+from hicache_jax.spec import KVSpec
 from hicache_jax.tree.hashing import chain_digests, namespace_seed
 
 SPEC = KVSpec(num_layers=2, num_kv_heads=2, head_dim=8, dtype="bfloat16", page_size=4)
@@ -81,10 +83,8 @@ def check(factory: Callable[[KVSpec, np.ndarray, str], Any], timeout_s: float = 
         try:
             ran = fn(probe)
         finally:
-            try:
+            with contextlib.suppress(Exception):
                 store.close()
-            except Exception:
-                pass
         if ran is not False:
             passed.append(name)
     return passed

@@ -1,11 +1,12 @@
 """File backend: one file per page entry in a local directory (the NVMe case).
 
-Layout: ``<root>/<last 2 hex of the key>/<key>`` (keys not ending in hex: a digest picks the folder), temporary files in ``<root>/.tmp``. A put writes
-the header and the page with one ``writev`` straight from the page buffer into a temp file, then
-``os.replace``s it into place, so a reader sees a whole entry or none; a get ``readv``s header and
-page straight into the host page and checks them (bad header, short file or checksum mismatch:
-a miss, and the broken file is removed so a later put can repair it). No fsync by default
-(``fsync=True`` syncs the file before the rename and the directory after).
+Layout: ``<root>/<last 2 hex of the key>/<key>`` (keys not ending in hex: a digest picks the
+folder), temporary files in ``<root>/.tmp``. A put writes the header and the page with one
+``writev`` straight from the page buffer into a temp file, then ``os.replace``s it into place, so a
+reader sees a whole entry or none; a get ``readv``s header and page straight into the host page and
+checks them (bad header, short file or checksum mismatch: a miss, and the broken file is removed so
+a later put can repair it). No fsync by default (``fsync=True`` syncs the file before the rename and
+the directory after).
 
 Capacity (optional): LRU by file mtime, which every instance sharing the directory updates on a
 hit, so the order is shared. Each instance counts its own writes; when its estimate exceeds the
@@ -30,6 +31,7 @@ Threads: the lanes of ``BackendBase``; this module holds no JAX arrays.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
 import os
@@ -37,13 +39,14 @@ import re
 import stat
 import time
 import uuid
-from typing import Any, Iterator, Sequence
+from collections.abc import Iterator, Sequence
+from typing import Any
 
 import numpy as np
 
-from hicache_jax.spec import HostLayout, KVSpec
 from hicache_jax.l3.storage.base import BackendBase, StorageError, StorageUnavailableError
 from hicache_jax.l3.storage.format import HEADER_BYTES, Verdict, check_key_prefix, check_keys
+from hicache_jax.spec import HostLayout, KVSpec
 from hicache_jax.validation import check_bool, is_int
 
 _TMP = ".tmp"
@@ -94,7 +97,8 @@ class FileStorage(BackendBase):
                 self._own_folder(os.path.join(root, name))
         except OSError as e:
             self.close()
-            raise StorageUnavailableError(f"file storage directory {root!r} is not usable: {e}") from e
+            raise StorageUnavailableError(
+                f"file storage directory {root!r} is not usable: {e}") from e
         except StorageUnavailableError:
             self.close()
             raise
@@ -105,17 +109,15 @@ class FileStorage(BackendBase):
         self._since_scan = 0
         self._last_sweep = time.monotonic()
         if capacity_bytes is not None:
-            self._enforce_capacity()  # sweeps the temp folder too
+            self._enforce_capacity(capacity_bytes)  # sweeps the temp folder too
         else:
             self._sweep_tmp()
 
     @staticmethod
     def _own_folder(path: str) -> None:
         """Create ``path`` or check that it is a real directory (not a symlink to one)."""
-        try:
+        with contextlib.suppress(FileExistsError):
             os.mkdir(path)
-        except FileExistsError:
-            pass
         if not stat.S_ISDIR(os.lstat(path).st_mode):
             raise StorageUnavailableError(
                 f"file storage folder {path!r} is a symlink or not a directory: the store keeps "
@@ -228,7 +230,7 @@ class FileStorage(BackendBase):
             self._since_scan += written * entry
             if (self._usage > self.capacity_bytes
                     or self._since_scan > _RESCAN_FRACTION * self.capacity_bytes):
-                self._enforce_capacity()
+                self._enforce_capacity(self.capacity_bytes)
         if time.monotonic() - self._last_sweep >= _SWEEP_INTERVAL_S:
             self._sweep_tmp()
         return ok
@@ -265,12 +267,13 @@ class FileStorage(BackendBase):
                 for folder in _FOLDERS for name, st in self._listing(folder)
                 if _folder(name) == folder and _is_key(name)]
 
-    def _enforce_capacity(self) -> None:
+    def _enforce_capacity(self, capacity_bytes: int) -> None:
+        """Remove the oldest entries down to the low-water mark once over ``capacity_bytes``."""
         entries = self._scan()
         total = self._sweep_tmp() + sum(size for _, size, _, _, _ in entries)
-        if total > self.capacity_bytes:
+        if total > capacity_bytes:
             entries.sort()
-            target = _LOW_WATER * self.capacity_bytes
+            target = _LOW_WATER * capacity_bytes
             victims: dict[str, list[tuple[str, int]]] = {}
             for _, size, folder, name, ino in entries:
                 if total <= target:

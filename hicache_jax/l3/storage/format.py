@@ -2,8 +2,8 @@
 
 Key: ``hcj2_<spec fingerprint>_<namespace>_<page digest>`` (``<namespace>-g<k>`` in a
 namespace's generation k, see :func:`key_strings`) where the page digest (32 hex chars)
-is the 128-bit chained digest of :mod:`hicache_jax.tree.hashing` (it covers every token of the prefix
-ending with the page, seeded by the fingerprint and ``extra_key``), the namespace is a short
+is the 128-bit chained digest of :mod:`hicache_jax.tree.hashing` (it covers every token of the
+prefix ending with the page, seeded by the fingerprint and ``extra_key``), the namespace is a short
 digest of ``extra_key`` and the fingerprint (it lets a store be listed by namespace), and the
 fingerprint is :meth:`KVSpec.fingerprint`. Two models, two ``extra_key`` namespaces, or two
 prefixes never share an entry (short of a 128-bit collision). Keys of the earlier ``hcj1`` scheme
@@ -19,8 +19,9 @@ A value whose header, length, key digest or checksum does not match is a miss (n
 header's key digest (of the key string) catches an entry stored under another key (a renamed or
 mixed-up object); which prefix a key names is the key's own 128-bit digest.
 Checksums: ``xxh3`` (64-bit XXH3 from the ``xxhash`` package, several times cheaper per byte;
-the default when it is installed) or ``crc32`` (zlib; the default without it). Readers check whichever algorithm the
-header names; an entry whose algorithm this process cannot compute is a miss.
+the default when it is installed) or ``crc32`` (zlib; the default without it). Readers check
+whichever algorithm the header names; an entry whose algorithm this process cannot compute is a
+miss.
 """
 
 from __future__ import annotations
@@ -31,12 +32,13 @@ import hashlib
 import re
 import struct
 import zlib
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
-from hicache_jax.tree.hashing import chain_digests, namespace_seed, namespace_tag
 from hicache_jax.spec import KVSpec
+from hicache_jax.tree.hashing import chain_digests, namespace_seed, namespace_tag
 
 KEY_PREFIX = "hcj2"
 HEADER_BYTES = 64
@@ -67,7 +69,7 @@ def _xxh3(parts: Sequence[Any]) -> int:
 
 #: checksum name -> (id stored in the header, function of the payload parts)
 CHECKSUMS = {"crc32": (1, _crc32), "xxh3": (2, _xxh3)}
-_BY_ID = {algo_id: fn for algo_id, fn in CHECKSUMS.values()}
+_BY_ID = dict(CHECKSUMS.values())
 
 
 @functools.cache
@@ -197,13 +199,14 @@ class EntryCodec:
         self._fp = bytes.fromhex(spec.fingerprint())[:8]
 
     def pack_into(self, header: np.ndarray, key: str, payload: Sequence[Any]) -> None:
-        """Write the header of ``key`` / ``payload`` into ``header`` (uint8[64], owned by caller)."""
+        """Write the header of ``key`` / ``payload`` into ``header`` (uint8[64], the caller's)."""
         header[:] = 0
-        _HEADER.pack_into(header, 0, _MAGIC, _VERSION, HEADER_BYTES, self._fp, _key_digest(key),
+        # An ndarray is a buffer; numpy's stubs declare __buffer__ only for Python >= 3.12.
+        _HEADER.pack_into(header, 0, _MAGIC, _VERSION, HEADER_BYTES, self._fp, _key_digest(key),  # type: ignore[arg-type]
                           self.payload_bytes, self._algo, 0, self._fn(payload))
 
     def verify(self, header: np.ndarray, key: str, payload: Sequence[Any],
-               nbytes: int | None = None) -> "Verdict":
+               nbytes: int | None = None) -> Verdict:
         """Whether ``header`` + ``payload`` are a valid entry of ``key`` for this spec.
 
         Args:
@@ -218,7 +221,8 @@ class EntryCodec:
         """
         if nbytes is not None and nbytes != self.entry_bytes:
             return Verdict.INVALID
-        magic, version, hbytes, fp, kd, length, algo, _, checksum = _HEADER.unpack_from(header, 0)
+        # header is a buffer (see pack_into)
+        magic, version, hbytes, fp, kd, length, algo, _, checksum = _HEADER.unpack_from(header, 0)  # type: ignore[arg-type]
         if (magic != _MAGIC or version != _VERSION or hbytes != HEADER_BYTES or fp != self._fp
                 or kd != _key_digest(key) or length != self.payload_bytes):
             return Verdict.INVALID

@@ -49,14 +49,19 @@ import re
 import socket
 import threading
 import time
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
-from hicache_jax.spec import HostLayout, KVSpec
-from hicache_jax.l3.storage.base import (BackendBase, StorageError, StorageHandle,
-                                         StorageUnavailableError)
+from hicache_jax.l3.storage.base import (
+    BackendBase,
+    StorageError,
+    StorageHandle,
+    StorageUnavailableError,
+)
 from hicache_jax.l3.storage.format import HEADER_BYTES, Verdict, check_key_prefix
+from hicache_jax.spec import HostLayout, KVSpec
 from hicache_jax.validation import check_bool, is_real
 
 INSTALL_HINT = ("pip install mooncake-transfer-engine-non-cuda (the import also needs the system "
@@ -87,7 +92,7 @@ def _set_env(values: dict[str, str]) -> None:
 
 
 def import_store_class() -> type:
-    """``mooncake.store.MooncakeDistributedStore``, or ``StorageUnavailableError`` saying why not."""
+    """``mooncake.store.MooncakeDistributedStore``, or ``StorageUnavailableError`` saying why."""
     try:
         from mooncake.store import MooncakeDistributedStore
     except ImportError as e:
@@ -242,7 +247,8 @@ class MooncakeStorage(BackendBase):
     def _register(self, ptr: int, nbytes: int) -> None:
         rc = self._store.register_buffer(ptr, nbytes)
         if rc != 0:
-            raise StorageUnavailableError(f"Mooncake register_buffer({nbytes} bytes) failed: rc={rc}")
+            raise StorageUnavailableError(
+                f"Mooncake register_buffer({nbytes} bytes) failed: rc={rc}")
         self._registered.append(ptr)
 
     # ---- lanes -----------------------------------------------------------------------------
@@ -294,9 +300,11 @@ class MooncakeStorage(BackendBase):
 
     def _run_get(self, handle: StorageHandle, chunks: list[slice]) -> None:
         mover = self._movers["get"]
-        pending = mover.submit(self._get_transfer, handle, chunks[0], 0)
+        pending: concurrent.futures.Future[list[int] | None] | None = mover.submit(
+            self._get_transfer, handle, chunks[0], 0)
         try:
             for k, sl in enumerate(chunks):
+                assert pending is not None  # the loop breaks once nothing is pending
                 codes, pending = pending.result(), None
                 if k + 1 < len(chunks) and not handle._cancelled:
                     pending = mover.submit(self._get_transfer, handle, chunks[k + 1], (k + 1) % 2)
@@ -312,12 +320,14 @@ class MooncakeStorage(BackendBase):
     def _run_put(self, handle: StorageHandle, chunks: list[slice]) -> None:
         mover = self._movers["put"]
         self._put_prepare(handle, chunks[0], 0)
-        pending = mover.submit(self._put_transfer, handle, chunks[0], 0)
+        pending: concurrent.futures.Future[np.ndarray] | None = mover.submit(
+            self._put_transfer, handle, chunks[0], 0)
         try:
             for k, sl in enumerate(chunks):
                 more = k + 1 < len(chunks) and not handle._cancelled
                 if more:
                     self._put_prepare(handle, chunks[k + 1], (k + 1) % 2)  # overlaps transfer k
+                assert pending is not None  # the loop breaks once nothing is pending
                 handle._ok[sl], pending = pending.result(), None
                 if not more:
                     break
@@ -337,10 +347,10 @@ class MooncakeStorage(BackendBase):
             return self._store.batch_get_into(keys, ptrs, [self.codec.entry_bytes] * n)
         buf = self._bufs["get", slot]
         if self.zero_copy:
-            ptrs = [[buf.ctypes.data + i * HEADER_BYTES, self.host.address(p)]
-                    for i, p in enumerate(ids)]
+            pairs = [[buf.ctypes.data + i * HEADER_BYTES, self.host.address(p)]
+                     for i, p in enumerate(ids)]
             return self._store.batch_get_into_multi_buffers(
-                keys, ptrs, [[HEADER_BYTES, self.spec.page_bytes]] * n)
+                keys, pairs, [[HEADER_BYTES, self.spec.page_bytes]] * n)
         ptrs = [buf.ctypes.data + i * self.codec.entry_bytes for i in range(n)]
         return self._store.batch_get_into(keys, ptrs, [self.codec.entry_bytes] * n)
 
@@ -354,10 +364,12 @@ class MooncakeStorage(BackendBase):
             if code >= 0:
                 if self.in_place:
                     header, parts = self.host.header(page), self.host.parts(int(page))
-                elif self.zero_copy:
-                    header, parts = buf[i, :HEADER_BYTES], self.host.parts(int(page))
                 else:
-                    header, parts = buf[i, :HEADER_BYTES], [buf[i, HEADER_BYTES:]]
+                    assert buf is not None, "not in place: the slot's staging rows"
+                    if self.zero_copy:
+                        header, parts = buf[i, :HEADER_BYTES], self.host.parts(int(page))
+                    else:
+                        header, parts = buf[i, :HEADER_BYTES], [buf[i, HEADER_BYTES:]]
                 verdict = self.codec.verify(header, key, parts, code)
                 ok[i] = verdict is Verdict.VALID
                 if ok[i] and buf is not None and not self.zero_copy:
@@ -376,7 +388,7 @@ class MooncakeStorage(BackendBase):
                 down += 1
             else:
                 errors += 1
-        self._health(codes, down, ok.any())
+        self._health(codes, down, bool(ok.any()))
         for key in bad:  # force: our own read just took a lease on it
             self._store.remove(key, True)
         hits = int(ok.sum())
@@ -415,16 +427,16 @@ class MooncakeStorage(BackendBase):
             codes = self._store.batch_put_from(keys, ptrs, [self.codec.entry_bytes] * n)
         elif self.zero_copy:
             buf = self._bufs["put", slot]
-            ptrs = [[buf.ctypes.data + i * HEADER_BYTES, self.host.address(p)]
-                    for i, p in enumerate(ids)]
+            pairs = [[buf.ctypes.data + i * HEADER_BYTES, self.host.address(p)]
+                     for i, p in enumerate(ids)]
             codes = self._store.batch_put_from_multi_buffers(
-                keys, ptrs, [[HEADER_BYTES, self.spec.page_bytes]] * n)
+                keys, pairs, [[HEADER_BYTES, self.spec.page_bytes]] * n)
         else:
             buf = self._bufs["put", slot]
             ptrs = [buf.ctypes.data + i * self.codec.entry_bytes for i in range(n)]
             codes = self._store.batch_put_from(keys, ptrs, [self.codec.entry_bytes] * n)
         ok = np.asarray([c == 0 for c in codes], dtype=bool)
-        self._health(codes, sum(1 for c in codes if c in _TRANSPORT_DOWN), ok.any())
+        self._health(codes, sum(1 for c in codes if c in _TRANSPORT_DOWN), bool(ok.any()))
         stored = int(ok.sum())
         self._count(put_pages=stored, puts_dropped=n - stored,
                     puts_no_space=sum(1 for c in codes if c == NO_AVAILABLE_HANDLE),
@@ -434,7 +446,7 @@ class MooncakeStorage(BackendBase):
     def _health(self, codes: list[int], down: int, any_ok: bool) -> None:
         """Trip the breaker when the master is unreachable, or when transfers fail and none
         of the batch succeeded (a holder gone); a per-object failure does not trip it."""
-        if any(c == RPC_FAIL or c == RPC_TIMEOUT for c in codes) or (down and not any_ok):
+        if any(c in (RPC_FAIL, RPC_TIMEOUT) for c in codes) or (down and not any_ok):
             self._breaker.trip()
             self._count(backend_errors=1)
         else:

@@ -31,7 +31,8 @@ def resolve_class(url: str) -> tuple[type, dict[str, str]]:
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:
-        raise ValueError(f"storage url={url!r}: cannot import module {module_name!r} ({exc})") from None
+        raise ValueError(
+            f"storage url={url!r}: cannot import module {module_name!r} ({exc})") from None
     cls = getattr(module, class_name, None)
     if cls is None:
         raise ValueError(f"storage url={url!r}: module {module_name!r} has no class {class_name!r}")
