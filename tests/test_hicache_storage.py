@@ -776,7 +776,7 @@ def test_engine_outputs_identical_with_prefix_from_l3(url):
 
 
 def test_bench_cli_storage_adds_an_l3_run(tmp_path, capsys):
-    from hicache_jax.engine import cli
+    from hicache_jax.cli.main import main
 
     tiny = ["--quiet", "--no-warmup", "--layers", "2", "--d-model", "32", "--heads", "4",
             "--kv-heads", "2", "--head-dim", "8", "--ffn-dim", "48", "--vocab", "97",
@@ -784,7 +784,7 @@ def test_bench_cli_storage_adds_an_l3_run(tmp_path, capsys):
             "--max-new-tokens", "3", "--page-size", "16", "--device-pages", "8",
             "--host-ratio", "0.5", "--chunk-size", "64"]
     path = tmp_path / "bench.json"
-    assert cli.main(["bench", *tiny, "--storage", f"file://{tmp_path}/l3",
+    assert main(["bench", *tiny, "--storage", f"file://{tmp_path}/l3",
                      "--json", str(path)]) == 0
     out = capsys.readouterr().out
     assert "outputs identical across configurations: yes" in out
