@@ -728,7 +728,8 @@ def test_cross_instance_reuse_two_processes_mooncake():
 
 def test_engine_outputs_identical_with_prefix_from_l3(url):
     from hicache_jax.engine.engine import Engine
-    from hicache_jax.engine.model import DecoderModel, ModelConfig
+    from hicache_jax.engine.model import DecoderModel
+    from hicache_jax.engine.weights import ModelConfig
 
     cfg = ModelConfig(vocab_size=97, num_layers=2, d_model=32, num_heads=4, num_kv_heads=2,
                       head_dim=8, ffn_dim=48)

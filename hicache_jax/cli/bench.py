@@ -35,7 +35,9 @@ from typing import Any
 import numpy as np
 
 from hicache_jax.engine.engine import Engine, Generation
-from hicache_jax.engine.model import DecoderModel, ModelConfig, bucket, load_params
+from hicache_jax.engine.model import DecoderModel
+from hicache_jax.engine.packing import bucket
+from hicache_jax.engine.weights import ModelConfig, load_params
 from hicache_jax.engine.batched import BatchedEngine
 from hicache_jax.engine.workloads import ARRIVALS, WORKLOADS, Workload
 from hicache_jax.cache.hicache import HiCache
