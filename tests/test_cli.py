@@ -48,9 +48,11 @@ def test_bench_table_identical_outputs_and_json(tmp_path, capsys):
 def test_plot_without_matplotlib_exits_before_running(tmp_path, monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if not installed
     path = tmp_path / "p.png"
-    with pytest.raises(SystemExit, match="pip install"):
+    with pytest.raises(SystemExit) as exc:
         main(["bench", *TINY, "--plot", str(path)])
-    assert not path.exists() and "workload" not in capsys.readouterr().out  # nothing ran
+    out, err = capsys.readouterr()
+    assert exc.value.code == 2 and "--plot needs matplotlib: pip install" in err
+    assert not path.exists() and "workload" not in out  # nothing ran
 
 
 def test_plot_writes_a_png(tmp_path):

@@ -252,9 +252,9 @@ def _env() -> dict[str, Any]:
 
 
 def bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    if args.plot:  # fail before minutes of work, not after
-        require_matplotlib()
     try:  # bad sizes or weights: a usage error naming the problem, not a traceback
+        if args.plot:  # fail before minutes of work, not after
+            require_matplotlib()
         bench_processes.check_flags(args)
         if args.seed < 0:
             raise ValueError(f"--seed {args.seed} must be >= 0")

@@ -30,9 +30,10 @@ def write_json(path: str, payload: dict[str, Any]) -> None:
 
 
 def require_matplotlib() -> None:
-    """Exit saying what to install when matplotlib is missing (``bench --plot``)."""
+    """ImportError saying what to install when matplotlib is missing: a command with ``--plot``
+    checks it before its work, and reports it as a usage error."""
     try:
         import matplotlib  # noqa: F401
     except ImportError:
-        raise SystemExit("--plot needs matplotlib: pip install 'hicache-jax[plot]' "
-                         "(or pip install matplotlib)") from None
+        raise ImportError('--plot needs matplotlib: pip install -e ".[plot]" '
+                          "(or pip install matplotlib)") from None

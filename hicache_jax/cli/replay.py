@@ -15,7 +15,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from hicache_jax.cli.output import check_writable, write_json
+from hicache_jax.cli.output import check_writable, require_matplotlib, write_json
 from hicache_jax.replay import driver as replay_mod
 from hicache_jax.replay import simulate as sim
 from hicache_jax.replay.trace import MOONCAKE_BLOCK, TOKEN_PAGE_SIZE
@@ -182,7 +182,7 @@ def replay_command(args: argparse.Namespace, parser: argparse.ArgumentParser) ->
     """``hicache-jax replay TRACE``: see the module doc."""
     try:
         if args.plot:
-            replay_mod.require_matplotlib()
+            require_matplotlib()
         trace, spec, pages = _replay_setup(args)
     except (ValueError, TypeError, OSError, ImportError) as exc:
         parser.exit(2, f"hicache-jax replay: error: {exc}\n")

@@ -45,8 +45,8 @@ from hicache_jax.cache.hicache import HiCache
 from hicache_jax.spec import HiCacheConfig, KVSpec
 from hicache_jax.replay.trace import Trace
 
-__all__ = ["TINY_SPEC", "TIMING_FIELDS", "environment", "format_table", "plot", "replay",
-           "require_matplotlib", "run", "sweep_table", "tables"]
+__all__ = ["TINY_SPEC", "TIMING_FIELDS", "environment", "format_table", "plot", "replay", "run",
+           "sweep_table", "tables"]
 
 #: The replay's default page shape (its page size is the replay's): 8 bytes a token, so a
 #: 60M-token trace fits in memory. ``KVSpec.parse(text, TINY_SPEC, page_size=...)`` takes
@@ -295,15 +295,6 @@ def sweep_table(report: dict[str, Any]) -> str:
         rows.append([d * ps, first["lru_l1_hit_ratio"], first["lru_total_hit_ratio"]] + cells)
     heads = [h for n in names for h in (n, "/LRU(L1+L2)")]
     return format_table(["L1 tokens", "LRU(L1)", "LRU(L1+L2)", *heads], rows)
-
-
-def require_matplotlib() -> None:
-    """ImportError saying what to install when matplotlib is missing (check before replaying)."""
-    try:
-        import matplotlib  # noqa: F401
-    except ImportError:
-        raise ImportError('--plot needs matplotlib: pip install -e ".[plot]" '
-                          "(or pip install matplotlib)") from None
 
 
 def plot(report: dict[str, Any], path: str) -> None:
