@@ -180,7 +180,7 @@ def main() -> None:
         return rd.worker_main(worker, args.worker)
     if args.capacities:
         return sweep_main(args)
-    from hicache_jax.replay.driver import load_trace
+    from hicache_jax.replay.trace import load_trace
 
     trace = load_trace(args.trace, limit=args.limit)
     if trace.format != "mooncake":
@@ -345,7 +345,7 @@ def sweep_worker(p: dict) -> dict:
 
 def sweep_main(args: argparse.Namespace) -> None:
     from benchmarks.common import write_json
-    from hicache_jax.replay.driver import load_trace
+    from hicache_jax.replay.trace import load_trace
 
     trace = load_trace(args.trace, limit=args.limit)
     prompts = rd.Prompts.from_trace(trace)

@@ -152,7 +152,8 @@ def main() -> None:
         return rd.worker_main(worker, args.worker)
     if args.quick:
         args.limit, args.repeats, args.baseline = args.limit or 100, 1, None
-    from hicache_jax.replay.driver import default_device_pages, load_trace
+    from hicache_jax.replay.block_lru import default_device_pages
+    from hicache_jax.replay.trace import load_trace
 
     trace = load_trace(args.trace, block_size=args.block_size, limit=args.limit)
     with tempfile.TemporaryDirectory(prefix="bench_events_") as tmp, \

@@ -111,7 +111,7 @@ def main() -> None:
     if missing or not os.path.exists("/usr/include/valgrind/callgrind.h"):
         raise SystemExit(f"needs valgrind, gcc and valgrind/callgrind.h (missing: "
                          f"{', '.join(missing) or 'callgrind.h'})")
-    from hicache_jax.replay.driver import load_trace
+    from hicache_jax.replay.trace import load_trace
 
     prompts = rd.Prompts.from_trace(load_trace(args.trace))
     l1 = int(args.device_tokens) // prompts.block_size

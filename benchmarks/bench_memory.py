@@ -72,7 +72,7 @@ def main() -> None:
         return rd.worker_main(worker, args.worker)
     if args.trace is None:
         ap.error("the following arguments are required: trace")
-    from hicache_jax.replay.driver import load_trace
+    from hicache_jax.replay.trace import load_trace
 
     results: dict[str, dict] = {}
     with tempfile.TemporaryDirectory(prefix="bench_memory_") as tmp, \

@@ -166,7 +166,8 @@ def main() -> None:
     args = parse_args()
     if args.worker:
         return rd.worker_main(worker, args.worker)
-    from hicache_jax.replay.driver import load_trace, reference_hits
+    from hicache_jax.replay.block_lru import reference_hits
+    from hicache_jax.replay.trace import load_trace
 
     trace = load_trace(args.trace, block_size=args.block_size, limit=args.limit)
     ps = args.block_size

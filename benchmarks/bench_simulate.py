@@ -26,9 +26,10 @@ import argparse
 import os
 
 from benchmarks.common import gbps, memcpy_seconds, print_table, write_json
-from hicache_jax.replay.driver import parse_spec
+from hicache_jax.replay.driver import TINY_SPEC
 from hicache_jax.replay.simulate import Regime, simulate_all
 from hicache_jax.replay.trace import load_trace
+from hicache_jax.spec import KVSpec
 
 DATA = os.path.join(os.path.dirname(__file__), "data", "mooncake_synthetic_1000.jsonl")
 TOKEN_BYTES = 32 * 8 * 128 * 2 * 2  # layers x kv heads x head dim x (K, V) x bfloat16
@@ -68,7 +69,7 @@ def main() -> None:
     a = p.parse_args()
 
     trace = load_trace(a.trace, block_size=512, limit=a.limit)
-    spec = parse_spec(None, a.page_size)
+    spec = KVSpec.parse(None, TINY_SPEC, page_size=a.page_size)
     pages = int(a.l1_tokens) // a.page_size
     nbytes = 64 << 20
     mgbps = gbps(nbytes, memcpy_seconds(nbytes))

@@ -25,7 +25,9 @@ from benchmarks.common import (add_model_flags, memcpy_fn, median_time, model_co
                                print_table, write_json)
 from hicache_jax.memory.device_pool import DevicePagePool
 from hicache_jax.engine.layers import UNROLL_TOKENS
-from hicache_jax.engine.model import DecoderModel, ModelConfig, bucket
+from hicache_jax.engine.model import DecoderModel
+from hicache_jax.engine.packing import bucket
+from hicache_jax.engine.weights import ModelConfig
 
 #: (name, decode rows or prefill tokens): decode rows at a 192-token context, one prefill chunk
 SIZES = [("decode", 1), ("decode", 2), ("decode", 4), ("decode", 8), ("decode", 16),

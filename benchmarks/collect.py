@@ -1,4 +1,4 @@
-"""Collect one device run's benchmark JSONs into one results file (``hicache_jax.engine.results``).
+"""Collect one device run's benchmark JSONs into one results file (``hicache_jax.cli.results``).
 
 ``benchmarks/run_gpu_all.sh`` and ``benchmarks/run_tpu_all.sh`` end with it: every ``*.json`` in
 the run's folder (each script's own) becomes one document of the schema ``hicache-jax compare``
@@ -15,7 +15,7 @@ import json
 import os
 import sys
 
-from hicache_jax.engine.results import collect
+from hicache_jax.cli.results import collect
 
 
 def main(argv=None) -> int:
@@ -43,7 +43,7 @@ def main(argv=None) -> int:
         print(f"{fig['name']:<48} {fig['value']:>10.4g} {fig['unit']:<5} limit "
               f"{fig['limit']:>10.4g} ({fig['limit_name']}): {fig['ratio']:.2f}")
     if doc["skipped"]:
-        print(f"not collected (unknown to hicache_jax.engine.results): {doc['skipped']}")
+        print(f"not collected (unknown to hicache_jax.cli.results): {doc['skipped']}")
     print(f"wrote {out}: {len(doc['figures'])} figures")
     return 0
 

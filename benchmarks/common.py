@@ -118,7 +118,7 @@ def parse_quick(p: argparse.ArgumentParser, argv: Sequence[str] | None,
 
 def model_config(a: argparse.Namespace) -> Any:
     """The ``ModelConfig`` of :func:`add_model_flags`' flags (float32 without ``--dtype``)."""
-    from hicache_jax.engine.model import ModelConfig
+    from hicache_jax.engine.weights import ModelConfig
 
     return ModelConfig(num_layers=a.layers, d_model=a.d_model, num_heads=a.heads,
                        num_kv_heads=a.kv_heads, head_dim=a.head_dim, ffn_dim=a.ffn_dim,

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import sys
 
-from hicache_jax.engine import cli
+from hicache_jax.cli.main import main as hicache_jax_main
 
 GPU_FLAGS = ["--workload", "docqa", "--sessions", "4", "--turns", "6", "--base-tokens", "7936",
              "--segment-tokens", "128", "--max-new-tokens", "16", "--layers", "8",
@@ -51,7 +51,7 @@ def main(argv=None) -> int:
               "(pass --allow-cpu to run anyway, or --tiny for the CPU-sized smoke run)",
               file=sys.stderr)
         return 2
-    return cli.main(["bench", "--engine", "batched", *(TINY_FLAGS if tiny else GPU_FLAGS), *argv])
+    return hicache_jax_main(["bench", "--engine", "batched", *(TINY_FLAGS if tiny else GPU_FLAGS), *argv])
 
 
 if __name__ == "__main__":

@@ -83,7 +83,7 @@ class Prompts:
 
     @classmethod
     def from_trace(cls, trace: Any) -> "Prompts":
-        """A :class:`hicache_jax.replay.driver.Trace`'s prompts (Mooncake or token trace)."""
+        """A :class:`hicache_jax.replay.trace.Trace`'s prompts (Mooncake or token trace)."""
         mooncake = trace.format == "mooncake"
         parts = [r.hash_ids if mooncake else r.token_ids for r in trace.requests]
         offsets = np.concatenate([[0], np.cumsum([p.size for p in parts])]).astype(np.int64)

@@ -1,5 +1,5 @@
 """``python -m hicache_jax bench ...``: the same as the ``hicache-jax`` console script."""
 
-from hicache_jax.engine.cli import main
+from hicache_jax.cli.main import main
 
 raise SystemExit(main())

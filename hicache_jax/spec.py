@@ -187,6 +187,48 @@ class KVSpec:
             text += f"/shard{self.shard}"
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 
+    @classmethod
+    def parse(cls, text: str | None, default: KVSpec, *, page_size: int | None = None,
+              flag: str = "--spec") -> KVSpec:
+        """A spec from a command's ``--spec``: ``"layers=32,kv_heads=8,head_dim=128,
+        dtype=bfloat16,page_size=16,mla=1"`` (comma-separated ``key=value`` items, any subset).
+
+        Args:
+            text: the items; None or empty: ``default`` itself (page size aside).
+            default: where a key left out takes its value (``hicache-jax lower``: Llama-3-8B's
+                KV; ``hicache-jax replay``: one layer, one head of 1, float32).
+            page_size: the page size, when the command sets it by its own flag (``replay
+                --page-size``): then ``page_size`` is not a key of ``text``.
+            flag: the flag named in errors.
+
+        Raises:
+            ValueError: an item that is not ``key=value`` with a known key (naming the item and
+                the keys), or an int key whose value is not an int; KVSpec's own checks.
+        """
+        keys = {"layers": "num_layers", "kv_heads": "num_kv_heads", "head_dim": "head_dim",
+                "dtype": "dtype", "page_size": "page_size", "mla": "mla"}
+        fields = dataclasses.asdict(default)
+        if page_size is not None:
+            del keys["page_size"]
+            fields["page_size"] = page_size
+        for item in filter(None, (text or "").split(",")):
+            key, sep, value = item.partition("=")
+            key, value = key.strip(), value.strip()
+            if not sep or key not in keys:
+                raise ValueError(f"{flag} item {item!r}: expected key=value with key one of "
+                                 f"{', '.join(keys)}")
+            name = keys[key]
+            if name == "dtype":
+                fields[name] = value
+            elif name == "mla":
+                fields[name] = value.lower() in ("1", "true", "yes")
+            else:
+                try:
+                    fields[name] = int(value)
+                except ValueError:
+                    raise ValueError(f"{flag} {item!r}: {value!r} is not an int") from None
+        return cls(**fields)
+
 
 @dataclasses.dataclass(frozen=True)
 class HiCacheConfig:

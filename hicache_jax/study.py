@@ -34,8 +34,10 @@ from typing import Any
 
 import numpy as np
 
-from hicache_jax.replay import MOONCAKE_BLOCK, Trace
 from hicache_jax.replay import driver as _replay
+from hicache_jax.replay.block_lru import default_device_pages
+from hicache_jax.replay.trace import MOONCAKE_BLOCK, Trace
+from hicache_jax.replay.trace import load_trace as _load_trace
 from hicache_jax.spec import HiCacheConfig, KVSpec
 from hicache_jax.validation import check_int, is_real
 
@@ -101,7 +103,7 @@ def load_trace(source: str | os.PathLike | Trace, *, block_size: int = MOONCAKE_
                 f"{', '.join(names) or 'none found'} (the repository's benchmarks/data and "
                 f"tests/data, and ${TRACES_ENV}'s folders)")
         path = str(found)
-    return _replay.load_trace(path, block_size=block_size, limit=limit)
+    return _load_trace(path, block_size=block_size, limit=limit)
 
 
 # ------------------------------------------------------------------------------------ sweep
@@ -124,7 +126,7 @@ def l1_pages(trace: Trace, page_size: int, *, capacities: Iterable[float] | None
     elif device_pages is not None:
         pages = [check_int("device_pages", p, 1) for p in device_pages]
     else:
-        pages = [_replay.default_device_pages(trace, page_size)]
+        pages = [default_device_pages(trace, page_size)]
     if not pages:
         raise ValueError(f"{name}: no L1 size given")
     return list(dict.fromkeys(pages))
@@ -212,8 +214,8 @@ def _spec(spec: KVSpec | str | None, page_size: int | None, trace: Trace) -> KVS
         return spec
     if spec is not None and not isinstance(spec, str):
         raise TypeError(f"spec={spec!r} must be a KVSpec, a string or None")
-    return _replay.parse_spec(spec, page_size if page_size is not None
-                              else trace.default_page_size())
+    return KVSpec.parse(spec, _replay.TINY_SPEC, page_size=page_size if page_size is not None
+                        else trace.default_page_size())
 
 
 def _names(values: Sequence[str] | str, arg: str) -> list[str]:

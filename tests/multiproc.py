@@ -8,7 +8,7 @@ the deadline or when the test fails is killed (``SIGKILL`` to its group) in a ``
 straggler outlives the test.
 
 Import it as ``from multiproc import launch``. Starting, killing and waiting are
-``hicache_jax.engine.launch``'s (the same code ``hicache-jax bench --processes N`` runs).
+``hicache_jax.cli.launch``'s (the same code ``hicache-jax bench --processes N`` runs).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import sys
 import tempfile
 import time
 
-from hicache_jax.engine import launch as launch_mod
+from hicache_jax.cli import launch as launch_mod
 
 WORKERS = pathlib.Path(__file__).with_name("multiproc_workers.py")
 ROOT = WORKERS.parent.parent

@@ -8,10 +8,12 @@ import pytest
 
 from hicache_jax import HiCacheConfig, HiCacheError, KVSpec
 from hicache_jax.cache.hicache import HiCache
-from hicache_jax.engine.batch_state import PageLedger
-from hicache_jax.engine.batched import BatchedEngine, EngineStalledError
+from hicache_jax.engine.batch_state import EngineStalledError, PageLedger
+from hicache_jax.engine.batched import BatchedEngine
 from hicache_jax.engine.engine import Engine
-from hicache_jax.engine.model import DecoderModel, ModelConfig, trace_count
+from hicache_jax.engine.layers import trace_count
+from hicache_jax.engine.model import DecoderModel
+from hicache_jax.engine.weights import ModelConfig
 from hicache_jax.engine.workloads import ClosedLoop, multiturn_chat
 from hicache_jax.memory.transfer import TransferHandle
 

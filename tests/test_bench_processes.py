@@ -1,4 +1,4 @@
-"""`hicache-jax bench` over several processes (engine/bench_processes.py, engine/launch.py): two
+"""`hicache-jax bench` over several processes (cli/bench_processes.py, cli/launch.py): two
 local jax.distributed processes generate exactly the tokens, and count exactly the hits and
 transfers, of one process running the same tensor-parallel programs over two devices, and of
 the unsharded model on one device; bad process flags are usage errors before anything runs."""
@@ -10,8 +10,9 @@ import sys
 
 import pytest
 
-from hicache_jax.engine import cli, launch
-from hicache_jax.engine.bench_processes import timing_free
+from hicache_jax.cli import launch
+from hicache_jax.cli.main import main
+from hicache_jax.cli.bench_processes import timing_free
 
 # test_cli.py's tiny model and workload (write_through: L2 sees traffic), with 2 kv heads.
 TINY = ["--quiet", "--no-warmup", "--layers", "2", "--d-model", "32", "--heads", "4",
@@ -35,14 +36,14 @@ def _tensor_parallel_reference(path, devices: int) -> dict:
 
 def test_two_processes_match_one_process_token_for_token_and_figure_for_figure(tmp_path):
     two = tmp_path / "two.json"
-    assert cli.main(["bench", *TINY, "--processes", "2", "--json", str(two)]) == 0
+    assert main(["bench", *TINY, "--processes", "2", "--json", str(two)]) == 0
     multi = json.loads(two.read_text())
     assert (multi["env"]["process_count"], multi["env"]["device_count"]) == (2, 2)
     assert multi["outputs_identical"] is True  # configs alike and every process alike
     reference = _tensor_parallel_reference(tmp_path / "tp.json", 2)
     assert (reference["env"]["process_count"], reference["env"]["device_count"]) == (1, 2)
     single = tmp_path / "one.json"
-    assert cli.main(["bench", *TINY, "--json", str(single)]) == 0
+    assert main(["bench", *TINY, "--json", str(single)]) == 0
     unsharded = json.loads(single.read_text())
     for other in (reference, unsharded):
         assert multi["outputs"] == other["outputs"]
@@ -68,7 +69,7 @@ def test_two_processes_match_one_process_token_for_token_and_figure_for_figure(t
 def test_bad_process_flags_are_usage_errors_before_anything_runs(flags, message, capsys):
     argv = [f for f in TINY if f != "--quiet"]
     with pytest.raises(SystemExit) as e:
-        cli.main(["bench", *argv, *flags])
+        main(["bench", *argv, *flags])
     assert e.value.code == 2
     err = capsys.readouterr()
     assert message in err.err and "workload" not in err.out  # nothing ran
@@ -80,7 +81,7 @@ def test_the_batched_engine_runs_tensor_parallel_in_one_process(capsys):
     four = [f for f in TINY]
     four[four.index("--kv-heads") + 1] = "4"
     four[four.index("--sessions") + 1] = "2"
-    assert cli.main(["bench", *four, "--engine", "batched", "--tensor-parallel",
+    assert main(["bench", *four, "--engine", "batched", "--tensor-parallel",
                      "--warmup-passes", "1"]) == 0
     out = capsys.readouterr().out
     assert "outputs identical to the serial engine (tokens, first-token logits" in out
@@ -92,7 +93,7 @@ def test_a_failing_process_fails_the_launch_with_its_output(tmp_path, capfd):
     process 0's exit code and shows process 1's end (its own error, or jax's abort when process
     0, the coordination service's host, left first), nothing left running."""
     missing = tmp_path / "missing.npz"
-    assert cli.main(["bench", *TINY, "--processes", "2", "--weights", str(missing)]) == 2
+    assert main(["bench", *TINY, "--processes", "2", "--weights", str(missing)]) == 2
     err = capfd.readouterr().err
     assert f"weights file '{missing}' does not exist" in err  # process 0's, inherited stderr
     assert "--- process 1 of 2 ended with " in err

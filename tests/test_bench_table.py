@@ -1,11 +1,12 @@
-"""hicache_jax.engine.bench_table: ``hicache-jax bench`` as a table, the command's own figures."""
+"""hicache_jax.cli.bench_table: ``hicache-jax bench`` as a table, the command's own figures."""
 
 import json
 import sys
 
 import pytest
 
-from hicache_jax.engine import bench_table as compare, cli
+from hicache_jax.cli import bench, bench_table
+from hicache_jax.cli.main import main
 
 # test_cli.py's tiny model and workload (compiles shared within a run)
 FLAGS = dict(no_warmup=True, layers=2, d_model=32, heads=4, kv_heads=2, head_dim=8, ffn_dim=48,
@@ -14,25 +15,25 @@ FLAGS = dict(no_warmup=True, layers=2, d_model=32, heads=4, kv_heads=2, head_dim
 
 
 def test_argv_of_keyword_flags():
-    assert compare.bench_argv(dict(sessions=2, no_warmup=True, no_overlap=False, weights=None,
+    assert bench_table.bench_argv(dict(sessions=2, no_warmup=True, no_overlap=False, weights=None,
                                    host_ratio=2.5)) == ["--sessions", "2", "--no-warmup",
                                                         "--host-ratio", "2.5"]
     with pytest.raises(TypeError, match="json= is set by bench_table"):
-        compare.bench_argv(dict(json="x.json"))
+        bench_table.bench_argv(dict(json="x.json"))
 
 
 def test_table_holds_the_commands_figures(tmp_path, monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "pandas", None)  # records, whatever is installed
-    recs = compare.bench_table(policy="write_through", **FLAGS)
+    recs = bench_table.bench_table(policy="write_through", **FLAGS)
     assert capsys.readouterr().out == ""  # quiet: nothing printed
-    assert [r["config"] for r in recs] == [name for name, _ in cli.CONFIGS]
+    assert [r["config"] for r in recs] == [name for name, _ in bench.CONFIGS]
     assert all(r["outputs_identical"] for r in recs)
     none, radix, hi = recs
     assert none["hit_ratio"] == 0.0 and none["recomputed_tokens"] == none["prompt_tokens"]
     assert hi["hit_ratio"] >= radix["hit_ratio"] > 0
     assert hi["hit_ratio"] == (hi["l1_hit_tokens"] + hi["l2_hit_tokens"]) / hi["prompt_tokens"]
     path = tmp_path / "bench.json"  # the command itself: the same counts (times differ)
-    assert cli.main(["bench", *compare.bench_argv(FLAGS), "--policy", "write_through",
+    assert main(["bench", *bench_table.bench_argv(FLAGS), "--policy", "write_through",
                      "--quiet", "--json", str(path)]) == 0
     summary = json.loads(path.read_text())["summary"]
     for r in recs:
@@ -46,4 +47,4 @@ def test_table_holds_the_commands_figures(tmp_path, monkeypatch, capsys):
     (dict(sessions=0), "num_clients=0"), (dict(frobs=1), "unrecognized arguments: --frobs 1")])
 def test_refused_flags_are_value_errors(flags, match):
     with pytest.raises(ValueError, match=match):
-        compare.bench_table(**flags)
+        bench_table.bench_table(**flags)

@@ -9,7 +9,8 @@ import pytest
 
 from storage_servers import free_port, mooncake_skip_reason
 
-from hicache_jax.engine import bench_command, cli
+from hicache_jax.cli import bench
+from hicache_jax.cli.main import main
 
 # The model and pool of test_engine.py (page 16, 64 device pages, chunk 64): compiles are shared.
 TINY = ["--quiet", "--no-warmup", "--layers", "2", "--d-model", "32", "--heads", "4",
@@ -23,7 +24,7 @@ def test_bench_table_identical_outputs_and_json(tmp_path, capsys):
     path = tmp_path / "out" / "bench.json"
     # write_through: backs up at insert, so L2 sees traffic even in a workload this small (the
     # default, clean_ahead, copies only once L1 is near full).
-    assert cli.main(["bench", *TINY, "--policy", "write_through", "--json", str(path)]) == 0
+    assert main(["bench", *TINY, "--policy", "write_through", "--json", str(path)]) == 0
     out = capsys.readouterr().out
     assert "outputs identical across configurations: yes" in out
     for header in ("prompt tok", "recomputed", "L1 hit", "L2 hit", "TTFT p50 ms", "TTFT p90 ms",
@@ -47,22 +48,24 @@ def test_bench_table_identical_outputs_and_json(tmp_path, capsys):
 def test_plot_without_matplotlib_exits_before_running(tmp_path, monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if not installed
     path = tmp_path / "p.png"
-    with pytest.raises(SystemExit, match="pip install"):
-        cli.main(["bench", *TINY, "--plot", str(path)])
-    assert not path.exists() and "workload" not in capsys.readouterr().out  # nothing ran
+    with pytest.raises(SystemExit) as exc:
+        main(["bench", *TINY, "--plot", str(path)])
+    out, err = capsys.readouterr()
+    assert exc.value.code == 2 and "--plot needs matplotlib: pip install" in err
+    assert not path.exists() and "workload" not in out  # nothing ran
 
 
 def test_plot_writes_a_png(tmp_path):
     pytest.importorskip("matplotlib", reason='--plot needs matplotlib: pip install -e ".[plot]"')
     path = tmp_path / "p.png"
-    assert cli.main(["bench", *TINY, "--workload", "docqa", "--plot", str(path)]) == 0
+    assert main(["bench", *TINY, "--workload", "docqa", "--plot", str(path)]) == 0
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_storage_mooncake_not_installed_says_what_to_install(monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "mooncake.store", None)  # as if not installed
     with pytest.raises(SystemExit) as exc:
-        cli.main(["bench", *TINY, "--storage", f"mooncake://127.0.0.1:{free_port()}"])
+        main(["bench", *TINY, "--storage", f"mooncake://127.0.0.1:{free_port()}"])
     err = capsys.readouterr().err
     assert exc.value.code == 2
     assert "pip install mooncake-transfer-engine-non-cuda" in err and "libibverbs1" in err
@@ -72,7 +75,7 @@ def test_storage_mooncake_not_installed_says_what_to_install(monkeypatch, capsys
 def test_storage_unreachable_mooncake_names_the_address(capsys):
     addr = f"127.0.0.1:{free_port()}"
     with pytest.raises(SystemExit) as exc:
-        cli.main(["bench", *TINY, "--storage", f"mooncake://{addr}?setup_timeout_s=1"])
+        main(["bench", *TINY, "--storage", f"mooncake://{addr}?setup_timeout_s=1"])
     assert exc.value.code == 2 and addr in capsys.readouterr().err
 
 
@@ -80,7 +83,7 @@ def test_storage_unreachable_mooncake_names_the_address(capsys):
                                   ["bench", "--sessions", "two"], []])
 def test_bad_flags_exit_with_usage(argv, capsys):
     with pytest.raises(SystemExit) as exc:
-        cli.main(argv)
+        main(argv)
     assert exc.value.code == 2
     assert "usage" in capsys.readouterr().err
 
@@ -95,7 +98,7 @@ def test_bad_flags_exit_with_usage(argv, capsys):
     (["--seed", "-1"], "--seed"), (["--json", "/proc/nope/x.json"], "--json")])
 def test_bad_sizes_are_usage_errors(flags, match, capsys):
     with pytest.raises(SystemExit) as exc:
-        cli.main(["bench", *TINY, *flags])
+        main(["bench", *TINY, *flags])
     assert exc.value.code == 2
     assert match in capsys.readouterr().err
 
@@ -104,7 +107,7 @@ def test_bad_sizes_are_usage_errors(flags, match, capsys):
                                               (300, 1), (1024, 1)])
 def test_table_bucket_is_a_power_of_two_for_any_page_size(page_size, bucket):
     # --page-size 24 used to crash the engine
-    assert bench_command.table_bucket(page_size) == bucket
+    assert bench.table_bucket(page_size) == bucket
 
 
 def test_python_dash_m_entry_point(monkeypatch, capsys):
@@ -120,7 +123,7 @@ BATCHED = ["--engine", "batched", "--token-budget", "64", "--query-block", "32"]
 
 def test_batched_bench_matches_serial_and_writes_json(tmp_path, capsys):
     path = tmp_path / "batched.json"
-    assert cli.main(["bench", *TINY, *BATCHED, "--policy", "write_through",
+    assert main(["bench", *TINY, *BATCHED, "--policy", "write_through",
                      "--json", str(path)]) == 0
     out = capsys.readouterr().out
     assert "outputs identical to the serial engine" in out and ": yes;" in out
@@ -144,7 +147,7 @@ def test_batched_bench_runs_the_configurations_in_rounds(tmp_path, capsys):
     radix TTFT) meet the same machine load; times are medians over the rounds."""
     path = tmp_path / "rounds.json"
     loud = [a for a in TINY if a != "--quiet"]
-    assert cli.main(["bench", *loud, *BATCHED, "--repeats", "2", "--json", str(path)]) == 0
+    assert main(["bench", *loud, *BATCHED, "--repeats", "2", "--json", str(path)]) == 0
     out, err = capsys.readouterr()
     err = [line for line in err.splitlines() if "(1/2)" in line or "(2/2)" in line]
     order = [line.split(": ")[0] + (" 2" if "(2/2)" in line else " 1") for line in err]
@@ -162,7 +165,7 @@ def test_batched_bench_runs_the_configurations_in_rounds(tmp_path, capsys):
 def test_batched_bench_poisson_and_plot(tmp_path):
     pytest.importorskip("matplotlib", reason='--plot needs matplotlib: pip install -e ".[plot]"')
     path = tmp_path / "ttft.png"
-    assert cli.main(["bench", *TINY, *BATCHED, "--arrivals", "poisson", "--rate", "200",
+    assert main(["bench", *TINY, *BATCHED, "--arrivals", "poisson", "--rate", "200",
                      "--no-overlap", "--plot", str(path)]) == 0
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
@@ -178,7 +181,7 @@ def test_batched_bench_poisson_and_plot(tmp_path):
     (["--storage", "file:///tmp/x"], "not supported with --engine batched")])
 def test_bad_batched_flags_are_usage_errors(flags, match, capsys):
     with pytest.raises(SystemExit) as exc:
-        cli.main(["bench", *TINY, *BATCHED, *flags])
+        main(["bench", *TINY, *BATCHED, *flags])
     assert exc.value.code == 2
     assert match in capsys.readouterr().err
 
@@ -209,7 +212,7 @@ def test_batched_bench_warmup_compiles_the_mixed_steps_it_meets(tmp_path):
         path = tmp_path / f"warm{len(extra)}.json"
         flags = [a for a in TINY if a != "--no-warmup"] + BATCHED + ["--vocab", "89", "--json",
                                                                      str(path)]
-        assert cli.main(["bench", *flags, *extra]) == 0
+        assert main(["bench", *flags, *extra]) == 0
         data = json.loads(path.read_text())
         assert data["config"]["mixed_warmup"] is (not extra)
         runs[bool(extra)] = data["summary"]["no cache"]  # closed loop: the warm-up's schedule

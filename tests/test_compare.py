@@ -1,12 +1,13 @@
 """`hicache-jax compare A.json B.json`: two recorded CPU runs side by side
-(hicache_jax/engine/compare.py)."""
+(hicache_jax/cli/compare.py)."""
 
 import json
 import pathlib
 
 import pytest
 
-from hicache_jax.engine import cli, compare
+from hicache_jax.cli import compare
+from hicache_jax.cli.main import main
 
 DATA = pathlib.Path(__file__).parent / "data"
 A, B = str(DATA / "results_cpu_1dev.json"), str(DATA / "results_cpu_2dev.json")
@@ -26,7 +27,7 @@ def test_rows_pair_figures_by_name_with_b_over_a():
 
 def test_compare_command_prints_one_table_and_plots(tmp_path, capsys):
     png = tmp_path / "cmp.png"
-    assert cli.main(["compare", A, B, "--plot", str(png)]) == 0
+    assert main(["compare", A, B, "--plot", str(png)]) == 0
     out = capsys.readouterr().out
     assert out.startswith("A: cpu cpu x1, jax 0.10.2") and "\nB: cpu cpu x2, jax 0.10.2" in out
     header = next(line for line in out.splitlines() if line.startswith("figure"))
@@ -44,7 +45,7 @@ def test_a_single_script_json_is_compared_directly(tmp_path, capsys):
                                                   "recompute": 0.1}}}
     path = tmp_path / "ttft.json"
     path.write_text(json.dumps(doc))
-    assert cli.main(["compare", A, str(path)]) == 0
+    assert main(["compare", A, str(path)]) == 0
     out = capsys.readouterr().out
     line = next(ln for ln in out.splitlines() if ln.startswith("TTFT prefix from L2 "))
     assert line.split()[-2] == "0.5"  # B's share of its limit: 10 ms / 20 ms
@@ -55,11 +56,11 @@ def test_bad_files_exit_2_naming_the_file(tmp_path, capsys):
     bad.write_text("{not json")
     for args in ([A, str(bad)], [A, str(tmp_path / "missing.json")]):
         with pytest.raises(SystemExit) as e:
-            cli.main(["compare", *args])
+            main(["compare", *args])
         assert e.value.code == 2
     assert "bad.json: not JSON" in capsys.readouterr().err
     other = tmp_path / "other.json"
     other.write_text(json.dumps({"benchmark": "bench_pool", "results": {}}))
     with pytest.raises(SystemExit):
-        cli.main(["compare", str(other), str(other)])
+        main(["compare", str(other), str(other)])
     assert "neither file has a figure" in capsys.readouterr().err

@@ -10,7 +10,8 @@ from jax.sharding import Mesh
 from hicache_jax import HiCacheConfig, OutOfPagesError
 from hicache_jax.cache.hicache import HiCache
 from hicache_jax.engine.engine import CacheMode, Engine
-from hicache_jax.engine.model import DecoderModel, ModelConfig
+from hicache_jax.engine.model import DecoderModel
+from hicache_jax.engine.weights import ModelConfig
 
 CFG = ModelConfig(vocab_size=97, num_layers=2, d_model=32, num_heads=4, num_kv_heads=2,
                   head_dim=8, ffn_dim=48)

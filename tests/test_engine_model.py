@@ -7,10 +7,11 @@ import numpy as np
 import pytest
 
 from hicache_jax.memory.device_pool import DevicePagePool
-from hicache_jax.engine import model as model_mod, packing
-from hicache_jax.engine.model import (DecoderModel, ModelConfig, TokenSlots, bucket,
-                                      compiled_step_count, fine_bucket, trace_count,
-                                      init_params, load_params, reference_logits, save_params)
+from hicache_jax.engine import layers, model as model_mod, packing
+from hicache_jax.engine.layers import compiled_step_count, reference_logits, trace_count
+from hicache_jax.engine.model import DecoderModel
+from hicache_jax.engine.packing import TokenSlots, bucket, fine_bucket
+from hicache_jax.engine.weights import ModelConfig, init_params, load_params, save_params
 
 from helpers import poisoned_device_pool
 
@@ -382,7 +383,7 @@ def test_steps_of_few_tokens_unroll_their_layers_and_match_the_scan():
     same logits and K/V, through a compile of its own (the weights' structure differs)."""
     cfg = ModelConfig(**{**CFG.__dict__, "ffn_dim": 40})  # compiled by no other test
     unrolled = DecoderModel(cfg, seed=4)
-    assert unrolled.unroll_tokens == model_mod.UNROLL_TOKENS >= 4
+    assert unrolled.unroll_tokens == layers.UNROLL_TOKENS >= 4
     rng = np.random.default_rng(5)
     seqs = [rng.integers(0, CFG.vocab_size, n).astype(np.int32) for n in (21, 12, 30)]
     pages = [np.array([0, 1]), np.array([2]), np.array([3, 4])]

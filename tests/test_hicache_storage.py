@@ -728,7 +728,8 @@ def test_cross_instance_reuse_two_processes_mooncake():
 
 def test_engine_outputs_identical_with_prefix_from_l3(url):
     from hicache_jax.engine.engine import Engine
-    from hicache_jax.engine.model import DecoderModel, ModelConfig
+    from hicache_jax.engine.model import DecoderModel
+    from hicache_jax.engine.weights import ModelConfig
 
     cfg = ModelConfig(vocab_size=97, num_layers=2, d_model=32, num_heads=4, num_kv_heads=2,
                       head_dim=8, ffn_dim=48)
@@ -776,7 +777,7 @@ def test_engine_outputs_identical_with_prefix_from_l3(url):
 
 
 def test_bench_cli_storage_adds_an_l3_run(tmp_path, capsys):
-    from hicache_jax.engine import cli
+    from hicache_jax.cli.main import main
 
     tiny = ["--quiet", "--no-warmup", "--layers", "2", "--d-model", "32", "--heads", "4",
             "--kv-heads", "2", "--head-dim", "8", "--ffn-dim", "48", "--vocab", "97",
@@ -784,7 +785,7 @@ def test_bench_cli_storage_adds_an_l3_run(tmp_path, capsys):
             "--max-new-tokens", "3", "--page-size", "16", "--device-pages", "8",
             "--host-ratio", "0.5", "--chunk-size", "64"]
     path = tmp_path / "bench.json"
-    assert cli.main(["bench", *tiny, "--storage", f"file://{tmp_path}/l3",
+    assert main(["bench", *tiny, "--storage", f"file://{tmp_path}/l3",
                      "--json", str(path)]) == 0
     out = capsys.readouterr().out
     assert "outputs identical across configurations: yes" in out

@@ -1,5 +1,5 @@
 """Every device program lowered for TPU and CUDA on this CPU machine, and checked; wrong programs
-built on purpose are rejected by name. (hicache_jax/engine/lowering.py, lowering_programs.py)"""
+built on purpose are rejected by name. (hicache_jax/lowering/checks.py, lowering_programs.py)"""
 
 import dataclasses
 import json
@@ -11,9 +11,11 @@ import pytest
 
 import pallas_kernels as pk
 from hicache_jax.memory import device_pool, page_copy
-from hicache_jax.engine import cli, layers, lowering
+from hicache_jax import lowering
+from hicache_jax.cli.main import main
+from hicache_jax.engine import layers
 from hicache_jax.engine import model as model_mod
-from hicache_jax.engine.lowering_programs import LLAMA3_8B, Program, engine_model
+from hicache_jax.lowering.catalogue import LLAMA3_8B, Program, engine_model
 from hicache_jax.spec import KVSpec
 
 # The engine tests' KV (2 layers, 2 kv heads of 8) in bfloat16, pages of 16 tokens.
@@ -211,17 +213,11 @@ def test_bad_arguments_raise_naming_them():
         device_pool.platform_copy_fns("auto", "tpu")
     with pytest.raises(ValueError, match="cpu"):
         device_pool.platform_copy_fns("pallas", "cpu")
-    with pytest.raises(ValueError, match="layers"):
-        lowering.parse_spec("layers=x")
-    with pytest.raises(ValueError, match="key one of"):
-        lowering.parse_spec("heads=8")
-    assert lowering.parse_spec("page_size=4").page_size == 4
-    assert lowering.parse_spec(None) == lowering.LLAMA3_8B_KV
 
 
 def test_lower_command_prints_the_table_and_writes_json(tmp_path, capsys):
     path = tmp_path / "lower.json"
-    rc = cli.main(["lower", "--platform", "cuda", "--spec",
+    rc = main(["lower", "--platform", "cuda", "--spec",
                    "layers=2,kv_heads=2,head_dim=8,dtype=bfloat16,page_size=16",
                    "--device-pages", "8", "--no-engine", "--only", "device_pool.write[xla",
                    "--json", str(path)])
@@ -232,7 +228,7 @@ def test_lower_command_prints_the_table_and_writes_json(tmp_path, capsys):
     assert data["platform"] == "cuda" and data["ok"] and len(data["programs"]) == 8
     assert data["jax"] == jax.__version__
     with pytest.raises(SystemExit) as e:
-        cli.main(["lower", "--platform", "tpu", "--spec", "layers=none"])
+        main(["lower", "--platform", "tpu", "--spec", "layers=none"])
     assert e.value.code == 2
     np.testing.assert_equal(data["spec"]["num_layers"], 2)
 

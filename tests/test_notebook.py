@@ -11,7 +11,7 @@ import time
 import pytest
 
 from hicache_jax import study
-from hicache_jax.engine import cli
+from hicache_jax.cli.main import main
 
 NOTEBOOK = (pathlib.Path(__file__).resolve().parents[1] / "examples" / "notebooks"
             / "policy_study.ipynb")
@@ -53,7 +53,7 @@ def test_notebook_runs_and_its_figures_equal_the_replay_commands(tmp_path, monke
     assert len(commands) == 1
     path = tmp_path / "replay.json"
     argv = shlex.split(commands[0])[1:] + ["--quiet", "--json", str(path)]
-    assert cli.main(argv) == 0
+    assert main(argv) == 0
     assert study.from_json(path).records(timing=False) == \
         study.from_json(saved).records(timing=False)
     shown = nb.cells[-2].outputs[-1]["data"]["text/plain"]  # the TTFT table

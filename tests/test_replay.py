@@ -14,9 +14,9 @@ import sys
 import numpy as np
 import pytest
 
-from hicache_jax.replay import driver as R
-from hicache_jax.engine import cli
-from hicache_jax.spec import HiCacheConfig
+from hicache_jax import replay as R
+from hicache_jax.cli.main import main
+from hicache_jax.spec import HiCacheConfig, KVSpec
 
 DATA = pathlib.Path(__file__).parent / "data"
 SYNTHETIC = DATA / "mooncake_synthetic_300.jsonl"
@@ -103,14 +103,22 @@ def test_empty_trace_and_bad_arguments(tmp_path):
         R.load_trace(TOKENS, limit=0)
 
 
+def _spec(text: str | None, page_size: int) -> KVSpec:
+    """``hicache-jax replay --spec TEXT --page-size N``'s spec."""
+    return KVSpec.parse(text, R.TINY_SPEC, page_size=page_size)
+
+
 def test_spec_option():
-    spec = R.parse_spec("layers=32,kv_heads=8,head_dim=128,dtype=bfloat16", 16)
+    spec = _spec("layers=32,kv_heads=8,head_dim=128,dtype=bfloat16", 16)
     assert spec.page_bytes == 32 * 2 * 16 * 8 * 128 * 2
-    assert R.parse_spec(None, 512).page_bytes == 2 * 512 * 4  # tiny default: 8 bytes a token
+    assert _spec(None, 512).page_bytes == 2 * 512 * 4  # tiny default: 8 bytes a token
     with pytest.raises(ValueError, match="key=value"):
-        R.parse_spec("heads=8", 16)
+        _spec("heads=8", 16)
     with pytest.raises(ValueError, match="'x' is not an int"):
-        R.parse_spec("layers=x", 16)
+        _spec("layers=x", 16)
+    with pytest.raises(ValueError, match="'page_size=8'.* one of layers, kv_heads, head_dim, "
+                                         "dtype, mla$"):
+        _spec("page_size=8", 16)  # replay's page size is --page-size
 
 
 # ------------------------------------------------------------------------------ references
@@ -149,7 +157,7 @@ def test_reference_hits_by_hand():
 
 def test_replay_tiny_trace_l1_only_by_hand():
     trace = R.load_trace(TOKENS)
-    report = R.run(trace, R.parse_spec(None, 4), device_pages=[2], host_ratio=0)
+    report = R.run(trace, _spec(None, 4), device_pages=[2], host_ratio=0)
     (r,) = report["results"]
     assert (r["prompt_tokens"], r["hit_tokens"], r["device_hit_tokens"]) == (27, 8, 8)
     assert (r["host_hit_tokens"], r["bytes_to_host"], r["bytes_to_device"]) == (0, 0, 0)
@@ -168,7 +176,7 @@ def test_l1_only_lru_equals_block_lru_of_l1(path):
     trace = R.load_trace(path)
     ps = 128  # four pages a Mooncake block: partial blocks share pages too
     longest = max(r.num_tokens for r in trace.requests) // ps
-    report = R.run(trace, R.parse_spec(None, ps), device_pages=[longest, 2 * longest, 4 * longest],
+    report = R.run(trace, _spec(None, ps), device_pages=[longest, 2 * longest, 4 * longest],
                    host_ratio=0)
     for r in report["results"]:
         assert r["host_pages"] == 0 and r["host_hit_tokens"] == 0
@@ -181,7 +189,7 @@ def test_replays_are_deterministic():
     trace = R.load_trace(SYNTHETIC, limit=150)
     kw = dict(device_pages=[150], host_ratio=2, write_policies=["write_through", "write_back"],
               evictions=["lru", "lfu"])
-    spec = R.parse_spec(None, 128)
+    spec = _spec(None, 128)
     a, b = R.run(trace, spec, **kw), R.run(trace, spec, **kw)
     assert any(r["bytes_to_host"] and r["evicted_pages"] for r in a["results"])  # work was done
     assert json.dumps(_untimed(a), sort_keys=True) == json.dumps(_untimed(b), sort_keys=True)
@@ -190,7 +198,7 @@ def test_replays_are_deterministic():
 @pytest.mark.parametrize("policy", ["write_through", "write_through_selective", "write_back"])
 def test_any_write_policy_gives_consistent_figures(policy):
     trace = R.load_trace(CONVERSATION, limit=120)
-    (r,) = R.run(trace, R.parse_spec(None, 512), device_pages=[60], host_ratio=3,
+    (r,) = R.run(trace, _spec(None, 512), device_pages=[60], host_ratio=3,
                  write_policies=[policy])["results"]
     assert r["write_policy"] == policy and r["host_pages"] == 180
     assert r["hit_tokens"] == r["device_hit_tokens"] + r["host_hit_tokens"]
@@ -201,15 +209,15 @@ def test_any_write_policy_gives_consistent_figures(policy):
 
 def test_real_model_spec_moves_real_bytes():
     trace = R.load_trace(SYNTHETIC, limit=40)
-    spec = R.parse_spec("layers=2,kv_heads=2,head_dim=8,dtype=bfloat16", 512)
+    spec = _spec("layers=2,kv_heads=2,head_dim=8,dtype=bfloat16", 512)
     (r,) = R.run(trace, spec, device_pages=[120], host_ratio=2,
                  write_policies=["write_back"])["results"]
     assert r["bytes_to_host"] > 0 and r["bytes_to_host"] % spec.page_bytes == 0
 
 
 def test_replay_uses_the_public_api_only():
-    """No ``obj._name`` in replay.py but on its own ``self``."""
-    tree = ast.parse(pathlib.Path(R.__file__).read_text())
+    """No ``obj._name`` in replay/driver.py but on its own ``self``."""
+    tree = ast.parse(pathlib.Path(R.driver.__file__).read_text())
     bad = [node.attr for node in ast.walk(tree) if isinstance(node, ast.Attribute)
            and node.attr.startswith("_") and not node.attr.startswith("__")
            and not (isinstance(node.value, ast.Name) and node.value.id == "self")]
@@ -220,7 +228,7 @@ def test_replay_uses_the_public_api_only():
 
 def test_cli_sweep_with_json(tmp_path, capsys):
     path = tmp_path / "out" / "replay.json"
-    rc = cli.main(["replay", str(SYNTHETIC), "--quiet", "--limit", "200", "--capacities",
+    rc = main(["replay", str(SYNTHETIC), "--quiet", "--limit", "200", "--capacities",
                    "1e5,3e5", "--policy", "write_through,write_back", "--json", str(path)])
     assert rc == 0
     out = capsys.readouterr().out
@@ -240,7 +248,7 @@ def test_cli_sweep_with_json(tmp_path, capsys):
 
 def test_cli_single_size_flags(tmp_path, capsys):
     path = tmp_path / "r.json"
-    assert cli.main(["replay", str(TOKENS), "--quiet", "--page-size", "4", "--device-tokens", "8",
+    assert main(["replay", str(TOKENS), "--quiet", "--page-size", "4", "--device-tokens", "8",
                      "--host-ratio", "0", "--eviction", "lru,fifo", "--json", str(path)]) == 0
     res = json.loads(path.read_text())["results"]
     assert [(r["eviction"], r["device_pages"], r["hit_tokens"]) for r in res] == [
@@ -258,7 +266,7 @@ def test_cli_single_size_flags(tmp_path, capsys):
 ])
 def test_cli_bad_flags_exit_2(args, message, capsys):
     with pytest.raises(SystemExit) as exc:
-        cli.main(["replay", str(SYNTHETIC), "--quiet", *args])
+        main(["replay", str(SYNTHETIC), "--quiet", *args])
     assert exc.value.code == 2 and message in capsys.readouterr().err
 
 
@@ -274,14 +282,14 @@ def test_cli_bad_trace_exits_2_without_traceback(tmp_path):
 def test_cli_plot_without_matplotlib_says_what_to_install(monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if not installed
     with pytest.raises(SystemExit) as exc:
-        cli.main(["replay", str(TOKENS), "--quiet", "--plot", "p.png"])
+        main(["replay", str(TOKENS), "--quiet", "--plot", "p.png"])
     assert exc.value.code == 2 and 'pip install -e ".[plot]"' in capsys.readouterr().err
 
 
 def test_cli_plot_writes_a_png(tmp_path):
     pytest.importorskip("matplotlib", reason='--plot needs matplotlib: pip install -e ".[plot]"')
     path = tmp_path / "sweep.png"
-    assert cli.main(["replay", str(TOKENS), "--quiet", "--page-size", "4", "--capacities",
+    assert main(["replay", str(TOKENS), "--quiet", "--page-size", "4", "--capacities",
                      "4,8,16", "--plot", str(path)]) == 0
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
@@ -292,7 +300,7 @@ def test_clean_ahead_leaves_almost_nothing_to_copy_on_the_eviction_path(eviction
     L1 / 16 left ~38% of evicted pages to copy on the allocation path under lru), the auto
     reserve follows the largest allocation: at most 1% of evicted pages are copied there."""
     trace = R.load_trace(SYNTHETIC)
-    spec = R.parse_spec(None, 128)
+    spec = _spec(None, 128)
     r = R.replay(trace, spec, HiCacheConfig(device_pages=2000, host_pages=8000,
                                           write_policy="clean_ahead", eviction=eviction,
                                           load_back_threshold=128))
@@ -302,7 +310,7 @@ def test_clean_ahead_leaves_almost_nothing_to_copy_on_the_eviction_path(eviction
 
 def test_cli_host_ratio_sweep_prints_ratio_to_two_tier_lru(tmp_path, capsys):
     path = tmp_path / "r.json"
-    assert cli.main(["replay", str(SYNTHETIC), "--quiet", "--limit", "120", "--capacities",
+    assert main(["replay", str(SYNTHETIC), "--quiet", "--limit", "120", "--capacities",
                      "1e5,3e5", "--host-ratio", "2,4", "--policy", "clean_ahead,write_back",
                      "--json", str(path)]) == 0
     out = capsys.readouterr().out
@@ -320,12 +328,12 @@ def test_cli_check_ideal_names_the_point_below(tmp_path, capsys):
     args = ["replay", str(SYNTHETIC), "--quiet", "--limit", "120", "--capacities", "1e5",
             "--host-ratio", "2,4", "--load-back-threshold", "1000000",
             "--json", str(tmp_path / "r.json")]
-    assert cli.main(args + ["--check-ideal", "1e-9"]) == 0  # any hit at all passes
+    assert main(args + ["--check-ideal", "1e-9"]) == 0  # any hit at all passes
     capsys.readouterr()
     data = json.loads((tmp_path / "r.json").read_text())
     vs = {rep["host_ratio"]: rep["results"][0]["vs_lru_total"] for rep in data["reports"]}
     floor = max(vs.values()) + 1e-6  # above every point: each one is named
-    assert cli.main(args + ["--check-ideal", str(min(floor, 1.0))]) == 1
+    assert main(args + ["--check-ideal", str(min(floor, 1.0))]) == 1
     err = capsys.readouterr().err
     assert "check-ideal failed" in err
     for ratio in vs:
@@ -341,7 +349,7 @@ def test_cli_check_ideal_names_the_point_below(tmp_path, capsys):
 ])
 def test_cli_bad_sweep_flags_exit_2(args, message, capsys):
     with pytest.raises(SystemExit) as exc:
-        cli.main(["replay", str(SYNTHETIC), "--quiet", "--limit", "10", *args])
+        main(["replay", str(SYNTHETIC), "--quiet", "--limit", "10", *args])
     assert exc.value.code == 2 and message in capsys.readouterr().err
 
 
@@ -350,7 +358,7 @@ def test_diagnose_accounts_for_the_gap_to_the_two_tier_lru():
     up to the difference of their hits; the tier figures stay within the pools; the figures
     are deterministic and the replay's own figures unchanged."""
     trace = R.load_trace(SYNTHETIC, limit=150)
-    spec = R.parse_spec(None, 128)
+    spec = _spec(None, 128)
     kw = dict(device_pages=[60], host_ratio=2, write_policies=["clean_ahead", "write_back"])
     plain, a, b = R.run(trace, spec, **kw), R.run(trace, spec, diagnose=True, **kw), \
         R.run(trace, spec, diagnose=True, **kw)

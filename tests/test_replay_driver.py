@@ -13,7 +13,9 @@ import pytest
 
 from benchmarks import replay_driver as rd
 from hicache_jax import HiCacheConfig
-from hicache_jax.replay.driver import load_trace, parse_spec, replay
+from hicache_jax.replay.driver import TINY_SPEC, replay
+from hicache_jax.replay.trace import load_trace
+from hicache_jax.spec import KVSpec
 
 DATA = pathlib.Path(__file__).parent / "data"
 SLICE = DATA / "mooncake_synthetic_300.jsonl"
@@ -29,7 +31,7 @@ def trace():
 
 @pytest.mark.parametrize("policy", ["clean_ahead", "write_through", "write_back"])
 def test_the_flow_gives_the_library_replays_figures(trace, policy):
-    spec = parse_spec(None, 512)
+    spec = KVSpec.parse(None, TINY_SPEC, page_size=512)
     cfg = HiCacheConfig(device_pages=200, host_pages=800, write_policy=policy,
                         load_back_threshold=512)
     want = replay(trace, spec, cfg)

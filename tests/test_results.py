@@ -1,4 +1,4 @@
-"""One result schema from the device benchmarks' JSONs (hicache_jax/engine/results.py)."""
+"""One result schema from the device benchmarks' JSONs (hicache_jax/cli/results.py)."""
 
 import json
 import math
@@ -6,7 +6,7 @@ import pathlib
 
 import pytest
 
-from hicache_jax.engine import results
+from hicache_jax.cli import results
 
 DATA = pathlib.Path(__file__).parent / "data"
 ENV = {"backend": "cpu", "device_kind": "cpu", "device_count": 1, "jax": "0.10.2"}

@@ -4,10 +4,11 @@ import json
 
 import pytest
 
-from hicache_jax.engine.cli import main
-from hicache_jax.replay.driver import parse_spec
+from hicache_jax.cli.main import main
+from hicache_jax.replay.driver import TINY_SPEC
 from hicache_jax.replay.simulate import POLICIES, Regime, simulate, simulate_all
 from hicache_jax.replay.trace import load_trace
+from hicache_jax.spec import KVSpec
 
 TB = 128 * 1024  # KV bytes a token of an 8B-class model
 
@@ -24,7 +25,7 @@ def _trace(tmp_path, n=40, gap_ms=50):
 
 
 def _run(trace, regime, seed=0):
-    return simulate_all(trace, parse_spec(None, 16), regime, device_pages=8, host_ratio=2.0,
+    return simulate_all(trace, KVSpec.parse(None, TINY_SPEC, page_size=16), regime, device_pages=8, host_ratio=2.0,
                         seed=seed)
 
 
@@ -73,7 +74,7 @@ def test_a_bad_regime_or_policy_is_a_clear_error(tmp_path):
         Regime(l2_gbps=1, prefill_tokens_per_s=float("nan"), token_bytes=1)
     rg = Regime(l2_gbps=1, prefill_tokens_per_s=1, token_bytes=1)
     with pytest.raises(ValueError, match="policy"):
-        simulate(_trace(tmp_path), parse_spec(None, 16), rg, "sometimes", device_pages=8)
+        simulate(_trace(tmp_path), KVSpec.parse(None, TINY_SPEC, page_size=16), rg, "sometimes", device_pages=8)
 
 
 def test_replay_simulate_prints_and_writes_json(tmp_path, capsys):

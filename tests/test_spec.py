@@ -181,3 +181,47 @@ def test_config_frozen():
     cfg = HiCacheConfig(4)
     with pytest.raises(dataclasses.FrozenInstanceError):
         cfg.device_pages = 5
+
+
+# ------------------------------------------------------------------------- KVSpec.parse (--spec)
+
+LLAMA = KVSpec(num_layers=32, num_kv_heads=8, head_dim=128, dtype="bfloat16", page_size=16)
+TINY = KVSpec(num_layers=1, num_kv_heads=1, head_dim=1, dtype="float32")
+
+
+def test_parse_fills_missing_keys_from_the_default():
+    assert KVSpec.parse(None, LLAMA) == LLAMA
+    assert KVSpec.parse("", LLAMA) == LLAMA
+    spec = KVSpec.parse(" layers = 2 ,head_dim=64,,dtype=float16,page_size=4", LLAMA)
+    assert spec == dataclasses.replace(LLAMA, num_layers=2, head_dim=64, dtype="float16",
+                                       page_size=4)
+    mla = KVSpec.parse("kv_heads=1,mla=yes", LLAMA)
+    assert mla.mla and mla.num_kv_heads == 1
+    assert KVSpec.parse("mla=0", LLAMA).mla is False
+
+
+def test_parse_with_the_page_size_set_by_the_caller():
+    assert KVSpec.parse(None, TINY, page_size=512) == dataclasses.replace(TINY, page_size=512)
+    assert KVSpec.parse("layers=3", TINY, page_size=8).page_size == 8
+    with pytest.raises(ValueError, match="key one of layers, kv_heads, head_dim, dtype, mla$"):
+        KVSpec.parse("page_size=4", TINY, page_size=8)  # not a key then
+
+
+@pytest.mark.parametrize("text, match", [
+    ("heads=8", r"--spec item 'heads=8': expected key=value with key one of layers, kv_heads, "
+                r"head_dim, dtype, page_size, mla"),
+    ("layers", r"--spec item 'layers': expected key=value"),
+    ("layers=x", r"--spec 'layers=x': 'x' is not an int"),
+    ("page_size=1.5", r"--spec 'page_size=1.5': '1.5' is not an int"),
+    ("layers=0", r"num_layers"),
+    ("dtype=float64", r"dtype='float64'"),
+    ("mla=1", r"mla=True needs num_kv_heads=1"),
+])
+def test_parse_bad_field_names_it(text, match):
+    with pytest.raises(ValueError, match=match):
+        KVSpec.parse(text, LLAMA)
+
+
+def test_parse_names_the_flag():
+    with pytest.raises(ValueError, match="^--model-spec item 'x=1'"):
+        KVSpec.parse("x=1", TINY, page_size=1, flag="--model-spec")

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from hicache_jax import KVSpec, study
-from hicache_jax.engine import cli
+from hicache_jax.cli.main import main
 
 DATA = pathlib.Path(__file__).parent / "data"
 SYNTHETIC = DATA / "mooncake_synthetic_300.jsonl"
@@ -59,7 +59,7 @@ def test_unknown_trace_names_the_known_ones():
 
 def test_sweep_figures_equal_the_replay_commands(tmp_path, small, capsys):
     path = tmp_path / "replay.json"
-    assert cli.main(["replay", str(SYNTHETIC), "--quiet", "--limit", "60", "--capacities",
+    assert main(["replay", str(SYNTHETIC), "--quiet", "--limit", "60", "--capacities",
                      "1e5,3e5", "--policy", "clean_ahead,write_back", "--json", str(path)]) == 0
     printed = capsys.readouterr().out
     from_cli = study.from_json(path)  # a --json file reads back as a one-report result
@@ -187,15 +187,16 @@ def test_plot_without_matplotlib_names_the_extra(small, monkeypatch):
 
 
 def test_study_does_not_load_the_engine():
-    """The notebook API sits on the replay layer: the engine imports it, never the reverse."""
-    code = ("import sys, hicache_jax.study; "
-            "print(sorted(m for m in sys.modules if m.startswith('hicache_jax.engine')))")
+    """The notebook API sits on the replay layer: the command line imports it, never the
+    reverse, and neither the engine nor the lowering checks come with it."""
+    code = ("import sys, hicache_jax.study; print(sorted(m for m in sys.modules if m.startswith("
+            "('hicache_jax.engine', 'hicache_jax.lowering', 'hicache_jax.cli'))))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                          check=True).stdout
     assert out.strip() == "[]"
 
 
 def test_replay_command_takes_a_trace_name(capsys):
-    assert cli.main(["replay", "tokens_small", "--quiet", "--page-size", "4",
-                     "--device-pages", "2"]) == 0
+    assert main(["replay", "tokens_small", "--quiet", "--page-size", "4",
+                 "--device-pages", "2"]) == 0
     assert f"trace {TOKENS.resolve()}: tokens, 3 requests" in capsys.readouterr().out

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import time
 from typing import Any, Callable, Hashable
 
 import numpy as np
@@ -382,38 +381,3 @@ class AdmissionPlan:
         if self.held is not None:
             self.ledger.cache.unlock(self.held)
             self.held = None
-
-
-class PrefillTimer:
-    """Prefill samples of a batched engine for its cache's cost model (``load_policy="cost"``,
-    ARCHITECTURE.md, "Load or recompute"): a forward that is one request's prefill chunk, with
-    no decode rows and no layer-wise wait on a load, of a shape that ran before (the first run
-    of a shape includes jit compilation: skipped, as the serial engine does). Its time runs
-    from the later of its dispatch and the previous forward's read (the device runs forwards in
-    order) to its own read, in real seconds (the engine's ``clock`` may be a test's counter)."""
-
-    def __init__(self, model: Any, cache: HiCache) -> None:
-        self.model, self.cache = model, cache
-        self.shapes: set[tuple] = set()  # prefill step shapes already run once
-        self.last_read = 0.0  # perf_counter when the last forward's tokens were read
-
-    def dispatch(self, pool: Any, batch: list, decoding: list, chunks: list, reqs: list,
-                 knobs: dict) -> tuple | None:
-        """``(n_new, n_cached, t0)`` for a forward about to be dispatched, or None (a
-        request with a load-back handle may wait on it per layer: not a sample)."""
-        if len(batch) != 1 or decoding or batch[0][0].handle is not None:
-            return None
-        r, n = batch[0]
-        shape = self.model.batch_shape(pool, chunks, [q.kv_done for q in reqs],
-                                       [q.pages for q in reqs], **knobs)
-        if shape not in self.shapes:
-            self.shapes.add(shape)
-            return None
-        return n, r.kv_done, time.perf_counter()
-
-    def read(self, sample: tuple | None) -> None:
-        """A forward's tokens were just read (``sample``: what :meth:`dispatch` gave it)."""
-        start, self.last_read = self.last_read, time.perf_counter()
-        if sample is not None:
-            self.cache.observe_prefill(sample[0], sample[1],
-                                       self.last_read - max(start, sample[2]))

@@ -29,7 +29,7 @@ Each :meth:`BatchedEngine.step`:
 4. **read** -- the tokens of the previous step's forward (``overlap``, the default: SGLang's
    overlap scheduler) or of this one: each request's next token and, at the end of a prompt,
    its first-token logits. A decode row never waits for the host: it reads its token from the
-   request's device token slot (``model.TokenSlots``), where the forward that sampled it wrote
+   request's device token slot (``packing.TokenSlots``), where the forward that sampled it wrote
    it, so step N+1 is dispatched while step N computes, and the host's scheduling and
    bookkeeping (this list) run meanwhile. A request with all its tokens dispatched leaves the
    running set at once;
@@ -45,15 +45,16 @@ tokens in flight are read (finished requests give their pages back) before anyon
 
 No request is refused for lack of pages: it waits while others run. When nothing runs or is in
 flight and the oldest waiting request still cannot get its pages (every page locked or owned
-outside the engine), :class:`EngineStalledError` says so instead of spinning. Requests that could
-never fit the device pool are refused at :meth:`submit`.
+outside the engine), :class:`~hicache_jax.engine.batch_state.EngineStalledError` says so instead
+of spinning. Requests that could never fit the device pool are refused at :meth:`submit`.
 
 Modes as :class:`~hicache_jax.engine.engine.Engine`: ``none`` (pages per request, no tree),
 ``device`` (L1 radix), ``hicache`` (L1 + L2).
 
 The request state and its pages and locks (admission's allocation, a prefill's shared pages,
 release on finish or retraction) are in :mod:`hicache_jax.engine.batch_state`; this module is the
-scheduler: queues, admission order, batches, retraction choice.
+scheduler: queues, admission order, batches, retraction choice, and the timing of its forwards
+that feeds the cost model prefill samples (:class:`PrefillTimer`).
 
 Threading: an engine and its cache belong to the thread that calls ``submit`` / ``step``.
 """
@@ -72,13 +73,13 @@ from hicache_jax.cache.hicache import HiCache, Match
 from hicache_jax.validation import check_bool, is_int, is_real
 from hicache_jax.cache.request import Request, admit_matched, extend_many
 from hicache_jax.engine.batch_state import (AdmissionPlan, BatchedRecord, BatchRequest,
-                                            EngineStalledError, PageLedger, PrefillTimer,
-                                            shares_uncached)
+                                            PageLedger, shares_uncached)
 from hicache_jax.engine.engine import CacheMode, Generation, build_cache, parse_mode
-from hicache_jax.engine.model import DecoderModel, TokenSlots, bucket
+from hicache_jax.engine.model import DecoderModel
+from hicache_jax.engine.packing import TokenSlots, bucket
 from hicache_jax.engine.workloads import Arrival, ArrivalProcess
 
-__all__ = ["ArrivalProcess", "BatchedEngine", "BatchedRecord", "EngineStalledError"]
+__all__ = ["BatchedEngine", "PrefillTimer"]
 
 _RESERVE_DECAY = 0.02  # per step, back from 1 to decode_reserve after a retraction
 _PLACEHOLDER = np.zeros(1, np.int32)  # a decode chunk whose token is read from its slot
@@ -497,3 +498,38 @@ class BatchedEngine:
         gen = self._ledger.finish(r)
         self.records.append(gen.record)
         return gen
+
+
+class PrefillTimer:
+    """Prefill samples of a batched engine for its cache's cost model (``load_policy="cost"``,
+    ARCHITECTURE.md, "Load or recompute"): a forward that is one request's prefill chunk, with
+    no decode rows and no layer-wise wait on a load, of a shape that ran before (the first run
+    of a shape includes jit compilation: skipped, as the serial engine does). Its time runs
+    from the later of its dispatch and the previous forward's read (the device runs forwards in
+    order) to its own read, in real seconds (the engine's ``clock`` may be a test's counter)."""
+
+    def __init__(self, model: Any, cache: HiCache) -> None:
+        self.model, self.cache = model, cache
+        self.shapes: set[tuple] = set()  # prefill step shapes already run once
+        self.last_read = 0.0  # perf_counter when the last forward's tokens were read
+
+    def dispatch(self, pool: Any, batch: list, decoding: list, chunks: list, reqs: list,
+                 knobs: dict) -> tuple | None:
+        """``(n_new, n_cached, t0)`` for a forward about to be dispatched, or None (a
+        request with a load-back handle may wait on it per layer: not a sample)."""
+        if len(batch) != 1 or decoding or batch[0][0].handle is not None:
+            return None
+        r, n = batch[0]
+        shape = self.model.batch_shape(pool, chunks, [q.kv_done for q in reqs],
+                                       [q.pages for q in reqs], **knobs)
+        if shape not in self.shapes:
+            self.shapes.add(shape)
+            return None
+        return n, r.kv_done, time.perf_counter()
+
+    def read(self, sample: tuple | None) -> None:
+        """A forward's tokens were just read (``sample``: what :meth:`dispatch` gave it)."""
+        start, self.last_read = self.last_read, time.perf_counter()
+        if sample is not None:
+            self.cache.observe_prefill(sample[0], sample[1],
+                                       self.last_read - max(start, sample[2]))

@@ -38,7 +38,8 @@ import numpy as np
 from hicache_jax.cache.hicache import HiCache
 from hicache_jax.spec import HiCacheConfig
 from hicache_jax.validation import check_bool, is_int
-from hicache_jax.engine.model import DecoderModel, bucket
+from hicache_jax.engine.model import DecoderModel
+from hicache_jax.engine.packing import bucket
 
 
 class CacheMode(str, enum.Enum):

@@ -2,9 +2,10 @@
 device pool; the host side of a forward (bucketing, page tables, dispatch).
 
 The size and weights are in :mod:`hicache_jax.engine.weights`, the layer math and the jitted steps
-in :mod:`hicache_jax.engine.layers`; this module pads a call's tokens and page tables to buckets
+in :mod:`hicache_jax.engine.layers`, a packed step's host arrays in
+:mod:`hicache_jax.engine.packing`; this module pads a call's tokens and page tables to buckets
 and dispatches the steps through ``DevicePagePool.run`` so the pool object keeps the only
-reference to its (donated) array. The public names of both modules are re-exported here.
+reference to its (donated) array.
 
 Two ways to run a forward over the same layer math:
 
@@ -34,23 +35,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from hicache_jax.engine.layers import (BATCH_EMBED, BATCH_HEAD, BATCH_LAYER, BATCH_STEP, EMBED,
-                                       HEAD, LAYER, STEP, TRACES, UNROLL_TOKENS,
-                                       compiled_step_count, reference_logits, trace_count)
-from hicache_jax.engine.packing import (NO_SLOTS, REUSE_COST_LIMIT, TokenSlots, bucket,
-                                        check_slots, cover, feed_arrays, fine_bucket, flatten,
-                                        lens_used, pack, plan)
-from hicache_jax.engine.weights import (ModelConfig, Params, abstract_params, flat_params,
-                                        init_params, load_params, save_params, shard_params,
-                                        unflatten_params)
+                                       HEAD, LAYER, STEP, TRACES, UNROLL_TOKENS)
+from hicache_jax.engine.packing import (NO_SLOTS, TokenSlots, bucket, check_slots, cover,
+                                        feed_arrays, flatten, lens_used, pack, plan)
+from hicache_jax.engine.weights import ModelConfig, Params, init_params, shard_params
 from hicache_jax.spec import KVSpec
 from hicache_jax.validation import is_int
 
-__all__ = ["DecoderModel", "LayerWaiter", "ModelConfig", "Params", "PoolLike", "REUSE_COST_LIMIT",
-           "TRACES", "TokenSlots", "abstract_params", "bucket", "compiled_step_count",
-           "fine_bucket", "flat_params",
-           "init_params", "load_params", "reference_logits", "save_params", "shard_params",
-           "step_records_kept",
-           "trace_count", "unflatten_params"]
+__all__ = ["DecoderModel", "LayerWaiter", "PoolLike", "step_records_kept"]
 
 # The stateful shell: bucketing on the host, dispatch through the pool's donated run().
 

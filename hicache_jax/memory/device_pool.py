@@ -155,7 +155,7 @@ def _resolve_backend(copy_backend: CopyBackend | str, platform: str,
 def platform_copy_fns(backend: CopyBackend | str, platform: str) -> tuple[ScatterFn, GatherFn]:
     """The scatter and gather an unsharded pool on ``platform`` ("cpu", "cuda"/"gpu", "tpu")
     passes to :data:`PROGRAMS` for ``backend`` ("xla" or "pallas"), found without a device of
-    that platform: what ``engine/lowering.py`` lowers for a platform this machine lacks.
+    that platform: what ``lowering/checks.py`` lowers for a platform this machine lacks.
 
     Raises:
         ValueError: "auto" (it depends on the device), or "pallas" for a platform with no

@@ -290,7 +290,7 @@ class HostPagePool:
 
 
 # The buffer's two copy programs with their static arguments bound, one place for the pool and
-# for tools that lower them for a platform without its device (engine/lowering.py).
+# for tools that lower them for a platform without its device (lowering/checks.py).
 def staged_write_fn(spec: KVSpec, layout: HostLayout,
                     host_put: jax.sharding.Sharding | None) -> Callable:
     """``fn(buffer, staged, plan) -> (buffer, token)``: page-major staged chunk (device memory)

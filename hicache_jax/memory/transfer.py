@@ -70,7 +70,7 @@ def transfer_fns(num_layers: int, host_layout: HostLayout, host_put: jax.shardin
     """``(backup, load, load_layer)``: the page copies of a transfer engine with their static
     arguments bound (``page_copy.copy_fn``), destination donated. ``host_put`` / ``dev_put``:
     the host pool's sharding / the device pool's, when the host pool is in another memory space
-    (pinned_host), else None. Also what ``engine/lowering.py`` lowers for other platforms."""
+    (pinned_host), else None. Also what ``lowering/checks.py`` lowers for other platforms."""
     backup = copy_fn(dst_layout=host_layout, src_layout=HostLayout.LAYER_FIRST,
                      num_layers=num_layers, dst_put=host_put)
     load: dict[str, Any] = dict(dst_layout=HostLayout.LAYER_FIRST, src_layout=host_layout,

@@ -1,8 +1,13 @@
 """Trace replay: production request traces through the real cache, beside exact LRU references
-(:mod:`~hicache_jax.replay.driver`), the trace formats (:mod:`~hicache_jax.replay.trace`) and the
-exact block-LRU (:mod:`~hicache_jax.replay.block_lru`)."""
+(:mod:`~hicache_jax.replay.driver`), the trace formats (:mod:`~hicache_jax.replay.trace`), the
+exact block-LRU (:mod:`~hicache_jax.replay.block_lru`) and the what-if TTFT simulator
+(:mod:`~hicache_jax.replay.simulate`, imported by name)."""
 
-from hicache_jax.replay.driver import (
-    BlockLRU, MOONCAKE_BLOCK, PageKeys, Request, TIMING_FIELDS, TINY_SPEC, TOKEN_PAGE_SIZE, Trace, default_device_pages, environment, format_table, load_trace, parse_spec, plot, reference_hits, replay, require_matplotlib, run, sweep_table, tables)
+from hicache_jax.replay.block_lru import BlockLRU, PageKeys, default_device_pages, reference_hits
+from hicache_jax.replay.driver import (TIMING_FIELDS, TINY_SPEC, environment, format_table, plot,
+                                       replay, run, sweep_table, tables)
+from hicache_jax.replay.trace import MOONCAKE_BLOCK, TOKEN_PAGE_SIZE, Request, Trace, load_trace
 
-__all__ = ['BlockLRU', 'MOONCAKE_BLOCK', 'PageKeys', 'Request', 'TIMING_FIELDS', 'TINY_SPEC', 'TOKEN_PAGE_SIZE', 'Trace', 'default_device_pages', 'environment', 'format_table', 'load_trace', 'parse_spec', 'plot', 'reference_hits', 'replay', 'require_matplotlib', 'run', 'sweep_table', 'tables']
+__all__ = ["BlockLRU", "MOONCAKE_BLOCK", "PageKeys", "Request", "TIMING_FIELDS", "TINY_SPEC",
+           "TOKEN_PAGE_SIZE", "Trace", "default_device_pages", "environment", "format_table",
+           "load_trace", "plot", "reference_hits", "replay", "run", "sweep_table", "tables"]

@@ -1,8 +1,9 @@
 """Trace replay: production request traces through the real HiCache, beside exact LRU references.
 
-Traces (Mooncake JSONL, token JSONL) are read by :mod:`hicache_jax.replay.trace`; the LRU references
-are :mod:`hicache_jax.replay.block_lru`. Both are re-exported here (``load_trace``, ``BlockLRU``, ...),
-so this module is the one entry point of a replay.
+This module owns the replay itself (:func:`replay`, :func:`run`) and its output (tables, plot,
+environment); traces (Mooncake JSONL, token JSONL) are read by :mod:`hicache_jax.replay.trace`,
+the LRU references are :mod:`hicache_jax.replay.block_lru`, and ``hicache-jax replay`` (flags,
+printing) is :mod:`hicache_jax.cli.replay`.
 
 Requests are served in file order, one at a time (timestamps are not used: no concurrency),
 each through the public request handle (``cache.begin``: match, load back, lock;
@@ -39,43 +40,20 @@ import time
 from typing import Any, Callable, Iterable, Sequence
 
 
-from hicache_jax.replay.block_lru import BlockLRU, PageKeys, default_device_pages, reference_hits
+from hicache_jax.replay.block_lru import BlockLRU, PageKeys, reference_hits
 from hicache_jax.cache.hicache import HiCache
 from hicache_jax.spec import HiCacheConfig, KVSpec
-from hicache_jax.replay.trace import MOONCAKE_BLOCK, TOKEN_PAGE_SIZE, Request, Trace, load_trace
+from hicache_jax.replay.trace import Trace
 
-__all__ = ["BlockLRU", "MOONCAKE_BLOCK", "PageKeys", "Request", "TINY_SPEC", "TIMING_FIELDS",
-           "TOKEN_PAGE_SIZE", "Trace", "default_device_pages", "environment", "format_table",
-           "load_trace", "parse_spec", "plot", "reference_hits", "replay", "require_matplotlib",
-           "run", "sweep_table", "tables"]
+__all__ = ["TINY_SPEC", "TIMING_FIELDS", "environment", "format_table", "plot", "replay", "run",
+           "sweep_table", "tables"]
 
-TINY_SPEC = dict(num_layers=1, num_kv_heads=1, head_dim=1, dtype="float32")
+#: The replay's default page shape (its page size is the replay's): 8 bytes a token, so a
+#: 60M-token trace fits in memory. ``KVSpec.parse(text, TINY_SPEC, page_size=...)`` takes
+#: ``--spec`` over it.
+TINY_SPEC = KVSpec(num_layers=1, num_kv_heads=1, head_dim=1, dtype="float32")
 TIMING_FIELDS = ("wall_s", "requests_per_s")
 Progress = bool | Callable[[int, str], Any]  # see replay()
-
-
-def parse_spec(text: str | None, page_size: int) -> KVSpec:
-    """``"layers=32,kv_heads=8,head_dim=128,dtype=bfloat16[,mla=1]"`` -> KVSpec; missing keys
-    take :data:`TINY_SPEC`'s values. None -> the tiny spec."""
-    fields = dict(TINY_SPEC)
-    names = {"layers": "num_layers", "kv_heads": "num_kv_heads", "head_dim": "head_dim",
-             "dtype": "dtype", "mla": "mla"}
-    for item in filter(None, (text or "").split(",")):
-        key, sep, value = item.partition("=")
-        if not sep or key.strip() not in names:
-            raise ValueError(f"--spec item {item!r}: expected key=value with key one of "
-                             f"{', '.join(names)}")
-        key, value = names[key.strip()], value.strip()
-        if key == "dtype":
-            fields[key] = value
-        elif key == "mla":
-            fields[key] = value.lower() in ("1", "true", "yes")
-        else:
-            try:
-                fields[key] = int(value)
-            except ValueError:
-                raise ValueError(f"--spec {item!r}: {value!r} is not an int") from None
-    return KVSpec(page_size=page_size, **fields)
 
 
 # ------------------------------------------------------------------------------------ replay
@@ -317,15 +295,6 @@ def sweep_table(report: dict[str, Any]) -> str:
         rows.append([d * ps, first["lru_l1_hit_ratio"], first["lru_total_hit_ratio"]] + cells)
     heads = [h for n in names for h in (n, "/LRU(L1+L2)")]
     return format_table(["L1 tokens", "LRU(L1)", "LRU(L1+L2)", *heads], rows)
-
-
-def require_matplotlib() -> None:
-    """ImportError saying what to install when matplotlib is missing (check before replaying)."""
-    try:
-        import matplotlib  # noqa: F401
-    except ImportError:
-        raise ImportError('--plot needs matplotlib: pip install -e ".[plot]" '
-                          "(or pip install matplotlib)") from None
 
 
 def plot(report: dict[str, Any], path: str) -> None:

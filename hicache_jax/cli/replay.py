@@ -1,14 +1,10 @@
-"""``hicache-jax bench``: a workload through three cache configurations, one comparison table.
+"""``hicache-jax replay TRACE``: the command over the replay library (:mod:`hicache_jax.replay`).
 
-(``hicache-jax replay TRACE`` replays a production trace instead: see
-:mod:`hicache_jax.replay.driver`; ``hicache-jax lower`` lowers every device program for TPU or
-CUDA: :mod:`hicache_jax.engine.lowering`; ``hicache-jax compare A.json B.json`` puts two
-benchmark result files side by side: :mod:`hicache_jax.engine.compare`.)
-
-This module defines the command line (the flags of both commands, :func:`main`) and runs
-``replay``; ``bench`` with its configurations, table and JSON is in
-:mod:`hicache_jax.engine.bench_command` (``--engine batched``:
-:mod:`hicache_jax.engine.serve_bench`), whose public names are re-exported here.
+This module owns the command's flags (:func:`add_parser`), their checks, and what it prints
+and writes: the tables of :func:`hicache_jax.replay.driver.run` for every L2 ratio (through
+:func:`hicache_jax.study.sweep`, as a notebook gets them), ``--check-ideal``'s verdict, and with
+``--simulate`` the what-if TTFT of :mod:`hicache_jax.replay.simulate`. The replay itself is the
+library's.
 """
 
 from __future__ import annotations
@@ -19,119 +15,34 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from hicache_jax.engine.bench_command import (CONFIGS, bench, build_workload, check_writable,
-                                              write_json)
-from hicache_jax.engine import bench_processes, compare, lowering
-from hicache_jax.engine.workloads import ARRIVALS, WORKLOADS
+from hicache_jax.cli.output import check_writable, require_matplotlib, write_json
 from hicache_jax.replay import driver as replay_mod
 from hicache_jax.replay import simulate as sim
+from hicache_jax.replay.trace import MOONCAKE_BLOCK, TOKEN_PAGE_SIZE
 import hicache_jax.study as study
-from hicache_jax.spec import HiCacheConfig
+from hicache_jax.spec import HiCacheConfig, KVSpec
 
-__all__ = ["CONFIGS", "bench", "build_workload", "main", "replay_command"]
+__all__ = ["DEFAULT_POLICY", "add_parser", "replay_command"]
 
 #: the write policy HiCacheConfig defaults to: the one ``--check-ideal`` checks
 DEFAULT_POLICY = str(getattr(HiCacheConfig.write_policy, "value", HiCacheConfig.write_policy))
 
 
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="hicache-jax", description=__doc__.split("\n")[0])
-    sub = parser.add_subparsers(dest="command", required=True)
-    b = sub.add_parser("bench", help="run a workload through no cache / device radix / HiCache",
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    w = b.add_argument_group("workload")
-    w.add_argument("--workload", choices=sorted(WORKLOADS), default="chat")
-    w.add_argument("--sessions", type=int, help="clients / documents / agents")
-    w.add_argument("--turns", type=int, help="turns / questions per document / steps")
-    w.add_argument("--base-tokens", type=int, help="system prompt / document / task tokens")
-    w.add_argument("--segment-tokens", type=int, help="question / observation tokens (mean)")
-    w.add_argument("--max-new-tokens", type=int, default=16)
-    w.add_argument("--seed", type=int, default=0, help="workload and weight seed")
-    m = b.add_argument_group("model")
-    m.add_argument("--layers", type=int, default=4)
-    m.add_argument("--d-model", type=int, default=256)
-    m.add_argument("--heads", type=int, default=8)
-    m.add_argument("--kv-heads", type=int, default=2)
-    m.add_argument("--head-dim", type=int, default=32)
-    m.add_argument("--ffn-dim", type=int, default=768)
-    m.add_argument("--vocab", type=int, default=512)
-    m.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    m.add_argument("--weights", help=".npz / .safetensors weights matching the model flags")
-    c = b.add_argument_group("cache")
-    c.add_argument("--page-size", type=int, default=16)
-    c.add_argument("--device-pages", type=int,
-                   help="default: 5/8 of the workload's distinct tokens (at least what the "
-                        "longest request needs)")
-    c.add_argument("--host-ratio", type=float, default=4.0, help="host pages / device pages")
-    c.add_argument("--policy", default="clean_ahead",
-                   choices=["clean_ahead", "write_through", "write_through_selective",
-                            "write_back"])
-    c.add_argument("--chunk-size", type=int, default=256, help="prefill chunk (power of two)")
-    c.add_argument("--storage", metavar="URL",
-                   help="L3 store (file:///dir, mooncake://host:port): adds a 'hicache+L3' run")
-    c.add_argument("--no-layerwise", action="store_true", help="plain (not layer-wise) load-back")
-    c.add_argument("--no-warmup", action="store_true", help="skip the untimed first pass")
-    e = b.add_argument_group("engine")
-    e.add_argument("--engine", choices=["serial", "batched"], default="serial",
-                   help="batched: continuous batching under --arrivals, beside the serial "
-                        "engine on the same requests")
-    e.add_argument("--arrivals", choices=list(ARRIVALS), default="closed",
-                   help="batched: closed-loop clients, Poisson at --rate, or --trace timestamps")
-    e.add_argument("--rate", type=float, help="Poisson arrivals: requests/s")
-    e.add_argument("--trace", metavar="PATH", help="Mooncake JSONL for --arrivals trace")
-    e.add_argument("--time-scale", type=float, default=1.0,
-                   help="trace timestamps x this (0: all at once)")
-    e.add_argument("--block-tokens", type=int, default=16,
-                   help="trace: tokens per hash id (input lengths scaled by this / 512)")
-    e.add_argument("--limit", type=int, help="trace: first N requests")
-    e.add_argument("--token-budget", type=int, default=256,
-                   help="batched: prefill tokens per step (power of two)")
-    e.add_argument("--query-block", type=int, default=32,
-                   help="batched: prefill rows of this many tokens (power of two)")
-    e.add_argument("--key-block", type=int, default=64,
-                   help="batched: attention runs over each row's keys in blocks of this many "
-                        "tokens (power of two; whole pages), up to the row's last query")
-    e.add_argument("--max-running", type=int, default=64, help="batched: requests at once")
-    e.add_argument("--repeats", type=int, default=1,
-                   help="batched: rounds of timed runs, each config's serial then batched "
-                        "run in each round (medians over the rounds)")
-    e.add_argument("--decode-reserve", type=float, default=1.0,
-                   help="batched: fraction of remaining decode pages an admission keeps")
-    e.add_argument("--warmup-passes", type=int, default=3,
-                   help="batched: untimed passes at most, until one compiles nothing (twice: "
-                        "as the timed runs go, then compiling mixed prefill + decode steps)")
-    e.add_argument("--no-mixed-warmup", dest="mixed_warmup", action="store_false",
-                   help="batched: the warm-up compiles no mixed prefill + decode step (timed "
-                        "runs then run one as two forwards unless a compiled shape holds it)")
-    e.add_argument("--no-overlap", action="store_true",
-                   help="batched: read each step's tokens before dispatching the next (default: "
-                        "dispatch step N+1 while step N computes)")
-    o = b.add_argument_group("output")
-    o.add_argument("--json", metavar="PATH", help="write every figure and record as JSON")
-    o.add_argument("--plot", metavar="PATH", help="hit ratio and TTFT per turn (needs matplotlib)")
-    o.add_argument("--quiet", action="store_true", help="no progress bars")
-    bench_processes.add_flags(b)
-    b.set_defaults(func=bench)
-    _replay_parser(sub)
-    lowering.add_parser(sub)
-    compare.add_parser(sub)
-    return parser
-
-
-def _replay_parser(sub: Any) -> None:
+def add_parser(sub: Any) -> None:
+    """The ``replay`` subcommand's flags (``hicache-jax replay TRACE``)."""
     r = sub.add_parser("replay", help="replay a Mooncake / token JSONL trace through HiCache",
                        description=replay_mod.__doc__.split("\n")[0],
                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     r.add_argument("trace", metavar="TRACE", help="Mooncake JSONL (hash_ids) or token JSONL, or "
                    "the name of a slice shipped in the repository (e.g. mooncake_synthetic_1000)")
     t = r.add_argument_group("trace")
-    t.add_argument("--block-size", type=int, default=replay_mod.MOONCAKE_BLOCK,
+    t.add_argument("--block-size", type=int, default=MOONCAKE_BLOCK,
                    help="tokens per Mooncake hash id")
     t.add_argument("--limit", type=int, help="replay only the first N requests")
     c = r.add_argument_group("cache")
     c.add_argument("--page-size", type=int,
                    help="tokens a page; unset: the block size for a Mooncake trace, "
-                        f"{replay_mod.TOKEN_PAGE_SIZE} for a token trace")
+                        f"{TOKEN_PAGE_SIZE} for a token trace")
     size = c.add_mutually_exclusive_group()
     size.add_argument("--device-pages", type=int,
                       help="L1 pages; with no size given, 1/8 of the trace's distinct pages "
@@ -175,7 +86,8 @@ def _replay_parser(sub: Any) -> None:
 def _simulate(args: argparse.Namespace, parser: argparse.ArgumentParser, trace: Any, spec: Any,
               pages: int) -> int:
     try:
-        model = replay_mod.parse_spec(args.model_spec, 1)
+        model = KVSpec.parse(args.model_spec, replay_mod.TINY_SPEC, page_size=1,
+                             flag="--model-spec")
         regime = sim.Regime(l2_gbps=args.l2_gbps, l3_gbps=args.l3_gbps,
                             prefill_tokens_per_s=args.prefill_tokens_per_s,
                             token_bytes=model.page_bytes)
@@ -199,14 +111,6 @@ def _simulate(args: argparse.Namespace, parser: argparse.ArgumentParser, trace: 
     return 0
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Console entry point (``hicache-jax``, ``python -m hicache_jax``)."""
-    parser = _parser()
-    args = parser.parse_args(argv)
-    args.argv = list(sys.argv[1:] if argv is None else argv)  # what --processes relaunches
-    return args.func(args, parser)
-
-
 def _replay_setup(args: argparse.Namespace) -> tuple[Any, Any, list[int]]:
     """Trace, spec and L1 sizes from the flags (through :mod:`hicache_jax.study`, as a notebook
     gets them); ValueError / OSError naming the problem."""
@@ -221,7 +125,7 @@ def _replay_setup(args: argparse.Namespace) -> tuple[Any, Any, list[int]]:
         check_writable(args.json)
     trace = study.load_trace(args.trace, block_size=args.block_size, limit=args.limit)
     ps = args.page_size if args.page_size is not None else trace.default_page_size()
-    spec = replay_mod.parse_spec(args.spec, ps)
+    spec = KVSpec.parse(args.spec, replay_mod.TINY_SPEC, page_size=ps)
     if args.capacities:
         try:
             sizes = [float(x) for x in args.capacities.split(",") if x.strip()]
@@ -275,10 +179,10 @@ def _below_ideal(reports: Sequence[dict[str, Any]], floor: float) -> list[str]:
 
 
 def replay_command(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    """``hicache-jax replay TRACE``: see :mod:`hicache_jax.replay.driver`."""
+    """``hicache-jax replay TRACE``: see the module doc."""
     try:
         if args.plot:
-            replay_mod.require_matplotlib()
+            require_matplotlib()
         trace, spec, pages = _replay_setup(args)
     except (ValueError, TypeError, OSError, ImportError) as exc:
         parser.exit(2, f"hicache-jax replay: error: {exc}\n")

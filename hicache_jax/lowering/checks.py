@@ -1,9 +1,10 @@
-"""Lower every device program for TPU or CUDA on a machine without either, and check it.
+"""The lowering checks: every device program lowered for TPU or CUDA on a machine without
+either, and each lowered module held to what the cache relies on.
 
 ``jax.export.export(jit_fn, platforms=(p,))(*shapes)`` produces the StableHLO module a ``p``
 device would compile, custom calls included, from abstract arguments only
-(:mod:`hicache_jax.engine.lowering_programs` lists the programs). Each lowered module is held
-to what the cache relies on, and a failure names the program and the platform:
+(:mod:`hicache_jax.lowering.catalogue` lists the programs). A failure names the program and the
+platform:
 
 * ``lowers``: it lowers at all. A host callback (``jax.debug.callback``, ``pure_callback``,
   ``io_callback``) cannot be lowered for a platform this machine lacks (jax 0.10: "the platform
@@ -22,14 +23,13 @@ to what the cache relies on, and a failure names the program and the platform:
 * ``bound`` (per operation, over the program set): the distinct programs of each bucketed
   operation stay within :attr:`ProgramSet.bounds`.
 
-:func:`check` runs everything; :func:`format_table` prints it (``hicache-jax lower``).
+:func:`check` runs everything; :func:`format_table` and :func:`report_json` render its report
+(the ``hicache-jax lower`` command, :mod:`hicache_jax.cli.lower`, prints them).
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import json
 import re
 import time
 import warnings
@@ -37,12 +37,10 @@ from typing import Any, Sequence
 
 import jax
 
-from hicache_jax.engine.lowering_programs import (LLAMA3_8B_KV, PLATFORMS, Program, ProgramSet,
-                                                  programs)
-from hicache_jax.spec import KVSpec
+from hicache_jax.lowering.catalogue import Program, ProgramSet
 
-__all__ = ["LLAMA3_8B_KV", "LoweringCheckError", "Lowered", "Report", "check", "check_bounds",
-           "check_program", "format_table", "lower", "lower_command", "programs"]
+__all__ = ["LoweringCheckError", "Lowered", "Report", "check", "check_bounds", "check_program",
+           "format_table", "lower", "report_json"]
 
 #: What jax 0.10 raises when a host callback is lowered for a platform this machine lacks.
 _CALLBACK_ERROR = "different from the lowering platform"
@@ -291,71 +289,3 @@ def report_json(report: Report) -> dict[str, Any]:
                      for low in report.lowered],
         "bound_failures": report.failures["bounds"], "ok": report.ok,
     }
-
-
-# ---------------------------------------------------------------------------------- command
-
-#: The ``--spec`` keys (KVSpec field names).
-_SPEC_KEYS = {"layers": "num_layers", "kv_heads": "num_kv_heads", "head_dim": "head_dim",
-              "dtype": "dtype", "page_size": "page_size", "mla": "mla"}
-
-
-def parse_spec(text: str | None) -> KVSpec:
-    """``"layers=32,kv_heads=8,head_dim=128,dtype=bfloat16,page_size=16"`` -> KVSpec; missing
-    keys take Llama-3-8B's KV (:data:`LLAMA3_8B_KV`). ValueError names a bad item."""
-    fields = dataclasses.asdict(LLAMA3_8B_KV)
-    for item in filter(None, (text or "").split(",")):
-        key, sep, value = item.partition("=")
-        key, value = key.strip(), value.strip()
-        if not sep or key not in _SPEC_KEYS:
-            raise ValueError(f"--spec item {item!r}: expected key=value with key one of "
-                             f"{', '.join(_SPEC_KEYS)}")
-        name = _SPEC_KEYS[key]
-        if name == "dtype":
-            fields[name] = value
-        elif name == "mla":
-            fields[name] = value.lower() in ("1", "true", "yes")
-        else:
-            try:
-                fields[name] = int(value)
-            except ValueError:
-                raise ValueError(f"--spec {item!r}: {value!r} is not an int") from None
-    return KVSpec(**fields)
-
-
-def add_parser(sub: Any) -> None:
-    """The ``lower`` subcommand's flags (``hicache-jax lower``)."""
-    p = sub.add_parser("lower", help="lower every device program for TPU or CUDA here and "
-                                     "check donation, raw bits, kernels, callbacks, bounds",
-                       description=__doc__.split("\n")[0],
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--platform", choices=PLATFORMS, required=True)
-    p.add_argument("--spec", help="KV page shape, e.g. layers=32,kv_heads=8,head_dim=128,"
-                                  "dtype=bfloat16,page_size=16; missing keys: Llama-3-8B's")
-    p.add_argument("--device-pages", type=int, default=2048, help="L1 pages (shapes only)")
-    p.add_argument("--host-pages", type=int, help="L2 pages (default 4 x L1)")
-    p.add_argument("--host-layout", choices=["layer_first", "page_first"], default="layer_first")
-    p.add_argument("--only", help="lower only programs whose name starts with one of these "
-                                  "comma-separated prefixes (the bounds are still checked)")
-    p.add_argument("--no-engine", action="store_true", help="leave out the engine steps")
-    p.add_argument("--json", metavar="PATH", help="write every program's verdict as JSON")
-    p.set_defaults(func=lower_command)
-
-
-def lower_command(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    """``hicache-jax lower``: print the table; exit status 1 when a check fails."""
-    try:
-        spec = parse_spec(args.spec)
-        pset = programs(spec, args.platform, device_pages=args.device_pages,
-                        host_pages=args.host_pages, host_layout=args.host_layout,
-                        engine=not args.no_engine)
-    except (ValueError, TypeError) as exc:
-        parser.exit(2, f"hicache-jax lower: error: {exc}\n")
-    only = [o.strip() for o in args.only.split(",") if o.strip()] if args.only else None
-    report = check(pset, only=only)
-    print(format_table(report), flush=True)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(report_json(report), f, indent=1)
-        print(f"wrote {args.json}")
-    return 0 if report.ok else 1

@@ -16,11 +16,10 @@ whichever configuration happens to run first), then once timed with a fresh cach
 gives prompt tokens, tokens recomputed, hit tokens by tier, TTFT p50/p90, end-to-end tokens/s
 ((prompt + generated tokens) / wall time) and bytes moved each way, then checks that every
 configuration generated exactly the same tokens. ``--engine batched`` runs
-:mod:`hicache_jax.engine.serve_bench` instead. Over several processes (``--processes N``,
-``--coordinator``; the model tensor-parallel): :mod:`hicache_jax.engine.bench_processes`.
+:mod:`hicache_jax.cli.serve_bench` instead. Over several processes (``--processes N``,
+``--coordinator``; the model tensor-parallel): :mod:`hicache_jax.cli.bench_processes`.
 
-This module runs the command on parsed flags (:func:`bench`); the flags themselves are defined in
-:mod:`hicache_jax.engine.cli`. Its JSON and plot helpers are shared with ``hicache-jax replay``.
+This module owns the command: its flags (:func:`add_parser`) and its run on them (:func:`bench`).
 """
 
 from __future__ import annotations
@@ -28,7 +27,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import hashlib
-import json
 import os
 import sys
 import time
@@ -37,14 +35,19 @@ from typing import Any
 import numpy as np
 
 from hicache_jax.engine.engine import Engine, Generation
-from hicache_jax.engine.model import DecoderModel, ModelConfig, bucket, load_params
-from hicache_jax.engine import bench_processes, serve_bench
+from hicache_jax.engine.model import DecoderModel
+from hicache_jax.engine.packing import bucket
+from hicache_jax.engine.weights import ModelConfig, load_params
 from hicache_jax.engine.batched import BatchedEngine
-from hicache_jax.engine.workloads import WORKLOADS, Workload
+from hicache_jax.engine.workloads import ARRIVALS, WORKLOADS, Workload
 from hicache_jax.cache.hicache import HiCache
+from hicache_jax.cli import bench_processes, serve_bench
+from hicache_jax.cli.output import check_writable, require_matplotlib, write_json
 from hicache_jax.replay.driver import format_table
 from hicache_jax.spec import HiCacheConfig
 from hicache_jax.l3.storage import StorageError
+
+__all__ = ["CONFIGS", "add_parser", "bench", "build_workload", "table_bucket"]
 
 CONFIGS = (("no cache", "none"), ("device radix", "device"), ("hicache", "hicache"))
 
@@ -61,6 +64,84 @@ _SIZE_DEFAULTS = {
     "agent": (2, 8, 192, 64),
 }
 
+
+def add_parser(sub: Any) -> None:
+    """The ``bench`` subcommand's flags (``hicache-jax bench``)."""
+    b = sub.add_parser("bench", help="run a workload through no cache / device radix / HiCache",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    w = b.add_argument_group("workload")
+    w.add_argument("--workload", choices=sorted(WORKLOADS), default="chat")
+    w.add_argument("--sessions", type=int, help="clients / documents / agents")
+    w.add_argument("--turns", type=int, help="turns / questions per document / steps")
+    w.add_argument("--base-tokens", type=int, help="system prompt / document / task tokens")
+    w.add_argument("--segment-tokens", type=int, help="question / observation tokens (mean)")
+    w.add_argument("--max-new-tokens", type=int, default=16)
+    w.add_argument("--seed", type=int, default=0, help="workload and weight seed")
+    m = b.add_argument_group("model")
+    m.add_argument("--layers", type=int, default=4)
+    m.add_argument("--d-model", type=int, default=256)
+    m.add_argument("--heads", type=int, default=8)
+    m.add_argument("--kv-heads", type=int, default=2)
+    m.add_argument("--head-dim", type=int, default=32)
+    m.add_argument("--ffn-dim", type=int, default=768)
+    m.add_argument("--vocab", type=int, default=512)
+    m.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    m.add_argument("--weights", help=".npz / .safetensors weights matching the model flags")
+    c = b.add_argument_group("cache")
+    c.add_argument("--page-size", type=int, default=16)
+    c.add_argument("--device-pages", type=int,
+                   help="default: 5/8 of the workload's distinct tokens (at least what the "
+                        "longest request needs)")
+    c.add_argument("--host-ratio", type=float, default=4.0, help="host pages / device pages")
+    c.add_argument("--policy", default="clean_ahead",
+                   choices=["clean_ahead", "write_through", "write_through_selective",
+                            "write_back"])
+    c.add_argument("--chunk-size", type=int, default=256, help="prefill chunk (power of two)")
+    c.add_argument("--storage", metavar="URL",
+                   help="L3 store (file:///dir, mooncake://host:port): adds a 'hicache+L3' run")
+    c.add_argument("--no-layerwise", action="store_true", help="plain (not layer-wise) load-back")
+    c.add_argument("--no-warmup", action="store_true", help="skip the untimed first pass")
+    e = b.add_argument_group("engine")
+    e.add_argument("--engine", choices=["serial", "batched"], default="serial",
+                   help="batched: continuous batching under --arrivals, beside the serial "
+                        "engine on the same requests")
+    e.add_argument("--arrivals", choices=list(ARRIVALS), default="closed",
+                   help="batched: closed-loop clients, Poisson at --rate, or --trace timestamps")
+    e.add_argument("--rate", type=float, help="Poisson arrivals: requests/s")
+    e.add_argument("--trace", metavar="PATH", help="Mooncake JSONL for --arrivals trace")
+    e.add_argument("--time-scale", type=float, default=1.0,
+                   help="trace timestamps x this (0: all at once)")
+    e.add_argument("--block-tokens", type=int, default=16,
+                   help="trace: tokens per hash id (input lengths scaled by this / 512)")
+    e.add_argument("--limit", type=int, help="trace: first N requests")
+    e.add_argument("--token-budget", type=int, default=256,
+                   help="batched: prefill tokens per step (power of two)")
+    e.add_argument("--query-block", type=int, default=32,
+                   help="batched: prefill rows of this many tokens (power of two)")
+    e.add_argument("--key-block", type=int, default=64,
+                   help="batched: attention runs over each row's keys in blocks of this many "
+                        "tokens (power of two; whole pages), up to the row's last query")
+    e.add_argument("--max-running", type=int, default=64, help="batched: requests at once")
+    e.add_argument("--repeats", type=int, default=1,
+                   help="batched: rounds of timed runs, each config's serial then batched "
+                        "run in each round (medians over the rounds)")
+    e.add_argument("--decode-reserve", type=float, default=1.0,
+                   help="batched: fraction of remaining decode pages an admission keeps")
+    e.add_argument("--warmup-passes", type=int, default=3,
+                   help="batched: untimed passes at most, until one compiles nothing (twice: "
+                        "as the timed runs go, then compiling mixed prefill + decode steps)")
+    e.add_argument("--no-mixed-warmup", dest="mixed_warmup", action="store_false",
+                   help="batched: the warm-up compiles no mixed prefill + decode step (timed "
+                        "runs then run one as two forwards unless a compiled shape holds it)")
+    e.add_argument("--no-overlap", action="store_true",
+                   help="batched: read each step's tokens before dispatching the next (default: "
+                        "dispatch step N+1 while step N computes)")
+    o = b.add_argument_group("output")
+    o.add_argument("--json", metavar="PATH", help="write every figure and record as JSON")
+    o.add_argument("--plot", metavar="PATH", help="hit ratio and TTFT per turn (needs matplotlib)")
+    o.add_argument("--quiet", action="store_true", help="no progress bars")
+    bench_processes.add_flags(b)
+    b.set_defaults(func=bench)
 
 
 def build_workload(args: argparse.Namespace) -> Workload:
@@ -171,9 +252,9 @@ def _env() -> dict[str, Any]:
 
 
 def bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    if args.plot:  # fail before minutes of work, not after
-        require_matplotlib()
     try:  # bad sizes or weights: a usage error naming the problem, not a traceback
+        if args.plot:  # fail before minutes of work, not after
+            require_matplotlib()
         bench_processes.check_flags(args)
         if args.seed < 0:
             raise ValueError(f"--seed {args.seed} must be >= 0")
@@ -305,7 +386,7 @@ def _run(args: argparse.Namespace, parser: argparse.ArgumentParser, workload: Wo
 def _bench_batched(args: argparse.Namespace, workload: Workload, model: DecoderModel,
                    cfg: ModelConfig, serial: Any, device_pages: int, host_pages: int,
                    infinite: float) -> int:
-    """``--engine batched``: see :mod:`hicache_jax.engine.serve_bench`."""
+    """``--engine batched``: see :mod:`hicache_jax.cli.serve_bench`."""
     ps = args.page_size
     knobs = dict(token_budget=args.token_budget, max_running=args.max_running,
                  layerwise=not args.no_layerwise, query_block=min(args.query_block, args.token_budget),
@@ -358,32 +439,6 @@ def _config_record(args: argparse.Namespace, device_pages: int, host_pages: int,
     """The JSON's ``config``: every flag, the pool sizes the run used, the model."""
     return {**{k: v for k, v in vars(args).items() if k != "func"},
             "device_pages": device_pages, "host_pages": host_pages, "model": vars(cfg)}
-
-
-def check_writable(path: str) -> None:
-    """Fail before minutes of work when ``--json`` cannot be written (OSError naming it)."""
-    folder = os.path.dirname(os.path.abspath(path))
-    try:
-        os.makedirs(folder, exist_ok=True)
-    except OSError as exc:
-        raise OSError(f"--json {path}: {exc}") from None
-    if not os.access(folder, os.W_OK) or os.path.isdir(path):
-        raise OSError(f"--json {path}: cannot write there")
-
-
-def write_json(path: str, payload: dict[str, Any]) -> None:
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path, "w") as f:
-        json.dump(payload, f, indent=2, default=str)
-    print(f"wrote {path}")
-
-
-def require_matplotlib() -> None:
-    try:
-        import matplotlib  # noqa: F401
-    except ImportError:
-        raise SystemExit("--plot needs matplotlib: pip install 'hicache-jax[plot]' "
-                         "(or pip install matplotlib)") from None
 
 
 def _plot(path: str, turns: list[tuple[int, int]], per_request: dict[str, list[dict]]) -> None:

@@ -1,6 +1,6 @@
 """``hicache-jax compare A.json B.json [--plot out.png]``: two benchmark runs side by side.
 
-Each file is a results document of :mod:`hicache_jax.engine.results` (what
+Each file is a results document of :mod:`hicache_jax.cli.results` (what
 ``benchmarks/run_gpu_all.sh`` and ``benchmarks/run_tpu_all.sh`` write: one per device run) or a
 single benchmark script's JSON. The table has one row per figure in either run: its unit, then
 for A and for B the figure, its limit (measured in the same run) and its share of the limit
@@ -16,7 +16,7 @@ import json
 import math
 from typing import Any
 
-from hicache_jax.engine.results import as_results
+from hicache_jax.cli.results import as_results
 
 __all__ = ["add_parser", "compare_command", "load", "plot", "rows", "table"]
 

@@ -4,7 +4,7 @@
 Three ways in, one code path:
 
 * ``--processes N`` (N > 1): this process runs no workload; it launches N local copies of the
-  same command (:mod:`hicache_jax.engine.launch`: one CPU device each, gloo collectives, a free
+  same command (:mod:`hicache_jax.cli.launch`: one CPU device each, gloo collectives, a free
   coordinator port) that join as processes ``0 .. N-1``, prints process 0's output, and exits
   with the first failing exit code (a failed process's peers are killed after a grace period;
   its output is shown).
@@ -37,7 +37,7 @@ import tempfile
 import traceback
 from typing import Any, Iterator
 
-from hicache_jax.engine import launch
+from hicache_jax.cli import launch
 
 __all__ = ["add_flags", "check_divisible", "check_flags", "joined", "launch_local", "same_on_every_process",
            "timing_free"]

@@ -1,7 +1,7 @@
 """The reference engine's configurations (no cache / device radix / hicache) as a table, for a
 notebook: ``hicache-jax bench`` with keyword arguments for its flags.
 
-:func:`bench_table` runs the command itself (:func:`hicache_jax.engine.cli.main`, reading back
+:func:`bench_table` runs the command itself (:func:`hicache_jax.cli.main.main`, reading back
 its ``--json``), so a notebook's table holds exactly the figures the command prints. Threading:
 runs on the calling thread.
 """
@@ -16,7 +16,7 @@ import tempfile
 from typing import Any
 
 import hicache_jax.study as study
-from hicache_jax.engine import cli
+from hicache_jax.cli.main import main
 
 __all__ = ["bench_table", "bench_argv"]
 
@@ -68,7 +68,7 @@ def bench_table(*, quiet: bool = True, **flags: Any) -> Any:
         errs = contextlib.redirect_stderr(err) if quiet else contextlib.nullcontext()
         try:
             with out, errs:
-                cli.main(full)
+                main(full)
         except SystemExit as exc:
             lines = err.getvalue().strip().splitlines()
             raise ValueError(f"hicache-jax bench {' '.join(argv)}: "
