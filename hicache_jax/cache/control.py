@@ -148,7 +148,7 @@ class ControlAPI:
         return self._events.take_batches()
 
     def observe_prefill(self, n_new: int, n_cached: int, seconds: float) -> None:
-        """A prefill sample for ``load_policy="cost"`` (cache/cost_model.py): ``n_new`` tokens
+        """A prefill sample for ``load_policy="cost"`` (cache/loading/cost_model.py): ``n_new`` tokens
         computed after ``n_cached`` in ``seconds``. ValueError for a negative / non-finite one."""
         self._guard()
         self._cost.observe_prefill(n_new, n_cached, seconds)

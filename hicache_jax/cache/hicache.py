@@ -40,9 +40,9 @@ from hicache_jax.cache.introspection import cache_stats, check_cache
 from hicache_jax.cache.l3_port import CacheL3Port
 from hicache_jax.cache.storage_attach import L3Slot
 from hicache_jax.l3.tier import L3Tier, NullL3Tier, PrefetchHandle, open_l3
-from hicache_jax.cache.load_many import check_matches, load_chains
-from hicache_jax.cache.cost_model import CostModel
-from hicache_jax.cache.load_policy import make_rule
+from hicache_jax.cache.loading.load_many import check_matches, load_chains
+from hicache_jax.cache.loading.cost_model import CostModel
+from hicache_jax.cache.loading.load_policy import make_rule
 from hicache_jax.cache.match import (Match, NodeRef, check_node, current, is_stale, node_ref,
                                      revalidate)
 from hicache_jax.cache.request import Request, begin, begin_many
@@ -221,7 +221,7 @@ class HiCache(ControlAPI):
     def load_back_many(self, matches: Any, *, layerwise: bool = False) -> list[Match]:
         """:meth:`load_back` of several matches (a batching scheduler's step) in ONE copy
         dispatch, each decided as ``load_back`` decides it, in list order (overlaps load once;
-        see :mod:`~hicache_jax.cache.load_many`): one Match per input, what holds its prefix
+        see :mod:`~hicache_jax.cache.loading.load_many`): one Match per input, what holds its prefix
         now; with ``layerwise`` each carries the one ``load_handle``. TypeError / HiCacheError
         (not Matches of this cache, ``layerwise`` not a bool) before any change."""
         check_matches(self._tree, matches)

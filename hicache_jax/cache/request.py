@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any, Hashable, Sequence
 import numpy as np
 
 from hicache_jax.cache.match import Match, NodeRef, unprotected_device_pages
-from hicache_jax.cache.overlap import start_overlap, wait_overlap
+from hicache_jax.cache.loading.overlap import start_overlap, wait_overlap
 from hicache_jax.errors import HiCacheError
 from hicache_jax.validation import check_bool, check_int, page_tokens
 
@@ -62,7 +62,7 @@ class Request:
             threshold or the quota, or no device pages): the caller recomputes them.
         num_tokens: tokens the pages hold room for: ``cached_len`` + what :meth:`extend` added.
         load_handle: with ``layerwise=True``, the load-back's handle (``wait_layer(l)``) or None.
-        overlap: ``(start, end)`` where a two-ended split is in flight (cache/overlap.py):
+        overlap: ``(start, end)`` where a two-ended split is in flight (cache/loading/overlap.py):
             ``[cached_len, start)`` is the request's to prefill first, ``[start, end)`` is being
             copied into its pages (:meth:`wait_overlap` before anything reads it), the rest is
             prefilled from ``end`` (= ``num_tokens`` at admission); else None.
@@ -304,7 +304,7 @@ def begin(cache: "HiCache", tokens: Any, extra_key: Hashable = None, *,
     if not split:
         lm = cache.load_back(m, layerwise=layerwise)
     else:
-        rule.overlap = True  # the cost rule may pick a two-ended split (cache/overlap.py)
+        rule.overlap = True  # the cost rule may pick a two-ended split (cache/loading/overlap.py)
         try:
             lm = cache.load_back(m, layerwise=layerwise)
         finally:

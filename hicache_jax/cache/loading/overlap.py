@@ -5,7 +5,7 @@ Under ``HiCacheConfig(load_policy="cost", load_overlap=True)`` :func:`Request.be
 <hicache_jax.cache.request.begin>` lets the cost rule weigh, for the host-only chain of
 ``h`` tokens after the device prefix of ``d``, a split at ``s``: recompute ``[d, d + s)`` while
 ``[d + s, d + h)`` is copied, time ``max(prefill(s | d), load(h - s)) + prefill(rest | d + h)``
-(cache/cost_model.py). Where the rule picks it, the chain is left as it is in the tree
+(cache/loading/cost_model.py). Where the rule picks it, the chain is left as it is in the tree
 (host-only: the load-back declined it) and :func:`start_overlap`:
 
 * allocates the request's pages for all of ``[d, d + h)`` (``HiCache.alloc_pages``: pages the
@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from hicache_jax.cache.load_many import host_chain_after
+from hicache_jax.cache.loading.load_many import host_chain_after
 from hicache_jax.errors import OutOfPagesError
 
 if TYPE_CHECKING:

@@ -4,8 +4,8 @@ A batching scheduler admits several requests per step; their host-only prefixes 
 device in one copy dispatch. Each match is decided as :meth:`HiCache.load_back` decides it,
 taking the matches in list order: its chain is the host-only nodes ending at its node, cut at
 the first node already accepted for an earlier match (duplicates and overlapping prefixes load
-once, by the first), and the load rule (cache/load_policy.py: threshold and quota, or the cost
-model) decides how much of that chain, from its root end, is loaded. Device pages come from
+once, by the first), and the load rule (cache/loading/load_policy.py: threshold and quota, or
+the cost model) decides how much of that chain, from its root end, is loaded. Device pages come from
 one allocation for every accepted chain; when even eviction cannot cover it, chain by chain in
 order, declining those that find none.
 
