@@ -16,6 +16,7 @@ public methods, never signalled by callbacks. After :meth:`close`, only ``stats(
 from __future__ import annotations
 
 import collections
+import dataclasses
 import threading
 import time
 from typing import Any, Callable, Hashable, Sequence
@@ -26,6 +27,7 @@ from hicache_jax.memory.device_pool import DevicePagePool
 from hicache_jax.memory.group import AgreedClock
 from hicache_jax.errors import HiCacheError
 from hicache_jax.events.factory import make_recorder
+from hicache_jax.events.records import EventBatch, KVEvent
 from hicache_jax.events.recorder import NullRecorder, Recorder
 from hicache_jax.cache.agreement import Agreement, bind_completions, join_group
 from hicache_jax.cache.completion import Completion
@@ -34,11 +36,11 @@ from hicache_jax.cache.removal import Removal
 from hicache_jax.memory.host_pool import HostPagePool
 from hicache_jax.cache.inflight import InFlight
 from hicache_jax.cache.insertion import Insertion
-from hicache_jax.cache.control import ControlAPI
-from hicache_jax.cache.invalidate import Invalidation
+from hicache_jax.cache.control.calls import Control
+from hicache_jax.cache.control.invalidate import Invalidation
 from hicache_jax.cache.introspection import cache_stats, check_cache
 from hicache_jax.cache.l3_port import CacheL3Port
-from hicache_jax.cache.storage_attach import L3Slot
+from hicache_jax.cache.control.storage_attach import L3Slot
 from hicache_jax.l3.tier import L3Tier, NullL3Tier, PrefetchHandle, open_l3
 from hicache_jax.cache.loading.load_many import check_matches, load_chains
 from hicache_jax.cache.loading.cost_model import CostModel
@@ -47,7 +49,7 @@ from hicache_jax.cache.match import (Match, NodeRef, check_node, current, is_sta
                                      revalidate)
 from hicache_jax.cache.request import Request, begin, begin_many
 from hicache_jax.cache.ownership import ALLOCATED, CALLERS, DevicePageOwners
-from hicache_jax.cache.pins import Pins
+from hicache_jax.cache.control.pins import Pins
 from hicache_jax.tree.radix import RadixTree
 from hicache_jax.spec import HiCacheConfig, KVSpec
 from hicache_jax.cache.thread_owner import ThreadOwner, publishes
@@ -59,7 +61,7 @@ from hicache_jax.cache.write_policy import WriteContext, make_write_policy
 __all__ = ["HiCache", "Match", "NodeRef"]
 
 
-class HiCache(ControlAPI):
+class HiCache:
     """Hierarchical KV page cache: device pool (L1), host pool (L2), radix tree of prefixes.
 
     Args:
@@ -136,9 +138,12 @@ class HiCache(ControlAPI):
         self._inserter = Insertion(self._ps, tree, dev, self._owner, events, self._n,
                                    self._device.validate_ids, self._write.after_insert,
                                    self._caller_locks)
-        self._invalidate = Invalidation(tree, self._removal, self._pins, self._l3)
         self._agreement = Agreement(self._group, cfg.agreement_check_every, tree, self._owner,
                                     host, self._flight, self._n, self._l3)
+        self._control = Control(self._ps, tree, self._l3, self._pins,
+                                Invalidation(tree, self._removal, self._pins, self._l3),
+                                self._complete, self._port, events, self._host, self._agreement,
+                                self._cost)
         self._port.bind(events, self._write, self._rule, self._cost)
 
     def _guard(self) -> None:
@@ -400,6 +405,99 @@ class HiCache(ControlAPI):
         num_tokens = check_int("num_tokens", num_tokens)
         self._complete(attach=True)
         return self._removal.evict_host_leaves(num_tokens)
+
+    # -- control calls (ARCHITECTURE.md, "Control API"; the work: cache/control/) ---------------
+
+    @property
+    def local_heads(self) -> slice:
+        """The kv heads this process holds: all of them, unless the pools span several
+        processes (a mesh over their devices; ARCHITECTURE.md, "Several processes")."""
+        return self._control.local_heads
+
+    def read_kv_local(self, pages: Any) -> np.ndarray:
+        """:meth:`read_kv` of this process's heads (:attr:`local_heads`) as numpy:
+        ``[num_layers, kv, n, page_size, local heads, head_dim]`` in ``spec.dtype``, read
+        from its own shards (a pool over several processes is an array none can read whole)."""
+        return self._control.local_shard(self.read_kv(pages))
+
+    def check_agreement(self) -> None:
+        """Compare this cache with its copies on the other processes of its group (tree,
+        page ownership, transfers in flight, counters; cache/agreement.py): ``HiCacheError``
+        (``GroupDivergedError``) on every process naming the first field that differs, or
+        ``GroupTimeoutError`` naming a process that did not take part. One process: a no-op."""
+        self._guard()
+        self._control.check_agreement()
+
+    def lookup(self, tokens: Any, extra_key: Hashable = None, *,
+               l3: bool = False) -> dict[str, int]:
+        """Tokens of ``tokens``' cached prefix per tier ("device", "host", with ``l3`` also
+        "l3": the store's beyond them), with no side effect (cache/control/lookup.py)."""
+        self._guard()
+        return self._control.lookup(tokens, extra_key, l3)
+
+    @publishes
+    def invalidate(self, tokens: Any = None, extra_key: Hashable = None) -> dict[str, int]:
+        """Drop the namespace ``extra_key`` (``tokens=None``), or ``tokens``' last page and all
+        below it, from every tier, L3 too, after waiting for transfers
+        (cache/control/invalidate.py): ``{"device", "host"}`` tokens freed, ``"l3"`` store
+        pages deleted, ``"l3_unreached"`` 1 where the store kept entries it could not delete
+        (never read by this cache again). ``InvalidateLockedError`` (nothing dropped) where
+        running requests hold them."""
+        return self._control.invalidate(tokens, extra_key)
+
+    @publishes
+    def pin(self, tokens: Any, extra_key: Hashable = None, *, ttl_s: float | None = None,
+            tier: str = "device") -> int:
+        """Keep the part of ``tokens``' cached prefix held on ``tier`` ("device" | "host") from
+        eviction there, until :meth:`unpin` or ``ttl_s`` seconds on the cache's clock; returns
+        the tokens pinned. ``PinLimitError`` (with the figures) beyond ``cfg.pin_max_share``
+        of the pool; HiCacheError if nothing is held there (cache/control/pins.py)."""
+        return self._control.pin(tokens, extra_key, ttl_s, tier)
+
+    @publishes
+    def unpin(self, tokens: Any, extra_key: Hashable = None, *, tier: str = "device") -> int:
+        """Undo :meth:`pin` of the same tokens; HiCacheError if they are not pinned there."""
+        return self._control.unpin(tokens, extra_key, tier)
+
+    @publishes
+    def attach_storage(self, url: str) -> None:
+        """Open the L3 store ``url`` (as ``HiCacheConfig.storage``) on a live cache, requests in
+        flight included; L1 and L2 untouched (cache/control/storage_attach.py); ``cfg.storage``
+        becomes ``url``. With ``kv_events`` ``l3_medium`` set, its pages are announced as this
+        cache's puts land (nothing at the attach). HiCacheError if storage is attached;
+        ValueError / StorageUnavailableError (nothing changed) as at construction."""
+        self.cfg = self._control.attach_storage(self.cfg, url)
+
+    @publishes
+    def detach_storage(self) -> int:
+        """Finish the L3 work in flight (puts stored, prefetches landed), close the store, and
+        go on without L3 (``cfg.storage`` None); returns the operations finished
+        (``stats()["storage_detach_*"]``). Every page announced on L3 is announced removed.
+        HiCacheError without storage."""
+        finished = self._control.detach_storage()
+        self.cfg = dataclasses.replace(self.cfg, storage=None)
+        return finished
+
+    def take_events(self) -> list[KVEvent]:
+        """KV events (one per page) since the last take, oldest first; ``HiCacheError`` unless
+        built with ``kv_events={"publisher": "queue"}``."""
+        self._guard()
+        return self._control.take_events()
+
+    def take_event_batches(self) -> list[EventBatch]:
+        """The event batches (one per public call) since the last take; a gap in ``seq``: the
+        oldest were dropped (``stats()["kv_event_batches_dropped"]``). Raises as take_events."""
+        self._guard()
+        return self._control.take_event_batches()
+
+    def observe_prefill(self, n_new: int, n_cached: int, seconds: float) -> None:
+        """A prefill sample for ``load_policy="cost"`` (cache/loading/cost_model.py): ``n_new``
+        tokens computed after ``n_cached`` in ``seconds``. ValueError for a negative /
+        non-finite one."""
+        self._guard()
+        self._control.observe_prefill(n_new, n_cached, seconds)
+
+    # -- introspection -----------------------------------------------------------------------
 
     @property
     def device_pool(self) -> DevicePagePool:

@@ -29,7 +29,7 @@ from typing import Any, Hashable
 
 import numpy as np
 
-from hicache_jax.cache.pins import Pins
+from hicache_jax.cache.control.pins import Pins
 from hicache_jax.cache.removal import Removal
 from hicache_jax.errors import InvalidateLockedError
 from hicache_jax.tree.node import TreeNode
