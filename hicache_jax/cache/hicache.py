@@ -44,10 +44,11 @@ from hicache_jax.cache.control.storage_attach import L3Slot
 from hicache_jax.l3.tier import L3Tier, NullL3Tier, PrefetchHandle, open_l3
 from hicache_jax.cache.loading.load_many import check_matches, load_chains
 from hicache_jax.cache.loading.cost_model import CostModel
-from hicache_jax.cache.loading.load_policy import make_rule
+from hicache_jax.cache.loading.load_policy import CostRule, make_rule
+from hicache_jax.cache.loading.overlap import Overlap, OverlapCopy
 from hicache_jax.cache.match import (Match, NodeRef, check_node, current, is_stale, node_ref,
-                                     revalidate)
-from hicache_jax.cache.request import Request, begin, begin_many
+                                     revalidate, unprotected_device_pages)
+from hicache_jax.cache.request import Request, admit_matched
 from hicache_jax.cache.ownership import ALLOCATED, CALLERS, DevicePageOwners
 from hicache_jax.cache.control.pins import Pins
 from hicache_jax.tree.radix import RadixTree
@@ -122,12 +123,16 @@ class HiCache:
         self._cost = CostModel(cfg.cost_page_bytes or self.spec.page_bytes, self._ps,
                                cfg.prefill_cost, observed_page_bytes=self.spec.page_bytes)
         self._rule = make_rule(cfg, self._cost, dev, tree)
+        # load_overlap: begin() lets the cost rule pick two-ended splits (cache/loading/overlap.py)
+        self._split_rule = (self._rule if cfg.load_overlap and isinstance(self._rule, CostRule)
+                            else None)
         self._flight = InFlight(self.spec, tree, self._engine, dev, host, self._owner, events,
                                 self._n, self._l3.on_backup, self._cost)
         self._pins = Pins(tree, self._port.clock, cfg.pin_max_share, cfg.device_pages,
                           cfg.host_pages)
         self._complete = Completion(self._engine, self._flight, self._l3, self._pins.expire,
                                     self._sync)
+        self._overlap = Overlap(self._ps, self._engine, self._cost, self._n, self._complete)
         self._removal = Removal(cfg, tree, dev, self._owner, events, self._n, self._flight,
                                 self._l3)
         self._write = make_write_policy(WriteContext(
@@ -177,16 +182,90 @@ class HiCache:
         return Match(tm.device_pages, tm.device_len, tm.host_len,
                      node_ref(tm.node, tm.last_device_node))
 
+    # -- admission (ARCHITECTURE.md, "A request's data flow") ---------------------------------
+
     def begin(self, tokens: Any, extra_key: Hashable = None, *,
               layerwise: bool = False) -> Request:
-        """Admit one request (match, load back, lock): its :class:`Request` handle."""
-        return begin(self, tokens, extra_key, layerwise=layerwise)
+        """Admit one request: match, prepare (clean_ahead's backups), load the host part back
+        (or not, as :meth:`load_back` decides; under ``load_overlap`` maybe a two-ended split),
+        lock; then its :class:`Request` handle, which owns the lock. Always admitted: its pages
+        come at :meth:`Request.extend`, which raises ``OutOfPagesError`` when they cannot be
+        had."""
+        m = self.match_prefix(tokens, extra_key)
+        self.prepare([m], -(-len(tokens) // self._ps) - m.device_pages.size)
+        split = self._split_rule
+        if split is None:
+            lm = self.load_back(m, layerwise=layerwise)
+        else:
+            split.overlap = True  # the cost rule may pick a two-ended split
+            try:
+                lm = self.load_back(m, layerwise=layerwise)
+            finally:
+                split.overlap = False
+        self.lock(lm.node)
+        copy = None if split is None else self._start_split(split, lm)
+        return Request(self, extra_key, lm, lm.device_len - m.device_len, overlap=copy)
+
+    def _start_split(self, rule: CostRule, lm: Match) -> OverlapCopy | None:
+        """The copy of the two-ended split ``rule`` decided for ``lm``'s chain (locked), if it
+        decided one and it can start; the lock released if starting it raises."""
+        node = check_node(self._tree, lm.node)
+        front = rule.take_split(node)
+        if front is None:
+            return None
+        try:
+            return self._overlap.start(node, front, lm.device_len, lm.host_len,
+                                       self.alloc_pages, self.free_pages)
+        except BaseException:
+            if not self.closed:
+                self.unlock(lm.node)
+            raise
 
     def begin_many(self, prompts: Sequence[Any], *, extra_keys: Sequence[Hashable] | None = None,
                    budget: int | None = None, layerwise: bool = False) -> list[Request | None]:
-        """Admit a step's requests oldest first with ONE load-back transfer; None for those not
-        admitted (:func:`hicache_jax.cache.request.begin_many`)."""
-        return begin_many(self, prompts, extra_keys=extra_keys, budget=budget, layerwise=layerwise)
+        """Admit a scheduler step's requests, oldest (first in ``prompts``) first, with ONE
+        load-back transfer (:meth:`load_back_many`); None for those not admitted.
+
+        Each admitted request takes ``ceil(len(prompt) / page_size)`` device pages in the end
+        (its matched prefix, its host part loaded or recomputed, its uncached rest), and its
+        lock takes its unprotected matched pages out of the evictable ones. Requests are
+        admitted in order while what they take fits ``budget`` pages (default, and at most: the
+        free + evictable device pages now), up to the first that does not: it and every later
+        one are not admitted (None), and nothing is loaded, locked or allocated for them. The
+        pages themselves come at :meth:`Request.extend`.
+
+        Raises:
+            TypeError / ValueError: malformed prompts, keys or budget, before any change.
+        """
+        prompts = list(prompts)
+        keys = [None] * len(prompts) if extra_keys is None else list(extra_keys)
+        if len(keys) != len(prompts):
+            raise ValueError(f"extra_keys has {len(keys)} keys for {len(prompts)} prompts")
+        if budget is not None:
+            budget = check_int("budget", budget)
+        check_bool("layerwise", layerwise)
+        for t, k in zip(prompts, keys):
+            page_tokens(t, k, self._ps)  # every prompt checked before anything is matched
+        st = self.stats()
+        avail = st["device_free_pages"] + st["device_evictable_pages"]
+        budget = avail if budget is None else min(budget, avail)
+        seen: set = set()
+        used, new, before = 0, 0, []
+        for t, k in zip(prompts, keys):  # one by one: no hit counted beyond the first refused
+            m = self.match_prefix(t, k)
+            own = -(-len(t) // self._ps) - m.device_pages.size
+            used += own + unprotected_device_pages(m.node, seen)
+            if used > budget:
+                break
+            before.append(m)
+            new += own
+        if before:
+            self.prepare(before, new)  # clean_ahead: what their pages will evict, backed up now
+        out: list[Request | None] = [None] * len(prompts)
+        # load back in one transfer, lock each, wrap each
+        out[:len(before)] = admit_matched(self, before, extra_keys=keys[:len(before)],
+                                          layerwise=layerwise)
+        return out
 
     @publishes
     def prefetch(self, tokens: Any, extra_key: Hashable = None) -> PrefetchHandle | None:
