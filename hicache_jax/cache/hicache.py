@@ -2,9 +2,11 @@
 
 Semantics follow SGLang's HiCache (``hiradix_cache.py``). Each piece of state has one owner,
 a part built in dependency order in :meth:`HiCache._init_state` (ARCHITECTURE.md, "The cache's
-parts"); this class validates, polls, and calls them. Requests go through
-:class:`~hicache_jax.cache.request.Request` handles (:meth:`HiCache.begin`); the primitives stay
-public for schedulers that need them. Matches go stale (:mod:`hicache_jax.cache.match`):
+parts"); this class validates, polls, and calls them. It owns the primitives, a request's
+admission (:meth:`HiCache.begin`, :meth:`HiCache.begin_many`: match, prepare, load back, lock,
+in that order, then the :class:`~hicache_jax.cache.request.Request` handle that owns the rest of
+the request's life) and the public face of the control calls (their part:
+:mod:`hicache_jax.cache.control`); the primitives stay public for schedulers that need them. Matches go stale (:mod:`hicache_jax.cache.match`):
 :meth:`insert` gets only pages, and a stale page re-allocated to a caller cannot be told from a
 fresh one, which is why the request flow locks the match first.
 

@@ -1,4 +1,5 @@
-"""The load-back of several matches in one transfer (:meth:`HiCache.load_back_many`).
+"""The load-back of one or several matches in one transfer (:meth:`HiCache.load_back`,
+:meth:`HiCache.load_back_many`).
 
 A batching scheduler admits several requests per step; their host-only prefixes go back to
 device in one copy dispatch. Each match is decided as :meth:`HiCache.load_back` decides it,

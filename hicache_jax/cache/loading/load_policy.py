@@ -8,7 +8,7 @@ per-request cap and the step's token budget, and falls back to the threshold rul
 model has no usable prefill figure. Where the model's plan ends inside a node (a probe of a
 few pages of an unmeasured link, cache/loading/cost_model.py), the cost rule splits that node
 there (``RadixTree.trim_tail``), so the chain's first nodes hold exactly the planned pages. Where the
-caller can overlap a load with its prefill (``overlap``, set by ``Request.begin`` under
+caller can overlap a load with its prefill (``overlap``, set by ``HiCache.begin`` under
 ``HiCacheConfig(load_overlap=True)``), the model may pick a two-ended split: the chain is
 declined in the tree (``decide`` gives 0) and :meth:`CostRule.take_split` gives the caller the
 front's tokens; the caller loads the back into its own pages (cache/loading/overlap.py).
@@ -74,7 +74,7 @@ class CostRule:
         self.max_tokens, self.step_budget = max_tokens, step_budget
         self._decided: dict = {}
         self._fetch: Fetch | None = None  # the last fetch decision: L3 figures, plan
-        # set by a caller that executes two-ended splits (Request.begin with load_overlap);
+        # set by a caller that executes two-ended splits (HiCache.begin with load_overlap);
         # a split chain is declined in the tree and its front's tokens kept here
         self.overlap = False
         self.splits: dict[TreeNode, int] = {}
