@@ -6,9 +6,10 @@ parts"); this class validates, polls, and calls them. It owns the primitives, a 
 admission (:meth:`HiCache.begin`, :meth:`HiCache.begin_many`: match, prepare, load back, lock,
 in that order, then the :class:`~hicache_jax.cache.request.Request` handle that owns the rest of
 the request's life) and the public face of the control calls (their part:
-:mod:`hicache_jax.cache.control`); the primitives stay public for schedulers that need them. Matches go stale (:mod:`hicache_jax.cache.match`):
-:meth:`insert` gets only pages, and a stale page re-allocated to a caller cannot be told from a
-fresh one, which is why the request flow locks the match first.
+:mod:`hicache_jax.cache.control`); the primitives stay public for schedulers that need them.
+Matches go stale (:mod:`hicache_jax.cache.match`): :meth:`insert` gets only pages, and a stale
+page re-allocated to a caller cannot be told from a fresh one, which is why the request flow
+locks the match first.
 
 Threading: one thread owns the cache and makes every call but :meth:`stats` (any thread, reads
 only; :mod:`hicache_jax.cache.thread_owner`). Transfer completion is polled at the start of the

@@ -7,8 +7,8 @@ decline, the whole chain recomputed). The threshold rule loads all or nothing
 per-request cap and the step's token budget, and falls back to the threshold rule where the
 model has no usable prefill figure. Where the model's plan ends inside a node (a probe of a
 few pages of an unmeasured link, cache/loading/cost_model.py), the cost rule splits that node
-there (``RadixTree.trim_tail``), so the chain's first nodes hold exactly the planned pages. Where the
-caller can overlap a load with its prefill (``overlap``, set by ``HiCache.begin`` under
+there (``RadixTree.trim_tail``), so the chain's first nodes hold exactly the planned pages. Where
+the caller can overlap a load with its prefill (``overlap``, set by ``HiCache.begin`` under
 ``HiCacheConfig(load_overlap=True)``), the model may pick a two-ended split: the chain is
 declined in the tree (``decide`` gives 0) and :meth:`CostRule.take_split` gives the caller the
 front's tokens; the caller loads the back into its own pages (cache/loading/overlap.py).
