@@ -247,7 +247,7 @@ class HiCacheConfig:
         load_back_quota: tokens; host hits longer than this are declined (None: unlimited).
         load_policy: "threshold" (the default: ``load_back_threshold`` / ``load_back_quota``) |
             "cost" (per request, the part of the host hit to load that the fitted cost model
-            predicts fastest, the rest recomputed; see cache/cost_model.py).
+            predicts fastest, the rest recomputed; see cache/loading/cost_model.py).
         prefill_cost: "cost": the serving stack's ``(n_new, n_cached) -> seconds``; None: the
             fit of ``HiCache.observe_prefill`` samples.
         max_load_tokens: "cost": at most this many tokens loaded per request (None: no cap).
@@ -259,8 +259,8 @@ class HiCacheConfig:
             figure and the fitted bandwidth speak of the modelled bytes.
         load_overlap: "cost": the request handle (``HiCache.begin``) may take a two-ended
             split of a host chain: its front recomputed while its back is copied into the
-            request's own pages (cache/overlap.py); the serving loop prefills the front, waits
-            for the copy (``Request.wait_overlap``), prefills the rest. Default False.
+            request's own pages (cache/loading/overlap.py); the serving loop prefills the front,
+            waits for the copy (``Request.wait_overlap``), prefills the rest. Default False.
         host_layout: "layer_first" | "page_first".
         copy_backend: "auto" | "xla" | "pallas" (device pool page movement).
         huge_pages: CPU backend: back both pools with transparent huge pages (Linux; ~2 ms

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from hicache_jax import HiCacheConfig
-from hicache_jax.cache.cost_model import CostModel
+from hicache_jax.cache.loading.cost_model import CostModel
 from tests.helpers import make_cache
 from tests.test_request import SPEC, cached_on_host_only, clean, prompt, write
 

@@ -1,6 +1,8 @@
 """HiCache, the facade (:mod:`~hicache_jax.cache.hicache`), and its parts, each the one owner
 of a piece of state, built in dependency order: page ownership, operations in flight, the
-write policies, the evictor, batched load-back, the request handle.
+write policies, the evictor, load or recompute (:mod:`~hicache_jax.cache.loading`), the control
+calls (:mod:`~hicache_jax.cache.control`); and the request handle
+(:mod:`~hicache_jax.cache.request`).
 """
 
 from hicache_jax.cache.hicache import HiCache

@@ -2,11 +2,14 @@
 
 Semantics follow SGLang's HiCache (``hiradix_cache.py``). Each piece of state has one owner,
 a part built in dependency order in :meth:`HiCache._init_state` (ARCHITECTURE.md, "The cache's
-parts"); this class validates, polls, and calls them. Requests go through
-:class:`~hicache_jax.cache.request.Request` handles (:meth:`HiCache.begin`); the primitives stay
-public for schedulers that need them. Matches go stale (:mod:`hicache_jax.cache.match`):
-:meth:`insert` gets only pages, and a stale page re-allocated to a caller cannot be told from a
-fresh one, which is why the request flow locks the match first.
+parts"); this class validates, polls, and calls them. It owns the primitives, a request's
+admission (:meth:`HiCache.begin`, :meth:`HiCache.begin_many`: match, prepare, load back, lock,
+in that order, then the :class:`~hicache_jax.cache.request.Request` handle that owns the rest of
+the request's life) and the public face of the control calls (their part:
+:mod:`hicache_jax.cache.control`); the primitives stay public for schedulers that need them.
+Matches go stale (:mod:`hicache_jax.cache.match`): :meth:`insert` gets only pages, and a stale
+page re-allocated to a caller cannot be told from a fresh one, which is why the request flow
+locks the match first.
 
 Threading: one thread owns the cache and makes every call but :meth:`stats` (any thread, reads
 only; :mod:`hicache_jax.cache.thread_owner`). Transfer completion is polled at the start of the
@@ -16,6 +19,7 @@ public methods, never signalled by callbacks. After :meth:`close`, only ``stats(
 from __future__ import annotations
 
 import collections
+import dataclasses
 import threading
 import time
 from typing import Any, Callable, Hashable, Sequence
@@ -26,6 +30,7 @@ from hicache_jax.memory.device_pool import DevicePagePool
 from hicache_jax.memory.group import AgreedClock
 from hicache_jax.errors import HiCacheError
 from hicache_jax.events.factory import make_recorder
+from hicache_jax.events.records import EventBatch, KVEvent
 from hicache_jax.events.recorder import NullRecorder, Recorder
 from hicache_jax.cache.agreement import Agreement, bind_completions, join_group
 from hicache_jax.cache.completion import Completion
@@ -34,20 +39,21 @@ from hicache_jax.cache.removal import Removal
 from hicache_jax.memory.host_pool import HostPagePool
 from hicache_jax.cache.inflight import InFlight
 from hicache_jax.cache.insertion import Insertion
-from hicache_jax.cache.control import ControlAPI
-from hicache_jax.cache.invalidate import Invalidation
+from hicache_jax.cache.control.calls import Control
+from hicache_jax.cache.control.invalidate import Invalidation
 from hicache_jax.cache.introspection import cache_stats, check_cache
 from hicache_jax.cache.l3_port import CacheL3Port
-from hicache_jax.cache.storage_attach import L3Slot
+from hicache_jax.cache.control.storage_attach import L3Slot
 from hicache_jax.l3.tier import L3Tier, NullL3Tier, PrefetchHandle, open_l3
-from hicache_jax.cache.load_many import check_matches, load_chains
-from hicache_jax.cache.cost_model import CostModel
-from hicache_jax.cache.load_policy import make_rule
+from hicache_jax.cache.loading.load_many import check_matches, load_chains
+from hicache_jax.cache.loading.cost_model import CostModel
+from hicache_jax.cache.loading.load_policy import CostRule, make_rule
+from hicache_jax.cache.loading.overlap import Overlap, OverlapCopy
 from hicache_jax.cache.match import (Match, NodeRef, check_node, current, is_stale, node_ref,
-                                     revalidate)
-from hicache_jax.cache.request import Request, begin, begin_many
+                                     revalidate, unprotected_device_pages)
+from hicache_jax.cache.request import Request, admit_matched
 from hicache_jax.cache.ownership import ALLOCATED, CALLERS, DevicePageOwners
-from hicache_jax.cache.pins import Pins
+from hicache_jax.cache.control.pins import Pins
 from hicache_jax.tree.radix import RadixTree
 from hicache_jax.spec import HiCacheConfig, KVSpec
 from hicache_jax.cache.thread_owner import ThreadOwner, publishes
@@ -59,7 +65,7 @@ from hicache_jax.cache.write_policy import WriteContext, make_write_policy
 __all__ = ["HiCache", "Match", "NodeRef"]
 
 
-class HiCache(ControlAPI):
+class HiCache:
     """Hierarchical KV page cache: device pool (L1), host pool (L2), radix tree of prefixes.
 
     Args:
@@ -120,12 +126,16 @@ class HiCache(ControlAPI):
         self._cost = CostModel(cfg.cost_page_bytes or self.spec.page_bytes, self._ps,
                                cfg.prefill_cost, observed_page_bytes=self.spec.page_bytes)
         self._rule = make_rule(cfg, self._cost, dev, tree)
+        # load_overlap: begin() lets the cost rule pick two-ended splits (cache/loading/overlap.py)
+        self._split_rule = (self._rule if cfg.load_overlap and isinstance(self._rule, CostRule)
+                            else None)
         self._flight = InFlight(self.spec, tree, self._engine, dev, host, self._owner, events,
                                 self._n, self._l3.on_backup, self._cost)
         self._pins = Pins(tree, self._port.clock, cfg.pin_max_share, cfg.device_pages,
                           cfg.host_pages)
         self._complete = Completion(self._engine, self._flight, self._l3, self._pins.expire,
                                     self._sync)
+        self._overlap = Overlap(self._ps, self._engine, self._cost, self._n, self._complete)
         self._removal = Removal(cfg, tree, dev, self._owner, events, self._n, self._flight,
                                 self._l3)
         self._write = make_write_policy(WriteContext(
@@ -136,9 +146,12 @@ class HiCache(ControlAPI):
         self._inserter = Insertion(self._ps, tree, dev, self._owner, events, self._n,
                                    self._device.validate_ids, self._write.after_insert,
                                    self._caller_locks)
-        self._invalidate = Invalidation(tree, self._removal, self._pins, self._l3)
         self._agreement = Agreement(self._group, cfg.agreement_check_every, tree, self._owner,
                                     host, self._flight, self._n, self._l3)
+        self._control = Control(self._ps, tree, self._l3, self._pins,
+                                Invalidation(tree, self._removal, self._pins, self._l3),
+                                self._complete, self._port, events, self._host, self._agreement,
+                                self._cost)
         self._port.bind(events, self._write, self._rule, self._cost)
 
     def _guard(self) -> None:
@@ -172,16 +185,90 @@ class HiCache(ControlAPI):
         return Match(tm.device_pages, tm.device_len, tm.host_len,
                      node_ref(tm.node, tm.last_device_node))
 
+    # -- admission (ARCHITECTURE.md, "A request's data flow") ---------------------------------
+
     def begin(self, tokens: Any, extra_key: Hashable = None, *,
               layerwise: bool = False) -> Request:
-        """Admit one request (match, load back, lock): its :class:`Request` handle."""
-        return begin(self, tokens, extra_key, layerwise=layerwise)
+        """Admit one request: match, prepare (clean_ahead's backups), load the host part back
+        (or not, as :meth:`load_back` decides; under ``load_overlap`` maybe a two-ended split),
+        lock; then its :class:`Request` handle, which owns the lock. Always admitted: its pages
+        come at :meth:`Request.extend`, which raises ``OutOfPagesError`` when they cannot be
+        had."""
+        m = self.match_prefix(tokens, extra_key)
+        self.prepare([m], -(-len(tokens) // self._ps) - m.device_pages.size)
+        split = self._split_rule
+        if split is None:
+            lm = self.load_back(m, layerwise=layerwise)
+        else:
+            split.overlap = True  # the cost rule may pick a two-ended split
+            try:
+                lm = self.load_back(m, layerwise=layerwise)
+            finally:
+                split.overlap = False
+        self.lock(lm.node)
+        copy = None if split is None else self._start_split(split, lm)
+        return Request(self, extra_key, lm, lm.device_len - m.device_len, overlap=copy)
+
+    def _start_split(self, rule: CostRule, lm: Match) -> OverlapCopy | None:
+        """The copy of the two-ended split ``rule`` decided for ``lm``'s chain (locked), if it
+        decided one and it can start; the lock released if starting it raises."""
+        node = check_node(self._tree, lm.node)
+        front = rule.take_split(node)
+        if front is None:
+            return None
+        try:
+            return self._overlap.start(node, front, lm.device_len, lm.host_len,
+                                       self.alloc_pages, self.free_pages)
+        except BaseException:
+            if not self.closed:
+                self.unlock(lm.node)
+            raise
 
     def begin_many(self, prompts: Sequence[Any], *, extra_keys: Sequence[Hashable] | None = None,
                    budget: int | None = None, layerwise: bool = False) -> list[Request | None]:
-        """Admit a step's requests oldest first with ONE load-back transfer; None for those not
-        admitted (:func:`hicache_jax.cache.request.begin_many`)."""
-        return begin_many(self, prompts, extra_keys=extra_keys, budget=budget, layerwise=layerwise)
+        """Admit a scheduler step's requests, oldest (first in ``prompts``) first, with ONE
+        load-back transfer (:meth:`load_back_many`); None for those not admitted.
+
+        Each admitted request takes ``ceil(len(prompt) / page_size)`` device pages in the end
+        (its matched prefix, its host part loaded or recomputed, its uncached rest), and its
+        lock takes its unprotected matched pages out of the evictable ones. Requests are
+        admitted in order while what they take fits ``budget`` pages (default, and at most: the
+        free + evictable device pages now), up to the first that does not: it and every later
+        one are not admitted (None), and nothing is loaded, locked or allocated for them. The
+        pages themselves come at :meth:`Request.extend`.
+
+        Raises:
+            TypeError / ValueError: malformed prompts, keys or budget, before any change.
+        """
+        prompts = list(prompts)
+        keys = [None] * len(prompts) if extra_keys is None else list(extra_keys)
+        if len(keys) != len(prompts):
+            raise ValueError(f"extra_keys has {len(keys)} keys for {len(prompts)} prompts")
+        if budget is not None:
+            budget = check_int("budget", budget)
+        check_bool("layerwise", layerwise)
+        for t, k in zip(prompts, keys):
+            page_tokens(t, k, self._ps)  # every prompt checked before anything is matched
+        st = self.stats()
+        avail = st["device_free_pages"] + st["device_evictable_pages"]
+        budget = avail if budget is None else min(budget, avail)
+        seen: set = set()
+        used, new, before = 0, 0, []
+        for t, k in zip(prompts, keys):  # one by one: no hit counted beyond the first refused
+            m = self.match_prefix(t, k)
+            own = -(-len(t) // self._ps) - m.device_pages.size
+            used += own + unprotected_device_pages(m.node, seen)
+            if used > budget:
+                break
+            before.append(m)
+            new += own
+        if before:
+            self.prepare(before, new)  # clean_ahead: what their pages will evict, backed up now
+        out: list[Request | None] = [None] * len(prompts)
+        # load back in one transfer, lock each, wrap each
+        out[:len(before)] = admit_matched(self, before, extra_keys=keys[:len(before)],
+                                          layerwise=layerwise)
+        return out
 
     @publishes
     def prefetch(self, tokens: Any, extra_key: Hashable = None) -> PrefetchHandle | None:
@@ -221,7 +308,7 @@ class HiCache(ControlAPI):
     def load_back_many(self, matches: Any, *, layerwise: bool = False) -> list[Match]:
         """:meth:`load_back` of several matches (a batching scheduler's step) in ONE copy
         dispatch, each decided as ``load_back`` decides it, in list order (overlaps load once;
-        see :mod:`~hicache_jax.cache.load_many`): one Match per input, what holds its prefix
+        see :mod:`~hicache_jax.cache.loading.load_many`): one Match per input, what holds its prefix
         now; with ``layerwise`` each carries the one ``load_handle``. TypeError / HiCacheError
         (not Matches of this cache, ``layerwise`` not a bool) before any change."""
         check_matches(self._tree, matches)
@@ -400,6 +487,99 @@ class HiCache(ControlAPI):
         num_tokens = check_int("num_tokens", num_tokens)
         self._complete(attach=True)
         return self._removal.evict_host_leaves(num_tokens)
+
+    # -- control calls (ARCHITECTURE.md, "Control API"; the work: cache/control/) ---------------
+
+    @property
+    def local_heads(self) -> slice:
+        """The kv heads this process holds: all of them, unless the pools span several
+        processes (a mesh over their devices; ARCHITECTURE.md, "Several processes")."""
+        return self._control.local_heads
+
+    def read_kv_local(self, pages: Any) -> np.ndarray:
+        """:meth:`read_kv` of this process's heads (:attr:`local_heads`) as numpy:
+        ``[num_layers, kv, n, page_size, local heads, head_dim]`` in ``spec.dtype``, read
+        from its own shards (a pool over several processes is an array none can read whole)."""
+        return self._control.local_shard(self.read_kv(pages))
+
+    def check_agreement(self) -> None:
+        """Compare this cache with its copies on the other processes of its group (tree,
+        page ownership, transfers in flight, counters; cache/agreement.py): ``HiCacheError``
+        (``GroupDivergedError``) on every process naming the first field that differs, or
+        ``GroupTimeoutError`` naming a process that did not take part. One process: a no-op."""
+        self._guard()
+        self._control.check_agreement()
+
+    def lookup(self, tokens: Any, extra_key: Hashable = None, *,
+               l3: bool = False) -> dict[str, int]:
+        """Tokens of ``tokens``' cached prefix per tier ("device", "host", with ``l3`` also
+        "l3": the store's beyond them), with no side effect (cache/control/lookup.py)."""
+        self._guard()
+        return self._control.lookup(tokens, extra_key, l3)
+
+    @publishes
+    def invalidate(self, tokens: Any = None, extra_key: Hashable = None) -> dict[str, int]:
+        """Drop the namespace ``extra_key`` (``tokens=None``), or ``tokens``' last page and all
+        below it, from every tier, L3 too, after waiting for transfers
+        (cache/control/invalidate.py): ``{"device", "host"}`` tokens freed, ``"l3"`` store
+        pages deleted, ``"l3_unreached"`` 1 where the store kept entries it could not delete
+        (never read by this cache again). ``InvalidateLockedError`` (nothing dropped) where
+        running requests hold them."""
+        return self._control.invalidate(tokens, extra_key)
+
+    @publishes
+    def pin(self, tokens: Any, extra_key: Hashable = None, *, ttl_s: float | None = None,
+            tier: str = "device") -> int:
+        """Keep the part of ``tokens``' cached prefix held on ``tier`` ("device" | "host") from
+        eviction there, until :meth:`unpin` or ``ttl_s`` seconds on the cache's clock; returns
+        the tokens pinned. ``PinLimitError`` (with the figures) beyond ``cfg.pin_max_share``
+        of the pool; HiCacheError if nothing is held there (cache/control/pins.py)."""
+        return self._control.pin(tokens, extra_key, ttl_s, tier)
+
+    @publishes
+    def unpin(self, tokens: Any, extra_key: Hashable = None, *, tier: str = "device") -> int:
+        """Undo :meth:`pin` of the same tokens; HiCacheError if they are not pinned there."""
+        return self._control.unpin(tokens, extra_key, tier)
+
+    @publishes
+    def attach_storage(self, url: str) -> None:
+        """Open the L3 store ``url`` (as ``HiCacheConfig.storage``) on a live cache, requests in
+        flight included; L1 and L2 untouched (cache/control/storage_attach.py); ``cfg.storage``
+        becomes ``url``. With ``kv_events`` ``l3_medium`` set, its pages are announced as this
+        cache's puts land (nothing at the attach). HiCacheError if storage is attached;
+        ValueError / StorageUnavailableError (nothing changed) as at construction."""
+        self.cfg = self._control.attach_storage(self.cfg, url)
+
+    @publishes
+    def detach_storage(self) -> int:
+        """Finish the L3 work in flight (puts stored, prefetches landed), close the store, and
+        go on without L3 (``cfg.storage`` None); returns the operations finished
+        (``stats()["storage_detach_*"]``). Every page announced on L3 is announced removed.
+        HiCacheError without storage."""
+        finished = self._control.detach_storage()
+        self.cfg = dataclasses.replace(self.cfg, storage=None)
+        return finished
+
+    def take_events(self) -> list[KVEvent]:
+        """KV events (one per page) since the last take, oldest first; ``HiCacheError`` unless
+        built with ``kv_events={"publisher": "queue"}``."""
+        self._guard()
+        return self._control.take_events()
+
+    def take_event_batches(self) -> list[EventBatch]:
+        """The event batches (one per public call) since the last take; a gap in ``seq``: the
+        oldest were dropped (``stats()["kv_event_batches_dropped"]``). Raises as take_events."""
+        self._guard()
+        return self._control.take_event_batches()
+
+    def observe_prefill(self, n_new: int, n_cached: int, seconds: float) -> None:
+        """A prefill sample for ``load_policy="cost"`` (cache/loading/cost_model.py): ``n_new``
+        tokens computed after ``n_cached`` in ``seconds``. ValueError for a negative /
+        non-finite one."""
+        self._guard()
+        self._control.observe_prefill(n_new, n_cached, seconds)
+
+    # -- introspection -----------------------------------------------------------------------
 
     @property
     def device_pool(self) -> DevicePagePool:

@@ -35,7 +35,7 @@ from hicache_jax.errors import OutOfPagesError
 from hicache_jax.events.recorder import NullRecorder, Recorder
 from hicache_jax.events.records import Medium
 from hicache_jax.cache.ownership import DevicePageOwners
-from hicache_jax.cache.cost_model import CostModel
+from hicache_jax.cache.loading.cost_model import CostModel
 from hicache_jax.tree.radix import RadixTree
 from hicache_jax.spec import KVSpec
 from hicache_jax.memory.page_copy import index_len, stage_chunks

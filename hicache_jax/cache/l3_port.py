@@ -64,8 +64,8 @@ class CacheL3Port:
     def bind(self, events: NullRecorder | Recorder, host_pages: "HostPageSource",
              rule: Any = None, cost: Any = None) -> None:
         """The cache's recorder and host-page source (its write policy), once they exist; its
-        load rule and cost model (cache/load_policy.py, cache/cost_model.py): L3 fetches are
-        decided and measured there."""
+        load rule and cost model (cache/loading/load_policy.py, cache/loading/cost_model.py):
+        L3 fetches are decided and measured there."""
         self.events, self._host_pages = events, host_pages
         self._rule, self._cost = rule, cost
 

@@ -19,8 +19,14 @@ with cache.begin(prompt) as req:          # match + prepare + load_back + lock
 
 Leaving the block by an exception -- or without :meth:`Request.finish` -- aborts: nothing more is
 inserted (what :meth:`Request.commit` inserted stays cached: it is a valid prefix), every page the
-request still owns is freed and its lock released. :func:`begin_many` admits several requests
-at once with one load-back transfer.
+request still owns is freed and its lock released. :meth:`HiCache.begin_many` admits several
+requests at once with one load-back transfer.
+
+This module owns a request's life after admission (the handle: extend, commit, finish, abort)
+and the scheduler-side helpers over handles (:func:`admit_matched`, :func:`extend_many`).
+Admission itself (match, prepare, load back, lock) is the facade's (``HiCache.begin``,
+``HiCache.begin_many``). The handle calls its cache through :class:`RequestCache`, the calls
+it makes, not the facade's class (the facade imports this module).
 
 Threading: the cache's thread only (a handle calls its cache).
 """
@@ -28,19 +34,48 @@ Threading: the cache's thread only (a handle calls its cache).
 from __future__ import annotations
 
 import enum
-from typing import TYPE_CHECKING, Any, Hashable, Sequence
+from typing import Any, Hashable, Protocol, Sequence
 
 import numpy as np
 
-from hicache_jax.cache.match import Match, NodeRef, unprotected_device_pages
-from hicache_jax.cache.overlap import start_overlap, wait_overlap
+from hicache_jax.cache.loading.overlap import OverlapCopy
+from hicache_jax.cache.match import Match, NodeRef
 from hicache_jax.errors import HiCacheError
-from hicache_jax.validation import check_bool, check_int, page_tokens
+from hicache_jax.spec import KVSpec
+from hicache_jax.validation import check_int
 
-if TYPE_CHECKING:  # the facade imports this module; a handle only calls the facade it is given
-    from hicache_jax.cache.hicache import HiCache
+__all__ = ["AdmittingCache", "Request", "RequestCache", "admit_matched", "extend_many"]
 
 _EMPTY = np.zeros(0, np.int32)
+
+
+class RequestCache(Protocol):
+    """The calls a :class:`Request` handle makes on its cache (``HiCache`` is one)."""
+
+    spec: KVSpec
+
+    @property
+    def closed(self) -> bool: ...
+
+    def alloc_pages(self, n: int) -> np.ndarray: ...
+
+    def free_pages(self, pages: Any) -> None: ...
+
+    def insert(self, tokens: Any, pages: Any, extra_key: Hashable = None, *,
+               chunked: bool = False, priority: int = 0) -> int: ...
+
+    def insert_locked(self, tokens: Any, pages: Any, node: NodeRef,
+                      extra_key: Hashable = None) -> Match: ...
+
+    def unlock(self, node: NodeRef) -> None: ...
+
+
+class AdmittingCache(RequestCache, Protocol):
+    """A :class:`RequestCache` that :func:`admit_matched` also loads back and locks through."""
+
+    def load_back_many(self, matches: Any, *, layerwise: bool = False) -> list[Match]: ...
+
+    def lock(self, node: NodeRef) -> None: ...
 
 
 class _State(enum.Enum):
@@ -62,18 +97,22 @@ class Request:
             threshold or the quota, or no device pages): the caller recomputes them.
         num_tokens: tokens the pages hold room for: ``cached_len`` + what :meth:`extend` added.
         load_handle: with ``layerwise=True``, the load-back's handle (``wait_layer(l)``) or None.
-        overlap: ``(start, end)`` where a two-ended split is in flight (cache/overlap.py):
+        overlap: ``(start, end)`` where a two-ended split is in flight
+            (cache/loading/overlap.py):
             ``[cached_len, start)`` is the request's to prefill first, ``[start, end)`` is being
             copied into its pages (:meth:`wait_overlap` before anything reads it), the rest is
             prefilled from ``end`` (= ``num_tokens`` at admission); else None.
         state: ``"open"``, ``"finished"`` or ``"aborted"``.
     """
 
-    def __init__(self, cache: "HiCache", extra_key: Hashable, match: Match, loaded: int) -> None:
+    def __init__(self, cache: RequestCache, extra_key: Hashable, match: Match, loaded: int, *,
+                 overlap: OverlapCopy | None = None) -> None:
         """A handle of ``match``, which the caller has loaded back and LOCKED (what
-        :func:`begin` does; a scheduler with an admission plan of its own does the same and
-        wraps the result). The handle then owns that lock: :meth:`finish` or :meth:`abort`
-        releases it. ``loaded``: tokens of ``match`` the caller's load-back brought in."""
+        :meth:`HiCache.begin` does; a scheduler with an admission plan of its own does the same
+        and wraps the result). The handle then owns that lock: :meth:`finish` or :meth:`abort`
+        releases it. ``loaded``: tokens of ``match`` the caller's load-back brought in.
+        ``overlap``: a two-ended split's copy started for it (its pages become the request's
+        own; :attr:`overlap` its span)."""
         self._cache, self._extra_key, self._ps = cache, extra_key, cache.spec.page_size
         self._node: NodeRef = match.node
         self._pages = np.asarray(match.device_pages, np.int32)
@@ -85,7 +124,11 @@ class Request:
         self._len = match.device_len
         self._state = _State.OPEN
         self.overlap: tuple[int, int] | None = None
-        self._overlap_copy: Any = None  # the split's copy until acknowledged
+        self._overlap_copy = overlap  # the split's copy until acknowledged
+        if overlap is not None:
+            self._pages = np.concatenate([self._pages, overlap.pages]).astype(np.int32,
+                                                                              copy=False)
+            self.overlap, self._len = overlap.span, overlap.span[1]
 
     # -- reading -----------------------------------------------------------------------------
 
@@ -133,7 +176,8 @@ class Request:
     def wait_overlap(self) -> None:
         """Wait for the copy of a two-ended split's back (:attr:`overlap`) and acknowledge it
         (its time is an L2 -> L1 sample); a no-op when none is in flight."""
-        wait_overlap(self._cache, self._overlap_copy)
+        if self._overlap_copy is not None and not self._cache.closed:
+            self._overlap_copy.wait()
         self._overlap_copy = None
 
     def commit(self, tokens: Any) -> int:
@@ -227,55 +271,7 @@ class Request:
         return n // self._ps
 
 
-def begin_many(cache: "HiCache", prompts: Sequence[Any], *,
-               extra_keys: Sequence[Hashable] | None = None, budget: int | None = None,
-               layerwise: bool = False) -> list[Request | None]:
-    """Admit a scheduler step's requests, oldest (first in ``prompts``) first, with ONE
-    load-back transfer (:meth:`HiCache.load_back_many`).
-
-    Each admitted request takes ``ceil(len(prompt) / page_size)`` device pages in the end (its
-    matched prefix, its host part loaded or recomputed, its uncached rest), and its lock takes
-    its unprotected matched pages out of the evictable ones. Requests are admitted in order
-    while what they take fits ``budget`` pages (default, and at most: the free + evictable
-    device pages now), up to the first that does not: it and every later one are not admitted
-    (None), and nothing is loaded, locked or allocated for them. The pages themselves come at
-    :meth:`Request.extend`.
-
-    Raises:
-        TypeError / ValueError: malformed prompts, keys or budget, before any change.
-    """
-    prompts = list(prompts)
-    keys = [None] * len(prompts) if extra_keys is None else list(extra_keys)
-    if len(keys) != len(prompts):
-        raise ValueError(f"extra_keys has {len(keys)} keys for {len(prompts)} prompts")
-    if budget is not None:
-        budget = check_int("budget", budget)
-    check_bool("layerwise", layerwise)
-    ps = cache.spec.page_size
-    for t, k in zip(prompts, keys):
-        page_tokens(t, k, ps)  # every prompt checked before anything is matched
-    st = cache.stats()
-    avail = st["device_free_pages"] + st["device_evictable_pages"]
-    budget = avail if budget is None else min(budget, avail)
-    seen: set = set()
-    used, new, before = 0, 0, []
-    for t, k in zip(prompts, keys):  # matched one by one: no hit counted beyond the first refused
-        m = cache.match_prefix(t, k)
-        own = -(-len(t) // ps) - m.device_pages.size
-        used += own + unprotected_device_pages(m.node, seen)
-        if used > budget:
-            break
-        before.append(m)
-        new += own
-    if before:
-        cache.prepare(before, new)  # clean_ahead: what their pages will evict, backed up now
-    out: list[Request | None] = [None] * len(prompts)
-    out[:len(before)] = admit_matched(cache, before, extra_keys=keys[:len(before)],
-                                      layerwise=layerwise)
-    return out
-
-
-def admit_matched(cache: "HiCache", matches: Sequence[Match], *,
+def admit_matched(cache: AdmittingCache, matches: Sequence[Match], *,
                   extra_keys: Sequence[Hashable] | None = None,
                   layerwise: bool = False) -> list[Request]:
     """Handles of requests a scheduler has already matched and decided to admit (with an
@@ -292,36 +288,7 @@ def admit_matched(cache: "HiCache", matches: Sequence[Match], *,
             for k, m, lm in zip(keys, matches, loaded)]
 
 
-def begin(cache: "HiCache", tokens: Any, extra_key: Hashable = None, *,
-          layerwise: bool = False) -> Request:
-    """Admit one request: match, load the host part back (or not, as :meth:`HiCache.load_back`
-    decides), lock. Always admitted: its pages come at :meth:`Request.extend`, which raises
-    ``OutOfPagesError`` when they cannot be had."""
-    m = cache.match_prefix(tokens, extra_key)
-    cache.prepare([m], -(-len(tokens) // cache.spec.page_size) - m.device_pages.size)
-    rule = cache._rule
-    split = cache.cfg.load_overlap and hasattr(rule, "take_split")
-    if not split:
-        lm = cache.load_back(m, layerwise=layerwise)
-    else:
-        rule.overlap = True  # the cost rule may pick a two-ended split (cache/overlap.py)
-        try:
-            lm = cache.load_back(m, layerwise=layerwise)
-        finally:
-            rule.overlap = False
-    cache.lock(lm.node)
-    req = Request(cache, extra_key, lm, lm.device_len - m.device_len)
-    front = rule.take_split(lm.node._node) if split else None
-    if front is not None:
-        try:
-            req._overlap_copy = start_overlap(cache, req, front)
-        except BaseException:
-            req.abort()
-            raise
-    return req
-
-
-def extend_many(cache: "HiCache", requests: Sequence[Request], n_tokens: Sequence[int]) -> None:
+def extend_many(cache: RequestCache, requests: Sequence[Request], n_tokens: Sequence[int]) -> None:
     """:meth:`Request.extend` of several requests (a scheduler's decode step) with ONE page
     allocation: ``requests[i]`` gets room for ``n_tokens[i]`` more tokens.
 

@@ -11,7 +11,7 @@ with a batch of one; it shows the cache's job, not a batching scheduler):
    but the last, whose K/V is never computed);
 3. prefill only the uncached suffix, in chunks of ``chunk_size`` tokens; greedy decode. Under
    ``HiCacheConfig(load_policy="cost", load_overlap=True)`` the cache may give the request a
-   two-ended split of its host part (``Request.overlap``, cache/overlap.py): the back's copy
+   two-ended split of its host part (``Request.overlap``, cache/loading/overlap.py): the back's copy
    is in flight at admission; the engine prefills the front, waits for the copy, prefills from
    the back's end (the prefill sample is that last part's alone: the front's time may hold the
    copy where the backend runs the two in order);

@@ -37,7 +37,7 @@ from typing import Any
 
 import numpy as np
 
-from hicache_jax.cache.cost_model import CostModel
+from hicache_jax.cache.loading.cost_model import CostModel
 from hicache_jax.cache.hicache import HiCache
 from hicache_jax.memory.transfer import TransferEngine
 from hicache_jax.replay.block_lru import PageKeys

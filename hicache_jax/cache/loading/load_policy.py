@@ -6,12 +6,12 @@ decline, the whole chain recomputed). The threshold rule loads all or nothing
 (``load_back_threshold``, ``load_back_quota``); the cost rule asks the cost model, within the
 per-request cap and the step's token budget, and falls back to the threshold rule where the
 model has no usable prefill figure. Where the model's plan ends inside a node (a probe of a
-few pages of an unmeasured link, cache/cost_model.py), the cost rule splits that node there
-(``RadixTree.trim_tail``), so the chain's first nodes hold exactly the planned pages. Where the
-caller can overlap a load with its prefill (``overlap``, set by ``Request.begin`` under
+few pages of an unmeasured link, cache/loading/cost_model.py), the cost rule splits that node
+there (``RadixTree.trim_tail``), so the chain's first nodes hold exactly the planned pages. Where
+the caller can overlap a load with its prefill (``overlap``, set by ``HiCache.begin`` under
 ``HiCacheConfig(load_overlap=True)``), the model may pick a two-ended split: the chain is
 declined in the tree (``decide`` gives 0) and :meth:`CostRule.take_split` gives the caller the
-front's tokens; the caller loads the back into its own pages (cache/overlap.py).
+front's tokens; the caller loads the back into its own pages (cache/loading/overlap.py).
 
 Pure bookkeeping over the tree (no jax); the cache's thread only.
 """
@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from hicache_jax.cache.cost_model import CostModel, Fetch
+from hicache_jax.cache.loading.cost_model import CostModel, Fetch
 from hicache_jax.memory.allocator import PageAllocator
 from hicache_jax.errors import HiCacheError
 from hicache_jax.spec import HiCacheConfig
@@ -74,7 +74,7 @@ class CostRule:
         self.max_tokens, self.step_budget = max_tokens, step_budget
         self._decided: dict = {}
         self._fetch: Fetch | None = None  # the last fetch decision: L3 figures, plan
-        # set by a caller that executes two-ended splits (Request.begin with load_overlap);
+        # set by a caller that executes two-ended splits (HiCache.begin with load_overlap);
         # a split chain is declined in the tree and its front's tokens kept here
         self.overlap = False
         self.splits: dict[TreeNode, int] = {}
@@ -114,7 +114,8 @@ class CostRule:
 
     def take_split(self, node: TreeNode) -> int | None:
         """The front's tokens of the two-ended split the last step decided for the host chain
-        ending at ``node`` (None: none); the caller then loads the back (cache/overlap.py)."""
+        ending at ``node`` (None: none); the caller then loads the back
+        (cache/loading/overlap.py)."""
         return self.splits.pop(node, None)
 
     def _nodes_for(self, chain: list[TreeNode], ntok: int) -> int:
@@ -164,7 +165,8 @@ class CostRule:
 
     def dispatched(self, accepted: list[list[TreeNode]]) -> None:
         """The chains the last step's load dispatched (in its order): their decisions, and
-        those of the chains it declined, wait for their actual times (cost_model.py)."""
+        those of the chains it declined, wait for their actual times
+        (cache/loading/cost_model.py)."""
         taken = {c[0]: c for c in accepted}
         out = [(d, sum(n.num_pages for n in taken[root]) * self.model.page_bytes)
                for root, d in self._decided.items() if root in taken]

@@ -1,11 +1,12 @@
-"""The load-back of several matches in one transfer (:meth:`HiCache.load_back_many`).
+"""The load-back of one or several matches in one transfer (:meth:`HiCache.load_back`,
+:meth:`HiCache.load_back_many`).
 
 A batching scheduler admits several requests per step; their host-only prefixes go back to
 device in one copy dispatch. Each match is decided as :meth:`HiCache.load_back` decides it,
 taking the matches in list order: its chain is the host-only nodes ending at its node, cut at
 the first node already accepted for an earlier match (duplicates and overlapping prefixes load
-once, by the first), and the load rule (cache/load_policy.py: threshold and quota, or the cost
-model) decides how much of that chain, from its root end, is loaded. Device pages come from
+once, by the first), and the load rule (cache/loading/load_policy.py: threshold and quota, or
+the cost model) decides how much of that chain, from its root end, is loaded. Device pages come from
 one allocation for every accepted chain; when even eviction cannot cover it, chain by chain in
 order, declining those that find none.
 

@@ -25,11 +25,12 @@ Threading: the cache's thread only.
 
 from __future__ import annotations
 
-from typing import Any, Hashable
+from typing import Hashable
 
 import numpy as np
 
-from hicache_jax.cache.pins import Pins
+from hicache_jax.cache.control.pins import Pins
+from hicache_jax.cache.control.storage_attach import L3Slot
 from hicache_jax.cache.removal import Removal
 from hicache_jax.errors import InvalidateLockedError
 from hicache_jax.tree.node import TreeNode
@@ -44,7 +45,7 @@ class Invalidation:
         l3: the cache's L3 tier (``delete``).
     """
 
-    def __init__(self, tree: RadixTree, removal: Removal, pins: Pins, l3: Any) -> None:
+    def __init__(self, tree: RadixTree, removal: Removal, pins: Pins, l3: L3Slot) -> None:
         self._tree, self._removal, self._pins, self._l3 = tree, removal, pins, l3
 
     def __call__(self, extra_key: Hashable, tokens: np.ndarray | None) -> dict[str, int]:
