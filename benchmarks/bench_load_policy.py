@@ -3,10 +3,11 @@ L3 on a throttled file store, in one run (ARCHITECTURE.md, "Load or recompute").
 
 The reference engine (serial, CPU) serves ``--requests`` prompts, each a ``--doc-tokens``
 document that only L3 holds (written there first by a plain file store; L1 and L2 start empty)
-followed by a ``--question-tokens`` question. L3 is ``throttle+file://`` (README, "Load or
-recompute by measured cost") at bandwidths set from this machine's prefill, measured in the same
-run: ``--ratios`` x the bandwidth at which loading a document costs what recomputing it does
-(< 1: L3 slower than recompute, as in sglang#36179; > 1: faster), each with ``--latency-ms``.
+followed by a ``--question-tokens`` question. L3 is ``throttle+file://``
+(docs/guides/load-or-recompute.md, "A slow L3 on purpose") at bandwidths set from this
+machine's prefill, measured in the same run: ``--ratios`` x the bandwidth at which loading a
+document costs what recomputing it does (< 1: L3 slower than recompute, as in sglang#36179;
+> 1: faster), each with ``--latency-ms``.
 
 Policies, each on a fresh cache and engine over the same store, their requests interleaved
 (one request on each in turn, the order rotating: a drift in the machine's load meets all;

@@ -278,7 +278,10 @@ def scatter_layer_pages(pool: Pool, layer, page_ids: PageIds, layer_pages: Layer
         layer: int or int32 scalar; traced is fine (one compile for all layers).
         page_ids: int32[n], each in [0, P).
         layer_pages: bits[kvf, n, ps, H, D], the pool's dtype.
-        tile_bytes, stages, num_blocks, interpret: as :func:`scatter_pages`.
+        tile_bytes: as in :func:`scatter_pages`.
+        stages: as in :func:`scatter_pages`.
+        num_blocks: as in :func:`scatter_pages`.
+        interpret: as in :func:`scatter_pages`.
 
     Returns:
         The new pool, equal to ``ref_scatter_layer_pages(pool, layer, page_ids, layer_pages)``.
@@ -303,7 +306,10 @@ def gather_pages(pool: Pool, page_ids: PageIds, *, tile_bytes: int = DEFAULT_TIL
     Args:
         pool: bits[L, kvf, P, ps, H, D] (read only).
         page_ids: int32[n], each in [0, P); repeats allowed.
-        tile_bytes, stages, num_blocks, interpret: as :func:`scatter_pages`.
+        tile_bytes: as in :func:`scatter_pages`.
+        stages: as in :func:`scatter_pages`.
+        num_blocks: as in :func:`scatter_pages`.
+        interpret: as in :func:`scatter_pages`.
 
     Returns:
         bits[L, kvf, n, ps, H, D], equal to ``ref_gather_pages(pool, page_ids)``.

@@ -216,7 +216,9 @@ def scatter_layer_pages(pool: Pool, layer, page_ids: PageIds, layer_pages: Layer
         layer: int or int32 scalar; traced is fine (one compile for all layers).
         page_ids: int32[n], each in [0, P).
         layer_pages: bits[kvf, n, ps, H, D], the pool's dtype.
-        window, num_programs, interpret: as :func:`scatter_pages`.
+        window: as in :func:`scatter_pages`.
+        num_programs: as in :func:`scatter_pages`.
+        interpret: as in :func:`scatter_pages`.
 
     Returns:
         The new pool, equal to ``ref_scatter_layer_pages(pool, layer, page_ids, layer_pages)``.
@@ -238,7 +240,9 @@ def gather_pages(pool: Pool, page_ids: PageIds, *, window: int = DEFAULT_WINDOW,
     Args:
         pool: bits[L, kvf, P, ps, H, D] (read only).
         page_ids: int32[n], each in [0, P); repeats allowed.
-        window, num_programs, interpret: as :func:`scatter_pages`.
+        window: as in :func:`scatter_pages`.
+        num_programs: as in :func:`scatter_pages`.
+        interpret: as in :func:`scatter_pages`.
 
     Returns:
         bits[L, kvf, n, ps, H, D], equal to ``ref_gather_pages(pool, page_ids)``.

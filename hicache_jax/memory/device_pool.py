@@ -1,6 +1,7 @@
 """DevicePagePool: every layer's K and V pages in one preallocated ``jax.Array`` (L1).
 
-Layout (fixed; the public contract of README.md, "API")::
+Layout (fixed; the public contract of docs/guides/scheduler.md, "Writing K/V from your own
+forward")::
 
     pool: bits[num_layers, kv_factor, num_pages + 1, page_size, num_kv_heads, head_dim]
 

@@ -1,0 +1,91 @@
+"""The documentation site: the code of the getting-started and guide pages runs as written, and
+the site builds with warnings as errors.
+
+Each page's ```python blocks run in order in one namespace (a page's later blocks continue its
+earlier ones), in a fresh temporary directory. A block right after a `<!-- not run -->` line is
+skipped (it needs what a CPU test box lacks: several hosts, a device, a network service); a
+page says in its text why. A block that imports a module of an extra that is not installed
+skips the rest of its page, naming the extra. ```text and ```bash blocks are never run.
+"""
+
+from __future__ import annotations
+
+import gc
+import importlib.util
+import os
+import pathlib
+import re
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+DOCS = ROOT / "docs"
+PAGES = [DOCS / "getting-started.md", *sorted((DOCS / "guides").glob("*.md"))]
+NOT_RUN = "<!-- not run -->"
+# modules of pyproject's extras a page may import: without them its remaining blocks skip
+EXTRAS = {"zmq": "events", "msgspec": "events", "pandas": "notebook", "matplotlib": "plot"}
+BLOCK = re.compile(rf"^(?P<marker>{re.escape(NOT_RUN)}\n)?```python\n(?P<code>.*?)^```$",
+                   re.DOTALL | re.MULTILINE)
+
+
+def python_blocks(text: str) -> list[tuple[str, bool]]:
+    """Each ```python block of a page as (code, runs), in order."""
+    return [(m["code"], not m["marker"]) for m in BLOCK.finditer(text)]
+
+
+def test_block_extraction():
+    text = "a\n```python\nx = 1\n```\n<!-- not run -->\n```python\ny\n```\n```text\nz\n```\n"
+    assert python_blocks(text) == [("x = 1\n", True), ("y\n", False)]
+
+
+def test_every_page_has_running_code():
+    """Pages with code run most of it: a marker is for what a CPU box cannot run."""
+    assert PAGES, "no pages found under docs/"
+    runs = [r for p in PAGES for _, r in python_blocks(p.read_text())]
+    assert sum(runs) >= 3 * (len(runs) - sum(runs)), "most python blocks must run"
+
+
+def _close_caches(namespace: dict) -> None:
+    from hicache_jax import HiCache
+
+    for value in namespace.values():
+        if isinstance(value, HiCache) and not value.closed:
+            value.close()
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(DOCS)))
+def test_page_code_runs(page, tmp_path, monkeypatch, capsys):
+    blocks = [code for code, runs in python_blocks(page.read_text()) if runs]
+    if not blocks:
+        pytest.skip(f"{page.name} has no python block that runs on a CPU box")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(ROOT / "examples"))  # pages import examples/ as readers do
+    namespace: dict = {"__name__": f"docs_{page.stem}"}
+    try:
+        for i, code in enumerate(blocks):
+            try:
+                code_obj = compile(code, f"{page} (python block {i + 1})", "exec")
+                exec(code_obj, namespace)  # noqa: S102 - our own pages
+            except ModuleNotFoundError as e:
+                if e.name not in EXTRAS:
+                    raise
+                pytest.skip(f"{page.name} block {i + 1} needs {e.name}: "
+                            f'pip install -e ".[{EXTRAS[e.name]}]"')
+    finally:
+        _close_caches(namespace)
+        namespace.clear()
+        gc.collect()
+
+
+def test_site_builds_strict(tmp_path):
+    if importlib.util.find_spec("mkdocs") is None or importlib.util.find_spec(
+            "mkdocstrings_handlers.python") is None:
+        pytest.skip('mkdocs or mkdocstrings-python is not installed: pip install -e ".[docs]"')
+    env = {**os.environ, "NO_MKDOCS_2_WARNING": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "-q", "-d", str(tmp_path / "site")],
+        cwd=ROOT, capture_output=True, text=True, env=env, timeout=300, check=False)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert (tmp_path / "site" / "reference" / "hicache" / "index.html").exists()
