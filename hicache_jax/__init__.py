@@ -1,6 +1,7 @@
 """hicache_jax: a hierarchical KV page cache (device pool L1, pinned host pool L2) for JAX."""
 
-from hicache_jax.cache.hicache import HiCache, Match, NodeRef
+from hicache_jax.cache.hicache import HiCache
+from hicache_jax.cache.match import Match, NodeRef
 from hicache_jax.cache.request import Request
 from hicache_jax.errors import HiCacheError, OutOfPagesError
 from hicache_jax.events.records import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent, Medium

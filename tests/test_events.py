@@ -12,7 +12,7 @@ from hicache_jax import (AllBlocksCleared, BlockRemoved, BlockStored, HiCache, H
 from hicache_jax.events.recorder import NullRecorder, QueueRecorder
 from hicache_jax.events.records import RECORD_OVERHEAD, held_bytes, record_bytes, replay
 from hicache_jax.spec import KVEventsConfig
-from hicache_jax.tree.radix import chain_hashes, namespace_hash
+from hicache_jax.tree.hashing import chain_hashes, namespace_hash
 
 from helpers import bookkeeping_spec, make_cache
 from helpers import serve as put  # one request through the handle (no KV bytes)

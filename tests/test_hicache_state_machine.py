@@ -29,7 +29,8 @@ from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, p
                                  run_state_machine_as_test)
 
 from hicache_jax import HiCacheConfig, HiCacheError, KVSpec, OutOfPagesError
-from hicache_jax.cache.hicache import HiCache, NodeRef
+from hicache_jax.cache.hicache import HiCache
+from hicache_jax.cache.match import NodeRef
 from hicache_jax.cache.ownership import PageOwner
 from hicache_jax.events.records import replay
 from hicache_jax.tree.radix import RadixTree

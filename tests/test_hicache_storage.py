@@ -14,7 +14,7 @@ import pytest
 
 from hicache_jax import HiCacheConfig, KVSpec
 from hicache_jax.cache.hicache import HiCache
-from hicache_jax.tree.radix import chain_hashes, namespace_hash
+from hicache_jax.tree.hashing import chain_hashes, namespace_hash
 from hicache_jax.l3.storage import StorageUnavailableError, page_keys
 
 from l3_helpers import (PS, SPEC, bits32, compute, l3, make, read_prefix, tokens_kv,

@@ -13,7 +13,8 @@ from hicache_jax import HiCacheConfig, KVSpec
 from hicache_jax.memory.allocator import PageAllocator
 from hicache_jax.memory.group import LocalGroup
 from hicache_jax.events.recorder import NullRecorder
-from hicache_jax.l3.tier import CachePort, L3Tier, NullL3Tier, open_l3
+from hicache_jax.l3.port import CachePort
+from hicache_jax.l3.tier import L3Tier, NullL3Tier, open_l3
 from hicache_jax.tree.radix import RadixTree
 from hicache_jax.l3.storage import entry_pages, entry_rows
 

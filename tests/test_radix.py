@@ -15,7 +15,8 @@ from hicache_jax.errors import HiCacheError
 from hicache_jax import validation
 from hicache_jax.tree import node as tree_node, radix, tiers as tree_index
 from hicache_jax.tree.eviction import EvictionPolicy, VictimHeap
-from hicache_jax.tree.radix import RadixTree, chain_hashes, namespace_hash
+from hicache_jax.tree.hashing import chain_hashes, namespace_hash
+from hicache_jax.tree.radix import RadixTree
 
 PAGE_SIZES = [1, 16, 64]
 

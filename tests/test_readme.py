@@ -42,10 +42,6 @@ def test_readme_test_command_installs_every_extra_the_tests_use():
     table = pyproject.split("[project.optional-dependencies]\n", 1)[1].split("\n[", 1)[0]
     extras = re.findall(r"^([\w-]+) = \[", table, flags=re.M)
     assert extras, "no extras found in pyproject.toml"
-    # `docs` (the site) is not in README's test command yet: the command stays as CI runs it
-    # until it is changed together with .ci/run; until then tests/test_docs.py's site build
-    # skips without it, naming the extra
-    extras = [e for e in extras if e != "docs"]
     test_command = fresh_machine_commands(README.read_text())[-1]
     installed = re.search(r'pip install -e "\.\[([^\]]*)\]"', test_command).group(1).split(",")
     assert sorted(installed) == sorted(extras)

@@ -44,7 +44,8 @@ from hicache_jax.cache.control.invalidate import Invalidation
 from hicache_jax.cache.introspection import cache_stats, check_cache
 from hicache_jax.cache.l3_port import CacheL3Port
 from hicache_jax.cache.control.storage_attach import L3Slot
-from hicache_jax.l3.tier import L3Tier, NullL3Tier, PrefetchHandle, open_l3
+from hicache_jax.l3.prefetch import PrefetchHandle
+from hicache_jax.l3.tier import L3Tier, NullL3Tier, open_l3
 from hicache_jax.cache.loading.load_many import check_matches, load_chains
 from hicache_jax.cache.loading.cost_model import CostModel
 from hicache_jax.cache.loading.load_policy import CostRule, make_rule
@@ -62,7 +63,7 @@ from hicache_jax.tree.node import TreeNode
 from hicache_jax.validation import check_bool, check_int, page_tokens
 from hicache_jax.cache.write_policy import WriteContext, make_write_policy
 
-__all__ = ["HiCache", "Match", "NodeRef"]
+__all__ = ["HiCache"]
 
 
 class HiCache:

@@ -17,7 +17,8 @@ from hicache_jax.cache.ownership import ALLOCATED, DevicePageOwners
 from hicache_jax.events.recorder import NullRecorder, Recorder
 from hicache_jax.events.records import Medium
 from hicache_jax.memory.allocator import PageAllocator
-from hicache_jax.tree.radix import InsertResult, RadixTree
+from hicache_jax.tree.node import InsertResult
+from hicache_jax.tree.radix import RadixTree
 from hicache_jax.validation import check_bool, check_int, page_tokens
 
 __all__ = ["Insertion"]

@@ -1,4 +1,4 @@
-"""CacheL3Port: the cache's side of the L3 port (:class:`~hicache_jax.l3.tier.CachePort`).
+"""CacheL3Port: the cache's side of the L3 port (:class:`~hicache_jax.l3.port.CachePort`).
 
 The L3 tier reserves host pages, attaches fetched pages and holds locks only through this
 object, so the host-page rule -- every host page is free, held by one node, the target of a

@@ -19,7 +19,8 @@ from typing import Any, Callable, Hashable
 import numpy as np
 
 from hicache_jax.errors import OutOfPagesError
-from hicache_jax.cache.hicache import HiCache, Match
+from hicache_jax.cache.hicache import HiCache
+from hicache_jax.cache.match import Match
 from hicache_jax.cache.request import Request
 from hicache_jax.engine.engine import CacheMode, Generation, RequestRecord, check_prompt
 from hicache_jax.engine.packing import TokenSlots

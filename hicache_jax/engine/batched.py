@@ -69,7 +69,8 @@ from typing import Any, Callable, Hashable, Iterable, Sequence
 import numpy as np
 
 from hicache_jax.errors import OutOfPagesError
-from hicache_jax.cache.hicache import HiCache, Match
+from hicache_jax.cache.hicache import HiCache
+from hicache_jax.cache.match import Match
 from hicache_jax.validation import check_bool, is_int, is_real
 from hicache_jax.cache.request import Request, admit_matched, extend_many
 from hicache_jax.engine.batch_state import (AdmissionPlan, BatchedRecord, BatchRequest,

@@ -27,7 +27,7 @@
   ``wait_complete`` waits for the prefetches on the request's path, ``timeout`` waits up to
   ``issued + prefetch_timeout_s * (1 + tokens / 1024)`` then keeps what landed and cancels the rest.
 
-Everything here talks to the cache through its port (:class:`~hicache_jax.l3.tier.CachePort`):
+Everything here talks to the cache through its port (:class:`~hicache_jax.l3.port.CachePort`):
 host pages are reserved and released there, and fetched pages attach there, so the cache alone
 keeps the rule "every host page is free, held by one node, in flight, or reserved by an L3
 prefetch". Deadlines use the port's clock (the cache's injected one).

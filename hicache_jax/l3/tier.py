@@ -57,7 +57,7 @@ from hicache_jax.spec import HiCacheConfig, KVSpec, PrefetchPolicy, WritePolicy
 from hicache_jax.tree.hashing import chain_digests
 from hicache_jax.tree.node import TreeNode
 
-__all__ = ["CachePort", "L3Tier", "NullL3Tier", "PrefetchHandle", "open_l3", "split_url"]
+__all__ = ["L3Tier", "NullL3Tier", "open_l3", "split_url"]
 
 log = logging.getLogger(__name__)
 

@@ -45,8 +45,7 @@ from hicache_jax.errors import (
 )
 from hicache_jax.memory.group_socket import SocketLinks, call_diverged, route_host
 
-__all__ = ["Group", "LocalGroup", "DistributedGroup", "AgreedClock", "GroupTimeoutError",
-           "GroupConnectError", "GroupDivergedError", "default_group"]
+__all__ = ["Group", "LocalGroup", "DistributedGroup", "AgreedClock", "default_group"]
 
 
 class Group:

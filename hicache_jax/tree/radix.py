@@ -68,8 +68,7 @@ from hicache_jax.validation import TOKEN_DTYPE, as_distinct_ids, as_tokens, chec
 _EMPTY_U64 = np.zeros(0, np.uint64)
 _MEMCMP_MAX = 2048  # tokens; see _common_len
 
-__all__ = ["InsertResult", "RadixTree", "TreeMatch", "TreeNode", "chain_hashes",
-           "namespace_hash"]
+__all__ = ["RadixTree"]
 
 
 class RadixTree(TierIndex):

@@ -23,7 +23,8 @@ from typing import Any
 import numpy as np
 
 from hicache_jax.errors import HiCacheError
-from hicache_jax.l3.tier import L3Tier, NullL3Tier, PrefetchHandle, open_l3
+from hicache_jax.l3.prefetch import PrefetchHandle
+from hicache_jax.l3.tier import L3Tier, NullL3Tier, open_l3
 from hicache_jax.tree.node import TreeNode
 
 
