@@ -46,8 +46,8 @@ import numpy as np
 
 from benchmarks.common import add_model_flags, model_config, parse_quick, print_table, write_json
 from hicache_jax import HiCacheConfig
-from hicache_jax.cache.loading.cost_model import PrefillFit
 from hicache_jax.cache.hicache import HiCache
+from hicache_jax.cache.loading.cost_model import PrefillFit
 from hicache_jax.engine.engine import Engine
 from hicache_jax.engine.model import DecoderModel
 

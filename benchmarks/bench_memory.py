@@ -32,6 +32,7 @@ def worker(p: dict) -> dict:
     import resource
 
     import jax  # noqa: F401  (counted in the baseline)
+
     from hicache_jax import HiCacheConfig
 
     events = p["events"]

@@ -22,8 +22,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.common import (env_info, gbps, median_time, memcpy_fn, memcpy_seconds,
-                               print_table, write_json)
+from benchmarks.common import (
+    env_info,
+    gbps,
+    median_time,
+    memcpy_fn,
+    memcpy_seconds,
+    print_table,
+    write_json,
+)
 from hicache_jax.memory.device_pool import DevicePagePool
 from hicache_jax.spec import KVSpec
 

@@ -21,13 +21,19 @@ import time
 
 import numpy as np
 
-from benchmarks.common import (add_model_flags, memcpy_fn, median_time, model_config,
-                               print_table, write_json)
-from hicache_jax.memory.device_pool import DevicePagePool
+from benchmarks.common import (
+    add_model_flags,
+    median_time,
+    memcpy_fn,
+    model_config,
+    print_table,
+    write_json,
+)
 from hicache_jax.engine.layers import UNROLL_TOKENS
 from hicache_jax.engine.model import DecoderModel
 from hicache_jax.engine.packing import bucket
 from hicache_jax.engine.weights import ModelConfig
+from hicache_jax.memory.device_pool import DevicePagePool
 
 #: (name, decode rows or prefill tokens): decode rows at a 192-token context, one prefill chunk
 SIZES = [("decode", 1), ("decode", 2), ("decode", 4), ("decode", 8), ("decode", 16),

@@ -46,9 +46,9 @@ import time
 import numpy as np
 
 from benchmarks.common import gbps, memcpy_seconds, print_table, write_json
-from hicache_jax.spec import KVSpec
 from hicache_jax.l3.storage import ENTRY_ROWS, entry_pages, entry_rows, open_storage, page_keys
 from hicache_jax.l3.storage.format import xxhash_available
+from hicache_jax.spec import KVSpec
 
 SPEC = KVSpec(num_layers=4, num_kv_heads=8, head_dim=64, dtype="bfloat16", page_size=16)
 BATCHES = (1, 16, 128)
@@ -77,8 +77,8 @@ def key_hashing_cost(pages: int = 4096, repeats: int = 5) -> dict[str, float]:
     """Seconds per page of the L3 key chain (blake2b-128 over each page's tokens), beside the
     tree's 64-bit page hash chain and the entry checksum of one page (what every put and get
     pays per page anyway)."""
-    from hicache_jax.tree.hashing import chain_digests, namespace_seed
     from hicache_jax.l3.storage import EntryCodec
+    from hicache_jax.tree.hashing import chain_digests, namespace_seed
     from hicache_jax.tree.node import chain_hashes
 
     rng = np.random.default_rng(0)

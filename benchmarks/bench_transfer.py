@@ -63,13 +63,12 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.sharding import Mesh  # noqa: E402
 
-from benchmarks.common import (aligned_bytes, env_info, gbps, memcpy_fn,  # noqa: E402
-                               print_table, write_json)
+from benchmarks.common import aligned_bytes, env_info, gbps, memcpy_fn, print_table, write_json  # noqa: E402
 from hicache_jax.memory.device_pool import DevicePagePool  # noqa: E402
 from hicache_jax.memory.host_pool import HostPagePool  # noqa: E402
 from hicache_jax.memory.page_copy import copy_plan  # noqa: E402
-from hicache_jax.spec import KVSpec  # noqa: E402
 from hicache_jax.memory.transfer import TransferEngine  # noqa: E402
+from hicache_jax.spec import KVSpec  # noqa: E402
 
 SPEC = KVSpec(num_layers=4, num_kv_heads=8, head_dim=ARGS.head_dim if ARGS else 64,
               dtype="bfloat16", page_size=16)

@@ -24,9 +24,9 @@ import numpy as np
 
 from benchmarks.common import add_model_flags, model_config, parse_quick, print_table, write_json
 from hicache_jax import HiCacheConfig
+from hicache_jax.cache.hicache import HiCache
 from hicache_jax.engine.engine import Engine
 from hicache_jax.engine.model import DecoderModel
-from hicache_jax.cache.hicache import HiCache
 
 #: ``--quick``: a small model and prompt, one repeat (a smoke run; its ratios mean little).
 QUICK = dict(prompt_tokens=512, cached_tokens=448, chunk_size=128, repeats=1, layers=2,

@@ -15,7 +15,8 @@ import os
 import platform
 import statistics
 import time
-from typing import Any, Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
 import numpy as np
 

@@ -33,8 +33,8 @@ from jax.sharding import SingleDeviceSharding
 from benchmarks.common import env_info, gbps, print_table, write_json
 from hicache_jax.memory.device_pool import DevicePagePool
 from hicache_jax.memory.host_pool import HostPagePool
-from hicache_jax.spec import KVSpec
 from hicache_jax.memory.transfer import TransferEngine
+from hicache_jax.spec import KVSpec
 
 # 4 layers x 2 x 16 tokens x 8 heads x 64 dims x bf16 = 128 KiB per page.
 SPEC = KVSpec(num_layers=4, num_kv_heads=8, head_dim=64, dtype="bfloat16", page_size=16)

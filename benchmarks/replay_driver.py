@@ -35,7 +35,8 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Any, Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -82,7 +83,7 @@ class Prompts:
         return (ids[:, None] * bs + np.arange(bs, dtype=np.int64)).reshape(-1)[: self.lengths[i]]
 
     @classmethod
-    def from_trace(cls, trace: Any) -> "Prompts":
+    def from_trace(cls, trace: Any) -> Prompts:
         """A :class:`hicache_jax.replay.trace.Trace`'s prompts (Mooncake or token trace)."""
         mooncake = trace.format == "mooncake"
         parts = [r.hash_ids if mooncake else r.token_ids for r in trace.requests]
@@ -371,7 +372,7 @@ class WorkerProcess:
         raise WorkerError(f"worker against {self.tree.label} ended (rc {self._proc.returncode}):"
                           f"\n{self._proc.stderr.read()[-4000:]}")
 
-    def __enter__(self) -> "WorkerProcess":
+    def __enter__(self) -> WorkerProcess:
         return self
 
     def __exit__(self, *exc: Any) -> None:

@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Any, Hashable, Sequence
+from collections.abc import Hashable, Sequence
+from typing import Any
 
 import msgspec
 import numpy as np
@@ -193,7 +194,7 @@ class KVRouter:
         self._ctx = ctx or zmq.Context.instance()
         self.page_size = page_size
         self.index = {name: InstanceIndex() for name in instances}
-        self.next_seq = {name: 0 for name in instances}
+        self.next_seq = dict.fromkeys(instances, 0)
         self.restarts: dict[str, int] = {}  # indexes started over after an unrecoverable gap
         self._sub, self._replay = {}, {}
         for name, (endpoint, replay) in instances.items():

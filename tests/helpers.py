@@ -109,7 +109,7 @@ def serve(cache: HiCache, tokens, extra_key=None) -> None:
 class _GatedHandle:
     """A transfer handle that reports not-done until its gate opens (or someone waits on it)."""
 
-    def __init__(self, inner, engine: "GatedEngine", released: bool) -> None:
+    def __init__(self, inner, engine: GatedEngine, released: bool) -> None:
         self._inner, self._engine, self.released = inner, engine, released
 
     def __getattr__(self, name):
@@ -138,7 +138,7 @@ class GatedEngine(TransferEngine):
         self.holding, self.handles = False, []   # gated handles not yet reported
         self._gated, self._landed = {}, []       # id(inner) -> gated; inner polled, unreported
 
-    def hold(self) -> "GatedEngine":
+    def hold(self) -> GatedEngine:
         self.holding = True
         return self
 

@@ -8,8 +8,14 @@ subprocess inserts the directory itself).
 
 import numpy as np
 
-from hicache_jax.l3.storage import (ENTRY_ROWS, HEADER_BYTES, entry_pages, entry_rows, open_storage,
-                                    page_keys)
+from hicache_jax.l3.storage import (
+    ENTRY_ROWS,
+    HEADER_BYTES,
+    entry_pages,
+    entry_rows,
+    open_storage,
+    page_keys,
+)
 from hicache_jax.spec import KVSpec
 
 SPEC = KVSpec(num_layers=2, num_kv_heads=2, head_dim=8, dtype="bfloat16", page_size=4)

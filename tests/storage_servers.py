@@ -39,7 +39,7 @@ def mooncake_dir() -> str | None:
     return list(spec.submodule_search_locations)[0]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def mooncake_skip_reason() -> str | None:
     """Why the Mooncake tests cannot run here (saying what to install), or None when they can."""
     pkg = mooncake_dir()
@@ -94,7 +94,7 @@ class MooncakeServers:
 
     @classmethod
     def start(cls, *, segment_bytes: int = 256 << 20, client_ttl_s: int = 2,
-              lease_ttl_ms: int = 1000, timeout_s: float = 20.0) -> "MooncakeServers":
+              lease_ttl_ms: int = 1000, timeout_s: float = 20.0) -> MooncakeServers:
         """Start a master and a holder mounting ``segment_bytes``; wait until it is mounted."""
         servers = cls(free_port(), free_port(), tempfile.mkdtemp(prefix="mooncake-test-"))
         try:

@@ -8,9 +8,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from helpers import bookkeeping_spec, make_cache, serve
 from hicache_jax import HiCache, HiCacheConfig
 from hicache_jax.cache.agreement import config_fields, state_fields
-from helpers import bookkeeping_spec, make_cache, serve
 from multiproc import launch
 
 
@@ -80,8 +80,8 @@ def test_bad_agreement_settings():
 def _one_process_run(n: int, seed: int, steps: int, lag: int | None = None) -> tuple[list, dict]:
     """The same workload in this process alone (the spec of an n-process run, no mesh;
     ``lag``: its ``completion_lag``)."""
-    from hicache_jax import KVSpec
     import multiproc_workers as w
+    from hicache_jax import KVSpec
 
     spec = KVSpec(num_layers=2, num_kv_heads=2 * n, head_dim=4, dtype="float16", page_size=4)
     cache = HiCache(spec, HiCacheConfig(device_pages=12, host_pages=16, load_back_threshold=4,

@@ -7,12 +7,13 @@ import time
 
 import numpy as np
 import pytest
-from hypothesis import settings, strategies as st
+from hypothesis import settings
+from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
+from hicache_jax.errors import HiCacheError, OutOfPagesError
 from hicache_jax.memory.allocator import PageAllocator
 from hicache_jax.validation import as_page_ids
-from hicache_jax.errors import HiCacheError, OutOfPagesError
 
 
 def snapshot(a: PageAllocator):

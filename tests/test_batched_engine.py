@@ -6,6 +6,7 @@ Also HiCache.load_back_many, which the engine's admission uses."""
 import numpy as np
 import pytest
 
+from helpers import GatedEngine, gate
 from hicache_jax import HiCacheConfig, HiCacheError, KVSpec
 from hicache_jax.cache.hicache import HiCache
 from hicache_jax.engine.batch_state import EngineStalledError, PageLedger
@@ -16,8 +17,6 @@ from hicache_jax.engine.model import DecoderModel
 from hicache_jax.engine.weights import ModelConfig
 from hicache_jax.engine.workloads import ClosedLoop, multiturn_chat
 from hicache_jax.memory.transfer import TransferHandle
-
-from helpers import GatedEngine, gate
 
 CFG = ModelConfig(vocab_size=97, num_layers=2, d_model=32, num_heads=4, num_kv_heads=2,
                   head_dim=8, ffn_dim=48)

@@ -11,8 +11,8 @@ import sys
 import pytest
 
 from hicache_jax.cli import launch
-from hicache_jax.cli.main import main
 from hicache_jax.cli.bench_processes import timing_free
+from hicache_jax.cli.main import main
 
 # test_cli.py's tiny model and workload (write_through: L2 sees traffic), with 2 kv heads.
 TINY = ["--quiet", "--no-warmup", "--layers", "2", "--d-model", "32", "--heads", "4",

@@ -7,10 +7,9 @@ import sys
 import numpy as np
 import pytest
 
-from storage_servers import free_port, mooncake_skip_reason
-
 from hicache_jax.cli import bench
 from hicache_jax.cli.main import main
+from storage_servers import free_port, mooncake_skip_reason
 
 # The model and pool of test_engine.py (page 16, 64 device pages, chunk 64): compiles are shared.
 TINY = ["--quiet", "--no-warmup", "--layers", "2", "--d-model", "32", "--heads", "4",

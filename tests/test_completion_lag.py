@@ -7,9 +7,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from helpers import bookkeeping_spec
 from hicache_jax import HiCache, HiCacheConfig
 from hicache_jax.memory.transfer import TransferEngine
-from helpers import bookkeeping_spec
 
 
 class _Slow:

@@ -6,10 +6,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+import l3_helpers as L
 from helpers import bookkeeping_spec, make_cache, serve, snapshot
 from hicache_jax.errors import InvalidateLockedError
 from hicache_jax.events.records import BlockRemoved
-import l3_helpers as L
 
 PS = 4
 

@@ -6,9 +6,16 @@ import numpy as np
 import pytest
 
 from hicache_jax import HiCacheConfig
-from hicache_jax.cache.loading.cost_model import (HALF_LIFE, MIN_SAMPLES, PROBE_EVERY,
-                                                  PROBE_SHARE, WARMUP, CostModel, LinkFit,
-                                                  PrefillFit)
+from hicache_jax.cache.loading.cost_model import (
+    HALF_LIFE,
+    MIN_SAMPLES,
+    PROBE_EVERY,
+    PROBE_SHARE,
+    WARMUP,
+    CostModel,
+    LinkFit,
+    PrefillFit,
+)
 from hicache_jax.cache.loading.load_policy import CostRule, ThresholdRule
 from tests.helpers import make_cache
 from tests.test_request import SPEC, cached_on_host_only, clean, prompt, write

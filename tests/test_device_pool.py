@@ -11,12 +11,11 @@ import numpy as np
 import pytest
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
+from helpers import POISON, random_bits
+from helpers import poisoned_device_pool as poisoned_pool
 from hicache_jax.memory import device_pool as dp
 from hicache_jax.memory.device_pool import DevicePagePool, bucket_size
 from hicache_jax.spec import CopyBackend, KVSpec
-
-from helpers import POISON, random_bits
-from helpers import poisoned_device_pool as poisoned_pool
 
 DTYPES = ("bfloat16", "float16", "float32", "float8_e4m3fn", "int8")
 

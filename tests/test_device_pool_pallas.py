@@ -14,12 +14,11 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 
+from helpers import POISON
+from helpers import poisoned_device_pool as poisoned
 from hicache_jax.memory import device_pool as dp
 from hicache_jax.memory.device_pool import DevicePagePool
 from hicache_jax.spec import CopyBackend, KVSpec
-
-from helpers import POISON
-from helpers import poisoned_device_pool as poisoned
 
 
 def random_kv(spec: KVSpec, n: int, seed: int) -> np.ndarray:

@@ -67,7 +67,7 @@ def test_page_code_runs(page, tmp_path, monkeypatch, capsys):
         for i, code in enumerate(blocks):
             try:
                 code_obj = compile(code, f"{page} (python block {i + 1})", "exec")
-                exec(code_obj, namespace)  # noqa: S102 - our own pages
+                exec(code_obj, namespace)
             except ModuleNotFoundError as e:
                 if e.name not in EXTRAS:
                     raise

@@ -6,14 +6,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from hicache_jax.memory.device_pool import DevicePagePool
-from hicache_jax.engine import layers, model as model_mod, packing
+from helpers import poisoned_device_pool
+from hicache_jax.engine import layers, packing
+from hicache_jax.engine import model as model_mod
 from hicache_jax.engine.layers import compiled_step_count, reference_logits, trace_count
 from hicache_jax.engine.model import DecoderModel
 from hicache_jax.engine.packing import TokenSlots, bucket, fine_bucket
 from hicache_jax.engine.weights import ModelConfig, init_params, load_params, save_params
-
-from helpers import poisoned_device_pool
+from hicache_jax.memory.device_pool import DevicePagePool
 
 CFG = ModelConfig(vocab_size=97, num_layers=2, d_model=32, num_heads=4, num_kv_heads=2,
                   head_dim=8, ffn_dim=48)

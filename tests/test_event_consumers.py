@@ -30,8 +30,7 @@ zmq = pytest.importorskip("zmq")
 pytest.importorskip("msgspec")
 xxhash = pytest.importorskip("xxhash")
 
-from helpers import bookkeeping_spec, make_cache  # noqa: E402
-from helpers import replay_all, serve  # noqa: E402
+from helpers import bookkeeping_spec, make_cache, replay_all, serve  # noqa: E402  # noqa: E402
 
 PS = 4
 STORED = ["block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium",

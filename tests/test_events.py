@@ -7,15 +7,20 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from hicache_jax import (AllBlocksCleared, BlockRemoved, BlockStored, HiCache, HiCacheConfig,
-                         HiCacheError, KVSpec, Medium)
+from helpers import bookkeeping_spec, make_cache
+from helpers import serve as put  # one request through the handle (no KV bytes)
+from hicache_jax import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    HiCacheConfig,
+    HiCacheError,
+    Medium,
+)
 from hicache_jax.events.recorder import NullRecorder, QueueRecorder
 from hicache_jax.events.records import RECORD_OVERHEAD, held_bytes, record_bytes, replay
 from hicache_jax.spec import KVEventsConfig
 from hicache_jax.tree.hashing import chain_hashes, namespace_hash
-
-from helpers import bookkeeping_spec, make_cache
-from helpers import serve as put  # one request through the handle (no KV bytes)
 
 QUEUE = {"publisher": "queue"}
 
@@ -34,7 +39,7 @@ def test_block_stored_per_page_with_chained_hashes():
     want = chain_hashes(namespace_hash(None), t.reshape(3, 4)).tolist()
     assert [e.block_hash for e in ev] == want
     assert [e.parent_block_hash for e in ev] == [None] + want[:2]
-    assert [e.token_ids for e in ev] == [tuple(range(0, 4)), tuple(range(4, 8)),
+    assert [e.token_ids for e in ev] == [tuple(range(4)), tuple(range(4, 8)),
                                          tuple(range(8, 12))]
     assert all(e.medium is Medium.DEVICE and e.medium == "device" for e in ev)
     assert cache.take_events() == []           # taken

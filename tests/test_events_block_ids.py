@@ -11,11 +11,10 @@ import pickle
 import numpy as np
 import pytest
 
-from hicache_jax import BlockRemoved, BlockStored, HiCacheConfig, Medium
-from hicache_jax.events.block_ids import canonical_cbor
-
 from helpers import bookkeeping_spec, make_cache
 from helpers import serve as put
+from hicache_jax import BlockRemoved, BlockStored, HiCacheConfig, Medium
+from hicache_jax.events.block_ids import canonical_cbor
 
 PS = 4
 SEED = "1234"

@@ -9,12 +9,10 @@ import pathlib
 import numpy as np
 import pytest
 
+from helpers import bookkeeping_spec, make_cache, serve
 from hicache_jax import BlockStored, Medium
 from hicache_jax.events.factory import l3_wire_medium
 from hicache_jax.spec import KVEventsConfig
-
-from helpers import bookkeeping_spec, make_cache
-from helpers import serve
 
 PS = 4
 

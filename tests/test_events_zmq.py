@@ -4,7 +4,6 @@ a bad configuration (bind failures leave nothing bound)."""
 
 from __future__ import annotations
 
-import socket
 import threading
 from typing import Any
 
@@ -14,12 +13,10 @@ import pytest
 msgspec = pytest.importorskip("msgspec")
 zmq = pytest.importorskip("zmq")
 
-from hicache_jax import HiCache, HiCacheConfig, HiCacheError, Medium  # noqa: E402
-
 from helpers import bookkeeping_spec, make_cache, tree_pages  # noqa: E402
 from helpers import serve as put  # noqa: E402
+from hicache_jax import HiCache, HiCacheConfig, HiCacheError, Medium  # noqa: E402
 from storage_servers import free_port  # noqa: E402
-
 
 # -- the published format: vLLM's structs (vllm/distributed/kv_events.py), nothing of ours ----
 

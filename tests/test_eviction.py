@@ -5,8 +5,14 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from hicache_jax.tree.eviction import (SLRU_PROTECTED_HITS, EvictionPolicy, VictimHeap,
-                                  eviction_order, hottest_first, priority_key)
+from hicache_jax.tree.eviction import (
+    SLRU_PROTECTED_HITS,
+    EvictionPolicy,
+    VictimHeap,
+    eviction_order,
+    hottest_first,
+    priority_key,
+)
 from hicache_jax.tree.radix import RadixTree
 
 PAGE_SIZES = [1, 16, 64]

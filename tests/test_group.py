@@ -11,8 +11,12 @@ import time
 import numpy as np
 import pytest
 
-from hicache_jax.errors import (GroupConnectError, GroupDivergedError, GroupTimeoutError,
-                               HiCacheError)
+from hicache_jax.errors import (
+    GroupConnectError,
+    GroupDivergedError,
+    GroupTimeoutError,
+    HiCacheError,
+)
 from hicache_jax.memory.group import AgreedClock, DistributedGroup, LocalGroup, default_group
 from hicache_jax.memory.group_socket import route_host
 

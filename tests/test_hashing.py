@@ -7,10 +7,16 @@ import numpy as np
 import pytest
 import xxhash
 
-from hicache_jax.tree.hashing import (DIGEST_BYTES, chain_digests, chain_hashes, namespace_hash,
-                                 namespace_seed, namespace_tag)
-from hicache_jax.spec import KVSpec
 from hicache_jax.l3.storage import page_keys
+from hicache_jax.spec import KVSpec
+from hicache_jax.tree.hashing import (
+    DIGEST_BYTES,
+    chain_digests,
+    chain_hashes,
+    namespace_hash,
+    namespace_seed,
+    namespace_tag,
+)
 
 SPEC = KVSpec(num_layers=2, num_kv_heads=2, head_dim=8, dtype="float32", page_size=4)
 

@@ -7,10 +7,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from helpers import bits, check_cache, gate, gated_cache, node_tiers, serve_kv, tree_pages
 from hicache_jax import HiCache, HiCacheConfig, KVSpec, OutOfPagesError
 from hicache_jax.events.records import replay
-
-from helpers import bits, check_cache, gate, gated_cache, node_tiers, serve_kv, tree_pages
 
 
 def test_clean_ahead_backs_up_the_eviction_end_so_eviction_copies_nothing():

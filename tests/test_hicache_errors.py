@@ -7,10 +7,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from helpers import POLICIES, check_cache, gated_cache, node_of, serve_kv, snapshot, tree_pages
 from hicache_jax import HiCache, HiCacheConfig, HiCacheError, KVSpec, Match
 from hicache_jax.events.records import replay
-
-from helpers import POLICIES, check_cache, gated_cache, node_of, serve_kv, snapshot, tree_pages
 
 
 def _bad_calls(cache, kv, tree_page, mine, node):

@@ -8,10 +8,19 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from helpers import (
+    POLICIES,
+    bits,
+    check_cache,
+    check_invariants,
+    gate,
+    gated_cache,
+    node_of,
+    serve_kv,
+    snapshot,
+    tree_node_of,
+)
 from hicache_jax import HiCacheError, OutOfPagesError
-
-from helpers import (POLICIES, bits, check_cache, check_invariants, gate, gated_cache, node_of,
-                     serve_kv, snapshot, tree_node_of)
 
 
 def test_alloc_pages_out_of_pages_counts_and_unchanged():

@@ -7,9 +7,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from hicache_jax import HiCacheError
-
 from helpers import bits, check_cache, gated_cache, node_of, serve_kv, snapshot
+from hicache_jax import HiCacheError
 
 
 def test_request_flow_device_then_host_hit():

@@ -8,9 +8,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from hicache_jax import HiCacheError
-
 from helpers import bits, check_cache, gated_cache, serve_kv, snapshot
+from hicache_jax import HiCacheError
 
 
 def test_load_back_threshold_and_quota_decline():

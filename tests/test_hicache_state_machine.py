@@ -25,18 +25,31 @@ import numpy as np
 import pytest
 from hypothesis import Phase, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, precondition, rule,
-                                 run_state_machine_as_test)
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+    run_state_machine_as_test,
+)
 
+from helpers import (
+    GatedEngine,
+    KVModel,
+    bits,
+    check_bytes,
+    check_invariants,
+    gate,
+    snapshot,
+    tree_pages,
+)
 from hicache_jax import HiCacheConfig, HiCacheError, KVSpec, OutOfPagesError
 from hicache_jax.cache.hicache import HiCache
 from hicache_jax.cache.match import NodeRef
 from hicache_jax.cache.ownership import PageOwner
 from hicache_jax.events.records import replay
 from hicache_jax.tree.radix import RadixTree
-
-from helpers import (GatedEngine, KVModel, bits, check_bytes, check_invariants, gate, snapshot,
-                     tree_pages)
 
 LONG = os.environ.get("HICACHE_HYPOTHESIS_PROFILE") == "long"
 

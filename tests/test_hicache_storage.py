@@ -14,11 +14,19 @@ import pytest
 
 from hicache_jax import HiCacheConfig, KVSpec
 from hicache_jax.cache.hicache import HiCache
-from hicache_jax.tree.hashing import chain_hashes, namespace_hash
 from hicache_jax.l3.storage import StorageUnavailableError, page_keys
-
-from l3_helpers import (PS, SPEC, bits32, compute, l3, make, read_prefix, tokens_kv,
-                        write_then_prefetch)
+from hicache_jax.tree.hashing import chain_hashes, namespace_hash
+from l3_helpers import (
+    PS,
+    SPEC,
+    bits32,
+    compute,
+    l3,
+    make,
+    read_prefix,
+    tokens_kv,
+    write_then_prefetch,
+)
 from storage_servers import free_port, mooncake_skip_reason, running_mooncake
 
 HELPER = os.path.join(os.path.dirname(__file__), "l3_instance.py")
@@ -412,8 +420,8 @@ def test_prefixes_whose_tree_hashes_collide_keep_their_own_l3_entries(url, monke
     """L3 keys are 128-bit digests of the tokens, not the tree's 64-bit page hashes: two
     prefixes whose tree hashes collide (forced here) never serve each other's KV."""
     import hicache_jax.l3.tier
-    import hicache_jax.tree.radix
     import hicache_jax.tree.node
+    import hicache_jax.tree.radix
 
     def by_position(prev, pages):  # a tree hash that ignores the tokens
         return np.array([(prev + i + 1) % 2**64 for i in range(len(pages))], np.uint64)

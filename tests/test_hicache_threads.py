@@ -9,9 +9,8 @@ import threading
 import numpy as np
 import pytest
 
-from hicache_jax import HiCacheError
-
 from helpers import check_cache, gated_cache, serve_kv, snapshot, tree_pages
+from hicache_jax import HiCacheError
 
 
 def _in_thread(fn):
@@ -60,8 +59,8 @@ class _Worker:
 
     def __init__(self, name: str) -> None:
         import queue
-        self._jobs: "queue.Queue" = queue.Queue()
-        self._results: "queue.Queue" = queue.Queue()
+        self._jobs: queue.Queue = queue.Queue()
+        self._results: queue.Queue = queue.Queue()
         self.thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self.thread.start()
 

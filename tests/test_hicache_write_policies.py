@@ -8,10 +8,18 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from helpers import (
+    POLICIES,
+    bits,
+    check_cache,
+    gate,
+    gated_cache,
+    node_of,
+    node_tiers,
+    serve_kv,
+    snapshot,
+)
 from hicache_jax import OutOfPagesError
-
-from helpers import (POLICIES, bits, check_cache, gate, gated_cache, node_of, node_tiers, serve_kv,
-                     snapshot)
 
 
 @pytest.mark.parametrize("policy,backs_up_at", [("write_through", 1),

@@ -7,14 +7,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from hicache_jax.memory.host_pool import HostPagePool
-from hicache_jax.memory.page_copy import STAGE_SIZES, copy_pages, gather_pages, stage_chunks
-from hicache_jax.spec import SUPPORTED_DTYPES, HostLayout, KVSpec
-
 from helpers import heads_mesh as _mesh
 from helpers import poison as _poison_value
 from helpers import poisoned_host_pool as _poisoned
 from helpers import random_bits
+from hicache_jax.memory.host_pool import HostPagePool
+from hicache_jax.memory.page_copy import STAGE_SIZES, copy_pages, gather_pages, stage_chunks
+from hicache_jax.spec import SUPPORTED_DTYPES, HostLayout, KVSpec
 
 LAYOUTS = ("layer_first", "page_first")
 

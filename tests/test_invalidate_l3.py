@@ -11,14 +11,13 @@ import sys
 import numpy as np
 import pytest
 
+from helpers import bookkeeping_spec, make_cache, serve, snapshot
 from hicache_jax import BlockStored, Medium
 from hicache_jax.events.records import BlockRemoved
 from hicache_jax.l3.storage import namespace_prefix
 
-from helpers import bookkeeping_spec, make_cache, serve, snapshot
-
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
-from memory_storage import MemoryStorage  # noqa: E402
+from memory_storage import MemoryStorage
 
 PS = 4
 SPEC = bookkeeping_spec(PS)

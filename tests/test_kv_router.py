@@ -13,9 +13,8 @@ import pytest
 pytest.importorskip("msgspec")
 pytest.importorskip("zmq")
 
-from hicache_jax import HiCache, HiCacheConfig  # noqa: E402
-
-from helpers import bookkeeping_spec, make_cache, serve  # noqa: E402
+from helpers import bookkeeping_spec, make_cache, serve
+from hicache_jax import HiCache, HiCacheConfig
 
 PS = 4
 SPEC = bookkeeping_spec(PS)

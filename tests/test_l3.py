@@ -10,13 +10,13 @@ import numpy as np
 import pytest
 
 from hicache_jax import HiCacheConfig, KVSpec
-from hicache_jax.memory.allocator import PageAllocator
-from hicache_jax.memory.group import LocalGroup
 from hicache_jax.events.recorder import NullRecorder
 from hicache_jax.l3.port import CachePort
-from hicache_jax.l3.tier import L3Tier, NullL3Tier, open_l3
-from hicache_jax.tree.radix import RadixTree
 from hicache_jax.l3.storage import entry_pages, entry_rows
+from hicache_jax.l3.tier import L3Tier, NullL3Tier, open_l3
+from hicache_jax.memory.allocator import PageAllocator
+from hicache_jax.memory.group import LocalGroup
+from hicache_jax.tree.radix import RadixTree
 
 SPEC = KVSpec(num_layers=2, num_kv_heads=1, head_dim=4, dtype="float32", page_size=4)
 PS = SPEC.page_size

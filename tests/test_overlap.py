@@ -145,8 +145,8 @@ def test_load_back_called_directly_never_splits():
 def test_the_engine_with_the_split_gives_the_outputs_of_never_loading():
     from hicache_jax.cache.hicache import HiCache
     from hicache_jax.engine.engine import Engine
-    from tests.test_engine import BUCKETS, CFG, DEVICE_PAGES, MAX_NEW, _prompts
     from hicache_jax.engine.model import DecoderModel
+    from tests.test_engine import BUCKETS, CFG, DEVICE_PAGES, MAX_NEW, _prompts
 
     model = DecoderModel(CFG, seed=3)
     first, second = _prompts()

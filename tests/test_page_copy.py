@@ -6,9 +6,19 @@ import jax
 import numpy as np
 import pytest
 
-from hicache_jax.memory.page_copy import (MIN_INDEX_LEN, PLAN_DST, PLAN_META, PLAN_SRC, UNROLL,
-                                   bucket_size, copy_fn, copy_plan, gather_pages, index_len,
-                                   layer_plans)
+from hicache_jax.memory.page_copy import (
+    MIN_INDEX_LEN,
+    PLAN_DST,
+    PLAN_META,
+    PLAN_SRC,
+    UNROLL,
+    bucket_size,
+    copy_fn,
+    copy_plan,
+    gather_pages,
+    index_len,
+    layer_plans,
+)
 from hicache_jax.spec import HostLayout, KVSpec
 
 SPEC = KVSpec(num_layers=3, num_kv_heads=2, head_dim=4, dtype="float16", page_size=2)

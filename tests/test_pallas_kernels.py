@@ -13,19 +13,17 @@ Shapes are tiny: interpret-mode compiles dominate the run time.
 from __future__ import annotations
 
 import functools
-
 import os
 
-import numpy as np
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 import pallas_kernels as pk
+from helpers import BITS, POISON  # KV dtype -> bits dtype; a NaN bit pattern of it
 from pallas_kernels import gpu as pk_gpu
 from pallas_kernels import tpu as pk_tpu
-
-from helpers import BITS, POISON  # KV dtype -> bits dtype; a NaN bit pattern of it
 
 NUM_LAYERS, KVF, HEADS = 2, 2, 2
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from helpers import bookkeeping_spec, make_cache, serve, snapshot
+from helpers import bookkeeping_spec, serve, snapshot
 from hicache_jax.errors import HiCacheError, PinLimitError
 
 PS = 4

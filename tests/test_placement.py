@@ -8,8 +8,15 @@ import numpy as np
 import pytest
 from jax.sharding import AxisType, NamedSharding, PartitionSpec, SingleDeviceSharding
 
-from hicache_jax.memory.placement import (constrain, has_explicit_axis, head_sharding, placed,
-                                   resolve_memory_kind, zeros_in_memory, zeros_placed)
+from hicache_jax.memory.placement import (
+    constrain,
+    has_explicit_axis,
+    head_sharding,
+    placed,
+    resolve_memory_kind,
+    zeros_in_memory,
+    zeros_placed,
+)
 from hicache_jax.spec import KVSpec
 
 SPEC = KVSpec(num_layers=1, num_kv_heads=4, head_dim=4, page_size=2)

@@ -11,9 +11,11 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from hicache_jax.errors import HiCacheError
 from hicache_jax import validation
-from hicache_jax.tree import node as tree_node, radix, tiers as tree_index
+from hicache_jax.errors import HiCacheError
+from hicache_jax.tree import node as tree_node
+from hicache_jax.tree import radix
+from hicache_jax.tree import tiers as tree_index
 from hicache_jax.tree.eviction import EvictionPolicy, VictimHeap
 from hicache_jax.tree.hashing import chain_hashes, namespace_hash
 from hicache_jax.tree.radix import RadixTree

@@ -86,9 +86,8 @@ def test_baseline_flags():
 
 
 def test_an_unknown_revision_is_a_clear_error():
-    with pytest.raises(SystemExit, match="--baseline no-such-rev"):
-        with rd.Trees("no-such-rev"):
-            pass
+    with pytest.raises(SystemExit, match="--baseline no-such-rev"), rd.Trees("no-such-rev"):
+        pass
 
 
 def test_a_worker_runs_against_the_baseline_trees_library(tmp_path, trace):

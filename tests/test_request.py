@@ -6,10 +6,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from helpers import bookkeeping_spec, make_cache, random_bits
 from hicache_jax import HiCacheError, OutOfPagesError
 from hicache_jax.cache.ownership import PageOwner
-
-from helpers import bookkeeping_spec, make_cache, random_bits
 
 SPEC = bookkeeping_spec(page_size=4)
 PS = SPEC.page_size
@@ -124,10 +123,9 @@ def test_commit_of_a_page_another_request_inserted_first_takes_the_trees_page():
 def test_an_exception_inside_the_block_aborts_and_inserts_nothing():
     cache = make_cache(SPEC, device_pages=16, host_pages=32)
     toks = prompt(8)
-    with pytest.raises(RuntimeError, match="model failed"):
-        with cache.begin(toks) as req:
-            req.extend(8)
-            raise RuntimeError("model failed")
+    with pytest.raises(RuntimeError, match="model failed"), cache.begin(toks) as req:
+        req.extend(8)
+        raise RuntimeError("model failed")
     assert req.state == "aborted"
     assert cache.match_prefix(toks).device_len == 0
     assert cache.stats()["device_free_pages"] == 16

@@ -10,11 +10,17 @@ import numpy as np
 import pytest
 from jax.sharding import AxisType
 
-from hicache_jax.tree.eviction import EvictionPolicy
-from hicache_jax.spec import (SUPPORTED_DTYPES, CopyBackend, HiCacheConfig, HostLayout,
-                              KVSpec, PrefetchPolicy, WritePolicy)
-
 from helpers import BITS
+from hicache_jax.spec import (
+    SUPPORTED_DTYPES,
+    CopyBackend,
+    HiCacheConfig,
+    HostLayout,
+    KVSpec,
+    PrefetchPolicy,
+    WritePolicy,
+)
+from hicache_jax.tree.eviction import EvictionPolicy
 
 
 def test_supported_dtypes():

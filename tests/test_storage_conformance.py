@@ -16,7 +16,7 @@ from hicache_jax.l3.storage.file import FileStorage
 from hicache_jax.l3.storage.format import Verdict
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
-from memory_storage import MemoryStorage  # noqa: E402
+from memory_storage import MemoryStorage
 
 ALL = ["missing keys", "round trip", "partial batch", "write once", "delete", "delete by prefix",
        "put racing a get", "torn or foreign entry", "two processes", "close during work"]
@@ -175,8 +175,8 @@ def test_a_store_of_one_process_fails_the_two_process_check():
 
 
 def test_mooncake_backend_passes():
-    from storage_servers import running_mooncake
     from hicache_jax.l3.storage import open_storage
+    from storage_servers import running_mooncake
     with running_mooncake() as servers:
         got = check(functools.partial(open_storage, servers.url), timeout_s=10.0, shared=True)
     assert got == [n for n in ALL if n != "torn or foreign entry"]

@@ -12,13 +12,22 @@ import numpy as np
 import pytest
 
 from hicache_jax.errors import HiCacheError
-from hicache_jax.spec import KVSpec
 from hicache_jax.l3.storage import (
-    ENTRY_ROWS, HEADER_BYTES, HostPages, StorageBackend, StorageError, StorageUnavailableError,
-    entry_pages, entry_rows, open_storage, page_keys)
+    ENTRY_ROWS,
+    HEADER_BYTES,
+    HostPages,
+    StorageBackend,
+    StorageError,
+    StorageUnavailableError,
+    entry_pages,
+    entry_rows,
+    open_storage,
+    page_keys,
+)
 from hicache_jax.l3.storage.file import FileStorage
-
+from hicache_jax.spec import KVSpec
 from storage_helpers import NUM_PAGES, SPEC, host_buffer, keys_for, open_file, page_bytes, pages
+
 
 @pytest.fixture
 def root(tmp_path):

@@ -14,11 +14,15 @@ import time
 import numpy as np
 import pytest
 
-from storage_servers import MooncakeServers, mooncake_fixture, mooncake_skip_reason, running_mooncake
-from storage_helpers import NUM_PAGES, SPEC, host_buffer, keys_for, open_mc, page_bytes, pages
-
-from hicache_jax.spec import KVSpec
 from hicache_jax.l3.storage import ENTRY_ROWS, HEADER_BYTES, StorageUnavailableError, open_storage
+from hicache_jax.spec import KVSpec
+from storage_helpers import NUM_PAGES, SPEC, host_buffer, keys_for, open_mc, page_bytes, pages
+from storage_servers import (
+    MooncakeServers,
+    mooncake_fixture,
+    mooncake_skip_reason,
+    running_mooncake,
+)
 
 pytestmark = pytest.mark.skipif(mooncake_skip_reason() is not None,
                                 reason=str(mooncake_skip_reason()))
@@ -71,14 +75,14 @@ def test_another_process_reads_what_this_one_stored(servers):
     store, buf = open_mc(servers, "layer_first", seed=7)
     keys = unique_keys(8)
     assert store.put_from(keys, np.arange(8)).wait(20).all()
-    code = ("import sys, numpy as np; sys.path.insert(0, {tests!r});"
+    code = (f"import sys, numpy as np; sys.path.insert(0, {os.path.dirname(__file__)!r});"
             "from storage_helpers import SPEC, host_buffer, open_mc, pages;"
             "from storage_servers import MooncakeServers;"
-            "s, b = open_mc(MooncakeServers({port}, 0, ''), 'page_first', seed=1);"
-            "assert s.get_into({keys!r}, np.arange(8) + 8).wait(20).all();"
+            f"s, b = open_mc(MooncakeServers({servers.rpc_port}, 0, ''), 'page_first', seed=1);"
+            f"assert s.get_into({keys!r}, np.arange(8) + 8).wait(20).all();"
             "ref = pages(host_buffer(SPEC, 'layer_first', seed=7), 'layer_first', np.arange(8));"
             "np.testing.assert_array_equal(b[8:16], ref); s.close(); print('bit-exact')"
-            ).format(tests=os.path.dirname(__file__), port=servers.rpc_port, keys=keys)
+            )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=90)
     assert proc.returncode == 0 and "bit-exact" in proc.stdout, proc.stderr[-3000:]
     store.close()

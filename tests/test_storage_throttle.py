@@ -10,7 +10,6 @@ from hicache_jax import KVSpec
 from hicache_jax.l3.storage import open_storage
 from hicache_jax.l3.storage.conformance import check
 from hicache_jax.l3.storage.throttle import ThrottledFileStorage
-
 from l3_helpers import write_then_prefetch
 from storage_helpers import SPEC, host_buffer, keys_for, page_bytes
 

@@ -9,15 +9,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from hicache_jax.memory.device_pool import DevicePagePool
-from hicache_jax.errors import HiCacheError
-from hicache_jax.memory.host_pool import HostPagePool
-from hicache_jax.memory.page_copy import copy_pages, copy_plan
-from hicache_jax.spec import SUPPORTED_DTYPES, KVSpec
-from hicache_jax.memory.transfer import TransferEngine, TransferHandle
-
 from helpers import heads_mesh, poisoned_device_pool, poisoned_host_pool, random_bits
 from helpers import poison as _poison
+from hicache_jax.errors import HiCacheError
+from hicache_jax.memory.device_pool import DevicePagePool
+from hicache_jax.memory.host_pool import HostPagePool
+from hicache_jax.memory.page_copy import copy_pages, copy_plan
+from hicache_jax.memory.transfer import TransferEngine, TransferHandle
+from hicache_jax.spec import SUPPORTED_DTYPES, KVSpec
 
 LAYOUTS = ("layer_first", "page_first")
 # One spec and pool size for the tests that are not about dtypes or shapes: compiles are shared.

@@ -5,9 +5,20 @@ import enum
 import numpy as np
 import pytest
 
-from hicache_jax.validation import (TOKEN_DTYPE, as_distinct_ids, as_page_ids, as_tokens,
-                                    check_bool, check_extra_key, check_ids_in_range, check_int,
-                                    is_int, is_real, nonnegative_ints, parse_enum)
+from hicache_jax.validation import (
+    TOKEN_DTYPE,
+    as_distinct_ids,
+    as_page_ids,
+    as_tokens,
+    check_bool,
+    check_extra_key,
+    check_ids_in_range,
+    check_int,
+    is_int,
+    is_real,
+    nonnegative_ints,
+    parse_enum,
+)
 
 
 @pytest.mark.parametrize("value, int_, real", [

@@ -6,9 +6,17 @@ import os
 import numpy as np
 import pytest
 
-from hicache_jax.engine.workloads import (WORKLOADS, ClosedLoop, PoissonArrivals, Session,
-                                          TraceArrivals, Workload, agent_loop, document_qa,
-                                          multiturn_chat)
+from hicache_jax.engine.workloads import (
+    WORKLOADS,
+    ClosedLoop,
+    PoissonArrivals,
+    Session,
+    TraceArrivals,
+    Workload,
+    agent_loop,
+    document_qa,
+    multiturn_chat,
+)
 
 
 def _echo(prompts):

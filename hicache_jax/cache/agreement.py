@@ -22,14 +22,15 @@ import dataclasses
 import enum
 import hashlib
 import json
-from typing import Any, Callable, Iterable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import numpy as np
 
-from hicache_jax.memory.allocator import PageAllocator
-from hicache_jax.memory.group import AgreedClock, Group, default_group
 from hicache_jax.cache.inflight import InFlight
 from hicache_jax.cache.ownership import DevicePageOwners
+from hicache_jax.memory.allocator import PageAllocator
+from hicache_jax.memory.group import AgreedClock, Group, default_group
 from hicache_jax.spec import HiCacheConfig, KVSpec
 from hicache_jax.tree.radix import RadixTree
 

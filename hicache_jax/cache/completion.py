@@ -12,7 +12,8 @@ Threading: the cache's thread only.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from hicache_jax.cache.inflight import InFlight
 from hicache_jax.memory.transfer import TransferEngine

@@ -22,46 +22,55 @@ import collections
 import dataclasses
 import threading
 import time
-from typing import Any, Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
+from typing import Any
 
 import numpy as np
 
-from hicache_jax.memory.device_pool import DevicePagePool
-from hicache_jax.memory.group import AgreedClock
-from hicache_jax.errors import HiCacheError
-from hicache_jax.events.factory import make_recorder
-from hicache_jax.events.records import EventBatch, KVEvent
-from hicache_jax.events.recorder import NullRecorder, Recorder
 from hicache_jax.cache.agreement import Agreement, bind_completions, join_group
 from hicache_jax.cache.completion import Completion
-from hicache_jax.cache.evictor import Evictor
-from hicache_jax.cache.removal import Removal
-from hicache_jax.memory.host_pool import HostPagePool
-from hicache_jax.cache.inflight import InFlight
-from hicache_jax.cache.insertion import Insertion
 from hicache_jax.cache.control.calls import Control
 from hicache_jax.cache.control.invalidate import Invalidation
+from hicache_jax.cache.control.pins import Pins
+from hicache_jax.cache.control.storage_attach import L3Slot
+from hicache_jax.cache.evictor import Evictor
+from hicache_jax.cache.inflight import InFlight
+from hicache_jax.cache.insertion import Insertion
 from hicache_jax.cache.introspection import cache_stats, check_cache
 from hicache_jax.cache.l3_port import CacheL3Port
-from hicache_jax.cache.control.storage_attach import L3Slot
-from hicache_jax.l3.prefetch import PrefetchHandle
-from hicache_jax.l3.tier import L3Tier, NullL3Tier, open_l3
-from hicache_jax.cache.loading.load_many import check_matches, load_chains
 from hicache_jax.cache.loading.cost_model import CostModel
+from hicache_jax.cache.loading.load_many import check_matches, load_chains
 from hicache_jax.cache.loading.load_policy import CostRule, make_rule
 from hicache_jax.cache.loading.overlap import Overlap, OverlapCopy
-from hicache_jax.cache.match import (Match, NodeRef, check_node, current, is_stale, node_ref,
-                                     revalidate, unprotected_device_pages)
-from hicache_jax.cache.request import Request, admit_matched
+from hicache_jax.cache.match import (
+    Match,
+    NodeRef,
+    check_node,
+    current,
+    is_stale,
+    node_ref,
+    revalidate,
+    unprotected_device_pages,
+)
 from hicache_jax.cache.ownership import ALLOCATED, CALLERS, DevicePageOwners
-from hicache_jax.cache.control.pins import Pins
-from hicache_jax.tree.radix import RadixTree
-from hicache_jax.spec import HiCacheConfig, KVSpec
+from hicache_jax.cache.removal import Removal
+from hicache_jax.cache.request import Request, admit_matched
 from hicache_jax.cache.thread_owner import ThreadOwner, publishes
-from hicache_jax.memory.transfer import TransferEngine
-from hicache_jax.tree.node import TreeNode
-from hicache_jax.validation import check_bool, check_int, page_tokens
 from hicache_jax.cache.write_policy import WriteContext, make_write_policy
+from hicache_jax.errors import HiCacheError
+from hicache_jax.events.factory import make_recorder
+from hicache_jax.events.recorder import NullRecorder, Recorder
+from hicache_jax.events.records import EventBatch, KVEvent
+from hicache_jax.l3.prefetch import PrefetchHandle
+from hicache_jax.l3.tier import L3Tier, NullL3Tier, open_l3
+from hicache_jax.memory.device_pool import DevicePagePool
+from hicache_jax.memory.group import AgreedClock
+from hicache_jax.memory.host_pool import HostPagePool
+from hicache_jax.memory.transfer import TransferEngine
+from hicache_jax.spec import HiCacheConfig, KVSpec
+from hicache_jax.tree.node import TreeNode
+from hicache_jax.tree.radix import RadixTree
+from hicache_jax.validation import check_bool, check_int, page_tokens
 
 __all__ = ["HiCache"]
 

@@ -25,22 +25,23 @@ Threading: the cache's thread only.
 from __future__ import annotations
 
 import collections
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import numpy as np
 
-from hicache_jax.memory.allocator import PageAllocator
+from hicache_jax.cache.loading.cost_model import CostModel
+from hicache_jax.cache.ownership import DevicePageOwners
 from hicache_jax.errors import OutOfPagesError
 from hicache_jax.events.recorder import NullRecorder, Recorder
 from hicache_jax.events.records import Medium
-from hicache_jax.cache.ownership import DevicePageOwners
-from hicache_jax.cache.loading.cost_model import CostModel
-from hicache_jax.tree.radix import RadixTree
-from hicache_jax.spec import KVSpec
+from hicache_jax.memory.allocator import PageAllocator
 from hicache_jax.memory.page_copy import index_len, stage_chunks
 from hicache_jax.memory.transfer import TransferEngine, TransferKind
+from hicache_jax.spec import KVSpec
 from hicache_jax.tree.node import TreeNode
+from hicache_jax.tree.radix import RadixTree
 
 Claim = tuple[TreeNode, np.ndarray]  # (node, host pages reserved for its backup)
 

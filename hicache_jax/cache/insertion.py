@@ -9,7 +9,8 @@ start backups). Pure bookkeeping (no jax); the cache's thread only.
 from __future__ import annotations
 
 import collections
-from typing import Any, Callable, Hashable
+from collections.abc import Callable, Hashable
+from typing import Any
 
 import numpy as np
 

@@ -17,15 +17,15 @@ from typing import Any
 
 import numpy as np
 
-from hicache_jax.memory.allocator import PageAllocator
-from hicache_jax.cache.l3_port import CacheL3Port
-from hicache_jax.errors import HiCacheError
-from hicache_jax.cache.inflight import InFlight
-from hicache_jax.cache.ownership import DevicePageOwners
 from hicache_jax.cache.control.pins import Pins
-from hicache_jax.tree.radix import RadixTree
+from hicache_jax.cache.inflight import InFlight
+from hicache_jax.cache.l3_port import CacheL3Port
+from hicache_jax.cache.ownership import DevicePageOwners
+from hicache_jax.errors import HiCacheError
+from hicache_jax.memory.allocator import PageAllocator
 from hicache_jax.memory.transfer import TransferKind
 from hicache_jax.tree.node import TreeNode
+from hicache_jax.tree.radix import RadixTree
 
 
 def check_cache(tree: RadixTree, owners: DevicePageOwners, device: PageAllocator,

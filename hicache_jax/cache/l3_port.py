@@ -12,7 +12,8 @@ Threading: the cache's thread only.
 from __future__ import annotations
 
 import collections
-from typing import Any, Callable, Protocol
+from collections.abc import Callable
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -21,9 +22,9 @@ from hicache_jax.events.recorder import NullRecorder, Recorder
 from hicache_jax.events.records import Medium
 from hicache_jax.memory.group import Group, LocalGroup
 from hicache_jax.memory.host_pool import HostPagePool
-from hicache_jax.tree.radix import RadixTree
 from hicache_jax.spec import KVSpec
 from hicache_jax.tree.node import TreeMatch, TreeNode
+from hicache_jax.tree.radix import RadixTree
 
 
 class HostPageSource(Protocol):
@@ -61,7 +62,7 @@ class CacheL3Port:
         self._reserved = np.zeros(host.num_pages, np.bool_)
         self._locks: collections.Counter[TreeNode] = collections.Counter()
 
-    def bind(self, events: NullRecorder | Recorder, host_pages: "HostPageSource",
+    def bind(self, events: NullRecorder | Recorder, host_pages: HostPageSource,
              rule: Any = None, cost: Any = None) -> None:
         """The cache's recorder and host-page source (its write policy), once they exist; its
         load rule and cost model (cache/loading/load_policy.py, cache/loading/cost_model.py):

@@ -15,8 +15,8 @@ from typing import Any
 import numpy as np
 
 from hicache_jax.errors import HiCacheError
-from hicache_jax.tree.radix import RadixTree
 from hicache_jax.tree.node import TreeNode
+from hicache_jax.tree.radix import RadixTree
 
 
 @dataclass(frozen=True, eq=False)

@@ -11,7 +11,7 @@ Threading: the cache's thread only.
 from __future__ import annotations
 
 import enum
-from typing import Iterable
+from collections.abc import Iterable
 
 import numpy as np
 

@@ -34,7 +34,8 @@ Threading: the cache's thread only (a handle calls its cache).
 from __future__ import annotations
 
 import enum
-from typing import Any, Hashable, Protocol, Sequence
+from collections.abc import Hashable, Sequence
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -242,7 +243,7 @@ class Request:
         if not self._cache.closed:
             self._release()
 
-    def __enter__(self) -> "Request":
+    def __enter__(self) -> Request:
         return self
 
     def __exit__(self, *exc: Any) -> None:

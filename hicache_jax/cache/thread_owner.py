@@ -10,9 +10,9 @@ calling) is one ``threading.get_ident()`` compared with :attr:`ThreadOwner.ident
 from __future__ import annotations
 
 import functools
-
 import threading
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from hicache_jax.errors import HiCacheError
 

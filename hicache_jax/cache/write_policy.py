@@ -36,17 +36,17 @@ from typing import Any
 
 import numpy as np
 
-from hicache_jax.memory.allocator import PageAllocator
-from hicache_jax.events.recorder import NullRecorder, Recorder
-from hicache_jax.events.records import Medium
-from hicache_jax.tree.eviction import FRESH_FIRST, eviction_order, hottest_first, priority_key
 from hicache_jax.cache.completion import Completion
 from hicache_jax.cache.inflight import InFlight
 from hicache_jax.cache.page_take import Tier, take_pages
 from hicache_jax.cache.removal import Removal
-from hicache_jax.tree.radix import RadixTree
+from hicache_jax.events.recorder import NullRecorder, Recorder
+from hicache_jax.events.records import Medium
+from hicache_jax.memory.allocator import PageAllocator
 from hicache_jax.spec import HiCacheConfig, WritePolicy
+from hicache_jax.tree.eviction import FRESH_FIRST, eviction_order, hottest_first, priority_key
 from hicache_jax.tree.node import TreeNode
+from hicache_jax.tree.radix import RadixTree
 
 
 @dataclass(frozen=True)

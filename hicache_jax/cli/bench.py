@@ -34,18 +34,18 @@ from typing import Any
 
 import numpy as np
 
+from hicache_jax.cache.hicache import HiCache
+from hicache_jax.cli import bench_processes, serve_bench
+from hicache_jax.cli.output import check_writable, require_matplotlib, write_json
+from hicache_jax.engine.batched import BatchedEngine
 from hicache_jax.engine.engine import Engine, Generation
 from hicache_jax.engine.model import DecoderModel
 from hicache_jax.engine.packing import bucket
 from hicache_jax.engine.weights import ModelConfig, load_params
-from hicache_jax.engine.batched import BatchedEngine
 from hicache_jax.engine.workloads import ARRIVALS, WORKLOADS, Workload
-from hicache_jax.cache.hicache import HiCache
-from hicache_jax.cli import bench_processes, serve_bench
-from hicache_jax.cli.output import check_writable, require_matplotlib, write_json
+from hicache_jax.l3.storage import StorageError
 from hicache_jax.replay.driver import format_table
 from hicache_jax.spec import HiCacheConfig
-from hicache_jax.l3.storage import StorageError
 
 __all__ = ["CONFIGS", "add_parser", "bench", "build_workload", "table_bucket"]
 

@@ -35,7 +35,8 @@ import os
 import sys
 import tempfile
 import traceback
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 from hicache_jax.cli import launch
 
@@ -149,7 +150,7 @@ def joined(args: argparse.Namespace) -> Iterator[Any]:
             args.quiet, args.json, args.plot = True, None, None
             with open(os.devnull, "w") as null, contextlib.redirect_stdout(null):
                 yield mesh
-    except BaseException as exc:  # noqa: BLE001 - reported, then the process ends
+    except BaseException as exc:
         # No shutdown: its barrier would wait for peers that may be waiting on this process.
         # Leaving at once lets them time out naming it (or the launcher kill them).
         code = exc.code if isinstance(exc, SystemExit) and isinstance(exc.code, int) else 1

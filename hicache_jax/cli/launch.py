@@ -20,7 +20,8 @@ import signal
 import socket
 import subprocess
 import time
-from typing import IO, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import IO
 
 __all__ = ["free_port", "join", "kill", "local_env", "spawn", "wait_all"]
 

@@ -11,15 +11,16 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
+import hicache_jax.study as study
 from hicache_jax.cli.output import check_writable, require_matplotlib, write_json
 from hicache_jax.replay import driver as replay_mod
 from hicache_jax.replay import simulate as sim
 from hicache_jax.replay.trace import MOONCAKE_BLOCK, TOKEN_PAGE_SIZE
-import hicache_jax.study as study
 from hicache_jax.spec import HiCacheConfig, KVSpec
 
 __all__ = ["DEFAULT_POLICY", "add_parser", "replay_command"]

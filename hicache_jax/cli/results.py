@@ -31,7 +31,8 @@ Pure functions of the documents; reading and writing files is the callers'.
 from __future__ import annotations
 
 import statistics
-from typing import Any, Callable, Iterable
+from collections.abc import Callable
+from typing import Any
 
 SCHEMA = "hicache-jax results 1"
 

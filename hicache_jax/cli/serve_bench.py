@@ -28,14 +28,15 @@ from __future__ import annotations
 
 import argparse
 import collections
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
 from hicache_jax.engine.batched import BatchedEngine
 from hicache_jax.engine.engine import Engine, Generation
 from hicache_jax.engine.layers import trace_count
-from hicache_jax.engine.workloads import (ClosedLoop, PoissonArrivals, TraceArrivals, Workload)
+from hicache_jax.engine.workloads import ClosedLoop, PoissonArrivals, TraceArrivals, Workload
 from hicache_jax.replay.driver import format_table
 
 LOGITS_TOL = 1e-5  # float32: first-token logits, batched vs serial (max abs difference)

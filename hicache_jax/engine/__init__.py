@@ -8,8 +8,15 @@ from hicache_jax.engine.batched import BatchedEngine
 from hicache_jax.engine.engine import CacheMode, Engine, Generation, RequestRecord
 from hicache_jax.engine.model import DecoderModel
 from hicache_jax.engine.weights import ModelConfig, init_params, load_params
-from hicache_jax.engine.workloads import (ClosedLoop, PoissonArrivals, TraceArrivals, Workload,
-                                          agent_loop, document_qa, multiturn_chat)
+from hicache_jax.engine.workloads import (
+                                          ClosedLoop,
+                                          PoissonArrivals,
+                                          TraceArrivals,
+                                          Workload,
+                                          agent_loop,
+                                          document_qa,
+                                          multiturn_chat,
+)
 
 __all__ = ["BatchedEngine", "BatchedRecord", "CacheMode", "ClosedLoop", "DecoderModel", "Engine",
            "EngineStalledError", "Generation", "ModelConfig", "PoissonArrivals",

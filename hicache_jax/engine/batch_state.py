@@ -14,16 +14,17 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Callable, Hashable
+from collections.abc import Callable, Hashable
+from typing import Any
 
 import numpy as np
 
-from hicache_jax.errors import OutOfPagesError
 from hicache_jax.cache.hicache import HiCache
 from hicache_jax.cache.match import Match
 from hicache_jax.cache.request import Request
 from hicache_jax.engine.engine import CacheMode, Generation, RequestRecord, check_prompt
 from hicache_jax.engine.packing import TokenSlots
+from hicache_jax.errors import OutOfPagesError
 from hicache_jax.validation import is_int
 
 

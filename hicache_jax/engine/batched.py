@@ -64,21 +64,27 @@ from __future__ import annotations
 import collections
 import heapq
 import time
-from typing import Any, Callable, Hashable, Iterable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Sequence
+from typing import Any
 
 import numpy as np
 
-from hicache_jax.errors import OutOfPagesError
 from hicache_jax.cache.hicache import HiCache
 from hicache_jax.cache.match import Match
-from hicache_jax.validation import check_bool, is_int, is_real
 from hicache_jax.cache.request import Request, admit_matched, extend_many
-from hicache_jax.engine.batch_state import (AdmissionPlan, BatchedRecord, BatchRequest,
-                                            PageLedger, shares_uncached)
+from hicache_jax.engine.batch_state import (
+    AdmissionPlan,
+    BatchedRecord,
+    BatchRequest,
+    PageLedger,
+    shares_uncached,
+)
 from hicache_jax.engine.engine import CacheMode, Generation, build_cache, parse_mode
 from hicache_jax.engine.model import DecoderModel
 from hicache_jax.engine.packing import TokenSlots, bucket
 from hicache_jax.engine.workloads import Arrival, ArrivalProcess
+from hicache_jax.errors import OutOfPagesError
+from hicache_jax.validation import check_bool, is_int, is_real
 
 __all__ = ["BatchedEngine", "PrefillTimer"]
 
@@ -179,7 +185,7 @@ class BatchedEngine:
     @classmethod
     def create(cls, model: DecoderModel, mode: CacheMode | str, *, page_size: int = 16,
                device_pages: int = 1024, host_pages: int | None = None,
-               write_policy: str = "clean_ahead", **engine_kwargs: Any) -> "BatchedEngine":
+               write_policy: str = "clean_ahead", **engine_kwargs: Any) -> BatchedEngine:
         """Build the cache for ``mode`` (as :meth:`Engine.create`) and the engine over it."""
         mode = parse_mode(mode)
         cache = build_cache(model, mode, page_size, device_pages, host_pages, write_policy)

@@ -29,17 +29,18 @@ from __future__ import annotations
 import dataclasses
 import enum
 import time
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from hicache_jax.cache.hicache import HiCache
-from hicache_jax.spec import HiCacheConfig
-from hicache_jax.validation import check_bool, is_int
 from hicache_jax.engine.model import DecoderModel
 from hicache_jax.engine.packing import bucket
+from hicache_jax.spec import HiCacheConfig
+from hicache_jax.validation import check_bool, is_int
 
 
 class CacheMode(str, enum.Enum):
@@ -145,7 +146,7 @@ class Engine:
     @classmethod
     def create(cls, model: DecoderModel, mode: CacheMode | str, *, page_size: int = 16,
                device_pages: int = 1024, host_pages: int | None = None,
-               write_policy: str = "clean_ahead", **engine_kwargs: Any) -> "Engine":
+               write_policy: str = "clean_ahead", **engine_kwargs: Any) -> Engine:
         """Build the cache for ``mode`` and the engine over it.
 
         ``host_pages`` (default ``4 * device_pages``) is used in mode ``hicache`` only; the

@@ -28,16 +28,37 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from typing import Any, Callable, Iterator, Protocol
+from collections.abc import Callable, Iterator
+from typing import Any, Protocol
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from hicache_jax.engine.layers import (BATCH_EMBED, BATCH_HEAD, BATCH_LAYER, BATCH_STEP, EMBED,
-                                       HEAD, LAYER, STEP, TRACES, UNROLL_TOKENS)
-from hicache_jax.engine.packing import (NO_SLOTS, TokenSlots, bucket, check_slots, cover,
-                                        feed_arrays, flatten, lens_used, pack, plan)
+from hicache_jax.engine.layers import (
+    BATCH_EMBED,
+    BATCH_HEAD,
+    BATCH_LAYER,
+    BATCH_STEP,
+    EMBED,
+    HEAD,
+    LAYER,
+    STEP,
+    TRACES,
+    UNROLL_TOKENS,
+)
+from hicache_jax.engine.packing import (
+    NO_SLOTS,
+    TokenSlots,
+    bucket,
+    check_slots,
+    cover,
+    feed_arrays,
+    flatten,
+    lens_used,
+    pack,
+    plan,
+)
 from hicache_jax.engine.weights import ModelConfig, Params, init_params, shard_params
 from hicache_jax.spec import KVSpec
 from hicache_jax.validation import is_int

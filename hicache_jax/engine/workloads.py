@@ -19,7 +19,8 @@ Everything is numpy and pure Python; prompts depend only on the seed and the ans
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Hashable, Iterable, Protocol, Sequence
+from collections.abc import Callable, Hashable, Iterable, Sequence
+from typing import Protocol
 
 import numpy as np
 

@@ -29,20 +29,21 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from hicache_jax.memory import device_pool, host_pool, transfer
 from hicache_jax.engine.batched import BatchedEngine
 from hicache_jax.engine.engine import Engine
 from hicache_jax.engine.layers import LAYER
 from hicache_jax.engine.model import DecoderModel, step_records_kept
 from hicache_jax.engine.packing import TokenSlots, bucket
 from hicache_jax.engine.weights import ModelConfig, abstract_params
+from hicache_jax.memory import device_pool, host_pool, transfer
 from hicache_jax.memory.page_copy import STAGE_SIZES, bucket_size, index_len, stage_chunks
 from hicache_jax.spec import HostLayout, KVSpec
 

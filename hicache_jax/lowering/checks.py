@@ -33,7 +33,8 @@ import dataclasses
 import re
 import time
 import warnings
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import jax
 

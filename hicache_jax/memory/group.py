@@ -38,7 +38,6 @@ from typing import Any
 import numpy as np
 
 from hicache_jax.errors import (
-    GroupConnectError,
     GroupDivergedError,
     GroupTimeoutError,
     HiCacheError,

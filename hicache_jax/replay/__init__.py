@@ -4,8 +4,17 @@ exact block-LRU (:mod:`~hicache_jax.replay.block_lru`) and the what-if TTFT simu
 (:mod:`~hicache_jax.replay.simulate`, imported by name)."""
 
 from hicache_jax.replay.block_lru import BlockLRU, PageKeys, default_device_pages, reference_hits
-from hicache_jax.replay.driver import (TIMING_FIELDS, TINY_SPEC, environment, format_table, plot,
-                                       replay, run, sweep_table, tables)
+from hicache_jax.replay.driver import (
+                                       TIMING_FIELDS,
+                                       TINY_SPEC,
+                                       environment,
+                                       format_table,
+                                       plot,
+                                       replay,
+                                       run,
+                                       sweep_table,
+                                       tables,
+)
 from hicache_jax.replay.trace import MOONCAKE_BLOCK, TOKEN_PAGE_SIZE, Request, Trace, load_trace
 
 __all__ = ["BlockLRU", "MOONCAKE_BLOCK", "PageKeys", "Request", "TIMING_FIELDS", "TINY_SPEC",

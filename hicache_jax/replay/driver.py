@@ -37,13 +37,13 @@ import itertools
 import os
 import sys
 import time
-from typing import Any, Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
-
-from hicache_jax.replay.block_lru import BlockLRU, PageKeys, reference_hits
 from hicache_jax.cache.hicache import HiCache
-from hicache_jax.spec import HiCacheConfig, KVSpec
+from hicache_jax.replay.block_lru import BlockLRU, PageKeys, reference_hits
 from hicache_jax.replay.trace import Trace
+from hicache_jax.spec import HiCacheConfig, KVSpec
 
 __all__ = ["TINY_SPEC", "TIMING_FIELDS", "environment", "format_table", "plot", "replay", "run",
            "sweep_table", "tables"]

@@ -37,8 +37,8 @@ from typing import Any
 
 import numpy as np
 
-from hicache_jax.cache.loading.cost_model import CostModel
 from hicache_jax.cache.hicache import HiCache
+from hicache_jax.cache.loading.cost_model import CostModel
 from hicache_jax.memory.transfer import TransferEngine
 from hicache_jax.replay.block_lru import PageKeys
 from hicache_jax.replay.trace import Trace

@@ -16,7 +16,8 @@ Threading: the cache's thread only (the facade checks it).
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Hashable
+from collections.abc import Hashable
+from typing import Any
 
 import numpy as np
 
@@ -29,8 +30,8 @@ from hicache_jax.cache.control.storage_attach import L3Slot
 from hicache_jax.cache.l3_port import CacheL3Port
 from hicache_jax.cache.loading.cost_model import CostModel
 from hicache_jax.events.factory import l3_wire_medium
-from hicache_jax.events.records import EventBatch, KVEvent
 from hicache_jax.events.recorder import NullRecorder, Recorder
+from hicache_jax.events.records import EventBatch, KVEvent
 from hicache_jax.memory.host_pool import HostPagePool
 from hicache_jax.memory.placement import local_numpy
 from hicache_jax.spec import HiCacheConfig

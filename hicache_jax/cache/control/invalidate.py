@@ -25,7 +25,7 @@ Threading: the cache's thread only.
 
 from __future__ import annotations
 
-from typing import Hashable
+from collections.abc import Hashable
 
 import numpy as np
 

@@ -6,7 +6,8 @@
 
 from __future__ import annotations
 
-from typing import Any, Hashable
+from collections.abc import Hashable
+from typing import Any
 
 from hicache_jax.tree.radix import RadixTree
 from hicache_jax.validation import page_tokens

@@ -22,8 +22,9 @@ from __future__ import annotations
 import collections
 import enum
 import math
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
-from typing import Any, Callable, Hashable
+from typing import Any
 
 import numpy as np
 

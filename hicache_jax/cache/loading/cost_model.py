@@ -72,7 +72,8 @@ from __future__ import annotations
 
 import collections
 import math
-from typing import Any, Callable, NamedTuple
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import numpy as np
 

@@ -15,14 +15,15 @@ Pure bookkeeping over the tree (no jax); the cache's thread only (it locks tree 
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
-from hicache_jax.errors import HiCacheError, OutOfPagesError
 from hicache_jax.cache.match import Match, NodeRef, current
-from hicache_jax.tree.radix import RadixTree
+from hicache_jax.errors import HiCacheError, OutOfPagesError
 from hicache_jax.tree.node import TreeNode
+from hicache_jax.tree.radix import RadixTree
 
 __all__ = ["check_matches", "host_chain_after", "load_chains", "take_chains"]
 

@@ -18,11 +18,11 @@ Pure bookkeeping over the tree (no jax); the cache's thread only.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 from hicache_jax.cache.loading.cost_model import CostModel, Fetch
-from hicache_jax.memory.allocator import PageAllocator
 from hicache_jax.errors import HiCacheError
+from hicache_jax.memory.allocator import PageAllocator
 from hicache_jax.spec import HiCacheConfig
 from hicache_jax.tree.node import TreeNode
 from hicache_jax.tree.radix import RadixTree

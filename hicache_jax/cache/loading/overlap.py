@@ -32,7 +32,7 @@ Threading: the cache's thread only.
 from __future__ import annotations
 
 import collections
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 
