@@ -13,6 +13,7 @@ Threading: the ledger and its requests belong to the engine's thread (the cache'
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 from collections.abc import Callable, Hashable
 from typing import Any
@@ -71,7 +72,7 @@ class BatchRequest:
         self.kv_done = 0               # positions whose K/V is in self.pages
         self.target = 0                # positions the current prefill computes
         self.handle: Any = None        # layer-wise load handle of the first chunk
-        self.hits = None               # (l1, l2, declined) of the first admission
+        self.hits: tuple[int, int, int] | None = None  # (l1, l2, declined), first admission
         self.recomputed = 0
         self.retractions = 0
         self.slot: int | None = None   # its TokenSlots slot while admitted
@@ -159,7 +160,7 @@ class PageLedger:
             if not self.fits(need + math.ceil(reserve * future), wait=not active):
                 return False
         own = h is None
-        if own:  # mode none: a handle of no prefix only holds the request's pages
+        if h is None:  # mode none: a handle of no prefix only holds the request's pages
             h = cache.begin(_NO_TOKENS)
         try:
             h.extend(target - held * ps)
@@ -236,8 +237,10 @@ class PageLedger:
         full = r.target // self.ps
         if full * self.ps <= r.locked_len:
             return
-        r.req.commit(r.seq[:full * self.ps])  # a page inserted first by another replaces ours
-        r.locked_len, r.pages = r.req.tree_len, r.req.device_pages
+        h = r.req
+        assert h is not None  # an admitted request (release() is what drops its handle)
+        h.commit(r.seq[:full * self.ps])  # a page inserted first by another replaces ours
+        r.locked_len, r.pages = h.tree_len, h.device_pages
 
     def release_done(self, r: BatchRequest) -> None:
         """Release a request whose tokens are all computed or dispatched, once every token but
@@ -247,11 +250,13 @@ class PageLedger:
         full = (r.prompt.shape[0] + r.max_new - 1) // self.ps
         self.release(r, r.seq[:full * self.ps], full, chunked=False)
 
-    def finish(self, r: BatchRequest) -> Generation:
+    def finish(self, r: BatchRequest) -> Generation[BatchedRecord]:
         """A request with all its tokens read: released (:meth:`release_done`) unless it was
         already, and its Generation."""
         if r.slot is not None:  # not released yet
             self.release_done(r)
+        # Set on its first admission, its first token's logits read with that token.
+        assert r.hits is not None and r.admitted_at is not None and r.first_logits is not None
         l1, l2, declined = r.hits
         n = r.prompt.shape[0]
         t = r.token_times
@@ -260,7 +265,7 @@ class PageLedger:
             host_declined_tokens=declined, recomputed_tokens=r.recomputed,
             output_tokens=len(r.out), ttft_s=t[0] - r.arrival, latency_s=t[-1] - r.arrival,
             key=r.key, arrival_s=r.arrival, queue_s=r.admitted_at - r.arrival,
-            itl_s=tuple(float(b - a) for a, b in zip(t, t[1:])), retractions=r.retractions)
+            itl_s=tuple(float(b - a) for a, b in itertools.pairwise(t)), retractions=r.retractions)
         return Generation(np.asarray(r.out, np.int32), r.first_logits, rec)
 
     def release(self, r: BatchRequest, tokens: np.ndarray, full: int, *, chunked: bool) -> None:

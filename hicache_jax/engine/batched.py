@@ -65,7 +65,7 @@ import collections
 import heapq
 import time
 from collections.abc import Callable, Hashable, Iterable, Sequence
-from typing import Any
+from typing import Any, TypedDict
 
 import numpy as np
 
@@ -90,6 +90,16 @@ __all__ = ["BatchedEngine", "PrefillTimer"]
 
 _RESERVE_DECAY = 0.02  # per step, back from 1 to decode_reserve after a retraction
 _PLACEHOLDER = np.zeros(1, np.int32)  # a decode chunk whose token is read from its slot
+
+
+class _Knobs(TypedDict):
+    """The packing arguments every step gives ``forward_batch`` / ``batch_shape``."""
+
+    query_block: int
+    key_block: int
+    min_pages: int
+    min_batch: int
+    slots: TokenSlots
 
 
 class BatchedEngine:
@@ -172,7 +182,7 @@ class BatchedEngine:
         self._pending: list = []  # dispatched forwards whose tokens are not read yet
         self._timer = PrefillTimer(model, cache)  # prefill samples for the cost model
         self._closing: list[BatchRequest] = []  # every token dispatched, not all read yet
-        self._finished: list[Generation] = []
+        self._finished: list[Generation[BatchedRecord]] = []
         self._reserve = self.decode_reserve
         self.waiting: collections.deque[BatchRequest] = collections.deque()
         self.prefilling: list[BatchRequest] = []
@@ -204,19 +214,20 @@ class BatchedEngine:
         vocab = self.model.cfg.vocab_size
         self.waiting.append(self._ledger.request(prompt, max_new_tokens, key, arrival, vocab))
 
-    def generate(self, prompts: Sequence[Any], max_new_tokens: int) -> list[Generation]:
+    def generate(self, prompts: Sequence[Any],
+                 max_new_tokens: int) -> list[Generation[BatchedRecord]]:
         """Serve ``prompts`` (all arriving now) to completion; one Generation each, in order."""
         vocab = self.model.cfg.vocab_size
         reqs = [self._ledger.request(p, max_new_tokens, i, None, vocab)
                 for i, p in enumerate(prompts)]
         self.waiting.extend(reqs)
-        done: dict[Any, Generation] = {}
+        done: dict[Any, Generation[BatchedRecord]] = {}
         while len(done) < len(reqs):
             for gen in self.step():
                 done[gen.record.key] = gen
         return [done[i] for i in range(len(reqs))]
 
-    def serve(self, arrivals: ArrivalProcess) -> list[Generation]:
+    def serve(self, arrivals: ArrivalProcess) -> list[Generation[BatchedRecord]]:
         """Run an arrival process to completion in real time; Generations in finish order.
 
         Arrival times are offsets from the call; a request arriving while the engine is idle
@@ -232,7 +243,7 @@ class BatchedEngine:
                 seq += 1
 
         push(arrivals.initial())
-        out: list[Generation] = []
+        out: list[Generation[BatchedRecord]] = []
         while heap or self.busy:
             now = self.clock() - t0
             while heap and heap[0][0] <= now:
@@ -252,12 +263,13 @@ class BatchedEngine:
 
     # -- one scheduler step ------------------------------------------------------------------
 
-    def step(self) -> list[Generation]:
+    def step(self) -> list[Generation[BatchedRecord]]:
         """Admit, then one packed forward: the admitted chunks' prefill and one token for every
         running request; returns the requests whose last token reached the host in this call
         (with ``overlap``: the previous forward's, read after this one is dispatched)."""
         self._reserve = max(self.decode_reserve, self._reserve - _RESERVE_DECAY)
-        self._finished = finished = []
+        finished: list[Generation[BatchedRecord]] = []
+        self._finished = finished
         batch = self._admit()
         # A running request whose next position starts a page gets one (else retractions).
         decoding = self._grow_pages(list(self.running)) if self.running else []
@@ -387,9 +399,9 @@ class BatchedEngine:
         waiter = next((r.handle for r, _ in batch if r.handle is not None), None)
         pre = [r.seq[r.kv_done:r.kv_done + n] for r, n in batch]
         dec = [_PLACEHOLDER] * len(decoding)  # read from the slots on the device
-        knobs = dict(query_block=self.query_block, key_block=self.key_block,
-                     min_pages=self.table_bucket, min_batch=self.batch_bucket,
-                     slots=self.slots)
+        knobs = _Knobs(query_block=self.query_block, key_block=self.key_block,
+                       min_pages=self.table_bucket, min_batch=self.batch_bucket,
+                       slots=self.slots)
         parts = [(batch, decoding)]
         if batch and decoding and not self.compile_mixed:
             starts = [r.kv_done for r, _ in batch] + [r.kv_done for r in decoding]
@@ -456,7 +468,7 @@ class BatchedEngine:
             self._timer.read(sample)
             lg = np.asarray(logits) if any(first for _, _, first in rows) else None
             for i, r, first in rows:
-                r.add_token(toks[i:i + 1], now, lg[i] if first else None)
+                r.add_token(toks[i:i + 1], now, lg[i] if first and lg is not None else None)
                 if len(r.out) == r.max_new:
                     self._closing.remove(r)
                     self._finished.append(self._finish(r))
@@ -472,10 +484,14 @@ class BatchedEngine:
             short = [r for r in reqs if r.kv_done // self.ps >= r.pages.shape[0]]
             if not short:
                 return reqs
+            handles: list[Request] = []
+            for r in short:
+                assert r.req is not None  # a running request holds its handle
+                handles.append(r.req)
             self.cache.prepare([], len(short))  # clean_ahead: what they will evict, backed up
             try:  # one allocation: a page for each (their handles' room up to the next token)
-                extend_many(self.cache, [r.req for r in short],
-                            [r.kv_done + 1 - r.req.num_tokens for r in short])
+                extend_many(self.cache, handles,
+                            [r.kv_done + 1 - h.num_tokens for r, h in zip(short, handles)])
             except OutOfPagesError:
                 if self._pending:  # requests finishing there give their pages back first
                     pending, self._pending = self._pending, []
@@ -487,8 +503,8 @@ class BatchedEngine:
                 self._retract(victim)
                 reqs = [r for r in reqs if r is not victim]
                 continue
-            for r in short:
-                r.pages = r.req.device_pages
+            for r, h in zip(short, handles):
+                r.pages = h.device_pages
             return reqs
 
     def _retract(self, r: BatchRequest) -> None:
@@ -501,7 +517,7 @@ class BatchedEngine:
         self.counters["retractions"], self._reserve = self.counters["retractions"] + 1, 1.0
         self.waiting.appendleft(r)
 
-    def _finish(self, r: BatchRequest) -> Generation:
+    def _finish(self, r: BatchRequest) -> Generation[BatchedRecord]:
         gen = self._ledger.finish(r)
         self.records.append(gen.record)
         return gen
@@ -521,7 +537,7 @@ class PrefillTimer:
         self.last_read = 0.0  # perf_counter when the last forward's tokens were read
 
     def dispatch(self, pool: Any, batch: list, decoding: list, chunks: list, reqs: list,
-                 knobs: dict) -> tuple | None:
+                 knobs: _Knobs) -> tuple | None:
         """``(n_new, n_cached, t0)`` for a forward about to be dispatched, or None (a
         request with a load-back handle may wait on it per layer: not a sample)."""
         if len(batch) != 1 or decoding or batch[0][0].handle is not None:

@@ -30,7 +30,7 @@ import dataclasses
 import enum
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import jax
 import jax.numpy as jnp
@@ -76,19 +76,22 @@ class RequestRecord:
     latency_s: float
 
 
+_Record = TypeVar("_Record", bound=RequestRecord, covariant=True)
+
+
 @dataclasses.dataclass(frozen=True)
-class Generation:
-    """Result of one request.
+class Generation(Generic[_Record]):
+    """Result of one request (``Generation[BatchedRecord]`` from the batched engine).
 
     Attributes:
         tokens: int32 [max_new_tokens] greedy tokens.
         first_logits: float32 [vocab] logits of the first generated token.
-        record: its :class:`RequestRecord`.
+        record: its :class:`RequestRecord` (of the engine's record type).
     """
 
     tokens: np.ndarray
     first_logits: np.ndarray
-    record: RequestRecord
+    record: _Record
 
 
 @jax.jit
@@ -156,7 +159,8 @@ class Engine:
         cache = build_cache(model, mode, page_size, device_pages, host_pages, write_policy)
         return cls(model, cache, mode=mode, **engine_kwargs)
 
-    def generate(self, prompts: Sequence[Any], max_new_tokens: int) -> list[Generation]:
+    def generate(self, prompts: Sequence[Any],
+                 max_new_tokens: int) -> list[Generation[RequestRecord]]:
         """Greedy-decode ``max_new_tokens`` tokens for each prompt, serially, in order.
 
         Args:
@@ -180,7 +184,7 @@ class Engine:
     def _check_prompt(self, prompt: Any, i: int) -> np.ndarray:
         return check_prompt(prompt, self.model.cfg.vocab_size, f"prompts[{i}]")
 
-    def _serve(self, prompt: np.ndarray, max_new: int) -> Generation:
+    def _serve(self, prompt: np.ndarray, max_new: int) -> Generation[RequestRecord]:
         t0 = time.perf_counter()
         cache, n = self.cache, prompt.shape[0]
         kv_len = n + max_new - 1  # positions with K/V: all but the last generated token
@@ -234,6 +238,7 @@ class Engine:
             req.wait_overlap()
             cached, starts = back, list(range(back, prompt.shape[0], self.chunk_size))
         p0, shapes = time.perf_counter(), []
+        logits = None
         for c0 in starts:
             chunk = prompt[c0:c0 + self.chunk_size]
             shapes.append((_pow2(max(chunk.shape[0], self.prefill_bucket)), pages.shape[0],
@@ -242,6 +247,7 @@ class Engine:
                                         min_bucket=self.prefill_bucket,
                                         min_pages=self.table_bucket)
             waiter = None  # every layer has been waited for once: later chunks run fused
+        assert logits is not None  # the prompt's last token is never cached: a chunk ran
         first_logits = np.asarray(logits)  # blocks: async dispatch has finished the prefill
         self._report_prefill(tuple(shapes), prompt.shape[0] - cached, cached,
                              time.perf_counter() - p0)

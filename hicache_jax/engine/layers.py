@@ -276,6 +276,8 @@ def _group_attend(cfg: ModelConfig, pool: jax.Array, layer: jax.Array, q: jax.Ar
     member = item_row[None, :] == jnp.arange(r, dtype=jnp.int32)[:, None]      # [R, W]
     row_max = jnp.max(jnp.where(member[:, :, None, None], scores.max(axis=-1)[None], -jnp.inf),
                       axis=1)                                                  # [R, Hkv, G*Tq]
+    ss: jax.Array | None = None  # the shared blocks' scores and values (when ws > 0)
+    vs: jax.Array | None = None
     if ws:
         # Shared blocks: every row's queries at once, [1, Hkv, R*G*Tq, D] against [Ws*S] keys.
         ks, vs, smask = blocks(shared_pages, shared_k0,
@@ -296,7 +298,8 @@ def _group_attend(cfg: ModelConfig, pool: jax.Array, layer: jax.Array, q: jax.Ar
     # Sums over a row's items by a one-hot matmul: exact (HIGHEST: no reduced-precision passes).
     row_sum = jnp.dot(onehot, p.sum(axis=-1).reshape(w, -1),
                       precision=lax.Precision.HIGHEST).reshape(r, hkv, g * tq)
-    if ws:
+    p_sh: jax.Array | None = None
+    if ss is not None:
         p_sh = jnp.exp(ss - row_max[..., None])
         row_sum = row_sum + p_sh.sum(axis=-1)
     denom = jnp.where(row_sum > 0, row_sum, 1.0)
@@ -305,7 +308,7 @@ def _group_attend(cfg: ModelConfig, pool: jax.Array, layer: jax.Array, q: jax.Ar
                      preferred_element_type=jnp.float32)
     out = jnp.dot(onehot, out.reshape(w, -1), precision=lax.Precision.HIGHEST)
     out = out.reshape(r, hkv, g * tq, hd)
-    if ws:
+    if p_sh is not None and vs is not None:
         pa = (p_sh / denom[..., None]).astype(vs.dtype)
         pa = pa.reshape(r, hkv, g, tq, ws * s).transpose(1, 2, 0, 3, 4)
         oa = jnp.einsum("bkqs,bksd->bkqd", pa.reshape(1, hkv, -1, ws * s), vs,

@@ -72,6 +72,7 @@ class PoolLike(Protocol):
     """What the model needs of a device pool (hicache_jax.memory.device_pool.DevicePagePool)."""
 
     num_pages: int
+    array: Any  # the pool's array (its page size, where the pool has no ``spec``)
 
     def run(self, fn: Callable, *args: Any) -> Any: ...
 
@@ -85,7 +86,8 @@ class DecoderModel:
 
     Args:
         cfg: model size.
-        params: weights from :func:`init_params` / :func:`load_params`; None -> ``init_params(cfg, seed)``.
+        params: weights from :func:`init_params` / :func:`load_params`; None ->
+            ``init_params(cfg, seed)``.
         seed: used when ``params`` is None.
         unroll_tokens: a fused step of at most this many (bucketed) tokens runs its layers
             unrolled over each layer's own weights, a longer one as a ``lax.scan`` over the
@@ -161,6 +163,7 @@ class DecoderModel:
         table = np.full(bucket(used, min_pages), pool.num_pages, np.int32)
         table[:used] = page_ids[:used]
         tb = bucket(n, min_bucket)
+        toks: np.ndarray | jax.Array
         if isinstance(tokens, np.ndarray):
             toks = np.zeros(tb, np.int32)
             toks[:n] = tokens

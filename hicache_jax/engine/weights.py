@@ -175,7 +175,7 @@ def shard_params(cfg: ModelConfig, params: Params, mesh: Any, axis: str | None =
                              f"devices of mesh axis {axis!r} (tensor parallelism)")
 
     def place(name: str, x: Any) -> Any:
-        spec = [None] * np.ndim(x)
+        spec: list[str | None] = [None] * np.ndim(x)
         if name in _TP_AXIS:
             spec[_TP_AXIS[name]] = axis
         host = np.asarray(x)
@@ -189,7 +189,10 @@ def shard_params(cfg: ModelConfig, params: Params, mesh: Any, axis: str | None =
 
 def save_params(params: Params, path: str) -> None:
     """Write weights as an uncompressed ``.npz`` (float32) that :func:`load_params` reads."""
-    np.savez(path, **{k: v.astype(np.float32) for k, v in flat_params(params).items()})
+    arrays = {k: v.astype(np.float32) for k, v in flat_params(params).items()}
+    # numpy's stub reads a ``**`` dict as possibly holding savez's ``allow_pickle: bool``; these
+    # keys are weight names (``layers.wq``, ...), never that flag.
+    np.savez(path, **arrays)  # type: ignore[arg-type]
 
 
 def load_params(cfg: ModelConfig, path: str) -> Params:
