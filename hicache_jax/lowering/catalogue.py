@@ -5,8 +5,8 @@ jitted functions the code dispatches with the arguments it would give them, each
 ``jax.ShapeDtypeStruct`` (nothing is allocated, so a pool of many GiB costs nothing):
 
 * the device pool's donated scatter (``write``) and gather (``read``) at every power-of-two page
-  bucket :func:`~hicache_jax.memory.page_copy.bucket_size` maps a call of ``1 .. device_pages`` pages
-  to, with the XLA copy functions the pool picks on that platform and, on TPU and CUDA, with
+  bucket :func:`~hicache_jax.memory.page_copy.bucket_size` maps a call of ``1 .. device_pages``
+  pages to, with the XLA copy functions the pool picks on that platform and, on TPU and CUDA, with
   the Pallas kernels (``copy_backend="pallas"``); the Pallas layer-wise scatter; the two
   per-call helpers (``take_first``, ``pad``) once each;
 * the host pool's staged write and read (``STAGE_SIZES``) and the transfer engine's backup,
@@ -318,7 +318,7 @@ def _recorded(name: str, op: str, pool: _RecordingPool) -> Program:
 
 
 def _default(cls: type, name: str) -> Any:
-    return inspect.signature(cls.__init__).parameters[name].default
+    return inspect.signature(cls).parameters[name].default
 
 
 def engine_programs(spec: KVSpec, device_pages: int, cfg: ModelConfig) -> list[Program]:

@@ -34,7 +34,7 @@ import re
 import time
 import warnings
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import jax
 
@@ -90,7 +90,9 @@ def lower(program: Program, platform: str) -> Lowered:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:
-            exported = jax.export.export(program.fn, platforms=(platform,))(
+            # Program.fn is a jax.jit function (its doc); the catalogue's tables type it loosely.
+            fn = cast(jax.stages.Wrapped, program.fn)
+            exported = jax.export.export(fn, platforms=(platform,))(
                 *program.args, **program.kwargs)
             text = exported.mlir_module()
         except Exception as e:  # reported as the program's verdict, never raised
@@ -140,9 +142,10 @@ def check_program(low: Lowered) -> list[str]:
     text, bad = low.text, []
     calls = low.custom_calls
     callbacks = [c for c in calls if "callback" in c.lower()]
-    if callbacks or _CALLBACK_OPS.search(text):
-        bad.append(f"{where}: host callback in a per-request program "
-                   f"({', '.join(callbacks) or _CALLBACK_OPS.search(text).group(0)})")
+    op = _CALLBACK_OPS.search(text)
+    if callbacks or op:
+        found = ", ".join(callbacks) or (op.group(0) if op else "")
+        bad.append(f"{where}: host callback in a per-request program ({found})")
     args = _main_args(text)
     if p.donated:
         why = _not_aliased(text, args)
