@@ -38,7 +38,7 @@ from hicache_jax.cache.hicache import HiCache
 from hicache_jax.cli import bench_processes, serve_bench
 from hicache_jax.cli.output import check_writable, require_matplotlib, write_json
 from hicache_jax.engine.batched import BatchedEngine
-from hicache_jax.engine.engine import Engine, Generation
+from hicache_jax.engine.engine import Engine, Generation, RequestRecord
 from hicache_jax.engine.model import DecoderModel
 from hicache_jax.engine.packing import bucket
 from hicache_jax.engine.weights import ModelConfig, load_params
@@ -174,8 +174,9 @@ def table_bucket(page_size: int) -> int:
     return 1 << (pages.bit_length() - 1)
 
 
-def _play(engine: Engine, workload: Workload, bar: Any) -> tuple[list[Generation], float]:
-    gens: list[Generation] = []
+def _play(engine: Engine, workload: Workload,
+          bar: Any) -> tuple[list[Generation[RequestRecord]], float]:
+    gens: list[Generation[RequestRecord]] = []
 
     def serve(prompts: list[np.ndarray]) -> list[np.ndarray]:
         out = []
@@ -200,7 +201,8 @@ def _progress(total: int, desc: str, quiet: bool) -> Any:
     return tqdm(total=total, desc=desc, unit="req", file=sys.stderr, leave=True)
 
 
-def _summary(gens: list[Generation], wall: float, stats: dict[str, Any]) -> dict[str, Any]:
+def _summary(gens: list[Generation[RequestRecord]], wall: float,
+             stats: dict[str, Any]) -> dict[str, Any]:
     recs = [g.record for g in gens]
     ttft = np.array([r.ttft_s for r in recs])
     prompt = sum(r.prompt_tokens for r in recs)
@@ -222,23 +224,23 @@ def _summary(gens: list[Generation], wall: float, stats: dict[str, Any]) -> dict
 
 def _table(summaries: dict[str, dict[str, Any]], l3: bool) -> str:
     """The results table; the L3 columns only when an L3 store was configured."""
-    cols = [("config", None), ("prompt tok", "prompt_tokens"), ("recomputed", "recomputed_tokens"),
+    cols = [("prompt tok", "prompt_tokens"), ("recomputed", "recomputed_tokens"),
             ("L1 hit", "l1_hit_tokens"), ("L2 hit", "l2_hit_tokens"),
             ("TTFT p50 ms", "ttft_p50_ms"), ("TTFT p90 ms", "ttft_p90_ms"),
             ("tok/s", "tokens_per_s"), ("MB to host", "bytes_to_host"),
             ("MB to device", "bytes_to_device")]
     if l3:  # pages fetched from L3 land in L2 and are loaded back from there
-        cols[4] = ("L2 hit (incl. L3)", "l2_hit_tokens")
+        cols[3] = ("L2 hit (incl. L3)", "l2_hit_tokens")
         cols += [("L3 fetched pg", "l3_fetched_pages"), ("L3 stored pg", "l3_stored_pages")]
     rows = []
     for name, s in summaries.items():
         row = [name]
-        for _, key in cols[1:]:
+        for _, key in cols:
             v = s[key]
             row.append(f"{v / 2**20:.2f}" if key.startswith("bytes") else
                        f"{v:.1f}" if isinstance(v, float) else str(v))
         rows.append(row)
-    return format_table([h for h, _ in cols], rows)
+    return format_table(["config", *(h for h, _ in cols)], rows)
 
 
 def _env() -> dict[str, Any]:
@@ -323,7 +325,8 @@ def _run(args: argparse.Namespace, parser: argparse.ArgumentParser, workload: Wo
         url = args.storage
         if url.startswith("file://"):  # a fresh store per run: this instance's reuse only
             base, _, query = url.partition("?")
-            url = f"{base.rstrip('/')}/run-{os.getpid()}-{next(runs)}" + (f"?{query}" if query else "")
+            url = (f"{base.rstrip('/')}/run-{os.getpid()}-{next(runs)}"
+                   + (f"?{query}" if query else ""))
         hc = HiCacheConfig(device_pages=device_pages, host_pages=host_pages,
                            write_policy=args.policy, load_back_threshold=ps, storage=url,
                            prefetch_policy="wait_complete", mesh=model.mesh)
@@ -389,7 +392,8 @@ def _bench_batched(args: argparse.Namespace, workload: Workload, model: DecoderM
     """``--engine batched``: see :mod:`hicache_jax.cli.serve_bench`."""
     ps = args.page_size
     knobs = dict(token_budget=args.token_budget, max_running=args.max_running,
-                 layerwise=not args.no_layerwise, query_block=min(args.query_block, args.token_budget),
+                 layerwise=not args.no_layerwise,
+                 query_block=min(args.query_block, args.token_budget),
                  key_block=args.key_block,
                  table_bucket=table_bucket(ps), decode_reserve=args.decode_reserve,
                  overlap=not args.no_overlap,
@@ -417,12 +421,13 @@ def _bench_batched(args: argparse.Namespace, workload: Workload, model: DecoderM
                   else ""))
     leaks = sum(s["leaked_caller_pages"] + s["locked_pages_after_drain"]
                 for s in summaries.values())
-    print("compiles during the timed batched runs (each stalls every running request): " + ", ".join(
+    print("compiles during the timed batched runs (each stalls every running request): "
+          + ", ".join(
         f"{name} {'/'.join(map(str, s['compiles_in_timed_runs']))}"
         for name, s in summaries.items()))
     print(f"outputs identical to the serial engine (tokens, first-token logits <= "
-          f"{serve_bench.logits_tol(args.dtype):g}): {'yes' if ok else 'no'}; pages leaked or locked "
-          f"after the drain: {leaks}", flush=True)
+          f"{serve_bench.logits_tol(args.dtype):g}): {'yes' if ok else 'no'}; pages leaked or "
+          f"locked after the drain: {leaks}", flush=True)
     if args.json:
         write_json(args.json, {
             "benchmark": "hicache-jax bench --engine batched", "env": _env(),

@@ -36,12 +36,12 @@ import sys
 import tempfile
 import traceback
 from collections.abc import Iterator
-from typing import Any
+from typing import IO, Any
 
 from hicache_jax.cli import launch
 
-__all__ = ["add_flags", "check_divisible", "check_flags", "joined", "launch_local", "same_on_every_process",
-           "timing_free"]
+__all__ = ["add_flags", "check_divisible", "check_flags", "joined", "launch_local",
+           "same_on_every_process", "timing_free"]
 
 #: summary keys that are wall-clock timings (they differ between processes and runs)
 TIMINGS = ("ttft_p50_ms", "ttft_p90_ms", "tokens_per_s", "wall_s")
@@ -104,23 +104,24 @@ def launch_local(args: argparse.Namespace) -> int:
     n, port = args.processes, launch.free_port()
     argv = [sys.executable, "-m", "hicache_jax", *args.argv, "--processes", "1",
             "--coordinator", f"127.0.0.1:{port}", "--num-processes", str(n)]
-    logs = [None] + [tempfile.TemporaryFile("w+") for _ in range(n - 1)]
     env = launch.local_env()
     # the package as this process imported it (a source checkout without an install too)
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env["PYTHONPATH"] = os.pathsep.join([root] + [p for p in [env.get("PYTHONPATH")] if p])
-    procs = launch.spawn(lambda i: argv + ["--process-id", str(i)], n, env=env,
-                         stdout_of=lambda i: logs[i])
-    codes = launch.wait_all(procs)
-    bad = [(i, c) for i, c in enumerate(codes) if c != 0]
-    for i, c in bad:
-        if logs[i] is not None:
-            logs[i].seek(0)
-            tail = logs[i].read()[-4000:]
-            print(f"--- process {i} of {n} ended with {'a kill' if c is None else c}:\n{tail}",
-                  file=sys.stderr, flush=True)
-    for log in logs[1:]:
-        log.close()
+    with contextlib.ExitStack() as files:
+        logs: list[IO[str] | None] = [None] + [
+            files.enter_context(tempfile.TemporaryFile("w+")) for _ in range(n - 1)]
+        procs = launch.spawn(lambda i: argv + ["--process-id", str(i)], n, env=env,
+                             stdout_of=lambda i: logs[i])
+        codes = launch.wait_all(procs)
+        bad = [(i, c) for i, c in enumerate(codes) if c != 0]
+        for i, c in bad:
+            log = logs[i]
+            if log is not None:
+                log.seek(0)
+                tail = log.read()[-4000:]
+                print(f"--- process {i} of {n} ended with {'a kill' if c is None else c}:"
+                      f"\n{tail}", file=sys.stderr, flush=True)
     if bad:
         return 1 if bad[0][1] is None else bad[0][1]
     return 0

@@ -53,7 +53,9 @@ def rows(a: dict, b: dict) -> list[dict[str, Any]]:
     out = []
     for name in list(fa) + [n for n in fb if n not in fa]:
         x, y = fa.get(name), fb.get(name)
-        unit = (x or y)["unit"]
+        first = x or y
+        assert first is not None  # the name is one of A's or B's figures
+        unit = first["unit"]
         ratio = y["value"] / x["value"] if x and y and x["value"] else None
         out.append(dict(name=name, unit=unit, a=x, b=y, b_over_a=ratio))
     return out
@@ -76,7 +78,8 @@ def table(a: dict, b: dict) -> str:
                      _num(y.get("ratio")), _num(r["b_over_a"])))
     widths = [max(len(str(c[i])) for c in [header, *body]) for i in range(len(header))]
     fmt = lambda cells: "  ".join(  # noqa: E731
-        str(c).ljust(w) if i < 2 else str(c).rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))
+        str(c).ljust(w) if i < 2 else str(c).rjust(w)
+        for i, (c, w) in enumerate(zip(cells, widths)))
     limits = {f["name"]: f["limit_name"] for f in a.get("figures", []) + b.get("figures", [])}
     lines = [f"A: {_label(a)}", f"B: {_label(b)}", "", fmt(header), fmt(["-" * w for w in widths])]
     lines += [fmt(c) for c in body]

@@ -15,6 +15,7 @@ Threading: the functions here are called from one thread; children are plain sub
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -90,15 +91,14 @@ def spawn(argv_of: Callable[[int], Sequence[str]], n: int, *, env: dict[str, str
 def kill(p: subprocess.Popen) -> None:
     """SIGKILL ``p``'s process group (its own session: the process and its children); waits."""
     if p.poll() is None:
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.killpg(p.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
     p.wait()
 
 
 def wait_all(procs: Sequence[subprocess.Popen], *, timeout_s: float | None = None,
-             grace_s: float | None = 5.0, poll: Callable[[], None] = lambda: None) -> list[int | None]:
+             grace_s: float | None = 5.0,
+             poll: Callable[[], None] = lambda: None) -> list[int | None]:
     """Wait for every process; their exit codes (None: killed here).
 
     A process that exits with an error leaves its peers ``grace_s`` seconds to end (they

@@ -28,13 +28,14 @@ from __future__ import annotations
 
 import argparse
 import collections
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import numpy as np
 
+from hicache_jax.engine.batch_state import BatchedRecord
 from hicache_jax.engine.batched import BatchedEngine
-from hicache_jax.engine.engine import Engine, Generation
+from hicache_jax.engine.engine import Engine, Generation, RequestRecord
 from hicache_jax.engine.layers import trace_count
 from hicache_jax.engine.workloads import ClosedLoop, PoissonArrivals, TraceArrivals, Workload
 from hicache_jax.replay.driver import format_table
@@ -87,17 +88,17 @@ def trace_device_pages(args: argparse.Namespace, workload: Workload, page_size: 
 
 
 def serial_run(engine: Engine, args: argparse.Namespace, workload: Workload
-               ) -> tuple[dict[Any, Generation], float]:
+               ) -> tuple[dict[Any, Generation[RequestRecord]], float]:
     """The serial engine over the same requests: keyed as the batched run keys them."""
     import time
 
-    gens: dict[Any, Generation] = {}
+    gens: dict[Any, Generation[RequestRecord]] = {}
     t0 = time.perf_counter()
     if args.arrivals == "trace":
         for a in arrivals_for(args, workload).initial():
             gens[a.key] = engine.generate([a.prompt], a.max_new_tokens)[0]
     else:
-        order = iter([])
+        order: Iterator[tuple[int, int]] = iter([])
 
         def serve(prompts: list[np.ndarray]) -> list[np.ndarray]:
             out = []
@@ -115,7 +116,7 @@ def serial_run(engine: Engine, args: argparse.Namespace, workload: Workload
 
 
 def batched_run(engine: BatchedEngine, args: argparse.Namespace, workload: Workload
-                ) -> tuple[dict[Any, Generation], float]:
+                ) -> tuple[dict[Any, Generation[BatchedRecord]], float]:
     import time
 
     t0 = time.perf_counter()
@@ -128,7 +129,7 @@ def _pct(values: list[float], q: float) -> float:
     return float(np.percentile(values, q) * 1e3) if values else 0.0
 
 
-def summary(gens: dict[Any, Generation], wall: float, stats: dict[str, Any],
+def summary(gens: Mapping[Any, Generation[BatchedRecord]], wall: float, stats: dict[str, Any],
             counters: collections.Counter) -> dict[str, Any]:
     """The table's figures of one batched run (``stats``: its cache's ``stats()``;
     ``counters``: its engine's)."""
@@ -159,7 +160,8 @@ def summary(gens: dict[Any, Generation], wall: float, stats: dict[str, Any],
     return out
 
 
-def compare(batched: dict[Any, Generation], serial: dict[Any, Generation],
+def compare(batched: Mapping[Any, Generation[RequestRecord]],
+            serial: Mapping[Any, Generation[RequestRecord]],
             tol: float = LOGITS_TOL) -> dict[str, Any]:
     """Tokens identical per request, and the max abs difference of first-token logits."""
     same = set(batched) == set(serial) and all(
@@ -170,7 +172,8 @@ def compare(batched: dict[Any, Generation], serial: dict[Any, Generation],
             "logits_within_tol": diff <= tol}
 
 
-COLUMNS = [("config", None), ("recomputed", "recomputed_tokens"), ("L1 hit", "l1_hit_tokens"),
+#: (header, summary key) of the table's columns after the configuration's name
+COLUMNS = [("recomputed", "recomputed_tokens"), ("L1 hit", "l1_hit_tokens"),
            ("L2 hit", "l2_hit_tokens"), ("prompt tok/s", "prompt_tokens_per_s"),
            ("gen tok/s", "generated_tokens_per_s"), ("x serial", "speedup_vs_serial"),
            ("TTFT p50/p90/p99 ms", "ttft"), ("ITL p50/p90/p99 ms", "itl"),
@@ -183,7 +186,7 @@ def table(summaries: dict[str, dict[str, Any]]) -> str:
     rows = []
     for name, s in summaries.items():
         row = [name]
-        for _, key in COLUMNS[1:]:
+        for _, key in COLUMNS:
             if key in ("ttft", "itl"):
                 row.append("/".join(f"{s[f'{key}_p{q}_ms']:.1f}" for q in (50, 90, 99)))
             elif key.startswith("bytes"):
@@ -197,7 +200,7 @@ def table(summaries: dict[str, dict[str, Any]]) -> str:
             else:
                 row.append(str(s[key]))
         rows.append(row)
-    return format_table([h for h, _ in COLUMNS], rows)
+    return format_table(["config", *(h for h, _ in COLUMNS)], rows)
 
 
 def bench_batched(args: argparse.Namespace, workload: Workload,
@@ -229,10 +232,10 @@ def bench_batched(args: argparse.Namespace, workload: Workload,
             for mixed in (False, True) if args.mixed_warmup else (False,):
                 for _ in range(args.warmup_passes):
                     traced = _traces()
-                    warm = make_batched(mode)
-                    warm.compile_mixed = mixed
-                    batched_run(warm, args, workload)
-                    warm.cache.close()
+                    warm_b = make_batched(mode)
+                    warm_b.compile_mixed = mixed
+                    batched_run(warm_b, args, workload)
+                    warm_b.cache.close()
                     if _traces() == traced:
                         break
     runs: dict[str, Any] = {name: collections.defaultdict(list) for name, _ in configs}
@@ -272,7 +275,7 @@ def bench_batched(args: argparse.Namespace, workload: Workload,
         s["speedup_vs_serial"] = s["tokens_per_s"] / s["serial_tokens_per_s"]
         s.update(compare(b_gens, s_gens, logits_tol(args.dtype)))
         summaries[name] = s
-        per_request[name] = [{k: v for k, v in vars(g.record).items()} for g in b_gens.values()]
+        per_request[name] = [dict(vars(g.record)) for g in b_gens.values()]
     return summaries, per_request
 
 
