@@ -44,7 +44,7 @@ def main() -> None:
         cache.reset()
         tokens = np.arange(pages * spec.page_size, dtype=np.int64)
         cache.insert(tokens, cache.alloc_pages(pages))
-        match = per_call(lambda: cache.match_prefix(tokens), calls, samples)
+        match = per_call(lambda tokens=tokens: cache.match_prefix(tokens), calls, samples)
         guard = per_call(cache._guard, calls * 10, samples)
         q1, _, q3 = statistics.quantiles(match, n=4)
         m50, g50 = statistics.median(match), statistics.median(guard)

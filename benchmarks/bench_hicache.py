@@ -181,7 +181,7 @@ def main(argv: list[str] | None = None) -> None:
     config = {**vars(args), "device_pages": device, "host_pages": host,
               "working_set_pages": working, "page_bytes": spec.page_bytes}
     results = {"infinite_hit_ratio": inf_ratio, "memcpy_gbps": mem_gbps,
-               **{k: {kk: vv for kk, vv in v.items()} for k, v in runs.items()}}
+               **{k: dict(v) for k, v in runs.items()}}
     write_json(args.json, "bench_hicache", config, results)
 
 

@@ -17,8 +17,8 @@ printed so a change of behaviour shows. Target: current / baseline instructions 
 (events off unchanged within 5%).
 
 Usage: ``python -m benchmarks.bench_instructions [--baseline REV] [--replays 3]
-[--write-policy write_back] [--json PATH]`` (needs valgrind, its headers and gcc; minutes: valgrind runs the
-workers' imports ~5x slower).
+[--write-policy write_back] [--json PATH]`` (needs valgrind, its headers and gcc; minutes:
+valgrind runs the workers' imports ~5x slower).
 """
 
 from __future__ import annotations

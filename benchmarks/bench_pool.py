@@ -77,6 +77,37 @@ def alloc_seconds(k: int, repeats: int) -> float:
                        repeats=repeats, warmup=1)
 
 
+def _time_k(pool: DevicePagePool, host: np.ndarray, ids: np.ndarray, kv: jax.Array,
+            repeats: int, pool_mib: int) -> list[dict]:
+    """Scatter and gather rows of one k: ``pool`` against numpy on ``host``; the closures end
+    with this frame, so the caller's ``del pool, host`` frees both."""
+    k = len(ids)
+    kv_host = np.asarray(kv).view(SPEC.bits_dtype)
+
+    def write():
+        pool.write(ids, kv)
+        pool.array.block_until_ready()
+
+    def read():
+        pool.read(ids).block_until_ready()
+
+    def np_scatter():
+        for i, p in enumerate(ids):
+            host[:, :, p] = kv_host[:, :, i]
+
+    def np_gather():
+        host[:, :, ids]  # a fresh k-page array, like read()
+
+    rows = []
+    for op, fn, same in (("scatter", write, np_scatter), ("gather", read, np_gather)):
+        nbytes = k * SPEC.page_bytes
+        t, m, ratio, w = paired_times(fn, nbytes, repeats, same_work=same)
+        rows.append(dict(op=op, pool="bits", pool_mib=pool_mib, k=k, bytes=nbytes,
+                         seconds=t, memcpy_seconds=m, gbps=gbps(nbytes, t), vs_memcpy=ratio,
+                         numpy_same_seconds=w, vs_numpy_same=t / w))
+    return rows
+
+
 def bench_pool(pool_mib: int, ks: list[int], repeats: int, huge_pages: bool = True
                ) -> list[dict]:
     """Scatter and gather rows for one pool size; the pool is freed on return."""
@@ -92,28 +123,7 @@ def bench_pool(pool_mib: int, ks: list[int], repeats: int, huge_pages: bool = Tr
     for k in ks:
         ids = rng.choice(num_pages, size=k, replace=False).astype(np.int32)
         kv = _pages(k, k)
-        kv_host = np.asarray(kv).view(SPEC.bits_dtype)
-
-        def write():
-            pool.write(ids, kv)
-            pool.array.block_until_ready()
-
-        def read():
-            pool.read(ids).block_until_ready()
-
-        def np_scatter():
-            for i, p in enumerate(ids):
-                host[:, :, p] = kv_host[:, :, i]
-
-        def np_gather():
-            host[:, :, ids]  # a fresh k-page array, like read()
-
-        for op, fn, same in (("scatter", write, np_scatter), ("gather", read, np_gather)):
-            nbytes = k * SPEC.page_bytes
-            t, m, ratio, w = paired_times(fn, nbytes, repeats, same_work=same)
-            rows.append(dict(op=op, pool="bits", pool_mib=pool_mib, k=k, bytes=nbytes,
-                             seconds=t, memcpy_seconds=m, gbps=gbps(nbytes, t), vs_memcpy=ratio,
-                             numpy_same_seconds=w, vs_numpy_same=t / w))
+        rows += _time_k(pool, host, ids, kv, repeats, pool_mib)
         check = np.asarray(pool.read(ids)).view(np.uint16)
         assert np.array_equal(check, np.asarray(kv).view(np.uint16)), "round trip mismatch"
     del pool, host
@@ -202,8 +212,8 @@ def main(argv: list[str] | None = None) -> None:
     print(f"bfloat16-typed pool, {small} MiB, k=16: {typed['seconds'] * 1e3:.1f} ms = "
           f"{typed['seconds'] / bits16:.0f}x the raw-bits pool", flush=True)
     config["loadavg_end"] = os.getloadavg()
-    print(f"load average (1, 5, 15 min): start {config['loadavg_start']}, end {config['loadavg_end']}"
-          f" on {os.cpu_count()} cores")
+    print(f"load average (1, 5, 15 min): start {config['loadavg_start']}, "
+          f"end {config['loadavg_end']} on {os.cpu_count()} cores")
     write_json(args.json, "bench_pool", config, rows)
 
 

@@ -97,10 +97,10 @@ def main() -> None:
         rows.append((name, *(f"{1e3 * res[q]['ttft_mean_s']:.1f}" for q in
                              ("never", "always", "threshold", "cost", "cost+split")),
                      *(f"{v[0]:.3f}" for v in verdict),
-                     f"{res['cost']['l2_hit_ratio']:.3f}/{sp['l2_hit_ratio']:.3f}/"
-                     f"{res['always']['l2_hit_ratio']:.3f}",
-                     f"{res['cost']['l3_hit_ratio']:.3f}/{sp['l3_hit_ratio']:.3f}/"
-                     f"{res['always']['l3_hit_ratio']:.3f}",
+                     (f"{res['cost']['l2_hit_ratio']:.3f}/{sp['l2_hit_ratio']:.3f}/"
+                      f"{res['always']['l2_hit_ratio']:.3f}"),
+                     (f"{res['cost']['l3_hit_ratio']:.3f}/{sp['l3_hit_ratio']:.3f}/"
+                      f"{res['always']['l3_hit_ratio']:.3f}"),
                      ("ok" if all(v[1] for v in verdict) else "FAIL")
                      + (", split >= 10% below both" if pays else "")))
         if pays:

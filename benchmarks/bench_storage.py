@@ -19,10 +19,11 @@ staging pool (a header slot before each page: the backend moves and checks each 
 i.e. the path a cache's L3 traffic takes; page_first / layer_first are caller buffers (staged).
 Page: 4 layers x 2 (K, V) x 16 tokens x 8 heads x 64 dims, bfloat16 = 128 KiB.
 
-Second part (``--part cache``, default ``all``): HiCache with L3 on bench_tree's multi-turn trace
-(real KV bytes, the request flow through the cache's handle, ``prefetch`` with ``wait_complete`` before each
-match). The device pool holds 15% of the working set (``--device-fraction``) and the host pool
-2x the device pool (``--host-ratio``), so L1 + L2 (45%) are too small for it: hit ratio without L3, with a file L3, with a Mooncake L3, each against
+Second part (``--part cache``, default ``all``): HiCache with L3 on bench_tree's multi-turn
+trace (real KV bytes, the request flow through the cache's handle, ``prefetch`` with
+``wait_complete`` before each match). The device pool holds 15% of the working set
+(``--device-fraction``) and the host pool 2x the device pool (``--host-ratio``), so L1 + L2
+(45%) are too small for it: hit ratio without L3, with a file L3, with a Mooncake L3, each against
 the infinite-cache hit ratio of the same trace (target: L3 brings it to >= 95% of it), and a
 control that writes L3 (write_through to L3 also backs up new leaves) but never prefetches, which
 separates the effect of reading L3 from that of the extra backups. Then two
@@ -61,7 +62,8 @@ CONFIGS = {  # file: (layout, checksum); mooncake: (layout, zero_copy, checksum)
     "file": [(ENTRY_ROWS, _DEFAULT_SUM), ("page_first", "crc32")]
     + [("page_first", c) for c in _XXH3]
     + [("layer_first", "crc32")],
-    "mooncake": [(ENTRY_ROWS, False, _DEFAULT_SUM), ("page_first", False, "crc32")] + [("page_first", False, c) for c in _XXH3]
+    "mooncake": [(ENTRY_ROWS, False, _DEFAULT_SUM), ("page_first", False, "crc32")]
+    + [("page_first", False, c) for c in _XXH3]
     + [("page_first", True, "crc32")] + [("page_first", True, c) for c in _XXH3]
     + [("layer_first", False, "crc32")],
 }
@@ -190,7 +192,8 @@ class RawMooncake:
         def get(_):
             assert self.store.batch_get_into(first, dst, [page] * n) == [page] * n
 
-        return with_queue({"raw put": (put, lambda: fresh_keys(n)), "raw get": (get, lambda: None)}, n)
+        return with_queue({"raw put": (put, lambda: fresh_keys(n)),
+                           "raw get": (get, lambda: None)}, n)
 
     def close(self) -> None:
         self.store.unregister_buffer(self.buf.ctypes.data)
@@ -218,7 +221,8 @@ class RawFile:
                 with open(os.path.join(self.root, k), "rb") as f:
                     f.readinto(self.flat[128 + i])
 
-        return with_queue({"raw put": (put, lambda: fresh_keys(n)), "raw get": (get, lambda: None)}, n)
+        return with_queue({"raw put": (put, lambda: fresh_keys(n)),
+                           "raw get": (get, lambda: None)}, n)
 
     def close(self) -> None:
         return None
@@ -339,7 +343,8 @@ def bench_cache(args, backends: list[str]) -> tuple[list[dict], dict]:
     inf_ratio = inf["hit_tokens"] / inf["prompt_tokens"]
     print(f"\nmulti-turn trace: {len(trace)} requests, working set {working} pages; device "
           f"{device} pages, host {host} pages ({(device + host) / working:.0%} of the working set "
-          f"together); page {spec.page_bytes // 1024} KiB; infinite-cache hit ratio {inf_ratio:.3f}")
+          f"together); page {spec.page_bytes // 1024} KiB; "
+          f"infinite-cache hit ratio {inf_ratio:.3f}")
     base = dict(device_pages=device, host_pages=host, load_back_threshold=ps,
                 prefetch_policy="wait_complete")
     tmp = tempfile.mkdtemp(prefix="bench-l3-")

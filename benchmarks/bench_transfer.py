@@ -144,7 +144,8 @@ def bench_directions(eng: TransferEngine, sizes, repeats: int, layout: str) -> l
         plan_b = copy_plan(h.astype(np.int32), d.astype(np.int32))
         plan_l = copy_plan(d.astype(np.int32), h.astype(np.int32))
 
-        def copy_only(kind):
+        # The factories take this iteration's values as defaults: their closures bind those.
+        def copy_only(kind, plan_b=plan_b, plan_l=plan_l):
             def run():
                 if kind == "backup":
                     host.run(eng._backup_fn, dev.array, plan_b).block_until_ready()
@@ -152,7 +153,7 @@ def bench_directions(eng: TransferEngine, sizes, repeats: int, layout: str) -> l
                     dev.run(eng._load_fn, host.buffer, plan_l).block_until_ready()
             return run
 
-        def timed(kind):
+        def timed(kind, d=d, h=h, dispatch=dispatch):
             def run():
                 t0 = time.perf_counter()
                 handle = eng.backup(d, h) if kind == "backup" else eng.load(h, d)

@@ -124,12 +124,16 @@ def scaling(page_sizes, lengths, repeats: int, dtype: str = "int64") -> list[dic
                 for end in range(step, length + 1, step):
                     tree.insert(toks[:end], pages[: end // ps])
                 nodes = sum(1 for _ in tree.nodes())
-                match_s = median_time(lambda: tree.match(toks), repeats=repeats, warmup=3)
+                # The lambdas bind this iteration's tree / toks / pages (called before the next).
+                match_s = median_time(lambda tree=tree, toks=toks: tree.match(toks),
+                                      repeats=repeats, warmup=3)
                 assert tree.match(toks).device_len == length
-                cached_s = median_time(lambda: tree.insert(toks, pages), repeats=repeats, warmup=3)
+                cached_s = median_time(lambda tree=tree, toks=toks, pages=pages:
+                                       tree.insert(toks, pages), repeats=repeats, warmup=3)
                 box = {}
-                new_s = median_time(lambda: box["t"].insert(toks, pages), repeats=max(3, repeats // 4),
-                                    setup=lambda: box.update(t=RadixTree(ps)))
+                new_s = median_time(lambda box=box, toks=toks, pages=pages:
+                                    box["t"].insert(toks, pages), repeats=max(3, repeats // 4),
+                                    setup=lambda box=box, ps=ps: box.update(t=RadixTree(ps)))
                 npg = length // ps
                 rows.append({"page_size": ps, "prefix_tokens": length, "shape": shape,
                              "nodes": nodes, "pages": npg, "match_us": match_s * 1e6,
@@ -153,7 +157,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--system-tokens", type=int, default=1024)
     ap.add_argument("--user-tokens", type=int, default=384, help="max user tokens per turn")
     ap.add_argument("--reply-tokens", type=int, default=384, help="max reply tokens per turn")
-    ap.add_argument("--capacity-pages", type=int, default=6144, help="device pages (fixed capacity)")
+    ap.add_argument("--capacity-pages", type=int, default=6144,
+                    help="device pages (fixed capacity)")
     ap.add_argument("--policies", default=",".join(p.value for p in EvictionPolicy))
     ap.add_argument("--repeats", type=int, default=41, help="repeats of each scaling measurement")
     ap.add_argument("--seed", type=int, default=0)
@@ -173,7 +178,8 @@ def main(argv: list[str] | None = None) -> None:
     trace = [(p.astype(args.token_dtype), r.astype(args.token_dtype)) for p, r in make_trace(args)]
     longest = max(p.shape[0] + r.shape[0] for p, r in trace) // ps
     if longest > args.capacity_pages:
-        raise SystemExit(f"--capacity-pages {args.capacity_pages} < longest request ({longest} pages)")
+        raise SystemExit(f"--capacity-pages {args.capacity_pages} < longest request "
+                         f"({longest} pages)")
     inf = replay(trace, ps, sum(p.shape[0] + r.shape[0] for p, r in trace) // ps + 1, policies[0])
     inf_ratio = inf["hit_tokens"] / inf["prompt_tokens"]
     print(f"trace: {len(trace)} requests, {inf['prompt_tokens']:,} prompt tokens, "
@@ -209,9 +215,11 @@ def main(argv: list[str] | None = None) -> None:
               f"{hi['match_us'] / lo['match_us']:.1f}x to match, "
               f"{hi['insert_new_us'] / lo['insert_new_us']:.1f}x to insert new")
     p1, p64 = by[(1, 32768, "1 insert")], by[(64, 32768, "1 insert")]
-    print(f"32K tokens in one node: page 1 ({p1['pages']} pages) matches in {p1['match_us']:.0f} µs, "
-          f"page 64 ({p64['pages']} pages) in {p64['match_us']:.0f} µs; inserting new pages costs "
-          f"~{by[(16, 32768, '1 insert')]['insert_new_us_per_page']:.1f} µs/page (one blake2b per page)")
+    print(f"32K tokens in one node: page 1 ({p1['pages']} pages) matches in "
+          f"{p1['match_us']:.0f} µs, page 64 ({p64['pages']} pages) in {p64['match_us']:.0f} µs; "
+          f"inserting new pages costs "
+          f"~{by[(16, 32768, '1 insert')]['insert_new_us_per_page']:.1f} µs/page "
+          f"(one blake2b per page)")
     tgt = [s for s in scale if s["page_size"] == 16 and s["prefix_tokens"] == 32768]
     print("\nTarget: match of a fully cached 32K-token prompt, page_size 16, < "
           f"{TARGET_MS} ms")

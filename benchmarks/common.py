@@ -126,7 +126,8 @@ def model_config(a: argparse.Namespace) -> Any:
                        vocab_size=a.vocab, dtype=getattr(a, "dtype", "float32"))
 
 
-def print_table(headers: Sequence[str], rows: Iterable[Sequence[Any]], title: str | None = None) -> str:
+def print_table(headers: Sequence[str], rows: Iterable[Sequence[Any]],
+                title: str | None = None) -> str:
     """Print (and return) a plain-text table; floats get 3 significant digits."""
 
     def fmt(v: Any) -> str:

@@ -129,7 +129,9 @@ def run(cfg: dict, smoke: bool, checkpoint=lambda results: None, make_impls=gpu_
     # Limit: one contiguous device-to-device copy, read + write counted.
     src = jax.random.bits(jax.random.key(1), (cfg["limit_bytes"] // 2,), jnp.uint16)
     copy = jax.jit(jnp.copy)
-    limit_s = _interleaved({"copy": lambda: copy(src)}, max(cfg["iters"]), cfg["repeats"])["copy"]
+    # partial binds src now; a lambda would close over the name that `del src` removes below.
+    limit_s = _interleaved({"copy": functools.partial(copy, src)}, max(cfg["iters"]),
+                           cfg["repeats"])["copy"]
     limit = gbps(2 * src.nbytes, limit_s)
     print(f"limit: jnp.copy of {src.nbytes / 2**20:.0f} MiB: {limit:.1f} GB/s (read + write)",
           flush=True)
@@ -137,7 +139,8 @@ def run(cfg: dict, smoke: bool, checkpoint=lambda results: None, make_impls=gpu_
     # Dispatch floor: one tiny jitted call, timed the same way. Rows whose time is near it (16
     # pages move 64 MiB, ~15 us at HBM speed) measure the launch path, not the copy.
     tiny, bump = jnp.zeros((8,), jnp.int32), jax.jit(lambda x: x + 1)
-    floor_s = _interleaved({"floor": lambda: bump(tiny)}, max(cfg["iters"]), cfg["repeats"])["floor"]
+    floor_s = _interleaved({"floor": lambda: bump(tiny)}, max(cfg["iters"]),
+                           cfg["repeats"])["floor"]
     print(f"dispatch floor: {floor_s * 1e6:.1f} us per jitted call", flush=True)
     title = (f"page copies on {jax.devices()[0].device_kind}, page {page_bytes >> 10} KiB "
              f"(chunk {ps * H * D * 2 >> 10} KiB), pool {P} pages; limit {limit:.1f} GB/s; "
@@ -244,7 +247,7 @@ def main(argv=None) -> int:
         print(f"needs an sm_90+ NVIDIA GPU (found {jax.devices()[0]}); try --smoke")
         return 2
     cfg = SMOKE if args.smoke else FULL
-    config = {k: v for k, v in cfg.items()} | {"smoke": args.smoke}
+    config = dict(cfg) | {"smoke": args.smoke}
     t0 = time.perf_counter()
     if args.probe_only:
         write_json(args.json, "gpu_kernels_probe", config,

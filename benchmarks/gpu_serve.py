@@ -51,7 +51,8 @@ def main(argv=None) -> int:
               "(pass --allow-cpu to run anyway, or --tiny for the CPU-sized smoke run)",
               file=sys.stderr)
         return 2
-    return hicache_jax_main(["bench", "--engine", "batched", *(TINY_FLAGS if tiny else GPU_FLAGS), *argv])
+    return hicache_jax_main(["bench", "--engine", "batched", *(TINY_FLAGS if tiny else GPU_FLAGS),
+                             *argv])
 
 
 if __name__ == "__main__":

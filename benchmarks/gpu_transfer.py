@@ -130,9 +130,9 @@ def bench_layout(layout: str, sizes, repeats: int, memory_kind: str) -> tuple[li
         d_pad = jnp.asarray(d, jnp.int32)
         t = _median_rounds({
             "h2d": lim.h2d, "d2h": lim.d2h,
-            "backup": lambda: eng.backup(d, h).wait(),
-            "load": lambda: eng.load(h, d).wait(),
-            "gather": lambda: _gather(dev.array, d_pad).block_until_ready(),
+            "backup": lambda d=d, h=h: eng.backup(d, h).wait(),
+            "load": lambda d=d, h=h: eng.load(h, d).wait(),
+            "gather": lambda d_pad=d_pad: _gather(dev.array, d_pad).block_until_ready(),
         }, repeats if n >= 128 else 2 * repeats)
         med = {k: statistics.median(v) for k, v in t.items()}
         for kind, limit in (("backup", "d2h"), ("load", "h2d")):

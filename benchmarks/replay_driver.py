@@ -1,13 +1,13 @@
 """The one request flow of the benchmarks that replay a trace through HiCache, and their one
 ``--baseline REV``.
 
-Request flow: :func:`serve` serves one prompt (``match_prefix``, ``prepare``, ``load_back``, ``lock``,
-``alloc_pages``, ``insert``, ``flush``, ``unlock``, ``flush``); :func:`replay` serves every prompt
-of a :class:`Prompts` through a fresh cache, in order, optionally timing each call
-(:class:`PhaseClock`). It is the flow of :func:`hicache_jax.replay.driver.replay` (the same hit figures
-for the same inputs): the flush between ``insert`` and ``unlock`` lets clean_ahead's pass at the
-unlock see no load still in flight, the flush after it completes every transfer at the request
-boundary, and the cache's clock is a counter, so a replay is deterministic.
+Request flow: :func:`serve` serves one prompt (``match_prefix``, ``prepare``, ``load_back``,
+``lock``, ``alloc_pages``, ``insert``, ``flush``, ``unlock``, ``flush``); :func:`replay` serves
+every prompt of a :class:`Prompts` through a fresh cache, in order, optionally timing each call
+(:class:`PhaseClock`). It is the flow of :func:`hicache_jax.replay.driver.replay` (the same hit
+figures for the same inputs): the flush between ``insert`` and ``unlock`` lets clean_ahead's pass
+at the unlock see no load still in flight, the flush after it completes every transfer at the
+request boundary, and the cache's clock is a counter, so a replay is deterministic.
 
 Baseline: :func:`add_baseline_flags` gives a benchmark ``--baseline REV`` (alias ``--base``) and
 ``--no-baseline``; :class:`Trees` extracts ``hicache_jax/`` (and ``pallas_kernels/``) of REV

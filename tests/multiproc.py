@@ -54,7 +54,8 @@ def launch(scenario: str, n: int, *args: str, timeout: float = 60.0,
     """
     port, kill = launch_mod.free_port(), dict(kill or {})
     env = dict(launch_mod.local_env(), PYTHONPATH=str(ROOT))
-    logs = [tempfile.TemporaryFile("w+") for _ in range(n)]
+    # Each process's output, read and closed by _outcome() once it has ended.
+    logs = [tempfile.TemporaryFile("w+") for _ in range(n)]  # noqa: SIM115
     procs = launch_mod.spawn(
         lambda i: [sys.executable, str(WORKERS), scenario, str(i), str(n), str(port), *args],
         n, env=env, cwd=str(ROOT), stdout_of=lambda i: logs[i])

@@ -7,6 +7,7 @@ and prints ``RESULT <json>`` (an error is a result too: its type and message), t
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -128,7 +129,7 @@ def _workload(cache, seed: int, steps: int, check: bool = True, prefetch: bool =
     ps = cache.spec.page_size
     bases = [rng.integers(0, 1000, 6 * ps) for _ in range(4)]
     log = []
-    for step in range(steps):
+    for _ in range(steps):
         op = rng.choice(["serve"] * 6 + ["evict", "evict_host", "flush"])
         if op == "serve":
             base = bases[rng.integers(len(bases))][:ps * int(rng.integers(1, 7))]
@@ -327,10 +328,9 @@ def _leave(pid: int, n: int, missing: int | None) -> None:
         client.key_value_set(f"worker_done/{pid}", "1")
     else:
         for p in set(range(1, n)) - {missing}:
-            try:
+            # that one died or hangs: the launcher kills it
+            with contextlib.suppress(Exception):
                 client.blocking_key_value_get(f"worker_done/{p}", 5_000)
-            except Exception:  # that one died or hangs: the launcher kills it
-                pass
     os._exit(0)
 
 

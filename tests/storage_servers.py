@@ -36,7 +36,7 @@ def mooncake_dir() -> str | None:
     spec = importlib.util.find_spec("mooncake")
     if spec is None or not spec.submodule_search_locations:
         return None
-    return list(spec.submodule_search_locations)[0]
+    return next(iter(spec.submodule_search_locations))
 
 
 @functools.cache
@@ -106,7 +106,8 @@ class MooncakeServers:
         return servers
 
     def _popen(self, name: str, args: list[str]) -> subprocess.Popen:
-        log = open(os.path.join(self.logdir, f"{name}.log"), "ab")
+        # The server's log stays open while it runs; stop() closes it.
+        log = open(os.path.join(self.logdir, f"{name}.log"), "ab")  # noqa: SIM115
         self._logs.append(log)
         return subprocess.Popen([os.path.join(mooncake_dir(), name)] + args, stdout=log,
                                 stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)

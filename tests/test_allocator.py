@@ -55,7 +55,7 @@ def test_out_of_pages_changes_nothing():
 
 @pytest.mark.parametrize("n", [-1, True, 1.0, "2", None])
 def test_alloc_bad_count(n):
-    with pytest.raises(ValueError, match="^n="):
+    with pytest.raises(ValueError, match=r"^n="):
         PageAllocator(4).alloc(n)
 
 
@@ -95,7 +95,7 @@ def test_check_allocated_and_is_allocated():
     ids = a.alloc(3)
     got = a.check_allocated(np.array([2, 0], np.int64), "pages")
     assert got.dtype == np.int32 and got.tolist() == [2, 0]
-    with pytest.raises(HiCacheError, match="^pages: pool pages \\[4\\] are not allocated"):
+    with pytest.raises(HiCacheError, match=r"^pages: pool pages \[4\] are not allocated"):
         a.check_allocated([4], "pages")
     assert a.is_allocated([0, 3, 2]).tolist() == [True, False, True]
     a.free(ids)
@@ -124,9 +124,9 @@ def test_as_page_ids():
     assert src[0] == 3  # a copy
     assert as_page_ids([]).dtype == np.int32 and as_page_ids(range(3)).tolist() == [0, 1, 2]
     assert as_page_ids(np.array([5], np.uint64)).tolist() == [5]
-    with pytest.raises(ValueError, match="^ids must be 1-D"):
+    with pytest.raises(ValueError, match=r"^ids must be 1-D"):
         as_page_ids(3, "ids")
-    with pytest.raises(TypeError, match="^ids must hold integers, got dtype bool"):
+    with pytest.raises(TypeError, match=r"^ids must hold integers, got dtype bool"):
         as_page_ids([True], "ids")
     with pytest.raises(ValueError, match="beyond int32"):
         as_page_ids([2**31])

@@ -277,7 +277,7 @@ def test_all_locked_is_reported_not_spun(model):
     pages = ("device_free_pages", "device_caller_pages", "device_protected_pages",
              "device_cached_tokens")
     before = {k: eng.cache.stats()[k] for k in pages}
-    with pytest.raises(EngineStalledError, match="nothing is running.*6 owned by callers"):
+    with pytest.raises(EngineStalledError, match=r"nothing is running.*6 owned by callers"):
         eng.step()
     assert {k: eng.cache.stats()[k] for k in pages} == before and len(eng.waiting) == 1
     eng.cache.free_pages(held)
@@ -516,7 +516,8 @@ SPEC = KVSpec(num_layers=2, num_kv_heads=1, head_dim=4, dtype="float32", page_si
 
 def _filled(device=16, host=64, threshold=4, prompts=2):
     cache = HiCache(SPEC, HiCacheConfig(device_pages=device, host_pages=host,
-                                        write_policy="write_through", load_back_threshold=threshold))
+                                        write_policy="write_through",
+                                        load_back_threshold=threshold))
     rng = np.random.default_rng(0)
     toks, kv = [], []
     for i in range(prompts):

@@ -12,8 +12,8 @@ def test_bench_control_plane_runs_on_the_slice(tmp_path, monkeypatch, capsys):
     from benchmarks import bench_control_plane
     out = tmp_path / "cp.json"
     monkeypatch.setattr(sys, "argv", ["bench_control_plane", "--limit", "40", "--device-tokens",
-                                      "2e5", "--repeats", "1", "--inner", "2", "--no-base", "--flows",
-                                      "--json", str(out)])
+                                      "2e5", "--repeats", "1", "--inner", "2", "--no-base",
+                                      "--flows", "--json", str(out)])
     bench_control_plane.main()
     text = capsys.readouterr().out
     # the handle's phases, the primitives' (--flows), and the handle judged against them
@@ -31,7 +31,8 @@ def test_bench_control_plane_runs_on_the_slice(tmp_path, monkeypatch, capsys):
     for r in rows:  # the same calls through the handle and the primitives: the same figures
         if r["events"] == "off":
             assert r["primitives"]["flow"] == "primitives" and r["current"]["flow"] == "handle"
-            assert all(r["primitives"][k] == r["current"][k] for k in bench_control_plane.HIT_FIGURES)
+            assert all(r["primitives"][k] == r["current"][k]
+                       for k in bench_control_plane.HIT_FIGURES)
 
 
 def test_bench_control_plane_sweep_runs_on_the_slice(tmp_path, monkeypatch, capsys):

@@ -78,7 +78,7 @@ def test_bad_process_flags_are_usage_errors_before_anything_runs(flags, message,
 def test_the_batched_engine_runs_tensor_parallel_in_one_process(capsys):
     """Over this process's 4 devices (conftest): the batched engine's tokens equal the serial
     engine's, which runs the same sharded model."""
-    four = [f for f in TINY]
+    four = list(TINY)
     four[four.index("--kv-heads") + 1] = "4"
     four[four.index("--sessions") + 1] = "2"
     assert main(["bench", *four, "--engine", "batched", "--tensor-parallel",

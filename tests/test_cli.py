@@ -88,7 +88,8 @@ def test_bad_flags_exit_with_usage(argv, capsys):
 
 
 @pytest.mark.parametrize("flags,match", [
-    (["--sessions", "0"], "num_clients=0"), (["--heads", "3", "--kv-heads", "2"], "multiple of num_kv_heads"),
+    (["--sessions", "0"], "num_clients=0"),
+    (["--heads", "3", "--kv-heads", "2"], "multiple of num_kv_heads"),
     (["--chunk-size", "48"], "power of two"), (["--page-size", "0"], "page_size=0"),
     (["--weights", "/nonexistent.npz"], "does not exist"),
     (["--device-pages", "3"], "cannot hold the longest request"),

@@ -194,8 +194,10 @@ def _host_chain(cache, pages=(2, 2)):
 
 
 def test_the_cache_loads_or_recomputes_by_the_prefill_cost():
-    slow = make_cache(SPEC, write_policy="write_through", load_policy="cost", prefill_cost=lambda n, c: n * 1.0)
-    fast = make_cache(SPEC, write_policy="write_through", load_policy="cost", prefill_cost=lambda n, c: 0.0)
+    slow = make_cache(SPEC, write_policy="write_through", load_policy="cost",
+                      prefill_cost=lambda n, c: n * 1.0)
+    fast = make_cache(SPEC, write_policy="write_through", load_policy="cost",
+                      prefill_cost=lambda n, c: 0.0)
     # recompute is free for the fast one: no probe of its unmeasured link is worth its cost
     for cache, want in [(slow, 4 * PS), (fast, 0)]:
         toks = _host_chain(cache)
@@ -265,7 +267,7 @@ def test_a_fast_link_is_discovered_and_then_loaded():
     below recompute and every later plan loads the whole chain; the fit converges."""
     model = CostModel(page_bytes=1 << 20, page_size=16, prefill_cost=lambda n, c: 1e-5 * n)
     page_s = (1 << 20) / 25e9
-    spent, loaded = _run_link(model, page_s, requests=20)
+    _spent, loaded = _run_link(model, page_s, requests=20)
     assert loaded[0] == 16 and model.stats()["cost_probes"] == 1
     assert loaded[1:] == [8 * 512] * 19
     assert model.links["l2_l1"].bytes_per_s == pytest.approx(25e9, rel=0.05)
@@ -302,8 +304,8 @@ def test_a_probe_inside_a_node_splits_it_and_loads_one_page_on_an_injected_clock
 
 
 def test_max_load_tokens_loads_the_root_end_of_the_chain_with_its_bytes():
-    cache = make_cache(SPEC, write_policy="write_through", load_policy="cost", prefill_cost=lambda n, c: n * 1.0,
-                       max_load_tokens=2 * PS)
+    cache = make_cache(SPEC, write_policy="write_through", load_policy="cost",
+                       prefill_cost=lambda n, c: n * 1.0, max_load_tokens=2 * PS)
     kv = cached_on_host_only(cache, prompt(2 * PS))
     toks = _host_chain(cache, (2, 2))
     m = cache.load_back(cache.match_prefix(toks))
@@ -317,8 +319,9 @@ def test_max_load_tokens_loads_the_root_end_of_the_chain_with_its_bytes():
 
 
 def test_the_step_budget_bounds_a_batched_admission():
-    cache = make_cache(SPEC, write_policy="write_through", device_pages=32, host_pages=64, load_policy="cost",
-                       prefill_cost=lambda n, c: n * 1.0, load_step_budget_tokens=2 * PS)
+    cache = make_cache(SPEC, write_policy="write_through", device_pages=32, host_pages=64,
+                       load_policy="cost", prefill_cost=lambda n, c: n * 1.0,
+                       load_step_budget_tokens=2 * PS)
     a, b = prompt(2 * PS), prompt(2 * PS, start=1000)
     cached_on_host_only(cache, a)
     cached_on_host_only(cache, b)

@@ -1,4 +1,5 @@
-"""DevicePagePool: bit-exact round trips, donation, bounded compiles, validation, run(), sharding."""
+"""DevicePagePool: bit-exact round trips, donation, bounded compiles, validation, run(),
+sharding."""
 
 from __future__ import annotations
 
@@ -378,9 +379,9 @@ def test_run_reshards_a_wrongly_sharded_result():
     replicated = jax.jit(lambda p: (p + 1, None), donate_argnums=0,
                          out_shardings=(NamedSharding(mesh, PartitionSpec()), None))
     # A replicated output cannot reuse the sharded buffers: JAX warns, run() then raises.
-    with pytest.warns(UserWarning, match="donated buffers were not usable"):
-        with pytest.raises(ValueError, match="sharding"):
-            pool.run(replicated)
+    with (pytest.warns(UserWarning, match="donated buffers were not usable"),
+          pytest.raises(ValueError, match="sharding")):
+        pool.run(replicated)
     assert pool.array.sharding.is_equivalent_to(pool.sharding, 6)
     assert (pool_bits(pool) == 1).all()
 

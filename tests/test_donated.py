@@ -42,9 +42,9 @@ def test_a_wrongly_sharded_result_is_kept_moved_back_and_raises(kind):
     replicated = jax.jit(lambda p: (p + 1, None), donate_argnums=0,
                          out_shardings=(NamedSharding(mesh, PartitionSpec()), None))
     # A replicated output cannot reuse the sharded buffers: JAX warns, run() then raises.
-    with pytest.warns(UserWarning, match="donated buffers were not usable"):
-        with pytest.raises(ValueError, match=f"the {_name(pool)} with sharding .*out_shardings"):
-            pool.run(replicated)
+    with (pytest.warns(UserWarning, match="donated buffers were not usable"),
+          pytest.raises(ValueError, match=f"the {_name(pool)} with sharding .*out_shardings")):
+        pool.run(replicated)
     assert _array(pool).sharding.is_equivalent_to(placement, 6)
     assert (np.asarray(_array(pool)) == 1).all()  # the step ran once; its result is kept
     pool.run(jax.jit(lambda p: (p + 1, None), donate_argnums=0))  # and the pool still works
@@ -56,9 +56,9 @@ def test_a_result_in_another_memory_kind_is_moved_back():
     device = jax.devices()[0]
     to_device = jax.jit(lambda b: (b + 1, None), donate_argnums=0, out_shardings=(
         SingleDeviceSharding(device, memory_kind=device.default_memory().kind), None))
-    with pytest.warns(UserWarning, match="donated buffers were not usable"):
-        with pytest.raises(ValueError, match="memory_kind=device"):
-            pool.run(to_device)
+    with (pytest.warns(UserWarning, match="donated buffers were not usable"),
+          pytest.raises(ValueError, match="memory_kind=device")):
+        pool.run(to_device)
     assert pool.buffer.sharding.memory_kind == "pinned_host"
     assert (np.asarray(pool.buffer) == 1).all()
 

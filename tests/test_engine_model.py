@@ -1,6 +1,8 @@
 """The paged decoder against its dense reference: chunking, page sizes, mid-page starts, decode,
 the per-layer path, donation, poisoned pages, bounded compiles, weight files, bad input."""
 
+import itertools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -59,7 +61,7 @@ def test_chunked_prefill_matches_dense_reference(model, prompt, ref, page_size, 
     pool = _poisoned_pool(page_size)
     pages = _pages(-(-len(prompt) // page_size))
     bounds = [0, *splits, len(prompt)]
-    for a, b in zip(bounds[:-1], bounds[1:]):
+    for a, b in itertools.pairwise(bounds):
         logits = model.forward(pool, prompt[a:b], a, pages, min_bucket=16)
         np.testing.assert_allclose(np.asarray(logits), ref[b - 1], **TOL)
 
@@ -70,7 +72,8 @@ def test_decode_steps_match_reference_rows(model, prompt, ref):
     model.forward(pool, prompt[:30], 0, pages, min_bucket=16)
     for pos in range(30, len(prompt)):
         tok = jnp.asarray(prompt[pos:pos + 1])  # a device token, as the engine feeds it
-        np.testing.assert_allclose(np.asarray(model.forward(pool, tok, pos, pages)), ref[pos], **TOL)
+        np.testing.assert_allclose(np.asarray(model.forward(pool, tok, pos, pages)), ref[pos],
+                                   **TOL)
 
 
 @pytest.mark.parametrize("layerwise", [False, True])
@@ -278,7 +281,7 @@ def test_work_items_stop_at_each_rows_last_query():
     used = [10, 26, 2]
     chunks = [np.zeros(n, np.int32) for n in lens]
     _, _, _, groups, _, _ = pack(chunks, starts, pages, lens, used, ps, 99, key, rows)
-    (_, row, items, k0, sh, _), (_, drow, ditems, dk0, dsh, _) = groups
+    (_, row, items, k0, sh, _), (_, drow, ditems, _dk0, dsh, _) = groups
     assert sh.shape == dsh.shape == (0, 2)
     np.testing.assert_array_equal(row[:11], [0] * 2 + [1] * 4 + [2] * 5)
     np.testing.assert_array_equal(k0[:11], [0, 8, 0, 8, 16, 24, 0, 8, 16, 24, 32])

@@ -236,7 +236,7 @@ def test_every_consumer_agrees_with_the_caches_lookup(encoding, seed, l3_policy,
     media, applied, seen = set(), 0, {"device": 0, "host": 0}
     l3_removed = 0
     for upto, attached, answers in checks:
-        for _, (ts, events, rank) in batches[applied:upto]:
+        for _, (_ts, events, _rank) in batches[applied:upto]:
             for raw in events:
                 assert isinstance(raw, dict if encoding == "map" else list)
                 tag, ev = decode(raw)

@@ -186,10 +186,11 @@ def test_a_record_counts_the_whole_arrays_its_views_keep_alive():
     put(cache, np.arange(16))
     cache.match_prefix(np.arange(4))           # split: the child's key is a view of 16 tokens
     cache.evict(12)                            # write_back: the child's 3 pages to host
-    (_, _, (stored,)), (_, _, records) = cache._events._buffer
+    (_, _, (_stored,)), (_, _, records) = cache._events._buffer
     host = next(r for r in records if r.medium is Medium.HOST)
     assert host.tokens.shape == (12,) and held_bytes(host.tokens) == 16 * host.tokens.itemsize
-    assert record_bytes(host) == 16 * host.tokens.itemsize + held_bytes(host.hashes) + RECORD_OVERHEAD
+    assert record_bytes(host) == (16 * host.tokens.itemsize + held_bytes(host.hashes)
+                                  + RECORD_OVERHEAD)
     assert held_bytes(np.arange(4)) == 32 and held_bytes(np.arange(8)[2:4]) == 64
     assert held_bytes(np.frombuffer(bytes(80), np.int64)[:2]) == 80
 

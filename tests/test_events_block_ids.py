@@ -32,7 +32,8 @@ def cbor_by_hand(parent: bytes, tokens: tuple, extra) -> bytes:
     out = bytearray([0x83, 0x58, 32]) + parent
     out.append(0x80 | len(tokens))
     for t in tokens:
-        out += bytes([t]) if t < 24 else bytes([0x18, t]) if t < 256 else bytes([0x19]) + t.to_bytes(2, "big")
+        out += (bytes([t]) if t < 24 else bytes([0x18, t]) if t < 256
+                else bytes([0x19]) + t.to_bytes(2, "big"))
     out.append(0xF6)
     return bytes(out)
 
@@ -107,7 +108,8 @@ def test_removals_carry_the_same_ids_and_tiers_share_them():
     ev = cache.take_events()
     ids = [e.block_hash for e in stored]
     assert [(type(e), e.medium, e.block_hash) for e in ev] == (
-        [(BlockStored, Medium.HOST, h) for h in ids] + [(BlockRemoved, Medium.DEVICE, h) for h in ids])
+        [(BlockStored, Medium.HOST, h) for h in ids]
+        + [(BlockRemoved, Medium.DEVICE, h) for h in ids])
     cache.reset()
     cache.take_events()
     put(cache, np.arange(8))                       # the same tokens: the same ids after a reset

@@ -1,4 +1,5 @@
-"""Tests of hicache_jax/tree/eviction.py: priority keys, VictimHeap, and eviction order over a RadixTree."""
+"""Tests of hicache_jax/tree/eviction.py: priority keys, VictimHeap, and eviction order over a
+RadixTree."""
 
 from types import SimpleNamespace
 
@@ -87,7 +88,8 @@ def test_device_eviction_order(ps, policy, clock):
 @pytest.mark.parametrize("ps", PAGE_SIZES)
 @pytest.mark.parametrize("policy", list(EvictionPolicy))
 def test_host_eviction_order_and_lock(ps, policy, clock):
-    """Backed-up leaves evicted from device, then dropped from host in policy order; a lock holds one."""
+    """Backed-up leaves evicted from device, then dropped from host in policy order; a lock holds
+    one."""
     tree, nodes = _four_leaves(ps, clock)
     for i, node in enumerate(nodes.values()):
         tree.set_host_value(node, [10 + 2 * i, 11 + 2 * i])

@@ -84,7 +84,8 @@ def test_token_ids_held_as_int32_and_ids_beyond_refused():
     mine = cache.alloc_pages(2)
     for bad in ([2**31, 0, 1, 2], np.array([0, 1, 2**40, 3]), np.array([2**63] * 4, np.uint64)):
         before = snapshot(cache)
-        for call in (lambda: cache.match_prefix(bad), lambda: cache.insert(bad, mine)):
+        for call in (lambda bad=bad: cache.match_prefix(bad),
+                     lambda bad=bad: cache.insert(bad, mine)):
             with pytest.raises(ValueError, match="beyond int32"):
                 call()
         assert snapshot(cache) == before

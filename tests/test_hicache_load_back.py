@@ -131,7 +131,7 @@ def test_load_back_declined_for_lack_of_pages_returns_what_holds_the_prefix_now(
     assert cache.stats()["load_backs_declined"] == 1
     assert (r.device_len, r.host_len, r.device_pages.size) == (0, 8, 0)
     assert r.node == m.node
-    with pytest.raises(HiCacheError, match="stale Match.*match_prefix"):
+    with pytest.raises(HiCacheError, match=r"stale Match.*match_prefix"):
         cache.lock(m.node)
     cache.lock(r.node)               # what load_back returned is current
     cache.free_pages(other)

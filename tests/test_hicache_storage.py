@@ -131,7 +131,7 @@ def test_no_storage_is_unchanged_and_prefetch_is_none():
 
 
 def test_bad_input_raises_before_any_change(url, tmp_path):
-    toks, kv = _seed_store(url, 3, 4)
+    toks, _kv = _seed_store(url, 3, 4)
     cache = make(url)
     before, tree = cache.stats(), cache.tree.snapshot()
     with pytest.raises(ValueError, match="1-D"):
@@ -243,7 +243,7 @@ def test_timeout_keeps_what_landed_and_cancels_the_rest(url):
     s = l3(b)
     assert s["l3_prefetch_timeouts"] == 1
     assert (s["l3_prefetch_hit_pages"], s["l3_prefetch_missed_pages"]) == (2, 6)
-    host, dev, got = read_prefix(b, toks)
+    _host, dev, got = read_prefix(b, toks)
     assert dev == 2 * PS
     np.testing.assert_array_equal(got, bits32(kv[:, :, :2]))
     assert b.stats()["host_free_pages"] == 64 - 2  # cancelled pages went back
@@ -279,7 +279,7 @@ def test_prefetch_of_a_prompt_that_diverges_is_its_own(url):
     h2 = b.prefetch(q)
     assert h2 is not h1 and h2.pages_found == 6
     gate.set()
-    host, dev, got = read_prefix(b, q)
+    _host, dev, got = read_prefix(b, q)
     assert dev == 6 * PS
     np.testing.assert_array_equal(got, bits32(qkv))
     b.flush()
@@ -343,7 +343,7 @@ def test_prefetch_stopped_by_l3_is_shared_only_by_prompts_l3_stops_for_too(url):
 def test_chained_prefetch_gives_up_when_the_one_before_comes_up_short(url):
     """The rest of a prompt hangs below the pages of the prefetch before it: when those did
     not arrive, its pages are dropped (freed), never attached under a gap."""
-    toks, kv = _seed_store(url, 18, 6)
+    toks, _kv = _seed_store(url, 18, 6)
     b = make(url + "?batch_pages=1", prefetch_policy="best_effort")
     permits = _counted_gets(b, limit_s=0.5)
     h1 = b.prefetch(toks[:2 * PS])

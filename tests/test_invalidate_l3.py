@@ -129,7 +129,8 @@ def test_a_store_without_delete_prefix_moves_the_namespace_to_a_new_generation()
     assert cache.stats()["l3_invalidate_unreached"] == 1
     serve(cache, A, "t1")  # computed again: stored under the new generation, found again
     _to_l3_only(cache)
-    stored = [e for e in cache.take_events() if isinstance(e, BlockStored) and e.medium is Medium.L3]
+    stored = [e for e in cache.take_events()
+              if isinstance(e, BlockStored) and e.medium is Medium.L3]
     assert len(stored) == 4 and len(store._entries) == held + 4
     assert cache.lookup(A, "t1", l3=True)["l3"] == A.size
     cache.check_invariants()

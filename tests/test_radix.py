@@ -1,4 +1,5 @@
-"""Tests of hicache_jax/tree/radix.py: unit tests, bad input, and a state machine against a model."""
+"""Tests of hicache_jax/tree/radix.py: unit tests, bad input, and a state machine against a
+model."""
 
 import ast
 import hashlib
@@ -355,7 +356,8 @@ class TreeMachine(RuleBasedStateMachine):
         return np.asarray(toks + [3] * tail, np.int64)
 
     def keys(self, ek, toks):
-        return [(ek, tuple(toks[: (k + 1) * self.ps].tolist())) for k in range(len(toks) // self.ps)]
+        return [(ek, tuple(toks[: (k + 1) * self.ps].tolist()))
+                for k in range(len(toks) // self.ps)]
 
     def node_keys(self, node):
         path = self.tree.path_tokens(node)
@@ -472,8 +474,8 @@ class TreeMachine(RuleBasedStateMachine):
 
     @rule(data=st.data())
     def backup(self, data):
-        nodes = sorted((n for n in self.tree.nodes() if n.value is not None and n.host_value is None),
-                       key=lambda n: n.id)
+        nodes = sorted((n for n in self.tree.nodes()
+                        if n.value is not None and n.host_value is None), key=lambda n: n.id)
         if nodes:
             node = data.draw(st.sampled_from(nodes))
             ids = list(range(self.next_host, self.next_host + node.num_pages))
@@ -493,8 +495,8 @@ class TreeMachine(RuleBasedStateMachine):
 
     @rule(data=st.data())
     def load_back(self, data):
-        nodes = sorted((n for n in self.tree.nodes() if n.value is None and n.parent.value is not None),
-                       key=lambda n: n.id)
+        nodes = sorted((n for n in self.tree.nodes()
+                        if n.value is None and n.parent.value is not None), key=lambda n: n.id)
         if nodes:
             node = data.draw(st.sampled_from(nodes))
             ids = self.fresh_dev(node.num_pages)
@@ -575,7 +577,8 @@ def test_add_host_leaf_hangs_host_only_pages_and_validates(clock):
     # Same hashes as if the pages had been inserted on device under the same parent.
     other = RadixTree(4, clock=clock)
     other.insert(np.arange(16), [0, 1, 2, 3])
-    np.testing.assert_array_equal(other.match(np.arange(16)).node.page_hashes[-2:], leaf.page_hashes)
+    np.testing.assert_array_equal(other.match(np.arange(16)).node.page_hashes[-2:],
+                                  leaf.page_hashes)
     before = tree.snapshot()
     with pytest.raises(HiCacheError, match="already has a child"):
         tree.add_host_leaf(parent, np.arange(8, 12), [7])
@@ -638,7 +641,7 @@ def test_keys_are_int32_whatever_the_input_and_hash_as_int64(dtype):
                                     np.array([2**31] * 4, np.uint32),
                                     np.array([2**32] * 4, np.uint64)])
 def test_tokens_beyond_int32_refused_tree_unchanged(tokens):
-    t, node = _tree_with_content()
+    t, _node = _tree_with_content()
     before = t.snapshot()
     for call in (lambda: t.insert(tokens, [5]), lambda: t.match(tokens),
                  lambda: t.add_host_leaf(t.root, tokens, [9])):

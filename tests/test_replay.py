@@ -116,8 +116,8 @@ def test_spec_option():
         _spec("heads=8", 16)
     with pytest.raises(ValueError, match="'x' is not an int"):
         _spec("layers=x", 16)
-    with pytest.raises(ValueError, match="'page_size=8'.* one of layers, kv_heads, head_dim, "
-                                         "dtype, mla$"):
+    with pytest.raises(ValueError, match=r"'page_size=8'.* one of layers, kv_heads, head_dim, "
+                                         r"dtype, mla$"):
         _spec("page_size=8", 16)  # replay's page size is --page-size
 
 

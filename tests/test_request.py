@@ -71,7 +71,8 @@ def test_the_second_request_hits_and_reads_the_first_requests_bytes():
         req.finish(toks)
     with cache.begin(np.append(toks, [7, 7, 7, 7])) as req:
         assert req.cached_len == 12 and req.host_len_declined == 0
-        np.testing.assert_array_equal(np.asarray(cache.read_kv(req.device_pages)).view(kv.dtype), kv)
+        np.testing.assert_array_equal(
+            np.asarray(cache.read_kv(req.device_pages)).view(kv.dtype), kv)
         req.extend(4)
         req.finish(np.append(toks, [7, 7, 7, 7]))
     clean(cache)

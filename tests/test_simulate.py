@@ -25,8 +25,8 @@ def _trace(tmp_path, n=40, gap_ms=50):
 
 
 def _run(trace, regime, seed=0):
-    return simulate_all(trace, KVSpec.parse(None, TINY_SPEC, page_size=16), regime, device_pages=8, host_ratio=2.0,
-                        seed=seed)
+    return simulate_all(trace, KVSpec.parse(None, TINY_SPEC, page_size=16), regime, device_pages=8,
+                        host_ratio=2.0, seed=seed)
 
 
 def test_a_seed_gives_identical_results_and_another_seed_other_timings(tmp_path):
@@ -74,7 +74,8 @@ def test_a_bad_regime_or_policy_is_a_clear_error(tmp_path):
         Regime(l2_gbps=1, prefill_tokens_per_s=float("nan"), token_bytes=1)
     rg = Regime(l2_gbps=1, prefill_tokens_per_s=1, token_bytes=1)
     with pytest.raises(ValueError, match="policy"):
-        simulate(_trace(tmp_path), KVSpec.parse(None, TINY_SPEC, page_size=16), rg, "sometimes", device_pages=8)
+        simulate(_trace(tmp_path), KVSpec.parse(None, TINY_SPEC, page_size=16), rg, "sometimes",
+                 device_pages=8)
 
 
 def test_replay_simulate_prints_and_writes_json(tmp_path, capsys):

@@ -86,7 +86,7 @@ def test_kvspec_accepts_numpy_ints():
 
 @pytest.mark.parametrize("dtype", ["float64", "uint16", "fp8", "bf16", "float8_e5m2", 5])
 def test_kvspec_bad_dtype_names_the_field(dtype):
-    with pytest.raises((ValueError, TypeError), match="^dtype="):
+    with pytest.raises((ValueError, TypeError), match=r"^dtype="):
         KVSpec(1, 1, 1, dtype=dtype)
 
 
@@ -179,7 +179,8 @@ def test_config_mesh_axis():
     mesh = jax.make_mesh((2, 2), ("dp", "tp"), axis_types=(AxisType.Auto,) * 2)
     assert HiCacheConfig(4, mesh=mesh).shard_axis == "dp"
     assert HiCacheConfig(4, mesh=mesh, shard_axis="tp").shard_axis == "tp"
-    with pytest.raises(ValueError, match=r"^shard_axis='x' is not an axis of the mesh \('dp', 'tp'\)"):
+    with pytest.raises(ValueError,
+                       match=r"^shard_axis='x' is not an axis of the mesh \('dp', 'tp'\)"):
         HiCacheConfig(4, mesh=mesh, shard_axis="x")
 
 
@@ -209,13 +210,13 @@ def test_parse_fills_missing_keys_from_the_default():
 def test_parse_with_the_page_size_set_by_the_caller():
     assert KVSpec.parse(None, TINY, page_size=512) == dataclasses.replace(TINY, page_size=512)
     assert KVSpec.parse("layers=3", TINY, page_size=8).page_size == 8
-    with pytest.raises(ValueError, match="key one of layers, kv_heads, head_dim, dtype, mla$"):
+    with pytest.raises(ValueError, match=r"key one of layers, kv_heads, head_dim, dtype, mla$"):
         KVSpec.parse("page_size=4", TINY, page_size=8)  # not a key then
 
 
 @pytest.mark.parametrize("text, match", [
-    ("heads=8", r"--spec item 'heads=8': expected key=value with key one of layers, kv_heads, "
-                r"head_dim, dtype, page_size, mla"),
+    ("heads=8", (r"--spec item 'heads=8': expected key=value with key one of layers, kv_heads, "
+                 r"head_dim, dtype, page_size, mla")),
     ("layers", r"--spec item 'layers': expected key=value"),
     ("layers=x", r"--spec 'layers=x': 'x' is not an int"),
     ("page_size=1.5", r"--spec 'page_size=1.5': '1.5' is not an int"),
@@ -229,5 +230,5 @@ def test_parse_bad_field_names_it(text, match):
 
 
 def test_parse_names_the_flag():
-    with pytest.raises(ValueError, match="^--model-spec item 'x=1'"):
+    with pytest.raises(ValueError, match=r"^--model-spec item 'x=1'"):
         KVSpec.parse("x=1", TINY, page_size=1, flag="--model-spec")

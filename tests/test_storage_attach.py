@@ -41,7 +41,7 @@ def test_attach_then_detach_with_a_request_in_flight(tmp_path):
     assert st["storage_detach_finished_ops"] == finished
     assert isinstance(cache.l3, NullL3Tier) and cache.cfg.storage is None
     cache.check_invariants()
-    host, dev, got = L.read_prefix(cache, b)  # L1 / L2 still serve it, bytes intact
+    _host, dev, got = L.read_prefix(cache, b)  # L1 / L2 still serve it, bytes intact
     assert dev == b.size
     np.testing.assert_array_equal(got, L.bits32(kv_b))
     # what the store received serves another cache
@@ -71,7 +71,7 @@ def test_detach_finishes_a_prefetch_in_flight_and_keeps_its_pages(tmp_path):
     assert cache.detach_storage() == 1
     assert cache.lookup(toks)["host"] == toks.size  # landed and attached before the close
     cache.check_invariants()
-    host, dev, got = L.read_prefix(cache, toks)
+    _host, _dev, got = L.read_prefix(cache, toks)
     np.testing.assert_array_equal(got, L.bits32(kv))
     cache.close()
 
@@ -147,7 +147,7 @@ def test_zmq_l3_medium_follows_the_store_attached(tmp_path, monkeypatch):
     """``l3_medium="auto"``: a file:// store is announced as DISK, a store attached after it
     (here the example memory backend, not a file) as EXTERNAL; no batch is misnamed."""
     import pathlib
-    msgpack = pytest.importorskip("msgpack")
+    pytest.importorskip("msgpack")
     pytest.importorskip("zmq")
     from helpers import replay_all
     monkeypatch.syspath_prepend(str(pathlib.Path(__file__).parent.parent / "examples"))

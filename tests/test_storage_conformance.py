@@ -141,8 +141,8 @@ def test_file_backend_passes_in_one_and_in_two_processes(tmp_path):
     (Raises, "errors: exists raised RuntimeError"),
     (RaisesInside, "errors: put raised OSError: disk full inside the backend"),
     (KeepsDeleted, "delete: exists after delete: a deleted key is still there"),
-    (PrefixMissesAGeneration, "delete by prefix: an entry of the prefix is still there after "
-                              "delete_prefix"),
+    (PrefixMissesAGeneration, ("delete by prefix: an entry of the prefix is still there after "
+                               "delete_prefix")),
     (Unverified, "torn or foreign entry: a get of a truncated entry reported the page landed"),
     (Abandons, "close during work: a put in flight at close did not finish within 0.5 s"),
 ])
@@ -153,8 +153,8 @@ def test_broken_backends_fail_naming_the_behaviour(tmp_path, cls, words):
 
 
 def test_a_torn_page_under_a_racing_get_fails():
-    with pytest.raises(ConformanceError, match="put racing a get: a get racing a put: a get "
-                                               "reported page . landed whose bytes differ"):
+    with pytest.raises(ConformanceError, match=r"put racing a get: a get racing a put: a get "
+                                               r"reported page . landed whose bytes differ"):
         check(TornPuts)
 
 

@@ -55,13 +55,14 @@ def test_page_keys_are_namespaced_by_spec_and_extra_key():
         page_keys(SPEC, tokens, extra_key=("a", 1))
     with pytest.raises(ValueError, match="1-D"):
         page_keys(SPEC, np.zeros((2, 4), np.int64))
-    with pytest.raises(ValueError, match=">= 0|2\\*\\*63"):
+    with pytest.raises(ValueError, match=r">= 0|2\*\*63"):
         page_keys(SPEC, np.array([-1, 0, 0, 0]))
 
 
 @pytest.mark.parametrize("layout", ["page_first", "layer_first", ENTRY_ROWS])
 @pytest.mark.parametrize("dtype,page_size,mla", [("bfloat16", 4, False), ("float32", 1, False),
-                                                 ("float8_e4m3fn", 16, False), ("float16", 4, True)])
+                                                 ("float8_e4m3fn", 16, False),
+                                                 ("float16", 4, True)])
 def test_round_trip_bit_exact(root, layout, dtype, page_size, mla):
     spec = KVSpec(num_layers=3, num_kv_heads=1 if mla else 2, head_dim=8, dtype=dtype,
                   page_size=page_size, mla=mla)
@@ -144,7 +145,7 @@ def test_exists_and_misses(root):
 
 
 def test_write_once_keeps_first_value(root):
-    store, buf = open_file(root)
+    store, _buf = open_file(root)
     key = keys_for(1)
     store.put_from(key, [0]).wait(10)
     first = Path(store.path(key[0])).read_bytes()
@@ -256,7 +257,7 @@ def test_corrupt_or_truncated_entry_is_a_miss_and_is_removed(root, where, layout
 # ---- capacity / LRU ----------------------------------------------------------------------------
 def test_capacity_evicts_least_recently_used(root):
     entry = HEADER_BYTES + SPEC.page_bytes
-    store, buf = open_file(root, capacity_bytes=10 * entry)
+    store, _buf = open_file(root, capacity_bytes=10 * entry)
     keys = keys_for(14)
     store.put_from(keys[:8], np.arange(8)).wait(10)
     for i, k in enumerate(keys[:8]):  # make the age order explicit: key 0 oldest
@@ -301,7 +302,7 @@ def test_concurrent_instances_share_the_directory(root):
 
 # ---- faults, handles, validation ---------------------------------------------------------------
 def test_directory_gone_mid_run_gives_misses_and_dropped_puts(root):
-    store, buf = open_file(root)
+    store, _buf = open_file(root)
     keys = keys_for(4)
     store.put_from(keys[:2], [0, 1]).wait(10)
     shutil.rmtree(root)
@@ -311,7 +312,7 @@ def test_directory_gone_mid_run_gives_misses_and_dropped_puts(root):
 
 
 def test_handle_progress_cancel_and_timeout(root):
-    store, buf = open_file(root, batch_pages=1)
+    store, _buf = open_file(root, batch_pages=1)
     keys = keys_for(4)
     store.put_from(keys, np.arange(4)).wait(10)
     gate, entered = threading.Event(), threading.Event()
@@ -328,7 +329,7 @@ def test_handle_progress_cancel_and_timeout(root):
     with pytest.raises(TimeoutError, match="not done"):
         h.wait(0.01)
     with pytest.raises(StorageError, match="in flight"):
-        h.ok
+        _ = h.ok
     assert not h.done() and not h.landed().any()
     h.cancel()
     gate.set()
@@ -450,7 +451,7 @@ def temp_name(key):
 
 
 def test_stale_temp_files_are_removed_at_open(root):
-    store, _ = open_file(root)
+    _store, _ = open_file(root)
     tmp = Path(root, ".tmp")
     stale, fresh = tmp / temp_name(keys_for(1)[0]), tmp / temp_name(keys_for(1)[0])
     foreign = tmp / "leftover"  # aged too, but not a name the store writes: not its file
@@ -467,7 +468,8 @@ def run_isolated(code, root, timeout=120):
     """Run ``code`` in a fresh interpreter with the backend helpers: an operation that hangs
     there (a worker blocked for good keeps an interpreter from exiting) fails this test after
     ``timeout`` seconds instead of wedging the test run."""
-    prelude = (f"import os, stat, sys, numpy as np; sys.path.insert(0, {os.path.dirname(__file__)!r})\n"
+    prelude = (f"import os, stat, sys, numpy as np; "
+               f"sys.path.insert(0, {os.path.dirname(__file__)!r})\n"
                f"from storage_helpers import open_file, keys_for\nroot = {root!r}\n")
     try:
         proc = subprocess.run([sys.executable, "-c", prelude + code], capture_output=True,
@@ -503,7 +505,7 @@ s.close()
 
 
 def test_symlink_at_an_entry_path_is_not_followed(root, tmp_path):
-    store, buf = open_file(root)
+    store, _buf = open_file(root)
     keys = keys_for(3)
     assert store.put_from(keys, [0, 1, 2]).wait(10).all()
     path = store.path(keys[1])
@@ -521,7 +523,7 @@ def test_symlink_at_an_entry_path_is_not_followed(root, tmp_path):
 
 
 def test_directory_at_an_entry_path_is_a_miss_and_a_dropped_put(root):
-    store, buf = open_file(root)
+    store, _buf = open_file(root)
     keys = keys_for(3)
     assert store.put_from(keys, [0, 1, 2]).wait(10).all()
     path = store.path(keys[1])

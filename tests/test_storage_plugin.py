@@ -33,11 +33,13 @@ def test_python_url_loads_a_class_that_stores_and_loads(tmp_path):
 
 
 @pytest.mark.parametrize("url, error, words", [
-    ("python://no_such_module_xyz:Backend", ValueError, "cannot import module 'no_such_module_xyz'"),
+    ("python://no_such_module_xyz:Backend", ValueError,
+     "cannot import module 'no_such_module_xyz'"),
     ("python://hicache_jax.l3.storage.file:Nope", ValueError, "has no class 'Nope'"),
     ("python://hicache_jax.l3.storage.file", ValueError, "python://package.module:ClassName"),
     ("python://hicache_jax.l3.storage.format:HEADER_BYTES", TypeError, "is not a class"),
-    ("python://test_storage_plugin:NoGet", TypeError, "lacks protocol method(s) get_into, put_from"),
+    ("python://test_storage_plugin:NoGet", TypeError,
+     "lacks protocol method(s) get_into, put_from"),
 ])
 def test_python_url_errors_name_what_is_missing(url, error, words):
     buf = host_buffer(SPEC, "page_first")

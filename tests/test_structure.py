@@ -201,7 +201,8 @@ def test_the_layer_rule_finds_an_upward_import():
 # storage_helpers.py, l3_helpers.py, storage_servers.py or conftest.py), statically, inside a
 # function, by importlib, or in the code a test hands to a subprocess.
 TESTS = pathlib.Path(__file__).parent
-_CODE_IMPORT = re.compile(r"(?:^|[\s;(])(?:from\s+(test_\w+)(?:\.\w+)*\s+import|import\s+(test_\w+))")
+_CODE_IMPORT = re.compile(r"(?:^|[\s;(])"
+                          r"(?:from\s+(test_\w+)(?:\.\w+)*\s+import|import\s+(test_\w+))")
 
 
 def _test_module_imports(tree: ast.Module) -> list[tuple[int, str]]:

@@ -49,7 +49,7 @@ def test_trace_folders_of_the_environment_are_searched_first(tmp_path, monkeypat
 
 
 def test_unknown_trace_names_the_known_ones():
-    with pytest.raises(FileNotFoundError, match="'nope'.*mooncake_synthetic_1000"):
+    with pytest.raises(FileNotFoundError, match=r"'nope'.*mooncake_synthetic_1000"):
         study.load_trace("nope")
     with pytest.raises(TypeError, match="source=3"):
         study.load_trace(3)

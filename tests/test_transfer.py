@@ -126,7 +126,7 @@ def test_wait_layer_on_a_whole_load_waits_for_everything():
 
 def test_poll_returns_each_handle_once_in_completion_order():
     spec = SPEC
-    dev, host, eng = _setup(spec, "page_first")
+    _dev, _host, eng = _setup(spec, "page_first")
     handles = [eng.backup([i], [i]) for i in range(4)]
     handles.append(eng.load([0, 1], [6, 7], layerwise=True))
     assert eng.in_flight + len(eng._finished) == 5
@@ -232,7 +232,7 @@ class _PendingToken:
 def test_zero_page_transfer_completes_alone():
     """A zero-page transfer used to complete every transfer dispatched before it: done() and
     busy_host_pages() lied while a copy was still pending."""
-    dev, host, eng = _setup(SPEC)
+    _dev, _host, eng = _setup(SPEC)
     first = eng.backup([0, 1], [3, 4])
     first._tokens = [_PendingToken()]  # its copy is still running
     empty = eng.backup(np.zeros(0, np.int32), np.zeros(0, np.int32))
@@ -326,7 +326,7 @@ class _TwoProcesses:
 def test_with_a_group_only_an_agreeing_poll_applies_copies_in_flight():
     # Several processes: a poll that does not agree leaves landed copies in flight (safe: a
     # decision that needs them waits); the agreeing one applies them, in one agreement.
-    dev, host, eng = _setup(SPEC)
+    _dev, host, eng = _setup(SPEC)
     group = _TwoProcesses()
     eng.agree_with(group)
     assert eng.poll() == [] and group.tags == []  # nothing in flight: nothing to agree

@@ -34,7 +34,7 @@ def test_check_int_and_check_bool():
     assert check_int("n", np.int32(4), 1) == 4 and type(check_int("n", np.int32(4))) is int
     with pytest.raises(TypeError, match="n=True must be an int"):
         check_int("n", True)
-    with pytest.raises(TypeError, match="n=2.0 must be an int"):
+    with pytest.raises(TypeError, match=r"n=2\.0 must be an int"):
         check_int("n", 2.0)
     with pytest.raises(ValueError, match="n=0 must be >= 1"):
         check_int("n", 0, 1)
@@ -53,7 +53,7 @@ class _Color(str, enum.Enum):
 def test_parse_enum():
     assert parse_enum(_Color, "color", "red") is _Color.RED
     assert parse_enum(_Color, "color", _Color.BLUE) is _Color.BLUE
-    with pytest.raises(ValueError, match="^color='green' is not one of: 'red', 'blue'$"):
+    with pytest.raises(ValueError, match=r"^color='green' is not one of: 'red', 'blue'$"):
         parse_enum(_Color, "color", "green")
 
 

@@ -1,6 +1,7 @@
 """Workload generators: determinism, prompt structure per workload, infinite-cache hit ratio;
 arrival processes (closed loop, Poisson, Mooncake trace timestamps)."""
 
+import itertools
 import os
 
 import numpy as np
@@ -62,10 +63,10 @@ def test_agent_context_grows_every_step():
     wl = agent_loop(num_agents=2, num_steps=4, prompt_tokens=10, observation_tokens=5,
                     max_new_tokens=3, vocab_size=50)
     lengths = {}
-    for req, out in wl.run(_echo):
+    for req, _out in wl.run(_echo):
         lengths.setdefault(req.session, []).append(len(req.prompt))
     for seq in lengths.values():
-        assert all(b > a + 3 for a, b in zip(seq, seq[1:]))
+        assert all(b > a + 3 for a, b in itertools.pairwise(seq))
 
 
 def test_infinite_cache_hit_ratio_by_hand():
