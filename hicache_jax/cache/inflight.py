@@ -127,6 +127,7 @@ class InFlight:
         if node.value is None or node.backed_up or node in self._claimed:
             return None
         parent = node.parent
+        assert parent is not None  # a node of the tree, not its root
         if continuous_prefix and not (parent.parent is None or parent.backed_up
                                       or parent in self._claimed):
             return None
@@ -158,8 +159,8 @@ class InFlight:
                     lo += node.num_pages
                 self._claimed.update(todo)
                 return claims
-        claims = [self.claim_backup(node, False, take_host) for node in todo]
-        return [c for c in claims if c is not None]
+        each = [self.claim_backup(node, False, take_host) for node in todo]
+        return [c for c in each if c is not None]
 
     def claim_spare(self, nodes: list[TreeNode],
                     take: Callable[[int], np.ndarray | None]) -> list[Claim]:
