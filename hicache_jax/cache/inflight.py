@@ -10,8 +10,8 @@ eviction path frees a dirty node's device pages without waiting for its copy. Ho
 gives up while a copy into them is still in flight are *parked* here (the target of a copy in
 flight) and freed when it lands, so a host page never changes owner under a pending copy. The
 acknowledgement counts the copy's bytes and seconds (``stats()``). A load-back of host-only
-chains is dispatched in one transfer and acknowledged the same way (its node stays locked until then, the chains'
-device pages stop being "loading").
+chains is dispatched in one transfer and acknowledged the same way (its node stays locked
+until then, the chains' device pages stop being "loading").
 
 Order comes from the transfer engine's own queue: it completes transfers in dispatch order and
 ``poll()`` returns them in that order, so a parent's backup is acknowledged before its child's.

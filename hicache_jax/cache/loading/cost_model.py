@@ -608,7 +608,8 @@ class CostModel:
                 raise LookupError("no prefill samples yet")
             return t
         return np.array([self.prefill_seconds(n, c)
-                         for n, c in zip(np.asarray(n_new).tolist(), np.asarray(n_cached).tolist())],
+                         for n, c in zip(np.asarray(n_new).tolist(),
+                                         np.asarray(n_cached).tolist())],
                         np.float64)
 
     def _eviction_charge(self, pages: np.ndarray, free_pages: int) -> np.ndarray:
