@@ -8,9 +8,10 @@ every process, naming the first field that differs:
 - :func:`config_fields` at construction: the spec and every setting (pages, policies, the mesh's
   shape); a cache built differently on one process fails before any pool is built.
 - :class:`Agreement` (``HiCache.check_agreement()``, and at the start of every N-th public
-  call with ``HiCacheConfig.agreement_check_every``, before it changes anything): digests of the tree (its shape, each tier's pages,
-  locks, eviction keys), the device page owners, the host pages allocated, the transfers in
-  flight, and the counters (timings excluded: they are measured, not decided).
+  call with ``HiCacheConfig.agreement_check_every``, before it changes anything): digests of
+  the tree (its shape, each tier's pages, locks, eviction keys), the device page owners, the
+  host pages allocated, the transfers in flight, and the counters (timings excluded: they are
+  measured, not decided).
 
 Threading: the cache's thread only.
 """

@@ -370,15 +370,15 @@ class HiCache:
     @publishes  # clean_ahead's pass at unlock may give up host copies (BlockRemoved)
     def unlock(self, node: NodeRef) -> None:
         """Undo one :meth:`lock` of ``node``. ``HiCacheError`` if the caller holds none."""
-        node = check_node(self._tree, node)
-        held = self._caller_locks.get(node, 0)
+        tnode = check_node(self._tree, node)
+        held = self._caller_locks.get(tnode, 0)
         if held == 0:
-            raise HiCacheError(f"unlock of {node!r} without a matching lock")
-        self._tree.unlock(node)
+            raise HiCacheError(f"unlock of {tnode!r} without a matching lock")
+        self._tree.unlock(tnode)
         if held == 1:
-            del self._caller_locks[node]
+            del self._caller_locks[tnode]
         else:
-            self._caller_locks[node] = held - 1
+            self._caller_locks[tnode] = held - 1
         self._write.after_unlock()  # a request's end: its nodes are evictable again
 
     @publishes

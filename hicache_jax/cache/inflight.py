@@ -10,8 +10,8 @@ eviction path frees a dirty node's device pages without waiting for its copy. Ho
 gives up while a copy into them is still in flight are *parked* here (the target of a copy in
 flight) and freed when it lands, so a host page never changes owner under a pending copy. The
 acknowledgement counts the copy's bytes and seconds (``stats()``). A load-back of host-only
-chains is dispatched in one transfer and acknowledged the same way (its node stays locked until then, the chains'
-device pages stop being "loading").
+chains is dispatched in one transfer and acknowledged the same way (its node stays locked
+until then, the chains' device pages stop being "loading").
 
 Order comes from the transfer engine's own queue: it completes transfers in dispatch order and
 ``poll()`` returns them in that order, so a parent's backup is acknowledged before its child's.
@@ -127,6 +127,7 @@ class InFlight:
         if node.value is None or node.backed_up or node in self._claimed:
             return None
         parent = node.parent
+        assert parent is not None  # a node of the tree, not its root
         if continuous_prefix and not (parent.parent is None or parent.backed_up
                                       or parent in self._claimed):
             return None
@@ -158,8 +159,8 @@ class InFlight:
                     lo += node.num_pages
                 self._claimed.update(todo)
                 return claims
-        claims = [self.claim_backup(node, False, take_host) for node in todo]
-        return [c for c in claims if c is not None]
+        each = [self.claim_backup(node, False, take_host) for node in todo]
+        return [c for c in each if c is not None]
 
     def claim_spare(self, nodes: list[TreeNode],
                     take: Callable[[int], np.ndarray | None]) -> list[Claim]:

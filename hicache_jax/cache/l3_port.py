@@ -107,8 +107,10 @@ class CacheL3Port:
             del self._locks[node]
 
     def reserve_host_pages(self, n: int) -> np.ndarray:
+        source = self._host_pages
+        assert source is not None  # bound by the cache before any L3 call
         try:
-            ids = self._host_pages.take_host(n)
+            ids = source.take_host(n)
         except OutOfPagesError:  # what is free: a prefetch of fewer pages
             alloc = self._host.allocator
             ids = alloc.alloc(min(n, alloc.num_free))

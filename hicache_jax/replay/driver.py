@@ -21,9 +21,11 @@ eviction depends on timing), so the replay calls ``cache.flush()`` after every r
 transfers complete at request boundaries. It also flushes before ``finish`` (insert, then unlock):
 clean_ahead's pass runs at the unlock and would see which nodes a load still in flight holds
 locked. The cache gets a virtual clock (a counter that advances at every reading), so eviction
-order depends on the order of calls, never on wall time. Only ``wall_s`` and ``requests_per_s`` (:data:`TIMING_FIELDS`) vary between runs.
+order depends on the order of calls, never on wall time. Only ``wall_s`` and
+``requests_per_s`` (:data:`TIMING_FIELDS`) vary between runs.
 
-References: :class:`~hicache_jax.replay.block_lru.BlockLRU` of L1's, L1 + L2's and infinite capacity.
+References: :class:`~hicache_jax.replay.block_lru.BlockLRU` of L1's, L1 + L2's and infinite
+capacity.
 Hits of HiCache and of the references count whole pages only.
 
 Threading: a replay builds, owns and closes its caches on the calling thread.

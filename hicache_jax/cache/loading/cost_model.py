@@ -312,7 +312,8 @@ class Decision:
                  prefill: Callable[[int, int], float], read_s: float = 0.0) -> None:
         self.load_s, self.nbytes, self.cached_after = load_s, nbytes, cached_after
         self.prefill, self.read_s = prefill, read_s
-        self.load_actual, self.read_actual = (0.0 if nbytes == 0 else None), None
+        self.load_actual: float | None = 0.0 if nbytes == 0 else None
+        self.read_actual: float | None = None
 
 
 class Fetch(NamedTuple):
@@ -602,11 +603,13 @@ class CostModel:
         LookupError (no figure) or the callable's error."""
         fit = self.prefill_fit if self.prefill_cost is None else None
         if fit is not None:
-            if fit.coef is None:
+            t = fit.predict_many(n_new, n_cached)
+            if t is None:
                 raise LookupError("no prefill samples yet")
-            return fit.predict_many(n_new, n_cached)
+            return t
         return np.array([self.prefill_seconds(n, c)
-                         for n, c in zip(np.asarray(n_new).tolist(), np.asarray(n_cached).tolist())],
+                         for n, c in zip(np.asarray(n_new).tolist(),
+                                         np.asarray(n_cached).tolist())],
                         np.float64)
 
     def _eviction_charge(self, pages: np.ndarray, free_pages: int) -> np.ndarray:

@@ -131,7 +131,9 @@ class CostRule:
                         self.tree.trim_tail(node, tail)
                     except HiCacheError:
                         return i
-                    chain.insert(i, node.parent)
+                    head = node.parent  # the split's head, now node's parent
+                    assert head is not None
+                    chain.insert(i, head)
                     return i + 1
                 return i
             cum += node.num_tokens
