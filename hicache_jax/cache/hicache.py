@@ -104,6 +104,7 @@ class HiCache:
         self._tree = RadixTree(spec.page_size, clock)
         self._device = DevicePagePool(spec, cfg.device_pages, mesh=cfg.mesh, axis=cfg.shard_axis,
                                       copy_backend=cfg.copy_backend, huge_pages=cfg.huge_pages)
+        assert cfg.host_pages is not None  # HiCacheConfig.__post_init__ resolves it
         self._host = HostPagePool(spec, cfg.host_pages, layout=cfg.host_layout, mesh=cfg.mesh,
                                   axis=cfg.shard_axis, huge_pages=cfg.huge_pages)
         self._engine = transfer_engine(self._device, self._host)
@@ -118,6 +119,7 @@ class HiCache:
         self._l3 = L3Slot(open_l3(self._port, self._host.local_spec, cfg), collections.Counter())
         # Last, so that nothing stays bound when anything above raises. Off: NullRecorder.
         try:
+            assert not isinstance(cfg.kv_events, (dict, str))  # parsed by HiCacheConfig
             self._events = make_recorder(cfg.kv_events, cfg.storage)
         except BaseException:  # e.g. a port in use: release the L3 backend opened above
             self._l3.close()
@@ -141,6 +143,7 @@ class HiCache:
                             else None)
         self._flight = InFlight(self.spec, tree, self._engine, dev, host, self._owner, events,
                                 self._n, self._l3.on_backup, self._cost)
+        assert cfg.host_pages is not None  # HiCacheConfig.__post_init__ resolves it
         self._pins = Pins(tree, self._port.clock, cfg.pin_max_share, cfg.device_pages,
                           cfg.host_pages)
         self._complete = Completion(self._engine, self._flight, self._l3, self._pins.expire,

@@ -184,7 +184,10 @@ class InFlight:
         if not claims:
             return None
         self._claimed.clear()
-        device_ids = [node.value.copy() for node, _ in claims]
+        device_ids = []
+        for node, _ in claims:
+            assert node.value is not None  # a backup claim is of a device-resident node
+            device_ids.append(node.value.copy())
         ops = self._ops_for(TransferKind.BACKUP,
                             [(node, ids, h) for (node, h), ids in zip(claims, device_ids)])
         try:

@@ -74,13 +74,15 @@ def _check_nodes(tree: RadixTree, nodes: list[TreeNode], holders: list[tuple[Tre
             node = node.parent
     evictable = tree.evictable_device
     for n in nodes:
+        parent = n.parent
+        assert parent is not None  # the tree's non-root nodes
         if n.value is None and n.host_value is None:
             raise HiCacheError(f"invariant: {n!r} holds no pages")
         if n.lock_ref != expected[n]:
             raise HiCacheError(f"invariant: {n!r} lock_ref {n.lock_ref} != {expected[n]} "
                                "(caller locks + transfers in flight + L3 prefetches + device pins)")
         if continuous and n.host_value is not None and not (
-                n.parent.parent is None or n.parent.host_value is not None):
+                parent.parent is None or parent.host_value is not None):
             raise HiCacheError(f"invariant: {n!r} is backed up under a parent that is not "
                                "(gap in the host prefix)")
         dev_child = any(c.value is not None for c in n.children.values())

@@ -95,8 +95,9 @@ def is_stale(ref: NodeRef) -> bool:
 
 def path_pages(node: TreeNode) -> np.ndarray:
     """int32 device pages of the path ending at ``node`` (all device-resident), root first."""
-    parts = []
+    parts: list[np.ndarray] = []
     while node.parent is not None:
+        assert node.value is not None  # the path is device-resident
         parts.append(node.value)
         node = node.parent
     return np.concatenate(parts[::-1]).astype(np.int32) if parts else np.zeros(0, np.int32)

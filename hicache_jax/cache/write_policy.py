@@ -300,13 +300,14 @@ LOOK_AHEAD = 4
 def _cut(order: list[TreeNode], pages: int, ahead: int) -> tuple[list, list]:
     """``order`` (eviction order over ``pages + ahead`` pages) split into the nodes that cover
     ``pages`` and the whole nodes of the next ``ahead`` pages after them."""
-    got = 0
-    for i, node in enumerate(order):
+    got = taken = 0
+    for node in order:
         got += node.num_pages
+        taken += 1
         if got >= pages:
             break
-    head, extra, room = order[:i + 1], [], pages + ahead - got
-    for node in order[i + 1:]:
+    head, extra, room = order[:taken], [], pages + ahead - got
+    for node in order[taken:]:
         if node.num_pages > room:
             break
         room -= node.num_pages
@@ -328,4 +329,6 @@ def make_write_policy(ctx: WriteContext) -> WriteStrategy:
     would fail there, and clean_ahead would still sort the eviction end at every unlock."""
     if ctx.cfg.host_pages == 0:
         return WriteStrategy(ctx)
-    return _STRATEGIES[ctx.cfg.write_policy](ctx)
+    policy = ctx.cfg.write_policy
+    assert isinstance(policy, WritePolicy)  # parsed by HiCacheConfig
+    return _STRATEGIES[policy](ctx)

@@ -122,6 +122,12 @@ def replay(trace: Trace, spec: KVSpec, cfg: HiCacheConfig, *, progress: Progress
     }
 
 
+def _l1_l2_pages(cfg: HiCacheConfig) -> int:
+    """Pages of L1 and L2 together (the capacity of the LRU reference beside a cache)."""
+    assert cfg.host_pages is not None  # HiCacheConfig.__post_init__ resolves it
+    return cfg.device_pages + cfg.host_pages
+
+
 class _Diagnosis:
     """Where a cache loses against an LRU of L1 + L2 pages, sampled after every request (the
     cache at rest): the pages that LRU hits and the cache does not (and the reverse), and the
@@ -130,7 +136,7 @@ class _Diagnosis:
 
     def __init__(self, cache: HiCache, cfg: HiCacheConfig) -> None:
         self.cache, self.cfg, self.seconds = cache, cfg, 0.0
-        self.lru = BlockLRU(cfg.device_pages + cfg.host_pages)
+        self.lru = BlockLRU(_l1_l2_pages(cfg))
         self.keys = PageKeys(cache.spec.page_size)
         self.sums = dict.fromkeys(("lost", "gained", "l1_free", "l2_free", "l2_redundant"), 0)
         self.n = 0
@@ -142,7 +148,7 @@ class _Diagnosis:
         s["lost"] += max(0, ref - hit_pages)
         s["gained"] += max(0, hit_pages - ref)
         s["l1_free"] += self.cfg.device_pages - tree.device_tokens // ps
-        s["l2_free"] += self.cfg.host_pages - tree.host_tokens // ps
+        s["l2_free"] += _l1_l2_pages(self.cfg) - self.cfg.device_pages - tree.host_tokens // ps
         s["l2_redundant"] += tree.redundant_tokens // ps
         self.n += 1
         self.seconds += time.perf_counter() - t0
@@ -208,7 +214,7 @@ def run(trace: Trace, spec: KVSpec, *, device_pages: Sequence[int], host_ratio: 
                           eviction=e, load_back_threshold=load_back_threshold)
             for d in device_pages for w in write_policies for e in evictions]
     ps = spec.page_size
-    caps = {None} | {c.device_pages for c in cfgs} | {c.device_pages + c.host_pages for c in cfgs}
+    caps = {None} | {c.device_pages for c in cfgs} | {_l1_l2_pages(c) for c in cfgs}
     hits, distinct = reference_hits(trace, ps, caps)
     prompt = trace.num_tokens
     ratio = {c: h / prompt if prompt else 0.0 for c, h in hits.items()}
@@ -217,7 +223,7 @@ def run(trace: Trace, spec: KVSpec, *, device_pages: Sequence[int], host_ratio: 
         desc = (f"[{i + 1}/{len(cfgs)}] {_label(cfg.write_policy)}/{_label(cfg.eviction)} "
                 f"L1 {cfg.device_pages}")
         r = replay(trace, spec, cfg, progress=progress, desc=desc, diagnose=diagnose)
-        refs = {"infinite": ratio[None], "lru_total": ratio[cfg.device_pages + cfg.host_pages],
+        refs = {"infinite": ratio[None], "lru_total": ratio[_l1_l2_pages(cfg)],
                 "lru_l1": ratio[cfg.device_pages]}
         for name, ref in refs.items():
             r[f"{name}_hit_ratio"] = ref

@@ -115,6 +115,7 @@ class Control:
         self._complete(attach=True)
         held = [n for n in self._tree.nodes() if n.host_value is not None]
         self._l3.attach(self._port, self._host.local_spec, cfg, held)
+        assert not isinstance(cfg.kv_events, (dict, str))  # parsed by HiCacheConfig
         self._events.l3_attached(l3_wire_medium(cfg.kv_events, url))
         return cfg
 

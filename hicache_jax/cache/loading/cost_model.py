@@ -224,7 +224,8 @@ def _nnls(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     """``argmin |a x - b|`` over ``x >= 0``, exact for a few columns: the optimum is the
     least-squares solution on its support, so the best non-negative one over the column subsets,
     all first (clamping an unconstrained solution keeps the others' compensation for it)."""
-    n, best, best_r = a.shape[1], np.zeros(a.shape[1]), float(b @ b)
+    n, best_r = a.shape[1], float(b @ b)
+    best: np.ndarray = np.zeros(n)
     for mask in range((1 << n) - 1, 0, -1):
         cols = [i for i in range(n) if mask >> i & 1]
         x = np.linalg.lstsq(a[:, cols], b, rcond=None)[0]
@@ -278,6 +279,7 @@ class PrefillFit:
             w = 1.0 / np.maximum(y, 1e-12)[:, None]  # relative errors: a stall weighs <= 1
             if self.half_life:  # the machine's speed drifts: recent samples weigh more
                 w = w * 0.5 ** (np.arange(y.size - 1, -1, -1) / self.half_life)[:, None]
+            coef = np.zeros(a.shape[1])
             for _ in range(3):  # least squares, then again without the outliers it exposes
                 coef = _nnls((a / scale * w)[keep], (y * w[:, 0])[keep])
                 rel = np.abs(a / scale @ coef - y) / np.maximum(y, 1e-12)
@@ -450,11 +452,15 @@ class CostModel:
             prefill = float((f or d).prefill(int(n_new), int(n_cached)))
         except Exception:  # the serving stack's callable: no prediction to compare
             return
-        rec = (DecisionRecord(int(n_new), int(n_cached), d.load_s, d.load_actual, prefill,
+        # measured before they wait here: the load when acknowledged (0.0 when it loaded
+        # nothing), the fetch's read when it landed
+        load_actual, read_actual = d.load_actual, 0.0 if f is None else f.read_actual
+        assert load_actual is not None and read_actual is not None
+        rec = (DecisionRecord(int(n_new), int(n_cached), d.load_s, load_actual, prefill,
                               float(seconds), self.prefill_fit.samples - 1) if f is None else
-               DecisionRecord(int(n_new), int(n_cached), f.load_s - f.read_s, d.load_actual,
+               DecisionRecord(int(n_new), int(n_cached), f.load_s - f.read_s, load_actual,
                               prefill, float(seconds), self.prefill_fit.samples - 1,
-                              f.read_s, f.read_actual))
+                              f.read_s, read_actual))
         if rec.actual > 0 and math.isfinite(rec.pred):
             self.n["cost_decision_records"] += 1
             self.records.append(rec)

@@ -137,6 +137,7 @@ def load_chains(tree: RadixTree, resolved: list[tuple[Match, TreeNode]], *, rule
     accepted, declined = take_chains(tree, [node for _, node in resolved], rule=rule,
                                      page_size=page_size, take=take)
     counters["load_backs_declined"] += declined
+    loaded, handle = np.zeros(0, np.int32), None
     if accepted:
         loaded = np.concatenate([ids for _, _, ids in accepted])
         handle = load([(n, c) for n, c, _ in accepted], loaded, layerwise)
