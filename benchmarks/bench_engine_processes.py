@@ -31,8 +31,19 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 #: the chat workload at a size that runs in minutes at 4 processes on 2 cores; 4 kv heads and
 #: an FFN width divisible by every process count measured
-BENCH = ["--quiet", "--sessions", "4", "--turns", "3", "--kv-heads", "4",
-         "--max-new-tokens", "8", "--policy", "write_through"]
+BENCH = [
+    "--quiet",
+    "--sessions",
+    "4",
+    "--turns",
+    "3",
+    "--kv-heads",
+    "4",
+    "--max-new-tokens",
+    "8",
+    "--policy",
+    "write_through",
+]
 TIMINGS = ("ttft_p50_ms", "ttft_p90_ms", "tokens_per_s", "wall_s")
 
 
@@ -40,11 +51,21 @@ def run(flags: list[str], devices: int) -> tuple[dict, float]:
     """One ``hicache-jax bench`` with ``flags``, this process's devices ``devices``: its JSON and
     wall seconds."""
     path = tempfile.mktemp(suffix=".json")
-    env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu",
-               XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
+    env = dict(
+        os.environ,
+        PYTHONPATH=ROOT,
+        JAX_PLATFORMS="cpu",
+        XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
+    )
     t0 = time.perf_counter()
-    subprocess.run([sys.executable, "-m", "hicache_jax", "bench", *flags, "--json", path],
-                   env=env, cwd=ROOT, check=True, stdout=subprocess.DEVNULL, timeout=1800)
+    subprocess.run(
+        [sys.executable, "-m", "hicache_jax", "bench", *flags, "--json", path],
+        env=env,
+        cwd=ROOT,
+        check=True,
+        stdout=subprocess.DEVNULL,
+        timeout=1800,
+    )
     wall = time.perf_counter() - t0
     with open(path) as f:
         data = json.load(f)
@@ -75,9 +96,11 @@ def main() -> None:
         refs[n], wall = run(flags + ["--tensor-parallel"], n)
         runs[f"1 process, {n} devices TP"] = (refs[n], wall)
     base = runs["1 process, 1 device"][0]
-    print(f"{'run':<26} {'procs':>5} {'devs':>4} {'tokens = 1p':>11} {'figures = 1p':>12} "
-          f"{'logits = 1p':>11} {'logits = TP ref':>15} {'hicache tok/s':>13} {'x 1p':>6} "
-          f"{'wall s':>7}")
+    print(
+        f"{'run':<26} {'procs':>5} {'devs':>4} {'tokens = 1p':>11} {'figures = 1p':>12} "
+        f"{'logits = 1p':>11} {'logits = TP ref':>15} {'hicache tok/s':>13} {'x 1p':>6} "
+        f"{'wall s':>7}"
+    )
     ok, rows = True, {}
     for name, (d, wall) in runs.items():
         env = d["env"]
@@ -85,20 +108,34 @@ def main() -> None:
         tokens, figures = d["outputs"] == base["outputs"], _figures(d) == _figures(base)
         logits = d["first_logits_sha256"] == base["first_logits_sha256"]
         ref = refs.get(env["device_count"])
-        same_prog = "-" if ref is None else ("yes" if d["first_logits_sha256"] ==
-                                             ref["first_logits_sha256"] else "no")
+        same_prog = (
+            "-"
+            if ref is None
+            else ("yes" if d["first_logits_sha256"] == ref["first_logits_sha256"] else "no")
+        )
         tps = d["summary"]["hicache"]["tokens_per_s"]
         ratio = tps / base["summary"]["hicache"]["tokens_per_s"]
         ok &= tokens and figures and d["outputs_identical"]  # logits: reported, not judged
-        print(f"{name:<26} {n:>5} {env['device_count']:>4} {'yes' if tokens else 'NO':>11} "
-              f"{'yes' if figures else 'NO':>12} {'yes' if logits else 'no':>11} {same_prog:>15} "
-              f"{tps:>13.0f} {ratio:>5.2f}x {wall:>7.1f}")
-        rows[name] = {"processes": n, "devices": env["device_count"], "tokens_equal": tokens,
-                      "figures_equal": figures, "logits_equal_unsharded": logits,
-                      "logits_equal_same_program": same_prog, "hicache_tokens_per_s": tps,
-                      "wall_s": wall, "summary": d["summary"]}
-    print(f"tokens and hit/transfer figures identical to one process in every run: "
-          f"{'yes' if ok else 'NO'}")
+        print(
+            f"{name:<26} {n:>5} {env['device_count']:>4} {'yes' if tokens else 'NO':>11} "
+            f"{'yes' if figures else 'NO':>12} {'yes' if logits else 'no':>11} {same_prog:>15} "
+            f"{tps:>13.0f} {ratio:>5.2f}x {wall:>7.1f}"
+        )
+        rows[name] = {
+            "processes": n,
+            "devices": env["device_count"],
+            "tokens_equal": tokens,
+            "figures_equal": figures,
+            "logits_equal_unsharded": logits,
+            "logits_equal_same_program": same_prog,
+            "hicache_tokens_per_s": tps,
+            "wall_s": wall,
+            "summary": d["summary"],
+        }
+    print(
+        f"tokens and hit/transfer figures identical to one process in every run: "
+        f"{'yes' if ok else 'NO'}"
+    )
     write_json(args.json, "bench_engine_processes", {"bench_flags": flags, **vars(args)}, rows)
     if not ok:
         raise SystemExit(1)

@@ -88,6 +88,7 @@ def _time_publisher_thread() -> list:
             run(self)
         finally:
             spent.append(time.thread_time())
+
     _Publisher._run = timed
     return spent
 
@@ -113,16 +114,23 @@ def run_mode(mode: str, prompts, spec, device_pages: int) -> dict:
         if drain is not None:
             drain.close()
     n = len(prompts)
-    cpu = {"main": time.thread_time() - main0, "process": time.process_time() - proc0,
-           "publisher": sum(publisher) if publisher else None,
-           "subscriber": drain.cpu_s if drain is not None else None}
+    cpu = {
+        "main": time.thread_time() - main0,
+        "process": time.process_time() - proc0,
+        "publisher": sum(publisher) if publisher else None,
+        "subscriber": drain.cpu_s if drain is not None else None,
+    }
     # The rest: libzmq's I/O thread, XLA's threads (and the GC of pyzmq, jax's ...).
     cpu["other"] = cpu["process"] - sum(v or 0.0 for k, v in cpu.items() if k != "process")
     # CPU us a request: the whole replay() call (the cache's construction and close too).
-    return {"requests_per_s": r["requests_per_s"], "wall_s": r["wall_s"],
-            "hit_ratio": r["hit_ratio"], "hit_tokens": r["hit_tokens"],
-            "received_batches": None if drain is None else drain.batches,
-            "cpu_us_per_request": {k: None if v is None else v / n * 1e6 for k, v in cpu.items()}}
+    return {
+        "requests_per_s": r["requests_per_s"],
+        "wall_s": r["wall_s"],
+        "hit_ratio": r["hit_ratio"],
+        "hit_tokens": r["hit_tokens"],
+        "received_batches": None if drain is None else drain.batches,
+        "cpu_us_per_request": {k: None if v is None else v / n * 1e6 for k, v in cpu.items()},
+    }
 
 
 def worker(p: dict) -> dict:
@@ -133,6 +141,7 @@ def worker(p: dict) -> dict:
     run_mode("off", prompts, spec, p["device_pages"])  # warm-up: jit compiles, page-in
     import msgspec  # noqa: F401  (imported by the zmq publisher: not in the timed CPU)
     import zmq  # noqa: F401
+
     r = run_mode(p["mode"], prompts, spec, p["device_pages"])
     return r | {"device_pages": p["device_pages"], "requests": len(prompts)}
 
@@ -156,17 +165,24 @@ def main() -> None:
     from hicache_jax.replay.trace import load_trace
 
     trace = load_trace(args.trace, block_size=args.block_size, limit=args.limit)
-    with tempfile.TemporaryDirectory(prefix="bench_events_") as tmp, \
-            rd.Trees(args.baseline) as trees:
+    with (
+        tempfile.TemporaryDirectory(prefix="bench_events_") as tmp,
+        rd.Trees(args.baseline) as trees,
+    ):
         path = os.path.join(tmp, "prompts.npz")
         rd.save_prompts(rd.Prompts.from_trace(trace), path)
-        payload = {"prompts": path, "block_size": args.block_size,
-                   "device_pages": default_device_pages(trace, args.block_size)}
+        payload = {
+            "prompts": path,
+            "block_size": args.block_size,
+            "device_pages": default_device_pages(trace, args.block_size),
+        }
         runs: dict = {t.label: {m: [] for m in MODES} for t in trees}
-        for _, mode, tree in ((r, m, t) for r in range(args.repeats) for m in MODES
-                              for t in trees):  # interleaved: drifts hit every row
-            runs[tree.label][mode].append(rd.run_worker(tree, "bench_events",
-                                                        payload | {"mode": mode}))
+        for _, mode, tree in (
+            (r, m, t) for r in range(args.repeats) for m in MODES for t in trees
+        ):  # interleaved: drifts hit every row
+            runs[tree.label][mode].append(
+                rd.run_worker(tree, "bench_events", payload | {"mode": mode})
+            )
     report(args, [t.label for t in trees], runs)
 
 
@@ -178,34 +194,65 @@ def report(args, trees: list[str], runs: dict) -> None:
     for t in trees:
         rps = {m: statistics.median(r["requests_per_s"] for r in runs[t][m]) for m in MODES}
         best = {m: max(r["requests_per_s"] for r in runs[t][m]) for m in MODES}
-        main = {m: statistics.median(r["cpu_us_per_request"]["main"] for r in runs[t][m])
-                for m in MODES}
+        main = {
+            m: statistics.median(r["cpu_us_per_request"]["main"] for r in runs[t][m]) for m in MODES
+        }
         ratios[t] = {m: rps["off"] / rps[m] for m in MODES}
         for m in MODES:
-            rows.append([t, m, f"{rps[m]:,.0f}", ratios[t][m],
-                         f"{best[m]:,.0f}", best["off"] / best[m], main[m] / main["off"],
-                         runs[t][m][-1]["received_batches"]])
+            rows.append(
+                [
+                    t,
+                    m,
+                    f"{rps[m]:,.0f}",
+                    ratios[t][m],
+                    f"{best[m]:,.0f}",
+                    best["off"] / best[m],
+                    main[m] / main["off"],
+                    runs[t][m][-1]["received_batches"],
+                ]
+            )
     first = runs["current"]["off"][0]
-    print_table(["tree", "events", "req/s median", "slowdown vs off", "req/s best",
-                 "slowdown (best)", "main-thread CPU vs off", "batches received"], rows,
-                title=f"KV events on a replay of {pathlib.Path(args.trace).name} "
-                      f"({first['requests']} requests, L1 {first['device_pages']} pages, L2 4x; "
-                      f"median of {args.repeats}; load average {os.getloadavg()[0]:.1f})")
+    print_table(
+        [
+            "tree",
+            "events",
+            "req/s median",
+            "slowdown vs off",
+            "req/s best",
+            "slowdown (best)",
+            "main-thread CPU vs off",
+            "batches received",
+        ],
+        rows,
+        title=f"KV events on a replay of {pathlib.Path(args.trace).name} "
+        f"({first['requests']} requests, L1 {first['device_pages']} pages, L2 4x; "
+        f"median of {args.repeats}; load average {os.getloadavg()[0]:.1f})",
+    )
     cpu_rows = []
     for t in trees:
         for m in MODES:
             cpu = [r["cpu_us_per_request"] for r in runs[t][m]]
-            cpu_rows.append([t, m] + [
-                statistics.median(c[k] for c in cpu) if cpu[0][k] is not None else "-"
-                for k in CPU_PARTS])
-    print_table(["tree", "events"] + [f"{k} CPU us/req" for k in CPU_PARTS], cpu_rows,
-                title="CPU time per request by thread (medians; the whole replay() call, "
-                      "construction and close included; 'process' is all threads)")
+            cpu_rows.append(
+                [t, m]
+                + [
+                    statistics.median(c[k] for c in cpu) if cpu[0][k] is not None else "-"
+                    for k in CPU_PARTS
+                ]
+            )
+    print_table(
+        ["tree", "events"] + [f"{k} CPU us/req" for k in CPU_PARTS],
+        cpu_rows,
+        title="CPU time per request by thread (medians; the whole replay() call, "
+        "construction and close included; 'process' is all threads)",
+    )
     ok = ratios["current"]["zmq"] <= 1.5
-    base = (f"; baseline {args.baseline}: {ratios[args.baseline]['zmq']:.2f}x"
-            if args.baseline else "")
-    print(f"\ntarget zmq with a live subscriber within 1.5x of events off: "
-          f"{'met' if ok else 'NOT met'} ({ratios['current']['zmq']:.2f}x{base})")
+    base = (
+        f"; baseline {args.baseline}: {ratios[args.baseline]['zmq']:.2f}x" if args.baseline else ""
+    )
+    print(
+        f"\ntarget zmq with a live subscriber within 1.5x of events off: "
+        f"{'met' if ok else 'NOT met'} ({ratios['current']['zmq']:.2f}x{base})"
+    )
     write_json(args.json, "bench_events", vars(args), {"runs": runs, "slowdown": ratios})
 
 

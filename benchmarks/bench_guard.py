@@ -49,11 +49,18 @@ def main() -> None:
         q1, _, q3 = statistics.quantiles(match, n=4)
         m50, g50 = statistics.median(match), statistics.median(guard)
         rows.append([pages, m50 * 1e6, (q3 - q1) * 1e6, g50 * 1e6, g50 / m50, g50 / (q3 - q1)])
-        results[pages] = {"match_p50_s": m50, "match_iqr_s": q3 - q1, "guard_p50_s": g50,
-                          "match_samples_s": match, "guard_samples_s": guard}
-    print_table(["prefix pages", "match_prefix us", "its IQR us", "guard us", "guard/match",
-                 "guard/IQR"], rows,
-                title="Owning-thread check vs match_prefix (target: guard/IQR < 1)")
+        results[pages] = {
+            "match_p50_s": m50,
+            "match_iqr_s": q3 - q1,
+            "guard_p50_s": g50,
+            "match_samples_s": match,
+            "guard_samples_s": guard,
+        }
+    print_table(
+        ["prefix pages", "match_prefix us", "its IQR us", "guard us", "guard/match", "guard/IQR"],
+        rows,
+        title="Owning-thread check vs match_prefix (target: guard/IQR < 1)",
+    )
     ok = all(r[-1] < 1 for r in rows)
     print(f"\ntarget guard < match_prefix noise: {'met' if ok else 'NOT met'}")
     write_json(args.json, "bench_guard", {"calls": calls, "samples": samples}, results)

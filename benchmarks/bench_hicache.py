@@ -34,8 +34,9 @@ POLICIES = ("write_through", "write_through_selective", "write_back")
 TARGET = 0.95  # HiCache (host = 4x device) hit ratio / infinite-cache hit ratio
 
 
-def size_pools(trace, page_size: int, device_fraction: float,
-               host_ratio: float) -> tuple[dict, int, int, int]:
+def size_pools(
+    trace, page_size: int, device_fraction: float, host_ratio: float
+) -> tuple[dict, int, int, int]:
     """Replay ``trace`` at infinite capacity and size the pools from its working set.
 
     Returns:
@@ -73,12 +74,12 @@ def serve_once(trace, spec: KVSpec, cfg: HiCacheConfig) -> dict:
     pc = time.perf_counter
     for p, r in trace:
         seq = np.concatenate([p, r])
-        seq = seq[:seq.shape[0] // ps * ps]  # whole pages: what the cache keeps
+        seq = seq[: seq.shape[0] // ps * ps]  # whole pages: what the cache keeps
         t0 = pc()
         req = cache.begin(p)  # match, load back, lock
         new = req.extend(seq.shape[0] - req.cached_len)
         t1 = pc()
-        cache.write_kv(new, kv[:, :, :new.shape[0]])  # stands in for the model's prefill
+        cache.write_kv(new, kv[:, :, : new.shape[0]])  # stands in for the model's prefill
         t2 = pc()
         req.finish(seq)  # insert, unlock
         t_cache += (t1 - t0) + (pc() - t2)
@@ -90,10 +91,16 @@ def serve_once(trace, spec: KVSpec, cfg: HiCacheConfig) -> dict:
     cache.flush()
     t_cache += pc() - t0
     s = cache.stats()
-    return {"prompt_tokens": prompt, "device_hit_tokens": dev_hit, "host_hit_tokens": host_hit,
-            "recomputed_tokens": prompt - dev_hit - host_hit,
-            "hit_ratio": (dev_hit + host_hit) / prompt, "cache_seconds": t_cache,
-            "write_kv_seconds": t_write, "stats": s}
+    return {
+        "prompt_tokens": prompt,
+        "device_hit_tokens": dev_hit,
+        "host_hit_tokens": host_hit,
+        "recomputed_tokens": prompt - dev_hit - host_hit,
+        "hit_ratio": (dev_hit + host_hit) / prompt,
+        "cache_seconds": t_cache,
+        "write_kv_seconds": t_write,
+        "stats": s,
+    }
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -120,39 +127,65 @@ def main(argv: list[str] | None = None) -> None:
         args.conversations, args.concurrency, args.turns = 24, 8, 4
     ps = args.page_size
     env = env_info()
-    print(f"bench_hicache: {env['date']}  backend {env['backend']} ({env['device_kind']})  "
-          f"jax {env['jax']}  cpus {env['cpu_count']}")
+    print(
+        f"bench_hicache: {env['date']}  backend {env['backend']} ({env['device_kind']})  "
+        f"jax {env['jax']}  cpus {env['cpu_count']}"
+    )
 
     trace = make_trace(args)
     inf, working, device, host = size_pools(trace, ps, args.device_fraction, args.host_ratio)
     inf_ratio = inf["hit_tokens"] / inf["prompt_tokens"]
     spec = KVSpec(args.layers, args.kv_heads, args.head_dim, "bfloat16", page_size=ps)
     tiny = KVSpec(1, 1, 1, "bfloat16", page_size=ps)
-    print(f"trace: {len(trace)} requests, {inf['prompt_tokens']:,} prompt tokens, working set "
-          f"{working} pages; device {device} pages ({device / working:.0%}), host {host} pages; "
-          f"page {spec.page_bytes / 1024:.0f} KiB")
+    print(
+        f"trace: {len(trace)} requests, {inf['prompt_tokens']:,} prompt tokens, working set "
+        f"{working} pages; device {device} pages ({device / working:.0%}), host {host} pages; "
+        f"page {spec.page_bytes / 1024:.0f} KiB"
+    )
 
     base = dict(device_pages=device, eviction=args.eviction, load_back_threshold=ps)
     runs = {"device_only": serve(trace, spec, HiCacheConfig(host_pages=0, **base))}
     for policy in POLICIES:
         cfg = HiCacheConfig(host_pages=host, write_policy=policy, **base)
         runs[policy] = serve(trace, spec, cfg)
-        runs[policy]["bookkeeping"] = serve(trace, tiny, HiCacheConfig(
-            host_pages=host, write_policy=policy, **base))["cache_seconds"]
+        runs[policy]["bookkeeping"] = serve(
+            trace, tiny, HiCacheConfig(host_pages=host, write_policy=policy, **base)
+        )["cache_seconds"]
 
     dev_only = runs["device_only"]["hit_ratio"]
     rows = []
     for name, r in runs.items():
         p = r["prompt_tokens"]
-        rows.append([name, r["device_hit_tokens"] / p, r["host_hit_tokens"] / p, r["hit_ratio"],
-                     inf_ratio, r["hit_ratio"] / inf_ratio, r["hit_ratio"] / dev_only,
-                     r["recomputed_tokens"]])
-    print_table(["policy", "device hit", "host hit", "hit ratio", "infinite", "vs inf",
-                 "vs device-only", "recomputed tok"], rows,
-                title=f"\nHit ratios (target: vs inf >= {TARGET})")
+        rows.append(
+            [
+                name,
+                r["device_hit_tokens"] / p,
+                r["host_hit_tokens"] / p,
+                r["hit_ratio"],
+                inf_ratio,
+                r["hit_ratio"] / inf_ratio,
+                r["hit_ratio"] / dev_only,
+                r["recomputed_tokens"],
+            ]
+        )
+    print_table(
+        [
+            "policy",
+            "device hit",
+            "host hit",
+            "hit ratio",
+            "infinite",
+            "vs inf",
+            "vs device-only",
+            "recomputed tok",
+        ],
+        rows,
+        title=f"\nHit ratios (target: vs inf >= {TARGET})",
+    )
 
-    moved = max(max(r["stats"]["bytes_to_host"], r["stats"]["bytes_to_device"])
-                for r in runs.values())
+    moved = max(
+        max(r["stats"]["bytes_to_host"], r["stats"]["bytes_to_device"]) for r in runs.values()
+    )
     mem_s = memcpy_seconds(max(moved // 8, spec.page_bytes)) * 8 if moved else 0.0
     mem_gbps = gbps(moved, mem_s) if moved else float("nan")
     rows = []
@@ -163,25 +196,64 @@ def main(argv: list[str] | None = None) -> None:
         movement = r["cache_seconds"] - book
         eff = gbps(nbytes, movement) if nbytes and movement > 0 else float("nan")
         r["movement_seconds"], r["movement_gbps"] = movement, eff
-        rows.append([name, s["bytes_to_host"] / 1e6, s["bytes_to_device"] / 1e6,
-                     r["cache_seconds"], book, movement,
-                     eff, mem_gbps, eff / mem_gbps, s["mean_transfer_gbps"],
-                     r["write_kv_seconds"], s["backups"], s["load_backs"], s["evictions"],
-                     s["host_evictions"]])
-    print_table(["policy", "MB to host", "MB to device", "cache s", "bookkeeping s",
-                 "movement s", "moved GB/s", "memcpy GB/s", "ratio", "engine GB/s",
-                 "write_kv s", "backups", "load_backs", "evictions", "host evict"], rows,
-                title="\nData movement and time. cache s: every cache call, real KV; "
-                      "bookkeeping s: same trace with 2-byte pages (medians of 3);\nmovement s = "
-                      "the difference (copies are asynchronous: only waits show; < 0 is noise); "
-                      "moved GB/s = bytes both ways / movement s;\nengine GB/s: bytes / "
-                      "(dispatch -> completion seen at a later poll), a lower bound")
+        rows.append(
+            [
+                name,
+                s["bytes_to_host"] / 1e6,
+                s["bytes_to_device"] / 1e6,
+                r["cache_seconds"],
+                book,
+                movement,
+                eff,
+                mem_gbps,
+                eff / mem_gbps,
+                s["mean_transfer_gbps"],
+                r["write_kv_seconds"],
+                s["backups"],
+                s["load_backs"],
+                s["evictions"],
+                s["host_evictions"],
+            ]
+        )
+    print_table(
+        [
+            "policy",
+            "MB to host",
+            "MB to device",
+            "cache s",
+            "bookkeeping s",
+            "movement s",
+            "moved GB/s",
+            "memcpy GB/s",
+            "ratio",
+            "engine GB/s",
+            "write_kv s",
+            "backups",
+            "load_backs",
+            "evictions",
+            "host evict",
+        ],
+        rows,
+        title="\nData movement and time. cache s: every cache call, real KV; "
+        "bookkeeping s: same trace with 2-byte pages (medians of 3);\nmovement s = "
+        "the difference (copies are asynchronous: only waits show; < 0 is noise); "
+        "moved GB/s = bytes both ways / movement s;\nengine GB/s: bytes / "
+        "(dispatch -> completion seen at a later poll), a lower bound",
+    )
     ok = all(runs[p]["hit_ratio"] / inf_ratio >= TARGET for p in POLICIES)
     print(f"\ntarget hit/inf >= {TARGET}: {'met' if ok else 'NOT met'} for all write policies")
-    config = {**vars(args), "device_pages": device, "host_pages": host,
-              "working_set_pages": working, "page_bytes": spec.page_bytes}
-    results = {"infinite_hit_ratio": inf_ratio, "memcpy_gbps": mem_gbps,
-               **{k: dict(v) for k, v in runs.items()}}
+    config = {
+        **vars(args),
+        "device_pages": device,
+        "host_pages": host,
+        "working_set_pages": working,
+        "page_bytes": spec.page_bytes,
+    }
+    results = {
+        "infinite_hit_ratio": inf_ratio,
+        "memcpy_gbps": mem_gbps,
+        **{k: dict(v) for k, v in runs.items()},
+    }
     write_json(args.json, "bench_hicache", config, results)
 
 

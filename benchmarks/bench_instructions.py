@@ -52,8 +52,9 @@ def worker(p: dict) -> dict:
     helper = ctypes.CDLL(p["helper"])
     prompts = rd.load_prompts(p["prompts"])
     spec = rd.tiny_spec(prompts.block_size)
-    cfg = HiCacheConfig(device_pages=p["device_pages"], host_pages=p["host_pages"],
-                        write_policy=p["write_policy"])
+    cfg = HiCacheConfig(
+        device_pages=p["device_pages"], host_pages=p["host_pages"], write_policy=p["write_policy"]
+    )
     tokens = [prompts.tokens(i) for i in range(len(prompts))]
     for _ in range(2):
         rd.replay(tokens, spec, cfg)  # warm-up, not counted
@@ -61,9 +62,13 @@ def worker(p: dict) -> dict:
     for _ in range(p["replays"]):
         r = rd.replay(tokens, spec, cfg)
     helper.cg_stop()
-    return {"requests": len(prompts), "device_hit_tokens": r["device_hit_tokens"],
-            "host_hit_tokens": r["host_hit_tokens"], "evictions": r["stats"]["evictions"],
-            "backups": r["stats"]["backups"]}
+    return {
+        "requests": len(prompts),
+        "device_hit_tokens": r["device_hit_tokens"],
+        "host_hit_tokens": r["host_hit_tokens"],
+        "evictions": r["stats"]["evictions"],
+        "backups": r["stats"]["backups"],
+    }
 
 
 def _helper(tmp: str) -> str:
@@ -77,18 +82,32 @@ def _helper(tmp: str) -> str:
 def _count(tree: rd.Tree, payload: dict, out: str) -> dict:
     """One worker under callgrind: its RESULT and the instructions collected."""
     path = tree.lib if tree.lib == rd.REPO else tree.lib + os.pathsep + rd.REPO
-    env = dict(os.environ, PYTHONPATH=path, PYTHONHASHSEED="0",
-               JAX_PLATFORMS=os.environ.get("JAX_PLATFORMS", "cpu"))
-    cmd = ["valgrind", "--tool=callgrind", "--instr-atstart=no", "--collect-atstart=no",
-           f"--callgrind-out-file={out}", sys.executable, "-m", "benchmarks.bench_instructions",
-           "--worker", json.dumps(payload)]
+    env = dict(
+        os.environ,
+        PYTHONPATH=path,
+        PYTHONHASHSEED="0",
+        JAX_PLATFORMS=os.environ.get("JAX_PLATFORMS", "cpu"),
+    )
+    cmd = [
+        "valgrind",
+        "--tool=callgrind",
+        "--instr-atstart=no",
+        "--collect-atstart=no",
+        f"--callgrind-out-file={out}",
+        sys.executable,
+        "-m",
+        "benchmarks.bench_instructions",
+        "--worker",
+        json.dumps(payload),
+    ]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=tree.lib)
     line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
     got = re.search(r"Collected\s*:\s*(\d+)", proc.stderr)
     if proc.returncode or line is None or got is None:
-        raise rd.WorkerError(f"worker against {tree.label} failed:\n{proc.stdout[-2000:]}\n"
-                             f"{proc.stderr[-3000:]}")
-    res = json.loads(line[len("RESULT "):])
+        raise rd.WorkerError(
+            f"worker against {tree.label} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"
+        )
+    res = json.loads(line[len("RESULT ") :])
     if not os.path.realpath(res["module"]).startswith(os.path.realpath(tree.lib)):
         raise rd.WorkerError(f"worker imported {res['module']}, not the tree at {tree.lib}")
     return res | {"instructions": int(got.group(1))}
@@ -109,26 +128,41 @@ def main() -> None:
         return rd.worker_main(worker, args.worker)
     missing = [t for t in ("valgrind", "gcc") if shutil.which(t) is None]
     if missing or not os.path.exists("/usr/include/valgrind/callgrind.h"):
-        raise SystemExit(f"needs valgrind, gcc and valgrind/callgrind.h (missing: "
-                         f"{', '.join(missing) or 'callgrind.h'})")
+        raise SystemExit(
+            f"needs valgrind, gcc and valgrind/callgrind.h (missing: "
+            f"{', '.join(missing) or 'callgrind.h'})"
+        )
     from hicache_jax.replay.trace import load_trace
 
     prompts = rd.Prompts.from_trace(load_trace(args.trace))
     l1 = int(args.device_tokens) // prompts.block_size
-    print(f"{args.trace}: {len(prompts)} requests, page {prompts.block_size}; L1 {l1} pages; "
-          f"write policy {args.write_policy}; {args.replays} replays counted per worker")
-    with tempfile.TemporaryDirectory(prefix="bench_instr_") as tmp, \
-            rd.Trees(args.baseline) as trees:
+    print(
+        f"{args.trace}: {len(prompts)} requests, page {prompts.block_size}; L1 {l1} pages; "
+        f"write policy {args.write_policy}; {args.replays} replays counted per worker"
+    )
+    with (
+        tempfile.TemporaryDirectory(prefix="bench_instr_") as tmp,
+        rd.Trees(args.baseline) as trees,
+    ):
         npz = os.path.join(tmp, "prompts.npz")
         rd.save_prompts(prompts, npz)
-        base = {"prompts": npz, "helper": _helper(tmp), "write_policy": args.write_policy,
-                "replays": args.replays, "device_pages": l1}
-        jobs = [(tier, tree, dict(base, host_pages=host))
-                for tier, host in (("L1", 0), ("L1+L2", int(round(args.host_ratio * l1))))
-                for tree in trees]
+        base = {
+            "prompts": npz,
+            "helper": _helper(tmp),
+            "write_policy": args.write_policy,
+            "replays": args.replays,
+            "device_pages": l1,
+        }
+        jobs = [
+            (tier, tree, dict(base, host_pages=host))
+            for tier, host in (("L1", 0), ("L1+L2", int(round(args.host_ratio * l1))))
+            for tree in trees
+        ]
         with concurrent.futures.ThreadPoolExecutor(len(jobs)) as pool:
-            futs = [pool.submit(_count, tree, p, os.path.join(tmp, f"cg.{i}"))
-                    for i, (_, tree, p) in enumerate(jobs)]
+            futs = [
+                pool.submit(_count, tree, p, os.path.join(tmp, f"cg.{i}"))
+                for i, (_, tree, p) in enumerate(jobs)
+            ]
             results = [f.result() for f in futs]
     rows: dict[str, dict[str, dict]] = {}
     for (tier, tree, _), res in zip(jobs, results):
@@ -137,23 +171,37 @@ def main() -> None:
         from benchmarks.common import env_info
 
         with open(args.json, "w") as f:
-            json.dump({"env": env_info() | {"load_average": list(os.getloadavg())},
-                       "config": vars(args) | {"device_pages": l1}, "rows": rows}, f, indent=1)
+            json.dump(
+                {
+                    "env": env_info() | {"load_average": list(os.getloadavg())},
+                    "config": vars(args) | {"device_pages": l1},
+                    "rows": rows,
+                },
+                f,
+                indent=1,
+            )
     for tier, by_tree in rows.items():
         for label, res in by_tree.items():
             per = res["instructions"] / (args.replays * res["requests"])
-            hits = [res[k] for k in ("device_hit_tokens", "host_hit_tokens", "backups",
-                                     "evictions")]
-            print(f"  {tier:6} {label:>8}: {res['instructions']:,} instructions, "
-                  f"{per:,.0f} a request; hits/backups/evictions {hits}")
+            hits = [
+                res[k] for k in ("device_hit_tokens", "host_hit_tokens", "backups", "evictions")
+            ]
+            print(
+                f"  {tier:6} {label:>8}: {res['instructions']:,} instructions, "
+                f"{per:,.0f} a request; hits/backups/evictions {hits}"
+            )
         if len(by_tree) == 2:
             cur, bas = by_tree["current"], next(v for k, v in by_tree.items() if k != "current")
             ratio = cur["instructions"] / bas["instructions"]
-            same = all(cur[k] == bas[k] for k in ("device_hit_tokens", "host_hit_tokens",
-                                                  "backups", "evictions"))
-            print(f"  {tier:6} current / {args.baseline}: {ratio:.4f}x instructions (limit "
-                  f"{LIMIT}: {'met' if ratio <= LIMIT else 'NOT met'}); hits, backups and "
-                  f"evictions {'identical' if same else 'DIFFER: not the same work'}")
+            same = all(
+                cur[k] == bas[k]
+                for k in ("device_hit_tokens", "host_hit_tokens", "backups", "evictions")
+            )
+            print(
+                f"  {tier:6} current / {args.baseline}: {ratio:.4f}x instructions (limit "
+                f"{LIMIT}: {'met' if ratio <= LIMIT else 'NOT met'}); hits, backups and "
+                f"evictions {'identical' if same else 'DIFFER: not the same work'}"
+            )
 
 
 if __name__ == "__main__":

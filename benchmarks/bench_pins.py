@@ -70,10 +70,15 @@ def replay(trace, args, pinned: bool) -> dict:
     st = cache.stats()
     cache.check_invariants()
     cache.close()
-    return {"pinned": pinned, "system_uses_counted": uses - 1,
-            "system_hit_rate": sys_hit / (sys_len * (uses - 1)),
-            "trace_hit_rate": trace_hit / trace_tok, "evictions": st["evictions"],
-            "pinned_device_pages": st["pinned_device_pages"], "seconds": seconds}
+    return {
+        "pinned": pinned,
+        "system_uses_counted": uses - 1,
+        "system_hit_rate": sys_hit / (sys_len * (uses - 1)),
+        "trace_hit_rate": trace_hit / trace_tok,
+        "evictions": st["evictions"],
+        "pinned_device_pages": st["pinned_device_pages"],
+        "seconds": seconds,
+    }
 
 
 def main(argv=None) -> dict:
@@ -86,18 +91,24 @@ def main(argv=None) -> dict:
     args = ap.parse_args(argv)
     trace = load_trace(args.trace)
     rows = [replay(trace, args, pinned) for pinned in (False, True)]
-    print(f"{len(trace.requests)} requests, L1 {args.device_pages} pages of {trace.block_size} "
-          f"tokens, a {args.system_pages}-page system prompt every {args.every} requests")
+    print(
+        f"{len(trace.requests)} requests, L1 {args.device_pages} pages of {trace.block_size} "
+        f"tokens, a {args.system_pages}-page system prompt every {args.every} requests"
+    )
     print("| system prompt | its hit rate | x limit (1.0) | trace hit rate | evictions |")
     print("| --- | ---: | ---: | ---: | ---: |")
     for r in rows:
-        print(f"| {'pinned' if r['pinned'] else 'unpinned'} | {r['system_hit_rate']:.3f} | "
-              f"{r['system_hit_rate'] / 1.0:.3f}x | {r['trace_hit_rate']:.4f} | "
-              f"{r['evictions']:,} |")
+        print(
+            f"| {'pinned' if r['pinned'] else 'unpinned'} | {r['system_hit_rate']:.3f} | "
+            f"{r['system_hit_rate'] / 1.0:.3f}x | {r['trace_hit_rate']:.4f} | "
+            f"{r['evictions']:,} |"
+        )
     ratio = rows[1]["system_hit_rate"] / 1.0
-    print(f"target pinned system-prompt hit rate >= 0.95 of the limit: {ratio:.3f}x, "
-          f"{'met' if ratio >= 0.95 else 'MISSED'} (unpinned: "
-          f"{rows[0]['system_hit_rate']:.3f}x)")
+    print(
+        f"target pinned system-prompt hit rate >= 0.95 of the limit: {ratio:.3f}x, "
+        f"{'met' if ratio >= 0.95 else 'MISSED'} (unpinned: "
+        f"{rows[0]['system_hit_rate']:.3f}x)"
+    )
     out = {"benchmark": "bench_pins", "env": env_info(), "config": vars(args), "results": rows}
     if args.json:
         with open(args.json, "w") as f:

@@ -35,19 +35,31 @@ DATA = os.path.join(os.path.dirname(__file__), "data", "mooncake_synthetic_1000.
 TOKEN_BYTES = 32 * 8 * 128 * 2 * 2  # layers x kv heads x head dim x (K, V) x bfloat16
 
 
-def regimes(prefill_tps: float, memcpy_gbps: float,
-            l2_list: list[float] | None = None) -> list[tuple[str, Regime]]:
+def regimes(
+    prefill_tps: float, memcpy_gbps: float, l2_list: list[float] | None = None
+) -> list[tuple[str, Regime]]:
     """(name, regime) of the regimes: L3 against recompute x L2's link (PCIe 25 and memcpy,
     or each of ``l2_list``)."""
     equal = TOKEN_BYTES * prefill_tps / 1e9  # GB/s at which loading a token costs its recompute
     out = []
-    l2s = ([(f"{g:g} GB/s", g) for g in l2_list] if l2_list else
-           [("PCIe 25", 25.0), (f"memcpy {memcpy_gbps:.0f}", memcpy_gbps)])
+    l2s = (
+        [(f"{g:g} GB/s", g) for g in l2_list]
+        if l2_list
+        else [("PCIe 25", 25.0), (f"memcpy {memcpy_gbps:.0f}", memcpy_gbps)]
+    )
     for l2_name, l2 in l2s:
         for l3_name, m in (("L3 10x slower", 0.1), ("L3 equal", 1.0), ("L3 10x faster", 10.0)):
-            out.append((f"{l3_name}, L2 {l2_name}",
-                        Regime(l2_gbps=l2, l3_gbps=equal * m, prefill_tokens_per_s=prefill_tps,
-                               token_bytes=TOKEN_BYTES)))
+            out.append(
+                (
+                    f"{l3_name}, L2 {l2_name}",
+                    Regime(
+                        l2_gbps=l2,
+                        l3_gbps=equal * m,
+                        prefill_tokens_per_s=prefill_tps,
+                        token_bytes=TOKEN_BYTES,
+                    ),
+                )
+            )
     return out
 
 
@@ -57,14 +69,21 @@ def main() -> None:
     p.add_argument("--l1-tokens", type=float, default=3e5)
     p.add_argument("--host-ratio", type=float, default=4.0)
     p.add_argument("--page-size", type=int, default=16)
-    p.add_argument("--prefill-tokens-per-s", type=float, default=100000.0,
-                   help="modelled prefill rate (at 2e4 the trace overloads one server and "
-                   "queueing dominates TTFT)")
+    p.add_argument(
+        "--prefill-tokens-per-s",
+        type=float,
+        default=100000.0,
+        help="modelled prefill rate (at 2e4 the trace overloads one server and "
+        "queueing dominates TTFT)",
+    )
     p.add_argument("--limit", type=int, help="first N requests only")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--l2-gbps-list", type=lambda v: [float(x) for x in v.split(",")],
-                   help="comma-separated L2 -> L1 GB/s to model (default: PCIe 25 and the "
-                   "measured numpy memcpy)")
+    p.add_argument(
+        "--l2-gbps-list",
+        type=lambda v: [float(x) for x in v.split(",")],
+        help="comma-separated L2 -> L1 GB/s to model (default: PCIe 25 and the "
+        "measured numpy memcpy)",
+    )
     p.add_argument("--json")
     a = p.parse_args()
 
@@ -73,12 +92,15 @@ def main() -> None:
     pages = int(a.l1_tokens) // a.page_size
     nbytes = 64 << 20
     mgbps = gbps(nbytes, memcpy_seconds(nbytes))
-    print(f"{a.trace}: {len(trace.requests)} requests, L1 {pages * a.page_size:,} tokens, "
-          f"L2 {a.host_ratio:g}x; numpy memcpy here {mgbps:.1f} GB/s")
+    print(
+        f"{a.trace}: {len(trace.requests)} requests, L1 {pages * a.page_size:,} tokens, "
+        f"L2 {a.host_ratio:g}x; numpy memcpy here {mgbps:.1f} GB/s"
+    )
     rows, results, fails, splits, mean_pays = [], [], [], [], []
     for name, rg in regimes(a.prefill_tokens_per_s, mgbps, a.l2_gbps_list):
-        rep = simulate_all(trace, spec, rg, device_pages=pages, host_ratio=a.host_ratio,
-                           seed=a.seed)
+        rep = simulate_all(
+            trace, spec, rg, device_pages=pages, host_ratio=a.host_ratio, seed=a.seed
+        )
         res = {r["policy"]: r for r in rep["results"]}
         verdict = []
         for pol in ("cost", "cost+split"):
@@ -88,35 +110,62 @@ def main() -> None:
                 ok = ratio <= 1.02
                 verdict.append((ratio, ok))
                 if not ok:
-                    fails.append(f"{name}: {pol} {key} {ratio:.3f}x of the better of "
-                                 "never/always")
+                    fails.append(f"{name}: {pol} {key} {ratio:.3f}x of the better of never/always")
         pays = verdict[2][0] <= 0.90 and verdict[3][0] <= 0.90
         if verdict[2][0] <= 0.90:
             mean_pays.append(name)
         sp = res["cost+split"]
-        rows.append((name, *(f"{1e3 * res[q]['ttft_mean_s']:.1f}" for q in
-                             ("never", "always", "threshold", "cost", "cost+split")),
-                     *(f"{v[0]:.3f}" for v in verdict),
-                     (f"{res['cost']['l2_hit_ratio']:.3f}/{sp['l2_hit_ratio']:.3f}/"
-                      f"{res['always']['l2_hit_ratio']:.3f}"),
-                     (f"{res['cost']['l3_hit_ratio']:.3f}/{sp['l3_hit_ratio']:.3f}/"
-                      f"{res['always']['l3_hit_ratio']:.3f}"),
-                     ("ok" if all(v[1] for v in verdict) else "FAIL")
-                     + (", split >= 10% below both" if pays else "")))
+        rows.append(
+            (
+                name,
+                *(
+                    f"{1e3 * res[q]['ttft_mean_s']:.1f}"
+                    for q in ("never", "always", "threshold", "cost", "cost+split")
+                ),
+                *(f"{v[0]:.3f}" for v in verdict),
+                (
+                    f"{res['cost']['l2_hit_ratio']:.3f}/{sp['l2_hit_ratio']:.3f}/"
+                    f"{res['always']['l2_hit_ratio']:.3f}"
+                ),
+                (
+                    f"{res['cost']['l3_hit_ratio']:.3f}/{sp['l3_hit_ratio']:.3f}/"
+                    f"{res['always']['l3_hit_ratio']:.3f}"
+                ),
+                ("ok" if all(v[1] for v in verdict) else "FAIL")
+                + (", split >= 10% below both" if pays else ""),
+            )
+        )
         if pays:
             splits.append(name)
         results.append({"regime_name": name, **rep})
-    print_table(("regime", "never ms", "always ms", "threshold ms", "cost ms", "split ms",
-                 "cost/better mean", "cost/better p90", "split/better mean",
-                 "split/better p90", "L2 load cost/split/always", "L3 load cost/split/always",
-                 "verdict"), rows,
-                title="TTFT mean per load policy; cost and cost+split (split) against the "
-                "better of never and always (limit 1.02)")
+    print_table(
+        (
+            "regime",
+            "never ms",
+            "always ms",
+            "threshold ms",
+            "cost ms",
+            "split ms",
+            "cost/better mean",
+            "cost/better p90",
+            "split/better mean",
+            "split/better p90",
+            "L2 load cost/split/always",
+            "L3 load cost/split/always",
+            "verdict",
+        ),
+        rows,
+        title="TTFT mean per load policy; cost and cost+split (split) against the "
+        "better of never and always (limit 1.02)",
+    )
     print("all regimes met" if not fails else "NOT met:\n  " + "\n  ".join(fails))
-    print(f"cost+split >= 10% below both never and always (limit 0.90x): mean in "
-          f"{len(mean_pays)} of {len(rows)} regimes"
-          + (f" ({'; '.join(mean_pays)})" if mean_pays else "")
-          + f", mean and p90 in {len(splits)}" + (f" ({'; '.join(splits)})" if splits else ""))
+    print(
+        f"cost+split >= 10% below both never and always (limit 0.90x): mean in "
+        f"{len(mean_pays)} of {len(rows)} regimes"
+        + (f" ({'; '.join(mean_pays)})" if mean_pays else "")
+        + f", mean and p90 in {len(splits)}"
+        + (f" ({'; '.join(splits)})" if splits else "")
+    )
     write_json(a.json, "bench_simulate", vars(a), {"memcpy_gbps": mgbps, "regimes": results})
 
 

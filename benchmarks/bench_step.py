@@ -36,10 +36,27 @@ from hicache_jax.engine.weights import ModelConfig
 from hicache_jax.memory.device_pool import DevicePagePool
 
 #: (name, decode rows or prefill tokens): decode rows at a 192-token context, one prefill chunk
-SIZES = [("decode", 1), ("decode", 2), ("decode", 4), ("decode", 8), ("decode", 16),
-         ("prefill", 16), ("prefill", 64), ("prefill", 256)]
-QUICK = dict(layers=2, d_model=64, heads=4, kv_heads=2, head_dim=16, ffn_dim=128, pairs=2,
-             calls=5, sizes=[("decode", 1), ("decode", 16), ("prefill", 64)])
+SIZES = [
+    ("decode", 1),
+    ("decode", 2),
+    ("decode", 4),
+    ("decode", 8),
+    ("decode", 16),
+    ("prefill", 16),
+    ("prefill", 64),
+    ("prefill", 256),
+]
+QUICK = dict(
+    layers=2,
+    d_model=64,
+    heads=4,
+    kv_heads=2,
+    head_dim=16,
+    ffn_dim=128,
+    pairs=2,
+    calls=5,
+    sizes=[("decode", 1), ("decode", 16), ("prefill", 64)],
+)
 
 
 def _args(argv=None):
@@ -62,16 +79,26 @@ def _case(kind: str, n: int, ps: int):
     pages, or one prefill chunk of n tokens at position 64."""
     if kind == "decode":
         per = -(-193 // ps)
-        return ([np.array([7], np.int32)] * n, [192] * n,
-                [np.arange(r * per, (r + 1) * per, dtype=np.int32) for r in range(n)])
-    return ([np.arange(n, dtype=np.int32) % 97], [64],
-            [np.arange(-(-(64 + n) // ps), dtype=np.int32)])
+        return (
+            [np.array([7], np.int32)] * n,
+            [192] * n,
+            [np.arange(r * per, (r + 1) * per, dtype=np.int32) for r in range(n)],
+        )
+    return (
+        [np.arange(n, dtype=np.int32) % 97],
+        [64],
+        [np.arange(-(-(64 + n) // ps), dtype=np.int32)],
+    )
 
 
 def _matmul_fn(cfg: ModelConfig, params, rows: int):
     """numpy: ``rows`` activations through every weight matrix of every layer and the head."""
-    mats = [np.asarray(v[layer]) for v in params["layers"].values() if v.ndim == 3
-            for layer in range(cfg.num_layers)]
+    mats = [
+        np.asarray(v[layer])
+        for v in params["layers"].values()
+        if v.ndim == 3
+        for layer in range(cfg.num_layers)
+    ]
     mats.append(np.asarray(params["lm_head"]))
     xs = {m.shape[0]: np.ones((rows, m.shape[0]), np.float32) for m in mats}
     return lambda: [xs[m.shape[0]] @ m for m in mats]
@@ -87,9 +114,12 @@ def main(argv=None) -> int:
     pools = {k: DevicePagePool(cfg.kv_spec(ps), 256) for k in models}
     weight_bytes = sum(int(v.nbytes) for v in unrolled.params["layers"].values())
     copy_s = median_time(memcpy_fn(weight_bytes), repeats=21, warmup=3)
-    print(f"model {cfg.num_layers}L d{cfg.d_model} ffn {cfg.ffn_dim}: layer weights "
-          f"{weight_bytes / 1e6:.1f} MB, numpy memcpy of them {copy_s * 1e3:.3f} ms; "
-          f"default unroll_tokens {UNROLL_TOKENS}", flush=True)
+    print(
+        f"model {cfg.num_layers}L d{cfg.d_model} ffn {cfg.ffn_dim}: layer weights "
+        f"{weight_bytes / 1e6:.1f} MB, numpy memcpy of them {copy_s * 1e3:.3f} ms; "
+        f"default unroll_tokens {UNROLL_TOKENS}",
+        flush=True,
+    )
 
     def call(name, case):
         logits, toks = models[name].forward_batch(pools[name], *case, key_block=64)
@@ -104,7 +134,7 @@ def main(argv=None) -> int:
         np.testing.assert_allclose(got["unrolled"], got["scan"], rtol=1e-6, atol=1e-6)
         times = {name: [] for name in models}
         for pair in range(args.pairs):
-            for name in (("scan", "unrolled") if pair % 2 == 0 else ("unrolled", "scan")):
+            for name in ("scan", "unrolled") if pair % 2 == 0 else ("unrolled", "scan"):
                 call(name, case)
                 ts = []
                 for _ in range(args.calls):
@@ -117,18 +147,57 @@ def main(argv=None) -> int:
         mm = median_time(_matmul_fn(cfg, unrolled.params, tokens), repeats=21, warmup=3)
         chosen = "unrolled" if tokens <= UNROLL_TOKENS else "scan"
         right += (u if chosen == "unrolled" else s) <= 1.05 * min(s, u)
-        rows.append((f"{kind} {n}", tokens, chosen, s * 1e3, u * 1e3, u / s,
-                     f"{min(per_pair):.2f}-{max(per_pair):.2f}", copy_s * 1e3, mm * 1e3,
-                     min(s, u) / mm))
-        results.append(dict(kind=kind, n=n, tokens=tokens, chosen=chosen, scan_ms=s * 1e3,
-                            unrolled_ms=u * 1e3, unrolled_over_scan=u / s, per_pair=per_pair,
-                            weights_memcpy_ms=copy_s * 1e3, numpy_matmul_ms=mm * 1e3))
-    print_table(["step", "tokens", "default path", "scan ms", "unrolled ms", "unrolled/scan",
-                 "per pair", "memcpy weights ms", "numpy matmul ms", "best/matmul"], rows)
-    print(f"target: the default path (unrolled at <= {UNROLL_TOKENS} tokens) within 5% of the "
-          f"faster one at every size: {right} of {len(rows)} sizes", flush=True)
-    write_json(args.json, "bench_step", {k: v for k, v in vars(args).items() if k != "json"},
-               results)
+        rows.append(
+            (
+                f"{kind} {n}",
+                tokens,
+                chosen,
+                s * 1e3,
+                u * 1e3,
+                u / s,
+                f"{min(per_pair):.2f}-{max(per_pair):.2f}",
+                copy_s * 1e3,
+                mm * 1e3,
+                min(s, u) / mm,
+            )
+        )
+        results.append(
+            dict(
+                kind=kind,
+                n=n,
+                tokens=tokens,
+                chosen=chosen,
+                scan_ms=s * 1e3,
+                unrolled_ms=u * 1e3,
+                unrolled_over_scan=u / s,
+                per_pair=per_pair,
+                weights_memcpy_ms=copy_s * 1e3,
+                numpy_matmul_ms=mm * 1e3,
+            )
+        )
+    print_table(
+        [
+            "step",
+            "tokens",
+            "default path",
+            "scan ms",
+            "unrolled ms",
+            "unrolled/scan",
+            "per pair",
+            "memcpy weights ms",
+            "numpy matmul ms",
+            "best/matmul",
+        ],
+        rows,
+    )
+    print(
+        f"target: the default path (unrolled at <= {UNROLL_TOKENS} tokens) within 5% of the "
+        f"faster one at every size: {right} of {len(rows)} sizes",
+        flush=True,
+    )
+    write_json(
+        args.json, "bench_step", {k: v for k, v in vars(args).items() if k != "json"}, results
+    )
     return 0
 
 

@@ -64,7 +64,8 @@ CONFIGS = {  # file: (layout, checksum); mooncake: (layout, zero_copy, checksum)
     + [("layer_first", "crc32")],
     "mooncake": [(ENTRY_ROWS, False, _DEFAULT_SUM), ("page_first", False, "crc32")]
     + [("page_first", False, c) for c in _XXH3]
-    + [("page_first", True, "crc32")] + [("page_first", True, c) for c in _XXH3]
+    + [("page_first", True, "crc32")]
+    + [("page_first", True, c) for c in _XXH3]
     + [("layer_first", False, "crc32")],
 }
 _serial = itertools.count()
@@ -97,10 +98,13 @@ def key_hashing_cost(pages: int = 4096, repeats: int = 5) -> dict[str, float]:
             fn()
             times.append((time.perf_counter() - t0) / n)
         return min(times)
-    return {"key_chain_s": best(lambda: chain_digests(seed, toks), pages),
-            "tree_hash_s": best(lambda: chain_hashes(0, toks), pages),
-            "checksum_s": best(lambda: [codec.pack_into(header, "k", page) for _ in range(64)], 64),
-            "checksum": codec.checksum}
+
+    return {
+        "key_chain_s": best(lambda: chain_digests(seed, toks), pages),
+        "tree_hash_s": best(lambda: chain_hashes(0, toks), pages),
+        "checksum_s": best(lambda: [codec.pack_into(header, "k", page) for _ in range(64)], 64),
+        "checksum": codec.checksum,
+    }
 
 
 def host_buffer(layout: str, num_pages: int) -> np.ndarray:
@@ -108,8 +112,7 @@ def host_buffer(layout: str, num_pages: int) -> np.ndarray:
         rows = entry_rows(SPEC, num_pages)
         entry_pages(SPEC, rows)[:] = host_buffer("page_first", num_pages)
         return rows
-    shape = (SPEC.page_major_shape(num_pages) if layout == "page_first"
-             else SPEC.kv_shape(num_pages))
+    shape = SPEC.page_major_shape(num_pages) if layout == "page_first" else SPEC.kv_shape(num_pages)
     return np.random.default_rng(0).integers(0, 2**16, shape, dtype=np.uint16)
 
 
@@ -144,10 +147,12 @@ def ours_calls(store, n: int) -> dict[str, tuple]:
         for h in [store.get_into(first, get_ids) for _ in range(QUEUE)]:
             assert h.wait().all()
 
-    return {"put": (lambda keys: store.put_from(keys, ids).wait(), lambda: fresh_keys(n)),
-            "get": (get, lambda: None),
-            "put q": (put_q, lambda: [fresh_keys(n) for _ in range(QUEUE)]),
-            "get q": (get_q, lambda: None)}
+    return {
+        "put": (lambda keys: store.put_from(keys, ids).wait(), lambda: fresh_keys(n)),
+        "get": (get, lambda: None),
+        "put q": (put_q, lambda: [fresh_keys(n) for _ in range(QUEUE)]),
+        "get q": (get_q, lambda: None),
+    }
 
 
 def with_queue(raw: dict[str, tuple], n: int) -> dict[str, tuple]:
@@ -164,8 +169,10 @@ def with_queue(raw: dict[str, tuple], n: int) -> dict[str, tuple]:
         for _ in range(QUEUE):
             get(None)
 
-    return raw | {"raw put q": (put_q, lambda: [fresh_keys(n) for _ in range(QUEUE)]),
-                  "raw get q": (get_q, lambda: None)}
+    return raw | {
+        "raw put q": (put_q, lambda: [fresh_keys(n) for _ in range(QUEUE)]),
+        "raw get q": (get_q, lambda: None),
+    }
 
 
 class RawMooncake:
@@ -192,8 +199,9 @@ class RawMooncake:
         def get(_):
             assert self.store.batch_get_into(first, dst, [page] * n) == [page] * n
 
-        return with_queue({"raw put": (put, lambda: fresh_keys(n)),
-                           "raw get": (get, lambda: None)}, n)
+        return with_queue(
+            {"raw put": (put, lambda: fresh_keys(n)), "raw get": (get, lambda: None)}, n
+        )
 
     def close(self) -> None:
         self.store.unregister_buffer(self.buf.ctypes.data)
@@ -221,8 +229,9 @@ class RawFile:
                 with open(os.path.join(self.root, k), "rb") as f:
                     f.readinto(self.flat[128 + i])
 
-        return with_queue({"raw put": (put, lambda: fresh_keys(n)),
-                           "raw get": (get, lambda: None)}, n)
+        return with_queue(
+            {"raw put": (put, lambda: fresh_keys(n)), "raw get": (get, lambda: None)}, n
+        )
 
     def close(self) -> None:
         return None
@@ -261,9 +270,15 @@ def bench_mooncake(address: str | None, repeats: int, batch_pages: int | None) -
         raw = RawMooncake(address, host_buffer("page_first", 256))
         rows = []
         for layout, zero_copy, checksum in CONFIGS["mooncake"]:
-            with open_storage(f"mooncake://{address}", SPEC, host_buffer(layout, 256), layout,
-                              zero_copy=zero_copy, checksum=checksum,
-                              **batch_option(batch_pages)) as store:
+            with open_storage(
+                f"mooncake://{address}",
+                SPEC,
+                host_buffer(layout, 256),
+                layout,
+                zero_copy=zero_copy,
+                checksum=checksum,
+                **batch_option(batch_pages),
+            ) as store:
                 mode = f"{layout}{' zero-copy' if zero_copy else ''} {checksum}"
                 rows += measure("mooncake", mode, store, raw, repeats)
         return rows
@@ -280,8 +295,14 @@ def bench_file(repeats: int, batch_pages: int | None) -> list[dict]:
         raw = RawFile(os.path.join(tmp, "raw"), host_buffer("page_first", 256))
         rows = []
         for layout, checksum in CONFIGS["file"]:
-            with open_storage(f"file://{tmp}/{layout}-{checksum}", SPEC, host_buffer(layout, 256),
-                              layout, checksum=checksum, **batch_option(batch_pages)) as store:
+            with open_storage(
+                f"file://{tmp}/{layout}-{checksum}",
+                SPEC,
+                host_buffer(layout, 256),
+                layout,
+                checksum=checksum,
+                **batch_option(batch_pages),
+            ) as store:
                 rows += measure("file", f"{layout} {checksum}", store, raw, repeats)
         return rows
     finally:
@@ -309,22 +330,28 @@ def serve_trace(trace, spec: KVSpec, cfg, *, cache=None, prefetch: bool = True) 
         seq = np.concatenate([p, r])
         if prefetch:
             cache.prefetch(p)
-        seq = seq[:seq.shape[0] // ps * ps]  # whole pages: what the cache keeps
+        seq = seq[: seq.shape[0] // ps * ps]  # whole pages: what the cache keeps
         with cache.begin(p) as req:  # match, load back, lock
             new = req.extend(seq.shape[0] - req.cached_len)
-            cache.write_kv(new, kv[:, :, :new.shape[0]])
+            cache.write_kv(new, kv[:, :, : new.shape[0]])
             req.finish(seq)  # insert, unlock
         dev_hit += req.cached_len - req.loaded_len
         host_hit += req.loaded_len
         prompt += p.shape[0]
     cache.flush()
     s = cache.stats()
-    return {"prompt_tokens": prompt, "device_hit_tokens": dev_hit, "host_hit_tokens": host_hit,
-            "hit_ratio": (dev_hit + host_hit) / prompt, "seconds": time.perf_counter() - t0,
-            "l3_fetched_tokens": (s.get("l3_prefetch_hit_pages", 0) - l3_before) * ps,
-            "l3_stored_pages": s.get("l3_put_pages_stored", 0),
-            "l3_puts_dropped": s.get("l3_puts_dropped", 0) + s.get("l3_puts_skipped", 0),
-            "host_evictions": s["host_evictions"], "backups_skipped": s["backups_skipped"]}
+    return {
+        "prompt_tokens": prompt,
+        "device_hit_tokens": dev_hit,
+        "host_hit_tokens": host_hit,
+        "hit_ratio": (dev_hit + host_hit) / prompt,
+        "seconds": time.perf_counter() - t0,
+        "l3_fetched_tokens": (s.get("l3_prefetch_hit_pages", 0) - l3_before) * ps,
+        "l3_stored_pages": s.get("l3_put_pages_stored", 0),
+        "l3_puts_dropped": s.get("l3_puts_dropped", 0) + s.get("l3_puts_skipped", 0),
+        "host_evictions": s["host_evictions"],
+        "backups_skipped": s["backups_skipped"],
+    }
 
 
 def bench_cache(args, backends: list[str]) -> tuple[list[dict], dict]:
@@ -333,20 +360,33 @@ def bench_cache(args, backends: list[str]) -> tuple[list[dict], dict]:
     from benchmarks.bench_tree import make_trace
     from hicache_jax import HiCache, HiCacheConfig
 
-    targs = argparse.Namespace(seed=0, system_prompts=4, system_tokens=512, user_tokens=256,
-                               reply_tokens=256, conversations=24 if args.quick else 48,
-                               concurrency=8 if args.quick else 16, turns=4 if args.quick else 5)
+    targs = argparse.Namespace(
+        seed=0,
+        system_prompts=4,
+        system_tokens=512,
+        user_tokens=256,
+        reply_tokens=256,
+        conversations=24 if args.quick else 48,
+        concurrency=8 if args.quick else 16,
+        turns=4 if args.quick else 5,
+    )
     ps = 16
     spec = KVSpec(4, 2, 64, "bfloat16", page_size=ps)
     trace = make_trace(targs)
     inf, working, device, host = size_pools(trace, ps, args.device_fraction, args.host_ratio)
     inf_ratio = inf["hit_tokens"] / inf["prompt_tokens"]
-    print(f"\nmulti-turn trace: {len(trace)} requests, working set {working} pages; device "
-          f"{device} pages, host {host} pages ({(device + host) / working:.0%} of the working set "
-          f"together); page {spec.page_bytes // 1024} KiB; "
-          f"infinite-cache hit ratio {inf_ratio:.3f}")
-    base = dict(device_pages=device, host_pages=host, load_back_threshold=ps,
-                prefetch_policy="wait_complete")
+    print(
+        f"\nmulti-turn trace: {len(trace)} requests, working set {working} pages; device "
+        f"{device} pages, host {host} pages ({(device + host) / working:.0%} of the working set "
+        f"together); page {spec.page_bytes // 1024} KiB; "
+        f"infinite-cache hit ratio {inf_ratio:.3f}"
+    )
+    base = dict(
+        device_pages=device,
+        host_pages=host,
+        load_back_threshold=ps,
+        prefetch_policy="wait_complete",
+    )
     tmp = tempfile.mkdtemp(prefix="bench-l3-")
     servers = None
     runs: dict[str, dict] = {}
@@ -362,8 +402,9 @@ def bench_cache(args, backends: list[str]) -> tuple[list[dict], dict]:
         runs["L1+L2, no L3"] = serve_trace(trace, spec, HiCacheConfig(**base))
         # control: the same L3 writes (new leaves backed up too) but never read back
         cache = HiCache(spec, HiCacheConfig(storage=f"file://{tmp}/control", **base))
-        runs["L1+L2, L3 written not read"] = serve_trace(trace, spec, None, cache=cache,
-                                                          prefetch=False)
+        runs["L1+L2, L3 written not read"] = serve_trace(
+            trace, spec, None, cache=cache, prefetch=False
+        )
         cache.close()
         for name, url in urls.items():
             cache = HiCache(spec, HiCacheConfig(storage=url, **base))
@@ -383,22 +424,55 @@ def bench_cache(args, backends: list[str]) -> tuple[list[dict], dict]:
         if servers is not None:
             servers.stop()
         shutil.rmtree(tmp, ignore_errors=True)
-    rows = [{"run": name, **r, "vs_infinite": r["hit_ratio"] / inf_ratio}
-            for name, r in runs.items()]
-    print_table(["run", "hit ratio", "vs infinite", "L1 hit tok", "L2 hit tok", "from L3 tok",
-                 "L3 stored pg", "L3 dropped", "host evictions", "backups skipped", "seconds"],
-                [[r["run"], r["hit_ratio"], r["vs_infinite"], r["device_hit_tokens"],
-                  r["host_hit_tokens"], r["l3_fetched_tokens"], r["l3_stored_pages"],
-                  r["l3_puts_dropped"], r["host_evictions"], r["backups_skipped"], r["seconds"]]
-                 for r in rows],
-                title=f"HiCache + L3, host pool too small (target with L3: vs infinite >= "
-                      f"{CACHE_TARGET}; instance rows: vs the whole trace's infinite ratio)")
+    rows = [
+        {"run": name, **r, "vs_infinite": r["hit_ratio"] / inf_ratio} for name, r in runs.items()
+    ]
+    print_table(
+        [
+            "run",
+            "hit ratio",
+            "vs infinite",
+            "L1 hit tok",
+            "L2 hit tok",
+            "from L3 tok",
+            "L3 stored pg",
+            "L3 dropped",
+            "host evictions",
+            "backups skipped",
+            "seconds",
+        ],
+        [
+            [
+                r["run"],
+                r["hit_ratio"],
+                r["vs_infinite"],
+                r["device_hit_tokens"],
+                r["host_hit_tokens"],
+                r["l3_fetched_tokens"],
+                r["l3_stored_pages"],
+                r["l3_puts_dropped"],
+                r["host_evictions"],
+                r["backups_skipped"],
+                r["seconds"],
+            ]
+            for r in rows
+        ],
+        title=f"HiCache + L3, host pool too small (target with L3: vs infinite >= "
+        f"{CACHE_TARGET}; instance rows: vs the whole trace's infinite ratio)",
+    )
     ok = all(r["vs_infinite"] >= CACHE_TARGET for r in rows if r["run"].startswith("L1+L2+L3"))
-    print(f"target with L3 >= {CACHE_TARGET} of infinite: {'met' if ok else 'NOT met'}; "
-          f"instance B got {runs['instance B (2nd half)']['l3_fetched_tokens']} tokens from L3 "
-          f"that only A computed")
-    return rows, {"device_pages": device, "host_pages": host, "working_set_pages": working,
-                  "infinite_hit_ratio": inf_ratio, "trace": vars(targs)}
+    print(
+        f"target with L3 >= {CACHE_TARGET} of infinite: {'met' if ok else 'NOT met'}; "
+        f"instance B got {runs['instance B (2nd half)']['l3_fetched_tokens']} tokens from L3 "
+        f"that only A computed"
+    )
+    return rows, {
+        "device_pages": device,
+        "host_pages": host,
+        "working_set_pages": working,
+        "infinite_hit_ratio": inf_ratio,
+        "trace": vars(targs),
+    }
 
 
 def main() -> None:
@@ -407,13 +481,22 @@ def main() -> None:
     ap.add_argument("--json", default=None)
     ap.add_argument("--backends", default="file,mooncake")
     ap.add_argument("--mooncake", default=None, help="host:port of a running master")
-    ap.add_argument("--batch-pages", type=int, default=None,
-                    help="pages per backend call (default: each backend's own)")
+    ap.add_argument(
+        "--batch-pages",
+        type=int,
+        default=None,
+        help="pages per backend call (default: each backend's own)",
+    )
     ap.add_argument("--part", default="all", choices=["raw", "cache", "all"])
-    ap.add_argument("--device-fraction", type=float, default=0.15,
-                    help="cache part: device pages / working-set pages")
-    ap.add_argument("--host-ratio", type=float, default=2.0,
-                    help="cache part: host pages / device pages")
+    ap.add_argument(
+        "--device-fraction",
+        type=float,
+        default=0.15,
+        help="cache part: device pages / working-set pages",
+    )
+    ap.add_argument(
+        "--host-ratio", type=float, default=2.0, help="cache part: host pages / device pages"
+    )
     args = ap.parse_args()
     repeats = 3 if args.quick else 7
     backends = args.backends.split(",")
@@ -429,21 +512,58 @@ def main() -> None:
         rows += bench_mooncake(args.mooncake, repeats, args.batch_pages)
     memcpy = gbps(128 * SPEC.page_bytes, memcpy_seconds(128 * SPEC.page_bytes))
     keys = key_hashing_cost()
-    print(f"L3 keys (128-bit blake2b chain over {SPEC.page_size} tokens): "
-          f"{keys['key_chain_s'] * 1e6:.2f} us/page; the tree's 64-bit chain "
-          f"{keys['tree_hash_s'] * 1e6:.2f} us/page; an entry's {keys['checksum']} checksum of "
-          f"its {SPEC.page_bytes // 1024} KiB page {keys['checksum_s'] * 1e6:.1f} us/page "
-          f"(key / checksum = {keys['key_chain_s'] / keys['checksum_s']:.3f})")
-    headers = ["backend", "mode", "pages", "put GB/s", "raw", "ratio", f"put x{QUEUE}", "raw",
-               "ratio", "get GB/s", "raw", "ratio", f"get x{QUEUE}", "raw", "ratio"]
-    cols = ["put_gbps", "raw_put_gbps", "put_ratio", "put_q_gbps", "raw_put_q_gbps", "put_q_ratio",
-            "get_gbps", "raw_get_gbps", "get_ratio", "get_q_gbps", "raw_get_q_gbps", "get_q_ratio"]
-    print_table(headers, [[r["backend"], r["mode"], r["pages"]] + [r[c] for c in cols]
-                          for r in rows],
-                title=f"L3 put/get, {SPEC.page_bytes // 1024} KiB pages, medians of {repeats}; "
-                      f"memcpy of 128 pages: {memcpy:.2f} GB/s; target ratio >= 0.8")
-    config = {"spec": str(SPEC), "batches": BATCHES, "batch_pages": args.batch_pages,
-              "repeats": repeats, "memcpy_gbps": memcpy, "key_hashing": keys}
+    print(
+        f"L3 keys (128-bit blake2b chain over {SPEC.page_size} tokens): "
+        f"{keys['key_chain_s'] * 1e6:.2f} us/page; the tree's 64-bit chain "
+        f"{keys['tree_hash_s'] * 1e6:.2f} us/page; an entry's {keys['checksum']} checksum of "
+        f"its {SPEC.page_bytes // 1024} KiB page {keys['checksum_s'] * 1e6:.1f} us/page "
+        f"(key / checksum = {keys['key_chain_s'] / keys['checksum_s']:.3f})"
+    )
+    headers = [
+        "backend",
+        "mode",
+        "pages",
+        "put GB/s",
+        "raw",
+        "ratio",
+        f"put x{QUEUE}",
+        "raw",
+        "ratio",
+        "get GB/s",
+        "raw",
+        "ratio",
+        f"get x{QUEUE}",
+        "raw",
+        "ratio",
+    ]
+    cols = [
+        "put_gbps",
+        "raw_put_gbps",
+        "put_ratio",
+        "put_q_gbps",
+        "raw_put_q_gbps",
+        "put_q_ratio",
+        "get_gbps",
+        "raw_get_gbps",
+        "get_ratio",
+        "get_q_gbps",
+        "raw_get_q_gbps",
+        "get_q_ratio",
+    ]
+    print_table(
+        headers,
+        [[r["backend"], r["mode"], r["pages"]] + [r[c] for c in cols] for r in rows],
+        title=f"L3 put/get, {SPEC.page_bytes // 1024} KiB pages, medians of {repeats}; "
+        f"memcpy of 128 pages: {memcpy:.2f} GB/s; target ratio >= 0.8",
+    )
+    config = {
+        "spec": str(SPEC),
+        "batches": BATCHES,
+        "batch_pages": args.batch_pages,
+        "repeats": repeats,
+        "memcpy_gbps": memcpy,
+        "key_hashing": keys,
+    }
     if args.part == "all":
         config, rows = config | {"cache": cache_cfg}, {"raw": rows, "cache": cache_rows}
     write_json(args.json, "bench_storage", config, rows)

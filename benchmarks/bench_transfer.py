@@ -45,19 +45,28 @@ def _parse() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true", help="fewer sizes and repeats (smoke run)")
     p.add_argument("--json", default=None, help="write raw figures here")
-    p.add_argument("--devices", type=int, default=1,
-                   help="CPU devices for the sharding section (needs XLA before import; 1 = skip)")
+    p.add_argument(
+        "--devices",
+        type=int,
+        default=1,
+        help="CPU devices for the sharding section (needs XLA before import; 1 = skip)",
+    )
     p.add_argument("--layouts", default="layer_first,page_first")
     p.add_argument("--head-dim", type=int, default=64, help="64: 128 KiB pages, 128: 256 KiB")
-    p.add_argument("--huge-pages", choices=("on", "off"), default="on",
-                   help="pools on transparent huge pages (the library default: on)")
+    p.add_argument(
+        "--huge-pages",
+        choices=("on", "off"),
+        default="on",
+        help="pools on transparent huge pages (the library default: on)",
+    )
     return p.parse_args()
 
 
 ARGS = _parse() if __name__ == "__main__" else None
 if ARGS is not None and ARGS.devices > 1:
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                               f" --xla_force_host_platform_device_count={ARGS.devices}")
+    os.environ["XLA_FLAGS"] = (
+        os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={ARGS.devices}"
+    )
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
@@ -70,12 +79,18 @@ from hicache_jax.memory.page_copy import copy_plan  # noqa: E402
 from hicache_jax.memory.transfer import TransferEngine  # noqa: E402
 from hicache_jax.spec import KVSpec  # noqa: E402
 
-SPEC = KVSpec(num_layers=4, num_kv_heads=8, head_dim=ARGS.head_dim if ARGS else 64,
-              dtype="bfloat16", page_size=16)
+SPEC = KVSpec(
+    num_layers=4,
+    num_kv_heads=8,
+    head_dim=ARGS.head_dim if ARGS else 64,
+    dtype="bfloat16",
+    page_size=16,
+)
 
 
-def interleaved(fns: dict, repeats: int, warmup: int = 1, cpu: dict | None = None
-                ) -> dict[str, list[float]]:
+def interleaved(
+    fns: dict, repeats: int, warmup: int = 1, cpu: dict | None = None
+) -> dict[str, list[float]]:
     """Run each fn once per round (in order), ``repeats`` rounds; wall seconds per fn per round.
 
     ``cpu``, when given, receives the process CPU seconds (all threads: XLA's execution thread
@@ -112,7 +127,8 @@ def _memcpy_cold_fn(nbytes: int, footprint: int = 128 << 20):
 
     def run():
         k = turn[0] = (turn[0] + 1) % slots
-        np.copyto(dst[k * nbytes:(k + 1) * nbytes], src[k * nbytes:(k + 1) * nbytes])
+        np.copyto(dst[k * nbytes : (k + 1) * nbytes], src[k * nbytes : (k + 1) * nbytes])
+
     return run
 
 
@@ -128,6 +144,7 @@ def _numpy_pages_fn(dev: DevicePagePool, d: np.ndarray, n: int):
         src = np.asarray(dev.array)
         for i, page in zip(order, d):
             np.copyto(dst[i], src[:, :, page])
+
     return run
 
 
@@ -139,8 +156,13 @@ def bench_directions(eng: TransferEngine, sizes, repeats: int, layout: str) -> l
         d = rng.permutation(dev.num_pages)[:n]
         h = rng.permutation(host.num_pages)[:n]
         nbytes = n * SPEC.page_bytes
-        dispatch = {"backup": [], "load": [], "numpy_pages": [0.0], "backup copy": [0.0],
-                    "load copy": [0.0]}
+        dispatch = {
+            "backup": [],
+            "load": [],
+            "numpy_pages": [0.0],
+            "backup copy": [0.0],
+            "load copy": [0.0],
+        }
         plan_b = copy_plan(h.astype(np.int32), d.astype(np.int32))
         plan_l = copy_plan(d.astype(np.int32), h.astype(np.int32))
 
@@ -151,6 +173,7 @@ def bench_directions(eng: TransferEngine, sizes, repeats: int, layout: str) -> l
                     host.run(eng._backup_fn, dev.array, plan_b).block_until_ready()
                 else:
                     dev.run(eng._load_fn, host.buffer, plan_l).block_until_ready()
+
             return run
 
         def timed(kind, d=d, h=h, dispatch=dispatch):
@@ -159,15 +182,24 @@ def bench_directions(eng: TransferEngine, sizes, repeats: int, layout: str) -> l
                 handle = eng.backup(d, h) if kind == "backup" else eng.load(h, d)
                 dispatch[kind].append(time.perf_counter() - t0)
                 handle.wait()
+
             return run
 
         reps = repeats if n >= 128 else 3 * repeats
         cpu: dict = {}
-        t = interleaved({"memcpy": memcpy_fn(nbytes), "memcpy_cold": _memcpy_cold_fn(nbytes),
-                         "backup": timed("backup"),
-                         "load": timed("load"), "numpy_pages": _numpy_pages_fn(dev, d, n),
-                         "backup copy": copy_only("backup"), "load copy": copy_only("load")},
-                        reps, cpu=cpu)
+        t = interleaved(
+            {
+                "memcpy": memcpy_fn(nbytes),
+                "memcpy_cold": _memcpy_cold_fn(nbytes),
+                "backup": timed("backup"),
+                "load": timed("load"),
+                "numpy_pages": _numpy_pages_fn(dev, d, n),
+                "backup copy": copy_only("backup"),
+                "load copy": copy_only("load"),
+            },
+            reps,
+            cpu=cpu,
+        )
         eng.poll()
         for kind in ("backup", "load", "backup copy", "load copy", "numpy_pages"):
             ratios = [m / x for m, x in zip(t["memcpy"], t[kind])]
@@ -175,13 +207,20 @@ def bench_directions(eng: TransferEngine, sizes, repeats: int, layout: str) -> l
             cpu_ratios = [m / x for m, x in zip(cpu["memcpy"], cpu[kind]) if x > 0]
             if kind == "numpy_pages" and layout != "page_first":
                 continue  # the reference writes page-first; one row per size is enough
-            rows.append(dict(layout=layout, direction=kind, pages=n, mib=nbytes / 2**20,
-                             memcpy_gbps=gbps(nbytes, statistics.median(t["memcpy"])),
-                             gbps=gbps(nbytes, statistics.median(t[kind])),
-                             ratio=statistics.median(ratios),
-                             cold_ratio=statistics.median(cold_ratios),
-                             cpu_ratio=statistics.median(cpu_ratios) if cpu_ratios else 0.0,
-                             dispatch_us=1e6 * statistics.median(dispatch[kind])))
+            rows.append(
+                dict(
+                    layout=layout,
+                    direction=kind,
+                    pages=n,
+                    mib=nbytes / 2**20,
+                    memcpy_gbps=gbps(nbytes, statistics.median(t["memcpy"])),
+                    gbps=gbps(nbytes, statistics.median(t[kind])),
+                    ratio=statistics.median(ratios),
+                    cold_ratio=statistics.median(cold_ratios),
+                    cpu_ratio=statistics.median(cpu_ratios) if cpu_ratios else 0.0,
+                    dispatch_us=1e6 * statistics.median(dispatch[kind]),
+                )
+            )
     return rows
 
 
@@ -207,10 +246,16 @@ def bench_layerwise(eng: TransferEngine, sizes, repeats: int, layout: str) -> li
                 whole.append(t2 - t0)
                 plain.append(t3 - t2)
         eng.poll()
-        rows.append(dict(layout=layout, pages=n, layer0_ms=1e3 * statistics.median(first),
-                         layerwise_all_ms=1e3 * statistics.median(whole),
-                         plain_load_ms=1e3 * statistics.median(plain),
-                         layer0_fraction=statistics.median(f / w for f, w in zip(first, whole))))
+        rows.append(
+            dict(
+                layout=layout,
+                pages=n,
+                layer0_ms=1e3 * statistics.median(first),
+                layerwise_all_ms=1e3 * statistics.median(whole),
+                plain_load_ms=1e3 * statistics.median(plain),
+                layer0_fraction=statistics.median(f / w for f, w in zip(first, whole)),
+            )
+        )
     return rows
 
 
@@ -239,14 +284,27 @@ def bench_sharding(num_devices: int, n: int, repeats: int) -> list[dict]:
         single_eng.device_pool.write(np.arange(n), pages)
         single_eng.backup(np.arange(n), h).wait()
 
-    t = interleaved({"memcpy": memcpy_fn(nbytes),
-                     "per_shard": lambda: eng.backup(d, h).wait(),
-                     "single_buffer": gathered}, repeats)
+    t = interleaved(
+        {
+            "memcpy": memcpy_fn(nbytes),
+            "per_shard": lambda: eng.backup(d, h).wait(),
+            "single_buffer": gathered,
+        },
+        repeats,
+    )
     eng.poll()
     single_eng.poll()
-    return [dict(design=k, devices=num_devices, pages=n, gbps=gbps(nbytes, statistics.median(v)),
-                 ratio=statistics.median(m / x for m, x in zip(t["memcpy"], v)))
-            for k, v in t.items() if k != "memcpy"]
+    return [
+        dict(
+            design=k,
+            devices=num_devices,
+            pages=n,
+            gbps=gbps(nbytes, statistics.median(v)),
+            ratio=statistics.median(m / x for m, x in zip(t["memcpy"], v)),
+        )
+        for k, v in t.items()
+        if k != "memcpy"
+    ]
 
 
 def main(args: argparse.Namespace) -> dict:
@@ -260,48 +318,102 @@ def main(args: argparse.Namespace) -> dict:
         huge = args.huge_pages == "on"
         dev = DevicePagePool(SPEC, 2 * max_n, huge_pages=huge)
         host = HostPagePool(SPEC, 4 * max_n, layout, huge_pages=huge)
-        print(f"{layout}: pools on huge pages: device {dev.huge_page_bytes >> 20} of "
-              f"{dev.nbytes >> 20} MiB, host {host.huge_page_bytes >> 20} of "
-              f"{host.nbytes >> 20} MiB")
+        print(
+            f"{layout}: pools on huge pages: device {dev.huge_page_bytes >> 20} of "
+            f"{dev.nbytes >> 20} MiB, host {host.huge_page_bytes >> 20} of "
+            f"{host.nbytes >> 20} MiB"
+        )
         dev.allocator.alloc(dev.num_pages)
         host.allocator.alloc(host.num_pages)
         eng = TransferEngine(dev, host)
         results["directions"] += bench_directions(eng, sizes, repeats, layout)
-        results["layerwise"] += bench_layerwise(eng, [n for n in sizes if n >= 16], repeats,
-                                                layout)
+        results["layerwise"] += bench_layerwise(eng, [n for n in sizes if n >= 16], repeats, layout)
         del eng, dev, host
     rows = results["directions"]
-    print_table(["layout", "direction", "pages", "MiB", "memcpy GB/s", "GB/s", "ratio",
-                 "cpu ratio", "cold ratio", "dispatch us"],
-                [[r["layout"], r["direction"], r["pages"], r["mib"], r["memcpy_gbps"], r["gbps"],
-                  r["ratio"], r["cpu_ratio"], r["cold_ratio"], r["dispatch_us"]] for r in rows],
-                title=f"backup / load of scattered {SPEC.page_bytes // 1024} KiB pages vs "
-                      "numpy.copyto of the same bytes (ratio: wall time, cpu ratio: process "
-                      "CPU time; cold ratio: vs a copyto of bytes not left in cache; medians of "
-                      "per-round ratios)")
-    print_table(["layout", "pages", "layer 0 ms", "all layers ms", "plain load ms",
-                 "layer0 / all"],
-                [[r["layout"], r["pages"], r["layer0_ms"], r["layerwise_all_ms"],
-                  r["plain_load_ms"], r["layer0_fraction"]] for r in results["layerwise"]],
-                title="layer-wise load: time until layer 0 is on the device vs the whole load")
+    print_table(
+        [
+            "layout",
+            "direction",
+            "pages",
+            "MiB",
+            "memcpy GB/s",
+            "GB/s",
+            "ratio",
+            "cpu ratio",
+            "cold ratio",
+            "dispatch us",
+        ],
+        [
+            [
+                r["layout"],
+                r["direction"],
+                r["pages"],
+                r["mib"],
+                r["memcpy_gbps"],
+                r["gbps"],
+                r["ratio"],
+                r["cpu_ratio"],
+                r["cold_ratio"],
+                r["dispatch_us"],
+            ]
+            for r in rows
+        ],
+        title=f"backup / load of scattered {SPEC.page_bytes // 1024} KiB pages vs "
+        "numpy.copyto of the same bytes (ratio: wall time, cpu ratio: process "
+        "CPU time; cold ratio: vs a copyto of bytes not left in cache; medians of "
+        "per-round ratios)",
+    )
+    print_table(
+        ["layout", "pages", "layer 0 ms", "all layers ms", "plain load ms", "layer0 / all"],
+        [
+            [
+                r["layout"],
+                r["pages"],
+                r["layer0_ms"],
+                r["layerwise_all_ms"],
+                r["plain_load_ms"],
+                r["layer0_fraction"],
+            ]
+            for r in results["layerwise"]
+        ],
+        title="layer-wise load: time until layer 0 is on the device vs the whole load",
+    )
     if args.devices > 1:
         results["sharding"] = bench_sharding(args.devices, 128, repeats)
-        print_table(["design", "devices", "pages", "GB/s", "ratio"],
-                    [[r["design"], r["devices"], r["pages"], r["gbps"], r["ratio"]]
-                     for r in results["sharding"]],
-                    title="sharded backup: host buffer per shard vs one host buffer (vs memcpy)")
+        print_table(
+            ["design", "devices", "pages", "GB/s", "ratio"],
+            [
+                [r["design"], r["devices"], r["pages"], r["gbps"], r["ratio"]]
+                for r in results["sharding"]
+            ],
+            title="sharded backup: host buffer per shard vs one host buffer (vs memcpy)",
+        )
     big = [r for r in rows if r["pages"] >= 128 and r["direction"] in ("backup", "load")]
     if big:
-        print(f"target >= 0.70 of memcpy for >= 128 pages: worst ratio "
-              f"{min(r['ratio'] for r in big):.2f} (wall), "
-              f"{min(r['cpu_ratio'] for r in big):.2f} (CPU time)")
+        print(
+            f"target >= 0.70 of memcpy for >= 128 pages: worst ratio "
+            f"{min(r['ratio'] for r in big):.2f} (wall), "
+            f"{min(r['cpu_ratio'] for r in big):.2f} (CPU time)"
+        )
     load_after = os.getloadavg()
     print(f"load average after: {load_after}")
-    write_json(args.json, "bench_transfer",
-               dict(spec=str(SPEC), page_bytes=SPEC.page_bytes, sizes=sizes, repeats=repeats,
-                    quick=args.quick, devices=args.devices, layouts=args.layouts,
-                    huge_pages=args.huge_pages,
-                    load_average_before=load_before, load_average_after=load_after), results)
+    write_json(
+        args.json,
+        "bench_transfer",
+        dict(
+            spec=str(SPEC),
+            page_bytes=SPEC.page_bytes,
+            sizes=sizes,
+            repeats=repeats,
+            quick=args.quick,
+            devices=args.devices,
+            layouts=args.layouts,
+            huge_pages=args.huge_pages,
+            load_average_before=load_before,
+            load_average_after=load_after,
+        ),
+        results,
+    )
     return results
 
 

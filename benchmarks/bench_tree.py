@@ -107,8 +107,13 @@ def replay(trace, page_size: int, capacity: int, policy: EvictionPolicy) -> dict
         alloc.free(r.duplicate_pages)
         tree.unlock(m.node)
         t["lock"][-1] += pc() - t4
-    return {"hit_tokens": hit, "prompt_tokens": total, "evicted_leaves": leaves,
-            "device_tokens_end": tree.device_tokens, "times": t}
+    return {
+        "hit_tokens": hit,
+        "prompt_tokens": total,
+        "evicted_leaves": leaves,
+        "device_tokens_end": tree.device_tokens,
+        "times": t,
+    }
 
 
 def scaling(page_sizes, lengths, repeats: int, dtype: str = "int64") -> list[dict]:
@@ -125,21 +130,36 @@ def scaling(page_sizes, lengths, repeats: int, dtype: str = "int64") -> list[dic
                     tree.insert(toks[:end], pages[: end // ps])
                 nodes = sum(1 for _ in tree.nodes())
                 # The lambdas bind this iteration's tree / toks / pages (called before the next).
-                match_s = median_time(lambda tree=tree, toks=toks: tree.match(toks),
-                                      repeats=repeats, warmup=3)
+                match_s = median_time(
+                    lambda tree=tree, toks=toks: tree.match(toks), repeats=repeats, warmup=3
+                )
                 assert tree.match(toks).device_len == length
-                cached_s = median_time(lambda tree=tree, toks=toks, pages=pages:
-                                       tree.insert(toks, pages), repeats=repeats, warmup=3)
+                cached_s = median_time(
+                    lambda tree=tree, toks=toks, pages=pages: tree.insert(toks, pages),
+                    repeats=repeats,
+                    warmup=3,
+                )
                 box = {}
-                new_s = median_time(lambda box=box, toks=toks, pages=pages:
-                                    box["t"].insert(toks, pages), repeats=max(3, repeats // 4),
-                                    setup=lambda box=box, ps=ps: box.update(t=RadixTree(ps)))
+                new_s = median_time(
+                    lambda box=box, toks=toks, pages=pages: box["t"].insert(toks, pages),
+                    repeats=max(3, repeats // 4),
+                    setup=lambda box=box, ps=ps: box.update(t=RadixTree(ps)),
+                )
                 npg = length // ps
-                rows.append({"page_size": ps, "prefix_tokens": length, "shape": shape,
-                             "nodes": nodes, "pages": npg, "match_us": match_s * 1e6,
-                             "match_us_per_page": match_s * 1e6 / npg,
-                             "insert_cached_us": cached_s * 1e6, "insert_new_us": new_s * 1e6,
-                             "insert_new_us_per_page": new_s * 1e6 / npg})
+                rows.append(
+                    {
+                        "page_size": ps,
+                        "prefix_tokens": length,
+                        "shape": shape,
+                        "nodes": nodes,
+                        "pages": npg,
+                        "match_us": match_s * 1e6,
+                        "match_us_per_page": match_s * 1e6 / npg,
+                        "insert_cached_us": cached_s * 1e6,
+                        "insert_new_us": new_s * 1e6,
+                        "insert_new_us_per_page": new_s * 1e6 / npg,
+                    }
+                )
     return rows
 
 
@@ -157,14 +177,19 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--system-tokens", type=int, default=1024)
     ap.add_argument("--user-tokens", type=int, default=384, help="max user tokens per turn")
     ap.add_argument("--reply-tokens", type=int, default=384, help="max reply tokens per turn")
-    ap.add_argument("--capacity-pages", type=int, default=6144,
-                    help="device pages (fixed capacity)")
+    ap.add_argument(
+        "--capacity-pages", type=int, default=6144, help="device pages (fixed capacity)"
+    )
     ap.add_argument("--policies", default=",".join(p.value for p in EvictionPolicy))
     ap.add_argument("--repeats", type=int, default=41, help="repeats of each scaling measurement")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--quick", action="store_true", help="a small trace, fewer repeats")
-    ap.add_argument("--token-dtype", default="int64", choices=("int64", "int32"),
-                    help="dtype of the token arrays passed to the tree (it stores int32)")
+    ap.add_argument(
+        "--token-dtype",
+        default="int64",
+        choices=("int64", "int32"),
+        help="dtype of the token arrays passed to the tree (it stores int32)",
+    )
     ap.add_argument("--json", default=None, help="write raw figures to this path")
     args = ap.parse_args(argv)
     if args.quick:
@@ -172,63 +197,127 @@ def main(argv: list[str] | None = None) -> None:
     ps = args.page_size
     policies = [EvictionPolicy.parse(p) for p in args.policies.split(",")]
     env = env_info()
-    print(f"bench_tree: {env['date']}  python {env['python']}  numpy {env['numpy']}  "
-          f"cpus {env['cpu_count']}  (pure Python + numpy; no jax in the tree)")
+    print(
+        f"bench_tree: {env['date']}  python {env['python']}  numpy {env['numpy']}  "
+        f"cpus {env['cpu_count']}  (pure Python + numpy; no jax in the tree)"
+    )
 
     trace = [(p.astype(args.token_dtype), r.astype(args.token_dtype)) for p, r in make_trace(args)]
     longest = max(p.shape[0] + r.shape[0] for p, r in trace) // ps
     if longest > args.capacity_pages:
-        raise SystemExit(f"--capacity-pages {args.capacity_pages} < longest request "
-                         f"({longest} pages)")
+        raise SystemExit(
+            f"--capacity-pages {args.capacity_pages} < longest request ({longest} pages)"
+        )
     inf = replay(trace, ps, sum(p.shape[0] + r.shape[0] for p, r in trace) // ps + 1, policies[0])
     inf_ratio = inf["hit_tokens"] / inf["prompt_tokens"]
-    print(f"trace: {len(trace)} requests, {inf['prompt_tokens']:,} prompt tokens, "
-          f"{inf['device_tokens_end']:,} distinct cached tokens at infinite capacity; "
-          f"capacity {args.capacity_pages} pages = {args.capacity_pages * ps:,} tokens")
+    print(
+        f"trace: {len(trace)} requests, {inf['prompt_tokens']:,} prompt tokens, "
+        f"{inf['device_tokens_end']:,} distinct cached tokens at infinite capacity; "
+        f"capacity {args.capacity_pages} pages = {args.capacity_pages * ps:,} tokens"
+    )
     rows, results = [], {"infinite": {k: v for k, v in inf.items() if k != "times"}}
     for policy in policies:
         r = replay(trace, ps, args.capacity_pages, policy)
         ratio = r["hit_tokens"] / r["prompt_tokens"]
         tm = r["times"]
-        rows.append([policy.value, med_us(tm["match"]), med_us(tm["insert"]), med_us(tm["lock"]),
-                     med_us(tm["evict"]), len(tm["evict"]), r["evicted_leaves"], ratio, inf_ratio,
-                     ratio / inf_ratio])
-        results[policy.value] = {"hit_ratio": ratio, "vs_infinite": ratio / inf_ratio,
-                                 **{f"{k}_us_median": med_us(v) for k, v in tm.items()},
-                                 "evict_calls": len(tm["evict"]),
-                                 "evicted_leaves": r["evicted_leaves"]}
-    print_table(["policy", "match µs", "insert µs", "lock+unlock µs", "evict µs", "evict calls",
-                 "leaves", "hit ratio", "inf-cap ratio", "hit/inf"], rows,
-                title=f"\nTrace replay at fixed capacity (page_size {ps}; medians per call)")
+        rows.append(
+            [
+                policy.value,
+                med_us(tm["match"]),
+                med_us(tm["insert"]),
+                med_us(tm["lock"]),
+                med_us(tm["evict"]),
+                len(tm["evict"]),
+                r["evicted_leaves"],
+                ratio,
+                inf_ratio,
+                ratio / inf_ratio,
+            ]
+        )
+        results[policy.value] = {
+            "hit_ratio": ratio,
+            "vs_infinite": ratio / inf_ratio,
+            **{f"{k}_us_median": med_us(v) for k, v in tm.items()},
+            "evict_calls": len(tm["evict"]),
+            "evicted_leaves": r["evicted_leaves"],
+        }
+    print_table(
+        [
+            "policy",
+            "match µs",
+            "insert µs",
+            "lock+unlock µs",
+            "evict µs",
+            "evict calls",
+            "leaves",
+            "hit ratio",
+            "inf-cap ratio",
+            "hit/inf",
+        ],
+        rows,
+        title=f"\nTrace replay at fixed capacity (page_size {ps}; medians per call)",
+    )
 
     scale = scaling([1, 16, 64], [1024, 8192, 32768], args.repeats, args.token_dtype)
-    print_table(["page", "prefix", "shape", "nodes", "pages", "match µs", "µs/page",
-                 "insert(cached) µs", "insert(new) µs", "new µs/page"],
-                [[s["page_size"], s["prefix_tokens"], s["shape"], s["nodes"], s["pages"],
-                  s["match_us"], s["match_us_per_page"], s["insert_cached_us"],
-                  s["insert_new_us"], s["insert_new_us_per_page"]] for s in scale],
-                title="\nScaling with prefix length (fully cached prefix; medians)")
+    print_table(
+        [
+            "page",
+            "prefix",
+            "shape",
+            "nodes",
+            "pages",
+            "match µs",
+            "µs/page",
+            "insert(cached) µs",
+            "insert(new) µs",
+            "new µs/page",
+        ],
+        [
+            [
+                s["page_size"],
+                s["prefix_tokens"],
+                s["shape"],
+                s["nodes"],
+                s["pages"],
+                s["match_us"],
+                s["match_us_per_page"],
+                s["insert_cached_us"],
+                s["insert_new_us"],
+                s["insert_new_us_per_page"],
+            ]
+            for s in scale
+        ],
+        title="\nScaling with prefix length (fully cached prefix; medians)",
+    )
     by = {(s["page_size"], s["prefix_tokens"], s["shape"]): s for s in scale}
     for shape in ("1 insert", "1K turns"):
         lo, hi = by[(16, 1024, shape)], by[(16, 32768, shape)]
-        print(f"page 16, {shape}: 32x the tokens (32x the pages) costs "
-              f"{hi['match_us'] / lo['match_us']:.1f}x to match, "
-              f"{hi['insert_new_us'] / lo['insert_new_us']:.1f}x to insert new")
+        print(
+            f"page 16, {shape}: 32x the tokens (32x the pages) costs "
+            f"{hi['match_us'] / lo['match_us']:.1f}x to match, "
+            f"{hi['insert_new_us'] / lo['insert_new_us']:.1f}x to insert new"
+        )
     p1, p64 = by[(1, 32768, "1 insert")], by[(64, 32768, "1 insert")]
-    print(f"32K tokens in one node: page 1 ({p1['pages']} pages) matches in "
-          f"{p1['match_us']:.0f} µs, page 64 ({p64['pages']} pages) in {p64['match_us']:.0f} µs; "
-          f"inserting new pages costs "
-          f"~{by[(16, 32768, '1 insert')]['insert_new_us_per_page']:.1f} µs/page "
-          f"(one blake2b per page)")
+    print(
+        f"32K tokens in one node: page 1 ({p1['pages']} pages) matches in "
+        f"{p1['match_us']:.0f} µs, page 64 ({p64['pages']} pages) in {p64['match_us']:.0f} µs; "
+        f"inserting new pages costs "
+        f"~{by[(16, 32768, '1 insert')]['insert_new_us_per_page']:.1f} µs/page "
+        f"(one blake2b per page)"
+    )
     tgt = [s for s in scale if s["page_size"] == 16 and s["prefix_tokens"] == 32768]
-    print("\nTarget: match of a fully cached 32K-token prompt, page_size 16, < "
-          f"{TARGET_MS} ms")
+    print(f"\nTarget: match of a fully cached 32K-token prompt, page_size 16, < {TARGET_MS} ms")
     for s in tgt:
         ms = s["match_us"] / 1e3
-        print(f"  {s['shape']:>9} ({s['nodes']:>2} nodes): {ms:.3f} ms = {ms / TARGET_MS:.2f}x "
-              f"the target -> {'PASS' if ms < TARGET_MS else 'FAIL'}")
-    results.update(scaling=scale, target_ms=TARGET_MS,
-                   target_measured_ms={s["shape"]: s["match_us"] / 1e3 for s in tgt})
+        print(
+            f"  {s['shape']:>9} ({s['nodes']:>2} nodes): {ms:.3f} ms = {ms / TARGET_MS:.2f}x "
+            f"the target -> {'PASS' if ms < TARGET_MS else 'FAIL'}"
+        )
+    results.update(
+        scaling=scale,
+        target_ms=TARGET_MS,
+        target_measured_ms={s["shape"]: s["match_us"] / 1e3 for s in tgt},
+    )
     write_json(args.json, "bench_tree", vars(args), results)
 
 

@@ -29,8 +29,18 @@ from hicache_jax.engine.engine import Engine
 from hicache_jax.engine.model import DecoderModel
 
 #: ``--quick``: a small model and prompt, one repeat (a smoke run; its ratios mean little).
-QUICK = dict(prompt_tokens=512, cached_tokens=448, chunk_size=128, repeats=1, layers=2,
-             d_model=64, heads=4, kv_heads=2, head_dim=16, ffn_dim=128)
+QUICK = dict(
+    prompt_tokens=512,
+    cached_tokens=448,
+    chunk_size=128,
+    repeats=1,
+    layers=2,
+    d_model=64,
+    heads=4,
+    kv_heads=2,
+    head_dim=16,
+    ffn_dim=128,
+)
 
 
 def _args(argv=None, defaults=None):
@@ -57,13 +67,27 @@ class _Bench:
         pages = -(-a.prompt_tokens // a.page_size) + 8
         kw = dict(chunk_size=a.chunk_size, prefill_bucket=min(64, a.chunk_size))
         # write_back: evict() backs the prefix up, then frees its device pages -> host only.
-        cache = HiCache(self.model.kv_spec(a.page_size), HiCacheConfig(
-            device_pages=pages, host_pages=pages, write_policy="write_back",
-            load_back_threshold=a.page_size))
-        self.eng = {lw: Engine(self.model, cache, mode="hicache", layerwise=lw, **kw)
-                    for lw in (False, True)}
-        self.none = Engine(self.model, HiCache(self.model.kv_spec(a.page_size), HiCacheConfig(
-            device_pages=pages, host_pages=0)), mode="none", **kw)
+        cache = HiCache(
+            self.model.kv_spec(a.page_size),
+            HiCacheConfig(
+                device_pages=pages,
+                host_pages=pages,
+                write_policy="write_back",
+                load_back_threshold=a.page_size,
+            ),
+        )
+        self.eng = {
+            lw: Engine(self.model, cache, mode="hicache", layerwise=lw, **kw)
+            for lw in (False, True)
+        }
+        self.none = Engine(
+            self.model,
+            HiCache(
+                self.model.kv_spec(a.page_size), HiCacheConfig(device_pages=pages, host_pages=0)
+            ),
+            mode="none",
+            **kw,
+        )
         self.cache = cache
 
     def run(self, path: str):
@@ -75,7 +99,7 @@ class _Bench:
             return gen.record.ttft_s, gen.first_logits
         cache.reset()
         eng = self.eng[path == "L2 layer-wise"]
-        eng.generate([self.prompt[:a.cached_tokens]], 1)  # caches cached_tokens // ps pages
+        eng.generate([self.prompt[: a.cached_tokens]], 1)  # caches cached_tokens // ps pages
         if path != "L1":
             cache.evict(a.prompt_tokens)
             cache.flush()
@@ -105,22 +129,32 @@ def main(argv=None, defaults=None, name="bench_ttft") -> int:
     # Recorded and printed, then checked after the figures are written: a mismatch must not
     # lose the TTFT table of a rare accelerator run (the exit code still says it failed).
     ref = np.asarray(logits["recompute"], np.float64)
-    logit_diff = {path: float(np.max(np.abs(np.asarray(logits[path], np.float64) - ref)
-                                     / (tol + tol * np.abs(ref))))
-                  for path in paths[1:]}  # <= 1: within rtol = atol = tol
+    logit_diff = {
+        path: float(
+            np.max(np.abs(np.asarray(logits[path], np.float64) - ref) / (tol + tol * np.abs(ref)))
+        )
+        for path in paths[1:]
+    }  # <= 1: within rtol = atol = tol
     logits_ok = all(d <= 1.0 for d in logit_diff.values())
     med = {p: statistics.median(v) for p, v in times.items()}
     kv_bytes = a.cached_tokens // a.page_size * b.model.kv_spec(a.page_size).page_bytes
-    rows = [(p, med[p] * 1e3, min(times[p]) * 1e3, max(times[p]) * 1e3, med[p] / med["recompute"])
-            for p in paths]
-    print(f"prompt {a.prompt_tokens} tokens, {a.cached_tokens} cached ({kv_bytes / 2**20:.1f} MiB "
-          f"of KV), page {a.page_size}, chunk {a.chunk_size}; model {b.cfg.num_layers}L "
-          f"d{b.cfg.d_model} {b.cfg.dtype}; {a.repeats} repeats; first-token logits vs "
-          f"recompute (1 = the tolerance {tol:g}): "
-          + ", ".join(f"{p} {d:.3g}" for p, d in logit_diff.items())
-          + ("" if logits_ok else "  ** MISMATCH **"))
-    print_table(["path", "TTFT median ms", "min ms", "max ms", "/ recompute"], rows,
-                title="TTFT by where the cached prefix is served from")
+    rows = [
+        (p, med[p] * 1e3, min(times[p]) * 1e3, max(times[p]) * 1e3, med[p] / med["recompute"])
+        for p in paths
+    ]
+    print(
+        f"prompt {a.prompt_tokens} tokens, {a.cached_tokens} cached ({kv_bytes / 2**20:.1f} MiB "
+        f"of KV), page {a.page_size}, chunk {a.chunk_size}; model {b.cfg.num_layers}L "
+        f"d{b.cfg.d_model} {b.cfg.dtype}; {a.repeats} repeats; first-token logits vs "
+        f"recompute (1 = the tolerance {tol:g}): "
+        + ", ".join(f"{p} {d:.3g}" for p, d in logit_diff.items())
+        + ("" if logits_ok else "  ** MISMATCH **")
+    )
+    print_table(
+        ["path", "TTFT median ms", "min ms", "max ms", "/ recompute"],
+        rows,
+        title="TTFT by where the cached prefix is served from",
+    )
     ratios = {
         "l2_plain_over_recompute": med["L2 plain"] / med["recompute"],
         "l2_layerwise_over_recompute": med["L2 layer-wise"] / med["recompute"],
@@ -130,21 +164,35 @@ def main(argv=None, defaults=None, name="bench_ttft") -> int:
         / med["recompute"],
         "uncached_fraction": 1 - a.cached_tokens / a.prompt_tokens,
         # Bringing the cached part back from L2 vs recomputing that same part.
-        "load_back_over_recompute_of_cached_part":
-            (min(med["L2 plain"], med["L2 layer-wise"]) - med["L1"])
-            / (med["recompute"] - med["L1"]),
+        "load_back_over_recompute_of_cached_part": (
+            min(med["L2 plain"], med["L2 layer-wise"]) - med["L1"]
+        )
+        / (med["recompute"] - med["L1"]),
     }
     best = min(ratios["l2_plain_over_recompute"], ratios["l2_layerwise_over_recompute"])
-    print(f"L2/recompute: {best:.3f} (target <= 0.1); layer-wise/plain: "
-          f"{ratios['layerwise_over_plain']:.2f}; L1/recompute (floor): "
-          f"{ratios['l1_over_recompute']:.3f}; load-back cost (L2 - L1)/recompute: "
-          f"{ratios['load_back_cost_over_recompute']:.3f}; uncached fraction of the prompt "
-          f"{ratios['uncached_fraction']:.3f}")
-    print(f"load-back of the cached part / recompute of it, (L2 - L1) / (recompute - L1): "
-          f"{ratios['load_back_over_recompute_of_cached_part']:.3f}")
-    write_json(a.json, name, {**vars(a), "model": vars(b.cfg), "kv_bytes": kv_bytes},
-               {"ttft_s": times, "median_s": med, "ratios": ratios,
-                "logits_vs_recompute_over_tolerance": logit_diff, "logits_ok": logits_ok})
+    print(
+        f"L2/recompute: {best:.3f} (target <= 0.1); layer-wise/plain: "
+        f"{ratios['layerwise_over_plain']:.2f}; L1/recompute (floor): "
+        f"{ratios['l1_over_recompute']:.3f}; load-back cost (L2 - L1)/recompute: "
+        f"{ratios['load_back_cost_over_recompute']:.3f}; uncached fraction of the prompt "
+        f"{ratios['uncached_fraction']:.3f}"
+    )
+    print(
+        f"load-back of the cached part / recompute of it, (L2 - L1) / (recompute - L1): "
+        f"{ratios['load_back_over_recompute_of_cached_part']:.3f}"
+    )
+    write_json(
+        a.json,
+        name,
+        {**vars(a), "model": vars(b.cfg), "kv_bytes": kv_bytes},
+        {
+            "ttft_s": times,
+            "median_s": med,
+            "ratios": ratios,
+            "logits_vs_recompute_over_tolerance": logit_diff,
+            "logits_ok": logits_ok,
+        },
+    )
     return 0 if logits_ok else 1
 
 

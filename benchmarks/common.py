@@ -41,8 +41,13 @@ def env_info() -> dict[str, Any]:
     }
 
 
-def median_time(fn: Callable[[], Any], *, repeats: int = 7, warmup: int = 1,
-                setup: Callable[[], Any] | None = None) -> float:
+def median_time(
+    fn: Callable[[], Any],
+    *,
+    repeats: int = 7,
+    warmup: int = 1,
+    setup: Callable[[], Any] | None = None,
+) -> float:
     """Median wall seconds of ``fn()`` over ``repeats`` runs (``setup()`` untimed before each).
 
     ``fn`` must block until its work is done (call ``block_until_ready`` inside it).
@@ -65,7 +70,7 @@ def aligned_bytes(nbytes: int, align: int = 4096) -> np.ndarray:
     """A zeroed (so already faulted in) ``uint8[nbytes]`` starting on an ``align`` boundary."""
     raw = np.zeros(nbytes + align, np.uint8)
     start = (-raw.ctypes.data) % align
-    return raw[start:start + nbytes]
+    return raw[start : start + nbytes]
 
 
 def memcpy_fn(nbytes: int) -> Callable[[], None]:
@@ -104,8 +109,9 @@ def add_model_flags(p: argparse.ArgumentParser, *, dtype: bool = True) -> None:
     p.add_argument("--vocab", type=int, default=512)
 
 
-def parse_quick(p: argparse.ArgumentParser, argv: Sequence[str] | None,
-                quick: dict) -> argparse.Namespace:
+def parse_quick(
+    p: argparse.ArgumentParser, argv: Sequence[str] | None, quick: dict
+) -> argparse.Namespace:
     """Add ``--json`` and ``--quick`` to ``p`` and parse ``argv``; with ``--quick`` the flags'
     defaults become ``quick`` (flags given on the command line still win)."""
     p.add_argument("--json", help="write the figures as JSON")
@@ -121,13 +127,21 @@ def model_config(a: argparse.Namespace) -> Any:
     """The ``ModelConfig`` of :func:`add_model_flags`' flags (float32 without ``--dtype``)."""
     from hicache_jax.engine.weights import ModelConfig
 
-    return ModelConfig(num_layers=a.layers, d_model=a.d_model, num_heads=a.heads,
-                       num_kv_heads=a.kv_heads, head_dim=a.head_dim, ffn_dim=a.ffn_dim,
-                       vocab_size=a.vocab, dtype=getattr(a, "dtype", "float32"))
+    return ModelConfig(
+        num_layers=a.layers,
+        d_model=a.d_model,
+        num_heads=a.heads,
+        num_kv_heads=a.kv_heads,
+        head_dim=a.head_dim,
+        ffn_dim=a.ffn_dim,
+        vocab_size=a.vocab,
+        dtype=getattr(a, "dtype", "float32"),
+    )
 
 
-def print_table(headers: Sequence[str], rows: Iterable[Sequence[Any]],
-                title: str | None = None) -> str:
+def print_table(
+    headers: Sequence[str], rows: Iterable[Sequence[Any]], title: str | None = None
+) -> str:
     """Print (and return) a plain-text table; floats get 3 significant digits."""
 
     def fmt(v: Any) -> str:
@@ -136,8 +150,9 @@ def print_table(headers: Sequence[str], rows: Iterable[Sequence[Any]],
         return str(v)
 
     body = [[fmt(v) for v in r] for r in rows]
-    widths = [max(len(h), *(len(r[i]) for r in body)) if body else len(h)
-              for i, h in enumerate(headers)]
+    widths = [
+        max(len(h), *(len(r[i]) for r in body)) if body else len(h) for i, h in enumerate(headers)
+    ]
     lines = []
     if title:
         lines.append(title)
@@ -155,6 +170,10 @@ def write_json(path: str | None, name: str, config: dict[str, Any], results: Any
         return
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w") as f:
-        json.dump({"benchmark": name, "env": env_info(), "config": config, "results": results},
-                  f, indent=2, default=str)
+        json.dump(
+            {"benchmark": name, "env": env_info(), "config": config, "results": results},
+            f,
+            indent=2,
+            default=str,
+        )
     print(f"wrote {path}")

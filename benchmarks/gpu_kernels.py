@@ -45,14 +45,33 @@ from pallas_kernels import gpu as pk_gpu
 
 # Llama-3-8B-like KV: 32 layers x (K, V) x 16 tokens x 8 heads x 128 dims x bf16 (uint16 bits):
 # 32 KiB contiguous chunks, 2 MiB per page; 1024 pages = 2 GiB moved each way.
-FULL = dict(num_layers=32, kvf=2, page_size=16, heads=8, head_dim=128, pool_pages=3072,
-            sizes=(16, 128, 1024), iters=(50, 20, 5), repeats=7,
-            configs=((32 * 1024, 4, None), (16 * 1024, 8, None), (16 * 1024, 4, 2)),
-            limit_bytes=2 << 30)
+FULL = dict(
+    num_layers=32,
+    kvf=2,
+    page_size=16,
+    heads=8,
+    head_dim=128,
+    pool_pages=3072,
+    sizes=(16, 128, 1024),
+    iters=(50, 20, 5),
+    repeats=7,
+    configs=((32 * 1024, 4, None), (16 * 1024, 8, None), (16 * 1024, 4, 2)),
+    limit_bytes=2 << 30,
+)
 # CPU smoke test: same code path, tiny shapes, the GPU interpreter.
-SMOKE = dict(num_layers=2, kvf=2, page_size=4, heads=2, head_dim=32, pool_pages=11,
-             sizes=(2, 3), iters=(1, 1), repeats=1, configs=((128, 2, None),),
-             limit_bytes=1 << 20)
+SMOKE = dict(
+    num_layers=2,
+    kvf=2,
+    page_size=4,
+    heads=2,
+    head_dim=32,
+    pool_pages=11,
+    sizes=(2, 3),
+    iters=(1, 1),
+    repeats=1,
+    configs=((128, 2, None),),
+    limit_bytes=1 << 20,
+)
 
 
 def _blocks_label(mult):
@@ -105,13 +124,16 @@ def gpu_impls(cfg: dict, smoke: bool) -> dict:
     interpret = pk.interpret_params(pk.Impl.MOSAIC_GPU_INTERPRET) if smoke else None
     impls = {}
     for tile, stages, mult in cfg["configs"]:
-        kw = dict(tile_bytes=tile, stages=stages, num_blocks=_num_blocks(mult, smoke),
-                  interpret=interpret)
+        kw = dict(
+            tile_bytes=tile, stages=stages, num_blocks=_num_blocks(mult, smoke), interpret=interpret
+        )
         size = f"{tile >> 10}K" if tile >= 1024 else f"{tile}B"
         name = f"pallas tile={size} stages={stages} blocks={_blocks_label(mult)}"
         # jitted: outside jit the wrappers range-check concrete ids (a device->host sync).
-        impls[name] = (jax.jit(functools.partial(pk_gpu.gather_pages, **kw)),
-                       functools.partial(pk_gpu.scatter_pages, **kw))
+        impls[name] = (
+            jax.jit(functools.partial(pk_gpu.gather_pages, **kw)),
+            functools.partial(pk_gpu.scatter_pages, **kw),
+        )
     return impls
 
 
@@ -119,8 +141,9 @@ def run(cfg: dict, smoke: bool, checkpoint=lambda results: None, make_impls=gpu_
     """Every size's table is printed, and ``checkpoint(results so far)`` called, as soon as the
     size is done: a run killed at its time limit keeps the sizes it finished. ``make_impls(cfg,
     smoke)`` gives the Pallas implementations timed beside XLA (``tpu_kernels`` passes its own)."""
-    L, kvf, ps, H, D, P = (cfg[k] for k in ("num_layers", "kvf", "page_size", "heads",
-                                            "head_dim", "pool_pages"))
+    L, kvf, ps, H, D, P = (
+        cfg[k] for k in ("num_layers", "kvf", "page_size", "heads", "head_dim", "pool_pages")
+    )
     page_bytes = L * kvf * ps * H * D * 2
     key = jax.random.key(0)
     pool = jax.random.bits(key, (L, kvf, P, ps, H, D), jnp.uint16)
@@ -130,25 +153,36 @@ def run(cfg: dict, smoke: bool, checkpoint=lambda results: None, make_impls=gpu_
     src = jax.random.bits(jax.random.key(1), (cfg["limit_bytes"] // 2,), jnp.uint16)
     copy = jax.jit(jnp.copy)
     # partial binds src now; a lambda would close over the name that `del src` removes below.
-    limit_s = _interleaved({"copy": functools.partial(copy, src)}, max(cfg["iters"]),
-                           cfg["repeats"])["copy"]
+    limit_s = _interleaved(
+        {"copy": functools.partial(copy, src)}, max(cfg["iters"]), cfg["repeats"]
+    )["copy"]
     limit = gbps(2 * src.nbytes, limit_s)
-    print(f"limit: jnp.copy of {src.nbytes / 2**20:.0f} MiB: {limit:.1f} GB/s (read + write)",
-          flush=True)
+    print(
+        f"limit: jnp.copy of {src.nbytes / 2**20:.0f} MiB: {limit:.1f} GB/s (read + write)",
+        flush=True,
+    )
     del src
     # Dispatch floor: one tiny jitted call, timed the same way. Rows whose time is near it (16
     # pages move 64 MiB, ~15 us at HBM speed) measure the launch path, not the copy.
     tiny, bump = jnp.zeros((8,), jnp.int32), jax.jit(lambda x: x + 1)
-    floor_s = _interleaved({"floor": lambda: bump(tiny)}, max(cfg["iters"]),
-                           cfg["repeats"])["floor"]
+    floor_s = _interleaved({"floor": lambda: bump(tiny)}, max(cfg["iters"]), cfg["repeats"])[
+        "floor"
+    ]
     print(f"dispatch floor: {floor_s * 1e6:.1f} us per jitted call", flush=True)
-    title = (f"page copies on {jax.devices()[0].device_kind}, page {page_bytes >> 10} KiB "
-             f"(chunk {ps * H * D * 2 >> 10} KiB), pool {P} pages; limit {limit:.1f} GB/s; "
-             f"dispatch floor {floor_s * 1e6:.1f} us")
+    title = (
+        f"page copies on {jax.devices()[0].device_kind}, page {page_bytes >> 10} KiB "
+        f"(chunk {ps * H * D * 2 >> 10} KiB), pool {P} pages; limit {limit:.1f} GB/s; "
+        f"dispatch floor {floor_s * 1e6:.1f} us"
+    )
     header = ["op", "pages", "impl", "ok", "us", "GB/s", "vs limit", "vs xla"]
-    out = dict(limit=dict(kind="jnp.copy device->device", bytes=cfg["limit_bytes"],
-                          seconds=limit_s, gbps=limit),
-               dispatch_floor_seconds=floor_s, page_bytes=page_bytes, rows=results_so_far)
+    out = dict(
+        limit=dict(
+            kind="jnp.copy device->device", bytes=cfg["limit_bytes"], seconds=limit_s, gbps=limit
+        ),
+        dispatch_floor_seconds=floor_s,
+        page_bytes=page_bytes,
+        rows=results_so_far,
+    )
 
     xla_scatter = lambda p, i, x: pk.ref_scatter_pages(p, i, x)  # noqa: E731
     xla_gather = jax.jit(pk.ref_gather_pages)
@@ -181,14 +215,31 @@ def run(cfg: dict, smoke: bool, checkpoint=lambda results: None, make_impls=gpu_
             for name in impls:
                 s = secs.get((op, name))
                 bw = gbps(nbytes, s) if s else None
-                size_rows.append([op, n, name, ok[name] is True,
-                                  s * 1e6 if s else "-", bw if bw else "-",
-                                  bw / limit if bw else "-",
-                                  xla_s / s if (s and xla_s) else "-"])
-                results_so_far.append(dict(op=op, pages=n, impl=name, ok=ok[name], seconds=s,
-                                           bytes_read_plus_written=nbytes, gbps=bw,
-                                           vs_limit=bw / limit if bw else None,
-                                           speedup_vs_xla=xla_s / s if (s and xla_s) else None))
+                size_rows.append(
+                    [
+                        op,
+                        n,
+                        name,
+                        ok[name] is True,
+                        s * 1e6 if s else "-",
+                        bw if bw else "-",
+                        bw / limit if bw else "-",
+                        xla_s / s if (s and xla_s) else "-",
+                    ]
+                )
+                results_so_far.append(
+                    dict(
+                        op=op,
+                        pages=n,
+                        impl=name,
+                        ok=ok[name],
+                        seconds=s,
+                        bytes_read_plus_written=nbytes,
+                        gbps=bw,
+                        vs_limit=bw / limit if bw else None,
+                        speedup_vs_xla=xla_s / s if (s and xla_s) else None,
+                    )
+                )
         rows += size_rows
         print_table(header, size_rows, title=f"{n} pages ({title})")
         checkpoint(out)
@@ -210,27 +261,45 @@ def probe_host_operand(cfg: dict, smoke: bool) -> dict:
     L, kvf, ps, H, D = (cfg[k] for k in ("num_layers", "kvf", "page_size", "heads", "head_dim"))
     P = 4 if smoke else 128  # 256 MiB of pinned host memory at full size
     host = jax.sharding.SingleDeviceSharding(dev, memory_kind="pinned_host")
-    pool = jax.device_put(np.random.default_rng(1).integers(
-        0, 2**16, (L, kvf, P, ps, H, D), dtype=np.uint16), host)
+    pool = jax.device_put(
+        np.random.default_rng(1).integers(0, 2**16, (L, kvf, P, ps, H, D), dtype=np.uint16), host
+    )
     ids = jnp.arange(min(16, P), dtype=jnp.int32)
-    kw = dict(num_blocks=_num_blocks(None, smoke),
-              interpret=pk.interpret_params(pk.Impl.MOSAIC_GPU_INTERPRET) if smoke else None)
+    kw = dict(
+        num_blocks=_num_blocks(None, smoke),
+        interpret=pk.interpret_params(pk.Impl.MOSAIC_GPU_INTERPRET) if smoke else None,
+    )
     gather = jax.jit(functools.partial(pk_gpu.gather_pages, **kw))
     on_device = jax.sharding.SingleDeviceSharding(dev, memory_kind=dev.default_memory().kind)
     try:
-        ok = bool(jnp.array_equal(gather(pool, ids),
-                                  pk.ref_gather_pages(jax.device_put(pool, on_device), ids)))
-        secs = _interleaved({"gather": lambda: gather(pool, ids),
-                             "whole_pool_put": lambda: jax.device_put(pool, on_device)},
-                            iters=3, repeats=cfg["repeats"])
+        ok = bool(
+            jnp.array_equal(
+                gather(pool, ids), pk.ref_gather_pages(jax.device_put(pool, on_device), ids)
+            )
+        )
+        secs = _interleaved(
+            {
+                "gather": lambda: gather(pool, ids),
+                "whole_pool_put": lambda: jax.device_put(pool, on_device),
+            },
+            iters=3,
+            repeats=cfg["repeats"],
+        )
     except Exception as e:  # the answer may well be "XLA refuses": record it
         traceback.print_exc()
         return dict(ok=False, error=f"{type(e).__name__}: {str(e).splitlines()[0][:200]}")
-    out = dict(ok=ok, pool_bytes=pool.nbytes, gather_16_pages_s=secs["gather"],
-               whole_pool_device_put_s=secs["whole_pool_put"])
-    print(f"pinned_host operand: ok={ok}, gather of 16 pages {secs['gather'] * 1e3:.3g} ms vs "
-          f"device_put of the whole {pool.nbytes >> 20} MiB pool "
-          f"{secs['whole_pool_put'] * 1e3:.3g} ms", flush=True)
+    out = dict(
+        ok=ok,
+        pool_bytes=pool.nbytes,
+        gather_16_pages_s=secs["gather"],
+        whole_pool_device_put_s=secs["whole_pool_put"],
+    )
+    print(
+        f"pinned_host operand: ok={ok}, gather of 16 pages {secs['gather'] * 1e3:.3g} ms vs "
+        f"device_put of the whole {pool.nbytes >> 20} MiB pool "
+        f"{secs['whole_pool_put'] * 1e3:.3g} ms",
+        flush=True,
+    )
     return out
 
 
@@ -240,8 +309,11 @@ def main(argv=None) -> int:
     ap.add_argument("--json", default=None, help="write the raw figures here")
     mode = ap.add_mutually_exclusive_group()
     mode.add_argument("--no-probe", action="store_true", help="skip the pinned_host probe")
-    mode.add_argument("--probe-only", action="store_true",
-                      help="only the pinned_host probe (run apart: it may abort the process)")
+    mode.add_argument(
+        "--probe-only",
+        action="store_true",
+        help="only the pinned_host probe (run apart: it may abort the process)",
+    )
     args = ap.parse_args(argv)
     if not args.smoke and pk.compiled_impl() is not pk.Impl.MOSAIC_GPU:
         print(f"needs an sm_90+ NVIDIA GPU (found {jax.devices()[0]}); try --smoke")
@@ -250,11 +322,18 @@ def main(argv=None) -> int:
     config = dict(cfg) | {"smoke": args.smoke}
     t0 = time.perf_counter()
     if args.probe_only:
-        write_json(args.json, "gpu_kernels_probe", config,
-                   {"host_operand_probe": probe_host_operand(cfg, args.smoke)})
+        write_json(
+            args.json,
+            "gpu_kernels_probe",
+            config,
+            {"host_operand_probe": probe_host_operand(cfg, args.smoke)},
+        )
         return 0
-    results = run(cfg, args.smoke,
-                  checkpoint=lambda partial: write_json(args.json, "gpu_kernels", config, partial))
+    results = run(
+        cfg,
+        args.smoke,
+        checkpoint=lambda partial: write_json(args.json, "gpu_kernels", config, partial),
+    )
     results["wall_seconds"] = time.perf_counter() - t0
     print(f"wall {results['wall_seconds']:.0f} s")
     write_json(args.json, "gpu_kernels", config, results)  # before the probe, which may abort

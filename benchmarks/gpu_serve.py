@@ -24,19 +24,98 @@ import sys
 
 from hicache_jax.cli.main import main as hicache_jax_main
 
-GPU_FLAGS = ["--workload", "docqa", "--sessions", "4", "--turns", "6", "--base-tokens", "7936",
-             "--segment-tokens", "128", "--max-new-tokens", "16", "--layers", "8",
-             "--d-model", "2048", "--heads", "16", "--kv-heads", "8", "--head-dim", "128",
-             "--ffn-dim", "5632", "--vocab", "32000", "--dtype", "bfloat16", "--page-size", "16",
-             "--device-pages", "1024", "--host-ratio", "4", "--chunk-size", "2048",
-             "--token-budget", "2048", "--query-block", "128", "--key-block", "1024",
-             "--warmup-passes", "2", "--no-mixed-warmup", "--quiet"]
-TINY_FLAGS = ["--workload", "docqa", "--sessions", "2", "--turns", "2", "--base-tokens", "40",
-              "--segment-tokens", "8", "--max-new-tokens", "2", "--layers", "1",
-              "--d-model", "32", "--heads", "4", "--kv-heads", "2", "--head-dim", "8",
-              "--ffn-dim", "48", "--vocab", "97", "--dtype", "bfloat16", "--page-size", "16",
-              "--device-pages", "8", "--host-ratio", "4", "--chunk-size", "64",
-              "--token-budget", "64", "--query-block", "32", "--no-warmup", "--quiet"]
+GPU_FLAGS = [
+    "--workload",
+    "docqa",
+    "--sessions",
+    "4",
+    "--turns",
+    "6",
+    "--base-tokens",
+    "7936",
+    "--segment-tokens",
+    "128",
+    "--max-new-tokens",
+    "16",
+    "--layers",
+    "8",
+    "--d-model",
+    "2048",
+    "--heads",
+    "16",
+    "--kv-heads",
+    "8",
+    "--head-dim",
+    "128",
+    "--ffn-dim",
+    "5632",
+    "--vocab",
+    "32000",
+    "--dtype",
+    "bfloat16",
+    "--page-size",
+    "16",
+    "--device-pages",
+    "1024",
+    "--host-ratio",
+    "4",
+    "--chunk-size",
+    "2048",
+    "--token-budget",
+    "2048",
+    "--query-block",
+    "128",
+    "--key-block",
+    "1024",
+    "--warmup-passes",
+    "2",
+    "--no-mixed-warmup",
+    "--quiet",
+]
+TINY_FLAGS = [
+    "--workload",
+    "docqa",
+    "--sessions",
+    "2",
+    "--turns",
+    "2",
+    "--base-tokens",
+    "40",
+    "--segment-tokens",
+    "8",
+    "--max-new-tokens",
+    "2",
+    "--layers",
+    "1",
+    "--d-model",
+    "32",
+    "--heads",
+    "4",
+    "--kv-heads",
+    "2",
+    "--head-dim",
+    "8",
+    "--ffn-dim",
+    "48",
+    "--vocab",
+    "97",
+    "--dtype",
+    "bfloat16",
+    "--page-size",
+    "16",
+    "--device-pages",
+    "8",
+    "--host-ratio",
+    "4",
+    "--chunk-size",
+    "64",
+    "--token-budget",
+    "64",
+    "--query-block",
+    "32",
+    "--no-warmup",
+    "--quiet",
+]
 
 
 def main(argv=None) -> int:
@@ -46,13 +125,16 @@ def main(argv=None) -> int:
     import jax
 
     if jax.default_backend() not in ("gpu", "tpu") and not (allow_cpu or tiny):
-        print(f"gpu_serve: the default JAX backend is {jax.default_backend()!r}, "
-              "not 'gpu' or 'tpu' "
-              "(pass --allow-cpu to run anyway, or --tiny for the CPU-sized smoke run)",
-              file=sys.stderr)
+        print(
+            f"gpu_serve: the default JAX backend is {jax.default_backend()!r}, "
+            "not 'gpu' or 'tpu' "
+            "(pass --allow-cpu to run anyway, or --tiny for the CPU-sized smoke run)",
+            file=sys.stderr,
+        )
         return 2
-    return hicache_jax_main(["bench", "--engine", "batched", *(TINY_FLAGS if tiny else GPU_FLAGS),
-                             *argv])
+    return hicache_jax_main(
+        ["bench", "--engine", "batched", *(TINY_FLAGS if tiny else GPU_FLAGS), *argv]
+    )
 
 
 if __name__ == "__main__":

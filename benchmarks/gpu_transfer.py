@@ -103,9 +103,11 @@ def round_trip_check(layout: str, memory_kind: str) -> dict:
         eng.load([15, 0, 8, 4, 2], [5, 6, 10, 11, 12], layerwise=True).wait_layer(0)
         eng.wait_all()
         got = np.asarray(dev.read_bits(np.arange(16)))
-        ok = (np.array_equal(got[:, :, [5, 6, 10, 11, 12]], kv)
-              and np.array_equal(host.read([15, 0, 8, 4, 2]), kv)
-              and (got[:, :, [0, 2, 4, 8, 13, 15]] == 0xA5A5).all())
+        ok = (
+            np.array_equal(got[:, :, [5, 6, 10, 11, 12]], kv)
+            and np.array_equal(host.read([15, 0, 8, 4, 2]), kv)
+            and (got[:, :, [0, 2, 4, 8, 13, 15]] == 0xA5A5).all()
+        )
         row.update(status="ok" if ok else "MISMATCH", host_memory=host.memory_kind)
     except Exception as e:  # report, keep measuring the rest
         row.update(status=f"failed: {type(e).__name__}: {str(e)[:200]}")
@@ -128,19 +130,32 @@ def bench_layout(layout: str, sizes, repeats: int, memory_kind: str) -> tuple[li
         nbytes = n * SPEC.page_bytes
         lim = Limits(nbytes)
         d_pad = jnp.asarray(d, jnp.int32)
-        t = _median_rounds({
-            "h2d": lim.h2d, "d2h": lim.d2h,
-            "backup": lambda d=d, h=h: eng.backup(d, h).wait(),
-            "load": lambda d=d, h=h: eng.load(h, d).wait(),
-            "gather": lambda d_pad=d_pad: _gather(dev.array, d_pad).block_until_ready(),
-        }, repeats if n >= 128 else 2 * repeats)
+        t = _median_rounds(
+            {
+                "h2d": lim.h2d,
+                "d2h": lim.d2h,
+                "backup": lambda d=d, h=h: eng.backup(d, h).wait(),
+                "load": lambda d=d, h=h: eng.load(h, d).wait(),
+                "gather": lambda d_pad=d_pad: _gather(dev.array, d_pad).block_until_ready(),
+            },
+            repeats if n >= 128 else 2 * repeats,
+        )
         med = {k: statistics.median(v) for k, v in t.items()}
         for kind, limit in (("backup", "d2h"), ("load", "h2d")):
             ratios = [a / b for a, b in zip(t[limit], t[kind])]
-            rows.append(dict(layout=layout, direction=kind, pages=n, mib=nbytes / 2**20,
-                             limit=lim.kind, limit_gbps=gbps(nbytes, med[limit]),
-                             gbps=gbps(nbytes, med[kind]), ratio=statistics.median(ratios),
-                             device_gather_gbps=gbps(nbytes, med["gather"])))
+            rows.append(
+                dict(
+                    layout=layout,
+                    direction=kind,
+                    pages=n,
+                    mib=nbytes / 2**20,
+                    limit=lim.kind,
+                    limit_gbps=gbps(nbytes, med[limit]),
+                    gbps=gbps(nbytes, med[kind]),
+                    ratio=statistics.median(ratios),
+                    device_gather_gbps=gbps(nbytes, med["gather"]),
+                )
+            )
         if n >= 16:
             eng.load(h, d, layerwise=True).wait()  # compiles the per-layer copy: not timed
             first, whole = [], []
@@ -151,10 +166,15 @@ def bench_layout(layout: str, sizes, repeats: int, memory_kind: str) -> tuple[li
                 first.append(time.perf_counter() - t0)
                 handle.wait()
                 whole.append(time.perf_counter() - t0)
-            layer_rows.append(dict(layout=layout, pages=n,
-                                   layer0_ms=1e3 * statistics.median(first),
-                                   all_ms=1e3 * statistics.median(whole),
-                                   plain_load_ms=1e3 * med["load"]))
+            layer_rows.append(
+                dict(
+                    layout=layout,
+                    pages=n,
+                    layer0_ms=1e3 * statistics.median(first),
+                    all_ms=1e3 * statistics.median(whole),
+                    plain_load_ms=1e3 * med["load"],
+                )
+            )
         del lim
     eng.wait_all()
     return rows, layer_rows
@@ -165,57 +185,103 @@ def main() -> None:
     p.add_argument("--quick", action="store_true")
     p.add_argument("--json", default=None)
     p.add_argument("--layouts", default="layer_first,page_first")
-    p.add_argument("--memory-kind", default="auto",
-                   help="host pool memory kind (auto: pinned_host on GPU/TPU)")
+    p.add_argument(
+        "--memory-kind", default="auto", help="host pool memory kind (auto: pinned_host on GPU/TPU)"
+    )
     args = p.parse_args()
     sizes = (1, 16, 128) if args.quick else (1, 16, 128, 1024)
     repeats = 3 if args.quick else 10
     env = env_info()
     print(env)
     t_start = time.perf_counter()
-    config = dict(spec=str(SPEC), page_bytes=SPEC.page_bytes, sizes=sizes, repeats=repeats,
-                  layouts=args.layouts, memory_kind=args.memory_kind,
-                  pjrt_gpu_host_memory_limit_gb=os.environ.get(
-                      "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB", "default"))
+    config = dict(
+        spec=str(SPEC),
+        page_bytes=SPEC.page_bytes,
+        sizes=sizes,
+        repeats=repeats,
+        layouts=args.layouts,
+        memory_kind=args.memory_kind,
+        pjrt_gpu_host_memory_limit_gb=os.environ.get(
+            "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB", "default"
+        ),
+    )
     checks, rows, layer_rows = [], [], []
     for layout in args.layouts.split(","):
         checks.append(round_trip_check(layout, args.memory_kind))
-        print_table(["layout", "check", "status"], [[checks[-1]["layout"], checks[-1]["check"],
-                                                     checks[-1]["status"]]],
-                    title="correctness on this backend")
+        print_table(
+            ["layout", "check", "status"],
+            [[checks[-1]["layout"], checks[-1]["check"], checks[-1]["status"]]],
+            title="correctness on this backend",
+        )
         try:
             r, lr = bench_layout(layout, sizes, repeats, args.memory_kind)
         except Exception as e:
             traceback.print_exc()
-            r, lr = [dict(layout=layout, direction="both", pages=0, mib=0.0,
-                          limit=f"failed: {type(e).__name__}: {str(e)[:200]}", limit_gbps=0.0,
-                          gbps=0.0, ratio=0.0, device_gather_gbps=0.0)], []
+            r, lr = (
+                [
+                    dict(
+                        layout=layout,
+                        direction="both",
+                        pages=0,
+                        mib=0.0,
+                        limit=f"failed: {type(e).__name__}: {str(e)[:200]}",
+                        limit_gbps=0.0,
+                        gbps=0.0,
+                        ratio=0.0,
+                        device_gather_gbps=0.0,
+                    )
+                ],
+                [],
+            )
         rows += r
         layer_rows += lr
         _print_rows(r, lr)  # as each layout finishes: a run killed later keeps it
-        write_json(args.json, "gpu_transfer", config,
-                   dict(checks=checks, directions=rows, layerwise=layer_rows))
+        write_json(
+            args.json,
+            "gpu_transfer",
+            config,
+            dict(checks=checks, directions=rows, layerwise=layer_rows),
+        )
     print("all layouts:")
     _print_rows(rows, layer_rows)
     big = [r for r in rows if r["pages"] >= 128]
     if big:
-        print(f"target >= 0.80 of the limit for >= 128 pages: worst ratio "
-              f"{min(r['ratio'] for r in big):.2f}")
+        print(
+            f"target >= 0.80 of the limit for >= 128 pages: worst ratio "
+            f"{min(r['ratio'] for r in big):.2f}"
+        )
     print(f"total {time.perf_counter() - t_start:.0f} s")
 
 
 def _print_rows(rows: list, layer_rows: list) -> None:
-    print_table(["layout", "direction", "pages", "MiB", "limit GB/s", "GB/s", "ratio",
-                 "dev gather GB/s"],
-                [[r["layout"], r["direction"], r["pages"], r["mib"], r["limit_gbps"], r["gbps"],
-                  r["ratio"], r["device_gather_gbps"]] for r in rows],
-                title=f"scattered {SPEC.page_bytes // 1024} KiB pages; limit = "
-                      f"{rows[0]['limit'] if rows else '?'} of the same bytes, same direction "
-                      "(backup: device->host, load: host->device)")
+    print_table(
+        ["layout", "direction", "pages", "MiB", "limit GB/s", "GB/s", "ratio", "dev gather GB/s"],
+        [
+            [
+                r["layout"],
+                r["direction"],
+                r["pages"],
+                r["mib"],
+                r["limit_gbps"],
+                r["gbps"],
+                r["ratio"],
+                r["device_gather_gbps"],
+            ]
+            for r in rows
+        ],
+        title=f"scattered {SPEC.page_bytes // 1024} KiB pages; limit = "
+        f"{rows[0]['limit'] if rows else '?'} of the same bytes, same direction "
+        "(backup: device->host, load: host->device)",
+    )
     if layer_rows:
-        print_table(["layout", "pages", "layer 0 ms", "all layers ms", "plain load ms"],
-                    [[r["layout"], r["pages"], r["layer0_ms"], r["all_ms"], r["plain_load_ms"]]
-                     for r in layer_rows], title="layer-wise load")
+        print_table(
+            ["layout", "pages", "layer 0 ms", "all layers ms", "plain load ms"],
+            [
+                [r["layout"], r["pages"], r["layer0_ms"], r["all_ms"], r["plain_load_ms"]]
+                for r in layer_rows
+            ],
+            title="layer-wise load",
+        )
 
 
 if __name__ == "__main__":

@@ -17,9 +17,21 @@ import sys
 
 from benchmarks import bench_ttft
 
-GPU_DEFAULTS = dict(prompt_tokens=8192, cached_tokens=7680, page_size=16, chunk_size=1024,
-                    repeats=10, layers=8, d_model=2048, heads=16, kv_heads=8, head_dim=128,
-                    ffn_dim=5632, vocab=32000, dtype="bfloat16")
+GPU_DEFAULTS = dict(
+    prompt_tokens=8192,
+    cached_tokens=7680,
+    page_size=16,
+    chunk_size=1024,
+    repeats=10,
+    layers=8,
+    d_model=2048,
+    heads=16,
+    kv_heads=8,
+    head_dim=128,
+    ffn_dim=5632,
+    vocab=32000,
+    dtype="bfloat16",
+)
 
 
 def main(argv=None) -> int:
@@ -30,9 +42,12 @@ def main(argv=None) -> int:
     import jax
 
     if jax.default_backend() not in ("gpu", "tpu") and not allow_cpu:
-        print(f"gpu_ttft: the default JAX backend is {jax.default_backend()!r}, "
-              "not 'gpu' or 'tpu' "
-              "(pass --allow-cpu to run anyway)", file=sys.stderr)
+        print(
+            f"gpu_ttft: the default JAX backend is {jax.default_backend()!r}, "
+            "not 'gpu' or 'tpu' "
+            "(pass --allow-cpu to run anyway)",
+            file=sys.stderr,
+        )
         return 2
     return bench_ttft.main(argv, defaults=GPU_DEFAULTS, name="gpu_ttft")
 

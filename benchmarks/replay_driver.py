@@ -50,6 +50,7 @@ LIBRARY_PACKAGES = ("hicache_jax", "pallas_kernels")
 
 # ------------------------------------------------------------------------------------ prompts
 
+
 @dataclasses.dataclass(frozen=True)
 class Prompts:
     """The prompts of a trace, numpy only.
@@ -76,7 +77,7 @@ class Prompts:
 
     def tokens(self, i: int) -> np.ndarray:
         """Request ``i``'s prompt: int64 ``[lengths[i]]`` (made on demand for Mooncake ids)."""
-        ids = self.ids[self.offsets[i]:self.offsets[i + 1]]
+        ids = self.ids[self.offsets[i] : self.offsets[i + 1]]
         if not self.block_size:
             return ids
         bs = self.block_size
@@ -95,8 +96,13 @@ class Prompts:
 
 def save_prompts(prompts: Prompts, path: str) -> None:
     """Write ``prompts`` as an ``.npz`` that :func:`load_prompts` reads back."""
-    np.savez(path, lengths=prompts.lengths, offsets=prompts.offsets, ids=prompts.ids,
-             block_size=prompts.block_size)
+    np.savez(
+        path,
+        lengths=prompts.lengths,
+        offsets=prompts.offsets,
+        ids=prompts.ids,
+        block_size=prompts.block_size,
+    )
 
 
 def load_prompts(path: str) -> Prompts:
@@ -113,6 +119,7 @@ def tiny_spec(page_size: int) -> Any:
 
 
 # --------------------------------------------------------------------------------- the flow
+
 
 class PhaseClock:
     """Seconds spent in each call of :func:`serve`, summed over requests (keys: the flow's
@@ -142,8 +149,13 @@ def default_flow(cache: Any) -> str:
     return "handle" if hasattr(cache, "begin") else "primitives"
 
 
-def serve(cache: Any, tokens: np.ndarray, pages: int, clock: PhaseClock | None = None,
-          flow: str | None = None) -> tuple[int, int, int]:
+def serve(
+    cache: Any,
+    tokens: np.ndarray,
+    pages: int,
+    clock: PhaseClock | None = None,
+    flow: str | None = None,
+) -> tuple[int, int, int]:
     """Serve one prompt of ``pages`` whole pages (int64 ``[pages * page_size]``, at most L1's
     pages) the way a server does: reuse its cached prefix, compute (allocate) the rest, cache it,
     through the request handle or the primitive calls it makes (``flow``, default
@@ -171,8 +183,9 @@ def serve(cache: Any, tokens: np.ndarray, pages: int, clock: PhaseClock | None =
     return _serve_primitives(cache, tokens, pages, lap)
 
 
-def _serve_primitives(cache: Any, tokens: np.ndarray, pages: int,
-                      lap: Callable[[str], None]) -> tuple[int, int, int]:
+def _serve_primitives(
+    cache: Any, tokens: np.ndarray, pages: int, lap: Callable[[str], None]
+) -> tuple[int, int, int]:
     m = cache.match_prefix(tokens)
     lap("match")
     on_device = m.device_len
@@ -204,8 +217,14 @@ def new_cache(spec: Any, cfg: Any) -> Any:
     return HiCache(spec, cfg, clock=lambda: float(next(ticks)))
 
 
-def replay(prompts: Prompts | Sequence[np.ndarray], spec: Any, cfg: Any, *,
-           clock: PhaseClock | None = None, flow: str | None = None) -> dict[str, Any]:
+def replay(
+    prompts: Prompts | Sequence[np.ndarray],
+    spec: Any,
+    cfg: Any,
+    *,
+    clock: PhaseClock | None = None,
+    flow: str | None = None,
+) -> dict[str, Any]:
     """Serve every prompt through a fresh cache, in order; a prompt longer than L1 caches its
     first ``cfg.device_pages`` pages, a partial last page is not cached.
 
@@ -235,34 +254,52 @@ def replay(prompts: Prompts | Sequence[np.ndarray], spec: Any, cfg: Any, *,
     finally:
         cache.close()
     n = len(prompts)
-    return {"requests": n, "prompt_tokens": prompt, "device_hit_tokens": device_hit,
-            "host_hit_tokens": host_hit, "host_declined_tokens": declined,
-            "hit_tokens": device_hit + host_hit,
-            "hit_ratio": (device_hit + host_hit) / prompt if prompt else 0.0,
-            "wall_s": wall, "cpu_s": cpu, "requests_per_s": n / wall if wall > 0 else 0.0,
-            "phase_s": None if clock is None else dict(clock.seconds), "stats": stats}
+    return {
+        "requests": n,
+        "prompt_tokens": prompt,
+        "device_hit_tokens": device_hit,
+        "host_hit_tokens": host_hit,
+        "host_declined_tokens": declined,
+        "hit_tokens": device_hit + host_hit,
+        "hit_ratio": (device_hit + host_hit) / prompt if prompt else 0.0,
+        "wall_s": wall,
+        "cpu_s": cpu,
+        "requests_per_s": n / wall if wall > 0 else 0.0,
+        "phase_s": None if clock is None else dict(clock.seconds),
+        "stats": stats,
+    }
 
 
 def counters(stats: dict[str, Any], page_size: int) -> dict[str, int | None]:
     """The transfer and eviction counters of ``stats()``, pages where the cache counts tokens;
     None for a counter this revision of the cache does not keep."""
+
     def pages(key: str) -> int | None:
         return None if key not in stats else stats[key] // page_size
 
-    return {"bytes_to_host": stats.get("bytes_to_host"),
-            "bytes_to_device": stats.get("bytes_to_device"),
-            "backups": stats.get("backups"), "load_backs": stats.get("load_backs"),
-            "load_backs_declined": stats.get("load_backs_declined"),
-            "evictions": stats.get("evictions"),
-            "evicted_pages": pages("evicted_tokens"),
-            "eviction_backup_pages": stats.get("eviction_backup_pages"),
-            "host_evicted_pages": pages("host_evicted_tokens"),
-            "clean_ahead_pages": stats.get("clean_ahead_pages"),
-            "host_copies_dropped_pages": pages("host_copies_dropped_tokens")}
+    return {
+        "bytes_to_host": stats.get("bytes_to_host"),
+        "bytes_to_device": stats.get("bytes_to_device"),
+        "backups": stats.get("backups"),
+        "load_backs": stats.get("load_backs"),
+        "load_backs_declined": stats.get("load_backs_declined"),
+        "evictions": stats.get("evictions"),
+        "evicted_pages": pages("evicted_tokens"),
+        "eviction_backup_pages": stats.get("eviction_backup_pages"),
+        "host_evicted_pages": pages("host_evicted_tokens"),
+        "clean_ahead_pages": stats.get("clean_ahead_pages"),
+        "host_copies_dropped_pages": pages("host_copies_dropped_tokens"),
+    }
 
 
-def replay_counted(prompts: Prompts | Sequence[np.ndarray], spec: Any, cfg: Any, *,
-                   clock: PhaseClock | None = None, flow: str | None = None) -> dict[str, Any]:
+def replay_counted(
+    prompts: Prompts | Sequence[np.ndarray],
+    spec: Any,
+    cfg: Any,
+    *,
+    clock: PhaseClock | None = None,
+    flow: str | None = None,
+) -> dict[str, Any]:
     """:func:`replay` with ``stats`` replaced by :func:`counters` (JSON-able)."""
     r = replay(prompts, spec, cfg, clock=clock)
     return {k: v for k, v in r.items() if k != "stats"} | counters(r["stats"], spec.page_size)
@@ -270,13 +307,26 @@ def replay_counted(prompts: Prompts | Sequence[np.ndarray], spec: Any, cfg: Any,
 
 # --------------------------------------------------------------------------------- baseline
 
+
 def add_baseline_flags(ap: argparse.ArgumentParser, default: str | None = None) -> None:
     """``--baseline REV`` (alias ``--base``; default ``default``) and ``--no-baseline``."""
-    ap.add_argument("--baseline", "--base", dest="baseline", default=default, metavar="REV",
-                    help="also run this benchmark against hicache_jax at git revision REV, side "
-                         f"by side, and print the ratio (default: {default or 'none'})")
-    ap.add_argument("--no-baseline", "--no-base", dest="baseline", action="store_const",
-                    const=None, help="the current tree only")
+    ap.add_argument(
+        "--baseline",
+        "--base",
+        dest="baseline",
+        default=default,
+        metavar="REV",
+        help="also run this benchmark against hicache_jax at git revision REV, side "
+        f"by side, and print the ratio (default: {default or 'none'})",
+    )
+    ap.add_argument(
+        "--no-baseline",
+        "--no-base",
+        dest="baseline",
+        action="store_const",
+        const=None,
+        help="the current tree only",
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -301,15 +351,26 @@ class Trees:
         if self.baseline:
             self._tmp = tempfile.mkdtemp(prefix="bench_baseline_")
             # the library's packages only: REV's benchmarks/ must not shadow this checkout's
-            packages = [p for p in LIBRARY_PACKAGES if subprocess.run(
-                ["git", "-C", REPO, "cat-file", "-e", f"{self.baseline}:{p}"],
-                capture_output=True).returncode == 0] or list(LIBRARY_PACKAGES[:1])
-            archive = subprocess.run(["git", "-C", REPO, "archive", self.baseline, *packages],
-                                     capture_output=True, check=False)
+            packages = [
+                p
+                for p in LIBRARY_PACKAGES
+                if subprocess.run(
+                    ["git", "-C", REPO, "cat-file", "-e", f"{self.baseline}:{p}"],
+                    capture_output=True,
+                ).returncode
+                == 0
+            ] or list(LIBRARY_PACKAGES[:1])
+            archive = subprocess.run(
+                ["git", "-C", REPO, "archive", self.baseline, *packages],
+                capture_output=True,
+                check=False,
+            )
             if archive.returncode:
                 shutil.rmtree(self._tmp, ignore_errors=True)
-                raise SystemExit(f"--baseline {self.baseline}: git archive failed: "
-                                 f"{archive.stderr.decode(errors='replace').strip()}")
+                raise SystemExit(
+                    f"--baseline {self.baseline}: git archive failed: "
+                    f"{archive.stderr.decode(errors='replace').strip()}"
+                )
             subprocess.run(["tar", "-x", "-C", self._tmp], input=archive.stdout, check=True)
             trees.append(Tree(self.baseline, self._tmp))
         return trees
@@ -328,14 +389,20 @@ def run_worker(tree: Tree, module: str, payload: dict[str, Any]) -> dict[str, An
     ``RESULT {json}`` line, checked to come from that tree (the ``module`` field)."""
     path = tree.lib if tree.lib == REPO else tree.lib + os.pathsep + REPO
     env = dict(os.environ, PYTHONPATH=path, JAX_PLATFORMS=os.environ.get("JAX_PLATFORMS", "cpu"))
-    proc = subprocess.run([sys.executable, "-m", f"benchmarks.{module}", "--worker",
-                           json.dumps(payload)], env=env, capture_output=True, text=True,
-                          cwd=tree.lib)
+    proc = subprocess.run(
+        [sys.executable, "-m", f"benchmarks.{module}", "--worker", json.dumps(payload)],
+        env=env,
+        capture_output=True,
+        text=True,
+        cwd=tree.lib,
+    )
     line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
     if proc.returncode or line is None:
-        raise WorkerError(f"worker {module} failed against {tree.label} ({tree.lib}):\n"
-                          f"{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
-    res = json.loads(line[len("RESULT "):])
+        raise WorkerError(
+            f"worker {module} failed against {tree.label} ({tree.lib}):\n"
+            f"{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
+        )
+    res = json.loads(line[len("RESULT ") :])
     if not os.path.realpath(res["module"]).startswith(os.path.realpath(tree.lib)):
         raise WorkerError(f"worker imported {res['module']}, not the tree at {tree.lib}")
     return res
@@ -350,27 +417,40 @@ class WorkerProcess:
 
     def __init__(self, tree: Tree, module: str, payload: dict[str, Any]) -> None:
         path = tree.lib if tree.lib == REPO else tree.lib + os.pathsep + REPO
-        env = dict(os.environ, PYTHONPATH=path,
-                   JAX_PLATFORMS=os.environ.get("JAX_PLATFORMS", "cpu"))
+        env = dict(
+            os.environ, PYTHONPATH=path, JAX_PLATFORMS=os.environ.get("JAX_PLATFORMS", "cpu")
+        )
         self.tree = tree
         self._proc = subprocess.Popen(
-            [sys.executable, "-m", f"benchmarks.{module}", "--worker",
-             json.dumps(payload | {"serve": True})], env=env, cwd=tree.lib, text=True,
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+            [
+                sys.executable,
+                "-m",
+                f"benchmarks.{module}",
+                "--worker",
+                json.dumps(payload | {"serve": True}),
+            ],
+            env=env,
+            cwd=tree.lib,
+            text=True,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        )
 
     def ask(self, request: dict[str, Any]) -> dict[str, Any]:
         self._proc.stdin.write(json.dumps(request) + "\n")
         self._proc.stdin.flush()
         for line in self._proc.stdout:
             if line.startswith("RESULT "):
-                res = json.loads(line[len("RESULT "):])
-                if not os.path.realpath(res["module"]).startswith(
-                        os.path.realpath(self.tree.lib)):
+                res = json.loads(line[len("RESULT ") :])
+                if not os.path.realpath(res["module"]).startswith(os.path.realpath(self.tree.lib)):
                     raise WorkerError(f"worker imported {res['module']}, not {self.tree.lib}")
                 return res
         self._proc.wait()
-        raise WorkerError(f"worker against {self.tree.label} ended (rc {self._proc.returncode}):"
-                          f"\n{self._proc.stderr.read()[-4000:]}")
+        raise WorkerError(
+            f"worker against {self.tree.label} ended (rc {self._proc.returncode}):"
+            f"\n{self._proc.stderr.read()[-4000:]}"
+        )
 
     def __enter__(self) -> WorkerProcess:
         return self
@@ -382,16 +462,19 @@ class WorkerProcess:
         self._proc.stderr.close()
 
 
-def serve_main(fn: Callable[[dict[str, Any], dict[str, Any]], dict[str, Any]],
-               payload: dict[str, Any]) -> None:
+def serve_main(
+    fn: Callable[[dict[str, Any], dict[str, Any]], dict[str, Any]], payload: dict[str, Any]
+) -> None:
     """The worker side of :class:`WorkerProcess`: ``fn(payload, request)`` for every JSON
     line of stdin, each printed as a ``RESULT`` line at once; returns at end of input."""
     import hicache_jax
 
     for line in sys.stdin:
         out = fn(payload, json.loads(line))
-        print("RESULT " + json.dumps(out | {"module": hicache_jax.__file__}, default=_jsonable),
-              flush=True)
+        print(
+            "RESULT " + json.dumps(out | {"module": hicache_jax.__file__}, default=_jsonable),
+            flush=True,
+        )
 
 
 def worker_main(fn: Callable[[dict[str, Any]], dict[str, Any]], payload: str) -> None:

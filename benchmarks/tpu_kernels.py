@@ -43,7 +43,8 @@ def tpu_impls(cfg: dict, smoke: bool) -> dict:
         # jitted: outside jit the wrappers range-check concrete ids (a device->host sync).
         impls[f"pallas window={window} programs={programs}"] = (
             jax.jit(functools.partial(pk_tpu.gather_pages, **kw)),
-            functools.partial(pk_tpu.scatter_pages, **kw))
+            functools.partial(pk_tpu.scatter_pages, **kw),
+        )
     return impls
 
 
@@ -59,8 +60,11 @@ def main(argv=None) -> int:
     config = dict(cfg) | {"smoke": args.smoke}
     t0 = time.perf_counter()
     results = gpu_kernels.run(
-        cfg, args.smoke, make_impls=tpu_impls,
-        checkpoint=lambda partial: write_json(args.json, "tpu_kernels", config, partial))
+        cfg,
+        args.smoke,
+        make_impls=tpu_impls,
+        checkpoint=lambda partial: write_json(args.json, "tpu_kernels", config, partial),
+    )
     results["wall_seconds"] = time.perf_counter() - t0
     print(f"wall {results['wall_seconds']:.0f} s")
     write_json(args.json, "tpu_kernels", config, results)

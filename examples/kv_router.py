@@ -32,6 +32,7 @@ END_SEQ = -1
 # -- the wire format (vLLM's msgspec structs, tagged; each event positional or, as vLLM now
 # sends it, a map of field names tagged by "type": both decode) ------------------------------
 
+
 class _Event(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True):
     pass
 
@@ -70,7 +71,7 @@ def _event(ev: Any) -> _Event:
         cls = _EVENTS[ev["type"]]
         return cls(*(ev.get(f) for f in cls.__struct_fields__))
     cls = _EVENTS[ev[0]]
-    return cls(*ev[1:1 + len(cls.__struct_fields__)])
+    return cls(*ev[1 : 1 + len(cls.__struct_fields__)])
 
 
 def _decode(payload: bytes) -> KVEventBatch:
@@ -90,6 +91,7 @@ def dynamo_block_key(tokens: Sequence[int]) -> int:
 
 
 # -- one instance's index -------------------------------------------------------------------
+
 
 class InstanceIndex:
     """Pages an instance holds: ``block_hash -> mediums``, and how to reach each page by
@@ -122,7 +124,7 @@ class InstanceIndex:
                     parent = ("namespace", ev.lora_id, ev.lora_name)
                 ps = ev.block_size
                 for i, h in enumerate(ev.block_hashes):
-                    key = (parent, self._page_key(ev.token_ids[i * ps:(i + 1) * ps]))
+                    key = (parent, self._page_key(ev.token_ids[i * ps : (i + 1) * ps]))
                     self._by_tokens.setdefault(key, set()).add(h)
                     self._key_of[h] = key
                     self.mediums.setdefault(h, set()).add(ev.medium)
@@ -148,20 +150,23 @@ class InstanceIndex:
     def _page_key(self, tokens: Sequence[int]) -> Any:
         return dynamo_block_key(tokens) if self.keying == "dynamo" else tuple(tokens)
 
-    def longest_prefix(self, tokens: Sequence[int], page_size: int,
-                       extra_key: Hashable = None) -> tuple[int, int]:
+    def longest_prefix(
+        self, tokens: Sequence[int], page_size: int, extra_key: Hashable = None
+    ) -> tuple[int, int]:
         """``(tokens on device, further tokens on host only)`` of the longest cached prefix,
         as the cache's ``match_prefix`` counts them (L1 pages come first: a device page's
         ancestors are on device)."""
         if extra_key is not None and not isinstance(extra_key, (int, np.integer, str)):
-            raise TypeError(f"extra_key={extra_key!r}: only None, int and str namespaces are "
-                            "on the wire (lora_id / lora_name)")
+            raise TypeError(
+                f"extra_key={extra_key!r}: only None, int and str namespaces are "
+                "on the wire (lora_id / lora_name)"
+            )
         lora_id = int(extra_key) if isinstance(extra_key, (int, np.integer)) else None
         parent: Any = ("namespace", lora_id, extra_key if isinstance(extra_key, str) else None)
         device = host = 0
         toks = list(tokens)
         for start in range(0, len(toks) // page_size * page_size, page_size):
-            found = self._by_tokens.get((parent, self._page_key(toks[start:start + page_size])))
+            found = self._by_tokens.get((parent, self._page_key(toks[start : start + page_size])))
             if not found:
                 break
             h = min(found)  # one hash but for namespaces the wire cannot tell apart
@@ -180,17 +185,24 @@ class InstanceIndex:
 class Answer:
     instance: str
     device_tokens: int  # of the prefix, on the instance's L1 ("GPU")
-    host_tokens: int    # further tokens on its L2 ("CPU"): loaded back, not recomputed
+    host_tokens: int  # further tokens on its L2 ("CPU"): loaded back, not recomputed
 
 
 # -- the router ------------------------------------------------------------------------------
+
 
 class KVRouter:
     """Subscribes to instances' KV events (``{name: (endpoint, replay_endpoint or None)}``);
     call :meth:`poll` (or :meth:`sync`) to apply what arrived, :meth:`route` to ask."""
 
-    def __init__(self, instances: dict[str, tuple[str, str | None]], *, topic: str = "kv-events",
-                 page_size: int, ctx: zmq.Context | None = None) -> None:
+    def __init__(
+        self,
+        instances: dict[str, tuple[str, str | None]],
+        *,
+        topic: str = "kv-events",
+        page_size: int,
+        ctx: zmq.Context | None = None,
+    ) -> None:
         self._ctx = ctx or zmq.Context.instance()
         self.page_size = page_size
         self.index = {name: InstanceIndex() for name in instances}
@@ -286,10 +298,11 @@ class KVRouter:
 
 # -- demo -----------------------------------------------------------------------------------
 
+
 def _serve(cache: Any, tokens: np.ndarray) -> None:
     """One request through the cache's handle, without the model (the pages' KV is not
     written): begin (match, load back, lock), the pages it computes, finish (insert, unlock)."""
-    whole = tokens[:tokens.size // cache.spec.page_size * cache.spec.page_size]
+    whole = tokens[: tokens.size // cache.spec.page_size * cache.spec.page_size]
     with cache.begin(whole) as req:
         req.extend(whole.size - req.cached_len)
         req.finish(whole)
@@ -306,8 +319,14 @@ def main() -> None:
     for name in ("a", "b"):
         ep, replay = f"ipc://{tmp}/{name}", f"ipc://{tmp}/{name}-replay"
         instances[name] = (ep, replay)
-        caches[name] = HiCache(spec, HiCacheConfig(device_pages=64, host_pages=128, kv_events={
-            "publisher": "zmq", "endpoint": ep, "replay_endpoint": replay}))
+        caches[name] = HiCache(
+            spec,
+            HiCacheConfig(
+                device_pages=64,
+                host_pages=128,
+                kv_events={"publisher": "zmq", "endpoint": ep, "replay_endpoint": replay},
+            ),
+        )
     router = KVRouter(instances, page_size=spec.page_size)
     system_a, system_b = np.arange(32), np.arange(1000, 1024)
     _serve(caches["a"], system_a)

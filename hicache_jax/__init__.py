@@ -10,7 +10,20 @@ from hicache_jax.l3.storage import StorageError, StorageUnavailableError
 from hicache_jax.spec import HiCacheConfig, KVSpec
 
 __all__ = [
-    "AllBlocksCleared", "BlockRemoved", "BlockStored", "HiCache", "HiCacheConfig", "HiCacheError",
-    "KVEvent", "KVSpec", "Match", "Medium", "NodeRef", "OutOfPagesError", "PrefetchHandle",
-    "Request", "StorageError", "StorageUnavailableError",
+    "AllBlocksCleared",
+    "BlockRemoved",
+    "BlockStored",
+    "HiCache",
+    "HiCacheConfig",
+    "HiCacheError",
+    "KVEvent",
+    "KVSpec",
+    "Match",
+    "Medium",
+    "NodeRef",
+    "OutOfPagesError",
+    "PrefetchHandle",
+    "Request",
+    "StorageError",
+    "StorageUnavailableError",
 ]

@@ -17,8 +17,9 @@ class OutOfPagesError(HiCacheError):
         locked: pages held by locked (protected) nodes or owned by callers.
     """
 
-    def __init__(self, message: str, *, needed: int = 0, free: int = 0,
-                 evictable: int = 0, locked: int = 0) -> None:
+    def __init__(
+        self, message: str, *, needed: int = 0, free: int = 0, evictable: int = 0, locked: int = 0
+    ) -> None:
         super().__init__(message)
         self.needed = needed
         self.free = free
@@ -36,8 +37,7 @@ class PinLimitError(HiCacheError):
         limit: the most pages of that tier pins may hold.
     """
 
-    def __init__(self, message: str, *, tier: str, pinned: int, requested: int,
-                 limit: int) -> None:
+    def __init__(self, message: str, *, tier: str, pinned: int, requested: int, limit: int) -> None:
         super().__init__(message)
         self.tier, self.pinned, self.requested, self.limit = tier, pinned, requested, limit
 

@@ -35,13 +35,13 @@ SUPPORTED_DTYPES = tuple(_BITS_DTYPE)
 class EvictionPolicy(str, enum.Enum):
     """Which node to evict first. A ``str`` enum: ``EvictionPolicy.LRU == "lru"``."""
 
-    LRU = "lru"        # least recently used
-    LFU = "lfu"        # least frequently used, ties by recency
-    FIFO = "fifo"      # oldest node first
-    MRU = "mru"        # most recently used first
-    FILO = "filo"      # newest node first
+    LRU = "lru"  # least recently used
+    LFU = "lfu"  # least frequently used, ties by recency
+    FIFO = "fifo"  # oldest node first
+    MRU = "mru"  # most recently used first
+    FILO = "filo"  # newest node first
     PRIORITY = "priority"  # lowest request priority first, ties by recency
-    SLRU = "slru"      # segmented LRU: probationary (hit_count < 2) before protected
+    SLRU = "slru"  # segmented LRU: probationary (hit_count < 2) before protected
 
     @classmethod
     def parse(cls, value: str | EvictionPolicy) -> EvictionPolicy:
@@ -56,9 +56,9 @@ class EvictionPolicy(str, enum.Enum):
 class WritePolicy(str, enum.Enum):
     """When device pages are backed up to host (SGLang HiCache semantics)."""
 
-    WRITE_THROUGH = "write_through"                      # once hit_count >= threshold (default 1)
+    WRITE_THROUGH = "write_through"  # once hit_count >= threshold (default 1)
     WRITE_THROUGH_SELECTIVE = "write_through_selective"  # same, default threshold 2
-    WRITE_BACK = "write_back"                            # only when evicted from device
+    WRITE_BACK = "write_back"  # only when evicted from device
     CLEAN_AHEAD = "clean_ahead"  # the eviction end of L1, in the background; L2 ~ exclusive
 
 
@@ -66,7 +66,7 @@ class HostLayout(str, enum.Enum):
     """Layout of the host pool buffer."""
 
     LAYER_FIRST = "layer_first"  # [num_layers, kv, num_pages, page_size, heads, dim]
-    PAGE_FIRST = "page_first"    # [num_pages, num_layers, kv, page_size, heads, dim]
+    PAGE_FIRST = "page_first"  # [num_pages, num_layers, kv, page_size, heads, dim]
 
 
 class CopyBackend(str, enum.Enum):
@@ -121,8 +121,10 @@ class KVSpec:
             try:
                 dtype = np.dtype(dtype).name  # accept jnp.bfloat16 / np.float16 too
             except TypeError:
-                raise TypeError(f"dtype={self.dtype!r} is not a dtype; use one of: "
-                                f"{', '.join(SUPPORTED_DTYPES)}") from None
+                raise TypeError(
+                    f"dtype={self.dtype!r} is not a dtype; use one of: "
+                    f"{', '.join(SUPPORTED_DTYPES)}"
+                ) from None
         if dtype not in _BITS_DTYPE:
             raise ValueError(f"dtype={self.dtype!r} is not one of: {', '.join(SUPPORTED_DTYPES)}")
         object.__setattr__(self, "dtype", dtype)
@@ -131,7 +133,8 @@ class KVSpec:
             raise TypeError(f"shard={self.shard!r} must be a str")
         if self.mla and self.num_kv_heads != 1:
             raise ValueError(
-                f"mla=True needs num_kv_heads=1 (one latent 'head'), got {self.num_kv_heads}")
+                f"mla=True needs num_kv_heads=1 (one latent 'head'), got {self.num_kv_heads}"
+            )
 
     @property
     def kv_factor(self) -> int:
@@ -155,14 +158,26 @@ class KVSpec:
 
     def kv_shape(self, num_pages: int) -> tuple[int, int, int, int, int, int]:
         """Shape of the KV of ``num_pages`` pages: [layers, kv, pages, page_size, heads, dim]."""
-        return (self.num_layers, self.kv_factor, num_pages, self.page_size,
-                self.num_kv_heads, self.head_dim)
+        return (
+            self.num_layers,
+            self.kv_factor,
+            num_pages,
+            self.page_size,
+            self.num_kv_heads,
+            self.head_dim,
+        )
 
     def page_major_shape(self, num_pages: int) -> tuple[int, int, int, int, int, int]:
         """Shape of ``num_pages`` pages page-major (the ``page_first`` host layout, L3 entries):
         [pages, layers, kv, page_size, heads, dim]."""
-        return (num_pages, self.num_layers, self.kv_factor, self.page_size,
-                self.num_kv_heads, self.head_dim)
+        return (
+            num_pages,
+            self.num_layers,
+            self.kv_factor,
+            self.page_size,
+            self.num_kv_heads,
+            self.head_dim,
+        )
 
     @property
     def page_elems(self) -> int:
@@ -181,15 +196,23 @@ class KVSpec:
 
     def fingerprint(self) -> str:
         """Stable short hash of everything that makes two caches' bytes incompatible."""
-        text = (f"L{self.num_layers}/H{self.num_kv_heads}/D{self.head_dim}/{self.dtype}"
-                f"/P{self.page_size}/mla{int(self.mla)}")
+        text = (
+            f"L{self.num_layers}/H{self.num_kv_heads}/D{self.head_dim}/{self.dtype}"
+            f"/P{self.page_size}/mla{int(self.mla)}"
+        )
         if self.shard:  # (unsharded keys stay what they were)
             text += f"/shard{self.shard}"
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 
     @classmethod
-    def parse(cls, text: str | None, default: KVSpec, *, page_size: int | None = None,
-              flag: str = "--spec") -> KVSpec:
+    def parse(
+        cls,
+        text: str | None,
+        default: KVSpec,
+        *,
+        page_size: int | None = None,
+        flag: str = "--spec",
+    ) -> KVSpec:
         """A spec from a command's ``--spec``: ``"layers=32,kv_heads=8,head_dim=128,
         dtype=bfloat16,page_size=16,mla=1"`` (comma-separated ``key=value`` items, any subset).
 
@@ -205,8 +228,14 @@ class KVSpec:
             ValueError: an item that is not ``key=value`` with a known key (naming the item and
                 the keys), or an int key whose value is not an int; KVSpec's own checks.
         """
-        keys = {"layers": "num_layers", "kv_heads": "num_kv_heads", "head_dim": "head_dim",
-                "dtype": "dtype", "page_size": "page_size", "mla": "mla"}
+        keys = {
+            "layers": "num_layers",
+            "kv_heads": "num_kv_heads",
+            "head_dim": "head_dim",
+            "dtype": "dtype",
+            "page_size": "page_size",
+            "mla": "mla",
+        }
         fields = dataclasses.asdict(default)
         if page_size is not None:
             del keys["page_size"]
@@ -215,8 +244,9 @@ class KVSpec:
             key, sep, value = item.partition("=")
             key, value = key.strip(), value.strip()
             if not sep or key not in keys:
-                raise ValueError(f"{flag} item {item!r}: expected key=value with key one of "
-                                 f"{', '.join(keys)}")
+                raise ValueError(
+                    f"{flag} item {item!r}: expected key=value with key one of {', '.join(keys)}"
+                )
             name = keys[key]
             if name == "dtype":
                 fields[name] = value
@@ -352,26 +382,34 @@ class HiCacheConfig:
         set_("copy_backend", parse_enum(CopyBackend, "copy_backend", self.copy_backend))
         set_("huge_pages", check_bool("huge_pages", self.huge_pages))
         set_("prefetch_policy", parse_enum(PrefetchPolicy, "prefetch_policy", self.prefetch_policy))
-        set_("storage_write_policy", parse_enum(
-            WritePolicy, "storage_write_policy", self.storage_write_policy))
+        set_(
+            "storage_write_policy",
+            parse_enum(WritePolicy, "storage_write_policy", self.storage_write_policy),
+        )
         if self.storage_write_policy is WritePolicy.CLEAN_AHEAD:
-            raise ValueError("storage_write_policy='clean_ahead' is not an L3 policy: use "
-                             "write_through, write_through_selective or write_back")
+            raise ValueError(
+                "storage_write_policy='clean_ahead' is not an L3 policy: use "
+                "write_through, write_through_selective or write_back"
+            )
         if self.clean_ahead_pages is not None:
             set_("clean_ahead_pages", check_int("clean_ahead_pages", self.clean_ahead_pages, 1))
         if self.write_through_threshold is None:
             default = 2 if self.write_policy is WritePolicy.WRITE_THROUGH_SELECTIVE else 1
             set_("write_through_threshold", default)
-        set_("write_through_threshold",
-             check_int("write_through_threshold", self.write_through_threshold, 1))
+        set_(
+            "write_through_threshold",
+            check_int("write_through_threshold", self.write_through_threshold, 1),
+        )
         set_("load_back_threshold", check_int("load_back_threshold", self.load_back_threshold, 0))
         if self.load_back_quota is not None:
             set_("load_back_quota", check_int("load_back_quota", self.load_back_quota, 0))
         if self.load_policy not in ("threshold", "cost"):
             raise ValueError(f"load_policy={self.load_policy!r} must be 'threshold' or 'cost'")
         if self.prefill_cost is not None and not callable(self.prefill_cost):
-            raise TypeError(f"prefill_cost must be callable (n_new, n_cached) -> seconds, got "
-                            f"{type(self.prefill_cost).__name__}")
+            raise TypeError(
+                f"prefill_cost must be callable (n_new, n_cached) -> seconds, got "
+                f"{type(self.prefill_cost).__name__}"
+            )
         for name in ("max_load_tokens", "load_step_budget_tokens"):
             if getattr(self, name) is not None:
                 set_(name, check_int(name, getattr(self, name), 0))
@@ -379,8 +417,10 @@ class HiCacheConfig:
             set_("cost_page_bytes", check_int("cost_page_bytes", self.cost_page_bytes, 1))
         check_bool("load_overlap", self.load_overlap)
         if self.load_overlap and self.load_policy != "cost":
-            raise ValueError("load_overlap=True needs load_policy='cost' (the split is the cost "
-                             "model's decision)")
+            raise ValueError(
+                "load_overlap=True needs load_policy='cost' (the split is the cost "
+                "model's decision)"
+            )
         if self.storage is not None and not isinstance(self.storage, str):
             raise TypeError(f"storage={self.storage!r} must be a URL string or None")
         timeout = self.prefetch_timeout_s
@@ -390,8 +430,10 @@ class HiCacheConfig:
         share = self.pin_max_share
         if not is_real(share) or not 0.0 <= share <= 1.0:
             raise ValueError(f"pin_max_share={share!r} must be a number in [0, 1]")
-        set_("agreement_check_every",
-             check_int("agreement_check_every", self.agreement_check_every, 0))
+        set_(
+            "agreement_check_every",
+            check_int("agreement_check_every", self.agreement_check_every, 0),
+        )
         t = self.agreement_timeout_s
         if not is_real(t) or not math.isfinite(t) or t <= 0:
             raise ValueError(f"agreement_timeout_s={t!r} must be a finite number > 0")
@@ -409,7 +451,9 @@ class HiCacheConfig:
 
 # -- kv_events configuration -----------------------------------------------------------------
 
-_ENDPOINT = re.compile(r"^(tcp://(\*|[A-Za-z0-9.\-]+|\[[0-9A-Fa-f:.]+\]):(\d{1,5})|ipc://.+|inproc://.+)$")
+_ENDPOINT = re.compile(
+    r"^(tcp://(\*|[A-Za-z0-9.\-]+|\[[0-9A-Fa-f:.]+\]):(\d{1,5})|ipc://.+|inproc://.+)$"
+)
 
 
 @dataclass(frozen=True)
@@ -466,9 +510,11 @@ _BLOCK_HASHES = ("tree", "vllm:sha256", "vllm:sha256_cbor")
 def _check_endpoint(field: str, value: Any) -> None:
     m = _ENDPOINT.match(value) if isinstance(value, str) else None
     if m is None or (m.group(3) is not None and not 0 < int(m.group(3)) < 65536):
-        raise ValueError(f"kv_events {field}={value!r} is not a ZMQ endpoint: use "
-                         "'tcp://HOST:PORT' (HOST '*' for every interface, PORT 1-65535), "
-                         "'ipc://PATH' or 'inproc://NAME'")
+        raise ValueError(
+            f"kv_events {field}={value!r} is not a ZMQ endpoint: use "
+            "'tcp://HOST:PORT' (HOST '*' for every interface, PORT 1-65535), "
+            "'ipc://PATH' or 'inproc://NAME'"
+        )
 
 
 def parse_kv_events(value: Any) -> KVEventsConfig | None:
@@ -486,8 +532,10 @@ def parse_kv_events(value: Any) -> KVEventsConfig | None:
         except json.JSONDecodeError as e:
             raise ValueError(f"kv_events={value!r} is not valid JSON ({e})") from None
     if not isinstance(value, dict):
-        raise TypeError(f"kv_events={value!r} must be None, a dict or its JSON string, e.g. "
-                        '{"publisher": "zmq", "endpoint": "tcp://*:5557"}')
+        raise TypeError(
+            f"kv_events={value!r} must be None, a dict or its JSON string, e.g. "
+            '{"publisher": "zmq", "endpoint": "tcp://*:5557"}'
+        )
     names = {f.name for f in dataclasses.fields(KVEventsConfig)}
     unknown = sorted(set(value) - names)
     if unknown:
@@ -499,8 +547,10 @@ def parse_kv_events(value: Any) -> KVEventsConfig | None:
 
 def _checked(cfg: KVEventsConfig) -> bool:
     if cfg.publisher not in _PUBLISHERS:
-        raise ValueError(f"kv_events publisher={cfg.publisher!r} is not one of: "
-                         f"{', '.join(map(repr, _PUBLISHERS))}")
+        raise ValueError(
+            f"kv_events publisher={cfg.publisher!r} is not one of: "
+            f"{', '.join(map(repr, _PUBLISHERS))}"
+        )
     for field, low in (("buffer_steps", 1), ("buffer_bytes", 1), ("data_parallel_rank", 0)):
         v = getattr(cfg, field)
         if not is_int(v) or v < low:
@@ -509,8 +559,10 @@ def _checked(cfg: KVEventsConfig) -> bool:
         raise TypeError(f"kv_events topic={cfg.topic!r} must be a str")
     for field, allowed in (("encoding", _ENCODINGS), ("block_hash", _BLOCK_HASHES)):
         if getattr(cfg, field) not in allowed:
-            raise ValueError(f"kv_events {field}={getattr(cfg, field)!r} is not one of: "
-                             f"{', '.join(map(repr, allowed))}")
+            raise ValueError(
+                f"kv_events {field}={getattr(cfg, field)!r} is not one of: "
+                f"{', '.join(map(repr, allowed))}"
+            )
     for field in ("l3_medium", "hash_seed"):
         v = getattr(cfg, field)
         if v is not None and (not isinstance(v, str) or not v):
@@ -519,6 +571,7 @@ def _checked(cfg: KVEventsConfig) -> bool:
     if cfg.replay_endpoint is not None:
         _check_endpoint("replay_endpoint", cfg.replay_endpoint)
         if cfg.replay_endpoint == cfg.endpoint:
-            raise ValueError(f"kv_events replay_endpoint={cfg.replay_endpoint!r} must differ "
-                             "from endpoint")
+            raise ValueError(
+                f"kv_events replay_endpoint={cfg.replay_endpoint!r} must differ from endpoint"
+            )
     return True

@@ -41,27 +41,55 @@ from hicache_jax.replay.trace import load_trace as _load_trace
 from hicache_jax.spec import HiCacheConfig, KVSpec
 from hicache_jax.validation import check_int, is_real
 
-__all__ = ["FORMAT", "SweepResult", "TIMING_FIELDS", "as_table", "auto_progress",
-           "check_configs", "from_json", "l1_pages", "load_trace", "shipped_traces", "sweep",
-           "trace_dirs"]
+__all__ = [
+    "FORMAT",
+    "SweepResult",
+    "TIMING_FIELDS",
+    "as_table",
+    "auto_progress",
+    "check_configs",
+    "from_json",
+    "l1_pages",
+    "load_trace",
+    "shipped_traces",
+    "sweep",
+    "trace_dirs",
+]
 
 FORMAT = "hicache_jax.study.sweep/1"  # the "format" of :meth:`SweepResult.to_json`
 TIMING_FIELDS = _replay.TIMING_FIELDS
 TRACES_ENV = "HICACHE_JAX_TRACES"
 _REPO = pathlib.Path(__file__).resolve().parent.parent
 _SHIPPED = (_REPO / "benchmarks" / "data", _REPO / "tests" / "data")
-_LEAD = ("trace", "host_ratio", "config", "write_policy", "eviction", "device_pages",
-         "device_tokens", "host_pages", "hit_ratio", "lru_l1_hit_ratio", "lru_total_hit_ratio",
-         "infinite_hit_ratio", "vs_lru_l1", "vs_lru_total", "vs_infinite", "bytes_moved")
+_LEAD = (
+    "trace",
+    "host_ratio",
+    "config",
+    "write_policy",
+    "eviction",
+    "device_pages",
+    "device_tokens",
+    "host_pages",
+    "hit_ratio",
+    "lru_l1_hit_ratio",
+    "lru_total_hit_ratio",
+    "infinite_hit_ratio",
+    "vs_lru_l1",
+    "vs_lru_total",
+    "vs_infinite",
+    "bytes_moved",
+)
 
 
 # ------------------------------------------------------------------------------------ traces
 
+
 def trace_dirs() -> list[pathlib.Path]:
     """Folders searched for trace names: ``$HICACHE_JAX_TRACES``'s, then the repository's
     ``benchmarks/data`` and ``tests/data`` (those that exist)."""
-    extra = [pathlib.Path(p).expanduser() for p in os.environ.get(TRACES_ENV, "").split(os.pathsep)
-             if p]
+    extra = [
+        pathlib.Path(p).expanduser() for p in os.environ.get(TRACES_ENV, "").split(os.pathsep) if p
+    ]
     return [d for d in extra + list(_SHIPPED) if d.is_dir()]
 
 
@@ -75,8 +103,9 @@ def shipped_traces() -> dict[str, pathlib.Path]:
     return out
 
 
-def load_trace(source: str | os.PathLike | Trace, *, block_size: int = MOONCAKE_BLOCK,
-               limit: int | None = None) -> Trace:
+def load_trace(
+    source: str | os.PathLike | Trace, *, block_size: int = MOONCAKE_BLOCK, limit: int | None = None
+) -> Trace:
     """A trace from a path (Mooncake JSONL or token JSONL, auto-detected) or a shipped name.
 
     Args:
@@ -101,15 +130,23 @@ def load_trace(source: str | os.PathLike | Trace, *, block_size: int = MOONCAKE_
             raise FileNotFoundError(
                 f"trace {path!r}: no such file, nor the name of a trace; names: "
                 f"{', '.join(names) or 'none found'} (the repository's benchmarks/data and "
-                f"tests/data, and ${TRACES_ENV}'s folders)")
+                f"tests/data, and ${TRACES_ENV}'s folders)"
+            )
         path = str(found)
     return _load_trace(path, block_size=block_size, limit=limit)
 
 
 # ------------------------------------------------------------------------------------ sweep
 
-def l1_pages(trace: Trace, page_size: int, *, capacities: Iterable[float] | None = None,
-             device_pages: Iterable[int] | None = None, name: str = "capacities") -> list[int]:
+
+def l1_pages(
+    trace: Trace,
+    page_size: int,
+    *,
+    capacities: Iterable[float] | None = None,
+    device_pages: Iterable[int] | None = None,
+    name: str = "capacities",
+) -> list[int]:
     """L1 sizes in pages, distinct, in order: ``capacities`` (tokens, rounded down to whole
     pages), else ``device_pages``, else :func:`~hicache_jax.replay.default_device_pages`.
     ValueError (naming ``name``) for a capacity below one page."""
@@ -132,9 +169,13 @@ def l1_pages(trace: Trace, page_size: int, *, capacities: Iterable[float] | None
     return list(dict.fromkeys(pages))
 
 
-def check_configs(device_pages: Sequence[int], host_ratios: Sequence[float],
-                  policies: Sequence[str], evictions: Sequence[str],
-                  load_back_threshold: int) -> None:
+def check_configs(
+    device_pages: Sequence[int],
+    host_ratios: Sequence[float],
+    policies: Sequence[str],
+    evictions: Sequence[str],
+    load_back_threshold: int,
+) -> None:
     """ValueError / TypeError naming the first bad setting, before anything is replayed."""
     for ratio in host_ratios:
         if not (is_real(ratio) and np.isfinite(ratio) and ratio >= 0):
@@ -143,9 +184,13 @@ def check_configs(device_pages: Sequence[int], host_ratios: Sequence[float],
         for ratio in host_ratios:
             for w in policies:
                 for e in evictions:
-                    HiCacheConfig(device_pages=p, host_pages=int(round(ratio * p)),
-                                  write_policy=w, eviction=e,
-                                  load_back_threshold=load_back_threshold)
+                    HiCacheConfig(
+                        device_pages=p,
+                        host_pages=int(round(ratio * p)),
+                        write_policy=w,
+                        eviction=e,
+                        load_back_threshold=load_back_threshold,
+                    )
 
 
 def auto_progress(total: int, desc: str) -> Any:
@@ -156,13 +201,20 @@ def auto_progress(total: int, desc: str) -> Any:
     return tqdm(total=total, desc=desc, unit="req", leave=False)
 
 
-def sweep(trace: str | os.PathLike | Trace, capacities: Iterable[float] | None = None, *,
-          device_pages: Iterable[int] | None = None,
-          policies: Sequence[str] = ("clean_ahead",), evictions: Sequence[str] = ("lru",),
-          host_ratios: Sequence[float] = (4.0,), page_size: int | None = None,
-          spec: KVSpec | str | None = None, load_back_threshold: int = 16,
-          progress: bool | Callable[[int, str], Any] = auto_progress,
-          diagnose: bool = False) -> SweepResult:
+def sweep(
+    trace: str | os.PathLike | Trace,
+    capacities: Iterable[float] | None = None,
+    *,
+    device_pages: Iterable[int] | None = None,
+    policies: Sequence[str] = ("clean_ahead",),
+    evictions: Sequence[str] = ("lru",),
+    host_ratios: Sequence[float] = (4.0,),
+    page_size: int | None = None,
+    spec: KVSpec | str | None = None,
+    load_back_threshold: int = 16,
+    progress: bool | Callable[[int, str], Any] = auto_progress,
+    diagnose: bool = False,
+) -> SweepResult:
     """Replay ``trace`` at every (L2 ratio, L1 size, write policy, eviction), beside the exact
     LRU references of L1's and L1 + L2's capacity and the infinite cache.
 
@@ -186,18 +238,28 @@ def sweep(trace: str | os.PathLike | Trace, capacities: Iterable[float] | None =
     """
     trace = load_trace(trace)
     spec = _spec(spec, page_size, trace)
-    pages = l1_pages(trace, spec.page_size, capacities=_listed(capacities),
-                     device_pages=_listed(device_pages))
+    pages = l1_pages(
+        trace, spec.page_size, capacities=_listed(capacities), device_pages=_listed(device_pages)
+    )
     policies, evictions = _names(policies, "policies"), _names(evictions, "evictions")
     ratios = _listed(host_ratios)
     if not ratios:
         raise ValueError("host_ratios: no ratio given")
     check_configs(pages, ratios, policies, evictions, load_back_threshold)
-    reports = [_replay.run(trace, spec, device_pages=pages, host_ratio=float(ratio),
-                           write_policies=policies, evictions=evictions,
-                           load_back_threshold=load_back_threshold, progress=progress,
-                           diagnose=diagnose)
-               for ratio in ratios]
+    reports = [
+        _replay.run(
+            trace,
+            spec,
+            device_pages=pages,
+            host_ratio=float(ratio),
+            write_policies=policies,
+            evictions=evictions,
+            load_back_threshold=load_back_threshold,
+            progress=progress,
+            diagnose=diagnose,
+        )
+        for ratio in ratios
+    ]
     return SweepResult(reports)
 
 
@@ -209,13 +271,17 @@ def _listed(values: Any) -> list | None:
 def _spec(spec: KVSpec | str | None, page_size: int | None, trace: Trace) -> KVSpec:
     if isinstance(spec, KVSpec):
         if page_size is not None and page_size != spec.page_size:
-            raise ValueError(f"page_size={page_size} differs from spec.page_size="
-                             f"{spec.page_size}; give one")
+            raise ValueError(
+                f"page_size={page_size} differs from spec.page_size={spec.page_size}; give one"
+            )
         return spec
     if spec is not None and not isinstance(spec, str):
         raise TypeError(f"spec={spec!r} must be a KVSpec, a string or None")
-    return KVSpec.parse(spec, _replay.TINY_SPEC, page_size=page_size if page_size is not None
-                        else trace.default_page_size())
+    return KVSpec.parse(
+        spec,
+        _replay.TINY_SPEC,
+        page_size=page_size if page_size is not None else trace.default_page_size(),
+    )
 
 
 def _names(values: Sequence[str] | str, arg: str) -> list[str]:
@@ -228,6 +294,7 @@ def _names(values: Sequence[str] | str, arg: str) -> list[str]:
 
 
 # ------------------------------------------------------------------------------------ result
+
 
 def as_table(records: list[dict[str, Any]]) -> Any:
     """A ``pandas.DataFrame`` of ``records`` when pandas is installed, else the records."""
@@ -258,10 +325,14 @@ class SweepResult:
         for rep in self.reports:
             name = os.path.basename(rep["trace"]["path"])
             for r in rep["results"]:
-                rec = dict(r, trace=name, host_ratio=rep["host_ratio"],
-                           config=f"{r['write_policy']}/{r['eviction']}",
-                           device_tokens=r["device_pages"] * r["page_size"],
-                           bytes_moved=r["bytes_to_host"] + r["bytes_to_device"])
+                rec = dict(
+                    r,
+                    trace=name,
+                    host_ratio=rep["host_ratio"],
+                    config=f"{r['write_policy']}/{r['eviction']}",
+                    device_tokens=r["device_pages"] * r["page_size"],
+                    bytes_moved=r["bytes_to_host"] + r["bytes_to_device"],
+                )
                 rec = {k: rec[k] for k in _LEAD} | rec
                 out.append({k: v for k, v in rec.items() if timing or k not in TIMING_FIELDS})
         return out
@@ -282,27 +353,37 @@ class SweepResult:
         try:
             import matplotlib.pyplot as plt
         except ImportError:
-            raise ImportError('SweepResult.plot needs matplotlib: pip install -e ".[notebook]" '
-                              '(or ".[plot]", or pip install matplotlib)') from None
+            raise ImportError(
+                'SweepResult.plot needs matplotlib: pip install -e ".[notebook]" '
+                '(or ".[plot]", or pip install matplotlib)'
+            ) from None
         recs = self.records()
         if not recs or not all(_is_number(r.get(y)) for r in recs):
-            raise ValueError(f"y={y!r} must be a numeric figure of the records, e.g. "
-                             "hit_ratio, bytes_moved, bytes_to_host, evicted_pages")
+            raise ValueError(
+                f"y={y!r} must be a numeric figure of the records, e.g. "
+                "hit_ratio, bytes_moved, bytes_to_host, evicted_pages"
+            )
         if ax is None:
             _, ax = plt.subplots(figsize=(7, 4.5))
         scale = 2.0**-20 if y.startswith("bytes") else 1.0
         ratios = list(dict.fromkeys(r["host_ratio"] for r in recs))
         for key in dict.fromkeys((r["config"], r["host_ratio"]) for r in recs):
-            pts = sorted((r["device_tokens"], r[y] * scale) for r in recs
-                         if (r["config"], r["host_ratio"]) == key)
+            pts = sorted(
+                (r["device_tokens"], r[y] * scale)
+                for r in recs
+                if (r["config"], r["host_ratio"]) == key
+            )
             label = key[0] if len(ratios) == 1 else f"{key[0]}, L2 {key[1]:g}x"
             ax.plot(*zip(*pts), marker="o", label=label)
         if y == "hit_ratio":
             _draw_references(ax, recs, ratios)
         title = recs[0]["trace"].removesuffix(".jsonl")
-        ax.set(xscale="log", xlabel="L1 capacity (tokens)",
-               ylabel=y.replace("_", " ") + (" (MiB)" if scale != 1.0 else ""),
-               title=title + (f": L2 = {ratios[0]:g} x L1" if len(ratios) == 1 else ""))
+        ax.set(
+            xscale="log",
+            xlabel="L1 capacity (tokens)",
+            ylabel=y.replace("_", " ") + (" (MiB)" if scale != 1.0 else ""),
+            title=title + (f": L2 = {ratios[0]:g} x L1" if len(ratios) == 1 else ""),
+        )
         ax.set_ylim(bottom=0)
         ax.legend(fontsize="small")
         return ax
@@ -345,6 +426,7 @@ def from_json(source: str | os.PathLike) -> SweepResult:
 
 def _draw_references(ax: Any, recs: list[dict[str, Any]], ratios: list[float]) -> None:
     """LRU(L1) (one curve: it does not depend on L2), LRU(L1+L2) per ratio, the infinite cache."""
+
     def curve(sel: list[dict[str, Any]], key: str) -> tuple:
         return tuple(zip(*sorted({(r["device_tokens"], r[key]) for r in sel})))
 

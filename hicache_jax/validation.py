@@ -25,6 +25,7 @@ TOKEN_DTYPE = np.dtype(np.int32)
 
 # ----------------------------------------------------------------------------- scalars
 
+
 def is_int(value: Any) -> bool:
     """A Python or numpy integer, bools (Python's and numpy's) excluded."""
     return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
@@ -32,8 +33,9 @@ def is_int(value: Any) -> bool:
 
 def is_real(value: Any) -> bool:
     """A Python or numpy integer or float, bools excluded (NaN and infinities included)."""
-    return (isinstance(value, (int, float, np.integer, np.floating))
-            and not isinstance(value, (bool, np.bool_)))
+    return isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(
+        value, (bool, np.bool_)
+    )
 
 
 def check_int(name: str, value: Any, minimum: int = 0, maximum: int | None = None) -> int:
@@ -65,6 +67,7 @@ def parse_enum(cls: type[enum.Enum], field: str, value: Any) -> Any:
 
 
 # ----------------------------------------------------------------------------- integer arrays
+
 
 def nonnegative_ints(arr: np.ndarray, name: str, what: str = "values") -> bool:
     """Check that ``arr`` is 1-D and, unless empty, holds integers >= 0; returns ``arr.size > 0``.
@@ -117,8 +120,9 @@ def as_distinct_ids(ids: Any, n: int, name: str) -> np.ndarray:
     return out
 
 
-def check_ids_in_range(ids: Any, n: int, num_pages: int, name: str = "host_ids",
-                       count_name: str = "len(keys)") -> np.ndarray:
+def check_ids_in_range(
+    ids: Any, n: int, num_pages: int, name: str = "host_ids", count_name: str = "len(keys)"
+) -> np.ndarray:
     """Validate ``n`` unique 1-D integer ids in ``[0, num_pages)`` -> int64 copy (ValueError)."""
     arr = np.asarray(ids)
     if arr.ndim != 1 or not (arr.size == 0 or np.issubdtype(arr.dtype, np.integer)):
@@ -142,20 +146,28 @@ def as_tokens(tokens: Any) -> np.ndarray:
             token ids as int32, not int64, to halve its memory; real vocabularies fit.
     """
     arr = np.asarray(tokens)
-    if arr.ndim == 1 and arr.size and arr.dtype.kind in "iu" and arr.dtype.itemsize == 8 \
-            and arr.view(np.uint64).max() <= _INT32_MAX:
+    if (
+        arr.ndim == 1
+        and arr.size
+        and arr.dtype.kind in "iu"
+        and arr.dtype.itemsize == 8
+        and arr.view(np.uint64).max() <= _INT32_MAX
+    ):
         # The common case (a list, or an int64 prompt): one pass checks both bounds, since a
         # negative int64 reads as a huge uint64. Anything else takes the precise checks below.
         return arr.astype(TOKEN_DTYPE)
     if not nonnegative_ints(arr, "tokens"):
         return np.zeros(0, TOKEN_DTYPE)
     if _beyond_int32(arr):
-        raise ValueError(f"tokens has values beyond int32 (max {arr.max()}): token ids must "
-                         "be < 2**31 (the tree stores them as int32, not int64)")
+        raise ValueError(
+            f"tokens has values beyond int32 (max {arr.max()}): token ids must "
+            "be < 2**31 (the tree stores them as int32, not int64)"
+        )
     return arr.astype(TOKEN_DTYPE, copy=False)
 
 
 # ----------------------------------------------------------------------------- namespaces
+
 
 def _has_nan(key: Any) -> bool:
     """Whether ``key`` is, or (in a tuple / frozenset) holds, a value unequal to itself."""
@@ -177,8 +189,10 @@ def check_extra_key(extra_key: Any) -> None:
     except TypeError:
         raise TypeError(f"extra_key must be hashable, got {type(extra_key).__name__}") from None
     if _has_nan(extra_key):
-        raise ValueError(f"extra_key={extra_key!r} is not equal to itself (NaN): no later match "
-                         "could find its namespace")
+        raise ValueError(
+            f"extra_key={extra_key!r} is not equal to itself (NaN): no later match "
+            "could find its namespace"
+        )
 
 
 def page_tokens(tokens: Any, extra_key: Any, page_size: int) -> np.ndarray:

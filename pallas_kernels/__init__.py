@@ -2,8 +2,8 @@
 
 Layout::
 
-    pool:  bits[num_layers, kv_factor, num_pool_pages, page_size, num_kv_heads, head_dim]
-    pages: bits[num_layers, kv_factor, n,              page_size, num_kv_heads, head_dim]
+    pool: bits[num_layers, kv_factor, num_pool_pages, page_size, num_kv_heads, head_dim]
+    pages: bits[num_layers, kv_factor, n, page_size, num_kv_heads, head_dim]
 
 with ``bits`` one of uint8/uint16/uint32. Three operations, each with a pure-jnp reference:
 
@@ -41,18 +41,29 @@ from pallas_kernels.reference import (
     ref_scatter_pages,
 )
 
-__all__ = ["BITS_DTYPES", "HOST_KERNEL_NOTE", "Impl", "compiled_impl", "default_impl",
-           "gather_pages", "interpret_params", "ref_gather_pages", "ref_scatter_layer_pages",
-           "ref_scatter_pages", "scatter_layer_pages", "scatter_pages"]
+__all__ = [
+    "BITS_DTYPES",
+    "HOST_KERNEL_NOTE",
+    "Impl",
+    "compiled_impl",
+    "default_impl",
+    "gather_pages",
+    "interpret_params",
+    "ref_gather_pages",
+    "ref_scatter_layer_pages",
+    "ref_scatter_pages",
+    "scatter_layer_pages",
+    "scatter_pages",
+]
 
 
 class Impl(str, enum.Enum):
     """Which kernels run, and how."""
 
-    INTERPRET = "interpret"                        # generic kernels, generic interpreter
-    TPU = "tpu"                                    # DMA kernels, compiled (TPU only)
-    TPU_INTERPRET = "tpu_interpret"                # DMA kernels, TPU interpreter (any platform)
-    MOSAIC_GPU = "mosaic_gpu"                      # TMA kernels, compiled (sm_90+ only)
+    INTERPRET = "interpret"  # generic kernels, generic interpreter
+    TPU = "tpu"  # DMA kernels, compiled (TPU only)
+    TPU_INTERPRET = "tpu_interpret"  # DMA kernels, TPU interpreter (any platform)
+    MOSAIC_GPU = "mosaic_gpu"  # TMA kernels, compiled (sm_90+ only)
     MOSAIC_GPU_INTERPRET = "mosaic_gpu_interpret"  # TMA kernels, GPU interpreter (any platform)
 
 

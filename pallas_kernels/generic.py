@@ -25,12 +25,19 @@ from pallas_kernels.reference import ref_gather_pages, ref_scatter_layer_pages, 
 if TYPE_CHECKING:
     from pallas_kernels.reference import LayerPages, PageIds, Pages, Pool
 
-__all__ = ["gather_pages", "scatter_layer_pages", "scatter_pages",
-           "ref_gather_pages", "ref_scatter_layer_pages", "ref_scatter_pages"]
+__all__ = [
+    "gather_pages",
+    "scatter_layer_pages",
+    "scatter_pages",
+    "ref_gather_pages",
+    "ref_scatter_layer_pages",
+    "ref_scatter_pages",
+]
 
 
 # ----------------------------------------------------------------------------------------------
 # Kernel bodies. Grid: (n,), step i moves page i. Refs are whole arrays (no BlockSpecs).
+
 
 def _scatter_kernel(ids_ref, pages_ref, pool_in_ref, pool_ref):
     del pool_in_ref  # aliased with pool_ref: pages not written keep their contents
@@ -53,6 +60,7 @@ def _gather_kernel(ids_ref, pool_ref, out_ref):
 
 # ----------------------------------------------------------------------------------------------
 # Jitted wrappers (static checks happen in the public functions below, before tracing).
+
 
 @jax.jit
 def _scatter(pool, page_ids, pages):
@@ -94,6 +102,7 @@ def _gather(pool, page_ids):
 
 # ----------------------------------------------------------------------------------------------
 # Public entry points: same signatures and semantics as the references.
+
 
 def scatter_pages(pool: Pool, page_ids: PageIds, pages: Pages) -> Pool:
     """Write ``pages[:, :, i]`` at page ``page_ids[i]`` of ``pool``; returns the new pool.
@@ -152,4 +161,3 @@ def gather_pages(pool: Pool, page_ids: PageIds) -> Pages:
     if page_ids.shape[0] == 0:
         return ref_gather_pages(pool, page_ids)
     return _gather(pool, page_ids)
-

@@ -58,8 +58,15 @@ except ImportError:  # pragma: no cover - depends on the jaxlib build
 if TYPE_CHECKING:
     from pallas_kernels.reference import LayerPages, PageIds, Pages, Pool
 
-__all__ = ["available", "gather_pages", "scatter_layer_pages", "scatter_pages",
-           "ref_gather_pages", "ref_scatter_layer_pages", "ref_scatter_pages"]
+__all__ = [
+    "available",
+    "gather_pages",
+    "scatter_layer_pages",
+    "scatter_pages",
+    "ref_gather_pages",
+    "ref_scatter_layer_pages",
+    "ref_scatter_pages",
+]
 
 #: Largest TMA tile; a chunk bigger than this is split into equal tiles.
 DEFAULT_TILE_BYTES = 32 * 1024
@@ -81,11 +88,14 @@ def available() -> bool:
 def _tile_elems(chunk_elems: int, itemsize: int, max_tile_bytes: int) -> int:
     """Largest tile dividing the chunk, at most ``max_tile_bytes`` and a multiple of 128 bytes."""
     if chunk_elems * itemsize % _ALIGN:
-        raise ValueError(f"chunk bytes (page_size*heads*dim*itemsize = {chunk_elems * itemsize}) "
-                         f"must be a multiple of {_ALIGN} for TMA copies; use the XLA path")
+        raise ValueError(
+            f"chunk bytes (page_size*heads*dim*itemsize = {chunk_elems * itemsize}) "
+            f"must be a multiple of {_ALIGN} for TMA copies; use the XLA path"
+        )
     tile = chunk_elems
-    while (tile * itemsize > max_tile_bytes and tile % 2 == 0
-           and (tile // 2) * itemsize % _ALIGN == 0):
+    while (
+        tile * itemsize > max_tile_bytes and tile % 2 == 0 and (tile // 2) * itemsize % _ALIGN == 0
+    ):
         tile //= 2
     return tile
 
@@ -94,8 +104,23 @@ def _tile_elems(chunk_elems: int, itemsize: int, max_tile_bytes: int) -> int:
 # Kernel body. Sources and destinations are viewed as [chunks, pages, chunk_elems]: chunk = layer
 # and K/V (flattened), page = pool page or position in the page buffer.
 
-def _copy_body(ids_ref, base_ref, src_ref, dst_ref, buf, bars, *, scatter, num_chunks, n,
-               tiles_per_chunk, tile, per_block, stages):
+
+def _copy_body(
+    ids_ref,
+    base_ref,
+    src_ref,
+    dst_ref,
+    buf,
+    bars,
+    *,
+    scatter,
+    num_chunks,
+    n,
+    tiles_per_chunk,
+    tile,
+    per_block,
+    stages,
+):
     """Move tiles [b * per_block, (b + 1) * per_block) of the copy through a ``stages`` ring.
 
     Tile t is (chunk c, page i, tile s) with t = (c * n + i) * tiles_per_chunk + s. For a scatter
@@ -122,8 +147,9 @@ def _copy_body(ids_ref, base_ref, src_ref, dst_ref, buf, bars, *, scatter, num_c
         def _():
             src, _ = refs(k)
             slot = k % stages
-            plgpu.copy_gmem_to_smem(src, buf.at[slot], bars.at[slot],
-                                    oob_mode=plgpu.OOBFillMode.PROMISE_IN_BOUNDS)
+            plgpu.copy_gmem_to_smem(
+                src, buf.at[slot], bars.at[slot], oob_mode=plgpu.OOBFillMode.PROMISE_IN_BOUNDS
+            )
 
     for k in range(min(stages - 1, per_block)):  # prologue: fill all slots but one
         load(k)
@@ -135,6 +161,7 @@ def _copy_body(ids_ref, base_ref, src_ref, dst_ref, buf, bars, *, scatter, num_c
             plgpu.barrier_wait(bars.at[slot])
             _, dst = refs(k)
             plgpu.copy_smem_to_gmem(buf.at[slot], dst)
+
         # The store of tile k - 1 has read its slot once at most one store group is pending.
         plgpu.wait_smem_to_gmem(1, wait_read_only=True)
         load(k + stages - 1)  # goes into the slot of tile k - 1
@@ -144,8 +171,22 @@ def _copy_body(ids_ref, base_ref, src_ref, dst_ref, buf, bars, *, scatter, num_c
     plgpu.wait_smem_to_gmem(0)  # every store landed before the kernel exits
 
 
-def _launch(ids, base, src, dst_or_shape, *, scatter, num_chunks, n, chunk_elems, dtype,
-            tile_bytes, stages, num_blocks, interpret):
+def _launch(
+    ids,
+    base,
+    src,
+    dst_or_shape,
+    *,
+    scatter,
+    num_chunks,
+    n,
+    chunk_elems,
+    dtype,
+    tile_bytes,
+    stages,
+    num_blocks,
+    interpret,
+):
     """Build and run the Mosaic GPU kernel; returns the destination array."""
     itemsize = jnp.dtype(dtype).itemsize
     tile = _tile_elems(chunk_elems, itemsize, tile_bytes)
@@ -157,9 +198,16 @@ def _launch(ids, base, src, dst_or_shape, *, scatter, num_chunks, n, chunk_elems
     # one slot the first wait would be on a load never issued (a hang when a block gets one
     # tile, e.g. a 1-page copy over many blocks). A second slot costs one tile of SMEM.
     stages = max(2, min(stages, per_block))
-    body = functools.partial(_copy_body, scatter=scatter, num_chunks=num_chunks, n=n,
-                             tiles_per_chunk=tiles_per_chunk, tile=tile, per_block=per_block,
-                             stages=stages)
+    body = functools.partial(
+        _copy_body,
+        scatter=scatter,
+        num_chunks=num_chunks,
+        n=n,
+        tiles_per_chunk=tiles_per_chunk,
+        tile=tile,
+        per_block=per_block,
+        stages=stages,
+    )
     scratch = (plgpu.SMEM((stages, tile), dtype), plgpu.Barrier(num_barriers=stages))
 
     def kernel_body(*refs):  # SMEM ring and barriers live for the whole kernel
@@ -193,11 +241,24 @@ def _scatter(pool, layer, page_ids, pages, *, tile_bytes, stages, num_blocks, in
     per_layer = pages.ndim == 5
     chunks = kvf if per_layer else num_layers * kvf
     base = jnp.reshape(jnp.asarray(layer, jnp.int32) * kvf, (1,))
-    pool_ref = jax.new_ref(pool.reshape(num_layers * kvf, num_pool_pages, chunk),
-                           memory_space=plgpu.GMEM)
-    _launch(page_ids, base, pages.reshape(chunks, n, chunk), pool_ref, scatter=True,
-            num_chunks=chunks, n=n, chunk_elems=chunk, dtype=pool.dtype, tile_bytes=tile_bytes,
-            stages=stages, num_blocks=num_blocks, interpret=interpret)
+    pool_ref = jax.new_ref(
+        pool.reshape(num_layers * kvf, num_pool_pages, chunk), memory_space=plgpu.GMEM
+    )
+    _launch(
+        page_ids,
+        base,
+        pages.reshape(chunks, n, chunk),
+        pool_ref,
+        scatter=True,
+        num_chunks=chunks,
+        n=n,
+        chunk_elems=chunk,
+        dtype=pool.dtype,
+        tile_bytes=tile_bytes,
+        stages=stages,
+        num_blocks=num_blocks,
+        interpret=interpret,
+    )
     return jax.freeze(pool_ref).reshape(pool.shape)
 
 
@@ -207,11 +268,21 @@ def _gather(pool, page_ids, *, tile_bytes, stages, num_blocks, interpret):
     chunk = ps * heads * dim
     n = page_ids.shape[0]
     out = jax.ShapeDtypeStruct((num_layers * kvf, n, chunk), pool.dtype)
-    pages = _launch(page_ids, jnp.zeros((1,), jnp.int32),
-                    pool.reshape(num_layers * kvf, num_pool_pages, chunk), out, scatter=False,
-                    num_chunks=num_layers * kvf, n=n, chunk_elems=chunk, dtype=pool.dtype,
-                    tile_bytes=tile_bytes, stages=stages, num_blocks=num_blocks,
-                    interpret=interpret)
+    pages = _launch(
+        page_ids,
+        jnp.zeros((1,), jnp.int32),
+        pool.reshape(num_layers * kvf, num_pool_pages, chunk),
+        out,
+        scatter=False,
+        num_chunks=num_layers * kvf,
+        n=n,
+        chunk_elems=chunk,
+        dtype=pool.dtype,
+        tile_bytes=tile_bytes,
+        stages=stages,
+        num_blocks=num_blocks,
+        interpret=interpret,
+    )
     return pages.reshape(num_layers, kvf, n, ps, heads, dim)
 
 
@@ -231,16 +302,26 @@ def _check_tuning(tile_bytes: int, stages: int, num_blocks: int | None) -> None:
     if plgpu is None:
         raise RuntimeError("jax.experimental.pallas.mosaic_gpu is not importable in this jaxlib")
     if tile_bytes < _ALIGN or stages < 1 or (num_blocks is not None and num_blocks < 1):
-        raise ValueError(f"need tile_bytes >= {_ALIGN}, stages >= 1, num_blocks >= 1; got "
-                         f"{tile_bytes=}, {stages=}, {num_blocks=}")
+        raise ValueError(
+            f"need tile_bytes >= {_ALIGN}, stages >= 1, num_blocks >= 1; got "
+            f"{tile_bytes=}, {stages=}, {num_blocks=}"
+        )
 
 
 # ----------------------------------------------------------------------------------------------
 # Public entry points.
 
-def scatter_pages(pool: Pool, page_ids: PageIds, pages: Pages, *,
-                  tile_bytes: int = DEFAULT_TILE_BYTES, stages: int = DEFAULT_STAGES,
-                  num_blocks: int | None = None, interpret: Any = None) -> Pool:
+
+def scatter_pages(
+    pool: Pool,
+    page_ids: PageIds,
+    pages: Pages,
+    *,
+    tile_bytes: int = DEFAULT_TILE_BYTES,
+    stages: int = DEFAULT_STAGES,
+    num_blocks: int | None = None,
+    interpret: Any = None,
+) -> Pool:
     """Write ``pages[:, :, i]`` at page ``page_ids[i]`` of ``pool`` with TMA; returns the pool.
 
     Args:
@@ -264,13 +345,29 @@ def scatter_pages(pool: Pool, page_ids: PageIds, pages: Pages, *,
     _tile_elems(math.prod(pool.shape[3:]), pool.dtype.itemsize, tile_bytes)
     if page_ids.shape[0] == 0:
         return pool
-    return _scatter(pool, 0, page_ids, pages, tile_bytes=tile_bytes, stages=stages,
-                    num_blocks=num_blocks or _default_blocks(), interpret=interpret)
+    return _scatter(
+        pool,
+        0,
+        page_ids,
+        pages,
+        tile_bytes=tile_bytes,
+        stages=stages,
+        num_blocks=num_blocks or _default_blocks(),
+        interpret=interpret,
+    )
 
 
-def scatter_layer_pages(pool: Pool, layer, page_ids: PageIds, layer_pages: LayerPages, *,
-                        tile_bytes: int = DEFAULT_TILE_BYTES, stages: int = DEFAULT_STAGES,
-                        num_blocks: int | None = None, interpret: Any = None) -> Pool:
+def scatter_layer_pages(
+    pool: Pool,
+    layer,
+    page_ids: PageIds,
+    layer_pages: LayerPages,
+    *,
+    tile_bytes: int = DEFAULT_TILE_BYTES,
+    stages: int = DEFAULT_STAGES,
+    num_blocks: int | None = None,
+    interpret: Any = None,
+) -> Pool:
     """Write one layer: ``pool[layer, :, page_ids[i]] = layer_pages[:, i]`` with TMA.
 
     Args:
@@ -294,13 +391,27 @@ def scatter_layer_pages(pool: Pool, layer, page_ids: PageIds, layer_pages: Layer
     _tile_elems(math.prod(pool.shape[3:]), pool.dtype.itemsize, tile_bytes)
     if page_ids.shape[0] == 0:
         return pool
-    return _scatter(pool, layer, page_ids, layer_pages, tile_bytes=tile_bytes, stages=stages,
-                    num_blocks=num_blocks or _default_blocks(), interpret=interpret)
+    return _scatter(
+        pool,
+        layer,
+        page_ids,
+        layer_pages,
+        tile_bytes=tile_bytes,
+        stages=stages,
+        num_blocks=num_blocks or _default_blocks(),
+        interpret=interpret,
+    )
 
 
-def gather_pages(pool: Pool, page_ids: PageIds, *, tile_bytes: int = DEFAULT_TILE_BYTES,
-                 stages: int = DEFAULT_STAGES, num_blocks: int | None = None,
-                 interpret: Any = None) -> Pages:
+def gather_pages(
+    pool: Pool,
+    page_ids: PageIds,
+    *,
+    tile_bytes: int = DEFAULT_TILE_BYTES,
+    stages: int = DEFAULT_STAGES,
+    num_blocks: int | None = None,
+    interpret: Any = None,
+) -> Pages:
     """Copy pages ``page_ids`` of ``pool`` into a new contiguous array with TMA.
 
     Args:
@@ -320,5 +431,11 @@ def gather_pages(pool: Pool, page_ids: PageIds, *, tile_bytes: int = DEFAULT_TIL
     _tile_elems(math.prod(pool.shape[3:]), pool.dtype.itemsize, tile_bytes)
     if page_ids.shape[0] == 0:
         return ref_gather_pages(pool, page_ids)
-    return _gather(pool, page_ids, tile_bytes=tile_bytes, stages=stages,
-                   num_blocks=num_blocks or _default_blocks(), interpret=interpret)
+    return _gather(
+        pool,
+        page_ids,
+        tile_bytes=tile_bytes,
+        stages=stages,
+        num_blocks=num_blocks or _default_blocks(),
+        interpret=interpret,
+    )

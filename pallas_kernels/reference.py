@@ -39,8 +39,9 @@ def ref_scatter_pages(pool: Pool, page_ids: PageIds, pages: Pages) -> Pool:
     return pool.at[:, :, page_ids].set(pages, mode="promise_in_bounds")
 
 
-def ref_scatter_layer_pages(pool: Pool, layer: Any, page_ids: PageIds,
-                            layer_pages: LayerPages) -> Pool:
+def ref_scatter_layer_pages(
+    pool: Pool, layer: Any, page_ids: PageIds, layer_pages: LayerPages
+) -> Pool:
     """``pool`` with ``layer_pages[:, i]`` written at ``pool[layer, :, page_ids[i]]``."""
     updated = pool[layer].at[:, page_ids].set(layer_pages, mode="promise_in_bounds")
     return jax.lax.dynamic_update_index_in_dim(pool, updated, layer, axis=0)
@@ -54,6 +55,7 @@ def ref_gather_pages(pool: Pool, page_ids: PageIds) -> Pages:
 # ----------------------------------------------------------------------------------------------
 # Static checks (shapes and dtypes are known while tracing, so these run under jit too).
 
+
 def is_concrete(x: Any) -> bool:
     """True for values that can be inspected now (numpy, committed jax arrays), not tracers."""
     return not isinstance(x, jax.core.Tracer)
@@ -62,11 +64,15 @@ def is_concrete(x: Any) -> bool:
 def check_pool(pool: Any) -> None:
     """Raise unless ``pool`` is a 6-D array of uint8/uint16/uint32."""
     if getattr(pool, "ndim", None) != 6:
-        raise ValueError(f"pool must be 6-D [layers, kv, pages, page_size, heads, dim], "
-                         f"got shape {getattr(pool, 'shape', None)}")
+        raise ValueError(
+            f"pool must be 6-D [layers, kv, pages, page_size, heads, dim], "
+            f"got shape {getattr(pool, 'shape', None)}"
+        )
     if np.dtype(pool.dtype) not in BITS_DTYPES:
-        raise TypeError(f"{pool.dtype=} must be uint8, uint16 or uint32 (raw KV bits); "
-                        f"bitcast float pools with lax.bitcast_convert_type first")
+        raise TypeError(
+            f"{pool.dtype=} must be uint8, uint16 or uint32 (raw KV bits); "
+            f"bitcast float pools with lax.bitcast_convert_type first"
+        )
 
 
 def check_page_ids(page_ids: Any, num_pool_pages: int) -> None:
@@ -79,8 +85,10 @@ def check_page_ids(page_ids: Any, num_pool_pages: int) -> None:
     """
     shape = getattr(page_ids, "shape", None)
     if shape is None or len(shape) != 1 or np.dtype(page_ids.dtype) != np.int32:
-        raise TypeError(f"page_ids must be a 1-D int32 array, got shape={shape} "
-                        f"dtype={getattr(page_ids, 'dtype', type(page_ids).__name__)}")
+        raise TypeError(
+            f"page_ids must be a 1-D int32 array, got shape={shape} "
+            f"dtype={getattr(page_ids, 'dtype', type(page_ids).__name__)}"
+        )
     if is_concrete(page_ids) and shape[0]:
         ids = np.asarray(page_ids)
         lo, hi = int(ids.min()), int(ids.max())
@@ -115,7 +123,9 @@ def check_pages(pages: Any, pool: Any, n: int, *, layer: bool = False) -> None:
     want = (kvf, n, ps, heads, dim) if layer else (num_layers, kvf, n, ps, heads, dim)
     shape = tuple(getattr(pages, "shape", ()))
     if shape != want:
-        raise ValueError(f"pages.shape={shape} must be {want} for {n} page ids and "
-                         f"pool.shape={tuple(pool.shape)}")
+        raise ValueError(
+            f"pages.shape={shape} must be {want} for {n} page ids and "
+            f"pool.shape={tuple(pool.shape)}"
+        )
     if np.dtype(pages.dtype) != np.dtype(pool.dtype):
         raise TypeError(f"{pages.dtype=} must equal {pool.dtype=} (bitcast KV to its bits first)")

@@ -36,8 +36,15 @@ from pallas_kernels.reference import ref_gather_pages, ref_scatter_layer_pages, 
 if TYPE_CHECKING:
     from pallas_kernels.reference import LayerPages, PageIds, Pages, Pool
 
-__all__ = ["DEFAULT_WINDOW", "gather_pages", "scatter_layer_pages", "scatter_pages",
-           "ref_gather_pages", "ref_scatter_layer_pages", "ref_scatter_pages"]
+__all__ = [
+    "DEFAULT_WINDOW",
+    "gather_pages",
+    "scatter_layer_pages",
+    "scatter_pages",
+    "ref_gather_pages",
+    "ref_scatter_layer_pages",
+    "ref_scatter_pages",
+]
 
 #: DMAs in flight per program. Each page is one multi-chunk descriptor, so a few suffice to keep
 #: the DMA engines busy; more only costs semaphores.
@@ -48,6 +55,7 @@ DEFAULT_PROGRAMS = 2
 
 # ----------------------------------------------------------------------------------------------
 # Kernel body. One program moves pages [p * per, min(n, (p + 1) * per)).
+
 
 def _copy_pages(copy, n: int, per: int, window: int) -> None:
     """Run ``copy(i)`` (a DMA descriptor for page i) for this program's pages, ``window`` in flight.
@@ -89,35 +97,42 @@ def _scatter_kernel(ids_smem, pages_hbm, pool_in_hbm, pool_hbm, sems, *, n, per,
 
     def copy(i, slot):
         # [L, kvf, 1, ps, H, D] -> [L, kvf, 1, ps, H, D]
-        return pltpu.make_async_copy(pages_hbm.at[:, :, pl.ds(i, 1)],
-                                     pool_hbm.at[:, :, pl.ds(ids_smem[i], 1)], sems.at[slot])
+        return pltpu.make_async_copy(
+            pages_hbm.at[:, :, pl.ds(i, 1)], pool_hbm.at[:, :, pl.ds(ids_smem[i], 1)], sems.at[slot]
+        )
 
     _copy_pages(copy, n, per, window)
 
 
-def _scatter_layer_kernel(layer_smem, ids_smem, pages_hbm, pool_in_hbm, pool_hbm, sems, *,
-                          n, per, window):
+def _scatter_layer_kernel(
+    layer_smem, ids_smem, pages_hbm, pool_in_hbm, pool_hbm, sems, *, n, per, window
+):
     del pool_in_hbm
     layer = layer_smem[0]
 
     def copy(i, slot):
         # [kvf, 1, ps, H, D] -> pool[layer]: [kvf, 1, ps, H, D]
-        return pltpu.make_async_copy(pages_hbm.at[:, pl.ds(i, 1)],
-                                     pool_hbm.at[layer, :, pl.ds(ids_smem[i], 1)], sems.at[slot])
+        return pltpu.make_async_copy(
+            pages_hbm.at[:, pl.ds(i, 1)],
+            pool_hbm.at[layer, :, pl.ds(ids_smem[i], 1)],
+            sems.at[slot],
+        )
 
     _copy_pages(copy, n, per, window)
 
 
 def _gather_kernel(ids_smem, pool_hbm, out_hbm, sems, *, n, per, window):
     def copy(i, slot):
-        return pltpu.make_async_copy(pool_hbm.at[:, :, pl.ds(ids_smem[i], 1)],
-                                     out_hbm.at[:, :, pl.ds(i, 1)], sems.at[slot])
+        return pltpu.make_async_copy(
+            pool_hbm.at[:, :, pl.ds(ids_smem[i], 1)], out_hbm.at[:, :, pl.ds(i, 1)], sems.at[slot]
+        )
 
     _copy_pages(copy, n, per, window)
 
 
 # ----------------------------------------------------------------------------------------------
 # Jitted wrappers.
+
 
 def _grid(n: int, num_programs: int, window: int) -> tuple[int, int, int]:
     """(programs, pages per program, window) for n pages."""
@@ -126,8 +141,19 @@ def _grid(n: int, num_programs: int, window: int) -> tuple[int, int, int]:
     return programs, per, max(1, min(window, per))
 
 
-def _call(kernel, *, n, num_scalar_prefetch, num_inputs, out_shape, aliases, window,
-          num_programs, interpret, name):
+def _call(
+    kernel,
+    *,
+    n,
+    num_scalar_prefetch,
+    num_inputs,
+    out_shape,
+    aliases,
+    window,
+    num_programs,
+    interpret,
+    name,
+):
     programs, per, window = _grid(n, num_programs, window)
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=num_scalar_prefetch,
@@ -141,8 +167,9 @@ def _call(kernel, *, n, num_scalar_prefetch, num_inputs, out_shape, aliases, win
         out_shape=out_shape,
         grid_spec=grid_spec,
         input_output_aliases=aliases,
-        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",),
-                                             has_side_effects=bool(aliases)),
+        compiler_params=pltpu.CompilerParams(
+            dimension_semantics=("parallel",), has_side_effects=bool(aliases)
+        ),
         interpret=interpret,
         name=name,
     )
@@ -150,20 +177,35 @@ def _call(kernel, *, n, num_scalar_prefetch, num_inputs, out_shape, aliases, win
 
 @functools.partial(jax.jit, static_argnames=("window", "num_programs", "interpret"))
 def _scatter(pool, page_ids, pages, *, window, num_programs, interpret):
-    return _call(_scatter_kernel, n=page_ids.shape[0], num_scalar_prefetch=1, num_inputs=2,
-                 out_shape=jax.ShapeDtypeStruct(pool.shape, pool.dtype), aliases={2: 0},
-                 window=window, num_programs=num_programs, interpret=interpret,
-                 name="scatter_pages_tpu")(page_ids, pages, pool)
+    return _call(
+        _scatter_kernel,
+        n=page_ids.shape[0],
+        num_scalar_prefetch=1,
+        num_inputs=2,
+        out_shape=jax.ShapeDtypeStruct(pool.shape, pool.dtype),
+        aliases={2: 0},
+        window=window,
+        num_programs=num_programs,
+        interpret=interpret,
+        name="scatter_pages_tpu",
+    )(page_ids, pages, pool)
 
 
 @functools.partial(jax.jit, static_argnames=("window", "num_programs", "interpret"))
 def _scatter_layer(pool, layer, page_ids, layer_pages, *, window, num_programs, interpret):
     layer = jnp.reshape(jnp.asarray(layer, jnp.int32), (1,))
-    return _call(_scatter_layer_kernel, n=page_ids.shape[0], num_scalar_prefetch=2,
-                 num_inputs=2, out_shape=jax.ShapeDtypeStruct(pool.shape, pool.dtype),
-                 aliases={3: 0}, window=window, num_programs=num_programs,
-                 interpret=interpret, name="scatter_layer_pages_tpu")(
-                     layer, page_ids, layer_pages, pool)
+    return _call(
+        _scatter_layer_kernel,
+        n=page_ids.shape[0],
+        num_scalar_prefetch=2,
+        num_inputs=2,
+        out_shape=jax.ShapeDtypeStruct(pool.shape, pool.dtype),
+        aliases={3: 0},
+        window=window,
+        num_programs=num_programs,
+        interpret=interpret,
+        name="scatter_layer_pages_tpu",
+    )(layer, page_ids, layer_pages, pool)
 
 
 @functools.partial(jax.jit, static_argnames=("window", "num_programs", "interpret"))
@@ -171,16 +213,33 @@ def _gather(pool, page_ids, *, window, num_programs, interpret):
     num_layers, kvf, _, ps, heads, dim = pool.shape
     n = page_ids.shape[0]
     out = jax.ShapeDtypeStruct((num_layers, kvf, n, ps, heads, dim), pool.dtype)
-    return _call(_gather_kernel, n=n, num_scalar_prefetch=1, num_inputs=1, out_shape=out,
-                 aliases={}, window=window, num_programs=num_programs, interpret=interpret,
-                 name="gather_pages_tpu")(page_ids, pool)
+    return _call(
+        _gather_kernel,
+        n=n,
+        num_scalar_prefetch=1,
+        num_inputs=1,
+        out_shape=out,
+        aliases={},
+        window=window,
+        num_programs=num_programs,
+        interpret=interpret,
+        name="gather_pages_tpu",
+    )(page_ids, pool)
 
 
 # ----------------------------------------------------------------------------------------------
 # Public entry points.
 
-def scatter_pages(pool: Pool, page_ids: PageIds, pages: Pages, *, window: int = DEFAULT_WINDOW,
-                  num_programs: int = DEFAULT_PROGRAMS, interpret: Any = None) -> Pool:
+
+def scatter_pages(
+    pool: Pool,
+    page_ids: PageIds,
+    pages: Pages,
+    *,
+    window: int = DEFAULT_WINDOW,
+    num_programs: int = DEFAULT_PROGRAMS,
+    interpret: Any = None,
+) -> Pool:
     """Write ``pages[:, :, i]`` at page ``page_ids[i]`` of ``pool`` by DMA; returns the new pool.
 
     Args:
@@ -202,13 +261,21 @@ def scatter_pages(pool: Pool, page_ids: PageIds, pages: Pages, *, window: int = 
     _ref.check_pages(pages, pool, page_ids.shape[0])
     if page_ids.shape[0] == 0:
         return pool
-    return _scatter(pool, page_ids, pages, window=window, num_programs=num_programs,
-                    interpret=interpret)
+    return _scatter(
+        pool, page_ids, pages, window=window, num_programs=num_programs, interpret=interpret
+    )
 
 
-def scatter_layer_pages(pool: Pool, layer, page_ids: PageIds, layer_pages: LayerPages, *,
-                        window: int = DEFAULT_WINDOW, num_programs: int = DEFAULT_PROGRAMS,
-                        interpret: Any = None) -> Pool:
+def scatter_layer_pages(
+    pool: Pool,
+    layer,
+    page_ids: PageIds,
+    layer_pages: LayerPages,
+    *,
+    window: int = DEFAULT_WINDOW,
+    num_programs: int = DEFAULT_PROGRAMS,
+    interpret: Any = None,
+) -> Pool:
     """Write one layer: ``pool[layer, :, page_ids[i]] = layer_pages[:, i]`` by DMA.
 
     Args:
@@ -229,12 +296,25 @@ def scatter_layer_pages(pool: Pool, layer, page_ids: PageIds, layer_pages: Layer
     _ref.check_pages(layer_pages, pool, page_ids.shape[0], layer=True)
     if page_ids.shape[0] == 0:
         return pool
-    return _scatter_layer(pool, layer, page_ids, layer_pages, window=window,
-                          num_programs=num_programs, interpret=interpret)
+    return _scatter_layer(
+        pool,
+        layer,
+        page_ids,
+        layer_pages,
+        window=window,
+        num_programs=num_programs,
+        interpret=interpret,
+    )
 
 
-def gather_pages(pool: Pool, page_ids: PageIds, *, window: int = DEFAULT_WINDOW,
-                 num_programs: int = DEFAULT_PROGRAMS, interpret: Any = None) -> Pages:
+def gather_pages(
+    pool: Pool,
+    page_ids: PageIds,
+    *,
+    window: int = DEFAULT_WINDOW,
+    num_programs: int = DEFAULT_PROGRAMS,
+    interpret: Any = None,
+) -> Pages:
     """Copy pages ``page_ids`` of ``pool`` into a new contiguous array by DMA.
 
     Args:
@@ -251,5 +331,4 @@ def gather_pages(pool: Pool, page_ids: PageIds, *, window: int = DEFAULT_WINDOW,
     _ref.check_page_ids(page_ids, pool.shape[2])
     if page_ids.shape[0] == 0:
         return ref_gather_pages(pool, page_ids)
-    return _gather(pool, page_ids, window=window, num_programs=num_programs,
-                   interpret=interpret)
+    return _gather(pool, page_ids, window=window, num_programs=num_programs, interpret=interpret)

@@ -18,9 +18,11 @@ jax.config.update("jax_numpy_rank_promotion", "raise")
 # Hypothesis profiles: "ci" (default) runs a bounded number of examples; set
 # HICACHE_HYPOTHESIS_PROFILE=long for a soak run.
 settings.register_profile(
-    "ci", deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True)
+    "ci", deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True
+)
 settings.register_profile(
-    "long", deadline=None, suppress_health_check=[HealthCheck.too_slow], max_examples=2000)
+    "long", deadline=None, suppress_health_check=[HealthCheck.too_slow], max_examples=2000
+)
 settings.load_profile(os.environ.get("HICACHE_HYPOTHESIS_PROFILE", "ci"))
 
 

@@ -28,12 +28,22 @@ from hicache_jax.memory.transfer import TransferEngine
 from hicache_jax.tree.hashing import canonical_key  # one namespace, one key (5 == np.int64(5))
 
 #: KV dtype -> the unsigned dtype of its bits (what the pools store).
-BITS = {"bfloat16": np.uint16, "float16": np.uint16, "float32": np.uint32,
-        "float8_e4m3fn": np.uint8, "int8": np.uint8}
+BITS = {
+    "bfloat16": np.uint16,
+    "float16": np.uint16,
+    "float32": np.uint32,
+    "float8_e4m3fn": np.uint8,
+    "int8": np.uint8,
+}
 
 #: Poison bit pattern per KV dtype: a NaN for the floats, the most negative value for int8.
-POISON = {"bfloat16": 0x7FC1, "float16": 0x7E01, "float32": 0x7FC00001,
-          "float8_e4m3fn": 0x7F, "int8": 0x80}
+POISON = {
+    "bfloat16": 0x7FC1,
+    "float16": 0x7E01,
+    "float32": 0x7FC00001,
+    "float8_e4m3fn": 0x7F,
+    "int8": 0x80,
+}
 
 
 def poison(spec: KVSpec) -> int:
@@ -48,8 +58,13 @@ def random_bits(spec: KVSpec, n: int, seed: int | np.random.Generator) -> np.nda
         seed: an int (the same bits every call) or a Generator (advanced by the call).
     """
     rng = np.random.default_rng(seed)
-    bits = rng.integers(1, np.iinfo(spec.bits_dtype).max, size=spec.kv_shape(n),
-                        dtype=spec.bits_dtype, endpoint=True)
+    bits = rng.integers(
+        1,
+        np.iinfo(spec.bits_dtype).max,
+        size=spec.kv_shape(n),
+        dtype=spec.bits_dtype,
+        endpoint=True,
+    )
     bits[bits == poison(spec)] = 1
     return bits
 
@@ -66,13 +81,15 @@ def poisoned_device_pool(spec: KVSpec, num_pages: int, **kw) -> DevicePagePool:
     return pool
 
 
-def poisoned_host_pool(spec: KVSpec, num_pages: int, layout: str = "layer_first",
-                       **kw) -> HostPagePool:
+def poisoned_host_pool(
+    spec: KVSpec, num_pages: int, layout: str = "layer_first", **kw
+) -> HostPagePool:
     """A host pool (``HostPagePool(spec, num_pages, layout, **kw)``) whose every page holds the
     poison; no page allocated."""
     pool = HostPagePool(spec, num_pages, layout, **kw)
-    pool.write(np.arange(num_pages), np.full(spec.kv_shape(num_pages), poison(spec),
-                                             spec.bits_dtype))
+    pool.write(
+        np.arange(num_pages), np.full(spec.kv_shape(num_pages), poison(spec), spec.bits_dtype)
+    )
     return pool
 
 
@@ -98,13 +115,14 @@ def serve(cache: HiCache, tokens, extra_key=None) -> None:
     """One request without KV bytes, through the handle: begin (match, load back, lock), the
     pages of the rest of the whole pages, finish (insert, unlock)."""
     tokens = np.asarray(tokens)
-    tokens = tokens[:tokens.size // cache.spec.page_size * cache.spec.page_size]
+    tokens = tokens[: tokens.size // cache.spec.page_size * cache.spec.page_size]
     with cache.begin(tokens, extra_key) as req:
         req.extend(tokens.size - req.cached_len)
         req.finish(tokens)
 
 
 # ------------------------------------------------------------------ held copies, the KV model
+
 
 class _GatedHandle:
     """A transfer handle that reports not-done until its gate opens (or someone waits on it)."""
@@ -135,8 +153,8 @@ class GatedEngine(TransferEngine):
 
     def __init__(self, device_pool, host_pool) -> None:
         super().__init__(device_pool, host_pool)
-        self.holding, self.handles = False, []   # gated handles not yet reported
-        self._gated, self._landed = {}, []       # id(inner) -> gated; inner polled, unreported
+        self.holding, self.handles = False, []  # gated handles not yet reported
+        self._gated, self._landed = {}, []  # id(inner) -> gated; inner polled, unreported
 
     def hold(self) -> GatedEngine:
         self.holding = True
@@ -155,7 +173,7 @@ class GatedEngine(TransferEngine):
         return self._gate(super().load(host_ids, device_ids, **kw))
 
     def open_upto(self, gated) -> None:
-        for h in self.handles[:self.handles.index(gated) + 1]:
+        for h in self.handles[: self.handles.index(gated) + 1]:
             h.released = True
 
     def poll(self, agree: bool = True):
@@ -211,8 +229,9 @@ class KVModel:
 
     def page(self, extra_key, prefix: np.ndarray) -> np.ndarray:
         """Bits ``[L, kvf, 1, ps, H, D]`` of the page ending ``prefix``."""
-        key = (repr(canonical_key(extra_key)).encode() + b"|"
-               + np.asarray(prefix, np.int64).tobytes())
+        key = (
+            repr(canonical_key(extra_key)).encode() + b"|" + np.asarray(prefix, np.int64).tobytes()
+        )
         if key not in self._memo:
             seed = int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little")
             rng = np.random.default_rng(seed)
@@ -223,7 +242,7 @@ class KVModel:
     def pages(self, extra_key, tokens: np.ndarray, first: int, stop: int) -> np.ndarray:
         """Bits ``spec.kv_shape(stop - first)`` of pages ``first .. stop-1`` of ``tokens``."""
         ps = self.spec.page_size
-        parts = [self.page(extra_key, tokens[:(j + 1) * ps]) for j in range(first, stop)]
+        parts = [self.page(extra_key, tokens[: (j + 1) * ps]) for j in range(first, stop)]
         if not parts:
             return np.zeros(self.spec.kv_shape(0), np.uint16)
         return np.concatenate(parts, axis=2)
@@ -284,8 +303,15 @@ def snapshot(cache: HiCache):
 POLICIES = ["write_through", "write_through_selective", "write_back", "clean_ahead"]
 
 
-def gated_cache(policy: str = "write_through", *, device: int = 16, host: int = 32, ps: int = 1,
-                threshold: int | None = None, **kw) -> tuple[HiCache, KVModel]:
+def gated_cache(
+    policy: str = "write_through",
+    *,
+    device: int = 16,
+    host: int = 32,
+    ps: int = 1,
+    threshold: int | None = None,
+    **kw,
+) -> tuple[HiCache, KVModel]:
     """A small bf16 cache (2 layers, 2 heads of 4) with ``policy`` and a :class:`GatedEngine`
     (open until :func:`gate`), and the :class:`KVModel` of its spec.
 
@@ -294,9 +320,14 @@ def gated_cache(policy: str = "write_through", *, device: int = 16, host: int = 
             page by default); the rest goes to :class:`HiCacheConfig`.
     """
     spec = KVSpec(num_layers=2, num_kv_heads=2, head_dim=4, dtype="bfloat16", page_size=ps)
-    cfg = HiCacheConfig(device_pages=device, host_pages=host, write_policy=policy,
-                        write_through_threshold=threshold, load_back_threshold=kw.pop("lbt", ps),
-                        **kw)
+    cfg = HiCacheConfig(
+        device_pages=device,
+        host_pages=host,
+        write_policy=policy,
+        write_through_threshold=threshold,
+        load_back_threshold=kw.pop("lbt", ps),
+        **kw,
+    )
     return HiCache(spec, cfg, transfer_engine=GatedEngine), KVModel(spec)
 
 
@@ -309,11 +340,12 @@ def serve_kv(cache: HiCache, kv: KVModel, tokens, *, extra_key=None) -> None:
     full = tokens.size // ps
     with cache.begin(tokens, extra_key) as req:
         have = req.cached_len // ps
-        np.testing.assert_array_equal(bits(cache.read_kv(req.device_pages)),
-                                      kv.pages(extra_key, tokens, 0, have))
+        np.testing.assert_array_equal(
+            bits(cache.read_kv(req.device_pages)), kv.pages(extra_key, tokens, 0, have)
+        )
         new = req.extend(full * ps - req.cached_len)
         cache.write_kv(new, kv.pages(extra_key, tokens, have, full))
-        req.finish(tokens[:full * ps])
+        req.finish(tokens[: full * ps])
 
 
 def check_cache(cache: HiCache, kv: KVModel) -> None:
@@ -335,8 +367,10 @@ def tree_node_of(cache: HiCache, tokens):
 def node_tiers(cache: HiCache) -> dict[int, tuple[bool, bool]]:
     """{first token // 100: (on device, on host)} of every node, read without touching the tree
     (a match would refresh the access stamps that decide what eviction takes)."""
-    return {int(n.key[0]) // 100: (n.value is not None, n.host_value is not None)
-            for n in cache.tree.nodes()}
+    return {
+        int(n.key[0]) // 100: (n.value is not None, n.host_value is not None)
+        for n in cache.tree.nodes()
+    }
 
 
 def replay_all(replay_ep: str) -> list:
@@ -344,6 +378,7 @@ def replay_all(replay_ep: str) -> list:
     rank])]`` (decoded msgpack)."""
     import msgpack
     import zmq
+
     ctx = zmq.Context.instance()
     dealer = ctx.socket(zmq.DEALER)
     dealer.setsockopt(zmq.LINGER, 0)

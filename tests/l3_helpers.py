@@ -57,7 +57,7 @@ def compute(cache, toks, kv):
     asks for two accesses)."""
     with cache.begin(toks) as req:
         new = req.extend(len(toks) - req.cached_len)
-        cache.write_kv(new, kv[:, :, req.cached_len // PS:])
+        cache.write_kv(new, kv[:, :, req.cached_len // PS :])
         req.finish(toks)
     with cache.begin(toks) as req:
         req.finish(toks)

@@ -27,9 +27,11 @@ def main(url: str, role: str, seed: int, npages: int) -> dict:
         assert cache.match_prefix(toks).host_len == 0
         h = cache.prefetch(toks)
         host, dev, got = read_prefix(cache, toks)
-        out = l3(cache) | {"pages_found": 0 if h is None else h.pages_found, "host_len": host,
-                           "bit_exact": bool(dev == npages * PS
-                                             and np.array_equal(got, bits32(kv)))}
+        out = l3(cache) | {
+            "pages_found": 0 if h is None else h.pages_found,
+            "host_len": host,
+            "bit_exact": bool(dev == npages * PS and np.array_equal(got, bits32(kv))),
+        }
     cache.close()
     return out
 

@@ -41,8 +41,9 @@ class Outcome:
         return f"Outcome(rc={self.rc}, result={self.result}, out=...{self.out[-2000:]!r})"
 
 
-def launch(scenario: str, n: int, *args: str, timeout: float = 60.0,
-           kill: dict[int, str] | None = None) -> list[Outcome]:
+def launch(
+    scenario: str, n: int, *args: str, timeout: float = 60.0, kill: dict[int, str] | None = None
+) -> list[Outcome]:
     """Run ``scenario`` in ``n`` processes; their outcomes, in process order.
 
     Args:
@@ -58,7 +59,11 @@ def launch(scenario: str, n: int, *args: str, timeout: float = 60.0,
     logs = [tempfile.TemporaryFile("w+") for _ in range(n)]  # noqa: SIM115
     procs = launch_mod.spawn(
         lambda i: [sys.executable, str(WORKERS), scenario, str(i), str(n), str(port), *args],
-        n, env=env, cwd=str(ROOT), stdout_of=lambda i: logs[i])
+        n,
+        env=env,
+        cwd=str(ROOT),
+        stdout_of=lambda i: logs[i],
+    )
     killed_at: list[float] = []
     ends: dict[int, float] = {}
 
@@ -90,5 +95,5 @@ def _outcome(p: subprocess.Popen, log) -> Outcome:
     result = None
     for line in out.splitlines():
         if line.startswith("RESULT "):
-            result = json.loads(line[len("RESULT "):])
+            result = json.loads(line[len("RESULT ") :])
     return Outcome(None if rc == -signal.SIGKILL else rc, result, out)

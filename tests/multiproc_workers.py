@@ -23,26 +23,38 @@ def _join(pid: int, n: int, port: int):
     import jax
 
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=n, process_id=pid,
-                               initialization_timeout=60, heartbeat_timeout_seconds=30)
+    jax.distributed.initialize(
+        f"127.0.0.1:{port}",
+        num_processes=n,
+        process_id=pid,
+        initialization_timeout=60,
+        heartbeat_timeout_seconds=30,
+    )
     return jax
 
 
 def _error(e: BaseException) -> dict:
-    return {"error": type(e).__name__, "message": str(e),
-            "field": getattr(e, "field", None), "process": getattr(e, "process", None)}
+    return {
+        "error": type(e).__name__,
+        "message": str(e),
+        "field": getattr(e, "field", None),
+        "process": getattr(e, "process", None),
+    }
 
 
 # -- scenarios: each returns the JSON-able result of this process ------------------------------
+
 
 def scenario_group(jax, pid: int, n: int, args: list[str]) -> dict:
     """allgather, MIN, leader, equal fields; then one process calls out of step."""
     from hicache_jax.memory.group import DistributedGroup
 
     g = DistributedGroup(timeout_s=20)
-    out = {"gather": g.allgather("g", f"p{pid}"),
-           "min": g.agree_min("m", [10 - pid, pid]).tolist(),
-           "leader": g.leader("l", f"from {pid}")}
+    out = {
+        "gather": g.allgather("g", f"p{pid}"),
+        "min": g.agree_min("m", [10 - pid, pid]).tolist(),
+        "leader": g.leader("l", f"from {pid}"),
+    }
     g.check_equal("same", [("a", "1"), ("b", "2")])
     try:
         g.check_equal("cfg", [("a", "1"), ("b", str(pid))])
@@ -63,11 +75,21 @@ def _cache(jax, mesh: bool = True, **cfg):
     from hicache_jax import HiCache, HiCacheConfig, KVSpec
 
     n = jax.process_count()
-    spec = KVSpec(num_layers=2, num_kv_heads=2 * n, head_dim=4, dtype="float16",
-                  page_size=cfg.pop("page_size", 4))
-    cfg = {"device_pages": 16, "host_pages": 24, "load_back_threshold": 4,
-           "write_policy": "write_through", "agreement_check_every": 1,
-           "agreement_timeout_s": 20.0} | cfg
+    spec = KVSpec(
+        num_layers=2,
+        num_kv_heads=2 * n,
+        head_dim=4,
+        dtype="float16",
+        page_size=cfg.pop("page_size", 4),
+    )
+    cfg = {
+        "device_pages": 16,
+        "host_pages": 24,
+        "load_back_threshold": 4,
+        "write_policy": "write_through",
+        "agreement_check_every": 1,
+        "agreement_timeout_s": 20.0,
+    } | cfg
     if mesh:
         cfg["mesh"] = Mesh(np.array(jax.devices()), ("heads",))
     return HiCache(spec, HiCacheConfig(**cfg))
@@ -112,7 +134,7 @@ def scenario_order(jax, pid: int, n: int, args: list[str]) -> dict:
     _serve(cache, np.arange(200, 208))
     done = 0
     try:
-        for t in ((a, b) if pid == 0 else (b, a)):
+        for t in (a, b) if pid == 0 else (b, a):
             _serve(cache, t)
             done += 1
     except Exception as e:
@@ -132,7 +154,7 @@ def _workload(cache, seed: int, steps: int, check: bool = True, prefetch: bool =
     for _ in range(steps):
         op = rng.choice(["serve"] * 6 + ["evict", "evict_host", "flush"])
         if op == "serve":
-            base = bases[rng.integers(len(bases))][:ps * int(rng.integers(1, 7))]
+            base = bases[rng.integers(len(bases))][: ps * int(rng.integers(1, 7))]
             tail = rng.integers(0, 1000, ps * int(rng.integers(0, 3)))
             tokens = np.concatenate([base, tail])
             if prefetch and rng.random() < 0.5:
@@ -155,8 +177,14 @@ def _workload(cache, seed: int, steps: int, check: bool = True, prefetch: bool =
 def _decided(stats: dict) -> dict:
     """The counters every process must agree on (not timings, nor the completion lag's waits:
     whether a copy was still moving at its start is this process's own)."""
-    return {k: v for k, v in sorted(stats.items()) if "seconds" not in k and "cost_" not in k
-            and "lag_waits" not in k and isinstance(v, (int, float))}
+    return {
+        k: v
+        for k, v in sorted(stats.items())
+        if "seconds" not in k
+        and "cost_" not in k
+        and "lag_waits" not in k
+        and isinstance(v, (int, float))
+    }
 
 
 def scenario_workload(jax, pid: int, n: int, args: list[str]) -> dict:
@@ -169,8 +197,12 @@ def scenario_workload(jax, pid: int, n: int, args: list[str]) -> dict:
     cache.flush()
     st = cache.stats()
     cache.close()
-    return {"log": log, "stats": _decided(st), "agreements": cache._group.calls,
-            "agreement_seconds": cache._group.seconds}
+    return {
+        "log": log,
+        "stats": _decided(st),
+        "agreements": cache._group.calls,
+        "agreement_seconds": cache._group.seconds,
+    }
 
 
 def scenario_workload_lag(jax, pid: int, n: int, args: list[str]) -> dict:
@@ -182,8 +214,12 @@ def scenario_workload_lag(jax, pid: int, n: int, args: list[str]) -> dict:
     cache.flush()
     st = cache.stats()
     cache.close()
-    return {"log": log, "stats": _decided(st), "waits": st["completion_lag_waits"],
-            "transfer_agreements": cache._group.calls_by_tag["transfers"]}
+    return {
+        "log": log,
+        "stats": _decided(st),
+        "waits": st["completion_lag_waits"],
+        "transfer_agreements": cache._group.calls_by_tag["transfers"],
+    }
 
 
 def scenario_l3(jax, pid: int, n: int, args: list[str]) -> dict:
@@ -235,7 +271,7 @@ def _kv(spec, tokens, start: int, stop: int):
     import numpy as np
 
     L, kvf, _, ps, H, D = spec.kv_shape(1)
-    t = np.asarray(tokens[start * ps:stop * ps], np.int64).reshape(1, 1, -1, ps, 1, 1)
+    t = np.asarray(tokens[start * ps : stop * ps], np.int64).reshape(1, 1, -1, ps, 1, 1)
     grid = np.indices((L, kvf, 1, 1, H, D)).reshape(6, L, kvf, 1, 1, H, D)
     val = (t * 7 + grid[0] * 131 + grid[1] * 17 + grid[4] * 1009 + grid[5] * 3) % 2039
     return val.astype(np.float16)
@@ -265,8 +301,7 @@ def scenario_shards(jax, pid: int, n: int, args: list[str]) -> dict:
 
     cache = _cache(jax, device_pages=16, host_pages=16, storage=f"file://{args[0]}")
     a, b = np.arange(32), np.arange(500, 532)
-    out = {"heads": [cache.local_heads.start, cache.local_heads.stop],
-           "first": _serve_kv(cache, a)}
+    out = {"heads": [cache.local_heads.start, cache.local_heads.stop], "first": _serve_kv(cache, a)}
     cache.flush()
     cache.evict(10_000)
     out["from_host"] = _serve_kv(cache, a)  # loaded back from L2

@@ -31,11 +31,18 @@ def host_buffer(spec, layout, num_pages=NUM_PAGES, seed=0):
     if layout == "page_first":
         shape = spec.page_major_shape(num_pages)
     else:
-        shape = (spec.num_layers, spec.kv_factor, num_pages, spec.page_size,
-                 spec.num_kv_heads, spec.head_dim)
+        shape = (
+            spec.num_layers,
+            spec.kv_factor,
+            num_pages,
+            spec.page_size,
+            spec.num_kv_heads,
+            spec.head_dim,
+        )
     info = np.iinfo(spec.bits_dtype)
-    return np.random.default_rng(seed).integers(0, info.max, shape, dtype=spec.bits_dtype,
-                                                endpoint=True)
+    return np.random.default_rng(seed).integers(
+        0, info.max, shape, dtype=spec.bits_dtype, endpoint=True
+    )
 
 
 def pages(buf, layout, ids):

@@ -93,8 +93,14 @@ class MooncakeServers:
         return f"mooncake://{self.address}"
 
     @classmethod
-    def start(cls, *, segment_bytes: int = 256 << 20, client_ttl_s: int = 2,
-              lease_ttl_ms: int = 1000, timeout_s: float = 20.0) -> MooncakeServers:
+    def start(
+        cls,
+        *,
+        segment_bytes: int = 256 << 20,
+        client_ttl_s: int = 2,
+        lease_ttl_ms: int = 1000,
+        timeout_s: float = 20.0,
+    ) -> MooncakeServers:
         """Start a master and a holder mounting ``segment_bytes``; wait until it is mounted."""
         servers = cls(free_port(), free_port(), tempfile.mkdtemp(prefix="mooncake-test-"))
         try:
@@ -109,29 +115,50 @@ class MooncakeServers:
         # The server's log stays open while it runs; stop() closes it.
         log = open(os.path.join(self.logdir, f"{name}.log"), "ab")  # noqa: SIM115
         self._logs.append(log)
-        return subprocess.Popen([os.path.join(mooncake_dir(), name)] + args, stdout=log,
-                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        return subprocess.Popen(
+            [os.path.join(mooncake_dir(), name)] + args,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+        )
 
     def _spawn_master(self, client_ttl_s: int, lease_ttl_ms: int) -> None:
-        self.master = self._popen("mooncake_master", [
-            "--rpc_address=127.0.0.1", f"--rpc_port={self.rpc_port}",
-            "--metrics_host=127.0.0.1", f"--metrics_port={self.metrics_port}",
-            f"--client_ttl={client_ttl_s}", f"--default_kv_lease_ttl={lease_ttl_ms}",
-            "--rpc_thread_num=2", "--enable_metric_reporting=false"])
+        self.master = self._popen(
+            "mooncake_master",
+            [
+                "--rpc_address=127.0.0.1",
+                f"--rpc_port={self.rpc_port}",
+                "--metrics_host=127.0.0.1",
+                f"--metrics_port={self.metrics_port}",
+                f"--client_ttl={client_ttl_s}",
+                f"--default_kv_lease_ttl={lease_ttl_ms}",
+                "--rpc_thread_num=2",
+                "--enable_metric_reporting=false",
+            ],
+        )
 
     def start_holder(self, segment_bytes: int = 256 << 20, timeout_s: float = 20.0) -> None:
         """(Re)start the holder process and wait until the master lists its segment."""
         _stop(self.holder)
-        self.holder = self._popen("mooncake_client", [
-            f"--master_server_address={self.address}", "--metadata_server=P2PHANDSHAKE",
-            "--host=127.0.0.1", f"--port={free_port()}", "--protocol=tcp",
-            f"--global_segment_size={segment_bytes}", "--local_buffer_size=0"])
+        self.holder = self._popen(
+            "mooncake_client",
+            [
+                f"--master_server_address={self.address}",
+                "--metadata_server=P2PHANDSHAKE",
+                "--host=127.0.0.1",
+                f"--port={free_port()}",
+                "--protocol=tcp",
+                f"--global_segment_size={segment_bytes}",
+                "--local_buffer_size=0",
+            ],
+        )
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             for proc in (self.master, self.holder):
                 if proc.poll() is not None:
-                    raise RuntimeError(f"{proc.args[0]} exited with {proc.returncode}:\n"
-                                       + self.log_tail())
+                    raise RuntimeError(
+                        f"{proc.args[0]} exited with {proc.returncode}:\n" + self.log_tail()
+                    )
             if self.segments():
                 return
             time.sleep(0.1)

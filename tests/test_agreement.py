@@ -20,12 +20,19 @@ def test_mismatched_configs_a_different_call_order_and_a_killed_process():
     before the first of them returns (its unlock), naming the tree; then process 1 is killed
     mid-run and process 0 raises within the agreement timeout, naming it."""
     timeout_s = 3.0
-    out = launch("config", 2, "device_pages=17", "eviction=lfu", "page_size=8", str(timeout_s),
-                 timeout=60, kill={1: "READY"})
+    out = launch(
+        "config",
+        2,
+        "device_pages=17",
+        "eviction=lfu",
+        "page_size=8",
+        str(timeout_s),
+        timeout=60,
+        kill={1: "READY"},
+    )
     for o in out:
         assert o.result is not None and "trace" not in o.result, o
-        for field, shown in (("device_pages", "17"), ("eviction", "lfu"),
-                             ("spec.page_size", "8")):
+        for field, shown in (("device_pages", "17"), ("eviction", "lfu"), ("spec.page_size", "8")):
             r = o.result[field.removeprefix("spec.")]
             assert r.get("error") == "GroupDivergedError" and r["field"] == field, o
             assert f"process 1 has {shown}" in r["message"], o
@@ -60,8 +67,10 @@ def test_config_fields_name_every_setting():
 
 def test_state_fields_name_what_differs():
     a, b = make_cache(bookkeeping_spec()), make_cache(bookkeeping_spec())
-    fields = lambda c: dict(state_fields(c.tree, c._owner, c.host_pool.allocator,  # noqa: E731
-                                         c._flight, c._n))
+
+    def fields(c):
+        return dict(state_fields(c.tree, c._owner, c.host_pool.allocator, c._flight, c._n))
+
     serve(a, np.arange(8))
     serve(b, np.arange(8))
     assert fields(a) == fields(b) | {"tree.eviction_keys": fields(a)["tree.eviction_keys"]}
@@ -84,9 +93,17 @@ def _one_process_run(n: int, seed: int, steps: int, lag: int | None = None) -> t
     from hicache_jax import KVSpec
 
     spec = KVSpec(num_layers=2, num_kv_heads=2 * n, head_dim=4, dtype="float16", page_size=4)
-    cache = HiCache(spec, HiCacheConfig(device_pages=12, host_pages=16, load_back_threshold=4,
-                                        write_policy="write_through", agreement_check_every=1,
-                                        completion_lag=lag))
+    cache = HiCache(
+        spec,
+        HiCacheConfig(
+            device_pages=12,
+            host_pages=16,
+            load_back_threshold=4,
+            write_policy="write_through",
+            agreement_check_every=1,
+            completion_lag=lag,
+        ),
+    )
     log = w._workload(cache, seed, steps)
     cache.flush()
     stats = w._decided(cache.stats())
@@ -106,8 +123,9 @@ def test_a_random_workload_decides_alike_on_every_process(n, steps):
     assert stats["load_backs"] and stats["evictions"] and stats["host_evictions"]
     for o in out:
         assert o.result["log"] == log
-        assert {k: v for k, v in o.result["stats"].items() if "gbps" not in k} == \
-            {k: v for k, v in stats.items() if "gbps" not in k}
+        assert {k: v for k, v in o.result["stats"].items() if "gbps" not in k} == {
+            k: v for k, v in stats.items() if "gbps" not in k
+        }
 
 
 def test_with_a_completion_lag_processes_decide_alike_with_no_agreement_for_copies():
@@ -121,21 +139,23 @@ def test_with_a_completion_lag_processes_decide_alike_with_no_agreement_for_copi
     for o in out:
         assert o.result["transfer_agreements"] == 0
         assert o.result["log"] == log
-        assert {k: v for k, v in o.result["stats"].items() if "gbps" not in k} == \
-            {k: v for k, v in stats.items() if "gbps" not in k}
+        assert {k: v for k, v in o.result["stats"].items() if "gbps" not in k} == {
+            k: v for k, v in stats.items() if "gbps" not in k
+        }
 
 
 def test_l3_results_are_agreed_over_a_shared_store(tmp_path):
     """Two processes over one file:// store: the random workload with prefetches decides alike;
     then, over a store of each process's own,
     pages removed from process 1's only are a miss on both (lookup, prefetch, the request)."""
-    out = launch("l3", 2, "3", "40", str(tmp_path / "shared"), str(tmp_path / "own"),
-                 timeout=90)
+    out = launch("l3", 2, "3", "40", str(tmp_path / "shared"), str(tmp_path / "own"), timeout=90)
     assert all(o.result is not None and "trace" not in o.result for o in out), out
     stats = out[0].result["stats"]
     assert stats["l3_prefetch_hit_pages"] and stats["l3_put_pages_stored"], stats
-    decided = lambda d: {k: v for k, v in d.items()  # noqa: E731
-                         if "gbps" not in k and not k.startswith("l3_store_")}
+
+    def decided(d):
+        return {k: v for k, v in d.items() if "gbps" not in k and not k.startswith("l3_store_")}
+
     for o in out:  # (puts land when they land: one process alone may see other hits)
         assert o.result["log"] == out[0].result["log"]
         assert decided(o.result["stats"]) == decided(stats)
@@ -164,12 +184,12 @@ def test_pools_sharded_over_processes_keep_their_own_heads_through_l2_and_l3(n, 
         assert r["l3_held"] == 32 and r["prefetched"] == 8, r
         assert r["from_l3"] == {"cached": 32, "bytes_ok": True}, r
         assert r["workload"]["log"] == out[0].result["workload"]["log"]
-        assert {k: v for k, v in r["workload"]["stats"].items() if "gbps" not in k} == \
-            {k: v for k, v in out[0].result["workload"]["stats"].items() if "gbps" not in k}
+        assert {k: v for k, v in r["workload"]["stats"].items() if "gbps" not in k} == {
+            k: v for k, v in out[0].result["workload"]["stats"].items() if "gbps" not in k
+        }
     assert out[0].result["workload"]["stats"]["load_backs"]
     spec = KVSpec(num_layers=2, num_kv_heads=2 * n, head_dim=4, dtype="float16", page_size=4)
-    alone = HiCache(spec, HiCacheConfig(device_pages=8, host_pages=8,
-                                        storage=f"file://{tmp_path}"))
+    alone = HiCache(spec, HiCacheConfig(device_pages=8, host_pages=8, storage=f"file://{tmp_path}"))
     assert alone.lookup(np.arange(32), l3=True)["l3"] == 0
     assert alone.read_kv_local(np.zeros(0, np.int32)).shape == spec.kv_shape(0)
     assert alone.local_heads == slice(0, 2 * n)

@@ -59,14 +59,17 @@ def test_alloc_bad_count(n):
         PageAllocator(4).alloc(n)
 
 
-@pytest.mark.parametrize("ids, err, match", [
-    ([0, 0], HiCacheError, "duplicate"),          # repeated within one call
-    ([0, 4], HiCacheError, r"outside the device pool \[0, 4\)"),  # foreign (beyond the pool)
-    ([1], HiCacheError, r"\[1\] are not allocated"),              # never allocated
-    ([-1], ValueError, "negative"),
-    ([[0]], ValueError, "1-D"),
-    ([0.0], TypeError, "integers"),
-])
+@pytest.mark.parametrize(
+    "ids, err, match",
+    [
+        ([0, 0], HiCacheError, "duplicate"),  # repeated within one call
+        ([0, 4], HiCacheError, r"outside the device pool \[0, 4\)"),  # foreign (beyond the pool)
+        ([1], HiCacheError, r"\[1\] are not allocated"),  # never allocated
+        ([-1], ValueError, "negative"),
+        ([[0]], ValueError, "1-D"),
+        ([0.0], TypeError, "integers"),
+    ],
+)
 def test_bad_free_is_all_or_nothing(ids, err, match):
     a = PageAllocator(4, "device")
     a.alloc(1)  # id 0 allocated, 1..3 free
@@ -196,8 +199,9 @@ TestAllocatorMachine = AllocatorMachine.TestCase
 # A small pool saturates quickly: a few dozen runs cover it in the CI profile; the "long"
 # profile (HICACHE_HYPOTHESIS_PROFILE=long) keeps its own, larger budget.
 if settings.default.max_examples <= 100:
-    TestAllocatorMachine.settings = settings(settings.default, max_examples=12,
-                                             stateful_step_count=25)
+    TestAllocatorMachine.settings = settings(
+        settings.default, max_examples=12, stateful_step_count=25
+    )
 
 
 def test_a_validated_free_still_refuses_a_double_free_and_changes_nothing():

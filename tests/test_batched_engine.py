@@ -18,16 +18,19 @@ from hicache_jax.engine.weights import ModelConfig
 from hicache_jax.engine.workloads import ClosedLoop, multiturn_chat
 from hicache_jax.memory.transfer import TransferHandle
 
-CFG = ModelConfig(vocab_size=97, num_layers=2, d_model=32, num_heads=4, num_kv_heads=2,
-                  head_dim=8, ffn_dim=48)
+CFG = ModelConfig(
+    vocab_size=97, num_layers=2, d_model=32, num_heads=4, num_kv_heads=2, head_dim=8, ffn_dim=48
+)
 TOL = dict(rtol=1e-5, atol=1e-5)
 POLICIES = ["clean_ahead", "write_through", "write_through_selective", "write_back"]
 # Pools small enough that the chat below evicts to L2 and waits for pages.
 POOLS = {16: (8, 64), 1: (96, 1024)}  # page size -> (device pages, host pages)
 # Bucket floors that keep this file to a few shapes per pool: batch 4, prefill 64 tokens,
 # page tables of 128 tokens.
-BUCKETS = {16: dict(batch_bucket=4, query_block=32, table_bucket=8),
-           1: dict(batch_bucket=4, query_block=32, table_bucket=128)}
+BUCKETS = {
+    16: dict(batch_bucket=4, query_block=32, table_bucket=8),
+    1: dict(batch_bucket=4, query_block=32, table_bucket=128),
+}
 
 
 @pytest.fixture(scope="module")
@@ -37,9 +40,13 @@ def model():
 
 def _cache(model, page_size, mode, policy="write_through", device=None, host=None):
     dev, hst = POOLS[page_size]
-    cfg = HiCacheConfig(device_pages=device or dev,
-                        host_pages=(host or hst) if mode == "hicache" else 0,
-                        write_policy=policy, write_through_threshold=1, load_back_threshold=1)
+    cfg = HiCacheConfig(
+        device_pages=device or dev,
+        host_pages=(host or hst) if mode == "hicache" else 0,
+        write_policy=policy,
+        write_through_threshold=1,
+        load_back_threshold=1,
+    )
     return HiCache(model.kv_spec(page_size), cfg)
 
 
@@ -50,16 +57,31 @@ def _batched(model, page_size, mode="hicache", policy="write_through", **kw):
 
 
 def _chat():
-    return multiturn_chat(num_clients=4, num_turns=2, system_tokens=40, question_tokens=10,
-                          max_new_tokens=4, vocab_size=CFG.vocab_size, seed=1)
+    return multiturn_chat(
+        num_clients=4,
+        num_turns=2,
+        system_tokens=40,
+        question_tokens=10,
+        max_new_tokens=4,
+        vocab_size=CFG.vocab_size,
+        seed=1,
+    )
 
 
 def _serial_reference(model, workload):
     """Serial engine, no cache: the reference outputs keyed (session, turn)."""
-    eng = Engine(model, _cache(model, 16, "none", device=64), mode="none", chunk_size=64,
-                 prefill_bucket=64, table_bucket=32)
-    gens, order = {}, iter([(i, t) for t in range(workload.num_rounds)
-                            for i in range(len(workload.sessions))])
+    eng = Engine(
+        model,
+        _cache(model, 16, "none", device=64),
+        mode="none",
+        chunk_size=64,
+        prefill_bucket=64,
+        table_bucket=32,
+    )
+    gens, order = (
+        {},
+        iter([(i, t) for t in range(workload.num_rounds) for i in range(len(workload.sessions))]),
+    )
 
     def serve(prompts):
         out = []
@@ -103,7 +125,7 @@ def test_matches_serial_every_policy(model, chat_ref, page_size, policy):
     assert sum(g.record.device_hit_tokens for g in gens.values()) > 0
     if policy == "write_through":  # backed up at insert; the pool is small: L2 serves later turns
         assert st["load_backs"] > 0
-    # 4 clients need more pages than the pool has: some wait for others to finish
+        # 4 clients need more pages than the pool has: some wait for others to finish
         assert max(g.record.queue_s for g in gens.values()) > 0
     assert eng.counters["prefill_batches"] < len(gens)  # requests were batched
     assert eng.counters["admission_plan_misses"] == 0  # admission's count was never short
@@ -111,8 +133,9 @@ def test_matches_serial_every_policy(model, chat_ref, page_size, policy):
 
 
 @pytest.mark.parametrize("page_size", [1, 16])
-def test_clean_ahead_admission_pass_keeps_copies_off_the_allocation_path(model, chat_ref,
-                                                                          page_size):
+def test_clean_ahead_admission_pass_keeps_copies_off_the_allocation_path(
+    model, chat_ref, page_size
+):
     """The engine announces its allocations (cache.prepare) before admitting and before decode
     pages: under clean_ahead what they evict is backed up ahead, none on the eviction path;
     the outputs are the serial engine's."""
@@ -128,15 +151,22 @@ def test_clean_ahead_admission_pass_keeps_copies_off_the_allocation_path(model, 
 def test_admission_waits_for_transfers_only_when_nothing_runs(model, chat_ref, monkeypatch):
     """A request that does not fit while others run waits a step; it does not wait for the
     copies in flight (behind the forward in flight: the host would stall on it)."""
-    cfg = HiCacheConfig(device_pages=POOLS[16][0], host_pages=POOLS[16][1],
-                        write_through_threshold=1, load_back_threshold=1)
+    cfg = HiCacheConfig(
+        device_pages=POOLS[16][0],
+        host_pages=POOLS[16][1],
+        write_through_threshold=1,
+        load_back_threshold=1,
+    )
     cache = HiCache(model.kv_spec(16), cfg, transfer_engine=GatedEngine)
     gate(cache)  # copies stay in flight until something waits for them
     eng = BatchedEngine(model, cache, token_budget=64, **BUCKETS[16])
     active_at_flush = []
     real = eng.cache.flush
-    monkeypatch.setattr(eng.cache, "flush", lambda: active_at_flush.append(
-        bool(eng.prefilling or eng.running)) or real())
+    monkeypatch.setattr(
+        eng.cache,
+        "flush",
+        lambda: active_at_flush.append(bool(eng.prefilling or eng.running)) or real(),
+    )
     gens = {g.record.key: g for g in eng.serve(ClosedLoop(_chat()))}
     _same(gens, chat_ref)
     assert max(g.record.queue_s for g in gens.values()) > 0  # some waited for pages
@@ -151,10 +181,16 @@ def test_layerwise_load_backs_only_without_overlap(model, chat_ref, overlap, mon
     eng = _batched(model, 16, layerwise=True, overlap=overlap)
     asked, waited = [], []
     real_load, real_wait = eng.cache.load_back_many, TransferHandle.wait_layer
-    monkeypatch.setattr(eng.cache, "load_back_many", lambda ms, layerwise: asked.append(
-        layerwise) or real_load(ms, layerwise=layerwise))
-    monkeypatch.setattr(TransferHandle, "wait_layer",
-                        lambda self, layer: waited.append(layer) or real_wait(self, layer))
+    monkeypatch.setattr(
+        eng.cache,
+        "load_back_many",
+        lambda ms, layerwise: asked.append(layerwise) or real_load(ms, layerwise=layerwise),
+    )
+    monkeypatch.setattr(
+        TransferHandle,
+        "wait_layer",
+        lambda self, layer: waited.append(layer) or real_wait(self, layer),
+    )
     gens = {g.record.key: g for g in eng.serve(ClosedLoop(_chat()))}
     _same(gens, chat_ref)
     assert eng.cache.stats()["load_backs"] > 0 and set(asked) == {not overlap}
@@ -177,8 +213,14 @@ def test_matches_serial_other_modes(model, chat_ref, mode, overlap):
 def test_retraction_when_decode_runs_out_of_pages(model, overlap):
     rng = np.random.default_rng(5)
     prompts = [rng.integers(1, CFG.vocab_size, 24).astype(np.int32) for _ in range(4)]
-    ref = Engine(model, _cache(model, 16, "none", device=64), mode="none", chunk_size=64,
-                 prefill_bucket=64, table_bucket=32).generate(prompts, 12)
+    ref = Engine(
+        model,
+        _cache(model, 16, "none", device=64),
+        mode="none",
+        chunk_size=64,
+        prefill_bucket=64,
+        table_bucket=32,
+    ).generate(prompts, 12)
     # 4 prompts x 2 pages fill the 8 pages when admitted greedily (decode_reserve 0); their
     # 3rd pages (positions 32..34) cannot all be had in decode.
     eng = _batched(model, 16, mode="device", decode_reserve=0.0, overlap=overlap)
@@ -199,8 +241,14 @@ def test_overlap_reads_a_step_s_tokens_after_dispatching_the_next():
     model = DecoderModel(CFG, seed=3)
     rng = np.random.default_rng(12)
     prompts = [rng.integers(1, CFG.vocab_size, n).astype(np.int32) for n in (20, 9)]
-    ref = Engine(model, _cache(model, 16, "none", device=64), mode="none", chunk_size=64,
-                 prefill_bucket=64, table_bucket=32).generate(prompts, 3)
+    ref = Engine(
+        model,
+        _cache(model, 16, "none", device=64),
+        mode="none",
+        chunk_size=64,
+        prefill_bucket=64,
+        table_bucket=32,
+    ).generate(prompts, 3)
     calls = {}
     for overlap in (True, False):
         eng = _batched(model, 16, mode="device", overlap=overlap)
@@ -227,10 +275,18 @@ def test_overlap_under_page_pressure_with_retractions_matches_serial(model, mode
     pages, requests are retracted and re-admitted) and requests of 1 to 9 new tokens: every
     request's tokens and first-token logits are the serial engine's, and nothing is held after."""
     rng = np.random.default_rng(21)
-    reqs = [(rng.integers(1, CFG.vocab_size, int(n)).astype(np.int32), int(k))
-            for n, k in zip(rng.integers(5, 40, 9), rng.integers(1, 10, 9))]
-    serial = Engine(model, _cache(model, 16, "none", device=64), mode="none", chunk_size=64,
-                    prefill_bucket=64, table_bucket=32)
+    reqs = [
+        (rng.integers(1, CFG.vocab_size, int(n)).astype(np.int32), int(k))
+        for n, k in zip(rng.integers(5, 40, 9), rng.integers(1, 10, 9))
+    ]
+    serial = Engine(
+        model,
+        _cache(model, 16, "none", device=64),
+        mode="none",
+        chunk_size=64,
+        prefill_bucket=64,
+        table_bucket=32,
+    )
     eng = _batched(model, 16, mode=mode, decode_reserve=0.0, overlap=True)
     for i, (p, k) in enumerate(reqs):
         eng.submit(p, k, key=i)
@@ -247,12 +303,12 @@ def test_overlap_under_page_pressure_with_retractions_matches_serial(model, mode
 
 
 @pytest.mark.parametrize("mode", ["none", "device", "hicache"])
-def test_a_refused_head_is_tried_again_only_once_it_could_fit(model, chat_ref, mode,
-                                                               monkeypatch):
+def test_a_refused_head_is_tried_again_only_once_it_could_fit(model, chat_ref, mode, monkeypatch):
     """Under page pressure the oldest waiting request, refused while others run, is not
     matched and counted again until the engine's pages change (PageLedger.refused_again): the
     schedule is the one of an engine that tries it every step (clock: the step count), and
     the tokens are the serial engine's."""
+
     def run(skip):
         if not skip:
             monkeypatch.setattr(PageLedger, "refused_again", lambda self, req, reserve: False)
@@ -274,8 +330,12 @@ def test_all_locked_is_reported_not_spun(model):
     eng = _batched(model, 16, mode="device")
     held = eng.cache.alloc_pages(6)  # owned outside the engine
     eng.submit(np.arange(1, 41, dtype=np.int32), 4, key="a")
-    pages = ("device_free_pages", "device_caller_pages", "device_protected_pages",
-             "device_cached_tokens")
+    pages = (
+        "device_free_pages",
+        "device_caller_pages",
+        "device_protected_pages",
+        "device_cached_tokens",
+    )
     before = {k: eng.cache.stats()[k] for k in pages}
     with pytest.raises(EngineStalledError, match=r"nothing is running.*6 owned by callers"):
         eng.step()
@@ -297,8 +357,9 @@ def test_one_load_back_for_the_requests_admitted_together(model):
     eng.cache.flush()
     assert eng.cache.stats()["device_cached_tokens"] == 0
     loads = eng.cache.stats()["load_backs"]
-    prompts = [np.concatenate([p, rng.integers(1, CFG.vocab_size, 5).astype(np.int32)])
-               for p in prefixes]
+    prompts = [
+        np.concatenate([p, rng.integers(1, CFG.vocab_size, 5).astype(np.int32)]) for p in prefixes
+    ]
     for i, p in enumerate(prompts):
         eng.submit(p, 3, key=i)
     eng.step()  # admits all three: one load_back_many, one prefill batch
@@ -325,8 +386,9 @@ def test_a_waiting_request_is_not_loaded_back_while_it_waits(model):
     eng.step()
     assert [r.key for r in eng.running] == ["long"]
     # 3 pages (2 of them loaded back): never fits beside the long one's reserve
-    eng.submit(np.concatenate([prefix, rng.integers(1, CFG.vocab_size, 5).astype(np.int32)]), 3,
-               key="w")
+    eng.submit(
+        np.concatenate([prefix, rng.integers(1, CFG.vocab_size, 5).astype(np.int32)]), 3, key="w"
+    )
     moved = ("bytes_to_device", "load_backs", "load_back_tokens")
     before = {k: eng.cache.stats()[k] for k in moved}
     calls = eng.counters["load_back_calls"]
@@ -349,10 +411,18 @@ def test_a_waiting_request_is_not_loaded_back_while_it_waits(model):
 def test_a_host_prefix_two_admissions_share_is_counted_once(model):
     rng = np.random.default_rng(14)
     prefix = rng.integers(1, CFG.vocab_size, 32).astype(np.int32)
-    prompts = [np.concatenate([prefix, rng.integers(1, CFG.vocab_size, 5).astype(np.int32)])
-               for _ in range(2)]
-    ref = Engine(model, _cache(model, 16, "none", device=64), mode="none", chunk_size=64,
-                 prefill_bucket=64, table_bucket=32).generate(prompts, 3)
+    prompts = [
+        np.concatenate([prefix, rng.integers(1, CFG.vocab_size, 5).astype(np.int32)])
+        for _ in range(2)
+    ]
+    ref = Engine(
+        model,
+        _cache(model, 16, "none", device=64),
+        mode="none",
+        chunk_size=64,
+        prefill_bucket=64,
+        table_bucket=32,
+    ).generate(prompts, 3)
     eng = _batched(model, 16, policy="write_through")
     eng.generate([prefix], 1)
     eng.cache.flush()
@@ -380,13 +450,19 @@ def test_the_head_is_admitted_when_only_it_fits(model):
     prefix = rng.integers(1, CFG.vocab_size, 64).astype(np.int32)
     head = np.concatenate([prefix, rng.integers(1, CFG.vocab_size, 10).astype(np.int32)])
     other = rng.integers(1, CFG.vocab_size, 60).astype(np.int32)
-    ref = Engine(model, _cache(model, 16, "none", device=64), mode="none", chunk_size=64,
-                 prefill_bucket=64, table_bucket=32).generate([head, other], 2)
+    ref = Engine(
+        model,
+        _cache(model, 16, "none", device=64),
+        mode="none",
+        chunk_size=64,
+        prefill_bucket=64,
+        table_bucket=32,
+    ).generate([head, other], 2)
     eng = _batched(model, 16, mode="device")
     eng.generate([prefix], 1)  # its 4 pages in the tree ...
     held = eng.cache.match_prefix(prefix)
     eng.cache.lock(held.node)  # ... locked outside the engine: 4 pages left free
-    eng.submit(head, 2, key="head")   # 5 pages: 4 matched (locked already) + 1 new
+    eng.submit(head, 2, key="head")  # 5 pages: 4 matched (locked already) + 1 new
     eng.submit(other, 2, key="other")  # 4 new pages: not beside the head's
     eng.step()
     assert [r.key for r in eng.prefilling + eng.running] == ["head"]
@@ -420,11 +496,14 @@ def test_the_head_may_take_every_free_and_evictable_page(model):
 
 
 def test_compiles_bounded_by_buckets(model):
-    eng = _batched(model, 16, mode="none", token_budget=64, query_block=16, table_bucket=1,
-                   batch_bucket=1)
+    eng = _batched(
+        model, 16, mode="none", token_budget=64, query_block=16, table_bucket=1, batch_bucket=1
+    )
     rng = np.random.default_rng(0)
-    rounds = [[rng.integers(1, CFG.vocab_size, 3 + 9 * i).astype(np.int32) for i in range(n)]
-              for n in range(1, 6)]  # growing batches of growing prompts (3 .. 39 tokens)
+    rounds = [
+        [rng.integers(1, CFG.vocab_size, 3 + 9 * i).astype(np.int32) for i in range(n)]
+        for n in range(1, 6)
+    ]  # growing batches of growing prompts (3 .. 39 tokens)
     before = trace_count("batch_step")
     for prompts in rounds:
         eng.generate(prompts, 2)
@@ -445,22 +524,29 @@ def test_without_compile_mixed_a_new_mixed_shape_runs_as_two_known_steps():
     mixed shape has no executable runs as a prefill-only and a decode-only step, compiling
     nothing new when those ran before; a mixed shape compiled while warming up is used. The
     tokens are the serial engine's either way."""
-    cfg = ModelConfig(vocab_size=89, num_layers=1, d_model=16, num_heads=2, num_kv_heads=1,
-                      head_dim=8, ffn_dim=24)  # its own config: no shape of it ran before
+    cfg = ModelConfig(
+        vocab_size=89, num_layers=1, d_model=16, num_heads=2, num_kv_heads=1, head_dim=8, ffn_dim=24
+    )  # its own config: no shape of it ran before
     model = DecoderModel(cfg, seed=5)
     serial = Engine.create(model, "none", page_size=16, device_pages=32)
     rng = np.random.default_rng(9)
     traced, calls = [], []
     for compile_mixed in (False, False, True, False):
-        eng = BatchedEngine.create(model, "none", page_size=16, device_pages=32,
-                                   token_budget=32, query_block=32,
-                                   compile_mixed=compile_mixed)
+        eng = BatchedEngine.create(
+            model,
+            "none",
+            page_size=16,
+            device_pages=32,
+            token_budget=32,
+            query_block=32,
+            compile_mixed=compile_mixed,
+        )
         prompts = {k: rng.integers(1, cfg.vocab_size, 20).astype(np.int32) for k in "ab"}
         eng.submit(prompts["a"], 8, key="a")
         gens = eng.step() + eng.step()  # a's prefill, a's first decode (compiled the 1st time)
         eng.submit(prompts["b"], 8, key="b")
         before, c0 = trace_count("batch_step"), eng.counters["forward_calls"]
-        gens += eng.step()               # b's prefill beside a's decode: the mixed shape
+        gens += eng.step()  # b's prefill beside a's decode: the mixed shape
         traced.append(trace_count("batch_step") - before)
         calls.append(eng.counters["forward_calls"] - c0)
         while eng.busy:
@@ -474,17 +560,20 @@ def test_without_compile_mixed_a_new_mixed_shape_runs_as_two_known_steps():
     assert calls == [2, 2, 1, 1] and traced == [0, 0, 1, 0]
 
 
-@pytest.mark.parametrize("kwargs, exc, match", [
-    ({"token_budget": 48}, ValueError, "token_budget=48 must be a power of two"),
-    ({"key_block": 24}, ValueError, "key_block=24 must be a power of two"),
-    ({"max_running": 0}, ValueError, "max_running=0 must be an int >= 1"),
-    ({"decode_reserve": 1.5}, ValueError, r"decode_reserve=1.5 must be a number in \[0, 1\]"),
-    ({"layerwise": "yes"}, TypeError, "layerwise"),
-    ({"compile_mixed": 1}, TypeError, "compile_mixed"),
-    ({"overlap": "no"}, TypeError, "overlap"),
-    ({"mode": "l3"}, ValueError, "mode='l3' is not one of"),
-    ({"clock": 3}, TypeError, "clock must be callable"),
-])
+@pytest.mark.parametrize(
+    "kwargs, exc, match",
+    [
+        ({"token_budget": 48}, ValueError, "token_budget=48 must be a power of two"),
+        ({"key_block": 24}, ValueError, "key_block=24 must be a power of two"),
+        ({"max_running": 0}, ValueError, "max_running=0 must be an int >= 1"),
+        ({"decode_reserve": 1.5}, ValueError, r"decode_reserve=1.5 must be a number in \[0, 1\]"),
+        ({"layerwise": "yes"}, TypeError, "layerwise"),
+        ({"compile_mixed": 1}, TypeError, "compile_mixed"),
+        ({"overlap": "no"}, TypeError, "overlap"),
+        ({"mode": "l3"}, ValueError, "mode='l3' is not one of"),
+        ({"clock": 3}, TypeError, "clock must be callable"),
+    ],
+)
 def test_bad_engine_arguments(model, kwargs, exc, match):
     with pytest.raises(exc, match=match):
         _batched(model, 16, **kwargs)
@@ -493,18 +582,21 @@ def test_bad_engine_arguments(model, kwargs, exc, match):
 def test_bad_requests_change_nothing(model):
     eng = _batched(model, 16)
     for prompt, new, exc, match in [
-            (np.zeros((2, 2), np.int32), 2, ValueError, "non-empty 1-D"),
-            (np.array([1.5]), 2, TypeError, "integer token ids"),
-            (np.array([1, 500]), 2, ValueError, r"outside \[0, 97\)"),
-            (np.array([1, 2]), 0, ValueError, "max_new_tokens=0"),
-            (np.ones(200, np.int32), 2, ValueError, "needs 13 device pages; the pool has 8")]:
+        (np.zeros((2, 2), np.int32), 2, ValueError, "non-empty 1-D"),
+        (np.array([1.5]), 2, TypeError, "integer token ids"),
+        (np.array([1, 500]), 2, ValueError, r"outside \[0, 97\)"),
+        (np.array([1, 2]), 0, ValueError, "max_new_tokens=0"),
+        (np.ones(200, np.int32), 2, ValueError, "needs 13 device pages; the pool has 8"),
+    ]:
         with pytest.raises(exc, match=match):
             eng.submit(prompt, new)
     assert not eng.busy
     with pytest.raises(TypeError, match="model must be a DecoderModel"):
         BatchedEngine("model", eng.cache)
-    other = HiCache(KVSpec(num_layers=1, num_kv_heads=2, head_dim=8, page_size=16),
-                    HiCacheConfig(device_pages=8, host_pages=0))
+    other = HiCache(
+        KVSpec(num_layers=1, num_kv_heads=2, head_dim=8, page_size=16),
+        HiCacheConfig(device_pages=8, host_pages=0),
+    )
     with pytest.raises(ValueError, match="does not hold this model's K/V"):
         BatchedEngine(model, other)
 
@@ -515,9 +607,15 @@ SPEC = KVSpec(num_layers=2, num_kv_heads=1, head_dim=4, dtype="float32", page_si
 
 
 def _filled(device=16, host=64, threshold=4, prompts=2):
-    cache = HiCache(SPEC, HiCacheConfig(device_pages=device, host_pages=host,
-                                        write_policy="write_through",
-                                        load_back_threshold=threshold))
+    cache = HiCache(
+        SPEC,
+        HiCacheConfig(
+            device_pages=device,
+            host_pages=host,
+            write_policy="write_through",
+            load_back_threshold=threshold,
+        ),
+    )
     rng = np.random.default_rng(0)
     toks, kv = [], []
     for i in range(prompts):
@@ -537,8 +635,12 @@ def _filled(device=16, host=64, threshold=4, prompts=2):
 
 def test_load_back_many_one_transfer_duplicates_and_overlaps():
     cache, (a, b), (kva, kvb) = _filled()
-    ms = [cache.match_prefix(a), cache.match_prefix(b), cache.match_prefix(a[:8]),
-          cache.match_prefix(a)]
+    ms = [
+        cache.match_prefix(a),
+        cache.match_prefix(b),
+        cache.match_prefix(a[:8]),
+        cache.match_prefix(a),
+    ]
     out = cache.load_back_many(ms, layerwise=True)
     assert [(m.device_len, m.host_len) for m in out] == [(16, 0), (16, 0), (8, 0), (16, 0)]
     handles = {id(m.load_handle) for m in out}
@@ -574,9 +676,11 @@ def test_load_back_many_bad_input_changes_nothing():
     other, (x, _), _ = _filled()
     foreign = other.match_prefix(x)
     before = cache.stats()
-    for arg, exc, match in [(m, TypeError, "list or tuple of Match"),
-                            ([m, "m"], TypeError, r"matches\[1\] must be a Match"),
-                            ([m, foreign], HiCacheError, r"matches\[1\].*not in this cache")]:
+    for arg, exc, match in [
+        (m, TypeError, "list or tuple of Match"),
+        ([m, "m"], TypeError, r"matches\[1\] must be a Match"),
+        ([m, foreign], HiCacheError, r"matches\[1\].*not in this cache"),
+    ]:
         with pytest.raises(exc, match=match):
             cache.load_back_many(arg)
     with pytest.raises(TypeError, match="layerwise"):

@@ -10,10 +10,27 @@ import sys
 
 def test_bench_control_plane_runs_on_the_slice(tmp_path, monkeypatch, capsys):
     from benchmarks import bench_control_plane
+
     out = tmp_path / "cp.json"
-    monkeypatch.setattr(sys, "argv", ["bench_control_plane", "--limit", "40", "--device-tokens",
-                                      "2e5", "--repeats", "1", "--inner", "2", "--no-base",
-                                      "--flows", "--json", str(out)])
+    monkeypatch.setattr(
+        sys,
+        "argv",
+        [
+            "bench_control_plane",
+            "--limit",
+            "40",
+            "--device-tokens",
+            "2e5",
+            "--repeats",
+            "1",
+            "--inner",
+            "2",
+            "--no-base",
+            "--flows",
+            "--json",
+            str(out),
+        ],
+    )
     bench_control_plane.main()
     text = capsys.readouterr().out
     # the handle's phases, the primitives' (--flows), and the handle judged against them
@@ -31,23 +48,46 @@ def test_bench_control_plane_runs_on_the_slice(tmp_path, monkeypatch, capsys):
     for r in rows:  # the same calls through the handle and the primitives: the same figures
         if r["events"] == "off":
             assert r["primitives"]["flow"] == "primitives" and r["current"]["flow"] == "handle"
-            assert all(r["primitives"][k] == r["current"][k]
-                       for k in bench_control_plane.HIT_FIGURES)
+            assert all(
+                r["primitives"][k] == r["current"][k] for k in bench_control_plane.HIT_FIGURES
+            )
 
 
 def test_bench_control_plane_sweep_runs_on_the_slice(tmp_path, monkeypatch, capsys):
     """The sweep mode: every L1 x L2 point replayed (warm-up untimed), one row each, JSON."""
     from benchmarks import bench_control_plane
+
     out = tmp_path / "sweep.json"
-    monkeypatch.setattr(sys, "argv", ["bench_control_plane", "--limit", "100", "--capacities",
-                                      "1e5,2e5", "--host-ratios", "2,4", "--repeats", "1",
-                                      "--warmup", "5", "--no-base", "--json", str(out)])
+    monkeypatch.setattr(
+        sys,
+        "argv",
+        [
+            "bench_control_plane",
+            "--limit",
+            "100",
+            "--capacities",
+            "1e5,2e5",
+            "--host-ratios",
+            "2,4",
+            "--repeats",
+            "1",
+            "--warmup",
+            "5",
+            "--no-base",
+            "--json",
+            str(out),
+        ],
+    )
     bench_control_plane.main()
     text = capsys.readouterr().out
     assert "current req/s" in text and "sweep of 4 points" in text
     rows = json.loads(out.read_text())["results"]
     assert [(r["device_pages"], r["host_pages"]) for r in rows] == [
-        (195, 390), (195, 780), (390, 780), (390, 1560)]
+        (195, 390),
+        (195, 780),
+        (390, 780),
+        (390, 1560),
+    ]
     for r in rows:
         cur = r["current"]
         assert cur["requests_per_s"] > 0 and cur["deterministic"]

@@ -15,22 +15,69 @@ from hicache_jax.cli.bench_processes import timing_free
 from hicache_jax.cli.main import main
 
 # test_cli.py's tiny model and workload (write_through: L2 sees traffic), with 2 kv heads.
-TINY = ["--quiet", "--no-warmup", "--layers", "2", "--d-model", "32", "--heads", "4",
-        "--kv-heads", "2", "--head-dim", "8", "--ffn-dim", "48", "--vocab", "97",
-        "--sessions", "3", "--turns", "3", "--base-tokens", "40", "--segment-tokens", "8",
-        "--max-new-tokens", "3", "--page-size", "16", "--device-pages", "64",
-        "--chunk-size", "64", "--policy", "write_through"]
+TINY = [
+    "--quiet",
+    "--no-warmup",
+    "--layers",
+    "2",
+    "--d-model",
+    "32",
+    "--heads",
+    "4",
+    "--kv-heads",
+    "2",
+    "--head-dim",
+    "8",
+    "--ffn-dim",
+    "48",
+    "--vocab",
+    "97",
+    "--sessions",
+    "3",
+    "--turns",
+    "3",
+    "--base-tokens",
+    "40",
+    "--segment-tokens",
+    "8",
+    "--max-new-tokens",
+    "3",
+    "--page-size",
+    "16",
+    "--device-pages",
+    "64",
+    "--chunk-size",
+    "64",
+    "--policy",
+    "write_through",
+]
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _tensor_parallel_reference(path, devices: int) -> dict:
     """The bench in one process over ``devices`` CPU devices, --tensor-parallel (a fresh
     process: this one has conftest's 4 devices)."""
-    env = dict(launch.local_env(), PYTHONPATH=ROOT,
-               XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
-    subprocess.run([sys.executable, "-m", "hicache_jax", "bench", *TINY, "--tensor-parallel",
-                    "--json", str(path)], env=env, check=True, timeout=300,
-                   stdout=subprocess.DEVNULL)
+    env = dict(
+        launch.local_env(),
+        PYTHONPATH=ROOT,
+        XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
+    )
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "hicache_jax",
+            "bench",
+            *TINY,
+            "--tensor-parallel",
+            "--json",
+            str(path),
+        ],
+        env=env,
+        check=True,
+        timeout=300,
+        stdout=subprocess.DEVNULL,
+    )
     return json.loads(path.read_text())
 
 
@@ -56,16 +103,32 @@ def test_two_processes_match_one_process_token_for_token_and_figure_for_figure(t
     assert multi["first_logits_sha256"] == reference["first_logits_sha256"]
 
 
-@pytest.mark.parametrize("flags, message", [
-    (["--processes", "0"], "--processes 0 must be >= 1"),
-    (["--coordinator", "127.0.0.1:1"], "go together"),
-    (["--processes", "2", "--coordinator", "127.0.0.1:1", "--process-id", "0",
-      "--num-processes", "2"], "give one of them"),
-    (["--coordinator", "127.0.0.1:1", "--process-id", "2", "--num-processes", "2"],
-     "--process-id 2 must be in"),
-    (["--processes", "2", "--kv-heads", "1"], "--kv-heads 1 is not divisible by the 2"),
-    (["--processes", "2", "--engine", "batched"], "serial engine only"),
-])
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--processes", "0"], "--processes 0 must be >= 1"),
+        (["--coordinator", "127.0.0.1:1"], "go together"),
+        (
+            [
+                "--processes",
+                "2",
+                "--coordinator",
+                "127.0.0.1:1",
+                "--process-id",
+                "0",
+                "--num-processes",
+                "2",
+            ],
+            "give one of them",
+        ),
+        (
+            ["--coordinator", "127.0.0.1:1", "--process-id", "2", "--num-processes", "2"],
+            "--process-id 2 must be in",
+        ),
+        (["--processes", "2", "--kv-heads", "1"], "--kv-heads 1 is not divisible by the 2"),
+        (["--processes", "2", "--engine", "batched"], "serial engine only"),
+    ],
+)
 def test_bad_process_flags_are_usage_errors_before_anything_runs(flags, message, capsys):
     argv = [f for f in TINY if f != "--quiet"]
     with pytest.raises(SystemExit) as e:
@@ -81,8 +144,10 @@ def test_the_batched_engine_runs_tensor_parallel_in_one_process(capsys):
     four = list(TINY)
     four[four.index("--kv-heads") + 1] = "4"
     four[four.index("--sessions") + 1] = "2"
-    assert main(["bench", *four, "--engine", "batched", "--tensor-parallel",
-                     "--warmup-passes", "1"]) == 0
+    assert (
+        main(["bench", *four, "--engine", "batched", "--tensor-parallel", "--warmup-passes", "1"])
+        == 0
+    )
     out = capsys.readouterr().out
     assert "outputs identical to the serial engine (tokens, first-token logits" in out
     assert ": yes; pages leaked or locked after the drain: 0" in out
@@ -101,8 +166,12 @@ def test_a_failing_process_fails_the_launch_with_its_output(tmp_path, capfd):
 
 def test_wait_all_kills_the_peers_of_a_failed_process():
     code = "import sys, time\nif sys.argv[1] == '0':\n    sys.exit(3)\ntime.sleep(60)"
-    procs = launch.spawn(lambda i: [sys.executable, "-c", code, str(i)], 2,
-                         env=launch.local_env(), stdout_of=lambda i: subprocess.DEVNULL)
+    procs = launch.spawn(
+        lambda i: [sys.executable, "-c", code, str(i)],
+        2,
+        env=launch.local_env(),
+        stdout_of=lambda i: subprocess.DEVNULL,
+    )
     assert launch.wait_all(procs, timeout_s=30, grace_s=0.5) == [3, None]
     assert all(p.poll() is not None for p in procs)
 

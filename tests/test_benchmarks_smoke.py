@@ -25,30 +25,69 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 #: name, arguments (the quick size), what the output must show (its ratio / limit), modules it needs
 RUNS = [
-    ("bench_events", ["--quick"],
-     ["slowdown vs off", "target zmq with a live subscriber within 1.5x of events off:"],
-     ["zmq", "msgspec"]),
-    ("bench_guard", ["--quick"], ["guard/match", "guard/IQR", "target guard < match_prefix noise:"],
-     []),
+    (
+        "bench_events",
+        ["--quick"],
+        ["slowdown vs off", "target zmq with a live subscriber within 1.5x of events off:"],
+        ["zmq", "msgspec"],
+    ),
+    (
+        "bench_guard",
+        ["--quick"],
+        ["guard/match", "guard/IQR", "target guard < match_prefix noise:"],
+        [],
+    ),
     ("bench_hicache", ["--quick"], ["vs inf", "memcpy GB/s", "target hit/inf >= 0.95:"], []),
     ("bench_load_policy", ["--quick"], ["cost/better", "target cost/better <= 1.05"], []),
-    ("bench_multihost", ["--requests", "40", "--processes", "1,2"],
-     ["x 1 process", "agreement share", "(target <= 1.3x)"], []),
-    ("bench_multihost", ["--requests", "20", "--processes", "1,2", "--in-flight"],
-     ["agreements/req", "(target <= 1.3x)"], []),
-    ("bench_multihost", ["--requests", "20", "--processes", "1,2", "--in-flight",
-                         "--completion-lag", "1"], ["completion lag 1:", "(target <= 1.3x)"], []),
-    ("bench_pins", [], ["x limit", "target pinned system-prompt hit rate >= 0.95 of the limit:"],
-     []),
+    (
+        "bench_multihost",
+        ["--requests", "40", "--processes", "1,2"],
+        ["x 1 process", "agreement share", "(target <= 1.3x)"],
+        [],
+    ),
+    (
+        "bench_multihost",
+        ["--requests", "20", "--processes", "1,2", "--in-flight"],
+        ["agreements/req", "(target <= 1.3x)"],
+        [],
+    ),
+    (
+        "bench_multihost",
+        ["--requests", "20", "--processes", "1,2", "--in-flight", "--completion-lag", "1"],
+        ["completion lag 1:", "(target <= 1.3x)"],
+        [],
+    ),
+    (
+        "bench_pins",
+        [],
+        ["x limit", "target pinned system-prompt hit rate >= 0.95 of the limit:"],
+        [],
+    ),
     ("bench_pool", ["--quick"], ["x memcpy", "Targets: flat in pool size"], []),
-    ("bench_simulate", ["--limit", "100"], ["cost/better mean", "cost/better p90",
-                                            "split/better mean", "10% below both"], []),
-    ("bench_step", ["--quick"], ["unrolled/scan", "memcpy weights ms",
-                                 "target: the default path (unrolled at <="], []),
-    ("bench_storage", ["--quick", "--backends", "file"],
-     ["ratio", "target ratio >= 0.8", "vs infinite", "target with L3 >= 0.95 of infinite:"], []),
-    ("bench_transfer", ["--quick"],
-     ["memcpy GB/s", "ratio", "target >= 0.70 of memcpy for >= 128 pages:"], []),
+    (
+        "bench_simulate",
+        ["--limit", "100"],
+        ["cost/better mean", "cost/better p90", "split/better mean", "10% below both"],
+        [],
+    ),
+    (
+        "bench_step",
+        ["--quick"],
+        ["unrolled/scan", "memcpy weights ms", "target: the default path (unrolled at <="],
+        [],
+    ),
+    (
+        "bench_storage",
+        ["--quick", "--backends", "file"],
+        ["ratio", "target ratio >= 0.8", "vs infinite", "target with L3 >= 0.95 of infinite:"],
+        [],
+    ),
+    (
+        "bench_transfer",
+        ["--quick"],
+        ["memcpy GB/s", "ratio", "target >= 0.70 of memcpy for >= 128 pages:"],
+        [],
+    ),
     ("bench_tree", ["--quick"], ["hit/inf", "x the target"], []),
     ("bench_ttft", ["--quick"], ["/ recompute", "L2/recompute:", "(target <= 0.1)"], []),
 ]
@@ -69,21 +108,34 @@ HELP_ONLY = [
 ]
 
 
-def run_module(name: str, *args: str, timeout: float = 300,
-               **env_vars: str) -> subprocess.CompletedProcess:
+def run_module(
+    name: str, *args: str, timeout: float = 300, **env_vars: str
+) -> subprocess.CompletedProcess:
     """``python -m benchmarks.NAME ARGS`` from the root, without the suite's 4 virtual devices."""
     env = dict(os.environ, PYTHONPATH=str(ROOT), **env_vars)
-    flags = [f for f in env.get("XLA_FLAGS", "").split()
-             if not f.startswith("--xla_force_host_platform_device_count")]
+    flags = [
+        f
+        for f in env.get("XLA_FLAGS", "").split()
+        if not f.startswith("--xla_force_host_platform_device_count")
+    ]
     env["XLA_FLAGS"] = " ".join(flags)
-    return subprocess.run([sys.executable, "-m", f"benchmarks.{name}", *args], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", f"benchmarks.{name}", *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def test_every_script_is_covered():
     """A new script in benchmarks/ goes into RUNS (a CPU run at its quick size) or HELP_ONLY."""
-    scripts = {p.stem for p in (ROOT / "benchmarks").glob("*.py")} - {"__init__", "common",
-                                                                   "replay_driver"}
+    scripts = {p.stem for p in (ROOT / "benchmarks").glob("*.py")} - {
+        "__init__",
+        "common",
+        "replay_driver",
+    }
     listed = {r[0] for r in RUNS} | {h[0] for h in HELP_ONLY}
     assert scripts == listed, f"not listed: {scripts - listed}; gone: {listed - scripts}"
 
@@ -130,7 +182,12 @@ def test_storage_servers_import_from_the_root():
     """bench_storage's Mooncake part imports tests/storage_servers.py as ``tests.storage_servers``
     (the quick run above uses the file backend only); the import itself needs no Mooncake."""
     code = "from tests.storage_servers import MooncakeServers"
-    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT,
-                          env=dict(os.environ, PYTHONPATH=str(ROOT)), capture_output=True,
-                          text=True, timeout=60)
+    proc = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=ROOT,
+        env=dict(os.environ, PYTHONPATH=str(ROOT)),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == 0, proc.stderr

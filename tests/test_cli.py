@@ -12,11 +12,40 @@ from hicache_jax.cli.main import main
 from storage_servers import free_port, mooncake_skip_reason
 
 # The model and pool of test_engine.py (page 16, 64 device pages, chunk 64): compiles are shared.
-TINY = ["--quiet", "--no-warmup", "--layers", "2", "--d-model", "32", "--heads", "4",
-        "--kv-heads", "2", "--head-dim", "8", "--ffn-dim", "48", "--vocab", "97",
-        "--sessions", "3", "--turns", "3", "--base-tokens", "40", "--segment-tokens", "8",
-        "--max-new-tokens", "3", "--page-size", "16", "--device-pages", "64",
-        "--chunk-size", "64"]
+TINY = [
+    "--quiet",
+    "--no-warmup",
+    "--layers",
+    "2",
+    "--d-model",
+    "32",
+    "--heads",
+    "4",
+    "--kv-heads",
+    "2",
+    "--head-dim",
+    "8",
+    "--ffn-dim",
+    "48",
+    "--vocab",
+    "97",
+    "--sessions",
+    "3",
+    "--turns",
+    "3",
+    "--base-tokens",
+    "40",
+    "--segment-tokens",
+    "8",
+    "--max-new-tokens",
+    "3",
+    "--page-size",
+    "16",
+    "--device-pages",
+    "64",
+    "--chunk-size",
+    "64",
+]
 
 
 def test_bench_table_identical_outputs_and_json(tmp_path, capsys):
@@ -26,8 +55,17 @@ def test_bench_table_identical_outputs_and_json(tmp_path, capsys):
     assert main(["bench", *TINY, "--policy", "write_through", "--json", str(path)]) == 0
     out = capsys.readouterr().out
     assert "outputs identical across configurations: yes" in out
-    for header in ("prompt tok", "recomputed", "L1 hit", "L2 hit", "TTFT p50 ms", "TTFT p90 ms",
-                   "tok/s", "MB to host", "MB to device"):
+    for header in (
+        "prompt tok",
+        "recomputed",
+        "L1 hit",
+        "L2 hit",
+        "TTFT p50 ms",
+        "TTFT p90 ms",
+        "tok/s",
+        "MB to host",
+        "MB to device",
+    ):
         assert header in out
     assert "L3" not in out  # no --storage: no L3 columns
     data = json.loads(path.read_text())
@@ -78,8 +116,15 @@ def test_storage_unreachable_mooncake_names_the_address(capsys):
     assert exc.value.code == 2 and addr in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("argv", [["bench", "--workload", "nope"], ["bench", "--policy", "x"],
-                                  ["bench", "--sessions", "two"], []])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["bench", "--workload", "nope"],
+        ["bench", "--policy", "x"],
+        ["bench", "--sessions", "two"],
+        [],
+    ],
+)
 def test_bad_flags_exit_with_usage(argv, capsys):
     with pytest.raises(SystemExit) as exc:
         main(argv)
@@ -87,15 +132,23 @@ def test_bad_flags_exit_with_usage(argv, capsys):
     assert "usage" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("flags,match", [
-    (["--sessions", "0"], "num_clients=0"),
-    (["--heads", "3", "--kv-heads", "2"], "multiple of num_kv_heads"),
-    (["--chunk-size", "48"], "power of two"), (["--page-size", "0"], "page_size=0"),
-    (["--weights", "/nonexistent.npz"], "does not exist"),
-    (["--device-pages", "3"], "cannot hold the longest request"),
-    (["--device-pages", "0"], "--device-pages 0"), (["--host-ratio", "inf"], "--host-ratio"),
-    (["--host-ratio", "nan"], "--host-ratio"), (["--vocab", "1"], "--vocab"),
-    (["--seed", "-1"], "--seed"), (["--json", "/proc/nope/x.json"], "--json")])
+@pytest.mark.parametrize(
+    "flags,match",
+    [
+        (["--sessions", "0"], "num_clients=0"),
+        (["--heads", "3", "--kv-heads", "2"], "multiple of num_kv_heads"),
+        (["--chunk-size", "48"], "power of two"),
+        (["--page-size", "0"], "page_size=0"),
+        (["--weights", "/nonexistent.npz"], "does not exist"),
+        (["--device-pages", "3"], "cannot hold the longest request"),
+        (["--device-pages", "0"], "--device-pages 0"),
+        (["--host-ratio", "inf"], "--host-ratio"),
+        (["--host-ratio", "nan"], "--host-ratio"),
+        (["--vocab", "1"], "--vocab"),
+        (["--seed", "-1"], "--seed"),
+        (["--json", "/proc/nope/x.json"], "--json"),
+    ],
+)
 def test_bad_sizes_are_usage_errors(flags, match, capsys):
     with pytest.raises(SystemExit) as exc:
         main(["bench", *TINY, *flags])
@@ -103,8 +156,9 @@ def test_bad_sizes_are_usage_errors(flags, match, capsys):
     assert match in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("page_size,bucket", [(1, 32), (16, 32), (24, 16), (48, 8), (64, 8),
-                                              (300, 1), (1024, 1)])
+@pytest.mark.parametrize(
+    "page_size,bucket", [(1, 32), (16, 32), (24, 16), (48, 8), (64, 8), (300, 1), (1024, 1)]
+)
 def test_table_bucket_is_a_power_of_two_for_any_page_size(page_size, bucket):
     # --page-size 24 used to crash the engine
     assert bench.table_bucket(page_size) == bucket
@@ -123,13 +177,19 @@ BATCHED = ["--engine", "batched", "--token-budget", "64", "--query-block", "32"]
 
 def test_batched_bench_matches_serial_and_writes_json(tmp_path, capsys):
     path = tmp_path / "batched.json"
-    assert main(["bench", *TINY, *BATCHED, "--policy", "write_through",
-                     "--json", str(path)]) == 0
+    assert main(["bench", *TINY, *BATCHED, "--policy", "write_through", "--json", str(path)]) == 0
     out = capsys.readouterr().out
     assert "outputs identical to the serial engine" in out and ": yes;" in out
     assert "pages leaked or locked after the drain: 0" in out
-    for header in ("TTFT p50/p90/p99 ms", "ITL p50/p90/p99 ms", "prompt tok/s", "gen tok/s",
-                   "x serial", "retract", "MB to device"):
+    for header in (
+        "TTFT p50/p90/p99 ms",
+        "ITL p50/p90/p99 ms",
+        "prompt tok/s",
+        "gen tok/s",
+        "x serial",
+        "retract",
+        "MB to device",
+    ):
         assert header in out
     data = json.loads(path.read_text())
     assert data["benchmark"] == "hicache-jax bench --engine batched"
@@ -165,20 +225,42 @@ def test_batched_bench_runs_the_configurations_in_rounds(tmp_path, capsys):
 def test_batched_bench_poisson_and_plot(tmp_path):
     pytest.importorskip("matplotlib", reason='--plot needs matplotlib: pip install -e ".[plot]"')
     path = tmp_path / "ttft.png"
-    assert main(["bench", *TINY, *BATCHED, "--arrivals", "poisson", "--rate", "200",
-                     "--no-overlap", "--plot", str(path)]) == 0
+    assert (
+        main(
+            [
+                "bench",
+                *TINY,
+                *BATCHED,
+                "--arrivals",
+                "poisson",
+                "--rate",
+                "200",
+                "--no-overlap",
+                "--plot",
+                str(path),
+            ]
+        )
+        == 0
+    )
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-@pytest.mark.parametrize("flags,match", [
-    (["--arrivals", "poisson"], "needs --rate"), (["--arrivals", "trace"], "needs --trace"),
-    (["--trace", "x.jsonl"], "only used with --arrivals trace"),
-    (["--token-budget", "48"], "--token-budget 48 must be a power of two"),
-    (["--key-block", "0"], "--key-block 0 must be a power of two"),
-    (["--query-block", "0"], "--query-block 0"), (["--decode-reserve", "2"], "--decode-reserve"),
-    (["--max-running", "0"], "--max-running 0"), (["--repeats", "0"], "--repeats 0"),
-    (["--warmup-passes", "0"], "--warmup-passes 0"),
-    (["--storage", "file:///tmp/x"], "not supported with --engine batched")])
+@pytest.mark.parametrize(
+    "flags,match",
+    [
+        (["--arrivals", "poisson"], "needs --rate"),
+        (["--arrivals", "trace"], "needs --trace"),
+        (["--trace", "x.jsonl"], "only used with --arrivals trace"),
+        (["--token-budget", "48"], "--token-budget 48 must be a power of two"),
+        (["--key-block", "0"], "--key-block 0 must be a power of two"),
+        (["--query-block", "0"], "--query-block 0"),
+        (["--decode-reserve", "2"], "--decode-reserve"),
+        (["--max-running", "0"], "--max-running 0"),
+        (["--repeats", "0"], "--repeats 0"),
+        (["--warmup-passes", "0"], "--warmup-passes 0"),
+        (["--storage", "file:///tmp/x"], "not supported with --engine batched"),
+    ],
+)
 def test_bad_batched_flags_are_usage_errors(flags, match, capsys):
     with pytest.raises(SystemExit) as exc:
         main(["bench", *TINY, *BATCHED, *flags])
@@ -210,8 +292,11 @@ def test_batched_bench_warmup_compiles_the_mixed_steps_it_meets(tmp_path):
     # the run without mixed compiles first.
     for extra in (["--no-mixed-warmup"], []):
         path = tmp_path / f"warm{len(extra)}.json"
-        flags = [a for a in TINY if a != "--no-warmup"] + BATCHED + ["--vocab", "89", "--json",
-                                                                     str(path)]
+        flags = (
+            [a for a in TINY if a != "--no-warmup"]
+            + BATCHED
+            + ["--vocab", "89", "--json", str(path)]
+        )
         assert main(["bench", *flags, *extra]) == 0
         data = json.loads(path.read_text())
         assert data["config"]["mixed_warmup"] is (not extra)

@@ -31,18 +31,36 @@ def test_compare_command_prints_one_table_and_plots(tmp_path, capsys):
     out = capsys.readouterr().out
     assert out.startswith("A: cpu cpu x1, jax 0.10.2") and "\nB: cpu cpu x2, jax 0.10.2" in out
     header = next(line for line in out.splitlines() if line.startswith("figure"))
-    assert header.split() == ["figure", "unit", "A", "A", "limit", "A/limit", "B", "B",
-                              "limit", "B/limit", "B/A"]
-    for name in ("transfer load 128p layer_first", "page scatter 3p xla", "TTFT prefix from L2",
-                 "batched serve hicache"):
+    assert header.split() == [
+        "figure",
+        "unit",
+        "A",
+        "A",
+        "limit",
+        "A/limit",
+        "B",
+        "B",
+        "limit",
+        "B/limit",
+        "B/A",
+    ]
+    for name in (
+        "transfer load 128p layer_first",
+        "page scatter 3p xla",
+        "TTFT prefix from L2",
+        "batched serve hicache",
+    ):
         assert name in out
     assert png.stat().st_size > 10_000
 
 
 def test_a_single_script_json_is_compared_directly(tmp_path, capsys):
-    doc = {"benchmark": "gpu_ttft", "env": {"backend": "tpu", "device_kind": "TPU v5 lite"},
-           "config": {}, "results": {"median_s": {"L1": 0.01, "L2 plain": 0.02,
-                                                  "recompute": 0.1}}}
+    doc = {
+        "benchmark": "gpu_ttft",
+        "env": {"backend": "tpu", "device_kind": "TPU v5 lite"},
+        "config": {},
+        "results": {"median_s": {"L1": 0.01, "L2 plain": 0.02, "recompute": 0.1}},
+    }
     path = tmp_path / "ttft.json"
     path.write_text(json.dumps(doc))
     assert main(["compare", A, str(path)]) == 0

@@ -38,23 +38,34 @@ def _run(lag, engine=TransferEngine) -> tuple[list, dict]:
     """A workload whose copies (write-backs of what it evicts, load-backs) stay in flight from
     one request into the next; its decisions and counters."""
     spec = bookkeeping_spec()
-    cache = HiCache(spec, HiCacheConfig(device_pages=10, host_pages=14, load_back_threshold=4,
-                                        write_policy="write_back", completion_lag=lag),
-                    transfer_engine=engine)
+    cache = HiCache(
+        spec,
+        HiCacheConfig(
+            device_pages=10,
+            host_pages=14,
+            load_back_threshold=4,
+            write_policy="write_back",
+            completion_lag=lag,
+        ),
+        transfer_engine=engine,
+    )
     rng = np.random.default_rng(3)
     bases = [rng.integers(0, 1000, 24) for _ in range(4)]
     log = []
     for _ in range(60):
-        tokens = np.concatenate([bases[rng.integers(4)][:4 * int(rng.integers(1, 7))],
-                                 rng.integers(0, 1000, 4 * int(rng.integers(0, 3)))])
+        tokens = np.concatenate(
+            [
+                bases[rng.integers(4)][: 4 * int(rng.integers(1, 7))],
+                rng.integers(0, 1000, 4 * int(rng.integers(0, 3))),
+            ]
+        )
         with cache.begin(tokens) as req:
             log.append(req.cached_len)
             req.extend(tokens.size - req.cached_len)
             req.finish(tokens)
         cache.check_invariants()
     cache.flush()
-    stats = {k: v for k, v in cache.stats().items()
-             if isinstance(v, int) and "lag_waits" not in k}
+    stats = {k: v for k, v in cache.stats().items() if isinstance(v, int) and "lag_waits" not in k}
     waits = cache.stats()["completion_lag_waits"]
     cache.close()
     return log, stats | {"_waits": waits}
@@ -66,8 +77,9 @@ def test_decisions_do_not_depend_on_when_copies_land(lag):
     slow_log, slow = _run(lag, SlowEngine)
     assert stats["evictions"] and stats["backups"] and stats["load_backs"], stats
     assert slow_log == log
-    assert {k: v for k, v in slow.items() if k != "_waits"} == \
-        {k: v for k, v in stats.items() if k != "_waits"}
+    assert {k: v for k, v in slow.items() if k != "_waits"} == {
+        k: v for k, v in stats.items() if k != "_waits"
+    }
     assert slow["_waits"] > 0  # the slow link's copies were waited for at their start
 
 

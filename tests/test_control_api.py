@@ -15,8 +15,14 @@ PS = 4
 
 
 def _events_cache(**kw):
-    return make_cache(bookkeeping_spec(PS), 8, 16, write_policy="write_through",
-                      kv_events={"publisher": "queue"}, **kw)
+    return make_cache(
+        bookkeeping_spec(PS),
+        8,
+        16,
+        write_policy="write_through",
+        kv_events={"publisher": "queue"},
+        **kw,
+    )
 
 
 def test_invalidate_namespace_drops_every_tier_and_publishes_removals():
@@ -84,9 +90,12 @@ def test_invalidate_bad_input_is_typed_and_changes_nothing():
     cache = _events_cache()
     serve(cache, np.arange(2 * PS))
     before = snapshot(cache)
-    for kw, exc in (({"tokens": [-1, 0, 0, 0]}, ValueError), ({"tokens": [1, 2]}, ValueError),
-                    ({"extra_key": [1]}, TypeError),
-                    ({"tokens": np.zeros((2, PS), np.int32)}, ValueError)):
+    for kw, exc in (
+        ({"tokens": [-1, 0, 0, 0]}, ValueError),
+        ({"tokens": [1, 2]}, ValueError),
+        ({"extra_key": [1]}, TypeError),
+        ({"tokens": np.zeros((2, PS), np.int32)}, ValueError),
+    ):
         with pytest.raises(exc):
             cache.invalidate(**kw)
         assert snapshot(cache) == before

@@ -85,8 +85,9 @@ def test_an_eviction_is_charged_the_cheaper_of_reload_and_recompute():
     assert model.plan([16, 16, 16], 0, 0, None) == 48
 
 
-@pytest.mark.parametrize("bad", [lambda n, c: float("nan"), lambda n, c: -1.0,
-                                 lambda n, c: 1 / 0, lambda n, c: "1.0"])
+@pytest.mark.parametrize(
+    "bad", [lambda n, c: float("nan"), lambda n, c: -1.0, lambda n, c: 1 / 0, lambda n, c: "1.0"]
+)
 def test_a_garbage_prefill_cost_is_a_counted_fallback_never_a_decision(bad):
     model = CostModel(page_bytes=1 << 10, page_size=16, prefill_cost=bad)
     assert model.plan([16], 0, 100, None) is None
@@ -127,9 +128,21 @@ def test_the_prefill_fit_follows_a_machine_that_slows():
 
 #: One engine's prefill samples in ``bench_load_policy --quick`` (ms): a warm-up on a loaded
 #: machine, then the question after a loaded document, ~3x faster.
-_ENGINE_SAMPLES = [(17, 0, 3.93), (68, 0, 6.31), (136, 0, 9.07), (272, 0, 8.95), (272, 0, 10.63),
-                   (16, 256, 1.36), (16, 256, 1.26), (16, 256, 1.26), (16, 256, 4.3),
-                   (16, 256, 1.1), (16, 256, 1.58), (16, 256, 1.09), (16, 256, 2.16)]
+_ENGINE_SAMPLES = [
+    (17, 0, 3.93),
+    (68, 0, 6.31),
+    (136, 0, 9.07),
+    (272, 0, 8.95),
+    (272, 0, 10.63),
+    (16, 256, 1.36),
+    (16, 256, 1.26),
+    (16, 256, 1.26),
+    (16, 256, 4.3),
+    (16, 256, 1.1),
+    (16, 256, 1.58),
+    (16, 256, 1.09),
+    (16, 256, 2.16),
+]
 
 
 def test_the_prefill_fit_is_non_negative_by_its_solve_not_by_a_clamp():
@@ -146,8 +159,9 @@ def test_the_prefill_fit_is_non_negative_by_its_solve_not_by_a_clamp():
             errs.append(abs(pred - ms / 1e3) / (ms / 1e3))
         fit.observe(n, c, ms / 1e3)
     assert (fit.coef >= 0).all()
-    assert fit.predict(16, 256) == pytest.approx(np.median([s for *_, s in _ENGINE_SAMPLES[5:]]) /
-                                                 1e3, rel=0.3)
+    assert fit.predict(16, 256) == pytest.approx(
+        np.median([s for *_, s in _ENGINE_SAMPLES[5:]]) / 1e3, rel=0.3
+    )
     assert np.median(errs) < 0.3
 
 
@@ -165,8 +179,13 @@ def _seed_l3(root: str, n: int) -> tuple[dict, list]:
     of its own, closed), and the config the tests' second cache shares with it."""
     from hicache_jax.cache.hicache import HiCache
 
-    base = dict(host_pages=256, storage=f"file://{root}", write_through_threshold=1,
-                load_back_threshold=PS, prefetch_policy="wait_complete")
+    base = dict(
+        host_pages=256,
+        storage=f"file://{root}",
+        write_through_threshold=1,
+        load_back_threshold=PS,
+        prefetch_policy="wait_complete",
+    )
     a = HiCache(SPEC, HiCacheConfig(device_pages=16, **base))
     prompts = [prompt(4 * PS, start=1000 * i) for i in range(n)]
     for toks in prompts:
@@ -194,10 +213,12 @@ def _host_chain(cache, pages=(2, 2)):
 
 
 def test_the_cache_loads_or_recomputes_by_the_prefill_cost():
-    slow = make_cache(SPEC, write_policy="write_through", load_policy="cost",
-                      prefill_cost=lambda n, c: n * 1.0)
-    fast = make_cache(SPEC, write_policy="write_through", load_policy="cost",
-                      prefill_cost=lambda n, c: 0.0)
+    slow = make_cache(
+        SPEC, write_policy="write_through", load_policy="cost", prefill_cost=lambda n, c: n * 1.0
+    )
+    fast = make_cache(
+        SPEC, write_policy="write_through", load_policy="cost", prefill_cost=lambda n, c: 0.0
+    )
     # recompute is free for the fast one: no probe of its unmeasured link is worth its cost
     for cache, want in [(slow, 4 * PS), (fast, 0)]:
         toks = _host_chain(cache)
@@ -283,11 +304,17 @@ def test_a_probe_inside_a_node_splits_it_and_loads_one_page_on_an_injected_clock
 
     now = [0.0]
     clock = lambda: now[0]  # noqa: E731
-    cfg = HiCacheConfig(device_pages=64, host_pages=128, write_policy="write_through",
-                        load_policy="cost", prefill_cost=lambda n, c: 4e-5 * n,
-                        cost_page_bytes=1 << 20)
-    cache = HiCache(SPEC, cfg, clock=clock,
-                    transfer_engine=lambda d, h: TransferEngine(d, h, clock=clock))
+    cfg = HiCacheConfig(
+        device_pages=64,
+        host_pages=128,
+        write_policy="write_through",
+        load_policy="cost",
+        prefill_cost=lambda n, c: 4e-5 * n,
+        cost_page_bytes=1 << 20,
+    )
+    cache = HiCache(
+        SPEC, cfg, clock=clock, transfer_engine=lambda d, h: TransferEngine(d, h, clock=clock)
+    )
     toks = prompt(32 * PS)
     cached_on_host_only(cache, toks)
     m = cache.load_back(cache.match_prefix(toks))
@@ -304,8 +331,13 @@ def test_a_probe_inside_a_node_splits_it_and_loads_one_page_on_an_injected_clock
 
 
 def test_max_load_tokens_loads_the_root_end_of_the_chain_with_its_bytes():
-    cache = make_cache(SPEC, write_policy="write_through", load_policy="cost",
-                       prefill_cost=lambda n, c: n * 1.0, max_load_tokens=2 * PS)
+    cache = make_cache(
+        SPEC,
+        write_policy="write_through",
+        load_policy="cost",
+        prefill_cost=lambda n, c: n * 1.0,
+        max_load_tokens=2 * PS,
+    )
     kv = cached_on_host_only(cache, prompt(2 * PS))
     toks = _host_chain(cache, (2, 2))
     m = cache.load_back(cache.match_prefix(toks))
@@ -319,9 +351,15 @@ def test_max_load_tokens_loads_the_root_end_of_the_chain_with_its_bytes():
 
 
 def test_the_step_budget_bounds_a_batched_admission():
-    cache = make_cache(SPEC, write_policy="write_through", device_pages=32, host_pages=64,
-                       load_policy="cost", prefill_cost=lambda n, c: n * 1.0,
-                       load_step_budget_tokens=2 * PS)
+    cache = make_cache(
+        SPEC,
+        write_policy="write_through",
+        device_pages=32,
+        host_pages=64,
+        load_policy="cost",
+        prefill_cost=lambda n, c: n * 1.0,
+        load_step_budget_tokens=2 * PS,
+    )
     a, b = prompt(2 * PS), prompt(2 * PS, start=1000)
     cached_on_host_only(cache, a)
     cached_on_host_only(cache, b)
@@ -335,6 +373,7 @@ def test_the_step_budget_bounds_a_batched_admission():
 def test_a_raising_prefill_cost_in_the_cache_falls_back_to_the_threshold():
     def boom(n, c):
         raise RuntimeError("model server down")
+
     cache = make_cache(SPEC, write_policy="write_through", load_policy="cost", prefill_cost=boom)
     toks = prompt(2 * PS)
     cached_on_host_only(cache, toks)
@@ -363,11 +402,17 @@ def test_each_decision_records_its_predicted_and_actual_time_on_an_injected_cloc
 
     now = [0.0]
     clock = lambda: now[0]  # noqa: E731
-    cfg = HiCacheConfig(device_pages=16, host_pages=32, write_policy="write_through",
-                        load_back_threshold=PS, load_policy="cost",
-                        prefill_cost=lambda n, c: 1e-3 * n)
-    cache = HiCache(SPEC, cfg, clock=clock,
-                    transfer_engine=lambda d, h: TransferEngine(d, h, clock=clock))
+    cfg = HiCacheConfig(
+        device_pages=16,
+        host_pages=32,
+        write_policy="write_through",
+        load_back_threshold=PS,
+        load_policy="cost",
+        prefill_cost=lambda n, c: 1e-3 * n,
+    )
+    cache = HiCache(
+        SPEC, cfg, clock=clock, transfer_engine=lambda d, h: TransferEngine(d, h, clock=clock)
+    )
     toks = _host_chain(cache, (2, 2))
     assert cache.stats()["cost_decision_records"] == 0
     with cache.begin(toks) as req:  # slow prefill: loads all 4 pages
@@ -396,8 +441,14 @@ def _l3_writer_and_reader(tmp_path, **cost):
     from hicache_jax.cache.hicache import HiCache
 
     url = f"file://{tmp_path}"
-    base = dict(device_pages=16, host_pages=32, storage=url, write_through_threshold=1,
-                load_back_threshold=PS, prefetch_policy="wait_complete")
+    base = dict(
+        device_pages=16,
+        host_pages=32,
+        storage=url,
+        write_through_threshold=1,
+        load_back_threshold=PS,
+        prefetch_policy="wait_complete",
+    )
     a = HiCache(SPEC, HiCacheConfig(**base))
     toks = prompt(4 * PS)
     with a.begin(toks) as req:
@@ -408,13 +459,17 @@ def _l3_writer_and_reader(tmp_path, **cost):
     return HiCache(SPEC, HiCacheConfig(**base, load_policy="cost", **cost)), toks
 
 
-@pytest.mark.parametrize("prefill, pages, fallbacks", [
-    # recompute is slow, but the L3 link is unmeasured: its first read is the one-page probe
-    (lambda n, c: 1.0 * n, 1, 0),
-    (lambda n, c: float("nan"), 4, 2),  # garbage: the threshold rule's fetch and load, counted
-])
-def test_the_cost_policy_decides_how_much_an_l3_prefetch_fetches(tmp_path, prefill, pages,
-                                                                  fallbacks):
+@pytest.mark.parametrize(
+    "prefill, pages, fallbacks",
+    [
+        # recompute is slow, but the L3 link is unmeasured: its first read is the one-page probe
+        (lambda n, c: 1.0 * n, 1, 0),
+        (lambda n, c: float("nan"), 4, 2),  # garbage: the threshold rule's fetch and load, counted
+    ],
+)
+def test_the_cost_policy_decides_how_much_an_l3_prefetch_fetches(
+    tmp_path, prefill, pages, fallbacks
+):
     b, toks = _l3_writer_and_reader(tmp_path, prefill_cost=prefill)
     h = b.prefetch(toks)
     assert h.pages_found == pages
@@ -453,9 +508,13 @@ def test_an_l3_link_that_slows_mid_run_stops_the_fetches_it_made():
     with tempfile.TemporaryDirectory() as root:
         base, prompts = _seed_l3(root, 30)
         now = [0.0]
-        b = HiCache(SPEC, HiCacheConfig(device_pages=64, load_policy="cost",
-                                        prefill_cost=lambda n, c: 1e-2 * n, **base),
-                    clock=lambda: now[0])
+        b = HiCache(
+            SPEC,
+            HiCacheConfig(
+                device_pages=64, load_policy="cost", prefill_cost=lambda n, c: 1e-2 * n, **base
+            ),
+            clock=lambda: now[0],
+        )
         fetched = []
         for i, toks in enumerate(prompts):
             h = b.prefetch(toks)
@@ -485,9 +544,13 @@ def test_each_l3_fetch_decision_records_its_predicted_and_actual_read_time():
     with tempfile.TemporaryDirectory() as root:
         base, prompts = _seed_l3(root, 2 * MIN_SAMPLES)
         now = [0.0]
-        b = HiCache(SPEC, HiCacheConfig(device_pages=64, load_policy="cost",
-                                        prefill_cost=lambda n, c: 1.0 * n, **base),
-                    clock=lambda: now[0])
+        b = HiCache(
+            SPEC,
+            HiCacheConfig(
+                device_pages=64, load_policy="cost", prefill_cost=lambda n, c: 1.0 * n, **base
+            ),
+            clock=lambda: now[0],
+        )
         assert b.stats()["cost_fetch_records"] == 0
         assert b.stats()["cost_fetch_err_median"] is None
         for i, toks in enumerate(prompts):
@@ -510,8 +573,7 @@ class _Free:
 
 
 @pytest.mark.parametrize("ratio", [0.3, 3.0, 10.0])
-def test_the_l3_fetch_plan_counts_pages_and_never_fetches_a_chain_a_fitted_slow_link_loses(
-        ratio):
+def test_the_l3_fetch_plan_counts_pages_and_never_fetches_a_chain_a_fitted_slow_link_loses(ratio):
     """The engine benchmark's quick shape (16-page documents of 8 KiB pages, a prefill callable
     that is right): 200 L3 fetch plans through ``CostRule.fetch_pages``, each read's time joining
     the L3 fit. The first plan fetches a one-page probe whatever the link (its warm-up figure
@@ -558,10 +620,13 @@ def test_plan_picks_the_first_least_of_the_candidates_it_prices():
     for trial in range(40):
         m = CostModel(4096, 16, eviction_weight=0.5)
         for _ in range(MIN_SAMPLES):
-            m.observe_prefill(int(rng.integers(16, 400)), int(rng.integers(0, 400)),
-                              float(rng.uniform(1e-3, 2e-2)))
+            m.observe_prefill(
+                int(rng.integers(16, 400)),
+                int(rng.integers(0, 400)),
+                float(rng.uniform(1e-3, 2e-2)),
+            )
         for link in ("l2_l1", "l3_l2"):
-            for k in (1, 2, 4, 8, 16)[:MIN_SAMPLES + trial % 2]:
+            for k in (1, 2, 4, 8, 16)[: MIN_SAMPLES + trial % 2]:
                 m.observe_transfer(link, k * 4096, float(rng.uniform(1e-4, 4e-3)) * k)
         chain = [16 * int(k) for k in rng.integers(1, 5, int(rng.integers(1, 8)))]
         cached, free = int(rng.integers(0, 300)), int(rng.integers(0, 12))
@@ -588,8 +653,9 @@ def test_the_first_load_of_a_copy_shape_on_the_wall_clock_is_not_a_sample():
     """Its time holds the copy programs' compile (a one-page load measured 0.43 s in the
     engine benchmark, then bounding every plan over the link): it settles its decision but
     does not join the fit; a second load of the same shape does, one of another shape not."""
-    cache = make_cache(SPEC, write_policy="write_through", load_policy="cost",
-                       prefill_cost=lambda n, c: 1.0 * n)
+    cache = make_cache(
+        SPEC, write_policy="write_through", load_policy="cost", prefill_cost=lambda n, c: 1.0 * n
+    )
     got = []
     from hicache_jax.memory.page_copy import index_len, stage_chunks
 
@@ -620,9 +686,14 @@ def test_a_plan_that_fetched_from_l3_is_recorded_end_to_end():
         base, prompts = _seed_l3(root, 2 * MIN_SAMPLES)
         now = [0.0]
         clock = lambda: now[0]  # noqa: E731
-        b = HiCache(SPEC, HiCacheConfig(device_pages=64, load_policy="cost",
-                                        prefill_cost=lambda n, c: 1e-2 * n, **base),
-                    clock=clock, transfer_engine=lambda d, h: TransferEngine(d, h, clock=clock))
+        b = HiCache(
+            SPEC,
+            HiCacheConfig(
+                device_pages=64, load_policy="cost", prefill_cost=lambda n, c: 1e-2 * n, **base
+            ),
+            clock=clock,
+            transfer_engine=lambda d, h: TransferEngine(d, h, clock=clock),
+        )
         for i, doc in enumerate(prompts):
             toks = np.append(doc, 7)  # the 4 pages L3 holds and a token to prefill
             assert b.prefetch(toks).pages_found == (1 if i == 0 else 4)  # the first: a probe
@@ -641,16 +712,21 @@ def test_a_plan_that_fetched_from_l3_is_recorded_end_to_end():
         assert len(e2e) == len(recs) == st["cost_decision_records"] == len(prompts)
         for r in e2e:
             assert (r.read_actual, r.load_actual, r.prefill_actual) == pytest.approx(
-                (5e-3, 2e-3, 0.03))
+                (5e-3, 2e-3, 0.03)
+            )
             assert r.prefill_pred == pytest.approx(1e-2 * r.n_new)  # 1 token, the probe's 13
             assert r.pred == pytest.approx(r.read_pred + r.load_pred + r.prefill_pred)
         last = e2e[-1]  # the L3 link is fitted by then: its read predicted exactly
         assert last.read_pred == pytest.approx(5e-3, rel=1e-6)
         errs = sorted(abs(r.pred - r.actual) / r.actual for r in recs)
         assert st["cost_decision_err_median"] == pytest.approx(float(np.median(errs)))
-        without = [abs(r.load_pred + r.prefill_pred - r.load_actual - r.prefill_actual)
-                   / (r.load_actual + r.prefill_actual) for r in recs]
+        without = [
+            abs(r.load_pred + r.prefill_pred - r.load_actual - r.prefill_actual)
+            / (r.load_actual + r.prefill_actual)
+            for r in recs
+        ]
         assert st["cost_decision_err_median_without_read"] == pytest.approx(
-            float(np.median(without)))
+            float(np.median(without))
+        )
         assert st["cost_decision_read_err_median"] is not None
         b.close()

@@ -27,7 +27,7 @@ def make_mesh(axis_type=AxisType.Auto):
 
 def pool_bits(pool: DevicePagePool) -> np.ndarray:
     """Host copy of the allocatable pages (scratch page excluded)."""
-    return np.asarray(pool.array)[:, :, :pool.num_pages]
+    return np.asarray(pool.array)[:, :, : pool.num_pages]
 
 
 def shard_pointers(arr: jax.Array) -> list[int]:
@@ -41,10 +41,10 @@ def check_round_trip(pool: DevicePagePool, seed: int) -> None:
     rng = np.random.default_rng(seed)
     ids = rng.permutation(pool.num_pages)[:9]
     first, second = random_bits(spec, 5, seed), random_bits(spec, 4, seed + 1)
-    pool.write(ids[:5], first)                                      # bucket 8: 3 padded rows
-    pool.write(ids[5:], jnp.asarray(second.view(spec.jnp_dtype)))   # bitcast inside the jit
+    pool.write(ids[:5], first)  # bucket 8: 3 padded rows
+    pool.write(ids[5:], jnp.asarray(second.view(spec.jnp_dtype)))  # bitcast inside the jit
     order = rng.permutation(9)
-    out = pool.read(ids[order])                                     # bucket 16: 7 padded rows
+    out = pool.read(ids[order])  # bucket 16: 7 padded rows
     chex.assert_shape(out, spec.kv_shape(9))
     assert out.dtype == spec.jnp_dtype
     expect = np.concatenate([first, second], axis=2)[:, :, order]
@@ -53,8 +53,11 @@ def check_round_trip(pool: DevicePagePool, seed: int) -> None:
     assert (pool_bits(pool)[:, :, rest] == POISON[spec.dtype]).all()
 
 
-@pytest.mark.parametrize("dtype, page_size", [(d, 16) for d in DTYPES] + [
-    ("bfloat16", 1), ("bfloat16", 64), ("float32", 1), ("float8_e4m3fn", 64)])
+@pytest.mark.parametrize(
+    "dtype, page_size",
+    [(d, 16) for d in DTYPES]
+    + [("bfloat16", 1), ("bfloat16", 64), ("float32", 1), ("float8_e4m3fn", 64)],
+)
 def test_round_trip_every_dtype_and_page_size(dtype, page_size):
     spec = KVSpec(num_layers=2, num_kv_heads=2, head_dim=8, dtype=dtype, page_size=page_size)
     check_round_trip(poisoned_pool(spec, 24), seed=page_size)
@@ -65,8 +68,9 @@ def test_round_trip_sharded(dtype):
     spec = KVSpec(num_layers=2, num_kv_heads=8, head_dim=4, dtype=dtype, page_size=4)
     pool = poisoned_pool(spec, 20, mesh=make_mesh())
     check_round_trip(pool, seed=7)
-    assert pool.array.sharding == NamedSharding(pool.sharding.mesh, PartitionSpec(
-        None, None, None, None, "tp", None))
+    assert pool.array.sharding == NamedSharding(
+        pool.sharding.mesh, PartitionSpec(None, None, None, None, "tp", None)
+    )
     # Each device holds its 2 heads of every page, scratch page included.
     assert {s.data.shape for s in pool.array.addressable_shards} == {(2, 2, 21, 4, 2, 4)}
     assert len(pool.array.addressable_shards) == 4
@@ -98,12 +102,21 @@ def test_sharded_write_and_read_stay_local():
     ids = np.array([3, 1, 8, 8], np.int32)
     kv = jnp.zeros(spec.kv_shape(4), jnp.bfloat16)
     for fn in (dp._xla_scatter_loop, dp._xla_scatter):
-        text = dp._write_pages.lower(pool.array, ids, kv, scatter=fn, sharding=pool.sharding
-                                     ).compile().as_text()
-        assert not any(c in text for c in ("all-gather", "all-to-all", "collective-permute",
-                                           "all-reduce")), text
-    text = dp._read_pages.lower(pool.array, ids, gather=pool._gather, dtype=spec.jnp_dtype,
-                                sharding=pool.sharding).compile().as_text()
+        text = (
+            dp._write_pages.lower(pool.array, ids, kv, scatter=fn, sharding=pool.sharding)
+            .compile()
+            .as_text()
+        )
+        assert not any(
+            c in text for c in ("all-gather", "all-to-all", "collective-permute", "all-reduce")
+        ), text
+    text = (
+        dp._read_pages.lower(
+            pool.array, ids, gather=pool._gather, dtype=spec.jnp_dtype, sharding=pool.sharding
+        )
+        .compile()
+        .as_text()
+    )
     assert "all-gather" not in text and "all-to-all" not in text
 
 
@@ -123,9 +136,11 @@ def test_write_and_read_donate_and_keep_the_buffer(sharded, recwarn):
     spec = KVSpec(num_layers=2, num_kv_heads=4, head_dim=16, page_size=8)
     pool = DevicePagePool(spec, 32, mesh=make_mesh() if sharded else None)
     ptrs = shard_pointers(pool.array)
-    for n, kv in ((3, random_bits(spec, 3, 0)),  # numpy, padded on the host
-                  (3, jnp.asarray(random_bits(spec, 3, 1)).view(jnp.bfloat16)),  # jax, padded
-                  (16, jnp.asarray(random_bits(spec, 16, 2)).view(jnp.bfloat16))):  # bitcast in jit
+    for n, kv in (
+        (3, random_bits(spec, 3, 0)),  # numpy, padded on the host
+        (3, jnp.asarray(random_bits(spec, 3, 1)).view(jnp.bfloat16)),  # jax, padded
+        (16, jnp.asarray(random_bits(spec, 16, 2)).view(jnp.bfloat16)),
+    ):  # bitcast in jit
         old = pool.array
         pool.write(np.arange(n), kv)
         assert old.is_deleted()
@@ -140,6 +155,7 @@ def test_write_and_read_donate_and_keep_the_buffer(sharded, recwarn):
 
 def test_pools_of_one_shape_share_a_compile_not_a_buffer():
     from hicache_jax.memory.placement import _zeros_fn
+
     spec = KVSpec(num_layers=2, num_kv_heads=2, head_dim=8, page_size=4)
     a = DevicePagePool(spec, 12)
     misses = _zeros_fn.cache_info().misses
@@ -214,7 +230,7 @@ def test_write_does_not_read_the_callers_numpy_array_after_returning():
         want = random_bits(spec, n, seed=n)
         raw = np.empty(want.nbytes + 64, np.uint8)  # 64-byte aligned: what jax may alias
         start = (-raw.ctypes.data) % 64
-        kv = raw[start:start + want.nbytes].view(want.dtype).reshape(want.shape)
+        kv = raw[start : start + want.nbytes].view(want.dtype).reshape(want.shape)
         kv[...] = want
         pool.run(_slow_step)  # the scatter below queues behind it
         pool.write(np.arange(n), kv)
@@ -229,9 +245,11 @@ def test_bf16_nan_payloads_survive_a_kv_sharded_unlike_the_pool():
     pool = DevicePagePool(spec, 8, mesh=mesh)
     bits = np.full(spec.kv_shape(4), 0xFF81, np.uint16)  # NaNs with a payload
     bits[..., ::2] = random_bits(spec, 4, seed=1)[..., ::2]
-    for spec_axes in (PartitionSpec(None, None, None, None, None, "tp"),   # over head_dim
-                      PartitionSpec(None, None, "tp"),                      # over pages
-                      PartitionSpec()):                                     # replicated
+    for spec_axes in (
+        PartitionSpec(None, None, None, None, None, "tp"),  # over head_dim
+        PartitionSpec(None, None, "tp"),  # over pages
+        PartitionSpec(),
+    ):  # replicated
         kv = jax.device_put(bits.view(jnp.bfloat16), NamedSharding(mesh, spec_axes))
         pool.write(np.arange(4), kv)
         np.testing.assert_array_equal(np.asarray(pool.read_bits(np.arange(4))), bits)
@@ -239,7 +257,16 @@ def test_bf16_nan_payloads_survive_a_kv_sharded_unlike_the_pool():
 
 def test_bucket_size():
     assert [bucket_size(n) for n in (0, 1, 2, 3, 4, 5, 16, 17, 1000)] == [
-        1, 1, 2, 4, 4, 8, 16, 32, 1024]
+        1,
+        1,
+        2,
+        4,
+        4,
+        8,
+        16,
+        32,
+        1024,
+    ]
 
 
 @pytest.fixture
@@ -287,22 +314,32 @@ def test_bad_write_raises_before_dispatch(filled_pool, ids, kv_kind, err, match,
     np.testing.assert_array_equal(pool_bits(pool), before)
 
 
-@pytest.mark.parametrize("ids, err, match", [
-    ([8], ValueError, "outside"), ([0, 0], ValueError, "duplicate"),
-    (np.zeros((1, 1), int), ValueError, "1-D"), (["a"], TypeError, "integers")])
+@pytest.mark.parametrize(
+    "ids, err, match",
+    [
+        ([8], ValueError, "outside"),
+        ([0, 0], ValueError, "duplicate"),
+        (np.zeros((1, 1), int), ValueError, "1-D"),
+        (["a"], TypeError, "integers"),
+    ],
+)
 def test_bad_read_raises(filled_pool, ids, err, match):
     with pytest.raises(err, match=match):
         filled_pool.read(ids)
 
 
-@pytest.mark.parametrize("ids, err, match", [
-    (np.array([3, 8], np.int32), ValueError, "outside"),
-    (np.array([3, -1], np.int64), ValueError, "negative"),
-    (np.array([2**40], np.uint64), ValueError, "beyond int32"),
-    (np.array([1, 5, 1], np.int16), ValueError, "duplicate"),
-    (np.array([True, False]), TypeError, "integers"),
-    (np.array([1.0]), TypeError, "integers"),
-    (np.zeros((1, 2), np.int32), ValueError, "1-D")])
+@pytest.mark.parametrize(
+    "ids, err, match",
+    [
+        (np.array([3, 8], np.int32), ValueError, "outside"),
+        (np.array([3, -1], np.int64), ValueError, "negative"),
+        (np.array([2**40], np.uint64), ValueError, "beyond int32"),
+        (np.array([1, 5, 1], np.int16), ValueError, "duplicate"),
+        (np.array([True, False]), TypeError, "integers"),
+        (np.array([1.0]), TypeError, "integers"),
+        (np.zeros((1, 2), np.int32), ValueError, "1-D"),
+    ],
+)
 def test_numpy_ids_take_the_same_checks(filled_pool, ids, err, match):
     # numpy int arrays (the per-call common case) skip the generic conversion when valid; every
     # invalid one must still get the precise error.
@@ -376,11 +413,16 @@ def test_run_reshards_a_wrongly_sharded_result():
     mesh = make_mesh()
     spec = KVSpec(num_layers=1, num_kv_heads=4, head_dim=4, page_size=2)
     pool = DevicePagePool(spec, 4, mesh=mesh)
-    replicated = jax.jit(lambda p: (p + 1, None), donate_argnums=0,
-                         out_shardings=(NamedSharding(mesh, PartitionSpec()), None))
+    replicated = jax.jit(
+        lambda p: (p + 1, None),
+        donate_argnums=0,
+        out_shardings=(NamedSharding(mesh, PartitionSpec()), None),
+    )
     # A replicated output cannot reuse the sharded buffers: JAX warns, run() then raises.
-    with (pytest.warns(UserWarning, match="donated buffers were not usable"),
-          pytest.raises(ValueError, match="sharding")):
+    with (
+        pytest.warns(UserWarning, match="donated buffers were not usable"),
+        pytest.raises(ValueError, match="sharding"),
+    ):
         pool.run(replicated)
     assert pool.array.sharding.is_equivalent_to(pool.sharding, 6)
     assert (pool_bits(pool) == 1).all()

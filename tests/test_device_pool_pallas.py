@@ -40,11 +40,12 @@ def same_ops(pools, spec, seed=0):
     want = np.concatenate([first, second], axis=2)[:, :, ::-1]
     for pool, got in zip(pools, reads):
         np.testing.assert_array_equal(got, want)
-        bits = np.asarray(pool.array)[:, :, :pool.num_pages]
+        bits = np.asarray(pool.array)[:, :, : pool.num_pages]
         rest = np.setdiff1d(np.arange(pool.num_pages), ids)
         assert (bits[:, :, rest] == POISON[spec.dtype]).all()  # untouched pages keep the poison
-    np.testing.assert_array_equal(np.asarray(pools[0].array)[:, :, :-1],
-                                  np.asarray(pools[1].array)[:, :, :-1])
+    np.testing.assert_array_equal(
+        np.asarray(pools[0].array)[:, :, :-1], np.asarray(pools[1].array)[:, :, :-1]
+    )
 
 
 @pytest.mark.parametrize("dtype, page_size", [("bfloat16", 16), ("float8_e4m3fn", 1)])
@@ -63,7 +64,8 @@ def test_pallas_pool_sharded_over_heads():
     pallas = poisoned(spec, 7, mesh=mesh, copy_backend="pallas")
     same_ops([pallas, poisoned(spec, 7, copy_backend="xla")], spec, seed=3)
     assert pallas.array.sharding == NamedSharding(
-        mesh, PartitionSpec(None, None, None, None, "tp", None))
+        mesh, PartitionSpec(None, None, None, None, "tp", None)
+    )
 
 
 def test_auto_is_xla_on_cpu_and_pallas_fns_are_shared():

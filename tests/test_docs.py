@@ -26,8 +26,9 @@ PAGES = [DOCS / "getting-started.md", *sorted((DOCS / "guides").glob("*.md"))]
 NOT_RUN = "<!-- not run -->"
 # modules of pyproject's extras a page may import: without them its remaining blocks skip
 EXTRAS = {"zmq": "events", "msgspec": "events", "pandas": "notebook", "matplotlib": "plot"}
-BLOCK = re.compile(rf"^(?P<marker>{re.escape(NOT_RUN)}\n)?```python\n(?P<code>.*?)^```$",
-                   re.DOTALL | re.MULTILINE)
+BLOCK = re.compile(
+    rf"^(?P<marker>{re.escape(NOT_RUN)}\n)?```python\n(?P<code>.*?)^```$", re.DOTALL | re.MULTILINE
+)
 
 
 def python_blocks(text: str) -> list[tuple[str, bool]]:
@@ -71,8 +72,10 @@ def test_page_code_runs(page, tmp_path, monkeypatch, capsys):
             except ModuleNotFoundError as e:
                 if e.name not in EXTRAS:
                     raise
-                pytest.skip(f"{page.name} block {i + 1} needs {e.name}: "
-                            f'pip install -e ".[{EXTRAS[e.name]}]"')
+                pytest.skip(
+                    f"{page.name} block {i + 1} needs {e.name}: "
+                    f'pip install -e ".[{EXTRAS[e.name]}]"'
+                )
     finally:
         _close_caches(namespace)
         namespace.clear()
@@ -80,12 +83,20 @@ def test_page_code_runs(page, tmp_path, monkeypatch, capsys):
 
 
 def test_site_builds_strict(tmp_path):
-    if importlib.util.find_spec("mkdocs") is None or importlib.util.find_spec(
-            "mkdocstrings_handlers.python") is None:
+    if (
+        importlib.util.find_spec("mkdocs") is None
+        or importlib.util.find_spec("mkdocstrings_handlers.python") is None
+    ):
         pytest.skip('mkdocs or mkdocstrings-python is not installed: pip install -e ".[docs]"')
     env = {**os.environ, "NO_MKDOCS_2_WARNING": "1"}
     proc = subprocess.run(
         [sys.executable, "-m", "mkdocs", "build", "--strict", "-q", "-d", str(tmp_path / "site")],
-        cwd=ROOT, capture_output=True, text=True, env=env, timeout=300, check=False)
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+        check=False,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert (tmp_path / "site" / "reference" / "hicache" / "index.html").exists()

@@ -39,11 +39,16 @@ def test_a_wrongly_sharded_result_is_kept_moved_back_and_raises(kind):
     mesh = _mesh()
     pool = _pool(kind, mesh=mesh)
     placement = _array(pool).sharding
-    replicated = jax.jit(lambda p: (p + 1, None), donate_argnums=0,
-                         out_shardings=(NamedSharding(mesh, PartitionSpec()), None))
+    replicated = jax.jit(
+        lambda p: (p + 1, None),
+        donate_argnums=0,
+        out_shardings=(NamedSharding(mesh, PartitionSpec()), None),
+    )
     # A replicated output cannot reuse the sharded buffers: JAX warns, run() then raises.
-    with (pytest.warns(UserWarning, match="donated buffers were not usable"),
-          pytest.raises(ValueError, match=f"the {_name(pool)} with sharding .*out_shardings")):
+    with (
+        pytest.warns(UserWarning, match="donated buffers were not usable"),
+        pytest.raises(ValueError, match=f"the {_name(pool)} with sharding .*out_shardings"),
+    ):
         pool.run(replicated)
     assert _array(pool).sharding.is_equivalent_to(placement, 6)
     assert (np.asarray(_array(pool)) == 1).all()  # the step ran once; its result is kept
@@ -54,10 +59,18 @@ def test_a_wrongly_sharded_result_is_kept_moved_back_and_raises(kind):
 def test_a_result_in_another_memory_kind_is_moved_back():
     pool = HostPagePool(SPEC, 4, memory_kind="pinned_host")
     device = jax.devices()[0]
-    to_device = jax.jit(lambda b: (b + 1, None), donate_argnums=0, out_shardings=(
-        SingleDeviceSharding(device, memory_kind=device.default_memory().kind), None))
-    with (pytest.warns(UserWarning, match="donated buffers were not usable"),
-          pytest.raises(ValueError, match="memory_kind=device")):
+    to_device = jax.jit(
+        lambda b: (b + 1, None),
+        donate_argnums=0,
+        out_shardings=(
+            SingleDeviceSharding(device, memory_kind=device.default_memory().kind),
+            None,
+        ),
+    )
+    with (
+        pytest.warns(UserWarning, match="donated buffers were not usable"),
+        pytest.raises(ValueError, match="memory_kind=device"),
+    ):
         pool.run(to_device)
     assert pool.buffer.sharding.memory_kind == "pinned_host"
     assert (np.asarray(pool.buffer) == 1).all()
@@ -102,12 +115,15 @@ def test_donated_array_records_the_reference():
     assert (ref.shape, ref.dtype, ref.sharding) == ((2, 3), np.dtype(np.uint8), arr.sharding)
 
 
-@pytest.mark.parametrize("kv, err, match", [
-    ([[1]], TypeError, "kv must be"),
-    (np.zeros(SPEC.kv_shape(2), np.uint16), ValueError, r"spec.kv_shape\(1\)"),
-    (np.zeros(SPEC.kv_shape(1), np.float32), TypeError, "kv.dtype=float32"),
-    (np.zeros(SPEC.kv_shape(1), np.int16), TypeError, "raw bits"),
-])
+@pytest.mark.parametrize(
+    "kv, err, match",
+    [
+        ([[1]], TypeError, "kv must be"),
+        (np.zeros(SPEC.kv_shape(2), np.uint16), ValueError, r"spec.kv_shape\(1\)"),
+        (np.zeros(SPEC.kv_shape(1), np.float32), TypeError, "kv.dtype=float32"),
+        (np.zeros(SPEC.kv_shape(1), np.int16), TypeError, "raw bits"),
+    ],
+)
 def test_check_kv(kv, err, match):
     with pytest.raises(err, match=match):
         check_kv(SPEC, kv, 1)
@@ -149,7 +165,7 @@ def test_a_step_valid_for_some_shapes_is_still_rejected_before_dispatch_for_othe
     """The result shape follows the argument: a pass at one shape says nothing of another."""
     pool = _pool(kind)
     shape = _array(pool).shape
-    step = jax.jit(lambda p, x: (p.reshape(-1)[:x.size].reshape(x.shape), 0), donate_argnums=0)
+    step = jax.jit(lambda p, x: (p.reshape(-1)[: x.size].reshape(x.shape), 0), donate_argnums=0)
     pool.run(step, np.zeros(shape, np.int32))
     before = _array(pool)
     with pytest.raises(ValueError, match=f"fn returned a {_name(pool)} of shape"):

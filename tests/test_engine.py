@@ -13,8 +13,9 @@ from hicache_jax.engine.engine import CacheMode, Engine
 from hicache_jax.engine.model import DecoderModel
 from hicache_jax.engine.weights import ModelConfig
 
-CFG = ModelConfig(vocab_size=97, num_layers=2, d_model=32, num_heads=4, num_kv_heads=2,
-                  head_dim=8, ffn_dim=48)
+CFG = ModelConfig(
+    vocab_size=97, num_layers=2, d_model=32, num_heads=4, num_kv_heads=2, head_dim=8, ffn_dim=48
+)
 DEVICE_PAGES = 64  # one pool shape per page size across the file: compiles are shared
 MAX_NEW = 4
 TOL = dict(rtol=1e-5, atol=1e-6)
@@ -28,11 +29,23 @@ def model():
     return DecoderModel(CFG, seed=3)
 
 
-def _engine(model, page_size, mode="hicache", policy="write_through", layerwise=False,
-            load_back_threshold=1, **kw):
+def _engine(
+    model,
+    page_size,
+    mode="hicache",
+    policy="write_through",
+    layerwise=False,
+    load_back_threshold=1,
+    **kw,
+):
     host = 4 * DEVICE_PAGES if mode == "hicache" else 0
-    cfg = HiCacheConfig(device_pages=DEVICE_PAGES, host_pages=host, write_policy=policy,
-                        write_through_threshold=1, load_back_threshold=load_back_threshold)
+    cfg = HiCacheConfig(
+        device_pages=DEVICE_PAGES,
+        host_pages=host,
+        write_policy=policy,
+        write_through_threshold=1,
+        load_back_threshold=load_back_threshold,
+    )
     cache = HiCache(model.kv_spec(page_size), cfg)
     return Engine(model, cache, mode=mode, layerwise=layerwise, **{**BUCKETS, **kw})
 
@@ -150,12 +163,15 @@ def test_generated_pages_are_cached(model):
     assert rec.device_hit_tokens == len(first) + MAX_NEW - 1
 
 
-@pytest.mark.parametrize("prompt,exc,match", [
-    (np.array([1, 2, 97]), ValueError, "outside \\[0, 97\\)"),
-    (np.array([], np.int32), ValueError, "non-empty 1-D"),
-    (np.ones((2, 3), np.int32), ValueError, "non-empty 1-D"),
-    (np.array([1.0, 2.0]), TypeError, "integer token ids"),
-])
+@pytest.mark.parametrize(
+    "prompt,exc,match",
+    [
+        (np.array([1, 2, 97]), ValueError, "outside \\[0, 97\\)"),
+        (np.array([], np.int32), ValueError, "non-empty 1-D"),
+        (np.ones((2, 3), np.int32), ValueError, "non-empty 1-D"),
+        (np.array([1.0, 2.0]), TypeError, "integer token ids"),
+    ],
+)
 def test_bad_prompt_changes_nothing(model, prompt, exc, match):
     first, _ = _prompts()
     eng = _engine(model, 16)
@@ -200,9 +216,16 @@ def test_pool_sharded_over_kv_heads_matches(model, baseline):
     # The model's step keeps the pool's NamedSharding (DevicePagePool.run checks it).
     first, second = _prompts()
     mesh = Mesh(np.array(jax.devices()[:2]), ("kv",))
-    cache = HiCache(model.kv_spec(16), HiCacheConfig(
-        device_pages=DEVICE_PAGES, host_pages=4 * DEVICE_PAGES, write_policy="write_back",
-        load_back_threshold=1, mesh=mesh))
+    cache = HiCache(
+        model.kv_spec(16),
+        HiCacheConfig(
+            device_pages=DEVICE_PAGES,
+            host_pages=4 * DEVICE_PAGES,
+            write_policy="write_back",
+            load_back_threshold=1,
+            mesh=mesh,
+        ),
+    )
     eng = Engine(model, cache, **BUCKETS)
     eng.generate([first], MAX_NEW)
     cache.evict(DEVICE_PAGES * 16)

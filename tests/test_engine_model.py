@@ -17,8 +17,9 @@ from hicache_jax.engine.packing import TokenSlots, bucket, fine_bucket
 from hicache_jax.engine.weights import ModelConfig, init_params, load_params, save_params
 from hicache_jax.memory.device_pool import DevicePagePool
 
-CFG = ModelConfig(vocab_size=97, num_layers=2, d_model=32, num_heads=4, num_kv_heads=2,
-                  head_dim=8, ffn_dim=48)
+CFG = ModelConfig(
+    vocab_size=97, num_layers=2, d_model=32, num_heads=4, num_kv_heads=2, head_dim=8, ffn_dim=48
+)
 TOL = dict(rtol=1e-5, atol=1e-5)
 
 
@@ -71,9 +72,10 @@ def test_decode_steps_match_reference_rows(model, prompt, ref):
     pages = _pages(3)
     model.forward(pool, prompt[:30], 0, pages, min_bucket=16)
     for pos in range(30, len(prompt)):
-        tok = jnp.asarray(prompt[pos:pos + 1])  # a device token, as the engine feeds it
-        np.testing.assert_allclose(np.asarray(model.forward(pool, tok, pos, pages)), ref[pos],
-                                   **TOL)
+        tok = jnp.asarray(prompt[pos : pos + 1])  # a device token, as the engine feeds it
+        np.testing.assert_allclose(
+            np.asarray(model.forward(pool, tok, pos, pages)), ref[pos], **TOL
+        )
 
 
 @pytest.mark.parametrize("layerwise", [False, True])
@@ -94,20 +96,26 @@ def test_packed_step_mixes_prefill_chunks_and_decode_tokens(layerwise, page_size
     pages, used = [], 0
     for s in seqs:
         n = -(-len(s) // page_size)
-        pages.append(perm[used:used + n])
+        pages.append(perm[used : used + n])
         used += n
     # Requests 2..4 already hold K/V up to their last token (prefilled in one earlier step).
     done = [0, 0, 8, 30, 16]
-    model.forward_batch(pool, [seqs[i][:done[i]] for i in (2, 3, 4)], [0, 0, 0],
-                        [pages[i] for i in (2, 3, 4)], query_block=8)
+    model.forward_batch(
+        pool,
+        [seqs[i][: done[i]] for i in (2, 3, 4)],
+        [0, 0, 0],
+        [pages[i] for i in (2, 3, 4)],
+        query_block=8,
+    )
     # One step: request 0's 40-token prefill from position 3 (three blocks of 16, mid-page),
     # request 1's whole prompt (two blocks), and one decode token each for requests 2..4 ...
     model.forward(pool, seqs[0][:3], 0, pages[0])
-    chunks = [seqs[0][3:], seqs[1]] + [seqs[i][done[i]:] for i in (2, 3, 4)]
+    chunks = [seqs[0][3:], seqs[1]] + [seqs[i][done[i] :] for i in (2, 3, 4)]
     starts = [3, 0] + [done[i] for i in (2, 3, 4)]
     waiter = _Waiter() if layerwise else None
-    logits, toks = model.forward_batch(pool, chunks, starts, pages, waiter=waiter,
-                                       query_block=16, key_block=key_block)
+    logits, toks = model.forward_batch(
+        pool, chunks, starts, pages, waiter=waiter, query_block=16, key_block=key_block
+    )
     if layerwise:
         assert waiter.calls == list(range(CFG.num_layers))
     logits = np.asarray(logits)
@@ -118,8 +126,8 @@ def test_packed_step_mixes_prefill_chunks_and_decode_tokens(layerwise, page_size
     nxt = np.asarray(toks)[:1]
     full = np.concatenate([seqs[0], nxt])
     want = np.asarray(reference_logits(CFG, model.params, full))[-1]
-    pages0 = perm[used:used + -(-len(full) // page_size)]
-    pages0 = np.concatenate([pages[0], pages0])[:-(-len(full) // page_size)]
+    pages0 = perm[used : used + -(-len(full) // page_size)]
+    pages0 = np.concatenate([pages[0], pages0])[: -(-len(full) // page_size)]
     got, _ = model.forward_batch(pool, [nxt], [len(seqs[0])], [pages0], key_block=key_block)
     np.testing.assert_allclose(np.asarray(got)[0], want, **TOL)
 
@@ -137,19 +145,20 @@ def test_layerwise_if_compiled_never_compiles_a_shape_the_fused_step_has():
 
     def run(waiter, **kw):
         pool = _poisoned_pool(16)
-        logits, _ = model.forward_batch(pool, seqs, [0, 0], pages, waiter=waiter,
-                                        query_block=8, **kw)
+        logits, _ = model.forward_batch(
+            pool, seqs, [0, 0], pages, waiter=waiter, query_block=8, **kw
+        )
         for got, want in zip(np.asarray(logits), refs):
             np.testing.assert_allclose(got, want, **TOL)
 
-    run(None)                               # the fused step of this shape is compiled
+    run(None)  # the fused step of this shape is compiled
     layers_before = trace_count("batch_layer")
     waiter = _Waiter()
     run(waiter, layerwise_if_compiled=True)  # waits for every layer, then the fused step
     assert waiter.calls == list(range(CFG.num_layers))
     assert trace_count("batch_layer") == layers_before
     waiter = _Waiter()
-    run(waiter)                             # asked for explicitly: the per-layer path compiles
+    run(waiter)  # asked for explicitly: the per-layer path compiles
     assert trace_count("batch_layer") > layers_before
     layers_after = trace_count("batch_layer")
     waiter = _Waiter()
@@ -167,20 +176,22 @@ def test_decode_tokens_read_from_token_slots_match_host_tokens(layerwise):
     model = DecoderModel(CFG, seed=2)
     rng = np.random.default_rng(5)
     seqs = [rng.integers(0, CFG.vocab_size, n).astype(np.int32) for n in (21, 12, 30)]
-    pages = [_pages(8, num_pages=200, seed=3)[i * 2:i * 2 + 2] for i in range(3)]
+    pages = [_pages(8, num_pages=200, seed=3)[i * 2 : i * 2 + 2] for i in range(3)]
     waiter = _Waiter() if layerwise else None
 
     def two_steps(slots):
         pool = _poisoned_pool(16, num_pages=200)
         kw = dict(slots=slots, slot_of=[5, 0, 2]) if slots else {}
-        _, first = model.forward_batch(pool, seqs, [0, 0, 0], pages, query_block=8,
-                                       waiter=waiter, **kw)
+        _, first = model.forward_batch(
+            pool, seqs, [0, 0, 0], pages, query_block=8, waiter=waiter, **kw
+        )
         if slots:  # placeholders: the real tokens are the first step's, read on the device
             chunks, kw["from_slot"] = [np.zeros(1, np.int32)] * 3, [True] * 3
         else:
-            chunks = [np.asarray(first)[i:i + 1] for i in range(3)]
-        logits, toks = model.forward_batch(pool, chunks, [len(x) for x in seqs], pages,
-                                           query_block=8, **kw)
+            chunks = [np.asarray(first)[i : i + 1] for i in range(3)]
+        logits, toks = model.forward_batch(
+            pool, chunks, [len(x) for x in seqs], pages, query_block=8, **kw
+        )
         return np.asarray(first)[:3], np.asarray(logits)[:3], np.asarray(toks)[:3]
 
     slots = TokenSlots(6)
@@ -189,9 +200,10 @@ def test_decode_tokens_read_from_token_slots_match_host_tokens(layerwise):
         np.testing.assert_allclose(a, b, **TOL)
     np.testing.assert_array_equal(np.asarray(slots.array)[[5, 0, 2]], got[2])
     for i, s in enumerate(seqs):
-        full = np.concatenate([s, got[0][i:i + 1]])
-        np.testing.assert_allclose(got[1][i], np.asarray(
-            reference_logits(CFG, model.params, full))[-1], **TOL)
+        full = np.concatenate([s, got[0][i : i + 1]])
+        np.testing.assert_allclose(
+            got[1][i], np.asarray(reference_logits(CFG, model.params, full))[-1], **TOL
+        )
 
 
 def test_token_slots_and_their_bad_arguments(model):
@@ -209,17 +221,28 @@ def test_token_slots_and_their_bad_arguments(model):
     before = np.asarray(pool.array).copy()
     one = [np.zeros(1, np.int32)]
     for kw, exc, match in [
-            (dict(slot_of=[0]), ValueError, "need slots=TokenSlots"),
-            (dict(slots=np.zeros(3, np.int32), slot_of=[0]), TypeError, "must be a TokenSlots"),
-            (dict(slots=TokenSlots(2)), ValueError, "one slot per chunk"),
-            (dict(slots=TokenSlots(2), slot_of=[2]), ValueError, "distinct slots in"),
-            (dict(slots=TokenSlots(2), slot_of=[0], from_slot=[True, False]), ValueError,
-             "2 entries for 1 chunks")]:
+        (dict(slot_of=[0]), ValueError, "need slots=TokenSlots"),
+        (dict(slots=np.zeros(3, np.int32), slot_of=[0]), TypeError, "must be a TokenSlots"),
+        (dict(slots=TokenSlots(2)), ValueError, "one slot per chunk"),
+        (dict(slots=TokenSlots(2), slot_of=[2]), ValueError, "distinct slots in"),
+        (
+            dict(slots=TokenSlots(2), slot_of=[0], from_slot=[True, False]),
+            ValueError,
+            "2 entries for 1 chunks",
+        ),
+    ]:
         with pytest.raises(exc, match=match):
             model.forward_batch(pool, one, [0], [_pages(1)], **kw)
     with pytest.raises(ValueError, match="read from its slot must be one token"):
-        model.forward_batch(pool, [np.zeros(3, np.int32)], [0], [_pages(1)],
-                            slots=TokenSlots(2), slot_of=[1], from_slot=[True])
+        model.forward_batch(
+            pool,
+            [np.zeros(3, np.int32)],
+            [0],
+            [_pages(1)],
+            slots=TokenSlots(2),
+            slot_of=[1],
+            from_slot=[True],
+        )
     np.testing.assert_array_equal(np.asarray(pool.array), before)  # nothing ran
 
 
@@ -227,8 +250,9 @@ def test_reuse_compiled_runs_a_new_shape_padded_into_a_compiled_one():
     """reuse_compiled: a step whose shapes have no executable runs padded into the cheapest
     compiled shape that holds it (same logits, nothing compiled); a shape no compiled one holds
     within REUSE_COST_LIMIT x its work compiles as before."""
-    cfg = ModelConfig(vocab_size=61, num_layers=1, d_model=16, num_heads=2, num_kv_heads=1,
-                      head_dim=8, ffn_dim=24)  # its own config: no shape of it ran before
+    cfg = ModelConfig(
+        vocab_size=61, num_layers=1, d_model=16, num_heads=2, num_kv_heads=1, head_dim=8, ffn_dim=24
+    )  # its own config: no shape of it ran before
     model = DecoderModel(cfg, seed=3)
     rng = np.random.default_rng(8)
     seqs = [rng.integers(0, cfg.vocab_size, n).astype(np.int32) for n in (40, 23, 9)]
@@ -237,22 +261,24 @@ def test_reuse_compiled_runs_a_new_shape_padded_into_a_compiled_one():
     def run(k, **kw):
         pool = poisoned_device_pool(cfg.kv_spec(16), 64)
         shape = model.batch_shape(pool, seqs[:k], [0] * k, pages[:k], query_block=8)
-        logits, _ = model.forward_batch(pool, seqs[:k], [0] * k, pages[:k], query_block=8,
-                                        **kw)
+        logits, _ = model.forward_batch(pool, seqs[:k], [0] * k, pages[:k], query_block=8, **kw)
         for i in range(k):
-            np.testing.assert_allclose(np.asarray(logits)[i], np.asarray(
-                reference_logits(cfg, model.params, seqs[i]))[-1], **TOL)
+            np.testing.assert_allclose(
+                np.asarray(logits)[i],
+                np.asarray(reference_logits(cfg, model.params, seqs[i]))[-1],
+                **TOL,
+            )
         return shape
 
-    big = run(2)                                 # compiles the two-request shape
+    big = run(2)  # compiles the two-request shape
     traced = trace_count("batch_step")
-    small = run(1, reuse_compiled=True)          # held by it: no compile
+    small = run(1, reuse_compiled=True)  # held by it: no compile
     assert trace_count("batch_step") == traced and small != big
     assert model.batch_compiled(small, reuse=True) and not model.batch_compiled(small)
     assert packing.cover(small, model_mod._RAN) == big
-    run(1)                                       # without reuse: its own executable
+    run(1)  # without reuse: its own executable
     assert trace_count("batch_step") == traced + 1
-    tiny = [seqs[2][:2]]                         # 2 tokens: every compiled shape is > 2x it
+    tiny = [seqs[2][:2]]  # 2 tokens: every compiled shape is > 2x it
     pool = poisoned_device_pool(cfg.kv_spec(16), 64)
     shape = model.batch_shape(pool, tiny, [0], pages[:1], query_block=8)
     assert not model.batch_compiled(shape, reuse=True)
@@ -272,6 +298,7 @@ def test_work_items_stop_at_each_rows_last_query():
     """The packed step's key work: a row's key blocks run up to the page of its last query, not
     to the longest row's (split-K); padding items point at the scratch page and see nothing."""
     from hicache_jax.engine.packing import pack, plan
+
     lens, starts, ps = [40, 1, 1], [0, 100, 7], 4
     pages = [np.arange(10) + 10, np.arange(26) + 30, np.arange(2) + 60]
     key, rows = plan(CFG, lens, starts, pages, ps, 16, 8, 1, 1)
@@ -288,7 +315,7 @@ def test_work_items_stop_at_each_rows_last_query():
     np.testing.assert_array_equal(items[6:11].reshape(-1), np.arange(10) + 10)
     assert (items[11:] == 99).all() and (k0[11:] >= 1 << 30).all()
     np.testing.assert_array_equal(drow[:14], [0] * 13 + [1])
-    np.testing.assert_array_equal(ditems[12], [54, 55])   # request 1's last block: pages 24, 25
+    np.testing.assert_array_equal(ditems[12], [54, 55])  # request 1's last block: pages 24, 25
     np.testing.assert_array_equal(ditems[13], [60, 61])
 
 
@@ -300,6 +327,7 @@ def test_shared_prefix_blocks_run_once_and_match_the_reference(page_size):
     match the dense reference on a poisoned pool; a group whose rows start inside the prefix,
     or of one request, shares nothing."""
     from hicache_jax.engine.packing import plan
+
     model = DecoderModel(CFG, seed=2)
     rng = np.random.default_rng(5)
     prefix = rng.integers(0, CFG.vocab_size, 48).astype(np.int32)
@@ -307,11 +335,11 @@ def test_shared_prefix_blocks_run_once_and_match_the_reference(page_size):
     seqs = [np.concatenate([prefix, t]) for t in tails]
     pool = _poisoned_pool(page_size, num_pages=300)
     perm = np.random.default_rng(1).permutation(300).astype(np.int32)
-    shared = perm[:48 // page_size]
+    shared = perm[: 48 // page_size]
     pages, nxt = [], 48 // page_size
     for s in seqs:
         n = -(-len(s) // page_size) - len(shared)
-        pages.append(np.concatenate([shared, perm[nxt:nxt + n]]))
+        pages.append(np.concatenate([shared, perm[nxt : nxt + n]]))
         nxt += n
     kw = dict(query_block=16, key_block=16)
     model.forward_batch(pool, [prefix], [0], [pages[0]], **kw)  # the prefix's K/V, once
@@ -342,8 +370,8 @@ def test_untouched_pages_stay_poisoned(model, prompt):
     others = np.setdiff1d(np.arange(pool.num_pages), pages)
     assert np.isnan(bits[:, :, others].view(np.float32)).all()
     written = bits[:, :, pages].view(np.float32).reshape(2, 2, 48, 2, 8)  # position order
-    assert not np.isnan(written[:, :, :len(prompt)]).any()
-    assert np.isnan(written[:, :, len(prompt):]).all()
+    assert not np.isnan(written[:, :, : len(prompt)]).any()
+    assert np.isnan(written[:, :, len(prompt) :]).all()
 
 
 def test_layerwise_path_waits_per_layer_and_matches_fused(model, prompt, ref):
@@ -397,18 +425,21 @@ def test_steps_of_few_tokens_unroll_their_layers_and_match_the_scan():
             model.forward(pool, s[:-1], 0, p, min_bucket=16)
         before = trace_count("batch_step"), trace_count("step")
         # Three decode rows in one packed step, and one serial decode step.
-        logits, _ = model.forward_batch(pool, [s[-1:] for s in seqs],
-                                        [len(s) - 1 for s in seqs], pages)
+        logits, _ = model.forward_batch(
+            pool, [s[-1:] for s in seqs], [len(s) - 1 for s in seqs], pages
+        )
         serial = model.forward(pool, np.array([seqs[0][-1]], np.int32), len(seqs[0]), pages[0])
         # Both models compile their decode steps: the second does not find the first's.
         assert trace_count("batch_step") > before[0] and trace_count("step") > before[1]
-        runs.append((np.asarray(logits)[:3], np.asarray(serial),
-                     np.asarray(pool.array).view(np.float32)))  # K/V bits as float32
+        runs.append(
+            (np.asarray(logits)[:3], np.asarray(serial), np.asarray(pool.array).view(np.float32))
+        )  # K/V bits as float32
     for got, want in zip(*runs):
         np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
     for i, s in enumerate(seqs):
-        np.testing.assert_allclose(runs[0][0][i],
-                                   np.asarray(reference_logits(cfg, model.params, s))[-1], **TOL)
+        np.testing.assert_allclose(
+            runs[0][0][i], np.asarray(reference_logits(cfg, model.params, s))[-1], **TOL
+        )
     with pytest.raises(ValueError, match="unroll_tokens"):
         DecoderModel(cfg, unrolled.params, unroll_tokens=-1)
 
@@ -473,6 +504,7 @@ def test_weight_file_errors(tmp_path, model):
 def test_safetensors_without_package_is_a_clear_error(tmp_path):
     try:
         import safetensors  # noqa: F401
+
         pytest.skip("safetensors is installed")
     except ImportError:
         pass
@@ -482,12 +514,15 @@ def test_safetensors_without_package_is_a_clear_error(tmp_path):
         load_params(CFG, str(path))
 
 
-@pytest.mark.parametrize("field,value,match", [
-    ("num_heads", 3, "multiple of num_kv_heads"),
-    ("head_dim", 7, "even"),
-    ("dtype", "int8", "float32, bfloat16 or float16"),
-    ("num_layers", 0, ">= 1"),
-])
+@pytest.mark.parametrize(
+    "field,value,match",
+    [
+        ("num_heads", 3, "multiple of num_kv_heads"),
+        ("head_dim", 7, "even"),
+        ("dtype", "int8", "float32, bfloat16 or float16"),
+        ("num_layers", 0, ">= 1"),
+    ],
+)
 def test_config_validation(field, value, match):
     with pytest.raises(ValueError, match=match):
         ModelConfig(**{**CFG.__dict__, field: value})

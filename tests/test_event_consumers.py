@@ -33,16 +33,34 @@ xxhash = pytest.importorskip("xxhash")
 from helpers import bookkeeping_spec, make_cache, replay_all, serve  # noqa: E402  # noqa: E402
 
 PS = 4
-STORED = ["block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium",
-          "lora_name"]
+STORED = [
+    "block_hashes",
+    "parent_block_hash",
+    "token_ids",
+    "block_size",
+    "lora_id",
+    "medium",
+    "lora_name",
+]
 REMOVED = ["block_hashes", "medium"]
-DYNAMO_TIER = {"GPU": "device", "DEVICE": "device", "CPU": "host", "CPU_PINNED": "host",
-               "CPU_TIER1": "host", "CPU_TIER2": "disk", "DISK": "disk", "NVME": "disk",
-               "STORAGE": "disk", "EXTERNAL": "external", "REMOTE": "external"}
+DYNAMO_TIER = {
+    "GPU": "device",
+    "DEVICE": "device",
+    "CPU": "host",
+    "CPU_PINNED": "host",
+    "CPU_TIER1": "host",
+    "CPU_TIER2": "disk",
+    "DISK": "disk",
+    "NVME": "disk",
+    "STORAGE": "disk",
+    "EXTERNAL": "external",
+    "REMOTE": "external",
+}
 _ports = itertools.count()
 
 
 # -- decoding, from vLLM's published field lists ----------------------------------------------
+
 
 def decode_positional(ev: list) -> tuple[str, dict]:
     tag, *values = ev
@@ -56,6 +74,7 @@ def decode_map(ev: dict) -> tuple[str, dict]:
 
 
 # -- consumers --------------------------------------------------------------------------------
+
 
 class TierIndex:
     """Blocks per tier, reached by ``(parent key, page key)``; ``page_key`` and ``tier`` are
@@ -83,7 +102,7 @@ class TierIndex:
             ps, toks = ev["block_size"], ev["token_ids"]
             pkey = parent if parent is not None else ("ns", ev["lora_id"], ev["lora_name"])
             for i, h in enumerate(ev["block_hashes"]):
-                key = (pkey, self.page_key(toks[i * ps:(i + 1) * ps]))
+                key = (pkey, self.page_key(toks[i * ps : (i + 1) * ps]))
                 self.by_key[key], self.key_of[h] = h, key
                 self.tiers.setdefault(h, set()).add(self.tier(ev["medium"]))
                 pkey = h
@@ -102,7 +121,7 @@ class TierIndex:
         """Tokens on device from the start, then further tokens on host (the cache's rule)."""
         key, device, host = ("ns", None, lora_name), 0, 0
         for start in range(0, len(tokens) // PS * PS, PS):
-            h = self.by_key.get((key, self.page_key(tokens[start:start + PS])))
+            h = self.by_key.get((key, self.page_key(tokens[start : start + PS])))
             if h is None:
                 break
             held = self.tiers[h]
@@ -132,16 +151,30 @@ def consumers():
 
 # -- the workload -----------------------------------------------------------------------------
 
-def run(encoding: str, tmp_path, seed: int, l3_policy: str = "write_through",
-        block_hash: str = "tree"):
+
+def run(
+    encoding: str, tmp_path, seed: int, l3_policy: str = "write_through", block_hash: str = "tree"
+):
     rng = np.random.default_rng(seed)
     n = next(_ports)
     ep, rep = f"inproc://consumers-{n}", f"inproc://consumers-replay-{n}"
-    cache = make_cache(bookkeeping_spec(PS), 12, 16, write_policy="write_through",
-                       storage=f"file://{tmp_path}/l3-{n}", storage_write_policy=l3_policy,
-                       kv_events={"publisher": "zmq", "endpoint": ep, "replay_endpoint": rep,
-                                  "encoding": encoding, "l3_medium": "auto",
-                                  "block_hash": block_hash, "hash_seed": "0"})
+    cache = make_cache(
+        bookkeeping_spec(PS),
+        12,
+        16,
+        write_policy="write_through",
+        storage=f"file://{tmp_path}/l3-{n}",
+        storage_write_policy=l3_policy,
+        kv_events={
+            "publisher": "zmq",
+            "endpoint": ep,
+            "replay_endpoint": rep,
+            "encoding": encoding,
+            "l3_medium": "auto",
+            "block_hash": block_hash,
+            "hash_seed": "0",
+        },
+    )
     prompts = [rng.integers(3, size=k).repeat(PS) for k in range(1, 4)]
     checks, url, invalidated = [], cache.cfg.storage, {"device": 0, "host": 0, "l3": 0}
     totals = collections.Counter({"l3_prefetch_pages": 0, "host_evictions": 0})
@@ -151,45 +184,49 @@ def run(encoding: str, tmp_path, seed: int, l3_policy: str = "write_through",
             prefix = prompts[int(rng.integers(len(prompts)))]
             toks = np.concatenate([prefix, rng.integers(40, size=PS * int(rng.integers(4)))])
             key = [None, "tenant"][int(rng.integers(2))]
-            if step in (40, 60, 110, 120):            # counters start again after these
+            if step in (40, 60, 110, 120):  # counters start again after these
                 totals.update({k: cache.stats().get(k, 0) for k in totals})
             if step in (60, 110):
                 cache.reset()
             elif step in (40, 120):
-                cache.detach_storage()                # its L3 pages announced removed
+                cache.detach_storage()  # its L3 pages announced removed
             elif step in (70, 130):
-                cache.attach_storage(url)             # the same store: announced as put
-            elif step == 145:                         # one L3 prefetch for sure (an
-                serve(cache, toks, key)               # invalidated namespace leaves none)
+                cache.attach_storage(url)  # the same store: announced as put
+            elif step == 145:  # one L3 prefetch for sure (an
+                serve(cache, toks, key)  # invalidated namespace leaves none)
                 serve(cache, toks, key)
                 cache.evict(1 << 20)
-                cache.evict_host(1 << 20)             # write_back puts it now
+                cache.evict_host(1 << 20)  # write_back puts it now
                 cache.flush()
                 cache.prefetch(toks, key)
             elif op < 5:
-                serve(cache, toks, key)               # matches load back host pages
+                serve(cache, toks, key)  # matches load back host pages
             elif op == 5:
                 cache.evict(int(rng.integers(4, 12)) * PS)
             elif op == 6:
                 cache.evict_host(int(rng.integers(1, 8)) * PS)
             elif op in (7, 8):
-                cache.prefetch(toks, key)             # L3 -> host
+                cache.prefetch(toks, key)  # L3 -> host
             elif op == 9:
                 cache.flush()
-            elif op == 10 and rng.integers(2):        # a prefix: its last page and below
-                got = cache.invalidate(toks[:PS * int(rng.integers(1, toks.size // PS + 1))], key)
+            elif op == 10 and rng.integers(2):  # a prefix: its last page and below
+                got = cache.invalidate(toks[: PS * int(rng.integers(1, toks.size // PS + 1))], key)
                 invalidated = {t: invalidated[t] + got[t] for t in invalidated}
-            elif op == 11 and rng.integers(4) == 0:   # now and then a whole namespace
+            elif op == 11 and rng.integers(4) == 0:  # now and then a whole namespace
                 got = cache.invalidate(extra_key=key)
                 invalidated = {t: invalidated[t] + got[t] for t in invalidated}
             # the cache's own answer for a few prompts, after the batches sealed so far (a call
             # that publishes seals what calls that do not, e.g. the handle's lock, recorded)
             cache.evict(0)
-            checks.append((cache.stats()["kv_event_batches"], cache.cfg.storage is not None,
-                           [(p, k, cache.lookup(p, k)) for p in (toks, prefix)
-                            for k in (None, "tenant")]))
+            checks.append(
+                (
+                    cache.stats()["kv_event_batches"],
+                    cache.cfg.storage is not None,
+                    [(p, k, cache.lookup(p, k)) for p in (toks, prefix) for k in (None, "tenant")],
+                )
+            )
         cache.flush()
-        cache.match_prefix(np.arange(PS))             # attach landed prefetches; a call seals
+        cache.match_prefix(np.arange(PS))  # attach landed prefetches; a call seals
         assert cache._events.wait_published(10)
         batches = replay_all(rep)
         totals.update({k: cache.stats().get(k, 0) for k in totals})
@@ -204,6 +241,7 @@ def run(encoding: str, tmp_path, seed: int, l3_policy: str = "write_through",
 def in_store(url: str, index: TierIndex) -> list[bool]:
     """For each page a consumer holds on DISK: is its prefix's last page in the store?"""
     from hicache_jax.l3.storage import ENTRY_ROWS, entry_rows, open_storage, page_keys
+
     spec = bookkeeping_spec(PS)
     out = []
     with open_storage(url, spec, entry_rows(spec, 1), ENTRY_ROWS) as store:
@@ -220,12 +258,19 @@ def in_store(url: str, index: TierIndex) -> list[bool]:
     return out
 
 
-@pytest.mark.parametrize("seed, l3_policy, block_hash", [
-    (0, "write_through", "tree"), (1, "write_back", "tree"), (2, "write_back", "vllm:sha256"),
-    (3, "write_through", "vllm:sha256_cbor")])
+@pytest.mark.parametrize(
+    "seed, l3_policy, block_hash",
+    [
+        (0, "write_through", "tree"),
+        (1, "write_back", "tree"),
+        (2, "write_back", "vllm:sha256"),
+        (3, "write_through", "vllm:sha256_cbor"),
+    ],
+)
 @pytest.mark.parametrize("encoding", ["array", "map"])
-def test_every_consumer_agrees_with_the_caches_lookup(encoding, seed, l3_policy, block_hash,
-                                                      tmp_path):
+def test_every_consumer_agrees_with_the_caches_lookup(
+    encoding, seed, l3_policy, block_hash, tmp_path
+):
     """write_back puts a leaf to L3 before its parent (host eviction goes leaf first): its
     announcement waits for the parent's. The consumers key blocks by tokens, so vLLM's ids
     serve them as well as the tree's."""
@@ -258,12 +303,12 @@ def test_every_consumer_agrees_with_the_caches_lookup(encoding, seed, l3_policy,
             assert subs["dynamo"].lookup(toks, "device", "host", key) == want
             seen = {t: seen[t] + (want[t] > 0) for t in seen}
     assert seen["device"] > 20 and seen["host"] > 20  # both tiers were compared, often
-    assert media == {"GPU", "CPU", "DISK"}            # L3 announced as its own medium
+    assert media == {"GPU", "CPU", "DISK"}  # L3 announced as its own medium
     assert stats["total_l3_prefetch_pages"] > 0 and stats["total_host_evictions"] > 0
-    assert subs["llm-d"].dropped == 0                 # a parent always comes first
+    assert subs["llm-d"].dropped == 0  # a parent always comes first
     for name in ("vllm", "dynamo", "llm-d"):
         assert subs[name].unknown_removed == 0, name
-    assert subs["dynamo_other_size"].tiers == {}      # another block size: all dropped
+    assert subs["dynamo_other_size"].tiers == {}  # another block size: all dropped
     assert stats["invalidated_device"] + stats["invalidated_host"] > 0
     assert stats["invalidated_l3"] > 0 and l3_removed > 0  # invalidate and detach said so
     assert all(in_store(f"file://{tmp_path}/l3-{stats['run']}", subs["vllm"]))

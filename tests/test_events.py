@@ -26,8 +26,7 @@ QUEUE = {"publisher": "queue"}
 
 
 def make(policy="write_back", ps=4, device=16, host=32, kv_events=QUEUE):
-    return make_cache(bookkeeping_spec(ps), device, host, write_policy=policy,
-                      kv_events=kv_events)
+    return make_cache(bookkeeping_spec(ps), device, host, write_policy=policy, kv_events=kv_events)
 
 
 def test_block_stored_per_page_with_chained_hashes():
@@ -39,17 +38,16 @@ def test_block_stored_per_page_with_chained_hashes():
     want = chain_hashes(namespace_hash(None), t.reshape(3, 4)).tolist()
     assert [e.block_hash for e in ev] == want
     assert [e.parent_block_hash for e in ev] == [None] + want[:2]
-    assert [e.token_ids for e in ev] == [tuple(range(4)), tuple(range(4, 8)),
-                                         tuple(range(8, 12))]
+    assert [e.token_ids for e in ev] == [tuple(range(4)), tuple(range(4, 8)), tuple(range(8, 12))]
     assert all(e.medium is Medium.DEVICE and e.medium == "device" for e in ev)
-    assert cache.take_events() == []           # taken
+    assert cache.take_events() == []  # taken
 
 
 def test_child_chains_from_parent_and_split_changes_no_hash():
     cache = make(ps=4)
     put(cache, np.arange(8))
     first = cache.take_events()
-    cache.match_prefix(np.arange(4))           # splits the node: no event
+    cache.match_prefix(np.arange(4))  # splits the node: no event
     assert cache.take_events() == []
     put(cache, np.concatenate([np.arange(8), [50, 51, 52, 53]]))
     (child,) = cache.take_events()
@@ -69,7 +67,7 @@ def test_events_follow_evict_backup_load_back_and_evict_host():
     t = np.arange(8)
     put(cache, t)
     router = replay(cache.take_events())
-    cache.evict(8)                             # write_back: backup (host stored), device removed
+    cache.evict(8)  # write_back: backup (host stored), device removed
     ev = cache.take_events()
     kinds = [(type(e).__name__, e.medium.value) for e in ev]
     assert kinds.count(("BlockStored", "host")) == 2
@@ -78,7 +76,7 @@ def test_events_follow_evict_backup_load_back_and_evict_host():
     assert {m for _, m in router} == {Medium.HOST}
     cache.load_back(cache.match_prefix(t))
     router = replay(cache.take_events(), router)
-    assert len(router) == 4                    # each page on both tiers
+    assert len(router) == 4  # each page on both tiers
     cache.flush()
     cache.evict(8)
     cache.evict_host(8)
@@ -93,7 +91,7 @@ def test_reset_emits_all_blocks_cleared():
     cache.reset()
     assert cache.take_events() == [AllBlocksCleared()]
     put(cache, np.arange(8))
-    cache.reset()                              # the put's batch stays; the reset supersedes it
+    cache.reset()  # the put's batch stays; the reset supersedes it
     ev = cache.take_events()
     assert ev[-1] == AllBlocksCleared() and replay(ev) == set()
 
@@ -116,11 +114,13 @@ def test_recorder_slices_pages_and_holds_them_compactly():
     log = QueueRecorder(buffer_steps=4)
     log.stored(Node, Medium.HOST, slice(1, 3))
     log.end_call()
-    ((_, _, (record,)),) = log._buffer        # one record per node, numpy copies
+    ((_, _, (record,)),) = log._buffer  # one record per node, numpy copies
     assert isinstance(record.tokens, np.ndarray) and isinstance(record.hashes, np.ndarray)
     ev = log.take()
     assert [(e.block_hash, e.parent_block_hash, e.token_ids) for e in ev] == [
-        (12, 11, (2, 3)), (13, 12, (4, 5))]
+        (12, 11, (2, 3)),
+        (13, 12, (4, 5)),
+    ]
 
 
 def test_events_are_off_by_default_and_take_events_says_how_to_enable_them():
@@ -139,9 +139,9 @@ def test_events_are_off_by_default_and_take_events_says_how_to_enable_them():
 
 def test_one_batch_per_public_call_with_consecutive_seqs():
     cache = make()
-    put(cache, np.arange(8))                   # begin, extend, finish: only insert records
-    cache.match_prefix(np.arange(8))           # nothing recorded: no batch
-    cache.evict(8)                             # write_back: backup + device removed
+    put(cache, np.arange(8))  # begin, extend, finish: only insert records
+    cache.match_prefix(np.arange(8))  # nothing recorded: no batch
+    cache.evict(8)  # write_back: backup + device removed
     batches = cache.take_event_batches()
     assert [b.seq for b in batches] == [0, 1]
     assert [len(b.events) for b in batches] == [2, 4]
@@ -152,9 +152,9 @@ def test_one_batch_per_public_call_with_consecutive_seqs():
 def test_bounded_buffer_drops_the_oldest_batches_counts_them_and_shows_the_gap():
     cache = make(device=64, kv_events={"publisher": "queue", "buffer_steps": 3})
     for i in range(5):
-        put(cache, np.arange(4) + 100 * i)     # one batch each (insert)
+        put(cache, np.arange(4) + 100 * i)  # one batch each (insert)
     batches = cache.take_event_batches()
-    assert [b.seq for b in batches] == [2, 3, 4]           # 0 and 1 dropped: a visible gap
+    assert [b.seq for b in batches] == [2, 3, 4]  # 0 and 1 dropped: a visible gap
     assert [b.events[0].token_ids[0] for b in batches] == [200, 300, 400]
     s = cache.stats()
     assert (s["kv_event_batches"], s["kv_event_batches_dropped"]) == (5, 2)
@@ -169,60 +169,71 @@ def test_buffer_bytes_drops_the_oldest_batches_counts_them_and_shows_the_gap():
     for i in range(5):
         put(cache, np.arange(4) + 100 * i)
     batches = cache.take_event_batches()
-    assert [b.seq for b in batches] == [2, 3, 4]           # 0 and 1 dropped: a visible gap
+    assert [b.seq for b in batches] == [2, 3, 4]  # 0 and 1 dropped: a visible gap
     assert [b.events[0].token_ids[0] for b in batches] == [200, 300, 400]
     s = cache.stats()
     assert (s["kv_event_batches"], s["kv_event_batches_dropped"]) == (5, 2)
-    put(cache, np.arange(8) + 500)             # 2 pages: fits
-    put(cache, np.arange(160) + 600)           # 40 pages: over the bound by itself: dropped
+    put(cache, np.arange(8) + 500)  # 2 pages: fits
+    put(cache, np.arange(160) + 600)  # 40 pages: over the bound by itself: dropped
     assert [b.seq for b in cache.take_event_batches()] == [5]
     assert cache.stats()["kv_event_batches_dropped"] == 3
-    put(cache, np.arange(4) + 700)             # taking emptied the buffer: nothing dropped
+    put(cache, np.arange(4) + 700)  # taking emptied the buffer: nothing dropped
     assert [b.seq for b in cache.take_event_batches()] == [7]
 
 
 def test_a_record_counts_the_whole_arrays_its_views_keep_alive():
     cache = make(device=64)
     put(cache, np.arange(16))
-    cache.match_prefix(np.arange(4))           # split: the child's key is a view of 16 tokens
-    cache.evict(12)                            # write_back: the child's 3 pages to host
+    cache.match_prefix(np.arange(4))  # split: the child's key is a view of 16 tokens
+    cache.evict(12)  # write_back: the child's 3 pages to host
     (_, _, (_stored,)), (_, _, records) = cache._events._buffer
     host = next(r for r in records if r.medium is Medium.HOST)
     assert host.tokens.shape == (12,) and held_bytes(host.tokens) == 16 * host.tokens.itemsize
-    assert record_bytes(host) == (16 * host.tokens.itemsize + held_bytes(host.hashes)
-                                  + RECORD_OVERHEAD)
+    assert record_bytes(host) == (
+        16 * host.tokens.itemsize + held_bytes(host.hashes) + RECORD_OVERHEAD
+    )
     assert held_bytes(np.arange(4)) == 32 and held_bytes(np.arange(8)[2:4]) == 64
     assert held_bytes(np.frombuffer(bytes(80), np.int64)[:2]) == 80
 
 
 def test_kv_events_config_from_a_dict_or_its_json_string():
     a = HiCacheConfig(device_pages=4, kv_events={"publisher": "zmq", "endpoint": "ipc:///tmp/x"})
-    b = HiCacheConfig(device_pages=4,
-                      kv_events='{"publisher": "zmq", "endpoint": "ipc:///tmp/x"}')
+    b = HiCacheConfig(device_pages=4, kv_events='{"publisher": "zmq", "endpoint": "ipc:///tmp/x"}')
     assert a.kv_events == b.kv_events == KVEventsConfig("zmq", "ipc:///tmp/x")
     assert a.kv_events.buffer_steps == 10_000 and a.kv_events.topic == "kv-events"
     assert a.kv_events.buffer_bytes == 16 << 20
     assert HiCacheConfig(device_pages=4, kv_events=a.kv_events).kv_events == a.kv_events
 
 
-@pytest.mark.parametrize("kv_events, err, match", [
-    ({"publisher": "kafka"}, ValueError, "publisher='kafka' is not one of"),
-    ({"publisher": "zmq", "endpoint": "tcp://127.0.0.1"}, ValueError, "endpoint=.* is not a ZMQ"),
-    ({"publisher": "zmq", "endpoint": "tcp://127.0.0.1:70000"}, ValueError, "endpoint="),
-    ({"publisher": "zmq", "endpoint": "http://x:1"}, ValueError, "endpoint="),
-    ({"publisher": "zmq", "replay_endpoint": "5558"}, ValueError, "replay_endpoint="),
-    ({"publisher": "zmq", "replay_endpoint": "tcp://*:5557"}, ValueError, "must differ"),
-    ({"publisher": "queue", "buffer_steps": 0}, ValueError, "buffer_steps=0"),
-    ({"publisher": "queue", "buffer_steps": "10"}, ValueError, "buffer_steps='10'"),
-    ({"publisher": "queue", "buffer_steps": True}, ValueError, "buffer_steps=True"),
-    ({"publisher": "queue", "buffer_bytes": 0}, ValueError, "buffer_bytes=0 must be an int >= 1"),
-    ({"publisher": "zmq", "buffer_bytes": 1.5e6}, ValueError, "buffer_bytes=1500000.0"),
-    ({"publisher": "queue", "buffer_bytes": False}, ValueError, "buffer_bytes=False"),
-    ({"publisher": "queue", "topics": "x"}, ValueError, r"unknown field\(s\) \['topics'\]"),
-    ({"publisher": "zmq", "topic": 3}, TypeError, "topic=3"),
-    ("{not json", ValueError, "not valid JSON"),
-    (["queue"], TypeError, "must be None, a dict or its JSON string"),
-])
+@pytest.mark.parametrize(
+    "kv_events, err, match",
+    [
+        ({"publisher": "kafka"}, ValueError, "publisher='kafka' is not one of"),
+        (
+            {"publisher": "zmq", "endpoint": "tcp://127.0.0.1"},
+            ValueError,
+            "endpoint=.* is not a ZMQ",
+        ),
+        ({"publisher": "zmq", "endpoint": "tcp://127.0.0.1:70000"}, ValueError, "endpoint="),
+        ({"publisher": "zmq", "endpoint": "http://x:1"}, ValueError, "endpoint="),
+        ({"publisher": "zmq", "replay_endpoint": "5558"}, ValueError, "replay_endpoint="),
+        ({"publisher": "zmq", "replay_endpoint": "tcp://*:5557"}, ValueError, "must differ"),
+        ({"publisher": "queue", "buffer_steps": 0}, ValueError, "buffer_steps=0"),
+        ({"publisher": "queue", "buffer_steps": "10"}, ValueError, "buffer_steps='10'"),
+        ({"publisher": "queue", "buffer_steps": True}, ValueError, "buffer_steps=True"),
+        (
+            {"publisher": "queue", "buffer_bytes": 0},
+            ValueError,
+            "buffer_bytes=0 must be an int >= 1",
+        ),
+        ({"publisher": "zmq", "buffer_bytes": 1.5e6}, ValueError, "buffer_bytes=1500000.0"),
+        ({"publisher": "queue", "buffer_bytes": False}, ValueError, "buffer_bytes=False"),
+        ({"publisher": "queue", "topics": "x"}, ValueError, r"unknown field\(s\) \['topics'\]"),
+        ({"publisher": "zmq", "topic": 3}, TypeError, "topic=3"),
+        ("{not json", ValueError, "not valid JSON"),
+        (["queue"], TypeError, "must be None, a dict or its JSON string"),
+    ],
+)
 def test_bad_kv_events_config_names_the_field(kv_events, err, match):
     with pytest.raises(err, match=match):
         HiCacheConfig(device_pages=4, kv_events=kv_events)

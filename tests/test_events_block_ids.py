@@ -22,6 +22,7 @@ SEED = "1234"
 
 # -- vLLM's definition (vllm/utils/hashing.py, vllm/v1/core/kv_cache_utils.py) -----------------
 
+
 def vllm_sha256(x) -> bytes:
     return hashlib.sha256(pickle.dumps(x, protocol=pickle.HIGHEST_PROTOCOL)).digest()
 
@@ -32,8 +33,13 @@ def cbor_by_hand(parent: bytes, tokens: tuple, extra) -> bytes:
     out = bytearray([0x83, 0x58, 32]) + parent
     out.append(0x80 | len(tokens))
     for t in tokens:
-        out += (bytes([t]) if t < 24 else bytes([0x18, t]) if t < 256
-                else bytes([0x19]) + t.to_bytes(2, "big"))
+        out += (
+            bytes([t])
+            if t < 24
+            else bytes([0x18, t])
+            if t < 256
+            else bytes([0x19]) + t.to_bytes(2, "big")
+        )
     out.append(0xF6)
     return bytes(out)
 
@@ -48,15 +54,19 @@ def expected(tokens, hash_fn, none_hash, extra=None):
     hash as a big-endian int masked to 64 bits."""
     ids, parent = [], none_hash
     for i in range(0, len(tokens), PS):
-        parent = hash_fn((parent, tuple(int(t) for t in tokens[i:i + PS]), extra))
+        parent = hash_fn((parent, tuple(int(t) for t in tokens[i : i + PS]), extra))
         ids.append(int.from_bytes(parent, "big") & ((1 << 64) - 1))
     return ids
 
 
 def make(block_hash, **kw):
-    return make_cache(bookkeeping_spec(PS), 16, 32, write_policy="write_back",
-                      kv_events={"publisher": "queue", "block_hash": block_hash,
-                                 "hash_seed": SEED, **kw})
+    return make_cache(
+        bookkeeping_spec(PS),
+        16,
+        32,
+        write_policy="write_back",
+        kv_events={"publisher": "queue", "block_hash": block_hash, "hash_seed": SEED, **kw},
+    )
 
 
 def test_sha256_ids_equal_vllms_for_the_same_tokens():
@@ -70,16 +80,19 @@ def test_sha256_ids_equal_vllms_for_the_same_tokens():
     # a child inserted later chains from its parent's 32-byte hash, not from the wire id
     put(cache, np.concatenate([toks, [9, 9, 9, 9]]))
     (child,) = cache.take_events()
-    assert child.block_hash == expected(np.concatenate([toks, [9, 9, 9, 9]]), vllm_sha256,
-                                        vllm_sha256(SEED))[-1]
+    assert (
+        child.block_hash
+        == expected(np.concatenate([toks, [9, 9, 9, 9]]), vllm_sha256, vllm_sha256(SEED))[-1]
+    )
 
 
 def test_a_str_extra_key_is_vllms_lora_name_extra_key():
     cache = make("vllm:sha256")
     put(cache, np.arange(8), extra_key="adapter-a")
     ev = cache.take_events()
-    assert [e.block_hash for e in ev] == expected(np.arange(8), vllm_sha256, vllm_sha256(SEED),
-                                                  ("adapter-a",))
+    assert [e.block_hash for e in ev] == expected(
+        np.arange(8), vllm_sha256, vllm_sha256(SEED), ("adapter-a",)
+    )
 
 
 def test_sha256_cbor_ids_equal_vllms_from_hand_written_cbor():
@@ -94,9 +107,30 @@ def test_sha256_cbor_ids_equal_vllms_from_hand_written_cbor():
 
 def test_canonical_cbor_equals_cbor2_where_installed():
     cbor2 = pytest.importorskip("cbor2")
-    for x in [None, 0, 23, 24, 255, 256, 65535, 65536, 2**32, 2**64 - 1, -1, -24, -25, -2**63,
-              b"", b"\x00" * 40, "", "seed", "é" * 30, (), (1, (2, 3), None, b"x", "y"),
-              (b"\x01" * 32, tuple(range(300)), ("lora",))]:
+    for x in [
+        None,
+        0,
+        23,
+        24,
+        255,
+        256,
+        65535,
+        65536,
+        2**32,
+        2**64 - 1,
+        -1,
+        -24,
+        -25,
+        -(2**63),
+        b"",
+        b"\x00" * 40,
+        "",
+        "seed",
+        "é" * 30,
+        (),
+        (1, (2, 3), None, b"x", "y"),
+        (b"\x01" * 32, tuple(range(300)), ("lora",)),
+    ]:
         assert canonical_cbor(x) == cbor2.dumps(x, canonical=True), x
 
 
@@ -104,15 +138,16 @@ def test_removals_carry_the_same_ids_and_tiers_share_them():
     cache = make("vllm:sha256")
     put(cache, np.arange(8))
     stored = cache.take_events()
-    cache.evict(8)                                 # write_back: a host copy, then off device
+    cache.evict(8)  # write_back: a host copy, then off device
     ev = cache.take_events()
     ids = [e.block_hash for e in stored]
     assert [(type(e), e.medium, e.block_hash) for e in ev] == (
         [(BlockStored, Medium.HOST, h) for h in ids]
-        + [(BlockRemoved, Medium.DEVICE, h) for h in ids])
+        + [(BlockRemoved, Medium.DEVICE, h) for h in ids]
+    )
     cache.reset()
     cache.take_events()
-    put(cache, np.arange(8))                       # the same tokens: the same ids after a reset
+    put(cache, np.arange(8))  # the same tokens: the same ids after a reset
     assert [e.block_hash for e in cache.take_events()] == ids
 
 

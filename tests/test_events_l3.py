@@ -18,9 +18,15 @@ PS = 4
 
 
 def make(tmp_path, l3_medium="auto", l3_policy="write_through", **kv):
-    return make_cache(bookkeeping_spec(PS), 8, 16, write_policy="write_through",
-                      storage=f"file://{tmp_path}/l3", storage_write_policy=l3_policy,
-                      kv_events={"publisher": "queue", "l3_medium": l3_medium, **kv})
+    return make_cache(
+        bookkeeping_spec(PS),
+        8,
+        16,
+        write_policy="write_through",
+        storage=f"file://{tmp_path}/l3",
+        storage_write_policy=l3_policy,
+        kv_events={"publisher": "queue", "l3_medium": l3_medium, **kv},
+    )
 
 
 def l3_stored(events):
@@ -48,10 +54,10 @@ def test_a_page_is_announced_once_stored_and_once_only(tmp_path):
     assert [e.parent_block_hash for e in l3] == [None] + [e.block_hash for e in l3[:-1]]
     cache.evict(16)
     cache.evict_host(16)
-    serve(cache, np.arange(16))                    # computed again, put again: already there
+    serve(cache, np.arange(16))  # computed again, put again: already there
     cache.flush()
     assert l3_stored(cache.take_events()) == []
-    cache.reset()                                  # a consumer forgets L3 too: announced anew
+    cache.reset()  # a consumer forgets L3 too: announced anew
     cache.take_events()
     serve(cache, np.arange(16))
     cache.flush()
@@ -63,12 +69,12 @@ def test_write_back_children_wait_for_their_parent(tmp_path):
     serve(cache, np.arange(8))
     serve(cache, np.concatenate([np.arange(8), 100 + np.arange(8)]))
     cache.evict(16)
-    cache.evict_host(16)                           # leaves first: the child is put first
+    cache.evict_host(16)  # leaves first: the child is put first
     cache.flush()
     l3 = l3_stored(cache.take_events())
     assert len(l3) == 4
     seen = set()
-    for e in l3:                                   # every parent was announced before
+    for e in l3:  # every parent was announced before
         assert e.parent_block_hash is None or e.parent_block_hash in seen
         seen.add(e.block_hash)
 
@@ -83,32 +89,47 @@ def test_vllm_ids_on_l3_equal_the_other_tiers(tmp_path):
     assert [e.parent_block_hash for e in l3_stored(ev)] == [None] + dev[:-1]
 
 
-@pytest.mark.parametrize("medium, url, want", [
-    ("auto", "file:///tmp/x", "DISK"), ("auto", "mooncake://h:1", "EXTERNAL"),
-    ("auto", "python://m:C", "EXTERNAL"), ("STORAGE", "file:///tmp/x", "STORAGE"),
-    (None, "file:///tmp/x", None), ("auto", None, None)])
+@pytest.mark.parametrize(
+    "medium, url, want",
+    [
+        ("auto", "file:///tmp/x", "DISK"),
+        ("auto", "mooncake://h:1", "EXTERNAL"),
+        ("auto", "python://m:C", "EXTERNAL"),
+        ("STORAGE", "file:///tmp/x", "STORAGE"),
+        (None, "file:///tmp/x", None),
+        ("auto", None, None),
+    ],
+)
 def test_the_wire_name_per_store(medium, url, want):
     assert l3_wire_medium(KVEventsConfig(l3_medium=medium), url) == want
 
 
 def test_a_page_the_store_dropped_is_announced_removed_when_a_lookup_misses_it(monkeypatch):
     from hicache_jax.events.records import BlockRemoved, replay
+
     monkeypatch.syspath_prepend(str(pathlib.Path(__file__).parent.parent / "examples"))
-    cache = make_cache(bookkeeping_spec(PS), 8, 16, write_policy="write_through",
-                       storage="python://memory_storage:MemoryStorage?capacity_pages=4",
-                       kv_events={"publisher": "queue", "l3_medium": "auto"})
+    cache = make_cache(
+        bookkeeping_spec(PS),
+        8,
+        16,
+        write_policy="write_through",
+        storage="python://memory_storage:MemoryStorage?capacity_pages=4",
+        kv_events={"publisher": "queue", "l3_medium": "auto"},
+    )
     prompts = [np.arange(8) + 100 * i for i in range(3)]
     for p in prompts:
         serve(cache, p)
-        cache.flush()                              # each put lands before the next
+        cache.flush()  # each put lands before the next
     cache.evict(32)
     cache.evict_host(64)
     events = cache.take_events()
     assert {e.medium for e in l3_stored(events)} == {Medium.L3}
     first = [e.block_hash for e in l3_stored(events)][:2]  # prompt 0: the store's oldest
-    cache.prefetch(prompts[0])                     # the store lost it: the lookup misses
+    cache.prefetch(prompts[0])  # the store lost it: the lookup misses
     gone = [e for e in cache.take_events() if isinstance(e, BlockRemoved)]
     # the first page and the one announced below it (unreachable now), the leaf first
-    assert [(e.block_hash, e.medium) for e in gone] == [(first[1], Medium.L3),
-                                                        (first[0], Medium.L3)]
-    replay(events + gone)                          # consistent: removed once, after stored
+    assert [(e.block_hash, e.medium) for e in gone] == [
+        (first[1], Medium.L3),
+        (first[0], Medium.L3),
+    ]
+    replay(events + gone)  # consistent: removed once, after stored

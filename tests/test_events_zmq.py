@@ -20,6 +20,7 @@ from storage_servers import free_port  # noqa: E402
 
 # -- the published format: vLLM's structs (vllm/distributed/kv_events.py), nothing of ours ----
 
+
 class KVCacheEvent(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True):
     pass
 
@@ -61,8 +62,14 @@ TIMEOUT_MS = 10_000
 
 def zmq_events(endpoint, replay=None, buffer_steps=10_000, topic="kv-events", encoding="array"):
     """The positional form (the structs above) unless ``encoding`` says otherwise."""
-    return {"publisher": "zmq", "endpoint": endpoint, "replay_endpoint": replay,
-            "buffer_steps": buffer_steps, "topic": topic, "encoding": encoding}
+    return {
+        "publisher": "zmq",
+        "endpoint": endpoint,
+        "replay_endpoint": replay,
+        "buffer_steps": buffer_steps,
+        "topic": topic,
+        "encoding": encoding,
+    }
 
 
 def make(kv_events, policy="write_back", device=16, host=32):
@@ -121,6 +128,7 @@ class Subscriber:
     def recv_cleared(self):
         """The seq of a batch whose last event is AllBlocksCleared, in either encoding."""
         import msgpack
+
         _, seq, payload = self.sub.recv_multipart()
         last = msgpack.unpackb(payload)[1][-1]
         assert last in (["AllBlocksCleared"], {"type": "AllBlocksCleared"}), last
@@ -161,15 +169,17 @@ def test_wire_format_is_vllms_one_block_stored_per_node(tcp):
         put(cache, np.arange(12))
         seq, batch = sub.recv()
         assert seq == seq0 + 1 and batch.data_parallel_rank == 0 and batch.ts > 0
-        (ev,) = batch.events                       # three pages of one node: one BlockStored
+        (ev,) = batch.events  # three pages of one node: one BlockStored
         assert ev.block_size == PS and ev.token_ids == list(range(12)) and ev.medium == "GPU"
         assert ev.parent_block_hash is None and (ev.lora_id, ev.lora_name) == (None, None)
         node = cache.tree.match(np.arange(12)).node
         assert ev.block_hashes == node.page_hashes.tolist()
-        cache.evict(12)                            # write_back: to host, then off device
+        cache.evict(12)  # write_back: to host, then off device
         _, batch = sub.recv()
         assert [(type(e).__name__, e.medium) for e in batch.events] == [
-            ("BlockStored", "CPU"), ("BlockRemoved", "GPU")]
+            ("BlockStored", "CPU"),
+            ("BlockRemoved", "GPU"),
+        ]
         put(cache, np.arange(4), extra_key="tenant")
         _, batch = sub.recv()
         assert batch.events[0].lora_name == "tenant"
@@ -180,14 +190,22 @@ def test_wire_format_is_vllms_one_block_stored_per_node(tcp):
 
 # vLLM's field lists (vllm/distributed/kv_events.py), as published: the map form tags each event
 # under "type" (vLLM PR #42892); the positional form lists the same fields in this order.
-STORED_FIELDS = ["block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id",
-                 "medium", "lora_name"]
+STORED_FIELDS = [
+    "block_hashes",
+    "parent_block_hash",
+    "token_ids",
+    "block_size",
+    "lora_id",
+    "medium",
+    "lora_name",
+]
 REMOVED_FIELDS = ["block_hashes", "medium"]
 
 
 def raw_batches(sub, cache, n):
     """``n`` payloads after the subscription got through, decoded by plain msgpack."""
     import msgpack
+
     sub.until_connected(cache)
     out = []
     for _ in range(n):
@@ -199,14 +217,14 @@ def raw_batches(sub, cache, n):
 
 def workload(cache):
     put(cache, np.arange(8), extra_key="tenant")
-    cache.evict(8)                                 # write_back: to host, then off device
+    cache.evict(8)  # write_back: to host, then off device
 
 
 @pytest.mark.parametrize("encoding", ["map", "array", None])
 def test_both_encodings_decode_with_msgpack_from_vllms_field_lists(tcp, encoding):
     kv = zmq_events(tcp, encoding=encoding)
     if encoding is None:
-        del kv["encoding"]                         # the default: vLLM's current (map) form
+        del kv["encoding"]  # the default: vLLM's current (map) form
     cache = make(kv)
     sub = Subscriber(tcp)
     try:
@@ -214,6 +232,7 @@ def test_both_encodings_decode_with_msgpack_from_vllms_field_lists(tcp, encoding
         batches = raw_batches(sub, cache, 0)
         workload(cache)
         import msgpack
+
         for _ in range(2):
             assert sub.sub.poll(TIMEOUT_MS)
             batches.append(msgpack.unpackb(sub.sub.recv_multipart()[2]))
@@ -221,7 +240,7 @@ def test_both_encodings_decode_with_msgpack_from_vllms_field_lists(tcp, encoding
         sub.close()
         cache.close()
     events = []
-    for ts, evs, rank in batches:                  # the batch stays [ts, events, dp_rank]
+    for ts, evs, rank in batches:  # the batch stays [ts, events, dp_rank]
         assert ts > 0 and rank == 0
         for ev in evs:
             if (encoding or "map") == "map":
@@ -237,7 +256,10 @@ def test_both_encodings_decode_with_msgpack_from_vllms_field_lists(tcp, encoding
                 assert len(values) == len(want)
                 events.append((tag, dict(zip(want, values))))
     assert [(t, e["medium"]) for t, e in events] == [
-        ("BlockStored", "GPU"), ("BlockStored", "CPU"), ("BlockRemoved", "GPU")]
+        ("BlockStored", "GPU"),
+        ("BlockStored", "CPU"),
+        ("BlockRemoved", "GPU"),
+    ]
     stored = events[0][1]
     assert stored["token_ids"] == list(range(8)) and stored["block_size"] == PS
     assert stored["lora_name"] == "tenant" and stored["parent_block_hash"] is None
@@ -260,8 +282,11 @@ def test_random_workload_replayed_from_the_socket_equals_the_cache(tcp):
             op = rng.integers(10)
             if op < 6:
                 prefix = rng.integers(3, size=rng.integers(1, 5)).repeat(PS)  # shared prefixes
-                put(cache, np.concatenate([prefix, rng.integers(50, size=PS * rng.integers(3))]),
-                    extra_key=[None, 1][int(rng.integers(2))])
+                put(
+                    cache,
+                    np.concatenate([prefix, rng.integers(50, size=PS * rng.integers(3))]),
+                    extra_key=[None, 1][int(rng.integers(2))],
+                )
             elif op == 6:
                 cache.evict(int(rng.integers(1, 6)) * PS)
             elif op == 7:
@@ -288,7 +313,7 @@ def test_replay_socket_gives_a_late_subscriber_every_batch_from_a_seq(tmp_path):
     cache = make(zmq_events(ep, rep))
     try:
         for i in range(6):
-            put(cache, np.arange(8) + 100 * i)     # six batches, nobody listening
+            put(cache, np.arange(8) + 100 * i)  # six batches, nobody listening
         cache.evict(8)
         n = cache.stats()["kv_event_batches"]
         assert n == 7
@@ -301,7 +326,7 @@ def test_replay_socket_gives_a_late_subscriber_every_batch_from_a_seq(tmp_path):
             for _, batch in sub.replay(0):
                 apply(state, batch)
             assert state == tree_pages(cache)
-            assert sub.replay(n) == []             # nothing after the last: just the end marker
+            assert sub.replay(n) == []  # nothing after the last: just the end marker
         finally:
             sub.close()
     finally:
@@ -329,28 +354,39 @@ def test_replay_buffer_keeps_the_last_buffer_steps_batches(tmp_path):
 def test_port_in_use_is_a_clear_error_naming_the_field_and_binds_nothing(tcp, tmp_path):
     a = make(zmq_events(tcp))
     try:
-        with pytest.raises(HiCacheError, match=r"kv_events endpoint='tcp://127.0.0.1:\d+': "
-                                               "cannot bind"):
+        with pytest.raises(
+            HiCacheError,
+            match=r"kv_events endpoint='tcp://127.0.0.1:\d+': "
+            "cannot bind",
+        ):
             make(zmq_events(tcp))
         rep = f"ipc://{tmp_path}/replay"
         b_ep = f"tcp://127.0.0.1:{free_port()}"
         with pytest.raises(HiCacheError, match="kv_events replay_endpoint="):
-            make(zmq_events(b_ep, replay=tcp))     # the replay bind fails: the PUB is unbound
+            make(zmq_events(b_ep, replay=tcp))  # the replay bind fails: the PUB is unbound
         make(zmq_events(b_ep, replay=rep)).close()  # so the same endpoint binds now
     finally:
         a.close()
-    make(zmq_events(tcp)).close()                  # close() unbound it
+    make(zmq_events(tcp)).close()  # close() unbound it
 
 
 def test_a_port_in_use_also_releases_the_l3_backend_opened_before(tcp, tmp_path, monkeypatch):
     from hicache_jax.l3 import tier as l3
+
     closed, real_close = [], l3.L3Tier.close
     monkeypatch.setattr(l3.L3Tier, "close", lambda self: closed.append(1) or real_close(self))
     a = make(zmq_events(tcp))
     try:
         with pytest.raises(HiCacheError, match="cannot bind"):
-            HiCache(SPEC, HiCacheConfig(device_pages=16, host_pages=32, kv_events=zmq_events(tcp),
-                                        storage=f"file://{tmp_path}/l3"))
+            HiCache(
+                SPEC,
+                HiCacheConfig(
+                    device_pages=16,
+                    host_pages=32,
+                    kv_events=zmq_events(tcp),
+                    storage=f"file://{tmp_path}/l3",
+                ),
+            )
         assert closed == [1]
     finally:
         a.close()
@@ -394,9 +430,18 @@ def test_int_arrays_packed_by_numpy_decode_as_the_ints(n):
             assert msgspec.msgpack.decode(msgspec.msgpack.encode([raw])) == [values.tolist()]
 
 
-@pytest.mark.parametrize("key,lora_id,lora_name", [
-    (2**64, None, None), (-(2**63) - 1, None, None), (True, 1, None), (np.int64(7), 7, None),
-    (np.str_("ns"), None, "ns"), (b"tenant", None, None), (("a", 1), None, None)])
+@pytest.mark.parametrize(
+    "key,lora_id,lora_name",
+    [
+        (2**64, None, None),
+        (-(2**63) - 1, None, None),
+        (True, 1, None),
+        (np.int64(7), 7, None),
+        (np.str_("ns"), None, "ns"),
+        (b"tenant", None, None),
+        (("a", 1), None, None),
+    ],
+)
 def test_every_extra_key_publishes_and_a_failed_publish_never_raises(key, lora_id, lora_name):
     """msgspec refused some extra_keys (ints beyond 64 bits, numpy strings): the error came out
     of the call after it had changed the cache, and the batch was lost without a seq gap."""
@@ -424,12 +469,13 @@ def test_every_extra_key_publishes_and_a_failed_publish_never_raises(key, lora_i
 
 # -- the publisher thread ------------------------------------------------------------------
 
+
 def test_publisher_thread_delivers_every_batch_in_order(tcp):
     cache = make(zmq_events(tcp), device=512)
     sub = Subscriber(tcp)
     try:
         first = sub.until_connected(cache)
-        for i in range(300):                       # faster than one wake-up of the thread each
+        for i in range(300):  # faster than one wake-up of the thread each
             put(cache, np.arange(4) + 10 * i)
         got = [sub.recv() for _ in range(300)]
         assert [s for s, _ in got] == list(range(first + 1, first + 301))
@@ -452,7 +498,7 @@ def test_close_sends_every_queued_batch_first(tcp):
         for i in range(20):
             put(cache, np.arange(4) + 10 * i)
         gate.set()
-        cache.close()                              # waits for the 20 queued batches
+        cache.close()  # waits for the 20 queued batches
         assert [sub.recv()[0] for _ in range(20)] == list(range(first + 1, first + 21))
         assert cache.stats()["kv_event_batches_dropped"] == 0
     finally:
@@ -475,10 +521,10 @@ def test_a_publisher_thread_behind_by_buffer_steps_drops_the_oldest_and_counts(t
             return real_send(*a)
 
         publisher._send = slow_send
-        put(cache, np.arange(4))                   # taken by the thread, which then waits
+        put(cache, np.arange(4))  # taken by the thread, which then waits
         assert entered.wait(10) and cache._events.wait_published(0.01) is False
         for i in range(1, 11):
-            put(cache, np.arange(4) + 10 * i)      # 10 more: 6 dropped from the hand-off
+            put(cache, np.arange(4) + 10 * i)  # 10 more: 6 dropped from the hand-off
         gate.set()
         assert cache._events.wait_published(10)
         seqs = [sub.recv()[0] - first for _ in range(5)]
@@ -510,7 +556,7 @@ def test_a_failing_socket_is_counted_and_the_gap_is_visible(tcp):
         assert cache._events.last_publish_error.startswith(f"batch {first + 1}: ZMQError")
         publisher._pub = real_pub
         put(cache, np.arange(4) + 10)
-        assert sub.recv()[0] == first + 2          # the failed batch is a gap in seq
+        assert sub.recv()[0] == first + 2  # the failed batch is a gap in seq
     finally:
         sub.close()
         cache.close()
@@ -521,13 +567,13 @@ def test_replay_buffer_is_bounded_by_bytes_too(tmp_path):
     cache = make(zmq_events(ep, rep) | {"buffer_bytes": 300}, device=64)
     sub = Subscriber(ep, rep)
     try:
-        for i in range(10):                        # one-page batches: ~50-byte payloads
+        for i in range(10):  # one-page batches: ~50-byte payloads
             put(cache, np.arange(4) + 100 * i)
             assert cache._events.wait_published(10)
         got = [s for s, _ in sub.replay(0)]
         assert 4 <= len(got) <= 6 and got == list(range(10 - len(got), 10))  # <= 300 bytes
         assert cache.stats()["kv_event_batches_dropped"] == 0  # sent: dropped from replay only
-        put(cache, np.arange(8) + 5000)            # 2 pages, 304 bytes held: over the bound
+        put(cache, np.arange(8) + 5000)  # 2 pages, 304 bytes held: over the bound
         assert cache.stats()["kv_event_batches_dropped"] == 1  # dropped at the hand-off
         put(cache, np.arange(4) + 6000)
         assert cache._events.wait_published(10)
@@ -543,9 +589,11 @@ def test_bench_events_runs_and_reports_each_thread(tmp_path, monkeypatch, capsys
     import sys
 
     from benchmarks import bench_events
+
     out = tmp_path / "e.json"
-    monkeypatch.setattr(sys, "argv", ["bench_events", "--quick", "--limit", "30",
-                                      "--json", str(out)])
+    monkeypatch.setattr(
+        sys, "argv", ["bench_events", "--quick", "--limit", "30", "--json", str(out)]
+    )
     bench_events.main()
     text = capsys.readouterr().out
     assert "target zmq with a live subscriber within 1.5x of events off:" in text

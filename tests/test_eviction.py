@@ -25,6 +25,7 @@ def select_victims(policy, nodes, k: int) -> list:
     heap = VictimHeap(policy, nodes)
     return [heap.pop() for _ in range(min(k, len(heap)))]
 
+
 # Four leaves A, B, C, D built by _four_leaves; their eviction keys are
 # (an insert that creates a node is its first access: hit_count 1)
 #   A: created 1, last_access 7, hit_count 1, priority 3
@@ -32,13 +33,13 @@ def select_victims(policy, nodes, k: int) -> list:
 #   C: created 3, last_access 8, hit_count 2, priority 2
 #   D: created 4, last_access 4, hit_count 1, priority 0
 EXPECTED_ORDER = {
-    "lru": "DBAC",       # oldest last_access first
-    "lfu": "DACB",       # fewest hits, ties by last_access
-    "fifo": "ABCD",      # oldest created first
-    "mru": "CABD",       # newest last_access first
-    "filo": "DCBA",      # newest created first
+    "lru": "DBAC",  # oldest last_access first
+    "lfu": "DACB",  # fewest hits, ties by last_access
+    "fifo": "ABCD",  # oldest created first
+    "mru": "CABD",  # newest last_access first
+    "filo": "DCBA",  # newest created first
     "priority": "DBCA",  # lowest priority first
-    "slru": "DABC",      # probationary (hits < 2: A, D) by last_access, then protected B, C
+    "slru": "DABC",  # probationary (hits < 2: A, D) by last_access, then protected B, C
 }
 
 
@@ -52,14 +53,14 @@ def _four_leaves(ps, clock):
     for i, (name, prio) in enumerate(zip("ABCD", (3, 1, 2, 0))):
         clock.tick()
         nodes[name] = tree.insert(_pages(ps, i), [2 * i, 2 * i + 1], priority=prio).last_node
-    clock.tick()                                   # t=5
-    tree.insert(_pages(ps, 1), [2, 3])             # B: hit 2
-    clock.tick()                                   # t=6
-    tree.insert(_pages(ps, 1), [2, 3])             # B: hit 3
-    clock.tick()                                   # t=7
-    tree.match(_pages(ps, 0))                      # A: touched, no hit
-    clock.tick()                                   # t=8
-    tree.insert(_pages(ps, 2), [4, 5])             # C: hit 2
+    clock.tick()  # t=5
+    tree.insert(_pages(ps, 1), [2, 3])  # B: hit 2
+    clock.tick()  # t=6
+    tree.insert(_pages(ps, 1), [2, 3])  # B: hit 3
+    clock.tick()  # t=7
+    tree.match(_pages(ps, 0))  # A: touched, no hit
+    clock.tick()  # t=8
+    tree.insert(_pages(ps, 2), [4, 5])  # C: hit 2
     return tree, nodes
 
 
@@ -72,7 +73,11 @@ def _name(nodes, node):
 def test_device_eviction_order(ps, policy, clock):
     tree, nodes = _four_leaves(ps, clock)
     assert [(n.created, n.last_access, n.hit_count, n.priority) for n in nodes.values()] == [
-        (1, 7, 1, 3), (2, 6, 3, 1), (3, 8, 2, 2), (4, 4, 1, 0)]
+        (1, 7, 1, 3),
+        (2, 6, 3, 1),
+        (3, 8, 2, 2),
+        (4, 4, 1, 0),
+    ]
     heap = VictimHeap(policy, tree.evictable_device)
     order = []
     while heap:
@@ -136,8 +141,9 @@ def test_parent_becomes_victim_during_eviction(ps, clock):
 
 
 def test_keys_and_ties():
-    mk = lambda i, la, cr, hc, pr: SimpleNamespace(id=i, last_access=la, created=cr,  # noqa: E731
-                                                   hit_count=hc, priority=pr)
+    def mk(i, la, cr, hc, pr):
+        return SimpleNamespace(id=i, last_access=la, created=cr, hit_count=hc, priority=pr)
+
     a, b = mk(0, 5.0, 1.0, SLRU_PROTECTED_HITS, 0), mk(1, 5.0, 1.0, 0, 0)
     assert priority_key("slru")(a) > priority_key("slru")(b)
     assert priority_key(EvictionPolicy.LFU)(b) < priority_key("lfu")(a)
@@ -172,7 +178,7 @@ def test_eviction_order_simulates_leaves_first_eviction(ps, clock):
     clock.tick()
     tree.insert(toks[: 2 * ps], [0, 1])
     clock.tick()
-    leaf = tree.insert(toks, [0, 1, 2]).last_node          # chain: upper [0, 1], leaf [2]
+    leaf = tree.insert(toks, [0, 1, 2]).last_node  # chain: upper [0, 1], leaf [2]
     clock.tick()
     other = tree.insert(np.zeros(ps, np.int64), [3]).last_node
     upper = leaf.parent

@@ -49,14 +49,12 @@ class FakeStore:
                 del self.kv[k]
 
 
-def run_all(n: int, fn, timeout_s: float = 5.0, store: FakeStore | None = None,
-            **kw) -> list:
+def run_all(n: int, fn, timeout_s: float = 5.0, store: FakeStore | None = None, **kw) -> list:
     """``fn(group)`` on n threads, each a process of one group over a FakeStore."""
     store, out = store or FakeStore(), [None] * n
 
     def body(i: int) -> None:
-        g = DistributedGroup(timeout_s, name="t", client=store, process_id=i, num_processes=n,
-                             **kw)
+        g = DistributedGroup(timeout_s, name="t", client=store, process_id=i, num_processes=n, **kw)
         try:
             out[i] = fn(g)
         except Exception as e:
@@ -105,16 +103,27 @@ def test_a_cache_closes_the_group_it_built_not_the_callers(monkeypatch):
 @pytest.mark.parametrize("n", [2, 4])
 @pytest.mark.parametrize("transport", ["socket", "kv"])
 def test_min_leader_and_gather_over_processes(n, transport):
-    out = run_all(n, transport=transport, fn=lambda g: (g.allgather("a", str(g.process_id)),
-                                g.agree_min("m", [10 + g.process_id, 7 - g.process_id]).tolist(),
-                                g.leader("l", f"p{g.process_id}")))
+    out = run_all(
+        n,
+        transport=transport,
+        fn=lambda g: (
+            g.allgather("a", str(g.process_id)),
+            g.agree_min("m", [10 + g.process_id, 7 - g.process_id]).tolist(),
+            g.leader("l", f"p{g.process_id}"),
+        ),
+    )
     assert out == [([str(i) for i in range(n)], [10, 8 - n], "p0")] * n
 
 
 def test_agreement_keys_are_deleted_once_every_peer_read_them():
     store = FakeStore()
-    out = run_all(3, lambda g: [g.allgather("s", "x") for _ in range(7)], store=store,
-                  delete_every=3, transport="kv")
+    out = run_all(
+        3,
+        lambda g: [g.allgather("s", "x") for _ in range(7)],
+        store=store,
+        delete_every=3,
+        transport="kv",
+    )
     assert all(o == [["x"] * 3] * 7 for o in out)
     # steps 0-2 and 3-5 deleted a block at a time (at steps 3 and 6), step 6's keys kept
     assert sorted(store.kv) == ["t/2/0/6", "t/2/1/6", "t/2/2/6"]
@@ -122,9 +131,18 @@ def test_agreement_keys_are_deleted_once_every_peer_read_them():
 
 @pytest.mark.parametrize("transport", ["socket", "kv"])
 def test_a_differing_field_is_named_on_every_process(transport):
-    out = run_all(2, transport=transport, fn=lambda g: g.check_equal(
-        "config", [("page_size", "4"), ("device_pages", str(16 + g.process_id)),
-                   ("eviction", str(g.process_id))]))
+    out = run_all(
+        2,
+        transport=transport,
+        fn=lambda g: g.check_equal(
+            "config",
+            [
+                ("page_size", "4"),
+                ("device_pages", str(16 + g.process_id)),
+                ("eviction", str(g.process_id)),
+            ],
+        ),
+    )
     for e in out:
         assert isinstance(e, GroupDivergedError) and e.field == "device_pages"
         assert "process 0 has 16, process 1 has 17" in str(e)
@@ -132,8 +150,9 @@ def test_a_differing_field_is_named_on_every_process(transport):
 
 @pytest.mark.parametrize("transport", ["socket", "kv"])
 def test_different_calls_at_one_step_are_found(transport):
-    out = run_all(2, transport=transport,
-                  fn=lambda g: g.allgather("insert" if g.process_id else "evict", "x"))
+    out = run_all(
+        2, transport=transport, fn=lambda g: g.allgather("insert" if g.process_id else "evict", "x")
+    )
     assert all(isinstance(e, GroupDivergedError) and e.field == "call" for e in out)
     assert "process 0 is at 'evict', process 1 at 'insert'" in str(out[0])
 
@@ -149,6 +168,7 @@ def test_a_missing_process_is_named_within_the_timeout(transport):
             g.allgather("step", "x")
         except GroupTimeoutError as e:
             return e, time.monotonic() - t0
+
     out = run_all(3, fn, timeout_s=0.5, transport=transport)
     for e, seconds in out[:2]:
         assert e.process == 2 and "process 2 of 3 did not reach agreement step 0" in str(e)
@@ -177,6 +197,7 @@ def test_riders_go_with_the_next_agreement_whatever_it_is_for(transport):
         g.ride("clock", lambda: "late", got.append)
         g.flush()  # alone: a step of its own
         return out.tolist(), got, g.calls, g.calls_by_tag
+
     for min_, got, calls, by_tag in run_all(3, fn, transport=transport):
         assert min_ == [3] and got == [["t0", "t1", "t2"], ["o"] * 3, ["late"] * 3]
         assert calls == 2 and dict(by_tag) == {"m": 1, "riders": 1}
@@ -191,6 +212,7 @@ def test_a_peer_without_the_same_riders_made_other_calls(transport):
         if g.process_id:
             g.ride("clock", lambda: "1", lambda v: None)
         return g.allgather("transfers", "x")
+
     out = run_all(2, fn, transport=transport)
     assert all(isinstance(e, GroupDivergedError) and e.field == "call" for e in out)
     assert "'transfers+clock'" in str(out[1]) and "'transfers'" in str(out[1])
@@ -209,6 +231,7 @@ def test_agreed_clock_stamps_wait_for_no_one_and_deadlines_take_this_requests_re
         clock.sync()
         g.agree_min("transfers", [1])  # carries process 0's 300.0
         return stamp, stamped_calls, fresh, clock(), g.calls - c0
+
     for stamp, stamped_calls, fresh, after, calls in run_all(2, fn, transport=transport):
         assert 100.0 <= stamp < 100.0 + 1e-6 and stamped_calls == 0
         assert 200.0 <= fresh < 200.0 + 1e-6
@@ -217,6 +240,7 @@ def test_agreed_clock_stamps_wait_for_no_one_and_deadlines_take_this_requests_re
 
 # -- the socket transport (memory/group_socket.py) ----------------------------------------------
 
+
 def test_socket_transport_carries_any_value_in_process_order():
     big = "x" * 3_000_000  # far beyond a socket's buffer: sent while the peers' frames are read
     values = ["", "a\x1eb\x1dc", "ünï\ncode", big, "1,2,3"]
@@ -224,6 +248,7 @@ def test_socket_transport_carries_any_value_in_process_order():
     def fn(g):
         assert g.transport == "socket"
         return [g.allgather(f"s{k}", f"{v}|{g.process_id}") for k, v in enumerate(values * 4)]
+
     for got in run_all(3, fn, transport="socket"):
         assert got == [[f"{v}|{p}" for p in range(3)] for v in values * 4]
 
@@ -238,6 +263,7 @@ def test_a_closed_peer_is_named_at_once():
             g.allgather("step", "x")
         except GroupTimeoutError as e:
             return e, time.monotonic() - t0
+
     e, seconds = run_all(2, fn, timeout_s=20.0, transport="socket")[0]
     assert e.process == 1 and "process 1 of 2 did not reach agreement step 0 ('step')" in str(e)
     assert "connection" in str(e) and seconds < 5.0  # not the 20 s timeout
@@ -260,8 +286,9 @@ def test_an_unreachable_address_is_a_clear_error():
         closed = s.getsockname()[1]
     store = FakeStore()
     store.key_value_set("t/link/0", f"127.0.0.1:{closed}")  # process 0's address, gone
-    with pytest.raises(GroupConnectError,
-                       match=f"cannot connect to process 0 at 127.0.0.1:{closed}") as e:
+    with pytest.raises(
+        GroupConnectError, match=f"cannot connect to process 0 at 127.0.0.1:{closed}"
+    ) as e:
         DistributedGroup(2.0, name="t", client=store, process_id=1, num_processes=2)
     assert e.value.process == 0 and isinstance(e.value, GroupTimeoutError)
     with pytest.raises(GroupConnectError, match=r"cannot listen on 192\.0\.2\.1") as e:

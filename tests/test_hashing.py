@@ -52,8 +52,12 @@ def test_seed_names_layout_and_namespace_and_input_types_agree():
     other = KVSpec(num_layers=3, num_kv_heads=2, head_dim=8, dtype="float32", page_size=4)
     assert namespace_seed(other.fingerprint(), None) != namespace_seed(fp, None)
     toks = np.arange(8)
-    assert page_keys(SPEC, toks) == page_keys(SPEC, toks.tolist()) \
-        == page_keys(SPEC, toks.astype(np.int32)) == page_keys(SPEC, toks.astype(np.uint64))
+    assert (
+        page_keys(SPEC, toks)
+        == page_keys(SPEC, toks.tolist())
+        == page_keys(SPEC, toks.astype(np.int32))
+        == page_keys(SPEC, toks.astype(np.uint64))
+    )
     for bad in ((1, 2), 1.5, True, [1]):
         with pytest.raises(TypeError, match="extra_key"):
             namespace_tag(bad)
@@ -88,8 +92,12 @@ def test_page_hashes_are_the_xxh3_chain_of_the_int64_tokens_whatever_their_dtype
         h = xxhash.xxh3_64_intdigest(page.astype("<i8").tobytes(), seed=h)
         want.append(h)
     assert got.tolist() == want
-    for same in (pages.astype(np.int32), pages.astype(np.uint64), pages.astype(">i8"),
-                 np.asfortranarray(pages)):
+    for same in (
+        pages.astype(np.int32),
+        pages.astype(np.uint64),
+        pages.astype(">i8"),
+        np.asfortranarray(pages),
+    ):
         assert chain_hashes(seed, same).tolist() == want
     assert chain_hashes(want[0], pages[1:]).tolist() == want[1:]  # a chain resumes from a hash
     assert chain_hashes(seed, pages[:0]).shape == (0,)
@@ -98,8 +106,10 @@ def test_page_hashes_are_the_xxh3_chain_of_the_int64_tokens_whatever_their_dtype
 def test_page_hashes_are_the_same_in_every_process():
     # Pinned values: a router and other instances must compute the same ids (no fallback hash).
     assert namespace_hash(None) == 8524524440615632006
-    assert chain_hashes(namespace_hash(None), np.arange(8).reshape(2, 4)).tolist() == \
-        [15584011130774456836, 8159706860537819701]
+    assert chain_hashes(namespace_hash(None), np.arange(8).reshape(2, 4)).tolist() == [
+        15584011130774456836,
+        8159706860537819701,
+    ]
     assert namespace_hash(5) == namespace_hash(np.int64(5)) == namespace_hash(5.0)
     assert namespace_hash(("a", np.int32(2))) == namespace_hash(("a", 2)) != namespace_hash("a")
 

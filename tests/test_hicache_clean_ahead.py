@@ -16,21 +16,21 @@ def test_clean_ahead_backs_up_the_eviction_end_so_eviction_copies_nothing():
     """The reserve at the eviction end of L1 is backed up after inserts, once eviction is near;
     eviction then frees pages that already have a host copy (no copy on the allocation path)."""
     cache, kv = gated_cache("clean_ahead", device=16, host=64, clean_ahead_pages=4)
-    for i in range(3):                       # 12 of 16 pages: eviction not near, nothing copied
+    for i in range(3):  # 12 of 16 pages: eviction not near, nothing copied
         serve_kv(cache, kv, np.arange(4) + 100 * i)
     cache.flush()
     assert cache.stats()["backups"] == 0
-    serve_kv(cache, kv, np.arange(4) + 300)   # 0 free pages < reserve: the coldest 4 backed up
+    serve_kv(cache, kv, np.arange(4) + 300)  # 0 free pages < reserve: the coldest 4 backed up
     cache.flush()
     st = cache.stats()
     assert st["clean_ahead_pages"] == 4 and st["backups"] == 1
     assert node_tiers(cache)[0] == (True, True)  # the least recently used request
-    for i in range(4, 8):                    # each evicts the coldest request, already clean
+    for i in range(4, 8):  # each evicts the coldest request, already clean
         serve_kv(cache, kv, np.arange(4) + 100 * i)
         cache.flush()
     st = cache.stats()
     assert st["evicted_tokens"] == 16 and st["eviction_backup_pages"] == 0
-    assert st["deleted_tokens"] == 0         # every evicted page kept its host copy
+    assert st["deleted_tokens"] == 0  # every evicted page kept its host copy
     assert all(node_tiers(cache)[i] == (False, True) for i in range(4))
     m = cache.load_back(cache.match_prefix(np.arange(4)))
     assert m.device_len == 4
@@ -43,12 +43,12 @@ def test_clean_ahead_pass_locks_nothing_eviction_takes_its_nodes_while_the_copy_
     nothing; their host bytes are the copied ones once it lands."""
     cache, kv = gated_cache("clean_ahead", device=16, host=64, clean_ahead_pages=4)
     eng = gate(cache)
-    for i in range(4):                       # the 4th fills L1: the coldest 4 pages backed up
+    for i in range(4):  # the 4th fills L1: the coldest 4 pages backed up
         serve_kv(cache, kv, np.arange(4) + 100 * i)
     held = [h for h in eng.handles if not h.released]
     assert len(held) == 1 and cache.stats()["clean_ahead_pages"] == 4
     assert all(n.lock_ref == 0 for n in cache.tree.nodes() if n.parent is not None)
-    serve_kv(cache, kv, np.arange(4) + 400)   # evicts the coldest, still copying
+    serve_kv(cache, kv, np.arange(4) + 400)  # evicts the coldest, still copying
     st = cache.stats()
     assert st["evicted_tokens"] == 4 and st["eviction_backup_pages"] == 0
     assert node_tiers(cache)[0] == (False, True) and not held[0].released
@@ -56,8 +56,9 @@ def test_clean_ahead_pass_locks_nothing_eviction_takes_its_nodes_while_the_copy_
     cache.flush()
     check_cache(cache, kv)
     m = cache.load_back(cache.match_prefix(np.arange(4)))
-    np.testing.assert_array_equal(bits(cache.read_kv(m.device_pages)),
-                                  kv.pages(None, np.arange(4), 0, 4))
+    np.testing.assert_array_equal(
+        bits(cache.read_kv(m.device_pages)), kv.pages(None, np.arange(4), 0, 4)
+    )
 
 
 def test_clean_ahead_gives_up_hot_redundant_host_copies_before_evicted_pages():
@@ -90,8 +91,9 @@ def test_clean_ahead_cleans_a_request_that_goes_first_at_its_unlock(eviction):
     """Under strategies that evict new nodes first, the request just served is the next
     victim: the pass runs at its unlock (when its nodes are evictable), so the next request's
     eviction copies nothing."""
-    cache, kv = gated_cache("clean_ahead", device=16, host=64, clean_ahead_pages=4,
-                            eviction=eviction)
+    cache, kv = gated_cache(
+        "clean_ahead", device=16, host=64, clean_ahead_pages=4, eviction=eviction
+    )
     for i in range(10):
         serve_kv(cache, kv, np.arange(4) + 100 * i)
         cache.flush()
@@ -105,21 +107,23 @@ def test_a_failed_alloc_leaves_clean_aheads_reserve_as_it_was():
     """The reserve at unlock: twice the largest allocation that no admission announced (a
     request's own pages are cleaned by its admission pass), at most half of L1."""
     cache, kv = gated_cache("clean_ahead", device=64, host=64)
-    serve_kv(cache, kv, np.arange(16))     # through begin: announced, no reserve at unlock
+    serve_kv(cache, kv, np.arange(16))  # through begin: announced, no reserve at unlock
+
     def reserve():
         return cache.stats()["clean_ahead_reserve_pages"]
+
     assert reserve() == 0
-    new = cache.alloc_pages(4)             # not announced: the reserve follows it
+    new = cache.alloc_pages(4)  # not announced: the reserve follows it
     cache.free_pages(new)
     reserve_before = reserve()
     with pytest.raises(OutOfPagesError):
         cache.alloc_pages(1000)
-    assert reserve() == reserve_before == 2 * 4      # twice the largest allocation
-    new = cache.alloc_pages(12)            # one that succeeds: the reserve follows it
+    assert reserve() == reserve_before == 2 * 4  # twice the largest allocation
+    new = cache.alloc_pages(12)  # one that succeeds: the reserve follows it
     assert reserve() == 24
     cache.free_pages(new)
     new = cache.alloc_pages(40)
-    assert reserve() == 64 // 2               # at most half of L1
+    assert reserve() == 64 // 2  # at most half of L1
     cache.free_pages(new)
 
 
@@ -137,8 +141,9 @@ def test_clean_ahead_config():
 def test_events_of_clean_aheads_pass_at_unlock_are_sealed_by_the_unlock():
     """The pass at unlock gives up host copies (BlockRemoved): unlock seals them into its own
     batch, rather than leaving them for whatever public call comes next."""
-    cache, kv = gated_cache("clean_ahead", device=8, host=8, clean_ahead_pages=2,
-                     kv_events={"publisher": "queue"})
+    cache, kv = gated_cache(
+        "clean_ahead", device=8, host=8, clean_ahead_pages=2, kv_events={"publisher": "queue"}
+    )
     for i in list(range(12)) + [7]:
         serve_kv(cache, kv, np.arange(2) + 100 * i)
         assert not cache._events._pending
@@ -146,7 +151,6 @@ def test_events_of_clean_aheads_pass_at_unlock_are_sealed_by_the_unlock():
     assert cache.stats()["host_copies_dropped_tokens"] == 2
     router = replay(cache.take_events())
     assert router == tree_pages(cache)
-
 
 
 def _serve_primitives(cache, kv, tokens):
@@ -210,8 +214,12 @@ def test_clean_ahead_gives_up_only_the_host_pages_it_needs():
     a = np.arange(8)
 
     def host_pages_of_a():  # read without a match (a match would refresh a's access stamps)
-        return sorted(n.num_tokens for n in cache.tree.nodes()
-                      if n.parent is not None and n.key[0] < 100 and n.host_value is not None)
+        return sorted(
+            n.num_tokens
+            for n in cache.tree.nodes()
+            if n.parent is not None and n.key[0] < 100 and n.host_value is not None
+        )
+
     serve_kv(cache, kv, a)
     serve_kv(cache, kv, np.arange(8) + 100)  # admission backs up a: L2 full, a host-only
     cache.flush()
@@ -242,8 +250,9 @@ def test_prepare_checks_its_arguments_and_does_nothing_under_other_policies():
     assert {k: cache.stats()[k] for k in keys} == before and cache.tree.snapshot() == snap
     cache.prepare([cache.match_prefix(np.arange(4) + 50)], 4)  # 4 pages will be evicted
     assert cache.stats()["admission_clean_pages"] == 4  # the last 4 (the node is split)
-    assert sorted((n.num_tokens, n.backed_up) for n in cache.tree.nodes()
-                  if n.parent is not None) == [(4, False), (4, True)]
+    assert sorted(
+        (n.num_tokens, n.backed_up) for n in cache.tree.nodes() if n.parent is not None
+    ) == [(4, False), (4, True)]
     wb, kv = gated_cache("write_back", device=8, host=8)
     serve_kv(wb, kv, np.arange(8))
     wb.prepare([wb.match_prefix(np.arange(4) + 50)], 4)
@@ -252,6 +261,7 @@ def test_prepare_checks_its_arguments_and_does_nothing_under_other_policies():
 
 def test_trim_tail_refuses_what_it_cannot_split_and_changes_nothing():
     from hicache_jax import HiCacheError
+
     cache, kv = gated_cache("clean_ahead", device=8, host=8)
     serve_kv(cache, kv, np.arange(4))
     tree = cache.tree
@@ -276,10 +286,12 @@ def test_an_admission_pass_makes_host_room_once_for_all_its_backups(monkeypatch)
     backs up two nodes and makes host room for both in ONE round (not one a node); what it
     gives up and keeps is what two rounds gave up and kept."""
     from hicache_jax.cache.write_policy import CleanAhead
+
     rounds = []
     evict_host = CleanAhead.evict_host
-    monkeypatch.setattr(CleanAhead, "evict_host",
-                        lambda self, n: rounds.append(n) or evict_host(self, n))
+    monkeypatch.setattr(
+        CleanAhead, "evict_host", lambda self, n: rounds.append(n) or evict_host(self, n)
+    )
     cache, kv = gated_cache("clean_ahead", device=8, host=8)
     a = [np.arange(2) + 100 * i for i in range(4)]
     b = [np.arange(2) + 1000 + 100 * i for i in range(4)]

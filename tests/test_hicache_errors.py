@@ -30,7 +30,7 @@ def _bad_calls(cache, kv, tree_page, mine, node):
         (TypeError, lambda: cache.load_back(good, layerwise="yes")),
         (TypeError, lambda: cache.lock("node")),
         (HiCacheError, lambda: cache.lock(foreign)),
-        (HiCacheError, lambda: cache.unlock(node)),          # not locked by the caller
+        (HiCacheError, lambda: cache.unlock(node)),  # not locked by the caller
         (ValueError, lambda: cache.alloc_pages(-1)),
         (TypeError, lambda: cache.alloc_pages(2.0)),
         (TypeError, lambda: cache.alloc_pages(True)),
@@ -45,8 +45,10 @@ def _bad_calls(cache, kv, tree_page, mine, node):
         (ValueError, lambda: cache.read_kv([10_000])),
         (ValueError, lambda: cache.insert(np.arange(3 * ps), mine[:1])),
         (HiCacheError, lambda: cache.insert(np.arange(ps) + 500, [tree_page])),
-        (HiCacheError, lambda: cache.insert(np.arange(ps) + 500,
-                                            [cache.stats()["device_pages"] - 1])),
+        (
+            HiCacheError,
+            lambda: cache.insert(np.arange(ps) + 500, [cache.stats()["device_pages"] - 1]),
+        ),
         (TypeError, lambda: cache.insert(np.arange(ps), mine[:1], chunked=1)),
         (TypeError, lambda: cache.insert(np.arange(ps), mine[:1], priority=1.5)),
         (ValueError, lambda: cache.insert(np.arange(ps), mine[:1], priority=2**62 + 1)),
@@ -89,4 +91,3 @@ def test_constructor_rejects_bad_arguments():
         HiCache("spec", HiCacheConfig(device_pages=4))
     with pytest.raises(TypeError, match="HiCacheConfig"):
         HiCache(spec, {"device_pages": 4})
-

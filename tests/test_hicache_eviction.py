@@ -37,7 +37,7 @@ def test_alloc_pages_out_of_pages_counts_and_unchanged():
     assert snapshot(cache) == before
     cache.free_pages(mine)
     cache.unlock(node)
-    assert cache.alloc_pages(8).size == 8   # everything evictable again
+    assert cache.alloc_pages(8).size == 8  # everything evictable again
 
 
 def test_node_split_while_write_through_copy_in_flight():
@@ -47,20 +47,20 @@ def test_node_split_while_write_through_copy_in_flight():
     eng = gate(cache)
     t = np.arange(8)
     serve_kv(cache, kv, t)
-    serve_kv(cache, kv, t)                      # backup dispatched, held in flight
+    serve_kv(cache, kv, t)  # backup dispatched, held in flight
     assert cache.stats()["transfers_in_flight"] == 1
     assert tree_node_of(cache, t).lock_ref == 0  # a backup locks nothing
-    m = cache.match_prefix(t[:3])              # splits the node mid-copy
+    m = cache.match_prefix(t[:3])  # splits the node mid-copy
     upper = m.node._node
     lower = tree_node_of(cache, t)
     assert upper.num_tokens == 3 and upper.host_value.size == 3 and lower.parent is upper
     check_invariants(cache)
-    cache.evict(8)                             # device pages freed while the copy reads them
+    cache.evict(8)  # device pages freed while the copy reads them
     assert cache.stats()["device_cached_tokens"] == 0 and eng.handles
     eng.release()
     cache.flush()
     assert cache.stats()["host_cached_tokens"] == 8
-    check_cache(cache, kv)                           # host bytes of both halves are right
+    check_cache(cache, kv)  # host bytes of both halves are right
     m = cache.load_back(cache.match_prefix(t))
     np.testing.assert_array_equal(bits(cache.read_kv(m.device_pages)), kv.pages(None, t, 0, 8))
 
@@ -69,7 +69,7 @@ def _host_only(cache, kv, tokens):
     serve_kv(cache, kv, tokens)
     n = node_of(cache, tokens)
     cache.lock(n)
-    cache.evict(1000)            # everything else goes first
+    cache.evict(1000)  # everything else goes first
     cache.unlock(n)
     cache.evict(1000)
     m = cache.match_prefix(tokens)
@@ -85,14 +85,14 @@ def test_evict_host_reaching_node_whose_load_back_is_in_flight():
     a, b = np.arange(4), np.arange(300, 302)
     serve_kv(cache, kv, a)
     serve_kv(cache, kv, b)
-    cache.evict(1000)                          # both backed up and host-only: host is full
-    cache.flush()                              # (eviction does not wait for the copies)
+    cache.evict(1000)  # both backed up and host-only: host is full
+    cache.flush()  # (eviction does not wait for the copies)
     eng = gate(cache)
     m = cache.load_back(cache.match_prefix(a))
     loaded, hv = m.device_pages.copy(), m.node._node.host_value.copy()
     assert cache.stats()["transfers_in_flight"] == 1
-    serve_kv(cache, kv, np.arange(100, 102))    # fits
-    serve_kv(cache, kv, np.arange(200, 204))    # evict -> backup -> evict_host
+    serve_kv(cache, kv, np.arange(100, 102))  # fits
+    serve_kv(cache, kv, np.arange(200, 204))  # evict -> backup -> evict_host
     assert cache.stats()["host_evictions"] >= 1 and cache.match_prefix(b).host_len == 0
     assert m.node._node.parent is not None and np.array_equal(m.node._node.value, loaded)
     assert np.array_equal(m.node._node.host_value, hv)
@@ -110,8 +110,8 @@ def test_host_pages_released_before_async_load_finished():
     a = np.arange(4)
     m = cache.load_back(_host_only(cache, kv, a))
     hv = m.node._node.host_value.copy()
-    cache.evict(1000)                          # locked by the load: stays on device
-    cache.evict_host(1000)                     # and its host pages stay allocated
+    cache.evict(1000)  # locked by the load: stays on device
+    cache.evict_host(1000)  # and its host pages stay allocated
     assert cache.host_pool.allocator.is_allocated(hv).all()
     assert m.node._node.value is not None and np.array_equal(m.node._node.host_value, hv)
     eng.release()
@@ -123,7 +123,7 @@ def test_host_pages_released_before_async_load_finished():
 def test_evict_host_without_progress_returns():
     cache, kv = gated_cache("write_back", device=4, host=4)
     m = _host_only(cache, kv, np.arange(4))
-    cache.lock(m.node)                         # the only host node is protected
+    cache.lock(m.node)  # the only host node is protected
     assert cache.evict_host(1000) == 0
     # A backup that needs host pages: evict_host makes no progress, the backup is skipped
     # and the request still succeeds (its node is deleted instead of backed up).
@@ -158,11 +158,11 @@ def test_host_page_given_up_while_copy_into_it_in_flight_is_parked_until_it_land
     eng = gate(cache)
     t = np.arange(4)
     serve_kv(cache, kv, t)
-    assert cache.evict(4) == 4                 # backed up into all 4 host pages, in flight
+    assert cache.evict(4) == 4  # backed up into all 4 host pages, in flight
     inflight = [h.host_ids for h in eng.handles]
     assert len(inflight) == 1 and inflight[0].size == 4
     assert cache.stats()["host_cached_tokens"] == 4 and cache.stats()["device_free_pages"] == 8
-    assert cache.evict_host(4) == 4            # the node goes; its pages are parked
+    assert cache.evict_host(4) == 4  # the node goes; its pages are parked
     assert cache.host_pool.allocator.is_allocated(inflight[0]).all()
     assert cache.stats()["host_free_pages"] == 0
     check_invariants(cache)
@@ -170,7 +170,7 @@ def test_host_page_given_up_while_copy_into_it_in_flight_is_parked_until_it_land
     serve_kv(cache, kv, u)
     first = eng.handles[0]
     assert not first.released and cache.stats()["transfers_in_flight"] == 1
-    assert cache.evict(4) == 4                 # its backup needs the parked pages: waits
+    assert cache.evict(4) == 4  # its backup needs the parked pages: waits
     assert first.released
     cache.flush()
     assert np.array_equal(np.sort(tree_node_of(cache, u).host_value), np.sort(inflight[0]))
@@ -202,4 +202,3 @@ def test_unlock_of_a_node_only_a_copy_holds_is_refused():
     cache.flush()
     assert node._node.lock_ref == 0
     check_cache(cache, kv)
-

@@ -14,13 +14,13 @@ from hicache_jax import HiCacheError
 def test_request_flow_device_then_host_hit():
     cache, kv = gated_cache("write_through", device=8, host=32)
     t = np.arange(8)
-    serve_kv(cache, kv, t)          # threshold 1: backed up at the insert that creates it
+    serve_kv(cache, kv, t)  # threshold 1: backed up at the insert that creates it
     cache.flush()
     assert cache.stats()["backups"] == 1
-    serve_kv(cache, kv, t)          # a device hit: nothing more to back up
+    serve_kv(cache, kv, t)  # a device hit: nothing more to back up
     cache.flush()
     assert cache.stats()["backups"] == 1 and cache.stats()["host_cached_tokens"] == 8
-    assert cache.evict(8) == 8     # backed up: device freed, node kept on host
+    assert cache.evict(8) == 8  # backed up: device freed, node kept on host
     m = cache.match_prefix(t)
     assert (m.device_len, m.host_len) == (0, 8)
     m2 = cache.load_back(m)
@@ -39,27 +39,27 @@ def test_insert_returns_prefix_and_frees_duplicates():
     cache.write_kv(b, kv.pages(None, t, 0, 6))
     assert cache.insert(t, a) == 0
     free = cache.stats()["device_free_pages"]
-    assert cache.insert(t, b) == 6                          # b duplicates a: freed
+    assert cache.insert(t, b) == 6  # b duplicates a: freed
     assert cache.stats()["device_free_pages"] == free + 6
     assert cache.stats()["device_caller_pages"] == 0
-    assert cache.insert(t, a) == 6                          # the tree's own pages: no-op
+    assert cache.insert(t, a) == 6  # the tree's own pages: no-op
     check_cache(cache, kv)
 
 
 def test_chunked_insert_counts_no_hit():
     cache, kv = gated_cache("write_through_selective")
     t = np.arange(4)
-    serve_kv(cache, kv, t)                 # created: its first access
+    serve_kv(cache, kv, t)  # created: its first access
     m = cache.match_prefix(t)
     cache.insert(t, m.device_pages, chunked=True)
     cache.flush()
     assert cache.stats()["backups"] == 0 and m.node._node.hit_count == 1
-    u = np.arange(50, 54)                 # a chunk that creates a node: no access yet
+    u = np.arange(50, 54)  # a chunk that creates a node: no access yet
     new = cache.alloc_pages(4)
     cache.write_kv(new, kv.pages(None, u, 0, 4))
     cache.insert(u, new, chunked=True)
     assert cache.match_prefix(u).node._node.hit_count == 0
-    cache.insert(u, new)                  # the request's final insert: its first access
+    cache.insert(u, new)  # the request's final insert: its first access
     assert cache.match_prefix(u).node._node.hit_count == 1
     cache.flush()
     assert cache.stats()["backups"] == 0
@@ -74,18 +74,27 @@ def test_token_ids_held_as_int32_and_ids_beyond_refused():
     top = 2**31 - 1
     toks = np.array([top, 0, top - 1, 9], np.int64)
     serve_kv(cache, kv, toks)
-    for arg in (toks.tolist(), toks.astype(np.uint64), toks.astype(np.uint32),
-                toks.astype(np.int32)):
+    for arg in (
+        toks.tolist(),
+        toks.astype(np.uint64),
+        toks.astype(np.uint32),
+        toks.astype(np.int32),
+    ):
         assert cache.match_prefix(arg).device_len == 4
-    stored = [e for e in cache.take_events()   # the device copies (host ones land as backups do)
-              if type(e).__name__ == "BlockStored" and e.medium.value == "device"]
+    stored = [
+        e
+        for e in cache.take_events()  # the device copies (host ones land as backups do)
+        if type(e).__name__ == "BlockStored" and e.medium.value == "device"
+    ]
     assert [list(e.token_ids) for e in stored] == [[top, 0], [top - 1, 9]]
     assert all(n.key.dtype == np.int32 for n in cache.tree.nodes())
     mine = cache.alloc_pages(2)
     for bad in ([2**31, 0, 1, 2], np.array([0, 1, 2**40, 3]), np.array([2**63] * 4, np.uint64)):
         before = snapshot(cache)
-        for call in (lambda bad=bad: cache.match_prefix(bad),
-                     lambda bad=bad: cache.insert(bad, mine)):
+        for call in (
+            lambda bad=bad: cache.match_prefix(bad),
+            lambda bad=bad: cache.insert(bad, mine),
+        ):
             with pytest.raises(ValueError, match="beyond int32"):
                 call()
         assert snapshot(cache) == before
@@ -134,11 +143,10 @@ def test_check_invariants_names_the_broken_invariant():
         cache.check_invariants()
     cache, kv = gated_cache("write_through", device=8, host=8)
     serve_kv(cache, kv, np.arange(4))
-    cache.host_pool.allocator.alloc(1)                    # a host page no one holds
+    cache.host_pool.allocator.alloc(1)  # a host page no one holds
     with pytest.raises(HiCacheError, match="host page is neither free"):
         cache.check_invariants()
     cache, kv = gated_cache("write_through", device=8, host=8)
-    cache.device_pool.allocator.alloc(1)                  # a device page no one owns
+    cache.device_pool.allocator.alloc(1)  # a device page no one owns
     with pytest.raises(HiCacheError, match="device allocator disagrees"):
         cache.check_invariants()
-

@@ -32,9 +32,9 @@ def test_load_back_never_evicts_the_chains_ancestors():
     cache, kv = gated_cache("write_back", device=6, host=16)
     p, c = np.arange(4), np.arange(6)
     serve_kv(cache, kv, p)
-    serve_kv(cache, kv, c)                      # child node [4, 5] under [0..3]
-    assert cache.evict(2) == 2                 # the child: backed up, host-only
-    held = cache.alloc_pages(2)                # no free device page left
+    serve_kv(cache, kv, c)  # child node [4, 5] under [0..3]
+    assert cache.evict(2) == 2  # the child: backed up, host-only
+    held = cache.alloc_pages(2)  # no free device page left
     m = cache.match_prefix(c)
     assert (m.device_len, m.host_len) == (4, 2)
     # The only evictable device node is the chain's parent: decline instead of evicting it.
@@ -110,10 +110,10 @@ def _prefix_split_between_tiers(cache, kv):
     """[0, 8) cached and backed up, then split at 4 with the upper part on device and the lower
     part host-only; returns the match of the whole prefix (device 4, host 4)."""
     t = np.arange(8)
-    serve_kv(cache, kv, t)            # backed up at insert
+    serve_kv(cache, kv, t)  # backed up at insert
     cache.flush()
-    cache.match_prefix(t[:4])        # split at 4
-    assert cache.evict(4) == 4       # the lower half leaves the device
+    cache.match_prefix(t[:4])  # split at 4
+    assert cache.evict(4) == 4  # the lower half leaves the device
     m = cache.match_prefix(t)
     assert (m.device_len, m.host_len) == (4, 4)
     return t, m
@@ -125,15 +125,15 @@ def test_load_back_declined_for_lack_of_pages_returns_what_holds_the_prefix_now(
     returned the old Match, whose device_pages were now that other request's."""
     cache, kv = gated_cache("write_through", device=8, host=32)
     t, m = _prefix_split_between_tiers(cache, kv)
-    other = cache.alloc_pages(8)     # evicts the upper half too: every page is the other's
+    other = cache.alloc_pages(8)  # evicts the upper half too: every page is the other's
     assert set(m.device_pages.tolist()) <= set(other.tolist())
-    r = cache.load_back(m)           # needs 8 pages: none free, none evictable -> declined
+    r = cache.load_back(m)  # needs 8 pages: none free, none evictable -> declined
     assert cache.stats()["load_backs_declined"] == 1
     assert (r.device_len, r.host_len, r.device_pages.size) == (0, 8, 0)
     assert r.node == m.node
     with pytest.raises(HiCacheError, match=r"stale Match.*match_prefix"):
         cache.lock(m.node)
-    cache.lock(r.node)               # what load_back returned is current
+    cache.lock(r.node)  # what load_back returned is current
     cache.free_pages(other)
     cache.unlock(r.node)
     serve_kv(cache, kv, t)
@@ -162,7 +162,7 @@ def test_lock_of_a_stale_match_is_refused_and_changes_nothing(moved):
     with pytest.raises(HiCacheError, match="stale Match"):
         cache.lock(stale.node)
     assert snapshot(cache) == before
-    m = cache.load_back(stale)       # load_back revalidates: lock what it returns
+    m = cache.load_back(stale)  # load_back revalidates: lock what it returns
     cache.lock(m.node)
     np.testing.assert_array_equal(bits(cache.read_kv(m.device_pages)), kv.pages(None, t, 0, 4))
     cache.unlock(m.node)
@@ -178,11 +178,11 @@ def test_a_match_stays_lockable_through_unrelated_eviction_and_splits():
     serve_kv(cache, kv, b)
     m = cache.match_prefix(a)
     serve_kv(cache, kv, np.concatenate([a[:3], [7, 7]]))  # splits a's node at 3
-    serve_kv(cache, kv, a)                                # backs a up (both parts)
+    serve_kv(cache, kv, a)  # backs a up (both parts)
     cache.flush()
     assert cache.match_prefix(b).device_len == 4
     cache.lock(m.node)
-    assert cache.evict(100) > 0                          # everything but a goes
+    assert cache.evict(100) > 0  # everything but a goes
     assert cache.match_prefix(b).device_len == 0
     np.testing.assert_array_equal(bits(cache.read_kv(m.device_pages)), kv.pages(None, a, 0, 8))
     cache.unlock(m.node)
@@ -192,14 +192,14 @@ def test_a_match_stays_lockable_through_unrelated_eviction_and_splits():
 def test_load_back_of_a_match_whose_node_was_deleted_matches_its_prefix_again():
     cache, kv = gated_cache("write_through", device=8, host=32, threshold=2)
     t = np.arange(4)
-    serve_kv(cache, kv, t)            # one access: not backed up
+    serve_kv(cache, kv, t)  # one access: not backed up
     m = cache.match_prefix(t)
-    cache.evict(4)                   # deleted (no host copy)
+    cache.evict(4)  # deleted (no host copy)
     with pytest.raises(HiCacheError, match="not in this cache"):
         cache.lock(m.node)
     r = cache.load_back(m)
     assert (r.device_len, r.host_len) == (0, 0)
-    serve_kv(cache, kv, t)            # computed again by another request
+    serve_kv(cache, kv, t)  # computed again by another request
     r = cache.load_back(m)
     assert r.device_len == 4
     cache.lock(r.node)
@@ -219,6 +219,7 @@ def test_load_back_whose_dispatch_fails_leaves_the_cache_unchanged():
 
     def failing(*args, **kw):
         raise RuntimeError("RESOURCE_EXHAUSTED: simulated runtime failure")
+
     engine.load = failing
     with pytest.raises(RuntimeError, match="RESOURCE_EXHAUSTED"):
         cache.load_back(m)
@@ -226,4 +227,3 @@ def test_load_back_whose_dispatch_fails_leaves_the_cache_unchanged():
     assert snapshot(cache) == before and m.node._node.lock_ref == 0
     check_cache(cache, kv)
     assert cache.load_back(m).device_len == 4
-

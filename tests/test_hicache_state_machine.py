@@ -56,6 +56,7 @@ LONG = os.environ.get("HICACHE_HYPOTHESIS_PROFILE") == "long"
 
 # ----------------------------------------------------------------------------- helpers
 
+
 def _foreign_ref(page_size: int) -> NodeRef:
     """A Match.node handle of another cache's tree."""
     root = RadixTree(page_size).root
@@ -80,6 +81,7 @@ def current_device_pages(cache: HiCache, tokens, extra_key) -> np.ndarray:
 
 # ----------------------------------------------------------------------------- the machine
 
+
 def _tokens(page_size: int, seed) -> tuple[np.ndarray, object]:
     """One request of a multi-turn workload: a prefix of one of 3 conversations (per namespace),
     sometimes diverging inside a page, plus a partial page; numpy-random from ``seed`` so every
@@ -93,7 +95,7 @@ def _tokens(page_size: int, seed) -> tuple[np.ndarray, object]:
     n = int(rng.integers(1, max_pages + 1)) * page_size
     toks = toks[:n].copy()
     if rng.random() < 0.25:  # diverge at a random token (inside a page when page_size > 1)
-        toks[int(rng.integers(0, n)):] += 500
+        toks[int(rng.integers(0, n)) :] += 500
     tail = np.arange(int(rng.integers(0, page_size)), dtype=np.int64) + 7
     return np.concatenate([toks, tail]), extra_key
 
@@ -119,14 +121,18 @@ class HiCacheMachine(RuleBasedStateMachine):
         host_kind = ("small", "equal")[variant % 2]
         layerwise = variant % 3 == 0
         ps = self.page_size
-        self.spec = KVSpec(num_layers=2, num_kv_heads=2, head_dim=4, dtype="bfloat16",
-                           page_size=ps)
+        self.spec = KVSpec(num_layers=2, num_kv_heads=2, head_dim=4, dtype="bfloat16", page_size=ps)
         device = 16 if ps == 1 else 12
         host = {"small": device // 4, "equal": device}[host_kind]
         self.clock = 0.0
-        cfg = HiCacheConfig(device_pages=device, host_pages=host,
-                            write_policy=self.write_policy, eviction=self.eviction,
-                            load_back_threshold=ps, kv_events={"publisher": "queue"})
+        cfg = HiCacheConfig(
+            device_pages=device,
+            host_pages=host,
+            write_policy=self.write_policy,
+            eviction=self.eviction,
+            load_back_threshold=ps,
+            kv_events={"publisher": "queue"},
+        )
         self.cache = HiCache(self.spec, cfg, clock=self._now, transfer_engine=GatedEngine)
         self.engine = gate(self.cache)
         self.kv = KVModel(self.spec)
@@ -141,8 +147,9 @@ class HiCacheMachine(RuleBasedStateMachine):
 
     # -- requests --------------------------------------------------------------------------
 
-    @rule(reqs=st.lists(st.tuples(st.integers(0, 2**32 - 1), st.booleans()), min_size=1,
-                        max_size=6))
+    @rule(
+        reqs=st.lists(st.tuples(st.integers(0, 2**32 - 1), st.booleans()), min_size=1, max_size=6)
+    )
     def serve(self, reqs):
         """A batch of whole requests, all started then all finished: the bulk of the traffic.
 
@@ -153,14 +160,16 @@ class HiCacheMachine(RuleBasedStateMachine):
             self.finish_request(len(self.open) - started, chunk=False, priority=0)
             started -= 1
 
-    @rule(reqs=st.lists(st.tuples(st.integers(0, 2**32 - 1), st.booleans()), min_size=1,
-                        max_size=6))
+    @rule(
+        reqs=st.lists(st.tuples(st.integers(0, 2**32 - 1), st.booleans()), min_size=1, max_size=6)
+    )
     def serve_more(self, reqs):
         """Same as serve: a second rule doubles the share of steps that carry traffic."""
         self.serve(reqs)
 
-    @rule(reqs=st.lists(st.tuples(st.integers(0, 2**32 - 1), st.booleans()), min_size=2,
-                        max_size=6))
+    @rule(
+        reqs=st.lists(st.tuples(st.integers(0, 2**32 - 1), st.booleans()), min_size=2, max_size=6)
+    )
     def serve_batched(self, reqs):
         """A scheduler's batch (SGLang's pattern): match every request first, then serve them
         one by one, locks held until the whole batch is inserted. Earlier requests' alloc_pages
@@ -179,8 +188,10 @@ class HiCacheMachine(RuleBasedStateMachine):
                 if m.load_handle is not None:
                     for layer in range(self.spec.num_layers):
                         m.load_handle.wait_layer(layer)
-            valid = np.array_equal(current_device_pages(cache, tokens, extra_key)[
-                :m.device_pages.size], m.device_pages)
+            valid = np.array_equal(
+                current_device_pages(cache, tokens, extra_key)[: m.device_pages.size],
+                m.device_pages,
+            )
             if load:
                 assert valid, "load_back returned a Match that does not describe the cache"
             try:
@@ -203,8 +214,9 @@ class HiCacheMachine(RuleBasedStateMachine):
         out of pages."""
         cache, ps = self.cache, self.page_size
         npre = m.device_pages.size
-        np.testing.assert_array_equal(bits(cache.read_kv(m.device_pages)),
-                                      self.kv.pages(extra_key, tokens, 0, npre))
+        np.testing.assert_array_equal(
+            bits(cache.read_kv(m.device_pages)), self.kv.pages(extra_key, tokens, 0, npre)
+        )
         n_new = tokens.shape[0] // ps - npre
         try:
             new = cache.alloc_pages(n_new)
@@ -213,8 +225,15 @@ class HiCacheMachine(RuleBasedStateMachine):
             cache.unlock(m.node)
             return False
         cache.write_kv(new, self.kv.pages(extra_key, tokens, npre, npre + n_new))
-        self.open.append(dict(tokens=tokens, extra_key=extra_key, node=m.node,
-                              pages=np.concatenate([m.device_pages, new]), new=new))
+        self.open.append(
+            dict(
+                tokens=tokens,
+                extra_key=extra_key,
+                node=m.node,
+                pages=np.concatenate([m.device_pages, new]),
+                new=new,
+            )
+        )
         return True
 
     @precondition(lambda self: len(self.open) < 3)
@@ -251,11 +270,16 @@ class HiCacheMachine(RuleBasedStateMachine):
         npages = r["pages"].size
         if chunk and npages >= 2:  # a chunked prefill inserts its first half first
             half = npages // 2
-            cache.insert(r["tokens"][:half * ps], r["pages"][:half], r["extra_key"],
-                         chunked=True, priority=priority)
+            cache.insert(
+                r["tokens"][: half * ps],
+                r["pages"][:half],
+                r["extra_key"],
+                chunked=True,
+                priority=priority,
+            )
             # As a scheduler does after caching a chunk: continue with the tree's pages (ours
             # were freed where another request had inserted the same prefix first).
-            m = cache.match_prefix(r["tokens"][:half * ps], r["extra_key"])
+            m = cache.match_prefix(r["tokens"][: half * ps], r["extra_key"])
             assert m.device_len == half * ps
             r["pages"] = np.concatenate([m.device_pages, r["pages"][half:]])
         before = cache.stats()["device_caller_pages"]
@@ -289,9 +313,11 @@ class HiCacheMachine(RuleBasedStateMachine):
         assert cache.stats()["device_cached_tokens"] == before - freed
         if freed < tokens:  # stopped early: nothing left it could take
             for node in cache.tree.evictable_device:
-                assert self.write_policy in ("write_back", "clean_ahead") \
-                    and not node.backed_up \
-                    and node.children, f"evict stopped with {node!r} still evictable"
+                assert (
+                    self.write_policy in ("write_back", "clean_ahead")
+                    and not node.backed_up
+                    and node.children
+                ), f"evict stopped with {node!r} still evictable"
 
     @rule(k=st.integers(0, 4))
     def transfers(self, k):
@@ -361,8 +387,15 @@ class HiCacheMachine(RuleBasedStateMachine):
 
 #: What the runs must have exercised (summed over one test's examples), so a change that makes
 #: the machine stop evicting or loading back fails instead of passing vacuously.
-COVERED = ("evictions", "host_evictions", "backups", "load_backs", "duplicate_pages_freed",
-           "clean_ahead_pages", "host_copies_dropped_tokens")
+COVERED = (
+    "evictions",
+    "host_evictions",
+    "backups",
+    "load_backs",
+    "duplicate_pages_freed",
+    "clean_ahead_pages",
+    "host_copies_dropped_tokens",
+)
 CLEAN_AHEAD_ONLY = ("clean_ahead_pages", "host_copies_dropped_tokens")
 COVERAGE: collections.Counter = collections.Counter()
 #: Stale matches lock refused, over the whole parametrised run (see test_stale_matches_were_met).
@@ -376,15 +409,19 @@ EVICTIONS = ["lru", "lfu", "slru"]
 @pytest.mark.parametrize("eviction", EVICTIONS)
 @pytest.mark.parametrize("write_policy", POLICIES)
 def test_hicache_state_machine(write_policy, eviction, page_size):
-    machine = type(f"HiCache_{write_policy}_{eviction}_{page_size}", (HiCacheMachine,),
-                   dict(write_policy=write_policy, eviction=eviction, page_size=page_size))
+    machine = type(
+        f"HiCache_{write_policy}_{eviction}_{page_size}",
+        (HiCacheMachine,),
+        dict(write_policy=write_policy, eviction=eviction, page_size=page_size),
+    )
     if LONG:
         cfg = settings(max_examples=200, stateful_step_count=60)
     else:
         cfg = settings(max_examples=8, stateful_step_count=40)
     if os.environ.get("HICACHE_NO_SHRINK"):
-        cfg = settings(cfg, phases=[Phase.explicit, Phase.reuse, Phase.generate],
-                       report_multiple_bugs=False)
+        cfg = settings(
+            cfg, phases=[Phase.explicit, Phase.reuse, Phase.generate], report_multiple_bugs=False
+        )
     COVERAGE.clear()
     run_state_machine_as_test(machine, settings=cfg)
     assert COVERAGE["steps"] >= 100, COVERAGE

@@ -31,8 +31,9 @@ from storage_servers import free_port, mooncake_skip_reason, running_mooncake
 
 HELPER = os.path.join(os.path.dirname(__file__), "l3_instance.py")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-needs_mooncake = pytest.mark.skipif(mooncake_skip_reason() is not None,
-                                    reason=str(mooncake_skip_reason()))
+needs_mooncake = pytest.mark.skipif(
+    mooncake_skip_reason() is not None, reason=str(mooncake_skip_reason())
+)
 
 
 def check_host_prefix(cache):
@@ -55,17 +56,24 @@ def test_round_trip_through_l3_with_sharded_pools(url, host_layout):
 
     spec = KVSpec(num_layers=2, num_kv_heads=4, head_dim=8, dtype="float32", page_size=PS)
     mesh = Mesh(np.array(jax.devices()[:4]), ("tp",))
-    cfg = dict(device_pages=32, host_pages=64, storage=url, write_through_threshold=1,
-               load_back_threshold=PS, mesh=mesh, host_layout=host_layout)
+    cfg = dict(
+        device_pages=32,
+        host_pages=64,
+        storage=url,
+        write_through_threshold=1,
+        load_back_threshold=PS,
+        mesh=mesh,
+        host_layout=host_layout,
+    )
     a, b, h, toks, kv = write_then_prefetch(spec, cfg, 6, seed=11)
     assert h.pages_found == 6
     h.wait()
     m = b.load_back(b.match_prefix(toks))
     assert m.device_len == 6 * PS
-    np.testing.assert_array_equal(np.asarray(b.read_kv(m.device_pages)).view(np.uint32),
-                                  kv.view(np.uint32))
+    np.testing.assert_array_equal(
+        np.asarray(b.read_kv(m.device_pages)).view(np.uint32), kv.view(np.uint32)
+    )
     a.close(), b.close()
-
 
 
 @pytest.mark.parametrize("host_layout", ["layer_first", "page_first"])
@@ -92,17 +100,17 @@ def test_round_trip_through_l3_bit_exact(url, host_layout):
 def test_prefetch_only_fetches_beyond_l1_l2_and_stops_at_first_miss(url):
     a, b = make(url), make(url, prefetch_policy="wait_complete")
     toks, kv = tokens_kv(1, 10)
-    compute(a, toks[:6 * PS], kv[:, :, :6])  # L3 holds pages 0..5
+    compute(a, toks[: 6 * PS], kv[:, :, :6])  # L3 holds pages 0..5
     a.flush()
-    compute(b, toks[:2 * PS], kv[:, :, :2])   # b holds pages 0..1 itself
+    compute(b, toks[: 2 * PS], kv[:, :, :2])  # b holds pages 0..1 itself
     b.flush()
-    h = b.prefetch(toks)                      # pages 2..5 from L3, 6..9 nowhere
+    h = b.prefetch(toks)  # pages 2..5 from L3, 6..9 nowhere
     assert h.pages_found == 4 and h.start == 2 * PS
     assert h.wait() == 4
     host, dev, got = read_prefix(b, toks)
     assert host == 4 * PS and dev == 6 * PS
     np.testing.assert_array_equal(got, bits32(kv[:, :, :6]))
-    assert b.prefetch(np.concatenate([toks[:2 * PS], toks[2 * PS:] + 1])) is None
+    assert b.prefetch(np.concatenate([toks[: 2 * PS], toks[2 * PS :] + 1])) is None
     a.close(), b.close()
 
 
@@ -154,6 +162,7 @@ def test_bad_input_raises_before_any_change(url, tmp_path):
 
 # -- policies ----------------------------------------------------------------------------------
 
+
 def _slow_gets(cache, seconds):
     """Make every sub-batch of the backend's reads take ``seconds`` (one page per sub-batch)."""
     backend = cache.l3.backend
@@ -162,6 +171,7 @@ def _slow_gets(cache, seconds):
     def slow(keys, ids):
         time.sleep(seconds)
         return inner(keys, ids)
+
     backend._get = slow
 
 
@@ -175,6 +185,7 @@ def _gated_gets(cache, limit_s=5.0):
     def gated(keys, ids):
         gate.wait(limit_s)
         return inner(keys, ids)
+
     backend._get = gated
     return gate
 
@@ -198,6 +209,7 @@ def _counted_gets(cache, limit_s=5.0):
         if not permits.acquire(timeout=limit_s):
             return np.zeros(len(keys), bool)
         return inner(keys, ids)
+
     backend._get = counted
     return permits
 
@@ -266,7 +278,7 @@ def test_prefetch_of_a_prompt_that_diverges_is_its_own(url):
     """A prompt sharing only its first pages with a prefetch in flight gets its own prefetch."""
     p, pkv = tokens_kv(1, 6)
     q, qkv = p.copy(), pkv.copy()
-    q[3 * PS:] = np.arange(3 * PS) + 60_000  # shares pages 0..2 with p
+    q[3 * PS :] = np.arange(3 * PS) + 60_000  # shares pages 0..2 with p
     qkv[:, :, 3:] += 1
     a = make(url)
     compute(a, p, pkv)
@@ -275,7 +287,7 @@ def test_prefetch_of_a_prompt_that_diverges_is_its_own(url):
     b = make(url, prefetch_policy="wait_complete")
     gate = _gated_gets(b)
     h1 = b.prefetch(p)
-    assert b.prefetch(p[:4 * PS]) is h1  # a prefix of the one in flight: that prefetch
+    assert b.prefetch(p[: 4 * PS]) is h1  # a prefix of the one in flight: that prefetch
     h2 = b.prefetch(q)
     assert h2 is not h1 and h2.pages_found == 6
     gate.set()
@@ -293,10 +305,10 @@ def test_longer_prompt_gets_the_rest_beyond_a_shorter_prefetch_in_flight(url):
     toks, kv = _seed_store(url, 15, 6)
     b = make(url, prefetch_policy="wait_complete")
     gate = _gated_gets(b)
-    h1 = b.prefetch(toks[:2 * PS])  # ends with its prompt: L3 holds more
+    h1 = b.prefetch(toks[: 2 * PS])  # ends with its prompt: L3 holds more
     h2 = b.prefetch(toks)
     assert h2 is not h1 and (h2.start, h2.pages_found) == (2 * PS, 4)  # the rest only
-    assert b.prefetch(toks[:4 * PS]) is h2 and b.prefetch(toks[:2 * PS]) is h1
+    assert b.prefetch(toks[: 4 * PS]) is h2 and b.prefetch(toks[: 2 * PS]) is h1
     gate.set()
     host, dev, got = read_prefix(b, toks)
     assert host == dev == 6 * PS
@@ -316,11 +328,11 @@ def test_prefetch_stopped_by_l3_is_shared_only_by_prompts_l3_stops_for_too(url):
     page; a prompt that goes on differently, with pages L3 holds, gets the rest of its own."""
     p, pkv = tokens_kv(16, 6)
     q, qkv = p.copy(), pkv.copy()
-    q[3 * PS:] += 1  # shares pages 0..2 with p
+    q[3 * PS :] += 1  # shares pages 0..2 with p
     qkv[:, :, 3:] += 1
     a = make(url)
-    compute(a, p[:3 * PS], pkv[:, :, :3])  # L3: p's pages 0..2 ...
-    compute(a, q, qkv)                      # ... and all of q
+    compute(a, p[: 3 * PS], pkv[:, :, :3])  # L3: p's pages 0..2 ...
+    compute(a, q, qkv)  # ... and all of q
     a.close()
     b = make(url, prefetch_policy="wait_complete")
     gate = _gated_gets(b)
@@ -346,7 +358,7 @@ def test_chained_prefetch_gives_up_when_the_one_before_comes_up_short(url):
     toks, _kv = _seed_store(url, 18, 6)
     b = make(url + "?batch_pages=1", prefetch_policy="best_effort")
     permits = _counted_gets(b, limit_s=0.5)
-    h1 = b.prefetch(toks[:2 * PS])
+    h1 = b.prefetch(toks[: 2 * PS])
     h2 = b.prefetch(toks)
     assert h2.start == 2 * PS
     permits.release(1)  # h1's first page; its second times out (a miss), then h2's pages
@@ -369,24 +381,33 @@ def test_fetch_starts_at_the_deepest_backed_up_node_and_backs_up_device_nodes(ur
     from hicache_jax import BlockStored, Medium
 
     toks, kv = _seed_store(url, 17, 6)
-    b = make(url, write_policy=policy, write_through_threshold=8,
-             storage_write_policy="write_through_selective", prefetch_policy="wait_complete",
-             kv_events={"publisher": "queue"})
-    with b.begin(toks[:2 * PS]) as req:  # on device, not backed up (threshold 8)
+    b = make(
+        url,
+        write_policy=policy,
+        write_through_threshold=8,
+        storage_write_policy="write_through_selective",
+        prefetch_policy="wait_complete",
+        kv_events={"publisher": "queue"},
+    )
+    with b.begin(toks[: 2 * PS]) as req:  # on device, not backed up (threshold 8)
         b.write_kv(req.extend(2 * PS), kv[:, :, :2])
-        req.finish(toks[:2 * PS])
+        req.finish(toks[: 2 * PS])
     b.take_events()
     h = b.prefetch(toks)
     assert (h.start, h.pages_found) == (0, 6)  # from the root: the device pages too
     m = b.match_prefix(toks)
     assert (m.device_len, m.host_len) == (2 * PS, 4 * PS)
     check_host_prefix(b)
-    dev_node = b.tree.match(toks[:2 * PS]).node
+    dev_node = b.tree.match(toks[: 2 * PS]).node
     assert dev_node.value is not None and dev_node.host_value is not None
-    np.testing.assert_array_equal(bits32(np.asarray(b.host_pool.read(dev_node.host_value))),
-                                  bits32(kv[:, :, :2]))
-    host_events = [e.block_hash for e in b.take_events()
-                   if isinstance(e, BlockStored) and e.medium is Medium.HOST]
+    np.testing.assert_array_equal(
+        bits32(np.asarray(b.host_pool.read(dev_node.host_value))), bits32(kv[:, :, :2])
+    )
+    host_events = [
+        e.block_hash
+        for e in b.take_events()
+        if isinstance(e, BlockStored) and e.medium is Medium.HOST
+    ]
     assert host_events == chain_hashes(namespace_hash(None), toks.reshape(-1, PS)).tolist()
     s = l3(b)
     assert (s["l3_prefetch_backfill_pages"], s["l3_prefetch_hit_pages"]) == (2, 4)
@@ -404,9 +425,9 @@ def test_write_back_fetch_starts_where_l1_l2_end(url):
     """write_back needs no continuous host prefix: positions on device are not fetched."""
     toks, kv = _seed_store(url, 19, 6)
     b = make(url, write_policy="write_back", prefetch_policy="wait_complete")
-    with b.begin(toks[:2 * PS]) as req:
+    with b.begin(toks[: 2 * PS]) as req:
         b.write_kv(req.extend(2 * PS), kv[:, :, :2])
-        req.finish(toks[:2 * PS])
+        req.finish(toks[: 2 * PS])
     h = b.prefetch(toks)
     assert (h.start, h.pages_found) == (2 * PS, 4)
     host, dev, got = read_prefix(b, toks)
@@ -425,6 +446,7 @@ def test_prefixes_whose_tree_hashes_collide_keep_their_own_l3_entries(url, monke
 
     def by_position(prev, pages):  # a tree hash that ignores the tokens
         return np.array([(prev + i + 1) % 2**64 for i in range(len(pages))], np.uint64)
+
     monkeypatch.setattr(hicache_jax.tree.radix, "chain_hashes", by_position)
     monkeypatch.setattr(hicache_jax.tree.node, "chain_hashes", by_position)  # computed there
     monkeypatch.setattr(hicache_jax.l3.tier, "chain_hashes", by_position, raising=False)
@@ -433,8 +455,9 @@ def test_prefixes_whose_tree_hashes_collide_keep_their_own_l3_entries(url, monke
     a = make(url)
     compute(a, p, pkv)
     compute(a, q, qkv)
-    assert [n.page_hashes.tolist() for n in a.tree.root.children.values()] == \
-        [by_position(namespace_hash(None), np.zeros((4, PS))).tolist()] * 2
+    assert [n.page_hashes.tolist() for n in a.tree.root.children.values()] == [
+        by_position(namespace_hash(None), np.zeros((4, PS))).tolist()
+    ] * 2
     a.close()
     b = make(url, prefetch_policy="wait_complete")
     for toks, kv in ((q, qkv), (p, pkv)):
@@ -495,15 +518,16 @@ def test_prefetch_landing_inside_load_back_does_not_split_its_chain(url):
     b = make(url, device_pages=8, host_pages=32, write_policy="write_back")
     pages = b.alloc_pages(2)
     b.write_kv(pages, pkv[:, :, :2])
-    b.insert(p[:2 * PS], pages)  # N = p[0:2], device only
+    b.insert(p[: 2 * PS], pages)  # N = p[0:2], device only
     backend, inner, gate = b.l3.backend, b.l3.backend._get, threading.Event()
 
     def gated(keys, ids):
         gate.wait(10)
         return inner(keys, ids)
+
     backend._get = gated
     h = b.prefetch(p)  # pages 2..5 of p, held at the gate
-    q = np.concatenate([p[:4 * PS], np.full(PS, 7)])
+    q = np.concatenate([p[: 4 * PS], np.full(PS, 7)])
     qkv = np.concatenate([pkv[:, :, :4], np.zeros(SPEC.kv_shape(1), np.float32)], axis=2)
     m = b.match_prefix(q)
     new = b.alloc_pages(3)
@@ -521,6 +545,7 @@ def test_prefetch_landing_inside_load_back_does_not_split_its_chain(url):
         gate.set()
         h._get.wait()
         return backup(*args, **kw)
+
     engine.backup = backup_then_land
     m = b.match_prefix(q)
     assert m.host_len == 3 * PS
@@ -531,8 +556,10 @@ def test_prefetch_landing_inside_load_back_does_not_split_its_chain(url):
     b.check_invariants()
     assert m.node._node.lock_ref == 0
     m3 = b.load_back(b.match_prefix(q))
-    np.testing.assert_array_equal(np.asarray(b.read_kv(m3.device_pages)).view(np.uint32),
-                                  bits32(qkv[:, :, :m3.device_len // PS]))
+    np.testing.assert_array_equal(
+        np.asarray(b.read_kv(m3.device_pages)).view(np.uint32),
+        bits32(qkv[:, :, : m3.device_len // PS]),
+    )
     assert m3.device_len == 5 * PS
     b.close()
 
@@ -593,6 +620,7 @@ def test_numpy_and_python_extra_keys_share_l3_entries(url):
 
 # -- faults ------------------------------------------------------------------------------------
 
+
 def test_unreachable_store_at_start_names_the_address_or_runs_without(tmp_path):
     blocker = tmp_path / "not_a_dir"
     blocker.write_text("x")
@@ -644,8 +672,7 @@ def test_corrupted_entry_is_a_miss_and_the_rest_is_recomputed(url, tmp_path):
 def test_host_pool_full_during_prefetch_evicts_host_pages_not_loading_ones(url):
     toks, kv = _seed_store(url, 9, 6)
     other, okv = tokens_kv(10, 6)
-    b = make(url + "?batch_pages=1", device_pages=16, host_pages=8,
-             prefetch_policy="best_effort")
+    b = make(url + "?batch_pages=1", device_pages=16, host_pages=8, prefetch_policy="best_effort")
     compute(b, other, okv)  # 6 host pages held by `other`, evictable once off device
     b.flush()
     b.evict(10**6)
@@ -687,7 +714,7 @@ def test_mooncake_round_trip_and_holder_killed_mid_run():
         compute(a, toks2, kv2)  # its write-through to L3 fails: dropped, counted
         a.flush()
         c = make(servers.url, prefetch_policy="wait_complete")
-        h = c.prefetch(toks)   # gets become misses: recompute
+        h = c.prefetch(toks)  # gets become misses: recompute
         assert h is not None and h.wait(30) == 0  # found in L3, then every get fails
         assert c.match_prefix(toks).host_len == 0
         c.flush()
@@ -705,11 +732,21 @@ def test_mooncake_round_trip_and_holder_killed_mid_run():
 
 # -- cross-instance reuse: two processes -------------------------------------------------------
 
+
 def _run_instance(url, role, seed, npages):
-    out = subprocess.run([sys.executable, HELPER, url, role, str(seed), str(npages)],
-                         capture_output=True, text=True, timeout=120,
-                         env={**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": os.pathsep.join(
-                             [ROOT, os.path.dirname(HELPER), os.environ.get("PYTHONPATH", "")])})
+    out = subprocess.run(
+        [sys.executable, HELPER, url, role, str(seed), str(npages)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={
+            **os.environ,
+            "JAX_PLATFORMS": "cpu",
+            "PYTHONPATH": os.pathsep.join(
+                [ROOT, os.path.dirname(HELPER), os.environ.get("PYTHONPATH", "")]
+            ),
+        },
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -734,22 +771,29 @@ def test_cross_instance_reuse_two_processes_mooncake():
 
 # -- the reference engine ----------------------------------------------------------------------
 
+
 def test_engine_outputs_identical_with_prefix_from_l3(url):
     from hicache_jax.engine.engine import Engine
     from hicache_jax.engine.model import DecoderModel
     from hicache_jax.engine.weights import ModelConfig
 
-    cfg = ModelConfig(vocab_size=97, num_layers=2, d_model=32, num_heads=4, num_kv_heads=2,
-                      head_dim=8, ffn_dim=48)
+    cfg = ModelConfig(
+        vocab_size=97, num_layers=2, d_model=32, num_heads=4, num_kv_heads=2, head_dim=8, ffn_dim=48
+    )
     model = DecoderModel(cfg, seed=3)
     spec = model.kv_spec(16)
     buckets = dict(chunk_size=64, prefill_bucket=64, table_bucket=32, layerwise=False)
     prompt = np.random.default_rng(0).integers(1, 97, 40).astype(np.int32)
 
     def engine(storage, mode="hicache"):
-        c = HiCacheConfig(device_pages=64, host_pages=0 if mode == "none" else 256,
-                          storage=storage, write_through_threshold=1, load_back_threshold=1,
-                          prefetch_policy="wait_complete")
+        c = HiCacheConfig(
+            device_pages=64,
+            host_pages=0 if mode == "none" else 256,
+            storage=storage,
+            write_through_threshold=1,
+            load_back_threshold=1,
+            prefetch_policy="wait_complete",
+        )
         return Engine(model, HiCache(spec, c), mode=mode, **buckets)
 
     ref = engine(None, "none").generate([prompt], 4)[0]
@@ -767,14 +811,28 @@ def test_engine_outputs_identical_with_prefix_from_l3(url):
 
     # Engine(prefetch=True) prefetches each prompt itself, inside the request's TTFT (the L3
     # lookup is a round trip to the store: the bench's hicache+L3 TTFT left it out).
-    third = Engine(model, HiCache(spec, HiCacheConfig(
-        device_pages=64, host_pages=256, storage=url, load_back_threshold=1,
-        prefetch_policy="wait_complete")), mode="hicache", prefetch=True, **buckets)
+    third = Engine(
+        model,
+        HiCache(
+            spec,
+            HiCacheConfig(
+                device_pages=64,
+                host_pages=256,
+                storage=url,
+                load_back_threshold=1,
+                prefetch_policy="wait_complete",
+            ),
+        ),
+        mode="hicache",
+        prefetch=True,
+        **buckets,
+    )
     exists = third.cache.l3.backend.exists
 
     def slow_exists(keys):
         time.sleep(0.2)
         return exists(keys)
+
     third.cache.l3.backend.exists = slow_exists
     gen = third.generate([prompt], 4)[0]
     assert gen.record.host_hit_tokens == 32 and gen.record.ttft_s >= 0.2
@@ -787,14 +845,44 @@ def test_engine_outputs_identical_with_prefix_from_l3(url):
 def test_bench_cli_storage_adds_an_l3_run(tmp_path, capsys):
     from hicache_jax.cli.main import main
 
-    tiny = ["--quiet", "--no-warmup", "--layers", "2", "--d-model", "32", "--heads", "4",
-            "--kv-heads", "2", "--head-dim", "8", "--ffn-dim", "48", "--vocab", "97",
-            "--sessions", "3", "--turns", "3", "--base-tokens", "40", "--segment-tokens", "8",
-            "--max-new-tokens", "3", "--page-size", "16", "--device-pages", "8",
-            "--host-ratio", "0.5", "--chunk-size", "64"]
+    tiny = [
+        "--quiet",
+        "--no-warmup",
+        "--layers",
+        "2",
+        "--d-model",
+        "32",
+        "--heads",
+        "4",
+        "--kv-heads",
+        "2",
+        "--head-dim",
+        "8",
+        "--ffn-dim",
+        "48",
+        "--vocab",
+        "97",
+        "--sessions",
+        "3",
+        "--turns",
+        "3",
+        "--base-tokens",
+        "40",
+        "--segment-tokens",
+        "8",
+        "--max-new-tokens",
+        "3",
+        "--page-size",
+        "16",
+        "--device-pages",
+        "8",
+        "--host-ratio",
+        "0.5",
+        "--chunk-size",
+        "64",
+    ]
     path = tmp_path / "bench.json"
-    assert main(["bench", *tiny, "--storage", f"file://{tmp_path}/l3",
-                     "--json", str(path)]) == 0
+    assert main(["bench", *tiny, "--storage", f"file://{tmp_path}/l3", "--json", str(path)]) == 0
     out = capsys.readouterr().out
     assert "outputs identical across configurations: yes" in out
     assert "L3 fetched pg" in out and "L3 stored pg" in out and "L2 hit (incl. L3)" in out
@@ -809,16 +897,21 @@ def test_bench_cli_storage_adds_an_l3_run(tmp_path, capsys):
 
 # -- randomized: bytes read back always equal bytes written, whichever tier served them ----------
 
+
 def _page_kv(spec, toks, i):
     """The KV this test 'computes' for page i of ``toks``: a function of the prefix up to it."""
-    seed = hash(tuple(int(t) for t in toks[:(i + 1) * spec.page_size])) % 2**32
+    seed = hash(tuple(int(t) for t in toks[: (i + 1) * spec.page_size])) % 2**32
     return np.random.default_rng(seed).standard_normal(spec.kv_shape(1)).astype(np.float32)
 
 
-@pytest.mark.parametrize("policy,storage_policy,prefetch_policy", [
-    ("write_through", "write_through", "best_effort"),
-    ("write_back", "write_back", "wait_complete"),
-    ("write_through_selective", "write_through_selective", "timeout")])
+@pytest.mark.parametrize(
+    "policy,storage_policy,prefetch_policy",
+    [
+        ("write_through", "write_through", "best_effort"),
+        ("write_back", "write_back", "wait_complete"),
+        ("write_through_selective", "write_through_selective", "timeout"),
+    ],
+)
 def test_random_requests_read_back_what_was_written(url, policy, storage_policy, prefetch_policy):
     """Two instances take turns serving requests that share prefixes, with pools far too small,
     so pages move L1 -> L2 -> L3 and back (prefetches landing while backups and puts are in
@@ -835,17 +928,28 @@ def test_random_requests_read_back_what_was_written_mooncake():
 def serve_random_requests(url, policy, storage_policy, prefetch_policy):
     rng = np.random.default_rng(5)
     prefixes = [rng.integers(0, 1000, rng.integers(1, 4) * PS) for _ in range(4)]
-    caches = [make(url, device_pages=12, host_pages=16, write_policy=policy,
-                   storage_write_policy=storage_policy, prefetch_policy=prefetch_policy,
-                   prefetch_timeout_s=0.05)
-              for _ in range(2)]
+    caches = [
+        make(
+            url,
+            device_pages=12,
+            host_pages=16,
+            write_policy=policy,
+            storage_write_policy=storage_policy,
+            prefetch_policy=prefetch_policy,
+            prefetch_timeout_s=0.05,
+        )
+        for _ in range(2)
+    ]
     from_l3 = 0
     for step in range(60):
         cache = caches[step % 3 == 2]  # instance 1 serves every third request
         head = prefixes[rng.integers(len(prefixes))]
         toks = np.concatenate([head, rng.integers(0, 1000, rng.integers(1, 3) * PS)])
-        if rng.random() < 0.7 and cache.prefetch(toks) is not None \
-                and prefetch_policy == "best_effort":
+        if (
+            rng.random() < 0.7
+            and cache.prefetch(toks) is not None
+            and prefetch_policy == "best_effort"
+        ):
             time.sleep(0.01)  # the scheduler's other work: best_effort uses what landed by then
         with cache.begin(toks) as req:  # match, load back, lock
             have = req.cached_len // PS
@@ -854,8 +958,12 @@ def serve_random_requests(url, policy, storage_policy, prefetch_policy):
                 want = np.concatenate([_page_kv(SPEC, toks, i) for i in range(have)], axis=2)
                 np.testing.assert_array_equal(got, want.view(np.uint32), err_msg=f"step {step}")
             new = req.extend(len(toks) - req.cached_len)
-            cache.write_kv(new, np.concatenate([_page_kv(SPEC, toks, i)
-                                                for i in range(have, have + new.size)], axis=2))
+            cache.write_kv(
+                new,
+                np.concatenate(
+                    [_page_kv(SPEC, toks, i) for i in range(have, have + new.size)], axis=2
+                ),
+            )
             req.finish(toks)
         if rng.random() < 0.1:
             cache.flush()

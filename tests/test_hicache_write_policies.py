@@ -22,9 +22,10 @@ from helpers import (
 from hicache_jax import OutOfPagesError
 
 
-@pytest.mark.parametrize("policy,backs_up_at", [("write_through", 1),
-                                                ("write_through_selective", 2),
-                                                ("write_back", None)])
+@pytest.mark.parametrize(
+    "policy,backs_up_at",
+    [("write_through", 1), ("write_through_selective", 2), ("write_back", None)],
+)
 def test_write_through_threshold(policy, backs_up_at):
     """The insert that creates a node is its first access (as current SGLang counts it):
     threshold 1 backs up at insert, write_through_selective (2) at the second access."""
@@ -91,12 +92,12 @@ def test_write_back_eviction_round_backs_up_all_victims_in_one_transfer():
 
 def test_write_through_hits_on_a_path_back_up_in_one_transfer():
     cache, kv = gated_cache("write_through", device=32, host=64, threshold=3)
-    serve_kv(cache, kv, np.arange(8))         # one node, hit_count 1 (its creation)
-    serve_kv(cache, kv, np.arange(8))         # hit_count 2: under the threshold
-    cache.match_prefix(np.arange(4))         # splits it: both halves keep hit_count 2
+    serve_kv(cache, kv, np.arange(8))  # one node, hit_count 1 (its creation)
+    serve_kv(cache, kv, np.arange(8))  # hit_count 2: under the threshold
+    cache.match_prefix(np.arange(4))  # splits it: both halves keep hit_count 2
     calls = _count_backup_calls(cache)
-    serve_kv(cache, kv, np.arange(12))        # hits both halves -> both reach the threshold
-    assert calls == [8]                      # root-first, one dispatch
+    serve_kv(cache, kv, np.arange(12))  # hits both halves -> both reach the threshold
+    assert calls == [8]  # root-first, one dispatch
     cache.flush()
     assert cache.stats()["backups"] == 2 and cache.stats()["host_cached_tokens"] == 8
     check_cache(cache, kv)
@@ -181,7 +182,7 @@ def test_write_back_eviction_frees_device_pages_without_waiting_for_the_copy():
     eng = gate(cache)
     t, u = np.arange(8), np.arange(100, 108)
     serve_kv(cache, kv, t)
-    serve_kv(cache, kv, u)                    # all 8 device pages reused: t copied on the way
+    serve_kv(cache, kv, u)  # all 8 device pages reused: t copied on the way
     held = [h for h in eng.handles if not h.released]
     assert len(held) == 1 and held[0].host_ids.size == 8
     st = cache.stats()
@@ -207,7 +208,7 @@ def test_a_device_only_cache_runs_no_backup_pass(policy, monkeypatch):
 
     monkeypatch.setattr(wp, "eviction_order", refuse)
     cache, kv = gated_cache(policy, device=16, host=0, clean_ahead_pages=4)
-    for i in range(8):                       # fills L1 twice over: eviction on every request
+    for i in range(8):  # fills L1 twice over: eviction on every request
         serve_kv(cache, kv, np.arange(4) + 100 * i)
     st = cache.stats()
     assert st["backups"] == 0 and st["evicted_tokens"] == 16
@@ -230,4 +231,3 @@ def test_host_pool_smaller_than_device_pool(policy, host):
     if host == 0:
         assert s["backups"] == 0
     check_cache(cache, kv)
-

@@ -47,14 +47,17 @@ def test_mla_and_empty_pool():
         empty.read([0])
 
 
-@pytest.mark.parametrize("kwargs, err, match", [
-    (dict(num_pages=-1), ValueError, "num_pages"),
-    (dict(num_pages=2.0), TypeError, "num_pages"),
-    (dict(layout="rows"), ValueError, "layout"),
-    (dict(memory_kind="hbm"), ValueError, "memory_kind"),
-    (dict(memory_kind="unpinned_host"), ValueError, "memory_kind"),  # its copies aborted
-    (dict(axis="heads"), ValueError, "without a mesh"),
-])
+@pytest.mark.parametrize(
+    "kwargs, err, match",
+    [
+        (dict(num_pages=-1), ValueError, "num_pages"),
+        (dict(num_pages=2.0), TypeError, "num_pages"),
+        (dict(layout="rows"), ValueError, "layout"),
+        (dict(memory_kind="hbm"), ValueError, "memory_kind"),
+        (dict(memory_kind="unpinned_host"), ValueError, "memory_kind"),  # its copies aborted
+        (dict(axis="heads"), ValueError, "without a mesh"),
+    ],
+)
 def test_bad_construction(kwargs, err, match):
     args = dict(num_pages=4) | kwargs
     spec = KVSpec(1, 4, 8)
@@ -134,16 +137,19 @@ def test_write_accepts_spec_dtype_and_jax_arrays():
     np.testing.assert_array_equal(pool.read([0]), np.asarray(kv)[:, :, :1].view(np.uint16))
 
 
-@pytest.mark.parametrize("ids, kv_pages, dtype, err, match", [
-    ([0, 4], 2, np.uint16, ValueError, "outside the host pool"),
-    ([1, 1], 2, np.uint16, ValueError, "duplicate"),
-    ([-1], 1, np.uint16, ValueError, "negative"),
-    ([[0]], 1, np.uint16, ValueError, "1-D"),
-    ([0.5], 1, np.uint16, TypeError, "integers"),
-    ([0, 1], 3, np.uint16, ValueError, "kv.shape"),
-    ([0], 1, np.uint32, TypeError, "kv.dtype"),
-    ([0], 1, np.float32, TypeError, "kv.dtype"),
-])
+@pytest.mark.parametrize(
+    "ids, kv_pages, dtype, err, match",
+    [
+        ([0, 4], 2, np.uint16, ValueError, "outside the host pool"),
+        ([1, 1], 2, np.uint16, ValueError, "duplicate"),
+        ([-1], 1, np.uint16, ValueError, "negative"),
+        ([[0]], 1, np.uint16, ValueError, "1-D"),
+        ([0.5], 1, np.uint16, TypeError, "integers"),
+        ([0, 1], 3, np.uint16, ValueError, "kv.shape"),
+        ([0], 1, np.uint32, TypeError, "kv.dtype"),
+        ([0], 1, np.float32, TypeError, "kv.dtype"),
+    ],
+)
 def test_bad_write_changes_nothing(ids, kv_pages, dtype, err, match):
     spec = KVSpec(1, 2, 4, "float16", page_size=2)
     pool = _poisoned(spec, 4, "page_first")
@@ -218,8 +224,9 @@ def test_mla_pools_on_a_mesh_are_replicated_and_round_trip():
     mesh = _mesh()
     pool = HostPagePool(spec, 6, "page_first", mesh=mesh)
     assert pool.sharding.spec == jax.sharding.PartitionSpec()
-    cache = HiCache(spec, HiCacheConfig(device_pages=4, host_pages=8, mesh=mesh,
-                                        load_back_threshold=2))
+    cache = HiCache(
+        spec, HiCacheConfig(device_pages=4, host_pages=8, mesh=mesh, load_back_threshold=2)
+    )
     rng = np.random.default_rng(3)
     kv = random_bits(spec, 3, rng)
     toks = np.arange(6)
@@ -237,6 +244,7 @@ def test_mla_pools_on_a_mesh_are_replicated_and_round_trip():
 @pytest.mark.parametrize("layout", ["layer_first", "page_first"])
 def test_write_rows_from_a_strided_page_major_buffer(layout):
     from hicache_jax.l3.storage import entry_pages, entry_rows
+
     spec = KVSpec(2, 2, 4, "bfloat16", page_size=2)
     pool = HostPagePool(spec, 90, layout)
     rng = np.random.default_rng(9)
@@ -246,12 +254,14 @@ def test_write_rows_from_a_strided_page_major_buffer(layout):
     pool.write_rows(ids, src, rows)
     np.testing.assert_array_equal(pool.read(ids), np.moveaxis(src[rows], 0, 2))
     before = _snapshot(pool)
-    for args, err in (((ids[:3], src, rows[:2]), ValueError),          # lengths differ
-                      ((ids[:2], src, [0, 80]), ValueError),           # row out of range
-                      ((ids[:2], src[:, :1], rows[:2]), ValueError),   # not page-major pages
-                      ((ids[:2], src.view(np.int16), rows[:2]), TypeError),
-                      ((ids[:2], src.tolist(), rows[:2]), TypeError),
-                      (([0, 0], src, rows[:2]), ValueError)):          # duplicate host ids
+    for args, err in (
+        ((ids[:3], src, rows[:2]), ValueError),  # lengths differ
+        ((ids[:2], src, [0, 80]), ValueError),  # row out of range
+        ((ids[:2], src[:, :1], rows[:2]), ValueError),  # not page-major pages
+        ((ids[:2], src.view(np.int16), rows[:2]), TypeError),
+        ((ids[:2], src.tolist(), rows[:2]), TypeError),
+        (([0, 0], src, rows[:2]), ValueError),
+    ):  # duplicate host ids
         with pytest.raises(err):
             pool.write_rows(*args)
     np.testing.assert_array_equal(_snapshot(pool), before)

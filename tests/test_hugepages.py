@@ -28,7 +28,8 @@ def _kernel_version() -> tuple[int, ...]:
 # MADV_COLLAPSE is Linux >= 6.1; without it the advice only lets khugepaged act later.
 needs_collapse = pytest.mark.skipif(
     not huge_page_size() or _kernel_version() < (6, 1),
-    reason="needs Linux >= 6.1 with transparent huge pages enabled")
+    reason="needs Linux >= 6.1 with transparent huge pages enabled",
+)
 
 
 def _check_huge(array: jax.Array, reported: int) -> None:

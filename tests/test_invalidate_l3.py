@@ -37,9 +37,16 @@ class NoDelete(MemoryStorage):
 
 
 def _cache(url, events=True, **kw):
-    return make_cache(SPEC, 8, 16, write_policy="write_through", storage=url,
-                      kv_events={"publisher": "queue", "l3_medium": "auto"} if events else None,
-                      prefetch_policy="wait_complete", **kw)
+    return make_cache(
+        SPEC,
+        8,
+        16,
+        write_policy="write_through",
+        storage=url,
+        kv_events={"publisher": "queue", "l3_medium": "auto"} if events else None,
+        prefetch_policy="wait_complete",
+        **kw,
+    )
 
 
 def _to_l3_only(cache):
@@ -97,7 +104,7 @@ def test_a_prefix_evicted_to_l3_only_loses_its_last_page_and_continuations_miss(
     _to_l3_only(cache)
     assert cache.lookup(A, l3=True)["l3"] == A.size
     cache.take_events()
-    got = cache.invalidate(A[:2 * PS])
+    got = cache.invalidate(A[: 2 * PS])
     assert got == {"device": 0, "host": 0, "l3": 1, "l3_unreached": 0}
     assert cache.lookup(A, l3=True)["l3"] == PS  # the shorter prefix stays
     cache.prefetch(A).wait()
@@ -129,8 +136,9 @@ def test_a_store_without_delete_prefix_moves_the_namespace_to_a_new_generation()
     assert cache.stats()["l3_invalidate_unreached"] == 1
     serve(cache, A, "t1")  # computed again: stored under the new generation, found again
     _to_l3_only(cache)
-    stored = [e for e in cache.take_events()
-              if isinstance(e, BlockStored) and e.medium is Medium.L3]
+    stored = [
+        e for e in cache.take_events() if isinstance(e, BlockStored) and e.medium is Medium.L3
+    ]
     assert len(stored) == 4 and len(store._entries) == held + 4
     assert cache.lookup(A, "t1", l3=True)["l3"] == A.size
     cache.check_invariants()
@@ -142,7 +150,7 @@ def test_a_prefix_on_a_store_without_delete_drops_the_namespace_from_this_cache(
     serve(cache, A)
     serve(cache, B)
     _to_l3_only(cache)
-    got = cache.invalidate(A[:2 * PS])
+    got = cache.invalidate(A[: 2 * PS])
     assert got["l3"] == 0 and got["l3_unreached"] == 1
     assert cache.stats()["l3_delete_unsupported_pages"] == 1
     assert cache.lookup(A, l3=True)["l3"] == 0 == cache.lookup(B, l3=True)["l3"]
@@ -156,9 +164,11 @@ def test_bad_input_is_typed_and_leaves_the_store_and_cache_unchanged(tmp_path):
     _to_l3_only(cache)
     files = sorted(_entries(tmp_path, SPEC, "t1"))
     before = snapshot(cache)
-    for kw, exc in (({"extra_key": ["t1"]}, TypeError), ({"tokens": [1, 2], "extra_key": "t1"},
-                                                         ValueError),
-                    ({"tokens": A.astype(float), "extra_key": "t1"}, TypeError)):
+    for kw, exc in (
+        ({"extra_key": ["t1"]}, TypeError),
+        ({"tokens": [1, 2], "extra_key": "t1"}, ValueError),
+        ({"tokens": A.astype(float), "extra_key": "t1"}, TypeError),
+    ):
         with pytest.raises(exc):
             cache.invalidate(**kw)
         assert snapshot(cache) == before and sorted(_entries(tmp_path, SPEC, "t1")) == files

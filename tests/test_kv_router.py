@@ -38,8 +38,12 @@ def two(tmp_path, kv_router):
         ep, rep = f"ipc://{tmp_path}/{name}", f"ipc://{tmp_path}/{name}-replay"
         instances[name] = (ep, rep)
         caches[name] = make_cache(
-            SPEC, 12, 16, write_policy=policy,
-            kv_events={"publisher": "zmq", "endpoint": ep, "replay_endpoint": rep})
+            SPEC,
+            12,
+            16,
+            write_policy=policy,
+            kv_events={"publisher": "zmq", "endpoint": ep, "replay_endpoint": rep},
+        )
     router = kv_router.KVRouter(instances, page_size=PS)
     yield caches, router
     router.close()
@@ -65,7 +69,7 @@ def test_router_agrees_with_each_cache_through_evictions_and_reset(two):
     sys_a, sys_b = np.arange(16), np.arange(500, 516)
     queries = []
     for i in range(6):
-        qa = np.concatenate([sys_a[:4 * (1 + i % 4)], rng.integers(100, size=PS * (i % 3))])
+        qa = np.concatenate([sys_a[: 4 * (1 + i % 4)], rng.integers(100, size=PS * (i % 3))])
         qb = np.concatenate([sys_b, rng.integers(100, size=PS * 2)])
         serve(caches["a"], qa)
         serve(caches["b"], qb, extra_key=7 if i % 2 else None)
@@ -80,7 +84,7 @@ def test_router_agrees_with_each_cache_through_evictions_and_reset(two):
     for cache in caches.values():
         cache.evict_host(5 * PS)
     agree(caches, router, queries)
-    for q, key in queries[:6]:                      # load back / recompute what is left
+    for q, key in queries[:6]:  # load back / recompute what is left
         serve(caches["a"], q, key)
     agree(caches, router, queries)
     caches["b"].reset()
@@ -91,11 +95,17 @@ def test_router_agrees_with_each_cache_through_evictions_and_reset(two):
 
 def test_router_that_starts_late_recovers_through_replay(tmp_path, kv_router):
     ep, rep = f"ipc://{tmp_path}/x", f"ipc://{tmp_path}/x-replay"
-    cache = HiCache(SPEC, HiCacheConfig(device_pages=12, host_pages=16, kv_events={
-        "publisher": "zmq", "endpoint": ep, "replay_endpoint": rep}))
+    cache = HiCache(
+        SPEC,
+        HiCacheConfig(
+            device_pages=12,
+            host_pages=16,
+            kv_events={"publisher": "zmq", "endpoint": ep, "replay_endpoint": rep},
+        ),
+    )
     try:
         for i in range(4):
-            serve(cache, np.arange(8) + 100 * i)    # nobody subscribed yet
+            serve(cache, np.arange(8) + 100 * i)  # nobody subscribed yet
         router = kv_router.KVRouter({"x": (ep, rep)}, page_size=PS)
         try:
             agree({"x": cache}, router, [(np.arange(8) + 100 * i, None) for i in range(4)])
@@ -116,9 +126,9 @@ def test_index_keeps_namespaces_the_wire_cannot_tell_apart(kv_router):
     idx.apply(r.KVEventBatch(0.0, [stored(11), stored(22)]))
     assert idx.longest_prefix([1, 2], 2) == (2, 0)
     idx.apply(r.KVEventBatch(0.0, [r.BlockRemoved([11], "GPU")]))
-    assert idx.longest_prefix([1, 2], 2) == (2, 0)            # 22 still holds it
+    assert idx.longest_prefix([1, 2], 2) == (2, 0)  # 22 still holds it
     idx.apply(r.KVEventBatch(0.0, [r.BlockRemoved([22], "GPU"), r.BlockRemoved([33], "GPU")]))
-    assert idx.longest_prefix([1, 2], 2) == (0, 0)            # and an unknown removal is ignored
+    assert idx.longest_prefix([1, 2], 2) == (0, 0)  # and an unknown removal is ignored
     assert idx.longest_prefix([1, 2], 2, extra_key=np.int64(5)) == (0, 0)
     with pytest.raises(TypeError, match="only None, int and str"):
         idx.longest_prefix([1, 2], 2, extra_key=b"tenant")

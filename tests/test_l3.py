@@ -111,8 +111,11 @@ class FakeCache:
         """A device node of ``tokens`` whose backup just landed, with random page bits."""
         res = self.tree.insert(tokens, np.arange(tokens.size // PS))
         ids = self.alloc.alloc(tokens.size // PS)
-        self.pages[ids] = np.random.default_rng(seed).integers(
-            0, 2**31, self.pages[ids].shape).astype(self.pages.dtype)
+        self.pages[ids] = (
+            np.random.default_rng(seed)
+            .integers(0, 2**31, self.pages[ids].shape)
+            .astype(self.pages.dtype)
+        )
         self.tree.set_host_value(res.last_node, ids)
         return res.last_node
 
@@ -133,7 +136,7 @@ def test_a_put_then_a_prefetch_in_another_cache_returns_the_bytes(tmp_path):
     a = FakeCache()
     tier = open_l3(a, SPEC, cfg(url))
     node = a.backed_up(toks, seed=1)
-    tier.on_backup([node])          # write_through (the default): put once the backup landed
+    tier.on_backup([node])  # write_through (the default): put once the backup landed
     tier.flush()
     assert tier.stats()["l3_put_pages_stored"] == 3
     b = FakeCache()
@@ -155,7 +158,7 @@ def test_a_prefetch_that_misses_gives_back_its_reservations(tmp_path):
     url, toks = f"file://{tmp_path}", np.arange(4 * PS)
     a = FakeCache()
     tier = open_l3(a, SPEC, cfg(url))
-    tier.on_backup([a.backed_up(toks[:2 * PS], seed=2)])
+    tier.on_backup([a.backed_up(toks[: 2 * PS], seed=2)])
     tier.flush()
     b = FakeCache()
     other = open_l3(b, SPEC, cfg(url))
@@ -218,21 +221,20 @@ def test_the_timeout_deadline_runs_on_the_cache_clock(late):
     toks = np.arange(2 * PS)
     assert tier.prefetch(toks, None) is not None
     deadline = 100.0 + 0.5 * (1 + 2 * PS / 1024)  # issued at clock 100, 2 pages
-    port.now += late                               # the cache's clock moves, not the wall's
+    port.now += late  # the cache's clock moves, not the wall's
     tier.before_match(toks, None)
     (waited,) = store.gets[0].timeouts
     assert waited == pytest.approx(max(0.0, deadline - port.now))
     s = tier.stats()
     assert s["l3_prefetch_timeouts"] == 1 and s["l3_prefetch_missed_pages"] == 2
     assert store.gets[0].cancelled and not port.reserved and not port.locks
-    tier.before_match(toks, None)                  # closed: not waited for again
+    tier.before_match(toks, None)  # closed: not waited for again
     assert store.gets[0].timeouts == [waited]
 
 
 def test_best_effort_never_waits():
     port, store = FakeCache(), _HeldStore()
-    tier = L3Tier(port, SPEC, cfg("file:///unused"), "file:///unused", store,
-                  entry_rows(SPEC, 8))
+    tier = L3Tier(port, SPEC, cfg("file:///unused"), "file:///unused", store, entry_rows(SPEC, 8))
     tier.prefetch(np.arange(2 * PS), None)
     tier.before_match(np.arange(2 * PS), None)
     assert store.gets[0].timeouts == [] and len(port.reserved) == 2  # still in flight
@@ -242,11 +244,9 @@ def test_no_storage_and_a_store_down_give_null_tiers():
     null = open_l3(FakeCache(), SPEC, cfg(None))
     assert null.prefetch(np.arange(PS), None) is None and null.stats() == {}
     assert not null.back_up_new
-    down = open_l3(FakeCache(), SPEC,
-                   cfg("mooncake://127.0.0.1:1?setup_timeout_s=1&optional=1"))
+    down = open_l3(FakeCache(), SPEC, cfg("mooncake://127.0.0.1:1?setup_timeout_s=1&optional=1"))
     assert isinstance(down, NullL3Tier) and down.back_up_new  # the cache still backs up new
     s = down.stats()
     assert s["l3_available"] == 0 and s["l3_prefetches"] == 0 and s["l3_in_flight"] == 0
     with pytest.raises(ValueError, match="host pool"):
-        open_l3(FakeCache(), SPEC, HiCacheConfig(device_pages=8, host_pages=0,
-                                                 storage="file:///x"))
+        open_l3(FakeCache(), SPEC, HiCacheConfig(device_pages=8, host_pages=0, storage="file:///x"))

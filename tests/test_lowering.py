@@ -22,11 +22,24 @@ from hicache_jax.spec import KVSpec
 TINY = KVSpec(num_layers=2, num_kv_heads=2, head_dim=8, dtype="bfloat16", page_size=16)
 PAGES = 4
 
-OPS = {"device_pool.write[xla]", "device_pool.read[xla]", "device_pool.write[pallas]",
-       "device_pool.read[pallas]", "pallas.scatter_layer_pages", "device_pool.take_first",
-       "device_pool.pad", "host_pool.write", "host_pool.read", "transfer.backup",
-       "transfer.load", "transfer.load_layer", "engine.prefill", "engine.decode",
-       "engine.layer", "batched.step"}
+OPS = {
+    "device_pool.write[xla]",
+    "device_pool.read[xla]",
+    "device_pool.write[pallas]",
+    "device_pool.read[pallas]",
+    "pallas.scatter_layer_pages",
+    "device_pool.take_first",
+    "device_pool.pad",
+    "host_pool.write",
+    "host_pool.read",
+    "transfer.backup",
+    "transfer.load",
+    "transfer.load_layer",
+    "engine.prefill",
+    "engine.decode",
+    "engine.layer",
+    "batched.step",
+}
 
 
 @pytest.fixture(scope="module")
@@ -73,8 +86,11 @@ def test_the_programs_are_the_functions_the_code_dispatches(tiny_reports):
     assert fns["host_pool.read"] is page_copy.gather_pages
     assert fns["device_pool.write[pallas]"] is fns["device_pool.write[xla]"]
     # The decode step runs unrolled over per-layer weights, a long prefill as a scan.
-    steps = {p.name.split(",")[1]: p for p in tiny_reports["tpu"].pset.programs
-             if p.op in ("engine.prefill", "engine.decode") and "," in p.name}
+    steps = {
+        p.name.split(",")[1]: p
+        for p in tiny_reports["tpu"].pset.programs
+        if p.op in ("engine.prefill", "engine.decode") and "," in p.name
+    }
     params = {kind: p.args[2] for kind, p in steps.items()}  # STEP(cfg, pool, params, ...)
     assert "per_layer" in params["unrolled]"] and "per_layer" not in params["scan]"]
 
@@ -83,9 +99,14 @@ def test_llama3_8b_pool_of_gib_lowers_as_shapes_only():
     pset = lowering.programs(lowering.LLAMA3_8B_KV, "tpu", device_pages=2048, engine=False)
     pool = lowering.LLAMA3_8B_KV.kv_shape(2049)
     assert lowering.LLAMA3_8B_KV.page_bytes * 2049 > 4 * 2**30  # a pool of several GiB
-    report = lowering.check(pset, only=["device_pool.write[xla,2048p,uint16]",
-                                        "device_pool.write[pallas,2048p,bfloat16]",
-                                        "transfer.load[plan 2048]"])
+    report = lowering.check(
+        pset,
+        only=[
+            "device_pool.write[xla,2048p,uint16]",
+            "device_pool.write[pallas,2048p,bfloat16]",
+            "transfer.load[plan 2048]",
+        ],
+    )
     report.raise_for_failures()
     assert len(report.lowered) == 3
     assert "x".join(map(str, pool)) + "xui16> {tf.aliasing_output = 0" in report.lowered[0].text
@@ -149,8 +170,9 @@ def test_a_whole_pool_view_as_float_is_rejected():
 
 
 def test_a_whole_pool_convert_is_rejected():
-    fn = jax.jit(lambda pool, ids: (pool.astype(jnp.int32) + 1).astype(pool.dtype),
-                 donate_argnums=0)
+    fn = jax.jit(
+        lambda pool, ids: (pool.astype(jnp.int32) + 1).astype(pool.dtype), donate_argnums=0
+    )
     bad = _failures("bad.convert", fn, (POOL, IDS))
     assert any(m.startswith("bad.convert [tpu]: convert of the whole pool shape") for m in bad)
 
@@ -160,20 +182,34 @@ def test_a_host_callback_is_rejected_by_name():
         jax.debug.callback(lambda i: None, ids)
         return _scatter(pool, ids, pages)
 
-    bad = _failures("bad.callback", jax.jit(called, donate_argnums=0), (POOL, IDS, PAGES4),
-                    platform="cuda")
+    bad = _failures(
+        "bad.callback", jax.jit(called, donate_argnums=0), (POOL, IDS, PAGES4), platform="cuda"
+    )
     assert len(bad) == 1 and bad[0].startswith("bad.callback [cuda]: does not lower: host callback")
 
 
 def test_a_pallas_fallback_is_rejected_by_name():
     # What a pool on CPU runs: the generic kernels in Pallas' interpreter, no custom call.
     scatter, _ = device_pool._pallas_copy_fns(pk.Impl.INTERPRET, None)
-    bad = _failures("bad.interpreted", device_pool.PROGRAMS["write"], (POOL, IDS, PAGES4),
-                    kwargs=dict(scatter=scatter, sharding=None), kernel=True)
+    bad = _failures(
+        "bad.interpreted",
+        device_pool.PROGRAMS["write"],
+        (POOL, IDS, PAGES4),
+        kwargs=dict(scatter=scatter, sharding=None),
+        kernel=True,
+    )
     assert len(bad) == 1 and bad[0].startswith("bad.interpreted [tpu]: Pallas kernel missing")
     tpu, _ = device_pool.platform_copy_fns("pallas", "tpu")
-    assert _failures("good.kernel", device_pool.PROGRAMS["write"], (POOL, IDS, PAGES4),
-                     kwargs=dict(scatter=tpu, sharding=None), kernel=True) == []
+    assert (
+        _failures(
+            "good.kernel",
+            device_pool.PROGRAMS["write"],
+            (POOL, IDS, PAGES4),
+            kwargs=dict(scatter=tpu, sharding=None),
+            kernel=True,
+        )
+        == []
+    )
 
 
 def test_an_unbucketed_operation_is_rejected_by_its_bound():
@@ -181,17 +217,27 @@ def test_an_unbucketed_operation_is_rejected_by_its_bound():
     assert lowering.check_bounds(pset) == []
     write = next(p for p in pset.programs if p.op == "device_pool.write[xla]")
     # One program per page count instead of per bucket: 3 pages on top of the buckets.
-    extra = [dataclasses.replace(write, name=f"write[{n}p]", args=(
-        POOL, jax.ShapeDtypeStruct((n,), jnp.int32),
-        jax.ShapeDtypeStruct(TINY.kv_shape(n), TINY.bits_dtype))) for n in (3,)]
+    extra = [
+        dataclasses.replace(
+            write,
+            name=f"write[{n}p]",
+            args=(
+                POOL,
+                jax.ShapeDtypeStruct((n,), jnp.int32),
+                jax.ShapeDtypeStruct(TINY.kv_shape(n), TINY.bits_dtype),
+            ),
+        )
+        for n in (3,)
+    ]
     bad = lowering.check_bounds(dataclasses.replace(pset, programs=pset.programs + tuple(extra)))
     assert bad == ["device_pool.write[xla] [tpu]: 7 distinct programs, bound 6"]
 
 
 def test_report_raises_listing_the_failed_program():
     pset = lowering.programs(TINY, "tpu", device_pages=PAGES, engine=False)
-    wrong = Program("bad.not_donated", "bad", jax.jit(_scatter), (POOL, IDS, PAGES4),
-                    pool_shapes=(POOL.shape,))
+    wrong = Program(
+        "bad.not_donated", "bad", jax.jit(_scatter), (POOL, IDS, PAGES4), pool_shapes=(POOL.shape,)
+    )
     report = lowering.check(dataclasses.replace(pset, programs=(wrong,)))
     assert not report.ok
     with pytest.raises(lowering.LoweringCheckError, match=r"bad\.not_donated \[tpu\]"):
@@ -201,6 +247,7 @@ def test_report_raises_listing_the_failed_program():
 
 # ----------------------------------------------------------------------------------------------
 # Arguments and the command.
+
 
 def test_bad_arguments_raise_naming_them():
     with pytest.raises(ValueError, match="platform"):
@@ -217,10 +264,22 @@ def test_bad_arguments_raise_naming_them():
 
 def test_lower_command_prints_the_table_and_writes_json(tmp_path, capsys):
     path = tmp_path / "lower.json"
-    rc = main(["lower", "--platform", "cuda", "--spec",
-                   "layers=2,kv_heads=2,head_dim=8,dtype=bfloat16,page_size=16",
-                   "--device-pages", "8", "--no-engine", "--only", "device_pool.write[xla",
-                   "--json", str(path)])
+    rc = main(
+        [
+            "lower",
+            "--platform",
+            "cuda",
+            "--spec",
+            "layers=2,kv_heads=2,head_dim=8,dtype=bfloat16,page_size=16",
+            "--device-pages",
+            "8",
+            "--no-engine",
+            "--only",
+            "device_pool.write[xla",
+            "--json",
+            str(path),
+        ]
+    )
     out = capsys.readouterr().out
     assert rc == 0
     assert "device_pool.write[xla,8p,bfloat16]" in out and "all checks pass" in out

@@ -13,8 +13,9 @@ import pytest
 from hicache_jax import study
 from hicache_jax.cli.main import main
 
-NOTEBOOK = (pathlib.Path(__file__).resolve().parents[1] / "examples" / "notebooks"
-            / "policy_study.ipynb")
+NOTEBOOK = (
+    pathlib.Path(__file__).resolve().parents[1] / "examples" / "notebooks" / "policy_study.ipynb"
+)
 _NEEDS = ("nbclient", "nbformat", "ipykernel", "pandas", "matplotlib")
 _MISSING = [m for m in _NEEDS if importlib.util.find_spec(m) is None]
 
@@ -29,12 +30,17 @@ def test_notebook_is_stored_without_outputs():
 
 
 def _stdout(cell) -> str:
-    return "".join(o["text"] for o in cell.get("outputs", [])
-                   if o["output_type"] == "stream" and o["name"] == "stdout")
+    return "".join(
+        o["text"]
+        for o in cell.get("outputs", [])
+        if o["output_type"] == "stream" and o["name"] == "stdout"
+    )
 
 
-@pytest.mark.skipif(bool(_MISSING), reason=f"running the notebook needs {', '.join(_MISSING)}: "
-                                           'pip install -e ".[notebook]"')
+@pytest.mark.skipif(
+    bool(_MISSING),
+    reason=f'running the notebook needs {", ".join(_MISSING)}: pip install -e ".[notebook]"',
+)
 def test_notebook_runs_and_its_figures_equal_the_replay_commands(tmp_path, monkeypatch):
     import nbformat
     from nbclient import NotebookClient
@@ -45,16 +51,22 @@ def test_notebook_runs_and_its_figures_equal_the_replay_commands(tmp_path, monke
     nb = nbformat.read(NOTEBOOK, as_version=4)
     t0 = time.perf_counter()
     # raises CellExecutionError (the cell and its traceback) on any cell error
-    NotebookClient(nb, timeout=120, kernel_name="python3",
-                   resources={"metadata": {"path": str(tmp_path)}}).execute()
+    NotebookClient(
+        nb, timeout=120, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}
+    ).execute()
     print(f"notebook ran in {time.perf_counter() - t0:.1f} s")
-    commands = [line for c in nb.cells for line in _stdout(c).splitlines()
-                if line.startswith("hicache-jax replay ")]
+    commands = [
+        line
+        for c in nb.cells
+        for line in _stdout(c).splitlines()
+        if line.startswith("hicache-jax replay ")
+    ]
     assert len(commands) == 1
     path = tmp_path / "replay.json"
     argv = shlex.split(commands[0])[1:] + ["--quiet", "--json", str(path)]
     assert main(argv) == 0
-    assert study.from_json(path).records(timing=False) == \
-        study.from_json(saved).records(timing=False)
+    assert study.from_json(path).records(timing=False) == study.from_json(saved).records(
+        timing=False
+    )
     shown = nb.cells[-2].outputs[-1]["data"]["text/plain"]  # the TTFT table
     assert all(name in shown for name in ("no cache", "device radix", "hicache"))

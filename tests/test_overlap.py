@@ -60,9 +60,15 @@ def test_the_config_rejects_a_bad_load_overlap():
 
 def _split_cache(**kw):
     # a page weighs 1 MiB to the model; the link moves one in 0.2 ms, its recompute's time
-    cache = make_cache(SPEC, write_policy="write_through", load_policy="cost",
-                       prefill_cost=lambda n, c: n * 5e-5, cost_page_bytes=PAGE_BYTES,
-                       load_overlap=True, **kw)
+    cache = make_cache(
+        SPEC,
+        write_policy="write_through",
+        load_policy="cost",
+        prefill_cost=lambda n, c: n * 5e-5,
+        cost_page_bytes=PAGE_BYTES,
+        load_overlap=True,
+        **kw,
+    )
     for k in (1, 2, 4, 8, 16, 32):  # a measured link: no probe
         cache._cost.links["l2_l1"].observe(k * PAGE_BYTES, k * 2e-4)
     return cache
@@ -86,9 +92,9 @@ def test_the_cache_copies_the_back_into_the_requests_pages_and_inserts_them():
         assert cache.tree.match(toks).device_len == 0  # the chain is still host-only
         req.wait_overlap()
         pages = req.device_pages
-        got = np.asarray(cache.read_kv(pages[start // PS:])).view(kv.dtype)
-        np.testing.assert_array_equal(got, kv[:, :, start // PS:])  # the host copy's bits
-        write(cache, pages[:start // PS])  # the front, "recomputed"
+        got = np.asarray(cache.read_kv(pages[start // PS :])).view(kv.dtype)
+        np.testing.assert_array_equal(got, kv[:, :, start // PS :])  # the host copy's bits
+        write(cache, pages[: start // PS])  # the front, "recomputed"
         req.finish(toks)
     st = cache.stats()
     assert st["overlap_loads"] == 1 and st["overlap_load_tokens"] == end - start
@@ -122,9 +128,15 @@ def _serve(cache, toks):
 
 
 def test_without_load_overlap_the_cache_decides_as_before():
-    cache, toks = _host_only(make_cache(SPEC, write_policy="write_through", load_policy="cost",
-                                        prefill_cost=lambda n, c: n * 5e-5,
-                                        cost_page_bytes=PAGE_BYTES))
+    cache, toks = _host_only(
+        make_cache(
+            SPEC,
+            write_policy="write_through",
+            load_policy="cost",
+            prefill_cost=lambda n, c: n * 5e-5,
+            cost_page_bytes=PAGE_BYTES,
+        )
+    )
     req = _serve(cache, toks)
     assert req.overlap is None and req.loaded_len > 0  # a probe of the unmeasured link
     assert cache.stats()["cost_splits"] == 0
@@ -152,11 +164,17 @@ def test_the_engine_with_the_split_gives_the_outputs_of_never_loading():
     first, second = _prompts()
     outs = {}
     for overlap in (False, True):
-        cfg = HiCacheConfig(device_pages=DEVICE_PAGES, host_pages=4 * DEVICE_PAGES,
-                            write_policy="write_through", load_back_threshold=16,
-                            load_policy="cost", load_overlap=overlap,
-                            cost_page_bytes=PAGE_BYTES, prefill_cost=lambda n, c: n * 5e-5,
-                            **({} if overlap else dict(max_load_tokens=0)))  # off: never load
+        cfg = HiCacheConfig(
+            device_pages=DEVICE_PAGES,
+            host_pages=4 * DEVICE_PAGES,
+            write_policy="write_through",
+            load_back_threshold=16,
+            load_policy="cost",
+            load_overlap=overlap,
+            cost_page_bytes=PAGE_BYTES,
+            prefill_cost=lambda n, c: n * 5e-5,
+            **({} if overlap else dict(max_load_tokens=0)),
+        )  # off: never load
         cache = HiCache(model.kv_spec(16), cfg)
         for k in (1, 2, 4, 8, 16, 32):  # the link measured at a page's recompute time
             cache._cost.links["l2_l1"].observe(k * PAGE_BYTES, k * 8e-4)

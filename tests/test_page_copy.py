@@ -30,8 +30,9 @@ def test_copy_plan_packs_and_pads_with_the_last_pair():
     assert plan[PLAN_DST, :4].tolist() == [5, 1, 7, 7] and (plan[PLAN_DST, 3:] == 7).all()
     assert plan[PLAN_SRC, :4].tolist() == [0, 2, 4, 4] and (plan[PLAN_SRC, 3:] == 4).all()
     assert plan[PLAN_META, :2].tolist() == [1, 2]  # one trip of UNROLL pages, from layer 2
-    assert copy_plan(np.arange(9, dtype=np.int32), np.arange(9, dtype=np.int32))[
-        PLAN_META, 0] == -(-9 // UNROLL)
+    assert copy_plan(np.arange(9, dtype=np.int32), np.arange(9, dtype=np.int32))[PLAN_META, 0] == -(
+        -9 // UNROLL
+    )
     assert index_len(1) == MIN_INDEX_LEN and index_len(3000) == bucket_size(3000) == 4096
     assert [bucket_size(n) for n in (0, 1, 2, 3, 5)] == [1, 1, 2, 4, 8]
 
@@ -45,13 +46,19 @@ def test_layer_plans_differ_only_in_their_layer():
     assert plan[PLAN_META, 1] == 0  # the input plan is not modified
 
 
-@pytest.mark.parametrize("dst_layout, src_layout", [
-    (HostLayout.PAGE_FIRST, HostLayout.LAYER_FIRST),
-    (HostLayout.LAYER_FIRST, HostLayout.PAGE_FIRST)])
+@pytest.mark.parametrize(
+    "dst_layout, src_layout",
+    [
+        (HostLayout.PAGE_FIRST, HostLayout.LAYER_FIRST),
+        (HostLayout.LAYER_FIRST, HostLayout.PAGE_FIRST),
+    ],
+)
 def test_copy_between_layouts_and_per_layer(dst_layout, src_layout):
     rng = np.random.default_rng(0)
-    shape = {HostLayout.LAYER_FIRST: SPEC.kv_shape(6), HostLayout.PAGE_FIRST:
-             SPEC.page_major_shape(6)}
+    shape = {
+        HostLayout.LAYER_FIRST: SPEC.kv_shape(6),
+        HostLayout.PAGE_FIRST: SPEC.page_major_shape(6),
+    }
     page_axis = {HostLayout.LAYER_FIRST: 2, HostLayout.PAGE_FIRST: 0}
     src_np = rng.integers(1, 2**16, size=shape[src_layout], dtype=np.uint16)
     dst_ids, src_ids = np.array([4, 0, 2], np.int32), np.array([1, 5, 3], np.int32)
@@ -73,13 +80,19 @@ def test_copy_between_layouts_and_per_layer(dst_layout, src_layout):
 
 
 def test_gather_pages_into_a_new_array():
-    src = np.random.default_rng(1).integers(1, 2**16, size=SPEC.page_major_shape(5),
-                                            dtype=np.uint16)
+    src = np.random.default_rng(1).integers(
+        1, 2**16, size=SPEC.page_major_shape(5), dtype=np.uint16
+    )
     ids = np.array([4, 1], np.int32)
-    out, _ = gather_pages(jax.numpy.asarray(src), copy_plan(np.arange(2, dtype=np.int32), ids),
-                          size=8, out_sharding=jax.sharding.SingleDeviceSharding(
-                              jax.devices()[0]), src_layout=HostLayout.PAGE_FIRST,
-                          num_layers=SPEC.num_layers, src_put=None)
+    out, _ = gather_pages(
+        jax.numpy.asarray(src),
+        copy_plan(np.arange(2, dtype=np.int32), ids),
+        size=8,
+        out_sharding=jax.sharding.SingleDeviceSharding(jax.devices()[0]),
+        src_layout=HostLayout.PAGE_FIRST,
+        num_layers=SPEC.num_layers,
+        src_put=None,
+    )
     out = np.asarray(out)
     assert out.shape == SPEC.kv_shape(8)
     np.testing.assert_array_equal(np.moveaxis(out[:, :, :2], 2, 0), src[ids])

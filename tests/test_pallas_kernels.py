@@ -81,8 +81,13 @@ def check_all_ops(impl, dtype, page_size, n, num_pool_pages):
 
 
 # Every KV dtype of KVSpec (bits widths 8/16/32) with page sizes 1/16/64 and odd counts.
-GENERIC_CASES = [("bfloat16", 16, 5, 9), ("float16", 1, 3, 7), ("float32", 64, 3, 5),
-                 ("float8_e4m3fn", 16, 7, 11), ("int8", 1, 5, 9)]
+GENERIC_CASES = [
+    ("bfloat16", 16, 5, 9),
+    ("float16", 1, 3, 7),
+    ("float32", 64, 3, 5),
+    ("float8_e4m3fn", 16, 7, 11),
+    ("int8", 1, 5, 9),
+]
 
 
 @pytest.mark.parametrize("dtype,page_size,n,num_pool_pages", GENERIC_CASES)
@@ -90,8 +95,9 @@ def test_generic_interpreter_matches_reference(dtype, page_size, n, num_pool_pag
     check_all_ops(pk.Impl.INTERPRET, dtype, page_size, n, num_pool_pages)
 
 
-@pytest.mark.parametrize("dtype,page_size,n,num_pool_pages",
-                         [("bfloat16", 16, 5, 9), ("float8_e4m3fn", 64, 3, 5)])
+@pytest.mark.parametrize(
+    "dtype,page_size,n,num_pool_pages", [("bfloat16", 16, 5, 9), ("float8_e4m3fn", 64, 3, 5)]
+)
 def test_tpu_dma_kernels_in_tpu_interpreter(dtype, page_size, n, num_pool_pages):
     check_all_ops(pk.Impl.TPU_INTERPRET, dtype, page_size, n, num_pool_pages)
 
@@ -112,11 +118,11 @@ def test_mosaic_gpu_ring_with_split_chunks_and_ragged_blocks():
     """Chunks split into 128-byte tiles, 3 blocks over 40 tiles, rings of 2 and 3 slots."""
     params = _gpu_interpreter_or_skip()
     pool, ids, pages = make_case("bfloat16", 1, 5, 9, seed=3)  # chunk: 256 bytes = 2 tiles
-    new = pk_gpu.scatter_pages(pool, ids, pages, tile_bytes=128, stages=3, num_blocks=3,
-                               interpret=params)
+    new = pk_gpu.scatter_pages(
+        pool, ids, pages, tile_bytes=128, stages=3, num_blocks=3, interpret=params
+    )
     assert_bits_equal(new, pk.ref_scatter_pages(pool, ids, pages))
-    got = pk_gpu.gather_pages(new, ids, tile_bytes=128, stages=2, num_blocks=3,
-                              interpret=params)
+    got = pk_gpu.gather_pages(new, ids, tile_bytes=128, stages=2, num_blocks=3, interpret=params)
     assert_bits_equal(got, pages)
 
 
@@ -143,10 +149,16 @@ def test_mosaic_gpu_ring_with_one_tile_per_block_does_not_hang():
     _gpu_interpreter_or_skip()
     import subprocess
     import sys
+
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     try:
-        out = subprocess.run([sys.executable, "-c", _ONE_TILE_PER_BLOCK], cwd=root,
-                             capture_output=True, text=True, timeout=240)
+        out = subprocess.run(
+            [sys.executable, "-c", _ONE_TILE_PER_BLOCK],
+            cwd=root,
+            capture_output=True,
+            text=True,
+            timeout=240,
+        )
     except subprocess.TimeoutExpired:
         pytest.fail("Mosaic GPU kernel with one tile per block hung")
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
@@ -200,6 +212,7 @@ def test_zero_pages_is_a_no_op(impl):
 # ----------------------------------------------------------------------------------------------
 # Bad input: a typed error, raised before anything runs; the pool is unchanged and still alive.
 
+
 def _bad_calls(impl, pool, ids, pages):
     scatter = functools.partial(pk.scatter_pages, impl=impl)
     scatter_layer = functools.partial(pk.scatter_layer_pages, impl=impl)
@@ -215,8 +228,11 @@ def _bad_calls(impl, pool, ids, pages):
         (ValueError, "pages.shape", lambda: scatter(pool, ids, pages[:, :, :2])),
         (TypeError, "must equal", lambda: scatter(pool, ids, pages.astype(jnp.uint32))),
         (ValueError, "pages.shape", lambda: scatter_layer(pool, 0, ids, pages)),
-        (ValueError, r"layer=2 must lie in \[0, 2\)",
-         lambda: scatter_layer(pool, 2, ids, pages[0])),
+        (
+            ValueError,
+            r"layer=2 must lie in \[0, 2\)",
+            lambda: scatter_layer(pool, 2, ids, pages[0]),
+        ),
         (TypeError, "layer", lambda: scatter_layer(pool, 1.0, ids, pages[0])),
         (TypeError, "layer", lambda: scatter_layer(pool, True, ids, pages[0])),
     ]
@@ -278,8 +294,7 @@ def _abstract(n=5):
 def test_tpu_kernels_lower_to_mosaic_with_aliased_pool():
     pool, ids, pages = _abstract()
     kw = dict(window=4, num_programs=2, interpret=None)
-    text = _lower(lambda p, i, x: pk_tpu._scatter(p, i, x, **kw), pool, ids, pages,
-                  platform="tpu")
+    text = _lower(lambda p, i, x: pk_tpu._scatter(p, i, x, **kw), pool, ids, pages, platform="tpu")
     assert "tpu_custom_call" in text and "output_operand_aliases" in text
     text = _lower(lambda p, i: pk_tpu._gather(p, i, **kw), pool, ids, platform="tpu")
     assert "tpu_custom_call" in text
@@ -288,8 +303,9 @@ def test_tpu_kernels_lower_to_mosaic_with_aliased_pool():
 def test_gpu_kernels_lower_to_bulk_copies_with_aliased_pool():
     pool, ids, pages = _abstract()
     kw = dict(tile_bytes=16 * 1024, stages=4, num_blocks=8, interpret=None)
-    text = _lower(lambda p, i, x: pk_gpu._scatter(p, 0, i, x, **kw), pool, ids, pages,
-                  platform="cuda")
+    text = _lower(
+        lambda p, i, x: pk_gpu._scatter(p, 0, i, x, **kw), pool, ids, pages, platform="cuda"
+    )
     assert "mosaic_gpu" in text and "output_operand_aliases" in text
     # Contiguous PROMISE_IN_BOUNDS copies lower to plain bulk copies, not tensor-map TMA.
     assert "cp.async.bulk.shared::cta.global" in text
@@ -308,5 +324,7 @@ def test_compiled_kernels_match_reference(dtype):
     new = scatter(jnp.copy(pool), ids, pages)
     assert_bits_equal(new, want)
     assert_bits_equal(pk.gather_pages(new, ids, impl=impl), pages)
-    assert_bits_equal(pk.scatter_layer_pages(pool, 1, ids, pages[1], impl=impl),
-                      pk.ref_scatter_layer_pages(pool, 1, ids, pages[1]))
+    assert_bits_equal(
+        pk.scatter_layer_pages(pool, 1, ids, pages[1], impl=impl),
+        pk.ref_scatter_layer_pages(pool, 1, ids, pages[1]),
+    )

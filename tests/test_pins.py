@@ -22,8 +22,15 @@ class Clock:
 
 def _cache(device=8, host=16, share=0.5, clock=None, **kw):
     from hicache_jax import HiCache, HiCacheConfig
-    cfg = HiCacheConfig(device_pages=device, host_pages=host, load_back_threshold=PS,
-                        pin_max_share=share, write_policy="write_through", **kw)
+
+    cfg = HiCacheConfig(
+        device_pages=device,
+        host_pages=host,
+        load_back_threshold=PS,
+        pin_max_share=share,
+        write_policy="write_through",
+        **kw,
+    )
     return HiCache(bookkeeping_spec(PS), cfg, clock=clock or Clock())
 
 
@@ -155,15 +162,17 @@ def test_bad_input_typed_errors_leave_cache_unchanged():
     serve(cache, toks)
     cache.pin(toks)
     before = snapshot(cache)
-    for call, exc in ((lambda: cache.pin(toks, tier="disk"), ValueError),
-                      (lambda: cache.pin(toks, ttl_s=0), ValueError),
-                      (lambda: cache.pin(toks, ttl_s="1"), ValueError),
-                      (lambda: cache.pin([-1, 0, 0, 0]), ValueError),
-                      (lambda: cache.pin(np.arange(900, 900 + PS)), HiCacheError),
-                      (lambda: cache.pin(np.arange(900, 900 + PS), tier="host"), HiCacheError),
-                      (lambda: cache.unpin(toks, tier="host"), HiCacheError),
-                      (lambda: cache.unpin(toks[:PS]), HiCacheError),
-                      (lambda: cache.unpin(toks, extra_key=1), HiCacheError)):
+    for call, exc in (
+        (lambda: cache.pin(toks, tier="disk"), ValueError),
+        (lambda: cache.pin(toks, ttl_s=0), ValueError),
+        (lambda: cache.pin(toks, ttl_s="1"), ValueError),
+        (lambda: cache.pin([-1, 0, 0, 0]), ValueError),
+        (lambda: cache.pin(np.arange(900, 900 + PS)), HiCacheError),
+        (lambda: cache.pin(np.arange(900, 900 + PS), tier="host"), HiCacheError),
+        (lambda: cache.unpin(toks, tier="host"), HiCacheError),
+        (lambda: cache.unpin(toks[:PS]), HiCacheError),
+        (lambda: cache.unpin(toks, extra_key=1), HiCacheError),
+    ):
         with pytest.raises(exc):
             call()
         assert snapshot(cache) == before
@@ -187,6 +196,7 @@ def test_reset_clears_pins():
 
 def test_pin_share_config_is_checked():
     from hicache_jax import HiCacheConfig
+
     for bad in (-0.1, 1.5, "half"):
         with pytest.raises(ValueError, match="pin_max_share"):
             HiCacheConfig(device_pages=4, pin_max_share=bad)

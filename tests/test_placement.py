@@ -23,16 +23,22 @@ SPEC = KVSpec(num_layers=1, num_kv_heads=4, head_dim=4, page_size=2)
 
 
 def _mesh(*types):
-    return jax.make_mesh((4, 1)[:len(types)] if len(types) == 2 else (4,),
-                         ("tp", "dp")[:len(types)], axis_types=types)
+    return jax.make_mesh(
+        (4, 1)[: len(types)] if len(types) == 2 else (4,),
+        ("tp", "dp")[: len(types)],
+        axis_types=types,
+    )
 
 
-@pytest.mark.parametrize("types, explicit", [
-    ((AxisType.Auto,), False),
-    ((AxisType.Explicit,), True),
-    ((AxisType.Auto, AxisType.Explicit), True),
-    ((AxisType.Manual, AxisType.Auto), False),
-])
+@pytest.mark.parametrize(
+    "types, explicit",
+    [
+        ((AxisType.Auto,), False),
+        ((AxisType.Explicit,), True),
+        ((AxisType.Auto, AxisType.Explicit), True),
+        ((AxisType.Manual, AxisType.Auto), False),
+    ],
+)
 def test_has_explicit_axis(types, explicit):
     assert has_explicit_axis(_mesh(*types)) is explicit
 
@@ -61,8 +67,7 @@ def test_constrain_pins_the_head_sharding(axis_type):
 
 def test_head_sharding_and_placed():
     mesh = _mesh(AxisType.Auto)
-    assert head_sharding(SPEC, mesh, None).spec == PartitionSpec(None, None, None, None, "tp",
-                                                                 None)
+    assert head_sharding(SPEC, mesh, None).spec == PartitionSpec(None, None, None, None, "tp", None)
     mla = KVSpec(num_layers=1, num_kv_heads=1, head_dim=8, page_size=2, mla=True)
     assert head_sharding(mla, mesh, "tp").spec == PartitionSpec()
     assert head_sharding(SPEC, None, None) is None

@@ -72,8 +72,10 @@ def test_match_splits_node_and_carries_state(ps, clock):
     assert upper.host_value.tolist() == [7, 6] and leaf.host_value.tolist() == [5, 4]
     assert (upper.lock_ref, upper.hit_count, upper.created) == (1, 2, leaf.created)
     assert upper.last_access == clock() and leaf.last_access < clock()
-    assert np.array_equal(np.concatenate([upper.page_hashes, leaf.page_hashes]),
-                          chain_hashes(namespace_hash(None), seq(ps, [1, 2, 3, 4]).reshape(4, ps)))
+    assert np.array_equal(
+        np.concatenate([upper.page_hashes, leaf.page_hashes]),
+        chain_hashes(namespace_hash(None), seq(ps, [1, 2, 3, 4]).reshape(4, ps)),
+    )
     t.unlock(leaf)  # the lock walk covers the new parent
     assert upper.lock_ref == 0 and leaf in t.evictable_device
     t.check_invariants()
@@ -139,8 +141,9 @@ def test_extra_key_namespaces(ps, clock):
 def test_page_hashes_are_xxh3_chain():
     t = RadixTree(2)
     leaf = t.insert([5, 6, 7, 8], [0, 1], extra_key=("t", 1)).last_node
-    h = int.from_bytes(hashlib.blake2b(b"hicache-ns:" + repr(("t", 1)).encode(),
-                                       digest_size=8).digest(), "little")
+    h = int.from_bytes(
+        hashlib.blake2b(b"hicache-ns:" + repr(("t", 1)).encode(), digest_size=8).digest(), "little"
+    )
     want = []
     for page in ([5, 6], [7, 8]):
         h = xxhash.xxh3_64_intdigest(np.asarray(page, "<i8").tobytes(), seed=h)
@@ -246,6 +249,7 @@ def test_reset_and_nodes(ps, clock):
 
 # ----------------------------------------------------------------------------- bad input
 
+
 def _tree_with_content(ps=4):
     t = RadixTree(ps)
     a = t.insert(seq(ps, [1, 2]), [0, 1]).last_node
@@ -253,13 +257,16 @@ def _tree_with_content(ps=4):
     return t, a
 
 
-@pytest.mark.parametrize("tokens, exc, msg", [
-    ([1.0, 2.0, 3.0, 4.0], TypeError, "integers"),
-    (np.array([True] * 4), TypeError, "integers"),
-    (np.zeros((2, 4), np.int64), ValueError, "1-D"),
-    ([1, -2, 3, 4], ValueError, ">= 0"),
-    (np.array([2**63 + 1] * 4, np.uint64), ValueError, "int64"),
-])
+@pytest.mark.parametrize(
+    "tokens, exc, msg",
+    [
+        ([1.0, 2.0, 3.0, 4.0], TypeError, "integers"),
+        (np.array([True] * 4), TypeError, "integers"),
+        (np.zeros((2, 4), np.int64), ValueError, "1-D"),
+        ([1, -2, 3, 4], ValueError, ">= 0"),
+        (np.array([2**63 + 1] * 4, np.uint64), ValueError, "int64"),
+    ],
+)
 def test_bad_tokens(tokens, exc, msg):
     t, _ = _tree_with_content()
     before = t.snapshot()
@@ -270,18 +277,21 @@ def test_bad_tokens(tokens, exc, msg):
     assert t.snapshot() == before
 
 
-@pytest.mark.parametrize("page_ids, exc, msg", [
-    ([5], ValueError, "has 1 ids, expected 3"),
-    ([5, 6, 7, 8], ValueError, "expected 3"),
-    (np.array([5.0, 6.0, 7.0]), TypeError, "integers"),
-    (np.zeros((3, 1), np.int32), ValueError, "1-D"),
-    ([5, -6, 7], ValueError, "negative ids"),
-    ([5, 5, 7], ValueError, "duplicate"),
-    ([0, 1, 1], ValueError, "duplicate"),
-    ([0, 1, 0], ValueError, "duplicate"),
-    ([1, 5, 7], HiCacheError, "already holds"),   # tree page 1 passed at position 0
-    ([0, 7, 1], HiCacheError, "already holds"),   # locked path page 1 moved to a new position
-])
+@pytest.mark.parametrize(
+    "page_ids, exc, msg",
+    [
+        ([5], ValueError, "has 1 ids, expected 3"),
+        ([5, 6, 7, 8], ValueError, "expected 3"),
+        (np.array([5.0, 6.0, 7.0]), TypeError, "integers"),
+        (np.zeros((3, 1), np.int32), ValueError, "1-D"),
+        ([5, -6, 7], ValueError, "negative ids"),
+        ([5, 5, 7], ValueError, "duplicate"),
+        ([0, 1, 1], ValueError, "duplicate"),
+        ([0, 1, 0], ValueError, "duplicate"),
+        ([1, 5, 7], HiCacheError, "already holds"),  # tree page 1 passed at position 0
+        ([0, 7, 1], HiCacheError, "already holds"),  # locked path page 1 moved to a new position
+    ],
+)
 def test_bad_page_ids(page_ids, exc, msg):
     t, _ = _tree_with_content()
     before = t.snapshot()
@@ -327,6 +337,7 @@ def test_bad_other_arguments():
 
 # ----------------------------------------------------------------------------- state machine
 
+
 def page_tokens(ps, p):
     """Page pattern p in 0..3; patterns 2k and 2k+1 differ only in their last token."""
     return [p % 2] if ps == 1 else [p // 2] * (ps - 1) + [p % 2]
@@ -346,8 +357,8 @@ class TreeMachine(RuleBasedStateMachine):
     def setup(self, ps):
         self.ps = ps
         self.tree = RadixTree(ps, clock=self.clock)
-        self.model = {}      # (ek, prefix tuple) -> {"dev", "host", "hits"}
-        self.locks = []      # locked node handles, with their (ek, prefix tuple)
+        self.model = {}  # (ek, prefix tuple) -> {"dev", "host", "hits"}
+        self.locks = []  # locked node handles, with their (ek, prefix tuple)
         self.next_dev = self.next_host = 0
 
     # -- helpers -------------------------------------------------------------------------------
@@ -356,12 +367,13 @@ class TreeMachine(RuleBasedStateMachine):
         return np.asarray(toks + [3] * tail, np.int64)
 
     def keys(self, ek, toks):
-        return [(ek, tuple(toks[: (k + 1) * self.ps].tolist()))
-                for k in range(len(toks) // self.ps)]
+        return [
+            (ek, tuple(toks[: (k + 1) * self.ps].tolist())) for k in range(len(toks) // self.ps)
+        ]
 
     def node_keys(self, node):
         path = self.tree.path_tokens(node)
-        return self.keys(node.extra_key, path)[-node.num_pages:]
+        return self.keys(node.extra_key, path)[-node.num_pages :]
 
     def fresh_dev(self, n):
         self.next_dev += n
@@ -382,8 +394,14 @@ class TreeMachine(RuleBasedStateMachine):
     # -- rules ---------------------------------------------------------------------------------
     pages_st = st.lists(st.integers(0, 3), max_size=6)
 
-    @rule(pages=pages_st, tail=st.integers(0, 3), ek=st.sampled_from([None, "x"]),
-          reuse=st.booleans(), chunked=st.booleans(), prio=st.integers(0, 2))
+    @rule(
+        pages=pages_st,
+        tail=st.integers(0, 3),
+        ek=st.sampled_from([None, "x"]),
+        reuse=st.booleans(),
+        chunked=st.booleans(),
+        prio=st.integers(0, 2),
+    )
     def insert(self, pages, tail, ek, reuse, chunked, prio):
         self.now += 1
         toks = self.tokens(pages, tail % self.ps)
@@ -474,8 +492,10 @@ class TreeMachine(RuleBasedStateMachine):
 
     @rule(data=st.data())
     def backup(self, data):
-        nodes = sorted((n for n in self.tree.nodes()
-                        if n.value is not None and n.host_value is None), key=lambda n: n.id)
+        nodes = sorted(
+            (n for n in self.tree.nodes() if n.value is not None and n.host_value is None),
+            key=lambda n: n.id,
+        )
         if nodes:
             node = data.draw(st.sampled_from(nodes))
             ids = list(range(self.next_host, self.next_host + node.num_pages))
@@ -495,8 +515,10 @@ class TreeMachine(RuleBasedStateMachine):
 
     @rule(data=st.data())
     def load_back(self, data):
-        nodes = sorted((n for n in self.tree.nodes()
-                        if n.value is None and n.parent.value is not None), key=lambda n: n.id)
+        nodes = sorted(
+            (n for n in self.tree.nodes() if n.value is None and n.parent.value is not None),
+            key=lambda n: n.id,
+        )
         if nodes:
             node = data.draw(st.sampled_from(nodes))
             ids = self.fresh_dev(node.num_pages)
@@ -529,20 +551,31 @@ class TreeMachine(RuleBasedStateMachine):
         seen = {}
         for node in t.nodes():
             for i, key in enumerate(self.node_keys(node)):
-                seen[key] = {"dev": None if node.value is None else int(node.value[i]),
-                             "host": None if node.host_value is None else int(node.host_value[i]),
-                             "hits": node.hit_count}
+                seen[key] = {
+                    "dev": None if node.value is None else int(node.value[i]),
+                    "host": None if node.host_value is None else int(node.host_value[i]),
+                    "hits": node.hit_count,
+                }
                 assert node.lock_ref == sum(key in ks for ks in locked)
         assert seen == self.model
         # The evictable sets, recomputed from their definition.
         nodes = list(t.nodes())
-        assert t.evictable_device == {n for n in nodes if n.lock_ref == 0 and n.value is not None
-                                      and all(c.value is None for c in n.children.values())}
-        assert t.evictable_host == {n for n in nodes if n.lock_ref == 0 and n.value is None
-                                    and n.host_value is not None and not n.children}
+        assert t.evictable_device == {
+            n
+            for n in nodes
+            if n.lock_ref == 0
+            and n.value is not None
+            and all(c.value is None for c in n.children.values())
+        }
+        assert t.evictable_host == {
+            n
+            for n in nodes
+            if n.lock_ref == 0 and n.value is None and n.host_value is not None and not n.children
+        }
         dev = sum(e["dev"] is not None for e in self.model.values()) * self.ps
         assert t.device_tokens == dev and t.host_tokens == self.ps * sum(
-            e["host"] is not None for e in self.model.values())
+            e["host"] is not None for e in self.model.values()
+        )
         assert t.evictable_device_tokens + t.protected_device_tokens == dev
 
 
@@ -565,6 +598,7 @@ def test_long_node_mismatch_positions(where):
 
 # ----------------------------------------------------------------------------- host leaves (L3)
 
+
 def test_add_host_leaf_hangs_host_only_pages_and_validates(clock):
     tree = RadixTree(4, clock=clock)
     tree.insert(np.arange(8), [0, 1])
@@ -577,8 +611,9 @@ def test_add_host_leaf_hangs_host_only_pages_and_validates(clock):
     # Same hashes as if the pages had been inserted on device under the same parent.
     other = RadixTree(4, clock=clock)
     other.insert(np.arange(16), [0, 1, 2, 3])
-    np.testing.assert_array_equal(other.match(np.arange(16)).node.page_hashes[-2:],
-                                  leaf.page_hashes)
+    np.testing.assert_array_equal(
+        other.match(np.arange(16)).node.page_hashes[-2:], leaf.page_hashes
+    )
     before = tree.snapshot()
     with pytest.raises(HiCacheError, match="already has a child"):
         tree.add_host_leaf(parent, np.arange(8, 12), [7])
@@ -601,9 +636,9 @@ def test_redundant_set_and_drop_host_value(ps, clock):
     assert t.redundant == set() and t.redundant_tokens == 0
     t.set_host_value(leaf, [7, 6, 5, 4])
     assert t.redundant == {leaf} and t.redundant_tokens == 4 * ps
-    upper = t.match(seq(ps, [1, 2, 9])).node                 # split: both parts redundant
+    upper = t.match(seq(ps, [1, 2, 9])).node  # split: both parts redundant
     assert t.redundant == {upper, leaf} and t.redundant_tokens == 4 * ps
-    t.lock(leaf)                                              # the chain is in use
+    t.lock(leaf)  # the chain is in use
     assert t.redundant == set() and t.redundant_tokens == 0
     with pytest.raises(HiCacheError, match="not redundant"):
         t.drop_host_value(leaf)
@@ -613,9 +648,9 @@ def test_redundant_set_and_drop_host_value(ps, clock):
     assert t.redundant == {upper} and t.host_tokens == 2 * ps
     t.check_invariants()
     with pytest.raises(HiCacheError, match="not redundant"):
-        t.drop_host_value(leaf)                               # no host copy left
+        t.drop_host_value(leaf)  # no host copy left
     t.delete_leaf(leaf)
-    t.evict_device(upper)                                     # host-only now: not redundant
+    t.evict_device(upper)  # host-only now: not redundant
     assert t.redundant == set() and t.redundant_tokens == 0
     t.check_invariants()
 
@@ -637,15 +672,23 @@ def test_keys_are_int32_whatever_the_input_and_hash_as_int64(dtype):
     t.check_invariants()
 
 
-@pytest.mark.parametrize("tokens", [[2**31, 1, 2, 3], np.array([0, 1, 2, 2**40], np.int64),
-                                    np.array([2**31] * 4, np.uint32),
-                                    np.array([2**32] * 4, np.uint64)])
+@pytest.mark.parametrize(
+    "tokens",
+    [
+        [2**31, 1, 2, 3],
+        np.array([0, 1, 2, 2**40], np.int64),
+        np.array([2**31] * 4, np.uint32),
+        np.array([2**32] * 4, np.uint64),
+    ],
+)
 def test_tokens_beyond_int32_refused_tree_unchanged(tokens):
     t, _node = _tree_with_content()
     before = t.snapshot()
-    for call in (lambda: t.insert(tokens, [5]), lambda: t.match(tokens),
-                 lambda: t.add_host_leaf(t.root, tokens, [9])):
+    for call in (
+        lambda: t.insert(tokens, [5]),
+        lambda: t.match(tokens),
+        lambda: t.add_host_leaf(t.root, tokens, [9]),
+    ):
         with pytest.raises(ValueError, match=r"beyond int32 .*< 2\*\*31"):
             call()
     assert t.snapshot() == before
-

@@ -23,16 +23,21 @@ def fresh_machine_commands(text: str) -> list[str]:
 
 def test_ci_runs_exactly_readmes_commands():
     commands = fresh_machine_commands(README.read_text())
-    assert commands[0] == ("python3 -m venv .venv && . .venv/bin/activate && pip install -e . "
-                           "&& hicache-jax bench")
+    assert commands[0] == (
+        "python3 -m venv .venv && . .venv/bin/activate && pip install -e . && hicache-jax bench"
+    )
     assert commands[-1].endswith("&& python -m pytest -q -n auto --dist loadfile")
     ci = (README.parent / ".ci" / "run").read_text()
     assert re.findall(r"^run '(.*)'$", ci, flags=re.M) == commands
     # nothing else runs: every other line is a comment, the shell setup or run's definition
-    others = [line for line in ci.splitlines()
-              if line.strip() and not line.startswith(("#", "run '"))]
-    assert others == ["set -euo pipefail", 'cd "$(dirname "$0")/.."',
-                      'run() { echo "+ $1"; bash -c "$1"; }']
+    others = [
+        line for line in ci.splitlines() if line.strip() and not line.startswith(("#", "run '"))
+    ]
+    assert others == [
+        "set -euo pipefail",
+        'cd "$(dirname "$0")/.."',
+        'run() { echo "+ $1"; bash -c "$1"; }',
+    ]
 
 
 def test_readme_test_command_installs_every_extra_the_tests_use():

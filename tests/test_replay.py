@@ -35,6 +35,7 @@ def _untimed(report: dict) -> dict:
 
 # --------------------------------------------------------------------------------- formats
 
+
 def test_mooncake_records_become_blocks_of_unique_tokens():
     trace = R.load_trace(SYNTHETIC)
     assert trace.format == "mooncake" and len(trace.requests) == 300
@@ -44,16 +45,18 @@ def test_mooncake_records_become_blocks_of_unique_tokens():
     toks = req.tokens()
     assert req.line == 1 and toks.dtype == np.int64 and toks.shape == (first["input_length"],)
     for i, h in enumerate(first["hash_ids"]):  # block h is h * 512 + arange(512), in order
-        block = toks[i * 512:(i + 1) * 512]
+        block = toks[i * 512 : (i + 1) * 512]
         np.testing.assert_array_equal(block, h * 512 + np.arange(block.size))
     assert first["input_length"] % 512 and toks.size < len(first["hash_ids"]) * 512  # partial
 
 
 def test_block_size_and_fresh_ids_for_missing_blocks(tmp_path):
     path = tmp_path / "t.jsonl"
-    path.write_text('{"timestamp": 0, "input_length": 10, "output_length": 1, "hash_ids": [7, 3]}\n'
-                    '{"input_length": 12, "hash_ids": [7]}\n'
-                    '{"input_length": 8, "hash_ids": []}\n')
+    path.write_text(
+        '{"timestamp": 0, "input_length": 10, "output_length": 1, "hash_ids": [7, 3]}\n'
+        '{"input_length": 12, "hash_ids": [7]}\n'
+        '{"input_length": 8, "hash_ids": []}\n'
+    )
     trace = R.load_trace(path, block_size=4)
     a, b, c = (r.tokens() for r in trace.requests)
     np.testing.assert_array_equal(a, [28, 29, 30, 31, 12, 13, 14, 15, 32, 33])  # 7, 3, fresh 8
@@ -70,21 +73,27 @@ def test_token_jsonl_lists_and_records_auto_detected():
     assert trace.num_tokens == 27
 
 
-@pytest.mark.parametrize("line, message", [
-    ('{"input_length": 4, "hash_ids": [0]', "malformed JSON"),
-    ('{"input_length": -1, "hash_ids": []}', "input_length=-1 must be an int >= 0"),
-    ('{"input_length": 4, "output_length": -2, "hash_ids": [0]}', "output_length=-2"),
-    ('{"input_length": 4.0, "hash_ids": [0]}', "input_length=4.0"),
-    ('{"input_length": 513, "hash_ids": [0, 1, 2]}', "3 hash_ids but input_length=513 has only 2"),
-    ('{"input_length": 4, "hash_ids": [1.5]}', "hash_ids holds 1.5, not an int"),
-    ('{"input_length": 4, "hash_ids": [true]}', "hash_ids holds True"),
-    ('{"input_length": 4, "hash_ids": [-3]}', r"hash_ids must hold ints in \[0, 2\*\*63\)"),
-    ('{"input_length": 4, "hash_ids": "0"}', "hash_ids must be a list of ints"),
-    ('{"input_length": 4, "hash_ids": [0], "timestamp": "now"}', "timestamp='now'"),
-    ('[1, 2, "3"]', "tokens holds '3'"),
-    ('{"prompt": "hello"}', "expected a Mooncake record"),
-    ('[1, 2, 3]', "a tokens record in a mooncake trace"),
-])
+@pytest.mark.parametrize(
+    "line, message",
+    [
+        ('{"input_length": 4, "hash_ids": [0]', "malformed JSON"),
+        ('{"input_length": -1, "hash_ids": []}', "input_length=-1 must be an int >= 0"),
+        ('{"input_length": 4, "output_length": -2, "hash_ids": [0]}', "output_length=-2"),
+        ('{"input_length": 4.0, "hash_ids": [0]}', "input_length=4.0"),
+        (
+            '{"input_length": 513, "hash_ids": [0, 1, 2]}',
+            "3 hash_ids but input_length=513 has only 2",
+        ),
+        ('{"input_length": 4, "hash_ids": [1.5]}', "hash_ids holds 1.5, not an int"),
+        ('{"input_length": 4, "hash_ids": [true]}', "hash_ids holds True"),
+        ('{"input_length": 4, "hash_ids": [-3]}', r"hash_ids must hold ints in \[0, 2\*\*63\)"),
+        ('{"input_length": 4, "hash_ids": "0"}', "hash_ids must be a list of ints"),
+        ('{"input_length": 4, "hash_ids": [0], "timestamp": "now"}', "timestamp='now'"),
+        ('[1, 2, "3"]', "tokens holds '3'"),
+        ('{"prompt": "hello"}', "expected a Mooncake record"),
+        ("[1, 2, 3]", "a tokens record in a mooncake trace"),
+    ],
+)
 def test_bad_input_names_file_and_line(tmp_path, line, message):
     path = tmp_path / "bad.jsonl"
     path.write_text('{"input_length": 4, "hash_ids": [0]}\n\n' + line + "\n")
@@ -116,31 +125,35 @@ def test_spec_option():
         _spec("heads=8", 16)
     with pytest.raises(ValueError, match="'x' is not an int"):
         _spec("layers=x", 16)
-    with pytest.raises(ValueError, match=r"'page_size=8'.* one of layers, kv_heads, head_dim, "
-                                         r"dtype, mla$"):
+    with pytest.raises(
+        ValueError,
+        match=r"'page_size=8'.* one of layers, kv_heads, head_dim, "
+        r"dtype, mla$",
+    ):
         _spec("page_size=8", 16)  # replay's page size is --page-size
 
 
 # ------------------------------------------------------------------------------ references
 
+
 def test_page_keys_name_pages_by_their_prefix():
     keys = R.PageKeys(2)
-    a = keys(np.array([1, 2, 3, 4, 5]))        # the partial page 5 is no page
+    a = keys(np.array([1, 2, 3, 4, 5]))  # the partial page 5 is no page
     b = keys(np.array([1, 2, 3, 4, 6, 7]))
-    c = keys(np.array([3, 4, 1, 2]))           # page (3, 4) again, under another prefix
+    c = keys(np.array([3, 4, 1, 2]))  # page (3, 4) again, under another prefix
     assert a == [0, 1] and b == [0, 1, 2] and c == [3, 4] and len(keys) == 5
 
 
 def test_block_lru_by_hand():
     lru = R.BlockLRU(3)
-    assert lru.serve([1, 2, 3]) == 0          # recency, oldest first: 3 2 1
-    assert lru.serve([1, 2, 4]) == 2          # 3 4 2 1 -> 3 evicted (a leaf, not the root)
+    assert lru.serve([1, 2, 3]) == 0  # recency, oldest first: 3 2 1
+    assert lru.serve([1, 2, 4]) == 2  # 3 4 2 1 -> 3 evicted (a leaf, not the root)
     assert len(lru) == 3
-    assert lru.serve([1, 2, 3]) == 2          # 4 3 2 1 -> 4 evicted
+    assert lru.serve([1, 2, 3]) == 2  # 4 3 2 1 -> 4 evicted
     assert lru.serve([1, 2, 4]) == 2
-    assert lru.serve([5]) == 0                # 4 2 1 5 -> 4 evicted: the deepest of 1-2-4 first
+    assert lru.serve([5]) == 0  # 4 2 1 5 -> 4 evicted: the deepest of 1-2-4 first
     assert lru.serve([1, 2]) == 2
-    assert lru.serve([6, 7, 8, 9]) == 0       # longer than the cache: keeps its leading pages
+    assert lru.serve([6, 7, 8, 9]) == 0  # longer than the cache: keeps its leading pages
     assert lru.serve([6, 7, 8]) == 3
     inf = R.BlockLRU(None)
     assert [inf.serve(k) for k in ([1, 2], [1, 3], [1, 2, 4], [5])] == [0, 1, 2, 0]
@@ -154,6 +167,7 @@ def test_reference_hits_by_hand():
 
 
 # ---------------------------------------------------------------------------------- replay
+
 
 def test_replay_tiny_trace_l1_only_by_hand():
     trace = R.load_trace(TOKENS)
@@ -176,8 +190,9 @@ def test_l1_only_lru_equals_block_lru_of_l1(path):
     trace = R.load_trace(path)
     ps = 128  # four pages a Mooncake block: partial blocks share pages too
     longest = max(r.num_tokens for r in trace.requests) // ps
-    report = R.run(trace, _spec(None, ps), device_pages=[longest, 2 * longest, 4 * longest],
-                   host_ratio=0)
+    report = R.run(
+        trace, _spec(None, ps), device_pages=[longest, 2 * longest, 4 * longest], host_ratio=0
+    )
     for r in report["results"]:
         assert r["host_pages"] == 0 and r["host_hit_tokens"] == 0
         assert r["evicted_pages"] > 5 * r["device_pages"]  # eviction happens a lot
@@ -187,8 +202,12 @@ def test_l1_only_lru_equals_block_lru_of_l1(path):
 
 def test_replays_are_deterministic():
     trace = R.load_trace(SYNTHETIC, limit=150)
-    kw = dict(device_pages=[150], host_ratio=2, write_policies=["write_through", "write_back"],
-              evictions=["lru", "lfu"])
+    kw = dict(
+        device_pages=[150],
+        host_ratio=2,
+        write_policies=["write_through", "write_back"],
+        evictions=["lru", "lfu"],
+    )
     spec = _spec(None, 128)
     a, b = R.run(trace, spec, **kw), R.run(trace, spec, **kw)
     assert any(r["bytes_to_host"] and r["evicted_pages"] for r in a["results"])  # work was done
@@ -198,8 +217,9 @@ def test_replays_are_deterministic():
 @pytest.mark.parametrize("policy", ["write_through", "write_through_selective", "write_back"])
 def test_any_write_policy_gives_consistent_figures(policy):
     trace = R.load_trace(CONVERSATION, limit=120)
-    (r,) = R.run(trace, _spec(None, 512), device_pages=[60], host_ratio=3,
-                 write_policies=[policy])["results"]
+    (r,) = R.run(trace, _spec(None, 512), device_pages=[60], host_ratio=3, write_policies=[policy])[
+        "results"
+    ]
     assert r["write_policy"] == policy and r["host_pages"] == 180
     assert r["hit_tokens"] == r["device_hit_tokens"] + r["host_hit_tokens"]
     assert r["hit_ratio"] <= r["infinite_hit_ratio"] and r["hit_tokens"] % 512 == 0
@@ -210,60 +230,118 @@ def test_any_write_policy_gives_consistent_figures(policy):
 def test_real_model_spec_moves_real_bytes():
     trace = R.load_trace(SYNTHETIC, limit=40)
     spec = _spec("layers=2,kv_heads=2,head_dim=8,dtype=bfloat16", 512)
-    (r,) = R.run(trace, spec, device_pages=[120], host_ratio=2,
-                 write_policies=["write_back"])["results"]
+    (r,) = R.run(trace, spec, device_pages=[120], host_ratio=2, write_policies=["write_back"])[
+        "results"
+    ]
     assert r["bytes_to_host"] > 0 and r["bytes_to_host"] % spec.page_bytes == 0
 
 
 def test_replay_uses_the_public_api_only():
     """No ``obj._name`` in replay/driver.py but on its own ``self``."""
     tree = ast.parse(pathlib.Path(R.driver.__file__).read_text())
-    bad = [node.attr for node in ast.walk(tree) if isinstance(node, ast.Attribute)
-           and node.attr.startswith("_") and not node.attr.startswith("__")
-           and not (isinstance(node.value, ast.Name) and node.value.id == "self")]
+    bad = [
+        node.attr
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Attribute)
+        and node.attr.startswith("_")
+        and not node.attr.startswith("__")
+        and not (isinstance(node.value, ast.Name) and node.value.id == "self")
+    ]
     assert bad == []
 
 
 # ------------------------------------------------------------------------------------- CLI
 
+
 def test_cli_sweep_with_json(tmp_path, capsys):
     path = tmp_path / "out" / "replay.json"
-    rc = main(["replay", str(SYNTHETIC), "--quiet", "--limit", "200", "--capacities",
-                   "1e5,3e5", "--policy", "write_through,write_back", "--json", str(path)])
+    rc = main(
+        [
+            "replay",
+            str(SYNTHETIC),
+            "--quiet",
+            "--limit",
+            "200",
+            "--capacities",
+            "1e5,3e5",
+            "--policy",
+            "write_through,write_back",
+            "--json",
+            str(path),
+        ]
+    )
     assert rc == 0
     out = capsys.readouterr().out
-    for header in ("hit/inf", "hit/LRU(L1+L2)", "hit/LRU(L1)", "MB to host", "MB to device",
-                   "backups", "load-backs", "evicted pg", "evict-backup pg", "req/s",
-                   "L1 tokens", "LRU(L1)"):
+    for header in (
+        "hit/inf",
+        "hit/LRU(L1+L2)",
+        "hit/LRU(L1)",
+        "MB to host",
+        "MB to device",
+        "backups",
+        "load-backs",
+        "evicted pg",
+        "evict-backup pg",
+        "req/s",
+        "L1 tokens",
+        "LRU(L1)",
+    ):
         assert header in out
     data = json.loads(path.read_text())
     assert data["env"]["backend"] == "cpu" and "load_average" in data["env"]
     assert data["trace"]["requests"] == 200 and data["spec"]["page_size"] == 512
     res = data["results"]
     assert [(r["device_pages"], r["write_policy"]) for r in res] == [
-        (195, "write_through"), (195, "write_back"), (585, "write_through"), (585, "write_back")]
+        (195, "write_through"),
+        (195, "write_back"),
+        (585, "write_through"),
+        (585, "write_back"),
+    ]
     assert all(r["host_pages"] == 4 * r["device_pages"] for r in res)
     assert res[0]["lru_l1_hit_ratio"] <= res[2]["lru_l1_hit_ratio"]
 
 
 def test_cli_single_size_flags(tmp_path, capsys):
     path = tmp_path / "r.json"
-    assert main(["replay", str(TOKENS), "--quiet", "--page-size", "4", "--device-tokens", "8",
-                     "--host-ratio", "0", "--eviction", "lru,fifo", "--json", str(path)]) == 0
+    assert (
+        main(
+            [
+                "replay",
+                str(TOKENS),
+                "--quiet",
+                "--page-size",
+                "4",
+                "--device-tokens",
+                "8",
+                "--host-ratio",
+                "0",
+                "--eviction",
+                "lru,fifo",
+                "--json",
+                str(path),
+            ]
+        )
+        == 0
+    )
     res = json.loads(path.read_text())["results"]
     assert [(r["eviction"], r["device_pages"], r["hit_tokens"]) for r in res] == [
-        ("lru", 2, 8), ("fifo", 2, 8)]
+        ("lru", 2, 8),
+        ("fifo", 2, 8),
+    ]
     assert "L1 tokens" not in capsys.readouterr().out  # one size: no sweep table
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--policy", "write_sideways"], "write_policy='write_sideways'"),
-    (["--eviction", "random"], "eviction='random'"),
-    (["--host-ratio", "-1"], "--host-ratio -1"),
-    (["--capacities", "1e5,lots"], "expected numbers"),
-    (["--device-tokens", "100"], "at least one page"),
-    (["--spec", "layers=0"], "num_layers=0"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--policy", "write_sideways"], "write_policy='write_sideways'"),
+        (["--eviction", "random"], "eviction='random'"),
+        (["--host-ratio", "-1"], "--host-ratio -1"),
+        (["--capacities", "1e5,lots"], "expected numbers"),
+        (["--device-tokens", "100"], "at least one page"),
+        (["--spec", "layers=0"], "num_layers=0"),
+    ],
+)
 def test_cli_bad_flags_exit_2(args, message, capsys):
     with pytest.raises(SystemExit) as exc:
         main(["replay", str(SYNTHETIC), "--quiet", *args])
@@ -273,8 +351,12 @@ def test_cli_bad_flags_exit_2(args, message, capsys):
 def test_cli_bad_trace_exits_2_without_traceback(tmp_path):
     path = tmp_path / "bad.jsonl"
     path.write_text('{"input_length": 4, "hash_ids": [0]}\n{"input_length": 4, "hash_ids": [x]}\n')
-    proc = subprocess.run([sys.executable, "-m", "hicache_jax", "replay", str(path)],
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "hicache_jax", "replay", str(path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 2
     assert "bad.jsonl, line 2: malformed JSON" in proc.stderr and "Traceback" not in proc.stderr
 
@@ -289,8 +371,22 @@ def test_cli_plot_without_matplotlib_says_what_to_install(monkeypatch, capsys):
 def test_cli_plot_writes_a_png(tmp_path):
     pytest.importorskip("matplotlib", reason='--plot needs matplotlib: pip install -e ".[plot]"')
     path = tmp_path / "sweep.png"
-    assert main(["replay", str(TOKENS), "--quiet", "--page-size", "4", "--capacities",
-                     "4,8,16", "--plot", str(path)]) == 0
+    assert (
+        main(
+            [
+                "replay",
+                str(TOKENS),
+                "--quiet",
+                "--page-size",
+                "4",
+                "--capacities",
+                "4,8,16",
+                "--plot",
+                str(path),
+            ]
+        )
+        == 0
+    )
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
@@ -301,18 +397,43 @@ def test_clean_ahead_leaves_almost_nothing_to_copy_on_the_eviction_path(eviction
     reserve follows the largest allocation: at most 1% of evicted pages are copied there."""
     trace = R.load_trace(SYNTHETIC)
     spec = _spec(None, 128)
-    r = R.replay(trace, spec, HiCacheConfig(device_pages=2000, host_pages=8000,
-                                          write_policy="clean_ahead", eviction=eviction,
-                                          load_back_threshold=128))
+    r = R.replay(
+        trace,
+        spec,
+        HiCacheConfig(
+            device_pages=2000,
+            host_pages=8000,
+            write_policy="clean_ahead",
+            eviction=eviction,
+            load_back_threshold=128,
+        ),
+    )
     assert r["evicted_pages"] > 10_000
     assert r["eviction_backup_pages"] <= 0.01 * r["evicted_pages"]
 
 
 def test_cli_host_ratio_sweep_prints_ratio_to_two_tier_lru(tmp_path, capsys):
     path = tmp_path / "r.json"
-    assert main(["replay", str(SYNTHETIC), "--quiet", "--limit", "120", "--capacities",
-                     "1e5,3e5", "--host-ratio", "2,4", "--policy", "clean_ahead,write_back",
-                     "--json", str(path)]) == 0
+    assert (
+        main(
+            [
+                "replay",
+                str(SYNTHETIC),
+                "--quiet",
+                "--limit",
+                "120",
+                "--capacities",
+                "1e5,3e5",
+                "--host-ratio",
+                "2,4",
+                "--policy",
+                "clean_ahead,write_back",
+                "--json",
+                str(path),
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert "== L2 = 2 x L1" in out and "== L2 = 4 x L1" in out and "/LRU(L1+L2)" in out
     reps = json.loads(path.read_text())["reports"]
@@ -325,9 +446,21 @@ def test_cli_host_ratio_sweep_prints_ratio_to_two_tier_lru(tmp_path, capsys):
 
 def test_cli_check_ideal_names_the_point_below(tmp_path, capsys):
     # every L2 hit declined (threshold above any prompt): the default is below LRU(L1+L2)
-    args = ["replay", str(SYNTHETIC), "--quiet", "--limit", "120", "--capacities", "1e5",
-            "--host-ratio", "2,4", "--load-back-threshold", "1000000",
-            "--json", str(tmp_path / "r.json")]
+    args = [
+        "replay",
+        str(SYNTHETIC),
+        "--quiet",
+        "--limit",
+        "120",
+        "--capacities",
+        "1e5",
+        "--host-ratio",
+        "2,4",
+        "--load-back-threshold",
+        "1000000",
+        "--json",
+        str(tmp_path / "r.json"),
+    ]
     assert main(args + ["--check-ideal", "1e-9"]) == 0  # any hit at all passes
     capsys.readouterr()
     data = json.loads((tmp_path / "r.json").read_text())
@@ -341,12 +474,15 @@ def test_cli_check_ideal_names_the_point_below(tmp_path, capsys):
             assert f"L1 99840 tokens, L2 = {ratio:g} x L1" in err
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--host-ratio", "2,x"], "--host-ratio 'x'"),
-    (["--host-ratio", "2,-1"], "--host-ratio -1"),
-    (["--check-ideal", "1.5"], "--check-ideal 1.5"),
-    (["--check-ideal", "0.9", "--policy", "write_back"], "add it to --policy"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--host-ratio", "2,x"], "--host-ratio 'x'"),
+        (["--host-ratio", "2,-1"], "--host-ratio -1"),
+        (["--check-ideal", "1.5"], "--check-ideal 1.5"),
+        (["--check-ideal", "0.9", "--policy", "write_back"], "add it to --policy"),
+    ],
+)
 def test_cli_bad_sweep_flags_exit_2(args, message, capsys):
     with pytest.raises(SystemExit) as exc:
         main(["replay", str(SYNTHETIC), "--quiet", "--limit", "10", *args])
@@ -360,16 +496,21 @@ def test_diagnose_accounts_for_the_gap_to_the_two_tier_lru():
     trace = R.load_trace(SYNTHETIC, limit=150)
     spec = _spec(None, 128)
     kw = dict(device_pages=[60], host_ratio=2, write_policies=["clean_ahead", "write_back"])
-    plain, a, b = R.run(trace, spec, **kw), R.run(trace, spec, diagnose=True, **kw), \
-        R.run(trace, spec, diagnose=True, **kw)
+    plain, a, b = (
+        R.run(trace, spec, **kw),
+        R.run(trace, spec, diagnose=True, **kw),
+        R.run(trace, spec, diagnose=True, **kw),
+    )
     assert json.dumps(_untimed(a), sort_keys=True) == json.dumps(_untimed(b), sort_keys=True)
     for p, r in zip(plain["results"], a["results"]):
-        assert {k: v for k, v in r.items() if not k.startswith("diag_")
-                and k not in R.TIMING_FIELDS} == {k: v for k, v in p.items()
-                                                  if k not in R.TIMING_FIELDS}
+        assert {
+            k: v for k, v in r.items() if not k.startswith("diag_") and k not in R.TIMING_FIELDS
+        } == {k: v for k, v in p.items() if k not in R.TIMING_FIELDS}
         ref = round(r["lru_total_hit_ratio"] * r["prompt_tokens"]) // 128
-        assert r["hit_tokens"] // 128 - ref == r["diag_gained_vs_lru_pages"] - \
-            r["diag_lost_vs_lru_pages"]
+        assert (
+            r["hit_tokens"] // 128 - ref
+            == r["diag_gained_vs_lru_pages"] - r["diag_lost_vs_lru_pages"]
+        )
         assert 0 <= r["diag_mean_l1_free_pages"] <= 60
         assert 0 <= r["diag_mean_l2_redundant_pages"] <= r["host_pages"]
     assert "lost vs LRU pg" in R.tables(a) and "lost vs LRU pg" not in R.tables(plain)

@@ -19,9 +19,20 @@ from hicache_jax.spec import KVSpec
 
 DATA = pathlib.Path(__file__).parent / "data"
 SLICE = DATA / "mooncake_synthetic_300.jsonl"
-FIGURES = ("prompt_tokens", "device_hit_tokens", "host_hit_tokens", "host_declined_tokens",
-           "hit_tokens", "backups", "load_backs", "evicted_pages", "eviction_backup_pages",
-           "bytes_to_host", "bytes_to_device", "host_evicted_pages")
+FIGURES = (
+    "prompt_tokens",
+    "device_hit_tokens",
+    "host_hit_tokens",
+    "host_declined_tokens",
+    "hit_tokens",
+    "backups",
+    "load_backs",
+    "evicted_pages",
+    "eviction_backup_pages",
+    "bytes_to_host",
+    "bytes_to_device",
+    "host_evicted_pages",
+)
 
 
 @pytest.fixture(scope="module")
@@ -32,8 +43,9 @@ def trace():
 @pytest.mark.parametrize("policy", ["clean_ahead", "write_through", "write_back"])
 def test_the_flow_gives_the_library_replays_figures(trace, policy):
     spec = KVSpec.parse(None, TINY_SPEC, page_size=512)
-    cfg = HiCacheConfig(device_pages=200, host_pages=800, write_policy=policy,
-                        load_back_threshold=512)
+    cfg = HiCacheConfig(
+        device_pages=200, host_pages=800, write_policy=policy, load_back_threshold=512
+    )
     want = replay(trace, spec, cfg)
     got = rd.replay_counted(rd.Prompts.from_trace(trace), rd.tiny_spec(512), cfg)
     assert want["host_hit_tokens"] > 0 and want["device_hit_tokens"] > 0

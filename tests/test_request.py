@@ -54,7 +54,7 @@ def test_a_request_caches_its_whole_pages_and_frees_the_partial_one():
         new = req.extend(len(toks))
         assert new.size == 3 and req.num_tokens == 10  # 10 tokens: 2 whole pages + 1 partial
         write(cache, new)
-        req.extend(1)                                  # room in the partial page: no new page
+        req.extend(1)  # room in the partial page: no new page
         assert req.device_pages.size == 3
         assert req.finish(np.append(toks, 99)) == 0
         assert req.state == "finished"
@@ -72,7 +72,8 @@ def test_the_second_request_hits_and_reads_the_first_requests_bytes():
     with cache.begin(np.append(toks, [7, 7, 7, 7])) as req:
         assert req.cached_len == 12 and req.host_len_declined == 0
         np.testing.assert_array_equal(
-            np.asarray(cache.read_kv(req.device_pages)).view(kv.dtype), kv)
+            np.asarray(cache.read_kv(req.device_pages)).view(kv.dtype), kv
+        )
         req.extend(4)
         req.finish(np.append(toks, [7, 7, 7, 7]))
     clean(cache)
@@ -97,7 +98,7 @@ def test_commit_makes_the_prompt_shareable_while_the_request_decodes():
     a = cache.begin(toks)
     write(cache, a.extend(8))
     assert a.commit(toks) == 8
-    assert cache.match_prefix(toks).device_len == 8       # another request hits it now
+    assert cache.match_prefix(toks).device_len == 8  # another request hits it now
     with cache.begin(toks) as b:
         assert b.cached_len == 8
         np.testing.assert_array_equal(b.device_pages, a.device_pages)
@@ -114,7 +115,7 @@ def test_commit_of_a_page_another_request_inserted_first_takes_the_trees_page():
     pa, pb = a.extend(8), b.extend(8)
     write(cache, pa), write(cache, pb)
     a.finish(toks)
-    b.commit(toks)          # b's duplicates are freed; b now holds the tree's (a's) pages
+    b.commit(toks)  # b's duplicates are freed; b now holds the tree's (a's) pages
     np.testing.assert_array_equal(b.device_pages, pa)
     assert cache.stats()["duplicate_pages_freed"] == 2
     b.finish(toks)
@@ -147,14 +148,16 @@ def test_leaving_the_block_without_finish_aborts_but_keeps_what_was_committed():
 def test_out_of_pages_in_extend_leaves_the_request_as_it_was():
     cache = make_cache(SPEC, device_pages=4, host_pages=8)
     other = cache.begin(prompt(8, 100))
-    other.extend(8)                       # 2 pages owned by another request
+    other.extend(8)  # 2 pages owned by another request
     with cache.begin(prompt(16)) as req:
         req.extend(4)
         before = (req.device_pages.copy(), req.num_tokens, cache.stats()["device_free_pages"])
         with pytest.raises(OutOfPagesError):
-            req.extend(8)                 # needs 2 more: 1 free, nothing evictable
-        assert (req.device_pages.tolist(), req.num_tokens,
-                cache.stats()["device_free_pages"]) == (before[0].tolist(), *before[1:])
+            req.extend(8)  # needs 2 more: 1 free, nothing evictable
+        assert (req.device_pages.tolist(), req.num_tokens, cache.stats()["device_free_pages"]) == (
+            before[0].tolist(),
+            *before[1:],
+        )
         cache.check_invariants()
         req.finish(prompt(4))
     other.abort()
@@ -170,7 +173,7 @@ def test_finish_after_abort_and_double_finish_raise_and_abort_after_finish_is_a_
         req.finish(prompt(8))
     with pytest.raises(HiCacheError, match="aborted"):
         req.extend(1)
-    req.abort()                           # again: a no-op
+    req.abort()  # again: a no-op
     req2 = cache.begin(prompt(8))
     req2.extend(8)
     req2.finish(prompt(8))
@@ -215,12 +218,12 @@ def test_a_handle_of_a_closed_cache_raises_and_abort_is_a_no_op():
 def test_begin_many_admits_oldest_first_within_the_budget_and_loads_nothing_for_the_rest():
     cache = make_cache(SPEC, device_pages=16, host_pages=32, write_policy="write_through")
     shared = prompt(8, 500)
-    cached_on_host_only(cache, shared)                 # shared prefix: host only now
+    cached_on_host_only(cache, shared)  # shared prefix: host only now
     prompts = [np.append(shared, prompt(4)), np.append(shared, prompt(8, 50)), prompt(40, 900)]
-    reqs = cache.begin_many(prompts, budget=8)         # 3 pages, then 4, then 10: stops at 3rd
+    reqs = cache.begin_many(prompts, budget=8)  # 3 pages, then 4, then 10: stops at 3rd
     assert [r is not None for r in reqs] == [True, True, False]
     assert reqs[0].loaded_len == 8 and reqs[1].cached_len == 8
-    assert cache.stats()["load_backs"] == 1            # the overlap is loaded once
+    assert cache.stats()["load_backs"] == 1  # the overlap is loaded once
     for r, p in zip(reqs[:2], prompts):
         r.extend(len(p) - r.cached_len)
         r.finish(p)
@@ -243,12 +246,12 @@ def test_extend_many_takes_one_allocation_and_raises_leaving_every_request_as_it
     cache = make_cache(SPEC, device_pages=6, host_pages=8)
     a, b = cache.begin(prompt(4, 10)), cache.begin(prompt(4, 20))
     a.extend(4), b.extend(3)
-    extend_many(cache, [a, b], [1, 1])          # a needs a new page, b's last page has room
+    extend_many(cache, [a, b], [1, 1])  # a needs a new page, b's last page has room
     assert (a.device_pages.size, b.device_pages.size) == (2, 1)
     assert (a.num_tokens, b.num_tokens) == (5, 4)
     before = [(r.device_pages.tolist(), r.num_tokens) for r in (a, b)]
     with pytest.raises(OutOfPagesError):
-        extend_many(cache, [a, b], [8, 8])      # 4 more pages: 3 free, nothing evictable
+        extend_many(cache, [a, b], [8, 8])  # 4 more pages: 3 free, nothing evictable
     assert [(r.device_pages.tolist(), r.num_tokens) for r in (a, b)] == before
     with pytest.raises(ValueError, match="token counts"):
         extend_many(cache, [a, b], [1])
@@ -271,7 +274,7 @@ def test_tree_len_follows_commit_and_a_chunked_finish_counts_no_hit():
     req.commit(seq)
     assert req.tree_len == 20
     hits = {n.id: n.hit_count for n in cache.tree.nodes()}
-    req.finish(seq, chunked=True)               # e.g. a retracted request: no hit counted
+    req.finish(seq, chunked=True)  # e.g. a retracted request: no hit counted
     assert {n.id: n.hit_count for n in cache.tree.nodes()} == hits
     clean(cache)
 
@@ -283,7 +286,7 @@ def test_admit_matched_wraps_a_schedulers_own_matches_with_one_load_back():
     shared = prompt(8, 700)
     cached_on_host_only(cache, shared)
     prompts = [np.append(shared, prompt(4)), np.append(shared, prompt(4, 60))]
-    matches = [cache.match_prefix(p) for p in prompts]   # the scheduler's own plan admits both
+    matches = [cache.match_prefix(p) for p in prompts]  # the scheduler's own plan admits both
     reqs = admit_matched(cache, matches)
     assert [r.loaded_len for r in reqs] == [8, 8] and [r.cached_len for r in reqs] == [8, 8]
     assert cache.stats()["load_backs"] == 1

@@ -16,23 +16,60 @@ def _doc(name, res, **extra):
     return {"benchmark": name, "env": ENV, "config": {"quick": True}, "results": res, **extra}
 
 
-TRANSFER = _doc("gpu_transfer", {
-    "directions": [
-        dict(layout="layer_first", direction="load", pages=128, mib=16.0, limit="device_put",
-             limit_gbps=10.0, gbps=8.0, ratio=0.79, device_gather_gbps=1.0),
-        dict(layout="layer_first", direction="both", pages=0, mib=0.0, limit="failed: X",
-             limit_gbps=0.0, gbps=0.0, ratio=0.0, device_gather_gbps=0.0)],
-    "layerwise": [dict(layout="layer_first", pages=16, layer0_ms=1.0, all_ms=4.0,
-                       plain_load_ms=2.0)]})
-KERNELS = _doc("tpu_kernels", {"limit": {"kind": "jnp.copy", "gbps": 100.0}, "rows": [
-    dict(op="gather", pages=16, impl="xla", ok=True, gbps=20.0),
-    dict(op="gather", pages=16, impl="pallas window=8", ok=True, gbps=50.0),
-    dict(op="gather", pages=16, impl="pallas window=16", ok=True, gbps=60.0),
-    dict(op="gather", pages=16, impl="pallas broken", ok="ValueError: x", gbps=None)]})
-TTFT = _doc("gpu_ttft", {"median_s": {"L1": 0.01, "L2 plain": 0.02, "L2 layer-wise": 0.04,
-                                      "recompute": 0.1}})
-SERVE = {"benchmark": "hicache-jax bench --engine batched", "env": ENV, "config": {},
-         "summary": {"hicache": {"tokens_per_s": 300.0, "serial_tokens_per_s": 100.0}}}
+TRANSFER = _doc(
+    "gpu_transfer",
+    {
+        "directions": [
+            dict(
+                layout="layer_first",
+                direction="load",
+                pages=128,
+                mib=16.0,
+                limit="device_put",
+                limit_gbps=10.0,
+                gbps=8.0,
+                ratio=0.79,
+                device_gather_gbps=1.0,
+            ),
+            dict(
+                layout="layer_first",
+                direction="both",
+                pages=0,
+                mib=0.0,
+                limit="failed: X",
+                limit_gbps=0.0,
+                gbps=0.0,
+                ratio=0.0,
+                device_gather_gbps=0.0,
+            ),
+        ],
+        "layerwise": [
+            dict(layout="layer_first", pages=16, layer0_ms=1.0, all_ms=4.0, plain_load_ms=2.0)
+        ],
+    },
+)
+KERNELS = _doc(
+    "tpu_kernels",
+    {
+        "limit": {"kind": "jnp.copy", "gbps": 100.0},
+        "rows": [
+            dict(op="gather", pages=16, impl="xla", ok=True, gbps=20.0),
+            dict(op="gather", pages=16, impl="pallas window=8", ok=True, gbps=50.0),
+            dict(op="gather", pages=16, impl="pallas window=16", ok=True, gbps=60.0),
+            dict(op="gather", pages=16, impl="pallas broken", ok="ValueError: x", gbps=None),
+        ],
+    },
+)
+TTFT = _doc(
+    "gpu_ttft",
+    {"median_s": {"L1": 0.01, "L2 plain": 0.02, "L2 layer-wise": 0.04, "recompute": 0.1}},
+)
+SERVE = {
+    "benchmark": "hicache-jax bench --engine batched",
+    "env": ENV,
+    "config": {},
+    "summary": {"hicache": {"tokens_per_s": 300.0, "serial_tokens_per_s": 100.0}},
+}
 
 
 def test_each_benchmark_gives_its_figures_beside_their_limits():
@@ -75,8 +112,20 @@ def test_the_recorded_cpu_runs_follow_the_schema(name):
     doc = json.loads((DATA / name).read_text())
     assert doc["schema"] == results.SCHEMA and doc["env"]["backend"] == "cpu"
     sources = {f["source"] for f in doc["figures"]}
-    assert sources == {"gpu_transfer", "gpu_kernels", "gpu_ttft",
-                       "hicache-jax bench --engine batched"}
+    assert sources == {
+        "gpu_transfer",
+        "gpu_kernels",
+        "gpu_ttft",
+        "hicache-jax bench --engine batched",
+    }
     for f in doc["figures"]:
-        assert set(f) == {"name", "unit", "value", "limit_name", "limit", "ratio",
-                          "higher_is_better", "source"}
+        assert set(f) == {
+            "name",
+            "unit",
+            "value",
+            "limit_name",
+            "limit",
+            "ratio",
+            "higher_is_better",
+            "source",
+        }

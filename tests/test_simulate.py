@@ -19,14 +19,29 @@ def _trace(tmp_path, n=40, gap_ms=50):
     with open(path, "w") as f:
         for i in range(n):
             ids = list(range(100 * (i % 4), 100 * (i % 4) + 6)) + [10_000 + i]
-            f.write(json.dumps({"timestamp": i * gap_ms, "input_length": 7 * 16,
-                                "output_length": 1, "hash_ids": ids}) + "\n")
+            f.write(
+                json.dumps(
+                    {
+                        "timestamp": i * gap_ms,
+                        "input_length": 7 * 16,
+                        "output_length": 1,
+                        "hash_ids": ids,
+                    }
+                )
+                + "\n"
+            )
     return load_trace(path, block_size=16)
 
 
 def _run(trace, regime, seed=0):
-    return simulate_all(trace, KVSpec.parse(None, TINY_SPEC, page_size=16), regime, device_pages=8,
-                        host_ratio=2.0, seed=seed)
+    return simulate_all(
+        trace,
+        KVSpec.parse(None, TINY_SPEC, page_size=16),
+        regime,
+        device_pages=8,
+        host_ratio=2.0,
+        seed=seed,
+    )
 
 
 def test_a_seed_gives_identical_results_and_another_seed_other_timings(tmp_path):
@@ -35,8 +50,9 @@ def test_a_seed_gives_identical_results_and_another_seed_other_timings(tmp_path)
     a, b, c = _run(trace, rg, 3), _run(trace, rg, 3), _run(trace, rg, 4)
     # Every count, hit, TTFT and fitted error figure identical, bit for bit.
     assert a.keys() == b.keys() and len(a["results"]) == len(b["results"])
-    assert {k: v for k, v in a.items() if k != "results"} == \
-        {k: v for k, v in b.items() if k != "results"}
+    assert {k: v for k, v in a.items() if k != "results"} == {
+        k: v for k, v in b.items() if k != "results"
+    }
     assert a["results"] == b["results"]
     assert any(r["cost_l2_l1_pred_err_median"] is not None for r in a["results"])
     assert [r["ttft_mean_s"] for r in a["results"]] != [r["ttft_mean_s"] for r in c["results"]]
@@ -60,8 +76,7 @@ def test_never_recomputes_always_loads_and_the_cost_policy_is_no_worse(tmp_path)
 
 def test_a_slow_l3_is_recomputed_by_the_cost_policy(tmp_path):
     trace = _trace(tmp_path)
-    rg = Regime(l2_gbps=25, l3_gbps=0.01, prefill_tokens_per_s=50000, token_bytes=TB,
-                jitter=0)
+    rg = Regime(l2_gbps=25, l3_gbps=0.01, prefill_tokens_per_s=50000, token_bytes=TB, jitter=0)
     res = {r["policy"]: r for r in _run(trace, rg)["results"]}
     assert res["cost"]["l3_hit_ratio"] < res["always"]["l3_hit_ratio"]
     assert res["cost"]["ttft_mean_s"] < res["always"]["ttft_mean_s"]
@@ -74,22 +89,56 @@ def test_a_bad_regime_or_policy_is_a_clear_error(tmp_path):
         Regime(l2_gbps=1, prefill_tokens_per_s=float("nan"), token_bytes=1)
     rg = Regime(l2_gbps=1, prefill_tokens_per_s=1, token_bytes=1)
     with pytest.raises(ValueError, match="policy"):
-        simulate(_trace(tmp_path), KVSpec.parse(None, TINY_SPEC, page_size=16), rg, "sometimes",
-                 device_pages=8)
+        simulate(
+            _trace(tmp_path),
+            KVSpec.parse(None, TINY_SPEC, page_size=16),
+            rg,
+            "sometimes",
+            device_pages=8,
+        )
 
 
 def test_replay_simulate_prints_and_writes_json(tmp_path, capsys):
     trace = _trace(tmp_path, n=12)
     out = tmp_path / "sim.json"
-    assert main(["replay", trace.path, "--block-size", "16", "--simulate", "--l3-gbps", "2",
-                 "--device-pages", "8", "--quiet", "--json", str(out)]) == 0
+    assert (
+        main(
+            [
+                "replay",
+                trace.path,
+                "--block-size",
+                "16",
+                "--simulate",
+                "--l3-gbps",
+                "2",
+                "--device-pages",
+                "8",
+                "--quiet",
+                "--json",
+                str(out),
+            ]
+        )
+        == 0
+    )
     text = capsys.readouterr().out
     assert "threshold" in text and "p90 ms" in text
     got = json.loads(out.read_text())
     assert [r["policy"] for r in got["results"]] == list(POLICIES)
     with pytest.raises(SystemExit):
-        main(["replay", trace.path, "--block-size", "16", "--simulate", "--l2-gbps", "-1",
-              "--device-pages", "8", "--quiet"])
+        main(
+            [
+                "replay",
+                trace.path,
+                "--block-size",
+                "16",
+                "--simulate",
+                "--l2-gbps",
+                "-1",
+                "--device-pages",
+                "8",
+                "--quiet",
+            ]
+        )
 
 
 def test_results_do_not_depend_on_when_the_copies_are_seen_ready(tmp_path, monkeypatch):
@@ -105,5 +154,6 @@ def test_results_do_not_depend_on_when_the_copies_are_seen_ready(tmp_path, monke
     def poll_never_ready(self, agree=True):  # a copy is seen landed only by a wait (flush)
         out, self._finished = self._finished, []
         return out
+
     monkeypatch.setattr(transfer.TransferEngine, "poll", poll_never_ready)
     assert _run(trace, rg, 5) == base

@@ -64,6 +64,7 @@ def test_detach_finishes_a_prefetch_in_flight_and_keeps_its_pages(tmp_path):
     def held_get(keys, ids):  # the read stays in flight until the gate opens
         gate.wait(10)
         return inner(keys, ids)
+
     backend._get = held_get
     handle = cache.prefetch(toks)
     assert handle is not None and not handle.done()
@@ -81,9 +82,11 @@ def test_bad_attach_and_detach_are_typed_and_change_nothing(tmp_path):
     toks, kv = L.tokens_kv(4, 2)
     L.compute(cache, toks, kv)
     before = snapshot(cache)
-    for url, exc in ((3, TypeError), ("ftp://x", ValueError),
-                     ("mooncake://127.0.0.1:1?connect_timeout_s=0.2", (StorageUnavailableError,
-                                                                       ValueError))):
+    for url, exc in (
+        (3, TypeError),
+        ("ftp://x", ValueError),
+        ("mooncake://127.0.0.1:1?connect_timeout_s=0.2", (StorageUnavailableError, ValueError)),
+    ):
         with pytest.raises(exc):
             cache.attach_storage(url)
         assert snapshot(cache) == before and cache.cfg.storage is None
@@ -119,6 +122,7 @@ def test_events_attach_announces_puts_only_detach_removes_what_was_announced(tmp
     attach; puts landing after it are, parents first; detach announces every one removed."""
     from hicache_jax import BlockRemoved, BlockStored, Medium
     from hicache_jax.events.records import replay
+
     url = f"file://{tmp_path}"
     pre = L.make(url)  # the store already holds a prompt: unknown to the new cache, unannounced
     old, kv_old = L.tokens_kv(6, 2)
@@ -147,13 +151,23 @@ def test_zmq_l3_medium_follows_the_store_attached(tmp_path, monkeypatch):
     """``l3_medium="auto"``: a file:// store is announced as DISK, a store attached after it
     (here the example memory backend, not a file) as EXTERNAL; no batch is misnamed."""
     import pathlib
+
     pytest.importorskip("msgpack")
     pytest.importorskip("zmq")
     from helpers import replay_all
+
     monkeypatch.syspath_prepend(str(pathlib.Path(__file__).parent.parent / "examples"))
     ep, rep = (f"inproc://attach-media-{id(tmp_path)}-{i}" for i in range(2))
-    cache = L.make(None, kv_events={"publisher": "zmq", "endpoint": ep, "replay_endpoint": rep,
-                                    "l3_medium": "auto", "encoding": "map"})
+    cache = L.make(
+        None,
+        kv_events={
+            "publisher": "zmq",
+            "endpoint": ep,
+            "replay_endpoint": rep,
+            "l3_medium": "auto",
+            "encoding": "map",
+        },
+    )
     try:
         for url in (f"file://{tmp_path}", "python://memory_storage:MemoryStorage"):
             cache.attach_storage(url)
@@ -162,9 +176,14 @@ def test_zmq_l3_medium_follows_the_store_attached(tmp_path, monkeypatch):
             cache.flush()
             cache.detach_storage()
         assert cache._events.wait_published(10)
-        media = [(e["type"], e["medium"]) for _, (ts, events, rank) in replay_all(rep)
-                 for e in events if e.get("medium") not in (None, "GPU", "CPU")]
-        assert media == [("BlockStored", "DISK")] * 2 + [("BlockRemoved", "DISK")] + \
-            [("BlockStored", "EXTERNAL")] * 2 + [("BlockRemoved", "EXTERNAL")]
+        media = [
+            (e["type"], e["medium"])
+            for _, (ts, events, rank) in replay_all(rep)
+            for e in events
+            if e.get("medium") not in (None, "GPU", "CPU")
+        ]
+        assert media == [("BlockStored", "DISK")] * 2 + [("BlockRemoved", "DISK")] + [
+            ("BlockStored", "EXTERNAL")
+        ] * 2 + [("BlockRemoved", "EXTERNAL")]
     finally:
         cache.close()

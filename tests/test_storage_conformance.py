@@ -18,8 +18,18 @@ from hicache_jax.l3.storage.format import Verdict
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
 from memory_storage import MemoryStorage
 
-ALL = ["missing keys", "round trip", "partial batch", "write once", "delete", "delete by prefix",
-       "put racing a get", "torn or foreign entry", "two processes", "close during work"]
+ALL = [
+    "missing keys",
+    "round trip",
+    "partial batch",
+    "write once",
+    "delete",
+    "delete by prefix",
+    "put racing a get",
+    "torn or foreign entry",
+    "two processes",
+    "close during work",
+]
 
 
 class Stale(FileStorage):
@@ -118,7 +128,7 @@ class TornPuts(BackendBase):
                 self.host.read_page(int(page), full)
                 row[: row.size // 2] = full[: row.size // 2]
                 time.sleep(0.002)
-                row[row.size // 2:] = full[row.size // 2:]
+                row[row.size // 2 :] = full[row.size // 2 :]
         return np.ones(len(keys), dtype=bool)
 
     def _close(self):
@@ -135,17 +145,22 @@ def test_file_backend_passes_in_one_and_in_two_processes(tmp_path):
     assert check(shared, shared=True) == ALL
 
 
-@pytest.mark.parametrize("cls, words", [
-    (Stale, "stale data"),
-    (Blocks, "no blocking: put did not finish within 0.5 s"),
-    (Raises, "errors: exists raised RuntimeError"),
-    (RaisesInside, "errors: put raised OSError: disk full inside the backend"),
-    (KeepsDeleted, "delete: exists after delete: a deleted key is still there"),
-    (PrefixMissesAGeneration, ("delete by prefix: an entry of the prefix is still there after "
-                               "delete_prefix")),
-    (Unverified, "torn or foreign entry: a get of a truncated entry reported the page landed"),
-    (Abandons, "close during work: a put in flight at close did not finish within 0.5 s"),
-])
+@pytest.mark.parametrize(
+    "cls, words",
+    [
+        (Stale, "stale data"),
+        (Blocks, "no blocking: put did not finish within 0.5 s"),
+        (Raises, "errors: exists raised RuntimeError"),
+        (RaisesInside, "errors: put raised OSError: disk full inside the backend"),
+        (KeepsDeleted, "delete: exists after delete: a deleted key is still there"),
+        (
+            PrefixMissesAGeneration,
+            ("delete by prefix: an entry of the prefix is still there after delete_prefix"),
+        ),
+        (Unverified, "torn or foreign entry: a get of a truncated entry reported the page landed"),
+        (Abandons, "close during work: a put in flight at close did not finish within 0.5 s"),
+    ],
+)
 def test_broken_backends_fail_naming_the_behaviour(tmp_path, cls, words):
     with pytest.raises(ConformanceError) as exc:
         check(factory(cls, tmp_path), timeout_s=0.5)
@@ -153,8 +168,11 @@ def test_broken_backends_fail_naming_the_behaviour(tmp_path, cls, words):
 
 
 def test_a_torn_page_under_a_racing_get_fails():
-    with pytest.raises(ConformanceError, match=r"put racing a get: a get racing a put: a get "
-                                               r"reported page . landed whose bytes differ"):
+    with pytest.raises(
+        ConformanceError,
+        match=r"put racing a get: a get racing a put: a get "
+        r"reported page . landed whose bytes differ",
+    ):
         check(TornPuts)
 
 
@@ -163,20 +181,25 @@ def test_example_memory_backend_passes_and_loads_by_url():
     assert got == [n for n in ALL if n not in ("two processes", "torn or foreign entry")]
     from hicache_jax.l3.storage import open_storage
     from hicache_jax.l3.storage.conformance import SPEC, _buffer
-    with open_storage("python://memory_storage:MemoryStorage?capacity_pages=2", SPEC, _buffer(),
-                      "page_first") as store:
+
+    with open_storage(
+        "python://memory_storage:MemoryStorage?capacity_pages=2", SPEC, _buffer(), "page_first"
+    ) as store:
         assert store.capacity_pages == 2
 
 
 def test_a_store_of_one_process_fails_the_two_process_check():
-    with pytest.raises(ConformanceError, match="two processes: pages put in another process "
-                                               "never all reached this one"):
+    with pytest.raises(
+        ConformanceError,
+        match="two processes: pages put in another process never all reached this one",
+    ):
         check(MemoryStorage, timeout_s=0.5, shared=True)
 
 
 def test_mooncake_backend_passes():
     from hicache_jax.l3.storage import open_storage
     from storage_servers import running_mooncake
+
     with running_mooncake() as servers:
         got = check(functools.partial(open_storage, servers.url), timeout_s=10.0, shared=True)
     assert got == [n for n in ALL if n != "torn or foreign entry"]

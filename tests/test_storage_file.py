@@ -43,9 +43,13 @@ def test_page_keys_are_namespaced_by_spec_and_extra_key():
     assert base[0].startswith("hcj2_" + SPEC.fingerprint())
     assert all(len(k.rsplit("_", 1)[1]) == 32 for k in base)  # a 128-bit page digest
     other_spec = KVSpec(num_layers=3, num_kv_heads=2, head_dim=8, dtype="bfloat16", page_size=4)
-    for other in (page_keys(SPEC, tokens, "lora-1"), page_keys(SPEC, tokens, 1),
-                  page_keys(SPEC, tokens, b"lora-1"), page_keys(other_spec, tokens),
-                  page_keys(SPEC, tokens + 1)):
+    for other in (
+        page_keys(SPEC, tokens, "lora-1"),
+        page_keys(SPEC, tokens, 1),
+        page_keys(SPEC, tokens, b"lora-1"),
+        page_keys(other_spec, tokens),
+        page_keys(SPEC, tokens + 1),
+    ):
         assert not set(other) & set(base)
     assert page_keys(SPEC, tokens, "x") == page_keys(SPEC, tokens, "x")
     from hicache_jax.l3.storage.format import check_keys
@@ -60,12 +64,24 @@ def test_page_keys_are_namespaced_by_spec_and_extra_key():
 
 
 @pytest.mark.parametrize("layout", ["page_first", "layer_first", ENTRY_ROWS])
-@pytest.mark.parametrize("dtype,page_size,mla", [("bfloat16", 4, False), ("float32", 1, False),
-                                                 ("float8_e4m3fn", 16, False),
-                                                 ("float16", 4, True)])
+@pytest.mark.parametrize(
+    "dtype,page_size,mla",
+    [
+        ("bfloat16", 4, False),
+        ("float32", 1, False),
+        ("float8_e4m3fn", 16, False),
+        ("float16", 4, True),
+    ],
+)
 def test_round_trip_bit_exact(root, layout, dtype, page_size, mla):
-    spec = KVSpec(num_layers=3, num_kv_heads=1 if mla else 2, head_dim=8, dtype=dtype,
-                  page_size=page_size, mla=mla)
+    spec = KVSpec(
+        num_layers=3,
+        num_kv_heads=1 if mla else 2,
+        head_dim=8,
+        dtype=dtype,
+        page_size=page_size,
+        mla=mla,
+    )
     src, buf = open_file(root, layout, spec=spec)
     assert isinstance(src, StorageBackend)
     keys = keys_for(6, spec=spec)
@@ -74,8 +90,9 @@ def test_round_trip_bit_exact(root, layout, dtype, page_size, mla):
     before = dbuf.copy()
     h = dst.get_into(keys, [10, 11, 12, 13, 14, 2])
     assert h.wait(10).all() and h.done() and h.ok.all() and h.seconds > 0
-    np.testing.assert_array_equal(pages(dbuf, layout, [10, 11, 12, 13, 14, 2]),
-                                  pages(buf, layout, [3, 0, 7, 1, 15, 9]))
+    np.testing.assert_array_equal(
+        pages(dbuf, layout, [10, 11, 12, 13, 14, 2]), pages(buf, layout, [3, 0, 7, 1, 15, 9])
+    )
     untouched = [i for i in range(NUM_PAGES) if i not in (10, 11, 12, 13, 14, 2)]
     np.testing.assert_array_equal(pages(dbuf, layout, untouched), pages(before, layout, untouched))
     assert os.path.getsize(src.path(keys[0])) == HEADER_BYTES + spec.page_bytes
@@ -83,24 +100,30 @@ def test_round_trip_bit_exact(root, layout, dtype, page_size, mla):
     src.close(), dst.close()
 
 
-@pytest.mark.parametrize("writer,reader", [("layer_first", "page_first"),
-                                           (ENTRY_ROWS, "layer_first"), ("page_first", ENTRY_ROWS)])
+@pytest.mark.parametrize(
+    "writer,reader",
+    [("layer_first", "page_first"), (ENTRY_ROWS, "layer_first"), ("page_first", ENTRY_ROWS)],
+)
 def test_entries_are_layout_independent(root, writer, reader):
     src, buf = open_file(root, writer)
     keys = keys_for(4)
     assert src.put_from(keys, [0, 1, 2, 3]).wait(10).all()
     dst, dbuf = open_file(root, reader, seed=1)
     assert dst.get_into(keys, [4, 5, 6, 7]).wait(10).all()
-    np.testing.assert_array_equal(page_bytes(dbuf, reader, [4, 5, 6, 7]),
-                                  page_bytes(buf, writer, [0, 1, 2, 3]))
+    np.testing.assert_array_equal(
+        page_bytes(dbuf, reader, [4, 5, 6, 7]), page_bytes(buf, writer, [0, 1, 2, 3])
+    )
 
 
 def test_entry_rows_buffer():
     rows = entry_rows(SPEC, 3)
     assert rows.shape == (3, HEADER_BYTES + SPEC.page_bytes) and rows.dtype == np.uint8
     view = entry_pages(SPEC, rows)
-    assert view.shape == (3, SPEC.num_layers, SPEC.kv_factor, SPEC.page_size, SPEC.num_kv_heads,
-                          SPEC.head_dim) and view.dtype == SPEC.bits_dtype
+    assert (
+        view.shape
+        == (3, SPEC.num_layers, SPEC.kv_factor, SPEC.page_size, SPEC.num_kv_heads, SPEC.head_dim)
+        and view.dtype == SPEC.bits_dtype
+    )
     view[1] = 0xABCD  # a view, not a copy: the page bytes of row 1, and only those
     assert (rows[1, HEADER_BYTES:] == 0xAB).sum() == SPEC.page_bytes // 2
     assert not rows[1, :HEADER_BYTES].any() and not rows[[0, 2]].any()
@@ -108,11 +131,11 @@ def test_entry_rows_buffer():
         with pytest.raises(ValueError, match="num_pages"):
             entry_rows(SPEC, bad)
     with pytest.raises(ValueError, match="does not match"):
-        entry_pages(SPEC, np.zeros((3, SPEC.page_bytes), np.uint8))    # no header slot
+        entry_pages(SPEC, np.zeros((3, SPEC.page_bytes), np.uint8))  # no header slot
     with pytest.raises(ValueError, match="dtype"):
         entry_pages(SPEC, rows.view(np.uint16))
     with pytest.raises(ValueError, match="entry_rows"):
-        open_storage("file:///tmp/x", SPEC, rows, "rows")   # the error lists the layouts
+        open_storage("file:///tmp/x", SPEC, rows, "rows")  # the error lists the layouts
     pool_layout = HostPages(SPEC, host_buffer(SPEC, "page_first"), "page_first")
     with pytest.raises(StorageError, match="no header slots"):
         pool_layout.header(0)
@@ -149,7 +172,7 @@ def test_write_once_keeps_first_value(root):
     key = keys_for(1)
     store.put_from(key, [0]).wait(10)
     first = Path(store.path(key[0])).read_bytes()
-    assert store.put_from(key, [1]).wait(10).all()       # present: counts as stored
+    assert store.put_from(key, [1]).wait(10).all()  # present: counts as stored
     assert Path(store.path(key[0])).read_bytes() == first
     assert store.stats()["put_existing"] == 1
 
@@ -161,8 +184,9 @@ def test_any_valid_key_round_trips_not_only_hex_ending_ones(root):
     assert store.put_from(keys, range(5)).wait(10).all()
     assert store.exists(keys).all()
     assert reader.get_into(keys, range(5)).wait(10).all()
-    np.testing.assert_array_equal(pages(rbuf, "page_first", range(5)),
-                                  pages(buf, "page_first", range(5)))
+    np.testing.assert_array_equal(
+        pages(rbuf, "page_first", range(5)), pages(buf, "page_first", range(5))
+    )
     assert store.path(keys_for(1)[0]).split(os.sep)[-2] == keys_for(1)[0][-2:]
 
 
@@ -179,8 +203,9 @@ def test_entries_another_user_owns_are_hits_and_stay_write_once(root, monkeypatc
     monkeypatch.setattr(os, "utime", denied)
     reader, rbuf = open_file(root, seed=7)
     assert reader.get_into(keys, [2, 3]).wait(10).all()
-    np.testing.assert_array_equal(pages(rbuf, "page_first", [2, 3]),
-                                  pages(buf, "page_first", [0, 1]))
+    np.testing.assert_array_equal(
+        pages(rbuf, "page_first", [2, 3]), pages(buf, "page_first", [0, 1])
+    )
     assert reader.put_from(keys, [4, 5]).wait(10).all()
     st = reader.stats()
     assert st["put_existing"] == 2 and st.get("puts_dropped", 0) == 0
@@ -249,7 +274,7 @@ def test_corrupt_or_truncated_entry_is_a_miss_and_is_removed(root, where, layout
     ok = store.get_into(keys, [5, 6, 7]).wait(10)
     np.testing.assert_array_equal(ok, [True, False, True])
     assert store.stats()["corrupt"] == 1 and not os.path.exists(path)
-    assert store.put_from([keys[1]], [1]).wait(10).all()   # repaired by the next put
+    assert store.put_from([keys[1]], [1]).wait(10).all()  # repaired by the next put
     assert store.get_into([keys[1]], [6]).wait(10).all()
     np.testing.assert_array_equal(pages(buf, layout, [6]), pages(buf, layout, [1]))
 
@@ -262,8 +287,8 @@ def test_capacity_evicts_least_recently_used(root):
     store.put_from(keys[:8], np.arange(8)).wait(10)
     for i, k in enumerate(keys[:8]):  # make the age order explicit: key 0 oldest
         os.utime(store.path(k), ns=(10**9 * (i + 1), 10**9 * (i + 1)))
-    assert store.get_into(keys[:2], [8, 9]).wait(10).all()   # hits: 0 and 1 become youngest
-    store.put_from(keys[8:14], np.arange(8, 14)).wait(10)     # 14 entries > 10: evict to 9
+    assert store.get_into(keys[:2], [8, 9]).wait(10).all()  # hits: 0 and 1 become youngest
+    store.put_from(keys[8:14], np.arange(8, 14)).wait(10)  # 14 entries > 10: evict to 9
     present = store.exists(keys)
     assert present[:2].all(), "recently read entries must survive"
     assert not present[2:7].any() and present[7:].all()
@@ -283,13 +308,19 @@ def test_capacity_is_shared_by_instances(root):
 def test_concurrent_instances_share_the_directory(root):
     stores = [open_file(root, seed=0) for _ in range(3)]  # same content for the same key
     keys = keys_for(NUM_PAGES)
-    handles = [s.put_from(keys[i::2] + keys[1 - i::2], np.r_[np.arange(NUM_PAGES)[i::2],
-                                                              np.arange(NUM_PAGES)[1 - i::2]])
-               for i, (s, _) in enumerate(stores[:2])]
-    code = (f"import numpy as np, sys; sys.path.insert(0, {os.path.dirname(__file__)!r});"
-            f"from storage_helpers import open_file, keys_for, NUM_PAGES;"
-            f"s, _ = open_file({root!r}); "
-            f"assert s.put_from(keys_for(NUM_PAGES), np.arange(NUM_PAGES)).wait(30).all()")
+    handles = [
+        s.put_from(
+            keys[i::2] + keys[1 - i :: 2],
+            np.r_[np.arange(NUM_PAGES)[i::2], np.arange(NUM_PAGES)[1 - i :: 2]],
+        )
+        for i, (s, _) in enumerate(stores[:2])
+    ]
+    code = (
+        f"import numpy as np, sys; sys.path.insert(0, {os.path.dirname(__file__)!r});"
+        f"from storage_helpers import open_file, keys_for, NUM_PAGES;"
+        f"s, _ = open_file({root!r}); "
+        f"assert s.put_from(keys_for(NUM_PAGES), np.arange(NUM_PAGES)).wait(30).all()"
+    )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     assert all(h.wait(10).all() for h in handles)
@@ -351,8 +382,8 @@ def test_wait_without_timeout_runs_a_queued_handle_inline(root):
         return real_get(k, ids)
 
     store._get = gated
-    first = store.get_into(keys[:1], [8])            # occupies the get lane's worker
-    second = store.get_into(keys[1:], [9])           # queued behind it
+    first = store.get_into(keys[:1], [8])  # occupies the get lane's worker
+    second = store.get_into(keys[1:], [9])  # queued behind it
 
     def run_inline(handle):  # what wait() runs: claim the queued handle, only then free the lane
         claimed = handle._claim()
@@ -360,8 +391,9 @@ def test_wait_without_timeout_runs_a_queued_handle_inline(root):
         if claimed:
             with store._lane_locks[handle.kind]:
                 store._run(handle)
+
     second._inline = run_inline
-    assert second.wait().all() and first.wait(10).all()   # no deadlock, both exact
+    assert second.wait().all() and first.wait(10).all()  # no deadlock, both exact
     assert runners[0] is not threading.current_thread()
     assert runners[1] is threading.current_thread()  # the waiter ran it, after the lane freed
     np.testing.assert_array_equal(buf[8:10], buf[0:2])
@@ -468,12 +500,15 @@ def run_isolated(code, root, timeout=120):
     """Run ``code`` in a fresh interpreter with the backend helpers: an operation that hangs
     there (a worker blocked for good keeps an interpreter from exiting) fails this test after
     ``timeout`` seconds instead of wedging the test run."""
-    prelude = (f"import os, stat, sys, numpy as np; "
-               f"sys.path.insert(0, {os.path.dirname(__file__)!r})\n"
-               f"from storage_helpers import open_file, keys_for\nroot = {root!r}\n")
+    prelude = (
+        f"import os, stat, sys, numpy as np; "
+        f"sys.path.insert(0, {os.path.dirname(__file__)!r})\n"
+        f"from storage_helpers import open_file, keys_for\nroot = {root!r}\n"
+    )
     try:
-        proc = subprocess.run([sys.executable, "-c", prelude + code], capture_output=True,
-                              text=True, timeout=timeout)
+        proc = subprocess.run(
+            [sys.executable, "-c", prelude + code], capture_output=True, text=True, timeout=timeout
+        )
     except subprocess.TimeoutExpired:
         pytest.fail(f"hung for {timeout} s")
     assert proc.returncode == 0, proc.stderr
@@ -481,7 +516,8 @@ def run_isolated(code, root, timeout=120):
 
 @pytest.mark.parametrize("kind", ["fifo", "symlink_to_fifo"])
 def test_fifo_at_an_entry_path_is_a_miss_never_waited_on(root, kind):
-    run_isolated(f"""
+    run_isolated(
+        f"""
 s, buf = open_file(root)
 keys = keys_for(3)
 assert s.put_from(keys, [0, 1, 2]).wait(30).all()
@@ -501,7 +537,9 @@ assert not stat.S_ISREG(os.lstat(path).st_mode)
 st = s.stats()
 assert st["not_regular"] == 2 and st["puts_dropped"] == 1 and "corrupt" not in st, st
 s.close()
-""", root)
+""",
+        root,
+    )
 
 
 def test_symlink_at_an_entry_path_is_not_followed(root, tmp_path):
@@ -541,8 +579,11 @@ def test_directory_at_an_entry_path_is_a_miss_and_a_dropped_put(root):
 @pytest.mark.parametrize("key", [".", "..", "abc\n"])
 def test_dot_keys_are_rejected(root, key):
     store, _ = open_file(root)
-    for call in (lambda: store.put_from([key], [0]), lambda: store.get_into([key], [0]),
-                 lambda: store.exists([key])):
+    for call in (
+        lambda: store.put_from([key], [0]),
+        lambda: store.get_into([key], [0]),
+        lambda: store.exists([key]),
+    ):
         with pytest.raises(ValueError, match="key"):
             call()
     assert store.stats() == {}
@@ -570,18 +611,22 @@ def test_eviction_and_sweeps_touch_only_the_stores_own_files(root, tmp_path):
     other = next(f"{i:02x}" for i in range(256) if f"{i:02x}" != key[-2:])
     target = tmp_path / "target"
     target.write_bytes(b"x" * entry)
-    foreign = [Path(root, "00", "notes.txt"), Path(root, "3f", "has space"),
-               Path(root, other, key),                     # a key's name in another key's folder
-               Path(root, ".tmp", "draft.tex"), Path(root, ".tmp", key + ".not-a-uuid"),
-               Path(root, "README")]
+    foreign = [
+        Path(root, "00", "notes.txt"),
+        Path(root, "3f", "has space"),
+        Path(root, other, key),  # a key's name in another key's folder
+        Path(root, ".tmp", "draft.tex"),
+        Path(root, ".tmp", key + ".not-a-uuid"),
+        Path(root, "README"),
+    ]
     for p in foreign:
         p.write_bytes(b"y" * entry)
     link = Path(store.path(key))
-    os.symlink(target, link)                               # a symlink at an entry path
+    os.symlink(target, link)  # a symlink at an entry path
     for p in foreign + [target]:
-        os.utime(p, (1, 1))                                # oldest of all
+        os.utime(p, (1, 1))  # oldest of all
     assert store.put_from(keys_for(8), np.arange(8)).wait(10).all()
-    open_file(root, capacity_bytes=4 * entry)              # the sweep at open, too
+    open_file(root, capacity_bytes=4 * entry)  # the sweep at open, too
     assert all(p.read_bytes() == b"y" * entry for p in foreign)
     assert link.is_symlink() and target.read_bytes() == b"x" * entry
     assert store.stats()["evictions"] == 5 and store.usage_bytes() == 3 * entry
@@ -591,8 +636,8 @@ def test_capacity_enforcement_sweeps_stale_temp_files_and_counts_the_rest(root):
     entry = HEADER_BYTES + SPEC.page_bytes
     store, _ = open_file(root, capacity_bytes=10 * entry)
     tmp = Path(root, ".tmp")
-    stale = tmp / temp_name(keys_for(1)[0])   # a crashed writer's leftover
-    fresh = tmp / temp_name(keys_for(1)[0])   # another process's write in flight
+    stale = tmp / temp_name(keys_for(1)[0])  # a crashed writer's leftover
+    fresh = tmp / temp_name(keys_for(1)[0])  # another process's write in flight
     stale.write_bytes(b"s" * entry)
     fresh.write_bytes(b"f" * 5 * entry)
     os.utime(stale, (1, 1))
@@ -600,21 +645,21 @@ def test_capacity_enforcement_sweeps_stale_temp_files_and_counts_the_rest(root):
     assert not stale.exists() and fresh.exists()
     st = store.stats()
     assert st["temp_swept"] == 1 and st["evictions"] == 2
-    assert store.usage_bytes() == 9 * entry    # 4 entries + the temp file in flight
+    assert store.usage_bytes() == 9 * entry  # 4 entries + the temp file in flight
 
 
 def test_a_long_lived_instance_sweeps_stale_temp_files(root, monkeypatch):
     from hicache_jax.l3.storage import file as file_mod
 
-    store, _ = open_file(root)                # no capacity bound: no enforcement scans
+    store, _ = open_file(root)  # no capacity bound: no enforcement scans
     tmp = Path(root, ".tmp")
     stale, fresh = tmp / temp_name(keys_for(1)[0]), tmp / temp_name(keys_for(1)[0])
     for p in (stale, fresh):
         p.write_bytes(b"partial")
     os.utime(stale, (1, 1))
     assert store.put_from(keys_for(1), [0]).wait(10).all()
-    assert stale.exists()                     # not due yet: puts do not scan the temp folder
-    monkeypatch.setattr(file_mod, "_SWEEP_INTERVAL_S", 0.0)   # due at every put
+    assert stale.exists()  # not due yet: puts do not scan the temp folder
+    monkeypatch.setattr(file_mod, "_SWEEP_INTERVAL_S", 0.0)  # due at every put
     assert store.put_from(keys_for(1, start=1), [1]).wait(10).all()
     assert not stale.exists() and fresh.exists() and store.stats()["temp_swept"] == 1
 

@@ -24,8 +24,9 @@ from storage_servers import (
     running_mooncake,
 )
 
-pytestmark = pytest.mark.skipif(mooncake_skip_reason() is not None,
-                                reason=str(mooncake_skip_reason()))
+pytestmark = pytest.mark.skipif(
+    mooncake_skip_reason() is not None, reason=str(mooncake_skip_reason())
+)
 
 servers = mooncake_fixture("module")
 BIG = KVSpec(num_layers=2, num_kv_heads=4, head_dim=64, dtype="bfloat16", page_size=16)  # 32 KiB
@@ -35,8 +36,10 @@ def unique_keys(n, spec=SPEC):
     return keys_for(n, start=int(time.monotonic_ns() % 10**12), spec=spec)
 
 
-@pytest.mark.parametrize("layout,zero_copy", [("page_first", True), ("page_first", False),
-                                              ("layer_first", False), (ENTRY_ROWS, False)])
+@pytest.mark.parametrize(
+    "layout,zero_copy",
+    [("page_first", True), ("page_first", False), ("layer_first", False), (ENTRY_ROWS, False)],
+)
 def test_round_trip_bit_exact_across_clients(servers, layout, zero_copy):
     src, buf = open_mc(servers, layout, zero_copy=zero_copy, spec=BIG)
     dst, dbuf = open_mc(servers, layout, seed=1, zero_copy=zero_copy, spec=BIG, batch_pages=4)
@@ -62,8 +65,9 @@ def test_entry_rows_interoperate_with_pool_layouts(servers, writer, reader):
     keys = unique_keys(5, spec=BIG)
     assert src.put_from(keys, [4, 0, 9, 2, 1]).wait(20).all()
     assert dst.get_into(keys, [1, 2, 3, 12, 15]).wait(20).all()
-    np.testing.assert_array_equal(page_bytes(dbuf, reader, [1, 2, 3, 12, 15]),
-                                  page_bytes(buf, writer, [4, 0, 9, 2, 1]))
+    np.testing.assert_array_equal(
+        page_bytes(dbuf, reader, [1, 2, 3, 12, 15]), page_bytes(buf, writer, [4, 0, 9, 2, 1])
+    )
     if reader == ENTRY_ROWS:  # moved in place: the header landed in the row's own slot
         assert bytes(dbuf[1, :4]) == b"HCKV"
     src.close(), dst.close()
@@ -75,14 +79,15 @@ def test_another_process_reads_what_this_one_stored(servers):
     store, _buf = open_mc(servers, "layer_first", seed=7)
     keys = unique_keys(8)
     assert store.put_from(keys, np.arange(8)).wait(20).all()
-    code = (f"import sys, numpy as np; sys.path.insert(0, {os.path.dirname(__file__)!r});"
-            "from storage_helpers import SPEC, host_buffer, open_mc, pages;"
-            "from storage_servers import MooncakeServers;"
-            f"s, b = open_mc(MooncakeServers({servers.rpc_port}, 0, ''), 'page_first', seed=1);"
-            f"assert s.get_into({keys!r}, np.arange(8) + 8).wait(20).all();"
-            "ref = pages(host_buffer(SPEC, 'layer_first', seed=7), 'layer_first', np.arange(8));"
-            "np.testing.assert_array_equal(b[8:16], ref); s.close(); print('bit-exact')"
-            )
+    code = (
+        f"import sys, numpy as np; sys.path.insert(0, {os.path.dirname(__file__)!r});"
+        "from storage_helpers import SPEC, host_buffer, open_mc, pages;"
+        "from storage_servers import MooncakeServers;"
+        f"s, b = open_mc(MooncakeServers({servers.rpc_port}, 0, ''), 'page_first', seed=1);"
+        f"assert s.get_into({keys!r}, np.arange(8) + 8).wait(20).all();"
+        "ref = pages(host_buffer(SPEC, 'layer_first', seed=7), 'layer_first', np.arange(8));"
+        "np.testing.assert_array_equal(b[8:16], ref); s.close(); print('bit-exact')"
+    )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=90)
     assert proc.returncode == 0 and "bit-exact" in proc.stdout, proc.stderr[-3000:]
     store.close()
@@ -92,10 +97,10 @@ def test_misses_and_write_once(servers):
     store, buf = open_mc(servers)
     keys = unique_keys(3)
     assert store.put_from(keys[:1], [0]).wait(20).all()
-    assert store.put_from(keys[:1], [1]).wait(20).all()   # write-once: no-op, reported stored
+    assert store.put_from(keys[:1], [1]).wait(20).all()  # write-once: no-op, reported stored
     ok = store.get_into(keys, [4, 5, 6]).wait(20)
     np.testing.assert_array_equal(ok, [True, False, False])
-    np.testing.assert_array_equal(buf[4], buf[0])          # the first value stays
+    np.testing.assert_array_equal(buf[4], buf[0])  # the first value stays
     assert store.stats()["get_misses"] == 2 and "get_errors" not in store.stats()
     store.close()
 
@@ -126,11 +131,14 @@ def test_default_batch_is_one_store_call_of_16_mib_of_pages(servers):
 
 
 def test_pipelined_sub_batches_with_gaps(servers):
-    store, buf = open_mc(servers, batch_pages=2)            # 16 pages: 8 store calls per handle
+    store, buf = open_mc(servers, batch_pages=2)  # 16 pages: 8 store calls per handle
     keys = unique_keys(NUM_PAGES)
     present = np.arange(NUM_PAGES) % 3 != 1
-    assert store.put_from([k for k, p in zip(keys, present) if p], np.flatnonzero(present)
-                          ).wait(20).all()
+    assert (
+        store.put_from([k for k, p in zip(keys, present) if p], np.flatnonzero(present))
+        .wait(20)
+        .all()
+    )
     before = buf.copy()
     buf[np.flatnonzero(present)] = 0
     ok = store.get_into(keys, np.arange(NUM_PAGES)).wait(20)
@@ -147,7 +155,7 @@ def test_corrupt_or_truncated_entry_is_a_miss_and_is_removed(servers, damage, la
     entry = np.zeros(HEADER_BYTES + SPEC.page_bytes + 8, np.uint8)
     page1 = page_bytes(buf, layout, [1])[0]
     store.codec.pack_into(entry[:HEADER_BYTES], keys[1], [page1])
-    entry[HEADER_BYTES:HEADER_BYTES + SPEC.page_bytes] = page1
+    entry[HEADER_BYTES : HEADER_BYTES + SPEC.page_bytes] = page1
     size = HEADER_BYTES + SPEC.page_bytes
     if damage == "payload":
         entry[HEADER_BYTES + 3] ^= 1
@@ -162,8 +170,8 @@ def test_corrupt_or_truncated_entry_is_a_miss_and_is_removed(servers, damage, la
     store.put_from(keys[:1], [0]).wait(20)
     ok = store.get_into(keys, [8, 9]).wait(20)
     np.testing.assert_array_equal(ok, [True, False])
-    assert store.stats()["corrupt"] == 1 and not store.exists(keys[1:]).any()   # removed
-    assert store.put_from(keys[1:], [1]).wait(20).all()                           # repairable
+    assert store.stats()["corrupt"] == 1 and not store.exists(keys[1:]).any()  # removed
+    assert store.put_from(keys[1:], [1]).wait(20).all()  # repairable
     assert store.get_into(keys[1:], [9]).wait(20).all()
     np.testing.assert_array_equal(pages(buf, layout, [9]), pages(buf, layout, [1]))
     store.close()
@@ -188,8 +196,9 @@ def test_silent_master_setup_is_bounded():
         addr = f"127.0.0.1:{listener.getsockname()[1]}"
         t0 = time.monotonic()
         with pytest.raises(StorageUnavailableError, match=f"{addr}.*did not answer"):
-            open_storage(f"mooncake://{addr}", SPEC, host_buffer(SPEC, "page_first"),
-                         setup_timeout_s=1.0)
+            open_storage(
+                f"mooncake://{addr}", SPEC, host_buffer(SPEC, "page_first"), setup_timeout_s=1.0
+            )
         assert time.monotonic() - t0 < 8.0
 
 
@@ -200,8 +209,13 @@ def test_bad_mooncake_arguments():
     with pytest.raises(ValueError, match="zero_copy"):
         open_storage("mooncake://127.0.0.1:1", SPEC, buf, "layer_first", zero_copy=True)
     with pytest.raises(ValueError, match="zero_copy"):
-        open_storage("mooncake://127.0.0.1:1", SPEC, host_buffer(SPEC, ENTRY_ROWS), ENTRY_ROWS,
-                     zero_copy=True)
+        open_storage(
+            "mooncake://127.0.0.1:1",
+            SPEC,
+            host_buffer(SPEC, ENTRY_ROWS),
+            ENTRY_ROWS,
+            zero_copy=True,
+        )
     with pytest.raises(ValueError, match="setup_timeout_s"):
         open_storage("mooncake://127.0.0.1:1?setup_timeout_s=0", SPEC, buf, "layer_first")
     with pytest.raises(ValueError, match="exists_timeout_s"):
@@ -229,8 +243,8 @@ def test_holder_dying_mid_run_gives_misses_dropped_puts_and_recovers():
         stats = store.stats()
         assert stats["puts_dropped"] >= 8 and stats["get_skipped"] >= 2
         untouched = [i for i in range(NUM_PAGES) if i not in (8, 9, 10, 11)]
-        np.testing.assert_array_equal(buf[untouched], kept[untouched])   # L2 not corrupted
-        own.start_holder()            # memory back (the old entries are gone with it)
+        np.testing.assert_array_equal(buf[untouched], kept[untouched])  # L2 not corrupted
+        own.start_holder()  # memory back (the old entries are gone with it)
         deadline = time.monotonic() + 20
         while not store.put_from(keys[4:], [4, 5, 6, 7]).wait(20).all():
             assert time.monotonic() < deadline, store.stats()
@@ -249,9 +263,9 @@ def test_master_dying_mid_run_does_not_block_the_caller():
         t0 = time.monotonic()
         got = store.get_into(keys[:2], [8, 9])
         put = store.put_from(keys[2:], [2, 3])
-        assert time.monotonic() - t0 < 1.0       # dispatch never waits on the store (seconds)
+        assert time.monotonic() - t0 < 1.0  # dispatch never waits on the store (seconds)
         t1 = time.monotonic()
-        assert not store.exists(keys).any()      # synchronous but bounded (exists_timeout_s=2)
+        assert not store.exists(keys).any()  # synchronous but bounded (exists_timeout_s=2)
         assert time.monotonic() - t1 < 3.5
         assert not got.wait(30).any() and not put.wait(30).any()
         t2 = time.monotonic()

@@ -32,15 +32,24 @@ def test_python_url_loads_a_class_that_stores_and_loads(tmp_path):
         np.testing.assert_array_equal(pages(buf, "page_first", [2, 3]), before)
 
 
-@pytest.mark.parametrize("url, error, words", [
-    ("python://no_such_module_xyz:Backend", ValueError,
-     "cannot import module 'no_such_module_xyz'"),
-    ("python://hicache_jax.l3.storage.file:Nope", ValueError, "has no class 'Nope'"),
-    ("python://hicache_jax.l3.storage.file", ValueError, "python://package.module:ClassName"),
-    ("python://hicache_jax.l3.storage.format:HEADER_BYTES", TypeError, "is not a class"),
-    ("python://test_storage_plugin:NoGet", TypeError,
-     "lacks protocol method(s) get_into, put_from"),
-])
+@pytest.mark.parametrize(
+    "url, error, words",
+    [
+        (
+            "python://no_such_module_xyz:Backend",
+            ValueError,
+            "cannot import module 'no_such_module_xyz'",
+        ),
+        ("python://hicache_jax.l3.storage.file:Nope", ValueError, "has no class 'Nope'"),
+        ("python://hicache_jax.l3.storage.file", ValueError, "python://package.module:ClassName"),
+        ("python://hicache_jax.l3.storage.format:HEADER_BYTES", TypeError, "is not a class"),
+        (
+            "python://test_storage_plugin:NoGet",
+            TypeError,
+            "lacks protocol method(s) get_into, put_from",
+        ),
+    ],
+)
 def test_python_url_errors_name_what_is_missing(url, error, words):
     buf = host_buffer(SPEC, "page_first")
     snapshot = buf.copy()
@@ -53,8 +62,10 @@ def test_python_url_errors_name_what_is_missing(url, error, words):
 def test_cache_over_a_python_backend_stores_pages_and_rejects_a_bad_url():
     import os
     import sys
+
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
     from l3_helpers import compute, l3, make, tokens_kv
+
     cache = make("python://memory_storage:MemoryStorage?capacity_pages=64")
     toks, kv = tokens_kv(0, 4)
     compute(cache, toks, kv)

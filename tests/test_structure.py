@@ -33,10 +33,14 @@ def _imports_from(tree: ast.Module):
 
 
 def test_no_module_imports_a_private_name_of_another():
-    bad = [f"{mod}:{node.lineno}: from {node.module} import {a.name}"
-           for mod, tree in _modules().items() for node in _imports_from(tree)
-           if node.module.startswith("hicache_jax") for a in node.names
-           if a.name.startswith("_") and not a.name.startswith("__")]
+    bad = [
+        f"{mod}:{node.lineno}: from {node.module} import {a.name}"
+        for mod, tree in _modules().items()
+        for node in _imports_from(tree)
+        if node.module.startswith("hicache_jax")
+        for a in node.names
+        if a.name.startswith("_") and not a.name.startswith("__")
+    ]
     assert bad == []
 
 
@@ -56,8 +60,9 @@ def _defined(tree: ast.Module) -> set[str]:
 
 def _exported(tree: ast.Module) -> list[str]:
     for node in tree.body:
-        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "__all__"
-                                                for t in node.targets):
+        if isinstance(node, ast.Assign) and any(
+            getattr(t, "id", None) == "__all__" for t in node.targets
+        ):
             return [ast.literal_eval(e) for e in node.value.elts]
     return []
 
@@ -65,9 +70,11 @@ def _exported(tree: ast.Module) -> list[str]:
 def test_each_public_name_has_one_home():
     """A module's ``__all__`` names only what it defines: no module re-exports another's half,
     so every public name has one import path (a package's ``__init__`` gathers its own)."""
-    bad = {mod: sorted(set(_exported(tree)) - _defined(tree))
-           for mod, tree in _modules().items()
-           if not (PKG.parent / mod.replace(".", "/") / "__init__.py").exists()}
+    bad = {
+        mod: sorted(set(_exported(tree)) - _defined(tree))
+        for mod, tree in _modules().items()
+        if not (PKG.parent / mod.replace(".", "/") / "__init__.py").exists()
+    }
     assert {m: names for m, names in bad.items() if names} == {}
 
 
@@ -80,37 +87,49 @@ def _type_checking_only(tree: ast.Module) -> set[int]:
     """Line numbers of imports under ``if TYPE_CHECKING:`` (never executed)."""
     lines = set()
     for node in ast.walk(tree):
-        if isinstance(node, ast.If) and isinstance(node.test, ast.Name) \
-                and node.test.id == "TYPE_CHECKING":
+        if (
+            isinstance(node, ast.If)
+            and isinstance(node.test, ast.Name)
+            and node.test.id == "TYPE_CHECKING"
+        ):
             lines.update(n.lineno for b in node.body for n in ast.walk(b) if hasattr(n, "lineno"))
     return lines
 
 
-def _edges(mod: str, tree: ast.Module, run_time: bool = False,
-           type_only: bool = False) -> set[str]:
+def _edges(mod: str, tree: ast.Module, run_time: bool = False, type_only: bool = False) -> set[str]:
     """Imports executed when the module is imported (not under TYPE_CHECKING, not in a
     function); with ``run_time``, also those inside functions (a lazy import of an optional
     extra still runs when its function does); with ``type_only`` also those under
     TYPE_CHECKING (a type-only back edge still ties the two modules into one)."""
     edges, skip = set(), set() if type_only else _type_checking_only(tree)
-    for node in (ast.walk(tree) if run_time else tree.body):
+    for node in ast.walk(tree) if run_time else tree.body:
         if getattr(node, "lineno", None) in skip:
             continue
-        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0 \
-                and node.module.startswith("hicache_jax") and node.module != mod:
+        if (
+            isinstance(node, ast.ImportFrom)
+            and node.module
+            and node.level == 0
+            and node.module.startswith("hicache_jax")
+            and node.module != mod
+        ):
             edges.add(node.module)
         elif isinstance(node, ast.Import):
-            edges.update(a.name for a in node.names
-                         if a.name.startswith("hicache_jax") and a.name != mod)
+            edges.update(
+                a.name for a in node.names if a.name.startswith("hicache_jax") and a.name != mod
+            )
     return edges
 
 
-@pytest.mark.parametrize("run_time, type_only", [(False, False), (True, False), (True, True)],
-                         ids=["import time", "run time", "type-only imports too"])
+@pytest.mark.parametrize(
+    "run_time, type_only",
+    [(False, False), (True, False), (True, True)],
+    ids=["import time", "run time", "type-only imports too"],
+)
 def test_module_imports_form_no_cycle(run_time, type_only):
     mods = _modules()
-    graph = {m: {d for d in _edges(m, t, run_time, type_only) if d in mods}
-             for m, t in mods.items()}
+    graph = {
+        m: {d for d in _edges(m, t, run_time, type_only) if d in mods} for m, t in mods.items()
+    }
     # a package's __init__ re-exports its submodules: the edges into it are not a cycle
     state: dict[str, int] = {}
     cycle: list[str] = []
@@ -121,7 +140,7 @@ def test_module_imports_form_no_cycle(run_time, type_only):
             if m.startswith(d + "."):  # a submodule importing its own package
                 continue
             if state.get(d) == 1:
-                cycle.extend(path[path.index(d):] + [m, d] if d in path else [m, d])
+                cycle.extend(path[path.index(d) :] + [m, d] if d in path else [m, d])
                 return True
             if state.get(d) is None and visit(d, path + [m]):
                 return True
@@ -149,17 +168,42 @@ def test_the_front_door_names_are_unchanged():
     """What ``from hicache_jax import ...`` offers is the contract code outside the project is
     written against: moving a module inside the package changes none of it."""
     assert sorted(hicache_jax.__all__) == [
-        "AllBlocksCleared", "BlockRemoved", "BlockStored", "HiCache", "HiCacheConfig",
-        "HiCacheError", "KVEvent", "KVSpec", "Match", "Medium", "NodeRef", "OutOfPagesError",
-        "PrefetchHandle", "Request", "StorageError", "StorageUnavailableError"]
+        "AllBlocksCleared",
+        "BlockRemoved",
+        "BlockStored",
+        "HiCache",
+        "HiCacheConfig",
+        "HiCacheError",
+        "KVEvent",
+        "KVSpec",
+        "Match",
+        "Medium",
+        "NodeRef",
+        "OutOfPagesError",
+        "PrefetchHandle",
+        "Request",
+        "StorageError",
+        "StorageUnavailableError",
+    ]
 
 
 # The layers, bottom first (ARCHITECTURE.md): a module imports its own layer and those below.
 # The shared vocabulary (spec, errors, validation) is one layer; tree and memory are siblings;
 # study (the notebook API over the replay) sits below the engine; the lowering checks lower the
 # engine's programs; the command line (cli) is on top and calls them all.
-LAYER_RANK = {"vocabulary": 0, "tree": 1, "memory": 1, "events": 2, "l3": 3, "cache": 4,
-              "replay": 5, "study": 6, "engine": 7, "lowering": 8, "cli": 9}
+LAYER_RANK = {
+    "vocabulary": 0,
+    "tree": 1,
+    "memory": 1,
+    "events": 2,
+    "l3": 3,
+    "cache": 4,
+    "replay": 5,
+    "study": 6,
+    "engine": 7,
+    "lowering": 8,
+    "cli": 9,
+}
 VOCABULARY = {"spec", "errors", "validation"}
 
 
@@ -184,8 +228,11 @@ def test_each_layer_imports_only_the_layers_below_it():
 
 def test_the_kernels_import_nothing_of_the_cache():
     kernels = pathlib.Path(hicache_jax.__file__).parent.parent / "pallas_kernels"
-    bad = [f"{p.name}: {dep}" for p in kernels.glob("*.py")
-           for dep in _edges("pallas_kernels", ast.parse(p.read_text()), run_time=True)]
+    bad = [
+        f"{p.name}: {dep}"
+        for p in kernels.glob("*.py")
+        for dep in _edges("pallas_kernels", ast.parse(p.read_text()), run_time=True)
+    ]
     assert bad == []
 
 
@@ -201,8 +248,10 @@ def test_the_layer_rule_finds_an_upward_import():
 # storage_helpers.py, l3_helpers.py, storage_servers.py or conftest.py), statically, inside a
 # function, by importlib, or in the code a test hands to a subprocess.
 TESTS = pathlib.Path(__file__).parent
-_CODE_IMPORT = re.compile(r"(?:^|[\s;(])"
-                          r"(?:from\s+(test_\w+)(?:\.\w+)*\s+import|import\s+(test_\w+))")
+_CODE_IMPORT = re.compile(
+    r"(?:^|[\s;(])"
+    r"(?:from\s+(test_\w+)(?:\.\w+)*\s+import|import\s+(test_\w+))"
+)
 
 
 def _test_module_imports(tree: ast.Module) -> list[tuple[int, str]]:
@@ -215,9 +264,13 @@ def _test_module_imports(tree: ast.Module) -> list[tuple[int, str]]:
             names = [node.module]
         elif isinstance(node, ast.Import):
             names = [a.name for a in node.names]
-        elif isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant) \
-                and getattr(node.func, "attr", getattr(node.func, "id", None)) \
-                in ("import_module", "__import__"):
+        elif (
+            isinstance(node, ast.Call)
+            and node.args
+            and isinstance(node.args[0], ast.Constant)
+            and getattr(node.func, "attr", getattr(node.func, "id", None))
+            in ("import_module", "__import__")
+        ):
             names = [str(node.args[0].value)]
         elif isinstance(node, ast.Constant) and isinstance(node.value, str):
             names = [a or b for a, b in _CODE_IMPORT.findall(node.value)]
@@ -228,17 +281,22 @@ def _test_module_imports(tree: ast.Module) -> list[tuple[int, str]]:
 
 
 def test_no_test_module_imports_another():
-    bad = [f"{p.name}:{line}: imports {mod}" for p in sorted(TESTS.glob("*.py"))
-           for line, mod in _test_module_imports(ast.parse(p.read_text(), str(p)))]
+    bad = [
+        f"{p.name}:{line}: imports {mod}"
+        for p in sorted(TESTS.glob("*.py"))
+        for line, mod in _test_module_imports(ast.parse(p.read_text(), str(p)))
+    ]
     assert bad == []
 
 
 def test_the_test_import_rule_finds_every_form():
     other = "test_" + "radix"  # built, so that this file holds no such import itself
-    code = (f"import {other}\nfrom {other} import x\ndef f():\n    import {other}.sub\n"
-            f"importlib.import_module('{other}')\n"
-            f"subprocess.run(['python', '-c', 'import sys; from {other} import *'])\n"
-            "from helpers import serve\nimport storage_helpers\n")
+    code = (
+        f"import {other}\nfrom {other} import x\ndef f():\n    import {other}.sub\n"
+        f"importlib.import_module('{other}')\n"
+        f"subprocess.run(['python', '-c', 'import sys; from {other} import *'])\n"
+        "from helpers import serve\nimport storage_helpers\n"
+    )
     found = _test_module_imports(ast.parse(code))
     assert [line for line, _ in found] == [1, 2, 4, 5, 6]
     assert {mod.split(".")[0] for _, mod in found} == {other}

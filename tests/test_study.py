@@ -28,13 +28,15 @@ def small():
 
 # ------------------------------------------------------------------------------------ traces
 
+
 def test_load_trace_by_path_by_name_and_as_is():
     by_path = study.load_trace(SYNTHETIC, limit=5)
     for name in ("mooncake_synthetic_300", "mooncake_synthetic_300.jsonl"):
         by_name = study.load_trace(name, limit=5)
         assert by_name.path == str(SYNTHETIC.resolve())
-        assert [r.tokens().tolist() for r in by_name.requests] == \
-            [r.tokens().tolist() for r in by_path.requests]
+        assert [r.tokens().tolist() for r in by_name.requests] == [
+            r.tokens().tolist() for r in by_path.requests
+        ]
     assert study.load_trace(by_path) is by_path
     assert study.load_trace("tokens_small").format == "tokens"
     names = study.shipped_traces()
@@ -57,10 +59,27 @@ def test_unknown_trace_names_the_known_ones():
 
 # ------------------------------------------------------------------------------------ sweep
 
+
 def test_sweep_figures_equal_the_replay_commands(tmp_path, small, capsys):
     path = tmp_path / "replay.json"
-    assert main(["replay", str(SYNTHETIC), "--quiet", "--limit", "60", "--capacities",
-                     "1e5,3e5", "--policy", "clean_ahead,write_back", "--json", str(path)]) == 0
+    assert (
+        main(
+            [
+                "replay",
+                str(SYNTHETIC),
+                "--quiet",
+                "--limit",
+                "60",
+                "--capacities",
+                "1e5,3e5",
+                "--policy",
+                "clean_ahead,write_back",
+                "--json",
+                str(path),
+            ]
+        )
+        == 0
+    )
     printed = capsys.readouterr().out
     from_cli = study.from_json(path)  # a --json file reads back as a one-report result
     assert from_cli.records(timing=False) == small.records(timing=False)
@@ -71,12 +90,22 @@ def test_sweep_figures_equal_the_replay_commands(tmp_path, small, capsys):
 
 def test_host_ratios_give_one_report_each():
     trace = study.load_trace(TOKENS)
-    res = study.sweep(trace, device_pages=np.array([2, 4]), host_ratios=np.array([0, 2]),
-                      page_size=4, policies="write_through", progress=False)  # numpy too
+    res = study.sweep(
+        trace,
+        device_pages=np.array([2, 4]),
+        host_ratios=np.array([0, 2]),
+        page_size=4,
+        policies="write_through",
+        progress=False,
+    )  # numpy too
     assert [r["host_ratio"] for r in res.reports] == [0.0, 2.0]
     recs = res.records()
     assert [(r["host_ratio"], r["device_pages"], r["host_pages"]) for r in recs] == [
-        (0.0, 2, 0), (0.0, 4, 0), (2.0, 2, 4), (2.0, 4, 8)]
+        (0.0, 2, 0),
+        (0.0, 4, 0),
+        (2.0, 2, 4),
+        (2.0, 4, 8),
+    ]
     # LRU(L1) does not depend on L2; with no L2 the two-tier LRU is LRU(L1)
     assert recs[0]["lru_l1_hit_ratio"] == recs[2]["lru_l1_hit_ratio"]
     assert recs[0]["lru_total_hit_ratio"] == recs[0]["lru_l1_hit_ratio"]
@@ -102,20 +131,26 @@ def test_progress_factory_gets_one_bar_per_replay():
     assert made[0].desc.startswith("[1/2] clean_ahead/lru L1 2")
 
 
-@pytest.mark.parametrize("kwargs, error, match", [
-    (dict(capacities=[100]), ValueError, "capacities 100 must be at least one page"),
-    (dict(capacities=[1e5], device_pages=[10]), ValueError, "not both"),
-    (dict(capacities=["1e5"]), TypeError, "capacities '1e5' must be a number"),
-    (dict(device_pages=[0]), ValueError, "device_pages=0 must be >= 1"),
-    (dict(policies=["write_sideways"]), ValueError, "write_policy='write_sideways'"),
-    (dict(evictions=[]), ValueError, "evictions: none given"),
-    (dict(host_ratios=[-1]), ValueError, "host_ratio -1"),
-    (dict(host_ratios=[]), ValueError, "host_ratios"),
-    (dict(spec=3), TypeError, "spec=3"),
-    (dict(spec=KVSpec(1, 1, 1, "float32", page_size=64), page_size=32), ValueError,
-     "page_size=32 differs from spec.page_size=64"),
-    (dict(spec="layers=0"), ValueError, "num_layers=0"),
-])
+@pytest.mark.parametrize(
+    "kwargs, error, match",
+    [
+        (dict(capacities=[100]), ValueError, "capacities 100 must be at least one page"),
+        (dict(capacities=[1e5], device_pages=[10]), ValueError, "not both"),
+        (dict(capacities=["1e5"]), TypeError, "capacities '1e5' must be a number"),
+        (dict(device_pages=[0]), ValueError, "device_pages=0 must be >= 1"),
+        (dict(policies=["write_sideways"]), ValueError, "write_policy='write_sideways'"),
+        (dict(evictions=[]), ValueError, "evictions: none given"),
+        (dict(host_ratios=[-1]), ValueError, "host_ratio -1"),
+        (dict(host_ratios=[]), ValueError, "host_ratios"),
+        (dict(spec=3), TypeError, "spec=3"),
+        (
+            dict(spec=KVSpec(1, 1, 1, "float32", page_size=64), page_size=32),
+            ValueError,
+            "page_size=32 differs from spec.page_size=64",
+        ),
+        (dict(spec="layers=0"), ValueError, "num_layers=0"),
+    ],
+)
 def test_bad_settings_are_refused_before_replaying(kwargs, error, match, monkeypatch):
     def no_replay(*a, **k):
         raise AssertionError("replayed")
@@ -126,6 +161,7 @@ def test_bad_settings_are_refused_before_replaying(kwargs, error, match, monkeyp
 
 
 # ------------------------------------------------------------------------------------ result
+
 
 def test_json_round_trip(small, tmp_path):
     text = small.to_json()
@@ -164,8 +200,7 @@ def test_plot_draws_on_the_given_axis(small):
     try:
         assert small.plot(a) is a
         labels = [line.get_label() for line in a.get_lines()]
-        assert labels == ["clean_ahead/lru", "write_back/lru", "LRU(L1)", "LRU(L1+L2)",
-                          "infinite"]
+        assert labels == ["clean_ahead/lru", "write_back/lru", "LRU(L1)", "LRU(L1+L2)", "infinite"]
         hits = sorted(r["hit_ratio"] for r in small.records() if r["config"] == "write_back/lru")
         assert sorted(a.get_lines()[1].get_ydata()) == hits
         assert small.plot(b, y="bytes_moved") is b and len(b.get_lines()) == 2
@@ -189,14 +224,18 @@ def test_plot_without_matplotlib_names_the_extra(small, monkeypatch):
 def test_study_does_not_load_the_engine():
     """The notebook API sits on the replay layer: the command line imports it, never the
     reverse, and neither the engine nor the lowering checks come with it."""
-    code = ("import sys, hicache_jax.study; print(sorted(m for m in sys.modules if m.startswith("
-            "('hicache_jax.engine', 'hicache_jax.lowering', 'hicache_jax.cli'))))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                         check=True).stdout
+    code = (
+        "import sys, hicache_jax.study; print(sorted(m for m in sys.modules if m.startswith("
+        "('hicache_jax.engine', 'hicache_jax.lowering', 'hicache_jax.cli'))))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
+    ).stdout
     assert out.strip() == "[]"
 
 
 def test_replay_command_takes_a_trace_name(capsys):
-    assert main(["replay", "tokens_small", "--quiet", "--page-size", "4",
-                 "--device-pages", "2"]) == 0
+    assert (
+        main(["replay", "tokens_small", "--quiet", "--page-size", "4", "--device-pages", "2"]) == 0
+    )
     assert f"trace {TOKENS.resolve()}: tokens, 3 requests" in capsys.readouterr().out

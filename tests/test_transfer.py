@@ -23,8 +23,15 @@ LAYOUTS = ("layer_first", "page_first")
 SPEC = KVSpec(2, 2, 8, "bfloat16", page_size=4)
 
 
-def _setup(spec: KVSpec, layout: str = "layer_first", *, device_pages: int = 8,
-           host_pages: int = 10, sharded: bool = False, memory_kind: str = "auto"):
+def _setup(
+    spec: KVSpec,
+    layout: str = "layer_first",
+    *,
+    device_pages: int = 8,
+    host_pages: int = 10,
+    sharded: bool = False,
+    memory_kind: str = "auto",
+):
     """Pools with every page poisoned and allocated, and their engine."""
     mesh = heads_mesh() if sharded else None
     dev = poisoned_device_pool(spec, device_pages, mesh=mesh)
@@ -149,18 +156,21 @@ def test_poll_returns_each_handle_once_in_completion_order():
     assert eng.poll() == [h] and eng.poll() == []
 
 
-@pytest.mark.parametrize("call, args, err, match", [
-    ("backup", ([0, 8], [0, 1]), ValueError, "device_ids has ids outside"),
-    ("backup", ([0, 1], [0, 10]), ValueError, "host_ids has ids outside"),
-    ("backup", ([2, 2], [0, 1]), ValueError, "device_ids has duplicate"),
-    ("load", ([3, 3], [0, 1]), ValueError, "host_ids has duplicate"),
-    ("load", ([0, 1, 2], [0, 1]), ValueError, "same length"),
-    ("load", ([0], [-1]), ValueError, "negative"),
-    ("backup", ([[0]], [[0]]), ValueError, "1-D"),
-    ("backup", ([0.0], [0]), TypeError, "integers"),
-    ("backup", ([0, 1], [7, 6]), HiCacheError, r"device_ids \[0\] are not allocated"),
-    ("load", ([9, 1], [3, 4]), HiCacheError, r"host_ids \[9\] are not allocated"),
-])
+@pytest.mark.parametrize(
+    "call, args, err, match",
+    [
+        ("backup", ([0, 8], [0, 1]), ValueError, "device_ids has ids outside"),
+        ("backup", ([0, 1], [0, 10]), ValueError, "host_ids has ids outside"),
+        ("backup", ([2, 2], [0, 1]), ValueError, "device_ids has duplicate"),
+        ("load", ([3, 3], [0, 1]), ValueError, "host_ids has duplicate"),
+        ("load", ([0, 1, 2], [0, 1]), ValueError, "same length"),
+        ("load", ([0], [-1]), ValueError, "negative"),
+        ("backup", ([[0]], [[0]]), ValueError, "1-D"),
+        ("backup", ([0.0], [0]), TypeError, "integers"),
+        ("backup", ([0, 1], [7, 6]), HiCacheError, r"device_ids \[0\] are not allocated"),
+        ("load", ([9, 1], [3, 4]), HiCacheError, r"host_ids \[9\] are not allocated"),
+    ],
+)
 def test_bad_input_raises_before_dispatch(call, args, err, match):
     spec = SPEC
     dev, host, eng = _setup(spec, "page_first")
@@ -262,11 +272,15 @@ def test_copies_are_dispatched_asynchronously():
     dev, host, eng = _setup(spec)
     # XLA:CPU runs executables under 1000 estimated flops inline in the caller; the copy's
     # token makes it cost more than that, so it goes to XLA's execution thread.
-    kw = dict(dst_layout=host.layout, src_layout=host.layout, num_layers=spec.num_layers,
-              src_put=None, dst_put=None)
+    kw = dict(
+        dst_layout=host.layout,
+        src_layout=host.layout,
+        num_layers=spec.num_layers,
+        src_put=None,
+        dst_put=None,
+    )
     ids = np.arange(2, dtype=np.int32)
-    compiled = copy_pages.lower(host.buffer, host.buffer, copy_plan(ids, ids),
-                                **kw).compile()
+    compiled = copy_pages.lower(host.buffer, host.buffer, copy_plan(ids, ids), **kw).compile()
     assert compiled.cost_analysis()["flops"] >= 1000
 
     # Behaviour: a backup that reads a pool still being computed returns at once, unfinished
@@ -344,13 +358,16 @@ def test_small_copies_dispatch_the_inline_copy_large_ones_the_asynchronous_one(m
     (the PjRt CPU client runs it in the caller once its inputs are ready), a larger one the
     copy whose token sums the plan; both copy the same bytes."""
     from hicache_jax.memory.page_copy import INLINE_COPY_BYTES
+
     spec = SPEC
     dev, host, eng = _setup(spec)
     assert eng._inline_pages == INLINE_COPY_BYTES // spec.page_bytes
     ids = np.arange(2, dtype=np.int32)
     plan = copy_plan(ids, ids)
-    flops = [fn.lower(host.buffer, dev.array, plan).compile().cost_analysis()["flops"]
-             for fn in (eng._backup_inline, eng._backup_fn)]
+    flops = [
+        fn.lower(host.buffer, dev.array, plan).compile().cost_analysis()["flops"]
+        for fn in (eng._backup_inline, eng._backup_fn)
+    ]
     assert flops[0] < 1000 <= flops[1]
     used = []
     run = host.run

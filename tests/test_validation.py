@@ -21,11 +21,20 @@ from hicache_jax.validation import (
 )
 
 
-@pytest.mark.parametrize("value, int_, real", [
-    (3, True, True), (np.int64(3), True, True), (np.uint8(0), True, True),
-    (True, False, False), (np.bool_(False), False, False), (2.5, False, True),
-    (np.float32(1.0), False, True), ("3", False, False), (None, False, False),
-])
+@pytest.mark.parametrize(
+    "value, int_, real",
+    [
+        (3, True, True),
+        (np.int64(3), True, True),
+        (np.uint8(0), True, True),
+        (True, False, False),
+        (np.bool_(False), False, False),
+        (2.5, False, True),
+        (np.float32(1.0), False, True),
+        ("3", False, False),
+        (None, False, False),
+    ],
+)
 def test_is_int_and_is_real_refuse_bools(value, int_, real):
     assert is_int(value) is int_ and is_real(value) is real
 
@@ -72,15 +81,25 @@ def test_integer_arrays():
     with pytest.raises(ValueError, match="ids has 1 ids, expected 2"):
         as_distinct_ids([4], 2, "ids")
     assert check_ids_in_range([2, 0], 2, 3).dtype == np.int64
-    for ids, msg in (([0], "len.host_ids.=1 must equal len.keys.=2"), ([0, 3], r"in \[0, 3\)"),
-                     ([1, 1], "unique"), ([0.5, 1.0], "1-D integers")):
+    for ids, msg in (
+        ([0], "len.host_ids.=1 must equal len.keys.=2"),
+        ([0, 3], r"in \[0, 3\)"),
+        ([1, 1], "unique"),
+        ([0.5, 1.0], "1-D integers"),
+    ):
         with pytest.raises(ValueError, match=msg):
             check_ids_in_range(ids, 2, 3)
 
 
-@pytest.mark.parametrize("arg", [[5, 0, 2**31 - 1], np.array([5, 0, 2**31 - 1], np.uint64),
-                                 np.array([5, 0, 2**31 - 1], np.int64)[::1],
-                                 np.array([9, 5, 9, 0, 9, 2**31 - 1], np.int64)[1::2]])
+@pytest.mark.parametrize(
+    "arg",
+    [
+        [5, 0, 2**31 - 1],
+        np.array([5, 0, 2**31 - 1], np.uint64),
+        np.array([5, 0, 2**31 - 1], np.int64)[::1],
+        np.array([9, 5, 9, 0, 9, 2**31 - 1], np.int64)[1::2],
+    ],
+)
 def test_as_tokens_int32_from_any_integer_input(arg):
     out = as_tokens(arg)
     assert out.dtype == TOKEN_DTYPE and out.tolist() == [5, 0, 2**31 - 1]
@@ -89,11 +108,14 @@ def test_as_tokens_int32_from_any_integer_input(arg):
 def test_as_tokens_no_copy_of_int32_and_errors():
     a = np.arange(4, dtype=np.int32)
     assert as_tokens(a) is a and as_tokens([]).dtype == TOKEN_DTYPE
-    for bad, exc, msg in (([1, -2], ValueError, "negative"),  # the one-pass check sees it
-                          (np.array([-(2**62)], np.int64), ValueError, "negative"),
-                          ([2**31], ValueError, r"beyond int32 \(max 2147483648\)"),
-                          (np.array([2**64 - 1], np.uint64), ValueError, "beyond int32"),
-                          ([1.0], TypeError, "integers"), ([[1]], ValueError, "1-D")):
+    for bad, exc, msg in (
+        ([1, -2], ValueError, "negative"),  # the one-pass check sees it
+        (np.array([-(2**62)], np.int64), ValueError, "negative"),
+        ([2**31], ValueError, r"beyond int32 \(max 2147483648\)"),
+        (np.array([2**64 - 1], np.uint64), ValueError, "beyond int32"),
+        ([1.0], TypeError, "integers"),
+        ([[1]], ValueError, "1-D"),
+    ):
         with pytest.raises(exc, match=msg):
             as_tokens(bad)
 

@@ -36,8 +36,14 @@ def test_seeded_and_deterministic(name):
 
 
 def test_chat_prompt_is_history_plus_answer_plus_question():
-    wl = multiturn_chat(num_clients=3, num_turns=3, system_tokens=20, question_tokens=6,
-                        max_new_tokens=2, vocab_size=50)
+    wl = multiturn_chat(
+        num_clients=3,
+        num_turns=3,
+        system_tokens=20,
+        question_tokens=6,
+        max_new_tokens=2,
+        vocab_size=50,
+    )
     served = wl.run(_echo)
     assert [(r.session, r.turn) for r, _ in served] == [(s, t) for t in range(3) for s in range(3)]
     system = served[0][0].prompt[:20]
@@ -46,13 +52,18 @@ def test_chat_prompt_is_history_plus_answer_plus_question():
         np.testing.assert_array_equal(req.prompt[:20], system)  # shared system prompt
         if req.session in by_session:
             prev = by_session[req.session]
-            np.testing.assert_array_equal(req.prompt[:len(prev)], prev)
+            np.testing.assert_array_equal(req.prompt[: len(prev)], prev)
         by_session[req.session] = np.concatenate([req.prompt, out])
 
 
 def test_docqa_prompts_are_document_plus_question():
-    wl = document_qa(num_documents=2, questions_per_document=3, document_tokens=30,
-                     question_tokens=4, vocab_size=50)
+    wl = document_qa(
+        num_documents=2,
+        questions_per_document=3,
+        document_tokens=30,
+        question_tokens=4,
+        vocab_size=50,
+    )
     served = wl.run(_echo)
     assert wl.num_rounds == 1 and len(served) == 6
     docs = {r.prompt[:30].tobytes() for r, _ in served}
@@ -60,8 +71,14 @@ def test_docqa_prompts_are_document_plus_question():
 
 
 def test_agent_context_grows_every_step():
-    wl = agent_loop(num_agents=2, num_steps=4, prompt_tokens=10, observation_tokens=5,
-                    max_new_tokens=3, vocab_size=50)
+    wl = agent_loop(
+        num_agents=2,
+        num_steps=4,
+        prompt_tokens=10,
+        observation_tokens=5,
+        max_new_tokens=3,
+        vocab_size=50,
+    )
     lengths = {}
     for req, _out in wl.run(_echo):
         lengths.setdefault(req.session, []).append(len(req.prompt))
@@ -73,8 +90,11 @@ def test_infinite_cache_hit_ratio_by_hand():
     # One session, two turns, page 1: turn 1 matches turn 0's prompt + answer minus its last
     # token (whose K/V is never computed); the last prompt token is never matched.
     base = np.array([5, 6, 7, 8], np.int32)
-    wl = Workload("t", (Session(base, (np.array([9], np.int32), np.array([10, 11], np.int32)),
-                                True),), max_new_tokens=2)
+    wl = Workload(
+        "t",
+        (Session(base, (np.array([9], np.int32), np.array([10, 11], np.int32)), True),),
+        max_new_tokens=2,
+    )
     served = wl.run(lambda ps: [np.array([20, 21], np.int32)])
     # prompts: [5 6 7 8 9] (5 tokens, 0 hit), [5 6 7 8 9 20 21 10 11] (9 tokens; cached
     # 5 6 7 8 9 20 -> 6 hit)
@@ -84,8 +104,14 @@ def test_infinite_cache_hit_ratio_by_hand():
 
 
 def test_placeholder_ratio_close_to_real_answers():
-    wl = multiturn_chat(num_clients=2, num_turns=3, system_tokens=32, question_tokens=8,
-                        max_new_tokens=4, vocab_size=64)
+    wl = multiturn_chat(
+        num_clients=2,
+        num_turns=3,
+        system_tokens=32,
+        question_tokens=8,
+        max_new_tokens=4,
+        vocab_size=64,
+    )
     real = wl.run(lambda ps: [np.arange(1, 5, dtype=np.int32) + len(p) for p in ps])
     assert wl.infinite_cache_hit_ratio(1, real) == pytest.approx(wl.infinite_cache_hit_ratio(1))
     assert 0.4 < wl.infinite_cache_hit_ratio(16) <= wl.infinite_cache_hit_ratio(1) < 1
@@ -105,6 +131,7 @@ def test_bad_sizes_and_serve():
 
 # -- arrival processes (BatchedEngine.serve) ---------------------------------------------------
 
+
 def _play(process, answer):
     """Drive an arrival process as the engine does, answering at once (time = arrival)."""
     import heapq
@@ -122,8 +149,14 @@ def _play(process, answer):
 
 
 def test_closed_loop_prompts_equal_the_rounds():
-    wl = multiturn_chat(num_clients=3, num_turns=3, system_tokens=20, question_tokens=6,
-                        max_new_tokens=2, vocab_size=50)
+    wl = multiturn_chat(
+        num_clients=3,
+        num_turns=3,
+        system_tokens=20,
+        question_tokens=6,
+        max_new_tokens=2,
+        vocab_size=50,
+    )
     rounds = {(r.session, r.turn): r.prompt for r, _ in wl.run(_echo)}
     served = _play(ClosedLoop(wl), lambda p: _echo([p])[0])
     assert {a.key for a, _ in served} == set(rounds)
@@ -136,8 +169,14 @@ def test_closed_loop_prompts_equal_the_rounds():
 
 
 def test_poisson_schedule_respects_answers():
-    wl = multiturn_chat(num_clients=2, num_turns=3, system_tokens=8, question_tokens=4,
-                        max_new_tokens=2, vocab_size=50)
+    wl = multiturn_chat(
+        num_clients=2,
+        num_turns=3,
+        system_tokens=8,
+        question_tokens=4,
+        max_new_tokens=2,
+        vocab_size=50,
+    )
     p = PoissonArrivals(wl, rate=100.0, seed=3)
     again = PoissonArrivals(wl, rate=100.0, seed=3)
     assert p.schedule == again.schedule and min(p.schedule.values()) == 0.0
@@ -155,20 +194,22 @@ def test_poisson_schedule_respects_answers():
 
 def test_trace_arrivals_scale_time_and_share_blocks(tmp_path):
     path = tmp_path / "t.jsonl"
-    path.write_text('{"timestamp": 0, "input_length": 1024, "output_length": 30, '
-                    '"hash_ids": [1, 2]}\n\n'
-                    '{"timestamp": 2000, "input_length": 1000, "output_length": 2, '
-                    '"hash_ids": [1, 3]}\n')
-    tr = TraceArrivals(str(path), time_scale=0.5, block_tokens=8, max_new_tokens=4,
-                       vocab_size=50)
+    path.write_text(
+        '{"timestamp": 0, "input_length": 1024, "output_length": 30, '
+        '"hash_ids": [1, 2]}\n\n'
+        '{"timestamp": 2000, "input_length": 1000, "output_length": 2, '
+        '"hash_ids": [1, 3]}\n'
+    )
+    tr = TraceArrivals(str(path), time_scale=0.5, block_tokens=8, max_new_tokens=4, vocab_size=50)
     a, b = tr.initial()
     assert (a.at, b.at) == (0.0, 1.0) and (a.max_new_tokens, b.max_new_tokens) == (4, 2)
     assert a.prompt.size == 16 and b.prompt.size == 16  # 1000 * 8 / 512 rounds up to 16
     np.testing.assert_array_equal(a.prompt[:8], b.prompt[:8])  # hash id 1: same tokens
     assert not np.array_equal(a.prompt[8:], b.prompt[8:])
     assert tr.on_done(a.key, np.zeros(2, np.int32), 0.0) == []
-    shipped = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "data",
-                           "mooncake_synthetic_1000.jsonl")
+    shipped = os.path.join(
+        os.path.dirname(__file__), "..", "benchmarks", "data", "mooncake_synthetic_1000.jsonl"
+    )
     assert len(TraceArrivals(shipped, limit=5).initial()) == 5
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"timestamp": 0}\n')

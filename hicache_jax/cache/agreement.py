@@ -47,11 +47,20 @@ def _show(value: Any) -> str:
 def config_fields(spec: KVSpec, cfg: HiCacheConfig) -> list[tuple[str, str]]:
     """``(name, value)`` of everything that makes two processes' caches decide differently."""
     out = [(f"spec.{f.name}", _show(getattr(spec, f.name))) for f in dataclasses.fields(spec)]
-    out += [(f.name, _show(getattr(cfg, f.name))) for f in dataclasses.fields(cfg)
-            if f.name not in _NOT_COMPARED]
+    out += [
+        (f.name, _show(getattr(cfg, f.name)))
+        for f in dataclasses.fields(cfg)
+        if f.name not in _NOT_COMPARED
+    ]
     mesh = cfg.mesh
-    out.append(("mesh", "None" if mesh is None else
-                f"{dict(mesh.shape)} devices={np.asarray(mesh.device_ids).ravel().tolist()}"))
+    out.append(
+        (
+            "mesh",
+            "None"
+            if mesh is None
+            else f"{dict(mesh.shape)} devices={np.asarray(mesh.device_ids).ravel().tolist()}",
+        )
+    )
     out.append(("storage", repr(None if cfg.storage is None else cfg.storage.split(":")[0])))
     cost = cfg.prefill_cost
     out.append(("prefill_cost", "None" if cost is None else getattr(cost, "__qualname__", "?")))
@@ -65,13 +74,16 @@ def check_config(group: Group, spec: KVSpec, cfg: HiCacheConfig) -> None:
     if group.num_processes == 1:
         return
     if cfg.load_policy == "cost":
-        raise ValueError("load_policy='cost' decides from each process's own timings, which "
-                         f"differ between the {group.num_processes} processes: use 'threshold'")
+        raise ValueError(
+            "load_policy='cost' decides from each process's own timings, which "
+            f"differ between the {group.num_processes} processes: use 'threshold'"
+        )
     group.check_equal("config", config_fields(spec, cfg))
 
 
-def join_group(spec: KVSpec, cfg: HiCacheConfig,
-               clock: Callable[[], float]) -> tuple[Group, bool, Callable[[], float]]:
+def join_group(
+    spec: KVSpec, cfg: HiCacheConfig, clock: Callable[[], float]
+) -> tuple[Group, bool, Callable[[], float]]:
     """A cache's group, whether the cache owns it, and the clock of its tree. The group is
     ``cfg.group``, else :func:`default_group` (the cache's own: its ``close`` closes it, as
     does a construction that fails here); :func:`check_config` runs over it; with several
@@ -109,9 +121,14 @@ def _digest(parts: Iterable[Any]) -> str:
     return h.hexdigest()
 
 
-def state_fields(tree: RadixTree, owners: DevicePageOwners, host: PageAllocator,
-                 flight: InFlight, counters: collections.Counter,
-                 l3: Any = None) -> list[tuple[str, str]]:
+def state_fields(
+    tree: RadixTree,
+    owners: DevicePageOwners,
+    host: PageAllocator,
+    flight: InFlight,
+    counters: collections.Counter,
+    l3: Any = None,
+) -> list[tuple[str, str]]:
     """``(name, digest)`` of one cache's decided state, in the order a difference is named
     (``l3``: the L3 slot, whose figures but the store's own are compared)."""
     nodes = list(tree.nodes())
@@ -119,20 +136,31 @@ def state_fields(tree: RadixTree, owners: DevicePageOwners, host: PageAllocator,
     none = np.zeros(0, np.int32)
     ops = list(flight.ops())
     kept = {k: v for k, v in sorted(counters.items()) if "seconds" not in k and v}
-    l3_kept = {} if l3 is None else {k: v for k, v in sorted(l3.stats().items())
-                                     if not k.startswith("l3_store_")}
+    l3_kept = (
+        {}
+        if l3 is None
+        else {k: v for k, v in sorted(l3.stats().items()) if not k.startswith("l3_store_")}
+    )
     return [
-        ("tree.nodes", f"{len(nodes)}:" + _digest(
-            x for n in nodes for x in (n.id, pid(n), n.key, n.extra_key))),
+        (
+            "tree.nodes",
+            f"{len(nodes)}:"
+            + _digest(x for n in nodes for x in (n.id, pid(n), n.key, n.extra_key)),
+        ),
         ("tree.device_pages", _digest(n.value if n.value is not None else none for n in nodes)),
-        ("tree.host_pages", _digest(n.host_value if n.host_value is not None else none
-                                    for n in nodes)),
+        (
+            "tree.host_pages",
+            _digest(n.host_value if n.host_value is not None else none for n in nodes),
+        ),
         ("tree.locks", _digest((n.lock_ref, n.host_pins) for n in nodes)),
         ("tree.eviction_keys", _digest((n.hit_count, n.last_access, n.priority) for n in nodes)),
         ("device_page_owners", _digest([owners.owners()])),
         ("host_pages_allocated", _digest([host.is_allocated(np.arange(host.num_pages))])),
-        ("in_flight", f"{len(ops)}:" + _digest(
-            x for op in ops for x in (op.seq, op.kind.value, op.device_ids, op.host_ids))),
+        (
+            "in_flight",
+            f"{len(ops)}:"
+            + _digest(x for op in ops for x in (op.seq, op.kind.value, op.device_ids, op.host_ids)),
+        ),
         ("counters", json.dumps(kept)),
         ("l3", json.dumps(l3_kept)),
     ]
@@ -148,9 +176,17 @@ class Agreement:
             (:func:`state_fields`).
     """
 
-    def __init__(self, group: Group, every: int, tree: RadixTree, owners: DevicePageOwners,
-                 host: PageAllocator, flight: InFlight, counters: collections.Counter,
-                 l3: Any) -> None:
+    def __init__(
+        self,
+        group: Group,
+        every: int,
+        tree: RadixTree,
+        owners: DevicePageOwners,
+        host: PageAllocator,
+        flight: InFlight,
+        counters: collections.Counter,
+        l3: Any,
+    ) -> None:
         self.group, self._every = group, every
         self._parts = (tree, owners, host, flight, counters, l3)
         self._calls = 0

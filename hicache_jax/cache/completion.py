@@ -34,13 +34,20 @@ class Completion:
             one, so it costs none of its own); None: one process.
     """
 
-    def __init__(self, engine: TransferEngine, flight: InFlight, l3: Any,
-                 expire: Callable[[], None], sync: Callable[[], None] | None = None) -> None:
+    def __init__(
+        self,
+        engine: TransferEngine,
+        flight: InFlight,
+        l3: Any,
+        expire: Callable[[], None],
+        sync: Callable[[], None] | None = None,
+    ) -> None:
         self._engine, self._flight, self._l3, self._expire = engine, flight, l3, expire
         self._sync = sync
 
-    def __call__(self, upto: Any = None, *, wait: bool = False, attach: bool = False,
-                 sync: bool = False) -> None:
+    def __call__(
+        self, upto: Any = None, *, wait: bool = False, attach: bool = False, sync: bool = False
+    ) -> None:
         """Apply finished transfers in dispatch order, first waiting for the transfer ``upto``
         (a handle) or, with ``wait``, for all of them. ``attach``: also hang landed L3
         prefetches in the tree and expire pins -- only at the start of a public call, never

@@ -49,13 +49,25 @@ class Evictor:
             flight when their locks hold the pages it needs).
     """
 
-    def __init__(self, cfg: HiCacheConfig, tree: RadixTree, device_allocator: PageAllocator,
-                 counters: collections.Counter, flight: InFlight, write: WriteStrategy,
-                 removal: Removal, complete: Completion) -> None:
+    def __init__(
+        self,
+        cfg: HiCacheConfig,
+        tree: RadixTree,
+        device_allocator: PageAllocator,
+        counters: collections.Counter,
+        flight: InFlight,
+        write: WriteStrategy,
+        removal: Removal,
+        complete: Completion,
+    ) -> None:
         self.cfg, self._tree, self._ps, self._n = cfg, tree, tree.page_size, counters
         self._flight, self._write, self._removal, self._complete = flight, write, removal, complete
-        self._tier = Tier(device_allocator, self.evict_device,
-                          lambda: tree.evictable_device_tokens // self._ps, True)
+        self._tier = Tier(
+            device_allocator,
+            self.evict_device,
+            lambda: tree.evictable_device_tokens // self._ps,
+            True,
+        )
 
     def take(self, n: int) -> np.ndarray:
         """``n`` device pages (int32 ids), evicting as needed, else ``OutOfPagesError`` before

@@ -87,10 +87,14 @@ class HiCache:
             copies in flight).
     """
 
-    def __init__(self, spec: KVSpec, cfg: HiCacheConfig, *,
-                 clock: Callable[[], float] = time.monotonic,
-                 transfer_engine: Callable[[DevicePagePool, HostPagePool],
-                                           TransferEngine] = TransferEngine) -> None:
+    def __init__(
+        self,
+        spec: KVSpec,
+        cfg: HiCacheConfig,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        transfer_engine: Callable[[DevicePagePool, HostPagePool], TransferEngine] = TransferEngine,
+    ) -> None:
         if not isinstance(spec, KVSpec):
             raise TypeError(f"spec must be a KVSpec, got {type(spec).__name__}")
         if not isinstance(cfg, HiCacheConfig):
@@ -102,18 +106,35 @@ class HiCache:
         self._sync = clock.sync if isinstance(clock, AgreedClock) else None
         self._ps = spec.page_size
         self._tree = RadixTree(spec.page_size, clock)
-        self._device = DevicePagePool(spec, cfg.device_pages, mesh=cfg.mesh, axis=cfg.shard_axis,
-                                      copy_backend=cfg.copy_backend, huge_pages=cfg.huge_pages)
+        self._device = DevicePagePool(
+            spec,
+            cfg.device_pages,
+            mesh=cfg.mesh,
+            axis=cfg.shard_axis,
+            copy_backend=cfg.copy_backend,
+            huge_pages=cfg.huge_pages,
+        )
         assert cfg.host_pages is not None  # HiCacheConfig.__post_init__ resolves it
-        self._host = HostPagePool(spec, cfg.host_pages, layout=cfg.host_layout, mesh=cfg.mesh,
-                                  axis=cfg.shard_axis, huge_pages=cfg.huge_pages)
+        self._host = HostPagePool(
+            spec,
+            cfg.host_pages,
+            layout=cfg.host_layout,
+            mesh=cfg.mesh,
+            axis=cfg.shard_axis,
+            huge_pages=cfg.huge_pages,
+        )
         self._engine = transfer_engine(self._device, self._host)
         bind_completions(self._engine, self._group, cfg.completion_lag)
         self._events: NullRecorder | Recorder = NullRecorder()  # the configured one: below
         self._threads = ThreadOwner()
         # deadlines and ttls (L3, pins): the request's own clock reading; stamps: the order
-        self._port = CacheL3Port(spec, clock.fresh if isinstance(clock, AgreedClock) else clock,
-                                 self._tree, self._host, self._group)
+        self._port = CacheL3Port(
+            spec,
+            clock.fresh if isinstance(clock, AgreedClock) else clock,
+            self._tree,
+            self._host,
+            self._group,
+        )
         # NullL3Tier without storage; attach_storage / detach_storage swap the slot's tier
         # L3 holds this process's heads (all of them in one process), keyed by the shard
         self._l3 = L3Slot(open_l3(self._port, self._host.local_spec, cfg), collections.Counter())
@@ -135,36 +156,91 @@ class HiCache:
         self._caller_locks: dict[TreeNode, int] = {}
         self._n: collections.Counter[str] = collections.Counter()
         self._l3.rebind(self._n)
-        self._cost = CostModel(cfg.cost_page_bytes or self.spec.page_bytes, self._ps,
-                               cfg.prefill_cost, observed_page_bytes=self.spec.page_bytes)
+        self._cost = CostModel(
+            cfg.cost_page_bytes or self.spec.page_bytes,
+            self._ps,
+            cfg.prefill_cost,
+            observed_page_bytes=self.spec.page_bytes,
+        )
         self._rule = make_rule(cfg, self._cost, dev, tree)
         # load_overlap: begin() lets the cost rule pick two-ended splits (cache/loading/overlap.py)
-        self._split_rule = (self._rule if cfg.load_overlap and isinstance(self._rule, CostRule)
-                            else None)
-        self._flight = InFlight(self.spec, tree, self._engine, dev, host, self._owner, events,
-                                self._n, self._l3.on_backup, self._cost)
+        self._split_rule = (
+            self._rule if cfg.load_overlap and isinstance(self._rule, CostRule) else None
+        )
+        self._flight = InFlight(
+            self.spec,
+            tree,
+            self._engine,
+            dev,
+            host,
+            self._owner,
+            events,
+            self._n,
+            self._l3.on_backup,
+            self._cost,
+        )
         assert cfg.host_pages is not None  # HiCacheConfig.__post_init__ resolves it
-        self._pins = Pins(tree, self._port.clock, cfg.pin_max_share, cfg.device_pages,
-                          cfg.host_pages)
-        self._complete = Completion(self._engine, self._flight, self._l3, self._pins.expire,
-                                    self._sync)
+        self._pins = Pins(
+            tree, self._port.clock, cfg.pin_max_share, cfg.device_pages, cfg.host_pages
+        )
+        self._complete = Completion(
+            self._engine, self._flight, self._l3, self._pins.expire, self._sync
+        )
         self._overlap = Overlap(self._ps, self._engine, self._cost, self._n, self._complete)
-        self._removal = Removal(cfg, tree, dev, self._owner, events, self._n, self._flight,
-                                self._l3)
-        self._write = make_write_policy(WriteContext(
-            cfg, tree, self._flight, self._n, dev, events, host, self._removal, self._complete,
-            l3=self._l3))
-        self._evict = Evictor(cfg, tree, dev, self._n, self._flight, self._write,
-                              self._removal, self._complete)
-        self._inserter = Insertion(self._ps, tree, dev, self._owner, events, self._n,
-                                   self._device.validate_ids, self._write.after_insert,
-                                   self._caller_locks)
-        self._agreement = Agreement(self._group, cfg.agreement_check_every, tree, self._owner,
-                                    host, self._flight, self._n, self._l3)
-        self._control = Control(self._ps, tree, self._l3, self._pins,
-                                Invalidation(tree, self._removal, self._pins, self._l3),
-                                self._complete, self._port, events, self._host, self._agreement,
-                                self._cost)
+        self._removal = Removal(
+            cfg, tree, dev, self._owner, events, self._n, self._flight, self._l3
+        )
+        self._write = make_write_policy(
+            WriteContext(
+                cfg,
+                tree,
+                self._flight,
+                self._n,
+                dev,
+                events,
+                host,
+                self._removal,
+                self._complete,
+                l3=self._l3,
+            )
+        )
+        self._evict = Evictor(
+            cfg, tree, dev, self._n, self._flight, self._write, self._removal, self._complete
+        )
+        self._inserter = Insertion(
+            self._ps,
+            tree,
+            dev,
+            self._owner,
+            events,
+            self._n,
+            self._device.validate_ids,
+            self._write.after_insert,
+            self._caller_locks,
+        )
+        self._agreement = Agreement(
+            self._group,
+            cfg.agreement_check_every,
+            tree,
+            self._owner,
+            host,
+            self._flight,
+            self._n,
+            self._l3,
+        )
+        self._control = Control(
+            self._ps,
+            tree,
+            self._l3,
+            self._pins,
+            Invalidation(tree, self._removal, self._pins, self._l3),
+            self._complete,
+            self._port,
+            events,
+            self._host,
+            self._agreement,
+            self._cost,
+        )
         self._port.bind(events, self._write, self._rule, self._cost)
 
     def _guard(self) -> None:
@@ -195,13 +271,13 @@ class HiCache:
         self._n["match_tokens"] += arr.shape[0]
         self._n["device_hit_tokens"] += tm.device_len
         self._n["host_hit_tokens"] += tm.host_len
-        return Match(tm.device_pages, tm.device_len, tm.host_len,
-                     node_ref(tm.node, tm.last_device_node))
+        return Match(
+            tm.device_pages, tm.device_len, tm.host_len, node_ref(tm.node, tm.last_device_node)
+        )
 
     # -- admission (ARCHITECTURE.md, "A request's data flow") ---------------------------------
 
-    def begin(self, tokens: Any, extra_key: Hashable = None, *,
-              layerwise: bool = False) -> Request:
+    def begin(self, tokens: Any, extra_key: Hashable = None, *, layerwise: bool = False) -> Request:
         """Admit one request: match, prepare (clean_ahead's backups), load the host part back
         (or not, as :meth:`load_back` decides; under ``load_overlap`` maybe a two-ended split),
         lock; then its :class:`Request` handle, which owns the lock. Always admitted: its pages
@@ -230,15 +306,22 @@ class HiCache:
         if front is None:
             return None
         try:
-            return self._overlap.start(node, front, lm.device_len, lm.host_len,
-                                       self.alloc_pages, self.free_pages)
+            return self._overlap.start(
+                node, front, lm.device_len, lm.host_len, self.alloc_pages, self.free_pages
+            )
         except BaseException:
             if not self.closed:
                 self.unlock(lm.node)
             raise
 
-    def begin_many(self, prompts: Sequence[Any], *, extra_keys: Sequence[Hashable] | None = None,
-                   budget: int | None = None, layerwise: bool = False) -> list[Request | None]:
+    def begin_many(
+        self,
+        prompts: Sequence[Any],
+        *,
+        extra_keys: Sequence[Hashable] | None = None,
+        budget: int | None = None,
+        layerwise: bool = False,
+    ) -> list[Request | None]:
         """Admit a scheduler step's requests, oldest (first in ``prompts``) first, with ONE
         load-back transfer (:meth:`load_back_many`); None for those not admitted.
 
@@ -279,8 +362,9 @@ class HiCache:
             self.prepare(before, new)  # clean_ahead: what their pages will evict, backed up now
         out: list[Request | None] = [None] * len(prompts)
         # load back in one transfer, lock each, wrap each
-        out[:len(before)] = admit_matched(self, before, extra_keys=keys[:len(before)],
-                                          layerwise=layerwise)
+        out[: len(before)] = admit_matched(
+            self, before, extra_keys=keys[: len(before)], layerwise=layerwise
+        )
         return out
 
     @publishes
@@ -332,9 +416,16 @@ class HiCache:
     def _load_back(self, resolved: list[tuple[Match, TreeNode]], layerwise: bool) -> list[Match]:
         sizes = self._write.largest_alloc, self._write.announced  # a load that raised: as before
         try:
-            return load_chains(self._tree, resolved, rule=self._rule, page_size=self._ps,
-                               take=self._evict.take, load=self._flight.load, counters=self._n,
-                               layerwise=layerwise)
+            return load_chains(
+                self._tree,
+                resolved,
+                rule=self._rule,
+                page_size=self._ps,
+                take=self._evict.take,
+                load=self._flight.load,
+                counters=self._n,
+                layerwise=layerwise,
+            )
         except BaseException:
             self._write.largest_alloc, self._write.announced = sizes
             raise
@@ -354,7 +445,8 @@ class HiCache:
             raise HiCacheError(
                 f"stale Match: the device pages of {node!r} were evicted or moved since the "
                 "match (by alloc_pages, load_back, insert or evict of other requests): call "
-                "match_prefix (or load_back) again and lock the new Match's node")
+                "match_prefix (or load_back) again and lock the new Match's node"
+            )
         self._tree.lock(tnode)
         self._caller_locks[tnode] = self._caller_locks.get(tnode, 0) + 1
 
@@ -441,8 +533,15 @@ class HiCache:
         return self._device.read(ids)
 
     @publishes
-    def insert(self, tokens: Any, pages: Any, extra_key: Hashable = None, *,
-               chunked: bool = False, priority: int = 0) -> int:
+    def insert(
+        self,
+        tokens: Any,
+        pages: Any,
+        extra_key: Hashable = None,
+        *,
+        chunked: bool = False,
+        priority: int = 0,
+    ) -> int:
         """Cache the whole pages of ``tokens`` with ``pages`` (ARCHITECTURE.md, data flow).
 
         Args:
@@ -460,8 +559,9 @@ class HiCache:
         return self._inserter(tokens, pages, extra_key, chunked, priority)[0].prefix_len
 
     @publishes
-    def insert_locked(self, tokens: Any, pages: Any, node: NodeRef,
-                      extra_key: Hashable = None) -> Match:
+    def insert_locked(
+        self, tokens: Any, pages: Any, node: NodeRef, extra_key: Hashable = None
+    ) -> Match:
         """:meth:`insert` for a request that goes on (SGLang's ``cache_unfinished_req``): the
         caller's lock on ``node`` moves to the inserted prefix, which other requests then hit.
         Counts no hit (``chunked``). What :meth:`Request.commit` calls.
@@ -478,11 +578,14 @@ class HiCache:
             raise HiCacheError(f"insert_locked: the caller holds no lock on {node!r}")
         arr = self._inserter(tokens, pages, extra_key, True, 0)[1]
         tm = self._tree.match(arr, extra_key, validated=True)
-        m = Match(tm.device_pages, tm.device_len, tm.host_len,
-                  node_ref(tm.node, tm.last_device_node))
+        m = Match(
+            tm.device_pages, tm.device_len, tm.host_len, node_ref(tm.node, tm.last_device_node)
+        )
         if m.device_len != arr.shape[0]:
-            raise HiCacheError(f"inserted {arr.shape[0]} tokens but {m.device_len} are "
-                               "on device: the cache lost pages its caller holds")
+            raise HiCacheError(
+                f"inserted {arr.shape[0]} tokens but {m.device_len} are "
+                "on device: the cache lost pages its caller holds"
+            )
         self.lock(m.node)
         self.unlock(node)
         return m
@@ -523,8 +626,9 @@ class HiCache:
         self._guard()
         self._control.check_agreement()
 
-    def lookup(self, tokens: Any, extra_key: Hashable = None, *,
-               l3: bool = False) -> dict[str, int]:
+    def lookup(
+        self, tokens: Any, extra_key: Hashable = None, *, l3: bool = False
+    ) -> dict[str, int]:
         """Tokens of ``tokens``' cached prefix per tier ("device", "host", with ``l3`` also
         "l3": the store's beyond them), with no side effect (cache/control/lookup.py)."""
         self._guard()
@@ -541,8 +645,14 @@ class HiCache:
         return self._control.invalidate(tokens, extra_key)
 
     @publishes
-    def pin(self, tokens: Any, extra_key: Hashable = None, *, ttl_s: float | None = None,
-            tier: str = "device") -> int:
+    def pin(
+        self,
+        tokens: Any,
+        extra_key: Hashable = None,
+        *,
+        ttl_s: float | None = None,
+        tier: str = "device",
+    ) -> int:
         """Keep the part of ``tokens``' cached prefix held on ``tier`` ("device" | "host") from
         eviction there, until :meth:`unpin` or ``ttl_s`` seconds on the cache's clock; returns
         the tokens pinned. ``PinLimitError`` (with the figures) beyond ``cfg.pin_max_share``
@@ -678,15 +788,35 @@ class HiCache:
     def stats(self) -> dict[str, Any]:
         """Counters and occupancy of both tiers. Pure (no polling); any thread may call it, also
         after :meth:`close` (figures read while the owner is inside a call may disagree)."""
-        return cache_stats(self._n, self._device.allocator, self._host.allocator, self._tree,
-                           self._owner, len(self._flight), self._write.reserve_pages()) \
-            | self._events.stats() | self._l3.stats() | self._cost.stats() | self._pins.stats() \
+        return (
+            cache_stats(
+                self._n,
+                self._device.allocator,
+                self._host.allocator,
+                self._tree,
+                self._owner,
+                len(self._flight),
+                self._write.reserve_pages(),
+            )
+            | self._events.stats()
+            | self._l3.stats()
+            | self._cost.stats()
+            | self._pins.stats()
             | self._engine.stats()
+        )
 
     def check_invariants(self) -> None:
         """Check every invariant (ARCHITECTURE.md) on the whole cache, O(cache), for tests;
         ``HiCacheError`` names the first broken one."""
         self._guard()
-        check_cache(self._tree, self._owner, self._device.allocator, self._host.allocator,
-                    self._flight, self._caller_locks, self._port, self._write.continuous_prefix,
-                    self._pins)
+        check_cache(
+            self._tree,
+            self._owner,
+            self._device.allocator,
+            self._host.allocator,
+            self._flight,
+            self._caller_locks,
+            self._port,
+            self._write.continuous_prefix,
+            self._pins,
+        )

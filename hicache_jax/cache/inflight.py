@@ -79,10 +79,19 @@ class InFlight:
             prefill shape's first run; it still settles the decision that loaded.
     """
 
-    def __init__(self, spec: KVSpec, tree: RadixTree, engine: TransferEngine,
-                 device: PageAllocator, host: PageAllocator, owners: DevicePageOwners,
-                 events: NullRecorder | Recorder, counters: collections.Counter,
-                 on_backup: Callable[[list], None], cost: CostModel | None = None) -> None:
+    def __init__(
+        self,
+        spec: KVSpec,
+        tree: RadixTree,
+        engine: TransferEngine,
+        device: PageAllocator,
+        host: PageAllocator,
+        owners: DevicePageOwners,
+        events: NullRecorder | Recorder,
+        counters: collections.Counter,
+        on_backup: Callable[[list], None],
+        cost: CostModel | None = None,
+    ) -> None:
         self._spec, self._ps, self._cost = spec, spec.page_size, cost
         self._load_shapes: set = set()  # the copy shapes loads were timed at (their compile)
         self._tree, self._engine, self._owners = tree, engine, owners
@@ -90,11 +99,11 @@ class InFlight:
         self._host = host
         self._events, self._n, self._on_backup = events, counters, on_backup
         device_pages = device.num_pages
-        self._loading = np.zeros(device_pages, np.int64)   # 1 + seq of the load writing a page
+        self._loading = np.zeros(device_pages, np.int64)  # 1 + seq of the load writing a page
         self._parked = np.zeros(host.num_pages, np.bool_)  # given up, freed once not busy
-        self._claimed: set[TreeNode] = set()               # claimed, not dispatched yet
+        self._claimed: set[TreeNode] = set()  # claimed, not dispatched yet
         self.num_parked = 0
-        self._ops: dict[int, Op] = {}                      # seq -> op, dispatch order
+        self._ops: dict[int, Op] = {}  # seq -> op, dispatch order
         self._seq = -1
 
     def __len__(self) -> int:
@@ -107,8 +116,9 @@ class InFlight:
     def _ops_for(self, kind: TransferKind, parts: list) -> tuple[Op, ...]:
         """Ops (seq numbers after the last dispatched) for ``(node, device_ids, host_ids)``
         parts of one transfer: its tag. Registered by :meth:`_register` once dispatched."""
-        return tuple(Op(self._seq + 1 + i, kind, None, node, d, h)
-                     for i, (node, d, h) in enumerate(parts))
+        return tuple(
+            Op(self._seq + 1 + i, kind, None, node, d, h) for i, (node, d, h) in enumerate(parts)
+        )
 
     def _register(self, ops: tuple[Op, ...], handle: Any) -> None:
         for op in ops:
@@ -118,8 +128,9 @@ class InFlight:
 
     # -- backups ------------------------------------------------------------------------------
 
-    def claim_backup(self, node: TreeNode, continuous_prefix: bool,
-                     take_host: Callable[[int], np.ndarray]) -> Claim | None:
+    def claim_backup(
+        self, node: TreeNode, continuous_prefix: bool, take_host: Callable[[int], np.ndarray]
+    ) -> Claim | None:
         """Reserve host pages (``take_host``, which may evict host pages) for a backup of
         ``node``, to be dispatched by :meth:`dispatch_backups` before the cache's call returns.
         None when skipped: no device pages, already backed up, a gap above it under
@@ -128,8 +139,9 @@ class InFlight:
             return None
         parent = node.parent
         assert parent is not None  # a node of the tree, not its root
-        if continuous_prefix and not (parent.parent is None or parent.backed_up
-                                      or parent in self._claimed):
+        if continuous_prefix and not (
+            parent.parent is None or parent.backed_up or parent in self._claimed
+        ):
             return None
         try:
             host_ids = take_host(node.num_pages)
@@ -139,14 +151,16 @@ class InFlight:
         self._claimed.add(node)
         return node, host_ids
 
-    def claim_backups(self, nodes: list[TreeNode],
-                      take_host: Callable[[int], np.ndarray]) -> list[Claim]:
+    def claim_backups(
+        self, nodes: list[TreeNode], take_host: Callable[[int], np.ndarray]
+    ) -> list[Claim]:
         """Claims for the backups of ``nodes`` (distinct; no continuous prefix), their host
         pages taken in ONE ``take_host`` call: one host-room round for a pass whose backups are
         dispatched together, not one a node. When that many pages cannot be had, node by node
         as :meth:`claim_backup` (those that fit, in order)."""
-        todo = [n for n in nodes
-                if n.value is not None and not n.backed_up and n not in self._claimed]
+        todo = [
+            n for n in nodes if n.value is not None and not n.backed_up and n not in self._claimed
+        ]
         if len(todo) > 1:
             try:
                 host_ids = take_host(sum(n.num_pages for n in todo))
@@ -155,15 +169,16 @@ class InFlight:
             else:
                 claims, lo = [], 0
                 for node in todo:
-                    claims.append((node, host_ids[lo:lo + node.num_pages]))
+                    claims.append((node, host_ids[lo : lo + node.num_pages]))
                     lo += node.num_pages
                 self._claimed.update(todo)
                 return claims
         each = [self.claim_backup(node, False, take_host) for node in todo]
         return [c for c in each if c is not None]
 
-    def claim_spare(self, nodes: list[TreeNode],
-                    take: Callable[[int], np.ndarray | None]) -> list[Claim]:
+    def claim_spare(
+        self, nodes: list[TreeNode], take: Callable[[int], np.ndarray | None]
+    ) -> list[Claim]:
         """Claims for backups of ``nodes`` (in order) while ``take`` finds host pages (None:
         no more); nodes already backed up or claimed, or without device pages, are skipped."""
         claims = []
@@ -188,13 +203,17 @@ class InFlight:
         for node, _ in claims:
             assert node.value is not None  # a backup claim is of a device-resident node
             device_ids.append(node.value.copy())
-        ops = self._ops_for(TransferKind.BACKUP,
-                            [(node, ids, h) for (node, h), ids in zip(claims, device_ids)])
+        ops = self._ops_for(
+            TransferKind.BACKUP, [(node, ids, h) for (node, h), ids in zip(claims, device_ids)]
+        )
         try:
             # the tree's device pages and take_host's fresh host pages: int32, distinct, held
-            handle = self._engine.backup(np.concatenate(device_ids),
-                                         np.concatenate([h for _, h in claims]), tag=ops,
-                                         validated=True)
+            handle = self._engine.backup(
+                np.concatenate(device_ids),
+                np.concatenate([h for _, h in claims]),
+                tag=ops,
+                validated=True,
+            )
         except BaseException:  # internal ids: a bug; undo the claims so the tree stays whole
             for _, host_ids in claims:
                 self._host_free(host_ids)
@@ -228,8 +247,9 @@ class InFlight:
 
     # -- loads --------------------------------------------------------------------------------
 
-    def load(self, chains: list[tuple[TreeNode, list[TreeNode]]], device_ids: np.ndarray,
-             layerwise: bool) -> Any:
+    def load(
+        self, chains: list[tuple[TreeNode, list[TreeNode]]], device_ids: np.ndarray, layerwise: bool
+    ) -> Any:
         """Load host-only chains back into ``device_ids`` in ONE transfer.
 
         Args:
@@ -246,13 +266,14 @@ class InFlight:
         host_ids = [np.concatenate([n.host_value for n in chain]) for _, chain in chains]
         parts, lo = [], 0
         for (node, _), h in zip(chains, host_ids):  # Python offsets: a cumsum costs more here
-            parts.append((node, device_ids[lo:lo + h.size], h))
+            parts.append((node, device_ids[lo : lo + h.size], h))
             lo += h.size
         ops = self._ops_for(TransferKind.LOAD, parts)
         try:
             # the chains' host pages (the tree's) and fresh device pages: int32, distinct, held
-            handle = self._engine.load(np.concatenate(host_ids), device_ids,
-                                       layerwise=layerwise, tag=ops, validated=True)
+            handle = self._engine.load(
+                np.concatenate(host_ids), device_ids, layerwise=layerwise, tag=ops, validated=True
+            )
         except BaseException:  # a dispatch failure (internal ids: a bug, or the runtime): undo
             self._device_free(device_ids)
             for node, _ in chains:
@@ -264,7 +285,7 @@ class InFlight:
             pos = 0
             for n in chain:  # root-first, as set_value requires
                 # pages fresh from the device allocator (take_chains), int32, distinct
-                self._tree.set_value(n, op.device_ids[pos:pos + n.num_pages], validated=True)
+                self._tree.set_value(n, op.device_ids[pos : pos + n.num_pages], validated=True)
                 self._events.stored(n, Medium.DEVICE)
                 pos += n.num_pages
             self._loading[op.device_ids] = op.seq + 1
@@ -303,8 +324,12 @@ class InFlight:
         """Acknowledge the ops of finished ``handles`` (from the engine, dispatch order)."""
         for handle in handles:
             if self._cost is not None and handle.kind is TransferKind.LOAD and handle.nbytes:
-                self._cost.observe_transfer("l2_l1", handle.nbytes, float(handle.seconds or 0.0),
-                                            sample=not self._first_of_shape(handle))
+                self._cost.observe_transfer(
+                    "l2_l1",
+                    handle.nbytes,
+                    float(handle.seconds or 0.0),
+                    sample=not self._first_of_shape(handle),
+                )
             for op in handle.tag or ():
                 del self._ops[op.seq]
                 self._apply(op)

@@ -35,33 +35,42 @@ class Insertion:
             the write policy defers on it).
     """
 
-    def __init__(self, page_size: int, tree: RadixTree, device: PageAllocator,
-                 owner: DevicePageOwners, events: NullRecorder | Recorder,
-                 counters: collections.Counter[str],
-                 validate_ids: Callable[[Any, str], np.ndarray],
-                 after_insert: Callable[[InsertResult, bool, bool], None],
-                 caller_locks: dict) -> None:
+    def __init__(
+        self,
+        page_size: int,
+        tree: RadixTree,
+        device: PageAllocator,
+        owner: DevicePageOwners,
+        events: NullRecorder | Recorder,
+        counters: collections.Counter[str],
+        validate_ids: Callable[[Any, str], np.ndarray],
+        after_insert: Callable[[InsertResult, bool, bool], None],
+        caller_locks: dict,
+    ) -> None:
         self._ps, self._tree, self._device, self._owner = page_size, tree, device, owner
         self._events, self._n = events, counters
         self._validate, self._after_insert = validate_ids, after_insert
         self._caller_locks = caller_locks
 
-    def __call__(self, tokens: Any, pages: Any, extra_key: Hashable, chunked: bool,
-                 priority: int) -> tuple[InsertResult, np.ndarray]:
+    def __call__(
+        self, tokens: Any, pages: Any, extra_key: Hashable, chunked: bool, priority: int
+    ) -> tuple[InsertResult, np.ndarray]:
         """The tree's InsertResult and the whole-page tokens inserted; every check before any
         change (TypeError / ValueError / HiCacheError)."""
         check_bool("chunked", chunked)
         check_int("priority", priority, -(2**62), 2**62)
         arr = page_tokens(tokens, extra_key, self._ps)
         ntok = arr.shape[0]
-        ids = self._owner.check(self._validate(pages, "pages"), ALLOCATED,
-                                "caller-owned or cached")
+        ids = self._owner.check(self._validate(pages, "pages"), ALLOCATED, "caller-owned or cached")
         if ids.size != ntok // self._ps:
-            raise ValueError(f"pages has {ids.size} ids, expected {ntok // self._ps} "
-                             "(one per whole page of tokens)")
+            raise ValueError(
+                f"pages has {ids.size} ids, expected {ntok // self._ps} "
+                "(one per whole page of tokens)"
+            )
         # No polling here: the tree's own checks below must see the state the caller saw.
-        res = self._tree.insert(arr, ids, extra_key, priority=int(priority), validated=True,
-                                chunked=bool(chunked))
+        res = self._tree.insert(
+            arr, ids, extra_key, priority=int(priority), validated=True, chunked=bool(chunked)
+        )
         dup = res.duplicate_pages
         if dup.size:
             self._device.free(dup)

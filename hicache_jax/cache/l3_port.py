@@ -50,8 +50,14 @@ class CacheL3Port:
     and then :meth:`bind` hands the port the parts' host-page source (again after ``reset()``).
     """
 
-    def __init__(self, spec: KVSpec, clock: Callable[[], float], tree: RadixTree,
-                 host: HostPagePool, group: Group | None = None) -> None:
+    def __init__(
+        self,
+        spec: KVSpec,
+        clock: Callable[[], float],
+        tree: RadixTree,
+        host: HostPagePool,
+        group: Group | None = None,
+    ) -> None:
         self.spec, self.clock = spec, clock
         self.group = group if group is not None else LocalGroup()
         self._tree, self._host = tree, host
@@ -62,8 +68,13 @@ class CacheL3Port:
         self._reserved = np.zeros(host.num_pages, np.bool_)
         self._locks: collections.Counter[TreeNode] = collections.Counter()
 
-    def bind(self, events: NullRecorder | Recorder, host_pages: HostPageSource,
-             rule: Any = None, cost: Any = None) -> None:
+    def bind(
+        self,
+        events: NullRecorder | Recorder,
+        host_pages: HostPageSource,
+        rule: Any = None,
+        cost: Any = None,
+    ) -> None:
         """The cache's recorder and host-page source (its write policy), once they exist; its
         load rule and cost model (cache/loading/load_policy.py, cache/loading/cost_model.py):
         L3 fetches are decided and measured there."""
@@ -127,8 +138,7 @@ class CacheL3Port:
         self._host.allocator.free(host_ids)
         self._reserved[host_ids] = False
 
-    def write_host_pages(self, host_ids: np.ndarray, rows: np.ndarray,
-                         row_ids: np.ndarray) -> None:
+    def write_host_pages(self, host_ids: np.ndarray, rows: np.ndarray, row_ids: np.ndarray) -> None:
         self._check_reserved(host_ids)
         self._host.write_rows(host_ids, rows, row_ids)
 
@@ -138,8 +148,9 @@ class CacheL3Port:
         self._reserved[host_ids] = False
         self.events.stored(node, Medium.HOST)
 
-    def attach_host_leaf(self, parent: TreeNode, tokens: np.ndarray, host_ids: np.ndarray,
-                         extra_key: Any) -> TreeNode:
+    def attach_host_leaf(
+        self, parent: TreeNode, tokens: np.ndarray, host_ids: np.ndarray, extra_key: Any
+    ) -> TreeNode:
         self._check_reserved(host_ids)
         leaf = self._tree.add_host_leaf(parent, tokens, host_ids, extra_key)
         self._reserved[host_ids] = False

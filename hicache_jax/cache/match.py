@@ -31,7 +31,7 @@ class NodeRef:
 
     _node: TreeNode
     _anchor: TreeNode  # deepest device-resident node of the match (the root if none)
-    _epoch: int        # _anchor.device_epoch when the match was made
+    _epoch: int  # _anchor.device_epoch when the match was made
 
     @property
     def _prefix(self) -> np.ndarray:
@@ -133,12 +133,15 @@ def revalidate(tree: RadixTree, match: Match) -> tuple[Match, TreeNode]:
     while top.parent is not None:
         top = top.parent
     if top.is_root and top is not tree.root:
-        raise HiCacheError(f"{match.node!r} is not in this cache (another cache's, or from "
-                           "before reset()): match again")
+        raise HiCacheError(
+            f"{match.node!r} is not in this cache (another cache's, or from "
+            "before reset()): match again"
+        )
     if top is not tree.root:  # deleted since the match: what holds its prefix now
         tm = tree.match(match.node._prefix, node.extra_key)
-        match = Match(tm.device_pages, tm.device_len, tm.host_len,
-                      node_ref(tm.node, tm.last_device_node))
+        match = Match(
+            tm.device_pages, tm.device_len, tm.host_len, node_ref(tm.node, tm.last_device_node)
+        )
         node = tm.node
     return match, node
 
@@ -149,8 +152,10 @@ def check_node(tree: RadixTree, node: Any) -> TreeNode:
     if not isinstance(node, NodeRef):
         raise TypeError(f"node must be a Match.node, got {type(node).__name__}")
     if not tree.owns(node._node):
-        raise HiCacheError(f"{node!r} is not in this cache (evicted and deleted since the "
-                           "match, or from another cache): match again")
+        raise HiCacheError(
+            f"{node!r} is not in this cache (evicted and deleted since the "
+            "match, or from another cache): match again"
+        )
     return node._node
 
 

@@ -50,8 +50,11 @@ class DevicePageOwners:
         ok = allowed[self._owner[ids]]
         if ids.size and not ok.all():
             bad = ids[~ok][:8].tolist()
-            free = " (free: a stale Match's pages, evicted since? match again)" if (
-                self._owner[bad] == _FREE).any() else ""
+            free = (
+                " (free: a stale Match's pages, evicted since? match again)"
+                if (self._owner[bad] == _FREE).any()
+                else ""
+            )
             raise HiCacheError(f"pages {bad} are not {what}{free}")
         return ids
 

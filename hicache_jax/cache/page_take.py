@@ -40,8 +40,9 @@ class Tier:
     waits_for_locks: bool
 
 
-def take_pages(tier: Tier, n: int, page_size: int, flight: InFlight,
-               complete: Completion) -> np.ndarray:
+def take_pages(
+    tier: Tier, n: int, page_size: int, flight: InFlight, complete: Completion
+) -> np.ndarray:
     """``n`` page ids of ``tier`` (int32), evicting as needed.
 
     Raises:
@@ -63,6 +64,9 @@ def take_pages(tier: Tier, n: int, page_size: int, flight: InFlight,
         raise OutOfPagesError(
             f"{alloc.name} pool: {n} pages needed, {alloc.num_free} free, {evictable} "
             "evictable: unlock finished requests or free caller pages",
-            needed=n, free=alloc.num_free, evictable=evictable,
-            locked=alloc.num_used - evictable)
+            needed=n,
+            free=alloc.num_free,
+            evictable=evictable,
+            locked=alloc.num_used - evictable,
+        )
     return alloc.alloc(n)

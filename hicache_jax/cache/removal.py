@@ -40,9 +40,17 @@ class Removal:
         l3: the cache's L3 tier (``on_host_evict``: puts host-only pages before they are freed).
     """
 
-    def __init__(self, cfg: HiCacheConfig, tree: RadixTree, device_allocator: PageAllocator,
-                 owners: DevicePageOwners, events: NullRecorder | Recorder,
-                 counters: collections.Counter, flight: InFlight, l3: Any) -> None:
+    def __init__(
+        self,
+        cfg: HiCacheConfig,
+        tree: RadixTree,
+        device_allocator: PageAllocator,
+        owners: DevicePageOwners,
+        events: NullRecorder | Recorder,
+        counters: collections.Counter,
+        flight: InFlight,
+        l3: Any,
+    ) -> None:
         self.cfg, self._tree = cfg, tree
         self._owner, self._events, self._n, self._l3 = owners, events, counters, l3
         # a node's pages (its tree keeps them distinct, int32): only the double-free check

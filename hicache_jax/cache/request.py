@@ -9,12 +9,12 @@ does exactly the primitive calls (:meth:`HiCache.match_prefix`, :meth:`~HiCache.
 :meth:`~HiCache.free_pages`, :meth:`~HiCache.unlock`) in the one order that leaks nothing:
 
 ```python
-with cache.begin(prompt) as req:          # match + prepare + load_back + lock
-    new = req.extend(len(prompt) - req.cached_len)   # device pages for the uncached part
-    ...                                   # the model writes K/V into req.device_pages in place
-    req.commit(prompt)                    # the prompt's whole pages become shareable now
-    new = req.extend(1)                   # one more token (a new page at page boundaries)
-    req.finish(all_tokens)                # insert the whole pages, unlock, free the rest
+with cache.begin(prompt) as req:  # match + prepare + load_back + lock
+    new = req.extend(len(prompt) - req.cached_len)  # device pages for the uncached part
+    ...  # the model writes K/V into req.device_pages in place
+    req.commit(prompt)  # the prompt's whole pages become shareable now
+    new = req.extend(1)  # one more token (a new page at page boundaries)
+    req.finish(all_tokens)  # insert the whole pages, unlock, free the rest
 ```
 
 Leaving the block by an exception -- or without :meth:`Request.finish` -- aborts: nothing more is
@@ -62,11 +62,19 @@ class RequestCache(Protocol):
 
     def free_pages(self, pages: Any) -> None: ...
 
-    def insert(self, tokens: Any, pages: Any, extra_key: Hashable = None, *,
-               chunked: bool = False, priority: int = 0) -> int: ...
+    def insert(
+        self,
+        tokens: Any,
+        pages: Any,
+        extra_key: Hashable = None,
+        *,
+        chunked: bool = False,
+        priority: int = 0,
+    ) -> int: ...
 
-    def insert_locked(self, tokens: Any, pages: Any, node: NodeRef,
-                      extra_key: Hashable = None) -> Match: ...
+    def insert_locked(
+        self, tokens: Any, pages: Any, node: NodeRef, extra_key: Hashable = None
+    ) -> Match: ...
 
     def unlock(self, node: NodeRef) -> None: ...
 
@@ -106,8 +114,15 @@ class Request:
         state: ``"open"``, ``"finished"`` or ``"aborted"``.
     """
 
-    def __init__(self, cache: RequestCache, extra_key: Hashable, match: Match, loaded: int, *,
-                 overlap: OverlapCopy | None = None) -> None:
+    def __init__(
+        self,
+        cache: RequestCache,
+        extra_key: Hashable,
+        match: Match,
+        loaded: int,
+        *,
+        overlap: OverlapCopy | None = None,
+    ) -> None:
         """A handle of ``match``, which the caller has loaded back and LOCKED (what
         :meth:`HiCache.begin` does; a scheduler with an admission plan of its own does the same
         and wraps the result). The handle then owns that lock: :meth:`finish` or :meth:`abort`
@@ -127,8 +142,7 @@ class Request:
         self.overlap: tuple[int, int] | None = None
         self._overlap_copy = overlap  # the split's copy until acknowledged
         if overlap is not None:
-            self._pages = np.concatenate([self._pages, overlap.pages]).astype(np.int32,
-                                                                              copy=False)
+            self._pages = np.concatenate([self._pages, overlap.pages]).astype(np.int32, copy=False)
             self.overlap, self._len = overlap.span, overlap.span[1]
 
     # -- reading -----------------------------------------------------------------------------
@@ -152,8 +166,10 @@ class Request:
         return self._state.value
 
     def __repr__(self) -> str:
-        return (f"Request({self._state.value}, cached={self.cached_len}, tokens={self._len}, "
-                f"pages={self._pages.size})")
+        return (
+            f"Request({self._state.value}, cached={self.cached_len}, tokens={self._len}, "
+            f"pages={self._pages.size})"
+        )
 
     # -- the walk ----------------------------------------------------------------------------
 
@@ -200,8 +216,9 @@ class Request:
         self.wait_overlap()  # the tree takes no page a copy is still writing
         if full <= self._own_from:
             return self._own_from * self._ps
-        m = self._cache.insert_locked(tokens[:full * self._ps], self._pages[:full], self._node,
-                                      self._extra_key)
+        m = self._cache.insert_locked(
+            tokens[: full * self._ps], self._pages[:full], self._node, self._extra_key
+        )
         self._pages = np.concatenate([m.device_pages, self._pages[full:]]).astype(np.int32)
         self._node, self._own_from = m.node, full
         return m.device_len
@@ -226,8 +243,17 @@ class Request:
         full = self._whole_pages(tokens)
         self.wait_overlap()  # the tree takes no page a copy is still writing
         cache = self._cache
-        prefix = cache.insert(tokens[:full * self._ps], self._pages[:full], self._extra_key,
-                              chunked=chunked, priority=priority) if full else 0
+        prefix = (
+            cache.insert(
+                tokens[: full * self._ps],
+                self._pages[:full],
+                self._extra_key,
+                chunked=chunked,
+                priority=priority,
+            )
+            if full
+            else 0
+        )
         self._own_from = max(full, self._own_from)
         self._release()
         self._state = _State.FINISHED
@@ -253,28 +279,35 @@ class Request:
 
     def _release(self) -> None:
         self.wait_overlap()  # a copy may still be writing the request's pages
-        own = self._pages[self._own_from:]
+        own = self._pages[self._own_from :]
         if own.size:
             self._cache.free_pages(own)
         self._cache.unlock(self._node)
-        self._pages = self._pages[:self._own_from]
+        self._pages = self._pages[: self._own_from]
 
     def _check_open(self, what: str) -> None:
         if self._state is not _State.OPEN:
-            raise HiCacheError(f"{what}() of a request that was {self._state.value}: begin a new "
-                               "request")
+            raise HiCacheError(
+                f"{what}() of a request that was {self._state.value}: begin a new request"
+            )
 
     def _whole_pages(self, tokens: Any) -> int:
         n, room = len(tokens), self._pages.size * self._ps
         if n > room:
-            raise ValueError(f"tokens has {n} tokens, but the request's pages hold room for "
-                             f"{room} (extend() first)")
+            raise ValueError(
+                f"tokens has {n} tokens, but the request's pages hold room for "
+                f"{room} (extend() first)"
+            )
         return n // self._ps
 
 
-def admit_matched(cache: AdmittingCache, matches: Sequence[Match], *,
-                  extra_keys: Sequence[Hashable] | None = None,
-                  layerwise: bool = False) -> list[Request]:
+def admit_matched(
+    cache: AdmittingCache,
+    matches: Sequence[Match],
+    *,
+    extra_keys: Sequence[Hashable] | None = None,
+    layerwise: bool = False,
+) -> list[Request]:
     """Handles of requests a scheduler has already matched and decided to admit (with an
     admission plan of its own): their host parts loaded back in ONE transfer
     (:meth:`HiCache.load_back_many`, which revalidates every match), each result locked and
@@ -285,8 +318,10 @@ def admit_matched(cache: AdmittingCache, matches: Sequence[Match], *,
     loaded = cache.load_back_many(list(matches), layerwise=layerwise) if matches else []
     for lm in loaded:  # every result locked before anything may evict
         cache.lock(lm.node)
-    return [Request(cache, k, lm, lm.device_len - m.device_len)
-            for k, m, lm in zip(keys, matches, loaded)]
+    return [
+        Request(cache, k, lm, lm.device_len - m.device_len)
+        for k, m, lm in zip(keys, matches, loaded)
+    ]
 
 
 def extend_many(cache: RequestCache, requests: Sequence[Request], n_tokens: Sequence[int]) -> None:
@@ -307,5 +342,5 @@ def extend_many(cache: RequestCache, requests: Sequence[Request], n_tokens: Sequ
     new = cache.alloc_pages(sum(k for _, _, k in needs))
     at = 0
     for r, total, k in needs:
-        r._pages = np.concatenate([r._pages, new[at:at + k]]).astype(np.int32, copy=False)
+        r._pages = np.concatenate([r._pages, new[at : at + k]]).astype(np.int32, copy=False)
         r._len, at = total, at + k

@@ -32,8 +32,9 @@ class ThreadOwner:
         free (first call, released, or the owner exited), else raise."""
         with self._lock:
             if self.closed:
-                raise HiCacheError("this HiCache is closed: build a new one (only stats() "
-                                   "answers after close())")
+                raise HiCacheError(
+                    "this HiCache is closed: build a new one (only stats() answers after close())"
+                )
             if self.ident is not None and not self._thread.is_alive():
                 # The owner exited, but its ident may now be a live thread's (CPython reuses
                 # them at once), which passes the fast path: that thread owns the cache.
@@ -50,7 +51,8 @@ class ThreadOwner:
             f"this HiCache is owned by thread {self._name!r}, called from "
             f"{threading.current_thread().name!r}: a cache is not thread-safe. Call it from its "
             "owning thread, or hand it over: release_thread() on the owner, then the next call "
-            "from any thread takes it")
+            "from any thread takes it"
+        )
 
     def release(self) -> None:
         with self._lock:
@@ -66,6 +68,7 @@ def publishes(method: Callable) -> Callable:
     when it returns. With events off that is one no-op call of the NullRecorder. It runs the
     owning-thread check (:meth:`HiCache._guard`) for the method and then, before the method
     changes anything, the agreement check when one is due."""
+
     @functools.wraps(method)
     def call(self: Any, *args: Any, **kwargs: Any) -> Any:
         self._guard()  # first: another thread must not seal the owner's batch
@@ -75,4 +78,5 @@ def publishes(method: Callable) -> Callable:
             return method(self, *args, **kwargs)
         finally:
             self._events.end_call()
+
     return call

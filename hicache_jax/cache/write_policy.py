@@ -60,9 +60,9 @@ class WriteContext:
     device_allocator: PageAllocator
     events: NullRecorder | Recorder
     host_allocator: PageAllocator
-    removal: Removal                         # deletes host-only leaves (the plain host room)
-    complete: Completion                     # waits for copies parked host pages are under
-    l3: Any                                  # back_up_new: L3 write_through backs up new leaves
+    removal: Removal  # deletes host-only leaves (the plain host room)
+    complete: Completion  # waits for copies parked host pages are under
+    l3: Any  # back_up_new: L3 write_through backs up new leaves
 
 
 class WriteStrategy:
@@ -86,8 +86,12 @@ class WriteStrategy:
         # Host eviction frees exactly the unlocked host-only nodes (and, under clean_ahead,
         # redundant host copies), and parked pages come free when their copies land, so a host
         # page request that cannot be met fails before deleting anything.
-        self._host_tier = Tier(ctx.host_allocator, self.evict_host,
-                               lambda: self.host_evictable_pages() + ctx.flight.num_parked, False)
+        self._host_tier = Tier(
+            ctx.host_allocator,
+            self.evict_host,
+            lambda: self.host_evictable_pages() + ctx.flight.num_parked,
+            False,
+        )
 
     def take_host(self, n: int) -> np.ndarray:
         """``n`` host pages (int32 ids) for a backup or an L3 prefetch, evicting host pages in
@@ -133,11 +137,15 @@ class WriteStrategy:
         that computed pages go down to L3 now."""
         threshold, claims = self._cfg.write_through_threshold, []
         if self.backup_on_hit:
-            claims = [self.claim(node) for node in res.existing_nodes
-                      if node.hit_count >= threshold]
+            claims = [
+                self.claim(node) for node in res.existing_nodes if node.hit_count >= threshold
+            ]
         last = res.last_node
-        if last.parent is not None and last not in res.existing_nodes and (
-                (self.backup_on_hit and last.hit_count >= threshold) or self._ctx.l3.back_up_new):
+        if (
+            last.parent is not None
+            and last not in res.existing_nodes
+            and ((self.backup_on_hit and last.hit_count >= threshold) or self._ctx.l3.back_up_new)
+        ):
             claims.append(self.claim(last))
         self._ctx.flight.dispatch_backups([c for c in claims if c is not None])
 
@@ -197,8 +205,7 @@ class CleanAhead(WriteBack):
         if self._clean_due():
             self._clean(self.reserve_pages(), [], "clean_ahead_pages")
             n = self._n
-            self._clean_mark = (n["evicted_tokens"], n["eviction_backup_pages"],
-                                self._fresh_tokens)
+            self._clean_mark = (n["evicted_tokens"], n["eviction_backup_pages"], self._fresh_tokens)
 
     def before_admit(self, need_pages: int, keep: list[TreeNode]) -> None:
         """The admission pass: back up what taking ``need_pages`` device pages will evict
@@ -220,9 +227,12 @@ class CleanAhead(WriteBack):
         n = self._n
         evicted, synced, fresh = self._clean_mark
         quarter = reserve * self._ps // 4
-        return (self._cold is None or n["eviction_backup_pages"] > synced
-                or n["evicted_tokens"] - evicted >= quarter
-                or self._fresh_tokens > fresh)  # new pages went straight to the eviction end
+        return (
+            self._cold is None
+            or n["eviction_backup_pages"] > synced
+            or n["evicted_tokens"] - evicted >= quarter
+            or self._fresh_tokens > fresh
+        )  # new pages went straight to the eviction end
 
     def _clean(self, pages: int, keep: list[TreeNode], counter: str, ahead: int = 0) -> None:
         """Back up the not-backed-up part of the first ``pages`` pages that eviction would take
@@ -234,8 +244,9 @@ class CleanAhead(WriteBack):
         for node in keep:  # the requests' own matches: locked right after admission
             tree.lock(node)
         try:
-            order = eviction_order(ctx.cfg.eviction, tree.evictable_device,
-                                   (pages + ahead) * self._ps, tree.root)
+            order = eviction_order(
+                ctx.cfg.eviction, tree.evictable_device, (pages + ahead) * self._ps, tree.root
+            )
         finally:
             for node in keep:
                 tree.unlock(node)
@@ -271,8 +282,9 @@ class CleanAhead(WriteBack):
         leaves, least valuable first, only the pages needed of the last."""
         ctx, tree = self._ctx, self._ctx.tree
         freed = 0
-        for node in hottest_first(ctx.cfg.eviction,
-                                  [n for n in tree.redundant if not self._protected(n)]):
+        for node in hottest_first(
+            ctx.cfg.eviction, [n for n in tree.redundant if not self._protected(n)]
+        ):
             if freed >= num_tokens:
                 break
             ids = tree.drop_host_value(node)

@@ -67,8 +67,11 @@ _SIZE_DEFAULTS = {
 
 def add_parser(sub: Any) -> None:
     """The ``bench`` subcommand's flags (``hicache-jax bench``)."""
-    b = sub.add_parser("bench", help="run a workload through no cache / device radix / HiCache",
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    b = sub.add_parser(
+        "bench",
+        help="run a workload through no cache / device radix / HiCache",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
     w = b.add_argument_group("workload")
     w.add_argument("--workload", choices=sorted(WORKLOADS), default="chat")
     w.add_argument("--sessions", type=int, help="clients / documents / agents")
@@ -89,53 +92,105 @@ def add_parser(sub: Any) -> None:
     m.add_argument("--weights", help=".npz / .safetensors weights matching the model flags")
     c = b.add_argument_group("cache")
     c.add_argument("--page-size", type=int, default=16)
-    c.add_argument("--device-pages", type=int,
-                   help="default: 5/8 of the workload's distinct tokens (at least what the "
-                        "longest request needs)")
+    c.add_argument(
+        "--device-pages",
+        type=int,
+        help="default: 5/8 of the workload's distinct tokens (at least what the "
+        "longest request needs)",
+    )
     c.add_argument("--host-ratio", type=float, default=4.0, help="host pages / device pages")
-    c.add_argument("--policy", default="clean_ahead",
-                   choices=["clean_ahead", "write_through", "write_through_selective",
-                            "write_back"])
+    c.add_argument(
+        "--policy",
+        default="clean_ahead",
+        choices=["clean_ahead", "write_through", "write_through_selective", "write_back"],
+    )
     c.add_argument("--chunk-size", type=int, default=256, help="prefill chunk (power of two)")
-    c.add_argument("--storage", metavar="URL",
-                   help="L3 store (file:///dir, mooncake://host:port): adds a 'hicache+L3' run")
+    c.add_argument(
+        "--storage",
+        metavar="URL",
+        help="L3 store (file:///dir, mooncake://host:port): adds a 'hicache+L3' run",
+    )
     c.add_argument("--no-layerwise", action="store_true", help="plain (not layer-wise) load-back")
     c.add_argument("--no-warmup", action="store_true", help="skip the untimed first pass")
     e = b.add_argument_group("engine")
-    e.add_argument("--engine", choices=["serial", "batched"], default="serial",
-                   help="batched: continuous batching under --arrivals, beside the serial "
-                        "engine on the same requests")
-    e.add_argument("--arrivals", choices=list(ARRIVALS), default="closed",
-                   help="batched: closed-loop clients, Poisson at --rate, or --trace timestamps")
+    e.add_argument(
+        "--engine",
+        choices=["serial", "batched"],
+        default="serial",
+        help="batched: continuous batching under --arrivals, beside the serial "
+        "engine on the same requests",
+    )
+    e.add_argument(
+        "--arrivals",
+        choices=list(ARRIVALS),
+        default="closed",
+        help="batched: closed-loop clients, Poisson at --rate, or --trace timestamps",
+    )
     e.add_argument("--rate", type=float, help="Poisson arrivals: requests/s")
     e.add_argument("--trace", metavar="PATH", help="Mooncake JSONL for --arrivals trace")
-    e.add_argument("--time-scale", type=float, default=1.0,
-                   help="trace timestamps x this (0: all at once)")
-    e.add_argument("--block-tokens", type=int, default=16,
-                   help="trace: tokens per hash id (input lengths scaled by this / 512)")
+    e.add_argument(
+        "--time-scale", type=float, default=1.0, help="trace timestamps x this (0: all at once)"
+    )
+    e.add_argument(
+        "--block-tokens",
+        type=int,
+        default=16,
+        help="trace: tokens per hash id (input lengths scaled by this / 512)",
+    )
     e.add_argument("--limit", type=int, help="trace: first N requests")
-    e.add_argument("--token-budget", type=int, default=256,
-                   help="batched: prefill tokens per step (power of two)")
-    e.add_argument("--query-block", type=int, default=32,
-                   help="batched: prefill rows of this many tokens (power of two)")
-    e.add_argument("--key-block", type=int, default=64,
-                   help="batched: attention runs over each row's keys in blocks of this many "
-                        "tokens (power of two; whole pages), up to the row's last query")
+    e.add_argument(
+        "--token-budget",
+        type=int,
+        default=256,
+        help="batched: prefill tokens per step (power of two)",
+    )
+    e.add_argument(
+        "--query-block",
+        type=int,
+        default=32,
+        help="batched: prefill rows of this many tokens (power of two)",
+    )
+    e.add_argument(
+        "--key-block",
+        type=int,
+        default=64,
+        help="batched: attention runs over each row's keys in blocks of this many "
+        "tokens (power of two; whole pages), up to the row's last query",
+    )
     e.add_argument("--max-running", type=int, default=64, help="batched: requests at once")
-    e.add_argument("--repeats", type=int, default=1,
-                   help="batched: rounds of timed runs, each config's serial then batched "
-                        "run in each round (medians over the rounds)")
-    e.add_argument("--decode-reserve", type=float, default=1.0,
-                   help="batched: fraction of remaining decode pages an admission keeps")
-    e.add_argument("--warmup-passes", type=int, default=3,
-                   help="batched: untimed passes at most, until one compiles nothing (twice: "
-                        "as the timed runs go, then compiling mixed prefill + decode steps)")
-    e.add_argument("--no-mixed-warmup", dest="mixed_warmup", action="store_false",
-                   help="batched: the warm-up compiles no mixed prefill + decode step (timed "
-                        "runs then run one as two forwards unless a compiled shape holds it)")
-    e.add_argument("--no-overlap", action="store_true",
-                   help="batched: read each step's tokens before dispatching the next (default: "
-                        "dispatch step N+1 while step N computes)")
+    e.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="batched: rounds of timed runs, each config's serial then batched "
+        "run in each round (medians over the rounds)",
+    )
+    e.add_argument(
+        "--decode-reserve",
+        type=float,
+        default=1.0,
+        help="batched: fraction of remaining decode pages an admission keeps",
+    )
+    e.add_argument(
+        "--warmup-passes",
+        type=int,
+        default=3,
+        help="batched: untimed passes at most, until one compiles nothing (twice: "
+        "as the timed runs go, then compiling mixed prefill + decode steps)",
+    )
+    e.add_argument(
+        "--no-mixed-warmup",
+        dest="mixed_warmup",
+        action="store_false",
+        help="batched: the warm-up compiles no mixed prefill + decode step (timed "
+        "runs then run one as two forwards unless a compiled shape holds it)",
+    )
+    e.add_argument(
+        "--no-overlap",
+        action="store_true",
+        help="batched: read each step's tokens before dispatching the next (default: "
+        "dispatch step N+1 while step N computes)",
+    )
     o = b.add_argument_group("output")
     o.add_argument("--json", metavar="PATH", help="write every figure and record as JSON")
     o.add_argument("--plot", metavar="PATH", help="hit ratio and TTFT per turn (needs matplotlib)")
@@ -148,8 +203,9 @@ def build_workload(args: argparse.Namespace) -> Workload:
     names, defaults = _SIZE_NAMES[args.workload], _SIZE_DEFAULTS[args.workload]
     given = (args.sessions, args.turns, args.base_tokens, args.segment_tokens)
     sizes = {n: d if g is None else g for n, g, d in zip(names, given, defaults)}
-    return WORKLOADS[args.workload](**sizes, max_new_tokens=args.max_new_tokens,
-                                    vocab_size=args.vocab, seed=args.seed)
+    return WORKLOADS[args.workload](
+        **sizes, max_new_tokens=args.max_new_tokens, vocab_size=args.vocab, seed=args.seed
+    )
 
 
 def _device_pages(workload: Workload, page_size: int, given: int | None) -> int:
@@ -161,8 +217,10 @@ def _device_pages(workload: Workload, page_size: int, given: int | None) -> int:
     needed = -(-longest // page_size)
     if given is not None:
         if given < needed:
-            raise ValueError(f"--device-pages {given} cannot hold the longest request "
-                             f"({longest} tokens = {needed} pages of {page_size})")
+            raise ValueError(
+                f"--device-pages {given} cannot hold the longest request "
+                f"({longest} tokens = {needed} pages of {page_size})"
+            )
         return given
     working = workload.working_set_tokens(page_size, served)
     return max(working * 5 // 8 // page_size, needed + 1)
@@ -174,8 +232,9 @@ def table_bucket(page_size: int) -> int:
     return 1 << (pages.bit_length() - 1)
 
 
-def _play(engine: Engine, workload: Workload,
-          bar: Any) -> tuple[list[Generation[RequestRecord]], float]:
+def _play(
+    engine: Engine, workload: Workload, bar: Any
+) -> tuple[list[Generation[RequestRecord]], float]:
     gens: list[Generation[RequestRecord]] = []
 
     def serve(prompts: list[np.ndarray]) -> list[np.ndarray]:
@@ -201,22 +260,26 @@ def _progress(total: int, desc: str, quiet: bool) -> Any:
     return tqdm(total=total, desc=desc, unit="req", file=sys.stderr, leave=True)
 
 
-def _summary(gens: list[Generation[RequestRecord]], wall: float,
-             stats: dict[str, Any]) -> dict[str, Any]:
+def _summary(
+    gens: list[Generation[RequestRecord]], wall: float, stats: dict[str, Any]
+) -> dict[str, Any]:
     recs = [g.record for g in gens]
     ttft = np.array([r.ttft_s for r in recs])
     prompt = sum(r.prompt_tokens for r in recs)
     generated = sum(r.output_tokens for r in recs)
     return {
-        "requests": len(recs), "prompt_tokens": prompt,
+        "requests": len(recs),
+        "prompt_tokens": prompt,
         "recomputed_tokens": sum(r.recomputed_tokens for r in recs),
         "l1_hit_tokens": sum(r.device_hit_tokens for r in recs),
         "l2_hit_tokens": sum(r.host_hit_tokens for r in recs),
         "l2_declined_tokens": sum(r.host_declined_tokens for r in recs),
         "ttft_p50_ms": float(np.percentile(ttft, 50) * 1e3),
         "ttft_p90_ms": float(np.percentile(ttft, 90) * 1e3),
-        "tokens_per_s": (prompt + generated) / wall, "wall_s": wall,
-        "bytes_to_host": stats["bytes_to_host"], "bytes_to_device": stats["bytes_to_device"],
+        "tokens_per_s": (prompt + generated) / wall,
+        "wall_s": wall,
+        "bytes_to_host": stats["bytes_to_host"],
+        "bytes_to_device": stats["bytes_to_device"],
         "l3_fetched_pages": stats.get("l3_prefetch_hit_pages", 0),
         "l3_stored_pages": stats.get("l3_put_pages_stored", 0),
     }
@@ -224,11 +287,17 @@ def _summary(gens: list[Generation[RequestRecord]], wall: float,
 
 def _table(summaries: dict[str, dict[str, Any]], l3: bool) -> str:
     """The results table; the L3 columns only when an L3 store was configured."""
-    cols = [("prompt tok", "prompt_tokens"), ("recomputed", "recomputed_tokens"),
-            ("L1 hit", "l1_hit_tokens"), ("L2 hit", "l2_hit_tokens"),
-            ("TTFT p50 ms", "ttft_p50_ms"), ("TTFT p90 ms", "ttft_p90_ms"),
-            ("tok/s", "tokens_per_s"), ("MB to host", "bytes_to_host"),
-            ("MB to device", "bytes_to_device")]
+    cols = [
+        ("prompt tok", "prompt_tokens"),
+        ("recomputed", "recomputed_tokens"),
+        ("L1 hit", "l1_hit_tokens"),
+        ("L2 hit", "l2_hit_tokens"),
+        ("TTFT p50 ms", "ttft_p50_ms"),
+        ("TTFT p90 ms", "ttft_p90_ms"),
+        ("tok/s", "tokens_per_s"),
+        ("MB to host", "bytes_to_host"),
+        ("MB to device", "bytes_to_device"),
+    ]
     if l3:  # pages fetched from L3 land in L2 and are loaded back from there
         cols[3] = ("L2 hit (incl. L3)", "l2_hit_tokens")
         cols += [("L3 fetched pg", "l3_fetched_pages"), ("L3 stored pg", "l3_stored_pages")]
@@ -237,8 +306,13 @@ def _table(summaries: dict[str, dict[str, Any]], l3: bool) -> str:
         row = [name]
         for _, key in cols:
             v = s[key]
-            row.append(f"{v / 2**20:.2f}" if key.startswith("bytes") else
-                       f"{v:.1f}" if isinstance(v, float) else str(v))
+            row.append(
+                f"{v / 2**20:.2f}"
+                if key.startswith("bytes")
+                else f"{v:.1f}"
+                if isinstance(v, float)
+                else str(v)
+            )
         rows.append(row)
     return format_table(["config", *(h for h, _ in cols)], rows)
 
@@ -247,10 +321,14 @@ def _env() -> dict[str, Any]:
     import jax
 
     dev = jax.devices()[0]
-    return {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "backend": jax.default_backend(), "device_kind": getattr(dev, "device_kind", str(dev)),
-            "device_count": jax.device_count(), "process_count": jax.process_count(),
-            "jax": jax.__version__}
+    return {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "backend": jax.default_backend(),
+        "device_kind": getattr(dev, "device_kind", str(dev)),
+        "device_count": jax.device_count(),
+        "process_count": jax.process_count(),
+        "jax": jax.__version__,
+    }
 
 
 def bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
@@ -267,9 +345,16 @@ def bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         if args.json:
             check_writable(args.json)
         workload = build_workload(args)
-        cfg = ModelConfig(vocab_size=args.vocab, num_layers=args.layers, d_model=args.d_model,
-                          num_heads=args.heads, num_kv_heads=args.kv_heads,
-                          head_dim=args.head_dim, ffn_dim=args.ffn_dim, dtype=args.dtype)
+        cfg = ModelConfig(
+            vocab_size=args.vocab,
+            num_layers=args.layers,
+            d_model=args.d_model,
+            num_heads=args.heads,
+            num_kv_heads=args.kv_heads,
+            head_dim=args.head_dim,
+            ffn_dim=args.ffn_dim,
+            dtype=args.dtype,
+        )
         bench_processes.check_divisible(args, cfg)
         ps = args.page_size
         cfg.kv_spec(ps)  # validates the page size, before it divides anything
@@ -279,14 +364,20 @@ def bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             if args.arrivals == "trace" and args.device_pages is None:
                 device_pages = serve_bench.trace_device_pages(args, workload, ps)
         host_pages = int(round(args.host_ratio * device_pages))
-        HiCacheConfig(device_pages=device_pages, host_pages=host_pages,
-                      write_policy=args.policy, storage=args.storage)  # validates the sizes
+        HiCacheConfig(
+            device_pages=device_pages,
+            host_pages=host_pages,
+            write_policy=args.policy,
+            storage=args.storage,
+        )  # validates the sizes
         if bucket(args.chunk_size) != args.chunk_size:
             raise ValueError(f"--chunk-size {args.chunk_size} must be a power of two")
         if args.engine == "batched":
-            for flag, v in (("--token-budget", args.token_budget),
-                            ("--query-block", args.query_block),
-                            ("--key-block", args.key_block)):
+            for flag, v in (
+                ("--token-budget", args.token_budget),
+                ("--query-block", args.query_block),
+                ("--key-block", args.key_block),
+            ):
                 if v < 1 or bucket(v) != v:
                     raise ValueError(f"{flag} {v} must be a power of two")
     except (ValueError, TypeError, OSError, ImportError) as exc:
@@ -302,34 +393,63 @@ def bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         return _run(args, parser, workload, model, device_pages, host_pages)
 
 
-def _run(args: argparse.Namespace, parser: argparse.ArgumentParser, workload: Workload,
-         model: DecoderModel, device_pages: int, host_pages: int) -> int:
+def _run(
+    args: argparse.Namespace,
+    parser: argparse.ArgumentParser,
+    workload: Workload,
+    model: DecoderModel,
+    device_pages: int,
+    host_pages: int,
+) -> int:
     """The bench in this process (one of several with a mesh over processes)."""
     cfg, ps = model.cfg, args.page_size
     infinite = workload.infinite_cache_hit_ratio(ps)
-    print(f"workload {workload.name}: {workload.num_requests} requests in {workload.num_rounds} "
-          f"rounds, {workload.max_new_tokens} new tokens each; infinite-cache hit ratio "
-          f"{infinite:.3f} (page {ps})")
-    print(f"model {cfg.num_layers}L d{cfg.d_model} {cfg.num_heads}/{cfg.num_kv_heads} heads "
-          f"{cfg.dtype}; device pool {device_pages} pages ({device_pages * ps} tokens), "
-          f"host pool {host_pages} pages; policy {args.policy}; {args.engine} engine", flush=True)
+    print(
+        f"workload {workload.name}: {workload.num_requests} requests in {workload.num_rounds} "
+        f"rounds, {workload.max_new_tokens} new tokens each; infinite-cache hit ratio "
+        f"{infinite:.3f} (page {ps})"
+    )
+    print(
+        f"model {cfg.num_layers}L d{cfg.d_model} {cfg.num_heads}/{cfg.num_kv_heads} heads "
+        f"{cfg.dtype}; device pool {device_pages} pages ({device_pages * ps} tokens), "
+        f"host pool {host_pages} pages; policy {args.policy}; {args.engine} engine",
+        flush=True,
+    )
 
-    knobs = dict(chunk_size=args.chunk_size, layerwise=not args.no_layerwise,
-                 prefill_bucket=min(64, args.chunk_size), table_bucket=table_bucket(ps))
+    knobs = dict(
+        chunk_size=args.chunk_size,
+        layerwise=not args.no_layerwise,
+        prefill_bucket=min(64, args.chunk_size),
+        table_bucket=table_bucket(ps),
+    )
     runs = iter(range(1 << 30))
 
     def engine(mode: str) -> Engine:
         if mode != "hicache+L3":
-            return Engine.create(model, mode, page_size=ps, device_pages=device_pages,
-                                 host_pages=host_pages, write_policy=args.policy, **knobs)
+            return Engine.create(
+                model,
+                mode,
+                page_size=ps,
+                device_pages=device_pages,
+                host_pages=host_pages,
+                write_policy=args.policy,
+                **knobs,
+            )
         url = args.storage
         if url.startswith("file://"):  # a fresh store per run: this instance's reuse only
             base, _, query = url.partition("?")
-            url = (f"{base.rstrip('/')}/run-{os.getpid()}-{next(runs)}"
-                   + (f"?{query}" if query else ""))
-        hc = HiCacheConfig(device_pages=device_pages, host_pages=host_pages,
-                           write_policy=args.policy, load_back_threshold=ps, storage=url,
-                           prefetch_policy="wait_complete", mesh=model.mesh)
+            url = f"{base.rstrip('/')}/run-{os.getpid()}-{next(runs)}" + (
+                f"?{query}" if query else ""
+            )
+        hc = HiCacheConfig(
+            device_pages=device_pages,
+            host_pages=host_pages,
+            write_policy=args.policy,
+            load_back_threshold=ps,
+            storage=url,
+            prefetch_policy="wait_complete",
+            mesh=model.mesh,
+        )
         try:
             cache = HiCache(cfg.kv_spec(ps), hc)
         except (StorageError, ValueError) as exc:
@@ -337,8 +457,9 @@ def _run(args: argparse.Namespace, parser: argparse.ArgumentParser, workload: Wo
         return Engine(model, cache, mode="hicache", prefetch=True, **knobs)
 
     if args.engine == "batched":
-        return _bench_batched(args, workload, model, cfg, engine, device_pages, host_pages,
-                              infinite)
+        return _bench_batched(
+            args, workload, model, cfg, engine, device_pages, host_pages, infinite
+        )
     configs = CONFIGS + ((("hicache+L3", "hicache+L3"),) if args.storage else ())
     summaries, outputs, per_request, logits = {}, {}, {}, {}
     for name, mode in configs:
@@ -354,96 +475,156 @@ def _run(args: argparse.Namespace, parser: argparse.ArgumentParser, workload: Wo
         logits[name] = hashlib.sha256(b"".join(g.first_logits.tobytes() for g in gens)).hexdigest()
         per_request[name] = [dict(vars(g.record)) for g in gens]
     first = outputs[CONFIGS[0][0]]
-    identical = all(len(o) == len(first) and all(np.array_equal(a, b) for a, b in zip(o, first))
-                    for o in outputs.values())
+    identical = all(
+        len(o) == len(first) and all(np.array_equal(a, b) for a, b in zip(o, first))
+        for o in outputs.values()
+    )
     print(_table(summaries, l3=bool(args.storage)))
-    hits = {n: (s["l1_hit_tokens"] + s["l2_hit_tokens"]) / s["prompt_tokens"]
-            for n, s in summaries.items()}
-    print("hit ratio / infinite-cache hit ratio: " + ", ".join(
-        f"{n} {h / infinite:.2f}" if infinite else f"{n} -" for n, h in hits.items()))
+    hits = {
+        n: (s["l1_hit_tokens"] + s["l2_hit_tokens"]) / s["prompt_tokens"]
+        for n, s in summaries.items()
+    }
+    print(
+        "hit ratio / infinite-cache hit ratio: "
+        + ", ".join(f"{n} {h / infinite:.2f}" if infinite else f"{n} -" for n, h in hits.items())
+    )
     print(f"outputs identical across configurations: {'yes' if identical else 'no'}", flush=True)
     everywhere = bench_processes.same_on_every_process(outputs, summaries)
     if model.mesh is not None:
         import jax
 
-        print(f"tensor-parallel over {jax.device_count()} devices of {jax.process_count()} "
-              f"process(es); outputs and figures (timings aside) identical on every process: "
-              f"{'yes' if everywhere else 'no'}", flush=True)
+        print(
+            f"tensor-parallel over {jax.device_count()} devices of {jax.process_count()} "
+            f"process(es); outputs and figures (timings aside) identical on every process: "
+            f"{'yes' if everywhere else 'no'}",
+            flush=True,
+        )
     identical = identical and everywhere
     turns = [(r.session, r.turn) for r, _ in workload.placeholder_run()]
     if args.json:
-        write_json(args.json, {
-            "benchmark": "hicache-jax bench", "env": _env(),
-            "config": _config_record(args, device_pages, host_pages, cfg),
-            "infinite_cache_hit_ratio": infinite, "outputs_identical": identical,
-            "summary": summaries,
-            "outputs": {n: [t.tolist() for t in o] for n, o in outputs.items()},
-            "first_logits_sha256": logits,  # bit-exactness between runs, by digest
-            "requests": {n: [{"session": s, "turn": t, **rec} for (s, t), rec in zip(turns, recs)]
-                         for n, recs in per_request.items()}})
+        write_json(
+            args.json,
+            {
+                "benchmark": "hicache-jax bench",
+                "env": _env(),
+                "config": _config_record(args, device_pages, host_pages, cfg),
+                "infinite_cache_hit_ratio": infinite,
+                "outputs_identical": identical,
+                "summary": summaries,
+                "outputs": {n: [t.tolist() for t in o] for n, o in outputs.items()},
+                "first_logits_sha256": logits,  # bit-exactness between runs, by digest
+                "requests": {
+                    n: [{"session": s, "turn": t, **rec} for (s, t), rec in zip(turns, recs)]
+                    for n, recs in per_request.items()
+                },
+            },
+        )
     if args.plot:
         _plot(args.plot, turns, per_request)
     return 0 if identical else 1
 
 
-def _bench_batched(args: argparse.Namespace, workload: Workload, model: DecoderModel,
-                   cfg: ModelConfig, serial: Any, device_pages: int, host_pages: int,
-                   infinite: float) -> int:
+def _bench_batched(
+    args: argparse.Namespace,
+    workload: Workload,
+    model: DecoderModel,
+    cfg: ModelConfig,
+    serial: Any,
+    device_pages: int,
+    host_pages: int,
+    infinite: float,
+) -> int:
     """``--engine batched``: see :mod:`hicache_jax.cli.serve_bench`."""
     ps = args.page_size
-    knobs = dict(token_budget=args.token_budget, max_running=args.max_running,
-                 layerwise=not args.no_layerwise,
-                 query_block=min(args.query_block, args.token_budget),
-                 key_block=args.key_block,
-                 table_bucket=table_bucket(ps), decode_reserve=args.decode_reserve,
-                 overlap=not args.no_overlap,
-                 compile_mixed=False)  # see serve_bench: no compile in a timed run
+    knobs = dict(
+        token_budget=args.token_budget,
+        max_running=args.max_running,
+        layerwise=not args.no_layerwise,
+        query_block=min(args.query_block, args.token_budget),
+        key_block=args.key_block,
+        table_bucket=table_bucket(ps),
+        decode_reserve=args.decode_reserve,
+        overlap=not args.no_overlap,
+        compile_mixed=False,
+    )  # see serve_bench: no compile in a timed run
 
     def batched(mode: str) -> BatchedEngine:
-        return BatchedEngine.create(model, mode, page_size=ps, device_pages=device_pages,
-                                    host_pages=host_pages, write_policy=args.policy, **knobs)
+        return BatchedEngine.create(
+            model,
+            mode,
+            page_size=ps,
+            device_pages=device_pages,
+            host_pages=host_pages,
+            write_policy=args.policy,
+            **knobs,
+        )
 
-    say = (lambda msg: None) if args.quiet else (lambda msg: print(msg, file=sys.stderr,
-                                                                 flush=True))
-    summaries, per_request = serve_bench.bench_batched(args, workload, serial, batched,
-                                                       CONFIGS, say)
-    print(f"arrivals {args.arrivals}" + (f" at {args.rate:g}/s" if args.arrivals == "poisson"
-                                         else "") + f"; token budget {args.token_budget}")
+    say = (
+        (lambda msg: None) if args.quiet else (lambda msg: print(msg, file=sys.stderr, flush=True))
+    )
+    summaries, per_request = serve_bench.bench_batched(
+        args, workload, serial, batched, CONFIGS, say
+    )
+    print(
+        f"arrivals {args.arrivals}"
+        + (f" at {args.rate:g}/s" if args.arrivals == "poisson" else "")
+        + f"; token budget {args.token_budget}"
+    )
     print(serve_bench.table(summaries))
     ok = all(s["tokens_identical"] and s["logits_within_tol"] for s in summaries.values())
     radix, hi = summaries["device radix"], summaries["hicache"]
     if radix["ttft_p50_ms"] > 0:
         # Per round too: the two runs of a round are minutes closer than the medians' runs.
         rounds = [h / d for h, d in zip(hi["ttft_p50_ms_runs"], radix["ttft_p50_ms_runs"]) if d > 0]
-        print(f"hicache TTFT p50 / device radix TTFT p50: "
-              f"{hi['ttft_p50_ms'] / radix['ttft_p50_ms']:.2f}" + (
-                  f" (per round: {', '.join(f'{x:.2f}' for x in rounds)})" if len(rounds) > 1
-                  else ""))
-    leaks = sum(s["leaked_caller_pages"] + s["locked_pages_after_drain"]
-                for s in summaries.values())
-    print("compiles during the timed batched runs (each stalls every running request): "
-          + ", ".join(
-        f"{name} {'/'.join(map(str, s['compiles_in_timed_runs']))}"
-        for name, s in summaries.items()))
-    print(f"outputs identical to the serial engine (tokens, first-token logits <= "
-          f"{serve_bench.logits_tol(args.dtype):g}): {'yes' if ok else 'no'}; pages leaked or "
-          f"locked after the drain: {leaks}", flush=True)
+        print(
+            f"hicache TTFT p50 / device radix TTFT p50: "
+            f"{hi['ttft_p50_ms'] / radix['ttft_p50_ms']:.2f}"
+            + (f" (per round: {', '.join(f'{x:.2f}' for x in rounds)})" if len(rounds) > 1 else "")
+        )
+    leaks = sum(
+        s["leaked_caller_pages"] + s["locked_pages_after_drain"] for s in summaries.values()
+    )
+    print(
+        "compiles during the timed batched runs (each stalls every running request): "
+        + ", ".join(
+            f"{name} {'/'.join(map(str, s['compiles_in_timed_runs']))}"
+            for name, s in summaries.items()
+        )
+    )
+    print(
+        f"outputs identical to the serial engine (tokens, first-token logits <= "
+        f"{serve_bench.logits_tol(args.dtype):g}): {'yes' if ok else 'no'}; pages leaked or "
+        f"locked after the drain: {leaks}",
+        flush=True,
+    )
     if args.json:
-        write_json(args.json, {
-            "benchmark": "hicache-jax bench --engine batched", "env": _env(),
-            "config": _config_record(args, device_pages, host_pages, cfg),
-            "infinite_cache_hit_ratio": infinite, "outputs_identical": ok,
-            "summary": summaries, "requests": per_request})
+        write_json(
+            args.json,
+            {
+                "benchmark": "hicache-jax bench --engine batched",
+                "env": _env(),
+                "config": _config_record(args, device_pages, host_pages, cfg),
+                "infinite_cache_hit_ratio": infinite,
+                "outputs_identical": ok,
+                "summary": summaries,
+                "requests": per_request,
+            },
+        )
     if args.plot:
         serve_bench.plot(args.plot, per_request)
     return 0 if ok and not leaks else 1
 
 
-def _config_record(args: argparse.Namespace, device_pages: int, host_pages: int,
-                   cfg: ModelConfig) -> dict[str, Any]:
+def _config_record(
+    args: argparse.Namespace, device_pages: int, host_pages: int, cfg: ModelConfig
+) -> dict[str, Any]:
     """The JSON's ``config``: every flag, the pool sizes the run used, the model."""
-    return {**{k: v for k, v in vars(args).items() if k != "func"},
-            "device_pages": device_pages, "host_pages": host_pages, "model": vars(cfg)}
+    return {
+        **{k: v for k, v in vars(args).items() if k != "func"},
+        "device_pages": device_pages,
+        "host_pages": host_pages,
+        "model": vars(cfg),
+    }
 
 
 def _plot(path: str, turns: list[tuple[int, int]], per_request: dict[str, list[dict]]) -> None:

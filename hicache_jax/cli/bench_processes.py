@@ -40,8 +40,15 @@ from typing import IO, Any
 
 from hicache_jax.cli import launch
 
-__all__ = ["add_flags", "check_divisible", "check_flags", "joined", "launch_local",
-           "same_on_every_process", "timing_free"]
+__all__ = [
+    "add_flags",
+    "check_divisible",
+    "check_flags",
+    "joined",
+    "launch_local",
+    "same_on_every_process",
+    "timing_free",
+]
 
 #: summary keys that are wall-clock timings (they differ between processes and runs)
 TIMINGS = ("ttft_p50_ms", "ttft_p90_ms", "tokens_per_s", "wall_s")
@@ -49,18 +56,28 @@ TIMINGS = ("ttft_p50_ms", "ttft_p90_ms", "tokens_per_s", "wall_s")
 
 def add_flags(parser: argparse.ArgumentParser) -> None:
     p = parser.add_argument_group("processes (ARCHITECTURE.md, 'Several processes')")
-    p.add_argument("--processes", type=int, default=1,
-                   help="launch this many local processes (one CPU device each, gloo), the "
-                        "model tensor-parallel over them; process 0 prints the table")
-    p.add_argument("--coordinator", metavar="HOST:PORT",
-                   help="join a jax.distributed run (real hosts: every host runs the command "
-                        "with its --process-id); the model is tensor-parallel over every "
-                        "process's devices")
+    p.add_argument(
+        "--processes",
+        type=int,
+        default=1,
+        help="launch this many local processes (one CPU device each, gloo), the "
+        "model tensor-parallel over them; process 0 prints the table",
+    )
+    p.add_argument(
+        "--coordinator",
+        metavar="HOST:PORT",
+        help="join a jax.distributed run (real hosts: every host runs the command "
+        "with its --process-id); the model is tensor-parallel over every "
+        "process's devices",
+    )
     p.add_argument("--process-id", type=int, help="with --coordinator: this process's id")
     p.add_argument("--num-processes", type=int, help="with --coordinator: processes in the run")
-    p.add_argument("--tensor-parallel", action="store_true",
-                   help="one process: the model tensor-parallel over all its devices (the "
-                        "reference of a multi-process run)")
+    p.add_argument(
+        "--tensor-parallel",
+        action="store_true",
+        help="one process: the model tensor-parallel over all its devices (the "
+        "reference of a multi-process run)",
+    )
 
 
 def check_flags(args: argparse.Namespace) -> None:
@@ -71,11 +88,13 @@ def check_flags(args: argparse.Namespace) -> None:
     if any(x is not None for x in joining) and any(x is None for x in joining):
         raise ValueError("--coordinator, --process-id and --num-processes go together")
     if args.coordinator is not None and args.processes > 1:
-        raise ValueError("--processes launches local processes; --coordinator joins a run: "
-                         "give one of them")
+        raise ValueError(
+            "--processes launches local processes; --coordinator joins a run: give one of them"
+        )
     if args.coordinator is not None and not 0 <= args.process_id < args.num_processes:
-        raise ValueError(f"--process-id {args.process_id} must be in [0, --num-processes "
-                         f"{args.num_processes})")
+        raise ValueError(
+            f"--process-id {args.process_id} must be in [0, --num-processes {args.num_processes})"
+        )
     if (args.coordinator is not None or args.processes > 1) and args.engine == "batched":
         # (its scheduler is not yet shown to decide alike on every process; --tensor-parallel
         # runs it sharded in one process)
@@ -86,11 +105,16 @@ def check_divisible(args: argparse.Namespace, cfg: Any) -> None:
     """ValueError unless the processes launched or joined divide the heads, kv heads and FFN
     width (one device each; ``--tensor-parallel`` is checked once the devices are known)."""
     n = args.processes if args.processes > 1 else args.num_processes or 1
-    for flag, value in (("--heads", cfg.num_heads), ("--kv-heads", cfg.num_kv_heads),
-                        ("--ffn-dim", cfg.ffn_dim)):
+    for flag, value in (
+        ("--heads", cfg.num_heads),
+        ("--kv-heads", cfg.num_kv_heads),
+        ("--ffn-dim", cfg.ffn_dim),
+    ):
         if value % n:
-            raise ValueError(f"{flag} {value} is not divisible by the {n} processes (the model "
-                             "is tensor-parallel over them)")
+            raise ValueError(
+                f"{flag} {value} is not divisible by the {n} processes (the model "
+                "is tensor-parallel over them)"
+            )
 
 
 def sharded(args: argparse.Namespace) -> bool:
@@ -102,17 +126,29 @@ def launch_local(args: argparse.Namespace) -> int:
     """``--processes N``: N local processes running this command as ``--coordinator``
     processes; the first failing exit code (0 when all succeed)."""
     n, port = args.processes, launch.free_port()
-    argv = [sys.executable, "-m", "hicache_jax", *args.argv, "--processes", "1",
-            "--coordinator", f"127.0.0.1:{port}", "--num-processes", str(n)]
+    argv = [
+        sys.executable,
+        "-m",
+        "hicache_jax",
+        *args.argv,
+        "--processes",
+        "1",
+        "--coordinator",
+        f"127.0.0.1:{port}",
+        "--num-processes",
+        str(n),
+    ]
     env = launch.local_env()
     # the package as this process imported it (a source checkout without an install too)
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env["PYTHONPATH"] = os.pathsep.join([root] + [p for p in [env.get("PYTHONPATH")] if p])
     with contextlib.ExitStack() as files:
         logs: list[IO[str] | None] = [None] + [
-            files.enter_context(tempfile.TemporaryFile("w+")) for _ in range(n - 1)]
-        procs = launch.spawn(lambda i: argv + ["--process-id", str(i)], n, env=env,
-                             stdout_of=lambda i: logs[i])
+            files.enter_context(tempfile.TemporaryFile("w+")) for _ in range(n - 1)
+        ]
+        procs = launch.spawn(
+            lambda i: argv + ["--process-id", str(i)], n, env=env, stdout_of=lambda i: logs[i]
+        )
         codes = launch.wait_all(procs)
         bad = [(i, c) for i, c in enumerate(codes) if c != 0]
         for i, c in bad:
@@ -120,8 +156,11 @@ def launch_local(args: argparse.Namespace) -> int:
             if log is not None:
                 log.seek(0)
                 tail = log.read()[-4000:]
-                print(f"--- process {i} of {n} ended with {'a kill' if c is None else c}:"
-                      f"\n{tail}", file=sys.stderr, flush=True)
+                print(
+                    f"--- process {i} of {n} ended with {'a kill' if c is None else c}:\n{tail}",
+                    file=sys.stderr,
+                    flush=True,
+                )
     if bad:
         return 1 if bad[0][1] is None else bad[0][1]
     return 0
@@ -165,12 +204,12 @@ def joined(args: argparse.Namespace) -> Iterator[Any]:
 
 def timing_free(summaries: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
     """The summaries without their wall-clock figures (what must match between processes)."""
-    return {name: {k: v for k, v in s.items() if k not in TIMINGS}
-            for name, s in summaries.items()}
+    return {name: {k: v for k, v in s.items() if k not in TIMINGS} for name, s in summaries.items()}
 
 
-def same_on_every_process(outputs: dict[str, list], summaries: dict[str, dict[str, Any]],
-                          timeout_s: float = 120.0) -> bool:
+def same_on_every_process(
+    outputs: dict[str, list], summaries: dict[str, dict[str, Any]], timeout_s: float = 120.0
+) -> bool:
     """Are this process's generated tokens and (timing-free) figures every process's? One
     agreement (all processes call it); True on one process."""
     import jax
@@ -179,9 +218,13 @@ def same_on_every_process(outputs: dict[str, list], summaries: dict[str, dict[st
         return True
     from hicache_jax.memory.group import DistributedGroup
 
-    payload = json.dumps({"outputs": {k: [list(map(int, t)) for t in v]
-                                      for k, v in outputs.items()},
-                          "figures": timing_free(summaries)}, sort_keys=True)
+    payload = json.dumps(
+        {
+            "outputs": {k: [list(map(int, t)) for t in v] for k, v in outputs.items()},
+            "figures": timing_free(summaries),
+        },
+        sort_keys=True,
+    )
     digest = hashlib.sha256(payload.encode()).hexdigest()
     group = DistributedGroup(timeout_s, name="hicache-jax-bench/outputs")
     return len(set(group.allgather("outputs", digest))) == 1

@@ -71,9 +71,10 @@ def bench_table(*, quiet: bool = True, **flags: Any) -> Any:
                 main(full)
         except SystemExit as exc:
             lines = err.getvalue().strip().splitlines()
-            raise ValueError(f"hicache-jax bench {' '.join(argv)}: "
-                             f"{lines[-1] if lines else f'exit {exc.code} (see above)'}"
-                             ) from None
+            raise ValueError(
+                f"hicache-jax bench {' '.join(argv)}: "
+                f"{lines[-1] if lines else f'exit {exc.code} (see above)'}"
+            ) from None
         with open(path) as f:
             data = json.load(f)
     return study.as_table(_records(data))
@@ -83,10 +84,22 @@ def _records(data: dict[str, Any]) -> list[dict[str, Any]]:
     """One record per configuration of a ``hicache-jax bench --json`` payload."""
     out = []
     for name, s in data["summary"].items():
-        hit = (s["l1_hit_tokens"] + s["l2_hit_tokens"]) / s["prompt_tokens"] \
-            if s["prompt_tokens"] else 0.0
-        out.append({"config": name, "ttft_p50_ms": s["ttft_p50_ms"],
-                    "ttft_p90_ms": s["ttft_p90_ms"], "hit_ratio": hit} | s
-                   | {"infinite_hit_ratio": data["infinite_cache_hit_ratio"],
-                      "outputs_identical": data["outputs_identical"]})
+        hit = (
+            (s["l1_hit_tokens"] + s["l2_hit_tokens"]) / s["prompt_tokens"]
+            if s["prompt_tokens"]
+            else 0.0
+        )
+        out.append(
+            {
+                "config": name,
+                "ttft_p50_ms": s["ttft_p50_ms"],
+                "ttft_p90_ms": s["ttft_p90_ms"],
+                "hit_ratio": hit,
+            }
+            | s
+            | {
+                "infinite_hit_ratio": data["infinite_cache_hit_ratio"],
+                "outputs_identical": data["outputs_identical"],
+            }
+        )
     return out

@@ -40,8 +40,10 @@ def load(path: str) -> dict[str, Any]:
 
 def _label(doc: dict) -> str:
     env = doc.get("env", {})
-    return (f"{env.get('backend', '?')} {env.get('device_kind', '?')} x"
-            f"{env.get('device_count', '?')}, jax {env.get('jax', '?')}, {env.get('date', '?')}")
+    return (
+        f"{env.get('backend', '?')} {env.get('device_kind', '?')} x"
+        f"{env.get('device_count', '?')}, jax {env.get('jax', '?')}, {env.get('date', '?')}"
+    )
 
 
 def rows(a: dict, b: dict) -> list[dict[str, Any]]:
@@ -73,20 +75,34 @@ def table(a: dict, b: dict) -> str:
     body = []
     for r in rows(a, b):
         x, y = r["a"] or {}, r["b"] or {}
-        body.append((r["name"], r["unit"], _num(x.get("value")), _num(x.get("limit")),
-                     _num(x.get("ratio")), _num(y.get("value")), _num(y.get("limit")),
-                     _num(y.get("ratio")), _num(r["b_over_a"])))
+        body.append(
+            (
+                r["name"],
+                r["unit"],
+                _num(x.get("value")),
+                _num(x.get("limit")),
+                _num(x.get("ratio")),
+                _num(y.get("value")),
+                _num(y.get("limit")),
+                _num(y.get("ratio")),
+                _num(r["b_over_a"]),
+            )
+        )
     widths = [max(len(str(c[i])) for c in [header, *body]) for i in range(len(header))]
     fmt = lambda cells: "  ".join(  # noqa: E731
-        str(c).ljust(w) if i < 2 else str(c).rjust(w)
-        for i, (c, w) in enumerate(zip(cells, widths)))
+        str(c).ljust(w) if i < 2 else str(c).rjust(w) for i, (c, w) in enumerate(zip(cells, widths))
+    )
     limits = {f["name"]: f["limit_name"] for f in a.get("figures", []) + b.get("figures", [])}
     lines = [f"A: {_label(a)}", f"B: {_label(b)}", "", fmt(header), fmt(["-" * w for w in widths])]
     lines += [fmt(c) for c in body]
-    lines += ["", "limits (each measured in its own run): " + "; ".join(
-        sorted({f"{n.split(' ')[0]}: {v}" for n, v in limits.items()}))]
-    lines.append("X/limit: share of the limit, 1.00 = at it (limit/X for times); "
-                 "B/A: B's figure over A's")
+    lines += [
+        "",
+        "limits (each measured in its own run): "
+        + "; ".join(sorted({f"{n.split(' ')[0]}: {v}" for n, v in limits.items()})),
+    ]
+    lines.append(
+        "X/limit: share of the limit, 1.00 = at it (limit/X for times); B/A: B's figure over A's"
+    )
     return "\n".join(lines)
 
 
@@ -106,6 +122,7 @@ def plot(a: dict, b: dict, path: str) -> None:
     rs = rows(a, b)
     names = [r["name"] for r in rs]
     ys = range(len(rs))
+
     def get(r: dict, k: str) -> float:  # log axis: a missing or non-positive share is not drawn
         v = (r[k] or {}).get("ratio", float("nan"))
         return v if v > 0 else float("nan")
@@ -126,8 +143,11 @@ def plot(a: dict, b: dict, path: str) -> None:
 
 def add_parser(sub: Any) -> None:
     """The ``compare`` subcommand (``hicache-jax compare``)."""
-    p = sub.add_parser("compare", help="two benchmark result files side by side",
-                       description=__doc__.split("\n")[0])
+    p = sub.add_parser(
+        "compare",
+        help="two benchmark result files side by side",
+        description=__doc__.split("\n")[0],
+    )
     p.add_argument("a", metavar="A.json")
     p.add_argument("b", metavar="B.json")
     p.add_argument("--plot", metavar="PATH", help="bars of each figure's share of its limit")

@@ -34,8 +34,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def join(coordinator: str, num_processes: int, process_id: int, *,
-         timeout_s: int = 120) -> None:
+def join(coordinator: str, num_processes: int, process_id: int, *, timeout_s: int = 120) -> None:
     """Join the ``jax.distributed`` run of ``num_processes`` processes as ``process_id``.
 
     Call before anything touches a jax backend. CPU devices get gloo collectives (a sharded
@@ -48,29 +47,42 @@ def join(coordinator: str, num_processes: int, process_id: int, *,
     if not host or not port.isdigit():
         raise ValueError(f"--coordinator {coordinator!r} must be HOST:PORT")
     if num_processes < 1 or not 0 <= process_id < num_processes:
-        raise ValueError(f"--process-id {process_id} must be in [0, --num-processes "
-                         f"{num_processes})")
+        raise ValueError(
+            f"--process-id {process_id} must be in [0, --num-processes {num_processes})"
+        )
     import jax
 
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    jax.distributed.initialize(coordinator, num_processes=num_processes, process_id=process_id,
-                               initialization_timeout=timeout_s)
+    jax.distributed.initialize(
+        coordinator,
+        num_processes=num_processes,
+        process_id=process_id,
+        initialization_timeout=timeout_s,
+    )
 
 
 def local_env(base: dict[str, str] | None = None) -> dict[str, str]:
     """The environment of a local child: ``base`` (default ``os.environ``) with one CPU device
     (any other ``XLA_FLAGS`` kept) and the CPU platform."""
     env = dict(os.environ if base is None else base)
-    flags = [f for f in env.get("XLA_FLAGS", "").split()
-             if not f.startswith("--xla_force_host_platform_device_count")]
+    flags = [
+        f
+        for f in env.get("XLA_FLAGS", "").split()
+        if not f.startswith("--xla_force_host_platform_device_count")
+    ]
     env["XLA_FLAGS"] = " ".join(flags + ["--xla_force_host_platform_device_count=1"])
     env["JAX_PLATFORMS"] = "cpu"
     return env
 
 
-def spawn(argv_of: Callable[[int], Sequence[str]], n: int, *, env: dict[str, str],
-          cwd: str | None = None, stdout_of: Callable[[int], IO | int | None] = lambda i: None,
-          ) -> list[subprocess.Popen]:
+def spawn(
+    argv_of: Callable[[int], Sequence[str]],
+    n: int,
+    *,
+    env: dict[str, str],
+    cwd: str | None = None,
+    stdout_of: Callable[[int], IO | int | None] = lambda i: None,
+) -> list[subprocess.Popen]:
     """Start ``n`` processes, process ``i`` running ``argv_of(i)``, each in its own session,
     its output (stdout and stderr) to ``stdout_of(i)`` (None: inherited). If one cannot be
     started, those already running are killed."""
@@ -78,9 +90,16 @@ def spawn(argv_of: Callable[[int], Sequence[str]], n: int, *, env: dict[str, str
     try:
         for i in range(n):
             out = stdout_of(i)
-            procs.append(subprocess.Popen(list(argv_of(i)), env=env, cwd=cwd, stdout=out,
-                                          stderr=None if out is None else subprocess.STDOUT,
-                                          start_new_session=True))
+            procs.append(
+                subprocess.Popen(
+                    list(argv_of(i)),
+                    env=env,
+                    cwd=cwd,
+                    stdout=out,
+                    stderr=None if out is None else subprocess.STDOUT,
+                    start_new_session=True,
+                )
+            )
     except BaseException:
         for p in procs:
             kill(p)
@@ -96,9 +115,13 @@ def kill(p: subprocess.Popen) -> None:
     p.wait()
 
 
-def wait_all(procs: Sequence[subprocess.Popen], *, timeout_s: float | None = None,
-             grace_s: float | None = 5.0,
-             poll: Callable[[], None] = lambda: None) -> list[int | None]:
+def wait_all(
+    procs: Sequence[subprocess.Popen],
+    *,
+    timeout_s: float | None = None,
+    grace_s: float | None = 5.0,
+    poll: Callable[[], None] = lambda: None,
+) -> list[int | None]:
     """Wait for every process; their exit codes (None: killed here).
 
     A process that exits with an error leaves its peers ``grace_s`` seconds to end (they
@@ -115,7 +138,8 @@ def wait_all(procs: Sequence[subprocess.Popen], *, timeout_s: float | None = Non
             if failed_at is None and any(p.poll() not in (None, 0) for p in procs):
                 failed_at = now
             if (timeout_s is not None and now - t0 > timeout_s) or (
-                    failed_at is not None and grace_s is not None and now - failed_at > grace_s):
+                failed_at is not None and grace_s is not None and now - failed_at > grace_s
+            ):
                 break
             poll()
             time.sleep(0.05)

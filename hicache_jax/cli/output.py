@@ -35,5 +35,6 @@ def require_matplotlib() -> None:
     try:
         import matplotlib  # noqa: F401
     except ImportError:
-        raise ImportError('--plot needs matplotlib: pip install -e ".[plot]" '
-                          "(or pip install matplotlib)") from None
+        raise ImportError(
+            '--plot needs matplotlib: pip install -e ".[plot]" (or pip install matplotlib)'
+        ) from None

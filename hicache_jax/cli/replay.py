@@ -31,84 +31,138 @@ DEFAULT_POLICY = str(getattr(HiCacheConfig.write_policy, "value", HiCacheConfig.
 
 def add_parser(sub: Any) -> None:
     """The ``replay`` subcommand's flags (``hicache-jax replay TRACE``)."""
-    r = sub.add_parser("replay", help="replay a Mooncake / token JSONL trace through HiCache",
-                       description=replay_mod.__doc__.split("\n")[0],
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    r.add_argument("trace", metavar="TRACE", help="Mooncake JSONL (hash_ids) or token JSONL, or "
-                   "the name of a slice shipped in the repository (e.g. mooncake_synthetic_1000)")
+    r = sub.add_parser(
+        "replay",
+        help="replay a Mooncake / token JSONL trace through HiCache",
+        description=replay_mod.__doc__.split("\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    r.add_argument(
+        "trace",
+        metavar="TRACE",
+        help="Mooncake JSONL (hash_ids) or token JSONL, or "
+        "the name of a slice shipped in the repository (e.g. mooncake_synthetic_1000)",
+    )
     t = r.add_argument_group("trace")
-    t.add_argument("--block-size", type=int, default=MOONCAKE_BLOCK,
-                   help="tokens per Mooncake hash id")
+    t.add_argument(
+        "--block-size", type=int, default=MOONCAKE_BLOCK, help="tokens per Mooncake hash id"
+    )
     t.add_argument("--limit", type=int, help="replay only the first N requests")
     c = r.add_argument_group("cache")
-    c.add_argument("--page-size", type=int,
-                   help="tokens a page; unset: the block size for a Mooncake trace, "
-                        f"{TOKEN_PAGE_SIZE} for a token trace")
+    c.add_argument(
+        "--page-size",
+        type=int,
+        help="tokens a page; unset: the block size for a Mooncake trace, "
+        f"{TOKEN_PAGE_SIZE} for a token trace",
+    )
     size = c.add_mutually_exclusive_group()
-    size.add_argument("--device-pages", type=int,
-                      help="L1 pages; with no size given, 1/8 of the trace's distinct pages "
-                           "(at least the longest prompt)")
+    size.add_argument(
+        "--device-pages",
+        type=int,
+        help="L1 pages; with no size given, 1/8 of the trace's distinct pages "
+        "(at least the longest prompt)",
+    )
     size.add_argument("--device-tokens", type=float, help="L1 size in tokens (e.g. 3e6)")
-    size.add_argument("--capacities", metavar="TOKENS,...",
-                      help="capacity sweep: L1 sizes in tokens, e.g. 1e5,3e5,1e6")
-    c.add_argument("--host-ratio", default="4",
-                   help="L2 pages = ratio x L1 pages (0: L1 only), or a comma list: every L1 "
-                        "size is replayed at every ratio, e.g. 2,4,8")
-    c.add_argument("--policy", default="clean_ahead",
-                   help="write policy, or a comma list (each is run)")
+    size.add_argument(
+        "--capacities",
+        metavar="TOKENS,...",
+        help="capacity sweep: L1 sizes in tokens, e.g. 1e5,3e5,1e6",
+    )
+    c.add_argument(
+        "--host-ratio",
+        default="4",
+        help="L2 pages = ratio x L1 pages (0: L1 only), or a comma list: every L1 "
+        "size is replayed at every ratio, e.g. 2,4,8",
+    )
+    c.add_argument(
+        "--policy", default="clean_ahead", help="write policy, or a comma list (each is run)"
+    )
     c.add_argument("--eviction", default="lru", help="eviction strategy, or a comma list")
     c.add_argument("--load-back-threshold", type=int, default=16, help="tokens")
-    c.add_argument("--spec", help="page shape, e.g. layers=32,kv_heads=8,head_dim=128,"
-                                  "dtype=bfloat16; unset: 1 layer, 1 kv head, head_dim 1, "
-                                  "float32")
+    c.add_argument(
+        "--spec",
+        help="page shape, e.g. layers=32,kv_heads=8,head_dim=128,"
+        "dtype=bfloat16; unset: 1 layer, 1 kv head, head_dim 1, "
+        "float32",
+    )
     m = r.add_argument_group("simulate (what-if TTFT on a simulated clock)")
-    m.add_argument("--simulate", action="store_true", help="TTFT per load policy (never, "
-                   "always, threshold, cost, cost+split) with modelled links and prefill")
+    m.add_argument(
+        "--simulate",
+        action="store_true",
+        help="TTFT per load policy (never, "
+        "always, threshold, cost, cost+split) with modelled links and prefill",
+    )
     m.add_argument("--l2-gbps", type=float, default=25.0, help="L2 -> L1 GB/s")
     m.add_argument("--l3-gbps", type=float, help="L3 -> L2 GB/s (unset: no L3)")
     m.add_argument("--prefill-tokens-per-s", type=float, default=20000.0)
-    m.add_argument("--model-spec", default="layers=32,kv_heads=8,head_dim=128,dtype=bfloat16",
-                   help="the modelled model's KV (its bytes a token), --spec's syntax")
+    m.add_argument(
+        "--model-spec",
+        default="layers=32,kv_heads=8,head_dim=128,dtype=bfloat16",
+        help="the modelled model's KV (its bytes a token), --spec's syntax",
+    )
     m.add_argument("--seed", type=int, default=0, help="the modelled times' jitter")
     o = r.add_argument_group("output")
     o.add_argument("--json", metavar="PATH", help="write every figure as JSON")
     o.add_argument("--plot", metavar="PATH", help="hit ratio versus L1 capacity (needs matplotlib)")
     o.add_argument("--quiet", action="store_true", help="no progress bar")
-    o.add_argument("--check-ideal", type=float, metavar="X",
-                   help="exit 1, naming the point, where the default write policy's hit ratio "
-                        "is below X times LRU(L1+L2) of the same run")
-    o.add_argument("--diagnose", action="store_true",
-                   help="a table of where each replay loses against LRU(L1+L2): pages it "
-                        "misses that the LRU hits, mean free and redundant pages of L1 / L2, "
-                        "pages cleaned, given up, copied on eviction, declined")
+    o.add_argument(
+        "--check-ideal",
+        type=float,
+        metavar="X",
+        help="exit 1, naming the point, where the default write policy's hit ratio "
+        "is below X times LRU(L1+L2) of the same run",
+    )
+    o.add_argument(
+        "--diagnose",
+        action="store_true",
+        help="a table of where each replay loses against LRU(L1+L2): pages it "
+        "misses that the LRU hits, mean free and redundant pages of L1 / L2, "
+        "pages cleaned, given up, copied on eviction, declined",
+    )
     r.set_defaults(func=replay_command)
 
 
-def _simulate(args: argparse.Namespace, parser: argparse.ArgumentParser, trace: Any, spec: Any,
-              pages: int) -> int:
+def _simulate(
+    args: argparse.Namespace, parser: argparse.ArgumentParser, trace: Any, spec: Any, pages: int
+) -> int:
     try:
-        model = KVSpec.parse(args.model_spec, replay_mod.TINY_SPEC, page_size=1,
-                             flag="--model-spec")
-        regime = sim.Regime(l2_gbps=args.l2_gbps, l3_gbps=args.l3_gbps,
-                            prefill_tokens_per_s=args.prefill_tokens_per_s,
-                            token_bytes=model.page_bytes)
+        model = KVSpec.parse(
+            args.model_spec, replay_mod.TINY_SPEC, page_size=1, flag="--model-spec"
+        )
+        regime = sim.Regime(
+            l2_gbps=args.l2_gbps,
+            l3_gbps=args.l3_gbps,
+            prefill_tokens_per_s=args.prefill_tokens_per_s,
+            token_bytes=model.page_bytes,
+        )
     except (ValueError, TypeError) as exc:
         parser.exit(2, f"hicache-jax replay: error: {exc}\n")
-    kw = dict(device_pages=pages, host_ratio=args.host_ratios[0],
-              threshold=args.load_back_threshold, seed=args.seed)
+    kw = dict(
+        device_pages=pages,
+        host_ratio=args.host_ratios[0],
+        threshold=args.load_back_threshold,
+        seed=args.seed,
+    )
     report = sim.simulate_all(trace, spec, regime, **kw)
-    print(f"simulate {trace.path}: {len(trace.requests)} requests, L1 {pages} pages; "
-          f"L2 {args.l2_gbps:g} GB/s, L3 {args.l3_gbps or 'none'} GB/s, prefill "
-          f"{args.prefill_tokens_per_s:g} tokens/s, {model.page_bytes:,} KV bytes a token")
+    print(
+        f"simulate {trace.path}: {len(trace.requests)} requests, L1 {pages} pages; "
+        f"L2 {args.l2_gbps:g} GB/s, L3 {args.l3_gbps or 'none'} GB/s, prefill "
+        f"{args.prefill_tokens_per_s:g} tokens/s, {model.page_bytes:,} KV bytes a token"
+    )
     print(sim.ttft_table(report), flush=True)
     if args.plot:
         report["sweep"] = sim.bandwidth_sweep(trace, spec, regime, **kw)
         sim.plot_sweep(report["sweep"], args.plot, "L3" if args.l3_gbps else "L2")
         print(f"wrote {args.plot}")
     if args.json:
-        write_json(args.json, {"benchmark": "hicache-jax replay --simulate",
-                                "config": {k: v for k, v in vars(args).items() if k != "func"},
-                                **report})
+        write_json(
+            args.json,
+            {
+                "benchmark": "hicache-jax replay --simulate",
+                "config": {k: v for k, v in vars(args).items() if k != "func"},
+                **report,
+            },
+        )
     return 0
 
 
@@ -116,12 +170,14 @@ def _replay_setup(args: argparse.Namespace) -> tuple[Any, Any, list[int]]:
     """Trace, spec and L1 sizes from the flags (through :mod:`hicache_jax.study`, as a notebook
     gets them); ValueError / OSError naming the problem."""
     args.host_ratios = _host_ratios(args.host_ratio)
-    if args.check_ideal is not None and not (np.isfinite(args.check_ideal)
-                                             and 0 < args.check_ideal <= 1):
+    if args.check_ideal is not None and not (
+        np.isfinite(args.check_ideal) and 0 < args.check_ideal <= 1
+    ):
         raise ValueError(f"--check-ideal {args.check_ideal} must be in (0, 1]")
     if args.check_ideal is not None and DEFAULT_POLICY not in _split(args.policy):
-        raise ValueError(f"--check-ideal checks the default policy {DEFAULT_POLICY}: "
-                         "add it to --policy")
+        raise ValueError(
+            f"--check-ideal checks the default policy {DEFAULT_POLICY}: add it to --policy"
+        )
     if args.json:
         check_writable(args.json)
     trace = study.load_trace(args.trace, block_size=args.block_size, limit=args.limit)
@@ -131,17 +187,24 @@ def _replay_setup(args: argparse.Namespace) -> tuple[Any, Any, list[int]]:
         try:
             sizes = [float(x) for x in args.capacities.split(",") if x.strip()]
         except ValueError:
-            raise ValueError(f"--capacities {args.capacities!r}: expected numbers, e.g. "
-                             "1e5,3e5") from None
+            raise ValueError(
+                f"--capacities {args.capacities!r}: expected numbers, e.g. 1e5,3e5"
+            ) from None
         pages = study.l1_pages(trace, ps, capacities=sizes, name="--capacities")
     elif args.device_tokens is not None:
         pages = study.l1_pages(trace, ps, capacities=[args.device_tokens], name="--device-tokens")
     else:
-        pages = study.l1_pages(trace, ps, device_pages=None if args.device_pages is None
-                               else [args.device_pages])
+        pages = study.l1_pages(
+            trace, ps, device_pages=None if args.device_pages is None else [args.device_pages]
+        )
     # every configuration is valid before the first replay starts
-    study.check_configs(pages, args.host_ratios, _split(args.policy), _split(args.eviction),
-                        args.load_back_threshold)
+    study.check_configs(
+        pages,
+        args.host_ratios,
+        _split(args.policy),
+        _split(args.eviction),
+        args.load_back_threshold,
+    )
     return trace, spec, pages
 
 
@@ -172,10 +235,12 @@ def _below_ideal(reports: Sequence[dict[str, Any]], floor: float) -> list[str]:
             if r["write_policy"] != DEFAULT_POLICY or r["vs_lru_total"] is None:
                 continue
             if r["vs_lru_total"] < floor:
-                out.append(f"{DEFAULT_POLICY}/{r['eviction']} at L1 "
-                           f"{r['device_pages'] * r['page_size']} tokens, L2 = "
-                           f"{rep['host_ratio']:g} x L1: {r['vs_lru_total']:.4f} of "
-                           f"LRU(L1+L2) < {floor:g}")
+                out.append(
+                    f"{DEFAULT_POLICY}/{r['eviction']} at L1 "
+                    f"{r['device_pages'] * r['page_size']} tokens, L2 = "
+                    f"{rep['host_ratio']:g} x L1: {r['vs_lru_total']:.4f} of "
+                    f"LRU(L1+L2) < {floor:g}"
+                )
     return out
 
 
@@ -190,16 +255,26 @@ def replay_command(args: argparse.Namespace, parser: argparse.ArgumentParser) ->
     if args.simulate:
         return _simulate(args, parser, trace, spec, pages[0])
     ps = spec.page_size
-    print(f"trace {trace.path}: {trace.format}, {len(trace.requests)} requests, "
-          f"{trace.num_tokens:,} prompt tokens; page {ps} tokens, "
-          f"{spec.page_bytes:,} bytes a page ({spec.num_layers}L {spec.num_kv_heads}x"
-          f"{spec.head_dim} {spec.dtype}); L1 {', '.join(f'{p} pages' for p in pages)}, "
-          f"L2 = {', '.join(f'{x:g}' for x in args.host_ratios)} x L1", flush=True)
+    print(
+        f"trace {trace.path}: {trace.format}, {len(trace.requests)} requests, "
+        f"{trace.num_tokens:,} prompt tokens; page {ps} tokens, "
+        f"{spec.page_bytes:,} bytes a page ({spec.num_layers}L {spec.num_kv_heads}x"
+        f"{spec.head_dim} {spec.dtype}); L1 {', '.join(f'{p} pages' for p in pages)}, "
+        f"L2 = {', '.join(f'{x:g}' for x in args.host_ratios)} x L1",
+        flush=True,
+    )
     env = replay_mod.environment()  # date and load average at the start; the load at the end too
-    reports = study.sweep(trace, device_pages=pages, policies=_split(args.policy),
-                          evictions=_split(args.eviction), host_ratios=args.host_ratios,
-                          spec=spec, load_back_threshold=args.load_back_threshold,
-                          progress=not args.quiet, diagnose=args.diagnose).reports
+    reports = study.sweep(
+        trace,
+        device_pages=pages,
+        policies=_split(args.policy),
+        evictions=_split(args.eviction),
+        host_ratios=args.host_ratios,
+        spec=spec,
+        load_back_threshold=args.load_back_threshold,
+        progress=not args.quiet,
+        diagnose=args.diagnose,
+    ).reports
     for rep in reports:
         if len(reports) > 1:
             print(f"\n== L2 = {rep['host_ratio']:g} x L1", flush=True)
@@ -209,11 +284,19 @@ def replay_command(args: argparse.Namespace, parser: argparse.ArgumentParser) ->
     if args.json:
         env["load_average_end"] = replay_mod.environment()["load_average"]
         # one ratio: the report's keys at the top (as before); always every report in "reports"
-        write_json(args.json, {"benchmark": "hicache-jax replay", "env": env,
-                                "config": {k: v for k, v in vars(args).items() if k != "func"},
-                                **(report if len(reports) == 1 else {}), "reports": reports,
-                                "check_ideal": None if args.check_ideal is None else
-                                {"floor": args.check_ideal, "below": below}})
+        write_json(
+            args.json,
+            {
+                "benchmark": "hicache-jax replay",
+                "env": env,
+                "config": {k: v for k, v in vars(args).items() if k != "func"},
+                **(report if len(reports) == 1 else {}),
+                "reports": reports,
+                "check_ideal": None
+                if args.check_ideal is None
+                else {"floor": args.check_ideal, "below": below},
+            },
+        )
     if args.plot:
         replay_mod.plot(report, args.plot)
         print(f"wrote {args.plot}")

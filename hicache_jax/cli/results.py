@@ -39,29 +39,62 @@ SCHEMA = "hicache-jax results 1"
 Figure = dict[str, Any]
 
 
-def figure(name: str, unit: str, value: float, limit_name: str, limit: float, source: str, *,
-           higher_is_better: bool, ratio: float | None = None) -> Figure:
+def figure(
+    name: str,
+    unit: str,
+    value: float,
+    limit_name: str,
+    limit: float,
+    source: str,
+    *,
+    higher_is_better: bool,
+    ratio: float | None = None,
+) -> Figure:
     """One figure beside its limit; ``ratio`` defaults to value/limit (rates) or limit/value
     (times)."""
     if ratio is None:
         num, den = (value, limit) if higher_is_better else (limit, value)
         ratio = num / den if den else float("nan")
-    return dict(name=name, unit=unit, value=float(value), limit_name=limit_name,
-                limit=float(limit), ratio=float(ratio), higher_is_better=higher_is_better,
-                source=source)
+    return dict(
+        name=name,
+        unit=unit,
+        value=float(value),
+        limit_name=limit_name,
+        limit=float(limit),
+        ratio=float(ratio),
+        higher_is_better=higher_is_better,
+        source=source,
+    )
 
 
 def _transfer(doc: dict) -> list[Figure]:
     res, src, out = doc["results"], doc["benchmark"], []
     for r in res.get("directions", []):
         if r.get("pages", 0) > 0 and r.get("gbps", 0) > 0:
-            out.append(figure(f"transfer {r['direction']} {r['pages']}p {r['layout']}", "GB/s",
-                              r["gbps"], r["limit"], r["limit_gbps"], src,
-                              higher_is_better=True, ratio=r["ratio"]))
+            out.append(
+                figure(
+                    f"transfer {r['direction']} {r['pages']}p {r['layout']}",
+                    "GB/s",
+                    r["gbps"],
+                    r["limit"],
+                    r["limit_gbps"],
+                    src,
+                    higher_is_better=True,
+                    ratio=r["ratio"],
+                )
+            )
     for r in res.get("layerwise", []):
-        out.append(figure(f"layer-wise load {r['pages']}p {r['layout']}", "ms", r["all_ms"],
-                          "plain load of the same pages", r["plain_load_ms"], src,
-                          higher_is_better=False))
+        out.append(
+            figure(
+                f"layer-wise load {r['pages']}p {r['layout']}",
+                "ms",
+                r["all_ms"],
+                "plain load of the same pages",
+                r["plain_load_ms"],
+                src,
+                higher_is_better=False,
+            )
+        )
     return out
 
 
@@ -76,19 +109,40 @@ def _kernels(doc: dict) -> list[Figure]:
         key = (r["op"], r["pages"], kind)
         if key not in best or r["gbps"] > best[key]["gbps"]:
             best[key] = r
-    return [figure(f"page {op} {pages}p {kind}" + ("" if kind == "xla" else " (best setting)"),
-                   "GB/s", r["gbps"], limit["kind"], limit["gbps"], src, higher_is_better=True)
-            for (op, pages, kind), r in sorted(best.items())]
+    return [
+        figure(
+            f"page {op} {pages}p {kind}" + ("" if kind == "xla" else " (best setting)"),
+            "GB/s",
+            r["gbps"],
+            limit["kind"],
+            limit["gbps"],
+            src,
+            higher_is_better=True,
+        )
+        for (op, pages, kind), r in sorted(best.items())
+    ]
 
 
 def _ttft(doc: dict) -> list[Figure]:
     med, src = doc["results"]["median_s"], doc["benchmark"]
     l1 = med["L1"] * 1e3
-    return [figure(f"TTFT {label}", "ms", med[key] * 1e3, "TTFT with the prefix in L1", l1, src,
-                   higher_is_better=False)
-            for key, label in (("L2 layer-wise", "prefix from L2, layer-wise"),
-                               ("L2 plain", "prefix from L2"), ("recompute", "recomputed"))
-            if key in med]
+    return [
+        figure(
+            f"TTFT {label}",
+            "ms",
+            med[key] * 1e3,
+            "TTFT with the prefix in L1",
+            l1,
+            src,
+            higher_is_better=False,
+        )
+        for key, label in (
+            ("L2 layer-wise", "prefix from L2, layer-wise"),
+            ("L2 plain", "prefix from L2"),
+            ("recompute", "recomputed"),
+        )
+        if key in med
+    ]
 
 
 def _serve(doc: dict) -> list[Figure]:
@@ -98,15 +152,27 @@ def _serve(doc: dict) -> list[Figure]:
     for cfg, row in (doc.get("summary") or {}).items():
         tps, serial = row.get("tokens_per_s"), row.get("serial_tokens_per_s")
         if tps and serial:
-            out.append(figure(f"batched serve {cfg}", "tok/s", tps,
-                              "serial engine, same requests", serial, src,
-                              higher_is_better=True))
+            out.append(
+                figure(
+                    f"batched serve {cfg}",
+                    "tok/s",
+                    tps,
+                    "serial engine, same requests",
+                    serial,
+                    src,
+                    higher_is_better=True,
+                )
+            )
     return out
 
 
 _EXTRACTORS: dict[str, Callable[[dict], list[Figure]]] = {
-    "gpu_transfer": _transfer, "gpu_kernels": _kernels, "tpu_kernels": _kernels,
-    "gpu_ttft": _ttft, "bench_ttft": _ttft, "hicache-jax bench --engine batched": _serve,
+    "gpu_transfer": _transfer,
+    "gpu_kernels": _kernels,
+    "tpu_kernels": _kernels,
+    "gpu_ttft": _ttft,
+    "bench_ttft": _ttft,
+    "hicache-jax bench --engine batched": _serve,
 }
 
 
@@ -116,10 +182,14 @@ def figures_of(doc: dict) -> list[Figure]:
     Raises:
         ValueError: not such a document, or a benchmark this module does not know.
     """
-    if not isinstance(doc, dict) or "benchmark" not in doc or not (
-            "results" in doc or "summary" in doc):
-        raise ValueError("not a benchmark result (needs 'benchmark' and 'results' or "
-                         "'summary' keys)")
+    if (
+        not isinstance(doc, dict)
+        or "benchmark" not in doc
+        or not ("results" in doc or "summary" in doc)
+    ):
+        raise ValueError(
+            "not a benchmark result (needs 'benchmark' and 'results' or 'summary' keys)"
+        )
     name = doc["benchmark"]
     if name not in _EXTRACTORS:
         raise ValueError(f"benchmark {name!r} is not one of {sorted(_EXTRACTORS)}")
@@ -139,8 +209,13 @@ def collect(docs: list[dict]) -> dict[str, Any]:
             skipped.append(doc.get("benchmark", "?") if isinstance(doc, dict) else "?")
             continue
         sources[doc["benchmark"]] = doc.get("config", {})
-    return {"schema": SCHEMA, "env": docs[0].get("env", {}), "figures": figures,
-            "sources": sources, "skipped": skipped}
+    return {
+        "schema": SCHEMA,
+        "env": docs[0].get("env", {}),
+        "figures": figures,
+        "sources": sources,
+        "skipped": skipped,
+    }
 
 
 def as_results(doc: dict) -> dict[str, Any]:

@@ -54,15 +54,22 @@ def arrivals_for(args: argparse.Namespace, workload: Workload) -> Any:
         return ClosedLoop(workload)
     if args.arrivals == "poisson":
         return PoissonArrivals(workload, args.rate, seed=args.seed)
-    return TraceArrivals(args.trace, time_scale=args.time_scale, block_tokens=args.block_tokens,
-                         max_new_tokens=args.max_new_tokens, vocab_size=args.vocab,
-                         limit=args.limit, seed=args.seed)
+    return TraceArrivals(
+        args.trace,
+        time_scale=args.time_scale,
+        block_tokens=args.block_tokens,
+        max_new_tokens=args.max_new_tokens,
+        vocab_size=args.vocab,
+        limit=args.limit,
+        seed=args.seed,
+    )
 
 
 def check_flags(args: argparse.Namespace) -> None:
     """ValueError naming a bad batched-engine flag (before any work)."""
-    if args.arrivals == "poisson" and not (args.rate is not None and np.isfinite(args.rate)
-                                           and args.rate > 0):
+    if args.arrivals == "poisson" and not (
+        args.rate is not None and np.isfinite(args.rate) and args.rate > 0
+    ):
         raise ValueError(f"--arrivals poisson needs --rate > 0 (requests/s), got {args.rate}")
     if args.arrivals == "trace" and not args.trace:
         raise ValueError("--arrivals trace needs --trace PATH (a Mooncake JSONL)")
@@ -72,8 +79,12 @@ def check_flags(args: argparse.Namespace) -> None:
         raise ValueError("--storage is not supported with --engine batched")
     if not 0.0 <= args.decode_reserve <= 1.0:
         raise ValueError(f"--decode-reserve {args.decode_reserve} must be in [0, 1]")
-    for flag, value in (("--token-budget", args.token_budget), ("--max-running", args.max_running),
-                        ("--repeats", args.repeats), ("--warmup-passes", args.warmup_passes)):
+    for flag, value in (
+        ("--token-budget", args.token_budget),
+        ("--max-running", args.max_running),
+        ("--repeats", args.repeats),
+        ("--warmup-passes", args.warmup_passes),
+    ):
         if value < 1:
             raise ValueError(f"{flag} {value} must be >= 1")
 
@@ -81,14 +92,18 @@ def check_flags(args: argparse.Namespace) -> None:
 def trace_device_pages(args: argparse.Namespace, workload: Workload, page_size: int) -> int:
     """Default L1 for a trace: 5/8 of its distinct whole pages, at least the longest request."""
     arrivals = arrivals_for(args, workload).initial()
-    keys = {hash(a.prompt[:(i + 1) * page_size].tobytes())
-            for a in arrivals for i in range(a.prompt.size // page_size)}
+    keys = {
+        hash(a.prompt[: (i + 1) * page_size].tobytes())
+        for a in arrivals
+        for i in range(a.prompt.size // page_size)
+    }
     longest = max(-(-(a.prompt.size + a.max_new_tokens) // page_size) for a in arrivals)
     return max(len(keys) * 5 // 8, longest + 1)
 
 
-def serial_run(engine: Engine, args: argparse.Namespace, workload: Workload
-               ) -> tuple[dict[Any, Generation[RequestRecord]], float]:
+def serial_run(
+    engine: Engine, args: argparse.Namespace, workload: Workload
+) -> tuple[dict[Any, Generation[RequestRecord]], float]:
     """The serial engine over the same requests: keyed as the batched run keys them."""
     import time
 
@@ -108,15 +123,22 @@ def serial_run(engine: Engine, args: argparse.Namespace, workload: Workload
                 out.append(gens[key].tokens)
             return out
 
-        order = iter([(i, t) for t in range(workload.num_rounds)
-                      for i, s in enumerate(workload.sessions) if t < len(s.segments)])
+        order = iter(
+            [
+                (i, t)
+                for t in range(workload.num_rounds)
+                for i, s in enumerate(workload.sessions)
+                if t < len(s.segments)
+            ]
+        )
         workload.run(serve)
     engine.cache.flush()
     return gens, time.perf_counter() - t0
 
 
-def batched_run(engine: BatchedEngine, args: argparse.Namespace, workload: Workload
-                ) -> tuple[dict[Any, Generation[BatchedRecord]], float]:
+def batched_run(
+    engine: BatchedEngine, args: argparse.Namespace, workload: Workload
+) -> tuple[dict[Any, Generation[BatchedRecord]], float]:
     import time
 
     t0 = time.perf_counter()
@@ -129,8 +151,12 @@ def _pct(values: list[float], q: float) -> float:
     return float(np.percentile(values, q) * 1e3) if values else 0.0
 
 
-def summary(gens: Mapping[Any, Generation[BatchedRecord]], wall: float, stats: dict[str, Any],
-            counters: collections.Counter) -> dict[str, Any]:
+def summary(
+    gens: Mapping[Any, Generation[BatchedRecord]],
+    wall: float,
+    stats: dict[str, Any],
+    counters: collections.Counter,
+) -> dict[str, Any]:
     """The table's figures of one batched run (``stats``: its cache's ``stats()``;
     ``counters``: its engine's)."""
     recs = [g.record for g in gens.values()]
@@ -140,17 +166,24 @@ def summary(gens: Mapping[Any, Generation[BatchedRecord]], wall: float, stats: d
     generated = sum(r.output_tokens for r in recs)
     st = stats
     out = {
-        "requests": len(recs), "prompt_tokens": prompt, "generated_tokens": generated,
+        "requests": len(recs),
+        "prompt_tokens": prompt,
+        "generated_tokens": generated,
         "recomputed_tokens": sum(r.recomputed_tokens for r in recs),
         "l1_hit_tokens": sum(r.device_hit_tokens for r in recs),
         "l2_hit_tokens": sum(r.host_hit_tokens for r in recs),
         "l2_declined_tokens": sum(r.host_declined_tokens for r in recs),
-        "prompt_tokens_per_s": prompt / wall, "generated_tokens_per_s": generated / wall,
-        "tokens_per_s": (prompt + generated) / wall, "wall_s": wall,
-        "bytes_to_host": st["bytes_to_host"], "bytes_to_device": st["bytes_to_device"],
+        "prompt_tokens_per_s": prompt / wall,
+        "generated_tokens_per_s": generated / wall,
+        "tokens_per_s": (prompt + generated) / wall,
+        "wall_s": wall,
+        "bytes_to_host": st["bytes_to_host"],
+        "bytes_to_device": st["bytes_to_device"],
         "retractions": counters["retractions"],
-        "load_back_calls": counters["load_back_calls"], "load_backs": st["load_backs"],
-        "steps": counters["steps"], "forward_calls": counters["forward_calls"],
+        "load_back_calls": counters["load_back_calls"],
+        "load_backs": st["load_backs"],
+        "steps": counters["steps"],
+        "forward_calls": counters["forward_calls"],
         "leaked_caller_pages": st["device_caller_pages"],
         "locked_pages_after_drain": st["device_protected_pages"],
     }
@@ -160,26 +193,46 @@ def summary(gens: Mapping[Any, Generation[BatchedRecord]], wall: float, stats: d
     return out
 
 
-def compare(batched: Mapping[Any, Generation[RequestRecord]],
-            serial: Mapping[Any, Generation[RequestRecord]],
-            tol: float = LOGITS_TOL) -> dict[str, Any]:
+def compare(
+    batched: Mapping[Any, Generation[RequestRecord]],
+    serial: Mapping[Any, Generation[RequestRecord]],
+    tol: float = LOGITS_TOL,
+) -> dict[str, Any]:
     """Tokens identical per request, and the max abs difference of first-token logits."""
     same = set(batched) == set(serial) and all(
-        np.array_equal(batched[k].tokens, serial[k].tokens) for k in serial)
-    diff = max((float(np.abs(batched[k].first_logits - serial[k].first_logits).max())
-                for k in serial if k in batched), default=float("inf"))
-    return {"tokens_identical": bool(same), "first_logits_max_abs_diff": diff,
-            "logits_within_tol": diff <= tol}
+        np.array_equal(batched[k].tokens, serial[k].tokens) for k in serial
+    )
+    diff = max(
+        (
+            float(np.abs(batched[k].first_logits - serial[k].first_logits).max())
+            for k in serial
+            if k in batched
+        ),
+        default=float("inf"),
+    )
+    return {
+        "tokens_identical": bool(same),
+        "first_logits_max_abs_diff": diff,
+        "logits_within_tol": diff <= tol,
+    }
 
 
 #: (header, summary key) of the table's columns after the configuration's name
-COLUMNS = [("recomputed", "recomputed_tokens"), ("L1 hit", "l1_hit_tokens"),
-           ("L2 hit", "l2_hit_tokens"), ("prompt tok/s", "prompt_tokens_per_s"),
-           ("gen tok/s", "generated_tokens_per_s"), ("x serial", "speedup_vs_serial"),
-           ("TTFT p50/p90/p99 ms", "ttft"), ("ITL p50/p90/p99 ms", "itl"),
-           ("MB to host", "bytes_to_host"), ("MB to device", "bytes_to_device"),
-           ("retract", "retractions"), ("same tokens", "tokens_identical"),
-           ("logits diff", "first_logits_max_abs_diff")]
+COLUMNS = [
+    ("recomputed", "recomputed_tokens"),
+    ("L1 hit", "l1_hit_tokens"),
+    ("L2 hit", "l2_hit_tokens"),
+    ("prompt tok/s", "prompt_tokens_per_s"),
+    ("gen tok/s", "generated_tokens_per_s"),
+    ("x serial", "speedup_vs_serial"),
+    ("TTFT p50/p90/p99 ms", "ttft"),
+    ("ITL p50/p90/p99 ms", "itl"),
+    ("MB to host", "bytes_to_host"),
+    ("MB to device", "bytes_to_device"),
+    ("retract", "retractions"),
+    ("same tokens", "tokens_identical"),
+    ("logits diff", "first_logits_max_abs_diff"),
+]
 
 
 def table(summaries: dict[str, dict[str, Any]]) -> str:
@@ -203,11 +256,14 @@ def table(summaries: dict[str, dict[str, Any]]) -> str:
     return format_table(["config", *(h for h, _ in COLUMNS)], rows)
 
 
-def bench_batched(args: argparse.Namespace, workload: Workload,
-                  make_serial: Callable[[str], Engine],
-                  make_batched: Callable[[str], BatchedEngine],
-                  configs: tuple[tuple[str, str], ...], progress: Callable[[str], None]
-                  ) -> tuple[dict[str, Any], dict[str, list[dict]]]:
+def bench_batched(
+    args: argparse.Namespace,
+    workload: Workload,
+    make_serial: Callable[[str], Engine],
+    make_batched: Callable[[str], BatchedEngine],
+    configs: tuple[tuple[str, str], ...],
+    progress: Callable[[str], None],
+) -> tuple[dict[str, Any], dict[str, list[dict]]]:
     """Every configuration warmed up (unless --no-warmup), then ``--repeats`` rounds, each
     running every configuration's serial then batched engine: drifting machine load hits the
     serial and batched runs of a configuration alike, and the configurations compared with each

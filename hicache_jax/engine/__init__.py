@@ -9,16 +9,32 @@ from hicache_jax.engine.engine import CacheMode, Engine, Generation, RequestReco
 from hicache_jax.engine.model import DecoderModel
 from hicache_jax.engine.weights import ModelConfig, init_params, load_params
 from hicache_jax.engine.workloads import (
-                                          ClosedLoop,
-                                          PoissonArrivals,
-                                          TraceArrivals,
-                                          Workload,
-                                          agent_loop,
-                                          document_qa,
-                                          multiturn_chat,
+    ClosedLoop,
+    PoissonArrivals,
+    TraceArrivals,
+    Workload,
+    agent_loop,
+    document_qa,
+    multiturn_chat,
 )
 
-__all__ = ["BatchedEngine", "BatchedRecord", "CacheMode", "ClosedLoop", "DecoderModel", "Engine",
-           "EngineStalledError", "Generation", "ModelConfig", "PoissonArrivals",
-           "RequestRecord", "TraceArrivals", "Workload", "agent_loop", "document_qa",
-           "init_params", "load_params", "multiturn_chat"]
+__all__ = [
+    "BatchedEngine",
+    "BatchedRecord",
+    "CacheMode",
+    "ClosedLoop",
+    "DecoderModel",
+    "Engine",
+    "EngineStalledError",
+    "Generation",
+    "ModelConfig",
+    "PoissonArrivals",
+    "RequestRecord",
+    "TraceArrivals",
+    "Workload",
+    "agent_loop",
+    "document_qa",
+    "init_params",
+    "load_params",
+    "multiturn_chat",
+]

@@ -61,22 +61,22 @@ class BatchRequest:
 
     def __init__(self, key: Hashable, prompt: np.ndarray, max_new: int, arrival: float) -> None:
         self.key, self.prompt, self.max_new, self.arrival = key, prompt, max_new, arrival
-        self.seq = prompt              # prompt + generated tokens (re-admission prefills it)
+        self.seq = prompt  # prompt + generated tokens (re-admission prefills it)
         self.out: list[int] = []
         self.token_times: list[float] = []
         self.first_logits: np.ndarray | None = None
         self.admitted_at: float | None = None
         self.req: Request | None = None  # the cache's handle (its pages, its lock) while admitted
-        self.locked_len = 0            # tokens of the prefix the tree holds locked for it
+        self.locked_len = 0  # tokens of the prefix the tree holds locked for it
         self.pages = np.zeros(0, np.int32)
-        self.kv_done = 0               # positions whose K/V is in self.pages
-        self.target = 0                # positions the current prefill computes
-        self.handle: Any = None        # layer-wise load handle of the first chunk
+        self.kv_done = 0  # positions whose K/V is in self.pages
+        self.target = 0  # positions the current prefill computes
+        self.handle: Any = None  # layer-wise load handle of the first chunk
         self.hits: tuple[int, int, int] | None = None  # (l1, l2, declined), first admission
         self.recomputed = 0
         self.retractions = 0
-        self.slot: int | None = None   # its TokenSlots slot while admitted
-        self.pending = 0               # tokens sampled by dispatched forwards, not read yet
+        self.slot: int | None = None  # its TokenSlots slot while admitted
+        self.pending = 0  # tokens sampled by dispatched forwards, not read yet
 
     def add_token(self, tok: np.ndarray, now: float, logits: np.ndarray | None) -> None:
         """One sampled token (int32 ``[1]``) read from a dispatched forward at ``now``;
@@ -118,15 +118,17 @@ class PageLedger:
         slots: the engine's device token slots: an admitted request holds one until released.
     """
 
-    def __init__(self, cache: HiCache, mode: CacheMode, clock: Callable[[], float],
-                 slots: TokenSlots) -> None:
+    def __init__(
+        self, cache: HiCache, mode: CacheMode, clock: Callable[[], float], slots: TokenSlots
+    ) -> None:
         self.cache, self.mode, self.clock, self.slots = cache, mode, clock, slots
         self.ps = cache.spec.page_size
         self.changes = 0  # take / share_prompt / release calls so far (see refused_again)
         self._refused: tuple | None = None
 
-    def request(self, prompt: Any, max_new: Any, key: Hashable, arrival: float | None,
-                vocab_size: int) -> BatchRequest:
+    def request(
+        self, prompt: Any, max_new: Any, key: Hashable, arrival: float | None, vocab_size: int
+    ) -> BatchRequest:
         """A checked new request arriving at ``arrival`` (None: now). ValueError / TypeError
         for a malformed prompt or size, or one needing more device pages than the pool has
         (it could never be served)."""
@@ -135,13 +137,21 @@ class PageLedger:
         arr = check_prompt(prompt, vocab_size)
         pages = -(-(arr.size + int(max_new) - 1) // self.ps)
         if pages > self.cache.cfg.device_pages:
-            raise ValueError(f"a request of {arr.size} prompt + {max_new} new tokens needs "
-                             f"{pages} device pages; the pool has {self.cache.cfg.device_pages}")
+            raise ValueError(
+                f"a request of {arr.size} prompt + {max_new} new tokens needs "
+                f"{pages} device pages; the pool has {self.cache.cfg.device_pages}"
+            )
         now = self.clock() if arrival is None else float(arrival)
         return BatchRequest(key, arr, int(max_new), now)
 
-    def take(self, req: BatchRequest, h: Request | None, active: list[BatchRequest],
-             reserve: float, checked: bool = False) -> bool:
+    def take(
+        self,
+        req: BatchRequest,
+        h: Request | None,
+        active: list[BatchRequest],
+        reserve: float,
+        checked: bool = False,
+    ) -> bool:
         """Extend the admitted request's handle ``h`` (its prefix matched, loaded back and
         locked; None in mode ``none``: a handle of no prefix is begun here) over the prompt's
         uncached pages, keeping ``reserve`` x the remaining decode pages of ``req`` and the
@@ -223,9 +233,11 @@ class PageLedger:
             f"nothing is running: {st['device_free_pages']} free, "
             f"{st['device_evictable_pages']} evictable, {st['device_protected_pages']} locked, "
             f"{st['device_caller_pages']} owned by callers (unlock or free them)",
-            needed=-(-req.seq.shape[0] // self.ps), free=st["device_free_pages"],
+            needed=-(-req.seq.shape[0] // self.ps),
+            free=st["device_free_pages"],
             evictable=st["device_evictable_pages"],
-            locked=st["device_protected_pages"] + st["device_caller_pages"])
+            locked=st["device_protected_pages"] + st["device_caller_pages"],
+        )
 
     def share_prompt(self, r: BatchRequest) -> None:
         """Insert the whole pages of a finished prefill and lock them (in place of the matched
@@ -239,7 +251,7 @@ class PageLedger:
             return
         h = r.req
         assert h is not None  # an admitted request (release() is what drops its handle)
-        h.commit(r.seq[:full * self.ps])  # a page inserted first by another replaces ours
+        h.commit(r.seq[: full * self.ps])  # a page inserted first by another replaces ours
         r.locked_len, r.pages = h.tree_len, h.device_pages
 
     def release_done(self, r: BatchRequest) -> None:
@@ -248,7 +260,7 @@ class PageLedger:
         never computed, go to the tree): the last token's forward may still be running, but
         every later reader of these pages is ordered after it on the device."""
         full = (r.prompt.shape[0] + r.max_new - 1) // self.ps
-        self.release(r, r.seq[:full * self.ps], full, chunked=False)
+        self.release(r, r.seq[: full * self.ps], full, chunked=False)
 
     def finish(self, r: BatchRequest) -> Generation[BatchedRecord]:
         """A request with all its tokens read: released (:meth:`release_done`) unless it was
@@ -261,11 +273,20 @@ class PageLedger:
         n = r.prompt.shape[0]
         t = r.token_times
         rec = BatchedRecord(
-            prompt_tokens=n, device_hit_tokens=l1, host_hit_tokens=l2,
-            host_declined_tokens=declined, recomputed_tokens=r.recomputed,
-            output_tokens=len(r.out), ttft_s=t[0] - r.arrival, latency_s=t[-1] - r.arrival,
-            key=r.key, arrival_s=r.arrival, queue_s=r.admitted_at - r.arrival,
-            itl_s=tuple(float(b - a) for a, b in itertools.pairwise(t)), retractions=r.retractions)
+            prompt_tokens=n,
+            device_hit_tokens=l1,
+            host_hit_tokens=l2,
+            host_declined_tokens=declined,
+            recomputed_tokens=r.recomputed,
+            output_tokens=len(r.out),
+            ttft_s=t[0] - r.arrival,
+            latency_s=t[-1] - r.arrival,
+            key=r.key,
+            arrival_s=r.arrival,
+            queue_s=r.admitted_at - r.arrival,
+            itl_s=tuple(float(b - a) for a, b in itertools.pairwise(t)),
+            retractions=r.retractions,
+        )
         return Generation(np.asarray(r.out, np.int32), r.first_logits, rec)
 
     def release(self, r: BatchRequest, tokens: np.ndarray, full: int, *, chunked: bool) -> None:
@@ -276,7 +297,7 @@ class PageLedger:
             if self.mode is CacheMode.NONE:
                 r.req.abort()  # no tree: every page goes back
             else:
-                r.req.finish(tokens[:full * self.ps], chunked=chunked)
+                r.req.finish(tokens[: full * self.ps], chunked=chunked)
         r.req = None
         if r.slot is not None:
             self.slots.give(r.slot)
@@ -314,10 +335,10 @@ class AdmissionPlan:
     def __init__(self, ledger: PageLedger, active: list[BatchRequest], reserve: float) -> None:
         self.ledger, self.active, self.reserve = ledger, active, reserve
         self.future = sum(ledger.future_pages(r) for r in active)
-        self.used = 0           # pages the admitted requests take from free + evictable
-        self.avail = 0          # free + evictable pages (the first request's lock counted)
+        self.used = 0  # pages the admitted requests take from free + evictable
+        self.avail = 0  # free + evictable pages (the first request's lock counted)
         self.admitted = 0
-        self.held: Any = None   # NodeRef locked for the first request (see release)
+        self.held: Any = None  # NodeRef locked for the first request (see release)
         self._locked: set[int] = set()
         # (seq, device tokens, cached tokens) of admitted requests with a host part to load
         self._loads: list[tuple[np.ndarray, int, int]] = []
@@ -335,8 +356,9 @@ class AdmissionPlan:
             cost = pages - len(dev)
             if not self._first_fits(m, cost + reserve):
                 return False
-            self._locked.update(p for r in self.active
-                                for p in r.pages[:r.locked_len // ps].tolist())
+            self._locked.update(
+                p for r in self.active for p in r.pages[: r.locked_len // ps].tolist()
+            )
             self._locked.update(dev)
         else:
             fresh = [p for p in dev if p not in self._locked]

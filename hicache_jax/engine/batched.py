@@ -142,11 +142,24 @@ class BatchedEngine:
         ValueError: model and cache disagree, or a bad size / fraction.
     """
 
-    def __init__(self, model: DecoderModel, cache: HiCache, *, mode: CacheMode | str = "hicache",
-                 token_budget: int = 512, max_running: int = 64, layerwise: bool = True,
-                 query_block: int = 32, key_block: int = 64, table_bucket: int = 1,
-                 batch_bucket: int = 1, decode_reserve: float = 1.0, compile_mixed: bool = True,
-                 overlap: bool = True, clock: Callable[[], float] = time.perf_counter) -> None:
+    def __init__(
+        self,
+        model: DecoderModel,
+        cache: HiCache,
+        *,
+        mode: CacheMode | str = "hicache",
+        token_budget: int = 512,
+        max_running: int = 64,
+        layerwise: bool = True,
+        query_block: int = 32,
+        key_block: int = 64,
+        table_bucket: int = 1,
+        batch_bucket: int = 1,
+        decode_reserve: float = 1.0,
+        compile_mixed: bool = True,
+        overlap: bool = True,
+        clock: Callable[[], float] = time.perf_counter,
+    ) -> None:
         self.mode = parse_mode(mode)
         if not isinstance(model, DecoderModel):
             raise TypeError(f"model must be a DecoderModel, got {type(model).__name__}")
@@ -154,11 +167,20 @@ class BatchedEngine:
             raise TypeError(f"cache must be a HiCache, got {type(cache).__name__}")
         spec, want = cache.spec, model.kv_spec(cache.spec.page_size)
         if (spec.num_layers, spec.num_kv_heads, spec.head_dim, spec.dtype, spec.mla) != (
-                want.num_layers, want.num_kv_heads, want.head_dim, want.dtype, want.mla):
+            want.num_layers,
+            want.num_kv_heads,
+            want.head_dim,
+            want.dtype,
+            want.mla,
+        ):
             raise ValueError(f"cache.spec {spec} does not hold this model's K/V (needs {want})")
-        for name, value in (("token_budget", token_budget), ("query_block", query_block),
-                            ("key_block", key_block), ("table_bucket", table_bucket),
-                            ("batch_bucket", batch_bucket)):
+        for name, value in (
+            ("token_budget", token_budget),
+            ("query_block", query_block),
+            ("key_block", key_block),
+            ("table_bucket", table_bucket),
+            ("batch_bucket", batch_bucket),
+        ):
             if not is_int(value) or value < 1 or bucket(value) != value:
                 raise ValueError(f"{name}={value!r} must be a power of two >= 1")
         if not is_int(max_running) or max_running < 1:
@@ -193,9 +215,17 @@ class BatchedEngine:
         self.counters: collections.Counter[str] = collections.Counter()
 
     @classmethod
-    def create(cls, model: DecoderModel, mode: CacheMode | str, *, page_size: int = 16,
-               device_pages: int = 1024, host_pages: int | None = None,
-               write_policy: str = "clean_ahead", **engine_kwargs: Any) -> BatchedEngine:
+    def create(
+        cls,
+        model: DecoderModel,
+        mode: CacheMode | str,
+        *,
+        page_size: int = 16,
+        device_pages: int = 1024,
+        host_pages: int | None = None,
+        write_policy: str = "clean_ahead",
+        **engine_kwargs: Any,
+    ) -> BatchedEngine:
         """Build the cache for ``mode`` (as :meth:`Engine.create`) and the engine over it."""
         mode = parse_mode(mode)
         cache = build_cache(model, mode, page_size, device_pages, host_pages, write_policy)
@@ -203,8 +233,14 @@ class BatchedEngine:
 
     # -- requests in, results out ------------------------------------------------------------
 
-    def submit(self, prompt: Any, max_new_tokens: int, *, key: Hashable = None,
-               arrival: float | None = None) -> None:
+    def submit(
+        self,
+        prompt: Any,
+        max_new_tokens: int,
+        *,
+        key: Hashable = None,
+        arrival: float | None = None,
+    ) -> None:
         """Queue a request (served by later :meth:`step` calls).
 
         Raises:
@@ -214,12 +250,14 @@ class BatchedEngine:
         vocab = self.model.cfg.vocab_size
         self.waiting.append(self._ledger.request(prompt, max_new_tokens, key, arrival, vocab))
 
-    def generate(self, prompts: Sequence[Any],
-                 max_new_tokens: int) -> list[Generation[BatchedRecord]]:
+    def generate(
+        self, prompts: Sequence[Any], max_new_tokens: int
+    ) -> list[Generation[BatchedRecord]]:
         """Serve ``prompts`` (all arriving now) to completion; one Generation each, in order."""
         vocab = self.model.cfg.vocab_size
-        reqs = [self._ledger.request(p, max_new_tokens, i, None, vocab)
-                for i, p in enumerate(prompts)]
+        reqs = [
+            self._ledger.request(p, max_new_tokens, i, None, vocab) for i, p in enumerate(prompts)
+        ]
         self.waiting.extend(reqs)
         done: dict[Any, Generation[BatchedRecord]] = {}
         while len(done) < len(reqs):
@@ -305,8 +343,12 @@ class BatchedEngine:
         deferred by the in-batch prefix check stay queued. The oldest, refused with requests
         active, is not tried again until it could fit (``PageLedger.refused_again``)."""
         cands: list[tuple[BatchRequest, Match | None]] = []
-        room = (self.max_running - len(self.prefilling) - len(self.running)
-                - sum(r.slot is not None for r in self._closing))
+        room = (
+            self.max_running
+            - len(self.prefilling)
+            - len(self.running)
+            - sum(r.slot is not None for r in self._closing)
+        )
         if not self.waiting or budget <= 0 or room <= 0:
             return cands
         if self._ledger.refused_again(self.waiting[0], self._reserve):
@@ -321,10 +363,12 @@ class BatchedEngine:
                 cached = 0
                 if self.mode is not CacheMode.NONE:
                     m = self.cache.match_prefix(req.seq[:-1])
-                    cached = m.device_len + (m.host_len if m.host_len
-                                             >= self.cache.cfg.load_back_threshold else 0)
-                    if shares_uncached(req, cached, self.ps,
-                                       self.prefilling + [c for c, _ in cands]):
+                    cached = m.device_len + (
+                        m.host_len if m.host_len >= self.cache.cfg.load_back_threshold else 0
+                    )
+                    if shares_uncached(
+                        req, cached, self.ps, self.prefilling + [c for c, _ in cands]
+                    ):
                         skipped.append(self.waiting.popleft())
                         continue
                 if not plan.admit(req, m, cached):
@@ -349,8 +393,12 @@ class BatchedEngine:
         if cached:
             if any(m.host_len for _, m in cands):
                 self.counters["load_back_calls"] += 1
-            self.cache.prepare([m for _, m in cands], sum(  # pages beyond the matches'
-                -(-r.seq.shape[0] // self.ps) - m.device_pages.size for r, m in cands))
+            self.cache.prepare(
+                [m for _, m in cands],
+                sum(  # pages beyond the matches'
+                    -(-r.seq.shape[0] // self.ps) - m.device_pages.size for r, m in cands
+                ),
+            )
             handles = admit_matched(self.cache, [m for _, m in cands], layerwise=self._layer_waits)
         for k, ((req, m0), h) in enumerate(zip(cands, handles)):
             ok = budget > 0 and self._take_pages(req, h, checked=True)
@@ -360,18 +408,21 @@ class BatchedEngine:
             if not ok and budget > 0 and k + 1 < len(cands):
                 # The later candidates' locks may be what holds the pages: release them (they
                 # wait) and try this one once more.
-                for later in handles[k + 1:] if cached else ():
+                for later in handles[k + 1 :] if cached else ():
                     later.abort()
-                self.waiting.extendleft(reversed([r for r, _ in cands[k + 1:]]))
+                self.waiting.extendleft(reversed([r for r, _ in cands[k + 1 :]]))
                 ok, last = self._take_pages(req, h), True
             if not ok:
                 if cached:
                     h.abort()
-                self.waiting.extendleft(reversed([r for r, _ in cands[k:k + 1 if last else None]]))
+                self.waiting.extendleft(
+                    reversed([r for r, _ in cands[k : k + 1 if last else None]])
+                )
                 return
             if req.hits is None:  # the first admission's hits by tier (as the serial engine)
-                req.hits = (0, 0, 0) if h is None else (
-                    m0.device_len, h.loaded_len, h.host_len_declined)
+                req.hits = (
+                    (0, 0, 0) if h is None else (m0.device_len, h.loaded_len, h.host_len_declined)
+                )
             n = min(req.target - req.kv_done, budget)
             batch.append((req, n))
             budget -= n
@@ -387,8 +438,7 @@ class BatchedEngine:
 
     # -- the forward steps -------------------------------------------------------------------
 
-    def _forward(self, batch: list[tuple[BatchRequest, int]],
-                 decoding: list[BatchRequest]) -> None:
+    def _forward(self, batch: list[tuple[BatchRequest, int]], decoding: list[BatchRequest]) -> None:
         """Dispatch one jitted step over this step's prefill chunks and decode tokens
         (layer-wise when a load-back is pending) and do the bookkeeping that does not need its
         tokens (:meth:`_dispatched`); the tokens are read by :meth:`_drain`. Decode tokens come
@@ -397,33 +447,50 @@ class BatchedEngine:
         runs as a prefill step and a decode step (shapes of far fewer kinds, which a warm-up
         covers): no compile in steady serving."""
         waiter = next((r.handle for r, _ in batch if r.handle is not None), None)
-        pre = [r.seq[r.kv_done:r.kv_done + n] for r, n in batch]
+        pre = [r.seq[r.kv_done : r.kv_done + n] for r, n in batch]
         dec = [_PLACEHOLDER] * len(decoding)  # read from the slots on the device
-        knobs = _Knobs(query_block=self.query_block, key_block=self.key_block,
-                       min_pages=self.table_bucket, min_batch=self.batch_bucket,
-                       slots=self.slots)
+        knobs = _Knobs(
+            query_block=self.query_block,
+            key_block=self.key_block,
+            min_pages=self.table_bucket,
+            min_batch=self.batch_bucket,
+            slots=self.slots,
+        )
         parts = [(batch, decoding)]
         if batch and decoding and not self.compile_mixed:
             starts = [r.kv_done for r, _ in batch] + [r.kv_done for r in decoding]
             if not self.model.batch_compiled(
-                    self.model.batch_shape(self.pool, pre + dec, starts,
-                                           [r.pages for r, _ in batch] +
-                                           [r.pages for r in decoding], **knobs), reuse=True):
+                self.model.batch_shape(
+                    self.pool,
+                    pre + dec,
+                    starts,
+                    [r.pages for r, _ in batch] + [r.pages for r in decoding],
+                    **knobs,
+                ),
+                reuse=True,
+            ):
                 parts = [(batch, []), ([], decoding)]
         for part_batch, part_dec in parts:
             chunks = (pre if part_batch else []) + (dec if part_dec else [])
             reqs = [r for r, _ in part_batch] + part_dec
             sample = self._timer.dispatch(self.pool, part_batch, part_dec, chunks, reqs, knobs)
             logits, toks = self.model.forward_batch(
-                self.pool, chunks, [r.kv_done for r in reqs], [r.pages for r in reqs],
+                self.pool,
+                chunks,
+                [r.kv_done for r in reqs],
+                [r.pages for r in reqs],
                 waiter=waiter if self._layer_waits and part_batch else None,
-                layerwise_if_compiled=True, reuse_compiled=not self.compile_mixed,
+                layerwise_if_compiled=True,
+                reuse_compiled=not self.compile_mixed,
                 slot_of=[r.slot for r in reqs],
-                from_slot=[False] * len(part_batch) + [True] * len(part_dec), **knobs)
+                from_slot=[False] * len(part_batch) + [True] * len(part_dec),
+                **knobs,
+            )
             self._pending.append((logits, toks, self._dispatched(part_batch, part_dec), sample))
 
-    def _dispatched(self, batch: list[tuple[BatchRequest, int]],
-                    decoding: list[BatchRequest]) -> list[tuple[int, BatchRequest, bool]]:
+    def _dispatched(
+        self, batch: list[tuple[BatchRequest, int]], decoding: list[BatchRequest]
+    ) -> list[tuple[int, BatchRequest, bool]]:
         """What a dispatched forward settles before its tokens are read: positions computed; a
         finished prompt shares its pages (later requests hit them at once) and decodes next
         step; a request with all its tokens dispatched leaves the running set. Returns the rows
@@ -468,7 +535,7 @@ class BatchedEngine:
             self._timer.read(sample)
             lg = np.asarray(logits) if any(first for _, _, first in rows) else None
             for i, r, first in rows:
-                r.add_token(toks[i:i + 1], now, lg[i] if first and lg is not None else None)
+                r.add_token(toks[i : i + 1], now, lg[i] if first and lg is not None else None)
                 if len(r.out) == r.max_new:
                     self._closing.remove(r)
                     self._finished.append(self._finish(r))
@@ -490,8 +557,11 @@ class BatchedEngine:
                 handles.append(r.req)
             self.cache.prepare([], len(short))  # clean_ahead: what they will evict, backed up
             try:  # one allocation: a page for each (their handles' room up to the next token)
-                extend_many(self.cache, handles,
-                            [r.kv_done + 1 - h.num_tokens for r, h in zip(short, handles)])
+                extend_many(
+                    self.cache,
+                    handles,
+                    [r.kv_done + 1 - h.num_tokens for r, h in zip(short, handles)],
+                )
             except OutOfPagesError:
                 if self._pending:  # requests finishing there give their pages back first
                     pending, self._pending = self._pending, []
@@ -512,7 +582,7 @@ class BatchedEngine:
         queue it first; re-admission prefills prompt + the tokens generated so far."""
         self.running.remove(r)
         full = r.kv_done // self.ps
-        self._ledger.release(r, r.seq[:full * self.ps], full, chunked=True)
+        self._ledger.release(r, r.seq[: full * self.ps], full, chunked=True)
         r.retractions += 1
         self.counters["retractions"], self._reserve = self.counters["retractions"] + 1, 1.0
         self.waiting.appendleft(r)
@@ -536,15 +606,17 @@ class PrefillTimer:
         self.shapes: set[tuple] = set()  # prefill step shapes already run once
         self.last_read = 0.0  # perf_counter when the last forward's tokens were read
 
-    def dispatch(self, pool: Any, batch: list, decoding: list, chunks: list, reqs: list,
-                 knobs: _Knobs) -> tuple | None:
+    def dispatch(
+        self, pool: Any, batch: list, decoding: list, chunks: list, reqs: list, knobs: _Knobs
+    ) -> tuple | None:
         """``(n_new, n_cached, t0)`` for a forward about to be dispatched, or None (a
         request with a load-back handle may wait on it per layer: not a sample)."""
         if len(batch) != 1 or decoding or batch[0][0].handle is not None:
             return None
         r, n = batch[0]
-        shape = self.model.batch_shape(pool, chunks, [q.kv_done for q in reqs],
-                                       [q.pages for q in reqs], **knobs)
+        shape = self.model.batch_shape(
+            pool, chunks, [q.kv_done for q in reqs], [q.pages for q in reqs], **knobs
+        )
         if shape not in self.shapes:
             self.shapes.add(shape)
             return None
@@ -554,5 +626,4 @@ class PrefillTimer:
         """A forward's tokens were just read (``sample``: what :meth:`dispatch` gave it)."""
         start, self.last_read = self.last_read, time.perf_counter()
         if sample is not None:
-            self.cache.observe_prefill(sample[0], sample[1],
-                                       self.last_read - max(start, sample[2]))
+            self.cache.observe_prefill(sample[0], sample[1], self.last_read - max(start, sample[2]))

@@ -46,8 +46,8 @@ from hicache_jax.validation import check_bool, is_int
 class CacheMode(str, enum.Enum):
     """What the engine caches between requests."""
 
-    NONE = "none"        # recompute every prompt
-    DEVICE = "device"    # radix cache in L1 only
+    NONE = "none"  # recompute every prompt
+    DEVICE = "device"  # radix cache in L1 only
     HICACHE = "hicache"  # L1 + L2
 
 
@@ -121,9 +121,18 @@ class Engine:
         ValueError: model and cache disagree on layers / heads / head_dim / dtype, or a bad size.
     """
 
-    def __init__(self, model: DecoderModel, cache: HiCache, *, mode: CacheMode | str = "hicache",
-                 chunk_size: int = 512, layerwise: bool = True, prefill_bucket: int = 16,
-                 table_bucket: int = 1, prefetch: bool = False) -> None:
+    def __init__(
+        self,
+        model: DecoderModel,
+        cache: HiCache,
+        *,
+        mode: CacheMode | str = "hicache",
+        chunk_size: int = 512,
+        layerwise: bool = True,
+        prefill_bucket: int = 16,
+        table_bucket: int = 1,
+        prefetch: bool = False,
+    ) -> None:
         self.mode = parse_mode(mode)
         check_bool("prefetch", prefetch)
         if prefetch and (cache.cfg.storage is None or self.mode is not CacheMode.HICACHE):
@@ -132,10 +141,18 @@ class Engine:
         spec = cache.spec
         want = model.kv_spec(spec.page_size)
         if (spec.num_layers, spec.num_kv_heads, spec.head_dim, spec.dtype, spec.mla) != (
-                want.num_layers, want.num_kv_heads, want.head_dim, want.dtype, want.mla):
+            want.num_layers,
+            want.num_kv_heads,
+            want.head_dim,
+            want.dtype,
+            want.mla,
+        ):
             raise ValueError(f"cache.spec {spec} does not hold this model's K/V (needs {want})")
-        for name, value in (("chunk_size", chunk_size), ("prefill_bucket", prefill_bucket),
-                            ("table_bucket", table_bucket)):
+        for name, value in (
+            ("chunk_size", chunk_size),
+            ("prefill_bucket", prefill_bucket),
+            ("table_bucket", table_bucket),
+        ):
             if not is_int(value) or value < 1 or bucket(value) != value:
                 raise ValueError(f"{name}={value!r} must be a power of two >= 1")
         self.model, self.cache = model, cache
@@ -147,9 +164,17 @@ class Engine:
         self.records: list[RequestRecord] = []
 
     @classmethod
-    def create(cls, model: DecoderModel, mode: CacheMode | str, *, page_size: int = 16,
-               device_pages: int = 1024, host_pages: int | None = None,
-               write_policy: str = "clean_ahead", **engine_kwargs: Any) -> Engine:
+    def create(
+        cls,
+        model: DecoderModel,
+        mode: CacheMode | str,
+        *,
+        page_size: int = 16,
+        device_pages: int = 1024,
+        host_pages: int | None = None,
+        write_policy: str = "clean_ahead",
+        **engine_kwargs: Any,
+    ) -> Engine:
         """Build the cache for ``mode`` and the engine over it.
 
         ``host_pages`` (default ``4 * device_pages``) is used in mode ``hicache`` only; the
@@ -159,8 +184,9 @@ class Engine:
         cache = build_cache(model, mode, page_size, device_pages, host_pages, write_policy)
         return cls(model, cache, mode=mode, **engine_kwargs)
 
-    def generate(self, prompts: Sequence[Any],
-                 max_new_tokens: int) -> list[Generation[RequestRecord]]:
+    def generate(
+        self, prompts: Sequence[Any], max_new_tokens: int
+    ) -> list[Generation[RequestRecord]]:
         """Greedy-decode ``max_new_tokens`` tokens for each prompt, serially, in order.
 
         Args:
@@ -197,21 +223,23 @@ class Engine:
             l1 = l2 = declined = cached = 0
         else:
             if self.prefetch:  # the engine matches the prompt minus its last token
-                cache.prefetch(prompt[:n - 1])
-            with cache.begin(prompt[:n - 1], layerwise=self.layerwise) as req:
+                cache.prefetch(prompt[: n - 1])
+            with cache.begin(prompt[: n - 1], layerwise=self.layerwise) as req:
                 cached = req.cached_len
                 if req.loaded_len and not self.layerwise:  # its copy timed as its own
                     cache.wait_loaded(req.device_pages)
                 req.extend(kv_len - req.num_tokens)  # a split's pages are the request's
-                tokens, first_logits, ttft = self._run(prompt, cached, req.device_pages, max_new,
-                                                       req.load_handle, t0, req)
+                tokens, first_logits, ttft = self._run(
+                    prompt, cached, req.device_pages, max_new, req.load_handle, t0, req
+                )
                 req.finish(np.concatenate([prompt, tokens])[:kv_len])
             l1, l2, declined = cached - req.loaded_len, req.loaded_len, req.host_len_declined
             if req.overlap:  # the back was loaded, the front recomputed
                 l2, declined = req.overlap[1] - req.overlap[0], req.overlap[0] - cached
                 cached += l2
-        record = RequestRecord(n, l1, l2, declined, n - cached, max_new, ttft,
-                               time.perf_counter() - t0)
+        record = RequestRecord(
+            n, l1, l2, declined, n - cached, max_new, ttft, time.perf_counter() - t0
+        )
         self.records.append(record)
         return Generation(tokens, first_logits, record)
 
@@ -223,8 +251,16 @@ class Engine:
         else:
             self._prefill_shapes.add(shapes)
 
-    def _run(self, prompt: np.ndarray, cached: int, pages: np.ndarray, max_new: int,
-             waiter: Any, t0: float, req: Any = None) -> tuple[np.ndarray, np.ndarray, float]:
+    def _run(
+        self,
+        prompt: np.ndarray,
+        cached: int,
+        pages: np.ndarray,
+        max_new: int,
+        waiter: Any,
+        t0: float,
+        req: Any = None,
+    ) -> tuple[np.ndarray, np.ndarray, float]:
         """Prefill ``prompt[cached:]`` in chunks (the first waits per layer for ``waiter``, a
         layer-wise load's handle, when given; with ``req.overlap``, the front, then the wait
         for the back's copy, then the rest), then decode; returns tokens, logits, TTFT."""
@@ -232,32 +268,46 @@ class Engine:
         if req is not None and req.overlap:
             front, back = req.overlap
             for c0 in range(cached, front, self.chunk_size):  # the front, the copy in flight
-                self.model.forward(self.pool, prompt[c0:min(c0 + self.chunk_size, front)], c0,
-                                   pages, min_bucket=self.prefill_bucket,
-                                   min_pages=self.table_bucket)
+                self.model.forward(
+                    self.pool,
+                    prompt[c0 : min(c0 + self.chunk_size, front)],
+                    c0,
+                    pages,
+                    min_bucket=self.prefill_bucket,
+                    min_pages=self.table_bucket,
+                )
             req.wait_overlap()
             cached, starts = back, list(range(back, prompt.shape[0], self.chunk_size))
         p0, shapes = time.perf_counter(), []
         logits = None
         for c0 in starts:
-            chunk = prompt[c0:c0 + self.chunk_size]
-            shapes.append((_pow2(max(chunk.shape[0], self.prefill_bucket)), pages.shape[0],
-                           waiter is None))
-            logits = self.model.forward(self.pool, chunk, c0, pages, waiter=waiter,
-                                        min_bucket=self.prefill_bucket,
-                                        min_pages=self.table_bucket)
+            chunk = prompt[c0 : c0 + self.chunk_size]
+            shapes.append(
+                (_pow2(max(chunk.shape[0], self.prefill_bucket)), pages.shape[0], waiter is None)
+            )
+            logits = self.model.forward(
+                self.pool,
+                chunk,
+                c0,
+                pages,
+                waiter=waiter,
+                min_bucket=self.prefill_bucket,
+                min_pages=self.table_bucket,
+            )
             waiter = None  # every layer has been waited for once: later chunks run fused
         assert logits is not None  # the prompt's last token is never cached: a chunk ran
         first_logits = np.asarray(logits)  # blocks: async dispatch has finished the prefill
-        self._report_prefill(tuple(shapes), prompt.shape[0] - cached, cached,
-                             time.perf_counter() - p0)
+        self._report_prefill(
+            tuple(shapes), prompt.shape[0] - cached, cached, time.perf_counter() - p0
+        )
         tok = _argmax(logits)
         out = [tok]
         ttft = time.perf_counter() - t0
         pos = prompt.shape[0]
         for _ in range(max_new - 1):
-            tok = _argmax(self.model.forward(self.pool, tok, pos, pages,
-                                             min_pages=self.table_bucket))
+            tok = _argmax(
+                self.model.forward(self.pool, tok, pos, pages, min_pages=self.table_bucket)
+            )
             out.append(tok)
             pos += 1
         return np.asarray(jnp.concatenate(out)), first_logits, ttft
@@ -267,8 +317,14 @@ def _pow2(n: int) -> int:
     return 1 << max(0, int(n) - 1).bit_length()
 
 
-def build_cache(model: DecoderModel, mode: CacheMode, page_size: int, device_pages: int,
-                host_pages: int | None, write_policy: str) -> HiCache:
+def build_cache(
+    model: DecoderModel,
+    mode: CacheMode,
+    page_size: int,
+    device_pages: int,
+    host_pages: int | None,
+    write_policy: str,
+) -> HiCache:
     """The cache of an engine in ``mode``: ``host_pages`` (default ``4 * device_pages``) in mode
     ``hicache`` only, 0 otherwise; ``load_back_threshold`` one page; the pools sharded over the
     model's mesh (tensor parallelism) when it has one."""
@@ -276,9 +332,14 @@ def build_cache(model: DecoderModel, mode: CacheMode, page_size: int, device_pag
         host_pages = 0
     elif host_pages is None:
         host_pages = 4 * device_pages
-    cfg = HiCacheConfig(device_pages=device_pages, host_pages=host_pages,
-                        write_policy=write_policy, load_back_threshold=page_size,
-                        mesh=model.mesh, shard_axis=model.axis)
+    cfg = HiCacheConfig(
+        device_pages=device_pages,
+        host_pages=host_pages,
+        write_policy=write_policy,
+        load_back_threshold=page_size,
+        mesh=model.mesh,
+        shard_axis=model.axis,
+    )
     return HiCache(model.kv_spec(page_size), cfg)
 
 
@@ -291,8 +352,9 @@ def check_prompt(prompt: Any, vocab_size: int, name: str = "prompt") -> np.ndarr
     if arr.dtype == np.bool_ or not np.issubdtype(arr.dtype, np.integer):
         raise TypeError(f"{name} must hold integer token ids, got dtype {arr.dtype}")
     if arr.min() < 0 or arr.max() >= vocab_size:
-        raise ValueError(f"{name} has token ids outside [0, {vocab_size}): min {arr.min()}, "
-                         f"max {arr.max()}")
+        raise ValueError(
+            f"{name} has token ids outside [0, {vocab_size}): min {arr.min()}, max {arr.max()}"
+        )
     return arr.astype(np.int32)
 
 
@@ -301,5 +363,6 @@ def parse_mode(mode: CacheMode | str) -> CacheMode:
     try:
         return CacheMode(mode)
     except ValueError:
-        raise ValueError(f"mode={mode!r} is not one of: "
-                         f"{', '.join(repr(m.value) for m in CacheMode)}") from None
+        raise ValueError(
+            f"mode={mode!r} is not one of: {', '.join(repr(m.value) for m in CacheMode)}"
+        ) from None

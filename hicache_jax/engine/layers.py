@@ -58,9 +58,9 @@ def _rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
 def _rope(x: jax.Array, pos: jax.Array, theta: float) -> jax.Array:
     """Rotate-half RoPE. x: [T, H, D]; pos: int32 [T]."""
     half = x.shape[-1] // 2
-    inv_freq = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)          # [D/2]
-    ang = pos.astype(jnp.float32)[:, None] * inv_freq[None, :]                   # [T, D/2]
-    cos, sin = jnp.cos(ang)[:, None, :], jnp.sin(ang)[:, None, :]               # [T, 1, D/2]
+    inv_freq = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)  # [D/2]
+    ang = pos.astype(jnp.float32)[:, None] * inv_freq[None, :]  # [T, D/2]
+    cos, sin = jnp.cos(ang)[:, None, :], jnp.sin(ang)[:, None, :]  # [T, 1, D/2]
     xf = x.astype(jnp.float32)
     x1, x2 = xf[..., :half], xf[..., half:]
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
@@ -76,8 +76,9 @@ def _qkv(cfg: ModelConfig, lp: Params, x: jax.Array, pos: jax.Array):
     return _rope(q, pos, cfg.rope_theta), _rope(k, pos, cfg.rope_theta), v
 
 
-def _attend(cfg: ModelConfig, q: jax.Array, k: jax.Array, v: jax.Array,
-            mask: jax.Array) -> jax.Array:
+def _attend(
+    cfg: ModelConfig, q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array
+) -> jax.Array:
     """GQA. q [T, Hq, D]; k, v [S, Hkv, D]; mask bool [T, S] -> [T, Hq*D] in q.dtype."""
     t = q.shape[0]
     g = cfg.num_heads // cfg.num_kv_heads
@@ -89,8 +90,7 @@ def _attend(cfg: ModelConfig, q: jax.Array, k: jax.Array, v: jax.Array,
     # Masked keys may come from the scratch page or stale pages: zero them so 0 * garbage
     # (NaN/inf) cannot leak into the output.
     v = jnp.where(mask.any(axis=0)[:, None, None], v, jnp.zeros((), v.dtype))
-    out = jnp.einsum("kgts,skd->tkgd", probs.astype(v.dtype), v,
-                     preferred_element_type=jnp.float32)
+    out = jnp.einsum("kgts,skd->tkgd", probs.astype(v.dtype), v, preferred_element_type=jnp.float32)
     return out.reshape(t, cfg.num_heads * cfg.head_dim).astype(q.dtype)
 
 
@@ -99,8 +99,16 @@ def _mlp(cfg: ModelConfig, lp: Params, x: jax.Array) -> jax.Array:
     return (jax.nn.silu(h @ lp["w_gate"]) * (h @ lp["w_up"])) @ lp["w_down"]
 
 
-def _paged_layer(cfg: ModelConfig, pool: jax.Array, layer: jax.Array, lp: Params, x: jax.Array,
-                 start: jax.Array, n_new: jax.Array, page_table: jax.Array):
+def _paged_layer(
+    cfg: ModelConfig,
+    pool: jax.Array,
+    layer: jax.Array,
+    lp: Params,
+    x: jax.Array,
+    start: jax.Array,
+    n_new: jax.Array,
+    page_table: jax.Array,
+):
     """One decoder layer over a chunk, K/V written to and read from the paged pool.
 
     Args:
@@ -183,8 +191,9 @@ def _scan_layers(layer_fn, cfg, pool, params, x, *args):
 
 
 def _fused_step(cfg, pool, params, tokens, start, n_new, page_table):
-    pool, x = _scan_layers(_paged_layer, cfg, pool, params, _embed(params, tokens), start, n_new,
-                           page_table)
+    pool, x = _scan_layers(
+        _paged_layer, cfg, pool, params, _embed(params, tokens), start, n_new, page_table
+    )
     return pool, _head(cfg, params, x, n_new)
 
 
@@ -211,10 +220,20 @@ def _reference_jit(cfg: ModelConfig, params: Params, tokens: jax.Array) -> jax.A
     return jnp.dot(h, params["lm_head"], preferred_element_type=jnp.float32)
 
 
-def _group_attend(cfg: ModelConfig, pool: jax.Array, layer: jax.Array, q: jax.Array,
-                  dtype: Any, src: jax.Array, qpos: jax.Array, item_row: jax.Array,
-                  item_pages: jax.Array, item_k0: jax.Array, shared_pages: jax.Array,
-                  shared_k0: jax.Array) -> jax.Array:
+def _group_attend(
+    cfg: ModelConfig,
+    pool: jax.Array,
+    layer: jax.Array,
+    q: jax.Array,
+    dtype: Any,
+    src: jax.Array,
+    qpos: jax.Array,
+    item_row: jax.Array,
+    item_pages: jax.Array,
+    item_k0: jax.Array,
+    shared_pages: jax.Array,
+    shared_k0: jax.Array,
+) -> jax.Array:
     """Attention of one row group of a packed step: ``R`` rows of ``Tq`` query slots, each row
     over only the key blocks it can see (split-K: a row's keys are cut into work items of ``Kb``
     pages, and every item of every row runs in one batched matmul).
@@ -254,8 +273,8 @@ def _group_attend(cfg: ModelConfig, pool: jax.Array, layer: jax.Array, q: jax.Ar
         flat = pages.reshape(-1)
         k = lax.bitcast_convert_type(pool[layer, 0, flat], dtype).reshape(n, s, hkv, hd)
         v = lax.bitcast_convert_type(pool[layer, 1, flat], dtype).reshape(n, s, hkv, hd)
-        kpos = k0[:, None] + jnp.arange(s, dtype=jnp.int32)[None, :]            # [n, S]
-        mask = kpos[:, None, :] <= qp[:, :, None]                                # [n, Tq', S]
+        kpos = k0[:, None] + jnp.arange(s, dtype=jnp.int32)[None, :]  # [n, S]
+        mask = kpos[:, None, :] <= qp[:, :, None]  # [n, Tq', S]
         # Keys no slot sees may be scratch or stale bits: zero them (as _attend).
         v = jnp.where(mask.any(axis=1)[:, :, None, None], v, jnp.zeros((), v.dtype))
         return k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), mask
@@ -269,19 +288,25 @@ def _group_attend(cfg: ModelConfig, pool: jax.Array, layer: jax.Array, q: jax.Ar
     # slower (strided operands), and attention is most of a step's time (the batched
     # engine's profile, benchmarks/RESULTS.md).
     qg = q[src.reshape(-1)].reshape(r, tq, hkv, g, hd).transpose(0, 2, 3, 1, 4)
-    qg = qg.reshape(r, hkv, g * tq, hd)                                         # [R, Hkv, G*Tq, D]
+    qg = qg.reshape(r, hkv, g * tq, hd)  # [R, Hkv, G*Tq, D]
     k, v, mask = blocks(item_pages, item_k0, qpos[item_row])
-    scores = masked(jnp.einsum("wkqd,wksd->wkqs", qg[item_row], k,
-                               preferred_element_type=jnp.float32) * scale, mask, w, tq)
-    member = item_row[None, :] == jnp.arange(r, dtype=jnp.int32)[:, None]      # [R, W]
-    row_max = jnp.max(jnp.where(member[:, :, None, None], scores.max(axis=-1)[None], -jnp.inf),
-                      axis=1)                                                  # [R, Hkv, G*Tq]
+    scores = masked(
+        jnp.einsum("wkqd,wksd->wkqs", qg[item_row], k, preferred_element_type=jnp.float32) * scale,
+        mask,
+        w,
+        tq,
+    )
+    member = item_row[None, :] == jnp.arange(r, dtype=jnp.int32)[:, None]  # [R, W]
+    row_max = jnp.max(
+        jnp.where(member[:, :, None, None], scores.max(axis=-1)[None], -jnp.inf), axis=1
+    )  # [R, Hkv, G*Tq]
     ss: jax.Array | None = None  # the shared blocks' scores and values (when ws > 0)
     vs: jax.Array | None = None
     if ws:
         # Shared blocks: every row's queries at once, [1, Hkv, R*G*Tq, D] against [Ws*S] keys.
-        ks, vs, smask = blocks(shared_pages, shared_k0,
-                               jnp.broadcast_to(qpos.reshape(1, r * tq), (ws, r * tq)))
+        ks, vs, smask = blocks(
+            shared_pages, shared_k0, jnp.broadcast_to(qpos.reshape(1, r * tq), (ws, r * tq))
+        )
         ks, vs = (a.transpose(1, 0, 2, 3).reshape(1, hkv, ws * s, hd) for a in (ks, vs))
         qa = qg.reshape(r, hkv, g, tq, hd).transpose(1, 2, 0, 3, 4).reshape(1, hkv, -1, hd)
         smask = smask.reshape(ws, r, tq, s).transpose(1, 2, 0, 3).reshape(r, tq, ws * s)
@@ -296,31 +321,46 @@ def _group_attend(cfg: ModelConfig, pool: jax.Array, layer: jax.Array, q: jax.Ar
     p = jnp.exp(scores - row_max[item_row][..., None])
     onehot = member.astype(jnp.float32)
     # Sums over a row's items by a one-hot matmul: exact (HIGHEST: no reduced-precision passes).
-    row_sum = jnp.dot(onehot, p.sum(axis=-1).reshape(w, -1),
-                      precision=lax.Precision.HIGHEST).reshape(r, hkv, g * tq)
+    row_sum = jnp.dot(
+        onehot, p.sum(axis=-1).reshape(w, -1), precision=lax.Precision.HIGHEST
+    ).reshape(r, hkv, g * tq)
     p_sh: jax.Array | None = None
     if ss is not None:
         p_sh = jnp.exp(ss - row_max[..., None])
         row_sum = row_sum + p_sh.sum(axis=-1)
     denom = jnp.where(row_sum > 0, row_sum, 1.0)
     probs = p / denom[item_row][..., None]
-    out = jnp.einsum("wkqs,wksd->wkqd", probs.astype(v.dtype), v,
-                     preferred_element_type=jnp.float32)
+    out = jnp.einsum(
+        "wkqs,wksd->wkqd", probs.astype(v.dtype), v, preferred_element_type=jnp.float32
+    )
     out = jnp.dot(onehot, out.reshape(w, -1), precision=lax.Precision.HIGHEST)
     out = out.reshape(r, hkv, g * tq, hd)
     if p_sh is not None and vs is not None:
         pa = (p_sh / denom[..., None]).astype(vs.dtype)
         pa = pa.reshape(r, hkv, g, tq, ws * s).transpose(1, 2, 0, 3, 4)
-        oa = jnp.einsum("bkqs,bksd->bkqd", pa.reshape(1, hkv, -1, ws * s), vs,
-                        preferred_element_type=jnp.float32)
+        oa = jnp.einsum(
+            "bkqs,bksd->bkqd",
+            pa.reshape(1, hkv, -1, ws * s),
+            vs,
+            preferred_element_type=jnp.float32,
+        )
         oa = oa.reshape(hkv, g, r, tq, hd).transpose(2, 0, 1, 3, 4)
         out = out + oa.reshape(r, hkv, g * tq, hd)
     out = out.reshape(r, hkv, g, tq, hd).transpose(0, 3, 1, 2, 4)
     return out.reshape(r * tq, cfg.num_heads * hd).astype(dtype)
 
 
-def _batch_layer(cfg: ModelConfig, pool: jax.Array, layer: jax.Array, lp: Params, x: jax.Array,
-                 pos: jax.Array, wpage: jax.Array, groups: tuple, tok_slot: jax.Array):
+def _batch_layer(
+    cfg: ModelConfig,
+    pool: jax.Array,
+    layer: jax.Array,
+    lp: Params,
+    x: jax.Array,
+    pos: jax.Array,
+    wpage: jax.Array,
+    groups: tuple,
+    tok_slot: jax.Array,
+):
     """:func:`_paged_layer` over a packed step: the flat tokens of several requests' chunks.
 
     The dense parts (norms, projections, MLP) run over the ``N`` flat tokens, with no padding
@@ -342,15 +382,17 @@ def _batch_layer(cfg: ModelConfig, pool: jax.Array, layer: jax.Array, lp: Params
     pool = pool.at[layer, 0, wpage, off].set(lax.bitcast_convert_type(k, bits))
     pool = pool.at[layer, 1, wpage, off].set(lax.bitcast_convert_type(v, bits))
     # Every token's K/V is written before any row reads: a block sees the blocks before it.
-    outs = [_group_attend(cfg, pool, layer, q, x.dtype, src, pos[src], *items)
-            for src, *items in groups]
+    outs = [
+        _group_attend(cfg, pool, layer, q, x.dtype, src, pos[src], *items) for src, *items in groups
+    ]
     attn = (outs[0] if len(outs) == 1 else jnp.concatenate(outs))[tok_slot]
     x = x + attn @ lp["wo"]
     return pool, x + _mlp(cfg, lp, x)
 
 
-def _fed_embed(params: Params, tokens: jax.Array, tok_src: jax.Array,
-               slot_tokens: jax.Array) -> jax.Array:
+def _fed_embed(
+    params: Params, tokens: jax.Array, tok_src: jax.Array, slot_tokens: jax.Array
+) -> jax.Array:
     """Embeddings of a packed step's flat tokens, those fed from the slot buffer taken there:
     ``tok_src`` int32 [N] is a token's slot in ``slot_tokens`` (int32 [S + 1], each request
     slot's last sampled token) when it is read from there (a decode token the host has not seen
@@ -359,8 +401,14 @@ def _fed_embed(params: Params, tokens: jax.Array, tok_src: jax.Array,
     return _embed(params, jnp.where(fed, slot_tokens[tok_src], tokens))
 
 
-def _batch_head(cfg: ModelConfig, params: Params, x: jax.Array, out_idx: jax.Array,
-                out_slot: jax.Array, slot_tokens: jax.Array):
+def _batch_head(
+    cfg: ModelConfig,
+    params: Params,
+    x: jax.Array,
+    out_idx: jax.Array,
+    out_slot: jax.Array,
+    slot_tokens: jax.Array,
+):
     """(float32 logits [B, V] of the flat tokens ``out_idx`` [B] of x [N, d], int32 [B] their
     argmax, the slot buffer with row b's token written to slot ``out_slot[b]``; padding rows
     write the padding slot)."""
@@ -377,9 +425,9 @@ def unpack(blob: jax.Array, layout: tuple) -> tuple:
     parts, off = [], 0
     for shape in layout:
         n = int(np.prod(shape))
-        parts.append(blob[off:off + n].reshape(shape))
+        parts.append(blob[off : off + n].reshape(shape))
         off += n
-    groups = tuple(tuple(parts[3 + 6 * g:9 + 6 * g]) for g in range((len(parts) - 7) // 6))
+    groups = tuple(tuple(parts[3 + 6 * g : 9 + 6 * g]) for g in range((len(parts) - 7) // 6))
     return (*parts[:3], groups, *parts[-4:])
 
 
@@ -439,4 +487,3 @@ def trace_count(name: str = "step") -> int:
 def compiled_step_count() -> int:
     """Executables compiled so far for the fused single-request step (all configs)."""
     return trace_count("step")
-

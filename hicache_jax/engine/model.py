@@ -99,9 +99,16 @@ class DecoderModel:
             the same jits; the compiler partitions them from the shardings.
     """
 
-    def __init__(self, cfg: ModelConfig, params: Params | None = None, *, seed: int = 0,
-                 unroll_tokens: int = UNROLL_TOKENS, mesh: Any = None,
-                 axis: str | None = None) -> None:
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        params: Params | None = None,
+        *,
+        seed: int = 0,
+        unroll_tokens: int = UNROLL_TOKENS,
+        mesh: Any = None,
+        axis: str | None = None,
+    ) -> None:
         if not is_int(unroll_tokens) or unroll_tokens < 0:
             raise ValueError(f"unroll_tokens={unroll_tokens!r} must be an int >= 0")
         self.cfg = cfg
@@ -111,12 +118,16 @@ class DecoderModel:
         if mesh is not None:
             self.params = shard_params(cfg, self.params, mesh, axis)
         # Per-layer weight slices, sliced once here (not per call) for the per-layer path.
-        self._layer_params = [{k: _layer_slice(v, i) for k, v in self.params["layers"].items()}
-                              for i in range(cfg.num_layers)]
+        self._layer_params = [
+            {k: _layer_slice(v, i) for k, v in self.params["layers"].items()}
+            for i in range(cfg.num_layers)
+        ]
         # The same slices for the fused steps of few tokens, which run their layers unrolled
         # (unroll_tokens: no per-layer weight copy inside the step).
-        self._unrolled_params = {**{k: v for k, v in self.params.items() if k != "layers"},
-                                 "per_layer": tuple(self._layer_params)}
+        self._unrolled_params = {
+            **{k: v for k, v in self.params.items() if k != "layers"},
+            "per_layer": tuple(self._layer_params),
+        }
         # Module-level jits with the config static: models of equal config share compiles.
         self._step = functools.partial(STEP, cfg)
         self._layer = functools.partial(LAYER, cfg)
@@ -130,9 +141,17 @@ class DecoderModel:
     def kv_spec(self, page_size: int) -> KVSpec:
         return self.cfg.kv_spec(page_size)
 
-    def forward(self, pool: PoolLike, tokens, start: int, page_ids, *,
-                waiter: LayerWaiter | None = None, min_bucket: int = 1,
-                min_pages: int = 1) -> jax.Array:
+    def forward(
+        self,
+        pool: PoolLike,
+        tokens,
+        start: int,
+        page_ids,
+        *,
+        waiter: LayerWaiter | None = None,
+        min_bucket: int = 1,
+        min_pages: int = 1,
+    ) -> jax.Array:
         """Run one chunk: write its K/V into its pages and return the last token's logits.
 
         Args:
@@ -158,8 +177,10 @@ class DecoderModel:
         used = -(-(start + n) // ps)
         page_ids = np.asarray(page_ids, np.int32)
         if page_ids.ndim != 1 or page_ids.shape[0] < used:
-            raise ValueError(f"page_ids has shape {page_ids.shape}; positions 0..{start + n - 1} "
-                             f"need {used} pages of {ps} tokens")
+            raise ValueError(
+                f"page_ids has shape {page_ids.shape}; positions 0..{start + n - 1} "
+                f"need {used} pages of {ps} tokens"
+            )
         table = np.full(bucket(used, min_pages), pool.num_pages, np.int32)
         table[:used] = page_ids[:used]
         tb = bucket(n, min_bucket)
@@ -180,12 +201,24 @@ class DecoderModel:
             x = pool.run(self._layer, jnp.int32(layer), lp, x, *args)
         return self._head(self.params, x, jnp.int32(n))
 
-    def forward_batch(self, pool: PoolLike, chunks, starts, page_ids, *,
-                      waiter: LayerWaiter | None = None, query_block: int = 32,
-                      key_block: int = 128, min_pages: int = 1, min_batch: int = 1,
-                      layerwise_if_compiled: bool = False, reuse_compiled: bool = False,
-                      slots: TokenSlots | None = None, slot_of=None,
-                      from_slot=None) -> tuple[jax.Array, jax.Array]:
+    def forward_batch(
+        self,
+        pool: PoolLike,
+        chunks,
+        starts,
+        page_ids,
+        *,
+        waiter: LayerWaiter | None = None,
+        query_block: int = 32,
+        key_block: int = 128,
+        min_pages: int = 1,
+        min_batch: int = 1,
+        layerwise_if_compiled: bool = False,
+        reuse_compiled: bool = False,
+        slots: TokenSlots | None = None,
+        slot_of=None,
+        from_slot=None,
+    ) -> tuple[jax.Array, jax.Array]:
         """One packed step over several requests' chunks (prefill chunks and decode tokens
         alike): each chunk's K/V into its pages, the last token's logits of each chunk.
 
@@ -237,8 +270,10 @@ class DecoderModel:
         """
         b = len(chunks)
         if b < 1 or len(starts) != b or len(page_ids) != b:
-            raise ValueError(f"need >= 1 chunk and one start and page list each, got {b} "
-                             f"chunks, {len(starts)} starts, {len(page_ids)} page lists")
+            raise ValueError(
+                f"need >= 1 chunk and one start and page list each, got {b} "
+                f"chunks, {len(starts)} starts, {len(page_ids)} page lists"
+            )
         if query_block < 1 or bucket(query_block) != query_block:
             raise ValueError(f"query_block={query_block!r} must be a power of two >= 1")
         if not isinstance(key_block, int) or key_block < 1:
@@ -248,32 +283,66 @@ class DecoderModel:
         lens, used = lens_used(chunks, starts, ps)
         for i, (s, n, u) in enumerate(zip(starts, lens, used)):
             if n < 1 or s < 0 or np.shape(page_ids[i])[0] < u:
-                raise ValueError(f"request {i}: chunk of {n} tokens at {s} with "
-                                 f"{np.shape(page_ids[i])[0]} pages (needs >= 1 token at "
-                                 f"start >= 0 and {u} pages of {ps} tokens)")
+                raise ValueError(
+                    f"request {i}: chunk of {n} tokens at {s} with "
+                    f"{np.shape(page_ids[i])[0]} pages (needs >= 1 token at "
+                    f"start >= 0 and {u} pages of {ps} tokens)"
+                )
         feed_in = check_slots(slots, slot_of, from_slot, lens)
-        key, rows = _step_shape(self.cfg, lens, starts, page_ids, ps, query_block, key_block,
-                                min_pages, min_batch, feed_in[0])
-        if reuse_compiled and (key, "fused") not in _RAN and (
-                waiter is None or (key, "layers") not in _RAN):
+        key, rows = _step_shape(
+            self.cfg,
+            lens,
+            starts,
+            page_ids,
+            ps,
+            query_block,
+            key_block,
+            min_pages,
+            min_batch,
+            feed_in[0],
+        )
+        if (
+            reuse_compiled
+            and (key, "fused") not in _RAN
+            and (waiter is None or (key, "layers") not in _RAN)
+        ):
             key = _cover(key) or key
         toks, pos, wpage, groups, tok_slot, out_idx = pack(
-            chunks, starts, page_ids, lens, used, ps, scratch, key[0], rows)
+            chunks, starts, page_ids, lens, used, ps, scratch, key[0], rows
+        )
         tok_src, out_slot = feed_arrays(toks.shape[0], out_idx, *feed_in)
         # Every int32 argument in one host buffer: one transfer a step (the jit's C++ dispatch
         # moves a numpy argument to the device at ~10 us each; a jnp.asarray costs ~40 us).
-        layout, blob = flatten((toks, pos, wpage, *[a for g in groups for a in g], tok_slot,
-                                out_idx, tok_src, out_slot))
+        layout, blob = flatten(
+            (
+                toks,
+                pos,
+                wpage,
+                *[a for g in groups for a in g],
+                tok_slot,
+                out_idx,
+                tok_src,
+                out_slot,
+            )
+        )
         buf = feed_in[0]
-        if (waiter is not None and (layerwise_if_compiled or reuse_compiled)
-                and (key, "layers") not in _RAN and (key, "fused") in _RAN):
+        if (
+            waiter is not None
+            and (layerwise_if_compiled or reuse_compiled)
+            and (key, "layers") not in _RAN
+            and (key, "fused") in _RAN
+        ):
             for layer in range(self.cfg.num_layers):
                 waiter.wait_layer(layer)
             waiter = None
         if waiter is None:
             _ran(key, "fused")
-            logits, out, buf = pool.run(functools.partial(BATCH_STEP, self.cfg, layout),
-                                        self._fused_params(toks.shape[0]), blob, buf)
+            logits, out, buf = pool.run(
+                functools.partial(BATCH_STEP, self.cfg, layout),
+                self._fused_params(toks.shape[0]),
+                blob,
+                buf,
+            )
         else:
             _ran(key, "layers")
             blob = jax.device_put(blob)  # once, for every layer's call
@@ -287,16 +356,36 @@ class DecoderModel:
             slots.array = buf
         return logits, out
 
-    def batch_shape(self, pool: PoolLike, chunks, starts, page_ids, *, query_block: int = 32,
-                    key_block: int = 128, min_pages: int = 1, min_batch: int = 1,
-                    slots: TokenSlots | None = None) -> tuple:
+    def batch_shape(
+        self,
+        pool: PoolLike,
+        chunks,
+        starts,
+        page_ids,
+        *,
+        query_block: int = 32,
+        key_block: int = 128,
+        min_pages: int = 1,
+        min_batch: int = 1,
+        slots: TokenSlots | None = None,
+    ) -> tuple:
         """The shapes (hashable) :meth:`forward_batch` would compile for these chunks (its
         arguments; the page lists decide the key blocks the rows share)."""
         ps = self._page_size(pool)
         starts = [int(s) for s in starts]
         lens, _ = lens_used(chunks, starts, ps)
-        return _step_shape(self.cfg, lens, starts, page_ids, ps, query_block, key_block,
-                           min_pages, min_batch, NO_SLOTS if slots is None else slots.array)[0]
+        return _step_shape(
+            self.cfg,
+            lens,
+            starts,
+            page_ids,
+            ps,
+            query_block,
+            key_block,
+            min_pages,
+            min_batch,
+            NO_SLOTS if slots is None else slots.array,
+        )[0]
 
     @staticmethod
     def batch_compiled(shape: tuple, *, reuse: bool = False) -> bool:
@@ -356,8 +445,18 @@ def _cover(shape: tuple) -> tuple | None:
     return _COVERS[shape]
 
 
-def _step_shape(cfg: ModelConfig, lens: list[int], starts: list[int], page_ids, ps: int,
-                qb: int, key_block: int, min_pages: int, min_batch: int, slot_buf) -> tuple:
+def _step_shape(
+    cfg: ModelConfig,
+    lens: list[int],
+    starts: list[int],
+    page_ids,
+    ps: int,
+    qb: int,
+    key_block: int,
+    min_pages: int,
+    min_batch: int,
+    slot_buf,
+) -> tuple:
     """``(shape, rows)`` of a packed step: :func:`packing.plan`'s key with the slot buffer's size
     and the page size (part of the compiled shapes too), and its rows."""
     key, rows = plan(cfg, lens, starts, page_ids, ps, qb, key_block, min_pages, min_batch)

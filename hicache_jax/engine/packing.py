@@ -19,9 +19,24 @@ import numpy as np
 
 from hicache_jax.engine.weights import ModelConfig
 
-__all__ = ["NO_SLOTS", "REUSE_COST_LIMIT", "TokenSlots", "bucket", "check_slots", "cover",
-           "feed_arrays", "fine_bucket", "flatten", "holds", "lens_used", "pack", "plan",
-           "shared_blocks", "step_rows", "work"]
+__all__ = [
+    "NO_SLOTS",
+    "REUSE_COST_LIMIT",
+    "TokenSlots",
+    "bucket",
+    "check_slots",
+    "cover",
+    "feed_arrays",
+    "fine_bucket",
+    "flatten",
+    "holds",
+    "lens_used",
+    "pack",
+    "plan",
+    "shared_blocks",
+    "step_rows",
+    "work",
+]
 
 
 def bucket(n: int, minimum: int = 1) -> int:
@@ -153,7 +168,7 @@ def feed_arrays(n_flat: int, out_idx: np.ndarray, buf, slot_of, from_slot) -> tu
     tok_src = np.full(n_flat, pad, np.int32)
     out_slot = np.full(out_idx.shape[0], pad, np.int32)
     if slot_of is not None:
-        out_slot[:len(slot_of)] = slot_of
+        out_slot[: len(slot_of)] = slot_of
         fed = [i for i, f in enumerate(from_slot) if f]
         tok_src[out_idx[fed]] = np.asarray(slot_of, np.int32)[fed]
     return tok_src, out_slot
@@ -184,19 +199,28 @@ def shared_blocks(rows: list, page_ids, kb: int, span: int) -> int:
     cand = min(r[3] for r in rows) // span
     if cand == 0:
         return 0
-    ref = np.asarray(page_ids[rows[0][0]][:cand * kb])
+    ref = np.asarray(page_ids[rows[0][0]][: cand * kb])
     for i in {r[0] for r in rows}:
-        diff = np.flatnonzero(np.asarray(page_ids[i][:cand * kb]) != ref)
+        diff = np.flatnonzero(np.asarray(page_ids[i][: cand * kb]) != ref)
         if diff.size:
             cand = min(cand, int(diff[0]) // kb)
             if cand == 0:
                 return 0
-            ref = ref[:cand * kb]
+            ref = ref[: cand * kb]
     return cand
 
 
-def plan(cfg: ModelConfig, lens: list[int], starts: list[int], page_ids, ps: int, qb: int,
-         key_block: int, min_pages: int, min_batch: int) -> tuple[tuple, tuple]:
+def plan(
+    cfg: ModelConfig,
+    lens: list[int],
+    starts: list[int],
+    page_ids,
+    ps: int,
+    qb: int,
+    key_block: int,
+    min_pages: int,
+    min_batch: int,
+) -> tuple[tuple, tuple]:
     """The packed step's layout: ``(key, ((prefill rows, their shared blocks), (decode rows,
     theirs)))``, rows as :func:`step_rows` gives them.
 
@@ -217,8 +241,15 @@ def plan(cfg: ModelConfig, lens: list[int], starts: list[int], page_ids, ps: int
         w = sum(-(-r[4] // span) - sh for r in rows)
         items += [fit(w, min_items) if rows else 0, fine_bucket(sh) if sh else 0]
         shared.append(sh)
-    key = (cfg, fine_bucket(sum(n for n in lens if n > 1), min_batch) if pre else 0, nd,
-           fine_bucket(len(pre)) if pre else 0, qb, *items, kb)
+    key = (
+        cfg,
+        fine_bucket(sum(n for n in lens if n > 1), min_batch) if pre else 0,
+        nd,
+        fine_bucket(len(pre)) if pre else 0,
+        qb,
+        *items,
+        kb,
+    )
     return key, ((pre, shared[0]), (dec, shared[1]))
 
 
@@ -250,9 +281,9 @@ def pack(chunks, starts, page_ids, lens, used, ps, scratch, key, rows):
             if (n > 1) != group:
                 continue
             p = np.arange(starts[i], starts[i] + n, dtype=np.int32)
-            toks[off:off + n] = chunks[i]
-            pos[off:off + n] = p
-            wpage[off:off + n] = np.asarray(page_ids[i], np.int32)[p // ps]
+            toks[off : off + n] = chunks[i]
+            pos[off : off + n] = p
+            wpage[off : off + n] = np.asarray(page_ids[i], np.int32)[p // ps]
             out_idx[i] = off + n - 1
             first[i] = off
             off += n
@@ -268,24 +299,24 @@ def pack(chunks, starts, page_ids, lens, used, ps, scratch, key, rows):
         sh_pages = np.full((ws, kb), scratch, np.int32)
         sh_k0 = np.full(ws, never, np.int32)
         if sh:
-            sh_pages[:sh] = np.asarray(page_ids[rows[0][0]][:sh * kb], np.int32).reshape(sh, kb)
+            sh_pages[:sh] = np.asarray(page_ids[rows[0][0]][: sh * kb], np.int32).reshape(sh, kb)
             sh_k0[:sh] = np.arange(sh, dtype=np.int32) * span
         slots = np.arange(tq, dtype=np.int32)
         it = 0
         for k, (i, j, n, _, keys) in enumerate(rows):
             f = first[i] + j
             src[k] = f + np.minimum(slots, n - 1)  # padding slots repeat the last token
-            tok_slot[f:f + n] = base + k * tq + slots[:n]
+            tok_slot[f : f + n] = base + k * tq + slots[:n]
             n_it = -(-keys // span)
             pages = np.full(n_it * kb, scratch, np.int32)
             m = min(used[i], n_it * kb)
             pages[:m] = np.asarray(page_ids[i][:m], np.int32)
             own = n_it - sh
-            item_pages[it:it + own] = pages.reshape(n_it, kb)[sh:]
-            item_row[it:it + own] = k
-            item_k0[it:it + own] = np.arange(sh, n_it, dtype=np.int32) * span
+            item_pages[it : it + own] = pages.reshape(n_it, kb)[sh:]
+            item_row[it : it + own] = k
+            item_k0[it : it + own] = np.arange(sh, n_it, dtype=np.int32) * span
             it += own
-        src[len(rows):] = src[0]
+        src[len(rows) :] = src[0]
         groups.append((src, item_row, item_pages, item_k0, sh_pages, sh_k0))
         base += r * tq
     return toks, pos, wpage, tuple(groups), tok_slot, out_idx

@@ -55,14 +55,22 @@ class ModelConfig:
     dtype: str = "float32"
 
     def __post_init__(self) -> None:
-        for name in ("vocab_size", "num_layers", "d_model", "num_heads", "num_kv_heads",
-                     "head_dim", "ffn_dim"):
+        for name in (
+            "vocab_size",
+            "num_layers",
+            "d_model",
+            "num_heads",
+            "num_kv_heads",
+            "head_dim",
+            "ffn_dim",
+        ):
             value = getattr(self, name)
             if not is_int(value) or value < 1:
                 raise ValueError(f"ModelConfig.{name}={value!r} must be an int >= 1")
         if self.num_heads % self.num_kv_heads:
-            raise ValueError(f"num_heads={self.num_heads} must be a multiple of "
-                             f"num_kv_heads={self.num_kv_heads}")
+            raise ValueError(
+                f"num_heads={self.num_heads} must be a multiple of num_kv_heads={self.num_kv_heads}"
+            )
         if self.head_dim % 2:
             raise ValueError(f"head_dim={self.head_dim} must be even (RoPE rotates halves)")
         if self.dtype not in ("float32", "bfloat16", "float16"):
@@ -70,8 +78,13 @@ class ModelConfig:
 
     def kv_spec(self, page_size: int) -> KVSpec:
         """The KVSpec of a cache holding this model's K/V in pages of ``page_size`` tokens."""
-        return KVSpec(num_layers=self.num_layers, num_kv_heads=self.num_kv_heads,
-                      head_dim=self.head_dim, dtype=self.dtype, page_size=page_size)
+        return KVSpec(
+            num_layers=self.num_layers,
+            num_kv_heads=self.num_kv_heads,
+            head_dim=self.head_dim,
+            dtype=self.dtype,
+            page_size=page_size,
+        )
 
     def param_shapes(self) -> dict[str, tuple[int, ...]]:
         """Flat weight name -> shape (layer weights stacked on a leading num_layers axis)."""
@@ -79,10 +92,17 @@ class ModelConfig:
         q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         return {
             "embed": (self.vocab_size, d),
-            "layers.attn_norm": (L, d), "layers.wq": (L, d, q), "layers.wk": (L, d, kv),
-            "layers.wv": (L, d, kv), "layers.wo": (L, q, d), "layers.mlp_norm": (L, d),
-            "layers.w_gate": (L, d, f), "layers.w_up": (L, d, f), "layers.w_down": (L, f, d),
-            "final_norm": (d,), "lm_head": (d, self.vocab_size),
+            "layers.attn_norm": (L, d),
+            "layers.wq": (L, d, q),
+            "layers.wk": (L, d, kv),
+            "layers.wv": (L, d, kv),
+            "layers.wo": (L, q, d),
+            "layers.mlp_norm": (L, d),
+            "layers.w_gate": (L, d, f),
+            "layers.w_up": (L, d, f),
+            "layers.w_down": (L, f, d),
+            "final_norm": (d,),
+            "lm_head": (d, self.vocab_size),
         }
 
 
@@ -110,8 +130,9 @@ def abstract_params(cfg: ModelConfig) -> Params:
     platform) by a :class:`~hicache_jax.engine.model.DecoderModel` built on them."""
     dt = jnp.dtype(cfg.dtype)
     shapes = cfg.param_shapes()
-    params: Params = {k: jax.ShapeDtypeStruct(shapes[k], dt)
-                      for k in ("embed", "final_norm", "lm_head")}
+    params: Params = {
+        k: jax.ShapeDtypeStruct(shapes[k], dt) for k in ("embed", "final_norm", "lm_head")
+    }
     params["layers"] = {k: jax.ShapeDtypeStruct(shapes[f"layers.{k}"], dt) for k in _LAYER_KEYS}
     return params
 
@@ -136,8 +157,9 @@ def unflatten_params(cfg: ModelConfig, flat: dict[str, Any]) -> Params:
         raise ValueError(f"weights do not match the config: missing {missing}, unexpected {extra}")
     for name, shape in shapes.items():
         if tuple(np.shape(flat[name])) != shape:
-            raise ValueError(f"weight {name!r} has shape {tuple(np.shape(flat[name]))}, "
-                             f"the config needs {shape}")
+            raise ValueError(
+                f"weight {name!r} has shape {tuple(np.shape(flat[name]))}, the config needs {shape}"
+            )
     dt = jnp.dtype(cfg.dtype)
     as_jnp = lambda x: jnp.asarray(np.asarray(x, np.float32), dtype=dt)  # noqa: E731
     params: Params = {k: as_jnp(flat[k]) for k in ("embed", "final_norm", "lm_head")}
@@ -171,16 +193,19 @@ def shard_params(cfg: ModelConfig, params: Params, mesh: Any, axis: str | None =
     size = mesh.shape[axis]
     for name in ("num_heads", "num_kv_heads", "ffn_dim"):
         if getattr(cfg, name) % size:
-            raise ValueError(f"{name}={getattr(cfg, name)} is not divisible by the {size} "
-                             f"devices of mesh axis {axis!r} (tensor parallelism)")
+            raise ValueError(
+                f"{name}={getattr(cfg, name)} is not divisible by the {size} "
+                f"devices of mesh axis {axis!r} (tensor parallelism)"
+            )
 
     def place(name: str, x: Any) -> Any:
         spec: list[str | None] = [None] * np.ndim(x)
         if name in _TP_AXIS:
             spec[_TP_AXIS[name]] = axis
         host = np.asarray(x)
-        return jax.make_array_from_callback(host.shape, NamedSharding(mesh, PartitionSpec(*spec)),
-                                            lambda idx: host[idx])
+        return jax.make_array_from_callback(
+            host.shape, NamedSharding(mesh, PartitionSpec(*spec)), lambda idx: host[idx]
+        )
 
     out: Params = {k: place(k, v) for k, v in params.items() if k != "layers"}
     out["layers"] = {k: place(k, v) for k, v in params["layers"].items()}
@@ -213,8 +238,10 @@ def load_params(cfg: ModelConfig, path: str) -> Params:
         try:
             from safetensors.numpy import load_file
         except ImportError as exc:
-            raise ImportError(f"reading {path!r} needs the 'safetensors' package "
-                              "(pip install safetensors), or save the weights as .npz") from exc
+            raise ImportError(
+                f"reading {path!r} needs the 'safetensors' package "
+                "(pip install safetensors), or save the weights as .npz"
+            ) from exc
         flat = load_file(path)
     else:
         raise ValueError(f"weights file {path!r}: extension must be .npz or .safetensors")

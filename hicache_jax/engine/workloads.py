@@ -84,8 +84,11 @@ class Workload:
         history = [s.base.copy() for s in self.sessions]
         served: list[tuple[Request, np.ndarray]] = []
         for t in range(self.num_rounds):
-            batch = [Request(i, t, np.concatenate([history[i], s.segments[t]]))
-                     for i, s in enumerate(self.sessions) if t < len(s.segments)]
+            batch = [
+                Request(i, t, np.concatenate([history[i], s.segments[t]]))
+                for i, s in enumerate(self.sessions)
+                if t < len(s.segments)
+            ]
             outputs = serve([r.prompt for r in batch])
             if len(outputs) != len(batch):
                 raise ValueError(f"serve returned {len(outputs)} outputs for {len(batch)} prompts")
@@ -102,13 +105,20 @@ class Workload:
         counter = iter(range(2**30, 2**31))
 
         def serve(prompts: list[np.ndarray]) -> list[np.ndarray]:
-            return [np.fromiter((next(counter) for _ in range(self.max_new_tokens)), np.int32,
-                                count=self.max_new_tokens) for _ in prompts]
+            return [
+                np.fromiter(
+                    (next(counter) for _ in range(self.max_new_tokens)),
+                    np.int32,
+                    count=self.max_new_tokens,
+                )
+                for _ in prompts
+            ]
 
         return self.run(serve)
 
-    def infinite_cache_hit_ratio(self, page_size: int = 1,
-                                 served: list[tuple[Request, np.ndarray]] | None = None) -> float:
+    def infinite_cache_hit_ratio(
+        self, page_size: int = 1, served: list[tuple[Request, np.ndarray]] | None = None
+    ) -> float:
         """Fraction of prompt tokens an unbounded page cache would serve from cache.
 
         Counted as the engine does: a prompt is matched on all but its last token (the last
@@ -125,8 +135,9 @@ class Workload:
             _insert_pages(cached, np.concatenate([req.prompt, out])[:-1], page_size)
         return hits / total if total else 0.0
 
-    def working_set_tokens(self, page_size: int = 1,
-                           served: list[tuple[Request, np.ndarray]] | None = None) -> int:
+    def working_set_tokens(
+        self, page_size: int = 1, served: list[tuple[Request, np.ndarray]] | None = None
+    ) -> int:
         """Distinct tokens (whole pages) an unbounded cache ends up holding for the workload."""
         served = self.placeholder_run() if served is None else served
         cached: set[int] = set()
@@ -142,7 +153,7 @@ def _page_keys(tokens: np.ndarray, page_size: int):
     """Chained hashes of the whole pages of tokens (hash of page i covers pages 0..i)."""
     h = 0
     for i in range(len(tokens) // page_size):
-        h = hash((h, tokens[i * page_size:(i + 1) * page_size].tobytes()))
+        h = hash((h, tokens[i * page_size : (i + 1) * page_size].tobytes()))
         yield h
 
 
@@ -175,29 +186,52 @@ def _check_sizes(**sizes: int) -> None:
             raise ValueError(f"{name}={value!r} must be an int >= 1")
 
 
-def multiturn_chat(*, num_clients: int = 8, num_turns: int = 4, system_tokens: int = 256,
-                   question_tokens: int = 48, max_new_tokens: int = 16, vocab_size: int = 512,
-                   seed: int = 0) -> Workload:
+def multiturn_chat(
+    *,
+    num_clients: int = 8,
+    num_turns: int = 4,
+    system_tokens: int = 256,
+    question_tokens: int = 48,
+    max_new_tokens: int = 16,
+    vocab_size: int = 512,
+    seed: int = 0,
+) -> Workload:
     """N clients x M turns sharing one system prompt (SGLang ``bench_multiturn`` shape).
 
     Turn t of client c: system prompt + every earlier question and answer + a new question of
     about ``question_tokens`` tokens (lengths vary by +-50%).
     """
-    _check_sizes(num_clients=num_clients, num_turns=num_turns, system_tokens=system_tokens,
-                 question_tokens=question_tokens, max_new_tokens=max_new_tokens,
-                 vocab_size=vocab_size)
+    _check_sizes(
+        num_clients=num_clients,
+        num_turns=num_turns,
+        system_tokens=system_tokens,
+        question_tokens=question_tokens,
+        max_new_tokens=max_new_tokens,
+        vocab_size=vocab_size,
+    )
     rng = np.random.default_rng(seed)
     system = _tokens(rng, system_tokens, vocab_size)
     sessions = tuple(
-        Session(system, tuple(_tokens(rng, n, vocab_size)
-                              for n in _lengths(rng, question_tokens, num_turns)), True)
-        for _ in range(num_clients))
+        Session(
+            system,
+            tuple(_tokens(rng, n, vocab_size) for n in _lengths(rng, question_tokens, num_turns)),
+            True,
+        )
+        for _ in range(num_clients)
+    )
     return Workload("chat", sessions, max_new_tokens)
 
 
-def document_qa(*, num_documents: int = 2, questions_per_document: int = 8,
-                document_tokens: int = 1024, question_tokens: int = 32, max_new_tokens: int = 8,
-                vocab_size: int = 512, seed: int = 0) -> Workload:
+def document_qa(
+    *,
+    num_documents: int = 2,
+    questions_per_document: int = 8,
+    document_tokens: int = 1024,
+    question_tokens: int = 32,
+    max_new_tokens: int = 8,
+    vocab_size: int = 512,
+    seed: int = 0,
+) -> Workload:
     """Many questions over a few long documents: each prompt = one document + one question.
 
     Every question is its own one-turn session (answers are not carried over), and the
@@ -205,39 +239,66 @@ def document_qa(*, num_documents: int = 2, questions_per_document: int = 8,
     document varies (a strict round robin would make LRU thrash whenever the pool holds fewer
     documents than there are).
     """
-    _check_sizes(num_documents=num_documents, questions_per_document=questions_per_document,
-                 document_tokens=document_tokens, question_tokens=question_tokens,
-                 max_new_tokens=max_new_tokens, vocab_size=vocab_size)
+    _check_sizes(
+        num_documents=num_documents,
+        questions_per_document=questions_per_document,
+        document_tokens=document_tokens,
+        question_tokens=question_tokens,
+        max_new_tokens=max_new_tokens,
+        vocab_size=vocab_size,
+    )
     rng = np.random.default_rng(seed)
     docs = [_tokens(rng, document_tokens, vocab_size) for _ in range(num_documents)]
-    sessions = [Session(doc, (_tokens(rng, n, vocab_size),), False)
-                for doc in docs for n in _lengths(rng, question_tokens, questions_per_document)]
+    sessions = [
+        Session(doc, (_tokens(rng, n, vocab_size),), False)
+        for doc in docs
+        for n in _lengths(rng, question_tokens, questions_per_document)
+    ]
     order = rng.permutation(len(sessions))
     return Workload("docqa", tuple(sessions[i] for i in order), max_new_tokens)
 
 
-def agent_loop(*, num_agents: int = 2, num_steps: int = 12, prompt_tokens: int = 256,
-               observation_tokens: int = 96, max_new_tokens: int = 16, vocab_size: int = 512,
-               seed: int = 0) -> Workload:
+def agent_loop(
+    *,
+    num_agents: int = 2,
+    num_steps: int = 12,
+    prompt_tokens: int = 256,
+    observation_tokens: int = 96,
+    max_new_tokens: int = 16,
+    vocab_size: int = 512,
+    seed: int = 0,
+) -> Workload:
     """Agents whose context grows every step by a tool observation and their own action.
 
     Each agent starts from its own task prompt (agents share nothing); step t's prompt is the
     whole trajectory so far plus a new observation of about ``observation_tokens`` tokens.
     """
-    _check_sizes(num_agents=num_agents, num_steps=num_steps, prompt_tokens=prompt_tokens,
-                 observation_tokens=observation_tokens, max_new_tokens=max_new_tokens,
-                 vocab_size=vocab_size)
+    _check_sizes(
+        num_agents=num_agents,
+        num_steps=num_steps,
+        prompt_tokens=prompt_tokens,
+        observation_tokens=observation_tokens,
+        max_new_tokens=max_new_tokens,
+        vocab_size=vocab_size,
+    )
     rng = np.random.default_rng(seed)
     sessions = tuple(
-        Session(_tokens(rng, prompt_tokens, vocab_size),
-                tuple(_tokens(rng, n, vocab_size)
-                      for n in _lengths(rng, observation_tokens, num_steps)), True)
-        for _ in range(num_agents))
+        Session(
+            _tokens(rng, prompt_tokens, vocab_size),
+            tuple(
+                _tokens(rng, n, vocab_size) for n in _lengths(rng, observation_tokens, num_steps)
+            ),
+            True,
+        )
+        for _ in range(num_agents)
+    )
     return Workload("agent", sessions, max_new_tokens)
 
 
 WORKLOADS: dict[str, Callable[..., Workload]] = {
-    "chat": multiturn_chat, "docqa": document_qa, "agent": agent_loop,
+    "chat": multiturn_chat,
+    "docqa": document_qa,
+    "agent": agent_loop,
 }
 
 
@@ -292,8 +353,7 @@ class ClosedLoop:
         i, t = key
         session = self.workload.sessions[i]
         if session.keep_answers:
-            self._history[i] = np.concatenate([self._prompts[(i, t)],
-                                               np.asarray(tokens, np.int32)])
+            self._history[i] = np.concatenate([self._prompts[(i, t)], np.asarray(tokens, np.int32)])
         if t + 1 >= len(session.segments):
             return []
         return [self._turn(i, t + 1, self._arrive(i, t + 1, now))]
@@ -312,8 +372,12 @@ class PoissonArrivals(ClosedLoop):
             raise ValueError(f"rate={rate!r} must be a finite number > 0 (requests/s)")
         super().__init__(workload)
         self.rate = float(rate)
-        order = [(i, t) for t in range(workload.num_rounds)
-                 for i, s in enumerate(workload.sessions) if t < len(s.segments)]
+        order = [
+            (i, t)
+            for t in range(workload.num_rounds)
+            for i, s in enumerate(workload.sessions)
+            if t < len(s.segments)
+        ]
         gaps = np.random.default_rng(seed).exponential(1.0 / rate, size=len(order))
         self.schedule = dict(zip(order, np.cumsum(gaps) - gaps[0]))
 
@@ -332,13 +396,26 @@ class TraceArrivals:
     seeded tokens per hash id (equal ids, equal tokens: the trace's prefix sharing).
     ``max_new_tokens`` caps ``output_length``. Keys are ``(line index,)``."""
 
-    def __init__(self, path: str, *, time_scale: float = 1.0, block_tokens: int = 16,
-                 block_size: int = 512, max_new_tokens: int = 16, vocab_size: int = 512,
-                 limit: int | None = None, seed: int = 0) -> None:
+    def __init__(
+        self,
+        path: str,
+        *,
+        time_scale: float = 1.0,
+        block_tokens: int = 16,
+        block_size: int = 512,
+        max_new_tokens: int = 16,
+        vocab_size: int = 512,
+        limit: int | None = None,
+        seed: int = 0,
+    ) -> None:
         import json
 
-        _check_sizes(block_tokens=block_tokens, block_size=block_size,
-                     max_new_tokens=max_new_tokens, vocab_size=vocab_size)
+        _check_sizes(
+            block_tokens=block_tokens,
+            block_size=block_size,
+            max_new_tokens=max_new_tokens,
+            vocab_size=vocab_size,
+        )
         if not (np.isfinite(time_scale) and time_scale >= 0):
             raise ValueError(f"time_scale={time_scale!r} must be a finite number >= 0")
         if limit is not None:
@@ -358,14 +435,16 @@ class TraceArrivals:
                     at = float(rec.get("timestamp", 0)) / 1e3 * time_scale
                     out = max(1, min(max_new_tokens, int(rec.get("output_length", 1))))
                 except (ValueError, KeyError, TypeError) as exc:
-                    raise ValueError(f"{path}, line {lineno}: not a Mooncake record "
-                                     f"({exc!r})") from None
+                    raise ValueError(
+                        f"{path}, line {lineno}: not a Mooncake record ({exc!r})"
+                    ) from None
                 if not ids:
                     raise ValueError(f"{path}, line {lineno}: empty hash_ids")
                 for h in ids:
                     if h not in blocks:
-                        blocks[h] = _tokens(np.random.default_rng([seed, h & 0x7FFFFFFF]),
-                                            block_tokens, vocab_size)
+                        blocks[h] = _tokens(
+                            np.random.default_rng([seed, h & 0x7FFFFFFF]), block_tokens, vocab_size
+                        )
                 prompt = np.concatenate([blocks[h] for h in ids])[:n]
                 self.arrivals.append(Arrival(at, (len(self.arrivals),), prompt, out))
         if not self.arrivals:

@@ -44,16 +44,25 @@ The ZMQ recorder hands sealed batches to its publisher thread, which only reads 
 """
 
 from hicache_jax.events.records import (
-                                        WIRE_MEDIUM,
-                                        AllBlocksCleared,
-                                        BlockRemoved,
-                                        BlockStored,
-                                        EventBatch,
-                                        KVEvent,
-                                        Medium,
-                                        replay,
+    WIRE_MEDIUM,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    EventBatch,
+    KVEvent,
+    Medium,
+    replay,
 )
 from hicache_jax.spec import KVEventsConfig
 
-__all__ = ["WIRE_MEDIUM", "AllBlocksCleared", "BlockRemoved", "BlockStored", "EventBatch",
-           "KVEvent", "KVEventsConfig", "Medium", "replay"]
+__all__ = [
+    "WIRE_MEDIUM",
+    "AllBlocksCleared",
+    "BlockRemoved",
+    "BlockStored",
+    "EventBatch",
+    "KVEvent",
+    "KVEventsConfig",
+    "Medium",
+    "replay",
+]

@@ -75,8 +75,10 @@ def sha256_cbor(x: Any) -> bytes:
     return hashlib.sha256(canonical_cbor(x)).digest()
 
 
-HASH_FNS: dict[str, Callable[[Any], bytes]] = {"vllm:sha256": sha256_pickle,
-                                               "vllm:sha256_cbor": sha256_cbor}
+HASH_FNS: dict[str, Callable[[Any], bytes]] = {
+    "vllm:sha256": sha256_pickle,
+    "vllm:sha256_cbor": sha256_cbor,
+}
 
 
 def extra_keys(extra_key: Any) -> tuple | None:
@@ -111,17 +113,23 @@ class VllmIds:
             parent_d: bytes | None = self._digest_of(node, first - 1)
         else:
             parent = node.hash_parent  # kept once the node is deleted
-            parent_d = (self._digest_of(parent, parent.num_pages - 1)
-                        if parent is not None and parent.num_pages else None)
+            parent_d = (
+                self._digest_of(parent, parent.num_pages - 1)
+                if parent is not None and parent.num_pages
+                else None
+            )
         prev = self.none_hash if parent_d is None else parent_d
         ps = node.num_tokens // node.num_pages
-        tokens = node.key[first * ps:stop * ps].tolist()
+        tokens = node.key[first * ps : stop * ps].tolist()
         extra = extra_keys(node.extra_key)
         out = []
         for i in range(first, stop):
             entry = known.get(int(hashes[i]))
-            prev = entry[0] if entry is not None else self._fn(
-                (prev, tuple(tokens[(i - first) * ps:(i - first + 1) * ps]), extra))
+            prev = (
+                entry[0]
+                if entry is not None
+                else self._fn((prev, tuple(tokens[(i - first) * ps : (i - first + 1) * ps]), extra))
+            )
             out.append(prev)
         return parent_d, out
 

@@ -18,8 +18,9 @@ def l3_wire_medium(cfg: KVEventsConfig | None, storage: str | None) -> str | Non
     return cfg.l3_medium
 
 
-def make_recorder(cfg: KVEventsConfig | None, storage: str | None = None
-                  ) -> NullRecorder | Recorder:
+def make_recorder(
+    cfg: KVEventsConfig | None, storage: str | None = None
+) -> NullRecorder | Recorder:
     """The recorder a configuration asks for (binds the ZMQ sockets for ``"zmq"``).
 
     Args:
@@ -38,5 +39,3 @@ def make_recorder(cfg: KVEventsConfig | None, storage: str | None = None
     from hicache_jax.events.zmq import ZmqRecorder
 
     return ZmqRecorder(cfg, ids, l3_wire_medium(cfg, storage), l3)
-
-

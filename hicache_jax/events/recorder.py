@@ -133,9 +133,11 @@ class NullRecorder:
     def end_call(self) -> None:
         pass
 
-    _OFF = ("KV events are not enabled: build the cache with "
-            "HiCacheConfig(kv_events={'publisher': 'queue'}) to take them "
-            "in-process, or {'publisher': 'zmq', 'endpoint': ...} to publish them")
+    _OFF = (
+        "KV events are not enabled: build the cache with "
+        "HiCacheConfig(kv_events={'publisher': 'queue'}) to take them "
+        "in-process, or {'publisher': 'zmq', 'endpoint': ...} to publish them"
+    )
 
     def take(self) -> list[KVEvent]:
         raise HiCacheError(self._OFF)
@@ -144,8 +146,7 @@ class NullRecorder:
         raise HiCacheError(self._OFF)
 
     def stats(self) -> dict[str, int]:
-        return {"kv_event_batches": 0, "kv_event_batches_dropped": 0,
-                "kv_event_publish_errors": 0}
+        return {"kv_event_batches": 0, "kv_event_batches_dropped": 0, "kv_event_publish_errors": 0}
 
     def close(self) -> None:
         pass
@@ -186,7 +187,7 @@ class Recorder:
         else:
             ids, prev = hashes[first:stop], parent_hash(node, first)
         # Views: a node's key and hashes are never written in place (a split slices them).
-        self.add(StoredRecord(ids, prev, node.key[first * ps:stop * ps], medium, node.extra_key))
+        self.add(StoredRecord(ids, prev, node.key[first * ps : stop * ps], medium, node.extra_key))
 
     def add(self, record: Record) -> None:
         self._pending.append(record)
@@ -262,8 +263,10 @@ class Recorder:
         """Hand over one sealed batch (``nbytes``: the sum of its :func:`record_bytes`)."""
         raise NotImplementedError
 
-    _NOT_QUEUED = ("KV events are published to the ZMQ endpoint (kv_events publisher="
-                   "'zmq'): subscribe there; take_events() needs publisher='queue'")
+    _NOT_QUEUED = (
+        "KV events are published to the ZMQ endpoint (kv_events publisher="
+        "'zmq'): subscribe there; take_events() needs publisher='queue'"
+    )
 
     def take(self) -> list[KVEvent]:
         raise HiCacheError(self._NOT_QUEUED)
@@ -272,8 +275,11 @@ class Recorder:
         raise HiCacheError(self._NOT_QUEUED)
 
     def stats(self) -> dict[str, int]:
-        out = {"kv_event_batches": self._seq, "kv_event_batches_dropped": self._dropped,
-               "kv_event_publish_errors": self._publish_errors}
+        out = {
+            "kv_event_batches": self._seq,
+            "kv_event_batches_dropped": self._dropped,
+            "kv_event_publish_errors": self._publish_errors,
+        }
         if self._l3 is not None:
             out["kv_event_l3_unannounced"] = self._l3.given_up
         return out
@@ -285,8 +291,13 @@ class Recorder:
 class QueueRecorder(Recorder):
     """``publisher="queue"``: batches wait in a buffer bounded by count and bytes until taken."""
 
-    def __init__(self, buffer_steps: int, buffer_bytes: int = KVEventsConfig.buffer_bytes,
-                 ids: VllmIds | None = None, l3: bool = False) -> None:
+    def __init__(
+        self,
+        buffer_steps: int,
+        buffer_bytes: int = KVEventsConfig.buffer_bytes,
+        ids: VllmIds | None = None,
+        l3: bool = False,
+    ) -> None:
         super().__init__(ids, l3)
         self._buffer = BoundedBatches(buffer_steps, buffer_bytes)
 
@@ -296,14 +307,14 @@ class QueueRecorder(Recorder):
     def take_batches(self) -> list[EventBatch]:
         """The batches since the last take, oldest first (a gap in ``seq``: dropped)."""
         self.end_call()
-        return [EventBatch(seq, ts, tuple(e for r in records for e in expand(r)))
-                for seq, ts, records in self._buffer.take()]
+        return [
+            EventBatch(seq, ts, tuple(e for r in records for e in expand(r)))
+            for seq, ts, records in self._buffer.take()
+        ]
 
     def take(self) -> list[KVEvent]:
         """The events of :meth:`take_batches`, flattened."""
         return [e for batch in self.take_batches() for e in batch.events]
-
-
 
 
 def parent_hash(node: Any, first: int) -> int | None:
@@ -334,9 +345,14 @@ class L3Candidate(NamedTuple):
     def part(self, lo: int, hi: int) -> L3Candidate:
         """Pages ``[lo, hi)`` (a put in parts)."""
         d, p = self.digests, self.parent_digests
-        return L3Candidate(self.hashes[lo:hi], self.parents[lo:hi], self.tokens[lo:hi],
-                           self.extra_key, None if d is None else d[lo:hi],
-                           None if p is None else p[lo:hi])
+        return L3Candidate(
+            self.hashes[lo:hi],
+            self.parents[lo:hi],
+            self.tokens[lo:hi],
+            self.extra_key,
+            None if d is None else d[lo:hi],
+            None if p is None else p[lo:hi],
+        )
 
 
 class L3Announcer:
@@ -365,17 +381,28 @@ class L3Announcer:
             full = [prev] + run
             digests = [full[i - first + 1] for i in idx.tolist()]
             pdigests = [full[i - first] for i in idx.tolist()]
-        return L3Candidate(tree[idx], [parents[i] for i in idx.tolist()], tokens[idx],
-                           node.extra_key, digests, pdigests)
+        return L3Candidate(
+            tree[idx],
+            [parents[i] for i in idx.tolist()],
+            tokens[idx],
+            node.extra_key,
+            digests,
+            pdigests,
+        )
 
     def stored(self, c: L3Candidate, ok: np.ndarray) -> None:
         for i in np.flatnonzero(ok).tolist():
             h = int(c.hashes[i])
             if h in self._known or h in self._waiting:
                 continue
-            page = (h, c.parents[i], c.tokens[i], c.extra_key,
-                    None if c.digests is None else c.digests[i],
-                    None if c.parent_digests is None else c.parent_digests[i])
+            page = (
+                h,
+                c.parents[i],
+                c.tokens[i],
+                c.extra_key,
+                None if c.digests is None else c.digests[i],
+                None if c.parent_digests is None else c.parent_digests[i],
+            )
             parent = c.parents[i]
             if parent is None or parent in self._known:
                 self._announce(page)

@@ -90,6 +90,7 @@ class EventBatch:
 
 # -- compact records -------------------------------------------------------------------------------
 
+
 class StoredRecord(NamedTuple):
     """Compact BlockStored of a run of one node's pages (numpy arrays, not Python ints)."""
 
@@ -145,8 +146,10 @@ def expand(record: Record) -> list[KVEvent]:
         tokens = record.tokens.tolist()
         ps = len(tokens) // len(hashes)
         parents = [record.parent] + hashes[:-1]
-        return [BlockStored(h, p, tuple(tokens[i * ps:(i + 1) * ps]), record.medium,
-                            record.extra_key) for i, (h, p) in enumerate(zip(hashes, parents))]
+        return [
+            BlockStored(h, p, tuple(tokens[i * ps : (i + 1) * ps]), record.medium, record.extra_key)
+            for i, (h, p) in enumerate(zip(hashes, parents))
+        ]
     if isinstance(record, RemovedRecord):
         return [BlockRemoved(h, record.medium) for h in record.hashes.tolist()]
     return [record]
@@ -171,7 +174,8 @@ def replay(events: Iterable[KVEvent], state: set | None = None) -> set:
         else:
             key = (ev.block_hash, ev.medium)
             if key not in state:
-                raise ValueError(f"page {ev.block_hash:#x} removed from {ev.medium.value} "
-                                 "while not stored there")
+                raise ValueError(
+                    f"page {ev.block_hash:#x} removed from {ev.medium.value} while not stored there"
+                )
             state.remove(key)
     return state

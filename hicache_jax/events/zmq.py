@@ -79,9 +79,11 @@ def _import_deps() -> tuple[Any, Any]:
         import msgspec
         import zmq
     except ImportError as e:
-        raise HiCacheError(f"kv_events publisher='zmq' needs pyzmq and msgspec ({e}): install "
-                           "the events extra, pip install -e \".[events]\" (or "
-                           "pip install 'hicache-jax[events]')") from None
+        raise HiCacheError(
+            f"kv_events publisher='zmq' needs pyzmq and msgspec ({e}): install "
+            'the events extra, pip install -e ".[events]" (or '
+            "pip install 'hicache-jax[events]')"
+        ) from None
     global _Raw
     _Raw = msgspec.Raw
     return zmq, msgspec
@@ -94,9 +96,13 @@ def _width(top: int, marker: int, fmt: str) -> tuple[int, int, np.dtype]:
     return top, marker, np.dtype([("m", "u1"), ("v", fmt)])
 
 
-_UINT_WIDTHS = (_width(0xff, 0xcc, "u1"), _width(0xffff, 0xcd, ">u2"),
-                _width(0xffff_ffff, 0xce, ">u4"), _width(0xffff_ffff_ffff_ffff, 0xcf, ">u8"))
-_INT64 = _width(0, 0xd3, ">i8")
+_UINT_WIDTHS = (
+    _width(0xFF, 0xCC, "u1"),
+    _width(0xFFFF, 0xCD, ">u2"),
+    _width(0xFFFF_FFFF, 0xCE, ">u4"),
+    _width(0xFFFF_FFFF_FFFF_FFFF, 0xCF, ">u8"),
+)
+_INT64 = _width(0, 0xD3, ">i8")
 
 
 def _array_header(n: int) -> bytes:
@@ -136,8 +142,8 @@ def _ints(values: np.ndarray) -> Any:
     else:
         _, marker, dt = next(w for w in _UINT_WIDTHS if hi <= w[0])
     buf = np.empty(len(header) + n * dt.itemsize, np.uint8)
-    buf[:len(header)] = np.frombuffer(header, np.uint8)
-    body = buf[len(header):].view(dt)
+    buf[: len(header)] = np.frombuffer(header, np.uint8)
+    body = buf[len(header) :].view(dt)
     body["m"] = marker
     body["v"] = values
     # An ndarray is a buffer; numpy's stubs declare __buffer__ only for Python >= 3.12.
@@ -148,7 +154,7 @@ def _wire_key(key: Any) -> tuple[int | None, str | None]:
     """``(lora_id, lora_name)`` of an ``extra_key``: ints (bool, numpy ints: the one namespace the
     tree makes of them) that msgpack can hold as ``lora_id``, strings (numpy's and subclasses
     too) as ``lora_name``; any other key goes as neither (a router cannot tell it from None)."""
-    if isinstance(key, (bool, np.bool_, int, np.integer)) and -2**63 <= int(key) < 2**64:
+    if isinstance(key, (bool, np.bool_, int, np.integer)) and -(2**63) <= int(key) < 2**64:
         return int(key), None
     if isinstance(key, str):
         return None, str(key)
@@ -160,8 +166,16 @@ def _wire_array(record: Record, media: dict) -> list:
     if isinstance(record, StoredRecord):
         n = record.hashes.shape[0]
         lora_id, lora_name = _wire_key(record.extra_key)
-        return ["BlockStored", _ints(record.hashes), record.parent, _ints(record.tokens),
-                record.tokens.shape[0] // n, lora_id, media[record.medium], lora_name]
+        return [
+            "BlockStored",
+            _ints(record.hashes),
+            record.parent,
+            _ints(record.tokens),
+            record.tokens.shape[0] // n,
+            lora_id,
+            media[record.medium],
+            lora_name,
+        ]
     if isinstance(record, RemovedRecord):
         return ["BlockRemoved", _ints(record.hashes), media[record.medium]]
     return ["AllBlocksCleared"]
@@ -172,13 +186,22 @@ def _wire_map(record: Record, media: dict) -> dict:
     if isinstance(record, StoredRecord):
         n = record.hashes.shape[0]
         lora_id, lora_name = _wire_key(record.extra_key)
-        return {"type": "BlockStored", "block_hashes": _ints(record.hashes),
-                "parent_block_hash": record.parent, "token_ids": _ints(record.tokens),
-                "block_size": record.tokens.shape[0] // n, "lora_id": lora_id,
-                "medium": media[record.medium], "lora_name": lora_name}
+        return {
+            "type": "BlockStored",
+            "block_hashes": _ints(record.hashes),
+            "parent_block_hash": record.parent,
+            "token_ids": _ints(record.tokens),
+            "block_size": record.tokens.shape[0] // n,
+            "lora_id": lora_id,
+            "medium": media[record.medium],
+            "lora_name": lora_name,
+        }
     if isinstance(record, RemovedRecord):
-        return {"type": "BlockRemoved", "block_hashes": _ints(record.hashes),
-                "medium": media[record.medium]}
+        return {
+            "type": "BlockRemoved",
+            "block_hashes": _ints(record.hashes),
+            "medium": media[record.medium],
+        }
     return {"type": "AllBlocksCleared"}
 
 
@@ -190,12 +213,18 @@ class ZmqRecorder(Recorder):
     fails) and starts the publisher thread; :meth:`close` sends what is queued, stops it and
     closes the sockets."""
 
-    def __init__(self, cfg: KVEventsConfig, ids: VllmIds | None = None,
-                 l3_medium: str | None = None, l3: bool | None = None) -> None:
+    def __init__(
+        self,
+        cfg: KVEventsConfig,
+        ids: VllmIds | None = None,
+        l3_medium: str | None = None,
+        l3: bool | None = None,
+    ) -> None:
         super().__init__(ids, l3_medium is not None if l3 is None else l3)
         zmq, msgspec = _import_deps()
-        self._publisher = _Publisher(zmq, msgspec.msgpack.Encoder().encode, cfg, self,
-                                     wire_media(l3_medium))
+        self._publisher = _Publisher(
+            zmq, msgspec.msgpack.Encoder().encode, cfg, self, wire_media(l3_medium)
+        )
         self._closed = False
 
     def _publish(self, seq: int, ts: float, records: list[Record], nbytes: int) -> None:
@@ -243,8 +272,9 @@ class _Publisher:
     thread sleeps); everything else of a batch happens on the thread.
     """
 
-    def __init__(self, zmq: Any, encode: Any, cfg: KVEventsConfig, recorder: Recorder,
-                 media: dict) -> None:
+    def __init__(
+        self, zmq: Any, encode: Any, cfg: KVEventsConfig, recorder: Recorder, media: dict
+    ) -> None:
         self._zmq, self._encode, self._recorder = zmq, encode, recorder
         self._rank = cfg.data_parallel_rank
         self._wire, self.media = _WIRE[cfg.encoding], media
@@ -278,8 +308,10 @@ class _Publisher:
         try:
             sock.bind(endpoint)
         except self._zmq.ZMQError as e:
-            raise HiCacheError(f"kv_events {field}={endpoint!r}: cannot bind ({e}); is the port "
-                               "in use by another process or cache?") from None
+            raise HiCacheError(
+                f"kv_events {field}={endpoint!r}: cannot bind ({e}); is the port "
+                "in use by another process or cache?"
+            ) from None
         if not endpoint.startswith("inproc://"):
             self._bound.append(sock)
 
@@ -312,8 +344,9 @@ class _Publisher:
 
     def wait_idle(self, timeout: float | None) -> bool:
         with self._cv:
-            return self._cv.wait_for(lambda: not (self._queue or self._busy)
-                                     or not self._thread.is_alive(), timeout)
+            return self._cv.wait_for(
+                lambda: not (self._queue or self._busy) or not self._thread.is_alive(), timeout
+            )
 
     def close(self) -> None:
         with self._cv:

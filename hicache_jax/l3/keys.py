@@ -44,8 +44,13 @@ class DigestRecords:
         path_tokens: tokens of the prefix ending with a node (the cache's tree).
     """
 
-    def __init__(self, host_pages: int, page_size: int, fingerprint: str,
-                 path_tokens: Callable[[TreeNode], np.ndarray]) -> None:
+    def __init__(
+        self,
+        host_pages: int,
+        page_size: int,
+        fingerprint: str,
+        path_tokens: Callable[[TreeNode], np.ndarray],
+    ) -> None:
         self._ps, self._fingerprint, self._path_tokens = page_size, fingerprint, path_tokens
         self._digest = np.zeros((host_pages, DIGEST_BYTES), np.uint8)
         self._digest_of = np.zeros(host_pages, np.uint64)
@@ -72,8 +77,9 @@ class DigestRecords:
     def clear(self) -> None:
         self._ok[:] = False
 
-    def prefix_digest(self, node: TreeNode, extra_key: Any,
-                      tokens: np.ndarray | None = None) -> bytes | None:
+    def prefix_digest(
+        self, node: TreeNode, extra_key: Any, tokens: np.ndarray | None = None
+    ) -> bytes | None:
         """Chain digest of the prefix ending with ``node`` (the namespace seed at the root).
 
         Args:

@@ -49,16 +49,16 @@ class CachePort(Protocol):
     def release_host_pages(self, host_ids: np.ndarray) -> None:
         """Give back reserved host pages (free them)."""
 
-    def write_host_pages(self, host_ids: np.ndarray, rows: np.ndarray,
-                         row_ids: np.ndarray) -> None:
+    def write_host_pages(self, host_ids: np.ndarray, rows: np.ndarray, row_ids: np.ndarray) -> None:
         """Store ``rows[row_ids[i]]`` (staging entries) in the reserved host page
         ``host_ids[i]``."""
 
     def attach_host_copy(self, node: TreeNode, host_ids: np.ndarray) -> None:
         """Reserved host pages become the host copy of a device node (event recorded)."""
 
-    def attach_host_leaf(self, parent: TreeNode, tokens: np.ndarray, host_ids: np.ndarray,
-                         extra_key: Any) -> TreeNode:
+    def attach_host_leaf(
+        self, parent: TreeNode, tokens: np.ndarray, host_ids: np.ndarray, extra_key: Any
+    ) -> TreeNode:
         """Reserved host pages become a host-only leaf under ``parent`` (event recorded)."""
 
     def fetch_pages(self, new_pages: int, covered: int) -> int:

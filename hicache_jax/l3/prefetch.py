@@ -82,20 +82,20 @@ class PrefetchHandle:
     tokens: np.ndarray
     extra_key: Any
     _get: Any
-    _node: TreeNode            # the fetch base (locked until closed)
+    _node: TreeNode  # the fetch base (locked until closed)
     _host_ids: np.ndarray
     _staging_ids: np.ndarray
-    _digests: np.ndarray       # uint8 [pages_found, 16]: chain digests of the fetched pages
+    _digests: np.ndarray  # uint8 [pages_found, 16]: chain digests of the fetched pages
     _deadline: float
-    _after: PrefetchHandle | None = None   # fetches the pages right after this one's
-    _next_page: np.ndarray | None = None     # the prompt's page after ``tokens``, which L3 did
+    _after: PrefetchHandle | None = None  # fetches the pages right after this one's
+    _next_page: np.ndarray | None = None  # the prompt's page after ``tokens``, which L3 did
     #                                          not hold at issue (None: not known to be missing)
-    _applied: int = 0          # pages attached to the tree (or given up) so far
-    _closed: bool = False      # finished and its pages accounted for
-    _timed_out: bool = False   # the timeout policy gave up waiting (its rest was cancelled)
-    _issued: float = 0.0       # the port's clock when its read started
-    _measured: bool = False    # its read's time went to the cost model
-    _decision: Any = None      # the load rule's record of the decision to fetch (or None)
+    _applied: int = 0  # pages attached to the tree (or given up) so far
+    _closed: bool = False  # finished and its pages accounted for
+    _timed_out: bool = False  # the timeout policy gave up waiting (its rest was cancelled)
+    _issued: float = 0.0  # the port's clock when its read started
+    _measured: bool = False  # its read's time went to the cost model
+    _decision: Any = None  # the load rule's record of the decision to fetch (or None)
 
     def done(self) -> bool:
         """Whether the storage read has finished (pages are attached at the cache's next call;
@@ -121,24 +121,40 @@ class PrefetchHandle:
 
 # -- policies at match_prefix: one strategy object each, resolved once ---------------------------
 
+
 class _MatchPolicy(Protocol):
-    def before_match(self, h: PrefetchHandle, clock: Callable[[], float],
-                     counters: collections.Counter, group: Group) -> None: ...
+    def before_match(
+        self,
+        h: PrefetchHandle,
+        clock: Callable[[], float],
+        counters: collections.Counter,
+        group: Group,
+    ) -> None: ...
 
 
 class BestEffort:
     """Attach what has landed so far; never wait."""
 
-    def before_match(self, h: PrefetchHandle, clock: Callable[[], float],
-                     counters: collections.Counter, group: Group) -> None:
+    def before_match(
+        self,
+        h: PrefetchHandle,
+        clock: Callable[[], float],
+        counters: collections.Counter,
+        group: Group,
+    ) -> None:
         pass
 
 
 class WaitComplete:
     """Wait for the prefetches on the request's path."""
 
-    def before_match(self, h: PrefetchHandle, clock: Callable[[], float],
-                     counters: collections.Counter, group: Group) -> None:
+    def before_match(
+        self,
+        h: PrefetchHandle,
+        clock: Callable[[], float],
+        counters: collections.Counter,
+        group: Group,
+    ) -> None:
         h.wait()
 
 
@@ -146,8 +162,13 @@ class Timeout:
     """Wait up to the prefetch's deadline, then keep what landed and cancel the rest (with
     several processes: if any process timed out, every one cancels)."""
 
-    def before_match(self, h: PrefetchHandle, clock: Callable[[], float],
-                     counters: collections.Counter, group: Group) -> None:
+    def before_match(
+        self,
+        h: PrefetchHandle,
+        clock: Callable[[], float],
+        counters: collections.Counter,
+        group: Group,
+    ) -> None:
         if h._timed_out:
             return
         # several processes: read on every one (a reading taken only where the read is not
@@ -168,8 +189,10 @@ class Timeout:
 
 
 POLICIES: dict[PrefetchPolicy, type[_MatchPolicy]] = {
-    PrefetchPolicy.BEST_EFFORT: BestEffort, PrefetchPolicy.WAIT_COMPLETE: WaitComplete,
-    PrefetchPolicy.TIMEOUT: Timeout}
+    PrefetchPolicy.BEST_EFFORT: BestEffort,
+    PrefetchPolicy.WAIT_COMPLETE: WaitComplete,
+    PrefetchPolicy.TIMEOUT: Timeout,
+}
 
 
 class Prefetcher:
@@ -188,11 +211,21 @@ class Prefetcher:
             default: the port's spec, every namespace in generation 0).
     """
 
-    def __init__(self, port: CachePort, page_size: int, continuous: bool,
-                 policy: PrefetchPolicy, timeout_s: float, backend: Any, staging: np.ndarray,
-                 staging_alloc: PageAllocator, records: DigestRecords,
-                 counters: collections.Counter, group: Group | None = None,
-                 names: KeyNames | None = None) -> None:
+    def __init__(
+        self,
+        port: CachePort,
+        page_size: int,
+        continuous: bool,
+        policy: PrefetchPolicy,
+        timeout_s: float,
+        backend: Any,
+        staging: np.ndarray,
+        staging_alloc: PageAllocator,
+        records: DigestRecords,
+        counters: collections.Counter,
+        group: Group | None = None,
+        names: KeyNames | None = None,
+    ) -> None:
         self._port, self._ps, self._continuous = port, page_size, continuous
         self._policy, self._timeout_s = POLICIES[policy](), timeout_s
         self._backend, self._staging, self._staging_alloc = backend, staging, staging_alloc
@@ -213,15 +246,19 @@ class Prefetcher:
         shared, pos, after = self._in_flight(tokens, extra_key, start)
         if shared is not None:
             return shared
-        prev = (after._digests[-1].tobytes() if after is not None
-                else self._records.prefix_digest(base, extra_key, tokens[:start]))
+        prev = (
+            after._digests[-1].tobytes()
+            if after is not None
+            else self._records.prefix_digest(base, extra_key, tokens[:start])
+        )
         if prev is None:
             self._n["l3_unkeyable_pages"] += (tokens.size - pos) // ps
             return None
         # the load rule first, on the most L3 could give: where even that is not worth its
         # read, no lookup (the decision for fewer pages is the same: see _fetch_take)
-        most = (pos + min((tokens.size - pos) // ps, self._staging_alloc.num_free) * ps
-                - covered) // ps
+        most = (
+            pos + min((tokens.size - pos) // ps, self._staging_alloc.num_free) * ps - covered
+        ) // ps
         take = int(self._port.fetch_pages(most, covered)) if most > 0 else 0
         if most > 0 and take <= 0:
             self._n["l3_lookups_declined"] += 1
@@ -232,7 +269,7 @@ class Prefetcher:
         found = int(self._group.agree_min("l3 exists", [leading(self._backend.exists(keys))])[0])
         self._n["l3_lookup_pages"] += len(keys)
         if found < len(keys):  # the store lacks this page: if announced, it left L3
-            self._port.events.l3_gone(tokens[:pos + (found + 1) * ps].reshape(-1, ps), extra_key)
+            self._port.events.l3_gone(tokens[: pos + (found + 1) * ps].reshape(-1, ps), extra_key)
         if pos + found * ps <= covered:
             return after  # L3 has nothing beyond what L1 + L2 hold
         want = min(found, self._staging_alloc.num_free)
@@ -257,11 +294,24 @@ class Prefetcher:
         get, host_ids, sids = got
         k = host_ids.size
         ntok = pos + k * ps
-        missing = tokens[ntok:ntok + ps].copy() if k == found and ntok < tokens.size else None
+        missing = tokens[ntok : ntok + ps].copy() if k == found and ntok < tokens.size else None
         deadline = issued + self._timeout_s * (1 + k * ps / _TIMEOUT_TOKENS)
-        handle = PrefetchHandle(k, pos, tokens[:ntok].copy(), extra_key, get, base, host_ids,
-                                sids, digests[:k].copy(), deadline, _after=after,
-                                _next_page=missing, _issued=issued, _decision=decision)
+        handle = PrefetchHandle(
+            k,
+            pos,
+            tokens[:ntok].copy(),
+            extra_key,
+            get,
+            base,
+            host_ids,
+            sids,
+            digests[:k].copy(),
+            deadline,
+            _after=after,
+            _next_page=missing,
+            _issued=issued,
+            _decision=decision,
+        )
         self.gets.append(handle)
         self._n["l3_prefetches"] += 1
         self._n["l3_prefetch_pages"] += k
@@ -292,8 +342,9 @@ class Prefetcher:
             base, start = node, start + node.num_tokens
         return base, start
 
-    def _in_flight(self, tokens: np.ndarray, extra_key: Any,
-                   start: int) -> tuple[PrefetchHandle | None, int, PrefetchHandle | None]:
+    def _in_flight(
+        self, tokens: np.ndarray, extra_key: Any, start: int
+    ) -> tuple[PrefetchHandle | None, int, PrefetchHandle | None]:
         """The prefetch in flight to hand out for ``tokens``, else where a new one starts.
 
         Returns:
@@ -310,14 +361,16 @@ class Prefetcher:
             n = min(end, tokens.size)
             if not np.array_equal(h.tokens[:n], tokens[:n]):
                 continue
-            if tokens.size <= end or (h._next_page is not None
-                                      and np.array_equal(h._next_page, tokens[end:end + ps])):
+            if tokens.size <= end or (
+                h._next_page is not None and np.array_equal(h._next_page, tokens[end : end + ps])
+            ):
                 return h, pos, after
             pos, after = end, h
         return None, pos, after
 
-    def _start_get(self, base: TreeNode, keys: list[str], want: int,
-                   found: int) -> tuple[Any, np.ndarray, np.ndarray] | None:
+    def _start_get(
+        self, base: TreeNode, keys: list[str], want: int, found: int
+    ) -> tuple[Any, np.ndarray, np.ndarray] | None:
         """Reserve host and staging pages for up to ``want`` of ``keys`` and start the read
         (``base`` locked); None when no page could be had (nothing left behind)."""
         port = self._port
@@ -351,8 +404,12 @@ class Prefetcher:
         ps = self._ps
         for h in list(self.gets):
             # on the path: the prompt shares at least the first page this prefetch fetches
-            if h._closed or h.extra_key != extra_key or tokens.size < h.start + ps or not \
-                    np.array_equal(h.tokens[:h.start + ps], tokens[:h.start + ps]):
+            if (
+                h._closed
+                or h.extra_key != extra_key
+                or tokens.size < h.start + ps
+                or not np.array_equal(h.tokens[: h.start + ps], tokens[: h.start + ps])
+            ):
                 continue
             self._policy.before_match(h, self._port.clock, self._n, self._group)
             self._advance(h)
@@ -371,8 +428,9 @@ class Prefetcher:
         except StorageError:
             return
         if ok.all():
-            self._port.observe_fetch(ok.size * self._port.spec.page_bytes,
-                                     self._port.clock() - h._issued, h._decision)
+            self._port.observe_fetch(
+                ok.size * self._port.spec.page_bytes, self._port.clock() - h._issued, h._decision
+            )
 
     def _landed(self, h: PrefetchHandle) -> tuple[bool, int]:
         """This process's view of ``h``: read finished?, pages landed intact (leading run)."""
@@ -395,7 +453,7 @@ class Prefetcher:
         if ready > h._applied:
             self._attach(h, ready)
         if done:
-            rest = h._host_ids[h._applied:]
+            rest = h._host_ids[h._applied :]
             self._port.release_host_pages(rest)
             self._n["l3_prefetch_missed_pages"] += rest.size
             self._staging_alloc.free(h._staging_ids)
@@ -420,8 +478,11 @@ class Prefetcher:
             pos += path[i].num_tokens
             i += 1
         parent = path[i - 1] if i else node  # node: the root
-        if covered < begin or pos != begin or (self._continuous and parent.parent is not None
-                                               and parent.host_value is None):
+        if (
+            covered < begin
+            or pos != begin
+            or (self._continuous and parent.parent is not None and parent.host_value is None)
+        ):
             # What these pages hang under went (evicted since the earlier pages attached, or
             # the previous link came up short), or lost its host copy: nothing to attach to.
             self._give_up(h, lo, ready)
@@ -474,8 +535,9 @@ class Prefetcher:
                 if h.done():
                     self._advance(h)
         elif self.gets:
-            seen = self._group.agree_min("l3 poll", [x for h in self.gets
-                                                     for x in self._landed(h)]).reshape(-1, 2)
+            seen = self._group.agree_min(
+                "l3 poll", [x for h in self.gets for x in self._landed(h)]
+            ).reshape(-1, 2)
             for h, (done, ready) in zip(list(self.gets), seen.tolist()):
                 if done:
                     self._advance(h, (done, ready))

@@ -62,14 +62,28 @@ __all__ = ["L3Tier", "NullL3Tier", "open_l3", "split_url"]
 log = logging.getLogger(__name__)
 
 _PUT_WAIT_S = 1.0  # longest a put waits (wall time) for staging pages held by earlier puts
-_STAT_NAMES = ("l3_lookup_pages", "l3_prefetches", "l3_prefetch_pages", "l3_prefetch_hit_pages",
-               "l3_prefetch_missed_pages", "l3_prefetch_duplicate_pages",
-               "l3_prefetch_backfill_pages", "l3_prefetch_dropped_pages",
-               "l3_prefetch_skipped_pages", "l3_prefetch_declined_pages", "l3_lookups_declined",
-               "l3_prefetch_timeouts",
-               "l3_put_pages", "l3_put_pages_stored", "l3_puts_dropped", "l3_puts_skipped",
-               "l3_unkeyable_pages",
-               "l3_deleted_pages", "l3_delete_unsupported_pages", "l3_invalidate_unreached")
+_STAT_NAMES = (
+    "l3_lookup_pages",
+    "l3_prefetches",
+    "l3_prefetch_pages",
+    "l3_prefetch_hit_pages",
+    "l3_prefetch_missed_pages",
+    "l3_prefetch_duplicate_pages",
+    "l3_prefetch_backfill_pages",
+    "l3_prefetch_dropped_pages",
+    "l3_prefetch_skipped_pages",
+    "l3_prefetch_declined_pages",
+    "l3_lookups_declined",
+    "l3_prefetch_timeouts",
+    "l3_put_pages",
+    "l3_put_pages_stored",
+    "l3_puts_dropped",
+    "l3_puts_skipped",
+    "l3_unkeyable_pages",
+    "l3_deleted_pages",
+    "l3_delete_unsupported_pages",
+    "l3_invalidate_unreached",
+)
 
 
 def split_url(url: str) -> tuple[str, dict[str, Any]]:
@@ -130,8 +144,9 @@ class NullL3Tier:
     def held_beyond(self, tokens: np.ndarray, extra_key: Any, covered: int) -> int:
         return 0
 
-    def delete(self, nodes: list[TreeNode], tokens: np.ndarray | None,
-               extra_key: Any) -> tuple[int, int]:
+    def delete(
+        self, nodes: list[TreeNode], tokens: np.ndarray | None, extra_key: Any
+    ) -> tuple[int, int]:
         return 0, 0
 
     def flush(self) -> None:
@@ -172,7 +187,10 @@ def open_l3(port: CachePort, spec: KVSpec, cfg: HiCacheConfig) -> L3Tier | NullL
             raise
         log.warning("running without L3 storage: %s", e)
         down = dict.fromkeys(_STAT_NAMES, 0) | {
-            "l3_available": 0, "l3_staging_free_pages": n_staging, "l3_in_flight": 0}
+            "l3_available": 0,
+            "l3_staging_free_pages": n_staging,
+            "l3_in_flight": 0,
+        }
         return NullL3Tier(back_up_new, down)
     return L3Tier(port, spec, cfg, url, backend, rows)
 
@@ -191,8 +209,15 @@ class L3Tier:
 
     available = True
 
-    def __init__(self, port: CachePort, spec: KVSpec, cfg: HiCacheConfig, url: str,
-                 backend: Any, rows: np.ndarray) -> None:
+    def __init__(
+        self,
+        port: CachePort,
+        spec: KVSpec,
+        cfg: HiCacheConfig,
+        url: str,
+        backend: Any,
+        rows: np.ndarray,
+    ) -> None:
         self._port, self.url, self.backend = port, url, backend
         self._spec = spec  # this process's heads: its fingerprint keys the entries
         self._names = KeyNames(spec)  # key strings, each namespace in its generation
@@ -203,8 +228,9 @@ class L3Tier:
         # otherwise be deleted unseen by L3, which is exactly what L3 is there to keep.
         self.back_up_new = cfg.storage_write_policy is WritePolicy.WRITE_THROUGH
         assert cfg.host_pages is not None  # resolved by HiCacheConfig.__post_init__
-        self._records = DigestRecords(cfg.host_pages, spec.page_size, spec.fingerprint(),
-                                      port.path_tokens)
+        self._records = DigestRecords(
+            cfg.host_pages, spec.page_size, spec.fingerprint(), port.path_tokens
+        )
         self._staging = entry_pages(spec, rows)  # [P, L, kvf, ps, H, D] bits
         self._staging_alloc = PageAllocator(rows.shape[0], "l3 staging")
         self._n: collections.Counter[str] = collections.Counter()
@@ -214,12 +240,24 @@ class L3Tier:
         self._puts: collections.deque = collections.deque()
         # write_through modes keep host copies a continuous prefix: fetches start at the
         # deepest backed-up node and give device nodes on the way their host copy
-        continuous = cfg.write_policy in (WritePolicy.WRITE_THROUGH,
-                                          WritePolicy.WRITE_THROUGH_SELECTIVE)
-        self._prefetch = Prefetcher(port, spec.page_size, continuous,
-                                    PrefetchPolicy(cfg.prefetch_policy), cfg.prefetch_timeout_s,
-                                    backend, self._staging, self._staging_alloc, self._records,
-                                    self._n, port.group, self._names)
+        continuous = cfg.write_policy in (
+            WritePolicy.WRITE_THROUGH,
+            WritePolicy.WRITE_THROUGH_SELECTIVE,
+        )
+        self._prefetch = Prefetcher(
+            port,
+            spec.page_size,
+            continuous,
+            PrefetchPolicy(cfg.prefetch_policy),
+            cfg.prefetch_timeout_s,
+            backend,
+            self._staging,
+            self._staging_alloc,
+            self._records,
+            self._n,
+            port.group,
+            self._names,
+        )
         self._closed = False
 
     # -- writes -------------------------------------------------------------------------------
@@ -237,8 +275,7 @@ class L3Tier:
             assert host_ids is not None, "a node backed up has its host copy"
             self._records.record(host_ids, digests, node.page_hashes)
             if not self.write_back:
-                self._put(digests, node.extra_key, host_ids,
-                          self._port.events.l3_candidate(node))
+                self._put(digests, node.extra_key, host_ids, self._port.events.l3_candidate(node))
 
     def on_host_evict(self, node: TreeNode, host_ids: np.ndarray) -> None:
         """``node`` (already unlinked from the tree) is deleted and its host pages are about to
@@ -249,18 +286,23 @@ class L3Tier:
         if not ok.all():  # no record (unkeyable extra_key): never guess a key
             self._n["l3_unkeyable_pages"] += int((~ok).sum())
         if ok.any():
-            self._put(digests, node.extra_key, host_ids[ok],
-                      self._port.events.l3_candidate(node, np.flatnonzero(ok)))
+            self._put(
+                digests,
+                node.extra_key,
+                host_ids[ok],
+                self._port.events.l3_candidate(node, np.flatnonzero(ok)),
+            )
 
-    def _put(self, digests: np.ndarray, extra_key: Any, host_ids: np.ndarray,
-             announce: Any) -> None:
+    def _put(
+        self, digests: np.ndarray, extra_key: Any, host_ids: np.ndarray, announce: Any
+    ) -> None:
         """Put pages; ``announce``: what the events say once they are stored (None: nothing)."""
         keys = self._names.keys(extra_key, digests)
         # A node longer than the staging pool goes in parts (keys are per page: independent).
         step = self._staging_alloc.num_pages
         for lo in range(0, len(keys), step):
             part = None if announce is None else announce.part(lo, lo + step)
-            self._put_part(keys[lo:lo + step], host_ids[lo:lo + step], part)
+            self._put_part(keys[lo : lo + step], host_ids[lo : lo + step], part)
 
     def _put_part(self, keys: list[str], host_ids: np.ndarray, announce: Any) -> None:
         n = len(keys)
@@ -380,12 +422,13 @@ class L3Tier:
         ps, seed = self._port.spec.page_size, self._records.seed(extra_key)
         if seed is None or covered >= tokens.size:
             return 0
-        digests = chain_digests(seed, tokens.reshape(-1, ps))[covered // ps:]
+        digests = chain_digests(seed, tokens.reshape(-1, ps))[covered // ps :]
         found = leading(self.backend.exists(self._names.keys(extra_key, digests)))
         return int(self._group.agree_min("l3 exists", [found])[0]) * ps
 
-    def delete(self, nodes: list[TreeNode], tokens: np.ndarray | None,
-               extra_key: Any) -> tuple[int, int]:
+    def delete(
+        self, nodes: list[TreeNode], tokens: np.ndarray | None, extra_key: Any
+    ) -> tuple[int, int]:
         """Delete from the store what ``HiCache.invalidate`` names: the namespace ``extra_key``
         (``tokens=None``: every entry of it, with ``delete_prefix``), or the entries of
         ``nodes``' pages (still in the tree) and of ``tokens``' last page (with ``delete``).
@@ -425,8 +468,9 @@ class L3Tier:
         self._port.events.l3_invalidated(pages, extra_key)
         return gone, int(not reached)
 
-    def _keys_of(self, nodes: list[TreeNode], tokens: np.ndarray | None,
-                 extra_key: Any) -> list[str]:
+    def _keys_of(
+        self, nodes: list[TreeNode], tokens: np.ndarray | None, extra_key: Any
+    ) -> list[str]:
         """The keys (this generation) of ``nodes``' pages and of ``tokens``' last page."""
         keys: dict[str, None] = {}
         for node in nodes:

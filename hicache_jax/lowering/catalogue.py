@@ -51,12 +51,19 @@ from hicache_jax.spec import HostLayout, KVSpec
 PLATFORMS = ("tpu", "cuda", "cpu")
 
 #: Llama-3-8B's KV cache: 32 layers, 8 kv heads of 128, bfloat16, pages of 16 tokens (2 MiB).
-LLAMA3_8B_KV = KVSpec(num_layers=32, num_kv_heads=8, head_dim=128, dtype="bfloat16",
-                      page_size=16)
+LLAMA3_8B_KV = KVSpec(num_layers=32, num_kv_heads=8, head_dim=128, dtype="bfloat16", page_size=16)
 #: Llama-3-8B's decoder (its weights are only ever shapes here: 16 GB in bfloat16).
-LLAMA3_8B = ModelConfig(vocab_size=128256, num_layers=32, d_model=4096, num_heads=32,
-                        num_kv_heads=8, head_dim=128, ffn_dim=14336, rope_theta=500000.0,
-                        dtype="bfloat16")
+LLAMA3_8B = ModelConfig(
+    vocab_size=128256,
+    num_layers=32,
+    d_model=4096,
+    num_heads=32,
+    num_kv_heads=8,
+    head_dim=128,
+    ffn_dim=14336,
+    rope_theta=500000.0,
+    dtype="bfloat16",
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,8 +142,10 @@ def _bound(n: int) -> int:
 
 # ----------------------------------------------------------------------------- device pool
 
-def device_pool_programs(spec: KVSpec, device_pages: int, platform: str,
-                         backend: str) -> tuple[list[Program], dict[str, int]]:
+
+def device_pool_programs(
+    spec: KVSpec, device_pages: int, platform: str, backend: str
+) -> tuple[list[Program], dict[str, int]]:
     """The pool's write (pages in bits or in the KV dtype) and read (as the KV dtype or as
     bits) at every bucket, with ``backend``'s copy functions on ``platform``."""
     scatter, gather = device_pool.platform_copy_fns(backend, platform)
@@ -147,18 +156,38 @@ def device_pool_programs(spec: KVSpec, device_pages: int, platform: str,
     for b in _buckets(device_pages):
         ids, moved = _i32(b), b * spec.page_bytes
         for dt in dict.fromkeys((bits, kv)):
-            progs.append(Program(
-                f"device_pool.write[{backend},{b}p,{dt.name}]", f"device_pool.write[{backend}]",
-                device_pool.PROGRAMS["write"], (pool, ids, _sds(spec.kv_shape(b), dt)),
-                dict(scatter=scatter, sharding=None), True, (pool_shape,), kernel, b, moved))
-            progs.append(Program(
-                f"device_pool.read[{backend},{b}p,{dt.name}]", f"device_pool.read[{backend}]",
-                device_pool.PROGRAMS["read"], (pool, ids),
-                dict(gather=gather, dtype=dt, sharding=None), False, (pool_shape,), kernel, b,
-                moved))
+            progs.append(
+                Program(
+                    f"device_pool.write[{backend},{b}p,{dt.name}]",
+                    f"device_pool.write[{backend}]",
+                    device_pool.PROGRAMS["write"],
+                    (pool, ids, _sds(spec.kv_shape(b), dt)),
+                    dict(scatter=scatter, sharding=None),
+                    True,
+                    (pool_shape,),
+                    kernel,
+                    b,
+                    moved,
+                )
+            )
+            progs.append(
+                Program(
+                    f"device_pool.read[{backend},{b}p,{dt.name}]",
+                    f"device_pool.read[{backend}]",
+                    device_pool.PROGRAMS["read"],
+                    (pool, ids),
+                    dict(gather=gather, dtype=dt, sharding=None),
+                    False,
+                    (pool_shape,),
+                    kernel,
+                    b,
+                    moved,
+                )
+            )
     n_dt = len({bits, kv})
-    bounds = {f"device_pool.{op}[{backend}]": n_dt * _bound(device_pages)
-              for op in ("write", "read")}
+    bounds = {
+        f"device_pool.{op}[{backend}]": n_dt * _bound(device_pages) for op in ("write", "read")
+    }
     return progs, bounds
 
 
@@ -170,14 +199,28 @@ def pool_helper_programs(spec: KVSpec, device_pages: int) -> list[Program]:
     pages = _sds(spec.kv_shape(b), spec.bits_dtype)
     pool_shape = spec.kv_shape(device_pages + 1)
     return [
-        Program(f"device_pool.take_first[{n}p]", "device_pool.take_first",
-                device_pool.PROGRAMS["take_first"], (pages,),
-                dict(n=n, dtype=np.dtype(spec.jnp_dtype)), False, (pool_shape,), pages=n,
-                moved_bytes=n * spec.page_bytes),
-        Program(f"device_pool.pad[{n}p->{b}p]", "device_pool.pad", device_pool.PROGRAMS["pad"],
-                (_sds(spec.kv_shape(n), spec.jnp_dtype),),
-                dict(size=b, bits_dtype=np.dtype(spec.bits_dtype)), False, (pool_shape,),
-                pages=n, moved_bytes=n * spec.page_bytes),
+        Program(
+            f"device_pool.take_first[{n}p]",
+            "device_pool.take_first",
+            device_pool.PROGRAMS["take_first"],
+            (pages,),
+            dict(n=n, dtype=np.dtype(spec.jnp_dtype)),
+            False,
+            (pool_shape,),
+            pages=n,
+            moved_bytes=n * spec.page_bytes,
+        ),
+        Program(
+            f"device_pool.pad[{n}p->{b}p]",
+            "device_pool.pad",
+            device_pool.PROGRAMS["pad"],
+            (_sds(spec.kv_shape(n), spec.jnp_dtype),),
+            dict(size=b, bits_dtype=np.dtype(spec.bits_dtype)),
+            False,
+            (pool_shape,),
+            pages=n,
+            moved_bytes=n * spec.page_bytes,
+        ),
     ]
 
 
@@ -187,10 +230,21 @@ def pallas_layer_programs(spec: KVSpec, device_pages: int, platform: str) -> lis
     fn = _layer_scatter_jit(platform)
     pool_shape = spec.kv_shape(device_pages + 1)
     pool = _sds(pool_shape, spec.bits_dtype)
-    return [Program(f"pallas.scatter_layer_pages[{b}p]", "pallas.scatter_layer_pages", fn,
-                    (pool, _i32(), _i32(b), _sds(spec.kv_shape(b)[1:], spec.bits_dtype)), {},
-                    True, (pool_shape,), True, b, b * spec.page_bytes // spec.num_layers)
-            for b in _buckets(device_pages)]
+    return [
+        Program(
+            f"pallas.scatter_layer_pages[{b}p]",
+            "pallas.scatter_layer_pages",
+            fn,
+            (pool, _i32(), _i32(b), _sds(spec.kv_shape(b)[1:], spec.bits_dtype)),
+            {},
+            True,
+            (pool_shape,),
+            True,
+            b,
+            b * spec.page_bytes // spec.num_layers,
+        )
+        for b in _buckets(device_pages)
+    ]
 
 
 @functools.cache
@@ -198,11 +252,14 @@ def _layer_scatter_jit(platform: str) -> Callable:
     import pallas_kernels as pk  # as device_pool does: only when the kernels are asked for
 
     impl = {"tpu": pk.Impl.TPU, "cuda": pk.Impl.MOSAIC_GPU}[platform]
-    return jax.jit(lambda pool, layer, ids, pages: pk.scatter_layer_pages(
-        pool, layer, ids, pages, impl=impl), donate_argnums=0)
+    return jax.jit(
+        lambda pool, layer, ids, pages: pk.scatter_layer_pages(pool, layer, ids, pages, impl=impl),
+        donate_argnums=0,
+    )
 
 
 # ------------------------------------------------------------------------ host pool, transfers
+
 
 def _memory_shardings(platform: str) -> tuple[Any, Any]:
     """``(host, device)`` shardings of the pools on ``platform``: ``pinned_host`` / ``device``
@@ -212,64 +269,144 @@ def _memory_shardings(platform: str) -> tuple[Any, Any]:
     if platform == "cpu":
         return None, None
     mesh = Mesh(np.array(jax.devices()[:1]), ("lowering",))
-    return (NamedSharding(mesh, PartitionSpec(), memory_kind="pinned_host"),
-            NamedSharding(mesh, PartitionSpec(), memory_kind="device"))
+    return (
+        NamedSharding(mesh, PartitionSpec(), memory_kind="pinned_host"),
+        NamedSharding(mesh, PartitionSpec(), memory_kind="device"),
+    )
 
 
-def host_programs(spec: KVSpec, device_pages: int, host_pages: int, platform: str,
-                  layout: HostLayout) -> tuple[list[Program], dict[str, int]]:
+def host_programs(
+    spec: KVSpec, device_pages: int, host_pages: int, platform: str, layout: HostLayout
+) -> tuple[list[Program], dict[str, int]]:
     """The host pool's staged write / read and the transfer engine's copies."""
     host, dev = _memory_shardings(platform)
-    host_shape = (spec.kv_shape(host_pages) if layout is HostLayout.LAYER_FIRST
-                  else spec.page_major_shape(host_pages))
+    host_shape = (
+        spec.kv_shape(host_pages)
+        if layout is HostLayout.LAYER_FIRST
+        else spec.page_major_shape(host_pages)
+    )
     pool_shape = spec.kv_shape(device_pages + 1)
     buf, pool = _sds(host_shape, spec.bits_dtype, host), _sds(pool_shape, spec.bits_dtype, dev)
     # With both pools in one memory space (CPU) the copy works on views with the two minor axes
     # merged (page_copy): those shapes must stay raw bits too.
-    shapes = tuple(s for shape in (host_shape, pool_shape)
-                   for s in (shape, (*shape[:-2], shape[-2] * shape[-1])))
+    shapes = tuple(
+        s
+        for shape in (host_shape, pool_shape)
+        for s in (shape, (*shape[:-2], shape[-2] * shape[-1]))
+    )
     progs: list[Program] = []
-    stages = sorted({(size, index_len(count)) for n in range(1, min(host_pages, 64) + 1)
-                     for _, count, size in stage_chunks(n)})
+    stages = sorted(
+        {
+            (size, index_len(count))
+            for n in range(1, min(host_pages, 64) + 1)
+            for _, count, size in stage_chunks(n)
+        }
+    )
     write = host_pool.staged_write_fn(spec, layout, host)
     for size, plan in stages:
         staged = _sds(spec.page_major_shape(size), spec.bits_dtype, dev)
-        progs.append(_bound_program(f"host_pool.write[{size}p]", "host_pool.write", write,
-                                    (buf, staged, _i32(3, plan)), True, shapes, size, spec))
+        progs.append(
+            _bound_program(
+                f"host_pool.write[{size}p]",
+                "host_pool.write",
+                write,
+                (buf, staged, _i32(3, plan)),
+                True,
+                shapes,
+                size,
+                spec,
+            )
+        )
         read = host_pool.staged_read_fn(spec, layout, size, _placed(dev), dev)
-        progs.append(_bound_program(f"host_pool.read[{size}p]", "host_pool.read", read,
-                                    (buf, _i32(3, plan)), False, shapes, size, spec))
+        progs.append(
+            _bound_program(
+                f"host_pool.read[{size}p]",
+                "host_pool.read",
+                read,
+                (buf, _i32(3, plan)),
+                False,
+                shapes,
+                size,
+                spec,
+            )
+        )
     backup, load, load_layer = transfer.transfer_fns(spec.num_layers, layout, host, dev)
     n_max = min(device_pages, host_pages)
     for plan in sorted({index_len(n) for n in range(1, n_max + 1)}):
         ids, moved = _i32(3, plan), min(plan, n_max)  # the most pages a plan this long copies
         progs += [
-            _bound_program(f"transfer.backup[plan {plan}]", "transfer.backup", backup,
-                           (buf, pool, ids), True, shapes, moved, spec),
-            _bound_program(f"transfer.load[plan {plan}]", "transfer.load", load,
-                           (pool, buf, ids), True, shapes, moved, spec),
-            _bound_program(f"transfer.load_layer[plan {plan}]", "transfer.load_layer",
-                           load_layer, (pool, buf, ids), True, shapes, moved, spec,
-                           spec.num_layers)]
-    bounds = {"host_pool.write": len(STAGE_SIZES), "host_pool.read": len(STAGE_SIZES),
-              **{f"transfer.{op}": _bound(n_max) for op in ("backup", "load", "load_layer")}}
+            _bound_program(
+                f"transfer.backup[plan {plan}]",
+                "transfer.backup",
+                backup,
+                (buf, pool, ids),
+                True,
+                shapes,
+                moved,
+                spec,
+            ),
+            _bound_program(
+                f"transfer.load[plan {plan}]",
+                "transfer.load",
+                load,
+                (pool, buf, ids),
+                True,
+                shapes,
+                moved,
+                spec,
+            ),
+            _bound_program(
+                f"transfer.load_layer[plan {plan}]",
+                "transfer.load_layer",
+                load_layer,
+                (pool, buf, ids),
+                True,
+                shapes,
+                moved,
+                spec,
+                spec.num_layers,
+            ),
+        ]
+    bounds = {
+        "host_pool.write": len(STAGE_SIZES),
+        "host_pool.read": len(STAGE_SIZES),
+        **{f"transfer.{op}": _bound(n_max) for op in ("backup", "load", "load_layer")},
+    }
     return progs, bounds
 
 
 def _placed(sharding: Any) -> Any:
     """The device sharding a staged read lands in (device 0 when the pools are unsharded)."""
-    return sharding if sharding is not None else jax.sharding.SingleDeviceSharding(
-        jax.devices()[0])
+    return sharding if sharding is not None else jax.sharding.SingleDeviceSharding(jax.devices()[0])
 
 
-def _bound_program(name: str, op: str, fn: Any, args: tuple, donated: bool, shapes: tuple,
-                   pages: int, spec: KVSpec, per_layer: int = 1) -> Program:
+def _bound_program(
+    name: str,
+    op: str,
+    fn: Any,
+    args: tuple,
+    donated: bool,
+    shapes: tuple,
+    pages: int,
+    spec: KVSpec,
+    per_layer: int = 1,
+) -> Program:
     """A program from a ``functools.partial`` of a jit (its keywords are the static args)."""
-    return Program(name, op, fn.func, (*fn.args, *args), dict(fn.keywords), donated, shapes,
-                   pages=pages, moved_bytes=pages * spec.page_bytes // per_layer)
+    return Program(
+        name,
+        op,
+        fn.func,
+        (*fn.args, *args),
+        dict(fn.keywords),
+        donated,
+        shapes,
+        pages=pages,
+        moved_bytes=pages * spec.page_bytes // per_layer,
+    )
 
 
 # ------------------------------------------------------------------------------ engine steps
+
 
 def engine_model(spec: KVSpec) -> ModelConfig | None:
     """The decoder whose steps are lowered at ``spec``: Llama-3-8B when ``spec`` is its KV
@@ -283,9 +420,16 @@ def engine_model(spec: KVSpec) -> ModelConfig | None:
         return LLAMA3_8B
     heads = 2 * spec.num_kv_heads
     d = heads * spec.head_dim
-    return ModelConfig(vocab_size=512, num_layers=spec.num_layers, d_model=d, num_heads=heads,
-                       num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim, ffn_dim=2 * d,
-                       dtype=spec.dtype)
+    return ModelConfig(
+        vocab_size=512,
+        num_layers=spec.num_layers,
+        d_model=d,
+        num_heads=heads,
+        num_kv_heads=spec.num_kv_heads,
+        head_dim=spec.head_dim,
+        ffn_dim=2 * d,
+        dtype=spec.dtype,
+    )
 
 
 class _RecordingPool:
@@ -313,8 +457,15 @@ def _recorded(name: str, op: str, pool: _RecordingPool) -> Program:
     fn, args = pool.calls[-1]
     static = fn.args if isinstance(fn, functools.partial) else ()
     fn = fn.func if isinstance(fn, functools.partial) else fn
-    return Program(name, op, fn, (*static, pool.array, *jax.tree.map(_abstract, args)), {},
-                   True, (pool.array.shape,))
+    return Program(
+        name,
+        op,
+        fn,
+        (*static, pool.array, *jax.tree.map(_abstract, args)),
+        {},
+        True,
+        (pool.array.shape,),
+    )
 
 
 def _default(cls: type, name: str) -> Any:
@@ -336,12 +487,16 @@ def engine_programs(spec: KVSpec, device_pages: int, cfg: ModelConfig) -> list[P
     with step_records_kept():
         long = min(prompt, ctx)
         model.forward(pool, toks(long), 0, pages, min_bucket=pre_bucket)
-        progs.append(_recorded(f"engine.prefill[{bucket(long, pre_bucket)}t,scan]",
-                               "engine.prefill", pool))
+        progs.append(
+            _recorded(f"engine.prefill[{bucket(long, pre_bucket)}t,scan]", "engine.prefill", pool)
+        )
         short = max(1, min(pre_bucket, ctx - long))
         model.forward(pool, toks(short), long, pages, min_bucket=pre_bucket)
-        progs.append(_recorded(f"engine.prefill[{bucket(short, pre_bucket)}t,unrolled]",
-                               "engine.prefill", pool))
+        progs.append(
+            _recorded(
+                f"engine.prefill[{bucket(short, pre_bucket)}t,unrolled]", "engine.prefill", pool
+            )
+        )
         model.forward(pool, toks(1), ctx, pages)
         progs.append(_recorded(f"engine.decode[ctx {ctx}]", "engine.decode", pool))
         progs.append(_layer_program(model, pool, bucket(long, pre_bucket), pages))
@@ -349,8 +504,9 @@ def engine_programs(spec: KVSpec, device_pages: int, cfg: ModelConfig) -> list[P
     return progs
 
 
-def _layer_program(model: DecoderModel, pool: _RecordingPool, tb: int,
-                   pages: np.ndarray) -> Program:
+def _layer_program(
+    model: DecoderModel, pool: _RecordingPool, tb: int, pages: np.ndarray
+) -> Program:
     """The per-layer step of a layer-wise load-back (``LAYER``) with the arguments
     ``forward(waiter=...)`` gives it: the embedding runs eagerly there, so it cannot be
     recorded on shapes; the arguments are built the same way."""
@@ -358,35 +514,67 @@ def _layer_program(model: DecoderModel, pool: _RecordingPool, tb: int,
     table = _i32(bucket(pages.shape[0]))
     x = _sds((tb, cfg.d_model), cfg.dtype)
     layer = {k: _sds(v.shape[1:], v.dtype) for k, v in model.params["layers"].items()}
-    return Program(f"engine.layer[{tb}t]", "engine.layer", LAYER,
-                   (cfg, pool.array, _i32(), layer, x, _i32(), _i32(), table), {}, True,
-                   (pool.array.shape,))
+    return Program(
+        f"engine.layer[{tb}t]",
+        "engine.layer",
+        LAYER,
+        (cfg, pool.array, _i32(), layer, x, _i32(), _i32(), table),
+        {},
+        True,
+        (pool.array.shape,),
+    )
 
 
-def _batched_programs(model: DecoderModel, pool: _RecordingPool, ctx: int,
-                      pages: np.ndarray) -> list[Program]:
+def _batched_programs(
+    model: DecoderModel, pool: _RecordingPool, ctx: int, pages: np.ndarray
+) -> list[Program]:
     knobs = {k: _default(BatchedEngine, k) for k in ("query_block", "key_block")}
-    knobs.update(min_pages=_default(BatchedEngine, "table_bucket"),
-                 min_batch=_default(BatchedEngine, "batch_bucket"))
+    knobs.update(
+        min_pages=_default(BatchedEngine, "table_bucket"),
+        min_batch=_default(BatchedEngine, "batch_bucket"),
+    )
     slots = TokenSlots(_default(BatchedEngine, "max_running"))
     n = pages.shape[0]
     lists = [pages, pages[::-1].copy(), np.roll(pages, n // 2), np.roll(pages, n // 3)]
     starts = [0, ctx // 2, ctx // 3, ctx - 1]
     prefill = min(_default(BatchedEngine, "token_budget"), max(2, ctx // 2))
     chunks = [np.zeros(prefill, np.int32)] + [np.zeros(1, np.int32)] * 3
-    model.forward_batch(pool, chunks, starts, lists, slots=slots, slot_of=[0, 1, 2, 3],
-                        from_slot=[False, True, True, True], **knobs)
+    model.forward_batch(
+        pool,
+        chunks,
+        starts,
+        lists,
+        slots=slots,
+        slot_of=[0, 1, 2, 3],
+        from_slot=[False, True, True, True],
+        **knobs,
+    )
     mixed = _recorded(f"batched.step[{prefill}t + 3 decode]", "batched.step", pool)
-    model.forward_batch(pool, chunks[1:], starts[1:], lists[1:], slots=slots,
-                        slot_of=[1, 2, 3], from_slot=[True] * 3, **knobs)
+    model.forward_batch(
+        pool,
+        chunks[1:],
+        starts[1:],
+        lists[1:],
+        slots=slots,
+        slot_of=[1, 2, 3],
+        from_slot=[True] * 3,
+        **knobs,
+    )
     return [mixed, _recorded("batched.step[3 decode]", "batched.step", pool)]
 
 
 # ------------------------------------------------------------------------------------ all
 
-def programs(spec: KVSpec, platform: str, *, device_pages: int, host_pages: int | None = None,
-             host_layout: HostLayout | str = HostLayout.LAYER_FIRST,
-             engine: bool = True) -> ProgramSet:
+
+def programs(
+    spec: KVSpec,
+    platform: str,
+    *,
+    device_pages: int,
+    host_pages: int | None = None,
+    host_layout: HostLayout | str = HostLayout.LAYER_FIRST,
+    engine: bool = True,
+) -> ProgramSet:
     """Every device program of a cache of ``spec`` with ``device_pages`` L1 pages and
     ``host_pages`` L2 pages (default 4x) on ``platform``, and the engines' steps.
 
@@ -398,8 +586,9 @@ def programs(spec: KVSpec, platform: str, *, device_pages: int, host_pages: int 
     if platform not in PLATFORMS:
         raise ValueError(f"platform={platform!r} must be one of {PLATFORMS}")
     for name, value in (("device_pages", device_pages), ("host_pages", host_pages)):
-        if value is not None and (not isinstance(value, int) or isinstance(value, bool)
-                                  or value < 1):
+        if value is not None and (
+            not isinstance(value, int) or isinstance(value, bool) or value < 1
+        ):
             raise ValueError(f"{name}={value!r} must be an int >= 1")
     host_pages = 4 * device_pages if host_pages is None else host_pages
     layout = HostLayout(host_layout)
@@ -412,8 +601,10 @@ def programs(spec: KVSpec, platform: str, *, device_pages: int, host_pages: int 
     else:
         notes.append("Pallas kernels: none compiled for cpu (the pool runs them interpreted)")
     if platform == "cuda":
-        notes.append("Mosaic GPU kernels: grid of this machine's default block count (a GPU "
-                     "process uses one block per SM), the kernel body is the same")
+        notes.append(
+            "Mosaic GPU kernels: grid of this machine's default block count (a GPU "
+            "process uses one block per SM), the kernel body is the same"
+        )
     notes.append("pools unsharded (one device): the head-sharded mesh variants are not listed")
     progs += pool_helper_programs(spec, device_pages)
     more, more_bounds = host_programs(spec, device_pages, host_pages, platform, layout)
@@ -423,7 +614,9 @@ def programs(spec: KVSpec, platform: str, *, device_pages: int, host_pages: int 
     if cfg is not None:
         progs += engine_programs(spec, device_pages, cfg)
     elif engine:
-        notes.append(f"engine steps: the decoder cannot hold this KV ({spec.dtype}, "
-                     f"mla={spec.mla})")
-    return ProgramSet(spec, platform, device_pages, host_pages, tuple(progs), bounds, cfg,
-                      tuple(notes))
+        notes.append(
+            f"engine steps: the decoder cannot hold this KV ({spec.dtype}, mla={spec.mla})"
+        )
+    return ProgramSet(
+        spec, platform, device_pages, host_pages, tuple(progs), bounds, cfg, tuple(notes)
+    )

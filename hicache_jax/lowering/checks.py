@@ -40,8 +40,17 @@ import jax
 
 from hicache_jax.lowering.catalogue import Program, ProgramSet
 
-__all__ = ["LoweringCheckError", "Lowered", "Report", "check", "check_bounds", "check_program",
-           "format_table", "lower", "report_json"]
+__all__ = [
+    "LoweringCheckError",
+    "Lowered",
+    "Report",
+    "check",
+    "check_bounds",
+    "check_program",
+    "format_table",
+    "lower",
+    "report_json",
+]
 
 #: What jax 0.10 raises when a host callback is lowered for a platform this machine lacks.
 _CALLBACK_ERROR = "different from the lowering platform"
@@ -49,8 +58,10 @@ _CALLBACK_OPS = re.compile(r"stablehlo\.(send|recv|outfeed|infeed)\b")
 _CUSTOM_CALL = re.compile(r"custom_call @([\w.$-]+)|call_target_name = \"([\w.$-]+)\"")
 _FLOAT = r"(?:bf16|f16|f32|f64|f8\w*|f4\w*)"
 #: Custom-call targets a Pallas kernel lowers to, per platform.
-_KERNEL_TARGETS = {"tpu": ("tpu_custom_call",), "cuda": ("mosaic_gpu", "__gpu$xla.gpu.triton",
-                                                         "triton_kernel_call")}
+_KERNEL_TARGETS = {
+    "tpu": ("tpu_custom_call",),
+    "cuda": ("mosaic_gpu", "__gpu$xla.gpu.triton", "triton_kernel_call"),
+}
 
 
 class LoweringCheckError(AssertionError):
@@ -92,14 +103,16 @@ def lower(program: Program, platform: str) -> Lowered:
         try:
             # Program.fn is a jax.jit function (its doc); the catalogue's tables type it loosely.
             fn = cast(jax.stages.Wrapped, program.fn)
-            exported = jax.export.export(fn, platforms=(platform,))(
-                *program.args, **program.kwargs)
+            exported = jax.export.export(fn, platforms=(platform,))(*program.args, **program.kwargs)
             text = exported.mlir_module()
         except Exception as e:  # reported as the program's verdict, never raised
             msg = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-            error = (f"host callback (or another op bound to this machine's backend: it "
-                     f"lowers only with its platform's device): {msg}"
-                     if _CALLBACK_ERROR in str(e) else msg)
+            error = (
+                f"host callback (or another op bound to this machine's backend: it "
+                f"lowers only with its platform's device): {msg}"
+                if _CALLBACK_ERROR in str(e)
+                else msg
+            )
     notes = tuple(dict.fromkeys(str(w.message).splitlines()[0] for w in caught))
     return Lowered(program, platform, text, error, notes, time.perf_counter() - t0)
 
@@ -118,8 +131,11 @@ def _not_aliased(text: str, args: list[str]) -> str | None:
     first = args[0] if args else ""
     m = re.search(r"tf\.aliasing_output = (\d+)", first)
     if m is None:
-        return ("argument 0 is only a buffer donor, aliased to no output"
-                if "jax.buffer_donor" in first else "argument 0 is aliased to no output")
+        return (
+            "argument 0 is only a buffer donor, aliased to no output"
+            if "jax.buffer_donor" in first
+            else "argument 0 is aliased to no output"
+        )
     sig = next((line for line in text.splitlines() if "func.func public @main(" in line), "")
     results = re.findall(r"tensor<[^>]*>", sig.split(") -> ", 1)[-1])
     want = re.match(r"%arg0: (tensor<[^>]*>)", first)
@@ -156,8 +172,10 @@ def check_program(low: Lowered) -> list[str]:
     if p.kernel:
         want = _KERNEL_TARGETS.get(low.platform, ())
         if not any(c.startswith(w) for c in calls for w in want):
-            bad.append(f"{where}: Pallas kernel missing: no {' / '.join(want) or 'kernel'} "
-                       f"custom call (found {calls or 'none'}): a fallback was lowered")
+            bad.append(
+                f"{where}: Pallas kernel missing: no {' / '.join(want) or 'kernel'} "
+                f"custom call (found {calls or 'none'}): a fallback was lowered"
+            )
     return bad
 
 
@@ -167,8 +185,10 @@ def _raw_bits(where: str, p: Program, text: str, args: list[str]) -> list[str]:
         dims = _dims(shape)
         floats = sorted(set(re.findall(rf"tensor<{dims}x({_FLOAT})>", text)))
         if floats:
-            bad.append(f"{where}: pool stored as {'/'.join(floats)} (a tensor<{dims}x"
-                       f"{floats[0]}>), not raw bits")
+            bad.append(
+                f"{where}: pool stored as {'/'.join(floats)} (a tensor<{dims}x"
+                f"{floats[0]}>), not raw bits"
+            )
         for line in text.splitlines():
             if "stablehlo.convert" in line and f"tensor<{dims}x" in line:
                 bad.append(f"{where}: convert of the whole pool shape {dims}: {line.strip()[:160]}")
@@ -184,11 +204,17 @@ def check_bounds(pset: ProgramSet) -> list[str]:
     """Operations with more distinct programs than their bound: ``"<op> [<platform>]: ..."``."""
     sigs: dict[str, set] = {}
     for p in pset.programs:
-        key = (p.fn, jax.tree.map(lambda a: (getattr(a, "shape", a), str(getattr(a, "dtype", ""))),
-                                  p.args), tuple(sorted((k, repr(v)) for k, v in p.kwargs.items())))
+        key = (
+            p.fn,
+            jax.tree.map(lambda a: (getattr(a, "shape", a), str(getattr(a, "dtype", ""))), p.args),
+            tuple(sorted((k, repr(v)) for k, v in p.kwargs.items())),
+        )
         sigs.setdefault(p.op, set()).add(repr(key))
-    return [f"{op} [{pset.platform}]: {len(sigs.get(op, ()))} distinct programs, bound {b}"
-            for op, b in pset.bounds.items() if len(sigs.get(op, ())) > b]
+    return [
+        f"{op} [{pset.platform}]: {len(sigs.get(op, ()))} distinct programs, bound {b}"
+        for op, b in pset.bounds.items()
+        if len(sigs.get(op, ())) > b
+    ]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -219,8 +245,7 @@ class Report:
 def check(pset: ProgramSet, *, only: Sequence[str] | None = None) -> Report:
     """Lower every program of ``pset`` (or those whose name starts with one of ``only``) for
     its platform, and check each one and the bounds."""
-    chosen = [p for p in pset.programs
-              if only is None or any(p.name.startswith(o) for o in only)]
+    chosen = [p for p in pset.programs if only is None or any(p.name.startswith(o) for o in only)]
     lowered = tuple(lower(p, pset.platform) for p in chosen)
     failures = {low.program.name: check_program(low) for low in lowered}
     failures["bounds"] = check_bounds(pset)
@@ -228,6 +253,7 @@ def check(pset: ProgramSet, *, only: Sequence[str] | None = None) -> Report:
 
 
 # ----------------------------------------------------------------------------------- output
+
 
 def _mib(n: int) -> str:
     return f"{n / 2**20:,.1f}" if n else "-"
@@ -239,20 +265,28 @@ def format_table(report: Report) -> str:
     ps = report.pset
     spec = ps.spec
     pool = spec.kv_shape(ps.device_pages + 1)
-    head = (f"platform {ps.platform}; jax {jax.__version__}; spec {spec.num_layers}L "
-            f"{spec.num_kv_heads}x{spec.head_dim} {spec.dtype} page {spec.page_size} "
-            f"({spec.page_bytes / 2**20:.3g} MiB a page); L1 {ps.device_pages} pages "
-            f"({spec.page_bytes * (ps.device_pages + 1) / 2**30:.2f} GiB, {_dims(pool)}); "
-            f"L2 {ps.host_pages} pages ({spec.page_bytes * ps.host_pages / 2**30:.2f} GiB); "
-            f"engine model: {_model_text(ps)}")
+    head = (
+        f"platform {ps.platform}; jax {jax.__version__}; spec {spec.num_layers}L "
+        f"{spec.num_kv_heads}x{spec.head_dim} {spec.dtype} page {spec.page_size} "
+        f"({spec.page_bytes / 2**20:.3g} MiB a page); L1 {ps.device_pages} pages "
+        f"({spec.page_bytes * (ps.device_pages + 1) / 2**30:.2f} GiB, {_dims(pool)}); "
+        f"L2 {ps.host_pages} pages ({spec.page_bytes * ps.host_pages / 2**30:.2f} GiB); "
+        f"engine model: {_model_text(ps)}"
+    )
     rows = [("program", "pages", "MiB", "custom calls", "ms", "verdict")]
     for low in report.lowered:
         fails = report.failures.get(low.program.name, [])
-        verdict = "ok" if not fails else "FAIL: " + "; ".join(
-            f.split(": ", 1)[1] for f in fails)
-        rows.append((low.program.name, str(low.program.pages or "-"),
-                     _mib(low.program.moved_bytes), ",".join(low.custom_calls) or "-",
-                     f"{low.seconds * 1e3:.0f}", verdict[:150]))
+        verdict = "ok" if not fails else "FAIL: " + "; ".join(f.split(": ", 1)[1] for f in fails)
+        rows.append(
+            (
+                low.program.name,
+                str(low.program.pages or "-"),
+                _mib(low.program.moved_bytes),
+                ",".join(low.custom_calls) or "-",
+                f"{low.seconds * 1e3:.0f}",
+                verdict[:150],
+            )
+        )
     widths = [max(len(r[i]) for r in rows) for i in range(5)]
     lines = [head, ""]
     for r in rows:
@@ -261,12 +295,19 @@ def format_table(report: Report) -> str:
     counts: dict[str, int] = {}
     for p in ps.programs:
         counts[p.op] = counts.get(p.op, 0) + 1
-    lines.append("programs per operation (bound: the most it may compile): " + ", ".join(
-        f"{op} {n}" + (f"/{ps.bounds[op]}" if op in ps.bounds else "") for op, n in counts.items()))
+    lines.append(
+        "programs per operation (bound: the most it may compile): "
+        + ", ".join(
+            f"{op} {n}" + (f"/{ps.bounds[op]}" if op in ps.bounds else "")
+            for op, n in counts.items()
+        )
+    )
     lines += [f"note: {n}" for n in ps.notes]
     bad = [m for ms in report.failures.values() for m in ms]
-    lines.append(f"{len(report.lowered)} programs lowered for {ps.platform}: "
-                 + ("all checks pass" if not bad else f"{len(bad)} failures"))
+    lines.append(
+        f"{len(report.lowered)} programs lowered for {ps.platform}: "
+        + ("all checks pass" if not bad else f"{len(bad)} failures")
+    )
     return "\n".join(lines)
 
 
@@ -274,22 +315,38 @@ def _model_text(ps: ProgramSet) -> str:
     m = ps.model
     if m is None:
         return "none"
-    return (f"{m.num_layers}L d{m.d_model} {m.num_heads}/{m.num_kv_heads} heads ffn {m.ffn_dim} "
-            f"vocab {m.vocab_size} {m.dtype} (weights as shapes)")
+    return (
+        f"{m.num_layers}L d{m.d_model} {m.num_heads}/{m.num_kv_heads} heads ffn {m.ffn_dim} "
+        f"vocab {m.vocab_size} {m.dtype} (weights as shapes)"
+    )
 
 
 def report_json(report: Report) -> dict[str, Any]:
     """The report as plain data: environment, sizes, one entry per program, the failures."""
     ps = report.pset
     return {
-        "benchmark": "hicache-jax lower", "platform": ps.platform, "jax": jax.__version__,
-        "spec": dataclasses.asdict(ps.spec), "device_pages": ps.device_pages,
-        "host_pages": ps.host_pages, "model": None if ps.model is None
-        else dataclasses.asdict(ps.model), "bounds": ps.bounds, "notes": list(ps.notes),
-        "programs": [{"name": low.program.name, "op": low.program.op,
-                      "pages": low.program.pages, "moved_bytes": low.program.moved_bytes,
-                      "custom_calls": low.custom_calls, "lower_ms": low.seconds * 1e3,
-                      "error": low.error, "failures": report.failures[low.program.name]}
-                     for low in report.lowered],
-        "bound_failures": report.failures["bounds"], "ok": report.ok,
+        "benchmark": "hicache-jax lower",
+        "platform": ps.platform,
+        "jax": jax.__version__,
+        "spec": dataclasses.asdict(ps.spec),
+        "device_pages": ps.device_pages,
+        "host_pages": ps.host_pages,
+        "model": None if ps.model is None else dataclasses.asdict(ps.model),
+        "bounds": ps.bounds,
+        "notes": list(ps.notes),
+        "programs": [
+            {
+                "name": low.program.name,
+                "op": low.program.op,
+                "pages": low.program.pages,
+                "moved_bytes": low.program.moved_bytes,
+                "custom_calls": low.custom_calls,
+                "lower_ms": low.seconds * 1e3,
+                "error": low.error,
+                "failures": report.failures[low.program.name],
+            }
+            for low in report.lowered
+        ],
+        "bound_failures": report.failures["bounds"],
+        "ok": report.ok,
     }

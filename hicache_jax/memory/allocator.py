@@ -44,14 +44,16 @@ class PageIdChecker:
         if ids is None:
             ids = as_page_ids(page_ids, name)
             if ids.size and ids.max() >= self.num_pages:
-                raise ValueError(f"{name} has ids outside the {self.pool} pool "
-                                 f"[0, {self.num_pages}): max {ids.max()}")
+                raise ValueError(
+                    f"{name} has ids outside the {self.pool} pool "
+                    f"[0, {self.num_pages}): max {ids.max()}"
+                )
         if ids.size > 1:
             # O(k) duplicate check (np.unique sorts): write each position at its id; with a
             # repeated id the last write wins and an earlier position reads back another value.
             if ids.size > self.num_pages:  # more ids than pages: some must repeat
                 raise ValueError(f"{name} has duplicate ids")
-            pos = self._positions[:ids.size]
+            pos = self._positions[: ids.size]
             self._slot[ids] = pos
             if (self._slot[ids] != pos).any():
                 raise ValueError(f"{name} has duplicate ids")
@@ -61,9 +63,14 @@ class PageIdChecker:
         """int32 copy if ``page_ids`` already is a non-empty 1-D integer numpy array in range,
         else None (the full checks then raise the precise error). The common case, in two
         reductions instead of ``as_page_ids``' generic checks plus a third for the range."""
-        if type(page_ids) is np.ndarray and page_ids.ndim == 1 and page_ids.size \
-                and page_ids.dtype.kind in "iu" and page_ids.min() >= 0 \
-                and page_ids.max() < self.num_pages:
+        if (
+            type(page_ids) is np.ndarray
+            and page_ids.ndim == 1
+            and page_ids.size
+            and page_ids.dtype.kind in "iu"
+            and page_ids.min() >= 0
+            and page_ids.max() < self.num_pages
+        ):
             return page_ids.astype(np.int32)
         return None
 
@@ -104,9 +111,9 @@ class PageAllocator:
         n = int(n)  # a numpy count would make every later count a numpy integer
         if n > self._top:
             raise OutOfPagesError(
-                f"{self.name} pool: {n} pages needed, {self._top} free",
-                needed=n, free=self._top)
-        ids = self._stack[self._top - n:self._top][::-1].copy()
+                f"{self.name} pool: {n} pages needed, {self._top} free", needed=n, free=self._top
+            )
+        ids = self._stack[self._top - n : self._top][::-1].copy()
         self._top -= n
         self._allocated[ids] = True
         return ids
@@ -115,8 +122,13 @@ class PageAllocator:
         """Validate that ``ids`` are distinct, in range and currently allocated; return int32
         (``ids`` itself when it already is a 1-D int32 numpy array of ids >= 0: the cache's own
         ids, freed on every eviction, skip the generic conversion and its copy)."""
-        if type(ids) is np.ndarray and ids.dtype == np.int32 and ids.ndim == 1 \
-                and ids.size and ids.min() >= 0:
+        if (
+            type(ids) is np.ndarray
+            and ids.dtype == np.int32
+            and ids.ndim == 1
+            and ids.size
+            and ids.min() >= 0
+        ):
             arr = ids
         else:
             arr = as_page_ids(ids, name)
@@ -125,7 +137,8 @@ class PageAllocator:
         if arr.max() >= self.num_pages:
             raise HiCacheError(
                 f"{name} has ids outside the {self.name} pool [0, {self.num_pages}): "
-                f"max {arr.max()}")
+                f"max {arr.max()}"
+            )
         if arr.size > 1:
             # O(k), no sort: write each position at its id; with a repeated id the last write
             # wins and an earlier position reads back another value.
@@ -136,7 +149,8 @@ class PageAllocator:
         if not self._allocated[arr].all():
             bad = arr[~self._allocated[arr]][:8]
             raise HiCacheError(
-                f"{name}: {self.name} pages {bad.tolist()} are not allocated (double free?)")
+                f"{name}: {self.name} pages {bad.tolist()} are not allocated (double free?)"
+            )
         return arr
 
     def free(self, ids, *, validated: bool = False) -> None:
@@ -152,7 +166,7 @@ class PageAllocator:
             arr = self.check_allocated(ids)
         k = arr.size
         self._allocated[arr] = False
-        self._stack[self._top:self._top + k] = arr[::-1]
+        self._stack[self._top : self._top + k] = arr[::-1]
         self._top += k
 
     def is_allocated(self, ids) -> np.ndarray:

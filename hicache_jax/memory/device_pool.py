@@ -128,13 +128,15 @@ def _pallas_copy_fns(impl: Any, sharding: NamedSharding | None) -> tuple[Scatter
     # A kernel is opaque to the partitioner: run it on each device's heads, ids replicated.
     spec, ids = sharding.spec, PartitionSpec()
     shard = functools.partial(jax.shard_map, mesh=sharding.mesh, check_vma=False)
-    return (shard(scatter, in_specs=(spec, ids, spec), out_specs=spec),
-            shard(gather, in_specs=(spec, ids), out_specs=spec))
+    return (
+        shard(scatter, in_specs=(spec, ids, spec), out_specs=spec),
+        shard(gather, in_specs=(spec, ids), out_specs=spec),
+    )
 
 
-def _resolve_backend(copy_backend: CopyBackend | str, platform: str,
-                     sharding: NamedSharding | None = None
-                     ) -> tuple[CopyBackend, ScatterFn, GatherFn]:
+def _resolve_backend(
+    copy_backend: CopyBackend | str, platform: str, sharding: NamedSharding | None = None
+) -> tuple[CopyBackend, ScatterFn, GatherFn]:
     """Map a backend choice (and the pool's platform) to its copy functions, once."""
     backend = parse_enum(CopyBackend, "copy_backend", copy_backend)
     if backend is CopyBackend.AUTO:
@@ -145,11 +147,12 @@ def _resolve_backend(copy_backend: CopyBackend | str, platform: str,
         device = sharding.mesh.devices.flat[0] if sharding is not None else jax.devices()[0]
         impl = pk.compiled_impl(device)
         if impl is None and platform != "cpu":
-            raise ValueError(f"copy_backend='pallas' has no kernels for {device.device_kind} "
-                             f"(needs a TPU or an sm_90+ GPU); use 'xla'")
+            raise ValueError(
+                f"copy_backend='pallas' has no kernels for {device.device_kind} "
+                f"(needs a TPU or an sm_90+ GPU); use 'xla'"
+            )
         # On CPU: the generic kernels in Pallas' interpreter (correct, slow: for tests).
-        return (CopyBackend.PALLAS,
-                *_pallas_copy_fns(impl or pk.Impl.INTERPRET, sharding))
+        return (CopyBackend.PALLAS, *_pallas_copy_fns(impl or pk.Impl.INTERPRET, sharding))
     return (CopyBackend.XLA, *platform_copy_fns(CopyBackend.XLA, platform))
 
 
@@ -176,8 +179,14 @@ def platform_copy_fns(backend: CopyBackend | str, platform: str) -> tuple[Scatte
 
 
 @functools.partial(jax.jit, donate_argnums=0, static_argnames=("scatter", "sharding"))
-def _write_pages(pool: jax.Array, page_ids: jax.Array, pages: jax.Array, *,
-                 scatter: ScatterFn, sharding: NamedSharding | None) -> jax.Array:
+def _write_pages(
+    pool: jax.Array,
+    page_ids: jax.Array,
+    pages: jax.Array,
+    *,
+    scatter: ScatterFn,
+    sharding: NamedSharding | None,
+) -> jax.Array:
     """Scatter ``pages`` into ``pool`` at ``page_ids`` (pool donated).
 
     Args:
@@ -197,8 +206,14 @@ def _write_pages(pool: jax.Array, page_ids: jax.Array, pages: jax.Array, *,
 
 
 @functools.partial(jax.jit, static_argnames=("gather", "dtype", "sharding"))
-def _read_pages(pool: jax.Array, page_ids: jax.Array, *, gather: GatherFn, dtype: np.dtype,
-                sharding: NamedSharding | None) -> jax.Array:
+def _read_pages(
+    pool: jax.Array,
+    page_ids: jax.Array,
+    *,
+    gather: GatherFn,
+    dtype: np.dtype,
+    sharding: NamedSharding | None,
+) -> jax.Array:
     """Gather pages (bits) then view them as ``dtype``: [L, kvf, B, ps, H, D]."""
     pages = constrain(gather(pool, page_ids), sharding)
     # View after gathering: bitcasting the whole pool first was measured 1.5-2x slower.
@@ -229,7 +244,11 @@ def _pad_pages(pages: jax.Array, size: int, bits_dtype: np.dtype) -> jax.Array:
 #: run on the whole pool at power-of-two page buckets; ``take_first`` / ``pad`` move one call's
 #: pages only. For tools that lower them for a platform without its device.
 PROGRAMS: dict[str, Callable[..., Any]] = {
-    "write": _write_pages, "read": _read_pages, "take_first": _take_first, "pad": _pad_pages}
+    "write": _write_pages,
+    "read": _read_pages,
+    "take_first": _take_first,
+    "pad": _pad_pages,
+}
 
 
 class DevicePagePool:
@@ -254,9 +273,16 @@ class DevicePagePool:
         huge_page_bytes: bytes of ``array`` on transparent huge pages (0 off the CPU backend).
     """
 
-    def __init__(self, spec: KVSpec, num_pages: int, *, mesh: Mesh | None = None,
-                 axis: str | None = None, copy_backend: CopyBackend | str = "auto",
-                 huge_pages: bool = True) -> None:
+    def __init__(
+        self,
+        spec: KVSpec,
+        num_pages: int,
+        *,
+        mesh: Mesh | None = None,
+        axis: str | None = None,
+        copy_backend: CopyBackend | str = "auto",
+        huge_pages: bool = True,
+    ) -> None:
         if not isinstance(spec, KVSpec):
             raise TypeError(f"spec must be a KVSpec, got {type(spec).__name__}")
         check_int("num_pages", num_pages, 1)
@@ -266,7 +292,8 @@ class DevicePagePool:
         self.sharding = head_sharding(spec, mesh, axis)
         platform = (mesh.devices.flat[0] if mesh is not None else jax.devices()[0]).platform
         self.copy_backend, self._scatter, self._gather = _resolve_backend(
-            copy_backend, platform, self.sharding)
+            copy_backend, platform, self.sharding
+        )
         self.shape = spec.kv_shape(self.num_pages + 1)
         self.scratch_page = self.num_pages
         # Resolved once: these sit on the per-call path (write of one page is ~20 us of dispatch).
@@ -296,7 +323,7 @@ class DevicePagePool:
     def _padded_ids(self, ids: np.ndarray) -> tuple[np.ndarray, int]:
         size = bucket_size(ids.size)
         padded = np.full(size, self.scratch_page, np.int32)
-        padded[:ids.size] = ids
+        padded[: ids.size] = ids
         return padded, size
 
     def write(self, page_ids: Any, kv: KV | KVHost) -> None:
@@ -323,7 +350,7 @@ class DevicePagePool:
             bits = kv.view(self._bits)
             if size != ids.size:
                 buf = np.empty(self.spec.kv_shape(size), self._bits)
-                buf[:, :, :ids.size] = bits
+                buf[:, :, : ids.size] = bits
                 pages = buf  # ours: the device may alias it
             else:
                 # The caller's array: on CPU the transfer may alias it (and device_put's copy,
@@ -334,16 +361,20 @@ class DevicePagePool:
         else:
             if size != ids.size:
                 pages = _pad_pages(kv, size, self._bits)
-            elif (self.sharding is not None and kv.dtype != self._bits
-                  and kv.sharding is not self.sharding  # (identity first: the check is slow)
-                  and not kv.sharding.is_equivalent_to(self.sharding, kv.ndim)):
+            elif (
+                self.sharding is not None
+                and kv.dtype != self._bits
+                and kv.sharding is not self.sharding  # (identity first: the check is slow)
+                and not kv.sharding.is_equivalent_to(self.sharding, kv.ndim)
+            ):
                 # Resharding inside the scatter would move bfloat16 / float16 values, and
                 # XLA:CPU canonicalizes NaN payloads when it does: view as bits first.
                 pages = _pad_pages(kv, size, self._bits)
             else:
                 pages = kv
-        self.array = _write_pages(self.array, padded, pages,
-                                  scatter=self._scatter, sharding=self.sharding)
+        self.array = _write_pages(
+            self.array, padded, pages, scatter=self._scatter, sharding=self.sharding
+        )
 
     def read(self, page_ids: Any) -> KV:
         """Return the KV of ``page_ids``: ``spec.kv_shape(n)`` in ``spec.jnp_dtype`` (a new array).
@@ -363,10 +394,12 @@ class DevicePagePool:
             return jnp.zeros(self.spec.kv_shape(0), dtype)
         padded, size = self._padded_ids(ids)
         if size == ids.size:
-            return _read_pages(self.array, padded, gather=self._gather, dtype=dtype,
-                               sharding=self.sharding)
-        bits = _read_pages(self.array, padded, gather=self._gather, dtype=self._bits,
-                           sharding=self.sharding)
+            return _read_pages(
+                self.array, padded, gather=self._gather, dtype=dtype, sharding=self.sharding
+            )
+        bits = _read_pages(
+            self.array, padded, gather=self._gather, dtype=self._bits, sharding=self.sharding
+        )
         return _take_first(bits, ids.size, dtype)
 
     def run(self, fn: Callable[..., tuple[jax.Array, Any]], *args: Any) -> Any:
@@ -392,4 +425,3 @@ class DevicePagePool:
 
     def _rebind(self, array: jax.Array) -> None:
         self.array = array
-

@@ -50,11 +50,15 @@ def check_kv(spec: KVSpec, kv: Any, n: int) -> None:
         raise TypeError(f"kv must be a jax.Array or numpy array, got {type(kv).__name__}")
     want = spec.kv_shape(n)
     if tuple(kv.shape) != want:
-        raise ValueError(f"kv.shape={tuple(kv.shape)} must be spec.kv_shape({n})={want} "
-                         "[layers, kv, pages, page_size, heads, dim]")
+        raise ValueError(
+            f"kv.shape={tuple(kv.shape)} must be spec.kv_shape({n})={want} "
+            "[layers, kv, pages, page_size, heads, dim]"
+        )
     if kv.dtype != spec.jnp_dtype and kv.dtype != spec.bits_dtype:
-        raise TypeError(f"kv.dtype={kv.dtype} must be {spec.jnp_dtype} (spec dtype) "
-                        f"or {spec.bits_dtype} (raw bits)")
+        raise TypeError(
+            f"kv.dtype={kv.dtype} must be {spec.jnp_dtype} (spec dtype) "
+            f"or {spec.bits_dtype} (raw bits)"
+        )
 
 
 class DonatedArray:
@@ -78,8 +82,13 @@ class DonatedArray:
         # (fn, arg shapes / dtypes) whose eval_shape passed: eval_shape costs ~30 us a call
         self._checked: set = set()
 
-    def run(self, array: jax.Array, rebind: Callable[[jax.Array], None],
-            fn: Callable[..., tuple[jax.Array, Any]], args: tuple) -> Any:
+    def run(
+        self,
+        array: jax.Array,
+        rebind: Callable[[jax.Array], None],
+        fn: Callable[..., tuple[jax.Array, Any]],
+        args: tuple,
+    ) -> Any:
         """``new, out = fn(array, *args)`` with ``array`` donated; ``rebind(new)``; return ``out``.
 
         Raises:
@@ -92,14 +101,18 @@ class DonatedArray:
         if new.sharding is not self._sharding_ok:
             if not new.sharding.is_equivalent_to(self.sharding, len(self.shape)):
                 rebind(jax.device_put(new, self.sharding))
-                raise ValueError(f"fn returned the {self.name} with sharding {new.sharding}, "
-                                 f"expected {self.sharding}: set out_shardings (the "
-                                 f"{self.name} was moved back to its placement)")
+                raise ValueError(
+                    f"fn returned the {self.name} with sharding {new.sharding}, "
+                    f"expected {self.sharding}: set out_shardings (the "
+                    f"{self.name} was moved back to its placement)"
+                )
             self._sharding_ok = new.sharding
         rebind(new)
         if not array.is_deleted():
-            raise ValueError(f"fn did not donate the {self.name} (jit it with donate_argnums=0): "
-                             f"the step ran but copied the whole {self.name}")
+            raise ValueError(
+                f"fn did not donate the {self.name} (jit it with donate_argnums=0): "
+                f"the step ran but copied the whole {self.name}"
+            )
         return out
 
     def _check_before(self, fn: Any, array: jax.Array, args: tuple) -> None:
@@ -109,8 +122,12 @@ class DonatedArray:
         key = None
         if all(isinstance(a, (jax.Array, np.ndarray)) for a in args):
             try:
-                key = (fn, tuple((a.shape, a.dtype, getattr(a, "weak_type", False))
-                                 for a in (array, *args)))
+                key = (
+                    fn,
+                    tuple(
+                        (a.shape, a.dtype, getattr(a, "weak_type", False)) for a in (array, *args)
+                    ),
+                )
                 if key in self._checked:
                     return
             except TypeError:  # an unhashable function: no memo
@@ -126,6 +143,8 @@ class DonatedArray:
             raise ValueError(f"fn must return (new_{self.name.replace(' ', '_')}, out)")
         new, out = result
         if tuple(new.shape) != self.shape or new.dtype != self.dtype:
-            raise ValueError(f"fn returned a {self.name} of shape {tuple(new.shape)} dtype "
-                             f"{new.dtype}, expected {self.shape} {self.dtype}")
+            raise ValueError(
+                f"fn returned a {self.name} of shape {tuple(new.shape)} dtype "
+                f"{new.dtype}, expected {self.shape} {self.dtype}"
+            )
         return new, out

@@ -57,8 +57,7 @@ class Group:
         """Every process's ``value`` of this step, in process order (all must call it)."""
         raise NotImplementedError
 
-    def ride(self, name: str, value: Callable[[], str],
-             take: Callable[[list[str]], None]) -> None:
+    def ride(self, name: str, value: Callable[[], str], take: Callable[[list[str]], None]) -> None:
         """Send ``value()`` with the next agreement, whatever it is for, and give ``take``
         every process's (in process order) once it is in: a value that can wait for the next
         agreement costs none of its own (:meth:`flush` sends it alone). Every process must ask
@@ -76,11 +75,14 @@ class Group:
         mine = np.asarray(values, np.int64).reshape(-1)
         if self.num_processes == 1:
             return mine
-        rows = [np.asarray([int(x) for x in v.split(",") if x], np.int64)
-                for v in self.allgather(tag, ",".join(map(str, mine.tolist())))]
+        rows = [
+            np.asarray([int(x) for x in v.split(",") if x], np.int64)
+            for v in self.allgather(tag, ",".join(map(str, mine.tolist())))
+        ]
         if any(r.shape != mine.shape for r in rows):
-            raise GroupDivergedError(f"agree_min {tag!r}: processes gave {[r.size for r in rows]}"
-                                     " values", field=tag)
+            raise GroupDivergedError(
+                f"agree_min {tag!r}: processes gave {[r.size for r in rows]} values", field=tag
+            )
         return np.min(np.stack(rows), axis=0)
 
     def leader(self, tag: str, value: str) -> str:
@@ -97,8 +99,7 @@ class Group:
         names = [name for name, _ in fields]
         rows = [v.split("\x1f") for v in self.allgather(tag, "\x1f".join(v for _, v in fields))]
         if any(len(r) != len(names) for r in rows):
-            raise GroupDivergedError(f"{tag}: processes compared different field lists",
-                                     field=tag)
+            raise GroupDivergedError(f"{tag}: processes compared different field lists", field=tag)
         for i, name in enumerate(names):
             values = [r[i] for r in rows]
             odd = next((p for p, v in enumerate(values) if v != values[0]), None)
@@ -109,7 +110,9 @@ class Group:
                 name, first, other = _first_key(name, values[0], values[odd])
             raise GroupDivergedError(
                 f"{tag}: {name} differs between processes: process 0 has {first}, "
-                f"process {odd} has {other}", field=name)
+                f"process {odd} has {other}",
+                field=name,
+            )
 
 
 def _first_key(name: str, a: str, b: str) -> tuple[str, str, str]:
@@ -153,10 +156,19 @@ class DistributedGroup(Group):
             every peer has connected.
     """
 
-    def __init__(self, timeout_s: float = 60.0, *, name: str | None = None, client: Any = None,
-                 process_id: int | None = None, num_processes: int | None = None,
-                 delete_every: int = 64, transport: str = "socket", host: str | None = None,
-                 port: int = 0) -> None:
+    def __init__(
+        self,
+        timeout_s: float = 60.0,
+        *,
+        name: str | None = None,
+        client: Any = None,
+        process_id: int | None = None,
+        num_processes: int | None = None,
+        delete_every: int = 64,
+        transport: str = "socket",
+        host: str | None = None,
+        port: int = 0,
+    ) -> None:
         if not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
             raise ValueError(f"timeout_s={timeout_s!r} must be a number > 0")
         if not isinstance(delete_every, int) or delete_every < 1:
@@ -189,21 +201,28 @@ class DistributedGroup(Group):
         self.transport = transport
         self._links = None
         if transport == "socket" and self.num_processes > 1:
-            self._links = SocketLinks(client, self._ns, self.process_id, self.num_processes,
-                                      host=host or route_host(coordinator), port=port,
-                                      timeout_s=self.timeout_s)
+            self._links = SocketLinks(
+                client,
+                self._ns,
+                self.process_id,
+                self.num_processes,
+                host=host or route_host(coordinator),
+                port=port,
+                timeout_s=self.timeout_s,
+            )
 
     def __repr__(self) -> str:
-        return (f"DistributedGroup(process {self.process_id} of {self.num_processes}, "
-                f"{self._ns!r}, {self.transport}, timeout_s={self.timeout_s})")
+        return (
+            f"DistributedGroup(process {self.process_id} of {self.num_processes}, "
+            f"{self._ns!r}, {self.transport}, timeout_s={self.timeout_s})"
+        )
 
     def close(self) -> None:
         """Close the socket transport's connections (peers then see this process gone)."""
         if self._links is not None:
             self._links.close()
 
-    def ride(self, name: str, value: Callable[[], str],
-             take: Callable[[list[str]], None]) -> None:
+    def ride(self, name: str, value: Callable[[], str], take: Callable[[list[str]], None]) -> None:
         self._riders.append((name, value, take))
 
     def flush(self) -> None:
@@ -259,7 +278,8 @@ class DistributedGroup(Group):
                 f"process {p} of {self.num_processes} did not reach agreement step {step} "
                 f"({tag!r}) within {self.timeout_s:g} s: it died, hangs, or stopped calling "
                 f"the cache (process {self.process_id} waited; {type(e).__name__})",
-                process=p) from None
+                process=p,
+            ) from None
         peer_tag, _, value = raw.partition("\x1e")
         if peer_tag != tag:
             raise call_diverged(step, self.process_id, tag, p, peer_tag)
@@ -281,8 +301,11 @@ class AgreedClock:
 
     def __init__(self, group: Group, local: Any) -> None:
         self._group, self._local = group, local
-        self._now = float(local()) if group.num_processes == 1 else \
-            float(group.leader("clock", repr(float(local()))))
+        self._now = (
+            float(local())
+            if group.num_processes == 1
+            else float(group.leader("clock", repr(float(local()))))
+        )
         self._last = self._now - 1e-9
         self._pending = False
 

@@ -34,13 +34,16 @@ __all__ = ["SocketLinks", "route_host"]
 _LEN = struct.Struct("!I")
 
 
-def call_diverged(step: int, me: int, tag: str, p: int, peer_tag: str,
-                  note: str = "") -> GroupDivergedError:
+def call_diverged(
+    step: int, me: int, tag: str, p: int, peer_tag: str, note: str = ""
+) -> GroupDivergedError:
     """The error of both transports when process ``p`` made another call (``peer_tag``) at
     agreement ``step`` than this process ``me`` (``tag``); ``note`` is appended."""
     return GroupDivergedError(
         f"processes made different calls: at agreement step {step} process {me} is at "
-        f"{tag!r}, process {p} at {peer_tag!r}{note}", field="call")
+        f"{tag!r}, process {p} at {peer_tag!r}{note}",
+        field="call",
+    )
 
 
 def route_host(coordinator: str | None) -> str:
@@ -76,8 +79,17 @@ class SocketLinks:
         timeout_s: the deadline of the construction and of every step.
     """
 
-    def __init__(self, client: Any, ns: str, process_id: int, num_processes: int, *,
-                 host: str, port: int = 0, timeout_s: float) -> None:
+    def __init__(
+        self,
+        client: Any,
+        ns: str,
+        process_id: int,
+        num_processes: int,
+        *,
+        host: str,
+        port: int = 0,
+        timeout_s: float,
+    ) -> None:
         self._me, self._n, self._timeout = process_id, num_processes, timeout_s
         self._socks: dict[int, socket.socket] = {}
         self._buf: dict[int, bytearray] = {}
@@ -88,12 +100,15 @@ class SocketLinks:
         end = time.monotonic() + timeout_s
         try:
             listener = socket.create_server(
-                (host, port), backlog=max(1, num_processes),
-                family=socket.AF_INET6 if ":" in host else socket.AF_INET)
+                (host, port),
+                backlog=max(1, num_processes),
+                family=socket.AF_INET6 if ":" in host else socket.AF_INET,
+            )
         except OSError as e:
             raise GroupConnectError(
                 f"process {process_id} of {num_processes} cannot listen on {host}:{port} ({e}): "
-                "give DistributedGroup(host=...) an address of this host", process=process_id
+                "give DistributedGroup(host=...) an address of this host",
+                process=process_id,
             ) from None
         try:
             address = f"{host}:{listener.getsockname()[1]:d}"
@@ -132,12 +147,14 @@ class SocketLinks:
                 f"({e}): that process listens on an address this host cannot reach (give "
                 "DistributedGroup(host=..., port=...) an address and open port the other hosts "
                 "can reach, or transport='kv')",
-                process=p) from None
+                process=p,
+            ) from None
         self._socks[p] = s
 
     def _accept(self, listener: socket.socket, ns: str, end: float) -> None:
         def first_missing() -> int:
             return next(q for q in range(self._me + 1, self._n) if q not in self._socks)
+
         try:
             listener.settimeout(self._left(end))
             s, _ = listener.accept()
@@ -152,7 +169,8 @@ class SocketLinks:
             raise GroupDivergedError(
                 f"process {self._me} was reached by group {peer_ns!r} of process {peer}, "
                 f"not {ns!r}: the processes built their groups in different orders",
-                field="group")
+                field="group",
+            )
         self._socks[int(peer)] = s
         self._buf[int(peer)] = bytearray(rest)  # the peer's first step may follow its hello
 
@@ -166,7 +184,7 @@ class SocketLinks:
                 raise ValueError("connection closed")
             data += chunk
         end = _LEN.size + _LEN.unpack_from(data)[0]
-        return data[_LEN.size:end].decode(), data[end:]
+        return data[_LEN.size : end].decode(), data[end:]
 
     def _left(self, end: float) -> float:
         left = end - time.monotonic()
@@ -178,7 +196,8 @@ class SocketLinks:
         return GroupTimeoutError(
             f"process {p} of {self._n} did not {what}{step} within {self._timeout:g} s: it "
             f"died, hangs, or stopped calling the cache (process {self._me} waited; {why})",
-            process=p)
+            process=p,
+        )
 
     # -- steps ----------------------------------------------------------------------------
 
@@ -198,13 +217,20 @@ class SocketLinks:
                 continue
             while (got := self._pop(p)) is None:
                 if p in self._closed:
-                    raise self._missing(p, "reach agreement", self._closed[p],
-                                        f" step {step} ({tag!r})")
+                    raise self._missing(
+                        p, "reach agreement", self._closed[p], f" step {step} ({tag!r})"
+                    )
                 self._wait(end, p, step, tag)
             peer_step, peer_tag, peer_value = got.split("\x1e", 2)
             if peer_tag != tag or peer_step != str(step):
-                raise call_diverged(step, self._me, tag, p, peer_tag,
-                                    "" if peer_step == str(step) else f" (its step {peer_step})")
+                raise call_diverged(
+                    step,
+                    self._me,
+                    tag,
+                    p,
+                    peer_tag,
+                    "" if peer_step == str(step) else f" (its step {peer_step})",
+                )
             rows.append(peer_value)
         while any(len(v) for v in self._out.values()):  # our frame still going out
             self._wait(end, next(p for p, v in self._out.items() if len(v)), step, tag)
@@ -217,8 +243,8 @@ class SocketLinks:
         size = _LEN.unpack_from(buf)[0]
         if len(buf) < _LEN.size + size:
             return None
-        text = bytes(buf[_LEN.size:_LEN.size + size]).decode()
-        del buf[:_LEN.size + size]
+        text = bytes(buf[_LEN.size : _LEN.size + size]).decode()
+        del buf[: _LEN.size + size]
         return text
 
     def _wait(self, end: float, p: int, step: int, tag: str) -> None:
@@ -257,8 +283,11 @@ class SocketLinks:
         self._out[p] = rest = out[sent:]
         if bool(len(rest)) != (p in self._writing):  # wait for room to write, or no longer
             self._writing ^= {p}
-            self._sel.modify(self._socks[p], selectors.EVENT_READ |
-                             (selectors.EVENT_WRITE if len(rest) else 0), p)
+            self._sel.modify(
+                self._socks[p],
+                selectors.EVENT_READ | (selectors.EVENT_WRITE if len(rest) else 0),
+                p,
+            )
 
     def _drop(self, p: int, why: str) -> None:
         """The peer's connection ended: what it sent before stays readable."""

@@ -3,7 +3,7 @@
 Layouts (``HiCacheConfig.host_layout``), raw bits (``spec.bits_dtype``) like the device pool::
 
     layer_first: bits[num_layers, kv_factor, num_pages, page_size, num_kv_heads, head_dim]
-    page_first:  bits[num_pages, num_layers, kv_factor, page_size, num_kv_heads, head_dim]
+    page_first: bits[num_pages, num_layers, kv_factor, page_size, num_kv_heads, head_dim]
 
 ``layer_first`` keeps each layer's pages together (layer-by-layer load-back reads one layer's
 rows); ``page_first`` makes each page one contiguous run across layers (large transfers, a
@@ -74,8 +74,9 @@ class HostRead:
 
     __slots__ = ("spec", "num_pages", "_chunks")
 
-    def __init__(self, spec: KVSpec, num_pages: int,
-                 chunks: list[tuple[int, int, jax.Array]]) -> None:
+    def __init__(
+        self, spec: KVSpec, num_pages: int, chunks: list[tuple[int, int, jax.Array]]
+    ) -> None:
         self.spec, self.num_pages, self._chunks = spec, num_pages, chunks
 
     def done(self) -> bool:
@@ -89,9 +90,8 @@ class HostRead:
         for start, count, pages in self._chunks:
             local = local_numpy(pages)  # a pool over several processes: this one's heads
             if out is None:
-                out = np.empty(local.shape[:2] + (self.num_pages,) + local.shape[3:],
-                               local.dtype)
-            out[:, :, start:start + count] = local[:, :, :count]
+                out = np.empty(local.shape[:2] + (self.num_pages,) + local.shape[3:], local.dtype)
+            out[:, :, start : start + count] = local[:, :, :count]
         return out if out is not None else np.empty(self.spec.kv_shape(0), self.spec.bits_dtype)
 
     def copy_into(self, out: PageRows, rows: np.ndarray) -> None:
@@ -104,7 +104,7 @@ class HostRead:
         if out.dtype != self.spec.bits_dtype:
             raise TypeError(f"out.dtype={out.dtype} must be the bits dtype {self.spec.bits_dtype}")
         for start, count, pages in self._chunks:  # (several processes: this one's heads)
-            out[rows[start:start + count]] = np.moveaxis(local_numpy(pages)[:, :, :count], 2, 0)
+            out[rows[start : start + count]] = np.moveaxis(local_numpy(pages)[:, :, :count], 2, 0)
 
 
 class HostPagePool:
@@ -131,9 +131,17 @@ class HostPagePool:
         huge_page_bytes: bytes of ``buffer`` on transparent huge pages (0 off the CPU backend).
     """
 
-    def __init__(self, spec: KVSpec, num_pages: int, layout: HostLayout | str = "layer_first", *,
-                 mesh: Mesh | None = None, axis: str | None = None,
-                 memory_kind: str = "auto", huge_pages: bool = True) -> None:
+    def __init__(
+        self,
+        spec: KVSpec,
+        num_pages: int,
+        layout: HostLayout | str = "layer_first",
+        *,
+        mesh: Mesh | None = None,
+        axis: str | None = None,
+        memory_kind: str = "auto",
+        huge_pages: bool = True,
+    ) -> None:
         if not isinstance(spec, KVSpec):
             raise TypeError(f"spec must be a KVSpec, got {type(spec).__name__}")
         check_int("num_pages", num_pages, 0)
@@ -148,12 +156,16 @@ class HostPagePool:
         self.device_sharding = placement.with_memory_kind(default_kind)
         self.sharding = placement.with_memory_kind(self.memory_kind)
         self.on_device_memory = self.memory_kind == default_kind
-        self.shape = (spec.kv_shape(self.num_pages) if self.layout is HostLayout.LAYER_FIRST
-                      else spec.page_major_shape(self.num_pages))
+        self.shape = (
+            spec.kv_shape(self.num_pages)
+            if self.layout is HostLayout.LAYER_FIRST
+            else spec.page_major_shape(self.num_pages)
+        )
         self.allocator = PageAllocator(self.num_pages, "host")
         self._check_ids = PageIdChecker(self.num_pages, "host")
-        self.buffer: jax.Array = zeros_in_memory(self.shape, spec.bits_dtype, self.sharding,
-                                                 self.on_device_memory)
+        self.buffer: jax.Array = zeros_in_memory(
+            self.shape, spec.bits_dtype, self.sharding, self.on_device_memory
+        )
         #: Bytes of the buffer on transparent huge pages (CPU backend only; see hugepages.py).
         self.huge_page_bytes = advise_huge_pages(self.buffer) if huge_pages else 0
         self._donated = DonatedArray("host buffer", self.buffer)
@@ -162,8 +174,9 @@ class HostPagePool:
         self.local_heads = local_heads(self.sharding, self.shape)
         self.local_spec = shard_spec(spec, self.local_heads)
         # Staged chunks (page-major, in device memory) into the buffer: see _write_staged.
-        self._write_fn = staged_write_fn(spec, self.layout,
-                                         None if self.on_device_memory else self.sharding)
+        self._write_fn = staged_write_fn(
+            spec, self.layout, None if self.on_device_memory else self.sharding
+        )
 
     @property
     def nbytes(self) -> int:
@@ -211,8 +224,8 @@ class HostPagePool:
         check_kv(self.spec, kv, ids.size)
         bits = np.asarray(kv).view(self.spec.bits_dtype)[:, :, :, :, self.local_heads]
         for start, count, staged in self._staging_chunks(ids.size):
-            staged[:count] = np.moveaxis(bits[:, :, start:start + count], 2, 0)
-            self._write_staged(ids[start:start + count], staged)
+            staged[:count] = np.moveaxis(bits[:, :, start : start + count], 2, 0)
+            self._write_staged(ids[start : start + count], staged)
 
     def write_rows(self, host_ids: Any, pages: PageRows, rows: Any) -> None:
         """Store ``pages[rows[i]]`` at ``host_ids[i]``: pages taken straight from a page-major
@@ -229,38 +242,47 @@ class HostPagePool:
         if pages.ndim != 6 or pages.shape[1:] != tail:
             raise ValueError(f"pages.shape={pages.shape} must be (P,) + {tail} (page-major)")
         if pages.dtype not in (self.spec.jnp_dtype, self.spec.bits_dtype):
-            raise TypeError(f"pages.dtype={pages.dtype} must be {self.spec.jnp_dtype} or "
-                            f"{self.spec.bits_dtype}")
+            raise TypeError(
+                f"pages.dtype={pages.dtype} must be {self.spec.jnp_dtype} or {self.spec.bits_dtype}"
+            )
         rows = np.asarray(rows)
         if rows.shape != ids.shape or not (rows.size == 0 or rows.dtype.kind in "iu"):
-            raise ValueError(f"rows must be {ids.size} integers, got shape {rows.shape} "
-                             f"dtype {rows.dtype}")
+            raise ValueError(
+                f"rows must be {ids.size} integers, got shape {rows.shape} dtype {rows.dtype}"
+            )
         if rows.size and (rows.min() < 0 or rows.max() >= pages.shape[0]):
-            raise ValueError(f"rows must be in [0, {pages.shape[0]}), got "
-                             f"[{rows.min()}, {rows.max()}]")
+            raise ValueError(
+                f"rows must be in [0, {pages.shape[0]}), got [{rows.min()}, {rows.max()}]"
+            )
         src = pages.view(self.spec.bits_dtype)
         for start, count, staged in self._staging_chunks(ids.size):
             # page by page: np.take would first copy the whole of a non-contiguous ``pages``
             # (measured: 14.6 ms for 64 of 256 pages of an entry-rows view), fancy indexing
             # would make a temporary of the chunk
-            for i, row in enumerate(rows[start:start + count].tolist()):
+            for i, row in enumerate(rows[start : start + count].tolist()):
                 staged[i] = src[row]
-            self._write_staged(ids[start:start + count], staged)
+            self._write_staged(ids[start : start + count], staged)
 
     def _staging_chunks(self, n: int) -> Iterator[tuple[int, int, np.ndarray]]:
         """``(start, count, staged)`` per chunk: a fresh page-major buffer of the chunk's stage
         size (padding rows are never read: the plan pads with its last pair). Fresh each time:
         on CPU ``device_put`` may alias it."""
         for start, count, size in stage_chunks(n):
-            yield start, count, np.empty(self.local_spec.page_major_shape(size),
-                                         self.spec.bits_dtype)
+            yield (
+                start,
+                count,
+                np.empty(self.local_spec.page_major_shape(size), self.spec.bits_dtype),
+            )
 
     def _write_staged(self, ids: np.ndarray, staged: np.ndarray) -> None:
         """Copy the first ``ids.size`` pages of a page-major staged chunk to ``ids``."""
         # Staged in device memory even when the buffer is pinned_host: a device computation
         # can move chunks device -> host, not update host memory from host memory.
-        src = from_local(staged, self.device_sharding,  # several processes: our heads
-                         self.spec.page_major_shape(staged.shape[0]))
+        src = from_local(
+            staged,
+            self.device_sharding,  # several processes: our heads
+            self.spec.page_major_shape(staged.shape[0]),
+        )
         self.run(self._write_fn, src, copy_plan(ids, np.arange(ids.size, dtype=np.int32)))
 
     def read(self, host_ids: Any) -> KVHost:
@@ -282,30 +304,52 @@ class HostPagePool:
         """
         ids = self.validate_ids(host_ids)
         dev_put = None if self.on_device_memory else self.device_sharding
-        chunks = [(start, count, staged_read_fn(self.spec, self.layout, size,
-                                                self.device_sharding, dev_put)(
-            self.buffer, copy_plan(np.arange(count, dtype=np.int32), ids[start:start + count]))[0])
-            for start, count, size in stage_chunks(ids.size)]
+        chunks = [
+            (
+                start,
+                count,
+                staged_read_fn(self.spec, self.layout, size, self.device_sharding, dev_put)(
+                    self.buffer,
+                    copy_plan(np.arange(count, dtype=np.int32), ids[start : start + count]),
+                )[0],
+            )
+            for start, count, size in stage_chunks(ids.size)
+        ]
         return HostRead(self.spec, ids.size, chunks)
 
 
 # The buffer's two copy programs with their static arguments bound, one place for the pool and
 # for tools that lower them for a platform without its device (lowering/checks.py).
-def staged_write_fn(spec: KVSpec, layout: HostLayout,
-                    host_put: jax.sharding.Sharding | None) -> Callable:
+def staged_write_fn(
+    spec: KVSpec, layout: HostLayout, host_put: jax.sharding.Sharding | None
+) -> Callable:
     """``fn(buffer, staged, plan) -> (buffer, token)``: page-major staged chunk (device memory)
     into the buffer (donated); ``host_put`` is the buffer's sharding when it is in another
     memory space than the chunk (pinned_host), else None."""
-    return copy_fn(dst_layout=layout, src_layout=HostLayout.PAGE_FIRST,
-                   num_layers=spec.num_layers, dst_put=host_put)
+    return copy_fn(
+        dst_layout=layout,
+        src_layout=HostLayout.PAGE_FIRST,
+        num_layers=spec.num_layers,
+        dst_put=host_put,
+    )
 
 
-def staged_read_fn(spec: KVSpec, layout: HostLayout, size: int,
-                   device_sharding: jax.sharding.Sharding,
-                   dev_put: jax.sharding.Sharding | None) -> Callable:
+def staged_read_fn(
+    spec: KVSpec,
+    layout: HostLayout,
+    size: int,
+    device_sharding: jax.sharding.Sharding,
+    dev_put: jax.sharding.Sharding | None,
+) -> Callable:
     """``fn(buffer, plan) -> (pages, token)``: pages of the buffer into a new device array of
     ``size`` pages (``STAGE_SIZES``); ``dev_put`` is ``device_sharding`` when the buffer is in
     another memory space, else None."""
-    return functools.partial(gather_pages, size=size, out_sharding=device_sharding,
-                             src_layout=layout, num_layers=spec.num_layers, src_put=dev_put,
-                             dst_put=None)
+    return functools.partial(
+        gather_pages,
+        size=size,
+        out_sharding=device_sharding,
+        src_layout=layout,
+        num_layers=spec.num_layers,
+        src_put=dev_put,
+        dst_put=None,
+    )

@@ -15,7 +15,7 @@ a scratch page.
 Layouts (``HostLayout``), raw bits like the pools::
 
     layer_first: bits[num_layers, kv_factor, num_pages, page_size, num_kv_heads, head_dim]
-    page_first:  bits[num_pages, num_layers, kv_factor, page_size, num_kv_heads, head_dim]
+    page_first: bits[num_pages, num_layers, kv_factor, page_size, num_kv_heads, head_dim]
 
 The device pool is ``layer_first`` (with its scratch page).
 
@@ -143,8 +143,9 @@ def _merge_minor(x: jax.Array) -> jax.Array:
     return x.reshape(*x.shape[:-2], x.shape[-2] * x.shape[-1])
 
 
-def _slice_page(arr: jax.Array, layout: HostLayout, page: jax.Array, layer: jax.Array,
-                num_layers: int) -> jax.Array:
+def _slice_page(
+    arr: jax.Array, layout: HostLayout, page: jax.Array, layer: jax.Array, num_layers: int
+) -> jax.Array:
     """One page, layers ``[layer, layer + num_layers)``: [nl, kvf, 1, *row] (row: ps, H, D or
     ps, H*D in a merged view)."""
     zero = jnp.zeros((), jnp.int32)
@@ -152,8 +153,7 @@ def _slice_page(arr: jax.Array, layout: HostLayout, page: jax.Array, layer: jax.
     if layout is HostLayout.PAGE_FIRST:
         kvf, row = arr.shape[2], arr.shape[3:]
         # [1, nl, kvf, *row] -> [nl, kvf, 1, *row]: moving a size-1 axis is a reshape.
-        chunk = lax.dynamic_slice(arr, (page, layer, zero, *row_zeros),
-                                  (1, num_layers, kvf, *row))
+        chunk = lax.dynamic_slice(arr, (page, layer, zero, *row_zeros), (1, num_layers, kvf, *row))
         return chunk.reshape(num_layers, kvf, 1, *row)
     kvf, row = arr.shape[1], arr.shape[3:]
     return lax.dynamic_slice(arr, (layer, zero, page, *row_zeros), (num_layers, kvf, 1, *row))
@@ -166,8 +166,9 @@ def _to_layout(chunk: jax.Array, layout: HostLayout) -> jax.Array:
     return chunk
 
 
-def _update_page(arr: jax.Array, layout: HostLayout, page: jax.Array, layer: jax.Array,
-                 chunk: jax.Array) -> jax.Array:
+def _update_page(
+    arr: jax.Array, layout: HostLayout, page: jax.Array, layer: jax.Array, chunk: jax.Array
+) -> jax.Array:
     zero = jnp.zeros((), jnp.int32)
     row_zeros = (zero,) * (arr.ndim - 3)
     if layout is HostLayout.PAGE_FIRST:
@@ -179,10 +180,18 @@ def _update_page(arr: jax.Array, layout: HostLayout, page: jax.Array, layer: jax
 STATIC = ("dst_layout", "src_layout", "num_layers", "src_put", "dst_put")
 
 
-def _copy_loop(dst: Bits, src: Bits, plan: jax.Array, *, dst_layout: HostLayout,
-               src_layout: HostLayout, num_layers: int, src_put: jax.sharding.Sharding | None,
-               dst_put: jax.sharding.Sharding | None, inline: bool = False
-               ) -> tuple[Bits, jax.Array]:
+def _copy_loop(
+    dst: Bits,
+    src: Bits,
+    plan: jax.Array,
+    *,
+    dst_layout: HostLayout,
+    src_layout: HostLayout,
+    num_layers: int,
+    src_put: jax.sharding.Sharding | None,
+    dst_put: jax.sharding.Sharding | None,
+    inline: bool = False,
+) -> tuple[Bits, jax.Array]:
     """``dst[dst_ids[i]] = src[src_ids[i]]`` for every pair of ``plan``, layers
     ``[layer, layer + num_layers)``.
 
@@ -234,13 +243,24 @@ def _copy_loop(dst: Bits, src: Bits, plan: jax.Array, *, dst_layout: HostLayout,
 copy_pages = jax.jit(_copy_loop, donate_argnums=0, static_argnames=STATIC)
 
 
-def copy_fn(*, dst_layout: HostLayout, src_layout: HostLayout, num_layers: int,
-            src_put: jax.sharding.Sharding | None = None,
-            dst_put: jax.sharding.Sharding | None = None) -> functools.partial:
+def copy_fn(
+    *,
+    dst_layout: HostLayout,
+    src_layout: HostLayout,
+    num_layers: int,
+    src_put: jax.sharding.Sharding | None = None,
+    dst_put: jax.sharding.Sharding | None = None,
+) -> functools.partial:
     """:func:`copy_pages` with its static arguments bound: ``fn(dst, src, plan) -> (dst, token)``,
     ``dst`` donated (what ``DevicePagePool.run`` / ``HostPagePool.run`` take)."""
-    return functools.partial(copy_pages, dst_layout=dst_layout, src_layout=src_layout,
-                             num_layers=num_layers, src_put=src_put, dst_put=dst_put)
+    return functools.partial(
+        copy_pages,
+        dst_layout=dst_layout,
+        src_layout=src_layout,
+        num_layers=num_layers,
+        src_put=src_put,
+        dst_put=dst_put,
+    )
 
 
 def bound_copy(fn: functools.partial) -> Callable:
@@ -254,8 +274,9 @@ def bound_copy(fn: functools.partial) -> Callable:
 def inline_copy(fn: functools.partial) -> Callable:
     """:func:`bound_copy` of the same copy with a token without flops, which XLA:CPU runs in
     the calling thread (``INLINE_COPY_BYTES``): the same pages copied, the same result."""
-    return _bound_copy(tuple(sorted((fn.keywords | {"inline": True}).items(),
-                                    key=lambda kv: kv[0])))
+    return _bound_copy(
+        tuple(sorted((fn.keywords | {"inline": True}).items(), key=lambda kv: kv[0]))
+    )
 
 
 @functools.cache
@@ -264,9 +285,17 @@ def _bound_copy(keywords: tuple) -> Callable:
 
 
 @functools.partial(jax.jit, static_argnames=("size", "out_sharding") + STATIC[1:])
-def gather_pages(src: Bits, plan: jax.Array, *, size: int, out_sharding: jax.sharding.Sharding,
-                 src_layout: HostLayout, num_layers: int, src_put: jax.sharding.Sharding | None,
-                 dst_put: None = None) -> tuple[Bits, jax.Array]:
+def gather_pages(
+    src: Bits,
+    plan: jax.Array,
+    *,
+    size: int,
+    out_sharding: jax.sharding.Sharding,
+    src_layout: HostLayout,
+    num_layers: int,
+    src_put: jax.sharding.Sharding | None,
+    dst_put: None = None,
+) -> tuple[Bits, jax.Array]:
     """Pages of ``src`` into a new [L, kvf, size, ps, H, D] array, row ``plan[0, i]`` from page
     ``plan[1, i]`` (the plan of ``copy_plan(arange(n), ids)``; rows >= n stay 0), and the
     copy's token: without its flops XLA:CPU would run the copy inline (see MIN_INDEX_LEN)."""
@@ -274,7 +303,16 @@ def gather_pages(src: Bits, plan: jax.Array, *, size: int, out_sharding: jax.sha
         _, num_l, kvf, ps, heads, dim = src.shape
     else:
         num_l, kvf, _, ps, heads, dim = src.shape
-    out = lax.with_sharding_constraint(jnp.zeros((num_l, kvf, size, ps, heads, dim), src.dtype),
-                                       out_sharding)
-    return _copy_loop(out, src, plan, dst_layout=HostLayout.LAYER_FIRST, src_layout=src_layout,
-                      num_layers=num_layers, src_put=src_put, dst_put=dst_put)
+    out = lax.with_sharding_constraint(
+        jnp.zeros((num_l, kvf, size, ps, heads, dim), src.dtype), out_sharding
+    )
+    return _copy_loop(
+        out,
+        src,
+        plan,
+        dst_layout=HostLayout.LAYER_FIRST,
+        src_layout=src_layout,
+        num_layers=num_layers,
+        src_put=src_put,
+        dst_put=dst_put,
+    )

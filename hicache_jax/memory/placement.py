@@ -57,8 +57,10 @@ def head_sharding(spec: KVSpec, mesh: Mesh | None, axis: str | None) -> NamedSha
         return NamedSharding(mesh, PartitionSpec())
     size = mesh.shape[axis]
     if spec.num_kv_heads % size:
-        raise ValueError(f"num_kv_heads={spec.num_kv_heads} is not divisible by the size {size} "
-                         f"of mesh axis {axis!r}")
+        raise ValueError(
+            f"num_kv_heads={spec.num_kv_heads} is not divisible by the size {size} "
+            f"of mesh axis {axis!r}"
+        )
     return NamedSharding(mesh, PartitionSpec(None, None, None, None, axis, None))
 
 
@@ -85,8 +87,10 @@ def local_heads(sharding: jax.sharding.Sharding, shape: tuple[int, ...]) -> slic
     lo, hi = runs[0]
     for a, b in runs[1:]:
         if a > hi:
-            raise ValueError(f"this process holds kv heads {runs}: not one contiguous run; "
-                             "order the mesh's devices by process along the head axis")
+            raise ValueError(
+                f"this process holds kv heads {runs}: not one contiguous run; "
+                "order the mesh's devices by process along the head axis"
+            )
         hi = max(hi, b)
     return slice(lo, hi)
 
@@ -100,7 +104,7 @@ def local_numpy(x: jax.Array) -> np.ndarray:
     out = np.empty(x.shape[:4] + (heads.stop - heads.start,) + x.shape[5:], x.dtype)
     for shard in x.addressable_shards:
         lo, hi = shard.index[4].indices(x.shape[4])[:2]
-        out[:, :, :, :, lo - heads.start:hi - heads.start] = np.asarray(shard.data)
+        out[:, :, :, :, lo - heads.start : hi - heads.start] = np.asarray(shard.data)
     return out
 
 
@@ -108,12 +112,16 @@ def shard_spec(spec: KVSpec, heads: slice) -> KVSpec:
     """The spec of ``heads`` of ``spec`` (``spec`` itself for all of them)."""
     if heads.start == 0 and heads.stop == spec.num_kv_heads:
         return spec
-    return dataclasses.replace(spec, num_kv_heads=heads.stop - heads.start,
-                               shard=f"{heads.start}:{heads.stop}/{spec.num_kv_heads}")
+    return dataclasses.replace(
+        spec,
+        num_kv_heads=heads.stop - heads.start,
+        shard=f"{heads.start}:{heads.stop}/{spec.num_kv_heads}",
+    )
 
 
-def from_local(local: np.ndarray, sharding: jax.sharding.Sharding,
-               shape: tuple[int, ...]) -> jax.Array:
+def from_local(
+    local: np.ndarray, sharding: jax.sharding.Sharding, shape: tuple[int, ...]
+) -> jax.Array:
     """The array of ``shape`` placed by ``sharding`` from this process's heads ``local``
     (:func:`local_heads`); a plain ``device_put`` when the array is this process's alone."""
     if sharding.is_fully_addressable:
@@ -156,8 +164,10 @@ def resolve_memory_kind(device: jax.Device, memory_kind: str) -> str:
     # XLA:CPU ("memory kind does not match"), and pageable memory is what L2 must avoid anyway.
     usable = [k for k in kinds if k in (default, "pinned_host")]
     if memory_kind not in usable:
-        raise ValueError(f"memory_kind={memory_kind!r} is not one of {['auto'] + usable} "
-                         f"(the memories of {device} this pool can use)")
+        raise ValueError(
+            f"memory_kind={memory_kind!r} is not one of {['auto'] + usable} "
+            f"(the memories of {device} this pool can use)"
+        )
     return memory_kind
 
 
@@ -173,8 +183,9 @@ def zeros_placed(shape: tuple[int, ...], dtype: Any, sharding: jax.sharding.Shar
     return _zeros_fn(tuple(int(d) for d in shape), np.dtype(dtype), sharding)()
 
 
-def zeros_in_memory(shape: tuple[int, ...], dtype: Any, sharding: jax.sharding.Sharding,
-                    on_default_memory: bool) -> jax.Array:
+def zeros_in_memory(
+    shape: tuple[int, ...], dtype: Any, sharding: jax.sharding.Sharding, on_default_memory: bool
+) -> jax.Array:
     """Zeroed buffer placed directly with ``sharding`` (whose memory kind may be a host one).
 
     In the device's default memory a jitted ``zeros`` allocates in place. In a host memory kind

@@ -65,22 +65,31 @@ if TYPE_CHECKING:  # the pools are only passed in: the engine needs their public
     from hicache_jax.memory.host_pool import HostPagePool
 
 
-def transfer_fns(num_layers: int, host_layout: HostLayout, host_put: jax.sharding.Sharding | None,
-                 dev_put: jax.sharding.Sharding | None) -> tuple[Any, Any, Any]:
+def transfer_fns(
+    num_layers: int,
+    host_layout: HostLayout,
+    host_put: jax.sharding.Sharding | None,
+    dev_put: jax.sharding.Sharding | None,
+) -> tuple[Any, Any, Any]:
     """``(backup, load, load_layer)``: the page copies of a transfer engine with their static
     arguments bound (``page_copy.copy_fn``), destination donated. ``host_put`` / ``dev_put``:
     the host pool's sharding / the device pool's, when the host pool is in another memory space
     (pinned_host), else None. Also what ``lowering/checks.py`` lowers for other platforms."""
-    backup = copy_fn(dst_layout=host_layout, src_layout=HostLayout.LAYER_FIRST,
-                     num_layers=num_layers, dst_put=host_put)
-    load: dict[str, Any] = dict(dst_layout=HostLayout.LAYER_FIRST, src_layout=host_layout,
-                                src_put=dev_put)
+    backup = copy_fn(
+        dst_layout=host_layout,
+        src_layout=HostLayout.LAYER_FIRST,
+        num_layers=num_layers,
+        dst_put=host_put,
+    )
+    load: dict[str, Any] = dict(
+        dst_layout=HostLayout.LAYER_FIRST, src_layout=host_layout, src_put=dev_put
+    )
     return backup, copy_fn(**load, num_layers=num_layers), copy_fn(**load, num_layers=1)
 
 
 class TransferKind(str, enum.Enum):
     BACKUP = "backup"  # device -> host
-    LOAD = "load"      # host -> device
+    LOAD = "load"  # host -> device
 
 
 class TransferHandle:
@@ -96,11 +105,30 @@ class TransferHandle:
         seconds: dispatch -> completion as observed by ``done``/``wait``/``poll`` (None before).
     """
 
-    __slots__ = ("kind", "device_ids", "host_ids", "nbytes", "tag", "layerwise", "seconds",
-                 "_engine", "_tokens", "_t0", "_complete", "_start")
+    __slots__ = (
+        "kind",
+        "device_ids",
+        "host_ids",
+        "nbytes",
+        "tag",
+        "layerwise",
+        "seconds",
+        "_engine",
+        "_tokens",
+        "_t0",
+        "_complete",
+        "_start",
+    )
 
-    def __init__(self, engine: TransferEngine, kind: TransferKind, device_ids: np.ndarray,
-                 host_ids: np.ndarray, tag: Any, layerwise: bool) -> None:
+    def __init__(
+        self,
+        engine: TransferEngine,
+        kind: TransferKind,
+        device_ids: np.ndarray,
+        host_ids: np.ndarray,
+        tag: Any,
+        layerwise: bool,
+    ) -> None:
         self.kind = kind
         self.device_ids = device_ids
         self.host_ids = host_ids
@@ -124,8 +152,11 @@ class TransferHandle:
         applied.)"""
         # several processes, or completions at set request starts: applied in poll() only
         # (is_ready() is on jax's concrete arrays, ArrayImpl, not in the jax.Array interface)
-        if not self._complete and not self._engine._decided \
-                and all(t.is_ready() for t in self._tokens):  # type: ignore[attr-defined]
+        if (
+            not self._complete
+            and not self._engine._decided
+            and all(t.is_ready() for t in self._tokens)  # type: ignore[attr-defined]
+        ):
             self._engine._finish(self)
         return self._complete
 
@@ -169,15 +200,23 @@ class TransferEngine:
         ValueError: the pools' specs or placements differ.
     """
 
-    def __init__(self, device_pool: DevicePagePool, host_pool: HostPagePool, *,
-                 clock: Callable[[], float] = time.perf_counter) -> None:
+    def __init__(
+        self,
+        device_pool: DevicePagePool,
+        host_pool: HostPagePool,
+        *,
+        clock: Callable[[], float] = time.perf_counter,
+    ) -> None:
         if device_pool.spec != host_pool.spec:
-            raise ValueError(f"device pool spec {device_pool.spec} != host pool spec "
-                             f"{host_pool.spec}")
+            raise ValueError(
+                f"device pool spec {device_pool.spec} != host pool spec {host_pool.spec}"
+            )
         dev = device_pool.array.sharding
         if not dev.is_equivalent_to(host_pool.device_sharding, len(device_pool.shape)):
-            raise ValueError(f"host pool placement {host_pool.sharding} does not match the device "
-                             f"pool's {dev}: build the host pool with the same mesh and axis")
+            raise ValueError(
+                f"host pool placement {host_pool.sharding} does not match the device "
+                f"pool's {dev}: build the host pool with the same mesh and axis"
+            )
         self.device_pool = device_pool
         self.host_pool = host_pool
         self._clock = clock  # handles' seconds (a simulator injects its own)
@@ -197,7 +236,7 @@ class TransferEngine:
         self._backup_inline, self._load_inline = inline_copy(fns[0]), inline_copy(fns[1])
         self._busy = np.zeros(host_pool.num_pages, np.int32)  # transfers using each host page
         self._in_flight: list[TransferHandle] = []  # dispatch order
-        self._finished: list[TransferHandle] = []   # completion order, not yet polled
+        self._finished: list[TransferHandle] = []  # completion order, not yet polled
         self._group: Any = None  # several processes: see agree_with
         self._lag: int | None = None  # see complete_after
         self._starts = 0  # request starts seen (polls with agree=True)
@@ -227,8 +266,9 @@ class TransferEngine:
         self._lag, self._decided = check_int("lag", lag, 1), True
 
     # ----------------------------------------------------------------------------- dispatch
-    def backup(self, device_ids: Any, host_ids: Any, *, tag: Any = None,
-               validated: bool = False) -> TransferHandle:
+    def backup(
+        self, device_ids: Any, host_ids: Any, *, tag: Any = None, validated: bool = False
+    ) -> TransferHandle:
         """Copy device pages to host pages (device_ids[i] -> host_ids[i]); returns at once.
 
         Args:
@@ -245,12 +285,18 @@ class TransferEngine:
         handle = TransferHandle(self, TransferKind.BACKUP, d, h, tag, layerwise=False)
         if d.size:
             fn = self._backup_inline if d.size <= self._inline_pages else self._backup_fn
-            handle._tokens.append(self.host_pool.run(fn, self.device_pool.array,
-                                                     copy_plan(h, d)))
+            handle._tokens.append(self.host_pool.run(fn, self.device_pool.array, copy_plan(h, d)))
         return self._track(handle)
 
-    def load(self, host_ids: Any, device_ids: Any, *, layerwise: bool = False,
-             tag: Any = None, validated: bool = False) -> TransferHandle:
+    def load(
+        self,
+        host_ids: Any,
+        device_ids: Any,
+        *,
+        layerwise: bool = False,
+        tag: Any = None,
+        validated: bool = False,
+    ) -> TransferHandle:
         """Copy host pages to device pages (host_ids[i] -> device_ids[i]); returns at once.
 
         Args:
@@ -269,8 +315,9 @@ class TransferEngine:
                 # One execution per layer: each has its own completion token. The host pool
                 # buffer is read, never donated, so all layers read the same array.
                 for layer_plan in layer_plans(plan, self.spec.num_layers):
-                    handle._tokens.append(self.device_pool.run(
-                        self._load_layer_fn, self.host_pool.buffer, layer_plan))
+                    handle._tokens.append(
+                        self.device_pool.run(self._load_layer_fn, self.host_pool.buffer, layer_plan)
+                    )
             else:
                 fn = self._load_inline if d.size <= self._inline_pages else self._load_fn
                 handle._tokens.append(self.device_pool.run(fn, self.host_pool.buffer, plan))
@@ -280,8 +327,10 @@ class TransferEngine:
         d = self.device_pool.validate_ids(device_ids, "device_ids")
         h = self.host_pool.validate_ids(host_ids, "host_ids")
         if d.size != h.size:
-            raise ValueError(f"device_ids ({d.size} pages) and host_ids ({h.size} pages) must "
-                             "have the same length")
+            raise ValueError(
+                f"device_ids ({d.size} pages) and host_ids ({h.size} pages) must "
+                "have the same length"
+            )
         if not self.device_pool.allocator.is_allocated(d).all():
             bad = d[~self.device_pool.allocator.is_allocated(d)][:8]
             raise HiCacheError(f"device_ids {bad.tolist()} are not allocated")
@@ -381,8 +430,10 @@ class TransferEngine:
     def stats(self) -> dict[str, Any]:
         """The waits of :meth:`complete_after` (measured, not decided: they differ between
         processes)."""
-        return {"completion_lag_waits": self.lag_waits,
-                "completion_lag_wait_seconds": self.lag_wait_seconds}
+        return {
+            "completion_lag_waits": self.lag_waits,
+            "completion_lag_wait_seconds": self.lag_wait_seconds,
+        }
 
     @property
     def in_flight(self) -> int:

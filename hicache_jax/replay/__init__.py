@@ -5,18 +5,35 @@ exact block-LRU (:mod:`~hicache_jax.replay.block_lru`) and the what-if TTFT simu
 
 from hicache_jax.replay.block_lru import BlockLRU, PageKeys, default_device_pages, reference_hits
 from hicache_jax.replay.driver import (
-                                       TIMING_FIELDS,
-                                       TINY_SPEC,
-                                       environment,
-                                       format_table,
-                                       plot,
-                                       replay,
-                                       run,
-                                       sweep_table,
-                                       tables,
+    TIMING_FIELDS,
+    TINY_SPEC,
+    environment,
+    format_table,
+    plot,
+    replay,
+    run,
+    sweep_table,
+    tables,
 )
 from hicache_jax.replay.trace import MOONCAKE_BLOCK, TOKEN_PAGE_SIZE, Request, Trace, load_trace
 
-__all__ = ["BlockLRU", "MOONCAKE_BLOCK", "PageKeys", "Request", "TIMING_FIELDS", "TINY_SPEC",
-           "TOKEN_PAGE_SIZE", "Trace", "default_device_pages", "environment", "format_table",
-           "load_trace", "plot", "reference_hits", "replay", "run", "sweep_table", "tables"]
+__all__ = [
+    "BlockLRU",
+    "MOONCAKE_BLOCK",
+    "PageKeys",
+    "Request",
+    "TIMING_FIELDS",
+    "TINY_SPEC",
+    "TOKEN_PAGE_SIZE",
+    "Trace",
+    "default_device_pages",
+    "environment",
+    "format_table",
+    "load_trace",
+    "plot",
+    "reference_hits",
+    "replay",
+    "run",
+    "sweep_table",
+    "tables",
+]

@@ -33,7 +33,7 @@ class PageKeys:
         data, step = np.ascontiguousarray(tokens[: n * ps], dtype="<i8").tobytes(), ps * 8
         parent, out = -1, []
         for start in range(0, n * step, step):  # one digest per page, not per token
-            key = (parent, hashlib.blake2b(data[start:start + step], digest_size=16).digest())
+            key = (parent, hashlib.blake2b(data[start : start + step], digest_size=16).digest())
             parent = ids.setdefault(key, len(ids))
             out.append(parent)
         return out
@@ -82,8 +82,9 @@ def default_device_pages(trace: Trace, page_size: int) -> int:
     return max(len(keys_of) // 8, longest, 1)
 
 
-def reference_hits(trace: Trace, page_size: int,
-                   capacities: Iterable[int | None]) -> tuple[dict[int | None, int], int]:
+def reference_hits(
+    trace: Trace, page_size: int, capacities: Iterable[int | None]
+) -> tuple[dict[int | None, int], int]:
     """Hit tokens of a :class:`BlockLRU` of each capacity (pages; None: infinite) over the
     trace, and the distinct pages of the trace."""
     lrus = {c: BlockLRU(c) for c in set(capacities)}

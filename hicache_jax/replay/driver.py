@@ -47,8 +47,17 @@ from hicache_jax.replay.block_lru import BlockLRU, PageKeys, reference_hits
 from hicache_jax.replay.trace import Trace
 from hicache_jax.spec import HiCacheConfig, KVSpec
 
-__all__ = ["TINY_SPEC", "TIMING_FIELDS", "environment", "format_table", "plot", "replay", "run",
-           "sweep_table", "tables"]
+__all__ = [
+    "TINY_SPEC",
+    "TIMING_FIELDS",
+    "environment",
+    "format_table",
+    "plot",
+    "replay",
+    "run",
+    "sweep_table",
+    "tables",
+]
 
 #: The replay's default page shape (its page size is the replay's): 8 bytes a token, so a
 #: 60M-token trace fits in memory. ``KVSpec.parse(text, TINY_SPEC, page_size=...)`` takes
@@ -60,13 +69,21 @@ Progress = bool | Callable[[int, str], Any]  # see replay()
 
 # ------------------------------------------------------------------------------------ replay
 
+
 def _counter_clock() -> Any:
     ticks = itertools.count()
     return lambda: float(next(ticks))
 
 
-def replay(trace: Trace, spec: KVSpec, cfg: HiCacheConfig, *, progress: Progress = False,
-           desc: str = "replay", diagnose: bool = False) -> dict[str, Any]:
+def replay(
+    trace: Trace,
+    spec: KVSpec,
+    cfg: HiCacheConfig,
+    *,
+    progress: Progress = False,
+    desc: str = "replay",
+    diagnose: bool = False,
+) -> dict[str, Any]:
     """Serve every request of ``trace`` through a fresh HiCache (see module doc).
 
     ``progress``: True for a text bar (on a terminal's stderr only), or a factory
@@ -109,17 +126,29 @@ def replay(trace: Trace, spec: KVSpec, cfg: HiCacheConfig, *, progress: Progress
         if bar is not None:
             bar.close()
         cache.close()
-    return {
-        "write_policy": _label(cfg.write_policy), "eviction": _label(cfg.eviction),
-        "device_pages": cap, "host_pages": cfg.host_pages, "page_size": ps,
-        "load_back_threshold": cfg.load_back_threshold,
-        "requests": len(trace.requests), "prompt_tokens": prompt,
-        "device_hit_tokens": device_hit, "host_hit_tokens": host_hit,
-        "host_declined_tokens": declined, "hit_tokens": device_hit + host_hit,
-        "hit_ratio": (device_hit + host_hit) / prompt if prompt else 0.0,
-    } | _counters(stats, ps) | ({} if diag is None else diag.figures()) | {
-        "wall_s": wall, "requests_per_s": len(trace.requests) / wall if wall > 0 else 0.0,
-    }
+    return (
+        {
+            "write_policy": _label(cfg.write_policy),
+            "eviction": _label(cfg.eviction),
+            "device_pages": cap,
+            "host_pages": cfg.host_pages,
+            "page_size": ps,
+            "load_back_threshold": cfg.load_back_threshold,
+            "requests": len(trace.requests),
+            "prompt_tokens": prompt,
+            "device_hit_tokens": device_hit,
+            "host_hit_tokens": host_hit,
+            "host_declined_tokens": declined,
+            "hit_tokens": device_hit + host_hit,
+            "hit_ratio": (device_hit + host_hit) / prompt if prompt else 0.0,
+        }
+        | _counters(stats, ps)
+        | ({} if diag is None else diag.figures())
+        | {
+            "wall_s": wall,
+            "requests_per_s": len(trace.requests) / wall if wall > 0 else 0.0,
+        }
+    )
 
 
 def _l1_l2_pages(cfg: HiCacheConfig) -> int:
@@ -155,10 +184,13 @@ class _Diagnosis:
 
     def figures(self) -> dict[str, float]:
         n, s = max(self.n, 1), self.sums
-        return {"diag_lost_vs_lru_pages": s["lost"], "diag_gained_vs_lru_pages": s["gained"],
-                "diag_mean_l1_free_pages": s["l1_free"] / n,
-                "diag_mean_l2_free_pages": s["l2_free"] / n,
-                "diag_mean_l2_redundant_pages": s["l2_redundant"] / n}
+        return {
+            "diag_lost_vs_lru_pages": s["lost"],
+            "diag_gained_vs_lru_pages": s["gained"],
+            "diag_mean_l1_free_pages": s["l1_free"] / n,
+            "diag_mean_l2_free_pages": s["l2_free"] / n,
+            "diag_mean_l2_redundant_pages": s["l2_redundant"] / n,
+        }
 
 
 def _label(policy: Any) -> str:
@@ -169,8 +201,10 @@ def _label(policy: Any) -> str:
 def _counters(s: dict[str, Any], ps: int) -> dict[str, int]:
     """The cache's transfer and eviction counters, pages where the cache counts tokens."""
     return {
-        "bytes_to_host": s["bytes_to_host"], "bytes_to_device": s["bytes_to_device"],
-        "backups": s["backups"], "load_backs": s["load_backs"],
+        "bytes_to_host": s["bytes_to_host"],
+        "bytes_to_device": s["bytes_to_device"],
+        "backups": s["backups"],
+        "load_backs": s["load_backs"],
         "load_backs_declined": s["load_backs_declined"],
         "evicted_pages": s["evicted_tokens"] // ps,
         "eviction_backup_pages": s["eviction_backup_pages"],
@@ -191,10 +225,18 @@ def _progress_bar(total: int, desc: str, enabled: Progress) -> Any:
     return tqdm(total=total, desc=desc, unit="req", file=sys.stderr, leave=False)
 
 
-def run(trace: Trace, spec: KVSpec, *, device_pages: Sequence[int], host_ratio: float = 4.0,
-        write_policies: Sequence[str] = ("clean_ahead",), evictions: Sequence[str] = ("lru",),
-        load_back_threshold: int = 16, progress: Progress = False,
-        diagnose: bool = False) -> dict[str, Any]:
+def run(
+    trace: Trace,
+    spec: KVSpec,
+    *,
+    device_pages: Sequence[int],
+    host_ratio: float = 4.0,
+    write_policies: Sequence[str] = ("clean_ahead",),
+    evictions: Sequence[str] = ("lru",),
+    load_back_threshold: int = 16,
+    progress: Progress = False,
+    diagnose: bool = False,
+) -> dict[str, Any]:
     """Replay every (L1 size, write policy, eviction) and compare each with the references
     (``diagnose``: with :func:`replay`'s diagnosis figures).
 
@@ -210,9 +252,18 @@ def run(trace: Trace, spec: KVSpec, *, device_pages: Sequence[int], host_ratio: 
         ``lru_l1_hit_ratio`` and their ratios ``vs_*``. Raises ``ValueError`` on a bad
         configuration before replaying anything.
     """
-    cfgs = [HiCacheConfig(device_pages=d, host_pages=int(round(host_ratio * d)), write_policy=w,
-                          eviction=e, load_back_threshold=load_back_threshold)
-            for d in device_pages for w in write_policies for e in evictions]
+    cfgs = [
+        HiCacheConfig(
+            device_pages=d,
+            host_pages=int(round(host_ratio * d)),
+            write_policy=w,
+            eviction=e,
+            load_back_threshold=load_back_threshold,
+        )
+        for d in device_pages
+        for w in write_policies
+        for e in evictions
+    ]
     ps = spec.page_size
     caps = {None} | {c.device_pages for c in cfgs} | {_l1_l2_pages(c) for c in cfgs}
     hits, distinct = reference_hits(trace, ps, caps)
@@ -220,30 +271,43 @@ def run(trace: Trace, spec: KVSpec, *, device_pages: Sequence[int], host_ratio: 
     ratio = {c: h / prompt if prompt else 0.0 for c, h in hits.items()}
     results = []
     for i, cfg in enumerate(cfgs):
-        desc = (f"[{i + 1}/{len(cfgs)}] {_label(cfg.write_policy)}/{_label(cfg.eviction)} "
-                f"L1 {cfg.device_pages}")
+        desc = (
+            f"[{i + 1}/{len(cfgs)}] {_label(cfg.write_policy)}/{_label(cfg.eviction)} "
+            f"L1 {cfg.device_pages}"
+        )
         r = replay(trace, spec, cfg, progress=progress, desc=desc, diagnose=diagnose)
-        refs = {"infinite": ratio[None], "lru_total": ratio[_l1_l2_pages(cfg)],
-                "lru_l1": ratio[cfg.device_pages]}
+        refs = {
+            "infinite": ratio[None],
+            "lru_total": ratio[_l1_l2_pages(cfg)],
+            "lru_l1": ratio[cfg.device_pages],
+        }
         for name, ref in refs.items():
             r[f"{name}_hit_ratio"] = ref
             r[f"vs_{name}"] = r["hit_ratio"] / ref if ref else None  # no hit possible
         results.append(r)
-    return {"trace": trace.describe() | {"distinct_pages": distinct},
-            "spec": dataclasses.asdict(spec), "host_ratio": host_ratio,
-            "references": {"page_size": ps, "hit_tokens": {str(c): h for c, h in hits.items()}},
-            "results": results}
+    return {
+        "trace": trace.describe() | {"distinct_pages": distinct},
+        "spec": dataclasses.asdict(spec),
+        "host_ratio": host_ratio,
+        "references": {"page_size": ps, "hit_tokens": {str(c): h for c, h in hits.items()}},
+        "results": results,
+    }
 
 
 # ------------------------------------------------------------------------------------ output
 
+
 def format_table(headers: Sequence[str], rows: Iterable[Sequence[Any]]) -> str:
     """A right-aligned text table; floats get 4 significant digits, None is "-"."""
-    body = [[f"{v:.4g}" if isinstance(v, float) else "-" if v is None else str(v) for v in r]
-            for r in rows]
+    body = [
+        [f"{v:.4g}" if isinstance(v, float) else "-" if v is None else str(v) for v in r]
+        for r in rows
+    ]
     widths = [max([len(h)] + [len(r[i]) for r in body]) for i, h in enumerate(headers)]
-    lines = ["  ".join(h.rjust(w) for h, w in zip(headers, widths)),
-             "  ".join("-" * w for w in widths)]
+    lines = [
+        "  ".join(h.rjust(w) for h, w in zip(headers, widths)),
+        "  ".join("-" * w for w in widths),
+    ]
     lines += ["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in body]
     return "\n".join(lines)
 
@@ -257,30 +321,105 @@ def tables(report: dict[str, Any]) -> str:
     (hit ratio versus capacity per configuration) too."""
     res = report["results"]
     hits = format_table(
-        ["config", "L1 pages", "L2 pages", "prompt tok", "L1 hit", "L2 hit", "L2 declined",
-         "hit ratio", "hit/inf", "hit/LRU(L1+L2)", "hit/LRU(L1)"],
-        [[_name(r), r["device_pages"], r["host_pages"], r["prompt_tokens"], r["device_hit_tokens"],
-          r["host_hit_tokens"], r["host_declined_tokens"], r["hit_ratio"], r["vs_infinite"],
-          r["vs_lru_total"], r["vs_lru_l1"]] for r in res])
+        [
+            "config",
+            "L1 pages",
+            "L2 pages",
+            "prompt tok",
+            "L1 hit",
+            "L2 hit",
+            "L2 declined",
+            "hit ratio",
+            "hit/inf",
+            "hit/LRU(L1+L2)",
+            "hit/LRU(L1)",
+        ],
+        [
+            [
+                _name(r),
+                r["device_pages"],
+                r["host_pages"],
+                r["prompt_tokens"],
+                r["device_hit_tokens"],
+                r["host_hit_tokens"],
+                r["host_declined_tokens"],
+                r["hit_ratio"],
+                r["vs_infinite"],
+                r["vs_lru_total"],
+                r["vs_lru_l1"],
+            ]
+            for r in res
+        ],
+    )
     traffic = format_table(
-        ["config", "L1 pages", "MB to host", "MB to device", "backups", "load-backs",
-         "evicted pg", "evict-backup pg", "host evicted pg", "wall s", "req/s"],
-        [[_name(r), r["device_pages"], f"{r['bytes_to_host'] / 2**20:.1f}",
-          f"{r['bytes_to_device'] / 2**20:.1f}", r["backups"], r["load_backs"],
-          r["evicted_pages"], r["eviction_backup_pages"], r["host_evicted_pages"],
-          f"{r['wall_s']:.1f}", f"{r['requests_per_s']:.1f}"] for r in res])
+        [
+            "config",
+            "L1 pages",
+            "MB to host",
+            "MB to device",
+            "backups",
+            "load-backs",
+            "evicted pg",
+            "evict-backup pg",
+            "host evicted pg",
+            "wall s",
+            "req/s",
+        ],
+        [
+            [
+                _name(r),
+                r["device_pages"],
+                f"{r['bytes_to_host'] / 2**20:.1f}",
+                f"{r['bytes_to_device'] / 2**20:.1f}",
+                r["backups"],
+                r["load_backs"],
+                r["evicted_pages"],
+                r["eviction_backup_pages"],
+                r["host_evicted_pages"],
+                f"{r['wall_s']:.1f}",
+                f"{r['requests_per_s']:.1f}",
+            ]
+            for r in res
+        ],
+    )
     out = [hits, "", traffic]
     if res and "diag_lost_vs_lru_pages" in res[0]:
-        out += ["", format_table(
-            ["config", "L1 pages", "lost vs LRU pg", "gained pg", "L1 free pg", "L2 free pg",
-             "L2 redundant pg", "cleaned pg", "admission-cleaned pg", "copies given up pg",
-             "evict-backup pg", "L2 declined pg"],
-            [[_name(r), r["device_pages"], r["diag_lost_vs_lru_pages"],
-              r["diag_gained_vs_lru_pages"], r["diag_mean_l1_free_pages"],
-              r["diag_mean_l2_free_pages"], r["diag_mean_l2_redundant_pages"],
-              r["clean_ahead_pages"], r["admission_clean_pages"],
-              r["host_copies_dropped_pages"], r["eviction_backup_pages"],
-              r["host_declined_tokens"] // r["page_size"]] for r in res])]
+        out += [
+            "",
+            format_table(
+                [
+                    "config",
+                    "L1 pages",
+                    "lost vs LRU pg",
+                    "gained pg",
+                    "L1 free pg",
+                    "L2 free pg",
+                    "L2 redundant pg",
+                    "cleaned pg",
+                    "admission-cleaned pg",
+                    "copies given up pg",
+                    "evict-backup pg",
+                    "L2 declined pg",
+                ],
+                [
+                    [
+                        _name(r),
+                        r["device_pages"],
+                        r["diag_lost_vs_lru_pages"],
+                        r["diag_gained_vs_lru_pages"],
+                        r["diag_mean_l1_free_pages"],
+                        r["diag_mean_l2_free_pages"],
+                        r["diag_mean_l2_redundant_pages"],
+                        r["clean_ahead_pages"],
+                        r["admission_clean_pages"],
+                        r["host_copies_dropped_pages"],
+                        r["eviction_backup_pages"],
+                        r["host_declined_tokens"] // r["page_size"],
+                    ]
+                    for r in res
+                ],
+            ),
+        ]
     sizes = sorted({r["device_pages"] for r in res})
     if len(sizes) > 1:
         out += ["", sweep_table(report)]
@@ -298,8 +437,11 @@ def sweep_table(report: dict[str, Any]) -> str:
         first = next(r for r in res if r["device_pages"] == d)
         cells: list[Any] = []
         for n in names:  # each config's hit ratio, then its ratio to LRU(L1+L2) of this run
-            cells += [by[(d, n)]["hit_ratio"], by[(d, n)]["vs_lru_total"]] if (d, n) in by \
+            cells += (
+                [by[(d, n)]["hit_ratio"], by[(d, n)]["vs_lru_total"]]
+                if (d, n) in by
                 else ["-", "-"]
+            )
         rows.append([d * ps, first["lru_l1_hit_ratio"], first["lru_total_hit_ratio"]] + cells)
     heads = [h for n in names for h in (n, "/LRU(L1+L2)")]
     return format_table(["L1 tokens", "LRU(L1)", "LRU(L1+L2)", *heads], rows)
@@ -325,9 +467,13 @@ def plot(report: dict[str, Any], path: str) -> None:
     ax.plot(xs, [first[d]["lru_total_hit_ratio"] for d in sizes], "k-.", label="LRU(L1+L2)")
     ax.axhline(first[sizes[0]]["infinite_hit_ratio"], color="grey", ls=":", label="infinite")
     top = max([first[sizes[0]]["infinite_hit_ratio"]] + [r["hit_ratio"] for r in res])
-    ax.set(xscale="log", xlabel="L1 capacity (tokens)", ylabel="prompt tokens hit",
-           ylim=(0, min(1.0, 1.15 * top) or 1.0),
-           title=f"{os.path.basename(report['trace']['path'])}: L2 = {report['host_ratio']:g} x L1")
+    ax.set(
+        xscale="log",
+        xlabel="L1 capacity (tokens)",
+        ylabel="prompt tokens hit",
+        ylim=(0, min(1.0, 1.15 * top) or 1.0),
+        title=f"{os.path.basename(report['trace']['path'])}: L2 = {report['host_ratio']:g} x L1",
+    )
     ax.legend(fontsize="small")
     fig.tight_layout()
     fig.savefig(path)
@@ -339,7 +485,11 @@ def environment() -> dict[str, Any]:
     import jax
 
     dev = jax.devices()[0]
-    return {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "backend": jax.default_backend(), "device_kind": getattr(dev, "device_kind", str(dev)),
-            "jax": jax.__version__, "cpu_count": os.cpu_count(),
-            "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None}
+    return {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "backend": jax.default_backend(),
+        "device_kind": getattr(dev, "device_kind", str(dev)),
+        "jax": jax.__version__,
+        "cpu_count": os.cpu_count(),
+        "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
+    }

@@ -45,8 +45,17 @@ from hicache_jax.replay.trace import Trace
 from hicache_jax.spec import HiCacheConfig, KVSpec
 from hicache_jax.validation import is_real
 
-__all__ = ["POLICIES", "Regime", "SWEEP", "SimClock", "bandwidth_sweep", "plot_sweep", "simulate",
-           "simulate_all", "ttft_table"]
+__all__ = [
+    "POLICIES",
+    "Regime",
+    "SWEEP",
+    "SimClock",
+    "bandwidth_sweep",
+    "plot_sweep",
+    "simulate",
+    "simulate_all",
+    "ttft_table",
+]
 
 POLICIES = ("never", "always", "threshold", "cost", "cost+split")
 _NEVER = 1 << 62
@@ -82,8 +91,11 @@ class Regime:
     def link_s(self, hop: str, tokens: int) -> float:
         if tokens <= 0:
             return 0.0
-        gbps, lat = ((self.l2_gbps, self.l2_latency_s) if hop == "l2_l1"
-                     else (self.l3_gbps, self.l3_latency_s))
+        gbps, lat = (
+            (self.l2_gbps, self.l2_latency_s)
+            if hop == "l2_l1"
+            else (self.l3_gbps, self.l3_latency_s)
+        )
         assert gbps is not None, "an L3 hop in a regime without l3_gbps"
         return lat + tokens * self.token_bytes / (gbps * 1e9)
 
@@ -110,22 +122,30 @@ class SimClock:
         self.now += seconds
 
 
-def _config(policy: str, regime: Regime, device_pages: int, host_pages: int,
-            threshold: int, page_size: int) -> HiCacheConfig:
+def _config(
+    policy: str, regime: Regime, device_pages: int, host_pages: int, threshold: int, page_size: int
+) -> HiCacheConfig:
     if policy not in POLICIES:
         raise ValueError(f"policy={policy!r} must be one of {', '.join(POLICIES)}")
-    cost = dict(load_back_threshold=threshold, load_policy="cost", prefill_cost=regime.prefill_s,
-                cost_page_bytes=regime.token_bytes * page_size)
-    kws: dict[str, dict[str, Any]] = {"never": dict(load_back_threshold=_NEVER),
-                                      "always": dict(load_back_threshold=0),
-                                      "threshold": dict(load_back_threshold=threshold),
-                                      "cost": cost,
-                                      "cost+split": dict(cost, load_overlap=True)}
+    cost = dict(
+        load_back_threshold=threshold,
+        load_policy="cost",
+        prefill_cost=regime.prefill_s,
+        cost_page_bytes=regime.token_bytes * page_size,
+    )
+    kws: dict[str, dict[str, Any]] = {
+        "never": dict(load_back_threshold=_NEVER),
+        "always": dict(load_back_threshold=0),
+        "threshold": dict(load_back_threshold=threshold),
+        "cost": cost,
+        "cost+split": dict(cost, load_overlap=True),
+    }
     return HiCacheConfig(device_pages=device_pages, host_pages=host_pages, **kws[policy])
 
 
-def _l3_tokens(policy: str, run: int, cached: int, ps: int, threshold: int,
-               model: CostModel) -> tuple[int, int]:
+def _l3_tokens(
+    policy: str, run: int, cached: int, ps: int, threshold: int, model: CostModel
+) -> tuple[int, int]:
     """``(front, loaded)`` of an L3 hit of ``run`` pages: tokens the policy recomputes first
     (a two-ended split's front, ``cost+split`` only), then tokens it loads."""
     if run == 0 or policy == "never":
@@ -133,15 +153,28 @@ def _l3_tokens(policy: str, run: int, cached: int, ps: int, threshold: int,
     if policy == "always":
         return 0, run * ps
     if policy in ("cost", "cost+split"):
-        n = model.plan([ps] * run, cached, 1 << 62, None, links=("l3_l2", "l2_l1"),
-                       overlap=policy == "cost+split")
+        n = model.plan(
+            [ps] * run,
+            cached,
+            1 << 62,
+            None,
+            links=("l3_l2", "l2_l1"),
+            overlap=policy == "cost+split",
+        )
         if n is not None:
             return model.last_split or 0, n
     return 0, (run * ps if run * ps >= threshold else 0)
 
 
-def _overlapped(regime: Regime, jit: Any, model: CostModel, cached: int,
-                l2: tuple[float, int], l3: tuple[int, int], rest: int) -> float:
+def _overlapped(
+    regime: Regime,
+    jit: Any,
+    model: CostModel,
+    cached: int,
+    l2: tuple[float, int],
+    l3: tuple[int, int],
+    rest: int,
+) -> float:
     """Seconds of a ``cost+split`` request's service after its L2 back's copy (``l2``:
     ``(t2, front)``: the copy was dispatched at its start and has landed at ``t2`` seconds;
     the front's tokens) and with ``l3`` ``(front, back)`` of its L3 hit: the L3 read starts at
@@ -161,15 +194,31 @@ def _overlapped(regime: Regime, jit: Any, model: CostModel, cached: int,
     return max(c, t3) + regime.prefill_s(rest, cached) * jit()
 
 
-def simulate(trace: Trace, spec: KVSpec, regime: Regime, policy: str, *, device_pages: int,
-             host_ratio: float = 4.0, threshold: int = 16, seed: int = 0) -> dict[str, Any]:
+def simulate(
+    trace: Trace,
+    spec: KVSpec,
+    regime: Regime,
+    policy: str,
+    *,
+    device_pages: int,
+    host_ratio: float = 4.0,
+    threshold: int = 16,
+    seed: int = 0,
+) -> dict[str, Any]:
     """One policy's TTFT on ``trace`` under ``regime`` (see module doc). Deterministic for
     ``seed``."""
-    cfg = _config(policy, regime, device_pages, int(round(host_ratio * device_pages)), threshold,
-                  spec.page_size)
+    cfg = _config(
+        policy,
+        regime,
+        device_pages,
+        int(round(host_ratio * device_pages)),
+        threshold,
+        spec.page_size,
+    )
     clock, rng = SimClock(), np.random.default_rng(seed)
-    cache = HiCache(spec, cfg, clock=clock,
-                    transfer_engine=lambda d, h: TransferEngine(d, h, clock=clock.exact))
+    cache = HiCache(
+        spec, cfg, clock=clock, transfer_engine=lambda d, h: TransferEngine(d, h, clock=clock.exact)
+    )
     ps, cap = spec.page_size, cfg.device_pages
     l3_model = CostModel(regime.token_bytes * ps, ps, regime.prefill_s)
     keys_of, store = PageKeys(ps), set()
@@ -178,6 +227,7 @@ def simulate(trace: Trace, spec: KVSpec, regime: Regime, policy: str, *, device_
 
     def jit() -> float:
         return float(rng.lognormal(0.0, regime.jitter)) if regime.jitter else 1.0
+
     try:
         for req in trace.requests:
             full = req.tokens()
@@ -188,8 +238,11 @@ def simulate(trace: Trace, spec: KVSpec, regime: Regime, policy: str, *, device_
             with cache.begin(tokens) as r:
                 dev, l2 = r.cached_len - r.loaded_len, r.loaded_len
                 start = clock.now
-                front2, back2 = ((r.overlap[0] - r.cached_len, r.overlap[1] - r.overlap[0])
-                                 if r.overlap else (0, 0))
+                front2, back2 = (
+                    (r.overlap[0] - r.cached_len, r.overlap[1] - r.overlap[0])
+                    if r.overlap
+                    else (0, 0)
+                )
                 clock.advance(regime.link_s("l2_l1", l2 + back2) * jit())
                 r.wait_overlap()  # a split's copy lands at the modelled time: its sample
                 cache.flush()  # the load lands at the modelled time: the cache's sample
@@ -202,8 +255,14 @@ def simulate(trace: Trace, spec: KVSpec, regime: Regime, policy: str, *, device_
                 n_new = full.shape[0] - served - l3
                 if policy == "cost+split":
                     clock.now = start + _overlapped(
-                        regime, jit, l3_model, r.cached_len, (clock.now - start, front2),
-                        (front3, l3), n_new - front3)
+                        regime,
+                        jit,
+                        l3_model,
+                        r.cached_len,
+                        (clock.now - start, front2),
+                        (front3, l3),
+                        n_new - front3,
+                    )
                     n_new += front2
                 else:
                     if l3:
@@ -230,41 +289,87 @@ def simulate(trace: Trace, spec: KVSpec, regime: Regime, policy: str, *, device_
         cache.close()
     t = np.asarray(ttft)
     p = max(tok["prompt"], 1)
-    return {"policy": policy, "requests": len(ttft),
-            "ttft_mean_s": float(t.mean()) if t.size else 0.0,
-            **{f"ttft_p{q}_s": float(np.percentile(t, q)) if t.size else 0.0
-               for q in (50, 90, 99)},
-            "device_hit_ratio": tok["device"] / p, "l2_hit_ratio": tok["l2"] / p,
-            "l3_hit_ratio": tok["l3"] / p, "recomputed_ratio": tok["recomputed"] / p,
-            "makespan_s": clock.now,
-            "cost_decisions": stats.get("cost_decisions", 0) + l3_model.n["cost_decisions"],
-            "cost_fallbacks": stats.get("cost_fallbacks", 0) + l3_model.n["cost_fallbacks"],
-            "cost_l2_l1_pred_err_median": stats.get("cost_l2_l1_pred_err_median")}
+    return {
+        "policy": policy,
+        "requests": len(ttft),
+        "ttft_mean_s": float(t.mean()) if t.size else 0.0,
+        **{f"ttft_p{q}_s": float(np.percentile(t, q)) if t.size else 0.0 for q in (50, 90, 99)},
+        "device_hit_ratio": tok["device"] / p,
+        "l2_hit_ratio": tok["l2"] / p,
+        "l3_hit_ratio": tok["l3"] / p,
+        "recomputed_ratio": tok["recomputed"] / p,
+        "makespan_s": clock.now,
+        "cost_decisions": stats.get("cost_decisions", 0) + l3_model.n["cost_decisions"],
+        "cost_fallbacks": stats.get("cost_fallbacks", 0) + l3_model.n["cost_fallbacks"],
+        "cost_l2_l1_pred_err_median": stats.get("cost_l2_l1_pred_err_median"),
+    }
 
 
-def simulate_all(trace: Trace, spec: KVSpec, regime: Regime, *, device_pages: int,
-                 host_ratio: float = 4.0, threshold: int = 16, seed: int = 0,
-                 policies: Sequence[str] = POLICIES) -> dict[str, Any]:
+def simulate_all(
+    trace: Trace,
+    spec: KVSpec,
+    regime: Regime,
+    *,
+    device_pages: int,
+    host_ratio: float = 4.0,
+    threshold: int = 16,
+    seed: int = 0,
+    policies: Sequence[str] = POLICIES,
+) -> dict[str, Any]:
     """:func:`simulate` of every policy; ``{"regime", "results"}``."""
-    return {"regime": dataclasses.asdict(regime), "device_pages": device_pages,
-            "host_ratio": host_ratio, "threshold": threshold, "seed": seed,
-            "results": [simulate(trace, spec, regime, p, device_pages=device_pages,
-                                 host_ratio=host_ratio, threshold=threshold, seed=seed)
-                        for p in policies]}
+    return {
+        "regime": dataclasses.asdict(regime),
+        "device_pages": device_pages,
+        "host_ratio": host_ratio,
+        "threshold": threshold,
+        "seed": seed,
+        "results": [
+            simulate(
+                trace,
+                spec,
+                regime,
+                p,
+                device_pages=device_pages,
+                host_ratio=host_ratio,
+                threshold=threshold,
+                seed=seed,
+            )
+            for p in policies
+        ],
+    }
 
 
 def ttft_table(report: dict[str, Any]) -> str:
     """The policies' TTFT (ms) and hit ratios, one row each."""
-    head = ("policy", "mean ms", "p50 ms", "p90 ms", "p99 ms", "L1 hit", "L2 load", "L3 load",
-            "recomputed")
-    rows = [(r["policy"], *(f"{1e3 * r[k]:.1f}" for k in
-                            ("ttft_mean_s", "ttft_p50_s", "ttft_p90_s", "ttft_p99_s")),
-             *(f"{r[k]:.3f}" for k in ("device_hit_ratio", "l2_hit_ratio", "l3_hit_ratio",
-                                       "recomputed_ratio")))
-            for r in report["results"]]
+    head = (
+        "policy",
+        "mean ms",
+        "p50 ms",
+        "p90 ms",
+        "p99 ms",
+        "L1 hit",
+        "L2 load",
+        "L3 load",
+        "recomputed",
+    )
+    rows = [
+        (
+            r["policy"],
+            *(
+                f"{1e3 * r[k]:.1f}"
+                for k in ("ttft_mean_s", "ttft_p50_s", "ttft_p90_s", "ttft_p99_s")
+            ),
+            *(
+                f"{r[k]:.3f}"
+                for k in ("device_hit_ratio", "l2_hit_ratio", "l3_hit_ratio", "recomputed_ratio")
+            ),
+        )
+        for r in report["results"]
+    ]
     width = [max(len(str(x)) for x in col) for col in zip(head, *rows)]
-    return "\n".join("  ".join(str(x).rjust(w) for x, w in zip(row, width))
-                     for row in (head, *rows))
+    return "\n".join(
+        "  ".join(str(x).rjust(w) for x, w in zip(row, width)) for row in (head, *rows)
+    )
 
 
 #: ``--plot``: the L3 bandwidths swept, as multiples of the regime's (L2's without an L3).
@@ -276,10 +381,17 @@ def bandwidth_sweep(trace: Trace, spec: KVSpec, regime: Regime, **kw: Any) -> li
     L3); ``[{"gbps", "results"}]``."""
     out = []
     for m in SWEEP:
-        r = (dataclasses.replace(regime, l3_gbps=regime.l3_gbps * m) if regime.l3_gbps
-             else dataclasses.replace(regime, l2_gbps=regime.l2_gbps * m))
-        out.append({"gbps": r.l3_gbps or r.l2_gbps,
-                    "results": simulate_all(trace, spec, r, **kw)["results"]})
+        r = (
+            dataclasses.replace(regime, l3_gbps=regime.l3_gbps * m)
+            if regime.l3_gbps
+            else dataclasses.replace(regime, l2_gbps=regime.l2_gbps * m)
+        )
+        out.append(
+            {
+                "gbps": r.l3_gbps or r.l2_gbps,
+                "results": simulate_all(trace, spec, r, **kw)["results"],
+            }
+        )
     return out
 
 
@@ -293,11 +405,13 @@ def plot_sweep(sweep: list[dict], path: str, link: str) -> None:
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
     for ax, key, name in zip(axes, ("ttft_mean_s", "ttft_p90_s"), ("mean", "p90")):
         for pol in [r["policy"] for r in sweep[0]["results"]]:
-            pts = [(s["gbps"], next(r[key] for r in s["results"] if r["policy"] == pol))
-                   for s in sweep]
+            pts = [
+                (s["gbps"], next(r[key] for r in s["results"] if r["policy"] == pol)) for s in sweep
+            ]
             ax.plot(*zip(*pts), marker="o", label=pol)
-        ax.set(xscale="log", yscale="log", xlabel=f"{link} bandwidth (GB/s)",
-               ylabel=f"TTFT {name} (s)")
+        ax.set(
+            xscale="log", yscale="log", xlabel=f"{link} bandwidth (GB/s)", ylabel=f"TTFT {name} (s)"
+        )
         ax.legend(fontsize="small")
     fig.tight_layout()
     fig.savefig(path)

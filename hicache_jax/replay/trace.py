@@ -78,14 +78,21 @@ class Trace:
         return self.block_size if self.format == "mooncake" else TOKEN_PAGE_SIZE
 
     def describe(self) -> dict[str, Any]:
-        return {"path": self.path, "format": self.format, "block_size": self.block_size,
-                "requests": len(self.requests), "prompt_tokens": self.num_tokens}
+        return {
+            "path": self.path,
+            "format": self.format,
+            "block_size": self.block_size,
+            "requests": len(self.requests),
+            "prompt_tokens": self.num_tokens,
+        }
 
 
 # ------------------------------------------------------------------------------------ parsing
 
-def _int_list(values: Any, field: str, where: str, high: int = _INT64_MAX,
-              high_text: str = "2**63") -> np.ndarray:
+
+def _int_list(
+    values: Any, field: str, where: str, high: int = _INT64_MAX, high_text: str = "2**63"
+) -> np.ndarray:
     if not isinstance(values, list):
         raise ValueError(f"{where}: {field} must be a list of ints, got {type(values).__name__}")
     bad = next((v for v in values if type(v) is not int), None)  # bools and floats refused
@@ -107,12 +114,15 @@ def _length(obj: dict, field: str, where: str, required: bool) -> int:
 
 def _parse_record(obj: Any, where: str, block_size: int, line: int) -> tuple[str, Request]:
     if isinstance(obj, list) or (isinstance(obj, dict) and "tokens" in obj):
-        ids = _int_list(obj if isinstance(obj, list) else obj["tokens"], "tokens", where,
-                        _TOKEN_MAX, "2**31")
+        ids = _int_list(
+            obj if isinstance(obj, list) else obj["tokens"], "tokens", where, _TOKEN_MAX, "2**31"
+        )
         return "tokens", Request(line, ids.size, token_ids=ids)
     if not isinstance(obj, dict) or "hash_ids" not in obj or "input_length" not in obj:
-        raise ValueError(f"{where}: expected a Mooncake record (input_length, hash_ids), a "
-                         "JSON list of token ids or {\"tokens\": [...]}")
+        raise ValueError(
+            f"{where}: expected a Mooncake record (input_length, hash_ids), a "
+            'JSON list of token ids or {"tokens": [...]}'
+        )
     n = _length(obj, "input_length", where, True)
     _length(obj, "output_length", where, False)
     ts = obj.get("timestamp", 0)
@@ -121,17 +131,21 @@ def _parse_record(obj: Any, where: str, block_size: int, line: int) -> tuple[str
     ids = _int_list(obj["hash_ids"], "hash_ids", where)
     blocks = -(-n // block_size)
     if ids.size > blocks:
-        raise ValueError(f"{where}: {ids.size} hash_ids but input_length={n} has only {blocks} "
-                         f"blocks of {block_size} tokens")
+        raise ValueError(
+            f"{where}: {ids.size} hash_ids but input_length={n} has only {blocks} "
+            f"blocks of {block_size} tokens"
+        )
     if ids.size and int(ids.max()) > (_TOKEN_MAX + 1) // block_size - 1:  # its last token id
-        raise ValueError(f"{where}: hash id {int(ids.max())} too large for block size "
-                         f"{block_size} (token ids must be < 2**31)")
-    return "mooncake", Request(line, n, hash_ids=ids, block_size=block_size,
-                               timestamp_ms=float(ts))
+        raise ValueError(
+            f"{where}: hash id {int(ids.max())} too large for block size "
+            f"{block_size} (token ids must be < 2**31)"
+        )
+    return "mooncake", Request(line, n, hash_ids=ids, block_size=block_size, timestamp_ms=float(ts))
 
 
-def load_trace(path: str | os.PathLike, *, block_size: int = MOONCAKE_BLOCK,
-               limit: int | None = None) -> Trace:
+def load_trace(
+    path: str | os.PathLike, *, block_size: int = MOONCAKE_BLOCK, limit: int | None = None
+) -> Trace:
     """Read a Mooncake or token JSONL trace (blank lines skipped).
 
     Args:
@@ -159,8 +173,9 @@ def load_trace(path: str | os.PathLike, *, block_size: int = MOONCAKE_BLOCK,
             try:
                 obj = json.loads(text)
             except json.JSONDecodeError as exc:
-                raise ValueError(f"{where}: malformed JSON ({exc.msg} at column "
-                                 f"{exc.colno})") from None
+                raise ValueError(
+                    f"{where}: malformed JSON ({exc.msg} at column {exc.colno})"
+                ) from None
             kind, req = _parse_record(obj, where, block_size, lineno)
             if fmt is not None and kind != fmt:
                 raise ValueError(f"{where}: a {kind} record in a {fmt} trace")

@@ -42,8 +42,12 @@ _ENTRIES: dict[EvictionPolicy, Callable[[Any], tuple]] = {
     EvictionPolicy.MRU: lambda n: (-n.last_access, n.id, n),
     EvictionPolicy.FILO: lambda n: (-n.created, n.id, n),
     EvictionPolicy.PRIORITY: lambda n: (n.priority, n.last_access, n.id, n),
-    EvictionPolicy.SLRU: lambda n: (int(n.hit_count >= SLRU_PROTECTED_HITS), n.last_access,
-                                    n.id, n),
+    EvictionPolicy.SLRU: lambda n: (
+        int(n.hit_count >= SLRU_PROTECTED_HITS),
+        n.last_access,
+        n.id,
+        n,
+    ),
 }
 
 
@@ -92,12 +96,14 @@ class VictimHeap(Generic[_N]):
 
 #: Strategies under which a node just inserted is among the first to go (newest, or fewest hits,
 #: or probationary): new pages land at the eviction end itself.
-FRESH_FIRST = frozenset({EvictionPolicy.MRU, EvictionPolicy.FILO, EvictionPolicy.LFU,
-                         EvictionPolicy.SLRU})
+FRESH_FIRST = frozenset(
+    {EvictionPolicy.MRU, EvictionPolicy.FILO, EvictionPolicy.LFU, EvictionPolicy.SLRU}
+)
 
 
-def eviction_order(policy: str | EvictionPolicy, leaves: Iterable[Any], budget_tokens: int,
-                   root: Any) -> list:
+def eviction_order(
+    policy: str | EvictionPolicy, leaves: Iterable[Any], budget_tokens: int, root: Any
+) -> list:
     """The device nodes eviction would take first, in order, until ``budget_tokens`` are
     covered, without changing anything: leaves by priority, and a parent once every one of its
     device children has gone before it (as :meth:`HiCache.evict` frees them), unless it is

@@ -40,6 +40,7 @@ DIGEST_BYTES = 16
 
 # -- 64-bit page hashes (tree, KV events) ------------------------------------------------------
 
+
 def canonical_key(key: Any) -> Any:
     """``key`` with numbers and strings of numpy types as Python ones (bool -> int, an integral
     float -> int), so keys the tree treats as one namespace (``==`` and ``hash``: ``5``,
@@ -62,8 +63,9 @@ def namespace_hash(extra_key: Hashable) -> int:
     ``repr`` of ``extra_key`` made canonical (stable for None, str, bytes, numbers and tuples of
     those, whatever their Python or numpy type; not Python's salted ``hash()``). One call per
     node under the root, so blake2b's cost does not matter here."""
-    digest = hashlib.blake2b(b"hicache-ns:" + repr(canonical_key(extra_key)).encode(),
-                             digest_size=8).digest()
+    digest = hashlib.blake2b(
+        b"hicache-ns:" + repr(canonical_key(extra_key)).encode(), digest_size=8
+    ).digest()
     return int.from_bytes(digest, "little")
 
 
@@ -107,8 +109,10 @@ def namespace_tag(extra_key: Any) -> bytes:
         return b"b:" + extra_key
     if isinstance(extra_key, (int, np.integer)) and not isinstance(extra_key, (bool, np.bool_)):
         return b"i:" + str(int(extra_key)).encode()
-    raise TypeError(f"extra_key={extra_key!r} must be None, str, bytes or int "
-                    "(it must hash the same in every process)")
+    raise TypeError(
+        f"extra_key={extra_key!r} must be None, str, bytes or int "
+        "(it must hash the same in every process)"
+    )
 
 
 def namespace_seed(fingerprint: str, extra_key: Any) -> bytes:
@@ -148,6 +152,6 @@ def _chain_blake2b(prev: bytes, pages: np.ndarray) -> bytes:
     data, step = rows.tobytes(), rows.shape[1] * 8
     blake2b, digest, out = hashlib.blake2b, prev, []
     for start in range(0, len(data), step):  # one call per page, not per token
-        digest = blake2b(digest + data[start:start + step], digest_size=DIGEST_BYTES).digest()
+        digest = blake2b(digest + data[start : start + step], digest_size=DIGEST_BYTES).digest()
         out.append(digest)
     return b"".join(out)

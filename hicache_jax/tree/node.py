@@ -19,6 +19,7 @@ from hicache_jax.tree.hashing import chain_hashes, namespace_hash
 
 # ----------------------------------------------------------------------------- nodes / results
 
+
 @dataclass(slots=True, eq=False)
 class TreeNode:
     """One run of whole pages of one cached prefix. Identity-hashed (``eq=False``).
@@ -144,9 +145,11 @@ class TreeNode:
         return self.parent is None and self.key.shape[0] == 0
 
     def __repr__(self) -> str:
-        return (f"TreeNode(id={self.id}, tokens={self.num_tokens}, "
-                f"device={self.value is not None}, host={self.host_value is not None}, "
-                f"lock_ref={self.lock_ref})")
+        return (
+            f"TreeNode(id={self.id}, tokens={self.num_tokens}, "
+            f"device={self.value is not None}, host={self.host_value is not None}, "
+            f"lock_ref={self.lock_ref})"
+        )
 
 
 @dataclass(frozen=True)

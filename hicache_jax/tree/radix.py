@@ -104,9 +104,17 @@ class RadixTree(TierIndex):
 
     def _new_node(self, key, parent, hashes, extra_key, now) -> TreeNode:
         # hashes None: computed on first access of node.page_hashes (events, L3), not here
-        node = TreeNode(id=self._next_id, key=key, parent=parent, hashes=hashes,
-                        extra_key=extra_key, last_access=now, created=now,
-                        page_size=self.page_size, hash_parent=parent)
+        node = TreeNode(
+            id=self._next_id,
+            key=key,
+            parent=parent,
+            hashes=hashes,
+            extra_key=extra_key,
+            last_access=now,
+            created=now,
+            page_size=self.page_size,
+            hash_parent=parent,
+        )
         self._next_id += 1
         return node
 
@@ -137,8 +145,9 @@ class RadixTree(TierIndex):
         changing nothing (no split, no stamp)."""
         path, pos, start = self._walk(tokens, extra_key)
         last = len(path) - 1
-        return [(node, (pos - start) if i == last else node.num_tokens)
-                for i, node in enumerate(path)]
+        return [
+            (node, (pos - start) if i == last else node.num_tokens) for i, node in enumerate(path)
+        ]
 
     def node_at(self, tokens: np.ndarray, extra_key: Any) -> TreeNode:
         """The node whose prefix ends exactly where the cached part of validated whole-page
@@ -153,14 +162,14 @@ class RadixTree(TierIndex):
         ps, n, root = self.page_size, tokens.shape[0], self.root
         path, pos, start, node, children = [], 0, 0, root, root.children
         while pos < n:
-            first = tokens[pos:pos + ps].tobytes()  # same encoding as _child_key
+            first = tokens[pos : pos + ps].tobytes()  # same encoding as _child_key
             child = children.get((extra_key, first) if node is root else first)
             if child is None:
                 break
             key = child.key
             size = key.shape[0]
             m = min(size, n - pos)
-            a, b = key[:m], tokens[pos:pos + m]
+            a, b = key[:m], tokens[pos : pos + m]
             if m <= _MEMCMP_MAX and a.tobytes() == b.tobytes():
                 matched = m
             else:
@@ -178,8 +187,13 @@ class RadixTree(TierIndex):
         parent = node.parent
         assert parent is not None, "the root is never split"
         hashes = node.hashes  # sliced if computed, else both parts compute theirs on demand
-        upper = self._new_node(node.key[:ntok], parent, None if hashes is None else hashes[:p],
-                               node.extra_key, node.last_access)
+        upper = self._new_node(
+            node.key[:ntok],
+            parent,
+            None if hashes is None else hashes[:p],
+            node.extra_key,
+            node.last_access,
+        )
         upper.created, upper.lock_ref = node.created, node.lock_ref
         upper.host_pins = node.host_pins
         upper.hit_count, upper.priority = node.hit_count, node.priority
@@ -211,8 +225,9 @@ class RadixTree(TierIndex):
 
     # -- public API ----------------------------------------------------------------------------
 
-    def match(self, tokens: Any, extra_key: Hashable = None, *,
-              validated: bool = False) -> TreeMatch:
+    def match(
+        self, tokens: Any, extra_key: Hashable = None, *, validated: bool = False
+    ) -> TreeMatch:
         """Longest cached whole-page prefix of ``tokens``, on device then on host.
 
         Args:
@@ -239,14 +254,25 @@ class RadixTree(TierIndex):
         dev_len = sum(v.shape[0] for v in values) * self.page_size
         pages = np.concatenate(values) if values else EMPTY_IDS
         device = path[: len(values)]
-        return TreeMatch(device_pages=pages, device_len=dev_len,
-                         host_len=sum(n.key.shape[0] for n in host),
-                         host_nodes=tuple(host),
-                         last_device_node=device[-1] if device else self.root,
-                         node=path[-1] if path else self.root)
+        return TreeMatch(
+            device_pages=pages,
+            device_len=dev_len,
+            host_len=sum(n.key.shape[0] for n in host),
+            host_nodes=tuple(host),
+            last_device_node=device[-1] if device else self.root,
+            node=path[-1] if path else self.root,
+        )
 
-    def insert(self, tokens: Any, page_ids: Any, extra_key: Hashable = None, *,
-               priority: int = 0, chunked: bool = False, validated: bool = False) -> InsertResult:
+    def insert(
+        self,
+        tokens: Any,
+        page_ids: Any,
+        extra_key: Hashable = None,
+        *,
+        priority: int = 0,
+        chunked: bool = False,
+        validated: bool = False,
+    ) -> InsertResult:
         """Cache the whole pages of ``tokens`` with the caller's device pages.
 
         Args:
@@ -281,7 +307,7 @@ class RadixTree(TierIndex):
         p0 = 0
         for node in path:  # root-first, so a revived node's parent is already resident
             if node.value is None:
-                self._attach_value(node, ids[p0:p0 + node.num_pages].copy())
+                self._attach_value(node, ids[p0 : p0 + node.num_pages].copy())
                 revived.append(node)
             p0 += node.num_pages
             if not chunked:
@@ -290,11 +316,17 @@ class RadixTree(TierIndex):
             node.last_access = now
         last = path[-1] if path else self.root
         if pos < arr.shape[0]:
-            last = self._add_leaf(last, arr[pos:], ids[pos // self.page_size:], extra_key,
-                                  priority, now)
+            last = self._add_leaf(
+                last, arr[pos:], ids[pos // self.page_size :], extra_key, priority, now
+            )
             last.hit_count = 0 if chunked else 1
-        return InsertResult(prefix_len=pos, duplicate_pages=ids[dup_mask],
-                            existing_nodes=path, revived_nodes=revived, last_node=last)
+        return InsertResult(
+            prefix_len=pos,
+            duplicate_pages=ids[dup_mask],
+            existing_nodes=path,
+            revived_nodes=revived,
+            last_node=last,
+        )
 
     def _checked_tokens(self, tokens: Any, extra_key: Any) -> np.ndarray:
         """Validate tokens and extra_key; the whole-page int32 part of the tokens."""
@@ -309,17 +341,26 @@ class RadixTree(TierIndex):
         for node in path:
             k = min(node.num_pages, pos // self.page_size - p0)
             if node.value is not None:
-                tree[p0:p0 + k] = node.value[:k]
+                tree[p0 : p0 + k] = node.value[:k]
             p0 += k
         dup = (tree >= 0) & (tree != ids)
         if self._device_held.any_held(ids[tree != ids]):
-            raise HiCacheError("page_ids has pages the tree already holds at other positions "
-                               "(pass the tree's own page for a cached position, or a fresh one; "
-                               "pages of a stale Match, evicted and reused since? match again)")
+            raise HiCacheError(
+                "page_ids has pages the tree already holds at other positions "
+                "(pass the tree's own page for a cached position, or a fresh one; "
+                "pages of a stale Match, evicted and reused since? match again)"
+            )
         return dup
 
-    def _add_leaf(self, parent: TreeNode, key: np.ndarray, ids: np.ndarray, extra_key: Any,
-                  priority: int, now: float) -> TreeNode:
+    def _add_leaf(
+        self,
+        parent: TreeNode,
+        key: np.ndarray,
+        ids: np.ndarray,
+        extra_key: Any,
+        priority: int,
+        now: float,
+    ) -> TreeNode:
         leaf = self._new_node(key.copy(), parent, None, extra_key, now)
         leaf.priority = priority
         parent.children[self._child_key(parent, key[: self.page_size], extra_key)] = leaf
@@ -332,8 +373,10 @@ class RadixTree(TierIndex):
         ``node``. What an eviction that needs fewer pages than a leaf holds calls: the head
         stays cached."""
         if not 0 < tail_pages < node.num_pages or node.lock_ref or node.parent is None:
-            raise HiCacheError(f"trim_tail({node!r}, {tail_pages}): needs an unlocked node of "
-                               "more than tail_pages pages")
+            raise HiCacheError(
+                f"trim_tail({node!r}, {tail_pages}): needs an unlocked node of "
+                "more than tail_pages pages"
+            )
         self._split(node, node.num_tokens - tail_pages * self.page_size)
         return node
 
@@ -342,10 +385,15 @@ class RadixTree(TierIndex):
 
         Either may be ``None`` (the tier did not hold the node). Ownership passes to the caller.
         """
-        if node.children or node.host_pins or not (node in self.evictable_device
-                                                    or node in self.evictable_host):
-            raise HiCacheError(f"{node!r} is not a deletable leaf (has children, locked, "
-                               "host-pinned, or not in the tree)")
+        if (
+            node.children
+            or node.host_pins
+            or not (node in self.evictable_device or node in self.evictable_host)
+        ):
+            raise HiCacheError(
+                f"{node!r} is not a deletable leaf (has children, locked, "
+                "host-pinned, or not in the tree)"
+            )
         parent = node.parent
         assert parent is not None, "an evictable node is a non-root node of the tree"
         del parent.children[self._child_key(parent, node.key[: self.page_size], node.extra_key)]
@@ -354,8 +402,9 @@ class RadixTree(TierIndex):
         self._refresh(parent)
         return node.value, node.host_value
 
-    def add_host_leaf(self, parent: TreeNode, key: Any, host_ids: Any,
-                      extra_key: Hashable = None) -> TreeNode:
+    def add_host_leaf(
+        self, parent: TreeNode, key: Any, host_ids: Any, extra_key: Hashable = None
+    ) -> TreeNode:
         """Hang a new host-only leaf under ``parent`` (pages that arrived from a lower tier, L3).
 
         ``parent``'s prefix must end exactly where ``key`` starts and no child of ``parent`` may
@@ -424,8 +473,16 @@ class RadixTree(TierIndex):
         tup = lambda a: None if a is None else tuple(a.tolist())  # noqa: E731
         for node in reversed(order):  # children before parents
             kids = frozenset(done.pop(id(c)) for c in node.children.values())
-            done[id(node)] = (node.extra_key, tup(node.key), tup(node.value), tup(node.host_value),
-                              node.lock_ref, node.hit_count, node.priority, kids)
+            done[id(node)] = (
+                node.extra_key,
+                tup(node.key),
+                tup(node.value),
+                tup(node.host_value),
+                node.lock_ref,
+                node.hit_count,
+                node.priority,
+                kids,
+            )
         return done[id(self.root)][-1]
 
     def check_invariants(self) -> None:
@@ -437,8 +494,9 @@ class RadixTree(TierIndex):
         for node in nodes:
             parent, kids = node.parent, list(node.children.values())
             assert parent is not None and not node.is_root
-            assert parent.children.get(
-                self._child_key(parent, node.key[:ps], node.extra_key)) is node
+            assert (
+                parent.children.get(self._child_key(parent, node.key[:ps], node.extra_key)) is node
+            )
             assert node.num_tokens > 0 and node.num_tokens == node.num_pages * ps, "whole pages"
             assert node.key.dtype == TOKEN_DTYPE and node.page_hashes.dtype == np.uint64
             assert parent is root or node.extra_key == parent.extra_key

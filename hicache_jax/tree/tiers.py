@@ -198,8 +198,10 @@ class TierIndex:
         ownership passes to the caller (who frees them).
         """
         if node not in self.evictable_device:
-            raise HiCacheError(f"{node!r} is not device-evictable (locked, evicted, has device "
-                               "children, or not in the tree)")
+            raise HiCacheError(
+                f"{node!r} is not device-evictable (locked, evicted, has device "
+                "children, or not in the tree)"
+            )
         if node.host_value is None:
             raise HiCacheError(f"{node!r} has no host copy: back it up or delete_leaf it")
         ids, parent = node.value, _parent(node)
@@ -330,8 +332,9 @@ class TierIndex:
         """Recompute every set, count and held mask from ``nodes`` (every non-root node) and
         compare (for tests); raises AssertionError."""
         ev_dev, ev_host, redundant, dev, host = set(), set(), set(), [], []
-        tok = dict.fromkeys(("device", "evictable", "protected", "host", "host_evictable",
-                             "redundant"), 0)
+        tok = dict.fromkeys(
+            ("device", "evictable", "protected", "host", "host_evictable", "redundant"), 0
+        )
         for node in nodes:
             kids, free = list(node.children.values()), node.lock_ref == 0
             kept = free and node.host_pins == 0
@@ -348,17 +351,24 @@ class TierIndex:
                     tok["host_evictable"] += node.num_tokens
                     if not kids:
                         ev_host.add(node)
-            assert node.host_only_tokens == (node.num_tokens if node.value is None
-                                             and node.host_value is not None and kept else 0)
+            assert node.host_only_tokens == (
+                node.num_tokens
+                if node.value is None and node.host_value is not None and kept
+                else 0
+            )
             if node.value is not None and node.host_value is not None and kept:
                 redundant.add(node)
                 tok["redundant"] += node.num_tokens
             assert node.redundant_tokens == (node.num_tokens if node in redundant else 0)
         assert self.evictable_device == ev_dev and self.evictable_host == ev_host
         assert self.redundant == redundant and self.redundant_tokens == tok["redundant"]
-        assert (self.device_tokens, self.evictable_device_tokens, self.protected_device_tokens,
-                self.host_tokens, self.host_evictable_tokens) == (
-            tok["device"], tok["evictable"], tok["protected"], tok["host"], tok["host_evictable"])
+        assert (
+            self.device_tokens,
+            self.evictable_device_tokens,
+            self.protected_device_tokens,
+            self.host_tokens,
+            self.host_evictable_tokens,
+        ) == (tok["device"], tok["evictable"], tok["protected"], tok["host"], tok["host_evictable"])
         for held, parts in ((self._device_held, dev), (self._host_held, host)):
             ids = np.sort(np.concatenate(parts)) if parts else EMPTY_IDS
             assert np.unique(ids).size == ids.size, "a page held twice"

@@ -58,10 +58,20 @@ class Control:
         cost: the cost model (prefill samples).
     """
 
-    def __init__(self, page_size: int, tree: RadixTree, l3: L3Slot, pins: Pins,
-                 invalidation: Invalidation, complete: Completion, port: CacheL3Port,
-                 events: NullRecorder | Recorder, host: HostPagePool, agreement: Agreement,
-                 cost: CostModel) -> None:
+    def __init__(
+        self,
+        page_size: int,
+        tree: RadixTree,
+        l3: L3Slot,
+        pins: Pins,
+        invalidation: Invalidation,
+        complete: Completion,
+        port: CacheL3Port,
+        events: NullRecorder | Recorder,
+        host: HostPagePool,
+        agreement: Agreement,
+        cost: CostModel,
+    ) -> None:
         self._ps, self._tree, self._l3, self._pins = page_size, tree, l3, pins
         self._invalidate, self._complete, self._port = invalidation, complete, port
         self._events, self._host, self._agreement, self._cost = events, host, agreement, cost
@@ -82,8 +92,9 @@ class Control:
         self._agreement.check()
 
     def lookup(self, tokens: Any, extra_key: Hashable, l3: bool) -> dict[str, int]:
-        return lookup(self._tree, tokens, extra_key, self._ps,
-                      self._l3 if check_bool("l3", l3) else None)
+        return lookup(
+            self._tree, tokens, extra_key, self._ps, self._l3 if check_bool("l3", l3) else None
+        )
 
     def invalidate(self, tokens: Any, extra_key: Hashable) -> dict[str, int]:
         arr = None if tokens is None else page_tokens(tokens, extra_key, self._ps)

@@ -87,7 +87,9 @@ class Invalidation:
             raise InvalidateLockedError(
                 f"invalidate: {len(locked)} node(s) to drop are held by requests in flight "
                 f"(prefix tokens, locks: {figures[:8]}); nothing was dropped: retry once they "
-                "finish (pins are dropped with them, locks are not)", locked=figures)
+                "finish (pins are dropped with them, locks are not)",
+                locked=figures,
+            )
 
 
 def _subtrees(tops: list[TreeNode]) -> list[TreeNode]:

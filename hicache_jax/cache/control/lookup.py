@@ -13,8 +13,9 @@ from hicache_jax.tree.radix import RadixTree
 from hicache_jax.validation import page_tokens
 
 
-def lookup(tree: RadixTree, tokens: Any, extra_key: Hashable, page_size: int,
-           l3: Any = None) -> dict[str, int]:
+def lookup(
+    tree: RadixTree, tokens: Any, extra_key: Hashable, page_size: int, l3: Any = None
+) -> dict[str, int]:
     """Tokens of the longest cached whole-page prefix held per tier.
 
     Args:

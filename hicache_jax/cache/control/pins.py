@@ -57,11 +57,19 @@ class Pins:
         device_pages, host_pages: the pools' sizes (the limits are ``floor(share * pages)``).
     """
 
-    def __init__(self, tree: RadixTree, clock: Callable[[], float], share: float,
-                 device_pages: int, host_pages: int) -> None:
+    def __init__(
+        self,
+        tree: RadixTree,
+        clock: Callable[[], float],
+        share: float,
+        device_pages: int,
+        host_pages: int,
+    ) -> None:
         self._tree, self._clock = tree, clock
-        self._limit = {PinTier.DEVICE: int(share * device_pages),
-                       PinTier.HOST: int(share * host_pages)}
+        self._limit = {
+            PinTier.DEVICE: int(share * device_pages),
+            PinTier.HOST: int(share * host_pages),
+        }
         self._pins: dict[tuple, Pin] = {}
         self._next = math.inf  # earliest expiry
 
@@ -73,8 +81,7 @@ class Pins:
             raise ValueError(f"ttl_s={ttl_s!r} must be None or a finite number of seconds > 0")
         return tier, ttl_s
 
-    def pin(self, arr: np.ndarray, extra_key: Hashable, tier: PinTier,
-            ttl_s: float | None) -> int:
+    def pin(self, arr: np.ndarray, extra_key: Hashable, tier: PinTier, ttl_s: float | None) -> int:
         """Pin the part of validated whole-page ``arr`` held on ``tier``; returns its tokens.
         A second pin of the same tokens, namespace and tier renews its ttl only."""
         self.expire()
@@ -87,8 +94,10 @@ class Pins:
             return pin.tokens
         path = self._held_path(arr, extra_key, tier)
         if not path:
-            raise HiCacheError(f"pin: no page of this prefix is held on {tier.value}: nothing "
-                               "to pin (lookup() says where it is)")
+            raise HiCacheError(
+                f"pin: no page of this prefix is held on {tier.value}: nothing "
+                "to pin (lookup() says where it is)"
+            )
         pinned = self._pinned_nodes(tier)
         have = sum(n.num_pages for n in pinned)
         add = sum(t // self._tree.page_size for n, t in path if n not in pinned)
@@ -97,8 +106,12 @@ class Pins:
             raise PinLimitError(
                 f"pin of {add} more {tier.value} pages would hold {have + add} pinned pages, "
                 f"beyond pin_max_share's limit of {limit} ({have} pinned now): unpin some, or "
-                "raise HiCacheConfig.pin_max_share", tier=tier.value, pinned=have,
-                requested=add, limit=limit)
+                "raise HiCacheConfig.pin_max_share",
+                tier=tier.value,
+                pinned=have,
+                requested=add,
+                limit=limit,
+            )
         tokens = sum(t for _, t in path)
         node = self._tree.node_at(arr[:tokens], extra_key)
         (self._tree.lock if tier is PinTier.DEVICE else self._tree.pin_host)(node)
@@ -115,9 +128,11 @@ class Pins:
         self.expire()
         pin = self._pins.get((tier, extra_key, arr.tobytes()))
         if pin is None:
-            raise HiCacheError(f"unpin: these {arr.size} tokens (extra_key={extra_key!r}) are "
-                               f"not pinned on {tier.value} (never pinned, or unpinned, "
-                               "expired or invalidated since)")
+            raise HiCacheError(
+                f"unpin: these {arr.size} tokens (extra_key={extra_key!r}) are "
+                f"not pinned on {tier.value} (never pinned, or unpinned, "
+                "expired or invalidated since)"
+            )
         self._release(pin)
         return pin.tokens
 
@@ -153,8 +168,9 @@ class Pins:
         del self._pins[next(k for k, p in self._pins.items() if p is pin)]
         (self._tree.unlock if pin.tier is PinTier.DEVICE else self._tree.unpin_host)(pin.node)
 
-    def _held_path(self, arr: np.ndarray, extra_key: Hashable,
-                   tier: PinTier) -> list[tuple[TreeNode, int]]:
+    def _held_path(
+        self, arr: np.ndarray, extra_key: Hashable, tier: PinTier
+    ) -> list[tuple[TreeNode, int]]:
         """The root-first part of ``arr``'s cached path held on ``tier`` (continuously)."""
         out = []
         for node, tokens in self._tree.peek_path(arr, extra_key):
@@ -170,9 +186,11 @@ class Pins:
     # -- what the cache reports and checks ------------------------------------------------
 
     def stats(self) -> dict[str, int]:
-        return {"pins": len(self._pins),
-                "pinned_device_pages": sum(n.num_pages for n in self._pinned_nodes(PinTier.DEVICE)),
-                "pinned_host_pages": sum(n.num_pages for n in self._pinned_nodes(PinTier.HOST))}
+        return {
+            "pins": len(self._pins),
+            "pinned_device_pages": sum(n.num_pages for n in self._pinned_nodes(PinTier.DEVICE)),
+            "pinned_host_pages": sum(n.num_pages for n in self._pinned_nodes(PinTier.HOST)),
+        }
 
     def locked_nodes(self) -> list[tuple[TreeNode, int]]:
         """``(node, 1)`` per device pin: the locks this part holds (for check_invariants)."""
@@ -190,8 +208,10 @@ class Pins:
                     expected[n] += 1
         for n in nodes:
             if n.host_pins != expected[n]:
-                raise HiCacheError(f"invariant: {n!r} host_pins {n.host_pins} != "
-                                   f"{expected[n]} (host pins at or below it)")
+                raise HiCacheError(
+                    f"invariant: {n!r} host_pins {n.host_pins} != "
+                    f"{expected[n]} (host pins at or below it)"
+                )
 
 
 def _chain(node: TreeNode) -> list[TreeNode]:

@@ -71,8 +71,9 @@ class L3Slot:
     def held_beyond(self, tokens: np.ndarray, extra_key: Any, covered: int) -> int:
         return self.tier.held_beyond(tokens, extra_key, covered)
 
-    def delete(self, nodes: list[TreeNode], tokens: np.ndarray | None,
-               extra_key: Any) -> tuple[int, int]:
+    def delete(
+        self, nodes: list[TreeNode], tokens: np.ndarray | None, extra_key: Any
+    ) -> tuple[int, int]:
         return self.tier.delete(nodes, tokens, extra_key)
 
     def reset_counters(self) -> None:

@@ -79,9 +79,21 @@ import numpy as np
 
 from hicache_jax.validation import is_real
 
-__all__ = ["CostModel", "Decision", "DecisionRecord", "Fetch", "HALF_LIFE", "LinkFit",
-           "MIN_SAMPLES", "PESSIMISM", "PROBE_EVERY", "PROBE_SHARE", "PrefillFit", "WARMUP",
-           "WINDOW"]
+__all__ = [
+    "CostModel",
+    "Decision",
+    "DecisionRecord",
+    "Fetch",
+    "HALF_LIFE",
+    "LinkFit",
+    "MIN_SAMPLES",
+    "PESSIMISM",
+    "PROBE_EVERY",
+    "PROBE_SHARE",
+    "PrefillFit",
+    "WARMUP",
+    "WINDOW",
+]
 
 #: Probes spend at most this share of the planned chains' predicted recompute (a credit).
 PROBE_SHARE = 0.1
@@ -121,8 +133,9 @@ class LinkFit:
             many times its recompute); True: the warm-up figure times :data:`PESSIMISM`.
     """
 
-    def __init__(self, latency_s: float, bytes_per_s: float, window: int = WINDOW,
-                 trust_warmup: bool = True) -> None:
+    def __init__(
+        self, latency_s: float, bytes_per_s: float, window: int = WINDOW, trust_warmup: bool = True
+    ) -> None:
         self.latency_s, self.bytes_per_s = float(latency_s), float(bytes_per_s)
         self.trust_warmup = bool(trust_warmup)
         self._x: collections.deque = collections.deque(maxlen=window)
@@ -293,7 +306,6 @@ class PrefillFit:
         return float(np.median(self._err)) if self._err else None
 
 
-
 class Decision:
     """One load-or-recompute decision: predicted seconds and, once known, actual seconds.
 
@@ -307,11 +319,24 @@ class Decision:
         read_actual: a fetch decision's measured read seconds (None until it landed).
     """
 
-    __slots__ = ("load_s", "nbytes", "cached_after", "prefill", "read_s", "load_actual",
-                 "read_actual")
+    __slots__ = (
+        "load_s",
+        "nbytes",
+        "cached_after",
+        "prefill",
+        "read_s",
+        "load_actual",
+        "read_actual",
+    )
 
-    def __init__(self, load_s: float, nbytes: int, cached_after: int,
-                 prefill: Callable[[int, int], float], read_s: float = 0.0) -> None:
+    def __init__(
+        self,
+        load_s: float,
+        nbytes: int,
+        cached_after: int,
+        prefill: Callable[[int, int], float],
+        read_s: float = 0.0,
+    ) -> None:
         self.load_s, self.nbytes, self.cached_after = load_s, nbytes, cached_after
         self.prefill, self.read_s = prefill, read_s
         self.load_actual: float | None = 0.0 if nbytes == 0 else None
@@ -373,9 +398,14 @@ class CostModel:
             are scaled to ``page_bytes`` a page.
     """
 
-    def __init__(self, page_bytes: int, page_size: int,
-                 prefill_cost: Callable[[int, int], float] | None = None,
-                 eviction_weight: float = 0.5, observed_page_bytes: int | None = None) -> None:
+    def __init__(
+        self,
+        page_bytes: int,
+        page_size: int,
+        prefill_cost: Callable[[int, int], float] | None = None,
+        eviction_weight: float = 0.5,
+        observed_page_bytes: int | None = None,
+    ) -> None:
         self.page_bytes, self.page_size = int(page_bytes), int(page_size)
         self.byte_scale = self.page_bytes / int(observed_page_bytes or page_bytes)
         self.prefill_cost, self.eviction_weight = prefill_cost, float(eviction_weight)
@@ -394,8 +424,9 @@ class CostModel:
         self.records: collections.deque[DecisionRecord] = collections.deque(maxlen=4 * WINDOW)
         self._fetch_err: collections.deque = collections.deque(maxlen=4 * WINDOW)
 
-    def observe_transfer(self, link: str, nbytes: float, seconds: float,
-                         sample: bool = True) -> None:
+    def observe_transfer(
+        self, link: str, nbytes: float, seconds: float, sample: bool = True
+    ) -> None:
         """A completed transfer; ``sample=False``: it settles the decisions it served but does
         not join the link's fit (a time that holds a compile)."""
         if link not in self.links:
@@ -456,11 +487,29 @@ class CostModel:
         # nothing), the fetch's read when it landed
         load_actual, read_actual = d.load_actual, 0.0 if f is None else f.read_actual
         assert load_actual is not None and read_actual is not None
-        rec = (DecisionRecord(int(n_new), int(n_cached), d.load_s, load_actual, prefill,
-                              float(seconds), self.prefill_fit.samples - 1) if f is None else
-               DecisionRecord(int(n_new), int(n_cached), f.load_s - f.read_s, load_actual,
-                              prefill, float(seconds), self.prefill_fit.samples - 1,
-                              f.read_s, read_actual))
+        rec = (
+            DecisionRecord(
+                int(n_new),
+                int(n_cached),
+                d.load_s,
+                load_actual,
+                prefill,
+                float(seconds),
+                self.prefill_fit.samples - 1,
+            )
+            if f is None
+            else DecisionRecord(
+                int(n_new),
+                int(n_cached),
+                f.load_s - f.read_s,
+                load_actual,
+                prefill,
+                float(seconds),
+                self.prefill_fit.samples - 1,
+                f.read_s,
+                read_actual,
+            )
+        )
         if rec.actual > 0 and math.isfinite(rec.pred):
             self.n["cost_decision_records"] += 1
             self.records.append(rec)
@@ -502,13 +551,22 @@ class CostModel:
             return v
         v = self.prefill_cost(int(n_new), int(n_cached))
         if not is_real(v) or not math.isfinite(v) or v < 0:
-            raise ValueError(f"prefill_cost({n_new}, {n_cached}) returned {v!r}: expected a "
-                             "finite number of seconds >= 0")
+            raise ValueError(
+                f"prefill_cost({n_new}, {n_cached}) returned {v!r}: expected a "
+                "finite number of seconds >= 0"
+            )
         return float(v)
 
-    def plan(self, chain_tokens: list[int], cached: int, free_pages: int,
-             cap_tokens: int | None, links: tuple[str, ...] = ("l2_l1",),
-             probe: tuple[str, ...] | None = None, overlap: bool = False) -> int | None:
+    def plan(
+        self,
+        chain_tokens: list[int],
+        cached: int,
+        free_pages: int,
+        cap_tokens: int | None,
+        links: tuple[str, ...] = ("l2_l1",),
+        probe: tuple[str, ...] | None = None,
+        overlap: bool = False,
+    ) -> int | None:
         """How many tokens of a host chain to load (root-first; a page multiple), the rest
         recomputed, for the least predicted time: ``load(pages) + prefill(rest + one page,
         cached + loaded) + eviction charge`` over the chain's node boundaries, ``load`` summed
@@ -530,8 +588,9 @@ class CostModel:
             t = self._candidate_times(loaded, total, cached, free_pages, fits)
             t0 = float(t[0])  # the whole chain recomputed
             best = int(loaded[int(np.argmin(t))])  # the first of the least
-            split = (self._split_times(total, cached, free_pages, cap_tokens, fits)
-                     if overlap else None)
+            split = (
+                self._split_times(total, cached, free_pages, cap_tokens, fits) if overlap else None
+            )
         except LookupError:
             self.n["cost_warmup_decisions"] += 1
             return None
@@ -542,12 +601,22 @@ class CostModel:
         self.n["cost_decisions"] += 1
         for f in fits:
             f.plans_since_sample += 1
-        due = [f for f in (fits if probe is None else [self.links[k] for k in probe])
-               if f.needs_probe()]
+        due = [
+            f
+            for f in (fits if probe is None else [self.links[k] for k in probe])
+            if f.needs_probe()
+        ]
         for f in due:
             f.probe_credit += PROBE_SHARE * t0
-        probe_at = self._probe_tokens(total, cached, cap_tokens, due, fits,
-                                      min((f.probe_credit for f in due), default=0.0), t0)
+        probe_at = self._probe_tokens(
+            total,
+            cached,
+            cap_tokens,
+            due,
+            fits,
+            min((f.probe_credit for f in due), default=0.0),
+            t0,
+        )
         if probe_at:
             spent = self._probe_spend(probe_at, total, cached, fits)
             for f in due:
@@ -569,11 +638,17 @@ class CostModel:
     def _decision(self, nbytes: int, cached_after: int, links: tuple[str, ...]) -> Decision:
         """A plan's :class:`Decision` on the figures as they stand (its load over ``links``)."""
         hops = {k: self.links[k].predict(nbytes) for k in links}
-        return Decision(sum(hops.values()), nbytes, cached_after, self._prefill_predictor(),
-                        hops.get("l3_l2", 0.0))
+        return Decision(
+            sum(hops.values()),
+            nbytes,
+            cached_after,
+            self._prefill_predictor(),
+            hops.get("l3_l2", 0.0),
+        )
 
-    def _candidate_times(self, loaded: np.ndarray, total: int, cached: int, free_pages: int,
-                         fits: list[LinkFit]) -> np.ndarray:
+    def _candidate_times(
+        self, loaded: np.ndarray, total: int, cached: int, free_pages: int, fits: list[LinkFit]
+    ) -> np.ndarray:
         """:meth:`plan`'s predicted seconds for loading each of ``loaded`` tokens: the load
         over ``fits``, the prefill of the rest plus a page, the eviction charge. Raises
         LookupError (no prefill figure) or the callable's error."""
@@ -582,8 +657,9 @@ class CostModel:
         pre = self._prefill_many(total - loaded + ps, cached + loaded)
         return t + pre + self._eviction_charge(pages, free_pages)
 
-    def _split_times(self, total: int, cached: int, free_pages: int, cap_tokens: int | None,
-                     fits: list[LinkFit]) -> tuple[int, float] | None:
+    def _split_times(
+        self, total: int, cached: int, free_pages: int, cap_tokens: int | None, fits: list[LinkFit]
+    ) -> tuple[int, float] | None:
         """The least-time two-ended split of a chain of ``total`` tokens as ``(front tokens,
         seconds)``: the front ``[0, s)`` recomputed while the back ``[s, total)`` is loaded
         (the load dispatched first), then the rest: ``max(prefill(s | cached), load(total -
@@ -598,9 +674,11 @@ class CostModel:
         front = np.unique(np.linspace(lo, pages - 1, min(512, pages - lo)).astype(np.int64)) * ps
         back = (total - front) // ps
         load = sum(f.plan_costs(back * float(self.page_bytes)) for f in fits)
-        t = (np.maximum(self._prefill_many(front, np.full_like(front, cached)), load)
-             + self.prefill_seconds(ps, cached + total)
-             + self._eviction_charge(back, free_pages))
+        t = (
+            np.maximum(self._prefill_many(front, np.full_like(front, cached)), load)
+            + self.prefill_seconds(ps, cached + total)
+            + self._eviction_charge(back, free_pages)
+        )
         i = int(np.argmin(t))
         return int(front[i]), float(t[i])
 
@@ -613,10 +691,13 @@ class CostModel:
             if t is None:
                 raise LookupError("no prefill samples yet")
             return t
-        return np.array([self.prefill_seconds(n, c)
-                         for n, c in zip(np.asarray(n_new).tolist(),
-                                         np.asarray(n_cached).tolist())],
-                        np.float64)
+        return np.array(
+            [
+                self.prefill_seconds(n, c)
+                for n, c in zip(np.asarray(n_new).tolist(), np.asarray(n_cached).tolist())
+            ],
+            np.float64,
+        )
 
     def _eviction_charge(self, pages: np.ndarray, free_pages: int) -> np.ndarray:
         """The charge of loading each of ``pages`` pages into ``free_pages`` free ones: the
@@ -634,15 +715,23 @@ class CostModel:
         none is counted where the prefill figure fails here)."""
         bound = sum(f.worst(ntok // self.page_size * self.page_bytes) for f in fits)
         try:
-            saved = (self.prefill_seconds(total + self.page_size, cached)
-                     - self.prefill_seconds(total - ntok + self.page_size, cached + ntok))
+            saved = self.prefill_seconds(total + self.page_size, cached) - self.prefill_seconds(
+                total - ntok + self.page_size, cached + ntok
+            )
         except Exception:  # the serving stack's callable: the bound alone
             saved = 0.0
         return bound - max(0.0, saved)
 
-    def _probe_tokens(self, total: int, cached: int, cap_tokens: int | None,
-                      due: list[LinkFit], fits: list[LinkFit], budget: float,
-                      recompute: float) -> int:
+    def _probe_tokens(
+        self,
+        total: int,
+        cached: int,
+        cap_tokens: int | None,
+        due: list[LinkFit],
+        fits: list[LinkFit],
+        budget: float,
+        recompute: float,
+    ) -> int:
         """Tokens a probe loads (0: none due, or none within ``budget`` seconds, the due links'
         credit): ``2**k`` pages while a due link has ``k <`` :data:`MIN_SAMPLES` samples,
         then one; never past the chain or the cap; none while what it spends
@@ -663,9 +752,17 @@ class CostModel:
         return pages * self.page_size
 
     def stats(self) -> dict[str, Any]:
-        out: dict[str, Any] = {k: self.n[k] for k in (
-            "cost_decisions", "cost_partial_loads", "cost_probes", "cost_splits", "cost_fallbacks",
-            "cost_warmup_decisions")}
+        out: dict[str, Any] = {
+            k: self.n[k]
+            for k in (
+                "cost_decisions",
+                "cost_partial_loads",
+                "cost_probes",
+                "cost_splits",
+                "cost_fallbacks",
+                "cost_warmup_decisions",
+            )
+        }
         for name, fit in self.links.items():
             out[f"cost_{name}_latency_s"] = fit.latency_s
             out[f"cost_{name}_gbps"] = fit.bytes_per_s / 1e9
@@ -681,15 +778,19 @@ class CostModel:
         out["cost_decision_err_median"] = _median_rel([(r.pred, r.actual) for r in self.records])
         # the two parts of the decisions' error: their loads (those that loaded), prefills
         out["cost_decision_load_err_median"] = _median_rel(
-            [(r.load_pred, r.load_actual) for r in self.records if r.load_pred > 0])
+            [(r.load_pred, r.load_actual) for r in self.records if r.load_pred > 0]
+        )
         out["cost_decision_prefill_err_median"] = _median_rel(
-            [(r.prefill_pred, r.prefill_actual) for r in self.records])
+            [(r.prefill_pred, r.prefill_actual) for r in self.records]
+        )
         out["cost_decision_read_err_median"] = _median_rel(
-            [(r.read_pred, r.read_actual) for r in self.records if r.read_pred > 0])
+            [(r.read_pred, r.read_actual) for r in self.records if r.read_pred > 0]
+        )
         out["cost_decision_err_median_without_read"] = _median_rel(
-            [(r.load_pred + r.prefill_pred, r.load_actual + r.prefill_actual)
-             for r in self.records])
+            [(r.load_pred + r.prefill_pred, r.load_actual + r.prefill_actual) for r in self.records]
+        )
         out["cost_fetch_records"] = self.n["cost_fetch_records"]
-        out["cost_fetch_err_median"] = (float(np.median(self._fetch_err))
-                                        if self._fetch_err else None)
+        out["cost_fetch_err_median"] = (
+            float(np.median(self._fetch_err)) if self._fetch_err else None
+        )
         return out

@@ -38,14 +38,17 @@ def check_matches(tree: RadixTree, matches: Any) -> None:
         raise TypeError(f"matches must be a list or tuple of Match, got {type(matches).__name__}")
     for i, m in enumerate(matches):
         if not isinstance(m, Match) or not isinstance(m.node, NodeRef):
-            raise TypeError(f"matches[{i}] must be a Match from match_prefix, got "
-                            f"{type(m).__name__}")
+            raise TypeError(
+                f"matches[{i}] must be a Match from match_prefix, got {type(m).__name__}"
+            )
         top = m.node._node
         while top.parent is not None:
             top = top.parent
         if top.is_root and top is not tree.root:
-            raise HiCacheError(f"matches[{i}]: {m.node!r} is not in this cache (another "
-                               "cache's, or from before reset()): match again")
+            raise HiCacheError(
+                f"matches[{i}]: {m.node!r} is not in this cache (another "
+                "cache's, or from before reset()): match again"
+            )
 
 
 def host_chain_after(node: TreeNode, claimed: set) -> list[TreeNode]:
@@ -58,8 +61,9 @@ def host_chain_after(node: TreeNode, claimed: set) -> list[TreeNode]:
     return chain
 
 
-def _decide(nodes: list[TreeNode], rule: Any, take: Callable[[int], np.ndarray] | None,
-            page_size: int) -> tuple[list, int]:
+def _decide(
+    nodes: list[TreeNode], rule: Any, take: Callable[[int], np.ndarray] | None, page_size: int
+) -> tuple[list, int]:
     """``([(node, chain, ids)], declined)``, ``chain`` the part of the node's host chain the
     rule loads (its first nodes); ``take(pages)`` allocates (None: decide only)."""
     claimed: set = set()
@@ -82,8 +86,14 @@ def _decide(nodes: list[TreeNode], rule: Any, take: Callable[[int], np.ndarray] 
     return out, declined
 
 
-def take_chains(tree: RadixTree, nodes: list[TreeNode], *, rule: Any,
-                take: Callable[[int], np.ndarray], page_size: int) -> tuple[list[Accepted], int]:
+def take_chains(
+    tree: RadixTree,
+    nodes: list[TreeNode],
+    *,
+    rule: Any,
+    take: Callable[[int], np.ndarray],
+    page_size: int,
+) -> tuple[list[Accepted], int]:
     """Decide every match's chain and allocate its device pages.
 
     Every node is locked while pages are taken (eviction cannot reach a chain or its device
@@ -109,7 +119,7 @@ def take_chains(tree: RadixTree, nodes: list[TreeNode], *, rule: Any,
             cut, lo = [], 0
             for node, chain, _ in out:
                 k = sum(n.num_pages for n in chain)
-                cut.append((node, chain, ids[lo:lo + k]))
+                cut.append((node, chain, ids[lo : lo + k]))
                 lo += k
             out = cut
         except OutOfPagesError:
@@ -128,14 +138,23 @@ def take_chains(tree: RadixTree, nodes: list[TreeNode], *, rule: Any,
     return out, declined
 
 
-def load_chains(tree: RadixTree, resolved: list[tuple[Match, TreeNode]], *, rule: Any,
-                page_size: int, take: Callable[[int], np.ndarray],
-                load: Callable[..., Any], counters: Any, layerwise: bool) -> list[Match]:
+def load_chains(
+    tree: RadixTree,
+    resolved: list[tuple[Match, TreeNode]],
+    *,
+    rule: Any,
+    page_size: int,
+    take: Callable[[int], np.ndarray],
+    load: Callable[..., Any],
+    counters: Any,
+    layerwise: bool,
+) -> list[Match]:
     """Load the accepted chains of revalidated ``(match, node)`` pairs in ONE transfer
     (``load(pairs, ids, layerwise)``: the in-flight table's ``load``); what holds each prefix
     now, carrying the load's handle where it holds pages of the load and ``layerwise``."""
-    accepted, declined = take_chains(tree, [node for _, node in resolved], rule=rule,
-                                     page_size=page_size, take=take)
+    accepted, declined = take_chains(
+        tree, [node for _, node in resolved], rule=rule, page_size=page_size, take=take
+    )
     counters["load_backs_declined"] += declined
     loaded, handle = np.zeros(0, np.int32), None
     if accepted:
@@ -146,6 +165,10 @@ def load_chains(tree: RadixTree, resolved: list[tuple[Match, TreeNode]], *, rule
         dispatched([c for _, c, _ in accepted])
     out = [current(m, node, page_size) for m, node in resolved]
     if accepted and layerwise:
-        out = [Match(m.device_pages, m.device_len, m.host_len, m.node, handle)
-               if np.isin(m.device_pages, loaded).any() else m for m in out]
+        out = [
+            Match(m.device_pages, m.device_len, m.host_len, m.node, handle)
+            if np.isin(m.device_pages, loaded).any()
+            else m
+            for m in out
+        ]
     return out

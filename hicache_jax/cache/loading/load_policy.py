@@ -67,9 +67,15 @@ def _cached_tokens(chain: list[TreeNode]) -> int:
 class CostRule:
     """The cost model's least-time split, capped per request and per step."""
 
-    def __init__(self, model: CostModel, fallback: ThresholdRule, device: PageAllocator,
-                 max_tokens: int | None, step_budget: int | None,
-                 tree: RadixTree | None = None) -> None:
+    def __init__(
+        self,
+        model: CostModel,
+        fallback: ThresholdRule,
+        device: PageAllocator,
+        max_tokens: int | None,
+        step_budget: int | None,
+        tree: RadixTree | None = None,
+    ) -> None:
         self.model, self.fallback, self.device, self.tree = model, fallback, device, tree
         self.max_tokens, self.step_budget = max_tokens, step_budget
         self._decided: dict = {}
@@ -89,8 +95,13 @@ class CostRule:
             cap = self.max_tokens
             if left[0] is not None:
                 cap = left[0] if cap is None else min(cap, left[0])
-            ntok = self.model.plan([n.num_tokens for n in chain], _cached_tokens(chain), free[0],
-                                   cap, overlap=self.overlap)
+            ntok = self.model.plan(
+                [n.num_tokens for n in chain],
+                _cached_tokens(chain),
+                free[0],
+                cap,
+                overlap=self.overlap,
+            )
             if ntok is not None and self.model.last_split is not None:
                 self.splits[chain[-1]] = self.model.last_split  # the caller loads the back
                 pages = ntok // self.model.page_size
@@ -110,6 +121,7 @@ class CostRule:
             if left[0] is not None:
                 left[0] -= loaded
             return j
+
         return decide
 
     def take_split(self, node: TreeNode) -> int | None:
@@ -148,8 +160,14 @@ class CostRule:
         ps = self.model.page_size
         cap = None if self.max_tokens is None else self.max_tokens // ps * ps
         self._fetch = None
-        j = self.model.plan([ps] * new_pages, covered, self.device.num_free, cap,
-                            links=("l3_l2", "l2_l1"), probe=("l3_l2",))  # load-backs probe L2
+        j = self.model.plan(
+            [ps] * new_pages,
+            covered,
+            self.device.num_free,
+            cap,
+            links=("l3_l2", "l2_l1"),
+            probe=("l3_l2",),
+        )  # load-backs probe L2
         if j is None:
             return new_pages if cap is None else min(new_pages, cap // ps)
         j //= ps
@@ -170,20 +188,28 @@ class CostRule:
         those of the chains it declined, wait for their actual times
         (cache/loading/cost_model.py)."""
         taken = {c[0]: c for c in accepted}
-        out = [(d, sum(n.num_pages for n in taken[root]) * self.model.page_bytes)
-               for root, d in self._decided.items() if root in taken]
-        out += [(d, 0) for root, d in self._decided.items()
-                if root not in taken and d is not None and d.nbytes == 0]
+        out = [
+            (d, sum(n.num_pages for n in taken[root]) * self.model.page_bytes)
+            for root, d in self._decided.items()
+            if root in taken
+        ]
+        out += [
+            (d, 0)
+            for root, d in self._decided.items()
+            if root not in taken and d is not None and d.nbytes == 0
+        ]
         self.model.track(out)
         self._decided = {}
 
 
-def make_rule(cfg: HiCacheConfig, model: CostModel, device: PageAllocator,
-              tree: RadixTree | None = None) -> ThresholdRule | CostRule:
+def make_rule(
+    cfg: HiCacheConfig, model: CostModel, device: PageAllocator, tree: RadixTree | None = None
+) -> ThresholdRule | CostRule:
     """The rule ``cfg.load_policy`` names (the device allocator: free pages, for the cost
     model's eviction charge; the tree: where a probe splits a node)."""
     threshold = ThresholdRule(cfg.load_back_threshold, cfg.load_back_quota)
     if cfg.load_policy != "cost":
         return threshold
-    return CostRule(model, threshold, device, cfg.max_load_tokens,
-                    cfg.load_step_budget_tokens, tree)
+    return CostRule(
+        model, threshold, device, cfg.max_load_tokens, cfg.load_step_budget_tokens, tree
+    )

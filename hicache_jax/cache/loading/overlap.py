@@ -58,8 +58,9 @@ class OverlapCopy:
 
     __slots__ = ("pages", "span", "_handle", "_complete")
 
-    def __init__(self, pages: np.ndarray, span: tuple[int, int], handle: TransferHandle,
-                 complete: Completion) -> None:
+    def __init__(
+        self, pages: np.ndarray, span: tuple[int, int], handle: TransferHandle, complete: Completion
+    ) -> None:
         self.pages, self.span, self._handle, self._complete = pages, span, handle, complete
 
     def wait(self) -> None:
@@ -79,14 +80,26 @@ class Overlap:
         complete: applies finished transfers (a copy's wait).
     """
 
-    def __init__(self, page_size: int, engine: TransferEngine, cost: CostModel,
-                 counters: collections.Counter, complete: Completion) -> None:
+    def __init__(
+        self,
+        page_size: int,
+        engine: TransferEngine,
+        cost: CostModel,
+        counters: collections.Counter,
+        complete: Completion,
+    ) -> None:
         self._ps, self._engine, self._cost = page_size, engine, cost
         self._n, self._complete = counters, complete
 
-    def start(self, node: TreeNode, front: int, cached_len: int, declined: int,
-              alloc: Callable[[int], np.ndarray],
-              free: Callable[[np.ndarray], None]) -> OverlapCopy | None:
+    def start(
+        self,
+        node: TreeNode,
+        front: int,
+        cached_len: int,
+        declined: int,
+        alloc: Callable[[int], np.ndarray],
+        free: Callable[[np.ndarray], None],
+    ) -> OverlapCopy | None:
         """Take the request's pages for the host chain ending at ``node`` and dispatch the copy
         of its back (the chain's tokens from ``front`` on); None where nothing was started
         (the chain changed, or no device pages: the request recomputes it all, as a declined
@@ -102,8 +115,11 @@ class Overlap:
         """
         ps = self._ps
         chain = host_chain_after(node, set())
-        host = (np.concatenate([n.host_value for n in chain]).astype(np.int32) if chain
-                else np.zeros(0, np.int32))
+        host = (
+            np.concatenate([n.host_value for n in chain]).astype(np.int32)
+            if chain
+            else np.zeros(0, np.int32)
+        )
         if host.size * ps != declined or not 0 < front < host.size * ps or front % ps:
             return None
         try:

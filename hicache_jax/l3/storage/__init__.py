@@ -2,14 +2,16 @@
 
 ```python
 store = open_storage("file:///var/cache/hicache", spec, host_buffer, layout="page_first")
-keys = page_keys(spec, prefix_tokens, extra_key)        # 128-bit chained digests -> L3 keys
-mask = store.exists(keys)                               # bool [n], synchronous, cheap
-h = store.get_into(keys, host_ids)                      # L3 -> host pages, a StorageHandle
-h = store.put_from(keys, host_ids)                      # host pages -> L3 (write-once keys)
-h.done(); ok = h.wait(timeout)                          # ok: bool [n]; h.landed(): so far
-store.delete(keys)                                      # optional: bool [n] removed
+keys = page_keys(spec, prefix_tokens, extra_key)  # 128-bit chained digests -> L3 keys
+mask = store.exists(keys)  # bool [n], synchronous, cheap
+h = store.get_into(keys, host_ids)  # L3 -> host pages, a StorageHandle
+h = store.put_from(keys, host_ids)  # host pages -> L3 (write-once keys)
+h.done()
+ok = h.wait(timeout)  # ok: bool [n]; h.landed(): so far
+store.delete(keys)  # optional: bool [n] removed
 store.delete_prefix(namespace_prefix(spec, extra_key))  # optional: entries removed (int)
-store.stats(); store.close()
+store.stats()
+store.close()
 ```
 
 ``delete`` and ``delete_prefix`` are optional; ``HiCache.invalidate`` uses them where a backend
@@ -65,10 +67,21 @@ from hicache_jax.l3.storage.format import (
 from hicache_jax.spec import HostLayout, KVSpec
 
 __all__ = [
-    "StorageBackend", "StorageHandle", "StorageError", "StorageUnavailableError", "HostPages",
-    "open_storage", "page_keys", "key_strings", "namespace", "namespace_prefix", "EntryCodec",
+    "StorageBackend",
+    "StorageHandle",
+    "StorageError",
+    "StorageUnavailableError",
+    "HostPages",
+    "open_storage",
+    "page_keys",
+    "key_strings",
+    "namespace",
+    "namespace_prefix",
+    "EntryCodec",
     "HEADER_BYTES",
-    "ENTRY_ROWS", "entry_rows", "entry_pages",
+    "ENTRY_ROWS",
+    "entry_rows",
+    "entry_pages",
 ]
 
 
@@ -97,14 +110,25 @@ def parse_bool(value: str) -> bool:
 
 _FILE_OPTIONS = {"capacity_bytes": int, "fsync": parse_bool, "batch_pages": int, "checksum": str}
 _THROTTLE_OPTIONS = {"gbps": float, "latency_ms": float}
-_MOONCAKE_OPTIONS = {"local_hostname": str, "protocol": str, "device_names": str,
-                     "setup_timeout_s": float, "exists_timeout_s": float, "batch_pages": int,
-                     "checksum": str, "zero_copy": parse_bool}
+_MOONCAKE_OPTIONS = {
+    "local_hostname": str,
+    "protocol": str,
+    "device_names": str,
+    "setup_timeout_s": float,
+    "exists_timeout_s": float,
+    "batch_pages": int,
+    "checksum": str,
+    "zero_copy": parse_bool,
+}
 
 
-def open_storage(url: str, spec: KVSpec, host_buffer: np.ndarray,
-                 layout: HostLayout | str = HostLayout.PAGE_FIRST,
-                 **options: Any) -> StorageBackend:
+def open_storage(
+    url: str,
+    spec: KVSpec,
+    host_buffer: np.ndarray,
+    layout: HostLayout | str = HostLayout.PAGE_FIRST,
+    **options: Any,
+) -> StorageBackend:
     """Open the L3 backend named by ``url`` over the numpy page buffer ``host_buffer``.
 
     Args:
@@ -134,6 +158,7 @@ def open_storage(url: str, spec: KVSpec, host_buffer: np.ndarray,
             raise ValueError(f"storage url={url!r} has no directory")
         kwargs = _query_options(url, parsed.query, _FILE_OPTIONS) | options
         from hicache_jax.l3.storage.file import FileStorage
+
         return FileStorage(spec, host_buffer, layout, urllib.parse.unquote(parsed.path), **kwargs)
     if scheme == "throttle+file":  # tests and benchmarks: a throttled file store (throttle.py)
         if parsed.netloc not in ("", "localhost") or not parsed.path:
@@ -142,30 +167,36 @@ def open_storage(url: str, spec: KVSpec, host_buffer: np.ndarray,
         if "gbps" not in kwargs:
             raise ValueError(f"storage url={url!r} has no gbps (throttle+file:///dir?gbps=G)")
         from hicache_jax.l3.storage.throttle import ThrottledFileStorage
-        return ThrottledFileStorage(spec, host_buffer, layout,
-                                    urllib.parse.unquote(parsed.path), **kwargs)
+
+        return ThrottledFileStorage(
+            spec, host_buffer, layout, urllib.parse.unquote(parsed.path), **kwargs
+        )
     if scheme == "mooncake":
         if not parsed.netloc or parsed.path not in ("", "/"):
             raise ValueError(f"storage url={url!r} must be mooncake://host:port")
         kwargs = _query_options(url, parsed.query, _MOONCAKE_OPTIONS) | options
         from hicache_jax.l3.storage.mooncake import MooncakeStorage
+
         return MooncakeStorage(spec, host_buffer, layout, parsed.netloc, **kwargs)
     if scheme == "python":
         from hicache_jax.l3.storage.plugin import open_plugin
+
         return open_plugin(url, spec, host_buffer, layout, **options)
-    raise ValueError(f"storage url={url!r}: scheme must be file://, mooncake://, python:// or "
-                     "throttle+file://")
+    raise ValueError(
+        f"storage url={url!r}: scheme must be file://, mooncake://, python:// or throttle+file://"
+    )
 
 
 def _query_options(url: str, query: str, allowed: dict[str, Any]) -> dict[str, Any]:
     out = {}
     for name, value in urllib.parse.parse_qsl(query, keep_blank_values=True, strict_parsing=False):
         if name not in allowed:
-            raise ValueError(f"storage url={url!r}: unknown option {name!r} "
-                             f"(known: {', '.join(sorted(allowed))})")
+            raise ValueError(
+                f"storage url={url!r}: unknown option {name!r} "
+                f"(known: {', '.join(sorted(allowed))})"
+            )
         try:
             out[name] = allowed[name](value)
         except ValueError:
             raise ValueError(f"storage url={url!r}: bad value {value!r} for {name}") from None
     return out
-

@@ -77,13 +77,15 @@ class HostPages:
             except ValueError:
                 raise ValueError(
                     f"layout={layout!r} is not one of: "
-                    f"{', '.join(m.value for m in HostLayout)}, {ENTRY_ROWS}") from None
+                    f"{', '.join(m.value for m in HostLayout)}, {ENTRY_ROWS}"
+                ) from None
         if not isinstance(buffer, np.ndarray):
             raise TypeError(f"host_buffer must be a numpy array, got {type(buffer).__name__}")
         dtype = np.dtype(np.uint8) if self.entries else spec.bits_dtype
         if buffer.dtype != dtype:
             raise ValueError(
-                f"host_buffer.dtype={buffer.dtype} must be {dtype} for layout {layout}")
+                f"host_buffer.dtype={buffer.dtype} must be {dtype} for layout {layout}"
+            )
         if not buffer.flags.c_contiguous or not buffer.flags.writeable:
             raise ValueError("host_buffer must be C-contiguous and writeable")
         tail = (spec.page_size, spec.num_kv_heads, spec.head_dim)
@@ -96,8 +98,11 @@ class HostPages:
             num_pages = buffer.shape[0] if buffer.ndim == 6 else 0
             expected = f"the page_first host layout of {spec}"
         else:
-            ok = (buffer.ndim == 6 and buffer.shape[:2] == (spec.num_layers, spec.kv_factor)
-                  and buffer.shape[3:] == tail)
+            ok = (
+                buffer.ndim == 6
+                and buffer.shape[:2] == (spec.num_layers, spec.kv_factor)
+                and buffer.shape[3:] == tail
+            )
             num_pages = buffer.shape[2] if buffer.ndim == 6 else 0
             expected = f"the layer_first host layout of {spec}"
         if not ok or num_pages < 1:
@@ -112,8 +117,9 @@ class HostPages:
         # (~0.2 us; an as_strided view per page cost ~8 us, 1 ms per 128-page batch)
         if self.entries:
             self.stride = HEADER_BYTES + spec.page_bytes
-            self._pages = buffer[:, HEADER_BYTES:].reshape(num_pages, self._chunks,
-                                                           spec.chunk_bytes)
+            self._pages = buffer[:, HEADER_BYTES:].reshape(
+                num_pages, self._chunks, spec.chunk_bytes
+            )
         elif layout is HostLayout.PAGE_FIRST:
             self.stride = spec.page_bytes
             self._pages = self._flat.reshape(num_pages, self._chunks, spec.chunk_bytes)
@@ -197,8 +203,9 @@ class StorageHandle:
         if timeout is None and self._inline is not None and not self._event.is_set():
             self._inline(self)
         if not self._event.wait(timeout):
-            raise TimeoutError(f"storage {self.kind} of {len(self.keys)} pages not done "
-                               f"after {timeout} s")
+            raise TimeoutError(
+                f"storage {self.kind} of {len(self.keys)} pages not done after {timeout} s"
+            )
         if self._error is not None:
             raise StorageError(f"storage {self.kind} worker failed") from self._error
         return self._ok.copy()
@@ -242,8 +249,15 @@ class BackendBase:
 
     url: str
 
-    def __init__(self, spec: KVSpec, host_buffer: np.ndarray, layout: HostLayout | str, *,
-                 batch_pages: int = 32, checksum: str = "auto") -> None:
+    def __init__(
+        self,
+        spec: KVSpec,
+        host_buffer: np.ndarray,
+        layout: HostLayout | str,
+        *,
+        batch_pages: int = 32,
+        checksum: str = "auto",
+    ) -> None:
         if not isinstance(spec, KVSpec):
             raise TypeError(f"spec must be a KVSpec, got {type(spec).__name__}")
         if not is_int(batch_pages) or batch_pages < 1:
@@ -254,8 +268,10 @@ class BackendBase:
         self.batch_pages = batch_pages
         self._lock = threading.Lock()
         self._counters: collections.Counter[str] = collections.Counter()
-        self._lanes = {kind: concurrent.futures.ThreadPoolExecutor(
-            1, thread_name_prefix=f"hicache-l3-{kind}") for kind in ("get", "put")}
+        self._lanes = {
+            kind: concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"hicache-l3-{kind}")
+            for kind in ("get", "put")
+        }
         # held while a handle runs, by the lane's worker or by a waiter running it inline:
         # a lane's buffers serve one handle at a time
         self._lane_locks = {kind: threading.Lock() for kind in ("get", "put")}
@@ -338,8 +354,9 @@ class BackendBase:
                 if handle._cancelled:
                     break
                 stop = start + self.batch_pages
-                ok = np.asarray(fn(handle.keys[start:stop], handle.host_ids[start:stop]),
-                                dtype=bool)
+                ok = np.asarray(
+                    fn(handle.keys[start:stop], handle.host_ids[start:stop]), dtype=bool
+                )
                 handle._ok[start:stop] = ok
         except BaseException as e:  # a bug, not an I/O failure: surfaced by wait()
             error = e

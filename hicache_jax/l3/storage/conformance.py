@@ -61,8 +61,12 @@ class ConformanceError(HiCacheError, AssertionError):
     """A backend broke a behaviour the cache relies on (the message names it)."""
 
 
-def check(factory: Callable[[KVSpec, np.ndarray, str], Any], timeout_s: float = 5.0, *,
-          shared: bool = False) -> list[str]:
+def check(
+    factory: Callable[[KVSpec, np.ndarray, str], Any],
+    timeout_s: float = 5.0,
+    *,
+    shared: bool = False,
+) -> list[str]:
     """Run every check against fresh backends from ``factory``; the names of those passed.
 
     Args:
@@ -92,13 +96,15 @@ def check(factory: Callable[[KVSpec, np.ndarray, str], Any], timeout_s: float = 
 
 def _buffer() -> np.ndarray:
     info = np.iinfo(SPEC.bits_dtype)
-    return np.random.default_rng(0).integers(0, info.max, SPEC.page_major_shape(NUM_PAGES),
-                                             dtype=SPEC.bits_dtype, endpoint=True)
+    return np.random.default_rng(0).integers(
+        0, info.max, SPEC.page_major_shape(NUM_PAGES), dtype=SPEC.bits_dtype, endpoint=True
+    )
 
 
 class _Probe:
-    def __init__(self, name: str, store: Any, buf: np.ndarray, timeout_s: float,
-                 factory: Any) -> None:
+    def __init__(
+        self, name: str, store: Any, buf: np.ndarray, timeout_s: float, factory: Any
+    ) -> None:
         self.name, self.store, self.buf, self.timeout_s = name, store, buf, timeout_s
         self.factory = factory
         self.extra = uuid.uuid4().hex  # keys no earlier run stored
@@ -115,20 +121,24 @@ class _Probe:
         except StorageError:
             raise
         except Exception as exc:
-            raise ConformanceError(f"errors: {op} raised {type(exc).__name__}: {exc} (only "
-                                   "StorageError may escape; an I/O failure is a miss)") from exc
+            raise ConformanceError(
+                f"errors: {op} raised {type(exc).__name__}: {exc} (only "
+                "StorageError may escape; an I/O failure is a miss)"
+            ) from exc
 
     def wait(self, op: str, handle: Any) -> np.ndarray:
         try:
             return np.asarray(handle.wait(self.timeout_s), dtype=bool)
         except TimeoutError:
-            raise ConformanceError(f"no blocking: {op} did not finish within {self.timeout_s} s "
-                                   "(the backend blocks)") from None
+            raise ConformanceError(
+                f"no blocking: {op} did not finish within {self.timeout_s} s (the backend blocks)"
+            ) from None
         except StorageError as exc:
             cause = exc.__cause__
             if cause is not None and not isinstance(cause, StorageError):
-                raise ConformanceError(f"errors: {op} raised {type(cause).__name__}: {cause} "
-                                       "inside the backend") from exc
+                raise ConformanceError(
+                    f"errors: {op} raised {type(cause).__name__}: {cause} inside the backend"
+                ) from exc
             raise
 
     def put(self, keys: list[str], ids: list[int]) -> np.ndarray:
@@ -141,8 +151,10 @@ class _Probe:
         """Every page ``ok`` says landed in ``dst[i]`` equals ``src[i]``."""
         for i in np.flatnonzero(ok).tolist():
             if not np.array_equal(self.buf[dst[i]], self.buf[src[i]]):
-                self.fail(f"{what}: a get reported page {i} landed whose bytes differ from "
-                          "those put (a torn or stale page)")
+                self.fail(
+                    f"{what}: a get reported page {i} landed whose bytes differ from "
+                    "those put (a torn or stale page)"
+                )
 
 
 def _missing(p: _Probe) -> None:
@@ -204,8 +216,10 @@ def _delete(p: _Probe) -> bool:
     if ok.tolist() != [False, True, False]:
         p.fail(f"a get after delete of keys 0 and 2 landed {ok.tolist()} (a deleted key serves)")
     if not p.put(keys[:1], [5]).all() or not p.get(keys[:1], [11]).all():
-        p.fail("a put after delete did not store the key again (invalidated pages could "
-               "never come back)")
+        p.fail(
+            "a put after delete did not store the key again (invalidated pages could "
+            "never come back)"
+        )
     if not np.array_equal(p.buf[11], p.buf[5]):
         p.fail("a put after delete serves the deleted page, not the new one")
     return True
@@ -224,9 +238,11 @@ def _delete_prefix(p: _Probe) -> bool:
     p.put(kept, [4, 5])
     n = p.call("delete_prefix", namespace_prefix(SPEC, p.extra))
     if np.asarray(p.call("exists", gone_ns), dtype=bool).any():
-        p.fail(f"an entry of the prefix is still there after delete_prefix (exists "
-               f"{np.asarray(p.call('exists', gone_ns), dtype=bool).tolist()}, generation 0 x3 "
-               "then 1)")
+        p.fail(
+            f"an entry of the prefix is still there after delete_prefix (exists "
+            f"{np.asarray(p.call('exists', gone_ns), dtype=bool).tolist()}, generation 0 x3 "
+            "then 1)"
+        )
     if p.get(gone_ns, [8, 9, 10, 11]).any():
         p.fail("a get after delete_prefix landed a removed entry")
     if not isinstance(n, (int, np.integer)) or int(n) != len(gone_ns):
@@ -235,8 +251,11 @@ def _delete_prefix(p: _Probe) -> bool:
         p.fail("delete_prefix removed or changed an entry of another namespace")
     if int(p.call("delete_prefix", namespace_prefix(SPEC, p.extra))) != 0:
         p.fail("a second delete_prefix of the same prefix reported entries removed")
-    if not p.put(gone_ns[:1], [6]).all() or not p.get(gone_ns[:1], [14]).all() or \
-            not np.array_equal(p.buf[14], p.buf[6]):
+    if (
+        not p.put(gone_ns[:1], [6]).all()
+        or not p.get(gone_ns[:1], [14]).all()
+        or not np.array_equal(p.buf[14], p.buf[6])
+    ):
         p.fail("a put after delete_prefix did not store the key again")
     return True
 
@@ -269,7 +288,7 @@ def _tampered(p: _Probe) -> bool:
     with open(files[0], "r+b") as f:  # torn: a writer died half way
         f.truncate(os.path.getsize(files[0]) // 2)
     with open(files[3], "rb") as src, open(files[1], "wb") as f:  # foreign: another key's
-        f.write(src.read())                                        # entry under this key
+        f.write(src.read())  # entry under this key
     with open(files[2], "r+b") as f:  # a bit flipped in the page
         f.seek(-1, os.SEEK_END)
         last = f.read(1)[0]
@@ -277,8 +296,9 @@ def _tampered(p: _Probe) -> bool:
         f.write(bytes([last ^ 1]))
     p.buf[[8, 9, 10, 11]] = 0
     ok = p.get(keys, [8, 9, 10, 11])
-    for i, what in enumerate(("a truncated entry", "another key's entry",
-                              "an entry with a flipped bit")):
+    for i, what in enumerate(
+        ("a truncated entry", "another key's entry", "an entry with a flipped bit")
+    ):
         if ok[i]:
             p.fail(f"a get of {what} reported the page landed (it must be a miss)")
     if not ok[3] or not np.array_equal(p.buf[11], p.buf[3]):
@@ -292,7 +312,7 @@ def _writer(factory: Any, keys: list[str], timeout_s: float) -> None:
     store = factory(SPEC, buf, "page_first")
     try:
         for lo in range(0, len(keys), 2):
-            store.put_from(keys[lo:lo + 2], np.arange(lo, lo + 2)).wait(timeout_s)
+            store.put_from(keys[lo : lo + 2], np.arange(lo, lo + 2)).wait(timeout_s)
     finally:
         store.close()
 
@@ -315,8 +335,10 @@ def _two_processes(p: _Probe) -> None:
             if finished and writer.exitcode != 0:
                 p.fail(f"the writer process failed (exit code {writer.exitcode})")
             if finished:
-                p.fail(f"pages put in another process never all reached this one ({int(ok.sum())}"
-                       " of 8): the store is not shared between processes")
+                p.fail(
+                    f"pages put in another process never all reached this one ({int(ok.sum())}"
+                    " of 8): the store is not shared between processes"
+                )
             if time.monotonic() > deadline:
                 p.fail(f"the writer process did not finish within {_SPAWN_S + p.timeout_s} s")
             time.sleep(0.01)
@@ -347,8 +369,15 @@ def _close_during_work(p: _Probe) -> None:
     p.fail("exists after close did not raise StorageError")
 
 
-_CHECKS = [("missing keys", _missing), ("round trip", _round_trip), ("partial batch", _partial),
-           ("write once", _write_once), ("delete", _delete), ("delete by prefix", _delete_prefix),
-           ("put racing a get", _race),
-           ("torn or foreign entry", _tampered), ("two processes", _two_processes),
-           ("close during work", _close_during_work)]
+_CHECKS = [
+    ("missing keys", _missing),
+    ("round trip", _round_trip),
+    ("partial batch", _partial),
+    ("write once", _write_once),
+    ("delete", _delete),
+    ("delete by prefix", _delete_prefix),
+    ("put racing a get", _race),
+    ("torn or foreign entry", _tampered),
+    ("two processes", _two_processes),
+    ("close during work", _close_during_work),
+]

@@ -50,11 +50,11 @@ from hicache_jax.spec import HostLayout, KVSpec
 from hicache_jax.validation import check_bool, is_int
 
 _TMP = ".tmp"
-_STALE_TMP_S = 600.0       # temp files older than this are leftovers of a crashed writer
-_SWEEP_INTERVAL_S = 60.0   # a long-lived instance sweeps stale temp files this often (at a put)
-_LOW_WATER = 0.9           # capacity enforcement removes down to this fraction
-_RESCAN_FRACTION = 0.05    # rescan after writing this fraction of the capacity
-_MAX_IOV = 512             # stay well under IOV_MAX (1024) per readv/writev call
+_STALE_TMP_S = 600.0  # temp files older than this are leftovers of a crashed writer
+_SWEEP_INTERVAL_S = 60.0  # a long-lived instance sweeps stale temp files this often (at a put)
+_LOW_WATER = 0.9  # capacity enforcement removes down to this fraction
+_RESCAN_FRACTION = 0.05  # rescan after writing this fraction of the capacity
+_MAX_IOV = 512  # stay well under IOV_MAX (1024) per readv/writev call
 _HEX2 = re.compile(r"^[0-9a-f]{2}$")
 _FOLDERS = tuple(f"{i:02x}" for i in range(256))
 _TMP_NAME = re.compile(r"(.+)\.[0-9a-f]{32}")  # <key>.<uuid4 hex>, as _put_one names them
@@ -79,14 +79,25 @@ class FileStorage(BackendBase):
             or "xxh3", written into new entries (readers accept either).
     """
 
-    def __init__(self, spec: KVSpec, host_buffer: np.ndarray, layout: HostLayout | str,
-                 root: str | os.PathLike, *, capacity_bytes: int | None = None,
-                 fsync: bool = False, batch_pages: int = 32, checksum: str = "auto") -> None:
+    def __init__(
+        self,
+        spec: KVSpec,
+        host_buffer: np.ndarray,
+        layout: HostLayout | str,
+        root: str | os.PathLike,
+        *,
+        capacity_bytes: int | None = None,
+        fsync: bool = False,
+        batch_pages: int = 32,
+        checksum: str = "auto",
+    ) -> None:
         root = os.fspath(root)
         entry = HEADER_BYTES + spec.page_bytes
         if capacity_bytes is not None and (not is_int(capacity_bytes) or capacity_bytes < entry):
-            raise ValueError(f"capacity_bytes={capacity_bytes!r} must be None or an int >= one "
-                             f"entry ({entry} bytes)")
+            raise ValueError(
+                f"capacity_bytes={capacity_bytes!r} must be None or an int >= one "
+                f"entry ({entry} bytes)"
+            )
         check_bool("fsync", fsync)
         super().__init__(spec, host_buffer, layout, batch_pages=batch_pages, checksum=checksum)
         self.url = f"file://{os.path.abspath(root)}"
@@ -98,7 +109,8 @@ class FileStorage(BackendBase):
         except OSError as e:
             self.close()
             raise StorageUnavailableError(
-                f"file storage directory {root!r} is not usable: {e}") from e
+                f"file storage directory {root!r} is not usable: {e}"
+            ) from e
         except StorageUnavailableError:
             self.close()
             raise
@@ -121,7 +133,8 @@ class FileStorage(BackendBase):
         if not stat.S_ISDIR(os.lstat(path).st_mode):
             raise StorageUnavailableError(
                 f"file storage folder {path!r} is a symlink or not a directory: the store keeps "
-                f"its own folders there (remove it, or point file:// at another directory)")
+                f"its own folders there (remove it, or point file:// at another directory)"
+            )
 
     def path(self, key: str) -> str:
         """Where the entry of ``key`` lives: folder = the key's last two characters when they
@@ -132,8 +145,7 @@ class FileStorage(BackendBase):
         """Remove the entries of ``keys`` (the protocol's optional method, for
         ``HiCache.invalidate``); bool mask: which this call removed (False: absent)."""
         keys = self._check_open_keys(keys)
-        return np.fromiter((self._unlink(self.path(k)) for k in keys), dtype=bool,
-                           count=len(keys))
+        return np.fromiter((self._unlink(self.path(k)) for k in keys), dtype=bool, count=len(keys))
 
     def delete_prefix(self, prefix: str) -> int:
         """Remove every entry whose key starts with ``prefix`` (the protocol's optional method,
@@ -144,8 +156,11 @@ class FileStorage(BackendBase):
             raise StorageError(f"storage backend {self.url} is closed")
         removed = 0
         for folder in _FOLDERS:
-            names = [(name, st.st_ino) for name, st in self._listing(folder)
-                     if name.startswith(prefix) and _folder(name) == folder and _is_key(name)]
+            names = [
+                (name, st.st_ino)
+                for name, st in self._listing(folder)
+                if name.startswith(prefix) and _folder(name) == folder and _is_key(name)
+            ]
             removed += self._remove(folder, names)
         return removed
 
@@ -159,8 +174,9 @@ class FileStorage(BackendBase):
         for i, (key, page) in enumerate(zip(keys, ids)):
             ok[i] = self._get_one(key, int(page), header)
         hits = int(ok.sum())
-        self._count(get_pages=hits, get_misses=len(keys) - hits,
-                    bytes_read=hits * self.spec.page_bytes)
+        self._count(
+            get_pages=hits, get_misses=len(keys) - hits, bytes_read=hits * self.spec.page_bytes
+        )
         return ok
 
     def _get_one(self, key: str, page: int, header: np.ndarray) -> bool:
@@ -228,8 +244,10 @@ class FileStorage(BackendBase):
             entry = self.codec.entry_bytes
             self._usage += written * entry
             self._since_scan += written * entry
-            if (self._usage > self.capacity_bytes
-                    or self._since_scan > _RESCAN_FRACTION * self.capacity_bytes):
+            if (
+                self._usage > self.capacity_bytes
+                or self._since_scan > _RESCAN_FRACTION * self.capacity_bytes
+            ):
                 self._enforce_capacity(self.capacity_bytes)
         if time.monotonic() - self._last_sweep >= _SWEEP_INTERVAL_S:
             self._sweep_tmp()
@@ -263,9 +281,12 @@ class FileStorage(BackendBase):
     # ---- capacity and sweeps ---------------------------------------------------------------
     def _scan(self) -> list[tuple[int, int, str, str, int]]:
         """The store's entries now: ``(mtime_ns, size, folder, name, inode)``."""
-        return [(st.st_mtime_ns, st.st_size, folder, name, st.st_ino)
-                for folder in _FOLDERS for name, st in self._listing(folder)
-                if _folder(name) == folder and _is_key(name)]
+        return [
+            (st.st_mtime_ns, st.st_size, folder, name, st.st_ino)
+            for folder in _FOLDERS
+            for name, st in self._listing(folder)
+            if _folder(name) == folder and _is_key(name)
+        ]
 
     def _enforce_capacity(self, capacity_bytes: int) -> None:
         """Remove the oldest entries down to the low-water mark once over ``capacity_bytes``."""
@@ -370,11 +391,11 @@ class FileStorage(BackendBase):
 
     @staticmethod
     def _readv(fd: int, bufs: list[Any]) -> int:
-        return sum(os.readv(fd, bufs[i:i + _MAX_IOV]) for i in range(0, len(bufs), _MAX_IOV))
+        return sum(os.readv(fd, bufs[i : i + _MAX_IOV]) for i in range(0, len(bufs), _MAX_IOV))
 
     @staticmethod
     def _writev(fd: int, bufs: list[Any]) -> int:
-        return sum(os.writev(fd, bufs[i:i + _MAX_IOV]) for i in range(0, len(bufs), _MAX_IOV))
+        return sum(os.writev(fd, bufs[i : i + _MAX_IOV]) for i in range(0, len(bufs), _MAX_IOV))
 
     @staticmethod
     def _fsync_dir(path: str) -> None:

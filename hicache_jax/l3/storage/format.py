@@ -79,6 +79,8 @@ def xxhash_available() -> bool:
     except ImportError:
         return False
     return True
+
+
 _KEY_RE = re.compile(r"^[A-Za-z0-9_.\-]{1,200}$")
 
 
@@ -111,8 +113,9 @@ def page_keys(spec: KVSpec, tokens: Any, extra_key: Any = None) -> list[str]:
     if arr.size and (arr.min() < 0 or (arr.dtype == np.uint64 and arr.max() >= 2**63)):
         raise ValueError("tokens must be in [0, 2**63)")
     if arr.size % spec.page_size:
-        raise ValueError(f"tokens has {arr.size} tokens: need a multiple of page_size="
-                         f"{spec.page_size}")
+        raise ValueError(
+            f"tokens has {arr.size} tokens: need a multiple of page_size={spec.page_size}"
+        )
     seed = namespace_seed(spec.fingerprint(), extra_key)
     digests = chain_digests(seed, arr.astype(np.int64).reshape(-1, spec.page_size))
     return key_strings(spec, extra_key, digests)
@@ -125,8 +128,9 @@ def namespace_prefix(spec: KVSpec, extra_key: Any = None) -> str:
     return f"{KEY_PREFIX}_{spec.fingerprint()}_{namespace(spec, extra_key)}"
 
 
-def key_strings(spec: KVSpec, extra_key: Any, digests: np.ndarray,
-                generation: int = 0) -> list[str]:
+def key_strings(
+    spec: KVSpec, extra_key: Any, digests: np.ndarray, generation: int = 0
+) -> list[str]:
     """Key strings of page digests (uint8 ``[n, 16]`` from :func:`hashing.chain_digests`);
     ``generation`` > 0 (a namespace invalidated on a store that could not delete it) names the
     keys ``<namespace>-g<generation>``, so the earlier generation's entries are never asked for."""
@@ -134,7 +138,7 @@ def key_strings(spec: KVSpec, extra_key: Any, digests: np.ndarray,
     prefix = namespace_prefix(spec, extra_key) + tail
     hexed = digests.tobytes().hex()
     width = 2 * digests.shape[1]
-    return [prefix + hexed[i:i + width] for i in range(0, len(hexed), width)]
+    return [prefix + hexed[i : i + width] for i in range(0, len(hexed), width)]
 
 
 def check_key_prefix(prefix: Any) -> str:
@@ -154,8 +158,9 @@ def check_keys(keys: Any) -> tuple[str, ...]:
     for k in out:
         # fullmatch: "$" alone lets a trailing newline through; "." / ".." name no file
         if not isinstance(k, str) or not _KEY_RE.fullmatch(k) or k in (".", ".."):
-            raise ValueError(f"key {k!r} must be 1-200 chars of [A-Za-z0-9_.-] naming one "
-                             f"file (not '.' or '..')")
+            raise ValueError(
+                f"key {k!r} must be 1-200 chars of [A-Za-z0-9_.-] naming one file (not '.' or '..')"
+            )
     if len(set(out)) != len(out):
         raise ValueError("keys must be unique within one call")
     return out
@@ -202,11 +207,23 @@ class EntryCodec:
         """Write the header of ``key`` / ``payload`` into ``header`` (uint8[64], the caller's)."""
         header[:] = 0
         # An ndarray is a buffer; numpy's stubs declare __buffer__ only for Python >= 3.12.
-        _HEADER.pack_into(header, 0, _MAGIC, _VERSION, HEADER_BYTES, self._fp, _key_digest(key),  # type: ignore[arg-type]
-                          self.payload_bytes, self._algo, 0, self._fn(payload))
+        _HEADER.pack_into(
+            header,  # type: ignore[arg-type]
+            0,
+            _MAGIC,
+            _VERSION,
+            HEADER_BYTES,
+            self._fp,
+            _key_digest(key),
+            self.payload_bytes,
+            self._algo,
+            0,
+            self._fn(payload),
+        )
 
-    def verify(self, header: np.ndarray, key: str, payload: Sequence[Any],
-               nbytes: int | None = None) -> Verdict:
+    def verify(
+        self, header: np.ndarray, key: str, payload: Sequence[Any], nbytes: int | None = None
+    ) -> Verdict:
         """Whether ``header`` + ``payload`` are a valid entry of ``key`` for this spec.
 
         Args:
@@ -223,8 +240,14 @@ class EntryCodec:
             return Verdict.INVALID
         # header is a buffer (see pack_into)
         magic, version, hbytes, fp, kd, length, algo, _, checksum = _HEADER.unpack_from(header, 0)  # type: ignore[arg-type]
-        if (magic != _MAGIC or version != _VERSION or hbytes != HEADER_BYTES or fp != self._fp
-                or kd != _key_digest(key) or length != self.payload_bytes):
+        if (
+            magic != _MAGIC
+            or version != _VERSION
+            or hbytes != HEADER_BYTES
+            or fp != self._fp
+            or kd != _key_digest(key)
+            or length != self.payload_bytes
+        ):
             return Verdict.INVALID
         fn = self._fn if algo == self._algo else _BY_ID.get(algo)
         if fn is None:

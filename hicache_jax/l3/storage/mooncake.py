@@ -64,12 +64,14 @@ from hicache_jax.l3.storage.format import HEADER_BYTES, Verdict, check_key_prefi
 from hicache_jax.spec import HostLayout, KVSpec
 from hicache_jax.validation import check_bool, is_real
 
-INSTALL_HINT = ("pip install mooncake-transfer-engine-non-cuda (the import also needs the system "
-                "library libibverbs.so.1: apt-get install -y libibverbs1)")
+INSTALL_HINT = (
+    "pip install mooncake-transfer-engine-non-cuda (the import also needs the system "
+    "library libibverbs.so.1: apt-get install -y libibverbs1)"
+)
 
 # ErrorCode values of mooncake-store (types.h)
-NO_AVAILABLE_HANDLE = -200   # no space in any mounted segment
-INVALID_PARAMS = -600        # e.g. the object does not fit the buffers given
+NO_AVAILABLE_HANDLE = -200  # no space in any mounted segment
+INVALID_PARAMS = -600  # e.g. the object does not fit the buffers given
 OBJECT_NOT_FOUND = -704
 TRANSFER_FAIL = -800
 RPC_FAIL = -900
@@ -81,8 +83,10 @@ STAGING_BYTES = 16 << 20
 
 
 # Mooncake reads these at setup(); values the user exported before we were imported win.
-_USER_ENV = {name: os.environ.get(name) for name in (
-    "MC_STORE_CLIENT_SETUP_RETRIES", "MC_RPC_TIMEOUT_MS", "MC_RPC_CONNECT_TIMEOUT_MS")}
+_USER_ENV = {
+    name: os.environ.get(name)
+    for name in ("MC_STORE_CLIENT_SETUP_RETRIES", "MC_RPC_TIMEOUT_MS", "MC_RPC_CONNECT_TIMEOUT_MS")
+}
 
 
 def _set_env(values: dict[str, str]) -> None:
@@ -180,14 +184,27 @@ class MooncakeStorage(BackendBase):
         exists_timeout_s: bound on ``exists()`` (then all False, and the backend backs off).
     """
 
-    def __init__(self, spec: KVSpec, host_buffer: np.ndarray, layout: HostLayout | str,
-                 master: str, *, local_hostname: str = "127.0.0.1", protocol: str = "tcp",
-                 device_names: str = "", setup_timeout_s: float = 10.0,
-                 zero_copy: bool = False, batch_pages: int | None = None, checksum: str = "auto",
-                 exists_timeout_s: float = 2.0) -> None:
+    def __init__(
+        self,
+        spec: KVSpec,
+        host_buffer: np.ndarray,
+        layout: HostLayout | str,
+        master: str,
+        *,
+        local_hostname: str = "127.0.0.1",
+        protocol: str = "tcp",
+        device_names: str = "",
+        setup_timeout_s: float = 10.0,
+        zero_copy: bool = False,
+        batch_pages: int | None = None,
+        checksum: str = "auto",
+        exists_timeout_s: float = 2.0,
+    ) -> None:
         parse_address(master)
-        for name, value in (("setup_timeout_s", setup_timeout_s),
-                            ("exists_timeout_s", exists_timeout_s)):
+        for name, value in (
+            ("setup_timeout_s", setup_timeout_s),
+            ("exists_timeout_s", exists_timeout_s),
+        ):
             if not is_real(value) or value <= 0:
                 raise ValueError(f"{name}={value!r} must be > 0")
         self.exists_timeout_s = float(exists_timeout_s)
@@ -196,8 +213,10 @@ class MooncakeStorage(BackendBase):
         super().__init__(spec, host_buffer, layout, batch_pages=batch_pages, checksum=checksum)
         check_bool("zero_copy", zero_copy)
         if zero_copy and (not self.host.contiguous or self.host.entries):
-            raise ValueError("zero_copy=True needs a page_first host_buffer (an entry_rows "
-                             "buffer is always moved in place)")
+            raise ValueError(
+                "zero_copy=True needs a page_first host_buffer (an entry_rows "
+                "buffer is always moved in place)"
+            )
         self.zero_copy = zero_copy
         self.in_place = self.host.entries  # each row is an entry: one buffer per key, no copy
         self.master = master
@@ -205,50 +224,68 @@ class MooncakeStorage(BackendBase):
         self._store: Any = None
         self._registered: list[int] = []
         try:
-            self._store = self._setup(master, local_hostname, protocol, device_names,
-                                      float(setup_timeout_s))
+            self._store = self._setup(
+                master, local_hostname, protocol, device_names, float(setup_timeout_s)
+            )
             self._register(self.host.base, self.host.nbytes)
             # per lane, two slots (one in transfer, one being checked/filled): headers
             # [batch, 64], or staging rows [batch, entry] without zero-copy; none in place
             width = HEADER_BYTES if self.zero_copy else self.codec.entry_bytes
-            self._bufs = {} if self.in_place else {
-                (kind, slot): np.zeros((batch_pages, width), np.uint8)
-                for kind in ("get", "put") for slot in (0, 1)}
+            self._bufs = (
+                {}
+                if self.in_place
+                else {
+                    (kind, slot): np.zeros((batch_pages, width), np.uint8)
+                    for kind in ("get", "put")
+                    for slot in (0, 1)
+                }
+            )
             for buf in self._bufs.values():
                 self._register(buf.ctypes.data, buf.nbytes)
-            self._movers = {kind: concurrent.futures.ThreadPoolExecutor(
-                1, thread_name_prefix=f"hicache-l3-{kind}-mover")
-                for kind in ("get", "put", "exists")}
+            self._movers = {
+                kind: concurrent.futures.ThreadPoolExecutor(
+                    1, thread_name_prefix=f"hicache-l3-{kind}-mover"
+                )
+                for kind in ("get", "put", "exists")
+            }
         except BaseException:
             self.close()
             raise
         self._breaker = _Breaker(master)
 
     # ---- setup -----------------------------------------------------------------------------
-    def _setup(self, master: str, hostname: str, protocol: str, devices: str,
-               timeout_s: float) -> Any:
+    def _setup(
+        self, master: str, hostname: str, protocol: str, devices: str, timeout_s: float
+    ) -> Any:
         store_cls = import_store_class()
         reason = probe_tcp(master, timeout_s)
         if reason is not None:
             raise StorageUnavailableError(
                 f"Mooncake master {master} is unreachable ({reason}); start mooncake_master "
-                f"there or fix the storage URL")
-        _set_env({"MC_STORE_CLIENT_SETUP_RETRIES": "1",
-                  "MC_RPC_TIMEOUT_MS": str(int(timeout_s * 1000)),
-                  "MC_RPC_CONNECT_TIMEOUT_MS": str(int(min(timeout_s, 2.0) * 1000))})
+                f"there or fix the storage URL"
+            )
+        _set_env(
+            {
+                "MC_STORE_CLIENT_SETUP_RETRIES": "1",
+                "MC_RPC_TIMEOUT_MS": str(int(timeout_s * 1000)),
+                "MC_RPC_CONNECT_TIMEOUT_MS": str(int(min(timeout_s, 2.0) * 1000)),
+            }
+        )
         store = store_cls()
         rc = store.setup(hostname, "P2PHANDSHAKE", 0, 0, protocol, devices, master)
         if rc != 0:
             raise StorageUnavailableError(
                 f"Mooncake client setup against master {master} failed (rc={rc}): the master "
-                f"accepted a connection but did not answer in time")
+                f"accepted a connection but did not answer in time"
+            )
         return store
 
     def _register(self, ptr: int, nbytes: int) -> None:
         rc = self._store.register_buffer(ptr, nbytes)
         if rc != 0:
             raise StorageUnavailableError(
-                f"Mooncake register_buffer({nbytes} bytes) failed: rc={rc}")
+                f"Mooncake register_buffer({nbytes} bytes) failed: rc={rc}"
+            )
         self._registered.append(ptr)
 
     # ---- lanes -----------------------------------------------------------------------------
@@ -301,7 +338,8 @@ class MooncakeStorage(BackendBase):
     def _run_get(self, handle: StorageHandle, chunks: list[slice]) -> None:
         mover = self._movers["get"]
         pending: concurrent.futures.Future[list[int] | None] | None = mover.submit(
-            self._get_transfer, handle, chunks[0], 0)
+            self._get_transfer, handle, chunks[0], 0
+        )
         try:
             for k, sl in enumerate(chunks):
                 assert pending is not None  # the loop breaks once nothing is pending
@@ -309,8 +347,9 @@ class MooncakeStorage(BackendBase):
                 if k + 1 < len(chunks) and not handle._cancelled:
                     pending = mover.submit(self._get_transfer, handle, chunks[k + 1], (k + 1) % 2)
                 if codes is not None:
-                    handle._ok[sl] = self._get_check(handle.keys[sl], handle.host_ids[sl], k % 2,
-                                                     codes)
+                    handle._ok[sl] = self._get_check(
+                        handle.keys[sl], handle.host_ids[sl], k % 2, codes
+                    )
                 if pending is None:
                     break
         finally:  # never finish a handle while a transfer may still write its host pages
@@ -321,7 +360,8 @@ class MooncakeStorage(BackendBase):
         mover = self._movers["put"]
         self._put_prepare(handle, chunks[0], 0)
         pending: concurrent.futures.Future[np.ndarray] | None = mover.submit(
-            self._put_transfer, handle, chunks[0], 0)
+            self._put_transfer, handle, chunks[0], 0
+        )
         try:
             for k, sl in enumerate(chunks):
                 more = k + 1 < len(chunks) and not handle._cancelled
@@ -347,15 +387,19 @@ class MooncakeStorage(BackendBase):
             return self._store.batch_get_into(keys, ptrs, [self.codec.entry_bytes] * n)
         buf = self._bufs["get", slot]
         if self.zero_copy:
-            pairs = [[buf.ctypes.data + i * HEADER_BYTES, self.host.address(p)]
-                     for i, p in enumerate(ids)]
+            pairs = [
+                [buf.ctypes.data + i * HEADER_BYTES, self.host.address(p)]
+                for i, p in enumerate(ids)
+            ]
             return self._store.batch_get_into_multi_buffers(
-                keys, pairs, [[HEADER_BYTES, self.spec.page_bytes]] * n)
+                keys, pairs, [[HEADER_BYTES, self.spec.page_bytes]] * n
+            )
         ptrs = [buf.ctypes.data + i * self.codec.entry_bytes for i in range(n)]
         return self._store.batch_get_into(keys, ptrs, [self.codec.entry_bytes] * n)
 
-    def _get_check(self, keys: tuple[str, ...], ids: np.ndarray, slot: int,
-                   codes: list[int]) -> np.ndarray:
+    def _get_check(
+        self, keys: tuple[str, ...], ids: np.ndarray, slot: int, codes: list[int]
+    ) -> np.ndarray:
         n = len(keys)
         ok = np.zeros(n, dtype=bool)
         buf = self._bufs.get(("get", slot))
@@ -392,8 +436,13 @@ class MooncakeStorage(BackendBase):
         for key in bad:  # force: our own read just took a lease on it
             self._store.remove(key, True)
         hits = int(ok.sum())
-        self._count(get_pages=hits, get_misses=n - hits, corrupt=len(bad),
-                    get_errors=errors + down, bytes_read=hits * self.spec.page_bytes)
+        self._count(
+            get_pages=hits,
+            get_misses=n - hits,
+            corrupt=len(bad),
+            get_errors=errors + down,
+            bytes_read=hits * self.spec.page_bytes,
+        )
         return ok
 
     def _wrong_size(self, key: str) -> bool:
@@ -427,10 +476,13 @@ class MooncakeStorage(BackendBase):
             codes = self._store.batch_put_from(keys, ptrs, [self.codec.entry_bytes] * n)
         elif self.zero_copy:
             buf = self._bufs["put", slot]
-            pairs = [[buf.ctypes.data + i * HEADER_BYTES, self.host.address(p)]
-                     for i, p in enumerate(ids)]
+            pairs = [
+                [buf.ctypes.data + i * HEADER_BYTES, self.host.address(p)]
+                for i, p in enumerate(ids)
+            ]
             codes = self._store.batch_put_from_multi_buffers(
-                keys, pairs, [[HEADER_BYTES, self.spec.page_bytes]] * n)
+                keys, pairs, [[HEADER_BYTES, self.spec.page_bytes]] * n
+            )
         else:
             buf = self._bufs["put", slot]
             ptrs = [buf.ctypes.data + i * self.codec.entry_bytes for i in range(n)]
@@ -438,9 +490,12 @@ class MooncakeStorage(BackendBase):
         ok = np.asarray([c == 0 for c in codes], dtype=bool)
         self._health(codes, sum(1 for c in codes if c in _TRANSPORT_DOWN), bool(ok.any()))
         stored = int(ok.sum())
-        self._count(put_pages=stored, puts_dropped=n - stored,
-                    puts_no_space=sum(1 for c in codes if c == NO_AVAILABLE_HANDLE),
-                    bytes_written=stored * self.spec.page_bytes)
+        self._count(
+            put_pages=stored,
+            puts_dropped=n - stored,
+            puts_no_space=sum(1 for c in codes if c == NO_AVAILABLE_HANDLE),
+            bytes_written=stored * self.spec.page_bytes,
+        )
         return ok
 
     def _health(self, codes: list[int], down: int, any_ok: bool) -> None:

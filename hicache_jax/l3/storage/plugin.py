@@ -32,7 +32,8 @@ def resolve_class(url: str) -> tuple[type, dict[str, str]]:
         module = importlib.import_module(module_name)
     except ImportError as exc:
         raise ValueError(
-            f"storage url={url!r}: cannot import module {module_name!r} ({exc})") from None
+            f"storage url={url!r}: cannot import module {module_name!r} ({exc})"
+        ) from None
     cls = getattr(module, class_name, None)
     if cls is None:
         raise ValueError(f"storage url={url!r}: module {module_name!r} has no class {class_name!r}")
@@ -40,8 +41,9 @@ def resolve_class(url: str) -> tuple[type, dict[str, str]]:
         raise TypeError(f"storage url={url!r}: {module_name}:{class_name} is not a class")
     missing = [m for m in PROTOCOL_METHODS if not callable(getattr(cls, m, None))]
     if missing:
-        raise TypeError(f"storage url={url!r}: class {class_name} lacks protocol method(s) "
-                        f"{', '.join(missing)}")
+        raise TypeError(
+            f"storage url={url!r}: class {class_name} lacks protocol method(s) {', '.join(missing)}"
+        )
     options = dict(urllib.parse.parse_qsl(parsed.query, keep_blank_values=True))
     return cls, options
 
@@ -55,6 +57,7 @@ def open_plugin(url: str, spec: Any, host_buffer: Any, layout: Any, **options: A
         close = getattr(backend, "close", None)
         if callable(close):
             close()
-        raise TypeError(f"storage url={url!r}: backend instance lacks attribute(s) "
-                        f"{', '.join(missing)}")
+        raise TypeError(
+            f"storage url={url!r}: backend instance lacks attribute(s) {', '.join(missing)}"
+        )
     return backend

@@ -42,13 +42,22 @@ class ThrottledFileStorage(FileStorage):
         ValueError: a bad ``gbps`` or ``latency_ms`` (nothing opened).
     """
 
-    def __init__(self, spec: KVSpec, host_buffer: np.ndarray, layout: HostLayout | str,
-                 root: str | os.PathLike, *, gbps: float, latency_ms: float = 0.0,
-                 **options: Any) -> None:
+    def __init__(
+        self,
+        spec: KVSpec,
+        host_buffer: np.ndarray,
+        layout: HostLayout | str,
+        root: str | os.PathLike,
+        *,
+        gbps: float,
+        latency_ms: float = 0.0,
+        **options: Any,
+    ) -> None:
         for name, v, low_ok in (("gbps", gbps, False), ("latency_ms", latency_ms, True)):
             if not is_real(v) or not math.isfinite(v) or v < 0 or (v == 0 and not low_ok):
-                raise ValueError(f"{name}={v!r} must be a finite number "
-                                 f"{'>= 0' if low_ok else '> 0'}")
+                raise ValueError(
+                    f"{name}={v!r} must be a finite number {'>= 0' if low_ok else '> 0'}"
+                )
         super().__init__(spec, host_buffer, layout, root, **options)
         self.bytes_per_s, self.latency_s = float(gbps) * 1e9, float(latency_ms) / 1e3
         self.url = f"throttle+{self.url}?gbps={float(gbps):g}&latency_ms={float(latency_ms):g}"
