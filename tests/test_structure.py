@@ -153,6 +153,18 @@ def test_module_imports_form_no_cycle(run_time, type_only):
     assert cycle == []
 
 
+def test_each_module_says_what_it_owns():
+    """Every module of the package and of the kernels opens with a docstring (what it owns,
+    ARCHITECTURE.md "Layers"): a module without one was cut where no concept ends."""
+    kernels = PKG.parent / "pallas_kernels"
+    missing = [
+        str(path.relative_to(PKG.parent))
+        for path in sorted([*PKG.rglob("*.py"), *kernels.rglob("*.py")])
+        if not (ast.get_docstring(ast.parse(path.read_text())) or "").strip()
+    ]
+    assert missing == []
+
+
 def test_the_public_objects_are_exported():
     from hicache_jax.l3.prefetch import PrefetchHandle
     from hicache_jax.l3.storage import StorageError, StorageUnavailableError
