@@ -19,7 +19,11 @@ at the limit whatever the unit: ``value / limit`` for rates (GB/s, tokens/s), ``
 for times (ms). A figure without a limit (bytes moved, a figure of the generic adapter below)
 has ``limit_name``, ``limit`` and ``ratio`` None. ``interval``, where present, is ``[low,
 high]`` around ``value`` (the bench's paired TTFT ratio). A writer's document is mapped by the
-adapter of its ``benchmark`` name (:data:`ADAPTERS`), or else by the generic one:
+adapter of its ``benchmark`` name (:data:`ADAPTERS`), or else by the generic one, unless the
+writer put its figures in it itself (a ``figures`` list of this schema's figures:
+``benchmarks/common.py``'s ``write_json(..., figures=...)``, e.g. ``bench_events``: replay
+requests/s with events queued and over ZMQ against events off; ``bench_guard``: the
+owning-thread check against the noise of a ``match_prefix``):
 
 * ``gpu_transfer``: backup / load GB/s of scattered pages against one contiguous
   ``device_put`` of the same bytes in the same direction (that row's median ratio); a
@@ -383,6 +387,23 @@ ADAPTERS: dict[str, Callable[[dict], list[Figure]]] = {
 }
 
 
+def _own(f: Any, source: str) -> Figure:
+    """A figure a writer put in its document itself, checked against the schema."""
+    if not isinstance(f, dict) or not {"name", "unit", "value"} <= set(f):
+        raise ValueError(f"benchmark {source!r}: a figure needs 'name', 'unit' and 'value': {f!r}")
+    return figure(
+        f["name"],
+        f["unit"],
+        f["value"],
+        f.get("limit_name"),
+        f.get("limit"),
+        f.get("source", source),
+        higher_is_better=bool(f.get("higher_is_better", True)),
+        ratio=f.get("ratio"),
+        interval=f.get("interval"),
+    )
+
+
 def figures_of(doc: dict) -> list[Figure]:
     """The figures of one writer's JSON (``{"benchmark", "env", "config", "results"}`` or a
     ``hicache-jax`` command's, with ``summary`` / ``reports`` instead of ``results``).
@@ -399,6 +420,8 @@ def figures_of(doc: dict) -> list[Figure]:
             "not a benchmark result (needs 'benchmark' and 'results', 'summary' or 'reports' keys)"
         )
     name = doc["benchmark"]
+    if isinstance(doc.get("figures"), list):  # the writer's own, in this schema
+        return [_own(f, name) for f in doc["figures"]]
     try:
         figures = ADAPTERS.get(name, _generic)(doc)
     except (KeyError, TypeError, AttributeError) as e:
