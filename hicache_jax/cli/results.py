@@ -23,7 +23,9 @@ adapter of its ``benchmark`` name (:data:`ADAPTERS`), or else by the generic one
 writer put its figures in it itself (a ``figures`` list of this schema's figures:
 ``benchmarks/common.py``'s ``write_json(..., figures=...)``, e.g. ``bench_events``: replay
 requests/s with events queued and over ZMQ against events off; ``bench_guard``: the
-owning-thread check against the noise of a ``match_prefix``):
+owning-thread check against the noise of a ``match_prefix``; ``bench_hicache``: hit ratios
+against the infinite cache's, moved GB/s against memcpy; ``bench_pins``: the system prompt's hit
+rate, pinned and not, against 1):
 
 * ``gpu_transfer``: backup / load GB/s of scattered pages against one contiguous
   ``device_put`` of the same bytes in the same direction (that row's median ratio); a
