@@ -95,7 +95,7 @@ RUNS = [
 ]
 
 #: scripts that write their figures beside their limits themselves (the others: every number)
-OWN_FIGURES = ("bench_events", "bench_guard", "bench_hicache", "bench_pins")
+OWN_FIGURES = ("bench_events", "bench_guard", "bench_hicache", "bench_pins", "bench_transfer")
 
 #: run elsewhere in the suite (see the module docstring), or GPU-only: entry point and flags only
 HELP_ONLY = [

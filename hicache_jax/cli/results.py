@@ -25,7 +25,8 @@ writer put its figures in it itself (a ``figures`` list of this schema's figures
 requests/s with events queued and over ZMQ against events off; ``bench_guard``: the
 owning-thread check against the noise of a ``match_prefix``; ``bench_hicache``: hit ratios
 against the infinite cache's, moved GB/s against memcpy; ``bench_pins``: the system prompt's hit
-rate, pinned and not, against 1):
+rate, pinned and not, against 1; ``bench_transfer``: scattered-page backup / load GB/s against
+``numpy.copyto`` of the same bytes, a layer-wise load against a plain one):
 
 * ``gpu_transfer``: backup / load GB/s of scattered pages against one contiguous
   ``device_put`` of the same bytes in the same direction (that row's median ratio); a
