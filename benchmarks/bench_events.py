@@ -188,11 +188,24 @@ def main() -> None:
 
 def report(args, trees: list[str], runs: dict) -> None:
     from benchmarks.common import print_table, write_json
+    from hicache_jax.cli.results import figure
 
-    rows, ratios = [], {}
+    rows, ratios, figures = [], {}, []
     trees = trees[::-1]  # the baseline's rows first
     for t in trees:
         rps = {m: statistics.median(r["requests_per_s"] for r in runs[t][m]) for m in MODES}
+        figures += [
+            figure(
+                f"replay requests/s, events {m} ({t} tree)",
+                "req/s",
+                rps[m],
+                "events off, same run",
+                rps["off"],
+                "bench_events",
+                higher_is_better=True,
+            )
+            for m in MODES[1:]
+        ]
         best = {m: max(r["requests_per_s"] for r in runs[t][m]) for m in MODES}
         main = {
             m: statistics.median(r["cpu_us_per_request"]["main"] for r in runs[t][m]) for m in MODES
@@ -253,7 +266,7 @@ def report(args, trees: list[str], runs: dict) -> None:
         f"\ntarget zmq with a live subscriber within 1.5x of events off: "
         f"{'met' if ok else 'NOT met'} ({ratios['current']['zmq']:.2f}x{base})"
     )
-    write_json(args.json, "bench_events", vars(args), {"runs": runs, "slowdown": ratios})
+    write_json(args.json, "bench_events", vars(args), {"runs": runs, "slowdown": ratios}, figures)
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ import numpy as np
 
 from benchmarks.common import print_table, write_json
 from hicache_jax import HiCache, HiCacheConfig, KVSpec
+from hicache_jax.cli.results import figure
 
 
 def per_call(fn, calls: int, samples: int) -> list[float]:
@@ -39,7 +40,7 @@ def main() -> None:
     calls, samples = (200, 15) if args.quick else (1000, 41)
     spec = KVSpec(num_layers=1, num_kv_heads=1, head_dim=1, dtype="float32", page_size=16)
     cache = HiCache(spec, HiCacheConfig(device_pages=1024, host_pages=1024))
-    rows, results = [], {}
+    rows, results, figures = [], {}, []
     for pages in (1, 64, 512):
         cache.reset()
         tokens = np.arange(pages * spec.page_size, dtype=np.int64)
@@ -56,6 +57,17 @@ def main() -> None:
             "match_samples_s": match,
             "guard_samples_s": guard,
         }
+        figures.append(
+            figure(
+                f"owning-thread check, prefix of {pages} pages",
+                "us",
+                g50 * 1e6,
+                "match_prefix noise (IQR), same run",
+                (q3 - q1) * 1e6,
+                "bench_guard",
+                higher_is_better=False,
+            )
+        )
     print_table(
         ["prefix pages", "match_prefix us", "its IQR us", "guard us", "guard/match", "guard/IQR"],
         rows,
@@ -63,7 +75,7 @@ def main() -> None:
     )
     ok = all(r[-1] < 1 for r in rows)
     print(f"\ntarget guard < match_prefix noise: {'met' if ok else 'NOT met'}")
-    write_json(args.json, "bench_guard", {"calls": calls, "samples": samples}, results)
+    write_json(args.json, "bench_guard", {"calls": calls, "samples": samples}, results, figures)
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ Usage: ``python -m benchmarks.bench_hicache [--quick] [--json PATH]``.
 from __future__ import annotations
 
 import argparse
+import math
 import statistics
 import time
 
@@ -29,6 +30,7 @@ from benchmarks.bench_tree import make_trace
 from benchmarks.bench_tree import replay as tree_replay
 from benchmarks.common import env_info, gbps, memcpy_seconds, print_table, write_json
 from hicache_jax import HiCache, HiCacheConfig, KVSpec
+from hicache_jax.cli.results import figure
 
 POLICIES = ("write_through", "write_through_selective", "write_back")
 TARGET = 0.95  # HiCache (host = 4x device) hit ratio / infinite-cache hit ratio
@@ -254,7 +256,31 @@ def main(argv: list[str] | None = None) -> None:
         "memcpy_gbps": mem_gbps,
         **{k: dict(v) for k, v in runs.items()},
     }
-    write_json(args.json, "bench_hicache", config, results)
+    figures = [
+        figure(
+            f"hit ratio {name}",
+            "share",
+            r["hit_ratio"],
+            "infinite cache, same trace",
+            inf_ratio,
+            "bench_hicache",
+            higher_is_better=True,
+        )
+        for name, r in runs.items()
+    ] + [
+        figure(
+            f"moved GB/s {name}",
+            "GB/s",
+            r["movement_gbps"],
+            "numpy memcpy of the same bytes",
+            mem_gbps,
+            "bench_hicache",
+            higher_is_better=True,
+        )
+        for name, r in runs.items()
+        if math.isfinite(r["movement_gbps"]) and math.isfinite(mem_gbps)
+    ]
+    write_json(args.json, "bench_hicache", config, results, figures)
 
 
 if __name__ == "__main__":

@@ -29,6 +29,7 @@ import numpy as np
 
 from benchmarks.common import env_info
 from hicache_jax import HiCache, HiCacheConfig, KVSpec
+from hicache_jax.cli.results import figure
 from hicache_jax.replay.trace import load_trace
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -109,7 +110,25 @@ def main(argv=None) -> dict:
         f"{'met' if ratio >= 0.95 else 'MISSED'} (unpinned: "
         f"{rows[0]['system_hit_rate']:.3f}x)"
     )
-    out = {"benchmark": "bench_pins", "env": env_info(), "config": vars(args), "results": rows}
+    figures = [
+        figure(
+            f"system-prompt hit rate, {'pinned' if r['pinned'] else 'unpinned'}",
+            "share",
+            r["system_hit_rate"],
+            "every system-prompt request a hit",
+            1.0,
+            "bench_pins",
+            higher_is_better=True,
+        )
+        for r in rows
+    ]
+    out = {
+        "benchmark": "bench_pins",
+        "env": env_info(),
+        "config": vars(args),
+        "results": rows,
+        "figures": figures,
+    }
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=2)

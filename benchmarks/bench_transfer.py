@@ -73,6 +73,7 @@ import numpy as np  # noqa: E402
 from jax.sharding import Mesh  # noqa: E402
 
 from benchmarks.common import aligned_bytes, env_info, gbps, memcpy_fn, print_table, write_json  # noqa: E402
+from hicache_jax.cli.results import figure  # noqa: E402
 from hicache_jax.memory.device_pool import DevicePagePool  # noqa: E402
 from hicache_jax.memory.host_pool import HostPagePool  # noqa: E402
 from hicache_jax.memory.page_copy import copy_plan  # noqa: E402
@@ -413,6 +414,31 @@ def main(args: argparse.Namespace) -> dict:
             load_average_after=load_after,
         ),
         results,
+        [
+            figure(
+                f"transfer {r['direction']} {r['pages']}p {r['layout']}",
+                "GB/s",
+                r["gbps"],
+                "numpy.copyto of the same bytes (median of per-round ratios)",
+                r["memcpy_gbps"],
+                "bench_transfer",
+                higher_is_better=True,
+                ratio=r["ratio"],
+            )
+            for r in rows
+        ]
+        + [
+            figure(
+                f"layer-wise load {r['pages']}p {r['layout']}",
+                "ms",
+                r["layerwise_all_ms"],
+                "plain load of the same pages",
+                r["plain_load_ms"],
+                "bench_transfer",
+                higher_is_better=False,
+            )
+            for r in results["layerwise"]
+        ],
     )
     return results
 

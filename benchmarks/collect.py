@@ -40,12 +40,14 @@ def main(argv=None) -> int:
     with open(out, "w") as f:
         json.dump(doc, f, indent=1)
     for fig in doc["figures"]:
-        print(
-            f"{fig['name']:<48} {fig['value']:>10.4g} {fig['unit']:<5} limit "
-            f"{fig['limit']:>10.4g} ({fig['limit_name']}): {fig['ratio']:.2f}"
+        limit = (
+            "(no limit)"
+            if fig["limit"] is None
+            else f"limit {fig['limit']:>10.4g} ({fig['limit_name']}): {fig['ratio']:.2f}"
         )
+        print(f"{fig['name']:<48} {fig['value']:>10.4g} {fig['unit']:<5} {limit}")
     if doc["skipped"]:
-        print(f"not collected (unknown to hicache_jax.cli.results): {doc['skipped']}")
+        print(f"not collected (no figure in them): {doc['skipped']}")
     print(f"wrote {out}: {len(doc['figures'])} figures")
     return 0
 

@@ -164,16 +164,23 @@ def print_table(
     return text
 
 
-def write_json(path: str | None, name: str, config: dict[str, Any], results: Any) -> None:
-    """Write ``{"benchmark", "env", "config", "results"}`` to ``path`` (skip when None)."""
+def write_json(
+    path: str | None,
+    name: str,
+    config: dict[str, Any],
+    results: Any,
+    figures: list[dict[str, Any]] | None = None,
+) -> None:
+    """Write ``{"benchmark", "env", "config", "results"}`` to ``path`` (skip when None), with
+    ``figures`` (``hicache_jax.cli.results.figure``: each figure beside its limit) when given:
+    ``hicache-jax compare`` reads those; without them it maps ``results`` by an adapter of
+    ``hicache_jax/cli/results.py`` or every number of it, without a limit."""
     if not path:
         return
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    doc = {"benchmark": name, "env": env_info(), "config": config, "results": results}
+    if figures is not None:
+        doc["figures"] = figures
     with open(path, "w") as f:
-        json.dump(
-            {"benchmark": name, "env": env_info(), "config": config, "results": results},
-            f,
-            indent=2,
-            default=str,
-        )
+        json.dump(doc, f, indent=2, default=str)
     print(f"wrote {path}")

@@ -21,6 +21,8 @@ import tempfile
 
 import pytest
 
+from hicache_jax.cli import results
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 #: name, arguments (the quick size), what the output must show (its ratio / limit), modules it needs
@@ -91,6 +93,9 @@ RUNS = [
     ("bench_tree", ["--quick"], ["hit/inf", "x the target"], []),
     ("bench_ttft", ["--quick"], ["/ recompute", "L2/recompute:", "(target <= 0.1)"], []),
 ]
+
+#: scripts that write their figures beside their limits themselves (the others: every number)
+OWN_FIGURES = ("bench_events", "bench_guard", "bench_hicache", "bench_pins", "bench_transfer")
 
 #: run elsewhere in the suite (see the module docstring), or GPU-only: entry point and flags only
 HELP_ONLY = [
@@ -169,6 +174,10 @@ def test_benchmark_runs_at_its_quick_size(tmp_path, ram_tmpdir, name, args, show
     assert not missing, f"{name} did not print {missing}:\n{proc.stdout}"
     data = json.loads(out.read_text())
     assert data["benchmark"] == name and data["env"]["jax"] and data["results"]
+    figures = results.figures_of(data)  # what hicache-jax compare reads of it
+    assert figures and all(f["source"] == name for f in figures)
+    if name in OWN_FIGURES:  # each beside its limit, as the script prints it
+        assert all(f["limit"] is not None and f["ratio"] is not None for f in figures), figures
 
 
 @pytest.mark.parametrize("name, args", HELP_ONLY, ids=[h[0] for h in HELP_ONLY])

@@ -80,6 +80,42 @@ def test_bench_table_identical_outputs_and_json(tmp_path, capsys):
     assert len(data["requests"]["hicache"]) == 9
     assert data["config"]["no_overlap"] is False  # the batched engine overlaps by default
     assert data["env"]["backend"] == "cpu"
+    # device radix and hicache: 5 paired repeats by default; the verdict line and its figures
+    assert data["config"]["repeats"] == 5 and data["config"]["load_policy"] == "threshold"
+    p = data["paired_ttft"]
+    assert (p["a"], p["b"], p["repeats"], p["requests"]) == ("device radix", "hicache", 5, 9)
+    assert p["low"] <= p["median"] <= p["high"] and len(p["per_repeat_median"]) == 5
+    (verdict,) = [line for line in out.splitlines() if line.startswith("verdict: ")]
+    assert verdict == data["verdict"]
+    assert f"hicache recomputes {hi['recomputed_tokens']:,} tokens vs " in verdict
+    assert f"{p['median']:.2f}x [{p['low']:.2f}-{p['high']:.2f}]" in verdict
+    for name in ("device radix", "hicache"):
+        s = data["summary"][name]
+        assert len(s["ttft_p50_ms_runs"]) == 5
+        assert s["ttft_p50_ms"] == pytest.approx(np.median(s["ttft_p50_ms_runs"]))
+        assert "recomputed_tokens_runs" not in s  # the same in every repeat (threshold policy)
+        reqs = data["requests"][name]
+        assert all(len(r["ttft_s_repeats"]) == 5 for r in reqs)
+        assert [r["ttft_s"] for r in reqs] == [r["ttft_s_repeats"][0] for r in reqs]
+    times = {
+        n: np.array([r["ttft_s_repeats"] for r in data["requests"][n]])
+        for n in ("device radix", "hicache")
+    }
+    assert p["median"] == pytest.approx(np.median(times["hicache"] / times["device radix"]))
+    assert "ttft_s_repeats" not in data["requests"]["no cache"][0]  # timed once
+
+
+def test_bench_load_policy_cost_serial_and_batched(tmp_path, capsys):
+    path = tmp_path / "cost.json"
+    flags = [*TINY, "--policy", "write_through", "--load-policy", "cost", "--repeats", "2"]
+    assert main(["bench", *flags, "--json", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "load policy cost" in out and "verdict: " in out
+    data = json.loads(path.read_text())
+    assert data["config"]["load_policy"] == "cost" and data["paired_ttft"]["repeats"] == 2
+    assert main(["bench", *flags, *BATCHED, "--json", str(path)]) == 0
+    assert "load policy cost; batched engine" in capsys.readouterr().out
+    assert json.loads(path.read_text())["config"]["load_policy"] == "cost"
 
 
 def test_plot_without_matplotlib_exits_before_running(tmp_path, monkeypatch, capsys):
@@ -122,6 +158,7 @@ def test_storage_unreachable_mooncake_names_the_address(capsys):
         ["bench", "--workload", "nope"],
         ["bench", "--policy", "x"],
         ["bench", "--sessions", "two"],
+        ["bench", "--load-policy", "never"],
         [],
     ],
 )
@@ -147,6 +184,7 @@ def test_bad_flags_exit_with_usage(argv, capsys):
         (["--vocab", "1"], "--vocab"),
         (["--seed", "-1"], "--seed"),
         (["--json", "/proc/nope/x.json"], "--json"),
+        (["--repeats", "0"], "--repeats 0 must be >= 1"),
     ],
 )
 def test_bad_sizes_are_usage_errors(flags, match, capsys):

@@ -129,3 +129,42 @@ def test_the_recorded_cpu_runs_follow_the_schema(name):
             "higher_is_better",
             "source",
         }
+
+
+def test_a_script_without_an_adapter_gives_every_number_by_its_path():
+    doc = _doc(
+        "bench_pool",
+        {
+            "rows": [{"pages": 8, "impl": "xla", "ok": True, "gbps": 2.5, "err": None}],
+            "samples_s": [0.1] * (results.SAMPLES_MAX + 1),  # raw samples: left out
+            "few": [1, 2],
+            "inf": float("inf"),
+        },
+    )
+    got = {f["name"]: f for f in results.figures_of(doc)}
+    assert set(got) == {
+        "results.rows[0].pages",
+        "results.rows[0].gbps",
+        "results.few[0]",
+        "results.few[1]",
+    }
+    f = got["results.rows[0].gbps"]
+    assert (f["value"], f["limit"], f["limit_name"], f["ratio"]) == (2.5, None, None, None)
+    assert f["source"] == "bench_pool"
+    assert math.isnan(results.median_ratio(results.collect([doc])))  # no figure with a limit
+
+
+def test_a_document_its_adapter_cannot_read_raises_naming_the_writer():
+    bad = {"benchmark": "hicache-jax replay", "results": [{"write_policy": "lru"}]}
+    with pytest.raises(ValueError, match="'hicache-jax replay': not the document"):
+        results.figures_of(bad)
+    assert results.collect([bad, TTFT])["skipped"] == ["hicache-jax replay"]
+
+
+def test_a_figure_with_an_interval_and_one_without_a_limit():
+    f = results.figure(
+        "x", "x", 0.5, "equal", 1.0, "s", higher_is_better=False, interval=(0.4, 0.6)
+    )
+    assert f["ratio"] == 2.0 and f["interval"] == [0.4, 0.6]
+    g = results.figure("y", "MiB", 3.0, None, None, "s", higher_is_better=False)
+    assert g["ratio"] is None and "interval" not in g

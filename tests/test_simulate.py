@@ -4,6 +4,7 @@ import json
 
 import pytest
 
+from hicache_jax.cli import results
 from hicache_jax.cli.main import main
 from hicache_jax.replay.driver import TINY_SPEC
 from hicache_jax.replay.simulate import POLICIES, Regime, simulate, simulate_all
@@ -124,6 +125,12 @@ def test_replay_simulate_prints_and_writes_json(tmp_path, capsys):
     assert "threshold" in text and "p90 ms" in text
     got = json.loads(out.read_text())
     assert [r["policy"] for r in got["results"]] == list(POLICIES)
+    # hicache-jax compare reads it: per policy TTFT p50 / p90 against never loading
+    figs = {f["name"]: f for f in results.figures_of(got)}
+    assert set(figs) == {f"simulated TTFT {q} {p}" for p in POLICIES for q in ("p50", "p90")}
+    never = got["results"][0]["ttft_p50_s"] * 1e3
+    assert figs["simulated TTFT p50 never"]["limit"] == pytest.approx(never)
+    assert got["env"]["backend"] == "cpu"
     with pytest.raises(SystemExit):
         main(
             [

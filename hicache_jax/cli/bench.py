@@ -12,10 +12,19 @@ Configurations (same model, same device pool size, same workload; fresh cache ea
                     what earlier runs (the warm-up) stored, so its hits include theirs.
 
 Each configuration first plays the workload once untimed (so compiles are not charged to
-whichever configuration happens to run first), then once timed with a fresh cache. The table
-gives prompt tokens, tokens recomputed, hit tokens by tier, TTFT p50/p90, end-to-end tokens/s
+whichever configuration happens to run first), then timed with a fresh cache: ``no cache``
+(and ``hicache+L3``) once; ``device radix`` and ``hicache`` ``--repeats`` times (5), each
+repeat on two fresh caches that serve each request back to back (:func:`_play_paired`), so that
+a request's two TTFTs meet the same machine load. The table gives prompt tokens, tokens
+recomputed, hit tokens by tier, TTFT p50/p90 (the median over the repeats), end-to-end tokens/s
 ((prompt + generated tokens) / wall time) and bytes moved each way, then checks that every
-configuration generated exactly the same tokens. ``--engine batched`` runs
+configuration (and repeat) generated exactly the same tokens; a verdict line follows: hicache's
+TTFT over the device radix cache's on the same request, the median over requests and repeats
+with a 90% interval (:mod:`hicache_jax.cli.paired`), beside tokens recomputed and bytes moved,
+which do not depend on timing. ``--load-policy cost`` gives HiCache the cost model's
+load-or-recompute decision (``HiCacheConfig.load_policy``); it decides on measured times, so
+its tokens recomputed and bytes moved may differ from repeat to repeat (their median is shown,
+each repeat's is in the JSON). ``--engine batched`` runs
 :mod:`hicache_jax.cli.serve_bench` instead. Over several processes (``--processes N``,
 ``--coordinator``; the model tensor-parallel): :mod:`hicache_jax.cli.bench_processes`.
 
@@ -37,6 +46,7 @@ import numpy as np
 from hicache_jax.cache.hicache import HiCache
 from hicache_jax.cli import bench_processes, serve_bench
 from hicache_jax.cli.output import check_writable, require_matplotlib, write_json
+from hicache_jax.cli.paired import paired_ratios, verdict_line
 from hicache_jax.engine.batched import BatchedEngine
 from hicache_jax.engine.engine import Engine, Generation, RequestRecord
 from hicache_jax.engine.model import DecoderModel
@@ -95,14 +105,21 @@ def add_parser(sub: Any) -> None:
     c.add_argument(
         "--device-pages",
         type=int,
-        help="default: 5/8 of the workload's distinct tokens (at least what the "
-        "longest request needs)",
+        help="default: 3/8 (serial engine) or 5/8 (batched) of the workload's distinct "
+        "tokens, at least what the longest request needs",
     )
     c.add_argument("--host-ratio", type=float, default=4.0, help="host pages / device pages")
     c.add_argument(
         "--policy",
         default="clean_ahead",
         choices=["clean_ahead", "write_through", "write_through_selective", "write_back"],
+    )
+    c.add_argument(
+        "--load-policy",
+        default="threshold",
+        choices=["threshold", "cost"],
+        help="hicache: load back every host hit of a page or more (threshold), or load what "
+        "the fitted cost model predicts is cheaper than recomputing it (cost)",
     )
     c.add_argument("--chunk-size", type=int, default=256, help="prefill chunk (power of two)")
     c.add_argument(
@@ -161,9 +178,10 @@ def add_parser(sub: Any) -> None:
     e.add_argument(
         "--repeats",
         type=int,
-        default=1,
-        help="batched: rounds of timed runs, each config's serial then batched "
-        "run in each round (medians over the rounds)",
+        help="rounds of timed runs (default: 5 serial, 1 batched). Serial: device radix and "
+        "hicache on fresh caches each round, serving each request back to back (the paired "
+        "TTFT ratios); batched: each config's serial then batched run in each round "
+        "(medians over the rounds)",
     )
     e.add_argument(
         "--decode-reserve",
@@ -208,10 +226,10 @@ def build_workload(args: argparse.Namespace) -> Workload:
     )
 
 
-def _device_pages(workload: Workload, page_size: int, given: int | None) -> int:
-    """``given``, checked to hold the longest request; by default 5/8 of the workload's distinct
-    tokens, but at least what the longest request needs (plus a page of slack): the device tier
-    alone cannot hold the working set, L1 + L2 can."""
+def _device_pages(workload: Workload, page_size: int, given: int | None, share: float) -> int:
+    """``given``, checked to hold the longest request; by default ``share`` of the workload's
+    distinct tokens, but at least what the longest request needs (plus a page of slack): the
+    device tier alone cannot hold the working set, L1 + L2 can."""
     served = workload.placeholder_run()
     longest = max(len(r.prompt) for r, _ in served) + workload.max_new_tokens
     needed = -(-longest // page_size)
@@ -223,7 +241,7 @@ def _device_pages(workload: Workload, page_size: int, given: int | None) -> int:
             )
         return given
     working = workload.working_set_tokens(page_size, served)
-    return max(working * 5 // 8 // page_size, needed + 1)
+    return max(int(working * share) // page_size, needed + 1)
 
 
 def table_bucket(page_size: int) -> int:
@@ -250,6 +268,53 @@ def _play(
     workload.run(serve)
     engine.cache.flush()
     return gens, time.perf_counter() - t0
+
+
+def _play_paired(
+    engines: dict[str, Engine], workload: Workload, bar: Any
+) -> dict[str, tuple[list[Generation[RequestRecord]], float]]:
+    """The workload through every engine at once, request by request: each request is served
+    by each engine back to back (the order alternating from one request to the next), so that
+    its TTFTs meet the same machine load. Each engine's transfers are waited for after its
+    request (``flush``), outside the TTFT, so none runs inside another engine's request. The
+    next round's prompts carry the first engine's answers (every engine's are checked equal).
+    Returns each engine's generations and its wall time (its own requests and flushes)."""
+    names = list(engines)
+    gens: dict[str, list[Generation[RequestRecord]]] = {n: [] for n in names}
+    wall = dict.fromkeys(names, 0.0)
+
+    def serve(prompts: list[np.ndarray]) -> list[np.ndarray]:
+        out = []
+        for p in prompts:
+            order = names if len(gens[names[0]]) % 2 == 0 else names[::-1]
+            for n in order:
+                t0 = time.perf_counter()
+                gens[n].extend(engines[n].generate([p], workload.max_new_tokens))
+                engines[n].cache.flush()
+                wall[n] += time.perf_counter() - t0
+            out.append(gens[names[0]][-1].tokens)
+            if bar is not None:
+                bar.update(1)
+        return out
+
+    workload.run(serve)
+    return {n: (gens[n], wall[n]) for n in names}
+
+
+def _combine(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One summary of a configuration's repeats: the timed figures their median over the
+    repeats (each repeat's under ``<name>_runs``); the others the first repeat's (equal in
+    every repeat unless a policy decides on measured times, as ``--load-policy cost`` does:
+    then their median, and ``<name>_runs`` too)."""
+    out = dict(runs[0])
+    for key, first in runs[0].items():
+        values = [r[key] for r in runs]
+        timed = key in bench_processes.TIMINGS
+        if timed or any(v != first for v in values):
+            med = float(np.median(values))
+            out[key] = med if timed or isinstance(first, float) else int(round(med))
+            out[f"{key}_runs"] = values
+    return out
 
 
 def _progress(total: int, desc: str, quiet: bool) -> Any:
@@ -342,6 +407,10 @@ def bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             raise ValueError(f"--vocab {args.vocab} must be >= 2")
         if not (np.isfinite(args.host_ratio) and args.host_ratio >= 0):
             raise ValueError(f"--host-ratio {args.host_ratio} must be a finite number >= 0")
+        if args.repeats is None:
+            args.repeats = 5 if args.engine == "serial" else 1
+        if args.repeats < 1:
+            raise ValueError(f"--repeats {args.repeats} must be >= 1")
         if args.json:
             check_writable(args.json)
         workload = build_workload(args)
@@ -358,7 +427,12 @@ def bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         bench_processes.check_divisible(args, cfg)
         ps = args.page_size
         cfg.kv_spec(ps)  # validates the page size, before it divides anything
-        device_pages = _device_pages(workload, ps, args.device_pages)
+        # Serial: 3/8, so that most requests' history has left the device tier when they
+        # come back (the device radix cache recomputes it, HiCache loads it from host): the
+        # paired TTFT ratio then judges the tiers, not the few requests that differ. Batched:
+        # 5/8, as its running requests' decode pages share the device tier.
+        share = 3 / 8 if args.engine == "serial" else 5 / 8
+        device_pages = _device_pages(workload, ps, args.device_pages, share)
         if args.engine == "batched":
             serve_bench.check_flags(args)
             if args.arrivals == "trace" and args.device_pages is None:
@@ -368,6 +442,7 @@ def bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             device_pages=device_pages,
             host_pages=host_pages,
             write_policy=args.policy,
+            load_policy=args.load_policy,
             storage=args.storage,
         )  # validates the sizes
         if bucket(args.chunk_size) != args.chunk_size:
@@ -412,7 +487,8 @@ def _run(
     print(
         f"model {cfg.num_layers}L d{cfg.d_model} {cfg.num_heads}/{cfg.num_kv_heads} heads "
         f"{cfg.dtype}; device pool {device_pages} pages ({device_pages * ps} tokens), "
-        f"host pool {host_pages} pages; policy {args.policy}; {args.engine} engine",
+        f"host pool {host_pages} pages; policy {args.policy}, load policy "
+        f"{args.load_policy}; {args.engine} engine",
         flush=True,
     )
 
@@ -433,6 +509,7 @@ def _run(
                 device_pages=device_pages,
                 host_pages=host_pages,
                 write_policy=args.policy,
+                load_policy=args.load_policy,
                 **knobs,
             )
         url = args.storage
@@ -446,6 +523,7 @@ def _run(
             host_pages=host_pages,
             write_policy=args.policy,
             load_back_threshold=ps,
+            load_policy=args.load_policy,
             storage=url,
             prefetch_policy="wait_complete",
             mesh=model.mesh,
@@ -460,9 +538,15 @@ def _run(
         return _bench_batched(
             args, workload, model, cfg, engine, device_pages, host_pages, infinite
         )
-    configs = CONFIGS + ((("hicache+L3", "hicache+L3"),) if args.storage else ())
     summaries, outputs, per_request, logits = {}, {}, {}, {}
-    for name, mode in configs:
+    repeat_outputs: list[list[np.ndarray]] = []  # the paired configurations' later repeats
+
+    def record(name: str, gens: list[Generation[RequestRecord]]) -> None:
+        outputs[name] = [g.tokens for g in gens]
+        logits[name] = hashlib.sha256(b"".join(g.first_logits.tobytes() for g in gens)).hexdigest()
+        per_request[name] = [dict(vars(g.record)) for g in gens]
+
+    def alone(name: str, mode: str) -> None:
         if not args.no_warmup:
             warm = engine(mode)
             _play(warm, workload, _progress(workload.num_requests, f"{name} (warm-up)", args.quiet))
@@ -471,13 +555,42 @@ def _run(
         gens, wall = _play(eng, workload, _progress(workload.num_requests, name, args.quiet))
         summaries[name] = _summary(gens, wall, eng.cache.stats())
         eng.cache.close()
-        outputs[name] = [g.tokens for g in gens]
-        logits[name] = hashlib.sha256(b"".join(g.first_logits.tobytes() for g in gens)).hexdigest()
-        per_request[name] = [dict(vars(g.record)) for g in gens]
+        record(name, gens)
+
+    alone(*CONFIGS[0])
+    pair = dict(CONFIGS[1:])  # device radix, hicache: paired
+    passes = args.repeats + (0 if args.no_warmup else 1)
+    bar = _progress(passes * workload.num_requests, " & ".join(pair), args.quiet)
+    repeats: dict[str, list[dict[str, Any]]] = {name: [] for name in pair}
+    ttfts: dict[str, list[list[float]]] = {name: [] for name in pair}
+    for rep in range(-1 if not args.no_warmup else 0, args.repeats):  # -1: the warm-up
+        engines = {name: engine(mode) for name, mode in pair.items()}
+        played = _play_paired(engines, workload, bar)
+        for name, (gens, wall) in played.items():
+            stats = engines[name].cache.stats()
+            engines[name].cache.close()
+            if rep < 0:
+                continue
+            repeats[name].append(_summary(gens, wall, stats))
+            ttfts[name].append([g.record.ttft_s for g in gens])
+            if rep == 0:
+                record(name, gens)
+            else:
+                repeat_outputs.append([g.tokens for g in gens])
+    if bar is not None:
+        bar.close()
+    for name in pair:
+        summaries[name] = _combine(repeats[name])
+        for rec, times in zip(per_request[name], zip(*ttfts[name])):
+            rec["ttft_s_repeats"] = list(times)
+    (name_a, _), (name_b, _) = CONFIGS[1:]
+    paired = paired_ratios(ttfts[name_a], ttfts[name_b])
+    if args.storage:
+        alone("hicache+L3", "hicache+L3")
     first = outputs[CONFIGS[0][0]]
     identical = all(
         len(o) == len(first) and all(np.array_equal(a, b) for a, b in zip(o, first))
-        for o in outputs.values()
+        for o in [*outputs.values(), *repeat_outputs]
     )
     print(_table(summaries, l3=bool(args.storage)))
     hits = {
@@ -488,7 +601,9 @@ def _run(
         "hit ratio / infinite-cache hit ratio: "
         + ", ".join(f"{n} {h / infinite:.2f}" if infinite else f"{n} -" for n, h in hits.items())
     )
-    print(f"outputs identical across configurations: {'yes' if identical else 'no'}", flush=True)
+    print(f"outputs identical across configurations: {'yes' if identical else 'no'}")
+    verdict = verdict_line(name_a, summaries[name_a], name_b, summaries[name_b], paired)
+    print(verdict, flush=True)
     everywhere = bench_processes.same_on_every_process(outputs, summaries)
     if model.mesh is not None:
         import jax
@@ -511,6 +626,8 @@ def _run(
                 "infinite_cache_hit_ratio": infinite,
                 "outputs_identical": identical,
                 "summary": summaries,
+                "paired_ttft": {"a": name_a, "b": name_b, **paired},
+                "verdict": verdict,
                 "outputs": {n: [t.tolist() for t in o] for n, o in outputs.items()},
                 "first_logits_sha256": logits,  # bit-exactness between runs, by digest
                 "requests": {
@@ -556,6 +673,7 @@ def _bench_batched(
             device_pages=device_pages,
             host_pages=host_pages,
             write_policy=args.policy,
+            load_policy=args.load_policy,
             **knobs,
         )
 

@@ -203,8 +203,12 @@ def joined(args: argparse.Namespace) -> Iterator[Any]:
 
 
 def timing_free(summaries: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    """The summaries without their wall-clock figures (what must match between processes)."""
-    return {name: {k: v for k, v in s.items() if k not in TIMINGS} for name, s in summaries.items()}
+    """The summaries without their wall-clock figures, each repeat's (``<name>_runs``) too (what
+    must match between processes)."""
+    return {
+        name: {k: v for k, v in s.items() if k.removesuffix("_runs") not in TIMINGS}
+        for name, s in summaries.items()
+    }
 
 
 def same_on_every_process(

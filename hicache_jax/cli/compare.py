@@ -2,11 +2,14 @@
 
 Each file is a results document of :mod:`hicache_jax.cli.results` (what
 ``benchmarks/run_gpu_all.sh`` and ``benchmarks/run_tpu_all.sh`` write: one per device run) or a
-single benchmark script's JSON. The table has one row per figure in either run: its unit, then
-for A and for B the figure, its limit (measured in the same run) and its share of the limit
-(1.00 = at the limit, oriented so higher is better for times too), and B's figure over A's.
-The plot shows the two runs' shares of their limits as bars, figure by figure (needs
-matplotlib: ``pip install -e ".[plot]"``).
+single writer's JSON (``hicache-jax bench --json``, ``hicache-jax replay --json``, a benchmark
+script's), mapped to that schema on the fly. The table has one row per figure in either run:
+its unit, then for A and for B the figure (with its interval where it has one), its limit
+(measured in the same run) and its share of the limit (1.00 = at the limit, oriented so
+higher is better for times too), and B's figure over A's. The figures the two share come
+first; after the table, the figures only one of them has are listed by name. The plot shows
+the two runs' shares of their limits as bars, figure by figure (needs matplotlib: ``pip
+install -e ".[plot]"``).
 """
 
 from __future__ import annotations
@@ -47,13 +50,14 @@ def _label(doc: dict) -> str:
 
 
 def rows(a: dict, b: dict) -> list[dict[str, Any]]:
-    """One row per figure name in A or B (A's order, then B's new ones): ``name, unit`` and
-    ``a`` / ``b`` (the figure dicts or None), ``b_over_a`` (B's value / A's, None when either
-    is missing)."""
+    """One row per figure name in A or B: the names both have (A's order), then A's own, then
+    B's own; each ``name, unit`` and ``a`` / ``b`` (the figure dicts or None), ``b_over_a``
+    (B's value / A's, None when either is missing)."""
     fa = {f["name"]: f for f in a.get("figures", [])}
     fb = {f["name"]: f for f in b.get("figures", [])}
+    shared = [n for n in fa if n in fb]
     out = []
-    for name in list(fa) + [n for n in fb if n not in fa]:
+    for name in shared + [n for n in fa if n not in fb] + [n for n in fb if n not in fa]:
         x, y = fa.get(name), fb.get(name)
         first = x or y
         assert first is not None  # the name is one of A's or B's figures
@@ -69,8 +73,42 @@ def _num(v: float | None) -> str:
     return f"{v:.3g}" if abs(v) < 1000 else f"{v:,.0f}"
 
 
+def _value(f: dict) -> str:
+    """A figure's value, with its interval where it has one (``0.38 [0.32-0.58]``)."""
+    text = _num(f.get("value"))
+    if f.get("interval"):
+        low, high = f["interval"]
+        text += f" [{_num(low)}-{_num(high)}]"
+    return text
+
+
+def only_in(a: dict, b: dict) -> tuple[list[str], list[str]]:
+    """The figure names only A has, and those only B has (each in its file's order)."""
+    na = [f["name"] for f in a.get("figures", [])]
+    nb = [f["name"] for f in b.get("figures", [])]
+    return [n for n in na if n not in set(nb)], [n for n in nb if n not in set(na)]
+
+
+#: Settings that say where a run wrote its output (or its command line), not how it ran.
+_OUTPUT_FLAGS = ("argv", "json", "plot", "quiet", "metrics_port")
+
+
+def config_differences(a: dict, b: dict) -> list[str]:
+    """``name: A's value vs B's`` for each setting of a writer both files ran (their
+    ``sources``) that differs, output flags aside."""
+    out = []
+    sa, sb = a.get("sources") or {}, b.get("sources") or {}
+    for src in [s for s in sa if s in sb]:
+        ca, cb = sa[src] or {}, sb[src] or {}
+        for key in [k for k in ca if k in cb and k not in _OUTPUT_FLAGS]:
+            if ca[key] != cb[key]:
+                out.append(f"{key}: {ca[key]!r} vs {cb[key]!r}")
+    return out
+
+
 def table(a: dict, b: dict) -> str:
-    """The side-by-side table as text (A and B described in the two header lines)."""
+    """The side-by-side table as text (A and B described in the two header lines; then the
+    figures only one file has, listed)."""
     header = ("figure", "unit", "A", "A limit", "A/limit", "B", "B limit", "B/limit", "B/A")
     body = []
     for r in rows(a, b):
@@ -79,10 +117,10 @@ def table(a: dict, b: dict) -> str:
             (
                 r["name"],
                 r["unit"],
-                _num(x.get("value")),
+                _value(x) if x else "-",
                 _num(x.get("limit")),
                 _num(x.get("ratio")),
-                _num(y.get("value")),
+                _value(y) if y else "-",
                 _num(y.get("limit")),
                 _num(y.get("ratio")),
                 _num(r["b_over_a"]),
@@ -92,16 +130,30 @@ def table(a: dict, b: dict) -> str:
     fmt = lambda cells: "  ".join(  # noqa: E731
         str(c).ljust(w) if i < 2 else str(c).rjust(w) for i, (c, w) in enumerate(zip(cells, widths))
     )
-    limits = {f["name"]: f["limit_name"] for f in a.get("figures", []) + b.get("figures", [])}
-    lines = [f"A: {_label(a)}", f"B: {_label(b)}", "", fmt(header), fmt(["-" * w for w in widths])]
+    limits = {
+        f["name"]: f["limit_name"]
+        for f in a.get("figures", []) + b.get("figures", [])
+        if f.get("limit_name")
+    }
+    lines = [f"A: {_label(a)}", f"B: {_label(b)}"]
+    diffs = config_differences(a, b)
+    if diffs:
+        lines.append("settings that differ (A vs B): " + "; ".join(diffs))
+    lines += ["", fmt(header), fmt(["-" * w for w in widths])]
     lines += [fmt(c) for c in body]
-    lines += [
-        "",
-        "limits (each measured in its own run): "
-        + "; ".join(sorted({f"{n.split(' ')[0]}: {v}" for n, v in limits.items()})),
-    ]
+    just_a, just_b = only_in(a, b)
+    n_shared = len(body) - len(just_a) - len(just_b)
+    lines += ["", f"figures in both: {n_shared}"]
+    for who, names in (("A", just_a), ("B", just_b)):
+        lines.append(f"only in {who} ({len(names)}): " + ("; ".join(names) if names else "none"))
+    if limits:
+        lines.append(
+            "limits (each measured in its own run): "
+            + "; ".join(sorted({f"{n.split(' ')[0]}: {v}" for n, v in limits.items()}))
+        )
     lines.append(
-        "X/limit: share of the limit, 1.00 = at it (limit/X for times); B/A: B's figure over A's"
+        "X/limit: share of the limit, 1.00 = at it (limit/X for times); B/A: B's figure over "
+        "A's; '-': no such figure or limit"
     )
     return "\n".join(lines)
 
@@ -124,8 +176,8 @@ def plot(a: dict, b: dict, path: str) -> None:
     ys = range(len(rs))
 
     def get(r: dict, k: str) -> float:  # log axis: a missing or non-positive share is not drawn
-        v = (r[k] or {}).get("ratio", float("nan"))
-        return v if v > 0 else float("nan")
+        v = (r[k] or {}).get("ratio")
+        return v if v is not None and v > 0 else float("nan")
 
     fig, ax = plt.subplots(figsize=(9, 0.32 * len(rs) + 1.6))
     ax.barh([y - 0.2 for y in ys], [get(r, "a") for r in rs], 0.4, label="A: " + _label(a))

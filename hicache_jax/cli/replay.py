@@ -159,6 +159,7 @@ def _simulate(
             args.json,
             {
                 "benchmark": "hicache-jax replay --simulate",
+                "env": replay_mod.environment(),  # what hicache-jax compare labels a run with
                 "config": {k: v for k, v in vars(args).items() if k != "func"},
                 **report,
             },

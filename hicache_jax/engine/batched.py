@@ -224,11 +224,14 @@ class BatchedEngine:
         device_pages: int = 1024,
         host_pages: int | None = None,
         write_policy: str = "clean_ahead",
+        load_policy: str = "threshold",
         **engine_kwargs: Any,
     ) -> BatchedEngine:
         """Build the cache for ``mode`` (as :meth:`Engine.create`) and the engine over it."""
         mode = parse_mode(mode)
-        cache = build_cache(model, mode, page_size, device_pages, host_pages, write_policy)
+        cache = build_cache(
+            model, mode, page_size, device_pages, host_pages, write_policy, load_policy
+        )
         return cls(model, cache, mode=mode, **engine_kwargs)
 
     # -- requests in, results out ------------------------------------------------------------

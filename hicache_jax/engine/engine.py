@@ -173,15 +173,19 @@ class Engine:
         device_pages: int = 1024,
         host_pages: int | None = None,
         write_policy: str = "clean_ahead",
+        load_policy: str = "threshold",
         **engine_kwargs: Any,
     ) -> Engine:
         """Build the cache for ``mode`` and the engine over it.
 
         ``host_pages`` (default ``4 * device_pages``) is used in mode ``hicache`` only; the
-        other modes get ``host_pages=0``. ``load_back_threshold`` is one page.
+        other modes get ``host_pages=0``. ``load_back_threshold`` is one page; ``load_policy``
+        is ``HiCacheConfig.load_policy`` ("threshold" | "cost").
         """
         mode = parse_mode(mode)
-        cache = build_cache(model, mode, page_size, device_pages, host_pages, write_policy)
+        cache = build_cache(
+            model, mode, page_size, device_pages, host_pages, write_policy, load_policy
+        )
         return cls(model, cache, mode=mode, **engine_kwargs)
 
     def generate(
@@ -324,10 +328,12 @@ def build_cache(
     device_pages: int,
     host_pages: int | None,
     write_policy: str,
+    load_policy: str = "threshold",
 ) -> HiCache:
     """The cache of an engine in ``mode``: ``host_pages`` (default ``4 * device_pages``) in mode
-    ``hicache`` only, 0 otherwise; ``load_back_threshold`` one page; the pools sharded over the
-    model's mesh (tensor parallelism) when it has one."""
+    ``hicache`` only, 0 otherwise; ``load_back_threshold`` one page; ``load_policy`` as
+    ``HiCacheConfig``'s; the pools sharded over the model's mesh (tensor parallelism) when it
+    has one."""
     if mode is not CacheMode.HICACHE:
         host_pages = 0
     elif host_pages is None:
@@ -337,6 +343,7 @@ def build_cache(
         host_pages=host_pages,
         write_policy=write_policy,
         load_back_threshold=page_size,
+        load_policy=load_policy,
         mesh=model.mesh,
         shard_axis=model.axis,
     )
