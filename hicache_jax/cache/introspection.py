@@ -141,6 +141,14 @@ _COUNTED = (
     "storage_detach_finished_ops",
     "overlap_loads",
     "overlap_load_tokens",
+    "admitted_requests",
+    "admitted_prompt_tokens",
+    "served_device_tokens",
+    "served_host_tokens",
+    "served_l3_tokens",
+    "recomputed_tokens",
+    "served_load_bytes",
+    "served_load_wait_seconds",
 )
 
 
