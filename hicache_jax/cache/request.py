@@ -87,8 +87,8 @@ class Served:
         load_wait_s: wall seconds admission spent in the load-back (taking device pages,
             which may evict, and dispatching the copy; on XLA:CPU a small copy runs in the
             call). The copy itself may land later: reading the pages waits for it. With
-            :meth:`HiCache.begin_many` every request of the step reports the step's one
-            load-back. 0.0 when nothing was on host.
+            :meth:`HiCache.begin_many` every request of the step with host tokens reports
+            the step's one load-back. 0.0 when nothing was on host.
     """
 
     prompt_tokens: int
