@@ -199,6 +199,7 @@ LAYER_RANK = {
     "l3": 3,
     "cache": 4,
     "replay": 5,
+    "metrics": 5,
     "study": 6,
     "engine": 7,
     "lowering": 8,

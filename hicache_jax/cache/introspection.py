@@ -179,6 +179,7 @@ def cache_stats(
             "host_used_pages": host.num_used,
             "host_cached_tokens": tree.host_tokens,
             "host_evictable_leaves": len(tree.evictable_host),
+            "host_evictable_pages": tree.host_evictable_tokens // ps,
         }
         | {name: n[name] for name in _COUNTED}
         | {
