@@ -7,7 +7,7 @@ scrape time."""
 try:
     from hicache_jax.metrics.prometheus import FAMILIES, HISTOGRAMS, CacheCollector, Family
 except ModuleNotFoundError as e:  # the extra is not installed: say which
-    if e.name != "prometheus_client":
+    if (e.name or "").split(".")[0] != "prometheus_client":
         raise
     raise ModuleNotFoundError(
         'hicache_jax.metrics needs prometheus_client: pip install -e ".[metrics]" '
