@@ -301,3 +301,22 @@ def test_the_test_import_rule_finds_every_form():
     found = _test_module_imports(ast.parse(code))
     assert [line for line, _ in found] == [1, 2, 4, 5, 6]
     assert {mod.split(".")[0] for _, mod in found} == {other}
+
+
+def test_only_the_metrics_package_imports_prometheus_client():
+    """prometheus_client is an optional extra: the core (every layer but hicache_jax.metrics)
+    never imports it, at import time or inside a function."""
+    bad = []
+    for mod, tree in _modules().items():
+        if mod == "hicache_jax.metrics" or mod.startswith("hicache_jax.metrics."):
+            continue
+        for node in ast.walk(tree):
+            names = (
+                [node.module or ""]
+                if isinstance(node, ast.ImportFrom)
+                else [a.name for a in node.names]
+                if isinstance(node, ast.Import)
+                else []
+            )
+            bad += [f"{mod}:{node.lineno}" for n in names if n.split(".")[0] == "prometheus_client"]
+    assert bad == []
