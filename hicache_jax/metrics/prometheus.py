@@ -212,15 +212,20 @@ FAMILIES: tuple[Family, ...] = (
     _one("kv_event_publish_errors", _C, "KV event publish errors.",
          _key("kv_event_publish_errors")),
     _by("cost_decisions", _C,
-        "Load-or-recompute decisions of the cost rule, by kind (all; partial_load; probe; "
-        "split; fallback; warmup).",
+        "Load-or-recompute decisions of load_policy='cost', by who decided (model: the cost "
+        "model; warmup: the threshold rule, no prefill figure yet; fallback: the threshold "
+        "rule, prefill_cost failed).",
+        "by",
+        model=_key("cost_decisions"),
+        warmup=_key("cost_warmup_decisions"),
+        fallback=_key("cost_fallbacks")),
+    _by("cost_model_decisions", _C,
+        "The cost model's decisions by kind (partial_load: part of a chain; probe: of an "
+        "unmeasured link; split: a two-ended split).",
         "kind",
-        all=_key("cost_decisions"),
         partial_load=_key("cost_partial_loads"),
         probe=_key("cost_probes"),
-        split=_key("cost_splits"),
-        fallback=_key("cost_fallbacks"),
-        warmup=_key("cost_warmup_decisions")),
+        split=_key("cost_splits")),
     _by("cost_error_median", _G,
         "Median relative error of the cost model's predictions (decision: a decision's whole "
         "time; l2_l1, l3_l2: a transfer; prefill: a prefill).",
