@@ -105,7 +105,7 @@ class HiCache:
         # (its own group closed by close(); stamps and deadlines: the leader's clock)
         self._group, self._owns_group, clock = join_group(spec, cfg, clock)
         self._sync = clock.sync if isinstance(clock, AgreedClock) else None
-        self._ps = spec.page_size
+        self._ps, self._page_bytes = spec.page_size, spec.page_bytes  # (a computed property)
         self._tree = RadixTree(spec.page_size, clock)
         self._device = DevicePagePool(
             spec,
@@ -301,8 +301,8 @@ class HiCache:
         self.lock(lm.node)
         copy = None if split is None else self._start_split(split, lm)
         back = 0 if copy is None else copy.span[1] - copy.span[0]
-        served = served_of(len(tokens), m, lm, self.spec.page_bytes, self._ps, wait, back)
-        self.record_served([served])
+        served = served_of(len(tokens), m, lm, self._page_bytes, self._ps, wait, back)
+        self._count_served(served)
         return Request(
             self, extra_key, lm, lm.device_len - m.device_len, overlap=copy, served=served
         )
@@ -387,17 +387,21 @@ class HiCache:
         (:meth:`begin`, :meth:`begin_many`, ``admit_matched``); a scheduler that builds its
         handles itself calls it with theirs."""
         self._guard()
-        n = self._n
         for s in served:
-            n["admitted_requests"] += 1
-            n["admitted_prompt_tokens"] += s.prompt_tokens
-            n["served_device_tokens"] += s.device_tokens
+            self._count_served(s)
+
+    def _count_served(self, s: Served) -> None:
+        n = self._n
+        n["admitted_requests"] += 1
+        n["admitted_prompt_tokens"] += s.prompt_tokens
+        n["served_device_tokens"] += s.device_tokens
+        if s.host_tokens or s.l3_tokens or s.load_wait_s:  # nothing loaded: nothing more
             n["served_host_tokens"] += s.host_tokens
             n["served_l3_tokens"] += s.l3_tokens
-            n["recomputed_tokens"] += s.recomputed_tokens
             n["served_load_bytes"] += s.load_bytes
             # seconds are floats in the same Counter, as the parts' seconds_to_* are
             n["served_load_wait_seconds"] += s.load_wait_s  # type: ignore[assignment]
+        n["recomputed_tokens"] += s.recomputed_tokens
 
     @publishes
     def prefetch(self, tokens: Any, extra_key: Hashable = None) -> PrefetchHandle | None:
