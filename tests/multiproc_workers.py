@@ -176,13 +176,15 @@ def _workload(cache, seed: int, steps: int, check: bool = True, prefetch: bool =
 
 def _decided(stats: dict) -> dict:
     """The counters every process must agree on (not timings, nor the completion lag's waits:
-    whether a copy was still moving at its start is this process's own)."""
+    whether a copy was still moving at its start is this process's own, nor the agreements
+    made: one process alone makes none)."""
     return {
         k: v
         for k, v in sorted(stats.items())
         if "seconds" not in k
         and "cost_" not in k
         and "lag_waits" not in k
+        and not k.startswith("agreement")
         and isinstance(v, (int, float))
     }
 

@@ -40,6 +40,12 @@ RUNS = [
         [],
     ),
     ("bench_hicache", ["--quick"], ["vs inf", "memcpy GB/s", "target hit/inf >= 0.95:"], []),
+    (
+        "bench_metrics",
+        ["--quick"],
+        ["on/off", "scrapes/run", "target on/off >= 0.95 (the exporter within 5% of off):"],
+        ["prometheus_client"],
+    ),
     ("bench_load_policy", ["--quick"], ["cost/better", "target cost/better <= 1.05"], []),
     (
         "bench_multihost",

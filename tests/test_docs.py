@@ -25,7 +25,13 @@ DOCS = ROOT / "docs"
 PAGES = [DOCS / "getting-started.md", *sorted((DOCS / "guides").glob("*.md"))]
 NOT_RUN = "<!-- not run -->"
 # modules of pyproject's extras a page may import: without them its remaining blocks skip
-EXTRAS = {"zmq": "events", "msgspec": "events", "pandas": "notebook", "matplotlib": "plot"}
+EXTRAS = {
+    "zmq": "events",
+    "msgspec": "events",
+    "pandas": "notebook",
+    "matplotlib": "plot",
+    "prometheus_client": "metrics",
+}
 BLOCK = re.compile(
     rf"^(?P<marker>{re.escape(NOT_RUN)}\n)?```python\n(?P<code>.*?)^```$", re.DOTALL | re.MULTILINE
 )
@@ -100,3 +106,63 @@ def test_site_builds_strict(tmp_path):
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert (tmp_path / "site" / "reference" / "hicache" / "index.html").exists()
+
+
+STATS_PAGE = DOCS / "reference" / "stats.md"
+STATS_ROW = re.compile(r"^\| `(?P<key>[a-z0-9_]+\*?)` \|", re.MULTILINE)
+
+
+def documented_stats_keys() -> set[str]:
+    """The keys the stats reference's tables name (``l3_store_*``: a family)."""
+    return {m["key"] for m in STATS_ROW.finditer(STATS_PAGE.read_text())}
+
+
+def _stats_of_every_kind(tmp_path) -> set[str]:
+    """The keys ``stats()`` returns over configurations that between them return every key:
+    no L3; L3 with KV events announcing it, after a prefetch (the store's own counters)."""
+    import numpy as np
+
+    from hicache_jax import HiCache, HiCacheConfig, KVSpec
+
+    spec = KVSpec(num_layers=1, num_kv_heads=1, head_dim=2, dtype="float32", page_size=4)
+    plain = HiCache(spec, HiCacheConfig(device_pages=8, host_pages=16))
+    keys = set(plain.stats())
+    plain.close()
+    url = f"file://{tmp_path}/store"
+    events = {"publisher": "queue", "l3_medium": "auto"}
+    a, b = (
+        HiCache(spec, HiCacheConfig(device_pages=8, host_pages=16, storage=url, kv_events=events))
+        for _ in range(2)
+    )
+    toks = np.arange(8)
+    for _ in range(2):  # the second access backs it up, then L3 stores it
+        with a.begin(toks) as req:
+            req.extend(len(toks) - req.cached_len)
+            req.finish(toks)
+    a.flush()
+    b.prefetch(toks)
+    b.flush()
+    keys |= set(a.stats()) | set(b.stats())
+    a.close(), b.close()
+    assert any(k.startswith("l3_store_") for k in keys)
+    return keys
+
+
+def test_every_stats_key_is_documented_and_every_documented_key_exists(tmp_path):
+    """docs/reference/stats.md is the one place stats() is documented: a key added to stats()
+    without a row there fails here, and so does a row for a key stats() no longer returns."""
+    documented = documented_stats_keys()
+    families = {k[:-1] for k in documented if k.endswith("*")}
+    exact = documented - {f + "*" for f in families}
+    returned = _stats_of_every_kind(tmp_path)
+    undocumented = {
+        k for k in returned if k not in exact and not any(k.startswith(f) for f in families)
+    }
+    assert undocumented == set(), "stats() keys missing from docs/reference/stats.md"
+    assert exact - returned == set(), "documented keys stats() does not return"
+    assert all(any(k.startswith(f) for k in returned) for f in families)
+
+
+def test_the_stats_key_check_finds_a_missing_row():
+    assert "served_device_tokens" in documented_stats_keys()
+    assert STATS_ROW.findall("| `new_key` | x |\n| not a row |\n") == ["new_key"]

@@ -42,6 +42,24 @@ def check_host_prefix(cache):
     cache.check_invariants()  # the write-through modes' continuous host prefix among them
 
 
+def outcomes(cache):
+    """``(complete, partial, revoked, timed out)`` prefetches; every closed prefetch counts in
+    exactly one (checked against those started, once none is in flight)."""
+    s = l3(cache)
+    out = tuple(
+        s[k]
+        for k in (
+            "l3_prefetches_complete",
+            "l3_prefetches_partial",
+            "l3_prefetches_revoked",
+            "l3_prefetch_timeouts",
+        )
+    )
+    if s["l3_in_flight"] == 0:
+        assert sum(out) == s["l3_prefetches"]
+    return out
+
+
 @pytest.fixture
 def url(tmp_path):
     return f"file://{tmp_path}/store"
@@ -94,6 +112,7 @@ def test_round_trip_through_l3_bit_exact(url, host_layout):
     assert b.prefetch(toks) is None  # everything is local now
     b.check_invariants()
     assert l3(b)["l3_prefetch_hit_pages"] == 8
+    assert outcomes(b) == (1, 0, 0, 0)
     a.close(), b.close()
 
 
@@ -255,6 +274,7 @@ def test_timeout_keeps_what_landed_and_cancels_the_rest(url):
     s = l3(b)
     assert s["l3_prefetch_timeouts"] == 1
     assert (s["l3_prefetch_hit_pages"], s["l3_prefetch_missed_pages"]) == (2, 6)
+    assert outcomes(b) == (0, 0, 0, 1)
     _host, dev, got = read_prefix(b, toks)
     assert dev == 2 * PS
     np.testing.assert_array_equal(got, bits32(kv[:, :, :2]))
@@ -369,6 +389,7 @@ def test_chained_prefetch_gives_up_when_the_one_before_comes_up_short(url):
     s = l3(b)
     assert (s["l3_prefetch_hit_pages"], s["l3_prefetch_dropped_pages"]) == (1, 4)
     assert b.stats()["host_used_pages"] == 1 and s["l3_staging_free_pages"] == 128
+    assert outcomes(b) == (0, 1, 1, 0)  # h1 missed a page; h2's pages had nowhere to hang
     b.check_invariants()
     b.close()
 
@@ -661,6 +682,7 @@ def test_corrupted_entry_is_a_miss_and_the_rest_is_recomputed(url, tmp_path):
     assert host == dev == 3 * PS
     np.testing.assert_array_equal(got, bits32(kv[:, :, :3]))
     assert l3(b)["l3_store_corrupt"] == 1 and not os.path.exists(path)
+    assert outcomes(b) == (0, 1, 0, 0)
     # the request recomputes pages 3..5; its backup repairs the entry in L3
     compute(b, toks, kv)
     b.flush()

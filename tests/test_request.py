@@ -297,3 +297,137 @@ def test_admit_matched_wraps_a_schedulers_own_matches_with_one_load_back():
         r.extend(len(p) - r.cached_len)
         r.finish(p)
     clean(cache)
+
+
+# -- where a request was served from (Request.served) ------------------------------------------
+
+SERVED_KEYS = {
+    "admitted_requests": None,
+    "admitted_prompt_tokens": "prompt_tokens",
+    "served_device_tokens": "device_tokens",
+    "served_host_tokens": "host_tokens",
+    "served_l3_tokens": "l3_tokens",
+    "recomputed_tokens": "recomputed_tokens",
+    "served_load_bytes": "load_bytes",
+}
+
+
+def figures(req) -> tuple:
+    s = req.served
+    return (s.device_tokens, s.host_tokens, s.l3_tokens, s.recomputed_tokens, s.load_bytes)
+
+
+def check_sums(cache, served, base=None) -> None:
+    """stats()' served counters grew by the sums of the admitted requests' figures (since the
+    stats ``base``; None: since the cache was built)."""
+    st, base = cache.stats(), base or dict.fromkeys(SERVED_KEYS, 0)
+    for key, field in SERVED_KEYS.items():
+        want = len(served) if field is None else sum(getattr(s, field) for s in served)
+        assert st[key] - base[key] == want, key
+    waited = st["served_load_wait_seconds"] - base.get("served_load_wait_seconds", 0.0)
+    assert waited == pytest.approx(sum(s.load_wait_s for s in served))
+
+
+def test_served_from_device_counts_the_l1_hit_and_the_rest_as_recomputed():
+    cache = make_cache(SPEC, device_pages=16, host_pages=32)
+    toks = prompt(14)  # 3 whole pages and 2 tokens
+    with cache.begin(toks) as req:
+        assert figures(req) == (0, 0, 0, 14, 0) and req.served.load_wait_s == 0.0
+        req.extend(len(toks))
+        req.finish(toks)
+        first = req.served
+    with cache.begin(np.append(toks, [7, 7, 7])) as req:  # 17 tokens: 12 on device
+        assert figures(req) == (12, 0, 0, 5, 0)
+        assert req.served.prompt_tokens == 17 and req.served.load_wait_s == 0.0
+        check_sums(cache, [first, req.served])
+
+
+def test_served_from_host_counts_the_load_back_its_bytes_and_wait():
+    cache = make_cache(SPEC, device_pages=16, host_pages=32, write_policy="write_through")
+    toks = prompt(12, 300)
+    cached_on_host_only(cache, toks)
+    base = cache.stats()["admitted_requests"]
+    with cache.begin(np.append(toks, [1, 2])) as req:
+        assert figures(req) == (0, 12, 0, 2, 3 * SPEC.page_bytes)
+        assert req.served.load_wait_s > 0.0
+        assert cache.stats()["admitted_requests"] == base + 1
+
+
+def test_declined_host_tokens_count_as_recomputed():
+    cache = make_cache(
+        SPEC, device_pages=16, host_pages=32, write_policy="write_through", load_back_threshold=64
+    )
+    toks = prompt(12, 500)
+    cached_on_host_only(cache, toks)
+    with cache.begin(toks) as req:
+        assert req.host_len_declined == 12
+        assert figures(req) == (0, 0, 0, 12, 0) and req.served.load_wait_s > 0.0
+
+
+def test_served_from_l3_counts_the_prefetched_pages_once(tmp_path):
+    from l3_helpers import compute, make, tokens_kv
+
+    url = f"file://{tmp_path}/store"
+    a, b = make(url), make(url, prefetch_policy="wait_complete")
+    toks, kv = tokens_kv(3, 6)
+    compute(a, toks, kv)
+    a.flush()
+    assert b.prefetch(toks).pages_found == 6
+    served = []
+    with b.begin(np.append(toks, 5)) as req:  # 6 pages from L3, 1 token computed
+        assert req.served.l3_tokens == 6 * PS
+        assert figures(req) == (0, 0, 6 * PS, 1, 6 * b.spec.page_bytes)
+        req.finish(toks)
+        served.append(req.served)
+    b.flush()
+    b.evict(10**6)  # back on host only: the host copies are L3's, but a request was served
+    with b.begin(toks) as req:
+        assert figures(req) == (0, 6 * PS, 0, 0, 6 * b.spec.page_bytes)
+        served.append(req.served)
+    check_sums(b, served)
+    a.close(), b.close()
+
+
+def test_begin_many_reports_each_request_and_stats_sum_them():
+    cache = make_cache(SPEC, device_pages=32, host_pages=64, write_policy="write_through")
+    on_host = prompt(8, 900)
+    cached_on_host_only(cache, on_host)
+    base = cache.stats()
+    on_device = prompt(8, 100)
+    with cache.begin(on_device) as req:
+        req.extend(8)
+        req.finish(on_device)
+        served = [req.served]
+    prompts = [np.append(on_device, [1, 2, 3]), np.append(on_host, prompt(4)), prompt(6, 40)]
+    reqs = cache.begin_many(prompts)
+    assert [figures(r) for r in reqs] == [
+        (8, 0, 0, 3, 0),
+        (0, 8, 0, 4, 2 * SPEC.page_bytes),
+        (0, 0, 0, 6, 0),
+    ]
+    assert reqs[1].served.load_wait_s > 0.0  # the step's one load-back
+    assert reqs[0].served.load_wait_s == reqs[2].served.load_wait_s == 0.0  # nothing on host
+    served += [r.served for r in reqs]
+    check_sums(cache, served, base)
+    for r in reqs:
+        r.abort()
+    clean(cache)
+
+
+def test_admit_matched_takes_prompt_lengths_and_checks_them_first():
+    from hicache_jax.cache.request import admit_matched
+
+    cache = make_cache(SPEC, device_pages=16, host_pages=32, write_policy="write_through")
+    toks = prompt(8, 700)
+    cached_on_host_only(cache, toks)
+    m = cache.match_prefix(toks)
+    before = cache.stats()
+    with pytest.raises(ValueError, match=r"prompt_lens\[0\]=4 is shorter"):
+        admit_matched(cache, [m], prompt_lens=[4])
+    with pytest.raises(ValueError, match="prompt_lens has 2"):
+        admit_matched(cache, [m], prompt_lens=[8, 8])
+    assert cache.stats() == before  # nothing loaded, locked or counted
+    (req,) = admit_matched(cache, [m], prompt_lens=[11])
+    assert figures(req) == (0, 8, 0, 3, 2 * SPEC.page_bytes)
+    req.abort()
+    clean(cache)

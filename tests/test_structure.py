@@ -211,6 +211,7 @@ LAYER_RANK = {
     "l3": 3,
     "cache": 4,
     "replay": 5,
+    "metrics": 5,
     "study": 6,
     "engine": 7,
     "lowering": 8,
@@ -312,3 +313,23 @@ def test_the_test_import_rule_finds_every_form():
     found = _test_module_imports(ast.parse(code))
     assert [line for line, _ in found] == [1, 2, 4, 5, 6]
     assert {mod.split(".")[0] for _, mod in found} == {other}
+
+
+def test_only_the_metrics_package_imports_prometheus_client():
+    """prometheus_client is an optional extra: the library never imports it, at import time
+    or inside a function, but in hicache_jax.metrics (and the command line's flag that serves
+    it, ``bench --metrics-port``)."""
+    bad = []
+    for mod, tree in _modules().items():
+        if _layer(mod) == "metrics" or mod == "hicache_jax.cli.bench_metrics":
+            continue
+        for node in ast.walk(tree):
+            names = (
+                [node.module or ""]
+                if isinstance(node, ast.ImportFrom)
+                else [a.name for a in node.names]
+                if isinstance(node, ast.Import)
+                else []
+            )
+            bad += [f"{mod}:{node.lineno}" for n in names if n.split(".")[0] == "prometheus_client"]
+    assert bad == []

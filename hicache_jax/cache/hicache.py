@@ -54,7 +54,7 @@ from hicache_jax.cache.match import (
 )
 from hicache_jax.cache.ownership import ALLOCATED, CALLERS, DevicePageOwners
 from hicache_jax.cache.removal import Removal
-from hicache_jax.cache.request import Request, admit_matched
+from hicache_jax.cache.request import Request, Served, admit_matched, served_of
 from hicache_jax.cache.thread_owner import ThreadOwner, publishes
 from hicache_jax.cache.write_policy import WriteContext, make_write_policy
 from hicache_jax.errors import HiCacheError
@@ -65,6 +65,7 @@ from hicache_jax.l3.prefetch import PrefetchHandle
 from hicache_jax.l3.tier import L3Tier, NullL3Tier, open_l3
 from hicache_jax.memory.device_pool import DevicePagePool
 from hicache_jax.memory.group import AgreedClock
+from hicache_jax.memory.histogram import HistogramSnapshot
 from hicache_jax.memory.host_pool import HostPagePool
 from hicache_jax.memory.transfer import TransferEngine
 from hicache_jax.spec import HiCacheConfig, KVSpec
@@ -104,7 +105,7 @@ class HiCache:
         # (its own group closed by close(); stamps and deadlines: the leader's clock)
         self._group, self._owns_group, clock = join_group(spec, cfg, clock)
         self._sync = clock.sync if isinstance(clock, AgreedClock) else None
-        self._ps = spec.page_size
+        self._ps, self._page_bytes = spec.page_size, spec.page_bytes  # (a computed property)
         self._tree = RadixTree(spec.page_size, clock)
         self._device = DevicePagePool(
             spec,
@@ -178,6 +179,7 @@ class HiCache:
             self._n,
             self._l3.on_backup,
             self._cost,
+            self._port.fetched,
         )
         assert cfg.host_pages is not None  # HiCacheConfig.__post_init__ resolves it
         self._pins = Pins(
@@ -286,6 +288,7 @@ class HiCache:
         m = self.match_prefix(tokens, extra_key)
         self.prepare([m], -(-len(tokens) // self._ps) - m.device_pages.size)
         split = self._split_rule
+        t0 = time.perf_counter()
         if split is None:
             lm = self.load_back(m, layerwise=layerwise)
         else:
@@ -294,9 +297,15 @@ class HiCache:
                 lm = self.load_back(m, layerwise=layerwise)
             finally:
                 split.overlap = False
+        wait = time.perf_counter() - t0
         self.lock(lm.node)
         copy = None if split is None else self._start_split(split, lm)
-        return Request(self, extra_key, lm, lm.device_len - m.device_len, overlap=copy)
+        back = 0 if copy is None else copy.span[1] - copy.span[0]
+        served = served_of(len(tokens), m, lm, self._page_bytes, self._ps, wait, back)
+        self._count_served(served)
+        return Request(
+            self, extra_key, lm, lm.device_len - m.device_len, overlap=copy, served=served
+        )
 
     def _start_split(self, rule: CostRule, lm: Match) -> OverlapCopy | None:
         """The copy of the two-ended split ``rule`` decided for ``lm``'s chain (locked), if it
@@ -363,9 +372,36 @@ class HiCache:
         out: list[Request | None] = [None] * len(prompts)
         # load back in one transfer, lock each, wrap each
         out[: len(before)] = admit_matched(
-            self, before, extra_keys=keys[: len(before)], layerwise=layerwise
+            self,
+            before,
+            extra_keys=keys[: len(before)],
+            layerwise=layerwise,
+            prompt_lens=[len(t) for t in prompts[: len(before)]],
         )
         return out
+
+    def record_served(self, served: Sequence[Served]) -> None:
+        """Add admitted requests' :class:`~hicache_jax.cache.request.Served` figures to
+        ``stats()`` (``admitted_requests``, ``served_device_tokens``, ``served_host_tokens``,
+        ``served_l3_tokens``, ``recomputed_tokens``, ...). Admission calls it
+        (:meth:`begin`, :meth:`begin_many`, ``admit_matched``); a scheduler that builds its
+        handles itself calls it with theirs."""
+        self._guard()
+        for s in served:
+            self._count_served(s)
+
+    def _count_served(self, s: Served) -> None:
+        n = self._n
+        n["admitted_requests"] += 1
+        n["admitted_prompt_tokens"] += s.prompt_tokens
+        n["served_device_tokens"] += s.device_tokens
+        if s.host_tokens or s.l3_tokens or s.load_wait_s:  # nothing loaded: nothing more
+            n["served_host_tokens"] += s.host_tokens
+            n["served_l3_tokens"] += s.l3_tokens
+            n["served_load_bytes"] += s.load_bytes
+            # seconds are floats in the same Counter, as the parts' seconds_to_* are
+            n["served_load_wait_seconds"] += s.load_wait_s  # type: ignore[assignment]
+        n["recomputed_tokens"] += s.recomputed_tokens
 
     @publishes
     def prefetch(self, tokens: Any, extra_key: Hashable = None) -> PrefetchHandle | None:
@@ -425,6 +461,7 @@ class HiCache:
                 load=self._flight.load,
                 counters=self._n,
                 layerwise=layerwise,
+                fetched=self._port.fetched,
             )
         except BaseException:
             self._write.largest_alloc, self._write.announced = sizes
@@ -780,6 +817,7 @@ class HiCache:
         self._tree.reset()
         self._device.allocator.reset()
         self._host.allocator.reset()
+        self._engine.reset_histograms()
         self._init_state()
         self._port.reset()
         self._l3.reset_counters()
@@ -803,7 +841,16 @@ class HiCache:
             | self._cost.stats()
             | self._pins.stats()
             | self._engine.stats()
+            | {"agreements": self._group.calls, "agreement_seconds": self._group.seconds}
         )
+
+    def transfer_histograms(self) -> dict[str, dict[str, HistogramSnapshot]]:
+        """Duration, bytes and bandwidth of every completed device <-> host transfer of pages,
+        per direction (``"to_host"``: backups, ``"to_device"``: load-backs and two-ended
+        splits' copies), as fixed-bucket histograms (memory/histogram.py); each direction's
+        ``count`` equals ``stats()["transfers_to_host"]`` / ``["transfers_to_device"]``.
+        Pure, like :meth:`stats`: any thread, also after :meth:`close`."""
+        return self._engine.histograms()
 
     def check_invariants(self) -> None:
         """Check every invariant (ARCHITECTURE.md) on the whole cache, O(cache), for tests;

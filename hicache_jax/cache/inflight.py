@@ -31,6 +31,7 @@ from typing import Any
 
 import numpy as np
 
+from hicache_jax.cache.l3_port import FetchedPages
 from hicache_jax.cache.loading.cost_model import CostModel
 from hicache_jax.cache.ownership import DevicePageOwners
 from hicache_jax.errors import OutOfPagesError
@@ -77,6 +78,8 @@ class InFlight:
             first of each copy shape on the wall clock: its time holds the copy programs'
             compile (0.4-0.5 s on XLA:CPU, memory/page_copy.py), as the engines skip a
             prefill shape's first run; it still settles the decision that loaded.
+        fetched: the host pages an L3 prefetch filled (cache/l3_port.py): a backup into one
+            of them removes its tag (the page now holds other data). None: no tags.
     """
 
     def __init__(
@@ -91,8 +94,10 @@ class InFlight:
         counters: collections.Counter,
         on_backup: Callable[[list], None],
         cost: CostModel | None = None,
+        fetched: FetchedPages | None = None,
     ) -> None:
         self._spec, self._ps, self._cost = spec, spec.page_size, cost
+        self._fetched = fetched if fetched is not None else FetchedPages(0)
         self._load_shapes: set = set()  # the copy shapes loads were timed at (their compile)
         self._tree, self._engine, self._owners = tree, engine, owners
         self._device_free, self._host_free = device.free, host.free
@@ -206,19 +211,16 @@ class InFlight:
         ops = self._ops_for(
             TransferKind.BACKUP, [(node, ids, h) for (node, h), ids in zip(claims, device_ids)]
         )
+        hosts = np.concatenate([h for _, h in claims])
         try:
             # the tree's device pages and take_host's fresh host pages: int32, distinct, held
-            handle = self._engine.backup(
-                np.concatenate(device_ids),
-                np.concatenate([h for _, h in claims]),
-                tag=ops,
-                validated=True,
-            )
+            handle = self._engine.backup(np.concatenate(device_ids), hosts, tag=ops, validated=True)
         except BaseException:  # internal ids: a bug; undo the claims so the tree stays whole
             for _, host_ids in claims:
                 self._host_free(host_ids)
             raise
         self._register(ops, handle)
+        self._fetched.take(hosts)  # pages L3 filled once hold these nodes' data now
         for node, host_ids in claims:
             self._tree.set_host_value(node, host_ids, validated=True)  # from take_host
             self._events.stored(node, Medium.HOST)

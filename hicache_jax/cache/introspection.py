@@ -141,6 +141,14 @@ _COUNTED = (
     "storage_detach_finished_ops",
     "overlap_loads",
     "overlap_load_tokens",
+    "admitted_requests",
+    "admitted_prompt_tokens",
+    "served_device_tokens",
+    "served_host_tokens",
+    "served_l3_tokens",
+    "recomputed_tokens",
+    "served_load_bytes",
+    "served_load_wait_seconds",
 )
 
 
@@ -171,6 +179,7 @@ def cache_stats(
             "host_used_pages": host.num_used,
             "host_cached_tokens": tree.host_tokens,
             "host_evictable_leaves": len(tree.evictable_host),
+            "host_evictable_pages": tree.host_evictable_tokens // ps,
         }
         | {name: n[name] for name in _COUNTED}
         | {

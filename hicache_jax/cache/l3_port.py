@@ -34,6 +34,44 @@ class HostPageSource(Protocol):
         """``n`` host page ids, evicting host pages as needed, or ``OutOfPagesError``."""
 
 
+class FetchedPages:
+    """Host pages an L3 prefetch filled (hung in the tree as a host-only leaf or as a device
+    node's host copy) that no load-back has served from since: what a request's
+    ``Served.l3_tokens`` counts (cache/request.py). A page is untagged when a load-back serves
+    from it (:meth:`take`) or when it is taken for other data (a backup, another prefetch), so
+    a tag never outlives the data L3 brought in.
+
+    Cheap when unused: every call returns at once while no page is tagged (no L3 tier, or
+    nothing fetched since the last load-back).
+    """
+
+    def __init__(self, num_pages: int) -> None:
+        self._tagged = np.zeros(num_pages, np.bool_)
+        #: host pages tagged now
+        self.tagged = 0
+
+    def mark(self, host_ids: np.ndarray) -> None:
+        """Tag ``host_ids`` (distinct): an L3 prefetch filled them."""
+        self.tagged += int(host_ids.size - np.count_nonzero(self._tagged[host_ids]))
+        self._tagged[host_ids] = True
+
+    def tagged_in(self, host_ids: np.ndarray) -> int:
+        """How many of ``host_ids`` (distinct) are tagged (no change)."""
+        return int(np.count_nonzero(self._tagged[host_ids])) if self.tagged else 0
+
+    def take(self, host_ids: np.ndarray) -> int:
+        """How many of ``host_ids`` (distinct) are tagged; their tags removed."""
+        k = self.tagged_in(host_ids)
+        if k:
+            self._tagged[host_ids] = False
+            self.tagged -= k
+        return k
+
+    def clear(self) -> None:
+        self._tagged[:] = False
+        self.tagged = 0
+
+
 class CacheL3Port:
     """What a HiCache gives its L3 tier.
 
@@ -67,6 +105,8 @@ class CacheL3Port:
         self._cost: Any = None
         self._reserved = np.zeros(host.num_pages, np.bool_)
         self._locks: collections.Counter[TreeNode] = collections.Counter()
+        #: host pages L3 filled and no load-back served from since (the tier's attaches)
+        self.fetched = FetchedPages(host.num_pages)
 
     def bind(
         self,
@@ -96,6 +136,7 @@ class CacheL3Port:
         """The cache forgot everything (the tier's prefetches were flushed first)."""
         self._reserved[:] = False
         self._locks.clear()
+        self.fetched.clear()
 
     # -- the port -----------------------------------------------------------------------------
 
@@ -126,6 +167,7 @@ class CacheL3Port:
             alloc = self._host.allocator
             ids = alloc.alloc(min(n, alloc.num_free))
         self._reserved[ids] = True
+        self.fetched.take(ids)  # a page freed while tagged: its tag was for other data
         return ids
 
     def _check_reserved(self, host_ids: np.ndarray) -> None:
@@ -146,6 +188,7 @@ class CacheL3Port:
         self._check_reserved(host_ids)
         self._tree.set_host_value(node, host_ids)
         self._reserved[host_ids] = False
+        self.fetched.mark(host_ids)
         self.events.stored(node, Medium.HOST)
 
     def attach_host_leaf(
@@ -154,6 +197,7 @@ class CacheL3Port:
         self._check_reserved(host_ids)
         leaf = self._tree.add_host_leaf(parent, tokens, host_ids, extra_key)
         self._reserved[host_ids] = False
+        self.fetched.mark(host_ids)
         self.events.stored(leaf, Medium.HOST)
         return leaf
 

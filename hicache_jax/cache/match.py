@@ -70,6 +70,10 @@ class Match:
         load_handle: set only by ``load_back(m, layerwise=True)``: the transfer handle whose
             ``wait_layer(l)`` returns once layer ``l`` of the loaded pages is on device (the
             caller's forward waits per layer). ``None`` otherwise.
+        l3_len: set only by ``load_back`` / ``load_back_many``: of the tokens this call
+            loaded back for the match, those whose host copies an L3 prefetch brought in and
+            that no load-back had served from before (the rest came from L2's own backups).
+            0 otherwise.
     """
 
     device_pages: np.ndarray
@@ -77,6 +81,7 @@ class Match:
     host_len: int
     node: NodeRef
     load_handle: Any = None
+    l3_len: int = 0
 
 
 def node_ref(node: TreeNode, anchor: TreeNode) -> NodeRef:

@@ -34,7 +34,9 @@ Threading: the cache's thread only (a handle calls its cache).
 from __future__ import annotations
 
 import enum
+import time
 from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import numpy as np
@@ -45,9 +47,83 @@ from hicache_jax.errors import HiCacheError
 from hicache_jax.spec import KVSpec
 from hicache_jax.validation import check_int
 
-__all__ = ["AdmittingCache", "Request", "RequestCache", "admit_matched", "extend_many"]
+__all__ = [
+    "AdmittingCache",
+    "Request",
+    "RequestCache",
+    "Served",
+    "admit_matched",
+    "extend_many",
+    "served_of",
+]
 
 _EMPTY = np.zeros(0, np.int32)
+
+
+@dataclass(frozen=True)
+class Served:
+    """Where a request's prompt was served from at admission (:attr:`Request.served`).
+
+    The four token counts split the prompt: ``device_tokens + host_tokens + l3_tokens +
+    recomputed_tokens == prompt_tokens``. ``stats()`` adds every admitted request's figures to
+    its ``served_*`` counters (``served_device_tokens`` ...), so over the requests admitted by
+    :meth:`HiCache.begin`, :meth:`HiCache.begin_many` and :func:`admit_matched` the
+    per-request figures sum to them.
+
+    Attributes:
+        prompt_tokens: the prompt's tokens (a trailing partial page included).
+        device_tokens: tokens on device when the request was matched (an L1 hit).
+        host_tokens: tokens loaded back from host copies L2 made itself (backups), and the
+            back of a two-ended split (``Request.overlap``), copied from host into the
+            request's own pages.
+        l3_tokens: tokens loaded back from host copies an L3 prefetch brought in and that no
+            request had been served from since (``Match.l3_len``).
+        recomputed_tokens: the prompt's other tokens, which the caller computes: its uncached
+            rest, the host tokens the load-back declined (threshold, quota, no pages), the
+            trailing partial page.
+        load_bytes: bytes the load-back copied for this request (``(host_tokens + l3_tokens)
+            / page_size`` pages); pages a load of the same step shares with an earlier
+            request count for each.
+        load_wait_s: wall seconds admission spent in the load-back (taking device pages,
+            which may evict, and dispatching the copy; on XLA:CPU a small copy runs in the
+            call). The copy itself may land later: reading the pages waits for it. With
+            :meth:`HiCache.begin_many` every request of the step with host tokens reports
+            the step's one load-back. 0.0 when nothing was on host.
+    """
+
+    prompt_tokens: int
+    device_tokens: int
+    host_tokens: int
+    l3_tokens: int
+    recomputed_tokens: int
+    load_bytes: int
+    load_wait_s: float
+
+
+def served_of(
+    prompt_tokens: int,
+    before: Match,
+    after: Match,
+    page_bytes: int,
+    page_size: int,
+    load_wait_s: float = 0.0,
+    overlap_tokens: int = 0,
+) -> Served:
+    """The :class:`Served` of a request whose prompt of ``prompt_tokens`` was matched as
+    ``before`` and loaded back as ``after`` (``overlap_tokens``: a two-ended split's back)."""
+    device = min(before.device_len, after.device_len)
+    l3 = after.l3_len
+    host = after.device_len - device - l3 + overlap_tokens
+    loaded = host + l3
+    return Served(
+        prompt_tokens,
+        device,
+        host,
+        l3,
+        prompt_tokens - device - loaded,
+        loaded // page_size * page_bytes,
+        load_wait_s if loaded or before.host_len else 0.0,
+    )
 
 
 class RequestCache(Protocol):
@@ -86,6 +162,8 @@ class AdmittingCache(RequestCache, Protocol):
 
     def lock(self, node: NodeRef) -> None: ...
 
+    def record_served(self, served: Sequence[Served]) -> None: ...
+
 
 class _State(enum.Enum):
     OPEN = "open"
@@ -112,6 +190,9 @@ class Request:
             copied into its pages (:meth:`wait_overlap` before anything reads it), the rest is
             prefilled from ``end`` (= ``num_tokens`` at admission); else None.
         state: ``"open"``, ``"finished"`` or ``"aborted"``.
+        served: where the prompt was served from (:class:`Served`: device, host and L3
+            tokens, tokens recomputed, the load-back's bytes and wait), e.g. for a stack's
+            per-request log.
     """
 
     def __init__(
@@ -122,13 +203,16 @@ class Request:
         loaded: int,
         *,
         overlap: OverlapCopy | None = None,
+        served: Served | None = None,
     ) -> None:
         """A handle of ``match``, which the caller has loaded back and LOCKED (what
         :meth:`HiCache.begin` does; a scheduler with an admission plan of its own does the same
         and wraps the result). The handle then owns that lock: :meth:`finish` or :meth:`abort`
         releases it. ``loaded``: tokens of ``match`` the caller's load-back brought in.
         ``overlap``: a two-ended split's copy started for it (its pages become the request's
-        own; :attr:`overlap` its span)."""
+        own; :attr:`overlap` its span). ``served``: what admission measured (the cache's
+        admission passes it); None: the figures ``match`` tells, its matched prefix taken as
+        the prompt and no wait (not counted in ``stats()``)."""
         self._cache, self._extra_key, self._ps = cache, extra_key, cache.spec.page_size
         self._node: NodeRef = match.node
         self._pages = np.asarray(match.device_pages, np.int32)
@@ -144,6 +228,18 @@ class Request:
         if overlap is not None:
             self._pages = np.concatenate([self._pages, overlap.pages]).astype(np.int32, copy=False)
             self.overlap, self._len = overlap.span, overlap.span[1]
+        if served is None:
+            host = loaded - match.l3_len
+            served = Served(
+                match.device_len + match.host_len,
+                match.device_len - loaded,
+                host,
+                match.l3_len,
+                match.host_len,
+                loaded // self._ps * cache.spec.page_bytes,
+                0.0,
+            )
+        self.served = served
 
     # -- reading -----------------------------------------------------------------------------
 
@@ -307,20 +403,41 @@ def admit_matched(
     *,
     extra_keys: Sequence[Hashable] | None = None,
     layerwise: bool = False,
+    prompt_lens: Sequence[int] | None = None,
 ) -> list[Request]:
     """Handles of requests a scheduler has already matched and decided to admit (with an
     admission plan of its own): their host parts loaded back in ONE transfer
     (:meth:`HiCache.load_back_many`, which revalidates every match), each result locked and
-    wrapped. Each handle then owns its lock (``finish`` / ``abort`` release it)."""
+    wrapped. Each handle then owns its lock (``finish`` / ``abort`` release it).
+
+    ``prompt_lens``: each request's prompt tokens, for :attr:`Request.served` (its
+    ``recomputed_tokens`` then count the prompt's uncached rest); None: each match's prefix
+    (matched tokens) taken as its prompt. Every handle's figures are added to ``stats()``."""
     keys = [None] * len(matches) if extra_keys is None else list(extra_keys)
     if len(keys) != len(matches):
         raise ValueError(f"extra_keys has {len(keys)} keys for {len(matches)} matches")
+    lens = (
+        [m.device_len + m.host_len for m in matches] if prompt_lens is None else list(prompt_lens)
+    )
+    if len(lens) != len(matches):
+        raise ValueError(f"prompt_lens has {len(lens)} lengths for {len(matches)} matches")
+    for i, (n, m) in enumerate(zip(lens, matches)):
+        if check_int(f"prompt_lens[{i}]", n) < m.device_len + m.host_len:
+            raise ValueError(
+                f"prompt_lens[{i}]={n} is shorter than its match ({m.device_len + m.host_len} "
+                "tokens): pass each request's whole prompt length"
+            )
+    t0 = time.perf_counter()
     loaded = cache.load_back_many(list(matches), layerwise=layerwise) if matches else []
+    wait = time.perf_counter() - t0
     for lm in loaded:  # every result locked before anything may evict
         cache.lock(lm.node)
+    ps, page_bytes = cache.spec.page_size, cache.spec.page_bytes
+    served = [served_of(n, m, lm, page_bytes, ps, wait) for n, m, lm in zip(lens, matches, loaded)]
+    cache.record_served(served)
     return [
-        Request(cache, k, lm, lm.device_len - m.device_len)
-        for k, m, lm in zip(keys, matches, loaded)
+        Request(cache, k, lm, lm.device_len - m.device_len, served=sv)
+        for k, m, lm, sv in zip(keys, matches, loaded, served)
     ]
 
 

@@ -44,7 +44,7 @@ from typing import Any
 import numpy as np
 
 from hicache_jax.cache.hicache import HiCache
-from hicache_jax.cli import bench_processes, serve_bench
+from hicache_jax.cli import bench_metrics, bench_processes, serve_bench
 from hicache_jax.cli.output import check_writable, require_matplotlib, write_json
 from hicache_jax.cli.paired import paired_ratios, verdict_line
 from hicache_jax.engine.batched import BatchedEngine
@@ -213,6 +213,13 @@ def add_parser(sub: Any) -> None:
     o.add_argument("--json", metavar="PATH", help="write every figure and record as JSON")
     o.add_argument("--plot", metavar="PATH", help="hit ratio and TTFT per turn (needs matplotlib)")
     o.add_argument("--quiet", action="store_true", help="no progress bars")
+    o.add_argument(
+        "--metrics-port",
+        type=int,
+        metavar="N",
+        help="serve Prometheus metrics of every configuration's cache on port N while it runs "
+        '(label config; needs pip install -e ".[metrics]")',
+    )
     bench_processes.add_flags(b)
     b.set_defaults(func=bench)
 
@@ -413,6 +420,7 @@ def bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             raise ValueError(f"--repeats {args.repeats} must be >= 1")
         if args.json:
             check_writable(args.json)
+        args.metrics = bench_metrics.serve(args.metrics_port, args.processes)
         workload = build_workload(args)
         cfg = ModelConfig(
             vocab_size=args.vocab,
@@ -500,6 +508,7 @@ def _run(
     )
     runs = iter(range(1 << 30))
 
+    @bench_metrics.watched(args.metrics)  # --metrics-port
     def engine(mode: str) -> Engine:
         if mode != "hicache+L3":
             return Engine.create(
@@ -665,6 +674,7 @@ def _bench_batched(
         compile_mixed=False,
     )  # see serve_bench: no compile in a timed run
 
+    @bench_metrics.watched(args.metrics, "batched ")  # --metrics-port
     def batched(mode: str) -> BatchedEngine:
         return BatchedEngine.create(
             model,

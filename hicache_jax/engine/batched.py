@@ -402,7 +402,12 @@ class BatchedEngine:
                     -(-r.seq.shape[0] // self.ps) - m.device_pages.size for r, m in cands
                 ),
             )
-            handles = admit_matched(self.cache, [m for _, m in cands], layerwise=self._layer_waits)
+            handles = admit_matched(
+                self.cache,
+                [m for _, m in cands],
+                layerwise=self._layer_waits,
+                prompt_lens=[r.seq.shape[0] - 1 for r, _ in cands],  # what was matched
+            )
         for k, ((req, m0), h) in enumerate(zip(cands, handles)):
             ok = budget > 0 and self._take_pages(req, h, checked=True)
             if budget > 0 and not ok:  # the plan counted pages the allocation did not find

@@ -93,6 +93,7 @@ class PrefetchHandle:
     _applied: int = 0  # pages attached to the tree (or given up) so far
     _closed: bool = False  # finished and its pages accounted for
     _timed_out: bool = False  # the timeout policy gave up waiting (its rest was cancelled)
+    _revoked: bool = False  # landed pages had nothing left to hang under (its rest cancelled)
     _issued: float = 0.0  # the port's clock when its read started
     _measured: bool = False  # its read's time went to the cost model
     _decision: Any = None  # the load rule's record of the decision to fetch (or None)
@@ -193,6 +194,18 @@ POLICIES: dict[PrefetchPolicy, type[_MatchPolicy]] = {
     PrefetchPolicy.WAIT_COMPLETE: WaitComplete,
     PrefetchPolicy.TIMEOUT: Timeout,
 }
+
+
+def _outcome(h: PrefetchHandle, missed: int) -> str | None:
+    """The counter of a closed prefetch's outcome, so that each prefetch counts once: None when
+    it timed out (``l3_prefetch_timeouts`` counted it when the policy gave up), else revoked
+    (landed pages had nothing left to hang under: evicted since, or the previous link came up
+    short), else partial (pages missed or failed their check), else complete."""
+    if h._timed_out:
+        return None
+    if h._revoked:
+        return "l3_prefetches_revoked"
+    return "l3_prefetches_partial" if missed else "l3_prefetches_complete"
 
 
 class Prefetcher:
@@ -459,6 +472,9 @@ class Prefetcher:
             self._staging_alloc.free(h._staging_ids)
             self._port.unlock(h._node)
             h._applied, h._closed = h.pages_found, True
+            outcome = _outcome(h, rest.size)
+            if outcome is not None:
+                self._n[outcome] += 1
 
     def _attach(self, h: PrefetchHandle, ready: int) -> None:
         """Pages ``[h._applied, ready)`` landed: copy them into their host pages and hang them in
@@ -524,7 +540,7 @@ class Prefetcher:
     def _give_up(self, h: PrefetchHandle, lo: int, ready: int) -> None:
         self._port.release_host_pages(h._host_ids[lo:ready])
         self._n["l3_prefetch_dropped_pages"] += ready - lo
-        h._applied = ready
+        h._applied, h._revoked = ready, True
         h._get.cancel()
 
     def poll(self) -> None:

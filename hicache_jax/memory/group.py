@@ -52,6 +52,10 @@ class Group:
 
     process_id: int = 0
     num_processes: int = 1
+    #: agreements made so far, and the seconds spent in them (waiting for the peers
+    #: included); none with one process
+    calls: int = 0
+    seconds: float = 0.0
 
     def allgather(self, tag: str, value: str) -> list[str]:
         """Every process's ``value`` of this step, in process order (all must call it)."""

@@ -49,6 +49,7 @@ import jax
 import numpy as np
 
 from hicache_jax.errors import HiCacheError
+from hicache_jax.memory.histogram import HistogramSnapshot, TransferHistogram
 from hicache_jax.memory.page_copy import (
     INLINE_COPY_BYTES,
     bound_copy,
@@ -243,6 +244,8 @@ class TransferEngine:
         self._decided = False  # completion seen only by poll: a group or a lag
         #: complete_after: request starts that waited for a copy not yet landed, and how long
         self.lag_waits, self.lag_wait_seconds = 0, 0.0
+        # every completed transfer of pages, per direction (memory/histogram.py)
+        self._hist = {kind: TransferHistogram() for kind in TransferKind}
 
     def agree_with(self, group: Any) -> None:
         """Several processes (``memory/group.py``): from now on a transfer counts as complete
@@ -368,6 +371,7 @@ class TransferEngine:
             item._complete = True
             item._tokens = []
             self._busy[item.host_ids] -= 1
+            self._hist[item.kind].record(item.nbytes, item.seconds)
         self._finished.extend(done)
 
     def poll(self, agree: bool = True) -> list[TransferHandle]:
@@ -428,12 +432,29 @@ class TransferEngine:
         return self.poll(agree=False)
 
     def stats(self) -> dict[str, Any]:
-        """The waits of :meth:`complete_after` (measured, not decided: they differ between
+        """The transfers of pages completed per direction (each one observation of
+        :meth:`histograms`; a zero-page transfer moves nothing and is not counted) and the
+        waits of :meth:`complete_after` (measured, not decided: they differ between
         processes)."""
         return {
+            "transfers_to_host": self._hist[TransferKind.BACKUP].seconds.snapshot().count,
+            "transfers_to_device": self._hist[TransferKind.LOAD].seconds.snapshot().count,
             "completion_lag_waits": self.lag_waits,
             "completion_lag_wait_seconds": self.lag_wait_seconds,
         }
+
+    def histograms(self) -> dict[str, dict[str, HistogramSnapshot]]:
+        """Duration, bytes and bandwidth of every completed transfer of pages, per direction:
+        ``{"to_host": ..., "to_device": ...}``, each ``{"seconds", "bytes", "gbps"}``
+        (:class:`~hicache_jax.memory.histogram.TransferHistogram`). Any thread may call it."""
+        return {
+            "to_host": self._hist[TransferKind.BACKUP].snapshot(),
+            "to_device": self._hist[TransferKind.LOAD].snapshot(),
+        }
+
+    def reset_histograms(self) -> None:
+        """Forget the transfers counted so far (``HiCache.reset``)."""
+        self._hist = {kind: TransferHistogram() for kind in TransferKind}
 
     @property
     def in_flight(self) -> int:

@@ -83,6 +83,7 @@ def replay(
     progress: Progress = False,
     desc: str = "replay",
     diagnose: bool = False,
+    on_cache: Callable[[HiCache], Any] | None = None,
 ) -> dict[str, Any]:
     """Serve every request of ``trace`` through a fresh HiCache (see module doc).
 
@@ -90,12 +91,21 @@ def replay(
     ``(total, desc) -> bar`` (``update(n)``, ``close()``; e.g. tqdm.auto's in a notebook).
     ``diagnose``: also serve an LRU of L1 + L2 pages beside the cache (outside the timed part)
     and add the figures of :func:`_diagnosis` (``diag_*``).
+    ``on_cache``: called with the cache once built, before the first request (e.g. to report
+    it to Prometheus: :class:`hicache_jax.metrics.CacheCollector`); the replay closes the cache
+    at its end, and its ``stats()`` stay readable.
 
     Returns:
         Prompt tokens, hit tokens by tier, the cache's transfer and eviction counters, wall
         time; hit tokens count whole pages.
     """
     cache = HiCache(spec, cfg, clock=_counter_clock())
+    if on_cache is not None:
+        try:
+            on_cache(cache)
+        except BaseException:
+            cache.close()
+            raise
     ps, cap = spec.page_size, cfg.device_pages
     prompt = device_hit = host_hit = declined = 0  # tokens
     diag = _Diagnosis(cache, cfg) if diagnose else None

@@ -181,7 +181,8 @@ class Pins:
         return out
 
     def _pinned_nodes(self, tier: PinTier) -> set[TreeNode]:
-        return {n for p in self._pins.values() if p.tier is tier for n in _chain(p.node)}
+        # a copy first (in C): stats() may run on another thread while a pin is added
+        return {n for p in tuple(self._pins.values()) if p.tier is tier for n in _chain(p.node)}
 
     # -- what the cache reports and checks ------------------------------------------------
 

@@ -775,19 +775,22 @@ class CostModel:
         out["cost_prefill_pred_err_median"] = self.prefill_fit.median_error()
         out["cost_last_error"] = self.last_error
         out["cost_decision_records"] = self.n["cost_decision_records"]
-        out["cost_decision_err_median"] = _median_rel([(r.pred, r.actual) for r in self.records])
+        # one copy (in C, under the GIL): stats() may run on another thread while the owner
+        # appends, and iterating the deque itself would then raise
+        records = tuple(self.records)
+        out["cost_decision_err_median"] = _median_rel([(r.pred, r.actual) for r in records])
         # the two parts of the decisions' error: their loads (those that loaded), prefills
         out["cost_decision_load_err_median"] = _median_rel(
-            [(r.load_pred, r.load_actual) for r in self.records if r.load_pred > 0]
+            [(r.load_pred, r.load_actual) for r in records if r.load_pred > 0]
         )
         out["cost_decision_prefill_err_median"] = _median_rel(
-            [(r.prefill_pred, r.prefill_actual) for r in self.records]
+            [(r.prefill_pred, r.prefill_actual) for r in records]
         )
         out["cost_decision_read_err_median"] = _median_rel(
-            [(r.read_pred, r.read_actual) for r in self.records if r.read_pred > 0]
+            [(r.read_pred, r.read_actual) for r in records if r.read_pred > 0]
         )
         out["cost_decision_err_median_without_read"] = _median_rel(
-            [(r.load_pred + r.prefill_pred, r.load_actual + r.prefill_actual) for r in self.records]
+            [(r.load_pred + r.prefill_pred, r.load_actual + r.prefill_actual) for r in records]
         )
         out["cost_fetch_records"] = self.n["cost_fetch_records"]
         out["cost_fetch_err_median"] = (

@@ -15,11 +15,13 @@ Pure bookkeeping over the tree (no jax); the cache's thread only (it locks tree 
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
+from hicache_jax.cache.l3_port import FetchedPages
 from hicache_jax.cache.match import Match, NodeRef, current
 from hicache_jax.errors import HiCacheError, OutOfPagesError
 from hicache_jax.tree.node import TreeNode
@@ -148,10 +150,13 @@ def load_chains(
     load: Callable[..., Any],
     counters: Any,
     layerwise: bool,
+    fetched: FetchedPages | None = None,
 ) -> list[Match]:
     """Load the accepted chains of revalidated ``(match, node)`` pairs in ONE transfer
     (``load(pairs, ids, layerwise)``: the in-flight table's ``load``); what holds each prefix
-    now, carrying the load's handle where it holds pages of the load and ``layerwise``."""
+    now, carrying the load's handle where it holds pages of the load and ``layerwise``, and
+    (``Match.l3_len``) how many of the tokens loaded for it came from host pages an L3
+    prefetch filled (``fetched``, whose tags the load then removes)."""
     accepted, declined = take_chains(
         tree, [node for _, node in resolved], rule=rule, page_size=page_size, take=take
     )
@@ -164,11 +169,43 @@ def load_chains(
     if dispatched is not None:
         dispatched([c for _, c, _ in accepted])
     out = [current(m, node, page_size) for m, node in resolved]
+    if accepted and fetched is not None and fetched.tagged:
+        out = _count_l3(out, [m for m, _ in resolved], fetched, page_size)
     if accepted and layerwise:
         out = [
-            Match(m.device_pages, m.device_len, m.host_len, m.node, handle)
+            dataclasses.replace(m, load_handle=handle)
             if np.isin(m.device_pages, loaded).any()
             else m
             for m in out
         ]
+    return out
+
+
+def _loaded_host_pages(before: Match, after: Match, page_size: int) -> np.ndarray:
+    """The host pages of the nodes ``after``'s device prefix gained over ``before``'s (the
+    loaded ones keep their host copies), deepest node first."""
+    tokens, node = after.device_len - before.device_len, after.node._anchor
+    parts = []
+    while tokens > 0 and node.parent is not None:
+        k = min(node.num_tokens, tokens) // page_size
+        if node.host_value is not None and k:
+            parts.append(node.host_value[-k:])
+        tokens -= node.num_tokens
+        node = node.parent
+    return np.concatenate(parts) if parts else np.zeros(0, np.int32)
+
+
+def _count_l3(
+    after: list[Match], before: list[Match], fetched: FetchedPages, page_size: int
+) -> list[Match]:
+    """``after`` with each match's ``l3_len``: its loaded tokens on pages ``fetched`` tags
+    (each match counts the pages it was served from, shared ones too); then the tags of every
+    page served are removed."""
+    out, served = [], []
+    for b, a in zip(before, after):
+        ids = _loaded_host_pages(b, a, page_size)
+        k = fetched.tagged_in(np.unique(ids)) if ids.size else 0
+        out.append(dataclasses.replace(a, l3_len=k * page_size) if k else a)
+        served.append(ids)
+    fetched.take(np.unique(np.concatenate(served)))
     return out
