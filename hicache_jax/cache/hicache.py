@@ -47,6 +47,7 @@ from hicache_jax.cache.match import (
     NodeRef,
     check_node,
     current,
+    cut_to,
     is_stale,
     node_ref,
     revalidate,
@@ -56,6 +57,7 @@ from hicache_jax.cache.ownership import ALLOCATED, CALLERS, DevicePageOwners
 from hicache_jax.cache.removal import Removal
 from hicache_jax.cache.request import Request, Served, admit_matched, served_of
 from hicache_jax.cache.thread_owner import ThreadOwner, publishes
+from hicache_jax.cache.windows import Windows
 from hicache_jax.cache.write_policy import WriteContext, make_write_policy
 from hicache_jax.errors import HiCacheError
 from hicache_jax.events.factory import make_recorder
@@ -68,6 +70,7 @@ from hicache_jax.memory.group import AgreedClock
 from hicache_jax.memory.histogram import HistogramSnapshot
 from hicache_jax.memory.host_pool import HostPagePool
 from hicache_jax.memory.transfer import TransferEngine
+from hicache_jax.memory.window import WindowPages
 from hicache_jax.spec import HiCacheConfig, KVSpec
 from hicache_jax.tree.node import TreeNode
 from hicache_jax.tree.radix import RadixTree
@@ -125,6 +128,7 @@ class HiCache:
             huge_pages=cfg.huge_pages,
         )
         self._engine = transfer_engine(self._device, self._host)
+        self._windows = self._build_windows(spec, cfg)
         bind_completions(self._engine, self._group, cfg.completion_lag)
         self._events: NullRecorder | Recorder = NullRecorder()  # the configured one: below
         self._threads = ThreadOwner()
@@ -147,6 +151,55 @@ class HiCache:
             self._l3.close()
             raise
         self._init_state()  # its parts take the recorder and the L3 tier
+
+    def _build_windows(self, spec: KVSpec, cfg: HiCacheConfig) -> Windows | None:
+        """The window groups' pools on both tiers, attached to the full-attention pages and
+        copied with them (ARCHITECTURE.md, "Layer groups"); None without window groups."""
+        groups = spec.window_groups
+        if not groups:
+            return None
+        if cfg.storage is not None:
+            raise ValueError(
+                "storage with window groups is not supported yet: L3 entries hold "
+                "full-attention pages only (use a spec without window groups for L3)"
+            )
+        if cfg.load_overlap:
+            raise ValueError("load_overlap=True with window groups is not supported yet")
+        assert cfg.host_pages is not None  # HiCacheConfig.__post_init__ resolves it
+        dev = WindowPages(
+            groups,
+            [
+                DevicePagePool(
+                    g.spec(spec.page_size, spec.shard),
+                    cfg.device_pages,
+                    mesh=cfg.mesh,
+                    axis=cfg.shard_axis,
+                    copy_backend=cfg.copy_backend,
+                    huge_pages=cfg.huge_pages,
+                )
+                for g in groups
+            ],
+            self._device.allocator,
+            "device",
+        )
+        host = WindowPages(
+            groups,
+            [
+                HostPagePool(
+                    g.spec(spec.page_size, spec.shard),
+                    cfg.host_pages,
+                    layout=cfg.host_layout,
+                    mesh=cfg.mesh,
+                    axis=cfg.shard_axis,
+                    huge_pages=cfg.huge_pages,
+                )
+                for g in groups
+            ],
+            self._host.allocator,
+            "host",
+        )
+        self._engine.attach_windows(dev, host)
+        return Windows(spec, dev, host)
 
     def _init_state(self) -> None:
         """Build the parts in dependency order, each given what it needs (ARCHITECTURE.md,
@@ -204,6 +257,7 @@ class HiCache:
                 self._removal,
                 self._complete,
                 l3=self._l3,
+                whole_nodes=self._windows is not None,
             )
         )
         self._evict = Evictor(
@@ -219,6 +273,7 @@ class HiCache:
             self._device.validate_ids,
             self._write.after_insert,
             self._caller_locks,
+            self._windows,
         )
         self._agreement = Agreement(
             self._group,
@@ -270,6 +325,11 @@ class HiCache:
         self._complete(attach=True, sync=True)  # a request starts
         self._l3.before_match(arr, extra_key)
         tm = self._tree.match(arr, extra_key, validated=True)
+        if self._windows is not None:  # the longest prefix whose window pages are held
+            ntok = self._windows.servable_match(tm)
+            if ntok < tm.device_len + tm.host_len:
+                self._n["window_unservable_tokens"] += tm.device_len + tm.host_len - ntok
+                tm = self._tree.match(arr[:ntok], extra_key, validated=True)
         self._n["match_tokens"] += arr.shape[0]
         self._n["device_hit_tokens"] += tm.device_len
         self._n["host_hit_tokens"] += tm.host_len
@@ -434,7 +494,7 @@ class HiCache:
         self._complete(attach=True)
         match, node = revalidate(self._tree, match)
         if node.value is not None or node.parent is None:  # nothing host-only: nothing to load
-            return current(match, node, self._ps)
+            return self._servable(current(match, node, self._ps))
         return self._load_back([(match, node)], bool(layerwise))[0]
 
     @publishes
@@ -452,7 +512,7 @@ class HiCache:
     def _load_back(self, resolved: list[tuple[Match, TreeNode]], layerwise: bool) -> list[Match]:
         sizes = self._write.largest_alloc, self._write.announced  # a load that raised: as before
         try:
-            return load_chains(
+            loaded = load_chains(
                 self._tree,
                 resolved,
                 rule=self._rule,
@@ -466,6 +526,20 @@ class HiCache:
         except BaseException:
             self._write.largest_alloc, self._write.announced = sizes
             raise
+        return [self._servable(m) for m in loaded]
+
+    def _servable(self, m: Match) -> Match:
+        """``m`` cut back to the longest prefix its device pages can serve (window groups:
+        a load declined or split by the load rule may end where window pages were freed);
+        ``m`` itself without window groups or when it is servable."""
+        w = self._windows
+        if w is None:
+            return m
+        ntok = w.servable_device(m.device_pages)
+        if ntok >= m.device_len:
+            return m
+        self._n["window_unservable_tokens"] += m.device_len - ntok
+        return cut_to(self._tree, m, ntok)
 
     def lock(self, node: NodeRef) -> None:
         """Protect a match's prefix (``Match.node``: the node and its ancestors) from eviction
@@ -529,6 +603,12 @@ class HiCache:
         n = check_int("n", n)
         self._complete(attach=True)
         ids = self._evict.take(n)
+        if self._windows is not None:  # the request's forward writes every group's layers
+            try:
+                self._windows.attach_new(ids)
+            except BaseException:
+                self._device.allocator.free(ids)
+                raise
         self._owner.to_caller(ids)
         return ids
 
@@ -817,6 +897,9 @@ class HiCache:
         self._tree.reset()
         self._device.allocator.reset()
         self._host.allocator.reset()
+        if self._windows is not None:
+            self._windows.device.reset()
+            self._windows.host.reset()
         self._engine.reset_histograms()
         self._init_state()
         self._port.reset()
@@ -842,7 +925,15 @@ class HiCache:
             | self._pins.stats()
             | self._engine.stats()
             | {"agreements": self._group.calls, "agreement_seconds": self._group.seconds}
+            | self._window_stats()
         )
+
+    def _window_stats(self) -> dict[str, int]:
+        w = self._windows
+        return {
+            "window_device_used_pages": 0 if w is None else sum(w.device.used_pages()),
+            "window_host_used_pages": 0 if w is None else sum(w.host.used_pages()),
+        }
 
     def transfer_histograms(self) -> dict[str, dict[str, HistogramSnapshot]]:
         """Duration, bytes and bandwidth of every completed device <-> host transfer of pages,
@@ -867,3 +958,5 @@ class HiCache:
             self._write.continuous_prefix,
             self._pins,
         )
+        if self._windows is not None:
+            self._windows.check(self._tree.root)

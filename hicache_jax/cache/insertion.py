@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 
 from hicache_jax.cache.ownership import ALLOCATED, DevicePageOwners
+from hicache_jax.cache.windows import Windows
 from hicache_jax.events.recorder import NullRecorder, Recorder
 from hicache_jax.events.records import Medium
 from hicache_jax.memory.allocator import PageAllocator
@@ -33,6 +34,9 @@ class Insertion:
         after_insert: the write policy's ``after_insert(result, chunked, callers_lock)``.
         caller_locks: the facade's map of caller-held locks (read only: whether any is held;
             the write policy defers on it).
+        windows: the window groups' rules (None without window groups): the tree's pages
+            take a duplicate's window pages they lack, and each inserted node keeps only the
+            window pages a continuation at its end reads.
     """
 
     def __init__(
@@ -46,11 +50,13 @@ class Insertion:
         validate_ids: Callable[[Any, str], np.ndarray],
         after_insert: Callable[[InsertResult, bool, bool], None],
         caller_locks: dict,
+        windows: Windows | None = None,
     ) -> None:
         self._ps, self._tree, self._device, self._owner = page_size, tree, device, owner
         self._events, self._n = events, counters
         self._validate, self._after_insert = validate_ids, after_insert
         self._caller_locks = caller_locks
+        self._windows = windows
 
     def __call__(
         self, tokens: Any, pages: Any, extra_key: Hashable, chunked: bool, priority: int
@@ -72,6 +78,9 @@ class Insertion:
             arr, ids, extra_key, priority=int(priority), validated=True, chunked=bool(chunked)
         )
         dup = res.duplicate_pages
+        if self._windows is not None:  # what the tree keeps of each window group
+            self._windows.before_free_duplicates(res, ids)
+            self._n["window_pages_trimmed"] += self._windows.after_insert(res)
         if dup.size:
             self._device.free(dup)
             self._owner.release(dup)

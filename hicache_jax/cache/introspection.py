@@ -113,6 +113,8 @@ def _check_nodes(
 
 
 _COUNTED = (
+    "window_pages_trimmed",
+    "window_unservable_tokens",
     "match_tokens",
     "device_hit_tokens",
     "host_hit_tokens",

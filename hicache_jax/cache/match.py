@@ -151,6 +151,17 @@ def revalidate(tree: RadixTree, match: Match) -> tuple[Match, TreeNode]:
     return match, node
 
 
+def cut_to(tree: RadixTree, match: Match, ntok: int) -> Match:
+    """A Match of the first ``ntok`` tokens of ``match``'s prefix (a page multiple, within what
+    it matched), the node holding them split there where needed: what a request uses where a
+    window group's pages hold no longer prefix (cache/windows.py)."""
+    ref = match.node
+    tm = tree.match(ref._prefix[:ntok], ref._node.extra_key)
+    return Match(
+        tm.device_pages, tm.device_len, tm.host_len, node_ref(tm.node, tm.last_device_node)
+    )
+
+
 def check_node(tree: RadixTree, node: Any) -> TreeNode:
     """The tree node of a ``Match.node`` of ``tree``: TypeError for anything else, HiCacheError
     when it left the tree (evicted and deleted since the match) or is another cache's."""

@@ -7,6 +7,8 @@ raises ``HiCacheError`` and changes nothing.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 
 from hicache_jax.errors import HiCacheError, OutOfPagesError
@@ -83,13 +85,16 @@ class PageAllocator:
         name: used in error messages ("device", "host").
     """
 
-    __slots__ = ("num_pages", "name", "_stack", "_top", "_allocated", "_slot")
+    __slots__ = ("num_pages", "name", "on_free", "_stack", "_top", "_allocated", "_slot")
 
     def __init__(self, num_pages: int, name: str = "pool") -> None:
         if num_pages < 0:
             raise ValueError(f"num_pages={num_pages} must be >= 0")
         self.num_pages = int(num_pages)
         self.name = name
+        #: Called with the ids (validated, int32) before they return to the free list: the
+        #: window groups' pages attached to a full-attention page leave with it (memory/window.py).
+        self.on_free: Callable[[np.ndarray], None] | None = None
         # Free ids live in _stack[:_top]; popping from the end hands out low ids first.
         self._stack = np.arange(self.num_pages - 1, -1, -1, dtype=np.int32)
         self._top = self.num_pages
@@ -164,6 +169,8 @@ class PageAllocator:
                 self.check_allocated(arr)  # raises the precise error
         else:
             arr = self.check_allocated(ids)
+        if self.on_free is not None and arr.size:
+            self.on_free(arr)
         k = arr.size
         self._allocated[arr] = False
         self._stack[self._top : self._top + k] = arr[::-1]

@@ -64,6 +64,7 @@ from hicache_jax.validation import check_bool, check_int, is_int
 if TYPE_CHECKING:  # the pools are only passed in: the engine needs their public attributes
     from hicache_jax.memory.device_pool import DevicePagePool
     from hicache_jax.memory.host_pool import HostPagePool
+    from hicache_jax.memory.window import WindowPages
 
 
 def transfer_fns(
@@ -116,6 +117,7 @@ class TransferHandle:
         "seconds",
         "_engine",
         "_tokens",
+        "_window_tokens",
         "_t0",
         "_complete",
         "_start",
@@ -139,6 +141,7 @@ class TransferHandle:
         self.seconds: float | None = None
         self._engine = engine
         self._tokens: list[jax.Array] = []
+        self._window_tokens: list[jax.Array] = []  # the window groups' copies (one per group)
         self._t0 = engine._clock()
         self._complete = False
         self._start = engine._starts  # the request starts before its dispatch (complete_after)
@@ -157,6 +160,7 @@ class TransferHandle:
             not self._complete
             and not self._engine._decided
             and all(t.is_ready() for t in self._tokens)  # type: ignore[attr-defined]
+            and all(t.is_ready() for t in self._window_tokens)  # type: ignore[attr-defined]
         ):
             self._engine._finish(self)
         return self._complete
@@ -164,7 +168,7 @@ class TransferHandle:
     def wait(self) -> TransferHandle:
         """Block until every page has landed; returns self."""
         if not self._complete:
-            for token in self._tokens:
+            for token in (*self._tokens, *self._window_tokens):
                 token.block_until_ready()
             self._engine._finish(self)
         return self
@@ -184,6 +188,8 @@ class TransferHandle:
             # little after a later one's, and done() would then still say False).
             self.wait()
         elif self._tokens:
+            for token in self._window_tokens:  # (few pages: the window groups' in one copy)
+                token.block_until_ready()
             self._tokens[layer].block_until_ready()
             self.done()
 
@@ -246,6 +252,53 @@ class TransferEngine:
         self.lag_waits, self.lag_wait_seconds = 0, 0.0
         # every completed transfer of pages, per direction (memory/histogram.py)
         self._hist = {kind: TransferHistogram() for kind in TransferKind}
+        # window groups (attach_windows): each tier's pages, each group's (backup, load) copy
+        self._windows: tuple[WindowPages, WindowPages] | None = None
+        self._window_fns: list[tuple[Any, Any]] = []
+        #: window group pages a backup or load could not copy (no free page of the group on
+        #: the destination tier): those pages hold no window KV there (not servable from it)
+        self.window_pages_dropped = 0
+
+    def attach_windows(self, device: WindowPages, host: WindowPages) -> None:
+        """Copy the window groups' pages with the full-attention pages they are attached to
+        (memory/window.py): every backup and load then also copies, per group, the group
+        pages of the pages it moves that hold one, into fresh group pages of the destination
+        tier (attached there to the destination pages), in the same handle."""
+        self._windows = (device, host)
+        self._window_fns = []
+        for dp, hp in zip(device.pools, host.pools):
+            host_put = None if hp.on_device_memory else hp.sharding
+            dev_put = None if hp.on_device_memory else hp.device_sharding
+            fns = transfer_fns(dp.spec.num_layers, hp.layout, host_put, dev_put)
+            self._window_fns.append((bound_copy(fns[0]), bound_copy(fns[1])))
+
+    def _copy_windows(
+        self, handle: TransferHandle, src: np.ndarray, dst: np.ndarray, to_host: bool
+    ) -> None:
+        """The window groups' part of a transfer of full-attention pages ``src -> dst``."""
+        assert self._windows is not None
+        dev, host = self._windows
+        src_side, dst_side = (dev, host) if to_host else (host, dev)
+        dst_side.detach(dst)  # (fresh pages hold none; a caller's ids might)
+        for g, (backup_fn, load_fn) in enumerate(self._window_fns):
+            w = src_side.attach[g, src]
+            sel = np.flatnonzero(w >= 0)
+            if not sel.size:
+                continue
+            taken = dst_side.take(g, sel.size)
+            if taken.size < sel.size:
+                self.window_pages_dropped += sel.size - taken.size
+                sel = sel[: taken.size]
+                if not sel.size:
+                    continue
+            dst_side.attach[g, dst[sel]] = taken
+            plan = copy_plan(taken, w[sel])
+            if to_host:
+                token = host.pools[g].run(backup_fn, dev.pools[g].array, plan)
+            else:
+                token = dev.pools[g].run(load_fn, host.pools[g].buffer, plan)
+            handle._window_tokens.append(token)
+            handle.nbytes += int(taken.size) * dev.pools[g].spec.page_bytes
 
     def agree_with(self, group: Any) -> None:
         """Several processes (``memory/group.py``): from now on a transfer counts as complete
@@ -289,6 +342,8 @@ class TransferEngine:
         if d.size:
             fn = self._backup_inline if d.size <= self._inline_pages else self._backup_fn
             handle._tokens.append(self.host_pool.run(fn, self.device_pool.array, copy_plan(h, d)))
+            if self._windows is not None:
+                self._copy_windows(handle, d, h, to_host=True)
         return self._track(handle)
 
     def load(
@@ -324,6 +379,8 @@ class TransferEngine:
             else:
                 fn = self._load_inline if d.size <= self._inline_pages else self._load_fn
                 handle._tokens.append(self.device_pool.run(fn, self.host_pool.buffer, plan))
+            if self._windows is not None:
+                self._copy_windows(handle, h, d, to_host=False)
         return self._track(handle)
 
     def _validate(self, device_ids: Any, host_ids: Any) -> tuple[np.ndarray, np.ndarray]:
@@ -441,6 +498,7 @@ class TransferEngine:
             "transfers_to_device": self._hist[TransferKind.LOAD].seconds.snapshot().count,
             "completion_lag_waits": self.lag_waits,
             "completion_lag_wait_seconds": self.lag_wait_seconds,
+            "window_pages_dropped": self.window_pages_dropped,
         }
 
     def histograms(self) -> dict[str, dict[str, HistogramSnapshot]]:

@@ -1,0 +1,140 @@
+"""The window groups of a cache: which prefixes are servable, what the tree keeps of them.
+
+A spec with window groups (``KVSpec.window_groups``) keeps each group's pages attached to the
+full-attention pages on each tier (:mod:`hicache_jax.memory.window`). This part owns the rules
+over the tree (ARCHITECTURE.md, "Layer groups"):
+
+- **Servable prefixes** (:meth:`Windows.servable_match`, :meth:`Windows.servable_device`):
+  a matched prefix is cut back to the longest one whose window pages are held on the tier that
+  serves each page (:func:`~hicache_jax.tree.windows.servable_pages`); never a prefix that
+  would read a missing page, and never less than the deepest end that has them all (a missing
+  page inside the window makes only the ends that read it unservable).
+- **What the tree keeps** (:meth:`Windows.after_insert`): of a node's pages a group keeps only
+  those a continuation at the node's end reads; the rest are freed on every tier as soon as
+  the node enters the tree, so they are never backed up, written to L3 or loaded back. Where the
+  tree's page at a position lacks a group's page (its node was split, and the new end reads
+  pages trimmed before) and the request inserting the same tokens holds one, the tree's page
+  takes it (the same bytes: same tokens, same model).
+- **Caller pages** (:meth:`Windows.attach_new`): a request's own pages hold every group's page
+  until they are inserted (its forward writes every layer).
+
+Threading: the cache's thread only.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from hicache_jax.memory.window import WindowPages
+from hicache_jax.spec import KVSpec
+from hicache_jax.tree.node import InsertResult, TreeMatch, TreeNode
+from hicache_jax.tree.windows import kept_first_page, servable_pages
+
+__all__ = ["Windows"]
+
+_EMPTY = np.zeros(0, np.int32)
+
+
+class Windows:
+    """The window groups' rules over one cache's tree (see the module docstring).
+
+    Args:
+        spec: the cache's spec (with window groups).
+        device, host: the window pages of each tier.
+    """
+
+    def __init__(self, spec: KVSpec, device: WindowPages, host: WindowPages) -> None:
+        self.groups = spec.window_groups
+        self.device, self.host = device, host
+        self._ps = spec.page_size
+
+    # -- servable prefixes -----------------------------------------------------------------
+    def servable_match(self, tm: TreeMatch) -> int:
+        """Tokens of the longest servable prefix of a tree match (device pages, then the host
+        chain), at most ``tm.device_len + tm.host_len``."""
+        held = self.device.held(tm.device_pages)
+        if tm.host_nodes:
+            host = np.concatenate([n.host_value for n in tm.host_nodes])
+            held = np.concatenate([held, self.host.held(host)], axis=1)
+        return servable_pages(held, self.groups, self._ps, held.shape[1]) * self._ps
+
+    def servable_device(self, device_pages: np.ndarray) -> int:
+        """Tokens of the longest servable prefix of ``device_pages`` (a prefix's device pages,
+        root first) from the device tier alone."""
+        held = self.device.held(device_pages)
+        return servable_pages(held, self.groups, self._ps, held.shape[1]) * self._ps
+
+    # -- caller pages and inserts ----------------------------------------------------------
+    def attach_new(self, ids: np.ndarray) -> None:
+        """Every group's page for each of a caller's new pages (all or nothing)."""
+        self.device.attach_new(ids)
+
+    def before_free_duplicates(self, res: InsertResult, ids: np.ndarray) -> None:
+        """Where a caller's page duplicates the tree's at a position and the tree's page lacks
+        a group's page, move the caller's there (before the duplicates are freed)."""
+        if not res.duplicate_pages.size:
+            return
+        tree_ids = _device_pages(res.existing_nodes)
+        mine = ids[: tree_ids.size]
+        dup = tree_ids != mine
+        self.device.adopt(tree_ids[dup], mine[dup])
+
+    def after_insert(self, res: InsertResult) -> int:
+        """Free, on both tiers, every group page of the inserted path's nodes that no
+        continuation at the node's end reads; group pages freed."""
+        nodes = list(res.existing_nodes)
+        if res.last_node.parent is not None and res.last_node not in res.existing_nodes:
+            nodes.append(res.last_node)
+        freed, start = 0, 0
+        for node in nodes:
+            freed += self.trim(node, start)
+            start += node.num_pages
+        return freed
+
+    def trim(self, node: TreeNode, start_page: int) -> int:
+        """Free the group pages of ``node`` (starting at page ``start_page`` of its prefix)
+        that a continuation at its end does not read, on both tiers; how many."""
+        end = (start_page + node.num_pages) * self._ps
+        freed = 0
+        for g, group in enumerate(self.groups):
+            k = kept_first_page(group, end, self._ps) - start_page
+            if k <= 0:
+                continue
+            if node.value is not None:
+                freed += self.device.detach_group(g, node.value[:k])
+            if node.host_value is not None:
+                freed += self.host.detach_group(g, node.host_value[:k])
+        return freed
+
+    # -- checks --------------------------------------------------------------------------------
+    def check(self, root: TreeNode) -> None:
+        """Both tiers' attachments (nothing leaked, nothing shared), and no tree node holding
+        a group page no continuation at its end reads.
+
+        Raises:
+            HiCacheError: naming the first broken rule.
+        """
+        from hicache_jax.errors import HiCacheError
+
+        self.device.check()
+        self.host.check()
+        stack = [(child, 0) for child in root.children.values()]
+        while stack:
+            node, start = stack.pop()
+            end = (start + node.num_pages) * self._ps
+            for g, group in enumerate(self.groups):
+                k = kept_first_page(group, end, self._ps) - start
+                if k <= 0:
+                    continue
+                for side, ids in ((self.device, node.value), (self.host, node.host_value)):
+                    if ids is not None and (side.attach[g, ids[:k]] >= 0).any():
+                        raise HiCacheError(
+                            f"{node!r}: {side.name} window group {g} holds pages no "
+                            "continuation at the node's end reads"
+                        )
+            stack.extend((c, start + node.num_pages) for c in node.children.values())
+
+
+def _device_pages(nodes: list[TreeNode]) -> np.ndarray:
+    values = [n.value for n in nodes if n.value is not None]
+    return np.concatenate(values) if values else _EMPTY

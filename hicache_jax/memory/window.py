@@ -1,0 +1,156 @@
+"""The window groups' pages of one tier, attached to the full-attention pages (numpy, no jax).
+
+A spec with window groups (``KVSpec.window_groups``: sliding-window or chunked-attention
+layers) keeps each group's pages in a pool of its own per tier (a ``DevicePagePool`` or a
+``HostPagePool`` of the group's ``LayerGroup.spec``), and :class:`WindowPages` says which of
+those pages belongs to which full-attention page of the tier: ``attach[g, page]`` is the group
+``g`` page holding the same tokens as full-attention page ``page``, or -1 where that group's KV
+is not kept (ARCHITECTURE.md, "Layer groups"). So the tree, the allocators, the eviction and
+the write policies keep working in full-attention pages, and a window group's page follows its
+full-attention page: freed with it (the full-attention allocator's ``on_free`` hook), copied
+with it by the transfer engine, dropped alone where no continuation reads it any more.
+
+Threading: the cache's thread only, like the allocators.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from hicache_jax.errors import HiCacheError, OutOfPagesError
+from hicache_jax.memory.allocator import PageAllocator
+from hicache_jax.spec import LayerGroup
+
+__all__ = ["WindowPages"]
+
+
+class WindowPages:
+    """The window groups' pages of one tier.
+
+    Args:
+        groups: the spec's window groups (``KVSpec.window_groups``).
+        pools: one page pool per group, of ``group.spec(page_size)``: ``DevicePagePool`` on
+            the device tier, ``HostPagePool`` on the host tier.
+        anchor: the tier's full-attention allocator. Its ``on_free`` is set here: a page freed
+            there frees the group pages attached to it first.
+        name: the tier, in errors ("device", "host").
+
+    Attributes:
+        attach: int32 ``[len(groups), anchor.num_pages]``: group page of each full-attention
+            page, -1 where none.
+    """
+
+    def __init__(
+        self,
+        groups: Sequence[LayerGroup],
+        pools: Sequence[Any],
+        anchor: PageAllocator,
+        name: str,
+    ) -> None:
+        if len(groups) != len(pools) or not groups:
+            raise ValueError(f"{len(groups)} window groups, {len(pools)} pools: one pool a group")
+        self.groups = tuple(groups)
+        self.pools = tuple(pools)
+        self.name = name
+        self.attach = np.full((len(groups), anchor.num_pages), -1, np.int32)
+        self._anchor = anchor
+        anchor.on_free = self.detach
+
+    @property
+    def allocators(self) -> tuple[PageAllocator, ...]:
+        return tuple(p.allocator for p in self.pools)
+
+    def attach_new(self, anchor_ids: np.ndarray) -> None:
+        """Give each of ``anchor_ids`` (full-attention pages holding none) a fresh page of every
+        group: all or nothing.
+
+        Raises:
+            OutOfPagesError: a group's pool has fewer free pages; nothing taken.
+        """
+        n = int(anchor_ids.size)
+        short = [
+            (g, p.allocator.num_free) for g, p in enumerate(self.pools) if p.allocator.num_free < n
+        ]
+        if short:
+            g, free = short[0]
+            raise OutOfPagesError(
+                f"{self.name} window group {g} pool: {n} pages needed, {free} free",
+                needed=n,
+                free=free,
+            )
+        for g, pool in enumerate(self.pools):
+            self.attach[g, anchor_ids] = pool.allocator.alloc(n)
+
+    def take(self, g: int, n: int) -> np.ndarray:
+        """Up to ``n`` free pages of group ``g`` (fewer when fewer are free)."""
+        alloc = self.pools[g].allocator
+        return alloc.alloc(min(n, alloc.num_free))
+
+    def detach(self, anchor_ids: np.ndarray) -> None:
+        """Free every group page attached to ``anchor_ids`` (int32, distinct)."""
+        for g in range(len(self.pools)):
+            self.detach_group(g, anchor_ids)
+
+    def detach_group(self, g: int, anchor_ids: np.ndarray) -> int:
+        """Free group ``g``'s pages attached to ``anchor_ids``; how many were attached."""
+        w = self.attach[g, anchor_ids]
+        sel = w >= 0
+        k = int(np.count_nonzero(sel))
+        if k:
+            self.pools[g].allocator.free(w[sel], validated=True)
+            self.attach[g, anchor_ids[sel]] = -1
+        return k
+
+    def held(self, anchor_ids: np.ndarray) -> np.ndarray:
+        """bool ``[len(groups), n]``: which of ``anchor_ids`` hold each group's page."""
+        return self.attach[:, anchor_ids] >= 0
+
+    def adopt(self, dst: np.ndarray, src: np.ndarray) -> int:
+        """Move group pages from ``src[i]`` to ``dst[i]`` where ``dst[i]`` holds none and
+        ``src[i]`` holds one (the tree's page takes a caller's duplicate's window KV, which
+        is bit-identical: same tokens, same model); pages moved."""
+        moved = 0
+        for g in range(len(self.pools)):
+            row = self.attach[g]
+            sel = (row[dst] < 0) & (row[src] >= 0)
+            if sel.any():
+                row[dst[sel]] = row[src[sel]]
+                row[src[sel]] = -1
+                moved += int(np.count_nonzero(sel))
+        return moved
+
+    def used_pages(self) -> list[int]:
+        return [p.allocator.num_used for p in self.pools]
+
+    def reset(self) -> None:
+        self.attach[:] = -1
+        for p in self.pools:
+            p.allocator.reset()
+
+    def check(self) -> None:
+        """Each group page is attached to exactly one allocated full-attention page, and
+        every allocated group page is attached (nothing leaked).
+
+        Raises:
+            HiCacheError: naming the group and the first broken rule.
+        """
+        allocated = self._anchor.is_allocated(np.arange(self._anchor.num_pages))
+        for g, pool in enumerate(self.pools):
+            row = self.attach[g]
+            on = row >= 0
+            if (on & ~allocated).any():
+                bad = np.flatnonzero(on & ~allocated)[:8].tolist()
+                raise HiCacheError(f"{self.name} window group {g}: free pages {bad} hold one")
+            ids = row[on]
+            if np.unique(ids).size != ids.size:
+                raise HiCacheError(f"{self.name} window group {g}: a page attached twice")
+            if not pool.allocator.is_allocated(ids).all():
+                raise HiCacheError(f"{self.name} window group {g}: a free page is attached")
+            if ids.size != pool.allocator.num_used:
+                raise HiCacheError(
+                    f"{self.name} window group {g}: {pool.allocator.num_used} pages "
+                    f"allocated, {ids.size} attached (leaked)"
+                )
