@@ -297,3 +297,22 @@ def test_parse_bad_field_names_it(text, match):
 def test_parse_names_the_flag():
     with pytest.raises(ValueError, match=r"^--model-spec item 'x=1'"):
         KVSpec.parse("x=1", TINY, page_size=1, flag="--model-spec")
+
+
+# ------------------------------------------------------------------------- fingerprints pinned
+
+
+@pytest.mark.parametrize(
+    "spec, fingerprint",
+    [
+        (KVSpec(32, 8, 128), "60aa4ee70c250121"),
+        (KVSpec(1, 1, 1, dtype="float32", page_size=4), "e3eb5ea8c94f55f4"),
+        (KVSpec(61, 1, 576, page_size=64, mla=True), "c573b2d4cfdc9e5d"),
+        (KVSpec(4, 8, 64, shard="2:4/8"), "e06427d7148b7a8d"),
+    ],
+)
+def test_fingerprint_is_pinned(spec, fingerprint):
+    """L3 keys carry the fingerprint: a store written before a change to KVSpec must stay
+    readable, so a plain spec's fingerprint never changes (values computed at the commit
+    before layer groups)."""
+    assert spec.fingerprint() == fingerprint
