@@ -7,17 +7,19 @@ from hicache_jax.errors import HiCacheError, OutOfPagesError
 from hicache_jax.events.records import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent, Medium
 from hicache_jax.l3.prefetch import PrefetchHandle
 from hicache_jax.l3.storage import StorageError, StorageUnavailableError
-from hicache_jax.spec import HiCacheConfig, KVSpec
+from hicache_jax.spec import GroupKind, HiCacheConfig, KVSpec, LayerGroup
 
 __all__ = [
     "AllBlocksCleared",
     "BlockRemoved",
     "BlockStored",
+    "GroupKind",
     "HiCache",
     "HiCacheConfig",
     "HiCacheError",
     "KVEvent",
     "KVSpec",
+    "LayerGroup",
     "Match",
     "Medium",
     "NodeRef",

@@ -10,9 +10,11 @@ from __future__ import annotations
 import dataclasses
 import enum
 import hashlib
+import itertools
 import json
 import math
 import re
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -85,6 +87,227 @@ class PrefetchPolicy(str, enum.Enum):
     TIMEOUT = "timeout"
 
 
+def _parse_dtype(value: Any) -> str:
+    """A KV dtype (a name, or a numpy / jax dtype) -> its name in ``SUPPORTED_DTYPES``."""
+    dtype = value
+    if not isinstance(dtype, str):
+        try:
+            dtype = np.dtype(dtype).name  # accept jnp.bfloat16 / np.float16 too
+        except TypeError:
+            raise TypeError(
+                f"dtype={value!r} is not a dtype; use one of: {', '.join(SUPPORTED_DTYPES)}"
+            ) from None
+    if dtype not in _BITS_DTYPE:
+        raise ValueError(f"dtype={value!r} is not one of: {', '.join(SUPPORTED_DTYPES)}")
+    return str(dtype)
+
+
+class GroupKind(str, enum.Enum):
+    """Which tokens' K/V a layer reads again when a request continues a cached prefix.
+
+    A ``str`` enum: ``GroupKind.WINDOW == "window"``. For a continuation at prefix length
+    ``n`` (see :meth:`LayerGroup.need_start`):
+
+    * ``FULL``: every token ``[0, n)`` (MHA/GQA, or an MLA latent).
+    * ``WINDOW``: a sliding window of ``window`` tokens, ``[n - window, n)``.
+    * ``CHUNK``: chunked local attention over ``chunk``-token chunks,
+      ``[n // chunk * chunk, n)``.
+    """
+
+    FULL = "full"
+    WINDOW = "window"
+    CHUNK = "chunk"
+
+
+def _positive(name: str, value: Any) -> int:
+    """``int(value)`` for an int >= 1, else TypeError / ValueError naming ``name``."""
+    if not is_int(value):
+        raise TypeError(f"{name}={value!r} must be a positive int")
+    if value < 1:
+        raise ValueError(f"{name}={value!r} must be a positive int")
+    return int(value)
+
+
+def _layers_text(layers: Sequence[int]) -> str:
+    """``(0, 1, 2, 4)`` -> ``"0-2,4"``: runs of consecutive layers."""
+    runs: list[str] = []
+    i = 0
+    while i < len(layers):
+        j = i
+        while j + 1 < len(layers) and layers[j + 1] == layers[j] + 1:
+            j += 1
+        runs.append(str(layers[i]) if i == j else f"{layers[i]}-{layers[j]}")
+        i = j + 1
+    return ",".join(runs)
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerGroup:
+    """Layers of one model that share an attention kind and a KV page shape.
+
+    A model may mix full-attention layers with sliding-window or chunked local-attention
+    layers. A continuation of a cached prefix of ``n`` tokens reads, in each layer, the K/V of
+    the tokens ``[need_start(n), n)``: all of them for a full layer, only the last ``window``
+    (or those of the current chunk) for a local one. That range is the kept set: the pages a
+    local group must still hold for a prefix to be resumable; older ones are never read again.
+
+    Args:
+        kind: a ``GroupKind`` or its value ("full", "window", "chunk").
+        layers: the model's layer indices in this group (any sequence of ints >= 0; stored as
+            a sorted tuple, duplicates refused).
+        num_kv_heads: KV heads of these layers (1 for an MLA latent).
+        head_dim: head dimension (the latent width for MLA).
+        dtype: one of ``SUPPORTED_DTYPES`` (a numpy / jax dtype is accepted, stored by name).
+        window: ``WINDOW``: the window in tokens, a positive int; None for the other kinds.
+        chunk: ``CHUNK``: the chunk in tokens, a positive int; None for the other kinds.
+        mla: K and V are one latent tensor (``FULL`` only; needs ``num_kv_heads=1``).
+        page_size: tokens per page; None (the default) takes the spec's, otherwise it must
+            equal it (every group pages the same tokens).
+
+    Raises:
+        ValueError / TypeError: a bad field, the message naming it (``window=0 must be a
+            positive int``); a ``KVSpec`` prefixes it with ``groups[i].``.
+    """
+
+    kind: GroupKind | str
+    layers: tuple[int, ...]
+    num_kv_heads: int
+    head_dim: int
+    dtype: str = "bfloat16"
+    window: int | None = None
+    chunk: int | None = None
+    mla: bool = False
+    page_size: int | None = None
+
+    def __post_init__(self) -> None:
+        set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731
+        kind = parse_enum(GroupKind, "kind", self.kind)
+        set_("kind", kind)
+        layers: Any = self.layers
+        if isinstance(layers, (str, bytes)) or not isinstance(layers, Sequence):
+            raise TypeError(f"layers={layers!r} must be a sequence of ints")
+        out = sorted(check_int(f"layers[{i}]", v, 0) for i, v in enumerate(layers))
+        if not out:
+            raise ValueError("layers=() must name at least one layer")
+        dups = sorted({a for a, b in itertools.pairwise(out) if a == b})
+        if dups:
+            raise ValueError(f"layers={tuple(layers)!r} has duplicate layer(s) {dups}")
+        set_("layers", tuple(out))
+        set_("num_kv_heads", check_int("num_kv_heads", self.num_kv_heads, 1))
+        set_("head_dim", check_int("head_dim", self.head_dim, 1))
+        set_("dtype", _parse_dtype(self.dtype))
+        for name, own in (("window", GroupKind.WINDOW), ("chunk", GroupKind.CHUNK)):
+            value = getattr(self, name)
+            if kind is own:
+                set_(name, _positive(name, value))
+            elif value is not None:
+                raise ValueError(f"{name}={value!r} must be None for a {kind.value!r} group")
+        set_("mla", check_bool("mla", self.mla))
+        if self.mla and kind is not GroupKind.FULL:
+            raise ValueError(f"mla=True is for full groups only, not a {kind.value!r} group")
+        if self.mla and self.num_kv_heads != 1:
+            raise ValueError(
+                f"mla=True needs num_kv_heads=1 (one latent 'head'), got {self.num_kv_heads}"
+            )
+        if self.page_size is not None:
+            set_("page_size", _positive("page_size", self.page_size))
+
+    def need_start(self, n: int) -> int:
+        """The first token a continuation at prefix length ``n`` reads in these layers.
+
+        Tokens before it are outside the kept set: their K/V in these layers is never read
+        again by a request that continues at ``n`` or later.
+
+        Args:
+            n: the cached prefix's length in tokens (an int >= 0).
+
+        Returns:
+            ``FULL``: 0; ``WINDOW``: ``max(0, n - window)``; ``CHUNK``: ``n // chunk * chunk``.
+
+        Raises:
+            TypeError / ValueError: ``n`` not an int >= 0.
+        """
+        n = check_int("n", n, 0)
+        if self.kind is GroupKind.WINDOW:
+            assert self.window is not None
+            return max(0, n - self.window)
+        if self.kind is GroupKind.CHUNK:
+            assert self.chunk is not None
+            return n // self.chunk * self.chunk
+        return 0
+
+    def spec(self, page_size: int, shard: str = "") -> KVSpec:
+        """A plain ``KVSpec`` of this group's pages: ``len(layers)`` layers of its heads, dim,
+        dtype and mla, ``page_size`` tokens a page.
+
+        Raises:
+            ValueError: ``page_size`` differs from this group's own ``page_size``.
+        """
+        if self.page_size is not None and page_size != self.page_size:
+            raise ValueError(f"page_size={page_size!r} differs from the group's {self.page_size}")
+        return KVSpec(
+            num_layers=len(self.layers),
+            num_kv_heads=self.num_kv_heads,
+            head_dim=self.head_dim,
+            dtype=self.dtype,
+            page_size=page_size,
+            mla=self.mla,
+            shard=shard,
+        )
+
+    def describe(self) -> str:
+        """One readable line: ``"window(4096) layers 0-4,6-10: 8x128 bfloat16"``."""
+        kind = self.kind.value if isinstance(self.kind, GroupKind) else str(self.kind)
+        if self.window is not None:
+            kind += f"({self.window})"
+        if self.chunk is not None:
+            kind += f"({self.chunk})"
+        mla = " mla" if self.mla else ""
+        page = "" if self.page_size is None else f" P{self.page_size}"
+        return (
+            f"{kind} layers {_layers_text(self.layers)}: "
+            f"{self.num_kv_heads}x{self.head_dim} {self.dtype}{mla}{page}"
+        )
+
+    def as_json(self) -> dict[str, Any]:
+        """The group as plain JSON-able data (``kind`` as its string, ``layers`` a list)."""
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        out["kind"] = GroupKind(self.kind).value
+        out["layers"] = list(self.layers)
+        return out
+
+
+_GROUP_FIELDS = tuple(f.name for f in dataclasses.fields(LayerGroup))
+
+
+def _as_groups(groups: Any) -> tuple[LayerGroup, ...]:
+    """``KVSpec.groups`` (a sequence of LayerGroups or dicts of their fields) checked, each
+    error prefixed by ``groups[i].``."""
+    if isinstance(groups, (str, bytes, Mapping)) or not isinstance(groups, Sequence):
+        raise TypeError(f"groups={groups!r} must be a sequence of LayerGroup")
+    out = []
+    for i, g in enumerate(groups):
+        if isinstance(g, LayerGroup):
+            fields = {name: getattr(g, name) for name in _GROUP_FIELDS}
+        elif isinstance(g, Mapping):
+            fields = dict(g)
+            unknown = sorted(set(fields) - set(_GROUP_FIELDS))
+            if unknown:
+                raise ValueError(
+                    f"groups[{i}] has unknown field(s) {unknown}; known: {list(_GROUP_FIELDS)}"
+                )
+            missing = [n for n in ("kind", "layers", "num_kv_heads", "head_dim") if n not in g]
+            if missing:
+                raise ValueError(f"groups[{i}] lacks field(s) {missing}")
+        else:
+            raise TypeError(f"groups[{i}]={g!r} must be a LayerGroup or a dict of its fields")
+        try:
+            out.append(LayerGroup(**fields))  # checked again: a frozen instance may be forged
+        except (ValueError, TypeError) as e:
+            raise type(e)(f"groups[{i}].{e}") from None
+    return tuple(out)
+
+
 @dataclasses.dataclass(frozen=True)
 class KVSpec:
     """Shape and dtype of the KV cache of one model.
@@ -100,6 +323,16 @@ class KVSpec:
             one process's share of a cache sharded over several processes (``"2:4/8"``:
             heads 2 to 4 of 8). Part of the fingerprint when set, so L3 keys carry the shard
             and a different process count is a miss.
+        groups: the model's layer groups, when it mixes full attention with sliding-window or
+            chunked local layers (a list is accepted; stored as a tuple of ``LayerGroup`` in
+            order of their first layer). Empty (the default): every layer is full attention and
+            the other fields say everything. Otherwise exactly one ``FULL`` group, every layer
+            ``0 .. total_layers - 1`` in exactly one group, and ``num_layers``,
+            ``num_kv_heads``, ``head_dim``, ``dtype`` and ``mla`` describe the full group's
+            pages (``num_layers = len(full_group.layers)``): those are "the" pages of the page
+            pools and copies. A local group only needs a prefix's last tokens again
+            (``LayerGroup.need_start``). One full group over all layers is today's spec and is
+            stored as ``groups=()``. See ``from_groups`` and ``from_pattern``.
 
     The KV of ``n`` pages, as every public API takes and returns it, has shape
     ``kv_shape(n) = (num_layers, kv_factor, n, page_size, num_kv_heads, head_dim)``.
@@ -112,22 +345,13 @@ class KVSpec:
     page_size: int = 16
     mla: bool = False
     shard: str = ""
+    groups: tuple[LayerGroup, ...] = ()
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "num_kv_heads", "head_dim", "page_size"):  # stored as int
             object.__setattr__(self, name, check_int(name, getattr(self, name), 1))
-        dtype: Any = self.dtype  # a str once built; the constructor takes a numpy/jax dtype too
-        if not isinstance(dtype, str):
-            try:
-                dtype = np.dtype(dtype).name  # accept jnp.bfloat16 / np.float16 too
-            except TypeError:
-                raise TypeError(
-                    f"dtype={self.dtype!r} is not a dtype; use one of: "
-                    f"{', '.join(SUPPORTED_DTYPES)}"
-                ) from None
-        if dtype not in _BITS_DTYPE:
-            raise ValueError(f"dtype={self.dtype!r} is not one of: {', '.join(SUPPORTED_DTYPES)}")
-        object.__setattr__(self, "dtype", dtype)
+        # a str once built; the constructor takes a numpy/jax dtype too
+        object.__setattr__(self, "dtype", _parse_dtype(self.dtype))
         object.__setattr__(self, "mla", check_bool("mla", self.mla))
         if not isinstance(self.shard, str):
             raise TypeError(f"shard={self.shard!r} must be a str")
@@ -135,6 +359,218 @@ class KVSpec:
             raise ValueError(
                 f"mla=True needs num_kv_heads=1 (one latent 'head'), got {self.num_kv_heads}"
             )
+        object.__setattr__(self, "groups", self._checked_groups(_as_groups(self.groups)))
+
+    def _checked_groups(self, groups: tuple[LayerGroup, ...]) -> tuple[LayerGroup, ...]:
+        """The groups in canonical form (by first layer; () for one full group), or the
+        error naming what is wrong."""
+        if not groups:
+            return ()
+        fulls = [i for i, g in enumerate(groups) if g.kind is GroupKind.FULL]
+        if len(fulls) != 1:
+            kinds = [GroupKind(g.kind).value for g in groups]
+            raise ValueError(
+                f"groups (kinds {kinds}) needs exactly one full-attention group, got {len(fulls)}"
+            )
+        total = sum(len(g.layers) for g in groups)
+        owner: dict[int, int] = {}
+        for i, g in enumerate(groups):
+            if g.page_size is not None and g.page_size != self.page_size:
+                raise ValueError(
+                    f"groups[{i}].page_size={g.page_size} differs from page_size={self.page_size}"
+                    " (every group pages the same tokens)"
+                )
+            for layer in g.layers:
+                if layer in owner:
+                    raise ValueError(
+                        f"groups: layer {layer} is in both groups[{owner[layer]}] and groups[{i}]"
+                    )
+                owner[layer] = i
+        for layer in range(total):
+            if layer not in owner:
+                beyond = sorted(x for x in owner if x >= total)
+                raise ValueError(
+                    f"groups: layer {layer} is in no group (the {total} layers of the groups "
+                    f"must be 0..{total - 1}; beyond: {beyond})"
+                )
+        i = fulls[0]
+        full = groups[i]
+        for name, want in (
+            ("num_layers", len(full.layers)),
+            ("num_kv_heads", full.num_kv_heads),
+            ("head_dim", full.head_dim),
+            ("dtype", full.dtype),
+            ("mla", full.mla),
+        ):
+            if getattr(self, name) != want:
+                raise ValueError(
+                    f"{name}={getattr(self, name)!r} differs from the full group's "
+                    f"(groups[{i}]: {want!r}); the top-level fields describe its pages"
+                )
+        if len(groups) == 1:
+            return ()  # one full group over every layer: today's plain spec
+        return tuple(sorted(groups, key=lambda g: g.layers[0]))
+
+    @classmethod
+    def from_groups(
+        cls,
+        groups: Sequence[LayerGroup | Mapping[str, Any]],
+        *,
+        page_size: int = 16,
+        shard: str = "",
+    ) -> KVSpec:
+        """A spec of these layer groups, the top-level fields taken from the full group.
+
+        Raises:
+            ValueError / TypeError: as the constructor (not exactly one full group, a layer in
+                two groups or in none, a page size differing, a bad group field).
+        """
+        gs = _as_groups(groups)
+        fulls = [g for g in gs if g.kind is GroupKind.FULL]
+        if len(fulls) != 1:
+            kinds = [GroupKind(g.kind).value for g in gs]
+            raise ValueError(
+                f"groups (kinds {kinds}) needs exactly one full-attention group, got {len(fulls)}"
+            )
+        full = fulls[0]
+        return cls(
+            num_layers=len(full.layers),
+            num_kv_heads=full.num_kv_heads,
+            head_dim=full.head_dim,
+            dtype=full.dtype,
+            page_size=page_size,
+            mla=full.mla,
+            shard=shard,
+            groups=gs,
+        )
+
+    @classmethod
+    def from_pattern(
+        cls,
+        pattern: str,
+        *,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: Any = "bfloat16",
+        page_size: int = 16,
+        window: int | None = None,
+        chunk: int | None = None,
+        mla: bool = False,
+    ) -> KVSpec:
+        """A spec of a repeating layer pattern: ``"5:1"`` is five local layers then one full
+        one, repeated over ``num_layers`` (the last repetition may be cut short).
+
+        The local layers are sliding-window layers of ``window`` tokens, or chunked
+        local-attention layers of ``chunk`` tokens when ``chunk`` is given instead. Every layer
+        has the same heads, dim and dtype. ``"0:1"``, ``"full"`` or ``""``: every layer full
+        (the plain spec, ``groups=()``).
+
+        Args:
+            pattern: ``"a:b"``, ``a`` local then ``b`` full layers (non-negative ints), or
+                ``"full"`` / ``""``.
+            num_layers: layers of the model.
+            num_kv_heads: KV heads of every layer.
+            head_dim: head dimension of every layer.
+            dtype: KV dtype of every layer.
+            page_size: tokens per page.
+            window: sliding window in tokens (local layers as ``WINDOW``).
+            chunk: chunk in tokens (local layers as ``CHUNK``).
+            mla: the full layers hold an MLA latent (refused with local layers: a local group
+                is never MLA).
+
+        Raises:
+            ValueError / TypeError: naming ``pattern`` (not ``a:b``, no layers, no full layer
+                left), ``window`` / ``chunk`` (both given, neither for a pattern with local
+                layers, one for a pattern without), or a field as the constructor does.
+        """
+        if not isinstance(pattern, str):
+            raise TypeError(f"pattern={pattern!r} must be a str like '5:1' or 'full'")
+        text = pattern.strip().lower()
+        if text in ("", "full"):
+            text = "0:1"
+        m = re.fullmatch(r"(\d+)\s*:\s*(\d+)", text)
+        if m is None:
+            raise ValueError(
+                f"pattern={pattern!r} must be 'a:b' (a local layers then b full ones, "
+                "repeating; non-negative ints) or 'full'"
+            )
+        n_local, n_full = int(m.group(1)), int(m.group(2))
+        if n_local + n_full == 0:
+            raise ValueError(f"pattern={pattern!r} has no layers")
+        num_layers = check_int("num_layers", num_layers, 1)
+        if window is not None and chunk is not None:
+            raise ValueError(f"window={window!r} and chunk={chunk!r}: give one, not both")
+        period = n_local + n_full
+        local = [i for i in range(num_layers) if i % period < n_local]
+        full = [i for i in range(num_layers) if i % period >= n_local]
+        if not full:
+            raise ValueError(
+                f"pattern={pattern!r} over num_layers={num_layers} leaves no full-attention layer"
+            )
+        if not local:
+            for name, value in (("window", window), ("chunk", chunk)):
+                if value is not None:
+                    raise ValueError(
+                        f"{name}={value!r} given, but pattern={pattern!r} over "
+                        f"num_layers={num_layers} has no local layer"
+                    )
+        elif window is None and chunk is None:
+            raise ValueError(
+                f"pattern={pattern!r} has local layers: give window= (sliding window) or "
+                "chunk= (chunked local attention)"
+            )
+        elif mla:
+            raise ValueError(f"mla=True: only the full layers may be MLA; pattern={pattern!r}")
+        shape = {"num_kv_heads": num_kv_heads, "head_dim": head_dim, "dtype": dtype}
+        groups = [LayerGroup(GroupKind.FULL, tuple(full), **shape, mla=mla)]
+        if local:
+            kind = GroupKind.WINDOW if window is not None else GroupKind.CHUNK
+            groups.append(LayerGroup(kind, tuple(local), **shape, window=window, chunk=chunk))
+        return cls.from_groups(groups, page_size=page_size)
+
+    @property
+    def window_groups(self) -> tuple[LayerGroup, ...]:
+        """The local (``WINDOW`` / ``CHUNK``) groups; empty for a plain spec."""
+        return tuple(g for g in self.groups if g.kind is not GroupKind.FULL)
+
+    @property
+    def total_layers(self) -> int:
+        """Layers of the whole model, every group's (``num_layers`` for a plain spec)."""
+        return sum(len(g.layers) for g in self.groups) if self.groups else self.num_layers
+
+    @property
+    def full_group(self) -> LayerGroup:
+        """The full-attention group (for a plain spec, every layer's, from the top-level
+        fields)."""
+        for g in self.groups:
+            if g.kind is GroupKind.FULL:
+                return g
+        return LayerGroup(
+            GroupKind.FULL,
+            tuple(range(self.num_layers)),
+            self.num_kv_heads,
+            self.head_dim,
+            self.dtype,
+            mla=self.mla,
+        )
+
+    @property
+    def model_page_bytes(self) -> int:
+        """Bytes of one page across every group's layers (``page_bytes`` for a plain spec)."""
+        if not self.groups:
+            return self.page_bytes
+        return sum(g.spec(self.page_size).page_bytes for g in self.groups)
+
+    def as_json(self) -> dict[str, Any]:
+        """The spec as plain JSON-able data (``groups`` a list of dicts, kinds as strings)."""
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        out["groups"] = [g.as_json() for g in self.groups]
+        return out
+
+    def describe_groups(self) -> str:
+        """The groups readably, ``"; "``-separated (``"()"`` for a plain spec)."""
+        return "; ".join(g.describe() for g in self.groups) if self.groups else "()"
 
     @property
     def kv_factor(self) -> int:
@@ -202,6 +638,12 @@ class KVSpec:
         )
         if self.shard:  # (unsharded keys stay what they were)
             text += f"/shard{self.shard}"
+        for g in self.groups:  # (a plain spec has none: its keys stay what they were)
+            text += (
+                f"/group:{GroupKind(g.kind).value}:layers{','.join(map(str, g.layers))}"
+                f":H{g.num_kv_heads}:D{g.head_dim}:{g.dtype}:window{g.window}:chunk{g.chunk}"
+                f":mla{int(g.mla)}"
+            )
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 
     @classmethod
@@ -236,7 +678,8 @@ class KVSpec:
             "page_size": "page_size",
             "mla": "mla",
         }
-        fields = dataclasses.asdict(default)
+        # (not dataclasses.asdict: it would turn the LayerGroups into dicts)
+        fields = {f.name: getattr(default, f.name) for f in dataclasses.fields(default)}
         if page_size is not None:
             del keys["page_size"]
             fields["page_size"] = page_size

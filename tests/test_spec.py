@@ -14,9 +14,11 @@ from helpers import BITS
 from hicache_jax.spec import (
     SUPPORTED_DTYPES,
     CopyBackend,
+    GroupKind,
     HiCacheConfig,
     HostLayout,
     KVSpec,
+    LayerGroup,
     PrefetchPolicy,
     WritePolicy,
 )
@@ -297,3 +299,368 @@ def test_parse_bad_field_names_it(text, match):
 def test_parse_names_the_flag():
     with pytest.raises(ValueError, match=r"^--model-spec item 'x=1'"):
         KVSpec.parse("x=1", TINY, page_size=1, flag="--model-spec")
+
+
+# ------------------------------------------------------------------------- fingerprints pinned
+
+
+@pytest.mark.parametrize(
+    "spec, fingerprint",
+    [
+        (KVSpec(32, 8, 128), "60aa4ee70c250121"),
+        (KVSpec(1, 1, 1, dtype="float32", page_size=4), "e3eb5ea8c94f55f4"),
+        (KVSpec(61, 1, 576, page_size=64, mla=True), "c573b2d4cfdc9e5d"),
+        (KVSpec(4, 8, 64, shard="2:4/8"), "e06427d7148b7a8d"),
+    ],
+)
+def test_fingerprint_is_pinned(spec, fingerprint):
+    """L3 keys carry the fingerprint: a store written before a change to KVSpec must stay
+    readable, so a plain spec's fingerprint never changes (values computed at the commit
+    before layer groups)."""
+    assert spec.fingerprint() == fingerprint
+
+
+# ------------------------------------------------------------------------- layer groups
+
+
+def _g(kind, layers, **kw):
+    kw.setdefault("num_kv_heads", 8)
+    kw.setdefault("head_dim", 128)
+    return LayerGroup(kind, layers, **kw)
+
+
+GEMMA = KVSpec.from_pattern("5:1", num_layers=12, num_kv_heads=8, head_dim=128, window=1024)
+
+
+def test_a_plain_spec_has_no_groups():
+    spec = KVSpec(32, 8, 128)
+    assert spec.groups == () and spec.window_groups == ()
+    assert spec.total_layers == 32 and spec.model_page_bytes == spec.page_bytes
+    assert spec.full_group == LayerGroup("full", range(32), 8, 128)
+    assert spec.full_group.spec(16) == spec
+    assert KVSpec(4, 1, 576, mla=True).full_group.mla is True
+
+
+def test_from_pattern_5_1_over_12_layers():
+    assert [g.kind for g in GEMMA.groups] == [GroupKind.WINDOW, GroupKind.FULL]
+    (win,) = GEMMA.window_groups
+    assert win.layers == (0, 1, 2, 3, 4, 6, 7, 8, 9, 10) and win.window == 1024
+    assert win.chunk is None
+    assert GEMMA.full_group.layers == (5, 11)
+    assert (GEMMA.num_layers, GEMMA.total_layers) == (2, 12)
+    assert GEMMA.kv_shape(3) == (2, 2, 3, 16, 8, 128)  # the pools hold the full group's pages
+    assert GEMMA.model_page_bytes == 6 * GEMMA.page_bytes
+
+
+def test_from_pattern_cut_short_and_chunked():
+    spec = KVSpec.from_pattern("5:1", num_layers=8, num_kv_heads=4, head_dim=64, window=512)
+    assert spec.window_groups[0].layers == (0, 1, 2, 3, 4, 6, 7)
+    assert spec.full_group.layers == (5,)
+    llama4 = KVSpec.from_pattern(
+        "3:1", num_layers=8, num_kv_heads=8, head_dim=128, chunk=8192, dtype="float16"
+    )
+    (local,) = llama4.window_groups
+    assert local.kind is GroupKind.CHUNK and local.chunk == 8192 and local.window is None
+    assert local.layers == (0, 1, 2, 4, 5, 6) and llama4.full_group.layers == (3, 7)
+    assert llama4.dtype == local.dtype == "float16"
+
+
+@pytest.mark.parametrize("pattern", ["0:1", "", "full", " FULL ", "0:3"])
+def test_an_all_full_pattern_is_the_plain_spec(pattern):
+    spec = KVSpec.from_pattern(pattern, num_layers=6, num_kv_heads=8, head_dim=128)
+    assert spec == KVSpec(6, 8, 128) and spec.groups == ()
+    assert spec.fingerprint() == KVSpec(6, 8, 128).fingerprint()
+
+
+def test_from_groups_fills_the_top_level_fields():
+    spec = KVSpec.from_groups(
+        [
+            _g("window", [1, 3], window=4, num_kv_heads=2, head_dim=32, dtype="float32"),
+            _g("full", (2, 0), num_kv_heads=1, head_dim=64, mla=True),
+        ],
+        page_size=8,
+        shard="",
+    )
+    assert (spec.num_layers, spec.num_kv_heads, spec.head_dim, spec.mla) == (2, 1, 64, True)
+    assert spec.page_size == 8 and spec.total_layers == 4
+    assert [g.layers for g in spec.groups] == [(0, 2), (1, 3)]  # by first layer
+    assert isinstance(spec.groups, tuple)
+    win = spec.window_groups[0]
+    assert spec.model_page_bytes == spec.page_bytes + win.spec(8).page_bytes
+    assert win.spec(8) == KVSpec(2, 2, 32, dtype="float32", page_size=8)
+    assert spec == KVSpec(2, 1, 64, page_size=8, mla=True, groups=list(spec.groups))
+
+
+def test_model_page_bytes_is_the_sum_over_groups():
+    spec = KVSpec.from_groups(
+        [
+            _g("full", [0, 3]),
+            _g("window", [1], window=16, num_kv_heads=4, dtype="float8_e4m3fn"),
+            _g("window", [2, 4], window=32, head_dim=64),
+        ]
+    )
+    assert spec.model_page_bytes == sum(g.spec(16).page_bytes for g in spec.groups)
+    assert spec.model_page_bytes == 16 * (
+        2 * 2 * 8 * 128 * 2 + 1 * 2 * 4 * 128 + 2 * 2 * 8 * 64 * 2
+    )
+
+
+def test_one_full_group_over_every_layer_is_the_plain_spec():
+    spec = KVSpec.from_groups([_g("full", range(4), page_size=16)])
+    assert spec == KVSpec(4, 8, 128) and spec.groups == ()
+    assert spec.fingerprint() == KVSpec(4, 8, 128).fingerprint()
+    assert KVSpec(4, 8, 128, groups=[_g(GroupKind.FULL, [0, 1, 2, 3])]) == KVSpec(4, 8, 128)
+
+
+@pytest.mark.parametrize(
+    "kind, n, start",
+    [
+        ("full", 0, 0),
+        ("full", 1000, 0),
+        ("window", 0, 0),
+        ("window", 100, 0),
+        ("window", 128, 0),
+        ("window", 129, 1),
+        ("window", 1000, 872),
+        ("chunk", 0, 0),
+        ("chunk", 99, 0),
+        ("chunk", 100, 100),
+        ("chunk", 250, 200),
+    ],
+)
+def test_need_start(kind, n, start):
+    extra = {"window": {"window": 128}, "chunk": {"chunk": 100}}.get(kind, {})
+    assert _g(kind, [0], **extra).need_start(n) == start
+
+
+def test_need_start_checks_n():
+    with pytest.raises(ValueError, match=r"^n=-1"):
+        _g("full", [0]).need_start(-1)
+    with pytest.raises(TypeError, match=r"^n=1.5"):
+        _g("window", [0], window=2).need_start(1.5)
+
+
+def test_groups_change_the_fingerprint():
+    fps = {
+        GEMMA.fingerprint(),
+        KVSpec(2, 8, 128).fingerprint(),
+        KVSpec.from_pattern(
+            "5:1", num_layers=12, num_kv_heads=8, head_dim=128, window=512
+        ).fingerprint(),
+        KVSpec.from_pattern(
+            "5:1", num_layers=12, num_kv_heads=8, head_dim=128, chunk=1024
+        ).fingerprint(),
+        KVSpec.from_pattern(
+            "4:2", num_layers=12, num_kv_heads=8, head_dim=128, window=1024
+        ).fingerprint(),
+        KVSpec.from_groups(
+            [
+                _g("full", [5, 11]),
+                _g("window", [0, 1, 2, 3, 4, 6, 7, 8, 9, 10], window=1024, head_dim=64),
+            ]
+        ).fingerprint(),
+    }
+    assert len(fps) == 6
+    same = KVSpec.from_groups(
+        [_g("full", [11, 5]), _g("window", [10, 9, 8, 7, 6, 4, 3, 2, 1, 0], window=1024)]
+    )
+    assert same == GEMMA and same.fingerprint() == GEMMA.fingerprint() and hash(same) == hash(GEMMA)
+
+
+@pytest.mark.parametrize(
+    "kw, error, match",
+    [
+        (
+            {"kind": "sliding"},
+            ValueError,
+            r"^kind='sliding' is not one of: 'full', 'window', 'chunk'",
+        ),
+        ({"layers": [0, 1, 0]}, ValueError, r"^layers=\(0, 1, 0\) has duplicate layer\(s\) \[0\]"),
+        ({"layers": []}, ValueError, r"^layers="),
+        ({"layers": "01"}, TypeError, r"^layers='01'"),
+        ({"layers": [0, -1]}, ValueError, r"^layers\[1\]=-1"),
+        ({"layers": [0, True]}, TypeError, r"^layers\[1\]=True"),
+        ({"num_kv_heads": 0}, ValueError, r"^num_kv_heads=0"),
+        ({"head_dim": 2.0}, TypeError, r"^head_dim=2.0"),
+        ({"dtype": "float64"}, ValueError, r"^dtype='float64'"),
+        ({"kind": "window", "window": 0}, ValueError, r"^window=0 must be a positive int"),
+        ({"kind": "window", "window": -1}, ValueError, r"^window=-1 must be a positive int"),
+        ({"kind": "window", "window": 1.5}, TypeError, r"^window=1.5 must be a positive int"),
+        ({"kind": "window", "window": True}, TypeError, r"^window=True must be a positive int"),
+        ({"kind": "window"}, TypeError, r"^window=None must be a positive int"),
+        ({"kind": "chunk"}, TypeError, r"^chunk=None must be a positive int"),
+        ({"kind": "chunk", "chunk": 0}, ValueError, r"^chunk=0 must be a positive int"),
+        ({"window": 4}, ValueError, r"^window=4 must be None for a 'full' group"),
+        ({"kind": "window", "window": 4, "chunk": 4}, ValueError, r"^chunk=4 must be None"),
+        ({"kind": "chunk", "chunk": 4, "window": 4}, ValueError, r"^window=4 must be None"),
+        ({"mla": 1}, TypeError, r"^mla=1 must be a bool"),
+        ({"mla": True}, ValueError, r"^mla=True needs num_kv_heads=1"),
+        (
+            {"kind": "window", "window": 4, "mla": True, "num_kv_heads": 1},
+            ValueError,
+            r"^mla=True is for full groups only",
+        ),
+        ({"page_size": 0}, ValueError, r"^page_size=0 must be a positive int"),
+    ],
+)
+def test_a_bad_group_names_the_field(kw, error, match):
+    fields = {"kind": "full", "layers": [0, 1], "num_kv_heads": 8, "head_dim": 128} | kw
+    with pytest.raises(error, match=match):
+        LayerGroup(**fields)
+    # the same group inside a spec: prefixed by groups[i].
+    bad = fields | {"layers": [1, 2]} if "layers" not in kw else fields
+    other = {"kind": "window", "layers": [0], "num_kv_heads": 8, "head_dim": 128, "window": 2}
+    if fields["kind"] != "full":
+        other = {"kind": "full", "layers": [0], "num_kv_heads": 8, "head_dim": 128}
+    prefixed = "^groups\\[1\\]\\." + match.lstrip("^")
+    with pytest.raises(error, match=prefixed):
+        KVSpec.from_groups([other, bad])
+    with pytest.raises(error, match=prefixed):
+        KVSpec(1, 8, 128, groups=[other, bad])
+
+
+def test_the_group_kinds_are_str_enums():
+    assert GroupKind("window") is GroupKind.WINDOW and GroupKind.CHUNK == "chunk"
+    assert _g("chunk", [0], chunk=3).kind is GroupKind.CHUNK
+    assert _g(GroupKind.FULL, (3, 1, 2)).layers == (1, 2, 3)
+
+
+@pytest.mark.parametrize(
+    "groups, error, match",
+    [
+        (
+            [_g("full", [0]), _g("window", [1], window=4, page_size=8)],
+            ValueError,
+            r"^groups\[1\]\.page_size=8 differs from page_size=16",
+        ),
+        (
+            [_g("full", [0, 1]), _g("window", [1, 2], window=4)],
+            ValueError,
+            r"^groups: layer 1 is in both groups\[0\] and groups\[1\]",
+        ),
+        (
+            [_g("full", [0, 1]), _g("window", [3], window=4)],
+            ValueError,
+            r"^groups: layer 2 is in no group .*beyond: \[3\]",
+        ),
+        (
+            [_g("full", [0]), _g("full", [1])],
+            ValueError,
+            r"^groups \(kinds \['full', 'full'\]\) needs exactly one full-attention group",
+        ),
+        (
+            [_g("window", [0], window=4), _g("chunk", [1], chunk=4)],
+            ValueError,
+            r"^groups \(kinds \['window', 'chunk'\]\) needs exactly one full-attention group",
+        ),
+        ("full", TypeError, r"^groups='full' must be a sequence of LayerGroup"),
+        ([_g("full", [0]), 3], TypeError, r"^groups\[1\]=3 must be a LayerGroup or a dict"),
+        (
+            [_g("full", [0]), {"kind": "window", "layers": [1], "num_kv_heads": 8}],
+            ValueError,
+            r"^groups\[1\] lacks field\(s\) \['head_dim'\]",
+        ),
+        (
+            [{"kind": "full", "layers": [0], "num_kv_heads": 8, "head_dim": 128, "heads": 2}],
+            ValueError,
+            r"^groups\[0\] has unknown field\(s\) \['heads'\]",
+        ),
+    ],
+)
+def test_a_bad_group_set_names_the_field(groups, error, match):
+    with pytest.raises(error, match=match):
+        KVSpec.from_groups(groups)
+    with pytest.raises(error, match=match):
+        KVSpec(1, 8, 128, groups=groups)
+
+
+@pytest.mark.parametrize(
+    "kw, match",
+    [
+        ({"num_layers": 3}, r"^num_layers=3 differs from the full group's \(groups\[1\]: 2\)"),
+        ({"num_kv_heads": 4}, r"^num_kv_heads=4 differs from the full group's"),
+        ({"head_dim": 64}, r"^head_dim=64 differs from the full group's"),
+        ({"dtype": "float16"}, r"^dtype='float16' differs from the full group's"),
+        ({"num_kv_heads": 1, "mla": True}, r"^num_kv_heads=1 differs from the full group's"),
+    ],
+)
+def test_the_top_level_fields_must_match_the_full_group(kw, match):
+    fields = {"num_layers": 2, "num_kv_heads": 8, "head_dim": 128} | kw
+    with pytest.raises(ValueError, match=match):
+        KVSpec(**fields, groups=GEMMA.groups)
+
+
+def test_the_top_level_mla_must_match_the_full_group():
+    mla = KVSpec.from_groups(
+        [_g("full", [0], num_kv_heads=1, mla=True), _g("window", [1], window=2)]
+    )
+    with pytest.raises(ValueError, match=r"^mla=False differs from the full group's"):
+        KVSpec(1, 1, 128, groups=mla.groups)
+
+
+def test_a_group_spec_page_size_must_agree():
+    g = _g("window", [0], window=2, page_size=8)
+    assert g.spec(8).page_size == 8
+    with pytest.raises(ValueError, match=r"^page_size=16 differs from the group's 8"):
+        g.spec(16)
+
+
+@pytest.mark.parametrize(
+    "pattern, kw, error, match",
+    [
+        (5, {"window": 4}, TypeError, r"^pattern=5 must be a str"),
+        ("5", {"window": 4}, ValueError, r"^pattern='5' must be 'a:b'"),
+        ("5:1:2", {"window": 4}, ValueError, r"^pattern='5:1:2' must be 'a:b'"),
+        ("-1:1", {"window": 4}, ValueError, r"^pattern='-1:1' must be 'a:b'"),
+        ("a:1", {"window": 4}, ValueError, r"^pattern='a:1' must be 'a:b'"),
+        ("0:0", {}, ValueError, r"^pattern='0:0' has no layers"),
+        ("1:0", {"window": 4}, ValueError, r"^pattern='1:0' over num_layers=6 leaves no full"),
+        ("6:1", {"window": 4}, ValueError, r"^pattern='6:1' over num_layers=6 leaves no full"),
+        ("5:1", {}, ValueError, r"^pattern='5:1' has local layers: give window="),
+        ("5:1", {"window": 4, "chunk": 4}, ValueError, r"^window=4 and chunk=4: give one"),
+        ("0:1", {"window": 4}, ValueError, r"^window=4 given, but pattern='0:1'"),
+        ("full", {"chunk": 4}, ValueError, r"^chunk=4 given, but pattern='full'"),
+        ("5:1", {"window": 0}, ValueError, r"^window=0 must be a positive int"),
+        ("5:1", {"window": True}, TypeError, r"^window=True must be a positive int"),
+        ("5:1", {"chunk": 1.5}, TypeError, r"^chunk=1.5 must be a positive int"),
+        ("5:1", {"window": 4, "mla": True}, ValueError, r"^mla=True: only the full layers"),
+        ("5:1", {"window": 4, "num_layers": 0}, ValueError, r"^num_layers=0"),
+        ("5:1", {"window": 4, "page_size": 0}, ValueError, r"^page_size=0"),
+    ],
+)
+def test_from_pattern_bad_input_names_the_field(pattern, kw, error, match):
+    fields = {"num_layers": 6, "num_kv_heads": 8, "head_dim": 128} | kw
+    with pytest.raises(error, match=match):
+        KVSpec.from_pattern(pattern, **fields)
+
+
+def test_parse_keeps_the_groups():
+    spec = KVSpec.parse("page_size=4", GEMMA)
+    assert spec.groups == GEMMA.groups and spec.page_size == 4
+    assert all(isinstance(g, LayerGroup) for g in spec.groups)
+    assert KVSpec.parse(None, GEMMA) == GEMMA
+    with pytest.raises(ValueError, match=r"^num_kv_heads=4 differs from the full group's"):
+        KVSpec.parse("kv_heads=4", GEMMA)
+
+
+def test_as_json_and_describe():
+    import json
+
+    data = json.loads(json.dumps(GEMMA.as_json()))
+    assert data["num_layers"] == 2 and data["groups"][0]["kind"] == "window"
+    assert data["groups"][1] == {
+        "kind": "full",
+        "layers": [5, 11],
+        "num_kv_heads": 8,
+        "head_dim": 128,
+        "dtype": "bfloat16",
+        "window": None,
+        "chunk": None,
+        "mla": False,
+        "page_size": None,
+    }
+    assert KVSpec(1, 1, 1).as_json()["groups"] == []
+    assert GEMMA.describe_groups() == (
+        "window(1024) layers 0-4,6-10: 8x128 bfloat16; full layers 5,11: 8x128 bfloat16"
+    )
+    assert KVSpec(1, 1, 1).describe_groups() == "()"

@@ -46,7 +46,13 @@ def _show(value: Any) -> str:
 
 def config_fields(spec: KVSpec, cfg: HiCacheConfig) -> list[tuple[str, str]]:
     """``(name, value)`` of everything that makes two processes' caches decide differently."""
-    out = [(f"spec.{f.name}", _show(getattr(spec, f.name))) for f in dataclasses.fields(spec)]
+    out = [
+        (
+            f"spec.{f.name}",
+            spec.describe_groups() if f.name == "groups" else _show(getattr(spec, f.name)),
+        )
+        for f in dataclasses.fields(spec)
+    ]
     out += [
         (f.name, _show(getattr(cfg, f.name)))
         for f in dataclasses.fields(cfg)

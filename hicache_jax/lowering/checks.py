@@ -328,7 +328,7 @@ def report_json(report: Report) -> dict[str, Any]:
         "benchmark": "hicache-jax lower",
         "platform": ps.platform,
         "jax": jax.__version__,
-        "spec": dataclasses.asdict(ps.spec),
+        "spec": ps.spec.as_json(),
         "device_pages": ps.device_pages,
         "host_pages": ps.host_pages,
         "model": None if ps.model is None else dataclasses.asdict(ps.model),

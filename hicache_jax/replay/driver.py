@@ -33,7 +33,6 @@ Threading: a replay builds, owns and closes its caches on the calling thread.
 
 from __future__ import annotations
 
-import dataclasses
 import datetime
 import itertools
 import os
@@ -297,7 +296,7 @@ def run(
         results.append(r)
     return {
         "trace": trace.describe() | {"distinct_pages": distinct},
-        "spec": dataclasses.asdict(spec),
+        "spec": spec.as_json(),
         "host_ratio": host_ratio,
         "references": {"page_size": ps, "hit_tokens": {str(c): h for c, h in hits.items()}},
         "results": results,
