@@ -640,6 +640,71 @@ class HiCache:
         if load is not None:
             self._complete(upto=load)
 
+    @property
+    def window_pools(self) -> tuple[DevicePagePool, ...]:
+        """The device pools of the spec's window groups (``spec.window_groups`` order; empty
+        without them): each holds its group's layers; a forward writes them with
+        ``device_pool.run_with(cache.window_pools, step, ...)``."""
+        return () if self._windows is None else self._windows.device.pools
+
+    def window_pages(self, pages: Any) -> np.ndarray:
+        """int32 ``[len(spec.window_groups), n]``: each window group's device page holding the
+        same tokens as allocated device ``pages`` (a request's page table, per group), -1
+        where the group keeps none (pages no continuation after them reads; a forward masks
+        them out, so it may read any page there, e.g. ``pool.scratch_page``).
+
+        Raises:
+            HiCacheError: the spec has no window groups, or a page is not allocated.
+        """
+        self._guard()
+        ids = self._check_pages(pages, ALLOCATED, "allocated")
+        if self._windows is None:
+            raise HiCacheError("window_pages: the spec has no window groups")
+        return self._windows.device.attach[:, ids]
+
+    def write_window_kv(self, group: int, pages: Any, kv: Any) -> None:
+        """Write window group ``group``'s KV of caller-owned ``pages``: ``kv`` of
+        ``spec.window_groups[group].spec(page_size).kv_shape(n)`` (like :meth:`write_kv`).
+
+        Raises:
+            HiCacheError: no window groups, or pages not caller-owned.
+            TypeError / ValueError: a bad group, shape or dtype; the pools unchanged.
+        """
+        self._guard()
+        ids = self._check_pages(pages, CALLERS, "caller-owned (cached pages are read-only)")
+        self._window_pool(group).write(self._windows_of(group, ids), kv)
+
+    @publishes
+    def read_window_kv(self, group: int, pages: Any) -> Any:
+        """Window group ``group``'s KV of allocated device ``pages`` (each must hold the
+        group's page): like :meth:`read_kv`, in the group's shape.
+
+        Raises:
+            HiCacheError: no window groups, a page not allocated or holding no group page.
+        """
+        ids = self._check_pages(pages, ALLOCATED, "allocated")
+        load = self._flight.load_writing(ids)
+        if load is not None:
+            self._complete(upto=load)
+        return self._window_pool(group).read(self._windows_of(group, ids))
+
+    def _window_pool(self, group: int) -> DevicePagePool:
+        pools = self.window_pools
+        if not pools:
+            raise HiCacheError("the spec has no window groups")
+        if not isinstance(group, int) or isinstance(group, bool) or not 0 <= group < len(pools):
+            raise ValueError(f"group={group!r} must be an int in [0, {len(pools)})")
+        return pools[group]
+
+    def _windows_of(self, group: int, ids: np.ndarray) -> np.ndarray:
+        self._window_pool(group)  # (the group checked first)
+        assert self._windows is not None
+        w = self._windows.device.attach[group, ids]
+        if (w < 0).any():
+            bad = ids[w < 0][:8].tolist()
+            raise HiCacheError(f"pages {bad} hold no page of window group {group}")
+        return w
+
     @publishes
     def read_kv(self, pages: Any) -> Any:
         """KV of allocated device pages: ``spec.kv_shape(n)`` in ``spec.dtype`` (a new array)."""

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from hicache_jax.errors import HiCacheError
 from hicache_jax.memory.window import WindowPages
 from hicache_jax.spec import KVSpec
 from hicache_jax.tree.node import InsertResult, TreeMatch, TreeNode
@@ -114,8 +115,6 @@ class Windows:
         Raises:
             HiCacheError: naming the first broken rule.
         """
-        from hicache_jax.errors import HiCacheError
-
         self.device.check()
         self.host.check()
         stack = [(child, 0) for child in root.children.values()]

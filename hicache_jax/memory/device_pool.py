@@ -33,7 +33,7 @@ one dispatching thread).
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import jax
@@ -423,5 +423,52 @@ class DevicePagePool:
         """
         return self._donated.run(self.array, self._rebind, fn, args)
 
+    def run_with(
+        self,
+        others: Sequence[DevicePagePool],
+        fn: Callable[..., tuple[jax.Array, tuple[jax.Array, ...], Any]],
+        *args: Any,
+    ) -> Any:
+        """A caller's jitted step on this pool and ``others`` at once (a forward over a model
+        with window groups writes the full-attention pool and each window group's pool):
+        ``new, new_others, out = fn(self.array, tuple(o.array for o in others), *args)``,
+        jitted with ``donate_argnums=(0, 1)``; every pool rebinds its new array.
+
+        Returns:
+            ``out``.
+
+        Raises:
+            ValueError: a returned pool of another shape or dtype (before dispatch when ``fn``
+                is a ``jax.jit`` function: nothing changed), or a pool not donated (after the
+                step: the pools keep its results).
+        """
+        pools = (self, *others)
+        arrays = tuple(p.array for p in pools)
+        if hasattr(fn, "eval_shape"):
+            shaped = fn.eval_shape(arrays[0], arrays[1:], *args)
+            _check_pools(pools, (shaped[0], *shaped[1]))
+        new, new_others, out = fn(arrays[0], arrays[1:], *args)
+        results = (new, *new_others)
+        _check_pools(pools, results)
+        for pool, array in zip(pools, results):
+            pool._rebind(array)
+        if not all(a.is_deleted() for a in arrays):
+            raise ValueError(
+                "fn did not donate every pool (jit it with donate_argnums=(0, 1)): the step "
+                "ran but copied a whole pool"
+            )
+        return out
+
     def _rebind(self, array: jax.Array) -> None:
         self.array = array
+
+
+def _check_pools(pools: Sequence[DevicePagePool], results: Sequence[Any]) -> None:
+    if len(results) != len(pools):
+        raise ValueError(f"fn returned {len(results)} pools for {len(pools)}")
+    for i, (pool, r) in enumerate(zip(pools, results)):
+        if tuple(r.shape) != tuple(pool.shape) or r.dtype != pool.spec.bits_dtype:
+            raise ValueError(
+                f"fn returned pool {i} as {r.dtype}{list(r.shape)}, expected "
+                f"{pool.spec.bits_dtype}{list(pool.shape)}"
+            )
