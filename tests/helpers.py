@@ -248,6 +248,46 @@ class KVModel:
         return np.concatenate(parts, axis=2)
 
 
+class WindowKV:
+    """A window group's KV bytes of every page: a pure function of (the group, extra_key,
+    tokens up to the page's end), other bytes than the full-attention group's."""
+
+    def __init__(self, group, page_size: int) -> None:
+        self.group = group
+        self._kv = KVModel(group.spec(page_size))
+
+    def pages(self, extra_key, tokens: np.ndarray, first: int, stop: int) -> np.ndarray:
+        """Bits of group pages ``first .. stop-1`` of ``tokens``."""
+        return self._kv.pages(("window", self.group.layers, extra_key), tokens, first, stop)
+
+
+def check_window_bytes(cache: HiCache, g: int, model: WindowKV) -> None:
+    """Every window group ``g`` page the cache holds, on either tier, holds the bytes of its
+    prefix (bit-exact), and each node holds exactly the pages a continuation at its end reads
+    (those it holds, it holds on every tier holding the node's full-attention pages, unless a
+    copy dropped it; never one it need not)."""
+    ps = cache.spec.page_size
+    windows = cache._windows
+    for node in cache.tree.nodes():
+        prefix = cache.tree.path_tokens(node)
+        total = prefix.shape[0] // ps
+        start = total - node.num_pages
+        for side, ids in ((windows.device, node.value), (windows.host, node.host_value)):
+            if ids is None:
+                continue
+            w = side.attach[g, ids]
+            held = np.flatnonzero(w >= 0)
+            first = model.group.need_start(total * ps) // ps - start
+            assert held.size == 0 or held[0] >= first, f"{node!r} keeps window pages it need not"
+            if held.size:
+                got = bits(side.pools[g].read(w[held]))
+                want = np.concatenate(
+                    [model.pages(node.extra_key, prefix, start + j, start + j + 1) for j in held],
+                    axis=2,
+                )
+                np.testing.assert_array_equal(got, want, f"{side.name} window bytes")
+
+
 def bits(x) -> np.ndarray:
     """The 16-bit patterns of ``x`` (a bf16 / fp16 read, or :class:`KVModel` bits)."""
     return np.asarray(x).view(np.uint16)

@@ -19,6 +19,7 @@ Run for every write policy x {lru, lfu, slru} x page_size {1, 16}; longer with
 from __future__ import annotations
 
 import collections
+import dataclasses
 import os
 
 import numpy as np
@@ -37,8 +38,10 @@ from hypothesis.stateful import (
 from helpers import (
     GatedEngine,
     KVModel,
+    WindowKV,
     bits,
     check_bytes,
+    check_window_bytes,
     check_invariants,
     gate,
     snapshot,
@@ -104,6 +107,7 @@ class HiCacheMachine(RuleBasedStateMachine):
     write_policy = "write_through"
     eviction = "lru"
     page_size = 1
+    window: int | None = None  # a model of one sliding-window layer and one full layer
 
     def __init__(self) -> None:
         super().__init__()
@@ -121,7 +125,20 @@ class HiCacheMachine(RuleBasedStateMachine):
         host_kind = ("small", "equal")[variant % 2]
         layerwise = variant % 3 == 0
         ps = self.page_size
-        self.spec = KVSpec(num_layers=2, num_kv_heads=2, head_dim=4, dtype="bfloat16", page_size=ps)
+        if self.window is None:
+            self.spec = KVSpec(
+                num_layers=2, num_kv_heads=2, head_dim=4, dtype="bfloat16", page_size=ps
+            )
+        else:
+            self.spec = KVSpec.from_pattern(
+                "1:1",
+                num_layers=2,
+                num_kv_heads=2,
+                head_dim=4,
+                dtype="bfloat16",
+                page_size=ps,
+                window=self.window,
+            )
         device = 16 if ps == 1 else 12
         host = {"small": device // 4, "equal": device}[host_kind]
         self.clock = 0.0
@@ -136,6 +153,7 @@ class HiCacheMachine(RuleBasedStateMachine):
         self.cache = HiCache(self.spec, cfg, clock=self._now, transfer_engine=GatedEngine)
         self.engine = gate(self.cache)
         self.kv = KVModel(self.spec)
+        self.wkv = [WindowKV(g, ps) for g in self.spec.window_groups]
         self.router: set = set()
         self.open: list[dict] = []
         self.layerwise = layerwise
@@ -217,6 +235,12 @@ class HiCacheMachine(RuleBasedStateMachine):
         np.testing.assert_array_equal(
             bits(cache.read_kv(m.device_pages)), self.kv.pages(extra_key, tokens, 0, npre)
         )
+        for g, wkv in enumerate(self.wkv):  # what a continuation reads of each window group
+            first = wkv.group.need_start(npre * ps) // ps
+            np.testing.assert_array_equal(
+                bits(cache.read_window_kv(g, m.device_pages[first:])),
+                wkv.pages(extra_key, tokens, first, npre),
+            )
         n_new = tokens.shape[0] // ps - npre
         try:
             new = cache.alloc_pages(n_new)
@@ -225,6 +249,8 @@ class HiCacheMachine(RuleBasedStateMachine):
             cache.unlock(m.node)
             return False
         cache.write_kv(new, self.kv.pages(extra_key, tokens, npre, npre + n_new))
+        for g, wkv in enumerate(self.wkv):
+            cache.write_window_kv(g, new, wkv.pages(extra_key, tokens, npre, npre + n_new))
         self.open.append(
             dict(
                 tokens=tokens,
@@ -280,7 +306,17 @@ class HiCacheMachine(RuleBasedStateMachine):
             # As a scheduler does after caching a chunk: continue with the tree's pages (ours
             # were freed where another request had inserted the same prefix first).
             m = cache.match_prefix(r["tokens"][: half * ps], r["extra_key"])
-            assert m.device_len == half * ps
+            if self.window is None:
+                assert m.device_len == half * ps
+            else:  # a chunk may end inside the matched prefix, where window pages were freed
+                assert m.device_len <= half * ps
+                m = dataclasses.replace(
+                    m,
+                    device_pages=current_device_pages(
+                        cache, r["tokens"][: half * ps], r["extra_key"]
+                    ),
+                )
+            assert m.device_pages.size == half
             r["pages"] = np.concatenate([m.device_pages, r["pages"][half:]])
         before = cache.stats()["device_caller_pages"]
         still_mine = int((cache.page_owners()[r["new"]] == PageOwner.CALLER).sum())
@@ -381,6 +417,8 @@ class HiCacheMachine(RuleBasedStateMachine):
         self.router = replay(self.cache.take_events(), self.router)
         assert self.router == tree_pages(self.cache), "KV events disagree with the cache"
         check_bytes(self.cache, self.kv)
+        for g, wkv in enumerate(self.wkv):
+            check_window_bytes(self.cache, g, wkv)
 
 
 # ----------------------------------------------------------------------------- the runs
@@ -388,6 +426,7 @@ class HiCacheMachine(RuleBasedStateMachine):
 #: What the runs must have exercised (summed over one test's examples), so a change that makes
 #: the machine stop evicting or loading back fails instead of passing vacuously.
 COVERED = (
+    "window_pages_trimmed",
     "evictions",
     "host_evictions",
     "backups",
@@ -426,10 +465,31 @@ def test_hicache_state_machine(write_policy, eviction, page_size):
     run_state_machine_as_test(machine, settings=cfg)
     assert COVERAGE["steps"] >= 100, COVERAGE
     for key in COVERED:
+        if key == "window_pages_trimmed":
+            continue  # no window groups in this model
         if key == "host_evictions" and write_policy == "write_through_selective":
             continue  # threshold 2 backs up too little to fill the host tier in so few steps
         if key in CLEAN_AHEAD_ONLY and write_policy != "clean_ahead":
             continue
+        assert COVERAGE[key] > 0, f"the machine never exercised {key}: {dict(COVERAGE)}"
+
+
+@pytest.mark.parametrize("page_size,window", [(1, 2), (16, 20)])
+@pytest.mark.parametrize("write_policy", POLICIES)
+def test_hicache_state_machine_windows(write_policy, page_size, window):
+    """The same machine over a model with a sliding-window layer: every matched prefix reads
+    back each group's bytes for the pages a continuation reads, on whichever tier served it;
+    no window page leaks on either tier; the tree keeps only what its nodes' ends read."""
+    machine = type(
+        f"HiCacheWindows_{write_policy}_{page_size}",
+        (HiCacheMachine,),
+        dict(write_policy=write_policy, eviction="lru", page_size=page_size, window=window),
+    )
+    cfg = settings(max_examples=60 if LONG else 6, stateful_step_count=40)
+    COVERAGE.clear()
+    run_state_machine_as_test(machine, settings=cfg)
+    assert COVERAGE["steps"] >= 60, COVERAGE
+    for key in ("backups", "load_backs", "window_pages_trimmed"):
         assert COVERAGE[key] > 0, f"the machine never exercised {key}: {dict(COVERAGE)}"
 
 

@@ -326,7 +326,9 @@ class HiCache:
         self._l3.before_match(arr, extra_key)
         tm = self._tree.match(arr, extra_key, validated=True)
         if self._windows is not None:  # the longest prefix whose window pages are held
-            ntok = self._windows.servable_match(tm)
+            ntok = self._windows.servable_device(tm.device_pages)
+            if ntok == tm.device_len:  # the device part serves alone: the host part may add
+                ntok = self._windows.servable_match(tm)
             if ntok < tm.device_len + tm.host_len:
                 self._n["window_unservable_tokens"] += tm.device_len + tm.host_len - ntok
                 tm = self._tree.match(arr[:ntok], extra_key, validated=True)

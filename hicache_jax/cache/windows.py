@@ -8,7 +8,11 @@ over the tree (ARCHITECTURE.md, "Layer groups"):
   a matched prefix is cut back to the longest one whose window pages are held on the tier that
   serves each page (:func:`~hicache_jax.tree.windows.servable_pages`); never a prefix that
   would read a missing page, and never less than the deepest end that has them all (a missing
-  page inside the window makes only the ends that read it unservable).
+  page inside the window makes only the ends that read it unservable). A match's device part
+  serves alone (a caller may lock it without loading the host part): where it does not, the
+  match is its longest device prefix that does, and its host part is dropped. That happens
+  where a node was split at a point whose window pages were freed before, until a request
+  that recomputes them inserts (its pages fill the tree's, below).
 - **What the tree keeps** (:meth:`Windows.after_insert`): of a node's pages a group keeps only
   those a continuation at the node's end reads; the rest are freed on every tier as soon as
   the node enters the tree, so they are never backed up, written to L3 or loaded back. Where the
