@@ -777,6 +777,14 @@ class HiCacheConfig:
             copy of K starts ago is still moving waits for it (``stats()``:
             ``completion_lag_waits``, ``completion_lag_wait_seconds``); a larger K waits less
             and holds pages under copies longer (ARCHITECTURE.md, "Several processes").
+        window_device_pages: with window groups (``KVSpec.window_groups``), the pages of each
+            window group's device pool; None (default): ``device_pages`` (every full-attention
+            page can hold one, so no window page is ever short). Fewer keeps less memory for
+            the windows (the tree keeps only what continuations read): a caller's allocation
+            then evicts until its window pages fit, and a load-back or backup that finds none
+            free copies the full-attention pages without them (``window_pages_dropped``), so
+            that prefix is not served from there (ARCHITECTURE.md, "Layer groups").
+        window_host_pages: the same for each window group's host pool; None: ``host_pages``.
     """
 
     device_pages: int
@@ -809,6 +817,8 @@ class HiCacheConfig:
     agreement_check_every: int = 0
     agreement_timeout_s: float = 60.0
     completion_lag: int | None = None
+    window_device_pages: int | None = None
+    window_host_pages: int | None = None
 
     def __post_init__(self) -> None:
         set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731
@@ -882,6 +892,9 @@ class HiCacheConfig:
             raise ValueError(f"agreement_timeout_s={t!r} must be a finite number > 0")
         if self.completion_lag is not None:
             set_("completion_lag", check_int("completion_lag", self.completion_lag, 1))
+        for name in ("window_device_pages", "window_host_pages"):
+            if getattr(self, name) is not None:
+                set_(name, check_int(name, getattr(self, name), 1))
         if self.shard_axis is not None and self.mesh is None:
             raise ValueError(f"shard_axis={self.shard_axis!r} given without a mesh")
         if self.mesh is not None:

@@ -171,7 +171,7 @@ class HiCache:
             [
                 DevicePagePool(
                     g.spec(spec.page_size, spec.shard),
-                    cfg.device_pages,
+                    cfg.window_device_pages or cfg.device_pages,
                     mesh=cfg.mesh,
                     axis=cfg.shard_axis,
                     copy_backend=cfg.copy_backend,
@@ -187,7 +187,7 @@ class HiCache:
             [
                 HostPagePool(
                     g.spec(spec.page_size, spec.shard),
-                    cfg.host_pages,
+                    cfg.host_pages if cfg.window_host_pages is None else cfg.window_host_pages,
                     layout=cfg.host_layout,
                     mesh=cfg.mesh,
                     axis=cfg.shard_axis,
@@ -607,12 +607,24 @@ class HiCache:
         ids = self._evict.take(n)
         if self._windows is not None:  # the request's forward writes every group's layers
             try:
+                self._window_room(ids.size)
                 self._windows.attach_new(ids)
             except BaseException:
                 self._device.allocator.free(ids)
                 raise
         self._owner.to_caller(ids)
         return ids
+
+    def _window_room(self, n: int) -> None:
+        """Evict device nodes (their window pages go with them) until every window group's
+        device pool has ``n`` free pages or nothing more can be evicted (then
+        ``attach_new`` raises ``OutOfPagesError``); only with ``window_device_pages`` below
+        ``device_pages``."""
+        assert self._windows is not None
+        while True:
+            short = n - min(a.num_free for a in self._windows.device.allocators)
+            if short <= 0 or self._evict.evict_device(short * self._ps) == 0:
+                return
 
     def free_pages(self, pages: Any) -> None:
         """Give back caller-owned pages that were never inserted."""
