@@ -29,7 +29,7 @@ import numpy as np
 from hicache_jax.cache.completion import Completion
 from hicache_jax.cache.inflight import InFlight
 from hicache_jax.cache.page_take import Tier, take_pages
-from hicache_jax.cache.removal import Removal
+from hicache_jax.cache.removal import CutOk, Removal
 from hicache_jax.cache.write_policy import WriteStrategy
 from hicache_jax.memory.allocator import PageAllocator
 from hicache_jax.spec import HiCacheConfig
@@ -47,6 +47,8 @@ class Evictor:
         removal: frees the pages of the nodes a round takes.
         complete: applies finished transfers (the evict-and-retry path waits on copies in
             flight when their locks hold the pages it needs).
+        cut_ok: with window groups, whether cutting a node's last pages leaves its head
+            servable (``Windows.cut_keeps_servable``); where not, the whole node goes.
     """
 
     def __init__(
@@ -59,9 +61,11 @@ class Evictor:
         write: WriteStrategy,
         removal: Removal,
         complete: Completion,
+        cut_ok: CutOk | None = None,
     ) -> None:
         self.cfg, self._tree, self._ps, self._n = cfg, tree, tree.page_size, counters
         self._flight, self._write, self._removal, self._complete = flight, write, removal, complete
+        self._cut_ok = cut_ok
         self._tier = Tier(
             device_allocator,
             self.evict_device,
@@ -100,7 +104,11 @@ class Evictor:
                 continue  # stale heap entry: locked, evicted or deleted meanwhile
             if self._write.page_granular:  # only the pages asked for: the head stays cached
                 want = -(-(num_tokens - freed - promised) // self._ps)
-                if want < node.num_pages and not node.host_pins:
+                if (
+                    want < node.num_pages
+                    and not node.host_pins
+                    and (self._cut_ok is None or self._cut_ok(node, want, True))
+                ):
                     tree.trim_tail(node, want)
             parent = node.parent
             if node.backed_up:

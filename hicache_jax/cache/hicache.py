@@ -242,8 +242,9 @@ class HiCache:
             self._engine, self._flight, self._l3, self._pins.expire, self._sync
         )
         self._overlap = Overlap(self._ps, self._engine, self._cost, self._n, self._complete)
+        cut_ok = None if self._windows is None else self._windows.cut_keeps_servable
         self._removal = Removal(
-            cfg, tree, dev, self._owner, events, self._n, self._flight, self._l3
+            cfg, tree, dev, self._owner, events, self._n, self._flight, self._l3, cut_ok
         )
         self._write = make_write_policy(
             WriteContext(
@@ -257,11 +258,18 @@ class HiCache:
                 self._removal,
                 self._complete,
                 l3=self._l3,
-                whole_nodes=self._windows is not None,
             )
         )
         self._evict = Evictor(
-            cfg, tree, dev, self._n, self._flight, self._write, self._removal, self._complete
+            cfg,
+            tree,
+            dev,
+            self._n,
+            self._flight,
+            self._write,
+            self._removal,
+            self._complete,
+            cut_ok,
         )
         self._inserter = Insertion(
             self._ps,

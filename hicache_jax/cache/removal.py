@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import collections
 import functools
+from collections.abc import Callable
 from typing import Any
 
 from hicache_jax.cache.inflight import InFlight
@@ -30,6 +31,9 @@ from hicache_jax.tree.eviction import VictimHeap
 from hicache_jax.tree.node import TreeNode
 from hicache_jax.tree.radix import RadixTree
 
+#: ``(node, tail_pages, on_device) -> bool``: may eviction cut the node's last pages only?
+CutOk = Callable[[TreeNode, int, bool], bool]
+
 
 class Removal:
     """Frees nodes' pages (see the module docstring).
@@ -38,6 +42,8 @@ class Removal:
         cfg, tree, owners, events, counters, flight: the cache's parts.
         device_allocator: the device pool's allocator.
         l3: the cache's L3 tier (``on_host_evict``: puts host-only pages before they are freed).
+        cut_ok: with window groups, whether cutting a node's last pages leaves its head
+            servable (``Windows.cut_keeps_servable``); where not, the whole node goes.
     """
 
     def __init__(
@@ -50,8 +56,10 @@ class Removal:
         counters: collections.Counter,
         flight: InFlight,
         l3: Any,
+        cut_ok: CutOk | None = None,
     ) -> None:
         self.cfg, self._tree = cfg, tree
+        self._cut_ok = cut_ok
         self._owner, self._events, self._n, self._l3 = owners, events, counters, l3
         # a node's pages (its tree keeps them distinct, int32): only the double-free check
         self._device_free = functools.partial(device_allocator.free, validated=True)
@@ -69,7 +77,12 @@ class Removal:
             if node not in tree.evictable_host:
                 continue
             want = -(-(num_tokens - freed) // ps)
-            if page_granular and want < node.num_pages and not node.host_pins:
+            if (
+                page_granular
+                and want < node.num_pages
+                and not node.host_pins
+                and (self._cut_ok is None or self._cut_ok(node, want, False))
+            ):
                 tree.trim_tail(node, want)
             parent = node.parent
             freed += self.delete(node)

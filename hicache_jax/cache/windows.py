@@ -111,6 +111,25 @@ class Windows:
                 freed += self.host.detach_group(g, node.host_value[:k])
         return freed
 
+    # -- eviction ------------------------------------------------------------------------
+    def cut_keeps_servable(self, node: TreeNode, tail_pages: int, on_device: bool) -> bool:
+        """Whether cutting ``node``'s last ``tail_pages`` (page-granular eviction) leaves its
+        head servable at its new end on that tier: the head holds every window page a
+        continuation there reads (the parent's part of them is the parent's own kept tail).
+        A head that is not would hold full-attention pages no request can use: eviction
+        takes the whole node instead."""
+        ids = node.value if on_device else node.host_value
+        if ids is None:
+            return False
+        side = self.device if on_device else self.host
+        start = _depth_pages(node) - node.num_pages
+        cut = node.num_pages - tail_pages
+        for g, group in enumerate(self.groups):
+            first = max(0, kept_first_page(group, (start + cut) * self._ps, self._ps) - start)
+            if not (side.attach[g, ids[first:cut]] >= 0).all():
+                return False
+        return True
+
     # -- checks --------------------------------------------------------------------------------
     def check(self, root: TreeNode) -> None:
         """Both tiers' attachments (nothing leaked, nothing shared), and no tree node holding
@@ -136,6 +155,15 @@ class Windows:
                             "continuation at the node's end reads"
                         )
             stack.extend((c, start + node.num_pages) for c in node.children.values())
+
+
+def _depth_pages(node: TreeNode) -> int:
+    """Pages from the root to the end of ``node``."""
+    pages = 0
+    while node.parent is not None:
+        pages += node.num_pages
+        node = node.parent
+    return pages
 
 
 def _device_pages(nodes: list[TreeNode]) -> np.ndarray:

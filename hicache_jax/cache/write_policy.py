@@ -63,9 +63,6 @@ class WriteContext:
     removal: Removal  # deletes host-only leaves (the plain host room)
     complete: Completion  # waits for copies parked host pages are under
     l3: Any  # back_up_new: L3 write_through backs up new leaves
-    #: evict whole nodes, never a tail: with window groups a cut node's new end reads window
-    #: pages no node kept, so its head would be unservable (cache/windows.py)
-    whole_nodes: bool = False
 
 
 class WriteStrategy:
@@ -81,8 +78,6 @@ class WriteStrategy:
 
     def __init__(self, ctx: WriteContext) -> None:
         self._ctx = ctx
-        if ctx.whole_nodes:
-            self.page_granular = False
         # read on every insert / unlock: bound once, not looked up through ctx each call
         self._cfg, self._dev, self._n = ctx.cfg, ctx.device_allocator, ctx.counters
         self._ps = ctx.tree.page_size
@@ -298,7 +293,7 @@ class CleanAhead(WriteBack):
             ctx.counters["host_copies_dropped_tokens"] += node.num_tokens
             freed += node.num_tokens
         if freed < num_tokens:
-            freed += ctx.removal.evict_host_leaves(num_tokens - freed, self.page_granular)
+            freed += ctx.removal.evict_host_leaves(num_tokens - freed, True)
         return freed
 
     def _take_spare(self, n: int) -> np.ndarray | None:

@@ -1,0 +1,276 @@
+"""Window groups in the cache: what the tree keeps, which prefixes are servable, the window
+pages' bytes on each tier, and bad calls (hicache_jax/cache/windows.py, memory/window.py,
+tree/windows.py). The random workloads are the state machine's
+(tests/test_hicache_state_machine.py, ``test_hicache_state_machine_windows``)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from helpers import KVModel, WindowKV, bits, check_window_bytes, snapshot
+from hicache_jax import HiCache, HiCacheConfig, HiCacheError, KVSpec, LayerGroup, OutOfPagesError
+from hicache_jax.memory.allocator import PageAllocator
+from hicache_jax.memory.window import WindowPages
+from hicache_jax.tree.windows import servable_pages
+
+PS = 4
+
+
+def _spec(window: int = 8, pattern: str = "3:1", layers: int = 4) -> KVSpec:
+    return KVSpec.from_pattern(
+        pattern,
+        num_layers=layers,
+        num_kv_heads=2,
+        head_dim=4,
+        dtype="bfloat16",
+        page_size=PS,
+        window=window,
+    )
+
+
+def _cache(spec: KVSpec, device: int = 64, host: int = 128, **cfg) -> HiCache:
+    cfg.setdefault("load_back_threshold", PS)
+    return HiCache(spec, HiCacheConfig(device_pages=device, host_pages=host, **cfg))
+
+
+class _Served:
+    """Requests through the handle, writing each group's bytes (a pure function of the
+    prefix) and checking what a hit reads back."""
+
+    def __init__(self, cache: HiCache) -> None:
+        self.cache = cache
+        self.kv = KVModel(cache.spec)
+        self.wkv = [WindowKV(g, PS) for g in cache.spec.window_groups]
+
+    def __call__(self, tokens) -> int:
+        cache, tokens = self.cache, np.asarray(tokens, np.int64)
+        tokens = tokens[: tokens.size // PS * PS]
+        with cache.begin(tokens) as req:
+            have = req.cached_len // PS
+            pages = req.device_pages
+            np.testing.assert_array_equal(
+                bits(cache.read_kv(pages)), self.kv.pages(None, tokens, 0, have)
+            )
+            for g, w in enumerate(self.wkv):
+                first = w.group.need_start(have * PS) // PS
+                np.testing.assert_array_equal(
+                    bits(cache.read_window_kv(g, pages[first:])),
+                    w.pages(None, tokens, first, have),
+                )
+            new = req.extend(tokens.size // PS * PS - req.cached_len)
+            cache.write_kv(new, self.kv.pages(None, tokens, have, tokens.size // PS))
+            for g, w in enumerate(self.wkv):
+                cache.write_window_kv(g, new, w.pages(None, tokens, have, tokens.size // PS))
+            req.finish(tokens)
+        cache.check_invariants()
+        for g, w in enumerate(self.wkv):
+            check_window_bytes(cache, g, w)
+        return have * PS
+
+
+# ------------------------------------------------------------------------- servable_pages
+
+
+def _brute(held: np.ndarray, groups, limit: int) -> int:
+    for k in range(limit, 0, -1):
+        if all(held[g, grp.need_start(k * PS) // PS : k].all() for g, grp in enumerate(groups)):
+            return k
+    return 0
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    data=st.data(),
+    n=st.integers(0, 24),
+    specs=st.lists(
+        st.tuples(st.sampled_from(["window", "chunk"]), st.integers(1, 20)), min_size=1, max_size=3
+    ),
+)
+def test_servable_pages_equals_brute_force(data, n, specs):
+    groups = [
+        LayerGroup(
+            kind,
+            (i,),
+            1,
+            2,
+            window=v if kind == "window" else None,
+            chunk=v if kind == "chunk" else None,
+        )
+        for i, (kind, v) in enumerate(specs)
+    ]
+    held = np.array(
+        data.draw(
+            st.lists(
+                st.lists(st.booleans(), min_size=n, max_size=n),
+                min_size=len(groups),
+                max_size=len(groups),
+            )
+        ),
+        dtype=bool,
+    ).reshape(len(groups), n)
+    limit = data.draw(st.integers(0, n))
+    assert servable_pages(held, groups, PS, limit) == _brute(held, groups, limit)
+
+
+# ------------------------------------------------------------------------------ WindowPages
+
+
+def test_window_pages_follow_their_full_page():
+    spec = _spec()
+    anchor = PageAllocator(8, "device")
+    pools = [_FakePool(4)]
+    w = WindowPages(spec.window_groups, pools, anchor, "device")
+    ids = anchor.alloc(3)
+    w.attach_new(ids)
+    assert w.used_pages() == [3] and (w.held(ids)).all()
+    w.check()
+    with pytest.raises(OutOfPagesError, match="window group 0 pool: 2 pages needed, 1 free"):
+        w.attach_new(anchor.alloc(2))  # all or nothing: no page of the group taken
+    assert w.used_pages() == [3]
+    anchor.free(ids[:2])  # the full-attention pages leave: their window pages with them
+    assert w.used_pages() == [1] and not w.held(ids[:2]).any()
+    assert w.detach_group(0, ids[2:]) == 1 and w.used_pages() == [0]
+
+
+class _FakePool:
+    def __init__(self, n: int) -> None:
+        self.allocator = PageAllocator(n, "window")
+
+
+# ------------------------------------------------------------------------ the tree's rules
+
+
+def test_a_node_keeps_only_what_a_continuation_at_its_end_reads():
+    spec = _spec(window=8)  # 2 pages of 4
+    cache = _cache(spec)
+    serve = _Served(cache)
+    tokens = np.arange(64)
+    serve(tokens)
+    st_ = cache.stats()
+    assert st_["window_device_used_pages"] == 2  # the last 8 tokens of the one node
+    assert st_["window_pages_trimmed"] == 14
+    assert serve(tokens) == 64  # the whole prompt is a hit: its window is there
+
+
+def test_bytes_a_cached_prefix_holds():
+    """For prompts much longer than the window, a cached prefix holds 1/4 + 3/4 * W/n of what
+    the all-full model would (a 3:1 pattern, every layer of one shape)."""
+    window, n = 8, 256
+    spec = _spec(window=window)
+    cache = _cache(spec, device=128, host=256)
+    _Served(cache)(np.arange(n))
+    full_bytes = spec.page_bytes * (n // PS)
+    win_bytes = (
+        spec.window_groups[0].spec(PS).page_bytes * cache.stats()["window_device_used_pages"]
+    )
+    all_full = spec.model_page_bytes * (n // PS)
+    assert (full_bytes + win_bytes) / all_full == pytest.approx(1 / 4 + 3 / 4 * window / n)
+
+
+def test_a_split_end_backs_off_then_is_filled_by_the_request_that_recomputes_it():
+    spec = _spec(window=8)
+    cache = _cache(spec)
+    serve = _Served(cache)
+    a = np.arange(64)
+    serve(a)
+    b = a.copy()
+    b[40:] += 1000  # shares 40 tokens (10 pages) with a
+    # a's node is split at 40, whose window pages (24..40) were freed: nothing is servable
+    # before a's own end, so b recomputes from 0 ...
+    assert serve(b) == 0
+    assert cache.stats()["window_unservable_tokens"] > 0
+    # ... and its pages give the split node the window pages its end reads (48 is not
+    # servable: b's own node keeps only the pages before its end, 56..64)
+    assert serve(np.concatenate([b[:40], [7] * 8])) == 40
+    assert serve(b[:48]) == 40
+    assert serve(a) == 64
+
+
+def test_a_window_longer_than_any_prompt_is_full_attention():
+    """Same hits, same occupancy as the plain spec of the full layers' shape."""
+    rng = np.random.default_rng(0)
+    prompts = [
+        np.concatenate([np.arange(32), rng.integers(100, 200, int(rng.integers(4, 40)))])
+        for _ in range(20)
+    ]
+    windowed = _cache(_spec(window=10_000), device=24, host=48)
+    plain_spec = KVSpec(num_layers=1, num_kv_heads=2, head_dim=4, dtype="bfloat16", page_size=PS)
+    plain = _cache(plain_spec, device=24, host=48)
+    for cache in (windowed, plain):
+        serve = _Served(cache) if cache is windowed else None
+        for p in prompts:
+            if serve:
+                serve(p)
+            else:
+                p = p[: p.size // PS * PS]
+                with cache.begin(p) as req:
+                    req.extend(p.size - req.cached_len)
+                    req.finish(p)
+    keys = ("device_hit_tokens", "host_hit_tokens", "evictions", "backups", "load_backs")
+    assert {k: windowed.stats()[k] for k in keys} == {k: plain.stats()[k] for k in keys}
+    assert windowed.stats()["window_pages_trimmed"] == 0
+
+
+def test_hits_from_host_read_back_every_group(tmp_path):
+    """Evicted to host and loaded back: the window pages a continuation reads come back with
+    the full-attention pages, bit-exact (and only those: the rest were never copied)."""
+    spec = _spec(window=8)
+    cache = _cache(spec, device=24, host=96, write_policy="write_through")
+    serve = _Served(cache)
+    a, b = np.arange(64), np.arange(1000, 1064)
+    serve(a)
+    serve(b)  # evicts a from device
+    cache.flush()
+    assert serve(a) == 64
+    assert cache.stats()["load_backs"] > 0
+    assert cache.stats()["window_host_used_pages"] <= 4
+
+
+def test_small_window_pools_evict_for_a_callers_window_pages():
+    spec = _spec(window=8)
+    cache = _cache(spec, device=32, host=64, window_device_pages=18)
+    serve = _Served(cache)
+    for i in range(6):
+        serve(np.arange(64) + 1000 * i)  # 16 pages each: the window pool holds one request
+    assert cache.stats()["evictions"] > 0
+    assert cache.stats()["window_device_used_pages"] <= 18
+
+
+# --------------------------------------------------------------------------------- bad calls
+
+
+def test_bad_window_calls_raise_typed_errors_and_change_nothing():
+    spec = _spec()
+    cache = _cache(spec)
+    _Served(cache)(np.arange(32))
+    before = snapshot(cache)
+    tree_page = cache.match_prefix(np.arange(32)).device_pages
+    with pytest.raises(ValueError, match="group=1 must be an int in"):
+        cache.read_window_kv(1, tree_page[-1:])
+    with pytest.raises(HiCacheError, match="hold no page of window group 0"):
+        cache.read_window_kv(0, tree_page[:1])  # trimmed: no continuation reads it
+    with pytest.raises(HiCacheError, match="caller-owned"):
+        cache.write_window_kv(0, tree_page[-1:], np.zeros((3, 2, 1, PS, 2, 4), np.uint16))
+    page = cache.alloc_pages(1)
+    after_alloc = snapshot(cache)
+    with pytest.raises(ValueError, match=r"kv\.shape"):
+        cache.write_window_kv(0, page, np.zeros((1, 2, 1, PS, 2, 4), np.uint16))
+    assert snapshot(cache) == after_alloc
+    cache.free_pages(page)
+    assert snapshot(cache)[1:] == before[1:]
+    plain = _cache(KVSpec(num_layers=1, num_kv_heads=1, head_dim=2, page_size=PS))
+    with pytest.raises(HiCacheError, match="no window groups"):
+        plain.window_pages(plain.alloc_pages(1))
+
+
+def test_settings_not_supported_with_window_groups_are_refused(tmp_path):
+    spec = _spec()
+    with pytest.raises(ValueError, match="storage with window groups"):
+        HiCache(spec, HiCacheConfig(device_pages=8, storage=f"file://{tmp_path}"))
+    with pytest.raises(ValueError, match="load_overlap=True with window groups"):
+        HiCache(spec, HiCacheConfig(device_pages=8, load_policy="cost", load_overlap=True))
+    with pytest.raises(ValueError, match="window_device_pages=0 must be >= 1"):
+        HiCacheConfig(device_pages=8, window_device_pages=0)
