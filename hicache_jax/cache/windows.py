@@ -48,9 +48,12 @@ class Windows:
         device, host: the window pages of each tier.
     """
 
-    def __init__(self, spec: KVSpec, device: WindowPages, host: WindowPages) -> None:
+    def __init__(
+        self, spec: KVSpec, device: WindowPages, host: WindowPages, spare: bool = True
+    ) -> None:
         self.groups = spec.window_groups
         self.device, self.host = device, host
+        self.spare = spare
         self._ps = spec.page_size
 
     # -- servable prefixes -----------------------------------------------------------------
@@ -68,6 +71,17 @@ class Windows:
         root first) from the device tier alone."""
         held = self.device.held(device_pages)
         return servable_pages(held, self.groups, self._ps, held.shape[1]) * self._ps
+
+    def hold(self, device_pages: np.ndarray) -> None:
+        """A match ends after ``device_pages`` (at a node end: the tree split there): the
+        device pages a continuation there reads are not spare any more, so making room for
+        another request (which frees spare pages) never takes them from under this one."""
+        if not self.spare or not device_pages.size:
+            return
+        end = device_pages.size * self._ps
+        for g, group in enumerate(self.groups):
+            first = kept_first_page(group, end, self._ps)
+            self.device.unmark_spare(g, device_pages[first:])
 
     # -- caller pages and inserts ----------------------------------------------------------
     def attach_new(self, ids: np.ndarray) -> None:
@@ -97,17 +111,21 @@ class Windows:
         return freed
 
     def trim(self, node: TreeNode, start_page: int) -> int:
-        """Free the group pages of ``node`` (starting at page ``start_page`` of its prefix)
-        that a continuation at its end does not read, on both tiers; how many."""
+        """Drop the group pages of ``node`` (starting at page ``start_page`` of its prefix)
+        that a continuation at its end does not read: freed on host; on device freed too, or
+        marked spare (``spare``: kept while the group's pool has room, so a later split there
+        still finds them); how many were dropped."""
         end = (start_page + node.num_pages) * self._ps
         freed = 0
         for g, group in enumerate(self.groups):
-            k = kept_first_page(group, end, self._ps) - start_page
-            if k <= 0:
-                continue
+            k = max(0, kept_first_page(group, end, self._ps) - start_page)
             if node.value is not None:
-                freed += self.device.detach_group(g, node.value[:k])
-            if node.host_value is not None:
+                if self.spare:
+                    freed += self.device.mark_spare(g, node.value[:k])
+                    self.device.unmark_spare(g, node.value[k:])
+                elif k:
+                    freed += self.device.detach_group(g, node.value[:k])
+            if node.host_value is not None and k:
                 freed += self.host.detach_group(g, node.host_value[:k])
         return freed
 
@@ -138,6 +156,8 @@ class Windows:
         Raises:
             HiCacheError: naming the first broken rule.
         """
+        if self.host.spare.any():
+            raise HiCacheError("host window pages are never spare")
         self.device.check()
         self.host.check()
         stack = [(child, 0) for child in root.children.values()]
@@ -149,7 +169,10 @@ class Windows:
                 if k <= 0:
                     continue
                 for side, ids in ((self.device, node.value), (self.host, node.host_value)):
-                    if ids is not None and (side.attach[g, ids[:k]] >= 0).any():
+                    if (
+                        ids is not None
+                        and ((side.attach[g, ids[:k]] >= 0) & (side.spare[g, ids[:k]] == 0)).any()
+                    ):
                         raise HiCacheError(
                             f"{node!r}: {side.name} window group {g} holds pages no "
                             "continuation at the node's end reads"

@@ -282,7 +282,8 @@ class TransferEngine:
         dst_side.detach(dst)  # (fresh pages hold none; a caller's ids might)
         for g, (backup_fn, load_fn) in enumerate(self._window_fns):
             w = src_side.attach[g, src]
-            sel = np.flatnonzero(w >= 0)
+            # (spare device pages, which no node end reads, are never backed up)
+            sel = np.flatnonzero((w >= 0) & (src_side.spare[g, src] == 0))
             if not sel.size:
                 continue
             taken = dst_side.take(g, sel.size)
