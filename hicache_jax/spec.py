@@ -785,12 +785,14 @@ class HiCacheConfig:
             free copies the full-attention pages without them (``window_pages_dropped``), so
             that prefix is not served from there (ARCHITECTURE.md, "Layer groups").
         window_host_pages: the same for each window group's host pool; None: ``host_pages``.
-        window_spare: True (default): a device window page no node end reads any more stays
+        window_spare: True (default): a window page no node end reads any more stays
             as a spare page, freed first (oldest first) when its pool needs a page, so that a
             later request diverging there (a split of the node) still finds the window its
-            new end reads; spare pages are never backed up, written to L3 or loaded back.
-            False: free them when their node enters the tree (each split point where no
-            request has diverged before then costs a recompute back to a servable end).
+            new end reads; a backup or load-back copies them after the pages node ends
+            read, where there is room, and they stay spare there (the host's own spare pages
+            go first when the host pool needs a page). False: free them when their node enters
+            the tree, on every tier (each split point where no request has diverged before
+            then costs a recompute back to a servable end).
     """
 
     device_pages: int

@@ -249,7 +249,8 @@ def test_hits_from_host_read_back_every_group(tmp_path):
     cache.flush()
     assert serve(a) == 64
     assert cache.stats()["load_backs"] > 0
-    assert cache.stats()["window_host_used_pages"] <= 4
+    st_ = cache.stats()
+    assert st_["window_host_used_pages"] - st_["window_host_spare_pages"] <= 4  # two tails
 
 
 def test_small_window_pools_evict_for_a_callers_window_pages():

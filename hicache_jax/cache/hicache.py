@@ -340,7 +340,12 @@ class HiCache:
             if ntok < tm.device_len + tm.host_len:
                 self._n["window_unservable_tokens"] += tm.device_len + tm.host_len - ntok
                 tm = self._tree.match(arr[:ntok], extra_key, validated=True)
-            self._windows.hold(tm.device_pages)
+            self._windows.hold(
+                tm.device_pages,
+                np.concatenate([n.host_value for n in tm.host_nodes])
+                if tm.host_nodes
+                else tm.device_pages[:0],
+            )
         self._n["match_tokens"] += arr.shape[0]
         self._n["device_hit_tokens"] += tm.device_len
         self._n["host_hit_tokens"] += tm.host_len
@@ -1025,7 +1030,10 @@ class HiCache:
             "window_device_used_pages": 0 if w is None else sum(w.device.used_pages()),
             "window_host_used_pages": 0 if w is None else sum(w.host.used_pages()),
             "window_device_spare_pages": 0 if w is None else sum(w.device.spare_pages()),
-            "window_spare_reclaimed": 0 if w is None else w.device.spare_reclaimed,
+            "window_host_spare_pages": 0 if w is None else sum(w.host.spare_pages()),
+            "window_spare_reclaimed": 0
+            if w is None
+            else w.device.spare_reclaimed + w.host.spare_reclaimed,
         }
 
     def transfer_histograms(self) -> dict[str, dict[str, HistogramSnapshot]]:

@@ -72,16 +72,20 @@ class Windows:
         held = self.device.held(device_pages)
         return servable_pages(held, self.groups, self._ps, held.shape[1]) * self._ps
 
-    def hold(self, device_pages: np.ndarray) -> None:
-        """A match ends after ``device_pages`` (at a node end: the tree split there): the
-        device pages a continuation there reads are not spare any more, so making room for
-        another request (which frees spare pages) never takes them from under this one."""
-        if not self.spare or not device_pages.size:
+    def hold(self, device_pages: np.ndarray, host_pages: np.ndarray = _EMPTY) -> None:
+        """A match ends after ``device_pages`` then ``host_pages`` (at a node end: the tree
+        split there): the pages a continuation there reads are not spare any more, on the
+        tier holding each, so making room for another request (which frees spare pages)
+        never takes them from under this one."""
+        nd = device_pages.size
+        if not self.spare or not nd + host_pages.size:
             return
-        end = device_pages.size * self._ps
+        end = (nd + host_pages.size) * self._ps
         for g, group in enumerate(self.groups):
             first = kept_first_page(group, end, self._ps)
-            self.device.unmark_spare(g, device_pages[first:])
+            if first < nd:
+                self.device.unmark_spare(g, device_pages[first:])
+            self.host.unmark_spare(g, host_pages[max(0, first - nd) :])
 
     # -- caller pages and inserts ----------------------------------------------------------
     def attach_new(self, ids: np.ndarray) -> None:
@@ -112,21 +116,21 @@ class Windows:
 
     def trim(self, node: TreeNode, start_page: int) -> int:
         """Drop the group pages of ``node`` (starting at page ``start_page`` of its prefix)
-        that a continuation at its end does not read: freed on host; on device freed too, or
-        marked spare (``spare``: kept while the group's pool has room, so a later split there
-        still finds them); how many were dropped."""
+        that a continuation at its end does not read, on both tiers: freed, or marked spare
+        (``spare``: kept while the group's pool has room, so a later split there still finds
+        them); how many were dropped."""
         end = (start_page + node.num_pages) * self._ps
         freed = 0
         for g, group in enumerate(self.groups):
             k = max(0, kept_first_page(group, end, self._ps) - start_page)
-            if node.value is not None:
+            for side, ids in ((self.device, node.value), (self.host, node.host_value)):
+                if ids is None:
+                    continue
                 if self.spare:
-                    freed += self.device.mark_spare(g, node.value[:k])
-                    self.device.unmark_spare(g, node.value[k:])
+                    freed += side.mark_spare(g, ids[:k])
+                    side.unmark_spare(g, ids[k:])
                 elif k:
-                    freed += self.device.detach_group(g, node.value[:k])
-            if node.host_value is not None and k:
-                freed += self.host.detach_group(g, node.host_value[:k])
+                    freed += side.detach_group(g, ids[:k])
         return freed
 
     # -- eviction ------------------------------------------------------------------------
@@ -156,8 +160,6 @@ class Windows:
         Raises:
             HiCacheError: naming the first broken rule.
         """
-        if self.host.spare.any():
-            raise HiCacheError("host window pages are never spare")
         self.device.check()
         self.host.check()
         stack = [(child, 0) for child in root.children.values()]
