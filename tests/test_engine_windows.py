@@ -24,6 +24,9 @@ WINDOW = ModelConfig(**SIZES, ffn_dim=48, layer_pattern="2:1", window=12)
 CHUNK = ModelConfig(**SIZES, ffn_dim=48, layer_pattern="2:1", chunk=16)
 TOL = dict(rtol=1e-5, atol=1e-5)
 PS = 4
+# Bucket floors that keep each engine to a few shapes (prompts here are under 128 tokens).
+SERIAL = dict(chunk_size=32, prefill_bucket=32, table_bucket=32)
+BATCHED = dict(token_budget=32, max_running=2, table_bucket=32, batch_bucket=4)
 
 
 @pytest.fixture(scope="module", params=[WINDOW, CHUNK], ids=["window", "chunk"])
@@ -63,25 +66,54 @@ def test_config_pattern_and_errors():
 
 
 def test_paged_forward_matches_reference(model):
-    """Prompt of 45 tokens (> window, > chunk) in chunks, fused and per layer, then decode."""
+    """Prompt of 45 tokens (> window, > chunk) in chunks, fused and per layer, then decode
+    (buckets of 16 tokens and 16 pages: one shape for every call)."""
     prompt = np.random.default_rng(7).integers(0, 97, 45).astype(np.int32)
     ref = np.asarray(reference_logits(model.cfg, model.params, prompt))
+    buckets = dict(min_bucket=16, min_pages=16)
     for layerwise in (False, True):
         cache = _cache(model)
         pages = cache.alloc_pages(-(-len(prompt) // PS))
         windows = dict(windows=cache.window_pools, window_pages=cache.window_pages(pages))
-        bounds = [0, 5, 21, 37, 40]
-        for a, b in itertools.pairwise(bounds):
+        for a, b in itertools.pairwise([0, 5, 21, 37, 40]):
             waiter = _Waiter() if layerwise else None
             logits = model.forward(
-                cache.device_pool, prompt[a:b], a, pages, waiter=waiter, **windows
+                cache.device_pool, prompt[a:b], a, pages, waiter=waiter, **windows, **buckets
             )
             np.testing.assert_allclose(np.asarray(logits), ref[b - 1], **TOL)
             if waiter is not None:  # full-pool layers; any layer waits the window groups
                 assert waiter.calls == [0, 0, 0]
         for pos in range(40, 45):
-            logits = model.forward(cache.device_pool, prompt[pos : pos + 1], pos, pages, **windows)
+            logits = model.forward(
+                cache.device_pool, prompt[pos : pos + 1], pos, pages, **windows, **buckets
+            )
             np.testing.assert_allclose(np.asarray(logits), ref[pos], **TOL)
+
+
+def test_forward_batch_matches_reference(model):
+    """Two requests packed (prefill chunks, then a chunk beside a decode token, per layer)."""
+    rng = np.random.default_rng(5)
+    prompts = [rng.integers(0, 97, n).astype(np.int32) for n in (45, 21)]
+    refs = [np.asarray(reference_logits(model.cfg, model.params, p)) for p in prompts]
+    cache = _cache(model)
+    pages = [cache.alloc_pages(-(-len(p) // PS)) for p in prompts]
+    wps = [cache.window_pages(p) for p in pages]
+    knobs = dict(windows=cache.window_pools, window_pages=wps, key_block=8, min_pages=4)
+    logits, _ = model.forward_batch(
+        cache.device_pool, [prompts[0][:30], prompts[1][:20]], [0, 0], pages, **knobs
+    )
+    np.testing.assert_allclose(np.asarray(logits)[:2], [refs[0][29], refs[1][19]], **TOL)
+    waiter = _Waiter()
+    logits, _ = model.forward_batch(
+        cache.device_pool,
+        [prompts[0][30:], prompts[1][20:]],
+        [30, 20],
+        pages,
+        waiter=waiter,
+        **knobs,
+    )
+    np.testing.assert_allclose(np.asarray(logits)[:2], [refs[0][44], refs[1][20]], **TOL)
+    assert waiter.calls == [0, 0, 0]
 
 
 def test_forward_needs_window_pools(model):
@@ -96,7 +128,7 @@ def test_continuation_of_a_prefix_with_dropped_window_pages(model):
     whose window pages before the window are gone, and equals recompute."""
     rng = np.random.default_rng(3)
     p1 = rng.integers(0, 97, 61).astype(np.int32)
-    engine = Engine(model, _cache(model), mode="device", chunk_size=16)
+    engine = Engine(model, _cache(model), mode="device", **SERIAL)
     first = engine.generate([p1], 4)[0]
     p2 = np.concatenate([p1, first.tokens, rng.integers(0, 97, 9)]).astype(np.int32)
     cache = engine.cache
@@ -109,7 +141,7 @@ def test_continuation_of_a_prefix_with_dropped_window_pages(model):
     np.testing.assert_allclose(
         gen.first_logits, np.asarray(reference_logits(model.cfg, model.params, p2))[-1], **TOL
     )
-    fresh = Engine(model, _cache(model), mode="none", chunk_size=16).generate([p2], 4)[0]
+    fresh = Engine(model, _cache(model), mode="none", **SERIAL).generate([p2], 4)[0]
     np.testing.assert_array_equal(gen.tokens, fresh.tokens)
 
 
@@ -137,19 +169,23 @@ def _play(engine):
     return gens
 
 
-@pytest.mark.parametrize("kind", ["serial", "batched"])
-def test_engines_identical_across_caches(model, kind):
+@pytest.mark.parametrize(
+    "cfg, kind",
+    [(WINDOW, "serial"), (WINDOW, "batched"), (CHUNK, "serial")],
+    ids=["window-serial", "window-batched", "chunk-serial"],
+)
+def test_engines_identical_across_caches(cfg, kind):
     """no cache / device radix / HiCache: same tokens, first-token logits within 1e-5, and
-    HiCache serves hits from L1 and from L2 (a device pool too small for every session)."""
+    HiCache serves hits from L1 and from L2 (a device pool too small for every session).
+    (The batched engine's chunked-attention mask is the serial one's: ``_local_start``.)"""
+    model = DecoderModel(cfg, seed=2)
     runs = {}
     for mode in ("none", "device", "hicache"):
         cache = _cache(model, device=24, host=256 if mode == "hicache" else 0)
         if kind == "serial":
-            engine = Engine(model, cache, mode=mode, chunk_size=32, table_bucket=8)
+            engine = Engine(model, cache, mode=mode, **SERIAL)
         else:
-            engine = BatchedEngine(
-                model, cache, mode=mode, token_budget=32, max_running=2, table_bucket=8
-            )
+            engine = BatchedEngine(model, cache, mode=mode, **BATCHED)
         runs[mode] = _play(engine), cache.stats()
     base, _ = runs["none"]
     for mode, (gens, _) in runs.items():
