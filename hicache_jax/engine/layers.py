@@ -27,6 +27,12 @@ sampled tokens there, so the next step can be dispatched before this one's token
 host (the batched engine's overlap). :func:`reference_logits` is the dense oracle over the same
 math.
 
+A config with a ``layer_pattern`` (:func:`layer_plan`: which pool and mask each layer has) runs
+through :data:`PATTERN_STEP` / :data:`PATTERN_BATCH_STEP` (layers unrolled, the full pool and
+the window group pools donated together) or, per layer, :data:`LAYER` / :data:`BATCH_LAYER`
+for full layers and :data:`LOCAL_LAYER` / :data:`LOCAL_BATCH_LAYER` for local ones; a local
+layer's query at ``t`` sees keys from ``t - window`` (or ``t``'s chunk start) to ``t``.
+
 Threading: the jitted steps dispatch on the caller's thread, which must own the pool
 (ARCHITECTURE.md: one dispatching thread); :data:`TRACES` is only written at trace time.
 """

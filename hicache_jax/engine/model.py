@@ -20,6 +20,12 @@ power-of-two page counts, so the number of compiles stays logarithmic in prompt 
 :meth:`DecoderModel.forward_batch` (the batched engine's one call a step) packs several requests'
 prefill chunks and decode tokens into one flat token list, bucketed as a whole (see there).
 
+A model with a ``layer_pattern`` (sliding-window or chunked local layers beside full ones) keeps
+each local layer's K/V in its window group's pool (``HiCache.window_pools``): both calls then
+take ``windows`` and ``window_pages`` (each window group's page of each request page, asked of
+the cache every step) and run the fused step through ``DevicePagePool.run_with`` (every pool
+donated at once), the per-layer path a pool a layer. A plain model's steps are unchanged.
+
 Threading: every call dispatches on the caller's thread, which must be the thread that owns the
 pool (ARCHITECTURE.md: one dispatching thread).
 """
