@@ -42,8 +42,8 @@ class _Waiter:
         self.calls.append(layer)
 
 
-def _cache(model, device=64, host=0):
-    cfg = HiCacheConfig(device_pages=device, host_pages=host, load_back_threshold=1)
+def _cache(model, device=64, host=0, **kw):
+    cfg = HiCacheConfig(device_pages=device, host_pages=host, load_back_threshold=1, **kw)
     return HiCache(model.kv_spec(PS), cfg)
 
 
@@ -125,10 +125,11 @@ def test_forward_needs_window_pools(model):
 
 def test_continuation_of_a_prefix_with_dropped_window_pages(model):
     """A long prompt served and cached; a second one continuing it is served from the cache,
-    whose window pages before the window are gone, and equals recompute."""
+    whose window pages before the window are gone (freed at insert: ``window_spare=False``),
+    and equals recompute."""
     rng = np.random.default_rng(3)
     p1 = rng.integers(0, 97, 61).astype(np.int32)
-    engine = Engine(model, _cache(model), mode="device", **SERIAL)
+    engine = Engine(model, _cache(model, window_spare=False), mode="device", **SERIAL)
     first = engine.generate([p1], 4)[0]
     p2 = np.concatenate([p1, first.tokens, rng.integers(0, 97, 9)]).astype(np.int32)
     cache = engine.cache
