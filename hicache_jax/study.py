@@ -245,7 +245,8 @@ def sweep(
             the bytes and the LRU of the same bytes (see :func:`hicache_jax.replay.run`).
         window: the sliding window in tokens (with ``layer_pattern`` only).
         window_share: the fraction of each tier's bytes in window pages, in (0, 1); None:
-            the default rule of :mod:`hicache_jax.replay.windows`.
+            the default rule of :mod:`hicache_jax.replay.windows` (with ``layer_pattern``, or a
+            ``spec`` with window groups).
 
     Raises:
         ValueError / TypeError naming a bad setting, before anything is replayed.
@@ -310,9 +311,13 @@ def _pattern_spec(
     """The sweep's spec: ``spec``'s (:func:`_spec`), or with ``layer_pattern`` the pattern's
     over ``spec``'s per-layer shape. ValueError / TypeError naming the argument."""
     if layer_pattern is None:
+        windowed = isinstance(spec, KVSpec) and bool(spec.window_groups)
         for name, value in (("window", window), ("window_share", window_share)):
-            if value is not None:
-                raise ValueError(f"{name}={value!r} needs layer_pattern= (e.g. '5:1')")
+            if value is not None and not (windowed and name == "window_share"):
+                raise ValueError(
+                    f"{name}={value!r} needs layer_pattern= (e.g. '5:1')"
+                    + ("" if name == "window" else " or a spec with window groups")
+                )
         return _spec(spec, page_size, trace)
     _windows.check_share(window_share, "window_share")
     period = _windows.pattern_period(layer_pattern, "layer_pattern")

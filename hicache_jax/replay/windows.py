@@ -32,7 +32,7 @@ trace, :func:`prompt_tokens`): the window pool holds
   the same bytes admits);
 - plus the tails the tree keeps: ``k = ceil(W / page_size)`` pages a node, one node per mean
   prompt's pages of the tier's full-attention pool (a node keeps at most ``k`` pages; the tree
-  holds about one leaf per request it keeps; ``N_f`` solved by a few fixed-point steps).
+  holds about one leaf per request it keeps).
 
 At most one window page per full-attention page: where the rule asks for more, the split is
 the all-full model's (one window page per full page, which never runs short). So where the
@@ -220,13 +220,9 @@ def default_window_pages(
     ps, k = spec.page_size, _tail_pages(spec)
     own = min(-(-longest_tokens // ps), model_pages) if requests else 0
     span = max(k, -(-mean_tokens // ps))  # a node keeps at most k pages, all of a shorter one
-    n_w = own
-    for _ in range(16):  # N_f shrinks as N_w grows: to the fixed point, in a few steps
-        n_f, _ = split_pools(spec, model_pages, n_w)
-        want = own + -(-n_f // span) * k
-        if want == n_w:
-            break
-        n_w = want
+    # N_w = own + k N_f / span with N_f = (B - N_w Pw) / Pf, solved for N_w (rounded up)
+    budget, pf, pw = model_pages * spec.model_page_bytes, spec.page_bytes, window_page_bytes(spec)
+    n_w = -(-(own * span * pf + k * budget) // (span * pf + k * pw))
     return max(n_w, 1)
 
 
