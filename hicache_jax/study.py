@@ -6,6 +6,11 @@ table to sort and filter and a curve on a matplotlib axis, save it and load it b
     result = study.sweep(trace, capacities=[3e5, 1e6, 3e6], policies=["clean_ahead", "write_back"])
     result.table(); result.plot()
 
+A sliding-window model at equal memory: ``study.sweep(trace, capacities=[3e5, 1e6],
+layer_pattern="5:1", window=1024)`` (capacities in the all-full model's bytes, split between the
+full-attention and the window pools; see :mod:`hicache_jax.replay.windows`): each record gets
+the bytes ratio ``r``, the LRU of ``r x`` the bytes and the LRU of the same bytes.
+
 Every figure comes from :func:`hicache_jax.replay.run` (the replay of ``hicache-jax replay``,
 which calls the functions of this module: one code path, the same figures). The replay is
 deterministic, so a sweep run twice gives the same table (only :data:`TIMING_FIELDS` vary).

@@ -26,6 +26,13 @@ order depends on the order of calls, never on wall time. Only ``wall_s`` and
 
 References: :class:`~hicache_jax.replay.block_lru.BlockLRU` of L1's, L1 + L2's and infinite
 capacity.
+
+A spec with window groups (a sliding-window model, :mod:`hicache_jax.replay.windows`, which owns
+its pools and the bytes ratio): L1 and L2 sizes are the all-full model's pages, whose bytes
+are split between the full-attention and the window pools; a prompt caches at most what L1's
+window pool holds; the replay samples the bytes ratio ``r`` after every request, and
+:func:`run` adds the LRU of ``r x`` (L1 + L2) pages, one more reference pass after the
+replays (``r`` is measured), and :func:`window_table`.
 Hits of HiCache and of the references count whole pages only.
 
 Threading: a replay builds, owns and closes its caches on the calling thread.
