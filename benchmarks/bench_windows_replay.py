@@ -14,7 +14,8 @@ uses, sampled after every request and averaged over the run); the exact LRU of a
 cache of ``r x`` the bytes of L1 + L2, and the hit ratio over it (judged: >= 0.97); the exact LRU
 of an all-full cache of the same bytes (what the windows gain: the hit ratio over it); the window
 pages' share of the bytes cached (mean); the tokens cut from matches because a window page a
-continuation reads was not kept (``window_unservable_tokens``).
+continuation reads was not kept (``window_unservable_tokens``), and ``hit+cut``: the hit ratio
+with those tokens added back (what the same cache would hit had it kept those window pages).
 
 Usage: ``python -m benchmarks.bench_windows_replay [TRACE] [--capacities 1e5,3e5,1e6,3e6]
 [--host-ratios 2,4,8] [--window 1024] [--window-share F] [--limit N] [--json P]`` (TRACE
@@ -88,6 +89,7 @@ def main(argv: list[str] | None = None) -> None:
                     f"{r['infinite_hit_ratio']:.4f}",
                     f"{r['window_bytes_share']:.3f}",
                     r["window_unservable_tokens"],
+                    f"{r['hit_ratio'] + r['window_unservable_tokens'] / r['prompt_tokens']:.4f}",
                 )
             )
             figures.append(_figure(r, tokens, ratio))
@@ -107,6 +109,7 @@ def main(argv: list[str] | None = None) -> None:
             "infinite",
             "win bytes share",
             "unservable tok",
+            "hit+cut",
         ),
         rows,
         title="windowed cache at the all-full model's bytes against the exact LRU of an "
