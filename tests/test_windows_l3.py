@@ -1,0 +1,278 @@
+"""Window groups with an L3 store (hicache_jax/l3/windows.py, l3/tier.py, l3/prefetch.py):
+each group's kept pages are put as entries of their own next to the full-attention pages,
+a fresh cache on the same store serves the prefix from L3 bit-exact on every group, a prefix
+whose group entries are missing (or wrong) in the store is cut back, trimmed window pages
+never reach the store, and plain-spec keys are what they were."""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import numpy as np
+import pytest
+
+from helpers import KVModel, WindowKV, bits, check_window_bytes
+from hicache_jax import HiCache, HiCacheConfig, KVSpec, LayerGroup
+from hicache_jax.l3.storage import page_keys
+from hicache_jax.l3.windows import window_keys
+
+PS = 4
+
+
+def _spec(window: int = 8) -> KVSpec:
+    return KVSpec.from_pattern(
+        "3:1", num_layers=4, num_kv_heads=2, head_dim=4, dtype="bfloat16", page_size=PS,
+        window=window,
+    )  # fmt: skip
+
+
+def _two_groups() -> KVSpec:
+    """Two window groups whose pages have the same shape (equal ``LayerGroup.spec``
+    fingerprints), with other windows: only the group in the key tells their entries apart."""
+    shape = {"num_kv_heads": 2, "head_dim": 4, "dtype": "bfloat16"}
+    return KVSpec.from_groups(
+        [
+            LayerGroup("full", (2,), **shape),
+            LayerGroup("window", (0, 3), **shape, window=8),
+            LayerGroup("window", (1, 4), **shape, window=4),
+        ],
+        page_size=PS,
+    )
+
+
+def _cache(spec: KVSpec, url: str, **cfg) -> HiCache:
+    cfg = {
+        "device_pages": 64,
+        "host_pages": 128,
+        "load_back_threshold": PS,
+        "write_through_threshold": 1,
+        **cfg,
+    }
+    return HiCache(spec, HiCacheConfig(storage=url, **cfg))
+
+
+class _Served:
+    """Requests through the handle, writing each group's bytes (a pure function of the
+    prefix: another cache's model gives the same bytes) and checking what a hit reads back,
+    as tests/test_windows.py does."""
+
+    def __init__(self, cache: HiCache) -> None:
+        self.cache = cache
+        self.kv = KVModel(cache.spec)
+        self.wkv = [WindowKV(g, PS) for g in cache.spec.window_groups]
+
+    def __call__(self, tokens) -> int:
+        cache, tokens = self.cache, np.asarray(tokens, np.int64)
+        with cache.begin(tokens) as req:
+            have = req.cached_len // PS
+            pages = req.device_pages
+            np.testing.assert_array_equal(
+                bits(cache.read_kv(pages)), self.kv.pages(None, tokens, 0, have)
+            )
+            for g, w in enumerate(self.wkv):
+                first = w.group.need_start(have * PS) // PS
+                np.testing.assert_array_equal(
+                    bits(cache.read_window_kv(g, pages[first:])),
+                    w.pages(None, tokens, first, have),
+                )
+            new = req.extend(tokens.size - req.cached_len)
+            cache.write_kv(new, self.kv.pages(None, tokens, have, tokens.size // PS))
+            for g, w in enumerate(self.wkv):
+                cache.write_window_kv(g, new, w.pages(None, tokens, have, tokens.size // PS))
+            req.finish(tokens)
+        self.check()
+        return have * PS
+
+    def check(self) -> None:
+        self.cache.check_invariants()
+        for g, w in enumerate(self.wkv):
+            check_window_bytes(self.cache, g, w)
+
+
+def _entries(root: str) -> dict[str, list[str]]:
+    """The store's entry names, by group ("full", "w0", "w1", ...)."""
+    out: dict[str, list[str]] = {}
+    for folder in os.listdir(root):
+        if folder == ".tmp":
+            continue
+        for name in os.listdir(os.path.join(root, folder)):
+            parts = name.split("_")
+            out.setdefault(parts[3] if len(parts) == 5 else "full", []).append(name)
+    return out
+
+
+def _tokens(seed: int, pages: int) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 50_000, pages * PS)
+
+
+@pytest.fixture
+def store(tmp_path):
+    root = str(tmp_path / "store")
+    return root, f"file://{root}"
+
+
+def _write(spec: KVSpec, url: str, *prompts: np.ndarray) -> None:
+    a = _cache(spec, url)
+    served = _Served(a)
+    for toks in prompts:
+        served(toks)
+    a.flush()
+    s = a.stats()
+    assert s["l3_window_put_pages"] == s["l3_window_put_pages_stored"] > 0
+    assert s["l3_window_puts_skipped"] == s["l3_window_puts_dropped"] == 0
+    a.close()
+
+
+@pytest.mark.parametrize("make_spec", [_spec, _two_groups], ids=["one_group", "two_groups"])
+def test_fresh_cache_serves_a_long_prompt_from_l3_bit_exact(store, make_spec):
+    _root, url = store
+    spec = make_spec()
+    toks = _tokens(0, 12)
+    _write(spec, url, toks)
+    b = _cache(spec, url, prefetch_policy="wait_complete")
+    served = _Served(b)
+    assert b.match_prefix(toks).host_len == 0  # nothing local: only L3 has it
+    h = b.prefetch(toks)
+    assert h is not None and h.wait() == 12
+    assert served(toks) == 12 * PS  # every page, read back bit-exact on every group
+    s = b.stats()
+    assert s["served_l3_tokens"] == 12 * PS
+    assert s["l3_prefetch_hit_pages"] == 12
+    kept = sum(-(-g.window // PS) for g in spec.window_groups)  # the window pages at the end
+    assert s["l3_window_prefetch_pages"] == s["l3_window_prefetch_hit_pages"] == kept
+    assert s["l3_window_prefetch_missed_pages"] == 0
+    served.check()
+    b.close()
+
+
+def test_store_holds_only_the_window_pages_the_tree_keeps(store):
+    root, url = store
+    spec = _two_groups()  # windows of 8 and 4 tokens: 2 and 1 pages kept at a node's end
+    toks = _tokens(1, 10)
+    _write(spec, url, toks[: 6 * PS], toks)  # two nodes: ends at 6 and 10 pages
+    names = _entries(root)
+    assert len(names["full"]) == 10
+    assert len(names["w0"]) == 2 + 2 and len(names["w1"]) == 1 + 1
+    keys = page_keys(spec, toks, None)  # the full-attention pages' keys, root first
+    assert sorted(names["w0"]) == sorted(window_keys([keys[i] for i in (4, 5, 8, 9)], 0))
+    assert sorted(names["w1"]) == sorted(window_keys([keys[i] for i in (5, 9)], 1))
+    # each prefix end the first cache held is served from L3 by a fresh one
+    for n in (6, 10):
+        b = _cache(spec, url, prefetch_policy="wait_complete")
+        b.prefetch(toks[: n * PS])
+        assert _Served(b)(toks[: n * PS]) == n * PS
+        b.close()
+
+
+def _corrupt(root: str, spec: KVSpec, toks: np.ndarray, page: int, how: str) -> None:
+    """Remove window group 0's entry of ``page``, or overwrite it with page ``page - 1``'s
+    (a whole, valid entry of another key: must read as a miss, never as data)."""
+    keys = window_keys(page_keys(spec, toks, None), 0)
+    path = next(os.path.join(r, keys[page]) for r, _, f in os.walk(root) if keys[page] in f)
+    if how == "missing":
+        os.remove(path)
+    else:
+        src = [os.path.join(r, keys[page - 1]) for r, _, f in os.walk(root) if keys[page - 1] in f]
+        shutil.copyfile(src[0], path)
+
+
+@pytest.mark.parametrize("how", ["missing", "wrong"])
+def test_prefix_whose_window_entries_are_missing_is_cut_back(store, how):
+    root, url = store
+    spec = _spec()
+    toks = _tokens(2, 10)
+    _write(spec, url, toks[: 6 * PS], toks)  # window entries of pages 4, 5 and 8, 9
+    _corrupt(root, spec, toks, 9, how)
+    b = _cache(spec, url, prefetch_policy="wait_complete")
+    served = _Served(b)
+    h = b.prefetch(toks)
+    assert h is not None and h.wait() == 10  # the full-attention pages are all there
+    m = b.match_prefix(toks)
+    assert m.device_len + m.host_len == 0  # the leaf's end reads page 9's window: cut back
+    s = b.stats()
+    assert s["l3_prefetch_hit_pages"] == 10 and s["window_unservable_tokens"] > 0
+    assert s["l3_window_prefetch_hit_pages"] == 0 and s["l3_window_prefetch_missed_pages"] == 2
+    served.check()  # the leaf holds no window page: nothing wrong kept
+    assert served(toks) == 0  # recomputed; what it served (nothing) and keeps is exact
+    # the shorter prefix, whose window entries are whole, is served from L3
+    c = _cache(spec, url, prefetch_policy="wait_complete")
+    c.prefetch(toks[: 6 * PS])
+    assert _Served(c)(toks[: 6 * PS]) == 6 * PS
+    b.close(), c.close()
+
+
+def test_window_host_pool_short_leaves_the_fetched_prefix_unservable_from_host(store):
+    _root, url = store
+    spec = _spec()
+    toks = _tokens(3, 8)
+    _write(spec, url, toks)
+    b = _cache(spec, url, prefetch_policy="wait_complete", window_host_pages=1)
+    served = _Served(b)
+    b.prefetch(toks).wait()
+    assert b.match_prefix(toks).host_len == 0  # 2 window pages needed, 1 in the pool
+    assert b.stats()["l3_window_prefetch_missed_pages"] == 2
+    served.check()
+    assert served(toks) == 0
+    b.close()
+
+
+def test_write_back_puts_the_kept_window_pages_at_host_eviction(store):
+    root, url = store
+    spec = _spec()
+    prompts = [_tokens(10 + i, 6) for i in range(6)]
+    a = _cache(
+        spec,
+        url,
+        device_pages=16,
+        host_pages=24,
+        storage_write_policy="write_back",
+        write_policy="write_through",
+    )
+    served = _Served(a)
+    for toks in prompts:
+        served(toks)
+    a.flush()
+    names = _entries(root)
+    stored = [t for t in prompts if page_keys(spec, t, None)[0] in names.get("full", [])]
+    assert stored, "the host pool evicted some prompt"
+    want = [k for t in stored for k in window_keys(page_keys(spec, t, None)[4:], 0)]
+    assert sorted(names["w0"]) == sorted(want)  # each node's kept pages, nothing trimmed
+    a.close()
+    b = _cache(spec, url, prefetch_policy="wait_complete")
+    b.prefetch(stored[0])
+    assert _Served(b)(stored[0]) == 6 * PS
+    b.close()
+
+
+def test_plain_spec_keys_are_unchanged(store):
+    root, url = store
+    spec = KVSpec(num_layers=2, num_kv_heads=2, head_dim=8, dtype="float32", page_size=PS)
+    # pinned: existing stores stay readable
+    assert page_keys(spec, np.arange(2 * PS), None) == [
+        "hcj2_b23df3cf8a803038_43672a59dd716050_088fef20bda84dda9c01a70d74b94c8e",
+        "hcj2_b23df3cf8a803038_43672a59dd716050_116ac0f17eb7f0761eabcff9d5e245bf",
+    ]
+    cache = HiCache(
+        spec,
+        HiCacheConfig(device_pages=16, host_pages=32, storage=url, write_through_threshold=1),
+    )
+    assert cache._port.window_host is None
+    toks = np.arange(3 * PS)
+    with cache.begin(toks) as req:
+        cache.write_kv(req.extend(toks.size), np.zeros(spec.kv_shape(3), np.float32))
+        req.finish(toks)
+    cache.flush()
+    assert not any(k.startswith("l3_window") for k in cache.stats())
+    assert sorted(_entries(root)) == ["full"]
+    assert sorted(_entries(root)["full"]) == sorted(page_keys(spec, toks, None))
+    cache.close()
+
+
+def test_window_keys_carry_the_group():
+    keys = ["hcj2_aa_bb_0123", "hcj2_aa_bb-g2_4567"]
+    assert window_keys(keys, 0) == ["hcj2_aa_bb_w0_0123", "hcj2_aa_bb-g2_w0_4567"]
+    assert window_keys(keys, 1) != window_keys(keys, 0)
+    spec = _two_groups()
+    g0, g1 = (g.spec(PS) for g in spec.window_groups)
+    assert g0.fingerprint() == g1.fingerprint()  # why the key names the group itself
