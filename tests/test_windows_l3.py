@@ -276,3 +276,57 @@ def test_window_keys_carry_the_group():
     spec = _two_groups()
     g0, g1 = (g.spec(PS) for g in spec.window_groups)
     assert g0.fingerprint() == g1.fingerprint()  # why the key names the group itself
+
+
+def test_fetched_pages_backing_up_a_device_node_get_its_kept_window_pages(store):
+    """Write-through modes fetch from the deepest backed-up node: a device node without a
+    host copy takes the fetched pages as one, with the window pages a continuation at its own
+    end reads (a chunked group: all of its pages, from the chunk's start)."""
+    _root, url = store
+    spec = KVSpec.from_pattern(
+        "3:1", num_layers=4, num_kv_heads=2, head_dim=4, dtype="bfloat16", page_size=PS,
+        chunk=8 * PS,
+    )  # fmt: skip
+    toks = _tokens(4, 7)
+    _write(spec, url, toks)
+    b = _cache(
+        spec,
+        url,
+        prefetch_policy="wait_complete",
+        write_policy="write_through",
+        storage_write_policy="write_through_selective",
+        write_through_threshold=5,
+    )
+    served = _Served(b)
+    assert served(toks[: 6 * PS]) == 0  # on device only: no host copy
+    assert b.match_prefix(toks[: 6 * PS]).device_len == 6 * PS
+    b.prefetch(toks).wait()
+    m = b.match_prefix(toks)  # (landed pages attach at a call's poll)
+    assert (m.device_len, m.host_len) == (6 * PS, PS)
+    s = b.stats()
+    assert s["l3_prefetch_backfill_pages"] == 6 and s["l3_prefetch_hit_pages"] == 1
+    assert s["l3_window_prefetch_hit_pages"] == 6 + 1  # the device node's 6, the leaf's 1
+    served.check()  # the host copies' window bytes are exact
+    b.evict(10**6)  # device nodes go host-only: the prefix is served from the fetched pages
+    assert b.match_prefix(toks).host_len == 7 * PS
+    assert served(toks) == 7 * PS
+    b.close()
+
+
+def test_invalidate_removes_the_window_entries_too(store):
+    root, url = store
+    spec = _spec()
+    one, two = _tokens(5, 6), _tokens(6, 6)
+    a = _cache(spec, url)
+    served = _Served(a)
+    served(one), served(two)
+    a.flush()
+    assert len(_entries(root)["w0"]) == 4
+    out = a.invalidate(one)  # a prefix: its last page and below, with delete
+    assert out["l3"] == 1 + 1  # page 5's entry and its window group's
+    names = _entries(root)
+    left = page_keys(spec, one, None)[4:5] + page_keys(spec, two, None)[4:]
+    assert sorted(names["w0"]) == sorted(window_keys(left, 0))
+    a.invalidate()  # the namespace: delete_prefix reaches the group entries (same prefix)
+    assert _entries(root) == {}
+    a.close()

@@ -596,6 +596,9 @@ class Prefetcher:
         ps, base = self._ps, h.start // self._ps
         for part in h._get.parts:
             landed = part.landed()
+            if self._group.num_processes > 1:  # landed on every process (MIN), like the rest
+                agreed = self._group.agree_min("l3 window landed", landed.astype(int).tolist())
+                landed = np.asarray(agreed).astype(bool)
             lo, hi = int(part.pages[0]), int(part.pages[-1]) + 1
             for span in spans:
                 end = base + int(span[-1]) + 1  # the node's end, in pages from the root

@@ -503,8 +503,12 @@ class L3Tier:
         the rest again, counted in ``l3_invalidate_unreached``. What was announced on L3 there
         (the whole namespace when unreached) is announced removed.
 
+        With window groups their entries go with the pages' (``delete_prefix`` removes them
+        with the namespace, ``delete`` is asked for them on each group's lane), counted among
+        the entries deleted.
+
         Returns:
-            ``(pages deleted, 1 if unreached else 0)``.
+            ``(entries deleted, 1 if unreached else 0)``.
         """
         self._submit_reads(block=True)
         self._drain_puts(self._staging_alloc.num_pages)
@@ -523,7 +527,7 @@ class L3Tier:
             for lane in self._lanes:  # the window groups' entries of those pages
                 lane_remove = getattr(lane.backend, "delete", None)
                 if keys and callable(lane_remove):
-                    lane_remove(lane.keys(keys))
+                    gone += int(np.asarray(lane_remove(lane.keys(keys)), dtype=bool).sum())
         else:
             self._n["l3_delete_unsupported_pages"] += len(self._keys_of(nodes, tokens, extra_key))
             gone, reached = 0, False
