@@ -387,3 +387,17 @@ def test_random_requests_read_back_every_group_exact(
         from_l3 += cache.stats()["l3_window_prefetch_hit_pages"]
         cache.close()
     assert from_l3 > 0  # the run did serve window pages from L3
+
+
+def test_window_entries_one_process_misses_are_a_miss_on_every_process(tmp_path):
+    """Two processes, each over its own store: process 1's store lacks a window group entry
+    of one prompt; that prompt is cut back on both, the other served from L3 on both."""
+    from multiproc import launch
+
+    out = launch("l3_windows", 2, str(tmp_path), timeout=90)
+    assert all(o.result is not None and "error" not in o.result for o in out), out
+    for o in out:
+        r = o.result
+        assert r["cut"] == {"found": 8, "cached": 0}, r
+        assert r["whole"] == {"found": 8, "cached": 32}, r
+        assert (r["window_hits"], r["window_missed"]) == (2, 2), r
