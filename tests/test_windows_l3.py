@@ -339,6 +339,7 @@ def test_invalidate_removes_the_window_entries_too(store):
         ("write_back", "write_back", "best_effort", None),
         ("write_through_selective", "write_through_selective", "wait_complete", 6),
         ("clean_ahead", "write_through", "best_effort", None),
+        ("write_through", "write_through", "timeout", None),  # (a deadline of ~0: cancels)
     ],
 )
 def test_random_requests_read_back_every_group_exact(
@@ -364,6 +365,7 @@ def test_random_requests_read_back_every_group_exact(
             write_policy=policy,
             storage_write_policy=storage_policy,
             prefetch_policy=prefetch_policy,
+            prefetch_timeout_s=1e-9,
             window_host_pages=window_host_pages,
         )
         for _ in range(2)
