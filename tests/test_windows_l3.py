@@ -403,3 +403,40 @@ def test_window_entries_one_process_misses_are_a_miss_on_every_process(tmp_path)
         assert r["cut"] == {"found": 8, "cached": 0}, r
         assert r["whole"] == {"found": 8, "cached": 32}, r
         assert (r["window_hits"], r["window_missed"]) == (2, 2), r
+
+
+def test_storage_attached_at_run_time_puts_and_fetches_the_window_pages(store):
+    root, url = store
+    spec = _spec()
+    a = HiCache(spec, HiCacheConfig(device_pages=64, host_pages=128, write_through_threshold=1))
+    a.attach_storage(url)
+    toks = _tokens(8, 6)
+    served = _Served(a)
+    served(toks)
+    assert a.detach_storage() >= 0  # puts finished first
+    assert len(_entries(root)["full"]) == 6 and len(_entries(root)["w0"]) == 2
+    served.check()
+    a.close()
+    b = HiCache(spec, HiCacheConfig(device_pages=64, host_pages=128, load_back_threshold=PS))
+    b.attach_storage(url)
+    h = b.prefetch(toks)
+    assert h is not None and h.wait() == 6
+    assert _Served(b)(toks) == 6 * PS
+    b.close()
+
+
+def test_a_fetch_cut_short_ends_where_the_store_holds_no_window_pages(store):
+    """A prefetch bounded by its staging rows ends inside the writer's node: the store holds
+    no window entries for that end (the writer's node kept its own end's), so the fetched
+    prefix is cut back, never served with window pages of another end."""
+    _root, url = store
+    spec = _spec()
+    toks = _tokens(9, 6)
+    _write(spec, url, toks)
+    b = _cache(spec, url + "?staging_pages=4", prefetch_policy="wait_complete")
+    h = b.prefetch(toks)
+    assert h is not None and h.wait() == 4
+    served = _Served(b)
+    assert served(toks) == 0
+    assert b.stats()["l3_window_prefetch_missed_pages"] == 2
+    b.close()
