@@ -90,7 +90,9 @@ class WindowHostPages:
         self.specs = tuple(p.local_spec for p in host.pools)
 
     def pages(self, g: int, host_ids: np.ndarray) -> np.ndarray:
-        return self._host.attach[g, host_ids]
+        # spare pages (no node end reads them) are never written to L3: none here
+        w = self._host.attach[g, host_ids]
+        return np.where(self._host.spare[g, host_ids] > 0, -1, w).astype(np.int32)
 
     def read_async(self, g: int, group_ids: np.ndarray) -> Any:
         return self._host.pools[g].read_async(group_ids)
@@ -99,9 +101,9 @@ class WindowHostPages:
         if (self._host.attach[g, host_ids] >= 0).any():
             raise HiCacheError(f"host pages already hold a page of window group {g}")
         pool = self._host.pools[g]
-        if pool.allocator.num_free < host_ids.size:
+        if self._host.room(g) < host_ids.size:
             return 0  # that prefix is not servable from host (the match cuts it back)
-        ids = pool.allocator.alloc(host_ids.size)
+        ids = self._host.take(g, host_ids.size)  # (spare pages freed first)
         pool.write_rows(ids, rows, row_ids)
         self._host.attach[g, host_ids] = ids
         return int(ids.size)
