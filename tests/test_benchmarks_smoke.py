@@ -49,6 +49,12 @@ RUNS = [
     ("bench_load_policy", ["--quick"], ["cost/better", "target cost/better <= 1.05"], []),
     ("bench_windows", ["--quick"], ["L1/formula", "target every tier within 5%"], []),
     (
+        "bench_windows_control",
+        ["--quick", "--limit", "60"],
+        ["vs one group", "target two groups within 1.3x of one group"],
+        [],
+    ),
+    (
         "bench_multihost",
         ["--requests", "40", "--processes", "1,2"],
         ["x 1 process", "agreement share", "(target <= 1.3x)"],
