@@ -255,6 +255,7 @@ class TransferEngine:
         # window groups (attach_windows): each tier's pages, each group's (backup, load) copy
         self._windows: tuple[WindowPages, WindowPages] | None = None
         self._window_fns: list[tuple[Any, Any]] = []
+        self._window_inline: list[tuple[int, Any, Any]] = []
         #: window group pages a backup or load could not copy (no free page of the group on
         #: the destination tier): those pages hold no window KV there (not servable from it)
         self.window_pages_dropped = 0
@@ -266,11 +267,15 @@ class TransferEngine:
         tier (attached there to the destination pages), in the same handle."""
         self._windows = (device, host)
         self._window_fns = []
+        self._window_inline = []
         for dp, hp in zip(device.pools, host.pools):
             host_put = None if hp.on_device_memory else hp.sharding
             dev_put = None if hp.on_device_memory else hp.device_sharding
             fns = transfer_fns(dp.spec.num_layers, hp.layout, host_put, dev_put)
             self._window_fns.append((bound_copy(fns[0]), bound_copy(fns[1])))
+            # XLA:CPU: as the full pages' copies, small ones run inline (INLINE_COPY_BYTES)
+            inline = INLINE_COPY_BYTES // dp.spec.page_bytes if self._inline_pages else 0
+            self._window_inline.append((inline, inline_copy(fns[0]), inline_copy(fns[1])))
 
     def _copy_windows(
         self, handle: TransferHandle, src: np.ndarray, dst: np.ndarray, to_host: bool
@@ -282,12 +287,15 @@ class TransferEngine:
         dst_side.detach(dst)  # (fresh pages hold none; a caller's ids might)
         for g, (backup_fn, load_fn) in enumerate(self._window_fns):
             w = src_side.attach[g, src]
-            spare = src_side.spare[g, src] > 0
-            # the pages a node end reads first, then spare ones (they stay spare there)
-            kept = np.flatnonzero((w >= 0) & ~spare)
-            sel = np.concatenate([kept, np.flatnonzero((w >= 0) & spare)])
-            if not sel.size:
+            on = w >= 0
+            if not on.any():
                 continue
+            spare = src_side.spare[g, src] > 0
+            if spare.any():  # the pages a node end reads first, then spare ones
+                kept = np.flatnonzero(on & ~spare)
+                sel = np.concatenate([kept, np.flatnonzero(on & spare)])
+            else:
+                kept = sel = np.flatnonzero(on)
             taken = dst_side.take(g, sel.size)
             if taken.size < sel.size:
                 # (counted: pages a node end reads; spare ones are not copied, silently)
@@ -296,12 +304,17 @@ class TransferEngine:
                 if not sel.size:
                     continue
             dst_side.attach[g, dst[sel]] = taken
-            dst_side.mark_spare(g, dst[sel[kept.size :]])
+            if sel.size > kept.size:
+                dst_side.mark_spare(g, dst[sel[kept.size :]])
             plan = copy_plan(taken, w[sel])
+            inline, backup_inline, load_inline = self._window_inline[g]
+            small = taken.size <= inline
             if to_host:
-                token = host.pools[g].run(backup_fn, dev.pools[g].array, plan)
+                fn = backup_inline if small else backup_fn
+                token = host.pools[g].run(fn, dev.pools[g].array, plan)
             else:
-                token = dev.pools[g].run(load_fn, host.pools[g].buffer, plan)
+                fn = load_inline if small else load_fn
+                token = dev.pools[g].run(fn, host.pools[g].buffer, plan)
             handle._window_tokens.append(token)
             handle.nbytes += int(taken.size) * dev.pools[g].spec.page_bytes
 

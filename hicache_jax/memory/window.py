@@ -140,6 +140,8 @@ class WindowPages:
 
     def detach(self, anchor_ids: np.ndarray) -> None:
         """Free every group page attached to ``anchor_ids`` (int32, distinct)."""
+        if not (self.attach[:, anchor_ids] >= 0).any():  # (one check for every group)
+            return
         for g in range(len(self.pools)):
             self.detach_group(g, anchor_ids)
 
