@@ -28,14 +28,22 @@ Threading: the cache's owning thread only (called by the recorder).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 
 from hicache_jax.events.records import GroupTag, Medium
 
-if TYPE_CHECKING:
-    from hicache_jax.events.recorder import Recorder
+
+class Sink(Protocol):
+    """What :class:`GroupEvents` records into (a ``Recorder``; no import of it: it imports
+    this module)."""
+
+    def stored_run(
+        self, node: Any, medium: Medium, first: int, stop: int, group: GroupTag | None
+    ) -> None: ...
+
+    def removed_pages(self, hashes: np.ndarray, medium: Medium, group: GroupTag | None) -> None: ...
 
 
 def runs(row: np.ndarray) -> list[tuple[int, int]]:
@@ -64,7 +72,7 @@ class GroupEvents:
         device, host: each tier's window pages (``WindowPages``: their ``attach`` rows).
     """
 
-    def __init__(self, recorder: Recorder, tags: list[GroupTag], device: Any, host: Any) -> None:
+    def __init__(self, recorder: Sink, tags: list[GroupTag], device: Any, host: Any) -> None:
         self._rec, self._tags = recorder, tags
         self._attach = {Medium.DEVICE: device.attach, Medium.HOST: host.attach}
 
