@@ -7,12 +7,15 @@ state machine's (tests/test_hicache_state_machine.py, ``test_hicache_state_machi
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 
 from helpers import make_cache, serve, tree_pages
 from hicache_jax import HiCacheConfig, KVSpec, LayerGroup, Medium
 from hicache_jax.events import BlockRemoved, BlockStored, replay
+from hicache_jax.events.recorder import QueueRecorder
 from hicache_jax.events.records import GroupTag, group_tags
 
 PS = 4
@@ -233,3 +236,33 @@ def test_random_workload_replays_to_what_the_cache_holds_per_group(block_hash):
 def test_a_bad_groups_value_names_the_field():
     with pytest.raises(ValueError, match="kv_events groups='none' is not one of: 'all', 'full'"):
         HiCacheConfig(device_pages=4, kv_events={"publisher": "queue", "groups": "none"})
+
+
+def test_l3_pages_are_the_full_attention_pages_named_as_such():
+    """(A cache refuses storage with window groups for now: the recorder alone.) L3 keeps no
+    window pages: what is announced there is the full-attention pages, tagged so."""
+    rec = QueueRecorder(10, l3=True)
+    nowhere = SimpleNamespace(attach=np.full((1, 4), -1, np.int32))
+    rec.watch_groups(_spec(), nowhere, nowhere)
+    node = SimpleNamespace(
+        num_pages=2,
+        num_tokens=2 * PS,
+        page_hashes=np.array([5, 6], np.uint64),
+        key=np.arange(2 * PS),
+        extra_key=None,
+        hash_parent=None,
+        value=None,
+        host_value=None,
+    )
+    rec.l3_stored(rec.l3_candidate(node), np.ones(2, bool))
+    rec.l3_detached()
+    events = rec.take()
+    assert [(type(e).__name__, e.block_hash, e.medium, e.group_idx) for e in events] == [
+        ("BlockStored", 5, Medium.L3, 1),
+        ("BlockStored", 6, Medium.L3, 1),
+        ("BlockRemoved", 6, Medium.L3, 1),  # leaves first
+        ("BlockRemoved", 5, Medium.L3, 1),
+    ]
+    assert {e.kv_cache_spec_kind for e in events if isinstance(e, BlockStored)} == {
+        "full_attention"
+    }
