@@ -785,6 +785,14 @@ class HiCacheConfig:
             free copies the full-attention pages without them (``window_pages_dropped``), so
             that prefix is not served from there (ARCHITECTURE.md, "Layer groups").
         window_host_pages: the same for each window group's host pool; None: ``host_pages``.
+        window_spare: True (default): a window page no node end reads any more stays
+            as a spare page, freed first (oldest first) when its pool needs a page, so that a
+            later request diverging there (a split of the node) still finds the window its
+            new end reads; a backup or load-back copies them after the pages node ends
+            read, where there is room, and they stay spare there (the host's own spare pages
+            go first when the host pool needs a page). False: free them when their node enters
+            the tree, on every tier (each split point where no request has diverged before
+            then costs a recompute back to a servable end).
     """
 
     device_pages: int
@@ -819,6 +827,7 @@ class HiCacheConfig:
     completion_lag: int | None = None
     window_device_pages: int | None = None
     window_host_pages: int | None = None
+    window_spare: bool = True
 
     def __post_init__(self) -> None:
         set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731
@@ -892,6 +901,7 @@ class HiCacheConfig:
             raise ValueError(f"agreement_timeout_s={t!r} must be a finite number > 0")
         if self.completion_lag is not None:
             set_("completion_lag", check_int("completion_lag", self.completion_lag, 1))
+        set_("window_spare", check_bool("window_spare", self.window_spare))
         for name in ("window_device_pages", "window_host_pages"):
             if getattr(self, name) is not None:
                 set_(name, check_int(name, getattr(self, name), 1))

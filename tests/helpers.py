@@ -278,8 +278,9 @@ def check_window_bytes(cache: HiCache, g: int, model: WindowKV) -> None:
                 continue
             w = side.attach[g, ids]
             held = np.flatnonzero(w >= 0)
+            kept = np.flatnonzero((w >= 0) & (side.spare[g, ids] == 0))  # (spare: device only)
             first = model.group.need_start(total * ps) // ps - start
-            assert held.size == 0 or held[0] >= first, f"{node!r} keeps window pages it need not"
+            assert kept.size == 0 or kept[0] >= first, f"{node!r} keeps window pages it need not"
             if held.size:
                 got = bits(side.pools[g].read(w[held]))
                 want = np.concatenate(

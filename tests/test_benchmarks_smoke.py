@@ -47,6 +47,7 @@ RUNS = [
         ["prometheus_client"],
     ),
     ("bench_load_policy", ["--quick"], ["cost/better", "target cost/better <= 1.05"], []),
+    ("bench_windows", ["--quick"], ["L1/formula", "target every tier within 5%"], []),
     (
         "bench_multihost",
         ["--requests", "40", "--processes", "1,2"],

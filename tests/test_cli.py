@@ -185,6 +185,10 @@ def test_bad_flags_exit_with_usage(argv, capsys):
         (["--seed", "-1"], "--seed"),
         (["--json", "/proc/nope/x.json"], "--json"),
         (["--repeats", "0"], "--repeats 0 must be >= 1"),
+        (["--layer-pattern", "1:1"], "window"),  # local layers need --window or --chunk
+        (["--layer-pattern", "1:1", "--window", "0"], "window=0"),
+        (["--layer-pattern", "9"], "layer_pattern"),
+        (["--layer-pattern", "1:1", "--window", "8", "--tensor-parallel"], "--layer-pattern"),
     ],
 )
 def test_bad_sizes_are_usage_errors(flags, match, capsys):

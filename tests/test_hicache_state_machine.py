@@ -109,6 +109,7 @@ class HiCacheMachine(RuleBasedStateMachine):
     page_size = 1
     window: int | None = None  # a model of one sliding-window layer and one full layer
     small_windows = False  # window pools of half the full-attention pools' pages
+    window_spare = True  # False: window pages no node end reads are freed at insert
 
     def __init__(self) -> None:
         super().__init__()
@@ -152,6 +153,7 @@ class HiCacheMachine(RuleBasedStateMachine):
             kv_events={"publisher": "queue"},
             window_device_pages=device // 2 if self.small_windows else None,
             window_host_pages=max(1, host // 2) if self.small_windows else None,
+            window_spare=self.window_spare,
         )
         self.cache = HiCache(self.spec, cfg, clock=self._now, transfer_engine=GatedEngine)
         self.engine = gate(self.cache)
@@ -480,10 +482,10 @@ def test_hicache_state_machine(write_policy, eviction, page_size):
         assert COVERAGE[key] > 0, f"the machine never exercised {key}: {dict(COVERAGE)}"
 
 
-@pytest.mark.parametrize("small", [False, True], ids=["windows", "small-windows"])
+@pytest.mark.parametrize("mode", ["windows", "small-windows", "eager"])
 @pytest.mark.parametrize("page_size,window", [(1, 2), (16, 20)])
 @pytest.mark.parametrize("write_policy", POLICIES)
-def test_hicache_state_machine_windows(write_policy, page_size, window, small):
+def test_hicache_state_machine_windows(write_policy, page_size, window, mode):
     """The same machine over a model with a sliding-window layer: every matched prefix reads
     back each group's bytes for the pages a continuation reads, on whichever tier served it;
     no window page leaks on either tier; the tree keeps only what its nodes' ends read."""
@@ -495,7 +497,8 @@ def test_hicache_state_machine_windows(write_policy, page_size, window, small):
             eviction="lru",
             page_size=page_size,
             window=window,
-            small_windows=small,
+            small_windows=mode == "small-windows",
+            window_spare=mode != "eager",
         ),
     )
     cfg = settings(max_examples=60 if LONG else 6, stateful_step_count=40)

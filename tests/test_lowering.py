@@ -299,3 +299,37 @@ def test_the_cpu_programs_pass_too():
     report = lowering.check(pset)
     report.raise_for_failures()
     assert any("interpreted" in n for n in pset.notes)
+
+
+@pytest.mark.parametrize("platform", ["tpu", "cuda"])
+def test_window_groups_pools_and_copies_lower(platform):
+    """A spec with a window group lists that group's pool programs and transfer copies at
+    its own page shape (named ``window0.*``), and they lower and pass like the full group's."""
+    spec = KVSpec.from_pattern(
+        "3:1", num_layers=4, num_kv_heads=2, head_dim=8, dtype="bfloat16", page_size=16, window=32
+    )
+    pset = lowering.programs(spec, platform, device_pages=PAGES, engine=False)
+    ops = {p.op for p in pset.programs}
+    assert {
+        "window0.transfer.backup",
+        "window0.transfer.load",
+        "window0.device_pool.write[xla]",
+    } <= ops
+    window = [p for p in pset.programs if p.name.startswith("window0.")]
+    backup = next(p for p in window if p.op == "window0.transfer.backup")
+    assert backup.args[0].shape[0] == 3  # the group's three layers, layer-first host buffer
+    report = lowering.check(pset, only=["window0.transfer", "window0.device_pool.write"])
+    report.raise_for_failures()
+    assert len(report.lowered) > 0
+
+
+def test_lower_command_takes_a_layer_pattern(capsys):
+    common = ["lower", "--platform", "tpu", "--device-pages", "4", "--no-engine"]
+    spec = ["--spec", "layers=4,kv_heads=2,head_dim=8,page_size=16"]
+    pattern = ["--layer-pattern", "3:1", "--window", "32", "--only", "window0.transfer"]
+    assert main([*common, *spec, *pattern]) == 0
+    assert "window0.transfer.backup" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as exc:
+        main([*common, "--window", "32"])
+    assert exc.value.code == 2
+    assert "--window / --chunk need --layer-pattern" in capsys.readouterr().err

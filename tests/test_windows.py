@@ -143,14 +143,17 @@ class _FakePool:
 # ------------------------------------------------------------------------ the tree's rules
 
 
-def test_a_node_keeps_only_what_a_continuation_at_its_end_reads():
+@pytest.mark.parametrize("spare", [True, False])
+def test_a_node_keeps_only_what_a_continuation_at_its_end_reads(spare):
     spec = _spec(window=8)  # 2 pages of 4
-    cache = _cache(spec)
+    cache = _cache(spec, window_spare=spare)
     serve = _Served(cache)
     tokens = np.arange(64)
     serve(tokens)
     st_ = cache.stats()
-    assert st_["window_device_used_pages"] == 2  # the last 8 tokens of the one node
+    kept = st_["window_device_used_pages"] - st_["window_device_spare_pages"]
+    assert kept == 2  # the last 8 tokens of the one node
+    assert st_["window_device_spare_pages"] == (14 if spare else 0)  # the rest: spare or freed
     assert st_["window_pages_trimmed"] == 14
     assert serve(tokens) == 64  # the whole prompt is a hit: its window is there
 
@@ -160,7 +163,7 @@ def test_bytes_a_cached_prefix_holds():
     the all-full model would (a 3:1 pattern, every layer of one shape)."""
     window, n = 8, 256
     spec = _spec(window=window)
-    cache = _cache(spec, device=128, host=256)
+    cache = _cache(spec, device=128, host=256, window_spare=False)
     _Served(cache)(np.arange(n))
     full_bytes = spec.page_bytes * (n // PS)
     win_bytes = (
@@ -170,9 +173,29 @@ def test_bytes_a_cached_prefix_holds():
     assert (full_bytes + win_bytes) / all_full == pytest.approx(1 / 4 + 3 / 4 * window / n)
 
 
+def test_spare_window_pages_serve_a_split_end_until_room_is_needed():
+    spec = _spec(window=8)
+    a = np.arange(64)
+    b = a.copy()
+    b[40:] += 1000
+    cache = _cache(spec)
+    serve = _Served(cache)
+    serve(a)  # 16 pages: 2 kept, 14 spare
+    assert serve(b) == 40  # the split end at 40 reads spare pages 8, 9: still there
+    assert cache.stats()["window_unservable_tokens"] == 0
+    # A window pool of 18 pages: a's 14 spare pages make room for another request's 16.
+    cache = _cache(spec, window_device_pages=18)
+    serve = _Served(cache)
+    serve(a)
+    serve(np.arange(2000, 2064))
+    assert cache.stats()["window_spare_reclaimed"] == 14
+    assert cache.stats()["evictions"] == 0  # spare pages go before any node
+    assert serve(b) == 0  # a's pages 8, 9 were freed: the split end at 40 is not servable
+
+
 def test_a_split_end_backs_off_then_is_filled_by_the_request_that_recomputes_it():
     spec = _spec(window=8)
-    cache = _cache(spec)
+    cache = _cache(spec, window_spare=False)
     serve = _Served(cache)
     a = np.arange(64)
     serve(a)
@@ -226,7 +249,8 @@ def test_hits_from_host_read_back_every_group(tmp_path):
     cache.flush()
     assert serve(a) == 64
     assert cache.stats()["load_backs"] > 0
-    assert cache.stats()["window_host_used_pages"] <= 4
+    st_ = cache.stats()
+    assert st_["window_host_used_pages"] - st_["window_host_spare_pages"] <= 4  # two tails
 
 
 def test_small_window_pools_evict_for_a_callers_window_pages():
@@ -244,7 +268,7 @@ def test_small_window_pools_evict_for_a_callers_window_pages():
 
 def test_bad_window_calls_raise_typed_errors_and_change_nothing():
     spec = _spec()
-    cache = _cache(spec)
+    cache = _cache(spec, window_spare=False)
     _Served(cache)(np.arange(32))
     before = snapshot(cache)
     tree_page = cache.match_prefix(np.arange(32)).device_pages

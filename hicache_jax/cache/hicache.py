@@ -201,7 +201,7 @@ class HiCache:
             "host",
         )
         self._engine.attach_windows(dev, host)
-        return Windows(spec, dev, host)
+        return Windows(spec, dev, host, cfg.window_spare)
 
     def _init_state(self) -> None:
         """Build the parts in dependency order, each given what it needs (ARCHITECTURE.md,
@@ -342,6 +342,12 @@ class HiCache:
             if ntok < tm.device_len + tm.host_len:
                 self._n["window_unservable_tokens"] += tm.device_len + tm.host_len - ntok
                 tm = self._tree.match(arr[:ntok], extra_key, validated=True)
+            self._windows.hold(
+                tm.device_pages,
+                np.concatenate([n.host_value for n in tm.host_nodes])
+                if tm.host_nodes
+                else tm.device_pages[:0],
+            )
         self._n["match_tokens"] += arr.shape[0]
         self._n["device_hit_tokens"] += tm.device_len
         self._n["host_hit_tokens"] += tm.host_len
@@ -551,7 +557,9 @@ class HiCache:
         if ntok >= m.device_len:
             return m
         self._n["window_unservable_tokens"] += m.device_len - ntok
-        return cut_to(self._tree, m, ntok)
+        cut = cut_to(self._tree, m, ntok)
+        w.hold(cut.device_pages)
+        return cut
 
     def lock(self, node: NodeRef) -> None:
         """Protect a match's prefix (``Match.node``: the node and its ancestors) from eviction
@@ -632,7 +640,8 @@ class HiCache:
         ``device_pages``."""
         assert self._windows is not None
         while True:
-            short = n - min(a.num_free for a in self._windows.device.allocators)
+            dev = self._windows.device
+            short = n - min(dev.room(g) for g in range(len(dev.pools)))
             if short <= 0 or self._evict.evict_device(short * self._ps) == 0:
                 return
 
@@ -1022,6 +1031,11 @@ class HiCache:
         return {
             "window_device_used_pages": 0 if w is None else sum(w.device.used_pages()),
             "window_host_used_pages": 0 if w is None else sum(w.host.used_pages()),
+            "window_device_spare_pages": 0 if w is None else sum(w.device.spare_pages()),
+            "window_host_spare_pages": 0 if w is None else sum(w.host.spare_pages()),
+            "window_spare_reclaimed": 0
+            if w is None
+            else w.device.spare_reclaimed + w.host.spare_reclaimed,
         }
 
     def transfer_histograms(self) -> dict[str, dict[str, HistogramSnapshot]]:

@@ -48,9 +48,12 @@ class Windows:
         device, host: the window pages of each tier.
     """
 
-    def __init__(self, spec: KVSpec, device: WindowPages, host: WindowPages) -> None:
+    def __init__(
+        self, spec: KVSpec, device: WindowPages, host: WindowPages, spare: bool = True
+    ) -> None:
         self.groups = spec.window_groups
         self.device, self.host = device, host
+        self.spare = spare
         self._ps = spec.page_size
 
     # -- servable prefixes -----------------------------------------------------------------
@@ -68,6 +71,21 @@ class Windows:
         root first) from the device tier alone."""
         held = self.device.held(device_pages)
         return servable_pages(held, self.groups, self._ps, held.shape[1]) * self._ps
+
+    def hold(self, device_pages: np.ndarray, host_pages: np.ndarray = _EMPTY) -> None:
+        """A match ends after ``device_pages`` then ``host_pages`` (at a node end: the tree
+        split there): the pages a continuation there reads are not spare any more, on the
+        tier holding each, so making room for another request (which frees spare pages)
+        never takes them from under this one."""
+        nd = device_pages.size
+        if not self.spare or not nd + host_pages.size:
+            return
+        end = (nd + host_pages.size) * self._ps
+        for g, group in enumerate(self.groups):
+            first = kept_first_page(group, end, self._ps)
+            if first < nd:
+                self.device.unmark_spare(g, device_pages[first:])
+            self.host.unmark_spare(g, host_pages[max(0, first - nd) :])
 
     # -- caller pages and inserts ----------------------------------------------------------
     def attach_new(self, ids: np.ndarray) -> None:
@@ -97,18 +115,22 @@ class Windows:
         return freed
 
     def trim(self, node: TreeNode, start_page: int) -> int:
-        """Free the group pages of ``node`` (starting at page ``start_page`` of its prefix)
-        that a continuation at its end does not read, on both tiers; how many."""
+        """Drop the group pages of ``node`` (starting at page ``start_page`` of its prefix)
+        that a continuation at its end does not read, on both tiers: freed, or marked spare
+        (``spare``: kept while the group's pool has room, so a later split there still finds
+        them); how many were dropped."""
         end = (start_page + node.num_pages) * self._ps
         freed = 0
         for g, group in enumerate(self.groups):
-            k = kept_first_page(group, end, self._ps) - start_page
-            if k <= 0:
-                continue
-            if node.value is not None:
-                freed += self.device.detach_group(g, node.value[:k])
-            if node.host_value is not None:
-                freed += self.host.detach_group(g, node.host_value[:k])
+            k = max(0, kept_first_page(group, end, self._ps) - start_page)
+            for side, ids in ((self.device, node.value), (self.host, node.host_value)):
+                if ids is None:
+                    continue
+                if self.spare:
+                    freed += side.mark_spare(g, ids[:k])
+                    side.unmark_spare(g, ids[k:])
+                elif k:
+                    freed += side.detach_group(g, ids[:k])
         return freed
 
     # -- eviction ------------------------------------------------------------------------
@@ -149,7 +171,10 @@ class Windows:
                 if k <= 0:
                     continue
                 for side, ids in ((self.device, node.value), (self.host, node.host_value)):
-                    if ids is not None and (side.attach[g, ids[:k]] >= 0).any():
+                    if (
+                        ids is not None
+                        and ((side.attach[g, ids[:k]] >= 0) & (side.spare[g, ids[:k]] == 0)).any()
+                    ):
                         raise HiCacheError(
                             f"{node!r}: {side.name} window group {g} holds pages no "
                             "continuation at the node's end reads"

@@ -91,7 +91,24 @@ def add_parser(sub: Any) -> None:
     w.add_argument("--max-new-tokens", type=int, default=16)
     w.add_argument("--seed", type=int, default=0, help="workload and weight seed")
     m = b.add_argument_group("model")
-    m.add_argument("--layers", type=int, default=4)
+    m.add_argument(
+        "--layers",
+        type=int,
+        help="decoder layers (default 4; with --layer-pattern a:b, one repetition: a + b)",
+    )
+    m.add_argument(
+        "--layer-pattern",
+        default="",
+        metavar="A:B",
+        help="A local-attention layers (--window or --chunk) then B full ones, repeating "
+        "(e.g. 5:1); the cache keeps each local group's pages only as far back as a "
+        "continuation reads them. Hits come from continued conversations: the default chat "
+        "workload (prompts of 256+ tokens) with --window 128 shows L1 and L2 hits",
+    )
+    m.add_argument("--window", type=int, help="with --layer-pattern: sliding window in tokens")
+    m.add_argument(
+        "--chunk", type=int, help="with --layer-pattern: chunked local attention, chunk in tokens"
+    )
     m.add_argument("--d-model", type=int, default=256)
     m.add_argument("--heads", type=int, default=8)
     m.add_argument("--kv-heads", type=int, default=2)
@@ -231,6 +248,15 @@ def build_workload(args: argparse.Namespace) -> Workload:
     return WORKLOADS[args.workload](
         **sizes, max_new_tokens=args.max_new_tokens, vocab_size=args.vocab, seed=args.seed
     )
+
+
+def _pattern_period(pattern: str) -> int:
+    """Layers of one repetition of a ``--layer-pattern`` ``"a:b"`` (``a + b``); 0 for none or
+    one that does not parse (``ModelConfig`` then names the problem)."""
+    a, sep, b = pattern.partition(":")
+    if not sep or not a.strip().isdigit() or not b.strip().isdigit():
+        return 0
+    return int(a) + int(b)
 
 
 def _device_pages(workload: Workload, page_size: int, given: int | None, share: float) -> int:
@@ -422,6 +448,14 @@ def bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             check_writable(args.json)
         args.metrics = bench_metrics.serve(args.metrics_port, args.processes)
         workload = build_workload(args)
+        if args.layer_pattern and (args.processes > 1 or bench_processes.sharded(args)):
+            raise ValueError(
+                f"--layer-pattern {args.layer_pattern}: a model with local attention layers "
+                "does not run tensor-parallel or over several processes yet (drop "
+                "--tensor-parallel / --processes / --coordinator, or --layer-pattern)"
+            )
+        if args.layers is None:
+            args.layers = _pattern_period(args.layer_pattern) or 4
         cfg = ModelConfig(
             vocab_size=args.vocab,
             num_layers=args.layers,
@@ -431,6 +465,9 @@ def bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             head_dim=args.head_dim,
             ffn_dim=args.ffn_dim,
             dtype=args.dtype,
+            layer_pattern=args.layer_pattern,
+            window=args.window,
+            chunk=args.chunk,
         )
         bench_processes.check_divisible(args, cfg)
         ps = args.page_size
@@ -494,7 +531,8 @@ def _run(
     )
     print(
         f"model {cfg.num_layers}L d{cfg.d_model} {cfg.num_heads}/{cfg.num_kv_heads} heads "
-        f"{cfg.dtype}; device pool {device_pages} pages ({device_pages * ps} tokens), "
+        f"{cfg.dtype}{_pattern_text(cfg)}; device pool {device_pages} pages "
+        f"({device_pages * ps} tokens), "
         f"host pool {host_pages} pages; policy {args.policy}, load policy "
         f"{args.load_policy}; {args.engine} engine",
         flush=True,
@@ -741,6 +779,14 @@ def _bench_batched(
     if args.plot:
         serve_bench.plot(args.plot, per_request)
     return 0 if ok and not leaks else 1
+
+
+def _pattern_text(cfg: ModelConfig) -> str:
+    """`` (layers 5:1, window 128)`` for a model with a layer pattern, else ``""``."""
+    if not cfg.layer_pattern:
+        return ""
+    local = f"window {cfg.window}" if cfg.window is not None else f"chunk {cfg.chunk}"
+    return f" (layers {cfg.layer_pattern}, {local})"
 
 
 def _config_record(

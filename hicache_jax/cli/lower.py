@@ -30,6 +30,13 @@ def add_parser(sub: Any) -> None:
         help="KV page shape, e.g. layers=32,kv_heads=8,head_dim=128,"
         "dtype=bfloat16,page_size=16; missing keys: Llama-3-8B's",
     )
+    p.add_argument(
+        "--layer-pattern",
+        help="window:full layers, repeating (e.g. 5:1: five sliding-window layers, one "
+        "global); --spec's layers are then the model's layers",
+    )
+    p.add_argument("--window", type=int, help="with --layer-pattern: the window, in tokens")
+    p.add_argument("--chunk", type=int, help="with --layer-pattern: chunked attention's chunk")
     p.add_argument("--device-pages", type=int, default=2048, help="L1 pages (shapes only)")
     p.add_argument("--host-pages", type=int, help="L2 pages (default 4 x L1)")
     p.add_argument("--host-layout", choices=["layer_first", "page_first"], default="layer_first")
@@ -47,6 +54,20 @@ def lower_command(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
     """``hicache-jax lower``: print the table; exit status 1 when a check fails."""
     try:
         spec = KVSpec.parse(args.spec, LLAMA3_8B_KV)
+        if args.layer_pattern is not None:
+            spec = KVSpec.from_pattern(
+                args.layer_pattern,
+                num_layers=spec.num_layers,
+                num_kv_heads=spec.num_kv_heads,
+                head_dim=spec.head_dim,
+                dtype=spec.dtype,
+                page_size=spec.page_size,
+                window=args.window,
+                chunk=args.chunk,
+                mla=spec.mla,
+            )
+        elif args.window is not None or args.chunk is not None:
+            raise ValueError("--window / --chunk need --layer-pattern")
         pset = programs(
             spec,
             args.platform,

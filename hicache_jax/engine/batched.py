@@ -79,7 +79,14 @@ from hicache_jax.engine.batch_state import (
     PageLedger,
     shares_uncached,
 )
-from hicache_jax.engine.engine import CacheMode, Generation, build_cache, parse_mode
+from hicache_jax.engine.engine import (
+    CacheMode,
+    Generation,
+    build_cache,
+    check_spec,
+    parse_mode,
+    window_args,
+)
 from hicache_jax.engine.model import DecoderModel
 from hicache_jax.engine.packing import TokenSlots, bucket
 from hicache_jax.engine.workloads import Arrival, ArrivalProcess
@@ -166,14 +173,7 @@ class BatchedEngine:
         if not isinstance(cache, HiCache):
             raise TypeError(f"cache must be a HiCache, got {type(cache).__name__}")
         spec, want = cache.spec, model.kv_spec(cache.spec.page_size)
-        if (spec.num_layers, spec.num_kv_heads, spec.head_dim, spec.dtype, spec.mla) != (
-            want.num_layers,
-            want.num_kv_heads,
-            want.head_dim,
-            want.dtype,
-            want.mla,
-        ):
-            raise ValueError(f"cache.spec {spec} does not hold this model's K/V (needs {want})")
+        check_spec(spec, want)
         for name, value in (
             ("token_budget", token_budget),
             ("query_block", query_block),
@@ -482,11 +482,22 @@ class BatchedEngine:
             chunks = (pre if part_batch else []) + (dec if part_dec else [])
             reqs = [r for r, _ in part_batch] + part_dec
             sample = self._timer.dispatch(self.pool, part_batch, part_dec, chunks, reqs, knobs)
+            windows = {}
+            if self.cache.spec.window_groups:  # asked each step: inserts drop window pages
+                ends = [r.kv_done + n for r, n in part_batch] + [r.kv_done + 1 for r in part_dec]
+                windows = {
+                    "windows": self.cache.window_pools,
+                    "window_pages": [
+                        window_args(self.cache, r.pages, -(-e // self.ps))["window_pages"]
+                        for r, e in zip(reqs, ends)
+                    ],
+                }
             logits, toks = self.model.forward_batch(
                 self.pool,
                 chunks,
                 [r.kv_done for r in reqs],
                 [r.pages for r in reqs],
+                **windows,
                 waiter=waiter if self._layer_waits and part_batch else None,
                 layerwise_if_compiled=True,
                 reuse_compiled=not self.compile_mixed,

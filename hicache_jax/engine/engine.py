@@ -39,7 +39,7 @@ import numpy as np
 from hicache_jax.cache.hicache import HiCache
 from hicache_jax.engine.model import DecoderModel
 from hicache_jax.engine.packing import bucket
-from hicache_jax.spec import HiCacheConfig
+from hicache_jax.spec import HiCacheConfig, KVSpec
 from hicache_jax.validation import check_bool, is_int
 
 
@@ -140,14 +140,7 @@ class Engine:
         self.prefetch = bool(prefetch)
         spec = cache.spec
         want = model.kv_spec(spec.page_size)
-        if (spec.num_layers, spec.num_kv_heads, spec.head_dim, spec.dtype, spec.mla) != (
-            want.num_layers,
-            want.num_kv_heads,
-            want.head_dim,
-            want.dtype,
-            want.mla,
-        ):
-            raise ValueError(f"cache.spec {spec} does not hold this model's K/V (needs {want})")
+        check_spec(spec, want)
         for name, value in (
             ("chunk_size", chunk_size),
             ("prefill_bucket", prefill_bucket),
@@ -255,6 +248,10 @@ class Engine:
         else:
             self._prefill_shapes.add(shapes)
 
+    def _windows(self, pages: np.ndarray, end: int) -> dict[str, Any]:
+        """:func:`window_args` of a forward over positions ``0 .. end-1``."""
+        return window_args(self.cache, pages, -(-end // self.cache.spec.page_size))
+
     def _run(
         self,
         prompt: np.ndarray,
@@ -272,13 +269,15 @@ class Engine:
         if req is not None and req.overlap:
             front, back = req.overlap
             for c0 in range(cached, front, self.chunk_size):  # the front, the copy in flight
+                end = min(c0 + self.chunk_size, front)
                 self.model.forward(
                     self.pool,
-                    prompt[c0 : min(c0 + self.chunk_size, front)],
+                    prompt[c0:end],
                     c0,
                     pages,
                     min_bucket=self.prefill_bucket,
                     min_pages=self.table_bucket,
+                    **self._windows(pages, end),
                 )
             req.wait_overlap()
             cached, starts = back, list(range(back, prompt.shape[0], self.chunk_size))
@@ -297,6 +296,7 @@ class Engine:
                 waiter=waiter,
                 min_bucket=self.prefill_bucket,
                 min_pages=self.table_bucket,
+                **self._windows(pages, c0 + chunk.shape[0]),
             )
             waiter = None  # every layer has been waited for once: later chunks run fused
         assert logits is not None  # the prompt's last token is never cached: a chunk ran
@@ -309,12 +309,51 @@ class Engine:
         ttft = time.perf_counter() - t0
         pos = prompt.shape[0]
         for _ in range(max_new - 1):
-            tok = _argmax(
-                self.model.forward(self.pool, tok, pos, pages, min_pages=self.table_bucket)
+            logits = self.model.forward(
+                self.pool,
+                tok,
+                pos,
+                pages,
+                min_pages=self.table_bucket,
+                **self._windows(pages, pos + 1),
             )
+            tok = _argmax(logits)
             out.append(tok)
             pos += 1
         return np.asarray(jnp.concatenate(out)), first_logits, ttft
+
+
+def check_spec(spec: KVSpec, want: KVSpec) -> None:
+    """ValueError unless a cache of ``spec`` holds the K/V of a model that needs ``want``
+    (layers, heads, head dim, dtype, MLA, and the layer groups of a ``layer_pattern``)."""
+    if (
+        spec.num_layers,
+        spec.num_kv_heads,
+        spec.head_dim,
+        spec.dtype,
+        spec.mla,
+        spec.window_groups,
+    ) != (
+        want.num_layers,
+        want.num_kv_heads,
+        want.head_dim,
+        want.dtype,
+        want.mla,
+        want.window_groups,
+    ):
+        raise ValueError(f"cache.spec {spec} does not hold this model's K/V (needs {want})")
+
+
+def window_args(cache: HiCache, pages: np.ndarray, used: int) -> dict[str, Any]:
+    """The window arguments of a forward over ``pages[:used]`` (``DecoderModel.forward``):
+    none for a cache without window groups; else its window pools and the groups' pages of
+    those pages, asked each step (an insert may drop a cached prefix's window pages)."""
+    if not cache.spec.window_groups:
+        return {}
+    return {
+        "windows": cache.window_pools,
+        "window_pages": cache.window_pages(np.asarray(pages)[:used]),
+    }
 
 
 def _pow2(n: int) -> int:

@@ -27,6 +27,12 @@ sampled tokens there, so the next step can be dispatched before this one's token
 host (the batched engine's overlap). :func:`reference_logits` is the dense oracle over the same
 math.
 
+A config with a ``layer_pattern`` (:func:`layer_plan`: which pool and mask each layer has) runs
+through :data:`PATTERN_STEP` / :data:`PATTERN_BATCH_STEP` (layers unrolled, the full pool and
+the window group pools donated together) or, per layer, :data:`LAYER` / :data:`BATCH_LAYER`
+for full layers and :data:`LOCAL_LAYER` / :data:`LOCAL_BATCH_LAYER` for local ones; a local
+layer's query at ``t`` sees keys from ``t - window`` (or ``t``'s chunk start) to ``t``.
+
 Threading: the jitted steps dispatch on the caller's thread, which must own the pool
 (ARCHITECTURE.md: one dispatching thread); :data:`TRACES` is only written at trace time.
 """
@@ -102,12 +108,13 @@ def _mlp(cfg: ModelConfig, lp: Params, x: jax.Array) -> jax.Array:
 def _paged_layer(
     cfg: ModelConfig,
     pool: jax.Array,
-    layer: jax.Array,
+    layer: jax.Array | int,
     lp: Params,
     x: jax.Array,
     start: jax.Array,
     n_new: jax.Array,
     page_table: jax.Array,
+    local: Local = None,
 ):
     """One decoder layer over a chunk, K/V written to and read from the paged pool.
 
@@ -120,6 +127,8 @@ def _paged_layer(
         n_new: int32 scalar, valid rows of x.
         page_table: int32 [Pb], the request's pages for positions 0 .. Pb*ps-1; entries past the
             request's pages point at the scratch page.
+        local: a local-attention layer's mask (:data:`Local`; its pages those of its window
+            group's pool); None: full attention.
 
     Returns:
         (pool with the chunk's K/V written, x after the layer [T, d]).
@@ -143,8 +152,44 @@ def _paged_layer(
     vc = lax.bitcast_convert_type(pool[layer, 1, page_table], x.dtype).reshape(ctx_shape)
     kpos = jnp.arange(n_pages * ps, dtype=jnp.int32)
     mask = (kpos[None, :] <= pos[:, None]) & (kpos[None, :] < start + n_new)
+    if local is not None:
+        mask = mask & (kpos[None, :] >= _local_start(local, pos)[:, None])
     x = x + _attend(cfg, q, kc, vc, mask) @ lp["wo"]
     return pool, x + _mlp(cfg, lp, x)
+
+
+#: A local-attention layer's mask, static: ``("window", W)`` (the query at ``t`` sees keys
+#: ``t - W .. t``) or ``("chunk", C)`` (keys ``t // C * C .. t``); None for a full layer.
+Local = tuple[str, int] | None
+
+
+def _local_start(local: tuple[str, int], pos: jax.Array) -> jax.Array:
+    """The first key position queries at ``pos`` see in a local layer (``Local``)."""
+    kind, size = local
+    return pos - size if kind == "window" else (pos // size) * size
+
+
+@functools.cache
+def layer_plan(cfg: ModelConfig) -> tuple[tuple[int, int, Local], ...]:
+    """Where each model layer's K/V lives, for a config with a ``layer_pattern``:
+    ``(pool, index, local)`` per layer: ``pool`` -1 for the full-attention pool (``index`` its
+    layer there), else the window group's number in ``KVSpec.window_groups`` order (the
+    cache's ``window_pools``), ``index`` the layer's place in that group's ``layers``; ``local``
+    its mask (:data:`Local`). Empty for a config whose layers are all full attention."""
+    spec = cfg.kv_spec(1)
+    if not spec.window_groups:
+        return ()
+    plan: dict[int, tuple[int, int, Local]] = {
+        layer: (-1, i, None) for i, layer in enumerate(spec.full_group.layers)
+    }
+    for g, group in enumerate(spec.window_groups):
+        local: Local = (
+            ("window", int(group.window))
+            if group.window is not None
+            else ("chunk", int(group.chunk or 0))
+        )
+        plan.update({layer: (g, i, local) for i, layer in enumerate(group.layers)})
+    return tuple(plan[layer] for layer in range(cfg.num_layers))
 
 
 def _embed(params: Params, tokens: jax.Array) -> jax.Array:
@@ -200,7 +245,8 @@ def _fused_step(cfg, pool, params, tokens, start, n_new, page_table):
 def reference_logits(cfg: ModelConfig, params: Params, tokens) -> jax.Array:
     """Dense (non-paged, no cache) forward: float32 logits [T, V] of every position.
 
-    The test oracle for the paged paths: same math, plain causal attention over the prompt.
+    The test oracle for the paged paths: same math, plain causal attention over the prompt
+    (local layers of a ``layer_pattern``: their window or chunk mask as well).
     """
     return _reference_jit(cfg, params, jnp.asarray(tokens, jnp.int32))
 
@@ -211,10 +257,13 @@ def _reference_jit(cfg: ModelConfig, params: Params, tokens: jax.Array) -> jax.A
     pos = jnp.arange(t, dtype=jnp.int32)
     mask = pos[None, :] <= pos[:, None]
     x = _embed(params, tokens)
+    plan = layer_plan(cfg)
     for i in range(cfg.num_layers):
         lp = {k: v[i] for k, v in params["layers"].items()}
         q, k, v = _qkv(cfg, lp, x, pos)
-        x = x + _attend(cfg, q, k, v, mask) @ lp["wo"]
+        local = plan[i][2] if plan else None
+        m = mask if local is None else mask & (pos[None, :] >= _local_start(local, pos)[:, None])
+        x = x + _attend(cfg, q, k, v, m) @ lp["wo"]
         x = x + _mlp(cfg, lp, x)
     h = _rms_norm(x, params["final_norm"], cfg.norm_eps)
     return jnp.dot(h, params["lm_head"], preferred_element_type=jnp.float32)
@@ -223,7 +272,7 @@ def _reference_jit(cfg: ModelConfig, params: Params, tokens: jax.Array) -> jax.A
 def _group_attend(
     cfg: ModelConfig,
     pool: jax.Array,
-    layer: jax.Array,
+    layer: jax.Array | int,
     q: jax.Array,
     dtype: Any,
     src: jax.Array,
@@ -233,6 +282,7 @@ def _group_attend(
     item_k0: jax.Array,
     shared_pages: jax.Array,
     shared_k0: jax.Array,
+    local: Local = None,
 ) -> jax.Array:
     """Attention of one row group of a packed step: ``R`` rows of ``Tq`` query slots, each row
     over only the key blocks it can see (split-K: a row's keys are cut into work items of ``Kb``
@@ -256,6 +306,7 @@ def _group_attend(
             query, so they see nothing).
         shared_pages / shared_k0: int32 [Ws, Kb] / [Ws], the key blocks every row of the group
             reads, as ``item_pages`` / ``item_k0`` (Ws may be 0).
+        local: a local-attention layer's mask (:data:`Local`); None: full attention.
 
     Returns:
         [R * Tq, Hq * D] attention output of every slot, in the compute dtype (rows without
@@ -275,6 +326,8 @@ def _group_attend(
         v = lax.bitcast_convert_type(pool[layer, 1, flat], dtype).reshape(n, s, hkv, hd)
         kpos = k0[:, None] + jnp.arange(s, dtype=jnp.int32)[None, :]  # [n, S]
         mask = kpos[:, None, :] <= qp[:, :, None]  # [n, Tq', S]
+        if local is not None:
+            mask = mask & (kpos[:, None, :] >= _local_start(local, qp)[:, :, None])
         # Keys no slot sees may be scratch or stale bits: zero them (as _attend).
         v = jnp.where(mask.any(axis=1)[:, :, None, None], v, jnp.zeros((), v.dtype))
         return k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), mask
@@ -353,13 +406,14 @@ def _group_attend(
 def _batch_layer(
     cfg: ModelConfig,
     pool: jax.Array,
-    layer: jax.Array,
+    layer: jax.Array | int,
     lp: Params,
     x: jax.Array,
     pos: jax.Array,
     wpage: jax.Array,
     groups: tuple,
     tok_slot: jax.Array,
+    local: Local = None,
 ):
     """:func:`_paged_layer` over a packed step: the flat tokens of several requests' chunks.
 
@@ -375,6 +429,7 @@ def _batch_layer(
         groups: ``(src, item_row, item_pages, item_k0, shared_pages, shared_k0)`` per row
             group (see :func:`_group_attend`).
         tok_slot: int32 [N] each token's slot in the groups' slots, concatenated.
+        local: a local-attention layer's mask (:data:`Local`); None: full attention.
     """
     ps, bits = pool.shape[3], pool.dtype
     q, k, v = _qkv(cfg, lp, x, pos)
@@ -383,7 +438,8 @@ def _batch_layer(
     pool = pool.at[layer, 1, wpage, off].set(lax.bitcast_convert_type(v, bits))
     # Every token's K/V is written before any row reads: a block sees the blocks before it.
     outs = [
-        _group_attend(cfg, pool, layer, q, x.dtype, src, pos[src], *items) for src, *items in groups
+        _group_attend(cfg, pool, layer, q, x.dtype, src, pos[src], row, pages, k0, sh, sk0, local)
+        for src, row, pages, k0, sh, sk0 in groups
     ]
     attn = (outs[0] if len(outs) == 1 else jnp.concatenate(outs))[tok_slot]
     x = x + attn @ lp["wo"]
@@ -460,7 +516,67 @@ def _counted_batch_layer(cfg, layout, pool, layer, lp, x, blob):
     return _batch_layer(cfg, pool, layer, lp, x, pos, wpage, groups, tok_slot)
 
 
-#: Traces of each jitted step (``"step"``, ``"batch_step"``, ``"batch_layer"``), counted inside
+# ---------------------------------------------------------------------------------------------
+# A model with a layer pattern (``ModelConfig.layer_pattern``): the full-attention layers in the
+# full pool, each window group's layers in its own pool (``layer_plan``). The layers run
+# unrolled over per-layer weights (``params["per_layer"]``); each reads and writes its own pool.
+
+
+def _local_layer(cfg, local, pool, layer, lp, x, start, n_new, page_table):
+    return _paged_layer(cfg, pool, layer, lp, x, start, n_new, page_table, local)
+
+
+def _pattern_step(cfg, full, windows, params, tokens, start, n_new, page_table, window_tables):
+    """The fused step of a patterned model: ``(full, windows, logits)``; ``window_tables``
+    int32 [G, Pb], window group ``g``'s page of each entry of ``page_table`` (pages the group
+    keeps none of: its scratch page, masked out by the window)."""
+    TRACES["pattern_step"] += 1
+    pools = [full, *windows]
+    x = _embed(params, tokens)
+    for layer, (g, i, local) in enumerate(layer_plan(cfg)):
+        table = page_table if g < 0 else window_tables[g]
+        pools[g + 1], x = _paged_layer(
+            cfg, pools[g + 1], i, params["per_layer"][layer], x, start, n_new, table, local
+        )
+    return pools[0], tuple(pools[1:]), _head(cfg, params, x, n_new)
+
+
+def _mapped(page_map: jax.Array, wpage: jax.Array, groups: tuple) -> tuple:
+    """A packed step's written pages and row groups with every full-pool page id taken
+    through ``page_map`` (int32 [P+1], full page -> a window group's page)."""
+    return page_map[wpage], tuple(
+        (src, row, page_map[pages], k0, page_map[shared], sk0)
+        for src, row, pages, k0, shared, sk0 in groups
+    )
+
+
+def _pattern_batch_step(cfg, layout, full, windows, params, blob, slot_tokens, page_maps):
+    """The fused packed step of a patterned model: ``(full, windows, head outputs)``;
+    ``page_maps`` int32 [G, P+1]: each window group's page of every full-pool page the step
+    reads or writes (others, and pages the group keeps none of: its scratch page)."""
+    TRACES["pattern_batch_step"] += 1
+    tokens, pos, wpage, groups, tok_slot, out_idx, tok_src, out_slot = unpack(blob, layout)
+    x = _fed_embed(params, tokens, tok_src, slot_tokens)
+    pools = [full, *windows]
+    views = [(wpage, groups)] + [_mapped(m, wpage, groups) for m in page_maps]
+    for layer, (g, i, local) in enumerate(layer_plan(cfg)):
+        wp, gr = views[g + 1]
+        pools[g + 1], x = _batch_layer(
+            cfg, pools[g + 1], i, params["per_layer"][layer], x, pos, wp, gr, tok_slot, local
+        )
+    head = _batch_head(cfg, params, x, out_idx, out_slot, slot_tokens)
+    return pools[0], tuple(pools[1:]), head
+
+
+def _local_batch_layer(cfg, layout, local, pool, layer, lp, x, blob, page_map):
+    TRACES["batch_layer"] += 1
+    _, pos, wpage, groups, tok_slot, *_ = unpack(blob, layout)
+    wpage, groups = _mapped(page_map, wpage, groups)
+    return _batch_layer(cfg, pool, layer, lp, x, pos, wpage, groups, tok_slot, local)
+
+
+#: Traces of each jitted step (``"step"``, ``"batch_step"``, ``"batch_layer"``; a patterned
+#: model's ``"pattern_step"``, ``"pattern_batch_step"``), counted inside
 #: the traced functions: a jit traces once per new shape / static config, i.e. once per compile.
 TRACES: collections.Counter[str] = collections.Counter()
 
@@ -471,6 +587,12 @@ LAYER = jax.jit(_paged_layer, static_argnums=0, donate_argnums=1)
 # of every packed argument (``packing.flatten``: one host -> device transfer a step).
 BATCH_STEP = jax.jit(_fused_batch_step, static_argnums=(0, 1), donate_argnums=2)
 BATCH_LAYER = jax.jit(_counted_batch_layer, static_argnums=(0, 1), donate_argnums=2)
+# Patterned models: the full pool and the tuple of window pools donated (``run_with``); a local
+# layer alone on its window group's pool (``run``).
+PATTERN_STEP = jax.jit(_pattern_step, static_argnums=0, donate_argnums=(1, 2))
+PATTERN_BATCH_STEP = jax.jit(_pattern_batch_step, static_argnums=(0, 1), donate_argnums=(2, 3))
+LOCAL_LAYER = jax.jit(_local_layer, static_argnums=(0, 1), donate_argnums=2)
+LOCAL_BATCH_LAYER = jax.jit(_local_batch_layer, static_argnums=(0, 1, 2), donate_argnums=3)
 EMBED = jax.jit(_embed)
 BATCH_EMBED = jax.jit(_blob_embed, static_argnums=0)
 HEAD = jax.jit(_head, static_argnums=0)
@@ -479,8 +601,9 @@ BATCH_HEAD = jax.jit(_blob_head, static_argnums=(0, 1))
 
 def trace_count(name: str = "step") -> int:
     """Times the jitted step ``name`` has been traced (= compiled) so far, all configs."""
-    if name not in ("step", "batch_step", "batch_layer"):
-        raise ValueError(f"name={name!r} must be 'step', 'batch_step' or 'batch_layer'")
+    names = ("step", "batch_step", "batch_layer", "pattern_step", "pattern_batch_step")
+    if name not in names:
+        raise ValueError(f"name={name!r} must be one of {', '.join(map(repr, names))}")
     return TRACES[name]
 
 

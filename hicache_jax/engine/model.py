@@ -20,6 +20,12 @@ power-of-two page counts, so the number of compiles stays logarithmic in prompt 
 :meth:`DecoderModel.forward_batch` (the batched engine's one call a step) packs several requests'
 prefill chunks and decode tokens into one flat token list, bucketed as a whole (see there).
 
+A model with a ``layer_pattern`` (sliding-window or chunked local layers beside full ones) keeps
+each local layer's K/V in its window group's pool (``HiCache.window_pools``): both calls then
+take ``windows`` and ``window_pages`` (each window group's page of each request page, asked of
+the cache every step) and run the fused step through ``DevicePagePool.run_with`` (every pool
+donated at once), the per-layer path a pool a layer. A plain model's steps are unchanged.
+
 Threading: every call dispatches on the caller's thread, which must be the thread that owns the
 pool (ARCHITECTURE.md: one dispatching thread).
 """
@@ -28,8 +34,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Callable, Iterator
-from typing import Any, Protocol
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, Protocol, cast
 
 import jax
 import jax.numpy as jnp
@@ -43,9 +49,14 @@ from hicache_jax.engine.layers import (
     EMBED,
     HEAD,
     LAYER,
+    LOCAL_BATCH_LAYER,
+    LOCAL_LAYER,
+    PATTERN_BATCH_STEP,
+    PATTERN_STEP,
     STEP,
     TRACES,
     UNROLL_TOKENS,
+    layer_plan,
 )
 from hicache_jax.engine.packing import (
     NO_SLOTS,
@@ -111,6 +122,13 @@ class DecoderModel:
     ) -> None:
         if not is_int(unroll_tokens) or unroll_tokens < 0:
             raise ValueError(f"unroll_tokens={unroll_tokens!r} must be an int >= 0")
+        #: Per layer, its pool and mask (``layers.layer_plan``); empty: every layer full.
+        self.plan = layer_plan(cfg)
+        if self.plan and mesh is not None:
+            raise ValueError(
+                f"layer_pattern={cfg.layer_pattern!r} (--layer-pattern): a model with local "
+                "attention layers does not run tensor-parallel (mesh=) yet"
+            )
         self.cfg = cfg
         self.unroll_tokens = int(unroll_tokens)
         self.params = init_params(cfg, seed) if params is None else params
@@ -139,7 +157,21 @@ class DecoderModel:
         return self._unrolled_params if tokens <= self.unroll_tokens else self.params
 
     def kv_spec(self, page_size: int) -> KVSpec:
+        """The cache's spec for this model (``ModelConfig.kv_spec``: grouped with a
+        ``layer_pattern``)."""
         return self.cfg.kv_spec(page_size)
+
+    def _window_args(self, windows: Sequence[Any], window_pages: Any, name: str) -> None:
+        """Check that a patterned model's call got its window pools and pages (and a plain
+        model's none)."""
+        want = len(self.plan and self.cfg.kv_spec(1).window_groups)
+        if len(windows) != want or (want and window_pages is None):
+            raise ValueError(
+                f"windows: {len(windows)} window pools and {name}="
+                f"{'None' if window_pages is None else 'given'}; this model "
+                f"(layer_pattern={self.cfg.layer_pattern!r}) needs {want} pools"
+                + (f" and {name}" if want else "")
+            )
 
     def forward(
         self,
@@ -151,6 +183,8 @@ class DecoderModel:
         waiter: LayerWaiter | None = None,
         min_bucket: int = 1,
         min_pages: int = 1,
+        windows: Sequence[Any] = (),
+        window_pages: Any = None,
     ) -> jax.Array:
         """Run one chunk: write its K/V into its pages and return the last token's logits.
 
@@ -166,10 +200,16 @@ class DecoderModel:
                 before layer ``l``; None -> the fused single-jit step.
             min_bucket: smallest token bucket (prefill uses e.g. 16 to limit compiles; decode 1).
             min_pages: smallest page-table bucket (fewer compiles for short contexts).
+            windows: a patterned model's window group pools (``HiCache.window_pools``); the
+                step then runs through ``pool.run_with`` (fused) or one pool per layer.
+            window_pages: int [G, >= ceil((start+n)/ps)], each window group's page of each of
+                ``page_ids`` (``HiCache.window_pages``; -1: the group keeps none, read as its
+                scratch page, which the window masks out).
 
         Returns:
             float32 [vocab] logits of the last token (a jax array, not synchronized).
         """
+        self._window_args(windows, window_pages, "window_pages")
         n = int(tokens.shape[0])
         ps = self._page_size(pool)
         if n < 1 or start < 0:
@@ -193,6 +233,8 @@ class DecoderModel:
         else:
             toks = tokens  # a device token from the previous decode step: no host round trip
         args = (jnp.int32(start), jnp.int32(n), table)
+        if self.plan:
+            return self._pattern_forward(pool, windows, window_pages, toks, args, used, waiter)
         if waiter is None:
             return pool.run(self._step, self._fused_params(tb), toks, *args)
         x = EMBED(self.params, toks)
@@ -200,6 +242,49 @@ class DecoderModel:
             waiter.wait_layer(layer)
             x = pool.run(self._layer, jnp.int32(layer), lp, x, *args)
         return self._head(self.params, x, jnp.int32(n))
+
+    def _pattern_forward(
+        self,
+        pool: PoolLike,
+        windows: Sequence[Any],
+        window_pages: Any,
+        toks: Any,
+        args: tuple,
+        used: int,
+        waiter: LayerWaiter | None,
+    ) -> jax.Array:
+        """:meth:`forward` of a patterned model: the full layers on ``pool`` with the page
+        table, each local layer on its group's pool with its window table."""
+        table = args[2]
+        wp = np.asarray(window_pages, np.int32)
+        if wp.ndim != 2 or wp.shape[0] != len(windows) or wp.shape[1] < used:
+            raise ValueError(
+                f"window_pages has shape {wp.shape}; needs [{len(windows)}, >= {used}]"
+            )
+        wtables = np.empty((len(windows), table.shape[0]), np.int32)
+        for g, wpool in enumerate(windows):
+            wtables[g] = wpool.num_pages  # its scratch page
+            wtables[g, :used] = np.where(wp[g, :used] < 0, wpool.num_pages, wp[g, :used])
+        if waiter is None:
+            return cast(Any, pool).run_with(
+                windows,
+                functools.partial(PATTERN_STEP, self.cfg),
+                self._unrolled_params,
+                toks,
+                *args,
+                wtables,
+            )
+        x = EMBED(self.params, toks)
+        for layer, (g, i, local) in enumerate(self.plan):
+            lp = self._layer_params[layer]
+            # Waiting any full layer also waits the window groups' copies.
+            waiter.wait_layer(i if g < 0 else 0)
+            if g < 0:
+                x = pool.run(self._layer, jnp.int32(i), lp, x, *args)
+            else:
+                step = functools.partial(LOCAL_LAYER, self.cfg, local)
+                x = windows[g].run(step, jnp.int32(i), lp, x, *args[:2], wtables[g])
+        return self._head(self.params, x, args[1])
 
     def forward_batch(
         self,
@@ -218,6 +303,8 @@ class DecoderModel:
         slots: TokenSlots | None = None,
         slot_of=None,
         from_slot=None,
+        windows: Sequence[Any] = (),
+        window_pages=None,
     ) -> tuple[jax.Array, jax.Array]:
         """One packed step over several requests' chunks (prefill chunks and decode tokens
         alike): each chunk's K/V into its pages, the last token's logits of each chunk.
@@ -263,6 +350,11 @@ class DecoderModel:
                 running. None: no slot is read or written.
             slot_of: B ints, each chunk's slot (with ``slots``).
             from_slot: B bools, which chunks read their token from their slot (default none).
+            windows: a patterned model's window group pools (``HiCache.window_pools``): the
+                fused step runs through ``pool.run_with``, the per-layer one a pool a layer.
+            window_pages: B int arrays ``[G, >= pages used]``, each window group's page of each
+                of request b's pages (``HiCache.window_pages``; -1: the group keeps none, read
+                as its scratch page, which the window masks out).
 
         Returns:
             (float32 ``[R, vocab]`` logits, int32 ``[R]`` greedy tokens), row ``b < B`` for
@@ -287,6 +379,24 @@ class DecoderModel:
                     f"request {i}: chunk of {n} tokens at {s} with "
                     f"{np.shape(page_ids[i])[0]} pages (needs >= 1 token at "
                     f"start >= 0 and {u} pages of {ps} tokens)"
+                )
+        self._window_args(windows, window_pages, "window_pages")
+        page_maps = None
+        if self.plan:
+            if len(window_pages) != b:
+                raise ValueError(f"window_pages: {len(window_pages)} arrays for {b} chunks")
+            page_maps = np.empty((len(windows), scratch + 1), np.int32)
+            for g, wpool in enumerate(windows):
+                page_maps[g] = wpool.num_pages  # its scratch page
+            for i, u in enumerate(used):
+                wp = np.asarray(window_pages[i], np.int32)
+                if wp.ndim != 2 or wp.shape[0] != len(windows) or wp.shape[1] < u:
+                    raise ValueError(
+                        f"window_pages[{i}] has shape {wp.shape}; needs [{len(windows)}, >= {u}]"
+                    )
+                ids = np.asarray(page_ids[i], np.int32)[:u]
+                page_maps[:, ids] = np.where(
+                    wp[:, :u] < 0, page_maps[:, scratch : scratch + 1], wp[:, :u]
                 )
         feed_in = check_slots(slots, slot_of, from_slot, lens)
         key, rows = _step_shape(
@@ -332,10 +442,20 @@ class DecoderModel:
             and (key, "layers") not in _RAN
             and (key, "fused") in _RAN
         ):
-            for layer in range(self.cfg.num_layers):
+            for layer in range(self.cfg.kv_spec(1).num_layers):  # the full pool's layers
                 waiter.wait_layer(layer)
             waiter = None
-        if waiter is None:
+        if waiter is None and page_maps is not None:
+            _ran(key, "fused")
+            logits, out, buf = cast(Any, pool).run_with(
+                windows,
+                functools.partial(PATTERN_BATCH_STEP, self.cfg, layout),
+                self._unrolled_params,
+                blob,
+                buf,
+                page_maps,
+            )
+        elif waiter is None:
             _ran(key, "fused")
             logits, out, buf = pool.run(
                 functools.partial(BATCH_STEP, self.cfg, layout),
@@ -343,6 +463,20 @@ class DecoderModel:
                 blob,
                 buf,
             )
+        elif page_maps is not None:
+            _ran(key, "layers")
+            blob = jax.device_put(blob)  # once, for every layer's call
+            x = BATCH_EMBED(layout, self.params, blob, buf)
+            step = functools.partial(BATCH_LAYER, self.cfg, layout)
+            for layer, (g, i, local) in enumerate(self.plan):
+                lp = self._layer_params[layer]
+                waiter.wait_layer(i if g < 0 else 0)  # (any layer waits the window groups too)
+                if g < 0:
+                    x = pool.run(step, jnp.int32(i), lp, x, blob)
+                else:
+                    local_step = functools.partial(LOCAL_BATCH_LAYER, self.cfg, layout, local)
+                    x = windows[g].run(local_step, jnp.int32(i), lp, x, blob, page_maps[g])
+            logits, out, buf = BATCH_HEAD(self.cfg, layout, self.params, x, blob, buf)
         else:
             _ran(key, "layers")
             blob = jax.device_put(blob)  # once, for every layer's call

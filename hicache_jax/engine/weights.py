@@ -41,6 +41,13 @@ class ModelConfig:
         rope_theta: RoPE base.
         norm_eps: RMSNorm epsilon.
         dtype: compute and KV dtype ("float32", "bfloat16", "float16").
+        layer_pattern: ``"a:b"``: ``a`` local-attention layers then ``b`` full ones, repeating
+            over ``num_layers`` (``KVSpec.from_pattern``); ``""`` (or ``"full"``): every layer
+            full attention.
+        window: sliding window in tokens of the local layers (the query at ``t`` sees keys
+            ``t - window .. t``).
+        chunk: chunked local attention instead: the query at ``t`` sees keys
+            ``t // chunk * chunk .. t``.
     """
 
     vocab_size: int = 512
@@ -53,6 +60,9 @@ class ModelConfig:
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
     dtype: str = "float32"
+    layer_pattern: str = ""
+    window: int | None = None
+    chunk: int | None = None
 
     def __post_init__(self) -> None:
         for name in (
@@ -75,9 +85,33 @@ class ModelConfig:
             raise ValueError(f"head_dim={self.head_dim} must be even (RoPE rotates halves)")
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"dtype={self.dtype!r} must be float32, bfloat16 or float16")
+        if not isinstance(self.layer_pattern, str):
+            raise TypeError(
+                f"ModelConfig.layer_pattern={self.layer_pattern!r} must be a str like '5:1'"
+            )
+        try:  # the pattern, window and chunk checked as the cache's spec checks them
+            self.kv_spec(1)
+        except (ValueError, TypeError) as exc:
+            raise type(exc)(
+                f"ModelConfig(layer_pattern={self.layer_pattern!r}, window={self.window!r}, "
+                f"chunk={self.chunk!r}): {exc}"
+            ) from None
 
     def kv_spec(self, page_size: int) -> KVSpec:
-        """The KVSpec of a cache holding this model's K/V in pages of ``page_size`` tokens."""
+        """The KVSpec of a cache holding this model's K/V in pages of ``page_size`` tokens:
+        with a ``layer_pattern``, the grouped spec of ``KVSpec.from_pattern`` (its top-level
+        fields describe the full-attention layers)."""
+        if self.layer_pattern or self.window is not None or self.chunk is not None:
+            return KVSpec.from_pattern(
+                self.layer_pattern,
+                num_layers=self.num_layers,
+                num_kv_heads=self.num_kv_heads,
+                head_dim=self.head_dim,
+                dtype=self.dtype,
+                page_size=page_size,
+                window=self.window,
+                chunk=self.chunk,
+            )
         return KVSpec(
             num_layers=self.num_layers,
             num_kv_heads=self.num_kv_heads,

@@ -13,6 +13,8 @@ jitted functions the code dispatches with the arguments it would give them, each
   load and layer-wise load at every copy-plan length (``index_len``), with the host pool in
   ``pinned_host`` memory on accelerators (a 1-device mesh of this machine's device carries the
   memory kinds: lowering needs no device of the target platform);
+* with window groups (``KVSpec.window_groups``), each group's pool programs and transfer
+  copies as above, at the group's page shape, named ``window{g}.*``;
 * the serial engine's prefill and decode steps (fused: a ``lax.scan`` over stacked layers, and
   unrolled for steps of few tokens), its per-layer step (layer-wise load-back) and the batched
   engine's packed step (a mixed prefill + decode step, and a decode-only one). These run the
@@ -375,6 +377,24 @@ def host_programs(
     return progs, bounds
 
 
+def _window_programs(
+    g: int, gspec: KVSpec, device_pages: int, host_pages: int, platform: str, layout: HostLayout
+) -> tuple[list[Program], dict[str, int]]:
+    """Window group ``g``'s programs (its pages, ``gspec``, live in pools of their own with the
+    full-attention pools' page counts: ``write_window_kv`` / ``read_window_kv`` use the device
+    pool's scatter and gather, backups and loads the transfer engine's copies), named
+    ``window{g}.<name>``."""
+    progs, bounds = device_pool_programs(gspec, device_pages, platform, "xla")
+    more, more_bounds = host_programs(gspec, device_pages, host_pages, platform, layout)
+    progs += more
+    bounds.update(more_bounds)
+    tag = f"window{g}."
+    return (
+        [dataclasses.replace(p, name=tag + p.name, op=tag + p.op) for p in progs],
+        {tag + op: n for op, n in bounds.items()},
+    )
+
+
 def _placed(sharding: Any) -> Any:
     """The device sharding a staged read lands in (device 0 when the pools are unsharded)."""
     return sharding if sharding is not None else jax.sharding.SingleDeviceSharding(jax.devices()[0])
@@ -610,7 +630,16 @@ def programs(
     more, more_bounds = host_programs(spec, device_pages, host_pages, platform, layout)
     progs += more
     bounds.update(more_bounds)
+    for g, group in enumerate(spec.window_groups):  # each window group's pools and copies
+        more, more_bounds = _window_programs(
+            g, group.spec(spec.page_size, spec.shard), device_pages, host_pages, platform, layout
+        )
+        progs += more
+        bounds.update(more_bounds)
     cfg = engine_model(spec) if engine else None
+    if spec.window_groups and engine:
+        cfg = None
+        notes.append("engine steps: not listed for a spec with window groups")
     if cfg is not None:
         progs += engine_programs(spec, device_pages, cfg)
     elif engine:

@@ -282,16 +282,21 @@ class TransferEngine:
         dst_side.detach(dst)  # (fresh pages hold none; a caller's ids might)
         for g, (backup_fn, load_fn) in enumerate(self._window_fns):
             w = src_side.attach[g, src]
-            sel = np.flatnonzero(w >= 0)
+            spare = src_side.spare[g, src] > 0
+            # the pages a node end reads first, then spare ones (they stay spare there)
+            kept = np.flatnonzero((w >= 0) & ~spare)
+            sel = np.concatenate([kept, np.flatnonzero((w >= 0) & spare)])
             if not sel.size:
                 continue
             taken = dst_side.take(g, sel.size)
             if taken.size < sel.size:
-                self.window_pages_dropped += sel.size - taken.size
+                # (counted: pages a node end reads; spare ones are not copied, silently)
+                self.window_pages_dropped += max(0, int(kept.size - taken.size))
                 sel = sel[: taken.size]
                 if not sel.size:
                     continue
             dst_side.attach[g, dst[sel]] = taken
+            dst_side.mark_spare(g, dst[sel[kept.size :]])
             plan = copy_plan(taken, w[sel])
             if to_host:
                 token = host.pools[g].run(backup_fn, dev.pools[g].array, plan)

@@ -41,6 +41,9 @@ class WindowPages:
     Attributes:
         attach: int32 ``[len(groups), anchor.num_pages]``: group page of each full-attention
             page, -1 where none.
+        spare: int64 ``[len(groups), anchor.num_pages]``: > 0 where the attached group page is
+            spare (no node end of the tree reads it: kept only while its pool has room, freed
+            first, oldest stamp first, when a group page is needed), else 0.
     """
 
     def __init__(
@@ -56,6 +59,11 @@ class WindowPages:
         self.pools = tuple(pools)
         self.name = name
         self.attach = np.full((len(groups), anchor.num_pages), -1, np.int32)
+        self.spare = np.zeros((len(groups), anchor.num_pages), np.int64)
+        self._spare_n = [0] * len(groups)
+        self._stamp = 0
+        #: spare group pages freed to make room
+        self.spare_reclaimed = 0
         self._anchor = anchor
         anchor.on_free = self.detach
 
@@ -71,6 +79,9 @@ class WindowPages:
             OutOfPagesError: a group's pool has fewer free pages; nothing taken.
         """
         n = int(anchor_ids.size)
+        for g, p in enumerate(self.pools):
+            if p.allocator.num_free < n and self._spare_n[g]:
+                self.reclaim(g, n - p.allocator.num_free)
         short = [
             (g, p.allocator.num_free) for g, p in enumerate(self.pools) if p.allocator.num_free < n
         ]
@@ -85,9 +96,47 @@ class WindowPages:
             self.attach[g, anchor_ids] = pool.allocator.alloc(n)
 
     def take(self, g: int, n: int) -> np.ndarray:
-        """Up to ``n`` free pages of group ``g`` (fewer when fewer are free)."""
+        """Up to ``n`` free pages of group ``g`` (spare ones freed first; fewer when fewer
+        are free)."""
         alloc = self.pools[g].allocator
+        if alloc.num_free < n and self._spare_n[g]:
+            self.reclaim(g, n - alloc.num_free)
         return alloc.alloc(min(n, alloc.num_free))
+
+    def room(self, g: int) -> int:
+        """Group ``g`` pages free or spare (what :meth:`take` can give)."""
+        return self.pools[g].allocator.num_free + self._spare_n[g]
+
+    def mark_spare(self, g: int, anchor_ids: np.ndarray) -> int:
+        """Group ``g``'s pages attached to ``anchor_ids`` become spare (those that were
+        keep their stamp); how many became."""
+        row = self.spare[g]
+        sel = anchor_ids[(self.attach[g, anchor_ids] >= 0) & (row[anchor_ids] == 0)]
+        if sel.size:
+            self._stamp += 1
+            row[sel] = self._stamp
+            self._spare_n[g] += int(sel.size)
+        return int(sel.size)
+
+    def unmark_spare(self, g: int, anchor_ids: np.ndarray) -> None:
+        """Group ``g``'s pages attached to ``anchor_ids`` are read again (not spare)."""
+        row = self.spare[g]
+        sel = anchor_ids[row[anchor_ids] > 0]
+        if sel.size:
+            row[sel] = 0
+            self._spare_n[g] -= int(sel.size)
+
+    def reclaim(self, g: int, n: int) -> int:
+        """Free the ``n`` oldest spare pages of group ``g`` (fewer if fewer); how many."""
+        ids = np.flatnonzero(self.spare[g]).astype(np.int32)
+        if ids.size > n:
+            ids = ids[np.argpartition(self.spare[g, ids], n - 1)[:n]]
+        freed = self.detach_group(g, ids)
+        self.spare_reclaimed += freed
+        return freed
+
+    def spare_pages(self) -> list[int]:
+        return list(self._spare_n)
 
     def detach(self, anchor_ids: np.ndarray) -> None:
         """Free every group page attached to ``anchor_ids`` (int32, distinct)."""
@@ -101,7 +150,13 @@ class WindowPages:
         k = int(np.count_nonzero(sel))
         if k:
             self.pools[g].allocator.free(w[sel], validated=True)
-            self.attach[g, anchor_ids[sel]] = -1
+            gone = anchor_ids[sel]
+            self.attach[g, gone] = -1
+            if self._spare_n[g]:
+                row = self.spare[g]
+                was = gone[row[gone] > 0]
+                row[was] = 0
+                self._spare_n[g] -= int(was.size)
         return k
 
     def held(self, anchor_ids: np.ndarray) -> np.ndarray:
@@ -127,6 +182,8 @@ class WindowPages:
 
     def reset(self) -> None:
         self.attach[:] = -1
+        self.spare[:] = 0
+        self._spare_n = [0] * len(self.pools)
         for p in self.pools:
             p.allocator.reset()
 
@@ -149,6 +206,9 @@ class WindowPages:
                 raise HiCacheError(f"{self.name} window group {g}: a page attached twice")
             if not pool.allocator.is_allocated(ids).all():
                 raise HiCacheError(f"{self.name} window group {g}: a free page is attached")
+            spare = self.spare[g] > 0
+            if (spare & ~on).any() or int(spare.sum()) != self._spare_n[g]:
+                raise HiCacheError(f"{self.name} window group {g}: spare pages miscounted")
             if ids.size != pool.allocator.num_used:
                 raise HiCacheError(
                     f"{self.name} window group {g}: {pool.allocator.num_used} pages "

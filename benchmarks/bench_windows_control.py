@@ -1,0 +1,116 @@
+"""The control plane with two layer groups: requests/s of a trace replay with a full-attention
+group and a sliding-window group, beside the same replay with one full-attention group.
+
+Replays a Mooncake-format trace (default: benchmarks/data/mooncake_synthetic_1000.jsonl,
+``--passes`` times over in one replay) through :func:`hicache_jax.replay.driver.replay` (the
+request handle, one request at a time; L1 1/8 of the trace's distinct pages, L2 4x, 512-token
+pages), with a tiny KV so that what is timed is the bookkeeping: "one group" is the replay's
+own spec (one layer, 8 bytes a token); "two groups" is a ``1:1`` pattern of the same layer
+shape, one sliding-window layer (``--window``, default 1024 tokens) beside one full layer, with
+window pools as large as the full ones (``HiCacheConfig`` default). The two alternate, one
+untimed warm-up replay each first, medians of ``--repeats``. Target: two groups within 1.3x of
+one group (requests/s ratio >= 1/1.3). The hit figures of both are printed: the window cuts
+matches back to prefixes whose window pages are held, so the two differ.
+
+Usage: ``python -m benchmarks.bench_windows_control [TRACE] [--quick] [--repeats N]
+[--limit N] [--passes K] [--window W] [--json PATH]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import pathlib
+import statistics
+from typing import Any
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+TRACE = REPO / "benchmarks" / "data" / "mooncake_synthetic_1000.jsonl"
+MODES = ("one group", "two groups")
+TARGET = 1 / 1.3
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("trace", nargs="?", default=str(TRACE))
+    ap.add_argument("--quick", action="store_true", help="200 requests, 1 pass, 2 repeats")
+    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--limit", type=int, default=None, help="first N requests of the trace")
+    ap.add_argument("--passes", type=int, default=3, help="times over the trace per replay")
+    ap.add_argument("--window", type=int, default=1024)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.limit, args.repeats, args.passes = args.limit or 200, 2, 1
+    from benchmarks.common import print_table, write_json
+    from hicache_jax import HiCacheConfig, KVSpec
+    from hicache_jax.replay.block_lru import default_device_pages
+    from hicache_jax.replay.driver import TINY_SPEC, replay
+    from hicache_jax.replay.trace import load_trace
+
+    block = 512
+    trace = load_trace(args.trace, block_size=block, limit=args.limit)
+    trace = dataclasses.replace(trace, requests=trace.requests * args.passes)
+    specs = {
+        "one group": KVSpec.parse(None, TINY_SPEC, page_size=block),
+        "two groups": KVSpec.from_pattern(
+            "1:1",
+            num_layers=2,
+            num_kv_heads=1,
+            head_dim=1,
+            dtype="float32",
+            page_size=block,
+            window=args.window,
+        ),
+    }
+    pages = default_device_pages(trace, block)
+    cfg = HiCacheConfig(device_pages=pages, host_pages=4 * pages, load_back_threshold=block)
+    for mode in MODES:  # warm-up: jit compiles
+        replay(trace, specs[mode], cfg)
+    runs: dict[str, list[dict[str, Any]]] = {m: [] for m in MODES}
+    for i in range(args.repeats):  # alternating, the first mode swapped each repeat
+        for mode in MODES if i % 2 == 0 else MODES[::-1]:
+            runs[mode].append(replay(trace, specs[mode], cfg))
+    rps = {m: statistics.median(r["requests_per_s"] for r in runs[m]) for m in MODES}
+    pairs = [
+        b["requests_per_s"] / a["requests_per_s"]
+        for a, b in zip(runs["one group"], runs["two groups"])
+    ]
+    ratio = rps["two groups"] / rps["one group"]
+    hit = {
+        m: (runs[m][0]["device_hit_tokens"] + runs[m][0]["host_hit_tokens"])
+        / runs[m][0]["prompt_tokens"]
+        for m in MODES
+    }
+    print_table(
+        ["groups", "req/s median", "req/s min", "req/s max", "hit ratio", "vs one group"],
+        [
+            [
+                m,
+                f"{rps[m]:,.0f}",
+                f"{min(r['requests_per_s'] for r in runs[m]):,.0f}",
+                f"{max(r['requests_per_s'] for r in runs[m]):,.0f}",
+                hit[m],
+                rps[m] / rps["one group"],
+            ]
+            for m in MODES
+        ],
+        title=f"control plane, {len(trace.requests)} requests a replay, L1 {pages} pages, L2 4x",
+    )
+    print(f"paired ratios two/one: {', '.join(f'{p:.3f}' for p in pairs)}")
+    ok = ratio >= TARGET
+    print(
+        f"target two groups within 1.3x of one group (ratio >= {TARGET:.3f}): "
+        f"{ratio:.3f} ({'met' if ok else 'MISSED'})"
+    )
+    write_json(
+        args.json,
+        "bench_windows_control",
+        {"trace": args.trace, "limit": args.limit, "passes": args.passes, "window": args.window},
+        {"requests_per_s": rps, "ratio": ratio, "pairs": pairs, "hit_ratio": hit},
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
