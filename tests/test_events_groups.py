@@ -85,7 +85,7 @@ def test_group_tags_name_each_group_as_vllm_does():
 
 
 def test_an_insert_announces_every_full_page_and_the_window_pages_kept():
-    cache = _cache()
+    cache = _cache(window_spare=False)  # pages no node end reads freed at insert
     tokens = np.arange(24)  # six pages: a continuation at 24 reads the window pages 4 and 5
     serve(cache, tokens)
     events = cache.take_events()
@@ -110,7 +110,7 @@ def test_an_insert_announces_every_full_page_and_the_window_pages_kept():
 
 
 def test_backup_load_and_eviction_announce_the_window_pages_on_each_tier():
-    cache = _cache()
+    cache = _cache(window_spare=False)
     tokens = np.arange(24)
     serve(cache, tokens)
     router = replay(cache.take_events())
@@ -140,7 +140,7 @@ def test_backup_load_and_eviction_announce_the_window_pages_on_each_tier():
 
 
 def test_an_insert_that_splits_a_node_fills_its_holes_and_announces_them():
-    cache = _cache()
+    cache = _cache(window_spare=False)
     a = np.arange(24)
     serve(cache, a)
     router = replay(cache.take_events())
@@ -155,6 +155,27 @@ def test_an_insert_that_splits_a_node_fills_its_holes_and_announces_them():
     router = replay(events, router)
     assert router == tree_pages(cache)
     assert {(x, Medium.DEVICE, 0) for x in h[1:3]} <= router
+    cache.close()
+
+
+def test_spare_window_pages_are_announced_until_reclaimed():
+    """``window_spare`` (the default): pages no node end reads stay attached while the pool has
+    room (a later split there finds them): announced; freed to make room: removed."""
+    cache = _cache(window_device_pages=8)
+    a = np.arange(24)
+    serve(cache, a)
+    events = cache.take_events()
+    h = _hashes(cache, a)
+    assert [e.block_hash for e in _by_group(events)[0]] == h  # all six, two kept, four spare
+    router = replay(events)
+    assert router == tree_pages(cache)
+    serve(cache, 100 + np.arange(16))  # four more window pages: two spare ones reclaimed
+    events = cache.take_events()
+    assert cache.stats()["window_spare_reclaimed"] > 0
+    gone = {e.block_hash for e in _by_group(events, BlockRemoved)[0]}
+    assert gone and gone <= set(h[:4])  # spare ones only, the oldest first
+    router = replay(events, router)
+    assert router == tree_pages(cache)
     cache.close()
 
 
@@ -174,7 +195,7 @@ def test_groups_full_announces_only_the_full_attention_pages_with_their_group():
 
 
 def test_chunked_groups_are_announced_without_a_window():
-    cache = _cache(_spec(window=None, chunk=8))
+    cache = _cache(_spec(window=None, chunk=8), window_spare=False)
     serve(cache, np.arange(20))  # a continuation at 20 reads the chunk [16, 20): page 4
     events = cache.take_events()
     win = _by_group(events)[0]
@@ -197,11 +218,21 @@ def test_without_window_groups_events_name_no_group():
     cache.close()
 
 
+@pytest.mark.parametrize("spare", [True, False], ids=["spare", "eager"])
 @pytest.mark.parametrize("block_hash", ["tree", "vllm:sha256"])
-def test_random_workload_replays_to_what_the_cache_holds_per_group(block_hash):
+def test_random_workload_replays_to_what_the_cache_holds_per_group(block_hash, spare):
     rng = np.random.default_rng(3)
     kv = {"publisher": "queue", "block_hash": block_hash, "hash_seed": "0"}
-    cache = make_cache(_spec(), 12, 16, kv_events=kv, write_policy="write_back")
+    cache = make_cache(
+        _spec(),
+        12,
+        16,
+        kv_events=kv,
+        write_policy="write_back",
+        window_spare=spare,
+        window_device_pages=8,  # smaller window pools: spare pages reclaimed for room
+        window_host_pages=10,
+    )
     router: set = set()
     for _ in range(150):
         op = rng.integers(8)
@@ -222,6 +253,7 @@ def test_random_workload_replays_to_what_the_cache_holds_per_group(block_hash):
             want = tree_pages(cache)
             assert sorted((m, g) for _, m, g in router) == sorted((m, g) for _, m, g in want)
     assert any(k[2] == 0 for k in router)
+    assert cache.stats()["window_spare_reclaimed"] > 0 or not spare
     cache.flush()
     for _ in range(3):  # everything out: every announcement removed, no vLLM id left counted
         cache.evict(1 << 20)

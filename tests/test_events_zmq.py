@@ -292,6 +292,7 @@ def test_window_groups_on_the_wire_name_their_group_in_vllms_fields(tcp, encodin
         16,
         32,
         write_policy="write_back",
+        window_spare=False,  # pages no node end reads freed at insert: two kept
         kv_events=zmq_events(tcp, encoding=encoding),
     )
     sub = Subscriber(tcp)

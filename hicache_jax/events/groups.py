@@ -3,21 +3,23 @@ announced per layer group (``kv_events={"groups": "all"}``, the default, with a 
 window groups; ARCHITECTURE.md, "Layer groups").
 
 A window group's page follows its full-attention page (:mod:`hicache_jax.memory.window`):
-``attach[g, page]`` on each tier. So a tree page holds a group's page on a medium exactly where
-the tier's ``attach`` row of the group says so, and :class:`GroupEvents` reads it there at the
+``attach[g, page]`` on each tier. A tree page holds a group's page on a medium where the tier's
+``attach`` row of the group says so, spare pages included (kept while the pool has room; a
+match may read them). :class:`GroupEvents` keeps what it announced, per tier, group and page
+(``announced``, and each announced page's tree hash), and compares it with ``attach`` at the
 moments the full-attention pages' events are recorded:
 
 * a BlockStored of a node's pages on a medium (an insert's new pages after the trim, a backup's
   host pages, a load's device pages: the transfer engine attaches the copied window pages at
   dispatch, before the event) also announces, per group, the runs of those pages that hold the
   group's page (:meth:`GroupEvents.stored`);
-* a BlockRemoved of a node's pages (eviction, deletion, a dropped host copy, invalidation),
-  recorded before the pages are freed, also removes the group pages they hold
-  (:meth:`GroupEvents.removed`);
+* a BlockRemoved of a node's pages (eviction, deletion, a dropped host copy, invalidation) also
+  removes the group pages announced for them (:meth:`GroupEvents.removed`);
 * an insert changes the attachments of pages already in the tree (the trim of
-  ``Windows.after_insert``, the holes ``Windows.before_free_duplicates`` fills): the cache takes
-  a :meth:`GroupEvents.snapshot` before and records the difference after
-  (:meth:`GroupEvents.changes`).
+  ``Windows.after_insert`` where it frees, the holes ``Windows.before_free_duplicates``
+  fills): after it the path's pages are compared (:meth:`GroupEvents.changes`);
+* a tier frees spare group pages to make room (``WindowPages.reclaim``, through its
+  ``on_reclaim`` hook): those announced are removed (:meth:`GroupEvents.reclaimed`).
 
 A window group's event carries the same block hash as the full-attention page at that position
 (vLLM's groups share block hashes), its parent the hash of the page before it in the prefix
@@ -28,6 +30,7 @@ Threading: the cache's owning thread only (called by the recorder).
 
 from __future__ import annotations
 
+import functools
 from typing import Any, NamedTuple, Protocol
 
 import numpy as np
@@ -55,12 +58,12 @@ def runs(row: np.ndarray) -> list[tuple[int, int]]:
 
 
 class Held(NamedTuple):
-    """What one node's pages on one medium held of each group when a snapshot was taken."""
+    """One node's pages on one medium, announced before an insert (see
+    :meth:`GroupEvents.snapshot`)."""
 
     node: Any
     medium: Medium
     ids: np.ndarray
-    held: np.ndarray  # bool [groups, n]
 
 
 class GroupEvents:
@@ -69,40 +72,53 @@ class GroupEvents:
     Args:
         recorder: the recorder that keeps the records.
         tags: the tag of each window group, in ``KVSpec.window_groups`` order.
-        device, host: each tier's window pages (``WindowPages``: their ``attach`` rows).
+        device, host: each tier's window pages (``WindowPages``: their ``attach`` rows; their
+            ``on_reclaim`` is set here).
     """
 
     def __init__(self, recorder: Sink, tags: list[GroupTag], device: Any, host: Any) -> None:
         self._rec, self._tags = recorder, tags
         self._attach = {Medium.DEVICE: device.attach, Medium.HOST: host.attach}
+        #: per tier: bool [groups, pages] announced, and each announced page's tree hash
+        self._announced = {m: np.zeros(a.shape, bool) for m, a in self._attach.items()}
+        self._hash = {m: np.zeros(a.shape[1], np.uint64) for m, a in self._attach.items()}
+        device.on_reclaim = functools.partial(self.reclaimed, Medium.DEVICE)
+        host.on_reclaim = functools.partial(self.reclaimed, Medium.HOST)
 
     def stored(self, node: Any, medium: Medium, first: int, stop: int) -> None:
         """``node``'s pages ``[first, stop)`` are announced on ``medium``: announce, per group,
-        the runs of them that hold the group's page there."""
+        the runs of them that hold the group's page there (and are not announced yet)."""
         attach = self._attach.get(medium)
         ids = _ids(node, medium)
         if attach is None or ids is None:
             return
-        held = attach[:, ids[first:stop]] >= 0
-        for tag, row in zip(self._tags, held):
-            for lo, hi in runs(row):
-                self._rec.stored_run(node, medium, first + lo, first + hi, tag)
+        self._sync(node, medium, ids, first, stop)
 
     def removed(self, node: Any, medium: Medium, ids: np.ndarray | None) -> None:
-        """``node``'s pages ``ids`` on ``medium`` are about to be freed or given up: remove the
-        group pages they hold."""
-        attach = self._attach.get(medium)
-        if attach is None or ids is None:
+        """``node``'s pages ``ids`` on ``medium`` are given up: remove the group pages
+        announced for them."""
+        announced = self._announced.get(medium)
+        if announced is None or ids is None:
             return
-        held = attach[:, ids] >= 0
-        for tag, row in zip(self._tags, held):
-            if row.any():
-                self._rec.removed_pages(node.page_hashes[row], medium, tag)
+        for tag, row in zip(self._tags, announced):
+            sel = row[ids]
+            if sel.any():
+                row[ids[sel]] = False
+                self._rec.removed_pages(node.page_hashes[sel], medium, tag)
+
+    def reclaimed(self, medium: Medium, g: int, ids: np.ndarray) -> None:
+        """The tier is about to free group ``g``'s spare pages attached to ``ids``: remove
+        those announced (a page freed with a node that left the tree was removed then)."""
+        row = self._announced[medium][g]
+        sel = ids[row[ids]]
+        if sel.size:
+            row[sel] = False
+            self._rec.removed_pages(self._hash[medium][sel], medium, self._tags[g])
 
     def snapshot(self, res: Any) -> list[Held]:
-        """What the pages an insert found in the tree (``res``: its ``InsertResult``) hold of
-        each group on each tier, where they are announced (a revived node's device pages are
-        the caller's, announced after the insert)."""
+        """The pages an insert found in the tree (``res``: its ``InsertResult``) that are
+        announced on each tier (a revived node's device pages are the caller's, announced
+        after the insert)."""
         revived = {id(n) for n in res.revived_nodes}
         out = []
         for node in res.existing_nodes:
@@ -110,21 +126,36 @@ class GroupEvents:
                 ids = _ids(node, medium)
                 if ids is None or (medium is Medium.DEVICE and id(node) in revived):
                     continue
-                out.append(Held(node, medium, ids, self._attach[medium][:, ids] >= 0))
+                out.append(Held(node, medium, ids))
         return out
 
     def changes(self, before: list[Held]) -> None:
-        """Announce what changed since :meth:`snapshot`: group pages gained (a hole filled) and
-        lost (trimmed)."""
-        for node, medium, ids, was in before:
-            now = self._attach[medium][:, ids] >= 0
-            if np.array_equal(now, was):
-                continue
-            for tag, lost, gained in zip(self._tags, was & ~now, now & ~was):
-                if lost.any():
-                    self._rec.removed_pages(node.page_hashes[lost], medium, tag)
-                for lo, hi in runs(gained):
-                    self._rec.stored_run(node, medium, lo, hi, tag)
+        """Announce what an insert changed of :meth:`snapshot`'s pages: group pages gained (a
+        hole filled) and lost (trimmed)."""
+        for node, medium, ids in before:
+            self._sync(node, medium, ids, 0, ids.size)
+
+    def _sync(self, node: Any, medium: Medium, ids: np.ndarray, first: int, stop: int) -> None:
+        """Announce, per group, what ``node``'s pages ``[first, stop)`` gained or lost there
+        since announced."""
+        part = ids[first:stop]
+        now = self._attach[medium][:, part] >= 0
+        announced = self._announced[medium]
+        was = announced[:, part]
+        if np.array_equal(now, was):
+            return
+        self._hash[medium][part] = node.page_hashes[first:stop]
+        announced[:, part] = now
+        for tag, lost, gained in zip(self._tags, was & ~now, now & ~was):
+            if lost.any():
+                self._rec.removed_pages(node.page_hashes[first:stop][lost], medium, tag)
+            for lo, hi in runs(gained):
+                self._rec.stored_run(node, medium, first + lo, first + hi, tag)
+
+    def clear(self) -> None:
+        """Nothing is announced any more (AllBlocksCleared)."""
+        for a in self._announced.values():
+            a[:] = False
 
 
 def _ids(node: Any, medium: Medium) -> np.ndarray | None:

@@ -229,8 +229,7 @@ class Recorder:
 
     def removed(self, node: Any, medium: Medium, ids: np.ndarray | None = None) -> None:
         """Record a BlockRemoved of every page of ``node`` on ``medium`` and, with window groups
-        announced, of the group pages they hold: before the pages are freed (a free drops the
-        group pages attached to them).
+        announced, of the group pages announced for them.
 
         Args:
             node: the tree node.
@@ -283,6 +282,8 @@ class Recorder:
     def cleared(self) -> None:
         """Drop the call's pending events and record AllBlocksCleared (a reset supersedes them)."""
         self._pending, self._pending_bytes = [CLEARED], RECORD_OVERHEAD
+        if self._groups is not None:
+            self._groups.clear()
         if self._ids is not None:
             self._ids.clear()
         if self._l3 is not None:
