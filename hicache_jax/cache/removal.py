@@ -93,9 +93,9 @@ class Removal:
     def drop_device(self, node: TreeNode) -> int:
         """Free a backed-up node's device pages; it stays as a host-only node."""
         ids = self._tree.evict_device(node)
-        self._events.removed(node, Medium.DEVICE, ids)  # before the free (window pages)
         self._device_free(ids)
         self._owner.release(ids)
+        self._events.removed(node, Medium.DEVICE, ids)  # ids: the node no longer holds them
         self._n["evictions"] += 1
         self._n["evicted_tokens"] += node.num_tokens
         return node.num_tokens
@@ -117,17 +117,17 @@ class Removal:
         """Delete a leaf from the tree, freeing its pages on both tiers; returns its tokens."""
         value, host_value = self._tree.delete_leaf(node)
         if value is not None:
-            self._events.removed(node, Medium.DEVICE, value)  # before the free (window pages)
             self._device_free(value)
             self._owner.release(value)
+            self._events.removed(node, Medium.DEVICE, value)
             self._n["evictions"] += 1
             self._n["evicted_tokens"] += node.num_tokens
             self._n["deleted_tokens"] += node.num_tokens
         if host_value is not None:
             if value is None:
                 self._l3.on_host_evict(node, host_value)  # write_back: to L3 before the free
-            self._events.removed(node, Medium.HOST, host_value)
             self._host_free(host_value)
+            self._events.removed(node, Medium.HOST, host_value)
             if value is None:
                 self._n["host_evictions"] += 1
                 self._n["host_evicted_tokens"] += node.num_tokens
@@ -138,12 +138,12 @@ class Removal:
         and announced (device first), none written to L3. Returns ``(device, host)`` tokens."""
         value, host_value = self._tree.delete_leaf(node)
         if value is not None:
-            self._events.removed(node, Medium.DEVICE, value)  # before the free (window pages)
             self._device_free(value)
             self._owner.release(value)
+            self._events.removed(node, Medium.DEVICE, value)
         if host_value is not None:
-            self._events.removed(node, Medium.HOST, host_value)
             self._host_free(host_value)
+            self._events.removed(node, Medium.HOST, host_value)
         dev = node.num_tokens if value is not None else 0
         host = node.num_tokens if host_value is not None else 0
         self._n["invalidated_device_tokens"] += dev
