@@ -25,6 +25,9 @@ A window group's event carries the same block hash as the full-attention page at
 (vLLM's groups share block hashes), its parent the hash of the page before it in the prefix
 (which the group may not hold: a window keeps only the tail a continuation reads).
 
+What it keeps: a bool per tier page and window group and a uint64 hash per tier page (a few
+bytes a page beside the page's KV), made only with window groups and ``groups="all"``.
+
 Threading: the cache's owning thread only (called by the recorder).
 """
 
