@@ -6,6 +6,11 @@ table to sort and filter and a curve on a matplotlib axis, save it and load it b
     result = study.sweep(trace, capacities=[3e5, 1e6, 3e6], policies=["clean_ahead", "write_back"])
     result.table(); result.plot()
 
+A sliding-window model at equal memory: ``study.sweep(trace, capacities=[3e5, 1e6],
+layer_pattern="5:1", window=1024)`` (capacities in the all-full model's bytes, split between the
+full-attention and the window pools; see :mod:`hicache_jax.replay.windows`): each record gets
+the bytes ratio ``r``, the LRU of ``r x`` the bytes and the LRU of the same bytes.
+
 Every figure comes from :func:`hicache_jax.replay.run` (the replay of ``hicache-jax replay``,
 which calls the functions of this module: one code path, the same figures). The replay is
 deterministic, so a sweep run twice gives the same table (only :data:`TIMING_FIELDS` vary).
@@ -35,6 +40,7 @@ from typing import Any
 import numpy as np
 
 from hicache_jax.replay import driver as _replay
+from hicache_jax.replay import windows as _windows
 from hicache_jax.replay.block_lru import default_device_pages
 from hicache_jax.replay.trace import MOONCAKE_BLOCK, Trace
 from hicache_jax.replay.trace import load_trace as _load_trace
@@ -214,6 +220,9 @@ def sweep(
     load_back_threshold: int = 16,
     progress: bool | Callable[[int, str], Any] = auto_progress,
     diagnose: bool = False,
+    layer_pattern: str | None = None,
+    window: int | None = None,
+    window_share: float | None = None,
 ) -> SweepResult:
     """Replay ``trace`` at every (L2 ratio, L1 size, write policy, eviction), beside the exact
     LRU references of L1's and L1 + L2's capacity and the infinite cache.
@@ -232,12 +241,23 @@ def sweep(
             (text bars on a terminal's stderr only) or False.
         diagnose: add where each replay loses against LRU(L1+L2) (the ``diag_*`` figures of
             :func:`hicache_jax.replay.replay`).
+        layer_pattern: ``"a:b"`` (e.g. ``"5:1"``): replay a model of ``a`` sliding-window
+            layers of ``window`` tokens then ``b`` full ones, repeating
+            (:func:`hicache_jax.replay.windows.pattern_spec`; ``spec`` then gives the per-layer
+            shape and the layers, default one period of 1 head of dim 1, float32). The
+            capacities stay the all-full model's bytes, split between the full-attention and
+            the window pools, and each record gets the bytes ratio ``r``, the LRU of ``r x``
+            the bytes and the LRU of the same bytes (see :func:`hicache_jax.replay.run`).
+        window: the sliding window in tokens (with ``layer_pattern`` only).
+        window_share: the fraction of each tier's bytes in window pages, in (0, 1); None:
+            the default rule of :mod:`hicache_jax.replay.windows` (with ``layer_pattern``, or a
+            ``spec`` with window groups).
 
     Raises:
         ValueError / TypeError naming a bad setting, before anything is replayed.
     """
     trace = load_trace(trace)
-    spec = _spec(spec, page_size, trace)
+    spec = _pattern_spec(layer_pattern, window, window_share, spec, page_size, trace)
     pages = l1_pages(
         trace, spec.page_size, capacities=_listed(capacities), device_pages=_listed(device_pages)
     )
@@ -257,6 +277,7 @@ def sweep(
             load_back_threshold=load_back_threshold,
             progress=progress,
             diagnose=diagnose,
+            window_share=window_share,
         )
         for ratio in ratios
     ]
@@ -281,6 +302,42 @@ def _spec(spec: KVSpec | str | None, page_size: int | None, trace: Trace) -> KVS
         spec,
         _replay.TINY_SPEC,
         page_size=page_size if page_size is not None else trace.default_page_size(),
+    )
+
+
+def _pattern_spec(
+    layer_pattern: str | None,
+    window: int | None,
+    window_share: float | None,
+    spec: KVSpec | str | None,
+    page_size: int | None,
+    trace: Trace,
+) -> KVSpec:
+    """The sweep's spec: ``spec``'s (:func:`_spec`), or with ``layer_pattern`` the pattern's
+    over ``spec``'s per-layer shape. ValueError / TypeError naming the argument."""
+    if layer_pattern is None:
+        windowed = isinstance(spec, KVSpec) and bool(spec.window_groups)
+        for name, value in (("window", window), ("window_share", window_share)):
+            if value is not None and not (windowed and name == "window_share"):
+                raise ValueError(
+                    f"{name}={value!r} needs layer_pattern= (e.g. '5:1')"
+                    + ("" if name == "window" else " or a spec with window groups")
+                )
+        return _spec(spec, page_size, trace)
+    _windows.check_share(window_share, "window_share")
+    period = _windows.pattern_period(layer_pattern, "layer_pattern")
+    ps = page_size if page_size is not None else trace.default_page_size()
+    base: KVSpec | None = None
+    if isinstance(spec, KVSpec):
+        base = _spec(spec, page_size, trace)
+        ps = base.page_size
+    elif isinstance(spec, str):
+        one_period = dataclasses.replace(_replay.TINY_SPEC, num_layers=period)
+        base = KVSpec.parse(spec, one_period, page_size=ps, flag="spec")
+    elif spec is not None:
+        raise TypeError(f"spec={spec!r} must be a KVSpec, a string or None")
+    return _windows.pattern_spec(
+        layer_pattern, window, ps, base=base, flag="layer_pattern", window_flag="window"
     )
 
 

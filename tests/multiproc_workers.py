@@ -75,7 +75,7 @@ def _cache(jax, mesh: bool = True, **cfg):
     from hicache_jax import HiCache, HiCacheConfig, KVSpec
 
     n = jax.process_count()
-    spec = KVSpec(
+    spec = cfg.pop("spec", None) or KVSpec(
         num_layers=2,
         num_kv_heads=2 * n,
         head_dim=4,
@@ -263,6 +263,50 @@ def scenario_l3_miss(jax, pid: int, n: int, args: list[str]) -> dict:
     out["prefetch"] = None if h is None else h.pages_found
     out["served_cached"] = _serve(cache, tokens)
     cache.check_agreement()
+    cache.close()
+    return out
+
+
+def scenario_l3_windows(jax, pid: int, n: int, args: list[str]) -> dict:
+    """Window groups with L3, every process's cache over its own ``file://`` store (args: a
+    directory): two prompts put to both, evicted from L1 and L2; process 1's store loses the
+    window group entry of one prompt's last page: on every process that prompt is cut back
+    after its prefetch (the group reads' landed pages are agreed), the other is served whole."""
+    import pathlib
+
+    import numpy as np
+
+    from hicache_jax import KVSpec
+    from hicache_jax.l3.storage import page_keys
+    from hicache_jax.l3.windows import window_keys
+
+    spec = KVSpec.from_pattern(
+        "1:1", num_layers=2, num_kv_heads=2, head_dim=4, dtype="float16", page_size=4, window=8
+    )
+    root = pathlib.Path(args[0]) / f"p{pid}"
+    url = f"file://{root}"
+    cache = _cache(jax, mesh=False, spec=spec, storage=url, prefetch_policy="wait_complete")
+    cut, whole = np.arange(32), np.arange(100, 132)
+    _serve(cache, cut), _serve(cache, whole)
+    cache.flush()
+    cache.evict(10_000)
+    cache.evict_host(10_000)
+    if pid == 1:
+        name = window_keys(page_keys(spec, cut, None), 0)[-1]
+        for f in root.rglob(name):
+            f.unlink()
+    out = {}
+    for label, tokens in (("cut", cut), ("whole", whole)):
+        h = cache.prefetch(tokens)
+        out[label] = {
+            "found": None if h is None else h.pages_found,
+            "cached": _serve(cache, tokens),
+        }
+    cache.check_agreement()
+    cache.check_invariants()
+    st = cache.stats()
+    out["window_hits"] = st["l3_window_prefetch_hit_pages"]
+    out["window_missed"] = st["l3_window_prefetch_missed_pages"]
     cache.close()
     return out
 

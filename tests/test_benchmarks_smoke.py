@@ -98,6 +98,12 @@ RUNS = [
         [],
     ),
     ("bench_tree", ["--quick"], ["hit/inf", "x the target"], []),
+    (
+        "bench_windows_replay",
+        ["--limit", "100", "--capacities", "1e5", "--host-ratios", "2"],
+        ["hit/LRU(r) >= 0.97", "LRU(= bytes)", "gain"],
+        [],
+    ),
     ("bench_ttft", ["--quick"], ["/ recompute", "L2/recompute:", "(target <= 0.1)"], []),
 ]
 

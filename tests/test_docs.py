@@ -144,6 +144,12 @@ def _stats_of_every_kind(tmp_path) -> set[str]:
     b.flush()
     keys |= set(a.stats()) | set(b.stats())
     a.close(), b.close()
+    windowed = KVSpec.from_pattern(  # window groups with L3: the l3_window_* keys
+        "1:1", num_layers=2, num_kv_heads=1, head_dim=2, dtype="float32", page_size=4, window=4
+    )
+    c = HiCache(windowed, HiCacheConfig(device_pages=8, host_pages=16, storage=url))
+    keys |= set(c.stats())
+    c.close()
     assert any(k.startswith("l3_store_") for k in keys)
     return keys
 

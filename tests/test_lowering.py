@@ -321,6 +321,12 @@ def test_window_groups_pools_and_copies_lower(platform):
     report = lowering.check(pset, only=["window0.transfer", "window0.device_pool.write"])
     report.raise_for_failures()
     assert len(report.lowered) > 0
+    # the patterned engine's steps, over the full pool and the window pool in one program
+    pset = lowering.programs(spec, platform, device_pages=PAGES, engine=True)
+    assert pset.model is not None and pset.model.layer_pattern == "3:1"
+    report = lowering.check(pset, only=["engine.decode", "batched.step[3"])
+    report.raise_for_failures()
+    assert {low.program.op for low in report.lowered} == {"engine.decode", "batched.step"}
 
 
 def test_lower_command_takes_a_layer_pattern(capsys):

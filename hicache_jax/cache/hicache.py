@@ -139,6 +139,7 @@ class HiCache:
             self._tree,
             self._host,
             self._group,
+            None if self._windows is None else self._windows.host,  # L3 puts and fetches them
         )
         # NullL3Tier without storage; attach_storage / detach_storage swap the slot's tier
         # L3 holds this process's heads (all of them in one process), keyed by the shard
@@ -160,11 +161,6 @@ class HiCache:
         groups = spec.window_groups
         if not groups:
             return None
-        if cfg.storage is not None:
-            raise ValueError(
-                "storage with window groups is not supported yet: L3 entries hold "
-                "full-attention pages only (use a spec without window groups for L3)"
-            )
         if cfg.load_overlap:
             raise ValueError("load_overlap=True with window groups is not supported yet")
         assert cfg.host_pages is not None  # HiCacheConfig.__post_init__ resolves it

@@ -4,7 +4,10 @@ The L3 tier reserves host pages, attaches fetched pages and holds locks only thr
 object, so the host-page rule -- every host page is free, held by one node, the target of a
 copy in flight, or reserved by an L3 prefetch -- is kept on the cache's side: the reservations
 are recorded here (:meth:`CacheL3Port.reserved_pages`), and so are the locks the tier holds
-(:meth:`CacheL3Port.locked_nodes`), for :meth:`HiCache.check_invariants`.
+(:meth:`CacheL3Port.locked_nodes`), for :meth:`HiCache.check_invariants`. With window groups
+the port also gives the tier the groups' host pages (:class:`WindowHostPages`): it reads them
+for puts and attaches fetched ones to the host pages the tree holds (ARCHITECTURE.md, "Layer
+groups").
 
 Threading: the cache's thread only.
 """
@@ -22,6 +25,7 @@ from hicache_jax.events.recorder import NullRecorder, Recorder
 from hicache_jax.events.records import Medium
 from hicache_jax.memory.group import Group, LocalGroup
 from hicache_jax.memory.host_pool import HostPagePool
+from hicache_jax.memory.window import WindowPages
 from hicache_jax.spec import KVSpec
 from hicache_jax.tree.node import TreeMatch, TreeNode
 from hicache_jax.tree.radix import RadixTree
@@ -72,6 +76,39 @@ class FetchedPages:
         self.tagged = 0
 
 
+class WindowHostPages:
+    """The window groups' host pages as the L3 tier sees them
+    (:class:`~hicache_jax.l3.port.WindowHost`).
+
+    Args:
+        host: the host tier's window pages (``memory/window.py``).
+    """
+
+    def __init__(self, host: WindowPages) -> None:
+        self._host = host
+        self.groups = host.groups
+        self.specs = tuple(p.local_spec for p in host.pools)
+
+    def pages(self, g: int, host_ids: np.ndarray) -> np.ndarray:
+        # spare pages (no node end reads them) are never written to L3: none here
+        w = self._host.attach[g, host_ids]
+        return np.where(self._host.spare[g, host_ids] > 0, -1, w).astype(np.int32)
+
+    def read_async(self, g: int, group_ids: np.ndarray) -> Any:
+        return self._host.pools[g].read_async(group_ids)
+
+    def attach(self, g: int, host_ids: np.ndarray, rows: np.ndarray, row_ids: np.ndarray) -> int:
+        if (self._host.attach[g, host_ids] >= 0).any():
+            raise HiCacheError(f"host pages already hold a page of window group {g}")
+        pool = self._host.pools[g]
+        if self._host.room(g) < host_ids.size:
+            return 0  # that prefix is not servable from host (the match cuts it back)
+        ids = self._host.take(g, host_ids.size)  # (spare pages freed first)
+        pool.write_rows(ids, rows, row_ids)
+        self._host.attach[g, host_ids] = ids
+        return int(ids.size)
+
+
 class CacheL3Port:
     """What a HiCache gives its L3 tier.
 
@@ -81,6 +118,7 @@ class CacheL3Port:
         tree: the cache's tree.
         host: the cache's host pool.
         group: the cache's processes (the tier agrees store results through it).
+        windows: the host tier's window pages (a spec with window groups), else None.
 
     The L3 tier needs host pages (which may evict host pages) and host eviction tells the tier
     first (``storage_write_policy="write_back"``), so the two cannot both be given the other at
@@ -95,8 +133,11 @@ class CacheL3Port:
         tree: RadixTree,
         host: HostPagePool,
         group: Group | None = None,
+        windows: WindowPages | None = None,
     ) -> None:
         self.spec, self.clock = spec, clock
+        #: the window groups' host pages (None without window groups)
+        self.window_host = None if windows is None else WindowHostPages(windows)
         self.group = group if group is not None else LocalGroup()
         self._tree, self._host = tree, host
         self.events: NullRecorder | Recorder = NullRecorder()

@@ -10,6 +10,7 @@ library's.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -20,6 +21,7 @@ import hicache_jax.study as study
 from hicache_jax.cli.output import check_writable, require_matplotlib, write_json
 from hicache_jax.replay import driver as replay_mod
 from hicache_jax.replay import simulate as sim
+from hicache_jax.replay import windows as wmod
 from hicache_jax.replay.trace import MOONCAKE_BLOCK, TOKEN_PAGE_SIZE
 from hicache_jax.spec import HiCacheConfig, KVSpec
 
@@ -85,6 +87,27 @@ def add_parser(sub: Any) -> None:
         "dtype=bfloat16; unset: 1 layer, 1 kv head, head_dim 1, "
         "float32",
     )
+    w = r.add_argument_group(
+        "layer pattern (a sliding-window model at the all-full model's bytes; "
+        'ARCHITECTURE.md, "Layer groups")'
+    )
+    w.add_argument(
+        "--layer-pattern",
+        metavar="A:B",
+        help="A sliding-window layers then B full ones, repeating (e.g. 5:1): the replay's "
+        "spec becomes the pattern's (per layer: 1 kv head of dim 1, float32, one period of "
+        "layers, unless --spec says otherwise); capacities stay tokens' worth of the "
+        "all-full model's bytes, split between the full-attention and the window pools",
+    )
+    w.add_argument("--window", type=int, metavar="W", help="the sliding window in tokens")
+    w.add_argument(
+        "--window-share",
+        type=float,
+        metavar="F",
+        help="fraction of each tier's bytes given to window pages, in (0, 1); unset: the "
+        "default rule: the longest prompt's pages (L1, up to the all-full L1) plus ceil(W/page) "
+        "pages of tail for every mean prompt's pages of full-attention pool",
+    )
     m = r.add_argument_group("simulate (what-if TTFT on a simulated clock)")
     m.add_argument(
         "--simulate",
@@ -137,15 +160,34 @@ def _simulate(
         )
     except (ValueError, TypeError) as exc:
         parser.exit(2, f"hicache-jax replay: error: {exc}\n")
-    kw = dict(
+    pools = None
+    if spec.window_groups:
+        longest, mean = wmod.prompt_tokens(trace)
+        pools = wmod.pools_for(
+            spec,
+            pages,
+            args.host_ratios[0],
+            share=args.window_share,
+            longest_tokens=longest,
+            mean_tokens=mean,
+        )
+    kw: dict[str, Any] = dict(
         device_pages=pages,
         host_ratio=args.host_ratios[0],
         threshold=args.load_back_threshold,
         seed=args.seed,
+        pools=pools,
     )
     report = sim.simulate_all(trace, spec, regime, **kw)
     print(
-        f"simulate {trace.path}: {len(trace.requests)} requests, L1 {pages} pages; "
+        f"simulate {trace.path}: {len(trace.requests)} requests, L1 {pages} pages"
+        + (
+            ""
+            if pools is None
+            else f" of the all-full model's bytes (full/window pages: L1 {pools.device_pages}/"
+            f"{pools.window_device_pages}, L2 {pools.host_pages}/{pools.window_host_pages})"
+        )
+        + "; "
         f"L2 {args.l2_gbps:g} GB/s, L3 {args.l3_gbps or 'none'} GB/s, prefill "
         f"{args.prefill_tokens_per_s:g} tokens/s, {model.page_bytes:,} KV bytes a token"
     )
@@ -181,9 +223,17 @@ def _replay_setup(args: argparse.Namespace) -> tuple[Any, Any, list[int]]:
         )
     if args.json:
         check_writable(args.json)
+    _check_pattern_flags(args)
     trace = study.load_trace(args.trace, block_size=args.block_size, limit=args.limit)
     ps = args.page_size if args.page_size is not None else trace.default_page_size()
-    spec = KVSpec.parse(args.spec, replay_mod.TINY_SPEC, page_size=ps)
+    if args.layer_pattern is not None:
+        period = wmod.pattern_period(args.layer_pattern)
+        base = KVSpec.parse(
+            args.spec, dataclasses.replace(replay_mod.TINY_SPEC, num_layers=period), page_size=ps
+        )
+        spec = wmod.pattern_spec(args.layer_pattern, args.window, ps, base=base)
+    else:
+        spec = KVSpec.parse(args.spec, replay_mod.TINY_SPEC, page_size=ps)
     if args.capacities:
         try:
             sizes = [float(x) for x in args.capacities.split(",") if x.strip()]
@@ -207,6 +257,24 @@ def _replay_setup(args: argparse.Namespace) -> tuple[Any, Any, list[int]]:
         args.load_back_threshold,
     )
     return trace, spec, pages
+
+
+def _check_pattern_flags(args: argparse.Namespace) -> None:
+    """``--window`` and ``--window-share`` need ``--layer-pattern``; the share is in (0, 1).
+    ValueError naming the flag."""
+    if args.layer_pattern is None:
+        for flag, value in (("--window", args.window), ("--window-share", args.window_share)):
+            if value is not None:
+                raise ValueError(f"{flag} needs --layer-pattern (e.g. --layer-pattern 5:1)")
+        return
+    wmod.pattern_period(args.layer_pattern)
+    if args.window is None:
+        raise ValueError(
+            f"--layer-pattern {args.layer_pattern} needs --window (the sliding window in tokens)"
+        )
+    if args.window < 1:
+        raise ValueError(f"--window {args.window} must be a positive number of tokens")
+    wmod.check_share(args.window_share)
 
 
 def _split(flag: str) -> list[str]:
@@ -259,9 +327,12 @@ def replay_command(args: argparse.Namespace, parser: argparse.ArgumentParser) ->
     print(
         f"trace {trace.path}: {trace.format}, {len(trace.requests)} requests, "
         f"{trace.num_tokens:,} prompt tokens; page {ps} tokens, "
-        f"{spec.page_bytes:,} bytes a page ({spec.num_layers}L {spec.num_kv_heads}x"
-        f"{spec.head_dim} {spec.dtype}); L1 {', '.join(f'{p} pages' for p in pages)}, "
-        f"L2 = {', '.join(f'{x:g}' for x in args.host_ratios)} x L1",
+        f"{spec.model_page_bytes:,} bytes a page ({spec.total_layers}L {spec.num_kv_heads}x"
+        f"{spec.head_dim} {spec.dtype}"
+        + (f"; {spec.describe_groups()}" if spec.window_groups else "")
+        + f"); L1 {', '.join(f'{p} pages' for p in pages)}, "
+        f"L2 = {', '.join(f'{x:g}' for x in args.host_ratios)} x L1"
+        + (" (the all-full model's pages' bytes)" if spec.window_groups else ""),
         flush=True,
     )
     env = replay_mod.environment()  # date and load average at the start; the load at the end too
@@ -275,6 +346,7 @@ def replay_command(args: argparse.Namespace, parser: argparse.ArgumentParser) ->
         load_back_threshold=args.load_back_threshold,
         progress=not args.quiet,
         diagnose=args.diagnose,
+        window_share=args.window_share,
     ).reports
     for rep in reports:
         if len(reports) > 1:

@@ -8,7 +8,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from hicache_jax.spec import KVSpec
+from hicache_jax.spec import KVSpec, LayerGroup
 from hicache_jax.tree.node import TreeMatch, TreeNode
 
 
@@ -78,3 +78,28 @@ class CachePort(Protocol):
     def read_host_async(self, host_ids: np.ndarray) -> Any:
         """Dispatch a copy of host pages out of the host pool (``HostRead``: ``done()``,
         ``copy_into(rows, row_ids)``)."""
+
+
+class WindowHost(Protocol):
+    """The window groups' host pages, as the L3 tier sees them (a cache whose spec has window
+    groups gives its port one as ``window_host``; without, the port has none or None).
+
+    Attributes:
+        groups: the spec's window groups (``KVSpec.window_groups``).
+        specs: each group's pages as the host pool holds them (``LayerGroup.spec``, this
+            process's heads): what the group's L3 entries hold.
+    """
+
+    groups: tuple[LayerGroup, ...]
+    specs: tuple[KVSpec, ...]
+
+    def pages(self, g: int, host_ids: np.ndarray) -> np.ndarray:
+        """int32: group ``g``'s host page attached to each of ``host_ids``, -1 where none."""
+
+    def read_async(self, g: int, group_ids: np.ndarray) -> Any:
+        """Dispatch a copy of group ``g``'s host pages ``group_ids`` (``HostRead``)."""
+
+    def attach(self, g: int, host_ids: np.ndarray, rows: np.ndarray, row_ids: np.ndarray) -> int:
+        """Give each of ``host_ids`` (host pages the tree holds, holding no group ``g`` page) a
+        fresh group ``g`` page holding ``rows[row_ids[i]]`` (staging entries): all or none
+        (none when the group's host pool has too few free pages); pages attached."""

@@ -27,6 +27,14 @@
   ``wait_complete`` waits for the prefetches on the request's path, ``timeout`` waits up to
   ``issued + prefetch_timeout_s * (1 + tokens / 1024)`` then keeps what landed and cancels the rest.
 
+* **window groups** (:mod:`hicache_jax.l3.windows`): a prefetch also reads, per window group,
+  the entries of its pages that a continuation at its end reads (``need_start(end)`` on), and
+  attaches once every read is done; each node it gives host pages (the leaf, device nodes'
+  host copies) gets a group's pages only where every page a continuation at the node's own end
+  reads of its pages landed (all or none, and none when the group's host pool is short): what
+  the tree keeps, never a page it would trim. A node without them is not servable from host
+  at its end, and the match cuts it back (ARCHITECTURE.md, "Layer groups").
+
 Everything here talks to the cache through its port (:class:`~hicache_jax.l3.port.CachePort`):
 host pages are reserved and released there, and fetched pages attach there, so the cache alone
 keeps the rule "every host page is free, held by one node, in flight, or reserved by an L3
@@ -52,11 +60,13 @@ import numpy as np
 from hicache_jax.l3.keys import DigestRecords, KeyNames
 from hicache_jax.l3.port import CachePort
 from hicache_jax.l3.storage import StorageError
+from hicache_jax.l3.windows import WindowedGet, WindowLane, WindowPart
 from hicache_jax.memory.allocator import PageAllocator
 from hicache_jax.memory.group import Group, LocalGroup
 from hicache_jax.spec import PrefetchPolicy
 from hicache_jax.tree.hashing import chain_digests
 from hicache_jax.tree.node import TreeNode
+from hicache_jax.tree.windows import kept_first_page
 
 _TIMEOUT_TOKENS = 1024  # the timeout policy's deadline grows by prefetch_timeout_s per this many
 
@@ -222,6 +232,8 @@ class Prefetcher:
         group: the cache's processes (every store result is agreed through it).
         names: the tier's key names (its spec's fingerprint, each namespace's generation;
             default: the port's spec, every namespace in generation 0).
+        lanes: the window groups' lanes (``l3/windows.py``; none for a plain spec): their
+            pages are fetched and attached through the port's ``window_host``.
     """
 
     def __init__(
@@ -238,6 +250,7 @@ class Prefetcher:
         counters: collections.Counter,
         group: Group | None = None,
         names: KeyNames | None = None,
+        lanes: list[WindowLane] | None = None,
     ) -> None:
         self._port, self._ps, self._continuous = port, page_size, continuous
         self._policy, self._timeout_s = POLICIES[policy](), timeout_s
@@ -245,6 +258,8 @@ class Prefetcher:
         self._records, self._n = records, counters
         self._group = group if group is not None else LocalGroup()
         self._names = names if names is not None else KeyNames(port.spec)
+        self._lanes = list(lanes or ())
+        self._window_host = getattr(port, "window_host", None) if self._lanes else None
         self.gets: list[PrefetchHandle] = []
 
     def prefetch(self, tokens: np.ndarray, extra_key: Any) -> PrefetchHandle | None:
@@ -306,6 +321,8 @@ class Prefetcher:
             return after
         get, host_ids, sids = got
         k = host_ids.size
+        if self._lanes:
+            get = self._window_get(get, keys, pos, k)
         ntok = pos + k * ps
         missing = tokens[ntok : ntok + ps].copy() if k == found and ntok < tokens.size else None
         deadline = issued + self._timeout_s * (1 + k * ps / _TIMEOUT_TOKENS)
@@ -329,6 +346,35 @@ class Prefetcher:
         self._n["l3_prefetches"] += 1
         self._n["l3_prefetch_pages"] += k
         return handle
+
+    def _window_get(self, full: Any, keys: list[str], pos: int, k: int) -> WindowedGet:
+        """``full`` (the read of ``keys[:k]``, pages from token ``pos``) with each window
+        group's read of the pages a continuation at its end reads; a group whose staging
+        rows are short reads nothing (that end is then not servable from host)."""
+        ps, end = self._ps, pos + k * self._ps
+        parts: list[WindowPart] = []
+        for lane in self._lanes:
+            first = max(0, kept_first_page(lane.group, end, ps) - pos // ps)
+            n = k - first
+            if n <= 0:
+                continue
+            if n > lane.alloc.num_free:
+                self._n["l3_window_prefetch_skipped_pages"] += n
+                continue
+            sids = lane.alloc.alloc(n)
+            try:
+                get = lane.backend.get_into(lane.keys(keys[first:k]), sids)
+            except BaseException:
+                lane.alloc.free(sids)
+                for p in parts:  # (their reads finish on their own: release once done)
+                    p.get.cancel()
+                    p.get.wait()
+                    p.lane.alloc.free(p.sids)
+                full.cancel()
+                raise
+            parts.append(WindowPart(lane, np.arange(first, k), sids, get))
+            self._n["l3_window_prefetch_pages"] += n
+        return WindowedGet(full, parts)
 
     def _fetch_take(self, new: int, most: int, take: int, covered: int) -> tuple[int, Any]:
         """How many of the ``new`` pages L3 holds to fetch, given the rule's ``take`` of the
@@ -470,6 +516,8 @@ class Prefetcher:
             self._port.release_host_pages(rest)
             self._n["l3_prefetch_missed_pages"] += rest.size
             self._staging_alloc.free(h._staging_ids)
+            if isinstance(h._get, WindowedGet):
+                h._get.release()
             self._port.unlock(h._node)
             h._applied, h._closed = h.pages_found, True
             outcome = _outcome(h, rest.size)
@@ -535,7 +583,36 @@ class Prefetcher:
             leaf = port.attach_host_leaf(tm.node, h.tokens[covered:end], ids, h.extra_key)
             self._records.record(ids, h._digests[leaf_span], leaf.page_hashes)
             self._n["l3_prefetch_hit_pages"] += leaf_span.size
+        if isinstance(h._get, WindowedGet):
+            spans = [span for _, span in copies]
+            self._attach_windows(h, spans + ([leaf_span] if leaf_span.size else []))
         h._applied = ready
+
+    def _attach_windows(self, h: PrefetchHandle, spans: list[np.ndarray]) -> None:
+        """Each window group's landed pages to the host pages of the nodes whose pages are
+        ``spans`` (offsets in ``h``, each a whole node, now in the tree): per node and group,
+        the pages a continuation at the node's end reads, all or none (module docstring)."""
+        assert isinstance(h._get, WindowedGet) and self._window_host is not None
+        ps, base = self._ps, h.start // self._ps
+        for part in h._get.parts:
+            landed = part.landed()
+            if self._group.num_processes > 1:  # landed on every process (MIN), like the rest
+                agreed = self._group.agree_min("l3 window landed", landed.astype(int).tolist())
+                landed = np.asarray(agreed).astype(bool)
+            lo, hi = int(part.pages[0]), int(part.pages[-1]) + 1
+            for span in spans:
+                end = base + int(span[-1]) + 1  # the node's end, in pages from the root
+                want = span[span >= kept_first_page(part.lane.group, end * ps, ps) - base]
+                if not want.size:
+                    continue
+                if want[0] < lo or want[-1] >= hi or not landed[want - lo].all():
+                    self._n["l3_window_prefetch_missed_pages"] += want.size
+                    continue
+                got = self._window_host.attach(
+                    part.lane.g, h._host_ids[want], part.lane.staging, part.sids[want - lo]
+                )
+                self._n["l3_window_prefetch_hit_pages"] += got
+                self._n["l3_window_prefetch_missed_pages"] += want.size - got
 
     def _give_up(self, h: PrefetchHandle, lo: int, ready: int) -> None:
         self._port.release_host_pages(h._host_ids[lo:ready])

@@ -21,6 +21,10 @@ flight, or reserved by an L3 prefetch) on its side of the port. Without storage 
   free staging page is skipped (counted).
 * **prefetch** (L3 -> L2) and the **policies** at ``match_prefix``: :mod:`hicache_jax.l3.prefetch`.
 * **keys**: :mod:`hicache_jax.l3.keys`.
+* **window groups** (a spec with ``KVSpec.window_groups``): each group's page attached to a
+  host page put is put with it, as an entry of its own in a store lane of the group
+  (:mod:`hicache_jax.l3.windows`: keys, lanes, and a prefetch's reads of them); a page with
+  none attached (trimmed: no continuation reads it) puts nothing for that group.
 
 URL options handled here (stripped before the backend sees the URL): ``optional=1`` runs without
 L3 when the store is unreachable at start (logged; ``stats()["l3_available"] == 0``) instead of
@@ -52,6 +56,7 @@ from hicache_jax.l3.storage import (
     open_storage,
     parse_bool,
 )
+from hicache_jax.l3.windows import WindowLane, open_lanes
 from hicache_jax.memory.allocator import PageAllocator
 from hicache_jax.spec import HiCacheConfig, KVSpec, PrefetchPolicy, WritePolicy
 from hicache_jax.tree.hashing import chain_digests
@@ -86,6 +91,17 @@ _STAT_NAMES = (
     "l3_deleted_pages",
     "l3_delete_unsupported_pages",
     "l3_invalidate_unreached",
+)
+# reported by a tier with window groups only (a plain spec's figures stay what they were)
+_WINDOW_STAT_NAMES = (
+    "l3_window_put_pages",
+    "l3_window_put_pages_stored",
+    "l3_window_puts_dropped",
+    "l3_window_puts_skipped",
+    "l3_window_prefetch_pages",
+    "l3_window_prefetch_hit_pages",
+    "l3_window_prefetch_missed_pages",
+    "l3_window_prefetch_skipped_pages",
 )
 
 
@@ -183,8 +199,16 @@ def open_l3(port: CachePort, spec: KVSpec, cfg: HiCacheConfig) -> L3Tier | NullL
     n_staging = opts["staging_pages"] or max(128, host_pages // 2)
     rows = entry_rows(spec, n_staging)  # entry rows (header slot + page), moved in place
     back_up_new = cfg.storage_write_policy is WritePolicy.WRITE_THROUGH
+    windows = getattr(port, "window_host", None)
     try:
         backend = open_storage(url, spec, rows, ENTRY_ROWS)
+        try:  # window groups: the store once more per group, on the group's pages
+            lanes = (
+                [] if windows is None else open_lanes(url, windows.groups, windows.specs, n_staging)
+            )
+        except BaseException:
+            backend.close()
+            raise
     except StorageUnavailableError as e:
         if not opts["optional"]:
             raise
@@ -195,7 +219,7 @@ def open_l3(port: CachePort, spec: KVSpec, cfg: HiCacheConfig) -> L3Tier | NullL
             "l3_in_flight": 0,
         }
         return NullL3Tier(back_up_new, down)
-    return L3Tier(port, spec, cfg, url, backend, rows)
+    return L3Tier(port, spec, cfg, url, backend, rows, lanes)
 
 
 class L3Tier:
@@ -208,6 +232,7 @@ class L3Tier:
         cfg: the cache's.
         url: the storage URL without this module's options; ``backend``: the store opened on
             ``rows``, the staging pool's entry rows.
+        lanes: the window groups' lanes (``l3/windows.py``; none for a plain spec).
     """
 
     available = True
@@ -220,8 +245,11 @@ class L3Tier:
         url: str,
         backend: Any,
         rows: np.ndarray,
+        lanes: list[WindowLane] | None = None,
     ) -> None:
         self._port, self.url, self.backend = port, url, backend
+        self._lanes = list(lanes or ())
+        self._window_host = getattr(port, "window_host", None) if self._lanes else None
         self._spec = spec  # this process's heads: its fingerprint keys the entries
         self._names = KeyNames(spec)  # key strings, each namespace in its generation
         self._group = port.group  # several processes: every store result is agreed (MIN)
@@ -260,6 +288,7 @@ class L3Tier:
             self._n,
             port.group,
             self._names,
+            self._lanes,
         )
         self._closed = False
 
@@ -318,8 +347,29 @@ class L3Tier:
         # dispatched, not waited for: the cache's thread does not stall on the copy (nor on the
         # transfers before it); poll() stages the pages once they are out. The host pages may be
         # freed at once (write_back evicts them next): XLA orders their reuse after this read.
-        self._reads.append((keys, sids, self._port.read_host_async(host_ids), announce))
+        self._reads.append((keys, sids, self._port.read_host_async(host_ids), announce, None))
         self._n["l3_put_pages"] += n
+        for lane in self._lanes:
+            self._put_window(lane, keys, host_ids)
+
+    def _put_window(self, lane: WindowLane, keys: list[str], host_ids: np.ndarray) -> None:
+        """Put window group ``lane.g``'s pages attached to ``host_ids`` (those with one), under
+        the group's keys of ``keys``; staging rows short even after waiting: skipped."""
+        assert self._window_host is not None
+        w = self._window_host.pages(lane.g, host_ids)
+        sel = np.flatnonzero(w >= 0)
+        n = int(sel.size)
+        if not n:
+            return
+        if n > lane.alloc.num_free:
+            self._drain_puts(n, lane)
+        if n > lane.alloc.num_free:
+            self._n["l3_window_puts_skipped"] += n
+            return
+        sids = lane.alloc.alloc(n)
+        read = self._window_host.read_async(lane.g, w[sel])
+        self._reads.append((lane.keys([keys[i] for i in sel]), sids, read, None, lane))
+        self._n["l3_window_put_pages"] += n
 
     def _leading_done(self, tag: str, queue: collections.deque, at: int, block: bool) -> int:
         """How many of ``queue``'s oldest entries (their handle at index ``at``) are done on
@@ -335,9 +385,10 @@ class L3Tier:
         """Hand the host reads that are done (all of them with ``block``) to the backend, in
         order: staging pages filled, then one put each."""
         for _ in range(self._leading_done("l3 reads", self._reads, 2, block)):
-            keys, sids, read, announce = self._reads.popleft()
-            read.copy_into(self._staging, sids)
-            self._puts.append((self.backend.put_from(keys, sids), sids, announce))
+            keys, sids, read, announce, lane = self._reads.popleft()
+            read.copy_into(self._staging if lane is None else lane.staging, sids)
+            backend = self.backend if lane is None else lane.backend
+            self._puts.append((backend.put_from(keys, sids), sids, announce, lane))
 
     # -- prefetch -----------------------------------------------------------------------------
 
@@ -369,19 +420,21 @@ class L3Tier:
         """Wait for every put and prefetch in flight and apply them."""
         self._submit_reads(block=True)
         while self._puts:
-            handle, sids, announce = self._puts.popleft()
+            handle, sids, announce, lane = self._puts.popleft()
             with contextlib.suppress(StorageError):
                 handle.wait()
-            self._finish_put(handle, sids, announce)
+            self._finish_put(handle, sids, announce, lane)
         self._prefetch.flush()
 
-    def _drain_puts(self, n: int) -> None:
+    def _drain_puts(self, n: int, lane: WindowLane | None = None) -> None:
         """Backpressure: wait (oldest first, ``_PUT_WAIT_S`` in all) for puts in flight until
-        ``n`` staging pages are free. Touches no tree state (safe inside an eviction loop)."""
+        ``n`` staging pages are free (of ``lane``'s staging rows: a window group's). Touches no
+        tree state (safe inside an eviction loop)."""
         deadline = time.monotonic() + _PUT_WAIT_S
+        alloc = self._staging_alloc if lane is None else lane.alloc
         self._submit_reads(block=True)  # their staging pages are freed only after their puts
-        while self._puts and n > self._staging_alloc.num_free:
-            handle, sids, announce = self._puts[0]
+        while self._puts and n > alloc.num_free:
+            handle, sids, announce, of = self._puts[0]
             try:
                 handle.wait(max(0.0, deadline - time.monotonic()))
                 finished = True
@@ -392,9 +445,11 @@ class L3Tier:
             if not self._group.agree_min("l3 drain", [finished])[0]:
                 return  # on some process the store is too slow: every one stops here
             self._puts.popleft()
-            self._finish_put(handle, sids, announce)
+            self._finish_put(handle, sids, announce, of)
 
-    def _finish_put(self, handle: Any, sids: np.ndarray, announce: Any) -> None:
+    def _finish_put(
+        self, handle: Any, sids: np.ndarray, announce: Any, lane: WindowLane | None = None
+    ) -> None:
         try:
             ok = handle.wait(0)
         except StorageError:
@@ -402,6 +457,11 @@ class L3Tier:
         if self._group.num_processes > 1:  # stored: by every process
             ok = self._group.agree_min("l3 stored", np.asarray(ok, np.int64)).astype(bool)
         stored = int(ok.sum())
+        if lane is not None:  # a window group's entries: counted apart, announced never
+            self._n["l3_window_put_pages_stored"] += stored
+            self._n["l3_window_puts_dropped"] += ok.size - stored
+            lane.alloc.free(sids)
+            return
         self._n["l3_put_pages_stored"] += stored
         self._n["l3_puts_dropped"] += ok.size - stored
         self._staging_alloc.free(sids)
@@ -443,11 +503,17 @@ class L3Tier:
         the rest again, counted in ``l3_invalidate_unreached``. What was announced on L3 there
         (the whole namespace when unreached) is announced removed.
 
+        With window groups their entries go with the pages' (``delete_prefix`` removes them
+        with the namespace, ``delete`` is asked for them on each group's lane), counted among
+        the entries deleted.
+
         Returns:
-            ``(pages deleted, 1 if unreached else 0)``.
+            ``(entries deleted, 1 if unreached else 0)``.
         """
         self._submit_reads(block=True)
         self._drain_puts(self._staging_alloc.num_pages)
+        for lane in self._lanes:
+            self._drain_puts(lane.alloc.num_pages, lane)
         if self._records.seed(extra_key) is None:
             return 0, 0  # an unkeyable namespace: never put to the store
         by_prefix = getattr(self.backend, "delete_prefix", None)
@@ -458,6 +524,10 @@ class L3Tier:
             keys = self._keys_of(nodes, tokens, extra_key)
             gone = int(np.asarray(remove(keys), dtype=bool).sum()) if keys else 0
             reached = tokens is not None  # a namespace's store-only entries have no known key
+            for lane in self._lanes:  # the window groups' entries of those pages
+                lane_remove = getattr(lane.backend, "delete", None)
+                if keys and callable(lane_remove):
+                    gone += int(np.asarray(lane_remove(lane.keys(keys)), dtype=bool).sum())
         else:
             self._n["l3_delete_unsupported_pages"] += len(self._keys_of(nodes, tokens, extra_key))
             gone, reached = 0, False
@@ -499,6 +569,8 @@ class L3Tier:
         out["l3_available"] = int(not self._closed)
         out["l3_staging_free_pages"] = self._staging_alloc.num_free
         out["l3_in_flight"] = len(self._reads) + len(self._puts) + len(self._prefetch.gets)
+        if self._lanes:
+            out.update({name: self._n[name] for name in _WINDOW_STAT_NAMES})
         if not self._closed:
             out.update({f"l3_store_{k}": v for k, v in self.backend.stats().items()})
         return out
@@ -508,4 +580,6 @@ class L3Tier:
         if not self._closed:
             self.flush()
             self.backend.close()
+            for lane in self._lanes:
+                lane.close()
             self._closed = True

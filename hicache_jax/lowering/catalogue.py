@@ -15,6 +15,8 @@ jitted functions the code dispatches with the arguments it would give them, each
   memory kinds: lowering needs no device of the target platform);
 * with window groups (``KVSpec.window_groups``), each group's pool programs and transfer
   copies as above, at the group's page shape, named ``window{g}.*``;
+* a patterned model's (``KVSpec.from_pattern``) engine steps over the full pool and the window
+  pools at once (``DevicePagePool.run_with``; its layer-wise steps are not listed);
 * the serial engine's prefill and decode steps (fused: a ``lax.scan`` over stacked layers, and
   unrolled for steps of few tokens), its per-layer step (layer-wise load-back) and the batched
   engine's packed step (a mixed prefill + decode step, and a decode-only one). These run the
@@ -435,6 +437,8 @@ def engine_model(spec: KVSpec) -> ModelConfig | None:
     decoder cannot hold (MLA, fp8 / int8)."""
     if spec.mla or spec.dtype not in ("float32", "bfloat16", "float16"):
         return None
+    if spec.window_groups:
+        return _pattern_model(spec)
     kv = (spec.num_layers, spec.num_kv_heads, spec.head_dim, spec.dtype)
     if kv == (LLAMA3_8B.num_layers, LLAMA3_8B.num_kv_heads, LLAMA3_8B.head_dim, LLAMA3_8B.dtype):
         return LLAMA3_8B
@@ -452,6 +456,41 @@ def engine_model(spec: KVSpec) -> ModelConfig | None:
     )
 
 
+def _pattern_model(spec: KVSpec) -> ModelConfig | None:
+    """The small decoder of a ``KVSpec.from_pattern`` spec (one window or chunk group of the
+    full group's KV shape, repeating ``local:full`` runs); None for any other grouped spec."""
+    (group,) = spec.window_groups if len(spec.window_groups) == 1 else (None,)
+    if group is None or (group.num_kv_heads, group.head_dim, group.dtype) != (
+        spec.num_kv_heads,
+        spec.head_dim,
+        spec.dtype,
+    ):
+        return None
+    total = spec.total_layers
+    local = set(group.layers)
+    a = next((i for i in range(total) if i not in local), total)
+    b = next((i for i in range(a, total) if i in local), total) - a
+    heads = 2 * spec.num_kv_heads
+    d = heads * spec.head_dim
+    try:
+        cfg = ModelConfig(
+            vocab_size=512,
+            num_layers=total,
+            d_model=d,
+            num_heads=heads,
+            num_kv_heads=spec.num_kv_heads,
+            head_dim=spec.head_dim,
+            ffn_dim=2 * d,
+            dtype=spec.dtype,
+            layer_pattern=f"{a}:{b}",
+            window=group.window,
+            chunk=group.chunk,
+        )
+    except ValueError:
+        return None
+    return cfg if DecoderModel(cfg, abstract_params(cfg)).kv_spec(spec.page_size) == spec else None
+
+
 class _RecordingPool:
     """A device pool of shapes only: ``run`` records the step and its arguments and returns
     the step's other result as shapes (``eval_shape``), so the model's host code runs as it
@@ -466,6 +505,13 @@ class _RecordingPool:
         self.calls.append((fn, args))
         return jax.eval_shape(fn, self.array, *args)[1]
 
+    def run_with(self, others: Any, fn: Any, *args: Any) -> Any:
+        """``DevicePagePool.run_with``: the step over this pool and ``others`` (a patterned
+        model's window group pools), recorded with their arrays as its second argument."""
+        arrays = tuple(o.array for o in others)
+        self.calls.append((fn, (arrays, *args)))
+        return jax.eval_shape(fn, self.array, arrays, *args)[2]
+
 
 def _abstract(x: Any) -> Any:
     if isinstance(x, (np.ndarray, jax.Array)):
@@ -474,7 +520,7 @@ def _abstract(x: Any) -> Any:
 
 
 def _recorded(name: str, op: str, pool: _RecordingPool) -> Program:
-    fn, args = pool.calls[-1]
+    fn, args = pool.calls[-1]  # (a run_with step's window pools: its first argument here)
     static = fn.args if isinstance(fn, functools.partial) else ()
     fn = fn.func if isinstance(fn, functools.partial) else fn
     return Program(
@@ -498,29 +544,37 @@ def engine_programs(spec: KVSpec, device_pages: int, cfg: ModelConfig) -> list[P
     model = DecoderModel(cfg, abstract_params(cfg))
     ps = spec.page_size
     pool = _RecordingPool(spec, device_pages)
+    windows = [_RecordingPool(g.spec(ps), device_pages) for g in spec.window_groups]
     chunk, pre_bucket = _default(Engine, "chunk_size"), _default(Engine, "prefill_bucket")
     prompt = min(chunk, 100)
     ctx = min(device_pages * ps - 1, 8 * prompt)
     pages = np.arange(min(device_pages, -(-(ctx + 1) // ps)), dtype=np.int32)
     toks = lambda n: np.zeros(n, np.int32)  # noqa: E731
+    win: dict[str, Any] = {}
+    if windows:  # a patterned model: every step over the full pool and the window pools
+        win = dict(windows=windows, window_pages=np.zeros((len(windows), pages.size), np.int32))
     progs = []
     with step_records_kept():
         long = min(prompt, ctx)
-        model.forward(pool, toks(long), 0, pages, min_bucket=pre_bucket)
+        model.forward(pool, toks(long), 0, pages, min_bucket=pre_bucket, **win)
+        fused = "unrolled" if windows else "scan"
         progs.append(
-            _recorded(f"engine.prefill[{bucket(long, pre_bucket)}t,scan]", "engine.prefill", pool)
+            _recorded(
+                f"engine.prefill[{bucket(long, pre_bucket)}t,{fused}]", "engine.prefill", pool
+            )
         )
         short = max(1, min(pre_bucket, ctx - long))
-        model.forward(pool, toks(short), long, pages, min_bucket=pre_bucket)
+        model.forward(pool, toks(short), long, pages, min_bucket=pre_bucket, **win)
         progs.append(
             _recorded(
                 f"engine.prefill[{bucket(short, pre_bucket)}t,unrolled]", "engine.prefill", pool
             )
         )
-        model.forward(pool, toks(1), ctx, pages)
+        model.forward(pool, toks(1), ctx, pages, **win)
         progs.append(_recorded(f"engine.decode[ctx {ctx}]", "engine.decode", pool))
-        progs.append(_layer_program(model, pool, bucket(long, pre_bucket), pages))
-        progs += _batched_programs(model, pool, ctx, pages)
+        if not windows:  # (a patterned model's layer-wise steps: not listed)
+            progs.append(_layer_program(model, pool, bucket(long, pre_bucket), pages))
+        progs += _batched_programs(model, pool, ctx, pages, win)
     return progs
 
 
@@ -546,7 +600,11 @@ def _layer_program(
 
 
 def _batched_programs(
-    model: DecoderModel, pool: _RecordingPool, ctx: int, pages: np.ndarray
+    model: DecoderModel,
+    pool: _RecordingPool,
+    ctx: int,
+    pages: np.ndarray,
+    win: dict[str, Any] | None = None,
 ) -> list[Program]:
     knobs = {k: _default(BatchedEngine, k) for k in ("query_block", "key_block")}
     knobs.update(
@@ -559,6 +617,15 @@ def _batched_programs(
     starts = [0, ctx // 2, ctx // 3, ctx - 1]
     prefill = min(_default(BatchedEngine, "token_budget"), max(2, ctx // 2))
     chunks = [np.zeros(prefill, np.int32)] + [np.zeros(1, np.int32)] * 3
+
+    def windows_of(tables: list[np.ndarray]) -> dict[str, Any]:
+        if not win:
+            return {}
+        g = len(win["windows"])
+        return dict(
+            windows=win["windows"], window_pages=[np.zeros((g, t.size), np.int32) for t in tables]
+        )
+
     model.forward_batch(
         pool,
         chunks,
@@ -568,6 +635,7 @@ def _batched_programs(
         slot_of=[0, 1, 2, 3],
         from_slot=[False, True, True, True],
         **knobs,
+        **windows_of(lists),
     )
     mixed = _recorded(f"batched.step[{prefill}t + 3 decode]", "batched.step", pool)
     model.forward_batch(
@@ -579,6 +647,7 @@ def _batched_programs(
         slot_of=[1, 2, 3],
         from_slot=[True] * 3,
         **knobs,
+        **windows_of(lists[1:]),
     )
     return [mixed, _recorded("batched.step[3 decode]", "batched.step", pool)]
 
@@ -637,9 +706,10 @@ def programs(
         progs += more
         bounds.update(more_bounds)
     cfg = engine_model(spec) if engine else None
-    if spec.window_groups and engine:
-        cfg = None
-        notes.append("engine steps: not listed for a spec with window groups")
+    if spec.window_groups and cfg is not None:
+        notes.append(
+            "engine steps of a patterned model: the layer-wise (per layer) ones not listed"
+        )
     if cfg is not None:
         progs += engine_programs(spec, device_pages, cfg)
     elif engine:

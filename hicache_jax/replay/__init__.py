@@ -1,7 +1,8 @@
 """Trace replay: production request traces through the real cache, beside exact LRU references
 (:mod:`~hicache_jax.replay.driver`), the trace formats (:mod:`~hicache_jax.replay.trace`), the
-exact block-LRU (:mod:`~hicache_jax.replay.block_lru`) and the what-if TTFT simulator
-(:mod:`~hicache_jax.replay.simulate`, imported by name)."""
+exact block-LRU (:mod:`~hicache_jax.replay.block_lru`), the what-if TTFT simulator
+(:mod:`~hicache_jax.replay.simulate`, imported by name) and the replay of a sliding-window model
+at the all-full model's bytes (:mod:`~hicache_jax.replay.windows`, imported by name)."""
 
 from hicache_jax.replay.block_lru import BlockLRU, PageKeys, default_device_pages, reference_hits
 from hicache_jax.replay.driver import (

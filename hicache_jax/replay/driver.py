@@ -26,6 +26,13 @@ order depends on the order of calls, never on wall time. Only ``wall_s`` and
 
 References: :class:`~hicache_jax.replay.block_lru.BlockLRU` of L1's, L1 + L2's and infinite
 capacity.
+
+A spec with window groups (a sliding-window model, :mod:`hicache_jax.replay.windows`, which owns
+its pools and the bytes ratio): L1 and L2 sizes are the all-full model's pages, whose bytes
+are split between the full-attention and the window pools; a prompt caches at most what L1's
+window pool holds; the replay samples the bytes ratio ``r`` after every request, and
+:func:`run` adds the LRU of ``r x`` (L1 + L2) pages, one more reference pass after the
+replays (``r`` is measured), and :func:`window_table`.
 Hits of HiCache and of the references count whole pages only.
 
 Threading: a replay builds, owns and closes its caches on the calling thread.
@@ -33,6 +40,7 @@ Threading: a replay builds, owns and closes its caches on the calling thread.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import itertools
 import os
@@ -42,6 +50,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from hicache_jax.cache.hicache import HiCache
+from hicache_jax.replay import windows as _windows
 from hicache_jax.replay.block_lru import BlockLRU, PageKeys, reference_hits
 from hicache_jax.replay.trace import Trace
 from hicache_jax.spec import HiCacheConfig, KVSpec
@@ -56,6 +65,7 @@ __all__ = [
     "run",
     "sweep_table",
     "tables",
+    "window_table",
 ]
 
 #: The replay's default page shape (its page size is the replay's): 8 bytes a token, so a
@@ -106,8 +116,11 @@ def replay(
             cache.close()
             raise
     ps, cap = spec.page_size, cfg.device_pages
+    if spec.window_groups:  # a request's own pages hold a window page each too
+        cap = min(cap, cfg.window_device_pages or cap)
     prompt = device_hit = host_hit = declined = 0  # tokens
     diag = _Diagnosis(cache, cfg) if diagnose else None
+    holding = _windows.Holding(spec) if spec.window_groups else None
     bar = _progress_bar(len(trace.requests), desc, progress)
     t0 = time.perf_counter()
     try:
@@ -125,6 +138,8 @@ def replay(
                 cache.flush()  # the load-back's lock is gone before the unlock (clean_ahead's pass)
                 r.finish(tokens)
             cache.flush()  # transfers complete at request boundaries: deterministic
+            if holding is not None:
+                holding.sample(cache.stats())
             if diag is not None:
                 diag.sample(req.tokens(), hit // ps)
             if bar is not None:
@@ -152,6 +167,7 @@ def replay(
             "hit_ratio": (device_hit + host_hit) / prompt if prompt else 0.0,
         }
         | _counters(stats, ps)
+        | ({} if holding is None else holding.figures() | _window_counters(stats))
         | ({} if diag is None else diag.figures())
         | {
             "wall_s": wall,
@@ -224,6 +240,12 @@ def _counters(s: dict[str, Any], ps: int) -> dict[str, int]:
     }
 
 
+def _window_counters(s: dict[str, Any]) -> dict[str, int]:
+    """The window groups' counters of the cache (ARCHITECTURE.md, "Layer groups")."""
+    keys = ("window_pages_dropped", "window_pages_trimmed", "window_unservable_tokens")
+    return {k: s.get(k, 0) for k in keys}
+
+
 def _progress_bar(total: int, desc: str, enabled: Progress) -> Any:
     if callable(enabled):
         return enabled(total, desc)
@@ -245,62 +267,108 @@ def run(
     load_back_threshold: int = 16,
     progress: Progress = False,
     diagnose: bool = False,
+    window_share: float | None = None,
 ) -> dict[str, Any]:
     """Replay every (L1 size, write policy, eviction) and compare each with the references
     (``diagnose``: with :func:`replay`'s diagnosis figures).
 
     Args:
         trace: the requests.
-        spec: page shape (``spec.page_size`` is the replay's page size).
-        device_pages: L1 sizes in pages; L2 = ``round(host_ratio * L1)`` pages.
+        spec: page shape (``spec.page_size`` is the replay's page size). With window groups
+            (:func:`hicache_jax.replay.windows.pattern_spec`), each size is the all-full
+            model's bytes, split between the full-attention and the window pools
+            (:func:`hicache_jax.replay.windows.pools_for`).
+        device_pages: L1 sizes in pages (of the all-full model); L2 = ``round(host_ratio *
+            L1)`` pages.
         write_policies, evictions: any strings :class:`HiCacheConfig` accepts.
+        window_share: with window groups, the fraction of each tier's bytes in window pages;
+            None: the default rule of :mod:`hicache_jax.replay.windows`.
 
     Returns:
         ``{"trace", "spec", "references", "results"}``: each result has the replay's figures
         beside ``infinite_hit_ratio``, ``lru_total_hit_ratio`` (an LRU of L1 + L2 pages),
-        ``lru_l1_hit_ratio`` and their ratios ``vs_*``. Raises ``ValueError`` on a bad
-        configuration before replaying anything.
+        ``lru_l1_hit_ratio`` and their ratios ``vs_*``. With window groups also the pools
+        (``pools``), the bytes ratio ``r`` (``bytes_ratio``: mean over the run), the window
+        bytes share, and ``lru_bytes_ratio_hit_ratio``: an LRU of ``r x (L1 + L2)`` pages,
+        with ``vs_lru_bytes_ratio``. Raises ``ValueError`` on a bad configuration before
+        replaying anything.
     """
-    cfgs = [
-        HiCacheConfig(
-            device_pages=d,
-            host_pages=int(round(host_ratio * d)),
-            write_policy=w,
-            eviction=e,
-            load_back_threshold=load_back_threshold,
-        )
-        for d in device_pages
-        for w in write_policies
-        for e in evictions
-    ]
+    windowed = bool(spec.window_groups)
+    share = _windows.check_share(window_share, "window_share")
+    if share is not None and not windowed:
+        raise ValueError("window_share is for a spec with window groups (a layer pattern)")
     ps = spec.page_size
-    caps = {None} | {c.device_pages for c in cfgs} | {_l1_l2_pages(c) for c in cfgs}
+    longest, mean = _windows.prompt_tokens(trace)
+    plan: list[tuple[HiCacheConfig, HiCacheConfig, _windows.Pools | None]] = []
+    # (the budget's config, the config the cache gets, its pools or None)
+    for d in device_pages:
+        for w in write_policies:
+            for e in evictions:
+                budget = HiCacheConfig(
+                    device_pages=d,
+                    host_pages=int(round(host_ratio * d)),
+                    write_policy=w,
+                    eviction=e,
+                    load_back_threshold=load_back_threshold,
+                )
+                if not windowed:
+                    plan.append((budget, budget, None))
+                    continue
+                pp = _windows.pools_for(
+                    spec, d, host_ratio, share=share, longest_tokens=longest, mean_tokens=mean
+                )
+                cfg = dataclasses.replace(
+                    budget,
+                    device_pages=pp.device_pages,
+                    host_pages=pp.host_pages,
+                    window_device_pages=pp.window_device_pages,
+                    window_host_pages=pp.window_host_pages or None,
+                )
+                plan.append((budget, cfg, pp))
+    caps = {None} | {b.device_pages for b, _, _ in plan} | {_l1_l2_pages(b) for b, _, _ in plan}
     hits, distinct = reference_hits(trace, ps, caps)
     prompt = trace.num_tokens
     ratio = {c: h / prompt if prompt else 0.0 for c, h in hits.items()}
     results = []
-    for i, cfg in enumerate(cfgs):
+    for i, (budget, cfg, pools) in enumerate(plan):
         desc = (
-            f"[{i + 1}/{len(cfgs)}] {_label(cfg.write_policy)}/{_label(cfg.eviction)} "
-            f"L1 {cfg.device_pages}"
+            f"[{i + 1}/{len(plan)}] {_label(cfg.write_policy)}/{_label(cfg.eviction)} "
+            f"L1 {budget.device_pages}"
         )
         r = replay(trace, spec, cfg, progress=progress, desc=desc, diagnose=diagnose)
         refs = {
             "infinite": ratio[None],
-            "lru_total": ratio[_l1_l2_pages(cfg)],
-            "lru_l1": ratio[cfg.device_pages],
+            "lru_total": ratio[_l1_l2_pages(budget)],
+            "lru_l1": ratio[budget.device_pages],
         }
         for name, ref in refs.items():
             r[f"{name}_hit_ratio"] = ref
             r[f"vs_{name}"] = r["hit_ratio"] / ref if ref else None  # no hit possible
+        if pools is not None:
+            l1_bytes, l2_bytes = pools.bytes_used(spec)
+            r |= {
+                "device_pages": budget.device_pages,  # the budget: all-full model pages
+                "host_pages": budget.host_pages,
+                "pools": pools.as_json(),
+                "l1_bytes": l1_bytes,
+                "l2_bytes": l2_bytes,
+                "budget_bytes": _l1_l2_pages(budget) * spec.model_page_bytes,
+                "lru_bytes_ratio_pages": int(r["bytes_ratio"] * _l1_l2_pages(budget)),
+            }
         results.append(r)
+    if windowed:  # the LRU of r x (L1 + L2): r is measured, so one more pass after the replays
+        more, _ = reference_hits(trace, ps, {r["lru_bytes_ratio_pages"] for r in results})
+        for r in results:
+            ref = more[r["lru_bytes_ratio_pages"]] / prompt if prompt else 0.0
+            r["lru_bytes_ratio_hit_ratio"] = ref
+            r["vs_lru_bytes_ratio"] = r["hit_ratio"] / ref if ref else None
     return {
         "trace": trace.describe() | {"distinct_pages": distinct},
         "spec": spec.as_json(),
         "host_ratio": host_ratio,
         "references": {"page_size": ps, "hit_tokens": {str(c): h for c, h in hits.items()}},
         "results": results,
-    }
+    } | ({"window_share": share} if windowed else {})
 
 
 # ------------------------------------------------------------------------------------ output
@@ -429,10 +497,65 @@ def tables(report: dict[str, Any]) -> str:
                 ],
             ),
         ]
+    if res and "bytes_ratio" in res[0]:
+        out += ["", window_table(report)]
     sizes = sorted({r["device_pages"] for r in res})
     if len(sizes) > 1:
         out += ["", sweep_table(report)]
     return "\n".join(out)
+
+
+#: what a windowed cache's hit ratio should reach of the LRU of ``r x`` its bytes
+WINDOW_TARGET = 0.97
+
+
+def window_table(report: dict[str, Any]) -> str:
+    """A windowed cache's rows (:mod:`hicache_jax.replay.windows`): its pools (full / window
+    pages of L1 and L2, the window share of L1's and L2's bytes), its hit ratio, the bytes
+    ratio ``r`` (mean over the run), the exact LRU of an all-full cache of ``r x`` the bytes
+    of L1 + L2, the hit ratio over it against :data:`WINDOW_TARGET`, the LRU of the same bytes
+    and the gain over it, the window pages' share of the bytes cached (mean), and the tokens
+    cut from matches for want of window pages."""
+    rows = []
+    for r in report["results"]:
+        p, vs = r["pools"], r["vs_lru_bytes_ratio"]
+        rows.append(
+            [
+                _name(r),
+                r["device_pages"] * r["page_size"],
+                f"{report['host_ratio']:g}x",
+                f"{p['device_pages']}/{p['window_device_pages']}",
+                f"{p['host_pages']}/{p['window_host_pages']}",
+                f"{p['device_share']:.3f}/{p['host_share']:.3f}",
+                r["hit_ratio"],
+                f"{r['bytes_ratio']:.3f}",
+                r["lru_bytes_ratio_hit_ratio"],
+                None if vs is None else f"{vs:.3f} {'ok' if vs >= WINDOW_TARGET else 'MISS'}",
+                r["lru_total_hit_ratio"],
+                None if r["vs_lru_total"] is None else f"{r['vs_lru_total']:.3f}",
+                f"{r['window_bytes_share']:.3f}",
+                r["window_unservable_tokens"],
+            ]
+        )
+    return format_table(
+        [
+            "config",
+            "L1 tokens",
+            "L2",
+            "L1 full/win pg",
+            "L2 full/win pg",
+            "win share L1/L2",
+            "hit ratio",
+            "r",
+            "LRU(r x bytes)",
+            f"hit/LRU(r) >= {WINDOW_TARGET:g}",
+            "LRU(= bytes)",
+            "gain",
+            "win bytes share",
+            "unservable tok",
+        ],
+        rows,
+    )
 
 
 def sweep_table(report: dict[str, Any]) -> str:

@@ -25,6 +25,13 @@ request a two-ended split of its host part, and the L3 plan may split the L3 hit
 is then the loads of the backs dispatched at once while the fronts are prefilled, see
 ``_overlapped``).
 
+A spec with window groups (``--layer-pattern``) gets the pools of
+:func:`hicache_jax.replay.windows.pools_for` (``pools``): the all-full model's bytes of L1 and
+L2 split between the full-attention and the window pools. A load is still charged
+``token_bytes`` a token (the all-full model's: an upper bound, the windows' trimmed pages are
+not copied), and ``cost+split`` is left out (the cache does not overlap loads with window
+groups yet).
+
 Threading: a simulation builds, owns and closes its cache on the calling thread.
 """
 
@@ -42,6 +49,7 @@ from hicache_jax.cache.loading.cost_model import CostModel
 from hicache_jax.memory.transfer import TransferEngine
 from hicache_jax.replay.block_lru import PageKeys
 from hicache_jax.replay.trace import Trace
+from hicache_jax.replay.windows import Pools
 from hicache_jax.spec import HiCacheConfig, KVSpec
 from hicache_jax.validation import is_real
 
@@ -123,7 +131,13 @@ class SimClock:
 
 
 def _config(
-    policy: str, regime: Regime, device_pages: int, host_pages: int, threshold: int, page_size: int
+    policy: str,
+    regime: Regime,
+    device_pages: int,
+    host_pages: int,
+    threshold: int,
+    page_size: int,
+    pools: Pools | None = None,
 ) -> HiCacheConfig:
     if policy not in POLICIES:
         raise ValueError(f"policy={policy!r} must be one of {', '.join(POLICIES)}")
@@ -140,7 +154,20 @@ def _config(
         "cost": cost,
         "cost+split": dict(cost, load_overlap=True),
     }
-    return HiCacheConfig(device_pages=device_pages, host_pages=host_pages, **kws[policy])
+    if pools is None:
+        return HiCacheConfig(device_pages=device_pages, host_pages=host_pages, **kws[policy])
+    if policy == "cost+split":
+        raise ValueError(
+            "policy='cost+split' with window groups: the cache does not support "
+            "load_overlap=True with window groups yet"
+        )
+    return HiCacheConfig(
+        device_pages=pools.device_pages,
+        host_pages=pools.host_pages,
+        window_device_pages=pools.window_device_pages,
+        window_host_pages=pools.window_host_pages or None,
+        **kws[policy],
+    )
 
 
 def _l3_tokens(
@@ -204,9 +231,12 @@ def simulate(
     host_ratio: float = 4.0,
     threshold: int = 16,
     seed: int = 0,
+    pools: Pools | None = None,
 ) -> dict[str, Any]:
     """One policy's TTFT on ``trace`` under ``regime`` (see module doc). Deterministic for
-    ``seed``."""
+    ``seed``. ``pools``: with a spec of window groups, the pools at the all-full model's bytes
+    of ``device_pages`` and ``host_ratio`` (:func:`hicache_jax.replay.windows.pools_for`);
+    None: the plain pools."""
     cfg = _config(
         policy,
         regime,
@@ -214,12 +244,15 @@ def simulate(
         int(round(host_ratio * device_pages)),
         threshold,
         spec.page_size,
+        pools,
     )
     clock, rng = SimClock(), np.random.default_rng(seed)
     cache = HiCache(
         spec, cfg, clock=clock, transfer_engine=lambda d, h: TransferEngine(d, h, clock=clock.exact)
     )
     ps, cap = spec.page_size, cfg.device_pages
+    if cfg.window_device_pages is not None:  # a request's own pages hold a window page each
+        cap = min(cap, cfg.window_device_pages)
     l3_model = CostModel(regime.token_bytes * ps, ps, regime.prefill_s)
     keys_of, store = PageKeys(ps), set()
     t_first = trace.requests[0].timestamp_ms if trace.requests else 0.0
@@ -314,9 +347,14 @@ def simulate_all(
     host_ratio: float = 4.0,
     threshold: int = 16,
     seed: int = 0,
-    policies: Sequence[str] = POLICIES,
+    policies: Sequence[str] | None = None,
+    pools: Pools | None = None,
 ) -> dict[str, Any]:
-    """:func:`simulate` of every policy; ``{"regime", "results"}``."""
+    """:func:`simulate` of every policy (None: :data:`POLICIES`, less ``cost+split`` with
+    ``pools``: the cache does not overlap loads with window groups yet);
+    ``{"regime", "results"}``."""
+    if policies is None:
+        policies = [p for p in POLICIES if pools is None or p != "cost+split"]
     return {
         "regime": dataclasses.asdict(regime),
         "device_pages": device_pages,
@@ -333,10 +371,11 @@ def simulate_all(
                 host_ratio=host_ratio,
                 threshold=threshold,
                 seed=seed,
+                pools=pools,
             )
             for p in policies
         ],
-    }
+    } | ({} if pools is None else {"pools": pools.as_json()})
 
 
 def ttft_table(report: dict[str, Any]) -> str:

@@ -6,8 +6,10 @@ is the 128-bit chained digest of :mod:`hicache_jax.tree.hashing` (it covers ever
 prefix ending with the page, seeded by the fingerprint and ``extra_key``), the namespace is a short
 digest of ``extra_key`` and the fingerprint (it lets a store be listed by namespace), and the
 fingerprint is :meth:`KVSpec.fingerprint`. Two models, two ``extra_key`` namespaces, or two
-prefixes never share an entry (short of a 128-bit collision). Keys of the earlier ``hcj1`` scheme
-(64-bit tree hashes) are never asked for: such entries are misses.
+prefixes never share an entry (short of a 128-bit collision). A window group's entry of a page
+is keyed ``hcj2_<fingerprint>_<namespace>_w<g>_<page digest>`` (:mod:`hicache_jax.l3.windows`).
+Keys of the earlier ``hcj1`` scheme (64-bit tree hashes) are never asked for: such entries are
+misses.
 
 Entry: a 64-byte header followed by one page in ``page_first`` order
 (``[num_layers, kv_factor, page_size, num_kv_heads, head_dim]`` of the bits dtype)::

@@ -1,0 +1,302 @@
+"""Replay of a sliding-window model: its spec, its pools at the all-full model's bytes, what it
+holds per byte (ARCHITECTURE.md, "Layer groups").
+
+This module owns three things of ``hicache-jax replay --layer-pattern`` (and of
+:func:`hicache_jax.study.sweep`'s ``layer_pattern``):
+
+- **The spec** (:func:`pattern_spec`): ``KVSpec.from_pattern`` over a small per-layer shape
+  (one KV head of dim 1, float32: 8 bytes a token and layer; one period of the pattern, e.g.
+  6 layers for ``5:1``), so that a 60M-token trace fits in memory as the plain replay's
+  ``TINY_SPEC`` does: the replay never writes KV bytes, but the pools are allocated. Only the
+  ratios of the groups' page bytes matter to the figures.
+- **The pools at equal bytes** (:func:`split_pools`): a capacity stays "tokens' worth of the
+  all-full model's bytes": L1 of ``D`` model pages is ``B = D * spec.model_page_bytes`` bytes,
+  and the windowed cache gets the same ``B`` split between its full-attention pool (``N_f``
+  pages of ``spec.page_bytes``) and its window pools (``N_w`` pages of each window group,
+  :func:`window_page_bytes` a page across the groups): ``N_f * page_bytes + N_w *
+  window_page_bytes <= B``; L2 the same with its ratio. The window share ``F`` (the fraction
+  of each tier's bytes given to window pages) picks the split; :func:`default_window_pages`
+  is the default rule.
+- **What it holds per byte** (:class:`Holding`): sampled after every request, the model bytes
+  of the tokens cached (full-attention pages used on both tiers, each a model page's worth)
+  over the bytes of the full-attention and window pages used, averaged over the run: the
+  bytes ratio ``r`` (1 for an all-full cache), and the window pages' share of those bytes.
+
+The default rule (:func:`default_window_pages`), per tier, from numbers a serving stack is
+configured with (its pool bytes, the page size, ``W``, the longest prompt it admits, its mean
+prompt), never from the trace's hits (the replay takes the longest and the mean prompt of the
+trace, :func:`prompt_tokens`): the window pool holds
+
+- the longest admitted prompt's pages (a request's own pages hold every group's page until
+  it is inserted; L1 only), admitted up to the all-full model's L1 (what the all-full cache of
+  the same bytes admits);
+- plus the tails the tree keeps: ``k = ceil(W / page_size)`` pages a node, one node per mean
+  prompt's pages of the tier's full-attention pool (a node keeps at most ``k`` pages; the tree
+  holds about one leaf per request it keeps).
+
+At most one window page per full-attention page: where the rule asks for more, the split is
+the all-full model's (one window page per full page, which never runs short). So where the
+longest prompt is as long as the all-full L1, the rule saves nothing on L1.
+
+Threading: plain functions and values; a :class:`Holding` belongs to its replay's thread.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+from hicache_jax.replay.trace import Trace
+from hicache_jax.spec import KVSpec
+from hicache_jax.validation import is_real
+
+__all__ = [
+    "Holding",
+    "PATTERN_SHAPE",
+    "Pools",
+    "check_share",
+    "default_window_pages",
+    "pattern_period",
+    "pattern_spec",
+    "pools_for",
+    "prompt_tokens",
+    "split_pools",
+    "window_page_bytes",
+]
+
+#: The replay's per-layer shape of a pattern's layers: one KV head of dim 1, float32.
+PATTERN_SHAPE: dict[str, Any] = {"num_kv_heads": 1, "head_dim": 1, "dtype": "float32"}
+
+
+def pattern_spec(
+    pattern: str,
+    window: int | None,
+    page_size: int,
+    *,
+    base: KVSpec | None = None,
+    flag: str = "--layer-pattern",
+    window_flag: str = "--window",
+) -> KVSpec:
+    """The replay's spec of a layer pattern (``"5:1"``) with sliding windows of ``window``
+    tokens: :data:`PATTERN_SHAPE` over one period of the pattern, or ``base``'s layers, heads,
+    dim and dtype when given (e.g. from ``--spec``).
+
+    Raises:
+        ValueError / TypeError: naming ``flag`` (not ``a:b`` with ``a, b >= 1``, or a
+            ``base`` whose layers leave no full one) or ``window_flag`` (missing, not a
+            positive int).
+    """
+    if not isinstance(pattern, str):
+        raise TypeError(f"{flag} {pattern!r} must be a string like 5:1")
+    pattern_period(pattern, flag)
+    if window is None:
+        raise ValueError(f"{flag} {pattern}: give {window_flag} (the sliding window in tokens)")
+    if not isinstance(window, int) or isinstance(window, bool):
+        raise TypeError(f"{window_flag} {window!r} must be an int of tokens")
+    if window < 1:
+        raise ValueError(f"{window_flag} {window} must be a positive number of tokens")
+    if base is not None:
+        if base.mla or base.groups:
+            raise ValueError(f"{flag}: the per-layer shape must be plain (no mla, no groups)")
+        heads, dim, dtype, layers = base.num_kv_heads, base.head_dim, base.dtype, base.num_layers
+    else:
+        heads, dim, dtype = (PATTERN_SHAPE[k] for k in ("num_kv_heads", "head_dim", "dtype"))
+        layers = pattern_period(pattern, flag)
+    try:
+        return KVSpec.from_pattern(
+            pattern,
+            num_layers=layers,
+            num_kv_heads=int(heads),
+            head_dim=int(dim),
+            dtype=dtype,
+            page_size=page_size,
+            window=window,
+        )
+    except ValueError as exc:
+        raise ValueError(f"{flag} {pattern} with {layers} layers: {exc}") from None
+
+
+def pattern_period(pattern: str, flag: str = "--layer-pattern") -> int:
+    """Layers of one period of ``a:b`` (``a + b``); ValueError naming ``flag`` otherwise, and
+    for a pattern without a sliding-window or a full layer (``a, b >= 1``)."""
+    parts = pattern.strip().split(":")
+    try:
+        a, b = (int(p) for p in parts)
+    except ValueError:
+        raise ValueError(
+            f"{flag} {pattern!r} must be 'a:b' (a sliding-window layers then b full ones, "
+            "repeating), e.g. 5:1"
+        ) from None
+    if a < 1 or b < 1:
+        raise ValueError(
+            f"{flag} {pattern!r} needs at least one sliding-window and one full layer (a, b >= 1)"
+        )
+    return a + b
+
+
+def check_share(share: Any, flag: str = "--window-share") -> float | None:
+    """``share`` as a float in (0, 1), or None; ValueError / TypeError naming ``flag``."""
+    if share is None:
+        return None
+    if not is_real(share):
+        raise TypeError(f"{flag} {share!r} must be a number in (0, 1)")
+    if not (math.isfinite(share) and 0 < share < 1):
+        raise ValueError(f"{flag} {share:g} must be in (0, 1): the fraction of bytes for windows")
+    return float(share)
+
+
+def window_page_bytes(spec: KVSpec) -> int:
+    """Bytes of one window page of every window group (what ``N_w`` pages cost a page)."""
+    return sum(g.spec(spec.page_size).page_bytes for g in spec.window_groups)
+
+
+@dataclasses.dataclass(frozen=True)
+class Pools:
+    """One tier pair's pools at the all-full model's bytes.
+
+    Attributes:
+        model_device_pages, model_host_pages: the budget, in all-full model pages.
+        device_pages, host_pages: full-attention pages of L1 and L2.
+        window_device_pages, window_host_pages: pages of each window group's pool (L2: 0
+            when L2 has no bytes).
+        device_share, host_share: the fraction of each tier's budget in window pages.
+    """
+
+    model_device_pages: int
+    model_host_pages: int
+    device_pages: int
+    host_pages: int
+    window_device_pages: int
+    window_host_pages: int
+    device_share: float
+    host_share: float
+
+    def bytes_used(self, spec: KVSpec) -> tuple[int, int]:
+        """Bytes of L1's and L2's pools (full + window), each at most its budget."""
+        pf, pw = spec.page_bytes, window_page_bytes(spec)
+        return (
+            self.device_pages * pf + self.window_device_pages * pw,
+            self.host_pages * pf + self.window_host_pages * pw,
+        )
+
+    def as_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def split_pools(spec: KVSpec, model_pages: int, window_pages: int) -> tuple[int, int]:
+    """``(N_f, N_w)`` of a tier of ``model_pages`` all-full model pages' bytes that gives
+    ``window_pages`` pages to each window group: the rest of the bytes in full-attention
+    pages. ``N_w`` is at most ``N_f``; where it would be more, both are ``model_pages`` (the
+    all-full model's split: one window page per full-attention page)."""
+    budget = model_pages * spec.model_page_bytes
+    pf, pw = spec.page_bytes, window_page_bytes(spec)
+    n_w = max(0, min(window_pages, budget // pw))
+    n_f = (budget - n_w * pw) // pf
+    if n_w >= n_f:
+        return model_pages, model_pages
+    return n_f, n_w
+
+
+def prompt_tokens(trace: Trace) -> tuple[int, int]:
+    """``(longest, mean)`` prompt of ``trace`` in tokens (0, 0 for no request): what the
+    default rule takes as the stack's admitted longest prompt and its mean prompt."""
+    lens = [r.num_tokens for r in trace.requests]
+    return (max(lens), -(-sum(lens) // len(lens))) if lens else (0, 0)
+
+
+def default_window_pages(
+    spec: KVSpec,
+    model_pages: int,
+    longest_tokens: int,
+    mean_tokens: int,
+    *,
+    requests: bool = True,
+) -> int:
+    """The default rule's window pages of a tier of ``model_pages`` all-full model pages'
+    bytes (see the module docstring): the longest prompt's pages (``requests``: L1, where a
+    request's own pages live; at most ``model_pages``) plus ``k`` pages for every mean
+    prompt's pages of the full-attention pool beside them."""
+    ps, k = spec.page_size, _tail_pages(spec)
+    own = min(-(-longest_tokens // ps), model_pages) if requests else 0
+    span = max(k, -(-mean_tokens // ps))  # a node keeps at most k pages, all of a shorter one
+    # N_w = own + k N_f / span with N_f = (B - N_w Pw) / Pf, solved for N_w (rounded up)
+    budget, pf, pw = model_pages * spec.model_page_bytes, spec.page_bytes, window_page_bytes(spec)
+    n_w = -(-(own * span * pf + k * budget) // (span * pf + k * pw))
+    return max(n_w, 1)
+
+
+def _tail_pages(spec: KVSpec) -> int:
+    """``k``: the most pages a continuation reads of any window group (``ceil(W / page)``)."""
+    ws = [g.window for g in spec.window_groups if g.window is not None]
+    return max(1, -(-max(ws) // spec.page_size)) if ws else 1
+
+
+def pools_for(
+    spec: KVSpec,
+    model_device_pages: int,
+    host_ratio: float,
+    *,
+    share: float | None,
+    longest_tokens: int,
+    mean_tokens: int,
+) -> Pools:
+    """The pools of L1 = ``model_device_pages`` and L2 = ``round(host_ratio x L1)`` all-full
+    model pages' bytes: ``share`` of each tier's bytes in window pages, or None: the default
+    rule (:func:`default_window_pages` of the longest and the mean prompt, in tokens)."""
+    model_host = int(round(host_ratio * model_device_pages))
+    pw = window_page_bytes(spec)
+    out = []
+    for pages, requests in ((model_device_pages, True), (model_host, False)):
+        if pages == 0:
+            out.append((0, 0, 0.0))
+            continue
+        if share is None:
+            n_w = default_window_pages(spec, pages, longest_tokens, mean_tokens, requests=requests)
+        else:
+            n_w = int(share * pages * spec.model_page_bytes // pw)
+        n_f, n_w = split_pools(spec, pages, max(n_w, 1))
+        out.append((n_f, n_w, n_w * pw / (pages * spec.model_page_bytes)))
+    (df, dw, ds), (hf, hw, hs) = out
+    return Pools(model_device_pages, model_host, df, hf, dw, hw, ds, hs)
+
+
+class Holding:
+    """The bytes ratio and the window bytes share of what a cache holds, sampled after every
+    request (:meth:`sample`) and averaged over the samples where it holds anything.
+
+    Args:
+        spec: the cache's spec (with window groups).
+    """
+
+    def __init__(self, spec: KVSpec) -> None:
+        self.pf, self.pw = spec.page_bytes, window_page_bytes(spec) // len(spec.window_groups)
+        self.pm = spec.model_page_bytes
+        self.n, self.sum_ratio, self.sum_share = 0, 0.0, 0.0
+        self.last: tuple[float, float] = (1.0, 0.0)
+
+    def sample(self, stats: dict[str, Any]) -> None:
+        """One sample from ``HiCache.stats()`` between two requests (every page used is the
+        tree's then): full-attention and window pages used on both tiers."""
+        full_pages = stats["device_used_pages"] + stats["host_used_pages"]
+        if full_pages <= 0:
+            return
+        # window_*_used_pages sum over the groups; every group's page has the same shape here
+        win = (stats["window_device_used_pages"] + stats["window_host_used_pages"]) * self.pw
+        used = full_pages * self.pf + win
+        ratio, share = full_pages * self.pm / used, win / used
+        self.n += 1
+        self.sum_ratio += ratio
+        self.sum_share += share
+        self.last = (ratio, share)
+
+    def figures(self) -> dict[str, float]:
+        """``bytes_ratio`` (mean over the run), ``bytes_ratio_end`` (after the last request),
+        ``window_bytes_share`` (mean) and ``window_bytes_share_end``."""
+        n = max(self.n, 1)
+        return {
+            "bytes_ratio": self.sum_ratio / n if self.n else 1.0,
+            "bytes_ratio_end": self.last[0],
+            "window_bytes_share": self.sum_share / n if self.n else 0.0,
+            "window_bytes_share_end": self.last[1],
+        }
