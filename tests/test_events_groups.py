@@ -270,9 +270,36 @@ def test_a_bad_groups_value_names_the_field():
         HiCacheConfig(device_pages=4, kv_events={"publisher": "queue", "groups": "none"})
 
 
+def test_pages_fetched_from_l3_are_announced_with_their_window_pages(tmp_path):
+    """A fresh cache on a store another wrote: an L3 fetch fills host nodes (announced), then
+    attaches the window pages their ends read (announced on the host tier too). L3 itself is
+    announced for the full-attention pages, tagged with their group."""
+    url = f"file://{tmp_path}/l3"
+    tokens = np.arange(24)
+    writer = _cache(
+        window_spare=False,
+        write_policy="write_through",
+        storage=url,
+        storage_write_policy="write_through",
+    )
+    serve(writer, tokens)
+    writer.flush()
+    writer.close()
+    kv = {"publisher": "queue", "l3_medium": "auto"}
+    cache = make_cache(_spec(), 32, 64, kv_events=kv, storage=url, window_spare=False)
+    cache.prefetch(tokens)
+    cache.flush()
+    events = cache.take_events()
+    h = _hashes(cache, tokens)
+    host = _by_group(events, BlockStored, Medium.HOST)
+    assert [e.block_hash for e in host[1]] == h and [e.block_hash for e in host[0]] == h[4:]
+    assert replay([e for e in events if e.medium is not Medium.L3]) == tree_pages(cache)
+    cache.close()
+
+
 def test_l3_pages_are_the_full_attention_pages_named_as_such():
-    """(A cache refuses storage with window groups for now: the recorder alone.) L3 keeps no
-    window pages: what is announced there is the full-attention pages, tagged so."""
+    """L3 is announced for the full-attention pages, tagged with the full group (the
+    recorder alone)."""
     rec = QueueRecorder(10, l3=True)
     nowhere = SimpleNamespace(attach=np.full((1, 4), -1, np.int32))
     rec.watch_groups(_spec(), nowhere, nowhere)

@@ -19,14 +19,18 @@ moments the full-attention pages' events are recorded:
   ``Windows.after_insert`` where it frees, the holes ``Windows.before_free_duplicates``
   fills): after it the path's pages are compared (:meth:`GroupEvents.changes`);
 * a tier frees spare group pages to make room (``WindowPages.reclaim``, through its
-  ``on_reclaim`` hook): those announced are removed (:meth:`GroupEvents.reclaimed`).
+  ``on_reclaim`` hook): those announced are removed (:meth:`GroupEvents.reclaimed`);
+* an L3 fetch attaches group pages to host pages already announced (after the nodes it fills
+  are): the host tier's ``on_attach`` hook names them, and their nodes are compared
+  (:meth:`GroupEvents.attached`).
 
 A window group's event carries the same block hash as the full-attention page at that position
 (vLLM's groups share block hashes), its parent the hash of the page before it in the prefix
 (which the group may not hold: a window keeps only the tail a continuation reads).
 
-What it keeps: a bool per tier page and window group and a uint64 hash per tier page (a few
-bytes a page beside the page's KV), made only with window groups and ``groups="all"``.
+What it keeps: a bool per tier page and window group, a uint64 hash per tier page and a node
+reference per host page (a few bytes a page beside the page's KV), made only with window groups
+and ``groups="all"``.
 
 Threading: the cache's owning thread only (called by the recorder).
 """
@@ -85,8 +89,11 @@ class GroupEvents:
         #: per tier: bool [groups, pages] announced, and each announced page's tree hash
         self._announced = {m: np.zeros(a.shape, bool) for m, a in self._attach.items()}
         self._hash = {m: np.zeros(a.shape[1], np.uint64) for m, a in self._attach.items()}
+        #: the node of each announced host page (an L3 fetch names host pages only)
+        self._host_node = np.empty(host.attach.shape[1], object)
         device.on_reclaim = functools.partial(self.reclaimed, Medium.DEVICE)
         host.on_reclaim = functools.partial(self.reclaimed, Medium.HOST)
+        host.on_attach = self.attached
 
     def stored(self, node: Any, medium: Medium, first: int, stop: int) -> None:
         """``node``'s pages ``[first, stop)`` are announced on ``medium``: announce, per group,
@@ -95,6 +102,8 @@ class GroupEvents:
         ids = _ids(node, medium)
         if attach is None or ids is None:
             return
+        if medium is Medium.HOST:
+            self._host_node[ids[first:stop]] = node
         self._sync(node, medium, ids, first, stop)
 
     def removed(self, node: Any, medium: Medium, ids: np.ndarray | None) -> None:
@@ -103,6 +112,8 @@ class GroupEvents:
         announced = self._announced.get(medium)
         if announced is None or ids is None:
             return
+        if medium is Medium.HOST:
+            self._host_node[ids] = None
         for tag, row in zip(self._tags, announced):
             sel = row[ids]
             if sel.any():
@@ -117,6 +128,14 @@ class GroupEvents:
         if sel.size:
             row[sel] = False
             self._rec.removed_pages(self._hash[medium][sel], medium, self._tags[g])
+
+    def attached(self, g: int, host_ids: np.ndarray) -> None:
+        """Group ``g``'s pages were attached to ``host_ids`` (an L3 fetch): announce them on
+        the host tier where those pages are announced (their nodes compared whole)."""
+        nodes = {id(n): n for n in self._host_node[host_ids].tolist() if n is not None}
+        for node in nodes.values():
+            if node.host_value is not None:
+                self._sync(node, Medium.HOST, node.host_value, 0, node.host_value.size)
 
     def snapshot(self, res: Any) -> list[Held]:
         """The pages an insert found in the tree (``res``: its ``InsertResult``) that are
@@ -159,6 +178,7 @@ class GroupEvents:
         """Nothing is announced any more (AllBlocksCleared)."""
         for a in self._announced.values():
             a[:] = False
+        self._host_node[:] = None
 
 
 def _ids(node: Any, medium: Medium) -> np.ndarray | None:

@@ -67,6 +67,9 @@ class WindowPages:
         #: called with ``(g, anchor_ids)`` before :meth:`reclaim` frees spare pages (the KV
         #: events of the pages the tree held: events/groups.py)
         self.on_reclaim: Callable[[int, np.ndarray], None] | None = None
+        #: called with ``(g, anchor_ids)`` after pages of group ``g`` were attached to tree
+        #: pages from outside this class (an L3 fetch: cache/l3_port.py; KV events)
+        self.on_attach: Callable[[int, np.ndarray], None] | None = None
         self._anchor = anchor
         anchor.on_free = self.detach
 
