@@ -45,11 +45,16 @@ class BlockStored(_Event):
     lora_id: int | None
     medium: str | None
     lora_name: str | None
+    extra_keys: list | None = None
+    group_idx: int | None = None  # a model with several layer groups: which one
+    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
 
 
 class BlockRemoved(_Event):
     block_hashes: list[int]
     medium: str | None
+    group_idx: int | None = None
 
 
 class AllBlocksCleared(_Event):
@@ -92,6 +97,11 @@ def dynamo_block_key(tokens: Sequence[int]) -> int:
 
 # -- one instance's index -------------------------------------------------------------------
 
+#: ``kv_cache_spec_kind`` of the groups an index keeps: a model with sliding-window or chunked
+#: layers announces each group's pages apart (``group_idx``); this router scores by the
+#: full-attention pages and skips the others' events.
+FULL_KINDS = ("full_attention", "mla_attention")
+
 
 class InstanceIndex:
     """Pages an instance holds: ``block_hash -> mediums``, and how to reach each page by
@@ -112,10 +122,15 @@ class InstanceIndex:
         # None, int and str all arrive as lora_id = lora_name = None) share one key.
         self._by_tokens: dict[tuple, set[int]] = {}
         self._key_of: dict[int, tuple] = {}
+        self._kinds: dict[int, str | None] = {}  # group_idx -> kind, learned from BlockStored
 
     def apply(self, batch: KVEventBatch) -> None:
         for ev in batch.events:
             if isinstance(ev, BlockStored):
+                if ev.group_idx is not None:
+                    self._kinds[ev.group_idx] = ev.kv_cache_spec_kind
+                    if ev.kv_cache_spec_kind not in FULL_KINDS:
+                        continue
                 if self.block_size is not None and ev.block_size != self.block_size:
                     self.dropped += 1
                     continue
@@ -130,6 +145,8 @@ class InstanceIndex:
                     self.mediums.setdefault(h, set()).add(ev.medium)
                     parent = h
             elif isinstance(ev, BlockRemoved):
+                if ev.group_idx is not None and self._kinds.get(ev.group_idx) not in FULL_KINDS:
+                    continue  # another group's pages (or one never stored here)
                 for h in ev.block_hashes:
                     held = self.mediums.get(h)
                     if held is None:  # stored before this index started (see catch_up)

@@ -953,6 +953,11 @@ class KVEventsConfig:
             ``"vllm:sha256_cbor"`` (see events/block_ids.py).
         hash_seed: vLLM ids: the seed of ``NONE_HASH`` (as vLLM's ``PYTHONHASHSEED``); None:
             ``PYTHONHASHSEED`` if set, else random (ids then match no other process).
+        groups: a spec with window groups (``KVSpec.window_groups``): which layer groups' pages
+            are announced, each event naming its group (``group_idx``, ``kv_cache_spec_kind``):
+            ``"all"`` (the default: the full-attention pages and every window group's pages
+            the tree keeps) or ``"full"`` (the full-attention pages only, for a router that
+            scores by them). Without window groups events name no group either way.
     """
 
     publisher: str = "queue"
@@ -966,11 +971,13 @@ class KVEventsConfig:
     l3_medium: str | None = None
     block_hash: str = "tree"
     hash_seed: str | None = None
+    groups: str = "all"
 
 
 _PUBLISHERS = ("queue", "zmq")
 _ENCODINGS = ("map", "array")
 _BLOCK_HASHES = ("tree", "vllm:sha256", "vllm:sha256_cbor")
+_GROUPS = ("all", "full")
 
 
 def _check_endpoint(field: str, value: Any) -> None:
@@ -1023,7 +1030,11 @@ def _checked(cfg: KVEventsConfig) -> bool:
             raise ValueError(f"kv_events {field}={v!r} must be an int >= {low}")
     if not isinstance(cfg.topic, str):
         raise TypeError(f"kv_events topic={cfg.topic!r} must be a str")
-    for field, allowed in (("encoding", _ENCODINGS), ("block_hash", _BLOCK_HASHES)):
+    for field, allowed in (
+        ("encoding", _ENCODINGS),
+        ("block_hash", _BLOCK_HASHES),
+        ("groups", _GROUPS),
+    ):
         if getattr(cfg, field) not in allowed:
             raise ValueError(
                 f"kv_events {field}={getattr(cfg, field)!r} is not one of: "

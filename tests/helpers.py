@@ -25,6 +25,7 @@ from hicache_jax.events.records import Medium
 from hicache_jax.memory.device_pool import DevicePagePool
 from hicache_jax.memory.host_pool import HostPagePool
 from hicache_jax.memory.transfer import TransferEngine
+from hicache_jax.spec import GroupKind
 from hicache_jax.tree.hashing import canonical_key  # one namespace, one key (5 == np.int64(5))
 
 #: KV dtype -> the unsigned dtype of its bits (what the pools store).
@@ -294,15 +295,41 @@ def bits(x) -> np.ndarray:
     return np.asarray(x).view(np.uint16)
 
 
-def tree_pages(cache: HiCache) -> set:
-    """``(page_hash, medium)`` of every page the cache holds on each tier."""
-    out = set()
+def tree_pages(cache: HiCache, windows: bool = True) -> set:
+    """``(page_hash, medium)`` of every page the cache holds on each tier (what replaying its
+    KV events gives, :func:`~hicache_jax.events.replay`).
+
+    With window groups, ``(page_hash, medium, group_idx)``: the full-attention pages (the
+    full group's index), and unless ``windows=False`` (``kv_events={"groups": "full"}``)
+    each window group's pages the tree's pages hold on that tier.
+    """
+    out: set = set()
+    spec = cache.spec
+    if not spec.window_groups:
+        for node in cache.tree.nodes():
+            for h in node.page_hashes.tolist():
+                if node.value is not None:
+                    out.add((h, Medium.DEVICE))
+                if node.host_value is not None:
+                    out.add((h, Medium.HOST))
+        return out
+    kinds = [g.kind for g in spec.groups]
+    full = kinds.index(GroupKind.FULL)
+    win = [i for i, k in enumerate(kinds) if k is not GroupKind.FULL]
+    w = cache._windows
+    assert w is not None
     for node in cache.tree.nodes():
-        for h in node.page_hashes.tolist():
-            if node.value is not None:
-                out.add((h, Medium.DEVICE))
-            if node.host_value is not None:
-                out.add((h, Medium.HOST))
+        hashes = node.page_hashes.tolist()
+        for medium, ids, attach in (
+            (Medium.DEVICE, node.value, w.device.attach),
+            (Medium.HOST, node.host_value, w.host.attach),
+        ):
+            if ids is None:
+                continue
+            out.update((h, medium, full) for h in hashes)
+            if windows:
+                for g, row in zip(win, (attach[:, ids] >= 0).tolist()):
+                    out.update((h, medium, g) for h, k in zip(hashes, row) if k)
     return out
 
 

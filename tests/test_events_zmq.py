@@ -15,7 +15,7 @@ zmq = pytest.importorskip("zmq")
 
 from helpers import bookkeeping_spec, make_cache, tree_pages  # noqa: E402
 from helpers import serve as put  # noqa: E402
-from hicache_jax import HiCache, HiCacheConfig, HiCacheError, Medium  # noqa: E402
+from hicache_jax import HiCache, HiCacheConfig, HiCacheError, KVSpec, Medium  # noqa: E402
 from storage_servers import free_port  # noqa: E402
 
 # -- the published format: vLLM's structs (vllm/distributed/kv_events.py), nothing of ours ----
@@ -35,6 +35,8 @@ class BlockStored(KVCacheEvent):
     lora_name: str | None
     extra_keys: list[tuple[Any, ...] | None] | None = None
     group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
 
 
 class BlockRemoved(KVCacheEvent):
@@ -141,18 +143,24 @@ class Subscriber:
 
 
 def apply(state: set, batch: KVEventBatch) -> set:
-    """A per-instance index: ``(block_hash, medium)`` pairs, from the wire events only."""
+    """A per-instance index: ``(block_hash, medium)`` pairs, from the wire events only;
+    ``(block_hash, medium, group_idx)`` for events that name their layer group."""
+
+    def key(h, ev):
+        m = MEDIUM[ev.medium]
+        return (h, m) if ev.group_idx is None else (h, m, ev.group_idx)
+
     for ev in batch.events:
         if isinstance(ev, AllBlocksCleared):
             state.clear()
         elif isinstance(ev, BlockStored):
             assert len(ev.token_ids) == len(ev.block_hashes) * ev.block_size
             for h in ev.block_hashes:
-                assert (h, MEDIUM[ev.medium]) not in state, "stored twice"
-                state.add((h, MEDIUM[ev.medium]))
+                assert key(h, ev) not in state, "stored twice"
+                state.add(key(h, ev))
         else:
             for h in ev.block_hashes:
-                state.remove((h, MEDIUM[ev.medium]))
+                state.remove(key(h, ev))
     return state
 
 
@@ -264,6 +272,120 @@ def test_both_encodings_decode_with_msgpack_from_vllms_field_lists(tcp, encoding
     assert stored["token_ids"] == list(range(8)) and stored["block_size"] == PS
     assert stored["lora_name"] == "tenant" and stored["parent_block_hash"] is None
     assert events[2][1]["block_hashes"] == stored["block_hashes"] == events[1][1]["block_hashes"]
+
+
+GROUP_STORED = ["extra_keys", "group_idx", "kv_cache_spec_kind", "kv_cache_spec_sliding_window"]
+W = 8
+
+
+def window_spec():
+    """Layers 0-2 sliding-window (``groups[0]``), layer 3 full (``groups[1]``)."""
+    return KVSpec.from_pattern(
+        "3:1", num_layers=4, num_kv_heads=2, head_dim=4, page_size=PS, window=W
+    )
+
+
+@pytest.mark.parametrize("encoding", ["map", "array"])
+def test_window_groups_on_the_wire_name_their_group_in_vllms_fields(tcp, encoding):
+    cache = make_cache(
+        window_spec(),
+        16,
+        32,
+        write_policy="write_back",
+        window_spare=False,  # pages no node end reads freed at insert: two kept
+        kv_events=zmq_events(tcp, encoding=encoding),
+    )
+    sub = Subscriber(tcp)
+    try:
+        batches = raw_batches(sub, cache, 0)
+        put(cache, np.arange(24))  # six pages; the window group keeps pages 4 and 5
+        cache.evict(24)  # write_back: to host, then off device
+        import msgpack
+
+        for _ in range(2):
+            assert sub.sub.poll(TIMEOUT_MS)
+            batches.append(msgpack.unpackb(sub.sub.recv_multipart()[2]))
+    finally:
+        sub.close()
+        cache.close()
+    events = []
+    for _, evs, _ in batches:
+        for ev in evs:
+            if encoding == "map":
+                tag = ev.pop("type")
+                if tag == "BlockStored":  # vLLM's omit_defaults: None fields left out
+                    window = "kv_cache_spec_sliding_window" in ev
+                    want = (
+                        STORED_FIELDS + GROUP_STORED[1:]
+                        if window
+                        else STORED_FIELDS + GROUP_STORED[1:3]
+                    )
+                else:
+                    want = REMOVED_FIELDS + ["group_idx"]
+                assert sorted(ev) == sorted(want)
+                events.append((tag, ev))
+            else:
+                tag, *values = ev
+                want = (
+                    STORED_FIELDS + GROUP_STORED
+                    if tag == "BlockStored"
+                    else REMOVED_FIELDS + ["group_idx"]
+                )
+                assert len(values) == len(want)
+                events.append((tag, dict(zip(want, values))))
+    summary = [
+        (
+            t,
+            e["medium"],
+            e["group_idx"],
+            e.get("kv_cache_spec_kind"),
+            e.get("kv_cache_spec_sliding_window"),
+            len(e["block_hashes"]),
+        )
+        for t, e in events
+    ]
+    assert summary == [
+        ("BlockStored", "GPU", 1, "full_attention", None, 6),
+        ("BlockStored", "GPU", 0, "sliding_window", W, 2),
+        ("BlockStored", "CPU", 1, "full_attention", None, 6),
+        ("BlockStored", "CPU", 0, "sliding_window", W, 2),
+        ("BlockRemoved", "GPU", 1, None, None, 6),
+        ("BlockRemoved", "GPU", 0, None, None, 2),
+    ]
+    full, window = events[0][1], events[1][1]
+    assert window["block_hashes"] == full["block_hashes"][4:]  # the same hashes per position
+    assert window["parent_block_hash"] == full["block_hashes"][3]
+    assert window["token_ids"] == list(range(16, 24)) and window["block_size"] == PS
+
+
+def test_window_groups_replayed_from_the_socket_equal_the_cache_per_group(tcp):
+    rng = np.random.default_rng(5)
+    cache = make_cache(window_spec(), 12, 16, write_policy="write_back", kv_events=zmq_events(tcp))
+    sub = Subscriber(tcp)
+    state: set = set()
+    try:
+        sub.until_connected(cache)
+        for _ in range(80):
+            op = rng.integers(8)
+            if op < 5:
+                prefix = rng.integers(3, size=rng.integers(1, 5)).repeat(PS)
+                put(cache, np.concatenate([prefix, rng.integers(50, size=PS * rng.integers(4))]))
+            elif op == 5:
+                cache.evict(int(rng.integers(1, 6)) * PS)
+            elif op == 6:
+                cache.evict_host(int(rng.integers(1, 6)) * PS)
+            else:
+                cache.flush()
+        cache.flush()
+        want = cache.stats()["kv_event_batches"]
+        seq = -1
+        while seq < want - 1:
+            seq, batch = sub.recv()
+            apply(state, batch)
+        assert state == tree_pages(cache) and any(k[2] == 0 for k in state)
+    finally:
+        sub.close()
+        cache.close()
 
 
 def test_a_bad_encoding_is_refused():

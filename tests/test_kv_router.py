@@ -14,7 +14,7 @@ pytest.importorskip("msgspec")
 pytest.importorskip("zmq")
 
 from helpers import bookkeeping_spec, make_cache, serve
-from hicache_jax import HiCache, HiCacheConfig
+from hicache_jax import HiCache, HiCacheConfig, KVSpec
 
 PS = 4
 SPEC = bookkeeping_spec(PS)
@@ -155,3 +155,59 @@ def test_dynamo_keyed_index_agrees_with_token_keyed_and_drops_other_block_sizes(
         kv_router.InstanceIndex("dynamo")
     with pytest.raises(ValueError, match="keying"):
         kv_router.InstanceIndex("xx", 4)
+
+
+def test_router_keeps_the_full_attention_pages_of_a_model_with_window_groups(tmp_path, kv_router):
+    """With window groups each group's pages are announced apart: the index keeps the
+    full-attention pages, the same whether the window groups' are announced or not."""
+    spec = KVSpec.from_pattern(
+        "3:1", num_layers=4, num_kv_heads=2, head_dim=4, page_size=PS, window=2 * PS
+    )
+    instances, caches = {}, {}
+    for groups in ("all", "full"):
+        ep = f"ipc://{tmp_path}/{groups}"
+        instances[groups] = (ep, f"{ep}-replay")
+        caches[groups] = make_cache(
+            spec,
+            12,
+            16,
+            write_policy="write_back",
+            kv_events={
+                "publisher": "zmq",
+                "endpoint": ep,
+                "replay_endpoint": f"{ep}-replay",
+                "groups": groups,
+            },
+        )
+    router = kv_router.KVRouter(instances, page_size=PS)
+    try:
+        rng = np.random.default_rng(1)
+        for i in range(20):
+            q = np.concatenate([np.arange(4 * (1 + i % 4)), rng.integers(100, size=PS * (i % 3))])
+            for cache in caches.values():
+                serve(cache, q)
+                if i % 5 == 4:
+                    cache.evict(3 * PS)
+        for name, cache in caches.items():
+            cache.flush()
+            router.sync(name, cache.stats()["kv_event_batches"])
+        held = {}
+        for name, cache in caches.items():
+            want = {h for node in cache.tree.nodes() for h in node.page_hashes.tolist()}
+            assert set(router.index[name].mediums) == want
+            held[name] = router.index[name].mediums
+        assert held["all"] == held["full"] and held["all"]
+    finally:
+        router.close()
+        for cache in caches.values():
+            cache.close()
+    # a window group's page leaving (trimmed, dropped) leaves the full-attention page held
+    r, idx = kv_router, kv_router.InstanceIndex()
+    stored = lambda g, kind: r.BlockStored(  # noqa: E731
+        [11], None, [1, 2], 2, None, "GPU", None, None, g, kind
+    )
+    idx.apply(r.KVEventBatch(0.0, [stored(1, "full_attention"), stored(0, "sliding_window")]))
+    idx.apply(r.KVEventBatch(0.0, [r.BlockRemoved([11], "GPU", 0)]))
+    assert idx.longest_prefix([1, 2], 2) == (2, 0)
+    idx.apply(r.KVEventBatch(0.0, [r.BlockRemoved([11], "GPU", 1)]))
+    assert idx.longest_prefix([1, 2], 2) == (0, 0)

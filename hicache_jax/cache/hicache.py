@@ -148,6 +148,8 @@ class HiCache:
         try:
             assert not isinstance(cfg.kv_events, (dict, str))  # parsed by HiCacheConfig
             self._events = make_recorder(cfg.kv_events, cfg.storage)
+            if self._windows is not None:  # events name their layer group (events/groups.py)
+                self._events.watch_groups(spec, self._windows.device, self._windows.host)
         except BaseException:  # e.g. a port in use: release the L3 backend opened above
             self._l3.close()
             raise

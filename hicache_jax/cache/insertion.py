@@ -79,8 +79,10 @@ class Insertion:
         )
         dup = res.duplicate_pages
         if self._windows is not None:  # what the tree keeps of each window group
+            held = self._events.group_snapshot(res)  # announced: what the trim changes
             self._windows.before_free_duplicates(res, ids)
             self._n["window_pages_trimmed"] += self._windows.after_insert(res)
+            self._events.group_changes(held)
         if dup.size:
             self._device.free(dup)
             self._owner.release(dup)

@@ -106,6 +106,8 @@ class WindowHostPages:
         ids = self._host.take(g, host_ids.size)  # (spare pages freed first)
         pool.write_rows(ids, rows, row_ids)
         self._host.attach[g, host_ids] = ids
+        if self._host.on_attach is not None:  # KV events (events/groups.py)
+            self._host.on_attach(g, host_ids)
         return int(ids.size)
 
 

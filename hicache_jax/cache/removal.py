@@ -95,7 +95,7 @@ class Removal:
         ids = self._tree.evict_device(node)
         self._device_free(ids)
         self._owner.release(ids)
-        self._events.removed(node, Medium.DEVICE)
+        self._events.removed(node, Medium.DEVICE, ids)  # ids: the node no longer holds them
         self._n["evictions"] += 1
         self._n["evicted_tokens"] += node.num_tokens
         return node.num_tokens
@@ -119,7 +119,7 @@ class Removal:
         if value is not None:
             self._device_free(value)
             self._owner.release(value)
-            self._events.removed(node, Medium.DEVICE)
+            self._events.removed(node, Medium.DEVICE, value)
             self._n["evictions"] += 1
             self._n["evicted_tokens"] += node.num_tokens
             self._n["deleted_tokens"] += node.num_tokens
@@ -127,7 +127,7 @@ class Removal:
             if value is None:
                 self._l3.on_host_evict(node, host_value)  # write_back: to L3 before the free
             self._host_free(host_value)
-            self._events.removed(node, Medium.HOST)
+            self._events.removed(node, Medium.HOST, host_value)
             if value is None:
                 self._n["host_evictions"] += 1
                 self._n["host_evicted_tokens"] += node.num_tokens
@@ -140,10 +140,10 @@ class Removal:
         if value is not None:
             self._device_free(value)
             self._owner.release(value)
-            self._events.removed(node, Medium.DEVICE)
+            self._events.removed(node, Medium.DEVICE, value)
         if host_value is not None:
             self._host_free(host_value)
-            self._events.removed(node, Medium.HOST)
+            self._events.removed(node, Medium.HOST, host_value)
         dev = node.num_tokens if value is not None else 0
         host = node.num_tokens if host_value is not None else 0
         self._n["invalidated_device_tokens"] += dev

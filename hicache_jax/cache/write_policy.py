@@ -289,7 +289,7 @@ class CleanAhead(WriteBack):
                 break
             ids = tree.drop_host_value(node)
             ctx.flight.free_host(ids)  # parked while a backup into them is in flight
-            ctx.events.removed(node, Medium.HOST)
+            ctx.events.removed(node, Medium.HOST, ids)  # ids: the node no longer holds them
             ctx.counters["host_copies_dropped_tokens"] += node.num_tokens
             freed += node.num_tokens
         if freed < num_tokens:

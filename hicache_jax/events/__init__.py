@@ -38,6 +38,12 @@ so a record counts the bytes of the arrays it keeps alive, not of the view
 Replaying the events in order over an empty set of ``(block_hash, medium)`` pairs gives exactly
 the pages the cache holds on each tier (the state-machine test checks this after every step).
 
+Layer groups: with a spec that has window groups (``KVSpec.window_groups``) every event names
+its group (``group_idx``, ``kv_cache_spec_kind``, ``kv_cache_spec_sliding_window``, as vLLM's
+hybrid-model events), and each window group's pages the tree holds are announced per tier
+(:mod:`hicache_jax.events.groups`; ``kv_events={"groups": "full"}``: the full-attention pages
+only). :func:`replay` then keeps ``(block_hash, medium, group_idx)``.
+
 Threading: a recorder is used by the cache's owning thread only; ``stats()`` reads its counters.
 The ZMQ recorder hands sealed batches to its publisher thread, which only reads their records
 (views of arrays the tree never writes in place; see :mod:`hicache_jax.events.zmq`).

@@ -34,8 +34,12 @@ def make_recorder(
     # L3 is announced whenever l3_medium is set: a store attached at run time is announced too
     # (its wire name comes with it: Recorder.l3_attached)
     l3 = cfg.l3_medium is not None
+    rec: Recorder
     if cfg.publisher == "queue":
-        return QueueRecorder(cfg.buffer_steps, cfg.buffer_bytes, ids, l3)
-    from hicache_jax.events.zmq import ZmqRecorder
+        rec = QueueRecorder(cfg.buffer_steps, cfg.buffer_bytes, ids, l3)
+    else:
+        from hicache_jax.events.zmq import ZmqRecorder
 
-    return ZmqRecorder(cfg, ids, l3_wire_medium(cfg, storage), l3)
+        rec = ZmqRecorder(cfg, ids, l3_wire_medium(cfg, storage), l3)
+    rec.announce_groups = cfg.groups  # read by watch_groups (a spec with window groups)
+    return rec

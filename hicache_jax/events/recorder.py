@@ -27,6 +27,12 @@ announced as this cache's puts land, as at construction (:meth:`Recorder.l3_atta
 wire medium of the new store). The announced set is a dict entry (the page's and its parent's
 ints) and a list entry under its parent per page put since the last reset.
 
+Layer groups (a spec with window groups, :meth:`Recorder.watch_groups`): every record carries
+its group's tag (:class:`~hicache_jax.events.records.GroupTag`), the full-attention pages' that
+of ``spec.full_group`` (on L3 too), and with ``kv_events={"groups": "all"}`` the window groups'
+pages the tree holds are recorded too (:mod:`hicache_jax.events.groups`). Without window groups
+records carry none, and the wire is as before.
+
 Threading: the cache's owning thread only; ``stats()`` reads the counters.
 """
 
@@ -41,19 +47,22 @@ import numpy as np
 
 from hicache_jax.errors import HiCacheError
 from hicache_jax.events.block_ids import VllmIds
+from hicache_jax.events.groups import GroupEvents, Held
 from hicache_jax.events.records import (
     CLEARED,
     RECORD_OVERHEAD,
     EventBatch,
+    GroupTag,
     KVEvent,
     Medium,
     Record,
     RemovedRecord,
     StoredRecord,
     expand,
+    group_tags,
     record_bytes,
 )
-from hicache_jax.spec import KVEventsConfig
+from hicache_jax.spec import GroupKind, KVEventsConfig, KVSpec
 from hicache_jax.tree.hashing import chain_hashes, namespace_hash
 
 
@@ -106,7 +115,16 @@ class NullRecorder:
     def stored(self, node: Any, medium: Medium, pages: slice | None = None) -> None:
         pass
 
-    def removed(self, node: Any, medium: Medium) -> None:
+    def removed(self, node: Any, medium: Medium, ids: np.ndarray | None = None) -> None:
+        pass
+
+    def watch_groups(self, spec: KVSpec, device: Any, host: Any) -> None:
+        pass
+
+    def group_snapshot(self, res: Any) -> None:
+        return None
+
+    def group_changes(self, before: Any) -> None:
         pass
 
     def cleared(self) -> None:
@@ -159,6 +177,11 @@ class Recorder:
     def __init__(self, ids: VllmIds | None = None, l3: bool = False) -> None:
         self._ids = ids
         self._l3 = L3Announcer(self, ids) if l3 else None
+        #: the full-attention pages' tag with window groups (:meth:`watch_groups`), else None
+        self.full_group: GroupTag | None = None
+        #: ``kv_events`` ``groups``: which layer groups :meth:`watch_groups` announces
+        self.announce_groups = "all"
+        self._groups: GroupEvents | None = None
         self._pending: list[Record] = []
         self._pending_bytes = 0
         self._seq = 0
@@ -167,19 +190,28 @@ class Recorder:
         self.last_publish_error: str | None = None
 
     def stored(self, node: Any, medium: Medium, pages: slice | None = None) -> None:
-        """Record a BlockStored of ``node``'s pages (a ``TreeNode``; default all), root-first.
+        """Record a BlockStored of ``node``'s pages (a ``TreeNode``; default all), root-first,
+        and with window groups announced (:meth:`watch_groups`) those of each group they hold.
 
         Args:
             node: a tree node attached to the tree (its parent gives the first parent hash).
             medium: the tier the pages are now on.
             pages: which of the node's pages (a slice; default: all).
         """
-        n = node.num_pages
-        first, stop, _ = (pages or slice(None)).indices(n)
+        first, stop, _ = (pages or slice(None)).indices(node.num_pages)
         if stop <= first:
             return
+        self.stored_run(node, medium, first, stop, self.full_group)
+        if self._groups is not None:
+            self._groups.stored(node, medium, first, stop)
+
+    def stored_run(
+        self, node: Any, medium: Medium, first: int, stop: int, group: GroupTag | None
+    ) -> None:
+        """Record a BlockStored of ``node``'s pages ``[first, stop)`` (``first < stop``) of the
+        layer group ``group`` (None: a spec without window groups)."""
         hashes = node.page_hashes
-        ps = node.num_tokens // n
+        ps = node.num_tokens // node.num_pages
         if self._ids is not None:
             prev_d, digests = self._ids.digests(node, first, stop)
             ids = self._ids.acquire(hashes[first:stop], digests)
@@ -187,21 +219,71 @@ class Recorder:
         else:
             ids, prev = hashes[first:stop], parent_hash(node, first)
         # Views: a node's key and hashes are never written in place (a split slices them).
-        self.add(StoredRecord(ids, prev, node.key[first * ps : stop * ps], medium, node.extra_key))
+        self.add(
+            StoredRecord(ids, prev, node.key[first * ps : stop * ps], medium, node.extra_key, group)
+        )
 
     def add(self, record: Record) -> None:
         self._pending.append(record)
         self._pending_bytes += record_bytes(record)
 
-    def removed(self, node: Any, medium: Medium) -> None:
-        """Record a BlockRemoved of every page of ``node`` on ``medium``."""
-        if node.num_pages:
-            ids = node.page_hashes if self._ids is None else self._ids.release(node.page_hashes)
-            self.add(RemovedRecord(ids, medium))
+    def removed(self, node: Any, medium: Medium, ids: np.ndarray | None = None) -> None:
+        """Record a BlockRemoved of every page of ``node`` on ``medium`` and, with window groups
+        announced, of the group pages announced for them.
+
+        Args:
+            node: the tree node.
+            medium: the tier the pages leave.
+            ids: the node's page ids on that tier (default: its ``value`` / ``host_value``; a
+                node taken out of the tree no longer holds them).
+        """
+        if not node.num_pages:
+            return
+        self.removed_pages(node.page_hashes, medium, self.full_group)
+        if self._groups is not None:
+            if ids is None:
+                ids = node.value if medium is Medium.DEVICE else node.host_value
+            self._groups.removed(node, medium, ids)
+
+    def removed_pages(self, hashes: np.ndarray, medium: Medium, group: GroupTag | None) -> None:
+        """Record a BlockRemoved of the pages of tree hashes ``hashes`` of the layer group
+        ``group`` (None: a spec without window groups)."""
+        ids = hashes if self._ids is None else self._ids.release(hashes)
+        self.add(RemovedRecord(ids, medium, group))
+
+    def watch_groups(self, spec: KVSpec, device: Any, host: Any) -> None:
+        """A spec with window groups: from now on every event names its layer group (the
+        full-attention pages' ``spec.full_group``), and with ``groups="all"`` each window
+        group's pages the tree holds are announced too (:mod:`hicache_jax.events.groups`).
+
+        Args:
+            spec: the cache's spec.
+            device, host: each tier's ``WindowPages``.
+        """
+        if not spec.window_groups:
+            return
+        tags = group_tags(spec)
+        full = [t for t, g in zip(tags, spec.groups) if g.kind is GroupKind.FULL]
+        self.full_group = full[0]
+        if self.announce_groups == "all":
+            windows = [t for t, g in zip(tags, spec.groups) if g.kind is not GroupKind.FULL]
+            self._groups = GroupEvents(self, windows, device, host)
+
+    def group_snapshot(self, res: Any) -> list[Held] | None:
+        """Before an insert's window trim: what its path's pages hold (None: nothing to
+        announce); see :meth:`GroupEvents.snapshot`."""
+        return None if self._groups is None else self._groups.snapshot(res)
+
+    def group_changes(self, before: list[Held] | None) -> None:
+        """After an insert's window trim: what changed since :meth:`group_snapshot`."""
+        if before is not None and self._groups is not None:
+            self._groups.changes(before)
 
     def cleared(self) -> None:
         """Drop the call's pending events and record AllBlocksCleared (a reset supersedes them)."""
         self._pending, self._pending_bytes = [CLEARED], RECORD_OVERHEAD
+        if self._groups is not None:
+            self._groups.clear()
         if self._ids is not None:
             self._ids.clear()
         if self._l3 is not None:
@@ -433,7 +515,9 @@ class L3Announcer:
             else:
                 ids = self._ids.acquire(np.array([h], np.uint64), [digest])
                 prev = None if pdigest is None else int.from_bytes(pdigest[-8:], "big")
-            self._rec.add(StoredRecord(ids, prev, tokens, Medium.L3, extra_key))
+            self._rec.add(
+                StoredRecord(ids, prev, tokens, Medium.L3, extra_key, self._rec.full_group)
+            )
             for child in self._children.pop(h, ()):
                 waiting = self._waiting.pop(child, None)
                 if waiting is not None:
@@ -474,7 +558,7 @@ class L3Announcer:
         if order:
             tree = np.array(order[::-1], np.uint64)
             ids = tree if self._ids is None else self._ids.release(tree)
-            self._rec.add(RemovedRecord(ids, Medium.L3))
+            self._rec.add(RemovedRecord(ids, Medium.L3, self._rec.full_group))
 
     def _forget(self, tops: list[int]) -> None:
         """Drop the waiting pages ``tops`` and those waiting below them."""

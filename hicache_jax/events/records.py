@@ -1,6 +1,7 @@
-"""The event types a consumer reads (one per page and tier) and the compact records a recorder
-keeps until a consumer reads them (views of the tree's arrays; see :mod:`hicache_jax.events`).
-Pure Python and numpy."""
+"""The event types a consumer reads (one per page, tier and, with window groups, layer group),
+the layer groups' tags (:func:`group_tags`) and the compact records a recorder keeps until a
+consumer reads them (views of the tree's arrays; see :mod:`hicache_jax.events`). Pure Python and
+numpy."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple, Union
 
 import numpy as np
+
+from hicache_jax.spec import GroupKind, KVSpec
 
 
 class Medium(str, enum.Enum):
@@ -47,6 +50,10 @@ class BlockStored:
         token_ids: the page's ``page_size`` tokens.
         medium: the tier.
         extra_key: the namespace of the prefix (LoRA id, tenant salt) or ``None``.
+        group_idx: with window groups (:func:`group_tags`), the layer group whose page this is
+            (its index in ``KVSpec.groups``); ``None`` for a spec of full attention only.
+        kv_cache_spec_kind: the group's kind as vLLM names it (:data:`SPEC_KINDS`), or None.
+        kv_cache_spec_sliding_window: a sliding-window group's window in tokens, else None.
     """
 
     block_hash: int
@@ -54,14 +61,19 @@ class BlockStored:
     token_ids: tuple[int, ...]
     medium: Medium
     extra_key: Any = None
+    group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
 class BlockRemoved:
-    """The page with ``block_hash`` is no longer held on ``medium``."""
+    """The page with ``block_hash`` is no longer held on ``medium`` (by the layer group
+    ``group_idx``, as in :class:`BlockStored`)."""
 
     block_hash: int
     medium: Medium
+    group_idx: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,6 +100,37 @@ class EventBatch:
     events: tuple[KVEvent, ...]
 
 
+# -- layer groups ----------------------------------------------------------------------------------
+
+#: ``kv_cache_spec_kind`` of each group kind, as vLLM names its cache specs (an MLA full group is
+#: ``"mla_attention"``).
+SPEC_KINDS = {
+    GroupKind.FULL: "full_attention",
+    GroupKind.WINDOW: "sliding_window",
+    GroupKind.CHUNK: "chunked_local_attention",
+}
+
+
+class GroupTag(NamedTuple):
+    """What an event says of its layer group: ``group_idx``, ``kv_cache_spec_kind`` and
+    ``kv_cache_spec_sliding_window`` (the window of a sliding-window group; None otherwise:
+    vLLM sends no chunk size for chunked local attention)."""
+
+    idx: int
+    kind: str
+    sliding_window: int | None
+
+
+def group_tags(spec: KVSpec) -> list[GroupTag]:
+    """The tag of each of ``spec.groups``, in order (their index is ``group_idx``)."""
+    out = []
+    for i, g in enumerate(spec.groups):
+        kind = GroupKind(g.kind)
+        name = "mla_attention" if kind is GroupKind.FULL and g.mla else SPEC_KINDS[kind]
+        out.append(GroupTag(i, name, g.window if kind is GroupKind.WINDOW else None))
+    return out
+
+
 # -- compact records -------------------------------------------------------------------------------
 
 
@@ -99,11 +142,13 @@ class StoredRecord(NamedTuple):
     tokens: np.ndarray  # the key's int dtype [n * page_size], a view of the node's key
     medium: Medium
     extra_key: Any
+    group: GroupTag | None = None  # None: a spec without window groups (no group fields)
 
 
 class RemovedRecord(NamedTuple):
     hashes: np.ndarray  # uint64 [n]
     medium: Medium
+    group: GroupTag | None = None
 
 
 CLEARED = AllBlocksCleared()
@@ -146,36 +191,47 @@ def expand(record: Record) -> list[KVEvent]:
         tokens = record.tokens.tolist()
         ps = len(tokens) // len(hashes)
         parents = [record.parent] + hashes[:-1]
+        m, key, tag = record.medium, record.extra_key, record.group
+        if tag is None:
+            return [
+                BlockStored(h, p, tuple(tokens[i * ps : (i + 1) * ps]), m, key)
+                for i, (h, p) in enumerate(zip(hashes, parents))
+            ]
         return [
-            BlockStored(h, p, tuple(tokens[i * ps : (i + 1) * ps]), record.medium, record.extra_key)
+            BlockStored(h, p, tuple(tokens[i * ps : (i + 1) * ps]), m, key, *tag)
             for i, (h, p) in enumerate(zip(hashes, parents))
         ]
     if isinstance(record, RemovedRecord):
-        return [BlockRemoved(h, record.medium) for h in record.hashes.tolist()]
+        idx = None if record.group is None else record.group.idx
+        return [BlockRemoved(h, record.medium, idx) for h in record.hashes.tolist()]
     return [record]
 
 
 def replay(events: Iterable[KVEvent], state: set | None = None) -> set:
-    """Apply events to a set of ``(block_hash, medium)`` pairs (what a router would keep).
+    """Apply events to a set of ``(block_hash, medium)`` pairs (what a router would keep), or
+    ``(block_hash, medium, group_idx)`` triples for events that name their layer group (a spec
+    with window groups: each group's pages apart).
 
     Raises:
-        ValueError: a page stored twice on the same medium or removed while not stored: the
-            event stream is inconsistent.
+        ValueError: a page stored twice on the same medium (and group) or removed while not
+            stored: the event stream is inconsistent.
     """
     state = set() if state is None else state
     for ev in events:
         if isinstance(ev, AllBlocksCleared):
             state.clear()
-        elif isinstance(ev, BlockStored):
-            key = (ev.block_hash, ev.medium)
+            continue
+        g = ev.group_idx
+        key = (ev.block_hash, ev.medium) if g is None else (ev.block_hash, ev.medium, g)
+        where = ev.medium.value if g is None else f"{ev.medium.value} (group {g})"
+        if isinstance(ev, BlockStored):
             if key in state:
-                raise ValueError(f"page {ev.block_hash:#x} stored twice on {ev.medium.value}")
+                raise ValueError(f"page {ev.block_hash:#x} stored twice on {where}")
             state.add(key)
         else:
-            key = (ev.block_hash, ev.medium)
             if key not in state:
                 raise ValueError(
-                    f"page {ev.block_hash:#x} removed from {ev.medium.value} while not stored there"
+                    f"page {ev.block_hash:#x} removed from {where} while not stored there"
                 )
             state.remove(key)
     return state

@@ -15,11 +15,20 @@ SGLang-style subscribers read): each batch is one multipart message
   - ``"map"`` (the default; vLLM since PR #42892, e.g. v0.26): a map tagged by ``"type"``,
     ``{"type": "BlockStored", "block_hashes", "parent_block_hash", "token_ids", "block_size",
     "lora_id", "medium", "lora_name"}``, ``{"type": "BlockRemoved", "block_hashes",
-    "medium"}``, ``{"type": "AllBlocksCleared"}`` (vLLM's later fields, ``extra_keys``,
-    ``group_idx``, ``kv_cache_spec_kind``, are left out: a consumer reads by name);
+    "medium"}``, ``{"type": "AllBlocksCleared"}`` (vLLM's later ``extra_keys`` is left out,
+    as msgspec's ``omit_defaults`` leaves out a None field: a consumer reads by name);
   - ``"array"`` (vLLM before it, ``array_like=True, tag=True``):
     ``["BlockStored", block_hashes, parent_block_hash, token_ids, block_size, lora_id,
-    medium, lora_name]``, ``["BlockRemoved", block_hashes, medium]``, ``["AllBlocksCleared"]``.
+    medium, lora_name]``, ``["BlockRemoved", block_hashes, medium]``, ``["AllBlocksCleared"]``
+    (vLLM's trailing fields, which have defaults, left out).
+
+  Layer groups (a spec with window groups; ``kv_events`` ``groups``): every event names its
+  group with vLLM's hybrid-model fields. A map BlockStored adds ``"group_idx"``,
+  ``"kv_cache_spec_kind"`` and, for a sliding-window group, ``"kv_cache_spec_sliding_window"``;
+  a map BlockRemoved adds ``"group_idx"``. A positional BlockStored continues after
+  ``lora_name`` with ``extra_keys`` (None), ``group_idx``, ``kv_cache_spec_kind``,
+  ``kv_cache_spec_sliding_window`` (None but for a sliding-window group); a positional
+  BlockRemoved with ``group_idx``. Without window groups neither form changes.
 
   A BlockStored holds the stored pages of one tree node (``token_ids`` all their tokens,
   ``block_size`` the page size). ``medium`` is ``"GPU"`` for L1 and ``"CPU"`` for L2
@@ -166,7 +175,7 @@ def _wire_array(record: Record, media: dict) -> list:
     if isinstance(record, StoredRecord):
         n = record.hashes.shape[0]
         lora_id, lora_name = _wire_key(record.extra_key)
-        return [
+        out = [
             "BlockStored",
             _ints(record.hashes),
             record.parent,
@@ -176,8 +185,15 @@ def _wire_array(record: Record, media: dict) -> list:
             media[record.medium],
             lora_name,
         ]
+        tag = record.group
+        if tag is not None:  # extra_keys (None), then the group's fields
+            out += [None, tag.idx, tag.kind, tag.sliding_window]
+        return out
     if isinstance(record, RemovedRecord):
-        return ["BlockRemoved", _ints(record.hashes), media[record.medium]]
+        out = ["BlockRemoved", _ints(record.hashes), media[record.medium]]
+        if record.group is not None:
+            out.append(record.group.idx)
+        return out
     return ["AllBlocksCleared"]
 
 
@@ -186,7 +202,7 @@ def _wire_map(record: Record, media: dict) -> dict:
     if isinstance(record, StoredRecord):
         n = record.hashes.shape[0]
         lora_id, lora_name = _wire_key(record.extra_key)
-        return {
+        out = {
             "type": "BlockStored",
             "block_hashes": _ints(record.hashes),
             "parent_block_hash": record.parent,
@@ -196,12 +212,22 @@ def _wire_map(record: Record, media: dict) -> dict:
             "medium": media[record.medium],
             "lora_name": lora_name,
         }
+        tag = record.group
+        if tag is not None:  # as vLLM's omit_defaults: a None field is left out
+            out["group_idx"] = tag.idx
+            out["kv_cache_spec_kind"] = tag.kind
+            if tag.sliding_window is not None:
+                out["kv_cache_spec_sliding_window"] = tag.sliding_window
+        return out
     if isinstance(record, RemovedRecord):
-        return {
+        out = {
             "type": "BlockRemoved",
             "block_hashes": _ints(record.hashes),
             "medium": media[record.medium],
         }
+        if record.group is not None:
+            out["group_idx"] = record.group.idx
+        return out
     return {"type": "AllBlocksCleared"}
 
 

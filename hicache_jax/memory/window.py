@@ -15,7 +15,7 @@ Threading: the cache's thread only, like the allocators.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -64,6 +64,12 @@ class WindowPages:
         self._stamp = 0
         #: spare group pages freed to make room
         self.spare_reclaimed = 0
+        #: called with ``(g, anchor_ids)`` before :meth:`reclaim` frees spare pages (the KV
+        #: events of the pages the tree held: events/groups.py)
+        self.on_reclaim: Callable[[int, np.ndarray], None] | None = None
+        #: called with ``(g, anchor_ids)`` after pages of group ``g`` were attached to tree
+        #: pages from outside this class (an L3 fetch: cache/l3_port.py; KV events)
+        self.on_attach: Callable[[int, np.ndarray], None] | None = None
         self._anchor = anchor
         anchor.on_free = self.detach
 
@@ -131,6 +137,8 @@ class WindowPages:
         ids = np.flatnonzero(self.spare[g]).astype(np.int32)
         if ids.size > n:
             ids = ids[np.argpartition(self.spare[g, ids], n - 1)[:n]]
+        if self.on_reclaim is not None and ids.size:
+            self.on_reclaim(g, ids)
         freed = self.detach_group(g, ids)
         self.spare_reclaimed += freed
         return freed
