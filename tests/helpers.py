@@ -290,6 +290,49 @@ def check_window_bytes(cache: HiCache, g: int, model: WindowKV) -> None:
                 np.testing.assert_array_equal(got, want, f"{side.name} window bytes")
 
 
+class ServedKV:
+    """Requests through the handle over a spec with window groups, writing each group's bytes
+    (a pure function of the prefix: another cache's model gives the same bytes) and checking
+    what a hit reads back: the full-attention pages and, per window group, the pages a
+    continuation at the hit's end reads. ``__call__`` returns the tokens served from the cache
+    and checks the cache after (:meth:`check`)."""
+
+    def __init__(self, cache: HiCache) -> None:
+        self.cache = cache
+        self.kv = KVModel(cache.spec)
+        self.wkv = [WindowKV(g, cache.spec.page_size) for g in cache.spec.window_groups]
+
+    def __call__(self, tokens) -> int:
+        cache, ps = self.cache, self.cache.spec.page_size
+        tokens = np.asarray(tokens, np.int64)
+        tokens = tokens[: tokens.size // ps * ps]
+        with cache.begin(tokens) as req:
+            have = req.cached_len // ps
+            pages = req.device_pages
+            np.testing.assert_array_equal(
+                bits(cache.read_kv(pages)), self.kv.pages(None, tokens, 0, have)
+            )
+            for g, w in enumerate(self.wkv):
+                first = w.group.need_start(have * ps) // ps
+                np.testing.assert_array_equal(
+                    bits(cache.read_window_kv(g, pages[first:])),
+                    w.pages(None, tokens, first, have),
+                )
+            new = req.extend(tokens.size - req.cached_len)
+            cache.write_kv(new, self.kv.pages(None, tokens, have, tokens.size // ps))
+            for g, w in enumerate(self.wkv):
+                cache.write_window_kv(g, new, w.pages(None, tokens, have, tokens.size // ps))
+            req.finish(tokens)
+        self.check()
+        return have * ps
+
+    def check(self) -> None:
+        """The invariants, and every window page held on either tier bit-exact."""
+        self.cache.check_invariants()
+        for g, w in enumerate(self.wkv):
+            check_window_bytes(self.cache, g, w)
+
+
 def bits(x) -> np.ndarray:
     """The 16-bit patterns of ``x`` (a bf16 / fp16 read, or :class:`KVModel` bits)."""
     return np.asarray(x).view(np.uint16)

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from helpers import KVModel, WindowKV, bits, check_window_bytes, snapshot
+from helpers import ServedKV, snapshot
 from hicache_jax import HiCache, HiCacheConfig, HiCacheError, KVSpec, LayerGroup, OutOfPagesError
 from hicache_jax.memory.allocator import PageAllocator
 from hicache_jax.memory.window import WindowPages
@@ -34,41 +34,6 @@ def _spec(window: int = 8, pattern: str = "3:1", layers: int = 4) -> KVSpec:
 def _cache(spec: KVSpec, device: int = 64, host: int = 128, **cfg) -> HiCache:
     cfg.setdefault("load_back_threshold", PS)
     return HiCache(spec, HiCacheConfig(device_pages=device, host_pages=host, **cfg))
-
-
-class _Served:
-    """Requests through the handle, writing each group's bytes (a pure function of the
-    prefix) and checking what a hit reads back."""
-
-    def __init__(self, cache: HiCache) -> None:
-        self.cache = cache
-        self.kv = KVModel(cache.spec)
-        self.wkv = [WindowKV(g, PS) for g in cache.spec.window_groups]
-
-    def __call__(self, tokens) -> int:
-        cache, tokens = self.cache, np.asarray(tokens, np.int64)
-        tokens = tokens[: tokens.size // PS * PS]
-        with cache.begin(tokens) as req:
-            have = req.cached_len // PS
-            pages = req.device_pages
-            np.testing.assert_array_equal(
-                bits(cache.read_kv(pages)), self.kv.pages(None, tokens, 0, have)
-            )
-            for g, w in enumerate(self.wkv):
-                first = w.group.need_start(have * PS) // PS
-                np.testing.assert_array_equal(
-                    bits(cache.read_window_kv(g, pages[first:])),
-                    w.pages(None, tokens, first, have),
-                )
-            new = req.extend(tokens.size // PS * PS - req.cached_len)
-            cache.write_kv(new, self.kv.pages(None, tokens, have, tokens.size // PS))
-            for g, w in enumerate(self.wkv):
-                cache.write_window_kv(g, new, w.pages(None, tokens, have, tokens.size // PS))
-            req.finish(tokens)
-        cache.check_invariants()
-        for g, w in enumerate(self.wkv):
-            check_window_bytes(cache, g, w)
-        return have * PS
 
 
 # ------------------------------------------------------------------------- servable_pages
@@ -147,7 +112,7 @@ class _FakePool:
 def test_a_node_keeps_only_what_a_continuation_at_its_end_reads(spare):
     spec = _spec(window=8)  # 2 pages of 4
     cache = _cache(spec, window_spare=spare)
-    serve = _Served(cache)
+    serve = ServedKV(cache)
     tokens = np.arange(64)
     serve(tokens)
     st_ = cache.stats()
@@ -164,7 +129,7 @@ def test_bytes_a_cached_prefix_holds():
     window, n = 8, 256
     spec = _spec(window=window)
     cache = _cache(spec, device=128, host=256, window_spare=False)
-    _Served(cache)(np.arange(n))
+    ServedKV(cache)(np.arange(n))
     full_bytes = spec.page_bytes * (n // PS)
     win_bytes = (
         spec.window_groups[0].spec(PS).page_bytes * cache.stats()["window_device_used_pages"]
@@ -179,13 +144,13 @@ def test_spare_window_pages_serve_a_split_end_until_room_is_needed():
     b = a.copy()
     b[40:] += 1000
     cache = _cache(spec)
-    serve = _Served(cache)
+    serve = ServedKV(cache)
     serve(a)  # 16 pages: 2 kept, 14 spare
     assert serve(b) == 40  # the split end at 40 reads spare pages 8, 9: still there
     assert cache.stats()["window_unservable_tokens"] == 0
     # A window pool of 18 pages: a's 14 spare pages make room for another request's 16.
     cache = _cache(spec, window_device_pages=18)
-    serve = _Served(cache)
+    serve = ServedKV(cache)
     serve(a)
     serve(np.arange(2000, 2064))
     assert cache.stats()["window_spare_reclaimed"] == 14
@@ -196,7 +161,7 @@ def test_spare_window_pages_serve_a_split_end_until_room_is_needed():
 def test_a_split_end_backs_off_then_is_filled_by_the_request_that_recomputes_it():
     spec = _spec(window=8)
     cache = _cache(spec, window_spare=False)
-    serve = _Served(cache)
+    serve = ServedKV(cache)
     a = np.arange(64)
     serve(a)
     b = a.copy()
@@ -223,7 +188,7 @@ def test_a_window_longer_than_any_prompt_is_full_attention():
     plain_spec = KVSpec(num_layers=1, num_kv_heads=2, head_dim=4, dtype="bfloat16", page_size=PS)
     plain = _cache(plain_spec, device=24, host=48)
     for cache in (windowed, plain):
-        serve = _Served(cache) if cache is windowed else None
+        serve = ServedKV(cache) if cache is windowed else None
         for p in prompts:
             if serve:
                 serve(p)
@@ -242,7 +207,7 @@ def test_hits_from_host_read_back_every_group(tmp_path):
     the full-attention pages, bit-exact (and only those: the rest were never copied)."""
     spec = _spec(window=8)
     cache = _cache(spec, device=24, host=96, write_policy="write_through")
-    serve = _Served(cache)
+    serve = ServedKV(cache)
     a, b = np.arange(64), np.arange(1000, 1064)
     serve(a)
     serve(b)  # evicts a from device
@@ -256,7 +221,7 @@ def test_hits_from_host_read_back_every_group(tmp_path):
 def test_small_window_pools_evict_for_a_callers_window_pages():
     spec = _spec(window=8)
     cache = _cache(spec, device=32, host=64, window_device_pages=18)
-    serve = _Served(cache)
+    serve = ServedKV(cache)
     for i in range(6):
         serve(np.arange(64) + 1000 * i)  # 16 pages each: the window pool holds one request
     assert cache.stats()["evictions"] > 0
@@ -269,7 +234,7 @@ def test_small_window_pools_evict_for_a_callers_window_pages():
 def test_bad_window_calls_raise_typed_errors_and_change_nothing():
     spec = _spec()
     cache = _cache(spec, window_spare=False)
-    _Served(cache)(np.arange(32))
+    ServedKV(cache)(np.arange(32))
     before = snapshot(cache)
     tree_page = cache.match_prefix(np.arange(32)).device_pages
     with pytest.raises(ValueError, match="group=1 must be an int in"):

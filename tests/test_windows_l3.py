@@ -12,7 +12,7 @@ import shutil
 import numpy as np
 import pytest
 
-from helpers import KVModel, WindowKV, bits, check_window_bytes
+from helpers import ServedKV
 from hicache_jax import HiCache, HiCacheConfig, KVSpec, LayerGroup
 from hicache_jax.l3.storage import page_keys
 from hicache_jax.l3.windows import window_keys
@@ -52,44 +52,6 @@ def _cache(spec: KVSpec, url: str, **cfg) -> HiCache:
     return HiCache(spec, HiCacheConfig(storage=url, **cfg))
 
 
-class _Served:
-    """Requests through the handle, writing each group's bytes (a pure function of the
-    prefix: another cache's model gives the same bytes) and checking what a hit reads back,
-    as tests/test_windows.py does."""
-
-    def __init__(self, cache: HiCache) -> None:
-        self.cache = cache
-        self.kv = KVModel(cache.spec)
-        self.wkv = [WindowKV(g, PS) for g in cache.spec.window_groups]
-
-    def __call__(self, tokens) -> int:
-        cache, tokens = self.cache, np.asarray(tokens, np.int64)
-        with cache.begin(tokens) as req:
-            have = req.cached_len // PS
-            pages = req.device_pages
-            np.testing.assert_array_equal(
-                bits(cache.read_kv(pages)), self.kv.pages(None, tokens, 0, have)
-            )
-            for g, w in enumerate(self.wkv):
-                first = w.group.need_start(have * PS) // PS
-                np.testing.assert_array_equal(
-                    bits(cache.read_window_kv(g, pages[first:])),
-                    w.pages(None, tokens, first, have),
-                )
-            new = req.extend(tokens.size - req.cached_len)
-            cache.write_kv(new, self.kv.pages(None, tokens, have, tokens.size // PS))
-            for g, w in enumerate(self.wkv):
-                cache.write_window_kv(g, new, w.pages(None, tokens, have, tokens.size // PS))
-            req.finish(tokens)
-        self.check()
-        return have * PS
-
-    def check(self) -> None:
-        self.cache.check_invariants()
-        for g, w in enumerate(self.wkv):
-            check_window_bytes(self.cache, g, w)
-
-
 def _entries(root: str) -> dict[str, list[str]]:
     """The store's entry names, by group ("full", "w0", "w1", ...)."""
     out: dict[str, list[str]] = {}
@@ -114,7 +76,7 @@ def store(tmp_path):
 
 def _write(spec: KVSpec, url: str, *prompts: np.ndarray) -> None:
     a = _cache(spec, url)
-    served = _Served(a)
+    served = ServedKV(a)
     for toks in prompts:
         served(toks)
     a.flush()
@@ -131,7 +93,7 @@ def test_fresh_cache_serves_a_long_prompt_from_l3_bit_exact(store, make_spec):
     toks = _tokens(0, 12)
     _write(spec, url, toks)
     b = _cache(spec, url, prefetch_policy="wait_complete")
-    served = _Served(b)
+    served = ServedKV(b)
     assert b.match_prefix(toks).host_len == 0  # nothing local: only L3 has it
     h = b.prefetch(toks)
     assert h is not None and h.wait() == 12
@@ -161,7 +123,7 @@ def test_store_holds_only_the_window_pages_the_tree_keeps(store):
     for n in (6, 10):
         b = _cache(spec, url, prefetch_policy="wait_complete")
         b.prefetch(toks[: n * PS])
-        assert _Served(b)(toks[: n * PS]) == n * PS
+        assert ServedKV(b)(toks[: n * PS]) == n * PS
         b.close()
 
 
@@ -185,7 +147,7 @@ def test_prefix_whose_window_entries_are_missing_is_cut_back(store, how):
     _write(spec, url, toks[: 6 * PS], toks)  # window entries of pages 4, 5 and 8, 9
     _corrupt(root, spec, toks, 9, how)
     b = _cache(spec, url, prefetch_policy="wait_complete")
-    served = _Served(b)
+    served = ServedKV(b)
     h = b.prefetch(toks)
     assert h is not None and h.wait() == 10  # the full-attention pages are all there
     m = b.match_prefix(toks)
@@ -198,7 +160,7 @@ def test_prefix_whose_window_entries_are_missing_is_cut_back(store, how):
     # the shorter prefix, whose window entries are whole, is served from L3
     c = _cache(spec, url, prefetch_policy="wait_complete")
     c.prefetch(toks[: 6 * PS])
-    assert _Served(c)(toks[: 6 * PS]) == 6 * PS
+    assert ServedKV(c)(toks[: 6 * PS]) == 6 * PS
     b.close(), c.close()
 
 
@@ -208,7 +170,7 @@ def test_window_host_pool_short_leaves_the_fetched_prefix_unservable_from_host(s
     toks = _tokens(3, 8)
     _write(spec, url, toks)
     b = _cache(spec, url, prefetch_policy="wait_complete", window_host_pages=1)
-    served = _Served(b)
+    served = ServedKV(b)
     b.prefetch(toks).wait()
     assert b.match_prefix(toks).host_len == 0  # 2 window pages needed, 1 in the pool
     assert b.stats()["l3_window_prefetch_missed_pages"] == 2
@@ -229,7 +191,7 @@ def test_write_back_puts_the_kept_window_pages_at_host_eviction(store):
         storage_write_policy="write_back",
         write_policy="write_through",
     )
-    served = _Served(a)
+    served = ServedKV(a)
     for toks in prompts:
         served(toks)
     a.flush()
@@ -241,7 +203,7 @@ def test_write_back_puts_the_kept_window_pages_at_host_eviction(store):
     a.close()
     b = _cache(spec, url, prefetch_policy="wait_complete")
     b.prefetch(stored[0])
-    assert _Served(b)(stored[0]) == 6 * PS
+    assert ServedKV(b)(stored[0]) == 6 * PS
     b.close()
 
 
@@ -297,7 +259,7 @@ def test_fetched_pages_backing_up_a_device_node_get_its_kept_window_pages(store)
         storage_write_policy="write_through_selective",
         write_through_threshold=5,
     )
-    served = _Served(b)
+    served = ServedKV(b)
     assert served(toks[: 6 * PS]) == 0  # on device only: no host copy
     assert b.match_prefix(toks[: 6 * PS]).device_len == 6 * PS
     b.prefetch(toks).wait()
@@ -318,7 +280,7 @@ def test_invalidate_removes_the_window_entries_too(store):
     spec = _spec()
     one, two = _tokens(5, 6), _tokens(6, 6)
     a = _cache(spec, url)
-    served = _Served(a)
+    served = ServedKV(a)
     served(one), served(two)
     a.flush()
     assert len(_entries(root)["w0"]) == 4
@@ -370,7 +332,7 @@ def test_random_requests_read_back_every_group_exact(
         )
         for _ in range(2)
     ]
-    served = [_Served(c) for c in caches]
+    served = [ServedKV(c) for c in caches]
     from_l3 = 0
     for step in range(50):
         i = int(step % 3 == 2)  # instance 1 serves every third request
@@ -411,7 +373,7 @@ def test_storage_attached_at_run_time_puts_and_fetches_the_window_pages(store):
     a = HiCache(spec, HiCacheConfig(device_pages=64, host_pages=128, write_through_threshold=1))
     a.attach_storage(url)
     toks = _tokens(8, 6)
-    served = _Served(a)
+    served = ServedKV(a)
     served(toks)
     assert a.detach_storage() >= 0  # puts finished first
     assert len(_entries(root)["full"]) == 6 and len(_entries(root)["w0"]) == 2
@@ -421,7 +383,7 @@ def test_storage_attached_at_run_time_puts_and_fetches_the_window_pages(store):
     b.attach_storage(url)
     h = b.prefetch(toks)
     assert h is not None and h.wait() == 6
-    assert _Served(b)(toks) == 6 * PS
+    assert ServedKV(b)(toks) == 6 * PS
     b.close()
 
 
@@ -436,7 +398,7 @@ def test_a_fetch_cut_short_ends_where_the_store_holds_no_window_pages(store):
     b = _cache(spec, url + "?staging_pages=4", prefetch_policy="wait_complete")
     h = b.prefetch(toks)
     assert h is not None and h.wait() == 4
-    served = _Served(b)
+    served = ServedKV(b)
     assert served(toks) == 0
     assert b.stats()["l3_window_prefetch_missed_pages"] == 2
     b.close()
