@@ -450,6 +450,8 @@ STALE: collections.Counter = collections.Counter()
 
 POLICIES = ["write_through", "write_through_selective", "write_back", "clean_ahead"]
 EVICTIONS = ["lru", "lfu", "slru"]
+#: window group modes: spare window pages (the default), small window pools, freed at insert
+MODES = ["windows", "small-windows", "eager"]
 
 
 @pytest.mark.parametrize("page_size", [1, 16])
@@ -482,9 +484,18 @@ def test_hicache_state_machine(write_policy, eviction, page_size):
         assert COVERAGE[key] > 0, f"the machine never exercised {key}: {dict(COVERAGE)}"
 
 
-@pytest.mark.parametrize("mode", ["windows", "small-windows", "eager"])
-@pytest.mark.parametrize("page_size,window", [(1, 2), (16, 20)])
-@pytest.mark.parametrize("write_policy", POLICIES)
+#: (write policy, page size, window, mode): every policy with spare window pages at both page
+#: sizes; small window pools and freeing at insert for two policies (every combination under
+#: ``HICACHE_HYPOTHESIS_PROFILE=long``).
+WINDOW_RUNS = (
+    [(p, ps, w, m) for p in POLICIES for ps, w in ((1, 2), (16, 20)) for m in MODES]
+    if LONG
+    else [(p, ps, w, "windows") for p in POLICIES for ps, w in ((1, 2), (16, 20))]
+    + [(p, 16, 20, m) for p in ("write_through", "clean_ahead") for m in MODES[1:]]
+)
+
+
+@pytest.mark.parametrize("write_policy,page_size,window,mode", WINDOW_RUNS)
 def test_hicache_state_machine_windows(write_policy, page_size, window, mode):
     """The same machine over a model with a sliding-window layer: every matched prefix reads
     back each group's bytes for the pages a continuation reads, on whichever tier served it;
