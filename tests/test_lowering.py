@@ -314,11 +314,15 @@ def test_window_groups_pools_and_copies_lower(platform):
         "window0.transfer.backup",
         "window0.transfer.load",
         "window0.device_pool.write[xla]",
+        "transfer.fused_backup",
+        "transfer.fused_load",
     } <= ops
     window = [p for p in pset.programs if p.name.startswith("window0.")]
     backup = next(p for p in window if p.op == "window0.transfer.backup")
     assert backup.args[0].shape[0] == 3  # the group's three layers, layer-first host buffer
-    report = lowering.check(pset, only=["window0.transfer", "window0.device_pool.write"])
+    report = lowering.check(
+        pset, only=["window0.transfer", "window0.device_pool.write", "transfer.fused"]
+    )
     report.raise_for_failures()
     assert len(report.lowered) > 0
     # the patterned engine's steps, over the full pool and the window pool in one program

@@ -14,7 +14,9 @@ jitted functions the code dispatches with the arguments it would give them, each
   ``pinned_host`` memory on accelerators (a 1-device mesh of this machine's device carries the
   memory kinds: lowering needs no device of the target platform);
 * with window groups (``KVSpec.window_groups``), each group's pool programs and transfer
-  copies as above, at the group's page shape, named ``window{g}.*``;
+  copies as above, at the group's page shape, named ``window{g}.*`` (a layer-wise load's
+  groups use them), and the copies of every group in one program (``transfer.fused_*``: what
+  backups and other loads dispatch);
 * a patterned model's (``KVSpec.from_pattern``) engine steps over the full pool and the window
   pools at once (``DevicePagePool.run_with``; its layer-wise steps are not listed);
 * the serial engine's prefill and decode steps (fused: a ``lax.scan`` over stacked layers, and
@@ -47,7 +49,7 @@ from hicache_jax.engine.layers import LAYER
 from hicache_jax.engine.model import DecoderModel, step_records_kept
 from hicache_jax.engine.packing import TokenSlots, bucket
 from hicache_jax.engine.weights import ModelConfig, abstract_params
-from hicache_jax.memory import device_pool, host_pool, transfer
+from hicache_jax.memory import device_pool, host_pool, page_copy, transfer
 from hicache_jax.memory.page_copy import STAGE_SIZES, bucket_size, index_len, stage_chunks
 from hicache_jax.spec import HostLayout, KVSpec
 
@@ -397,6 +399,58 @@ def _window_programs(
     )
 
 
+def _fused_programs(
+    spec: KVSpec, device_pages: int, host_pages: int, platform: str, layout: HostLayout
+) -> tuple[list[Program], dict[str, int]]:
+    """With window groups, a backup or a (not layer-wise) load copies the full-attention pages
+    and every group's in ONE program (``page_copy.fused_copy``; every group's plan as long as
+    the full pages'): ``transfer.fused_backup`` / ``transfer.fused_load`` at every plan
+    length."""
+    host, dev = _memory_shardings(platform)
+    specs = [spec, *(g.spec(spec.page_size, spec.shard) for g in spec.window_groups)]
+
+    def host_shape(sp: KVSpec) -> tuple:
+        if layout is HostLayout.LAYER_FIRST:
+            return sp.kv_shape(host_pages)
+        return sp.page_major_shape(host_pages)
+
+    bufs = [_sds(host_shape(sp), sp.bits_dtype, host) for sp in specs]
+    pools = [_sds(sp.kv_shape(device_pages + 1), sp.bits_dtype, dev) for sp in specs]
+    shapes = tuple(
+        x
+        for sp in specs
+        for shape in (host_shape(sp), sp.kv_shape(device_pages + 1))
+        for x in (shape, (*shape[:-2], shape[-2] * shape[-1]))
+    )
+    fns = [transfer.transfer_fns(sp.num_layers, layout, host, dev) for sp in specs]
+    backup = page_copy.fused_copy([f[0] for f in fns])
+    load = page_copy.fused_copy([f[1] for f in fns])
+    n_max = min(device_pages, host_pages)
+    progs = []
+    for plan in sorted({index_len(n) for n in range(1, n_max + 1)}):
+        ids, moved = _i32(3, plan), min(plan, n_max)
+        plans = tuple(_i32(3, plan) for _ in specs[1:])
+        nbytes = moved * sum(sp.page_bytes for sp in specs)
+        for op, fn, args in (
+            ("fused_backup", backup, (bufs[0], tuple(bufs[1:]), pools[0], tuple(pools[1:]))),
+            ("fused_load", load, (pools[0], tuple(pools[1:]), bufs[0], tuple(bufs[1:]))),
+        ):
+            progs.append(
+                Program(
+                    f"transfer.{op}[plan {plan}]",
+                    f"transfer.{op}",
+                    fn,
+                    (*args, ids, plans),
+                    {},
+                    True,
+                    shapes,
+                    pages=moved,
+                    moved_bytes=nbytes,
+                )
+            )
+    return progs, {f"transfer.{op}": _bound(n_max) for op in ("fused_backup", "fused_load")}
+
+
 def _placed(sharding: Any) -> Any:
     """The device sharding a staged read lands in (device 0 when the pools are unsharded)."""
     return sharding if sharding is not None else jax.sharding.SingleDeviceSharding(jax.devices()[0])
@@ -703,6 +757,10 @@ def programs(
         more, more_bounds = _window_programs(
             g, group.spec(spec.page_size, spec.shard), device_pages, host_pages, platform, layout
         )
+        progs += more
+        bounds.update(more_bounds)
+    if spec.window_groups:
+        more, more_bounds = _fused_programs(spec, device_pages, host_pages, platform, layout)
         progs += more
         bounds.update(more_bounds)
     cfg = engine_model(spec) if engine else None

@@ -43,7 +43,7 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from hicache_jax.memory.allocator import PageAllocator, PageIdChecker
-from hicache_jax.memory.donated import DonatedArray, check_kv
+from hicache_jax.memory.donated import DonatedArray, check_kv, run_pools
 from hicache_jax.memory.hugepages import advise_huge_pages
 from hicache_jax.memory.page_copy import bucket_size
 from hicache_jax.memory.placement import constrain, head_sharding, placed, zeros_placed
@@ -443,32 +443,11 @@ class DevicePagePool:
                 step: the pools keep its results).
         """
         pools = (self, *others)
-        arrays = tuple(p.array for p in pools)
-        if hasattr(fn, "eval_shape"):
-            shaped = fn.eval_shape(arrays[0], arrays[1:], *args)
-            _check_pools(pools, (shaped[0], *shaped[1]))
-        new, new_others, out = fn(arrays[0], arrays[1:], *args)
-        results = (new, *new_others)
-        _check_pools(pools, results)
-        for pool, array in zip(pools, results):
-            pool._rebind(array)
-        if not all(a.is_deleted() for a in arrays):
-            raise ValueError(
-                "fn did not donate every pool (jit it with donate_argnums=(0, 1)): the step "
-                "ran but copied a whole pool"
-            )
-        return out
+        return run_pools(pools, [p._rebind for p in pools], fn, args)
+
+    def array_ref(self) -> jax.Array:
+        """The pool's array (what :func:`~hicache_jax.memory.donated.run_pools` donates)."""
+        return self.array
 
     def _rebind(self, array: jax.Array) -> None:
         self.array = array
-
-
-def _check_pools(pools: Sequence[DevicePagePool], results: Sequence[Any]) -> None:
-    if len(results) != len(pools):
-        raise ValueError(f"fn returned {len(results)} pools for {len(pools)}")
-    for i, (pool, r) in enumerate(zip(pools, results)):
-        if tuple(r.shape) != tuple(pool.shape) or r.dtype != pool.spec.bits_dtype:
-            raise ValueError(
-                f"fn returned pool {i} as {r.dtype}{list(r.shape)}, expected "
-                f"{pool.spec.bits_dtype}{list(pool.shape)}"
-            )

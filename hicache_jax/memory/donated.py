@@ -26,7 +26,7 @@ Threading: called on the pool owner's thread only (ARCHITECTURE.md: one dispatch
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -148,3 +148,64 @@ class DonatedArray:
                 f"{new.dtype}, expected {self.shape} {self.dtype}"
             )
         return new, out
+
+
+#: Steps over several pools (:func:`run_pools`) whose ``eval_shape`` check passed: (function,
+#: argument shapes and dtypes), cleared when full.
+_CHECKED_POOLS: set = set()
+
+
+def run_pools(
+    pools: Sequence[Any],
+    rebinds: Sequence[Callable[[jax.Array], None]],
+    fn: Callable[..., Any],
+    args: tuple,
+) -> Any:
+    """``new, new_others, out = fn(pools[0]'s array, the others' arrays, *args)``: the step of
+    ``DevicePagePool.run_with`` / ``HostPagePool.run_with`` (``fn`` jitted with
+    ``donate_argnums=(0, 1)``). Each pool gives ``array_ref()``, ``shape`` and ``spec``; the
+    results are checked against them (before dispatch too, with ``eval_shape``, the first time
+    a function meets these argument shapes) and each pool's ``rebinds`` callback takes its new
+    array. Returns ``out``.
+
+    Raises:
+        ValueError: a returned pool of another shape or dtype (before dispatch when checkable:
+            nothing changed), or a pool not donated (after the step: the pools keep its results).
+    """
+    arrays = tuple(p.array_ref() for p in pools)
+    if hasattr(fn, "eval_shape"):
+        leaves = jax.tree.leaves((arrays, args))
+        key: Any = (fn, tuple((getattr(x, "shape", x), getattr(x, "dtype", None)) for x in leaves))
+        try:
+            seen = key in _CHECKED_POOLS
+        except TypeError:  # an unhashable argument: checked every call
+            key, seen = None, False
+        if not seen:
+            shaped = fn.eval_shape(arrays[0], arrays[1:], *args)
+            _check_pools(pools, (shaped[0], *shaped[1]))
+            if key is not None:
+                if len(_CHECKED_POOLS) >= EVAL_CACHE_SIZE:
+                    _CHECKED_POOLS.clear()
+                _CHECKED_POOLS.add(key)
+    new, new_others, out = fn(arrays[0], arrays[1:], *args)
+    results = (new, *new_others)
+    _check_pools(pools, results)
+    for rebind, array in zip(rebinds, results):
+        rebind(array)
+    if not all(a.is_deleted() for a in arrays):
+        raise ValueError(
+            "fn did not donate every pool (jit it with donate_argnums=(0, 1)): the step "
+            "ran but copied a whole pool"
+        )
+    return out
+
+
+def _check_pools(pools: Sequence[Any], results: Sequence[Any]) -> None:
+    if len(results) != len(pools):
+        raise ValueError(f"fn returned {len(results)} pools for {len(pools)}")
+    for i, (pool, r) in enumerate(zip(pools, results)):
+        if tuple(r.shape) != tuple(pool.shape) or r.dtype != pool.spec.bits_dtype:
+            raise ValueError(
+                f"fn returned pool {i} as {r.dtype}{list(r.shape)}, expected "
+                f"{pool.spec.bits_dtype}{list(pool.shape)}"
+            )

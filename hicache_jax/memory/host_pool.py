@@ -31,7 +31,7 @@ touches the pool.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import jax
@@ -39,7 +39,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from hicache_jax.memory.allocator import PageAllocator, PageIdChecker
-from hicache_jax.memory.donated import DonatedArray, check_kv
+from hicache_jax.memory.donated import DonatedArray, check_kv, run_pools
 from hicache_jax.memory.hugepages import advise_huge_pages
 from hicache_jax.memory.page_copy import copy_fn, copy_plan, gather_pages, stage_chunks
 from hicache_jax.memory.placement import (
@@ -205,6 +205,23 @@ class HostPagePool:
             ``out``, the step's other result.
         """
         return self._donated.run(self.buffer, self._rebind, fn, args)
+
+    def run_with(
+        self,
+        others: Sequence[HostPagePool],
+        fn: Callable[..., tuple[jax.Array, tuple[jax.Array, ...], Any]],
+        *args: Any,
+    ) -> Any:
+        """``DevicePagePool.run_with`` for host pools: ``new, new_others, out = fn(self.buffer,
+        tuple(o.buffer for o in others), *args)`` jitted with ``donate_argnums=(0, 1)``; every
+        pool rebinds its new buffer (a backup of the full-attention pages and the window
+        groups' in one program). Same checks and errors."""
+        pools = (self, *others)
+        return run_pools(pools, [p._rebind for p in pools], fn, args)
+
+    def array_ref(self) -> jax.Array:
+        """The pool's buffer (what :func:`~hicache_jax.memory.donated.run_pools` donates)."""
+        return self.buffer
 
     def _rebind(self, buffer: jax.Array) -> None:
         self.buffer = buffer

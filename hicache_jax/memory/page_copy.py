@@ -26,8 +26,8 @@ thread (ARCHITECTURE.md: one dispatching thread).
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
@@ -97,7 +97,9 @@ def index_len(n: int) -> int:
     return max(MIN_INDEX_LEN, bucket_size(n), UNROLL)
 
 
-def copy_plan(dst_ids: PageIds, src_ids: PageIds, layer: int = 0) -> CopyPlan:
+def copy_plan(
+    dst_ids: PageIds, src_ids: PageIds, layer: int = 0, length: int | None = None
+) -> CopyPlan:
     """Pack a copy ``dst[dst_ids[i]] = src[src_ids[i]]`` into one int32[3, index_len(n)] array.
 
     One array means one host -> device argument transfer per dispatch instead of four (measured
@@ -106,11 +108,16 @@ def copy_plan(dst_ids: PageIds, src_ids: PageIds, layer: int = 0) -> CopyPlan:
     (same bytes, same executable, in order), so no scratch page is needed in either pool.
 
     Args:
-        dst_ids, src_ids: int32[n] validated ids, n >= 1, same length.
+        dst_ids, src_ids: int32[n] validated ids, same length (n = 0: a plan that copies
+            nothing, ``length`` given).
         layer: first layer copied.
+        length: the rows' length, at least ``index_len(n)`` (a fused copy's window groups take
+            the full pages' length: one program per length, whatever each group copies).
     """
     n = dst_ids.size
-    plan = np.zeros((3, index_len(n)), np.int32)
+    plan = np.zeros((3, index_len(n) if length is None else length), np.int32)
+    if n == 0:
+        return plan  # zero trips
     plan[PLAN_DST, :n] = dst_ids
     plan[PLAN_DST, n:] = dst_ids[-1]
     plan[PLAN_SRC, :n] = src_ids
@@ -282,6 +289,30 @@ def inline_copy(fn: functools.partial) -> Callable:
 @functools.cache
 def _bound_copy(keywords: tuple) -> Callable:
     return jax.jit(functools.partial(_copy_loop, **dict(keywords)), donate_argnums=0)
+
+
+def fused_copy(fns: Sequence[functools.partial], inline: bool = False) -> Callable:
+    """The copies of several :func:`copy_fn` partials (the full-attention pages' and each
+    window group's) as ONE jit: ``fn(dst, dsts, src, srcs, plan, plans) -> (dst, dsts, token)``
+    with ``dst`` and the tuple ``dsts`` donated (what ``run_with`` takes): one dispatch for a
+    transfer of every group. ``inline``: each copy in its :func:`inline_copy` form."""
+    extra = {"inline": True} if inline else {}
+    keys = tuple(tuple(sorted((f.keywords | extra).items(), key=lambda kv: kv[0])) for f in fns)
+    return _fused_copy(keys)
+
+
+@functools.cache
+def _fused_copy(keys: tuple) -> Callable:
+    loops: list[Callable[..., Any]] = [functools.partial(_copy_loop, **dict(kw)) for kw in keys]
+
+    def step(dst, dsts, src, srcs, plan, plans):
+        dst, token = loops[0](dst, src, plan)
+        out = tuple(
+            loop(d, s, p)[0] for loop, d, s, p in zip(loops[1:], dsts, srcs, plans, strict=True)
+        )
+        return dst, out, token
+
+    return jax.jit(step, donate_argnums=(0, 1))
 
 
 @functools.partial(jax.jit, static_argnames=("size", "out_sharding") + STATIC[1:])

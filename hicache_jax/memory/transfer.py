@@ -52,9 +52,12 @@ from hicache_jax.errors import HiCacheError
 from hicache_jax.memory.histogram import HistogramSnapshot, TransferHistogram
 from hicache_jax.memory.page_copy import (
     INLINE_COPY_BYTES,
+    PLAN_META,
     bound_copy,
     copy_fn,
     copy_plan,
+    fused_copy,
+    index_len,
     inline_copy,
     layer_plans,
 )
@@ -87,6 +90,9 @@ def transfer_fns(
         dst_layout=HostLayout.LAYER_FIRST, src_layout=host_layout, src_put=dev_put
     )
     return backup, copy_fn(**load, num_layers=num_layers), copy_fn(**load, num_layers=1)
+
+
+_EMPTY = np.zeros(0, np.int32)
 
 
 class TransferKind(str, enum.Enum):
@@ -255,7 +261,7 @@ class TransferEngine:
         # window groups (attach_windows): each tier's pages, each group's (backup, load) copy
         self._windows: tuple[WindowPages, WindowPages] | None = None
         self._window_fns: list[tuple[Any, Any]] = []
-        self._window_inline: list[tuple[int, Any, Any]] = []
+        self._fused: dict[bool, tuple[Any, Any]] = {}
         #: window group pages a backup or load could not copy (no free page of the group on
         #: the destination tier): those pages hold no window KV there (not servable from it)
         self.window_pages_dropped = 0
@@ -264,59 +270,72 @@ class TransferEngine:
         """Copy the window groups' pages with the full-attention pages they are attached to
         (memory/window.py): every backup and load then also copies, per group, the group
         pages of the pages it moves that hold one, into fresh group pages of the destination
-        tier (attached there to the destination pages), in the same handle."""
+        tier (attached there to the destination pages), in the same handle -- in the same
+        program as the full pages (``page_copy.fused_copy``: one dispatch), but for a
+        layer-wise load, whose window groups are copied once, beside its first layer."""
         self._windows = (device, host)
         self._window_fns = []
-        self._window_inline = []
+        full = transfer_fns(
+            self.spec.num_layers, self.host_pool.layout, *self._puts(self.host_pool)
+        )
+        groups = []
         for dp, hp in zip(device.pools, host.pools):
-            host_put = None if hp.on_device_memory else hp.sharding
-            dev_put = None if hp.on_device_memory else hp.device_sharding
-            fns = transfer_fns(dp.spec.num_layers, hp.layout, host_put, dev_put)
+            fns = transfer_fns(dp.spec.num_layers, hp.layout, *self._puts(hp))
+            groups.append(fns)
             self._window_fns.append((bound_copy(fns[0]), bound_copy(fns[1])))
-            # XLA:CPU: as the full pages' copies, small ones run inline (INLINE_COPY_BYTES)
-            inline = INLINE_COPY_BYTES // dp.spec.page_bytes if self._inline_pages else 0
-            self._window_inline.append((inline, inline_copy(fns[0]), inline_copy(fns[1])))
+        # (backup, load) over every group, async and inline (XLA:CPU: INLINE_COPY_BYTES)
+        self._fused = {
+            inline: (
+                fused_copy([full[0], *(f[0] for f in groups)], inline),
+                fused_copy([full[1], *(f[1] for f in groups)], inline),
+            )
+            for inline in (False, True)
+        }
 
-    def _copy_windows(
-        self, handle: TransferHandle, src: np.ndarray, dst: np.ndarray, to_host: bool
-    ) -> None:
-        """The window groups' part of a transfer of full-attention pages ``src -> dst``."""
+    @staticmethod
+    def _puts(host_pool: HostPagePool) -> tuple[Any, Any]:
+        if host_pool.on_device_memory:
+            return None, None
+        return host_pool.sharding, host_pool.device_sharding
+
+    def _window_plans(
+        self, handle: TransferHandle, src: np.ndarray, dst: np.ndarray, to_host: bool, length: int
+    ) -> list[np.ndarray]:
+        """The window groups' part of a transfer of full-attention pages ``src -> dst``: for
+        each group, fresh destination pages for the source pages that hold one (those a node
+        end reads first, then spare ones, where there is room), attached there, and the plan
+        of their copy, ``length`` long (an empty plan where none)."""
         assert self._windows is not None
         dev, host = self._windows
         src_side, dst_side = (dev, host) if to_host else (host, dev)
         dst_side.detach(dst)  # (fresh pages hold none; a caller's ids might)
-        for g, (backup_fn, load_fn) in enumerate(self._window_fns):
+        plans = []
+        for g in range(len(self._window_fns)):
             w = src_side.attach[g, src]
             on = w >= 0
-            if not on.any():
-                continue
-            spare = src_side.spare[g, src] > 0
-            if spare.any():  # the pages a node end reads first, then spare ones
-                kept = np.flatnonzero(on & ~spare)
-                sel = np.concatenate([kept, np.flatnonzero(on & spare)])
-            else:
-                kept = sel = np.flatnonzero(on)
-            taken = dst_side.take(g, sel.size)
-            if taken.size < sel.size:
-                # (counted: pages a node end reads; spare ones are not copied, silently)
-                self.window_pages_dropped += max(0, int(kept.size - taken.size))
-                sel = sel[: taken.size]
-                if not sel.size:
-                    continue
-            dst_side.attach[g, dst[sel]] = taken
-            if sel.size > kept.size:
-                dst_side.mark_spare(g, dst[sel[kept.size :]])
-            plan = copy_plan(taken, w[sel])
-            inline, backup_inline, load_inline = self._window_inline[g]
-            small = taken.size <= inline
-            if to_host:
-                fn = backup_inline if small else backup_fn
-                token = host.pools[g].run(fn, dev.pools[g].array, plan)
-            else:
-                fn = load_inline if small else load_fn
-                token = dev.pools[g].run(fn, host.pools[g].buffer, plan)
-            handle._window_tokens.append(token)
-            handle.nbytes += int(taken.size) * dev.pools[g].spec.page_bytes
+            sel: np.ndarray = _EMPTY
+            if on.any():
+                spare = src_side.spare[g, src] > 0
+                if spare.any():  # the pages a node end reads first, then spare ones
+                    kept = np.flatnonzero(on & ~spare)
+                    sel = np.concatenate([kept, np.flatnonzero(on & spare)])
+                else:
+                    kept = sel = np.flatnonzero(on)
+                taken = dst_side.take(g, sel.size)
+                if taken.size < sel.size:
+                    # (counted: pages a node end reads; spare ones are not copied, silently)
+                    self.window_pages_dropped += max(0, int(kept.size - taken.size))
+                    sel = sel[: taken.size]
+                dst_side.attach[g, dst[sel]] = taken
+                if sel.size > kept.size:
+                    dst_side.mark_spare(g, dst[sel[kept.size :]])
+                handle.nbytes += int(taken.size) * dev.pools[g].spec.page_bytes
+            plans.append(
+                copy_plan(dst_side.attach[g, dst[sel]], w[sel], length=length)
+                if sel.size
+                else copy_plan(_EMPTY, _EMPTY, length=length)
+            )
+        return plans
 
     def agree_with(self, group: Any) -> None:
         """Several processes (``memory/group.py``): from now on a transfer counts as complete
@@ -358,10 +377,24 @@ class TransferEngine:
         d, h = (device_ids, host_ids) if validated else self._validate(device_ids, host_ids)
         handle = TransferHandle(self, TransferKind.BACKUP, d, h, tag, layerwise=False)
         if d.size:
-            fn = self._backup_inline if d.size <= self._inline_pages else self._backup_fn
-            handle._tokens.append(self.host_pool.run(fn, self.device_pool.array, copy_plan(h, d)))
-            if self._windows is not None:
-                self._copy_windows(handle, d, h, to_host=True)
+            small = d.size <= self._inline_pages
+            plan = copy_plan(h, d)
+            if self._windows is None:
+                fn = self._backup_inline if small else self._backup_fn
+                handle._tokens.append(self.host_pool.run(fn, self.device_pool.array, plan))
+            else:  # every group in one program
+                dev, host = self._windows
+                plans = self._window_plans(handle, d, h, True, plan.shape[1])
+                handle._tokens.append(
+                    self.host_pool.run_with(
+                        host.pools,
+                        self._fused[small][0],
+                        self.device_pool.array,
+                        tuple(p.array for p in dev.pools),
+                        plan,
+                        tuple(plans),
+                    )
+                )
         return self._track(handle)
 
     def load(
@@ -394,12 +427,36 @@ class TransferEngine:
                     handle._tokens.append(
                         self.device_pool.run(self._load_layer_fn, self.host_pool.buffer, layer_plan)
                     )
-            else:
+                if self._windows is not None:  # the window groups once, beside layer 0
+                    self._load_windows_apart(handle, h, d)
+            elif self._windows is None:
                 fn = self._load_inline if d.size <= self._inline_pages else self._load_fn
                 handle._tokens.append(self.device_pool.run(fn, self.host_pool.buffer, plan))
-            if self._windows is not None:
-                self._copy_windows(handle, h, d, to_host=False)
+            else:  # every group in one program
+                dev, host = self._windows
+                plans = self._window_plans(handle, h, d, False, plan.shape[1])
+                handle._tokens.append(
+                    self.device_pool.run_with(
+                        dev.pools,
+                        self._fused[d.size <= self._inline_pages][1],
+                        self.host_pool.buffer,
+                        tuple(p.buffer for p in host.pools),
+                        plan,
+                        tuple(plans),
+                    )
+                )
         return self._track(handle)
+
+    def _load_windows_apart(self, handle: TransferHandle, h: np.ndarray, d: np.ndarray) -> None:
+        """A layer-wise load's window groups: one copy per group (``wait_layer`` of any layer
+        waits them too)."""
+        assert self._windows is not None
+        dev, host = self._windows
+        for g, plan in enumerate(self._window_plans(handle, h, d, False, index_len(d.size))):
+            if plan[PLAN_META, 0]:
+                handle._window_tokens.append(
+                    dev.pools[g].run(self._window_fns[g][1], host.pools[g].buffer, plan)
+                )
 
     def _validate(self, device_ids: Any, host_ids: Any) -> tuple[np.ndarray, np.ndarray]:
         d = self.device_pool.validate_ids(device_ids, "device_ids")
