@@ -338,12 +338,7 @@ class HiCache:
             if ntok < tm.device_len + tm.host_len:
                 self._n["window_unservable_tokens"] += tm.device_len + tm.host_len - ntok
                 tm = self._tree.match(arr[:ntok], extra_key, validated=True)
-            self._windows.hold(
-                tm.device_pages,
-                np.concatenate([n.host_value for n in tm.host_nodes])
-                if tm.host_nodes
-                else tm.device_pages[:0],
-            )
+            self._windows.hold(tm.device_pages, tm.host_nodes)
         self._n["match_tokens"] += arr.shape[0]
         self._n["device_hit_tokens"] += tm.device_len
         self._n["host_hit_tokens"] += tm.host_len
@@ -701,7 +696,8 @@ class HiCache:
         """
         self._guard()
         ids = self._check_pages(pages, CALLERS, "caller-owned (cached pages are read-only)")
-        self._window_pool(group).write(self._windows_of(group, ids), kv)
+        pool, w = self._group_pages(group, ids)
+        pool.write(w, kv)
 
     @publishes
     def read_window_kv(self, group: int, pages: Any) -> Any:
@@ -715,24 +711,23 @@ class HiCache:
         load = self._flight.load_writing(ids)
         if load is not None:
             self._complete(upto=load)
-        return self._window_pool(group).read(self._windows_of(group, ids))
+        pool, w = self._group_pages(group, ids)
+        return pool.read(w)
 
-    def _window_pool(self, group: int) -> DevicePagePool:
+    def _group_pages(self, group: int, ids: np.ndarray) -> tuple[DevicePagePool, np.ndarray]:
+        """Window group ``group``'s device pool and its pages of device pages ``ids`` (each
+        must hold one); the group checked first."""
         pools = self.window_pools
         if not pools:
             raise HiCacheError("the spec has no window groups")
         if not isinstance(group, int) or isinstance(group, bool) or not 0 <= group < len(pools):
             raise ValueError(f"group={group!r} must be an int in [0, {len(pools)})")
-        return pools[group]
-
-    def _windows_of(self, group: int, ids: np.ndarray) -> np.ndarray:
-        self._window_pool(group)  # (the group checked first)
         assert self._windows is not None
         w = self._windows.device.attach[group, ids]
         if (w < 0).any():
             bad = ids[w < 0][:8].tolist()
             raise HiCacheError(f"pages {bad} hold no page of window group {group}")
-        return w
+        return pools[group], w
 
     @publishes
     def read_kv(self, pages: Any) -> Any:

@@ -27,6 +27,8 @@ Threading: the cache's thread only.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 
 from hicache_jax.errors import HiCacheError
@@ -72,13 +74,16 @@ class Windows:
         held = self.device.held(device_pages)
         return servable_pages(held, self.groups, self._ps, held.shape[1]) * self._ps
 
-    def hold(self, device_pages: np.ndarray, host_pages: np.ndarray = _EMPTY) -> None:
-        """A match ends after ``device_pages`` then ``host_pages`` (at a node end: the tree
-        split there): the pages a continuation there reads are not spare any more, on the
-        tier holding each, so making room for another request (which frees spare pages)
+    def hold(self, device_pages: np.ndarray, host_nodes: Sequence[TreeNode] = ()) -> None:
+        """A match ends after ``device_pages`` then the pages of ``host_nodes`` (at a node end:
+        the tree split there): the pages a continuation there reads are not spare any more, on
+        the tier holding each, so making room for another request (which frees spare pages)
         never takes them from under this one."""
+        if not self.spare:
+            return
+        host_pages = np.concatenate([n.host_value for n in host_nodes]) if host_nodes else _EMPTY
         nd = device_pages.size
-        if not self.spare or not nd + host_pages.size:
+        if not nd + host_pages.size:
             return
         end = (nd + host_pages.size) * self._ps
         for g, group in enumerate(self.groups):

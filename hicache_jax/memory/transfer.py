@@ -260,7 +260,7 @@ class TransferEngine:
         self._hist = {kind: TransferHistogram() for kind in TransferKind}
         # window groups (attach_windows): each tier's pages, each group's (backup, load) copy
         self._windows: tuple[WindowPages, WindowPages] | None = None
-        self._window_fns: list[tuple[Any, Any]] = []
+        self._window_loads: list[Any] = []  # each group's own load (layer-wise loads)
         self._fused: dict[bool, tuple[Any, Any]] = {}
         #: window group pages a backup or load could not copy (no free page of the group on
         #: the destination tier): those pages hold no window KV there (not servable from it)
@@ -274,7 +274,7 @@ class TransferEngine:
         program as the full pages (``page_copy.fused_copy``: one dispatch), but for a
         layer-wise load, whose window groups are copied once, beside its first layer."""
         self._windows = (device, host)
-        self._window_fns = []
+        self._window_loads = []
         full = transfer_fns(
             self.spec.num_layers, self.host_pool.layout, *self._puts(self.host_pool)
         )
@@ -282,7 +282,7 @@ class TransferEngine:
         for dp, hp in zip(device.pools, host.pools):
             fns = transfer_fns(dp.spec.num_layers, hp.layout, *self._puts(hp))
             groups.append(fns)
-            self._window_fns.append((bound_copy(fns[0]), bound_copy(fns[1])))
+            self._window_loads.append(bound_copy(fns[1]))
         # (backup, load) over every group, async and inline (XLA:CPU: INLINE_COPY_BYTES)
         self._fused = {
             inline: (
@@ -310,10 +310,11 @@ class TransferEngine:
         src_side, dst_side = (dev, host) if to_host else (host, dev)
         dst_side.detach(dst)  # (fresh pages hold none; a caller's ids might)
         plans = []
-        for g in range(len(self._window_fns)):
+        for g in range(len(self._window_loads)):
             w = src_side.attach[g, src]
             on = w >= 0
             sel: np.ndarray = _EMPTY
+            taken: np.ndarray = _EMPTY
             if on.any():
                 spare = src_side.spare[g, src] > 0
                 if spare.any():  # the pages a node end reads first, then spare ones
@@ -330,11 +331,7 @@ class TransferEngine:
                 if sel.size > kept.size:
                     dst_side.mark_spare(g, dst[sel[kept.size :]])
                 handle.nbytes += int(taken.size) * dev.pools[g].spec.page_bytes
-            plans.append(
-                copy_plan(dst_side.attach[g, dst[sel]], w[sel], length=length)
-                if sel.size
-                else copy_plan(_EMPTY, _EMPTY, length=length)
-            )
+            plans.append(copy_plan(taken, w[sel], length=length))  # (none: zero trips)
         return plans
 
     def agree_with(self, group: Any) -> None:
@@ -455,7 +452,7 @@ class TransferEngine:
         for g, plan in enumerate(self._window_plans(handle, h, d, False, index_len(d.size))):
             if plan[PLAN_META, 0]:
                 handle._window_tokens.append(
-                    dev.pools[g].run(self._window_fns[g][1], host.pools[g].buffer, plan)
+                    dev.pools[g].run(self._window_loads[g], host.pools[g].buffer, plan)
                 )
 
     def _validate(self, device_ids: Any, host_ids: Any) -> tuple[np.ndarray, np.ndarray]:
