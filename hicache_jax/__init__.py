@@ -7,7 +7,7 @@ from hicache_jax.errors import HiCacheError, OutOfPagesError
 from hicache_jax.events.records import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent, Medium
 from hicache_jax.l3.prefetch import PrefetchHandle
 from hicache_jax.l3.storage import StorageError, StorageUnavailableError
-from hicache_jax.spec import GroupKind, HiCacheConfig, KVSpec, LayerGroup
+from hicache_jax.spec import GroupKind, HiCacheConfig, KVSpec, LayerGroup, StateArray
 
 __all__ = [
     "AllBlocksCleared",
@@ -26,6 +26,7 @@ __all__ = [
     "OutOfPagesError",
     "PrefetchHandle",
     "Request",
+    "StateArray",
     "StorageError",
     "StorageUnavailableError",
 ]

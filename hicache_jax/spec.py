@@ -112,11 +112,83 @@ class GroupKind(str, enum.Enum):
     * ``WINDOW``: a sliding window of ``window`` tokens, ``[n - window, n)``.
     * ``CHUNK``: chunked local attention over ``chunk``-token chunks,
       ``[n // chunk * chunk, n)``.
+    * ``STATE``: recurrent layers (linear attention, Mamba-2, Gated DeltaNet): no token's K/V,
+      only the layers' fixed-size state after exactly ``n`` tokens (a *checkpoint*, held in a
+      *state slot* at the end of the page ending at ``n``).
     """
 
     FULL = "full"
     WINDOW = "window"
     CHUNK = "chunk"
+    STATE = "state"
+
+
+@dataclasses.dataclass(frozen=True)
+class StateArray:
+    """One array of a recurrent layer's state, e.g. a convolution state
+    ``StateArray("conv", (3, 2048), "float32")`` or a recurrent state
+    ``StateArray("ssm", (16, 128, 128), "float32")``. Every layer of a ``STATE`` group keeps
+    the group's arrays; a state slot holds them all for every layer of the group.
+
+    Args:
+        name: a non-empty identifier, unique in its group.
+        shape: the array's shape for one layer and one sequence (ints >= 1; a list is
+            accepted, stored as a tuple).
+        dtype: one of ``SUPPORTED_DTYPES``.
+
+    Raises:
+        ValueError / TypeError: a bad field, the message naming it; a ``LayerGroup`` prefixes
+            it with ``state[i].``.
+    """
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str = "float32"
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name.isidentifier():
+            raise ValueError(f"name={self.name!r} must be a non-empty identifier")
+        shape: Any = self.shape
+        if isinstance(shape, (str, bytes)) or not isinstance(shape, Sequence):
+            raise TypeError(f"shape={shape!r} must be a sequence of positive ints")
+        object.__setattr__(
+            self, "shape", tuple(_positive(f"shape[{i}]", v) for i, v in enumerate(shape))
+        )
+        object.__setattr__(self, "dtype", _parse_dtype(self.dtype))
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the array for one layer."""
+        return math.prod(self.shape) * np.dtype(_BITS_DTYPE[self.dtype]).itemsize
+
+    def as_json(self) -> dict[str, Any]:
+        return {"name": self.name, "shape": list(self.shape), "dtype": self.dtype}
+
+
+def _as_state(state: Any) -> tuple[StateArray, ...]:
+    """``LayerGroup.state`` checked: StateArrays or dicts of their fields, names unique."""
+    if isinstance(state, (str, bytes, Mapping)) or not isinstance(state, Sequence):
+        raise TypeError(f"state={state!r} must be a sequence of StateArray")
+    out = []
+    for i, a in enumerate(state):
+        try:
+            if isinstance(a, StateArray):
+                out.append(StateArray(a.name, a.shape, a.dtype))
+            elif isinstance(a, Mapping):
+                unknown = sorted(set(a) - {"name", "shape", "dtype"})
+                if unknown:
+                    raise ValueError(f"unknown field(s) {unknown}; known: name, shape, dtype")
+                out.append(StateArray(**a))
+            else:
+                raise TypeError(f"state[{i}]={a!r} must be a StateArray or a dict of its fields")
+        except (ValueError, TypeError) as e:
+            text = str(e)
+            raise type(e)(text if text.startswith("state[") else f"state[{i}].{text}") from None
+    names = [a.name for a in out]
+    dups = sorted({n for n in names if names.count(n) > 1})
+    if dups:
+        raise ValueError(f"state has duplicate name(s) {dups}")
+    return tuple(out)
 
 
 def _positive(name: str, value: Any) -> int:
@@ -163,6 +235,10 @@ class LayerGroup:
         mla: K and V are one latent tensor (``FULL`` only; needs ``num_kv_heads=1``).
         page_size: tokens per page; None (the default) takes the spec's, otherwise it must
             equal it (every group pages the same tokens).
+        state: ``STATE`` only (and required there): each layer's state arrays
+            (:class:`StateArray`, or dicts of their fields). A ``STATE`` group has no K/V:
+            ``num_kv_heads`` and ``head_dim`` stay 0 and ``dtype`` is unused (each array has
+            its own).
 
     Raises:
         ValueError / TypeError: a bad field, the message naming it (``window=0 must be a
@@ -171,13 +247,14 @@ class LayerGroup:
 
     kind: GroupKind | str
     layers: tuple[int, ...]
-    num_kv_heads: int
-    head_dim: int
+    num_kv_heads: int = 0
+    head_dim: int = 0
     dtype: str = "bfloat16"
     window: int | None = None
     chunk: int | None = None
     mla: bool = False
     page_size: int | None = None
+    state: tuple[StateArray, ...] = ()
 
     def __post_init__(self) -> None:
         set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731
@@ -193,8 +270,22 @@ class LayerGroup:
         if dups:
             raise ValueError(f"layers={tuple(layers)!r} has duplicate layer(s) {dups}")
         set_("layers", tuple(out))
-        set_("num_kv_heads", check_int("num_kv_heads", self.num_kv_heads, 1))
-        set_("head_dim", check_int("head_dim", self.head_dim, 1))
+        if kind is GroupKind.STATE:
+            for name in ("num_kv_heads", "head_dim"):
+                if getattr(self, name) != 0:
+                    raise ValueError(
+                        f"{name}={getattr(self, name)!r}: a 'state' group has no K/V (leave it 0;"
+                        " the state arrays say what a layer keeps)"
+                    )
+            st = _as_state(self.state)
+            if not st:
+                raise ValueError("state=() must name at least one array for a 'state' group")
+            set_("state", st)
+        else:
+            set_("num_kv_heads", check_int("num_kv_heads", self.num_kv_heads, 1))
+            set_("head_dim", check_int("head_dim", self.head_dim, 1))
+            if self.state != ():
+                raise ValueError(f"state={self.state!r} is for 'state' groups only")
         set_("dtype", _parse_dtype(self.dtype))
         for name, own in (("window", GroupKind.WINDOW), ("chunk", GroupKind.CHUNK)):
             value = getattr(self, name)
@@ -222,7 +313,8 @@ class LayerGroup:
             n: the cached prefix's length in tokens (an int >= 0).
 
         Returns:
-            ``FULL``: 0; ``WINDOW``: ``max(0, n - window)``; ``CHUNK``: ``n // chunk * chunk``.
+            ``FULL``: 0; ``WINDOW``: ``max(0, n - window)``; ``CHUNK``: ``n // chunk * chunk``;
+            ``STATE``: ``n`` (no token: the checkpoint at ``n``).
 
         Raises:
             TypeError / ValueError: ``n`` not an int >= 0.
@@ -234,17 +326,48 @@ class LayerGroup:
         if self.kind is GroupKind.CHUNK:
             assert self.chunk is not None
             return n // self.chunk * self.chunk
+        if self.kind is GroupKind.STATE:
+            return n
         return 0
+
+    @property
+    def layer_state_bytes(self) -> int:
+        """``STATE``: bytes of one layer's state arrays, unpadded (0 for other kinds)."""
+        return sum(a.nbytes for a in self.state)
+
+    @property
+    def slot_words(self) -> int:
+        """``STATE``: uint32 words one layer's state takes in a slot (its arrays' bytes back
+        to back, each array starting at a 4-byte boundary)."""
+        return sum(-(-a.nbytes // 4) for a in self.state)
+
+    @property
+    def slot_bytes(self) -> int:
+        """``STATE``: bytes of one state slot (every layer's state at one prefix position);
+        0 for other kinds."""
+        return len(self.layers) * self.slot_words * 4
 
     def spec(self, page_size: int, shard: str = "") -> KVSpec:
         """A plain ``KVSpec`` of this group's pages: ``len(layers)`` layers of its heads, dim,
-        dtype and mla, ``page_size`` tokens a page.
+        dtype and mla, ``page_size`` tokens a page. A ``STATE`` group's "page" is one state
+        slot: ``len(layers)`` layers of one ``slot_words``-wide float32 row (raw bits, one
+        "token", one latent head), so its pools, copies and L3 entries are those of pages.
 
         Raises:
             ValueError: ``page_size`` differs from this group's own ``page_size``.
         """
         if self.page_size is not None and page_size != self.page_size:
             raise ValueError(f"page_size={page_size!r} differs from the group's {self.page_size}")
+        if self.kind is GroupKind.STATE:
+            return KVSpec(
+                num_layers=len(self.layers),
+                num_kv_heads=1,
+                head_dim=self.slot_words,
+                dtype="float32",
+                page_size=1,
+                mla=True,
+                shard=shard,
+            )
         return KVSpec(
             num_layers=len(self.layers),
             num_kv_heads=self.num_kv_heads,
@@ -264,6 +387,11 @@ class LayerGroup:
             kind += f"({self.chunk})"
         mla = " mla" if self.mla else ""
         page = "" if self.page_size is None else f" P{self.page_size}"
+        if self.state:
+            arrays = ", ".join(
+                f"{a.name}[{','.join(map(str, a.shape))}] {a.dtype}" for a in self.state
+            )
+            return f"{kind} layers {_layers_text(self.layers)}: {arrays}{page}"
         return (
             f"{kind} layers {_layers_text(self.layers)}: "
             f"{self.num_kv_heads}x{self.head_dim} {self.dtype}{mla}{page}"
@@ -274,6 +402,10 @@ class LayerGroup:
         out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         out["kind"] = GroupKind(self.kind).value
         out["layers"] = list(self.layers)
+        if self.state:
+            out["state"] = [a.as_json() for a in self.state]
+        else:  # (attention groups' JSON stays what it was)
+            del out["state"]
         return out
 
 
@@ -296,7 +428,10 @@ def _as_groups(groups: Any) -> tuple[LayerGroup, ...]:
                 raise ValueError(
                     f"groups[{i}] has unknown field(s) {unknown}; known: {list(_GROUP_FIELDS)}"
                 )
-            missing = [n for n in ("kind", "layers", "num_kv_heads", "head_dim") if n not in g]
+            need = ["kind", "layers"]
+            if str(fields.get("kind", "")).lower() != "state":
+                need += ["num_kv_heads", "head_dim"]
+            missing = [n for n in need if n not in g]
             if missing:
                 raise ValueError(f"groups[{i}] lacks field(s) {missing}")
         else:
@@ -457,9 +592,12 @@ class KVSpec:
         window: int | None = None,
         chunk: int | None = None,
         mla: bool = False,
+        state: Sequence[StateArray | Mapping[str, Any]] | None = None,
     ) -> KVSpec:
         """A spec of a repeating layer pattern: ``"5:1"`` is five local layers then one full
-        one, repeated over ``num_layers`` (the last repetition may be cut short).
+        one, repeated over ``num_layers`` (the last repetition may be cut short);
+        ``"R3:F1"`` is three recurrent layers (a ``STATE`` group of ``state`` arrays) then one
+        full one.
 
         The local layers are sliding-window layers of ``window`` tokens, or chunked
         local-attention layers of ``chunk`` tokens when ``chunk`` is given instead. Every layer
@@ -478,6 +616,8 @@ class KVSpec:
             chunk: chunk in tokens (local layers as ``CHUNK``).
             mla: the full layers hold an MLA latent (refused with local layers: a local group
                 is never MLA).
+            state: the recurrent layers' state arrays, for an ``"Ra:Fb"`` pattern (required
+                there, refused otherwise).
 
         Raises:
             ValueError / TypeError: naming ``pattern`` (not ``a:b``, no layers, no full layer
@@ -489,13 +629,32 @@ class KVSpec:
         text = pattern.strip().lower()
         if text in ("", "full"):
             text = "0:1"
-        m = re.fullmatch(r"(\d+)\s*:\s*(\d+)", text)
-        if m is None:
+        m = re.fullmatch(r"(r?)(\d+)\s*:\s*(f?)(\d+)", text)
+        if m is None or bool(m.group(1)) != bool(m.group(3)):
             raise ValueError(
                 f"pattern={pattern!r} must be 'a:b' (a local layers then b full ones, "
-                "repeating; non-negative ints) or 'full'"
+                "repeating; non-negative ints), 'Ra:Fb' (a recurrent layers then b full "
+                "ones) or 'full'"
             )
-        n_local, n_full = int(m.group(1)), int(m.group(2))
+        recurrent = bool(m.group(1))
+        n_local, n_full = int(m.group(2)), int(m.group(4))
+        if recurrent:
+            for name, value in (("window", window), ("chunk", chunk)):
+                if value is not None:
+                    raise ValueError(
+                        f"{name}={value!r} with pattern={pattern!r}: a recurrent layer keeps a "
+                        "state, not a window"
+                    )
+            if not n_local and state is not None:
+                raise ValueError(f"state= given, but pattern={pattern!r} has no recurrent layer")
+            if n_local and not state:
+                raise ValueError(
+                    f"pattern={pattern!r} has recurrent layers: give state= (their arrays)"
+                )
+        elif state is not None:
+            raise ValueError(
+                f"state= is for a recurrent pattern ('R3:F1'), not pattern={pattern!r}"
+            )
         if n_local + n_full == 0:
             raise ValueError(f"pattern={pattern!r} has no layers")
         num_layers = check_int("num_layers", num_layers, 1)
@@ -515,6 +674,8 @@ class KVSpec:
                         f"{name}={value!r} given, but pattern={pattern!r} over "
                         f"num_layers={num_layers} has no local layer"
                     )
+        elif recurrent:
+            pass
         elif window is None and chunk is None:
             raise ValueError(
                 f"pattern={pattern!r} has local layers: give window= (sliding window) or "
@@ -524,15 +685,35 @@ class KVSpec:
             raise ValueError(f"mla=True: only the full layers may be MLA; pattern={pattern!r}")
         shape = {"num_kv_heads": num_kv_heads, "head_dim": head_dim, "dtype": dtype}
         groups = [LayerGroup(GroupKind.FULL, tuple(full), **shape, mla=mla)]
-        if local:
+        if local and recurrent:
+            assert state is not None
+            try:
+                groups.append(LayerGroup(GroupKind.STATE, tuple(local), state=_as_state(state)))
+            except (ValueError, TypeError) as e:
+                raise type(e)(str(e) if str(e).startswith("state") else f"state: {e}") from None
+        elif local:
             kind = GroupKind.WINDOW if window is not None else GroupKind.CHUNK
             groups.append(LayerGroup(kind, tuple(local), **shape, window=window, chunk=chunk))
         return cls.from_groups(groups, page_size=page_size)
 
     @property
     def window_groups(self) -> tuple[LayerGroup, ...]:
-        """The local (``WINDOW`` / ``CHUNK``) groups; empty for a plain spec."""
+        """Every group but the full one (``WINDOW``, ``CHUNK`` and ``STATE``), in order:
+        the groups whose pages (or state slots) are attached to the full-attention pages, and
+        what every per-group index of the cache's API counts (``group=`` of
+        ``write_window_kv``, ``write_state``; rows of ``window_pages``); empty for a plain
+        spec."""
         return tuple(g for g in self.groups if g.kind is not GroupKind.FULL)
+
+    @property
+    def state_groups(self) -> tuple[int, ...]:
+        """Indices in ``window_groups`` of the ``STATE`` groups (recurrent layers)."""
+        return tuple(i for i, g in enumerate(self.window_groups) if g.kind is GroupKind.STATE)
+
+    @property
+    def state_bytes(self) -> int:
+        """Bytes of one checkpoint: every ``STATE`` group's slot (0 without one)."""
+        return sum(g.slot_bytes for g in self.groups)
 
     @property
     def total_layers(self) -> int:
@@ -557,10 +738,15 @@ class KVSpec:
 
     @property
     def model_page_bytes(self) -> int:
-        """Bytes of one page across every group's layers (``page_bytes`` for a plain spec)."""
+        """Bytes of one page across every attention group's layers (``page_bytes`` for a
+        plain spec; a ``STATE`` group's are per checkpoint, ``state_bytes``)."""
         if not self.groups:
             return self.page_bytes
-        return sum(g.spec(self.page_size).page_bytes for g in self.groups)
+        return sum(
+            g.spec(self.page_size).page_bytes
+            for g in self.groups
+            if g.kind is not GroupKind.STATE  # (a checkpoint's bytes: ``state_bytes``)
+        )
 
     def as_json(self) -> dict[str, Any]:
         """The spec as plain JSON-able data (``groups`` a list of dicts, kinds as strings)."""
@@ -644,6 +830,8 @@ class KVSpec:
                 f":H{g.num_kv_heads}:D{g.head_dim}:{g.dtype}:window{g.window}:chunk{g.chunk}"
                 f":mla{int(g.mla)}"
             )
+            for a in g.state:  # (only STATE groups have arrays: other keys stay what they were)
+                text += f":state:{a.name}:{'x'.join(map(str, a.shape))}:{a.dtype}"
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 
     @classmethod
@@ -793,6 +981,19 @@ class HiCacheConfig:
             go first when the host pool needs a page). False: free them when their node enters
             the tree, on every tier (each split point where no request has diverged before
             then costs a recompute back to a servable end).
+        state_device_slots: with ``STATE`` groups (recurrent layers), the state slots of each
+            such group's device pool: how many checkpoints L1 holds. None (default): as many
+            as take a quarter of the full-attention device pool's bytes (at least 8, at most
+            ``device_pages``). A checkpoint is usually worth many pages (a slot of a real
+            hybrid is often megabytes): size this by bytes (ARCHITECTURE.md, "Recurrent
+            state").
+        state_host_slots: the same for the host pools; None: a quarter of the host pool's
+            bytes (at least 8, at most ``host_pages``).
+        checkpoint_every_pages: with ``STATE`` groups: besides the checkpoints at a request's
+            commit, finish and the point where its prefix leaves the tree, one every this many
+            pages of a prefill (``Request.checkpoint_positions``); 0 (default): none of those.
+            Interior checkpoints are spare once their node is in the tree (kept while slots
+            are free; they serve a later request that diverges there).
     """
 
     device_pages: int
@@ -828,6 +1029,9 @@ class HiCacheConfig:
     window_device_pages: int | None = None
     window_host_pages: int | None = None
     window_spare: bool = True
+    state_device_slots: int | None = None
+    state_host_slots: int | None = None
+    checkpoint_every_pages: int = 0
 
     def __post_init__(self) -> None:
         set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731
@@ -902,9 +1106,16 @@ class HiCacheConfig:
         if self.completion_lag is not None:
             set_("completion_lag", check_int("completion_lag", self.completion_lag, 1))
         set_("window_spare", check_bool("window_spare", self.window_spare))
-        for name in ("window_device_pages", "window_host_pages"):
+        for name in (
+            "window_device_pages",
+            "window_host_pages",
+            "state_device_slots",
+            "state_host_slots",
+        ):
             if getattr(self, name) is not None:
                 set_(name, check_int(name, getattr(self, name), 1))
+        every = check_int("checkpoint_every_pages", self.checkpoint_every_pages, 0)
+        set_("checkpoint_every_pages", every)
         if self.shard_axis is not None and self.mesh is None:
             raise ValueError(f"shard_axis={self.shard_axis!r} given without a mesh")
         if self.mesh is not None:

@@ -11,7 +11,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from helpers import ServedKV, snapshot
-from hicache_jax import HiCache, HiCacheConfig, HiCacheError, KVSpec, LayerGroup, OutOfPagesError
+from hicache_jax import (
+    HiCache,
+    HiCacheConfig,
+    HiCacheError,
+    KVSpec,
+    LayerGroup,
+    OutOfPagesError,
+    StateArray,
+)
 from hicache_jax.memory.allocator import PageAllocator
 from hicache_jax.memory.window import WindowPages
 from hicache_jax.tree.windows import servable_pages
@@ -41,7 +49,12 @@ def _cache(spec: KVSpec, device: int = 64, host: int = 128, **cfg) -> HiCache:
 
 def _brute(held: np.ndarray, groups, limit: int) -> int:
     for k in range(limit, 0, -1):
-        if all(held[g, grp.need_start(k * PS) // PS : k].all() for g, grp in enumerate(groups)):
+        if all(
+            held[g, k - 1]
+            if grp.kind == "state"
+            else held[g, grp.need_start(k * PS) // PS : k].all()
+            for g, grp in enumerate(groups)
+        ):
             return k
     return 0
 
@@ -51,12 +64,16 @@ def _brute(held: np.ndarray, groups, limit: int) -> int:
     data=st.data(),
     n=st.integers(0, 24),
     specs=st.lists(
-        st.tuples(st.sampled_from(["window", "chunk"]), st.integers(1, 20)), min_size=1, max_size=3
+        st.tuples(st.sampled_from(["window", "chunk", "state"]), st.integers(1, 20)),
+        min_size=1,
+        max_size=3,
     ),
 )
 def test_servable_pages_equals_brute_force(data, n, specs):
     groups = [
-        LayerGroup(
+        LayerGroup(kind, (i,), state=[StateArray("s", (v,))])
+        if kind == "state"
+        else LayerGroup(
             kind,
             (i,),
             1,

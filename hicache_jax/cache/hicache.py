@@ -69,9 +69,10 @@ from hicache_jax.memory.device_pool import DevicePagePool
 from hicache_jax.memory.group import AgreedClock
 from hicache_jax.memory.histogram import HistogramSnapshot
 from hicache_jax.memory.host_pool import HostPagePool
+from hicache_jax.memory.state import check_state, pack_state, unpack_state
 from hicache_jax.memory.transfer import TransferEngine
 from hicache_jax.memory.window import WindowPages
-from hicache_jax.spec import HiCacheConfig, KVSpec
+from hicache_jax.spec import GroupKind, HiCacheConfig, KVSpec, LayerGroup
 from hicache_jax.tree.node import TreeNode
 from hicache_jax.tree.radix import RadixTree
 from hicache_jax.validation import check_bool, check_int, page_tokens
@@ -164,18 +165,32 @@ class HiCache:
         if cfg.load_overlap:
             raise ValueError("load_overlap=True with window groups is not supported yet")
         assert cfg.host_pages is not None  # HiCacheConfig.__post_init__ resolves it
+        dev_n = [
+            _slots(cfg.state_device_slots, cfg.device_pages, spec.page_bytes, g.slot_bytes)
+            if g.kind is GroupKind.STATE
+            else cfg.window_device_pages or cfg.device_pages
+            for g in groups
+        ]
+        host_n = [
+            _slots(cfg.state_host_slots, cfg.host_pages, spec.page_bytes, g.slot_bytes)
+            if g.kind is GroupKind.STATE
+            else cfg.host_pages
+            if cfg.window_host_pages is None
+            else cfg.window_host_pages
+            for g in groups
+        ]
         dev = WindowPages(
             groups,
             [
                 DevicePagePool(
                     g.spec(spec.page_size, spec.shard),
-                    cfg.window_device_pages or cfg.device_pages,
+                    n,
                     mesh=cfg.mesh,
                     axis=cfg.shard_axis,
                     copy_backend=cfg.copy_backend,
                     huge_pages=cfg.huge_pages,
                 )
-                for g in groups
+                for g, n in zip(groups, dev_n, strict=True)
             ],
             self._device.allocator,
             "device",
@@ -185,13 +200,13 @@ class HiCache:
             [
                 HostPagePool(
                     g.spec(spec.page_size, spec.shard),
-                    cfg.host_pages if cfg.window_host_pages is None else cfg.window_host_pages,
+                    n,
                     layout=cfg.host_layout,
                     mesh=cfg.mesh,
                     axis=cfg.shard_axis,
                     huge_pages=cfg.huge_pages,
                 )
-                for g in groups
+                for g, n in zip(groups, host_n, strict=True)
             ],
             self._host.allocator,
             "host",
@@ -614,9 +629,9 @@ class HiCache:
         n = check_int("n", n)
         self._complete(attach=True)
         ids = self._evict.take(n)
-        if self._windows is not None:  # the request's forward writes every group's layers
+        if self._windows is not None and self._windows.local:  # its forward writes them all
             try:
-                self._window_room(ids.size)
+                self._window_room(ids.size, self._windows.local)
                 self._windows.attach_new(ids)
             except BaseException:
                 self._device.allocator.free(ids)
@@ -624,15 +639,15 @@ class HiCache:
         self._owner.to_caller(ids)
         return ids
 
-    def _window_room(self, n: int) -> None:
-        """Evict device nodes (their window pages go with them) until every window group's
-        device pool has ``n`` free pages or nothing more can be evicted (then
-        ``attach_new`` raises ``OutOfPagesError``); only with ``window_device_pages`` below
-        ``device_pages``."""
+    def _window_room(self, n: int, groups: Sequence[int]) -> None:
+        """Evict device nodes (their window pages and slots go with them) until each of
+        ``groups``' device pools has ``n`` free pages or nothing more can be evicted (then
+        ``attach_new`` raises ``OutOfPagesError``); only with a group pool smaller than the
+        full-attention pool."""
         assert self._windows is not None
         while True:
             dev = self._windows.device
-            short = n - min(dev.room(g) for g in range(len(dev.pools)))
+            short = n - min(dev.room(g) for g in groups)
             if short <= 0 or self._evict.evict_device(short * self._ps) == 0:
                 return
 
@@ -728,6 +743,89 @@ class HiCache:
             bad = ids[w < 0][:8].tolist()
             raise HiCacheError(f"pages {bad} hold no page of window group {group}")
         return pools[group], w
+
+    # -- recurrent state (ARCHITECTURE.md, "Recurrent state") ---------------------------------
+
+    def write_state(self, group: int, pages: Any, state: Any) -> None:
+        """Checkpoint: write STATE group ``group``'s state after exactly the tokens ending
+        with each of caller-owned ``pages`` into that page's slot (a fresh slot where it holds
+        none, evicting to make room). The slot goes into the tree with its page
+        (:meth:`insert`, ``Request.commit`` / ``finish``) and is never written again there: a
+        hit reads it (:meth:`read_state`) into the caller's own state.
+
+        Args:
+            group: index in ``spec.window_groups`` of a ``STATE`` group.
+            pages: ``n`` caller-owned device pages, each ending at a checkpoint.
+            state: the group's arrays (a sequence in ``group.state`` order or a mapping by
+                name), each ``[n, len(layers), *shape]`` in its dtype; jax or numpy.
+
+        Raises:
+            HiCacheError: pages not caller-owned; the spec has no STATE group.
+            ValueError / TypeError: a bad group, a missing, misshapen or mistyped array
+                (naming it); nothing taken or written.
+            OutOfPagesError: no slot can be had; nothing taken or written.
+        """
+        self._guard()
+        ids = self._check_pages(pages, CALLERS, "caller-owned (cached checkpoints are read-only)")
+        g, grp = self._state_group(group)
+        bits = pack_state(grp, check_state(grp, state, ids.size))
+        assert self._windows is not None
+        dev = self._windows.device
+        fresh = ids[dev.attach[g, ids] < 0]
+        if fresh.size:
+            self._window_room(fresh.size, (g,))
+        slots = self._windows.checkpoint(g, ids)
+        try:
+            dev.pools[g].write(slots, bits)
+        except BaseException:
+            dev.detach_group(g, fresh)
+            raise
+
+    @publishes
+    def read_state(self, group: int, pages: Any) -> tuple[Any, ...]:
+        """STATE group ``group``'s checkpoints at the ends of allocated device ``pages`` (each
+        must hold one: e.g. a request's last cached page, ``Request.cached_len``): new arrays
+        in the layout :meth:`write_state` takes, bit-identical to what was written.
+
+        Raises:
+            HiCacheError: a page not allocated or holding no checkpoint of the group.
+            ValueError: a bad group.
+        """
+        ids = self._check_pages(pages, ALLOCATED, "allocated")
+        g, grp = self._state_group(group)
+        load = self._flight.load_writing(ids)
+        if load is not None:
+            self._complete(upto=load)
+        pool, slots = self._group_pages(g, ids)
+        return unpack_state(grp, pool.read_bits(slots))
+
+    def checkpoint_positions(
+        self, tokens: Any, cached_len: int, extra_key: Hashable = None
+    ) -> list[int]:
+        """Where a request with prompt ``tokens``, served from the cache up to ``cached_len``
+        tokens, should write checkpoints (:meth:`write_state`) as it prefills: prefix lengths
+        in ``(cached_len, len]`` (page multiples): where the tree's pages of ``tokens`` go on
+        past ``cached_len`` (no checkpoint there yet: this request's becomes the tree's), every
+        ``cfg.checkpoint_every_pages`` pages, and the prompt's last whole page. Changes
+        nothing; [] without STATE groups."""
+        self._guard()
+        arr = page_tokens(tokens, extra_key, self._ps)
+        cached_len = check_int("cached_len", cached_len)
+        if self._windows is None or not self._windows.states:
+            return []
+        dev, host = self._tree.peek(arr, extra_key)
+        return self._windows.positions(
+            cached_len, dev + host, arr.shape[0], self.cfg.checkpoint_every_pages
+        )
+
+    def _state_group(self, group: Any) -> tuple[int, LayerGroup]:
+        """``group`` checked: the index of a STATE group in ``spec.window_groups``."""
+        states = self.spec.state_groups
+        if not states:
+            raise HiCacheError("the spec has no state (recurrent) group")
+        if not isinstance(group, int) or isinstance(group, bool) or group not in states:
+            raise ValueError(f"group={group!r} must be a state group's index: one of {states}")
+        return group, self.spec.window_groups[group]
 
     @publishes
     def read_kv(self, pages: Any) -> Any:
@@ -1019,15 +1117,19 @@ class HiCache:
 
     def _window_stats(self) -> dict[str, int]:
         w = self._windows
-        return {
-            "window_device_used_pages": 0 if w is None else sum(w.device.used_pages()),
-            "window_host_used_pages": 0 if w is None else sum(w.host.used_pages()),
-            "window_device_spare_pages": 0 if w is None else sum(w.device.spare_pages()),
-            "window_host_spare_pages": 0 if w is None else sum(w.host.spare_pages()),
-            "window_spare_reclaimed": 0
-            if w is None
-            else w.device.spare_reclaimed + w.host.spare_reclaimed,
-        }
+        out = {}
+        for prefix, unit in (("window", "pages"), ("state", "slots")):
+            which = () if w is None else (w.local if prefix == "window" else w.states)
+            for tier in ("device", "host"):
+                side = None if w is None else getattr(w, tier)
+                used = [] if side is None else side.used_pages()
+                spare = [] if side is None else side.spare_pages()
+                out[f"{prefix}_{tier}_used_{unit}"] = sum(used[g] for g in which)
+                out[f"{prefix}_{tier}_spare_{unit}"] = sum(spare[g] for g in which)
+        out["window_spare_reclaimed"] = (
+            0 if w is None else w.device.spare_reclaimed + w.host.spare_reclaimed
+        )
+        return out
 
     def transfer_histograms(self) -> dict[str, dict[str, HistogramSnapshot]]:
         """Duration, bytes and bandwidth of every completed device <-> host transfer of pages,
@@ -1054,3 +1156,11 @@ class HiCache:
         )
         if self._windows is not None:
             self._windows.check(self._tree.root)
+
+
+def _slots(given: int | None, pages: int, page_bytes: int, slot_bytes: int) -> int:
+    """A state group's slots on a tier: ``given``, else as many as take a quarter of the
+    tier's full-attention pool bytes (at least 8, at most ``pages``)."""
+    if given is not None:
+        return given
+    return max(1, min(pages, max(8, pages * page_bytes // (4 * slot_bytes))))

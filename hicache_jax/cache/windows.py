@@ -19,8 +19,14 @@ over the tree (ARCHITECTURE.md, "Layer groups"):
   tree's page at a position lacks a group's page (its node was split, and the new end reads
   pages trimmed before) and the request inserting the same tokens holds one, the tree's page
   takes it (the same bytes: same tokens, same model).
-- **Caller pages** (:meth:`Windows.attach_new`): a request's own pages hold every group's page
-  until they are inserted (its forward writes every layer).
+- **Caller pages** (:meth:`Windows.attach_new`): a request's own pages hold every local
+  group's page until they are inserted (its forward writes every layer).
+- **Checkpoints** (``STATE`` groups, :meth:`Windows.checkpoint`): a slot is attached to the
+  page ending at the checkpoint's position, only where the caller writes one; the rules above
+  treat it as a group page a continuation at that page's end reads (``kept_first_page``), so a
+  node keeps the slot at its end, an interior one is spare (or freed), a split keeps the slot
+  where it was (the lower part's end is the same page), and a prefix is servable only at a
+  page holding one.
 
 Threading: the cache's thread only.
 """
@@ -33,7 +39,7 @@ import numpy as np
 
 from hicache_jax.errors import HiCacheError
 from hicache_jax.memory.window import WindowPages
-from hicache_jax.spec import KVSpec
+from hicache_jax.spec import GroupKind, KVSpec
 from hicache_jax.tree.node import InsertResult, TreeMatch, TreeNode
 from hicache_jax.tree.windows import kept_first_page, servable_pages
 
@@ -54,6 +60,12 @@ class Windows:
         self, spec: KVSpec, device: WindowPages, host: WindowPages, spare: bool = True
     ) -> None:
         self.groups = spec.window_groups
+        #: indices of the local (window / chunk) groups: a caller's new page holds each
+        self.local = tuple(
+            g for g, grp in enumerate(self.groups) if grp.kind is not GroupKind.STATE
+        )
+        #: indices of the STATE groups: a slot only where the caller checkpoints
+        self.states = spec.state_groups
         self.device, self.host = device, host
         self.spare = spare
         self._ps = spec.page_size
@@ -94,8 +106,36 @@ class Windows:
 
     # -- caller pages and inserts ----------------------------------------------------------
     def attach_new(self, ids: np.ndarray) -> None:
-        """Every group's page for each of a caller's new pages (all or nothing)."""
-        self.device.attach_new(ids)
+        """Every local group's page for each of a caller's new pages (all or nothing); a
+        ``STATE`` group's slot comes only with a checkpoint (:meth:`checkpoint`)."""
+        if self.local:
+            self.device.attach_new(ids, self.local)
+
+    def checkpoint(self, g: int, ids: np.ndarray) -> np.ndarray:
+        """State group ``g``'s device slot at the end of each of a caller's pages ``ids``
+        (distinct): the one it holds, else a fresh one (all or nothing: ``OutOfPagesError``
+        takes none). A caller's page is its own, so rewriting its slot mutates no checkpoint
+        of the tree."""
+        row = self.device.attach[g]
+        fresh = ids[row[ids] < 0]
+        if fresh.size:
+            self.device.attach_new(fresh, (g,))
+        return row[ids].copy()
+
+    def positions(self, cached: int, held: int, end: int, every_pages: int) -> list[int]:
+        """Where a request whose prompt is served up to ``cached`` tokens should checkpoint,
+        as prefix lengths in ``(cached, end]`` (page multiples): ``held``, where the tree's
+        pages go on past what it could serve (the request's checkpoint there becomes the
+        tree's when it inserts: :meth:`before_free_duplicates`); every ``every_pages`` pages
+        from the root; and ``end`` (the prompt's last whole page: its commit)."""
+        ps = self._ps
+        out = {end} if end > cached else set()
+        if cached < held <= end:
+            out.add(held)
+        if every_pages:
+            step = every_pages * ps
+            out.update(range((cached // step + 1) * step, end + 1, step))
+        return sorted(out)
 
     def before_free_duplicates(self, res: InsertResult, ids: np.ndarray) -> None:
         """Where a caller's page duplicates the tree's at a position and the tree's page lacks

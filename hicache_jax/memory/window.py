@@ -77,19 +77,23 @@ class WindowPages:
     def allocators(self) -> tuple[PageAllocator, ...]:
         return tuple(p.allocator for p in self.pools)
 
-    def attach_new(self, anchor_ids: np.ndarray) -> None:
+    def attach_new(self, anchor_ids: np.ndarray, groups: Sequence[int] | None = None) -> None:
         """Give each of ``anchor_ids`` (full-attention pages holding none) a fresh page of every
-        group: all or nothing.
+        group (of ``groups``, when given: indices): all or nothing.
 
         Raises:
             OutOfPagesError: a group's pool has fewer free pages; nothing taken.
         """
         n = int(anchor_ids.size)
-        for g, p in enumerate(self.pools):
+        which = range(len(self.pools)) if groups is None else groups
+        for g in which:
+            p = self.pools[g]
             if p.allocator.num_free < n and self._spare_n[g]:
                 self.reclaim(g, n - p.allocator.num_free)
         short = [
-            (g, p.allocator.num_free) for g, p in enumerate(self.pools) if p.allocator.num_free < n
+            (g, self.pools[g].allocator.num_free)
+            for g in which
+            if self.pools[g].allocator.num_free < n
         ]
         if short:
             g, free = short[0]
@@ -98,8 +102,8 @@ class WindowPages:
                 needed=n,
                 free=free,
             )
-        for g, pool in enumerate(self.pools):
-            self.attach[g, anchor_ids] = pool.allocator.alloc(n)
+        for g in which:
+            self.attach[g, anchor_ids] = self.pools[g].allocator.alloc(n)
 
     def take(self, g: int, n: int) -> np.ndarray:
         """Up to ``n`` free pages of group ``g`` (spare ones freed first; fewer when fewer

@@ -23,14 +23,18 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from hicache_jax.spec import LayerGroup
+from hicache_jax.spec import GroupKind, LayerGroup
 
 __all__ = ["kept_first_page", "servable_pages"]
 
 
 def kept_first_page(group: LayerGroup, end_tokens: int, page_size: int) -> int:
     """The first page (index from the root) that a continuation at ``end_tokens`` reads of
-    ``group``: pages before it are never read again through this end."""
+    ``group``: pages before it are never read again through this end. A ``STATE`` group's
+    continuation reads the state slot of the page ending at ``end_tokens`` alone (the
+    checkpoint there)."""
+    if group.kind is GroupKind.STATE:
+        return max(0, end_tokens // page_size - 1)
     return group.need_start(end_tokens) // page_size
 
 
@@ -48,8 +52,10 @@ def servable_pages(
 
     Returns:
         The largest ``k <= limit`` such that every group holds every page a continuation at
-        ``k`` pages reads; 0 always qualifies. Each step skips below the deepest missing page
-        it found, so the cost is one slice per group per missing page met.
+        ``k`` pages reads (a ``STATE`` group: the slot of page ``k - 1``, the checkpoint at
+        ``k``); 0 always qualifies. Each step skips below the deepest missing page it found
+        (a ``STATE`` group: to its previous checkpoint), so the cost is one slice per group
+        per missing page met.
     """
     k = limit
     if (
@@ -61,13 +67,18 @@ def servable_pages(
     ):
         return k
     while k > 0:
-        lowest_bad = -1
+        nxt = k
         for g, group in enumerate(groups):
+            if group.kind is GroupKind.STATE:
+                if not held[g, k - 1]:  # the previous checkpoint's end
+                    at = np.flatnonzero(held[g, : k - 1])
+                    nxt = min(nxt, int(at[-1]) + 1 if at.size else 0)
+                continue
             first = kept_first_page(group, k * page_size, page_size)
             missing = np.flatnonzero(~held[g, first:k])
-            if missing.size:
-                lowest_bad = max(lowest_bad, first + int(missing[-1]))
-        if lowest_bad < 0:
+            if missing.size:  # any servable end is at or before the missing page
+                nxt = min(nxt, first + int(missing[-1]))
+        if nxt == k:
             return k
-        k = lowest_bad  # any servable end is at or before the missing page
+        k = nxt
     return 0
