@@ -164,6 +164,27 @@ class StateArray:
     def as_json(self) -> dict[str, Any]:
         return {"name": self.name, "shape": list(self.shape), "dtype": self.dtype}
 
+    @classmethod
+    def parse_list(cls, text: str, flag: str = "--state") -> tuple[StateArray, ...]:
+        """Arrays from a command line: ``"conv:3x8192,ssm:32x128x128:float32"`` (comma-
+        separated ``name:shape[:dtype]``, the shape ``x``-separated, dtype float32 when left
+        out).
+
+        Raises:
+            ValueError: naming ``flag`` and the item.
+        """
+        out = []
+        for item in (t.strip() for t in text.split(",")):
+            parts = item.split(":")
+            if len(parts) not in (2, 3) or not parts[1]:
+                raise ValueError(f"{flag}: {item!r} must be name:AxBxC[:dtype]")
+            try:
+                shape = tuple(int(v) for v in parts[1].lower().split("x"))
+                out.append(cls(parts[0], shape, parts[2] if len(parts) == 3 else "float32"))
+            except (ValueError, TypeError) as e:
+                raise ValueError(f"{flag}: {item!r}: {e}") from None
+        return _as_state(out)
+
 
 def _as_state(state: Any) -> tuple[StateArray, ...]:
     """``LayerGroup.state`` checked: StateArrays or dicts of their fields, names unique."""
@@ -211,6 +232,27 @@ def _layers_text(layers: Sequence[int]) -> str:
         runs.append(str(layers[i]) if i == j else f"{layers[i]}-{layers[j]}")
         i = j + 1
     return ",".join(runs)
+
+
+def pattern_state(
+    pattern: str | None, text: str | None, flag: str = "--state"
+) -> tuple[StateArray, ...] | None:
+    """A command's ``--state`` for its ``--layer-pattern``: the parsed arrays (or
+    ``QWEN3_NEXT_STATE`` when left out) for a recurrent pattern (``"R3:F1"``), None for any
+    other; ``--state`` with another pattern is refused (``from_pattern`` names it)."""
+    recurrent = pattern is not None and pattern.strip().lower().startswith("r")
+    if text is None:
+        return QWEN3_NEXT_STATE if recurrent else None
+    return StateArray.parse_list(text, flag)
+
+
+#: A Qwen3-Next-like Gated DeltaNet layer's state (per layer: a width-4 convolution over the
+#: q, k, v channels, 16 + 16 key heads and 32 value heads of 128; a 32 x 128 x 128 recurrent
+#: state), float32: what ``--layer-pattern R3:F1`` assumes without ``--state``.
+QWEN3_NEXT_STATE = (
+    StateArray("conv", (3, 8192), "float32"),
+    StateArray("ssm", (32, 128, 128), "float32"),
+)
 
 
 @dataclasses.dataclass(frozen=True)

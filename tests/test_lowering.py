@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import pallas_kernels as pk
-from hicache_jax import lowering
+from hicache_jax import StateArray, lowering
 from hicache_jax.cli.main import main
 from hicache_jax.engine import layers
 from hicache_jax.engine import model as model_mod
@@ -343,3 +343,38 @@ def test_lower_command_takes_a_layer_pattern(capsys):
         main([*common, "--window", "32"])
     assert exc.value.code == 2
     assert "--window / --chunk need --layer-pattern" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("platform", ["tpu", "cuda"])
+def test_state_group_slot_programs_lower(platform):
+    """A recurrent (STATE) group's slot pools and copies are listed as ``state0.*`` at the
+    slot's shape (one row of ``slot_words`` a layer) and lower like the pages'."""
+    spec = KVSpec.from_pattern(
+        "R3:F1",
+        num_layers=4,
+        num_kv_heads=2,
+        head_dim=8,
+        dtype="bfloat16",
+        page_size=16,
+        state=[StateArray("conv", (3, 16)), StateArray("ssm", (2, 8, 8))],
+    )
+    pset = lowering.programs(spec, platform, device_pages=PAGES, engine=False)
+    state = [p for p in pset.programs if p.name.startswith("state0.")]
+    backup = next(p for p in state if p.op == "state0.transfer.backup")
+    assert backup.args[0].shape[0] == 3  # the group's three layers
+    assert backup.args[0].shape[-1] == spec.window_groups[0].slot_words
+    report = lowering.check(pset, only=["state0.transfer", "state0.device_pool.write"])
+    report.raise_for_failures()
+    assert len(report.lowered) > 0
+
+
+def test_lower_command_takes_a_recurrent_pattern(capsys):
+    common = ["lower", "--platform", "cuda", "--device-pages", "4", "--no-engine"]
+    spec = ["--spec", "layers=4,kv_heads=2,head_dim=8,page_size=16"]
+    pattern = ["--layer-pattern", "R3:F1", "--state", "conv:3x16,ssm:2x8x8", "--only", "state0"]
+    assert main([*common, *spec, *pattern]) == 0
+    assert "state0.transfer.backup" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as exc:
+        main([*common, *spec, "--layer-pattern", "R3:F1", "--state", "conv:3by16"])
+    assert exc.value.code == 2
+    assert "--state: 'conv:3by16'" in capsys.readouterr().err

@@ -9,7 +9,7 @@ from typing import Any
 
 from hicache_jax.lowering.catalogue import LLAMA3_8B_KV, PLATFORMS, programs
 from hicache_jax.lowering.checks import check, format_table, report_json
-from hicache_jax.spec import KVSpec
+from hicache_jax.spec import KVSpec, pattern_state
 
 __all__ = ["add_parser", "lower_command"]
 
@@ -32,11 +32,17 @@ def add_parser(sub: Any) -> None:
     )
     p.add_argument(
         "--layer-pattern",
-        help="window:full layers, repeating (e.g. 5:1: five sliding-window layers, one "
-        "global); --spec's layers are then the model's layers",
+        help="local:full layers, repeating (e.g. 5:1: five sliding-window layers, one "
+        "global; R3:F1: three recurrent layers, one global); --spec's layers are then the "
+        "model's layers",
     )
     p.add_argument("--window", type=int, help="with --layer-pattern: the window, in tokens")
     p.add_argument("--chunk", type=int, help="with --layer-pattern: chunked attention's chunk")
+    p.add_argument(
+        "--state",
+        help="with --layer-pattern Ra:Fb: each recurrent layer's state arrays, "
+        "name:AxB[:dtype],... (default: a Qwen3-Next-like conv:3x8192,ssm:32x128x128)",
+    )
     p.add_argument("--device-pages", type=int, default=2048, help="L1 pages (shapes only)")
     p.add_argument("--host-pages", type=int, help="L2 pages (default 4 x L1)")
     p.add_argument("--host-layout", choices=["layer_first", "page_first"], default="layer_first")
@@ -65,9 +71,10 @@ def lower_command(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
                 window=args.window,
                 chunk=args.chunk,
                 mla=spec.mla,
+                state=pattern_state(args.layer_pattern, args.state),
             )
-        elif args.window is not None or args.chunk is not None:
-            raise ValueError("--window / --chunk need --layer-pattern")
+        elif args.window is not None or args.chunk is not None or args.state is not None:
+            raise ValueError("--window / --chunk / --state need --layer-pattern")
         pset = programs(
             spec,
             args.platform,

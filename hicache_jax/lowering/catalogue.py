@@ -51,7 +51,7 @@ from hicache_jax.engine.packing import TokenSlots, bucket
 from hicache_jax.engine.weights import ModelConfig, abstract_params
 from hicache_jax.memory import device_pool, host_pool, page_copy, transfer
 from hicache_jax.memory.page_copy import STAGE_SIZES, bucket_size, index_len, stage_chunks
-from hicache_jax.spec import HostLayout, KVSpec
+from hicache_jax.spec import GroupKind, HostLayout, KVSpec
 
 #: Platforms the programs are listed for ("cpu" too: what this machine itself would run).
 PLATFORMS = ("tpu", "cuda", "cpu")
@@ -382,17 +382,22 @@ def host_programs(
 
 
 def _window_programs(
-    g: int, gspec: KVSpec, device_pages: int, host_pages: int, platform: str, layout: HostLayout
+    tag: str,
+    gspec: KVSpec,
+    device_pages: int,
+    host_pages: int,
+    platform: str,
+    layout: HostLayout,
 ) -> tuple[list[Program], dict[str, int]]:
     """Window group ``g``'s programs (its pages, ``gspec``, live in pools of their own with the
     full-attention pools' page counts: ``write_window_kv`` / ``read_window_kv`` use the device
     pool's scatter and gather, backups and loads the transfer engine's copies), named
-    ``window{g}.<name>``."""
+    ``<tag><name>``: ``window{g}.`` (a ``STATE`` group's slots: ``state{g}.``, a slot its
+    "page")."""
     progs, bounds = device_pool_programs(gspec, device_pages, platform, "xla")
     more, more_bounds = host_programs(gspec, device_pages, host_pages, platform, layout)
     progs += more
     bounds.update(more_bounds)
-    tag = f"window{g}."
     return (
         [dataclasses.replace(p, name=tag + p.name, op=tag + p.op) for p in progs],
         {tag + op: n for op, n in bounds.items()},
@@ -754,8 +759,9 @@ def programs(
     progs += more
     bounds.update(more_bounds)
     for g, group in enumerate(spec.window_groups):  # each window group's pools and copies
+        tag = f"state{g}." if group.kind is GroupKind.STATE else f"window{g}."
         more, more_bounds = _window_programs(
-            g, group.spec(spec.page_size, spec.shard), device_pages, host_pages, platform, layout
+            tag, group.spec(spec.page_size, spec.shard), device_pages, host_pages, platform, layout
         )
         progs += more
         bounds.update(more_bounds)
