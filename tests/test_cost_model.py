@@ -730,3 +730,23 @@ def test_a_plan_that_fetched_from_l3_is_recorded_end_to_end():
         )
         assert st["cost_decision_read_err_median"] is not None
         b.close()
+
+
+def test_a_load_costs_its_window_pages_and_its_checkpoint_too():
+    """With layer groups a load moves, besides its full-attention pages, the window pages a
+    continuation at its end reads and a checkpoint's state slot: the plan prices them."""
+    from hicache_jax import KVSpec, StateArray
+    from hicache_jax.cache.windows import group_load_bytes
+
+    kw = dict(num_layers=4, num_kv_heads=2, head_dim=8, dtype="float32", page_size=4)
+    win = KVSpec.from_pattern("3:1", window=10, **kw)  # 3 pages of 4 read at an end
+    f = group_load_bytes(win)
+    wpage = win.window_groups[0].spec(4).page_bytes
+    assert f(np.array([0, 1, 3, 9])).tolist() == [0, wpage, 3 * wpage, 3 * wpage]
+    hyb = KVSpec.from_pattern("R3:F1", state=[StateArray("s", (5, 7))], **kw)
+    g = group_load_bytes(hyb)
+    slot = hyb.window_groups[0].slot_bytes
+    assert g(np.array([0, 1, 8])).tolist() == [0, slot, slot]
+    model = CostModel(hyb.page_bytes, 4, group_bytes=g)
+    assert model.load_bytes(np.array([2])).tolist() == [2 * hyb.page_bytes + slot]
+    assert group_load_bytes(KVSpec(**kw)) is None

@@ -57,7 +57,7 @@ from hicache_jax.cache.ownership import ALLOCATED, CALLERS, DevicePageOwners
 from hicache_jax.cache.removal import Removal
 from hicache_jax.cache.request import Request, Served, admit_matched, served_of
 from hicache_jax.cache.thread_owner import ThreadOwner, publishes
-from hicache_jax.cache.windows import Windows
+from hicache_jax.cache.windows import Windows, group_load_bytes
 from hicache_jax.cache.write_policy import WriteContext, make_write_policy
 from hicache_jax.errors import HiCacheError
 from hicache_jax.events.factory import make_recorder
@@ -228,6 +228,7 @@ class HiCache:
             self._ps,
             cfg.prefill_cost,
             observed_page_bytes=self.spec.page_bytes,
+            group_bytes=group_load_bytes(self.spec),
         )
         self._rule = make_rule(cfg, self._cost, dev, tree)
         # load_overlap: begin() lets the cost rule pick two-ended splits (cache/loading/overlap.py)

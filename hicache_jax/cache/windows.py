@@ -33,7 +33,7 @@ Threading: the cache's thread only.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -43,7 +43,7 @@ from hicache_jax.spec import GroupKind, KVSpec
 from hicache_jax.tree.node import InsertResult, TreeMatch, TreeNode
 from hicache_jax.tree.windows import kept_first_page, servable_pages
 
-__all__ = ["Windows"]
+__all__ = ["Windows", "group_load_bytes"]
 
 _EMPTY = np.zeros(0, np.int32)
 
@@ -239,3 +239,29 @@ def _depth_pages(node: TreeNode) -> int:
 def _device_pages(nodes: list[TreeNode]) -> np.ndarray:
     values = [n.value for n in nodes if n.value is not None]
     return np.concatenate(values) if values else _EMPTY
+
+
+def group_load_bytes(spec: KVSpec) -> Callable[[np.ndarray], np.ndarray] | None:
+    """What a load of ``pages`` pages of a prefix moves besides its full-attention pages,
+    for the cost model: each window group's pages a continuation at its end reads (at most
+    ``ceil(W / page_size)``; a chunk group's ``ceil(C / page_size)``) and each ``STATE``
+    group's checkpoint slot at its end; None without groups."""
+    ps, terms = spec.page_size, []
+    for grp in spec.window_groups:
+        size = grp.spec(ps).page_bytes
+        if grp.kind is GroupKind.STATE:
+            terms.append((0, size))
+        else:
+            span = grp.window if grp.kind is GroupKind.WINDOW else grp.chunk
+            assert span is not None
+            terms.append((-(-span // ps), size))
+    if not terms:
+        return None
+
+    def nbytes(pages: np.ndarray) -> np.ndarray:
+        out = np.zeros(pages.shape, np.float64)
+        for k, size in terms:
+            out += (np.minimum(pages, k) if k else (pages > 0)) * float(size)
+        return out
+
+    return nbytes

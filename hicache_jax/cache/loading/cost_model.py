@@ -396,6 +396,10 @@ class CostModel:
         observed_page_bytes: bytes of one page in the transfers reported to
             :meth:`observe_transfer` and :meth:`settle_fetch` (None: ``page_bytes``); they
             are scaled to ``page_bytes`` a page.
+        group_bytes: with layer groups, the bytes besides the full-attention pages that a
+            load of each of ``pages`` pages (an int64 array) moves with them, in observed
+            bytes: the window groups' pages a continuation at its end reads, a checkpoint's
+            state slot (ARCHITECTURE.md, "Recurrent state"); None: nothing besides.
     """
 
     def __init__(
@@ -405,9 +409,11 @@ class CostModel:
         prefill_cost: Callable[[int, int], float] | None = None,
         eviction_weight: float = 0.5,
         observed_page_bytes: int | None = None,
+        group_bytes: Callable[[np.ndarray], np.ndarray] | None = None,
     ) -> None:
         self.page_bytes, self.page_size = int(page_bytes), int(page_size)
         self.byte_scale = self.page_bytes / int(observed_page_bytes or page_bytes)
+        self.group_bytes = group_bytes
         self.prefill_cost, self.eviction_weight = prefill_cost, float(eviction_weight)
         self.links = {k: LinkFit(*v, trust_warmup=k != "l3_l2") for k, v in WARMUP.items()}
         self.prefill_fit = PrefillFit()
@@ -441,6 +447,19 @@ class CostModel:
     def observe_prefill(self, n_new: float, n_cached: float, seconds: float) -> None:
         self.prefill_fit.observe(n_new, n_cached, seconds)
         self._settle_prefill(n_new, n_cached, seconds)
+
+    def load_bytes(self, pages: Any) -> np.ndarray:
+        """Bytes (float64, in ``page_bytes`` units) a load of each of ``pages`` pages moves:
+        the full-attention pages and, with layer groups, what they carry (``group_bytes``)."""
+        n = np.asarray(pages, np.int64)
+        out = n * float(self.page_bytes)
+        if self.group_bytes is not None:
+            out = out + np.asarray(self.group_bytes(n), np.float64) * self.byte_scale
+        return out
+
+    def load_nbytes(self, pages: int) -> int:
+        """:meth:`load_bytes` of one load of ``pages`` pages, an int."""
+        return int(self.load_bytes(np.array([pages]))[0])
 
     # -- decision records -----------------------------------------------------------------------
 
@@ -627,11 +646,11 @@ class CostModel:
         elif split is not None and split[1] < float(np.min(t)):  # strictly less: a tie loads
             front = int(split[0])
             self.last_split, self.n["cost_splits"] = front, self.n["cost_splits"] + 1
-            nbytes = (total - front) // ps * self.page_bytes
+            nbytes = self.load_nbytes((total - front) // ps)
             self.last_decision = self._decision(nbytes, cached + total, links)
             return total - front
         self.n["cost_partial_loads"] += 0 < best < total
-        nbytes = best // ps * self.page_bytes
+        nbytes = self.load_nbytes(best // ps)
         self.last_decision = self._decision(nbytes, cached + best, links)
         return best
 
@@ -653,7 +672,7 @@ class CostModel:
         over ``fits``, the prefill of the rest plus a page, the eviction charge. Raises
         LookupError (no prefill figure) or the callable's error."""
         ps, pages = self.page_size, loaded // self.page_size
-        t = sum(f.plan_costs(pages * float(self.page_bytes)) for f in fits)
+        t = sum(f.plan_costs(self.load_bytes(pages)) for f in fits)
         pre = self._prefill_many(total - loaded + ps, cached + loaded)
         return t + pre + self._eviction_charge(pages, free_pages)
 
@@ -673,7 +692,7 @@ class CostModel:
             return None
         front = np.unique(np.linspace(lo, pages - 1, min(512, pages - lo)).astype(np.int64)) * ps
         back = (total - front) // ps
-        load = sum(f.plan_costs(back * float(self.page_bytes)) for f in fits)
+        load = sum(f.plan_costs(self.load_bytes(back)) for f in fits)
         t = (
             np.maximum(self._prefill_many(front, np.full_like(front, cached)), load)
             + self.prefill_seconds(ps, cached + total)
@@ -706,14 +725,14 @@ class CostModel:
         if not evicted.any():
             return np.zeros(evicted.shape)
         redo = self._prefill_many(evicted * self.page_size, 0 * evicted)
-        reload = self.links["l2_l1"].plan_costs(evicted * float(self.page_bytes))
+        reload = self.links["l2_l1"].plan_costs(self.load_bytes(evicted))
         return np.where(evicted > 0, self.eviction_weight * np.minimum(reload, redo), 0.0)
 
     def _probe_spend(self, ntok: int, total: int, cached: int, fits: list[LinkFit]) -> float:
         """What a probe of ``ntok`` tokens spends of the credit: its pessimistic cost over
         ``fits`` less the recompute it replaces (what it adds to the request's time at worst;
         none is counted where the prefill figure fails here)."""
-        bound = sum(f.worst(ntok // self.page_size * self.page_bytes) for f in fits)
+        bound = sum(f.worst(self.load_nbytes(ntok // self.page_size)) for f in fits)
         try:
             saved = self.prefill_seconds(total + self.page_size, cached) - self.prefill_seconds(
                 total - ntok + self.page_size, cached + ntok

@@ -189,7 +189,7 @@ class CostRule:
         (cache/loading/cost_model.py)."""
         taken = {c[0]: c for c in accepted}
         out = [
-            (d, sum(n.num_pages for n in taken[root]) * self.model.page_bytes)
+            (d, self.model.load_nbytes(sum(n.num_pages for n in taken[root])))
             for root, d in self._decided.items()
             if root in taken
         ]

@@ -133,7 +133,7 @@ class Overlap:
             free(pages)
             raise
         model = self._cost
-        model.track([(None, (host.size - lo) * model.page_bytes)])  # its ack: an L2 -> L1 sample
+        model.track([(None, model.load_nbytes(host.size - lo))])  # its ack: an L2 -> L1 sample
         self._n["overlap_loads"] += 1
         self._n["overlap_load_tokens"] += (host.size - lo) * ps
         end = cached_len + host.size * ps
