@@ -163,15 +163,25 @@ class Windows:
         """Drop the group pages of ``node`` (starting at page ``start_page`` of its prefix)
         that a continuation at its end does not read, on both tiers: freed, or marked spare
         (``spare``: kept while the group's pool has room, so a later split there still finds
-        them); how many were dropped."""
+        them); how many were dropped.
+
+        A ``STATE`` group's checkpoint at the end of a node with children is spare too: it
+        serves only requests that branch exactly there, and losing it costs the recompute
+        from the previous checkpoint (the request that does it checkpoints there again:
+        :meth:`positions`), while a slot is worth many pages; so taking such slots (oldest
+        first) comes before evicting any leaf for a checkpoint's room. A match that ends
+        there holds it (:meth:`hold`)."""
         end = (start_page + node.num_pages) * self._ps
         freed = 0
         for g, group in enumerate(self.groups):
             k = max(0, kept_first_page(group, end, self._ps) - start_page)
+            inner = group.kind is GroupKind.STATE and bool(node.children)
             for side, ids in ((self.device, node.value), (self.host, node.host_value)):
                 if ids is None:
                     continue
-                if self.spare:
+                if inner and self.spare:  # see below
+                    freed += side.mark_spare(g, ids)
+                elif self.spare:
                     freed += side.mark_spare(g, ids[:k])
                     side.unmark_spare(g, ids[k:])
                 elif k:
