@@ -1033,9 +1033,11 @@ class HiCacheConfig:
             bytes (at least 8, at most ``host_pages``).
         checkpoint_every_pages: with ``STATE`` groups: besides the checkpoints at a request's
             commit, finish and the point where its prefix leaves the tree, one every this many
-            pages of a prefill (``Request.checkpoint_positions``); 0 (default): none of those.
-            Interior checkpoints are spare once their node is in the tree (kept while slots
-            are free; they serve a later request that diverges there).
+            pages of a prefill (``HiCache.checkpoint_positions``); 0: none of those; None
+            (default): every 2,048 tokens (``max(1, 2048 // page_size)`` pages). Interior
+            checkpoints are spare once their node is in the tree: kept while slots are free
+            (they serve a later request that diverges there), thinned evenly as slots run
+            short (ARCHITECTURE.md, "Recurrent state").
     """
 
     device_pages: int
@@ -1073,7 +1075,7 @@ class HiCacheConfig:
     window_spare: bool = True
     state_device_slots: int | None = None
     state_host_slots: int | None = None
-    checkpoint_every_pages: int = 0
+    checkpoint_every_pages: int | None = None
 
     def __post_init__(self) -> None:
         set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731
@@ -1156,8 +1158,9 @@ class HiCacheConfig:
         ):
             if getattr(self, name) is not None:
                 set_(name, check_int(name, getattr(self, name), 1))
-        every = check_int("checkpoint_every_pages", self.checkpoint_every_pages, 0)
-        set_("checkpoint_every_pages", every)
+        if self.checkpoint_every_pages is not None:
+            every = check_int("checkpoint_every_pages", self.checkpoint_every_pages, 0)
+            set_("checkpoint_every_pages", every)
         if self.shard_axis is not None and self.mesh is None:
             raise ValueError(f"shard_axis={self.shard_axis!r} given without a mesh")
         if self.mesh is not None:

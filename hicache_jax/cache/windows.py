@@ -122,13 +122,16 @@ class Windows:
             self.device.attach_new(fresh, (g,))
         return row[ids].copy()
 
-    def positions(self, cached: int, held: int, end: int, every_pages: int) -> list[int]:
+    def positions(self, cached: int, held: int, end: int, every_pages: int | None) -> list[int]:
         """Where a request whose prompt is served up to ``cached`` tokens should checkpoint,
         as prefix lengths in ``(cached, end]`` (page multiples): ``held``, where the tree's
         pages go on past what it could serve (the request's checkpoint there becomes the
         tree's when it inserts: :meth:`before_free_duplicates`); every ``every_pages`` pages
-        from the root; and ``end`` (the prompt's last whole page: its commit)."""
+        from the root (None: every ``DEFAULT_EVERY_TOKENS``); and ``end`` (the prompt's last
+        whole page: its commit)."""
         ps = self._ps
+        if every_pages is None:
+            every_pages = max(1, DEFAULT_EVERY_TOKENS // ps)
         out = {end} if end > cached else set()
         if cached < held <= end:
             out.add(held)
@@ -168,21 +171,23 @@ class Windows:
         A ``STATE`` group's checkpoint at the end of a node with children is spare too: it
         serves only requests that branch exactly there, and losing it costs the recompute
         from the previous checkpoint (the request that does it checkpoints there again:
-        :meth:`positions`), while a slot is worth many pages; so taking such slots (oldest
-        first) comes before evicting any leaf for a checkpoint's room. A match that ends
-        there holds it (:meth:`hold`)."""
+        :meth:`positions`), while a slot is worth many pages; so taking such slots comes
+        before evicting any leaf for a checkpoint's room. A match that ends there holds it
+        (:meth:`hold`). Spare checkpoints are taken in :func:`checkpoint_ranks` order."""
         end = (start_page + node.num_pages) * self._ps
         freed = 0
         for g, group in enumerate(self.groups):
             k = max(0, kept_first_page(group, end, self._ps) - start_page)
-            inner = group.kind is GroupKind.STATE and bool(node.children)
+            state = group.kind is GroupKind.STATE
+            inner = state and bool(node.children)
+            rank = checkpoint_ranks(start_page, node.num_pages, inner) if state else None
             for side, ids in ((self.device, node.value), (self.host, node.host_value)):
                 if ids is None:
                     continue
                 if inner and self.spare:  # see below
-                    freed += side.mark_spare(g, ids)
+                    freed += side.mark_spare(g, ids, rank)
                 elif self.spare:
-                    freed += side.mark_spare(g, ids[:k])
+                    freed += side.mark_spare(g, ids[:k], None if rank is None else rank[:k])
                     side.unmark_spare(g, ids[k:])
                 elif k:
                     freed += side.detach_group(g, ids[:k])
@@ -235,6 +240,31 @@ class Windows:
                             "continuation at the node's end reads"
                         )
             stack.extend((c, start + node.num_pages) for c in node.children.values())
+
+
+#: ``checkpoint_every_pages=None``: a checkpoint every this many tokens of a prefill.
+DEFAULT_EVERY_TOKENS = 2048
+
+#: The rank of a checkpoint at the end of a node with children (a branch point): above
+#: every interior one.
+BRANCH_RANK = 63
+
+
+def checkpoint_ranks(start_page: int, num_pages: int, inner: bool) -> np.ndarray:
+    """The reclaim ranks of the checkpoints a node of ``num_pages`` pages (from page
+    ``start_page`` of its prefix) may hold, one per page: lower ranks go first. A checkpoint
+    ending at page count ``e`` from the root has rank ``ctz(e)`` (the trailing zero bits), so
+    as slots run short the interior checkpoints thin out evenly: every odd multiple of the
+    interval goes before any multiple of twice the interval, and so on (the spacing doubles
+    each time; oldest first within a rank). A node end with children (``inner``: a branch
+    point, where an earlier request did diverge) ranks above them all."""
+    e = np.arange(start_page + 1, start_page + num_pages + 1, dtype=np.int64)
+    rank = np.zeros(num_pages, np.int64)
+    low = e & -e  # the lowest set bit: 2 ** ctz(e)
+    rank[:] = np.log2(low.astype(np.float64)).astype(np.int64)
+    if inner and num_pages:
+        rank[-1] = BRANCH_RANK
+    return np.minimum(rank, BRANCH_RANK)
 
 
 def _depth_pages(node: TreeNode) -> int:

@@ -61,6 +61,7 @@ from hicache_jax.memory.page_copy import (
     inline_copy,
     layer_plans,
 )
+from hicache_jax.memory.window import spare_rank
 from hicache_jax.spec import HostLayout
 from hicache_jax.validation import check_bool, check_int, is_int
 
@@ -328,8 +329,9 @@ class TransferEngine:
                     self.window_pages_dropped += max(0, int(kept.size - taken.size))
                     sel = sel[: taken.size]
                 dst_side.attach[g, dst[sel]] = taken
-                if sel.size > kept.size:
-                    dst_side.mark_spare(g, dst[sel[kept.size :]])
+                if sel.size > kept.size:  # spare there too, of the same rank
+                    rest = sel[kept.size :]
+                    dst_side.mark_spare(g, dst[rest], spare_rank(src_side.spare[g, src[rest]]))
                 handle.nbytes += int(taken.size) * dev.pools[g].spec.page_bytes
             plans.append(copy_plan(taken, w[sel], length=length))  # (none: zero trips)
         return plans

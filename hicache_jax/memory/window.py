@@ -24,7 +24,15 @@ from hicache_jax.errors import HiCacheError, OutOfPagesError
 from hicache_jax.memory.allocator import PageAllocator
 from hicache_jax.spec import LayerGroup
 
-__all__ = ["WindowPages"]
+__all__ = ["RANK_SHIFT", "WindowPages", "spare_rank"]
+
+#: A spare page's stamp is ``rank << RANK_SHIFT`` plus the count of markings so far.
+RANK_SHIFT = 40
+
+
+def spare_rank(stamps: np.ndarray) -> np.ndarray:
+    """The ranks of spare stamps (``WindowPages.spare`` values > 0)."""
+    return stamps >> RANK_SHIFT
 
 
 class WindowPages:
@@ -117,14 +125,20 @@ class WindowPages:
         """Group ``g`` pages free or spare (what :meth:`take` can give)."""
         return self.pools[g].allocator.num_free + self._spare_n[g]
 
-    def mark_spare(self, g: int, anchor_ids: np.ndarray) -> int:
+    def mark_spare(self, g: int, anchor_ids: np.ndarray, rank: np.ndarray | None = None) -> int:
         """Group ``g``'s pages attached to ``anchor_ids`` become spare (those that were
-        keep their stamp); how many became."""
+        keep their stamp); how many became. ``rank`` (ints in ``[0, 64)``, one per id): spare
+        pages of a lower rank are reclaimed first, oldest first within a rank (the stamp is
+        ``rank << RANK_SHIFT`` plus the marking's count; :func:`spare_rank` reads it back)."""
         row = self.spare[g]
-        sel = anchor_ids[(self.attach[g, anchor_ids] >= 0) & (row[anchor_ids] == 0)]
+        mask = (self.attach[g, anchor_ids] >= 0) & (row[anchor_ids] == 0)
+        sel = anchor_ids[mask]
         if sel.size:
             self._stamp += 1
-            row[sel] = self._stamp
+            stamp = np.int64(self._stamp)
+            row[sel] = (
+                stamp if rank is None else (rank[mask].astype(np.int64) << RANK_SHIFT) + stamp
+            )
             self._spare_n[g] += int(sel.size)
         return int(sel.size)
 
