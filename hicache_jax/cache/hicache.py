@@ -542,7 +542,7 @@ class HiCache:
                 resolved,
                 rule=self._rule,
                 page_size=self._ps,
-                take=self._evict.take,
+                take=self._load_take(len(resolved)),
                 load=self._flight.load,
                 counters=self._n,
                 layerwise=layerwise,
@@ -552,6 +552,23 @@ class HiCache:
             self._write.largest_alloc, self._write.announced = sizes
             raise
         return [self._servable(m) for m in loaded]
+
+    def _load_take(self, chains: int) -> Callable[[int], np.ndarray]:
+        """The device pages of a load-back (``load_chains`` takes them once its chains are
+        locked); with STATE groups, also room for a slot per chain in each group's device
+        pool (leaves evicted where no slot is free or spare), so the checkpoint at a loaded
+        chain's end comes with it instead of being dropped (which would cut the hit)."""
+        take = self._evict.take
+        states = () if self._windows is None else self._windows.states
+        if not states:
+            return take
+
+        def take_with_slots(n: int) -> np.ndarray:
+            ids = take(n)
+            self._window_room(chains, states)
+            return ids
+
+        return take_with_slots
 
     def _servable(self, m: Match) -> Match:
         """``m`` cut back to the longest prefix its device pages can serve (window groups:
