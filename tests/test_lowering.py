@@ -342,7 +342,7 @@ def test_lower_command_takes_a_layer_pattern(capsys):
     with pytest.raises(SystemExit) as exc:
         main([*common, "--window", "32"])
     assert exc.value.code == 2
-    assert "--window / --chunk need --layer-pattern" in capsys.readouterr().err
+    assert "--window / --chunk / --state need --layer-pattern" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("platform", ["tpu", "cuda"])
