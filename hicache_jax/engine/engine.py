@@ -221,9 +221,10 @@ class Engine:
         else:
             if self.prefetch:  # the engine matches the prompt minus its last token
                 cache.prefetch(prompt[: n - 1])
-            with cache.begin(prompt[: n - 1], layerwise=self.layerwise) as req:
+            layerwise = self.layerwise and not self.model.recurrent
+            with cache.begin(prompt[: n - 1], layerwise=layerwise) as req:
                 cached = req.cached_len
-                if req.loaded_len and not self.layerwise:  # its copy timed as its own
+                if req.loaded_len and not layerwise:  # its copy timed as its own
                     cache.wait_loaded(req.device_pages)
                 req.extend(kv_len - req.num_tokens)  # a split's pages are the request's
                 tokens, first_logits, ttft = self._run(
@@ -265,6 +266,8 @@ class Engine:
         """Prefill ``prompt[cached:]`` in chunks (the first waits per layer for ``waiter``, a
         layer-wise load's handle, when given; with ``req.overlap``, the front, then the wait
         for the back's copy, then the rest), then decode; returns tokens, logits, TTFT."""
+        if self.model.recurrent:
+            return self._run_recurrent(prompt, cached, pages, max_new, t0, req)
         starts = list(range(cached, prompt.shape[0], self.chunk_size))
         if req is not None and req.overlap:
             front, back = req.overlap
@@ -321,6 +324,123 @@ class Engine:
             out.append(tok)
             pos += 1
         return np.asarray(jnp.concatenate(out)), first_logits, ttft
+
+    def _run_recurrent(
+        self,
+        prompt: np.ndarray,
+        cached: int,
+        pages: np.ndarray,
+        max_new: int,
+        t0: float,
+        req: Any,
+    ) -> tuple[np.ndarray, np.ndarray, float]:
+        """:meth:`_run` of a model with recurrent layers: the state starts from the
+        checkpoint at ``cached`` (a copy: :func:`start_state`), the prefill writes the
+        checkpoints ``cache.checkpoint_positions`` asks for from its chunk-boundary states, and
+        decode advances the request's own state, checkpointing the last whole page of
+        prompt + output (what ``finish`` inserts) where it lies beyond the prompt's. ``req``
+        None (mode ``none``): no checkpoint is read or written."""
+        cache, model = self.cache, self.model
+        n = prompt.shape[0]
+        ckpt = Checkpoints(cache, model, pages, prompt, cached, n + max_new - 1, req is not None)
+        state = ckpt.state
+        p0, shapes = time.perf_counter(), []
+        logits = None
+        for c0 in range(cached, n, self.chunk_size):
+            chunk = prompt[c0 : c0 + self.chunk_size]
+            shapes.append((_pow2(max(chunk.shape[0], self.prefill_bucket)), pages.shape[0]))
+            logits, state, bounds, step = model.forward_recurrent(
+                self.pool,
+                chunk,
+                c0,
+                pages,
+                state,
+                min_bucket=self.prefill_bucket,
+                min_pages=self.table_bucket,
+            )
+            ckpt.prefilled(c0, c0 + chunk.shape[0], bounds, step)
+        assert logits is not None  # the prompt's last token is never cached: a chunk ran
+        first_logits = np.asarray(logits)
+        self._report_prefill(tuple(shapes), n - cached, cached, time.perf_counter() - p0)
+        tok = _argmax(logits)
+        out = [tok]
+        ttft = time.perf_counter() - t0
+        for pos in range(n, n + max_new - 1):
+            logits, state, _, _ = model.forward_recurrent(
+                self.pool, tok, pos, pages, state, min_pages=self.table_bucket
+            )
+            ckpt.decoded(pos + 1, state)
+            tok = _argmax(logits)
+            out.append(tok)
+        return np.asarray(jnp.concatenate(out)), first_logits, ttft
+
+
+class Checkpoints:
+    """A recurrent-pattern request's checkpoints (the serial and the batched engine): its
+    start state, the prefill's checkpoints and the decode's last one.
+
+    Args:
+        cache: the cache (its first STATE group holds the recurrent layers' state).
+        model: the decoder (``forward_recurrent``'s chunk).
+        pages: the request's device pages (those past ``cached`` its own, not inserted yet).
+        tokens: what the request prefills from ``cached`` (its prompt; a re-admitted
+            request's prompt and output so far).
+        cached: tokens served from the cache (a checkpoint position, or 0).
+        kv_len: the positions whose K/V the request computes in all (``finish`` inserts
+            their whole pages).
+        enabled: False (no prefix cache): start from zeros, write nothing.
+    """
+
+    def __init__(
+        self,
+        cache: HiCache,
+        model: DecoderModel,
+        pages: np.ndarray,
+        tokens: np.ndarray,
+        cached: int,
+        kv_len: int,
+        enabled: bool = True,
+    ) -> None:
+        self.cache, self.pages, self.enabled = cache, pages, enabled
+        self.ps = ps = cache.spec.page_size
+        self.group = cache.spec.state_groups[0]
+        self.state = start_state(cache, model, pages, cached) if enabled else model.zero_state()
+        self.positions = cache.checkpoint_positions(tokens, cached) if enabled else []
+        prompt_end = tokens.shape[0] // ps * ps
+        last = kv_len // ps * ps
+        #: The last whole page of everything computed, when decode reaches it past the prompt.
+        self.decode_end = last if enabled and last > max(prompt_end, cached) else None
+
+    def prefilled(self, c0: int, end: int, bounds: Sequence[Any], chunk: int) -> None:
+        """A prefill chunk over positions ``c0 .. end-1`` ran (``forward_recurrent``'s
+        boundary states after every ``chunk`` tokens from ``c0``): write the checkpoints in
+        ``(c0, end]``."""
+        here = [p for p in self.positions if c0 < p <= end]
+        if not here:
+            return
+        idx = np.asarray([(p - c0) // chunk - 1 for p in here], np.int32)
+        state = [jnp.moveaxis(jnp.take(b, idx, axis=1), 1, 0) for b in bounds]
+        self.cache.write_state(self.group, self.pages[[p // self.ps - 1 for p in here]], state)
+
+    def decoded(self, end: int, state: Sequence[Any]) -> None:
+        """Decode computed position ``end - 1``: ``state`` is the state after ``end``
+        tokens; checkpoint it if ``end`` is :attr:`decode_end`."""
+        if end == self.decode_end:
+            page = self.pages[[end // self.ps - 1]]
+            self.cache.write_state(self.group, page, [a[None] for a in state])
+
+
+def start_state(
+    cache: HiCache, model: DecoderModel, pages: np.ndarray, cached: int
+) -> tuple[Any, ...]:
+    """The recurrent state a request served from the cache up to ``cached`` tokens starts
+    from: a copy of the checkpoint at the end of its page ``cached // ps - 1`` (never written
+    again: the request advances its own), zeros when ``cached`` is 0."""
+    if cached == 0:
+        return model.zero_state()
+    ps = cache.spec.page_size
+    g = cache.spec.state_groups[0]
+    return tuple(a[0] for a in cache.read_state(g, pages[cached // ps - 1 : cached // ps]))
 
 
 def check_spec(spec: KVSpec, want: KVSpec) -> None:

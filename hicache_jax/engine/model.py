@@ -53,10 +53,13 @@ from hicache_jax.engine.layers import (
     LOCAL_LAYER,
     PATTERN_BATCH_STEP,
     PATTERN_STEP,
+    RECURRENT_STEP,
     STEP,
     TRACES,
     UNROLL_TOKENS,
     layer_plan,
+    recurrent_plan,
+    zero_state,
 )
 from hicache_jax.engine.packing import (
     NO_SLOTS,
@@ -124,6 +127,13 @@ class DecoderModel:
             raise ValueError(f"unroll_tokens={unroll_tokens!r} must be an int >= 0")
         #: Per layer, its pool and mask (``layers.layer_plan``); empty: every layer full.
         self.plan = layer_plan(cfg)
+        #: A recurrent pattern's layers (``layers.recurrent_plan``); empty: none recurrent.
+        self.recurrent = recurrent_plan(cfg)
+        if self.recurrent and mesh is not None:
+            raise ValueError(
+                f"layer_pattern={cfg.layer_pattern!r} (--layer-pattern): a model with recurrent "
+                "layers does not run tensor-parallel (mesh=) yet"
+            )
         if self.plan and mesh is not None:
             raise ValueError(
                 f"layer_pattern={cfg.layer_pattern!r} (--layer-pattern): a model with local "
@@ -146,6 +156,11 @@ class DecoderModel:
             **{k: v for k, v in self.params.items() if k != "layers"},
             "per_layer": tuple(self._layer_params),
         }
+        if self.recurrent:
+            self._unrolled_params["recurrent_per_layer"] = tuple(
+                {k: _layer_slice(v, j) for k, v in self.params["recurrent"].items()}
+                for j in range(len(cfg.recurrent_layers()))
+            )
         # Module-level jits with the config static: models of equal config share compiles.
         self._step = functools.partial(STEP, cfg)
         self._layer = functools.partial(LAYER, cfg)
@@ -209,6 +224,7 @@ class DecoderModel:
         Returns:
             float32 [vocab] logits of the last token (a jax array, not synchronized).
         """
+        self._not_recurrent("forward")
         self._window_args(windows, window_pages, "window_pages")
         n = int(tokens.shape[0])
         ps = self._page_size(pool)
@@ -242,6 +258,106 @@ class DecoderModel:
             waiter.wait_layer(layer)
             x = pool.run(self._layer, jnp.int32(layer), lp, x, *args)
         return self._head(self.params, x, jnp.int32(n))
+
+    def _not_recurrent(self, name: str) -> None:
+        if self.recurrent:
+            raise ValueError(
+                f"{name}: a model with recurrent layers (layer_pattern="
+                f"{self.cfg.layer_pattern!r}) runs with forward_recurrent (it keeps a state)"
+            )
+
+    def zero_state(self) -> tuple[jax.Array, ...]:
+        """A recurrent model's state at the start of a sequence (``(conv, ssm)``, each with a
+        leading axis of its recurrent layers)."""
+        return zero_state(self.cfg, len(self.cfg.recurrent_layers()))
+
+    def recurrent_chunk(self, page_size: int) -> int:
+        """Tokens of a chunk of the recurrent layers' prefill (``recurrent_chunked``): the
+        largest divisor of ``page_size`` up to ``self.max_recurrent_chunk``, so that chunks
+        starting at a page boundary (a checkpoint: every cached prefix ends at one) end at
+        every page boundary, and a prefill served from a checkpoint repeats a recompute's
+        arithmetic chunk for chunk."""
+        return max(d for d in range(1, self.max_recurrent_chunk + 1) if page_size % d == 0)
+
+    #: The longest chunk of :meth:`recurrent_chunk`.
+    max_recurrent_chunk = 16
+
+    def forward_recurrent(
+        self,
+        pool: PoolLike,
+        tokens,
+        start: int,
+        page_ids,
+        state: Sequence[Any],
+        *,
+        min_bucket: int = 1,
+        min_pages: int = 1,
+    ) -> tuple[jax.Array, tuple[jax.Array, ...], tuple[jax.Array, ...], int]:
+        """One chunk of a request of a recurrent-pattern model: the full layers' K/V into its
+        pages, the recurrent layers from ``state`` (the state after ``start`` tokens).
+
+        Args:
+            pool: the device pool (the full-attention layers; donated and rebound).
+            tokens: int [n] token ids at positions ``start ..`` (numpy or a jax array; one
+                token: the step form of decode, else the chunked form of prefill).
+            start: position of ``tokens[0]``; a prefill from a page boundary (a checkpoint or
+                0) keeps its chunks at page boundaries.
+            page_ids: the request's pages in position order (as :meth:`forward`).
+            state: ``(conv [R, conv_width-1, d_model], ssm [R, H, dk, dv])`` float32, R the
+                recurrent layers (:meth:`zero_state`, or ``HiCache.read_state`` of a
+                checkpoint without its page axis); not modified.
+            min_bucket / min_pages: as :meth:`forward`.
+
+        Returns:
+            ``(logits [vocab], state after the chunk, boundary states, chunk)``: the boundary
+            states ``(conv [R, nb, ...], ssm [R, nb, ...])`` after each ``chunk`` tokens of
+            the prefill (``start + (i+1) * chunk``, clamped to the chunk's end; nb = 0 for
+            one token). Jax arrays, not synchronized.
+        """
+        if not self.recurrent:
+            raise ValueError("forward_recurrent: this model has no recurrent layers")
+        n = int(tokens.shape[0])
+        ps = self._page_size(pool)
+        if n < 1 or start < 0:
+            raise ValueError(f"need >= 1 token at start >= 0, got n={n}, start={start}")
+        if n > 1 and start % ps:
+            raise ValueError(
+                f"start={start}: a recurrent prefill starts at a page boundary ({ps} tokens)"
+            )
+        used = -(-(start + n) // ps)
+        page_ids = np.asarray(page_ids, np.int32)
+        if page_ids.ndim != 1 or page_ids.shape[0] < used:
+            raise ValueError(
+                f"page_ids has shape {page_ids.shape}; positions 0..{start + n - 1} "
+                f"need {used} pages of {ps} tokens"
+            )
+        conv, ssm = (jnp.asarray(a, jnp.float32) for a in state)
+        want = tuple(a.shape for a in self.zero_state())
+        if (conv.shape, ssm.shape) != want:
+            raise ValueError(f"state has shapes {(conv.shape, ssm.shape)}, needs {want}")
+        table = np.full(bucket(used, min_pages), pool.num_pages, np.int32)
+        table[:used] = page_ids[:used]
+        tb = 1 if n == 1 else max(2, bucket(n, min_bucket))
+        toks: np.ndarray | jax.Array
+        if isinstance(tokens, np.ndarray):
+            toks = np.zeros(tb, np.int32)
+            toks[:n] = tokens
+        elif tb != n:
+            toks = jnp.pad(jnp.asarray(tokens, jnp.int32), (0, tb - n))
+        else:
+            toks = tokens
+        chunk = self.recurrent_chunk(ps)
+        logits, new_state, bounds = pool.run(
+            functools.partial(RECURRENT_STEP, self.cfg, chunk),
+            self._unrolled_params,
+            toks,
+            jnp.int32(start),
+            jnp.int32(n),
+            table,
+            conv,
+            ssm,
+        )
+        return logits, new_state, bounds, chunk
 
     def _pattern_forward(
         self,
@@ -360,6 +476,7 @@ class DecoderModel:
             (float32 ``[R, vocab]`` logits, int32 ``[R]`` greedy tokens), row ``b < B`` for
             chunk ``b``; rows ``>= B`` are padding. Jax arrays, not synchronized.
         """
+        self._not_recurrent("forward_batch")
         b = len(chunks)
         if b < 1 or len(starts) != b or len(page_ids) != b:
             raise ValueError(
