@@ -67,6 +67,8 @@ import time
 from collections.abc import Callable, Hashable, Iterable, Sequence
 from typing import Any, TypedDict
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
 from hicache_jax.cache.hicache import HiCache
@@ -81,6 +83,7 @@ from hicache_jax.engine.batch_state import (
 )
 from hicache_jax.engine.engine import (
     CacheMode,
+    Checkpoints,
     Generation,
     build_cache,
     check_spec,
@@ -199,7 +202,16 @@ class BatchedEngine:
         self.table_bucket, self.batch_bucket = table_bucket, batch_bucket
         self.layerwise, self.decode_reserve = bool(layerwise), float(decode_reserve)
         self.compile_mixed, self.overlap = bool(compile_mixed), bool(overlap)
-        self._layer_waits = self.layerwise and not self.overlap  # see layerwise
+        # (see layerwise; a recurrent model loads back whole: its rows run one by one)
+        self._layer_waits = self.layerwise and not self.overlap and not model.recurrent
+        #: A recurrent model's prefill chunks are whole chunks of its recurrent layers
+        #: (``DecoderModel.recurrent_chunk``) until the last: each starts at a chunk boundary.
+        self._align = model.recurrent_chunk(self.ps) if model.recurrent else 1
+        if token_budget < self._align:
+            raise ValueError(
+                f"token_budget={token_budget} is below the recurrent layers' chunk "
+                f"({self._align} tokens): no prefill chunk would fit"
+            )
         self.clock = clock
         self._pending: list = []  # dispatched forwards whose tokens are not read yet
         self._timer = PrefillTimer(model, cache)  # prefill samples for the cost model
@@ -327,9 +339,9 @@ class BatchedEngine:
         """(request, chunk tokens) of this step's prefill batch; see the module doc."""
         budget, batch = self.token_budget, []
         for req in self.prefilling:  # chunks of prefills under way go first
-            if budget == 0:
+            n = self._chunk(req, budget)
+            if n == 0:
                 break
-            n = min(req.target - req.kv_done, budget)
             batch.append((req, n))
             budget -= n
         cands = self._candidates(budget, batch)
@@ -431,12 +443,19 @@ class BatchedEngine:
                 req.hits = (
                     (0, 0, 0) if h is None else (m0.device_len, h.loaded_len, h.host_len_declined)
                 )
-            n = min(req.target - req.kv_done, budget)
-            batch.append((req, n))
+            n = self._chunk(req, budget)
+            if n:  # (else its first chunk goes next step: a recurrent model's whole chunks)
+                batch.append((req, n))
             budget -= n
             self.prefilling.append(req)
             if last:
                 return
+
+    def _chunk(self, req: BatchRequest, budget: int) -> int:
+        """Tokens of ``req``'s next prefill chunk within ``budget``: a recurrent model's a
+        multiple of its chunk unless it is the prompt's last."""
+        n = min(req.target - req.kv_done, budget)
+        return n if n == req.target - req.kv_done else n // self._align * self._align
 
     def _take_pages(self, req: BatchRequest, h: Request | None, checked: bool = False) -> bool:
         return self._ledger.take(req, h, self.prefilling + self.running, self._reserve, checked)
@@ -454,6 +473,9 @@ class BatchedEngine:
         have yet). With ``compile_mixed`` off, a mixed step whose shapes have no executable
         runs as a prefill step and a decode step (shapes of far fewer kinds, which a warm-up
         covers): no compile in steady serving."""
+        if self.model.recurrent:
+            self._forward_recurrent(batch, decoding)
+            return
         waiter = next((r.handle for r, _ in batch if r.handle is not None), None)
         pre = [r.seq[r.kv_done : r.kv_done + n] for r, n in batch]
         dec = [_PLACEHOLDER] * len(decoding)  # read from the slots on the device
@@ -506,6 +528,59 @@ class BatchedEngine:
                 **knobs,
             )
             self._pending.append((logits, toks, self._dispatched(part_batch, part_dec), sample))
+
+    def _forward_recurrent(
+        self, batch: list[tuple[BatchRequest, int]], decoding: list[BatchRequest]
+    ) -> None:
+        """:meth:`_forward` of a model with recurrent layers: one ``forward_recurrent`` per
+        request (no packed form yet), each over its own state (``BatchRequest.recurrent``: a
+        copy of the checkpoint at its cached prefix on its first chunk; the prefill's
+        checkpoints and the decode's last one written as the serial engine does, before
+        ``share_prompt`` / ``finish`` insert their pages); the rows' tokens sampled on the
+        device and written to their slots, as a packed step does."""
+        rows = []
+        for r, n in batch:
+            if r.recurrent is None:  # its first chunk since admission
+                r.recurrent = Checkpoints(
+                    self.cache,
+                    self.model,
+                    r.pages,
+                    r.seq[: r.target],
+                    r.kv_done,
+                    r.prompt.shape[0] + r.max_new - 1,
+                    self.mode is not CacheMode.NONE,
+                )
+            c0 = r.kv_done
+            logits, state, bounds, chunk = self.model.forward_recurrent(
+                self.pool,
+                r.seq[c0 : c0 + n],
+                c0,
+                r.pages,
+                r.recurrent.state,
+                min_bucket=self.query_block,
+                min_pages=self.table_bucket,
+            )
+            r.recurrent.state = state
+            r.recurrent.prefilled(c0, c0 + n, bounds, chunk, r.pages)
+            rows.append(logits)
+        for r in decoding:
+            assert r.slot is not None and r.recurrent is not None  # an admitted request
+            tok = self.slots.array[r.slot : r.slot + 1]  # the last sampled, on the device
+            logits, state, _, _ = self.model.forward_recurrent(
+                self.pool,
+                tok,
+                r.kv_done,
+                r.pages,
+                r.recurrent.state,
+                min_pages=self.table_bucket,
+            )
+            r.recurrent.state = state
+            r.recurrent.decoded(r.kv_done + 1, state, r.pages)
+            rows.append(logits)
+        reqs = [r for r, _ in batch] + decoding
+        slot_of = np.asarray([r.slot for r in reqs], np.int32)
+        logits, toks, self.slots.array = _sample_rows(tuple(rows), self.slots.array, slot_of)
+        self._pending.append((logits, toks, self._dispatched(batch, decoding), None))
 
     def _dispatched(
         self, batch: list[tuple[BatchRequest, int]], decoding: list[BatchRequest]
@@ -610,6 +685,15 @@ class BatchedEngine:
         gen = self._ledger.finish(r)
         self.records.append(gen.record)
         return gen
+
+
+@jax.jit
+def _sample_rows(rows: tuple, slot_tokens: jax.Array, slot_of: jax.Array) -> tuple:
+    """(float32 logits [B, V], their greedy tokens int32 [B], the slot buffer with row b's
+    token in slot ``slot_of[b]``) of B rows' logits."""
+    logits = jnp.stack(rows)
+    toks = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    return logits, toks, slot_tokens.at[slot_of].set(toks)
 
 
 class PrefillTimer:

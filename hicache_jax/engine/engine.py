@@ -358,7 +358,7 @@ class Engine:
                 min_bucket=self.prefill_bucket,
                 min_pages=self.table_bucket,
             )
-            ckpt.prefilled(c0, c0 + chunk.shape[0], bounds, step)
+            ckpt.prefilled(c0, c0 + chunk.shape[0], bounds, step, pages)
         assert logits is not None  # the prompt's last token is never cached: a chunk ran
         first_logits = np.asarray(logits)
         self._report_prefill(tuple(shapes), n - cached, cached, time.perf_counter() - p0)
@@ -369,7 +369,7 @@ class Engine:
             logits, state, _, _ = model.forward_recurrent(
                 self.pool, tok, pos, pages, state, min_pages=self.table_bucket
             )
-            ckpt.decoded(pos + 1, state)
+            ckpt.decoded(pos + 1, state, pages)
             tok = _argmax(logits)
             out.append(tok)
         return np.asarray(jnp.concatenate(out)), first_logits, ttft
@@ -382,7 +382,8 @@ class Checkpoints:
     Args:
         cache: the cache (its first STATE group holds the recurrent layers' state).
         model: the decoder (``forward_recurrent``'s chunk).
-        pages: the request's device pages (those past ``cached`` its own, not inserted yet).
+        pages: the request's device pages now (those past ``cached`` its own, not inserted
+            yet).
         tokens: what the request prefills from ``cached`` (its prompt; a re-admitted
             request's prompt and output so far).
         cached: tokens served from the cache (a checkpoint position, or 0).
@@ -401,7 +402,7 @@ class Checkpoints:
         kv_len: int,
         enabled: bool = True,
     ) -> None:
-        self.cache, self.pages, self.enabled = cache, pages, enabled
+        self.cache, self.enabled = cache, enabled
         self.ps = ps = cache.spec.page_size
         self.group = cache.spec.state_groups[0]
         self.state = start_state(cache, model, pages, cached) if enabled else model.zero_state()
@@ -411,22 +412,24 @@ class Checkpoints:
         #: The last whole page of everything computed, when decode reaches it past the prompt.
         self.decode_end = last if enabled and last > max(prompt_end, cached) else None
 
-    def prefilled(self, c0: int, end: int, bounds: Sequence[Any], chunk: int) -> None:
+    def prefilled(
+        self, c0: int, end: int, bounds: Sequence[Any], chunk: int, pages: np.ndarray
+    ) -> None:
         """A prefill chunk over positions ``c0 .. end-1`` ran (``forward_recurrent``'s
         boundary states after every ``chunk`` tokens from ``c0``): write the checkpoints in
-        ``(c0, end]``."""
+        ``(c0, end]`` to the request's ``pages`` (its page table now)."""
         here = [p for p in self.positions if c0 < p <= end]
         if not here:
             return
         idx = np.asarray([(p - c0) // chunk - 1 for p in here], np.int32)
         state = [jnp.moveaxis(jnp.take(b, idx, axis=1), 1, 0) for b in bounds]
-        self.cache.write_state(self.group, self.pages[[p // self.ps - 1 for p in here]], state)
+        self.cache.write_state(self.group, pages[[p // self.ps - 1 for p in here]], state)
 
-    def decoded(self, end: int, state: Sequence[Any]) -> None:
+    def decoded(self, end: int, state: Sequence[Any], pages: np.ndarray) -> None:
         """Decode computed position ``end - 1``: ``state`` is the state after ``end``
         tokens; checkpoint it if ``end`` is :attr:`decode_end`."""
         if end == self.decode_end:
-            page = self.pages[[end // self.ps - 1]]
+            page = pages[[end // self.ps - 1]]
             self.cache.write_state(self.group, page, [a[None] for a in state])
 
 

@@ -300,8 +300,8 @@ class DecoderModel:
             pool: the device pool (the full-attention layers; donated and rebound).
             tokens: int [n] token ids at positions ``start ..`` (numpy or a jax array; one
                 token: the step form of decode, else the chunked form of prefill).
-            start: position of ``tokens[0]``; a prefill from a page boundary (a checkpoint or
-                0) keeps its chunks at page boundaries.
+            start: position of ``tokens[0]``; a prefill starts at a multiple of
+                :meth:`recurrent_chunk` (its chunks then end at every page boundary).
             page_ids: the request's pages in position order (as :meth:`forward`).
             state: ``(conv [R, conv_width-1, d_model], ssm [R, H, dk, dv])`` float32, R the
                 recurrent layers (:meth:`zero_state`, or ``HiCache.read_state`` of a
@@ -320,9 +320,11 @@ class DecoderModel:
         ps = self._page_size(pool)
         if n < 1 or start < 0:
             raise ValueError(f"need >= 1 token at start >= 0, got n={n}, start={start}")
-        if n > 1 and start % ps:
+        chunk = self.recurrent_chunk(ps)
+        if n > 1 and start % chunk:
             raise ValueError(
-                f"start={start}: a recurrent prefill starts at a page boundary ({ps} tokens)"
+                f"start={start}: a recurrent prefill starts at a multiple of its chunk "
+                f"({chunk} tokens, recurrent_chunk)"
             )
         used = -(-(start + n) // ps)
         page_ids = np.asarray(page_ids, np.int32)
@@ -346,7 +348,6 @@ class DecoderModel:
             toks = jnp.pad(jnp.asarray(tokens, jnp.int32), (0, tb - n))
         else:
             toks = tokens
-        chunk = self.recurrent_chunk(ps)
         logits, new_state, bounds = pool.run(
             functools.partial(RECURRENT_STEP, self.cfg, chunk),
             self._unrolled_params,
