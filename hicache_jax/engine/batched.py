@@ -458,7 +458,24 @@ class BatchedEngine:
         return n if n == req.target - req.kv_done else n // self._align * self._align
 
     def _take_pages(self, req: BatchRequest, h: Request | None, checked: bool = False) -> bool:
-        return self._ledger.take(req, h, self.prefilling + self.running, self._reserve, checked)
+        positions = None
+        if self.model.recurrent and h is not None:
+            # Asked before its pages are taken (which may evict the tree's pages past the
+            # match, the branch point with them): see engine.Checkpoints.
+            positions = self.cache.checkpoint_positions(req.seq, h.cached_len)
+        if not self._ledger.take(req, h, self.prefilling + self.running, self._reserve, checked):
+            return False
+        if self.model.recurrent:  # its state: a copy of the checkpoint at its cached prefix
+            req.recurrent = Checkpoints(
+                self.cache,
+                self.model,
+                req.pages,
+                req.seq,
+                req.kv_done,
+                req.prompt.shape[0] + req.max_new - 1,
+                positions,
+            )
+        return True
 
     def _stalled(self, req: BatchRequest | None = None) -> None:
         raise self._ledger.stalled_error(self.waiting[0] if req is None else req)
@@ -534,22 +551,13 @@ class BatchedEngine:
     ) -> None:
         """:meth:`_forward` of a model with recurrent layers: one ``forward_recurrent`` per
         request (no packed form yet), each over its own state (``BatchRequest.recurrent``: a
-        copy of the checkpoint at its cached prefix on its first chunk; the prefill's
+        copy of the checkpoint at its cached prefix, taken at admission; the prefill's
         checkpoints and the decode's last one written as the serial engine does, before
         ``share_prompt`` / ``finish`` insert their pages); the rows' tokens sampled on the
         device and written to their slots, as a packed step does."""
         rows = []
         for r, n in batch:
-            if r.recurrent is None:  # its first chunk since admission
-                r.recurrent = Checkpoints(
-                    self.cache,
-                    self.model,
-                    r.pages,
-                    r.seq[: r.target],
-                    r.kv_done,
-                    r.prompt.shape[0] + r.max_new - 1,
-                    self.mode is not CacheMode.NONE,
-                )
+            assert r.recurrent is not None  # set at admission (_take_pages)
             c0 = r.kv_done
             logits, state, bounds, chunk = self.model.forward_recurrent(
                 self.pool,

@@ -155,6 +155,7 @@ class Engine:
         self.table_bucket = table_bucket
         self.layerwise = bool(layerwise)
         self.records: list[RequestRecord] = []
+        self._positions: list[int] = []  # a recurrent model's checkpoints of the request
 
     @classmethod
     def create(
@@ -226,6 +227,12 @@ class Engine:
                 cached = req.cached_len
                 if req.loaded_len and not layerwise:  # its copy timed as its own
                     cache.wait_loaded(req.device_pages)
+                # A recurrent model's checkpoints are placed before the request's own pages
+                # are taken: taking them may evict the tree's pages past the match (the
+                # branch point where the prompt leaves them is one of the places).
+                self._positions = (
+                    cache.checkpoint_positions(prompt, cached) if self.model.recurrent else []
+                )
                 req.extend(kv_len - req.num_tokens)  # a split's pages are the request's
                 tokens, first_logits, ttft = self._run(
                     prompt, cached, req.device_pages, max_new, req.load_handle, t0, req
@@ -342,7 +349,15 @@ class Engine:
         None (mode ``none``): no checkpoint is read or written."""
         cache, model = self.cache, self.model
         n = prompt.shape[0]
-        ckpt = Checkpoints(cache, model, pages, prompt, cached, n + max_new - 1, req is not None)
+        ckpt = Checkpoints(
+            cache,
+            model,
+            pages,
+            prompt,
+            cached,
+            n + max_new - 1,
+            self._positions if req is not None else None,
+        )
         state = ckpt.state
         p0, shapes = time.perf_counter(), []
         logits = None
@@ -389,7 +404,10 @@ class Checkpoints:
         cached: tokens served from the cache (a checkpoint position, or 0).
         kv_len: the positions whose K/V the request computes in all (``finish`` inserts
             their whole pages).
-        enabled: False (no prefix cache): start from zeros, write nothing.
+        positions: where the prefill writes checkpoints: ``cache.checkpoint_positions(tokens,
+            cached)`` asked before the request took its own pages (which may evict the tree's
+            pages past its match, and with them the branch point); None (no prefix cache):
+            start from zeros, write nothing.
     """
 
     def __init__(
@@ -400,13 +418,13 @@ class Checkpoints:
         tokens: np.ndarray,
         cached: int,
         kv_len: int,
-        enabled: bool = True,
+        positions: Sequence[int] | None,
     ) -> None:
-        self.cache, self.enabled = cache, enabled
+        enabled = positions is not None
         self.ps = ps = cache.spec.page_size
-        self.group = cache.spec.state_groups[0]
+        self.cache, self.group = cache, cache.spec.state_groups[0]
         self.state = start_state(cache, model, pages, cached) if enabled else model.zero_state()
-        self.positions = cache.checkpoint_positions(tokens, cached) if enabled else []
+        self.positions = list(positions or ())
         prompt_end = tokens.shape[0] // ps * ps
         last = kv_len // ps * ps
         #: The last whole page of everything computed, when decode reaches it past the prompt.
