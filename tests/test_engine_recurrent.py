@@ -83,6 +83,10 @@ def test_config_spec_and_errors(model):
         model.forward_recurrent(
             cache.device_pool, np.arange(3, dtype=np.int32), 1, pages, model.zero_state()
         )
+    with pytest.raises(ValueError, match="chunk_size=2"):  # the recurrent chunk: a page here
+        Engine(model, cache, mode="device", chunk_size=2)
+    with pytest.raises(ValueError, match="token_budget=2"):
+        BatchedEngine(model, cache, mode="device", token_budget=2)
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("tp",))
     with pytest.raises(ValueError, match="tensor-parallel"):
         DecoderModel(CFG, mesh=mesh)

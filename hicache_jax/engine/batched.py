@@ -51,6 +51,15 @@ of spinning. Requests that could never fit the device pool are refused at :meth:
 Modes as :class:`~hicache_jax.engine.engine.Engine`: ``none`` (pages per request, no tree),
 ``device`` (L1 radix), ``hicache`` (L1 + L2).
 
+A model with recurrent layers (``layer_pattern="R3:F1"``) runs its forward a request at a time
+(``DecoderModel.forward_recurrent``, no packed form yet: correct, not fast), each request over
+its own state: a copy of the checkpoint at its cached prefix, taken at admission with the
+checkpoint positions (asked before its pages are taken), the prefill's checkpoints written from
+its chunk-boundary states before ``commit`` inserts their pages, decode's last one before
+``finish`` does (:class:`~hicache_jax.engine.engine.Checkpoints`). Its prefill chunks are whole
+chunks of the recurrent layers (``DecoderModel.recurrent_chunk``) but the last; its loads are
+whole (no layer-wise wait); its prefills feed the cost model no samples.
+
 The request state and its pages and locks (admission's allocation, a prefill's shared pages,
 release on finish or retraction) are in :mod:`hicache_jax.engine.batch_state`; this module is the
 scheduler: queues, admission order, batches, retraction choice, and the timing of its forwards

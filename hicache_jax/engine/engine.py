@@ -21,6 +21,16 @@ with a batch of one; it shows the cache's job, not a batching scheduler):
 Three modes: ``none`` (no prefix cache: pages are allocated and freed per request), ``device``
 (radix cache in device memory only: HiCache with ``host_pages=0``), ``hicache`` (L1 + L2).
 
+A model with recurrent layers (``layer_pattern="R3:F1"``, :mod:`hicache_jax.engine.recurrent`)
+keeps a state per request beside the full layers' pages (:class:`Checkpoints`): it starts as
+a copy of the checkpoint at ``req.cached_len`` (``HiCache.read_state``; zeros at 0; the cached
+checkpoint is never written), the prefill runs the recurrent layers in chunks that end at
+every page boundary and writes the checkpoints ``HiCache.checkpoint_positions`` asks for
+(asked right after ``begin``, before ``extend`` takes pages that may evict the branch point)
+from the chunk-boundary states, decode advances the request's own state and checkpoints the
+last whole page of prompt + output where it lies past the prompt's; all before ``finish``
+inserts their pages. Its loads are whole (no layer-wise wait).
+
 Threading: an Engine and its cache belong to the thread that calls ``generate``.
 """
 
@@ -148,6 +158,12 @@ class Engine:
         ):
             if not is_int(value) or value < 1 or bucket(value) != value:
                 raise ValueError(f"{name}={value!r} must be a power of two >= 1")
+        if model.recurrent and chunk_size % model.recurrent_chunk(spec.page_size):
+            raise ValueError(
+                f"chunk_size={chunk_size} is not a multiple of the recurrent layers' chunk "
+                f"({model.recurrent_chunk(spec.page_size)} tokens): a prefill chunk would "
+                "start inside one"
+            )
         self.model, self.cache = model, cache
         self._prefill_shapes: set[tuple] = set()  # prefill shape signatures already compiled
         self.pool = cache.device_pool

@@ -33,6 +33,11 @@ the window group pools donated together) or, per layer, :data:`LAYER` / :data:`B
 for full layers and :data:`LOCAL_LAYER` / :data:`LOCAL_BATCH_LAYER` for local ones; a local
 layer's query at ``t`` sees keys from ``t - window`` (or ``t``'s chunk start) to ``t``.
 
+A recurrent pattern (``layer_pattern="R3:F1"``, :func:`recurrent_plan`) runs through
+:data:`RECURRENT_STEP`: the full layers on the full pool, the recurrent layers
+(:mod:`hicache_jax.engine.recurrent`) over the request's own state, which the step takes and
+returns with the states at every chunk boundary of a prefill (the cache's checkpoints).
+
 Threading: the jitted steps dispatch on the caller's thread, which must own the pool
 (ARCHITECTURE.md: one dispatching thread); :data:`TRACES` is only written at trace time.
 """

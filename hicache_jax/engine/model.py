@@ -26,6 +26,11 @@ take ``windows`` and ``window_pages`` (each window group's page of each request 
 the cache every step) and run the fused step through ``DevicePagePool.run_with`` (every pool
 donated at once), the per-layer path a pool a layer. A plain model's steps are unchanged.
 
+A model with recurrent layers (``layer_pattern="R3:F1"``) runs with
+:meth:`DecoderModel.forward_recurrent` instead, one request a call: the caller holds the
+request's recurrent state and passes it in; the call returns it advanced, with the states at
+every chunk boundary of a prefill (the checkpoints a caller writes to the cache).
+
 Threading: every call dispatches on the caller's thread, which must be the thread that owns the
 pool (ARCHITECTURE.md: one dispatching thread).
 """
@@ -34,6 +39,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Protocol, cast
 
@@ -273,13 +279,14 @@ class DecoderModel:
 
     def recurrent_chunk(self, page_size: int) -> int:
         """Tokens of a chunk of the recurrent layers' prefill (``recurrent_chunked``): the
-        largest divisor of ``page_size`` up to ``self.max_recurrent_chunk``, so that chunks
-        starting at a page boundary (a checkpoint: every cached prefix ends at one) end at
-        every page boundary, and a prefill served from a checkpoint repeats a recompute's
-        arithmetic chunk for chunk."""
-        return max(d for d in range(1, self.max_recurrent_chunk + 1) if page_size % d == 0)
+        largest power of two dividing ``page_size``, at most ``self.max_recurrent_chunk``, so
+        that chunks starting at a page boundary (a checkpoint: every cached prefix ends at
+        one) end at every page boundary, and a prefill served from a checkpoint repeats a
+        recompute's arithmetic chunk for chunk; an engine's power-of-two prefill chunks are
+        whole chunks of it."""
+        return math.gcd(page_size, self.max_recurrent_chunk)
 
-    #: The longest chunk of :meth:`recurrent_chunk`.
+    #: The longest chunk of :meth:`recurrent_chunk` (a power of two).
     max_recurrent_chunk = 16
 
     def forward_recurrent(
