@@ -278,3 +278,30 @@ def test_branch_point_placed_before_the_request_takes_its_pages(model, kind):
     fresh = _engine(model, kind, "none", _cache(model)).generate([c], 3)[0]
     np.testing.assert_array_equal(gc.tokens, fresh.tokens)
     np.testing.assert_allclose(gc.first_logits, fresh.first_logits, **TOL)
+
+
+def test_batched_retraction_restarts_from_a_checkpoint(model):
+    """Decode pages run out (no decode reserve): running requests are retracted (their pages
+    inserted), re-admitted from a checkpoint and finish with the tokens of a recompute."""
+    rng = np.random.default_rng(0)
+    head = rng.integers(0, 97, 20)
+    prompts = [
+        np.concatenate([head, rng.integers(0, 97, int(rng.integers(5, 30)))]).astype(np.int32)
+        for _ in range(6)
+    ]
+    base = _engine(model, "serial", "none", _cache(model)).generate(prompts, 24)
+    engine = BatchedEngine(
+        model,
+        _cache(model, device=24),
+        mode="device",
+        **{**BATCHED, "max_running": 4},
+        decode_reserve=0.0,
+    )
+    for _ in range(2):  # the second round mostly hits
+        gens = engine.generate(prompts, 24)
+        for g0, g in zip(base, gens):
+            np.testing.assert_array_equal(g.tokens, g0.tokens)
+            np.testing.assert_allclose(g.first_logits, g0.first_logits, **TOL)
+    assert engine.counters["retractions"] > 0
+    assert engine.cache.stats()["device_hit_tokens"] > 0
+    engine.cache.check_invariants()
