@@ -412,7 +412,7 @@ class Checkpoints:
 
     Args:
         cache: the cache (its first STATE group holds the recurrent layers' state).
-        model: the decoder (``forward_recurrent``'s chunk).
+        model: the decoder (its zero state).
         pages: the request's device pages now (those past ``cached`` its own, not inserted
             yet).
         tokens: what the request prefills from ``cached`` (its prompt; a re-admitted
