@@ -16,6 +16,7 @@ from hicache_jax.engine.batched import BatchedEngine
 from hicache_jax.engine.engine import Engine
 from hicache_jax.engine.layers import layer_plan, recurrent_plan, reference_logits
 from hicache_jax.engine.model import DecoderModel
+from hicache_jax.engine.packing import TokenSlots
 from hicache_jax.engine.weights import ModelConfig, flat_params, unflatten_params
 from hicache_jax.engine.workloads import multiturn_chat
 from hicache_jax.spec import GroupKind, StateArray
@@ -112,10 +113,34 @@ def test_forward_matches_reference(model):
         last = (b - a) // chunk - 1
         np.testing.assert_array_equal(np.asarray(bounds[1][:, last]), np.asarray(state[1]))
     for pos in range(40, 45):
+        state44 = state  # (after 44 tokens, at the last step)
         logits, state, _, _ = model.forward_recurrent(
             cache.device_pool, prompt[pos : pos + 1], pos, pages, state, min_pages=32
         )
         np.testing.assert_allclose(np.asarray(logits), ref[pos], **TOL)
+    # Decode rows of two requests in one step (the batched engine's), tokens from their slots.
+    other = prompt[::-1][:30].copy()
+    other_pages = cache.alloc_pages(8)
+    _, other_state, _, _ = model.forward_recurrent(
+        cache.device_pool, other[:29], 0, other_pages, model.zero_state(), **knobs
+    )
+    slots = TokenSlots(2)
+    slots.array = slots.array.at[1].set(int(other[29])).at[0].set(int(prompt[44]))
+    before = [np.asarray(a) for a in other_state]
+    logits, toks, states = model.decode_recurrent(
+        cache.device_pool,
+        [29, 44],
+        [other_pages, pages],
+        [other_state, state44],
+        slots,
+        [1, 0],
+        min_pages=32,
+    )
+    np.testing.assert_allclose(np.asarray(logits)[:2], [_ref(model, other)[-1], ref[44]], **TOL)
+    assert int(np.asarray(toks)[1]) == int(np.asarray(slots.array)[0]) == ref[44].argmax()
+    assert states[0][1].shape == other_state[1].shape
+    for a, b in zip(before, other_state):  # the caller's state is not modified
+        np.testing.assert_array_equal(a, np.asarray(b))
 
 
 def _chat():

@@ -51,14 +51,15 @@ of spinning. Requests that could never fit the device pool are refused at :meth:
 Modes as :class:`~hicache_jax.engine.engine.Engine`: ``none`` (pages per request, no tree),
 ``device`` (L1 radix), ``hicache`` (L1 + L2).
 
-A model with recurrent layers (``layer_pattern="R3:F1"``) runs its forward a request at a time
-(``DecoderModel.forward_recurrent``, no packed form yet: correct, not fast), each request over
-its own state: a copy of the checkpoint at its cached prefix, taken at admission with the
-checkpoint positions (asked before its pages are taken), the prefill's checkpoints written from
-its chunk-boundary states before ``commit`` inserts their pages, decode's last one before
-``finish`` does (:class:`~hicache_jax.engine.engine.Checkpoints`). Its prefill chunks are whole
-chunks of the recurrent layers (``DecoderModel.recurrent_chunk``) but the last; its loads are
-whole (no layer-wise wait); its prefills feed the cost model no samples.
+A model with recurrent layers (``layer_pattern="R3:F1"``) runs its prefill chunks a request at
+a time (``DecoderModel.forward_recurrent``, no packed form yet) and its decode rows together in
+one step (``DecoderModel.decode_recurrent``), each request over its own state: a copy of the
+checkpoint at its cached prefix, taken at admission with the checkpoint positions (asked
+before its pages are taken), the prefill's checkpoints written from its chunk-boundary states
+before ``commit`` inserts their pages, decode's last one before ``finish`` does
+(:class:`~hicache_jax.engine.engine.Checkpoints`). Its prefill chunks are whole chunks of the
+recurrent layers (``DecoderModel.recurrent_chunk``) but the last; its loads are whole (no
+layer-wise wait); its prefills feed the cost model no samples.
 
 The request state and its pages and locks (admission's allocation, a prefill's shared pages,
 release on finish or retraction) are in :mod:`hicache_jax.engine.batch_state`; this module is the
@@ -559,7 +560,8 @@ class BatchedEngine:
         self, batch: list[tuple[BatchRequest, int]], decoding: list[BatchRequest]
     ) -> None:
         """:meth:`_forward` of a model with recurrent layers: one ``forward_recurrent`` per
-        request (no packed form yet), each over its own state (``BatchRequest.recurrent``: a
+        prefilling request (no packed form yet), every decode row in one step
+        (``decode_recurrent``), each over its own state (``BatchRequest.recurrent``: a
         copy of the checkpoint at its cached prefix, taken at admission; the prefill's
         checkpoints and the decode's last one written as the serial engine does, before
         ``share_prompt`` / ``finish`` insert their pages); the rows' tokens sampled on the
@@ -580,23 +582,31 @@ class BatchedEngine:
             r.recurrent.state = state
             r.recurrent.prefilled(c0, c0 + n, bounds, chunk, r.pages)
             rows.append(logits)
-        for r in decoding:
-            assert r.slot is not None and r.recurrent is not None  # an admitted request
-            tok = self.slots.array[r.slot : r.slot + 1]  # the last sampled, on the device
-            logits, state, _, _ = self.model.forward_recurrent(
+        parts = []
+        if decoding:  # every decode row in one step, each over its own state
+            slots: list[int] = []
+            for r in decoding:
+                assert r.slot is not None and r.recurrent is not None  # an admitted request
+                slots.append(r.slot)
+            logits, toks, states = self.model.decode_recurrent(
                 self.pool,
-                tok,
-                r.kv_done,
-                r.pages,
-                r.recurrent.state,
+                [r.kv_done for r in decoding],
+                [r.pages for r in decoding],
+                [r.recurrent.state for r in decoding],
+                self.slots,
+                slots,
                 min_pages=self.table_bucket,
+                min_batch=self.batch_bucket,
             )
-            r.recurrent.state = state
-            r.recurrent.decoded(r.kv_done + 1, state, r.pages)
-            rows.append(logits)
-        reqs = [r for r, _ in batch] + decoding
-        slot_of = np.asarray([r.slot for r in reqs], np.int32)
-        logits, toks, self.slots.array = _sample_rows(tuple(rows), self.slots.array, slot_of)
+            for r, state in zip(decoding, states):
+                r.recurrent.state = state
+                r.recurrent.decoded(r.kv_done + 1, state, r.pages)
+            parts.append((logits[: len(decoding)], toks[: len(decoding)]))
+        if rows:  # the prefill rows' tokens, sampled and written to their slots
+            slot_of = np.asarray([r.slot for r, _ in batch], np.int32)
+            logits, toks, self.slots.array = _sample_rows(tuple(rows), self.slots.array, slot_of)
+            parts.insert(0, (logits, toks))
+        logits, toks = parts[0] if len(parts) == 1 else _concat_rows(*parts[0], *parts[1])
         self._pending.append((logits, toks, self._dispatched(batch, decoding), None))
 
     def _dispatched(
@@ -711,6 +721,11 @@ def _sample_rows(rows: tuple, slot_tokens: jax.Array, slot_of: jax.Array) -> tup
     logits = jnp.stack(rows)
     toks = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     return logits, toks, slot_tokens.at[slot_of].set(toks)
+
+
+@jax.jit
+def _concat_rows(logits_a, toks_a, logits_b, toks_b) -> tuple:
+    return jnp.concatenate([logits_a, logits_b]), jnp.concatenate([toks_a, toks_b])
 
 
 class PrefillTimer:

@@ -36,7 +36,8 @@ layer's query at ``t`` sees keys from ``t - window`` (or ``t``'s chunk start) to
 A recurrent pattern (``layer_pattern="R3:F1"``, :func:`recurrent_plan`) runs through
 :data:`RECURRENT_STEP`: the full layers on the full pool, the recurrent layers
 (:mod:`hicache_jax.engine.recurrent`) over the request's own state, which the step takes and
-returns with the states at every chunk boundary of a prefill (the cache's checkpoints).
+returns with the states at every chunk boundary of a prefill (the cache's checkpoints);
+:data:`RECURRENT_DECODE` runs one decode token of each of several requests in one step.
 
 Threading: the jitted steps dispatch on the caller's thread, which must own the pool
 (ARCHITECTURE.md: one dispatching thread); :data:`TRACES` is only written at trace time.
@@ -658,9 +659,60 @@ def _recurrent_model_step(cfg, chunk, pool, params, tokens, start, n_new, page_t
     return pool, (_head(cfg, params, x, n_new), state, (jnp.stack(bconv), jnp.stack(bssm)))
 
 
+def _recurrent_decode(cfg, pool, params, pos, tables, conv, ssm, slot_tokens, slot_of):
+    """One decode token of each of ``B`` requests of a recurrent-pattern model in one step:
+    ``(pool, (logits [B, V], tokens [B], slot_tokens, conv [B, R, ...], ssm [B, R, ...]))``.
+
+    Row ``b`` reads its token from slot ``slot_of[b]`` of ``slot_tokens`` (int32 [S + 1], the
+    last token sampled there) at position ``pos[b]``, with page table ``tables[b]`` and state
+    ``conv[b]`` / ``ssm[b]``, and writes its sampled token back there; padding rows have
+    ``slot_of`` = S (the padding slot) and write their K/V to the scratch page. Each row's
+    math is :func:`_recurrent_model_step`'s one-token step (its attention :func:`_attend`, its
+    recurrent layers ``recurrent_step``), over the rows at once."""
+    TRACES["recurrent_decode"] += 1
+    b, n_pages = tables.shape
+    ps, scratch, bits = pool.shape[3], pool.shape[2] - 1, pool.dtype
+    valid = slot_of < slot_tokens.shape[0] - 1
+    x = _embed(params, slot_tokens[slot_of])  # [B, d]: one token a row
+    ctx = (b, n_pages * ps, cfg.num_kv_heads, cfg.head_dim)
+    kpos = jnp.arange(n_pages * ps, dtype=jnp.int32)
+    convs, ssms = [], []
+    for layer, j in enumerate(recurrent_plan(cfg)):
+        lp = params["per_layer"][layer]
+        if j < 0:
+            i = -(1 + j)
+            q, k, v = _qkv(cfg, lp, x, pos)
+            page = tables[jnp.arange(b), jnp.minimum(pos // ps, n_pages - 1)]
+            wpage = jnp.where(valid, page, scratch)
+            pool = pool.at[i, 0, wpage, pos % ps].set(lax.bitcast_convert_type(k, bits))
+            pool = pool.at[i, 1, wpage, pos % ps].set(lax.bitcast_convert_type(v, bits))
+            kc = lax.bitcast_convert_type(pool[i, 0, tables], x.dtype).reshape(ctx)
+            vc = lax.bitcast_convert_type(pool[i, 1, tables], x.dtype).reshape(ctx)
+            mask = kpos[None, :] <= pos[:, None]  # [B, S]
+            attn = jax.vmap(lambda q1, k1, v1, m1: _attend(cfg, q1[None], k1, v1, m1[None])[0])(
+                q, kc, vc, mask
+            )
+            x = x + attn @ lp["wo"]
+        else:
+            rp = params["recurrent_per_layer"][j]
+            h = _rms_norm(x, lp["attn_norm"], cfg.norm_eps)
+            y, c, s = jax.vmap(recurrent_step, in_axes=(None, 0, 0, 0))(
+                rp, h[:, None], conv[:, j], ssm[:, j]
+            )
+            convs.append(c)
+            ssms.append(s)
+            x = x + y[:, 0].astype(x.dtype)
+        x = x + _mlp(cfg, lp, x)
+    h = _rms_norm(x, params["final_norm"], cfg.norm_eps)
+    logits = jnp.dot(h, params["lm_head"], preferred_element_type=jnp.float32)
+    toks = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    out = (logits, toks, slot_tokens.at[slot_of].set(toks))
+    return pool, (*out, jnp.stack(convs, axis=1), jnp.stack(ssms, axis=1))
+
+
 #: Traces of each jitted step (``"step"``, ``"batch_step"``, ``"batch_layer"``; a patterned
 #: model's ``"pattern_step"``, ``"pattern_batch_step"``; a recurrent one's
-#: ``"recurrent_step"``), counted inside
+#: ``"recurrent_step"``, ``"recurrent_decode"``), counted inside
 #: the traced functions: a jit traces once per new shape / static config, i.e. once per compile.
 TRACES: collections.Counter[str] = collections.Counter()
 
@@ -680,6 +732,7 @@ LOCAL_BATCH_LAYER = jax.jit(_local_batch_layer, static_argnums=(0, 1, 2), donate
 # A recurrent pattern: (cfg, chunk) static, the full pool donated; the state is not donated (a
 # checkpoint written from it may still be reading it).
 RECURRENT_STEP = jax.jit(_recurrent_model_step, static_argnums=(0, 1), donate_argnums=2)
+RECURRENT_DECODE = jax.jit(_recurrent_decode, static_argnums=0, donate_argnums=1)
 EMBED = jax.jit(_embed)
 BATCH_EMBED = jax.jit(_blob_embed, static_argnums=0)
 HEAD = jax.jit(_head, static_argnums=0)
@@ -695,6 +748,7 @@ def trace_count(name: str = "step") -> int:
         "pattern_step",
         "pattern_batch_step",
         "recurrent_step",
+        "recurrent_decode",
     )
     if name not in names:
         raise ValueError(f"name={name!r} must be one of {', '.join(map(repr, names))}")

@@ -59,6 +59,7 @@ from hicache_jax.engine.layers import (
     LOCAL_LAYER,
     PATTERN_BATCH_STEP,
     PATTERN_STEP,
+    RECURRENT_DECODE,
     RECURRENT_STEP,
     STEP,
     TRACES,
@@ -366,6 +367,67 @@ class DecoderModel:
             ssm,
         )
         return logits, new_state, bounds, chunk
+
+    def decode_recurrent(
+        self,
+        pool: PoolLike,
+        positions: Sequence[int],
+        page_ids: Sequence[Any],
+        states: Sequence[Sequence[Any]],
+        slots: TokenSlots,
+        slot_of: Sequence[int],
+        *,
+        min_pages: int = 1,
+        min_batch: int = 1,
+    ) -> tuple[jax.Array, jax.Array, list[tuple[jax.Array, ...]]]:
+        """One decode token of each of ``B`` requests of a recurrent-pattern model in one
+        step (the batched engine's decode rows): request ``b``'s token read from its slot
+        ``slot_of[b]`` of ``slots`` (the last token sampled there, on the device) at position
+        ``positions[b]``, its pages ``page_ids[b]`` and its state ``states[b]`` (as
+        :meth:`forward_recurrent`'s); its sampled token written back to its slot.
+
+        Rows are padded to a power of two (at least ``min_batch``), page tables to a power of
+        two pages (at least ``min_pages``).
+
+        Returns:
+            (float32 logits ``[R, vocab]``, int32 tokens ``[R]``, the B requests' new states),
+            row ``b < B`` for request ``b``. Jax arrays, not synchronized.
+        """
+        if not self.recurrent:
+            raise ValueError("decode_recurrent: this model has no recurrent layers")
+        b = len(positions)
+        if b < 1 or len(page_ids) != b or len(states) != b or len(slot_of) != b:
+            raise ValueError(
+                f"need >= 1 row and one page list, state and slot each: {b} positions, "
+                f"{len(page_ids)} page lists, {len(states)} states, {len(slot_of)} slots"
+            )
+        ps = self._page_size(pool)
+        used = [int(p) // ps + 1 for p in positions]
+        rows = bucket(b, min_batch)
+        tables = np.full((rows, bucket(max(used), min_pages)), pool.num_pages, np.int32)
+        for i, (ids, u) in enumerate(zip(page_ids, used)):
+            ids = np.asarray(ids, np.int32)
+            if ids.ndim != 1 or ids.shape[0] < u:
+                raise ValueError(f"page_ids[{i}] has {ids.shape} pages; position needs {u}")
+            tables[i, :u] = ids[:u]
+        pos = np.zeros(rows, np.int32)
+        pos[:b] = positions
+        slot_ids = np.full(rows, slots.n, np.int32)  # padding rows: the padding slot
+        slot_ids[:b] = slot_of
+        zero = self.zero_state()
+        conv = jnp.stack([s[0] for s in states] + [zero[0]] * (rows - b))
+        ssm = jnp.stack([s[1] for s in states] + [zero[1]] * (rows - b))
+        logits, toks, slots.array, conv, ssm = pool.run(
+            functools.partial(RECURRENT_DECODE, self.cfg),
+            self._unrolled_params,
+            pos,
+            tables,
+            conv,
+            ssm,
+            slots.array,
+            slot_ids,
+        )
+        return logits, toks, [(conv[i], ssm[i]) for i in range(b)]
 
     def _pattern_forward(
         self,
