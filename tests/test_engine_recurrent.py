@@ -330,3 +330,25 @@ def test_batched_retraction_restarts_from_a_checkpoint(model):
     assert engine.counters["retractions"] > 0
     assert engine.cache.stats()["device_hit_tokens"] > 0
     engine.cache.check_invariants()
+
+
+@pytest.mark.parametrize("kind", ["serial", "batched"])
+def test_checkpoints_without_a_slot_are_skipped(model, kind):
+    """One state slot and a checkpoint every two pages: a prefill's four checkpoints find no
+    slots and are skipped (the pages go into the tree without them), decode's one (at 32) is
+    written; the request and its continuation, served from that one, equal their recompute."""
+    rng = np.random.default_rng(14)
+    a = rng.integers(0, 97, 30).astype(np.int32)
+    cache = _cache(model, state_device_slots=1, checkpoint_every_pages=2)
+    engine = _engine(model, kind, "device", cache)
+    assert cache.checkpoint_positions(a, 0) == [8, 16, 24, 28]
+    first = engine.generate([a], 3)[0]
+    b = np.concatenate([a, first.tokens[:2], rng.integers(0, 97, 5)]).astype(np.int32)
+    second = engine.generate([b], 3)[0]
+    assert second.record.device_hit_tokens == 32
+    fresh = _engine(model, kind, "none", _cache(model)).generate([a, b], 3)
+    for g, f in zip((first, second), fresh):
+        np.testing.assert_array_equal(g.tokens, f.tokens)
+        np.testing.assert_allclose(g.first_logits, f.first_logits, **TOL)
+    assert cache.stats()["state_device_used_slots"] == 1
+    cache.check_invariants()

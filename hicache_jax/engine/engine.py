@@ -49,6 +49,7 @@ import numpy as np
 from hicache_jax.cache.hicache import HiCache
 from hicache_jax.engine.model import DecoderModel
 from hicache_jax.engine.packing import bucket
+from hicache_jax.errors import OutOfPagesError
 from hicache_jax.spec import HiCacheConfig, KVSpec
 from hicache_jax.validation import check_bool, is_int
 
@@ -441,6 +442,7 @@ class Checkpoints:
         self.cache, self.group = cache, cache.spec.state_groups[0]
         self.state = start_state(cache, model, pages, cached) if enabled else model.zero_state()
         self.positions = list(positions or ())
+        self.skipped = 0  # checkpoints not written: no state slot could be had
         prompt_end = tokens.shape[0] // ps * ps
         last = kv_len // ps * ps
         #: The last whole page of everything computed, when decode reaches it past the prompt.
@@ -457,14 +459,22 @@ class Checkpoints:
             return
         idx = np.asarray([(p - c0) // chunk - 1 for p in here], np.int32)
         state = [jnp.moveaxis(jnp.take(b, idx, axis=1), 1, 0) for b in bounds]
-        self.cache.write_state(self.group, pages[[p // self.ps - 1 for p in here]], state)
+        self._write(pages[[p // self.ps - 1 for p in here]], state)
 
     def decoded(self, end: int, state: Sequence[Any], pages: np.ndarray) -> None:
         """Decode computed position ``end - 1``: ``state`` is the state after ``end``
         tokens; checkpoint it if ``end`` is :attr:`decode_end`."""
         if end == self.decode_end:
-            page = pages[[end // self.ps - 1]]
-            self.cache.write_state(self.group, page, [a[None] for a in state])
+            self._write(pages[[end // self.ps - 1]], [a[None] for a in state])
+
+    def _write(self, pages: np.ndarray, state: Sequence[Any]) -> None:
+        """``write_state``; a checkpoint no slot can be had for (every slot held by locked
+        prefixes or requests' own pages) is skipped and counted (:attr:`skipped`): the pages
+        go into the tree without it, and a later hit ends at an earlier checkpoint."""
+        try:
+            self.cache.write_state(self.group, pages, state)
+        except OutOfPagesError:
+            self.skipped += len(pages)
 
 
 def start_state(
