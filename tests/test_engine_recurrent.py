@@ -26,7 +26,7 @@ CFG = ModelConfig(**SIZES, ffn_dim=48, layer_pattern="R3:F1")
 TOL = dict(rtol=1e-5, atol=1e-5)
 PS = 4
 SERIAL = dict(chunk_size=32, prefill_bucket=32, table_bucket=32)
-BATCHED = dict(token_budget=32, max_running=2, table_bucket=32, query_block=32)
+BATCHED = dict(token_budget=32, max_running=2, table_bucket=32, query_block=32, batch_bucket=2)
 SLOTS = dict(state_device_slots=32, state_host_slots=128)
 
 
@@ -112,33 +112,45 @@ def test_forward_matches_reference(model):
         # The last boundary inside the chunk is the state after it.
         last = (b - a) // chunk - 1
         np.testing.assert_array_equal(np.asarray(bounds[1][:, last]), np.asarray(state[1]))
+    state40 = state
     for pos in range(40, 45):
-        state44 = state  # (after 44 tokens, at the last step)
         logits, state, _, _ = model.forward_recurrent(
             cache.device_pool, prompt[pos : pos + 1], pos, pages, state, min_pages=32
         )
         np.testing.assert_allclose(np.asarray(logits), ref[pos], **TOL)
-    # Decode rows of two requests in one step (the batched engine's), tokens from their slots.
+    # Rows of two requests in one step (the batched engine's): prefill chunks, then decode
+    # tokens read from their slots.
     other = prompt[::-1][:30].copy()
     other_pages = cache.alloc_pages(8)
-    _, other_state, _, _ = model.forward_recurrent(
-        cache.device_pool, other[:29], 0, other_pages, model.zero_state(), **knobs
-    )
     slots = TokenSlots(2)
-    slots.array = slots.array.at[1].set(int(other[29])).at[0].set(int(prompt[44]))
-    before = [np.asarray(a) for a in other_state]
-    logits, toks, states = model.decode_recurrent(
+    logits, toks, states, bounds, _ = model.forward_recurrent_rows(
         cache.device_pool,
+        [other[:29], prompt[40:44]],
+        [0, 40],
+        [other_pages, pages],
+        [model.zero_state(), state40],
+        slots,
+        [1, 0],
+        **knobs,
+    )
+    np.testing.assert_allclose(np.asarray(logits)[:2], [_ref(model, other)[-2], ref[43]], **TOL)
+    np.testing.assert_array_equal(np.asarray(slots.array)[:2], np.asarray(toks)[[1, 0]])
+    assert bounds[0][1].shape[1] == 32 // PS
+    other_state = states[0]
+    before = [np.asarray(a) for a in other_state]
+    slots.array = slots.array.at[1].set(int(other[29])).at[0].set(int(prompt[44]))
+    logits, toks, states, _, _ = model.forward_recurrent_rows(
+        cache.device_pool,
+        None,
         [29, 44],
         [other_pages, pages],
-        [other_state, state44],
+        [other_state, states[1]],
         slots,
         [1, 0],
         min_pages=32,
     )
     np.testing.assert_allclose(np.asarray(logits)[:2], [_ref(model, other)[-1], ref[44]], **TOL)
     assert int(np.asarray(toks)[1]) == int(np.asarray(slots.array)[0]) == ref[44].argmax()
-    assert states[0][1].shape == other_state[1].shape
     for a, b in zip(before, other_state):  # the caller's state is not modified
         np.testing.assert_array_equal(a, np.asarray(b))
 
@@ -319,7 +331,7 @@ def test_batched_retraction_restarts_from_a_checkpoint(model):
         model,
         _cache(model, device=24),
         mode="device",
-        **{**BATCHED, "max_running": 4},
+        **{**BATCHED, "max_running": 4, "batch_bucket": 4},
         decode_reserve=0.0,
     )
     for _ in range(2):  # the second round mostly hits

@@ -51,12 +51,12 @@ of spinning. Requests that could never fit the device pool are refused at :meth:
 Modes as :class:`~hicache_jax.engine.engine.Engine`: ``none`` (pages per request, no tree),
 ``device`` (L1 radix), ``hicache`` (L1 + L2).
 
-A model with recurrent layers (``layer_pattern="R3:F1"``) runs its prefill chunks a request at
-a time (``DecoderModel.forward_recurrent``, no packed form yet) and its decode rows together in
-one step (``DecoderModel.decode_recurrent``), each request over its own state: a copy of the
-checkpoint at its cached prefix, taken at admission with the checkpoint positions (asked
-before its pages are taken), the prefill's checkpoints written from its chunk-boundary states
-before ``commit`` inserts their pages, decode's last one before ``finish`` does
+A model with recurrent layers (``layer_pattern="R3:F1"``) runs a step's prefill chunks in one
+call and its decode rows in another (``DecoderModel.forward_recurrent_rows``: rows padded to
+the longest chunk, not packed as ``forward_batch`` packs), each request over its own state: a
+copy of the checkpoint at its cached prefix, taken at admission with the checkpoint positions
+(asked before its pages are taken), the prefill's checkpoints written from its chunk-boundary
+states before ``commit`` inserts their pages, decode's last one before ``finish`` does
 (:class:`~hicache_jax.engine.engine.Checkpoints`). Its prefill chunks are whole chunks of the
 recurrent layers (``DecoderModel.recurrent_chunk``) but the last; its loads are whole (no
 layer-wise wait); its prefills feed the cost model no samples.
@@ -559,54 +559,59 @@ class BatchedEngine:
     def _forward_recurrent(
         self, batch: list[tuple[BatchRequest, int]], decoding: list[BatchRequest]
     ) -> None:
-        """:meth:`_forward` of a model with recurrent layers: one ``forward_recurrent`` per
-        prefilling request (no packed form yet), every decode row in one step
-        (``decode_recurrent``), each over its own state (``BatchRequest.recurrent``: a
+        """:meth:`_forward` of a model with recurrent layers: the prefill chunks in one step
+        and the decode rows in another (``forward_recurrent_rows``: rows padded to the
+        longest chunk, not packed), each over its own state (``BatchRequest.recurrent``: a
         copy of the checkpoint at its cached prefix, taken at admission; the prefill's
         checkpoints and the decode's last one written as the serial engine does, before
         ``share_prompt`` / ``finish`` insert their pages); the rows' tokens sampled on the
         device and written to their slots, as a packed step does."""
-        rows = []
-        for r, n in batch:
-            assert r.recurrent is not None  # set at admission (_take_pages)
-            c0 = r.kv_done
-            logits, state, bounds, chunk = self.model.forward_recurrent(
-                self.pool,
-                r.seq[c0 : c0 + n],
-                c0,
-                r.pages,
-                r.recurrent.state,
-                min_bucket=self.query_block,
-                min_pages=self.table_bucket,
-            )
-            r.recurrent.state = state
-            r.recurrent.prefilled(c0, c0 + n, bounds, chunk, r.pages)
-            rows.append(logits)
         parts = []
-        if decoding:  # every decode row in one step, each over its own state
-            slots: list[int] = []
-            for r in decoding:
-                assert r.slot is not None and r.recurrent is not None  # an admitted request
-                slots.append(r.slot)
-            logits, toks, states = self.model.decode_recurrent(
+        knobs = dict(min_pages=self.table_bucket, min_batch=self.batch_bucket)
+        if batch:  # every prefill chunk in one step
+            ckpts: list[Checkpoints] = []
+            for r, _ in batch:
+                assert r.recurrent is not None and r.slot is not None  # set at admission
+                ckpts.append(r.recurrent)
+            logits, toks, states, bounds, chunk = self.model.forward_recurrent_rows(
                 self.pool,
+                [r.seq[r.kv_done : r.kv_done + n] for r, n in batch],
+                [r.kv_done for r, _ in batch],
+                [r.pages for r, _ in batch],
+                [c.state for c in ckpts],
+                self.slots,
+                [r.slot for r, _ in batch if r.slot is not None],
+                min_bucket=self.query_block,
+                **knobs,
+            )
+            for (r, n), ckpt, state, bound in zip(batch, ckpts, states, bounds):
+                ckpt.state = state
+                ckpt.prefilled(r.kv_done, r.kv_done + n, bound, chunk, r.pages)
+            parts.append((logits, toks, len(batch)))
+        if decoding:  # every decode row in one step, its token read from its slot
+            ckpts = []
+            for r in decoding:
+                assert r.recurrent is not None and r.slot is not None  # an admitted request
+                ckpts.append(r.recurrent)
+            logits, toks, states, _, _ = self.model.forward_recurrent_rows(
+                self.pool,
+                None,
                 [r.kv_done for r in decoding],
                 [r.pages for r in decoding],
-                [r.recurrent.state for r in decoding],
+                [c.state for c in ckpts],
                 self.slots,
-                slots,
-                min_pages=self.table_bucket,
-                min_batch=self.batch_bucket,
+                [r.slot for r in decoding if r.slot is not None],
+                **knobs,
             )
-            for r, state in zip(decoding, states):
-                r.recurrent.state = state
-                r.recurrent.decoded(r.kv_done + 1, state, r.pages)
-            parts.append((logits[: len(decoding)], toks[: len(decoding)]))
-        if rows:  # the prefill rows' tokens, sampled and written to their slots
-            slot_of = np.asarray([r.slot for r, _ in batch], np.int32)
-            logits, toks, self.slots.array = _sample_rows(tuple(rows), self.slots.array, slot_of)
-            parts.insert(0, (logits, toks))
-        logits, toks = parts[0] if len(parts) == 1 else _concat_rows(*parts[0], *parts[1])
+            for r, ckpt, state in zip(decoding, ckpts, states):
+                ckpt.state = state
+                ckpt.decoded(r.kv_done + 1, state, r.pages)
+            parts.append((logits, toks, len(decoding)))
+        if len(parts) == 1:
+            logits, toks, _ = parts[0]
+        else:
+            (la, ta, na), (lb, tb, _) = parts
+            logits, toks = _concat_rows(la[:na], ta[:na], lb, tb)
         self._pending.append((logits, toks, self._dispatched(batch, decoding), None))
 
     def _dispatched(
@@ -712,15 +717,6 @@ class BatchedEngine:
         gen = self._ledger.finish(r)
         self.records.append(gen.record)
         return gen
-
-
-@jax.jit
-def _sample_rows(rows: tuple, slot_tokens: jax.Array, slot_of: jax.Array) -> tuple:
-    """(float32 logits [B, V], their greedy tokens int32 [B], the slot buffer with row b's
-    token in slot ``slot_of[b]``) of B rows' logits."""
-    logits = jnp.stack(rows)
-    toks = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    return logits, toks, slot_tokens.at[slot_of].set(toks)
 
 
 @jax.jit

@@ -37,7 +37,8 @@ A recurrent pattern (``layer_pattern="R3:F1"``, :func:`recurrent_plan`) runs thr
 :data:`RECURRENT_STEP`: the full layers on the full pool, the recurrent layers
 (:mod:`hicache_jax.engine.recurrent`) over the request's own state, which the step takes and
 returns with the states at every chunk boundary of a prefill (the cache's checkpoints);
-:data:`RECURRENT_DECODE` runs one decode token of each of several requests in one step.
+:data:`RECURRENT_ROWS` runs a chunk of each of several requests (prefill chunks, or one
+decode token each) in one step.
 
 Threading: the jitted steps dispatch on the caller's thread, which must own the pool
 (ARCHITECTURE.md: one dispatching thread); :data:`TRACES` is only written at trace time.
@@ -659,60 +660,86 @@ def _recurrent_model_step(cfg, chunk, pool, params, tokens, start, n_new, page_t
     return pool, (_head(cfg, params, x, n_new), state, (jnp.stack(bconv), jnp.stack(bssm)))
 
 
-def _recurrent_decode(cfg, pool, params, pos, tables, conv, ssm, slot_tokens, slot_of):
-    """One decode token of each of ``B`` requests of a recurrent-pattern model in one step:
-    ``(pool, (logits [B, V], tokens [B], slot_tokens, conv [B, R, ...], ssm [B, R, ...]))``.
+def _recurrent_rows(
+    cfg, chunk, pool, params, tokens, start, n_new, tables, conv, ssm, slot_tokens, slot_of
+):
+    """One chunk of each of ``B`` requests of a recurrent-pattern model in one step:
+    ``(pool, (logits [B, V], tokens [B], slot_tokens, conv [B, R, ...], ssm [B, R, ...],
+    boundary_conv [B, R, nb, ...], boundary_ssm [B, R, nb, ...]))``.
 
-    Row ``b`` reads its token from slot ``slot_of[b]`` of ``slot_tokens`` (int32 [S + 1], the
-    last token sampled there) at position ``pos[b]``, with page table ``tables[b]`` and state
-    ``conv[b]`` / ``ssm[b]``, and writes its sampled token back there; padding rows have
-    ``slot_of`` = S (the padding slot) and write their K/V to the scratch page. Each row's
-    math is :func:`_recurrent_model_step`'s one-token step (its attention :func:`_attend`, its
-    recurrent layers ``recurrent_step``), over the rows at once."""
-    TRACES["recurrent_decode"] += 1
-    b, n_pages = tables.shape
+    Row ``b`` runs :func:`_recurrent_model_step`'s math on its chunk of ``n_new[b]`` tokens
+    at ``start[b]``, with page table ``tables[b]`` and state ``conv[b]`` / ``ssm[b]``: the
+    full layers' K/V of every row written first, then each row's attention over its own pages
+    (:func:`_attend`, vmapped), the recurrent layers vmapped over the rows (the step form for
+    ``T == 1``, else the chunked form with the boundary states; ``nb = 0`` for ``T == 1``).
+    ``tokens`` int32 [B, T]; ``T == 1`` rows read their token from slot ``slot_of[b]`` of
+    ``slot_tokens`` (the last sampled there) instead. Each row's sampled token (of its last
+    valid position) goes to its slot; padding rows have ``n_new`` 0 and slot ``S`` (the
+    padding slot), and write their K/V to the scratch page."""
+    TRACES["recurrent_rows"] += 1
+    b, t = tokens.shape
+    n_pages = tables.shape[1]
     ps, scratch, bits = pool.shape[3], pool.shape[2] - 1, pool.dtype
-    valid = slot_of < slot_tokens.shape[0] - 1
-    x = _embed(params, slot_tokens[slot_of])  # [B, d]: one token a row
+    if t == 1:
+        tokens = slot_tokens[slot_of][:, None]
+    pos = start[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]  # [B, T]
+    valid = jnp.arange(t, dtype=jnp.int32)[None, :] < n_new[:, None]
+    x = _embed(params, tokens).reshape(b * t, -1)  # the rows' tokens, flat
+    flat_pos = pos.reshape(-1)
+    page = jnp.take_along_axis(tables, jnp.minimum(pos // ps, n_pages - 1), axis=1)
+    wpage = jnp.where(valid, page, scratch).reshape(-1)
+    off = flat_pos % ps
     ctx = (b, n_pages * ps, cfg.num_kv_heads, cfg.head_dim)
     kpos = jnp.arange(n_pages * ps, dtype=jnp.int32)
-    convs, ssms = [], []
+    mask = (kpos[None, None, :] <= pos[:, :, None]) & (
+        kpos[None, None, :] < (start + n_new)[:, None, None]
+    )  # [B, T, S]
+    attend = jax.vmap(functools.partial(_attend, cfg))
+    convs, ssms, bconv, bssm = [], [], [], []
     for layer, j in enumerate(recurrent_plan(cfg)):
         lp = params["per_layer"][layer]
         if j < 0:
             i = -(1 + j)
-            q, k, v = _qkv(cfg, lp, x, pos)
-            page = tables[jnp.arange(b), jnp.minimum(pos // ps, n_pages - 1)]
-            wpage = jnp.where(valid, page, scratch)
-            pool = pool.at[i, 0, wpage, pos % ps].set(lax.bitcast_convert_type(k, bits))
-            pool = pool.at[i, 1, wpage, pos % ps].set(lax.bitcast_convert_type(v, bits))
+            q, k, v = _qkv(cfg, lp, x, flat_pos)
+            pool = pool.at[i, 0, wpage, off].set(lax.bitcast_convert_type(k, bits))
+            pool = pool.at[i, 1, wpage, off].set(lax.bitcast_convert_type(v, bits))
             kc = lax.bitcast_convert_type(pool[i, 0, tables], x.dtype).reshape(ctx)
             vc = lax.bitcast_convert_type(pool[i, 1, tables], x.dtype).reshape(ctx)
-            mask = kpos[None, :] <= pos[:, None]  # [B, S]
-            attn = jax.vmap(lambda q1, k1, v1, m1: _attend(cfg, q1[None], k1, v1, m1[None])[0])(
-                q, kc, vc, mask
-            )
-            x = x + attn @ lp["wo"]
+            qr = q.reshape(b, t, cfg.num_heads, cfg.head_dim)
+            x = x + attend(qr, kc, vc, mask).reshape(b * t, -1) @ lp["wo"]
         else:
             rp = params["recurrent_per_layer"][j]
-            h = _rms_norm(x, lp["attn_norm"], cfg.norm_eps)
-            y, c, s = jax.vmap(recurrent_step, in_axes=(None, 0, 0, 0))(
-                rp, h[:, None], conv[:, j], ssm[:, j]
-            )
+            h = _rms_norm(x, lp["attn_norm"], cfg.norm_eps).reshape(b, t, -1)
+            if t == 1:
+                y, c, st = jax.vmap(recurrent_step, in_axes=(None, 0, 0, 0))(
+                    rp, h, conv[:, j], ssm[:, j]
+                )
+                bc, bs = c[:, None, :0], st[:, None, :0]
+            else:
+                pad = -t % chunk
+                hp = jnp.pad(h, ((0, 0), (0, pad), (0, 0))) if pad else h
+                y, c, st, bc, bs = jax.vmap(
+                    functools.partial(recurrent_chunked, chunk=chunk), in_axes=(None, 0, 0, 0, 0)
+                )(rp, hp, conv[:, j], ssm[:, j], n_new)
+                y = y[:, :t]
             convs.append(c)
-            ssms.append(s)
-            x = x + y[:, 0].astype(x.dtype)
+            ssms.append(st)
+            bconv.append(bc)
+            bssm.append(bs)
+            x = x + y.reshape(b * t, -1).astype(x.dtype)
         x = x + _mlp(cfg, lp, x)
-    h = _rms_norm(x, params["final_norm"], cfg.norm_eps)
+    last = jnp.arange(b, dtype=jnp.int32) * t + jnp.maximum(n_new - 1, 0)
+    h = _rms_norm(x[last], params["final_norm"], cfg.norm_eps)
     logits = jnp.dot(h, params["lm_head"], preferred_element_type=jnp.float32)
     toks = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    out = (logits, toks, slot_tokens.at[slot_of].set(toks))
-    return pool, (*out, jnp.stack(convs, axis=1), jnp.stack(ssms, axis=1))
+    states = (jnp.stack(convs, axis=1), jnp.stack(ssms, axis=1))
+    bounds = (jnp.stack(bconv, axis=1), jnp.stack(bssm, axis=1))
+    return pool, (logits, toks, slot_tokens.at[slot_of].set(toks), *states, *bounds)
 
 
 #: Traces of each jitted step (``"step"``, ``"batch_step"``, ``"batch_layer"``; a patterned
 #: model's ``"pattern_step"``, ``"pattern_batch_step"``; a recurrent one's
-#: ``"recurrent_step"``, ``"recurrent_decode"``), counted inside
+#: ``"recurrent_step"``, ``"recurrent_rows"``), counted inside
 #: the traced functions: a jit traces once per new shape / static config, i.e. once per compile.
 TRACES: collections.Counter[str] = collections.Counter()
 
@@ -732,7 +759,7 @@ LOCAL_BATCH_LAYER = jax.jit(_local_batch_layer, static_argnums=(0, 1, 2), donate
 # A recurrent pattern: (cfg, chunk) static, the full pool donated; the state is not donated (a
 # checkpoint written from it may still be reading it).
 RECURRENT_STEP = jax.jit(_recurrent_model_step, static_argnums=(0, 1), donate_argnums=2)
-RECURRENT_DECODE = jax.jit(_recurrent_decode, static_argnums=0, donate_argnums=1)
+RECURRENT_ROWS = jax.jit(_recurrent_rows, static_argnums=(0, 1), donate_argnums=2)
 EMBED = jax.jit(_embed)
 BATCH_EMBED = jax.jit(_blob_embed, static_argnums=0)
 HEAD = jax.jit(_head, static_argnums=0)
@@ -748,7 +775,7 @@ def trace_count(name: str = "step") -> int:
         "pattern_step",
         "pattern_batch_step",
         "recurrent_step",
-        "recurrent_decode",
+        "recurrent_rows",
     )
     if name not in names:
         raise ValueError(f"name={name!r} must be one of {', '.join(map(repr, names))}")

@@ -27,9 +27,10 @@ the cache every step) and run the fused step through ``DevicePagePool.run_with``
 donated at once), the per-layer path a pool a layer. A plain model's steps are unchanged.
 
 A model with recurrent layers (``layer_pattern="R3:F1"``) runs with
-:meth:`DecoderModel.forward_recurrent` instead, one request a call: the caller holds the
-request's recurrent state and passes it in; the call returns it advanced, with the states at
-every chunk boundary of a prefill (the checkpoints a caller writes to the cache).
+:meth:`DecoderModel.forward_recurrent` instead, one request a call
+(:meth:`DecoderModel.forward_recurrent_rows`: several, one chunk each, in one step): the caller
+holds the request's recurrent state and passes it in; the call returns it advanced, with the
+states at every chunk boundary of a prefill (the checkpoints a caller writes to the cache).
 
 Threading: every call dispatches on the caller's thread, which must be the thread that owns the
 pool (ARCHITECTURE.md: one dispatching thread).
@@ -59,7 +60,7 @@ from hicache_jax.engine.layers import (
     LOCAL_LAYER,
     PATTERN_BATCH_STEP,
     PATTERN_STEP,
-    RECURRENT_DECODE,
+    RECURRENT_ROWS,
     RECURRENT_STEP,
     STEP,
     TRACES,
@@ -368,66 +369,98 @@ class DecoderModel:
         )
         return logits, new_state, bounds, chunk
 
-    def decode_recurrent(
+    def forward_recurrent_rows(
         self,
         pool: PoolLike,
-        positions: Sequence[int],
+        chunks: Sequence[Any] | None,
+        starts: Sequence[int],
         page_ids: Sequence[Any],
         states: Sequence[Sequence[Any]],
         slots: TokenSlots,
         slot_of: Sequence[int],
         *,
+        min_bucket: int = 1,
         min_pages: int = 1,
         min_batch: int = 1,
-    ) -> tuple[jax.Array, jax.Array, list[tuple[jax.Array, ...]]]:
-        """One decode token of each of ``B`` requests of a recurrent-pattern model in one
-        step (the batched engine's decode rows): request ``b``'s token read from its slot
-        ``slot_of[b]`` of ``slots`` (the last token sampled there, on the device) at position
-        ``positions[b]``, its pages ``page_ids[b]`` and its state ``states[b]`` (as
-        :meth:`forward_recurrent`'s); its sampled token written back to its slot.
+    ) -> tuple[jax.Array, jax.Array, list[tuple[Any, ...]], list[tuple[Any, ...]], int]:
+        """A chunk of each of ``B`` requests of a recurrent-pattern model in one step (the
+        batched engine's rows): :meth:`forward_recurrent`'s math a row, the rows at once.
 
-        Rows are padded to a power of two (at least ``min_batch``), page tables to a power of
-        two pages (at least ``min_pages``).
+        Args:
+            pool: the device pool (donated and rebound).
+            chunks: B int arrays (numpy), request b's prefill chunk at ``starts[b]`` (a
+                multiple of :meth:`recurrent_chunk`), run in the chunked form; None: one decode
+                token per request, read from its slot (the last token sampled there, on the
+                device), run in the step form.
+            starts: B positions of the chunks' first tokens.
+            page_ids: B page lists (as :meth:`forward`).
+            states: B states (as :meth:`forward_recurrent`'s); not modified.
+            slots: the token slots: each row's sampled token is written to its slot.
+            slot_of: B slots.
+            min_bucket / min_pages / min_batch: the smallest bucket of the chunks' tokens, the
+                page tables' pages, the rows (powers of two).
 
         Returns:
-            (float32 logits ``[R, vocab]``, int32 tokens ``[R]``, the B requests' new states),
-            row ``b < B`` for request ``b``. Jax arrays, not synchronized.
+            ``(logits [R, vocab], tokens [R], states, boundary states, chunk)``: row ``b < B``
+            for request b; its new state and its boundary states as
+            :meth:`forward_recurrent` returns them. Jax arrays, not synchronized.
         """
         if not self.recurrent:
-            raise ValueError("decode_recurrent: this model has no recurrent layers")
-        b = len(positions)
+            raise ValueError("forward_recurrent_rows: this model has no recurrent layers")
+        b = len(starts)
         if b < 1 or len(page_ids) != b or len(states) != b or len(slot_of) != b:
             raise ValueError(
-                f"need >= 1 row and one page list, state and slot each: {b} positions, "
+                f"need >= 1 row and one page list, state and slot each: {b} starts, "
                 f"{len(page_ids)} page lists, {len(states)} states, {len(slot_of)} slots"
             )
         ps = self._page_size(pool)
-        used = [int(p) // ps + 1 for p in positions]
+        chunk = self.recurrent_chunk(ps)
+        lens = [1] * b if chunks is None else [int(np.shape(c)[0]) for c in chunks]
+        if chunks is not None and b != len(chunks):
+            raise ValueError(f"{len(chunks)} chunks for {b} starts")
+        t = 1 if chunks is None else max(2, bucket(max(lens), min_bucket))
         rows = bucket(b, min_batch)
+        used = [-(-(int(s) + n) // ps) for s, n in zip(starts, lens)]
         tables = np.full((rows, bucket(max(used), min_pages)), pool.num_pages, np.int32)
-        for i, (ids, u) in enumerate(zip(page_ids, used)):
-            ids = np.asarray(ids, np.int32)
-            if ids.ndim != 1 or ids.shape[0] < u:
-                raise ValueError(f"page_ids[{i}] has {ids.shape} pages; position needs {u}")
+        toks = np.zeros((rows, t), np.int32)
+        start = np.zeros(rows, np.int32)
+        n_new = np.zeros(rows, np.int32)
+        for i, (s0, n, u) in enumerate(zip(starts, lens, used)):
+            ids = np.asarray(page_ids[i], np.int32)
+            if n < 1 or s0 < 0 or ids.ndim != 1 or ids.shape[0] < u:
+                raise ValueError(
+                    f"row {i}: {n} tokens at {s0} with pages of shape {ids.shape} (needs >= 1 "
+                    f"token at start >= 0 and {u} pages of {ps} tokens)"
+                )
+            if chunks is not None:
+                if s0 % chunk:
+                    raise ValueError(
+                        f"row {i}: start={s0}: a recurrent prefill starts at a multiple of "
+                        f"its chunk ({chunk} tokens, recurrent_chunk)"
+                    )
+                toks[i, :n] = chunks[i]
             tables[i, :u] = ids[:u]
-        pos = np.zeros(rows, np.int32)
-        pos[:b] = positions
+            start[i], n_new[i] = s0, n
         slot_ids = np.full(rows, slots.n, np.int32)  # padding rows: the padding slot
         slot_ids[:b] = slot_of
         zero = self.zero_state()
-        conv = jnp.stack([s[0] for s in states] + [zero[0]] * (rows - b))
-        ssm = jnp.stack([s[1] for s in states] + [zero[1]] * (rows - b))
-        logits, toks, slots.array, conv, ssm = pool.run(
-            functools.partial(RECURRENT_DECODE, self.cfg),
+        conv = jnp.stack([jnp.asarray(s[0]) for s in states] + [zero[0]] * (rows - b))
+        ssm = jnp.stack([jnp.asarray(s[1]) for s in states] + [zero[1]] * (rows - b))
+        logits, out, slots.array, conv, ssm, bconv, bssm = pool.run(
+            functools.partial(RECURRENT_ROWS, self.cfg, chunk),
             self._unrolled_params,
-            pos,
+            toks,
+            start,
+            n_new,
             tables,
             conv,
             ssm,
             slots.array,
             slot_ids,
         )
-        return logits, toks, [(conv[i], ssm[i]) for i in range(b)]
+        new = [(conv[i], ssm[i]) for i in range(b)]
+        bounds = [(bconv[i], bssm[i]) for i in range(b)] if chunks is not None else []
+        return logits, out, new, bounds, chunk
 
     def _pattern_forward(
         self,
