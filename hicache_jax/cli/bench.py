@@ -103,7 +103,9 @@ def add_parser(sub: Any) -> None:
         help="A local-attention layers (--window or --chunk) then B full ones, repeating "
         "(e.g. 5:1); the cache keeps each local group's pages only as far back as a "
         "continuation reads them. Hits come from continued conversations: the default chat "
-        "workload (prompts of 256+ tokens) with --window 128 shows L1 and L2 hits",
+        "workload (prompts of 256+ tokens) with --window 128 shows L1 and L2 hits. RA:FB "
+        "(e.g. R3:F1): A recurrent layers (gated linear attention, a state per request; "
+        "the cache keeps checkpoints of it at page boundaries) then B full ones",
     )
     m.add_argument("--window", type=int, help="with --layer-pattern: sliding window in tokens")
     m.add_argument(
@@ -251,10 +253,13 @@ def build_workload(args: argparse.Namespace) -> Workload:
 
 
 def _pattern_period(pattern: str) -> int:
-    """Layers of one repetition of a ``--layer-pattern`` ``"a:b"`` (``a + b``); 0 for none or
-    one that does not parse (``ModelConfig`` then names the problem)."""
-    a, sep, b = pattern.partition(":")
-    if not sep or not a.strip().isdigit() or not b.strip().isdigit():
+    """Layers of one repetition of a ``--layer-pattern`` ``"a:b"`` or ``"Ra:Fb"`` (``a + b``);
+    0 for none or one that does not parse (``ModelConfig`` then names the problem)."""
+    a, sep, b = pattern.strip().lower().partition(":")
+    a, b = a.strip(), b.strip()
+    if a[:1] == "r" and b[:1] == "f":  # a recurrent pattern, "R3:F1"
+        a, b = a[1:], b[1:]
+    if not sep or not a.isdigit() or not b.isdigit():
         return 0
     return int(a) + int(b)
 
@@ -449,8 +454,13 @@ def bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         args.metrics = bench_metrics.serve(args.metrics_port, args.processes)
         workload = build_workload(args)
         if args.layer_pattern and (args.processes > 1 or bench_processes.sharded(args)):
+            kind = (
+                "recurrent layers"
+                if args.layer_pattern.strip().lower().startswith("r")
+                else "local attention layers"
+            )
             raise ValueError(
-                f"--layer-pattern {args.layer_pattern}: a model with local attention layers "
+                f"--layer-pattern {args.layer_pattern}: a model with {kind} "
                 "does not run tensor-parallel or over several processes yet (drop "
                 "--tensor-parallel / --processes / --coordinator, or --layer-pattern)"
             )
@@ -782,9 +792,13 @@ def _bench_batched(
 
 
 def _pattern_text(cfg: ModelConfig) -> str:
-    """`` (layers 5:1, window 128)`` for a model with a layer pattern, else ``""``."""
+    """`` (layers 5:1, window 128)`` for a model with a layer pattern (a recurrent one: its
+    heads x key x value dims and conv width), else ``""``."""
     if not cfg.layer_pattern:
         return ""
+    if cfg.recurrent:
+        heads, dk, dv, width = cfg.recurrent_dims()
+        return f" (layers {cfg.layer_pattern}, recurrent {heads}x{dk}x{dv}, conv {width})"
     local = f"window {cfg.window}" if cfg.window is not None else f"chunk {cfg.chunk}"
     return f" (layers {cfg.layer_pattern}, {local})"
 

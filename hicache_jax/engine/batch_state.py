@@ -77,6 +77,8 @@ class BatchRequest:
         self.retractions = 0
         self.slot: int | None = None  # its TokenSlots slot while admitted
         self.pending = 0  # tokens sampled by dispatched forwards, not read yet
+        #: A recurrent model's state and checkpoints (engine.Checkpoints) while admitted.
+        self.recurrent: Any = None
 
     def add_token(self, tok: np.ndarray, now: float, logits: np.ndarray | None) -> None:
         """One sampled token (int32 ``[1]``) read from a dispatched forward at ``now``;
@@ -302,7 +304,7 @@ class PageLedger:
         if r.slot is not None:
             self.slots.give(r.slot)
         r.pages, r.kv_done, r.locked_len = np.zeros(0, np.int32), 0, 0
-        r.slot = None
+        r.slot, r.recurrent = None, None
 
 
 class AdmissionPlan:

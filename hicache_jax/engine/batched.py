@@ -51,6 +51,16 @@ of spinning. Requests that could never fit the device pool are refused at :meth:
 Modes as :class:`~hicache_jax.engine.engine.Engine`: ``none`` (pages per request, no tree),
 ``device`` (L1 radix), ``hicache`` (L1 + L2).
 
+A model with recurrent layers (``layer_pattern="R3:F1"``) runs a step's prefill chunks in one
+call and its decode rows in another (``DecoderModel.forward_recurrent_rows``: rows padded to
+the longest chunk, not packed as ``forward_batch`` packs), each request over its own state: a
+copy of the checkpoint at its cached prefix, taken at admission with the checkpoint positions
+(asked before its pages are taken), the prefill's checkpoints written from its chunk-boundary
+states before ``commit`` inserts their pages, decode's last one before ``finish`` does
+(:class:`~hicache_jax.engine.engine.Checkpoints`). Its prefill chunks are whole chunks of the
+recurrent layers (``DecoderModel.recurrent_chunk``) but the last; its loads are whole (no
+layer-wise wait); its prefills feed the cost model no samples.
+
 The request state and its pages and locks (admission's allocation, a prefill's shared pages,
 release on finish or retraction) are in :mod:`hicache_jax.engine.batch_state`; this module is the
 scheduler: queues, admission order, batches, retraction choice, and the timing of its forwards
@@ -67,6 +77,8 @@ import time
 from collections.abc import Callable, Hashable, Iterable, Sequence
 from typing import Any, TypedDict
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
 from hicache_jax.cache.hicache import HiCache
@@ -81,6 +93,7 @@ from hicache_jax.engine.batch_state import (
 )
 from hicache_jax.engine.engine import (
     CacheMode,
+    Checkpoints,
     Generation,
     build_cache,
     check_spec,
@@ -199,7 +212,16 @@ class BatchedEngine:
         self.table_bucket, self.batch_bucket = table_bucket, batch_bucket
         self.layerwise, self.decode_reserve = bool(layerwise), float(decode_reserve)
         self.compile_mixed, self.overlap = bool(compile_mixed), bool(overlap)
-        self._layer_waits = self.layerwise and not self.overlap  # see layerwise
+        # (see layerwise; a recurrent model loads back whole: its rows run one by one)
+        self._layer_waits = self.layerwise and not self.overlap and not model.recurrent
+        #: A recurrent model's prefill chunks are whole chunks of its recurrent layers
+        #: (``DecoderModel.recurrent_chunk``) until the last: each starts at a chunk boundary.
+        self._align = model.recurrent_chunk(self.ps) if model.recurrent else 1
+        if token_budget < self._align:
+            raise ValueError(
+                f"token_budget={token_budget} is below the recurrent layers' chunk "
+                f"({self._align} tokens): no prefill chunk would fit"
+            )
         self.clock = clock
         self._pending: list = []  # dispatched forwards whose tokens are not read yet
         self._timer = PrefillTimer(model, cache)  # prefill samples for the cost model
@@ -327,9 +349,9 @@ class BatchedEngine:
         """(request, chunk tokens) of this step's prefill batch; see the module doc."""
         budget, batch = self.token_budget, []
         for req in self.prefilling:  # chunks of prefills under way go first
-            if budget == 0:
+            n = self._chunk(req, budget)
+            if n == 0:
                 break
-            n = min(req.target - req.kv_done, budget)
             batch.append((req, n))
             budget -= n
         cands = self._candidates(budget, batch)
@@ -431,15 +453,39 @@ class BatchedEngine:
                 req.hits = (
                     (0, 0, 0) if h is None else (m0.device_len, h.loaded_len, h.host_len_declined)
                 )
-            n = min(req.target - req.kv_done, budget)
-            batch.append((req, n))
+            n = self._chunk(req, budget)
+            if n:  # (else its first chunk goes next step: a recurrent model's whole chunks)
+                batch.append((req, n))
             budget -= n
             self.prefilling.append(req)
             if last:
                 return
 
+    def _chunk(self, req: BatchRequest, budget: int) -> int:
+        """Tokens of ``req``'s next prefill chunk within ``budget``: a recurrent model's a
+        multiple of its chunk unless it is the prompt's last."""
+        n = min(req.target - req.kv_done, budget)
+        return n if n == req.target - req.kv_done else n // self._align * self._align
+
     def _take_pages(self, req: BatchRequest, h: Request | None, checked: bool = False) -> bool:
-        return self._ledger.take(req, h, self.prefilling + self.running, self._reserve, checked)
+        positions = None
+        if self.model.recurrent and h is not None:
+            # Asked before its pages are taken (which may evict the tree's pages past the
+            # match, the branch point with them): see engine.Checkpoints.
+            positions = self.cache.checkpoint_positions(req.seq, h.cached_len)
+        if not self._ledger.take(req, h, self.prefilling + self.running, self._reserve, checked):
+            return False
+        if self.model.recurrent:  # its state: a copy of the checkpoint at its cached prefix
+            req.recurrent = Checkpoints(
+                self.cache,
+                self.model,
+                req.pages,
+                req.seq,
+                req.kv_done,
+                req.prompt.shape[0] + req.max_new - 1,
+                positions,
+            )
+        return True
 
     def _stalled(self, req: BatchRequest | None = None) -> None:
         raise self._ledger.stalled_error(self.waiting[0] if req is None else req)
@@ -454,6 +500,9 @@ class BatchedEngine:
         have yet). With ``compile_mixed`` off, a mixed step whose shapes have no executable
         runs as a prefill step and a decode step (shapes of far fewer kinds, which a warm-up
         covers): no compile in steady serving."""
+        if self.model.recurrent:
+            self._forward_recurrent(batch, decoding)
+            return
         waiter = next((r.handle for r, _ in batch if r.handle is not None), None)
         pre = [r.seq[r.kv_done : r.kv_done + n] for r, n in batch]
         dec = [_PLACEHOLDER] * len(decoding)  # read from the slots on the device
@@ -506,6 +555,64 @@ class BatchedEngine:
                 **knobs,
             )
             self._pending.append((logits, toks, self._dispatched(part_batch, part_dec), sample))
+
+    def _forward_recurrent(
+        self, batch: list[tuple[BatchRequest, int]], decoding: list[BatchRequest]
+    ) -> None:
+        """:meth:`_forward` of a model with recurrent layers: the prefill chunks in one step
+        and the decode rows in another (``forward_recurrent_rows``: rows padded to the
+        longest chunk, not packed), each over its own state (``BatchRequest.recurrent``: a
+        copy of the checkpoint at its cached prefix, taken at admission; the prefill's
+        checkpoints and the decode's last one written as the serial engine does, before
+        ``share_prompt`` / ``finish`` insert their pages); the rows' tokens sampled on the
+        device and written to their slots, as a packed step does."""
+        parts = []
+        knobs = dict(min_pages=self.table_bucket, min_batch=self.batch_bucket)
+        if batch:  # every prefill chunk in one step
+            ckpts: list[Checkpoints] = []
+            for r, _ in batch:
+                assert r.recurrent is not None and r.slot is not None  # set at admission
+                ckpts.append(r.recurrent)
+            logits, toks, states, bounds, chunk = self.model.forward_recurrent_rows(
+                self.pool,
+                [r.seq[r.kv_done : r.kv_done + n] for r, n in batch],
+                [r.kv_done for r, _ in batch],
+                [r.pages for r, _ in batch],
+                [c.state for c in ckpts],
+                self.slots,
+                [r.slot for r, _ in batch if r.slot is not None],
+                min_bucket=self.query_block,
+                **knobs,
+            )
+            for (r, n), ckpt, state, bound in zip(batch, ckpts, states, bounds):
+                ckpt.state = state
+                ckpt.prefilled(r.kv_done, r.kv_done + n, bound, chunk, r.pages)
+            parts.append((logits, toks, len(batch)))
+        if decoding:  # every decode row in one step, its token read from its slot
+            ckpts = []
+            for r in decoding:
+                assert r.recurrent is not None and r.slot is not None  # an admitted request
+                ckpts.append(r.recurrent)
+            logits, toks, states, _, _ = self.model.forward_recurrent_rows(
+                self.pool,
+                None,
+                [r.kv_done for r in decoding],
+                [r.pages for r in decoding],
+                [c.state for c in ckpts],
+                self.slots,
+                [r.slot for r in decoding if r.slot is not None],
+                **knobs,
+            )
+            for r, ckpt, state in zip(decoding, ckpts, states):
+                ckpt.state = state
+                ckpt.decoded(r.kv_done + 1, state, r.pages)
+            parts.append((logits, toks, len(decoding)))
+        if len(parts) == 1:
+            logits, toks, _ = parts[0]
+        else:
+            (la, ta, na), (lb, tb, _) = parts
+            logits, toks = _concat_rows(la[:na], ta[:na], lb, tb)
+        self._pending.append((logits, toks, self._dispatched(batch, decoding), None))
 
     def _dispatched(
         self, batch: list[tuple[BatchRequest, int]], decoding: list[BatchRequest]
@@ -610,6 +717,11 @@ class BatchedEngine:
         gen = self._ledger.finish(r)
         self.records.append(gen.record)
         return gen
+
+
+@jax.jit
+def _concat_rows(logits_a, toks_a, logits_b, toks_b) -> tuple:
+    return jnp.concatenate([logits_a, logits_b]), jnp.concatenate([toks_a, toks_b])
 
 
 class PrefillTimer:

@@ -21,6 +21,16 @@ with a batch of one; it shows the cache's job, not a batching scheduler):
 Three modes: ``none`` (no prefix cache: pages are allocated and freed per request), ``device``
 (radix cache in device memory only: HiCache with ``host_pages=0``), ``hicache`` (L1 + L2).
 
+A model with recurrent layers (``layer_pattern="R3:F1"``, :mod:`hicache_jax.engine.recurrent`)
+keeps a state per request beside the full layers' pages (:class:`Checkpoints`): it starts as
+a copy of the checkpoint at ``req.cached_len`` (``HiCache.read_state``; zeros at 0; the cached
+checkpoint is never written), the prefill runs the recurrent layers in chunks that end at
+every page boundary and writes the checkpoints ``HiCache.checkpoint_positions`` asks for
+(asked right after ``begin``, before ``extend`` takes pages that may evict the branch point)
+from the chunk-boundary states, decode advances the request's own state and checkpoints the
+last whole page of prompt + output where it lies past the prompt's; all before ``finish``
+inserts their pages. Its loads are whole (no layer-wise wait).
+
 Threading: an Engine and its cache belong to the thread that calls ``generate``.
 """
 
@@ -39,6 +49,7 @@ import numpy as np
 from hicache_jax.cache.hicache import HiCache
 from hicache_jax.engine.model import DecoderModel
 from hicache_jax.engine.packing import bucket
+from hicache_jax.errors import OutOfPagesError
 from hicache_jax.spec import HiCacheConfig, KVSpec
 from hicache_jax.validation import check_bool, is_int
 
@@ -148,6 +159,12 @@ class Engine:
         ):
             if not is_int(value) or value < 1 or bucket(value) != value:
                 raise ValueError(f"{name}={value!r} must be a power of two >= 1")
+        if model.recurrent and chunk_size % model.recurrent_chunk(spec.page_size):
+            raise ValueError(
+                f"chunk_size={chunk_size} is not a multiple of the recurrent layers' chunk "
+                f"({model.recurrent_chunk(spec.page_size)} tokens): a prefill chunk would "
+                "start inside one"
+            )
         self.model, self.cache = model, cache
         self._prefill_shapes: set[tuple] = set()  # prefill shape signatures already compiled
         self.pool = cache.device_pool
@@ -155,6 +172,7 @@ class Engine:
         self.table_bucket = table_bucket
         self.layerwise = bool(layerwise)
         self.records: list[RequestRecord] = []
+        self._positions: list[int] = []  # a recurrent model's checkpoints of the request
 
     @classmethod
     def create(
@@ -221,10 +239,17 @@ class Engine:
         else:
             if self.prefetch:  # the engine matches the prompt minus its last token
                 cache.prefetch(prompt[: n - 1])
-            with cache.begin(prompt[: n - 1], layerwise=self.layerwise) as req:
+            layerwise = self.layerwise and not self.model.recurrent
+            with cache.begin(prompt[: n - 1], layerwise=layerwise) as req:
                 cached = req.cached_len
-                if req.loaded_len and not self.layerwise:  # its copy timed as its own
+                if req.loaded_len and not layerwise:  # its copy timed as its own
                     cache.wait_loaded(req.device_pages)
+                # A recurrent model's checkpoints are placed before the request's own pages
+                # are taken: taking them may evict the tree's pages past the match (the
+                # branch point where the prompt leaves them is one of the places).
+                self._positions = (
+                    cache.checkpoint_positions(prompt, cached) if self.model.recurrent else []
+                )
                 req.extend(kv_len - req.num_tokens)  # a split's pages are the request's
                 tokens, first_logits, ttft = self._run(
                     prompt, cached, req.device_pages, max_new, req.load_handle, t0, req
@@ -265,6 +290,8 @@ class Engine:
         """Prefill ``prompt[cached:]`` in chunks (the first waits per layer for ``waiter``, a
         layer-wise load's handle, when given; with ``req.overlap``, the front, then the wait
         for the back's copy, then the rest), then decode; returns tokens, logits, TTFT."""
+        if self.model.recurrent:
+            return self._run_recurrent(prompt, cached, pages, max_new, t0, req)
         starts = list(range(cached, prompt.shape[0], self.chunk_size))
         if req is not None and req.overlap:
             front, back = req.overlap
@@ -321,6 +348,146 @@ class Engine:
             out.append(tok)
             pos += 1
         return np.asarray(jnp.concatenate(out)), first_logits, ttft
+
+    def _run_recurrent(
+        self,
+        prompt: np.ndarray,
+        cached: int,
+        pages: np.ndarray,
+        max_new: int,
+        t0: float,
+        req: Any,
+    ) -> tuple[np.ndarray, np.ndarray, float]:
+        """:meth:`_run` of a model with recurrent layers: the state starts from the
+        checkpoint at ``cached`` (a copy: :func:`start_state`), the prefill writes the
+        checkpoints ``cache.checkpoint_positions`` asks for from its chunk-boundary states, and
+        decode advances the request's own state, checkpointing the last whole page of
+        prompt + output (what ``finish`` inserts) where it lies beyond the prompt's. ``req``
+        None (mode ``none``): no checkpoint is read or written."""
+        cache, model = self.cache, self.model
+        n = prompt.shape[0]
+        ckpt = Checkpoints(
+            cache,
+            model,
+            pages,
+            prompt,
+            cached,
+            n + max_new - 1,
+            self._positions if req is not None else None,
+        )
+        state = ckpt.state
+        p0, shapes = time.perf_counter(), []
+        logits = None
+        for c0 in range(cached, n, self.chunk_size):
+            chunk = prompt[c0 : c0 + self.chunk_size]
+            shapes.append((_pow2(max(chunk.shape[0], self.prefill_bucket)), pages.shape[0]))
+            logits, state, bounds, step = model.forward_recurrent(
+                self.pool,
+                chunk,
+                c0,
+                pages,
+                state,
+                min_bucket=self.prefill_bucket,
+                min_pages=self.table_bucket,
+            )
+            ckpt.prefilled(c0, c0 + chunk.shape[0], bounds, step, pages)
+        assert logits is not None  # the prompt's last token is never cached: a chunk ran
+        first_logits = np.asarray(logits)
+        self._report_prefill(tuple(shapes), n - cached, cached, time.perf_counter() - p0)
+        tok = _argmax(logits)
+        out = [tok]
+        ttft = time.perf_counter() - t0
+        for pos in range(n, n + max_new - 1):
+            logits, state, _, _ = model.forward_recurrent(
+                self.pool, tok, pos, pages, state, min_pages=self.table_bucket
+            )
+            ckpt.decoded(pos + 1, state, pages)
+            tok = _argmax(logits)
+            out.append(tok)
+        return np.asarray(jnp.concatenate(out)), first_logits, ttft
+
+
+class Checkpoints:
+    """A recurrent-pattern request's checkpoints (the serial and the batched engine): its
+    start state, the prefill's checkpoints and the decode's last one.
+
+    Args:
+        cache: the cache (its first STATE group holds the recurrent layers' state).
+        model: the decoder (its zero state).
+        pages: the request's device pages now (those past ``cached`` its own, not inserted
+            yet).
+        tokens: what the request prefills from ``cached`` (its prompt; a re-admitted
+            request's prompt and output so far).
+        cached: tokens served from the cache (a checkpoint position, or 0).
+        kv_len: the positions whose K/V the request computes in all (``finish`` inserts
+            their whole pages).
+        positions: where the prefill writes checkpoints: ``cache.checkpoint_positions(tokens,
+            cached)`` asked before the request took its own pages (which may evict the tree's
+            pages past its match, and with them the branch point); None (no prefix cache):
+            start from zeros, write nothing.
+    """
+
+    def __init__(
+        self,
+        cache: HiCache,
+        model: DecoderModel,
+        pages: np.ndarray,
+        tokens: np.ndarray,
+        cached: int,
+        kv_len: int,
+        positions: Sequence[int] | None,
+    ) -> None:
+        enabled = positions is not None
+        self.ps = ps = cache.spec.page_size
+        self.cache, self.group = cache, cache.spec.state_groups[0]
+        self.state = start_state(cache, model, pages, cached) if enabled else model.zero_state()
+        self.positions = list(positions or ())
+        self.skipped = 0  # checkpoints not written: no state slot could be had
+        prompt_end = tokens.shape[0] // ps * ps
+        last = kv_len // ps * ps
+        #: The last whole page of everything computed, when decode reaches it past the prompt.
+        self.decode_end = last if enabled and last > max(prompt_end, cached) else None
+
+    def prefilled(
+        self, c0: int, end: int, bounds: Sequence[Any], chunk: int, pages: np.ndarray
+    ) -> None:
+        """A prefill chunk over positions ``c0 .. end-1`` ran (``forward_recurrent``'s
+        boundary states after every ``chunk`` tokens from ``c0``): write the checkpoints in
+        ``(c0, end]`` to the request's ``pages`` (its page table now)."""
+        here = [p for p in self.positions if c0 < p <= end]
+        if not here:
+            return
+        idx = np.asarray([(p - c0) // chunk - 1 for p in here], np.int32)
+        state = [jnp.moveaxis(jnp.take(b, idx, axis=1), 1, 0) for b in bounds]
+        self._write(pages[[p // self.ps - 1 for p in here]], state)
+
+    def decoded(self, end: int, state: Sequence[Any], pages: np.ndarray) -> None:
+        """Decode computed position ``end - 1``: ``state`` is the state after ``end``
+        tokens; checkpoint it if ``end`` is :attr:`decode_end`."""
+        if end == self.decode_end:
+            self._write(pages[[end // self.ps - 1]], [a[None] for a in state])
+
+    def _write(self, pages: np.ndarray, state: Sequence[Any]) -> None:
+        """``write_state``; a checkpoint no slot can be had for (every slot held by locked
+        prefixes or requests' own pages) is skipped and counted (:attr:`skipped`): the pages
+        go into the tree without it, and a later hit ends at an earlier checkpoint."""
+        try:
+            self.cache.write_state(self.group, pages, state)
+        except OutOfPagesError:
+            self.skipped += len(pages)
+
+
+def start_state(
+    cache: HiCache, model: DecoderModel, pages: np.ndarray, cached: int
+) -> tuple[Any, ...]:
+    """The recurrent state a request served from the cache up to ``cached`` tokens starts
+    from: a copy of the checkpoint at the end of its page ``cached // ps - 1`` (never written
+    again: the request advances its own), zeros when ``cached`` is 0."""
+    if cached == 0:
+        return model.zero_state()
+    ps = cache.spec.page_size
+    g = cache.spec.state_groups[0]
+    return tuple(a[0] for a in cache.read_state(g, pages[cached // ps - 1 : cached // ps]))
 
 
 def check_spec(spec: KVSpec, want: KVSpec) -> None:

@@ -33,6 +33,13 @@ the window group pools donated together) or, per layer, :data:`LAYER` / :data:`B
 for full layers and :data:`LOCAL_LAYER` / :data:`LOCAL_BATCH_LAYER` for local ones; a local
 layer's query at ``t`` sees keys from ``t - window`` (or ``t``'s chunk start) to ``t``.
 
+A recurrent pattern (``layer_pattern="R3:F1"``, :func:`recurrent_plan`) runs through
+:data:`RECURRENT_STEP`: the full layers on the full pool, the recurrent layers
+(:mod:`hicache_jax.engine.recurrent`) over the request's own state, which the step takes and
+returns with the states at every chunk boundary of a prefill (the cache's checkpoints);
+:data:`RECURRENT_ROWS` runs a chunk of each of several requests (prefill chunks, or one
+decode token each) in one step.
+
 Threading: the jitted steps dispatch on the caller's thread, which must own the pool
 (ARCHITECTURE.md: one dispatching thread); :data:`TRACES` is only written at trace time.
 """
@@ -48,6 +55,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from hicache_jax.engine.recurrent import recurrent_chunked, recurrent_step
 from hicache_jax.engine.weights import ModelConfig, Params
 
 # ---------------------------------------------------------------------------------------------
@@ -177,7 +185,7 @@ def layer_plan(cfg: ModelConfig) -> tuple[tuple[int, int, Local], ...]:
     cache's ``window_pools``), ``index`` the layer's place in that group's ``layers``; ``local``
     its mask (:data:`Local`). Empty for a config whose layers are all full attention."""
     spec = cfg.kv_spec(1)
-    if not spec.window_groups:
+    if not spec.window_groups or spec.state_groups:  # (a recurrent pattern: recurrent_plan)
         return ()
     plan: dict[int, tuple[int, int, Local]] = {
         layer: (-1, i, None) for i, layer in enumerate(spec.full_group.layers)
@@ -258,8 +266,17 @@ def _reference_jit(cfg: ModelConfig, params: Params, tokens: jax.Array) -> jax.A
     mask = pos[None, :] <= pos[:, None]
     x = _embed(params, tokens)
     plan = layer_plan(cfg)
+    rplan = recurrent_plan(cfg)
     for i in range(cfg.num_layers):
         lp = {k: v[i] for k, v in params["layers"].items()}
+        if rplan and rplan[i] >= 0:  # a recurrent layer, token by token from a zero state
+            rp = {k: v[rplan[i]] for k, v in params["recurrent"].items()}
+            conv, ssm = zero_state(cfg, 1)
+            h = _rms_norm(x, lp["attn_norm"], cfg.norm_eps)
+            y, _, _ = recurrent_step(rp, h, conv[0], ssm[0])
+            x = x + y.astype(x.dtype)
+            x = x + _mlp(cfg, lp, x)
+            continue
         q, k, v = _qkv(cfg, lp, x, pos)
         local = plan[i][2] if plan else None
         m = mask if local is None else mask & (pos[None, :] >= _local_start(local, pos)[:, None])
@@ -575,8 +592,154 @@ def _local_batch_layer(cfg, layout, local, pool, layer, lp, x, blob, page_map):
     return _batch_layer(cfg, pool, layer, lp, x, pos, wpage, groups, tok_slot, local)
 
 
+# ---------------------------------------------------------------------------------------------
+# A recurrent pattern (``ModelConfig(layer_pattern="R3:F1")``): recurrent layers (gated linear
+# attention, hicache_jax.engine.recurrent) beside full-attention layers on the full pool. The
+# recurrent layers' state is the request's own (the caller's arrays, not a pool): a step takes
+# it and returns it advanced, with the state at every ``chunk`` boundary of a prefill (the
+# checkpoints the caller writes to the cache, ``HiCache.write_state``).
+
+
+@functools.cache
+def recurrent_plan(cfg: ModelConfig) -> tuple[int, ...]:
+    """Per model layer of a recurrent pattern: its index among the recurrent layers (its
+    weights in ``params["recurrent"]``, its state in the STATE group's layer order), or
+    ``-(1 + i)`` for the full-attention layer ``i`` of the full pool. Empty without recurrent
+    layers."""
+    rec = cfg.recurrent_layers()
+    if not rec:
+        return ()
+    full = cfg.kv_spec(1).full_group.layers
+    plan = {layer: j for j, layer in enumerate(rec)}
+    plan.update({layer: -(1 + i) for i, layer in enumerate(full)})
+    return tuple(plan[layer] for layer in range(cfg.num_layers))
+
+
+def zero_state(cfg: ModelConfig, n: int = 1) -> tuple[jax.Array, ...]:
+    """The recurrent layers' state at the start of a sequence: ``conv [n, conv_width - 1,
+    d_model]`` and ``ssm [n, heads, dk, dv]`` zeros (float32), ``n`` the recurrent layers."""
+    return tuple(jnp.zeros((n, *a.shape), jnp.float32) for a in cfg.state_arrays())
+
+
+def _recurrent_model_step(cfg, chunk, pool, params, tokens, start, n_new, page_table, conv, ssm):
+    """A step of a recurrent-pattern model over a chunk of one request:
+    ``(pool, (logits, (conv, ssm), (boundary_conv, boundary_ssm)))``.
+
+    Full layers run :func:`_paged_layer` on the pool (K/V written and read through the page
+    table); recurrent layer ``j`` runs on the request's state ``conv[j]`` / ``ssm[j]``: a
+    one-token step (``T == 1``, decode) in the step form, a longer one in the chunked form
+    over chunks of ``chunk`` tokens from ``start`` (padded to a whole chunk; rows ``>= n_new``
+    are padding). The boundary states are ``[R, T' // chunk, ...]``, the state after the
+    tokens up to each chunk's end (clamped to ``n_new``); ``[R, 0, ...]`` in the step form."""
+    TRACES["recurrent_step"] += 1
+    t = tokens.shape[0]
+    x = _embed(params, tokens)
+    convs, ssms, bconv, bssm = [], [], [], []
+    for layer, j in enumerate(recurrent_plan(cfg)):
+        lp = params["per_layer"][layer]
+        if j < 0:
+            pool, x = _paged_layer(cfg, pool, -(1 + j), lp, x, start, n_new, page_table)
+            continue
+        rp = params["recurrent_per_layer"][j]
+        h = _rms_norm(x, lp["attn_norm"], cfg.norm_eps)
+        if t == 1:
+            y, c, s = recurrent_step(rp, h, conv[j], ssm[j])
+            bc, bs = c[None, :0], s[None, :0]
+        else:
+            pad = -t % chunk
+            hp = jnp.pad(h, ((0, pad), (0, 0))) if pad else h
+            y, c, s, bc, bs = recurrent_chunked(rp, hp, conv[j], ssm[j], n_new, chunk)
+            y = y[:t]
+        convs.append(c)
+        ssms.append(s)
+        bconv.append(bc)
+        bssm.append(bs)
+        x = x + y.astype(x.dtype)
+        x = x + _mlp(cfg, lp, x)
+    state = (jnp.stack(convs), jnp.stack(ssms))
+    return pool, (_head(cfg, params, x, n_new), state, (jnp.stack(bconv), jnp.stack(bssm)))
+
+
+def _recurrent_rows(
+    cfg, chunk, pool, params, tokens, start, n_new, tables, conv, ssm, slot_tokens, slot_of
+):
+    """One chunk of each of ``B`` requests of a recurrent-pattern model in one step:
+    ``(pool, (logits [B, V], tokens [B], slot_tokens, conv [B, R, ...], ssm [B, R, ...],
+    boundary_conv [B, R, nb, ...], boundary_ssm [B, R, nb, ...]))``.
+
+    Row ``b`` runs :func:`_recurrent_model_step`'s math on its chunk of ``n_new[b]`` tokens
+    at ``start[b]``, with page table ``tables[b]`` and state ``conv[b]`` / ``ssm[b]``: the
+    full layers' K/V of every row written first, then each row's attention over its own pages
+    (:func:`_attend`, vmapped), the recurrent layers vmapped over the rows (the step form for
+    ``T == 1``, else the chunked form with the boundary states; ``nb = 0`` for ``T == 1``).
+    ``tokens`` int32 [B, T]; ``T == 1`` rows read their token from slot ``slot_of[b]`` of
+    ``slot_tokens`` (the last sampled there) instead. Each row's sampled token (of its last
+    valid position) goes to its slot; padding rows have ``n_new`` 0 and slot ``S`` (the
+    padding slot), and write their K/V to the scratch page."""
+    TRACES["recurrent_rows"] += 1
+    b, t = tokens.shape
+    n_pages = tables.shape[1]
+    ps, scratch, bits = pool.shape[3], pool.shape[2] - 1, pool.dtype
+    if t == 1:
+        tokens = slot_tokens[slot_of][:, None]
+    pos = start[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]  # [B, T]
+    valid = jnp.arange(t, dtype=jnp.int32)[None, :] < n_new[:, None]
+    x = _embed(params, tokens).reshape(b * t, -1)  # the rows' tokens, flat
+    flat_pos = pos.reshape(-1)
+    page = jnp.take_along_axis(tables, jnp.minimum(pos // ps, n_pages - 1), axis=1)
+    wpage = jnp.where(valid, page, scratch).reshape(-1)
+    off = flat_pos % ps
+    ctx = (b, n_pages * ps, cfg.num_kv_heads, cfg.head_dim)
+    kpos = jnp.arange(n_pages * ps, dtype=jnp.int32)
+    mask = (kpos[None, None, :] <= pos[:, :, None]) & (
+        kpos[None, None, :] < (start + n_new)[:, None, None]
+    )  # [B, T, S]
+    attend = jax.vmap(functools.partial(_attend, cfg))
+    convs, ssms, bconv, bssm = [], [], [], []
+    for layer, j in enumerate(recurrent_plan(cfg)):
+        lp = params["per_layer"][layer]
+        if j < 0:
+            i = -(1 + j)
+            q, k, v = _qkv(cfg, lp, x, flat_pos)
+            pool = pool.at[i, 0, wpage, off].set(lax.bitcast_convert_type(k, bits))
+            pool = pool.at[i, 1, wpage, off].set(lax.bitcast_convert_type(v, bits))
+            kc = lax.bitcast_convert_type(pool[i, 0, tables], x.dtype).reshape(ctx)
+            vc = lax.bitcast_convert_type(pool[i, 1, tables], x.dtype).reshape(ctx)
+            qr = q.reshape(b, t, cfg.num_heads, cfg.head_dim)
+            x = x + attend(qr, kc, vc, mask).reshape(b * t, -1) @ lp["wo"]
+        else:
+            rp = params["recurrent_per_layer"][j]
+            h = _rms_norm(x, lp["attn_norm"], cfg.norm_eps).reshape(b, t, -1)
+            if t == 1:
+                y, c, st = jax.vmap(recurrent_step, in_axes=(None, 0, 0, 0))(
+                    rp, h, conv[:, j], ssm[:, j]
+                )
+                bc, bs = c[:, None, :0], st[:, None, :0]
+            else:
+                pad = -t % chunk
+                hp = jnp.pad(h, ((0, 0), (0, pad), (0, 0))) if pad else h
+                y, c, st, bc, bs = jax.vmap(
+                    functools.partial(recurrent_chunked, chunk=chunk), in_axes=(None, 0, 0, 0, 0)
+                )(rp, hp, conv[:, j], ssm[:, j], n_new)
+                y = y[:, :t]
+            convs.append(c)
+            ssms.append(st)
+            bconv.append(bc)
+            bssm.append(bs)
+            x = x + y.reshape(b * t, -1).astype(x.dtype)
+        x = x + _mlp(cfg, lp, x)
+    last = jnp.arange(b, dtype=jnp.int32) * t + jnp.maximum(n_new - 1, 0)
+    h = _rms_norm(x[last], params["final_norm"], cfg.norm_eps)
+    logits = jnp.dot(h, params["lm_head"], preferred_element_type=jnp.float32)
+    toks = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    states = (jnp.stack(convs, axis=1), jnp.stack(ssms, axis=1))
+    bounds = (jnp.stack(bconv, axis=1), jnp.stack(bssm, axis=1))
+    return pool, (logits, toks, slot_tokens.at[slot_of].set(toks), *states, *bounds)
+
+
 #: Traces of each jitted step (``"step"``, ``"batch_step"``, ``"batch_layer"``; a patterned
-#: model's ``"pattern_step"``, ``"pattern_batch_step"``), counted inside
+#: model's ``"pattern_step"``, ``"pattern_batch_step"``; a recurrent one's
+#: ``"recurrent_step"``, ``"recurrent_rows"``), counted inside
 #: the traced functions: a jit traces once per new shape / static config, i.e. once per compile.
 TRACES: collections.Counter[str] = collections.Counter()
 
@@ -593,6 +756,10 @@ PATTERN_STEP = jax.jit(_pattern_step, static_argnums=0, donate_argnums=(1, 2))
 PATTERN_BATCH_STEP = jax.jit(_pattern_batch_step, static_argnums=(0, 1), donate_argnums=(2, 3))
 LOCAL_LAYER = jax.jit(_local_layer, static_argnums=(0, 1), donate_argnums=2)
 LOCAL_BATCH_LAYER = jax.jit(_local_batch_layer, static_argnums=(0, 1, 2), donate_argnums=3)
+# A recurrent pattern: (cfg, chunk) static, the full pool donated; the state is not donated (a
+# checkpoint written from it may still be reading it).
+RECURRENT_STEP = jax.jit(_recurrent_model_step, static_argnums=(0, 1), donate_argnums=2)
+RECURRENT_ROWS = jax.jit(_recurrent_rows, static_argnums=(0, 1), donate_argnums=2)
 EMBED = jax.jit(_embed)
 BATCH_EMBED = jax.jit(_blob_embed, static_argnums=0)
 HEAD = jax.jit(_head, static_argnums=0)
@@ -601,7 +768,15 @@ BATCH_HEAD = jax.jit(_blob_head, static_argnums=(0, 1))
 
 def trace_count(name: str = "step") -> int:
     """Times the jitted step ``name`` has been traced (= compiled) so far, all configs."""
-    names = ("step", "batch_step", "batch_layer", "pattern_step", "pattern_batch_step")
+    names = (
+        "step",
+        "batch_step",
+        "batch_layer",
+        "pattern_step",
+        "pattern_batch_step",
+        "recurrent_step",
+        "recurrent_rows",
+    )
     if name not in names:
         raise ValueError(f"name={name!r} must be one of {', '.join(map(repr, names))}")
     return TRACES[name]

@@ -26,6 +26,12 @@ take ``windows`` and ``window_pages`` (each window group's page of each request 
 the cache every step) and run the fused step through ``DevicePagePool.run_with`` (every pool
 donated at once), the per-layer path a pool a layer. A plain model's steps are unchanged.
 
+A model with recurrent layers (``layer_pattern="R3:F1"``) runs with
+:meth:`DecoderModel.forward_recurrent` instead, one request a call
+(:meth:`DecoderModel.forward_recurrent_rows`: several, one chunk each, in one step): the caller
+holds the request's recurrent state and passes it in; the call returns it advanced, with the
+states at every chunk boundary of a prefill (the checkpoints a caller writes to the cache).
+
 Threading: every call dispatches on the caller's thread, which must be the thread that owns the
 pool (ARCHITECTURE.md: one dispatching thread).
 """
@@ -34,6 +40,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Protocol, cast
 
@@ -53,10 +60,14 @@ from hicache_jax.engine.layers import (
     LOCAL_LAYER,
     PATTERN_BATCH_STEP,
     PATTERN_STEP,
+    RECURRENT_ROWS,
+    RECURRENT_STEP,
     STEP,
     TRACES,
     UNROLL_TOKENS,
     layer_plan,
+    recurrent_plan,
+    zero_state,
 )
 from hicache_jax.engine.packing import (
     NO_SLOTS,
@@ -124,6 +135,13 @@ class DecoderModel:
             raise ValueError(f"unroll_tokens={unroll_tokens!r} must be an int >= 0")
         #: Per layer, its pool and mask (``layers.layer_plan``); empty: every layer full.
         self.plan = layer_plan(cfg)
+        #: A recurrent pattern's layers (``layers.recurrent_plan``); empty: none recurrent.
+        self.recurrent = recurrent_plan(cfg)
+        if self.recurrent and mesh is not None:
+            raise ValueError(
+                f"layer_pattern={cfg.layer_pattern!r} (--layer-pattern): a model with recurrent "
+                "layers does not run tensor-parallel (mesh=) yet"
+            )
         if self.plan and mesh is not None:
             raise ValueError(
                 f"layer_pattern={cfg.layer_pattern!r} (--layer-pattern): a model with local "
@@ -146,6 +164,11 @@ class DecoderModel:
             **{k: v for k, v in self.params.items() if k != "layers"},
             "per_layer": tuple(self._layer_params),
         }
+        if self.recurrent:
+            self._unrolled_params["recurrent_per_layer"] = tuple(
+                {k: _layer_slice(v, j) for k, v in self.params["recurrent"].items()}
+                for j in range(len(cfg.recurrent_layers()))
+            )
         # Module-level jits with the config static: models of equal config share compiles.
         self._step = functools.partial(STEP, cfg)
         self._layer = functools.partial(LAYER, cfg)
@@ -209,6 +232,7 @@ class DecoderModel:
         Returns:
             float32 [vocab] logits of the last token (a jax array, not synchronized).
         """
+        self._not_recurrent("forward")
         self._window_args(windows, window_pages, "window_pages")
         n = int(tokens.shape[0])
         ps = self._page_size(pool)
@@ -242,6 +266,201 @@ class DecoderModel:
             waiter.wait_layer(layer)
             x = pool.run(self._layer, jnp.int32(layer), lp, x, *args)
         return self._head(self.params, x, jnp.int32(n))
+
+    def _not_recurrent(self, name: str) -> None:
+        if self.recurrent:
+            raise ValueError(
+                f"{name}: a model with recurrent layers (layer_pattern="
+                f"{self.cfg.layer_pattern!r}) runs with forward_recurrent (it keeps a state)"
+            )
+
+    def zero_state(self) -> tuple[jax.Array, ...]:
+        """A recurrent model's state at the start of a sequence (``(conv, ssm)``, each with a
+        leading axis of its recurrent layers)."""
+        return zero_state(self.cfg, len(self.cfg.recurrent_layers()))
+
+    def recurrent_chunk(self, page_size: int) -> int:
+        """Tokens of a chunk of the recurrent layers' prefill (``recurrent_chunked``): the
+        largest power of two dividing ``page_size``, at most ``self.max_recurrent_chunk``, so
+        that chunks starting at a page boundary (a checkpoint: every cached prefix ends at
+        one) end at every page boundary, and a prefill served from a checkpoint repeats a
+        recompute's arithmetic chunk for chunk; an engine's power-of-two prefill chunks are
+        whole chunks of it."""
+        return math.gcd(page_size, self.max_recurrent_chunk)
+
+    #: The longest chunk of :meth:`recurrent_chunk` (a power of two).
+    max_recurrent_chunk = 16
+
+    def forward_recurrent(
+        self,
+        pool: PoolLike,
+        tokens,
+        start: int,
+        page_ids,
+        state: Sequence[Any],
+        *,
+        min_bucket: int = 1,
+        min_pages: int = 1,
+    ) -> tuple[jax.Array, tuple[jax.Array, ...], tuple[jax.Array, ...], int]:
+        """One chunk of a request of a recurrent-pattern model: the full layers' K/V into its
+        pages, the recurrent layers from ``state`` (the state after ``start`` tokens).
+
+        Args:
+            pool: the device pool (the full-attention layers; donated and rebound).
+            tokens: int [n] token ids at positions ``start ..`` (numpy or a jax array; one
+                token: the step form of decode, else the chunked form of prefill).
+            start: position of ``tokens[0]``; a prefill starts at a multiple of
+                :meth:`recurrent_chunk` (its chunks then end at every page boundary).
+            page_ids: the request's pages in position order (as :meth:`forward`).
+            state: ``(conv [R, conv_width-1, d_model], ssm [R, H, dk, dv])`` float32, R the
+                recurrent layers (:meth:`zero_state`, or ``HiCache.read_state`` of a
+                checkpoint without its page axis); not modified.
+            min_bucket / min_pages: as :meth:`forward`.
+
+        Returns:
+            ``(logits [vocab], state after the chunk, boundary states, chunk)``: the boundary
+            states ``(conv [R, nb, ...], ssm [R, nb, ...])`` after each ``chunk`` tokens of
+            the prefill (``start + (i+1) * chunk``, clamped to the chunk's end; nb = 0 for
+            one token). Jax arrays, not synchronized.
+        """
+        if not self.recurrent:
+            raise ValueError("forward_recurrent: this model has no recurrent layers")
+        n = int(tokens.shape[0])
+        ps = self._page_size(pool)
+        if n < 1 or start < 0:
+            raise ValueError(f"need >= 1 token at start >= 0, got n={n}, start={start}")
+        chunk = self.recurrent_chunk(ps)
+        if n > 1 and start % chunk:
+            raise ValueError(
+                f"start={start}: a recurrent prefill starts at a multiple of its chunk "
+                f"({chunk} tokens, recurrent_chunk)"
+            )
+        used = -(-(start + n) // ps)
+        page_ids = np.asarray(page_ids, np.int32)
+        if page_ids.ndim != 1 or page_ids.shape[0] < used:
+            raise ValueError(
+                f"page_ids has shape {page_ids.shape}; positions 0..{start + n - 1} "
+                f"need {used} pages of {ps} tokens"
+            )
+        conv, ssm = (jnp.asarray(a, jnp.float32) for a in state)
+        want = tuple(a.shape for a in self.zero_state())
+        if (conv.shape, ssm.shape) != want:
+            raise ValueError(f"state has shapes {(conv.shape, ssm.shape)}, needs {want}")
+        table = np.full(bucket(used, min_pages), pool.num_pages, np.int32)
+        table[:used] = page_ids[:used]
+        tb = 1 if n == 1 else max(2, bucket(n, min_bucket))
+        toks: np.ndarray | jax.Array
+        if isinstance(tokens, np.ndarray):
+            toks = np.zeros(tb, np.int32)
+            toks[:n] = tokens
+        elif tb != n:
+            toks = jnp.pad(jnp.asarray(tokens, jnp.int32), (0, tb - n))
+        else:
+            toks = tokens
+        logits, new_state, bounds = pool.run(
+            functools.partial(RECURRENT_STEP, self.cfg, chunk),
+            self._unrolled_params,
+            toks,
+            jnp.int32(start),
+            jnp.int32(n),
+            table,
+            conv,
+            ssm,
+        )
+        return logits, new_state, bounds, chunk
+
+    def forward_recurrent_rows(
+        self,
+        pool: PoolLike,
+        chunks: Sequence[Any] | None,
+        starts: Sequence[int],
+        page_ids: Sequence[Any],
+        states: Sequence[Sequence[Any]],
+        slots: TokenSlots,
+        slot_of: Sequence[int],
+        *,
+        min_bucket: int = 1,
+        min_pages: int = 1,
+        min_batch: int = 1,
+    ) -> tuple[jax.Array, jax.Array, list[tuple[Any, ...]], list[tuple[Any, ...]], int]:
+        """A chunk of each of ``B`` requests of a recurrent-pattern model in one step (the
+        batched engine's rows): :meth:`forward_recurrent`'s math a row, the rows at once.
+
+        Args:
+            pool: the device pool (donated and rebound).
+            chunks: B int arrays (numpy), request b's prefill chunk at ``starts[b]`` (a
+                multiple of :meth:`recurrent_chunk`), run in the chunked form; None: one decode
+                token per request, read from its slot (the last token sampled there, on the
+                device), run in the step form.
+            starts: B positions of the chunks' first tokens.
+            page_ids: B page lists (as :meth:`forward`).
+            states: B states (as :meth:`forward_recurrent`'s); not modified.
+            slots: the token slots: each row's sampled token is written to its slot.
+            slot_of: B slots.
+            min_bucket / min_pages / min_batch: the smallest bucket of the chunks' tokens, the
+                page tables' pages, the rows (powers of two).
+
+        Returns:
+            ``(logits [R, vocab], tokens [R], states, boundary states, chunk)``: row ``b < B``
+            for request b; its new state and its boundary states as
+            :meth:`forward_recurrent` returns them. Jax arrays, not synchronized.
+        """
+        if not self.recurrent:
+            raise ValueError("forward_recurrent_rows: this model has no recurrent layers")
+        b = len(starts)
+        if b < 1 or len(page_ids) != b or len(states) != b or len(slot_of) != b:
+            raise ValueError(
+                f"need >= 1 row and one page list, state and slot each: {b} starts, "
+                f"{len(page_ids)} page lists, {len(states)} states, {len(slot_of)} slots"
+            )
+        ps = self._page_size(pool)
+        chunk = self.recurrent_chunk(ps)
+        lens = [1] * b if chunks is None else [int(np.shape(c)[0]) for c in chunks]
+        if chunks is not None and b != len(chunks):
+            raise ValueError(f"{len(chunks)} chunks for {b} starts")
+        t = 1 if chunks is None else max(2, bucket(max(lens), min_bucket))
+        rows = bucket(b, min_batch)
+        used = [-(-(int(s) + n) // ps) for s, n in zip(starts, lens)]
+        tables = np.full((rows, bucket(max(used), min_pages)), pool.num_pages, np.int32)
+        toks = np.zeros((rows, t), np.int32)
+        start = np.zeros(rows, np.int32)
+        n_new = np.zeros(rows, np.int32)
+        for i, (s0, n, u) in enumerate(zip(starts, lens, used)):
+            ids = np.asarray(page_ids[i], np.int32)
+            if n < 1 or s0 < 0 or ids.ndim != 1 or ids.shape[0] < u:
+                raise ValueError(
+                    f"row {i}: {n} tokens at {s0} with pages of shape {ids.shape} (needs >= 1 "
+                    f"token at start >= 0 and {u} pages of {ps} tokens)"
+                )
+            if chunks is not None:
+                if s0 % chunk:
+                    raise ValueError(
+                        f"row {i}: start={s0}: a recurrent prefill starts at a multiple of "
+                        f"its chunk ({chunk} tokens, recurrent_chunk)"
+                    )
+                toks[i, :n] = chunks[i]
+            tables[i, :u] = ids[:u]
+            start[i], n_new[i] = s0, n
+        slot_ids = np.full(rows, slots.n, np.int32)  # padding rows: the padding slot
+        slot_ids[:b] = slot_of
+        zero = self.zero_state()
+        conv = jnp.stack([jnp.asarray(s[0]) for s in states] + [zero[0]] * (rows - b))
+        ssm = jnp.stack([jnp.asarray(s[1]) for s in states] + [zero[1]] * (rows - b))
+        logits, out, slots.array, conv, ssm, bconv, bssm = pool.run(
+            functools.partial(RECURRENT_ROWS, self.cfg, chunk),
+            self._unrolled_params,
+            toks,
+            start,
+            n_new,
+            tables,
+            conv,
+            ssm,
+            slots.array,
+            slot_ids,
+        )
+        new = [(conv[i], ssm[i]) for i in range(b)]
+        bounds = [(bconv[i], bssm[i]) for i in range(b)] if chunks is not None else []
+        return logits, out, new, bounds, chunk
 
     def _pattern_forward(
         self,
@@ -360,6 +579,7 @@ class DecoderModel:
             (float32 ``[R, vocab]`` logits, int32 ``[R]`` greedy tokens), row ``b < B`` for
             chunk ``b``; rows ``>= B`` are padding. Jax arrays, not synchronized.
         """
+        self._not_recurrent("forward_batch")
         b = len(chunks)
         if b < 1 or len(starts) != b or len(page_ids) != b:
             raise ValueError(

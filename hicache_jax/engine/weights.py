@@ -17,13 +17,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from hicache_jax.spec import KVSpec
+from hicache_jax.spec import KVSpec, StateArray
 from hicache_jax.validation import is_int
 
 Params = dict[str, Any]
 
 # Shapes of each weight as a function of the config; stacked layer weights lead with num_layers.
 _LAYER_KEYS = ("attn_norm", "wq", "wk", "wv", "wo", "mlp_norm", "w_gate", "w_up", "w_down")
+# A recurrent pattern's mixer weights (hicache_jax.engine.recurrent), stacked over its recurrent
+# layers only: ``params["recurrent"]``, flat names ``recurrent.<key>``.
+_RECURRENT_KEYS = ("conv_w", "wq", "wk", "wv", "wa", "wo")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,6 +51,16 @@ class ModelConfig:
             ``t - window .. t``).
         chunk: chunked local attention instead: the query at ``t`` sees keys
             ``t // chunk * chunk .. t``.
+        recurrent_heads: with a recurrent pattern (``"R3:F1"``: three recurrent layers, then
+            one full one): heads of the recurrent layers (gated linear attention,
+            :mod:`hicache_jax.engine.recurrent`); None: ``num_heads``. A recurrent layer
+            replaces attention by that mixer (its own weights, ``params["recurrent"]``) and
+            keeps the norms and the MLP; its attention weights in ``params["layers"]`` are
+            unused (kept so that every layer stacks alike).
+        recurrent_key_dim / recurrent_value_dim: key and value width per recurrent head;
+            None: ``head_dim``.
+        conv_width: taps of the recurrent layers' causal convolution (>= 2: the state keeps
+            the last ``conv_width - 1`` inputs).
     """
 
     vocab_size: int = 512
@@ -63,6 +76,10 @@ class ModelConfig:
     layer_pattern: str = ""
     window: int | None = None
     chunk: int | None = None
+    recurrent_heads: int | None = None
+    recurrent_key_dim: int | None = None
+    recurrent_value_dim: int | None = None
+    conv_width: int = 4
 
     def __post_init__(self) -> None:
         for name in (
@@ -77,6 +94,12 @@ class ModelConfig:
             value = getattr(self, name)
             if not is_int(value) or value < 1:
                 raise ValueError(f"ModelConfig.{name}={value!r} must be an int >= 1")
+        for name in ("recurrent_heads", "recurrent_key_dim", "recurrent_value_dim"):
+            value = getattr(self, name)
+            if value is not None and (not is_int(value) or value < 1):
+                raise ValueError(f"ModelConfig.{name}={value!r} must be None or an int >= 1")
+        if not is_int(self.conv_width) or self.conv_width < 2:
+            raise ValueError(f"ModelConfig.conv_width={self.conv_width!r} must be an int >= 2")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
                 f"num_heads={self.num_heads} must be a multiple of num_kv_heads={self.num_kv_heads}"
@@ -97,10 +120,55 @@ class ModelConfig:
                 f"chunk={self.chunk!r}): {exc}"
             ) from None
 
+    @property
+    def recurrent(self) -> bool:
+        """Whether the pattern has recurrent layers (``"R3:F1"``)."""
+        return self.layer_pattern.strip().lower().startswith("r")
+
+    def recurrent_dims(self) -> tuple[int, int, int, int]:
+        """``(heads, key dim, value dim, conv width)`` of the recurrent layers (defaults
+        resolved)."""
+        return (
+            self.recurrent_heads or self.num_heads,
+            self.recurrent_key_dim or self.head_dim,
+            self.recurrent_value_dim or self.head_dim,
+            self.conv_width,
+        )
+
+    def state_arrays(self) -> list[StateArray]:
+        """A recurrent layer's state (:func:`hicache_jax.engine.recurrent.state_shapes`), as
+        the cache's STATE group keeps it: ``conv [conv_width - 1, d_model]`` and ``ssm
+        [heads, key dim, value dim]``, both float32."""
+        heads, dk, dv, width = self.recurrent_dims()
+        return [
+            StateArray("conv", (width - 1, self.d_model), "float32"),
+            StateArray("ssm", (heads, dk, dv), "float32"),
+        ]
+
+    def recurrent_layers(self) -> tuple[int, ...]:
+        """The model layers that are recurrent (the STATE group's), in order; () without."""
+        if not self.recurrent:
+            return ()
+        spec = self.kv_spec(1)
+        return tuple(spec.window_groups[spec.state_groups[0]].layers)
+
     def kv_spec(self, page_size: int) -> KVSpec:
         """The KVSpec of a cache holding this model's K/V in pages of ``page_size`` tokens:
         with a ``layer_pattern``, the grouped spec of ``KVSpec.from_pattern`` (its top-level
-        fields describe the full-attention layers)."""
+        fields describe the full-attention layers; a recurrent pattern's STATE group holds
+        :meth:`state_arrays`)."""
+        if self.recurrent:
+            return KVSpec.from_pattern(
+                self.layer_pattern,
+                num_layers=self.num_layers,
+                num_kv_heads=self.num_kv_heads,
+                head_dim=self.head_dim,
+                dtype=self.dtype,
+                page_size=page_size,
+                window=self.window,
+                chunk=self.chunk,
+                state=self.state_arrays(),
+            )
         if self.layer_pattern or self.window is not None or self.chunk is not None:
             return KVSpec.from_pattern(
                 self.layer_pattern,
@@ -124,7 +192,7 @@ class ModelConfig:
         """Flat weight name -> shape (layer weights stacked on a leading num_layers axis)."""
         L, d, f = self.num_layers, self.d_model, self.ffn_dim
         q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        return {
+        shapes = {
             "embed": (self.vocab_size, d),
             "layers.attn_norm": (L, d),
             "layers.wq": (L, d, q),
@@ -138,6 +206,20 @@ class ModelConfig:
             "final_norm": (d,),
             "lm_head": (d, self.vocab_size),
         }
+        n_rec = len(self.recurrent_layers())
+        if n_rec:
+            heads, dk, dv, width = self.recurrent_dims()
+            shapes.update(
+                {
+                    "recurrent.conv_w": (n_rec, width, d),
+                    "recurrent.wq": (n_rec, d, heads * dk),
+                    "recurrent.wk": (n_rec, d, heads * dk),
+                    "recurrent.wv": (n_rec, d, heads * dv),
+                    "recurrent.wa": (n_rec, d, heads),
+                    "recurrent.wo": (n_rec, heads * dv, d),
+                }
+            )
+        return shapes
 
 
 def init_params(cfg: ModelConfig, seed: int = 0) -> Params:
@@ -154,6 +236,8 @@ def init_params(cfg: ModelConfig, seed: int = 0) -> Params:
             value = 1.0 + 0.1 * rng.standard_normal(shape)
         else:
             value = rng.standard_normal(shape) / np.sqrt(shape[-2])
+            if name == "recurrent.wa":  # decay logits near 0: decays near 0.5 (recurrent.py)
+                value = value / 4.0
         flat[name] = value.astype(np.float32)
     return unflatten_params(cfg, flat)
 
@@ -168,13 +252,18 @@ def abstract_params(cfg: ModelConfig) -> Params:
         k: jax.ShapeDtypeStruct(shapes[k], dt) for k in ("embed", "final_norm", "lm_head")
     }
     params["layers"] = {k: jax.ShapeDtypeStruct(shapes[f"layers.{k}"], dt) for k in _LAYER_KEYS}
+    if cfg.recurrent:
+        params["recurrent"] = {
+            k: jax.ShapeDtypeStruct(shapes[f"recurrent.{k}"], dt) for k in _RECURRENT_KEYS
+        }
     return params
 
 
 def flat_params(params: Params) -> dict[str, np.ndarray]:
     """The ``name -> array`` form used in weight files ("layers.wq" etc.)."""
-    flat = {k: np.asarray(v) for k, v in params.items() if k != "layers"}
+    flat = {k: np.asarray(v) for k, v in params.items() if k not in ("layers", "recurrent")}
     flat.update({f"layers.{k}": np.asarray(v) for k, v in params["layers"].items()})
+    flat.update({f"recurrent.{k}": np.asarray(v) for k, v in params.get("recurrent", {}).items()})
     return flat
 
 
@@ -198,6 +287,8 @@ def unflatten_params(cfg: ModelConfig, flat: dict[str, Any]) -> Params:
     as_jnp = lambda x: jnp.asarray(np.asarray(x, np.float32), dtype=dt)  # noqa: E731
     params: Params = {k: as_jnp(flat[k]) for k in ("embed", "final_norm", "lm_head")}
     params["layers"] = {k: as_jnp(flat[f"layers.{k}"]) for k in _LAYER_KEYS}
+    if cfg.recurrent:
+        params["recurrent"] = {k: as_jnp(flat[f"recurrent.{k}"]) for k in _RECURRENT_KEYS}
     return params
 
 
