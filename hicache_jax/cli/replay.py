@@ -134,11 +134,11 @@ def add_parser(sub: Any) -> None:
     )
     h.add_argument(
         "--checkpoint-every",
-        type=int,
-        default=0,
+        default="0",
         metavar="K",
         help="a checkpoint every K pages of a prefill besides the branch point and the "
-        "prompt's end (HiCacheConfig.checkpoint_every_pages); 0: none",
+        "prompt's end (HiCacheConfig.checkpoint_every_pages); 0: none; auto: "
+        "ceil(pages / slots) of the pools (the slots spread over the pages)",
     )
     m = r.add_argument_group("simulate (what-if TTFT on a simulated clock)")
     m.add_argument(
@@ -318,7 +318,7 @@ def _check_pattern_flags(args: argparse.Namespace) -> None:
     state_flags = (
         ("--state-tokens", args.state_tokens),
         ("--state-share", args.state_share),
-        ("--checkpoint-every", args.checkpoint_every or None),
+        ("--checkpoint-every", None if str(args.checkpoint_every) == "0" else 1),
     )
     if not stateful:
         for flag, value in state_flags:
@@ -334,8 +334,7 @@ def _check_pattern_flags(args: argparse.Namespace) -> None:
             if value is not None:
                 raise ValueError(f"{flag} is for a sliding-window --layer-pattern (e.g. 5:1)")
         smod.check_state_share(args.state_share)
-        if args.checkpoint_every < 0:
-            raise ValueError(f"--checkpoint-every {args.checkpoint_every} must be >= 0")
+        args.checkpoint_every = smod.check_interval(args.checkpoint_every)
         return
     wmod.pattern_period(args.layer_pattern)
     if args.window is None:

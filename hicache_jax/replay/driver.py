@@ -282,7 +282,7 @@ def run(
     diagnose: bool = False,
     window_share: float | None = None,
     state_share: float | None = None,
-    checkpoint_every: int = 0,
+    checkpoint_every: int | str = 0,
 ) -> dict[str, Any]:
     """Replay every (L1 size, write policy, eviction) and compare each with the references
     (``diagnose``: with :func:`replay`'s diagnosis figures).
@@ -303,7 +303,9 @@ def run(
             state slots; None: the default rule of :mod:`hicache_jax.replay.states`. Each size
             is then the hybrid's full-attention bytes, split between pages and slots
             (:func:`hicache_jax.replay.states.pools_for`).
-        checkpoint_every: with a state group, ``HiCacheConfig.checkpoint_every_pages``.
+        checkpoint_every: with a state group, ``HiCacheConfig.checkpoint_every_pages``, or
+            ``"auto"``: ``ceil(pages / slots)`` of each size's pools
+            (:func:`hicache_jax.replay.states.pools_for`).
 
     Returns:
         ``{"trace", "spec", "references", "results"}``: each result has the replay's figures
@@ -327,12 +329,11 @@ def run(
     if share is not None and not windowed:
         raise ValueError("window_share is for a spec with window groups (a layer pattern)")
     sshare = _states.check_state_share(state_share, "state_share")
+    checkpoint_every = _states.check_interval(checkpoint_every, "checkpoint_every")
     if (sshare is not None or checkpoint_every) and not stateful:
         raise ValueError(
             "state_share / checkpoint_every are for a spec with a state group (e.g. R3:F1)"
         )
-    if not isinstance(checkpoint_every, int) or checkpoint_every < 0:
-        raise ValueError(f"checkpoint_every={checkpoint_every!r} must be an int >= 0")
     ps = spec.page_size
     longest, mean = _windows.prompt_tokens(trace)
     plan: list[tuple[HiCacheConfig, HiCacheConfig, _windows.Pools | _states.StatePools | None]] = []
@@ -408,7 +409,8 @@ def run(
                 "device_pages": budget.device_pages,  # the budget: full-attention pages' bytes
                 "host_pages": budget.host_pages,
                 "pools": pools.as_json(),
-                "checkpoint_every": checkpoint_every,
+                "checkpoint_every": pools.checkpoint_every,
+                "checkpoint_rule": checkpoint_every,
                 "budget_bytes": _l1_l2_pages(budget) * spec.page_bytes,
                 "oracle_hit_ratio": refs["lru_total"],
                 "vs_oracle": r["vs_lru_total"],

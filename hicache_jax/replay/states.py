@@ -31,7 +31,10 @@ page holding a checkpoint.
 
   Interior checkpoints (``K`` > 0) beyond those are spare in the tree: they use the slots
   left free and are not budgeted (the interval's trade shows in the hits and the state bytes
-  held, not in the split).
+  held, not in the split). ``K = "auto"`` (:data:`AUTO`) spreads the slots over the pages:
+  ``K = ceil(pages / slots)`` of the split made without an interval, so that the slot pool
+  holds one checkpoint every ``K`` pages of a full page pool (again from the pools' numbers
+  only).
 - **The state bytes held** (:class:`StateHolding`): sampled after every request, the bytes of
   the state slots used on both tiers over the bytes of the pages and slots used: the state
   bytes' share of what the cache holds (mean over the run).
@@ -55,19 +58,25 @@ from hicache_jax.spec import KVSpec, StateArray
 from hicache_jax.validation import is_real
 
 __all__ = [
+    "AUTO",
     "Checkpoints",
     "QWEN3_NEXT",
     "QWEN3_NEXT_STATE_TOKENS",
     "STATE_TARGET",
     "StateHolding",
     "StatePools",
+    "check_interval",
     "check_state_share",
     "default_state_slots",
     "is_state_pattern",
     "pools_for",
     "qwen3_next_state_tokens",
+    "slot_bytes",
     "state_spec",
 ]
+
+#: ``checkpoint_every="auto"``: the interval that spreads a tier pair's slots over its pages.
+AUTO = "auto"
 
 #: What the hybrid's hit ratio should reach of the every-page oracle's (an LRU of its bytes).
 STATE_TARGET = 0.95
@@ -165,9 +174,12 @@ def state_spec(
     token_bytes = b * 2 * 4  # K and V, one head of dim 1, float32, per full layer
     layer_words = max(1, round(tokens * token_bytes / (a * 4)))
     conv_words = _CONV[0] * _CONV[1]
-    arrays = [StateArray("ssm", (max(1, layer_words - conv_words),), "float32")]
+    arrays = [StateArray("ssm", (layer_words,), "float32")]  # too small for a conv array
     if layer_words > conv_words:
-        arrays.insert(0, StateArray("conv", _CONV, "float32"))
+        arrays = [
+            StateArray("conv", _CONV, "float32"),
+            StateArray("ssm", (layer_words - conv_words,), "float32"),
+        ]
     return KVSpec.from_pattern(
         f"R{a}:F{b}",
         num_layers=a + b,
@@ -255,6 +267,21 @@ def default_state_slots(
     return max(int(n_s), 1)
 
 
+def check_interval(every: Any, flag: str = "--checkpoint-every") -> int | str:
+    """``every`` as an int >= 0 or :data:`AUTO`; ValueError naming ``flag`` otherwise."""
+    if isinstance(every, str):
+        text = every.strip().lower()
+        if text == AUTO:
+            return AUTO
+        try:
+            every = int(text)
+        except ValueError:
+            raise ValueError(f"{flag} {every!r} must be an int >= 0 or 'auto'") from None
+    if not isinstance(every, int) or isinstance(every, bool) or every < 0:
+        raise ValueError(f"{flag} {every!r} must be an int >= 0 or 'auto'")
+    return every
+
+
 def pools_for(
     spec: KVSpec,
     model_device_pages: int,
@@ -263,12 +290,35 @@ def pools_for(
     share: float | None,
     longest_tokens: int,
     mean_tokens: int,
-    checkpoint_every: int = 0,
+    checkpoint_every: int | str = 0,
 ) -> StatePools:
     """The pools of L1 = ``model_device_pages`` and L2 = ``round(host_ratio x L1)`` pages'
     bytes: ``share`` of each tier's bytes in state slots, or None: the default rule
     (:func:`default_state_slots`). A tier keeps at least one page a slot and 8 slots (the
-    cache's own floor)."""
+    cache's own floor). ``checkpoint_every`` :data:`AUTO`: the interval that spreads the slots
+    over the pages, ``ceil(pages / slots)`` of both tiers of the split made for no interval
+    (the split then made again for it)."""
+    if checkpoint_every == AUTO:
+        base = pools_for(
+            spec,
+            model_device_pages,
+            host_ratio,
+            share=share,
+            longest_tokens=longest_tokens,
+            mean_tokens=mean_tokens,
+        )
+        slots = base.state_device_slots + base.state_host_slots
+        every = max(1, -(-(base.device_pages + base.host_pages) // max(slots, 1)))
+        return pools_for(
+            spec,
+            model_device_pages,
+            host_ratio,
+            share=share,
+            longest_tokens=longest_tokens,
+            mean_tokens=mean_tokens,
+            checkpoint_every=every,
+        )
+    assert isinstance(checkpoint_every, int)
     model_host = int(round(host_ratio * model_device_pages))
     pf, s = spec.page_bytes, slot_bytes(spec)
     out = []
