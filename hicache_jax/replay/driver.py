@@ -33,6 +33,13 @@ are split between the full-attention and the window pools; a prompt caches at mo
 window pool holds; the replay samples the bytes ratio ``r`` after every request, and
 :func:`run` adds the LRU of ``r x`` (L1 + L2) pages, one more reference pass after the
 replays (``r`` is measured), and :func:`window_table`.
+
+A spec with a state group (a hybrid recurrent model, :mod:`hicache_jax.replay.states`, which
+owns its pools, its checkpoint writer and the state bytes held): L1 and L2 sizes are the
+hybrid's full-attention pages' bytes, split between pages and state slots; each request writes
+its checkpoints (``cache.checkpoint_positions``) before ``finish``; :func:`run` adds the
+every-page oracle (the LRU of L1 + L2 pages of the same bytes) and the LRU of the hybrid's
+pages alone, and :func:`state_table`.
 Hits of HiCache and of the references count whole pages only.
 
 Threading: a replay builds, owns and closes its caches on the calling thread.
@@ -64,6 +71,7 @@ __all__ = [
     "plot",
     "replay",
     "run",
+    "state_table",
     "sweep_table",
     "tables",
     "window_table",
