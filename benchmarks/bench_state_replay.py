@@ -12,19 +12,20 @@ page pool and the state slot pool (the default rule of :mod:`hicache_jax.replay.
 R3:F1``): every request writes checkpoints at ``cache.checkpoint_positions`` before it is
 inserted.
 
-Per row (one per L1 size and checkpoint interval ``K``, 0 = the cache's default: checkpoints
-at branch points and prompt ends only; ``auto``: ``ceil(pages / slots)`` of the pools, a rule
-from the pools' numbers): the hybrid's hit ratio; the oracle's (an exact LRU of
-L1 + L2 pages of the same bytes: every page boundary a free checkpoint) and the ratio against
-the target (>= 0.95: met / NOT met, judged on the default K); the exact LRU of the hybrid's
-pages alone (the bytes the slots took given up, where checkpoints are ignored); the state
-slots' share of the bytes (pools) and of what the cache holds (mean over the run); the
-checkpoints written; the tokens cut from matches for want of a checkpoint (``cut tok``) and the
-hit ratio with them added back (``hit+cut``).
+Per row (one per L1 size and checkpoint interval ``K``: ``default`` = the cache's default,
+``checkpoint_every_pages=None``: every 2,048 tokens, spare interior checkpoints thinned evenly
+as slots run short; 0 = checkpoints at branch points and prompt ends only; ``auto``:
+``ceil(pages / slots)`` of the pools, a rule from the pools' numbers): the hybrid's hit ratio;
+the oracle's (an exact LRU of L1 + L2 pages of the same bytes: every page boundary a free
+checkpoint) and the ratio against the target (>= 0.95: met / NOT met, judged on the default K);
+the exact LRU of the hybrid's pages alone (the bytes the slots took given up, where checkpoints
+are ignored); the state slots' share of the bytes (pools) and of what the cache holds (mean
+over the run); the checkpoints written; the tokens cut from matches for want of a checkpoint
+(``cut tok``) and the hit ratio with them added back (``hit+cut``).
 
 Usage: ``python -m benchmarks.bench_state_replay [TRACE] [--capacities 3e5,3e6]
-[--host-ratio 4] [--intervals 0,4,16,64,auto] [--state-tokens T] [--state-share F] [--limit N]
-[--json P]`` (TRACE defaults to benchmarks/data's ``mooncake_synthetic_1000``).
+[--host-ratio 4] [--intervals default,0,4,16,64,auto] [--state-tokens T] [--state-share F]
+[--limit N] [--json P]`` (TRACE defaults to benchmarks/data's ``mooncake_synthetic_1000``).
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ def _floats(text: str) -> list[float]:
     return [float(x) for x in text.split(",") if x.strip()]
 
 
-def _intervals(text: str) -> list[int | str]:
+def _intervals(text: str) -> list[int | str | None]:
     return [check_interval(x) for x in text.split(",") if x.strip()]
 
 
@@ -64,8 +65,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument(
         "--intervals",
         type=_intervals,
-        default=[0, 4, 16, 64, "auto"],
-        help="K; 0 = the cache's default (none), auto = ceil(pages / slots) of the pools",
+        default=["default", 0, 4, 16, 64, "auto"],
+        help="K; default = the cache's default (every 2,048 tokens), 0 = none, auto = "
+        "ceil(pages / slots) of the pools",
     )
     p.add_argument("--layer-pattern", default="R3:F1")
     p.add_argument("--page-size", type=int, default=512)
@@ -100,7 +102,7 @@ def main(argv: list[str] | None = None) -> None:
         for r in rep["results"]:
             tokens, vs = r["device_pages"] * a.page_size, r["vs_oracle"]
             ok = vs is not None and vs >= STATE_TARGET
-            if k == 0:
+            if k is None:
                 verdicts.append((tokens, vs, ok))
             pools = r["pools"]
             cut = r["window_unservable_tokens"]
@@ -108,8 +110,8 @@ def main(argv: list[str] | None = None) -> None:
                 (
                     f"{tokens:,}",
                     f"{a.host_ratio:g}x",
-                    "- (default)"
-                    if k == 0
+                    f"{r['checkpoint_every']} (default)"
+                    if k is None
                     else f"{r['checkpoint_every']} ({k})"
                     if k == "auto"
                     else k,
@@ -159,7 +161,7 @@ def main(argv: list[str] | None = None) -> None:
     write_json(a.json, NAME, config, results, figures)
 
 
-def _figure(r: dict[str, Any], tokens: int, ratio: float, k: int | str) -> dict[str, Any]:
+def _figure(r: dict[str, Any], tokens: int, ratio: float, k: Any) -> dict[str, Any]:
     return figure(
         f"hit ratio hybrid L1 {tokens} L2 {ratio:g}x K {k}",
         "share",

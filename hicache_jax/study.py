@@ -225,7 +225,7 @@ def sweep(
     window: int | None = None,
     window_share: float | None = None,
     state_share: float | None = None,
-    checkpoint_every: int | str = 0,
+    checkpoint_every: int | str | None = None,
 ) -> SweepResult:
     """Replay ``trace`` at every (L2 ratio, L1 size, write policy, eviction), beside the exact
     LRU references of L1's and L1 + L2's capacity and the infinite cache.

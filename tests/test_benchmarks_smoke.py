@@ -112,7 +112,7 @@ RUNS = [
     ),
     (
         "bench_state_replay",
-        ["--limit", "100", "--capacities", "1e5", "--intervals", "0,16"],
+        ["--limit", "100", "--capacities", "1e5", "--intervals", "default,16"],
         ["hit/oracle >= 0.95", "state bytes held", "default policy, L1"],
         [],
     ),

@@ -112,6 +112,13 @@ def test_hybrid_replay_hits_and_reports_the_oracle(trace, spec):
     assert "hit/oracle >= 0.95" in text and "state bytes held" in text
 
 
+def test_default_interval_is_the_caches(trace, spec):
+    rep = driver.run(trace, spec, device_pages=[12], host_ratio=4.0)
+    (r,) = rep["results"]
+    assert r["checkpoint_rule"] == "default" and r["checkpoint_every"] == S.default_interval(PS)
+    assert r["pools"]["checkpoint_every"] is None and r["hit_tokens"] > 0
+
+
 def test_plain_replay_refuses_state_settings(trace):
     with pytest.raises(ValueError, match="state group"):
         driver.run(trace, driver.TINY_SPEC, device_pages=[12], checkpoint_every=2)

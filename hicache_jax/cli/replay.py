@@ -134,11 +134,11 @@ def add_parser(sub: Any) -> None:
     )
     h.add_argument(
         "--checkpoint-every",
-        default="0",
         metavar="K",
         help="a checkpoint every K pages of a prefill besides the branch point and the "
         "prompt's end (HiCacheConfig.checkpoint_every_pages); 0: none; auto: "
-        "ceil(pages / slots) of the pools (the slots spread over the pages)",
+        "ceil(pages / slots) of the pools (the slots spread over the pages); unset: the "
+        "cache's default (every 2,048 tokens)",
     )
     m = r.add_argument_group("simulate (what-if TTFT on a simulated clock)")
     m.add_argument(
@@ -230,7 +230,7 @@ def _simulate(
             else f" of the hybrid's bytes (pages/state slots: L1 {pools.device_pages}/"
             f"{pools.state_device_slots}, L2 {pools.host_pages}/{pools.state_host_slots}; "
             f"state slots {pools.share:.3f} of the bytes, a checkpoint every "
-            f"{pools.checkpoint_every or '-'} pages)"
+            f"{'default' if pools.checkpoint_every is None else pools.checkpoint_every} pages)"
             if isinstance(pools, smod.StatePools)
             else f" of the all-full model's bytes (full/window pages: L1 {pools.device_pages}/"
             f"{pools.window_device_pages}, L2 {pools.host_pages}/{pools.window_host_pages})"
@@ -318,7 +318,7 @@ def _check_pattern_flags(args: argparse.Namespace) -> None:
     state_flags = (
         ("--state-tokens", args.state_tokens),
         ("--state-share", args.state_share),
-        ("--checkpoint-every", None if str(args.checkpoint_every) == "0" else 1),
+        ("--checkpoint-every", args.checkpoint_every),
     )
     if not stateful:
         for flag, value in state_flags:

@@ -290,7 +290,7 @@ def run(
     diagnose: bool = False,
     window_share: float | None = None,
     state_share: float | None = None,
-    checkpoint_every: int | str = 0,
+    checkpoint_every: int | str | None = None,
 ) -> dict[str, Any]:
     """Replay every (L1 size, write policy, eviction) and compare each with the references
     (``diagnose``: with :func:`replay`'s diagnosis figures).
@@ -311,7 +311,8 @@ def run(
             state slots; None: the default rule of :mod:`hicache_jax.replay.states`. Each size
             is then the hybrid's full-attention bytes, split between pages and slots
             (:func:`hicache_jax.replay.states.pools_for`).
-        checkpoint_every: with a state group, ``HiCacheConfig.checkpoint_every_pages``, or
+        checkpoint_every: with a state group, ``HiCacheConfig.checkpoint_every_pages`` (None:
+            the cache's default, every 2,048 tokens), or
             ``"auto"``: ``ceil(pages / slots)`` of each size's pools
             (:func:`hicache_jax.replay.states.pools_for`).
 
@@ -338,7 +339,7 @@ def run(
         raise ValueError("window_share is for a spec with window groups (a layer pattern)")
     sshare = _states.check_state_share(state_share, "state_share")
     checkpoint_every = _states.check_interval(checkpoint_every, "checkpoint_every")
-    if (sshare is not None or checkpoint_every) and not stateful:
+    if (sshare is not None or checkpoint_every is not None) and not stateful:
         raise ValueError(
             "state_share / checkpoint_every are for a spec with a state group (e.g. R3:F1)"
         )
@@ -417,8 +418,10 @@ def run(
                 "device_pages": budget.device_pages,  # the budget: full-attention pages' bytes
                 "host_pages": budget.host_pages,
                 "pools": pools.as_json(),
-                "checkpoint_every": pools.checkpoint_every,
-                "checkpoint_rule": checkpoint_every,
+                "checkpoint_every": _states.default_interval(ps)
+                if pools.checkpoint_every is None
+                else pools.checkpoint_every,
+                "checkpoint_rule": "default" if checkpoint_every is None else checkpoint_every,
                 "budget_bytes": _l1_l2_pages(budget) * spec.page_bytes,
                 "oracle_hit_ratio": refs["lru_total"],
                 "vs_oracle": r["vs_lru_total"],

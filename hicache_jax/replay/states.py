@@ -31,7 +31,9 @@ page holding a checkpoint.
 
   Interior checkpoints (``K`` > 0) beyond those are spare in the tree: they use the slots
   left free and are not budgeted (the interval's trade shows in the hits and the state bytes
-  held, not in the split). ``K = "auto"`` (:data:`AUTO`) spreads the slots over the pages:
+  held, not in the split). ``K`` None: the cache's default (``HiCacheConfig
+  .checkpoint_every_pages=None``: every 2,048 tokens). ``K = "auto"`` (:data:`AUTO`) spreads
+  the slots over the pages:
   ``K = ceil(pages / slots)`` of the split made without an interval, so that the slot pool
   holds one checkpoint every ``K`` pages of a full page pool (again from the pools' numbers
   only).
@@ -66,6 +68,7 @@ __all__ = [
     "StateHolding",
     "StatePools",
     "check_interval",
+    "default_interval",
     "check_state_share",
     "default_state_slots",
     "is_state_pattern",
@@ -217,7 +220,8 @@ class StatePools:
         state_device_slots, state_host_slots: state slots of L1 and L2.
         device_share, host_share: the fraction of each tier's budget in state slots.
         slot_pages: one slot's bytes over one page's.
-        checkpoint_every: the checkpoint interval in pages the split was made for (0: none).
+        checkpoint_every: the checkpoint interval in pages the split was made for (0: none;
+            None: the cache's default, :func:`default_interval` pages).
     """
 
     model_device_pages: int
@@ -229,7 +233,7 @@ class StatePools:
     device_share: float
     host_share: float
     slot_pages: float
-    checkpoint_every: int = 0
+    checkpoint_every: int | None = None
 
     @property
     def share(self) -> float:
@@ -247,7 +251,7 @@ def default_state_slots(
     model_pages: int,
     longest_tokens: int,
     mean_tokens: int,
-    checkpoint_every: int = 0,
+    checkpoint_every: int | None = None,
     *,
     requests: bool = True,
 ) -> int:
@@ -258,7 +262,8 @@ def default_state_slots(
     longest = -(-longest_tokens // ps)
     own = 0
     if requests:
-        own = 2 + (longest // checkpoint_every if checkpoint_every > 0 else 0)
+        every = default_interval(ps) if checkpoint_every is None else checkpoint_every
+        own = 2 + (longest // every if every > 0 else 0)
     span = max(1, -(-mean_tokens // ps))
     # N_s = own + 2 N_f / span with N_f = (B - N_s Ps) / Pf, solved for N_s (rounded up)
     pf, s = spec.page_bytes, slot_bytes(spec)
@@ -267,18 +272,29 @@ def default_state_slots(
     return max(int(n_s), 1)
 
 
-def check_interval(every: Any, flag: str = "--checkpoint-every") -> int | str:
-    """``every`` as an int >= 0 or :data:`AUTO`; ValueError naming ``flag`` otherwise."""
+def default_interval(page_size: int) -> int:
+    """The cache's interval in pages when ``checkpoint_every_pages`` is None: every 2,048
+    tokens (``HiCacheConfig``)."""
+    return max(1, 2048 // page_size)
+
+
+def check_interval(every: Any, flag: str = "--checkpoint-every") -> int | str | None:
+    """``every`` as an int >= 0, :data:`AUTO`, or None (``"default"``: the cache's default);
+    ValueError naming ``flag`` otherwise."""
+    if every is None:
+        return None
     if isinstance(every, str):
         text = every.strip().lower()
         if text == AUTO:
             return AUTO
+        if text == "default":
+            return None
         try:
             every = int(text)
         except ValueError:
-            raise ValueError(f"{flag} {every!r} must be an int >= 0 or 'auto'") from None
+            raise ValueError(f"{flag} {every!r} must be an int >= 0, 'auto' or 'default'") from None
     if not isinstance(every, int) or isinstance(every, bool) or every < 0:
-        raise ValueError(f"{flag} {every!r} must be an int >= 0 or 'auto'")
+        raise ValueError(f"{flag} {every!r} must be an int >= 0, 'auto' or 'default'")
     return every
 
 
@@ -290,7 +306,7 @@ def pools_for(
     share: float | None,
     longest_tokens: int,
     mean_tokens: int,
-    checkpoint_every: int | str = 0,
+    checkpoint_every: int | str | None = None,
 ) -> StatePools:
     """The pools of L1 = ``model_device_pages`` and L2 = ``round(host_ratio x L1)`` pages'
     bytes: ``share`` of each tier's bytes in state slots, or None: the default rule
@@ -318,7 +334,7 @@ def pools_for(
             mean_tokens=mean_tokens,
             checkpoint_every=every,
         )
-    assert isinstance(checkpoint_every, int)
+    assert checkpoint_every is None or isinstance(checkpoint_every, int)
     model_host = int(round(host_ratio * model_device_pages))
     pf, s = spec.page_bytes, slot_bytes(spec)
     out = []
