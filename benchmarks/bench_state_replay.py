@@ -65,7 +65,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument(
         "--intervals",
         type=_intervals,
-        default=["default", 0, 4, 16, 64, "auto"],
+        default=[None, 0, 4, 16, 64, "auto"],
         help="K; default = the cache's default (every 2,048 tokens), 0 = none, auto = "
         "ceil(pages / slots) of the pools",
     )

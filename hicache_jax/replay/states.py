@@ -322,6 +322,7 @@ def pools_for(
             share=share,
             longest_tokens=longest_tokens,
             mean_tokens=mean_tokens,
+            checkpoint_every=0,
         )
         slots = base.state_device_slots + base.state_host_slots
         every = max(1, -(-(base.device_pages + base.host_pages) // max(slots, 1)))
