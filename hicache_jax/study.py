@@ -40,6 +40,7 @@ from typing import Any
 import numpy as np
 
 from hicache_jax.replay import driver as _replay
+from hicache_jax.replay import states as _states
 from hicache_jax.replay import windows as _windows
 from hicache_jax.replay.block_lru import default_device_pages
 from hicache_jax.replay.trace import MOONCAKE_BLOCK, Trace
@@ -223,6 +224,8 @@ def sweep(
     layer_pattern: str | None = None,
     window: int | None = None,
     window_share: float | None = None,
+    state_share: float | None = None,
+    checkpoint_every: int | str | None = None,
 ) -> SweepResult:
     """Replay ``trace`` at every (L2 ratio, L1 size, write policy, eviction), beside the exact
     LRU references of L1's and L1 + L2's capacity and the infinite cache.
@@ -252,6 +255,10 @@ def sweep(
         window_share: the fraction of each tier's bytes in window pages, in (0, 1); None:
             the default rule of :mod:`hicache_jax.replay.windows` (with ``layer_pattern``, or a
             ``spec`` with window groups).
+        state_share, checkpoint_every: with a spec of a state group (a hybrid recurrent model,
+            e.g. :func:`hicache_jax.replay.states.state_spec`), the fraction of each tier's
+            bytes in state slots (None: the default rule of :mod:`hicache_jax.replay.states`)
+            and the checkpoint interval in pages (see :func:`hicache_jax.replay.run`).
 
     Raises:
         ValueError / TypeError naming a bad setting, before anything is replayed.
@@ -278,6 +285,8 @@ def sweep(
             progress=progress,
             diagnose=diagnose,
             window_share=window_share,
+            state_share=state_share,
+            checkpoint_every=checkpoint_every,
         )
         for ratio in ratios
     ]
@@ -324,6 +333,12 @@ def _pattern_spec(
                     + ("" if name == "window" else " or a spec with window groups")
                 )
         return _spec(spec, page_size, trace)
+    if _states.is_state_pattern(layer_pattern):  # a hybrid recurrent model: "R3:F1"
+        given = {"window": window, "window_share": window_share, "spec": spec}
+        for name in (n for n, v in given.items() if v is not None):
+            raise ValueError(f"{name}= is not taken with a recurrent layer_pattern")
+        ps = page_size if page_size is not None else trace.default_page_size()
+        return _states.state_spec(layer_pattern, ps, flag="layer_pattern")
     _windows.check_share(window_share, "window_share")
     period = _windows.pattern_period(layer_pattern, "layer_pattern")
     ps = page_size if page_size is not None else trace.default_page_size()

@@ -110,6 +110,12 @@ RUNS = [
         ["hit/LRU(r) >= 0.97", "LRU(= bytes)", "gain"],
         [],
     ),
+    (
+        "bench_state_replay",
+        ["--limit", "100", "--capacities", "1e5", "--intervals", "default,16"],
+        ["hit/oracle >= 0.95", "state bytes held", "default policy, L1"],
+        [],
+    ),
     ("bench_ttft", ["--quick"], ["/ recompute", "L2/recompute:", "(target <= 0.1)"], []),
 ]
 

@@ -21,6 +21,7 @@ import hicache_jax.study as study
 from hicache_jax.cli.output import check_writable, require_matplotlib, write_json
 from hicache_jax.replay import driver as replay_mod
 from hicache_jax.replay import simulate as sim
+from hicache_jax.replay import states as smod
 from hicache_jax.replay import windows as wmod
 from hicache_jax.replay.trace import MOONCAKE_BLOCK, TOKEN_PAGE_SIZE
 from hicache_jax.spec import HiCacheConfig, KVSpec
@@ -97,7 +98,11 @@ def add_parser(sub: Any) -> None:
         help="A sliding-window layers then B full ones, repeating (e.g. 5:1): the replay's "
         "spec becomes the pattern's (per layer: 1 kv head of dim 1, float32, one period of "
         "layers, unless --spec says otherwise); capacities stay tokens' worth of the "
-        "all-full model's bytes, split between the full-attention and the window pools",
+        "all-full model's bytes, split between the full-attention and the window pools. "
+        "Ra:Fb (e.g. R3:F1): a hybrid recurrent model (a recurrent layers then b full ones): "
+        "capacities are tokens' worth of its full-attention KV bytes, split between pages and "
+        "state slots (checkpoints); the hit ratio is judged against the exact LRU of the same "
+        "bytes (every page boundary a free checkpoint)",
     )
     w.add_argument("--window", type=int, metavar="W", help="the sliding window in tokens")
     w.add_argument(
@@ -107,6 +112,33 @@ def add_parser(sub: Any) -> None:
         help="fraction of each tier's bytes given to window pages, in (0, 1); unset: the "
         "default rule: the longest prompt's pages (L1, up to the all-full L1) plus ceil(W/page) "
         "pages of tail for every mean prompt's pages of full-attention pool",
+    )
+    h = r.add_argument_group(
+        "recurrent state (with --layer-pattern Ra:Fb; hicache_jax/replay/states.py)"
+    )
+    h.add_argument(
+        "--state-tokens",
+        type=float,
+        metavar="T",
+        help="one checkpoint's bytes in tokens of the full-attention KV bytes; unset: "
+        f"Qwen3-Next-80B-A3B's {smod.QWEN3_NEXT_STATE_TOKENS:g} (36 Gated DeltaNet layers' "
+        "conv + fp32 recurrent state over 12 full layers' KV a token)",
+    )
+    h.add_argument(
+        "--state-share",
+        type=float,
+        metavar="F",
+        help="fraction of each tier's bytes given to state slots, in (0, 1); unset: the "
+        "default rule: one request's checkpoints (L1) plus two per mean prompt's pages of "
+        "the page pool",
+    )
+    h.add_argument(
+        "--checkpoint-every",
+        metavar="K",
+        help="a checkpoint every K pages of a prefill besides the branch point and the "
+        "prompt's end (HiCacheConfig.checkpoint_every_pages); 0: none; auto: "
+        "ceil(pages / slots) of the pools (the slots spread over the pages); unset: the "
+        "cache's default (every 2,048 tokens)",
     )
     m = r.add_argument_group("simulate (what-if TTFT on a simulated clock)")
     m.add_argument(
@@ -160,8 +192,19 @@ def _simulate(
         )
     except (ValueError, TypeError) as exc:
         parser.exit(2, f"hicache-jax replay: error: {exc}\n")
-    pools = None
-    if spec.window_groups:
+    pools: wmod.Pools | smod.StatePools | None = None
+    if spec.state_groups:
+        longest, mean = wmod.prompt_tokens(trace)
+        pools = smod.pools_for(
+            spec,
+            pages,
+            args.host_ratios[0],
+            share=args.state_share,
+            longest_tokens=longest,
+            mean_tokens=mean,
+            checkpoint_every=args.checkpoint_every,
+        )
+    elif spec.window_groups:
         longest, mean = wmod.prompt_tokens(trace)
         pools = wmod.pools_for(
             spec,
@@ -184,6 +227,11 @@ def _simulate(
         + (
             ""
             if pools is None
+            else f" of the hybrid's bytes (pages/state slots: L1 {pools.device_pages}/"
+            f"{pools.state_device_slots}, L2 {pools.host_pages}/{pools.state_host_slots}; "
+            f"state slots {pools.share:.3f} of the bytes, a checkpoint every "
+            f"{'default' if pools.checkpoint_every is None else pools.checkpoint_every} pages)"
+            if isinstance(pools, smod.StatePools)
             else f" of the all-full model's bytes (full/window pages: L1 {pools.device_pages}/"
             f"{pools.window_device_pages}, L2 {pools.host_pages}/{pools.window_host_pages})"
         )
@@ -226,7 +274,11 @@ def _replay_setup(args: argparse.Namespace) -> tuple[Any, Any, list[int]]:
     _check_pattern_flags(args)
     trace = study.load_trace(args.trace, block_size=args.block_size, limit=args.limit)
     ps = args.page_size if args.page_size is not None else trace.default_page_size()
-    if args.layer_pattern is not None:
+    if smod.is_state_pattern(args.layer_pattern):
+        if args.spec is not None:
+            raise ValueError("--spec is not taken with a recurrent --layer-pattern (Ra:Fb)")
+        spec = smod.state_spec(args.layer_pattern, ps, args.state_tokens)
+    elif args.layer_pattern is not None:
         period = wmod.pattern_period(args.layer_pattern)
         base = KVSpec.parse(
             args.spec, dataclasses.replace(replay_mod.TINY_SPEC, num_layers=period), page_size=ps
@@ -262,10 +314,27 @@ def _replay_setup(args: argparse.Namespace) -> tuple[Any, Any, list[int]]:
 def _check_pattern_flags(args: argparse.Namespace) -> None:
     """``--window`` and ``--window-share`` need ``--layer-pattern``; the share is in (0, 1).
     ValueError naming the flag."""
+    stateful = smod.is_state_pattern(args.layer_pattern)
+    state_flags = (
+        ("--state-tokens", args.state_tokens),
+        ("--state-share", args.state_share),
+        ("--checkpoint-every", args.checkpoint_every),
+    )
+    if not stateful:
+        for flag, value in state_flags:
+            if value is not None:
+                raise ValueError(f"{flag} needs a recurrent --layer-pattern (e.g. R3:F1)")
     if args.layer_pattern is None:
         for flag, value in (("--window", args.window), ("--window-share", args.window_share)):
             if value is not None:
                 raise ValueError(f"{flag} needs --layer-pattern (e.g. --layer-pattern 5:1)")
+        return
+    if stateful:
+        for flag, value in (("--window", args.window), ("--window-share", args.window_share)):
+            if value is not None:
+                raise ValueError(f"{flag} is for a sliding-window --layer-pattern (e.g. 5:1)")
+        smod.check_state_share(args.state_share)
+        args.checkpoint_every = smod.check_interval(args.checkpoint_every)
         return
     wmod.pattern_period(args.layer_pattern)
     if args.window is None:
@@ -332,7 +401,15 @@ def replay_command(args: argparse.Namespace, parser: argparse.ArgumentParser) ->
         + (f"; {spec.describe_groups()}" if spec.window_groups else "")
         + f"); L1 {', '.join(f'{p} pages' for p in pages)}, "
         f"L2 = {', '.join(f'{x:g}' for x in args.host_ratios)} x L1"
-        + (" (the all-full model's pages' bytes)" if spec.window_groups else ""),
+        + (
+            f" (the hybrid's full-attention pages' bytes; a checkpoint "
+            f"{smod.slot_bytes(spec):,} bytes = {smod.slot_bytes(spec) / spec.page_bytes:.2f} "
+            "pages)"
+            if spec.state_groups
+            else " (the all-full model's pages' bytes)"
+            if spec.window_groups
+            else ""
+        ),
         flush=True,
     )
     env = replay_mod.environment()  # date and load average at the start; the load at the end too
@@ -347,6 +424,8 @@ def replay_command(args: argparse.Namespace, parser: argparse.ArgumentParser) ->
         progress=not args.quiet,
         diagnose=args.diagnose,
         window_share=args.window_share,
+        state_share=args.state_share,
+        checkpoint_every=args.checkpoint_every,
     ).reports
     for rep in reports:
         if len(reports) > 1:

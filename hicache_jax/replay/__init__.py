@@ -2,7 +2,8 @@
 (:mod:`~hicache_jax.replay.driver`), the trace formats (:mod:`~hicache_jax.replay.trace`), the
 exact block-LRU (:mod:`~hicache_jax.replay.block_lru`), the what-if TTFT simulator
 (:mod:`~hicache_jax.replay.simulate`, imported by name) and the replay of a sliding-window model
-at the all-full model's bytes (:mod:`~hicache_jax.replay.windows`, imported by name)."""
+at the all-full model's bytes (:mod:`~hicache_jax.replay.windows`, imported by name) and of a
+hybrid recurrent model at its bytes (:mod:`~hicache_jax.replay.states`, imported by name)."""
 
 from hicache_jax.replay.block_lru import BlockLRU, PageKeys, default_device_pages, reference_hits
 from hicache_jax.replay.driver import (

@@ -33,6 +33,13 @@ are split between the full-attention and the window pools; a prompt caches at mo
 window pool holds; the replay samples the bytes ratio ``r`` after every request, and
 :func:`run` adds the LRU of ``r x`` (L1 + L2) pages, one more reference pass after the
 replays (``r`` is measured), and :func:`window_table`.
+
+A spec with a state group (a hybrid recurrent model, :mod:`hicache_jax.replay.states`, which
+owns its pools, its checkpoint writer and the state bytes held): L1 and L2 sizes are the
+hybrid's full-attention pages' bytes, split between pages and state slots; each request writes
+its checkpoints (``cache.checkpoint_positions``) before ``finish``; :func:`run` adds the
+every-page oracle (the LRU of L1 + L2 pages of the same bytes) and the LRU of the hybrid's
+pages alone, and :func:`state_table`.
 Hits of HiCache and of the references count whole pages only.
 
 Threading: a replay builds, owns and closes its caches on the calling thread.
@@ -50,6 +57,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from hicache_jax.cache.hicache import HiCache
+from hicache_jax.replay import states as _states
 from hicache_jax.replay import windows as _windows
 from hicache_jax.replay.block_lru import BlockLRU, PageKeys, reference_hits
 from hicache_jax.replay.trace import Trace
@@ -63,6 +71,7 @@ __all__ = [
     "plot",
     "replay",
     "run",
+    "state_table",
     "sweep_table",
     "tables",
     "window_table",
@@ -116,11 +125,17 @@ def replay(
             cache.close()
             raise
     ps, cap = spec.page_size, cfg.device_pages
-    if spec.window_groups:  # a request's own pages hold a window page each too
+    stateful = bool(spec.state_groups)
+    if spec.window_groups and not stateful:  # a request's own pages hold a window page each
         cap = min(cap, cfg.window_device_pages or cap)
     prompt = device_hit = host_hit = declined = 0  # tokens
     diag = _Diagnosis(cache, cfg) if diagnose else None
-    holding = _windows.Holding(spec) if spec.window_groups else None
+    holding: _windows.Holding | _states.StateHolding | None = None
+    if stateful:
+        holding = _states.StateHolding(spec)
+    elif spec.window_groups:
+        holding = _windows.Holding(spec)
+    checkpoints = _states.Checkpoints(cache) if stateful else None
     bar = _progress_bar(len(trace.requests), desc, progress)
     untimed = 0.0
     t0 = time.perf_counter()
@@ -136,6 +151,8 @@ def replay(
                 declined += r.host_len_declined
                 hit = r.cached_len
                 r.extend(tokens.shape[0] - r.cached_len)
+                if checkpoints is not None:  # the prefill's checkpoints, then finish's
+                    checkpoints.write(r, tokens)
                 cache.flush()  # the load-back's lock is gone before the unlock (clean_ahead's pass)
                 r.finish(tokens)
             cache.flush()  # transfers complete at request boundaries: deterministic
@@ -171,6 +188,7 @@ def replay(
         }
         | _counters(stats, ps)
         | ({} if holding is None else holding.figures() | _window_counters(stats))
+        | ({} if checkpoints is None else checkpoints.figures())
         | ({} if diag is None else diag.figures())
         | {
             "wall_s": wall,
@@ -271,6 +289,8 @@ def run(
     progress: Progress = False,
     diagnose: bool = False,
     window_share: float | None = None,
+    state_share: float | None = None,
+    checkpoint_every: int | str | None = None,
 ) -> dict[str, Any]:
     """Replay every (L1 size, write policy, eviction) and compare each with the references
     (``diagnose``: with :func:`replay`'s diagnosis figures).
@@ -286,6 +306,15 @@ def run(
         write_policies, evictions: any strings :class:`HiCacheConfig` accepts.
         window_share: with window groups, the fraction of each tier's bytes in window pages;
             None: the default rule of :mod:`hicache_jax.replay.windows`.
+        state_share: with a state group (a hybrid recurrent model,
+            :func:`hicache_jax.replay.states.state_spec`), the fraction of each tier's bytes in
+            state slots; None: the default rule of :mod:`hicache_jax.replay.states`. Each size
+            is then the hybrid's full-attention bytes, split between pages and slots
+            (:func:`hicache_jax.replay.states.pools_for`).
+        checkpoint_every: with a state group, ``HiCacheConfig.checkpoint_every_pages`` (None:
+            the cache's default, every 2,048 tokens), or
+            ``"auto"``: ``ceil(pages / slots)`` of each size's pools
+            (:func:`hicache_jax.replay.states.pools_for`).
 
     Returns:
         ``{"trace", "spec", "references", "results"}``: each result has the replay's figures
@@ -293,16 +322,30 @@ def run(
         ``lru_l1_hit_ratio`` and their ratios ``vs_*``. With window groups also the pools
         (``pools``), the bytes ratio ``r`` (``bytes_ratio``: mean over the run), the window
         bytes share, and ``lru_bytes_ratio_hit_ratio``: an LRU of ``r x (L1 + L2)`` pages,
-        with ``vs_lru_bytes_ratio``. Raises ``ValueError`` on a bad configuration before
-        replaying anything.
+        with ``vs_lru_bytes_ratio``. With a state group: the pools (``pools``), the state
+        bytes' share held (``state_bytes_share``, mean), ``oracle_hit_ratio`` (the exact LRU of
+        L1 + L2 pages of the same bytes: every page boundary a free checkpoint) and
+        ``vs_oracle``, and ``lru_pages_hit_ratio``: the exact LRU of its pages alone (L1 + L2
+        less the slots' bytes: the bytes the states cost, apart from where checkpoints are),
+        with ``vs_lru_pages``. Raises ``ValueError`` on a bad configuration before replaying
+        anything.
     """
-    windowed = bool(spec.window_groups)
+    stateful = bool(spec.state_groups)
+    windowed = bool(spec.window_groups) and not stateful
+    if stateful and len(spec.window_groups) != len(spec.state_groups):
+        raise ValueError("a spec with both window and state groups is not replayed yet")
     share = _windows.check_share(window_share, "window_share")
     if share is not None and not windowed:
         raise ValueError("window_share is for a spec with window groups (a layer pattern)")
+    sshare = _states.check_state_share(state_share, "state_share")
+    checkpoint_every = _states.check_interval(checkpoint_every, "checkpoint_every")
+    if (sshare is not None or checkpoint_every is not None) and not stateful:
+        raise ValueError(
+            "state_share / checkpoint_every are for a spec with a state group (e.g. R3:F1)"
+        )
     ps = spec.page_size
     longest, mean = _windows.prompt_tokens(trace)
-    plan: list[tuple[HiCacheConfig, HiCacheConfig, _windows.Pools | None]] = []
+    plan: list[tuple[HiCacheConfig, HiCacheConfig, _windows.Pools | _states.StatePools | None]] = []
     # (the budget's config, the config the cache gets, its pools or None)
     for d in device_pages:
         for w in write_policies:
@@ -314,6 +357,26 @@ def run(
                     eviction=e,
                     load_back_threshold=load_back_threshold,
                 )
+                if stateful:
+                    sp = _states.pools_for(
+                        spec,
+                        d,
+                        host_ratio,
+                        share=sshare,
+                        longest_tokens=longest,
+                        mean_tokens=mean,
+                        checkpoint_every=checkpoint_every,
+                    )
+                    scfg = dataclasses.replace(
+                        budget,
+                        device_pages=sp.device_pages,
+                        host_pages=sp.host_pages,
+                        state_device_slots=sp.state_device_slots,
+                        state_host_slots=sp.state_host_slots or None,
+                        checkpoint_every_pages=sp.checkpoint_every,
+                    )
+                    plan.append((budget, scfg, sp))
+                    continue
                 if not windowed:
                     plan.append((budget, budget, None))
                     continue
@@ -329,6 +392,9 @@ def run(
                 )
                 plan.append((budget, cfg, pp))
     caps = {None} | {b.device_pages for b, _, _ in plan} | {_l1_l2_pages(b) for b, _, _ in plan}
+    # a hybrid's pages alone (its slots' bytes given up): what the checkpoints' placement is
+    # judged against, apart from the bytes they cost
+    caps |= {_l1_l2_pages(c) for _, c, p in plan if isinstance(p, _states.StatePools)}
     hits, distinct = reference_hits(trace, ps, caps)
     prompt = trace.num_tokens
     ratio = {c: h / prompt if prompt else 0.0 for c, h in hits.items()}
@@ -347,7 +413,24 @@ def run(
         for name, ref in refs.items():
             r[f"{name}_hit_ratio"] = ref
             r[f"vs_{name}"] = r["hit_ratio"] / ref if ref else None  # no hit possible
-        if pools is not None:
+        if isinstance(pools, _states.StatePools):
+            r |= {
+                "device_pages": budget.device_pages,  # the budget: full-attention pages' bytes
+                "host_pages": budget.host_pages,
+                "pools": pools.as_json(),
+                "checkpoint_every": _states.default_interval(ps)
+                if pools.checkpoint_every is None
+                else pools.checkpoint_every,
+                "checkpoint_rule": "default" if checkpoint_every is None else checkpoint_every,
+                "budget_bytes": _l1_l2_pages(budget) * spec.page_bytes,
+                "oracle_hit_ratio": refs["lru_total"],
+                "vs_oracle": r["vs_lru_total"],
+                "lru_pages_hit_ratio": ratio[_l1_l2_pages(cfg)],
+                "vs_lru_pages": r["hit_ratio"] / ratio[_l1_l2_pages(cfg)]
+                if ratio[_l1_l2_pages(cfg)]
+                else None,
+            }
+        elif pools is not None:
             l1_bytes, l2_bytes = pools.bytes_used(spec)
             r |= {
                 "device_pages": budget.device_pages,  # the budget: all-full model pages
@@ -365,13 +448,17 @@ def run(
             ref = more[r["lru_bytes_ratio_pages"]] / prompt if prompt else 0.0
             r["lru_bytes_ratio_hit_ratio"] = ref
             r["vs_lru_bytes_ratio"] = r["hit_ratio"] / ref if ref else None
-    return {
-        "trace": trace.describe() | {"distinct_pages": distinct},
-        "spec": spec.as_json(),
-        "host_ratio": host_ratio,
-        "references": {"page_size": ps, "hit_tokens": {str(c): h for c, h in hits.items()}},
-        "results": results,
-    } | ({"window_share": share} if windowed else {})
+    return (
+        {
+            "trace": trace.describe() | {"distinct_pages": distinct},
+            "spec": spec.as_json(),
+            "host_ratio": host_ratio,
+            "references": {"page_size": ps, "hit_tokens": {str(c): h for c, h in hits.items()}},
+            "results": results,
+        }
+        | ({"window_share": share} if windowed else {})
+        | ({"state_share": sshare, "checkpoint_every": checkpoint_every} if stateful else {})
+    )
 
 
 # ------------------------------------------------------------------------------------ output
@@ -502,6 +589,8 @@ def tables(report: dict[str, Any]) -> str:
         ]
     if res and "bytes_ratio" in res[0]:
         out += ["", window_table(report)]
+    if res and "state_bytes_share" in res[0]:
+        out += ["", state_table(report)]
     sizes = sorted({r["device_pages"] for r in res})
     if len(sizes) > 1:
         out += ["", sweep_table(report)]
@@ -556,6 +645,56 @@ def window_table(report: dict[str, Any]) -> str:
             "gain",
             "win bytes share",
             "unservable tok",
+        ],
+        rows,
+    )
+
+
+def state_table(report: dict[str, Any]) -> str:
+    """A hybrid recurrent model's rows (:mod:`hicache_jax.replay.states`): its pools (pages /
+    state slots of L1 and L2, the slots' share of L1 + L2's bytes), the checkpoint interval,
+    its hit ratio, the every-page oracle's (an exact LRU of the same bytes in pages) and the
+    ratio against :data:`~hicache_jax.replay.states.STATE_TARGET`, the exact LRU of its pages
+    alone (the slots' bytes given up), the state bytes' share of what it holds (mean over the
+    run), the checkpoints written and the tokens cut from matches for want of a checkpoint."""
+    target = _states.STATE_TARGET
+    rows = []
+    for r in report["results"]:
+        p, vs = r["pools"], r["vs_oracle"]
+        rows.append(
+            [
+                _name(r),
+                r["device_pages"] * r["page_size"],
+                f"{report['host_ratio']:g}x",
+                f"{p['device_pages']}/{p['state_device_slots']}",
+                f"{p['host_pages']}/{p['state_host_slots']}",
+                f"{p['share']:.3f}",
+                r["checkpoint_every"],
+                r["hit_ratio"],
+                r["oracle_hit_ratio"],
+                None if vs is None else f"{vs:.3f} {'met' if vs >= target else 'NOT met'}",
+                r["lru_pages_hit_ratio"],
+                f"{r['state_bytes_share']:.3f}",
+                r["checkpoints_written"],
+                r["window_unservable_tokens"],
+            ]
+        )
+    return format_table(
+        [
+            "config",
+            "L1 tokens",
+            "L2",
+            "L1 pg/slots",
+            "L2 pg/slots",
+            "state pool share",
+            "ckpt every",
+            "hit ratio",
+            "oracle",
+            f"hit/oracle >= {target:g}",
+            "LRU(pages)",
+            "state bytes held",
+            "ckpts written",
+            "cut tok",
         ],
         rows,
     )

@@ -48,6 +48,7 @@ from hicache_jax.cache.hicache import HiCache
 from hicache_jax.cache.loading.cost_model import CostModel
 from hicache_jax.memory.transfer import TransferEngine
 from hicache_jax.replay.block_lru import PageKeys
+from hicache_jax.replay.states import Checkpoints, StatePools
 from hicache_jax.replay.trace import Trace
 from hicache_jax.replay.windows import Pools
 from hicache_jax.spec import HiCacheConfig, KVSpec
@@ -137,7 +138,7 @@ def _config(
     host_pages: int,
     threshold: int,
     page_size: int,
-    pools: Pools | None = None,
+    pools: Pools | StatePools | None = None,
 ) -> HiCacheConfig:
     if policy not in POLICIES:
         raise ValueError(f"policy={policy!r} must be one of {', '.join(POLICIES)}")
@@ -160,6 +161,15 @@ def _config(
         raise ValueError(
             "policy='cost+split' with window groups: the cache does not support "
             "load_overlap=True with window groups yet"
+        )
+    if isinstance(pools, StatePools):
+        return HiCacheConfig(
+            device_pages=pools.device_pages,
+            host_pages=pools.host_pages,
+            state_device_slots=pools.state_device_slots,
+            state_host_slots=pools.state_host_slots or None,
+            checkpoint_every_pages=pools.checkpoint_every,
+            **kws[policy],
         )
     return HiCacheConfig(
         device_pages=pools.device_pages,
@@ -231,12 +241,14 @@ def simulate(
     host_ratio: float = 4.0,
     threshold: int = 16,
     seed: int = 0,
-    pools: Pools | None = None,
+    pools: Pools | StatePools | None = None,
 ) -> dict[str, Any]:
     """One policy's TTFT on ``trace`` under ``regime`` (see module doc). Deterministic for
     ``seed``. ``pools``: with a spec of window groups, the pools at the all-full model's bytes
     of ``device_pages`` and ``host_ratio`` (:func:`hicache_jax.replay.windows.pools_for`);
-    None: the plain pools."""
+    with a state group (a hybrid recurrent model), its pages and state slots
+    (:func:`hicache_jax.replay.states.pools_for`; each request writes its checkpoints as the
+    replay does); None: the plain pools."""
     cfg = _config(
         policy,
         regime,
@@ -253,6 +265,7 @@ def simulate(
     ps, cap = spec.page_size, cfg.device_pages
     if cfg.window_device_pages is not None:  # a request's own pages hold a window page each
         cap = min(cap, cfg.window_device_pages)
+    checkpoints = Checkpoints(cache) if spec.state_groups else None
     l3_model = CostModel(regime.token_bytes * ps, ps, regime.prefill_s)
     keys_of, store = PageKeys(ps), set()
     t_first = trace.requests[0].timestamp_ms if trace.requests else 0.0
@@ -306,6 +319,8 @@ def simulate(
                     clock.advance(regime.prefill_s(n_new, r.cached_len + l3) * jit())
                 l2 += back2
                 r.extend(tokens.shape[0] - r.num_tokens)
+                if checkpoints is not None:  # a hybrid's checkpoints (replay.states)
+                    checkpoints.write(r, tokens)
                 cache.flush()
                 r.finish(tokens)
             cache.flush()
@@ -348,7 +363,7 @@ def simulate_all(
     threshold: int = 16,
     seed: int = 0,
     policies: Sequence[str] | None = None,
-    pools: Pools | None = None,
+    pools: Pools | StatePools | None = None,
 ) -> dict[str, Any]:
     """:func:`simulate` of every policy (None: :data:`POLICIES`, less ``cost+split`` with
     ``pools``: the cache does not overlap loads with window groups yet);
