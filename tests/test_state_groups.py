@@ -152,6 +152,19 @@ def test_bad_writes_name_the_field_and_change_nothing():
     assert cache.stats()["state_device_used_slots"] == 1
 
 
+def test_zero_pages_write_and_read_nothing():
+    """No page: a no-op write, empty arrays read (both raised ZeroDivisionError: a reshape of
+    0 slots with -1)."""
+    cache = _cache()
+    none = np.zeros(0, np.int32)
+    before = snapshot(cache)
+    cache.write_state(0, none, [a[:0] for a in _state(TOKS, [4])])
+    assert snapshot(cache) == before
+    got = cache.read_state(0, none)
+    assert [a.shape for a in got] == [(0, 3, *a.shape) for a in ARRAYS]
+    assert [np.dtype(a.dtype) for a in got] == [_np(a.dtype) for a in ARRAYS]
+
+
 def test_a_slot_not_had_takes_nothing():
     cache = _cache(state_device_slots=2)
     mine = cache.alloc_pages(3)
