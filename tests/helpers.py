@@ -20,7 +20,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
-from hicache_jax import HiCache, HiCacheConfig, KVSpec
+from hicache_jax import HiCache, HiCacheConfig, KVSpec, OutOfPagesError
 from hicache_jax.events.records import Medium
 from hicache_jax.memory.device_pool import DevicePagePool
 from hicache_jax.memory.host_pool import HostPagePool
@@ -294,13 +294,23 @@ class ServedKV:
     """Requests through the handle over a spec with window groups, writing each group's bytes
     (a pure function of the prefix: another cache's model gives the same bytes) and checking
     what a hit reads back: the full-attention pages and, per window group, the pages a
-    continuation at the hit's end reads. ``__call__`` returns the tokens served from the cache
-    and checks the cache after (:meth:`check`)."""
+    continuation at the hit's end reads; per STATE group (:class:`StateModel`), the checkpoint
+    at the hit's end, and it writes the checkpoints ``checkpoint_positions`` asks for.
+    ``__call__`` returns the tokens served from the cache and checks the cache after
+    (:meth:`check`)."""
 
     def __init__(self, cache: HiCache) -> None:
         self.cache = cache
         self.kv = KVModel(cache.spec)
-        self.wkv = [WindowKV(g, cache.spec.page_size) for g in cache.spec.window_groups]
+        groups = cache.spec.window_groups
+        self.wkv = {
+            g: WindowKV(grp, cache.spec.page_size)
+            for g, grp in enumerate(groups)
+            if grp.kind is not GroupKind.STATE
+        }
+        self.states = [StateModel(cache.spec, g) for g in cache.spec.state_groups]
+        self.checkpoints = 0
+        self.slots_short = 0  # write_state calls that found too few slots
 
     def __call__(self, tokens) -> int:
         cache, ps = self.cache, self.cache.spec.page_size
@@ -312,16 +322,31 @@ class ServedKV:
             np.testing.assert_array_equal(
                 bits(cache.read_kv(pages)), self.kv.pages(None, tokens, 0, have)
             )
-            for g, w in enumerate(self.wkv):
+            for g, w in self.wkv.items():
                 first = w.group.need_start(have * ps) // ps
                 np.testing.assert_array_equal(
                     bits(cache.read_window_kv(g, pages[first:])),
                     w.pages(None, tokens, first, have),
                 )
+            for sm in self.states:
+                if have:
+                    sm.check(None, tokens[: have * ps], cache.read_state(sm.g, pages[-1:]), "hit")
             new = req.extend(tokens.size - req.cached_len)
             cache.write_kv(new, self.kv.pages(None, tokens, have, tokens.size // ps))
-            for g, w in enumerate(self.wkv):
+            for g, w in self.wkv.items():
                 cache.write_window_kv(g, new, w.pages(None, tokens, have, tokens.size // ps))
+            ends = cache.checkpoint_positions(tokens, have * ps) if self.states else []
+            for sm in self.states:
+                for want in (ends, ends[-1:]):  # more than the slot pool holds: the last one
+                    if not want:
+                        break
+                    try:
+                        sm.write(cache, new[[e // ps - 1 - have for e in want]], None, tokens, want)
+                    except OutOfPagesError:
+                        self.slots_short += 1
+                        continue
+                    self.checkpoints += len(want)
+                    break
             req.finish(tokens)
         self.check()
         return have * ps
@@ -329,8 +354,10 @@ class ServedKV:
     def check(self) -> None:
         """The invariants, and every window page held on either tier bit-exact."""
         self.cache.check_invariants()
-        for g, w in enumerate(self.wkv):
+        for g, w in self.wkv.items():
             check_window_bytes(self.cache, g, w)
+        for sm in self.states:
+            check_state_bytes(self.cache, sm)
 
 
 def bits(x) -> np.ndarray:

@@ -319,6 +319,7 @@ class HiCacheMachine(RuleBasedStateMachine):
                 try:
                     if self.nreq % 4 == 0:  # a wrong state first: other tokens' (slots taken)
                         cache.write_state(sm.g, pages, sm.states("wrong", tokens, attempt))
+                        check_state_bytes(cache, sm)  # no tree slot is a caller's
                     sm.write(cache, pages, extra_key, tokens, attempt)
                 except OutOfPagesError:
                     STATE_RUN["no_slot"] += 1

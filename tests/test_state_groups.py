@@ -33,10 +33,10 @@ PS = 4
 ARRAYS = [StateArray("conv", (2, 3), "bfloat16"), StateArray("ssm", (2, 2, 2))]
 
 
-def _spec(**kw) -> KVSpec:
+def _spec(dtype: str = "float32", **kw) -> KVSpec:
     # "R3:F1": layers 0-2 recurrent (groups[0], the STATE group), layer 3 full (groups[1])
     return KVSpec.from_pattern(
-        "R3:F1", num_layers=4, num_kv_heads=1, head_dim=4, dtype="float32", page_size=PS,
+        "R3:F1", num_layers=4, num_kv_heads=1, head_dim=4, dtype=dtype, page_size=PS,
         state=kw.pop("state", ARRAYS), **kw,
     )  # fmt: skip
 
@@ -340,3 +340,111 @@ def test_a_split_at_a_spare_checkpoint_serves_at_once():
     assert cache.stats()["state_device_spare_slots"] == 0
     assert _served(cache, TOKS) == 24
     assert cache.checkpoint_positions(c, 12) == [24]
+
+
+# ----------------------------------------------------------------------------- random workloads
+
+
+def _prompts(rng, n: int = 6) -> list[np.ndarray]:
+    """Prompts sharing prefixes (3 heads, branches diverging inside pages), whole pages."""
+    heads = [rng.integers(0, 1000, rng.integers(1, 4) * PS) for _ in range(3)]
+    out = []
+    for i in range(n):
+        h = heads[i % 3]
+        tail = rng.integers(0, 1000, rng.integers(1, 3) * PS + int(rng.integers(0, 3)))
+        cut = int(rng.integers(h.size // 2, h.size + 1))  # a branch inside the head
+        out.append(np.concatenate([h[:cut], tail]))
+    return [p[: p.size // PS * PS] for p in out]
+
+
+@pytest.mark.parametrize("policy,every", [("write_through", 0), ("write_back", 2)])
+def test_random_requests_through_l3_read_back_every_checkpoint_exact(tmp_path, policy, every):
+    """Two instances take turns over prompts sharing prefixes on one file store, pools (and
+    slot pools) far too small, so pages and their checkpoints move L1 -> L2 -> L3 and back:
+    every hit's checkpoint reads back as taken, every slot held on either tier is the one
+    taken at its page's end (ServedKV), none leaked."""
+    from helpers import ServedKV
+
+    url = f"file://{tmp_path / 'store'}"
+    rng = np.random.default_rng(11)
+    prompts = _prompts(rng)
+    spec = _spec("bfloat16")  # (ServedKV's KV model: 16-bit KV)
+    caches = [
+        _cache(
+            spec,
+            storage=url,
+            device_pages=10,
+            host_pages=10,
+            state_device_slots=4,
+            state_host_slots=4,
+            write_policy=policy,
+            write_through_threshold=1,
+            prefetch_policy="wait_complete",
+            checkpoint_every_pages=every,
+        )
+        for _ in range(2)
+    ]
+    served = [ServedKV(c) for c in caches]
+    for sm in served[1].states:  # one model: both instances take the same checkpoints
+        sm.taken = served[0].states[0].taken
+    hits = 0
+    for step in range(30):
+        i = int(step % 3 == 2)
+        toks = prompts[rng.integers(len(prompts))]
+        caches[1 - i].flush()
+        if rng.random() < 0.7:
+            h = caches[i].prefetch(toks)
+            if h is not None:
+                h.wait()
+        hits += served[i](toks) > 0
+    from_l3 = 0
+    for cache, s in zip(caches, served, strict=True):
+        cache.flush()
+        s.check()
+        from_l3 += cache.stats()["l3_window_prefetch_hit_pages"]
+        cache.close()
+    assert hits and from_l3 > 0  # checkpoints were served, some fetched from L3
+    assert served[0].checkpoints + served[1].checkpoints > 0
+
+
+def test_random_workload_events_replay_to_the_slots_held():
+    """KV events with vLLM block hashes over a random workload with small slot pools (spare
+    slots reclaimed, nodes evicted for slots): replaying them gives as many pages of each
+    (medium, group) as the cache holds, the mamba group's being its slots."""
+    from helpers import ServedKV
+
+    rng = np.random.default_rng(5)
+    kv = {"publisher": "queue", "block_hash": "tree"}
+    cache = _cache(
+        _spec("bfloat16"),
+        kv_events=kv,
+        device_pages=12,
+        host_pages=16,
+        state_device_slots=4,
+        state_host_slots=6,
+        write_policy="write_back",
+        checkpoint_every_pages=1,
+    )
+    served = ServedKV(cache)
+    prompts = _prompts(rng, 8)
+    router: set = set()
+    for _ in range(60):
+        op = rng.integers(8)
+        if op < 5:
+            served(prompts[rng.integers(len(prompts))])
+        elif op == 5:
+            cache.evict(int(rng.integers(1, 6)) * PS)
+        elif op == 6:
+            cache.evict_host(int(rng.integers(1, 6)) * PS)
+        else:
+            cache.flush()
+        router = replay(cache.take_events(), router)
+        assert router == tree_pages(cache)
+    assert any(g == 0 for _, _, g in router)
+    assert cache.stats()["window_spare_reclaimed"] > 0
+    cache.flush()
+    for _ in range(3):
+        cache.evict(1 << 20)
+        cache.evict_host(1 << 20)
+    assert replay(cache.take_events(), router) == tree_pages(cache) == set()
+    cache.close()
