@@ -344,8 +344,10 @@ class HiCacheMachine(RuleBasedStateMachine):
         self.nreq += 1
         tokens, extra_key = _tokens(ps, [req, self.nreq])
         load = load or (req + self.nreq) % 3 == 0  # mostly load back: what the host tier is for
+        where = cache.lookup(tokens, extra_key)  # read-only: what the match will report
         m = cache.match_prefix(tokens, extra_key)
         assert m.device_len == m.device_pages.size * ps
+        assert where == {"device": m.device_len, "host": m.host_len}, (where, m)
         if load:
             m2 = cache.load_back(m, layerwise=self.layerwise)
             # a load may find no window page (or slot) free:

@@ -448,3 +448,20 @@ def test_random_workload_events_replay_to_the_slots_held():
         cache.evict_host(1 << 20)
     assert replay(cache.take_events(), router) == tree_pages(cache) == set()
     cache.close()
+
+
+def test_lookup_reports_what_match_prefix_serves():
+    """lookup (read-only) reported the tree's pages, 12 device tokens where no checkpoint
+    ends and match_prefix serves nothing; it reports the servable prefix now, per tier."""
+    cache = _cache(write_policy="write_through")
+    _insert(cache, TOKS, [24])
+    branch = np.concatenate([TOKS[:12], 700 + np.arange(12)])
+    for toks in (TOKS, TOKS[:12], branch, TOKS[:12]):
+        want = cache.lookup(toks)
+        m = cache.match_prefix(toks)
+        assert want == {"device": m.device_len, "host": m.host_len}, toks.size
+    assert cache.lookup(TOKS[:12]) == {"device": 0, "host": 0}
+    cache.flush()
+    cache.evict(24)
+    assert cache.lookup(TOKS) == {"device": 0, "host": 24}
+    assert cache.lookup(TOKS[:12]) == {"device": 0, "host": 0}
