@@ -20,7 +20,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
-from hicache_jax import HiCache, HiCacheConfig, KVSpec
+from hicache_jax import HiCache, HiCacheConfig, KVSpec, OutOfPagesError
 from hicache_jax.events.records import Medium
 from hicache_jax.memory.device_pool import DevicePagePool
 from hicache_jax.memory.host_pool import HostPagePool
@@ -294,13 +294,23 @@ class ServedKV:
     """Requests through the handle over a spec with window groups, writing each group's bytes
     (a pure function of the prefix: another cache's model gives the same bytes) and checking
     what a hit reads back: the full-attention pages and, per window group, the pages a
-    continuation at the hit's end reads. ``__call__`` returns the tokens served from the cache
-    and checks the cache after (:meth:`check`)."""
+    continuation at the hit's end reads; per STATE group (:class:`StateModel`), the checkpoint
+    at the hit's end, and it writes the checkpoints ``checkpoint_positions`` asks for.
+    ``__call__`` returns the tokens served from the cache and checks the cache after
+    (:meth:`check`)."""
 
     def __init__(self, cache: HiCache) -> None:
         self.cache = cache
         self.kv = KVModel(cache.spec)
-        self.wkv = [WindowKV(g, cache.spec.page_size) for g in cache.spec.window_groups]
+        groups = cache.spec.window_groups
+        self.wkv = {
+            g: WindowKV(grp, cache.spec.page_size)
+            for g, grp in enumerate(groups)
+            if grp.kind is not GroupKind.STATE
+        }
+        self.states = [StateModel(cache.spec, g) for g in cache.spec.state_groups]
+        self.checkpoints = 0
+        self.slots_short = 0  # write_state calls that found too few slots
 
     def __call__(self, tokens) -> int:
         cache, ps = self.cache, self.cache.spec.page_size
@@ -312,16 +322,31 @@ class ServedKV:
             np.testing.assert_array_equal(
                 bits(cache.read_kv(pages)), self.kv.pages(None, tokens, 0, have)
             )
-            for g, w in enumerate(self.wkv):
+            for g, w in self.wkv.items():
                 first = w.group.need_start(have * ps) // ps
                 np.testing.assert_array_equal(
                     bits(cache.read_window_kv(g, pages[first:])),
                     w.pages(None, tokens, first, have),
                 )
+            for sm in self.states:
+                if have:
+                    sm.check(None, tokens[: have * ps], cache.read_state(sm.g, pages[-1:]), "hit")
             new = req.extend(tokens.size - req.cached_len)
             cache.write_kv(new, self.kv.pages(None, tokens, have, tokens.size // ps))
-            for g, w in enumerate(self.wkv):
+            for g, w in self.wkv.items():
                 cache.write_window_kv(g, new, w.pages(None, tokens, have, tokens.size // ps))
+            ends = cache.checkpoint_positions(tokens, have * ps) if self.states else []
+            for sm in self.states:
+                for want in (ends, ends[-1:]):  # more than the slot pool holds: the last one
+                    if not want:
+                        break
+                    try:
+                        sm.write(cache, new[[e // ps - 1 - have for e in want]], None, tokens, want)
+                    except OutOfPagesError:
+                        self.slots_short += 1
+                        continue
+                    self.checkpoints += len(want)
+                    break
             req.finish(tokens)
         self.check()
         return have * ps
@@ -329,8 +354,10 @@ class ServedKV:
     def check(self) -> None:
         """The invariants, and every window page held on either tier bit-exact."""
         self.cache.check_invariants()
-        for g, w in enumerate(self.wkv):
+        for g, w in self.wkv.items():
             check_window_bytes(self.cache, g, w)
+        for sm in self.states:
+            check_state_bytes(self.cache, sm)
 
 
 def bits(x) -> np.ndarray:
@@ -505,3 +532,133 @@ def replay_all(replay_ep: str) -> list:
             out.append((int.from_bytes(seq, "big"), msgpack.unpackb(payload)))
     finally:
         dealer.close(linger=0)
+
+
+# ------------------------------------------------------------------ recurrent state (STATE groups)
+
+
+class StateModel:
+    """A STATE group's checkpoints: the state after ``(extra_key, tokens up to a page's end)``
+    is a pure function of them (random finite values of each ``StateArray``'s dtype, seeded by
+    a hash of the prefix), so a checkpoint at the wrong position reads as another state.
+
+    ``taken`` records, per checkpoint written (:meth:`write`), the digest of its bytes when
+    taken; :func:`check_state_bytes` compares every later read with it (no checkpoint is ever
+    mutated, on any tier, after any copy)."""
+
+    def __init__(self, spec: KVSpec, g: int) -> None:
+        self.g = g
+        self.group = spec.window_groups[g]
+        self._ps = spec.page_size
+        self._memo: dict[bytes, list[np.ndarray]] = {}
+        self.taken: dict[bytes, bytes] = {}
+
+    def _key(self, extra_key, prefix) -> bytes:
+        return (
+            b"state|"
+            + repr(canonical_key(extra_key)).encode()
+            + b"|"
+            + np.asarray(prefix, np.int64).tobytes()
+        )
+
+    def state(self, extra_key, prefix) -> list[np.ndarray]:
+        """The group's arrays ``[1, len(layers), *shape]`` after ``prefix``."""
+        key = self._key(extra_key, prefix)
+        if key not in self._memo:
+            seed = int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little")
+            rng = np.random.default_rng(seed)
+            layers = len(self.group.layers)
+            self._memo[key] = [
+                rng.standard_normal((1, layers, *a.shape)).astype(jnp_dtype(a.dtype))
+                for a in self.group.state
+            ]
+        return self._memo[key]
+
+    def states(self, extra_key, tokens, ends: list[int]) -> list[np.ndarray]:
+        """The arrays of the checkpoints at prefix lengths ``ends`` (tokens), stacked."""
+        per = [self.state(extra_key, tokens[:e]) for e in ends]
+        return [np.concatenate(parts) for parts in zip(*per, strict=True)]
+
+    def write(self, cache: HiCache, pages, extra_key, tokens, ends: list[int]) -> None:
+        """``cache.write_state`` of the checkpoints at ``ends`` into caller ``pages`` (each
+        page ending at its end), recording each one's digest as taken."""
+        cache.write_state(self.g, pages, self.states(extra_key, tokens, ends))
+        for e in ends:
+            key = self._key(extra_key, tokens[:e])
+            digest = _digest(self.state(extra_key, tokens[:e]))
+            assert self.taken.setdefault(key, digest) == digest
+        return None
+
+    def check(self, extra_key, prefix, arrays, where: str) -> None:
+        """``arrays`` (one slot's, ``[1, L, *shape]`` each) are the checkpoint after ``prefix``,
+        as taken (bit-exact)."""
+        key = self._key(extra_key, prefix)
+        assert key in self.taken, f"{where}: a checkpoint at {len(prefix)} was never taken"
+        got = _digest(arrays)
+        assert got == self.taken[key], f"{where}: checkpoint at {len(prefix)} changed"
+        for a, want in zip(arrays, self.state(extra_key, prefix), strict=True):
+            np.testing.assert_array_equal(
+                np.asarray(a).view(np.uint8), want.view(np.uint8), f"{where} state"
+            )
+
+
+def jnp_dtype(name: str) -> np.dtype:
+    """The numpy dtype of a spec dtype name (ml_dtypes for bfloat16 / float8)."""
+    import ml_dtypes
+
+    return np.dtype(getattr(ml_dtypes, name, None) or name)
+
+
+def unpack_slots(group, bits: np.ndarray) -> list[np.ndarray]:
+    """Slot bits ``[L, 1, n, 1, 1, words]`` (uint32) as the group's arrays ``[n, L, *shape]``,
+    in numpy (the layout of hicache_jax/memory/state.py: per layer, each array's bytes back to
+    back, each padded to whole words)."""
+    layers, n = bits.shape[0], bits.shape[2]
+    rows = np.ascontiguousarray(bits.view(np.uint32).reshape(layers, n, -1).transpose(1, 0, 2))
+    raw = rows.view(np.uint8).reshape(n, layers, -1)
+    out, at = [], 0
+    for a in group.state:
+        b = np.ascontiguousarray(raw[:, :, at : at + a.nbytes])
+        out.append(b.view(jnp_dtype(a.dtype)).reshape(n, layers, *a.shape))
+        at += -(-a.nbytes // 4) * 4
+    return out
+
+
+def _digest(arrays) -> bytes:
+    h = hashlib.blake2b(digest_size=16)
+    for a in arrays:
+        h.update(np.ascontiguousarray(np.asarray(a)).view(np.uint8).tobytes())
+    return h.digest()
+
+
+def check_state_bytes(cache: HiCache, model: StateModel) -> None:
+    """Every checkpoint the tree holds, on either tier, is the one taken at the end of its page
+    (bit-exact, its digest unchanged since taken); each tier's used-slot count is what the
+    attachments say."""
+    ps, g = cache.spec.page_size, model.g
+    w = cache._windows
+    assert w is not None
+    stats = cache.stats()
+    for side in (w.device, w.host):
+        used = int((side.attach[g] >= 0).sum())
+        assert used == side.used_pages()[g] == stats[f"state_{side.name}_used_slots"], side.name
+    for node in cache.tree.nodes():
+        prefix = cache.tree.path_tokens(node)
+        start = prefix.shape[0] // ps - node.num_pages
+        for side, ids in ((w.device, node.value), (w.host, node.host_value)):
+            if ids is None:
+                continue
+            slots = side.attach[g, ids]
+            held = np.flatnonzero(slots >= 0)
+            if not held.size:
+                continue
+            pool = side.pools[g]
+            raw = pool.read_bits(slots[held]) if side.name == "device" else pool.read(slots[held])
+            arrays = unpack_slots(model.group, np.asarray(raw))
+            for i, j in enumerate(held.tolist()):
+                model.check(
+                    node.extra_key,
+                    prefix[: (start + j + 1) * ps],
+                    [np.asarray(a)[i : i + 1] for a in arrays],
+                    f"{side.name} slot of {node!r}",
+                )

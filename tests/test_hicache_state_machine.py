@@ -14,6 +14,11 @@ of that page), so a page moved to the wrong place or overwritten shows up at onc
 
 Run for every write policy x {lru, lfu, slru} x page_size {1, 16}; longer with
 ``HICACHE_HYPOTHESIS_PROFILE=long``.
+
+With ``state=True`` the model is hybrid (a recurrent layer's ``STATE`` group beside a full
+layer): every served prefix ends at the checkpoint taken there, and every slot the tree holds
+on either tier is the checkpoint taken at its page's end, its digest unchanged since taken
+(:class:`helpers.StateModel`); those runs are ``test_hicache_state_machine_state_slots``.
 """
 
 from __future__ import annotations
@@ -38,16 +43,18 @@ from hypothesis.stateful import (
 from helpers import (
     GatedEngine,
     KVModel,
+    StateModel,
     WindowKV,
     bits,
     check_bytes,
     check_invariants,
+    check_state_bytes,
     check_window_bytes,
     gate,
     snapshot,
     tree_pages,
 )
-from hicache_jax import HiCacheConfig, HiCacheError, KVSpec, OutOfPagesError
+from hicache_jax import HiCacheConfig, HiCacheError, KVSpec, OutOfPagesError, StateArray
 from hicache_jax.cache.hicache import HiCache
 from hicache_jax.cache.match import NodeRef
 from hicache_jax.cache.ownership import PageOwner
@@ -110,6 +117,10 @@ class HiCacheMachine(RuleBasedStateMachine):
     window: int | None = None  # a model of one sliding-window layer and one full layer
     small_windows = False  # window pools of half the full-attention pools' pages
     window_spare = True  # False: window pages no node end reads are freed at insert
+    #: a hybrid model of one recurrent layer (a STATE group: checkpoints in state slots) and one
+    #: full layer, with slot pools small enough that slots are reclaimed and evicted
+    state = False
+    checkpoint_every = 0  # checkpoint_every_pages
 
     def __init__(self) -> None:
         super().__init__()
@@ -127,7 +138,18 @@ class HiCacheMachine(RuleBasedStateMachine):
         host_kind = ("small", "equal")[variant % 2]
         layerwise = variant % 3 == 0
         ps = self.page_size
-        if self.window is None:
+        if self.state:
+            self.spec = KVSpec.from_pattern(
+                "R1:F1",
+                num_layers=2,
+                num_kv_heads=2,
+                head_dim=4,
+                dtype="bfloat16",
+                page_size=ps,
+                # bfloat16 (3,): 6 bytes a layer, padded to 8 in the slot
+                state=[StateArray("conv", (3,), "bfloat16"), StateArray("ssm", (2, 2))],
+            )
+        elif self.window is None:
             self.spec = KVSpec(
                 num_layers=2, num_kv_heads=2, head_dim=4, dtype="bfloat16", page_size=ps
             )
@@ -154,11 +176,18 @@ class HiCacheMachine(RuleBasedStateMachine):
             window_device_pages=device // 2 if self.small_windows else None,
             window_host_pages=max(1, host // 2) if self.small_windows else None,
             window_spare=self.window_spare,
+            # fewer slots than pages on each tier: slots are reclaimed, nodes evicted for them
+            state_device_slots=device // 2 if self.state else None,
+            state_host_slots=max(2, host // 2) if self.state else None,
+            checkpoint_every_pages=self.checkpoint_every,
         )
         self.cache = HiCache(self.spec, cfg, clock=self._now, transfer_engine=GatedEngine)
         self.engine = gate(self.cache)
         self.kv = KVModel(self.spec)
-        self.wkv = [WindowKV(g, ps) for g in self.spec.window_groups]
+        self.wkv = [
+            WindowKV(g, ps) for g in self.spec.window_groups if g.kind != "state"
+        ]  # the STATE group is the last: window groups' indices are wkv's
+        self.smodel = [StateModel(self.spec, g) for g in self.spec.state_groups]
         self.router: set = set()
         self.open: list[dict] = []
         self.layerwise = layerwise
@@ -246,6 +275,10 @@ class HiCacheMachine(RuleBasedStateMachine):
                 bits(cache.read_window_kv(g, m.device_pages[first:])),
                 wkv.pages(extra_key, tokens, first, npre),
             )
+        for sm in self.smodel:  # a served prefix ends at the checkpoint taken there
+            if npre:
+                got = cache.read_state(sm.g, m.device_pages[-1:])
+                sm.check(extra_key, tokens[: npre * ps], got, "served prefix")
         n_new = tokens.shape[0] // ps - npre
         try:
             new = cache.alloc_pages(n_new)
@@ -256,6 +289,8 @@ class HiCacheMachine(RuleBasedStateMachine):
         cache.write_kv(new, self.kv.pages(extra_key, tokens, npre, npre + n_new))
         for g, wkv in enumerate(self.wkv):
             cache.write_window_kv(g, new, wkv.pages(extra_key, tokens, npre, npre + n_new))
+        if self.smodel:
+            self._checkpoint(tokens, extra_key, npre, new)
         self.open.append(
             dict(
                 tokens=tokens,
@@ -266,6 +301,36 @@ class HiCacheMachine(RuleBasedStateMachine):
             )
         )
         return True
+
+    def _checkpoint(self, tokens, extra_key, npre, new) -> None:
+        """Write the checkpoints ``checkpoint_positions`` asks for into the request's new pages
+        (sometimes a wrong state first, rewritten: a caller's own slot may change until it is
+        inserted); where no slot can be had, the last one alone, else none."""
+        cache, ps = self.cache, self.page_size
+        ends = cache.checkpoint_positions(tokens, npre * ps, extra_key)
+        whole = tokens.shape[0] // ps * ps
+        assert ends == sorted(set(ends)) and all(npre * ps < e <= whole for e in ends), ends
+        assert all(e % ps == 0 for e in ends), ends
+        if new.size:
+            assert ends and ends[-1] == whole, ends
+        every = self.checkpoint_every * ps
+        if every:
+            assert all(e in ends for e in range(every, whole + 1, every) if e > npre * ps)
+        for sm in self.smodel:
+            for attempt in (ends, ends[-1:]):
+                if not attempt:
+                    break
+                pages = new[[e // ps - 1 - npre for e in attempt]]
+                try:
+                    if self.nreq % 4 == 0:  # a wrong state first: other tokens' (slots taken)
+                        cache.write_state(sm.g, pages, sm.states("wrong", tokens, attempt))
+                        check_state_bytes(cache, sm)  # no tree slot is a caller's
+                    sm.write(cache, pages, extra_key, tokens, attempt)
+                except OutOfPagesError:
+                    STATE_RUN["no_slot"] += 1
+                    continue
+                STATE_RUN["checkpoints"] += len(attempt)
+                break
 
     @precondition(lambda self: len(self.open) < 3)
     @rule(req=st.integers(0, 2**32 - 1), load=st.booleans())
@@ -279,11 +344,14 @@ class HiCacheMachine(RuleBasedStateMachine):
         self.nreq += 1
         tokens, extra_key = _tokens(ps, [req, self.nreq])
         load = load or (req + self.nreq) % 3 == 0  # mostly load back: what the host tier is for
+        where = cache.lookup(tokens, extra_key)  # read-only: what the match will report
         m = cache.match_prefix(tokens, extra_key)
         assert m.device_len == m.device_pages.size * ps
+        assert where == {"device": m.device_len, "host": m.host_len}, (where, m)
         if load:
             m2 = cache.load_back(m, layerwise=self.layerwise)
-            if m2 is not m and self.small_windows:  # a load may find no window page free:
+            # a load may find no window page (or slot) free:
+            if m2 is not m and (self.small_windows or self.state):
                 assert m2.host_len == 0  # then the prefix is cut where its device part serves
                 assert m2.device_len <= m.device_len + m.host_len
             elif m2 is not m:
@@ -314,7 +382,7 @@ class HiCacheMachine(RuleBasedStateMachine):
             # As a scheduler does after caching a chunk: continue with the tree's pages (ours
             # were freed where another request had inserted the same prefix first).
             m = cache.match_prefix(r["tokens"][: half * ps], r["extra_key"])
-            if self.window is None:
+            if not self.spec.window_groups:
                 assert m.device_len == half * ps
             else:  # a chunk may end inside the matched prefix, where window pages were freed
                 assert m.device_len <= half * ps
@@ -397,6 +465,35 @@ class HiCacheMachine(RuleBasedStateMachine):
             call()
         assert snapshot(cache) == before
 
+    @precondition(lambda self: self.cache is not None and self.state)
+    @rule(which=st.integers(0, 3))
+    def bad_state_call(self, which):
+        """Checkpoints of the tree are read-only, a page without one reads as an error, a
+        misshapen state is refused: each leaves the cache as it was (its slots' bytes are
+        the invariant's)."""
+        cache, sm = self.cache, self.smodel[0]
+        owner = cache.page_owners()
+        tree = np.flatnonzero(owner == PageOwner.TREE)
+        slots = cache._windows.device.attach[sm.g]
+        bare = np.flatnonzero((owner != PageOwner.FREE) & (slots < 0))
+        mine = [r["new"] for r in self.open if r["new"].size]
+        state = sm.states(None, np.arange(2 * self.page_size), [self.page_size])
+        before = snapshot(cache)
+        if which == 0 and tree.size:
+            with pytest.raises(HiCacheError, match="caller-owned"):
+                cache.write_state(sm.g, tree[:1], state)
+        elif which == 1 and bare.size:
+            with pytest.raises(HiCacheError, match="no page of window group"):
+                cache.read_state(sm.g, bare[:1])
+        elif which == 2 and mine:
+            bad = [state[0], state[1][:, :, :1]]
+            with pytest.raises(ValueError, match="ssm"):
+                cache.write_state(sm.g, mine[0][:1], bad)
+        elif which == 3 and mine:
+            with pytest.raises(TypeError, match="conv"):
+                cache.write_state(sm.g, mine[0][:1], [state[0].astype(np.float32), state[1]])
+        assert snapshot(cache) == before
+
     def _tree_page_or_oob(self):
         """A page the caller does not own: a cached one, a free one, or one out of range."""
         owner = self.cache.page_owners()
@@ -427,6 +524,8 @@ class HiCacheMachine(RuleBasedStateMachine):
         check_bytes(self.cache, self.kv)
         for g, wkv in enumerate(self.wkv):
             check_window_bytes(self.cache, g, wkv)
+        for sm in self.smodel:
+            check_state_bytes(self.cache, sm)
 
 
 # ----------------------------------------------------------------------------- the runs
@@ -445,6 +544,8 @@ COVERED = (
 )
 CLEAN_AHEAD_ONLY = ("clean_ahead_pages", "host_copies_dropped_tokens")
 COVERAGE: collections.Counter = collections.Counter()
+#: Checkpoints written and slots not had, over the state runs (see the hybrid test).
+STATE_RUN: collections.Counter = collections.Counter()
 #: Stale matches lock refused, over the whole parametrised run (see test_stale_matches_were_met).
 STALE: collections.Counter = collections.Counter()
 
@@ -518,6 +619,43 @@ def test_hicache_state_machine_windows(write_policy, page_size, window, mode):
     assert COVERAGE["steps"] >= 60, COVERAGE
     for key in ("backups", "load_backs", "window_pages_trimmed"):
         assert COVERAGE[key] > 0, f"the machine never exercised {key}: {dict(COVERAGE)}"
+
+
+#: (write policy, page size, checkpoint_every_pages) of the hybrid (recurrent + full) runs.
+STATE_RUNS = (
+    [(p, ps, e) for p in POLICIES for ps in (1, 4) for e in (0, 2)]
+    if LONG
+    else [("write_through", 4, 0), ("clean_ahead", 4, 2)]
+)
+
+
+@pytest.mark.parametrize("write_policy,page_size,every", STATE_RUNS)
+def test_hicache_state_machine_state_slots(write_policy, page_size, every):
+    """The same machine over a hybrid model (a recurrent layer's STATE group and a full
+    layer), slot pools half the page pools: every served prefix ends at the checkpoint taken
+    at its end (read_state bit-exact); every slot on either tier is the checkpoint taken at
+    its page's end, its digest unchanged since taken (none mutated by copies, load-backs,
+    splits, a caller rewriting its own slots); no slot leaked (invariants, used counts); the
+    KV events replay to the slots held per tier; bad state calls change nothing."""
+    machine = type(
+        f"HiCacheState_{write_policy}_{page_size}_{every}",
+        (HiCacheMachine,),
+        dict(
+            write_policy=write_policy,
+            eviction="lru",
+            page_size=page_size,
+            state=True,
+            checkpoint_every=every,
+        ),
+    )
+    cfg = settings(max_examples=60 if LONG else 6, stateful_step_count=40)
+    COVERAGE.clear()
+    STATE_RUN.clear()
+    run_state_machine_as_test(machine, settings=cfg)
+    assert COVERAGE["steps"] >= 60, COVERAGE
+    for key in ("backups", "load_backs", "window_pages_trimmed", "evictions"):
+        assert COVERAGE[key] > 0, f"the machine never exercised {key}: {dict(COVERAGE)}"
+    assert STATE_RUN["checkpoints"] > 0, STATE_RUN
 
 
 def test_stale_matches_were_met():

@@ -196,6 +196,7 @@ def test_the_front_door_names_are_unchanged():
         "OutOfPagesError",
         "PrefetchHandle",
         "Request",
+        "StateArray",
         "StorageError",
         "StorageUnavailableError",
     ]

@@ -319,6 +319,7 @@ class HiCache:
             self._host,
             self._agreement,
             self._cost,
+            self._windows,
         )
         self._port.bind(events, self._write, self._rule, self._cost)
 

@@ -86,6 +86,30 @@ class Windows:
         held = self.device.held(device_pages)
         return servable_pages(held, self.groups, self._ps, held.shape[1]) * self._ps
 
+    def servable_peek(self, path: Sequence[tuple[TreeNode, int]]) -> tuple[int, int]:
+        """``(device, host)`` tokens :meth:`HiCache.match_prefix` would serve of a read-only
+        descent (``RadixTree.peek_path``: nodes, root first, each with its tokens matched):
+        the longest servable prefix, its device part alone where that does not serve whole
+        (as ``match_prefix`` cuts it), changing nothing."""
+        ps = self._ps
+        dev: list[np.ndarray] = []
+        host: list[np.ndarray] = []
+        for node, ntok in path:
+            if not host and node.value is not None:
+                dev.append(node.value[: ntok // ps])
+            else:
+                assert node.host_value is not None  # a tree node is held on a tier
+                host.append(node.host_value[: ntok // ps])
+        dev_ids = np.concatenate(dev) if dev else _EMPTY
+        held = self.device.held(dev_ids)
+        nd = servable_pages(held, self.groups, ps, held.shape[1])
+        if nd == dev_ids.size and host:
+            held = np.concatenate([held, self.host.held(np.concatenate(host))], axis=1)
+            return dev_ids.size * ps, (
+                servable_pages(held, self.groups, ps, held.shape[1]) - nd
+            ) * ps
+        return nd * ps, 0
+
     def hold(self, device_pages: np.ndarray, host_nodes: Sequence[TreeNode] = ()) -> None:
         """A match ends after ``device_pages`` then the pages of ``host_nodes`` (at a node end:
         the tree split there): the pages a continuation there reads are not spare any more, on

@@ -103,11 +103,15 @@ class EventBatch:
 # -- layer groups ----------------------------------------------------------------------------------
 
 #: ``kv_cache_spec_kind`` of each group kind, as vLLM names its cache specs (an MLA full group is
-#: ``"mla_attention"``).
+#: ``"mla_attention"``). A ``STATE`` group is vLLM's ``MambaSpec`` (Mamba, linear attention,
+#: Gated DeltaNet, short conv: ``KVCacheSpecKind.MAMBA``), whose cached blocks are the ones
+#: holding a state: its events announce the pages holding a checkpoint (a state slot), each
+#: under the full-attention page's hash at that position.
 SPEC_KINDS = {
     GroupKind.FULL: "full_attention",
     GroupKind.WINDOW: "sliding_window",
     GroupKind.CHUNK: "chunked_local_attention",
+    GroupKind.STATE: "mamba",
 }
 
 

@@ -17,6 +17,7 @@ pool (``pool[:, :, slots]``) and writes one with the pool's scatter.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -70,11 +71,12 @@ def check_state(group: LayerGroup, state: Any, n: int) -> list[Any]:
 def _words(x: jax.Array, lead: int) -> jax.Array:
     """``x`` ``[*lead_dims, ...]`` as uint32 words ``[*lead_dims, w]`` (bytes padded to 4)."""
     head = x.shape[:lead]
-    b = lax.bitcast_convert_type(x, jnp.uint8).reshape(*head, -1)
-    pad = -b.shape[-1] % 4
+    nbytes = math.prod(x.shape[lead:]) * x.dtype.itemsize  # not -1: a reshape of 0 slots
+    b = lax.bitcast_convert_type(x, jnp.uint8).reshape(*head, nbytes)
+    pad = -nbytes % 4
     if pad:
         b = jnp.pad(b, [(0, 0)] * lead + [(0, pad)])
-    return lax.bitcast_convert_type(b.reshape(*head, -1, 4), jnp.uint32)
+    return lax.bitcast_convert_type(b.reshape(*head, (nbytes + pad) // 4, 4), jnp.uint32)
 
 
 def pack_state(group: LayerGroup, arrays: Sequence[Any]) -> jax.Array:
@@ -93,15 +95,17 @@ def unpack_state(group: LayerGroup, bits: jax.Array) -> tuple[jax.Array, ...]:
     layers, n = bits.shape[0], bits.shape[2]
     if bits.dtype != jnp.uint32:
         bits = lax.bitcast_convert_type(bits, jnp.uint32)
-    rows = jnp.transpose(bits.reshape(layers, n, -1), (1, 0, 2))  # [n, L, words]
+    rows = jnp.transpose(bits.reshape(layers, n, bits.shape[-1]), (1, 0, 2))  # [n, L, words]
     out, at = [], 0
     for a in group.state:
         w = -(-a.nbytes // 4)
-        b = lax.bitcast_convert_type(rows[:, :, at : at + w], jnp.uint8).reshape(n, layers, -1)
+        b = lax.bitcast_convert_type(rows[:, :, at : at + w], jnp.uint8).reshape(n, layers, 4 * w)
         b = b[:, :, : a.nbytes]
         dtype = jnp.dtype(a.dtype)
         if dtype.itemsize > 1:
-            x = lax.bitcast_convert_type(b.reshape(n, layers, -1, dtype.itemsize), dtype)
+            x = lax.bitcast_convert_type(
+                b.reshape(n, layers, a.nbytes // dtype.itemsize, dtype.itemsize), dtype
+            )
         else:
             x = lax.bitcast_convert_type(b, dtype)
         out.append(x.reshape(n, layers, *a.shape))

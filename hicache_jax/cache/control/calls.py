@@ -29,6 +29,7 @@ from hicache_jax.cache.control.pins import Pins
 from hicache_jax.cache.control.storage_attach import L3Slot
 from hicache_jax.cache.l3_port import CacheL3Port
 from hicache_jax.cache.loading.cost_model import CostModel
+from hicache_jax.cache.windows import Windows
 from hicache_jax.events.factory import l3_wire_medium
 from hicache_jax.events.recorder import NullRecorder, Recorder
 from hicache_jax.events.records import EventBatch, KVEvent
@@ -56,6 +57,8 @@ class Control:
         host: the host pool (its local spec and heads).
         agreement: the comparison with the other processes' copies.
         cost: the cost model (prefill samples).
+        windows: the layer-group rules (window or state groups): lookup's figures are the
+            servable prefix's.
     """
 
     def __init__(
@@ -71,8 +74,10 @@ class Control:
         host: HostPagePool,
         agreement: Agreement,
         cost: CostModel,
+        windows: Windows | None = None,
     ) -> None:
         self._ps, self._tree, self._l3, self._pins = page_size, tree, l3, pins
+        self._windows = windows
         self._invalidate, self._complete, self._port = invalidation, complete, port
         self._events, self._host, self._agreement, self._cost = events, host, agreement, cost
 
@@ -93,7 +98,12 @@ class Control:
 
     def lookup(self, tokens: Any, extra_key: Hashable, l3: bool) -> dict[str, int]:
         return lookup(
-            self._tree, tokens, extra_key, self._ps, self._l3 if check_bool("l3", l3) else None
+            self._tree,
+            tokens,
+            extra_key,
+            self._ps,
+            self._l3 if check_bool("l3", l3) else None,
+            self._windows,
         )
 
     def invalidate(self, tokens: Any, extra_key: Hashable) -> dict[str, int]:

@@ -1,0 +1,467 @@
+"""Recurrent-state (``STATE``) groups beside a full-attention group: checkpoints in state slots.
+
+Bad input (write_state / read_state refusing a bad group, array, name, shape, dtype or page with
+a typed error naming it, the cache unchanged), bad specs, the KV events of a STATE group (vLLM's
+``"mamba"`` kind, one BlockStored per page holding a checkpoint), checkpoints fetched back from
+L3 bit-exact (file store and a ``python://`` backend), and node splits keeping the checkpoint
+at the lower node's end (SGLang's failure mode: splitting an interior node must not lose the
+hit). The random workloads are the state machine's
+(``test_hicache_state_machine_state_slots``)."""
+
+from __future__ import annotations
+
+import pathlib
+
+import numpy as np
+import pytest
+
+from helpers import snapshot, tree_pages
+from hicache_jax import (
+    HiCache,
+    HiCacheConfig,
+    HiCacheError,
+    KVSpec,
+    LayerGroup,
+    Medium,
+    OutOfPagesError,
+    StateArray,
+)
+from hicache_jax.events import BlockRemoved, BlockStored, replay
+from hicache_jax.events.records import GroupTag, group_tags
+
+PS = 4
+ARRAYS = [StateArray("conv", (2, 3), "bfloat16"), StateArray("ssm", (2, 2, 2))]
+
+
+def _spec(dtype: str = "float32", **kw) -> KVSpec:
+    # "R3:F1": layers 0-2 recurrent (groups[0], the STATE group), layer 3 full (groups[1])
+    return KVSpec.from_pattern(
+        "R3:F1", num_layers=4, num_kv_heads=1, head_dim=4, dtype=dtype, page_size=PS,
+        state=kw.pop("state", ARRAYS), **kw,
+    )  # fmt: skip
+
+
+def _cache(spec: KVSpec | None = None, **cfg) -> HiCache:
+    cfg = {
+        "device_pages": 32,
+        "host_pages": 64,
+        "load_back_threshold": PS,
+        "state_device_slots": 8,
+        "state_host_slots": 16,
+        **cfg,
+    }
+    return HiCache(spec or _spec(), HiCacheConfig(**cfg))
+
+
+def _state(tokens, ends) -> list[np.ndarray]:
+    """The checkpoints after ``tokens[:e]`` for each ``e``: ``[n, 3, *shape]`` per array, a
+    pure function of the prefix (so one at the wrong position reads as another)."""
+    out = []
+    for e in ends:
+        rng = np.random.default_rng(np.asarray(tokens[:e], np.int64).tolist())
+        out.append([rng.standard_normal((1, 3, *a.shape)).astype(_np(a.dtype)) for a in ARRAYS])
+    return [np.concatenate(parts) for parts in zip(*out, strict=True)]
+
+
+def _np(dtype: str) -> np.dtype:
+    import ml_dtypes
+
+    return np.dtype(ml_dtypes.bfloat16) if dtype == "bfloat16" else np.dtype(dtype)
+
+
+def _same(got, want) -> None:
+    for a, b in zip(got, want, strict=True):
+        np.testing.assert_array_equal(np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8))
+
+
+def _insert(cache: HiCache, tokens, ends) -> np.ndarray:
+    """A request computing ``tokens`` from scratch, checkpointing at each of ``ends``; its
+    pages (now the tree's)."""
+    tokens = np.asarray(tokens)
+    pages = cache.alloc_pages(tokens.size // PS)
+    if ends:
+        cache.write_state(0, pages[[e // PS - 1 for e in ends]], _state(tokens, ends))
+    cache.insert(tokens, pages)
+    cache.check_invariants()
+    return pages
+
+
+def _served(cache: HiCache, tokens) -> int:
+    """Tokens of ``tokens`` served from the device (after loading back any host part), the
+    checkpoint at that end read bit-exact."""
+    m = cache.match_prefix(np.asarray(tokens))
+    if m.host_len:
+        m = cache.load_back(m)
+    if m.device_len:
+        got = cache.read_state(0, m.device_pages[-1:])
+        _same(got, _state(tokens, [m.device_len]))
+    cache.check_invariants()
+    return m.device_len
+
+
+TOKS = np.arange(24) + 100  # 6 pages
+
+
+# ----------------------------------------------------------------------------- bad input
+
+
+def test_bad_writes_name_the_field_and_change_nothing():
+    cache = _cache()
+    tree = _insert(cache, TOKS, [24])
+    mine = cache.alloc_pages(2)
+    good = _state(np.arange(8), [4, 8])
+    cache.write_state(0, mine, good)
+    conv, ssm = good
+    bad = [
+        # (error, message, group, pages, state)
+        (ValueError, "ssm.*expected", 0, mine, [conv, ssm[:, :, :1]]),  # shape
+        (ValueError, "conv.*expected", 0, mine, [conv[:1], ssm]),  # slots != pages
+        (TypeError, "conv.*dtype", 0, mine, [conv.astype(np.float32), ssm]),
+        (TypeError, "ssm.*dtype", 0, mine, [conv, ssm.astype(np.float16)]),
+        (ValueError, "the group's are", 0, mine, {"conv": conv}),  # missing name
+        (ValueError, "the group's are", 0, mine, {"conv": conv, "ssm": ssm, "h": ssm}),
+        (ValueError, "the group's are", 0, mine, [conv]),
+        (TypeError, "sequence or mapping", 0, mine, conv.tobytes()),
+        (ValueError, "group=1", 1, mine, good),  # the full group
+        (ValueError, "group=2", 2, mine, good),
+        (ValueError, "group=True", True, mine, good),
+        (ValueError, "group='0'", "0", mine, good),
+        (HiCacheError, "caller-owned", 0, tree[-2:], good),  # checkpoints are read-only
+        (HiCacheError, "caller-owned", 0, np.array([tree[-1], mine[0]]), good),
+        (HiCacheError, "caller-owned", 0, np.array([31, 30]), good),  # free pages
+    ]
+    for err, msg, group, pages, state in bad:
+        before = snapshot(cache)
+        with pytest.raises(err, match=msg):
+            cache.write_state(group, pages, state)
+        assert snapshot(cache) == before, msg
+        _same(cache.read_state(0, mine), good)  # the caller's own checkpoints as written
+        assert _served(cache, TOKS) == 24  # and the tree's
+    # a page holding no checkpoint, a non-state group, an unallocated page
+    for err, msg, group, pages in [
+        (HiCacheError, "no page of window group 0", 0, tree[:1]),
+        (ValueError, "group=1", 1, tree[-1:]),
+        (HiCacheError, "allocated", 0, np.array([31])),
+    ]:
+        before = snapshot(cache)
+        with pytest.raises(err, match=msg):
+            cache.read_state(group, pages)
+        assert snapshot(cache) == before
+    cache.free_pages(mine)
+    cache.check_invariants()
+    assert cache.stats()["state_device_used_slots"] == 1
+
+
+def test_zero_pages_write_and_read_nothing():
+    """No page: a no-op write, empty arrays read (both raised ZeroDivisionError: a reshape of
+    0 slots with -1)."""
+    cache = _cache()
+    none = np.zeros(0, np.int32)
+    before = snapshot(cache)
+    cache.write_state(0, none, [a[:0] for a in _state(TOKS, [4])])
+    assert snapshot(cache) == before
+    got = cache.read_state(0, none)
+    assert [a.shape for a in got] == [(0, 3, *a.shape) for a in ARRAYS]
+    assert [np.dtype(a.dtype) for a in got] == [_np(a.dtype) for a in ARRAYS]
+
+
+def test_a_slot_not_had_takes_nothing():
+    cache = _cache(state_device_slots=2)
+    mine = cache.alloc_pages(3)
+    before = snapshot(cache)
+    with pytest.raises(OutOfPagesError):
+        cache.write_state(0, mine, _state(TOKS, [4, 8, 12]))
+    assert snapshot(cache) == before
+    assert cache.stats()["state_device_used_slots"] == 0
+    cache.check_invariants()
+
+
+def test_a_spec_without_state_groups_refuses_state_calls():
+    spec = KVSpec(num_layers=1, num_kv_heads=1, head_dim=4, dtype="float32", page_size=PS)
+    cache = HiCache(spec, HiCacheConfig(device_pages=8, host_pages=8))
+    pages = cache.alloc_pages(1)
+    with pytest.raises(HiCacheError, match="no state"):
+        cache.write_state(0, pages, _state(TOKS, [4]))
+    with pytest.raises(HiCacheError, match="no state"):
+        cache.read_state(0, pages)
+    assert cache.checkpoint_positions(TOKS, 0) == []
+
+
+@pytest.mark.parametrize(
+    "make,msg",
+    [
+        (lambda: StateArray("a", (0, 3)), r"shape\[0\]=0 must be a positive int"),
+        (lambda: StateArray("a", (2, -1)), r"shape\[1\]=-1"),
+        (lambda: StateArray("a", (2,), "float64"), "dtype='float64' is not one of"),
+        (lambda: StateArray("", (2,)), "name=''"),
+        (lambda: _spec(state=[StateArray("a", (2,)), StateArray("a", (3,))]), "duplicate name"),
+        (lambda: _spec(state=[{"name": "a", "shape": (0,)}]), r"state\[0\]\.shape\[0\]=0"),
+        (lambda: _spec(state=[{"name": "a", "shape": (2,), "dtype": "x"}]), r"state\[0\]\.dtype"),
+        (lambda: _spec(state=None), "give state="),
+        (lambda: _spec(state=[]), "give state="),
+        (
+            lambda: LayerGroup("state", (0,), num_kv_heads=2, state=ARRAYS),
+            "num_kv_heads=2: a 'state' group has no K/V",
+        ),
+        (
+            lambda: LayerGroup("state", (0,), head_dim=2, state=ARRAYS),
+            "head_dim=2: a 'state' group",
+        ),
+        (lambda: LayerGroup("state", (0,), window=8, state=ARRAYS), "window=8"),
+        (lambda: LayerGroup("state", (0,)), "state=.*at least one array"),
+        (
+            lambda: LayerGroup("full", (0,), num_kv_heads=1, head_dim=4, state=ARRAYS),
+            "for 'state' groups only",
+        ),
+    ],
+)
+def test_bad_specs_name_the_field(make, msg):
+    with pytest.raises((ValueError, TypeError), match=msg):
+        make()
+
+
+# ----------------------------------------------------------------------------- KV events
+
+
+def test_state_group_events_are_vllms_mamba_kind():
+    """vLLM names a MambaSpec group (Mamba, linear attention, GDN) ``"mamba"`` and announces
+    the blocks holding a state: here one BlockStored per page holding a checkpoint, under the
+    full-attention page's hash at that position, on each tier holding it; BlockRemoved when
+    it goes (with its page, or reclaimed spare). Replaying the events gives the slots held."""
+    spec = _spec()
+    assert group_tags(spec) == [GroupTag(0, "mamba", None), GroupTag(1, "full_attention", None)]
+    cache = _cache(spec, kv_events={"publisher": "queue"}, write_policy="write_through")
+    _insert(cache, TOKS, [12, 24])  # an interior (spare) checkpoint and the end's
+    cache.flush()
+    events = cache.take_events()
+    full = [e for e in events if isinstance(e, BlockStored) and e.group_idx == 1]
+    state = [e for e in events if isinstance(e, BlockStored) and e.group_idx == 0]
+    by_hash = {e.block_hash: e for e in full if e.medium is Medium.DEVICE}
+    assert len(by_hash) == 6
+    for medium in (Medium.DEVICE, Medium.HOST):
+        mine = [e for e in state if e.medium is medium]
+        assert [e.token_ids[-1] for e in mine] == [TOKS[11], TOKS[23]], medium
+        for e in mine:
+            assert e.kv_cache_spec_kind == "mamba" and e.kv_cache_spec_sliding_window is None
+            f = by_hash[e.block_hash]  # the full page's hash, parent and tokens at that position
+            assert (e.parent_block_hash, e.token_ids) == (f.parent_block_hash, f.token_ids)
+    router = replay(events)
+    assert router == tree_pages(cache)
+    cache.evict(24)  # the device copies go: their slots' events with them
+    events = cache.take_events()
+    gone = [e for e in events if isinstance(e, BlockRemoved) and e.group_idx == 0]
+    assert gone and all(e.medium is Medium.DEVICE for e in gone)
+    assert replay(events, router) == tree_pages(cache)
+    assert {(m, g) for _, m, g in tree_pages(cache)} == {(Medium.HOST, 0), (Medium.HOST, 1)}
+
+
+# ----------------------------------------------------------------------------- L3
+
+
+def _l3_cache(url: str, **cfg) -> HiCache:
+    return _cache(storage=url, write_through_threshold=1, prefetch_policy="wait_complete", **cfg)
+
+
+@pytest.mark.parametrize("backend", ["file", "python"])
+def test_checkpoint_evicted_from_l1_and_l2_is_fetched_back_from_l3_bit_exact(
+    tmp_path, monkeypatch, backend
+):
+    """Put with its page (the node end's only: a spare one is never put), evicted from both
+    local tiers, prefetched and loaded back: the checkpoint reads back bit-exact."""
+    if backend == "file":
+        url = f"file://{tmp_path / 'store'}"
+    else:  # the example backend (examples/memory_storage.py), loaded by module path
+        monkeypatch.syspath_prepend(str(pathlib.Path(__file__).parent.parent / "examples"))
+        url = "python://memory_storage:MemoryStorage"
+    cache = _l3_cache(url)
+    _insert(cache, TOKS, [12, 24])
+    cache.flush()
+    s = cache.stats()
+    assert s["l3_window_put_pages"] == s["l3_window_put_pages_stored"] == 1  # the end's only
+    cache.evict(24)
+    cache.evict_host(24)
+    assert cache.stats()["state_device_used_slots"] == cache.stats()["state_host_used_slots"] == 0
+    m = cache.match_prefix(TOKS)
+    assert m.device_len == m.host_len == 0  # only L3 holds it
+    h = cache.prefetch(TOKS)
+    assert h is not None and h.wait() == 6
+    assert _served(cache, TOKS) == 24  # the end's checkpoint, bit-exact
+    assert cache.stats()["l3_window_prefetch_hit_pages"] == 1
+    # the interior one was spare: never put, so a prefix ending there is not served from L3
+    assert _served(cache, TOKS[:12]) == 0
+    cache.close()
+    if backend == "file":  # a fresh cache on the same store
+        fresh = _l3_cache(url)
+        h = fresh.prefetch(TOKS)
+        assert h is not None and h.wait() == 6
+        assert _served(fresh, TOKS) == 24
+        fresh.close()
+
+
+# ----------------------------------------------------------------------------- splits
+
+
+@pytest.mark.parametrize("tier", ["device", "host"])
+def test_a_split_keeps_the_checkpoint_at_the_lower_nodes_end(tier):
+    """Insert A (one node, a checkpoint at its end only); B diverges inside A's node at 12
+    tokens (inside a page): the split's upper end has no checkpoint, so B is served nothing,
+    while A's whole prompt is still served from its end's checkpoint (the lower node's end
+    is A's last page). B writes a checkpoint at the split point, as checkpoint_positions
+    asks; then a prefix ending there is served, from B's checkpoint, and A still whole."""
+    cache = _cache(write_policy="write_through")
+    _insert(cache, TOKS, [24])
+    if tier == "host":
+        cache.flush()
+        cache.evict(24)
+    b = np.concatenate([TOKS[:14], 900 + np.arange(10)])
+    assert cache.match_prefix(b).device_len == 0  # splits A at 12 tokens (page-granular)
+    assert len(list(cache.tree.nodes())) == 2
+    assert _served(cache, TOKS) == 24  # (host: loaded back) no hit lost
+    m = cache.match_prefix(b)
+    assert (m.device_len, m.host_len) == (0, 0)
+    ends = cache.checkpoint_positions(b, 0)
+    assert ends == [12, 24]  # the split point (where the tree goes on) and the prompt's end
+    _insert(cache, b, ends)
+    assert _served(cache, b) == 24
+    c = np.concatenate([TOKS[:12], 700 + np.arange(12)])  # a third branch at the split
+    assert _served(cache, c) == 12  # B's checkpoint, now the tree's page's
+    assert _served(cache, TOKS) == 24
+
+
+def test_a_split_at_a_spare_checkpoint_serves_at_once():
+    """A checkpointed at 12 (interior: spare) and 24: a request diverging at 12 is served 12
+    tokens from the spare checkpoint, which becomes the new node's end (no longer spare), and
+    A is still served whole."""
+    cache = _cache()
+    _insert(cache, TOKS, [12, 24])
+    assert cache.stats()["state_device_spare_slots"] == 1
+    c = np.concatenate([TOKS[:12], 700 + np.arange(12)])
+    assert _served(cache, c) == 12
+    assert cache.stats()["state_device_spare_slots"] == 0
+    assert _served(cache, TOKS) == 24
+    assert cache.checkpoint_positions(c, 12) == [24]
+
+
+# ----------------------------------------------------------------------------- random workloads
+
+
+def _prompts(rng, n: int = 6) -> list[np.ndarray]:
+    """Prompts sharing prefixes (3 heads, branches diverging inside pages), whole pages."""
+    heads = [rng.integers(0, 1000, rng.integers(1, 4) * PS) for _ in range(3)]
+    out = []
+    for i in range(n):
+        h = heads[i % 3]
+        tail = rng.integers(0, 1000, rng.integers(1, 3) * PS + int(rng.integers(0, 3)))
+        cut = int(rng.integers(h.size // 2, h.size + 1))  # a branch inside the head
+        out.append(np.concatenate([h[:cut], tail]))
+    return [p[: p.size // PS * PS] for p in out]
+
+
+@pytest.mark.parametrize("policy,every", [("write_through", 0), ("write_back", 2)])
+def test_random_requests_through_l3_read_back_every_checkpoint_exact(tmp_path, policy, every):
+    """Two instances take turns over prompts sharing prefixes on one file store, pools (and
+    slot pools) far too small, so pages and their checkpoints move L1 -> L2 -> L3 and back:
+    every hit's checkpoint reads back as taken, every slot held on either tier is the one
+    taken at its page's end (ServedKV), none leaked."""
+    from helpers import ServedKV
+
+    url = f"file://{tmp_path / 'store'}"
+    rng = np.random.default_rng(11)
+    prompts = _prompts(rng)
+    spec = _spec("bfloat16")  # (ServedKV's KV model: 16-bit KV)
+    caches = [
+        _cache(
+            spec,
+            storage=url,
+            device_pages=10,
+            host_pages=10,
+            state_device_slots=4,
+            state_host_slots=4,
+            write_policy=policy,
+            write_through_threshold=1,
+            prefetch_policy="wait_complete",
+            checkpoint_every_pages=every,
+        )
+        for _ in range(2)
+    ]
+    served = [ServedKV(c) for c in caches]
+    for sm in served[1].states:  # one model: both instances take the same checkpoints
+        sm.taken = served[0].states[0].taken
+    hits = 0
+    for step in range(30):
+        i = int(step % 3 == 2)
+        toks = prompts[rng.integers(len(prompts))]
+        caches[1 - i].flush()
+        if rng.random() < 0.7:
+            h = caches[i].prefetch(toks)
+            if h is not None:
+                h.wait()
+        hits += served[i](toks) > 0
+    from_l3 = 0
+    for cache, s in zip(caches, served, strict=True):
+        cache.flush()
+        s.check()
+        from_l3 += cache.stats()["l3_window_prefetch_hit_pages"]
+        cache.close()
+    assert hits and from_l3 > 0  # checkpoints were served, some fetched from L3
+    assert served[0].checkpoints + served[1].checkpoints > 0
+
+
+def test_random_workload_events_replay_to_the_slots_held():
+    """KV events with vLLM block hashes over a random workload with small slot pools (spare
+    slots reclaimed, nodes evicted for slots): replaying them gives as many pages of each
+    (medium, group) as the cache holds, the mamba group's being its slots."""
+    from helpers import ServedKV
+
+    rng = np.random.default_rng(5)
+    kv = {"publisher": "queue", "block_hash": "tree"}
+    cache = _cache(
+        _spec("bfloat16"),
+        kv_events=kv,
+        device_pages=12,
+        host_pages=16,
+        state_device_slots=4,
+        state_host_slots=6,
+        write_policy="write_back",
+        checkpoint_every_pages=1,
+    )
+    served = ServedKV(cache)
+    prompts = _prompts(rng, 8)
+    router: set = set()
+    for _ in range(60):
+        op = rng.integers(8)
+        if op < 5:
+            served(prompts[rng.integers(len(prompts))])
+        elif op == 5:
+            cache.evict(int(rng.integers(1, 6)) * PS)
+        elif op == 6:
+            cache.evict_host(int(rng.integers(1, 6)) * PS)
+        else:
+            cache.flush()
+        router = replay(cache.take_events(), router)
+        assert router == tree_pages(cache)
+    assert any(g == 0 for _, _, g in router)
+    assert cache.stats()["window_spare_reclaimed"] > 0
+    cache.flush()
+    for _ in range(3):
+        cache.evict(1 << 20)
+        cache.evict_host(1 << 20)
+    assert replay(cache.take_events(), router) == tree_pages(cache) == set()
+    cache.close()
+
+
+def test_lookup_reports_what_match_prefix_serves():
+    """lookup (read-only) reported the tree's pages, 12 device tokens where no checkpoint
+    ends and match_prefix serves nothing; it reports the servable prefix now, per tier."""
+    cache = _cache(write_policy="write_through")
+    _insert(cache, TOKS, [24])
+    branch = np.concatenate([TOKS[:12], 700 + np.arange(12)])
+    for toks in (TOKS, TOKS[:12], branch, TOKS[:12]):
+        want = cache.lookup(toks)
+        m = cache.match_prefix(toks)
+        assert want == {"device": m.device_len, "host": m.host_len}, toks.size
+    assert cache.lookup(TOKS[:12]) == {"device": 0, "host": 0}
+    cache.flush()
+    cache.evict(24)
+    assert cache.lookup(TOKS) == {"device": 0, "host": 24}
+    assert cache.lookup(TOKS[:12]) == {"device": 0, "host": 0}
