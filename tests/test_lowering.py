@@ -378,3 +378,22 @@ def test_lower_command_takes_a_recurrent_pattern(capsys):
         main([*common, *spec, "--layer-pattern", "R3:F1", "--state", "conv:3by16"])
     assert exc.value.code == 2
     assert "--state: 'conv:3by16'" in capsys.readouterr().err
+
+
+def test_the_hybrid_engine_steps_lower():
+    """A spec of the reference hybrid (``R3:F1``, its own state arrays) lists the recurrent
+    engine's prefill (chunked form) and decode (step form) steps, and both lower."""
+    spec = KVSpec.from_pattern(
+        "R3:F1",
+        num_layers=4,
+        num_kv_heads=2,
+        head_dim=8,
+        dtype="float32",
+        page_size=16,
+        state=[StateArray("conv", (3, 32)), StateArray("ssm", (4, 8, 8))],
+    )
+    pset = lowering.programs(spec, "tpu", device_pages=PAGES, engine=True)
+    assert pset.model is not None and pset.model.layer_pattern == "R3:F1"
+    report = lowering.check(pset, only=["engine.recurrent"])
+    report.raise_for_failures()
+    assert {low.program.op for low in report.lowered} == {"engine.prefill", "engine.decode"}

@@ -517,8 +517,12 @@ def engine_model(spec: KVSpec) -> ModelConfig | None:
 
 def _pattern_model(spec: KVSpec) -> ModelConfig | None:
     """The small decoder of a ``KVSpec.from_pattern`` spec (one window or chunk group of the
-    full group's KV shape, repeating ``local:full`` runs); None for any other grouped spec."""
+    full group's KV shape, repeating ``local:full`` runs; or one STATE group, whose model is
+    the reference hybrid's when its state arrays are that model's); None for any other
+    grouped spec."""
     (group,) = spec.window_groups if len(spec.window_groups) == 1 else (None,)
+    if group is not None and group.kind is GroupKind.STATE:
+        return _recurrent_model(spec, group)
     if group is None or (group.num_kv_heads, group.head_dim, group.dtype) != (
         spec.num_kv_heads,
         spec.head_dim,
@@ -603,6 +607,8 @@ def engine_programs(spec: KVSpec, device_pages: int, cfg: ModelConfig) -> list[P
     model = DecoderModel(cfg, abstract_params(cfg))
     ps = spec.page_size
     pool = _RecordingPool(spec, device_pages)
+    if model.recurrent:
+        return _recurrent_programs(model, pool, device_pages)
     windows = [_RecordingPool(g.spec(ps), device_pages) for g in spec.window_groups]
     chunk, pre_bucket = _default(Engine, "chunk_size"), _default(Engine, "prefill_bucket")
     prompt = min(chunk, 100)
@@ -634,6 +640,30 @@ def engine_programs(spec: KVSpec, device_pages: int, cfg: ModelConfig) -> list[P
         if not windows:  # (a patterned model's layer-wise steps: not listed)
             progs.append(_layer_program(model, pool, bucket(long, pre_bucket), pages))
         progs += _batched_programs(model, pool, ctx, pages, win)
+    return progs
+
+
+def _recurrent_programs(
+    model: DecoderModel, pool: _RecordingPool, device_pages: int
+) -> list[Program]:
+    """A recurrent-pattern model's steps (``RECURRENT_STEP``): a prefill chunk in the chunked
+    form (the full layers over the pool, the recurrent layers from the request's own state,
+    the boundary states its checkpoints come from) and a decode token in the step form."""
+    ps = pool.spec.page_size
+    chunk, pre_bucket = _default(Engine, "chunk_size"), _default(Engine, "prefill_bucket")
+    step = model.recurrent_chunk(ps)
+    prompt = max(step, min(chunk, 96) // step * step)
+    ctx = min(device_pages * ps - 1, 8 * prompt)
+    prompt = max(step, min(prompt, ctx) // step * step)
+    pages = np.arange(min(device_pages, -(-(ctx + 1) // ps)), dtype=np.int32)
+    state = model.zero_state()
+    progs = []
+    with step_records_kept():
+        model.forward_recurrent(pool, np.zeros(prompt, np.int32), 0, pages, state)
+        tb = bucket(prompt, pre_bucket)
+        progs.append(_recorded(f"engine.recurrent_prefill[{tb}t]", "engine.prefill", pool))
+        model.forward_recurrent(pool, np.zeros(1, np.int32), ctx, pages, state)
+        progs.append(_recorded(f"engine.recurrent_decode[ctx {ctx}]", "engine.decode", pool))
     return progs
 
 
@@ -783,3 +813,39 @@ def programs(
     return ProgramSet(
         spec, platform, device_pages, host_pages, tuple(progs), bounds, cfg, tuple(notes)
     )
+
+
+def _recurrent_model(spec: KVSpec, group: Any) -> ModelConfig | None:
+    """The reference hybrid (``R{a}:F{b}``) of a spec with one STATE group: the full
+    layers' shape from the spec, the recurrent layers' dims read from its ``conv`` /
+    ``ssm`` arrays; None when its state is not that model's."""
+    arrays = {a.name: a for a in group.state}
+    conv, ssm = arrays.get("conv"), arrays.get("ssm")
+    if conv is None or ssm is None or len(arrays) != 2 or len(ssm.shape) != 3:
+        return None
+    total = spec.total_layers
+    rec = set(group.layers)
+    a = next((i for i in range(total) if i not in rec), total)
+    b = next((i for i in range(a, total) if i in rec), total) - a
+    heads = 2 * spec.num_kv_heads
+    d = heads * spec.head_dim
+    h, dk, dv = ssm.shape
+    try:
+        cfg = ModelConfig(
+            vocab_size=512,
+            num_layers=total,
+            d_model=d,
+            num_heads=heads,
+            num_kv_heads=spec.num_kv_heads,
+            head_dim=spec.head_dim,
+            ffn_dim=2 * d,
+            dtype=spec.dtype,
+            layer_pattern=f"R{a}:F{b}",
+            recurrent_heads=h,
+            recurrent_key_dim=dk,
+            recurrent_value_dim=dv,
+            conv_width=conv.shape[0] + 1,
+        )
+    except (ValueError, TypeError):
+        return None
+    return cfg if DecoderModel(cfg, abstract_params(cfg)).kv_spec(spec.page_size) == spec else None
