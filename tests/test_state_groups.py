@@ -139,7 +139,7 @@ def test_bad_writes_name_the_field_and_change_nothing():
         assert _served(cache, TOKS) == 24  # and the tree's
     # a page holding no checkpoint, a non-state group, an unallocated page
     for err, msg, group, pages in [
-        (HiCacheError, "no page of window group 0", 0, tree[:1]),
+        (HiCacheError, "no checkpoint of state group 0", 0, tree[:1]),
         (ValueError, "group=1", 1, tree[-1:]),
         (HiCacheError, "allocated", 0, np.array([31])),
     ]:
@@ -465,3 +465,22 @@ def test_lookup_reports_what_match_prefix_serves():
     cache.evict(24)
     assert cache.lookup(TOKS) == {"device": 0, "host": 24}
     assert cache.lookup(TOKS[:12]) == {"device": 0, "host": 0}
+
+
+def test_write_window_kv_refuses_a_state_group():
+    """Checkpoints are written only through write_state (its checks): the raw page call of
+    window groups refuses a state group's index."""
+    spec = KVSpec.from_pattern(
+        "R1:F1",
+        num_layers=2,
+        num_kv_heads=1,
+        head_dim=4,
+        dtype="float32",
+        page_size=4,
+        state=[StateArray("s", (2,))],
+    )
+    cache = HiCache(spec, HiCacheConfig(device_pages=8, host_pages=16, state_device_slots=4))
+    pages = cache.alloc_pages(1)
+    kv = np.zeros(spec.window_groups[0].spec(4).kv_shape(1), np.float32)
+    with pytest.raises(ValueError, match="state group: checkpoints go through write_state"):
+        cache.write_window_kv(0, pages, kv)

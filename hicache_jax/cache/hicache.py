@@ -730,6 +730,10 @@ class HiCache:
         """
         self._guard()
         ids = self._check_pages(pages, CALLERS, "caller-owned (cached pages are read-only)")
+        if group in self.spec.state_groups:
+            raise ValueError(
+                f"group={group!r} is a state group: checkpoints go through write_state"
+            )
         pool, w = self._group_pages(group, ids)
         pool.write(w, kv)
 
@@ -760,6 +764,8 @@ class HiCache:
         w = self._windows.device.attach[group, ids]
         if (w < 0).any():
             bad = ids[w < 0][:8].tolist()
+            if group in self.spec.state_groups:
+                raise HiCacheError(f"pages {bad} hold no checkpoint of state group {group}")
             raise HiCacheError(f"pages {bad} hold no page of window group {group}")
         return pools[group], w
 
