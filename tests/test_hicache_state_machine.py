@@ -483,7 +483,7 @@ class HiCacheMachine(RuleBasedStateMachine):
             with pytest.raises(HiCacheError, match="caller-owned"):
                 cache.write_state(sm.g, tree[:1], state)
         elif which == 1 and bare.size:
-            with pytest.raises(HiCacheError, match="no page of window group"):
+            with pytest.raises(HiCacheError, match="no checkpoint of state group"):
                 cache.read_state(sm.g, bare[:1])
         elif which == 2 and mine:
             bad = [state[0], state[1][:, :, :1]]

@@ -25,7 +25,7 @@ from hicache_jax.events.recorder import NullRecorder, Recorder
 from hicache_jax.events.records import Medium
 from hicache_jax.memory.group import Group, LocalGroup
 from hicache_jax.memory.host_pool import HostPagePool
-from hicache_jax.memory.window import WindowPages
+from hicache_jax.memory.window import BRANCH_RANK, WindowPages, spare_rank
 from hicache_jax.spec import KVSpec
 from hicache_jax.tree.node import TreeMatch, TreeNode
 from hicache_jax.tree.radix import RadixTree
@@ -90,9 +90,13 @@ class WindowHostPages:
         self.specs = tuple(p.local_spec for p in host.pools)
 
     def pages(self, g: int, host_ids: np.ndarray) -> np.ndarray:
-        # spare pages (no node end reads them) are never written to L3: none here
+        # spare pages (no node end reads them) are never written to L3: none here; but a
+        # checkpoint at a branch point (spare of the top rank: a node end with children) is
+        # a node end's, which a later request diverging there reads
         w = self._host.attach[g, host_ids]
-        return np.where(self._host.spare[g, host_ids] > 0, -1, w).astype(np.int32)
+        stamp = self._host.spare[g, host_ids]
+        skip = (stamp > 0) & (spare_rank(stamp) < BRANCH_RANK)
+        return np.where(skip, -1, w).astype(np.int32)
 
     def read_async(self, g: int, group_ids: np.ndarray) -> Any:
         return self._host.pools[g].read_async(group_ids)

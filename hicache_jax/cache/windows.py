@@ -38,7 +38,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from hicache_jax.errors import HiCacheError
-from hicache_jax.memory.window import WindowPages
+from hicache_jax.memory.window import BRANCH_RANK, WindowPages
 from hicache_jax.spec import GroupKind, KVSpec
 from hicache_jax.tree.node import InsertResult, TreeMatch, TreeNode
 from hicache_jax.tree.windows import kept_first_page, servable_pages
@@ -268,10 +268,6 @@ class Windows:
 
 #: ``checkpoint_every_pages=None``: a checkpoint every this many tokens of a prefill.
 DEFAULT_EVERY_TOKENS = 2048
-
-#: The rank of a checkpoint at the end of a node with children (a branch point): above
-#: every interior one.
-BRANCH_RANK = 63
 
 
 def checkpoint_ranks(start_page: int, num_pages: int, inner: bool) -> np.ndarray:

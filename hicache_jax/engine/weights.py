@@ -157,7 +157,12 @@ class ModelConfig:
         with a ``layer_pattern``, the grouped spec of ``KVSpec.from_pattern`` (its top-level
         fields describe the full-attention layers; a recurrent pattern's STATE group holds
         :meth:`state_arrays`)."""
-        if self.recurrent:
+        if (
+            self.recurrent
+            or self.layer_pattern
+            or self.window is not None
+            or self.chunk is not None
+        ):
             return KVSpec.from_pattern(
                 self.layer_pattern,
                 num_layers=self.num_layers,
@@ -167,18 +172,7 @@ class ModelConfig:
                 page_size=page_size,
                 window=self.window,
                 chunk=self.chunk,
-                state=self.state_arrays(),
-            )
-        if self.layer_pattern or self.window is not None or self.chunk is not None:
-            return KVSpec.from_pattern(
-                self.layer_pattern,
-                num_layers=self.num_layers,
-                num_kv_heads=self.num_kv_heads,
-                head_dim=self.head_dim,
-                dtype=self.dtype,
-                page_size=page_size,
-                window=self.window,
-                chunk=self.chunk,
+                state=self.state_arrays() if self.recurrent else None,
             )
         return KVSpec(
             num_layers=self.num_layers,

@@ -529,6 +529,14 @@ def _pattern_model(spec: KVSpec) -> ModelConfig | None:
         spec.dtype,
     ):
         return None
+    return _small_pattern_model(spec, group, "{a}:{b}", window=group.window, chunk=group.chunk)
+
+
+def _small_pattern_model(spec: KVSpec, group: Any, pattern: str, **more: Any) -> ModelConfig | None:
+    """The small decoder whose ``layer_pattern`` (``pattern`` with the run lengths ``a``
+    local / recurrent layers, ``b`` full ones filled in) repeats ``group``'s layers beside
+    the full layers of ``spec``'s shape (``more``: the pattern's other fields); None when
+    it is not a model or its KV spec is not ``spec``."""
     total = spec.total_layers
     local = set(group.layers)
     a = next((i for i in range(total) if i not in local), total)
@@ -545,11 +553,10 @@ def _pattern_model(spec: KVSpec) -> ModelConfig | None:
             head_dim=spec.head_dim,
             ffn_dim=2 * d,
             dtype=spec.dtype,
-            layer_pattern=f"{a}:{b}",
-            window=group.window,
-            chunk=group.chunk,
+            layer_pattern=pattern.format(a=a, b=b),
+            **more,
         )
-    except ValueError:
+    except (ValueError, TypeError):
         return None
     return cfg if DecoderModel(cfg, abstract_params(cfg)).kv_spec(spec.page_size) == spec else None
 
@@ -823,29 +830,13 @@ def _recurrent_model(spec: KVSpec, group: Any) -> ModelConfig | None:
     conv, ssm = arrays.get("conv"), arrays.get("ssm")
     if conv is None or ssm is None or len(arrays) != 2 or len(ssm.shape) != 3:
         return None
-    total = spec.total_layers
-    rec = set(group.layers)
-    a = next((i for i in range(total) if i not in rec), total)
-    b = next((i for i in range(a, total) if i in rec), total) - a
-    heads = 2 * spec.num_kv_heads
-    d = heads * spec.head_dim
     h, dk, dv = ssm.shape
-    try:
-        cfg = ModelConfig(
-            vocab_size=512,
-            num_layers=total,
-            d_model=d,
-            num_heads=heads,
-            num_kv_heads=spec.num_kv_heads,
-            head_dim=spec.head_dim,
-            ffn_dim=2 * d,
-            dtype=spec.dtype,
-            layer_pattern=f"R{a}:F{b}",
-            recurrent_heads=h,
-            recurrent_key_dim=dk,
-            recurrent_value_dim=dv,
-            conv_width=conv.shape[0] + 1,
-        )
-    except (ValueError, TypeError):
-        return None
-    return cfg if DecoderModel(cfg, abstract_params(cfg)).kv_spec(spec.page_size) == spec else None
+    return _small_pattern_model(
+        spec,
+        group,
+        "R{a}:F{b}",
+        recurrent_heads=h,
+        recurrent_key_dim=dk,
+        recurrent_value_dim=dv,
+        conv_width=conv.shape[0] + 1,
+    )

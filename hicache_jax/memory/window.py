@@ -24,10 +24,13 @@ from hicache_jax.errors import HiCacheError, OutOfPagesError
 from hicache_jax.memory.allocator import PageAllocator
 from hicache_jax.spec import LayerGroup
 
-__all__ = ["RANK_SHIFT", "WindowPages", "spare_rank"]
+__all__ = ["BRANCH_RANK", "RANK_SHIFT", "WindowPages", "spare_rank"]
 
 #: A spare page's stamp is ``rank << RANK_SHIFT`` plus the count of markings so far.
 RANK_SHIFT = 40
+#: The rank of a checkpoint at the end of a node with children (a branch point): above
+#: every interior one (cache/windows.py, ``checkpoint_ranks``).
+BRANCH_RANK = 63
 
 
 def spare_rank(stamps: np.ndarray) -> np.ndarray:
