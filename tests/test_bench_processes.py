@@ -104,6 +104,30 @@ def test_two_processes_match_one_process_token_for_token_and_figure_for_figure(t
 
 
 @pytest.mark.parametrize(
+    "pattern",
+    [["--layer-pattern", "R3:F1", "--layers", "4"], ["--layer-pattern", "2:1", "--window", "12"]],
+    ids=["recurrent", "window"],
+)
+def test_two_processes_serve_a_layer_pattern_as_one_process(pattern, tmp_path):
+    """A hybrid (recurrent layers, their state slots whole in each process) and a sliding-window
+    model (window pools sharded over kv heads as the full group's) over two processes: the
+    tokens, hits and transfers of the unsharded model in one process, with L1 and L2 hits."""
+    argv = [*TINY, "--layers", "3", *pattern, "--sessions", "6", "--device-pages", "12"]
+    argv += ["--repeats", "1"]
+    runs = {}
+    for name, extra in (("two", ["--processes", "2"]), ("one", [])):
+        path = tmp_path / f"{name}.json"
+        assert main(["bench", *argv, *extra, "--json", str(path)]) == 0
+        runs[name] = json.loads(path.read_text())
+    two, one = runs["two"], runs["one"]
+    assert two["env"]["process_count"] == 2 and two["outputs_identical"] is True
+    assert two["outputs"] == one["outputs"]
+    assert timing_free(two["summary"]) == timing_free(one["summary"])
+    hi = two["summary"]["hicache"]
+    assert hi["l1_hit_tokens"] > 0 and hi["l2_hit_tokens"] > 0, hi
+
+
+@pytest.mark.parametrize(
     "flags, message",
     [
         (["--processes", "0"], "--processes 0 must be >= 1"),

@@ -188,10 +188,11 @@ def test_bad_flags_exit_with_usage(argv, capsys):
         (["--layer-pattern", "1:1"], "window"),  # local layers need --window or --chunk
         (["--layer-pattern", "1:1", "--window", "0"], "window=0"),
         (["--layer-pattern", "9"], "layer_pattern"),
-        (["--layer-pattern", "1:1", "--window", "8", "--tensor-parallel"], "--layer-pattern"),
         (["--layer-pattern", "R1:F1", "--window", "8"], "keeps a state, not a window"),
-        (["--layer-pattern", "R1:F1", "--tensor-parallel"], "recurrent layers does not run"),
-        (["--layer-pattern", "R1:F1", "--processes", "2"], "recurrent layers does not run"),
+        (
+            ["--layer-pattern", "R1:F1", "--tensor-parallel", "--heads", "6", "--kv-heads", "2"],
+            "not divisible",
+        ),
     ],
 )
 def test_bad_sizes_are_usage_errors(flags, match, capsys):

@@ -88,9 +88,17 @@ def test_config_spec_and_errors(model):
         Engine(model, cache, mode="device", chunk_size=2)
     with pytest.raises(ValueError, match="token_budget=2"):
         BatchedEngine(model, cache, mode="device", token_budget=2)
-    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("tp",))
-    with pytest.raises(ValueError, match="tensor-parallel"):
-        DecoderModel(CFG, mesh=mesh)
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:3]), ("tp",))
+    with pytest.raises(ValueError, match="recurrent_heads=2 is not divisible by the 3"):
+        DecoderModel(
+            ModelConfig(
+                **{**SIZES, "num_heads": 6, "num_kv_heads": 3},
+                ffn_dim=48,
+                layer_pattern="R3:F1",
+                recurrent_heads=2,
+            ),
+            mesh=mesh,
+        )
 
 
 def test_forward_matches_reference(model):
@@ -186,9 +194,10 @@ def _play(engine, prefetch: bool = False, seen: list | None = None):
 
 @pytest.mark.parametrize("kind", ["serial", "batched"])
 def test_engines_identical_across_caches(model, kind):
-    """no cache / device radix / HiCache: the same tokens, first-token logits within 1e-5 of
-    the recompute's (the last one's also of the dense reference's), and HiCache serves hits
-    from L1 and from L2 (a device pool too small for every session)."""
+    """no cache / device radix / HiCache, and HiCache with the model tensor-parallel: the same
+    tokens, first-token logits within 1e-5 of the recompute's (the last one's also of the dense
+    reference's), and HiCache serves hits from L1 and from L2 (a device pool too small for
+    every session)."""
     runs, prompts = {}, []
     for mode in ("none", "device", "hicache"):
         cache = _cache(model, device=24, host=256 if mode == "hicache" else 0)
@@ -206,6 +215,20 @@ def test_engines_identical_across_caches(model, kind):
         assert st["device_hit_tokens"] > 0, (mode, st)
     st = runs["hicache"][1].stats()
     assert st["host_hit_tokens"] > 0 and st["state_host_used_slots"] > 0, st
+    # Tensor-parallel over 2 devices (attention and recurrent heads split, the pools sharded
+    # as the model's, each state slot whole on each device): the same tokens and logits.
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("tp",))
+    tp = DecoderModel(CFG, seed=2, mesh=mesh)
+    assert tp.params["recurrent"]["wq"].sharding.spec[2] == "tp"
+    cache = _cache(tp, device=24, host=256, mesh=mesh)
+    for g0, g in zip(base, _play(_engine(tp, kind, "hicache", cache))):
+        np.testing.assert_array_equal(g.tokens, g0.tokens, err_msg="tensor-parallel")
+        np.testing.assert_allclose(g.first_logits, g0.first_logits, **TOL)
+    counts = {k: v for k, v in cache.stats().items() if isinstance(v, int)}
+    assert counts == {k: v for k, v in st.items() if isinstance(v, int)}  # hits, pages, slots
+    state = cache.window_pools[CFG.kv_spec(PS).state_groups[0]].array
+    assert state.sharding.is_fully_replicated and len(state.devices()) == 2
+    cache.check_invariants()
 
 
 @pytest.mark.parametrize("kind", ["serial", "batched"])

@@ -6,6 +6,7 @@ from L1 and from L2)."""
 
 import itertools
 
+import jax
 import numpy as np
 import pytest
 
@@ -179,18 +180,28 @@ def _play(engine, prefetch: bool = False):
     ids=["window-serial", "window-batched", "chunk-serial"],
 )
 def test_engines_identical_across_caches(cfg, kind):
-    """no cache / device radix / HiCache: same tokens, first-token logits within 1e-5, and
-    HiCache serves hits from L1 and from L2 (a device pool too small for every session).
-    (The batched engine's chunked-attention mask is the serial one's: ``_local_start``.)"""
+    """no cache / device radix / HiCache, and HiCache with the model tensor-parallel over 2
+    devices (the window pools sharded over kv heads as the full group's): same tokens,
+    first-token logits within 1e-5, and HiCache serves hits from L1 and from L2 (a device pool
+    too small for every session). (The batched engine's chunked-attention mask is the serial
+    one's: ``_local_start``.)"""
     model = DecoderModel(cfg, seed=2)
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("tp",))
     runs = {}
-    for mode in ("none", "device", "hicache"):
-        cache = _cache(model, device=24, host=256 if mode == "hicache" else 0)
+    for mode in ("none", "device", "hicache", "tensor-parallel"):
+        if mode == "tensor-parallel":
+            model = DecoderModel(cfg, seed=2, mesh=mesh)
+            cache = _cache(model, device=24, host=256, mesh=mesh)
+            shard = cache.window_pools[0].array.sharding
+            assert not shard.is_fully_replicated and len(shard.device_set) == 2
+            mode = "hicache"
+        else:
+            cache = _cache(model, device=24, host=256 if mode == "hicache" else 0)
         if kind == "serial":
             engine = Engine(model, cache, mode=mode, **SERIAL)
         else:
             engine = BatchedEngine(model, cache, mode=mode, **BATCHED)
-        runs[mode] = _play(engine), cache.stats()
+        runs[mode if cache.cfg.mesh is None else "tensor-parallel"] = _play(engine), cache.stats()
     base, _ = runs["none"]
     for mode, (gens, _) in runs.items():
         for g0, g in zip(base, gens):
@@ -200,6 +211,11 @@ def test_engines_identical_across_caches(cfg, kind):
     assert stats["device_hit_tokens"] > 0 and stats["host_hit_tokens"] > 0, stats
     gens = runs["hicache"][0]
     assert sum(g.record.host_hit_tokens for g in gens) > 0
+    counts = [
+        {k: v for k, v in runs[m][1].items() if isinstance(v, int)}
+        for m in ("hicache", "tensor-parallel")
+    ]
+    assert counts[0] == counts[1]  # the same hits and pages on every tier
 
 
 @pytest.mark.parametrize("kind", ["serial", "batched"])

@@ -664,3 +664,19 @@ def test_as_json_and_describe():
         "window(1024) layers 0-4,6-10: 8x128 bfloat16; full layers 5,11: 8x128 bfloat16"
     )
     assert KVSpec(1, 1, 1).describe_groups() == "()"
+
+
+def test_shard_spec_of_a_grouped_spec_gives_its_full_group_the_shard():
+    """A process's share of a grouped spec's heads: the top level and the full group both hold
+    them (they describe the same pages), the other groups are left to their own pools, and the
+    fingerprint names the shard; all heads give the spec back."""
+    from hicache_jax.memory.placement import shard_spec
+
+    spec = KVSpec.from_pattern(
+        "2:1", num_layers=3, num_kv_heads=4, head_dim=8, page_size=4, window=8
+    )
+    half = shard_spec(spec, slice(2, 4))
+    assert half.num_kv_heads == half.full_group.num_kv_heads == 2
+    assert half.window_groups[0].num_kv_heads == 4 and half.shard == "2:4/4"
+    assert half.fingerprint() != spec.fingerprint()
+    assert shard_spec(spec, slice(0, 4)) is spec

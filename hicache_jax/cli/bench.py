@@ -453,17 +453,6 @@ def bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             check_writable(args.json)
         args.metrics = bench_metrics.serve(args.metrics_port, args.processes)
         workload = build_workload(args)
-        if args.layer_pattern and (args.processes > 1 or bench_processes.sharded(args)):
-            kind = (
-                "recurrent layers"
-                if args.layer_pattern.strip().lower().startswith("r")
-                else "local attention layers"
-            )
-            raise ValueError(
-                f"--layer-pattern {args.layer_pattern}: a model with {kind} "
-                "does not run tensor-parallel or over several processes yet (drop "
-                "--tensor-parallel / --processes / --coordinator, or --layer-pattern)"
-            )
         if args.layers is None:
             args.layers = _pattern_period(args.layer_pattern) or 4
         cfg = ModelConfig(

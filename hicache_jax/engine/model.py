@@ -118,7 +118,10 @@ class DecoderModel:
             (``shard_params``: heads and the FFN width split over ``axis``, default the
             mesh's first), possibly spanning several processes; the cache's pools must be
             sharded over the same mesh and axis (``HiCacheConfig(mesh=...)``). The steps are
-            the same jits; the compiler partitions them from the shardings.
+            the same jits; the compiler partitions them from the shardings. A layer pattern's
+            window pools are sharded over kv heads as the full group's; a recurrent layer's
+            heads are split as attention's, and its state slots are whole on every device
+            (one latent row each, as an MLA pool's).
     """
 
     def __init__(
@@ -137,16 +140,6 @@ class DecoderModel:
         self.plan = layer_plan(cfg)
         #: A recurrent pattern's layers (``layers.recurrent_plan``); empty: none recurrent.
         self.recurrent = recurrent_plan(cfg)
-        if self.recurrent and mesh is not None:
-            raise ValueError(
-                f"layer_pattern={cfg.layer_pattern!r} (--layer-pattern): a model with recurrent "
-                "layers does not run tensor-parallel (mesh=) yet"
-            )
-        if self.plan and mesh is not None:
-            raise ValueError(
-                f"layer_pattern={cfg.layer_pattern!r} (--layer-pattern): a model with local "
-                "attention layers does not run tensor-parallel (mesh=) yet"
-            )
         self.cfg = cfg
         self.unroll_tokens = int(unroll_tokens)
         self.params = init_params(cfg, seed) if params is None else params

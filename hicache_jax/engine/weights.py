@@ -291,7 +291,10 @@ def unflatten_params(cfg: ModelConfig, flat: dict[str, Any]) -> Params:
 #: its kv heads), the output projection by input row, the FFN's gate and up by column and its
 #: down projection by row; embedding, norms and the head replicated. Each layer then ends in
 #: one all-reduce after the attention and one after the FFN (the compiler's, from the shardings).
-_TP_AXIS = {"wq": 2, "wk": 2, "wv": 2, "wo": 1, "w_gate": 2, "w_up": 2, "w_down": 1}
+#: A recurrent layer's weights (``params["recurrent"]``, the same names) are cut the same way,
+#: by whole recurrent heads, its decay gate ``wa`` by column with them; its convolution
+#: (over the layer's input, ``d_model`` wide) is replicated.
+_TP_AXIS = {"wq": 2, "wk": 2, "wv": 2, "wa": 2, "wo": 1, "w_gate": 2, "w_up": 2, "w_down": 1}
 
 
 def shard_params(cfg: ModelConfig, params: Params, mesh: Any, axis: str | None = None) -> Params:
@@ -300,8 +303,8 @@ def shard_params(cfg: ModelConfig, params: Params, mesh: Any, axis: str | None =
     weights: the same seed or file) so it spans the devices of every process of the mesh.
 
     Raises:
-        ValueError: ``axis`` not an axis of the mesh, or heads / kv heads / FFN width not
-            divisible by its size.
+        ValueError: ``axis`` not an axis of the mesh, or heads / kv heads / FFN width /
+            recurrent heads not divisible by its size.
     """
     from jax.sharding import NamedSharding, PartitionSpec
 
@@ -310,10 +313,13 @@ def shard_params(cfg: ModelConfig, params: Params, mesh: Any, axis: str | None =
     if axis not in names:
         raise ValueError(f"axis={axis!r} is not an axis of the mesh {names}")
     size = mesh.shape[axis]
-    for name in ("num_heads", "num_kv_heads", "ffn_dim"):
-        if getattr(cfg, name) % size:
+    dims = {n: getattr(cfg, n) for n in ("num_heads", "num_kv_heads", "ffn_dim")}
+    if cfg.recurrent:
+        dims["recurrent_heads"] = cfg.recurrent_dims()[0]
+    for name, n in dims.items():
+        if n % size:
             raise ValueError(
-                f"{name}={getattr(cfg, name)} is not divisible by the {size} "
+                f"{name}={n} is not divisible by the {size} "
                 f"devices of mesh axis {axis!r} (tensor parallelism)"
             )
 
@@ -326,8 +332,11 @@ def shard_params(cfg: ModelConfig, params: Params, mesh: Any, axis: str | None =
             host.shape, NamedSharding(mesh, PartitionSpec(*spec)), lambda idx: host[idx]
         )
 
-    out: Params = {k: place(k, v) for k, v in params.items() if k != "layers"}
-    out["layers"] = {k: place(k, v) for k, v in params["layers"].items()}
+    stacked = ("layers", "recurrent")
+    out: Params = {k: place(k, v) for k, v in params.items() if k not in stacked}
+    for group in stacked:
+        if group in params:
+            out[group] = {k: place(k, v) for k, v in params[group].items()}
     return out
 
 

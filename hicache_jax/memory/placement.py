@@ -109,12 +109,18 @@ def local_numpy(x: jax.Array) -> np.ndarray:
 
 
 def shard_spec(spec: KVSpec, heads: slice) -> KVSpec:
-    """The spec of ``heads`` of ``spec`` (``spec`` itself for all of them)."""
+    """The spec of ``heads`` of ``spec`` (``spec`` itself for all of them). Of a grouped spec
+    (whose top-level fields describe its full group's pages), the full group's heads too; each
+    other group's pools take their own group's spec."""
     if heads.start == 0 and heads.stop == spec.num_kv_heads:
         return spec
+    n = heads.stop - heads.start
+    full = spec.full_group if spec.groups else None
+    groups = tuple(dataclasses.replace(g, num_kv_heads=n) if g is full else g for g in spec.groups)
     return dataclasses.replace(
         spec,
-        num_kv_heads=heads.stop - heads.start,
+        num_kv_heads=n,
+        groups=groups,
         shard=f"{heads.start}:{heads.stop}/{spec.num_kv_heads}",
     )
 
