@@ -135,6 +135,11 @@ class StateArray:
         shape: the array's shape for one layer and one sequence (ints >= 1; a list is
             accepted, stored as a tuple).
         dtype: one of ``SUPPORTED_DTYPES``.
+        head_axis: the axis of ``shape`` that a tensor-parallel model splits over its devices
+            (the heads of a recurrent state, the head-sharded channels of a convolution);
+            None (the default) for an array every device keeps whole. A group whose arrays
+            name one keeps its slots split in ``LayerGroup.state_heads`` parts, so a mesh
+            shards the slot pools as it shards K/V.
 
     Raises:
         ValueError / TypeError: a bad field, the message naming it; a ``LayerGroup`` prefixes
@@ -144,6 +149,7 @@ class StateArray:
     name: str
     shape: tuple[int, ...]
     dtype: str = "float32"
+    head_axis: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name.isidentifier():
@@ -155,6 +161,20 @@ class StateArray:
             self, "shape", tuple(_positive(f"shape[{i}]", v) for i, v in enumerate(shape))
         )
         object.__setattr__(self, "dtype", _parse_dtype(self.dtype))
+        if self.head_axis is not None:
+            if not is_int(self.head_axis):
+                raise TypeError(f"head_axis={self.head_axis!r} must be an int or None")
+            if not 0 <= self.head_axis < len(self.shape):
+                raise ValueError(
+                    f"head_axis={self.head_axis!r} must be an axis of shape={self.shape} "
+                    f"(0 to {len(self.shape) - 1})"
+                )
+            object.__setattr__(self, "head_axis", int(self.head_axis))
+
+    @property
+    def heads(self) -> int | None:
+        """The size of :attr:`head_axis` (None without one)."""
+        return None if self.head_axis is None else self.shape[self.head_axis]
 
     @property
     def nbytes(self) -> int:
@@ -162,13 +182,23 @@ class StateArray:
         return math.prod(self.shape) * np.dtype(_BITS_DTYPE[self.dtype]).itemsize
 
     def as_json(self) -> dict[str, Any]:
-        return {"name": self.name, "shape": list(self.shape), "dtype": self.dtype}
+        out = {"name": self.name, "shape": list(self.shape), "dtype": self.dtype}
+        return out if self.head_axis is None else out | {"head_axis": self.head_axis}
+
+    def head_words(self, heads: int) -> int:
+        """uint32 words of one of ``heads`` parts of this array in a slot: its bytes per head
+        (split along :attr:`head_axis`, which ``heads`` divides) rounded up to words; without
+        a head axis, its words split evenly (the last part padded)."""
+        if self.head_axis is None:
+            words = -(-self.nbytes // 4)
+            return -(-words // heads)
+        return -(-(self.nbytes // heads) // 4)
 
     @classmethod
     def parse_list(cls, text: str, flag: str = "--state") -> tuple[StateArray, ...]:
-        """Arrays from a command line: ``"conv:3x8192,ssm:32x128x128:float32"`` (comma-
-        separated ``name:shape[:dtype]``, the shape ``x``-separated, dtype float32 when left
-        out).
+        """Arrays from a command line: ``"conv:3x8192,ssm:h32x128x128:float32"`` (comma-
+        separated ``name:shape[:dtype]``, the shape ``x``-separated, one axis prefixed ``h``
+        at most: the head axis, ``head_axis``; dtype float32 when left out).
 
         Raises:
             ValueError: naming ``flag`` and the item.
@@ -179,8 +209,13 @@ class StateArray:
             if len(parts) not in (2, 3) or not parts[1]:
                 raise ValueError(f"{flag}: {item!r} must be name:AxBxC[:dtype]")
             try:
-                shape = tuple(int(v) for v in parts[1].lower().split("x"))
-                out.append(cls(parts[0], shape, parts[2] if len(parts) == 3 else "float32"))
+                axes = parts[1].lower().split("x")
+                heads = [i for i, v in enumerate(axes) if v.startswith("h")]
+                if len(heads) > 1:
+                    raise ValueError("one head axis (h) at most")
+                shape = tuple(int(v.removeprefix("h")) for v in axes)
+                dtype = parts[2] if len(parts) == 3 else "float32"
+                out.append(cls(parts[0], shape, dtype, heads[0] if heads else None))
             except (ValueError, TypeError) as e:
                 raise ValueError(f"{flag}: {item!r}: {e}") from None
         return _as_state(out)
@@ -194,11 +229,13 @@ def _as_state(state: Any) -> tuple[StateArray, ...]:
     for i, a in enumerate(state):
         try:
             if isinstance(a, StateArray):
-                out.append(StateArray(a.name, a.shape, a.dtype))
+                out.append(StateArray(a.name, a.shape, a.dtype, a.head_axis))
             elif isinstance(a, Mapping):
-                unknown = sorted(set(a) - {"name", "shape", "dtype"})
+                unknown = sorted(set(a) - {"name", "shape", "dtype", "head_axis"})
                 if unknown:
-                    raise ValueError(f"unknown field(s) {unknown}; known: name, shape, dtype")
+                    raise ValueError(
+                        f"unknown field(s) {unknown}; known: name, shape, dtype, head_axis"
+                    )
                 out.append(StateArray(**a))
             else:
                 raise TypeError(f"state[{i}]={a!r} must be a StateArray or a dict of its fields")
@@ -378,10 +415,28 @@ class LayerGroup:
         return sum(a.nbytes for a in self.state)
 
     @property
+    def state_heads(self) -> int:
+        """``STATE``: the parts a slot's layer row is split into (what a mesh shards): the
+        greatest common divisor of the arrays' head axes (``StateArray.head_axis``), 1 when
+        none names one (every device keeps whole slots) and for other kinds."""
+        sizes = [a.heads for a in self.state if a.heads is not None]
+        return math.gcd(*sizes) if sizes else 1
+
+    @property
+    def head_words(self) -> int:
+        """``STATE``: uint32 words of one head's part of one layer's row: each array's part
+        (``StateArray.head_words``) back to back; with more than one head, rounded up to an
+        even count (the part is stored as two halves, see :meth:`spec`)."""
+        h = self.state_heads
+        words = sum(a.head_words(h) for a in self.state)
+        return words if h == 1 else words + words % 2
+
+    @property
     def slot_words(self) -> int:
-        """``STATE``: uint32 words one layer's state takes in a slot (its arrays' bytes back
-        to back, each array starting at a 4-byte boundary)."""
-        return sum(-(-a.nbytes // 4) for a in self.state)
+        """``STATE``: uint32 words one layer's state takes in a slot (with one head: its
+        arrays' bytes back to back, each array starting at a 4-byte boundary; with
+        ``state_heads`` > 1, that many parts of :attr:`head_words`)."""
+        return self.state_heads * self.head_words
 
     @property
     def slot_bytes(self) -> int:
@@ -393,13 +448,24 @@ class LayerGroup:
         """A plain ``KVSpec`` of this group's pages: ``len(layers)`` layers of its heads, dim,
         dtype and mla, ``page_size`` tokens a page. A ``STATE`` group's "page" is one state
         slot: ``len(layers)`` layers of one ``slot_words``-wide float32 row (raw bits, one
-        "token", one latent head), so its pools, copies and L3 entries are those of pages.
+        "token", one latent head), so its pools, copies and L3 entries are those of pages;
+        with ``state_heads`` > 1, ``state_heads`` kv heads of ``head_words / 2`` as K and V
+        (each head's part in two halves), so that a mesh splits slots over heads as pages.
 
         Raises:
             ValueError: ``page_size`` differs from this group's own ``page_size``.
         """
         if self.page_size is not None and page_size != self.page_size:
             raise ValueError(f"page_size={page_size!r} differs from the group's {self.page_size}")
+        if self.kind is GroupKind.STATE and self.state_heads > 1:
+            return KVSpec(
+                num_layers=len(self.layers),
+                num_kv_heads=self.state_heads,
+                head_dim=self.head_words // 2,
+                dtype="float32",
+                page_size=1,
+                shard=shard,
+            )
         if self.kind is GroupKind.STATE:
             return KVSpec(
                 num_layers=len(self.layers),
@@ -874,6 +940,8 @@ class KVSpec:
             )
             for a in g.state:  # (only STATE groups have arrays: other keys stay what they were)
                 text += f":state:{a.name}:{'x'.join(map(str, a.shape))}:{a.dtype}"
+                if a.head_axis is not None:  # (the slot's layout splits over heads)
+                    text += f":head{a.head_axis}"
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 
     @classmethod

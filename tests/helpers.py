@@ -610,10 +610,32 @@ def jnp_dtype(name: str) -> np.dtype:
 
 
 def unpack_slots(group, bits: np.ndarray) -> list[np.ndarray]:
-    """Slot bits ``[L, 1, n, 1, 1, words]`` (uint32) as the group's arrays ``[n, L, *shape]``,
-    in numpy (the layout of hicache_jax/memory/state.py: per layer, each array's bytes back to
-    back, each padded to whole words)."""
+    """Slot bits (uint32) as the group's arrays ``[n, L, *shape]``, in numpy (the layout of
+    hicache_jax/memory/state.py). One head: ``[L, 1, n, 1, 1, words]``, per layer each
+    array's bytes back to back, each padded to whole words. ``H = state_heads`` > 1:
+    ``[L, 2, n, 1, H, head_words / 2]``, head ``h``'s part (two halves) holding, per array,
+    its ``h``-th slice along its head axis, or (no head axis) its ``h``-th share of words."""
     layers, n = bits.shape[0], bits.shape[2]
+    h = group.state_heads
+    if h > 1:
+        rows = bits.view(np.uint32).reshape(layers, 2, n, h, -1).transpose(2, 0, 3, 1, 4)
+        rows = np.ascontiguousarray(rows).reshape(n, layers, h, -1)
+        out, at = [], 0
+        for a in group.state:
+            w = a.head_words(h)
+            part = np.ascontiguousarray(rows[:, :, :, at : at + w])
+            at += w
+            dtype = jnp_dtype(a.dtype)
+            if a.head_axis is None:
+                raw = part.reshape(n, layers, -1).view(np.uint8)[:, :, : a.nbytes]
+                out.append(np.ascontiguousarray(raw).view(dtype).reshape(n, layers, *a.shape))
+                continue
+            raw = part.view(np.uint8)[:, :, :, : a.nbytes // h]
+            rest = list(a.shape)
+            heads = rest.pop(a.head_axis)
+            x = np.ascontiguousarray(raw).view(dtype).reshape(n, layers, heads, *rest)
+            out.append(np.moveaxis(x, 2, a.head_axis + 2))
+        return out
     rows = np.ascontiguousarray(bits.view(np.uint32).reshape(layers, n, -1).transpose(1, 0, 2))
     raw = rows.view(np.uint8).reshape(n, layers, -1)
     out, at = [], 0

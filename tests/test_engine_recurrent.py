@@ -60,7 +60,7 @@ def test_config_spec_and_errors(model):
     # Defaults from the model's dims: heads = num_heads, dk = dv = head_dim, conv width 4.
     assert state.state == (
         StateArray("conv", (3, 32), "float32"),
-        StateArray("ssm", (4, 8, 8), "float32"),
+        StateArray("ssm", (4, 8, 8), "float32", head_axis=0),
     )
     assert recurrent_plan(CFG) == (0, 1, 2, -1) and layer_plan(CFG) == ()
     other = ModelConfig(**SIZES, layer_pattern="R1:F1", recurrent_heads=2, conv_width=2)
@@ -216,7 +216,7 @@ def test_engines_identical_across_caches(model, kind):
     st = runs["hicache"][1].stats()
     assert st["host_hit_tokens"] > 0 and st["state_host_used_slots"] > 0, st
     # Tensor-parallel over 2 devices (attention and recurrent heads split, the pools sharded
-    # as the model's, each state slot whole on each device): the same tokens and logits.
+    # as the model's, the state slots over the recurrent heads): the same tokens and logits.
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("tp",))
     tp = DecoderModel(CFG, seed=2, mesh=mesh)
     assert tp.params["recurrent"]["wq"].sharding.spec[2] == "tp"
@@ -227,7 +227,8 @@ def test_engines_identical_across_caches(model, kind):
     counts = {k: v for k, v in cache.stats().items() if isinstance(v, int)}
     assert counts == {k: v for k, v in st.items() if isinstance(v, int)}  # hits, pages, slots
     state = cache.window_pools[CFG.kv_spec(PS).state_groups[0]].array
-    assert state.sharding.is_fully_replicated and len(state.devices()) == 2
+    assert not state.sharding.is_fully_replicated and len(state.devices()) == 2
+    assert state.sharding.spec[4] == "tp"  # slots split over the recurrent heads
     cache.check_invariants()
 
 

@@ -120,6 +120,7 @@ class HiCacheMachine(RuleBasedStateMachine):
     #: a hybrid model of one recurrent layer (a STATE group: checkpoints in state slots) and one
     #: full layer, with slot pools small enough that slots are reclaimed and evicted
     state = False
+    state_heads = False  # with state: the slots split over the ssm array's heads
     checkpoint_every = 0  # checkpoint_every_pages
 
     def __init__(self) -> None:
@@ -146,8 +147,12 @@ class HiCacheMachine(RuleBasedStateMachine):
                 head_dim=4,
                 dtype="bfloat16",
                 page_size=ps,
-                # bfloat16 (3,): 6 bytes a layer, padded to 8 in the slot
-                state=[StateArray("conv", (3,), "bfloat16"), StateArray("ssm", (2, 2))],
+                # bfloat16 (3,): 6 bytes a layer, padded to 8 in the slot; with heads, ssm
+                # split over its 2 heads (two head parts a slot, conv spread over both)
+                state=[
+                    StateArray("conv", (3,), "bfloat16"),
+                    StateArray("ssm", (2, 2), head_axis=0 if self.state_heads else None),
+                ],
             )
         elif self.window is None:
             self.spec = KVSpec(
@@ -621,16 +626,17 @@ def test_hicache_state_machine_windows(write_policy, page_size, window, mode):
         assert COVERAGE[key] > 0, f"the machine never exercised {key}: {dict(COVERAGE)}"
 
 
-#: (write policy, page size, checkpoint_every_pages) of the hybrid (recurrent + full) runs.
+#: (write policy, page size, checkpoint_every_pages, slots split over heads) of the hybrid
+#: (recurrent + full) runs.
 STATE_RUNS = (
-    [(p, ps, e) for p in POLICIES for ps in (1, 4) for e in (0, 2)]
+    [(p, ps, e, e > 0) for p in POLICIES for ps in (1, 4) for e in (0, 2)]
     if LONG
-    else [("write_through", 4, 0), ("clean_ahead", 4, 2)]
+    else [("write_through", 4, 0, False), ("clean_ahead", 4, 2, True)]
 )
 
 
-@pytest.mark.parametrize("write_policy,page_size,every", STATE_RUNS)
-def test_hicache_state_machine_state_slots(write_policy, page_size, every):
+@pytest.mark.parametrize("write_policy,page_size,every,heads", STATE_RUNS)
+def test_hicache_state_machine_state_slots(write_policy, page_size, every, heads):
     """The same machine over a hybrid model (a recurrent layer's STATE group and a full
     layer), slot pools half the page pools: every served prefix ends at the checkpoint taken
     at its end (read_state bit-exact); every slot on either tier is the checkpoint taken at
@@ -638,13 +644,14 @@ def test_hicache_state_machine_state_slots(write_policy, page_size, every):
     splits, a caller rewriting its own slots); no slot leaked (invariants, used counts); the
     KV events replay to the slots held per tier; bad state calls change nothing."""
     machine = type(
-        f"HiCacheState_{write_policy}_{page_size}_{every}",
+        f"HiCacheState_{write_policy}_{page_size}_{every}_{heads}",
         (HiCacheMachine,),
         dict(
             write_policy=write_policy,
             eviction="lru",
             page_size=page_size,
             state=True,
+            state_heads=heads,
             checkpoint_every=every,
         ),
     )

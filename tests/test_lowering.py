@@ -346,9 +346,12 @@ def test_lower_command_takes_a_layer_pattern(capsys):
 
 
 @pytest.mark.parametrize("platform", ["tpu", "cuda"])
-def test_state_group_slot_programs_lower(platform):
+@pytest.mark.parametrize("heads", [False, True], ids=["whole", "heads"])
+def test_state_group_slot_programs_lower(platform, heads):
     """A recurrent (STATE) group's slot pools and copies are listed as ``state0.*`` at the
-    slot's shape (one row of ``slot_words`` a layer) and lower like the pages'."""
+    slot's shape (one row of ``slot_words`` a layer; split over heads: ``state_heads`` heads
+    of two halves of ``head_words``) and lower like the pages'."""
+    axis = 0 if heads else None
     spec = KVSpec.from_pattern(
         "R3:F1",
         num_layers=4,
@@ -356,13 +359,18 @@ def test_state_group_slot_programs_lower(platform):
         head_dim=8,
         dtype="bfloat16",
         page_size=16,
-        state=[StateArray("conv", (3, 16)), StateArray("ssm", (2, 8, 8))],
+        state=[StateArray("conv", (3, 16)), StateArray("ssm", (2, 8, 8), head_axis=axis)],
     )
     pset = lowering.programs(spec, platform, device_pages=PAGES, engine=False)
     state = [p for p in pset.programs if p.name.startswith("state0.")]
     backup = next(p for p in state if p.op == "state0.transfer.backup")
+    group = spec.window_groups[0]
     assert backup.args[0].shape[0] == 3  # the group's three layers
-    assert backup.args[0].shape[-1] == spec.window_groups[0].slot_words
+    if heads:
+        assert group.state_heads == 2
+        assert backup.args[0].shape[-2:] == (2, group.head_words // 2)
+    else:
+        assert backup.args[0].shape[-1] == group.slot_words
     report = lowering.check(pset, only=["state0.transfer", "state0.device_pool.write"])
     report.raise_for_failures()
     assert len(report.lowered) > 0
@@ -371,13 +379,14 @@ def test_state_group_slot_programs_lower(platform):
 def test_lower_command_takes_a_recurrent_pattern(capsys):
     common = ["lower", "--platform", "cuda", "--device-pages", "4", "--no-engine"]
     spec = ["--spec", "layers=4,kv_heads=2,head_dim=8,page_size=16"]
-    pattern = ["--layer-pattern", "R3:F1", "--state", "conv:3x16,ssm:2x8x8", "--only", "state0"]
+    pattern = ["--layer-pattern", "R3:F1", "--state", "conv:3x16,ssm:h2x8x8", "--only", "state0"]
     assert main([*common, *spec, *pattern]) == 0
     assert "state0.transfer.backup" in capsys.readouterr().out
-    with pytest.raises(SystemExit) as exc:
-        main([*common, *spec, "--layer-pattern", "R3:F1", "--state", "conv:3by16"])
-    assert exc.value.code == 2
-    assert "--state: 'conv:3by16'" in capsys.readouterr().err
+    for bad in ("conv:3by16", "ssm:h2xh8x8"):
+        with pytest.raises(SystemExit) as exc:
+            main([*common, *spec, "--layer-pattern", "R3:F1", "--state", bad])
+        assert exc.value.code == 2
+        assert f"--state: {bad!r}" in capsys.readouterr().err
 
 
 def test_the_hybrid_engine_steps_lower():
@@ -390,7 +399,7 @@ def test_the_hybrid_engine_steps_lower():
         head_dim=8,
         dtype="float32",
         page_size=16,
-        state=[StateArray("conv", (3, 32)), StateArray("ssm", (4, 8, 8))],
+        state=[StateArray("conv", (3, 32)), StateArray("ssm", (4, 8, 8), head_axis=0)],
     )
     pset = lowering.programs(spec, "tpu", device_pages=PAGES, engine=True)
     assert pset.model is not None and pset.model.layer_pattern == "R3:F1"

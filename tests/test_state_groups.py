@@ -31,6 +31,9 @@ from hicache_jax.events.records import GroupTag, group_tags
 
 PS = 4
 ARRAYS = [StateArray("conv", (2, 3), "bfloat16"), StateArray("ssm", (2, 2, 2))]
+#: The same arrays with ``ssm`` split over its 2 heads: slots of two head parts (a mesh would
+#: shard them as K/V), ``conv`` (no head axis) spread over both.
+HEADED = [StateArray("conv", (2, 3), "bfloat16"), StateArray("ssm", (2, 2, 2), head_axis=0)]
 
 
 def _spec(dtype: str = "float32", **kw) -> KVSpec:
@@ -194,6 +197,14 @@ def test_a_spec_without_state_groups_refuses_state_calls():
         (lambda: StateArray("a", (2, -1)), r"shape\[1\]=-1"),
         (lambda: StateArray("a", (2,), "float64"), "dtype='float64' is not one of"),
         (lambda: StateArray("", (2,)), "name=''"),
+        (lambda: StateArray("a", (2, 3), head_axis=2), r"head_axis=2 must be an axis of shape"),
+        (lambda: StateArray("a", (2,), head_axis=-1), r"head_axis=-1 must be an axis"),
+        (lambda: StateArray("a", (2,), head_axis="0"), r"head_axis='0' must be an int or None"),
+        (lambda: StateArray("a", (2,), head_axis=True), r"head_axis=True must be an int"),
+        (
+            lambda: _spec(state=[{"name": "a", "shape": (2,), "heads": 0}]),
+            r"state\[0\]\.unknown field\(s\) \['heads'\]",
+        ),
         (lambda: _spec(state=[StateArray("a", (2,)), StateArray("a", (3,))]), "duplicate name"),
         (lambda: _spec(state=[{"name": "a", "shape": (0,)}]), r"state\[0\]\.shape\[0\]=0"),
         (lambda: _spec(state=[{"name": "a", "shape": (2,), "dtype": "x"}]), r"state\[0\]\.dtype"),
@@ -218,6 +229,51 @@ def test_a_spec_without_state_groups_refuses_state_calls():
 def test_bad_specs_name_the_field(make, msg):
     with pytest.raises((ValueError, TypeError), match=msg):
         make()
+
+
+def test_slots_split_over_heads_keep_each_heads_part_in_its_head():
+    """With a head axis, a slot's row is ``state_heads`` parts: head ``h``'s slice of every
+    array that names one lands in head ``h`` only (so a mesh's device holds its own heads'
+    state), an array without one is spread over the parts, and the round trip is bit-exact
+    for odd sizes and every dtype width; without one the layout is the single-row one."""
+    import jax.numpy as jnp
+
+    from hicache_jax.memory.state import pack_state, unpack_state
+
+    arrays = [
+        StateArray("conv", (3, 5), "bfloat16"),  # 30 bytes: 8 words over 4 parts
+        StateArray("ssm", (4, 3, 3), "float16", head_axis=0),
+        StateArray("gate", (3, 8), "int8", head_axis=1),  # 8 = 2 x 4 heads
+    ]
+    group = LayerGroup("state", (0, 1), state=arrays)
+    assert group.state_heads == 4
+    assert group.spec(PS).kv_shape(1) == (2, 2, 1, 1, 4, group.head_words // 2)
+    rng = np.random.default_rng(3)
+    n = 3
+
+    def draw():
+        return [
+            jnp.asarray(rng.integers(-100, 100, (n, 2, *a.shape)).astype(_np(a.dtype)))
+            for a in arrays
+        ]
+
+    xs = draw()
+    bits = np.asarray(pack_state(group, xs))
+    for got, want in zip(unpack_state(group, jnp.asarray(bits)), xs, strict=True):
+        _same([got], [want])
+    ssm = np.array(xs[1])
+    ssm[1, 0, 2] += 1  # slot 1, layer 0, head 2 of ssm
+    changed = np.asarray(pack_state(group, [xs[0], jnp.asarray(ssm), xs[2]])) != bits
+    assert changed.any()
+    layer, _, slot, _, head, _ = np.nonzero(changed)
+    assert set(layer) == {0} and set(slot) == {1} and set(head) == {2}
+    gate = np.array(xs[2])
+    gate[0, 1, 2, 7] += 1  # channel 7 of 8: head 3
+    changed = np.asarray(pack_state(group, [xs[0], xs[1], jnp.asarray(gate)])) != bits
+    assert set(np.nonzero(changed)[4]) == {3}
+    plain = LayerGroup("state", (0, 1), state=ARRAYS)
+    assert plain.state_heads == 1 and plain.spec(PS).mla  # one latent row: the same as ever
+    assert plain.slot_words == sum(-(-a.nbytes // 4) for a in ARRAYS)
 
 
 # ----------------------------------------------------------------------------- KV events
@@ -357,8 +413,14 @@ def _prompts(rng, n: int = 6) -> list[np.ndarray]:
     return [p[: p.size // PS * PS] for p in out]
 
 
-@pytest.mark.parametrize("policy,every", [("write_through", 0), ("write_back", 2)])
-def test_random_requests_through_l3_read_back_every_checkpoint_exact(tmp_path, policy, every):
+@pytest.mark.parametrize(
+    "policy,every,arrays",
+    [("write_through", 0, ARRAYS), ("write_back", 2, ARRAYS), ("write_back", 2, HEADED)],
+    ids=["write_through", "write_back", "write_back-heads"],
+)
+def test_random_requests_through_l3_read_back_every_checkpoint_exact(
+    tmp_path, policy, every, arrays
+):
     """Two instances take turns over prompts sharing prefixes on one file store, pools (and
     slot pools) far too small, so pages and their checkpoints move L1 -> L2 -> L3 and back:
     every hit's checkpoint reads back as taken, every slot held on either tier is the one
@@ -368,7 +430,7 @@ def test_random_requests_through_l3_read_back_every_checkpoint_exact(tmp_path, p
     url = f"file://{tmp_path / 'store'}"
     rng = np.random.default_rng(11)
     prompts = _prompts(rng)
-    spec = _spec("bfloat16")  # (ServedKV's KV model: 16-bit KV)
+    spec = _spec("bfloat16", state=arrays)  # (ServedKV's KV model: 16-bit KV)
     caches = [
         _cache(
             spec,

@@ -120,8 +120,8 @@ class DecoderModel:
             sharded over the same mesh and axis (``HiCacheConfig(mesh=...)``). The steps are
             the same jits; the compiler partitions them from the shardings. A layer pattern's
             window pools are sharded over kv heads as the full group's; a recurrent layer's
-            heads are split as attention's, and its state slots are whole on every device
-            (one latent row each, as an MLA pool's).
+            heads are split as attention's, and its state slots with them (the ``ssm`` array
+            names its head axis: ``ModelConfig.state_arrays``).
     """
 
     def __init__(

@@ -138,11 +138,13 @@ class ModelConfig:
     def state_arrays(self) -> list[StateArray]:
         """A recurrent layer's state (:func:`hicache_jax.engine.recurrent.state_shapes`), as
         the cache's STATE group keeps it: ``conv [conv_width - 1, d_model]`` and ``ssm
-        [heads, key dim, value dim]``, both float32."""
+        [heads, key dim, value dim]``, both float32. ``ssm`` names its head axis, so the slots
+        split over the recurrent heads and a mesh shards them as the model's heads (the conv
+        state, over the unsplit model width, is spread over the heads' parts evenly)."""
         heads, dk, dv, width = self.recurrent_dims()
         return [
             StateArray("conv", (width - 1, self.d_model), "float32"),
-            StateArray("ssm", (heads, dk, dv), "float32"),
+            StateArray("ssm", (heads, dk, dv), "float32", head_axis=0),
         ]
 
     def recurrent_layers(self) -> tuple[int, ...]:

@@ -80,34 +80,83 @@ def _words(x: jax.Array, lead: int) -> jax.Array:
 
 
 def pack_state(group: LayerGroup, arrays: Sequence[Any]) -> jax.Array:
-    """Checked ``arrays`` (:func:`check_state`) as slot bits
-    ``[len(layers), 1, n, 1, 1, slot_words]`` uint32 (``group.spec(...).kv_shape(n)``).
-    Traceable."""
-    parts = [_words(jnp.asarray(x), 2) for x in arrays]  # each [n, L, w_a]
+    """Checked ``arrays`` (:func:`check_state`) as slot bits, ``group.spec(...).kv_shape(n)``
+    uint32: ``[len(layers), 1, n, 1, 1, slot_words]`` with one head; with ``state_heads``
+    ``H`` > 1, ``[len(layers), 2, n, 1, H, head_words / 2]``: head ``h``'s part of every array
+    (its ``h``-th slice along ``head_axis``; an array without one, its ``h``-th share of
+    words) back to back, split in two halves. Traceable."""
+    h = group.state_heads
+    if h == 1:
+        parts = [_words(jnp.asarray(x), 2) for x in arrays]  # each [n, L, w_a]
+        rows = jnp.concatenate(parts, axis=-1) if len(parts) > 1 else parts[0]
+        n, layers, words = rows.shape
+        return jnp.transpose(rows, (1, 0, 2)).reshape(layers, 1, n, 1, 1, words)
+    parts = []
+    for a, x in zip(group.state, arrays, strict=True):
+        x = jnp.asarray(x)
+        n, layers = x.shape[:2]
+        if a.head_axis is None:
+            w = _words(x, 2)  # [n, L, W]
+            each = a.head_words(h)
+            w = jnp.pad(w, [(0, 0), (0, 0), (0, h * each - w.shape[-1])])
+            parts.append(w.reshape(n, layers, h, each))
+        else:
+            x = jnp.moveaxis(x, a.head_axis + 2, 2)
+            per = math.prod(a.shape) // h
+            parts.append(_words(x.reshape(n, layers, h, per), 3))  # [n, L, H, w_a]
     rows = jnp.concatenate(parts, axis=-1) if len(parts) > 1 else parts[0]
-    n, layers, words = rows.shape
-    return jnp.transpose(rows, (1, 0, 2)).reshape(layers, 1, n, 1, 1, words)
+    pad = group.head_words - rows.shape[-1]
+    if pad:
+        rows = jnp.pad(rows, [(0, 0)] * 3 + [(0, pad)])
+    n, layers = rows.shape[:2]
+    half = group.head_words // 2
+    rows = rows.reshape(n, layers, h, 2, half)
+    return jnp.transpose(rows, (1, 3, 0, 2, 4)).reshape(layers, 2, n, 1, h, half)
+
+
+def _from_bytes(b: jax.Array, dtype: Any, lead: tuple[int, ...]) -> jax.Array:
+    """uint8 ``[*lead, nbytes]`` as ``dtype`` ``[*lead, nbytes / itemsize]``."""
+    dtype = jnp.dtype(dtype)
+    if dtype.itemsize == 1:
+        return lax.bitcast_convert_type(b, dtype)
+    return lax.bitcast_convert_type(
+        b.reshape(*lead, b.shape[-1] // dtype.itemsize, dtype.itemsize), dtype
+    )
 
 
 def unpack_state(group: LayerGroup, bits: jax.Array) -> tuple[jax.Array, ...]:
-    """Slot bits ``[len(layers), 1, n, 1, 1, slot_words]`` (raw uint32 or their float32 view)
-    as the group's arrays, each ``[n, len(layers), *shape]`` in its dtype. Traceable."""
+    """Slot bits (:func:`pack_state`'s layout; raw uint32 or their float32 view) as the
+    group's arrays, each ``[n, len(layers), *shape]`` in its dtype. Traceable."""
     layers, n = bits.shape[0], bits.shape[2]
     if bits.dtype != jnp.uint32:
         bits = lax.bitcast_convert_type(bits, jnp.uint32)
-    rows = jnp.transpose(bits.reshape(layers, n, bits.shape[-1]), (1, 0, 2))  # [n, L, words]
+    h = group.state_heads
     out, at = [], 0
+    if h == 1:
+        rows = jnp.transpose(bits.reshape(layers, n, bits.shape[-1]), (1, 0, 2))  # [n, L, words]
+        for a in group.state:
+            w = -(-a.nbytes // 4)
+            b = lax.bitcast_convert_type(rows[:, :, at : at + w], jnp.uint8)
+            b = b.reshape(n, layers, 4 * w)[:, :, : a.nbytes]
+            out.append(_from_bytes(b, a.dtype, (n, layers)).reshape(n, layers, *a.shape))
+            at += w
+        return tuple(out)
+    half = group.head_words // 2
+    rows = jnp.transpose(bits.reshape(layers, 2, n, h, half), (2, 0, 3, 1, 4))
+    rows = rows.reshape(n, layers, h, group.head_words)  # [n, L, H, head_words]
     for a in group.state:
-        w = -(-a.nbytes // 4)
-        b = lax.bitcast_convert_type(rows[:, :, at : at + w], jnp.uint8).reshape(n, layers, 4 * w)
-        b = b[:, :, : a.nbytes]
-        dtype = jnp.dtype(a.dtype)
-        if dtype.itemsize > 1:
-            x = lax.bitcast_convert_type(
-                b.reshape(n, layers, a.nbytes // dtype.itemsize, dtype.itemsize), dtype
-            )
-        else:
-            x = lax.bitcast_convert_type(b, dtype)
-        out.append(x.reshape(n, layers, *a.shape))
+        w = a.head_words(h)
+        part = rows[:, :, :, at : at + w]
         at += w
+        if a.head_axis is None:
+            b = lax.bitcast_convert_type(part.reshape(n, layers, h * w), jnp.uint8)
+            b = b.reshape(n, layers, 4 * h * w)[:, :, : a.nbytes]
+            out.append(_from_bytes(b, a.dtype, (n, layers)).reshape(n, layers, *a.shape))
+            continue
+        b = lax.bitcast_convert_type(part, jnp.uint8).reshape(n, layers, h, 4 * w)
+        b = b[:, :, :, : a.nbytes // h]
+        shape = list(a.shape)
+        heads = shape.pop(a.head_axis)
+        x = _from_bytes(b, a.dtype, (n, layers, h)).reshape(n, layers, heads, *shape)
+        out.append(jnp.moveaxis(x, 2, a.head_axis + 2))
     return tuple(out)
