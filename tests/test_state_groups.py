@@ -39,8 +39,8 @@ HEADED = [StateArray("conv", (2, 3), "bfloat16"), StateArray("ssm", (2, 2, 2), h
 def _spec(dtype: str = "float32", **kw) -> KVSpec:
     # "R3:F1": layers 0-2 recurrent (groups[0], the STATE group), layer 3 full (groups[1])
     return KVSpec.from_pattern(
-        "R3:F1", num_layers=4, num_kv_heads=1, head_dim=4, dtype=dtype, page_size=PS,
-        state=kw.pop("state", ARRAYS), **kw,
+        "R3:F1", num_layers=4, num_kv_heads=kw.pop("num_kv_heads", 1), head_dim=4,
+        dtype=dtype, page_size=PS, state=kw.pop("state", ARRAYS), **kw,
     )  # fmt: skip
 
 
@@ -352,6 +352,45 @@ def test_checkpoint_evicted_from_l1_and_l2_is_fetched_back_from_l3_bit_exact(
         assert h is not None and h.wait() == 6
         assert _served(fresh, TOKS) == 24
         fresh.close()
+
+
+def test_slots_split_over_heads_on_a_mesh_read_back_exact_on_every_tier(tmp_path):
+    """Over a 2-device mesh, a group whose ``ssm`` names its head axis keeps its slot pools
+    sharded over those heads (each device half of every slot): a checkpoint written, backed
+    up, evicted from L1 and L2, fetched from L3 and loaded back reads back bit-exact, and a
+    fresh unsharded cache on the same store reads the same bits (the layout does not depend
+    on the mesh)."""
+    import jax
+
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("tp",))
+    url = f"file://{tmp_path / 'store'}"
+    spec = _spec(state=HEADED, num_kv_heads=2)
+    assert spec.window_groups[0].state_heads == 2
+    cache = _cache(spec, mesh=mesh, storage=url, write_through_threshold=1,
+                   prefetch_policy="wait_complete")  # fmt: skip
+    sharding = cache.window_pools[0].array.sharding
+    assert not sharding.is_fully_replicated and sharding.spec[4] == "tp"
+    _insert(cache, TOKS, [12, 24])
+    assert _served(cache, TOKS) == 24
+    cache.flush()
+    cache.evict(24)
+    assert _served(cache, TOKS) == 24  # from L2, loaded back
+    cache.evict(24)
+    cache.evict_host(24)
+    h = cache.prefetch(TOKS)
+    assert h is not None and h.wait() == 6
+    assert _served(cache, TOKS) == 24  # from L3
+    assert cache.stats()["l3_window_prefetch_hit_pages"] == 1
+    cache.close()
+    fresh = _cache(spec, storage=url, write_through_threshold=1, prefetch_policy="wait_complete")
+    h = fresh.prefetch(TOKS)
+    assert h is not None and h.wait() == 6
+    assert _served(fresh, TOKS) == 24
+    fresh.close()
+    # a mesh that does not divide the state's heads is refused, naming the group's field
+    four = jax.sharding.Mesh(np.array(jax.devices()[:4]), ("tp",))
+    with pytest.raises(ValueError, match=r"groups\[0\]\.state_heads=2 .* size 4 of mesh axis"):
+        _cache(_spec(state=HEADED, num_kv_heads=4), mesh=four)
 
 
 # ----------------------------------------------------------------------------- splits

@@ -164,6 +164,17 @@ class HiCache:
             return None
         if cfg.load_overlap:
             raise ValueError("load_overlap=True with window groups is not supported yet")
+        if cfg.mesh is not None:  # slots split over heads shard as pages: the mesh must divide
+            axis = cfg.shard_axis or cfg.mesh.axis_names[0]
+            size = cfg.mesh.shape[axis]
+            for i, g in enumerate(spec.groups):
+                if g.kind is GroupKind.STATE and g.state_heads > 1 and g.state_heads % size:
+                    raise ValueError(
+                        f"groups[{i}].state_heads={g.state_heads} (its arrays' head axes) is "
+                        f"not divisible by the size {size} of mesh axis {axis!r}: split the "
+                        "state as the model's devices do, or name no head_axis (whole slots "
+                        "on every device)"
+                    )
         assert cfg.host_pages is not None  # HiCacheConfig.__post_init__ resolves it
         dev_n = [
             _slots(cfg.state_device_slots, cfg.device_pages, spec.page_bytes, g.slot_bytes)
