@@ -367,6 +367,75 @@ def scenario_shards(jax, pid: int, n: int, args: list[str]) -> dict:
     return out | {"workload": scenario_workload(jax, pid, n, args[1:] + args[:1])}
 
 
+def _ckpt(tokens, heads: int):
+    """The recurrent state after ``tokens`` (a pure function of them), numpy float32:
+    ``conv [1, 1, 3]`` and ``ssm [1, 1, heads, 2, 2]``."""
+    import numpy as np
+
+    rng = np.random.default_rng(np.asarray(tokens, np.int64).tolist())
+    conv = rng.standard_normal((1, 1, 3)).astype(np.float32)
+    return [conv, rng.standard_normal((1, 1, heads, 2, 2)).astype(np.float32)]
+
+
+def scenario_state_shards(jax, pid: int, n: int, args: list[str]) -> dict:
+    """A hybrid (one recurrent layer, one full) whose state slots split over heads, the heads
+    sharded over the processes, an L3 store shared by them (args[0]): a checkpoint written
+    from numpy on every process reads back bit-exact after a load-back from L2 and after a
+    prefetch from L3 (each process holding its heads' part of the slots)."""
+    import jax.experimental.multihost_utils as mhu
+    import numpy as np
+
+    from hicache_jax import KVSpec, StateArray
+
+    heads = 2 * n
+    spec = KVSpec.from_pattern(
+        "R1:F1",
+        num_layers=2,
+        num_kv_heads=heads,
+        head_dim=4,
+        dtype="float16",
+        page_size=4,
+        state=[StateArray("conv", (3,)), StateArray("ssm", (heads, 2, 2), head_axis=0)],
+    )
+    cache = _cache(jax, spec=spec, device_pages=16, host_pages=16, storage=f"file://{args[0]}")
+    tokens = np.arange(32)
+    out: dict = {"sharded": not cache.window_pools[0].array.sharding.is_fully_replicated}
+
+    def serve() -> dict:
+        with cache.begin(tokens) as req:
+            have = req.cached_len
+            ok = None
+            if have:
+                got = cache.read_state(0, req.device_pages[-1:])
+                want = _ckpt(tokens[:have], heads)
+                whole = [np.asarray(mhu.process_allgather(g, tiled=True)) for g in got]
+                ok = all(
+                    np.array_equal(g.view(np.uint32), w.view(np.uint32))
+                    for g, w in zip(whole, want, strict=True)
+                )
+            new = req.extend(tokens.size - have)
+            if new.size:
+                cache.write_state(0, new[-1:], _ckpt(tokens, heads))
+            req.finish(tokens)
+        return {"cached": have, "state_ok": ok}
+
+    out["first"] = serve()
+    cache.flush()
+    cache.evict(10_000)
+    out["from_host"] = serve()  # loaded back from L2
+    cache.flush()
+    cache.evict(10_000)
+    cache.evict_host(10_000)
+    h = cache.prefetch(tokens)
+    out["prefetched"] = None if h is None else h.pages_found
+    cache.flush()
+    out["from_l3"] = serve()
+    cache.check_agreement()
+    cache.check_invariants()
+    cache.close()
+    return out
+
+
 def scenario_kill(jax, pid: int, n: int, args: list[str]) -> dict:
     """Every process runs the workload until the launcher kills the last one; the others must
     raise within the agreement timeout (args[0] seconds), naming it."""

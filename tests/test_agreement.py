@@ -165,6 +165,19 @@ def test_l3_results_are_agreed_over_a_shared_store(tmp_path):
     assert [o.result["miss"]["files"] for o in out] == [8, 0]  # process 0 still holds them
 
 
+def test_state_slots_split_over_processes_read_back_exact_through_l2_and_l3(tmp_path):
+    """A hybrid's state slots split over heads, the heads over 2 processes, one file:// store:
+    each process holds its heads' part of every slot, and the checkpoint it wrote reads back
+    bit-exact after a load-back from L2 and after a prefetch from L3."""
+    out = launch("state_shards", 2, str(tmp_path), timeout=90)
+    assert all(o.result is not None and "trace" not in o.result for o in out), out
+    for o in out:
+        r = o.result
+        assert r["sharded"] and r["first"] == {"cached": 0, "state_ok": None}, r
+        assert r["from_host"] == {"cached": 32, "state_ok": True}, r
+        assert r["prefetched"] == 8 and r["from_l3"] == {"cached": 32, "state_ok": True}, r
+
+
 @pytest.mark.parametrize("n", [4])
 def test_pools_sharded_over_processes_keep_their_own_heads_through_l2_and_l3(n, tmp_path):
     """KV heads sharded over the processes' devices, one file:// store shared by them: each
