@@ -437,6 +437,31 @@ def test_a_split_at_a_spare_checkpoint_serves_at_once():
     assert cache.checkpoint_positions(c, 12) == [24]
 
 
+def test_a_match_with_a_host_part_holds_its_device_end_for_a_device_only_serve():
+    """A match whose device part ends at a branch point (a spare checkpoint) and goes on in
+    host pages: a caller may serve the device part alone (no load-back). Other requests
+    taking slots before it locks must not reclaim that checkpoint (found by the long
+    state-machine profile: a batch's matches made first, a later one's ``read_state`` then
+    found no checkpoint at its device end)."""
+    cache = _cache(write_policy="write_through", write_through_threshold=1, state_device_slots=3)
+    b = np.concatenate([TOKS[:12], 700 + np.arange(12)])
+    _insert(cache, TOKS, [12, 24])
+    _insert(cache, b, [24])  # TOKS[:12] is now a branch point: its checkpoint spare
+    assert _served(cache, b) == 24  # B's leaf the more recent: A's is evicted first
+    cache.flush()
+    cache.evict(12)
+    m = cache.match_prefix(TOKS)
+    assert (m.device_len, m.host_len) == (12, 12)
+    assert cache.stats()["state_device_spare_slots"] == 0  # held by the match
+    other = cache.alloc_pages(2)  # another request's two checkpoints: one slot is free
+    cache.write_state(0, other, _state(900 + np.arange(8), [4, 8]))
+    cache.lock(m.node)  # not stale: the device part and its checkpoint are still there
+    _same(cache.read_state(0, m.device_pages[-1:]), _state(TOKS, [12]))
+    cache.unlock(m.node)
+    cache.free_pages(other)
+    cache.check_invariants()
+
+
 # ----------------------------------------------------------------------------- random workloads
 
 

@@ -114,7 +114,9 @@ class Windows:
         """A match ends after ``device_pages`` then the pages of ``host_nodes`` (at a node end:
         the tree split there): the pages a continuation there reads are not spare any more, on
         the tier holding each, so making room for another request (which frees spare pages)
-        never takes them from under this one."""
+        never takes them from under this one. With a host part, the device part's end too: a
+        caller may serve the device pages alone without loading the rest back (the match
+        serves there: ``servable_device``)."""
         if not self.spare:
             return
         host_pages = np.concatenate([n.host_value for n in host_nodes]) if host_nodes else _EMPTY
@@ -127,6 +129,9 @@ class Windows:
             if first < nd:
                 self.device.unmark_spare(g, device_pages[first:])
             self.host.unmark_spare(g, host_pages[max(0, first - nd) :])
+            if host_pages.size and nd:
+                alone = kept_first_page(group, nd * self._ps, self._ps)
+                self.device.unmark_spare(g, device_pages[alone:])
 
     # -- caller pages and inserts ----------------------------------------------------------
     def attach_new(self, ids: np.ndarray) -> None:
