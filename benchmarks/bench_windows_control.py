@@ -53,25 +53,13 @@ def main(argv: list[str] | None = None) -> int:
     block = 512
     trace = load_trace(args.trace, block_size=block, limit=args.limit)
     trace = dataclasses.replace(trace, requests=trace.requests * args.passes)
+    shape: dict[str, Any] = dict(
+        num_layers=2, num_kv_heads=1, head_dim=1, dtype="float32", page_size=block
+    )
     specs = {
         "one group": KVSpec.parse(None, TINY_SPEC, page_size=block),
-        "two groups": KVSpec.from_pattern(
-            "1:1",
-            num_layers=2,
-            num_kv_heads=1,
-            head_dim=1,
-            dtype="float32",
-            page_size=block,
-            window=args.window,
-        ),
-        "all full": KVSpec.from_pattern(
-            "full",
-            num_layers=2,
-            num_kv_heads=1,
-            head_dim=1,
-            dtype="float32",
-            page_size=block,
-        ),
+        "two groups": KVSpec.from_pattern("1:1", window=args.window, **shape),
+        "all full": KVSpec.from_pattern("full", **shape),
     }
     pages = default_device_pages(trace, block)
     cfg = HiCacheConfig(device_pages=pages, host_pages=4 * pages, load_back_threshold=block)
@@ -82,16 +70,16 @@ def main(argv: list[str] | None = None) -> int:
         for mode in MODES[i % 3 :] + MODES[: i % 3]:
             runs[mode].append(replay(trace, specs[mode], cfg))
     rps = {m: statistics.median(r["requests_per_s"] for r in runs[m]) for m in MODES}
-    pairs = [
-        b["requests_per_s"] / a["requests_per_s"]
-        for a, b in zip(runs["one group"], runs["two groups"])
-    ]
+
+    def paired(base: str) -> list[float]:  # two groups / base, repeat by repeat
+        return [
+            b["requests_per_s"] / a["requests_per_s"]
+            for a, b in zip(runs[base], runs["two groups"])
+        ]
+
+    pairs, pairs_full = paired("one group"), paired("all full")
     ratio = rps["two groups"] / rps["one group"]
     ratio_full = rps["two groups"] / rps["all full"]
-    pairs_full = [
-        b["requests_per_s"] / a["requests_per_s"]
-        for a, b in zip(runs["all full"], runs["two groups"])
-    ]
     hit = {
         m: (runs[m][0]["device_hit_tokens"] + runs[m][0]["host_hit_tokens"])
         / runs[m][0]["prompt_tokens"]

@@ -457,23 +457,15 @@ class LayerGroup:
         """
         if self.page_size is not None and page_size != self.page_size:
             raise ValueError(f"page_size={page_size!r} differs from the group's {self.page_size}")
-        if self.kind is GroupKind.STATE and self.state_heads > 1:
+        if self.kind is GroupKind.STATE:
+            one = self.state_heads == 1  # one latent row, else heads of K and V halves
             return KVSpec(
                 num_layers=len(self.layers),
                 num_kv_heads=self.state_heads,
-                head_dim=self.head_words // 2,
+                head_dim=self.head_words if one else self.head_words // 2,
                 dtype="float32",
                 page_size=1,
-                shard=shard,
-            )
-        if self.kind is GroupKind.STATE:
-            return KVSpec(
-                num_layers=len(self.layers),
-                num_kv_heads=1,
-                head_dim=self.slot_words,
-                dtype="float32",
-                page_size=1,
-                mla=True,
+                mla=one,
                 shard=shard,
             )
         return KVSpec(

@@ -165,7 +165,7 @@ class HiCache:
         if cfg.load_overlap:
             raise ValueError("load_overlap=True with window groups is not supported yet")
         if cfg.mesh is not None:  # slots split over heads shard as pages: the mesh must divide
-            axis = cfg.shard_axis or cfg.mesh.axis_names[0]
+            axis = cfg.shard_axis  # (HiCacheConfig resolves it with a mesh)
             size = cfg.mesh.shape[axis]
             for i, g in enumerate(spec.groups):
                 if g.kind is GroupKind.STATE and g.state_heads > 1 and g.state_heads % size:

@@ -86,32 +86,28 @@ def pack_state(group: LayerGroup, arrays: Sequence[Any]) -> jax.Array:
     (its ``h``-th slice along ``head_axis``; an array without one, its ``h``-th share of
     words) back to back, split in two halves. Traceable."""
     h = group.state_heads
-    if h == 1:
-        parts = [_words(jnp.asarray(x), 2) for x in arrays]  # each [n, L, w_a]
-        rows = jnp.concatenate(parts, axis=-1) if len(parts) > 1 else parts[0]
-        n, layers, words = rows.shape
-        return jnp.transpose(rows, (1, 0, 2)).reshape(layers, 1, n, 1, 1, words)
-    parts = []
+    parts = []  # each [n, L, H, w_a]
     for a, x in zip(group.state, arrays, strict=True):
         x = jnp.asarray(x)
         n, layers = x.shape[:2]
-        if a.head_axis is None:
+        if a.head_axis is None or h == 1:
             w = _words(x, 2)  # [n, L, W]
             each = a.head_words(h)
-            w = jnp.pad(w, [(0, 0), (0, 0), (0, h * each - w.shape[-1])])
+            if h * each > w.shape[-1]:
+                w = jnp.pad(w, [(0, 0), (0, 0), (0, h * each - w.shape[-1])])
             parts.append(w.reshape(n, layers, h, each))
         else:
             x = jnp.moveaxis(x, a.head_axis + 2, 2)
-            per = math.prod(a.shape) // h
-            parts.append(_words(x.reshape(n, layers, h, per), 3))  # [n, L, H, w_a]
+            parts.append(_words(x.reshape(n, layers, h, math.prod(a.shape) // h), 3))
     rows = jnp.concatenate(parts, axis=-1) if len(parts) > 1 else parts[0]
-    pad = group.head_words - rows.shape[-1]
-    if pad:
-        rows = jnp.pad(rows, [(0, 0)] * 3 + [(0, pad)])
+    words = group.head_words
+    if words > rows.shape[-1]:
+        rows = jnp.pad(rows, [(0, 0)] * 3 + [(0, words - rows.shape[-1])])
     n, layers = rows.shape[:2]
-    half = group.head_words // 2
-    rows = rows.reshape(n, layers, h, 2, half)
-    return jnp.transpose(rows, (1, 3, 0, 2, 4)).reshape(layers, 2, n, 1, h, half)
+    if h == 1:  # one latent row a layer
+        return jnp.transpose(rows[:, :, 0], (1, 0, 2)).reshape(layers, 1, n, 1, 1, words)
+    rows = rows.reshape(n, layers, h, 2, words // 2)
+    return jnp.transpose(rows, (1, 3, 0, 2, 4)).reshape(layers, 2, n, 1, h, words // 2)
 
 
 def _from_bytes(b: jax.Array, dtype: Any, lead: tuple[int, ...]) -> jax.Array:
@@ -130,25 +126,18 @@ def unpack_state(group: LayerGroup, bits: jax.Array) -> tuple[jax.Array, ...]:
     layers, n = bits.shape[0], bits.shape[2]
     if bits.dtype != jnp.uint32:
         bits = lax.bitcast_convert_type(bits, jnp.uint32)
-    h = group.state_heads
-    out, at = [], 0
+    h, words = group.state_heads, group.head_words
     if h == 1:
-        rows = jnp.transpose(bits.reshape(layers, n, bits.shape[-1]), (1, 0, 2))  # [n, L, words]
-        for a in group.state:
-            w = -(-a.nbytes // 4)
-            b = lax.bitcast_convert_type(rows[:, :, at : at + w], jnp.uint8)
-            b = b.reshape(n, layers, 4 * w)[:, :, : a.nbytes]
-            out.append(_from_bytes(b, a.dtype, (n, layers)).reshape(n, layers, *a.shape))
-            at += w
-        return tuple(out)
-    half = group.head_words // 2
-    rows = jnp.transpose(bits.reshape(layers, 2, n, h, half), (2, 0, 3, 1, 4))
-    rows = rows.reshape(n, layers, h, group.head_words)  # [n, L, H, head_words]
+        rows = jnp.transpose(bits.reshape(layers, n, 1, words), (1, 0, 2, 3))
+    else:
+        rows = jnp.transpose(bits.reshape(layers, 2, n, h, words // 2), (2, 0, 3, 1, 4))
+        rows = rows.reshape(n, layers, h, words)  # [n, L, H, head_words]
+    out, at = [], 0
     for a in group.state:
         w = a.head_words(h)
         part = rows[:, :, :, at : at + w]
         at += w
-        if a.head_axis is None:
+        if a.head_axis is None or h == 1:
             b = lax.bitcast_convert_type(part.reshape(n, layers, h * w), jnp.uint8)
             b = b.reshape(n, layers, 4 * h * w)[:, :, : a.nbytes]
             out.append(_from_bytes(b, a.dtype, (n, layers)).reshape(n, layers, *a.shape))
