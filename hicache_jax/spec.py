@@ -285,10 +285,16 @@ def pattern_state(
 
 #: A Qwen3-Next-like Gated DeltaNet layer's state (per layer: a width-4 convolution over the
 #: q, k, v channels, 16 + 16 key heads and 32 value heads of 128; a 32 x 128 x 128 recurrent
-#: state), float32: what ``--layer-pattern R3:F1`` assumes without ``--state``.
+#: state), float32: what ``--layer-pattern R3:F1`` assumes without ``--state``. The conv
+#: state is one array per projection, each with its heads' axis named, as a tensor-parallel
+#: model splits q, k and v by heads apart (one array over their concatenated channels could
+#: not be split so): slots split into ``gcd(16, 16, 32, 32)`` = 16 head parts, 3 x 8192 +
+#: 32 x 128 x 128 words in all, as one conv array of 8192 channels.
 QWEN3_NEXT_STATE = (
-    StateArray("conv", (3, 8192), "float32"),
-    StateArray("ssm", (32, 128, 128), "float32"),
+    StateArray("conv_q", (3, 16, 128), "float32", head_axis=1),
+    StateArray("conv_k", (3, 16, 128), "float32", head_axis=1),
+    StateArray("conv_v", (3, 32, 128), "float32", head_axis=1),
+    StateArray("ssm", (32, 128, 128), "float32", head_axis=0),
 )
 
 

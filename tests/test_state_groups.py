@@ -279,6 +279,22 @@ def test_slots_split_over_heads_keep_each_heads_part_in_its_head():
 # ----------------------------------------------------------------------------- KV events
 
 
+def test_the_default_recurrent_state_is_split_over_qwen3_next_heads():
+    """``--layer-pattern R3:F1`` without ``--state`` (``QWEN3_NEXT_STATE``) names every
+    array's heads, so a tensor-parallel mesh of up to 16 devices shards its slots: 16 parts,
+    the same words as one conv array of 8192 channels beside the recurrent state."""
+    from hicache_jax.spec import QWEN3_NEXT_STATE, pattern_state
+
+    assert pattern_state("R3:F1", None) == QWEN3_NEXT_STATE
+    assert all(a.head_axis is not None for a in QWEN3_NEXT_STATE)
+    group = KVSpec.from_pattern(
+        "R3:F1", num_layers=4, num_kv_heads=2, head_dim=8, page_size=16, state=QWEN3_NEXT_STATE
+    ).window_groups[0]
+    assert group.state_heads == 16
+    assert group.slot_words == 3 * 8192 + 32 * 128 * 128
+    assert group.slot_words == group.state_heads * group.head_words
+
+
 def test_state_group_events_are_vllms_mamba_kind():
     """vLLM names a MambaSpec group (Mamba, linear attention, GDN) ``"mamba"`` and announces
     the blocks holding a state: here one BlockStored per page holding a checkpoint, under the
