@@ -270,8 +270,9 @@ def scenario_l3_miss(jax, pid: int, n: int, args: list[str]) -> dict:
 def scenario_l3_windows(jax, pid: int, n: int, args: list[str]) -> dict:
     """Window groups with L3, every process's cache over its own ``file://`` store (args: a
     directory): two prompts put to both, evicted from L1 and L2; process 1's store loses the
-    window group entry of one prompt's last page: on every process that prompt is cut back
-    after its prefetch (the group reads' landed pages are agreed), the other is served whole."""
+    window group entry of one prompt's last page: on every process that prompt is not fetched
+    (each lookup's cut back to the deepest end its store serves is agreed), the other is
+    served whole."""
     import pathlib
 
     import numpy as np

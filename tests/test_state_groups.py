@@ -338,8 +338,8 @@ def _l3_cache(url: str, **cfg) -> HiCache:
 def test_checkpoint_evicted_from_l1_and_l2_is_fetched_back_from_l3_bit_exact(
     tmp_path, monkeypatch, backend
 ):
-    """Put with its page (the node end's only: a spare one is never put), evicted from both
-    local tiers, prefetched and loaded back: the checkpoint reads back bit-exact."""
+    """Put with its page (every checkpoint, the spare one inside the node too), evicted from
+    both local tiers, prefetched and loaded back: the checkpoint reads back bit-exact."""
     if backend == "file":
         url = f"file://{tmp_path / 'store'}"
     else:  # the example backend (examples/memory_storage.py), loaded by module path
@@ -349,7 +349,7 @@ def test_checkpoint_evicted_from_l1_and_l2_is_fetched_back_from_l3_bit_exact(
     _insert(cache, TOKS, [12, 24])
     cache.flush()
     s = cache.stats()
-    assert s["l3_window_put_pages"] == s["l3_window_put_pages_stored"] == 1  # the end's only
+    assert s["l3_window_put_pages"] == s["l3_window_put_pages_stored"] == 2  # 12 and 24
     cache.evict(24)
     cache.evict_host(24)
     assert cache.stats()["state_device_used_slots"] == cache.stats()["state_host_used_slots"] == 0
@@ -368,6 +368,29 @@ def test_checkpoint_evicted_from_l1_and_l2_is_fetched_back_from_l3_bit_exact(
         assert h is not None and h.wait() == 6
         assert _served(fresh, TOKS) == 24
         fresh.close()
+
+
+def test_a_fresh_cache_is_served_from_the_deepest_checkpoint_l3_holds(tmp_path):
+    """Another cache on the same store (a restart, a second server) serving a prompt that
+    leaves the stored one inside its node: the lookup fetches the pages up to the deepest
+    checkpoint L3 holds (an interior one: every checkpoint is put), not beyond it, and the
+    prefix there is served bit-exact; a prompt with no checkpoint in L3 fetches nothing."""
+    url = f"file://{tmp_path / 'store'}"
+    a = _l3_cache(url)
+    _insert(a, TOKS, [8, 16, 24])  # the node's end and two interior checkpoints
+    a.flush()
+    assert a.stats()["l3_window_put_pages_stored"] == 3
+    a.close()
+    b = _l3_cache(url)
+    leave = np.concatenate([TOKS[:20], np.arange(8) + 900])  # 5 pages shared: 16 the deepest
+    h = b.prefetch(leave)
+    assert h is not None and h.wait() == 4  # page 5 (no checkpoint at its end) not fetched
+    assert b.stats()["l3_window_unservable_pages"] == 1
+    assert _served(b, leave) == 16
+    none = np.concatenate([TOKS[:4], np.arange(20) + 900])  # 1 page shared: no checkpoint
+    assert b.prefetch(none) is None
+    assert _served(b, none) == 0
+    b.close()
 
 
 def test_slots_split_over_heads_on_a_mesh_read_back_exact_on_every_tier(tmp_path):

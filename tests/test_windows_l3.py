@@ -139,13 +139,37 @@ def _corrupt(root: str, spec: KVSpec, toks: np.ndarray, page: int, how: str) -> 
         shutil.copyfile(src[0], path)
 
 
-@pytest.mark.parametrize("how", ["missing", "wrong"])
-def test_prefix_whose_window_entries_are_missing_is_cut_back(store, how):
+def test_prefix_whose_window_entries_are_missing_is_fetched_to_the_deepest_servable_end(store):
+    """A lookup cuts what it fetches back to the deepest end whose window entries L3 holds:
+    the pages beyond it (which no continuation could read) are not fetched, and the shorter
+    prefix is served from L3 at once."""
     root, url = store
     spec = _spec()
     toks = _tokens(2, 10)
     _write(spec, url, toks[: 6 * PS], toks)  # window entries of pages 4, 5 and 8, 9
-    _corrupt(root, spec, toks, 9, how)
+    _corrupt(root, spec, toks, 9, "missing")
+    b = _cache(spec, url, prefetch_policy="wait_complete")
+    served = ServedKV(b)
+    h = b.prefetch(toks)
+    assert h is not None and h.wait() == 6  # page 9's window entry is gone: end at 6
+    m = b.match_prefix(toks)
+    assert m.device_len == 0 and m.host_len == 6 * PS
+    s = b.stats()
+    assert s["l3_prefetch_hit_pages"] == 6 and s["l3_window_unservable_pages"] == 4
+    assert s["l3_window_prefetch_hit_pages"] == 2 and s["l3_window_prefetch_missed_pages"] == 0
+    served.check()
+    assert served(toks) == 6 * PS  # served from L3 and exact
+    b.close()
+
+
+def test_prefix_whose_window_entries_are_corrupt_is_cut_back(store):
+    """An entry that exists but reads wrong is found only by the fetch: the fetched prefix is
+    cut back at the match (nothing wrong kept), and the shorter one is served from L3."""
+    root, url = store
+    spec = _spec()
+    toks = _tokens(2, 10)
+    _write(spec, url, toks[: 6 * PS], toks)  # window entries of pages 4, 5 and 8, 9
+    _corrupt(root, spec, toks, 9, "wrong")
     b = _cache(spec, url, prefetch_policy="wait_complete")
     served = ServedKV(b)
     h = b.prefetch(toks)
@@ -355,16 +379,17 @@ def test_random_requests_read_back_every_group_exact(
 
 def test_window_entries_one_process_misses_are_a_miss_on_every_process(tmp_path):
     """Two processes, each over its own store: process 1's store lacks a window group entry
-    of one prompt; that prompt is cut back on both, the other served from L3 on both."""
+    of one prompt; that prompt is fetched on neither (the lookup's cut back to the deepest
+    end every store serves is agreed), the other served from L3 on both."""
     from multiproc import launch
 
     out = launch("l3_windows", 2, str(tmp_path), timeout=90)
     assert all(o.result is not None and "error" not in o.result for o in out), out
     for o in out:
         r = o.result
-        assert r["cut"] == {"found": 8, "cached": 0}, r
+        assert r["cut"] == {"found": None, "cached": 0}, r
         assert r["whole"] == {"found": 8, "cached": 32}, r
-        assert (r["window_hits"], r["window_missed"]) == (2, 2), r
+        assert (r["window_hits"], r["window_missed"]) == (2, 0), r
 
 
 def test_storage_attached_at_run_time_puts_and_fetches_the_window_pages(store):

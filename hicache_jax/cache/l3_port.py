@@ -26,7 +26,7 @@ from hicache_jax.events.records import Medium
 from hicache_jax.memory.group import Group, LocalGroup
 from hicache_jax.memory.host_pool import HostPagePool
 from hicache_jax.memory.window import BRANCH_RANK, WindowPages, spare_rank
-from hicache_jax.spec import KVSpec
+from hicache_jax.spec import GroupKind, KVSpec
 from hicache_jax.tree.node import TreeMatch, TreeNode
 from hicache_jax.tree.radix import RadixTree
 
@@ -87,13 +87,18 @@ class WindowHostPages:
     def __init__(self, host: WindowPages) -> None:
         self._host = host
         self.groups = host.groups
+        self._state = [g.kind is GroupKind.STATE for g in host.groups]
         self.specs = tuple(p.local_spec for p in host.pools)
 
     def pages(self, g: int, host_ids: np.ndarray) -> np.ndarray:
-        # spare pages (no node end reads them) are never written to L3: none here; but a
-        # checkpoint at a branch point (spare of the top rank: a node end with children) is
-        # a node end's, which a later request diverging there reads
+        # spare window pages (no node end reads them) are never written to L3: none here.
+        # Every checkpoint is (a STATE group's spare ones too): a request diverging inside
+        # the node later, in this cache or another on the same store, is served from the
+        # deepest one L3 holds, where without them it would recompute from the root (one
+        # slot a checkpoint, taken every ``checkpoint_every_pages`` at most)
         w = self._host.attach[g, host_ids]
+        if self._state[g]:
+            return w.astype(np.int32)
         stamp = self._host.spare[g, host_ids]
         skip = (stamp > 0) & (spare_rank(stamp) < BRANCH_RANK)
         return np.where(skip, -1, w).astype(np.int32)

@@ -63,10 +63,10 @@ from hicache_jax.l3.storage import StorageError
 from hicache_jax.l3.windows import WindowedGet, WindowLane, WindowPart
 from hicache_jax.memory.allocator import PageAllocator
 from hicache_jax.memory.group import Group, LocalGroup
-from hicache_jax.spec import PrefetchPolicy
+from hicache_jax.spec import GroupKind, PrefetchPolicy
 from hicache_jax.tree.hashing import chain_digests
 from hicache_jax.tree.node import TreeNode
-from hicache_jax.tree.windows import kept_first_page
+from hicache_jax.tree.windows import kept_first_page, servable_pages
 
 _TIMEOUT_TOKENS = 1024  # the timeout policy's deadline grows by prefetch_timeout_s per this many
 
@@ -294,10 +294,14 @@ class Prefetcher:
             return after
         digests = chain_digests(prev, tokens[pos:].reshape(-1, ps))
         keys = self._names.keys(extra_key, digests)
-        found = int(self._group.agree_min("l3 exists", [leading(self._backend.exists(keys))])[0])
+        stored = leading(self._backend.exists(keys))
+        servable = self._servable(keys, pos, stored) if self._lanes and stored else stored
+        stored, found = (int(x) for x in self._group.agree_min("l3 exists", [stored, servable]))
         self._n["l3_lookup_pages"] += len(keys)
-        if found < len(keys):  # the store lacks this page: if announced, it left L3
-            self._port.events.l3_gone(tokens[: pos + (found + 1) * ps].reshape(-1, ps), extra_key)
+        if stored < len(keys):  # the store lacks this page: if announced, it left L3
+            self._port.events.l3_gone(tokens[: pos + (stored + 1) * ps].reshape(-1, ps), extra_key)
+        if found < stored:
+            self._n["l3_window_unservable_pages"] += stored - found
         if pos + found * ps <= covered:
             return after  # L3 has nothing beyond what L1 + L2 hold
         want = min(found, self._staging_alloc.num_free)
@@ -346,6 +350,29 @@ class Prefetcher:
         self._n["l3_prefetches"] += 1
         self._n["l3_prefetch_pages"] += k
         return handle
+
+    def _servable(self, keys: list[str], pos: int, stored: int) -> int:
+        """Of the ``stored`` pages from token ``pos`` that L3 holds (``keys``), how many end
+        at a prefix that L3 can serve with every window group: the deepest end whose pages a
+        continuation reads are all stored in each group's lane (a ``STATE`` group: the
+        checkpoint at that end; ``tree/windows.py``'s ``servable_pages``). Pages before
+        ``pos`` count as held (L1 + L2 hold them; a match cuts later where they do not). A
+        fetch then ends where a checkpoint is, not beyond the last one (whose pages alone
+        would serve nothing)."""
+        first = pos // self._ps
+        held = np.ones((len(self._lanes), first + stored), np.bool_)
+        for i, lane in enumerate(self._lanes):
+            if lane.group.kind is GroupKind.STATE:  # the checkpoints: any page may hold one
+                lo = first
+            else:  # a window group: what the deepest end reads (an earlier end reads less)
+                lo = max(first, kept_first_page(lane.group, (first + stored) * self._ps, self._ps))
+            have = np.asarray(lane.backend.exists(lane.keys(keys[lo - first : stored])), np.bool_)
+            held[i, lo:] = have
+            if lo > first and not have.all():  # an earlier end: its window, below lo too
+                more = np.asarray(lane.backend.exists(lane.keys(keys[: lo - first])), np.bool_)
+                held[i, first:lo] = more
+        groups = [lane.group for lane in self._lanes]
+        return max(0, servable_pages(held, groups, self._ps, first + stored) - first)
 
     def _window_get(self, full: Any, keys: list[str], pos: int, k: int) -> WindowedGet:
         """``full`` (the read of ``keys[:k]``, pages from token ``pos``) with each window

@@ -102,6 +102,7 @@ _WINDOW_STAT_NAMES = (
     "l3_window_prefetch_hit_pages",
     "l3_window_prefetch_missed_pages",
     "l3_window_prefetch_skipped_pages",
+    "l3_window_unservable_pages",
 )
 
 
