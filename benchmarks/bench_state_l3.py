@@ -1,0 +1,160 @@
+"""A second server on the same L3 store: what a recurrent hybrid serves from L3 that another
+cache put there, beside the same model's full-attention pages alone (ARCHITECTURE.md,
+"Recurrent state").
+
+Server A replays the first half of a Mooncake-format trace (default: benchmarks/data's
+``mooncake_synthetic_1000``; ``--limit`` N: its first N requests) with a ``file://`` store,
+write-through to L3; server B, a fresh cache on the same store, replays the second half, each
+request prefetched from L3 (waited for) before it begins. A 3:1 hybrid (``R3:F1``, a checkpoint of
+Qwen3-Next's size against its KV: :mod:`hicache_jax.replay.states`) writes checkpoints as the
+replay does (``cache.checkpoint_positions``, zeros). Three rows, each with its own store:
+
+- **every checkpoint** (the cache): every checkpoint a backup carries is put, and B's lookups
+  fetch up to the deepest one L3 holds;
+- **node ends only**: the put rule before (spare checkpoints inside a node not put; the lookup
+  unchanged), reproduced by patching the L3 port's page list: what the change gains;
+- **pages alone**: the same trace through a cache of the full-attention pages only (no state
+  group): the reference, every page boundary servable.
+
+Printed: B's tokens served from L3 (``l3_prefetch_hit_pages`` x page size, over B's prompt
+tokens) and B's hit ratio, each hybrid row over the reference. Capacities: L1 and L2 large
+enough to hold what they are given (the point is what L3 serves a cache that never saw the
+prompts).
+
+Usage: ``python -m benchmarks.bench_state_l3 [TRACE] [--limit N] [--json PATH]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import tempfile
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+
+from benchmarks.common import print_table, write_json
+from hicache_jax import HiCache, HiCacheConfig, KVSpec
+from hicache_jax.cache import l3_port
+from hicache_jax.memory.window import BRANCH_RANK, spare_rank
+from hicache_jax.replay.states import Checkpoints, state_spec
+from hicache_jax.study import load_trace
+
+NAME = "bench_state_l3"
+MODES = ("every checkpoint", "node ends only", "pages alone")
+
+
+@contextlib.contextmanager
+def _node_ends_only() -> Iterator[None]:
+    """The put rule before: spare checkpoints (inside a node) are not put to L3."""
+    cls = l3_port.WindowHostPages
+    every = cls.pages
+
+    def pages(self: Any, g: int, host_ids: np.ndarray) -> np.ndarray:
+        stamp = self._host.spare[g, host_ids]
+        skip = (stamp > 0) & (spare_rank(stamp) < BRANCH_RANK)
+        return np.where(skip, -1, every(self, g, host_ids)).astype(np.int32)
+
+    cls.pages = pages  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        cls.pages = every  # type: ignore[method-assign]
+
+
+def _serve(cache: HiCache, requests: list[Any], prefetch: bool) -> tuple[int, int]:
+    """Replay ``requests`` one at a time (checkpoints written as the replay writes them);
+    (prompt tokens, hit tokens)."""
+    ps = cache.spec.page_size
+    ckpt = Checkpoints(cache) if cache.spec.state_groups else None
+    prompt = hit = 0
+    for req in requests:
+        tokens = req.tokens()
+        tokens = tokens[: tokens.shape[0] // ps * ps]
+        prompt += tokens.shape[0]
+        if prefetch:
+            h = cache.prefetch(tokens)
+            if h is not None:
+                h.wait()
+        with cache.begin(tokens) as r:
+            hit += r.cached_len
+            r.extend(tokens.shape[0] - r.cached_len)
+            if ckpt is not None:
+                ckpt.write(r, tokens)
+            cache.flush()
+            r.finish(tokens)
+        cache.flush()
+    return prompt, hit
+
+
+def run(trace: Any, spec: KVSpec, mode: str) -> dict[str, Any]:
+    """Server A on the first half, server B (fresh, same store) on the second."""
+    ps = spec.page_size
+    half = len(trace.requests) // 2
+    pages = sum(r.tokens().shape[0] // ps for r in trace.requests) + 64
+    with tempfile.TemporaryDirectory() as root:
+        cfg = HiCacheConfig(
+            device_pages=pages,
+            host_pages=pages,
+            storage=f"file://{root}",
+            write_through_threshold=1,
+            prefetch_policy="wait_complete",
+            state_device_slots=pages if spec.state_groups else None,
+            state_host_slots=pages if spec.state_groups else None,
+        )
+        ctx = _node_ends_only() if mode == "node ends only" else contextlib.nullcontext()
+        with ctx:
+            a = HiCache(spec, cfg)
+            _serve(a, trace.requests[:half], prefetch=False)
+            a.flush()
+            a.close()
+            b = HiCache(spec, cfg)
+            prompt, hit = _serve(b, trace.requests[half:], prefetch=True)
+            st = b.stats()
+            b.close()
+    return {
+        "mode": mode,
+        "prompt_tokens": prompt,
+        "hit_ratio": hit / prompt if prompt else 0.0,
+        "l3_ratio": st["l3_prefetch_hit_pages"] * ps / prompt if prompt else 0.0,
+        "l3_unservable_pages": st.get("l3_window_unservable_pages", 0),
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("trace", nargs="?", default="mooncake_synthetic_1000")
+    p.add_argument("--limit", type=int, default=None, help="first N requests (default: all)")
+    p.add_argument("--json")
+    a = p.parse_args(argv)
+    trace = load_trace(a.trace, block_size=512, limit=a.limit)
+    hybrid = state_spec("R3:F1", 512)
+    plain = KVSpec(num_layers=1, num_kv_heads=1, head_dim=1, dtype="float32", page_size=512)
+    rows = [run(trace, plain if m == "pages alone" else hybrid, m) for m in MODES]
+    ref = rows[-1]
+    print(
+        f"{trace.path}: {len(trace.requests)} requests; server A the first half, server B "
+        "(fresh, the same file:// store) the second, prefetching each prompt from L3"
+    )
+    print_table(
+        ["put rule", "B from L3", "B hit ratio", "L3 / pages alone", "hit / pages alone",
+         "L3 pages not fetched"],
+        [
+            [
+                r["mode"],
+                f"{r['l3_ratio']:.4f}",
+                f"{r['hit_ratio']:.4f}",
+                f"{r['l3_ratio'] / ref['l3_ratio']:.3f}" if ref["l3_ratio"] else "-",
+                f"{r['hit_ratio'] / ref['hit_ratio']:.3f}" if ref["hit_ratio"] else "-",
+                r["l3_unservable_pages"],
+            ]
+            for r in rows
+        ],
+        title="a second server on the same L3 store (R3:F1, 512-token pages)",
+    )  # fmt: skip
+    write_json(a.json, NAME, {"trace": a.trace, "limit": a.limit}, {"rows": rows})
+
+
+if __name__ == "__main__":
+    main()
