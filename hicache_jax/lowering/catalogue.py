@@ -433,8 +433,7 @@ def _fused_programs(
     n_max = min(device_pages, host_pages)
     progs = []
     for plan in sorted({index_len(n) for n in range(1, n_max + 1)}):
-        ids, moved = _i32(3, plan), min(plan, n_max)
-        plans = tuple(_i32(3, plan) for _ in specs[1:])
+        plans, moved = _i32(len(specs), 3, plan), min(plan, n_max)
         nbytes = moved * sum(sp.page_bytes for sp in specs)
         for op, fn, args in (
             ("fused_backup", backup, (bufs[0], tuple(bufs[1:]), pools[0], tuple(pools[1:]))),
@@ -445,7 +444,7 @@ def _fused_programs(
                     f"transfer.{op}[plan {plan}]",
                     f"transfer.{op}",
                     fn,
-                    (*args, ids, plans),
+                    (*args, plans),
                     {},
                     True,
                     shapes,

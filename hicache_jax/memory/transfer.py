@@ -93,9 +93,6 @@ def transfer_fns(
     return backup, copy_fn(**load, num_layers=num_layers), copy_fn(**load, num_layers=1)
 
 
-_EMPTY = np.zeros(0, np.int32)
-
-
 class TransferKind(str, enum.Enum):
     BACKUP = "backup"  # device -> host
     LOAD = "load"  # host -> device
@@ -300,40 +297,52 @@ class TransferEngine:
         return host_pool.sharding, host_pool.device_sharding
 
     def _window_plans(
-        self, handle: TransferHandle, src: np.ndarray, dst: np.ndarray, to_host: bool, length: int
-    ) -> list[np.ndarray]:
-        """The window groups' part of a transfer of full-attention pages ``src -> dst``: for
-        each group, fresh destination pages for the source pages that hold one (those a node
-        end reads first, then spare ones, where there is room), attached there, and the plan
-        of their copy, ``length`` long (an empty plan where none)."""
+        self, handle: TransferHandle, src: np.ndarray, dst: np.ndarray, to_host: bool, plan: Any
+    ) -> np.ndarray:
+        """The window groups' part of a transfer of full-attention pages ``src -> dst`` (of
+        copy plan ``plan``): for each group, fresh destination pages for the source pages that
+        hold one (those a node end reads first, then spare ones, where there is room),
+        attached there, and the plan of their copy, as long as ``plan`` (an empty plan where
+        none); ``int32 [1 + groups, 3, L]``: ``plan`` first, then each group's (what the
+        fused copy takes)."""
         assert self._windows is not None
         dev, host = self._windows
         src_side, dst_side = (dev, host) if to_host else (host, dev)
         dst_side.detach(dst)  # (fresh pages hold none; a caller's ids might)
-        plans = []
+        length = plan.shape[1]
+        plans = np.zeros((1 + len(self._window_loads), 3, length), np.int32)
+        plans[0] = plan
         for g in range(len(self._window_loads)):
             w = src_side.attach[g, src]
             on = w >= 0
-            sel: np.ndarray = _EMPTY
-            taken: np.ndarray = _EMPTY
-            if on.any():
-                spare = src_side.spare[g, src] > 0
-                if spare.any():  # the pages a node end reads first, then spare ones
-                    kept = np.flatnonzero(on & ~spare)
-                    sel = np.concatenate([kept, np.flatnonzero(on & spare)])
-                else:
-                    kept = sel = np.flatnonzero(on)
-                taken = dst_side.take(g, sel.size)
-                if taken.size < sel.size:
-                    # (counted: pages a node end reads; spare ones are not copied, silently)
-                    self.window_pages_dropped += max(0, int(kept.size - taken.size))
-                    sel = sel[: taken.size]
-                dst_side.attach[g, dst[sel]] = taken
-                if sel.size > kept.size:  # spare there too, of the same rank
-                    rest = sel[kept.size :]
-                    dst_side.mark_spare(g, dst[rest], spare_rank(src_side.spare[g, src[rest]]))
-                handle.nbytes += int(taken.size) * dev.pools[g].spec.page_bytes
-            plans.append(copy_plan(taken, w[sel], length=length))  # (none: zero trips)
+            n_on = int(np.count_nonzero(on))
+            if not n_on:
+                continue
+            stamps = src_side.spare[g, src]
+            spare = stamps > 0  # (spare pages are attached ones)
+            n_spare = int(np.count_nonzero(spare))
+            if n_spare:  # the pages a node end reads first, then spare ones
+                sel = np.concatenate([np.flatnonzero(on & ~spare), np.flatnonzero(spare)])
+            elif n_on < w.size:
+                sel = np.flatnonzero(on)
+            else:  # (every page holds one, none spare: the common case, no index)
+                sel = None
+            kept = n_on - n_spare
+            taken = dst_side.take(g, n_on)
+            if taken.size < n_on:
+                # (counted: pages a node end reads; spare ones are not copied, silently)
+                self.window_pages_dropped += max(0, kept - int(taken.size))
+                sel = (np.arange(n_on) if sel is None else sel)[: taken.size]
+            if not taken.size:
+                continue
+            d, s = (dst, w) if sel is None else (dst[sel], w[sel])
+            dst_side.attach[g, d] = taken
+            if taken.size > kept:  # spare there too, of the same rank
+                assert sel is not None
+                rest = sel[kept:]
+                dst_side.mark_spare(g, d[kept:], spare_rank(stamps[rest]), fresh=True)
+            handle.nbytes += int(taken.size) * dev.pools[g].spec.page_bytes
+            copy_plan(taken, s, length=length, out=plans[1 + g])
         return plans
 
     def agree_with(self, group: Any) -> None:
@@ -383,15 +392,14 @@ class TransferEngine:
                 handle._tokens.append(self.host_pool.run(fn, self.device_pool.array, plan))
             else:  # every group in one program
                 dev, host = self._windows
-                plans = self._window_plans(handle, d, h, True, plan.shape[1])
+                plans = self._window_plans(handle, d, h, True, plan)
                 handle._tokens.append(
                     self.host_pool.run_with(
                         host.pools,
                         self._fused[small][0],
                         self.device_pool.array,
                         tuple(p.array for p in dev.pools),
-                        plan,
-                        tuple(plans),
+                        plans,
                     )
                 )
         return self._track(handle)
@@ -433,15 +441,14 @@ class TransferEngine:
                 handle._tokens.append(self.device_pool.run(fn, self.host_pool.buffer, plan))
             else:  # every group in one program
                 dev, host = self._windows
-                plans = self._window_plans(handle, h, d, False, plan.shape[1])
+                plans = self._window_plans(handle, h, d, False, plan)
                 handle._tokens.append(
                     self.device_pool.run_with(
                         dev.pools,
                         self._fused[d.size <= self._inline_pages][1],
                         self.host_pool.buffer,
                         tuple(p.buffer for p in host.pools),
-                        plan,
-                        tuple(plans),
+                        plans,
                     )
                 )
         return self._track(handle)
@@ -451,7 +458,8 @@ class TransferEngine:
         waits them too)."""
         assert self._windows is not None
         dev, host = self._windows
-        for g, plan in enumerate(self._window_plans(handle, h, d, False, index_len(d.size))):
+        plans = self._window_plans(handle, h, d, False, np.zeros((3, index_len(d.size)), np.int32))
+        for g, plan in enumerate(plans[1:]):
             if plan[PLAN_META, 0]:
                 handle._window_tokens.append(
                     dev.pools[g].run(self._window_loads[g], host.pools[g].buffer, plan)

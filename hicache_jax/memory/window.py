@@ -128,20 +128,33 @@ class WindowPages:
         """Group ``g`` pages free or spare (what :meth:`take` can give)."""
         return self.pools[g].allocator.num_free + self._spare_n[g]
 
-    def mark_spare(self, g: int, anchor_ids: np.ndarray, rank: np.ndarray | None = None) -> int:
+    def mark_spare(
+        self,
+        g: int,
+        anchor_ids: np.ndarray,
+        rank: np.ndarray | None = None,
+        *,
+        fresh: bool = False,
+    ) -> int:
         """Group ``g``'s pages attached to ``anchor_ids`` become spare (those that were
         keep their stamp); how many became. ``rank`` (ints in ``[0, 64)``, one per id): spare
         pages of a lower rank are reclaimed first, oldest first within a rank (the stamp is
-        ``rank << RANK_SHIFT`` plus the marking's count; :func:`spare_rank` reads it back)."""
+        ``rank << RANK_SHIFT`` plus the marking's count; :func:`spare_rank` reads it back).
+        ``fresh``: the caller vouches that every id holds a page just attached (none spare),
+        as a transfer's destination does: no mask."""
         row = self.spare[g]
-        mask = (self.attach[g, anchor_ids] >= 0) & (row[anchor_ids] == 0)
-        sel = anchor_ids[mask]
+        if fresh:
+            mask = None
+            sel = anchor_ids
+        else:
+            mask = (self.attach[g, anchor_ids] >= 0) & (row[anchor_ids] == 0)
+            sel = anchor_ids[mask]
         if sel.size:
             self._stamp += 1
             stamp = np.int64(self._stamp)
-            row[sel] = (
-                stamp if rank is None else (rank[mask].astype(np.int64) << RANK_SHIFT) + stamp
-            )
+            if rank is not None:
+                rank = rank if mask is None else rank[mask]
+            row[sel] = stamp if rank is None else (rank.astype(np.int64) << RANK_SHIFT) + stamp
             self._spare_n[g] += int(sel.size)
         return int(sel.size)
 
@@ -169,6 +182,9 @@ class WindowPages:
 
     def detach(self, anchor_ids: np.ndarray) -> None:
         """Free every group page attached to ``anchor_ids`` (int32, distinct)."""
+        if len(self.pools) == 1:  # (every page an anchor frees passes here: kept lean)
+            self.detach_group(0, anchor_ids)
+            return
         if not (self.attach[:, anchor_ids] >= 0).any():  # (one check for every group)
             return
         for g in range(len(self.pools)):
@@ -179,13 +195,18 @@ class WindowPages:
         w = self.attach[g, anchor_ids]
         sel = w >= 0
         k = int(np.count_nonzero(sel))
-        if k:
-            self.pools[g].allocator.free(w[sel], validated=True)
-            gone = anchor_ids[sel]
-            self.attach[g, gone] = -1
-            if self._spare_n[g]:
-                row = self.spare[g]
-                was = gone[row[gone] > 0]
+        if not k:
+            return 0
+        gone = anchor_ids
+        if k < w.size:
+            w, gone = w[sel], anchor_ids[sel]
+        self.pools[g].allocator.free(w, validated=True)
+        self.attach[g, gone] = -1
+        if self._spare_n[g]:
+            row = self.spare[g]
+            stamps = row[gone]
+            if stamps.any():
+                was = gone[stamps > 0]
                 row[was] = 0
                 self._spare_n[g] -= int(was.size)
         return k
