@@ -1,27 +1,31 @@
-"""A second server on the same L3 store: what a recurrent hybrid serves from L3 that another
-cache put there, beside the same model's full-attention pages alone (ARCHITECTURE.md,
-"Recurrent state").
+"""A second server on the same L3 store: what a hybrid (recurrent or sliding-window layers)
+serves from L3 that another cache put there, beside the same model as all full-attention
+layers (ARCHITECTURE.md, "Recurrent state" and "Layer groups").
 
 Server A replays the first half of a Mooncake-format trace (default: benchmarks/data's
 ``mooncake_synthetic_1000``; ``--limit`` N: its first N requests) with a ``file://`` store,
 write-through to L3; server B, a fresh cache on the same store, replays the second half, each
-request prefetched from L3 (waited for) before it begins. A 3:1 hybrid (``R3:F1``, a checkpoint of
-Qwen3-Next's size against its KV: :mod:`hicache_jax.replay.states`) writes checkpoints as the
-replay does (``cache.checkpoint_positions``, zeros). Three rows, each with its own store:
+request prefetched from L3 (waited for) before it begins. Three rows, each with its own store:
 
-- **every checkpoint** (the cache): every checkpoint a backup carries is put, and B's lookups
-  fetch up to the deepest one L3 holds;
-- **node ends only**: the put rule before (spare checkpoints inside a node not put; the lookup
-  unchanged), reproduced by patching the L3 port's page list: what the change gains;
-- **pages alone**: the same trace through a cache of the full-attention pages only (no state
-  group): the reference, every page boundary servable.
+- ``--layer-pattern R3:F1`` (default; a checkpoint of Qwen3-Next's size against its KV:
+  :mod:`hicache_jax.replay.states`; checkpoints written as the replay writes them):
+  **every checkpoint** (the cache: every checkpoint a backup carries is put, and B's lookups
+  fetch up to the deepest one L3 holds); **node ends only** (the put rule before: spare
+  checkpoints inside a node not put, reproduced by patching the L3 port's page list);
+- a window pattern (``5:1``, ``--window`` 1024): **node ends only** (the default: the window
+  pages a node end reads) and **storage_window_spare** (``HiCacheConfig``: spare window pages
+  put too);
+- **all full**: the reference, every page boundary servable: the window pattern's model with
+  every layer full attention (its bytes the windows save), or the recurrent hybrid's
+  full-attention pages alone (its bytes what the checkpoints add to).
 
 Printed: B's tokens served from L3 (``l3_prefetch_hit_pages`` x page size, over B's prompt
-tokens) and B's hit ratio, each hybrid row over the reference. Capacities: L1 and L2 large
-enough to hold what they are given (the point is what L3 serves a cache that never saw the
-prompts).
+tokens) and B's hit ratio, each row over the reference, and the bytes A put to L3 over the
+reference's (what each rule costs the store). L1 and L2 are large enough to hold
+what they are given (the point is what L3 serves a cache that never saw the prompts).
 
-Usage: ``python -m benchmarks.bench_state_l3 [TRACE] [--limit N] [--json PATH]``.
+Usage: ``python -m benchmarks.bench_state_l3 [TRACE] [--layer-pattern R3:F1|5:1]
+[--window W] [--limit N] [--json PATH]``.
 """
 
 from __future__ import annotations
@@ -38,11 +42,12 @@ from benchmarks.common import print_table, write_json
 from hicache_jax import HiCache, HiCacheConfig, KVSpec
 from hicache_jax.cache import l3_port
 from hicache_jax.memory.window import BRANCH_RANK, spare_rank
-from hicache_jax.replay.states import Checkpoints, state_spec
+from hicache_jax.replay.states import Checkpoints, is_state_pattern, state_spec
+from hicache_jax.replay.windows import pattern_spec, window_page_bytes
 from hicache_jax.study import load_trace
 
 NAME = "bench_state_l3"
-MODES = ("every checkpoint", "node ends only", "pages alone")
+REFERENCE = "all full"
 
 
 @contextlib.contextmanager
@@ -89,7 +94,9 @@ def _serve(cache: HiCache, requests: list[Any], prefetch: bool) -> tuple[int, in
 
 
 def run(trace: Any, spec: KVSpec, mode: str) -> dict[str, Any]:
-    """Server A on the first half, server B (fresh, same store) on the second."""
+    """Server A on the first half, server B (fresh, same store) on the second; ``mode``: a
+    row's name ("node ends only" on a recurrent spec: the put rule before,
+    "storage_window_spare": the config flag on)."""
     ps = spec.page_size
     half = len(trace.requests) // 2
     pages = sum(r.tokens().shape[0] // ps for r in trace.requests) + 64
@@ -102,12 +109,15 @@ def run(trace: Any, spec: KVSpec, mode: str) -> dict[str, Any]:
             prefetch_policy="wait_complete",
             state_device_slots=pages if spec.state_groups else None,
             state_host_slots=pages if spec.state_groups else None,
+            storage_window_spare=mode == "storage_window_spare",
         )
-        ctx = _node_ends_only() if mode == "node ends only" else contextlib.nullcontext()
+        patch = mode == "node ends only" and bool(spec.state_groups)
+        ctx = _node_ends_only() if patch else contextlib.nullcontext()
         with ctx:
             a = HiCache(spec, cfg)
             _serve(a, trace.requests[:half], prefetch=False)
             a.flush()
+            put = a.stats()
             a.close()
             b = HiCache(spec, cfg)
             prompt, hit = _serve(b, trace.requests[half:], prefetch=True)
@@ -119,27 +129,51 @@ def run(trace: Any, spec: KVSpec, mode: str) -> dict[str, Any]:
         "hit_ratio": hit / prompt if prompt else 0.0,
         "l3_ratio": st["l3_prefetch_hit_pages"] * ps / prompt if prompt else 0.0,
         "l3_unservable_pages": st.get("l3_window_unservable_pages", 0),
+        # the bytes A put: full-attention pages, and the window / state groups' entries
+        "l3_bytes": put["l3_put_pages_stored"] * spec.page_bytes
+        + put.get("l3_window_put_pages_stored", 0) * _group_bytes(spec),
     }
+
+
+def _group_bytes(spec: KVSpec) -> int:
+    """Bytes of one entry of the spec's window or state group (one such group here)."""
+    if not spec.window_groups:
+        return 0
+    assert len(spec.window_groups) == 1, "one window or state group"
+    return window_page_bytes(spec)
 
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("trace", nargs="?", default="mooncake_synthetic_1000")
+    p.add_argument("--layer-pattern", default="R3:F1", help="R3:F1, or a window pattern")
+    p.add_argument("--window", type=int, default=1024, help="a window pattern's window")
     p.add_argument("--limit", type=int, default=None, help="first N requests (default: all)")
     p.add_argument("--json")
     a = p.parse_args(argv)
     trace = load_trace(a.trace, block_size=512, limit=a.limit)
-    hybrid = state_spec("R3:F1", 512)
-    plain = KVSpec(num_layers=1, num_kv_heads=1, head_dim=1, dtype="float32", page_size=512)
-    rows = [run(trace, plain if m == "pages alone" else hybrid, m) for m in MODES]
+    if is_state_pattern(a.layer_pattern):
+        hybrid = state_spec(a.layer_pattern, 512)
+        modes = ("every checkpoint", "node ends only")
+        layers = hybrid.num_layers  # the reference: its full-attention pages alone
+    else:
+        hybrid = pattern_spec(a.layer_pattern, a.window, 512)
+        modes = ("node ends only", "storage_window_spare")
+        layers = hybrid.total_layers  # the reference: every layer full attention
+    # one full-attention group of ``layers`` layers, 8 bytes a token each
+    full = KVSpec.from_pattern(
+        "full", num_layers=layers, num_kv_heads=1, head_dim=1, dtype="float32", page_size=512
+    )
+    rows = [run(trace, hybrid, m) for m in modes] + [run(trace, full, REFERENCE)]
     ref = rows[-1]
     print(
-        f"{trace.path}: {len(trace.requests)} requests; server A the first half, server B "
-        "(fresh, the same file:// store) the second, prefetching each prompt from L3"
+        f"{trace.path}: {len(trace.requests)} requests, {a.layer_pattern} "
+        f"({hybrid.describe_groups()}); server A the first half, server B (fresh, the same "
+        "file:// store) the second, prefetching each prompt from L3"
     )
     print_table(
-        ["put rule", "B from L3", "B hit ratio", "L3 / pages alone", "hit / pages alone",
-         "L3 pages not fetched"],
+        ["put rule", "B from L3", "B hit ratio", "L3 / all full", "hit / all full",
+         "L3 pages not fetched", "L3 bytes / all full"],
         [
             [
                 r["mode"],
@@ -148,12 +182,14 @@ def main(argv: list[str] | None = None) -> None:
                 f"{r['l3_ratio'] / ref['l3_ratio']:.3f}" if ref["l3_ratio"] else "-",
                 f"{r['hit_ratio'] / ref['hit_ratio']:.3f}" if ref["hit_ratio"] else "-",
                 r["l3_unservable_pages"],
+                f"{r['l3_bytes'] / ref['l3_bytes']:.3f}" if ref["l3_bytes"] else "-",
             ]
             for r in rows
         ],
-        title="a second server on the same L3 store (R3:F1, 512-token pages)",
+        title=f"a second server on the same L3 store ({a.layer_pattern}, 512-token pages)",
     )  # fmt: skip
-    write_json(a.json, NAME, {"trace": a.trace, "limit": a.limit}, {"rows": rows})
+    config = {"trace": a.trace, "limit": a.limit, "layer_pattern": a.layer_pattern}
+    write_json(a.json, NAME, config, {"rows": rows})
 
 
 if __name__ == "__main__":

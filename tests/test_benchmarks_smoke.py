@@ -48,7 +48,7 @@ RUNS = [
     ),
     ("bench_load_policy", ["--quick"], ["cost/better", "target cost/better <= 1.05"], []),
     ("bench_windows", ["--quick"], ["L1/formula", "target every tier within 5%"], []),
-    ("bench_state_l3", ["--limit", "10"], ["node ends only", "L3 / pages alone"], []),
+    ("bench_state_l3", ["--limit", "10"], ["node ends only", "L3 / all full"], []),
     (
         "bench_windows_control",
         ["--quick", "--limit", "60"],

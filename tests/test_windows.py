@@ -280,3 +280,6 @@ def test_settings_not_supported_with_window_groups_are_refused(tmp_path):
         HiCache(spec, HiCacheConfig(device_pages=8, load_policy="cost", load_overlap=True))
     with pytest.raises(ValueError, match="window_device_pages=0 must be >= 1"):
         HiCacheConfig(device_pages=8, window_device_pages=0)
+    for flag in ("window_spare", "storage_window_spare"):
+        with pytest.raises(TypeError, match=f"{flag}='yes' must be a bool"):
+            HiCacheConfig(device_pages=8, **{flag: "yes"})

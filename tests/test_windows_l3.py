@@ -188,6 +188,32 @@ def test_prefix_whose_window_entries_are_corrupt_is_cut_back(store):
     b.close(), c.close()
 
 
+@pytest.mark.parametrize("put_spare", [False, True])
+def test_spare_window_pages_in_l3_serve_a_prompt_leaving_a_stored_one_mid_node(store, put_spare):
+    """``storage_window_spare``: a second cache on the same store serves a prompt that leaves a
+    stored one inside its node from L3 (exact) only when the spare window pages were put; by
+    default L3 holds the node end's window alone, and nothing is fetched for that prompt."""
+    root, url = store
+    spec = _spec()
+    toks = _tokens(4, 10)
+    a = _cache(spec, url, storage_window_spare=put_spare)
+    ServedKV(a)(toks)
+    a.flush()
+    a.close()
+    assert len(_entries(root)["w0"]) == (10 if put_spare else 2)
+    b = _cache(spec, url, prefetch_policy="wait_complete")
+    served = ServedKV(b)
+    leave = np.concatenate([toks[: 6 * PS], _tokens(5, 3)])
+    h = b.prefetch(leave)
+    if put_spare:
+        assert h is not None and h.wait() == 6
+    else:
+        assert h is None and b.stats()["l3_window_unservable_pages"] == 6
+    assert served(leave) == (6 * PS if put_spare else 0)  # and what it served is exact
+    served.check()
+    b.close()
+
+
 def test_window_host_pool_short_leaves_the_fetched_prefix_unservable_from_host(store):
     _root, url = store
     spec = _spec()

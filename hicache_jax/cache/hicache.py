@@ -141,6 +141,7 @@ class HiCache:
             self._host,
             self._group,
             None if self._windows is None else self._windows.host,  # L3 puts and fetches them
+            cfg.storage_window_spare,
         )
         # NullL3Tier without storage; attach_storage / detach_storage swap the slot's tier
         # L3 holds this process's heads (all of them in one process), keyed by the shard

@@ -82,22 +82,23 @@ class WindowHostPages:
 
     Args:
         host: the host tier's window pages (``memory/window.py``).
+        put_spare: put the spare window pages too (``HiCacheConfig.storage_window_spare``).
     """
 
-    def __init__(self, host: WindowPages) -> None:
+    def __init__(self, host: WindowPages, put_spare: bool = False) -> None:
         self._host = host
         self.groups = host.groups
-        self._state = [g.kind is GroupKind.STATE for g in host.groups]
+        self._all = [put_spare or g.kind is GroupKind.STATE for g in host.groups]
         self.specs = tuple(p.local_spec for p in host.pools)
 
     def pages(self, g: int, host_ids: np.ndarray) -> np.ndarray:
-        # spare window pages (no node end reads them) are never written to L3: none here.
-        # Every checkpoint is (a STATE group's spare ones too): a request diverging inside
-        # the node later, in this cache or another on the same store, is served from the
-        # deepest one L3 holds, where without them it would recompute from the root (one
-        # slot a checkpoint, taken every ``checkpoint_every_pages`` at most)
+        # spare window pages (no node end reads them) are not written to L3 unless asked
+        # (``put_spare``). Every checkpoint is (a STATE group's spare ones too): a request
+        # diverging inside the node later, in this cache or another on the same store, is
+        # served from the deepest one L3 holds, where without them it would recompute from
+        # the root (one slot a checkpoint, taken every ``checkpoint_every_pages`` at most)
         w = self._host.attach[g, host_ids]
-        if self._state[g]:
+        if self._all[g]:
             return w.astype(np.int32)
         stamp = self._host.spare[g, host_ids]
         skip = (stamp > 0) & (spare_rank(stamp) < BRANCH_RANK)
@@ -130,6 +131,7 @@ class CacheL3Port:
         host: the cache's host pool.
         group: the cache's processes (the tier agrees store results through it).
         windows: the host tier's window pages (a spec with window groups), else None.
+        put_spare: put spare window pages to L3 too (``HiCacheConfig.storage_window_spare``).
 
     The L3 tier needs host pages (which may evict host pages) and host eviction tells the tier
     first (``storage_write_policy="write_back"``), so the two cannot both be given the other at
@@ -145,10 +147,11 @@ class CacheL3Port:
         host: HostPagePool,
         group: Group | None = None,
         windows: WindowPages | None = None,
+        put_spare: bool = False,
     ) -> None:
         self.spec, self.clock = spec, clock
         #: the window groups' host pages (None without window groups)
-        self.window_host = None if windows is None else WindowHostPages(windows)
+        self.window_host = None if windows is None else WindowHostPages(windows, put_spare)
         self.group = group if group is not None else LocalGroup()
         self._tree, self._host = tree, host
         self.events: NullRecorder | Recorder = NullRecorder()
