@@ -99,7 +99,7 @@ class PrefetchHandle:
     _deadline: float
     _after: PrefetchHandle | None = None  # fetches the pages right after this one's
     _next_page: np.ndarray | None = None  # the prompt's page after ``tokens``, which L3 did
-    #                                          not hold at issue (None: not known to be missing)
+    #     not hold at issue, or held beyond the deepest servable end (None: not known missing)
     _applied: int = 0  # pages attached to the tree (or given up) so far
     _closed: bool = False  # finished and its pages accounted for
     _timed_out: bool = False  # the timeout policy gave up waiting (its rest was cancelled)
