@@ -142,6 +142,7 @@ class DecoderModel:
         self.recurrent = recurrent_plan(cfg)
         self.cfg = cfg
         self.unroll_tokens = int(unroll_tokens)
+        self._zero_state: tuple[jax.Array, ...] | None = None
         self.params = init_params(cfg, seed) if params is None else params
         self.mesh, self.axis = mesh, axis
         if mesh is not None:
@@ -269,8 +270,11 @@ class DecoderModel:
 
     def zero_state(self) -> tuple[jax.Array, ...]:
         """A recurrent model's state at the start of a sequence (``(conv, ssm)``, each with a
-        leading axis of its recurrent layers)."""
-        return zero_state(self.cfg, len(self.cfg.recurrent_layers()))
+        leading axis of its recurrent layers). Built once (immutable arrays, never donated:
+        every sequence start and every padding row of a batch shares them)."""
+        if self._zero_state is None:
+            self._zero_state = zero_state(self.cfg, len(self.cfg.recurrent_layers()))
+        return self._zero_state
 
     def recurrent_chunk(self, page_size: int) -> int:
         """Tokens of a chunk of the recurrent layers' prefill (``recurrent_chunked``): the

@@ -10,6 +10,7 @@ weights stacked on a leading ``num_layers`` axis (what ``lax.scan`` in
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 from typing import Any
 
@@ -158,7 +159,11 @@ class ModelConfig:
         """The KVSpec of a cache holding this model's K/V in pages of ``page_size`` tokens:
         with a ``layer_pattern``, the grouped spec of ``KVSpec.from_pattern`` (its top-level
         fields describe the full-attention layers; a recurrent pattern's STATE group holds
-        :meth:`state_arrays`)."""
+        :meth:`state_arrays`). Built once per (config, page size): both are immutable, and a
+        recurrent engine asks for it at every step (its layers, its zero state)."""
+        return _kv_spec(self, page_size)
+
+    def _build_kv_spec(self, page_size: int) -> KVSpec:
         if (
             self.recurrent
             or self.layer_pattern
@@ -376,3 +381,8 @@ def load_params(cfg: ModelConfig, path: str) -> Params:
     else:
         raise ValueError(f"weights file {path!r}: extension must be .npz or .safetensors")
     return unflatten_params(cfg, flat)
+
+
+@functools.lru_cache(maxsize=64)
+def _kv_spec(cfg: ModelConfig, page_size: int) -> KVSpec:
+    return cfg._build_kv_spec(page_size)
