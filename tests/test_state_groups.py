@@ -462,6 +462,24 @@ def test_a_split_keeps_the_checkpoint_at_the_lower_nodes_end(tier):
     assert _served(cache, TOKS) == 24
 
 
+def test_a_branch_checkpoint_written_after_the_backup_reaches_the_host_copy():
+    """A backs up whole (no checkpoint at 12); B splits it there and writes the branch
+    point's checkpoint, which the tree's page takes: the node's host copy gets it too, so
+    once the device copies are evicted the prefix is still served from host, bit-exact."""
+    cache = _cache(write_policy="write_through", write_through_threshold=1)
+    _insert(cache, TOKS, [24])  # one node, backed up at once, its checkpoint at its end
+    assert cache.stats()["backups"] == 1
+    cache.flush()
+    b = np.concatenate([TOKS[:12], np.arange(12) + 900])
+    _insert(cache, b, [12, 24])  # splits A at 12; its checkpoint there becomes the tree's
+    cache.flush()
+    assert cache.stats()["window_host_pages_patched"] == 1
+    cache.evict(10_000)
+    assert cache.stats()["device_used_pages"] == 0
+    c = np.concatenate([TOKS[:12], np.arange(12) + 500])
+    assert _served(cache, c) == 12  # loaded back from host with the checkpoint at 12
+
+
 def test_a_split_at_a_spare_checkpoint_serves_at_once():
     """A checkpointed at 12 (interior: spare) and 24: a request diverging at 12 is served 12
     tokens from the spare checkpoint, which becomes the new node's end (no longer spare), and

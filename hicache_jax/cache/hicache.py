@@ -308,6 +308,7 @@ class HiCache:
             self._write.after_insert,
             self._caller_locks,
             self._windows,
+            lambda d, h: self._engine.backup(d, h, validated=True),
         )
         self._agreement = Agreement(
             self._group,

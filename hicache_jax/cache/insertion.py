@@ -37,6 +37,9 @@ class Insertion:
         windows: the window groups' rules (None without window groups): the tree's pages
             take a duplicate's window pages they lack, and each inserted node keeps only the
             window pages a continuation at its end reads.
+        copy_to_host: ``(device_ids, host_ids)``: copy those device pages over their node's
+            host copy (the transfer engine's backup, tracked by it): a backed-up node whose
+            device page took a window page or checkpoint its host copy lacks.
     """
 
     def __init__(
@@ -51,8 +54,10 @@ class Insertion:
         after_insert: Callable[[InsertResult, bool, bool], None],
         caller_locks: dict,
         windows: Windows | None = None,
+        copy_to_host: Callable[[np.ndarray, np.ndarray], Any] | None = None,
     ) -> None:
         self._ps, self._tree, self._device, self._owner = page_size, tree, device, owner
+        self._copy_to_host = copy_to_host
         self._events, self._n = events, counters
         self._validate, self._after_insert = validate_ids, after_insert
         self._caller_locks = caller_locks
@@ -80,9 +85,13 @@ class Insertion:
         dup = res.duplicate_pages
         if self._windows is not None:  # what the tree keeps of each window group
             held = self._events.group_snapshot(res)  # announced: what the trim changes
-            self._windows.before_free_duplicates(res, ids)
+            taken = self._windows.before_free_duplicates(res, ids)
             self._n["window_pages_trimmed"] += self._windows.after_insert(res)
-            self._events.group_changes(held)
+            stale_d, stale_h = self._windows.stale_host_copies(res, taken)
+            if stale_d.size and self._copy_to_host is not None:
+                self._copy_to_host(stale_d, stale_h)
+                self._n["window_host_pages_patched"] += int(stale_d.size)
+            self._events.group_changes(held)  # (the host pages' gains announced too)
         if dup.size:
             self._device.free(dup)
             self._owner.release(dup)

@@ -114,6 +114,7 @@ def _check_nodes(
 
 _COUNTED = (
     "window_pages_trimmed",
+    "window_host_pages_patched",
     "window_unservable_tokens",
     "match_tokens",
     "device_hit_tokens",

@@ -38,7 +38,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from hicache_jax.errors import HiCacheError
-from hicache_jax.memory.window import BRANCH_RANK, WindowPages
+from hicache_jax.memory.window import BRANCH_RANK, WindowPages, spare_rank
 from hicache_jax.spec import GroupKind, KVSpec
 from hicache_jax.tree.node import InsertResult, TreeMatch, TreeNode
 from hicache_jax.tree.windows import kept_first_page, servable_pages
@@ -169,15 +169,46 @@ class Windows:
             out.update(range((cached // step + 1) * step, end + 1, step))
         return sorted(out)
 
-    def before_free_duplicates(self, res: InsertResult, ids: np.ndarray) -> None:
+    def before_free_duplicates(self, res: InsertResult, ids: np.ndarray) -> np.ndarray:
         """Where a caller's page duplicates the tree's at a position and the tree's page lacks
-        a group's page, move the caller's there (before the duplicates are freed)."""
+        a group's page, move the caller's there (before the duplicates are freed). Returns
+        the tree's pages that may have taken one (empty: none did)."""
         if not res.duplicate_pages.size:
-            return
+            return _EMPTY
         tree_ids = _device_pages(res.existing_nodes)
         mine = ids[: tree_ids.size]
         dup = tree_ids != mine
-        self.device.adopt(tree_ids[dup], mine[dup])
+        return tree_ids[dup] if self.device.adopt(tree_ids[dup], mine[dup]) else _EMPTY
+
+    def stale_host_copies(
+        self, res: InsertResult, taken: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """``(device, host)`` page pairs of the inserted path's nodes on both tiers whose
+        device page took a group page (``taken``: :meth:`before_free_duplicates`) that a
+        continuation at the node's end reads and that the node's host copy lacks (it was
+        backed up before: a branch point's checkpoint written by a later request, a window
+        repaired after a split). Copied to host again, the pages carry it there; otherwise
+        evicting the device copy, which the backup makes cheap, would lose it on both tiers.
+        Call after :meth:`after_insert` (which marks what the node ends read)."""
+        if not taken.size:
+            return _EMPTY, _EMPTY
+        dev_out, host_out = [], []
+        for node in res.existing_nodes:
+            if node.value is None or node.host_value is None:
+                continue
+            sel = np.isin(node.value, taken)
+            if not sel.any():
+                continue
+            d, h = node.value[sel], node.host_value[sel]
+            stamps = self.device.spare[:, d]  # read by a node end: not spare, or a branch's
+            read = (stamps == 0) | (spare_rank(stamps) >= BRANCH_RANK)
+            need = (self.device.held(d) & read & ~self.host.held(h)).any(axis=0)
+            if need.any():
+                dev_out.append(d[need])
+                host_out.append(h[need])
+        if not dev_out:
+            return _EMPTY, _EMPTY
+        return np.concatenate(dev_out), np.concatenate(host_out)
 
     def after_insert(self, res: InsertResult) -> int:
         """Free, on both tiers, every group page of the inserted path's nodes that no
