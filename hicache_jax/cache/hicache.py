@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import threading
 import time
 from collections.abc import Callable, Hashable, Sequence
@@ -308,7 +309,7 @@ class HiCache:
             self._write.after_insert,
             self._caller_locks,
             self._windows,
-            lambda d, h: self._engine.backup(d, h, validated=True),
+            functools.partial(self._engine.backup, validated=True),
         )
         self._agreement = Agreement(
             self._group,

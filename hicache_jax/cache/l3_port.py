@@ -25,7 +25,7 @@ from hicache_jax.events.recorder import NullRecorder, Recorder
 from hicache_jax.events.records import Medium
 from hicache_jax.memory.group import Group, LocalGroup
 from hicache_jax.memory.host_pool import HostPagePool
-from hicache_jax.memory.window import BRANCH_RANK, WindowPages, spare_rank
+from hicache_jax.memory.window import WindowPages, read_by_node_end
 from hicache_jax.spec import GroupKind, KVSpec
 from hicache_jax.tree.node import TreeMatch, TreeNode
 from hicache_jax.tree.radix import RadixTree
@@ -100,9 +100,7 @@ class WindowHostPages:
         w = self._host.attach[g, host_ids]
         if self._all[g]:
             return w.astype(np.int32)
-        stamp = self._host.spare[g, host_ids]
-        skip = (stamp > 0) & (spare_rank(stamp) < BRANCH_RANK)
-        return np.where(skip, -1, w).astype(np.int32)
+        return np.where(read_by_node_end(self._host.spare[g, host_ids]), w, -1).astype(np.int32)
 
     def read_async(self, g: int, group_ids: np.ndarray) -> Any:
         return self._host.pools[g].read_async(group_ids)

@@ -38,7 +38,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from hicache_jax.errors import HiCacheError
-from hicache_jax.memory.window import BRANCH_RANK, WindowPages, spare_rank
+from hicache_jax.memory.window import BRANCH_RANK, WindowPages, read_by_node_end
 from hicache_jax.spec import GroupKind, KVSpec
 from hicache_jax.tree.node import InsertResult, TreeMatch, TreeNode
 from hicache_jax.tree.windows import kept_first_page, servable_pages
@@ -200,8 +200,7 @@ class Windows:
             if not sel.any():
                 continue
             d, h = node.value[sel], node.host_value[sel]
-            stamps = self.device.spare[:, d]  # read by a node end: not spare, or a branch's
-            read = (stamps == 0) | (spare_rank(stamps) >= BRANCH_RANK)
+            read = read_by_node_end(self.device.spare[:, d])
             need = (self.device.held(d) & read & ~self.host.held(h)).any(axis=0)
             if need.any():
                 dev_out.append(d[need])

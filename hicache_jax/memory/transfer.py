@@ -57,7 +57,6 @@ from hicache_jax.memory.page_copy import (
     copy_fn,
     copy_plan,
     fused_copy,
-    index_len,
     inline_copy,
     layer_plans,
 )
@@ -435,7 +434,7 @@ class TransferEngine:
                         self.device_pool.run(self._load_layer_fn, self.host_pool.buffer, layer_plan)
                     )
                 if self._windows is not None:  # the window groups once, beside layer 0
-                    self._load_windows_apart(handle, h, d)
+                    self._load_windows_apart(handle, h, d, plan)
             elif self._windows is None:
                 fn = self._load_inline if d.size <= self._inline_pages else self._load_fn
                 handle._tokens.append(self.device_pool.run(fn, self.host_pool.buffer, plan))
@@ -453,16 +452,17 @@ class TransferEngine:
                 )
         return self._track(handle)
 
-    def _load_windows_apart(self, handle: TransferHandle, h: np.ndarray, d: np.ndarray) -> None:
+    def _load_windows_apart(
+        self, handle: TransferHandle, h: np.ndarray, d: np.ndarray, plan: Any
+    ) -> None:
         """A layer-wise load's window groups: one copy per group (``wait_layer`` of any layer
         waits them too)."""
         assert self._windows is not None
         dev, host = self._windows
-        plans = self._window_plans(handle, h, d, False, np.zeros((3, index_len(d.size)), np.int32))
-        for g, plan in enumerate(plans[1:]):
-            if plan[PLAN_META, 0]:
+        for g, group_plan in enumerate(self._window_plans(handle, h, d, False, plan)[1:]):
+            if group_plan[PLAN_META, 0]:
                 handle._window_tokens.append(
-                    dev.pools[g].run(self._window_loads[g], host.pools[g].buffer, plan)
+                    dev.pools[g].run(self._window_loads[g], host.pools[g].buffer, group_plan)
                 )
 
     def _validate(self, device_ids: Any, host_ids: Any) -> tuple[np.ndarray, np.ndarray]:

@@ -24,7 +24,7 @@ from hicache_jax.errors import HiCacheError, OutOfPagesError
 from hicache_jax.memory.allocator import PageAllocator
 from hicache_jax.spec import LayerGroup
 
-__all__ = ["BRANCH_RANK", "RANK_SHIFT", "WindowPages", "spare_rank"]
+__all__ = ["BRANCH_RANK", "RANK_SHIFT", "WindowPages", "read_by_node_end", "spare_rank"]
 
 #: A spare page's stamp is ``rank << RANK_SHIFT`` plus the count of markings so far.
 RANK_SHIFT = 40
@@ -36,6 +36,12 @@ BRANCH_RANK = 63
 def spare_rank(stamps: np.ndarray) -> np.ndarray:
     """The ranks of spare stamps (``WindowPages.spare`` values > 0)."""
     return stamps >> RANK_SHIFT
+
+
+def read_by_node_end(stamps: np.ndarray) -> np.ndarray:
+    """Which of ``stamps`` (``WindowPages.spare`` values) mark pages a node end reads: not
+    spare, or a checkpoint at a branch point (spare of :data:`BRANCH_RANK`)."""
+    return (stamps == 0) | (spare_rank(stamps) >= BRANCH_RANK)
 
 
 class WindowPages:
