@@ -519,6 +519,56 @@ def test_a_match_with_a_host_part_holds_its_device_end_for_a_device_only_serve()
     cache.check_invariants()
 
 
+def _split_a_then_evict_its_tail(**cfg) -> HiCache:
+    """A (one node, its checkpoint at 24 only) backed up, split at 12 by a match, its lower
+    node (a leaf) evicted from device: device pages 0-12 whose end holds no checkpoint, then
+    host pages 12-24 ending at A's."""
+    cache = _cache(write_policy="write_through", write_through_threshold=1, **cfg)
+    _insert(cache, TOKS, [24])
+    cache.flush()
+    cache.match_prefix(np.concatenate([TOKS[:12], 700 + np.arange(12)]))  # splits A at 12
+    assert cache.evict(12) == 12
+    return cache
+
+
+def test_device_pages_past_the_last_checkpoint_are_served_with_the_host_part():
+    """The device part serves nothing alone (no checkpoint at 12): the Match's device part is
+    empty and its host part counts the 12 device tokens (resident, never copied) and the 12
+    on host; the load-back copies the 3 host pages (and the slot) only, and serves all 24
+    bit-exact (before, the host part was dropped with the device part: nothing served)."""
+    cache = _split_a_then_evict_its_tail()
+    m = cache.match_prefix(TOKS)
+    assert (m.device_len, m.host_len, m.resident_len) == (0, 24, 12)
+    assert m.device_pages.size == 0 and m.resident_pages.size == 3
+    moved = cache.stats()["bytes_to_device"]
+    lm = cache.load_back(m)
+    assert (lm.device_len, lm.host_len) == (24, 0)
+    np.testing.assert_array_equal(lm.device_pages[:3], m.resident_pages)
+    cache.flush()  # (counted when the copy completes; full-attention pages)
+    assert cache.stats()["bytes_to_device"] - moved == 3 * cache.spec.page_bytes
+    _same(cache.read_state(0, lm.device_pages[-1:]), _state(TOKS, [24]))
+    cache.check_invariants()
+
+
+@pytest.mark.parametrize("threshold", [PS, 16])
+def test_a_request_served_through_resident_pages_counts_each_tier(threshold):
+    """begin() of that prompt: loaded (threshold 4), 12 tokens were an L1 hit and 12 an L2
+    hit; declined (threshold 16 > the 12 host tokens), nothing is served (the device part
+    alone ends at no checkpoint) and all 24 matched tokens count as declined."""
+    cache = _split_a_then_evict_its_tail(load_back_threshold=threshold)
+    with cache.begin(np.concatenate([TOKS, [1, 2]])) as req:
+        sv = req.served
+        if threshold == PS:
+            assert (req.cached_len, req.loaded_len, req.host_len_declined) == (24, 12, 0)
+            assert (sv.device_tokens, sv.host_tokens, sv.recomputed_tokens) == (12, 12, 2)
+            _same(cache.read_state(0, req.device_pages[5:6]), _state(TOKS, [24]))
+        else:
+            assert (req.cached_len, req.loaded_len, req.host_len_declined) == (0, 0, 24)
+            assert (sv.device_tokens, sv.host_tokens, sv.recomputed_tokens) == (0, 0, 26)
+        req.abort()
+    cache.check_invariants()
+
+
 # ----------------------------------------------------------------------------- random workloads
 
 

@@ -56,7 +56,14 @@ from hicache_jax.cache.match import (
 )
 from hicache_jax.cache.ownership import ALLOCATED, CALLERS, DevicePageOwners
 from hicache_jax.cache.removal import Removal
-from hicache_jax.cache.request import Request, Served, admit_matched, served_of
+from hicache_jax.cache.request import (
+    Request,
+    Served,
+    admit_matched,
+    declined_len,
+    loaded_len,
+    served_of,
+)
 from hicache_jax.cache.thread_owner import ThreadOwner, publishes
 from hicache_jax.cache.windows import Windows, group_load_bytes
 from hicache_jax.cache.write_policy import WriteContext, make_write_policy
@@ -362,19 +369,32 @@ class HiCache:
         self._complete(attach=True, sync=True)  # a request starts
         self._l3.before_match(arr, extra_key)
         tm = self._tree.match(arr, extra_key, validated=True)
-        if self._windows is not None:  # the longest prefix whose window pages are held
-            ntok = self._windows.servable_device(tm.device_pages)
-            if ntok == tm.device_len:  # the device part serves alone: the host part may add
-                ntok = self._windows.servable_match(tm)
-            if ntok < tm.device_len + tm.host_len:
-                self._n["window_unservable_tokens"] += tm.device_len + tm.host_len - ntok
-                tm = self._tree.match(arr[:ntok], extra_key, validated=True)
-            self._windows.hold(tm.device_pages, tm.host_nodes)
         self._n["match_tokens"] += arr.shape[0]
+        if self._windows is None:
+            self._n["device_hit_tokens"] += tm.device_len
+            self._n["host_hit_tokens"] += tm.host_len
+            return Match(
+                tm.device_pages,
+                tm.device_len,
+                tm.host_len,
+                node_ref(tm.node, tm.last_device_node),
+            )
+        # The longest servable prefix, and of it the part the device pages serve alone: the
+        # device part of the Match; device pages past it count in the host part (resident).
+        alone, whole = self._windows.split_match(tm)
+        if whole < tm.device_len + tm.host_len:
+            self._n["window_unservable_tokens"] += tm.device_len + tm.host_len - whole
+            tm = self._tree.match(arr[:whole], extra_key, validated=True)
+        self._windows.hold(tm.device_pages, tm.host_nodes, alone // self._ps)
         self._n["device_hit_tokens"] += tm.device_len
         self._n["host_hit_tokens"] += tm.host_len
         return Match(
-            tm.device_pages, tm.device_len, tm.host_len, node_ref(tm.node, tm.last_device_node)
+            tm.device_pages[: alone // self._ps],
+            alone,
+            whole - alone,
+            node_ref(tm.node, tm.last_device_node),
+            resident_len=tm.device_len - alone,
+            resident_pages=tm.device_pages[alone // self._ps :],
         )
 
     # -- admission (ARCHITECTURE.md, "A request's data flow") ---------------------------------
@@ -404,7 +424,13 @@ class HiCache:
         served = served_of(len(tokens), m, lm, self._page_bytes, self._ps, wait, back)
         self._count_served(served)
         return Request(
-            self, extra_key, lm, lm.device_len - m.device_len, overlap=copy, served=served
+            self,
+            extra_key,
+            lm,
+            loaded_len(m, lm),
+            overlap=copy,
+            served=served,
+            declined=declined_len(m, lm),
         )
 
     def _start_split(self, rule: CostRule, lm: Match) -> OverlapCopy | None:

@@ -9,7 +9,7 @@ holds the prefix now.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -50,6 +50,10 @@ class NodeRef:
         return f"NodeRef({self._node!r})"
 
 
+_NO_PAGES = np.zeros(0, np.int32)
+_NO_PAGES.flags.writeable = False
+
+
 @dataclass(frozen=True)
 class Match:
     """Result of :meth:`HiCache.match_prefix` / :meth:`HiCache.load_back`.
@@ -64,7 +68,8 @@ class Match:
         device_pages: int32 ``[device_len // page_size]`` device page ids of the L1 part, root
             first (a copy).
         device_len: tokens covered on device (a multiple of page_size).
-        host_len: further tokens available on host only (a multiple of page_size).
+        host_len: further tokens that only :meth:`HiCache.load_back` serves (a multiple of
+            page_size): those held on host only, and ``resident_len`` before them.
         node: opaque handle (:class:`NodeRef`) of the deepest matched node, for lock / unlock /
             load_back.
         load_handle: set only by ``load_back(m, layerwise=True)``: the transfer handle whose
@@ -74,6 +79,15 @@ class Match:
             loaded back for the match, those whose host copies an L3 prefetch brought in and
             that no load-back had served from before (the rest came from L2's own backups).
             0 otherwise.
+        resident_len: of ``host_len``, the leading tokens whose pages are on device already
+            (``resident_pages``): only with window or STATE groups (``KVSpec.window_groups``),
+            where the tree's device pages go on past the longest prefix they serve alone (a
+            recurrent group's checkpoint, or a window group's pages, are held at the end of
+            the host part, not at theirs). ``device_pages`` never includes them, so they always
+            serve alone; a load-back serves them, copying none; locking ``node`` protects
+            them. 0 otherwise.
+        resident_pages: int32 ``[resident_len // page_size]``: their device page ids, root
+            first (after ``device_pages``).
     """
 
     device_pages: np.ndarray
@@ -82,6 +96,8 @@ class Match:
     node: NodeRef
     load_handle: Any = None
     l3_len: int = 0
+    resident_len: int = 0
+    resident_pages: np.ndarray = field(default_factory=lambda: _NO_PAGES)
 
 
 def node_ref(node: TreeNode, anchor: TreeNode) -> NodeRef:

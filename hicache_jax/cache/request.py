@@ -100,6 +100,19 @@ class Served:
     load_wait_s: float
 
 
+def loaded_len(before: Match, after: Match) -> int:
+    """Tokens a load-back of ``before`` brought in (``after``: its result): what ``after``
+    holds on device past what ``before`` held there (``Match.resident_len`` included)."""
+    return max(0, after.device_len - before.device_len - before.resident_len)
+
+
+def declined_len(before: Match, after: Match) -> int:
+    """Tokens of ``before``'s match that its load-back (``after``) left off the device: its
+    host part when declined (and ``resident_len`` with it, where the device part was cut back
+    to what serves alone), none when loaded."""
+    return max(0, before.device_len + before.host_len - after.device_len)
+
+
 def served_of(
     prompt_tokens: int,
     before: Match,
@@ -111,7 +124,7 @@ def served_of(
 ) -> Served:
     """The :class:`Served` of a request whose prompt of ``prompt_tokens`` was matched as
     ``before`` and loaded back as ``after`` (``overlap_tokens``: a two-ended split's back)."""
-    device = min(before.device_len, after.device_len)
+    device = min(before.device_len + before.resident_len, after.device_len)
     l3 = after.l3_len
     host = after.device_len - device - l3 + overlap_tokens
     loaded = host + l3
@@ -204,6 +217,7 @@ class Request:
         *,
         overlap: OverlapCopy | None = None,
         served: Served | None = None,
+        declined: int | None = None,
     ) -> None:
         """A handle of ``match``, which the caller has loaded back and LOCKED (what
         :meth:`HiCache.begin` does; a scheduler with an admission plan of its own does the same
@@ -212,14 +226,16 @@ class Request:
         ``overlap``: a two-ended split's copy started for it (its pages become the request's
         own; :attr:`overlap` its span). ``served``: what admission measured (the cache's
         admission passes it); None: the figures ``match`` tells, its matched prefix taken as
-        the prompt and no wait (not counted in ``stats()``)."""
+        the prompt and no wait (not counted in ``stats()``). ``declined``: tokens of the
+        caller's match that the load-back did not serve (:func:`declined_len`); None:
+        ``match.host_len``."""
         self._cache, self._extra_key, self._ps = cache, extra_key, cache.spec.page_size
         self._node: NodeRef = match.node
         self._pages = np.asarray(match.device_pages, np.int32)
         self._own_from = self._pages.size  # pages before this index are the tree's (locked)
         self.cached_len = match.device_len
         self.loaded_len = loaded
-        self.host_len_declined = match.host_len
+        self.host_len_declined = match.host_len if declined is None else declined
         self.load_handle = match.load_handle
         self._len = match.device_len
         self._state = _State.OPEN
@@ -436,7 +452,7 @@ def admit_matched(
     served = [served_of(n, m, lm, page_bytes, ps, wait) for n, m, lm in zip(lens, matches, loaded)]
     cache.record_served(served)
     return [
-        Request(cache, k, lm, lm.device_len - m.device_len, served=sv)
+        Request(cache, k, lm, loaded_len(m, lm), served=sv, declined=declined_len(m, lm))
         for k, m, lm, sv in zip(keys, matches, loaded, served)
     ]
 

@@ -4,15 +4,15 @@ A spec with window groups (``KVSpec.window_groups``) keeps each group's pages at
 full-attention pages on each tier (:mod:`hicache_jax.memory.window`). This part owns the rules
 over the tree (ARCHITECTURE.md, "Layer groups"):
 
-- **Servable prefixes** (:meth:`Windows.servable_match`, :meth:`Windows.servable_device`):
+- **Servable prefixes** (:meth:`Windows.split_match`, :meth:`Windows.servable_device`):
   a matched prefix is cut back to the longest one whose window pages are held on the tier that
   serves each page (:func:`~hicache_jax.tree.windows.servable_pages`); never a prefix that
   would read a missing page, and never less than the deepest end that has them all (a missing
   page inside the window makes only the ends that read it unservable). A match's device part
-  serves alone (a caller may lock it without loading the host part): where it does not, the
-  match is its longest device prefix that does, and its host part is dropped. That happens
-  where a node was split at a point whose window pages were freed before, until a request
-  that recomputes them inserts (its pages fill the tree's, below).
+  (``Match.device_len``) serves alone (a caller may lock it without loading the host part):
+  where the tree's device pages go on past the longest prefix they serve alone (their end
+  holds no checkpoint, or lacks window pages; the host part's end has them), the pages past
+  it count in the host part (``Match.resident_len``: a load-back serves them, copying none).
 - **What the tree keeps** (:meth:`Windows.after_insert`): of a node's pages a group keeps only
   those a continuation at the node's end reads; the rest are freed on every tier as soon as
   the node enters the tree, so they are never backed up, written to L3 or loaded back. Where the
@@ -71,15 +71,6 @@ class Windows:
         self._ps = spec.page_size
 
     # -- servable prefixes -----------------------------------------------------------------
-    def servable_match(self, tm: TreeMatch) -> int:
-        """Tokens of the longest servable prefix of a tree match (device pages, then the host
-        chain), at most ``tm.device_len + tm.host_len``."""
-        held = self.device.held(tm.device_pages)
-        if tm.host_nodes:
-            host = np.concatenate([n.host_value for n in tm.host_nodes])
-            held = np.concatenate([held, self.host.held(host)], axis=1)
-        return servable_pages(held, self.groups, self._ps, held.shape[1]) * self._ps
-
     def servable_device(self, device_pages: np.ndarray) -> int:
         """Tokens of the longest servable prefix of ``device_pages`` (a prefix's device pages,
         root first) from the device tier alone."""
@@ -87,10 +78,9 @@ class Windows:
         return servable_pages(held, self.groups, self._ps, held.shape[1]) * self._ps
 
     def servable_peek(self, path: Sequence[tuple[TreeNode, int]]) -> tuple[int, int]:
-        """``(device, host)`` tokens :meth:`HiCache.match_prefix` would serve of a read-only
+        """``(device, host)`` tokens :meth:`HiCache.match_prefix` would return of a read-only
         descent (``RadixTree.peek_path``: nodes, root first, each with its tokens matched):
-        the longest servable prefix, its device part alone where that does not serve whole
-        (as ``match_prefix`` cuts it), changing nothing."""
+        ``Match.device_len`` and ``Match.host_len`` (:meth:`split_match`), changing nothing."""
         ps = self._ps
         dev: list[np.ndarray] = []
         host: list[np.ndarray] = []
@@ -102,21 +92,43 @@ class Windows:
                 host.append(node.host_value[: ntok // ps])
         dev_ids = np.concatenate(dev) if dev else _EMPTY
         held = self.device.held(dev_ids)
-        nd = servable_pages(held, self.groups, ps, held.shape[1])
-        if nd == dev_ids.size and host:
+        if host:
             held = np.concatenate([held, self.host.held(np.concatenate(host))], axis=1)
-            return dev_ids.size * ps, (
-                servable_pages(held, self.groups, ps, held.shape[1]) - nd
-            ) * ps
-        return nd * ps, 0
+        alone, whole = self._split(held, dev_ids.size)
+        return alone * ps, (whole - alone) * ps
 
-    def hold(self, device_pages: np.ndarray, host_nodes: Sequence[TreeNode] = ()) -> None:
+    def split_match(self, tm: TreeMatch) -> tuple[int, int]:
+        """``(alone, whole)``: tokens of the longest prefix of a tree match that its device
+        pages serve alone (no load-back), and of the longest servable prefix of it all; where
+        the host part adds nothing servable, ``whole == alone``."""
+        held = self.device.held(tm.device_pages)
+        if tm.host_nodes:
+            host = np.concatenate([n.host_value for n in tm.host_nodes])
+            held = np.concatenate([held, self.host.held(host)], axis=1)
+        alone, whole = self._split(held, tm.device_pages.size)
+        return alone * self._ps, whole * self._ps
+
+    def _split(self, held: np.ndarray, nd: int) -> tuple[int, int]:
+        """:meth:`split_match` in pages, of ``held`` (``WindowPages.held`` of a match's
+        device pages, ``nd`` of them, then its host pages)."""
+        alone = servable_pages(held[:, :nd], self.groups, self._ps, nd)
+        if held.shape[1] == nd:
+            return alone, alone
+        whole = servable_pages(held, self.groups, self._ps, held.shape[1])
+        return alone, (whole if whole > nd else alone)
+
+    def hold(
+        self,
+        device_pages: np.ndarray,
+        host_nodes: Sequence[TreeNode] = (),
+        alone: int | None = None,
+    ) -> None:
         """A match ends after ``device_pages`` then the pages of ``host_nodes`` (at a node end:
         the tree split there): the pages a continuation there reads are not spare any more, on
         the tier holding each, so making room for another request (which frees spare pages)
-        never takes them from under this one. With a host part, the device part's end too: a
-        caller may serve the device pages alone without loading the rest back (the match
-        serves there: ``servable_device``)."""
+        never takes them from under this one. With a host part, also those read at the end of
+        the match's first ``alone`` device pages (default: all of them), the prefix a caller
+        serves without loading the rest back (``Match.device_len``)."""
         if not self.spare:
             return
         host_pages = np.concatenate([n.host_value for n in host_nodes]) if host_nodes else _EMPTY
@@ -124,14 +136,15 @@ class Windows:
         if not nd + host_pages.size:
             return
         end = (nd + host_pages.size) * self._ps
+        alone = nd if alone is None else alone
         for g, group in enumerate(self.groups):
             first = kept_first_page(group, end, self._ps)
             if first < nd:
                 self.device.unmark_spare(g, device_pages[first:])
             self.host.unmark_spare(g, host_pages[max(0, first - nd) :])
-            if host_pages.size and nd:
-                alone = kept_first_page(group, nd * self._ps, self._ps)
-                self.device.unmark_spare(g, device_pages[alone:])
+            if host_pages.size and alone:
+                lo = kept_first_page(group, alone * self._ps, self._ps)
+                self.device.unmark_spare(g, device_pages[lo:alone])
 
     # -- caller pages and inserts ----------------------------------------------------------
     def attach_new(self, ids: np.ndarray) -> None:

@@ -351,7 +351,8 @@ class AdmissionPlan:
         False (nothing counted, nothing held) when it must wait."""
         ps = self.ledger.ps
         pages = -(-req.seq.shape[0] // ps)
-        dev = [] if m is None else m.device_pages.tolist()
+        # (the resident pages too: the match's lock holds them, a load-back serves them)
+        dev = [] if m is None else m.device_pages.tolist() + m.resident_pages.tolist()
         future = self.future + self.ledger.future_pages(req, pages)
         reserve = math.ceil(self.reserve * future)
         if self.admitted == 0:

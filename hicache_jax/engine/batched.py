@@ -388,9 +388,8 @@ class BatchedEngine:
                 cached = 0
                 if self.mode is not CacheMode.NONE:
                     m = self.cache.match_prefix(req.seq[:-1])
-                    cached = m.device_len + (
-                        m.host_len if m.host_len >= self.cache.cfg.load_back_threshold else 0
-                    )
+                    loads = m.host_len - m.resident_len >= self.cache.cfg.load_back_threshold
+                    cached = m.device_len + (m.host_len if loads else 0)
                     if shares_uncached(
                         req, cached, self.ps, self.prefilling + [c for c, _ in cands]
                     ):
@@ -430,7 +429,7 @@ class BatchedEngine:
                 layerwise=self._layer_waits,
                 prompt_lens=[r.seq.shape[0] - 1 for r, _ in cands],  # what was matched
             )
-        for k, ((req, m0), h) in enumerate(zip(cands, handles)):
+        for k, ((req, _), h) in enumerate(zip(cands, handles)):
             ok = budget > 0 and self._take_pages(req, h, checked=True)
             if budget > 0 and not ok:  # the plan counted pages the allocation did not find
                 self.counters["admission_plan_misses"] += 1
@@ -451,7 +450,9 @@ class BatchedEngine:
                 return
             if req.hits is None:  # the first admission's hits by tier (as the serial engine)
                 req.hits = (
-                    (0, 0, 0) if h is None else (m0.device_len, h.loaded_len, h.host_len_declined)
+                    (0, 0, 0)
+                    if h is None
+                    else (h.cached_len - h.loaded_len, h.loaded_len, h.host_len_declined)
                 )
             n = self._chunk(req, budget)
             if n:  # (else its first chunk goes next step: a recurrent model's whole chunks)

@@ -184,7 +184,8 @@ def load_chains(
 def _loaded_host_pages(before: Match, after: Match, page_size: int) -> np.ndarray:
     """The host pages of the nodes ``after``'s device prefix gained over ``before``'s (the
     loaded ones keep their host copies), deepest node first."""
-    tokens, node = after.device_len - before.device_len, after.node._anchor
+    tokens = after.device_len - before.device_len - before.resident_len
+    node = after.node._anchor
     parts = []
     while tokens > 0 and node.parent is not None:
         k = min(node.num_tokens, tokens) // page_size
