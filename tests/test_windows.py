@@ -194,6 +194,29 @@ def test_a_split_end_backs_off_then_is_filled_by_the_request_that_recomputes_it(
     assert serve(a) == 64
 
 
+def test_device_pages_whose_end_lacks_its_window_are_served_with_the_host_part():
+    """a backed up, split at 40 (whose window pages were freed), its lower node evicted to
+    host: the device pages 0-40 serve nothing alone, the host part's end (64) reads window
+    pages held on host. The match keeps it all (device part 0, the 40 device tokens resident
+    in the host part) and the request is served 64 tokens, bit-exact (before: 0)."""
+    spec = _spec(window=8)
+    cache = _cache(
+        spec, window_spare=False, write_policy="write_through", write_through_threshold=1
+    )
+    serve = ServedKV(cache)
+    a = np.arange(64)
+    serve(a)
+    cache.flush()
+    b = a.copy()
+    b[40:] += 1000
+    cache.match_prefix(b)  # splits a at 40
+    assert cache.evict(24) == 24
+    m = cache.match_prefix(a)
+    assert (m.device_len, m.host_len, m.resident_len) == (0, 64, 40)
+    assert serve(a) == 64
+    assert cache.stats()["served_device_tokens"] == 40
+
+
 def test_a_window_longer_than_any_prompt_is_full_attention():
     """Same hits, same occupancy as the plain spec of the full layers' shape."""
     rng = np.random.default_rng(0)
