@@ -1012,8 +1012,10 @@ class HiCacheConfig:
         write_through_threshold: backup once ``hit_count >= threshold``; None -> 1 for
             write_through, 2 for write_through_selective (unused by write_back).
         eviction: "lru" | "lfu" | "fifo" | "mru" | "filo" | "priority" | "slru".
-        load_back_threshold: tokens; host hits shorter than this are recomputed instead.
-        load_back_quota: tokens; host hits longer than this are declined (None: unlimited).
+        load_back_threshold: tokens; host hits (``Match.host_len``, resident pages included)
+            shorter than this are recomputed instead.
+        load_back_quota: tokens; host hits that would copy more tokens than this are declined
+            (None: unlimited).
         load_policy: "threshold" (the default: ``load_back_threshold`` / ``load_back_quota``) |
             "cost" (per request, the part of the host hit to load that the fitted cost model
             predicts fastest, the rest recomputed; see cache/loading/cost_model.py).

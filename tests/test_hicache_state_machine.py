@@ -359,6 +359,8 @@ class HiCacheMachine(RuleBasedStateMachine):
             if m2 is not m and (self.small_windows or self.state):
                 assert m2.host_len == 0  # then the prefix is cut where its device part serves
                 assert m2.device_len <= m.device_len + m.host_len
+            elif m2 is not m and m.resident_len and m2.device_len == m.device_len:
+                assert m2.host_len == 0  # declined (quota, no pages): the part that serves alone
             elif m2 is not m:
                 assert m2.device_len == m.device_len + m.host_len and m2.host_len == 0
                 if self.layerwise:

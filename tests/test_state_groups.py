@@ -550,21 +550,34 @@ def test_device_pages_past_the_last_checkpoint_are_served_with_the_host_part():
     cache.check_invariants()
 
 
-@pytest.mark.parametrize("threshold", [PS, 16])
+@pytest.mark.parametrize("threshold", [PS, 16, 28])
 def test_a_request_served_through_resident_pages_counts_each_tier(threshold):
-    """begin() of that prompt: loaded (threshold 4), 12 tokens were an L1 hit and 12 an L2
-    hit; declined (threshold 16 > the 12 host tokens), nothing is served (the device part
-    alone ends at no checkpoint) and all 24 matched tokens count as declined."""
+    """begin() of that prompt: loaded (threshold 4, or 16: the load serves the 12 resident
+    tokens with the 12 it copies, so it is weighed as 24, ``host_len``), 12 tokens were an L1
+    hit and 12 an L2 hit; declined (threshold 28), nothing is served (the device part alone
+    ends at no checkpoint) and all 24 matched tokens count as declined."""
     cache = _split_a_then_evict_its_tail(load_back_threshold=threshold)
     with cache.begin(np.concatenate([TOKS, [1, 2]])) as req:
         sv = req.served
-        if threshold == PS:
+        if threshold <= 24:
             assert (req.cached_len, req.loaded_len, req.host_len_declined) == (24, 12, 0)
             assert (sv.device_tokens, sv.host_tokens, sv.recomputed_tokens) == (12, 12, 2)
             _same(cache.read_state(0, req.device_pages[5:6]), _state(TOKS, [24]))
         else:
             assert (req.cached_len, req.loaded_len, req.host_len_declined) == (0, 0, 24)
             assert (sv.device_tokens, sv.host_tokens, sv.recomputed_tokens) == (0, 0, 26)
+        req.abort()
+    cache.check_invariants()
+
+
+def test_the_cost_rule_loads_a_chain_after_resident_pages_whole():
+    """The cost model prices a chain whose device prefix serves; after resident pages a part
+    would serve nothing and a decline recomputes them too: the chain is loaded whole (the
+    threshold rule's decision over ``host_len``), served bit-exact."""
+    cache = _split_a_then_evict_its_tail(load_policy="cost")
+    with cache.begin(TOKS) as req:
+        assert (req.cached_len, req.loaded_len) == (24, 12)
+        _same(cache.read_state(0, req.device_pages[-1:]), _state(TOKS, [24]))
         req.abort()
     cache.check_invariants()
 

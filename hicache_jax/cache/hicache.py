@@ -406,7 +406,7 @@ class HiCache:
         come at :meth:`Request.extend`, which raises ``OutOfPagesError`` when they cannot be
         had."""
         m = self.match_prefix(tokens, extra_key)
-        self.prepare([m], -(-len(tokens) // self._ps) - m.device_pages.size)
+        self.prepare([m], -(-len(tokens) // self._ps) - _held_pages(m))
         split = self._split_rule
         t0 = time.perf_counter()
         if split is None:
@@ -487,7 +487,7 @@ class HiCache:
         used, new, before = 0, 0, []
         for t, k in zip(prompts, keys):  # one by one: no hit counted beyond the first refused
             m = self.match_prefix(t, k)
-            own = -(-len(t) // self._ps) - m.device_pages.size
+            own = -(-len(t) // self._ps) - _held_pages(m)
             used += own + unprotected_device_pages(m.node, seen)
             if used > budget:
                 break
@@ -550,9 +550,11 @@ class HiCache:
 
         Returns:
             What holds the prefix of ``match.node`` now, on every path: loaded (``device_len``
-            grown, ``host_len == 0``), or nothing on host, or declined (fewer host tokens than
-            ``cfg.load_back_threshold``, more than ``cfg.load_back_quota``, no device pages):
-            ``match`` itself if still current, else a Match of the current state. No lock.
+            grown, ``host_len == 0``), or nothing on host, or declined (a ``host_len`` shorter
+            than ``cfg.load_back_threshold``, more host tokens to copy than
+            ``cfg.load_back_quota``, no device pages): ``match`` itself if still current, else
+            a Match of the current state (with ``resident_pages``: cut back to its device
+            part, which serves alone). No lock.
         """
         if not isinstance(match, Match) or not isinstance(match.node, NodeRef):
             raise TypeError(f"match must be a Match from match_prefix, got {type(match).__name__}")
@@ -1229,3 +1231,9 @@ def _slots(given: int | None, pages: int, page_bytes: int, slot_bytes: int) -> i
     if given is not None:
         return given
     return max(1, min(pages, max(8, pages * page_bytes // (4 * slot_bytes))))
+
+
+def _held_pages(m: Match) -> int:
+    """Device pages ``m`` holds already (its device part and resident pages): what admitting
+    it takes of the prompt's pages without allocating."""
+    return m.device_pages.size + m.resident_pages.size

@@ -420,7 +420,8 @@ class BatchedEngine:
             self.cache.prepare(
                 [m for _, m in cands],
                 sum(  # pages beyond the matches'
-                    -(-r.seq.shape[0] // self.ps) - m.device_pages.size for r, m in cands
+                    -(-r.seq.shape[0] // self.ps) - m.device_pages.size - m.resident_pages.size
+                    for r, m in cands
                 ),
             )
             handles = admit_matched(

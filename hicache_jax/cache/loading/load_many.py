@@ -16,7 +16,7 @@ Pure bookkeeping over the tree (no jax); the cache's thread only (it locks tree 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -64,16 +64,21 @@ def host_chain_after(node: TreeNode, claimed: set) -> list[TreeNode]:
 
 
 def _decide(
-    nodes: list[TreeNode], rule: Any, take: Callable[[int], np.ndarray] | None, page_size: int
+    nodes: list[TreeNode],
+    rule: Any,
+    take: Callable[[int], np.ndarray] | None,
+    page_size: int,
+    resident: Sequence[int],
 ) -> tuple[list, int]:
     """``([(node, chain, ids)], declined)``, ``chain`` the part of the node's host chain the
-    rule loads (its first nodes); ``take(pages)`` allocates (None: decide only)."""
+    rule loads (its first nodes); ``take(pages)`` allocates (None: decide only);
+    ``resident``: each match's ``Match.resident_len`` (what the rule weighs with its chain)."""
     claimed: set = set()
     out, declined = [], 0
     decide = rule.step()
-    for node in nodes:
+    for node, res in zip(nodes, resident):
         chain = host_chain_after(node, claimed)
-        j = decide(chain) if chain else 0
+        j = decide(chain, res) if chain else 0
         if not j:
             declined += bool(chain)
             continue
@@ -95,8 +100,10 @@ def take_chains(
     rule: Any,
     take: Callable[[int], np.ndarray],
     page_size: int,
+    resident: Sequence[int] | None = None,
 ) -> tuple[list[Accepted], int]:
-    """Decide every match's chain and allocate its device pages.
+    """Decide every match's chain and allocate its device pages (``resident``: each match's
+    ``Match.resident_len``, None: none).
 
     Every node is locked while pages are taken (eviction cannot reach a chain or its device
     ancestors); on return only the accepted loads' last nodes hold a lock (their load op's,
@@ -106,7 +113,8 @@ def take_chains(
         ``(accepted, declined)``: the accepted loads ``(last loaded node, chain, ids)`` in
         order, and how many chains were declined.
     """
-    out, declined = _decide(nodes, rule, None, page_size)
+    resident = [0] * len(nodes) if resident is None else resident
+    out, declined = _decide(nodes, rule, None, page_size, resident)
     if not out:  # nothing to load: no lock taken
         return out, declined
     for node in nodes:
@@ -125,7 +133,7 @@ def take_chains(
                 lo += k
             out = cut
         except OutOfPagesError:
-            out, declined = _decide(nodes, rule, take, page_size)
+            out, declined = _decide(nodes, rule, take, page_size, resident)
         keep = [node for node, chain, _ in out if chain[-1] is node]
         for node, chain, _ in out:
             if chain[-1] is not node:  # a partial load: its op locks its own last node
@@ -158,7 +166,12 @@ def load_chains(
     (``Match.l3_len``) how many of the tokens loaded for it came from host pages an L3
     prefetch filled (``fetched``, whose tags the load then removes)."""
     accepted, declined = take_chains(
-        tree, [node for _, node in resolved], rule=rule, page_size=page_size, take=take
+        tree,
+        [node for _, node in resolved],
+        rule=rule,
+        page_size=page_size,
+        take=take,
+        resident=[m.resident_len for m, _ in resolved],
     )
     counters["load_backs_declined"] += declined
     loaded, handle = np.zeros(0, np.int32), None

@@ -19,6 +19,7 @@ Pure bookkeeping over the tree (no jax); the cache's thread only.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 from hicache_jax.cache.loading.cost_model import CostModel, Fetch
 from hicache_jax.errors import HiCacheError
@@ -29,18 +30,22 @@ from hicache_jax.tree.radix import RadixTree
 
 __all__ = ["CostRule", "ThresholdRule", "make_rule"]
 
-Decide = Callable[[list[TreeNode]], int]
+#: ``decide(chain, resident)``: how many of the host ``chain``'s first nodes to load;
+#: ``resident``: tokens of device pages before the chain that only its load makes servable
+#: (``Match.resident_len``: window or STATE groups), served with it, copied by nothing.
+Decide = Callable[[list[TreeNode], int], int]
 
 
 class ThresholdRule:
-    """All of a chain of at least ``threshold`` (and at most ``quota``) tokens, else nothing."""
+    """All of a chain that serves at least ``threshold`` tokens (its own and the resident ones
+    before it: ``Match.host_len``) and loads at most ``quota``, else nothing."""
 
     def __init__(self, threshold: int, quota: int | None) -> None:
         self.threshold, self.quota = threshold, quota
 
-    def decide(self, chain: list[TreeNode]) -> int:
+    def decide(self, chain: list[TreeNode], resident: int = 0) -> int:
         ntok = sum(n.num_tokens for n in chain)
-        ok = ntok >= self.threshold and (self.quota is None or ntok <= self.quota)
+        ok = ntok + resident >= self.threshold and (self.quota is None or ntok <= self.quota)
         return len(chain) if ok else 0
 
     def step(self) -> Decide:
@@ -88,13 +93,17 @@ class CostRule:
     def step(self) -> Decide:
         left = [self.step_budget]
         free = [self.device.num_free]
-        self._decided = decided = {}  # chain root -> its Decision (None: fell back)
+        decided: dict[TreeNode, Any] = {}  # chain root -> its Decision (None: fell back)
+        self._decided = decided
         self.splits = {}
 
-        def decide(chain: list[TreeNode]) -> int:
+        def decide(chain: list[TreeNode], resident: int = 0) -> int:
             cap = self.max_tokens
             if left[0] is not None:
                 cap = left[0] if cap is None else min(cap, left[0])
+            if resident:  # (see below)
+                decided[chain[0]] = None
+                return whole(chain, resident, cap)
             ntok = self.model.plan(
                 [n.num_tokens for n in chain],
                 _cached_tokens(chain),
@@ -112,9 +121,21 @@ class CostRule:
             j = None if ntok is None else self._nodes_for(chain, ntok)  # may split chain[0]
             decided[chain[0]] = None if ntok is None else self.model.last_decision
             if j is None:
-                j = self.fallback.decide(chain)
-                if cap is not None and sum(n.num_tokens for n in chain) > cap:
-                    j = 0
+                return whole(chain, 0, cap)
+            return spend(chain, j)
+
+        def whole(chain: list[TreeNode], resident: int, cap: int | None) -> int:
+            """The threshold rule's decision, within the caps. Where resident device pages
+            come before the chain, only it: the model prices a chain whose device prefix
+            serves (a part loaded serves as far as it goes, a decline recomputes the chain),
+            while there a part serves only where its end holds what the resident pages lack,
+            and a decline recomputes them too."""
+            j = self.fallback.decide(chain, resident)
+            if cap is not None and sum(n.num_tokens for n in chain) > cap:
+                j = 0
+            return spend(chain, j)
+
+        def spend(chain: list[TreeNode], j: int) -> int:
             loaded = sum(n.num_tokens for n in chain[:j])
             pages = sum(n.num_pages for n in chain[:j])
             free[0] = max(0, free[0] - pages)
