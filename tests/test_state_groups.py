@@ -582,6 +582,35 @@ def test_the_cost_rule_loads_a_chain_after_resident_pages_whole():
     cache.check_invariants()
 
 
+def test_the_cost_rule_loads_a_part_only_as_far_as_a_checkpoint():
+    """A's 24 tokens on host, checkpoints at 8 and 24, split at 12; the cost rule may load 12
+    tokens at most (``max_load_tokens``). Once its link is measured (a first request's probe,
+    which serves nothing here), the model picks the node end at 12, which holds no
+    checkpoint: it loads 8 instead (2 pages, the node split there) and serves them bit-exact
+    (before: 3 pages copied for the same 8 tokens served)."""
+    cache = _cache(
+        write_policy="write_through", write_through_threshold=1, load_policy="cost",
+        max_load_tokens=12, prefill_cost=lambda n, c: float(n),  # a slow prefill: load
+    )  # fmt: skip
+    _insert(cache, TOKS, [8, 24])
+    cache.flush()
+    prompt = np.concatenate([TOKS, [1, 2]])
+    for probe in (True, False):
+        cache.evict(24)
+        if not probe:
+            cache.match_prefix(np.concatenate([TOKS[:12], 700 + np.arange(12)]))  # split at 12
+        moved = cache.stats()["bytes_to_device"]
+        with cache.begin(prompt) as req:
+            if not probe:
+                assert (req.cached_len, req.loaded_len) == (8, 8)
+                _same(cache.read_state(0, req.device_pages[1:2]), _state(TOKS, [8]))
+            req.abort()
+        cache.flush()
+        assert cache.stats()["cost_probes"] == 1
+    assert cache.stats()["bytes_to_device"] - moved == 2 * cache.spec.page_bytes
+    cache.check_invariants()
+
+
 # ----------------------------------------------------------------------------- random workloads
 
 

@@ -251,6 +251,8 @@ class HiCache:
             group_bytes=group_load_bytes(self.spec),
         )
         self._rule = make_rule(cfg, self._cost, dev, tree)
+        if isinstance(self._rule, CostRule) and self._windows is not None:
+            self._rule.servable = self._windows.load_end
         # load_overlap: begin() lets the cost rule pick two-ended splits (cache/loading/overlap.py)
         self._split_rule = (
             self._rule if cfg.load_overlap and isinstance(self._rule, CostRule) else None

@@ -117,6 +117,29 @@ class Windows:
         whole = servable_pages(held, self.groups, self._ps, held.shape[1])
         return alone, (whole if whole > nd else alone)
 
+    def load_end(self, chain: Sequence[TreeNode], ntok: int) -> int:
+        """Of a load of the first ``ntok`` tokens of the host ``chain`` (host-only nodes,
+        root first, after a device prefix), the longest that serves: tokens from the chain's
+        start to the deepest servable end within them (a checkpoint, and every window page a
+        continuation there reads, held on the tier of each page), 0 where none is past the
+        device prefix (loading any of it would serve nothing). For the cost rule, whose model
+        prices a load as serving as far as it goes."""
+        if not chain or ntok <= 0:
+            return 0
+        ps = self._ps
+        dev: list[np.ndarray] = []
+        node = chain[0].parent
+        while node is not None and node.parent is not None:
+            assert node.value is not None  # a host chain's prefix is device-resident
+            dev.append(node.value)
+            node = node.parent
+        dev_ids = np.concatenate(dev[::-1]) if dev else _EMPTY
+        host = np.concatenate([n.host_value for n in chain if n.host_value is not None])
+        held = np.concatenate([self.device.held(dev_ids), self.host.held(host)], axis=1)
+        limit = dev_ids.size + min(ntok // ps, host.size)
+        end = servable_pages(held, self.groups, ps, limit)
+        return max(0, end - dev_ids.size) * ps
+
     def hold(
         self,
         device_pages: np.ndarray,

@@ -89,6 +89,10 @@ class CostRule:
         # a split chain is declined in the tree and its front's tokens kept here
         self.overlap = False
         self.splits: dict[TreeNode, int] = {}
+        #: with window or STATE groups (``Windows.load_end``): of a load of a chain's first
+        #: ``ntok`` tokens, the longest that serves; a part the model picks is cut back to it
+        #: (not a probe: that one measures the link, serving or not)
+        self.servable: Callable[[list[TreeNode], int], int] | None = None
 
     def step(self) -> Decide:
         left = [self.step_budget]
@@ -104,6 +108,7 @@ class CostRule:
             if resident:  # (see below)
                 decided[chain[0]] = None
                 return whole(chain, resident, cap)
+            probes = self.model.n["cost_probes"]
             ntok = self.model.plan(
                 [n.num_tokens for n in chain],
                 _cached_tokens(chain),
@@ -118,6 +123,9 @@ class CostRule:
                 if left[0] is not None:
                     left[0] -= ntok
                 return 0
+            if ntok and self.servable is not None and self.model.n["cost_probes"] == probes:
+                # a part serves only as far as a servable end (a probe measures the link)
+                ntok = self.servable(chain, ntok)
             j = None if ntok is None else self._nodes_for(chain, ntok)  # may split chain[0]
             decided[chain[0]] = None if ntok is None else self.model.last_decision
             if j is None:
