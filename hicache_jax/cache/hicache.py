@@ -49,6 +49,7 @@ from hicache_jax.cache.match import (
     check_node,
     current,
     cut_to,
+    held_pages,
     is_stale,
     node_ref,
     revalidate,
@@ -408,7 +409,7 @@ class HiCache:
         come at :meth:`Request.extend`, which raises ``OutOfPagesError`` when they cannot be
         had."""
         m = self.match_prefix(tokens, extra_key)
-        self.prepare([m], -(-len(tokens) // self._ps) - _held_pages(m))
+        self.prepare([m], -(-len(tokens) // self._ps) - held_pages(m))
         split = self._split_rule
         t0 = time.perf_counter()
         if split is None:
@@ -489,7 +490,7 @@ class HiCache:
         used, new, before = 0, 0, []
         for t, k in zip(prompts, keys):  # one by one: no hit counted beyond the first refused
             m = self.match_prefix(t, k)
-            own = -(-len(t) // self._ps) - _held_pages(m)
+            own = -(-len(t) // self._ps) - held_pages(m)
             used += own + unprotected_device_pages(m.node, seen)
             if used > budget:
                 break
@@ -1233,9 +1234,3 @@ def _slots(given: int | None, pages: int, page_bytes: int, slot_bytes: int) -> i
     if given is not None:
         return given
     return max(1, min(pages, max(8, pages * page_bytes // (4 * slot_bytes))))
-
-
-def _held_pages(m: Match) -> int:
-    """Device pages ``m`` holds already (its device part and resident pages): what admitting
-    it takes of the prompt's pages without allocating."""
-    return m.device_pages.size + m.resident_pages.size

@@ -100,6 +100,12 @@ class Match:
     resident_pages: np.ndarray = field(default_factory=lambda: _NO_PAGES)
 
 
+def held_pages(match: Match) -> int:
+    """Device pages ``match`` holds already (its device part and resident pages): what
+    admitting it takes of its prompt's pages without allocating."""
+    return match.device_pages.size + match.resident_pages.size
+
+
 def node_ref(node: TreeNode, anchor: TreeNode) -> NodeRef:
     """A handle of ``node`` whose match saw ``anchor``'s device pages as they are now."""
     return NodeRef(node, anchor, anchor.device_epoch)

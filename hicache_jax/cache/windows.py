@@ -37,6 +37,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
+from hicache_jax.cache.match import path_pages
 from hicache_jax.errors import HiCacheError
 from hicache_jax.memory.window import BRANCH_RANK, WindowPages, read_by_node_end
 from hicache_jax.spec import GroupKind, KVSpec
@@ -127,14 +128,9 @@ class Windows:
         if not chain or ntok <= 0:
             return 0
         ps = self._ps
-        dev: list[np.ndarray] = []
-        node = chain[0].parent
-        while node is not None and node.parent is not None:
-            assert node.value is not None  # a host chain's prefix is device-resident
-            dev.append(node.value)
-            node = node.parent
-        dev_ids = np.concatenate(dev[::-1]) if dev else _EMPTY
-        host = np.concatenate([n.host_value for n in chain if n.host_value is not None])
+        assert chain[0].parent is not None  # (a host chain hangs below the root at least)
+        dev_ids = path_pages(chain[0].parent)  # (a host chain's prefix is device-resident)
+        host = np.concatenate([n.host_value for n in chain])
         held = np.concatenate([self.device.held(dev_ids), self.host.held(host)], axis=1)
         limit = dev_ids.size + min(ntok // ps, host.size)
         end = servable_pages(held, self.groups, ps, limit)

@@ -82,7 +82,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from hicache_jax.cache.hicache import HiCache
-from hicache_jax.cache.match import Match
+from hicache_jax.cache.match import Match, held_pages
 from hicache_jax.cache.request import Request, admit_matched, extend_many
 from hicache_jax.engine.batch_state import (
     AdmissionPlan,
@@ -388,8 +388,9 @@ class BatchedEngine:
                 cached = 0
                 if self.mode is not CacheMode.NONE:
                     m = self.cache.match_prefix(req.seq[:-1])
-                    loads = m.host_len - m.resident_len >= self.cache.cfg.load_back_threshold
-                    cached = m.device_len + (m.host_len if loads else 0)
+                    cached = m.device_len + (
+                        m.host_len if m.host_len >= self.cache.cfg.load_back_threshold else 0
+                    )
                     if shares_uncached(
                         req, cached, self.ps, self.prefilling + [c for c, _ in cands]
                     ):
@@ -420,8 +421,7 @@ class BatchedEngine:
             self.cache.prepare(
                 [m for _, m in cands],
                 sum(  # pages beyond the matches'
-                    -(-r.seq.shape[0] // self.ps) - m.device_pages.size - m.resident_pages.size
-                    for r, m in cands
+                    -(-r.seq.shape[0] // self.ps) - held_pages(m) for r, m in cands
                 ),
             )
             handles = admit_matched(

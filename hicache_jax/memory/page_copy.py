@@ -121,10 +121,9 @@ def copy_plan(
             stacked plans) instead of a new one.
     """
     n = dst_ids.size
-    if out is None:
-        plan = np.zeros((3, index_len(n) if length is None else length), np.int32)
-    else:
-        plan = out
+    plan = (
+        np.zeros((3, index_len(n) if length is None else length), np.int32) if out is None else out
+    )
     if n == 0:
         return plan  # zero trips
     plan[PLAN_DST, :n] = dst_ids

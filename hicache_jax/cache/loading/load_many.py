@@ -100,10 +100,10 @@ def take_chains(
     rule: Any,
     take: Callable[[int], np.ndarray],
     page_size: int,
-    resident: Sequence[int] | None = None,
+    resident: Sequence[int],
 ) -> tuple[list[Accepted], int]:
     """Decide every match's chain and allocate its device pages (``resident``: each match's
-    ``Match.resident_len``, None: none).
+    ``Match.resident_len``).
 
     Every node is locked while pages are taken (eviction cannot reach a chain or its device
     ancestors); on return only the accepted loads' last nodes hold a lock (their load op's,
@@ -113,7 +113,6 @@ def take_chains(
         ``(accepted, declined)``: the accepted loads ``(last loaded node, chain, ids)`` in
         order, and how many chains were declined.
     """
-    resident = [0] * len(nodes) if resident is None else resident
     out, declined = _decide(nodes, rule, None, page_size, resident)
     if not out:  # nothing to load: no lock taken
         return out, declined
