@@ -175,6 +175,26 @@ def test_spare_window_pages_serve_a_split_end_until_room_is_needed():
     assert serve(b) == 0  # a's pages 8, 9 were freed: the split end at 40 is not servable
 
 
+def test_spare_window_pages_go_so_that_the_ends_left_servable_thin_out_evenly():
+    # W 8 = 2 pages: page j is read by the ends j + 1 and j + 2 (pages from the root). Its
+    # reclaim rank is the larger trailing-zero count of the two, so the first pages taken
+    # leave every end at a multiple of 4 pages servable, then of 8, and so on.
+    spec = _spec(window=8)
+    a = np.arange(64)  # 16 pages: 14, 15 kept (its end reads them), 0 .. 13 spare
+    cache = _cache(spec, window_device_pages=18)
+    serve = ServedKV(cache)
+    serve(a)
+    serve(np.arange(2000, 2040))  # 10 pages: 2 free, 8 spare pages taken
+    assert cache.stats()["window_spare_reclaimed"] == 8
+    assert cache.stats()["evictions"] == 0
+    for cut, served in ((48, 48), (56, 48), (40, 32), (36, 32), (20, 16), (12, 0)):
+        b = a.copy()
+        b[cut:] += 1000
+        m = cache.match_prefix(b)
+        assert m.device_len == served, cut
+    assert cache.stats()["window_unservable_tokens"] > 0
+
+
 def test_a_split_end_backs_off_then_is_filled_by_the_request_that_recomputes_it():
     spec = _spec(window=8)
     cache = _cache(spec, window_spare=False)

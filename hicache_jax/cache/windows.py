@@ -40,7 +40,7 @@ import numpy as np
 from hicache_jax.cache.match import path_pages
 from hicache_jax.errors import HiCacheError
 from hicache_jax.memory.window import BRANCH_RANK, WindowPages, read_by_node_end
-from hicache_jax.spec import GroupKind, KVSpec
+from hicache_jax.spec import GroupKind, KVSpec, LayerGroup
 from hicache_jax.tree.node import InsertResult, TreeMatch, TreeNode
 from hicache_jax.tree.windows import kept_first_page, servable_pages
 
@@ -259,6 +259,9 @@ class Windows:
         (``spare``: kept while the group's pool has room, so a later split there still finds
         them); how many were dropped.
 
+        Spare window pages are taken in :func:`window_ranks` order, so that the ends left
+        servable inside a node thin out evenly.
+
         A ``STATE`` group's checkpoint at the end of a node with children is spare too: it
         serves only requests that branch exactly there, and losing it costs the recompute
         from the previous checkpoint (the request that does it checkpoints there again:
@@ -271,17 +274,23 @@ class Windows:
             k = max(0, kept_first_page(group, end, self._ps) - start_page)
             state = group.kind is GroupKind.STATE
             inner = state and bool(node.children)
-            rank = checkpoint_ranks(start_page, node.num_pages, inner) if state else None
+            if not self.spare:
+                for side, ids in ((self.device, node.value), (self.host, node.host_value)):
+                    if ids is not None and k:
+                        freed += side.detach_group(g, ids[:k])
+                continue
+            if state:
+                rank = checkpoint_ranks(start_page, node.num_pages, inner)
+            else:
+                rank = window_ranks(group, start_page, k, self._ps)
             for side, ids in ((self.device, node.value), (self.host, node.host_value)):
                 if ids is None:
                     continue
-                if inner and self.spare:  # see below
+                if inner:  # see below
                     freed += side.mark_spare(g, ids, rank)
-                elif self.spare:
-                    freed += side.mark_spare(g, ids[:k], None if rank is None else rank[:k])
+                else:
+                    freed += side.mark_spare(g, ids[:k], rank[:k])
                     side.unmark_spare(g, ids[k:])
-                elif k:
-                    freed += side.detach_group(g, ids[:k])
         return freed
 
     # -- eviction ------------------------------------------------------------------------
@@ -352,6 +361,35 @@ def checkpoint_ranks(start_page: int, num_pages: int, inner: bool) -> np.ndarray
     if inner and num_pages:
         rank[-1] = BRANCH_RANK
     return np.minimum(rank, BRANCH_RANK)
+
+
+def window_ranks(group: LayerGroup, start_page: int, num_pages: int, page_size: int) -> np.ndarray:
+    """The reclaim ranks of a window (or chunk) group's spare pages ``start_page ..
+    start_page + num_pages`` of a prefix, one per page: lower ranks go first. A page is read
+    by the continuations at the ends ``e`` (page counts from the root) from the next page's
+    start up to the last end whose window still reaches it; its rank is the largest ``ctz(e)``
+    among them, so as window pages run short the ends that stay servable thin out evenly, as
+    spare checkpoints do (:func:`checkpoint_ranks`): first every end that is not a multiple
+    of 2, then of 4, and so on. A request that diverges inside a node whose spare pages were
+    taken is then served up to the last surviving end before its branch point, at most one
+    spacing back, rather than back to the node's start."""
+    if num_pages <= 0:
+        return np.zeros(0, np.int64)
+    j = np.arange(start_page, start_page + num_pages, dtype=np.int64)
+    if group.kind is GroupKind.WINDOW:
+        assert group.window is not None
+        last = j + 1 + (group.window - 1) // page_size  # the last end whose window holds j
+    else:
+        assert group.kind is GroupKind.CHUNK and group.chunk is not None
+        # an end reads page j while the chunk boundary at or before it (chunk m) starts
+        # before page j's end: m <= ceil((j + 1) * page_size / chunk) - 1
+        c = group.chunk
+        m = -(-(j + 1) * page_size // c) - 1
+        last = np.maximum(j + 1, -(-(m + 1) * c // page_size) - 1)  # (j + 1: none reads j)
+    # the largest ctz over the ends j + 1 .. last: the highest bit where j and last differ
+    diff = j ^ last
+    rank = np.floor(np.log2(np.maximum(diff, 1).astype(np.float64))).astype(np.int64)
+    return np.minimum(rank, BRANCH_RANK - 1)
 
 
 def _depth_pages(node: TreeNode) -> int:
