@@ -60,7 +60,7 @@ class WindowPages:
             page, -1 where none.
         spare: int64 ``[len(groups), anchor.num_pages]``: > 0 where the attached group page is
             spare (no node end of the tree reads it: kept only while its pool has room, freed
-            first, oldest stamp first, when a group page is needed), else 0.
+            first, lowest stamp first: rank, then age, when a group page is needed), else 0.
     """
 
     def __init__(
@@ -173,7 +173,8 @@ class WindowPages:
             self._spare_n[g] -= int(sel.size)
 
     def reclaim(self, g: int, n: int) -> int:
-        """Free the ``n`` oldest spare pages of group ``g`` (fewer if fewer); how many."""
+        """Free group ``g``'s ``n`` spare pages of the lowest stamps (rank, then age; fewer
+        if fewer); how many."""
         ids = np.flatnonzero(self.spare[g]).astype(np.int32)
         if ids.size > n:
             ids = ids[np.argpartition(self.spare[g, ids], n - 1)[:n]]
