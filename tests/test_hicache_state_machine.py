@@ -18,7 +18,10 @@ Run for every write policy x {lru, lfu, slru} x page_size {1, 16}; longer with
 With ``state=True`` the model is hybrid (a recurrent layer's ``STATE`` group beside a full
 layer): every served prefix ends at the checkpoint taken there, and every slot the tree holds
 on either tier is the checkpoint taken at its page's end, its digest unchanged since taken
-(:class:`helpers.StateModel`); those runs are ``test_hicache_state_machine_state_slots``.
+(:class:`helpers.StateModel`); those runs are ``test_hicache_state_machine_state_slots``. With
+``state=True`` and a ``window`` the model has all three kinds (a sliding-window layer too, as
+Samba- or Hymba-style hybrids do): the window's pages and the checkpoints together
+(``test_hicache_state_machine_window_and_state``).
 """
 
 from __future__ import annotations
@@ -54,7 +57,14 @@ from helpers import (
     snapshot,
     tree_pages,
 )
-from hicache_jax import HiCacheConfig, HiCacheError, KVSpec, OutOfPagesError, StateArray
+from hicache_jax import (
+    HiCacheConfig,
+    HiCacheError,
+    KVSpec,
+    LayerGroup,
+    OutOfPagesError,
+    StateArray,
+)
 from hicache_jax.cache.hicache import HiCache
 from hicache_jax.cache.match import NodeRef
 from hicache_jax.cache.ownership import PageOwner
@@ -139,7 +149,24 @@ class HiCacheMachine(RuleBasedStateMachine):
         host_kind = ("small", "equal")[variant % 2]
         layerwise = variant % 3 == 0
         ps = self.page_size
-        if self.state:
+        if self.state and self.window is not None:  # window, recurrent and full layers
+            self.spec = KVSpec(
+                num_layers=1,
+                num_kv_heads=2,
+                head_dim=4,
+                dtype="bfloat16",
+                page_size=ps,
+                groups=(
+                    LayerGroup("full", (2,), 2, 4, "bfloat16"),
+                    LayerGroup("window", (0,), 2, 4, "bfloat16", window=self.window),
+                    LayerGroup(
+                        "state",
+                        (1,),
+                        state=(StateArray("conv", (3,), "bfloat16"), StateArray("ssm", (2, 2))),
+                    ),
+                ),
+            )
+        elif self.state:
             self.spec = KVSpec.from_pattern(
                 "R1:F1",
                 num_layers=2,
@@ -658,6 +685,41 @@ def test_hicache_state_machine_state_slots(write_policy, page_size, every, heads
         ),
     )
     cfg = settings(max_examples=60 if LONG else 6, stateful_step_count=40)
+    COVERAGE.clear()
+    STATE_RUN.clear()
+    run_state_machine_as_test(machine, settings=cfg)
+    assert COVERAGE["steps"] >= 60, COVERAGE
+    for key in ("backups", "load_backs", "window_pages_trimmed", "evictions"):
+        assert COVERAGE[key] > 0, f"the machine never exercised {key}: {dict(COVERAGE)}"
+    assert STATE_RUN["checkpoints"] > 0, STATE_RUN
+
+
+#: (write policy, page size, checkpoint_every_pages) of the runs with all three kinds.
+MIXED_RUNS = (
+    [(p, ps, e) for p in POLICIES for ps in (1, 4) for e in (0, 2)]
+    if LONG
+    else [("clean_ahead", 4, 2)]
+)
+
+
+@pytest.mark.parametrize("write_policy,page_size,every", MIXED_RUNS)
+def test_hicache_state_machine_window_and_state(write_policy, page_size, every):
+    """The hybrid machine with a sliding-window layer (W 20) beside the recurrent and the full
+    layer: a served prefix reads back the window pages its end reads and the checkpoint at
+    its end, on whichever tier served each; nothing leaked or mutated on either tier."""
+    machine = type(
+        f"HiCacheMixed_{write_policy}_{page_size}_{every}",
+        (HiCacheMachine,),
+        dict(
+            write_policy=write_policy,
+            eviction="lru",
+            page_size=page_size,
+            window=20,
+            state=True,
+            checkpoint_every=every,
+        ),
+    )
+    cfg = settings(max_examples=40 if LONG else 6, stateful_step_count=40)
     COVERAGE.clear()
     STATE_RUN.clear()
     run_state_machine_as_test(machine, settings=cfg)
