@@ -13,8 +13,9 @@ request prefetched from L3 (waited for) before it begins. Three rows, each with 
   fetch up to the deepest one L3 holds); **node ends only** (the put rule before: spare
   checkpoints inside a node not put, reproduced by patching the L3 port's page list);
 - a window pattern (``5:1``, ``--window`` 1024): **node ends only** (the default: the window
-  pages a node end reads) and **storage_window_spare** (``HiCacheConfig``: spare window pages
-  put too);
+  pages a node end reads), **every k pages** for each ``k`` of ``--spare-every`` (default 4,
+  8, 16: ``storage_window_spare=k``, the spare pages the ends at multiples of ``k`` pages
+  read put too) and **storage_window_spare** (``True``: every spare window page put too);
 - **all full**: the reference, every page boundary servable: the window pattern's model with
   every layer full attention (its bytes the windows save), or the recurrent hybrid's
   full-attention pages alone (its bytes what the checkpoints add to).
@@ -25,7 +26,7 @@ reference's (what each rule costs the store). L1 and L2 are large enough to hold
 what they are given (the point is what L3 serves a cache that never saw the prompts).
 
 Usage: ``python -m benchmarks.bench_state_l3 [TRACE] [--layer-pattern R3:F1|5:1]
-[--window W] [--limit N] [--json PATH]``.
+[--window W] [--spare-every 4,8,16] [--limit N] [--json PATH]``.
 """
 
 from __future__ import annotations
@@ -109,7 +110,7 @@ def run(trace: Any, spec: KVSpec, mode: str) -> dict[str, Any]:
             prefetch_policy="wait_complete",
             state_device_slots=pages if spec.state_groups else None,
             state_host_slots=pages if spec.state_groups else None,
-            storage_window_spare=mode == "storage_window_spare",
+            storage_window_spare=_spare(mode),
         )
         patch = mode == "node ends only" and bool(spec.state_groups)
         ctx = _node_ends_only() if patch else contextlib.nullcontext()
@@ -135,6 +136,16 @@ def run(trace: Any, spec: KVSpec, mode: str) -> dict[str, Any]:
     }
 
 
+def _spare(mode: str) -> bool | int:
+    """A row's ``storage_window_spare``: True for "storage_window_spare", ``k`` for "every k
+    pages", else False."""
+    if mode == "storage_window_spare":
+        return True
+    if mode.startswith("every "):
+        return int(mode.split()[1])
+    return False
+
+
 def _group_bytes(spec: KVSpec) -> int:
     """Bytes of one entry of the spec's window or state group (one such group here)."""
     if not spec.window_groups:
@@ -148,6 +159,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("trace", nargs="?", default="mooncake_synthetic_1000")
     p.add_argument("--layer-pattern", default="R3:F1", help="R3:F1, or a window pattern")
     p.add_argument("--window", type=int, default=1024, help="a window pattern's window")
+    p.add_argument(
+        "--spare-every",
+        default="4,8,16",
+        help="a window pattern's storage_window_spare spacings in pages (powers of two)",
+    )
     p.add_argument("--limit", type=int, default=None, help="first N requests (default: all)")
     p.add_argument("--json")
     a = p.parse_args(argv)
@@ -158,7 +174,8 @@ def main(argv: list[str] | None = None) -> None:
         layers = hybrid.num_layers  # the reference: its full-attention pages alone
     else:
         hybrid = pattern_spec(a.layer_pattern, a.window, 512)
-        modes = ("node ends only", "storage_window_spare")
+        every = [int(k) for k in a.spare_every.split(",") if k.strip()]
+        modes = ("node ends only", *(f"every {k} pages" for k in every), "storage_window_spare")
         layers = hybrid.total_layers  # the reference: every layer full attention
     # one full-attention group of ``layers`` layers, 8 bytes a token each
     full = KVSpec.from_pattern(

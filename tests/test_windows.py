@@ -326,3 +326,6 @@ def test_settings_not_supported_with_window_groups_are_refused(tmp_path):
     for flag in ("window_spare", "storage_window_spare"):
         with pytest.raises(TypeError, match=f"{flag}='yes' must be a bool"):
             HiCacheConfig(device_pages=8, **{flag: "yes"})
+    for bad in (0, 3, -4):  # an int: the spacing of the ends put, in pages
+        with pytest.raises(ValueError, match=f"storage_window_spare={bad} must be a power of two"):
+            HiCacheConfig(device_pages=8, storage_window_spare=bad)

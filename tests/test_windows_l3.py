@@ -214,6 +214,32 @@ def test_spare_window_pages_in_l3_serve_a_prompt_leaving_a_stored_one_mid_node(s
     b.close()
 
 
+@pytest.mark.parametrize("leave_at, served", [(8, 8), (7, 4), (6, 4), (5, 4), (3, 0)])
+def test_spare_window_pages_every_k_pages_in_l3_serve_up_to_the_last_such_end(
+    store, leave_at, served
+):
+    """``storage_window_spare=4``: of the spare window pages, only those the ends at multiples
+    of 4 pages read are put (W 8 = 2 pages: pages 2, 3 and 6, 7 of a 10-page prompt, besides
+    the node end's 8, 9), so a second cache serves a prompt leaving the stored one inside its
+    node from L3 up to the last such end before the point where it leaves (exact)."""
+    root, url = store
+    spec = _spec()
+    toks = _tokens(4, 10)
+    a = _cache(spec, url, storage_window_spare=4)
+    ServedKV(a)(toks)
+    a.flush()
+    a.close()
+    assert len(_entries(root)["w0"]) == 6
+    b = _cache(spec, url, prefetch_policy="wait_complete")
+    check = ServedKV(b)
+    leave = np.concatenate([toks[: leave_at * PS], _tokens(5, 3)])
+    h = b.prefetch(leave)
+    assert (h.wait() if h is not None else 0) == served
+    assert check(leave) == served * PS  # and what it served is exact
+    check.check()
+    b.close()
+
+
 def test_window_host_pool_short_leaves_the_fetched_prefix_unservable_from_host(store):
     _root, url = store
     spec = _spec()

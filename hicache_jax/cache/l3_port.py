@@ -25,7 +25,7 @@ from hicache_jax.events.recorder import NullRecorder, Recorder
 from hicache_jax.events.records import Medium
 from hicache_jax.memory.group import Group, LocalGroup
 from hicache_jax.memory.host_pool import HostPagePool
-from hicache_jax.memory.window import WindowPages, read_by_node_end
+from hicache_jax.memory.window import WindowPages, read_by_node_end, spare_rank
 from hicache_jax.spec import GroupKind, KVSpec
 from hicache_jax.tree.node import TreeMatch, TreeNode
 from hicache_jax.tree.radix import RadixTree
@@ -82,13 +82,19 @@ class WindowHostPages:
 
     Args:
         host: the host tier's window pages (``memory/window.py``).
-        put_spare: put the spare window pages too (``HiCacheConfig.storage_window_spare``).
+        put_spare: put the spare window pages too (``HiCacheConfig.storage_window_spare``):
+            True, all of them; an int ``k`` (a power of two), those the ends at multiples of
+            ``k`` pages read (their rank, ``cache/windows.py``'s ``window_ranks``, at least
+            ``log2 k``); False, none.
     """
 
-    def __init__(self, host: WindowPages, put_spare: bool = False) -> None:
+    def __init__(self, host: WindowPages, put_spare: bool | int = False) -> None:
         self._host = host
         self.groups = host.groups
-        self._all = [put_spare or g.kind is GroupKind.STATE for g in host.groups]
+        every = 1 if put_spare is True else int(put_spare)  # (False: 0)
+        rank = every.bit_length() - 1 if every else None  # the least rank put
+        #: per group: the least spare rank put (0: every page), None: node ends' pages only
+        self._rank = [0 if g.kind is GroupKind.STATE else rank for g in host.groups]
         self.specs = tuple(p.local_spec for p in host.pools)
 
     def pages(self, g: int, host_ids: np.ndarray) -> np.ndarray:
@@ -98,9 +104,14 @@ class WindowHostPages:
         # served from the deepest one L3 holds, where without them it would recompute from
         # the root (one slot a checkpoint, taken every ``checkpoint_every_pages`` at most)
         w = self._host.attach[g, host_ids]
-        if self._all[g]:
+        rank = self._rank[g]
+        if rank == 0:
             return w.astype(np.int32)
-        return np.where(read_by_node_end(self._host.spare[g, host_ids]), w, -1).astype(np.int32)
+        stamps = self._host.spare[g, host_ids]
+        put = read_by_node_end(stamps)
+        if rank is not None:  # and the spare pages of the ends every 2 ** rank pages
+            put |= spare_rank(stamps) >= rank
+        return np.where(put, w, -1).astype(np.int32)
 
     def read_async(self, g: int, group_ids: np.ndarray) -> Any:
         return self._host.pools[g].read_async(group_ids)
@@ -129,7 +140,8 @@ class CacheL3Port:
         host: the cache's host pool.
         group: the cache's processes (the tier agrees store results through it).
         windows: the host tier's window pages (a spec with window groups), else None.
-        put_spare: put spare window pages to L3 too (``HiCacheConfig.storage_window_spare``).
+        put_spare: put spare window pages to L3 too (``HiCacheConfig.storage_window_spare``:
+            a bool, or the spacing in pages of the ends whose spare pages are put).
 
     The L3 tier needs host pages (which may evict host pages) and host eviction tells the tier
     first (``storage_write_policy="write_back"``), so the two cannot both be given the other at
@@ -145,7 +157,7 @@ class CacheL3Port:
         host: HostPagePool,
         group: Group | None = None,
         windows: WindowPages | None = None,
-        put_spare: bool = False,
+        put_spare: bool | int = False,
     ) -> None:
         self.spec, self.clock = spec, clock
         #: the window groups' host pages (None without window groups)
