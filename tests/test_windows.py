@@ -21,7 +21,7 @@ from hicache_jax import (
     StateArray,
 )
 from hicache_jax.memory.allocator import PageAllocator
-from hicache_jax.memory.window import WindowPages
+from hicache_jax.memory.window import WindowPages, spare_rank
 from hicache_jax.tree.windows import servable_pages
 
 PS = 4
@@ -115,6 +115,27 @@ def test_window_pages_follow_their_full_page():
     anchor.free(ids[:2])  # the full-attention pages leave: their window pages with them
     assert w.used_pages() == [1] and not w.held(ids[:2]).any()
     assert w.detach_group(0, ids[2:]) == 1 and w.used_pages() == [0]
+
+
+def test_a_copy_short_of_window_pages_frees_no_spare_page_of_a_higher_rank():
+    """``WindowPages.take_for_copy``: onto a full pool, the pages a node end reads may free
+    any spare page (lowest rank first), a spare page only one of no higher rank."""
+    spec = _spec()
+    anchor = PageAllocator(16, "host")
+    w = WindowPages(spec.window_groups, [_FakePool(6)], anchor, "host")
+    held = anchor.alloc(6)
+    w.attach_new(held)
+    w.mark_spare(0, held, np.array([1, 1, 2, 2, 3, 5]))  # all six spare, ranks 1 1 2 2 3 5
+    # one page a node end reads, then spare ones of ranks 4, 2, 2, 1: the node end's page
+    # frees a rank-1 page, then rank 4 frees the other rank 1, rank 2 and 2 free the two
+    # rank 2 (no higher), rank 1 finds only ranks 3 and 5 left: not copied
+    got = w.take_for_copy(0, 1, np.array([4, 2, 2, 1]))
+    assert got.size == 4
+    assert sorted(spare_rank(w.spare[0, held[w.held(held)[0]]]).tolist()) == [3, 5]
+    assert w.spare_reclaimed == 4
+    # room enough: every page, nothing freed
+    w2 = WindowPages(spec.window_groups, [_FakePool(6)], PageAllocator(16, "h"), "host")
+    assert w2.take_for_copy(0, 2, np.array([1, 0])).size == 4 and w2.spare_reclaimed == 0
 
 
 class _FakePool:

@@ -320,14 +320,23 @@ class TransferEngine:
             stamps = src_side.spare[g, src]
             spare = stamps > 0  # (spare pages are attached ones)
             n_spare = int(np.count_nonzero(spare))
-            if n_spare:  # the pages a node end reads first, then spare ones
-                sel = np.concatenate([np.flatnonzero(on & ~spare), np.flatnonzero(spare)])
-            elif n_on < w.size:
-                sel = np.flatnonzero(on)
-            else:  # (every page holds one, none spare: the common case, no index)
-                sel = None
             kept = n_on - n_spare
-            taken = dst_side.take(g, n_on)
+            sel: np.ndarray | None
+            if n_spare:  # the pages a node end reads first, then spare ones
+                sp = np.flatnonzero(spare)
+                if dst_side.pools[g].allocator.num_free < n_on:
+                    # short there: the spare pages of the highest rank first, each freeing
+                    # only a spare page of no higher rank (WindowPages.take_for_copy)
+                    ranks = spare_rank(stamps[sp])
+                    order = np.argsort(-ranks, kind="stable")
+                    sp = sp[order]
+                    taken = dst_side.take_for_copy(g, kept, ranks[order])
+                else:
+                    taken = dst_side.take(g, n_on)
+                sel = np.concatenate([np.flatnonzero(on & ~spare), sp])
+            else:
+                sel = np.flatnonzero(on) if n_on < w.size else None  # (None: all, no index)
+                taken = dst_side.take(g, n_on)
             if taken.size < n_on:
                 # (counted: pages a node end reads; spare ones are not copied, silently)
                 self.window_pages_dropped += max(0, kept - int(taken.size))

@@ -130,6 +130,36 @@ class WindowPages:
             self.reclaim(g, n - alloc.num_free)
         return alloc.alloc(min(n, alloc.num_free))
 
+    def take_for_copy(self, g: int, n_read: int, ranks: np.ndarray) -> np.ndarray:
+        """Group ``g``'s pages for a copy onto this tier of ``n_read`` pages a node end reads,
+        then spare ones of ``ranks`` (spare ranks, descending): all of them where the pool has
+        room; where it is short, the pages a node end reads may free any spare page here
+        (lowest stamp first, as :meth:`take`), and each spare one only a spare page here of
+        no higher rank, so a copy never frees the window of a rarer end (a multiple of a
+        larger power of two) for a commoner one's. Returns the pages, fewer than asked
+        where they do not fit: the first ``n_read`` for the pages a node end reads, then
+        one for each of the first spare ones that fit."""
+        alloc = self.pools[g].allocator
+        n = n_read + int(ranks.size)
+        free = alloc.num_free
+        if free >= n or not self._spare_n[g]:
+            return alloc.alloc(min(n, free))
+        row = self.spare[g]
+        ids = np.flatnonzero(row).astype(np.int32)
+        ids = ids[np.argsort(row[ids], kind="stable")]  # rank, then age: as reclaim takes
+        here = spare_rank(row[ids])
+        short = min(max(0, n_read - free), ids.size)  # freed for the pages a node end reads
+        f = max(0, free - n_read)  # free pages left for the spare ones
+        m = max(0, min(ids.size - short, int(ranks.size) - f))
+        ok = here[short : short + m] <= ranks[f : f + m]
+        if not ok.all():
+            m = int(np.argmin(ok))
+        gone = ids[: short + m]
+        if self.on_reclaim is not None and gone.size:
+            self.on_reclaim(g, gone)
+        self.spare_reclaimed += self.detach_group(g, gone)
+        return alloc.alloc(min(n_read + f + m, alloc.num_free))
+
     def room(self, g: int) -> int:
         """Group ``g`` pages free or spare (what :meth:`take` can give)."""
         return self.pools[g].allocator.num_free + self._spare_n[g]
