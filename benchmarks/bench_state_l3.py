@@ -141,8 +141,9 @@ def _spare(mode: str) -> bool | int:
     pages", else False."""
     if mode == "storage_window_spare":
         return True
-    if mode.startswith("every "):
-        return int(mode.split()[1])
+    words = mode.split()
+    if len(words) == 3 and words[0] == "every" and words[2] == "pages":
+        return int(words[1])
     return False
 
 
