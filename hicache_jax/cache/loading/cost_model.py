@@ -585,6 +585,7 @@ class CostModel:
         links: tuple[str, ...] = ("l2_l1",),
         probe: tuple[str, ...] | None = None,
         overlap: bool = False,
+        ends: Callable[[int], int] | None = None,
     ) -> int | None:
         """How many tokens of a host chain to load (root-first; a page multiple), the rest
         recomputed, for the least predicted time: ``load(pages) + prefill(rest + one page,
@@ -596,6 +597,9 @@ class CostModel:
         (:meth:`_split_times`); where one is least, ``last_split`` is its front's tokens
         (recomputed first, from ``cached``) and the return value the back's tokens (loaded
         at once, concurrently); else ``last_split`` is None.
+        ``ends`` (with window or STATE groups): of a load of the chain's first ``n`` tokens,
+        the longest that serves; each candidate is then priced as that load (it serves no
+        further), so the least time is over loads that serve as far as they go.
         None: no usable prefill figure (the caller falls back, counted)."""
         self.last_split = None
         ps, fits = self.page_size, [self.links[k] for k in links]
@@ -603,6 +607,8 @@ class CostModel:
         loaded = np.cumsum([0] + list(chain_tokens))
         if cap_tokens is not None:
             loaded = loaded[loaded <= max(cap_tokens, 0)]
+        if ends is not None:  # (0 first: t[0] is the whole chain recomputed)
+            loaded = np.unique(np.array([0, *(ends(int(n)) for n in loaded[1:])], np.int64))
         try:
             t = self._candidate_times(loaded, total, cached, free_pages, fits)
             t0 = float(t[0])  # the whole chain recomputed

@@ -90,8 +90,9 @@ class CostRule:
         self.overlap = False
         self.splits: dict[TreeNode, int] = {}
         #: with window or STATE groups (``Windows.load_end``): of a load of a chain's first
-        #: ``ntok`` tokens, the longest that serves; a part the model picks is cut back to it
-        #: (not a probe: that one measures the link, serving or not)
+        #: ``ntok`` tokens, the longest that serves; the model prices each candidate as that
+        #: load (``CostModel.plan``'s ``ends``), so it picks among loads that serve (a probe
+        #: still goes where it must: it measures the link, serving or not)
         self.servable: Callable[[list[TreeNode], int], int] | None = None
 
     def step(self) -> Decide:
@@ -108,13 +109,14 @@ class CostRule:
             if resident:  # (see below)
                 decided[chain[0]] = None
                 return whole(chain, resident, cap)
-            probes = self.model.n["cost_probes"]
+            servable = self.servable
             ntok = self.model.plan(
                 [n.num_tokens for n in chain],
                 _cached_tokens(chain),
                 free[0],
                 cap,
                 overlap=self.overlap,
+                ends=None if servable is None else lambda n: servable(chain, n),
             )
             if ntok is not None and self.model.last_split is not None:
                 self.splits[chain[-1]] = self.model.last_split  # the caller loads the back
@@ -123,9 +125,6 @@ class CostRule:
                 if left[0] is not None:
                     left[0] -= ntok
                 return 0
-            if ntok and self.servable is not None and self.model.n["cost_probes"] == probes:
-                # a part serves only as far as a servable end (a probe measures the link)
-                ntok = self.servable(chain, ntok)
             j = None if ntok is None else self._nodes_for(chain, ntok)  # may split chain[0]
             decided[chain[0]] = None if ntok is None else self.model.last_decision
             if j is None:
