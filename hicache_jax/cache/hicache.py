@@ -253,7 +253,7 @@ class HiCache:
         )
         self._rule = make_rule(cfg, self._cost, dev, tree)
         if isinstance(self._rule, CostRule) and self._windows is not None:
-            self._rule.servable = self._windows.load_end
+            self._rule.servable = self._windows.load_ends
         # load_overlap: begin() lets the cost rule pick two-ended splits (cache/loading/overlap.py)
         self._split_rule = (
             self._rule if cfg.load_overlap and isinstance(self._rule, CostRule) else None

@@ -118,23 +118,30 @@ class Windows:
         whole = servable_pages(held, self.groups, self._ps, held.shape[1])
         return alone, (whole if whole > nd else alone)
 
-    def load_end(self, chain: Sequence[TreeNode], ntok: int) -> int:
-        """Of a load of the first ``ntok`` tokens of the host ``chain`` (host-only nodes,
-        root first, after a device prefix), the longest that serves: tokens from the chain's
-        start to the deepest servable end within them (a checkpoint, and every window page a
-        continuation there reads, held on the tier of each page), 0 where none is past the
-        device prefix (loading any of it would serve nothing). For the cost rule, whose model
-        prices a load as serving as far as it goes."""
-        if not chain or ntok <= 0:
-            return 0
+    def load_ends(self, chain: Sequence[TreeNode]) -> Callable[[int], int]:
+        """For the host ``chain`` (host-only nodes, root first, after a device prefix): a
+        function of ``ntok`` giving, of a load of the chain's first ``ntok`` tokens, the
+        longest that serves: tokens from the chain's start to the deepest servable end within
+        them (a checkpoint, and every window page a continuation there reads, held on the tier
+        of each page), 0 where none is past the device prefix (loading any of it would serve
+        nothing). For the cost rule, whose model prices a load as serving as far as it goes;
+        what the tiers hold is read once, for every ``ntok`` it asks about."""
+        if not chain:
+            return lambda ntok: 0
         ps = self._ps
         assert chain[0].parent is not None  # (a host chain hangs below the root at least)
         dev_ids = path_pages(chain[0].parent)  # (a host chain's prefix is device-resident)
         host = np.concatenate([n.host_value for n in chain])
         held = np.concatenate([self.device.held(dev_ids), self.host.held(host)], axis=1)
-        limit = dev_ids.size + min(ntok // ps, host.size)
-        end = servable_pages(held, self.groups, ps, limit)
-        return max(0, end - dev_ids.size) * ps
+        nd = dev_ids.size
+
+        def end(ntok: int) -> int:
+            if ntok <= 0:
+                return 0
+            limit = nd + min(ntok // ps, host.size)
+            return max(0, servable_pages(held, self.groups, ps, limit) - nd) * ps
+
+        return end
 
     def hold(
         self,
@@ -355,9 +362,7 @@ def checkpoint_ranks(start_page: int, num_pages: int, inner: bool) -> np.ndarray
     each time; oldest first within a rank). A node end with children (``inner``: a branch
     point, where an earlier request did diverge) ranks above them all."""
     e = np.arange(start_page + 1, start_page + num_pages + 1, dtype=np.int64)
-    rank = np.zeros(num_pages, np.int64)
-    low = e & -e  # the lowest set bit: 2 ** ctz(e)
-    rank[:] = np.log2(low.astype(np.float64)).astype(np.int64)
+    rank = _log2_floor(e & -e)  # the lowest set bit, 2 ** ctz(e): ctz(e)
     if inner and num_pages:
         rank[-1] = BRANCH_RANK
     return np.minimum(rank, BRANCH_RANK)
@@ -387,9 +392,12 @@ def window_ranks(group: LayerGroup, start_page: int, num_pages: int, page_size: 
         m = -(-(j + 1) * page_size // c) - 1
         last = np.maximum(j + 1, -(-(m + 1) * c // page_size) - 1)  # (j + 1: none reads j)
     # the largest ctz over the ends j + 1 .. last: the highest bit where j and last differ
-    diff = j ^ last
-    rank = np.floor(np.log2(np.maximum(diff, 1).astype(np.float64))).astype(np.int64)
-    return np.minimum(rank, BRANCH_RANK - 1)
+    return np.minimum(_log2_floor(np.maximum(j ^ last, 1)), BRANCH_RANK - 1)
+
+
+def _log2_floor(x: np.ndarray) -> np.ndarray:
+    """``floor(log2(x))`` of positive int64s (the highest set bit's index)."""
+    return np.floor(np.log2(x.astype(np.float64))).astype(np.int64)
 
 
 def _depth_pages(node: TreeNode) -> int:

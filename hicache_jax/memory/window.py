@@ -154,10 +154,7 @@ class WindowPages:
         ok = here[short : short + m] <= ranks[f : f + m]
         if not ok.all():
             m = int(np.argmin(ok))
-        gone = ids[: short + m]
-        if self.on_reclaim is not None and gone.size:
-            self.on_reclaim(g, gone)
-        self.spare_reclaimed += self.detach_group(g, gone)
+        self._free_spare(g, ids[: short + m])
         return alloc.alloc(min(n_read + f + m, alloc.num_free))
 
     def room(self, g: int) -> int:
@@ -208,6 +205,10 @@ class WindowPages:
         ids = np.flatnonzero(self.spare[g]).astype(np.int32)
         if ids.size > n:
             ids = ids[np.argpartition(self.spare[g, ids], n - 1)[:n]]
+        return self._free_spare(g, ids)
+
+    def _free_spare(self, g: int, ids: np.ndarray) -> int:
+        """Free group ``g``'s spare pages attached to ``ids`` (their events first); how many."""
         if self.on_reclaim is not None and ids.size:
             self.on_reclaim(g, ids)
         freed = self.detach_group(g, ids)

@@ -89,11 +89,12 @@ class CostRule:
         # a split chain is declined in the tree and its front's tokens kept here
         self.overlap = False
         self.splits: dict[TreeNode, int] = {}
-        #: with window or STATE groups (``Windows.load_end``): of a load of a chain's first
-        #: ``ntok`` tokens, the longest that serves; the model prices each candidate as that
-        #: load (``CostModel.plan``'s ``ends``), so it picks among loads that serve (a probe
-        #: still goes where it must: it measures the link, serving or not)
-        self.servable: Callable[[list[TreeNode], int], int] | None = None
+        #: with window or STATE groups (``Windows.load_ends``): for a chain, a function of
+        #: ``ntok`` giving, of a load of its first ``ntok`` tokens, the longest that serves;
+        #: the model prices each candidate as that load (``CostModel.plan``'s ``ends``), so it
+        #: picks among loads that serve (a probe still goes where it must: it measures the
+        #: link, serving or not)
+        self.servable: Callable[[list[TreeNode]], Callable[[int], int]] | None = None
 
     def step(self) -> Decide:
         left = [self.step_budget]
@@ -109,14 +110,13 @@ class CostRule:
             if resident:  # (see below)
                 decided[chain[0]] = None
                 return whole(chain, resident, cap)
-            servable = self.servable
             ntok = self.model.plan(
                 [n.num_tokens for n in chain],
                 _cached_tokens(chain),
                 free[0],
                 cap,
                 overlap=self.overlap,
-                ends=None if servable is None else lambda n: servable(chain, n),
+                ends=None if self.servable is None else self.servable(chain),
             )
             if ntok is not None and self.model.last_split is not None:
                 self.splits[chain[-1]] = self.model.last_split  # the caller loads the back
