@@ -47,6 +47,8 @@ from hicache_jax.tree.windows import kept_first_page, servable_pages
 __all__ = ["Windows", "group_load_bytes"]
 
 _EMPTY = np.zeros(0, np.int32)
+#: memoized rank arrays of :meth:`Windows.trim` kept at most (then cleared)
+_RANKS_KEPT = 4096
 
 
 class Windows:
@@ -70,6 +72,9 @@ class Windows:
         self.device, self.host = device, host
         self.spare = spare
         self._ps = spec.page_size
+        #: ``(g, start_page, num_pages, inner) -> ranks`` of :meth:`trim` (read-only arrays:
+        #: a node's ranks depend on its place alone, and inserts meet the same places again)
+        self._ranks: dict[tuple[int, int, int, bool], np.ndarray] = {}
 
     # -- servable prefixes -----------------------------------------------------------------
     def servable_device(self, device_pages: np.ndarray) -> int:
@@ -286,10 +291,7 @@ class Windows:
                     if ids is not None and k:
                         freed += side.detach_group(g, ids[:k])
                 continue
-            if state:
-                rank = checkpoint_ranks(start_page, node.num_pages, inner)
-            else:
-                rank = window_ranks(group, start_page, k, self._ps)
+            rank = self._rank(g, group, start_page, node.num_pages if state else k, inner)
             for side, ids in ((self.device, node.value), (self.host, node.host_value)):
                 if ids is None:
                     continue
@@ -299,6 +301,24 @@ class Windows:
                     freed += side.mark_spare(g, ids[:k], rank[:k])
                     side.unmark_spare(g, ids[k:])
         return freed
+
+    def _rank(
+        self, g: int, group: LayerGroup, start: int, num_pages: int, inner: bool
+    ) -> np.ndarray:
+        """:func:`checkpoint_ranks` or :func:`window_ranks` of group ``g``'s pages ``start ..
+        start + num_pages``, memoized (bounded)."""
+        key = (g, start, num_pages, inner)
+        rank = self._ranks.get(key)
+        if rank is None:
+            if group.kind is GroupKind.STATE:
+                rank = checkpoint_ranks(start, num_pages, inner)
+            else:
+                rank = window_ranks(group, start, num_pages, self._ps)
+            rank.flags.writeable = False
+            if len(self._ranks) >= _RANKS_KEPT:
+                self._ranks.clear()
+            self._ranks[key] = rank
+        return rank
 
     # -- eviction ------------------------------------------------------------------------
     def cut_keeps_servable(self, node: TreeNode, tail_pages: int, on_device: bool) -> bool:

@@ -164,9 +164,10 @@ def run_pools(
     """``new, new_others, out = fn(pools[0]'s array, the others' arrays, *args)``: the step of
     ``DevicePagePool.run_with`` / ``HostPagePool.run_with`` (``fn`` jitted with
     ``donate_argnums=(0, 1)``). Each pool gives ``array_ref()``, ``shape`` and ``spec``; the
-    results are checked against them (before dispatch too, with ``eval_shape``, the first time
-    a function meets these argument shapes) and each pool's ``rebinds`` callback takes its new
-    array. Returns ``out``.
+    results are checked against them (a jitted ``fn``: before dispatch, with ``eval_shape``,
+    the first time it meets these argument shapes, which then fix its results'; any other
+    ``fn``: after the step) and each pool's ``rebinds`` callback takes its new array. Returns
+    ``out``.
 
     Raises:
         ValueError: a returned pool of another shape or dtype (before dispatch when checkable:
@@ -189,7 +190,8 @@ def run_pools(
                 _CHECKED_POOLS.add(key)
     new, new_others, out = fn(arrays[0], arrays[1:], *args)
     results = (new, *new_others)
-    _check_pools(pools, results)
+    if not hasattr(fn, "eval_shape"):  # (a jitted fn's results have the shapes it checked)
+        _check_pools(pools, results)
     for rebind, array in zip(rebinds, results):
         rebind(array)
     if not all(a.is_deleted() for a in arrays):

@@ -307,7 +307,7 @@ class TransferEngine:
         assert self._windows is not None
         dev, host = self._windows
         src_side, dst_side = (dev, host) if to_host else (host, dev)
-        dst_side.detach(dst)  # (fresh pages hold none; a caller's ids might)
+        dst_side.detach(dst)  # (fresh pages hold none; a caller's, or a node's host copy, might)
         length = plan.shape[1]
         plans = np.zeros((1 + len(self._window_loads), 3, length), np.int32)
         plans[0] = plan
@@ -323,17 +323,20 @@ class TransferEngine:
             kept = n_on - n_spare
             sel: np.ndarray | None
             if n_spare:  # the pages a node end reads first, then spare ones
-                sp = np.flatnonzero(spare)
+                if n_on == w.size:  # (every page holds one: one stable sort puts them so)
+                    sel = np.argsort(spare, kind="stable")
+                else:
+                    sel = np.concatenate([np.flatnonzero(on & ~spare), np.flatnonzero(spare)])
                 if dst_side.pools[g].allocator.num_free < n_on:
                     # short there: the spare pages of the highest rank first, each freeing
                     # only a spare page of no higher rank (WindowPages.take_for_copy)
+                    sp = sel[kept:]
                     ranks = spare_rank(stamps[sp])
                     order = np.argsort(-ranks, kind="stable")
-                    sp = sp[order]
+                    sel[kept:] = sp[order]
                     taken = dst_side.take_for_copy(g, kept, ranks[order])
                 else:
                     taken = dst_side.take(g, n_on)
-                sel = np.concatenate([np.flatnonzero(on & ~spare), sp])
             else:
                 sel = np.flatnonzero(on) if n_on < w.size else None  # (None: all, no index)
                 taken = dst_side.take(g, n_on)

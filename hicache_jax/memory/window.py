@@ -175,6 +175,8 @@ class WindowPages:
         ``rank << RANK_SHIFT`` plus the marking's count; :func:`spare_rank` reads it back).
         ``fresh``: the caller vouches that every id holds a page just attached (none spare),
         as a transfer's destination does: no mask."""
+        if not anchor_ids.size:
+            return 0
         row = self.spare[g]
         if fresh:
             mask = None
@@ -230,7 +232,8 @@ class WindowPages:
 
     def detach_group(self, g: int, anchor_ids: np.ndarray) -> int:
         """Free group ``g``'s pages attached to ``anchor_ids``; how many were attached."""
-        w = self.attach[g, anchor_ids]
+        row = self.attach[g]
+        w = row[anchor_ids]
         sel = w >= 0
         k = int(np.count_nonzero(sel))
         if not k:
@@ -239,14 +242,13 @@ class WindowPages:
         if k < w.size:
             w, gone = w[sel], anchor_ids[sel]
         self.pools[g].allocator.free(w, validated=True)
-        self.attach[g, gone] = -1
-        if self._spare_n[g]:
-            row = self.spare[g]
-            stamps = row[gone]
-            if stamps.any():
-                was = gone[stamps > 0]
-                row[was] = 0
-                self._spare_n[g] -= int(was.size)
+        row[gone] = -1
+        if self._spare_n[g]:  # (every page an anchor frees passes here: few numpy calls)
+            stamps = self.spare[g]
+            was = int(np.count_nonzero(stamps[gone]))
+            if was:
+                stamps[gone] = 0  # (zero where not spare already)
+                self._spare_n[g] -= was
         return k
 
     def held(self, anchor_ids: np.ndarray) -> np.ndarray:
