@@ -271,13 +271,58 @@ def _layers_text(layers: Sequence[int]) -> str:
     return ",".join(runs)
 
 
+#: The letters of a tagged layer pattern (``"R2:S1:F1"``): recurrent, local (sliding-window or
+#: chunked), full-attention layers.
+PATTERN_KINDS = {"r": "recurrent", "s": "local", "f": "full"}
+
+
+def parse_pattern(pattern: Any, name: str = "pattern") -> tuple[tuple[str, int], ...]:
+    """The runs of one period of a layer pattern, in layer order: ``(letter, count)`` with
+    letters of :data:`PATTERN_KINDS` (ARCHITECTURE.md, "Layer groups").
+
+    - ``"a:b"``: ``a`` local layers then ``b`` full ones (``(("s", a), ("f", b))``);
+    - letter-tagged counts, two or three of ``Ra`` (recurrent), ``Sb`` (local: a sliding
+      window, or chunked local attention) and ``Fc`` (full), each letter at most once, in
+      any order, the layers of a period laid out in the order written: ``"R3:F1"``,
+      ``"S5:F1"`` (= ``"5:1"``), ``"R2:S1:F1"`` (a hybrid with recurrent, sliding-window and
+      global layers);
+    - ``"full"`` or ``""``: ``(("f", 1),)``.
+
+    Counts are non-negative ints (a zero count is no layer of that kind). Case and spaces
+    around the parts are ignored.
+
+    Raises:
+        TypeError / ValueError: naming ``name`` (not a str, not one of those forms).
+    """
+    if not isinstance(pattern, str):
+        raise TypeError(f"{name}={pattern!r} must be a str like '5:1', 'R3:F1' or 'full'")
+    text = pattern.strip().lower()
+    if text in ("", "full"):
+        return (("f", 1),)
+    parts = [p.strip() for p in text.split(":")]
+    if len(parts) == 2 and all(re.fullmatch(r"\d+", p) for p in parts):
+        return (("s", int(parts[0])), ("f", int(parts[1])))
+    tagged = [re.fullmatch(r"([rsf])\s*(\d+)", p) for p in parts]
+    letters = [m.group(1) for m in tagged if m is not None]
+    if 2 <= len(parts) <= 3 and len(letters) == len(parts) and len(set(letters)) == len(parts):
+        return tuple((m.group(1), int(m.group(2))) for m in tagged if m is not None)
+    raise ValueError(
+        f"{name}={pattern!r} must be 'a:b' (a local layers then b full ones, repeating; "
+        "non-negative ints), two or three of 'Ra', 'Sb', 'Fc' (recurrent, local, full "
+        "layers, each letter once, in layer order: 'R3:F1', 'R2:S1:F1') or 'full'"
+    )
+
+
 def pattern_state(
     pattern: str | None, text: str | None, flag: str = "--state"
 ) -> tuple[StateArray, ...] | None:
     """A command's ``--state`` for its ``--layer-pattern``: the parsed arrays (or
     ``QWEN3_NEXT_STATE`` when left out) for a recurrent pattern (``"R3:F1"``), None for any
     other; ``--state`` with another pattern is refused (``from_pattern`` names it)."""
-    recurrent = pattern is not None and pattern.strip().lower().startswith("r")
+    try:
+        recurrent = pattern is not None and any(k == "r" for k, _ in parse_pattern(pattern))
+    except (TypeError, ValueError):  # (from_pattern names a bad pattern)
+        recurrent = False
     if text is None:
         return QWEN3_NEXT_STATE if recurrent else None
     return StateArray.parse_list(text, flag)
@@ -700,10 +745,11 @@ class KVSpec:
         mla: bool = False,
         state: Sequence[StateArray | Mapping[str, Any]] | None = None,
     ) -> KVSpec:
-        """A spec of a repeating layer pattern: ``"5:1"`` is five local layers then one full
-        one, repeated over ``num_layers`` (the last repetition may be cut short);
-        ``"R3:F1"`` is three recurrent layers (a ``STATE`` group of ``state`` arrays) then one
-        full one.
+        """A spec of a repeating layer pattern (:func:`parse_pattern`): ``"5:1"`` is five
+        local layers then one full one, repeated over ``num_layers`` (the last repetition may
+        be cut short); ``"R3:F1"`` is three recurrent layers (a ``STATE`` group of ``state``
+        arrays) then one full one; ``"R2:S1:F1"`` two recurrent, one local and one full layer
+        (all three kinds: the groups full, local, state in that order).
 
         The local layers are sliding-window layers of ``window`` tokens, or chunked
         local-attention layers of ``chunk`` tokens when ``chunk`` is given instead. Every layer
@@ -711,8 +757,8 @@ class KVSpec:
         (the plain spec, ``groups=()``).
 
         Args:
-            pattern: ``"a:b"``, ``a`` local then ``b`` full layers (non-negative ints), or
-                ``"full"`` / ``""``.
+            pattern: ``"a:b"``, ``a`` local then ``b`` full layers (non-negative ints); letter
+                tagged counts (``"Ra:Fb"``, ``"Ra:Sb:Fc"``, any order); or ``"full"`` / ``""``.
             num_layers: layers of the model.
             num_kv_heads: KV heads of every layer.
             head_dim: head dimension of every layer.
@@ -722,38 +768,29 @@ class KVSpec:
             chunk: chunk in tokens (local layers as ``CHUNK``).
             mla: the full layers hold an MLA latent (refused with local layers: a local group
                 is never MLA).
-            state: the recurrent layers' state arrays, for an ``"Ra:Fb"`` pattern (required
+            state: the recurrent layers' state arrays, for a pattern with ``R`` (required
                 there, refused otherwise).
 
         Raises:
-            ValueError / TypeError: naming ``pattern`` (not ``a:b``, no layers, no full layer
-                left), ``window`` / ``chunk`` (both given, neither for a pattern with local
-                layers, one for a pattern without), or a field as the constructor does.
+            ValueError / TypeError: naming ``pattern`` (not one of the forms, no layers, no
+                full layer left), ``window`` / ``chunk`` (both given, neither for a pattern
+                with local layers, one for a pattern without), ``state`` (missing or given
+                as for ``window``), or a field as the constructor does.
         """
-        if not isinstance(pattern, str):
-            raise TypeError(f"pattern={pattern!r} must be a str like '5:1' or 'full'")
-        text = pattern.strip().lower()
-        if text in ("", "full"):
-            text = "0:1"
-        m = re.fullmatch(r"(r?)(\d+)\s*:\s*(f?)(\d+)", text)
-        if m is None or bool(m.group(1)) != bool(m.group(3)):
-            raise ValueError(
-                f"pattern={pattern!r} must be 'a:b' (a local layers then b full ones, "
-                "repeating; non-negative ints), 'Ra:Fb' (a recurrent layers then b full "
-                "ones) or 'full'"
-            )
-        recurrent = bool(m.group(1))
-        n_local, n_full = int(m.group(2)), int(m.group(4))
-        if recurrent:
+        runs = parse_pattern(pattern)
+        count = dict(runs)
+        n_rec = count.get("r", 0)
+        if "r" in count and "s" not in count:
             for name, value in (("window", window), ("chunk", chunk)):
                 if value is not None:
                     raise ValueError(
                         f"{name}={value!r} with pattern={pattern!r}: a recurrent layer keeps a "
                         "state, not a window"
                     )
-            if not n_local and state is not None:
+        if "r" in count:
+            if not n_rec and state is not None:
                 raise ValueError(f"state= given, but pattern={pattern!r} has no recurrent layer")
-            if n_local and not state:
+            if n_rec and not state:
                 raise ValueError(
                     f"pattern={pattern!r} has recurrent layers: give state= (their arrays)"
                 )
@@ -761,14 +798,14 @@ class KVSpec:
             raise ValueError(
                 f"state= is for a recurrent pattern ('R3:F1'), not pattern={pattern!r}"
             )
-        if n_local + n_full == 0:
+        period = [k for k, n in runs for _ in range(n)]
+        if not period:
             raise ValueError(f"pattern={pattern!r} has no layers")
         num_layers = check_int("num_layers", num_layers, 1)
         if window is not None and chunk is not None:
             raise ValueError(f"window={window!r} and chunk={chunk!r}: give one, not both")
-        period = n_local + n_full
-        local = [i for i in range(num_layers) if i % period < n_local]
-        full = [i for i in range(num_layers) if i % period >= n_local]
+        kinds = [period[i % len(period)] for i in range(num_layers)]
+        full, local, recurrent = ([i for i, k in enumerate(kinds) if k == c] for c in "fsr")
         if not full:
             raise ValueError(
                 f"pattern={pattern!r} over num_layers={num_layers} leaves no full-attention layer"
@@ -780,8 +817,6 @@ class KVSpec:
                         f"{name}={value!r} given, but pattern={pattern!r} over "
                         f"num_layers={num_layers} has no local layer"
                     )
-        elif recurrent:
-            pass
         elif window is None and chunk is None:
             raise ValueError(
                 f"pattern={pattern!r} has local layers: give window= (sliding window) or "
@@ -789,17 +824,22 @@ class KVSpec:
             )
         elif mla:
             raise ValueError(f"mla=True: only the full layers may be MLA; pattern={pattern!r}")
+        if n_rec and not recurrent:
+            raise ValueError(
+                f"state= given, but pattern={pattern!r} over num_layers={num_layers} has no "
+                "recurrent layer"
+            )
         shape = {"num_kv_heads": num_kv_heads, "head_dim": head_dim, "dtype": dtype}
         groups = [LayerGroup(GroupKind.FULL, tuple(full), **shape, mla=mla)]
-        if local and recurrent:
-            assert state is not None
-            try:
-                groups.append(LayerGroup(GroupKind.STATE, tuple(local), state=_as_state(state)))
-            except (ValueError, TypeError) as e:
-                raise type(e)(str(e) if str(e).startswith("state") else f"state: {e}") from None
-        elif local:
+        if local:
             kind = GroupKind.WINDOW if window is not None else GroupKind.CHUNK
             groups.append(LayerGroup(kind, tuple(local), **shape, window=window, chunk=chunk))
+        if recurrent:
+            assert state is not None
+            try:
+                groups.append(LayerGroup(GroupKind.STATE, tuple(recurrent), state=_as_state(state)))
+            except (ValueError, TypeError) as e:
+                raise type(e)(str(e) if str(e).startswith("state") else f"state: {e}") from None
         return cls.from_groups(groups, page_size=page_size)
 
     @property

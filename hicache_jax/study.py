@@ -251,6 +251,12 @@ def sweep(
             capacities stay the all-full model's bytes, split between the full-attention and
             the window pools, and each record gets the bytes ratio ``r``, the LRU of ``r x``
             the bytes and the LRU of the same bytes (see :func:`hicache_jax.replay.run`).
+            ``"Ra:Fb"`` (e.g. ``"R3:F1"``): a hybrid recurrent model
+            (:func:`hicache_jax.replay.states.state_spec`); ``"Ra:Sb:Fc"`` (e.g.
+            ``"R2:S1:F1"``, letters in layer order): recurrent, sliding-window (of ``window``
+            tokens) and full layers, at the all-full model's bytes split between pages,
+            window pages and state slots (:mod:`hicache_jax.replay.mixed`), each record with
+            both kinds' figures. ``spec`` is not taken with recurrent layers.
         window: the sliding window in tokens (with ``layer_pattern`` only).
         window_share: the fraction of each tier's bytes in window pages, in (0, 1); None:
             the default rule of :mod:`hicache_jax.replay.windows` (with ``layer_pattern``, or a
@@ -333,12 +339,19 @@ def _pattern_spec(
                     + ("" if name == "window" else " or a spec with window groups")
                 )
         return _spec(spec, page_size, trace)
-    if _states.is_state_pattern(layer_pattern):  # a hybrid recurrent model: "R3:F1"
+    kind = _windows.pattern_kind(layer_pattern, "layer_pattern")
+    if kind == "state":  # a hybrid recurrent model: "R3:F1"
         given = {"window": window, "window_share": window_share, "spec": spec}
         for name in (n for n, v in given.items() if v is not None):
             raise ValueError(f"{name}= is not taken with a recurrent layer_pattern")
+    if kind in ("state", "mixed"):  # all three kinds: "R2:S1:F1", with window=
+        if spec is not None:
+            raise ValueError(f"spec= is not taken with a recurrent layer_pattern={layer_pattern!r}")
+        _windows.check_share(window_share, "window_share")
         ps = page_size if page_size is not None else trace.default_page_size()
-        return _states.state_spec(layer_pattern, ps, flag="layer_pattern")
+        return _states.state_spec(
+            layer_pattern, ps, window=window, flag="layer_pattern", window_flag="window"
+        )
     _windows.check_share(window_share, "window_share")
     period = _windows.pattern_period(layer_pattern, "layer_pattern")
     ps = page_size if page_size is not None else trace.default_page_size()

@@ -189,6 +189,9 @@ def test_bad_flags_exit_with_usage(argv, capsys):
         (["--layer-pattern", "1:1", "--window", "0"], "window=0"),
         (["--layer-pattern", "9"], "layer_pattern"),
         (["--layer-pattern", "R1:F1", "--window", "8"], "keeps a state, not a window"),
+        (["--layer-pattern", "R2:S1:F1", "--layers", "4"], "has local layers: give window="),
+        (["--layer-pattern", "R2:S1:F1", "--window", "8"], "leaves no full-attention layer"),
+        (["--layer-pattern", "R2:R1:F1", "--window", "8"], "pattern='R2:R1:F1' must be"),
         (
             ["--layer-pattern", "R1:F1", "--tensor-parallel", "--heads", "6", "--kv-heads", "2"],
             "not divisible",
@@ -200,6 +203,13 @@ def test_bad_sizes_are_usage_errors(flags, match, capsys):
         main(["bench", *TINY, *flags])
     assert exc.value.code == 2
     assert match in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "pattern, layers", [("5:1", 6), ("R3:F1", 4), ("R2:S1:F1", 4), ("s1:f1:r2", 4), ("", 0)]
+)
+def test_layers_default_to_one_period(pattern, layers):
+    assert bench._pattern_period(pattern) == layers
 
 
 @pytest.mark.parametrize(

@@ -20,7 +20,9 @@ from hicache_jax.spec import (
     KVSpec,
     LayerGroup,
     PrefetchPolicy,
+    StateArray,
     WritePolicy,
+    parse_pattern,
 )
 from hicache_jax.tree.eviction import EvictionPolicy
 
@@ -631,6 +633,68 @@ def test_a_group_spec_page_size_must_agree():
 def test_from_pattern_bad_input_names_the_field(pattern, kw, error, match):
     fields = {"num_layers": 6, "num_kv_heads": 8, "head_dim": 128} | kw
     with pytest.raises(error, match=match):
+        KVSpec.from_pattern(pattern, **fields)
+
+
+@pytest.mark.parametrize(
+    "pattern, runs",
+    [
+        ("5:1", (("s", 5), ("f", 1))),
+        ("S5:F1", (("s", 5), ("f", 1))),
+        ("R3:F1", (("r", 3), ("f", 1))),
+        (" r2 : S1 : f1 ", (("r", 2), ("s", 1), ("f", 1))),
+        ("F1:S2:R1", (("f", 1), ("s", 2), ("r", 1))),
+        ("full", (("f", 1),)),
+        ("", (("f", 1),)),
+    ],
+)
+def test_parse_pattern_runs_in_layer_order(pattern, runs):
+    assert parse_pattern(pattern) == runs
+
+
+@pytest.mark.parametrize("pattern", ["R3", "R1:R2:F1", "R1:S1:F1:F1", "R3:1", "3:F1", "x1:f1"])
+def test_parse_pattern_refuses_a_bad_pattern(pattern):
+    with pytest.raises(ValueError, match=rf"^layer_pattern={pattern!r} must be 'a:b'"):
+        parse_pattern(pattern, "layer_pattern")
+
+
+def test_from_pattern_three_kinds():
+    state = [StateArray("conv", (3, 4)), StateArray("ssm", (2, 4, 4))]
+    kw = {"num_kv_heads": 2, "head_dim": 8, "window": 64, "state": state}
+    spec = KVSpec.from_pattern("R2:S1:F1", num_layers=10, **kw)
+    by_kind = {GroupKind(g.kind): g.layers for g in spec.groups}
+    assert by_kind == {
+        GroupKind.STATE: (0, 1, 4, 5, 8, 9),
+        GroupKind.WINDOW: (2, 6),
+        GroupKind.FULL: (3, 7),
+    }
+    (s,) = spec.state_groups
+    assert spec.window_groups[s].state == tuple(state)
+    # the attention layers' pages only: a checkpoint's bytes are state_bytes
+    assert spec.model_page_bytes == 2 * spec.page_bytes
+    assert spec.state_bytes == 6 * (3 * 4 + 2 * 4 * 4) * 4
+    # letters in any order lay the period out as written
+    other = KVSpec.from_pattern("F1:S1:R2", num_layers=4, **kw)
+    assert {GroupKind(g.kind): g.layers for g in other.groups}[GroupKind.FULL] == (0,)
+    # a two-kind pattern in letters is the two-kind spec
+    gemma = KVSpec.from_pattern("S5:F1", num_layers=12, num_kv_heads=8, head_dim=128, window=1024)
+    assert gemma == GEMMA
+
+
+@pytest.mark.parametrize(
+    "pattern, kw, match",
+    [
+        ("R2:S1:F1", {"window": 4}, r"^pattern='R2:S1:F1' has recurrent layers: give state="),
+        ("R2:S1:F1", {"state": [("s", (4,))]}, r"^pattern='R2:S1:F1' has local layers: give"),
+        ("R2:S1", {"window": 4, "state": [("s", (4,))]}, r"leaves no full-attention layer"),
+        ("F1:S1:R2", {"window": 4, "state": [("s", (4,))], "num_layers": 2}, r"no recurrent"),
+        ("R2:S1:F1", {"window": 4, "state": [("s", (4,))], "mla": True}, r"^mla=True"),
+        ("S1:F1", {"window": 4, "state": [("s", (4,))]}, r"^state= is for a recurrent"),
+    ],
+)
+def test_from_pattern_three_kinds_bad_input_names_the_field(pattern, kw, match):
+    fields = {"num_layers": 8, "num_kv_heads": 2, "head_dim": 8} | kw
+    with pytest.raises(ValueError, match=match):
         KVSpec.from_pattern(pattern, **fields)
 
 

@@ -55,7 +55,7 @@ from hicache_jax.engine.weights import ModelConfig, load_params
 from hicache_jax.engine.workloads import ARRIVALS, WORKLOADS, Workload
 from hicache_jax.l3.storage import StorageError
 from hicache_jax.replay.driver import format_table
-from hicache_jax.spec import HiCacheConfig
+from hicache_jax.spec import HiCacheConfig, parse_pattern
 
 __all__ = ["CONFIGS", "add_parser", "bench", "build_workload", "table_bucket"]
 
@@ -94,7 +94,8 @@ def add_parser(sub: Any) -> None:
     m.add_argument(
         "--layers",
         type=int,
-        help="decoder layers (default 4; with --layer-pattern a:b, one repetition: a + b)",
+        help="decoder layers (default 4; with --layer-pattern a:b, one repetition: a + b; "
+        "R2:S1:F1: 4)",
     )
     m.add_argument(
         "--layer-pattern",
@@ -105,7 +106,9 @@ def add_parser(sub: Any) -> None:
         "continuation reads them. Hits come from continued conversations: the default chat "
         "workload (prompts of 256+ tokens) with --window 128 shows L1 and L2 hits. RA:FB "
         "(e.g. R3:F1): A recurrent layers (gated linear attention, a state per request; "
-        "the cache keeps checkpoints of it at page boundaries) then B full ones",
+        "the cache keeps checkpoints of it at page boundaries) then B full ones. RA:SB:FC "
+        "(e.g. R2:S1:F1, letters in layer order): recurrent, local (--window or --chunk) and "
+        "full layers together",
     )
     m.add_argument("--window", type=int, help="with --layer-pattern: sliding window in tokens")
     m.add_argument(
@@ -253,15 +256,15 @@ def build_workload(args: argparse.Namespace) -> Workload:
 
 
 def _pattern_period(pattern: str) -> int:
-    """Layers of one repetition of a ``--layer-pattern`` ``"a:b"`` or ``"Ra:Fb"`` (``a + b``);
-    0 for none or one that does not parse (``ModelConfig`` then names the problem)."""
-    a, sep, b = pattern.strip().lower().partition(":")
-    a, b = a.strip(), b.strip()
-    if a[:1] == "r" and b[:1] == "f":  # a recurrent pattern, "R3:F1"
-        a, b = a[1:], b[1:]
-    if not sep or not a.isdigit() or not b.isdigit():
+    """Layers of one repetition of a ``--layer-pattern`` (``"a:b"``, ``"Ra:Fb"``,
+    ``"Ra:Sb:Fc"``: the sum of the counts); 0 for none or one that does not parse
+    (``ModelConfig`` then names the problem)."""
+    if not pattern.strip():
         return 0
-    return int(a) + int(b)
+    try:
+        return sum(n for _, n in parse_pattern(pattern))
+    except ValueError:
+        return 0
 
 
 def _device_pages(workload: Workload, page_size: int, given: int | None, share: float) -> int:
@@ -785,11 +788,17 @@ def _pattern_text(cfg: ModelConfig) -> str:
     heads x key x value dims and conv width), else ``""``."""
     if not cfg.layer_pattern:
         return ""
+    local = (
+        f", window {cfg.window}"
+        if cfg.window is not None
+        else f", chunk {cfg.chunk}"
+        if cfg.chunk is not None
+        else ""
+    )
     if cfg.recurrent:
         heads, dk, dv, width = cfg.recurrent_dims()
-        return f" (layers {cfg.layer_pattern}, recurrent {heads}x{dk}x{dv}, conv {width})"
-    local = f"window {cfg.window}" if cfg.window is not None else f"chunk {cfg.chunk}"
-    return f" (layers {cfg.layer_pattern}, {local})"
+        return f" (layers {cfg.layer_pattern}{local}, recurrent {heads}x{dk}x{dv}, conv {width})"
+    return f" (layers {cfg.layer_pattern}{local})"
 
 
 def _config_record(

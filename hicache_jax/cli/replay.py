@@ -20,6 +20,7 @@ import numpy as np
 import hicache_jax.study as study
 from hicache_jax.cli.output import check_writable, require_matplotlib, write_json
 from hicache_jax.replay import driver as replay_mod
+from hicache_jax.replay import mixed as mmod
 from hicache_jax.replay import simulate as sim
 from hicache_jax.replay import states as smod
 from hicache_jax.replay import windows as wmod
@@ -95,14 +96,17 @@ def add_parser(sub: Any) -> None:
     w.add_argument(
         "--layer-pattern",
         metavar="A:B",
-        help="A sliding-window layers then B full ones, repeating (e.g. 5:1): the replay's "
-        "spec becomes the pattern's (per layer: 1 kv head of dim 1, float32, one period of "
-        "layers, unless --spec says otherwise); capacities stay tokens' worth of the "
+        help="A sliding-window layers then B full ones, repeating (e.g. 5:1, or S5:F1): the "
+        "replay's spec becomes the pattern's (per layer: 1 kv head of dim 1, float32, one "
+        "period of layers, unless --spec says otherwise); capacities stay tokens' worth of the "
         "all-full model's bytes, split between the full-attention and the window pools. "
         "Ra:Fb (e.g. R3:F1): a hybrid recurrent model (a recurrent layers then b full ones): "
         "capacities are tokens' worth of its full-attention KV bytes, split between pages and "
         "state slots (checkpoints); the hit ratio is judged against the exact LRU of the same "
-        "bytes (every page boundary a free checkpoint)",
+        "bytes (every page boundary a free checkpoint). Ra:Sb:Fc (e.g. R2:S1:F1; letters "
+        "recurrent, sliding-window, full, each once, in layer order): all three kinds, with "
+        "--window; capacities are the all-full model's bytes, split between pages, window "
+        "pages and state slots, and both kinds' figures are reported",
     )
     w.add_argument("--window", type=int, metavar="W", help="the sliding window in tokens")
     w.add_argument(
@@ -114,7 +118,8 @@ def add_parser(sub: Any) -> None:
         "pages of tail for every mean prompt's pages of full-attention pool",
     )
     h = r.add_argument_group(
-        "recurrent state (with --layer-pattern Ra:Fb; hicache_jax/replay/states.py)"
+        "recurrent state (with --layer-pattern Ra:Fb or Ra:Sb:Fc; hicache_jax/replay/states.py, "
+        "hicache_jax/replay/mixed.py)"
     )
     h.add_argument(
         "--state-tokens",
@@ -192,8 +197,20 @@ def _simulate(
         )
     except (ValueError, TypeError) as exc:
         parser.exit(2, f"hicache-jax replay: error: {exc}\n")
-    pools: wmod.Pools | smod.StatePools | None = None
-    if spec.state_groups:
+    pools: wmod.Pools | smod.StatePools | mmod.MixedPools | None = None
+    if spec.state_groups and len(spec.window_groups) > len(spec.state_groups):
+        longest, mean = wmod.prompt_tokens(trace)
+        pools = mmod.pools_for(
+            spec,
+            pages,
+            args.host_ratios[0],
+            window_share=args.window_share,
+            state_share=args.state_share,
+            longest_tokens=longest,
+            mean_tokens=mean,
+            checkpoint_every=args.checkpoint_every,
+        )
+    elif spec.state_groups:
         longest, mean = wmod.prompt_tokens(trace)
         pools = smod.pools_for(
             spec,
@@ -227,6 +244,12 @@ def _simulate(
         + (
             ""
             if pools is None
+            else f" of the all-full model's bytes (full/window pages/state slots: L1 "
+            f"{pools.device_pages}/{pools.window_device_pages}/{pools.state_device_slots}, L2 "
+            f"{pools.host_pages}/{pools.window_host_pages}/{pools.state_host_slots}; a "
+            "checkpoint every "
+            f"{'default' if pools.checkpoint_every is None else pools.checkpoint_every} pages)"
+            if isinstance(pools, mmod.MixedPools)
             else f" of the hybrid's bytes (pages/state slots: L1 {pools.device_pages}/"
             f"{pools.state_device_slots}, L2 {pools.host_pages}/{pools.state_host_slots}; "
             f"state slots {pools.share:.3f} of the bytes, a checkpoint every "
@@ -274,10 +297,12 @@ def _replay_setup(args: argparse.Namespace) -> tuple[Any, Any, list[int]]:
     _check_pattern_flags(args)
     trace = study.load_trace(args.trace, block_size=args.block_size, limit=args.limit)
     ps = args.page_size if args.page_size is not None else trace.default_page_size()
-    if smod.is_state_pattern(args.layer_pattern):
+    if _recurrent(args.layer_pattern):
         if args.spec is not None:
-            raise ValueError("--spec is not taken with a recurrent --layer-pattern (Ra:Fb)")
-        spec = smod.state_spec(args.layer_pattern, ps, args.state_tokens)
+            raise ValueError(
+                "--spec is not taken with a recurrent --layer-pattern (Ra:Fb, Ra:Sb:Fc)"
+            )
+        spec = smod.state_spec(args.layer_pattern, ps, args.state_tokens, window=args.window)
     elif args.layer_pattern is not None:
         period = wmod.pattern_period(args.layer_pattern)
         base = KVSpec.parse(
@@ -311,32 +336,42 @@ def _replay_setup(args: argparse.Namespace) -> tuple[Any, Any, list[int]]:
     return trace, spec, pages
 
 
+def _recurrent(pattern: str | None) -> bool:
+    """Whether ``--layer-pattern`` names recurrent layers (``R3:F1``, ``R2:S1:F1``); a bad
+    pattern raises ValueError naming the flag."""
+    return pattern is not None and wmod.pattern_kind(pattern) in ("state", "mixed")
+
+
 def _check_pattern_flags(args: argparse.Namespace) -> None:
-    """``--window`` and ``--window-share`` need ``--layer-pattern``; the share is in (0, 1).
+    """``--window`` and ``--window-share`` need a --layer-pattern with sliding-window layers,
+    the state flags one with recurrent layers; the shares are in (0, 1) and below 1 together.
     ValueError naming the flag."""
-    stateful = smod.is_state_pattern(args.layer_pattern)
+    kind = None if args.layer_pattern is None else wmod.pattern_kind(args.layer_pattern)
     state_flags = (
         ("--state-tokens", args.state_tokens),
         ("--state-share", args.state_share),
         ("--checkpoint-every", args.checkpoint_every),
     )
-    if not stateful:
+    if kind not in ("state", "mixed"):
         for flag, value in state_flags:
             if value is not None:
-                raise ValueError(f"{flag} needs a recurrent --layer-pattern (e.g. R3:F1)")
+                raise ValueError(f"{flag} needs a recurrent --layer-pattern (e.g. R3:F1, R2:S1:F1)")
     if args.layer_pattern is None:
         for flag, value in (("--window", args.window), ("--window-share", args.window_share)):
             if value is not None:
                 raise ValueError(f"{flag} needs --layer-pattern (e.g. --layer-pattern 5:1)")
         return
-    if stateful:
+    if kind == "state":
         for flag, value in (("--window", args.window), ("--window-share", args.window_share)):
             if value is not None:
-                raise ValueError(f"{flag} is for a sliding-window --layer-pattern (e.g. 5:1)")
+                raise ValueError(
+                    f"{flag} is for a sliding-window --layer-pattern (e.g. 5:1, R2:S1:F1)"
+                )
+    if kind in ("state", "mixed"):
         smod.check_state_share(args.state_share)
         args.checkpoint_every = smod.check_interval(args.checkpoint_every)
+    if kind == "state":
         return
-    wmod.pattern_period(args.layer_pattern)
     if args.window is None:
         raise ValueError(
             f"--layer-pattern {args.layer_pattern} needs --window (the sliding window in tokens)"
@@ -344,6 +379,12 @@ def _check_pattern_flags(args: argparse.Namespace) -> None:
     if args.window < 1:
         raise ValueError(f"--window {args.window} must be a positive number of tokens")
     wmod.check_share(args.window_share)
+    shares = (args.window_share, args.state_share)
+    if kind == "mixed" and None not in shares and sum(shares) >= 1:
+        raise ValueError(
+            f"--window-share {args.window_share:g} + --state-share {args.state_share:g} "
+            "must be below 1 (the rest of the bytes are full-attention pages)"
+        )
 
 
 def _split(flag: str) -> list[str]:
@@ -393,6 +434,11 @@ def replay_command(args: argparse.Namespace, parser: argparse.ArgumentParser) ->
     if args.simulate:
         return _simulate(args, parser, trace, spec, pages[0])
     ps = spec.page_size
+    budget = (
+        "all-full model's pages"
+        if len(spec.window_groups) > len(spec.state_groups)
+        else "hybrid's full-attention pages"
+    )
     print(
         f"trace {trace.path}: {trace.format}, {len(trace.requests)} requests, "
         f"{trace.num_tokens:,} prompt tokens; page {ps} tokens, "
@@ -402,9 +448,8 @@ def replay_command(args: argparse.Namespace, parser: argparse.ArgumentParser) ->
         + f"); L1 {', '.join(f'{p} pages' for p in pages)}, "
         f"L2 = {', '.join(f'{x:g}' for x in args.host_ratios)} x L1"
         + (
-            f" (the hybrid's full-attention pages' bytes; a checkpoint "
-            f"{smod.slot_bytes(spec):,} bytes = {smod.slot_bytes(spec) / spec.page_bytes:.2f} "
-            "pages)"
+            f" (the {budget}' bytes; a checkpoint {smod.slot_bytes(spec):,} bytes = "
+            f"{smod.slot_bytes(spec) / spec.page_bytes:.2f} full-attention pages)"
             if spec.state_groups
             else " (the all-full model's pages' bytes)"
             if spec.window_groups

@@ -98,6 +98,7 @@ from hicache_jax.engine.engine import (
     build_cache,
     check_spec,
     parse_mode,
+    recurrent_window_args,
     window_args,
 )
 from hicache_jax.engine.model import DecoderModel
@@ -558,6 +559,15 @@ class BatchedEngine:
             )
             self._pending.append((logits, toks, self._dispatched(part_batch, part_dec), sample))
 
+    def _recurrent_windows(self, rows: list[tuple[BatchRequest, int]]) -> dict[str, Any]:
+        """The window pools and each row's window pages (over its positions up to the end
+        given) of a three-kind pattern's step (``recurrent_window_args``); none for
+        ``R3:F1``. Asked each step: inserts drop window pages."""
+        args = [recurrent_window_args(self.cache, r.pages, end) for r, end in rows]
+        if not args or not args[0]:
+            return {}
+        return {"windows": args[0]["windows"], "window_pages": [a["window_pages"] for a in args]}
+
     def _forward_recurrent(
         self, batch: list[tuple[BatchRequest, int]], decoding: list[BatchRequest]
     ) -> None:
@@ -569,7 +579,7 @@ class BatchedEngine:
         ``share_prompt`` / ``finish`` insert their pages); the rows' tokens sampled on the
         device and written to their slots, as a packed step does."""
         parts = []
-        knobs = dict(min_pages=self.table_bucket, min_batch=self.batch_bucket)
+        knobs: dict[str, Any] = dict(min_pages=self.table_bucket, min_batch=self.batch_bucket)
         if batch:  # every prefill chunk in one step
             ckpts: list[Checkpoints] = []
             for r, _ in batch:
@@ -583,6 +593,7 @@ class BatchedEngine:
                 [c.state for c in ckpts],
                 self.slots,
                 [r.slot for r, _ in batch if r.slot is not None],
+                **self._recurrent_windows([(r, r.kv_done + n) for r, n in batch]),
                 min_bucket=self.query_block,
                 **knobs,
             )
@@ -603,6 +614,7 @@ class BatchedEngine:
                 [c.state for c in ckpts],
                 self.slots,
                 [r.slot for r in decoding if r.slot is not None],
+                **self._recurrent_windows([(r, r.kv_done + 1) for r in decoding]),
                 **knobs,
             )
             for r, ckpt, state in zip(decoding, ckpts, states):

@@ -387,6 +387,7 @@ class Engine:
                 c0,
                 pages,
                 state,
+                **recurrent_window_args(cache, pages, c0 + chunk.shape[0]),
                 min_bucket=self.prefill_bucket,
                 min_pages=self.table_bucket,
             )
@@ -399,7 +400,13 @@ class Engine:
         ttft = time.perf_counter() - t0
         for pos in range(n, n + max_new - 1):
             logits, state, _, _ = model.forward_recurrent(
-                self.pool, tok, pos, pages, state, min_pages=self.table_bucket
+                self.pool,
+                tok,
+                pos,
+                pages,
+                state,
+                **recurrent_window_args(cache, pages, pos + 1),
+                min_pages=self.table_bucket,
             )
             ckpt.decoded(pos + 1, state, pages)
             tok = _argmax(logits)
@@ -521,6 +528,17 @@ def window_args(cache: HiCache, pages: np.ndarray, used: int) -> dict[str, Any]:
         "windows": cache.window_pools,
         "window_pages": cache.window_pages(np.asarray(pages)[:used]),
     }
+
+
+def recurrent_window_args(cache: HiCache, pages: np.ndarray, end: int) -> dict[str, Any]:
+    """:func:`window_args` of a recurrent pattern's forward over positions ``0 .. end-1``
+    (``DecoderModel.forward_recurrent``): none for ``R3:F1`` (its one window group is the
+    STATE group, which the forward does not read: the caller passes the state), every window
+    group's for ``R2:S1:F1`` (the forward runs its local layers on theirs)."""
+    spec = cache.spec
+    if len(spec.window_groups) == len(spec.state_groups):
+        return {}
+    return window_args(cache, pages, -(-end // spec.page_size))
 
 
 def _pow2(n: int) -> int:

@@ -269,8 +269,9 @@ def _reference_jit(cfg: ModelConfig, params: Params, tokens: jax.Array) -> jax.A
     rplan = recurrent_plan(cfg)
     for i in range(cfg.num_layers):
         lp = {k: v[i] for k, v in params["layers"].items()}
-        if rplan and rplan[i] >= 0:  # a recurrent layer, token by token from a zero state
-            rp = {k: v[rplan[i]] for k, v in params["recurrent"].items()}
+        j = rplan[i] if rplan else None
+        if j is not None and j >= 0:  # a recurrent layer, token by token from a zero state
+            rp = {k: v[j] for k, v in params["recurrent"].items()}
             conv, ssm = zero_state(cfg, 1)
             h = _rms_norm(x, lp["attn_norm"], cfg.norm_eps)
             y, _, _ = recurrent_step(rp, h, conv[0], ssm[0])
@@ -278,7 +279,8 @@ def _reference_jit(cfg: ModelConfig, params: Params, tokens: jax.Array) -> jax.A
             x = x + _mlp(cfg, lp, x)
             continue
         q, k, v = _qkv(cfg, lp, x, pos)
-        local = plan[i][2] if plan else None
+        entry = (plan or local_plan(cfg) or [None] * cfg.num_layers)[i]
+        local = None if entry is None else entry[2]
         m = mask if local is None else mask & (pos[None, :] >= _local_start(local, pos)[:, None])
         x = x + _attend(cfg, q, k, v, m) @ lp["wo"]
         x = x + _mlp(cfg, lp, x)
@@ -601,17 +603,46 @@ def _local_batch_layer(cfg, layout, local, pool, layer, lp, x, blob, page_map):
 
 
 @functools.cache
-def recurrent_plan(cfg: ModelConfig) -> tuple[int, ...]:
+def recurrent_plan(cfg: ModelConfig) -> tuple[int | None, ...]:
     """Per model layer of a recurrent pattern: its index among the recurrent layers (its
-    weights in ``params["recurrent"]``, its state in the STATE group's layer order), or
-    ``-(1 + i)`` for the full-attention layer ``i`` of the full pool. Empty without recurrent
-    layers."""
+    weights in ``params["recurrent"]``, its state in the STATE group's layer order),
+    ``-(1 + i)`` for the full-attention layer ``i`` of the full pool, or None for a local
+    layer of a three-kind pattern (``"R2:S1:F1"``: :func:`local_plan`). Empty without
+    recurrent layers."""
     rec = cfg.recurrent_layers()
     if not rec:
         return ()
     full = cfg.kv_spec(1).full_group.layers
-    plan = {layer: j for j, layer in enumerate(rec)}
+    plan: dict[int, int | None] = dict.fromkeys(range(cfg.num_layers))
+    plan.update({layer: j for j, layer in enumerate(rec)})
     plan.update({layer: -(1 + i) for i, layer in enumerate(full)})
+    return tuple(plan[layer] for layer in range(cfg.num_layers))
+
+
+def local_groups(spec: Any) -> tuple[int, ...]:
+    """Indices in ``spec.window_groups`` of its sliding-window and chunked groups (every
+    window group but the STATE ones): the pools a recurrent pattern's step takes."""
+    return tuple(g for g in range(len(spec.window_groups)) if g not in spec.state_groups)
+
+
+@functools.cache
+def local_plan(cfg: ModelConfig) -> tuple[tuple[int, int, Local] | None, ...]:
+    """Per model layer of a recurrent pattern with local layers (``"R2:S1:F1"``):
+    ``(g, i, local)`` for a local layer, ``g`` its group among :func:`local_groups` (the
+    window pools a step takes, in that order), ``i`` its layer there, ``local`` its mask; None
+    for the other layers. Empty without recurrent or without local layers."""
+    spec = cfg.kv_spec(1)
+    if not spec.state_groups or not local_groups(spec):
+        return ()
+    plan: dict[int, tuple[int, int, Local] | None] = dict.fromkeys(range(cfg.num_layers))
+    for g, w in enumerate(local_groups(spec)):
+        group = spec.window_groups[w]
+        local: Local = (
+            ("window", int(group.window))
+            if group.window is not None
+            else ("chunk", int(group.chunk or 0))
+        )
+        plan.update({layer: (g, i, local) for i, layer in enumerate(group.layers)})
     return tuple(plan[layer] for layer in range(cfg.num_layers))
 
 
@@ -632,13 +663,48 @@ def _recurrent_model_step(cfg, chunk, pool, params, tokens, start, n_new, page_t
     are padding). The boundary states are ``[R, T' // chunk, ...]``, the state after the
     tokens up to each chunk's end (clamped to ``n_new``); ``[R, 0, ...]`` in the step form."""
     TRACES["recurrent_step"] += 1
+    (pool,), out = _recurrent_layers(
+        cfg, chunk, [pool], params, tokens, start, n_new, page_table, None, conv, ssm
+    )
+    return pool, out
+
+
+def _recurrent_pattern_step(
+    cfg, chunk, full, windows, params, tokens, start, n_new, page_table, window_tables, conv, ssm
+):
+    """:func:`_recurrent_model_step` of a three-kind pattern (``"R2:S1:F1"``): ``(full,
+    windows, out)``, each local layer on its window pool (:func:`local_plan`) through its row
+    of ``window_tables`` (int32 [G, Pb]: the group's page of each entry of ``page_table``;
+    pages it keeps none of: its scratch page, masked out by the window)."""
+    TRACES["recurrent_step"] += 1
+    pools, out = _recurrent_layers(
+        cfg, chunk, [full, *windows], params, tokens, start, n_new, page_table, window_tables,
+        conv, ssm,
+    )  # fmt: skip
+    return pools[0], tuple(pools[1:]), out
+
+
+def _recurrent_layers(
+    cfg, chunk, pools, params, tokens, start, n_new, page_table, window_tables, conv, ssm
+):
+    """The layers of :func:`_recurrent_model_step` over ``pools`` (the full pool, then the
+    local groups' pools): ``(pools, out)``."""
     t = tokens.shape[0]
     x = _embed(params, tokens)
+    lplan = local_plan(cfg)
     convs, ssms, bconv, bssm = [], [], [], []
     for layer, j in enumerate(recurrent_plan(cfg)):
         lp = params["per_layer"][layer]
+        if j is None:
+            entry = lplan[layer]
+            assert entry is not None  # (local_plan has every local layer)
+            g, i, local = entry
+            pools[g + 1], x = _paged_layer(
+                cfg, pools[g + 1], i, lp, x, start, n_new, window_tables[g], local
+            )
+            continue
         if j < 0:
-            pool, x = _paged_layer(cfg, pool, -(1 + j), lp, x, start, n_new, page_table)
+            pools[0], x = _paged_layer(cfg, pools[0], -(1 + j), lp, x, start, n_new, page_table)
             continue
         rp = params["recurrent_per_layer"][j]
         h = _rms_norm(x, lp["attn_norm"], cfg.norm_eps)
@@ -657,7 +723,7 @@ def _recurrent_model_step(cfg, chunk, pool, params, tokens, start, n_new, page_t
         x = x + y.astype(x.dtype)
         x = x + _mlp(cfg, lp, x)
     state = (jnp.stack(convs), jnp.stack(ssms))
-    return pool, (_head(cfg, params, x, n_new), state, (jnp.stack(bconv), jnp.stack(bssm)))
+    return pools, (_head(cfg, params, x, n_new), state, (jnp.stack(bconv), jnp.stack(bssm)))
 
 
 def _recurrent_rows(
@@ -677,17 +743,45 @@ def _recurrent_rows(
     valid position) goes to its slot; padding rows have ``n_new`` 0 and slot ``S`` (the
     padding slot), and write their K/V to the scratch page."""
     TRACES["recurrent_rows"] += 1
+    (pool,), out = _recurrent_row_layers(
+        cfg, chunk, [pool], params, tokens, start, n_new, tables, None, conv, ssm, slot_tokens,
+        slot_of,
+    )  # fmt: skip
+    return pool, out
+
+
+def _recurrent_pattern_rows(
+    cfg, chunk, full, windows, params, tokens, start, n_new, tables, window_tables, conv, ssm,
+    slot_tokens, slot_of,
+):  # fmt: skip
+    """:func:`_recurrent_rows` of a three-kind pattern (``"R2:S1:F1"``): ``(full, windows,
+    out)``, each local layer on its window pool through ``window_tables`` (int32 [G, B, Pb]:
+    the group's page of each entry of ``tables``; its scratch page where it keeps none), its
+    keys masked to its window."""
+    TRACES["recurrent_rows"] += 1
+    pools, out = _recurrent_row_layers(
+        cfg, chunk, [full, *windows], params, tokens, start, n_new, tables, window_tables, conv,
+        ssm, slot_tokens, slot_of,
+    )  # fmt: skip
+    return pools[0], tuple(pools[1:]), out
+
+
+def _recurrent_row_layers(
+    cfg, chunk, pools, params, tokens, start, n_new, tables, window_tables, conv, ssm,
+    slot_tokens, slot_of,
+):  # fmt: skip
+    """The layers of :func:`_recurrent_rows` over ``pools`` (the full pool, then the local
+    groups' pools): ``(pools, out)``."""
     b, t = tokens.shape
     n_pages = tables.shape[1]
-    ps, scratch, bits = pool.shape[3], pool.shape[2] - 1, pool.dtype
+    ps = pools[0].shape[3]
     if t == 1:
         tokens = slot_tokens[slot_of][:, None]
     pos = start[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]  # [B, T]
     valid = jnp.arange(t, dtype=jnp.int32)[None, :] < n_new[:, None]
     x = _embed(params, tokens).reshape(b * t, -1)  # the rows' tokens, flat
     flat_pos = pos.reshape(-1)
-    page = jnp.take_along_axis(tables, jnp.minimum(pos // ps, n_pages - 1), axis=1)
-    wpage = jnp.where(valid, page, scratch).reshape(-1)
+    slot = jnp.minimum(pos // ps, n_pages - 1)
     off = flat_pos % ps
     ctx = (b, n_pages * ps, cfg.num_kv_heads, cfg.head_dim)
     kpos = jnp.arange(n_pages * ps, dtype=jnp.int32)
@@ -695,18 +789,34 @@ def _recurrent_rows(
         kpos[None, None, :] < (start + n_new)[:, None, None]
     )  # [B, T, S]
     attend = jax.vmap(functools.partial(_attend, cfg))
+    lplan = local_plan(cfg)
+
+    def attention(p, i, table, lp, m):
+        # every row's K/V into pool p's layer i (padding to its scratch page), then each
+        # row's attention over its pages of p
+        pool = pools[p]
+        page = jnp.take_along_axis(table, slot, axis=1)
+        wpage = jnp.where(valid, page, pool.shape[2] - 1).reshape(-1)
+        q, k, v = _qkv(cfg, lp, x, flat_pos)
+        pool = pool.at[i, 0, wpage, off].set(lax.bitcast_convert_type(k, pool.dtype))
+        pool = pool.at[i, 1, wpage, off].set(lax.bitcast_convert_type(v, pool.dtype))
+        kc = lax.bitcast_convert_type(pool[i, 0, table], x.dtype).reshape(ctx)
+        vc = lax.bitcast_convert_type(pool[i, 1, table], x.dtype).reshape(ctx)
+        qr = q.reshape(b, t, cfg.num_heads, cfg.head_dim)
+        pools[p] = pool
+        return attend(qr, kc, vc, m).reshape(b * t, -1) @ lp["wo"]
+
     convs, ssms, bconv, bssm = [], [], [], []
     for layer, j in enumerate(recurrent_plan(cfg)):
         lp = params["per_layer"][layer]
-        if j < 0:
-            i = -(1 + j)
-            q, k, v = _qkv(cfg, lp, x, flat_pos)
-            pool = pool.at[i, 0, wpage, off].set(lax.bitcast_convert_type(k, bits))
-            pool = pool.at[i, 1, wpage, off].set(lax.bitcast_convert_type(v, bits))
-            kc = lax.bitcast_convert_type(pool[i, 0, tables], x.dtype).reshape(ctx)
-            vc = lax.bitcast_convert_type(pool[i, 1, tables], x.dtype).reshape(ctx)
-            qr = q.reshape(b, t, cfg.num_heads, cfg.head_dim)
-            x = x + attend(qr, kc, vc, mask).reshape(b * t, -1) @ lp["wo"]
+        if j is None:  # a local layer: its window pool, its keys within its window
+            entry = lplan[layer]
+            assert entry is not None and entry[2] is not None  # (a local layer's mask)
+            g, i, local = entry[0], entry[1], entry[2]
+            m = mask & (kpos[None, None, :] >= _local_start(local, pos)[:, :, None])
+            x = x + attention(g + 1, i, window_tables[g], lp, m)
+        elif j < 0:
+            x = x + attention(0, -(1 + j), tables, lp, mask)
         else:
             rp = params["recurrent_per_layer"][j]
             h = _rms_norm(x, lp["attn_norm"], cfg.norm_eps).reshape(b, t, -1)
@@ -734,7 +844,7 @@ def _recurrent_rows(
     toks = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     states = (jnp.stack(convs, axis=1), jnp.stack(ssms, axis=1))
     bounds = (jnp.stack(bconv, axis=1), jnp.stack(bssm, axis=1))
-    return pool, (logits, toks, slot_tokens.at[slot_of].set(toks), *states, *bounds)
+    return pools, (logits, toks, slot_tokens.at[slot_of].set(toks), *states, *bounds)
 
 
 #: Traces of each jitted step (``"step"``, ``"batch_step"``, ``"batch_layer"``; a patterned
@@ -760,6 +870,13 @@ LOCAL_BATCH_LAYER = jax.jit(_local_batch_layer, static_argnums=(0, 1, 2), donate
 # checkpoint written from it may still be reading it).
 RECURRENT_STEP = jax.jit(_recurrent_model_step, static_argnums=(0, 1), donate_argnums=2)
 RECURRENT_ROWS = jax.jit(_recurrent_rows, static_argnums=(0, 1), donate_argnums=2)
+# A three-kind pattern: the full pool and the tuple of local window pools donated (``run_with``).
+RECURRENT_PATTERN_STEP = jax.jit(
+    _recurrent_pattern_step, static_argnums=(0, 1), donate_argnums=(2, 3)
+)
+RECURRENT_PATTERN_ROWS = jax.jit(
+    _recurrent_pattern_rows, static_argnums=(0, 1), donate_argnums=(2, 3)
+)
 EMBED = jax.jit(_embed)
 BATCH_EMBED = jax.jit(_blob_embed, static_argnums=0)
 HEAD = jax.jit(_head, static_argnums=0)

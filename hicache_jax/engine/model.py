@@ -60,12 +60,15 @@ from hicache_jax.engine.layers import (
     LOCAL_LAYER,
     PATTERN_BATCH_STEP,
     PATTERN_STEP,
+    RECURRENT_PATTERN_ROWS,
+    RECURRENT_PATTERN_STEP,
     RECURRENT_ROWS,
     RECURRENT_STEP,
     STEP,
     TRACES,
     UNROLL_TOKENS,
     layer_plan,
+    local_groups,
     recurrent_plan,
     zero_state,
 )
@@ -177,6 +180,39 @@ class DecoderModel:
         """The cache's spec for this model (``ModelConfig.kv_spec``: grouped with a
         ``layer_pattern``)."""
         return self.cfg.kv_spec(page_size)
+
+    def _recurrent_windows(
+        self, windows: Sequence[Any], window_pages: Any, used: Sequence[int], shape: tuple
+    ) -> tuple[list[Any], np.ndarray | None]:
+        """A recurrent pattern's local pools and their page tables: of ``windows`` (every
+        window group's pool, ``HiCache.window_pools``: the STATE group's is left out) and
+        ``window_pages`` (one ``[G, >= used[b]]`` array a row, ``HiCache.window_pages``),
+        the local groups' pools and int32 ``[G', *shape]`` tables (``shape``: rows, pages;
+        the scratch page where a group keeps no page, past ``used[b]`` and in padding rows);
+        ``([], None)`` for ``R3:F1``. ValueError where the call's windows do not fit the
+        model."""
+        spec = self.cfg.kv_spec(1)
+        want = len(spec.window_groups) if local_groups(spec) else 0
+        if len(windows) != want or (want and window_pages is None):
+            raise ValueError(
+                f"windows: {len(windows)} window pools and window_pages="
+                f"{'None' if window_pages is None else 'given'}; this model "
+                f"(layer_pattern={self.cfg.layer_pattern!r}) needs {want} pools"
+                + (" and window_pages (HiCache.window_pools / window_pages)" if want else "")
+            )
+        if not want:
+            return [], None
+        local = [windows[g] for g in local_groups(spec)]
+        tables = np.empty((len(local), *shape), np.int32)
+        for j, wpool in enumerate(local):
+            tables[j] = wpool.num_pages  # its scratch page
+        for b, (wp, u) in enumerate(zip(window_pages, used)):
+            wp = np.asarray(wp, np.int32)
+            if wp.ndim != 2 or wp.shape[0] != want or wp.shape[1] < u:
+                raise ValueError(f"window_pages[{b}] has shape {wp.shape}; needs [{want}, >= {u}]")
+            for j, (g, wpool) in enumerate(zip(local_groups(spec), local)):
+                tables[j, b, :u] = np.where(wp[g, :u] < 0, wpool.num_pages, wp[g, :u])
+        return local, tables
 
     def _window_args(self, windows: Sequence[Any], window_pages: Any, name: str) -> None:
         """Check that a patterned model's call got its window pools and pages (and a plain
@@ -296,6 +332,8 @@ class DecoderModel:
         page_ids,
         state: Sequence[Any],
         *,
+        windows: Sequence[Any] = (),
+        window_pages: Any = None,
         min_bucket: int = 1,
         min_pages: int = 1,
     ) -> tuple[jax.Array, tuple[jax.Array, ...], tuple[jax.Array, ...], int]:
@@ -312,6 +350,10 @@ class DecoderModel:
             state: ``(conv [R, conv_width-1, d_model], ssm [R, H, dk, dv])`` float32, R the
                 recurrent layers (:meth:`zero_state`, or ``HiCache.read_state`` of a
                 checkpoint without its page axis); not modified.
+            windows / window_pages: a three-kind pattern's (``"R2:S1:F1"``) window pools
+                and pages, as :meth:`forward` takes them (every window group's:
+                ``HiCache.window_pools``, ``HiCache.window_pages``); the local layers run on
+                theirs.
             min_bucket / min_pages: as :meth:`forward`.
 
         Returns:
@@ -345,6 +387,9 @@ class DecoderModel:
             raise ValueError(f"state has shapes {(conv.shape, ssm.shape)}, needs {want}")
         table = np.full(bucket(used, min_pages), pool.num_pages, np.int32)
         table[:used] = page_ids[:used]
+        local, wtables = self._recurrent_windows(
+            windows, None if window_pages is None else [window_pages], [used], (1, len(table))
+        )
         tb = 1 if n == 1 else max(2, bucket(n, min_bucket))
         toks: np.ndarray | jax.Array
         if isinstance(tokens, np.ndarray):
@@ -354,13 +399,22 @@ class DecoderModel:
             toks = jnp.pad(jnp.asarray(tokens, jnp.int32), (0, tb - n))
         else:
             toks = tokens
+        args = (toks, jnp.int32(start), jnp.int32(n), table)
+        if wtables is not None:
+            logits, new_state, bounds = cast(Any, pool).run_with(
+                local,
+                functools.partial(RECURRENT_PATTERN_STEP, self.cfg, chunk),
+                self._unrolled_params,
+                *args,
+                wtables[:, 0],
+                conv,
+                ssm,
+            )
+            return logits, new_state, bounds, chunk
         logits, new_state, bounds = pool.run(
             functools.partial(RECURRENT_STEP, self.cfg, chunk),
             self._unrolled_params,
-            toks,
-            jnp.int32(start),
-            jnp.int32(n),
-            table,
+            *args,
             conv,
             ssm,
         )
@@ -376,6 +430,8 @@ class DecoderModel:
         slots: TokenSlots,
         slot_of: Sequence[int],
         *,
+        windows: Sequence[Any] = (),
+        window_pages: Sequence[Any] | None = None,
         min_bucket: int = 1,
         min_pages: int = 1,
         min_batch: int = 1,
@@ -394,6 +450,9 @@ class DecoderModel:
             states: B states (as :meth:`forward_recurrent`'s); not modified.
             slots: the token slots: each row's sampled token is written to its slot.
             slot_of: B slots.
+            windows / window_pages: a three-kind pattern's window pools (every window
+                group's, ``HiCache.window_pools``) and each row's window pages (B arrays of
+                ``HiCache.window_pages`` of its pages).
             min_bucket / min_pages / min_batch: the smallest bucket of the chunks' tokens, the
                 page tables' pages, the rows (powers of two).
 
@@ -438,23 +497,42 @@ class DecoderModel:
                 toks[i, :n] = chunks[i]
             tables[i, :u] = ids[:u]
             start[i], n_new[i] = s0, n
+        if window_pages is not None and len(window_pages) != b:
+            raise ValueError(f"{len(window_pages)} window page arrays for {b} rows")
+        local, wtables = self._recurrent_windows(windows, window_pages, used, tables.shape)
         slot_ids = np.full(rows, slots.n, np.int32)  # padding rows: the padding slot
         slot_ids[:b] = slot_of
         zero = self.zero_state()
         conv = jnp.stack([jnp.asarray(s[0]) for s in states] + [zero[0]] * (rows - b))
         ssm = jnp.stack([jnp.asarray(s[1]) for s in states] + [zero[1]] * (rows - b))
-        logits, out, slots.array, conv, ssm, bconv, bssm = pool.run(
-            functools.partial(RECURRENT_ROWS, self.cfg, chunk),
-            self._unrolled_params,
-            toks,
-            start,
-            n_new,
-            tables,
-            conv,
-            ssm,
-            slots.array,
-            slot_ids,
-        )
+        if wtables is not None:
+            logits, out, slots.array, conv, ssm, bconv, bssm = cast(Any, pool).run_with(
+                local,
+                functools.partial(RECURRENT_PATTERN_ROWS, self.cfg, chunk),
+                self._unrolled_params,
+                toks,
+                start,
+                n_new,
+                tables,
+                wtables,
+                conv,
+                ssm,
+                slots.array,
+                slot_ids,
+            )
+        else:
+            logits, out, slots.array, conv, ssm, bconv, bssm = pool.run(
+                functools.partial(RECURRENT_ROWS, self.cfg, chunk),
+                self._unrolled_params,
+                toks,
+                start,
+                n_new,
+                tables,
+                conv,
+                ssm,
+                slots.array,
+                slot_ids,
+            )
         new = [(conv[i], ssm[i]) for i in range(b)]
         bounds = [(bconv[i], bssm[i]) for i in range(b)] if chunks is not None else []
         return logits, out, new, bounds, chunk

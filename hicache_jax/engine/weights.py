@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from hicache_jax.spec import KVSpec, StateArray
+from hicache_jax.spec import KVSpec, StateArray, parse_pattern
 from hicache_jax.validation import is_int
 
 Params = dict[str, Any]
@@ -46,8 +46,10 @@ class ModelConfig:
         norm_eps: RMSNorm epsilon.
         dtype: compute and KV dtype ("float32", "bfloat16", "float16").
         layer_pattern: ``"a:b"``: ``a`` local-attention layers then ``b`` full ones, repeating
-            over ``num_layers`` (``KVSpec.from_pattern``); ``""`` (or ``"full"``): every layer
-            full attention.
+            over ``num_layers`` (``KVSpec.from_pattern``); ``"Ra:Fb"``: recurrent layers
+            beside full ones (below); ``"Ra:Sb:Fc"`` (letters in layer order): recurrent,
+            local and full layers, the local ones by ``window`` / ``chunk``; ``""`` (or
+            ``"full"``): every layer full attention.
         window: sliding window in tokens of the local layers (the query at ``t`` sees keys
             ``t - window .. t``).
         chunk: chunked local attention instead: the query at ``t`` sees keys
@@ -123,8 +125,12 @@ class ModelConfig:
 
     @property
     def recurrent(self) -> bool:
-        """Whether the pattern has recurrent layers (``"R3:F1"``)."""
-        return self.layer_pattern.strip().lower().startswith("r")
+        """Whether the pattern names recurrent layers (``"R3:F1"``, ``"R2:S1:F1"``; a bad
+        pattern: False, and :meth:`kv_spec` names it)."""
+        try:
+            return any(k == "r" for k, _ in parse_pattern(self.layer_pattern))
+        except ValueError:
+            return False
 
     def recurrent_dims(self) -> tuple[int, int, int, int]:
         """``(heads, key dim, value dim, conv width)`` of the recurrent layers (defaults

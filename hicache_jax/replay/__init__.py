@@ -3,7 +3,9 @@
 exact block-LRU (:mod:`~hicache_jax.replay.block_lru`), the what-if TTFT simulator
 (:mod:`~hicache_jax.replay.simulate`, imported by name) and the replay of a sliding-window model
 at the all-full model's bytes (:mod:`~hicache_jax.replay.windows`, imported by name) and of a
-hybrid recurrent model at its bytes (:mod:`~hicache_jax.replay.states`, imported by name)."""
+hybrid recurrent model at its bytes (:mod:`~hicache_jax.replay.states`, imported by name), and
+of a model with all three layer kinds at the all-full model's bytes
+(:mod:`~hicache_jax.replay.mixed`, imported by name)."""
 
 from hicache_jax.replay.block_lru import BlockLRU, PageKeys, default_device_pages, reference_hits
 from hicache_jax.replay.driver import (

@@ -40,6 +40,13 @@ hybrid's full-attention pages' bytes, split between pages and state slots; each 
 its checkpoints (``cache.checkpoint_positions``) before ``finish``; :func:`run` adds the
 every-page oracle (the LRU of L1 + L2 pages of the same bytes) and the LRU of the hybrid's
 pages alone, and :func:`state_table`.
+
+A spec with both (recurrent, sliding-window and full layers, ``R2:S1:F1``:
+:mod:`hicache_jax.replay.mixed`, which owns its pools and what it holds per byte): L1 and L2
+sizes are the all-full model's pages, whose bytes are split between full-attention pages,
+window pages and state slots; the replay does both kinds' parts (a prompt caches at most what
+L1's window pool holds, each request writes its checkpoints) and :func:`run` adds both kinds'
+references, so both :func:`window_table` and :func:`state_table` print its rows.
 Hits of HiCache and of the references count whole pages only.
 
 Threading: a replay builds, owns and closes its caches on the calling thread.
@@ -47,7 +54,6 @@ Threading: a replay builds, owns and closes its caches on the calling thread.
 
 from __future__ import annotations
 
-import dataclasses
 import datetime
 import itertools
 import os
@@ -57,6 +63,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from hicache_jax.cache.hicache import HiCache
+from hicache_jax.replay import mixed as _mixed
 from hicache_jax.replay import states as _states
 from hicache_jax.replay import windows as _windows
 from hicache_jax.replay.block_lru import BlockLRU, PageKeys, reference_hits
@@ -125,15 +132,17 @@ def replay(
             cache.close()
             raise
     ps, cap = spec.page_size, cfg.device_pages
-    stateful = bool(spec.state_groups)
-    if spec.window_groups and not stateful:  # a request's own pages hold a window page each
+    stateful, windowed = _kinds(spec)
+    if windowed:  # a request's own pages hold a window page each
         cap = min(cap, cfg.window_device_pages or cap)
     prompt = device_hit = host_hit = declined = 0  # tokens
     diag = _Diagnosis(cache, cfg) if diagnose else None
-    holding: _windows.Holding | _states.StateHolding | None = None
-    if stateful:
+    holding: _windows.Holding | _states.StateHolding | _mixed.MixedHolding | None = None
+    if stateful and windowed:
+        holding = _mixed.MixedHolding(spec)
+    elif stateful:
         holding = _states.StateHolding(spec)
-    elif spec.window_groups:
+    elif windowed:
         holding = _windows.Holding(spec)
     checkpoints = _states.Checkpoints(cache) if stateful else None
     bar = _progress_bar(len(trace.requests), desc, progress)
@@ -195,6 +204,12 @@ def replay(
             "requests_per_s": len(trace.requests) / wall if wall > 0 else 0.0,
         }
     )
+
+
+def _kinds(spec: KVSpec) -> tuple[bool, bool]:
+    """``(stateful, windowed)``: whether ``spec`` has a STATE group, and a sliding-window or
+    chunked one."""
+    return bool(spec.state_groups), len(spec.window_groups) > len(spec.state_groups)
 
 
 def _l1_l2_pages(cfg: HiCacheConfig) -> int:
@@ -310,7 +325,10 @@ def run(
             :func:`hicache_jax.replay.states.state_spec`), the fraction of each tier's bytes in
             state slots; None: the default rule of :mod:`hicache_jax.replay.states`. Each size
             is then the hybrid's full-attention bytes, split between pages and slots
-            (:func:`hicache_jax.replay.states.pools_for`).
+            (:func:`hicache_jax.replay.states.pools_for`). With both a state group and window
+            groups (``R2:S1:F1``), each size is the all-full model's bytes, split between
+            pages, window pages and slots (:func:`hicache_jax.replay.mixed.pools_for`, both
+            shares taken; their sum below 1).
         checkpoint_every: with a state group, ``HiCacheConfig.checkpoint_every_pages`` (None:
             the cache's default, every 2,048 tokens), or
             ``"auto"``: ``ceil(pages / slots)`` of each size's pools
@@ -330,10 +348,7 @@ def run(
         with ``vs_lru_pages``. Raises ``ValueError`` on a bad configuration before replaying
         anything.
     """
-    stateful = bool(spec.state_groups)
-    windowed = bool(spec.window_groups) and not stateful
-    if stateful and len(spec.window_groups) != len(spec.state_groups):
-        raise ValueError("a spec with both window and state groups is not replayed yet")
+    stateful, windowed = _kinds(spec)
     share = _windows.check_share(window_share, "window_share")
     if share is not None and not windowed:
         raise ValueError("window_share is for a spec with window groups (a layer pattern)")
@@ -343,9 +358,14 @@ def run(
         raise ValueError(
             "state_share / checkpoint_every are for a spec with a state group (e.g. R3:F1)"
         )
+    if share is not None and sshare is not None and share + sshare >= 1:
+        raise ValueError(
+            f"window_share {share:g} + state_share {sshare:g} must be below 1: the rest of "
+            "the bytes are full-attention pages"
+        )
     ps = spec.page_size
     longest, mean = _windows.prompt_tokens(trace)
-    plan: list[tuple[HiCacheConfig, HiCacheConfig, _windows.Pools | _states.StatePools | None]] = []
+    plan: list[tuple[HiCacheConfig, HiCacheConfig, Any]] = []
     # (the budget's config, the config the cache gets, its pools or None)
     for d in device_pages:
         for w in write_policies:
@@ -357,44 +377,37 @@ def run(
                     eviction=e,
                     load_back_threshold=load_back_threshold,
                 )
-                if stateful:
-                    sp = _states.pools_for(
+                sizes = dict(longest_tokens=longest, mean_tokens=mean)
+                pools: _windows.Pools | _states.StatePools | _mixed.MixedPools
+                if stateful and windowed:
+                    pools = _mixed.pools_for(
+                        spec,
+                        d,
+                        host_ratio,
+                        window_share=share,
+                        state_share=sshare,
+                        checkpoint_every=checkpoint_every,
+                        **sizes,
+                    )
+                elif stateful:
+                    pools = _states.pools_for(
                         spec,
                         d,
                         host_ratio,
                         share=sshare,
-                        longest_tokens=longest,
-                        mean_tokens=mean,
                         checkpoint_every=checkpoint_every,
+                        **sizes,
                     )
-                    scfg = dataclasses.replace(
-                        budget,
-                        device_pages=sp.device_pages,
-                        host_pages=sp.host_pages,
-                        state_device_slots=sp.state_device_slots,
-                        state_host_slots=sp.state_host_slots or None,
-                        checkpoint_every_pages=sp.checkpoint_every,
-                    )
-                    plan.append((budget, scfg, sp))
-                    continue
-                if not windowed:
+                elif windowed:
+                    pools = _windows.pools_for(spec, d, host_ratio, share=share, **sizes)
+                else:
                     plan.append((budget, budget, None))
                     continue
-                pp = _windows.pools_for(
-                    spec, d, host_ratio, share=share, longest_tokens=longest, mean_tokens=mean
-                )
-                cfg = dataclasses.replace(
-                    budget,
-                    device_pages=pp.device_pages,
-                    host_pages=pp.host_pages,
-                    window_device_pages=pp.window_device_pages,
-                    window_host_pages=pp.window_host_pages or None,
-                )
-                plan.append((budget, cfg, pp))
+                plan.append((budget, pools.configure(budget), pools))
     caps = {None} | {b.device_pages for b, _, _ in plan} | {_l1_l2_pages(b) for b, _, _ in plan}
     # a hybrid's pages alone (its slots' bytes given up): what the checkpoints' placement is
     # judged against, apart from the bytes they cost
-    caps |= {_l1_l2_pages(c) for _, c, p in plan if isinstance(p, _states.StatePools)}
+    caps |= {_l1_l2_pages(c) for _, c, p in plan if stateful}
     hits, distinct = reference_hits(trace, ps, caps)
     prompt = trace.num_tokens
     ratio = {c: h / prompt if prompt else 0.0 for c, h in hits.items()}
@@ -413,16 +426,19 @@ def run(
         for name, ref in refs.items():
             r[f"{name}_hit_ratio"] = ref
             r[f"vs_{name}"] = r["hit_ratio"] / ref if ref else None  # no hit possible
-        if isinstance(pools, _states.StatePools):
+        if pools is not None:
             r |= {
-                "device_pages": budget.device_pages,  # the budget: full-attention pages' bytes
+                "device_pages": budget.device_pages,  # the budget (see windows / states)
                 "host_pages": budget.host_pages,
                 "pools": pools.as_json(),
+                "budget_bytes": _l1_l2_pages(budget) * spec.model_page_bytes,
+            }
+        if isinstance(pools, (_states.StatePools, _mixed.MixedPools)):
+            r |= {
                 "checkpoint_every": _states.default_interval(ps)
                 if pools.checkpoint_every is None
                 else pools.checkpoint_every,
                 "checkpoint_rule": "default" if checkpoint_every is None else checkpoint_every,
-                "budget_bytes": _l1_l2_pages(budget) * spec.page_bytes,
                 "oracle_hit_ratio": refs["lru_total"],
                 "vs_oracle": r["vs_lru_total"],
                 "lru_pages_hit_ratio": ratio[_l1_l2_pages(cfg)],
@@ -430,15 +446,11 @@ def run(
                 if ratio[_l1_l2_pages(cfg)]
                 else None,
             }
-        elif pools is not None:
+        if isinstance(pools, (_windows.Pools, _mixed.MixedPools)):
             l1_bytes, l2_bytes = pools.bytes_used(spec)
             r |= {
-                "device_pages": budget.device_pages,  # the budget: all-full model pages
-                "host_pages": budget.host_pages,
-                "pools": pools.as_json(),
                 "l1_bytes": l1_bytes,
                 "l2_bytes": l2_bytes,
-                "budget_bytes": _l1_l2_pages(budget) * spec.model_page_bytes,
                 "lru_bytes_ratio_pages": int(r["bytes_ratio"] * _l1_l2_pages(budget)),
             }
         results.append(r)

@@ -48,6 +48,7 @@ from hicache_jax.cache.hicache import HiCache
 from hicache_jax.cache.loading.cost_model import CostModel
 from hicache_jax.memory.transfer import TransferEngine
 from hicache_jax.replay.block_lru import PageKeys
+from hicache_jax.replay.mixed import MixedPools
 from hicache_jax.replay.states import Checkpoints, StatePools
 from hicache_jax.replay.trace import Trace
 from hicache_jax.replay.windows import Pools
@@ -138,7 +139,7 @@ def _config(
     host_pages: int,
     threshold: int,
     page_size: int,
-    pools: Pools | StatePools | None = None,
+    pools: Pools | StatePools | MixedPools | None = None,
 ) -> HiCacheConfig:
     if policy not in POLICIES:
         raise ValueError(f"policy={policy!r} must be one of {', '.join(POLICIES)}")
@@ -162,22 +163,8 @@ def _config(
             "policy='cost+split' with window groups: the cache does not support "
             "load_overlap=True with window groups yet"
         )
-    if isinstance(pools, StatePools):
-        return HiCacheConfig(
-            device_pages=pools.device_pages,
-            host_pages=pools.host_pages,
-            state_device_slots=pools.state_device_slots,
-            state_host_slots=pools.state_host_slots or None,
-            checkpoint_every_pages=pools.checkpoint_every,
-            **kws[policy],
-        )
-    return HiCacheConfig(
-        device_pages=pools.device_pages,
-        host_pages=pools.host_pages,
-        window_device_pages=pools.window_device_pages,
-        window_host_pages=pools.window_host_pages or None,
-        **kws[policy],
-    )
+    base = HiCacheConfig(device_pages=device_pages, host_pages=host_pages, **kws[policy])
+    return pools.configure(base)
 
 
 def _l3_tokens(
@@ -241,14 +228,15 @@ def simulate(
     host_ratio: float = 4.0,
     threshold: int = 16,
     seed: int = 0,
-    pools: Pools | StatePools | None = None,
+    pools: Pools | StatePools | MixedPools | None = None,
 ) -> dict[str, Any]:
     """One policy's TTFT on ``trace`` under ``regime`` (see module doc). Deterministic for
     ``seed``. ``pools``: with a spec of window groups, the pools at the all-full model's bytes
     of ``device_pages`` and ``host_ratio`` (:func:`hicache_jax.replay.windows.pools_for`);
     with a state group (a hybrid recurrent model), its pages and state slots
     (:func:`hicache_jax.replay.states.pools_for`; each request writes its checkpoints as the
-    replay does); None: the plain pools."""
+    replay does); with both (``R2:S1:F1``), its pages, window pages and slots
+    (:func:`hicache_jax.replay.mixed.pools_for`); None: the plain pools."""
     cfg = _config(
         policy,
         regime,
@@ -363,7 +351,7 @@ def simulate_all(
     threshold: int = 16,
     seed: int = 0,
     policies: Sequence[str] | None = None,
-    pools: Pools | StatePools | None = None,
+    pools: Pools | StatePools | MixedPools | None = None,
 ) -> dict[str, Any]:
     """:func:`simulate` of every policy (None: :data:`POLICIES`, less ``cost+split`` with
     ``pools``: the cache does not overlap loads with window groups yet);

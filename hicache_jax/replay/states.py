@@ -52,11 +52,14 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any
+from collections.abc import Callable
+from fractions import Fraction
+from typing import Any, Protocol, TypeVar
 
 import numpy as np
 
-from hicache_jax.spec import KVSpec, StateArray
+from hicache_jax.replay.windows import Demand, pattern_kind, solve_demands
+from hicache_jax.spec import HiCacheConfig, KVSpec, StateArray, parse_pattern
 from hicache_jax.validation import is_real
 
 __all__ = [
@@ -75,7 +78,10 @@ __all__ = [
     "pools_for",
     "qwen3_next_state_tokens",
     "slot_bytes",
+    "slot_floor",
+    "state_demand",
     "state_spec",
+    "with_interval",
 ]
 
 #: ``checkpoint_every="auto"``: the interval that spreads a tier pair's slots over its pages.
@@ -130,25 +136,12 @@ _CONV = (3, 16)
 
 
 def is_state_pattern(pattern: str | None) -> bool:
-    """Whether ``pattern`` names recurrent layers (``"R3:F1"``)."""
-    return isinstance(pattern, str) and pattern.strip().lower().startswith("r")
-
-
-def _pattern_layers(pattern: str, flag: str) -> tuple[int, int]:
-    """``(recurrent, full)`` layers of one period of ``Ra:Fb``; ValueError naming ``flag``."""
-    parts = pattern.strip().lower().split(":")
+    """Whether ``pattern`` names recurrent and full layers only (``"R3:F1"``): this module's
+    replay (:func:`hicache_jax.replay.windows.pattern_kind`; False for a bad pattern)."""
     try:
-        if len(parts) != 2 or parts[0][:1] != "r" or parts[1][:1] != "f":
-            raise ValueError
-        a, b = int(parts[0][1:]), int(parts[1][1:])
+        return isinstance(pattern, str) and pattern_kind(pattern) == "state"
     except ValueError:
-        raise ValueError(
-            f"{flag} {pattern!r} must be 'Ra:Fb' (a recurrent layers then b full ones, "
-            "repeating), e.g. R3:F1"
-        ) from None
-    if a < 1 or b < 1:
-        raise ValueError(f"{flag} {pattern!r} needs a recurrent and a full layer (a, b >= 1)")
-    return a, b
+        return False
 
 
 def state_spec(
@@ -156,19 +149,37 @@ def state_spec(
     page_size: int,
     state_tokens: float | None = None,
     *,
+    window: int | None = None,
     flag: str = "--layer-pattern",
     tokens_flag: str = "--state-tokens",
+    window_flag: str = "--window",
 ) -> KVSpec:
-    """The replay's spec of ``pattern`` (``"R3:F1"``): one period of layers, the full ones
-    8 bytes a token, the recurrent ones a conv array of :data:`_CONV` and a recurrent array so
-    that one checkpoint costs ``state_tokens`` tokens of the full-attention KV bytes (default
-    :data:`QWEN3_NEXT_STATE_TOKENS`; rounded to whole float32 words a layer).
+    """The replay's spec of ``pattern`` (``"R3:F1"``, or ``"R2:S1:F1"`` with sliding-window
+    layers of ``window`` tokens): one period of layers, the full and sliding-window ones 8
+    bytes a token each, the recurrent ones a conv array of :data:`_CONV` and a recurrent array
+    so that one checkpoint costs ``state_tokens`` tokens of the full-attention layers' KV
+    bytes (default :data:`QWEN3_NEXT_STATE_TOKENS`; rounded to whole float32 words a layer).
 
     Raises:
-        ValueError / TypeError: naming ``flag`` (not ``Ra:Fb``) or ``tokens_flag`` (not a
-            positive number).
+        ValueError / TypeError: naming ``flag`` (not a pattern of recurrent and full layers,
+            and sliding-window ones with ``window``), ``window_flag`` (missing for a pattern
+            with sliding-window layers, given for one without, not a positive int) or
+            ``tokens_flag`` (not a positive number).
     """
-    a, b = _pattern_layers(pattern, flag)
+    kind = pattern_kind(pattern, flag)
+    if kind not in ("state", "mixed"):
+        raise ValueError(f"{flag} {pattern!r} has no recurrent layer (e.g. R3:F1, R2:S1:F1)")
+    if kind == "state" and window is not None:
+        raise ValueError(f"{window_flag} is for a sliding-window {flag} (e.g. 5:1, R2:S1:F1)")
+    if kind == "mixed":
+        if window is None:
+            raise ValueError(f"{flag} {pattern} needs {window_flag} (the sliding window in tokens)")
+        if not isinstance(window, int) or isinstance(window, bool):
+            raise TypeError(f"{window_flag} {window!r} must be an int of tokens")
+        if window < 1:
+            raise ValueError(f"{window_flag} {window} must be a positive number of tokens")
+    count = dict(parse_pattern(pattern))
+    a, b = count["r"], count["f"]
     tokens = QWEN3_NEXT_STATE_TOKENS if state_tokens is None else state_tokens
     if not is_real(tokens):
         raise TypeError(f"{tokens_flag} {tokens!r} must be a number of tokens")
@@ -184,12 +195,13 @@ def state_spec(
             StateArray("ssm", (layer_words - conv_words,), "float32"),
         ]
     return KVSpec.from_pattern(
-        f"R{a}:F{b}",
-        num_layers=a + b,
+        pattern,
+        num_layers=sum(count.values()),
         num_kv_heads=1,
         head_dim=1,
         dtype="float32",
         page_size=page_size,
+        window=window,
         state=arrays,
     )
 
@@ -245,6 +257,38 @@ class StatePools:
     def as_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self) | {"share": self.share}
 
+    def configure(self, cfg: HiCacheConfig) -> HiCacheConfig:
+        """``cfg`` (the budget's) with these pools and their checkpoint interval."""
+        return dataclasses.replace(
+            cfg,
+            device_pages=self.device_pages,
+            host_pages=self.host_pages,
+            state_device_slots=self.state_device_slots,
+            state_host_slots=self.state_host_slots or None,
+            checkpoint_every_pages=self.checkpoint_every,
+        )
+
+
+def state_demand(
+    spec: KVSpec,
+    longest_tokens: int,
+    mean_tokens: int,
+    checkpoint_every: int | None = None,
+    *,
+    requests: bool = True,
+) -> Demand:
+    """The default rule's state slots of a tier (see the module docstring): one request's
+    checkpoints (``requests``: L1 only) plus two a mean prompt's pages of the full-attention
+    pool beside them (:func:`hicache_jax.replay.windows.solve_demands`)."""
+    ps = spec.page_size
+    longest = -(-longest_tokens // ps)
+    own = 0
+    if requests:
+        every = default_interval(ps) if checkpoint_every is None else checkpoint_every
+        own = 2 + (longest // every if every > 0 else 0)
+    span = max(1, -(-mean_tokens // ps))
+    return Demand(Fraction(own), Fraction(2, span), slot_bytes(spec))
+
 
 def default_state_slots(
     spec: KVSpec,
@@ -255,21 +299,45 @@ def default_state_slots(
     *,
     requests: bool = True,
 ) -> int:
-    """The default rule's state slots of a tier of ``model_pages`` pages' bytes (see the module
-    docstring): one request's checkpoints (``requests``: L1 only) plus two a mean prompt's
-    pages of the full-attention pool beside them."""
-    ps = spec.page_size
-    longest = -(-longest_tokens // ps)
-    own = 0
-    if requests:
-        every = default_interval(ps) if checkpoint_every is None else checkpoint_every
-        own = 2 + (longest // every if every > 0 else 0)
-    span = max(1, -(-mean_tokens // ps))
-    # N_s = own + 2 N_f / span with N_f = (B - N_s Ps) / Pf, solved for N_s (rounded up)
-    pf, s = spec.page_bytes, slot_bytes(spec)
-    budget = model_pages * pf
-    n_s = -(-(own * span * pf + 2 * budget) // (span * pf + 2 * s))
-    return max(int(n_s), 1)
+    """The default rule's state slots of a tier of ``model_pages`` pages' bytes
+    (:func:`state_demand`)."""
+    demand = state_demand(spec, longest_tokens, mean_tokens, checkpoint_every, requests=requests)
+    (n_s,) = solve_demands(model_pages * spec.page_bytes, spec.page_bytes, [demand])
+    return n_s
+
+
+def slot_floor(n_s: int, budget: int, page_bytes: int, slot: int) -> int:
+    """``n_s`` slots of ``slot`` bytes each within a tier of ``budget`` bytes, at least 8
+    (the cache's own floor) and leaving room for one page of ``page_bytes`` (the caller then
+    keeps at most one slot a page)."""
+    return max(8, min(n_s, (budget - page_bytes) // slot))
+
+
+class _SlotPools(Protocol):
+    """Pools with state slots (:class:`StatePools`, ``mixed.MixedPools``)."""
+
+    @property
+    def device_pages(self) -> int: ...
+    @property
+    def host_pages(self) -> int: ...
+    @property
+    def state_device_slots(self) -> int: ...
+    @property
+    def state_host_slots(self) -> int: ...
+
+
+_P = TypeVar("_P", bound=_SlotPools)
+
+
+def with_interval(make: Callable[[int | str | None], _P], every: int | str | None) -> _P:
+    """``make(every)``, or for ``every`` :data:`AUTO` the interval that spreads the slots over
+    the pages: ``ceil(pages / slots)`` of both tiers of ``make(0)`` (the split made for no
+    interval), then ``make`` of it."""
+    if every != AUTO:
+        return make(every)
+    base = make(0)
+    slots = base.state_device_slots + base.state_host_slots
+    return make(max(1, -(-(base.device_pages + base.host_pages) // max(slots, 1))))
 
 
 def default_interval(page_size: int) -> int:
@@ -315,25 +383,17 @@ def pools_for(
     over the pages, ``ceil(pages / slots)`` of both tiers of the split made for no interval
     (the split then made again for it)."""
     if checkpoint_every == AUTO:
-        base = pools_for(
-            spec,
-            model_device_pages,
-            host_ratio,
-            share=share,
-            longest_tokens=longest_tokens,
-            mean_tokens=mean_tokens,
-            checkpoint_every=0,
-        )
-        slots = base.state_device_slots + base.state_host_slots
-        every = max(1, -(-(base.device_pages + base.host_pages) // max(slots, 1)))
-        return pools_for(
-            spec,
-            model_device_pages,
-            host_ratio,
-            share=share,
-            longest_tokens=longest_tokens,
-            mean_tokens=mean_tokens,
-            checkpoint_every=every,
+        return with_interval(
+            lambda every: pools_for(
+                spec,
+                model_device_pages,
+                host_ratio,
+                share=share,
+                longest_tokens=longest_tokens,
+                mean_tokens=mean_tokens,
+                checkpoint_every=every,
+            ),
+            AUTO,
         )
     assert checkpoint_every is None or isinstance(checkpoint_every, int)
     model_host = int(round(host_ratio * model_device_pages))
@@ -350,7 +410,7 @@ def pools_for(
             )
         else:
             n_s = int(share * budget // s)
-        n_s = max(8, min(n_s, (budget - pf) // s))
+        n_s = slot_floor(n_s, budget, pf, s)
         n_f = max(1, (budget - n_s * s) // pf)
         n_s = max(1, min(n_s, n_f))
         out.append((n_f, n_s, n_s * s / budget))

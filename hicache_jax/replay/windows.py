@@ -45,23 +45,30 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any
+from collections.abc import Sequence
+from fractions import Fraction
+from typing import Any, NamedTuple
 
 from hicache_jax.replay.trace import Trace
-from hicache_jax.spec import KVSpec
+from hicache_jax.spec import GroupKind, HiCacheConfig, KVSpec, parse_pattern
 from hicache_jax.validation import is_real
 
 __all__ = [
+    "Demand",
     "Holding",
     "PATTERN_SHAPE",
     "Pools",
     "check_share",
     "default_window_pages",
+    "pattern_kind",
     "pattern_period",
     "pattern_spec",
     "pools_for",
     "prompt_tokens",
+    "solve_demands",
+    "split_bytes",
     "split_pools",
+    "window_demand",
     "window_page_bytes",
 ]
 
@@ -87,9 +94,11 @@ def pattern_spec(
             ``base`` whose layers leave no full one) or ``window_flag`` (missing, not a
             positive int).
     """
-    if not isinstance(pattern, str):
-        raise TypeError(f"{flag} {pattern!r} must be a string like 5:1")
-    pattern_period(pattern, flag)
+    if pattern_kind(pattern, flag) != "window":
+        raise ValueError(
+            f"{flag} {pattern}: recurrent layers are replayed by hicache_jax.replay.states "
+            "(R3:F1) or hicache_jax.replay.mixed (R2:S1:F1)"
+        )
     if window is None:
         raise ValueError(f"{flag} {pattern}: give {window_flag} (the sliding window in tokens)")
     if not isinstance(window, int) or isinstance(window, bool):
@@ -117,22 +126,46 @@ def pattern_spec(
         raise ValueError(f"{flag} {pattern} with {layers} layers: {exc}") from None
 
 
-def pattern_period(pattern: str, flag: str = "--layer-pattern") -> int:
-    """Layers of one period of ``a:b`` (``a + b``); ValueError naming ``flag`` otherwise, and
-    for a pattern without a sliding-window or a full layer (``a, b >= 1``)."""
-    parts = pattern.strip().split(":")
+def pattern_kind(pattern: str, flag: str = "--layer-pattern") -> str:
+    """Which replay a layer pattern takes (:func:`hicache_jax.spec.parse_pattern`):
+    ``"window"`` (sliding-window and full layers: ``5:1``, ``S5:F1``; this module),
+    ``"state"`` (recurrent and full: ``R3:F1``; :mod:`hicache_jax.replay.states`) or
+    ``"mixed"`` (all three: ``R2:S1:F1``; :mod:`hicache_jax.replay.mixed`).
+
+    Raises:
+        ValueError / TypeError: naming ``flag``: not a pattern, or a kind it names with no
+            layer (each count >= 1), no full layer, or no layer but full ones.
+    """
+    if not isinstance(pattern, str):
+        raise TypeError(f"{flag} {pattern!r} must be a string like 5:1, R3:F1 or R2:S1:F1")
     try:
-        a, b = (int(p) for p in parts)
+        count = dict(parse_pattern(pattern))
     except ValueError:
         raise ValueError(
             f"{flag} {pattern!r} must be 'a:b' (a sliding-window layers then b full ones, "
-            "repeating), e.g. 5:1"
+            "repeating), e.g. 5:1; 'Ra:Fb' (a recurrent layers then b full ones), e.g. R3:F1; "
+            "or two or three of Ra, Sb, Fc (recurrent, sliding-window, full layers, each "
+            "letter once, in layer order), e.g. R2:S1:F1"
         ) from None
-    if a < 1 or b < 1:
-        raise ValueError(
-            f"{flag} {pattern!r} needs at least one sliding-window and one full layer (a, b >= 1)"
+    if count.get("f", 0) < 1 or not ({"r", "s"} & count.keys()) or 0 in count.values():
+        need = {
+            frozenset("s"): "needs at least one sliding-window and one full layer (a, b >= 1)",
+            frozenset("r"): "needs a recurrent and a full layer (a, b >= 1)",
+            frozenset("rs"): "needs a recurrent, a sliding-window and a full layer (each >= 1)",
+        }.get(
+            frozenset(count.keys() - {"f"}),
+            "needs a sliding-window or recurrent layer "
+            "beside a full one (e.g. 5:1, R3:F1, R2:S1:F1)",
         )
-    return a + b
+        raise ValueError(f"{flag} {pattern!r} {need}")
+    return {"s": "window", "r": "state"}.get("".join(sorted(count.keys() - {"f"})), "mixed")
+
+
+def pattern_period(pattern: str, flag: str = "--layer-pattern") -> int:
+    """Layers of one period of a replayable layer pattern (``5:1``: 6, ``R2:S1:F1``: 4);
+    ValueError naming ``flag`` as :func:`pattern_kind`."""
+    pattern_kind(pattern, flag)
+    return sum(n for _, n in parse_pattern(pattern))
 
 
 def check_share(share: Any, flag: str = "--window-share") -> float | None:
@@ -147,8 +180,14 @@ def check_share(share: Any, flag: str = "--window-share") -> float | None:
 
 
 def window_page_bytes(spec: KVSpec) -> int:
-    """Bytes of one window page of every window group (what ``N_w`` pages cost a page)."""
-    return sum(g.spec(spec.page_size).page_bytes for g in spec.window_groups)
+    """Bytes of one window page of every window group (what ``N_w`` pages cost a page; a
+    ``STATE`` group's slots are :func:`hicache_jax.replay.states.slot_bytes`)."""
+    return sum(g.spec(spec.page_size).page_bytes for g in _local_groups(spec))
+
+
+def _local_groups(spec: KVSpec) -> tuple[Any, ...]:
+    """The sliding-window and chunked groups of ``spec`` (its window groups but STATE)."""
+    return tuple(g for g in spec.window_groups if g.kind is not GroupKind.STATE)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -183,19 +222,38 @@ class Pools:
     def as_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
+    def configure(self, cfg: HiCacheConfig) -> HiCacheConfig:
+        """``cfg`` (the budget's) with these pools."""
+        return dataclasses.replace(
+            cfg,
+            device_pages=self.device_pages,
+            host_pages=self.host_pages,
+            window_device_pages=self.window_device_pages,
+            window_host_pages=self.window_host_pages or None,
+        )
+
+
+def split_bytes(budget: int, page_bytes: int, pw: int, window_pages: int) -> tuple[int, int]:
+    """``(N_f, N_w)`` of ``budget`` bytes that gives ``window_pages`` pages of ``pw`` bytes to
+    the window groups and the rest to full-attention pages of ``page_bytes``. ``N_w`` is at
+    most ``N_f``; where it would be more, both are ``budget // (page_bytes + pw)`` (the
+    all-full model's split: one window page per full-attention page)."""
+    n_w = max(0, min(window_pages, budget // pw))
+    n_f = (budget - n_w * pw) // page_bytes
+    if n_w >= n_f:
+        both = budget // (page_bytes + pw)
+        return both, both
+    return n_f, n_w
+
 
 def split_pools(spec: KVSpec, model_pages: int, window_pages: int) -> tuple[int, int]:
     """``(N_f, N_w)`` of a tier of ``model_pages`` all-full model pages' bytes that gives
     ``window_pages`` pages to each window group: the rest of the bytes in full-attention
     pages. ``N_w`` is at most ``N_f``; where it would be more, both are ``model_pages`` (the
     all-full model's split: one window page per full-attention page)."""
-    budget = model_pages * spec.model_page_bytes
-    pf, pw = spec.page_bytes, window_page_bytes(spec)
-    n_w = max(0, min(window_pages, budget // pw))
-    n_f = (budget - n_w * pw) // pf
-    if n_w >= n_f:
-        return model_pages, model_pages
-    return n_f, n_w
+    return split_bytes(
+        model_pages * spec.model_page_bytes, spec.page_bytes, window_page_bytes(spec), window_pages
+    )
 
 
 def prompt_tokens(trace: Trace) -> tuple[int, int]:
@@ -203,6 +261,41 @@ def prompt_tokens(trace: Trace) -> tuple[int, int]:
     default rule takes as the stack's admitted longest prompt and its mean prompt."""
     lens = [r.num_tokens for r in trace.requests]
     return (max(lens), -(-sum(lens) // len(lens))) if lens else (0, 0)
+
+
+class Demand(NamedTuple):
+    """What a default rule asks of a tier for one kind of attachment (window pages, state
+    slots): ``own + rate * N_f`` of ``unit`` bytes each, ``N_f`` the tier's full-attention
+    pages (:func:`solve_demands`)."""
+
+    own: Fraction
+    rate: Fraction
+    unit: int
+
+
+def solve_demands(budget: int, page_bytes: int, demands: Sequence[Demand]) -> list[int]:
+    """Each demand's count (at least 1) in a tier of ``budget`` bytes whose full-attention
+    pages of ``page_bytes`` take what the demands leave: ``N_f * page_bytes + sum(n_i *
+    unit_i) = budget`` with ``n_i = own_i + rate_i * N_f``, solved exactly, each ``n_i``
+    rounded up. One rule for the window pages (:func:`window_demand`), the state slots
+    (:func:`hicache_jax.replay.states.state_demand`) and both at once
+    (:mod:`hicache_jax.replay.mixed`)."""
+    fixed = sum(d.own * d.unit for d in demands)
+    n_f = (budget - fixed) / (page_bytes + sum(d.rate * d.unit for d in demands))
+    return [max(math.ceil(d.own + d.rate * n_f), 1) for d in demands]
+
+
+def window_demand(
+    spec: KVSpec, model_pages: int, longest_tokens: int, mean_tokens: int, *, requests: bool
+) -> Demand:
+    """The default rule's window pages of a tier of ``model_pages`` all-full model pages
+    (see the module docstring): the longest prompt's pages (``requests``: L1, where a
+    request's own pages live; at most ``model_pages``) plus ``k`` pages for every mean
+    prompt's pages of the full-attention pool beside them."""
+    ps, k = spec.page_size, _tail_pages(spec)
+    own = min(-(-longest_tokens // ps), model_pages) if requests else 0
+    span = max(k, -(-mean_tokens // ps))  # a node keeps at most k pages, all of a shorter one
+    return Demand(Fraction(own), Fraction(k, span), window_page_bytes(spec))
 
 
 def default_window_pages(
@@ -214,21 +307,15 @@ def default_window_pages(
     requests: bool = True,
 ) -> int:
     """The default rule's window pages of a tier of ``model_pages`` all-full model pages'
-    bytes (see the module docstring): the longest prompt's pages (``requests``: L1, where a
-    request's own pages live; at most ``model_pages``) plus ``k`` pages for every mean
-    prompt's pages of the full-attention pool beside them."""
-    ps, k = spec.page_size, _tail_pages(spec)
-    own = min(-(-longest_tokens // ps), model_pages) if requests else 0
-    span = max(k, -(-mean_tokens // ps))  # a node keeps at most k pages, all of a shorter one
-    # N_w = own + k N_f / span with N_f = (B - N_w Pw) / Pf, solved for N_w (rounded up)
-    budget, pf, pw = model_pages * spec.model_page_bytes, spec.page_bytes, window_page_bytes(spec)
-    n_w = -(-(own * span * pf + k * budget) // (span * pf + k * pw))
-    return max(n_w, 1)
+    bytes (:func:`window_demand`, :func:`solve_demands`)."""
+    demand = window_demand(spec, model_pages, longest_tokens, mean_tokens, requests=requests)
+    (n_w,) = solve_demands(model_pages * spec.model_page_bytes, spec.page_bytes, [demand])
+    return n_w
 
 
 def _tail_pages(spec: KVSpec) -> int:
     """``k``: the most pages a continuation reads of any window group (``ceil(W / page)``)."""
-    ws = [g.window for g in spec.window_groups if g.window is not None]
+    ws = [g.window for g in _local_groups(spec) if g.window is not None]
     return max(1, -(-max(ws) // spec.page_size)) if ws else 1
 
 
@@ -270,7 +357,7 @@ class Holding:
     """
 
     def __init__(self, spec: KVSpec) -> None:
-        self.pf, self.pw = spec.page_bytes, window_page_bytes(spec) // len(spec.window_groups)
+        self.pf, self.pw = spec.page_bytes, window_page_bytes(spec) // len(_local_groups(spec))
         self.pm = spec.model_page_bytes
         self.n, self.sum_ratio, self.sum_share = 0, 0.0, 0.0
         self.last: tuple[float, float] = (1.0, 0.0)
