@@ -406,3 +406,36 @@ def test_the_hybrid_engine_steps_lower():
     report = lowering.check(pset, only=["engine.recurrent"])
     report.raise_for_failures()
     assert {low.program.op for low in report.lowered} == {"engine.prefill", "engine.decode"}
+
+
+@pytest.mark.parametrize(
+    ("pattern", "platform"), [("R3:F1", "cuda"), ("R2:S1:F1", "tpu"), ("R2:S1:F1", "cuda")]
+)
+def test_the_hybrid_engines_steps_lower_with_local_layers_and_batched_rows(pattern, platform):
+    """The reference hybrid's serial steps and the batched engine's recurrent rows (prefill
+    chunks, decode rows) lower; a three-kind spec (``R2:S1:F1``: a sliding-window layer
+    beside the recurrent and the full ones) is read back as that model, its steps taking
+    the window pool beside the full one."""
+    spec = KVSpec.from_pattern(
+        pattern,
+        num_layers=4,
+        num_kv_heads=2,
+        head_dim=8,
+        dtype="float32",
+        page_size=16,
+        window=None if pattern == "R3:F1" else 32,
+        state=[StateArray("conv", (3, 32)), StateArray("ssm", (4, 8, 8), head_axis=0)],
+    )
+    pset = lowering.programs(spec, platform, device_pages=PAGES, engine=True)
+    assert pset.model is not None and pset.model.layer_pattern == pattern
+    names = {p.name.split("[")[0] for p in pset.programs if ".recurrent" in p.name}
+    assert names == {
+        "engine.recurrent_prefill",
+        "engine.recurrent_decode",
+        "batched.recurrent_rows",
+    }
+    report = lowering.check(pset, only=["engine.recurrent", "batched.recurrent"])
+    report.raise_for_failures()
+    assert len(report.lowered) == 4
+    if pattern != "R3:F1":  # the window pool rides with the full one (donated together)
+        assert all(isinstance(low.program.args[3], tuple) for low in report.lowered)

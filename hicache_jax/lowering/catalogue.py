@@ -35,6 +35,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -488,12 +489,16 @@ def _bound_program(
 # ------------------------------------------------------------------------------ engine steps
 
 
+#: the dtypes the reference decoder runs in
+_MODEL_DTYPES = ("float32", "bfloat16", "float16")
+
+
 def engine_model(spec: KVSpec) -> ModelConfig | None:
     """The decoder whose steps are lowered at ``spec``: Llama-3-8B when ``spec`` is its KV
     (any page size), else a small one with the spec's layers, kv heads, head_dim and dtype
     (2 query heads per kv head, d_model = heads x head_dim, vocab 512). None for a KV the
     decoder cannot hold (MLA, fp8 / int8)."""
-    if spec.mla or spec.dtype not in ("float32", "bfloat16", "float16"):
+    if spec.mla or spec.dtype not in _MODEL_DTYPES:
         return None
     if spec.window_groups:
         return _pattern_model(spec)
@@ -519,6 +524,8 @@ def _pattern_model(spec: KVSpec) -> ModelConfig | None:
     full group's KV shape, repeating ``local:full`` runs; or one STATE group, whose model is
     the reference hybrid's when its state arrays are that model's); None for any other
     grouped spec."""
+    if len(spec.window_groups) == 2 and len(spec.state_groups) == 1:  # "R2:S1:F1"
+        return _three_kind_model(spec)
     (group,) = spec.window_groups if len(spec.window_groups) == 1 else (None,)
     if group is not None and group.kind is GroupKind.STATE:
         return _recurrent_model(spec, group)
@@ -562,8 +569,8 @@ def _small_pattern_model(spec: KVSpec, group: Any, pattern: str, **more: Any) ->
 
 class _RecordingPool:
     """A device pool of shapes only: ``run`` records the step and its arguments and returns
-    the step's other result as shapes (``eval_shape``), so the model's host code runs as it
-    would on a real pool."""
+    the step's other result as zeros of its shapes (``eval_shape``), so the model's host code
+    runs as it would on a real pool."""
 
     def __init__(self, spec: KVSpec, num_pages: int) -> None:
         self.spec, self.num_pages = spec, num_pages
@@ -572,14 +579,20 @@ class _RecordingPool:
 
     def run(self, fn: Any, *args: Any) -> Any:
         self.calls.append((fn, args))
-        return jax.eval_shape(fn, self.array, *args)[1]
+        return _zeros(jax.eval_shape(fn, self.array, *args)[1])
 
     def run_with(self, others: Any, fn: Any, *args: Any) -> Any:
         """``DevicePagePool.run_with``: the step over this pool and ``others`` (a patterned
         model's window group pools), recorded with their arrays as its second argument."""
         arrays = tuple(o.array for o in others)
         self.calls.append((fn, (arrays, *args)))
-        return jax.eval_shape(fn, self.array, arrays, *args)[2]
+        return _zeros(jax.eval_shape(fn, self.array, arrays, *args)[2])
+
+
+def _zeros(shapes: Any) -> Any:
+    """Numpy zeros of a step's other results (logits, tokens, states: small), which the
+    model's host code may index as it would a real step's."""
+    return jax.tree.map(lambda s: np.zeros(s.shape, s.dtype), shapes)
 
 
 def _abstract(x: Any) -> Any:
@@ -652,9 +665,11 @@ def engine_programs(spec: KVSpec, device_pages: int, cfg: ModelConfig) -> list[P
 def _recurrent_programs(
     model: DecoderModel, pool: _RecordingPool, device_pages: int
 ) -> list[Program]:
-    """A recurrent-pattern model's steps (``RECURRENT_STEP``): a prefill chunk in the chunked
+    """A recurrent-pattern model's steps (``RECURRENT_STEP``; with local layers, ``"R2:S1:F1"``,
+    ``RECURRENT_PATTERN_STEP`` over the window pools too): a prefill chunk in the chunked
     form (the full layers over the pool, the recurrent layers from the request's own state,
-    the boundary states its checkpoints come from) and a decode token in the step form."""
+    the boundary states its checkpoints come from) and a decode token in the step form; and
+    the batched engine's rows of each (``forward_recurrent_rows``)."""
     ps = pool.spec.page_size
     chunk, pre_bucket = _default(Engine, "chunk_size"), _default(Engine, "prefill_bucket")
     step = model.recurrent_chunk(ps)
@@ -663,14 +678,62 @@ def _recurrent_programs(
     prompt = max(step, min(prompt, ctx) // step * step)
     pages = np.arange(min(device_pages, -(-(ctx + 1) // ps)), dtype=np.int32)
     state = model.zero_state()
+    groups = pool.spec.window_groups if len(pool.spec.window_groups) > 1 else ()
+    windows = [_RecordingPool(g.spec(ps), device_pages) for g in groups]
+    win: dict[str, Any] = {}
+    if windows:  # the local layers over their window pools
+        win = dict(windows=windows, window_pages=np.zeros((len(windows), pages.size), np.int32))
     progs = []
     with step_records_kept():
-        model.forward_recurrent(pool, np.zeros(prompt, np.int32), 0, pages, state)
+        model.forward_recurrent(pool, np.zeros(prompt, np.int32), 0, pages, state, **win)
         tb = bucket(prompt, pre_bucket)
         progs.append(_recorded(f"engine.recurrent_prefill[{tb}t]", "engine.prefill", pool))
-        model.forward_recurrent(pool, np.zeros(1, np.int32), ctx, pages, state)
+        model.forward_recurrent(pool, np.zeros(1, np.int32), ctx, pages, state, **win)
         progs.append(_recorded(f"engine.recurrent_decode[ctx {ctx}]", "engine.decode", pool))
+        progs += _recurrent_rows(model, pool, prompt, ctx, pages, state, win)
     return progs
+
+
+def _recurrent_rows(
+    model: DecoderModel,
+    pool: _RecordingPool,
+    prompt: int,
+    ctx: int,
+    pages: np.ndarray,
+    state: Any,
+    win: dict[str, Any],
+) -> list[Program]:
+    """The batched engine's two recurrent steps (``RECURRENT_ROWS`` /
+    ``RECURRENT_PATTERN_ROWS``) with its default buckets: the prefill chunks of two requests
+    in one step, and three decode rows in another."""
+    knobs = dict(
+        min_pages=_default(BatchedEngine, "table_bucket"),
+        min_batch=_default(BatchedEngine, "batch_bucket"),
+    )
+    slots = TokenSlots(_default(BatchedEngine, "max_running"))
+
+    def rows(n: int) -> dict[str, Any]:
+        if not win:
+            return {}
+        return dict(windows=win["windows"], window_pages=[win["window_pages"]] * n)
+
+    model.forward_recurrent_rows(
+        pool,
+        [np.zeros(prompt, np.int32)] * 2,
+        [0, 0],
+        [pages, pages[::-1].copy()],
+        [state] * 2,
+        slots,
+        [0, 1],
+        min_bucket=_default(BatchedEngine, "query_block"),
+        **knobs,
+        **rows(2),
+    )
+    prefill = _recorded(f"batched.recurrent_rows[2 x {prompt}t]", "batched.step", pool)
+    model.forward_recurrent_rows(
+        pool, None, [ctx] * 3, [pages] * 3, [state] * 3, slots, [0, 1, 2], **knobs, **rows(3)
+    )
+    return [prefill, _recorded("batched.recurrent_rows[3 decode]", "batched.step", pool)]
 
 
 def _layer_program(
@@ -812,6 +875,13 @@ def programs(
         )
     if cfg is not None:
         progs += engine_programs(spec, device_pages, cfg)
+    elif engine and spec.state_groups and not spec.mla and spec.dtype in _MODEL_DTYPES:
+        notes.append(
+            "engine steps: the reference hybrid's recurrent layers keep a conv array "
+            "[conv_width - 1, d_model] and an ssm array [heads, key_dim, value_dim]; this "
+            "spec's state is not theirs (e.g. --state conv:3x2048,ssm:h16x128x128 for 8 kv "
+            "heads of 128)"
+        )
     elif engine:
         notes.append(
             f"engine steps: the decoder cannot hold this KV ({spec.dtype}, mla={spec.mla})"
@@ -821,10 +891,31 @@ def programs(
     )
 
 
-def _recurrent_model(spec: KVSpec, group: Any) -> ModelConfig | None:
-    """The reference hybrid (``R{a}:F{b}``) of a spec with one STATE group: the full
-    layers' shape from the spec, the recurrent layers' dims read from its ``conv`` /
-    ``ssm`` arrays; None when its state is not that model's."""
+def _three_kind_model(spec: KVSpec) -> ModelConfig | None:
+    """The reference hybrid of a spec with a local group beside a STATE group (``"R2:S1:F1"``):
+    the pattern read off the layers' kinds (one run of each kind a period, in layer order),
+    the recurrent dims as :func:`_recurrent_model` reads them; None for any other layout."""
+    (s,) = spec.state_groups
+    state, local = spec.window_groups[s], spec.window_groups[1 - s]
+    if local.kind is GroupKind.STATE:
+        return None
+    letter = dict.fromkeys(range(spec.total_layers), "F")
+    letter.update(dict.fromkeys(state.layers, "R") | dict.fromkeys(local.layers, "S"))
+    kinds = "".join(letter[i] for i in range(spec.total_layers))
+    runs = [(m.group(0)[0], len(m.group(0))) for m in re.finditer(r"R+|S+|F+", kinds)]
+    if len(runs) < 3 or len({k for k, _ in runs[:3]}) != 3:
+        return None
+    pattern = ":".join(f"{k}{n}" for k, n in runs[:3])
+    return _recurrent_model(spec, state, pattern, window=local.window, chunk=local.chunk)
+
+
+def _recurrent_model(
+    spec: KVSpec, group: Any, pattern: str = "R{a}:F{b}", **local: Any
+) -> ModelConfig | None:
+    """The reference hybrid (``pattern``: ``R{a}:F{b}``, or a three-kind one with its
+    ``local`` window / chunk) of a spec with a STATE group: the full layers' shape from the
+    spec, the recurrent layers' dims read from its ``conv`` / ``ssm`` arrays; None when its
+    state is not that model's."""
     arrays = {a.name: a for a in group.state}
     conv, ssm = arrays.get("conv"), arrays.get("ssm")
     if conv is None or ssm is None or len(arrays) != 2 or len(ssm.shape) != 3:
@@ -833,7 +924,8 @@ def _recurrent_model(spec: KVSpec, group: Any) -> ModelConfig | None:
     return _small_pattern_model(
         spec,
         group,
-        "R{a}:F{b}",
+        pattern,
+        **local,
         recurrent_heads=h,
         recurrent_key_dim=dk,
         recurrent_value_dim=dv,
