@@ -103,14 +103,18 @@ def test_two_processes_match_one_process_token_for_token_and_figure_for_figure(t
     assert multi["first_logits_sha256"] == reference["first_logits_sha256"]
 
 
-def test_two_processes_serve_a_layer_pattern_as_one_process(tmp_path):
-    """A hybrid (recurrent layers, their state slots whole in each process) over two processes:
-    the tokens, hits and transfers of the unsharded model in one process, with L1 and L2 hits.
-    (A sliding-window model's pools shard over kv heads as the full group's: the same programs
-    as tensor-parallel in one process, tests/test_engine_windows.py; the host pools' shard of a
-    grouped spec: tests/test_spec.py.)"""
-    pattern = ["--layer-pattern", "R3:F1", "--layers", "4"]
-    argv = [*TINY, "--layers", "3", *pattern, "--sessions", "6", "--device-pages", "12"]
+@pytest.mark.parametrize(
+    "pattern", [["R3:F1"], ["R2:S1:F1", "--window", "24"]], ids=["R3:F1", "R2:S1:F1"]
+)
+def test_two_processes_serve_a_layer_pattern_as_one_process(pattern, tmp_path):
+    """A hybrid over two processes (R3:F1: recurrent layers beside a full one; R2:S1:F1: also
+    a sliding-window layer), its pools and state slots sharded as tensor-parallel in one process
+    (tests/test_engine_recurrent.py, tests/test_engine_hybrid.py): the tokens, hits and
+    transfers of the unsharded model in one process, with L1 and L2 hits. (A two-kind
+    sliding-window model: the same programs as tensor-parallel in one process,
+    tests/test_engine_windows.py; the host pools' shard of a grouped spec: tests/test_spec.py.)"""
+    pattern = ["--layer-pattern", *pattern, "--layers", "4"]
+    argv = [*TINY, *pattern, "--sessions", "6", "--device-pages", "12"]
     argv += ["--repeats", "1"]
     runs = {}
     for name, extra in (("two", ["--processes", "2"]), ("one", [])):
