@@ -16,16 +16,21 @@ request prefetched from L3 (waited for) before it begins. Three rows, each with 
   pages a node end reads), **every k pages** for each ``k`` of ``--spare-every`` (default 4,
   8, 16: ``storage_window_spare=k``, the spare pages the ends at multiples of ``k`` pages
   read put too) and **storage_window_spare** (``True``: every spare window page put too);
+- all three kinds (``R2:S1:F1``, ``--window``): **checkpoint ends** (the default,
+  ``storage_window_spare=None``: every checkpoint, and the window pages the interior
+  checkpoints' ends read), **node ends only** (``False``: every checkpoint, the window pages
+  node ends read) and **storage_window_spare** (``True``);
 - **all full**: the reference, every page boundary servable: the window pattern's model with
   every layer full attention (its bytes the windows save), or the recurrent hybrid's
-  full-attention pages alone (its bytes what the checkpoints add to).
+  full-attention pages alone (its bytes what the checkpoints add to; with sliding-window
+  layers too, those as full ones).
 
 Printed: B's tokens served from L3 (``l3_prefetch_hit_pages`` x page size, over B's prompt
 tokens) and B's hit ratio, each row over the reference, and the bytes A put to L3 over the
 reference's (what each rule costs the store). L1 and L2 are large enough to hold
 what they are given (the point is what L3 serves a cache that never saw the prompts).
 
-Usage: ``python -m benchmarks.bench_state_l3 [TRACE] [--layer-pattern R3:F1|5:1]
+Usage: ``python -m benchmarks.bench_state_l3 [TRACE] [--layer-pattern R3:F1|5:1|R2:S1:F1]
 [--window W] [--spare-every 4,8,16] [--limit N] [--json PATH]``.
 """
 
@@ -33,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import tempfile
 from collections.abc import Iterator
 from typing import Any
@@ -44,7 +50,7 @@ from hicache_jax import HiCache, HiCacheConfig, KVSpec
 from hicache_jax.cache import l3_port
 from hicache_jax.memory.window import BRANCH_RANK, spare_rank
 from hicache_jax.replay.states import Checkpoints, is_state_pattern, state_spec
-from hicache_jax.replay.windows import pattern_spec, window_page_bytes
+from hicache_jax.replay.windows import pattern_kind, pattern_spec
 from hicache_jax.study import load_trace
 
 NAME = "bench_state_l3"
@@ -112,14 +118,15 @@ def run(trace: Any, spec: KVSpec, mode: str) -> dict[str, Any]:
             state_host_slots=pages if spec.state_groups else None,
             storage_window_spare=_spare(mode),
         )
-        patch = mode == "node ends only" and bool(spec.state_groups)
+        recurrent_only = len(spec.state_groups) == len(spec.window_groups) > 0
+        patch = mode == "node ends only" and recurrent_only
         ctx = _node_ends_only() if patch else contextlib.nullcontext()
         with ctx:
             a = HiCache(spec, cfg)
             _serve(a, trace.requests[:half], prefetch=False)
             a.flush()
-            put = a.stats()
             a.close()
+            l3_bytes = _store_bytes(root, spec)
             b = HiCache(spec, cfg)
             prompt, hit = _serve(b, trace.requests[half:], prefetch=True)
             st = b.stats()
@@ -131,34 +138,41 @@ def run(trace: Any, spec: KVSpec, mode: str) -> dict[str, Any]:
         "l3_ratio": st["l3_prefetch_hit_pages"] * ps / prompt if prompt else 0.0,
         "l3_unservable_pages": st.get("l3_window_unservable_pages", 0),
         # the bytes A put: full-attention pages, and the window / state groups' entries
-        "l3_bytes": put["l3_put_pages_stored"] * spec.page_bytes
-        + put.get("l3_window_put_pages_stored", 0) * _group_bytes(spec),
+        "l3_bytes": l3_bytes,
     }
 
 
-def _spare(mode: str) -> bool | int:
+def _spare(mode: str) -> bool | int | None:
     """A row's ``storage_window_spare``: True for "storage_window_spare", ``k`` for "every k
-    pages", else False."""
+    pages", None for "checkpoint ends" (the default), else False."""
     if mode == "storage_window_spare":
         return True
+    if mode == "checkpoint ends":
+        return None
     words = mode.split()
     if len(words) == 3 and words[0] == "every" and words[2] == "pages":
         return int(words[1])
     return False
 
 
-def _group_bytes(spec: KVSpec) -> int:
-    """Bytes of one entry of the spec's window or state group (one such group here)."""
-    if not spec.window_groups:
-        return 0
-    assert len(spec.window_groups) == 1, "one window or state group"
-    return window_page_bytes(spec)
+def _store_bytes(root: str, spec: KVSpec) -> int:
+    """The bytes server A put, from the ``file://`` store's entries: each full-attention page's
+    and each window or state group's entry (named by its group, ``w0``, ``w1``, ...)."""
+    sizes = [g.spec(spec.page_size).page_bytes for g in spec.window_groups]
+    total = 0
+    for folder in os.listdir(root):
+        if folder.startswith("."):
+            continue
+        for name in os.listdir(os.path.join(root, folder)):
+            parts = name.split("_")
+            total += sizes[int(parts[3][1:])] if len(parts) == 5 else spec.page_bytes
+    return total
 
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("trace", nargs="?", default="mooncake_synthetic_1000")
-    p.add_argument("--layer-pattern", default="R3:F1", help="R3:F1, or a window pattern")
+    p.add_argument("--layer-pattern", default="R3:F1", help="R3:F1, a window pattern, or R2:S1:F1")
     p.add_argument("--window", type=int, default=1024, help="a window pattern's window")
     p.add_argument(
         "--spare-every",
@@ -171,8 +185,15 @@ def main(argv: list[str] | None = None) -> None:
     trace = load_trace(a.trace, block_size=512, limit=a.limit)
     if is_state_pattern(a.layer_pattern):
         hybrid = state_spec(a.layer_pattern, 512)
-        modes = ("every checkpoint", "node ends only")
+        modes: tuple[str, ...] = ("every checkpoint", "node ends only")
         layers = hybrid.num_layers  # the reference: its full-attention pages alone
+    elif pattern_kind(a.layer_pattern) == "mixed":
+        hybrid = state_spec(a.layer_pattern, 512, window=a.window)
+        modes = ("checkpoint ends", "node ends only", "storage_window_spare")
+        # the reference: its attention layers' pages alone, every one of them full
+        layers = hybrid.total_layers - sum(
+            len(hybrid.window_groups[g].layers) for g in hybrid.state_groups
+        )
     else:
         hybrid = pattern_spec(a.layer_pattern, a.window, 512)
         every = [int(k) for k in a.spare_every.split(",") if k.strip()]

@@ -1132,8 +1132,12 @@ class HiCacheConfig:
             the tree, on every tier (each split point where no request has diverged before
             then costs a recompute back to a servable end).
         storage_window_spare: with L3 (``storage``), also put the spare window pages a
-            backup carries (False, the default: only those a node end reads, so L3 keeps the
-            windowed model's bytes, ``1/6 + 5/6 W/n`` of the all-full model's for a 5:1 pattern).
+            backup carries (False: only those a node end reads, so L3 keeps the windowed
+            model's bytes, ``1/6 + 5/6 W/n`` of the all-full model's for a 5:1 pattern; None,
+            the default: the same, but with ``STATE`` groups beside the window ones also those
+            the interior checkpoints' ends read, as ``k`` below with ``k`` the largest power
+            of two dividing ``checkpoint_every_pages``: every checkpoint is put to L3, and one
+            whose window pages L3 lacks serves nothing from there).
             True: another cache on the same store (a restart, a second server) serves a prompt
             that leaves a stored one inside its node from L3 (``bench_state_l3 --layer-pattern
             5:1``: 1.00 of the all-full model's L3 hits, 0.53 without), at the cost of L3
@@ -1193,7 +1197,7 @@ class HiCacheConfig:
     window_device_pages: int | None = None
     window_host_pages: int | None = None
     window_spare: bool = True
-    storage_window_spare: bool | int = False
+    storage_window_spare: bool | int | None = None
     state_device_slots: int | None = None
     state_host_slots: int | None = None
     checkpoint_every_pages: int | None = None
@@ -1432,15 +1436,18 @@ def _checked(cfg: KVEventsConfig) -> bool:
     return True
 
 
-def _check_spare_every(value: Any) -> bool | int:
-    """``HiCacheConfig.storage_window_spare``: a bool, or an int of pages that is a power of
-    two (the spacing of the ends whose window pages are put); TypeError / ValueError naming
-    the field."""
+def _check_spare_every(value: Any) -> bool | int | None:
+    """``HiCacheConfig.storage_window_spare``: None, a bool, or an int of pages that is a
+    power of two (the spacing of the ends whose window pages are put); TypeError / ValueError
+    naming the field."""
+    if value is None:
+        return None
     if isinstance(value, (bool, np.bool_)):
         return bool(value)
     if not is_int(value):
         raise TypeError(
-            f"storage_window_spare={value!r} must be a bool, or an int of pages (a power of two)"
+            f"storage_window_spare={value!r} must be a bool, None, or an int of pages (a power "
+            "of two)"
         )
     k = int(value)
     if k < 1 or k & (k - 1):

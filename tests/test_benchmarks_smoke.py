@@ -230,10 +230,12 @@ def test_storage_servers_import_from_the_root():
 
 def test_bench_state_l3_reads_each_rows_put_rule():
     """bench_state_l3's rows name their ``storage_window_spare``: "every k pages" is ``k``,
-    and no other row's name (the recurrent "every checkpoint") is read as a spacing."""
+    "checkpoint ends" the default (None), and no other row's name (the recurrent "every
+    checkpoint") is read as a spacing."""
     from benchmarks.bench_state_l3 import _spare
 
     assert _spare("every 8 pages") == 8
     assert _spare("storage_window_spare") is True
+    assert _spare("checkpoint ends") is None
     for mode in ("every checkpoint", "node ends only", "all full"):
         assert _spare(mode) is False

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from helpers import ServedKV
-from hicache_jax import HiCache, HiCacheConfig, KVSpec, LayerGroup
+from hicache_jax import HiCache, HiCacheConfig, KVSpec, LayerGroup, StateArray
 from hicache_jax.l3.storage import page_keys
 from hicache_jax.l3.windows import window_keys
 
@@ -236,6 +236,54 @@ def test_spare_window_pages_every_k_pages_in_l3_serve_up_to_the_last_such_end(
     h = b.prefetch(leave)
     assert (h.wait() if h is not None else 0) == served
     assert check(leave) == served * PS  # and what it served is exact
+    check.check()
+    b.close()
+
+
+def _three_kinds() -> KVSpec:
+    """A window group (W 8 = 2 pages) and a recurrent group beside the full one."""
+    shape = {"num_kv_heads": 2, "head_dim": 4, "dtype": "bfloat16"}
+    return KVSpec.from_groups(
+        [
+            LayerGroup("full", (2,), **shape),
+            LayerGroup("window", (0,), **shape, window=8),
+            LayerGroup(
+                "state", (1,), state=[StateArray("conv", (2, 3)), StateArray("ssm", (2, 2, 2))]
+            ),
+        ],
+        page_size=PS,
+    )
+
+
+@pytest.mark.parametrize("put_spare", [None, False])
+@pytest.mark.parametrize("leave_at, served", [(9, 8), (6, 4), (3, 0)])
+def test_checkpoints_in_l3_come_with_the_window_pages_their_ends_read(
+    store, put_spare, leave_at, served
+):
+    """With window and STATE groups, every checkpoint goes to L3, and by default
+    (``storage_window_spare=None``) so do the window pages the interior checkpoints' ends read
+    (every ``checkpoint_every_pages`` = 4 pages: pages 2, 3 and 6, 7 of a 10-page prompt,
+    besides the node end's 8, 9): a second cache serves a prompt leaving the stored one
+    inside its node from L3 up to the last checkpoint before the point where it leaves
+    (exact). ``False`` puts the node end's window pages alone: nothing inside is servable."""
+    root, url = store
+    spec = _three_kinds()
+    toks = _tokens(4, 10)
+    a = _cache(spec, url, storage_window_spare=put_spare, checkpoint_every_pages=4)
+    first = ServedKV(a)
+    first(toks)
+    a.flush()
+    a.close()
+    assert len(_entries(root)["w0"]) == (6 if put_spare is None else 2)
+    assert len(_entries(root)["w1"]) == 3  # the checkpoints at 4, 8 and 10 pages
+    b = _cache(spec, url, prefetch_policy="wait_complete", checkpoint_every_pages=4)
+    check = ServedKV(b)
+    check.states[0].taken = first.states[0].taken  # one model: the checkpoints a took
+    leave = np.concatenate([toks[: leave_at * PS], _tokens(5, 3)])
+    h = b.prefetch(leave)
+    want = served if put_spare is None else 0
+    assert (h.wait() if h is not None else 0) == want
+    assert check(leave) == want * PS  # and what it served is exact
     check.check()
     b.close()
 

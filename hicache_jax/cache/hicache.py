@@ -66,7 +66,7 @@ from hicache_jax.cache.request import (
     served_of,
 )
 from hicache_jax.cache.thread_owner import ThreadOwner, publishes
-from hicache_jax.cache.windows import Windows, group_load_bytes
+from hicache_jax.cache.windows import Windows, group_load_bytes, storage_spare
 from hicache_jax.cache.write_policy import WriteContext, make_write_policy
 from hicache_jax.errors import HiCacheError
 from hicache_jax.events.factory import make_recorder
@@ -150,7 +150,7 @@ class HiCache:
             self._host,
             self._group,
             None if self._windows is None else self._windows.host,  # L3 puts and fetches them
-            cfg.storage_window_spare,
+            storage_spare(spec, cfg.storage_window_spare, cfg.checkpoint_every_pages),
         )
         # NullL3Tier without storage; attach_storage / detach_storage swap the slot's tier
         # L3 holds this process's heads (all of them in one process), keyed by the shard

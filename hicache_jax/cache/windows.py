@@ -203,8 +203,7 @@ class Windows:
         from the root (None: every ``DEFAULT_EVERY_TOKENS``); and ``end`` (the prompt's last
         whole page: its commit)."""
         ps = self._ps
-        if every_pages is None:
-            every_pages = max(1, DEFAULT_EVERY_TOKENS // ps)
+        every_pages = interval_pages(ps, every_pages)
         out = {end} if end > cached else set()
         if cached < held <= end:
             out.add(held)
@@ -371,6 +370,29 @@ class Windows:
 
 #: ``checkpoint_every_pages=None``: a checkpoint every this many tokens of a prefill.
 DEFAULT_EVERY_TOKENS = 2048
+
+
+def interval_pages(page_size: int, checkpoint_every_pages: int | None) -> int:
+    """Pages between a prefill's interior checkpoints (``HiCacheConfig.checkpoint_every_pages``;
+    None: every :data:`DEFAULT_EVERY_TOKENS`); 0: none."""
+    if checkpoint_every_pages is None:
+        return max(1, DEFAULT_EVERY_TOKENS // page_size)
+    return checkpoint_every_pages
+
+
+def storage_spare(spec: KVSpec, put: bool | int | None, checkpoint_every: int | None) -> bool | int:
+    """What ``HiCacheConfig.storage_window_spare`` puts to L3 of the spare window pages: ``put``
+    as given, or for None, False (the pages node ends read) unless the spec has ``STATE``
+    groups beside window ones: then the pages the interior checkpoints' ends read (those at
+    multiples of ``checkpoint_every`` pages from the root are at multiples of its largest
+    power-of-two divisor), since every checkpoint goes to L3 and one whose window pages L3
+    lacks serves nothing from there."""
+    if put is not None:
+        return put
+    every = interval_pages(spec.page_size, checkpoint_every)
+    if not (spec.state_groups and len(spec.state_groups) < len(spec.window_groups) and every):
+        return False
+    return every & -every
 
 
 def checkpoint_ranks(start_page: int, num_pages: int, inner: bool) -> np.ndarray:
