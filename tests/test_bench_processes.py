@@ -103,17 +103,16 @@ def test_two_processes_match_one_process_token_for_token_and_figure_for_figure(t
     assert multi["first_logits_sha256"] == reference["first_logits_sha256"]
 
 
-@pytest.mark.parametrize(
-    "pattern", [["R3:F1"], ["R2:S1:F1", "--window", "24"]], ids=["R3:F1", "R2:S1:F1"]
-)
-def test_two_processes_serve_a_layer_pattern_as_one_process(pattern, tmp_path):
-    """A hybrid over two processes (R3:F1: recurrent layers beside a full one; R2:S1:F1: also
-    a sliding-window layer), its pools and state slots sharded as tensor-parallel in one process
-    (tests/test_engine_recurrent.py, tests/test_engine_hybrid.py): the tokens, hits and
-    transfers of the unsharded model in one process, with L1 and L2 hits. (A two-kind
-    sliding-window model: the same programs as tensor-parallel in one process,
-    tests/test_engine_windows.py; the host pools' shard of a grouped spec: tests/test_spec.py.)"""
-    pattern = ["--layer-pattern", *pattern, "--layers", "4"]
+def test_two_processes_serve_a_layer_pattern_as_one_process(tmp_path):
+    """A hybrid over two processes (R3:F1: recurrent layers beside a full one), its pools and
+    state slots sharded as tensor-parallel in one process (tests/test_engine_recurrent.py):
+    the tokens, hits and transfers of the unsharded model in one process, with L1 and L2
+    hits. (A sliding-window model, two-kind or beside recurrent layers, R2:S1:F1: the same
+    programs as tensor-parallel in one process, tests/test_engine_windows.py and
+    tests/test_engine_hybrid.py; R2:S1:F1 over two processes passed this test too, kept out of
+    the suite for its time: benchmarks/RESULTS.md. The host pools' shard of a grouped spec:
+    tests/test_spec.py.)"""
+    pattern = ["--layer-pattern", "R3:F1", "--layers", "4"]
     argv = [*TINY, *pattern, "--sessions", "6", "--device-pages", "12"]
     argv += ["--repeats", "1"]
     runs = {}
