@@ -118,6 +118,12 @@ RUNS = [
         [],
     ),
     ("bench_ttft", ["--quick"], ["/ recompute", "L2/recompute:", "(target <= 0.1)"], []),
+    (
+        "bench_state_bound",
+        ["--limit", "200", "--capacities", "3e5", "--slots", "2,5", "--every", "4,0"],
+        ["slots: any", "slots: every 4", "bound at the best fixed split"],
+        [],
+    ),
 ]
 
 #: scripts that write their figures beside their limits themselves (the others: every number)

@@ -1,0 +1,38 @@
+"""bench_state_bound's LP: the pages served with ``K`` checkpoints held at a time, on prompts
+whose answer is known by hand (page keys: one int per prefix, as ``PageKeys`` names them)."""
+
+from __future__ import annotations
+
+import pytest
+
+from benchmarks.bench_state_bound import online_points, oracle_hits, slots_bound
+
+
+def test_overlapping_reuses_need_a_slot_each():
+    """Two prefixes each reused once, the reuses' holding times overlapping: one slot serves
+    one of them (2 pages), two serve both (4)."""
+    keys = [[1, 2], [3, 4], [1, 2], [3, 4]]
+    hits = oracle_hits(keys, 100)
+    assert hits == [0, 0, 2, 2]
+    assert slots_bound(keys, hits, 1) == pytest.approx(2)
+    assert slots_bound(keys, hits, 2) == pytest.approx(4)
+
+
+def test_one_slot_serves_every_reuse_of_one_checkpoint():
+    """A prefix reused by three requests in a row: one slot, held throughout, serves all."""
+    keys = [[1, 2], [1, 2], [1, 2], [1, 2]]
+    assert slots_bound(keys, oracle_hits(keys, 100), 1) == pytest.approx(6)
+
+
+def test_an_online_policy_checkpoints_only_where_it_can_know_to():
+    """A prompt leaving a stored one at page 2: a clairvoyant policy checkpointed there; one
+    that knows no future only at its intervals and ends (every 2 pages: served 2, none: 0)."""
+    keys = [[1, 2, 3, 4], [1, 2, 9]]
+    hits = oracle_hits(keys, 100)
+    assert hits == [0, 2]
+    assert online_points(keys, 0)[0] == {4}
+    assert online_points(keys, 2)[0] == {2, 4}
+    assert online_points(keys, 0)[1] == {2, 3}  # where it leaves the tree, and its end
+    assert slots_bound(keys, hits, 1) == pytest.approx(2)
+    assert slots_bound(keys, hits, 1, every=2) == pytest.approx(2)
+    assert slots_bound(keys, hits, 1, every=0) == pytest.approx(0)
