@@ -1157,9 +1157,10 @@ class HiCacheConfig:
             bytes (at least 8, at most ``host_pages``).
         checkpoint_every_pages: with ``STATE`` groups: besides the checkpoints at a request's
             commit, finish and the point where its prefix leaves the tree, one every this many
-            pages of a prefill (``HiCache.checkpoint_positions``); 0: none of those; None
-            (default): every 2,048 tokens (``max(1, 2048 // page_size)`` pages). Interior
-            checkpoints are spare once their node is in the tree: kept while slots are free
+            pages of a prefill (``HiCache.checkpoint_positions``) where the device slots have
+            room for them (free, or holding spare checkpoints of no higher rank: the
+            every-``2 k`` ones asked for first); 0: none of those; None (default): every
+            2,048 tokens (``max(1, 2048 // page_size)`` pages). Interior checkpoints are spare once their node is in the tree: kept while slots are free
             (they serve a later request that diverges there), thinned evenly as slots run
             short (ARCHITECTURE.md, "Recurrent state").
     """

@@ -494,6 +494,24 @@ def test_a_split_at_a_spare_checkpoint_serves_at_once():
     assert cache.checkpoint_positions(c, 12) == [24]
 
 
+def test_interior_checkpoints_are_asked_for_only_where_slots_have_room():
+    """A request's interior checkpoints (every page here) are asked for highest rank first
+    (the every-8-pages one, then every 4, ...) as far as the device slots have room: free,
+    or holding a spare checkpoint of no higher rank; its end is counted first. With room
+    for all, all are asked for."""
+    b = 500 + np.arange(9 * PS)  # 9 pages: interior ends at pages 1..8, the end at 9
+    roomy = _cache(checkpoint_every_pages=1, state_device_slots=16)
+    assert roomy.checkpoint_positions(b, 0) == [PS * p for p in range(1, 10)]
+    cache = _cache(checkpoint_every_pages=1, state_device_slots=4)
+    # 4 slots, the end takes one: pages 8 (rank 3), 4 (rank 2), then the first of rank 1
+    assert cache.checkpoint_positions(b, 0) == [PS * p for p in (2, 4, 8, 9)]
+    _insert(cache, TOKS, [PS, 2 * PS, 24])  # spare checkpoints at pages 1 and 2 (ranks 0, 1)
+    assert cache.stats()["state_device_spare_slots"] == 2
+    # one slot free (the end's): the two spare ones can go to ranks 3 and 2, none to rank 1
+    assert cache.checkpoint_positions(b, 0) == [PS * p for p in (4, 8, 9)]
+    assert _served(cache, TOKS) == 24  # asking reclaims nothing
+
+
 def test_a_match_with_a_host_part_holds_its_device_end_for_a_device_only_serve():
     """A match whose device part ends at a branch point (a spare checkpoint) and goes on in
     host pages: a caller may serve the device part alone (no load-back). Other requests

@@ -39,7 +39,7 @@ import numpy as np
 
 from hicache_jax.cache.match import path_pages
 from hicache_jax.errors import HiCacheError
-from hicache_jax.memory.window import BRANCH_RANK, WindowPages, read_by_node_end
+from hicache_jax.memory.window import BRANCH_RANK, WindowPages, read_by_node_end, spare_rank
 from hicache_jax.spec import GroupKind, KVSpec, LayerGroup
 from hicache_jax.tree.node import InsertResult, TreeMatch, TreeNode
 from hicache_jax.tree.windows import kept_first_page, servable_pages
@@ -200,8 +200,8 @@ class Windows:
         as prefix lengths in ``(cached, end]`` (page multiples): ``held``, where the tree's
         pages go on past what it could serve (the request's checkpoint there becomes the
         tree's when it inserts: :meth:`before_free_duplicates`); every ``every_pages`` pages
-        from the root (None: every ``DEFAULT_EVERY_TOKENS``); and ``end`` (the prompt's last
-        whole page: its commit)."""
+        from the root (None: every ``DEFAULT_EVERY_TOKENS``) where the device slot pools
+        have room (:meth:`_admit`); and ``end`` (the prompt's last whole page: its commit)."""
         ps = self._ps
         every_pages = interval_pages(ps, every_pages)
         out = {end} if end > cached else set()
@@ -209,8 +209,33 @@ class Windows:
             out.add(held)
         if every_pages:
             step = every_pages * ps
-            out.update(range((cached // step + 1) * step, end + 1, step))
+            inner = [e for e in range((cached // step + 1) * step, end + 1, step) if e not in out]
+            out.update(self._admit(inner, len(out)))
         return sorted(out)
+
+    def _admit(self, inner: list[int], firm: int) -> list[int]:
+        """Which of the interior checkpoint ends ``inner`` (prefix lengths, ascending) a
+        request takes: as many as every state group's device pool has room for, counting a
+        slot free or one that holds a spare checkpoint of no higher rank
+        (:func:`checkpoint_ranks`) and setting ``firm`` slots aside first (the end and the
+        held one), highest rank first. Taking more would reclaim spare checkpoints that
+        thin out less evenly than the ones given up (a request's every-``2 K`` ones outrank
+        its odd multiples of ``K``), or evict whole nodes for want of slots."""
+        pages = np.asarray(inner, np.int64) // self._ps
+        if not pages.size:
+            return inner
+        rank = np.minimum(_log2_floor(pages & -pages), BRANCH_RANK)
+        order = np.argsort(-rank, kind="stable")
+        keep = len(inner)
+        for g in self.states:
+            stamps = self.device.spare[g]
+            held = np.sort(spare_rank(stamps[stamps > 0]))
+            room = self.device.pools[g].allocator.num_free - firm
+            # the i-th taken (highest rank first) needs room + reclaimable(rank) > i
+            reclaimable = np.searchsorted(held, rank[order], side="right")
+            short = np.flatnonzero(room + reclaimable - np.arange(order.size) <= 0)
+            keep = min(keep, int(short[0]) if short.size else order.size)
+        return sorted(inner[i] for i in order[:keep])
 
     def before_free_duplicates(self, res: InsertResult, ids: np.ndarray) -> np.ndarray:
         """Where a caller's page duplicates the tree's at a position and the tree's page lacks

@@ -24,7 +24,10 @@ page holding a checkpoint.
   longest prompt it admits, its mean prompt), never from the trace's hits: the slot pool holds
 
   - the checkpoints one request writes before it is inserted (L1 only): the branch point
-    and its last page, plus one every ``K`` pages of the longest prompt (``K`` > 0);
+    and its last page, plus one every ``2 K`` pages of the longest prompt (``K`` > 0): the
+    cache admits a request's interior checkpoints only into slots that are free or hold a
+    spare checkpoint of no higher rank, highest rank first (``Windows.positions``), so a
+    pool short of the full count still gets the every-``2 K`` ones;
   - plus two checkpoints for every mean prompt's pages of the full-attention pool: the tree
     holds about one leaf per request it keeps, and a checkpoint at its end and one at the
     branch point where it left the tree.
@@ -285,7 +288,7 @@ def state_demand(
     own = 0
     if requests:
         every = default_interval(ps) if checkpoint_every is None else checkpoint_every
-        own = 2 + (longest // every if every > 0 else 0)
+        own = 2 + (longest // (2 * every) if every > 0 else 0)
     span = max(1, -(-mean_tokens // ps))
     return Demand(Fraction(own), Fraction(2, span), slot_bytes(spec))
 
