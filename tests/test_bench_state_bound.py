@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.bench_state_bound import online_points, oracle_hits, slots_bound
+from benchmarks.bench_state_bound import online_points, oracle_hits, slots_bound, unified_lru
 
 
 def test_overlapping_reuses_need_a_slot_each():
@@ -36,3 +36,15 @@ def test_an_online_policy_checkpoints_only_where_it_can_know_to():
     assert slots_bound(keys, hits, 1) == pytest.approx(2)
     assert slots_bound(keys, hits, 1, every=2) == pytest.approx(2)
     assert slots_bound(keys, hits, 1, every=0) == pytest.approx(0)
+
+
+def test_the_unified_lru_serves_from_held_checkpoints_and_spends_bytes_on_them():
+    """A prompt, then its reuse: served whole when its end checkpoint fits beside its pages,
+    not at all when the checkpoint's bytes push the pages out; an interval checkpoint serves
+    a prompt that leaves it after its interval."""
+    keys = [[1, 2, 3, 4], [1, 2, 3, 4]]
+    assert unified_lru(keys, 10, 2.0, 0) == 4
+    assert unified_lru(keys, 5, 2.0, 0) == 0  # 4 pages + 2: its checkpoint went
+    branch = [[1, 2, 3, 4], [1, 2, 9]]
+    assert unified_lru(branch, 100, 2.0, 0) == 0  # no checkpoint at page 2
+    assert unified_lru(branch, 100, 2.0, 2) == 2
