@@ -439,6 +439,8 @@ def test_replay_socket_gives_a_late_subscriber_every_batch_from_a_seq(tmp_path):
         cache.evict(8)
         n = cache.stats()["kv_event_batches"]
         assert n == 7
+        # replay serves the batches the publisher thread has sent: let it send the last one
+        assert cache._events.wait_published(10)
         sub = Subscriber(ep, rep)
         try:
             got = sub.replay(2)
