@@ -20,10 +20,12 @@ A request of that cache is served up to a prefix length ``q`` only if
 A policy with a fixed split serves at most ``min(slots bound(K), pages bound(B - c K))``; the
 best split's bound over the oracle is printed beside the target.
 
-Beside the bounds, what one achievable online design serves (**unified LRU**, not a bound): no
-split, pages and checkpoints share the ``B`` pages' bytes and go in one LRU order (a request
-touches its pages and the checkpoint it was served from; a checkpoint goes just before the
-page it ends: without that page it serves nothing); checkpoints at each prompt's end, where it
+Beside the bounds, what achievable online designs serve (not bounds): no split, pages and
+checkpoints share the ``B`` pages' bytes and go in one eviction order, LRU (**unified LRU**)
+or GreedyDual with a checkpoint worth the pages it saves per byte (**GreedyDual p**, ``p ** 2``
+for attention's quadratic recompute) (a request touches its pages and the checkpoint it was
+served from; a checkpoint goes just before the page it ends: without that page it serves
+nothing); checkpoints at each prompt's end, where it
 left the tree and every ``every`` pages, as ``online_points`` without the tree's other node
 ends. The cache's fixed split is judged against it in the same trace and bytes
 (``bench_state_replay``'s rows at the same intervals). Usage: ``python -m
@@ -135,14 +137,20 @@ def slots_bound(
     return float(-res.fun)
 
 
-def unified_lru(keys: list[list[int]], budget: float, cost: float, every: int) -> int:
-    """Pages served by the unified LRU of the module docstring: ``budget`` pages' bytes for
-    pages (1 each) and checkpoints (``cost`` each) in one LRU order."""
-    pages: dict[int, tuple[int, float]] = {}
-    ckpts: dict[int, tuple[int, float]] = {}
-    heap: list[tuple[tuple[int, float], int, int]] = []  # (stamp, is checkpoint, key)
+def unified_lru(
+    keys: list[list[int]], budget: float, cost: float, every: int, weight: float | None = None
+) -> int:
+    """Pages served by the unified design of the module docstring: ``budget`` pages' bytes for
+    pages (1 each) and checkpoints (``cost`` each) in one eviction order. ``weight`` None: LRU;
+    a number: GreedyDual, a checkpoint at page ``p`` worth ``p ** weight`` (the pages it
+    saves, 1: its tokens' recompute; 2: attention's) over its cost, a request's pages worth
+    its deepest checkpoint, the clock raised to each evicted item's priority."""
+    pages: dict[int, tuple[float, float]] = {}
+    ckpts: dict[int, tuple[float, float]] = {}
+    heap: list[tuple[tuple[float, float], int, int]] = []  # (priority, is checkpoint, key)
     used = 0.0
     served = 0
+    clock = 0.0
     for t, ks in enumerate(keys):
         n = len(ks)
         m = 0  # pages held from the root
@@ -152,23 +160,27 @@ def unified_lru(keys: list[list[int]], budget: float, cost: float, every: int) -
         served += q
         points = {n, m} | (set(range(every, n + 1, every)) if every else set())
         points = {p for p in points if p > q} | ({q} if q else set())
-        # stamps: this request's, the deeper pages older (a parent outlives its children),
-        # a checkpoint just older than the page it ends
+        # priorities (first goes first): this request's time or worth, the deeper pages
+        # first among equals, never lowered (a parent outlives its children), a checkpoint
+        # just before the page it ends (without that page it serves nothing)
+        worth = {p: float(t) if weight is None else clock + p**weight / cost for p in points | {n}}
+        top = worth[n]
         for i, k in enumerate(ks, 1):
             used += k not in pages
-            pages[k] = (t, -i)
-            heapq.heappush(heap, ((t, -i), 0, k))
+            pages[k] = max(pages.get(k, (top, -i)), (top, -i))
+            heapq.heappush(heap, (pages[k], 0, k))
         for p in points:
             k = ks[p - 1]
             used += cost * (k not in ckpts)
-            ckpts[k] = (t, -p - 0.5)
-            heapq.heappush(heap, ((t, -p - 0.5), 1, k))
+            ckpts[k] = (worth[p], -p - 0.5)
+            heapq.heappush(heap, (ckpts[k], 1, k))
         while used > budget:
-            stamp, is_ckpt, k = heapq.heappop(heap)
+            prio, is_ckpt, k = heapq.heappop(heap)
             held = ckpts if is_ckpt else pages
-            if held.get(k) == stamp:  # else a stale entry: touched again since
+            if held.get(k) == prio:  # else a stale entry: touched again since
                 del held[k]
                 used -= cost if is_ckpt else 1
+                clock = max(clock, prio[0])
     return served
 
 
@@ -260,12 +272,14 @@ def main(argv: list[str] | None = None) -> int:
             title=f"L1 {cap:,.0f} tokens ({l1} pages), B = {total} pages: bounds over the "
             f"oracle's {oracle} hit pages",
         )
+        weights = (None, 1.0, 2.0)
         print_table(
-            ["ckpt every", "unified LRU / oracle"],
-            [[e, unified_lru(keys, total, cost, e) / oracle] for e in everies],
-            title=f"L1 {cap:,.0f} tokens: an online design without a split (unified LRU; "
-            "achieved, not a bound)",
-        )
+            ["ckpt every", "unified LRU", "GreedyDual p", "GreedyDual p^2"],
+            [[e, *(unified_lru(keys, total, cost, e, w) / oracle for w in weights)]
+             for e in everies],
+            title=f"L1 {cap:,.0f} tokens: online designs without a split, over the oracle "
+            "(achieved, not bounds)",
+        )  # fmt: skip
         for name, b in (
             ("a clairvoyant policy's", best_any),
             ("an online-checkpointing (clairvoyantly kept) policy's", best),

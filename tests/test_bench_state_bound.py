@@ -48,3 +48,11 @@ def test_the_unified_lru_serves_from_held_checkpoints_and_spends_bytes_on_them()
     branch = [[1, 2, 3, 4], [1, 2, 9]]
     assert unified_lru(branch, 100, 2.0, 0) == 0  # no checkpoint at page 2
     assert unified_lru(branch, 100, 2.0, 2) == 2
+
+
+def test_greedydual_keeps_the_long_prefix_lru_would_evict():
+    """A long prompt, then a short one, then the long one again, with room for one of them:
+    LRU evicts the long one (older), GreedyDual keeps it (its checkpoint saves 6 pages)."""
+    keys = [[1, 2, 3, 4, 5, 6], [7], [1, 2, 3, 4, 5, 6]]
+    assert unified_lru(keys, 8, 1.0, 0) == 0
+    assert unified_lru(keys, 8, 1.0, 0, weight=1.0) == 6
