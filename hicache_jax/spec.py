@@ -1160,9 +1160,10 @@ class HiCacheConfig:
             pages of a prefill (``HiCache.checkpoint_positions``) where the device slots have
             room for them (free, or holding spare checkpoints of no higher rank: the
             every-``2 k`` ones asked for first); 0: none of those; None (default): every
-            2,048 tokens (``max(1, 2048 // page_size)`` pages). Interior checkpoints are spare once their node is in the tree: kept while slots are free
-            (they serve a later request that diverges there), thinned evenly as slots run
-            short (ARCHITECTURE.md, "Recurrent state").
+            2,048 tokens (``max(1, 2048 // page_size)`` pages). Interior checkpoints are
+            spare once their node is in the tree: kept while slots are free (they serve a
+            later request that diverges there), thinned evenly as slots run short
+            (ARCHITECTURE.md, "Recurrent state").
     """
 
     device_pages: int
