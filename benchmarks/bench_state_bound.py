@@ -25,10 +25,10 @@ checkpoints share the ``B`` pages' bytes and go in one eviction order, LRU (**un
 or GreedyDual with a checkpoint worth the pages it saves per byte (**GreedyDual p**, ``p ** 2``
 for attention's quadratic recompute) (a request touches its pages and the checkpoint it was
 served from; a checkpoint goes just before the page it ends: without that page it serves
-nothing); checkpoints at each prompt's end, where it
-left the tree and every ``every`` pages, as ``online_points`` without the tree's other node
-ends. The cache's fixed split is judged against it in the same trace and bytes
-(``bench_state_replay``'s rows at the same intervals). Usage: ``python -m
+nothing); checkpoints at each prompt's end, where it left the tree and every ``every`` pages,
+as ``online_points`` without the tree's other node ends. The cache's fixed split is judged
+against it in the same trace and bytes (``bench_state_replay``'s rows at the same intervals).
+Usage: ``python -m
 benchmarks.bench_state_bound [TRACE] [--capacities 3e5,3e6] [--host-ratio 4] [--slots
 5,10,20,40,80,160,320] [--every 4,16,64,0] [--limit N] [--json P]``.
 """

@@ -224,13 +224,15 @@ class Windows:
         pages = np.asarray(inner, np.int64) // self._ps
         if not pages.size:
             return inner
-        rank = np.minimum(_log2_floor(pages & -pages), BRANCH_RANK)
+        rank = end_ranks(pages)
         order = np.argsort(-rank, kind="stable")
         keep = len(inner)
         for g in self.states:
+            room = self.device.pools[g].allocator.num_free - firm
+            if room >= keep:  # free slots for all (no scan of the spare stamps)
+                continue
             stamps = self.device.spare[g]
             held = np.sort(spare_rank(stamps[stamps > 0]))
-            room = self.device.pools[g].allocator.num_free - firm
             # the i-th taken (highest rank first) needs room + reclaimable(rank) > i
             reclaimable = np.searchsorted(held, rank[order], side="right")
             short = np.flatnonzero(room + reclaimable - np.arange(order.size) <= 0)
@@ -428,11 +430,16 @@ def checkpoint_ranks(start_page: int, num_pages: int, inner: bool) -> np.ndarray
     interval goes before any multiple of twice the interval, and so on (the spacing doubles
     each time; oldest first within a rank). A node end with children (``inner``: a branch
     point, where an earlier request did diverge) ranks above them all."""
-    e = np.arange(start_page + 1, start_page + num_pages + 1, dtype=np.int64)
-    rank = _log2_floor(e & -e)  # the lowest set bit, 2 ** ctz(e): ctz(e)
+    rank = end_ranks(np.arange(start_page + 1, start_page + num_pages + 1, dtype=np.int64))
     if inner and num_pages:
         rank[-1] = BRANCH_RANK
-    return np.minimum(rank, BRANCH_RANK)
+    return rank
+
+
+def end_ranks(e: np.ndarray) -> np.ndarray:
+    """The reclaim ranks of interior checkpoints ending at page counts ``e`` (int64, > 0)
+    from the root: ``ctz(e)``, at most :data:`BRANCH_RANK` (:func:`checkpoint_ranks`)."""
+    return np.minimum(_log2_floor(e & -e), BRANCH_RANK)  # e & -e: the lowest set bit
 
 
 def window_ranks(group: LayerGroup, start_page: int, num_pages: int, page_size: int) -> np.ndarray:
