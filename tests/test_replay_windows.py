@@ -57,10 +57,47 @@ def test_default_rule_holds_the_longest_prompt_and_tails(spec):
     n_f, _ = W.split_pools(spec, d, n_w)
     # k = ceil(1024 / 512) = 2 pages for each mean prompt's 8 pages of the full pool beside
     assert 0 <= n_w - (40 + n_f * 2 / 8) < 2 and n_f * 4096 + n_w * 5 * 4096 <= d * 6 * 4096
-    assert W.default_window_pages(spec, d, longest, mean, requests=False) < n_w
+    # L2: no request's own pages, the tails alone
+    h_w = W.default_window_pages(spec, d, longest, mean, requests=False)
+    h_f, _ = W.split_pools(spec, d, h_w)
+    assert h_w < n_w and 0 <= h_w - h_f * 2 / 8 < 2
     # an L1 no larger than the longest prompt: the all-full model's split
     p = W.pools_for(spec, 30, 0, share=None, longest_tokens=longest, mean_tokens=mean)
     assert (p.device_pages, p.window_device_pages) == (30, 30)
+
+
+@pytest.mark.parametrize("ratio", [2, 4, 8])
+def test_no_full_pool_holds_more_pages_than_the_trace_has(spec, ratio):
+    longest, mean, d = 40 * 512, 8 * 512, 1000
+    kw = dict(share=None, longest_tokens=longest, mean_tokens=mean)
+    free = W.pools_for(spec, d, ratio, **kw)
+    # a trace of more distinct pages than any pool holds: the cap changes nothing
+    assert W.pools_for(spec, d, ratio, distinct_pages=10**6, **kw) == free
+    limit = 3000  # distinct pages; + 40, the longest prompt's (a request's own pages)
+    capped = W.pools_for(spec, d, ratio, distinct_pages=limit - 40, **kw)
+    for full, win, model in (
+        ("device_pages", "window_device_pages", d),
+        ("host_pages", "window_host_pages", capped.model_host_pages),
+    ):
+        n_f, n_w = getattr(capped, full), getattr(capped, win)
+        f0, w0 = getattr(free, full), getattr(free, win)
+        used = n_f * spec.page_bytes + n_w * W.window_page_bytes(spec)
+        assert used <= model * spec.model_page_bytes
+        if f0 > limit:  # the bytes past the cap went to the window pool, to within a page
+            assert n_w > w0
+            if n_f == n_w:  # more window pages than full ones: the all-full model's split
+                assert n_f == model
+            else:
+                assert n_f <= limit
+                assert model * spec.model_page_bytes - used < W.window_page_bytes(spec)
+        else:
+            assert (n_f, n_w) == (f0, w0)
+    assert capped.host_pages < free.host_pages  # (L2 of 2-8x 1000 model pages: capped)
+    # an explicit share is what it says: no cap
+    shared = dict(kw, share=0.3)
+    assert W.pools_for(spec, d, ratio, distinct_pages=10, **shared) == W.pools_for(
+        spec, d, ratio, **shared
+    )
 
 
 def test_pattern_replay_hits_is_deterministic_and_reports_r(trace, spec):

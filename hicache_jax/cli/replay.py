@@ -24,6 +24,7 @@ from hicache_jax.replay import mixed as mmod
 from hicache_jax.replay import simulate as sim
 from hicache_jax.replay import states as smod
 from hicache_jax.replay import windows as wmod
+from hicache_jax.replay.block_lru import distinct_pages
 from hicache_jax.replay.trace import MOONCAKE_BLOCK, TOKEN_PAGE_SIZE
 from hicache_jax.spec import HiCacheConfig, KVSpec
 
@@ -230,6 +231,7 @@ def _simulate(
             share=args.window_share,
             longest_tokens=longest,
             mean_tokens=mean,
+            distinct_pages=distinct_pages(trace, spec.page_size),
         )
     kw: dict[str, Any] = dict(
         device_pages=pages,

@@ -72,14 +72,19 @@ class BlockLRU:
         return len(self._pages)
 
 
-def default_device_pages(trace: Trace, page_size: int) -> int:
-    """An L1 of 1/8 of the trace's distinct whole pages (what an infinite cache would end up
-    holding), but at least the longest prompt's pages."""
+def distinct_pages(trace: Trace, page_size: int) -> int:
+    """The trace's distinct whole pages (what an infinite cache would end up holding)."""
     keys_of = PageKeys(page_size)
     for req in trace.requests:
         keys_of(req.tokens())
+    return len(keys_of)
+
+
+def default_device_pages(trace: Trace, page_size: int) -> int:
+    """An L1 of 1/8 of the trace's distinct whole pages (what an infinite cache would end up
+    holding), but at least the longest prompt's pages."""
     longest = max(r.num_tokens for r in trace.requests) // page_size
-    return max(len(keys_of) // 8, longest, 1)
+    return max(distinct_pages(trace, page_size) // 8, longest, 1)
 
 
 def reference_hits(

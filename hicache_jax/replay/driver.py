@@ -66,7 +66,7 @@ from hicache_jax.cache.hicache import HiCache
 from hicache_jax.replay import mixed as _mixed
 from hicache_jax.replay import states as _states
 from hicache_jax.replay import windows as _windows
-from hicache_jax.replay.block_lru import BlockLRU, PageKeys, reference_hits
+from hicache_jax.replay.block_lru import BlockLRU, PageKeys, distinct_pages, reference_hits
 from hicache_jax.replay.trace import Trace
 from hicache_jax.spec import HiCacheConfig, KVSpec
 
@@ -320,7 +320,8 @@ def run(
             L1)`` pages.
         write_policies, evictions: any strings :class:`HiCacheConfig` accepts.
         window_share: with window groups, the fraction of each tier's bytes in window pages;
-            None: the default rule of :mod:`hicache_jax.replay.windows`.
+            None: the default rule of :mod:`hicache_jax.replay.windows` (given the trace's
+            distinct pages: no full-attention pool holds more than the trace has).
         state_share: with a state group (a hybrid recurrent model,
             :func:`hicache_jax.replay.states.state_spec`), the fraction of each tier's bytes in
             state slots; None: the default rule of :mod:`hicache_jax.replay.states`. Each size
@@ -365,6 +366,8 @@ def run(
         )
     ps = spec.page_size
     longest, mean = _windows.prompt_tokens(trace)
+    # (the window rule's cap on a full-attention pool: pools_for)
+    distinct = distinct_pages(trace, ps) if windowed and not stateful and share is None else None
     plan: list[tuple[HiCacheConfig, HiCacheConfig, Any]] = []
     # (the budget's config, the config the cache gets, its pools or None)
     for d in device_pages:
@@ -399,7 +402,9 @@ def run(
                         **sizes,
                     )
                 elif windowed:
-                    pools = _windows.pools_for(spec, d, host_ratio, share=share, **sizes)
+                    pools = _windows.pools_for(
+                        spec, d, host_ratio, share=share, distinct_pages=distinct, **sizes
+                    )
                 else:
                     plan.append((budget, budget, None))
                     continue

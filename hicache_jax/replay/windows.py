@@ -34,6 +34,13 @@ trace, :func:`prompt_tokens`): the window pool holds
   prompt's pages of the tier's full-attention pool (a node keeps at most ``k`` pages; the tree
   holds about one leaf per request it keeps).
 
+And one number of the trace beyond its prompts, where :func:`pools_for` is given it (the
+replay does): its distinct pages. A tier's full-attention pool never holds more pages than
+the trace has (plus the longest prompt: a request's own pages before they are inserted), so
+where the rule would give it more, the bytes past that go to the window pool, where they can
+still hold something; the rest of the rule is unchanged, so no row loses a hit by it. (A
+serving stack's analogue is the working set it is sized for.)
+
 At most one window page per full-attention page: where the rule asks for more, the split is
 the all-full model's (one window page per full page, which never runs short). So where the
 longest prompt is as long as the all-full L1, the rule saves nothing on L1.
@@ -58,6 +65,7 @@ __all__ = [
     "Holding",
     "PATTERN_SHAPE",
     "Pools",
+    "cap_full_pages",
     "check_share",
     "default_window_pages",
     "pattern_kind",
@@ -256,6 +264,18 @@ def split_pools(spec: KVSpec, model_pages: int, window_pages: int) -> tuple[int,
     )
 
 
+def cap_full_pages(
+    spec: KVSpec, model_pages: int, n_f: int, n_w: int, limit: int
+) -> tuple[int, int]:
+    """``(N_f, N_w)`` of a tier of ``model_pages`` all-full model pages split ``(n_f, n_w)``,
+    with at most ``limit`` full-attention pages: the bytes of the pages past it go to the
+    window pool (what :func:`split_pools` gives, so at most one window page a full one)."""
+    if n_f <= limit:
+        return n_f, n_w
+    spare = model_pages * spec.model_page_bytes - max(limit, 1) * spec.page_bytes
+    return split_pools(spec, model_pages, max(n_w, spare // window_page_bytes(spec)))
+
+
 def prompt_tokens(trace: Trace) -> tuple[int, int]:
     """``(longest, mean)`` prompt of ``trace`` in tokens (0, 0 for no request): what the
     default rule takes as the stack's admitted longest prompt and its mean prompt."""
@@ -327,10 +347,13 @@ def pools_for(
     share: float | None,
     longest_tokens: int,
     mean_tokens: int,
+    distinct_pages: int | None = None,
 ) -> Pools:
     """The pools of L1 = ``model_device_pages`` and L2 = ``round(host_ratio x L1)`` all-full
     model pages' bytes: ``share`` of each tier's bytes in window pages, or None: the default
-    rule (:func:`default_window_pages` of the longest and the mean prompt, in tokens)."""
+    rule (:func:`default_window_pages` of the longest and the mean prompt, in tokens; with
+    ``distinct_pages``, the trace's distinct pages, each tier's full-attention pool capped by
+    :func:`cap_full_pages`)."""
     model_host = int(round(host_ratio * model_device_pages))
     pw = window_page_bytes(spec)
     out = []
@@ -343,6 +366,9 @@ def pools_for(
         else:
             n_w = int(share * pages * spec.model_page_bytes // pw)
         n_f, n_w = split_pools(spec, pages, max(n_w, 1))
+        if share is None and distinct_pages is not None:
+            limit = distinct_pages + -(-longest_tokens // spec.page_size)
+            n_f, n_w = cap_full_pages(spec, pages, n_f, n_w, limit)
         out.append((n_f, n_w, n_w * pw / (pages * spec.model_page_bytes)))
     (df, dw, ds), (hf, hw, hs) = out
     return Pools(model_device_pages, model_host, df, hf, dw, hw, ds, hs)
