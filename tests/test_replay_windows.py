@@ -66,6 +66,12 @@ def test_default_rule_holds_the_longest_prompt_and_tails(spec):
     assert (p.device_pages, p.window_device_pages) == (30, 30)
 
 
+def _room_left(spec, n_f, n_w, model_pages):
+    """Bytes of a tier of ``model_pages`` all-full model pages that its pools leave."""
+    left = model_pages * spec.model_page_bytes - n_f * spec.page_bytes
+    return left - n_w * W.window_page_bytes(spec)
+
+
 @pytest.mark.parametrize("ratio", [2, 4, 8])
 def test_no_full_pool_holds_more_pages_than_the_trace_has(spec, ratio):
     longest, mean, d = 40 * 512, 8 * 512, 1000
@@ -74,30 +80,40 @@ def test_no_full_pool_holds_more_pages_than_the_trace_has(spec, ratio):
     # a trace of more distinct pages than any pool holds: the cap changes nothing
     assert W.pools_for(spec, d, ratio, distinct_pages=10**6, **kw) == free
     limit = 3000  # distinct pages; + 40, the longest prompt's (a request's own pages)
-    capped = W.pools_for(spec, d, ratio, distinct_pages=limit - 40, **kw)
-    for full, win, model in (
-        ("device_pages", "window_device_pages", d),
-        ("host_pages", "window_host_pages", capped.model_host_pages),
-    ):
-        n_f, n_w = getattr(capped, full), getattr(capped, win)
-        f0, w0 = getattr(free, full), getattr(free, win)
-        used = n_f * spec.page_bytes + n_w * W.window_page_bytes(spec)
-        assert used <= model * spec.model_page_bytes
-        if f0 > limit:  # the bytes past the cap went to the window pool, to within a page
-            assert n_w > w0
-            if n_f == n_w:  # more window pages than full ones: the all-full model's split
-                assert n_f == model
-            else:
-                assert n_f <= limit
-                assert model * spec.model_page_bytes - used < W.window_page_bytes(spec)
-        else:
-            assert (n_f, n_w) == (f0, w0)
-    assert capped.host_pages < free.host_pages  # (L2 of 2-8x 1000 model pages: capped)
+    assert free.host_pages > limit  # (L2 of 2-8x 1000 model pages would hold more)
+    p = W.pools_for(spec, d, ratio, distinct_pages=limit - 40, **kw)
+    # L2: capped, the bytes past the cap in window pages (to within a page), or the all-full
+    # model's split where that gives more window pages than full ones
+    assert p.window_host_pages > free.window_host_pages
+    if p.host_pages == p.window_host_pages:
+        assert p.host_pages == p.model_host_pages
+    else:
+        assert p.host_pages <= limit
+        assert _room_left(spec, p.host_pages, p.window_host_pages, p.model_host_pages) >= 0
+        assert _room_left(spec, p.host_pages, p.window_host_pages, p.model_host_pages) < (
+            spec.page_bytes
+        )
+    # L1 beside an L2 that holds every page: the all-full model's split
+    assert (p.device_pages, p.window_device_pages, p.device_share) == (d, d, 5 / 6)
     # an explicit share is what it says: no cap
     shared = dict(kw, share=0.3)
     assert W.pools_for(spec, d, ratio, distinct_pages=10, **shared) == W.pools_for(
         spec, d, ratio, **shared
     )
+
+
+def test_an_l1_above_the_trace_is_capped_alone(spec):
+    """An L2 smaller than L1 (ratio 0.5) that holds fewer pages than the trace: L1's own
+    full-attention pool is capped, L2 and the rest of L1's split as the rule gives them."""
+    kw = dict(share=None, longest_tokens=40 * 512, mean_tokens=8 * 512)
+    free = W.pools_for(spec, 1000, 0.5, **kw)
+    limit = (free.host_pages + free.device_pages) // 2  # between L2's and L1's pools
+    assert free.host_pages < limit < free.device_pages
+    p = W.pools_for(spec, 1000, 0.5, distinct_pages=limit - 40, **kw)
+    assert (p.host_pages, p.window_host_pages) == (free.host_pages, free.window_host_pages)
+    assert p.device_pages <= limit and p.window_device_pages > free.window_device_pages
+    assert _room_left(spec, p.device_pages, p.window_device_pages, 1000) >= 0
+    assert _room_left(spec, p.device_pages, p.window_device_pages, 1000) < W.window_page_bytes(spec)
 
 
 def test_pattern_replay_hits_is_deterministic_and_reports_r(trace, spec):

@@ -35,11 +35,19 @@ trace, :func:`prompt_tokens`): the window pool holds
   holds about one leaf per request it keeps).
 
 And one number of the trace beyond its prompts, where :func:`pools_for` is given it (the
-replay does): its distinct pages. A tier's full-attention pool never holds more pages than
-the trace has (plus the longest prompt: a request's own pages before they are inserted), so
-where the rule would give it more, the bytes past that go to the window pool, where they can
-still hold something; the rest of the rule is unchanged, so no row loses a hit by it. (A
-serving stack's analogue is the working set it is sized for.)
+replay does): its distinct pages, ``D`` (a serving stack's analogue is the working set it is
+sized for). Two consequences:
+
+- a tier's full-attention pool never holds more than ``D`` pages (plus the longest prompt: a
+  request's own pages before they are inserted); where the rule would give it more, the bytes
+  past that go to the window pool, where they can still hold something;
+- where L2's full-attention pool alone would hold more than that, L1 is split as the all-full
+  model's (a window page for every full-attention page, so it never reclaims a spare window
+  page). Its full-attention pages then add no page that L2 could not hold (the write policies
+  back L1's pages up to L2, which has room for all of them), only hits served without a
+  load-back; as window pages, the same bytes keep every end inside L1's nodes servable and
+  ride every backup to L2. Hits win over load-backs: this trades L1 hits for L2 hits and
+  recomputed split points for hits (benchmarks/RESULTS.md, "Layer groups").
 
 At most one window page per full-attention page: where the rule asks for more, the split is
 the all-full model's (one window page per full page, which never runs short). So where the
@@ -269,11 +277,12 @@ def cap_full_pages(
 ) -> tuple[int, int]:
     """``(N_f, N_w)`` of a tier of ``model_pages`` all-full model pages split ``(n_f, n_w)``,
     with at most ``limit`` full-attention pages: the bytes of the pages past it go to the
-    window pool (what :func:`split_pools` gives, so at most one window page a full one)."""
+    window pool (what :func:`split_pools` gives, so at most one window page a full one), the
+    last part of one in full-attention pages."""
     if n_f <= limit:
         return n_f, n_w
     spare = model_pages * spec.model_page_bytes - max(limit, 1) * spec.page_bytes
-    return split_pools(spec, model_pages, max(n_w, spare // window_page_bytes(spec)))
+    return split_pools(spec, model_pages, max(n_w, -(-spare // window_page_bytes(spec))))
 
 
 def prompt_tokens(trace: Trace) -> tuple[int, int]:
@@ -353,13 +362,15 @@ def pools_for(
     model pages' bytes: ``share`` of each tier's bytes in window pages, or None: the default
     rule (:func:`default_window_pages` of the longest and the mean prompt, in tokens; with
     ``distinct_pages``, the trace's distinct pages, each tier's full-attention pool capped by
-    :func:`cap_full_pages`)."""
+    :func:`cap_full_pages`, and where L2's alone would hold more than the trace has, L1 split
+    as the all-full model's: see the module docstring)."""
     model_host = int(round(host_ratio * model_device_pages))
     pw = window_page_bytes(spec)
     out = []
-    for pages, requests in ((model_device_pages, True), (model_host, False)):
+    whole = False  # L2's full-attention pool would hold every page of the trace
+    for pages, requests in ((model_host, False), (model_device_pages, True)):  # L2 first
         if pages == 0:
-            out.append((0, 0, 0.0))
+            out.append((0, 0))
             continue
         if share is None:
             n_w = default_window_pages(spec, pages, longest_tokens, mean_tokens, requests=requests)
@@ -368,10 +379,27 @@ def pools_for(
         n_f, n_w = split_pools(spec, pages, max(n_w, 1))
         if share is None and distinct_pages is not None:
             limit = distinct_pages + -(-longest_tokens // spec.page_size)
-            n_f, n_w = cap_full_pages(spec, pages, n_f, n_w, limit)
-        out.append((n_f, n_w, n_w * pw / (pages * spec.model_page_bytes)))
-    (df, dw, ds), (hf, hw, hs) = out
-    return Pools(model_device_pages, model_host, df, hf, dw, hw, ds, hs)
+            if requests and whole:
+                n_f = n_w = pages  # the all-full model's split: no spare page ever reclaimed
+            else:
+                whole = n_f > limit
+                n_f, n_w = cap_full_pages(spec, pages, n_f, n_w, limit)
+        out.append((n_f, n_w))
+    (hf, hw), (df, dw) = out
+
+    def share_of(n_w: int, pages: int) -> float:
+        return n_w * pw / (pages * spec.model_page_bytes) if pages else 0.0
+
+    return Pools(
+        model_device_pages,
+        model_host,
+        df,
+        hf,
+        dw,
+        hw,
+        share_of(dw, model_device_pages),
+        share_of(hw, model_host),
+    )
 
 
 class Holding:
