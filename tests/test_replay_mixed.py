@@ -115,6 +115,32 @@ def test_default_rule_asks_each_kind_what_its_own_rule_asks(spec):
     assert 0 <= 400 * spec.model_page_bytes - l2 < 3 * spec.page_bytes + 2 * S.slot_bytes(spec)
 
 
+def test_the_window_rule_takes_the_traces_distinct_pages(spec):
+    """As the window replay's (test_replay_windows.py): no full-attention pool holds more than
+    the trace's distinct pages plus the longest prompt, and L1 beside an L2 that would keeps
+    one window page a full page; the state rule's slots as without them."""
+    kw = dict(window_share=None, state_share=None, longest_tokens=200, mean_tokens=90)
+    free = M.pools_for(spec, 40, 4.0, **kw)
+    assert M.pools_for(spec, 40, 4.0, distinct_pages=10**6, **kw) == free
+    limit = free.host_pages - 10  # + ceil(200 / 16) = 13 pages, the longest prompt's
+    p = M.pools_for(spec, 40, 4.0, distinct_pages=limit - 13, **kw)
+    assert p.host_pages <= limit and p.window_host_pages > free.window_host_pages
+    assert p.state_host_slots == free.state_host_slots
+    assert p.window_device_pages == p.device_pages  # L1: one window page a full page
+    # a trace of a page: as few full pages as one window page each allows (the all-full
+    # split of the bytes the slots leave)
+    tiny = M.pools_for(spec, 40, 4.0, distinct_pages=1, **kw)
+    assert tiny.host_pages == tiny.window_host_pages < p.host_pages
+    for q in (p, tiny):
+        l1, l2 = q.bytes_used(spec)
+        assert l1 <= 40 * spec.model_page_bytes and l2 <= 160 * spec.model_page_bytes
+    # a window share given is what it says: no cap
+    shared = dict(kw, window_share=0.2)
+    assert M.pools_for(spec, 40, 4.0, distinct_pages=1, **shared) == M.pools_for(
+        spec, 40, 4.0, **shared
+    )
+
+
 def test_shares_together_must_leave_pages(trace, spec, monkeypatch):
     with pytest.raises(ValueError, match="must be below 1"):
         M.pools_for(spec, 40, 4.0, window_share=0.5, state_share=0.5, longest_tokens=1,

@@ -210,6 +210,7 @@ def _simulate(
             longest_tokens=longest,
             mean_tokens=mean,
             checkpoint_every=args.checkpoint_every,
+            distinct_pages=distinct_pages(trace, spec.page_size),
         )
     elif spec.state_groups:
         longest, mean = wmod.prompt_tokens(trace)

@@ -366,8 +366,8 @@ def run(
         )
     ps = spec.page_size
     longest, mean = _windows.prompt_tokens(trace)
-    # (the window rule's cap on a full-attention pool: pools_for)
-    distinct = distinct_pages(trace, ps) if windowed and not stateful and share is None else None
+    # (what the window rule takes of the trace beside its prompts: windows.pools_for)
+    distinct = distinct_pages(trace, ps) if windowed and share is None else None
     plan: list[tuple[HiCacheConfig, HiCacheConfig, Any]] = []
     # (the budget's config, the config the cache gets, its pools or None)
     for d in device_pages:
@@ -390,6 +390,7 @@ def run(
                         window_share=share,
                         state_share=sshare,
                         checkpoint_every=checkpoint_every,
+                        distinct_pages=distinct,
                         **sizes,
                     )
                 elif stateful:

@@ -26,7 +26,10 @@ reuses their parts rather than copying them:
   share given for either kind fixes that kind's bytes instead. Then each rule's limits: at
   least 8 slots and at most one a full page (:func:`hicache_jax.replay.states.slot_floor`),
   at most one window page a full page, else the all-full split of the bytes the slots leave
-  (:func:`hicache_jax.replay.windows.split_bytes`).
+  (:func:`hicache_jax.replay.windows.split_bytes`). Given the trace's distinct pages, the
+  window rule takes them as the window replay's does
+  (:func:`hicache_jax.replay.windows.pools_for`): no full-attention pool holds more (the bytes
+  past that in window pages), and where L2's alone would, L1 keeps one window page a full page.
 - **What it holds per byte** (:class:`MixedHolding`): sampled after every request, the bytes
   ratio ``r`` (the all-full model's bytes of the tokens cached over the bytes of the pages
   and slots used: checkpoints are bytes the all-full model would not spend), the window
@@ -128,15 +131,21 @@ def _tier(
     longest_tokens: int,
     mean_tokens: int,
     every: int | None,
-) -> tuple[int, int, int]:
-    """``(N_f, N_w, N_s)`` of a tier of ``pages`` all-full model pages (module docstring)."""
+    limit: int | None = None,
+    all_full: bool = False,
+) -> tuple[int, int, int, bool]:
+    """``(N_f, N_w, N_s, over)`` of a tier of ``pages`` all-full model pages (module
+    docstring). With the default window rule: ``limit``, at most that many full-attention
+    pages (the bytes past it in window pages; ``over``: the rule would have given more);
+    ``all_full``, one window page a full page (L1 beside an L2 that holds the trace)."""
     pf, pw, s = spec.page_bytes, _windows.window_page_bytes(spec), _states.slot_bytes(spec)
     budget = pages * spec.model_page_bytes
-    win = (
-        _windows.window_demand(spec, pages, longest_tokens, mean_tokens, requests=requests)
-        if window_share is None
-        else _windows.Demand(Fraction(int(window_share * budget // pw)), Fraction(0), pw)
-    )
+    if window_share is not None:
+        win = _windows.Demand(Fraction(int(window_share * budget // pw)), Fraction(0), pw)
+    elif all_full:
+        win = _windows.Demand(Fraction(0), Fraction(1), pw)
+    else:
+        win = _windows.window_demand(spec, pages, longest_tokens, mean_tokens, requests=requests)
     slots = (
         _states.state_demand(spec, longest_tokens, mean_tokens, every, requests=requests)
         if state_share is None
@@ -144,10 +153,15 @@ def _tier(
     )
     n_w, n_s = _windows.solve_demands(budget, pf, [win, slots])
     n_s = _states.slot_floor(n_s, budget, pf + pw, s)
-    n_f, n_w = _windows.split_bytes(max(0, budget - n_s * s), pf, pw, n_w)
+    left = max(0, budget - n_s * s)
+    n_f, n_w = _windows.split_bytes(left, pf, pw, n_w)
+    over = window_share is None and limit is not None and n_f > limit
+    if over:
+        assert limit is not None
+        n_f, n_w = _windows.split_bytes(left, pf, pw, max(n_w, -(-(left - limit * pf) // pw)))
     # a tier too small for 8 slots beside a page keeps one of each, as the state replay's
     n_f, n_w = max(1, n_f), max(1, n_w)
-    return n_f, n_w, max(1, min(n_s, n_f))
+    return n_f, n_w, max(1, min(n_s, n_f)), over
 
 
 def pools_for(
@@ -160,12 +174,16 @@ def pools_for(
     longest_tokens: int,
     mean_tokens: int,
     checkpoint_every: int | str | None = None,
+    distinct_pages: int | None = None,
 ) -> MixedPools:
     """The pools of L1 = ``model_device_pages`` and L2 = ``round(host_ratio x L1)`` all-full
     model pages' bytes (see the module docstring): ``window_share`` / ``state_share`` of each
     tier's bytes in window pages / state slots, or None: that kind's default rule.
     ``checkpoint_every``: as :func:`hicache_jax.replay.states.pools_for` (:data:`AUTO
     <hicache_jax.replay.states.AUTO>`: the interval that spreads the slots over the pages).
+    ``distinct_pages``: the trace's distinct pages, which the window rule takes as
+    :func:`hicache_jax.replay.windows.pools_for` does (no full-attention pool holds more, plus
+    the longest prompt; L1 one window page a full page where L2 alone would).
 
     Raises:
         ValueError: the shares together leave no byte for full-attention pages.
@@ -179,22 +197,35 @@ def pools_for(
     def make(every: int | str | None) -> MixedPools:
         assert every is None or isinstance(every, int)
         model_host = int(round(host_ratio * model_device_pages))
-        pm, pw, s = (
+        ps, pm, pw, s = (
+            spec.page_size,
             spec.model_page_bytes,
             _windows.window_page_bytes(spec),
             _states.slot_bytes(spec),
         )
         tiers = []
-        for pages, requests in ((model_device_pages, True), (model_host, False)):
+        limit = None if distinct_pages is None else distinct_pages + -(-longest_tokens // ps)
+        whole = False  # L2's full-attention pool would hold every page of the trace
+        for pages, requests in ((model_host, False), (model_device_pages, True)):  # L2 first
             if pages == 0:
                 tiers.append((0, 0, 0, 0.0, 0.0))
                 continue
-            n_f, n_w, n_s = _tier(
-                spec, pages, requests, window_share, state_share, longest_tokens, mean_tokens, every
+            n_f, n_w, n_s, over = _tier(
+                spec,
+                pages,
+                requests,
+                window_share,
+                state_share,
+                longest_tokens,
+                mean_tokens,
+                every,
+                limit,
+                all_full=requests and whole,
             )
+            whole = whole or (over and not requests)
             budget = pages * pm
             tiers.append((n_f, n_w, n_s, n_w * pw / budget, n_s * s / budget))
-        (df, dw, ds, dws, dss), (hf, hw, hs, hws, hss) = tiers
+        (hf, hw, hs, hws, hss), (df, dw, ds, dws, dss) = tiers
         return MixedPools(
             model_device_pages,
             model_host,
