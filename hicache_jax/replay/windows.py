@@ -370,7 +370,7 @@ def pools_for(
     whole = False  # L2's full-attention pool would hold every page of the trace
     for pages, requests in ((model_host, False), (model_device_pages, True)):  # L2 first
         if pages == 0:
-            out.append((0, 0))
+            out.append((0, 0, 0.0))
             continue
         if share is None:
             n_w = default_window_pages(spec, pages, longest_tokens, mean_tokens, requests=requests)
@@ -384,21 +384,17 @@ def pools_for(
             else:
                 whole = n_f > limit
                 n_f, n_w = cap_full_pages(spec, pages, n_f, n_w, limit)
-        out.append((n_f, n_w))
-    (hf, hw), (df, dw) = out
-
-    def share_of(n_w: int, pages: int) -> float:
-        return n_w * pw / (pages * spec.model_page_bytes) if pages else 0.0
-
+        out.append((n_f, n_w, n_w * pw / (pages * spec.model_page_bytes)))
+    (hf, hw, hs), (df, dw, ds) = out
     return Pools(
-        model_device_pages,
-        model_host,
-        df,
-        hf,
-        dw,
-        hw,
-        share_of(dw, model_device_pages),
-        share_of(hw, model_host),
+        model_device_pages=model_device_pages,
+        model_host_pages=model_host,
+        device_pages=df,
+        host_pages=hf,
+        window_device_pages=dw,
+        window_host_pages=hw,
+        device_share=ds,
+        host_share=hs,
     )
 
 
