@@ -158,7 +158,7 @@ def _tier(
     over = window_share is None and limit is not None and n_f > limit
     if over:
         assert limit is not None
-        n_f, n_w = _windows.split_bytes(left, pf, pw, max(n_w, -(-(left - limit * pf) // pw)))
+        n_f, n_w = _windows.cap_full_pages(left, pf, pw, n_f, n_w, limit)
     # a tier too small for 8 slots beside a page keeps one of each, as the state replay's
     n_f, n_w = max(1, n_f), max(1, n_w)
     return n_f, n_w, max(1, min(n_s, n_f)), over
@@ -197,14 +197,17 @@ def pools_for(
     def make(every: int | str | None) -> MixedPools:
         assert every is None or isinstance(every, int)
         model_host = int(round(host_ratio * model_device_pages))
-        ps, pm, pw, s = (
-            spec.page_size,
+        pm, pw, s = (
             spec.model_page_bytes,
             _windows.window_page_bytes(spec),
             _states.slot_bytes(spec),
         )
         tiers = []
-        limit = None if distinct_pages is None else distinct_pages + -(-longest_tokens // ps)
+        limit = (
+            None
+            if distinct_pages is None
+            else _windows.full_page_limit(distinct_pages, longest_tokens, spec.page_size)
+        )
         whole = False  # L2's full-attention pool would hold every page of the trace
         for pages, requests in ((model_host, False), (model_device_pages, True)):  # L2 first
             if pages == 0:

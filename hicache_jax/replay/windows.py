@@ -74,6 +74,7 @@ __all__ = [
     "PATTERN_SHAPE",
     "Pools",
     "cap_full_pages",
+    "full_page_limit",
     "check_share",
     "default_window_pages",
     "pattern_kind",
@@ -272,17 +273,24 @@ def split_pools(spec: KVSpec, model_pages: int, window_pages: int) -> tuple[int,
     )
 
 
+def full_page_limit(distinct_pages: int, longest_tokens: int, page_size: int) -> int:
+    """The most full-attention pages the default rule gives a tier of a trace of
+    ``distinct_pages`` pages: those, plus the longest prompt's (a request's own pages before
+    they are inserted)."""
+    return distinct_pages + -(-longest_tokens // page_size)
+
+
 def cap_full_pages(
-    spec: KVSpec, model_pages: int, n_f: int, n_w: int, limit: int
+    budget: int, page_bytes: int, pw: int, n_f: int, n_w: int, limit: int
 ) -> tuple[int, int]:
-    """``(N_f, N_w)`` of a tier of ``model_pages`` all-full model pages split ``(n_f, n_w)``,
-    with at most ``limit`` full-attention pages: the bytes of the pages past it go to the
-    window pool (what :func:`split_pools` gives, so at most one window page a full one), the
-    last part of one in full-attention pages."""
+    """``(N_f, N_w)`` of a tier's ``budget`` bytes split ``(n_f, n_w)`` (full-attention pages
+    of ``page_bytes``, window pages of ``pw``), with at most ``limit`` full-attention pages:
+    the bytes of the pages past it go to the window pool (what :func:`split_bytes` gives, so
+    at most one window page a full one), the last part of one in full-attention pages."""
     if n_f <= limit:
         return n_f, n_w
-    spare = model_pages * spec.model_page_bytes - max(limit, 1) * spec.page_bytes
-    return split_pools(spec, model_pages, max(n_w, -(-spare // window_page_bytes(spec))))
+    spare = budget - max(limit, 1) * page_bytes
+    return split_bytes(budget, page_bytes, pw, max(n_w, -(-spare // pw)))
 
 
 def prompt_tokens(trace: Trace) -> tuple[int, int]:
@@ -378,12 +386,13 @@ def pools_for(
             n_w = int(share * pages * spec.model_page_bytes // pw)
         n_f, n_w = split_pools(spec, pages, max(n_w, 1))
         if share is None and distinct_pages is not None:
-            limit = distinct_pages + -(-longest_tokens // spec.page_size)
+            limit = full_page_limit(distinct_pages, longest_tokens, spec.page_size)
             if requests and whole:
                 n_f = n_w = pages  # the all-full model's split: no spare page ever reclaimed
             else:
                 whole = n_f > limit
-                n_f, n_w = cap_full_pages(spec, pages, n_f, n_w, limit)
+                budget = pages * spec.model_page_bytes
+                n_f, n_w = cap_full_pages(budget, spec.page_bytes, pw, n_f, n_w, limit)
         out.append((n_f, n_w, n_w * pw / (pages * spec.model_page_bytes)))
     (hf, hw, hs), (df, dw, ds) = out
     return Pools(
