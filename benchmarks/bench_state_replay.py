@@ -13,8 +13,10 @@ R3:F1``): every request writes checkpoints at ``cache.checkpoint_positions`` bef
 inserted.
 
 Per row (one per L1 size and checkpoint interval ``K``: ``default`` = the cache's default,
-``checkpoint_every_pages=None``: every 2,048 tokens, spare interior checkpoints thinned evenly
-as slots run short; 0 = checkpoints at branch points and prompt ends only; ``auto``:
+``checkpoint_every_pages=None``: no interior checkpoints, a tail one 4 pages before each
+prompt's end (``checkpoint_tail_pages``) and every checkpoint kept by what it saves (the
+``value`` eviction); 0 = the same; ``K`` > 0 adds one every ``K`` pages, spare interior
+checkpoints thinned evenly as slots run short; ``auto``:
 ``ceil(pages / slots)`` of the pools, a rule from the pools' numbers): the hybrid's hit ratio;
 the oracle's (an exact LRU of L1 + L2 pages of the same bytes: every page boundary a free
 checkpoint) and the ratio against the target (>= 0.95: met / NOT met, judged on the default K);
@@ -24,7 +26,7 @@ over the run); the checkpoints written; the tokens cut from matches for want of 
 (``cut tok``) and the hit ratio with them added back (``hit+cut``).
 
 Usage: ``python -m benchmarks.bench_state_replay [TRACE] [--capacities 3e5,3e6]
-[--host-ratio 4] [--intervals default,0,4,16,64,auto] [--state-tokens T] [--state-share F]
+[--host-ratio 4] [--intervals default,4,16,64,auto] [--state-tokens T] [--state-share F]
 [--limit N] [--json P]`` (TRACE defaults to benchmarks/data's ``mooncake_synthetic_1000``).
 """
 
@@ -65,8 +67,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument(
         "--intervals",
         type=_intervals,
-        default=[None, 0, 4, 16, 64, "auto"],
-        help="K; default = the cache's default (every 2,048 tokens), 0 = none, auto = "
+        default=[None, 4, 16, 64, "auto"],
+        help="K; default = the cache's default (none: a tail checkpoint instead), 0 = none, "
+        "auto = "
         "ceil(pages / slots) of the pools",
     )
     p.add_argument("--layer-pattern", default="R3:F1")

@@ -44,15 +44,29 @@ class EvictionPolicy(str, enum.Enum):
     FILO = "filo"  # newest node first
     PRIORITY = "priority"  # lowest request priority first, ties by recency
     SLRU = "slru"  # segmented LRU: probationary (hit_count < 2) before protected
+    # GreedyDual over what a recompute costs: a node is worth (its last prompt's pages) ** 2
+    # above a clock that each eviction raises (tree/eviction.py); the default with STATE groups
+    VALUE = "value"
 
     @classmethod
-    def parse(cls, value: str | EvictionPolicy) -> EvictionPolicy:
-        """Turn a user string into the enum, with an error that lists the choices."""
+    def parse(cls, value: str | EvictionPolicy | None) -> EvictionPolicy:
+        """Turn a user string into the enum, with an error that lists the choices (None, a
+        config's default, has no order of its own: :func:`resolve_eviction` gives it one)."""
+        if value is None:
+            raise ValueError("eviction=None: resolve_eviction(None, spec) names the default")
         try:
             return cls(value)
         except ValueError:
             choices = ", ".join(p.value for p in cls)
             raise ValueError(f"eviction={value!r} is not one of: {choices}") from None
+
+
+def resolve_eviction(eviction: EvictionPolicy | str | None, spec: KVSpec) -> EvictionPolicy:
+    """``HiCacheConfig.eviction`` for a cache of ``spec``: as given, or for None (the default)
+    ``value`` with ``STATE`` groups, else ``lru``."""
+    if eviction is not None:
+        return EvictionPolicy.parse(eviction)
+    return EvictionPolicy.VALUE if spec.state_groups else EvictionPolicy.LRU
 
 
 class WritePolicy(str, enum.Enum):
@@ -1051,7 +1065,12 @@ class HiCacheConfig:
             "write_through_selective" | "write_back" (see hicache.py).
         write_through_threshold: backup once ``hit_count >= threshold``; None -> 1 for
             write_through, 2 for write_through_selective (unused by write_back).
-        eviction: "lru" | "lfu" | "fifo" | "mru" | "filo" | "priority" | "slru".
+        eviction: "lru" | "lfu" | "fifo" | "mru" | "filo" | "priority" | "slru" | "value"
+            (GreedyDual over what a recompute costs: ``tree/eviction.py``); None or
+            "default" (the default): "value" for a spec with ``STATE`` groups (a recurrent
+            hybrid: its checkpoints and pages are kept by what they save, ARCHITECTURE.md,
+            "Recurrent state"), else "lru" (``HiCache`` resolves it: ``HiCache.cfg.eviction``,
+            :func:`resolve_eviction`).
         load_back_threshold: tokens; host hits (``Match.host_len``, resident pages included)
             shorter than this are recomputed instead.
         load_back_quota: tokens; host hits that would copy more tokens than this are declined
@@ -1156,14 +1175,19 @@ class HiCacheConfig:
         state_host_slots: the same for the host pools; None: a quarter of the host pool's
             bytes (at least 8, at most ``host_pages``).
         checkpoint_every_pages: with ``STATE`` groups: besides the checkpoints at a request's
-            commit, finish and the point where its prefix leaves the tree, one every this many
-            pages of a prefill (``HiCache.checkpoint_positions``) where the device slots have
-            room for them (free, or holding spare checkpoints of no higher rank: the
-            every-``2 k`` ones asked for first); 0: none of those; None (default): every
-            2,048 tokens (``max(1, 2048 // page_size)`` pages). Interior checkpoints are
-            spare once their node is in the tree: kept while slots are free (they serve a
-            later request that diverges there), thinned evenly as slots run short
-            (ARCHITECTURE.md, "Recurrent state").
+            commit, finish, the point where its prefix leaves the tree and its tail (below),
+            one every this many pages of a prefill (``HiCache.checkpoint_positions``) where the
+            device slots have room for them (free, or holding spare checkpoints of no higher
+            rank: the every-``2 k`` ones asked for first); None (default) or 0: none of those.
+            Interior checkpoints are spare once their node is in the tree: kept while slots
+            are free (they serve a later request that diverges there), thinned evenly as slots
+            run short (ARCHITECTURE.md, "Recurrent state"). On Mooncake's trace they cost more
+            slots than they serve (``bench_state_replay``): a later request leaves an earlier
+            prompt at its end or a few pages before it, rarely deep inside it.
+        checkpoint_tail_pages: with ``STATE`` groups: a checkpoint this many pages before each
+            prompt's last whole page too (4, the default: where a later request that asks
+            something else after the same context leaves it; measured on Mooncake's trace,
+            ``bench_state_replay``); 0: none.
     """
 
     device_pages: int
@@ -1171,7 +1195,7 @@ class HiCacheConfig:
     host_ratio: float = 4.0
     write_policy: WritePolicy | str = WritePolicy.CLEAN_AHEAD
     write_through_threshold: int | None = None
-    eviction: EvictionPolicy | str = EvictionPolicy.LRU
+    eviction: EvictionPolicy | str | None = None
     load_back_threshold: int = 16
     load_back_quota: int | None = None
     load_policy: str = "threshold"
@@ -1203,6 +1227,7 @@ class HiCacheConfig:
     state_device_slots: int | None = None
     state_host_slots: int | None = None
     checkpoint_every_pages: int | None = None
+    checkpoint_tail_pages: int = 4
 
     def __post_init__(self) -> None:
         set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731
@@ -1214,7 +1239,10 @@ class HiCacheConfig:
             set_("host_pages", int(round(self.host_ratio * self.device_pages)))
         set_("host_pages", check_int("host_pages", self.host_pages, 0))
         set_("write_policy", parse_enum(WritePolicy, "write_policy", self.write_policy))
-        set_("eviction", EvictionPolicy.parse(self.eviction))
+        if self.eviction is not None and self.eviction != "default":
+            set_("eviction", EvictionPolicy.parse(self.eviction))
+        else:
+            set_("eviction", None)
         set_("host_layout", parse_enum(HostLayout, "host_layout", self.host_layout))
         set_("copy_backend", parse_enum(CopyBackend, "copy_backend", self.copy_backend))
         set_("huge_pages", check_bool("huge_pages", self.huge_pages))
@@ -1289,6 +1317,8 @@ class HiCacheConfig:
         if self.checkpoint_every_pages is not None:
             every = check_int("checkpoint_every_pages", self.checkpoint_every_pages, 0)
             set_("checkpoint_every_pages", every)
+        tail = check_int("checkpoint_tail_pages", self.checkpoint_tail_pages, 0)
+        set_("checkpoint_tail_pages", tail)
         if self.shard_axis is not None and self.mesh is None:
             raise ValueError(f"shard_axis={self.shard_axis!r} given without a mesh")
         if self.mesh is not None:

@@ -214,7 +214,7 @@ def sweep(
     *,
     device_pages: Iterable[int] | None = None,
     policies: Sequence[str] = ("clean_ahead",),
-    evictions: Sequence[str] = ("lru",),
+    evictions: Sequence[str] = ("default",),
     host_ratios: Sequence[float] = (4.0,),
     page_size: int | None = None,
     spec: KVSpec | str | None = None,

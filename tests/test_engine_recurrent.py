@@ -377,10 +377,11 @@ def test_checkpoints_without_a_slot_are_skipped(model, kind):
     interior ones (no room for them: ``Windows._admit``), the prefill's end checkpoint (28)
     takes the slot, decode's one (at 32) finds none and is skipped (its page goes into the
     tree without it); the request and its continuation, served from 28, equal their
-    recompute."""
+    recompute. (LRU: under the ``value`` eviction every checkpoint of the tree is spare, and
+    decode's takes the slot of the prefill's.)"""
     rng = np.random.default_rng(14)
     a = rng.integers(0, 97, 30).astype(np.int32)
-    cache = _cache(model, state_device_slots=1, checkpoint_every_pages=2)
+    cache = _cache(model, state_device_slots=1, checkpoint_every_pages=2, eviction="lru")
     engine = _engine(model, kind, "device", cache)
     assert cache.checkpoint_positions(a, 0) == [28]
     first = engine.generate([a], 3)[0]

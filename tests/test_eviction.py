@@ -40,6 +40,7 @@ EXPECTED_ORDER = {
     "filo": "DCBA",  # newest created first
     "priority": "DBCA",  # lowest priority first
     "slru": "DABC",  # probationary (hits < 2: A, D) by last_access, then protected B, C
+    "value": "DBAC",  # a tree without worth_power: every worth 0, then by last_access
 }
 
 
@@ -191,3 +192,33 @@ def test_eviction_order_simulates_leaves_first_eviction(ps, clock):
     tree.unlock(leaf)
     assert tree.snapshot() == before
     assert hottest_first("lru", [upper, other, leaf]) == [other, leaf, upper]  # ties: newer id
+
+
+def test_value_eviction_keeps_a_long_prompt_over_a_short_one_used_later(clock):
+    """GreedyDual: a node is worth its last prompt's pages squared above the clock; a long
+    prompt's leaf outlives a short one touched after it, and the clock rises only when a node
+    leaves the host tier (a device-only deletion leaves it)."""
+    ps = 4
+    tree = RadixTree(ps, clock=clock)
+    tree.worth_power = 2.0
+    clock.tick()
+    long = tree.insert(np.full(8 * ps, 1, np.int64), np.arange(8)).last_node  # 8 pages: 64
+    clock.tick()
+    short = tree.insert(np.full(2 * ps, 2, np.int64), [8, 9]).last_node  # 2 pages: 4
+    assert (long.worth, short.worth) == (64.0, 4.0)
+    assert [n is short for n in select_victims("value", tree.evictable_device, 2)] == [True, False]
+    assert [n is long for n in select_victims("lru", tree.evictable_device, 2)] == [True, False]
+    tree.delete_leaf(short)  # device only: no host copy, the clock stays
+    assert tree.worth_clock == 0.0
+    clock.tick()
+    tree.match(np.full(8 * ps, 1, np.int64))  # touched again by the same prompt: no change
+    assert long.worth == 64.0
+    tree.set_host_value(long, np.arange(8))  # a host copy: its deletion raises the clock
+    tree.evict_device(long)
+    tree.delete_leaf(long)
+    assert tree.worth_clock == 64.0
+    clock.tick()
+    again = tree.insert(np.full(2 * ps, 2, np.int64), [8, 9]).last_node
+    assert again.worth == 64.0 + 4.0  # the clock ages every node after it
+    upper = tree.match(np.full(ps, 2, np.int64)).node  # a split copies the worth
+    assert upper is not again and upper.worth == again.worth == 68.0

@@ -132,6 +132,7 @@ class HiCacheMachine(RuleBasedStateMachine):
     state = False
     state_heads = False  # with state: the slots split over the ssm array's heads
     checkpoint_every = 0  # checkpoint_every_pages
+    checkpoint_tail = 4  # checkpoint_tail_pages (the default)
 
     def __init__(self) -> None:
         super().__init__()
@@ -213,6 +214,7 @@ class HiCacheMachine(RuleBasedStateMachine):
             state_device_slots=self.state_slots if self.state else None,
             state_host_slots=max(2, host // 2) if self.state else None,
             checkpoint_every_pages=self.checkpoint_every,
+            checkpoint_tail_pages=self.checkpoint_tail,
         )
         self.cache = HiCache(self.spec, cfg, clock=self._now, transfer_engine=GatedEngine)
         self.engine = gate(self.cache)
@@ -589,7 +591,7 @@ STATE_RUN: collections.Counter = collections.Counter()
 STALE: collections.Counter = collections.Counter()
 
 POLICIES = ["write_through", "write_through_selective", "write_back", "clean_ahead"]
-EVICTIONS = ["lru", "lfu", "slru"]
+EVICTIONS = ["lru", "lfu", "slru", "value"]
 #: window group modes: spare window pages (the default), small window pools, freed at insert
 MODES = ["windows", "small-windows", "eager"]
 
@@ -660,17 +662,29 @@ def test_hicache_state_machine_windows(write_policy, page_size, window, mode):
         assert COVERAGE[key] > 0, f"the machine never exercised {key}: {dict(COVERAGE)}"
 
 
-#: (write policy, page size, checkpoint_every_pages, slots split over heads) of the hybrid
-#: (recurrent + full) runs.
+#: (write policy, page size, checkpoint_every_pages, slots split over heads, eviction) of the
+#: hybrid (recurrent + full) runs: ``value`` is the default with a STATE group (every
+#: checkpoint of the tree spare, reclaimed by worth), ``lru`` the rules before it.
 STATE_RUNS = (
-    [(p, ps, e, e > 0) for p in POLICIES for ps in (1, 4) for e in (0, 2)]
+    [
+        (p, ps, e, e > 0, ev)
+        for p in POLICIES
+        for ps in (1, 4)
+        for e in (0, 2)
+        for ev in ("lru", "value")
+    ]
     if LONG
-    else [("write_through", 4, 0, False), ("clean_ahead", 4, 2, True)]
+    else [
+        ("write_through", 4, 0, False, "lru"),
+        ("clean_ahead", 4, 2, True, "lru"),
+        ("clean_ahead", 4, 0, False, "value"),
+        ("write_back", 1, 2, True, "value"),
+    ]
 )
 
 
-@pytest.mark.parametrize("write_policy,page_size,every,heads", STATE_RUNS)
-def test_hicache_state_machine_state_slots(write_policy, page_size, every, heads):
+@pytest.mark.parametrize("write_policy,page_size,every,heads,eviction", STATE_RUNS)
+def test_hicache_state_machine_state_slots(write_policy, page_size, every, heads, eviction):
     """The same machine over a hybrid model (a recurrent layer's STATE group and a full
     layer), slot pools half the page pools: every served prefix ends at the checkpoint taken
     at its end (read_state bit-exact); every slot on either tier is the checkpoint taken at
@@ -678,15 +692,18 @@ def test_hicache_state_machine_state_slots(write_policy, page_size, every, heads
     splits, a caller rewriting its own slots); no slot leaked (invariants, used counts); the
     KV events replay to the slots held per tier; bad state calls change nothing."""
     machine = type(
-        f"HiCacheState_{write_policy}_{page_size}_{every}_{heads}",
+        # (derandomized: the name seeds the examples; the lru runs keep their names)
+        f"HiCacheState_{write_policy}_{page_size}_{every}_{heads}"
+        + ("" if eviction == "lru" else f"_{eviction}"),
         (HiCacheMachine,),
         dict(
             write_policy=write_policy,
-            eviction="lru",
+            eviction=eviction,
             page_size=page_size,
             state=True,
             state_heads=heads,
             checkpoint_every=every,
+            checkpoint_tail=0 if eviction == "lru" else 4,  # (lru: the rules before the tail)
         ),
     )
     _run_hybrid(machine, 60 if LONG else 6)
@@ -704,29 +721,31 @@ def _run_hybrid(machine: type, examples: int) -> None:
     assert STATE_RUN["checkpoints"] > 0, STATE_RUN
 
 
-#: (write policy, page size, checkpoint_every_pages) of the runs with all three kinds.
+#: (write policy, page size, checkpoint_every_pages, eviction) of the runs with all three kinds.
 MIXED_RUNS = (
-    [(p, ps, e) for p in POLICIES for ps in (1, 4) for e in (0, 2)]
+    [(p, ps, e, ev) for p in POLICIES for ps in (1, 4) for e in (0, 2) for ev in ("lru", "value")]
     if LONG
-    else [("clean_ahead", 4, 2)]
+    else [("clean_ahead", 4, 2, "lru"), ("write_through", 4, 0, "value")]
 )
 
 
-@pytest.mark.parametrize("write_policy,page_size,every", MIXED_RUNS)
-def test_hicache_state_machine_window_and_state(write_policy, page_size, every):
+@pytest.mark.parametrize("write_policy,page_size,every,eviction", MIXED_RUNS)
+def test_hicache_state_machine_window_and_state(write_policy, page_size, every, eviction):
     """The hybrid machine with a sliding-window layer (W 20) beside the recurrent and the full
     layer: a served prefix reads back the window pages its end reads and the checkpoint at
     its end, on whichever tier served each; nothing leaked or mutated on either tier."""
     machine = type(
-        f"HiCacheMixed_{write_policy}_{page_size}_{every}",
+        f"HiCacheMixed_{write_policy}_{page_size}_{every}"
+        + ("" if eviction == "lru" else "_value"),
         (HiCacheMachine,),
         dict(
             write_policy=write_policy,
-            eviction="lru",
+            eviction=eviction,
             page_size=page_size,
             window=20,
             state=True,
             checkpoint_every=every,
+            checkpoint_tail=0 if eviction == "lru" else 4,
         ),
     )
     _run_hybrid(machine, 40 if LONG else 6)

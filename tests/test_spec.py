@@ -147,7 +147,10 @@ def test_config_defaults_and_enums():
     assert cfg.host_pages == 400
     assert cfg.write_policy is WritePolicy.CLEAN_AHEAD and cfg.write_through_threshold == 1
     assert cfg.clean_ahead_pages is None  # auto: follows the largest allocation
-    assert cfg.eviction is EvictionPolicy.LRU
+    assert cfg.eviction is None  # the cache's default for its spec (lru, value with states)
+    assert HiCacheConfig(device_pages=100, eviction="default").eviction is None
+    assert HiCacheConfig(device_pages=100, eviction="value").eviction is EvictionPolicy.VALUE
+    assert cfg.checkpoint_every_pages is None and cfg.checkpoint_tail_pages == 4
     assert cfg.host_layout is HostLayout.LAYER_FIRST
     assert cfg.copy_backend is CopyBackend.AUTO
     assert cfg.prefetch_policy is PrefetchPolicy.BEST_EFFORT

@@ -44,6 +44,12 @@ def _spec(dtype: str = "float32", **kw) -> KVSpec:
     )  # fmt: skip
 
 
+#: The checkpoints the cache took before tail checkpoints and the ``value`` eviction: ends,
+#: branch points and interior ones, spare ones reclaimed by rank and age, nodes by LRU (what
+#: the tests of those rules pin)
+LRU_ENDS = {"eviction": "lru", "checkpoint_tail_pages": 0}
+
+
 def _cache(spec: KVSpec | None = None, **cfg) -> HiCache:
     cfg = {
         "device_pages": 32,
@@ -442,7 +448,7 @@ def test_a_split_keeps_the_checkpoint_at_the_lower_nodes_end(tier):
     while A's whole prompt is still served from its end's checkpoint (the lower node's end
     is A's last page). B writes a checkpoint at the split point, as checkpoint_positions
     asks; then a prefix ending there is served, from B's checkpoint, and A still whole."""
-    cache = _cache(write_policy="write_through")
+    cache = _cache(write_policy="write_through", **LRU_ENDS)
     _insert(cache, TOKS, [24])
     if tier == "host":
         cache.flush()
@@ -484,7 +490,7 @@ def test_a_split_at_a_spare_checkpoint_serves_at_once():
     """A checkpointed at 12 (interior: spare) and 24: a request diverging at 12 is served 12
     tokens from the spare checkpoint, which becomes the new node's end (no longer spare), and
     A is still served whole."""
-    cache = _cache()
+    cache = _cache(**LRU_ENDS)
     _insert(cache, TOKS, [12, 24])
     assert cache.stats()["state_device_spare_slots"] == 1
     c = np.concatenate([TOKS[:12], 700 + np.arange(12)])
@@ -500,9 +506,9 @@ def test_interior_checkpoints_are_asked_for_only_where_slots_have_room():
     or holding a spare checkpoint of no higher rank; its end is counted first. With room
     for all, all are asked for."""
     b = 500 + np.arange(9 * PS)  # 9 pages: interior ends at pages 1..8, the end at 9
-    roomy = _cache(checkpoint_every_pages=1, state_device_slots=16)
+    roomy = _cache(checkpoint_every_pages=1, state_device_slots=16, **LRU_ENDS)
     assert roomy.checkpoint_positions(b, 0) == [PS * p for p in range(1, 10)]
-    cache = _cache(checkpoint_every_pages=1, state_device_slots=4)
+    cache = _cache(checkpoint_every_pages=1, state_device_slots=4, **LRU_ENDS)
     # 4 slots, the end takes one: pages 8 (rank 3), 4 (rank 2), then the first of rank 1
     assert cache.checkpoint_positions(b, 0) == [PS * p for p in (2, 4, 8, 9)]
     _insert(cache, TOKS, [PS, 2 * PS, 24])  # spare checkpoints at pages 1 and 2 (ranks 0, 1)
@@ -645,17 +651,24 @@ def _prompts(rng, n: int = 6) -> list[np.ndarray]:
 
 
 @pytest.mark.parametrize(
-    "policy,every,arrays",
-    [("write_through", 0, ARRAYS), ("write_back", 2, ARRAYS), ("write_back", 2, HEADED)],
-    ids=["write_through", "write_back", "write_back-heads"],
+    "policy,every,arrays,placement",
+    [
+        ("write_through", 0, ARRAYS, LRU_ENDS),
+        ("write_back", 2, ARRAYS, LRU_ENDS),
+        ("write_back", 2, HEADED, LRU_ENDS),
+        ("write_through", None, ARRAYS, {}),
+        ("write_back", None, HEADED, {}),
+    ],
+    ids=["write_through", "write_back", "write_back-heads", "default", "write_back-default"],
 )
 def test_random_requests_through_l3_read_back_every_checkpoint_exact(
-    tmp_path, policy, every, arrays
+    tmp_path, policy, every, arrays, placement
 ):
     """Two instances take turns over prompts sharing prefixes on one file store, pools (and
     slot pools) far too small, so pages and their checkpoints move L1 -> L2 -> L3 and back:
     every hit's checkpoint reads back as taken, every slot held on either tier is the one
-    taken at its page's end (ServedKV), none leaked."""
+    taken at its page's end (ServedKV), none leaked; by age (``LRU_ENDS``) and by worth (the
+    default: the ``value`` eviction, tail checkpoints)."""
     from helpers import ServedKV
 
     url = f"file://{tmp_path / 'store'}"
@@ -674,6 +687,7 @@ def test_random_requests_through_l3_read_back_every_checkpoint_exact(
             write_through_threshold=1,
             prefetch_policy="wait_complete",
             checkpoint_every_pages=every,
+            **placement,
         )
         for _ in range(2)
     ]
@@ -777,3 +791,64 @@ def test_write_window_kv_refuses_a_state_group():
     kv = np.zeros(spec.window_groups[0].spec(4).kv_shape(1), np.float32)
     with pytest.raises(ValueError, match="state group: checkpoints go through write_state"):
         cache.write_window_kv(0, pages, kv)
+
+
+# ------------------------------------------- the default: tail checkpoints, kept by worth
+
+
+def test_a_tail_checkpoint_serves_a_request_that_leaves_the_prompt_before_its_end():
+    """By default a prefill checkpoints ``checkpoint_tail_pages`` (4) pages before its
+    prompt's end too: a later request that shares the prompt up to a page past that point is
+    served up to it (the end alone would serve it nothing), bit-exact, from host as well."""
+    cache = _cache(write_policy="write_through", write_through_threshold=1)
+    a = np.arange(10 * PS) + 100  # 10 pages: the tail checkpoint 4 pages before the end
+    ends = cache.checkpoint_positions(a, 0)
+    assert ends == [6 * PS, 10 * PS]
+    _insert(cache, a, ends)
+    b = np.concatenate([a[: 7 * PS + 2], 900 + np.arange(3 * PS)])  # leaves a in page 8
+    assert _served(cache, b) == 6 * PS
+    cache.flush()
+    cache.evict(10_000)
+    assert cache.stats()["device_used_pages"] == 0
+    assert _served(cache, b) == 6 * PS  # loaded back with its checkpoint
+    none = _cache(checkpoint_tail_pages=0)
+    assert none.checkpoint_positions(a, 0) == [10 * PS]
+    assert none.checkpoint_positions(a, 7 * PS) == [10 * PS]  # (past the tail: none)
+    assert cache.checkpoint_positions(a, 7 * PS) == [10 * PS]
+
+
+def test_the_tail_checkpoint_never_takes_the_ends_slot():
+    """With one device slot the end is asked for alone: a tail checkpoint only where the
+    slots have room beside the firm ones."""
+    one = _cache(state_device_slots=1)
+    a = np.arange(10 * PS) + 100
+    assert one.checkpoint_positions(a, 0) == [10 * PS]
+    two = _cache(state_device_slots=2)
+    assert two.checkpoint_positions(a, 0) == [6 * PS, 10 * PS]
+
+
+def test_value_eviction_keeps_a_long_prompts_checkpoint_over_a_short_ones():
+    """The default eviction with state groups is ``value``: every checkpoint of the tree is
+    spare (reclaimable), and slots run short take the least worth first (its prefix's pages
+    squared over a slot's size, above a clock), so a long prompt's checkpoint outlives short
+    prompts' written after it, where the age order (``lru``) would take it first. The
+    checkpoints kept read back bit-exact."""
+    long = np.arange(12 * PS) + 100
+    shorts = [np.arange(2 * PS) + 1000 * (i + 1) for i in range(3)]
+    served = {}
+    for eviction in ("value", "lru"):
+        cache = _cache(
+            eviction=None if eviction == "value" else eviction,
+            device_pages=32,
+            host_pages=0,
+            state_device_slots=3,
+            checkpoint_tail_pages=0,
+        )
+        assert cache.cfg.eviction == eviction
+        _insert(cache, long, [12 * PS])
+        for s in shorts:
+            _insert(cache, s, [2 * PS])
+        if eviction == "value":  # the tree's checkpoints are all spare, the long one kept
+            assert cache.stats()["state_device_spare_slots"] == 3
+        served[eviction] = _served(cache, long)
+    assert served == {"value": 12 * PS, "lru": 0}

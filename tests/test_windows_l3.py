@@ -265,18 +265,27 @@ def test_checkpoints_in_l3_come_with_the_window_pages_their_ends_read(
     (every ``checkpoint_every_pages`` = 4 pages: pages 2, 3 and 6, 7 of a 10-page prompt,
     besides the node end's 8, 9): a second cache serves a prompt leaving the stored one
     inside its node from L3 up to the last checkpoint before the point where it leaves
-    (exact). ``False`` puts the node end's window pages alone: nothing inside is servable."""
+    (exact). ``False`` puts the node end's window pages alone: nothing inside is servable.
+    (No tail checkpoint: the interval's alone.)"""
     root, url = store
     spec = _three_kinds()
     toks = _tokens(4, 10)
-    a = _cache(spec, url, storage_window_spare=put_spare, checkpoint_every_pages=4)
+    a = _cache(
+        spec, url, storage_window_spare=put_spare, checkpoint_every_pages=4, checkpoint_tail_pages=0
+    )
     first = ServedKV(a)
     first(toks)
     a.flush()
     a.close()
     assert len(_entries(root)["w0"]) == (6 if put_spare is None else 2)
     assert len(_entries(root)["w1"]) == 3  # the checkpoints at 4, 8 and 10 pages
-    b = _cache(spec, url, prefetch_policy="wait_complete", checkpoint_every_pages=4)
+    b = _cache(
+        spec,
+        url,
+        prefetch_policy="wait_complete",
+        checkpoint_every_pages=4,
+        checkpoint_tail_pages=0,
+    )
     check = ServedKV(b)
     check.states[0].taken = first.states[0].taken  # one model: the checkpoints a took
     leave = np.concatenate([toks[: leave_at * PS], _tokens(5, 3)])

@@ -81,7 +81,15 @@ from hicache_jax.memory.host_pool import HostPagePool
 from hicache_jax.memory.state import check_state, pack_state, unpack_state
 from hicache_jax.memory.transfer import TransferEngine
 from hicache_jax.memory.window import WindowPages
-from hicache_jax.spec import GroupKind, HiCacheConfig, KVSpec, LayerGroup
+from hicache_jax.spec import (
+    EvictionPolicy,
+    GroupKind,
+    HiCacheConfig,
+    KVSpec,
+    LayerGroup,
+    resolve_eviction,
+)
+from hicache_jax.tree.eviction import WORTH_POWER
 from hicache_jax.tree.node import TreeNode
 from hicache_jax.tree.radix import RadixTree
 from hicache_jax.validation import check_bool, check_int, page_tokens
@@ -113,6 +121,8 @@ class HiCache:
             raise TypeError(f"spec must be a KVSpec, got {type(spec).__name__}")
         if not isinstance(cfg, HiCacheConfig):
             raise TypeError(f"cfg must be a HiCacheConfig, got {type(cfg).__name__}")
+        if cfg.eviction is None:  # the default: by the spec (HiCacheConfig.eviction)
+            cfg = dataclasses.replace(cfg, eviction=resolve_eviction(None, spec))
         self.spec, self.cfg = spec, cfg
         # several processes: one group decides alike (ARCHITECTURE.md, "Several processes")
         # (its own group closed by close(); stamps and deadlines: the leader's clock)
@@ -120,6 +130,8 @@ class HiCache:
         self._sync = clock.sync if isinstance(clock, AgreedClock) else None
         self._ps, self._page_bytes = spec.page_size, spec.page_bytes  # (a computed property)
         self._tree = RadixTree(spec.page_size, clock)
+        if cfg.eviction is EvictionPolicy.VALUE:
+            self._tree.worth_power = WORTH_POWER
         self._device = DevicePagePool(
             spec,
             cfg.device_pages,
@@ -233,7 +245,8 @@ class HiCache:
             "host",
         )
         self._engine.attach_windows(dev, host)
-        return Windows(spec, dev, host, cfg.window_spare)
+        power = WORTH_POWER if cfg.eviction is EvictionPolicy.VALUE else None
+        return Windows(spec, dev, host, cfg.window_spare, worth_power=power)
 
     def _init_state(self) -> None:
         """Build the parts in dependency order, each given what it needs (ARCHITECTURE.md,
@@ -875,7 +888,8 @@ class HiCache:
         """Where a request with prompt ``tokens``, served from the cache up to ``cached_len``
         tokens, should write checkpoints (:meth:`write_state`) as it prefills: prefix lengths
         in ``(cached_len, len]`` (page multiples): where the tree's pages of ``tokens`` go on
-        past ``cached_len`` (no checkpoint there yet: this request's becomes the tree's), every
+        past ``cached_len`` (no checkpoint there yet: this request's becomes the tree's),
+        ``cfg.checkpoint_tail_pages`` before the prompt's last whole page, every
         ``cfg.checkpoint_every_pages`` pages, and the prompt's last whole page. Changes
         nothing; [] without STATE groups."""
         self._guard()
@@ -885,7 +899,11 @@ class HiCache:
             return []
         dev, host = self._tree.peek(arr, extra_key)
         return self._windows.positions(
-            cached_len, dev + host, arr.shape[0], self.cfg.checkpoint_every_pages
+            cached_len,
+            dev + host,
+            arr.shape[0],
+            self.cfg.checkpoint_every_pages,
+            self.cfg.checkpoint_tail_pages,
         )
 
     def _state_group(self, group: Any) -> tuple[int, LayerGroup]:

@@ -57,10 +57,22 @@ class Windows:
     Args:
         spec: the cache's spec (with window groups).
         device, host: the window pages of each tier.
+        spare: keep window pages and checkpoints no node end reads while there is room
+            (``HiCacheConfig.window_spare``).
+        worth_power: the ``value`` eviction's (``tree/eviction.py``), or None: spare
+            checkpoints then go by what they save, as the tree's nodes do (GreedyDual of their
+            own: a checkpoint ``p`` pages from the root is worth ``clock + p ** worth_power``
+            over its size in pages, the clock being the highest worth reclaimed on the host
+            tier), not by rank and age.
     """
 
     def __init__(
-        self, spec: KVSpec, device: WindowPages, host: WindowPages, spare: bool = True
+        self,
+        spec: KVSpec,
+        device: WindowPages,
+        host: WindowPages,
+        spare: bool = True,
+        worth_power: float | None = None,
     ) -> None:
         self.groups = spec.window_groups
         #: indices of the local (window / chunk) groups: a caller's new page holds each
@@ -75,6 +87,12 @@ class Windows:
         #: ``(g, start_page, num_pages, inner) -> ranks`` of :meth:`trim` (read-only arrays:
         #: a node's ranks depend on its place alone, and inserts meet the same places again)
         self._ranks: dict[tuple[int, int, int, bool], np.ndarray] = {}
+        self._power = worth_power
+        #: a STATE group's slot in pages (a checkpoint's size, for its worth)
+        self._slot_pages = {g: self.groups[g].slot_bytes / spec.page_bytes for g in self.states}
+        if worth_power is not None and self.states:
+            device.value_groups(self.states)
+            host.value_groups(self.states)
 
     # -- servable prefixes -----------------------------------------------------------------
     def servable_device(self, device_pages: np.ndarray) -> int:
@@ -195,18 +213,32 @@ class Windows:
             self.device.attach_new(fresh, (g,))
         return row[ids].copy()
 
-    def positions(self, cached: int, held: int, end: int, every_pages: int | None) -> list[int]:
+    def positions(
+        self, cached: int, held: int, end: int, every_pages: int | None, tail_pages: int = 0
+    ) -> list[int]:
         """Where a request whose prompt is served up to ``cached`` tokens should checkpoint,
         as prefix lengths in ``(cached, end]`` (page multiples): ``held``, where the tree's
         pages go on past what it could serve (the request's checkpoint there becomes the
-        tree's when it inserts: :meth:`before_free_duplicates`); every ``every_pages`` pages
-        from the root (None: every ``DEFAULT_EVERY_TOKENS``) where the device slot pools
-        have room (:meth:`_admit`); and ``end`` (the prompt's last whole page: its commit)."""
+        tree's when it inserts: :meth:`before_free_duplicates`); ``tail_pages`` pages before
+        ``end`` (0: none) where the device slots have room for it beside those; every
+        ``every_pages`` pages from the root (None or 0: none) where
+        the device slot pools have room (:meth:`_admit`); and ``end`` (the prompt's last
+        whole page: its commit)."""
         ps = self._ps
         every_pages = interval_pages(ps, every_pages)
         out = {end} if end > cached else set()
         if cached < held <= end:
             out.add(held)
+        tail = end - tail_pages * ps
+        # (only where every state group's device slots have room beside the firm ones: free,
+        # or holding a spare checkpoint; it never takes the end's slot)
+        if (
+            tail_pages
+            and tail > cached
+            and tail not in out
+            and all(self.device.room(g) > len(out) for g in self.states)
+        ):
+            out.add(tail)
         if every_pages:
             step = every_pages * ps
             inner = [e for e in range((cached // step + 1) * step, end + 1, step) if e not in out]
@@ -317,6 +349,12 @@ class Windows:
                     if ids is not None and k:
                         freed += side.detach_group(g, ids[:k])
                 continue
+            if state and self._power is not None:  # every one by what it saves (below)
+                rank, worth = self._worth(g, start_page, node.num_pages)
+                for side, ids in ((self.device, node.value), (self.host, node.host_value)):
+                    if ids is not None:
+                        freed += side.mark_spare(g, ids, rank, worth=worth, refresh=True)
+                continue
             rank = self._rank(g, group, start_page, node.num_pages if state else k, inner)
             for side, ids in ((self.device, node.value), (self.host, node.host_value)):
                 if ids is None:
@@ -327,6 +365,20 @@ class Windows:
                     freed += side.mark_spare(g, ids[:k], rank[:k])
                     side.unmark_spare(g, ids[k:])
         return freed
+
+    def _worth(self, g: int, start: int, num_pages: int) -> tuple[np.ndarray, np.ndarray]:
+        """The ranks and worths of STATE group ``g``'s checkpoints at pages ``start ..
+        start + num_pages`` under the ``value`` eviction: rank 0 inside the node, and
+        :data:`BRANCH_RANK` at its end (read by a node end: the rank that says so, not an
+        order: valued pages go by worth alone), worth ``clock + p ** power / slot pages``
+        for the checkpoint ``p`` pages from the root."""
+        assert self._power is not None
+        rank = np.zeros(num_pages, np.int64)
+        if num_pages:
+            rank[-1] = BRANCH_RANK
+        clock = self.host.worth_floor  # (the last tier's: as the tree's clock)
+        p = np.arange(start + 1, start + num_pages + 1, dtype=np.float64)
+        return rank, clock + p**self._power / self._slot_pages[g]
 
     def _rank(
         self, g: int, group: LayerGroup, start: int, num_pages: int, inner: bool
@@ -396,15 +448,10 @@ class Windows:
 
 
 #: ``checkpoint_every_pages=None``: a checkpoint every this many tokens of a prefill.
-DEFAULT_EVERY_TOKENS = 2048
-
-
 def interval_pages(page_size: int, checkpoint_every_pages: int | None) -> int:
     """Pages between a prefill's interior checkpoints (``HiCacheConfig.checkpoint_every_pages``;
-    None: every :data:`DEFAULT_EVERY_TOKENS`); 0: none."""
-    if checkpoint_every_pages is None:
-        return max(1, DEFAULT_EVERY_TOKENS // page_size)
-    return checkpoint_every_pages
+    None, the default, or 0: none)."""
+    return checkpoint_every_pages or 0
 
 
 def storage_spare(spec: KVSpec, put: bool | int | None, checkpoint_every: int | None) -> bool | int:

@@ -82,7 +82,12 @@ def add_parser(sub: Any) -> None:
     c.add_argument(
         "--policy", default="clean_ahead", help="write policy, or a comma list (each is run)"
     )
-    c.add_argument("--eviction", default="lru", help="eviction strategy, or a comma list")
+    c.add_argument(
+        "--eviction",
+        default="default",
+        help="eviction strategy, or a comma list; default: the cache's (value for a recurrent "
+        "hybrid's --layer-pattern, else lru)",
+    )
     c.add_argument("--load-back-threshold", type=int, default=16, help="tokens")
     c.add_argument(
         "--spec",
@@ -141,10 +146,10 @@ def add_parser(sub: Any) -> None:
     h.add_argument(
         "--checkpoint-every",
         metavar="K",
-        help="a checkpoint every K pages of a prefill besides the branch point and the "
-        "prompt's end (HiCacheConfig.checkpoint_every_pages); 0: none; auto: "
+        help="a checkpoint every K pages of a prefill besides the branch point, the tail "
+        "and the prompt's end (HiCacheConfig.checkpoint_every_pages); 0: none; auto: "
         "ceil(pages / slots) of the pools (the slots spread over the pages); unset: the "
-        "cache's default (every 2,048 tokens)",
+        "cache's default (none)",
     )
     m = r.add_argument_group("simulate (what-if TTFT on a simulated clock)")
     m.add_argument(

@@ -329,12 +329,20 @@ class TransferEngine:
                     sel = np.concatenate([np.flatnonzero(on & ~spare), np.flatnonzero(spare)])
                 if dst_side.pools[g].allocator.num_free < n_on:
                     # short there: the spare pages of the highest rank first, each freeing
-                    # only a spare page of no higher rank (WindowPages.take_for_copy)
+                    # only a spare page of no higher rank (WindowPages.take_for_copy; a
+                    # valued group's: of no higher worth)
                     sp = sel[kept:]
                     ranks = spare_rank(stamps[sp])
-                    order = np.argsort(-ranks, kind="stable")
+                    worth = None
+                    if src_side.valued[g]:
+                        assert src_side.worth is not None
+                        worth = src_side.worth[g, src[sp]]
+                        order = np.argsort(-worth, kind="stable")
+                        worth = worth[order]
+                    else:
+                        order = np.argsort(-ranks, kind="stable")
                     sel[kept:] = sp[order]
-                    taken = dst_side.take_for_copy(g, kept, ranks[order])
+                    taken = dst_side.take_for_copy(g, kept, ranks[order], worth)
                 else:
                     taken = dst_side.take(g, n_on)
             else:
@@ -351,7 +359,11 @@ class TransferEngine:
             if taken.size > kept:  # spare there too, of the same rank
                 assert sel is not None
                 rest = sel[kept:]
-                dst_side.mark_spare(g, d[kept:], spare_rank(stamps[rest]), fresh=True)
+                worth = None
+                if src_side.valued[g]:  # (the same worth there: WindowPages.value_groups)
+                    assert src_side.worth is not None
+                    worth = src_side.worth[g, src[rest]]
+                dst_side.mark_spare(g, d[kept:], spare_rank(stamps[rest]), fresh=True, worth=worth)
             handle.nbytes += int(taken.size) * dev.pools[g].spec.page_bytes
             copy_plan(taken, s, length=length, out=plans[1 + g])
         return plans

@@ -61,6 +61,12 @@ class WindowPages:
         spare: int64 ``[len(groups), anchor.num_pages]``: > 0 where the attached group page is
             spare (no node end of the tree reads it: kept only while its pool has room, freed
             first, lowest stamp first: rank, then age, when a group page is needed), else 0.
+        worth: float64 ``[len(groups), anchor.num_pages]`` once :meth:`value_groups` named
+            groups (else None): a valued group's spare pages go by rank, then this worth
+            (lowest first) instead of their age (the ``value`` eviction's checkpoints:
+            cache/windows.py).
+        worth_floor: the highest worth of a valued group's spare page freed to make room
+            (GreedyDual's clock for them).
     """
 
     def __init__(
@@ -89,6 +95,26 @@ class WindowPages:
         self.on_attach: Callable[[int, np.ndarray], None] | None = None
         self._anchor = anchor
         anchor.on_free = self.detach
+        self.valued = [False] * len(groups)
+        self.worth: np.ndarray | None = None
+        self.worth_floor = 0.0
+
+    def value_groups(self, groups: Sequence[int]) -> None:
+        """Order the spare pages of ``groups`` (indices) by rank, then worth (``mark_spare``'s
+        ``worth``), instead of rank, then age."""
+        for g in groups:
+            self.valued[g] = True
+        if self.worth is None and any(self.valued):
+            self.worth = np.zeros(self.attach.shape, np.float64)
+
+    def _by_stamp(self, g: int, ids: np.ndarray) -> np.ndarray:
+        """``ids`` (spare) in the order their pages are freed: lowest stamp first, or for a
+        valued group lowest worth (stable)."""
+        stamps = self.spare[g, ids]
+        if self.valued[g]:
+            assert self.worth is not None
+            return ids[np.argsort(self.worth[g, ids], kind="stable")]
+        return ids[np.argsort(stamps, kind="stable")]
 
     @property
     def allocators(self) -> tuple[PageAllocator, ...]:
@@ -130,7 +156,9 @@ class WindowPages:
             self.reclaim(g, n - alloc.num_free)
         return alloc.alloc(min(n, alloc.num_free))
 
-    def take_for_copy(self, g: int, n_read: int, ranks: np.ndarray) -> np.ndarray:
+    def take_for_copy(
+        self, g: int, n_read: int, ranks: np.ndarray, worth: np.ndarray | None = None
+    ) -> np.ndarray:
         """Group ``g``'s pages for a copy onto this tier of ``n_read`` pages a node end reads,
         then spare ones of ``ranks`` (spare ranks, descending): all of them where the pool has
         room; where it is short, the pages a node end reads may free any spare page here
@@ -138,20 +166,25 @@ class WindowPages:
         no higher rank, so a copy never frees the window of a rarer end (a multiple of a
         larger power of two) for a commoner one's. Returns the pages, fewer than asked
         where they do not fit: the first ``n_read`` for the pages a node end reads, then
-        one for each of the first spare ones that fit."""
+        one for each of the first spare ones that fit. A valued group's (``worth``: theirs,
+        descending) compare by worth alone."""
         alloc = self.pools[g].allocator
         n = n_read + int(ranks.size)
         free = alloc.num_free
         if free >= n or not self._spare_n[g]:
             return alloc.alloc(min(n, free))
         row = self.spare[g]
-        ids = np.flatnonzero(row).astype(np.int32)
-        ids = ids[np.argsort(row[ids], kind="stable")]  # rank, then age: as reclaim takes
+        ids = self._by_stamp(g, np.flatnonzero(row).astype(np.int32))  # as reclaim takes
         here = spare_rank(row[ids])
         short = min(max(0, n_read - free), ids.size)  # freed for the pages a node end reads
         f = max(0, free - n_read)  # free pages left for the spare ones
         m = max(0, min(ids.size - short, int(ranks.size) - f))
-        ok = here[short : short + m] <= ranks[f : f + m]
+        mine, theirs = here[short : short + m], ranks[f : f + m]
+        if worth is not None and self.valued[g]:
+            assert self.worth is not None
+            ok = self.worth[g, ids[short : short + m]] <= worth[f : f + m]
+        else:
+            ok = mine <= theirs
         if not ok.all():
             m = int(np.argmin(ok))
         self._free_spare(g, ids[: short + m])
@@ -168,16 +201,33 @@ class WindowPages:
         rank: np.ndarray | None = None,
         *,
         fresh: bool = False,
+        worth: np.ndarray | None = None,
+        refresh: bool = False,
     ) -> int:
         """Group ``g``'s pages attached to ``anchor_ids`` become spare (those that were
         keep their stamp); how many became. ``rank`` (ints in ``[0, 64)``, one per id): spare
         pages of a lower rank are reclaimed first, oldest first within a rank (the stamp is
         ``rank << RANK_SHIFT`` plus the marking's count; :func:`spare_rank` reads it back).
         ``fresh``: the caller vouches that every id holds a page just attached (none spare),
-        as a transfer's destination does: no mask."""
+        as a transfer's destination does: no mask. ``worth`` (one per id): a valued group's
+        order among spare pages (:meth:`value_groups`). ``refresh``: every attached page
+        takes the new stamp and worth, spare already or not (returns those newly spare)."""
         if not anchor_ids.size:
             return 0
         row = self.spare[g]
+        if refresh:
+            mask = self.attach[g, anchor_ids] >= 0
+            sel = anchor_ids[mask]
+            newly = int(np.count_nonzero(row[sel] == 0))
+            self._stamp += 1
+            stamp = np.int64(self._stamp)
+            if rank is not None:
+                rank = rank[mask]
+            row[sel] = stamp if rank is None else (rank.astype(np.int64) << RANK_SHIFT) + stamp
+            if worth is not None and self.worth is not None:
+                self.worth[g, sel] = worth[mask]
+            self._spare_n[g] += newly
+            return newly
         if fresh:
             mask = None
             sel = anchor_ids
@@ -190,6 +240,8 @@ class WindowPages:
             if rank is not None:
                 rank = rank if mask is None else rank[mask]
             row[sel] = stamp if rank is None else (rank.astype(np.int64) << RANK_SHIFT) + stamp
+            if worth is not None and self.worth is not None:
+                self.worth[g, sel] = worth if mask is None else worth[mask]
             self._spare_n[g] += int(sel.size)
         return int(sel.size)
 
@@ -206,13 +258,19 @@ class WindowPages:
         if fewer); how many."""
         ids = np.flatnonzero(self.spare[g]).astype(np.int32)
         if ids.size > n:
-            ids = ids[np.argpartition(self.spare[g, ids], n - 1)[:n]]
+            if self.valued[g]:
+                ids = self._by_stamp(g, ids)[:n]
+            else:
+                ids = ids[np.argpartition(self.spare[g, ids], n - 1)[:n]]
         return self._free_spare(g, ids)
 
     def _free_spare(self, g: int, ids: np.ndarray) -> int:
         """Free group ``g``'s spare pages attached to ``ids`` (their events first); how many."""
         if self.on_reclaim is not None and ids.size:
             self.on_reclaim(g, ids)
+        if self.valued[g] and ids.size:
+            assert self.worth is not None
+            self.worth_floor = max(self.worth_floor, float(self.worth[g, ids].max()))
         freed = self.detach_group(g, ids)
         self.spare_reclaimed += freed
         return freed
@@ -276,6 +334,9 @@ class WindowPages:
         self.attach[:] = -1
         self.spare[:] = 0
         self._spare_n = [0] * len(self.pools)
+        if self.worth is not None:
+            self.worth[:] = 0.0
+        self.worth_floor = 0.0
         for p in self.pools:
             p.allocator.reset()
 

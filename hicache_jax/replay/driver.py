@@ -68,7 +68,7 @@ from hicache_jax.replay import states as _states
 from hicache_jax.replay import windows as _windows
 from hicache_jax.replay.block_lru import BlockLRU, PageKeys, distinct_pages, reference_hits
 from hicache_jax.replay.trace import Trace
-from hicache_jax.spec import HiCacheConfig, KVSpec
+from hicache_jax.spec import HiCacheConfig, KVSpec, resolve_eviction
 
 __all__ = [
     "TINY_SPEC",
@@ -182,7 +182,7 @@ def replay(
     return (
         {
             "write_policy": _label(cfg.write_policy),
-            "eviction": _label(cfg.eviction),
+            "eviction": _label(cache.cfg.eviction),
             "device_pages": cap,
             "host_pages": cfg.host_pages,
             "page_size": ps,
@@ -299,7 +299,7 @@ def run(
     device_pages: Sequence[int],
     host_ratio: float = 4.0,
     write_policies: Sequence[str] = ("clean_ahead",),
-    evictions: Sequence[str] = ("lru",),
+    evictions: Sequence[str] = ("default",),
     load_back_threshold: int = 16,
     progress: Progress = False,
     diagnose: bool = False,
@@ -331,7 +331,7 @@ def run(
             pages, window pages and slots (:func:`hicache_jax.replay.mixed.pools_for`, both
             shares taken; their sum below 1).
         checkpoint_every: with a state group, ``HiCacheConfig.checkpoint_every_pages`` (None:
-            the cache's default, every 2,048 tokens), or
+            the cache's default, none), or
             ``"auto"``: ``ceil(pages / slots)`` of each size's pools
             (:func:`hicache_jax.replay.states.pools_for`).
 
@@ -420,7 +420,8 @@ def run(
     results = []
     for i, (budget, cfg, pools) in enumerate(plan):
         desc = (
-            f"[{i + 1}/{len(plan)}] {_label(cfg.write_policy)}/{_label(cfg.eviction)} "
+            f"[{i + 1}/{len(plan)}] {_label(cfg.write_policy)}/"
+            f"{_label(resolve_eviction(cfg.eviction, spec))} "
             f"L1 {budget.device_pages}"
         )
         r = replay(trace, spec, cfg, progress=progress, desc=desc, diagnose=diagnose)

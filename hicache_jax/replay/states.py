@@ -23,19 +23,22 @@ page holding a checkpoint.
   is configured with (pool bytes, page size, slot bytes, its checkpoint interval ``K``, the
   longest prompt it admits, its mean prompt), never from the trace's hits: the slot pool holds
 
-  - the checkpoints one request writes before it is inserted (L1 only): the branch point
-    and its last page, plus one every ``2 K`` pages of the longest prompt (``K`` > 0): the
-    cache admits a request's interior checkpoints only into slots that are free or hold a
-    spare checkpoint of no higher rank, highest rank first (``Windows.positions``), so a
-    pool short of the full count still gets the every-``2 K`` ones;
-  - plus two checkpoints for every mean prompt's pages of the full-attention pool: the tree
-    holds about one leaf per request it keeps, and a checkpoint at its end and one at the
-    branch point where it left the tree.
+  - the checkpoints one request writes before it is inserted (L1 only): the branch point,
+    its tail (``HiCacheConfig.checkpoint_tail_pages`` before its end) and its last page,
+    plus one every ``2 K`` pages of the longest prompt (``K`` > 0): the cache admits a
+    request's interior checkpoints only into slots that are free or hold a spare checkpoint
+    of no higher rank, highest rank first (``Windows.positions``), so a pool short of the
+    full count still gets the every-``2 K`` ones;
+  - plus one checkpoint for every mean prompt's pages of the full-attention pool: the tree
+    holds about one leaf per request it keeps, and under the cache's default eviction for a
+    hybrid (``value``: every checkpoint goes by what it saves, ``tree/eviction.py``) a kept
+    prompt keeps about the one a later request uses (its tail or its end); two with interior
+    checkpoints (``K`` > 0: an end and a branch point each).
 
   Interior checkpoints (``K`` > 0) beyond those are spare in the tree: they use the slots
   left free and are not budgeted (the interval's trade shows in the hits and the state bytes
   held, not in the split). ``K`` None: the cache's default (``HiCacheConfig
-  .checkpoint_every_pages=None``: every 2,048 tokens). ``K = "auto"`` (:data:`AUTO`) spreads
+  .checkpoint_every_pages=None``: none). ``K = "auto"`` (:data:`AUTO`) spreads
   the slots over the pages:
   ``K = ceil(pages / slots)`` of the split made without an interval, so that the slot pool
   holds one checkpoint every ``K`` pages of a full page pool (again from the pools' numbers
@@ -61,6 +64,7 @@ from typing import Any, Protocol, TypeVar
 
 import numpy as np
 
+from hicache_jax.cache.windows import interval_pages
 from hicache_jax.replay.windows import Demand, pattern_kind, solve_demands
 from hicache_jax.spec import HiCacheConfig, KVSpec, StateArray, parse_pattern
 from hicache_jax.validation import is_real
@@ -281,16 +285,17 @@ def state_demand(
     requests: bool = True,
 ) -> Demand:
     """The default rule's state slots of a tier (see the module docstring): one request's
-    checkpoints (``requests``: L1 only) plus two a mean prompt's pages of the full-attention
-    pool beside them (:func:`hicache_jax.replay.windows.solve_demands`)."""
+    checkpoints (``requests``: L1 only) plus one a mean prompt's pages of the full-attention
+    pool beside them, two with interior checkpoints
+    (:func:`hicache_jax.replay.windows.solve_demands`)."""
     ps = spec.page_size
     longest = -(-longest_tokens // ps)
+    every = default_interval(ps) if checkpoint_every is None else checkpoint_every
     own = 0
     if requests:
-        every = default_interval(ps) if checkpoint_every is None else checkpoint_every
-        own = 2 + (longest // (2 * every) if every > 0 else 0)
+        own = 3 + (longest // (2 * every) if every > 0 else 0)
     span = max(1, -(-mean_tokens // ps))
-    return Demand(Fraction(own), Fraction(2, span), slot_bytes(spec))
+    return Demand(Fraction(own), Fraction(2 if every > 0 else 1, span), slot_bytes(spec))
 
 
 def default_state_slots(
@@ -344,9 +349,9 @@ def with_interval(make: Callable[[int | str | None], _P], every: int | str | Non
 
 
 def default_interval(page_size: int) -> int:
-    """The cache's interval in pages when ``checkpoint_every_pages`` is None: every 2,048
-    tokens (``HiCacheConfig``)."""
-    return max(1, 2048 // page_size)
+    """The cache's interval in pages when ``checkpoint_every_pages`` is None: 0, no interior
+    checkpoints (``HiCacheConfig``; a tail checkpoint instead)."""
+    return interval_pages(page_size, None)
 
 
 def check_interval(every: Any, flag: str = "--checkpoint-every") -> int | str | None:

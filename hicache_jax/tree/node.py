@@ -37,6 +37,7 @@ class TreeNode:
             a host-pinned node keeps its host copy (never host-evicted, never dropped as
             redundant) but may still leave the device.
         hit_count, last_access, created, priority: eviction keys (see ``eviction.py``).
+        worth: the ``value`` eviction's key (GreedyDual: see ``eviction.py``), 0 otherwise.
         page_hashes: uint64 ``[num_pages]`` chained hashes of the prefix ending at each page
             (a property: computed on first access and kept, since only KV events and L3 use
             them; see :meth:`page_hashes`).
@@ -69,6 +70,7 @@ class TreeNode:
     last_access: float = 0.0
     created: float = 0.0
     priority: int = 0
+    worth: float = 0.0
     extra_key: Any = None
     device_children: int = 0
     host_only_tokens: int = 0

@@ -91,6 +91,9 @@ class RadixTree(TierIndex):
         self._clock = clock
         self._next_id = 0
         self._epoch = 0  # device_epoch stamps: never reused, not even across reset()
+        #: the ``value`` eviction (``tree/eviction.py``): a touched node's worth is
+        #: ``worth_clock + pages ** worth_power`` (``pages``: the touching prompt's); None: off
+        self.worth_power: float | None = None
         self.reset()
 
     # -- bookkeeping -------------------------------------------------------------------------
@@ -100,6 +103,12 @@ class RadixTree(TierIndex):
         self.root = self._new_node(np.zeros(0, TOKEN_DTYPE), None, _EMPTY_U64, None, 0.0)
         self.root.value = EMPTY_IDS
         self.root.lock_ref = 1  # the root is never evictable
+        #: GreedyDual's clock: the highest worth of a node deleted (or cut) from the host tier,
+        #: the cache's last: what leaves L1 alone moves between tiers, or was judged not worth
+        #: L2 by the write policy, and raising the clock by it would age every node by L1's
+        #: churn (on Mooncake's trace that halved the recurrent hybrid's hits:
+        #: ``bench_state_replay``)
+        self.worth_clock = 0.0
         self._reset_index()
 
     def _new_node(self, key, parent, hashes, extra_key, now) -> TreeNode:
@@ -196,7 +205,7 @@ class RadixTree(TierIndex):
         )
         upper.created, upper.lock_ref = node.created, node.lock_ref
         upper.host_pins = node.host_pins
-        upper.hit_count, upper.priority = node.hit_count, node.priority
+        upper.hit_count, upper.priority, upper.worth = node.hit_count, node.priority, node.worth
         upper.device_epoch = node.device_epoch
         if node.value is not None:
             upper.value, node.value = node.value[:p], node.value[p:]
@@ -245,6 +254,8 @@ class RadixTree(TierIndex):
         path = self._materialize(*self._walk(arr, extra_key))
         now = self._clock()
         values, host = [], []
+        if self.worth_power is not None:
+            self._touch_worth(path, arr.shape[0] // self.page_size)
         for node in path:
             node.last_access = now
             if node.value is not None:  # device residency is prefix-closed: device part first
@@ -320,6 +331,8 @@ class RadixTree(TierIndex):
                 last, arr[pos:], ids[pos // self.page_size :], extra_key, priority, now
             )
             last.hit_count = 0 if chunked else 1
+        if self.worth_power is not None:
+            self._touch_worth((*path, last), npages)
         return InsertResult(
             prefix_len=pos,
             duplicate_pages=ids[dup_mask],
@@ -378,6 +391,8 @@ class RadixTree(TierIndex):
                 "more than tail_pages pages"
             )
         self._split(node, node.num_tokens - tail_pages * self.page_size)
+        if node.host_value is not None:  # its tail leaves L2 (see worth_clock)
+            self.worth_clock = max(self.worth_clock, node.worth)
         return node
 
     def delete_leaf(self, node: TreeNode) -> tuple:
@@ -400,7 +415,18 @@ class RadixTree(TierIndex):
         self._unindex_leaf(node)
         node.parent = None
         self._refresh(parent)
+        if node.host_value is not None:  # (see worth_clock)
+            self.worth_clock = max(self.worth_clock, node.worth)
         return node.value, node.host_value
+
+    def _touch_worth(self, path: Any, pages: int) -> None:
+        """The ``value`` eviction's touch: each node of ``path`` worth at least
+        ``worth_clock + pages ** worth_power`` (``pages``: the prompt's whole pages)."""
+        assert self.worth_power is not None
+        worth = self.worth_clock + float(pages) ** self.worth_power
+        for node in path:
+            if node.worth < worth:
+                node.worth = worth
 
     def add_host_leaf(
         self, parent: TreeNode, key: Any, host_ids: Any, extra_key: Hashable = None
@@ -436,6 +462,7 @@ class RadixTree(TierIndex):
         if self._host_held.any_held(ids):
             raise HiCacheError("host_ids has pages the tree already holds")
         leaf = self._new_node(tokens.copy(), parent, None, extra_key, self._clock())
+        leaf.worth = self.worth_clock  # (the match that fetched it touches it next)
         parent.children[child_key] = leaf
         self._index_host(leaf, ids)
         self._refresh(parent)
