@@ -852,3 +852,26 @@ def test_value_eviction_keeps_a_long_prompts_checkpoint_over_a_short_ones():
             assert cache.stats()["state_device_spare_slots"] == 3
         served[eviction] = _served(cache, long)
     assert served == {"value": 12 * PS, "lru": 0}
+
+
+def test_tail_checkpoints_are_worth_what_their_hits_show():
+    """Under ``value``, a checkpoint inside a node is worth its position's squared pages
+    times how often matches ended inside a node so far against at a node's end (at most 1):
+    after matches that all ended at prompt ends (a conversation's turns), a new prompt's tail
+    checkpoint is reclaimed before an older, shorter prompt's end."""
+    cache = _cache(device_pages=64, host_pages=0, state_device_slots=3)
+    c = np.arange(5 * PS) + 3000
+    _insert(cache, c, cache.checkpoint_positions(c, 0))  # 5 pages: the end alone
+    for _ in range(3):  # a request served c whole, then inserted it (its finish)
+        assert _served(cache, c) == 5 * PS
+        _insert(cache, c, [])  # (re-marks c's end spare: the match held it)
+    w = cache._windows
+    assert (w.inner_hits, w.end_hits) == (0, 3)
+    a = np.arange(10 * PS) + 100
+    assert cache.checkpoint_positions(a, 0) == [6 * PS, 10 * PS]
+    _insert(cache, a, [6 * PS, 10 * PS])  # (a's tail: 36 / 4 over a slot's pages; c's end 25)
+    d = np.arange(3 * PS) + 5000
+    _insert(cache, d, [3 * PS])  # takes the least worth's slot: a's tail
+    leave = np.concatenate([a[: 7 * PS], 900 + np.arange(PS)])
+    assert _served(cache, leave) == 0
+    assert _served(cache, c) == 5 * PS and _served(cache, a) == 10 * PS
