@@ -45,7 +45,7 @@ class EvictionPolicy(str, enum.Enum):
     PRIORITY = "priority"  # lowest request priority first, ties by recency
     SLRU = "slru"  # segmented LRU: probationary (hit_count < 2) before protected
     # GreedyDual over what a recompute costs: a node is worth (its last prompt's pages) ** 2
-    # above a clock that each eviction raises (tree/eviction.py); the default with STATE groups
+    # above a clock that host evictions raise (tree/eviction.py); a recurrent hybrid's default
     VALUE = "value"
 
     @classmethod
@@ -63,10 +63,18 @@ class EvictionPolicy(str, enum.Enum):
 
 def resolve_eviction(eviction: EvictionPolicy | str | None, spec: KVSpec) -> EvictionPolicy:
     """``HiCacheConfig.eviction`` for a cache of ``spec``: as given, or for None (the default)
-    ``value`` with ``STATE`` groups, else ``lru``."""
+    ``value`` for a recurrent hybrid (``STATE`` groups beside the full group alone:
+    :func:`recurrent_only`), else ``lru``."""
     if eviction is not None:
         return EvictionPolicy.parse(eviction)
-    return EvictionPolicy.VALUE if spec.state_groups else EvictionPolicy.LRU
+    return EvictionPolicy.VALUE if recurrent_only(spec) else EvictionPolicy.LRU
+
+
+def recurrent_only(spec: KVSpec) -> bool:
+    """Whether ``spec``'s local groups are all ``STATE`` ones (``R3:F1``; not ``R2:S1:F1``,
+    whose window groups the ``value`` eviction and a cache without interior checkpoints
+    served worse: ``HiCacheConfig.eviction``)."""
+    return bool(spec.state_groups) and len(spec.state_groups) == len(spec.window_groups)
 
 
 class WritePolicy(str, enum.Enum):
@@ -1067,10 +1075,11 @@ class HiCacheConfig:
             write_through, 2 for write_through_selective (unused by write_back).
         eviction: "lru" | "lfu" | "fifo" | "mru" | "filo" | "priority" | "slru" | "value"
             (GreedyDual over what a recompute costs: ``tree/eviction.py``); None or
-            "default" (the default): "value" for a spec with ``STATE`` groups (a recurrent
-            hybrid: its checkpoints and pages are kept by what they save, ARCHITECTURE.md,
-            "Recurrent state"), else "lru" (``HiCache`` resolves it: ``HiCache.cfg.eviction``,
-            :func:`resolve_eviction`).
+            "default" (the default): "value" for a recurrent hybrid (``STATE`` groups beside
+            the full group alone: its checkpoints and pages are kept by what they save,
+            ARCHITECTURE.md, "Recurrent state"), else "lru" (with window groups beside the
+            state ones too: measured better there; ``HiCache`` resolves it:
+            ``HiCache.cfg.eviction``, :func:`resolve_eviction`).
         load_back_threshold: tokens; host hits (``Match.host_len``, resident pages included)
             shorter than this are recomputed instead.
         load_back_quota: tokens; host hits that would copy more tokens than this are declined
@@ -1178,7 +1187,9 @@ class HiCacheConfig:
             commit, finish, the point where its prefix leaves the tree and its tail (below),
             one every this many pages of a prefill (``HiCache.checkpoint_positions``) where the
             device slots have room for them (free, or holding spare checkpoints of no higher
-            rank: the every-``2 k`` ones asked for first); None (default) or 0: none of those.
+            rank: the every-``2 k`` ones asked for first); 0: none of those; None (default):
+            none for a recurrent hybrid (``STATE`` groups beside the full group alone), every
+            2,048 tokens with window groups beside them (``R2:S1:F1``, which they serve).
             Interior checkpoints are spare once their node is in the tree: kept while slots
             are free (they serve a later request that diverges there), thinned evenly as slots
             run short (ARCHITECTURE.md, "Recurrent state"). On Mooncake's trace they cost more

@@ -109,8 +109,9 @@ def test_default_rule_asks_each_kind_what_its_own_rule_asks(spec):
     k = 2  # window 32 tokens: 2 pages of tail; a mean prompt of 4 pages
     # (each rounded up from the exact solution, whose N_f the pool rounds down)
     assert 0 <= p.window_host_pages - k * p.host_pages / 4 <= k / 4 + 1
-    # a slot a mean prompt (no interior checkpoints by default: the cache's own rule)
-    assert 0 <= p.state_host_slots - p.host_pages / 4 <= 1 / 4 + 1
+    # two slots a mean prompt (with window groups the cache checkpoints every 2,048 tokens
+    # by default: an end and a branch point a prompt)
+    assert 0 <= p.state_host_slots - 2 * p.host_pages / 4 <= 2 / 4 + 1
     l2 = p.host_pages * spec.page_bytes + p.window_host_pages * spec.page_bytes
     l2 += p.state_host_slots * S.slot_bytes(spec)
     # the rest of the budget is less than what one more page with its share costs

@@ -115,7 +115,7 @@ def test_hybrid_replay_hits_and_reports_the_oracle(trace, spec):
 def test_default_interval_is_the_caches(trace, spec):
     rep = driver.run(trace, spec, device_pages=[12], host_ratio=4.0)
     (r,) = rep["results"]
-    assert r["checkpoint_rule"] == "default" and r["checkpoint_every"] == S.default_interval(PS)
+    assert r["checkpoint_rule"] == "default" and r["checkpoint_every"] == S.default_interval(spec)
     assert r["pools"]["checkpoint_every"] is None and r["hit_tokens"] > 0
 
 

@@ -40,7 +40,7 @@ import numpy as np
 from hicache_jax.cache.match import path_pages
 from hicache_jax.errors import HiCacheError
 from hicache_jax.memory.window import BRANCH_RANK, WindowPages, read_by_node_end, spare_rank
-from hicache_jax.spec import GroupKind, KVSpec, LayerGroup
+from hicache_jax.spec import GroupKind, KVSpec, LayerGroup, recurrent_only
 from hicache_jax.tree.node import InsertResult, TreeMatch, TreeNode
 from hicache_jax.tree.windows import kept_first_page, servable_pages
 
@@ -83,6 +83,7 @@ class Windows:
         self.states = spec.state_groups
         self.device, self.host = device, host
         self.spare = spare
+        self._spec = spec
         self._ps = spec.page_size
         #: ``(g, start_page, num_pages, inner) -> ranks`` of :meth:`trim` (read-only arrays:
         #: a node's ranks depend on its place alone, and inserts meet the same places again)
@@ -233,7 +234,7 @@ class Windows:
         the device slot pools have room (:meth:`_admit`); and ``end`` (the prompt's last
         whole page: its commit)."""
         ps = self._ps
-        every_pages = interval_pages(ps, every_pages)
+        every_pages = interval_pages(self._spec, every_pages)
         out = {end} if end > cached else set()
         if cached < held <= end:
             out.add(held)
@@ -476,10 +477,18 @@ class Windows:
 
 
 #: ``checkpoint_every_pages=None``: a checkpoint every this many tokens of a prefill.
-def interval_pages(page_size: int, checkpoint_every_pages: int | None) -> int:
+#: The default interval of interior checkpoints, in tokens, of a spec with window groups beside
+#: its state groups (``R2:S1:F1``); a recurrent hybrid's is none (``HiCacheConfig``).
+MIXED_EVERY_TOKENS = 2048
+
+
+def interval_pages(spec: KVSpec, checkpoint_every_pages: int | None) -> int:
     """Pages between a prefill's interior checkpoints (``HiCacheConfig.checkpoint_every_pages``;
-    None, the default, or 0: none)."""
-    return checkpoint_every_pages or 0
+    0: none). None, the default: none for a recurrent hybrid (:func:`recurrent_only`), every
+    :data:`MIXED_EVERY_TOKENS` with window groups beside the state ones."""
+    if checkpoint_every_pages is not None:
+        return checkpoint_every_pages
+    return 0 if recurrent_only(spec) else max(1, MIXED_EVERY_TOKENS // spec.page_size)
 
 
 def storage_spare(spec: KVSpec, put: bool | int | None, checkpoint_every: int | None) -> bool | int:
@@ -491,7 +500,7 @@ def storage_spare(spec: KVSpec, put: bool | int | None, checkpoint_every: int | 
     lacks serves nothing from there."""
     if put is not None:
         return put
-    every = interval_pages(spec.page_size, checkpoint_every)
+    every = interval_pages(spec, checkpoint_every)
     if not (spec.state_groups and len(spec.state_groups) < len(spec.window_groups) and every):
         return False
     return every & -every

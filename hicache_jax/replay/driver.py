@@ -442,7 +442,7 @@ def run(
             }
         if isinstance(pools, (_states.StatePools, _mixed.MixedPools)):
             r |= {
-                "checkpoint_every": _states.default_interval(ps)
+                "checkpoint_every": _states.default_interval(spec)
                 if pools.checkpoint_every is None
                 else pools.checkpoint_every,
                 "checkpoint_rule": "default" if checkpoint_every is None else checkpoint_every,

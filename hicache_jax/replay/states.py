@@ -290,7 +290,7 @@ def state_demand(
     (:func:`hicache_jax.replay.windows.solve_demands`)."""
     ps = spec.page_size
     longest = -(-longest_tokens // ps)
-    every = default_interval(ps) if checkpoint_every is None else checkpoint_every
+    every = default_interval(spec) if checkpoint_every is None else checkpoint_every
     own = 0
     if requests:
         own = 3 + (longest // (2 * every) if every > 0 else 0)
@@ -348,10 +348,11 @@ def with_interval(make: Callable[[int | str | None], _P], every: int | str | Non
     return make(max(1, -(-(base.device_pages + base.host_pages) // max(slots, 1))))
 
 
-def default_interval(page_size: int) -> int:
-    """The cache's interval in pages when ``checkpoint_every_pages`` is None: 0, no interior
-    checkpoints (``HiCacheConfig``; a tail checkpoint instead)."""
-    return interval_pages(page_size, None)
+def default_interval(spec: KVSpec) -> int:
+    """The cache's interval in pages when ``checkpoint_every_pages`` is None: 0 for a
+    recurrent hybrid (no interior checkpoints: a tail one instead), every 2,048 tokens with
+    window groups beside (``HiCacheConfig``)."""
+    return interval_pages(spec, None)
 
 
 def check_interval(every: Any, flag: str = "--checkpoint-every") -> int | str | None:
