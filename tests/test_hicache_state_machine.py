@@ -354,7 +354,8 @@ class HiCacheMachine(RuleBasedStateMachine):
             left = [e for e in inner if e not in ends]
             if left:  # interior ones not admitted: only where the device slots are short
                 free = self.state_slots - cache.stats()["state_device_used_slots"]
-                assert free < len(inner) + 2, (left, free)  # the end and a held one first
+                firm = 2 + bool(self.checkpoint_tail)  # the end, a held one and the tail first
+                assert free < len(inner) + firm, (left, free)
         for sm in self.smodel:
             for attempt in (ends, ends[-1:]):
                 if not attempt:

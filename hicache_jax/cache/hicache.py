@@ -398,8 +398,11 @@ class HiCache:
         # The longest servable prefix, and of it the part the device pages serve alone: the
         # device part of the Match; device pages past it count in the host part (resident).
         alone, whole = self._windows.split_match(tm)
-        if whole < tm.device_len + tm.host_len:
+        inside = 0 < alone < tm.device_len  # the device part's servable end inside a node
+        if whole < tm.device_len + tm.host_len or inside:
             self._n["window_unservable_tokens"] += tm.device_len + tm.host_len - whole
+            if inside:  # split there: the hold below protects a node end, not an inner page
+                self._tree.match(arr[:alone], extra_key, validated=True)
             tm = self._tree.match(arr[:whole], extra_key, validated=True)
         self._windows.hold(tm.device_pages, tm.host_nodes, alone // self._ps)
         self._n["device_hit_tokens"] += tm.device_len
