@@ -875,3 +875,30 @@ def test_tail_checkpoints_are_worth_what_their_hits_show():
     leave = np.concatenate([a[: 7 * PS], 900 + np.arange(PS)])
     assert _served(cache, leave) == 0
     assert _served(cache, c) == 5 * PS and _served(cache, a) == 10 * PS
+
+
+def test_a_match_served_alone_up_to_an_inner_checkpoint_splits_the_node_there():
+    """Under ``value`` a node's end checkpoint can go while one inside it stays: a match whose
+    host part is servable past its device part then serves the device part alone up to that
+    inner checkpoint, and the tree is split there, so the checkpoint the match holds is a
+    node's end (nothing unspare inside a node: check_invariants), and both parts serve."""
+    cache = _cache(write_policy="write_through", write_through_threshold=1)
+    a = np.arange(10 * PS) + 100
+    pages = _insert(cache, a, [6 * PS, 10 * PS])
+    b = np.concatenate([a, np.arange(4 * PS) + 700])
+    _insert(cache, b, [14 * PS])
+    cache.flush()
+    cache.evict(4 * PS)  # b's own node goes to host (backed up: write_through)
+    cache.flush()
+    w = cache._windows
+    w.device.detach_group(0, pages[9:10])  # a's end checkpoint reclaimed on device alone
+    nodes = len(list(cache.tree.nodes()))
+    m = cache.match_prefix(b)
+    assert (m.device_len, m.host_len) == (6 * PS, 8 * PS)  # alone up to the inner one
+    cache.check_invariants()
+    assert len(list(cache.tree.nodes())) == nodes + 1  # split at 6 pages
+    m = cache.load_back(m)
+    assert m.device_len == 14 * PS
+    got = cache.read_state(0, m.device_pages[-1:])
+    _same(got, _state(b, [14 * PS]))
+    cache.check_invariants()
