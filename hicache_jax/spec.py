@@ -45,7 +45,7 @@ class EvictionPolicy(str, enum.Enum):
     PRIORITY = "priority"  # lowest request priority first, ties by recency
     SLRU = "slru"  # segmented LRU: probationary (hit_count < 2) before protected
     # GreedyDual over what a recompute costs: a node is worth (its last prompt's pages) ** 2
-    # above a clock that host evictions raise (tree/eviction.py); a recurrent hybrid's default
+    # above a clock that host evictions raise (tree/eviction.py); the default with local groups
     VALUE = "value"
 
     @classmethod
@@ -63,11 +63,14 @@ class EvictionPolicy(str, enum.Enum):
 
 def resolve_eviction(eviction: EvictionPolicy | str | None, spec: KVSpec) -> EvictionPolicy:
     """``HiCacheConfig.eviction`` for a cache of ``spec``: as given, or for None (the default)
-    ``value`` for a recurrent hybrid (``STATE`` groups beside the full group alone:
-    :func:`recurrent_only`), else ``lru``."""
+    ``value`` where the full group has local groups of one kind beside it (sliding-window or
+    chunked layers, or recurrent ones: :func:`recurrent_only`), else ``lru`` (a model of full
+    attention alone, or one with window and state groups both)."""
     if eviction is not None:
         return EvictionPolicy.parse(eviction)
-    return EvictionPolicy.VALUE if recurrent_only(spec) else EvictionPolicy.LRU
+    local = spec.window_groups
+    one_kind = recurrent_only(spec) or (bool(local) and not spec.state_groups)
+    return EvictionPolicy.VALUE if one_kind else EvictionPolicy.LRU
 
 
 def recurrent_only(spec: KVSpec) -> bool:
@@ -1075,11 +1078,12 @@ class HiCacheConfig:
             write_through, 2 for write_through_selective (unused by write_back).
         eviction: "lru" | "lfu" | "fifo" | "mru" | "filo" | "priority" | "slru" | "value"
             (GreedyDual over what a recompute costs: ``tree/eviction.py``); None or
-            "default" (the default): "value" for a recurrent hybrid (``STATE`` groups beside
-            the full group alone: its checkpoints and pages are kept by what they save,
-            ARCHITECTURE.md, "Recurrent state"), else "lru" (with window groups beside the
-            state ones too: measured better there; ``HiCache`` resolves it:
-            ``HiCache.cfg.eviction``, :func:`resolve_eviction`).
+            "default" (the default): "value" where the full group has local groups of one
+            kind beside it: window (or chunked) groups, whose long prompts cost fewer bytes a
+            token (ARCHITECTURE.md, "Layer groups"), or ``STATE`` groups, whose checkpoints
+            and pages are kept by what they save ("Recurrent state"); else "lru" (full
+            attention alone, and window and state groups both, measured better with lru;
+            ``HiCache`` resolves it: ``HiCache.cfg.eviction``, :func:`resolve_eviction`).
         load_back_threshold: tokens; host hits (``Match.host_len``, resident pages included)
             shorter than this are recomputed instead.
         load_back_quota: tokens; host hits that would copy more tokens than this are declined

@@ -631,10 +631,11 @@ def test_hicache_state_machine(write_policy, eviction, page_size):
 #: sizes; small window pools and freeing at insert for two policies (every combination under
 #: ``HICACHE_HYPOTHESIS_PROFILE=long``).
 WINDOW_RUNS = (
-    [(p, ps, w, m) for p in POLICIES for ps, w in ((1, 2), (16, 20)) for m in MODES]
+    [(p, ps, w, m) for p in POLICIES for ps, w in ((1, 2), (16, 20)) for m in (*MODES, "value")]
     if LONG
     else [(p, ps, w, "windows") for p in POLICIES for ps, w in ((1, 2), (16, 20))]
     + [(p, 16, 20, m) for p in ("write_through", "clean_ahead") for m in MODES[1:]]
+    + [("clean_ahead", 1, 2, "value"), ("write_back", 16, 20, "value")]
 )
 
 
@@ -643,12 +644,12 @@ def test_hicache_state_machine_windows(write_policy, page_size, window, mode):
     """The same machine over a model with a sliding-window layer: every matched prefix reads
     back each group's bytes for the pages a continuation reads, on whichever tier served it;
     no window page leaks on either tier; the tree keeps only what its nodes' ends read."""
-    machine = type(
-        f"HiCacheWindows_{write_policy}_{page_size}",
+    machine = type(  # (the value runs: the default eviction with window groups)
+        f"HiCacheWindows_{write_policy}_{page_size}" + ("_value" if mode == "value" else ""),
         (HiCacheMachine,),
         dict(
             write_policy=write_policy,
-            eviction="lru",
+            eviction="value" if mode == "value" else "lru",
             page_size=page_size,
             window=window,
             small_windows=mode == "small-windows",

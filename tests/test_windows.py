@@ -258,16 +258,18 @@ def test_device_pages_whose_end_lacks_its_window_are_served_with_the_host_part()
     assert cache.stats()["served_device_tokens"] == 40
 
 
-def test_a_window_longer_than_any_prompt_is_full_attention():
-    """Same hits, same occupancy as the plain spec of the full layers' shape."""
+@pytest.mark.parametrize("eviction", ["lru", "value"])
+def test_a_window_longer_than_any_prompt_is_full_attention(eviction):
+    """Same hits, same occupancy as the plain spec of the full layers' shape, under the same
+    eviction (the defaults differ: ``value`` with window groups, ``lru`` without)."""
     rng = np.random.default_rng(0)
     prompts = [
         np.concatenate([np.arange(32), rng.integers(100, 200, int(rng.integers(4, 40)))])
         for _ in range(20)
     ]
-    windowed = _cache(_spec(window=10_000), device=24, host=48)
+    windowed = _cache(_spec(window=10_000), device=24, host=48, eviction=eviction)
     plain_spec = KVSpec(num_layers=1, num_kv_heads=2, head_dim=4, dtype="bfloat16", page_size=PS)
-    plain = _cache(plain_spec, device=24, host=48)
+    plain = _cache(plain_spec, device=24, host=48, eviction=eviction)
     for cache in (windowed, plain):
         serve = ServedKV(cache) if cache is windowed else None
         for p in prompts:

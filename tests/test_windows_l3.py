@@ -428,17 +428,17 @@ def test_invalidate_removes_the_window_entries_too(store):
 
 
 @pytest.mark.parametrize(
-    "policy,storage_policy,prefetch_policy,window_host_pages",
+    "policy,storage_policy,prefetch_policy,window_host_pages,eviction",
     [
-        ("write_through", "write_through", "wait_complete", None),
-        ("write_back", "write_back", "best_effort", None),
-        ("write_through_selective", "write_through_selective", "wait_complete", 6),
-        ("clean_ahead", "write_through", "best_effort", None),
-        ("write_through", "write_through", "timeout", None),  # (a deadline of ~0: cancels)
+        ("write_through", "write_through", "wait_complete", None, None),
+        ("write_back", "write_back", "best_effort", None, "lru"),  # (value: no L3 hit here)
+        ("write_through_selective", "write_through_selective", "wait_complete", 6, None),
+        ("clean_ahead", "write_through", "best_effort", None, None),
+        ("write_through", "write_through", "timeout", None, None),  # (a deadline ~0: cancels)
     ],
 )
 def test_random_requests_read_back_every_group_exact(
-    store, policy, storage_policy, prefetch_policy, window_host_pages
+    store, policy, storage_policy, prefetch_policy, window_host_pages, eviction
 ):
     """Two instances take turns over prompts sharing prefixes, pools far too small, so pages
     and their window pages move L1 -> L2 -> L3 and back: every served page reads back each
@@ -462,6 +462,7 @@ def test_random_requests_read_back_every_group_exact(
             prefetch_policy=prefetch_policy,
             prefetch_timeout_s=1e-9,
             window_host_pages=window_host_pages,
+            eviction=eviction,
         )
         for _ in range(2)
     ]
