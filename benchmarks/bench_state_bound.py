@@ -30,7 +30,11 @@ as ``online_points`` without the tree's other node ends. The cache's fixed split
 against it in the same trace and bytes (``bench_state_replay``'s rows at the same intervals).
 Usage: ``python -m
 benchmarks.bench_state_bound [TRACE] [--capacities 3e5,3e6] [--host-ratio 4] [--slots
-5,10,20,40,80,160,320] [--every 4,16,64,0] [--limit N] [--json P]``.
+5,10,20,40,80,160,320] [--every 4,16,64,0] [--tail 4] [--shares 0.1,0.2,0.3] [--limit N]
+[--json P]``. Beside them, the online designs with a tail checkpoint (``--tail``: the cache's
+default placement for a recurrent hybrid) and the cache's own structure: a fixed split
+(``--shares`` of the bytes in slots) with pages and slots each in an order of their own, LRU or
+GreedyDual (``split_design``).
 """
 
 from __future__ import annotations
@@ -138,13 +142,20 @@ def slots_bound(
 
 
 def unified_lru(
-    keys: list[list[int]], budget: float, cost: float, every: int, weight: float | None = None
+    keys: list[list[int]],
+    budget: float,
+    cost: float,
+    every: int,
+    weight: float | None = None,
+    tail: int = 0,
 ) -> int:
     """Pages served by the unified design of the module docstring: ``budget`` pages' bytes for
     pages (1 each) and checkpoints (``cost`` each) in one eviction order. ``weight`` None: LRU;
     a number: GreedyDual, a checkpoint at page ``p`` worth ``p ** weight`` (the pages it
     saves, 1: its tokens' recompute; 2: attention's) over its cost, a request's pages worth
-    its deepest checkpoint, the clock raised to each evicted item's priority."""
+    its deepest checkpoint, the clock raised to each evicted item's priority. ``tail``: a
+    checkpoint that many pages before each prompt's end too (the cache's
+    ``checkpoint_tail_pages``; 0: none)."""
     pages: dict[int, tuple[float, float]] = {}
     ckpts: dict[int, tuple[float, float]] = {}
     heap: list[tuple[tuple[float, float], int, int]] = []  # (priority, is checkpoint, key)
@@ -159,6 +170,8 @@ def unified_lru(
         q = next((p for p in range(m, 0, -1) if ks[p - 1] in ckpts), 0)
         served += q
         points = {n, m} | (set(range(every, n + 1, every)) if every else set())
+        if tail and n - tail > 0:
+            points.add(n - tail)
         points = {p for p in points if p > q} | ({q} if q else set())
         # priorities (first goes first): this request's time or worth, the deeper pages
         # first among equals, never lowered (a parent outlives its children), a checkpoint
@@ -211,6 +224,53 @@ def online_points(keys: list[list[int]], every: int) -> list[set[int]]:
     return out
 
 
+def split_design(
+    keys: list[list[int]],
+    pages: int,
+    slots: int,
+    cost: float,
+    tail: int,
+    weight: float | None = None,
+) -> int:
+    """Pages served by a fixed split, as the cache has it: ``pages`` pages and ``slots``
+    checkpoints (of ``cost`` pages each: only the slots' count is used here), each in an
+    eviction order of its own, LRU (``weight`` None) or GreedyDual (a request's pages worth
+    its length ``n ** weight``, a checkpoint at ``p`` worth ``p ** weight / cost``, each above
+    its own clock raised to what it evicts); checkpoints at each prompt's end, where it left
+    the tree and ``tail`` pages before its end (the cache's defaults for a recurrent hybrid:
+    ``tail`` 4, no interior ones)."""
+    del cost  # (the split already spent it)
+    held: list[dict[int, tuple[float, float]]] = [{}, {}]  # pages, checkpoints
+    heaps: list[list[tuple[tuple[float, float], int]]] = [[], []]
+    clocks = [0.0, 0.0]
+    limits = (pages, slots)
+    served = 0
+    for t, ks in enumerate(keys):
+        n = len(ks)
+        m = 0
+        while m < n and ks[m] in held[0]:
+            m += 1
+        q = next((p for p in range(m, 0, -1) if ks[p - 1] in held[1]), 0)
+        served += q
+        points = {p for p in ({n, m, n - tail} if tail else {n, m}) if p > max(q, 0)}
+        points |= {q} if q else set()
+        top = float(t) if weight is None else clocks[0] + n**weight
+        for i, k in enumerate(ks, 1):
+            held[0][k] = max(held[0].get(k, (top, -i)), (top, -i))
+            heapq.heappush(heaps[0], (held[0][k], k))
+        for p in points:
+            k = ks[p - 1]
+            held[1][k] = (float(t) if weight is None else clocks[1] + p**weight, -p - 0.5)
+            heapq.heappush(heaps[1], (held[1][k], k))
+        for side in (0, 1):
+            while len(held[side]) > limits[side]:
+                prio, k = heapq.heappop(heaps[side])
+                if held[side].get(k) == prio:
+                    del held[side][k]
+                    clocks[side] = max(clocks[side], prio[0])
+    return served
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("trace", nargs="?", default="mooncake_synthetic_1000")
@@ -219,6 +279,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--slots", default="1,2,3,5,10,20,40,80,160")
     ap.add_argument(
         "--every", default="4,16,64,0", help="online policies' checkpoint intervals (0: none)"
+    )
+    ap.add_argument("--tail", type=int, default=4, help="the online designs' tail checkpoint")
+    ap.add_argument(
+        "--shares", default="0.1,0.2,0.3", help="state shares of the fixed-split designs"
     )
     ap.add_argument("--limit", type=int, default=None)
     ap.add_argument("--json", default=None)
@@ -276,10 +340,26 @@ def main(argv: list[str] | None = None) -> int:
         print_table(
             ["ckpt every", "unified LRU", "GreedyDual p", "GreedyDual p^2"],
             [[e, *(unified_lru(keys, total, cost, e, w) / oracle for w in weights)]
-             for e in everies],
+             for e in everies]
+            + [[f"0, tail {args.tail}",
+                *(unified_lru(keys, total, cost, 0, w, args.tail) / oracle for w in weights)]],
             title=f"L1 {cap:,.0f} tokens: online designs without a split, over the oracle "
             "(achieved, not bounds)",
         )  # fmt: skip
+        split_rows = []
+        for share in (float(x) for x in args.shares.split(",") if x.strip()):
+            k = max(1, int(share * total / cost))
+            p = int(total - k * cost)
+            split_rows.append(
+                [share, f"{p}/{k}",
+                 *(split_design(keys, p, k, cost, args.tail, w) / oracle for w in (None, 2.0))]
+            )  # fmt: skip
+        print_table(
+            ["state share", "pages/slots", "LRU", "GreedyDual p^2"],
+            split_rows,
+            title=f"L1 {cap:,.0f} tokens: a fixed split (the cache's), checkpoints at ends, "
+            f"branch points and a tail of {args.tail}, over the oracle (achieved)",
+        )
         for name, b in (
             ("a clairvoyant policy's", best_any),
             ("an online-checkpointing (clairvoyantly kept) policy's", best),

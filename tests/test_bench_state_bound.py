@@ -5,7 +5,13 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.bench_state_bound import online_points, oracle_hits, slots_bound, unified_lru
+from benchmarks.bench_state_bound import (
+    online_points,
+    oracle_hits,
+    slots_bound,
+    split_design,
+    unified_lru,
+)
 
 
 def test_overlapping_reuses_need_a_slot_each():
@@ -56,3 +62,22 @@ def test_greedydual_keeps_the_long_prefix_lru_would_evict():
     keys = [[1, 2, 3, 4, 5, 6], [7], [1, 2, 3, 4, 5, 6]]
     assert unified_lru(keys, 8, 1.0, 0) == 0
     assert unified_lru(keys, 8, 1.0, 0, weight=1.0) == 6
+
+
+def test_a_tail_checkpoint_serves_a_prompt_that_leaves_before_the_end():
+    """A prompt left 2 pages before its end: its end checkpoint serves nothing, one 2 pages
+    before it serves those pages (unified and split designs alike)."""
+    keys = [[1, 2, 3, 4, 5], [1, 2, 3, 9]]
+    assert unified_lru(keys, 100, 1.0, 0) == 0
+    assert unified_lru(keys, 100, 1.0, 0, tail=2) == 3
+    assert split_design(keys, 100, 10, 1.0, 0) == 0
+    assert split_design(keys, 100, 10, 1.0, 2) == 3
+
+
+def test_the_split_keeps_slots_by_worth_under_greedydual():
+    """Two slots, a long prompt's end then two short ones: LRU's slots lose the long one's
+    checkpoint, GreedyDual's keep it (worth its pages squared)."""
+    long = list(range(1, 9))
+    keys = [long, [20], [30], long]
+    assert split_design(keys, 100, 2, 1.0, 0) == 0
+    assert split_design(keys, 100, 2, 1.0, 0, weight=2.0) == 8
