@@ -68,9 +68,8 @@ def resolve_eviction(eviction: EvictionPolicy | str | None, spec: KVSpec) -> Evi
     attention alone, or one with window and state groups both)."""
     if eviction is not None:
         return EvictionPolicy.parse(eviction)
-    local = spec.window_groups
-    one_kind = recurrent_only(spec) or (bool(local) and not spec.state_groups)
-    return EvictionPolicy.VALUE if one_kind else EvictionPolicy.LRU
+    one_kind = len(spec.state_groups) in (0, len(spec.window_groups))  # (none, or all state)
+    return EvictionPolicy.VALUE if spec.window_groups and one_kind else EvictionPolicy.LRU
 
 
 def recurrent_only(spec: KVSpec) -> bool:

@@ -59,11 +59,11 @@ class Windows:
         device, host: the window pages of each tier.
         spare: keep window pages and checkpoints no node end reads while there is room
             (``HiCacheConfig.window_spare``).
-        worth_power: the ``value`` eviction's (``tree/eviction.py``), or None: spare
-            checkpoints then go by what they save, as the tree's nodes do (GreedyDual of their
-            own: a checkpoint ``p`` pages from the root is worth ``clock + p ** worth_power``
-            over its size in pages, the clock being the highest worth reclaimed on the host
-            tier), not by rank and age.
+        worth_power: the ``value`` eviction's (``tree/eviction.py``), or None (rank and
+            age). Given, every checkpoint of a ``STATE`` group is spare and goes by what it
+            saves, as the tree's nodes do (GreedyDual of its own: a checkpoint ``p`` pages from
+            the root is worth ``clock + p ** worth_power`` over its size in pages, the clock
+            being the highest worth reclaimed on the host tier).
     """
 
     def __init__(

@@ -85,8 +85,8 @@ def add_parser(sub: Any) -> None:
     c.add_argument(
         "--eviction",
         default="default",
-        help="eviction strategy, or a comma list; default: the cache's (value for a recurrent "
-        "hybrid's --layer-pattern, else lru)",
+        help="eviction strategy, or a comma list; default: the cache's (value for a "
+        "--layer-pattern of full and one local kind, window or recurrent; else lru)",
     )
     c.add_argument("--load-back-threshold", type=int, default=16, help="tokens")
     c.add_argument(

@@ -318,6 +318,10 @@ class TransferEngine:
             if not n_on:
                 continue
             stamps = src_side.spare[g, src]
+            worths = None  # a valued group's spare pages carry their worth (value_groups)
+            if src_side.valued[g]:
+                assert src_side.worth is not None
+                worths = src_side.worth[g, src]
             spare = stamps > 0  # (spare pages are attached ones)
             n_spare = int(np.count_nonzero(spare))
             kept = n_on - n_spare
@@ -333,16 +337,12 @@ class TransferEngine:
                     # valued group's: of no higher worth)
                     sp = sel[kept:]
                     ranks = spare_rank(stamps[sp])
-                    worth = None
-                    if src_side.valued[g]:
-                        assert src_side.worth is not None
-                        worth = src_side.worth[g, src[sp]]
-                        order = np.argsort(-worth, kind="stable")
-                        worth = worth[order]
-                    else:
-                        order = np.argsort(-ranks, kind="stable")
+                    key = ranks if worths is None else worths[sp]
+                    order = np.argsort(-key, kind="stable")
                     sel[kept:] = sp[order]
-                    taken = dst_side.take_for_copy(g, kept, ranks[order], worth)
+                    taken = dst_side.take_for_copy(
+                        g, kept, ranks[order], None if worths is None else key[order]
+                    )
                 else:
                     taken = dst_side.take(g, n_on)
             else:
@@ -359,11 +359,13 @@ class TransferEngine:
             if taken.size > kept:  # spare there too, of the same rank
                 assert sel is not None
                 rest = sel[kept:]
-                worth = None
-                if src_side.valued[g]:  # (the same worth there: WindowPages.value_groups)
-                    assert src_side.worth is not None
-                    worth = src_side.worth[g, src[rest]]
-                dst_side.mark_spare(g, d[kept:], spare_rank(stamps[rest]), fresh=True, worth=worth)
+                dst_side.mark_spare(
+                    g,
+                    d[kept:],
+                    spare_rank(stamps[rest]),
+                    fresh=True,
+                    worth=None if worths is None else worths[rest],
+                )
             handle.nbytes += int(taken.size) * dev.pools[g].spec.page_bytes
             copy_plan(taken, s, length=length, out=plans[1 + g])
         return plans

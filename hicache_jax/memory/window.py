@@ -62,8 +62,8 @@ class WindowPages:
             spare (no node end of the tree reads it: kept only while its pool has room, freed
             first, lowest stamp first: rank, then age, when a group page is needed), else 0.
         worth: float64 ``[len(groups), anchor.num_pages]`` once :meth:`value_groups` named
-            groups (else None): a valued group's spare pages go by rank, then this worth
-            (lowest first) instead of their age (the ``value`` eviction's checkpoints:
+            groups (else None): a valued group's spare pages go by this worth alone (lowest
+            first) instead of rank and age (the ``value`` eviction's checkpoints:
             cache/windows.py).
         worth_floor: the highest worth of a valued group's spare page freed to make room
             (GreedyDual's clock for them).
@@ -100,8 +100,8 @@ class WindowPages:
         self.worth_floor = 0.0
 
     def value_groups(self, groups: Sequence[int]) -> None:
-        """Order the spare pages of ``groups`` (indices) by rank, then worth (``mark_spare``'s
-        ``worth``), instead of rank, then age."""
+        """Order the spare pages of ``groups`` (indices) by worth (``mark_spare``'s
+        ``worth``) instead of rank, then age."""
         for g in groups:
             self.valued[g] = True
         if self.worth is None and any(self.valued):
@@ -110,11 +110,10 @@ class WindowPages:
     def _by_stamp(self, g: int, ids: np.ndarray) -> np.ndarray:
         """``ids`` (spare) in the order their pages are freed: lowest stamp first, or for a
         valued group lowest worth (stable)."""
-        stamps = self.spare[g, ids]
         if self.valued[g]:
             assert self.worth is not None
             return ids[np.argsort(self.worth[g, ids], kind="stable")]
-        return ids[np.argsort(stamps, kind="stable")]
+        return ids[np.argsort(self.spare[g, ids], kind="stable")]
 
     @property
     def allocators(self) -> tuple[PageAllocator, ...]:
@@ -175,16 +174,15 @@ class WindowPages:
             return alloc.alloc(min(n, free))
         row = self.spare[g]
         ids = self._by_stamp(g, np.flatnonzero(row).astype(np.int32))  # as reclaim takes
-        here = spare_rank(row[ids])
         short = min(max(0, n_read - free), ids.size)  # freed for the pages a node end reads
         f = max(0, free - n_read)  # free pages left for the spare ones
         m = max(0, min(ids.size - short, int(ranks.size) - f))
-        mine, theirs = here[short : short + m], ranks[f : f + m]
+        mine = ids[short : short + m]
         if worth is not None and self.valued[g]:
             assert self.worth is not None
-            ok = self.worth[g, ids[short : short + m]] <= worth[f : f + m]
+            ok = self.worth[g, mine] <= worth[f : f + m]
         else:
-            ok = mine <= theirs
+            ok = spare_rank(row[mine]) <= ranks[f : f + m]
         if not ok.all():
             m = int(np.argmin(ok))
         self._free_spare(g, ids[: short + m])
@@ -215,20 +213,12 @@ class WindowPages:
         if not anchor_ids.size:
             return 0
         row = self.spare[g]
+        newly: int | None = None  # (refresh: those not spare before; else every one marked)
         if refresh:
             mask = self.attach[g, anchor_ids] >= 0
             sel = anchor_ids[mask]
             newly = int(np.count_nonzero(row[sel] == 0))
-            self._stamp += 1
-            stamp = np.int64(self._stamp)
-            if rank is not None:
-                rank = rank[mask]
-            row[sel] = stamp if rank is None else (rank.astype(np.int64) << RANK_SHIFT) + stamp
-            if worth is not None and self.worth is not None:
-                self.worth[g, sel] = worth[mask]
-            self._spare_n[g] += newly
-            return newly
-        if fresh:
+        elif fresh:
             mask = None
             sel = anchor_ids
         else:
@@ -242,8 +232,9 @@ class WindowPages:
             row[sel] = stamp if rank is None else (rank.astype(np.int64) << RANK_SHIFT) + stamp
             if worth is not None and self.worth is not None:
                 self.worth[g, sel] = worth if mask is None else worth[mask]
-            self._spare_n[g] += int(sel.size)
-        return int(sel.size)
+        marked = int(sel.size) if newly is None else newly
+        self._spare_n[g] += marked
+        return marked
 
     def unmark_spare(self, g: int, anchor_ids: np.ndarray) -> None:
         """Group ``g``'s pages attached to ``anchor_ids`` are read again (not spare)."""
