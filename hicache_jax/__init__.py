@@ -7,6 +7,7 @@ from hicache_jax.errors import HiCacheError, OutOfPagesError
 from hicache_jax.events.records import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent, Medium
 from hicache_jax.l3.prefetch import PrefetchHandle
 from hicache_jax.l3.storage import StorageError, StorageUnavailableError
+from hicache_jax.sizing import PoolSizes, size_pools
 from hicache_jax.spec import GroupKind, HiCacheConfig, KVSpec, LayerGroup, StateArray
 
 __all__ = [
@@ -24,9 +25,11 @@ __all__ = [
     "Medium",
     "NodeRef",
     "OutOfPagesError",
+    "PoolSizes",
     "PrefetchHandle",
     "Request",
     "StateArray",
     "StorageError",
     "StorageUnavailableError",
+    "size_pools",
 ]

@@ -54,7 +54,7 @@ from hicache_jax.replay import states as _states
 from hicache_jax.replay import windows as _windows
 from hicache_jax.spec import HiCacheConfig, KVSpec
 
-__all__ = ["MixedHolding", "MixedPools", "pools_for"]
+__all__ = ["MixedHolding", "MixedPools", "pools_for", "tier_pools"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,9 +122,9 @@ class MixedPools:
         )
 
 
-def _tier(
+def tier_pools(
     spec: KVSpec,
-    pages: int,
+    budget: int,
     requests: bool,
     window_share: float | None,
     state_share: float | None,
@@ -134,12 +134,12 @@ def _tier(
     limit: int | None = None,
     all_full: bool = False,
 ) -> tuple[int, int, int, bool]:
-    """``(N_f, N_w, N_s, over)`` of a tier of ``pages`` all-full model pages (module
-    docstring). With the default window rule: ``limit``, at most that many full-attention
-    pages (the bytes past it in window pages; ``over``: the rule would have given more);
-    ``all_full``, one window page a full page (L1 beside an L2 that holds the trace)."""
+    """``(N_f, N_w, N_s, over)`` of a tier of ``budget`` bytes (module docstring). With the
+    default window rule: ``limit``, at most that many full-attention pages (the bytes past it
+    in window pages; ``over``: the rule would have given more); ``all_full``, one window page
+    a full page (L1 beside an L2 that holds the trace)."""
     pf, pw, s = spec.page_bytes, _windows.window_page_bytes(spec), _states.slot_bytes(spec)
-    budget = pages * spec.model_page_bytes
+    pages = budget // spec.model_page_bytes  # (the all-full model's pages: what L1 admits)
     if window_share is not None:
         win = _windows.Demand(Fraction(int(window_share * budget // pw)), Fraction(0), pw)
     elif all_full:
@@ -213,9 +213,9 @@ def pools_for(
             if pages == 0:
                 tiers.append((0, 0, 0, 0.0, 0.0))
                 continue
-            n_f, n_w, n_s, over = _tier(
+            n_f, n_w, n_s, over = tier_pools(
                 spec,
-                pages,
+                pages * pm,
                 requests,
                 window_share,
                 state_share,

@@ -88,6 +88,7 @@ __all__ = [
     "slot_floor",
     "state_demand",
     "state_spec",
+    "tier_slots",
     "with_interval",
 ]
 
@@ -314,6 +315,31 @@ def default_state_slots(
     return n_s
 
 
+def tier_slots(
+    spec: KVSpec,
+    budget: int,
+    longest_tokens: int,
+    mean_tokens: int,
+    checkpoint_every: int | None,
+    requests: bool,
+    share: float | None = None,
+) -> tuple[int, int]:
+    """``(N_f, N_s)`` of a tier of ``budget`` bytes: ``share`` of them in state slots, or None:
+    the default rule (:func:`state_demand`, :func:`solve_demands`); then at least 8 slots
+    (:func:`slot_floor`) and at most one a full-attention page, at least one of each."""
+    pf, s = spec.page_bytes, slot_bytes(spec)
+    if share is None:
+        demand = state_demand(
+            spec, longest_tokens, mean_tokens, checkpoint_every, requests=requests
+        )
+        (n_s,) = solve_demands(budget, pf, [demand])
+    else:
+        n_s = int(share * budget // s)
+    n_s = slot_floor(n_s, budget, pf, s)
+    n_f = max(1, (budget - n_s * s) // pf)
+    return n_f, max(1, min(n_s, n_f))
+
+
 def slot_floor(n_s: int, budget: int, page_bytes: int, slot: int) -> int:
     """``n_s`` slots of ``slot`` bytes each within a tier of ``budget`` bytes, at least 8
     (the cache's own floor) and leaving room for one page of ``page_bytes`` (the caller then
@@ -413,15 +439,9 @@ def pools_for(
             out.append((0, 0, 0.0))
             continue
         budget = pages * pf
-        if share is None:
-            n_s = default_state_slots(
-                spec, pages, longest_tokens, mean_tokens, checkpoint_every, requests=requests
-            )
-        else:
-            n_s = int(share * budget // s)
-        n_s = slot_floor(n_s, budget, pf, s)
-        n_f = max(1, (budget - n_s * s) // pf)
-        n_s = max(1, min(n_s, n_f))
+        n_f, n_s = tier_slots(
+            spec, budget, longest_tokens, mean_tokens, checkpoint_every, requests, share
+        )
         out.append((n_f, n_s, n_s * s / budget))
     (df, ds, dsh), (hf, hs, hsh) = out
     return StatePools(

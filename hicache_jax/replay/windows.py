@@ -85,6 +85,7 @@ __all__ = [
     "solve_demands",
     "split_bytes",
     "split_pools",
+    "tier_pools",
     "window_demand",
     "window_page_bytes",
 ]
@@ -350,6 +351,19 @@ def default_window_pages(
     return n_w
 
 
+def tier_pools(
+    spec: KVSpec, budget: int, longest_tokens: int, mean_tokens: int, *, requests: bool
+) -> tuple[int, int]:
+    """``(N_f, N_w)`` of a tier of ``budget`` bytes by the default rule
+    (:func:`window_demand` of the all-full model pages those bytes hold, :func:`solve_demands`,
+    :func:`split_bytes`), without the trace's cap (:func:`cap_full_pages`)."""
+    demand = window_demand(
+        spec, budget // spec.model_page_bytes, longest_tokens, mean_tokens, requests=requests
+    )
+    (n_w,) = solve_demands(budget, spec.page_bytes, [demand])
+    return split_bytes(budget, spec.page_bytes, window_page_bytes(spec), max(n_w, 1))
+
+
 def _tail_pages(spec: KVSpec) -> int:
     """``k``: the most pages a continuation reads of any window group (``ceil(W / page)``)."""
     ws = [g.window for g in _local_groups(spec) if g.window is not None]
@@ -380,18 +394,17 @@ def pools_for(
         if pages == 0:
             out.append((0, 0, 0.0))
             continue
+        budget = pages * spec.model_page_bytes
         if share is None:
-            n_w = default_window_pages(spec, pages, longest_tokens, mean_tokens, requests=requests)
+            n_f, n_w = tier_pools(spec, budget, longest_tokens, mean_tokens, requests=requests)
         else:
-            n_w = int(share * pages * spec.model_page_bytes // pw)
-        n_f, n_w = split_pools(spec, pages, max(n_w, 1))
+            n_f, n_w = split_bytes(budget, spec.page_bytes, pw, max(int(share * budget // pw), 1))
         if share is None and distinct_pages is not None:
             limit = full_page_limit(distinct_pages, longest_tokens, spec.page_size)
             if requests and whole:
                 n_f = n_w = pages  # the all-full model's split: no spare page ever reclaimed
             else:
                 whole = n_f > limit
-                budget = pages * spec.model_page_bytes
                 n_f, n_w = cap_full_pages(budget, spec.page_bytes, pw, n_f, n_w, limit)
         out.append((n_f, n_w, n_w * pw / (pages * spec.model_page_bytes)))
     (hf, hw, hs), (df, dw, ds) = out

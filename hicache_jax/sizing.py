@@ -1,0 +1,248 @@
+"""Pool sizes from bytes: the pages, window pages and state slots that each tier's bytes hold
+for a model, split by the cache's default rule (ARCHITECTURE.md, "Sizing pools by bytes").
+
+A serving stack knows its memory in bytes: so many GiB of accelerator memory for L1, so many of
+pinned host memory for L2. ``HiCacheConfig`` counts pages, and a model with layer groups
+(``KVSpec.window_groups``) has pools of three kinds per tier: full-attention pages (what the
+tree counts), each window group's pages and each recurrent group's state slots, all
+preallocated arrays of their own. :func:`size_pools` splits each tier's bytes between them:
+
+- a plain spec (one full-attention group): ``bytes // spec.page_bytes`` pages;
+- window groups (sliding-window or chunked layers): the window pool holds the pages of the
+  longest prompt (on L1: a request's own pages hold every group's page until it enters the
+  tree), plus ``k = ceil(W / page_size)`` pages for every mean prompt's pages of the
+  full-attention pool beside them (the tails the tree keeps: a node's end reads its last ``k``
+  pages); at most one window page a full-attention page;
+- ``STATE`` groups (recurrent layers): one request's checkpoints on L1 plus one slot per mean
+  prompt's pages (two with interior checkpoints), at least 8, at most one a page;
+- both kinds at once: both demands, solved together.
+
+The rules are the replay's (:func:`hicache_jax.replay.windows.tier_pools`,
+:func:`hicache_jax.replay.states.tier_slots`, :func:`hicache_jax.replay.mixed.tier_pools`):
+``hicache-jax replay --layer-pattern`` measures what they serve at equal memory against the
+all-full model (benchmarks/RESULTS.md, "Layer groups", "Recurrent state"). The split is fixed
+when the pools are built: a split that suits one workload can cost another's hits, which a
+notebook can measure with the replay's ``--window-share`` / ``--state-share``.
+
+Threading: plain functions and values.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from hicache_jax.spec import GroupKind, HiCacheConfig, KVSpec
+from hicache_jax.validation import check_int
+
+__all__ = ["PoolSizes", "SIZED_FIELDS", "size_pools"]
+
+#: The ``HiCacheConfig`` fields :meth:`PoolSizes.config` sets (a caller's own value for one of
+#: them is refused: the sizes come from the bytes).
+SIZED_FIELDS = frozenset(
+    {
+        "device_pages",
+        "host_pages",
+        "host_ratio",
+        "window_device_pages",
+        "window_host_pages",
+        "state_device_slots",
+        "state_host_slots",
+        "checkpoint_every_pages",
+    }
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class PoolSizes:
+    """Each tier's pools for a byte budget (:func:`size_pools`).
+
+    Attributes:
+        device_pages, host_pages: full-attention pages of L1 and L2.
+        window_device_pages, window_host_pages: pages of each window group's pool (None: the
+            spec has no sliding-window or chunked group, or the tier has no bytes).
+        state_device_slots, state_host_slots: state slots of each ``STATE`` group (None: no
+            such group, or the tier has no bytes).
+        checkpoint_every_pages: the interval of interior checkpoints the split was made for
+            (None: the cache's default for the spec).
+        device_bytes, host_bytes: the bytes these pools take on each tier (at most the
+            budget's; the rest is less than a page or a slot).
+    """
+
+    device_pages: int
+    host_pages: int
+    window_device_pages: int | None
+    window_host_pages: int | None
+    state_device_slots: int | None
+    state_host_slots: int | None
+    checkpoint_every_pages: int | None
+    device_bytes: int
+    host_bytes: int
+
+    def config(self, **fields: Any) -> HiCacheConfig:
+        """A ``HiCacheConfig`` with these pools and ``fields`` (any other field of it).
+
+        Raises:
+            TypeError: a field of :data:`SIZED_FIELDS` given (the sizes come from the bytes).
+            Whatever ``HiCacheConfig`` raises for the other fields.
+        """
+        clash = sorted(SIZED_FIELDS & set(fields))
+        if clash:
+            raise TypeError(
+                f"{clash[0]} is set by size_pools from the bytes: pass the bytes instead, or "
+                "build HiCacheConfig(...) yourself"
+            )
+        return HiCacheConfig(
+            device_pages=self.device_pages,
+            host_pages=self.host_pages,
+            window_device_pages=self.window_device_pages,
+            window_host_pages=self.window_host_pages,
+            state_device_slots=self.state_device_slots,
+            state_host_slots=self.state_host_slots,
+            checkpoint_every_pages=self.checkpoint_every_pages,
+            **fields,
+        )
+
+
+def size_pools(
+    spec: KVSpec,
+    device_bytes: int,
+    host_bytes: int | None = None,
+    *,
+    longest_prompt_tokens: int | None = None,
+    mean_prompt_tokens: int | None = None,
+    checkpoint_every_pages: int | None = None,
+) -> PoolSizes:
+    """Split ``device_bytes`` of L1 and ``host_bytes`` of L2 between ``spec``'s pools by the
+    default rule (module docstring); ``.config(...)`` gives the ``HiCacheConfig``.
+
+    Args:
+        spec: the model's KV layout.
+        device_bytes: bytes for L1's pools, all of them (with a mesh: over every device).
+        host_bytes: bytes for L2's pools; None: ``round(4 * device_bytes)`` (``HiCacheConfig``'s
+            default ``host_ratio``); 0: no L2.
+        longest_prompt_tokens: the most tokens one request holds (a stack's longest admitted
+            prompt; where requests run in batches, the batch's tokens: a running request's own
+            pages hold every group's page). Needed with window or ``STATE`` groups.
+        mean_prompt_tokens: the mean prompt the stack expects, in tokens (at most
+            ``longest_prompt_tokens``): the tree keeps about one node end per mean prompt, each
+            reading ``k`` window pages or a checkpoint. Needed with window or ``STATE`` groups.
+        checkpoint_every_pages: with ``STATE`` groups, the interval of interior checkpoints
+            the split is made for (``HiCacheConfig.checkpoint_every_pages``; None: the cache's
+            default), passed on to the config.
+
+    Raises:
+        TypeError: ``spec`` not a ``KVSpec``; a count not an int.
+        ValueError: naming the argument: a negative or zero budget, prompt lengths missing
+            where the spec needs them or inconsistent, ``checkpoint_every_pages`` without a
+            ``STATE`` group, or a tier too small to hold one full-attention page beside the
+            windows or slots the rule keeps (the bytes it needs are in the message).
+    """
+    if not isinstance(spec, KVSpec):
+        raise TypeError(f"spec must be a KVSpec, got {type(spec).__name__}")
+    device_bytes = check_int("device_bytes", device_bytes, 1)
+    if host_bytes is None:
+        host_bytes = int(round(4.0 * device_bytes))
+    host_bytes = check_int("host_bytes", host_bytes, 0)
+    kinds = {g.kind for g in spec.window_groups}
+    stateful = GroupKind.STATE in kinds
+    windowed = bool(kinds - {GroupKind.STATE})
+    if checkpoint_every_pages is not None:
+        if not stateful:
+            raise ValueError(
+                "checkpoint_every_pages applies to STATE groups (recurrent layers): the spec "
+                "has none"
+            )
+        checkpoint_every_pages = check_int("checkpoint_every_pages", checkpoint_every_pages, 0)
+    longest = mean = 0
+    if stateful or windowed:
+        longest, mean = _prompts(longest_prompt_tokens, mean_prompt_tokens)
+    tiers: list[tuple[int, int | None, int | None, int]] = []
+    for name, budget, requests in (("device", device_bytes, True), ("host", host_bytes, False)):
+        if budget == 0:
+            tiers.append((0, None, None, 0))
+            continue
+        n_f, n_w, n_s, used = _tier(
+            spec, budget, requests, stateful, windowed, longest, mean, checkpoint_every_pages
+        )
+        if n_f < 1 or (n_w is not None and n_w < 1) or used > budget:
+            least = max(used, _least_bytes(spec))
+            beside = ", with the window pages or state slots the rule keeps" * bool(
+                spec.window_groups
+            )
+            raise ValueError(
+                f"{name}_bytes={budget} is too small for this spec: it needs at least "
+                f"{least} bytes (one full-attention page{beside})"
+            )
+        tiers.append((n_f, n_w, n_s, used))
+    (df, dw, ds, dused), (hf, hw, hs, hused) = tiers
+    return PoolSizes(
+        device_pages=df,
+        host_pages=hf,
+        window_device_pages=dw,
+        window_host_pages=hw,
+        state_device_slots=ds,
+        state_host_slots=hs,
+        checkpoint_every_pages=checkpoint_every_pages,
+        device_bytes=dused,
+        host_bytes=hused,
+    )
+
+
+def _prompts(longest: Any, mean: Any) -> tuple[int, int]:
+    """The prompt lengths, checked (both needed, ``1 <= mean <= longest``)."""
+    if longest is None or mean is None:
+        raise ValueError(
+            "longest_prompt_tokens and mean_prompt_tokens are needed to split the bytes of a "
+            "spec with window or STATE groups (the window pages and slots it keeps follow them)"
+        )
+    longest = check_int("longest_prompt_tokens", longest, 1)
+    mean = check_int("mean_prompt_tokens", mean, 1)
+    if mean > longest:
+        raise ValueError(
+            f"mean_prompt_tokens={mean} must be at most longest_prompt_tokens={longest}"
+        )
+    return longest, mean
+
+
+def _tier(
+    spec: KVSpec,
+    budget: int,
+    requests: bool,
+    stateful: bool,
+    windowed: bool,
+    longest: int,
+    mean: int,
+    every: int | None,
+) -> tuple[int, int | None, int | None, int]:
+    """``(N_f, N_w, N_s, bytes)`` of one tier of ``budget`` bytes (None: no such pool)."""
+    if not (stateful or windowed):
+        n = budget // spec.page_bytes
+        return n, None, None, n * spec.page_bytes
+    # (the rules' home is the replay's, which measures them; imported here, not at import
+    # time: the replay package imports the cache)
+    from hicache_jax.replay import mixed, states, windows
+
+    n_w = n_s = None
+    if stateful and windowed:
+        n_f, n_w, n_s, _ = mixed.tier_pools(
+            spec, budget, requests, None, None, longest, mean, every
+        )
+    elif stateful:
+        n_f, n_s = states.tier_slots(spec, budget, longest, mean, every, requests)
+    else:
+        n_f, n_w = windows.tier_pools(spec, budget, longest, mean, requests=requests)
+    used = (
+        n_f * spec.page_bytes
+        + (n_w or 0) * windows.window_page_bytes(spec)
+        + (n_s or 0) * states.slot_bytes(spec)
+    )
+    return n_f, n_w, n_s, used
+
+
+def _least_bytes(spec: KVSpec) -> int:
+    """One full-attention page, with one page of every window group and one checkpoint's
+    slots where the spec has them."""
+    from hicache_jax.replay import states, windows
+
+    return spec.page_bytes + windows.window_page_bytes(spec) + states.slot_bytes(spec)

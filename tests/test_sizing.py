@@ -1,0 +1,155 @@
+"""size_pools: each tier's bytes split between full-attention pages, window pages and state
+slots by the replay's default rule; the config it gives builds a cache that serves the longest
+prompt; bad input raises a typed error naming the argument."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from hicache_jax import HiCache, KVSpec, PoolSizes, size_pools
+from hicache_jax.replay import mixed, states, windows
+
+GiB = 1 << 30
+LONGEST, MEAN = 40_000, 6_000
+
+
+def _gemma_like() -> KVSpec:
+    return KVSpec.from_pattern(
+        "5:1", num_layers=12, num_kv_heads=2, head_dim=16, dtype="bfloat16", page_size=16, window=64
+    )
+
+
+def test_a_plain_spec_holds_its_bytes_in_whole_pages_and_l2_defaults_to_four_times():
+    spec = KVSpec(num_layers=4, num_kv_heads=2, head_dim=8, dtype="bfloat16", page_size=16)
+    p = size_pools(spec, 100 * spec.page_bytes + 7)
+    assert (p.device_pages, p.host_pages) == (100, 400)
+    assert p.window_device_pages is None and p.state_device_slots is None
+    assert p.device_bytes == 100 * spec.page_bytes
+    assert size_pools(spec, spec.page_bytes, 0).host_pages == 0
+    cfg = p.config(write_policy="write_through")
+    assert (cfg.device_pages, cfg.host_pages) == (100, 400)
+
+
+@pytest.mark.parametrize("model_pages", [200, 3_000, 40_000])
+@pytest.mark.parametrize("ratio", [0, 2, 8])
+def test_window_groups_split_as_the_window_replay_does(model_pages, ratio):
+    spec = windows.pattern_spec("5:1", 1024, 512)
+    pm = spec.model_page_bytes
+    p = size_pools(
+        spec, model_pages * pm, ratio * model_pages * pm, longest_prompt_tokens=LONGEST,
+        mean_prompt_tokens=MEAN,
+    )  # fmt: skip
+    ref = windows.pools_for(
+        spec, model_pages, ratio, share=None, longest_tokens=LONGEST, mean_tokens=MEAN
+    )
+    assert (p.device_pages, p.window_device_pages) == (ref.device_pages, ref.window_device_pages)
+    assert p.host_pages == ref.host_pages
+    assert p.window_host_pages == (ref.window_host_pages or None)
+    assert (p.device_bytes, p.host_bytes) == ref.bytes_used(spec)
+    assert p.device_bytes <= model_pages * pm and p.host_bytes <= ratio * model_pages * pm
+
+
+@pytest.mark.parametrize("model_pages", [200, 3_000])
+@pytest.mark.parametrize("every", [None, 0, 4])
+def test_state_groups_split_as_the_state_replay_does(model_pages, every):
+    spec = states.state_spec("R3:F1", 512)
+    pf = spec.page_bytes
+    p = size_pools(
+        spec, model_pages * pf, 4 * model_pages * pf, longest_prompt_tokens=LONGEST,
+        mean_prompt_tokens=MEAN, checkpoint_every_pages=every,
+    )  # fmt: skip
+    ref = states.pools_for(
+        spec, model_pages, 4, share=None, longest_tokens=LONGEST, mean_tokens=MEAN,
+        checkpoint_every=every,
+    )  # fmt: skip
+    assert (p.device_pages, p.host_pages) == (ref.device_pages, ref.host_pages)
+    assert (p.state_device_slots, p.state_host_slots) == (
+        ref.state_device_slots,
+        ref.state_host_slots,
+    )
+    assert p.window_device_pages is None and p.checkpoint_every_pages == every
+    assert p.config().checkpoint_every_pages == every
+
+
+def test_both_kinds_split_as_the_mixed_replay_does():
+    spec = states.state_spec("R2:S1:F1", 512, window=1024)
+    pm = spec.model_page_bytes
+    for model_pages in (300, 5_000):
+        p = size_pools(
+            spec, model_pages * pm, 4 * model_pages * pm, longest_prompt_tokens=LONGEST,
+            mean_prompt_tokens=MEAN,
+        )  # fmt: skip
+        ref = mixed.pools_for(
+            spec, model_pages, 4, window_share=None, state_share=None, longest_tokens=LONGEST,
+            mean_tokens=MEAN,
+        )  # fmt: skip
+        got = (p.device_pages, p.window_device_pages, p.state_device_slots)
+        assert got == (ref.device_pages, ref.window_device_pages, ref.state_device_slots)
+        got = (p.host_pages, p.window_host_pages, p.state_host_slots)
+        assert got == (ref.host_pages, ref.window_host_pages, ref.state_host_slots)
+        assert (p.device_bytes, p.host_bytes) == ref.bytes_used(spec)
+
+
+def test_the_windowed_model_holds_more_tokens_than_the_all_full_one_at_equal_bytes():
+    spec = _gemma_like()
+    budget = 2000 * spec.model_page_bytes
+    p = size_pools(spec, budget, longest_prompt_tokens=4096, mean_prompt_tokens=1024)
+    assert p.device_bytes <= budget
+    assert p.device_pages > 2000  # the all-full model's pages of the same bytes
+    assert p.window_device_pages >= 4096 // spec.page_size  # the longest prompt's own pages
+
+
+def test_the_sized_cache_serves_the_longest_prompt_from_an_empty_l1_and_keeps_it():
+    spec = _gemma_like()
+    longest = 1024
+    p = size_pools(
+        spec, 96 * spec.model_page_bytes, 0, longest_prompt_tokens=longest, mean_prompt_tokens=256
+    )
+    assert p.host_pages == 0 and p.window_host_pages is None
+    cache = HiCache(spec, p.config())
+    try:
+        prompt = np.arange(longest)
+        with cache.begin(prompt) as req:
+            pages = req.extend(longest - req.cached_len)
+            assert (cache.window_pages(pages) >= 0).all()  # every group's page held
+            req.finish(prompt)
+        assert cache.match_prefix(prompt).device_len == longest
+        cache.check_invariants()
+    finally:
+        cache.close()
+
+
+def test_bad_input_is_refused_with_the_argument_named():
+    plain = KVSpec(num_layers=2, num_kv_heads=1, head_dim=8, dtype="float32", page_size=16)
+    spec = _gemma_like()
+    kw = {"longest_prompt_tokens": LONGEST, "mean_prompt_tokens": MEAN}
+    with pytest.raises(TypeError, match="KVSpec"):
+        size_pools("5:1", GiB)  # type: ignore[arg-type]
+    for bad in (0, -1):
+        with pytest.raises(ValueError, match="device_bytes"):
+            size_pools(plain, bad)
+    for bad in (1.5, True, "1"):
+        with pytest.raises(TypeError, match="device_bytes"):
+            size_pools(plain, bad)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="host_bytes"):
+        size_pools(plain, GiB, -1)
+    n = plain.page_bytes
+    with pytest.raises(ValueError, match=rf"device_bytes={n - 1} is too small.* {n} bytes"):
+        size_pools(plain, n - 1)
+    with pytest.raises(ValueError, match="host_bytes=1 is too small"):
+        size_pools(plain, n, 1)
+    with pytest.raises(ValueError, match="longest_prompt_tokens and mean_prompt_tokens"):
+        size_pools(spec, GiB)
+    with pytest.raises(ValueError, match="mean_prompt_tokens=9 must be at most"):
+        size_pools(spec, GiB, longest_prompt_tokens=8, mean_prompt_tokens=9)
+    with pytest.raises(ValueError, match="longest_prompt_tokens"):
+        size_pools(spec, GiB, longest_prompt_tokens=0, mean_prompt_tokens=1)
+    with pytest.raises(ValueError, match="checkpoint_every_pages applies to STATE"):
+        size_pools(spec, GiB, checkpoint_every_pages=4, **kw)
+    with pytest.raises(ValueError, match=r"device_bytes=.* is too small"):
+        size_pools(spec, spec.model_page_bytes - 1, **kw)
+    p = size_pools(spec, GiB, **kw)
+    assert isinstance(p, PoolSizes)
+    with pytest.raises(TypeError, match="window_device_pages is set by size_pools"):
+        p.config(window_device_pages=3)
