@@ -4,8 +4,12 @@ prompt; bad input raises a typed error naming the argument."""
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from hicache_jax import HiCache, KVSpec, PoolSizes, size_pools
 from hicache_jax.replay import mixed, states, windows
@@ -153,3 +157,39 @@ def test_bad_input_is_refused_with_the_argument_named():
     assert isinstance(p, PoolSizes)
     with pytest.raises(TypeError, match="window_device_pages is set by size_pools"):
         p.config(window_device_pages=3)
+
+
+@settings(max_examples=150)
+@given(
+    pattern=st.sampled_from(["full", "5:1", "1:3", "R3:F1", "R2:S1:F1"]),
+    device_pages=st.floats(0.05, 5_000.0),
+    host_ratio=st.sampled_from([0.0, 0.5, 2.0, 8.0]),
+    longest=st.integers(1, 200_000),
+    mean_share=st.floats(0.0, 1.0),
+)
+def test_any_budget_gets_pools_within_its_bytes_or_a_clear_error(
+    pattern, device_pages, host_ratio, longest, mean_share
+):
+    """Whatever the bytes: pools that fit them, at least one of each, and a config that
+    HiCacheConfig accepts; or a ValueError naming the tier that is too small."""
+    if pattern.startswith("R"):
+        spec = states.state_spec(pattern, 512, window=1024 if "S" in pattern else None)
+    elif pattern == "full":
+        spec = KVSpec(num_layers=2, num_kv_heads=1, head_dim=1, dtype="float32", page_size=512)
+    else:
+        spec = windows.pattern_spec(pattern, 1024, 512)
+    device = max(1, int(device_pages * spec.model_page_bytes))
+    host = int(host_ratio * device)
+    mean = max(1, int(mean_share * longest))
+    try:
+        p = size_pools(spec, device, host, longest_prompt_tokens=longest, mean_prompt_tokens=mean)
+    except ValueError as e:
+        assert re.match(r"(device|host)_bytes=\d+ is too small for this spec", str(e)), e
+        return
+    assert 0 < p.device_bytes <= device and 0 <= p.host_bytes <= host
+    assert p.device_pages >= 1 and (p.host_pages >= 1 or host == 0)
+    for n in (p.window_device_pages, p.window_host_pages, p.state_device_slots, p.state_host_slots):
+        assert n is None or n >= 1
+    assert (p.window_device_pages is None) == (not windows.window_page_bytes(spec))
+    cfg = p.config()
+    assert (cfg.device_pages, cfg.host_pages) == (p.device_pages, p.host_pages)
