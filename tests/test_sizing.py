@@ -4,6 +4,7 @@ prompt; bad input raises a typed error naming the argument."""
 
 from __future__ import annotations
 
+import json
 import re
 
 import numpy as np
@@ -193,3 +194,55 @@ def test_any_budget_gets_pools_within_its_bytes_or_a_clear_error(
     assert (p.window_device_pages is None) == (not windows.window_page_bytes(spec))
     cfg = p.config()
     assert (cfg.device_pages, cfg.host_pages) == (p.device_pages, p.host_pages)
+
+
+def test_the_size_command_prints_the_pools_and_the_config(tmp_path, capsys):
+    from hicache_jax.cli.main import main
+
+    spec = ["--spec", "layers=12,kv_heads=2,head_dim=16,dtype=bfloat16,page_size=16"]
+    flags = ["--layer-pattern", "5:1", "--window", "64", "--longest-prompt", "2048"]
+    path = tmp_path / "size.json"
+    argv = ["size", *spec, *flags, "--mean-prompt", "512", "--device-bytes", "8MiB"]
+    assert main([*argv, "--host-bytes", "32MiB", "--json", str(path)]) == 0
+    out = capsys.readouterr().out
+    want = size_pools(
+        _gemma_like(), 8 << 20, 32 << 20, longest_prompt_tokens=2048, mean_prompt_tokens=512
+    )
+    assert f"HiCacheConfig(device_pages={want.device_pages}, host_pages={want.host_pages}, " in out
+    assert f"window_device_pages={want.window_device_pages}" in out
+    assert "all-full tokens" in out and "window(64)" in out
+    data = json.loads(path.read_text())
+    assert data["device_pages"] == want.device_pages and data["host_bytes"] == want.host_bytes
+    assert main(["size", "--device-bytes", "1e9", "--host-bytes", "0"]) == 0
+    assert "HiCacheConfig(device_pages=" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("extra", "match"),
+    [
+        (["--device-bytes", "10QB"], "--device-bytes '10QB' must be a number of bytes"),
+        (["--device-bytes", "8MiB", "--host-bytes", "x"], "--host-bytes 'x' must be"),
+        (["--device-bytes", "8MiB", "--layer-pattern", "5:1", "--window", "64"],
+         "longest_prompt_tokens and mean_prompt_tokens are needed"),
+        (["--device-bytes", "100"], "device_bytes=100 is too small"),
+        (["--device-bytes", "8MiB", "--window", "64"], "need --layer-pattern"),
+    ],
+)  # fmt: skip
+def test_the_size_command_refuses_bad_flags_with_exit_2(extra, match, capsys):
+    from hicache_jax.cli.main import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["size", *extra])
+    assert e.value.code == 2
+    assert match in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("text", "n"),
+    [("40GiB", 40 << 30), ("1.5e9", 1_500_000_000), ("512 MiB", 512 << 20), ("2kb", 2000),
+     ("7", 7), ("0.5KiB", 512)],
+)  # fmt: skip
+def test_bytes_are_read_with_their_units(text, n):
+    from hicache_jax.cli.size import parse_bytes
+
+    assert parse_bytes(text, "--device-bytes") == n

@@ -7,9 +7,9 @@ import argparse
 import json
 from typing import Any
 
-from hicache_jax.lowering.catalogue import LLAMA3_8B_KV, PLATFORMS, programs
+from hicache_jax.cli.spec_flags import add_spec_flags, spec_from_flags
+from hicache_jax.lowering.catalogue import PLATFORMS, programs
 from hicache_jax.lowering.checks import check, format_table, report_json
-from hicache_jax.spec import KVSpec, pattern_state
 
 __all__ = ["add_parser", "lower_command"]
 
@@ -25,24 +25,7 @@ def add_parser(sub: Any) -> None:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     p.add_argument("--platform", choices=PLATFORMS, required=True)
-    p.add_argument(
-        "--spec",
-        help="KV page shape, e.g. layers=32,kv_heads=8,head_dim=128,"
-        "dtype=bfloat16,page_size=16; missing keys: Llama-3-8B's",
-    )
-    p.add_argument(
-        "--layer-pattern",
-        help="local:full layers, repeating (e.g. 5:1: five sliding-window layers, one "
-        "global; R3:F1: three recurrent layers, one global); --spec's layers are then the "
-        "model's layers",
-    )
-    p.add_argument("--window", type=int, help="with --layer-pattern: the window, in tokens")
-    p.add_argument("--chunk", type=int, help="with --layer-pattern: chunked attention's chunk")
-    p.add_argument(
-        "--state",
-        help="with --layer-pattern Ra:Fb: each recurrent layer's state arrays, "
-        "name:AxB[:dtype],... (default: a Qwen3-Next-like conv:3x8192,ssm:32x128x128)",
-    )
+    add_spec_flags(p)
     p.add_argument("--device-pages", type=int, default=2048, help="L1 pages (shapes only)")
     p.add_argument("--host-pages", type=int, help="L2 pages (default 4 x L1)")
     p.add_argument("--host-layout", choices=["layer_first", "page_first"], default="layer_first")
@@ -59,22 +42,7 @@ def add_parser(sub: Any) -> None:
 def lower_command(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     """``hicache-jax lower``: print the table; exit status 1 when a check fails."""
     try:
-        spec = KVSpec.parse(args.spec, LLAMA3_8B_KV)
-        if args.layer_pattern is not None:
-            spec = KVSpec.from_pattern(
-                args.layer_pattern,
-                num_layers=spec.num_layers,
-                num_kv_heads=spec.num_kv_heads,
-                head_dim=spec.head_dim,
-                dtype=spec.dtype,
-                page_size=spec.page_size,
-                window=args.window,
-                chunk=args.chunk,
-                mla=spec.mla,
-                state=pattern_state(args.layer_pattern, args.state),
-            )
-        elif args.window is not None or args.chunk is not None or args.state is not None:
-            raise ValueError("--window / --chunk / --state need --layer-pattern")
+        spec = spec_from_flags(args)
         pset = programs(
             spec,
             args.platform,

@@ -1,9 +1,10 @@
-"""The ``hicache-jax`` commands (bench, replay, lower, compare): one parser, and the dispatch.
+"""The ``hicache-jax`` commands (bench, replay, lower, size, compare): one parser, and the
+dispatch.
 
 Each command owns its flags and its run: ``bench`` (:mod:`hicache_jax.cli.bench`), ``replay``
-(:mod:`hicache_jax.cli.replay`), ``lower`` (:mod:`hicache_jax.cli.lower`), ``compare``
-(:mod:`hicache_jax.cli.compare`). :func:`main` is the console script ``hicache-jax`` and
-``python -m hicache_jax``.
+(:mod:`hicache_jax.cli.replay`), ``lower`` (:mod:`hicache_jax.cli.lower`), ``size``
+(:mod:`hicache_jax.cli.size`), ``compare`` (:mod:`hicache_jax.cli.compare`). :func:`main` is
+the console script ``hicache-jax`` and ``python -m hicache_jax``.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from hicache_jax.cli import bench, compare, lower, replay
+from hicache_jax.cli import bench, compare, lower, replay, size
 
 __all__ = ["main"]
 
@@ -23,6 +24,7 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_parser(sub)
     replay.add_parser(sub)
     lower.add_parser(sub)
+    size.add_parser(sub)
     compare.add_parser(sub)
     return parser
 
