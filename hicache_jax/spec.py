@@ -1153,6 +1153,9 @@ class HiCacheConfig:
             then evicts until its window pages fit, and a load-back or backup that finds none
             free copies the full-attention pages without them (``window_pages_dropped``), so
             that prefix is not served from there (ARCHITECTURE.md, "Layer groups").
+            ``hicache_jax.size_pools`` splits a tier's bytes between the pools by the default
+            rule (the longest prompt's own window pages on L1, ``ceil(W / page_size)`` a mean
+            prompt's pages of the full-attention pool).
         window_host_pages: the same for each window group's host pool; None: ``host_pages``.
         window_spare: True (default): a window page no node end reads any more stays
             as a spare page, freed first (oldest first) when its pool needs a page, so that a
@@ -1182,8 +1185,8 @@ class HiCacheConfig:
             such group's device pool: how many checkpoints L1 holds. None (default): as many
             as take a quarter of the full-attention device pool's bytes (at least 8, at most
             ``device_pages``). A checkpoint is usually worth many pages (a slot of a real
-            hybrid is often megabytes): size this by bytes (ARCHITECTURE.md, "Recurrent
-            state").
+            hybrid is often megabytes): size this by bytes (``hicache_jax.size_pools``;
+            ARCHITECTURE.md, "Recurrent state").
         state_host_slots: the same for the host pools; None: a quarter of the host pool's
             bytes (at least 8, at most ``host_pages``).
         checkpoint_every_pages: with ``STATE`` groups: besides the checkpoints at a request's
