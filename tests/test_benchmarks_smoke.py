@@ -124,6 +124,12 @@ RUNS = [
         ["slots: any", "slots: every 4", "bound at the best fixed split"],
         [],
     ),
+    (
+        "bench_windows_bound",
+        ["--limit", "200", "--capacities", "3e5", "--host-ratios", "4"],
+        ["hit / LRU(r x B)", "fixed default, value:", "one budget, spare first, lru:"],
+        [],
+    ),
 ]
 
 #: scripts that write their figures beside their limits themselves (the others: every number)

@@ -194,17 +194,20 @@ def test_the_front_door_names_are_unchanged():
         "Medium",
         "NodeRef",
         "OutOfPagesError",
+        "PoolSizes",
         "PrefetchHandle",
         "Request",
         "StateArray",
         "StorageError",
         "StorageUnavailableError",
+        "size_pools",
     ]
 
 
 # The layers, bottom first (ARCHITECTURE.md): a module imports its own layer and those below.
 # The shared vocabulary (spec, errors, validation) is one layer; tree and memory are siblings;
-# study (the notebook API over the replay) sits below the engine; the lowering checks lower the
+# study (the notebook API over the replay) and sizing (pools of a byte budget by the replay's
+# rules) sit below the engine; the lowering checks lower the
 # engine's programs; the command line (cli) is on top and calls them all.
 LAYER_RANK = {
     "vocabulary": 0,
@@ -216,6 +219,7 @@ LAYER_RANK = {
     "replay": 5,
     "metrics": 5,
     "study": 6,
+    "sizing": 6,
     "engine": 7,
     "lowering": 8,
     "cli": 9,
