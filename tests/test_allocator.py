@@ -215,3 +215,31 @@ def test_a_validated_free_still_refuses_a_double_free_and_changes_nothing():
     assert snapshot(a)[0] == before[0] and (snapshot(a)[1] == before[1]).all()
     a.free(ids[2:], validated=True)
     assert a.num_free == 6
+
+
+def test_deferred_frees_leave_the_free_list_as_the_frees_one_by_one_would():
+    """Frees inside ``deferring()`` reach ``on_free`` once, at its end, with every id; the free
+    list then hands out the same ids in the same order as after the frees one by one; nothing
+    freed is handed out before the end; a double free inside it still raises."""
+    calls: list[list[int]] = []
+    one, batched = PageAllocator(12, "device"), PageAllocator(12, "device")
+    batched.on_free = lambda ids: calls.append(ids.tolist())
+    for a in (one, batched):
+        a.alloc(10)
+    parts = [np.array([3, 1], np.int32), np.array([7], np.int32), np.array([0, 9, 4], np.int32)]
+    one_early = one.alloc(2)  # (batched takes these two inside its context, below)
+    for ids in parts:
+        one.free(ids, validated=True)
+    with batched.deferring():
+        for ids in parts:
+            batched.free(ids, validated=True)
+        with batched.deferring():  # nested: ends with the outer one
+            pass
+        assert calls == [] and batched.num_free == 2  # back at the end only
+        assert not batched.is_allocated(np.array([3, 7, 0])).any()
+        assert batched.alloc(2).tolist() == one_early.tolist() == [10, 11]  # none freed here
+        with pytest.raises(HiCacheError, match="not allocated"):
+            batched.free(np.array([7], np.int32), validated=True)
+    assert sorted(calls[0]) == [0, 1, 3, 4, 7, 9] and len(calls) == 1
+    assert batched.alloc(6).tolist() == one.alloc(6).tolist()
+    assert batched.num_free == one.num_free == 0

@@ -82,13 +82,16 @@ class Evictor:
         return ids
 
     def evict_device(self, num_tokens: int) -> int:
-        """Evict rounds until ``num_tokens`` are freed or a round frees nothing."""
+        """Evict rounds until ``num_tokens`` are freed or a round frees nothing. The device
+        pages freed go back in one call at the end (``PageAllocator.deferring``: nothing
+        allocates device pages meanwhile)."""
         freed = 0
-        while freed < num_tokens:
-            got = self._round(num_tokens - freed)
-            if got == 0:
-                break
-            freed += got
+        with self._tier.allocator.deferring():
+            while freed < num_tokens:
+                got = self._round(num_tokens - freed)
+                if got == 0:
+                    break
+                freed += got
         return freed
 
     def _round(self, num_tokens: int) -> int:

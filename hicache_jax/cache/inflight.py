@@ -111,6 +111,11 @@ class InFlight:
         self._ops: dict[int, Op] = {}  # seq -> op, dispatch order
         self._seq = -1
 
+    @property
+    def host_allocator(self) -> PageAllocator:
+        """The host pool's allocator (what :meth:`free_host` frees into)."""
+        return self._host
+
     def __len__(self) -> int:
         """Operations in flight (backups sharing a transfer count one each)."""
         return len(self._ops)

@@ -64,6 +64,7 @@ class Removal:
         # a node's pages (its tree keeps them distinct, int32): only the double-free check
         self._device_free = functools.partial(device_allocator.free, validated=True)
         self._host_free = flight.free_host
+        self._host_deferring = flight.host_allocator.deferring
 
     def evict_host_leaves(self, num_tokens: int, page_granular: bool = False) -> int:
         """Delete unlocked host-only leaves, least valuable first (a parent that becomes such a
@@ -72,22 +73,23 @@ class Removal:
         tree, ps = self._tree, self._tree.page_size
         heap = VictimHeap(self.cfg.eviction, tree.evictable_host)
         freed = 0
-        while freed < num_tokens and heap:
-            node = heap.pop()
-            if node not in tree.evictable_host:
-                continue
-            want = -(-(num_tokens - freed) // ps)
-            if (
-                page_granular
-                and want < node.num_pages
-                and not node.host_pins
-                and (self._cut_ok is None or self._cut_ok(node, want, False))
-            ):
-                tree.trim_tail(node, want)
-            parent = node.parent
-            freed += self.delete(node)
-            if parent in tree.evictable_host:
-                heap.push(parent)
+        with self._host_deferring():  # the round's host pages back in one call at its end
+            while freed < num_tokens and heap:
+                node = heap.pop()
+                if node not in tree.evictable_host:
+                    continue
+                want = -(-(num_tokens - freed) // ps)
+                if (
+                    page_granular
+                    and want < node.num_pages
+                    and not node.host_pins
+                    and (self._cut_ok is None or self._cut_ok(node, want, False))
+                ):
+                    tree.trim_tail(node, want)
+                parent = node.parent
+                freed += self.delete(node)
+                if parent in tree.evictable_host:
+                    heap.push(parent)
         return freed
 
     def drop_device(self, node: TreeNode) -> int:

@@ -85,7 +85,16 @@ class PageAllocator:
         name: used in error messages ("device", "host").
     """
 
-    __slots__ = ("num_pages", "name", "on_free", "_stack", "_top", "_allocated", "_slot")
+    __slots__ = (
+        "num_pages",
+        "name",
+        "on_free",
+        "_stack",
+        "_top",
+        "_allocated",
+        "_slot",
+        "_pending",
+    )
 
     def __init__(self, num_pages: int, name: str = "pool") -> None:
         if num_pages < 0:
@@ -100,6 +109,7 @@ class PageAllocator:
         self._top = self.num_pages
         self._allocated = np.zeros(self.num_pages, dtype=np.bool_)
         self._slot = np.zeros(self.num_pages, dtype=np.int32)  # scratch of the duplicate check
+        self._pending: list[np.ndarray] | None = None  # frees held back by deferring()
 
     @property
     def num_free(self) -> int:
@@ -169,10 +179,38 @@ class PageAllocator:
                 self.check_allocated(arr)  # raises the precise error
         else:
             arr = self.check_allocated(ids)
+        if self._pending is not None:  # deferring(): no longer allocated, back at its end
+            if arr.size:
+                self._allocated[arr] = False
+                self._pending.append(arr)
+            return
         if self.on_free is not None and arr.size:
             self.on_free(arr)
         k = arr.size
         self._allocated[arr] = False
+        self._stack[self._top : self._top + k] = arr[::-1]
+        self._top += k
+
+    def deferring(self) -> _Deferral:
+        """A context in which :meth:`free` checks its ids and marks them free at once, but
+        hands them to ``on_free`` and back to the free list at the context's end, in one
+        call: an eviction round frees many nodes' pages, and each ``on_free`` (the window
+        groups' detach) costs a few numpy calls whatever its size. The free list ends as the
+        frees one by one would leave it (the same ids, in the same order), and no id is handed
+        out before the end: use it where nothing allocates from this allocator meanwhile.
+        Nested contexts end with the outermost."""
+        return _Deferral(self)
+
+    def _flush(self) -> None:
+        pending, self._pending = self._pending, None
+        if not pending:
+            return
+        # the frees one by one push each call's ids reversed on top of the last: the same
+        # stack as one push of the calls' ids, last call first, reversed
+        arr = pending[0] if len(pending) == 1 else np.concatenate(pending[::-1])
+        if self.on_free is not None:
+            self.on_free(arr)
+        k = arr.size
         self._stack[self._top : self._top + k] = arr[::-1]
         self._top += k
 
@@ -182,6 +220,24 @@ class PageAllocator:
 
     def reset(self) -> None:
         """Mark every id free again."""
+        self._pending = None
         self._stack[:] = np.arange(self.num_pages - 1, -1, -1, dtype=np.int32)
         self._top = self.num_pages
         self._allocated[:] = False
+
+
+class _Deferral:
+    """:meth:`PageAllocator.deferring`'s context."""
+
+    __slots__ = ("_alloc", "_outer")
+
+    def __init__(self, alloc: PageAllocator) -> None:
+        self._alloc, self._outer = alloc, False
+
+    def __enter__(self) -> None:
+        if self._alloc._pending is None:
+            self._alloc._pending, self._outer = [], True
+
+    def __exit__(self, *exc: object) -> None:
+        if self._outer:
+            self._alloc._flush()
