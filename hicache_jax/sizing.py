@@ -35,7 +35,7 @@ from typing import Any
 from hicache_jax.spec import GroupKind, HiCacheConfig, KVSpec
 from hicache_jax.validation import check_int
 
-__all__ = ["PoolSizes", "SIZED_FIELDS", "size_pools"]
+__all__ = ["PoolSizes", "SIZED_FIELDS", "default_host_bytes", "size_pools"]
 
 #: The ``HiCacheConfig`` fields :meth:`PoolSizes.config` sets (a caller's own value for one of
 #: them is refused: the sizes come from the bytes).
@@ -92,16 +92,19 @@ class PoolSizes:
                 f"{clash[0]} is set by size_pools from the bytes: pass the bytes instead, or "
                 "build HiCacheConfig(...) yourself"
             )
-        return HiCacheConfig(
-            device_pages=self.device_pages,
-            host_pages=self.host_pages,
-            window_device_pages=self.window_device_pages,
-            window_host_pages=self.window_host_pages,
-            state_device_slots=self.state_device_slots,
-            state_host_slots=self.state_host_slots,
-            checkpoint_every_pages=self.checkpoint_every_pages,
-            **fields,
-        )
+        return HiCacheConfig(**self.config_fields(), **fields)
+
+    def config_fields(self) -> dict[str, Any]:
+        """The ``HiCacheConfig`` fields of these pools (None: the config's default)."""
+        return {
+            "device_pages": self.device_pages,
+            "host_pages": self.host_pages,
+            "window_device_pages": self.window_device_pages,
+            "window_host_pages": self.window_host_pages,
+            "state_device_slots": self.state_device_slots,
+            "state_host_slots": self.state_host_slots,
+            "checkpoint_every_pages": self.checkpoint_every_pages,
+        }
 
 
 def size_pools(
@@ -119,8 +122,7 @@ def size_pools(
     Args:
         spec: the model's KV layout.
         device_bytes: bytes for L1's pools, all of them (with a mesh: over every device).
-        host_bytes: bytes for L2's pools; None: ``round(4 * device_bytes)`` (``HiCacheConfig``'s
-            default ``host_ratio``); 0: no L2.
+        host_bytes: bytes for L2's pools; None: :func:`default_host_bytes`; 0: no L2.
         longest_prompt_tokens: the most tokens one request holds (a stack's longest admitted
             prompt; where requests run in batches, the batch's tokens: a running request's own
             pages hold every group's page). Needed with window or ``STATE`` groups.
@@ -142,7 +144,7 @@ def size_pools(
         raise TypeError(f"spec must be a KVSpec, got {type(spec).__name__}")
     device_bytes = check_int("device_bytes", device_bytes, 1)
     if host_bytes is None:
-        host_bytes = int(round(4.0 * device_bytes))
+        host_bytes = default_host_bytes(device_bytes)
     host_bytes = check_int("host_bytes", host_bytes, 0)
     kinds = {g.kind for g in spec.window_groups}
     stateful = GroupKind.STATE in kinds
@@ -187,6 +189,11 @@ def size_pools(
         device_bytes=dused,
         host_bytes=hused,
     )
+
+
+def default_host_bytes(device_bytes: int) -> int:
+    """L2's bytes when none are given: ``HiCacheConfig``'s default ``host_ratio`` times L1's."""
+    return int(round(HiCacheConfig.host_ratio * device_bytes))
 
 
 def _prompts(longest: Any, mean: Any) -> tuple[int, int]:

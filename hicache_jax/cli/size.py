@@ -13,7 +13,7 @@ from typing import Any
 
 from hicache_jax.cli.output import write_json
 from hicache_jax.cli.spec_flags import add_spec_flags, spec_from_flags
-from hicache_jax.sizing import PoolSizes, size_pools
+from hicache_jax.sizing import PoolSizes, default_host_bytes, size_pools
 from hicache_jax.spec import KVSpec
 
 __all__ = ["add_parser", "parse_bytes", "size_command"]
@@ -91,7 +91,7 @@ def size_command(args: argparse.Namespace, parser: argparse.ArgumentParser) -> i
         )
     except (ValueError, TypeError) as exc:
         parser.exit(2, f"hicache-jax size: error: {exc}\n")
-    budgets = (device, round(4.0 * device) if host is None else host)
+    budgets = (device, default_host_bytes(device) if host is None else host)
     print(format_sizes(spec, sizes, budgets), flush=True)
     if args.json:
         write_json(args.json, {"spec": spec.describe_groups(), **dataclasses.asdict(sizes)})
@@ -127,15 +127,6 @@ def format_sizes(spec: KVSpec, sizes: PoolSizes, budgets: tuple[int, int]) -> st
     )
     lines = [f"{groups}; page {ps} tokens"]
     lines += ["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in rows]
-    fields = {
-        "device_pages": sizes.device_pages,
-        "host_pages": sizes.host_pages,
-        "window_device_pages": sizes.window_device_pages,
-        "window_host_pages": sizes.window_host_pages,
-        "state_device_slots": sizes.state_device_slots,
-        "state_host_slots": sizes.state_host_slots,
-        "checkpoint_every_pages": sizes.checkpoint_every_pages,
-    }
-    given = ", ".join(f"{k}={v}" for k, v in fields.items() if v is not None)
+    given = ", ".join(f"{k}={v}" for k, v in sizes.config_fields().items() if v is not None)
     lines.append(f"HiCacheConfig({given})")
     return "\n".join(lines)

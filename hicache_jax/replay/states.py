@@ -310,8 +310,21 @@ def default_state_slots(
 ) -> int:
     """The default rule's state slots of a tier of ``model_pages`` pages' bytes
     (:func:`state_demand`)."""
+    budget = model_pages * spec.page_bytes
+    return _state_slots(spec, budget, longest_tokens, mean_tokens, checkpoint_every, requests)
+
+
+def _state_slots(
+    spec: KVSpec,
+    budget: int,
+    longest_tokens: int,
+    mean_tokens: int,
+    checkpoint_every: int | None,
+    requests: bool,
+) -> int:
+    """The default rule's state slots of a tier of ``budget`` bytes (before the floors)."""
     demand = state_demand(spec, longest_tokens, mean_tokens, checkpoint_every, requests=requests)
-    (n_s,) = solve_demands(model_pages * spec.page_bytes, spec.page_bytes, [demand])
+    (n_s,) = solve_demands(budget, spec.page_bytes, [demand])
     return n_s
 
 
@@ -329,10 +342,7 @@ def tier_slots(
     (:func:`slot_floor`) and at most one a full-attention page, at least one of each."""
     pf, s = spec.page_bytes, slot_bytes(spec)
     if share is None:
-        demand = state_demand(
-            spec, longest_tokens, mean_tokens, checkpoint_every, requests=requests
-        )
-        (n_s,) = solve_demands(budget, pf, [demand])
+        n_s = _state_slots(spec, budget, longest_tokens, mean_tokens, checkpoint_every, requests)
     else:
         n_s = int(share * budget // s)
     n_s = slot_floor(n_s, budget, pf, s)

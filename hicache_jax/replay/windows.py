@@ -346,8 +346,17 @@ def default_window_pages(
 ) -> int:
     """The default rule's window pages of a tier of ``model_pages`` all-full model pages'
     bytes (:func:`window_demand`, :func:`solve_demands`)."""
-    demand = window_demand(spec, model_pages, longest_tokens, mean_tokens, requests=requests)
-    (n_w,) = solve_demands(model_pages * spec.model_page_bytes, spec.page_bytes, [demand])
+    budget = model_pages * spec.model_page_bytes
+    return _window_pages(spec, budget, longest_tokens, mean_tokens, requests)
+
+
+def _window_pages(
+    spec: KVSpec, budget: int, longest_tokens: int, mean_tokens: int, requests: bool
+) -> int:
+    """The default rule's window pages of a tier of ``budget`` bytes (before the split)."""
+    pages = budget // spec.model_page_bytes  # (the all-full model's pages: what L1 admits)
+    demand = window_demand(spec, pages, longest_tokens, mean_tokens, requests=requests)
+    (n_w,) = solve_demands(budget, spec.page_bytes, [demand])
     return n_w
 
 
@@ -357,10 +366,7 @@ def tier_pools(
     """``(N_f, N_w)`` of a tier of ``budget`` bytes by the default rule
     (:func:`window_demand` of the all-full model pages those bytes hold, :func:`solve_demands`,
     :func:`split_bytes`), without the trace's cap (:func:`cap_full_pages`)."""
-    demand = window_demand(
-        spec, budget // spec.model_page_bytes, longest_tokens, mean_tokens, requests=requests
-    )
-    (n_w,) = solve_demands(budget, spec.page_bytes, [demand])
+    n_w = _window_pages(spec, budget, longest_tokens, mean_tokens, requests)
     return split_bytes(budget, spec.page_bytes, window_page_bytes(spec), max(n_w, 1))
 
 
