@@ -198,7 +198,8 @@ class PageAllocator:
         groups' detach) costs a few numpy calls whatever its size. The free list ends as the
         frees one by one would leave it (the same ids, in the same order), and no id is handed
         out before the end: use it where nothing allocates from this allocator meanwhile.
-        Nested contexts end with the outermost."""
+        Nested contexts end with the outermost. Without an ``on_free`` there is nothing to
+        batch: the frees go back at once."""
         return _Deferral(self)
 
     def _flush(self) -> None:
@@ -235,7 +236,7 @@ class _Deferral:
         self._alloc, self._outer = alloc, False
 
     def __enter__(self) -> None:
-        if self._alloc._pending is None:
+        if self._alloc._pending is None and self._alloc.on_free is not None:
             self._alloc._pending, self._outer = [], True
 
     def __exit__(self, *exc: object) -> None:
