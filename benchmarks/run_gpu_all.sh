@@ -10,7 +10,8 @@
 # the smaller of its own cap and what is left, and is killed past it. The steps write their JSON
 # as they go, so a step killed or aborted keeps what it finished. Order: the tables first, the
 # risky probe (a kernel on a pinned_host operand may abort the process) and the compiled-kernel
-# tests last. Files under $OUT: run.log and one JSON per step (the device returns 8 files at most).
+# tests last. Files under $OUT: run.log and one JSON per step (the device returns 8 files at
+# most: these are 8).
 # The tables go into benchmarks/RESULTS.md by hand, with the date and jax version; results.json
 # (benchmarks/collect.py, last) is what hicache-jax compare puts beside a TPU run's.
 set -uo pipefail
@@ -21,6 +22,10 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>&1 | tee 
 run gpu_kernels 120 python3 -m benchmarks.gpu_kernels --no-probe --json "$out/gpu_kernels.json"
 run gpu_transfer 70 python3 -m benchmarks.gpu_transfer --json "$out/gpu_transfer.json"
 run gpu_ttft 80 python3 -m benchmarks.gpu_ttft --json "$out/gpu_ttft.json"
+# A sliding-window model (5:1, window 128) through the serial engine: outputs identical across
+# no cache, device radix and hicache, window pages moved between the tiers on this device.
+run windows 60 python3 -m hicache_jax bench --layer-pattern 5:1 --window 128 --layers 6 \
+    --quiet --json "$out/windows.json"
 # gpu_serve (continuous batching vs serial, < 4 min alone) needs BUDGET_S >= ~560 to run here.
 run gpu_serve 240 python3 -m benchmarks.gpu_serve --json "$out/gpu_serve.json"
 run gpu_kernels_probe 30 python3 -m benchmarks.gpu_kernels --probe-only \

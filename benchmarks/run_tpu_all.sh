@@ -26,6 +26,10 @@ run env 60 python3 -c "import jax; print('jax', jax.__version__, jax.devices())"
 run tpu_kernels 120 python3 -m benchmarks.tpu_kernels --json "$out/tpu_kernels.json"
 run gpu_transfer 90 python3 -m benchmarks.gpu_transfer --json "$out/gpu_transfer.json"
 run gpu_ttft 90 python3 -m benchmarks.gpu_ttft --json "$out/gpu_ttft.json"
+# A sliding-window model (5:1, window 128) through the serial engine: outputs identical across
+# no cache, device radix and hicache, window pages moved between the tiers on this device.
+run windows 60 python3 -m hicache_jax bench --layer-pattern 5:1 --window 128 --layers 6 \
+    --quiet --json "$out/windows.json"
 run gpu_serve 240 python3 -m benchmarks.gpu_serve --json "$out/gpu_serve.json"
 run lower 60 python3 -m hicache_jax lower --platform tpu --no-engine
 # Not -x: one failure must not hide the rest. Left out: tests that need 4 devices or assume CPU.
