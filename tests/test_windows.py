@@ -311,6 +311,37 @@ def test_small_window_pools_evict_for_a_callers_window_pages():
     assert cache.stats()["window_device_used_pages"] <= 18
 
 
+@pytest.mark.parametrize("write_policy", ["clean_ahead", "write_back", "write_through"])
+def test_a_backup_makes_host_room_for_the_window_pages_its_node_end_reads(write_policy):
+    """A host window pool of 4 pages holds two node ends (W 8 = 2 pages each) and a full pool
+    that holds five prompts: each backup past the second evicts the least valuable host node
+    for its end's window pages, rather than copying its full pages without them (a host copy
+    that could not serve its own end, never reclaimed while it held pages nobody reads)."""
+    spec = _spec(window=8)
+    cache = _cache(
+        spec,
+        device=20,
+        host=80,
+        window_host_pages=4,
+        write_policy=write_policy,
+        write_through_threshold=1,
+    )
+    serve = ServedKV(cache)
+    prompts = [np.arange(64) + 1000 * i for i in range(5)]
+    for p in prompts:
+        serve(p)  # 16 pages: the next one evicts it from device (backed up first)
+    cache.flush()
+    st_ = cache.stats()
+    assert st_["window_pages_dropped"] == 0
+    assert st_["host_evicted_tokens"] + st_["host_copies_dropped_tokens"] > 0  # room in L2
+    assert st_["window_host_used_pages"] <= 4
+    # the last one evicted from device (clean_ahead: all but its head) is whole on host:
+    # served bit-exact, from L2
+    assert serve(prompts[3]) == 64
+    assert cache.stats()["host_hit_tokens"] >= 48
+    cache.check_invariants()
+
+
 # --------------------------------------------------------------------------------- bad calls
 
 

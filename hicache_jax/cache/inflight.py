@@ -107,6 +107,9 @@ class InFlight:
         self._loading = np.zeros(device_pages, np.int64)  # 1 + seq of the load writing a page
         self._parked = np.zeros(host.num_pages, np.bool_)  # given up, freed once not busy
         self._claimed: set[TreeNode] = set()  # claimed, not dispatched yet
+        #: window groups: called with a backup's device pages before its dispatch, to make
+        #: room on the host tier for the window pages its node ends read (set by the cache)
+        self.window_room: Callable[[np.ndarray], None] | None = None
         self.num_parked = 0
         self._ops: dict[int, Op] = {}  # seq -> op, dispatch order
         self._seq = -1
@@ -217,6 +220,8 @@ class InFlight:
             TransferKind.BACKUP, [(node, ids, h) for (node, h), ids in zip(claims, device_ids)]
         )
         hosts = np.concatenate([h for _, h in claims])
+        if self.window_room is not None:  # (host eviction: the claimed nodes are not there yet)
+            self.window_room(np.concatenate(device_ids))
         try:
             # the tree's device pages and take_host's fresh host pages: int32, distinct, held
             handle = self._engine.backup(np.concatenate(device_ids), hosts, tag=ops, validated=True)

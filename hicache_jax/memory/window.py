@@ -304,6 +304,12 @@ class WindowPages:
         """bool ``[len(groups), n]``: which of ``anchor_ids`` hold each group's page."""
         return self.attach[:, anchor_ids] >= 0
 
+    def read_counts(self, anchor_ids: np.ndarray) -> list[int]:
+        """Per group, how many of ``anchor_ids`` hold a page that is not spare (one a node end
+        reads: what a copy of them to another tier must take there first)."""
+        held = (self.attach[:, anchor_ids] >= 0) & (self.spare[:, anchor_ids] == 0)
+        return [int(n) for n in np.count_nonzero(held, axis=1)]
+
     def adopt(self, dst: np.ndarray, src: np.ndarray) -> int:
         """Move group pages from ``src[i]`` to ``dst[i]`` where ``dst[i]`` holds none and
         ``src[i]`` holds one (the tree's page takes a caller's duplicate's window KV, which
