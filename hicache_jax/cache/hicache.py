@@ -310,8 +310,10 @@ class HiCache:
                 l3=self._l3,
             )
         )
-        if self._windows is not None:
-            self._flight.window_room = self._host_window_room
+        if self._windows is not None:  # a backup first makes host room for its window pages
+            self._flight.window_room = functools.partial(
+                self._windows.make_host_room, evict_host=self._write.evict_host
+            )
         self._evict = Evictor(
             cfg,
             tree,
@@ -731,20 +733,6 @@ class HiCache:
             dev = self._windows.device
             short = n - min(dev.room(g) for g in groups)
             if short <= 0 or self._evict.evict_device(short * self._ps) == 0:
-                return
-
-    def _host_window_room(self, device_ids: np.ndarray) -> None:
-        """Before a backup of ``device_ids``: evict host nodes, in the write policy's order
-        (their window pages and slots go with them), until each group's host pool has room
-        (free or spare pages) for the pages of it that a node end reads, or nothing more can
-        be evicted. Otherwise the copy would leave those behind and the nodes' host copies
-        could not serve their own ends (ARCHITECTURE.md, "Layer groups")."""
-        assert self._windows is not None
-        host = self._windows.host
-        need = self._windows.device.read_counts(device_ids)
-        while True:
-            short = max(n - host.room(g) for g, n in enumerate(need))
-            if short <= 0 or self._write.evict_host(short * self._ps) == 0:
                 return
 
     def free_pages(self, pages: Any) -> None:

@@ -219,12 +219,12 @@ class InFlight:
         ops = self._ops_for(
             TransferKind.BACKUP, [(node, ids, h) for (node, h), ids in zip(claims, device_ids)]
         )
-        hosts = np.concatenate([h for _, h in claims])
+        hosts, devices = np.concatenate([h for _, h in claims]), np.concatenate(device_ids)
         if self.window_room is not None:  # (host eviction: the claimed nodes are not there yet)
-            self.window_room(np.concatenate(device_ids))
+            self.window_room(devices)
         try:
             # the tree's device pages and take_host's fresh host pages: int32, distinct, held
-            handle = self._engine.backup(np.concatenate(device_ids), hosts, tag=ops, validated=True)
+            handle = self._engine.backup(devices, hosts, tag=ops, validated=True)
         except BaseException:  # internal ids: a bug; undo the claims so the tree stays whole
             for _, host_ids in claims:
                 self._host_free(host_ids)

@@ -428,6 +428,18 @@ class Windows:
         return rank
 
     # -- eviction ------------------------------------------------------------------------
+    def make_host_room(self, device_ids: np.ndarray, evict_host: Callable[[int], int]) -> None:
+        """Before a backup of ``device_ids``: evict host nodes (``evict_host(tokens) ->
+        tokens freed``, the write policy's order; their group pages go with them) until each
+        group's host pool has room (free or spare pages) for the pages of it that a node end
+        reads, or nothing more can be evicted. Otherwise the copy would leave those behind and
+        the nodes' host copies could not serve their own ends."""
+        need = self.device.read_counts(device_ids)
+        while True:
+            short = max(n - self.host.room(g) for g, n in enumerate(need))
+            if short <= 0 or evict_host(short * self._ps) == 0:
+                return
+
     def cut_keeps_servable(self, node: TreeNode, tail_pages: int, on_device: bool) -> bool:
         """Whether cutting ``node``'s last ``tail_pages`` (page-granular eviction) leaves its
         head servable at its new end on that tier: the head holds every window page a
