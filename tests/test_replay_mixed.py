@@ -144,6 +144,29 @@ def test_the_window_rule_takes_the_traces_distinct_pages(spec):
     )
 
 
+def test_the_window_rule_caps_the_two_tiers_together(spec):
+    """As the window replay's: where neither tier's full-attention pool alone holds the trace
+    but both together would, both give up the pages past it, to their window pools; the
+    slots as without the cap. (A tier gives up no more than one window page a full page
+    allows: here L1, whose window pages are as large as its full ones.)"""
+    kw = dict(window_share=None, state_share=None, longest_tokens=200, mean_tokens=90)
+    free = M.pools_for(spec, 200, 2.0, **kw)
+    limit = max(free.device_pages, free.host_pages) + 2
+    assert limit < free.device_pages + free.host_pages
+    p = M.pools_for(spec, 200, 2.0, distinct_pages=limit - 13, **kw)
+    assert p.window_device_pages == p.device_pages  # (L1 at the all-full split)
+    assert p.window_host_pages < p.host_pages <= limit - p.device_pages
+    assert p.device_pages < free.device_pages and p.host_pages < free.host_pages
+    assert p.window_device_pages > free.window_device_pages
+    assert p.window_host_pages > free.window_host_pages
+    assert (p.state_device_slots, p.state_host_slots) == (
+        free.state_device_slots,
+        free.state_host_slots,
+    )
+    l1, l2 = p.bytes_used(spec)
+    assert l1 <= 200 * spec.model_page_bytes and l2 <= 400 * spec.model_page_bytes
+
+
 def test_shares_together_must_leave_pages(trace, spec, monkeypatch):
     with pytest.raises(ValueError, match="must be below 1"):
         M.pools_for(spec, 40, 4.0, window_share=0.5, state_share=0.5, longest_tokens=1,

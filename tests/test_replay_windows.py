@@ -116,6 +116,41 @@ def test_an_l1_above_the_trace_is_capped_alone(spec):
     assert _room_left(spec, p.device_pages, p.window_device_pages, 1000) < W.window_page_bytes(spec)
 
 
+@pytest.mark.parametrize("ratio", [1, 2])
+def test_two_tiers_above_the_trace_together_give_up_the_surplus(spec, ratio):
+    """Neither tier's full-attention pool alone holds the trace, both together do: each gives
+    up the pages past it in proportion to its pool, their bytes to its window pool; the two
+    then hold the trace (less the full-attention pages of a window page's bytes a tier, at
+    most, the rounding of the split), L1 still the longest prompt."""
+    longest, mean, d = 40 * 512, 8 * 512, 1000
+    kw = dict(share=None, longest_tokens=longest, mean_tokens=mean)
+    free = W.pools_for(spec, d, ratio, **kw)
+    limit = max(free.device_pages, free.host_pages) + 10  # neither alone, both together
+    assert limit < free.device_pages + free.host_pages
+    p = W.pools_for(spec, d, ratio, distinct_pages=limit - 40, **kw)
+    per = W.window_page_bytes(spec) // spec.page_bytes  # (5 for 5:1)
+    assert limit - 2 * per <= p.device_pages + p.host_pages <= limit
+    surplus = free.device_pages + free.host_pages - limit
+    gave = (free.device_pages - p.device_pages, free.host_pages - p.host_pages)
+    assert abs(gave[0] - surplus * free.device_pages / (free.device_pages + free.host_pages)) <= per
+    assert p.window_device_pages > free.window_device_pages >= 1
+    assert p.window_host_pages > free.window_host_pages
+    assert p.device_pages >= 40 and p.window_device_pages <= p.device_pages
+    for pages, n_f, n_w in ((d, p.device_pages, p.window_device_pages),
+                            (p.model_host_pages, p.host_pages, p.window_host_pages)):  # fmt: skip
+        assert 0 <= _room_left(spec, n_f, n_w, pages) < W.window_page_bytes(spec)
+    # a trace both hold with room to spare: as without it
+    roomy = free.device_pages + free.host_pages
+    assert W.pools_for(spec, d, ratio, distinct_pages=roomy - 40, **kw) == free
+
+
+def test_the_surplus_cap_keeps_the_longest_prompt_on_l1():
+    assert W.surplus_cap(100, 300, 400, 10) is None  # within the limit
+    assert W.surplus_cap(100, 300, 200, 10) == 50  # half of each
+    assert W.surplus_cap(100, 300, 40, 30) == 30  # L1 keeps its 30
+    assert W.surplus_cap(20, 300, 40, 30) == 20  # (never above what L1 had)
+
+
 def test_pattern_replay_hits_is_deterministic_and_reports_r(trace, spec):
     def once():
         rep = driver.run(trace, spec, device_pages=[150], host_ratio=2, window_share=0.3)

@@ -29,7 +29,8 @@ reuses their parts rather than copying them:
   (:func:`hicache_jax.replay.windows.split_bytes`). Given the trace's distinct pages, the
   window rule takes them as the window replay's does
   (:func:`hicache_jax.replay.windows.pools_for`): no full-attention pool holds more (the bytes
-  past that in window pages), and where L2's alone would, L1 keeps one window page a full page.
+  past that in window pages), where L2's alone would, L1 keeps one window page a full page, and
+  where only both together would, both give up the pages past it to their window pools.
 - **What it holds per byte** (:class:`MixedHolding`): sampled after every request, the bytes
   ratio ``r`` (the all-full model's bytes of the tokens cached over the bytes of the pages
   and slots used: checkpoints are bytes the all-full model would not spend), the window
@@ -183,7 +184,8 @@ def pools_for(
     <hicache_jax.replay.states.AUTO>`: the interval that spreads the slots over the pages).
     ``distinct_pages``: the trace's distinct pages, which the window rule takes as
     :func:`hicache_jax.replay.windows.pools_for` does (no full-attention pool holds more, plus
-    the longest prompt; L1 one window page a full page where L2 alone would).
+    the longest prompt; L1 one window page a full page where L2 alone would; both capped by
+    :func:`hicache_jax.replay.windows.surplus_cap` where only both together would).
 
     Raises:
         ValueError: the shares together leave no byte for full-attention pages.
@@ -209,10 +211,10 @@ def pools_for(
             else _windows.full_page_limit(distinct_pages, longest_tokens, spec.page_size)
         )
         whole = False  # L2's full-attention pool would hold every page of the trace
-        for pages, requests in ((model_host, False), (model_device_pages, True)):  # L2 first
+
+        def tier(pages: int, requests: bool, cap: int | None) -> tuple[Any, ...]:
             if pages == 0:
-                tiers.append((0, 0, 0, 0.0, 0.0))
-                continue
+                return (0, 0, 0, 0.0, 0.0), False
             n_f, n_w, n_s, over = tier_pools(
                 spec,
                 pages * pm,
@@ -222,12 +224,25 @@ def pools_for(
                 longest_tokens,
                 mean_tokens,
                 every,
-                limit,
+                cap,
                 all_full=requests and whole,
             )
-            whole = whole or (over and not requests)
             budget = pages * pm
-            tiers.append((n_f, n_w, n_s, n_w * pw / budget, n_s * s / budget))
+            return (n_f, n_w, n_s, n_w * pw / budget, n_s * s / budget), over
+
+        capped = False  # a tier's would
+        for pages, requests in ((model_host, False), (model_device_pages, True)):  # L2 first
+            t, over = tier(pages, requests, limit)
+            whole = whole or (over and not requests)
+            capped = capped or over
+            tiers.append(t)
+        if window_share is None and limit is not None and not capped and model_host:
+            # neither tier's alone holds the trace, both together at most
+            own = min(-(-longest_tokens // spec.page_size), model_device_pages)
+            cap = _windows.surplus_cap(tiers[1][0], tiers[0][0], limit, own)
+            if cap is not None:
+                device = tier(model_device_pages, True, cap)[0]
+                tiers = [tier(model_host, False, max(limit - device[0], 1))[0], device]
         (hf, hw, hs, hws, hss), (df, dw, ds, dws, dss) = tiers
         return MixedPools(
             model_device_pages,

@@ -36,7 +36,7 @@ trace, :func:`prompt_tokens`): the window pool holds
 
 And one number of the trace beyond its prompts, where :func:`pools_for` is given it (the
 replay does): its distinct pages, ``D`` (a serving stack's analogue is the working set it is
-sized for). Two consequences:
+sized for). Three consequences:
 
 - a tier's full-attention pool never holds more than ``D`` pages (plus the longest prompt: a
   request's own pages before they are inserted); where the rule would give it more, the bytes
@@ -47,7 +47,13 @@ sized for). Two consequences:
   back L1's pages up to L2, which has room for all of them), only hits served without a
   load-back; as window pages, the same bytes keep every end inside L1's nodes servable and
   ride every backup to L2. Hits win over load-backs: this trades L1 hits for L2 hits and
-  recomputed split points for hits (benchmarks/RESULTS.md, "Layer groups").
+  recomputed split points for hits (benchmarks/RESULTS.md, "Layer groups");
+- where neither tier's full-attention pool alone would hold more than that but both together
+  would (:func:`surplus_cap`), each gives up the pages past it in proportion to its pool
+  (L1 keeping the longest prompt's), their bytes to its window pool: the tiers' pages of the
+  trace then still fit, and more of its split points keep their windows on the tier that
+  serves them (what the 5:1 model lost at such a budget were matches cut for want of window
+  pages on either tier; benchmarks/RESULTS.md, "Layer groups").
 
 At most one window page per full-attention page: where the rule asks for more, the split is
 the all-full model's (one window page per full page, which never runs short). So where the
@@ -85,6 +91,7 @@ __all__ = [
     "solve_demands",
     "split_bytes",
     "split_pools",
+    "surplus_cap",
     "tier_pools",
     "window_demand",
     "window_page_bytes",
@@ -390,12 +397,14 @@ def pools_for(
     model pages' bytes: ``share`` of each tier's bytes in window pages, or None: the default
     rule (:func:`default_window_pages` of the longest and the mean prompt, in tokens; with
     ``distinct_pages``, the trace's distinct pages, each tier's full-attention pool capped by
-    :func:`cap_full_pages`, and where L2's alone would hold more than the trace has, L1 split
-    as the all-full model's: see the module docstring)."""
+    :func:`cap_full_pages`, where L2's alone would hold more than the trace has, L1 split
+    as the all-full model's, and where only both together would, both capped by
+    :func:`surplus_cap`: see the module docstring)."""
     model_host = int(round(host_ratio * model_device_pages))
     pw = window_page_bytes(spec)
     out = []
     whole = False  # L2's full-attention pool would hold every page of the trace
+    capped = False  # a tier's would
     for pages, requests in ((model_host, False), (model_device_pages, True)):  # L2 first
         if pages == 0:
             out.append((0, 0, 0.0))
@@ -410,10 +419,22 @@ def pools_for(
             if requests and whole:
                 n_f = n_w = pages  # the all-full model's split: no spare page ever reclaimed
             else:
-                whole = n_f > limit
+                capped = capped or n_f > limit
+                whole = whole or (n_f > limit and not requests)
                 n_f, n_w = cap_full_pages(budget, spec.page_bytes, pw, n_f, n_w, limit)
         out.append((n_f, n_w, n_w * pw / (pages * spec.model_page_bytes)))
     (hf, hw, hs), (df, dw, ds) = out
+    if share is None and distinct_pages is not None and not capped and model_host:
+        # neither tier's alone holds the trace, both together at most (module docstring)
+        limit = full_page_limit(distinct_pages, longest_tokens, spec.page_size)
+        own = min(-(-longest_tokens // spec.page_size), model_device_pages)
+        cap = surplus_cap(df, hf, limit, own)
+        if cap is not None:
+            mb = spec.model_page_bytes
+            df, dw = cap_full_pages(model_device_pages * mb, spec.page_bytes, pw, df, dw, cap)
+            cap = max(limit - df, 1)
+            hf, hw = cap_full_pages(model_host * mb, spec.page_bytes, pw, hf, hw, cap)
+            ds, hs = dw * pw / (model_device_pages * mb), hw * pw / (model_host * mb)
     return Pools(
         model_device_pages=model_device_pages,
         model_host_pages=model_host,
@@ -424,6 +445,21 @@ def pools_for(
         device_share=ds,
         host_share=hs,
     )
+
+
+def surplus_cap(device_full: int, host_full: int, limit: int, own: int) -> int | None:
+    """L1's cap on its full-attention pages where L1's ``device_full`` and L2's ``host_full``
+    together hold more than ``limit`` (the trace's distinct pages and the longest prompt's:
+    :func:`full_page_limit`), else None: the pages past it (the surplus) are given up by both
+    tiers in proportion to their pools, L1 keeping at least ``own`` (the longest prompt's
+    pages: a request's own pages live there). L2's cap is then ``limit`` less the pages L1
+    keeps (more than its cap where one window page a full page bounds it). Their bytes go to
+    the tiers' window pools (:func:`cap_full_pages`)."""
+    surplus = device_full + host_full - limit
+    if surplus <= 0:
+        return None
+    cap = max(device_full - round(surplus * device_full / (device_full + host_full)), own)
+    return min(cap, device_full)
 
 
 class Holding:
