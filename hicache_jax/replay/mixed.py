@@ -55,7 +55,7 @@ from hicache_jax.replay import states as _states
 from hicache_jax.replay import windows as _windows
 from hicache_jax.spec import HiCacheConfig, KVSpec
 
-__all__ = ["MixedHolding", "MixedPools", "pools_for", "tier_pools"]
+__all__ = ["MixedHolding", "MixedPools", "pools_for", "split_tiers", "tier_pools"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -204,46 +204,22 @@ def pools_for(
             _windows.window_page_bytes(spec),
             _states.slot_bytes(spec),
         )
-        tiers = []
-        limit = (
-            None
-            if distinct_pages is None
-            else _windows.full_page_limit(distinct_pages, longest_tokens, spec.page_size)
+        budgets = (model_device_pages * pm, model_host * pm)
+        (df, dw, ds), (hf, hw, hs) = split_tiers(
+            spec,
+            *budgets,
+            window_share=window_share,
+            state_share=state_share,
+            longest_tokens=longest_tokens,
+            mean_tokens=mean_tokens,
+            every=every,
+            distinct_pages=distinct_pages,
         )
-        whole = False  # L2's full-attention pool would hold every page of the trace
 
-        def tier(pages: int, requests: bool, cap: int | None) -> tuple[Any, ...]:
-            if pages == 0:
-                return (0, 0, 0, 0.0, 0.0), False
-            n_f, n_w, n_s, over = tier_pools(
-                spec,
-                pages * pm,
-                requests,
-                window_share,
-                state_share,
-                longest_tokens,
-                mean_tokens,
-                every,
-                cap,
-                all_full=requests and whole,
-            )
-            budget = pages * pm
-            return (n_f, n_w, n_s, n_w * pw / budget, n_s * s / budget), over
+        def shares(budget: int, n_w: int, n_s: int) -> tuple[float, float]:
+            return (n_w * pw / budget, n_s * s / budget) if budget else (0.0, 0.0)
 
-        capped = False  # a tier's would
-        for pages, requests in ((model_host, False), (model_device_pages, True)):  # L2 first
-            t, over = tier(pages, requests, limit)
-            whole = whole or (over and not requests)
-            capped = capped or over
-            tiers.append(t)
-        if window_share is None and limit is not None and not capped and model_host:
-            # neither tier's alone holds the trace, both together at most
-            own = min(-(-longest_tokens // spec.page_size), model_device_pages)
-            cap = _windows.surplus_cap(tiers[1][0], tiers[0][0], limit, own)
-            if cap is not None:
-                device = tier(model_device_pages, True, cap)[0]
-                tiers = [tier(model_host, False, max(limit - device[0], 1))[0], device]
-        (hf, hw, hs, hws, hss), (df, dw, ds, dws, dss) = tiers
+        (dws, dss), (hws, hss) = shares(budgets[0], dw, ds), shares(budgets[1], hw, hs)
         return MixedPools(
             model_device_pages,
             model_host,
@@ -262,6 +238,62 @@ def pools_for(
         )
 
     return _states.with_interval(make, checkpoint_every)
+
+
+def split_tiers(
+    spec: KVSpec,
+    device_budget: int,
+    host_budget: int,
+    *,
+    window_share: float | None,
+    state_share: float | None,
+    longest_tokens: int,
+    mean_tokens: int,
+    every: int | None,
+    distinct_pages: int | None = None,
+) -> tuple[tuple[int, int, int], tuple[int, int, int]]:
+    """``((N_f, N_w, N_s) of L1, (N_f, N_w, N_s) of L2)`` of L1's ``device_budget`` and L2's
+    ``host_budget`` bytes (:func:`tier_pools` each; a tier of no bytes ``(0, 0, 0)``). With
+    ``distinct_pages`` and the default window rule, the window rule's caps as
+    :func:`hicache_jax.replay.windows.split_tiers` applies them (the slots as without them)."""
+    limit = None
+    if distinct_pages is not None:
+        limit = _windows.full_page_limit(distinct_pages, longest_tokens, spec.page_size)
+    whole = False  # L2's full-attention pool would hold every page of the trace
+
+    def tier(budget: int, requests: bool, cap: int | None) -> tuple[tuple[int, int, int], bool]:
+        if budget == 0:
+            return (0, 0, 0), False
+        n_f, n_w, n_s, over = tier_pools(
+            spec,
+            budget,
+            requests,
+            window_share,
+            state_share,
+            longest_tokens,
+            mean_tokens,
+            every,
+            cap,
+            all_full=requests and whole,
+        )
+        return (n_f, n_w, n_s), over
+
+    tiers = []
+    capped = False  # a tier's would
+    for budget, requests in ((host_budget, False), (device_budget, True)):  # L2 first
+        t, over = tier(budget, requests, limit)
+        whole = whole or (over and not requests)
+        capped = capped or over
+        tiers.append(t)
+    host, device = tiers
+    if window_share is None and limit is not None and not capped and host_budget and device_budget:
+        # neither tier's alone holds the trace, both together at most
+        own = min(-(-longest_tokens // spec.page_size), device_budget // spec.model_page_bytes)
+        cap = _windows.surplus_cap(device[0], host[0], limit, own)
+        if cap is not None:
+            device = tier(device_budget, True, cap)[0]
+            host = tier(host_budget, False, max(limit - device[0], 1))[0]
+    return device, host
 
 
 class MixedHolding:

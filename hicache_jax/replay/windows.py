@@ -91,6 +91,7 @@ __all__ = [
     "solve_demands",
     "split_bytes",
     "split_pools",
+    "split_tiers",
     "surplus_cap",
     "tier_pools",
     "window_demand",
@@ -395,46 +396,24 @@ def pools_for(
 ) -> Pools:
     """The pools of L1 = ``model_device_pages`` and L2 = ``round(host_ratio x L1)`` all-full
     model pages' bytes: ``share`` of each tier's bytes in window pages, or None: the default
-    rule (:func:`default_window_pages` of the longest and the mean prompt, in tokens; with
-    ``distinct_pages``, the trace's distinct pages, each tier's full-attention pool capped by
-    :func:`cap_full_pages`, where L2's alone would hold more than the trace has, L1 split
-    as the all-full model's, and where only both together would, both capped by
-    :func:`surplus_cap`: see the module docstring)."""
+    rule (:func:`split_tiers`, with ``distinct_pages``, the trace's distinct pages: see the
+    module docstring)."""
     model_host = int(round(host_ratio * model_device_pages))
-    pw = window_page_bytes(spec)
-    out = []
-    whole = False  # L2's full-attention pool would hold every page of the trace
-    capped = False  # a tier's would
-    for pages, requests in ((model_host, False), (model_device_pages, True)):  # L2 first
-        if pages == 0:
-            out.append((0, 0, 0.0))
-            continue
-        budget = pages * spec.model_page_bytes
-        if share is None:
-            n_f, n_w = tier_pools(spec, budget, longest_tokens, mean_tokens, requests=requests)
-        else:
-            n_f, n_w = split_bytes(budget, spec.page_bytes, pw, max(int(share * budget // pw), 1))
-        if share is None and distinct_pages is not None:
-            limit = full_page_limit(distinct_pages, longest_tokens, spec.page_size)
-            if requests and whole:
-                n_f = n_w = pages  # the all-full model's split: no spare page ever reclaimed
-            else:
-                capped = capped or n_f > limit
-                whole = whole or (n_f > limit and not requests)
-                n_f, n_w = cap_full_pages(budget, spec.page_bytes, pw, n_f, n_w, limit)
-        out.append((n_f, n_w, n_w * pw / (pages * spec.model_page_bytes)))
-    (hf, hw, hs), (df, dw, ds) = out
-    if share is None and distinct_pages is not None and not capped and model_host:
-        # neither tier's alone holds the trace, both together at most (module docstring)
-        limit = full_page_limit(distinct_pages, longest_tokens, spec.page_size)
-        own = min(-(-longest_tokens // spec.page_size), model_device_pages)
-        cap = surplus_cap(df, hf, limit, own)
-        if cap is not None:
-            mb = spec.model_page_bytes
-            df, dw = cap_full_pages(model_device_pages * mb, spec.page_bytes, pw, df, dw, cap)
-            cap = max(limit - df, 1)
-            hf, hw = cap_full_pages(model_host * mb, spec.page_bytes, pw, hf, hw, cap)
-            ds, hs = dw * pw / (model_device_pages * mb), hw * pw / (model_host * mb)
+    mb, pw = spec.model_page_bytes, window_page_bytes(spec)
+    budgets = (model_device_pages * mb, model_host * mb)
+    if share is None:
+        (df, dw), (hf, hw) = split_tiers(
+            spec,
+            *budgets,
+            longest_tokens=longest_tokens,
+            mean_tokens=mean_tokens,
+            distinct_pages=distinct_pages,
+        )
+    else:  # a share given is what it says: no cap
+        (df, dw), (hf, hw) = (
+            split_bytes(b, spec.page_bytes, pw, max(int(share * b // pw), 1)) if b else (0, 0)
+            for b in budgets
+        )
     return Pools(
         model_device_pages=model_device_pages,
         model_host_pages=model_host,
@@ -442,9 +421,55 @@ def pools_for(
         host_pages=hf,
         window_device_pages=dw,
         window_host_pages=hw,
-        device_share=ds,
-        host_share=hs,
+        device_share=dw * pw / budgets[0] if budgets[0] else 0.0,
+        host_share=hw * pw / budgets[1] if budgets[1] else 0.0,
     )
+
+
+def split_tiers(
+    spec: KVSpec,
+    device_budget: int,
+    host_budget: int,
+    *,
+    longest_tokens: int,
+    mean_tokens: int,
+    distinct_pages: int | None = None,
+) -> tuple[tuple[int, int], tuple[int, int]]:
+    """``((N_f, N_w) of L1, (N_f, N_w) of L2)``: the default rule's split of L1's
+    ``device_budget`` and L2's ``host_budget`` bytes (:func:`tier_pools` each; a tier of no
+    bytes ``(0, 0)``). With ``distinct_pages`` (a trace's distinct pages, or the working set a
+    stack is sized for), its caps (module docstring): each tier's full-attention pool capped
+    by :func:`cap_full_pages`; where L2's alone would hold more, L1 split as the all-full
+    model's; where only both together would, both capped by :func:`surplus_cap`."""
+    pw, mb = window_page_bytes(spec), spec.model_page_bytes
+    limit = None
+    if distinct_pages is not None:
+        limit = full_page_limit(distinct_pages, longest_tokens, spec.page_size)
+    out = []
+    whole = False  # L2's full-attention pool would hold every page of the trace
+    capped = False  # a tier's would
+    for budget, requests in ((host_budget, False), (device_budget, True)):  # L2 first
+        if budget == 0:
+            out.append((0, 0))
+            continue
+        n_f, n_w = tier_pools(spec, budget, longest_tokens, mean_tokens, requests=requests)
+        if limit is not None:
+            if requests and whole:  # the all-full model's split: no spare page ever reclaimed
+                n_f = n_w = budget // mb
+            else:
+                capped = capped or n_f > limit
+                whole = whole or (n_f > limit and not requests)
+                n_f, n_w = cap_full_pages(budget, spec.page_bytes, pw, n_f, n_w, limit)
+        out.append((n_f, n_w))
+    (hf, hw), (df, dw) = out
+    if limit is not None and not capped and host_budget and device_budget:
+        # neither tier's alone holds the trace, both together at most (module docstring)
+        own = min(-(-longest_tokens // spec.page_size), device_budget // mb)
+        cap = surplus_cap(df, hf, limit, own)
+        if cap is not None:
+            df, dw = cap_full_pages(device_budget, spec.page_bytes, pw, df, dw, cap)
+            hf, hw = cap_full_pages(host_budget, spec.page_bytes, pw, hf, hw, max(limit - df, 1))
+    return (df, dw), (hf, hw)
 
 
 def surplus_cap(device_full: int, host_full: int, limit: int, own: int) -> int | None:
