@@ -15,7 +15,11 @@ preallocated arrays of their own. :func:`size_pools` splits each tier's bytes be
   pages); at most one window page a full-attention page;
 - ``STATE`` groups (recurrent layers): one request's checkpoints on L1 plus one slot per mean
   prompt's pages (two with interior checkpoints), at least 8, at most one a page;
-- both kinds at once: both demands, solved together.
+- both kinds at once: both demands, solved together;
+- given the workload's working set (``working_set_tokens``, with window groups): no
+  full-attention pool holds more pages than it and the longest prompt, beside an L2 that would
+  L1 is split as the all-full model's, and both tiers together hold at most it (the bytes past
+  it in window pages).
 
 The rules are the replay's (:func:`hicache_jax.replay.windows.tier_pools`,
 :func:`hicache_jax.replay.states.tier_slots`, :func:`hicache_jax.replay.mixed.tier_pools`):
@@ -115,6 +119,7 @@ def size_pools(
     longest_prompt_tokens: int | None = None,
     mean_prompt_tokens: int | None = None,
     checkpoint_every_pages: int | None = None,
+    working_set_tokens: int | None = None,
 ) -> PoolSizes:
     """Split ``device_bytes`` of L1 and ``host_bytes`` of L2 between ``spec``'s pools by the
     default rule (module docstring); ``.config(...)`` gives the ``HiCacheConfig``.
@@ -132,13 +137,21 @@ def size_pools(
         checkpoint_every_pages: with ``STATE`` groups, the interval of interior checkpoints
             the split is made for (``HiCacheConfig.checkpoint_every_pages``; None: the cache's
             default), passed on to the config.
+        working_set_tokens: with sliding-window or chunked groups, the distinct tokens the
+            stack's workload keeps coming back to (what a replay takes as a trace's distinct
+            pages), or None: no cap. Given, no full-attention pool holds more pages than that
+            plus the longest prompt's, the bytes past it in window pages; where L2's alone
+            would, L1 is split as the all-full model's; where only both together would, both
+            give up the pages past it in proportion (the replay's rule with a trace's
+            distinct pages, ``hicache_jax.replay.windows.split_tiers``).
 
     Raises:
         TypeError: ``spec`` not a ``KVSpec``; a count not an int.
         ValueError: naming the argument: a negative or zero budget, prompt lengths missing
             where the spec needs them or inconsistent, ``checkpoint_every_pages`` without a
-            ``STATE`` group, or a tier too small to hold one full-attention page beside the
-            windows or slots the rule keeps (the bytes it needs are in the message).
+            ``STATE`` group, ``working_set_tokens`` without a sliding-window or chunked
+            group, or a tier too small to hold one full-attention page beside the windows
+            or slots the rule keeps (the bytes it needs are in the message).
     """
     if not isinstance(spec, KVSpec):
         raise TypeError(f"spec must be a KVSpec, got {type(spec).__name__}")
@@ -156,17 +169,37 @@ def size_pools(
                 "has none"
             )
         checkpoint_every_pages = check_int("checkpoint_every_pages", checkpoint_every_pages, 0)
+    distinct = None
+    if working_set_tokens is not None:
+        if not windowed:
+            raise ValueError(
+                "working_set_tokens caps the full-attention pools beside window pools: the spec "
+                "has no sliding-window or chunked group"
+            )
+        working_set_tokens = check_int("working_set_tokens", working_set_tokens, 1)
+        distinct = -(-working_set_tokens // spec.page_size)
     longest = mean = 0
     if stateful or windowed:
         longest, mean = _prompts(longest_prompt_tokens, mean_prompt_tokens)
+    budgets = (device_bytes, host_bytes)
+    split = None
+    if distinct is not None:  # both tiers at once: the caps look at both
+        split = _split_both(
+            spec, budgets, stateful, longest, mean, checkpoint_every_pages, distinct
+        )
     tiers: list[tuple[int, int | None, int | None, int]] = []
-    for name, budget, requests in (("device", device_bytes, True), ("host", host_bytes, False)):
+    for i, (name, budget, requests) in enumerate(
+        (("device", device_bytes, True), ("host", host_bytes, False))
+    ):
         if budget == 0:
             tiers.append((0, None, None, 0))
             continue
-        n_f, n_w, n_s, used = _tier(
-            spec, budget, requests, stateful, windowed, longest, mean, checkpoint_every_pages
-        )
+        if split is None:
+            n_f, n_w, n_s, used = _tier(
+                spec, budget, requests, stateful, windowed, longest, mean, checkpoint_every_pages
+            )
+        else:
+            n_f, n_w, n_s, used = split[i]
         if n_f < 1 or (n_w is not None and n_w < 1) or used > budget:
             least = max(used, _least_bytes(spec))
             beside = ", with the window pages or state slots the rule keeps" * bool(
@@ -245,6 +278,47 @@ def _tier(
         + (n_s or 0) * states.slot_bytes(spec)
     )
     return n_f, n_w, n_s, used
+
+
+def _split_both(
+    spec: KVSpec,
+    budgets: tuple[int, int],
+    stateful: bool,
+    longest: int,
+    mean: int,
+    every: int | None,
+    distinct: int,
+) -> list[tuple[int, int | None, int | None, int]]:
+    """``(N_f, N_w, N_s, bytes)`` of L1 and L2 (windowed specs) with the full-attention pools
+    capped at ``distinct`` pages (:func:`hicache_jax.replay.windows.split_tiers`)."""
+    from hicache_jax.replay import mixed, states, windows
+
+    sizes: list[tuple[int, int, int | None]]
+    if stateful:
+        sizes = list(
+            mixed.split_tiers(
+                spec,
+                *budgets,
+                window_share=None,
+                state_share=None,
+                longest_tokens=longest,
+                mean_tokens=mean,
+                every=every,
+                distinct_pages=distinct,
+            )
+        )
+    else:
+        sizes = [
+            (n_f, n_w, None)
+            for n_f, n_w in windows.split_tiers(
+                spec, *budgets, longest_tokens=longest, mean_tokens=mean, distinct_pages=distinct
+            )
+        ]
+    pw, slot = windows.window_page_bytes(spec), states.slot_bytes(spec)
+    return [
+        (n_f, n_w, n_s, n_f * spec.page_bytes + n_w * pw + (n_s or 0) * slot)
+        for n_f, n_w, n_s in sizes
+    ]
 
 
 def _least_bytes(spec: KVSpec) -> int:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import re
+from typing import Any
 
 import numpy as np
 import pytest
@@ -94,6 +95,59 @@ def test_both_kinds_split_as_the_mixed_replay_does():
         got = (p.host_pages, p.window_host_pages, p.state_host_slots)
         assert got == (ref.host_pages, ref.window_host_pages, ref.state_host_slots)
         assert (p.device_bytes, p.host_bytes) == ref.bytes_used(spec)
+
+
+@pytest.mark.parametrize(
+    "pattern, model_pages, ratio",
+    [("5:1", 1953, 2), ("5:1", 1953, 4), ("5:1", 585, 2), ("5:1", 195, 8), ("R2:S1:F1", 5859, 2)],
+)
+def test_a_working_set_caps_the_full_pools_as_the_replays_distinct_pages(
+    pattern, model_pages, ratio
+):
+    """Given the workload's working set, the pools are the replay's with a trace of that many
+    distinct pages (each tier capped, L1 all-full beside an L2 that holds it, both together
+    capped): the rule measured at equal memory (benchmarks/RESULTS.md)."""
+    if pattern.startswith("R"):
+        spec = states.state_spec(pattern, 512, window=1024)
+    else:
+        spec = windows.pattern_spec(pattern, 1024, 512)
+    pm, distinct = spec.model_page_bytes, 18_793  # (Mooncake's synthetic trace's pages)
+    kw = dict(longest_prompt_tokens=134_773, mean_prompt_tokens=11_852)
+    budgets = (model_pages * pm, ratio * model_pages * pm)
+    p = size_pools(spec, *budgets, working_set_tokens=distinct * 512 - 100, **kw)
+    sizes = dict(longest_tokens=kw["longest_prompt_tokens"], mean_tokens=kw["mean_prompt_tokens"])
+    if pattern.startswith("R"):
+        ref: Any = mixed.pools_for(spec, model_pages, ratio, window_share=None,
+                                   state_share=None, distinct_pages=distinct, **sizes)  # fmt: skip
+        assert (p.state_device_slots, p.state_host_slots) == (
+            ref.state_device_slots,
+            ref.state_host_slots,
+        )
+    else:
+        ref = windows.pools_for(spec, model_pages, ratio, share=None, distinct_pages=distinct,
+                                **sizes)  # fmt: skip
+    assert (p.device_pages, p.window_device_pages) == (ref.device_pages, ref.window_device_pages)
+    assert (p.host_pages, p.window_host_pages) == (ref.host_pages, ref.window_host_pages)
+    assert (p.device_bytes, p.host_bytes) == ref.bytes_used(spec)
+    assert p.device_bytes <= budgets[0] and p.host_bytes <= budgets[1]
+    # a working set larger than the pools: as without one
+    assert size_pools(spec, *budgets, working_set_tokens=10**12, **kw) == size_pools(
+        spec, *budgets, **kw
+    )
+
+
+def test_a_working_set_is_refused_without_window_groups_or_when_not_a_count():
+    kw = {"longest_prompt_tokens": LONGEST, "mean_prompt_tokens": MEAN}
+    plain = KVSpec(num_layers=2, num_kv_heads=1, head_dim=8, dtype="float32", page_size=16)
+    with pytest.raises(ValueError, match=r"working_set_tokens .* no sliding-window"):
+        size_pools(plain, GiB, working_set_tokens=10**6)
+    with pytest.raises(ValueError, match=r"working_set_tokens .* no sliding-window"):
+        size_pools(states.state_spec("R3:F1", 512), GiB, working_set_tokens=10**6, **kw)
+    spec = _gemma_like()
+    with pytest.raises(ValueError, match="working_set_tokens"):
+        size_pools(spec, GiB, working_set_tokens=0, **kw)
+    with pytest.raises(TypeError, match="working_set_tokens"):
+        size_pools(spec, GiB, working_set_tokens=1.5, **kw)  # type: ignore[arg-type]
 
 
 def test_the_windowed_model_holds_more_tokens_than_the_all_full_one_at_equal_bytes():
@@ -215,6 +269,15 @@ def test_the_size_command_prints_the_pools_and_the_config(tmp_path, capsys):
     assert data["device_pages"] == want.device_pages and data["host_bytes"] == want.host_bytes
     assert main(["size", "--device-bytes", "1e9", "--host-bytes", "0"]) == 0
     assert "HiCacheConfig(device_pages=" in capsys.readouterr().out
+    # a working set: the pools of size_pools(..., working_set_tokens=...)
+    small = size_pools(_gemma_like(), 8 << 20, 32 << 20, longest_prompt_tokens=2048,
+                       mean_prompt_tokens=512, working_set_tokens=4096)  # fmt: skip
+    assert (small.device_pages, small.host_pages) != (want.device_pages, want.host_pages)
+    assert main([*argv, "--host-bytes", "32MiB", "--working-set", "4096"]) == 0
+    out = capsys.readouterr().out
+    assert (
+        f"HiCacheConfig(device_pages={small.device_pages}, host_pages={small.host_pages}, " in out
+    )
 
 
 @pytest.mark.parametrize(

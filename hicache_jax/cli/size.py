@@ -52,6 +52,13 @@ def add_parser(sub: Any) -> None:
         help="with recurrent layers: interior checkpoints every this many pages "
         "(default: the cache's)",
     )
+    p.add_argument(
+        "--working-set",
+        type=int,
+        metavar="TOKENS",
+        help="with window layers: the distinct tokens the workload comes back to; no "
+        "full-attention pool holds more (the bytes past it in window pages)",
+    )
     p.add_argument("--json", metavar="PATH", help="write the pools as JSON")
     p.set_defaults(func=size_command)
 
@@ -88,6 +95,7 @@ def size_command(args: argparse.Namespace, parser: argparse.ArgumentParser) -> i
             longest_prompt_tokens=args.longest_prompt,
             mean_prompt_tokens=args.mean_prompt,
             checkpoint_every_pages=args.checkpoint_every,
+            working_set_tokens=args.working_set,
         )
     except (ValueError, TypeError) as exc:
         parser.exit(2, f"hicache-jax size: error: {exc}\n")
