@@ -18,8 +18,9 @@ preallocated arrays of their own. :func:`size_pools` splits each tier's bytes be
 - both kinds at once: both demands, solved together;
 - given the workload's working set (``working_set_tokens``, with window groups): no
   full-attention pool holds more pages than it and the longest prompt, beside an L2 that would
-  L1 is split as the all-full model's, and both tiers together hold at most it (the bytes past
-  it in window pages).
+  L1 is split as the all-full model's, and under a write policy that backs up what L1 evicts
+  (``clean_ahead``, ``write_back``) both tiers together hold at most it (the bytes past it in
+  window pages).
 
 The rules are the replay's (:func:`hicache_jax.replay.windows.tier_pools`,
 :func:`hicache_jax.replay.states.tier_slots`, :func:`hicache_jax.replay.mixed.tier_pools`):
@@ -36,8 +37,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from hicache_jax.spec import GroupKind, HiCacheConfig, KVSpec
-from hicache_jax.validation import check_int
+from hicache_jax.spec import GroupKind, HiCacheConfig, KVSpec, WritePolicy
+from hicache_jax.validation import check_int, parse_enum
 
 __all__ = ["PoolSizes", "SIZED_FIELDS", "default_host_bytes", "size_pools"]
 
@@ -71,6 +72,9 @@ class PoolSizes:
             (None: the cache's default for the spec).
         device_bytes, host_bytes: the bytes these pools take on each tier (at most the
             budget's; the rest is less than a page or a slot).
+        write_policy: the write policy the pools were sized for where it mattered (with a
+            working set: whether the two tiers are capped together), else None; the config
+            gets it.
     """
 
     device_pages: int
@@ -82,12 +86,14 @@ class PoolSizes:
     checkpoint_every_pages: int | None
     device_bytes: int
     host_bytes: int
+    write_policy: WritePolicy | None = None
 
     def config(self, **fields: Any) -> HiCacheConfig:
         """A ``HiCacheConfig`` with these pools and ``fields`` (any other field of it).
 
         Raises:
             TypeError: a field of :data:`SIZED_FIELDS` given (the sizes come from the bytes).
+            ValueError: ``write_policy`` other than the one the pools were sized for.
             Whatever ``HiCacheConfig`` raises for the other fields.
         """
         clash = sorted(SIZED_FIELDS & set(fields))
@@ -96,6 +102,14 @@ class PoolSizes:
                 f"{clash[0]} is set by size_pools from the bytes: pass the bytes instead, or "
                 "build HiCacheConfig(...) yourself"
             )
+        if self.write_policy is not None and "write_policy" in fields:
+            policy = parse_enum(WritePolicy, "write_policy", fields.pop("write_policy"))
+            if policy is not self.write_policy:
+                raise ValueError(
+                    f"write_policy={policy.value!r}, but these pools were sized for "
+                    f"{self.write_policy.value!r} (with a working set the tiers are capped "
+                    "together or not by it): pass write_policy to size_pools"
+                )
         return HiCacheConfig(**self.config_fields(), **fields)
 
     def config_fields(self) -> dict[str, Any]:
@@ -108,7 +122,7 @@ class PoolSizes:
             "state_device_slots": self.state_device_slots,
             "state_host_slots": self.state_host_slots,
             "checkpoint_every_pages": self.checkpoint_every_pages,
-        }
+        } | ({} if self.write_policy is None else {"write_policy": self.write_policy})
 
 
 def size_pools(
@@ -120,6 +134,7 @@ def size_pools(
     mean_prompt_tokens: int | None = None,
     checkpoint_every_pages: int | None = None,
     working_set_tokens: int | None = None,
+    write_policy: WritePolicy | str | None = None,
 ) -> PoolSizes:
     """Split ``device_bytes`` of L1 and ``host_bytes`` of L2 between ``spec``'s pools by the
     default rule (module docstring); ``.config(...)`` gives the ``HiCacheConfig``.
@@ -142,16 +157,20 @@ def size_pools(
             pages), or None: no cap. Given, no full-attention pool holds more pages than that
             plus the longest prompt's, the bytes past it in window pages; where L2's alone
             would, L1 is split as the all-full model's; where only both together would, both
-            give up the pages past it in proportion (the replay's rule with a trace's
-            distinct pages, ``hicache_jax.replay.windows.split_tiers``).
+            give up the pages past it in proportion where the write policy makes the tiers
+            one cache of their summed size (the replay's rule with a trace's distinct pages,
+            ``hicache_jax.replay.windows.split_tiers`` and ``summed_tiers``).
+        write_policy: with ``working_set_tokens``, the write policy the cache will run
+            (None: ``HiCacheConfig``'s default); the result's ``config()`` gets it.
 
     Raises:
         TypeError: ``spec`` not a ``KVSpec``; a count not an int.
         ValueError: naming the argument: a negative or zero budget, prompt lengths missing
             where the spec needs them or inconsistent, ``checkpoint_every_pages`` without a
             ``STATE`` group, ``working_set_tokens`` without a sliding-window or chunked
-            group, or a tier too small to hold one full-attention page beside the windows
-            or slots the rule keeps (the bytes it needs are in the message).
+            group, ``write_policy`` not one or without ``working_set_tokens``, or a tier
+            too small to hold one full-attention page beside the windows or slots the rule
+            keeps (the bytes it needs are in the message).
     """
     if not isinstance(spec, KVSpec):
         raise TypeError(f"spec must be a KVSpec, got {type(spec).__name__}")
@@ -178,14 +197,25 @@ def size_pools(
             )
         working_set_tokens = check_int("working_set_tokens", working_set_tokens, 1)
         distinct = -(-working_set_tokens // spec.page_size)
+        write_policy = parse_enum(
+            WritePolicy,
+            "write_policy",
+            HiCacheConfig.write_policy if write_policy is None else write_policy,
+        )
+    elif write_policy is not None:
+        raise ValueError(
+            "write_policy applies with working_set_tokens (whether the two tiers are capped "
+            "together); without one, pass it to .config()"
+        )
     longest = mean = 0
     if stateful or windowed:
         longest, mean = _prompts(longest_prompt_tokens, mean_prompt_tokens)
     budgets = (device_bytes, host_bytes)
     split = None
     if distinct is not None:  # both tiers at once: the caps look at both
+        summed = _summed(write_policy)
         split = _split_both(
-            spec, budgets, stateful, longest, mean, checkpoint_every_pages, distinct
+            spec, budgets, stateful, longest, mean, checkpoint_every_pages, distinct, summed
         )
     tiers: list[tuple[int, int | None, int | None, int]] = []
     for i, (name, budget, requests) in enumerate(
@@ -221,6 +251,9 @@ def size_pools(
         checkpoint_every_pages=checkpoint_every_pages,
         device_bytes=dused,
         host_bytes=hused,
+        write_policy=None
+        if distinct is None
+        else parse_enum(WritePolicy, "write_policy", write_policy),
     )
 
 
@@ -288,6 +321,7 @@ def _split_both(
     mean: int,
     every: int | None,
     distinct: int,
+    summed: bool,
 ) -> list[tuple[int, int | None, int | None, int]]:
     """``(N_f, N_w, N_s, bytes)`` of L1 and L2 (windowed specs) with the full-attention pools
     capped at ``distinct`` pages (:func:`hicache_jax.replay.windows.split_tiers`)."""
@@ -305,13 +339,19 @@ def _split_both(
                 mean_tokens=mean,
                 every=every,
                 distinct_pages=distinct,
+                summed=summed,
             )
         )
     else:
         sizes = [
             (n_f, n_w, None)
             for n_f, n_w in windows.split_tiers(
-                spec, *budgets, longest_tokens=longest, mean_tokens=mean, distinct_pages=distinct
+                spec,
+                *budgets,
+                longest_tokens=longest,
+                mean_tokens=mean,
+                distinct_pages=distinct,
+                summed=summed,
             )
         ]
     pw, slot = windows.window_page_bytes(spec), states.slot_bytes(spec)
@@ -319,6 +359,13 @@ def _split_both(
         (n_f, n_w, n_s, n_f * spec.page_bytes + n_w * pw + (n_s or 0) * slot)
         for n_f, n_w, n_s in sizes
     ]
+
+
+def _summed(write_policy: Any) -> bool:
+    """``hicache_jax.replay.windows.summed_tiers`` (imported when asked for)."""
+    from hicache_jax.replay import windows
+
+    return windows.summed_tiers(write_policy)
 
 
 def _least_bytes(spec: KVSpec) -> int:

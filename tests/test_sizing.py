@@ -4,6 +4,7 @@ prompt; bad input raises a typed error naming the argument."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from typing import Any
@@ -15,6 +16,7 @@ from hypothesis import strategies as st
 
 from hicache_jax import HiCache, KVSpec, PoolSizes, size_pools
 from hicache_jax.replay import mixed, states, windows
+from hicache_jax.spec import WritePolicy
 
 GiB = 1 << 30
 LONGEST, MEAN = 40_000, 6_000
@@ -130,10 +132,45 @@ def test_a_working_set_caps_the_full_pools_as_the_replays_distinct_pages(
     assert (p.host_pages, p.window_host_pages) == (ref.host_pages, ref.window_host_pages)
     assert (p.device_bytes, p.host_bytes) == ref.bytes_used(spec)
     assert p.device_bytes <= budgets[0] and p.host_bytes <= budgets[1]
+    assert p.write_policy is WritePolicy.CLEAN_AHEAD  # (the default: the tiers summed)
     # a working set larger than the pools: as without one
-    assert size_pools(spec, *budgets, working_set_tokens=10**12, **kw) == size_pools(
-        spec, *budgets, **kw
-    )
+    big = size_pools(spec, *budgets, working_set_tokens=10**12, **kw)
+    assert dataclasses.replace(big, write_policy=None) == size_pools(spec, *budgets, **kw)
+
+
+def test_the_tiers_are_capped_together_only_under_a_write_policy_that_sums_them():
+    """clean_ahead and write_back back up what L1 evicts (the tiers one cache of their summed
+    size); write_through's L2 copies L1, write_through_selective drops what it does not copy:
+    each tier capped alone there. The config gets the policy sized for, and refuses another."""
+    spec = windows.pattern_spec("5:1", 1024, 512)
+    pm, distinct = spec.model_page_bytes, 18_793
+    kw = dict(longest_prompt_tokens=134_773, mean_prompt_tokens=11_852)
+    budgets = (1953 * pm, 2 * 1953 * pm)  # (both tiers together above the working set)
+    sizes = dict(longest_tokens=134_773, mean_tokens=11_852, distinct_pages=distinct)
+    summed = windows.pools_for(spec, 1953, 2, share=None, **sizes)
+    alone = windows.pools_for(spec, 1953, 2, share=None, summed=False, **sizes)
+    assert summed.device_pages + summed.host_pages < alone.device_pages + alone.host_pages
+    for policy, ref in (("clean_ahead", summed), ("write_back", summed),
+                        ("write_through", alone), ("write_through_selective", alone)):  # fmt: skip
+        assert windows.summed_tiers(policy) is (ref is summed)
+        p = size_pools(spec, *budgets, working_set_tokens=distinct * 512, write_policy=policy, **kw)
+        assert (p.device_pages, p.host_pages) == (ref.device_pages, ref.host_pages)
+        assert (p.window_device_pages, p.window_host_pages) == (
+            ref.window_device_pages,
+            ref.window_host_pages,
+        )
+        cfg = p.config(eviction="lru")
+        assert (
+            cfg.write_policy is WritePolicy(policy)
+            and p.config(write_policy=policy, eviction="lru") == cfg
+        )
+        other = "write_back" if policy != "write_back" else "clean_ahead"
+        with pytest.raises(ValueError, match=f"sized for '{policy}'"):
+            p.config(write_policy=other)
+    with pytest.raises(ValueError, match="write_policy applies with working_set_tokens"):
+        size_pools(spec, *budgets, write_policy="write_back", **kw)
+    with pytest.raises(ValueError, match="write_policy"):
+        size_pools(spec, *budgets, working_set_tokens=10**6, write_policy="often", **kw)
 
 
 def test_a_working_set_is_refused_without_window_groups_or_when_not_a_count():
@@ -278,6 +315,15 @@ def test_the_size_command_prints_the_pools_and_the_config(tmp_path, capsys):
     assert (
         f"HiCacheConfig(device_pages={small.device_pages}, host_pages={small.host_pages}, " in out
     )
+    assert "write_policy='clean_ahead')" in out  # (the default: what the pools were sized for)
+    flags = ["--host-bytes", "32MiB", "--working-set", "4096", "--write-policy", "write_through"]
+    assert main([*argv, *flags]) == 0
+    alone = size_pools(_gemma_like(), 8 << 20, 32 << 20, longest_prompt_tokens=2048,
+                       mean_prompt_tokens=512, working_set_tokens=4096,
+                       write_policy="write_through")  # fmt: skip
+    out = capsys.readouterr().out
+    assert f"device_pages={alone.device_pages}, host_pages={alone.host_pages}, " in out
+    assert "write_policy='write_through')" in out
 
 
 @pytest.mark.parametrize(

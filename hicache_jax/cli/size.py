@@ -14,7 +14,7 @@ from typing import Any
 from hicache_jax.cli.output import write_json
 from hicache_jax.cli.spec_flags import add_spec_flags, spec_from_flags
 from hicache_jax.sizing import PoolSizes, default_host_bytes, size_pools
-from hicache_jax.spec import KVSpec
+from hicache_jax.spec import KVSpec, WritePolicy
 
 __all__ = ["add_parser", "parse_bytes", "size_command"]
 
@@ -59,6 +59,12 @@ def add_parser(sub: Any) -> None:
         help="with window layers: the distinct tokens the workload comes back to; no "
         "full-attention pool holds more (the bytes past it in window pages)",
     )
+    p.add_argument(
+        "--write-policy",
+        choices=[w.value for w in WritePolicy],
+        help="with --working-set: the write policy the cache runs (the two tiers are capped "
+        "together under clean_ahead and write_back; default: the cache's)",
+    )
     p.add_argument("--json", metavar="PATH", help="write the pools as JSON")
     p.set_defaults(func=size_command)
 
@@ -96,6 +102,7 @@ def size_command(args: argparse.Namespace, parser: argparse.ArgumentParser) -> i
             mean_prompt_tokens=args.mean_prompt,
             checkpoint_every_pages=args.checkpoint_every,
             working_set_tokens=args.working_set,
+            write_policy=args.write_policy,
         )
     except (ValueError, TypeError) as exc:
         parser.exit(2, f"hicache-jax size: error: {exc}\n")
@@ -135,6 +142,7 @@ def format_sizes(spec: KVSpec, sizes: PoolSizes, budgets: tuple[int, int]) -> st
     )
     lines = [f"{groups}; page {ps} tokens"]
     lines += ["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in rows]
-    given = ", ".join(f"{k}={v}" for k, v in sizes.config_fields().items() if v is not None)
+    fields = {k: getattr(v, "value", v) for k, v in sizes.config_fields().items()}
+    given = ", ".join(f"{k}={v!r}" for k, v in fields.items() if v is not None)
     lines.append(f"HiCacheConfig({given})")
     return "\n".join(lines)

@@ -382,6 +382,7 @@ def run(
                 )
                 sizes = dict(longest_tokens=longest, mean_tokens=mean)
                 pools: _windows.Pools | _states.StatePools | _mixed.MixedPools
+                summed = _windows.summed_tiers(budget.write_policy)
                 if stateful and windowed:
                     pools = _mixed.pools_for(
                         spec,
@@ -391,6 +392,7 @@ def run(
                         state_share=sshare,
                         checkpoint_every=checkpoint_every,
                         distinct_pages=distinct,
+                        summed=summed,
                         **sizes,
                     )
                 elif stateful:
@@ -404,7 +406,13 @@ def run(
                     )
                 elif windowed:
                     pools = _windows.pools_for(
-                        spec, d, host_ratio, share=share, distinct_pages=distinct, **sizes
+                        spec,
+                        d,
+                        host_ratio,
+                        share=share,
+                        distinct_pages=distinct,
+                        summed=summed,
+                        **sizes,
                     )
                 else:
                     plan.append((budget, budget, None))

@@ -176,6 +176,7 @@ def pools_for(
     mean_tokens: int,
     checkpoint_every: int | str | None = None,
     distinct_pages: int | None = None,
+    summed: bool = True,
 ) -> MixedPools:
     """The pools of L1 = ``model_device_pages`` and L2 = ``round(host_ratio x L1)`` all-full
     model pages' bytes (see the module docstring): ``window_share`` / ``state_share`` of each
@@ -185,7 +186,8 @@ def pools_for(
     ``distinct_pages``: the trace's distinct pages, which the window rule takes as
     :func:`hicache_jax.replay.windows.pools_for` does (no full-attention pool holds more, plus
     the longest prompt; L1 one window page a full page where L2 alone would; both capped by
-    :func:`hicache_jax.replay.windows.surplus_cap` where only both together would).
+    :func:`hicache_jax.replay.windows.surplus_cap` where only both together would and
+    ``summed``, :func:`hicache_jax.replay.windows.summed_tiers` of the write policy).
 
     Raises:
         ValueError: the shares together leave no byte for full-attention pages.
@@ -214,6 +216,7 @@ def pools_for(
             mean_tokens=mean_tokens,
             every=every,
             distinct_pages=distinct_pages,
+            summed=summed,
         )
 
         def shares(budget: int, n_w: int, n_s: int) -> tuple[float, float]:
@@ -251,6 +254,7 @@ def split_tiers(
     mean_tokens: int,
     every: int | None,
     distinct_pages: int | None = None,
+    summed: bool = True,
 ) -> tuple[tuple[int, int, int], tuple[int, int, int]]:
     """``((N_f, N_w, N_s) of L1, (N_f, N_w, N_s) of L2)`` of L1's ``device_budget`` and L2's
     ``host_budget`` bytes (:func:`tier_pools` each; a tier of no bytes ``(0, 0, 0)``). With
@@ -286,7 +290,8 @@ def split_tiers(
         capped = capped or over
         tiers.append(t)
     host, device = tiers
-    if window_share is None and limit is not None and not capped and host_budget and device_budget:
+    both = bool(host_budget and device_budget)
+    if summed and both and window_share is None and limit is not None and not capped:
         # neither tier's alone holds the trace, both together at most
         own = min(-(-longest_tokens // spec.page_size), device_budget // spec.model_page_bytes)
         cap = _windows.surplus_cap(device[0], host[0], limit, own)

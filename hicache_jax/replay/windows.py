@@ -49,7 +49,9 @@ sized for). Three consequences:
   ride every backup to L2. Hits win over load-backs: this trades L1 hits for L2 hits and
   recomputed split points for hits (benchmarks/RESULTS.md, "Layer groups");
 - where neither tier's full-attention pool alone would hold more than that but both together
-  would (:func:`surplus_cap`), each gives up the pages past it in proportion to its pool
+  would (:func:`surplus_cap`), and the write policy makes the tiers one cache of their summed
+  size (:func:`summed_tiers`: ``clean_ahead``, ``write_back``), each gives up the pages past it
+  in proportion to its pool
   (L1 keeping the longest prompt's), their bytes to its window pool: the tiers' pages of the
   trace then still fit, and more of its split points keep their windows on the tier that
   serves them (what the 5:1 model lost at such a budget were matches cut for want of window
@@ -71,8 +73,8 @@ from fractions import Fraction
 from typing import Any, NamedTuple
 
 from hicache_jax.replay.trace import Trace
-from hicache_jax.spec import GroupKind, HiCacheConfig, KVSpec, parse_pattern
-from hicache_jax.validation import is_real
+from hicache_jax.spec import GroupKind, HiCacheConfig, KVSpec, WritePolicy, parse_pattern
+from hicache_jax.validation import is_real, parse_enum
 
 __all__ = [
     "Demand",
@@ -92,6 +94,7 @@ __all__ = [
     "split_bytes",
     "split_pools",
     "split_tiers",
+    "summed_tiers",
     "surplus_cap",
     "tier_pools",
     "window_demand",
@@ -393,11 +396,12 @@ def pools_for(
     longest_tokens: int,
     mean_tokens: int,
     distinct_pages: int | None = None,
+    summed: bool = True,
 ) -> Pools:
     """The pools of L1 = ``model_device_pages`` and L2 = ``round(host_ratio x L1)`` all-full
     model pages' bytes: ``share`` of each tier's bytes in window pages, or None: the default
-    rule (:func:`split_tiers`, with ``distinct_pages``, the trace's distinct pages: see the
-    module docstring)."""
+    rule (:func:`split_tiers`, with ``distinct_pages``, the trace's distinct pages, and
+    ``summed``, :func:`summed_tiers` of the write policy: see the module docstring)."""
     model_host = int(round(host_ratio * model_device_pages))
     mb, pw = spec.model_page_bytes, window_page_bytes(spec)
     budgets = (model_device_pages * mb, model_host * mb)
@@ -408,6 +412,7 @@ def pools_for(
             longest_tokens=longest_tokens,
             mean_tokens=mean_tokens,
             distinct_pages=distinct_pages,
+            summed=summed,
         )
     else:  # a share given is what it says: no cap
         (df, dw), (hf, hw) = (
@@ -434,13 +439,16 @@ def split_tiers(
     longest_tokens: int,
     mean_tokens: int,
     distinct_pages: int | None = None,
+    summed: bool = True,
 ) -> tuple[tuple[int, int], tuple[int, int]]:
     """``((N_f, N_w) of L1, (N_f, N_w) of L2)``: the default rule's split of L1's
     ``device_budget`` and L2's ``host_budget`` bytes (:func:`tier_pools` each; a tier of no
     bytes ``(0, 0)``). With ``distinct_pages`` (a trace's distinct pages, or the working set a
     stack is sized for), its caps (module docstring): each tier's full-attention pool capped
     by :func:`cap_full_pages`; where L2's alone would hold more, L1 split as the all-full
-    model's; where only both together would, both capped by :func:`surplus_cap`."""
+    model's; where only both together would and the tiers act as one cache of their summed
+    size (``summed``: :func:`summed_tiers` of the write policy), both capped by
+    :func:`surplus_cap`."""
     pw, mb = window_page_bytes(spec), spec.model_page_bytes
     limit = None
     if distinct_pages is not None:
@@ -462,7 +470,7 @@ def split_tiers(
                 n_f, n_w = cap_full_pages(budget, spec.page_bytes, pw, n_f, n_w, limit)
         out.append((n_f, n_w))
     (hf, hw), (df, dw) = out
-    if limit is not None and not capped and host_budget and device_budget:
+    if summed and limit is not None and not capped and host_budget and device_budget:
         # neither tier's alone holds the trace, both together at most (module docstring)
         own = min(-(-longest_tokens // spec.page_size), device_budget // mb)
         cap = surplus_cap(df, hf, limit, own)
@@ -470,6 +478,21 @@ def split_tiers(
             df, dw = cap_full_pages(device_budget, spec.page_bytes, pw, df, dw, cap)
             hf, hw = cap_full_pages(host_budget, spec.page_bytes, pw, hf, hw, max(limit - df, 1))
     return (df, dw), (hf, hw)
+
+
+def summed_tiers(write_policy: Any) -> bool:
+    """Whether L1 and L2 act as one cache of their summed size under ``write_policy`` (a
+    ``WritePolicy`` or its name): those that back up what L1 evicts (``clean_ahead``,
+    ``write_back``). Not ``write_through`` (L2 holds copies of L1's pages: L2 alone is what
+    holds the trace) nor ``write_through_selective`` (a page it does not back up leaves the
+    cache with L1). The two tiers' full-attention pools are capped together only where it is
+    (:func:`split_tiers`).
+
+    Raises:
+        ValueError: not a write policy (naming ``write_policy``).
+    """
+    policy = parse_enum(WritePolicy, "write_policy", write_policy)
+    return policy in (WritePolicy.CLEAN_AHEAD, WritePolicy.WRITE_BACK)
 
 
 def surplus_cap(device_full: int, host_full: int, limit: int, own: int) -> int | None:
