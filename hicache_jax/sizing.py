@@ -18,7 +18,7 @@ preallocated arrays of their own. :func:`size_pools` splits each tier's bytes be
 - both kinds at once: both demands, solved together;
 - given the workload's working set (``working_set_tokens``, with window groups): no
   full-attention pool holds more pages than it and the longest prompt, beside an L2 that would
-  L1 is split as the all-full model's, and under a write policy that backs up what L1 evicts
+  L1 is split as the all-full model's (not under ``write_through_selective``), and under a write policy that backs up what L1 evicts
   (``clean_ahead``, ``write_back``) both tiers together hold at most it (the bytes past it in
   window pages).
 
@@ -213,9 +213,8 @@ def size_pools(
     budgets = (device_bytes, host_bytes)
     split = None
     if distinct is not None:  # both tiers at once: the caps look at both
-        summed = _summed(write_policy)
         split = _split_both(
-            spec, budgets, stateful, longest, mean, checkpoint_every_pages, distinct, summed
+            spec, budgets, stateful, longest, mean, checkpoint_every_pages, distinct, write_policy
         )
     tiers: list[tuple[int, int | None, int | None, int]] = []
     for i, (name, budget, requests) in enumerate(
@@ -321,7 +320,7 @@ def _split_both(
     mean: int,
     every: int | None,
     distinct: int,
-    summed: bool,
+    write_policy: Any,
 ) -> list[tuple[int, int | None, int | None, int]]:
     """``(N_f, N_w, N_s, bytes)`` of L1 and L2 (windowed specs) with the full-attention pools
     capped at ``distinct`` pages (:func:`hicache_jax.replay.windows.split_tiers`)."""
@@ -339,7 +338,7 @@ def _split_both(
                 mean_tokens=mean,
                 every=every,
                 distinct_pages=distinct,
-                summed=summed,
+                write_policy=write_policy,
             )
         )
     else:
@@ -351,7 +350,7 @@ def _split_both(
                 longest_tokens=longest,
                 mean_tokens=mean,
                 distinct_pages=distinct,
-                summed=summed,
+                write_policy=write_policy,
             )
         ]
     pw, slot = windows.window_page_bytes(spec), states.slot_bytes(spec)
@@ -359,13 +358,6 @@ def _split_both(
         (n_f, n_w, n_s, n_f * spec.page_bytes + n_w * pw + (n_s or 0) * slot)
         for n_f, n_w, n_s in sizes
     ]
-
-
-def _summed(write_policy: Any) -> bool:
-    """``hicache_jax.replay.windows.summed_tiers`` (imported when asked for)."""
-    from hicache_jax.replay import windows
-
-    return windows.summed_tiers(write_policy)
 
 
 def _least_bytes(spec: KVSpec) -> int:

@@ -144,6 +144,35 @@ def test_two_tiers_above_the_trace_together_give_up_the_surplus(spec, ratio):
     assert W.pools_for(spec, d, ratio, distinct_pages=roomy - 40, **kw) == free
 
 
+def test_write_through_selective_keeps_l1s_own_split_beside_an_l2_that_holds_the_trace(spec):
+    """Only a write policy that copies every page L1 evicts to L2 makes L1's full pages
+    redundant beside an L2 that holds the trace (L1 then split as the all-full model's);
+    write_through_selective copies pages hit again only: L1 keeps the rule's own split (capped
+    alone), and the two tiers are not capped together either. (Mooncake's synthetic trace,
+    5:1: 0.62 -> 0.97 of its hits summed over 12 rows without the all-full L1 and the
+    together cap; benchmarks/RESULTS.md.)"""
+    longest, mean, d = 40 * 512, 8 * 512, 1000
+    kw = dict(share=None, longest_tokens=longest, mean_tokens=mean, distinct_pages=2960)
+    free = W.pools_for(spec, d, 4, share=None, longest_tokens=longest, mean_tokens=mean)
+    assert free.host_pages > 3000  # (L2 alone holds the trace)
+    for policy in ("clean_ahead", "write_back", "write_through"):
+        assert W.l2_keeps_evicted(policy)
+        p = W.pools_for(spec, d, 4, write_policy=policy, **kw)
+        assert (p.device_pages, p.window_device_pages) == (d, d)
+    assert not W.l2_keeps_evicted("write_through_selective")
+    p = W.pools_for(spec, d, 4, write_policy="write_through_selective", **kw)
+    assert (p.device_pages, p.window_device_pages) == (free.device_pages, free.window_device_pages)
+    # (L2's own cap stays: here to the all-full split, one window page a full page)
+    assert p.host_pages < free.host_pages and p.window_host_pages > free.window_host_pages
+    assert [W.summed_tiers(w) for w in ("clean_ahead", "write_back", "write_through")] == [
+        True,
+        True,
+        False,
+    ]
+    with pytest.raises(ValueError, match="write_policy"):
+        W.pools_for(spec, d, 4, write_policy="sometimes", **kw)
+
+
 def test_the_surplus_cap_keeps_the_longest_prompt_on_l1():
     assert W.surplus_cap(100, 300, 400, 10) is None  # within the limit
     assert W.surplus_cap(100, 300, 200, 10) == 50  # half of each

@@ -148,7 +148,7 @@ def test_the_tiers_are_capped_together_only_under_a_write_policy_that_sums_them(
     budgets = (1953 * pm, 2 * 1953 * pm)  # (both tiers together above the working set)
     sizes = dict(longest_tokens=134_773, mean_tokens=11_852, distinct_pages=distinct)
     summed = windows.pools_for(spec, 1953, 2, share=None, **sizes)
-    alone = windows.pools_for(spec, 1953, 2, share=None, summed=False, **sizes)
+    alone = windows.pools_for(spec, 1953, 2, share=None, write_policy="write_through", **sizes)
     assert summed.device_pages + summed.host_pages < alone.device_pages + alone.host_pages
     for policy, ref in (("clean_ahead", summed), ("write_back", summed),
                         ("write_through", alone), ("write_through_selective", alone)):  # fmt: skip

@@ -382,7 +382,6 @@ def run(
                 )
                 sizes = dict(longest_tokens=longest, mean_tokens=mean)
                 pools: _windows.Pools | _states.StatePools | _mixed.MixedPools
-                summed = _windows.summed_tiers(budget.write_policy)
                 if stateful and windowed:
                     pools = _mixed.pools_for(
                         spec,
@@ -392,7 +391,7 @@ def run(
                         state_share=sshare,
                         checkpoint_every=checkpoint_every,
                         distinct_pages=distinct,
-                        summed=summed,
+                        write_policy=budget.write_policy,
                         **sizes,
                     )
                 elif stateful:
@@ -411,7 +410,7 @@ def run(
                         host_ratio,
                         share=share,
                         distinct_pages=distinct,
-                        summed=summed,
+                        write_policy=budget.write_policy,
                         **sizes,
                     )
                 else:

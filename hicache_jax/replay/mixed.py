@@ -53,7 +53,7 @@ from typing import Any
 
 from hicache_jax.replay import states as _states
 from hicache_jax.replay import windows as _windows
-from hicache_jax.spec import HiCacheConfig, KVSpec
+from hicache_jax.spec import HiCacheConfig, KVSpec, WritePolicy
 
 __all__ = ["MixedHolding", "MixedPools", "pools_for", "split_tiers", "tier_pools"]
 
@@ -176,7 +176,7 @@ def pools_for(
     mean_tokens: int,
     checkpoint_every: int | str | None = None,
     distinct_pages: int | None = None,
-    summed: bool = True,
+    write_policy: WritePolicy | str = WritePolicy.CLEAN_AHEAD,
 ) -> MixedPools:
     """The pools of L1 = ``model_device_pages`` and L2 = ``round(host_ratio x L1)`` all-full
     model pages' bytes (see the module docstring): ``window_share`` / ``state_share`` of each
@@ -186,8 +186,8 @@ def pools_for(
     ``distinct_pages``: the trace's distinct pages, which the window rule takes as
     :func:`hicache_jax.replay.windows.pools_for` does (no full-attention pool holds more, plus
     the longest prompt; L1 one window page a full page where L2 alone would; both capped by
-    :func:`hicache_jax.replay.windows.surplus_cap` where only both together would and
-    ``summed``, :func:`hicache_jax.replay.windows.summed_tiers` of the write policy).
+    :func:`hicache_jax.replay.windows.surplus_cap` where only both together would, each as
+    the ``write_policy`` the cache runs allows: :func:`hicache_jax.replay.windows.split_tiers`).
 
     Raises:
         ValueError: the shares together leave no byte for full-attention pages.
@@ -216,7 +216,7 @@ def pools_for(
             mean_tokens=mean_tokens,
             every=every,
             distinct_pages=distinct_pages,
-            summed=summed,
+            write_policy=write_policy,
         )
 
         def shares(budget: int, n_w: int, n_s: int) -> tuple[float, float]:
@@ -254,12 +254,14 @@ def split_tiers(
     mean_tokens: int,
     every: int | None,
     distinct_pages: int | None = None,
-    summed: bool = True,
+    write_policy: WritePolicy | str = WritePolicy.CLEAN_AHEAD,
 ) -> tuple[tuple[int, int, int], tuple[int, int, int]]:
     """``((N_f, N_w, N_s) of L1, (N_f, N_w, N_s) of L2)`` of L1's ``device_budget`` and L2's
     ``host_budget`` bytes (:func:`tier_pools` each; a tier of no bytes ``(0, 0, 0)``). With
     ``distinct_pages`` and the default window rule, the window rule's caps as
     :func:`hicache_jax.replay.windows.split_tiers` applies them (the slots as without them)."""
+    keeps = _windows.l2_keeps_evicted(write_policy)
+    summed = _windows.summed_tiers(write_policy)
     limit = None
     if distinct_pages is not None:
         limit = _windows.full_page_limit(distinct_pages, longest_tokens, spec.page_size)
@@ -278,7 +280,7 @@ def split_tiers(
             mean_tokens,
             every,
             cap,
-            all_full=requests and whole,
+            all_full=requests and whole and keeps,
         )
         return (n_f, n_w, n_s), over
 

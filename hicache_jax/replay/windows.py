@@ -41,21 +41,23 @@ sized for). Three consequences:
 - a tier's full-attention pool never holds more than ``D`` pages (plus the longest prompt: a
   request's own pages before they are inserted); where the rule would give it more, the bytes
   past that go to the window pool, where they can still hold something;
-- where L2's full-attention pool alone would hold more than that, L1 is split as the all-full
-  model's (a window page for every full-attention page, so it never reclaims a spare window
-  page). Its full-attention pages then add no page that L2 could not hold (the write policies
-  back L1's pages up to L2, which has room for all of them), only hits served without a
-  load-back; as window pages, the same bytes keep every end inside L1's nodes servable and
-  ride every backup to L2. Hits win over load-backs: this trades L1 hits for L2 hits and
-  recomputed split points for hits (benchmarks/RESULTS.md, "Layer groups");
+- where L2's full-attention pool alone would hold more than that and L2 keeps a copy of every
+  page L1 evicts (:func:`l2_keeps_evicted`: every write policy but ``write_through_selective``),
+  L1 is split as the all-full model's (a window page for every full-attention page, so it
+  never reclaims a spare window page). Its full-attention pages then add no page that L2
+  could not hold (the write policy backs L1's pages up to L2, which has room for all of
+  them), only hits served without a load-back; as window pages, the same bytes keep every
+  end inside L1's nodes servable and ride every backup to L2. Hits win over load-backs: this
+  trades L1 hits for L2 hits and recomputed split points for hits (benchmarks/RESULTS.md,
+  "Layer groups");
 - where neither tier's full-attention pool alone would hold more than that but both together
   would (:func:`surplus_cap`), and the write policy makes the tiers one cache of their summed
   size (:func:`summed_tiers`: ``clean_ahead``, ``write_back``), each gives up the pages past it
-  in proportion to its pool
-  (L1 keeping the longest prompt's), their bytes to its window pool: the tiers' pages of the
-  trace then still fit, and more of its split points keep their windows on the tier that
-  serves them (what the 5:1 model lost at such a budget were matches cut for want of window
-  pages on either tier; benchmarks/RESULTS.md, "Layer groups").
+  in proportion to its pool (L1 keeping the longest prompt's), their bytes to its window
+  pool: the tiers' pages of the trace then still fit, and more of its split points keep
+  their windows on the tier that serves them (what the 5:1 model lost at such a budget were
+  matches cut for want of window pages on either tier; benchmarks/RESULTS.md, "Layer
+  groups").
 
 At most one window page per full-attention page: where the rule asks for more, the split is
 the all-full model's (one window page per full page, which never runs short). So where the
@@ -93,6 +95,7 @@ __all__ = [
     "solve_demands",
     "split_bytes",
     "split_pools",
+    "l2_keeps_evicted",
     "split_tiers",
     "summed_tiers",
     "surplus_cap",
@@ -396,12 +399,12 @@ def pools_for(
     longest_tokens: int,
     mean_tokens: int,
     distinct_pages: int | None = None,
-    summed: bool = True,
+    write_policy: WritePolicy | str = WritePolicy.CLEAN_AHEAD,
 ) -> Pools:
     """The pools of L1 = ``model_device_pages`` and L2 = ``round(host_ratio x L1)`` all-full
     model pages' bytes: ``share`` of each tier's bytes in window pages, or None: the default
     rule (:func:`split_tiers`, with ``distinct_pages``, the trace's distinct pages, and
-    ``summed``, :func:`summed_tiers` of the write policy: see the module docstring)."""
+    the ``write_policy`` the cache runs: see the module docstring)."""
     model_host = int(round(host_ratio * model_device_pages))
     mb, pw = spec.model_page_bytes, window_page_bytes(spec)
     budgets = (model_device_pages * mb, model_host * mb)
@@ -412,7 +415,7 @@ def pools_for(
             longest_tokens=longest_tokens,
             mean_tokens=mean_tokens,
             distinct_pages=distinct_pages,
-            summed=summed,
+            write_policy=write_policy,
         )
     else:  # a share given is what it says: no cap
         (df, dw), (hf, hw) = (
@@ -439,17 +442,18 @@ def split_tiers(
     longest_tokens: int,
     mean_tokens: int,
     distinct_pages: int | None = None,
-    summed: bool = True,
+    write_policy: WritePolicy | str = WritePolicy.CLEAN_AHEAD,
 ) -> tuple[tuple[int, int], tuple[int, int]]:
     """``((N_f, N_w) of L1, (N_f, N_w) of L2)``: the default rule's split of L1's
     ``device_budget`` and L2's ``host_budget`` bytes (:func:`tier_pools` each; a tier of no
     bytes ``(0, 0)``). With ``distinct_pages`` (a trace's distinct pages, or the working set a
     stack is sized for), its caps (module docstring): each tier's full-attention pool capped
-    by :func:`cap_full_pages`; where L2's alone would hold more, L1 split as the all-full
+    by :func:`cap_full_pages`; where L2's alone would hold more and L2 keeps a copy of every
+    page L1 evicts (:func:`l2_keeps_evicted` of ``write_policy``), L1 split as the all-full
     model's; where only both together would and the tiers act as one cache of their summed
-    size (``summed``: :func:`summed_tiers` of the write policy), both capped by
-    :func:`surplus_cap`."""
+    size (:func:`summed_tiers`), both capped by :func:`surplus_cap`."""
     pw, mb = window_page_bytes(spec), spec.model_page_bytes
+    keeps, summed = l2_keeps_evicted(write_policy), summed_tiers(write_policy)
     limit = None
     if distinct_pages is not None:
         limit = full_page_limit(distinct_pages, longest_tokens, spec.page_size)
@@ -462,7 +466,7 @@ def split_tiers(
             continue
         n_f, n_w = tier_pools(spec, budget, longest_tokens, mean_tokens, requests=requests)
         if limit is not None:
-            if requests and whole:  # the all-full model's split: no spare page ever reclaimed
+            if requests and whole and keeps:  # the all-full split: no spare page reclaimed
                 n_f = n_w = budget // mb
             else:
                 capped = capped or n_f > limit
@@ -478,6 +482,20 @@ def split_tiers(
             df, dw = cap_full_pages(device_budget, spec.page_bytes, pw, df, dw, cap)
             hf, hw = cap_full_pages(host_budget, spec.page_bytes, pw, hf, hw, max(limit - df, 1))
     return (df, dw), (hf, hw)
+
+
+def l2_keeps_evicted(write_policy: Any) -> bool:
+    """Whether L2 keeps a copy of every page L1 evicts under ``write_policy`` (a
+    ``WritePolicy`` or its name): ``clean_ahead`` and ``write_back`` copy what eviction takes,
+    ``write_through`` every page at insert (its default threshold); ``write_through_selective``
+    only pages hit again, the rest leaving the cache with L1. Only where it does is L1 split as
+    the all-full model's beside an L2 that holds the trace (:func:`split_tiers`).
+
+    Raises:
+        ValueError: not a write policy (naming ``write_policy``).
+    """
+    policy = parse_enum(WritePolicy, "write_policy", write_policy)
+    return policy is not WritePolicy.WRITE_THROUGH_SELECTIVE
 
 
 def summed_tiers(write_policy: Any) -> bool:
