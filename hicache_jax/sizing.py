@@ -18,9 +18,9 @@ preallocated arrays of their own. :func:`size_pools` splits each tier's bytes be
 - both kinds at once: both demands, solved together;
 - given the workload's working set (``working_set_tokens``, with window groups): no
   full-attention pool holds more pages than it and the longest prompt, beside an L2 that would
-  L1 is split as the all-full model's (not under ``write_through_selective``), and under a write policy that backs up what L1 evicts
-  (``clean_ahead``, ``write_back``) both tiers together hold at most it (the bytes past it in
-  window pages).
+  L1 is split as the all-full model's (not under ``write_through_selective``), and under a
+  write policy that backs up what L1 evicts (``clean_ahead``, ``write_back``) both tiers
+  together hold at most it (the bytes past it in window pages).
 
 The rules are the replay's (:func:`hicache_jax.replay.windows.tier_pools`,
 :func:`hicache_jax.replay.states.tier_slots`, :func:`hicache_jax.replay.mixed.tier_pools`):
@@ -188,25 +188,7 @@ def size_pools(
                 "has none"
             )
         checkpoint_every_pages = check_int("checkpoint_every_pages", checkpoint_every_pages, 0)
-    distinct = None
-    if working_set_tokens is not None:
-        if not windowed:
-            raise ValueError(
-                "working_set_tokens caps the full-attention pools beside window pools: the spec "
-                "has no sliding-window or chunked group"
-            )
-        working_set_tokens = check_int("working_set_tokens", working_set_tokens, 1)
-        distinct = -(-working_set_tokens // spec.page_size)
-        write_policy = parse_enum(
-            WritePolicy,
-            "write_policy",
-            HiCacheConfig.write_policy if write_policy is None else write_policy,
-        )
-    elif write_policy is not None:
-        raise ValueError(
-            "write_policy applies with working_set_tokens (whether the two tiers are capped "
-            "together); without one, pass it to .config()"
-        )
+    distinct, policy = _working_set(spec, windowed, working_set_tokens, write_policy)
     longest = mean = 0
     if stateful or windowed:
         longest, mean = _prompts(longest_prompt_tokens, mean_prompt_tokens)
@@ -214,7 +196,7 @@ def size_pools(
     split = None
     if distinct is not None:  # both tiers at once: the caps look at both
         split = _split_both(
-            spec, budgets, stateful, longest, mean, checkpoint_every_pages, distinct, write_policy
+            spec, budgets, stateful, longest, mean, checkpoint_every_pages, distinct, policy
         )
     tiers: list[tuple[int, int | None, int | None, int]] = []
     for i, (name, budget, requests) in enumerate(
@@ -250,9 +232,7 @@ def size_pools(
         checkpoint_every_pages=checkpoint_every_pages,
         device_bytes=dused,
         host_bytes=hused,
-        write_policy=None
-        if distinct is None
-        else parse_enum(WritePolicy, "write_policy", write_policy),
+        write_policy=policy,
     )
 
 
@@ -310,6 +290,28 @@ def _tier(
         + (n_s or 0) * states.slot_bytes(spec)
     )
     return n_f, n_w, n_s, used
+
+
+def _working_set(
+    spec: KVSpec, windowed: bool, tokens: Any, write_policy: Any
+) -> tuple[int | None, WritePolicy | None]:
+    """``(distinct pages, write policy)`` of :func:`size_pools`' working set, checked; ``(None,
+    None)`` without one."""
+    if tokens is None:
+        if write_policy is not None:
+            raise ValueError(
+                "write_policy applies with working_set_tokens (whether the two tiers are capped "
+                "together); without one, pass it to .config()"
+            )
+        return None, None
+    if not windowed:
+        raise ValueError(
+            "working_set_tokens caps the full-attention pools beside window pools: the spec "
+            "has no sliding-window or chunked group"
+        )
+    tokens = check_int("working_set_tokens", tokens, 1)
+    policy = HiCacheConfig.write_policy if write_policy is None else write_policy
+    return -(-tokens // spec.page_size), parse_enum(WritePolicy, "write_policy", policy)
 
 
 def _split_both(
