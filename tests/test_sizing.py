@@ -287,6 +287,45 @@ def test_any_budget_gets_pools_within_its_bytes_or_a_clear_error(
     assert (cfg.device_pages, cfg.host_pages) == (p.device_pages, p.host_pages)
 
 
+@settings(max_examples=150)
+@given(
+    pattern=st.sampled_from(["5:1", "1:3", "R2:S1:F1"]),
+    device_pages=st.floats(0.05, 5_000.0),
+    host_ratio=st.sampled_from([0.0, 0.5, 2.0, 8.0]),
+    longest=st.integers(1, 200_000),
+    mean_share=st.floats(0.0, 1.0),
+    working_set=st.integers(1, 10**8),
+    policy=st.sampled_from([None, *(w.value for w in WritePolicy)]),
+)
+def test_any_working_set_gets_pools_within_their_bytes_or_a_clear_error(
+    pattern, device_pages, host_ratio, longest, mean_share, working_set, policy
+):
+    """With a working set too: pools that fit the bytes, no full-attention pool above the
+    working set's pages plus the longest prompt's unless one window page a full page bounds
+    it, and the policy in the config; or a ValueError naming the tier that is too small."""
+    if pattern.startswith("R"):
+        spec = states.state_spec(pattern, 512, window=1024)
+    else:
+        spec = windows.pattern_spec(pattern, 1024, 512)
+    device = max(1, int(device_pages * spec.model_page_bytes))
+    host = int(host_ratio * device)
+    mean = max(1, int(mean_share * longest))
+    kw = dict(longest_prompt_tokens=longest, mean_prompt_tokens=mean)
+    try:
+        p = size_pools(spec, device, host, working_set_tokens=working_set, write_policy=policy,
+                       **kw)  # fmt: skip
+    except ValueError as e:
+        assert re.match(r"(device|host)_bytes=\d+ is too small for this spec", str(e)), e
+        return
+    assert 0 < p.device_bytes <= device and 0 <= p.host_bytes <= host
+    limit = -(-working_set // 512) + -(-longest // 512)
+    for n_f, n_w in ((p.device_pages, p.window_device_pages), (p.host_pages, p.window_host_pages)):
+        assert n_f <= limit or n_f == n_w, (n_f, n_w, limit)
+    cfg = p.config()
+    assert cfg.write_policy is WritePolicy(policy or "clean_ahead")
+    assert (cfg.device_pages, cfg.host_pages) == (p.device_pages, p.host_pages)
+
+
 def test_the_size_command_prints_the_pools_and_the_config(tmp_path, capsys):
     from hicache_jax.cli.main import main
 
