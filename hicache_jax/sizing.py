@@ -192,25 +192,25 @@ def size_pools(
     longest = mean = 0
     if stateful or windowed:
         longest, mean = _prompts(longest_prompt_tokens, mean_prompt_tokens)
-    budgets = (device_bytes, host_bytes)
-    split = None
-    if distinct is not None:  # both tiers at once: the caps look at both
-        split = _split_both(
-            spec, budgets, stateful, longest, mean, checkpoint_every_pages, distinct, policy
-        )
+    sizes = _split(
+        spec,
+        (device_bytes, host_bytes),
+        stateful,
+        windowed,
+        longest,
+        mean,
+        checkpoint_every_pages,
+        distinct,
+        policy,
+    )
     tiers: list[tuple[int, int | None, int | None, int]] = []
-    for i, (name, budget, requests) in enumerate(
-        (("device", device_bytes, True), ("host", host_bytes, False))
+    for (name, budget), (n_f, n_w, n_s) in zip(
+        (("device", device_bytes), ("host", host_bytes)), sizes
     ):
         if budget == 0:
             tiers.append((0, None, None, 0))
             continue
-        if split is None:
-            n_f, n_w, n_s, used = _tier(
-                spec, budget, requests, stateful, windowed, longest, mean, checkpoint_every_pages
-            )
-        else:
-            n_f, n_w, n_s, used = split[i]
+        used = _bytes(spec, n_f, n_w, n_s)
         if n_f < 1 or (n_w is not None and n_w < 1) or used > budget:
             least = max(used, _least_bytes(spec))
             beside = ", with the window pages or state slots the rule keeps" * bool(
@@ -257,39 +257,72 @@ def _prompts(longest: Any, mean: Any) -> tuple[int, int]:
     return longest, mean
 
 
-def _tier(
+def _split(
     spec: KVSpec,
-    budget: int,
-    requests: bool,
+    budgets: tuple[int, int],
     stateful: bool,
     windowed: bool,
     longest: int,
     mean: int,
     every: int | None,
-) -> tuple[int, int | None, int | None, int]:
-    """``(N_f, N_w, N_s, bytes)`` of one tier of ``budget`` bytes (None: no such pool)."""
+    distinct: int | None,
+    write_policy: WritePolicy | None,
+) -> list[tuple[int, int | None, int | None]]:
+    """``(N_f, N_w, N_s)`` of L1 and L2 (None: no such pool; a tier of no bytes ``(0, None,
+    None)``): a window spec's both tiers at once (the working set's caps look at both,
+    :func:`hicache_jax.replay.windows.split_tiers`), the others' tier by tier."""
     if not (stateful or windowed):
-        n = budget // spec.page_bytes
-        return n, None, None, n * spec.page_bytes
+        return [(b // spec.page_bytes, None, None) for b in budgets]
     # (the rules' home is the replay's, which measures them; imported here, not at import
     # time: the replay package imports the cache)
     from hicache_jax.replay import mixed, states, windows
 
-    n_w = n_s = None
-    if stateful and windowed:
-        n_f, n_w, n_s, _ = mixed.tier_pools(
-            spec, budget, requests, None, None, longest, mean, every
+    if not windowed:
+        out: list[tuple[int, int | None, int | None]] = []
+        for budget, requests in zip(budgets, (True, False)):
+            if budget == 0:
+                out.append((0, None, None))
+                continue
+            n_f, n_s = states.tier_slots(spec, budget, longest, mean, every, requests)
+            out.append((n_f, None, n_s))
+        return out
+    policy = HiCacheConfig.write_policy if write_policy is None else write_policy
+    if stateful:
+        return list(
+            mixed.split_tiers(
+                spec,
+                *budgets,
+                window_share=None,
+                state_share=None,
+                longest_tokens=longest,
+                mean_tokens=mean,
+                every=every,
+                distinct_pages=distinct,
+                write_policy=policy,
+            )
         )
-    elif stateful:
-        n_f, n_s = states.tier_slots(spec, budget, longest, mean, every, requests)
-    else:
-        n_f, n_w = windows.tier_pools(spec, budget, longest, mean, requests=requests)
-    used = (
+    return [
+        (n_f, n_w, None)
+        for n_f, n_w in windows.split_tiers(
+            spec,
+            *budgets,
+            longest_tokens=longest,
+            mean_tokens=mean,
+            distinct_pages=distinct,
+            write_policy=policy,
+        )
+    ]
+
+
+def _bytes(spec: KVSpec, n_f: int, n_w: int | None, n_s: int | None) -> int:
+    """The bytes of a tier's pools."""
+    from hicache_jax.replay import states, windows
+
+    return (
         n_f * spec.page_bytes
         + (n_w or 0) * windows.window_page_bytes(spec)
         + (n_s or 0) * states.slot_bytes(spec)
     )
-    return n_f, n_w, n_s, used
 
 
 def _working_set(
@@ -312,54 +345,6 @@ def _working_set(
     tokens = check_int("working_set_tokens", tokens, 1)
     policy = HiCacheConfig.write_policy if write_policy is None else write_policy
     return -(-tokens // spec.page_size), parse_enum(WritePolicy, "write_policy", policy)
-
-
-def _split_both(
-    spec: KVSpec,
-    budgets: tuple[int, int],
-    stateful: bool,
-    longest: int,
-    mean: int,
-    every: int | None,
-    distinct: int,
-    write_policy: Any,
-) -> list[tuple[int, int | None, int | None, int]]:
-    """``(N_f, N_w, N_s, bytes)`` of L1 and L2 (windowed specs) with the full-attention pools
-    capped at ``distinct`` pages (:func:`hicache_jax.replay.windows.split_tiers`)."""
-    from hicache_jax.replay import mixed, states, windows
-
-    sizes: list[tuple[int, int, int | None]]
-    if stateful:
-        sizes = list(
-            mixed.split_tiers(
-                spec,
-                *budgets,
-                window_share=None,
-                state_share=None,
-                longest_tokens=longest,
-                mean_tokens=mean,
-                every=every,
-                distinct_pages=distinct,
-                write_policy=write_policy,
-            )
-        )
-    else:
-        sizes = [
-            (n_f, n_w, None)
-            for n_f, n_w in windows.split_tiers(
-                spec,
-                *budgets,
-                longest_tokens=longest,
-                mean_tokens=mean,
-                distinct_pages=distinct,
-                write_policy=write_policy,
-            )
-        ]
-    pw, slot = windows.window_page_bytes(spec), states.slot_bytes(spec)
-    return [
-        (n_f, n_w, n_s, n_f * spec.page_bytes + n_w * pw + (n_s or 0) * slot)
-        for n_f, n_w, n_s in sizes
-    ]
 
 
 def _least_bytes(spec: KVSpec) -> int:

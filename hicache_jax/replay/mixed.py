@@ -260,16 +260,8 @@ def split_tiers(
     ``host_budget`` bytes (:func:`tier_pools` each; a tier of no bytes ``(0, 0, 0)``). With
     ``distinct_pages`` and the default window rule, the window rule's caps as
     :func:`hicache_jax.replay.windows.split_tiers` applies them (the slots as without them)."""
-    keeps = _windows.l2_keeps_evicted(write_policy)
-    summed = _windows.summed_tiers(write_policy)
-    limit = None
-    if distinct_pages is not None:
-        limit = _windows.full_page_limit(distinct_pages, longest_tokens, spec.page_size)
-    whole = False  # L2's full-attention pool would hold every page of the trace
 
-    def tier(budget: int, requests: bool, cap: int | None) -> tuple[tuple[int, int, int], bool]:
-        if budget == 0:
-            return (0, 0, 0), False
+    def tier(budget: int, requests: bool, cap: int | None, all_full: bool) -> Any:
         n_f, n_w, n_s, over = tier_pools(
             spec,
             budget,
@@ -280,27 +272,21 @@ def split_tiers(
             mean_tokens,
             every,
             cap,
-            all_full=requests and whole and keeps,
+            all_full=all_full,
         )
         return (n_f, n_w, n_s), over
 
-    tiers = []
-    capped = False  # a tier's would
-    for budget, requests in ((host_budget, False), (device_budget, True)):  # L2 first
-        t, over = tier(budget, requests, limit)
-        whole = whole or (over and not requests)
-        capped = capped or over
-        tiers.append(t)
-    host, device = tiers
-    both = bool(host_budget and device_budget)
-    if summed and both and window_share is None and limit is not None and not capped:
-        # neither tier's alone holds the trace, both together at most
-        own = min(-(-longest_tokens // spec.page_size), device_budget // spec.model_page_bytes)
-        cap = _windows.surplus_cap(device[0], host[0], limit, own)
-        if cap is not None:
-            device = tier(device_budget, True, cap)[0]
-            host = tier(host_budget, False, max(limit - device[0], 1))[0]
-    return device, host
+    device, host = _windows.cap_tiers(
+        spec,
+        tier,
+        device_budget,
+        host_budget,
+        longest_tokens=longest_tokens,
+        # (a window share given is what it says: no cap)
+        distinct_pages=distinct_pages if window_share is None else None,
+        write_policy=write_policy,
+    )
+    return device or (0, 0, 0), host or (0, 0, 0)
 
 
 class MixedHolding:

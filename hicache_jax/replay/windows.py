@@ -70,7 +70,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from fractions import Fraction
 from typing import Any, NamedTuple
 
@@ -84,9 +84,11 @@ __all__ = [
     "PATTERN_SHAPE",
     "Pools",
     "cap_full_pages",
-    "full_page_limit",
+    "cap_tiers",
     "check_share",
     "default_window_pages",
+    "full_page_limit",
+    "l2_keeps_evicted",
     "pattern_kind",
     "pattern_period",
     "pattern_spec",
@@ -95,7 +97,6 @@ __all__ = [
     "solve_demands",
     "split_bytes",
     "split_pools",
-    "l2_keeps_evicted",
     "split_tiers",
     "summed_tiers",
     "surplus_cap",
@@ -452,36 +453,70 @@ def split_tiers(
     page L1 evicts (:func:`l2_keeps_evicted` of ``write_policy``), L1 split as the all-full
     model's; where only both together would and the tiers act as one cache of their summed
     size (:func:`summed_tiers`), both capped by :func:`surplus_cap`."""
-    pw, mb = window_page_bytes(spec), spec.model_page_bytes
+    pf, pw, mb = spec.page_bytes, window_page_bytes(spec), spec.model_page_bytes
+
+    def tier(budget: int, requests: bool, cap: int | None, all_full: bool) -> Any:
+        if all_full:  # (no spare window page ever reclaimed)
+            return (budget // mb, budget // mb), False
+        n_f, n_w = tier_pools(spec, budget, longest_tokens, mean_tokens, requests=requests)
+        if cap is None:
+            return (n_f, n_w), False
+        return cap_full_pages(budget, pf, pw, n_f, n_w, cap), n_f > cap
+
+    device, host = cap_tiers(
+        spec,
+        tier,
+        device_budget,
+        host_budget,
+        longest_tokens=longest_tokens,
+        distinct_pages=distinct_pages,
+        write_policy=write_policy,
+    )
+    return device or (0, 0), host or (0, 0)
+
+
+def cap_tiers(
+    spec: KVSpec,
+    tier: Callable[[int, bool, int | None, bool], tuple[Any, bool]],
+    device_budget: int,
+    host_budget: int,
+    *,
+    longest_tokens: int,
+    distinct_pages: int | None,
+    write_policy: WritePolicy | str,
+) -> tuple[Any, Any]:
+    """``(L1's sizes, L2's sizes)`` (None for a tier of no bytes) of a tier rule under the
+    caps of ``distinct_pages`` (module docstring; None: no cap), for the window replay's rule
+    and the mixed one alike. ``tier(budget, requests, cap, all_full) -> (sizes, over)``: a
+    tier's sizes, ``sizes[0]`` its full-attention pages, at most ``cap`` of them (None: any),
+    or the all-full model's split where ``all_full``; ``over``: the rule alone gave more than
+    ``cap``. L2 first: where its pool alone would hold the trace and L2 keeps a copy of every
+    page L1 evicts (:func:`l2_keeps_evicted`), L1 is split as the all-full model's; where
+    neither alone but both together would and the tiers are one cache of their summed size
+    (:func:`summed_tiers`), both capped by :func:`surplus_cap`."""
     keeps, summed = l2_keeps_evicted(write_policy), summed_tiers(write_policy)
     limit = None
     if distinct_pages is not None:
         limit = full_page_limit(distinct_pages, longest_tokens, spec.page_size)
-    out = []
+    sizes: dict[bool, Any] = {}
     whole = False  # L2's full-attention pool would hold every page of the trace
     capped = False  # a tier's would
     for budget, requests in ((host_budget, False), (device_budget, True)):  # L2 first
         if budget == 0:
-            out.append((0, 0))
+            sizes[requests] = None
             continue
-        n_f, n_w = tier_pools(spec, budget, longest_tokens, mean_tokens, requests=requests)
-        if limit is not None:
-            if requests and whole and keeps:  # the all-full split: no spare page reclaimed
-                n_f = n_w = budget // mb
-            else:
-                capped = capped or n_f > limit
-                whole = whole or (n_f > limit and not requests)
-                n_f, n_w = cap_full_pages(budget, spec.page_bytes, pw, n_f, n_w, limit)
-        out.append((n_f, n_w))
-    (hf, hw), (df, dw) = out
-    if summed and limit is not None and not capped and host_budget and device_budget:
+        sizes[requests], over = tier(budget, requests, limit, requests and whole and keeps)
+        whole = whole or (over and not requests)
+        capped = capped or over
+    device, host = sizes[True], sizes[False]
+    if summed and limit is not None and not capped and device is not None and host is not None:
         # neither tier's alone holds the trace, both together at most (module docstring)
-        own = min(-(-longest_tokens // spec.page_size), device_budget // mb)
-        cap = surplus_cap(df, hf, limit, own)
+        own = min(-(-longest_tokens // spec.page_size), device_budget // spec.model_page_bytes)
+        cap = surplus_cap(device[0], host[0], limit, own)
         if cap is not None:
-            df, dw = cap_full_pages(device_budget, spec.page_bytes, pw, df, dw, cap)
-            hf, hw = cap_full_pages(host_budget, spec.page_bytes, pw, hf, hw, max(limit - df, 1))
-    return (df, dw), (hf, hw)
+            device = tier(device_budget, True, cap, False)[0]
+            host = tier(host_budget, False, max(limit - device[0], 1), False)[0]
+    return device, host
 
 
 def l2_keeps_evicted(write_policy: Any) -> bool:
