@@ -17,10 +17,11 @@ preallocated arrays of their own. :func:`size_pools` splits each tier's bytes be
   prompt's pages (two with interior checkpoints), at least 8, at most one a page;
 - both kinds at once: both demands, solved together;
 - given the workload's working set (``working_set_tokens``, with window groups): no
-  full-attention pool holds more pages than it and the longest prompt, beside an L2 that would
-  L1 is split as the all-full model's (not under ``write_through_selective``), and under a
-  write policy that backs up what L1 evicts (``clean_ahead``, ``write_back``) both tiers
-  together hold at most it (the bytes past it in window pages).
+  full-attention pool holds more pages than it and the longest prompt; beside an L2 that would
+  hold it all, L1 is split as the all-full model's where L2 copies every page L1 evicts (not
+  under write-through at a threshold above 1: ``write_through_selective``'s default), and
+  under a write policy that backs up what L1 evicts (``clean_ahead``, ``write_back``) both
+  tiers together hold at most it (the bytes past it in window pages).
 
 The rules are the replay's (:func:`hicache_jax.replay.windows.tier_pools`,
 :func:`hicache_jax.replay.states.tier_slots`, :func:`hicache_jax.replay.mixed.tier_pools`):
@@ -37,7 +38,13 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from hicache_jax.spec import GroupKind, HiCacheConfig, KVSpec, WritePolicy
+from hicache_jax.spec import (
+    GroupKind,
+    HiCacheConfig,
+    KVSpec,
+    WritePolicy,
+    default_write_through_threshold,
+)
 from hicache_jax.validation import check_int, parse_enum
 
 __all__ = ["PoolSizes", "SIZED_FIELDS", "default_host_bytes", "size_pools"]
@@ -75,6 +82,10 @@ class PoolSizes:
         write_policy: the write policy the pools were sized for where it mattered (with a
             working set: whether the two tiers are capped together), else None; the config
             gets it.
+        write_through_threshold: with a working set, the write-through threshold the pools
+            were sized for (a write-through policy's, its default where none was given:
+            whether L2 copies every page L1 evicts), or the one given; else None. The config
+            gets it.
     """
 
     device_pages: int
@@ -87,13 +98,15 @@ class PoolSizes:
     device_bytes: int
     host_bytes: int
     write_policy: WritePolicy | None = None
+    write_through_threshold: int | None = None
 
     def config(self, **fields: Any) -> HiCacheConfig:
         """A ``HiCacheConfig`` with these pools and ``fields`` (any other field of it).
 
         Raises:
             TypeError: a field of :data:`SIZED_FIELDS` given (the sizes come from the bytes).
-            ValueError: ``write_policy`` other than the one the pools were sized for.
+            ValueError: ``write_policy`` or ``write_through_threshold`` other than the one the
+                pools were sized for.
             Whatever ``HiCacheConfig`` raises for the other fields.
         """
         clash = sorted(SIZED_FIELDS & set(fields))
@@ -110,6 +123,15 @@ class PoolSizes:
                     f"{self.write_policy.value!r} (with a working set the tiers are capped "
                     "together or not by it): pass write_policy to size_pools"
                 )
+        threshold = self.write_through_threshold
+        if threshold is not None and "write_through_threshold" in fields:
+            given = fields.pop("write_through_threshold")
+            if given != threshold:
+                raise ValueError(
+                    f"write_through_threshold={given!r}, but these pools were sized for "
+                    f"{threshold} (with a working set, L1's split follows whether L2 copies "
+                    "every page L1 evicts): pass write_through_threshold to size_pools"
+                )
         return HiCacheConfig(**self.config_fields(), **fields)
 
     def config_fields(self) -> dict[str, Any]:
@@ -122,7 +144,14 @@ class PoolSizes:
             "state_device_slots": self.state_device_slots,
             "state_host_slots": self.state_host_slots,
             "checkpoint_every_pages": self.checkpoint_every_pages,
-        } | ({} if self.write_policy is None else {"write_policy": self.write_policy})
+        } | {
+            k: v
+            for k, v in (
+                ("write_policy", self.write_policy),
+                ("write_through_threshold", self.write_through_threshold),
+            )
+            if v is not None
+        }
 
 
 def size_pools(
@@ -135,6 +164,7 @@ def size_pools(
     checkpoint_every_pages: int | None = None,
     working_set_tokens: int | None = None,
     write_policy: WritePolicy | str | None = None,
+    write_through_threshold: int | None = None,
 ) -> PoolSizes:
     """Split ``device_bytes`` of L1 and ``host_bytes`` of L2 between ``spec``'s pools by the
     default rule (module docstring); ``.config(...)`` gives the ``HiCacheConfig``.
@@ -162,13 +192,18 @@ def size_pools(
             ``hicache_jax.replay.windows.split_tiers`` and ``summed_tiers``).
         write_policy: with ``working_set_tokens``, the write policy the cache will run
             (None: ``HiCacheConfig``'s default); the result's ``config()`` gets it.
+        write_through_threshold: with ``working_set_tokens``, the cache's
+            ``write_through_threshold`` (None: the write policy's default): a write-through
+            policy above 1 backs up only pages hit that often, so L2 does not hold every page
+            L1 evicts (``hicache_jax.replay.windows.l2_keeps_evicted``); ``config()`` gets it.
 
     Raises:
         TypeError: ``spec`` not a ``KVSpec``; a count not an int.
         ValueError: naming the argument: a negative or zero budget, prompt lengths missing
             where the spec needs them or inconsistent, ``checkpoint_every_pages`` without a
             ``STATE`` group, ``working_set_tokens`` without a sliding-window or chunked
-            group, ``write_policy`` not one or without ``working_set_tokens``, or a tier
+            group, ``write_policy`` not one or without ``working_set_tokens``,
+            ``write_through_threshold`` below 1 or without ``working_set_tokens``, or a tier
             too small to hold one full-attention page beside the windows or slots the rule
             keeps (the bytes it needs are in the message).
     """
@@ -188,7 +223,9 @@ def size_pools(
                 "has none"
             )
         checkpoint_every_pages = check_int("checkpoint_every_pages", checkpoint_every_pages, 0)
-    distinct, policy = _working_set(spec, windowed, working_set_tokens, write_policy)
+    distinct, policy, threshold = _working_set(
+        spec, windowed, working_set_tokens, write_policy, write_through_threshold
+    )
     longest = mean = 0
     if stateful or windowed:
         longest, mean = _prompts(longest_prompt_tokens, mean_prompt_tokens)
@@ -202,6 +239,7 @@ def size_pools(
         checkpoint_every_pages,
         distinct,
         policy,
+        threshold,
     )
     tiers: list[tuple[int, int | None, int | None, int]] = []
     for (name, budget), (n_f, n_w, n_s) in zip(
@@ -233,6 +271,7 @@ def size_pools(
         device_bytes=dused,
         host_bytes=hused,
         write_policy=policy,
+        write_through_threshold=threshold,
     )
 
 
@@ -267,6 +306,7 @@ def _split(
     every: int | None,
     distinct: int | None,
     write_policy: WritePolicy | None,
+    threshold: int | None,
 ) -> list[tuple[int, int | None, int | None]]:
     """``(N_f, N_w, N_s)`` of L1 and L2 (None: no such pool; a tier of no bytes ``(0, None,
     None)``): a window spec's both tiers at once (the working set's caps look at both,
@@ -299,6 +339,7 @@ def _split(
                 every=every,
                 distinct_pages=distinct,
                 write_policy=policy,
+                write_through_threshold=threshold,
             )
         )
     return [
@@ -310,6 +351,7 @@ def _split(
             mean_tokens=mean,
             distinct_pages=distinct,
             write_policy=policy,
+            write_through_threshold=threshold,
         )
     ]
 
@@ -326,25 +368,38 @@ def _bytes(spec: KVSpec, n_f: int, n_w: int | None, n_s: int | None) -> int:
 
 
 def _working_set(
-    spec: KVSpec, windowed: bool, tokens: Any, write_policy: Any
-) -> tuple[int | None, WritePolicy | None]:
-    """``(distinct pages, write policy)`` of :func:`size_pools`' working set, checked; ``(None,
-    None)`` without one."""
+    spec: KVSpec, windowed: bool, tokens: Any, write_policy: Any, threshold: Any
+) -> tuple[int | None, WritePolicy | None, int | None]:
+    """``(distinct pages, write policy, write-through threshold)`` of :func:`size_pools`'
+    working set, checked (the threshold: the one given, else a write-through policy's
+    default, else None); ``(None, None, None)`` without one."""
     if tokens is None:
-        if write_policy is not None:
-            raise ValueError(
-                "write_policy applies with working_set_tokens (whether the two tiers are capped "
-                "together); without one, pass it to .config()"
-            )
-        return None, None
+        for name, value, what in (
+            ("write_policy", write_policy, "whether the two tiers are capped together"),
+            ("write_through_threshold", threshold, "whether L2 copies every page L1 evicts"),
+        ):
+            if value is not None:
+                raise ValueError(
+                    f"{name} applies with working_set_tokens ({what}); without one, pass it "
+                    "to .config()"
+                )
+        return None, None, None
     if not windowed:
         raise ValueError(
             "working_set_tokens caps the full-attention pools beside window pools: the spec "
             "has no sliding-window or chunked group"
         )
     tokens = check_int("working_set_tokens", tokens, 1)
-    policy = HiCacheConfig.write_policy if write_policy is None else write_policy
-    return -(-tokens // spec.page_size), parse_enum(WritePolicy, "write_policy", policy)
+    policy = parse_enum(
+        WritePolicy,
+        "write_policy",
+        HiCacheConfig.write_policy if write_policy is None else write_policy,
+    )
+    if threshold is not None:
+        threshold = check_int("write_through_threshold", threshold, 1)
+    elif policy in (WritePolicy.WRITE_THROUGH, WritePolicy.WRITE_THROUGH_SELECTIVE):
+        threshold = default_write_through_threshold(policy)
+    return -(-tokens // spec.page_size), policy, threshold
 
 
 def _least_bytes(spec: KVSpec) -> int:

@@ -72,6 +72,12 @@ def resolve_eviction(eviction: EvictionPolicy | str | None, spec: KVSpec) -> Evi
     return EvictionPolicy.VALUE if spec.window_groups and one_kind else EvictionPolicy.LRU
 
 
+def default_write_through_threshold(policy: WritePolicy) -> int:
+    """``HiCacheConfig.write_through_threshold`` where none is given: 2 for
+    ``write_through_selective`` (a backup at a node's second access), else 1."""
+    return 2 if policy is WritePolicy.WRITE_THROUGH_SELECTIVE else 1
+
+
 def recurrent_only(spec: KVSpec) -> bool:
     """Whether ``spec``'s local groups are all ``STATE`` ones (``R3:F1``; not ``R2:S1:F1``,
     whose window groups the ``value`` eviction and a cache without interior checkpoints
@@ -1276,8 +1282,10 @@ class HiCacheConfig:
         if self.clean_ahead_pages is not None:
             set_("clean_ahead_pages", check_int("clean_ahead_pages", self.clean_ahead_pages, 1))
         if self.write_through_threshold is None:
-            default = 2 if self.write_policy is WritePolicy.WRITE_THROUGH_SELECTIVE else 1
-            set_("write_through_threshold", default)
+            set_(
+                "write_through_threshold",
+                default_write_through_threshold(WritePolicy(self.write_policy)),
+            )
         set_(
             "write_through_threshold",
             check_int("write_through_threshold", self.write_through_threshold, 1),

@@ -171,6 +171,15 @@ def test_write_through_selective_keeps_l1s_own_split_beside_an_l2_that_holds_the
     ]
     with pytest.raises(ValueError, match="write_policy"):
         W.pools_for(spec, d, 4, write_policy="sometimes", **kw)
+    # what decides is the threshold: write_through at 2 backs up as write_through_selective
+    assert not W.l2_keeps_evicted("write_through", 2)
+    assert W.l2_keeps_evicted("write_through_selective", 1)
+    assert W.l2_keeps_evicted("clean_ahead", 3)  # (no threshold in its backups)
+    p2 = W.pools_for(spec, d, 4, write_policy="write_through", write_through_threshold=2, **kw)
+    assert p2 == p
+    for bad, err in ((0, ValueError), (1.5, TypeError)):
+        with pytest.raises(err, match="write_through_threshold"):
+            W.l2_keeps_evicted("write_through", bad)
 
 
 def test_the_surplus_cap_keeps_the_longest_prompt_on_l1():

@@ -173,6 +173,45 @@ def test_the_tiers_are_capped_together_only_under_a_write_policy_that_sums_them(
         size_pools(spec, *budgets, working_set_tokens=10**6, write_policy="often", **kw)
 
 
+def test_a_write_through_threshold_above_1_sizes_as_write_through_selective():
+    """write_through at threshold 2 backs up what write_through_selective does (pages hit
+    twice), so L2 does not copy every page L1 evicts: L1 keeps the rule's own split beside an
+    L2 that holds the working set, as write_through_selective's; write_through_selective at
+    threshold 1 is write_through. The config gets the threshold sized for (a write-through
+    policy's default where none was given) and refuses another."""
+    spec = windows.pattern_spec("5:1", 1024, 512)
+    pm, distinct = spec.model_page_bytes, 2960
+    kw = dict(longest_prompt_tokens=40 * 512, mean_prompt_tokens=8 * 512)
+    budgets, ws = (1000 * pm, 4000 * pm), distinct * 512
+
+    def pools(policy, threshold=None):
+        p = size_pools(spec, *budgets, working_set_tokens=ws, write_policy=policy,
+                       write_through_threshold=threshold, **kw)  # fmt: skip
+        return p, (p.device_pages, p.window_device_pages, p.host_pages, p.window_host_pages)
+
+    through, selective = pools("write_through")[1], pools("write_through_selective")[1]
+    assert through[:2] == (1000, 1000) and through != selective  # (L2 holds the working set)
+    assert pools("write_through", 2)[1] == pools("write_through", 5)[1] == selective
+    assert pools("write_through_selective", 1)[1] == through
+    cases = [("write_through", None, 1), ("write_through_selective", None, 2),
+             ("write_through", 3, 3), ("clean_ahead", None, None)]  # fmt: skip
+    for policy, threshold, want in cases:
+        p = pools(policy, threshold)[0]
+        assert p.write_through_threshold == want
+        cfg = p.config()
+        assert cfg.write_through_threshold == (want or 1)  # (clean_ahead: HiCacheConfig's own)
+        if want is not None:
+            assert p.config(write_through_threshold=want) == cfg
+            with pytest.raises(ValueError, match=f"sized for {want}"):
+                p.config(write_through_threshold=want + 1)
+    with pytest.raises(ValueError, match="write_through_threshold applies with working_set"):
+        size_pools(spec, *budgets, write_through_threshold=2, **kw)
+    with pytest.raises(ValueError, match="write_through_threshold"):
+        size_pools(spec, *budgets, working_set_tokens=ws, write_through_threshold=0, **kw)
+    with pytest.raises(TypeError, match="write_through_threshold"):
+        size_pools(spec, *budgets, working_set_tokens=ws, write_through_threshold=1.5, **kw)
+
+
 def test_a_working_set_is_refused_without_window_groups_or_when_not_a_count():
     kw = {"longest_prompt_tokens": LONGEST, "mean_prompt_tokens": MEAN}
     plain = KVSpec(num_layers=2, num_kv_heads=1, head_dim=8, dtype="float32", page_size=16)
@@ -362,7 +401,9 @@ def test_the_size_command_prints_the_pools_and_the_config(tmp_path, capsys):
                        write_policy="write_through")  # fmt: skip
     out = capsys.readouterr().out
     assert f"device_pages={alone.device_pages}, host_pages={alone.host_pages}, " in out
-    assert "write_policy='write_through')" in out
+    assert "write_policy='write_through', write_through_threshold=1)" in out  # (its default)
+    assert main([*argv, *flags, "--write-through-threshold", "2"]) == 0
+    assert "write_policy='write_through', write_through_threshold=2)" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize(

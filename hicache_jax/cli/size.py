@@ -65,6 +65,13 @@ def add_parser(sub: Any) -> None:
         help="with --working-set: the write policy the cache runs (the two tiers are capped "
         "together under clean_ahead and write_back; default: the cache's)",
     )
+    p.add_argument(
+        "--write-through-threshold",
+        type=int,
+        metavar="N",
+        help="with --working-set: the cache's write_through_threshold (default: the write "
+        "policy's; above 1, L2 does not copy every page L1 evicts)",
+    )
     p.add_argument("--json", metavar="PATH", help="write the pools as JSON")
     p.set_defaults(func=size_command)
 
@@ -103,6 +110,7 @@ def size_command(args: argparse.Namespace, parser: argparse.ArgumentParser) -> i
             checkpoint_every_pages=args.checkpoint_every,
             working_set_tokens=args.working_set,
             write_policy=args.write_policy,
+            write_through_threshold=args.write_through_threshold,
         )
     except (ValueError, TypeError) as exc:
         parser.exit(2, f"hicache-jax size: error: {exc}\n")

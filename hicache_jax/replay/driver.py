@@ -392,6 +392,7 @@ def run(
                         checkpoint_every=checkpoint_every,
                         distinct_pages=distinct,
                         write_policy=budget.write_policy,
+                        write_through_threshold=budget.write_through_threshold,
                         **sizes,
                     )
                 elif stateful:
@@ -411,6 +412,7 @@ def run(
                         share=share,
                         distinct_pages=distinct,
                         write_policy=budget.write_policy,
+                        write_through_threshold=budget.write_through_threshold,
                         **sizes,
                     )
                 else:

@@ -177,6 +177,7 @@ def pools_for(
     checkpoint_every: int | str | None = None,
     distinct_pages: int | None = None,
     write_policy: WritePolicy | str = WritePolicy.CLEAN_AHEAD,
+    write_through_threshold: int | None = None,
 ) -> MixedPools:
     """The pools of L1 = ``model_device_pages`` and L2 = ``round(host_ratio x L1)`` all-full
     model pages' bytes (see the module docstring): ``window_share`` / ``state_share`` of each
@@ -217,6 +218,7 @@ def pools_for(
             every=every,
             distinct_pages=distinct_pages,
             write_policy=write_policy,
+            write_through_threshold=write_through_threshold,
         )
 
         def shares(budget: int, n_w: int, n_s: int) -> tuple[float, float]:
@@ -255,6 +257,7 @@ def split_tiers(
     every: int | None,
     distinct_pages: int | None = None,
     write_policy: WritePolicy | str = WritePolicy.CLEAN_AHEAD,
+    write_through_threshold: int | None = None,
 ) -> tuple[tuple[int, int, int], tuple[int, int, int]]:
     """``((N_f, N_w, N_s) of L1, (N_f, N_w, N_s) of L2)`` of L1's ``device_budget`` and L2's
     ``host_budget`` bytes (:func:`tier_pools` each; a tier of no bytes ``(0, 0, 0)``). With
@@ -285,6 +288,7 @@ def split_tiers(
         # (a window share given is what it says: no cap)
         distinct_pages=distinct_pages if window_share is None else None,
         write_policy=write_policy,
+        write_through_threshold=write_through_threshold,
     )
     return device or (0, 0, 0), host or (0, 0, 0)
 

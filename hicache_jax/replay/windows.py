@@ -42,7 +42,8 @@ sized for). Three consequences:
   request's own pages before they are inserted); where the rule would give it more, the bytes
   past that go to the window pool, where they can still hold something;
 - where L2's full-attention pool alone would hold more than that and L2 keeps a copy of every
-  page L1 evicts (:func:`l2_keeps_evicted`: every write policy but ``write_through_selective``),
+  page L1 evicts (:func:`l2_keeps_evicted`: every write policy but write-through at a
+  threshold above 1, ``write_through_selective``'s default),
   L1 is split as the all-full model's (a window page for every full-attention page, so it
   never reclaims a spare window page). Its full-attention pages then add no page that L2
   could not hold (the write policy backs L1's pages up to L2, which has room for all of
@@ -75,8 +76,15 @@ from fractions import Fraction
 from typing import Any, NamedTuple
 
 from hicache_jax.replay.trace import Trace
-from hicache_jax.spec import GroupKind, HiCacheConfig, KVSpec, WritePolicy, parse_pattern
-from hicache_jax.validation import is_real, parse_enum
+from hicache_jax.spec import (
+    GroupKind,
+    HiCacheConfig,
+    KVSpec,
+    WritePolicy,
+    default_write_through_threshold,
+    parse_pattern,
+)
+from hicache_jax.validation import check_int, is_real, parse_enum
 
 __all__ = [
     "Demand",
@@ -401,6 +409,7 @@ def pools_for(
     mean_tokens: int,
     distinct_pages: int | None = None,
     write_policy: WritePolicy | str = WritePolicy.CLEAN_AHEAD,
+    write_through_threshold: int | None = None,
 ) -> Pools:
     """The pools of L1 = ``model_device_pages`` and L2 = ``round(host_ratio x L1)`` all-full
     model pages' bytes: ``share`` of each tier's bytes in window pages, or None: the default
@@ -417,6 +426,7 @@ def pools_for(
             mean_tokens=mean_tokens,
             distinct_pages=distinct_pages,
             write_policy=write_policy,
+            write_through_threshold=write_through_threshold,
         )
     else:  # a share given is what it says: no cap
         (df, dw), (hf, hw) = (
@@ -444,13 +454,15 @@ def split_tiers(
     mean_tokens: int,
     distinct_pages: int | None = None,
     write_policy: WritePolicy | str = WritePolicy.CLEAN_AHEAD,
+    write_through_threshold: int | None = None,
 ) -> tuple[tuple[int, int], tuple[int, int]]:
     """``((N_f, N_w) of L1, (N_f, N_w) of L2)``: the default rule's split of L1's
     ``device_budget`` and L2's ``host_budget`` bytes (:func:`tier_pools` each; a tier of no
     bytes ``(0, 0)``). With ``distinct_pages`` (a trace's distinct pages, or the working set a
     stack is sized for), its caps (module docstring): each tier's full-attention pool capped
     by :func:`cap_full_pages`; where L2's alone would hold more and L2 keeps a copy of every
-    page L1 evicts (:func:`l2_keeps_evicted` of ``write_policy``), L1 split as the all-full
+    page L1 evicts (:func:`l2_keeps_evicted` of ``write_policy`` and
+    ``write_through_threshold``), L1 split as the all-full
     model's; where only both together would and the tiers act as one cache of their summed
     size (:func:`summed_tiers`), both capped by :func:`surplus_cap`."""
     pf, pw, mb = spec.page_bytes, window_page_bytes(spec), spec.model_page_bytes
@@ -471,6 +483,7 @@ def split_tiers(
         longest_tokens=longest_tokens,
         distinct_pages=distinct_pages,
         write_policy=write_policy,
+        write_through_threshold=write_through_threshold,
     )
     return device or (0, 0), host or (0, 0)
 
@@ -484,6 +497,7 @@ def cap_tiers(
     longest_tokens: int,
     distinct_pages: int | None,
     write_policy: WritePolicy | str,
+    write_through_threshold: int | None = None,
 ) -> tuple[Any, Any]:
     """``(L1's sizes, L2's sizes)`` (None for a tier of no bytes) of a tier rule under the
     caps of ``distinct_pages`` (module docstring; None: no cap), for the window replay's rule
@@ -494,7 +508,8 @@ def cap_tiers(
     page L1 evicts (:func:`l2_keeps_evicted`), L1 is split as the all-full model's; where
     neither alone but both together would and the tiers are one cache of their summed size
     (:func:`summed_tiers`), both capped by :func:`surplus_cap`."""
-    keeps, summed = l2_keeps_evicted(write_policy), summed_tiers(write_policy)
+    keeps = l2_keeps_evicted(write_policy, write_through_threshold)
+    summed = summed_tiers(write_policy)
     limit = None
     if distinct_pages is not None:
         limit = full_page_limit(distinct_pages, longest_tokens, spec.page_size)
@@ -519,18 +534,25 @@ def cap_tiers(
     return device, host
 
 
-def l2_keeps_evicted(write_policy: Any) -> bool:
+def l2_keeps_evicted(write_policy: Any, write_through_threshold: int | None = None) -> bool:
     """Whether L2 keeps a copy of every page L1 evicts under ``write_policy`` (a
-    ``WritePolicy`` or its name): ``clean_ahead`` and ``write_back`` copy what eviction takes,
-    ``write_through`` every page at insert (its default threshold); ``write_through_selective``
-    only pages hit again, the rest leaving the cache with L1. Only where it does is L1 split as
-    the all-full model's beside an L2 that holds the trace (:func:`split_tiers`).
+    ``WritePolicy`` or its name) and ``write_through_threshold`` (None: the policy's default,
+    as ``HiCacheConfig`` resolves it): ``clean_ahead`` and ``write_back`` copy what eviction
+    takes, a write-through policy at threshold 1 every page at insert (``write_through``'s
+    default); at a higher threshold (``write_through_selective``'s default 2) only pages hit
+    that often, the rest leaving the cache with L1. Only where it does is L1 split as the
+    all-full model's beside an L2 that holds the trace (:func:`split_tiers`).
 
     Raises:
-        ValueError: not a write policy (naming ``write_policy``).
+        ValueError: not a write policy (naming ``write_policy``), or a threshold below 1.
+        TypeError: a threshold not an int.
     """
     policy = parse_enum(WritePolicy, "write_policy", write_policy)
-    return policy is not WritePolicy.WRITE_THROUGH_SELECTIVE
+    if policy in (WritePolicy.CLEAN_AHEAD, WritePolicy.WRITE_BACK):
+        return True
+    if write_through_threshold is None:
+        return default_write_through_threshold(policy) == 1
+    return check_int("write_through_threshold", write_through_threshold, 1) == 1
 
 
 def summed_tiers(write_policy: Any) -> bool:
