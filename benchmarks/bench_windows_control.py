@@ -118,8 +118,10 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"without spare window pages (window_spare=False): {ratio_nospare:.3f} of one group "
         f"({'within' if ratio_nospare >= TARGET else 'beyond'} 1.3x), hit ratio "
-        f"{hit['two groups, no spare']:.4f} against {hit['two groups']:.4f} with them: the "
-        "default keeps them (hits win over the bookkeeping that saves them)"
+        f"{hit['two groups, no spare']:.4f} against {hit['two groups']:.4f} with them (this "
+        "slice, its window pools as large as the full ones, run three times over); the default "
+        "keeps them for the split points they serve where window pools are smaller than the "
+        "full ones (bench_windows_replay, RESULTS.md: without them its rows lose most hits)"
     )
     write_json(
         args.json,
