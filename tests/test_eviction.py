@@ -194,6 +194,30 @@ def test_eviction_order_simulates_leaves_first_eviction(ps, clock):
     assert hottest_first("lru", [upper, other, leaf]) == [other, leaf, upper]  # ties: newer id
 
 
+def test_the_value_clock_rises_with_a_cut_of_a_node_the_host_tier_holds(clock):
+    """An eviction that cuts the tail of a node L2 holds (page-granular) raises the clock to
+    its worth; a node that leaves L1 whole (its host copy kept) or a cut of a node L2 does not
+    hold leaves it: the order ages with the cuts, not with every page L1 evicts
+    (``RadixTree.trim_tail``; measured in benchmarks/RESULTS.md, "Layer groups")."""
+    ps = 4
+    tree = RadixTree(ps, clock=clock)
+    tree.worth_power = 2.0
+    clock.tick()
+    a = tree.insert(np.full(8 * ps, 1, np.int64), np.arange(8)).last_node  # worth 64
+    b = tree.insert(np.full(3 * ps, 2, np.int64), [8, 9, 10]).last_node  # worth 9
+    tree.trim_tail(b, 1)  # no host copy: the clock stays
+    assert tree.worth_clock == 0.0
+    tree.set_host_value(a, np.arange(8))
+    tree.evict_device(a)  # leaves L1 whole, kept on L2: the clock stays
+    assert tree.worth_clock == 0.0
+    c = tree.insert(np.full(6 * ps, 3, np.int64), np.arange(11, 17)).last_node  # worth 36
+    tree.set_host_value(c, np.arange(8, 14))
+    tree.trim_tail(c, 2)  # L1's cut of a node L2 holds: the clock takes its worth
+    assert tree.worth_clock == 36.0
+    tree.delete_leaf(a)  # a host-only leaf leaving L2: as before
+    assert tree.worth_clock == 64.0
+
+
 def test_value_eviction_keeps_a_long_prompt_over_a_short_one_used_later(clock):
     """GreedyDual: a node is worth its last prompt's pages squared above the clock; a long
     prompt's leaf outlives a short one touched after it, and the clock rises only when a node

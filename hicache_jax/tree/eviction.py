@@ -32,7 +32,8 @@ _N = TypeVar("_N", bound=_Rankable)
 #: The ``value`` eviction (GreedyDual): a node touched by a prompt of ``n`` whole pages is worth
 #: at least ``clock + n ** WORTH_POWER`` (its recompute: a prefill's attention grows with the
 #: square of its length), the clock being the highest worth of a node that left the host tier
-#: (``RadixTree.worth_clock``). The least worth
+#: or whose tail an eviction cut while the host tier held it (``RadixTree.worth_clock``,
+#: ``RadixTree.trim_tail``). The least worth
 #: goes first: a long prompt's pages outlive a short one's used as recently, and every node
 #: ages as the clock rises. Measured on Mooncake's trace with a recurrent hybrid
 #: (``bench_state_replay``), where a hit needs a checkpoint that costs six pages: power 2 keeps
