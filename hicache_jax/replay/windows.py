@@ -548,7 +548,7 @@ def l2_keeps_evicted(write_policy: Any, write_through_threshold: int | None = No
         TypeError: a threshold not an int.
     """
     policy = parse_enum(WritePolicy, "write_policy", write_policy)
-    if policy in (WritePolicy.CLEAN_AHEAD, WritePolicy.WRITE_BACK):
+    if summed_tiers(policy):  # (they copy what L1 evicts)
         return True
     if write_through_threshold is None:
         return default_write_through_threshold(policy) == 1
